@@ -1,0 +1,1 @@
+"""Registered PyTorch blocks. ``blocks.configs`` holds their torch-free configs and counts."""

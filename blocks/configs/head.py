@@ -1,0 +1,101 @@
+"""Output head configs: language-model, BERT masked-LM, classification, none.
+
+``params(d_model, vocab_size, tied)`` counts the head's own tensors (a tied output projection
+is the embedding table and is counted there); ``flops(d_model, vocab_size, tokens)`` is one
+sequence of ``tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from blocks.configs.base import BlockConfig
+from blocks.configs.ffn import Activation
+from blocks.configs.norm import LayerNormConfig
+from blocks.registry import register
+
+
+class _HeadConfig(BlockConfig):
+    #: whether the head's output projection can share the token embedding matrix
+    projects_to_vocab: ClassVar[bool] = False
+
+    def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
+        return 0
+
+    def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
+        return 0
+
+
+@register("head", "blocks.heads:LMHead")
+class LMHeadConfig(_HeadConfig):
+    """Projects hidden states to vocabulary logits (tied to the embeddings or not)."""
+
+    projects_to_vocab: ClassVar[bool] = True
+    type: Literal["lm"] = "lm"
+    bias: bool = Field(False, description="A bias on the output projection.")
+    softcap: float | None = Field(
+        None, gt=0, description="A float c: logits become c * tanh(logits / c) (Gemma 2)."
+    )
+    output_scale: float | None = Field(
+        None,
+        gt=0,
+        description="Multiply hidden states by this before the projection; T5 with tied "
+        "embeddings uses d_model ** -0.5. null: no scaling.",
+    )
+
+    def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
+        return (0 if tied else d_model * vocab_size) + (vocab_size if self.bias else 0)
+
+    def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
+        return 2 * tokens * d_model * vocab_size
+
+
+@register("head", "blocks.heads:MLMHead")
+class MLMHeadConfig(_HeadConfig):
+    """BERT's masked-LM head: dense, activation, norm, then the vocabulary projection with a bias."""
+
+    projects_to_vocab: ClassVar[bool] = True
+    type: Literal["mlm"] = "mlm"
+    activation: Activation = Field("gelu", description="Activation after the dense transform.")
+    norm: LayerNormConfig = Field(
+        default_factory=lambda: LayerNormConfig(eps=1e-12),
+        description="The norm after the transform (BERT: LayerNorm, eps 1e-12).",
+    )
+
+    def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
+        transform = d_model * d_model + d_model + self.norm.params(d_model)
+        return transform + (0 if tied else d_model * vocab_size) + vocab_size
+
+    def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
+        return 2 * tokens * d_model * (d_model + vocab_size)
+
+
+@register("head", "blocks.heads:ClassificationHead")
+class ClassificationHeadConfig(_HeadConfig):
+    """Pools the sequence and projects to class logits (one prediction per sequence)."""
+
+    type: Literal["classification"] = "classification"
+    n_classes: int = Field(2, ge=1, description="Number of classes.")
+    pooling: Literal["first", "mean"] = Field(
+        "first", description="first: the first token's state (BERT's [CLS]); mean: the mean over non-pad tokens."
+    )
+    pooler: bool = Field(
+        False, description="BERT's pooler: a dense layer with tanh before the classifier."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout before the classifier.")
+
+    def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
+        pooler = d_model * d_model + d_model if self.pooler else 0
+        return pooler + d_model * self.n_classes + self.n_classes
+
+    def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
+        return 2 * d_model * ((d_model if self.pooler else 0) + self.n_classes)
+
+
+@register("head", "blocks.heads:NoHead")
+class NoHeadConfig(_HeadConfig):
+    """No head: the model returns the final hidden states."""
+
+    type: Literal["none"] = "none"

@@ -1,0 +1,135 @@
+"""Position configs: sinusoidal, learned, RoPE (with its scalings), ALiBi, T5 relative bias, none.
+
+``params(d_model, n_heads, max_seq_len)`` counts what one stack's position block builds
+(relative bias: one table per stack, shared by its layers).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import Field, model_validator
+
+from blocks.configs.base import BlockConfig
+from blocks.registry import register
+
+
+class _PositionConfig(BlockConfig):
+    #: where the block acts: "embedding" adds to token embeddings, "attention" acts on q/k or scores
+    acts_on: ClassVar[str] = "attention"
+
+    def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
+        return 0
+
+
+@register("position", "blocks.positions:Sinusoidal")
+class SinusoidalConfig(_PositionConfig):
+    """Fixed sines and cosines added to the embeddings (Vaswani et al. 2017)."""
+
+    type: Literal["sinusoidal"] = "sinusoidal"
+    acts_on: ClassVar[str] = "embedding"
+
+
+@register("position", "blocks.positions:Learned")
+class LearnedConfig(_PositionConfig):
+    """A learned table of absolute position embeddings (GPT-2, BERT)."""
+
+    type: Literal["learned"] = "learned"
+    acts_on: ClassVar[str] = "embedding"
+    max_positions: int | None = Field(
+        None, ge=1, description="Rows of the table; defaults to max_seq_len and may not be shorter."
+    )
+
+    def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
+        return (self.max_positions or max_seq_len) * d_model
+
+
+class _RopeScaling(BlockConfig):
+    factor: float = Field(..., gt=0, description="How many times longer the context becomes.")
+
+
+class LinearScaling(_RopeScaling):
+    """Position interpolation (Chen et al. 2023): positions divided by ``factor``."""
+
+    type: Literal["linear"] = "linear"
+
+
+class NTKScaling(_RopeScaling):
+    """NTK-aware scaling: theta grows to theta * factor^(d / (d - 2))."""
+
+    type: Literal["ntk"] = "ntk"
+
+
+class YarnScaling(_RopeScaling):
+    """YaRN (Peng et al. 2023): per-frequency interpolation ramp and attention temperature."""
+
+    type: Literal["yarn"] = "yarn"
+    original_max_seq_len: int = Field(..., ge=1, description="The context the model was trained on.")
+    beta_fast: float = Field(32.0, gt=0, description="Rotations above which frequencies are kept.")
+    beta_slow: float = Field(1.0, gt=0, description="Rotations below which frequencies interpolate.")
+    attention_factor: float | None = Field(
+        None, gt=0, description="cos/sin multiplier; null means 0.1 * ln(factor) + 1."
+    )
+
+
+class Llama3Scaling(_RopeScaling):
+    """Llama 3.1's piecewise scaling of wavelengths between two thresholds."""
+
+    type: Literal["llama3"] = "llama3"
+    original_max_seq_len: int = Field(..., ge=1, description="The context the model was trained on.")
+    low_freq_factor: float = Field(1.0, gt=0, description="Wavelengths above original/low are scaled.")
+    high_freq_factor: float = Field(4.0, gt=0, description="Wavelengths below original/high are kept.")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("high_freq_factor must be greater than low_freq_factor")
+        return self
+
+
+RopeScaling = Annotated[
+    Union[LinearScaling, NTKScaling, YarnScaling, Llama3Scaling], Field(discriminator="type")
+]
+
+
+@register("position", "blocks.positions:Rope")
+class RopeConfig(_PositionConfig):
+    """Rotary position embedding (Su et al. 2021) applied to queries and keys."""
+
+    type: Literal["rope"] = "rope"
+    theta: float = Field(10000.0, gt=0, description="The base of the rotation frequencies.")
+    rotary_fraction: float = Field(
+        1.0, gt=0, le=1, description="Share of head_dim that rotates (GPT-NeoX/Phi use < 1)."
+    )
+    scaling: RopeScaling | None = Field(
+        None, description="Context extension: {type: linear | ntk | yarn | llama3, factor, ...}."
+    )
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.rotary_fraction)
+
+
+@register("position", "blocks.positions:Alibi")
+class AlibiConfig(_PositionConfig):
+    """ALiBi (Press et al. 2021): a per-head linear penalty on distance added to the scores."""
+
+    type: Literal["alibi"] = "alibi"
+
+
+@register("position", "blocks.positions:RelativeBias")
+class RelativeBiasConfig(_PositionConfig):
+    """T5's bucketed relative position bias: one learned table per stack, shared by its layers."""
+
+    type: Literal["relative_bias"] = "relative_bias"
+    num_buckets: int = Field(32, ge=2, description="Buckets of relative distance.")
+    max_distance: int = Field(128, ge=1, description="Distance beyond which buckets stop growing.")
+
+    def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
+        return self.num_buckets * n_heads
+
+
+@register("position", "blocks.positions:NoPosition")
+class NoPositionConfig(_PositionConfig):
+    """No position information (NoPE); a causal mask alone orders the tokens."""
+
+    type: Literal["none"] = "none"

@@ -1,0 +1,88 @@
+"""The block registry: every block kind maps YAML ``type`` strings to config classes.
+
+This module is torch-free on purpose. A config class (pydantic) describes one block, counts its
+own parameters and FLOPs, and names the ``nn.Module`` that builds it by import path, so
+validating and sizing a spec never imports torch. Blocks register with :func:`register`;
+user packages add theirs through the ``builder.blocks`` entry-point group or ``--plugin``
+(see ``builder.plugins``), and they become part of the schema automatically.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+KINDS = ("attention", "position", "ffn", "norm", "head", "stack")
+
+_REGISTRY: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+_VERSION = [0]  # bumped on every registration so cached schemas know to rebuild
+
+
+class RegistryError(ValueError):
+    """A block registration that cannot be accepted (unknown kind, duplicate name)."""
+
+
+def register(kind: str, module: str):
+    """Class decorator: register a config class under ``kind`` and its ``type`` literal.
+
+    ``module`` is ``"package.module:ClassName"``, the ``nn.Module`` built from the config.
+    """
+    if kind not in KINDS:
+        raise RegistryError(f"unknown block kind {kind!r}; kinds are {', '.join(KINDS)}")
+
+    def decorate(cls):
+        name = type_name(cls)
+        existing = _REGISTRY[kind].get(name)
+        if existing is not None and existing is not cls:
+            raise RegistryError(
+                f"{kind} block {name!r} is already registered by "
+                f"{existing.__module__}.{existing.__qualname__}; pick another type name"
+            )
+        cls.kind = kind
+        cls.module_path = module
+        _REGISTRY[kind][name] = cls
+        _VERSION[0] += 1
+        return cls
+
+    return decorate
+
+
+def type_name(cls) -> str:
+    """The YAML ``type`` string a config class answers to (its ``type`` field's default)."""
+    field = getattr(cls, "model_fields", {}).get("type")
+    if field is None or not isinstance(field.default, str):
+        raise RegistryError(f"{cls.__qualname__} needs a field `type: Literal['name'] = 'name'`")
+    return field.default
+
+
+def configs(kind: str) -> dict[str, Any]:
+    """The registered config classes of one kind, by type name."""
+    _ensure_builtins()
+    return dict(_REGISTRY[kind])
+
+
+def config_class(kind: str, name: str):
+    _ensure_builtins()
+    try:
+        return _REGISTRY[kind][name]
+    except KeyError:
+        raise RegistryError(
+            f"no {kind} block named {name!r}; registered: {', '.join(sorted(_REGISTRY[kind]))}"
+        ) from None
+
+
+def module_class(config) -> type:
+    """Import and return the ``nn.Module`` class that builds ``config`` (imports torch)."""
+    path = type(config).module_path
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def version() -> int:
+    _ensure_builtins()
+    return _VERSION[0]
+
+
+def _ensure_builtins() -> None:
+    # Importing the config modules runs their @register decorators (torch-free).
+    importlib.import_module("blocks.configs")

@@ -1,0 +1,39 @@
+"""The ``builder`` command line.
+
+Each command lives in ``builder/commands/<name>.py`` and exposes ``add_arguments(parser)`` and
+``run(args) -> int``. Command modules import torch (and Lightning) inside ``run`` only, so
+``builder validate`` and ``builder describe`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("builder.commands.validate", "check spec files; one line per problem"),
+    "schema": ("builder.commands.schema", "print the JSON Schema of a spec"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="builder", description="Declarative Transformer specs: validate, size, build, train."
+    )
+    sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(command)
+        command.set_defaults(_module=module)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

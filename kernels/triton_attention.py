@@ -1,0 +1,195 @@
+"""FlashAttention-2 style Triton kernels and the ``kernels::flash_attention`` custom op.
+
+Layout follows the Triton tutorials: ``_``-prefixed ``@triton.jit`` helpers, UPPER_CASE
+``tl.constexpr`` parameters, autotuning (CUDA only) with a pruning function, and a thin
+host-side wrapper. The public entry point is :func:`kernels.attention` with
+``backend="triton"``; this module is imported lazily by it.
+
+Conventions shared by every kernel:
+
+* scores live in the log2 domain inside the kernels (``exp2`` is cheaper than ``exp``); the
+  saved log-sum-exp ``LSE`` is therefore ``log2(sum(exp2(z)))`` of the log2-scaled scores, and
+  ``+inf`` for a row whose keys are all masked, so that the backward's ``exp2(z - lse)`` is 0.
+* query row ``i`` sits at absolute position ``i + (seq_k - seq_q)`` (queries are the *last*
+  ``seq_q`` positions); key column ``j`` sits at position ``j``.
+* score pipeline: ``s = q.k * scale`` -> ``softcap * tanh(s / softcap)`` -> ``+ bias``
+  -> ``- slope * (pos_q - pos_k)`` -> masks (``-inf``).
+
+The interpreter: Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` *decorates* a function
+(``triton.knobs.runtime.interpret`` in ``triton/runtime/jit.py``), not when ``triton`` is
+imported. On a machine without CUDA this module therefore sets ``TRITON_INTERPRET=1`` (unless the
+user set it) *before* its decorators run, so that ``backend="triton"`` works on CPU tensors.
+Set ``TRITON_INTERPRET=0`` explicitly to opt out. Under the interpreter ``bf16`` dot products are
+computed on raw ``uint16`` storage, so every tile is upcast to fp32 there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the @triton.jit decorators below
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from torch.utils.flop_counter import register_flop_formula  # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # 1/ln(2)
+LN2 = 0.6931471805599453  # ln(2)
+
+# Block sizes used without autotuning (interpreter). 32 keeps the interpreter fast enough while
+# still exercising multi-tile loops and masked tails at test lengths (17..100).
+INTERPRET_BLOCK_M = 32
+INTERPRET_BLOCK_N = 32
+# Decode path: taken when few query rows (all heads of a kv group packed together) meet a cache.
+DECODE_MAX_SEQ_Q = 16
+DECODE_MAX_ROWS = 64  # group_size * seq_q packed into one M tile
+
+
+# ----------------------------------------------------------------------------------------------
+# jit helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 (exp2 overflow -> inf -> 1)
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2/ln(2)
+
+
+@triton.jit
+def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_scale, softcap,
+            window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
+            HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Masked scores of one (BLOCK_M, BLOCK_N) tile, in the log2 domain.
+
+    Returns ``(z2, th)``: ``z2`` the log2-scaled scores (``-inf`` where masked) and ``th`` the
+    soft-cap ``tanh`` (needed by the backward; 0 when there is no soft-cap).
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # (BLOCK_M, BLOCK_N)
+    th = s * 0.0
+    if HAS_SOFTCAP:
+        th = _tanh(s / softcap)
+        s = softcap * th
+    valid = row_ok[:, None] & (kpos < seq_k)[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptrs[:, None] + kpos[None, :].to(tl.int64) * stride_bn, mask=valid,
+                    other=0.0)
+        s += b.to(tl.float32)
+    dist = qpos[:, None] - kpos[None, :]  # (BLOCK_M, BLOCK_N) query minus key position
+    if HAS_ALIBI:
+        s -= slope[:, None] * dist.to(tl.float32)
+    if IS_CAUSAL:
+        valid = valid & (dist >= 0)
+    if HAS_WINDOW:
+        valid = valid & (dist < window)
+    z2 = tl.where(valid, s * 1.4426950408889634, float("-inf"))  # 1/ln(2)
+    return z2, th
+
+
+@triton.jit
+def _key_range(qpos_lo, qpos_hi, seq_k, window, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key range [lo, hi) that queries at positions [qpos_lo, qpos_hi] may see; lo is
+    BLOCK_N-aligned so fully masked tiles are skipped without breaking tile alignment."""
+    lo = 0
+    hi = seq_k
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, qpos_hi + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(0, qpos_lo - window + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, qpos,
+               row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_scale, softcap, window, lo, hi,
+               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online-softmax sweep over keys [lo, hi) for one tile of query rows.
+
+    ``k_cols``/``v_cols`` are (BLOCK_D,) pointer vectors to the head-dim columns of key 0.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        kpos = start_n + offs_n
+        kv_mask = (kpos < hi)[:, None] & d_ok[None, :]
+        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn, mask=kv_mask,
+                    other=0.0)
+        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn, mask=kv_mask,
+                    other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        z2, th = _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, hi, sm_scale,
+                         softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_BIAS,
+                         HAS_SOFTCAP, DOT_PREC)
+        m_new = tl.maximum(m_i, tl.max(z2, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
+        p = tl.exp2(z2 - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
+              stride_qb, stride_qh, stride_qm, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_om, stride_od,
+              stride_bb, stride_bh, stride_bm, stride_bn,
+              H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, sm_scale, softcap, window,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    h_kv = h // GROUP  # GQA/MQA: shared kv head, never materialised
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < SEQ_Q
+    qpos = offs_m + (SEQ_K - SEQ_Q)  # queries are the last SEQ_Q positions
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
+    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_d * stride_vd
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope += tl.load(Alibi + h).to(tl.float32)
+    bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, hi = _key_range(pid_m * BLOCK_M + SEQ_K - SEQ_Q, pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
+                        SEQ_K, window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn,
+                               d_ok, qpos, row_ok, slope, bias_ptrs,
+                               stride_bn, hi, sm_scale, softcap, window, lo, hi, IS_CAUSAL,
+                               HAS_WINDOW, HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PREC,
+                               BLOCK_N)
+    dead = l_i == 0.0  # every key masked: output 0, lse +inf
+    out = acc / tl.where(dead, 1.0, l_i)[:, None]
+    lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + pid_bh * SEQ_Q + offs_m, lse, mask=row_ok)
