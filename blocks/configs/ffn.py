@@ -32,6 +32,15 @@ class _DenseFFNConfig(BlockConfig):
     def active_params(self, d_model: int) -> int:
         return self.params(d_model)
 
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        """Bytes kept for backward (see builder.memory): the input and the hidden tensors."""
+        return tokens * (d_model + self.saved_hidden * self.resolved_hidden_dim(d_model)) * act_bytes
+
+    @property
+    def saved_hidden(self) -> int:
+        """Hidden-width tensors kept for backward per token."""
+        raise NotImplementedError
+
 
 @register("ffn", "blocks.ffn:MLP")
 class MLPConfig(_DenseFFNConfig):
@@ -40,6 +49,18 @@ class MLPConfig(_DenseFFNConfig):
     type: Literal["mlp"] = "mlp"
     activation: Activation = Field("gelu", description="relu | gelu | gelu_tanh | silu.")
     n_in_projections: ClassVar[int] = 1
+    examples: ClassVar[list[dict]] = [
+        {"activation": "gelu", "bias": True},
+        {"activation": "relu", "hidden_dim": 40},
+        {"activation": "gelu_tanh"},
+        {"activation": "silu", "hidden_dim": 24, "bias": True},
+    ]
+
+    @property
+    def saved_hidden(self) -> int:
+        # the activation's input and its output (the down projection's input); relu saves its
+        # output, which is that same tensor
+        return 1 if self.activation == "relu" else 2
 
 
 @register("ffn", "blocks.ffn:GLU")
@@ -49,6 +70,18 @@ class GLUConfig(_DenseFFNConfig):
     type: Literal["glu"] = "glu"
     activation: Activation = Field("silu", description="silu: SwiGLU; gelu or gelu_tanh: GeGLU.")
     n_in_projections: ClassVar[int] = 2
+    examples: ClassVar[list[dict]] = [
+        {"activation": "silu"},
+        {"activation": "gelu", "hidden_dim": 40, "bias": True},
+        {"activation": "gelu_tanh", "hidden_dim": 24},
+        {"activation": "relu", "bias": True},
+    ]
+
+    @property
+    def saved_hidden(self) -> int:
+        # gate (the activation's input), act(gate) and up (the product's operands), the product
+        # (the down projection's input); relu's saved output is act(gate) itself
+        return 3 if self.activation == "relu" else 4
 
 
 ExpertConfig = Annotated[Union[MLPConfig, GLUConfig], Field(discriminator="type")]
@@ -65,6 +98,12 @@ class MoEConfig(BlockConfig):
     n_experts: int = Field(..., ge=1, description="Number of expert FFNs.")
     top_k: int = Field(2, ge=1, description="Experts each token is sent to; at most n_experts.")
     expert: ExpertConfig = Field(..., description="Each expert: an mlp or glu block.")
+
+    examples: ClassVar[list[dict]] = [
+        {"n_experts": 4, "top_k": 2, "expert": {"type": "glu", "hidden_dim": 48}},
+        {"n_experts": 3, "top_k": 1, "expert": {"type": "mlp", "activation": "gelu", "bias": True}},
+        {"n_experts": 2, "top_k": 2, "expert": {"type": "mlp", "activation": "relu", "hidden_dim": 16}},
+    ]
 
     @model_validator(mode="after")
     def _top_k(self):
@@ -84,3 +123,12 @@ class MoEConfig(BlockConfig):
         # Every token meets the router; each expert multiplies only the tokens sent to it,
         # tokens * top_k rows in all, whatever the routing.
         return 2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
+
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        """The router's input and fp32 probabilities, and for each of the tokens * top_k
+        routed rows: the expert's own tensors (its gathered input among them), its output and
+        gate (see builder.memory)."""
+        routed = tokens * self.top_k
+        router = tokens * d_model * act_bytes + tokens * self.n_experts * 4
+        experts = self.expert.saved_bytes(d_model, routed, act_bytes)
+        return router + experts + routed * (d_model * act_bytes + 4)

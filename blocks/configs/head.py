@@ -27,6 +27,10 @@ class _HeadConfig(BlockConfig):
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 0
 
+    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
+        """Bytes kept for backward, the training loss included (see builder.memory)."""
+        return 0
+
 
 @register("head", "blocks.heads:LMHead")
 class LMHeadConfig(_HeadConfig):
@@ -45,11 +49,20 @@ class LMHeadConfig(_HeadConfig):
         "embeddings uses d_model ** -0.5. null: no scaling.",
     )
 
+    examples: ClassVar[list[dict]] = [{}, {"bias": True}, {"softcap": 30.0, "output_scale": 0.5}]
+
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         return (0 if tied else d_model * vocab_size) + (vocab_size if self.bias else 0)
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * vocab_size
+
+    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
+        # the projection input; the logits the caller holds; the loss's fp32 log-probabilities;
+        # under softcap the tanh output
+        logits = tokens * vocab_size
+        softcap = logits * act_bytes if self.softcap is not None else 0
+        return tokens * d_model * act_bytes + logits * (act_bytes + 4) + softcap
 
 
 @register("head", "blocks.heads:MLMHead")
@@ -64,12 +77,19 @@ class MLMHeadConfig(_HeadConfig):
         description="The norm after the transform (BERT: LayerNorm, eps 1e-12).",
     )
 
+    examples: ClassVar[list[dict]] = [{}, {"activation": "relu", "norm": {"bias": False}}]
+
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         transform = d_model * d_model + d_model + self.norm.params(d_model)
         return transform + (0 if tied else d_model * vocab_size) + vocab_size
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * (d_model + vocab_size)
+
+    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
+        # dense input, activation input and output (the norm's input), the norm, then as lm
+        transform = 2 * tokens * d_model * act_bytes + self.norm.saved_bytes(d_model, tokens, act_bytes)
+        return transform + tokens * d_model * act_bytes + tokens * vocab_size * (act_bytes + 4)
 
 
 @register("head", "blocks.heads:ClassificationHead")
@@ -86,6 +106,13 @@ class ClassificationHeadConfig(_HeadConfig):
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout before the classifier.")
 
+    examples: ClassVar[list[dict]] = [
+        {},
+        {"n_classes": 3, "pooling": "mean"},
+        {"pooler": True, "dropout": 0.1},
+        {"pooler": True, "pooling": "mean", "n_classes": 5},
+    ]
+
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         pooler = d_model * d_model + d_model if self.pooler else 0
         return pooler + d_model * self.n_classes + self.n_classes
@@ -99,3 +126,4 @@ class NoHeadConfig(_HeadConfig):
     """No head: the model returns the final hidden states."""
 
     type: Literal["none"] = "none"
+    examples: ClassVar[list[dict]] = [{}]

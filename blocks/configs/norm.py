@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -20,8 +20,20 @@ class _NormConfig(BlockConfig):
         "add (the 2017 Transformer, BERT); sandwich: before and after each sub-layer (Gemma 2).",
     )
 
+    #: fp32 statistics per token kept for backward (LayerNorm: mean and 1/std; RMSNorm: 1/rms)
+    saved_stats: ClassVar[int]
+
     def params(self, d_model: int) -> int:
         raise NotImplementedError
+
+    @property
+    def per_sublayer(self) -> int:
+        """Norms around each sub-layer (attention, cross-attention, FFN): 2 for sandwich."""
+        return 2 if self.placement == "sandwich" else 1
+
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        """Bytes kept for backward: the input, and the fp32 statistics per token."""
+        return tokens * (d_model * act_bytes + 4 * self.saved_stats)
 
 
 @register("norm", "blocks.norms:LayerNorm")
@@ -30,6 +42,9 @@ class LayerNormConfig(_NormConfig):
 
     type: Literal["layernorm"] = "layernorm"
     bias: bool = Field(True, description="A learned bias (beta) after the scale.")
+
+    saved_stats: ClassVar[int] = 2
+    examples: ClassVar[list[dict]] = [{}, {"bias": False, "eps": 1e-6}, {"placement": "post"}]
 
     def params(self, d_model: int) -> int:
         return d_model * (2 if self.bias else 1)
@@ -45,6 +60,9 @@ class RMSNormConfig(_NormConfig):
         description="Scale by (1 + weight) with the weight initialised to 0 (Gemma), "
         "instead of by weight initialised to 1.",
     )
+
+    saved_stats: ClassVar[int] = 1
+    examples: ClassVar[list[dict]] = [{}, {"unit_offset": True}, {"placement": "sandwich", "eps": 1e-6}]
 
     def params(self, d_model: int) -> int:
         return d_model

@@ -18,7 +18,13 @@ class _PositionConfig(BlockConfig):
     #: where the block acts: "embedding" adds to token embeddings, "attention" acts on q/k or scores
     acts_on: ClassVar[str] = "attention"
 
+    examples: ClassVar[list[dict]] = [{}]
+
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
+        return 0
+
+    def flops(self, d_model: int, n_heads: int, tokens: int) -> int:
+        """Matrix-product FLOPs of one sequence; the built-in positions do only elementwise work."""
         return 0
 
 
@@ -39,6 +45,7 @@ class LearnedConfig(_PositionConfig):
     max_positions: int | None = Field(
         None, ge=1, description="Rows of the table; defaults to max_seq_len and may not be shorter."
     )
+    examples: ClassVar[list[dict]] = [{}, {"max_positions": 40}]
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         return (self.max_positions or max_seq_len) * d_model
@@ -105,6 +112,15 @@ class RopeConfig(_PositionConfig):
         None, description="Context extension: {type: linear | ntk | yarn | llama3, factor, ...}."
     )
 
+    examples: ClassVar[list[dict]] = [
+        {},
+        {"theta": 500000.0, "rotary_fraction": 0.5},
+        {"scaling": {"type": "linear", "factor": 4.0}},
+        {"scaling": {"type": "ntk", "factor": 2.0}},
+        {"scaling": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}},
+        {"scaling": {"type": "llama3", "factor": 8.0, "original_max_seq_len": 8}},
+    ]
+
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.rotary_fraction)
 
@@ -123,6 +139,7 @@ class RelativeBiasConfig(_PositionConfig):
     type: Literal["relative_bias"] = "relative_bias"
     num_buckets: int = Field(32, ge=2, description="Buckets of relative distance.")
     max_distance: int = Field(128, ge=1, description="Distance beyond which buckets stop growing.")
+    examples: ClassVar[list[dict]] = [{}, {"num_buckets": 8, "max_distance": 16}]
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         return self.num_buckets * n_heads

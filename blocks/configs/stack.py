@@ -16,6 +16,8 @@ class _ArchitectureConfig(BlockConfig):
     stacks: ClassVar[tuple[str, ...]]
     #: whether the decoder's self-attention is causal (an encoder's never is)
     causal: ClassVar[dict[str, bool]] = {"encoder": False, "decoder": True}
+    #: the stack has no fields of its own; its counts are the sum of what it holds
+    examples: ClassVar[list[dict]] = [{}]
 
 
 @register("stack", "blocks.stacks:DecoderOnlyModel")

@@ -1,0 +1,297 @@
+"""Exact analytic parameters, FLOPs and memory of a spec, without building it (torch-free).
+
+:func:`estimate` walks the spec and sums what each block's config declares about itself
+(``params``, ``flops``, ``saved_bytes``; see ``blocks/configs/``). It writes no whole-model
+formula: a GQA layer, a Gemma head_dim or a sliding window is counted by the block that has it.
+The conventions every figure follows live here, in :data:`CONVENTIONS`, and are printed with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from builder import memory as _memory
+
+#: bytes per element of the compute dtypes
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STRATEGIES = ("ddp", "fsdp")
+
+CONVENTIONS = (
+    "params: exact numel; a tied output projection is the embedding table, counted once under "
+    "`embedding`; one table for source and target when share_encoder_decoder_embeddings",
+    "params.embedding: token, segment and learned-position tables (Kaplan's non-embedding = "
+    "total - embedding); active: what one token meets (MoE: the router and top_k experts)",
+    "FLOPs: 2 per multiply-accumulate of every matrix product of one forward pass over one "
+    "sequence (projections, Q.K^T and P.V over the full (seq_q, seq_k) as eager attention "
+    "computes them, the head); norms, softmax, activations and lookups count 0",
+    "FLOPs per token: per sequence / seq_len (the target tokens in an encoder-decoder, whose "
+    "encoder runs over src_len); training = 3x forward (backward = 2x), 4x with activation "
+    "checkpointing (the forward runs again)",
+    "kernel FLOPs (for MFU): attention scores and mix over only the (query, key) pairs a tiled "
+    "kernel visits under the causal mask or sliding window",
+) + _memory.CONVENTIONS
+
+
+@dataclass
+class LayerEstimate:
+    """One layer of one stack: parameters and forward FLOPs (one sequence) by block."""
+
+    stack: str
+    index: int
+    params: dict[str, int]
+    active_params: int
+    flops: dict[str, int]
+    kernel_flops: int
+    saved_bytes: int
+    description: str
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.params.values())
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+
+@dataclass
+class ParamEstimate:
+    total: int
+    trainable: int
+    embedding: int
+    non_embedding: int
+    active: int
+    by_component: dict[str, int]
+
+
+@dataclass
+class FlopEstimate:
+    seq_len: int
+    src_len: int | None
+    forward_per_sequence: int
+    forward_per_token: int
+    train_per_token: int
+    kernel_forward_per_token: int
+    kernel_train_per_token: int
+    by_component: dict[str, int]  # forward, one sequence
+
+
+@dataclass
+class Estimate:
+    name: str
+    settings: dict[str, Any]
+    params: ParamEstimate
+    flops: FlopEstimate
+    memory: _memory.MemoryEstimate
+    layers: list[LayerEstimate] = field(repr=False)
+    conventions: tuple[str, ...] = CONVENTIONS
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "settings": dict(self.settings),
+            "params": dataclasses.asdict(self.params),
+            "flops": dataclasses.asdict(self.flops),
+            "memory": self.memory.to_dict(),
+            "layers": [
+                {
+                    "stack": layer.stack,
+                    "index": layer.index,
+                    "description": layer.description,
+                    "params": layer.total_params,
+                    "active_params": layer.active_params,
+                    "params_by_block": dict(layer.params),
+                    "forward_flops": layer.total_flops,
+                    "kernel_forward_flops": layer.kernel_flops,
+                    "saved_bytes": layer.saved_bytes,
+                }
+                for layer in self.layers
+            ],
+            "conventions": list(self.conventions),
+        }
+        return out
+
+
+def estimate(
+    spec,
+    seq_len: int | None = None,
+    src_len: int | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
+    devices: int = 1,
+    strategy: str = "ddp",
+    activation_checkpointing: bool = False,
+    fused_attention: bool = True,
+) -> Estimate:
+    """Parameters, FLOPs at ``seq_len`` (default ``max_seq_len``) and training memory.
+
+    ``src_len`` is the encoder's length in an encoder-decoder (default ``seq_len``); ``batch``
+    sequences per device; ``fused_attention``: a FlashAttention kernel saves no (seq, seq)
+    tensor for backward (``False``: the eager backend's accounting).
+    """
+    _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy)
+    seq = seq_len or spec.max_seq_len
+    stacks = spec.stacks()
+    enc_dec = "encoder" in stacks and "decoder" in stacks
+    src = (src_len or seq) if enc_dec else None
+    lengths = {name: (src if name == "encoder" and enc_dec else seq) for name in stacks}
+    d, vocab = spec.d_model, spec.vocab_size
+    act_bytes = DTYPE_BYTES[dtype]
+    causal = spec.architecture_config.causal
+
+    params: dict[str, int] = {}
+    flops: dict[str, int] = {}
+    active: dict[str, int] = {}
+
+    def add(key: str, n_params: int, n_flops: int = 0, n_active: int | None = None) -> None:
+        params[key] = params.get(key, 0) + n_params
+        flops[key] = flops.get(key, 0) + n_flops
+        active[key] = active.get(key, 0) + (n_params if n_active is None else n_active)
+
+    # Embeddings: lookups, no matrix product.
+    tables = 2 if enc_dec and not spec.share_encoder_decoder_embeddings else 1
+    add("embedding", tables * vocab * d + spec.embedding.segments * d)
+    if spec.embedding.norm is not None:
+        add("embedding.norm", len(stacks) * spec.embedding.norm.params(d))
+    position = spec.position
+    for name, stack in stacks.items():
+        n_heads = stack.attention.n_heads
+        add("position", position.params(d, n_heads, spec.max_seq_len),
+            position.flops(d, n_heads, lengths[name]))
+
+    layers: list[LayerEstimate] = []
+    kernel_total = 0
+    for name, stack in stacks.items():
+        tokens = lengths[name]
+        cross_len = src if name == "decoder" and enc_dec else None
+        for index, layer in enumerate(stack.layers()):
+            est = _layer(name, index, layer, d, tokens, cross_len, causal[name], batch, act_bytes,
+                         fused_attention, masked=_eager_masked(spec, name, layer))
+            layers.append(est)
+            kernel_total += est.kernel_flops
+            for block, n in est.params.items():
+                block_active = est.active_params - (est.total_params - n) if block == "ffn" else n
+                add(f"{name}.{block}", n, est.flops[block], block_active)
+        if stack.final_norm:
+            add(f"{name}.norm", stack.norm.params(d))
+
+    head = spec.head
+    last = list(stacks)[-1]
+    add("head", head.params(d, vocab, spec.tie_embeddings and head.projects_to_vocab),
+        head.flops(d, vocab, lengths[last]))
+
+    total = sum(params.values())
+    embedding = params["embedding"] + (params["position"] if position.acts_on == "embedding" else 0)
+    forward = sum(flops.values())
+    attention_full = sum(layer.flops.get("attention", 0) + layer.flops.get("cross_attention", 0)
+                         for layer in layers)
+    kernel_forward = forward - attention_full + kernel_total
+    train_factor = 4 if activation_checkpointing else 3
+    param_est = ParamEstimate(
+        total=total,
+        trainable=total,
+        embedding=embedding,
+        non_embedding=total - embedding,
+        active=sum(active.values()),
+        by_component=params,
+    )
+    flop_est = FlopEstimate(
+        seq_len=seq,
+        src_len=src,
+        forward_per_sequence=forward,
+        forward_per_token=round(forward / seq),
+        train_per_token=round(train_factor * forward / seq),
+        kernel_forward_per_token=round(kernel_forward / seq),
+        kernel_train_per_token=round(train_factor * kernel_forward / seq),
+        by_component=flops,
+    )
+    mem = _memory.memory(
+        spec, total, layers, batch=batch, seq_len=seq, src_len=src, dtype=dtype, devices=devices,
+        strategy=strategy, activation_checkpointing=activation_checkpointing,
+    )
+    settings = {
+        "seq_len": seq, "src_len": src, "batch": batch, "dtype": dtype, "devices": devices,
+        "strategy": strategy, "activation_checkpointing": activation_checkpointing,
+        "fused_attention": fused_attention,
+    }
+    return Estimate(spec.name, settings, param_est, flop_est, mem, layers)
+
+
+def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, masked):
+    """One layer's counts: self-attention, cross-attention (when cross_len), FFN, its norms."""
+    attn, ffn, norm = layer.attention, layer.ffn, layer.norm
+    params = {"attention": attn.params(d)}
+    flops = {"attention": attn.flops(d, tokens, tokens)}
+    kernel = _kernel_attention(attn, d, tokens, tokens, causal)
+    saved = attn.saved_bytes(d, batch, tokens, tokens, act_bytes, fused, masked)
+    sublayers = 2
+    if cross_len is not None:
+        cross = layer.cross_attention
+        params["cross_attention"] = cross.params(d)
+        flops["cross_attention"] = cross.flops(d, tokens, cross_len)
+        kernel += _kernel_attention(cross, d, tokens, cross_len, causal=False)
+        saved += cross.saved_bytes(d, batch, tokens, cross_len, act_bytes, fused, masked=False,
+                                   kv_input=False)
+        sublayers = 3
+    params["ffn"] = ffn.params(d)
+    flops["ffn"] = ffn.flops(d, tokens)
+    ffn_active = getattr(ffn, "active_params", ffn.params)(d)
+    kernel += flops["ffn"]
+    saved += ffn.saved_bytes(d, batch * tokens, act_bytes)
+    n_norms = sublayers * norm.per_sublayer
+    params["norm"] = n_norms * norm.params(d)
+    flops["norm"] = 0
+    saved += n_norms * norm.saved_bytes(d, batch * tokens, act_bytes)
+    if layer.dropout > 0:
+        saved += sublayers * batch * tokens * d  # one-byte masks on each sub-layer's output
+    active = params["attention"] + params.get("cross_attention", 0) + ffn_active + params["norm"]
+    return LayerEstimate(
+        stack=stack, index=index, params=params, active_params=active, flops=flops,
+        kernel_flops=kernel, saved_bytes=saved, description=_describe(layer, cross_len is not None),
+    )
+
+
+def _kernel_attention(attn, d: int, seq_q: int, seq_k: int, causal: bool) -> int:
+    """Projections plus the score FLOPs a tiled kernel performs under the layer's mask."""
+    unmasked = attn.model_copy(update={"sliding_window": None})
+    full_scores = unmasked.kernel_flops(d, seq_q, seq_k, causal=False)
+    return attn.flops(d, seq_q, seq_k) - full_scores + attn.kernel_flops(d, seq_q, seq_k, causal)
+
+
+def _eager_masked(spec, stack: str, layer) -> bool:
+    """Whether eager attention adds a mask or bias (and so copies the probabilities)."""
+    causal = spec.architecture_config.causal[stack]
+    return bool(causal or layer.attention.sliding_window
+                or spec.position.type in ("alibi", "relative_bias"))
+
+
+def _describe(layer, cross: bool) -> str:
+    attn, ffn = layer.attention, layer.ffn
+    heads = f"{attn.n_heads}h" + (f"/{attn.n_kv_heads}kv" if attn.n_kv_heads != attn.n_heads else "")
+    window = f" w={attn.sliding_window}" if attn.sliding_window else ""
+    if ffn.type == "moe":
+        ffn_text = f"moe {ffn.n_experts}x{ffn.expert.type} top{ffn.top_k}"
+    else:
+        ffn_text = ffn.type
+    return f"attn {heads}{window}" + (" + cross" if cross else "") + f", {ffn_text}, {layer.norm.type}"
+
+
+def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy) -> None:
+    problems = []
+    for name, value in (("seq_len", seq_len), ("src_len", src_len)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            problems.append(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(batch, int) or batch < 1:
+        problems.append(f"batch must be a positive int, got {batch!r}")
+    if not isinstance(devices, int) or devices < 1:
+        problems.append(f"devices must be a positive int, got {devices!r}")
+    if dtype not in DTYPE_BYTES:
+        problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if strategy not in STRATEGIES:
+        problems.append(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if src_len is not None and spec.architecture != "encoder-decoder":
+        problems.append(f"src_len applies to encoder-decoder models; {spec.name} is {spec.architecture}")
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -1,0 +1,163 @@
+"""Training and inference memory of a spec, in bytes, per device (torch-free).
+
+The accounting (printed with every estimate, see :data:`CONVENTIONS`):
+
+* **Weights, gradients, optimizer.** Weights and gradients in the compute dtype. With bf16 or
+  fp16 (mixed precision) the optimizer steps an fp32 master copy of the weights, 4 bytes per
+  parameter more. AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq), 8 bytes. So
+  16 bytes per parameter in all, in every dtype: fp32 is 4 + 4 + 8, bf16 is 2 + 4 + 2 + 8.
+* **Activations.** What autograd keeps between forward and backward, following Korthikanti et al.
+  2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4) but summed
+  per block from what each block declares (``saved_bytes`` in ``blocks/configs``) instead of
+  their single ``sbh(34 + 5as/h)``: grouped-query k and v are n_kv_heads wide (n_heads wide
+  after the eager path repeats them), head_dim may differ from d_model / n_heads, a GLU keeps
+  four hidden-width tensors (gate, act(gate), up, their product) where an MLP keeps two, a
+  mixture of experts keeps its router and top_k experts' tensors for every token, and a fused
+  attention kernel keeps its output and an fp32 log-sum-exp per row instead of the (seq, seq)
+  probabilities. Dropout keeps a one-byte mask per element. The LM head keeps its input, the
+  logits and the loss's fp32 log-probabilities. Parameters are never counted twice.
+* **Activation checkpointing** (every layer): each layer keeps only its input; during backward
+  one layer at a time is recomputed, so the largest layer's activations are added once.
+* **Strategies.** DDP replicates everything (its gradient buckets are not counted). FSDP full
+  sharding divides weights, master weights, gradients and optimizer state by N and adds one
+  layer's gathered weights and unsharded gradients. Activations are per device for ``batch``
+  sequences on that device.
+* **KV cache** for ``generate``: keys and values of every self-attention layer for the whole
+  context (a layer with a sliding window w keeps only the last w positions), plus the
+  cross-attention keys and values of the encoder output in an encoder-decoder, in the compute
+  dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, fp32
+
+CONVENTIONS = (
+    "memory: weights and gradients in the compute dtype; bf16/fp16 adds fp32 master weights "
+    "(mixed precision); AdamW keeps two fp32 states: 16 bytes per parameter in every dtype",
+    "activations: the tensors each block saves for backward (Korthikanti et al. 2022 adapted "
+    "per block: GQA, head_dim, GLU, MoE top_k; a fused attention kernel saves no (seq, seq) "
+    "tensor, eager saves fp32 probabilities); checkpointing keeps each layer's input and "
+    "recomputes one layer at a time",
+    "DDP replicates everything; FSDP divides weights, master weights, gradients and optimizer "
+    "state by the device count and adds one layer's gathered weights and gradients",
+    "KV cache: keys and values of every self-attention layer for the context (a sliding window "
+    "w keeps the last w), plus cross-attention keys and values of the source, compute dtype",
+)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device for one training step and for decoding with a KV cache."""
+
+    dtype: str
+    batch: int
+    devices: int
+    strategy: str
+    activation_checkpointing: bool
+    weights: int
+    master_weights: int
+    gradients: int
+    optimizer: int
+    sharding_buffers: int
+    activations: int
+    activations_per_layer: int  # the largest layer's saved tensors, without checkpointing
+    kv_cache: int  # batch sequences of seq_len context (target side), in the compute dtype
+
+    @property
+    def training_total(self) -> int:
+        return (self.weights + self.master_weights + self.gradients + self.optimizer
+                + self.sharding_buffers + self.activations)
+
+    @property
+    def inference_total(self) -> int:
+        """Weights (unsharded) and the KV cache."""
+        return self.weights * (self.devices if self.strategy == "fsdp" else 1) + self.kv_cache
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["training_total"] = self.training_total
+        out["inference_total"] = self.inference_total
+        return out
+
+
+def memory(spec, n_params: int, layers, *, batch: int, seq_len: int, src_len: int | None,
+           dtype: str, devices: int, strategy: str, activation_checkpointing: bool) -> MemoryEstimate:
+    """Per-device training memory and the KV cache, from the per-layer estimates."""
+    act = BYTES[dtype]
+    shard = devices if strategy == "fsdp" else 1
+    weights = _ceil_div(n_params * act, shard)
+    master = _ceil_div(n_params * FP32, shard) if act != FP32 else 0
+    gradients = _ceil_div(n_params * act, shard)
+    optimizer = _ceil_div(n_params * FP32 * ADAMW_STATES, shard)
+    largest_layer = max((layer.total_params for layer in layers), default=0)
+    buffers = 2 * largest_layer * act if strategy == "fsdp" and devices > 1 else 0
+    activations = activation_bytes(spec, layers, batch, seq_len, src_len, act,
+                                   activation_checkpointing)
+    return MemoryEstimate(
+        dtype=dtype, batch=batch, devices=devices, strategy=strategy,
+        activation_checkpointing=activation_checkpointing, weights=weights,
+        master_weights=master, gradients=gradients, optimizer=optimizer,
+        sharding_buffers=buffers, activations=activations,
+        activations_per_layer=max((layer.saved_bytes for layer in layers), default=0),
+        kv_cache=kv_cache_bytes(spec, batch, seq_len, dtype, src_len=src_len),
+    )
+
+
+def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None, act: int,
+                     checkpointing: bool) -> int:
+    """Bytes saved for backward over one training step of ``batch`` sequences."""
+    d, vocab = spec.d_model, spec.vocab_size
+    stacks = spec.stacks()
+    lengths = {name: (src_len if name == "encoder" and src_len else seq_len) for name in stacks}
+    total = 0
+    for name, stack in stacks.items():
+        tokens = batch * lengths[name]
+        total += tokens * 8  # int64 token ids, kept by the embedding lookup
+        if spec.embedding.norm is not None:
+            total += spec.embedding.norm.saved_bytes(d, tokens, act)
+        if spec.embedding.dropout > 0:
+            total += tokens * d  # one-byte mask
+        if stack.final_norm:
+            total += stack.norm.saved_bytes(d, tokens, act)
+    if "encoder" in stacks and "decoder" in stacks:
+        total += batch * lengths["encoder"] * d * act  # encoder output: every cross-attention's k/v input
+    last = list(stacks)[-1]
+    total += spec.head.saved_bytes(d, vocab, batch * lengths[last], act)
+    if not checkpointing:
+        return total + sum(layer.saved_bytes for layer in layers)
+    inputs = sum(batch * lengths[layer.stack] * d * act for layer in layers)
+    return total + inputs + max((layer.saved_bytes for layer in layers), default=0)
+
+
+def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16",
+                   src_len: int | None = None) -> int:
+    """Bytes of the KV cache ``generate`` allocates for ``batch`` sequences of ``context`` tokens.
+
+    Encoder-only models decode nothing: 0. ``src_len`` (encoder-decoder): the source length whose
+    cross-attention keys and values are cached (default ``context``).
+    """
+    if spec.architecture_config.causal.get("decoder") is None or spec.decoder is None:
+        return 0
+    cache = BYTES[dtype]
+    d = spec.d_model
+    enc_dec = spec.encoder is not None
+    total = 0
+    for layer in spec.decoder.layers():
+        attn = layer.attention
+        window = attn.sliding_window
+        positions = min(context, window) if window is not None else context
+        total += attn.kv_cache_bytes(d, batch, positions, cache)
+        if enc_dec:
+            total += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache)
+    return total
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
