@@ -1,0 +1,50 @@
+"""User blocks: loaded from the ``builder.blocks`` entry-point group and from ``--plugin``.
+
+A plugin is a module that registers config classes with ``blocks.registry.register`` when it
+is imported; the schema picks them up (``builder.schema.spec_model`` rebuilds when the
+registry changes). A spec never imports code by itself: only an installed package's entry
+point or a module named on the command line (``--plugin mypackage.blocks``) runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Iterable
+
+GROUP = "builder.blocks"
+
+_loaded: set[str] = set()
+_entry_points_loaded = [False]
+
+
+class PluginError(ImportError):
+    """A plugin module or entry point that cannot be imported."""
+
+
+def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list[str]:
+    """Import the ``builder.blocks`` entry points (once per process) and ``modules``.
+
+    Returns the names imported by this call. Raises :class:`PluginError` naming the plugin.
+    """
+    imported = []
+    if entry_points and not _entry_points_loaded[0]:
+        _entry_points_loaded[0] = True
+        for entry in importlib.metadata.entry_points(group=GROUP):
+            try:
+                entry.load()
+            except Exception as exc:  # noqa: BLE001  (any failure of third-party code, named)
+                raise PluginError(f"entry point {entry.name!r} ({entry.value}) of {GROUP!r} failed: {exc}") from exc
+            imported.append(entry.value)
+    for name in modules:
+        if name in _loaded:
+            continue
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            raise PluginError(f"plugin {name!r} not found: {exc}; is it installed or on PYTHONPATH?") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise PluginError(f"plugin {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        _loaded.add(name)
+        imported.append(name)
+    return imported

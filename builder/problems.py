@@ -1,0 +1,287 @@
+"""Pydantic errors and spec rule errors, turned into located problems a user can act on.
+
+Pydantic reports a location as a path through the *models* (``decoder.attention.multi_head.
+n_heads``: the tagged union adds the block's type name); a user thinks in the YAML's keys.
+:func:`validation_problems` walks each error's location through the model types and the data
+together, drops the union tags, finds the line that set the field, and rewords the message
+("unknown key 'n_kv_head'; did you mean 'n_kv_heads'?").
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from builder.yaml_source import Document, FieldPath, Mark, Problem
+
+#: stack-level block fields that each ``overrides`` entry merges over (see builder.schema)
+_SPREAD = ("attention", "cross_attention", "ffn", "norm")
+
+
+def validation_problems(model_cls: type, data: Any, doc: Document) -> tuple[Any, list[Problem]]:
+    """Validate ``data`` as ``model_cls``: ``(instance, [])`` or ``(None, located problems)``."""
+    from builder.schema import SpecRuleError
+
+    try:
+        return model_cls.model_validate(data), []
+    except ValidationError as exc:
+        problems = _pydantic_problems(model_cls, data, doc, exc.errors())
+    except SpecRuleError as exc:
+        problems = [_locate(doc, data, tuple(loc), message, "value") for loc, message in exc.problems]
+    return None, _dedupe(problems)
+
+
+def _pydantic_problems(model_cls: type, data: Any, doc: Document, errors: list[dict]) -> list[Problem]:
+    problems: list[Problem] = []
+    by_union: dict[FieldPath, list[tuple[dict, str, FieldPath]]] = {}
+    for error in errors:
+        path, models, label, label_at = _walk(model_cls, error["loc"], data)
+        if label is not None:  # a plain union (`str | list[int]`): one message per field, below
+            by_union.setdefault(path[:label_at], []).append((error, label, path))
+            continue
+        problems.append(_problem(doc, data, path, models, error))
+    for field, branches in by_union.items():
+        value = _get(data, field)
+        matching = [(e, path) for e, label, path in branches if _label_matches(label, value)]
+        if matching:
+            problems += [_problem(doc, data, path, [], e) for e, path in matching]
+        else:
+            wanted = " or ".join(dict.fromkeys(_LABEL_WORDS.get(label.split("[")[0], label) for _, label, _ in branches))
+            problems.append(_locate(doc, data, field, f"expected {wanted}, got {_show(value)}", "value"))
+    return problems
+
+
+def _problem(doc: Document, data: Any, path: FieldPath, models: list[type], error: dict) -> Problem:
+    kind, value = error["type"], error.get("input")
+    if kind == "extra_forbidden":
+        key = path[-1]
+        names = [name for model in models for name in model.model_fields]
+        message = f"unknown key {key!r}" + _did_you_mean(str(key), names)
+        return _locate(doc, data, path, message, "key")
+    if kind == "missing":
+        return _locate(doc, data, path, f"missing required field {path[-1]!r}", "missing")
+    if kind in ("unknown_block_type", "union_tag_invalid", "union_tag_not_found"):
+        return _block_type_problem(doc, data, path, error)
+    if kind == "value_error" and isinstance(value, dict):
+        path += _field_named(error, value)  # a config's own rule: point at the field it names
+    return _locate(doc, data, path, _reword(error), "value")
+
+
+def _field_named(error: dict, value: dict) -> FieldPath:
+    """The field a config rule's message is about: the one its fix names ("try n_kv_heads: 4"),
+    else the first field it mentions that the mapping sets."""
+    message = str((error.get("ctx") or {}).get("error") or error["msg"])
+    fix = re.search(r"try (\w+):", message)
+    if fix and fix.group(1) in value:
+        return (fix.group(1),)
+    mentioned = [word for word in re.findall(r"\w+", message) if word in value]
+    return (mentioned[0],) if mentioned else ()
+
+
+def _block_type_problem(doc: Document, data: Any, path: FieldPath, error: dict) -> Problem:
+    ctx, value = error.get("ctx") or {}, error.get("input")
+    if "expected_tags" in ctx:
+        options = re.findall(r"'([^']*)'", ctx["expected_tags"])
+    else:
+        options = [o.strip() for o in error["msg"].split(":", 1)[-1].split(",")]
+    listed = ", ".join(options)
+    if isinstance(value, dict) and "type" in value:
+        given = value["type"]
+        message = f"unknown type {given!r}" + _did_you_mean(str(given), options) + f" (one of: {listed})"
+        return _locate(doc, data, path + ("type",), message, "value")
+    if isinstance(value, dict):
+        return _locate(doc, data, path, f"needs a `type:` (one of: {listed})", "missing_key")
+    return _locate(doc, data, path, f"expected a mapping with a `type:` (one of: {listed}), got {_show(value)}", "value")
+
+
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "string": "a string",
+    "str": "a string",
+    "list": "a list",
+    "dict": "a mapping",
+    "model": "a mapping of fields",
+    "model_attributes": "a mapping of fields",
+}
+_LABEL_WORDS = {"str": "a string", "list": "a list", "int": "an integer", "float": "a number", "bool": "true or false"}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _reword(error: dict) -> str:
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind == "literal_error":
+        options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        hint = _did_you_mean(str(value), options) if isinstance(value, str) else ""
+        return f"{_show(value)} is not one of: {', '.join(options)}{hint}"
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        return f"must be {_BOUNDS[kind]} {bound}, got {_show(value)}"
+    if kind == "value_error":
+        return str(ctx.get("error") or error["msg"].removeprefix("Value error, "))
+    for prefix, words in _TYPE_WORDS.items():
+        if kind.startswith(prefix + "_") or kind == prefix:
+            extra = ""
+            if kind == "int_from_float":
+                extra = " (a whole number)"
+            return f"expected {words}{extra}, got {_show(value)}"
+    return f"{error['msg']} (got {_show(value)})"
+
+
+def _did_you_mean(given: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(given, list(dict.fromkeys(options)), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+# -- pydantic locations to YAML paths ----------------------------------------------------------
+
+
+def _walk(model_cls: type, loc: tuple, data: Any) -> tuple[FieldPath, list[type], str | None, int]:
+    """YAML path of a pydantic loc, the models at its parent, and a plain-union label if any."""
+    kinds: list[Any] = [model_cls]
+    parents: list[type] = []
+    node, path, tagged, label, label_at = data, (), False, None, 0
+    for part in loc:
+        members = [m for t in kinds for m in _members(t)]
+        models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        if not tagged and isinstance(part, str) and any(_tag(m) == part for m in models) and not (
+            isinstance(node, dict) and part in node and not any(_tag(m) == node.get("type") for m in models)
+        ):
+            kinds, tagged = [m for m in models if _tag(m) == part], True
+            continue
+        tagged = False
+        if isinstance(part, str) and label is None and not isinstance(node, dict) and not models:
+            label, label_at = part, len(path)  # `str | list[int]`: pydantic names the branch
+            kinds = [m for m in members if _label_of(m) == part] or members
+            continue
+        parents = models
+        nxt: list[Any] = []
+        for m in members:
+            if isinstance(part, int) and get_origin(m) is list:
+                nxt.append(get_args(m)[0])
+            elif m in models and part in m.model_fields:
+                nxt.append(m.model_fields[part].annotation)
+        kinds = nxt
+        path += (part,)
+        node = node.get(part) if isinstance(node, dict) else (
+            node[part] if isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node) else None
+        )
+    return path, parents, label, label_at
+
+
+def _members(tp: Any) -> list[Any]:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _members(get_args(tp)[0])
+    if origin is Union or origin is types.UnionType:
+        return [m for arg in get_args(tp) for m in _members(arg)]
+    return [tp]
+
+
+def _tag(model: type) -> Any:
+    field = model.model_fields.get("type")
+    return field.default if field is not None else None
+
+
+def _label_of(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is None:
+        return getattr(tp, "__name__", str(tp))
+    return f"{origin.__name__}[{', '.join(_label_of(a) for a in get_args(tp))}]"
+
+
+_LABEL_TYPES = {"str": str, "list": list, "int": int, "float": (int, float), "bool": bool, "dict": dict}
+
+
+def _label_matches(label: str, value: Any) -> bool:
+    wanted = _LABEL_TYPES.get(label.split("[")[0])
+    return wanted is not None and isinstance(value, wanted)
+
+
+# -- locating ----------------------------------------------------------------------------------
+
+
+def _get(data: Any, path: FieldPath) -> Any:
+    node = data
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node):
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+_MISSING = object()
+
+
+def _spread_source(data: Any, path: FieldPath, how: str) -> FieldPath:
+    """A problem found in a merged-in field points where the field was written.
+
+    ``overrides`` entries and ``cross_attention`` are validated after the stack's own blocks are
+    merged into them (see ``builder.schema``); a field the user wrote only in the stack shows
+    up there too.
+    """
+    exists = (lambda p: _get(data, p[:-1]) is not _MISSING) if how == "missing" else (
+        lambda p: _get(data, p) is not _MISSING
+    )
+    while not exists(path):
+        moved = None
+        for i in range(len(path) - 2):
+            if path[i + 1] == "overrides" and isinstance(path[i + 2], int) and i + 3 < len(path):
+                if path[i + 3] in _SPREAD:
+                    moved = path[: i + 1] + path[i + 3 :]
+            if path[i + 1] == "cross_attention" and path[:1] != ("overrides",):
+                moved = moved or path[: i + 1] + ("attention",) + path[i + 2 :]
+        if moved is None or moved == path:
+            break
+        path = moved
+    return path
+
+
+def _locate(doc: Document, data: Any, path: FieldPath, message: str, how: str) -> Problem:
+    """``how``: key (an unknown key), value (a bad value), missing (a field not given)."""
+    path = _spread_source(data, path, how)
+    if how == "missing":
+        parent = path[:-1]
+        mark = doc.key_mark(parent) if parent else doc.values.get(())
+        return Problem.at(mark or _nearest(doc, parent), path, message)
+    if how == "missing_key":
+        mark = doc.key_mark(path) if path else doc.values.get(())
+        return Problem.at(mark or _nearest(doc, path), path, message)
+    mark = doc.key_mark(path) if how == "key" else doc.value_mark(path)
+    return Problem.at(mark or _nearest(doc, path), path, message)
+
+
+def _nearest(doc: Document, path: FieldPath) -> Mark:
+    """A field left to its default has no line: point at the closest ancestor that has one."""
+    for n in range(len(path) - 1, 0, -1):
+        mark = doc.key_mark(path[:n])
+        if mark is not None:
+            return mark
+    return doc.values.get(()) or Mark("<spec>")
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen, unique = set(), []
+    for problem in problems:
+        key = (problem.file, problem.line, problem.path, problem.message)
+        if key not in seen:
+            seen.add(key)
+            unique.append(problem)
+    return unique
