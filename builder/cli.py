@@ -15,6 +15,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("builder.commands.validate", "check spec files; one line per problem"),
     "schema": ("builder.commands.schema", "print the JSON Schema of a spec"),
+    "describe": ("builder.commands.describe", "analytic parameters, FLOPs and memory of a spec"),
+    "compare": ("builder.commands.compare", "estimated vs built parameter counts, by component"),
+    "diff": ("builder.commands.diff", "fields that differ between two specs and their effect"),
 }
 
 

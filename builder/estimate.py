@@ -151,10 +151,11 @@ def estimate(
         active[key] = active.get(key, 0) + (n_params if n_active is None else n_active)
 
     # Embeddings: lookups, no matrix product.
-    tables = 2 if enc_dec and not spec.share_encoder_decoder_embeddings else 1
-    add("embedding", tables * vocab * d + spec.embedding.segments * d)
+    # one embedding module per stack, except the one shared by both stacks of an encoder-decoder
+    modules = 2 if enc_dec and not spec.share_encoder_decoder_embeddings else 1
+    add("embedding", modules * (vocab + spec.embedding.segments) * d)
     if spec.embedding.norm is not None:
-        add("embedding.norm", len(stacks) * spec.embedding.norm.params(d))
+        add("embedding.norm", modules * spec.embedding.norm.params(d))
     position = spec.position
     for name, stack in stacks.items():
         n_heads = stack.attention.n_heads
@@ -168,7 +169,8 @@ def estimate(
         cross_len = src if name == "decoder" and enc_dec else None
         for index, layer in enumerate(stack.layers()):
             est = _layer(name, index, layer, d, tokens, cross_len, causal[name], batch, act_bytes,
-                         fused_attention, masked=_eager_masked(spec, name, layer))
+                         fused_attention, masked=_eager_masked(spec, name, layer),
+                         position=position)
             layers.append(est)
             kernel_total += est.kernel_flops
             for block, n in est.params.items():
@@ -185,9 +187,8 @@ def estimate(
     total = sum(params.values())
     embedding = params["embedding"] + (params["position"] if position.acts_on == "embedding" else 0)
     forward = sum(flops.values())
-    attention_full = sum(layer.flops.get("attention", 0) + layer.flops.get("cross_attention", 0)
-                         for layer in layers)
-    kernel_forward = forward - attention_full + kernel_total
+    # the layers' attention at the FLOPs a mask-aware kernel performs, everything else as is
+    kernel_forward = forward - sum(layer.total_flops for layer in layers) + kernel_total
     train_factor = 4 if activation_checkpointing else 3
     param_est = ParamEstimate(
         total=total,
@@ -219,13 +220,15 @@ def estimate(
     return Estimate(spec.name, settings, param_est, flop_est, mem, layers)
 
 
-def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, masked):
+def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, masked,
+           position):
     """One layer's counts: self-attention, cross-attention (when cross_len), FFN, its norms."""
     attn, ffn, norm = layer.attention, layer.ffn, layer.norm
     params = {"attention": attn.params(d)}
     flops = {"attention": attn.flops(d, tokens, tokens)}
     kernel = _kernel_attention(attn, d, tokens, tokens, causal)
     saved = attn.saved_bytes(d, batch, tokens, tokens, act_bytes, fused, masked)
+    saved += position.saved_bytes_per_layer(batch, tokens, attn.resolved_head_dim(d), act_bytes)
     sublayers = 2
     if cross_len is not None:
         cross = layer.cross_attention

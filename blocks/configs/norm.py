@@ -20,9 +20,6 @@ class _NormConfig(BlockConfig):
         "add (the 2017 Transformer, BERT); sandwich: before and after each sub-layer (Gemma 2).",
     )
 
-    #: fp32 statistics per token kept for backward (LayerNorm: mean and 1/std; RMSNorm: 1/rms)
-    saved_stats: ClassVar[int]
-
     def params(self, d_model: int) -> int:
         raise NotImplementedError
 
@@ -32,8 +29,8 @@ class _NormConfig(BlockConfig):
         return 2 if self.placement == "sandwich" else 1
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward: the input, and the fp32 statistics per token."""
-        return tokens * (d_model * act_bytes + 4 * self.saved_stats)
+        """Bytes kept for backward (see builder.memory); blocks.norms computes in fp32."""
+        raise NotImplementedError
 
 
 @register("norm", "blocks.norms:LayerNorm")
@@ -43,11 +40,14 @@ class LayerNormConfig(_NormConfig):
     type: Literal["layernorm"] = "layernorm"
     bias: bool = Field(True, description="A learned bias (beta) after the scale.")
 
-    saved_stats: ClassVar[int] = 2
     examples: ClassVar[list[dict]] = [{}, {"bias": False, "eps": 1e-6}, {"placement": "post"}]
 
     def params(self, d_model: int) -> int:
         return d_model * (2 if self.bias else 1)
+
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        # F.layer_norm keeps its fp32 input and an fp32 mean and 1/std per token
+        return tokens * (4 * d_model + 2 * 4)
 
 
 @register("norm", "blocks.norms:RMSNorm")
@@ -61,8 +61,12 @@ class RMSNormConfig(_NormConfig):
         "instead of by weight initialised to 1.",
     )
 
-    saved_stats: ClassVar[int] = 1
     examples: ClassVar[list[dict]] = [{}, {"unit_offset": True}, {"placement": "sandwich", "eps": 1e-6}]
 
     def params(self, d_model: int) -> int:
         return d_model
+
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        # x.float() (kept by pow and the multiply), the fp32 1/rms per token, the normalised x
+        # (kept by the multiply with the weight)
+        return tokens * (2 * 4 * d_model + 4)

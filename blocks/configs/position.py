@@ -27,6 +27,10 @@ class _PositionConfig(BlockConfig):
         """Matrix-product FLOPs of one sequence; the built-in positions do only elementwise work."""
         return 0
 
+    def saved_bytes_per_layer(self, batch: int, seq: int, head_dim: int, act_bytes: int) -> int:
+        """Bytes each attention layer keeps for backward on this block's behalf."""
+        return 0
+
 
 @register("position", "blocks.positions:Sinusoidal")
 class SinusoidalConfig(_PositionConfig):
@@ -123,6 +127,11 @@ class RopeConfig(_PositionConfig):
 
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.rotary_fraction)
+
+    def saved_bytes_per_layer(self, batch: int, seq: int, head_dim: int, act_bytes: int) -> int:
+        # blocks.positions.Rope makes cos and sin (batch, 1, seq, rotary_dim) in every layer;
+        # the multiplies with q and k keep them
+        return 2 * batch * seq * self.rotary_dim(head_dim) * act_bytes
 
 
 @register("position", "blocks.positions:Alibi")

@@ -1,0 +1,109 @@
+"""``builder diff A.yaml B.yaml``: the fields that differ and what the change does.
+
+Fields are compared after ``extends`` and defaults are resolved (so ``n_kv_heads`` left out and
+``n_kv_heads`` set to ``n_heads`` are the same), as dotted paths. The effect is the estimate of
+each: parameters, FLOPs per token and memory, absolute and in percent of A. FLOPs are at each
+spec's own ``max_seq_len`` unless ``--seq-len`` sets one for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from builder.commands.common import add_spec_options
+from builder.commands.describe import add_estimate_options, estimate_from_args
+
+#: (quantity, estimate attribute path, unit) in the order they are reported
+EFFECTS = (
+    ("params.total", "params.total", "count"),
+    ("params.embedding", "params.embedding", "count"),
+    ("params.active", "params.active", "count"),
+    ("flops.forward_per_token", "flops.forward_per_token", "count"),
+    ("flops.train_per_token", "flops.train_per_token", "count"),
+    ("memory.training_total", "memory.training_total", "bytes"),
+    ("memory.activations", "memory.activations", "bytes"),
+    ("memory.kv_cache", "memory.kv_cache", "bytes"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec_a", metavar="A", help="the spec before")
+    parser.add_argument("spec_b", metavar="B", help="the spec after")
+    add_estimate_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_spec_options(parser)
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings and lists as ``{"decoder.attention.n_heads": 32, "x.overrides.0.layers": ...}``."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and value:
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in items:
+        out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def field_differences(spec_a, spec_b) -> list[tuple[str, Any, Any]]:
+    """``(dotted path, value in A, value in B)`` for every resolved field that differs."""
+    from builder.report import MISSING
+
+    a = flatten(spec_a.model_dump(exclude={"extends"}))
+    b = flatten(spec_b.model_dump(exclude={"extends"}))
+    paths = list(a) + [p for p in b if p not in a]
+    return [(p, a.get(p, MISSING), b.get(p, MISSING)) for p in paths if a.get(p, MISSING) != b.get(p, MISSING)]
+
+
+def effects(est_a, est_b) -> list[dict[str, Any]]:
+    rows = []
+    for quantity, path, unit in EFFECTS:
+        a, b = _get(est_a, path), _get(est_b, path)
+        rows.append({"quantity": quantity, "unit": unit, "a": a, "b": b, "change": b - a,
+                     "percent": (100.0 * (b - a) / a) if a else None})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.commands.common import spec_from_args
+
+    spec_a = spec_from_args(args, args.spec_a)
+    spec_b = spec_from_args(args, args.spec_b)
+    try:
+        est_a, est_b = estimate_from_args(spec_a, args), estimate_from_args(spec_b, args)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 1
+    fields = field_differences(spec_a, spec_b)
+    rows = effects(est_a, est_b)
+    if args.json:
+        print(json.dumps({
+            "a": {"path": args.spec_a, "name": spec_a.name, "seq_len": est_a.flops.seq_len},
+            "b": {"path": args.spec_b, "name": spec_b.name, "seq_len": est_b.flops.seq_len},
+            "fields": [{"path": p, "a": _jsonable(a), "b": _jsonable(b)} for p, a, b in fields],
+            "effects": rows,
+        }, indent=2))
+    else:
+        from rich.console import Console
+
+        from builder.report import diff_table
+
+        Console().print(diff_table(fields, rows, args.spec_a, args.spec_b))
+    return 0
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _jsonable(value):
+    from builder.report import MISSING
+
+    return None if value is MISSING else value
