@@ -205,6 +205,9 @@ def _apply_override(doc: Document, key: str, value: Any) -> None:
         elif isinstance(node, dict):
             step = part
             if not last and node.get(part) is None:
+                if parts[i + 1].lstrip("-").isdigit():
+                    where = ".".join(parts[: i + 1])
+                    raise SpecError([Problem.at(mark, key, f"{where} is not set, so it has no entry {parts[i + 1]}")])
                 node[part] = {}
                 doc.keys[path + (part,)] = doc.values[path + (part,)] = mark
         else:

@@ -1,0 +1,45 @@
+"""``builder validate SPEC...``: every problem of every file, one line each, then a summary.
+
+Exit status 0 when every file is valid, 1 otherwise. Torch-free: this path must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from builder.commands.common import add_spec_options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("specs", nargs="+", metavar="SPEC", help="spec files (YAML)")
+    add_spec_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.commands.common import load_plugins_from_args, overrides_from_args
+    from builder.loader import SpecError, validate_file
+    from builder.plugins import PluginError
+
+    try:
+        load_plugins_from_args(args)
+        overrides = overrides_from_args(args)
+    except PluginError as exc:
+        print(f"error: {exc}")
+        return 1
+    except SpecError as exc:
+        print(exc)
+        return 1
+    bad = n_problems = 0
+    for path in args.specs:
+        problems = validate_file(path, overrides)
+        for problem in problems:
+            print(problem)
+        bad += bool(problems)
+        n_problems += len(problems)
+    total = len(args.specs)
+    files = "file" if total == 1 else "files"
+    if bad:
+        print(f"{total - bad} of {total} {files} ok; {n_problems} problem{'s' * (n_problems != 1)} in {bad}")
+        return 1
+    print(f"{total} {files} ok")
+    return 0
