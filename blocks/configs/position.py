@@ -38,6 +38,13 @@ class SinusoidalConfig(_PositionConfig):
 
     type: Literal["sinusoidal"] = "sinusoidal"
     acts_on: ClassVar[str] = "embedding"
+    layout: Literal["interleaved", "split"] = Field(
+        "interleaved",
+        description="interleaved: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...) (the "
+        "paper); split: all the sines in the first half of the vector, the cosines in the second "
+        "(tensor2tensor, fairseq, Marian).",
+    )
+    examples: ClassVar[list[dict]] = [{}, {"layout": "split"}]
 
 
 @register("position", "blocks.positions:Learned")
