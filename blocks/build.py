@@ -1,0 +1,57 @@
+"""One way to build any registered block: ``build_block(config, dims, **extra)``.
+
+The module class comes from the registry (``blocks.registry.module_class(config)``, the
+config's ``module_path``). Its constructor takes the config first and then only the dimensions
+it needs, by name (``MLP(config, d_model)``, ``Learned(config, d_model, max_seq_len)``);
+``build_block`` fills each from ``extra`` (per-call arguments such as ``causal`` or
+``tied_embedding``) or else from ``dims``. A block never sees the whole spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from torch import nn
+
+from blocks import registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Dimensions shared by the blocks of one model (or one stack)."""
+
+    d_model: int
+    vocab_size: int
+    max_seq_len: int
+    n_heads: int | None = None  # the stack's attention heads (T5's relative bias table)
+    head_dim: int | None = None
+
+
+_SIGNATURES: dict[type, list[inspect.Parameter]] = {}
+
+
+def _parameters(cls: type) -> list[inspect.Parameter]:
+    if cls not in _SIGNATURES:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # drop self
+        _SIGNATURES[cls] = params[1:]  # drop config
+    return _SIGNATURES[cls]
+
+
+def build_block(config, dims: Dims, **extra) -> nn.Module:
+    """Build the ``nn.Module`` registered for ``config``."""
+    cls = registry.module_class(config)
+    kwargs = {}
+    for param in _parameters(cls):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.name in extra:
+            kwargs[param.name] = extra[param.name]
+        elif hasattr(dims, param.name) and getattr(dims, param.name) is not None:
+            kwargs[param.name] = getattr(dims, param.name)
+        elif param.default is inspect.Parameter.empty:
+            raise TypeError(
+                f"{cls.__qualname__} needs {param.name!r}, which neither the shared dimensions "
+                f"({', '.join(f.name for f in dataclasses.fields(Dims))}) nor the call provide"
+            )
+    return cls(config, **kwargs)

@@ -1,0 +1,49 @@
+"""Token embeddings: the token table, optional segment (token-type) table, scale, norm, dropout.
+
+``forward`` sums ``tokens(ids) * scale + positions + segments(token_type_ids)``, then applies
+the embedding norm (BERT) and dropout. Absolute position embeddings (sinusoidal, learned) are
+computed by the stack's position block and passed in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class Embeddings(nn.Module):
+    """``tokens`` is an ``nn.Embedding(vocab_size, d_model)``; ``segments`` one of
+    ``(segments, d_model)`` when the spec asks for token types; ``norm`` a built norm or None."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, scale: str = "none", segments: int = 0,
+                 norm: nn.Module | None = None, dropout: float = 0.0):
+        super().__init__()
+        if scale not in ("none", "sqrt_d"):
+            raise ValueError(f"embedding scale must be none or sqrt_d, got {scale!r}")
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.segments = nn.Embedding(segments, d_model) if segments else None
+        self.scale = math.sqrt(d_model) if scale == "sqrt_d" else None
+        self.norm = norm
+        self.dropout = nn.Dropout(dropout)
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        x = self.tokens(input_ids)  # (batch, seq, d_model)
+        if self.scale is not None:
+            x = x * self.scale
+        if position_embeddings is not None:
+            x = x + position_embeddings.to(x.dtype)
+        if token_type_ids is not None:
+            if self.segments is None:
+                raise ValueError("token_type_ids given but the spec has no segment table (embedding.segments: 0)")
+            x = x + self.segments(token_type_ids)
+        elif self.segments is not None:
+            x = x + self.segments.weight[0]  # type 0 everywhere, as BERT defaults
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)

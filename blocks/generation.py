@@ -1,0 +1,333 @@
+"""Decoding: a KV cache for every attention variant, and ``generate`` (greedy, sampling, beam).
+
+Allocation policy (what :meth:`KVCache.nbytes` reports and what ``generate`` allocates): for a
+decoding batch of ``B`` rows (``batch * num_beams``), a prompt of ``P`` tokens (the decoder
+prompt for an encoder-decoder) and ``N = max_new_tokens``, every decoder layer ``l`` holds
+
+* self-attention keys and values, preallocated in the model's dtype:
+  ``2 * B * n_kv_heads_l * min(P + N, sliding_window_l or inf) * head_dim_l * itemsize``;
+  a windowed layer whose capacity is the window keeps a ring buffer that evicts the oldest keys;
+* for an encoder-decoder, cross-attention keys and values projected once from the encoder
+  output of ``S`` source tokens: ``2 * B * n_kv_heads_cross_l * S * head_dim_cross_l * itemsize``.
+
+The cache returns keys in token order together with the token index of the first one, so the
+attention kernel's causal and window masks, ALiBi distances and T5 relative buckets are the
+same as in a full forward pass. RoPE is applied before keys are cached, at their positions.
+
+``generate`` semantics (mirroring Hugging Face): greedy unless sampling is asked for.
+``do_sample=None`` (the default) samples exactly when ``temperature`` (other than 0),
+``top_k`` or ``top_p`` is given; ``temperature=0`` is always greedy; an explicit ``do_sample``
+wins otherwise. After a row emits ``eos_token_id`` it is filled with ``pad_token_id`` (default:
+the EOS id), and decoding stops when every row has finished. Beam search scores a finished
+hypothesis by ``sum log p / new_tokens ** length_penalty`` (new tokens including the EOS) and
+stops a batch item once it holds ``num_beams`` finished hypotheses none of which the best running
+beam can still beat (or at once with ``early_stopping=True``). Batched prompts with padding
+must be left-padded, with ``attention_mask`` marking the real tokens. The model is put in eval
+mode while decoding and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """Keys and values of one layer's self-attention (and its cross-attention memory)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, capacity: int, window: int | None,
+                 dtype: torch.dtype, device):
+        shape = (batch, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.window = window
+        self.length = 0  # tokens written so far
+        self.memory: tuple[torch.Tensor, torch.Tensor] | None = None  # cross-attention keys, values
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Append ``k``, ``v`` ``(batch, n_kv_heads, new, head_dim)``; return the keys and values
+        the new queries attend to, in token order, and the token index of the first of them."""
+        start, new, cap = self.length, k.shape[2], self.capacity
+        if start + new <= cap:  # no eviction yet: slot == token index
+            self.k[:, :, start : start + new] = k
+            self.v[:, :, start : start + new] = v
+            self.length += new
+            return self.k[:, :, : start + new], self.v[:, :, : start + new], 0
+        if self.window is None:
+            raise ValueError(
+                f"KV cache full: allocated for {cap} tokens, asked to hold {start + new}; "
+                "allocate it for prompt + max_new_tokens"
+            )
+        # Ring buffer: token i lives in slot i % cap. The kept past (at most cap tokens, which
+        # covers the window) is read back in token order ahead of the new keys.
+        kept = min(start, cap)
+        slots = torch.arange(start - kept, start, device=k.device) % cap
+        k_all = torch.cat((self.k.index_select(2, slots), k), dim=2)  # (batch, n_kv_heads, kept + new, head_dim)
+        v_all = torch.cat((self.v.index_select(2, slots), v), dim=2)
+        stored = min(new, cap)
+        new_slots = torch.arange(start + new - stored, start + new, device=k.device) % cap
+        self.k[:, :, new_slots] = k[:, :, new - stored :]
+        self.v[:, :, new_slots] = v[:, :, new - stored :]
+        self.length += new
+        return k_all, v_all, start - kept
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (beam search), in place."""
+        self.k.copy_(self.k.index_select(0, index))
+        self.v.copy_(self.v.index_select(0, index))
+        if self.memory is not None:
+            self.memory = tuple(t.index_select(0, index) for t in self.memory)
+
+    def nbytes(self) -> int:
+        tensors = [self.k, self.v] + (list(self.memory) if self.memory is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class KVCache:
+    """One :class:`LayerCache` per layer of a stack; ``length`` counts the tokens already fed."""
+
+    def __init__(self, layers: list[LayerCache]):
+        self.layers = layers
+        self.length = 0
+
+    @classmethod
+    def for_stack(cls, stack, batch: int, max_tokens: int, dtype: torch.dtype, device) -> "KVCache":
+        """Preallocate for ``max_tokens`` tokens (a windowed layer: at most its window)."""
+        layers = []
+        for layer in stack.layers:
+            attention = layer.attention
+            window = attention.sliding_window
+            capacity = max_tokens if window is None else min(max_tokens, window)
+            layers.append(LayerCache(batch, attention.n_kv_heads, attention.head_dim, capacity, window, dtype, device))
+        return cls(layers)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.reorder(index)
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's keys and values (self- and cross-attention)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+class _DecodeState:
+    """The growing decoder-side sequence, its mask, the encoder memory and the cache."""
+
+    def __init__(self, model, tokens, mask, memory, memory_mask, use_cache: bool, max_new_tokens: int):
+        self.model, self.tokens, self.mask = model, tokens, mask
+        self.memory, self.memory_mask = memory, memory_mask
+        self.fed = 0
+        self.cache = None
+        if use_cache:
+            param = next(model.parameters())
+            self.cache = KVCache.for_stack(model.decoder, tokens.shape[0], tokens.shape[1] + max_new_tokens,
+                                           param.dtype, tokens.device)
+
+    def next_logits(self) -> torch.Tensor:
+        """Logits ``(rows, vocab)`` for the token after the current sequence."""
+        ids = self.tokens[:, self.fed :] if self.cache is not None else self.tokens
+        if self.memory is not None:
+            logits = self.model(None, self.memory_mask, decoder_input_ids=ids, decoder_attention_mask=self.mask,
+                                memory=self.memory, cache=self.cache)
+        else:
+            logits = self.model(ids, self.mask, cache=self.cache)
+        if logits.dim() != 3:
+            raise ValueError("generate needs a head that returns vocabulary logits (head type lm or mlm)")
+        self.fed = self.tokens.shape[1]
+        return logits[:, -1].float()
+
+    def append(self, next_tokens: torch.Tensor) -> None:
+        self.tokens = torch.cat((self.tokens, next_tokens[:, None]), dim=1)
+        if self.mask is not None:
+            self.mask = torch.cat((self.mask, self.mask.new_ones(self.mask.shape[0], 1)), dim=1)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.tokens = self.tokens[index]
+        if self.mask is not None:
+            self.mask = self.mask[index]
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+
+def sample_next(logits: torch.Tensor, temperature: float | None, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from ``logits`` ``(rows, vocab)``: temperature, then top-k, then top-p
+    (the smallest set of tokens whose probability reaches ``top_p``, at least one kept)."""
+    if temperature is not None and temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative <= 1 - top_p
+        drop_sorted[:, -1] = False
+        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature):
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_beams < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature is not None and temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+class GenerationMixin:
+    """``generate`` for models with a ``decoder`` stack (decoder-only and encoder-decoder)."""
+
+    last_cache_nbytes: int | None = None
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, attention_mask=None,
+                 decoder_input_ids=None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, do_sample: bool | None = None, num_beams: int = 1,
+                 length_penalty: float = 1.0, early_stopping: bool = False, eos_token_id=None,
+                 pad_token_id: int | None = None, decoder_start_token_id: int | None = None,
+                 streamer=None, use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Token ids ``(batch, prompt + new)`` (the decoder side for an encoder-decoder).
+
+        ``streamer``: a callable, or an object with ``put``/``end`` (Hugging Face streamers),
+        called with each new ``(batch,)`` token tensor (greedy and sampling only).
+        ``use_cache=False`` recomputes the whole sequence at every step (a reference).
+        After the call ``self.last_cache_nbytes`` holds the cache's bytes (see module doc).
+        """
+        _check_args(max_new_tokens, num_beams, top_k, top_p, temperature)
+        if do_sample is None:
+            do_sample = (temperature is not None and temperature != 0) or top_k is not None or top_p is not None
+        if temperature == 0:
+            do_sample = False
+        if num_beams > 1 and do_sample:
+            raise ValueError("beam search with sampling is not supported; drop temperature/top_k/top_p or num_beams")
+        if num_beams > 1 and streamer is not None:
+            raise ValueError("a streamer works with greedy or sampled decoding, not beam search")
+        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
+
+        was_training = self.training
+        self.eval()
+        try:
+            state = self._decode_state(input_ids, attention_mask, decoder_input_ids, decoder_start_token_id, pad,
+                                       num_beams, use_cache, max_new_tokens)
+            if num_beams > 1:
+                out = _beam_search(state, num_beams, max_new_tokens, eos, pad, length_penalty, early_stopping)
+            else:
+                out = _greedy_or_sample(state, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad,
+                                        streamer, generator)
+            self.last_cache_nbytes = state.cache.nbytes() if state.cache is not None else 0
+            return out
+        finally:
+            self.train(was_training)
+
+    def _decode_state(self, input_ids, attention_mask, decoder_input_ids, start_id, pad, num_beams, use_cache,
+                      max_new_tokens) -> _DecodeState:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        expand = (lambda t: t.repeat_interleave(num_beams, dim=0)) if num_beams > 1 else (lambda t: t)
+        if not hasattr(self, "encoder"):
+            if decoder_input_ids is not None:
+                raise ValueError("decoder_input_ids is for encoder-decoder models; pass the prompt as input_ids")
+            mask = expand(attention_mask) if attention_mask is not None else None
+            return _DecodeState(self, expand(input_ids), mask, None, None, use_cache, max_new_tokens)
+        memory = self.encode(input_ids, attention_mask)
+        if decoder_input_ids is None:
+            start = start_id if start_id is not None else pad
+            if start is None:
+                raise ValueError("pass decoder_input_ids, decoder_start_token_id or pad_token_id to start the decoder")
+            decoder_input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long, device=input_ids.device)
+        memory_mask = expand(attention_mask) if attention_mask is not None else None
+        return _DecodeState(self, expand(decoder_input_ids), None, expand(memory), memory_mask, use_cache,
+                            max_new_tokens)
+
+
+def _greedy_or_sample(state, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, streamer, generator):
+    rows = state.tokens.shape[0]
+    unfinished = torch.ones(rows, dtype=torch.bool, device=state.tokens.device)
+    eos_ids = torch.tensor(eos, device=state.tokens.device) if eos else None
+    for _ in range(max_new_tokens):
+        logits = state.next_logits()
+        if do_sample:
+            next_tokens = sample_next(logits, temperature, top_k, top_p, generator)
+        else:
+            next_tokens = logits.argmax(dim=-1)
+        if eos_ids is not None:
+            next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
+            unfinished &= ~torch.isin(next_tokens, eos_ids)
+        state.append(next_tokens)
+        if streamer is not None:
+            (streamer.put if hasattr(streamer, "put") else streamer)(next_tokens)
+        if eos_ids is not None and not unfinished.any():
+            break
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
+    return state.tokens
+
+
+def _beam_search(state, num_beams, max_new_tokens, eos, pad, length_penalty, early_stopping):
+    rows = state.tokens.shape[0]
+    batch, prompt_len, device = rows // num_beams, state.tokens.shape[1], state.tokens.device
+    beam_scores = torch.zeros(batch, num_beams, device=device)
+    beam_scores[:, 1:] = float("-inf")  # every beam starts identical: expand the first only
+    beam_scores = beam_scores.view(-1)
+    finished: list[list[tuple[float, torch.Tensor]]] = [[] for _ in range(batch)]
+    done = [False] * batch
+
+    def add(b: int, score: float, tokens: torch.Tensor):
+        hyps = finished[b]
+        hyps.append((score / max(tokens.numel(), 1) ** length_penalty, tokens))
+        hyps.sort(key=lambda h: -h[0])
+        del hyps[num_beams:]
+
+    for step in range(max_new_tokens):
+        logprobs = torch.log_softmax(state.next_logits(), dim=-1)  # (rows, vocab)
+        vocab = logprobs.shape[-1]
+        scores = (logprobs + beam_scores[:, None]).view(batch, num_beams * vocab)
+        top_scores, top_ids = scores.topk(min(2 * num_beams, num_beams * vocab), dim=1)
+        next_scores = torch.zeros(batch, num_beams, device=device)
+        next_tokens = torch.full((batch, num_beams), pad if pad is not None else 0, dtype=torch.long, device=device)
+        next_rows = torch.arange(batch, device=device)[:, None].mul(num_beams).expand(batch, num_beams).clone()
+        for b in range(batch):
+            if done[b]:
+                continue
+            chosen = 0
+            for rank, (score, flat) in enumerate(zip(top_scores[b].tolist(), top_ids[b].tolist())):
+                beam, token = divmod(flat, vocab)
+                row = b * num_beams + beam
+                if token in eos:
+                    if rank < num_beams:
+                        add(b, score, torch.cat((state.tokens[row, prompt_len:], torch.tensor([token], device=device))))
+                    continue
+                next_scores[b, chosen], next_tokens[b, chosen], next_rows[b, chosen] = score, token, row
+                chosen += 1
+                if chosen == num_beams:
+                    break
+            if len(finished[b]) == num_beams:
+                best_running = top_scores[b].max().item() / (step + 1) ** length_penalty
+                done[b] = early_stopping or finished[b][-1][0] >= best_running
+        if all(done):
+            break
+        state.reorder(next_rows.view(-1))
+        state.append(next_tokens.view(-1))
+        beam_scores = next_scores.view(-1)
+
+    for b in range(batch):
+        if not done[b]:
+            for beam in range(num_beams):
+                row = b * num_beams + beam
+                add(b, beam_scores[row].item(), state.tokens[row, prompt_len:])
+    best = [finished[b][0][1] for b in range(batch)]
+    width = max(t.numel() for t in best)
+    if pad is None and any(t.numel() != width for t in best):
+        raise ValueError("beams finished at different lengths; pass pad_token_id to pad them")
+    out = torch.full((batch, prompt_len + width), pad if pad is not None else 0, dtype=torch.long, device=device)
+    for b, tokens in enumerate(best):
+        out[b, :prompt_len] = state.tokens[b * num_beams, :prompt_len]
+        out[b, prompt_len : prompt_len + tokens.numel()] = tokens
+    return out

@@ -1,0 +1,239 @@
+"""Position blocks: sinusoidal, learned, RoPE (with its scalings), ALiBi, T5 relative bias, none.
+
+Two kinds, by where they act (``config.acts_on``):
+
+* ``embedding``: :class:`Sinusoidal` and :class:`Learned` return a ``(batch, seq, d_model)``
+  tensor that the stack adds to the token embeddings, from ``positions`` ``(batch, seq)``.
+* ``attention``: :class:`Rope` rotates queries and keys at ``positions``; :class:`Alibi` gives
+  per-head slopes for the attention kernel; :class:`RelativeBias` gives an additive
+  ``(1, n_heads, seq_q, seq_k)`` bias from query and key token indices.
+
+Nothing here keeps a buffer: frequencies and slopes are recomputed from the config (a few
+hundred floats), so the blocks build instantly on the meta device and never go stale after
+``.to()``. No position computation is a matrix product (outer products are broadcast
+multiplies), so FLOP counters see only the model's real matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class _Position(nn.Module):
+    """Base of the position blocks: ``acts_on`` ("embedding" | "attention") comes from the config."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.acts_on = type(config).acts_on
+
+
+def _check_positions(positions: torch.Tensor) -> None:
+    if positions.dim() != 2:
+        raise ValueError(f"positions must be (batch, seq), got shape {tuple(positions.shape)}")
+
+
+class Sinusoidal(_Position):
+    """Vaswani et al. 2017: ``PE[p, 2i] = sin(p / 10000^(2i/d))``, ``PE[p, 2i+1] = cos(...)``;
+    ``layout: split`` puts the sines in the first half and the cosines in the second (Marian)."""
+
+    def __init__(self, config, d_model: int):
+        super().__init__(config)
+        self.d_model = d_model
+        self.layout = config.layout  # interleaved | split (see SinusoidalConfig)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        _check_positions(positions)
+        pairs = (self.d_model + 1) // 2
+        inv_freq = 10000.0 ** (-torch.arange(pairs, device=positions.device, dtype=torch.float32) * 2 / self.d_model)
+        angles = positions.float()[..., None] * inv_freq  # (batch, seq, pairs)
+        if self.layout == "split":  # sines then cosines; an odd d_model has one more sine
+            return torch.cat((angles.sin(), angles.cos()[..., : self.d_model - pairs]), dim=-1)  # (batch, seq, d_model)
+        table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (batch, seq, pairs, 2)
+        return table.flatten(-2)[..., : self.d_model]  # (batch, seq, d_model), sin/cos interleaved
+
+
+class Learned(_Position):
+    """A learned table of absolute position embeddings (GPT-2's ``wpe``, BERT)."""
+
+    def __init__(self, config, d_model: int, max_seq_len: int):
+        super().__init__(config)
+        self.max_positions = config.max_positions or max_seq_len
+        self.weight = nn.Parameter(torch.empty(self.max_positions, d_model))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        _check_positions(positions)
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the learned table of {self.max_positions} "
+                "positions; shorten the input or raise position.max_positions"
+            )
+        return self.weight[positions]  # (batch, seq, d_model)
+
+
+def rope_frequencies(config, head_dim: int, device=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``(rotary_dim / 2,)`` and the cos/sin multiplier of a RoPE config.
+
+    The scalings follow Hugging Face's ``transformers.modeling_rope_utils`` formulas
+    (``_compute_{linear_scaling,dynamic_ntk,yarn,llama3}_parameters``; ``ntk`` is the dynamic
+    formula at the original context, i.e. theta * factor^(d / (d - 2))).
+    """
+    dim = config.rotary_dim(head_dim)
+    base = config.theta
+    scaling = config.scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if scaling is not None and scaling.type == "ntk":
+        base = base * scaling.factor ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    if scaling is None or scaling.type == "ntk":
+        return inv_freq, 1.0
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if scaling.type == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if scaling.type == "yarn":
+        return _yarn(inv_freq, dim, base, scaling)
+    raise ValueError(f"unknown rope scaling {scaling.type!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, s) -> torch.Tensor:
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tensor, float]:
+    factor = s.factor
+    if s.attention_factor is not None:
+        attention_factor = s.attention_factor
+    else:
+        attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # prevents a division by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    blended = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return blended, attention_factor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope(_Position):
+    """Rotary embedding (Su et al. 2021), GPT-NeoX layout: ``rotate_half`` on the first
+    ``rotary_dim`` dimensions of each head, the rest passed through."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.config = config
+
+    def cos_sin(self, positions: torch.Tensor, head_dim: int, dtype: torch.dtype):
+        """``(batch, 1, seq, rotary_dim)`` cosines and sines at ``positions`` ``(batch, seq)``."""
+        _check_positions(positions)
+        inv_freq, attention_factor = rope_frequencies(self.config, head_dim, positions.device)
+        angles = positions.float()[..., None] * inv_freq  # (batch, seq, rotary_dim / 2)
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # (batch, 1, seq, rotary_dim)
+        return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """Rotate ``q`` ``(batch, n_heads, seq, head_dim)`` and ``k`` ``(batch, n_kv_heads, ...)``."""
+        head_dim = q.shape[-1]
+        rotary_dim = self.config.rotary_dim(head_dim)
+        cos, sin = self.cos_sin(positions, head_dim, q.dtype)
+
+        def rotate(x):
+            rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+            return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+        return rotate(q), rotate(k)
+
+
+def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:
+    """The ALiBi paper's head slopes, a geometric series from ``2^(-8/n)``; for a head count
+    that is not a power of two, the closest power's slopes and then every other slope of twice
+    that count (as in the ALiBi repository and Hugging Face's ``build_alibi_tensor``)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = base ** torch.arange(1, 1 + closest, dtype=torch.float32, device=device)
+    if closest != n_heads:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        remaining = min(closest, n_heads - closest)
+        extra = extra_base ** torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.float32, device=device)
+        slopes = torch.cat((slopes, extra))
+    return slopes
+
+
+class Alibi(_Position):
+    """ALiBi (Press et al. 2021): the kernel adds ``-slope_h * (i - j)`` to score (i, j)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+
+    def forward(self, n_heads: int, device=None) -> torch.Tensor:
+        return alibi_slopes(n_heads, device)
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket of ``key - query``: exact for small distances, log-spaced up to
+    ``max_distance``; bidirectional buckets split the range between past and future."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class RelativeBias(_Position):
+    """T5's learned relative position bias: one ``(num_buckets, n_heads)`` table per stack,
+    shared by its layers. Causal (one-sided) buckets in a decoder, bidirectional in an encoder."""
+
+    def __init__(self, config, n_heads: int, causal: bool):
+        super().__init__(config)
+        self.num_buckets = config.num_buckets
+        self.max_distance = config.max_distance
+        self.n_heads = n_heads
+        self.bidirectional = not causal
+        self.weight = nn.Parameter(torch.empty(config.num_buckets, n_heads))
+
+    def forward(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """``(1, n_heads, seq_q, seq_k)`` bias for token indices ``(seq_q,)`` and ``(seq_k,)``."""
+        if n_heads != self.n_heads:
+            raise ValueError(
+                f"the stack's relative bias table has {self.n_heads} heads but a layer has {n_heads}; "
+                "relative_bias needs the same n_heads in every layer of a stack"
+            )
+        relative = key_index[None, :] - query_index[:, None]  # (seq_q, seq_k)
+        buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.weight[buckets].permute(2, 0, 1)[None]  # (1, n_heads, seq_q, seq_k)
+
+
+class NoPosition(_Position):
+    """No position information (NoPE): the causal mask alone orders the tokens."""
+
+    def __init__(self, config):
+        super().__init__(config)

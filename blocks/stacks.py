@@ -1,0 +1,160 @@
+"""Stacks of layers and the three model architectures built from them.
+
+A :class:`TransformerStack` owns its embedding (shared between the encoder and decoder of an
+encoder-decoder when the spec says so), its position block (one per stack: a learned table or
+T5's relative-bias table is shared by that stack's layers), its layers and its final norm. It
+computes positions and padding once per forward and hands them to every layer.
+
+Forward contract (Hugging Face conventions; ``attention_mask`` is 1 for real tokens, 0 for
+padding):
+
+* :class:`DecoderOnlyModel`, :class:`EncoderOnlyModel`:
+  ``model(input_ids, attention_mask=None, token_type_ids=None)`` -> the head's output: logits
+  ``(batch, seq, vocab_size)``, ``(batch, n_classes)`` for classification, hidden states for
+  head ``none``.
+* :class:`EncoderDecoderModel`: ``model(input_ids, attention_mask=None, decoder_input_ids=...,
+  decoder_attention_mask=None)`` -> the head's output over the decoder positions.
+
+Position ids are ``cumsum(attention_mask) - 1`` when a mask is given (a left-padded sequence
+starts at position 0, as in Hugging Face), else ``0 .. seq - 1`` after any cached tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blocks.attention import AttentionInputs
+from blocks.generation import GenerationMixin
+from blocks.positions import Alibi, RelativeBias, Rope
+
+
+class TransformerStack(nn.Module):
+    def __init__(self, embedding: nn.Module, position: nn.Module, layers: list[nn.Module],
+                 final_norm: nn.Module | None, *, causal: bool):
+        super().__init__()
+        self.embedding = embedding
+        self.position = position
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm
+        self.causal = causal
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``.
+
+        With a ``cache`` (``blocks.generation.KVCache``) the ids are the tokens after the cached
+        ones and ``attention_mask`` covers the cached and the new tokens.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        batch, seq = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (batch, start + seq):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                    f"(batch, cached + new tokens) = {(batch, start + seq)}"
+                )
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (batch, seq)
+        else:
+            positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
+        position = self.position
+        embedded_positions = position(positions) if position.acts_on == "embedding" else None
+        x = self.embedding(input_ids, token_type_ids, embedded_positions)
+        inputs = AttentionInputs(
+            start, seq, positions=positions, key_mask=attention_mask,
+            rope=position if isinstance(position, Rope) else None,
+            alibi=position if isinstance(position, Alibi) else None,
+            relative_bias=position if isinstance(position, RelativeBias) else None,
+        )
+        memory_inputs = AttentionInputs(0, seq, key_mask=memory_mask) if memory is not None else None
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = layer(x, inputs, cache=layer_cache, memory=memory, memory_inputs=memory_inputs)
+        if cache is not None:
+            cache.length += seq
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class _Model(nn.Module):
+    """What every architecture shares: ``spec`` (set by ``builder.build_model``), parameter
+    counts and the MoE auxiliary loss."""
+
+    spec = None
+
+    def stacks(self) -> dict[str, TransformerStack]:
+        return {name: getattr(self, name) for name in ("encoder", "decoder") if hasattr(self, name)}
+
+    def n_params(self) -> int:
+        """Parameters, tied and shared tensors counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def aux_loss(self) -> torch.Tensor:
+        """The sum of every MoE block's load-balancing loss from the last forward (0 without MoE)."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+        if not losses:
+            return torch.zeros((), device=next(self.parameters()).device)
+        return torch.stack(losses).sum()
+
+
+class DecoderOnlyModel(GenerationMixin, _Model):
+    """A causal stack and a head (GPT, Llama)."""
+
+    def __init__(self, decoder: TransformerStack, head: nn.Module):
+        super().__init__()
+        self.decoder = decoder
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, *, cache=None) -> torch.Tensor:
+        hidden = self.decoder(input_ids, attention_mask, token_type_ids, cache=cache)
+        mask = attention_mask[:, -input_ids.shape[1]:] if attention_mask is not None else None
+        return self.head(hidden, mask)
+
+
+class EncoderOnlyModel(_Model):
+    """A bidirectional stack and a head (BERT)."""
+
+    def __init__(self, encoder: TransformerStack, head: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.encoder(input_ids, attention_mask, token_type_ids), attention_mask)
+
+
+class EncoderDecoderModel(GenerationMixin, _Model):
+    """An encoder and a causal decoder that cross-attends to its output (2017 Transformer, T5)."""
+
+    def __init__(self, encoder: TransformerStack, decoder: TransformerStack, head: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+        self.head = head
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(input_ids, attention_mask, token_type_ids)
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        if decoder_input_ids is None:
+            raise ValueError("an encoder-decoder model needs decoder_input_ids (the target side)")
+        if memory is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids (the source) or a precomputed encoder output as memory")
+            memory = self.encode(input_ids, attention_mask, token_type_ids)
+        hidden = self.decoder(decoder_input_ids, decoder_attention_mask, memory=memory,
+                              memory_mask=attention_mask, cache=cache)
+        mask = decoder_attention_mask[:, -decoder_input_ids.shape[1]:] if decoder_attention_mask is not None else None
+        return self.head(hidden, mask)

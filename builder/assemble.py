@@ -1,0 +1,112 @@
+"""Assemble a PyTorch model from a validated spec: ``build_model(spec)``.
+
+Assembly walks the spec and builds every block through ``blocks.build.build_block``, then hands
+the built children to their parents (torchtune style): a layer gets its attention, FFN and
+norms; a stack its embedding, position block, layers and final norm; the model its stacks and
+head. Blocks are constructed directly on the target device (``device="meta"``: shapes only,
+instant even for 175B parameters, no init work) and then initialised by
+``blocks.init.init_weights`` (seed with ``torch.manual_seed`` before calling). Building on meta
+and materialising with ``to_empty`` would skip the constructors' default init, but the first
+meta operation of a process imports PyTorch's meta kernels (about a second), too slow for the
+tiny specs a test builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+from blocks import registry
+from blocks.build import Dims, build_block
+from blocks.embeddings import Embeddings
+from blocks.init import init_weights
+from blocks.layers import TransformerLayer
+from blocks.stacks import TransformerStack
+
+BACKENDS = ("auto", "eager", "sdpa", "triton")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(spec, device=None, dtype: torch.dtype | None = None, attention_backend: str = "auto") -> nn.Module:
+    """The ``nn.Module`` a spec describes (a validated ``ModelSpec``, or a mapping to validate).
+
+    ``device``: where the parameters live (``"meta"``: shapes only, no memory, no init);
+    ``dtype``: their floating dtype (default: torch's default, fp32);
+    ``attention_backend``: ``auto`` | ``eager`` | ``sdpa`` | ``triton``, used by every attention
+    layer (see ``kernels.attention``).
+    """
+    if attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {attention_backend!r}")
+    if isinstance(spec, dict):
+        from builder.schema import spec_model
+
+        spec = spec_model().model_validate(spec)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    with device, _default_dtype(dtype):
+        model = _assemble(spec, attention_backend)
+    init_weights(model)  # a no-op on meta
+    model.spec = spec
+    return model
+
+
+def _assemble(spec, backend: str) -> nn.Module:
+    dims = Dims(d_model=spec.d_model, vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len)
+    architecture = spec.architecture_config
+    stacks: dict[str, TransformerStack] = {}
+    shared_embedding = None
+    for name, stack_config in spec.stacks().items():
+        if spec.architecture == "encoder-decoder" and spec.share_encoder_decoder_embeddings and shared_embedding:
+            embedding = shared_embedding
+        else:
+            embedding = shared_embedding = _embedding(spec, dims)
+        cross = spec.architecture == "encoder-decoder" and name == "decoder"
+        stacks[name] = _stack(spec, dims, stack_config, embedding, architecture.causal[name], cross, backend)
+    output_side = stacks["decoder" if "decoder" in stacks else "encoder"]
+    tied = output_side.embedding.tokens if spec.tie_embeddings and type(spec.head).projects_to_vocab else None
+    head = build_block(spec.head, dims, tied_embedding=tied)
+    return registry.module_class(architecture)(**stacks, head=head)
+
+
+def _embedding(spec, dims: Dims) -> Embeddings:
+    section = spec.embedding
+    norm = build_block(section.norm, dims) if section.norm is not None else None
+    return Embeddings(dims.vocab_size, dims.d_model, scale=section.scale, segments=section.segments, norm=norm,
+                      dropout=section.dropout)
+
+
+def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool, backend: str) -> TransformerStack:
+    attention = stack_config.attention
+    stack_dims = dataclasses.replace(dims, n_heads=attention.n_heads,
+                                     head_dim=attention.resolved_head_dim(dims.d_model))
+    position = build_block(spec.position, stack_dims, causal=causal)
+    layers = []
+    for index in range(stack_config.n_layers):
+        layer = stack_config.layer(index)
+        self_attention = build_block(layer.attention, dims, causal=causal, cross=False, backend=backend)
+        cross_attention = build_block(layer.cross_attention, dims, cross=True, backend=backend) if cross else None
+        ffn = build_block(layer.ffn, dims)
+        sublayers = ["attention", "ffn"] + (["cross_attention"] if cross else [])
+        norms = {f"{sub}_norm": build_block(layer.norm, dims) for sub in sublayers}
+        if layer.norm.placement == "sandwich":
+            norms.update({f"{sub}_post_norm": build_block(layer.norm, dims) for sub in sublayers})
+        layers.append(TransformerLayer(self_attention, ffn, norms, cross_attention=cross_attention,
+                                       placement=layer.norm.placement, dropout=layer.dropout))
+    final_norm = build_block(stack_config.norm, dims) if stack_config.final_norm else None
+    return TransformerStack(embedding, position, layers, final_norm, causal=causal)
