@@ -146,6 +146,7 @@ class AlibiConfig(_PositionConfig):
     """ALiBi (Press et al. 2021): a per-head linear penalty on distance added to the scores."""
 
     type: Literal["alibi"] = "alibi"
+    examples: ClassVar[list[dict]] = [{}]  # no fields
 
 
 @register("position", "blocks.positions:RelativeBias")
@@ -166,3 +167,4 @@ class NoPositionConfig(_PositionConfig):
     """No position information (NoPE); a causal mask alone orders the tokens."""
 
     type: Literal["none"] = "none"
+    examples: ClassVar[list[dict]] = [{}]  # no fields

@@ -16,8 +16,6 @@ class _ArchitectureConfig(BlockConfig):
     stacks: ClassVar[tuple[str, ...]]
     #: whether the decoder's self-attention is causal (an encoder's never is)
     causal: ClassVar[dict[str, bool]] = {"encoder": False, "decoder": True}
-    #: the stack has no fields of its own; its counts are the sum of what it holds
-    examples: ClassVar[list[dict]] = [{}]
 
 
 @register("stack", "blocks.stacks:DecoderOnlyModel")
@@ -25,6 +23,7 @@ class DecoderOnlyConfig(_ArchitectureConfig):
     """A causal stack (GPT, Llama)."""
 
     type: Literal["decoder-only"] = "decoder-only"
+    examples: ClassVar[list[dict]] = [{}]  # no fields; tests count whole tiny models
     stacks: ClassVar[tuple[str, ...]] = ("decoder",)
 
 
@@ -33,6 +32,7 @@ class EncoderOnlyConfig(_ArchitectureConfig):
     """A bidirectional stack (BERT)."""
 
     type: Literal["encoder-only"] = "encoder-only"
+    examples: ClassVar[list[dict]] = [{}]  # no fields; tests count whole tiny models
     stacks: ClassVar[tuple[str, ...]] = ("encoder",)
 
 
@@ -41,4 +41,5 @@ class EncoderDecoderConfig(_ArchitectureConfig):
     """An encoder and a causal decoder that cross-attends to it (the 2017 Transformer, T5)."""
 
     type: Literal["encoder-decoder"] = "encoder-decoder"
+    examples: ClassVar[list[dict]] = [{}]  # no fields; tests count whole tiny models
     stacks: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
