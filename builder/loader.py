@@ -104,7 +104,8 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool):
     spec, problems = validation_problems(model_cls, data, doc)
     problems = doc.problems + problems
     if problems:
-        raise SpecError(problems)
+        top = str(path)
+        raise SpecError(sorted(problems, key=lambda p: (p.line is None, p.file != top, p.file, p.line or 0, p.col or 0)))
     return spec
 
 
