@@ -22,8 +22,10 @@ class Embeddings(nn.Module):
         super().__init__()
         if scale not in ("none", "sqrt_d"):
             raise ValueError(f"embedding scale must be none or sqrt_d, got {scale!r}")
-        self.tokens = nn.Embedding(vocab_size, d_model)
-        self.segments = nn.Embedding(segments, d_model) if segments else None
+        # Uninitialised tables (blocks.init fills them): nn.Embedding's own normal_ init would
+        # cost a second on the meta device, the first time a process runs it there.
+        self.tokens = _table(vocab_size, d_model)
+        self.segments = _table(segments, d_model) if segments else None
         self.scale = math.sqrt(d_model) if scale == "sqrt_d" else None
         self.norm = norm
         self.dropout = nn.Dropout(dropout)
@@ -47,3 +49,7 @@ class Embeddings(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x)
+
+
+def _table(rows: int, d_model: int) -> nn.Embedding:
+    return nn.Embedding.from_pretrained(torch.empty(rows, d_model), freeze=False)

@@ -36,21 +36,24 @@ def _check_positions(positions: torch.Tensor) -> None:
 
 
 class Sinusoidal(_Position):
-    """Vaswani et al. 2017: ``PE[p, 2i] = sin(p / 10000^(2i/d))``, ``PE[p, 2i+1] = cos(...)``;
-    ``layout: split`` puts the sines in the first half and the cosines in the second (Marian)."""
+    """Vaswani et al. 2017: ``PE[p, 2i] = sin(p / 10000^(2i/d))``, ``PE[p, 2i+1] = cos(...)``.
+
+    ``layout: split`` puts the ``ceil(d/2)`` sines first and the cosines after them, with the
+    same frequencies (tensor2tensor, Marian).
+    """
 
     def __init__(self, config, d_model: int):
         super().__init__(config)
         self.d_model = d_model
-        self.layout = config.layout  # interleaved | split (see SinusoidalConfig)
+        self.layout = config.layout
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         _check_positions(positions)
         pairs = (self.d_model + 1) // 2
         inv_freq = 10000.0 ** (-torch.arange(pairs, device=positions.device, dtype=torch.float32) * 2 / self.d_model)
         angles = positions.float()[..., None] * inv_freq  # (batch, seq, pairs)
-        if self.layout == "split":  # sines then cosines; an odd d_model has one more sine
-            return torch.cat((angles.sin(), angles.cos()[..., : self.d_model - pairs]), dim=-1)  # (batch, seq, d_model)
+        if self.layout == "split":
+            return torch.cat((angles.sin(), angles[..., : self.d_model // 2].cos()), dim=-1)  # (batch, seq, d_model)
         table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (batch, seq, pairs, 2)
         return table.flatten(-2)[..., : self.d_model]  # (batch, seq, d_model), sin/cos interleaved
 
