@@ -104,8 +104,9 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool):
     spec, problems = validation_problems(model_cls, data, doc)
     problems = doc.problems + problems
     if problems:
-        top = str(path)
-        raise SpecError(sorted(problems, key=lambda p: (p.line is None, p.file != top, p.file, p.line or 0, p.col or 0)))
+        top = str(path)  # this file's problems first, in line order; then its parents'; then --set
+        order = lambda p: (p.line is None, p.file != top, p.file, p.line or 0, p.col or 0)  # noqa: E731
+        raise SpecError(sorted(problems, key=order))
     return spec
 
 

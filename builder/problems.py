@@ -50,7 +50,8 @@ def _pydantic_problems(model_cls: type, data: Any, doc: Document, errors: list[d
         if matching:
             problems += [_problem(doc, data, path, [], e) for e, path in matching]
         else:
-            wanted = " or ".join(dict.fromkeys(_LABEL_WORDS.get(label.split("[")[0], label) for _, label, _ in branches))
+            words = (_LABEL_WORDS.get(label.split("[")[0], label) for _, label, _ in branches)
+            wanted = " or ".join(dict.fromkeys(words))
             problems.append(_locate(doc, data, field, f"expected {wanted}, got {_show(value)}", "value"))
     return problems
 
@@ -95,7 +96,8 @@ def _block_type_problem(doc: Document, data: Any, path: FieldPath, error: dict) 
         return _locate(doc, data, path + ("type",), message, "value")
     if isinstance(value, dict):
         return _locate(doc, data, path, f"needs a `type:` (one of: {listed})", "missing_key")
-    return _locate(doc, data, path, f"expected a mapping with a `type:` (one of: {listed}), got {_show(value)}", "value")
+    message = f"expected a mapping with a `type:` (one of: {listed}), got {_show(value)}"
+    return _locate(doc, data, path, message, "value")
 
 
 _TYPE_WORDS = {
@@ -158,9 +160,7 @@ def _walk(model_cls: type, loc: tuple, data: Any) -> tuple[FieldPath, list[type]
     for part in loc:
         members = [m for t in kinds for m in _members(t)]
         models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
-        if not tagged and isinstance(part, str) and any(_tag(m) == part for m in models) and not (
-            isinstance(node, dict) and part in node and not any(_tag(m) == node.get("type") for m in models)
-        ):
+        if not tagged and isinstance(part, str) and _is_tag(part, models, node):
             kinds, tagged = [m for m in models if _tag(m) == part], True
             continue
         tagged = False
@@ -181,6 +181,14 @@ def _walk(model_cls: type, loc: tuple, data: Any) -> tuple[FieldPath, list[type]
             node[part] if isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node) else None
         )
     return path, parents, label, label_at
+
+
+def _is_tag(part: str, models: list[type], node: Any) -> bool:
+    """Whether a loc part names a tagged union's branch (``multi_head``) rather than a YAML key."""
+    if not any(_tag(m) == part for m in models):
+        return False
+    # a key of that name is a key, unless the mapping's own `type` names that branch
+    return not (isinstance(node, dict) and part in node and node.get("type") != part)
 
 
 def _members(tp: Any) -> list[Any]:
@@ -234,24 +242,30 @@ def _spread_source(data: Any, path: FieldPath, how: str) -> FieldPath:
     """A problem found in a merged-in field points where the field was written.
 
     ``overrides`` entries and ``cross_attention`` are validated after the stack's own blocks are
-    merged into them (see ``builder.schema``); a field the user wrote only in the stack shows
-    up there too.
+    merged into them (see ``builder.schema``): a field the user wrote only in the stack's
+    ``attention`` shows up there too, and is reported once, at the stack's own line.
     """
-    exists = (lambda p: _get(data, p[:-1]) is not _MISSING) if how == "missing" else (
-        lambda p: _get(data, p) is not _MISSING
-    )
-    while not exists(path):
-        moved = None
-        for i in range(len(path) - 2):
-            if path[i + 1] == "overrides" and isinstance(path[i + 2], int) and i + 3 < len(path):
-                if path[i + 3] in _SPREAD:
-                    moved = path[: i + 1] + path[i + 3 :]
-            if path[i + 1] == "cross_attention" and path[:1] != ("overrides",):
-                moved = moved or path[: i + 1] + ("attention",) + path[i + 2 :]
-        if moved is None or moved == path:
-            break
+    while True:
+        moved = _unspread(path)
+        if moved is None:
+            return path
+        if how == "missing":  # missing from the merge means missing from the stack's own block
+            parent = _get(data, moved[:-1])
+            if not (isinstance(parent, dict) and moved[-1] not in parent):
+                return path
+        elif _get(data, path) is not _MISSING:
+            return path
         path = moved
-    return path
+
+
+def _unspread(path: FieldPath) -> FieldPath | None:
+    """The stack-level path that a merged-in override or cross-attention field came from."""
+    for i, part in enumerate(path):
+        if part == "overrides" and i + 3 < len(path) and isinstance(path[i + 1], int) and path[i + 2] in _SPREAD:
+            return path[:i] + path[i + 2 :]
+        if part == "cross_attention" and i + 1 < len(path):
+            return path[:i] + ("attention",) + path[i + 1 :]
+    return None
 
 
 def _locate(doc: Document, data: Any, path: FieldPath, message: str, how: str) -> Problem:
