@@ -1,47 +1,21 @@
-"""FlashAttention-2 style Triton kernels and the ``kernels::flash_attention`` custom op.
+"""Host side of the Triton attention: autotuning, launches, and the ``kernels::flash_attention``
+custom op (autograd, fake/meta implementation, FLOP formulas).
 
-Layout follows the Triton tutorials: ``_``-prefixed ``@triton.jit`` helpers, UPPER_CASE
-``tl.constexpr`` parameters, autotuning (CUDA only) with a pruning function, and a thin
-host-side wrapper. The public entry point is :func:`kernels.attention` with
-``backend="triton"``; this module is imported lazily by it.
-
-Conventions shared by every kernel:
-
-* scores live in the log2 domain inside the kernels (``exp2`` is cheaper than ``exp``); the
-  saved log-sum-exp ``LSE`` is therefore ``log2(sum(exp2(z)))`` of the log2-scaled scores, and
-  ``+inf`` for a row whose keys are all masked, so that the backward's ``exp2(z - lse)`` is 0.
-* query row ``i`` sits at absolute position ``i + (seq_k - seq_q)`` (queries are the *last*
-  ``seq_q`` positions); key column ``j`` sits at position ``j``.
-* score pipeline: ``s = q.k * scale`` -> ``softcap * tanh(s / softcap)`` -> ``+ bias``
-  -> ``- slope * (pos_q - pos_k)`` -> masks (``-inf``).
-
-The interpreter: Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` *decorates* a function
-(``triton.knobs.runtime.interpret`` in ``triton/runtime/jit.py``), not when ``triton`` is
-imported. On a machine without CUDA this module therefore sets ``TRITON_INTERPRET=1`` (unless the
-user set it) *before* its decorators run, so that ``backend="triton"`` works on CPU tensors.
-Set ``TRITON_INTERPRET=0`` explicitly to opt out. Under the interpreter ``bf16`` dot products are
-computed on raw ``uint16`` storage, so every tile is upcast to fp32 there.
+The ``@triton.jit`` kernels live in :mod:`kernels.flash_kernels`, which also sets up the Triton
+interpreter on machines without CUDA. This module is imported lazily by
+:func:`kernels.attention` the first time ``backend="triton"`` is used.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
-if not torch.cuda.is_available():  # must precede the @triton.jit decorators below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from torch.utils.flop_counter import register_flop_formula  # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-MAX_HEAD_DIM = 256
-LOG2E = 1.4426950408889634  # 1/ln(2)
-LN2 = 0.6931471805599453  # ln(2)
+# triton comes through flash_kernels, which sets up the interpreter before importing it
+from .flash_kernels import (INTERPRET, _attn_bwd_dkdv, _attn_bwd_dq, _attn_decode,
+                            _attn_decode_combine, _attn_fwd, triton)
 
 # Block sizes used without autotuning (interpreter). 32 keeps the interpreter fast enough while
 # still exercising multi-tile loops and masked tails at test lengths (17..100).
@@ -53,143 +27,266 @@ DECODE_MAX_ROWS = 64  # group_size * seq_q packed into one M tile
 
 
 # ----------------------------------------------------------------------------------------------
-# jit helpers
+# autotuning (CUDA only; the interpreter uses the fixed INTERPRET_BLOCK_* sizes)
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 (exp2 overflow -> inf -> 1)
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2/ln(2)
+def _config(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-@triton.jit
-def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_scale, softcap,
-            window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-            HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Masked scores of one (BLOCK_M, BLOCK_N) tile, in the log2 domain.
-
-    Returns ``(z2, th)``: ``z2`` the log2-scaled scores (``-inf`` where masked) and ``th`` the
-    soft-cap ``tanh`` (needed by the backward; 0 when there is no soft-cap).
-    """
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # (BLOCK_M, BLOCK_N)
-    th = s * 0.0
-    if HAS_SOFTCAP:
-        th = _tanh(s / softcap)
-        s = softcap * th
-    valid = row_ok[:, None] & (kpos < seq_k)[None, :]
-    if HAS_BIAS:
-        b = tl.load(bias_ptrs[:, None] + kpos[None, :].to(tl.int64) * stride_bn, mask=valid,
-                    other=0.0)
-        s += b.to(tl.float32)
-    dist = qpos[:, None] - kpos[None, :]  # (BLOCK_M, BLOCK_N) query minus key position
-    if HAS_ALIBI:
-        s -= slope[:, None] * dist.to(tl.float32)
-    if IS_CAUSAL:
-        valid = valid & (dist >= 0)
-    if HAS_WINDOW:
-        valid = valid & (dist < window)
-    z2 = tl.where(valid, s * 1.4426950408889634, float("-inf"))  # 1/ln(2)
-    return z2, th
+_FWD_CONFIGS = [_config(128, 64, 4, 3), _config(128, 64, 8, 3), _config(128, 128, 8, 2),
+                _config(128, 32, 4, 4), _config(64, 64, 4, 3), _config(64, 32, 4, 4),
+                _config(64, 64, 4, 2), _config(64, 32, 4, 2)]
+_DKDV_CONFIGS = [_config(32, 64, 4, 3), _config(64, 64, 4, 3), _config(32, 128, 8, 3),
+                 _config(64, 128, 8, 2), _config(16, 64, 4, 3), _config(32, 32, 4, 2)]
+_DQ_CONFIGS = [_config(64, 64, 4, 3), _config(128, 64, 8, 3), _config(64, 32, 4, 4),
+               _config(128, 32, 4, 3), _config(128, 128, 8, 2), _config(32, 32, 4, 2)]
+_DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+                   for bn, w, s in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2))]
+_DECODE_MAX_BLOCK_N = 128  # the split length is a multiple of every decode BLOCK_N
+_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "GROUP", "IS_CAUSAL", "HAS_WINDOW"]
+_SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave headroom
 
 
-@triton.jit
-def _key_range(qpos_lo, qpos_hi, seq_k, window, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key range [lo, hi) that queries at positions [qpos_lo, qpos_hi] may see; lo is
-    BLOCK_N-aligned so fully masked tiles are skipped without breaking tile alignment."""
-    lo = 0
-    hi = seq_k
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, qpos_hi + 1)
-    if HAS_WINDOW:
-        lo = tl.maximum(0, qpos_lo - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+def _pruner(resident, streamed):
+    """Pruning function for one kernel. ``resident``/``streamed`` name the tile ("M" or "N")
+    held for the whole program and the one pipelined ``num_stages`` deep, for the shared-memory
+    estimate ``element bytes * BLOCK_D * (resident rows + stages * 2 * streamed rows)``. Query
+    tiles far taller than the query length are dropped too; at least one config always survives
+    (and the autotuner itself skips any config that still runs out of resources)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        block_d, seq_q, elt = args["BLOCK_D"], args["SEQ_Q"], args["Q"].element_size()
+        kept = []
+        for c in configs:
+            rows = {"M": c.kwargs.get("BLOCK_M", args.get("BLOCK_M")), "N": c.kwargs["BLOCK_N"]}
+            smem = elt * block_d * (rows[resident] + c.num_stages * 2 * rows[streamed])
+            too_tall = "BLOCK_M" in c.kwargs and rows["M"] > max(16, triton.next_power_of_2(seq_q))
+            if smem <= _SMEM_BUDGET and not too_tall:
+                kept.append(c)
+        return kept or [min(configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_N"]
+                            * c.kwargs.get("BLOCK_M", 1))]
+
+    return prune
 
 
-@triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, qpos,
-               row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_scale, softcap, window, lo, hi,
-               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online-softmax sweep over keys [lo, hi) for one tile of query rows.
+def _tuned(kernel, configs, resident, streamed):
+    if INTERPRET:
+        return kernel
+    prune = {"early_config_prune": _pruner(resident, streamed)}
+    return triton.autotune(configs=configs, key=_TUNE_KEY, prune_configs_by=prune)(kernel)
 
-    ``k_cols``/``v_cols`` are (BLOCK_D,) pointer vectors to the head-dim columns of key 0.
-    """
-    offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        kpos = start_n + offs_n
-        kv_mask = (kpos < hi)[:, None] & d_ok[None, :]
-        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn, mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn, mask=kv_mask,
-                    other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        z2, th = _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, hi, sm_scale,
-                         softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_BIAS,
-                         HAS_SOFTCAP, DOT_PREC)
-        m_new = tl.maximum(m_i, tl.max(z2, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
-        p = tl.exp2(z2 - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, m_i, l_i
+
+_fwd_kernel = _tuned(_attn_fwd, _FWD_CONFIGS, "M", "N")
+_dkdv_kernel = _tuned(_attn_bwd_dkdv, _DKDV_CONFIGS, "N", "M")
+_dq_kernel = _tuned(_attn_bwd_dq, _DQ_CONFIGS, "M", "N")
+_decode_kernel = _tuned(_attn_decode, _DECODE_CONFIGS, "M", "N")
+
+
+def _fixed_blocks(with_m=True):
+    """Block sizes for untuned (interpreter) launches; autotuned kernels pick their own."""
+    if not INTERPRET:
+        return {}
+    blocks = {"BLOCK_N": INTERPRET_BLOCK_N}
+    if with_m:
+        blocks["BLOCK_M"] = INTERPRET_BLOCK_M
+    return blocks
 
 
 # ----------------------------------------------------------------------------------------------
-# forward
+# host wrappers
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
-              stride_qb, stride_qh, stride_qm, stride_qd,
-              stride_kb, stride_kh, stride_kn, stride_kd,
-              stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_ob, stride_oh, stride_om, stride_od,
-              stride_bb, stride_bh, stride_bm, stride_bn,
-              H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, sm_scale, softcap, window,
-              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
-    h_kv = h // GROUP  # GQA/MQA: shared kv head, never materialised
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    row_ok = offs_m < SEQ_Q
-    qpos = offs_m + (SEQ_K - SEQ_Q)  # queries are the last SEQ_Q positions
+def _strides4(t):
+    return tuple(t.stride())
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
-    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_d * stride_vd
-    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_ALIBI:
-        slope += tl.load(Alibi + h).to(tl.float32)
-    bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _key_range(pid_m * BLOCK_M + SEQ_K - SEQ_Q, pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
-                        SEQ_K, window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn,
-                               d_ok, qpos, row_ok, slope, bias_ptrs,
-                               stride_bn, hi, sm_scale, softcap, window, lo, hi, IS_CAUSAL,
-                               HAS_WINDOW, HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PREC,
-                               BLOCK_N)
-    dead = l_i == 0.0  # every key masked: output 0, lse +inf
-    out = acc / tl.where(dead, 1.0, l_i)[:, None]
-    lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
-    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + pid_bh * SEQ_Q + offs_m, lse, mask=row_ok)
+def _common(q, k, bias, alibi_slopes, causal, sliding_window, softcap):
+    """Launch arguments shared by every kernel: bias view + strides, flags, scalar knobs."""
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    if bias is not None:
+        bias_arg = bias.expand(B, H, Sq, Sk)  # stride 0 on broadcast dims, no copy
+        bias_strides = _strides4(bias_arg)
+    else:
+        bias_arg, bias_strides = q, (0, 0, 0, 0)  # never read: HAS_BIAS=False
+    alibi_arg = alibi_slopes.contiguous() if alibi_slopes is not None else q
+    flags = dict(IS_CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
+                 HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias is not None,
+                 HAS_SOFTCAP=softcap is not None,
+                 UPCAST=INTERPRET and q.dtype != torch.float32,
+                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                 BLOCK_D=max(16, triton.next_power_of_2(D)))
+    knobs = (float(softcap or 0.0), int(sliding_window or 0))
+    return bias_arg, bias_strides, alibi_arg, flags, knobs
+
+
+def _check_device(q):
+    if q.device.type == "cpu" and not INTERPRET:
+        raise ValueError(
+            "backend='triton' got CPU tensors but Triton is not in interpreter mode: set "
+            "TRITON_INTERPRET=1 before `kernels` first uses Triton, or move the tensors to CUDA.")
+
+
+def _decode_splits(batch_kv, seq_k, device):
+    """(num_splits, split_len) for the FlashDecoding path: enough programs to fill the GPU."""
+    block = INTERPRET_BLOCK_N if INTERPRET else _DECODE_MAX_BLOCK_N
+    if INTERPRET:
+        target = 4
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = max(1, triton.cdiv(2 * sms, batch_kv))
+    split_len = max(block, triton.cdiv(triton.cdiv(seq_k, target), block) * block)
+    return triton.cdiv(seq_k, split_len), split_len
+
+
+def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale):
+    """Returns ``(out, lse)``; ``lse`` is the log2-domain log-sum-exp, (B, H, Sq) fp32."""
+    _check_device(q)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = H // Hkv
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or Sk == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, bias, alibi_slopes, causal,
+                                                            sliding_window, softcap)
+    # next powers of two of the lengths: the autotuning key, so a growing cache does not retune
+    tail = (H, group, Sq, Sk, D, scale, cap, window, triton.next_power_of_2(Sq),
+            triton.next_power_of_2(Sk))
+    if Sq <= DECODE_MAX_SEQ_Q and group * Sq <= DECODE_MAX_ROWS:
+        num_splits, split_len = _decode_splits(B * Hkv, Sk, q.device)
+        o_part = torch.empty((B * H * Sq, num_splits, D), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B * H * Sq, num_splits), dtype=torch.float32, device=q.device)
+        _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail,
+                       (split_len, num_splits), flags, (num_splits, B * Hkv),
+                       max(16, triton.next_power_of_2(group * Sq)))
+        _attn_decode_combine[(B * H * Sq,)](
+            o_part, l_part, out, lse, *_strides4(out), H, Sq, D, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=flags["BLOCK_D"])
+        return out, lse
+    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _fwd_kernel[grid](q, k, v, out, lse, bias_arg, alibi_arg, *_strides4(q), *_strides4(k),
+                      *_strides4(v), *_strides4(out), *bs, *tail, **flags, **_fixed_blocks())
+    return out, lse
+
+
+def _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail, split, flags, grid,
+                   block_m):
+    _decode_kernel[grid](q, k, v, o_part, l_part, bias_arg, alibi_arg, *_strides4(q),
+                         *_strides4(k), *_strides4(v), *bs, *tail, *split, **flags,
+                         BLOCK_M=block_m, **_fixed_blocks(with_m=False))
+
+
+def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, sliding_window,
+                   softcap, scale, bias_needs_grad):
+    """Returns ``(dq, dk, dv, dbias)``; ``dbias`` is reduced to ``bias.shape`` when
+    ``bias_needs_grad``, else an empty tensor."""
+    _check_device(q)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = H // Hkv
+    # every tile of dq, dk, dv is stored by the kernels (dk/dv tiles with no visible query as 0)
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Sk, D), dtype=v.dtype, device=q.device)
+    # dz of every score: the (B, H, Sq, Sk) matrix only exists when the bias itself needs a grad
+    dbias_full = torch.zeros((B, H, Sq, Sk) if bias_needs_grad else (0,), dtype=torch.float32,
+                             device=q.device)
+    if q.numel() == 0 or Sk == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    else:
+        delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, Sq) rowsum(dO * O)
+        bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, bias, alibi_slopes, causal,
+                                                                sliding_window, softcap)
+        tail = (H, group, Sq, Sk, D, scale, cap, window, triton.next_power_of_2(Sq),
+                triton.next_power_of_2(Sk))
+        strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *bs)
+        grid_kv = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
+        _dkdv_kernel[grid_kv](q, k, v, grad_out, lse, delta, dk, dv, dbias_full, bias_arg,
+                              alibi_arg, *strides, *tail, **flags, HAS_DBIAS=bias_needs_grad,
+                              **_fixed_blocks())
+        grid_q = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
+        _dq_kernel[grid_q](q, k, v, grad_out, lse, delta, dq, bias_arg, alibi_arg, *strides,
+                           *tail, **flags, **_fixed_blocks())
+    if not bias_needs_grad:
+        return dq, dk, dv, dbias_full
+    lead = bias.dim() - 4  # bias may have fewer leading dims than 4
+    shape4 = (1,) * -lead + tuple(bias.shape)
+    dims = [i for i in range(4) if shape4[i] == 1 and dbias_full.shape[i] != 1]
+    dbias = dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full
+    return dq, dk, dv, dbias.reshape(bias.shape).to(bias.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom op: autograd, fake (meta) implementation, FLOP formulas
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("kernels::flash_attention", mutates_args=())
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                    causal: bool, sliding_window: Optional[int], softcap: Optional[float],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention; returns ``(out (B, H, Sq, D), lse (B, H, Sq) fp32, log2 domain)``."""
+    return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale)
+
+
+@flash_attention.register_fake
+def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale):
+    B, H, Sq, D = q.shape
+    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("kernels::flash_attention_backward", mutates_args=())
+def flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                             causal: bool, sliding_window: Optional[int],
+                             softcap: Optional[float], scale: float, bias_needs_grad: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal,
+                          sliding_window, softcap, scale, bias_needs_grad)
+
+
+@flash_attention_backward.register_fake
+def _flash_attention_backward_fake(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal,
+                                   sliding_window, softcap, scale, bias_needs_grad):
+    dbias = torch.empty_like(bias) if bias_needs_grad else q.new_empty((0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes)
+    ctx.knobs = (causal, sliding_window, softcap, scale)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, bias, alibi_slopes = ctx.saved_tensors
+    bias_needs_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = flash_attention_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes,
+                                                 *ctx.knobs, bias_needs_grad)
+    return dq, dk, dv, (dbias if bias_needs_grad else None), None, None, None, None, None
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _matmul_flops(q_shape, k_shape, v_shape):
+    """Two matmuls over the full (Sq, Sk), as the eager reference does: 4 * B * H * Sq * Sk * D."""
+    B, H, Sq, D = q_shape
+    Sk, Dv = k_shape[2], v_shape[3]
+    return 2 * B * H * Sq * Sk * D + 2 * B * H * Sq * Sk * Dv
+
+
+@register_flop_formula(torch.ops.kernels.flash_attention)
+def _flash_attention_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+    return _matmul_flops(q_shape, k_shape, v_shape)
+
+
+@register_flop_formula(torch.ops.kernels.flash_attention_backward)
+def _flash_attention_backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args,
+                                    out_shape=None, **kwargs):
+    # eager's backward: two matmuls per forward matmul (dV, dP, dQ, dK); the kernel's recompute
+    # of Q K^T is not counted, matching what FlopCounterMode reports for the eager backend
+    return 2 * _matmul_flops(q_shape, k_shape, v_shape)

@@ -1,0 +1,210 @@
+"""Public attention entry point: argument checks, backend dispatch and the PyTorch paths.
+
+Backends:
+
+* ``eager``: two explicit matmuls (``Q K^T`` and ``P V``) over the full ``(seq_q, seq_k)``
+  whatever the mask, fp32 softmax. The FLOP-counting reference (``4 * B * H * Sq * Sk * D``).
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an additive float mask for
+  windows, ALiBi and bias; falls back to ``eager`` for soft-capping, which SDPA cannot do.
+* ``triton``: the FlashAttention-2 kernels in :mod:`kernels.triton_attention` (imported on first
+  use; on CPU tensors they run under the Triton interpreter).
+* ``auto``: ``triton`` for CUDA tensors, ``sdpa`` elsewhere (and ``sdpa`` whenever
+  ``dropout_p > 0`` or ``head_dim > 256``, which the Triton kernels do not handle).
+
+Mask semantics, shared by every backend: query row ``i`` sits at position ``i + seq_k - seq_q``
+(the queries are the last ``seq_q`` positions), key ``j`` at position ``j``; with ``d`` the
+query position minus the key position, ``causal`` keeps ``d >= 0``, ``sliding_window=w`` keeps
+``d < w``, and ALiBi adds ``-slope_h * d``. Scores are ``q.k * scale``, then
+``softcap * tanh(. / softcap)``, then ``+ bias + alibi``, then the masks. A query row with no
+visible key returns 0 (not NaN) and passes no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "eager", "sdpa", "triton")
+MAX_TRITON_HEAD_DIM = 256
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              sliding_window: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
+              bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+              scale: Optional[float] = None, backend: str = "auto",
+              dropout_p: float = 0.0) -> torch.Tensor:
+    """Multi-head attention with GQA/MQA, causal and sliding-window masks, ALiBi, an additive
+    bias and score soft-capping.
+
+    Args:
+        q: ``(batch, n_heads, seq_q, head_dim)``.
+        k, v: ``(batch, n_kv_heads, seq_k, head_dim)``; ``n_heads`` a multiple of ``n_kv_heads``.
+        causal: mask keys after the query position.
+        sliding_window: ``w``: a query sees keys at most ``w - 1`` positions back (itself
+            included); combine with ``causal`` for Mistral-style windows.
+        alibi_slopes: ``(n_heads,)``; adds ``-slope_h * (pos_q - pos_k)`` to the scores.
+        bias: additive, broadcastable to ``(batch, n_heads, seq_q, seq_k)`` (T5 relative bias,
+            a padding mask with ``-inf``); receives a gradient when it requires one.
+        softcap: ``c``: scores become ``c * tanh(scores / c)`` before bias and masks (Gemma 2).
+        scale: score scale, default ``1 / sqrt(head_dim)``.
+        backend: ``auto`` | ``eager`` | ``sdpa`` | ``triton``.
+        dropout_p: attention dropout probability (``eager``/``sdpa`` only).
+
+    Returns:
+        ``(batch, n_heads, seq_q, head_dim)`` in ``q``'s dtype.
+    """
+    _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if backend == "auto":
+        fused_ok = q.is_cuda and dropout_p == 0.0 and q.shape[-1] <= MAX_TRITON_HEAD_DIM
+        backend = "triton" if fused_ok else "sdpa"
+    if backend == "triton":
+        if dropout_p > 0.0:
+            raise ValueError(f"backend='triton' does not implement attention dropout (got "
+                             f"dropout_p={dropout_p}); use backend='sdpa' or 'eager' to train "
+                             f"with dropout")
+        if q.shape[-1] > MAX_TRITON_HEAD_DIM:
+            raise ValueError(f"backend='triton' supports head_dim <= {MAX_TRITON_HEAD_DIM}, got "
+                             f"{q.shape[-1]}; use backend='sdpa' or 'eager'")
+        try:
+            from . import triton_attention  # lazy: importing triton costs ~1 s
+        except ImportError as exc:
+            raise ImportError(f"backend='triton' needs the `triton` package ({exc}); use "
+                              f"backend='sdpa' or 'eager' without it") from exc
+
+        out, _ = triton_attention.flash_attention(
+            q, k, v, bias, alibi_slopes, bool(causal),
+            None if sliding_window is None else int(sliding_window),
+            None if softcap is None else float(softcap), scale)
+        return out
+    if backend == "sdpa" and softcap is None:
+        return _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p)
+    return _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale,
+                  dropout_p)
+
+
+def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
+    if B != Bk or D != Dk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
+                         f"head_dim")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"n_heads ({H}) must be a multiple of n_kv_heads ({Hkv})")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be a positive float or None, got {softcap}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("bias", bias)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if alibi_slopes is not None and (tuple(alibi_slopes.shape) != (H,)
+                                     or not alibi_slopes.dtype.is_floating_point):
+        raise ValueError(f"alibi_slopes must be a float tensor of shape (n_heads,) = ({H},), "
+                         f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
+    if bias is not None:
+        if not bias.dtype.is_floating_point:
+            raise ValueError(f"bias must be a floating additive bias, got {bias.dtype}; for a "
+                             f"boolean keep-mask pass torch.where(mask, 0.0, float('-inf'))")
+        target = (B, H, q.shape[2], k.shape[2])
+        try:
+            ok = bias.dim() <= 4 and torch.broadcast_shapes(bias.shape, target) == target
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+                             f"(batch, n_heads, seq_q, seq_k) = {target}")
+
+
+def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int], device):
+    """Boolean ``(seq_q, seq_k)`` keep-mask (None when everything is visible) and the
+    ``(seq_q, seq_k)`` distance ``pos_q - pos_k``."""
+    pos_q = torch.arange(seq_q, device=device) + (seq_k - seq_q)  # queries are the last seq_q
+    dist = pos_q[:, None] - torch.arange(seq_k, device=device)[None, :]  # (seq_q, seq_k)
+    keep = None
+    if causal:
+        keep = dist >= 0
+    if sliding_window is not None:
+        in_window = dist < sliding_window
+        keep = in_window if keep is None else keep & in_window
+    return keep, dist
+
+
+def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype):
+    """Bias + ALiBi + masks as one additive ``dtype`` tensor broadcastable to (B, H, Sq, Sk), or
+    None when there is nothing to add."""
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device)
+    add = None
+    if bias is not None:
+        add = bias.to(dtype)
+    if alibi_slopes is not None:
+        alibi = -alibi_slopes.to(dtype)[:, None, None] * dist.to(dtype)  # (H, Sq, Sk)
+        add = alibi if add is None else add + alibi
+    if keep is not None:
+        if add is None:
+            add = torch.zeros((seq_q, seq_k), dtype=dtype, device=q.device)
+        add = torch.where(keep, add, float("-inf"))
+    return add
+
+
+def _dead_rows(add: torch.Tensor) -> torch.Tensor:
+    """Rows of the additive mask whose every entry is -inf: (..., Sq, 1) boolean."""
+    return torch.isneginf(add).all(dim=-1, keepdim=True)
+
+
+def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, dropout_p):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)  # (batch, n_heads, seq_k, head_dim)
+        v = v.repeat_interleave(group, dim=1)  # (batch, n_heads, seq_k, head_dim)
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # (batch, n_heads, Sq, Sk)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32)
+    dead = None
+    if add is not None:
+        scores = scores + add
+        dead = _dead_rows(scores)
+        scores = torch.where(dead, 0.0, scores)  # keeps softmax (and its grad) finite
+    p = torch.softmax(scores, dim=-1)
+    if dead is not None:
+        p = torch.where(dead, 0.0, p)
+    if dropout_p > 0.0:
+        p = F.dropout(p, p=dropout_p, training=True)
+    return torch.matmul(p.to(v.dtype), v)  # (batch, n_heads, Sq, head_dim)
+
+
+def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p):
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    simple_causal = causal and seq_q == seq_k and sliding_window is None
+    if simple_causal and alibi_slopes is None and bias is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale, **gqa)
+    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype)
+    if add is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
+    dead = _dead_rows(add)
+    add = torch.where(dead, 0.0, add)  # SDPA would return NaN on rows with no visible key
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p,
+                                         scale=scale, **gqa)
+    return torch.where(dead, 0.0, out)
