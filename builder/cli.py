@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("builder.commands.describe", "analytic parameters, FLOPs and memory of a spec"),
     "compare": ("builder.commands.compare", "estimated vs built parameter counts, by component"),
     "diff": ("builder.commands.diff", "fields that differ between two specs and their effect"),
+    "train": ("builder.commands.train", "run a Lightning training recipe"),
+    "eval": ("builder.commands.eval", "validation loss and perplexity of a checkpoint"),
+    "generate": ("builder.commands.generate", "decode from a checkpoint, streaming to stdout"),
 }
 
 

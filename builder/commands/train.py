@@ -1,0 +1,42 @@
+"""`builder train RECIPE`: run a Lightning training recipe (see recipes/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from builder.commands.common import add_spec_options, load_plugins_from_args, overrides_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", metavar="RECIPE", help="a recipe YAML file, e.g. recipes/lm-stdlib.yaml")
+    add_spec_options(parser)
+    parser.epilog = (
+        "--set trainer.max_steps=10 sets a recipe field; --set model.overrides.decoder.n_layers=2 "
+        "sets a field of the model spec."
+    )
+    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+                        help="resume from CKPT (default: the run's last.ckpt; a rerun resumes by itself)")
+    parser.add_argument("--fresh", action="store_true", help="ignore an earlier run's last.ckpt and start over")
+    parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.loader import SpecError
+    from builder.plugins import PluginError
+
+    try:
+        load_plugins_from_args(args)
+        overrides = overrides_from_args(args)
+        from recipes.config import RecipeError
+        from recipes.module import NonFiniteLossError
+        from recipes.train import run as train
+
+        train(args.recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples)
+    except (SpecError, PluginError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except (RecipeError, NonFiniteLossError) as exc:
+        print(f"builder train: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,5 @@
+"""Lightning training recipes on top of ``builder``: a recipe YAML -> a trained checkpoint.
+
+``recipes.config`` (the recipe schema) is torch-free; the other modules import torch and
+Lightning and are imported by ``builder train`` / ``eval`` / ``generate`` inside ``run``.
+"""

@@ -1,0 +1,179 @@
+"""What a run shows and keeps: throughput and MFU, atomic checkpoints, the loss curve."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temp file beside the target, fsync, then ``os.replace``.
+
+    A run killed mid-write leaves ``.NAME.tmp-PID`` behind and the previous checkpoint whole;
+    nothing ever reads the temp files (resuming looks for ``last.ckpt`` only).
+    """
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        import torch
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+class RecipeCheckpoint(L.Callback):
+    """``last.ckpt`` every ``every_n_steps`` optimizer steps, at each validation and at the end;
+    ``best.ckpt`` whenever the validation loss improves."""
+
+    def __init__(self, dirpath: Path, every_n_steps: int):
+        self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
+        self.best: float | None = None
+        self._saved_step = -1
+
+    @property
+    def last_path(self) -> Path:
+        return self.dirpath / "last.ckpt"
+
+    @property
+    def best_path(self) -> Path:
+        return self.dirpath / "best.ckpt"
+
+    def _save_last(self, trainer) -> None:
+        if trainer.global_step != self._saved_step:
+            trainer.save_checkpoint(self.last_path, weights_only=False)
+            self._saved_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if stepped and trainer.global_step % self.every_n_steps == 0:
+            self._save_last(trainer)
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
+            return
+        self._save_last(trainer)
+        loss = float(trainer.callback_metrics["val_loss"])
+        if self.best is None or loss < self.best:
+            self.best = loss
+            trainer.save_checkpoint(self.best_path, weights_only=False)
+
+    def on_train_end(self, trainer, pl_module):
+        self._save_last(trainer)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.best = state_dict.get("best")
+
+
+class Throughput(L.Callback):
+    """Tokens/s, achieved TFLOP/s and MFU from the analytic FLOPs, on the progress bar and logs."""
+
+    def __init__(self, device_tokens_per_step: int, flops_per_token: int, precision: str, every_n_steps: int):
+        self.device_tokens_per_step, self.flops_per_token = device_tokens_per_step, flops_per_token
+        self.precision, self.every_n_steps = precision, every_n_steps
+        self.tokens_per_step = device_tokens_per_step
+        self.peak_flops: float | None = None  # all devices together
+        self._start: float | None = None
+        self._steps = 0
+        self.tokens_per_s: float | None = None  # the latest measurement
+
+    def _restart(self):
+        self._start, self._steps = time.perf_counter(), 0
+
+    def on_train_start(self, trainer, pl_module):
+        import torch
+
+        from builder.mfu import peak_flops
+
+        self.tokens_per_step = self.device_tokens_per_step * trainer.world_size
+        device = pl_module.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        if self.precision.startswith("bf16"):
+            dtype = "bf16"
+        elif self.precision == "16-mixed":
+            dtype = "fp16"
+        else:
+            dtype = "tf32" if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        peak = peak_flops(name, dtype)
+        self.peak_flops = peak * trainer.world_size if peak else None
+        self._restart()
+
+    def on_validation_end(self, trainer, pl_module):
+        self._restart()  # validation time is not training throughput
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        self._steps += 1
+        if self._steps < self.every_n_steps or self._start is None:
+            return
+        elapsed = time.perf_counter() - self._start
+        self.tokens_per_s = self._steps * self.tokens_per_step / elapsed
+        achieved = self.tokens_per_s * self.flops_per_token
+        metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
+        if self.peak_flops:
+            from builder.mfu import mfu
+
+            metrics["MFU"] = mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._restart()
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar counts to ``max_steps`` and shows readable numbers."""
+
+    _FORMATS = {"tok/s": "{:,.0f}", "TFLOP/s": "{:.3g}", "MFU": "{:.1%}", "loss": "{:.4f}", "val_loss": "{:.4f}"}
+
+    @property
+    def total_train_batches(self):
+        trainer = self.trainer
+        return trainer.max_steps * trainer.accumulate_grad_batches
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        for name, fmt in self._FORMATS.items():
+            if isinstance(metrics.get(name), (int, float)):
+                metrics[name] = fmt.format(metrics[name])
+        return metrics
+
+
+def plot_losses(history: dict, path: Path, title: str) -> Path | None:
+    """The training and validation loss curves as a PNG (``None`` without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if history["train"]:
+        steps, losses = zip(*history["train"])
+        ax.plot(steps, losses, lw=0.8, alpha=0.8, label="train")
+    if history["val"]:
+        steps, losses = zip(*history["val"])
+        ax.plot(steps, losses, "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

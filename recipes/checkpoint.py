@@ -1,0 +1,81 @@
+"""A trained model back from a checkpoint alone: spec, weights and tokenizer; evaluation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from recipes.config import Recipe, RecipeError
+from recipes.tokenizer import from_state
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_trained(path: str | Path, device: str | None = None):
+    """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train``."""
+    from builder import build_model
+    from builder.schema import spec_model
+
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"no checkpoint at {path}")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = checkpoint.get("builder")
+    if meta is None:
+        raise RecipeError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
+    spec = spec_model().model_validate(meta["spec"])
+    model = build_model(spec)
+    weights = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()}
+    weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
+    model.load_state_dict(weights)
+    model.to(pick_device(device)).eval()
+    meta = dict(meta, global_step=checkpoint.get("global_step"))
+    return model, from_state(meta["tokenizer"]), meta
+
+
+def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
+    """The validation split of the data the checkpoint was trained on."""
+    from recipes.data import read_corpus, split, tokenize_corpus
+
+    recipe = Recipe.model_validate(meta["recipe"])
+    corpus = read_corpus(recipe.data, Path(meta["recipe_file"]))
+    tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
+    return split(tokens, recipe.data.val_fraction, recipe.data.seq_len)[1]
+
+
+def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
+    """All the text of ``paths`` (files or folders), tokenized."""
+    from recipes.config import DataSection
+    from recipes.data import read_corpus, tokenize_corpus
+
+    corpus = read_corpus(DataSection(sources=paths, max_bytes=None), None)
+    return tokenize_corpus(tokenizer, corpus, Path(cache_dir))
+
+
+@torch.no_grad()
+def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None) -> dict:
+    """Mean next-token cross-entropy over consecutive, non-overlapping windows of ``tokens``."""
+    device = next(model.parameters()).device
+    n_windows = (len(tokens) - 1) // seq_len
+    if n_windows < 1:
+        raise RecipeError(f"{len(tokens)} tokens are fewer than one window of seq_len {seq_len} + 1")
+    if max_batches is not None:
+        n_windows = min(n_windows, max_batches * batch_size)
+    total, count = 0.0, 0
+    for first in range(0, n_windows, batch_size):
+        starts = np.arange(first, min(first + batch_size, n_windows)) * seq_len
+        rows = starts[:, None] + np.arange(seq_len + 1)  # (batch, seq_len + 1)
+        block = torch.from_numpy(tokens[rows].astype(np.int64)).to(device)
+        logits = model(block[:, :-1])  # (batch, seq, vocab)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), block[:, 1:].flatten(), reduction="sum").item()
+        count += block[:, 1:].numel()
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": count}

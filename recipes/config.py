@@ -1,0 +1,282 @@
+"""The recipe file: what to train, on what, and how. Torch-free.
+
+A recipe is YAML validated by :class:`Recipe` (``extra="forbid"``: a typo fails with its file,
+line and the closest valid name, through :func:`builder.loader.load_config`). Paths in a recipe
+(the model spec, data files, a tokenizer ``.model``) are relative to the recipe file; the output
+directory is relative to where ``builder train`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: the data source that means "the Python standard library's own source, from this interpreter"
+PYTHON_STDLIB = "python-stdlib"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run as written (missing data, a window longer than the model...)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSection(_Section):
+    spec: Union[str, dict[str, Any]] = Field(
+        ..., description="A spec file (path relative to the recipe) or an inline spec mapping."
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Spec fields set over the spec, as dotted keys (`decoder.n_layers: 2`) or nested "
+        "mappings; `--set model.overrides.decoder.n_layers=2` lands here. `vocab_size` is always "
+        "set to the tokenizer's.",
+    )
+
+
+class DataSection(_Section):
+    sources: list[str] = Field(
+        default_factory=lambda: [PYTHON_STDLIB],
+        description="Plain-text files or folders (relative to the recipe), or `python-stdlib`: the "
+        "standard library's own .py source from the running interpreter.",
+    )
+    include: list[str] = Field(
+        default_factory=lambda: ["*.py", "*.txt", "*.md", "*.rst"],
+        description="File-name patterns read from folders (files named directly are always read).",
+    )
+    max_bytes: Optional[int] = Field(
+        16_000_000, ge=1, description="Stop reading once the corpus is this large (null: no cap)."
+    )
+    val_fraction: float = Field(
+        0.1, gt=0, lt=1, description="The last share of the tokens, held out for validation."
+    )
+    seq_len: int = Field(256, ge=1, description="Tokens per training window.")
+    batch_size: int = Field(16, ge=1, description="Windows per micro-batch on each device.")
+    cache_dir: str = Field(
+        ".cache/builder", description="Tokenizers and tokenized corpora, keyed by content hash."
+    )
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_source(cls, value):
+        return [value] if isinstance(value, str) else value
+
+
+class TokenizerSection(_Section):
+    type: Literal["sentencepiece", "char"] = Field(
+        "sentencepiece", description="sentencepiece (trained on the corpus, or `model_file`) | char."
+    )
+    model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece: bpe | unigram.")
+    vocab_size: int = Field(4096, ge=16, description="sentencepiece: vocabulary size to train.")
+    model_file: Optional[str] = Field(
+        None, description="sentencepiece: an existing .model file (relative to the recipe) instead of training."
+    )
+    train_max_lines: int = Field(
+        300_000, ge=1, description="sentencepiece: lines of the corpus sampled to train the tokenizer."
+    )
+
+
+class OptimizerSection(_Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW eps.")
+    weight_decay: float = Field(
+        0.1, ge=0, description="Decoupled weight decay on matrices; none on norms, biases and embeddings."
+    )
+
+
+class ScheduleSection(_Section):
+    type: Literal["cosine", "inverse_sqrt", "constant"] = Field(
+        "cosine", description="After warmup: cosine to min_lr | inverse_sqrt | constant."
+    )
+    warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    decay_steps: Optional[int] = Field(
+        None, ge=1, description="cosine: steps until min_lr is reached (null: trainer.max_steps)."
+    )
+    min_lr: float = Field(0.0, ge=0, description="The floor of the learning rate.")
+
+
+class LossSection(_Section):
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    moe_aux_coef: float = Field(0.01, ge=0, description="Weight of the mixture-of-experts balancing loss.")
+
+
+class TrainerSection(_Section):
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
+    max_time: Optional[Union[int, str]] = Field(
+        None, description="Stop after this long: seconds, or 'HH:MM:SS' / 'DD:HH:MM:SS' (null: no limit)."
+    )
+    val_check_interval: int = Field(200, ge=1, description="Validate every this many optimizer steps.")
+    limit_val_batches: int = Field(20, ge=1, description="Validation micro-batches per check.")
+    checkpoint_every_n_steps: int = Field(
+        100, ge=1, description="Write last.ckpt every this many steps (and at every validation)."
+    )
+    gradient_clip_val: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm (null: off).")
+    accumulate_grad_batches: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    precision: Literal["32", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
+        "32", description="32 | bf16-mixed | 16-mixed | bf16-true."
+    )
+    compile: bool = Field(False, description="torch.compile the model.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in the backward pass (less memory)."
+    )
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="auto | ddp | fsdp (FSDP shards and wraps each layer; needs CUDA)."
+    )
+    accelerator: str = Field("auto", description="auto | cpu | gpu | cuda | mps ...")
+    devices: Union[int, str] = Field("auto", description="Devices per node: a count, 'auto' or a list string.")
+    num_nodes: int = Field(1, ge=1, description="Machines (torchrun / SLURM).")
+    seed: int = Field(1337, description="Seeds weights, data windows and dropout.")
+    output_dir: Optional[str] = Field(
+        None, description="Checkpoints and logs (relative to the working directory; null: runs/<recipe name>)."
+    )
+    log_every_n_steps: int = Field(10, ge=1, description="Steps between log lines and progress-bar updates.")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_str(cls, value):
+        return str(value) if isinstance(value, int) else value
+
+    @field_validator("max_time")
+    @classmethod
+    def _max_time(cls, value):
+        if isinstance(value, str) and not re.fullmatch(r"(\d+:){1,3}\d+", value):
+            raise ValueError(f"max_time {value!r} is not seconds or 'HH:MM:SS'")
+        return value
+
+    def max_time_delta(self) -> datetime.timedelta | None:
+        """``max_time`` as a timedelta (``None`` when unset)."""
+        if self.max_time is None:
+            return None
+        if isinstance(self.max_time, int):
+            return datetime.timedelta(seconds=self.max_time)
+        parts = [int(p) for p in self.max_time.split(":")]
+        parts = [0] * (4 - len(parts)) + parts
+        return datetime.timedelta(days=parts[0], hours=parts[1], minutes=parts[2], seconds=parts[3])
+
+
+class SampleSection(_Section):
+    prompts: list[str] = Field(default_factory=lambda: ["\n"], description="Prompts sampled at the end of training.")
+    max_new_tokens: int = Field(200, ge=0, description="Tokens generated per prompt.")
+    temperature: float = Field(0.8, ge=0, description="0 is greedy.")
+    top_k: Optional[int] = Field(200, ge=1, description="Sample among the k likeliest tokens (null: all).")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling (null: off).")
+
+
+class Recipe(_Section):
+    """A training recipe. Attribute names are the YAML keys."""
+
+    name: Optional[str] = Field(None, description="Shown in reports and names the output dir (default: file name).")
+    model: ModelSection = Field(..., description="The spec to train.")
+    data: DataSection = Field(default_factory=DataSection, description="The corpus and its windows.")
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection, description="Text to token ids.")
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="AdamW.")
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Learning-rate schedule.")
+    loss: LossSection = Field(default_factory=LossSection, description="The training objective.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="How long, where, how precisely.")
+    sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
+
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.trainer.strategy == "fsdp" and self.trainer.accelerator == "cpu":
+            raise ValueError("trainer.strategy fsdp needs CUDA devices; use ddp on CPU")
+        return self
+
+
+def flat_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"decoder": {"n_layers": 2}, "d_model": 64}`` -> ``{"decoder.n_layers": 2, "d_model": 64}``.
+
+    Nested mappings merge key by key (as ``extends`` does), so flattening them to dotted leaves
+    means the same; an empty mapping is kept as a value.
+    """
+    flat: dict[str, Any] = {}
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flat_overrides(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def resolve(recipe_file: Path | None, path: str) -> Path:
+    """A path written in a recipe, relative to the recipe's folder."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or recipe_file is None:
+        return p
+    return Path(recipe_file).resolve().parent / p
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Load and validate a recipe file; raises ``builder.loader.SpecError`` with located problems.
+
+    ``--set model.overrides.decoder.n_layers=2`` becomes the spec override ``decoder.n_layers: 2``.
+    """
+    from builder.loader import load_config
+
+    model_overrides = {k: v for k, v in (overrides or {}).items() if k.startswith("model.overrides.")}
+    rest = {k: v for k, v in (overrides or {}).items() if k not in model_overrides}
+    recipe = load_config(path, Recipe, rest)
+    for key, value in model_overrides.items():
+        recipe.model.overrides[key.removeprefix("model.overrides.")] = value
+    return recipe
+
+
+def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int):
+    """The recipe's validated model spec, with its overrides and the tokenizer's ``vocab_size``.
+
+    A spec file loads through ``builder.load_spec``; an inline spec is validated in place, so its
+    problems point at the recipe's own lines.
+    """
+    overrides = {**flat_overrides(recipe.model.overrides), "vocab_size": vocab_size}
+    if isinstance(recipe.model.spec, str):
+        from builder.loader import load_spec
+
+        return load_spec(resolve(recipe_file, recipe.model.spec), overrides=overrides)
+    return _inline_spec(recipe_file, overrides)
+
+
+def _inline_spec(recipe_file: Path, overrides: dict[str, Any]):
+    from builder.loader import read_merged
+    from builder.problems import validation_problems
+    from builder.schema import spec_model
+    from builder.yaml_source import Document, Mark, Problem, SpecError
+
+    doc = read_merged(recipe_file)
+    prefix = ("model", "spec")
+    inline = Document(
+        data=doc.data["model"]["spec"],
+        keys={k[2:]: m for k, m in doc.keys.items() if k[:2] == prefix},
+        values={k[2:]: m for k, m in doc.values.items() if k[:2] == prefix},
+    )
+    if "extends" in inline.data:
+        where = inline.value_mark(("extends",))
+        raise SpecError([Problem.at(where, "model.spec.extends", "an inline spec cannot extend; give `spec:` a file")])
+    for key, value in overrides.items():
+        mark = (
+            doc.value_mark(("model", "overrides", key))
+            or doc.value_mark(("model", "overrides", *key.split(".")))
+            or Mark(f"<model.overrides {key}={value}>")
+        )
+        node, path = inline.data, ()
+        *parents, last = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node, path = node[part], path + (part,)
+        node[last] = value
+        inline.keys[path + (last,)] = inline.values[path + (last,)] = mark
+    spec, problems = validation_problems(spec_model(), inline.data, inline)
+    if problems:
+        # re-pathed under the recipe: decoder.n_layers -> model.spec.decoder.n_layers
+        raise SpecError([dataclasses.replace(p, path=".".join(filter(None, ("model.spec", p.path)))) for p in problems])
+    return spec

@@ -1,0 +1,182 @@
+"""The corpus: read once, tokenized once into a memory-mapped array, cut into random windows.
+
+Training windows are a pure function of (seed, micro-batch index): micro-batch ``i`` draws
+``batch_size x world_size`` window offsets from a generator seeded with ``(seed, i)`` and rank
+``r`` takes its slice. So the data position is one integer (saved in checkpoints), a resumed run
+sees exactly the batches an unbroken one would, and N devices with batch B see the same global
+batches as one device with batch N x B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from recipes.config import PYTHON_STDLIB, DataSection, RecipeError, resolve
+
+#: folders of the standard library left out of `python-stdlib` (installed packages, test suites)
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclasses.dataclass
+class Corpus:
+    text: str
+    files: list[str]
+    hash: str
+
+
+def _source_files(source: str, section: DataSection, recipe_file: Path | None) -> list[Path]:
+    if source == PYTHON_STDLIB:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return [
+            f for f in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(f.relative_to(root).parts[:-1])
+        ]
+    path = resolve(recipe_file, source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = {f for pattern in section.include for f in path.rglob(pattern) if f.is_file()}
+        return sorted(found)
+    raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {path})")
+
+
+def read_corpus(section: DataSection, recipe_file: Path | None) -> Corpus:
+    """The sources' text, in order, files joined by a newline, cut off at ``max_bytes``."""
+    texts: list[str] = []
+    files: list[str] = []
+    size = 0
+    for source in section.sources:
+        for path in _source_files(source, section, recipe_file):
+            if section.max_bytes is not None and size >= section.max_bytes:
+                break
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if section.max_bytes is not None:
+                text = text[: section.max_bytes - size]
+            texts.append(text)
+            files.append(str(path))
+            size += len(text)
+    text = "\n".join(texts)
+    if not text.strip():
+        raise RecipeError(f"data.sources {section.sources} hold no text")
+    return Corpus(text=text, files=files, hash=hashlib.sha256(text.encode("utf-8")).hexdigest()[:16])
+
+
+def tokenize_corpus(tokenizer, corpus: Corpus, cache_dir: Path) -> np.ndarray:
+    """The corpus as token ids in a read-only memory map, tokenized once per (corpus, tokenizer)."""
+    from tqdm.auto import tqdm
+
+    from recipes.tokenizer import write_atomic
+
+    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    path = cache_dir / "tokens" / f"{corpus.hash}-{tokenizer.fingerprint()}.{np.dtype(dtype).name}.bin"
+    if not path.is_file():
+        parts: list[np.ndarray] = []
+        with tqdm(total=len(corpus.text), desc="tokenizing", unit="char", unit_scale=True, leave=False) as bar:
+            for chars, ids in tokenizer.encode_corpus(corpus.text):
+                parts.append(np.asarray(ids, dtype=dtype))
+                bar.update(chars)
+        write_atomic(path, np.concatenate(parts).tobytes())
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``1 - val_fraction`` of the tokens for training, the rest held out."""
+    cut = int(len(tokens) * (1 - val_fraction))
+    train, val = tokens[:cut], tokens[cut:]
+    for name, part in (("training", train), ("validation", val)):
+        if len(part) < seq_len + 1:
+            raise RecipeError(
+                f"the {name} split has {len(part)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                "add data, lower data.seq_len or change data.val_fraction"
+            )
+    return train, val
+
+
+def windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets for windows starting at ``offsets``."""
+    rows = offsets[:, None] + np.arange(seq_len + 1)  # (batch, seq_len + 1)
+    block = torch.from_numpy(tokens[rows].astype(np.int64))
+    return block[:, :-1], block[:, 1:]
+
+
+def window_offsets(seed: int, stream: int, index: int, count: int, high: int) -> np.ndarray:
+    """``count`` window starts in ``[0, high)`` for micro-batch ``index``: a pure function."""
+    return np.random.default_rng([seed, stream, index]).integers(0, high, size=count)
+
+
+class TrainWindows(IterableDataset):
+    """Endless micro-batches of random windows from ``position`` on; this rank's slice of each."""
+
+    def __init__(self, tokens, seq_len, batch_size, seed, rank, world_size, position):
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.seed, self.rank, self.world_size, self.position = seed, rank, world_size, position
+
+    def __iter__(self):
+        index = self.position
+        high = len(self.tokens) - self.seq_len
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        while True:
+            offsets = window_offsets(self.seed, 0, index, self.batch_size * self.world_size, high)
+            yield windows(self.tokens, offsets[mine], self.seq_len)
+            index += 1
+
+
+class ValWindows(IterableDataset):
+    """The same ``n_batches`` micro-batches of held-out windows at every validation."""
+
+    def __init__(self, tokens, seq_len, batch_size, n_batches, seed, rank, world_size):
+        self.tokens, self.seq_len, self.batch_size, self.n_batches = tokens, seq_len, batch_size, n_batches
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+    def __len__(self):
+        return self.n_batches
+
+    def __iter__(self):
+        high = len(self.tokens) - self.seq_len
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        for index in range(self.n_batches):
+            offsets = window_offsets(self.seed, 1, index, self.batch_size * self.world_size, high)
+            yield windows(self.tokens, offsets[mine], self.seq_len)
+
+
+class LMDataModule(L.LightningDataModule):
+    """Training and validation windows over a tokenized corpus; its state is the data position."""
+
+    def __init__(self, tokens: np.ndarray, section: DataSection, seed: int, val_batches: int, accumulate: int):
+        super().__init__()
+        self.section, self.seed, self.val_batches, self.accumulate = section, seed, val_batches, accumulate
+        self.train_tokens, self.val_tokens = split(tokens, section.val_fraction, section.seq_len)
+        self.position = 0  # micro-batches consumed; restored from checkpoints
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self):
+        rank, world = self._rank()
+        data = TrainWindows(
+            self.train_tokens, self.section.seq_len, self.section.batch_size, self.seed, rank, world, self.position
+        )
+        return DataLoader(data, batch_size=None, num_workers=0)
+
+    def val_dataloader(self):
+        rank, world = self._rank()
+        data = ValWindows(
+            self.val_tokens, self.section.seq_len, self.section.batch_size, self.val_batches, self.seed, rank, world
+        )
+        return DataLoader(data, batch_size=None, num_workers=0)
+
+    def state_dict(self) -> dict:
+        if self.trainer is not None:
+            self.position = self.trainer.global_step * self.accumulate
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])

@@ -1,0 +1,183 @@
+"""The LightningModule around a built model: loss, AdamW groups, schedule, resumable state."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.config import Recipe, ScheduleSection
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+
+    def __init__(self, step: int, value: float):
+        self.step, self.value = step, value
+        super().__init__(
+            f"the training loss became {value} at step {step}; stopping. The last good checkpoint is kept: "
+            "lower optimizer.lr, raise schedule.warmup_steps, set trainer.gradient_clip_val or use "
+            "precision 32 / bf16-mixed, then resume or start fresh"
+        )
+
+
+def lr_multiplier(step: int, schedule: ScheduleSection, lr: float, max_steps: int) -> float:
+    """The learning rate at ``step`` as a share of the peak ``lr`` (nanoGPT's warmup and cosine)."""
+    warmup = schedule.warmup_steps
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    floor = schedule.min_lr / lr
+    if schedule.type == "constant":
+        return 1.0
+    if schedule.type == "inverse_sqrt":
+        return max(floor, math.sqrt(max(warmup, 1) / max(step, 1)))
+    decay = schedule.decay_steps or max_steps
+    if step >= decay:
+        return floor
+    ratio = (step - warmup) / max(1, decay - warmup)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on weight matrices; none on norms, biases and embedding tables."""
+    embedding_ids = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+    }
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        in_embedding = any("embed" in part for part in name.split(".")[:-1])
+        if p.ndim < 2 or id(p) in embedding_ids or in_embedding:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's Transformer layers: each stack's ``layers`` (else its outermost lists of like
+    modules, for models not built by ``build_model``)."""
+    if hasattr(model, "stacks"):
+        return [layer for stack in model.stacks().values() for layer in stack.layers]
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            if not any(name.startswith(outer + ".") for outer, _ in found):
+                found.append((name, module))
+    return [layer for _, modules in found for layer in modules]
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Recompute each layer's activations in the backward pass instead of keeping them."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = layer_modules(model)
+    for layer in layers:
+        forward = layer.forward
+
+        @functools.wraps(forward)
+        def checkpointed(*args, _forward=forward, _layer=layer, **kwargs):
+            if _layer.training and torch.is_grad_enabled():
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return _forward(*args, **kwargs)
+
+        layer.forward = checkpointed
+    return len(layers)
+
+
+def has_moe(model: nn.Module) -> bool:
+    """Whether any block keeps a balancing loss (``aux_loss``) after its forward."""
+    return any("aux_loss" in vars(m) for m in model.modules())
+
+
+def rng_state() -> dict:
+    """Every random generator's state, as plain data and tensors (safe for weights-only loading)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached)
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class LMModule(L.LightningModule):
+    """Next-token prediction with a model from ``build_model``.
+
+    ``meta`` (the validated spec, the recipe and the tokenizer state) rides in every checkpoint
+    under ``"builder"``, so evaluating and decoding need nothing else.
+    """
+
+    def __init__(self, model: nn.Module, recipe: Recipe, meta: dict):
+        super().__init__()
+        self.model, self.recipe, self.meta = model, recipe, meta
+        self.history: dict[str, list] = {"train": [], "val": []}  # (step, loss), whole run
+        self.moe = has_moe(model)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def _losses(self, input_ids, targets):
+        logits = self.model(input_ids)  # (batch, seq, vocab)
+        ce = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), label_smoothing=self.recipe.loss.label_smoothing
+        )
+        if not self.moe:
+            return ce, ce
+        return ce + self.recipe.loss.moe_aux_coef * self.model.aux_loss(), ce
+
+    def training_step(self, batch, batch_idx):
+        loss, ce = self._losses(*batch)
+        mean = self.trainer.strategy.reduce(ce.detach(), reduce_op="mean")  # every rank's, so all stop
+        value = float(mean)
+        if not math.isfinite(value):
+            raise NonFiniteLossError(self.global_step, value)
+        self.history["train"].append((self.global_step, value))
+        self.log("loss", mean, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch[0].shape[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        _, ce = self._losses(*batch)
+        self.log("val_loss", ce, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
+        return ce
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking and "val_loss" in self.trainer.callback_metrics:
+            self.history["val"].append((self.global_step, float(self.trainer.callback_metrics["val_loss"])))
+
+    def configure_optimizers(self):
+        opt = self.recipe.optimizer
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, **fused
+        )
+        multiplier = functools.partial(
+            lr_multiplier, schedule=self.recipe.schedule, lr=opt.lr, max_steps=self.recipe.trainer.max_steps
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng_state())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("builder", {})
+        self.history = saved.get("history", {"train": [], "val": []})
+        if "rng" in saved:
+            set_rng_state(saved["rng"])

@@ -1,0 +1,174 @@
+"""Text to token ids: a character table or a sentencepiece model trained on the corpus.
+
+A tokenizer's ``state()`` is small plain data (the character list, or the sentencepiece model's
+bytes) that goes into every checkpoint, so ``builder eval`` and ``builder generate`` need only
+the checkpoint. Trained sentencepiece models are cached by the hash of corpus and settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+from pathlib import Path
+from typing import Iterable
+
+from recipes.config import RecipeError, TokenizerSection, resolve
+
+#: text per sentencepiece encode call; cut at newlines, which no piece crosses
+_CHUNK_CHARS = 1 << 16
+
+
+class CharTokenizer:
+    """One id per distinct character of the corpus, in sorted order (nanoGPT's shakespeare_char)."""
+
+    kind = "char"
+
+    def __init__(self, chars: list[str]):
+        self.chars = list(chars)
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def fit(cls, text: str) -> CharTokenizer:
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as exc:
+            raise RecipeError(f"character {exc.args[0]!r} is not in this char tokenizer's vocabulary") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def encode_corpus(self, text: str) -> Iterable[tuple[int, list[int]]]:
+        """(characters read, their ids) for successive chunks of ``text``."""
+        for start in range(0, len(text), _CHUNK_CHARS):
+            chunk = text[start : start + _CHUNK_CHARS]
+            yield len(chunk), self.encode(chunk)
+
+    def state(self) -> dict:
+        return {"type": "char", "chars": "".join(self.chars)}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.state()["chars"].encode("utf-8")).hexdigest()[:16]
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model held as its serialized bytes."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_proto: bytes):
+        import sentencepiece as spm
+
+        self.model_proto = bytes(model_proto)
+        self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode(list(ids))
+
+    def encode_corpus(self, text: str) -> Iterable[tuple[int, list[int]]]:
+        """(characters read, their ids) for successive chunks of ``text``, cut after newlines."""
+        start = 0
+        while start < len(text):
+            end = text.find("\n", start + _CHUNK_CHARS)
+            end = len(text) if end < 0 else end + 1
+            yield end - start, self.sp.encode(text[start:end])
+            start = end
+
+    def state(self) -> dict:
+        return {"type": "sentencepiece", "model_proto": self.model_proto}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.model_proto).hexdigest()[:16]
+
+
+Tokenizer = CharTokenizer | SentencePieceTokenizer
+
+
+def from_state(state: dict) -> Tokenizer:
+    """The tokenizer a checkpoint recorded."""
+    if state["type"] == "char":
+        return CharTokenizer(list(state["chars"]))
+    return SentencePieceTokenizer(state["model_proto"])
+
+
+def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0) -> bytes:
+    """A sentencepiece model for ``text`` that round-trips code: identity normalization, runs of
+    spaces kept as pieces, no dummy prefix, and byte fallback (newlines and rare characters)."""
+    import sentencepiece as spm
+
+    lines = [line for line in text.split("\n") if line.strip()]
+    if len(lines) > section.train_max_lines:
+        lines = random.Random(seed).sample(lines, section.train_max_lines)
+    if not lines:
+        raise RecipeError("the corpus has no text to train a tokenizer on")
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buffer,
+        vocab_size=section.vocab_size,
+        model_type=section.model_type,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        add_dummy_prefix=False,
+        character_coverage=0.9999,
+        max_sentence_length=1 << 14,
+        unk_id=0,
+        bos_id=-1,
+        eos_id=-1,
+        pad_id=-1,
+        num_threads=max(1, min(4, os.cpu_count() or 1)),
+        minloglevel=2,
+    )
+    return buffer.getvalue()
+
+
+def build_tokenizer(
+    section: TokenizerSection, text: str, corpus_hash: str, cache_dir: Path, recipe_file: Path | None
+) -> Tokenizer:
+    """The recipe's tokenizer: fitted (char), loaded (model_file) or trained and cached."""
+    if section.type == "char":
+        return CharTokenizer.fit(text)
+    if section.model_file is not None:
+        path = resolve(recipe_file, section.model_file)
+        if not path.is_file():
+            raise RecipeError(f"tokenizer.model_file: {path} does not exist")
+        return SentencePieceTokenizer(path.read_bytes())
+    key = hashlib.sha256(
+        f"{corpus_hash}|{section.model_type}|{section.vocab_size}|{section.train_max_lines}|v1".encode()
+    ).hexdigest()[:16]
+    cached = cache_dir / "tokenizers" / f"spm-{section.model_type}-{section.vocab_size}-{key}.model"
+    if cached.is_file():
+        return SentencePieceTokenizer(cached.read_bytes())
+    print(f"training a sentencepiece {section.model_type} tokenizer ({section.vocab_size} pieces) ...", flush=True)
+    proto = train_sentencepiece(text, section)
+    write_atomic(cached, proto)
+    return SentencePieceTokenizer(proto)
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` so a reader sees the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,233 @@
+"""`builder train RECIPE`: corpus, tokenizer, model, Lightning Trainer, checkpoints, samples.
+
+A run writes everything under its output dir: ``checkpoints/last.ckpt`` and ``best.ckpt``, CSV
+and TensorBoard logs, ``loss.png``. Running the same recipe again resumes from ``last.ckpt``
+(same step, optimizer, schedule, data position and random state); ``--fresh`` starts over.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from recipes.callbacks import AtomicCheckpointIO, RecipeCheckpoint, StepProgressBar, Throughput, plot_losses
+from recipes.config import Recipe, RecipeError, load_recipe, model_spec
+from recipes.data import LMDataModule, read_corpus, tokenize_corpus
+from recipes.module import LMModule, checkpoint_layers, layer_modules
+from recipes.tokenizer import build_tokenizer
+
+#: recipe precision -> Lightning's name for it
+PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed", "bf16-true": "bf16-true"}
+
+
+class _Quiet(logging.Filter):
+    """Drops Lightning's advertising and chatter that says nothing about this run."""
+
+    NOISE = ("litlogger", "`weights_only` was not set", "LeafSpec", "IterableDataset` has `__len__`")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(noise in record.getMessage() for noise in self.NOISE)
+
+
+def quiet_lightning() -> None:
+    for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
+        logging.getLogger(name).addFilter(_Quiet())
+    for noise in _Quiet.NOISE:
+        warnings.filterwarnings("ignore", message=f".*{re.escape(noise)}.*")
+
+
+def say(*args) -> None:
+    if rank_zero_only.rank == 0:
+        print(*args, flush=True)
+
+
+def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
+    return Path(recipe.trainer.output_dir or Path("runs") / (recipe.name or recipe_file.stem))
+
+
+def prepare(recipe: Recipe, recipe_file: Path):
+    """Corpus -> tokenizer -> token memmap -> spec: what model and data both need."""
+    cache = Path(recipe.data.cache_dir)
+    corpus = read_corpus(recipe.data, recipe_file)
+    tokenizer = build_tokenizer(recipe.tokenizer, corpus.text, corpus.hash, cache, recipe_file)
+    tokens = tokenize_corpus(tokenizer, corpus, cache)
+    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)
+    if recipe.data.seq_len > spec.max_seq_len:
+        raise RecipeError(
+            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
+            f"lower data.seq_len or set model.overrides.max_seq_len"
+        )
+    say(f"corpus: {len(corpus.files)} files, {len(corpus.text):,} chars -> {len(tokens):,} tokens "
+        f"({tokenizer.kind}, vocab {tokenizer.vocab_size:,})")
+    return corpus, tokenizer, tokens, spec
+
+
+def describe(spec, model, recipe: Recipe) -> int:
+    """Print the start-of-run table (estimated against built parameters); returns train FLOPs/token."""
+    from builder.estimate import estimate
+    from builder.report import print_describe
+
+    settings = recipe.trainer
+    dtype = "bf16" if settings.precision.startswith("bf16") else "fp16" if settings.precision == "16-mixed" else "fp32"
+    devices = settings.devices if isinstance(settings.devices, int) else 1
+    est = estimate(
+        spec, seq_len=recipe.data.seq_len, batch=recipe.data.batch_size, dtype=dtype,
+        devices=devices * settings.num_nodes, strategy="fsdp" if settings.strategy == "fsdp" else "ddp",
+        activation_checkpointing=settings.activation_checkpointing,
+    )
+    if rank_zero_only.rank == 0:
+        print_describe(spec, est, actual=model)
+    return est.flops.train_per_token
+
+
+def strategy_for(recipe: Recipe, model):
+    trainer = recipe.trainer
+    if trainer.strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        layer_classes = {type(layer) for layer in layer_modules(model)}
+        return FSDPStrategy(
+            auto_wrap_policy=layer_classes,
+            activation_checkpointing_policy=layer_classes if trainer.activation_checkpointing else None,
+            checkpoint_io=AtomicCheckpointIO(),
+        )
+    return trainer.strategy
+
+
+def resume_path(out: Path, resume: str | bool | None, fresh: bool) -> Path | None:
+    """``--resume PATH``, else ``last.ckpt`` of an earlier run of this recipe unless ``--fresh``."""
+    if isinstance(resume, str):
+        path = Path(resume)
+        if not path.is_file():
+            raise RecipeError(f"--resume: no checkpoint at {path}")
+        return path
+    last = out / "checkpoints" / "last.ckpt"
+    if resume and not last.is_file():
+        raise RecipeError(f"--resume: no {last} to resume from")
+    return last if last.is_file() and not fresh else None
+
+
+def check_resumable(path: Path, meta: dict) -> None:
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("builder", {})
+    for key, what in (("spec", "model spec"), ("tokenizer", "tokenizer")):
+        if saved.get(key) != meta[key]:
+            raise RecipeError(
+                f"{path} was trained with a different {what}; start over with --fresh or set "
+                "trainer.output_dir to a new folder"
+            )
+
+
+def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
+        fresh: bool = False, samples: bool = True) -> dict:
+    """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN."""
+    from builder import build_model
+
+    recipe_file = Path(recipe_path)
+    recipe = load_recipe(recipe_file, overrides)
+    settings = recipe.trainer
+    out = output_dir(recipe, recipe_file)
+    quiet_lightning()
+    L.seed_everything(settings.seed, workers=True, verbose=False)
+    corpus, tokenizer, tokens, spec = prepare(recipe, recipe_file)
+
+    dtype = torch.bfloat16 if settings.precision == "bf16-true" else None
+    torch.manual_seed(settings.seed)
+    model = build_model(spec, dtype=dtype)
+    flops_per_token = describe(spec, model, recipe)
+    if settings.activation_checkpointing and settings.strategy != "fsdp":
+        checkpoint_layers(model)
+    if settings.compile:
+        model.compile()
+    meta = {
+        "spec": spec.model_dump(mode="json"),
+        "recipe": recipe.model_dump(mode="json"),
+        "recipe_file": str(recipe_file),
+        "tokenizer": tokenizer.state(),
+    }
+    module = LMModule(model, recipe, meta)
+    data = LMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
+                        settings.accumulate_grad_batches)
+
+    checkpoints = RecipeCheckpoint(out / "checkpoints", settings.checkpoint_every_n_steps)
+    throughput = Throughput(
+        recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
+        flops_per_token, settings.precision, settings.log_every_n_steps,
+    )
+    strategy = strategy_for(recipe, model)
+    trainer = L.Trainer(
+        max_steps=settings.max_steps,
+        max_time=settings.max_time_delta(),
+        max_epochs=-1,
+        val_check_interval=settings.val_check_interval * settings.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=settings.limit_val_batches,
+        num_sanity_val_steps=0,
+        gradient_clip_val=settings.gradient_clip_val,
+        accumulate_grad_batches=settings.accumulate_grad_batches,
+        precision=PRECISION[settings.precision],
+        strategy=strategy,
+        accelerator=settings.accelerator,
+        devices=settings.devices,
+        num_nodes=settings.num_nodes,
+        logger=[
+            L.pytorch.loggers.CSVLogger(out, name="logs"),
+            L.pytorch.loggers.TensorBoardLogger(out, name="tensorboard"),
+        ],
+        callbacks=[checkpoints, throughput, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
+        plugins=[] if settings.strategy == "fsdp" else [AtomicCheckpointIO()],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        log_every_n_steps=settings.log_every_n_steps,
+        default_root_dir=out,
+    )
+    ckpt = resume_path(out, resume, fresh)
+    if ckpt is not None:
+        check_resumable(ckpt, meta)
+        say(f"resuming from {ckpt}")
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
+
+    history = module.history
+    if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
+        trainer.validate(module, datamodule=data, verbose=False)
+    summary = {
+        "steps": trainer.global_step,
+        "train_loss": history["train"][-1][1] if history["train"] else None,
+        "val_loss": history["val"][-1][1] if history["val"] else None,
+        "tokens_per_s": throughput.tokens_per_s,
+        "last": str(checkpoints.last_path),
+        "best": str(checkpoints.best_path),
+        "output_dir": str(out),
+    }
+    if trainer.is_global_zero:
+        plot = plot_losses(history, out / "loss.png", f"{recipe.name or recipe_file.stem}: {spec.name}")
+        say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {out / 'checkpoints'}"
+            + (f"; loss curve {plot}" if plot else ""))
+        if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
+            print_samples(module.model, tokenizer, recipe)
+    return summary
+
+
+@torch.no_grad()
+def print_samples(model, tokenizer, recipe: Recipe) -> None:
+    """Decode each prompt with the recipe's sampling settings and print the text."""
+    from recipes.generation import stream
+
+    model.eval()
+    settings = recipe.sample
+    generator_seed = recipe.trainer.seed
+    for prompt in settings.prompts:
+        print(f"\n--- sample: {prompt!r} ---", flush=True)
+        torch.manual_seed(generator_seed)
+        sys.stdout.write(prompt)
+        stream(model, tokenizer, prompt, sys.stdout, max_new_tokens=settings.max_new_tokens,
+               temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+        print(flush=True)
