@@ -211,6 +211,7 @@ def estimate(
     mem = _memory.memory(
         spec, total, layers, batch=batch, seq_len=seq, src_len=src, dtype=dtype, devices=devices,
         strategy=strategy, activation_checkpointing=activation_checkpointing,
+        fused_attention=fused_attention,
     )
     settings = {
         "seq_len": seq, "src_len": src, "batch": batch, "dtype": dtype, "devices": devices,

@@ -88,7 +88,8 @@ class MemoryEstimate:
 
 
 def memory(spec, n_params: int, layers, *, batch: int, seq_len: int, src_len: int | None,
-           dtype: str, devices: int, strategy: str, activation_checkpointing: bool) -> MemoryEstimate:
+           dtype: str, devices: int, strategy: str, activation_checkpointing: bool,
+           fused_attention: bool = True) -> MemoryEstimate:
     """Per-device training memory and the KV cache, from the per-layer estimates."""
     act = BYTES[dtype]
     shard = devices if strategy == "fsdp" else 1
@@ -99,7 +100,7 @@ def memory(spec, n_params: int, layers, *, batch: int, seq_len: int, src_len: in
     largest_layer = max((layer.total_params for layer in layers), default=0)
     buffers = 2 * largest_layer * act if strategy == "fsdp" and devices > 1 else 0
     activations = activation_bytes(spec, layers, batch, seq_len, src_len, act,
-                                   activation_checkpointing)
+                                   activation_checkpointing, fused_attention)
     return MemoryEstimate(
         dtype=dtype, batch=batch, devices=devices, strategy=strategy,
         activation_checkpointing=activation_checkpointing, weights=weights,
@@ -111,7 +112,7 @@ def memory(spec, n_params: int, layers, *, batch: int, seq_len: int, src_len: in
 
 
 def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None, act: int,
-                     checkpointing: bool) -> int:
+                     checkpointing: bool, fused_attention: bool = True) -> int:
     """Bytes saved for backward over one training step of ``batch`` sequences."""
     d, vocab = spec.d_model, spec.vocab_size
     stacks = spec.stacks()
@@ -126,6 +127,8 @@ def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None
             total += tokens * d  # one-byte mask
         if stack.final_norm:
             total += stack.norm.saved_bytes(d, tokens, act)
+        total += spec.position.saved_bytes_per_stack(lengths[name], stack.attention.n_heads,
+                                                     fused_attention)
     if "encoder" in stacks and "decoder" in stacks:
         total += batch * lengths["encoder"] * d * act  # encoder output: every cross-attention's k/v input
     last = list(stacks)[-1]

@@ -125,10 +125,11 @@ class MoEConfig(BlockConfig):
         return 2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """The router's input and fp32 probabilities, and for each of the tokens * top_k
-        routed rows: the expert's own tensors (its gathered input among them), its output and
-        gate (see builder.memory)."""
+        """Bytes kept for backward (see builder.memory). The router: its input, the fp32
+        probabilities, the top_k fp32 values and int64 choices, their sum. Each of the
+        tokens * top_k routed rows: the expert's own tensors (its gathered input among them),
+        its output and the gated output, the gate, two int64 indices (sort order, token)."""
         routed = tokens * self.top_k
-        router = tokens * d_model * act_bytes + tokens * self.n_experts * 4
+        router = tokens * (d_model * act_bytes + self.n_experts * 4 + self.top_k * (4 + 8) + 4)
         experts = self.expert.saved_bytes(d_model, routed, act_bytes)
-        return router + experts + routed * (d_model * act_bytes + 4)
+        return router + experts + routed * (2 * d_model * act_bytes + act_bytes + 2 * 8)

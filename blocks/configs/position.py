@@ -31,6 +31,10 @@ class _PositionConfig(BlockConfig):
         """Bytes each attention layer keeps for backward on this block's behalf."""
         return 0
 
+    def saved_bytes_per_stack(self, seq: int, n_heads: int, fused: bool) -> int:
+        """Bytes a stack keeps once for backward on this block's behalf (shared by its layers)."""
+        return 0
+
 
 @register("position", "blocks.positions:Sinusoidal")
 class SinusoidalConfig(_PositionConfig):
@@ -160,6 +164,11 @@ class RelativeBiasConfig(_PositionConfig):
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         return self.num_buckets * n_heads
+
+    def saved_bytes_per_stack(self, seq: int, n_heads: int, fused: bool) -> int:
+        # the int64 bucket of every (query, key) pair, kept by the table lookup; a fused kernel
+        # also keeps the fp32 (1, n_heads, seq, seq) bias, one tensor for every layer
+        return seq * seq * 8 + (n_heads * seq * seq * 4 if fused else 0)
 
 
 @register("position", "blocks.positions:NoPosition")
