@@ -80,8 +80,9 @@ def rope_frequencies(config, head_dim: int, device=None) -> tuple[torch.Tensor, 
     """Inverse frequencies ``(rotary_dim / 2,)`` and the cos/sin multiplier of a RoPE config.
 
     The scalings follow Hugging Face's ``transformers.modeling_rope_utils`` formulas
-    (``_compute_{linear_scaling,dynamic_ntk,yarn,llama3}_parameters``; ``ntk`` is the dynamic
-    formula at the original context, i.e. theta * factor^(d / (d - 2))).
+    (``_compute_{linear_scaling,dynamic_ntk,yarn,llama3}_parameters``). ``ntk`` is static
+    NTK-aware scaling, ``theta * factor^(d / (d - 2))``: Hugging Face's dynamic formula at the
+    length where its growth ratio reaches ``factor``. ``d`` is the rotary dimension.
     """
     dim = config.rotary_dim(head_dim)
     base = config.theta
