@@ -1,0 +1,182 @@
+"""The Lightning recipe: recipe validation, a tiny run whose loss falls, NaN stops, eval, generate."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from recipe_helpers import history, tiny_recipe
+
+from builder.loader import SpecError
+from recipes.config import ScheduleSection, load_recipe
+
+
+def test_recipe_typo_fails_with_its_line(tmp_path):
+    path = tiny_recipe(tmp_path)
+    text = path.read_text().replace("max_steps:", "max_stepz:")
+    path.write_text(text)
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "max_stepz" in row)
+    with pytest.raises(SpecError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert f"recipe.yaml:{line}:" in message
+    assert "trainer.max_stepz" in message and "did you mean 'max_steps'" in message
+
+
+def test_bad_inline_spec_points_at_the_recipe_line(tmp_path):
+    from recipes.config import model_spec
+
+    path = tiny_recipe(tmp_path)
+    text = path.read_text().replace("n_heads: 2", "n_heads: 3")
+    path.write_text(text)
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "n_heads: 3" in row)
+    recipe = load_recipe(path)
+    with pytest.raises(SpecError) as info:
+        model_spec(recipe, path, vocab_size=100)
+    message = str(info.value)
+    assert f"recipe.yaml:{line}:" in message and "model.spec.decoder.attention.n_heads" in message
+
+
+def test_set_reaches_recipe_fields_and_the_model(tmp_path):
+    from recipes.config import model_spec
+
+    path = tiny_recipe(tmp_path)
+    recipe = load_recipe(path, {"trainer.max_steps": 3, "model.overrides.decoder.n_layers": 1, "data.seq_len": 16})
+    assert recipe.trainer.max_steps == 3 and recipe.data.seq_len == 16
+    spec = model_spec(recipe, path, vocab_size=77)
+    assert spec.decoder.n_layers == 1 and spec.vocab_size == 77 and spec.d_model == 32
+
+    spec_file = Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml"
+    path = tiny_recipe(tmp_path, model={"spec": str(spec_file), "overrides": {"decoder": {"n_layers": 1}}})
+    spec = model_spec(load_recipe(path), path, vocab_size=90)
+    assert spec.name == "tiny-llama" and spec.decoder.n_layers == 1 and spec.vocab_size == 90
+
+
+def test_schedule_warms_up_then_decays_to_min_lr():
+    from recipes.module import lr_multiplier
+
+    cosine = ScheduleSection(type="cosine", warmup_steps=10, min_lr=1e-4)
+    values = [lr_multiplier(s, cosine, lr=1e-3, max_steps=100) for s in range(120)]
+    assert values[0] == pytest.approx(1 / 11) and values[9] == pytest.approx(10 / 11)
+    assert values[10] == pytest.approx(1.0) and values[99] > 0.1 and values[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    inverse = ScheduleSection(type="inverse_sqrt", warmup_steps=4)
+    assert lr_multiplier(16, inverse, lr=1.0, max_steps=100) == pytest.approx(0.5)
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    from builder import build_model
+    from builder.schema import spec_model
+    from recipes.module import param_groups
+
+    spec = spec_model().model_validate(
+        {"architecture": "decoder-only", "vocab_size": 50, "d_model": 16, "max_seq_len": 8,
+         "position": {"type": "learned"},
+         "decoder": {"n_layers": 1, "attention": {"n_heads": 2, "qkv_bias": True}}}
+    )
+    model = build_model(spec)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(p.ndim == 2 for p in decay["params"])
+    assert not any("embed" in n or "norm" in n or n.endswith("bias") for n in decayed)
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_windows_are_a_function_of_position_and_shard_across_ranks():
+    from recipes.data import TrainWindows
+
+    tokens = np.arange(1000, dtype=np.uint16)
+    single = iter(TrainWindows(tokens, 8, 4, seed=3, rank=0, world_size=1, position=0))
+    first = [next(single) for _ in range(3)]
+    resumed = next(iter(TrainWindows(tokens, 8, 4, seed=3, rank=0, world_size=1, position=2)))
+    assert torch.equal(resumed[0], first[2][0])
+    x, y = first[0]
+    assert x.shape == (4, 8) and torch.equal(y[:, :-1], x[:, 1:])
+    halves = [next(iter(TrainWindows(tokens, 8, 2, seed=3, rank=r, world_size=2, position=0))) for r in (0, 1)]
+    assert torch.equal(torch.cat([h[0] for h in halves]), first[0][0])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny run shared by the tests that need a checkpoint."""
+    from recipes.train import run
+
+    tmp = tmp_path_factory.mktemp("trained")
+    path = tiny_recipe(tmp, trainer={"max_steps": 30, "val_check_interval": 15})
+    summary = run(path, samples=False)
+    return path, summary
+
+
+def test_a_tiny_run_learns_and_checkpoints(trained):
+    path, summary = trained
+    assert summary["steps"] == 30
+    losses = [loss for _, loss in history(Path(summary["last"]))["train"]]
+    assert len(losses) == 30
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+    assert Path(summary["best"]).is_file() and (Path(summary["output_dir"]) / "loss.png").is_file()
+    assert list((Path(summary["output_dir"]) / "logs").rglob("metrics.csv"))
+    val = history(Path(summary["last"]))["val"]
+    assert [step for step, _ in val] == [15, 30] and val[1][1] < val[0][1]
+
+
+def test_eval_and_generate_need_only_the_checkpoint(trained, capsys):
+    from builder.cli import main
+
+    _, summary = trained
+    assert main(["eval", summary["last"], "--json", "--max-batches", "4"]) == 0
+    result = __import__("json").loads(capsys.readouterr().out)
+    assert result["step"] == 30 and result["tokens"] == 4 * 4 * 32
+    assert math.isfinite(result["loss"]) and result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert main(["generate", summary["last"], "--prompt", "def ", "--max-new-tokens", "40", "--seed", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def ") and len(text) == len("def ") + 40 + 1
+    assert main(["generate", summary["last"], "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main(["generate", summary["last"], "--prompt", "import", "--max-new-tokens", "5", "--num-beams", "1",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    from builder.cli import main
+
+    path = tiny_recipe(
+        tmp_path, optimizer={"lr": 1e30}, schedule={"warmup_steps": 0, "type": "constant"},
+        trainer={"max_steps": 20, "checkpoint_every_n_steps": 1, "gradient_clip_val": None, "output_dir": str(tmp_path / "run")},
+    )
+    assert main(["train", str(path), "--no-samples"]) == 1
+    err = capsys.readouterr().err
+    assert "the training loss became" in err and "last good checkpoint" in err
+    step = int(err.split(" at step ")[1].split(";")[0])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    assert 0 < saved["global_step"] <= step
+    assert all(math.isfinite(loss) for _, loss in saved["builder"]["history"]["train"])
+
+
+def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatch):
+    from recipes.callbacks import AtomicCheckpointIO
+    from recipes.train import resume_path
+
+    target = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 4}, target)
+
+    def killed_mid_write(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt  # the process dies here, before os.replace
+
+    monkeypatch.setattr(torch, "save", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"global_step": 8}, target)
+    monkeypatch.undo()
+    leftovers = [p.name for p in target.parent.iterdir() if p.name != "last.ckpt"]
+    assert leftovers == [f".last.ckpt.tmp-{os.getpid()}"]
+    assert torch.load(target, weights_only=True)["global_step"] == 4
+    assert resume_path(tmp_path / "run", resume=None, fresh=False) == target
