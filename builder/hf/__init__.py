@@ -1,0 +1,415 @@
+"""Hugging Face interoperability: read a local model folder as a spec and weights, write one back.
+
+```python
+from builder import build_model
+from builder.hf import from_hf, to_hf, load_weights
+
+spec, state_dict = from_hf("path/to/hf-model")   # a validated ModelSpec; tensors under our names
+model = load_weights(build_model(spec), state_dict)   # or load_weights(model, "out/model.safetensors")
+to_hf(spec, model, "path/to/export")             # config.json + model.safetensors; returns the family
+```
+
+Only local files are read (``config.json`` and ``*.safetensors``, sharded or not, or
+``pytorch_model.bin`` through ``torch.load(weights_only=True)``); nothing is downloaded and
+``transformers`` is never imported. Every family is a table in :mod:`builder.hf.decoders` or
+:mod:`builder.hf.encoders`; the spec it produces states every difference as a field.
+
+Export picks the family whose config expresses the spec exactly: it writes the config, reads it
+back as a spec and compares layer by layer (dropout rates aside, which inference never sees);
+the first difference is the reason a family does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from builder.hf import decoders, encoders
+from builder.hf.common import Family, HFError, Unsupported
+from builder.hf.weights import Checkpoint, alias_groups, dedupe, load_weights, read_weights, save_weights
+
+__all__ = [
+    "FAMILIES",
+    "HFError",
+    "Unsupported",
+    "from_hf",
+    "to_hf",
+    "read_hf",
+    "config_to_spec",
+    "choose_family",
+    "load_weights",
+    "save_weights",
+    "read_weights",
+    "supported_families",
+]
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in decoders.FAMILIES + encoders.FAMILIES}
+
+#: files beside the weights that a Hugging Face folder needs to be used (tokenizer, generation)
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.model",
+    "*.spm",
+)
+#: config.json keys that are not architecture and travel unchanged through import and export
+TOKEN_KEYS = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "forced_eos_token_id",
+)
+
+
+def supported_families() -> str:
+    return "\n".join(f"  {name:8} {family.description}" for name, family in FAMILIES.items())
+
+
+def family_of(config: Mapping) -> Family:
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise Unsupported(
+            f"model_type {model_type!r} is not supported; supported families:\n{supported_families()}"
+        )
+    return FAMILIES[model_type]
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HFError(f"{folder} has no config.json (a Hugging Face model folder has one)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HFError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{path} is not a JSON object")
+    return config
+
+
+def validate(spec_dict: Mapping):
+    """The validated ``ModelSpec`` of a spec dict, or :class:`HFError` with every problem."""
+    from pydantic import ValidationError
+
+    from builder.schema import SpecRuleError, spec_model
+
+    try:
+        return spec_model().model_validate(dict(spec_dict))
+    except ValidationError as exc:
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise HFError("the converted spec is invalid:\n  " + "\n  ".join(lines)) from None
+    except SpecRuleError as exc:
+        raise HFError(f"the converted spec is invalid: {exc}") from None
+
+
+def config_to_spec(config: Mapping, names: set[str] = frozenset(), name: str | None = None) -> dict:
+    """The spec dict of a Hugging Face ``config.json`` (validated; returned as written)."""
+    family = family_of(config)
+    spec = {"name": name or config.get("_name_or_path") or family.model_type, **family.to_spec(dict(config), set(names))}
+    validate(spec)
+    return spec
+
+
+def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dict]:
+    """``(spec dict, ModelSpec, state dict)`` of a local Hugging Face folder."""
+    folder = Path(folder)
+    config = read_config(folder)
+    family = family_of(config)
+    checkpoint = Checkpoint(folder)
+    names = checkpoint.names()
+    spec_dict = {"name": name or folder.resolve().name, **family.to_spec(config, names)}
+    tied_copy = _decide_tying(family, spec_dict, checkpoint)
+    spec = validate(spec_dict)
+    links = family.links(spec)
+    if family.alternative_links is not None:
+        alternative = family.alternative_links(spec)
+        if alternative and alternative[0].hf[0] in names:
+            replaced = {o for link in alternative for o in link.ours}
+            links = [link for link in links if not set(link.ours) & replaced] + alternative
+    state, claimed, missing = {}, set(), []
+    for link in links:
+        absent = [n for n in link.hf if n not in names]
+        if absent:
+            missing += absent
+            continue
+        tensors = link.to_ours([checkpoint.get(n) for n in link.hf])
+        state.update(zip(link.ours, tensors))
+        claimed.update(link.hf)
+    leftover = sorted(n for n in names - claimed if n != tied_copy and not family.is_ignored(n))
+    problems = [f"missing from the checkpoint: {n}" for n in missing]
+    problems += [f"not part of a {family.model_type} model as configured: {n}" for n in leftover]
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise HFError(f"{folder}: the checkpoint does not match its config.json:\n  {shown}")
+    return _clean(spec_dict), spec, state
+
+
+def _decide_tying(family: Family, spec_dict: dict, checkpoint: Checkpoint) -> str | None:
+    """Untie where the checkpoint holds a head that differs from the embedding (transformers 5.x
+    does the same); returns the head's name when it is a copy to skip."""
+    if not family.tied or not spec_dict.get("tie_embeddings"):
+        return None
+    head, *embeddings = family.tied
+    embedding = next((n for n in embeddings if n in checkpoint), None)
+    if head not in checkpoint or embedding is None:
+        return head
+    import torch
+
+    if torch.equal(checkpoint.get(head), checkpoint.get(embedding)):
+        return head
+    spec_dict["tie_embeddings"] = False
+    return None
+
+
+def _clean(value: Any, in_override: bool = False) -> Any:
+    """Drop nulls and empty lists from a spec dict (the defaults say the same), except inside
+    overrides, where a null replaces the stack's value."""
+    if isinstance(value, dict):
+        return {
+            k: _clean(v, in_override or k == "overrides")
+            for k, v in value.items()
+            if in_override or not (v is None or v == [])
+        }
+    if isinstance(value, list):
+        return [_clean(v, in_override) for v in value]
+    return value
+
+
+def from_hf(folder: str | Path, name: str | None = None) -> tuple[Any, dict]:
+    """``(spec, state_dict)``: the validated ``ModelSpec`` of a local Hugging Face folder and its
+    tensors under our names, ready for ``load_weights(build_model(spec), state_dict)``."""
+    _, spec, state = read_hf(folder, name)
+    return spec, state
+
+
+def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> tuple[Path, Path]:
+    """Write ``out/spec.yaml`` and ``out/model.safetensors`` (and the original config and tokenizer
+    files, for export); returns the two paths."""
+    import yaml
+
+    folder, out = Path(folder), Path(out)
+    spec_dict, spec, state = read_hf(folder, name)
+    out.mkdir(parents=True, exist_ok=True)
+    config = read_config(folder)
+    spec_path = out / "spec.yaml"
+    header = (
+        f"# Imported by `builder import-hf` from a Hugging Face {config['model_type']} model "
+        f"({folder.resolve().name}).\n# Weights: model.safetensors beside this file "
+        "(builder.hf.load_weights).\n"
+    )
+    spec_path.write_text(header + yaml.safe_dump(spec_dict, sort_keys=False))
+    weights_path = save_weights(state, out / "model.safetensors", metadata={"source": "hf:" + config["model_type"]})
+    (out / "hf_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_side_files(folder, out)
+    return spec_path, weights_path
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for pattern in SIDE_FILES:
+        for path in src.glob(pattern):
+            if path.is_file() and not (dst / path.name).exists():
+                shutil.copy2(path, dst / path.name)
+
+
+# --- export ------------------------------------------------------------------------------
+
+
+def _semantic(spec) -> dict:
+    """What a spec means, layer by layer, defaults resolved and dropout rates left out."""
+    d = spec.d_model
+    data = spec.model_dump(mode="json", exclude={"name", "extends", "encoder", "decoder"})
+    if data["position"]["type"] == "learned":
+        data["position"]["max_positions"] = data["position"]["max_positions"] or spec.max_seq_len
+    if spec.architecture != "encoder-decoder":
+        data.pop("share_encoder_decoder_embeddings")
+
+    def block(config) -> dict:
+        out = config.model_dump(mode="json")
+        if "n_kv_heads" in out:
+            out["head_dim"] = config.resolved_head_dim(d)
+        if "hidden_dim" in out:
+            out["hidden_dim"] = config.resolved_hidden_dim(d)
+        if "expert" in out:
+            out["expert"] = block(config.expert)
+        return out
+
+    cross = spec.architecture == "encoder-decoder"
+    for name, stack in spec.stacks().items():
+        layers = []
+        for i in range(stack.n_layers):
+            layer = stack.layer(i)
+            entry = {"attention": block(layer.attention), "ffn": block(layer.ffn), "norm": block(layer.norm)}
+            if cross and name == "decoder":
+                entry["cross_attention"] = block(layer.cross_attention)
+            layers.append(entry)
+        data[name] = {"n_layers": stack.n_layers, "final_norm": stack.final_norm, "layers": layers}
+    return _without_dropout(data)
+
+
+def _without_dropout(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_dropout(v) for k, v in value.items() if k != "dropout"}
+    if isinstance(value, list):
+        return [_without_dropout(v) for v in value]
+    return value
+
+
+def _differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for key in list(ours) + [k for k in theirs if k not in ours]:
+            out += _differences(ours.get(key), theirs.get(key), f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        return [d for i, (a, b) in enumerate(zip(ours, theirs)) for d in _differences(a, b, f"{path}[{i}]")]
+    return [] if ours == theirs else [f"{path} is {ours!r} in the spec; {{family}} would make it {theirs!r}"]
+
+
+def fit(family: Family, spec) -> tuple[dict | None, list[str]]:
+    """``(config, [])`` when ``family`` expresses ``spec`` exactly, else ``(None, reasons)``."""
+    try:
+        config = family.to_config(spec)
+        back = validate({"name": spec.name, **family.to_spec(config, set())})
+    except (Unsupported, HFError, TypeError, KeyError, AttributeError) as exc:
+        return None, [str(exc) or type(exc).__name__]
+    diffs = _differences(_semantic(spec), _semantic(back))
+    return (None, [d.replace("{family}", family.model_type) for d in diffs]) if diffs else (config, [])
+
+
+def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
+    """The family (``family`` if given, else the first that fits) and its config for ``spec``."""
+    if family is not None:
+        if family not in FAMILIES:
+            raise Unsupported(f"no family {family!r}; supported families:\n{supported_families()}")
+        candidates = [FAMILIES[family]]
+    else:
+        candidates = list(FAMILIES.values())
+    reasons = []
+    for candidate in candidates:
+        if spec.architecture != _architecture(candidate):
+            reasons.append(f"  {candidate.model_type}: is {_architecture(candidate)}, the spec is {spec.architecture}")
+            continue
+        config, why = fit(candidate, spec)
+        if config is not None:
+            return candidate, config
+        more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
+        reasons.append(f"  {candidate.model_type}: {why[0]}{more}")
+    raise Unsupported(
+        f"no Hugging Face family expresses spec {spec.name!r} exactly:\n" + "\n".join(reasons)
+    )
+
+
+def _architecture(family: Family) -> str:
+    return {"AutoModelForCausalLM": "decoder-only", "AutoModelForMaskedLM": "encoder-only"}.get(
+        family.auto_class, "encoder-decoder"
+    )
+
+
+def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
+          extra_config: Mapping[str, Any] | None = None) -> Family:
+    """Write ``folder/config.json`` and ``folder/model.safetensors`` for ``spec`` and ``weights``
+    (a model, a state dict, or a weights file), loadable by ``transformers``' Auto class.
+
+    ``extra_config`` adds non-architecture keys (token ids). Raises :class:`Unsupported` naming,
+    for each family, what it cannot express.
+    """
+    chosen, config = choose_family(spec, family)
+    lacking = [k for k in chosen.needs if k not in (extra_config or {})]
+    if lacking:
+        raise HFError(
+            f"a {chosen.model_type} config needs {', '.join(lacking)}, which a spec does not hold; "
+            "pass them (export-hf --hf-config KEY=VALUE, or extra_config=)"
+        )
+    state = _our_state(spec, weights)
+    tensors = {}
+    for link in chosen.links(spec):
+        missing = [n for n in link.ours if n not in state]
+        if missing:
+            raise HFError(f"the weights have no {missing[0]}")
+        tensors.update(zip(link.hf, link.to_hf([state[n] for n in link.ours])))
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+    config = {
+        "model_type": chosen.model_type,
+        "architectures": [chosen.hf_class],
+        **config,
+        **{k: v for k, v in (extra_config or {}).items() if k in TOKEN_KEYS or k not in config},
+    }
+    if len(dtypes) == 1:
+        config["dtype"] = dtypes.pop()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return chosen
+
+
+def _our_state(spec, weights) -> dict:
+    """Our tensors by every name they have (aliases of a shared tensor resolved)."""
+    if hasattr(weights, "state_dict"):
+        state = weights.state_dict()
+    elif isinstance(weights, Mapping):
+        state = dict(weights)
+    else:
+        state = read_weights(weights)
+    state = {re.sub(r"^(model\.)?(_orig_mod\.)?", "", k): v for k, v in state.items()}
+    from builder.assemble import build_model
+
+    for group in alias_groups(build_model(spec, device="meta")):
+        present = next((n for n in group if n in state), None)
+        if present is not None:
+            for name in group:
+                state.setdefault(name, state[present])
+    return state
+
+
+def export_hf(source: str | Path, out: str | Path, *, weights: str | Path | None = None,
+              family: str | None = None) -> Family:
+    """``builder export-hf``: a spec file (weights beside it or given) or a ``builder train``
+    checkpoint, written as a Hugging Face folder."""
+    source, out = Path(source), Path(out)
+    extra: dict[str, Any] = {}
+    if source.suffix in (".ckpt", ".pt", ".pth"):
+        spec, state = _read_training_checkpoint(source)
+        side = source.parent
+    else:
+        from builder.loader import load_spec
+
+        spec = load_spec(source)
+        side = source.parent
+        weights = Path(weights) if weights else side / "model.safetensors"
+        state = read_weights(weights)
+    hf_config = side / "hf_config.json"
+    if hf_config.is_file():
+        extra = {k: v for k, v in json.loads(hf_config.read_text()).items() if k in TOKEN_KEYS}
+    chosen = to_hf(spec, state, out, family=family, extra_config=extra)
+    _copy_side_files(side, out)
+    return chosen
+
+
+def _read_training_checkpoint(path: Path):
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise HFError(f"cannot read {path} safely (weights_only=True): {str(exc).splitlines()[0]}") from None
+    meta = checkpoint.get("builder") if isinstance(checkpoint, Mapping) else None
+    if not meta or "spec" not in meta:
+        raise HFError(f"{path} was not written by `builder train` (it holds no spec)")
+    spec = validate(meta["spec"])
+    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()}
+    return spec, dedupe(state)

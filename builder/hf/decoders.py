@@ -1,0 +1,381 @@
+"""Decoder-only Hugging Face families: GPT-2, and the Llama layout (Llama 1-3, Mistral, Mixtral,
+Qwen2, Gemma).
+
+The Llama-layout families differ only in data (:class:`LlamaKnobs`): which biases exist, whether
+the FFN is a mixture of experts, how sliding windows are declared, Gemma's scaled embeddings
+and unit-offset norms. One table reads and writes all five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from builder.hf import names as ours
+from builder.hf.common import (
+    Family,
+    Link,
+    Unsupported,
+    activation_from_hf,
+    activation_to_hf,
+    dropout,
+    need,
+    rope_from_hf,
+    rope_to_hf,
+    same,
+    split,
+    stacked,
+    transposed,
+    window_overrides,
+    windows_by_layer,
+)
+
+# --- GPT-2 -------------------------------------------------------------------------------
+
+
+class GPT2(Family):
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        d, n_heads = need(config, "n_embd", "gpt2"), need(config, "n_head", "gpt2")
+        n_layers, n_positions = need(config, "n_layer", "gpt2"), config.get("n_positions", 1024)
+        head_dim = d // n_heads
+        scale = None if config.get("scale_attn_weights", True) else 1.0
+        overrides = []
+        if config.get("scale_attn_by_inverse_layer_idx", False):
+            # HF divides the scores by (layer index + 1) on top of 1/sqrt(head_dim)
+            base = (head_dim**-0.5) if scale is None else 1.0
+            overrides = [
+                {"layers": [i], "attention": {"scale": base / (i + 1)}} for i in range(1, n_layers)
+            ]
+        attn_dropout = dropout(config.get("attn_pdrop"))
+        return {
+            "architecture": "decoder-only",
+            "vocab_size": need(config, "vocab_size", "gpt2"),
+            "d_model": d,
+            "max_seq_len": n_positions,
+            "tie_embeddings": config.get("tie_word_embeddings", True),
+            "embedding": {"dropout": dropout(config.get("embd_pdrop"))},
+            "position": {"type": "learned", "max_positions": n_positions},
+            "decoder": {
+                "n_layers": n_layers,
+                "attention": {
+                    "n_heads": n_heads,
+                    "qkv_bias": True,
+                    "out_bias": True,
+                    "scale": scale,
+                    "dropout": attn_dropout,
+                },
+                "ffn": {
+                    "type": "mlp",
+                    "activation": activation_from_hf(config.get("activation_function", "gelu_new"), "gpt2"),
+                    "hidden_dim": config.get("n_inner") or 4 * d,
+                    "bias": True,
+                },
+                "norm": {"type": "layernorm", "eps": config.get("layer_norm_epsilon", 1e-5), "placement": "pre"},
+                "final_norm": True,
+                "dropout": dropout(config.get("resid_pdrop")),
+                "overrides": overrides,
+            },
+            "head": {"type": "lm", "bias": False},
+        }
+
+    def to_config(self, spec) -> dict:
+        stack = spec.decoder
+        attn = stack.attention
+        # GPT-2 scales scores by 1/sqrt(head_dim) or by 1 (scale_attn_weights), optionally divided
+        # by (layer index + 1); any other pattern fails export's round-trip check and is reported
+        by_layer = [stack.layer(i).attention.scale for i in range(stack.n_layers)]
+        inverse = any(scale != by_layer[0] for scale in by_layer)
+        return {
+            "vocab_size": spec.vocab_size,
+            "n_embd": spec.d_model,
+            "n_layer": stack.n_layers,
+            "n_head": attn.n_heads,
+            "n_positions": spec.position.max_positions if spec.position.type == "learned" else None,
+            "n_inner": stack.ffn.resolved_hidden_dim(spec.d_model) if stack.ffn.type == "mlp" else None,
+            "activation_function": activation_to_hf(getattr(stack.ffn, "activation", "gelu"), "gelu_new"),
+            "layer_norm_epsilon": stack.norm.eps,
+            "scale_attn_weights": attn.scale is None,
+            "scale_attn_by_inverse_layer_idx": inverse,
+            "tie_word_embeddings": spec.tie_embeddings,
+            "embd_pdrop": spec.embedding.dropout,
+            "attn_pdrop": attn.dropout,
+            "resid_pdrop": stack.dropout,
+        }
+
+    def links(self, spec) -> list[Link]:
+        d = spec.d_model
+        stack = spec.decoder
+        links = [
+            same("transformer.wte.weight", ours.token_embedding("decoder")),
+            same("transformer.wpe.weight", ours.learned_positions("decoder")),
+            same("transformer.ln_f.weight", ours.final_norm("decoder") + ".weight"),
+            same("transformer.ln_f.bias", ours.final_norm("decoder") + ".bias"),
+        ]
+        for i in range(stack.n_layers):
+            h, attn, ffn = f"transformer.h.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
+            qkv = [f"{attn}.{p}_proj" for p in "qkv"]
+            links += [
+                split(f"{h}.attn.c_attn.weight", [f"{p}.weight" for p in qkv], [d, d, d], transpose=True),
+                split(f"{h}.attn.c_attn.bias", [f"{p}.bias" for p in qkv], [d, d, d]),
+                transposed(f"{h}.attn.c_proj.weight", f"{attn}.out_proj.weight"),
+                same(f"{h}.attn.c_proj.bias", f"{attn}.out_proj.bias"),
+                transposed(f"{h}.mlp.c_fc.weight", f"{ffn}.up_proj.weight"),
+                same(f"{h}.mlp.c_fc.bias", f"{ffn}.up_proj.bias"),
+                transposed(f"{h}.mlp.c_proj.weight", f"{ffn}.down_proj.weight"),
+                same(f"{h}.mlp.c_proj.bias", f"{ffn}.down_proj.bias"),
+            ]
+            for hf_norm, which in (("ln_1", "attention"), ("ln_2", "ffn")):
+                links += [
+                    same(f"{h}.{hf_norm}.{p}", f"{ours.layer_norm('decoder', i, which)}.{p}")
+                    for p in ("weight", "bias")
+                ]
+        if not spec.tie_embeddings:
+            links.append(same("lm_head.weight", ours.head_projection()))
+        return links
+
+
+# --- the Llama layout --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaKnobs:
+    """How one Llama-layout family differs from Llama's own config and modules."""
+
+    default_theta: float = 10000.0
+    default_tie: bool = False
+    attention_bias_key: bool = False  # config `attention_bias`: biases on q, k, v and o
+    mlp_bias_key: bool = False  # config `mlp_bias`: biases on gate, up and down
+    qkv_bias: bool = False  # q, k and v always biased, o never (Qwen2)
+    #: "none": no window; "uniform": `sliding_window` on every layer; "layer_types": per layer
+    windows: str = "none"
+    moe: bool = False
+    gemma: bool = False  # embeddings times sqrt(d_model) and RMSNorm scaled by (1 + weight)
+    activation_aliases: tuple[tuple[str, str], ...] = ()
+
+
+class LlamaLayout(Family):
+    def __init__(self, knobs: LlamaKnobs, **kwargs):
+        super().__init__(**kwargs)
+        self.knobs = knobs
+
+    # config.json -> spec
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        k, family = self.knobs, self.model_type
+        d = need(config, "hidden_size", family)
+        n_heads = need(config, "num_attention_heads", family)
+        head_dim = config.get("head_dim") or d // n_heads
+        n_layers = need(config, "num_hidden_layers", family)
+        attention = {
+            "n_heads": n_heads,
+            "n_kv_heads": config.get("num_key_value_heads") or n_heads,
+            "head_dim": head_dim,
+            "dropout": dropout(config.get("attention_dropout")),
+        }
+        mlp_bias = bool(config.get("mlp_bias", False)) if k.mlp_bias_key else False
+        if k.attention_bias_key:
+            attention["qkv_bias"] = attention["out_bias"] = bool(config.get("attention_bias", False))
+        attention["qkv_bias"] = attention.get("qkv_bias", False) or k.qkv_bias
+        act = activation_from_hf(
+            config.get("hidden_act") or config.get("hidden_activation") or "silu", family, dict(k.activation_aliases)
+        )
+        dense = {"type": "glu", "activation": act, "hidden_dim": need(config, "intermediate_size", family), "bias": mlp_bias}
+        if k.moe:
+            if config.get("router_jitter_noise"):
+                raise Unsupported(f"{family}: router_jitter_noise > 0 has no counterpart here")
+            ffn = {
+                "type": "moe",
+                "n_experts": need(config, "num_local_experts", family),
+                "top_k": config.get("num_experts_per_tok", 2),
+                "expert": dense,
+            }
+        else:
+            ffn = dense
+        stack = {
+            "n_layers": n_layers,
+            "attention": attention,
+            "ffn": ffn,
+            "norm": {"type": "rmsnorm", "eps": config.get("rms_norm_eps", 1e-6), "placement": "pre"},
+            "final_norm": True,
+        }
+        if k.gemma:
+            stack["norm"]["unit_offset"] = True
+        window, overrides = window_overrides(self._windows(config, n_layers))
+        attention["sliding_window"] = window
+        if overrides:
+            stack["overrides"] = overrides
+        return {
+            "architecture": "decoder-only",
+            "vocab_size": need(config, "vocab_size", family),
+            "d_model": d,
+            "max_seq_len": config.get("max_position_embeddings", 2048),
+            "tie_embeddings": config.get("tie_word_embeddings", k.default_tie),
+            "embedding": {"scale": "sqrt_d" if k.gemma else "none"},
+            "position": rope_from_hf(config, k.default_theta, head_dim),
+            "decoder": stack,
+            "head": {"type": "lm", "bias": False},
+        }
+
+    def _windows(self, config: dict, n_layers: int) -> list[int | None]:
+        mode, window = self.knobs.windows, config.get("sliding_window")
+        if mode == "none":
+            return [None] * n_layers
+        if mode == "uniform":
+            if config.get("layer_types"):
+                raise Unsupported(f"{self.model_type}: per-layer layer_types are not read for this family")
+            return [window] * n_layers
+        if not config.get("use_sliding_window", False):
+            window = None
+        types = config.get("layer_types")
+        if not types:  # transformers 4.x Qwen2: the layers from max_window_layers on slide
+            start = config.get("max_window_layers", 28)
+            types = ["sliding_attention" if window and i >= start else "full_attention" for i in range(n_layers)]
+        if len(types) != n_layers:
+            raise Unsupported(f"{self.model_type}: layer_types has {len(types)} entries for {n_layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise Unsupported(f"{self.model_type}: layer types {sorted(unknown)} are not supported")
+        return [window if t == "sliding_attention" else None for t in types]
+
+    # spec -> config.json
+    def to_config(self, spec) -> dict:
+        k, stack = self.knobs, spec.decoder
+        attn, ffn = stack.attention, stack.ffn
+        expert = ffn.expert if ffn.type == "moe" else ffn
+        config = {
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.d_model,
+            "intermediate_size": expert.resolved_hidden_dim(spec.d_model),
+            "num_hidden_layers": stack.n_layers,
+            "num_attention_heads": attn.n_heads,
+            "num_key_value_heads": attn.n_kv_heads,
+            "head_dim": attn.resolved_head_dim(spec.d_model),
+            "hidden_act": activation_to_hf(getattr(expert, "activation", "silu"), "gelu_pytorch_tanh"),
+            "max_position_embeddings": spec.max_seq_len,
+            "rms_norm_eps": stack.norm.eps,
+            "tie_word_embeddings": spec.tie_embeddings,
+            "attention_dropout": attn.dropout,
+            **rope_to_hf(spec.position),
+        }
+        if k.attention_bias_key:
+            config["attention_bias"] = attn.qkv_bias
+        if k.mlp_bias_key:
+            config["mlp_bias"] = expert.bias
+        if k.moe:
+            config.update(num_local_experts=getattr(ffn, "n_experts", None), num_experts_per_tok=getattr(ffn, "top_k", None))
+            config["router_jitter_noise"] = 0.0
+        windows = windows_by_layer(stack)
+        sizes = {w for w in windows if w is not None}
+        if len(sizes) > 1:
+            raise Unsupported(f"{self.model_type} takes one sliding_window size; the spec has {sorted(sizes)}")
+        window = sizes.pop() if sizes else None
+        if k.windows == "uniform":
+            config["sliding_window"] = windows[0]  # a mixed pattern fails the round-trip check
+        elif k.windows == "layer_types":
+            config.update(
+                use_sliding_window=window is not None,
+                sliding_window=window,
+                max_window_layers=stack.n_layers,
+                layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+            )
+        return config
+
+    # tensor names
+    def links(self, spec) -> list[Link]:
+        k, stack = self.knobs, spec.decoder
+        links = [
+            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
+            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
+        ]
+        for i in range(stack.n_layers):
+            layer = stack.layer(i)
+            h, attn, ffn = f"model.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
+            for p in "qkv":
+                links.append(same(f"{h}.self_attn.{p}_proj.weight", f"{attn}.{p}_proj.weight"))
+                if layer.attention.qkv_bias:
+                    links.append(same(f"{h}.self_attn.{p}_proj.bias", f"{attn}.{p}_proj.bias"))
+            links.append(same(f"{h}.self_attn.o_proj.weight", f"{attn}.out_proj.weight"))
+            if layer.attention.out_bias:
+                links.append(same(f"{h}.self_attn.o_proj.bias", f"{attn}.out_proj.bias"))
+            links.append(same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"))
+            links.append(
+                same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight")
+            )
+            if k.moe:
+                moe = f"{h}.block_sparse_moe"
+                links.append(same(f"{moe}.gate.weight", f"{ffn}.router.weight"))
+                for e in range(layer.ffn.n_experts):
+                    expert = f"{ffn}.experts.{e}"
+                    links += [
+                        same(f"{moe}.experts.{e}.w1.weight", f"{expert}.gate_proj.weight"),
+                        same(f"{moe}.experts.{e}.w2.weight", f"{expert}.down_proj.weight"),
+                        same(f"{moe}.experts.{e}.w3.weight", f"{expert}.up_proj.weight"),
+                    ]
+            else:
+                for p in ("gate", "up", "down"):
+                    links.append(same(f"{h}.mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight"))
+                    if layer.ffn.bias:
+                        links.append(same(f"{h}.mlp.{p}_proj.bias", f"{ffn}.{p}_proj.bias"))
+        if not spec.tie_embeddings:
+            links.append(same("lm_head.weight", ours.head_projection()))
+        return links
+
+
+def fused_experts(spec) -> list[Link]:
+    """transformers 5.x's in-memory Mixtral layout (3-D ``gate_up_proj`` and ``down_proj``), as a
+    checkpoint saved from its state dict holds it; read as an alternative on import."""
+    stack, links = spec.decoder, []
+    for i in range(stack.n_layers):
+        ffn, n = ours.ffn("decoder", i), stack.layer(i).ffn.n_experts
+        hidden = stack.layer(i).ffn.expert.resolved_hidden_dim(spec.d_model)
+        experts = f"model.layers.{i}.mlp.experts"
+        gate_up = [f"{ffn}.experts.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up")]
+        links += [
+            stacked(f"{experts}.gate_up_proj", gate_up, sizes=[hidden, hidden]),
+            stacked(f"{experts}.down_proj", [f"{ffn}.experts.{e}.down_proj.weight" for e in range(n)]),
+            same(f"model.layers.{i}.mlp.gate.weight", f"{ffn}.router.weight"),
+        ]
+    return links
+
+
+_ROTARY = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
+
+
+def _llama(model_type: str, hf_class: str, description: str, knobs: LlamaKnobs) -> LlamaLayout:
+    return LlamaLayout(
+        knobs,
+        model_type=model_type,
+        hf_class=hf_class,
+        auto_class="AutoModelForCausalLM",
+        description=description,
+        tied=("lm_head.weight", "model.embed_tokens.weight"),
+        ignored=_ROTARY,
+        alternative_links=fused_experts if knobs.moe else None,
+    )
+
+
+FAMILIES = [
+    GPT2(
+        model_type="gpt2",
+        hf_class="GPT2LMHeadModel",
+        auto_class="AutoModelForCausalLM",
+        description="GPT-2: learned positions, fused Conv1D projections, pre-LayerNorm, tied head",
+        tied=("lm_head.weight", "transformer.wte.weight"),
+        ignored=(r"transformer\.h\.\d+\.attn\.(masked_)?bias",),
+    ),
+    _llama(
+        "llama", "LlamaForCausalLM", "Llama 1-3: RoPE (llama3 scaling), SwiGLU, RMSNorm, GQA",
+        LlamaKnobs(attention_bias_key=True, mlp_bias_key=True),
+    ),
+    _llama("mistral", "MistralForCausalLM", "Mistral: Llama with a sliding window", LlamaKnobs(windows="uniform")),
+    _llama(
+        "mixtral", "MixtralForCausalLM", "Mixtral: Mistral with a top-k mixture of SwiGLU experts",
+        LlamaKnobs(default_theta=1e6, windows="uniform", moe=True),
+    ),
+    _llama(
+        "qwen2", "Qwen2ForCausalLM", "Qwen2: Llama with q/k/v biases and per-layer sliding windows",
+        LlamaKnobs(qkv_bias=True, windows="layer_types"),
+    ),
+    _llama(
+        "gemma", "GemmaForCausalLM", "Gemma: GeGLU, sqrt(d_model)-scaled embeddings, RMSNorm(1 + w), tied head",
+        LlamaKnobs(default_tie=True, attention_bias_key=True, gemma=True, activation_aliases=(("gelu", "gelu_pytorch_tanh"),)),
+    ),
+]

@@ -1,0 +1,199 @@
+"""Reading and writing weights safely: safetensors, or ``torch.load(weights_only=True)``.
+
+:class:`Checkpoint` reads a Hugging Face folder's tensors lazily (``model.safetensors``, the
+shards a ``model.safetensors.index.json`` lists, or ``pytorch_model.bin``). :func:`load_weights`
+puts a state dict into a built model with errors that name the tensor and both shapes;
+:func:`save_weights` writes one with each shared tensor (a tied head, one embedding table for
+source and target) stored once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from builder.hf.common import HFError
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face model folder, by name, read on demand."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._files: dict[str, Path] = {}
+        self._open: dict[Path, Any] = {}
+        self._loaded: dict[str, Any] | None = None
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise HFError(f"{index} has no 'weight_map'")
+            self._files = {name: self.folder / file for name, file in weight_map.items()}
+            for path in set(self._files.values()):
+                if not path.is_file():
+                    raise HFError(f"{index} lists {path.name}, which is not in {self.folder}")
+        elif single.is_file():
+            self._files = dict.fromkeys(self._handle(single).keys(), single)
+        else:
+            bins = sorted(self.folder.glob("pytorch_model*.bin"))
+            if not bins:
+                raise HFError(
+                    f"{self.folder} has no model.safetensors, model.safetensors.index.json or "
+                    "pytorch_model.bin"
+                )
+            self._loaded = {}
+            for path in bins:
+                self._loaded.update(_torch_load(path))
+            self._files = dict.fromkeys(self._loaded, bins[0])
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str):
+        if name not in self._files:
+            raise KeyError(name)
+        if self._loaded is not None:
+            return self._loaded[name]
+        return self._handle(self._files[name]).get_tensor(name)
+
+    def _handle(self, path: Path):
+        from safetensors import safe_open
+
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # noqa: BLE001  (safetensors' own errors: report the file)
+                raise HFError(f"cannot read {path}: {exc}") from None
+        return self._open[path]
+
+
+def read_weights(path: str | Path) -> dict:
+    """A state dict from a ``.safetensors`` file, or a ``.pt``/``.bin`` read with weights_only."""
+    path = Path(path)
+    if not path.is_file():
+        raise HFError(f"no weights file at {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as exc:  # noqa: BLE001
+            raise HFError(f"cannot read {path}: {exc}") from None
+    return _torch_load(path)
+
+
+def _torch_load(path: Path) -> dict:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (an unsafe pickle is refused here, with the reason)
+        raise HFError(f"cannot read {path} safely (weights_only=True): {str(exc).splitlines()[0]}") from None
+    if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
+        state = state["state_dict"]
+    if not isinstance(state, Mapping):
+        raise HFError(f"{path} does not hold a state dict")
+    return dict(state)
+
+
+def alias_groups(model) -> list[list[str]]:
+    """Names that share one tensor (tied head, shared embeddings), each group in module order."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in _named_tensors(model):
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
+def _named_tensors(model):
+    yield from model.named_parameters(remove_duplicate=False)
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if name in persistent:
+            yield name, buffer
+
+
+def load_weights(model, source, *, strict: bool = True):
+    """Copy weights into ``model`` from a state dict or a file (see :func:`read_weights`).
+
+    A tensor shared by several names (a tied head) may appear under any of them. Raises
+    :class:`HFError` naming every missing or unexpected tensor and every shape mismatch, before
+    anything is copied. Returns the model.
+    """
+    import torch
+
+    state = dict(source) if isinstance(source, Mapping) else read_weights(source)
+    state = {_strip_prefixes(k): v for k, v in state.items()}
+    tensors = dict(_named_tensors(model))
+    problems, plan = [], []
+    for group in alias_groups(model):
+        present = [n for n in group if n in state]
+        if not present:
+            problems.append(f"missing: {group[0]} (shape {tuple(tensors[group[0]].shape)})")
+            continue
+        value, target = state[present[0]], tensors[group[0]]
+        if tuple(value.shape) != tuple(target.shape):
+            problems.append(
+                f"{present[0]}: the weights have shape {tuple(value.shape)}, the model has {tuple(target.shape)}"
+            )
+            continue
+        for other in present[1:]:
+            if not torch.equal(state[other], value):
+                problems.append(f"{other} should be the same tensor as {present[0]} (tied) but differs")
+        plan.append((target, value))
+    unexpected = sorted(set(state) - set(tensors))
+    if strict:
+        problems += [f"unexpected: {name} (shape {tuple(state[name].shape)})" for name in unexpected]
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise HFError(f"the weights do not fit the model:\n  {shown}")
+    with torch.no_grad():
+        for target, value in plan:
+            target.copy_(value)
+    return model
+
+
+def _strip_prefixes(name: str) -> str:
+    # torch.compile wraps modules as `_orig_mod`
+    return name.replace("_orig_mod.", "")
+
+
+def dedupe(state: Mapping) -> dict:
+    """One entry per storage: safetensors refuses two names for one tensor; the first name wins."""
+    seen: dict[tuple, str] = {}
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.device.type, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape), tuple(tensor.stride()))
+        if key in seen and tensor.numel():
+            continue
+        seen[key] = name
+        out[name] = tensor
+    return out
+
+
+def save_weights(source, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write a model's (or a state dict's) tensors to ``path`` as safetensors, shared ones once."""
+    from safetensors.torch import save_file
+
+    state = source.state_dict() if hasattr(source, "state_dict") else dict(source)
+    state = {k: v.detach().cpu().contiguous() for k, v in dedupe(state).items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path), metadata={"format": "pt", **(metadata or {})})
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HFError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise HFError(f"{path} is not a JSON object")
+    return data
