@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from builder.commands.common import add_spec_options
@@ -93,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
 
         from builder.report import diff_table
 
-        Console().print(diff_table(fields, rows, args.spec_a, args.spec_b))
+        label_a, label_b = Path(args.spec_a).name, Path(args.spec_b).name
+        if label_a == label_b:
+            label_a, label_b = f"A: {label_a}", f"B: {label_b}"
+        Console().print(diff_table(fields, rows, label_a, label_b))
     return 0
 
 
