@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("builder.commands.train", "run a Lightning training recipe"),
     "eval": ("builder.commands.eval", "validation loss and perplexity of a checkpoint"),
     "generate": ("builder.commands.generate", "decode from a checkpoint, streaming to stdout"),
+    "import-hf": ("builder.commands.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
+    "export-hf": ("builder.commands.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
 }
 
 

@@ -148,11 +148,29 @@ def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dic
         claimed.update(link.hf)
     leftover = sorted(n for n in names - claimed if n != tied_copy and not family.is_ignored(n))
     problems = [f"missing from the checkpoint: {n}" for n in missing]
+    problems += _shape_problems(spec, state, links)
     problems += [f"not part of a {family.model_type} model as configured: {n}" for n in leftover]
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise HFError(f"{folder}: the checkpoint does not match its config.json:\n  {shown}")
     return _clean(spec_dict), spec, state
+
+
+def _shape_problems(spec, state: dict, links) -> list[str]:
+    """Each converted tensor whose shape differs from what config.json implies, both named."""
+    from builder.assemble import build_model
+
+    expected = {k: tuple(v.shape) for k, v in build_model(spec, device="meta").state_dict().items()}
+    source = {o: link.hf for link in links for o in link.ours}
+    problems = []
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if want is not None and tuple(tensor.shape) != want:
+            problems.append(
+                f"{' + '.join(source.get(name, (name,)))}: the checkpoint gives {name} shape "
+                f"{tuple(tensor.shape)}; config.json implies {want}"
+            )
+    return problems
 
 
 def _decide_tying(family: Family, spec_dict: dict, checkpoint: Checkpoint) -> str | None:
@@ -376,25 +394,28 @@ def _our_state(spec, weights) -> dict:
     return state
 
 
-def export_hf(source: str | Path, out: str | Path, *, weights: str | Path | None = None,
-              family: str | None = None) -> Family:
-    """``builder export-hf``: a spec file (weights beside it or given) or a ``builder train``
-    checkpoint, written as a Hugging Face folder."""
+def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | Path | None = None,
+              family: str | None = None, extra_config: Mapping[str, Any] | None = None) -> Family:
+    """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
+    ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
+    Hugging Face folder. ``spec``: the spec already loaded (with ``--set`` overrides). Token ids
+    come from ``hf_config.json`` beside the source (written by import) and ``extra_config``."""
     source, out = Path(source), Path(out)
-    extra: dict[str, Any] = {}
+    side = source.parent
     if source.suffix in (".ckpt", ".pt", ".pth"):
-        spec, state = _read_training_checkpoint(source)
-        side = source.parent
+        ckpt_spec, state = _read_training_checkpoint(source)
+        spec = spec or ckpt_spec
     else:
-        from builder.loader import load_spec
+        if spec is None:
+            from builder.loader import load_spec
 
-        spec = load_spec(source)
-        side = source.parent
-        weights = Path(weights) if weights else side / "model.safetensors"
-        state = read_weights(weights)
+            spec = load_spec(source)
+        state = read_weights(Path(weights) if weights else side / "model.safetensors")
+    extra: dict[str, Any] = {}
     hf_config = side / "hf_config.json"
     if hf_config.is_file():
-        extra = {k: v for k, v in json.loads(hf_config.read_text()).items() if k in TOKEN_KEYS}
+        extra = {k: v for k, v in json.loads(hf_config.read_text()).items() if k in TOKEN_KEYS and v is not None}
+    extra.update(extra_config or {})
     chosen = to_hf(spec, state, out, family=family, extra_config=extra)
     _copy_side_files(side, out)
     return chosen

@@ -1,0 +1,62 @@
+"""``builder export-hf (SPEC | CKPT) -o DIR``: a model of ours as a Hugging Face folder.
+
+``SPEC`` is a spec file with its weights beside it (``model.safetensors``, as ``import-hf``
+writes them) or named by ``--weights``; ``CKPT`` a checkpoint written by ``builder train``.
+Writes ``DIR/config.json`` and ``DIR/model.safetensors`` for the first Hugging Face family that
+expresses the spec exactly (or ``--family``), loadable with ``transformers``' Auto classes.
+Exit 1 with, for each family, the first thing it cannot express.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from builder.commands.common import add_spec_options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SPEC|CKPT", help="a spec file (weights beside it) or a training checkpoint")
+    parser.add_argument("-o", "--out", required=True, metavar="DIR", help="folder to write config.json and model.safetensors")
+    parser.add_argument("--weights", metavar="FILE", help="weights (.safetensors, or .pt read with weights_only)")
+    parser.add_argument("--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)")
+    parser.add_argument(
+        "--hf-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config.json key a spec does not hold, e.g. --hf-config pad_token_id=0 (value read as JSON)",
+    )
+    add_spec_options(parser)
+
+
+def _pairs(items: list[str]) -> dict:
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--hf-config takes KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.commands.common import spec_from_args
+    from builder.hf import HFError, export_hf
+
+    spec = None
+    if not args.source.endswith((".ckpt", ".pt", ".pth")):
+        spec = spec_from_args(args, args.source)  # exits 1 with located problems
+    try:
+        family = export_hf(args.source, args.out, spec=spec, weights=args.weights, family=args.family,
+                           extra_config=_pairs(args.hf_config))
+    except (HFError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}/config.json and model.safetensors: {family.hf_class} ({family.auto_class})")
+    return 0

@@ -1,0 +1,37 @@
+"""``builder import-hf DIR -o OUT``: a local Hugging Face model folder as a spec and weights.
+
+Writes ``OUT/spec.yaml`` and ``OUT/model.safetensors`` (our tensor names; load them with
+``builder.hf.load_weights(build_model(load_spec("OUT/spec.yaml")), "OUT/model.safetensors")``),
+plus the original ``config.json`` as ``hf_config.json`` and any tokenizer files, which
+``export-hf`` carries back. Reads only local files; never the network. Exit 1, with the reason
+and no traceback, for an unsupported ``model_type`` or a checkpoint that does not match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
+    parser.add_argument("-o", "--out", required=True, metavar="OUT", help="folder to write spec.yaml and model.safetensors")
+    parser.add_argument("--name", help="the spec's name (default: the folder's name)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.estimate import estimate
+    from builder.hf import HFError, import_hf
+    from builder.loader import SpecError, load_spec
+
+    try:
+        spec_path, weights_path = import_hf(args.folder, args.out, name=args.name)
+        spec = load_spec(spec_path)
+    except (HFError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    params = estimate(spec).params.total
+    print(f"{spec.name}: {spec.architecture}, {params:,} parameters")
+    print(f"wrote {spec_path}")
+    print(f"wrote {weights_path}")
+    return 0
