@@ -161,12 +161,12 @@ def main(argv=None) -> int:
         try:
             row = run_case(*case)
         except torch.cuda.OutOfMemoryError:
-            print(f"{label:28} {batch:>5} {seq:>6} {dtype:>5} {backend:>6} {str(ckpt):>5}  out of memory")
+            print(f"{label:28} {batch:>5} {seq:>6} {dtype:>5} {backend:>6} {ckpt!s:>5}  out of memory")
             torch.cuda.empty_cache()
             continue
         rows.append(row)
         flag = "" if abs(row["ratio"] - 1) <= 0.10 else "  (off by more than 10%)"
-        print(f"{label:28} {batch:>5} {seq:>6} {dtype:>5} {backend:>6} {str(ckpt):>5} "
+        print(f"{label:28} {batch:>5} {seq:>6} {dtype:>5} {backend:>6} {ckpt!s:>5} "
               f"{human_bytes(row['estimate_bytes']):>12} {human_bytes(row['measured_bytes']):>12} "
               f"{row['ratio']:>6.3f}{flag}")
     if args.json:

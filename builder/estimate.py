@@ -19,18 +19,28 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STRATEGIES = ("ddp", "fsdp")
 
 CONVENTIONS = (
-    "params: exact numel; a tied output projection is the embedding table, counted once under "
-    "`embedding`; one table for source and target when share_encoder_decoder_embeddings",
-    "params.embedding: token, segment and learned-position tables (Kaplan's non-embedding = "
-    "total - embedding); active: what one token meets (MoE: the router and top_k experts)",
-    "FLOPs: 2 per multiply-accumulate of every matrix product of one forward pass over one "
-    "sequence (projections, Q.K^T and P.V over the full (seq_q, seq_k) as eager attention "
-    "computes them, the head); norms, softmax, activations and lookups count 0",
-    "FLOPs per token: per sequence / seq_len (the target tokens in an encoder-decoder, whose "
-    "encoder runs over src_len); training = 3x forward (backward = 2x), 4x with activation "
-    "checkpointing (the forward runs again)",
-    "kernel FLOPs (for MFU): attention scores and mix over only the (query, key) pairs a tiled "
-    "kernel visits under the causal mask or sliding window",
+    (
+        "params: exact numel; a tied output projection is the embedding table, counted once under "
+        "`embedding`; one table for source and target when share_encoder_decoder_embeddings"
+    ),
+    (
+        "params.embedding: token, segment and learned-position tables (Kaplan's non-embedding = "
+        "total - embedding); active: what one token meets (MoE: the router and top_k experts)"
+    ),
+    (
+        "FLOPs: 2 per multiply-accumulate of every matrix product of one forward pass over one "
+        "sequence (projections, Q.K^T and P.V over the full (seq_q, seq_k) as eager attention "
+        "computes them, the head); norms, softmax, activations and lookups count 0"
+    ),
+    (
+        "FLOPs per token: per sequence / seq_len (the target tokens in an encoder-decoder, whose "
+        "encoder runs over src_len); training = 3x forward (backward = 2x), 4x with activation "
+        "checkpointing (the forward runs again)"
+    ),
+    (
+        "kernel FLOPs (for MFU): attention scores and mix over only the (query, key) pairs a tiled "
+        "kernel visits under the causal mask or sliding window"
+    ),
 ) + _memory.CONVENTIONS
 
 

@@ -39,16 +39,24 @@ FP32 = 4
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, fp32
 
 CONVENTIONS = (
-    "memory: weights and gradients in the compute dtype; bf16/fp16 adds fp32 master weights "
-    "(mixed precision); AdamW keeps two fp32 states: 16 bytes per parameter in every dtype",
-    "activations: the tensors each block saves for backward (Korthikanti et al. 2022 adapted "
-    "per block: GQA, head_dim, GLU, MoE top_k; a fused attention kernel saves no (seq, seq) "
-    "tensor, eager saves fp32 probabilities); checkpointing keeps each layer's input and "
-    "recomputes one layer at a time",
-    "DDP replicates everything; FSDP divides weights, master weights, gradients and optimizer "
-    "state by the device count and adds one layer's gathered weights and gradients",
-    "KV cache: keys and values of every self-attention layer for the context (a sliding window "
-    "w keeps the last w), plus cross-attention keys and values of the source, compute dtype",
+    (
+        "memory: weights and gradients in the compute dtype; bf16/fp16 adds fp32 master weights "
+        "(mixed precision); AdamW keeps two fp32 states: 16 bytes per parameter in every dtype"
+    ),
+    (
+        "activations: the tensors each block saves for backward (Korthikanti et al. 2022 adapted "
+        "per block: GQA, head_dim, GLU, MoE top_k; a fused attention kernel saves no (seq, seq) "
+        "tensor, eager saves fp32 probabilities); checkpointing keeps each layer's input and "
+        "recomputes one layer at a time"
+    ),
+    (
+        "DDP replicates everything; FSDP divides weights, master weights, gradients and optimizer "
+        "state by the device count and adds one layer's gathered weights and gradients"
+    ),
+    (
+        "KV cache: keys and values of every self-attention layer for the context (a sliding window "
+        "w keeps the last w), plus cross-attention keys and values of the source, compute dtype"
+    ),
 )
 
 

@@ -47,7 +47,8 @@ def _id(path: Path) -> str:
 
 def _no_dropout(value):
     if isinstance(value, dict):
-        return {k: 0.0 if k == "dropout" and isinstance(v, float) else _no_dropout(v) for k, v in value.items()}
+        return {k: 0.0 if k == "dropout" and isinstance(v, float) else _no_dropout(v)
+                for k, v in value.items()}
     if isinstance(value, list):
         return [_no_dropout(v) for v in value]
     return value
@@ -219,7 +220,8 @@ def test_describe_json(capsys):
     assert out["name"] == "t5-small"
     assert out["params"]["total"] == 60_506_624
     assert {"total", "embedding", "by_component"} <= set(out["params"])
-    assert {"encoder.attention", "decoder.cross_attention", "head", "embedding"} <= set(out["params"]["by_component"])
+    components = set(out["params"]["by_component"])
+    assert {"encoder.attention", "decoder.cross_attention", "head", "embedding"} <= components
     assert {"seq_len", "forward_per_token", "train_per_token"} <= set(out["flops"])
     assert out["flops"]["seq_len"] == 64 and out["flops"]["src_len"] == 128
     assert out["memory"]["kv_cache"] > 0 and out["conventions"]

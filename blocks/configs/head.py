@@ -88,7 +88,8 @@ class MLMHeadConfig(_HeadConfig):
 
     def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
         # dense input, activation input and output (the norm's input), the norm, then as lm
-        transform = 2 * tokens * d_model * act_bytes + self.norm.saved_bytes(d_model, tokens, act_bytes)
+        norm = self.norm.saved_bytes(d_model, tokens, act_bytes)
+        transform = 2 * tokens * d_model * act_bytes + norm
         return transform + tokens * d_model * act_bytes + tokens * vocab_size * (act_bytes + 4)
 
 

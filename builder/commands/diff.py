@@ -58,7 +58,8 @@ def field_differences(spec_a, spec_b) -> list[tuple[str, Any, Any]]:
     a = flatten(spec_a.model_dump(exclude={"extends"}))
     b = flatten(spec_b.model_dump(exclude={"extends"}))
     paths = list(a) + [p for p in b if p not in a]
-    return [(p, a.get(p, MISSING), b.get(p, MISSING)) for p in paths if a.get(p, MISSING) != b.get(p, MISSING)]
+    pairs = ((p, a.get(p, MISSING), b.get(p, MISSING)) for p in paths)
+    return [(p, value_a, value_b) for p, value_a, value_b in pairs if value_a != value_b]
 
 
 def effects(est_a, est_b) -> list[dict[str, Any]]:
