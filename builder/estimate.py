@@ -282,14 +282,15 @@ def _eager_masked(spec, stack: str, layer) -> bool:
 
 
 def _describe(layer, cross: bool) -> str:
+    """A short label: ``8h/4kv w4096 +cross glu rmsnorm``."""
     attn, ffn = layer.attention, layer.ffn
     heads = f"{attn.n_heads}h" + (f"/{attn.n_kv_heads}kv" if attn.n_kv_heads != attn.n_heads else "")
-    window = f" w={attn.sliding_window}" if attn.sliding_window else ""
+    window = f" w{attn.sliding_window}" if attn.sliding_window else ""
     if ffn.type == "moe":
         ffn_text = f"moe {ffn.n_experts}x{ffn.expert.type} top{ffn.top_k}"
     else:
         ffn_text = ffn.type
-    return f"attn {heads}{window}" + (" + cross" if cross else "") + f", {ffn_text}, {layer.norm.type}"
+    return f"{heads}{window}" + (" +cross" if cross else "") + f" {ffn_text} {layer.norm.type}"
 
 
 def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy) -> None:

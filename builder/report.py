@@ -138,15 +138,14 @@ def describe_table(spec, est, actual=None):
     total_row += [human(f.forward_per_token), "100%"]
     components.add_row(*total_row, style="bold")
 
-    layers = Table(title="layers", title_justify="left")
+    layers = Table(title="layers (figures per layer; FLOPs per token)", title_justify="left")
     for column, justify in (("stack", "left"), ("layers", "left"), ("blocks", "left"),
-                            ("params/layer", "right"), ("active/layer", "right"),
-                            ("fwd FLOPs/token/layer", "right"), ("saved for backward/layer", "right")):
+                            ("params", "right"), ("active", "right"), ("fwd FLOPs", "right"),
+                            ("saved for bwd", "right")):
         layers.add_column(column, justify=justify)
-    for stack, first, last, layer in _layer_groups(est.layers):
-        span = f"{first}" if first == last else f"{first}-{last}"
-        layers.add_row(stack, span, layer.description, f"{layer.total_params:,}",
-                       f"{layer.active_params:,}", human(layer.total_flops / seq),
+    for stack, indices, layer in _layer_groups(est.layers):
+        layers.add_row(stack, _span(indices), layer.description, human(layer.total_params),
+                       human(layer.active_params), human(layer.total_flops / seq),
                        human_bytes(layer.saved_bytes))
 
     totals = Table(title="totals", title_justify="left", show_header=False)
@@ -192,18 +191,23 @@ def print_describe(spec, est, actual=None, console=None) -> None:
 
 
 def _layer_groups(layers):
-    """Runs of consecutive identical layers: (stack, first index, last index, layer)."""
-    groups: list[tuple[str, int, int, Any]] = []
+    """Identical layers of a stack together: (stack, their indices, one of them)."""
+    groups: dict[tuple, tuple[str, list[int], Any]] = {}
     for layer in layers:
         key = (layer.stack, layer.description, layer.total_params, layer.total_flops, layer.saved_bytes)
-        if groups:
-            stack, first, _, prev = groups[-1]
-            prev_key = (prev.stack, prev.description, prev.total_params, prev.total_flops, prev.saved_bytes)
-            if prev_key == key:
-                groups[-1] = (stack, first, layer.index, prev)
-                continue
-        groups.append((layer.stack, layer.index, layer.index, layer))
-    return groups
+        groups.setdefault(key, (layer.stack, [], layer))[1].append(layer.index)
+    return list(groups.values())
+
+
+def _span(indices: list[int]) -> str:
+    """[0..31] -> '0-31'; [0, 2, .., 24] -> '0-24 step 2'; else the list."""
+    if len(indices) == 1:
+        return str(indices[0])
+    steps = {b - a for a, b in zip(indices, indices[1:])}
+    if len(steps) == 1:
+        step = steps.pop()
+        return f"{indices[0]}-{indices[-1]}" + (f" step {step}" if step > 1 else "")
+    return ",".join(map(str, indices))
 
 
 def diff_table(rows, effects, name_a: str, name_b: str):
