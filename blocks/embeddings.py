@@ -18,7 +18,7 @@ class Embeddings(nn.Module):
     ``(segments, d_model)`` when the spec asks for token types; ``norm`` a built norm or None."""
 
     def __init__(self, vocab_size: int, d_model: int, *, scale: str = "none", segments: int = 0,
-                 norm: nn.Module | None = None, dropout: float = 0.0):
+                 norm: nn.Module | None = None, dropout: float = 0.0, scale_in_model_dtype: bool = False):
         super().__init__()
         if scale not in ("none", "sqrt_d"):
             raise ValueError(f"embedding scale must be none or sqrt_d, got {scale!r}")
@@ -27,6 +27,7 @@ class Embeddings(nn.Module):
         self.tokens = _table(vocab_size, d_model)
         self.segments = _table(segments, d_model) if segments else None
         self.scale = math.sqrt(d_model) if scale == "sqrt_d" else None
+        self.scale_in_model_dtype = scale_in_model_dtype  # Gemma: the factor rounded to bf16 first
         self.norm = norm
         self.dropout = nn.Dropout(dropout)
         self.vocab_size = vocab_size
@@ -37,7 +38,7 @@ class Embeddings(nn.Module):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
         x = self.tokens(input_ids)  # (batch, seq, d_model)
         if self.scale is not None:
-            x = x * self.scale
+            x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.scale_in_model_dtype else self.scale)
         if position_embeddings is not None:
             x = x + position_embeddings.to(x.dtype)
         if token_type_ids is not None:

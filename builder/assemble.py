@@ -88,7 +88,7 @@ def _embedding(spec, dims: Dims) -> Embeddings:
     section = spec.embedding
     norm = build_block(section.norm, dims) if section.norm is not None else None
     return Embeddings(dims.vocab_size, dims.d_model, scale=section.scale, segments=section.segments, norm=norm,
-                      dropout=section.dropout)
+                      dropout=section.dropout, scale_in_model_dtype=section.scale_in_model_dtype)
 
 
 def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool, backend: str) -> TransformerStack:

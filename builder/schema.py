@@ -165,6 +165,11 @@ def _build_spec_model() -> type:  # noqa: C901  (one class per spec section, kep
         scale: Literal["none", "sqrt_d"] = Field(
             "none", description="sqrt_d multiplies token embeddings by sqrt(d_model) (2017 Transformer, Gemma)."
         )
+        scale_in_model_dtype: bool = Field(
+            False,
+            description="Round the sqrt(d_model) factor to the model's dtype before multiplying, as "
+            "Gemma does (in bf16, sqrt(3072) = 55.43 becomes 55.5); false multiplies by it exactly.",
+        )
         norm: Norm | None = Field(None, description="A norm right after the embeddings (BERT); null: none.")
         segments: int = Field(0, ge=0, description=">0 adds a token-type (segment) table of that size (BERT: 2).")
         dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the summed embeddings.")

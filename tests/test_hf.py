@@ -386,3 +386,18 @@ def test_export_from_a_training_checkpoint(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     inputs = _batch("causal")
     assert torch.equal(_logits(again, inputs, ours=False), _logits(hf, inputs, ours=False))
+
+
+def test_gemma_embedding_scale_is_rounded_to_the_model_dtype(tmp_path):
+    """Gemma multiplies by sqrt(d_model) as a bf16 number (5.657 -> 5.65625 at d_model 32);
+    the imported spec says so (embedding.scale_in_model_dtype) and the bf16 model does it."""
+    hf = _saved("gemma", tmp_path / "hf").to(torch.bfloat16)
+    spec, state = from_hf(tmp_path / "hf")
+    assert spec.embedding.scale_in_model_dtype
+    ours = load_weights(build_model(spec, dtype=torch.bfloat16), state)
+    ids = _batch("causal")["input_ids"]
+    with torch.no_grad():
+        theirs = hf.model.embed_tokens(ids)  # GemmaTextScaledWordEmbedding: the table times the bf16 factor
+        mine = ours.decoder.embedding(ids)
+        exact = hf.model.embed_tokens.weight[ids] * 32**0.5
+    assert torch.equal(mine, theirs) and not torch.equal(mine, exact)

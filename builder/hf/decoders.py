@@ -208,7 +208,7 @@ class LlamaLayout(Family):
             "d_model": d,
             "max_seq_len": config.get("max_position_embeddings", 2048),
             "tie_embeddings": config.get("tie_word_embeddings", k.default_tie),
-            "embedding": {"scale": "sqrt_d" if k.gemma else "none"},
+            "embedding": {"scale": "sqrt_d", "scale_in_model_dtype": True} if k.gemma else {"scale": "none"},
             "position": rope_from_hf(config, k.default_theta, head_dim),
             "decoder": stack,
             "head": {"type": "lm", "bias": False},
