@@ -88,6 +88,8 @@ class Throughput(L.Callback):
         self._start: float | None = None
         self._steps = 0
         self.tokens_per_s: float | None = None  # the latest measurement
+        self.step_seconds: list[float] = []  # each optimizer step's wall time, validation left out
+        self._last_step: float | None = None
 
     def _restart(self):
         self._start, self._steps = time.perf_counter(), 0
@@ -110,12 +112,19 @@ class Throughput(L.Callback):
         self.peak_flops = peak * trainer.world_size if peak else None
         self._restart()
 
+    def on_validation_start(self, trainer, pl_module):
+        self._last_step = None  # the step that ran into validation is not counted
+
     def on_validation_end(self, trainer, pl_module):
         self._restart()  # validation time is not training throughput
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self.step_seconds.append(now - self._last_step)
+        self._last_step = now
         self._steps += 1
         if self._steps < self.every_n_steps or self._start is None:
             return
@@ -130,6 +139,13 @@ class Throughput(L.Callback):
         for name, value in metrics.items():
             pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
         self._restart()
+
+    def median_tokens_per_s(self) -> float | None:
+        """Tokens/s at the median step time of this process's run (robust to a noisy machine)."""
+        if not self.step_seconds:
+            return None
+        ordered = sorted(self.step_seconds)
+        return self.tokens_per_step / ordered[len(ordered) // 2]
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -165,7 +181,7 @@ def plot_losses(history: dict, path: Path, title: str) -> Path | None:
         steps, losses = zip(*history["train"])
         ax.plot(steps, losses, lw=0.8, alpha=0.8, label="train")
     if history["val"]:
-        steps, losses = zip(*history["val"])
+        steps, losses = [v[0] for v in history["val"]], [v[1] for v in history["val"]]
         ax.plot(steps, losses, "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")

@@ -169,9 +169,21 @@ class SampleSection(_Section):
     top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling (null: off).")
 
 
+#: recipe ``task`` -> "module:class" of its recipe schema (the LM's is :class:`Recipe` itself)
+TASKS = {
+    "lm": "recipes.config:Recipe",
+    "translation": "recipes.task_config:TranslationRecipe",
+    "mlm": "recipes.task_config:MLMRecipe",
+    "classification": "recipes.task_config:ClassificationRecipe",
+}
+
+
 class Recipe(_Section):
     """A training recipe. Attribute names are the YAML keys."""
 
+    task: Literal["lm", "translation", "mlm", "classification"] = Field(
+        "lm", description="lm | translation | mlm | classification: what is trained (each has its own data section)."
+    )
     name: Optional[str] = Field(None, description="Shown in reports and names the output dir (default: file name).")
     model: ModelSection = Field(..., description="The spec to train.")
     data: DataSection = Field(default_factory=DataSection, description="The corpus and its windows.")
@@ -225,19 +237,35 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
 
     model_overrides = {k: v for k, v in (overrides or {}).items() if k.startswith("model.overrides.")}
     rest = {k: v for k, v in (overrides or {}).items() if k not in model_overrides}
-    recipe = load_config(path, Recipe, rest)
+    recipe = load_config(path, recipe_class(_task_of(path, rest)), rest)
     for key, value in model_overrides.items():
         recipe.model.overrides[key.removeprefix("model.overrides.")] = value
     return recipe
 
 
-def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int):
+def recipe_class(task: Any) -> type[Recipe]:
+    """The recipe schema of a ``task`` (an unknown task gets :class:`Recipe`, whose ``task``
+    field then reports it with the valid names)."""
+    import importlib
+
+    module, _, name = TASKS.get(task, TASKS["lm"]).partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:
+    from builder.loader import read_merged
+
+    return overrides.get("task", read_merged(path).data.get("task", "lm"))
+
+
+def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[str, Any] | None = None):
     """The recipe's validated model spec, with its overrides and the tokenizer's ``vocab_size``.
 
     A spec file loads through ``builder.load_spec``; an inline spec is validated in place, so its
-    problems point at the recipe's own lines.
+    problems point at the recipe's own lines. ``extra``: overrides a task sets over the recipe's
+    (a whole ``head`` mapping replaces the spec's head).
     """
-    overrides = {**flat_overrides(recipe.model.overrides), "vocab_size": vocab_size}
+    overrides = {**flat_overrides(recipe.model.overrides), **(extra or {}), "vocab_size": vocab_size}
     if isinstance(recipe.model.spec, str):
         from builder.loader import load_spec
 

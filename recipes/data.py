@@ -146,18 +146,35 @@ class ValWindows(IterableDataset):
             yield windows(self.tokens, offsets[mine], self.seq_len)
 
 
-class LMDataModule(L.LightningDataModule):
-    """Training and validation windows over a tokenized corpus; its state is the data position."""
+class PositionedDataModule(L.LightningDataModule):
+    """A data module whose whole state is its position: the micro-batches consumed, restored
+    from checkpoints (``accumulate`` micro-batches per optimizer step)."""
 
-    def __init__(self, tokens: np.ndarray, section: DataSection, seed: int, val_batches: int, accumulate: int):
+    def __init__(self, seed: int, accumulate: int):
         super().__init__()
-        self.section, self.seed, self.val_batches, self.accumulate = section, seed, val_batches, accumulate
-        self.train_tokens, self.val_tokens = split(tokens, section.val_fraction, section.seq_len)
-        self.position = 0  # micro-batches consumed; restored from checkpoints
+        self.seed, self.accumulate = seed, accumulate
+        self.position = 0
 
     def _rank(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def state_dict(self) -> dict:
+        if self.trainer is not None:
+            self.position = self.trainer.global_step * self.accumulate
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+class LMDataModule(PositionedDataModule):
+    """Training and validation windows over a tokenized corpus; its state is the data position."""
+
+    def __init__(self, tokens: np.ndarray, section: DataSection, seed: int, val_batches: int, accumulate: int):
+        super().__init__(seed, accumulate)
+        self.section, self.val_batches = section, val_batches
+        self.train_tokens, self.val_tokens = split(tokens, section.val_fraction, section.seq_len)
 
     def train_dataloader(self):
         rank, world = self._rank()
@@ -172,11 +189,3 @@ class LMDataModule(L.LightningDataModule):
             self.val_tokens, self.section.seq_len, self.section.batch_size, self.val_batches, self.seed, rank, world
         )
         return DataLoader(data, batch_size=None, num_workers=0)
-
-    def state_dict(self) -> dict:
-        if self.trainer is not None:
-            self.position = self.trainer.global_step * self.accumulate
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import time
 
 import lightning as L
 import numpy as np
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import Recipe, ScheduleSection
+
+#: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
+IGNORE = -100
 
 
 class NonFiniteLossError(RuntimeError):
@@ -127,16 +131,25 @@ class LMModule(L.LightningModule):
     def __init__(self, model: nn.Module, recipe: Recipe, meta: dict):
         super().__init__()
         self.model, self.recipe, self.meta = model, recipe, meta
-        self.history: dict[str, list] = {"train": [], "val": []}  # (step, loss), whole run
+        # the whole run, across resumes: train (step, loss); val (step, loss, training wall seconds)
+        self.history: dict[str, list] = {"train": [], "val": []}
+        self.elapsed = 0.0  # wall seconds of training before this process took over
+        self._started: float | None = None
         self.moe = has_moe(model)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
-    def _losses(self, input_ids, targets):
-        logits = self.model(input_ids)  # (batch, seq, vocab)
+    def logits_and_targets(self, input_ids, targets):
+        """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there).
+        A task's module overrides this; the loss, logging and optimizer stay as they are."""
+        return self.model(input_ids), targets  # (batch, seq, vocab), (batch, seq)
+
+    def _losses(self, *batch):
+        logits, targets = self.logits_and_targets(*batch)
         ce = F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), label_smoothing=self.recipe.loss.label_smoothing
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE,
+            label_smoothing=self.recipe.loss.label_smoothing,
         )
         if not self.moe:
             return ce, ce
@@ -157,9 +170,17 @@ class LMModule(L.LightningModule):
         self.log("val_loss", ce, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         return ce
 
+    def on_train_start(self):
+        self._started = time.perf_counter() - self.elapsed
+
+    def wall_seconds(self) -> float:
+        """Wall seconds of training so far, across resumes (validation included)."""
+        return time.perf_counter() - self._started if self._started is not None else self.elapsed
+
     def on_validation_epoch_end(self):
         if not self.trainer.sanity_checking and "val_loss" in self.trainer.callback_metrics:
-            self.history["val"].append((self.global_step, float(self.trainer.callback_metrics["val_loss"])))
+            loss = float(self.trainer.callback_metrics["val_loss"])
+            self.history["val"].append((self.global_step, loss, self.wall_seconds()))
 
     def configure_optimizers(self):
         opt = self.recipe.optimizer
@@ -174,10 +195,11 @@ class LMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng_state())
+        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng_state(), elapsed=self.wall_seconds())
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("builder", {})
         self.history = saved.get("history", {"train": [], "val": []})
+        self.elapsed = saved.get("elapsed", 0.0)
         if "rng" in saved:
             set_rng_state(saved["rng"])

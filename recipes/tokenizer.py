@@ -106,9 +106,10 @@ def from_state(state: dict) -> Tokenizer:
     return SentencePieceTokenizer(state["model_proto"])
 
 
-def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0) -> bytes:
+def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, options: dict | None = None) -> bytes:
     """A sentencepiece model for ``text`` that round-trips code: identity normalization, runs of
-    spaces kept as pieces, no dummy prefix, and byte fallback (newlines and rare characters)."""
+    spaces kept as pieces, no dummy prefix, and byte fallback (newlines and rare characters).
+    ``options``: trainer settings over these (special-token ids, prose normalization...)."""
     import sentencepiece as spm
 
     lines = [line for line in text.split("\n") if line.strip()]
@@ -117,9 +118,7 @@ def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0) -> 
     if not lines:
         raise RecipeError("the corpus has no text to train a tokenizer on")
     buffer = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=buffer,
+    settings = dict(
         vocab_size=section.vocab_size,
         model_type=section.model_type,
         byte_fallback=True,
@@ -137,13 +136,17 @@ def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0) -> 
         num_threads=max(1, min(4, os.cpu_count() or 1)),
         minloglevel=2,
     )
+    settings.update(options or {})
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, **settings)
     return buffer.getvalue()
 
 
 def build_tokenizer(
-    section: TokenizerSection, text: str, corpus_hash: str, cache_dir: Path, recipe_file: Path | None
+    section: TokenizerSection, text: str, corpus_hash: str, cache_dir: Path, recipe_file: Path | None,
+    options: dict | None = None,
 ) -> Tokenizer:
-    """The recipe's tokenizer: fitted (char), loaded (model_file) or trained and cached."""
+    """The recipe's tokenizer: fitted (char), loaded (model_file) or trained and cached.
+    ``options``: sentencepiece trainer settings (see :func:`train_sentencepiece`), part of the cache key."""
     if section.type == "char":
         return CharTokenizer.fit(text)
     if section.model_file is not None:
@@ -151,14 +154,15 @@ def build_tokenizer(
         if not path.is_file():
             raise RecipeError(f"tokenizer.model_file: {path} does not exist")
         return SentencePieceTokenizer(path.read_bytes())
+    extra = f"|{sorted(options.items())}" if options else ""
     key = hashlib.sha256(
-        f"{corpus_hash}|{section.model_type}|{section.vocab_size}|{section.train_max_lines}|v1".encode()
+        f"{corpus_hash}|{section.model_type}|{section.vocab_size}|{section.train_max_lines}|v1{extra}".encode()
     ).hexdigest()[:16]
     cached = cache_dir / "tokenizers" / f"spm-{section.model_type}-{section.vocab_size}-{key}.model"
     if cached.is_file():
         return SentencePieceTokenizer(cached.read_bytes())
     print(f"training a sentencepiece {section.model_type} tokenizer ({section.vocab_size} pieces) ...", flush=True)
-    proto = train_sentencepiece(text, section)
+    proto = train_sentencepiece(text, section, options=options)
     write_atomic(cached, proto)
     return SentencePieceTokenizer(proto)
 

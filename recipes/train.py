@@ -70,8 +70,9 @@ def prepare(recipe: Recipe, recipe_file: Path):
     return corpus, tokenizer, tokens, spec
 
 
-def describe(spec, model, recipe: Recipe) -> int:
-    """Print the start-of-run table (estimated against built parameters); returns train FLOPs/token."""
+def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None) -> int:
+    """Print the start-of-run table (estimated against built parameters); returns train FLOPs/token.
+    ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
     from builder.estimate import estimate
     from builder.report import print_describe
 
@@ -79,7 +80,7 @@ def describe(spec, model, recipe: Recipe) -> int:
     dtype = "bf16" if settings.precision.startswith("bf16") else "fp16" if settings.precision == "16-mixed" else "fp32"
     devices = settings.devices if isinstance(settings.devices, int) else 1
     est = estimate(
-        spec, seq_len=recipe.data.seq_len, batch=recipe.data.batch_size, dtype=dtype,
+        spec, seq_len=seq_len or recipe.data.seq_len, batch=batch or recipe.data.batch_size, dtype=dtype,
         devices=devices * settings.num_nodes, strategy="fsdp" if settings.strategy == "fsdp" else "ddp",
         activation_checkpointing=settings.activation_checkpointing,
     )
@@ -125,6 +126,47 @@ def check_resumable(path: Path, meta: dict) -> None:
             )
 
 
+def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer:
+    """The recipe's Lightning Trainer writing under ``out`` (progress bar, logs and checkpoint IO
+    included); ``callbacks`` go first."""
+    settings = recipe.trainer
+    return L.Trainer(
+        max_steps=settings.max_steps,
+        max_time=settings.max_time_delta(),
+        max_epochs=-1,
+        val_check_interval=settings.val_check_interval * settings.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=settings.limit_val_batches,
+        num_sanity_val_steps=0,
+        gradient_clip_val=settings.gradient_clip_val,
+        accumulate_grad_batches=settings.accumulate_grad_batches,
+        precision=PRECISION[settings.precision],
+        strategy=strategy_for(recipe, model),
+        accelerator=settings.accelerator,
+        devices=settings.devices,
+        num_nodes=settings.num_nodes,
+        logger=[
+            L.pytorch.loggers.CSVLogger(out, name="logs"),
+            L.pytorch.loggers.TensorBoardLogger(out, name="tensorboard"),
+        ],
+        callbacks=[*callbacks, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
+        plugins=[] if settings.strategy == "fsdp" else [AtomicCheckpointIO()],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        log_every_n_steps=settings.log_every_n_steps,
+        default_root_dir=out,
+    )
+
+
+def fit(trainer: L.Trainer, module, data, ckpt: Path | None, meta: dict) -> None:
+    """``trainer.fit``, resumed from ``ckpt`` when given (after checking it is this run's)."""
+    if ckpt is not None:
+        check_resumable(ckpt, meta)
+        say(f"resuming from {ckpt}")
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
+
+
 def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
         fresh: bool = False, samples: bool = True) -> dict:
     """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN."""
@@ -132,6 +174,10 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
 
     recipe_file = Path(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
+    if recipe.task != "lm":
+        from recipes.tasks import run_task
+
+        return run_task(recipe, recipe_file, resume=resume, fresh=fresh)
     settings = recipe.trainer
     out = output_dir(recipe, recipe_file)
     quiet_lightning()
@@ -161,39 +207,8 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
         recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
         flops_per_token, settings.precision, settings.log_every_n_steps,
     )
-    strategy = strategy_for(recipe, model)
-    trainer = L.Trainer(
-        max_steps=settings.max_steps,
-        max_time=settings.max_time_delta(),
-        max_epochs=-1,
-        val_check_interval=settings.val_check_interval * settings.accumulate_grad_batches,
-        check_val_every_n_epoch=None,
-        limit_val_batches=settings.limit_val_batches,
-        num_sanity_val_steps=0,
-        gradient_clip_val=settings.gradient_clip_val,
-        accumulate_grad_batches=settings.accumulate_grad_batches,
-        precision=PRECISION[settings.precision],
-        strategy=strategy,
-        accelerator=settings.accelerator,
-        devices=settings.devices,
-        num_nodes=settings.num_nodes,
-        logger=[
-            L.pytorch.loggers.CSVLogger(out, name="logs"),
-            L.pytorch.loggers.TensorBoardLogger(out, name="tensorboard"),
-        ],
-        callbacks=[checkpoints, throughput, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
-        plugins=[] if settings.strategy == "fsdp" else [AtomicCheckpointIO()],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        log_every_n_steps=settings.log_every_n_steps,
-        default_root_dir=out,
-    )
-    ckpt = resume_path(out, resume, fresh)
-    if ckpt is not None:
-        check_resumable(ckpt, meta)
-        say(f"resuming from {ckpt}")
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
+    trainer = make_trainer(recipe, out, model, [checkpoints, throughput])
+    fit(trainer, module, data, resume_path(out, resume, fresh), meta)
 
     history = module.history
     if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
@@ -202,7 +217,8 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
         "steps": trainer.global_step,
         "train_loss": history["train"][-1][1] if history["train"] else None,
         "val_loss": history["val"][-1][1] if history["val"] else None,
-        "tokens_per_s": throughput.tokens_per_s,
+        "tokens_per_s": throughput.median_tokens_per_s(),
+        "wall_seconds": module.wall_seconds(),
         "last": str(checkpoints.last_path),
         "best": str(checkpoints.best_path),
         "output_dir": str(out),

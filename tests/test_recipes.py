@@ -122,7 +122,7 @@ def test_a_tiny_run_learns_and_checkpoints(trained):
     assert Path(summary["best"]).is_file() and (Path(summary["output_dir"]) / "loss.png").is_file()
     assert list((Path(summary["output_dir"]) / "logs").rglob("metrics.csv"))
     val = history(Path(summary["last"]))["val"]
-    assert [step for step, _ in val] == [15, 30] and val[1][1] < val[0][1]
+    assert [v[0] for v in val] == [15, 30] and val[1][1] < val[0][1] and 0 < val[0][2] < val[1][2]
 
 
 def test_eval_and_generate_need_only_the_checkpoint(trained, capsys):

@@ -1,0 +1,118 @@
+"""Variable-length examples in batches of like lengths under a token budget (fairseq's scheme).
+
+Each epoch sorts the examples by length, ties broken at random, cuts the sorted order into
+batches whose ``examples x longest example`` stays within ``max_tokens``, and shuffles the
+batches. An epoch's batches are a pure function of ``(seed, epoch)``, so the stream of
+micro-batches is a pure function of ``(seed, index)``: the data position is one integer (saved
+in checkpoints), and a resumed run sees exactly the batches an unbroken one would. With N
+devices, global micro-batch ``i`` of rank ``r`` is the stream's batch ``i * N + r``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from recipes.config import RecipeError
+from recipes.data import PositionedDataModule
+
+
+def budget_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cut ``order`` (indices, sorted by length) into consecutive batches of at most ``max_tokens``
+    padded tokens: ``len(batch) * max(lengths[batch]) <= max_tokens``."""
+    batches, start, longest = [], 0, 0
+    for i, index in enumerate(order):
+        length = int(lengths[index])
+        if length > max_tokens:
+            raise RecipeError(f"an example of {length} tokens does not fit data.max_tokens {max_tokens}; raise it")
+        grown = max(longest, length)
+        if (i - start + 1) * grown > max_tokens:
+            batches.append(order[start:i])
+            start, grown = i, length
+        longest = grown
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+def epoch_batches(lengths: np.ndarray, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """One epoch's batches in training order: sorted by length (random tie-break), shuffled."""
+    rng = np.random.default_rng([seed, 7, epoch])
+    order = np.lexsort((rng.random(len(lengths)), lengths))  # by length, then the random key
+    batches = budget_batches(order, lengths, max_tokens)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def sorted_batches(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Every example once, in length order (evaluation and decoding: least padding)."""
+    return budget_batches(np.argsort(lengths, kind="stable"), lengths, max_tokens)
+
+
+def pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    """Right-pad integer rows into ``(len(rows), longest)``."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+class StreamBatches(IterableDataset):
+    """Training micro-batches from ``position`` on, epoch after epoch; this rank's share."""
+
+    def __init__(self, examples, lengths, max_tokens, collate, seed, rank, world_size, position):
+        self.examples, self.lengths, self.max_tokens, self.collate = examples, lengths, max_tokens, collate
+        self.seed, self.rank, self.world_size, self.position = seed, rank, world_size, position
+
+    def __iter__(self):
+        index, epoch, first = self.position * self.world_size + self.rank, 0, 0  # first: stream index of the epoch's
+        while True:
+            batches = epoch_batches(self.lengths, self.max_tokens, self.seed, epoch)
+            while index < first + len(batches):
+                yield self.collate([self.examples[i] for i in batches[index - first]])
+                index += self.world_size
+            first += len(batches)
+            epoch += 1
+
+
+class FixedBatches(IterableDataset):
+    """Every example once in length order; rank ``r`` takes batches ``r, r + N, ...``."""
+
+    def __init__(self, examples, lengths, max_tokens, collate, rank: int = 0, world_size: int = 1):
+        batches = sorted_batches(lengths, max_tokens)
+        self.batches = batches[rank::world_size]
+        self.examples, self.collate = examples, collate
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            yield self.collate([self.examples[i] for i in batch])
+
+
+class BucketDataModule(PositionedDataModule):
+    """Token-budget batches of training and validation examples; its state is the data position.
+
+    ``collate(list of examples) -> tuple of tensors``; ``lengths``: each example's padded cost
+    in tokens (the longer side of a sentence pair)."""
+
+    def __init__(self, train: Sequence, train_lengths: np.ndarray, val: Sequence, val_lengths: np.ndarray,
+                 collate: Callable, max_tokens: int, seed: int, accumulate: int):
+        super().__init__(seed, accumulate)
+        if not len(train) or not len(val):
+            raise RecipeError(f"{len(train)} training and {len(val)} validation examples; both need some")
+        self.train, self.val, self.collate = train, val, collate
+        self.train_lengths, self.val_lengths = np.asarray(train_lengths), np.asarray(val_lengths)
+        self.max_tokens = max_tokens
+
+    def train_dataloader(self):
+        data = StreamBatches(self.train, self.train_lengths, self.max_tokens, self.collate, self.seed,
+                             *self._rank(), self.position)
+        return DataLoader(data, batch_size=None, num_workers=0)
+
+    def val_dataloader(self):
+        data = FixedBatches(self.val, self.val_lengths, self.max_tokens, self.collate, *self._rank())
+        return DataLoader(data, batch_size=None, num_workers=0)

@@ -1,0 +1,93 @@
+"""Scale-out and fault tolerance: SIGKILL then resume equals an unbroken run; 2-process DDP equals one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import torch
+from recipe_helpers import builder_process, history, tiny_recipe
+
+
+def _step(checkpoint) -> int:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+
+
+def test_killed_run_resumes_to_the_same_losses(tmp_path):
+    from recipes.train import run
+
+    steps = 120
+    killed_dir, unbroken_dir = tmp_path / "killed", tmp_path / "unbroken"
+    for d in (killed_dir, unbroken_dir):
+        d.mkdir()
+    trainer = {"max_steps": steps, "checkpoint_every_n_steps": 5, "val_check_interval": 100, "limit_val_batches": 1}
+    killed = tiny_recipe(killed_dir, trainer=dict(trainer, output_dir=str(killed_dir / "run")))
+    last = killed_dir / "run" / "checkpoints" / "last.ckpt"
+
+    child = builder_process("train", str(killed), "--no-samples", cwd=killed_dir,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not last.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    _, err = child.communicate()
+    assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    at_kill = _step(last)
+    assert 0 < at_kill < steps, "the run ended before it could be killed"
+
+    resumed = builder_process("train", str(killed), "--no-samples", cwd=killed_dir,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out.decode()[-3000:]
+    assert f"resuming from {last}" in out.decode()
+
+    unbroken = tiny_recipe(unbroken_dir, trainer=dict(trainer, output_dir=str(unbroken_dir / "run")))
+    summary = run(unbroken, samples=False)
+    a, b = history(last), history(summary["last"])
+    assert _step(last) == steps and len(a["train"]) == len(b["train"]) == steps
+    assert [s for s, _ in a["train"]] == [s for s, _ in b["train"]]
+    torch.testing.assert_close(torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]),
+                               rtol=0, atol=1e-6)
+    weights_a = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
+    weights_b = torch.load(summary["last"], map_location="cpu", weights_only=True)["state_dict"]
+    for name in weights_b:
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=0, atol=1e-6)
+
+
+def test_resume_refuses_a_different_model(tmp_path, capsys):
+    from builder.cli import main
+
+    path = tiny_recipe(tmp_path, trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")})
+    assert main(["train", str(path), "--no-samples"]) == 0
+    assert main(["train", str(path), "--no-samples", "--set", "model.overrides.d_model=48"]) == 1
+    assert "different model spec" in capsys.readouterr().err
+    assert main(["train", str(path), "--no-samples", "--fresh", "--set", "model.overrides.d_model=48"]) == 0
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    from recipes.train import run
+
+    trainer = {"max_steps": 8, "val_check_interval": 4, "limit_val_batches": 2}
+    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
+    for d in (ddp_dir, single_dir):
+        d.mkdir()
+    ddp = tiny_recipe(ddp_dir, data={"batch_size": 2},
+                      trainer=dict(trainer, devices=2, strategy="ddp", output_dir=str(ddp_dir / "run")))
+    child = builder_process("train", str(ddp), "--no-samples", cwd=ddp_dir,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = child.communicate(timeout=600)
+    assert child.returncode == 0, out.decode()[-3000:]
+    assert "GLOBAL_RANK: 1" in out.decode() or "MEMBER: 2/2" in out.decode()
+
+    single = tiny_recipe(single_dir, data={"batch_size": 4},
+                         trainer=dict(trainer, output_dir=str(single_dir / "run")))
+    summary = run(single, samples=False)
+    a, b = history(ddp_dir / "run" / "checkpoints" / "last.ckpt"), history(summary["last"])
+    assert len(a["train"]) == len(b["train"]) == 8
+    torch.testing.assert_close(torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]),
+                               rtol=0, atol=1e-5)
