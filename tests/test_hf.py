@@ -46,6 +46,14 @@ def _gpt2():
     )
 
 
+def _gpt2_inverse_scale():  # scores also divided by (layer index + 1): per-layer attention.scale overrides
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2, n_positions=32, n_inner=48,
+                                activation_function="relu", scale_attn_by_inverse_layer_idx=True,
+                                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    )
+
+
 def _llama3():
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8, "rope_theta": 500000.0}
@@ -134,6 +142,7 @@ def _marian():
 
 CASES = {
     "gpt2": Case(_gpt2, "causal"),
+    "gpt2-inverse-scale-untied": Case(_gpt2_inverse_scale, "causal"),
     "llama3": Case(_llama3, "causal"),
     "llama-bias-tied": Case(_llama_bias, "causal"),
     "mistral": Case(_mistral, "causal"),
