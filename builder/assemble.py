@@ -99,6 +99,11 @@ def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool,
     layers = []
     for index in range(stack_config.n_layers):
         layer = stack_config.layer(index)
+        if spec.position.type == "relative_bias" and layer.attention.n_heads != attention.n_heads:
+            raise ValueError(
+                f"layer {index} has {layer.attention.n_heads} heads but the stack's relative-bias table has "
+                f"{attention.n_heads}; relative_bias needs the same n_heads in every layer of a stack"
+            )
         self_attention = build_block(layer.attention, dims, causal=causal, cross=False, backend=backend)
         cross_attention = build_block(layer.cross_attention, dims, cross=True, backend=backend) if cross else None
         ffn = build_block(layer.ffn, dims)
