@@ -91,7 +91,7 @@ class KVCache:
         self.length = 0
 
     @classmethod
-    def for_stack(cls, stack, batch: int, max_tokens: int, dtype: torch.dtype, device) -> "KVCache":
+    def for_stack(cls, stack, batch: int, max_tokens: int, dtype: torch.dtype, device) -> KVCache:
         """Preallocate for ``max_tokens`` tokens (a windowed layer: at most its window)."""
         layers = []
         for layer in stack.layers:

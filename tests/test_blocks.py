@@ -399,7 +399,7 @@ def test_layer_placements_compose_as_documented(placement):
             n.weight.normal_()
     layer = TransformerLayer(attn, ffn, norms, placement=placement)
     x, inputs = _x(), AttentionInputs(0, S)
-    a = lambda h: attn(h, inputs)  # noqa: E731
+    a = lambda h: attn(h, inputs)
     if placement == "pre":
         h = x + a(norms["attention_norm"](x))
         ref = h + ffn(norms["ffn_norm"](h))

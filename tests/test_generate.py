@@ -82,10 +82,10 @@ def test_cached_logits_equal_full_forward(path):
         if spec.architecture == "encoder-decoder":
             memory = model.encode(src)
             full = model(src, decoder_input_ids=seq)
-            step = lambda ids, cache: model(None, decoder_input_ids=ids, memory=memory, cache=cache)  # noqa: E731
+            step = lambda ids, cache: model(None, decoder_input_ids=ids, memory=memory, cache=cache)
         else:
             full = model(seq)
-            step = lambda ids, cache: model(ids, cache=cache)  # noqa: E731
+            step = lambda ids, cache: model(ids, cache=cache)
         cache = KVCache.for_stack(model.decoder, 2, 20, torch.float32, "cpu")
         parts = [step(seq[:, :6], cache)]  # a prefill of 6, then one token at a time
         parts += [step(seq[:, i : i + 1], cache) for i in range(6, 20)]
