@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -22,10 +20,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from builder.assemble import build_model  # noqa: E402
-from builder.estimate import estimate  # noqa: E402
-from builder.hf import TOKEN_KEYS, HFError, from_hf, import_hf, load_weights, read_weights, to_hf  # noqa: E402
-from builder.loader import load_spec  # noqa: E402
+from builder.assemble import build_model
+from builder.estimate import estimate
+from builder.hf import (
+    TOKEN_KEYS,
+    HFError,
+    from_hf,
+    import_hf,
+    load_weights,
+    read_weights,
+    to_hf,
+)
+from builder.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120
@@ -222,7 +228,7 @@ def _hf_params(hf) -> int:
 
 def _greedy(case, hf, ours, inputs):
     ids, mask = inputs["input_ids"][:, :5], inputs["attention_mask"][:, :5]
-    common = dict(max_new_tokens=GEN_TOKENS)
+    common = {"max_new_tokens": GEN_TOKENS}
     if case.kind == "seq2seq":
         theirs = hf.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=False,
                              num_beams=1, min_new_tokens=GEN_TOKENS, decoder_start_token_id=0, **common)

@@ -30,21 +30,28 @@ from typing import Any
 
 from builder.hf import decoders, encoders
 from builder.hf.common import Family, HFError, Unsupported
-from builder.hf.weights import Checkpoint, alias_groups, dedupe, load_weights, read_weights, save_weights
+from builder.hf.weights import (
+    Checkpoint,
+    alias_groups,
+    dedupe,
+    load_weights,
+    read_weights,
+    save_weights,
+)
 
 __all__ = [
     "FAMILIES",
     "HFError",
     "Unsupported",
-    "from_hf",
-    "to_hf",
-    "read_hf",
-    "config_to_spec",
     "choose_family",
+    "config_to_spec",
+    "from_hf",
     "load_weights",
-    "save_weights",
+    "read_hf",
     "read_weights",
+    "save_weights",
     "supported_families",
+    "to_hf",
 ]
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in decoders.FAMILIES + encoders.FAMILIES}
@@ -217,7 +224,7 @@ def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> t
     import yaml
 
     folder, out = Path(folder), Path(out)
-    spec_dict, spec, state = read_hf(folder, name)
+    spec_dict, _, state = read_hf(folder, name)
     out.mkdir(parents=True, exist_ok=True)
     config = read_config(folder)
     spec_path = out / "spec.yaml"
@@ -322,7 +329,8 @@ def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
         if config is not None:
             return candidate, config
         more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
-        reasons.append(f"  {candidate.model_type}: {why[0]}{more}")
+        first = " ".join(why[0].split())  # one line per family
+        reasons.append(f"  {candidate.model_type}: {first}{more}")
     raise Unsupported(
         f"no Hugging Face family expresses spec {spec.name!r} exactly:\n" + "\n".join(reasons)
     )

@@ -48,7 +48,7 @@ def same(hf: str, ours: str) -> Link:
 
 def transposed(hf: str, ours: str) -> Link:
     """GPT-2's ``Conv1D`` stores ``(in, out)``; ``nn.Linear`` stores ``(out, in)``."""
-    flip = lambda ts: [t.t().contiguous() for t in ts]  # noqa: E731
+    flip = lambda ts: [t.t().contiguous() for t in ts]
     return Link((hf,), (ours,), flip, flip)
 
 

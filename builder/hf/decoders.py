@@ -80,6 +80,8 @@ class GPT2(Family):
     def to_config(self, spec) -> dict:
         stack = spec.decoder
         attn = stack.attention
+        if spec.position.type != "learned":
+            raise Unsupported(f"position.type is {spec.position.type!r}; gpt2 uses learned positions")
         # GPT-2 scales scores by 1/sqrt(head_dim) or by 1 (scale_attn_weights), optionally divided
         # by (layer index + 1); any other pattern fails export's round-trip check and is reported
         by_layer = [stack.layer(i).attention.scale for i in range(stack.n_layers)]
@@ -89,7 +91,7 @@ class GPT2(Family):
             "n_embd": spec.d_model,
             "n_layer": stack.n_layers,
             "n_head": attn.n_heads,
-            "n_positions": spec.position.max_positions if spec.position.type == "learned" else None,
+            "n_positions": spec.position.max_positions or spec.max_seq_len,
             "n_inner": stack.ffn.resolved_hidden_dim(spec.d_model) if stack.ffn.type == "mlp" else None,
             "activation_function": activation_to_hf(getattr(stack.ffn, "activation", "gelu"), "gelu_new"),
             "layer_norm_epsilon": stack.norm.eps,
