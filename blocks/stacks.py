@@ -73,6 +73,11 @@ class TransformerStack(nn.Module):
             alibi=position if isinstance(position, Alibi) else None,
             relative_bias=position if isinstance(position, RelativeBias) else None,
         )
+        if cache is None and inputs.relative_bias is not None:
+            # The stack's shared bias is built here, outside the layers, so that a layer recomputed
+            # under activation checkpointing reads the same tensor instead of building (and saving
+            # for backward) its own.
+            inputs.bias(0, seq, self.layers[0].attention.n_heads, x.device)
         memory_inputs = AttentionInputs(0, seq, key_mask=memory_mask) if memory is not None else None
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None

@@ -287,3 +287,27 @@ def test_triton_backend_matches_eager_on_cpu_interpreter():
     ids = _tiny_inputs(spec, batch=1, seq=20)  # past the 16-token window
     with torch.no_grad():
         torch.testing.assert_close(triton(ids), eager(ids), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", [p for p in TINY if "t5" in p.name or "transformer" in p.name], ids=lambda p: p.stem)
+def test_activation_checkpointing_gives_the_same_gradients(path):
+    """Layers recomputed in the backward (relative bias shared across layers included) match."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = build_model(load_spec(path), attention_backend="eager").train()
+    src, tgt = torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (2, 7))
+
+    def grads():
+        torch.manual_seed(1)
+        model.zero_grad()
+        model(src, decoder_input_ids=tgt).float().pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    for stack in model.stacks().values():
+        for layer in stack.layers:
+            layer.forward = lambda *a, _f=layer.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    recomputed = grads()
+    assert plain.keys() == recomputed.keys()
+    for name in plain:
+        torch.testing.assert_close(recomputed[name], plain[name], msg=name)
