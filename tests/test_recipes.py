@@ -180,3 +180,36 @@ def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatc
     assert leftovers == [f".last.ckpt.tmp-{os.getpid()}"]
     assert torch.load(target, weights_only=True)["global_step"] == 4
     assert resume_path(tmp_path / "run", resume=None, fresh=False) == target
+
+
+def _tiny_model(spec_file: str, seed: int = 0):
+    from builder import build_model, load_spec
+
+    torch.manual_seed(seed)
+    return build_model(load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / spec_file))
+
+
+def test_activation_checkpointing_keeps_the_gradients():
+    from recipes.module import checkpoint_layers, layer_modules
+
+    plain, checkpointed = _tiny_model("llama.yaml"), _tiny_model("llama.yaml")
+    assert checkpoint_layers(checkpointed) == len(layer_modules(plain)) == 2
+    ids = torch.randint(0, 256, (2, 16))
+    for model in (plain, checkpointed):
+        model(ids).float().square().mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert plain.state_dict().keys() == checkpointed.state_dict().keys()
+
+
+def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
+    from recipes.module import LMModule
+
+    path = tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})
+    model = _tiny_model("mixtral.yaml")
+    module = LMModule(model, load_recipe(path), meta={})
+    ids = torch.randint(0, 256, (2, 16))
+    loss, ce = module._losses(ids[:, :-1], ids[:, 1:])
+    aux = model.aux_loss()
+    assert module.moe and aux > 0
+    torch.testing.assert_close(loss, ce + 0.5 * aux)
