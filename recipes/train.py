@@ -117,7 +117,7 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool) -> Path | Non
 
 
 def check_resumable(path: Path, meta: dict) -> None:
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("builder", {})
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("builder", {})
     for key, what in (("spec", "model spec"), ("tokenizer", "tokenizer")):
         if saved.get(key) != meta[key]:
             raise RecipeError(
