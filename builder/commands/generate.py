@@ -8,7 +8,8 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by `builder train`")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--prompt", "--text", dest="prompt", required=True,
+                        help="the text to continue (a translation checkpoint: to translate; classification: to label)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=None)
@@ -26,7 +27,12 @@ def run(args: argparse.Namespace) -> int:
     from recipes.generation import stream
 
     try:
-        model, tokenizer, _ = load_trained(args.checkpoint, args.device)
+        model, tokenizer, meta = load_trained(args.checkpoint, args.device)
+        if meta.get("task", "lm") != "lm":
+            from recipes.tasks import generate
+
+            print(generate(model, tokenizer, meta, args))
+            return 0
         generator = None
         if args.seed is not None:
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)

@@ -1,0 +1,143 @@
+"""The tasks besides language modelling (``task: translation | mlm | classification``): one run
+loop for all of them, on the LM recipe's machinery (Trainer, checkpoints, resuming, logs).
+
+Each task module (``recipes.translation``, ``recipes.encoder``) has ``prepare(recipe, recipe_file)``
+returning a :class:`Prepared`: the tokenizer, the validated spec, the data module, the
+LightningModule class and what the run does before and after training. ``builder eval`` and
+``builder generate`` reach a task through :func:`evaluate` and :func:`generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+
+from recipes.callbacks import RecipeCheckpoint, Throughput, plot_losses
+from recipes.config import Recipe, RecipeError
+
+#: task -> the module that implements it
+MODULES = {"translation": "recipes.translation", "mlm": "recipes.encoder", "classification": "recipes.encoder"}
+
+#: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
+#: marker on the first word too, runs of spaces folded
+PROSE = {
+    "normalization_rule_name": "nmt_nfkc",
+    "add_dummy_prefix": True,
+    "remove_extra_whitespaces": True,
+    "allow_whitespace_only_pieces": False,
+}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a task hands the shared run loop."""
+
+    tokenizer: Any
+    spec: Any
+    data: L.LightningDataModule
+    module_class: type
+    tokens_of: Callable  # a micro-batch -> the real (non-pad) tokens it trains on
+    seq_len: int  # the typical example length, for the start-of-run estimate
+    meta: dict = dataclasses.field(default_factory=dict)  # task facts kept in checkpoints (labels...)
+    init: Callable | None = None  # model -> None: weights from elsewhere (a pretrained encoder)
+    callbacks: Callable | None = None  # checkpoint dir -> extra callbacks
+    finish: Callable | None = None  # (module, checkpoint dir) -> final metrics, printed and returned
+
+
+def task_module(task: str):
+    if task not in MODULES:
+        raise RecipeError(f"unknown task {task!r}; one of lm, {', '.join(MODULES)}")
+    return importlib.import_module(MODULES[task])
+
+
+class CountedThroughput(Throughput):
+    """:class:`Throughput` for batches of varying size: a step's tokens are the running mean of
+    the real tokens per optimizer step (all devices)."""
+
+    def __init__(self, tokens_of: Callable, flops_per_token: int, precision: str, every_n_steps: int):
+        super().__init__(0, flops_per_token, precision, every_n_steps)
+        self.tokens_of = tokens_of
+        self._tokens, self._batches = 0, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._tokens += self.tokens_of(batch)
+        self._batches += 1
+        per_batch = self._tokens / self._batches
+        self.tokens_per_step = per_batch * trainer.accumulate_grad_batches * trainer.world_size
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False) -> dict:
+    """Train a non-LM recipe (the shape of ``recipes.train.run``); returns its summary."""
+    from builder import build_model
+    from recipes.train import describe, fit, make_trainer, output_dir, quiet_lightning, resume_path, say
+
+    settings = recipe.trainer
+    out = output_dir(recipe, recipe_file)
+    quiet_lightning()
+    L.seed_everything(settings.seed, workers=True, verbose=False)
+    prepared = task_module(recipe.task).prepare(recipe, recipe_file)
+    torch.manual_seed(settings.seed)
+    model = build_model(prepared.spec, dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
+    if prepared.init is not None:
+        prepared.init(model)
+    flops_per_token = describe(prepared.spec, model, recipe, seq_len=prepared.seq_len, batch=1)
+    if settings.compile:
+        model.compile()
+    meta = {
+        "task": recipe.task,
+        "spec": prepared.spec.model_dump(mode="json"),
+        "recipe": recipe.model_dump(mode="json"),
+        "recipe_file": str(recipe_file),
+        "tokenizer": prepared.tokenizer.state(),
+        **prepared.meta,
+    }
+    module = prepared.module_class(model, recipe, meta)
+    ckpt_dir = out / "checkpoints"
+    checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
+    throughput = CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
+    extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
+    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra])
+    fit(trainer, module, prepared.data, resume_path(out, resume, fresh), meta)
+
+    history = module.history
+    if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
+        trainer.validate(module, datamodule=prepared.data, verbose=False)
+    summary = {
+        "task": recipe.task,
+        "steps": trainer.global_step,
+        "train_loss": history["train"][-1][1] if history["train"] else None,
+        "val_loss": history["val"][-1][1] if history["val"] else None,
+        "val_metrics": dict(module.val_metrics) if hasattr(module, "val_metrics") else {},
+        "tokens_per_s": throughput.median_tokens_per_s(),
+        "wall_seconds": module.wall_seconds(),
+        "last": str(checkpoints.last_path),
+        "output_dir": str(out),
+    }
+    if trainer.is_global_zero:
+        plot = plot_losses(history, out / "loss.png", f"{recipe.name or recipe_file.stem}: {prepared.spec.name}")
+        say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {ckpt_dir}"
+            + (f"; loss curve {plot}" if plot else ""))
+        if prepared.finish is not None:
+            summary.update(prepared.finish(module, ckpt_dir))
+    return summary
+
+
+def check_task(meta: dict, *tasks: str) -> None:
+    if meta.get("task", "lm") not in tasks:
+        raise RecipeError(f"this checkpoint was trained for task {meta.get('task', 'lm')!r}, not {' or '.join(tasks)}")
+
+
+def evaluate(model, tokenizer, meta: dict, args) -> dict:
+    """``builder eval`` on a checkpoint of a task: the task's own metrics."""
+    return task_module(meta["task"]).evaluate(model, tokenizer, meta, args)
+
+
+def generate(model, tokenizer, meta: dict, args) -> str:
+    """``builder generate`` on a checkpoint of a task: a translation, or a predicted label."""
+    return task_module(meta["task"]).generate(model, tokenizer, meta, args)

@@ -1,0 +1,265 @@
+"""``task: translation``: the original Transformer's task, trained and scored for real.
+
+Parallel text (one sentence a line; ``source`` and ``target`` files for training and
+validation) -> a joint sentencepiece vocabulary trained on both sides (cached by content hash;
+pad 0, unk 1, bos 2, eos 3) -> token-budget batches of like lengths (``recipes.batching``) -> an
+encoder-decoder trained with label-smoothed cross-entropy on the target tokens, padding masked
+in the encoder, the decoder and cross-attention -> beam search and sacreBLEU / chrF.
+
+A batch is ``(src, src_mask, tgt_in, tgt_mask, tgt_out)``: the source ids ending in eos, the
+target fed to the decoder (bos first) and the ids it predicts (eos last, ``IGNORE`` on padding).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recipes.averaging import KeepLastCheckpoints
+from recipes.batching import BucketDataModule, pad, sorted_batches
+from recipes.config import RecipeError, model_spec, resolve
+from recipes.module import IGNORE, LMModule
+from recipes.tasks import PROSE, Prepared, check_task
+from recipes.tokenizer import build_tokenizer
+
+#: sentencepiece ids of the specials (the model's padding, decoder start and end of sentence)
+SPECIALS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
+
+
+def read_lines(path: Path) -> list[str]:
+    """The file's lines, stripped (only ``\n`` ends a line: sentences may hold other breaks)."""
+    if not path.is_file():
+        raise RecipeError(f"no file at {path}")
+    lines = path.read_text(encoding="utf-8").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.strip() for line in lines]
+
+
+def read_pairs(source: Path, target: Path, limit: int | None = None) -> tuple[list[str], list[str]]:
+    """Line-aligned sentences of two files (the first ``limit`` pairs)."""
+    src, tgt = read_lines(source), read_lines(target)
+    if len(src) != len(tgt):
+        raise RecipeError(f"{source} has {len(src)} lines but {target} has {len(tgt)}; they must align line by line")
+    return src[:limit], tgt[:limit]
+
+
+def special_ids(tokenizer) -> tuple[int, int, int]:
+    """``(pad, bos, eos)`` of a translation tokenizer."""
+    sp = tokenizer.sp
+    ids = sp.pad_id(), sp.bos_id(), sp.eos_id()
+    if min(ids) < 0:
+        raise RecipeError("this tokenizer has no pad, bos or eos id; translation trains its own (see SPECIALS)")
+    return ids
+
+
+def encode_pairs(tokenizer, src: list[str], tgt: list[str]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """``(source ids + eos, target ids)`` per pair, and each pair's padded cost in tokens."""
+    _, _, eos = special_ids(tokenizer)
+    src_ids, tgt_ids = tokenizer.sp.encode(src), tokenizer.sp.encode(tgt)
+    pairs = [(np.array(s + [eos], dtype=np.int32), np.array(t, dtype=np.int32)) for s, t in zip(src_ids, tgt_ids)]
+    lengths = np.array([max(len(s), len(t) + 1) for s, t in pairs], dtype=np.int64)
+    return pairs, lengths
+
+
+def collate(pairs, pad_id: int, bos: int, eos: int):
+    """Sentence pairs -> ``(src, src_mask, tgt_in, tgt_mask, tgt_out)``, right-padded."""
+    src = pad([p[0] for p in pairs], pad_id)  # (batch, src_len)
+    tgt_in = pad([[bos, *p[1]] for p in pairs], pad_id)  # (batch, tgt_len)
+    tgt_out = pad([[*p[1], eos] for p in pairs], IGNORE)  # (batch, tgt_len)
+    return src, src != pad_id, tgt_in, tgt_out != IGNORE, tgt_out
+
+
+def tokens_of(batch) -> int:
+    """Real source and target tokens of a batch."""
+    return int(batch[1].sum()) + int(batch[3].sum())
+
+
+# -- decoding and scoring -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def translate(model, tokenizer, sources: list[str], num_beams: int = 1, length_penalty: float = 1.0,
+              max_len_a: float = 1.5, max_len_b: int = 10, max_tokens: int = 6000) -> list[str]:
+    """Decode ``sources`` (greedy for ``num_beams=1``); the batches hold like lengths."""
+    pad_id, bos, eos = special_ids(tokenizer)
+    device = next(model.parameters()).device
+    limit = model.spec.max_seq_len if getattr(model, "spec", None) is not None else None
+    ids = [(tokenizer.sp.encode(s) + [eos])[-limit:] if limit else tokenizer.sp.encode(s) + [eos] for s in sources]
+    lengths = np.array([len(i) for i in ids])
+    out: list[str] = [""] * len(sources)
+    for batch in sorted_batches(lengths, max(max_tokens // num_beams, int(lengths.max()))):
+        src = pad([ids[i] for i in batch], pad_id).to(device)  # (batch, src_len)
+        new = int(max_len_a * src.shape[1] + max_len_b)
+        new = min(new, limit - 1) if limit else new
+        rows = model.generate(src, new, attention_mask=src != pad_id, num_beams=num_beams,
+                              length_penalty=length_penalty, eos_token_id=eos, pad_token_id=pad_id,
+                              decoder_start_token_id=bos)
+        for i, row in zip(batch, rows[:, 1:].tolist()):
+            out[i] = tokenizer.decode(row[: row.index(eos)] if eos in row else row)
+    return out
+
+
+def score(hypotheses: list[str], references: list[str]) -> dict:
+    """sacreBLEU (13a tokenization, cased) and chrF of detokenized text, with their signatures."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    bleu, chrf = BLEU(), CHRF()
+    b, c = bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])
+    return {"bleu": b.score, "chrf": c.score, "bleu_text": str(b), "chrf_text": str(c),
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+
+
+def print_scores(result: dict, what: str) -> None:
+    print(f"{what}: sacreBLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f}", flush=True)
+    print(f"  {result['bleu_text']}\n  {result['chrf_text']}", flush=True)
+
+
+# -- training ---------------------------------------------------------------------------------------
+
+
+class TranslationModule(LMModule):
+    """Label-smoothed cross-entropy on target tokens; at each validation, greedy sacreBLEU too."""
+
+    def __init__(self, model, recipe, meta: dict):
+        super().__init__(model, recipe, meta)
+        self.history.setdefault("bleu", [])  # (step, greedy val BLEU, training wall seconds)
+        self.val_metrics: dict[str, float] = {}
+        self._references: tuple[list[str], list[str]] | None = None
+
+    @property
+    def references(self) -> tuple[list[str], list[str]]:
+        """The validation (sources, targets) the recipe names."""
+        if self._references is None:
+            self._references = validation_pairs(self.recipe, Path(self.meta["recipe_file"]))
+        return self._references
+
+    def logits_and_targets(self, src, src_mask, tgt_in, tgt_mask, tgt_out):
+        logits = self.model(src, src_mask, decoder_input_ids=tgt_in, decoder_attention_mask=tgt_mask)
+        return logits, tgt_out  # (batch, tgt_len, vocab), (batch, tgt_len)
+
+    def on_validation_epoch_end(self):
+        super().on_validation_epoch_end()
+        settings = self.recipe.eval
+        if self.trainer.sanity_checking or not settings.bleu_at_validation:
+            return
+        if not self.trainer.is_global_zero:
+            return
+        sources, targets = self.references
+        tokenizer = tokenizer_of(self.meta)
+        hyps = translate(self.model, tokenizer, sources, 1, 1.0, settings.max_len_a, settings.max_len_b)
+        self.val_metrics = {k: v for k, v in score(hyps, targets).items() if k in ("bleu", "chrf")}
+        self.history["bleu"].append((self.global_step, self.val_metrics["bleu"], self.wall_seconds()))
+        self.log("val_bleu", self.val_metrics["bleu"], prog_bar=True, rank_zero_only=True)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.history.setdefault("bleu", [])
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(proto: bytes):
+    from recipes.tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(proto)
+
+
+def tokenizer_of(meta: dict):
+    return _tokenizer(meta["tokenizer"]["model_proto"])
+
+
+def validation_pairs(recipe, recipe_file: Path) -> tuple[list[str], list[str]]:
+    files = recipe.data.validation
+    return read_pairs(resolve(recipe_file, files.source), resolve(recipe_file, files.target),
+                      recipe.eval.max_sentences)
+
+
+def prepare(recipe, recipe_file: Path) -> Prepared:
+    data = recipe.data
+    train_src, train_tgt = read_pairs(resolve(recipe_file, data.train.source), resolve(recipe_file, data.train.target),
+                                      data.limit_pairs)
+    val_src, val_tgt = validation_pairs(recipe, recipe_file)
+    text = "\n".join(train_src + train_tgt)
+    corpus_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    tokenizer = build_tokenizer(recipe.tokenizer, text, corpus_hash, Path(data.cache_dir), recipe_file,
+                                options={**PROSE, **SPECIALS})
+    pad_id, bos, eos = special_ids(tokenizer)
+    train, train_lengths = encode_pairs(tokenizer, train_src, train_tgt)
+    keep = [i for i, n in enumerate(train_lengths) if n <= data.max_len]
+    train, train_lengths = [train[i] for i in keep], train_lengths[keep]
+    val, val_lengths = encode_pairs(tokenizer, val_src, val_tgt)
+    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)
+    if spec.architecture != "encoder-decoder":
+        raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
+    longest = int(max(train_lengths.max(), val_lengths.max()))
+    if longest > spec.max_seq_len:
+        raise RecipeError(f"pairs of up to {longest} tokens exceed the model's max_seq_len {spec.max_seq_len}; "
+                          "lower data.max_len or set model.overrides.max_seq_len")
+    print(f"parallel data: {len(train):,} training pairs ({len(train_src) - len(train):,} longer than "
+          f"data.max_len {data.max_len} left out), {len(val):,} validation pairs; joint vocabulary "
+          f"{tokenizer.vocab_size:,}", flush=True)
+    module = BucketDataModule(train, train_lengths, val, val_lengths,
+                              functools.partial(collate, pad_id=pad_id, bos=bos, eos=eos), data.max_tokens,
+                              recipe.trainer.seed, recipe.trainer.accumulate_grad_batches)
+    settings = recipe.eval
+
+    def callbacks(ckpt_dir: Path):
+        return [KeepLastCheckpoints(ckpt_dir, settings.average_last, settings.average_every_n_steps)]
+
+    def finish(module, ckpt_dir: Path) -> dict:
+        return final_evaluation(module.model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
+
+    return Prepared(tokenizer, spec, module, TranslationModule, tokens_of, int(np.median(train_lengths)),
+                    callbacks=callbacks, finish=finish)
+
+
+def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:
+    """Beam search on the validation set with the averaged weights (the trained ones without)."""
+    if averaged.is_file():
+        state = torch.load(averaged, map_location="cpu", weights_only=True)["state_dict"]
+        model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    what = f"validation, beam {settings.num_beams}, {'averaged ' + averaged.name if averaged.is_file() else 'last'}"
+    hyps = translate(model, tokenizer, sources, settings.num_beams, settings.length_penalty,
+                     settings.max_len_a, settings.max_len_b)
+    result = score(hyps, references)
+    print_scores(result, what)
+    return {"final": {k: result[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")}}
+
+
+# -- builder eval / builder generate ---------------------------------------------------------------
+
+
+def evaluate(model, tokenizer, meta: dict, args) -> dict:
+    """Score ``--src`` against ``--ref`` (default: the recipe's validation files)."""
+    check_task(meta, "translation")
+    if (args.src is None) != (args.ref is None):
+        raise RecipeError("give --src and --ref together (or neither: the recipe's validation pair)")
+    recipe = meta["recipe"]
+    if args.src is None:
+        base = Path(meta["recipe_file"])
+        src_path, ref_path = resolve(base, recipe["data"]["validation"]["source"]), \
+            resolve(base, recipe["data"]["validation"]["target"])
+    else:
+        src_path, ref_path = Path(args.src), Path(args.ref)
+    sources, references = read_pairs(src_path, ref_path, args.max_sentences)
+    settings = recipe["eval"]
+    beams = args.num_beams or settings["num_beams"]
+    lp = args.length_penalty if args.length_penalty is not None else settings["length_penalty"]
+    hyps = translate(model, tokenizer, sources, beams, lp, settings["max_len_a"], settings["max_len_b"])
+    if args.output:
+        Path(args.output).write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    result = score(hyps, references)
+    return {"src": str(src_path), "ref": str(ref_path), "sentences": len(sources), "num_beams": beams,
+            "length_penalty": lp, **result}
+
+
+def generate(model, tokenizer, meta: dict, args) -> str:
+    check_task(meta, "translation")
+    settings = meta["recipe"]["eval"]
+    beams = args.num_beams if args.num_beams > 1 else settings["num_beams"]
+    return translate(model, tokenizer, [args.prompt], beams, settings["length_penalty"],
+                     settings["max_len_a"], settings["max_len_b"])[0]
