@@ -48,8 +48,8 @@ class RecipeCheckpoint(L.Callback):
     def best_path(self) -> Path:
         return self.dirpath / "best.ckpt"
 
-    def _save_last(self, trainer) -> None:
-        if trainer.global_step != self._saved_step:
+    def _save_last(self, trainer, force: bool = False) -> None:
+        if force or trainer.global_step != self._saved_step:
             trainer.save_checkpoint(self.last_path, weights_only=False)
             self._saved_step = trainer.global_step
 
@@ -61,7 +61,7 @@ class RecipeCheckpoint(L.Callback):
     def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
             return
-        self._save_last(trainer)
+        self._save_last(trainer, force=True)  # again: now with this validation in the history
         loss = float(trainer.callback_metrics["val_loss"])
         if self.best is None or loss < self.best:
             self.best = loss
