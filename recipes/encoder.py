@@ -135,8 +135,10 @@ class MLMModule(LMModule):
             self.val_metrics = {"masked_accuracy": float(self.trainer.callback_metrics["val_acc"])}
 
 
-def encoder_tokenizer(recipe, recipe_file: Path, text: str, corpus_hash: str, prose: bool):
-    options = {**PROSE, **SPECIALS} if prose else SPECIALS
+def encoder_tokenizer(recipe, recipe_file: Path, text: str, corpus_hash: str):
+    """A prose vocabulary (words, not whitespace runs: BERT's tokenizer folds whitespace too) with
+    BERT's specials, trained on ``text`` and cached."""
+    options = {**PROSE, **SPECIALS}
     return build_tokenizer(recipe.tokenizer, text, corpus_hash, Path(recipe.data.cache_dir), recipe_file, options)
 
 
@@ -149,7 +151,7 @@ def _encoder_spec(recipe, recipe_file: Path, vocab_size: int, extra: dict | None
 
 def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     corpus = read_corpus(recipe.data, recipe_file)
-    tokenizer = encoder_tokenizer(recipe, recipe_file, corpus.text, corpus.hash, prose=False)
+    tokenizer = encoder_tokenizer(recipe, recipe_file, corpus.text, corpus.hash)
     tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
     spec = _encoder_spec(recipe, recipe_file, tokenizer.vocab_size)
     if spec.head.type != "mlm" and spec.head.type != "lm":
@@ -291,7 +293,7 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
         tokenizer = from_state(meta["tokenizer"])
     else:
         text = "\n".join(t for t, _ in train)
-        tokenizer = encoder_tokenizer(recipe, recipe_file, text, hashlib.sha256(text.encode()).hexdigest()[:16], True)
+        tokenizer = encoder_tokenizer(recipe, recipe_file, text, hashlib.sha256(text.encode()).hexdigest()[:16])
     labels = data.labels or sorted({label for _, label in train})
     head = {"type": "classification", "n_classes": len(labels), "pooling": settings.pooling,
             "pooler": settings.pooler, "dropout": settings.dropout}
