@@ -72,8 +72,10 @@ class CountedThroughput(Throughput):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
-def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False) -> dict:
-    """Train a non-LM recipe (the shape of ``recipes.train.run``); returns its summary."""
+def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False,
+             callbacks: list | None = None) -> dict:
+    """Train a non-LM recipe (the shape of ``recipes.train.run``); returns its summary.
+    ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
     from builder import build_model
     from recipes.train import describe, fit, make_trainer, output_dir, quiet_lightning, resume_path, say
 
@@ -102,7 +104,7 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
     throughput = CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
     extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
-    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra])
+    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra, *(callbacks or [])])
     fit(trainer, module, prepared.data, resume_path(out, resume, fresh), meta)
 
     history = module.history
