@@ -10,7 +10,7 @@ devices, global micro-batch ``i`` of rank ``r`` is the stream's batch ``i * N + 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch

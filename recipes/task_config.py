@@ -8,7 +8,7 @@ it means for the language model.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -33,7 +33,7 @@ class ParallelDataSection(_Section):
         100, ge=1, description="Batches per bucket: pairs are sorted by length within buckets of "
         "this many batches' worth, so a batch holds like lengths yet the order stays random.",
     )
-    limit_pairs: Optional[int] = Field(
+    limit_pairs: int | None = Field(
         None, ge=1, description="Use only the first this many training pairs (null: all)."
     )
     cache_dir: str = Field(".cache/builder", description="Tokenizers, keyed by content hash.")
@@ -49,7 +49,7 @@ class TranslationEval(_Section):
     bleu_at_validation: bool = Field(
         True, description="Decode the validation set greedily at each validation and log val_bleu."
     )
-    max_sentences: Optional[int] = Field(
+    max_sentences: int | None = Field(
         None, ge=1, description="Score only the first this many validation pairs (null: all)."
     )
     average_last: int = Field(
@@ -108,22 +108,22 @@ class MLMRecipe(Recipe):
 
 
 class LabeledDataSection(_Section):
-    file: Optional[str] = Field(
+    file: str | None = Field(
         None, description="A .csv (with a header) or .jsonl file of examples (relative to the recipe)."
     )
-    by_label: Optional[dict[str, str]] = Field(
+    by_label: dict[str, str] | None = Field(
         None, description="Instead of `file`: label -> a text file of that label's examples, one a line."
     )
-    validation: Optional[str] = Field(
+    validation: str | None = Field(
         None, description="A held-out file like `file` (null: the last val_fraction of the shuffled examples)."
     )
     text_field: str = Field("text", description="The column or key holding the text.")
     label_field: str = Field("label", description="The column or key holding the label.")
-    labels: Optional[list[str]] = Field(
+    labels: list[str] | None = Field(
         None, description="Label names in id order (null: the sorted distinct labels of the training data)."
     )
     val_fraction: float = Field(0.1, gt=0, lt=1, description="Held out when there is no validation file.")
-    limit: Optional[int] = Field(None, ge=1, description="Use only this many examples (after shuffling).")
+    limit: int | None = Field(None, ge=1, description="Use only this many examples (after shuffling).")
     max_len: int = Field(128, ge=3, description="Tokens per example, [CLS] and [SEP] included (longer: cut).")
     max_tokens: int = Field(4096, ge=8, description="Token budget of a micro-batch, padding included.")
     bucket_size: int = Field(100, ge=1, description="Batches per length-sorted bucket.")
@@ -137,7 +137,7 @@ class LabeledDataSection(_Section):
 
 
 class ClassificationSection(_Section):
-    init_from: Optional[str] = Field(
+    init_from: str | None = Field(
         None, description="An MLM checkpoint (relative to the recipe) whose encoder and tokenizer start the model."
     )
     pooling: Literal["first", "mean"] = Field("first", description="first ([CLS]) | mean over real tokens.")

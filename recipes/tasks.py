@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
 
-from recipes.callbacks import RecipeCheckpoint, Throughput, plot_losses
+from recipes.callbacks import RecipeCheckpoint, Throughput
 from recipes.config import Recipe, RecipeError
 
 #: task -> the module that implements it
@@ -77,7 +78,15 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     """Train a non-LM recipe (the shape of ``recipes.train.run``); returns its summary.
     ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
     from builder import build_model
-    from recipes.train import describe, fit, make_trainer, output_dir, quiet_lightning, resume_path, say
+    from recipes.train import (
+        describe,
+        fit,
+        make_trainer,
+        output_dir,
+        quiet_lightning,
+        resume_path,
+        wrap_up,
+    )
 
     settings = recipe.trainer
     out = output_dir(recipe, recipe_file)
@@ -107,26 +116,11 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra, *(callbacks or [])])
     fit(trainer, module, prepared.data, resume_path(out, resume, fresh), meta)
 
-    history = module.history
-    if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
-        trainer.validate(module, datamodule=prepared.data, verbose=False)
-    summary = {
-        "task": recipe.task,
-        "steps": trainer.global_step,
-        "train_loss": history["train"][-1][1] if history["train"] else None,
-        "val_loss": history["val"][-1][1] if history["val"] else None,
-        "val_metrics": dict(module.val_metrics) if hasattr(module, "val_metrics") else {},
-        "tokens_per_s": throughput.median_tokens_per_s(),
-        "wall_seconds": module.wall_seconds(),
-        "last": str(checkpoints.last_path),
-        "output_dir": str(out),
-    }
-    if trainer.is_global_zero:
-        plot = plot_losses(history, out / "loss.png", f"{recipe.name or recipe_file.stem}: {prepared.spec.name}")
-        say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {ckpt_dir}"
-            + (f"; loss curve {plot}" if plot else ""))
-        if prepared.finish is not None:
-            summary.update(prepared.finish(module, ckpt_dir))
+    summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,
+                      f"{recipe.name or recipe_file.stem}: {prepared.spec.name}")
+    summary.update(task=recipe.task, val_metrics=dict(getattr(module, "val_metrics", {})))
+    if trainer.is_global_zero and prepared.finish is not None:
+        summary.update(prepared.finish(module, ckpt_dir))
     return summary
 
 

@@ -167,6 +167,28 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None, meta: dict) -> None
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
 
 
+def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str) -> dict:
+    """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve."""
+    history = module.history
+    if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
+        trainer.validate(module, datamodule=data, verbose=False)
+    summary = {
+        "steps": trainer.global_step,
+        "train_loss": history["train"][-1][1] if history["train"] else None,
+        "val_loss": history["val"][-1][1] if history["val"] else None,
+        "tokens_per_s": throughput.median_tokens_per_s(),
+        "wall_seconds": module.wall_seconds(),
+        "last": str(checkpoints.last_path),
+        "best": str(checkpoints.best_path),
+        "output_dir": str(out),
+    }
+    if trainer.is_global_zero:
+        plot = plot_losses(history, out / "loss.png", title)
+        say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {out / 'checkpoints'}"
+            + (f"; loss curve {plot}" if plot else ""))
+    return summary
+
+
 def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
         fresh: bool = False, samples: bool = True) -> dict:
     """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN."""
@@ -210,25 +232,10 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
     trainer = make_trainer(recipe, out, model, [checkpoints, throughput])
     fit(trainer, module, data, resume_path(out, resume, fresh), meta)
 
-    history = module.history
-    if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
-        trainer.validate(module, datamodule=data, verbose=False)
-    summary = {
-        "steps": trainer.global_step,
-        "train_loss": history["train"][-1][1] if history["train"] else None,
-        "val_loss": history["val"][-1][1] if history["val"] else None,
-        "tokens_per_s": throughput.median_tokens_per_s(),
-        "wall_seconds": module.wall_seconds(),
-        "last": str(checkpoints.last_path),
-        "best": str(checkpoints.best_path),
-        "output_dir": str(out),
-    }
-    if trainer.is_global_zero:
-        plot = plot_losses(history, out / "loss.png", f"{recipe.name or recipe_file.stem}: {spec.name}")
-        say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {out / 'checkpoints'}"
-            + (f"; loss curve {plot}" if plot else ""))
-        if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
-            print_samples(module.model, tokenizer, recipe)
+    summary = wrap_up(trainer, module, data, throughput, checkpoints, out,
+                      f"{recipe.name or recipe_file.stem}: {spec.name}")
+    if trainer.is_global_zero and samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
+        print_samples(module.model, tokenizer, recipe)
     return summary
 
 

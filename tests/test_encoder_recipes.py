@@ -32,7 +32,7 @@ class _Tok:
 
     vocab_size = 100
 
-    class sp:  # noqa: N801
+    class sp:
         pad_id, unk_id, bos_id, eos_id = (lambda: 0), (lambda: 1), (lambda: 2), (lambda: 3)
         piece_to_id = staticmethod(lambda piece: 4 if piece == "[MASK]" else 1)
 
@@ -91,7 +91,7 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
 def _keyword_examples(n: int, seed: int = 0) -> list[dict]:
     """Label = whether the text mentions "apple" (half do)."""
     rng = random.Random(seed)
-    words = "the a cat dog runs sits blue green house tree river stone bread milk over under quick slow".split()
+    words = ["the", "a", "cat", "dog", "runs", "sits", "blue", "green", "house", "tree", "river", "stone", "bread", "milk", "over", "under", "quick", "slow"]
     rows = []
     for i in range(n):
         text = [rng.choice(words) for _ in range(rng.randint(4, 10))]

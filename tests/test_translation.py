@@ -166,7 +166,11 @@ def test_token_budget_batches_cover_each_epoch_and_resume_exactly():
 
 
 def test_checkpoint_averaging(tmp_path):
-    from recipes.averaging import average_checkpoints, average_state_dicts, kept_checkpoints
+    from recipes.averaging import (
+        average_checkpoints,
+        average_state_dicts,
+        kept_checkpoints,
+    )
 
     a = {"w": torch.randn(3, 4), "b": torch.randn(4).to(torch.bfloat16), "n": torch.tensor(7)}
     b = {"w": torch.randn(3, 4), "b": torch.randn(4).to(torch.bfloat16), "n": torch.tensor(7)}
@@ -246,7 +250,9 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
     assert main(["generate", str(averaged), "--text", de[0]]) == 0
     assert capsys.readouterr().out.strip() == en[0]
 
-    from recipes.checkpoint import load_trained  # on this trained model, a wider beam never scores worse
+    from recipes.checkpoint import (
+        load_trained,  # on this trained model, a wider beam never scores worse
+    )
 
     model, tokenizer, _ = load_trained(averaged)
     for sentence in de[:4]:
