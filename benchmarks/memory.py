@@ -93,7 +93,7 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
     import torch.nn.functional as F
 
     from builder.assemble import build_model
-    from builder.estimate import estimate
+    from builder.estimates import estimate
     from builder.loader import load_spec
 
     spec = load_spec(ROOT / spec_path, overrides)

@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return build_model
     if name == "estimate":
-        from builder.estimate import estimate
+        from builder.estimates import estimate
 
         return estimate
     raise AttributeError(f"module 'builder' has no attribute {name!r}")

@@ -73,7 +73,7 @@ def prepare(recipe: Recipe, recipe_file: Path):
 def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None) -> int:
     """Print the start-of-run table (estimated against built parameters); returns train FLOPs/token.
     ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
-    from builder.estimate import estimate
+    from builder.estimates import estimate
     from builder.report import print_describe
 
     settings = recipe.trainer

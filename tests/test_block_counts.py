@@ -18,7 +18,7 @@ from blocks import registry
 from blocks.attention import AttentionInputs
 from blocks.build import Dims, build_block
 from builder.assemble import build_model
-from builder.estimate import estimate
+from builder.estimates import estimate
 from builder.report import actual_params
 from builder.schema import spec_model
 

@@ -22,7 +22,7 @@ from builder import mfu
 from builder.assemble import build_model
 from builder.cli import main
 from builder.commands.compare import compare
-from builder.estimate import estimate
+from builder.estimates import estimate
 from builder.loader import load_spec
 from builder.schema import spec_model
 
@@ -305,3 +305,11 @@ def test_mfu(monkeypatch):
     assert mfu.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         mfu.mfu(1.0, 1.0, 0)
+
+
+def test_the_package_exports_the_estimate_function():
+    """`from builder import estimate` is the function of the contract, even after the module loads."""
+    import builder.estimates  # noqa: F401  (a loaded submodule must not shadow the export)
+    from builder import estimate as exported
+
+    assert callable(exported) and exported is estimate

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 from builder.assemble import build_model
-from builder.estimate import estimate
+from builder.estimates import estimate
 from builder.hf import (
     TOKEN_KEYS,
     HFError,

@@ -27,7 +27,7 @@ def _ids(p: Path) -> str:
 
 
 def _estimate(spec, **kw):
-    from builder.estimate import estimate
+    from builder.estimates import estimate
 
     return estimate(spec, **kw)
 

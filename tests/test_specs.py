@@ -59,7 +59,7 @@ def test_shipped_spec_validates(path):
 @pytest.mark.parametrize("path", SPECS, ids=_rel)
 def test_header_states_the_parameter_count(path):
     """Each file's header names its source and its count; the estimator must agree."""
-    estimate = pytest.importorskip("builder.estimate").estimate
+    estimate = pytest.importorskip("builder.estimates").estimate
     header = path.read_text().split("\nname:")[0]
     stated = re.search(r"Parameters: ([\d,]+)", header)
     assert stated, f"{_rel(path)} has no 'Parameters: N' in its header comment"

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def compare(spec) -> dict:
     """``{"estimated", "actual", "match", "components": [...]}`` for a loaded spec."""
     from builder.assemble import build_model
-    from builder.estimate import estimate
+    from builder.estimates import estimate
     from builder.report import actual_params, compare_rows
 
     est = estimate(spec, seq_len=1)

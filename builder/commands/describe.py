@@ -39,7 +39,7 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 
 
 def estimate_from_args(spec, args: argparse.Namespace):
-    from builder.estimate import estimate
+    from builder.estimates import estimate
 
     return estimate(
         spec, seq_len=args.seq_len, src_len=args.src_len, batch=args.batch, dtype=args.dtype,

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.estimate import estimate
+    from builder.estimates import estimate
     from builder.hf import HFError, import_hf
     from builder.loader import SpecError, load_spec
 
