@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.batching import BucketDataModule, pad
+from recipes.batching import BucketDataModule, pad, sorted_batches
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.data import LMDataModule, read_corpus, split, tokenize_corpus
 from recipes.module import IGNORE, LMModule
@@ -330,8 +330,6 @@ def predict(model, tokenizer, texts: list[str], max_len: int, max_tokens: int = 
     device = next(model.parameters()).device
     rows, lengths = encode_examples(tokenizer, [(t, "") for t in texts], [""], max_len)
     out = torch.empty(len(texts), model.spec.head.n_classes)
-    from recipes.batching import sorted_batches
-
     for batch in sorted_batches(lengths, max(max_tokens, int(lengths.max()))):
         input_ids, mask, _ = collate_labelled([rows[i] for i in batch], Specials(tokenizer).pad)
         out[torch.as_tensor(batch)] = model(input_ids.to(device), mask.to(device)).float().softmax(-1).cpu()
