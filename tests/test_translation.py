@@ -272,3 +272,20 @@ def test_tiny_run_overfits_fifty_multi30k_pairs(tmp_path):
     de, en = _pairs(50)
     summary = run(_recipe(tmp_path, de, en, vocab_size=800, max_steps=600))
     assert summary["final"]["bleu"] > 90 and summary["final"]["chrf"] > 90, summary["final"]
+
+
+def test_resumed_run_trains_on_the_same_batches_as_an_unbroken_one(tmp_path):
+    from recipes.train import run
+
+    de, en = _pairs(40, max_words=10)
+    losses = {}
+    for name, stops in (("unbroken", [30]), ("resumed", [20, 30])):
+        folder = tmp_path / name
+        folder.mkdir()
+        for steps in stops:  # the second run picks up the first one's last.ckpt
+            path = _recipe(folder, de, en, max_steps=steps, checkpoint_every_n_steps=10)
+            run(path, {"data.max_tokens": 120})
+        history = torch.load(folder / "run" / "checkpoints" / "last.ckpt", weights_only=True)["builder"]["history"]
+        losses[name] = [loss for _, loss in history["train"]]
+    assert len(losses["resumed"]) == len(losses["unbroken"]) == 30
+    assert losses["resumed"] == pytest.approx(losses["unbroken"], rel=1e-5)
