@@ -44,7 +44,7 @@ def plain_loop(recipe_path: Path, target: float) -> dict:
     train_tokens, val_tokens = split(tokens, d.val_fraction, d.seq_len)
     torch.manual_seed(t.seed)
     model = build_model(spec)
-    optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr, betas=opt.betas, eps=opt.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, recipe.schedule, opt.lr, t.max_steps)
     )

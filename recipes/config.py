@@ -89,6 +89,9 @@ class OptimizerSection(_Section):
     weight_decay: float = Field(
         0.1, ge=0, description="Decoupled weight decay on matrices; none on norms, biases and embeddings."
     )
+    decay_embeddings: bool = Field(
+        False, description="Decay the embedding tables too (nanoGPT and GPT-2's training do)."
+    )
 
 
 class ScheduleSection(_Section):

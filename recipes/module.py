@@ -48,8 +48,9 @@ def lr_multiplier(step: int, schedule: ScheduleSection, lr: float, max_steps: in
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on weight matrices; none on norms, biases and embedding tables."""
+def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
+    """AdamW groups: decay on weight matrices; none on norms, biases and (unless
+    ``decay_embeddings``, as nanoGPT does) embedding tables."""
     embedding_ids = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
     }
@@ -59,7 +60,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         in_embedding = any("embed" in part for part in name.split(".")[:-1])
-        if p.ndim < 2 or id(p) in embedding_ids or in_embedding:
+        if p.ndim < 2 or (not decay_embeddings and (id(p) in embedding_ids or in_embedding)):
             no_decay.append(p)
         else:
             decay.append(p)
@@ -186,7 +187,7 @@ class LMModule(L.LightningModule):
         opt = self.recipe.optimizer
         fused = {"fused": True} if self.device.type == "cuda" else {}
         optimizer = torch.optim.AdamW(
-            param_groups(self.model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, **fused
+            param_groups(self.model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr, betas=opt.betas, eps=opt.eps, **fused
         )
         multiplier = functools.partial(
             lr_multiplier, schedule=self.recipe.schedule, lr=opt.lr, max_steps=self.recipe.trainer.max_steps

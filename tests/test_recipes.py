@@ -86,6 +86,9 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     assert decayed and all(p.ndim == 2 for p in decay["params"])
     assert not any("embed" in n or "norm" in n or n.endswith("bias") for n in decayed)
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    decay_all, _ = param_groups(model, 0.1, decay_embeddings=True)
+    added = {names[id(p)] for p in decay_all["params"]} - decayed
+    assert added and all("embed" in n or "position" in n for n in added)
 
 
 def test_windows_are_a_function_of_position_and_shard_across_ranks():
