@@ -89,7 +89,7 @@ def translate(model, tokenizer, sources: list[str], num_beams: int = 1, length_p
     pad_id, bos, eos = special_ids(tokenizer)
     device = next(model.parameters()).device
     limit = model.spec.max_seq_len if getattr(model, "spec", None) is not None else None
-    ids = [(tokenizer.sp.encode(s) + [eos])[-limit:] if limit else tokenizer.sp.encode(s) + [eos] for s in sources]
+    ids = [tokenizer.sp.encode(s)[: limit - 1 if limit else None] + [eos] for s in sources]  # the start kept
     lengths = np.array([len(i) for i in ids])
     out: list[str] = [""] * len(sources)
     for batch in sorted_batches(lengths, max(max_tokens // num_beams, int(lengths.max()))):
@@ -116,7 +116,8 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
 
 def print_scores(result: dict, what: str) -> None:
     print(f"{what}: sacreBLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f}", flush=True)
-    print(f"  {result['bleu_text']}\n  {result['chrf_text']}", flush=True)
+    print(f"  {result['bleu_text']}  ({result['bleu_signature']})", flush=True)
+    print(f"  {result['chrf_text']}  ({result['chrf_signature']})", flush=True)
 
 
 # -- training ---------------------------------------------------------------------------------------

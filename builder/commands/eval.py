@@ -63,6 +63,5 @@ def _print_task(args: argparse.Namespace, meta: dict, model, tokenizer) -> int:
         print(json.dumps(result))
         return 0
     for key, value in result.items():
-        if not key.endswith("_text"):
-            print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     return 0
