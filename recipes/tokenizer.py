@@ -137,7 +137,11 @@ def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, opt
         minloglevel=2,
     )
     settings.update(options or {})
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, **settings)
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, **settings)
+    except RuntimeError as exc:  # e.g. a vocabulary smaller than the corpus's characters + 256 bytes
+        message = str(exc).split("] ")[-1]
+        raise RecipeError(f"sentencepiece cannot train tokenizer.vocab_size {section.vocab_size} here: {message}") from None
     return buffer.getvalue()
 
 
