@@ -35,6 +35,7 @@ from builder.hf.weights import (
     alias_groups,
     dedupe,
     load_weights,
+    read_json,
     read_weights,
     save_weights,
 )
@@ -96,13 +97,7 @@ def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise HFError(f"{folder} has no config.json (a Hugging Face model folder has one)")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise HFError(f"cannot read {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise HFError(f"{path} is not a JSON object")
-    return config
+    return read_json(path)
 
 
 def validate(spec_dict: Mapping):

@@ -28,7 +28,7 @@ class Checkpoint:
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise HFError(f"{index} has no 'weight_map'")
             self._files = {name: self.folder / file for name, file in weight_map.items()}
@@ -189,7 +189,8 @@ def save_weights(source, path: str | Path, metadata: dict[str, str] | None = Non
     return path
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; an unreadable or non-object file is an HFError."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
