@@ -19,6 +19,12 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def model_weights(state_dict: dict) -> dict:
+    """The built model's tensors from a LightningModule state dict: the ``model.`` prefix and
+    ``torch.compile``'s ``_orig_mod.`` wrapper taken off the names."""
+    return {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+
+
 def load_trained(path: str | Path, device: str | None = None):
     """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train``."""
     from builder import build_model
@@ -33,9 +39,7 @@ def load_trained(path: str | Path, device: str | None = None):
         raise RecipeError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
     spec = spec_model().model_validate(meta["spec"])
     model = build_model(spec)
-    weights = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()}
-    weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
-    model.load_state_dict(weights)
+    model.load_state_dict(model_weights(checkpoint["state_dict"]))
     model.to(pick_device(device)).eval()
     meta = dict(meta, global_step=checkpoint.get("global_step"))
     return model, from_state(meta["tokenizer"]), meta

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.batching import BucketDataModule, pad, sorted_batches
+from recipes.checkpoint import model_weights
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.data import LMDataModule, read_corpus, split, tokenize_corpus
 from recipes.module import IGNORE, LMModule
@@ -269,7 +270,7 @@ class ClassifierModule(LMModule):
 def load_encoder(model, path: Path) -> None:
     """The ``encoder.*`` weights of a checkpoint (an MLM run) into ``model``; the head stays new."""
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-    state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.encoder.")}
+    state = {k: v for k, v in model_weights(state).items() if k.startswith("encoder.")}
     own = model.state_dict()
     wrong = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
     if wrong or not state:

@@ -21,6 +21,7 @@ import torch
 
 from recipes.averaging import KeepLastCheckpoints
 from recipes.batching import BucketDataModule, pad, sorted_batches
+from recipes.checkpoint import model_weights
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.module import IGNORE, LMModule
 from recipes.tasks import PROSE, Prepared, check_task
@@ -222,7 +223,7 @@ def final_evaluation(model, tokenizer, averaged: Path, sources, references, sett
     """Beam search on the validation set with the averaged weights (the trained ones without)."""
     if averaged.is_file():
         state = torch.load(averaged, map_location="cpu", weights_only=True)["state_dict"]
-        model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+        model.load_state_dict(model_weights(state))
     what = f"validation, beam {settings.num_beams}, {'averaged ' + averaged.name if averaged.is_file() else 'last'}"
     hyps = translate(model, tokenizer, sources, settings.num_beams, settings.length_penalty,
                      settings.max_len_a, settings.max_len_b)
