@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 
 from recipes.callbacks import RecipeCheckpoint, Throughput
 from recipes.config import Recipe, RecipeError
@@ -77,14 +76,14 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
              callbacks: list | None = None) -> dict:
     """Train a non-LM recipe (the shape of ``recipes.train.run``); returns its summary.
     ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
-    from builder import build_model
     from recipes.train import (
-        describe,
         fit,
         make_trainer,
         output_dir,
         quiet_lightning,
         resume_path,
+        training_meta,
+        training_model,
         wrap_up,
     )
 
@@ -93,21 +92,8 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     quiet_lightning()
     L.seed_everything(settings.seed, workers=True, verbose=False)
     prepared = task_module(recipe.task).prepare(recipe, recipe_file)
-    torch.manual_seed(settings.seed)
-    model = build_model(prepared.spec, dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
-    if prepared.init is not None:
-        prepared.init(model)
-    flops_per_token = describe(prepared.spec, model, recipe, seq_len=prepared.seq_len, batch=1)
-    if settings.compile:
-        model.compile()
-    meta = {
-        "task": recipe.task,
-        "spec": prepared.spec.model_dump(mode="json"),
-        "recipe": recipe.model_dump(mode="json"),
-        "recipe_file": str(recipe_file),
-        "tokenizer": prepared.tokenizer.state(),
-        **prepared.meta,
-    }
+    model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1)
+    meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=recipe.task, **prepared.meta)
     module = prepared.module_class(model, recipe, meta)
     ckpt_dir = out / "checkpoints"
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)

@@ -89,6 +89,36 @@ def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int
     return est.flops.train_per_token
 
 
+def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, batch: int | None = None):
+    """The spec's model ready to train, for every task: built (seeded; ``init`` may load weights
+    into it), its describe table printed, layers checkpointed and compiled as the recipe asks.
+    Returns ``(model, train FLOPs per token)``."""
+    from builder import build_model
+
+    settings = recipe.trainer
+    torch.manual_seed(settings.seed)
+    model = build_model(spec, dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
+    if init is not None:
+        init(model)
+    flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch)
+    if settings.activation_checkpointing and settings.strategy != "fsdp":
+        checkpoint_layers(model)  # FSDP checkpoints through its own policy (strategy_for)
+    if settings.compile:
+        model.compile()
+    return model, flops_per_token
+
+
+def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -> dict:
+    """What a checkpoint carries besides weights, so eval and generate need nothing else."""
+    return {
+        "spec": spec.model_dump(mode="json"),
+        "recipe": recipe.model_dump(mode="json"),
+        "recipe_file": str(recipe_file),
+        "tokenizer": tokenizer.state(),
+        **extra,
+    }
+
+
 def strategy_for(recipe: Recipe, model):
     trainer = recipe.trainer
     if trainer.strategy == "fsdp":
@@ -192,8 +222,6 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
 def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
         fresh: bool = False, samples: bool = True) -> dict:
     """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN."""
-    from builder import build_model
-
     recipe_file = Path(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
     if recipe.task != "lm":
@@ -206,20 +234,8 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
     L.seed_everything(settings.seed, workers=True, verbose=False)
     corpus, tokenizer, tokens, spec = prepare(recipe, recipe_file)
 
-    dtype = torch.bfloat16 if settings.precision == "bf16-true" else None
-    torch.manual_seed(settings.seed)
-    model = build_model(spec, dtype=dtype)
-    flops_per_token = describe(spec, model, recipe)
-    if settings.activation_checkpointing and settings.strategy != "fsdp":
-        checkpoint_layers(model)
-    if settings.compile:
-        model.compile()
-    meta = {
-        "spec": spec.model_dump(mode="json"),
-        "recipe": recipe.model_dump(mode="json"),
-        "recipe_file": str(recipe_file),
-        "tokenizer": tokenizer.state(),
-    }
+    model, flops_per_token = training_model(spec, recipe)
+    meta = training_meta(recipe, recipe_file, spec, tokenizer)
     module = LMModule(model, recipe, meta)
     data = LMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
                         settings.accumulate_grad_batches)

@@ -205,6 +205,19 @@ def test_activation_checkpointing_keeps_the_gradients():
     assert plain.state_dict().keys() == checkpointed.state_dict().keys()
 
 
+def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
+    """`trainer.activation_checkpointing` reaches encoder-decoder (translation) models too."""
+    from builder import load_spec
+    from recipes.train import training_model
+
+    recipe = load_recipe(tiny_recipe(tmp_path), {"trainer.activation_checkpointing": True})
+    spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "transformer.yaml")
+    model, flops_per_token = training_model(spec, recipe, seq_len=16, batch=1)
+    layers = [layer for stack in model.stacks().values() for layer in stack.layers]
+    assert len(layers) == 4 and all("forward" in vars(layer) for layer in layers)  # wrapped
+    assert flops_per_token > 0
+
+
 def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
     from recipes.module import LMModule
 
