@@ -109,6 +109,22 @@ def _gemma():  # head_dim 16 with d_model 32 and 4 heads; MQA
     ))
 
 
+def _gemma2():  # sandwich norms, softcaps that bite, query_pre_attn_scalar != head_dim, windows on 0 and 2
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=3,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    ))
+
+
+def _gemma2_without_layer_types(folder: Path) -> None:
+    """A transformers 4.x Gemma 2 config: no `layer_types`; even layers slide."""
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("layer_types") == ["sliding_attention", "full_attention", "sliding_attention"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def _bert():
     return transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -155,6 +171,8 @@ CASES = {
     "mixtral": Case(_mixtral, "causal"),
     "qwen2": Case(_qwen2, "causal"),
     "gemma": Case(_gemma, "causal"),
+    "gemma2": Case(_gemma2, "causal"),
+    "gemma2-4.x-config": Case(_gemma2, "causal", edit=_gemma2_without_layer_types),
     "bert": Case(_bert, "mlm"),
     "t5-v1.0": Case(_t5, "seq2seq"),
     "t5-v1.1": Case(lambda: _t5(feed_forward_proj="gated-gelu"), "seq2seq", edit=_untie_t5),
@@ -416,3 +434,21 @@ def test_gemma_embedding_scale_is_rounded_to_the_model_dtype(tmp_path):
         mine = ours.decoder.embedding(ids)
         exact = hf.model.embed_tokens.weight[ids] * 32**0.5
     assert torch.equal(mine, theirs) and not torch.equal(mine, exact)
+
+
+def test_zoo_gemma2_exports_as_gemma2_with_the_same_logits(tmp_path):
+    """specs/tiny/gemma2.yaml (the zoo's Gemma 2 fields: softcaps, sandwich norms, windows on even
+    layers) is written as Gemma2ForCausalLM, and transformers computes our logits from it."""
+    spec = load_spec(REPO / "specs" / "tiny" / "gemma2.yaml")
+    torch.manual_seed(0)
+    ours = build_model(spec).eval()
+    _randomize(ours)
+    assert to_hf(spec, ours, tmp_path / "out").model_type == "gemma2"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    inputs = {"input_ids": torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    inputs["attention_mask"][1, 20:] = 0
+    mine, hf_logits = _logits(ours, inputs, ours=True), _logits(theirs, inputs, ours=False)
+    kept = _kept(inputs)
+    assert hf_logits[kept].std() > 0.1
+    assert (mine[kept] - hf_logits[kept]).abs().max().item() < 1e-4

@@ -1,9 +1,11 @@
 """Decoder-only Hugging Face families: GPT-2, and the Llama layout (Llama 1-3, Mistral, Mixtral,
-Qwen2, Gemma).
+Qwen2, Gemma, Gemma 2).
 
 The Llama-layout families differ only in data (:class:`LlamaKnobs`): which biases exist, whether
 the FFN is a mixture of experts, how sliding windows are declared, Gemma's scaled embeddings
-and unit-offset norms. One table reads and writes all five.
+and unit-offset norms, Gemma 2's sandwich norms, softcaps and ``query_pre_attn_scalar``. One
+table reads and writes all six; a new Llama-layout family is one ``_llama(...)`` entry in
+:data:`FAMILIES` (plus knobs for what differs).
 """
 
 from __future__ import annotations
@@ -149,8 +151,15 @@ class LlamaKnobs:
     qkv_bias: bool = False  # q, k and v always biased, o never (Qwen2)
     #: "none": no window; "uniform": `sliding_window` on every layer; "layer_types": per layer
     windows: str = "none"
+    #: "layer_types" without the list (older configs): "max_window_layers" (Qwen2: the layers from
+    #: there on slide, when `use_sliding_window`) | "alternate" (Gemma 2: even layers slide)
+    default_layer_types: str = "max_window_layers"
     moe: bool = False
     gemma: bool = False  # embeddings times sqrt(d_model) and RMSNorm scaled by (1 + weight)
+    #: Gemma 2: pre and post norms around attention and MLP (four per layer), tanh softcaps on
+    #: the attention scores and the logits, scores scaled by `query_pre_attn_scalar`**-0.5
+    gemma2: bool = False
+    activation_key: str = "hidden_act"  # the config key the MLP reads its activation from
     activation_aliases: tuple[tuple[str, str], ...] = ()
 
 
@@ -177,7 +186,8 @@ class LlamaLayout(Family):
             attention["qkv_bias"] = attention["out_bias"] = bool(config.get("attention_bias", False))
         attention["qkv_bias"] = attention.get("qkv_bias", False) or k.qkv_bias
         act = activation_from_hf(
-            config.get("hidden_act") or config.get("hidden_activation") or "silu", family, dict(k.activation_aliases)
+            config.get(k.activation_key) or config.get("hidden_act") or config.get("hidden_activation") or "silu",
+            family, dict(k.activation_aliases),
         )
         dense = {"type": "glu", "activation": act, "hidden_dim": need(config, "intermediate_size", family), "bias": mlp_bias}
         if k.moe:
@@ -200,6 +210,15 @@ class LlamaLayout(Family):
         }
         if k.gemma:
             stack["norm"]["unit_offset"] = True
+        head = {"type": "lm", "bias": False}
+        if k.gemma2:
+            if config.get("use_bidirectional_attention"):
+                raise Unsupported(f"{family}: use_bidirectional_attention (an encoder) has no counterpart here")
+            stack["norm"]["placement"] = "sandwich"
+            attention["softcap"] = config.get("attn_logit_softcapping")
+            head["softcap"] = config.get("final_logit_softcapping")
+            scalar = config.get("query_pre_attn_scalar", 256)
+            attention["scale"] = None if scalar == head_dim else float(scalar) ** -0.5
         window, overrides = window_overrides(self._windows(config, n_layers))
         attention["sliding_window"] = window
         if overrides:
@@ -213,7 +232,7 @@ class LlamaLayout(Family):
             "embedding": {"scale": "sqrt_d", "scale_in_model_dtype": True} if k.gemma else {"scale": "none"},
             "position": rope_from_hf(config, k.default_theta, head_dim),
             "decoder": stack,
-            "head": {"type": "lm", "bias": False},
+            "head": head,
         }
 
     def _windows(self, config: dict, n_layers: int) -> list[int | None]:
@@ -224,9 +243,11 @@ class LlamaLayout(Family):
             if config.get("layer_types"):
                 raise Unsupported(f"{self.model_type}: per-layer layer_types are not read for this family")
             return [window] * n_layers
-        if not config.get("use_sliding_window", False):
-            window = None
         types = config.get("layer_types")
+        if self.knobs.default_layer_types == "alternate":  # Gemma 2 (4.x: no layer_types)
+            types = types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        elif not config.get("use_sliding_window", False):
+            window = None
         if not types:  # transformers 4.x Qwen2: the layers from max_window_layers on slide
             start = config.get("max_window_layers", 28)
             types = ["sliding_attention" if window and i >= start else "full_attention" for i in range(n_layers)]
@@ -250,7 +271,7 @@ class LlamaLayout(Family):
             "num_attention_heads": attn.n_heads,
             "num_key_value_heads": attn.n_kv_heads,
             "head_dim": attn.resolved_head_dim(spec.d_model),
-            "hidden_act": activation_to_hf(getattr(expert, "activation", "silu"), "gelu_pytorch_tanh"),
+            k.activation_key: activation_to_hf(getattr(expert, "activation", "silu"), "gelu_pytorch_tanh"),
             "max_position_embeddings": spec.max_seq_len,
             "rms_norm_eps": stack.norm.eps,
             "tie_word_embeddings": spec.tie_embeddings,
@@ -272,11 +293,14 @@ class LlamaLayout(Family):
         if k.windows == "uniform":
             config["sliding_window"] = windows[0]  # a mixed pattern fails the round-trip check
         elif k.windows == "layer_types":
+            config.update(sliding_window=window, layer_types=["sliding_attention" if w else "full_attention" for w in windows])
+            if k.default_layer_types == "max_window_layers":
+                config.update(use_sliding_window=window is not None, max_window_layers=stack.n_layers)
+        if k.gemma2:
             config.update(
-                use_sliding_window=window is not None,
-                sliding_window=window,
-                max_window_layers=stack.n_layers,
-                layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+                attn_logit_softcapping=attn.softcap,
+                final_logit_softcapping=spec.head.softcap,
+                query_pre_attn_scalar=_query_pre_attn_scalar(attn.scale, config["head_dim"]),
             )
         return config
 
@@ -297,10 +321,12 @@ class LlamaLayout(Family):
             links.append(same(f"{h}.self_attn.o_proj.weight", f"{attn}.out_proj.weight"))
             if layer.attention.out_bias:
                 links.append(same(f"{h}.self_attn.o_proj.bias", f"{attn}.out_proj.bias"))
-            links.append(same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"))
-            links.append(
-                same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight")
-            )
+            norms = {"input_layernorm": ("attention", False), "post_attention_layernorm": ("ffn", False)}
+            if k.gemma2:  # sandwich: the post-attention norm closes attention; the FFN has its own two
+                norms.update(post_attention_layernorm=("attention", True), pre_feedforward_layernorm=("ffn", False),
+                             post_feedforward_layernorm=("ffn", True))
+            for hf_norm, (sublayer, post) in norms.items():
+                links.append(same(f"{h}.{hf_norm}.weight", ours.layer_norm("decoder", i, sublayer, post) + ".weight"))
             if k.moe:
                 moe = f"{h}.block_sparse_moe"
                 links.append(same(f"{moe}.gate.weight", f"{ffn}.router.weight"))
@@ -336,6 +362,16 @@ def fused_experts(spec) -> list[Link]:
             same(f"model.layers.{i}.mlp.gate.weight", f"{ffn}.router.weight"),
         ]
     return links
+
+
+def _query_pre_attn_scalar(scale: float | None, head_dim: int) -> int:
+    """Gemma 2 scales scores by ``query_pre_attn_scalar ** -0.5``, an integer in its config."""
+    if scale is None:
+        return head_dim
+    scalar = scale**-2
+    if abs(scalar - round(scalar)) > 1e-6 * scalar:
+        raise Unsupported(f"attention.scale {scale} is not 1/sqrt of an integer (gemma2's query_pre_attn_scalar)")
+    return round(scalar)
 
 
 _ROTARY = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
@@ -379,5 +415,11 @@ FAMILIES = [
     _llama(
         "gemma", "GemmaForCausalLM", "Gemma: GeGLU, sqrt(d_model)-scaled embeddings, RMSNorm(1 + w), tied head",
         LlamaKnobs(default_tie=True, attention_bias_key=True, gemma=True, activation_aliases=(("gelu", "gelu_pytorch_tanh"),)),
+    ),
+    _llama(
+        "gemma2", "Gemma2ForCausalLM",
+        "Gemma 2: Gemma with sandwich norms, attention and logit softcaps, alternating sliding windows",
+        LlamaKnobs(default_tie=True, attention_bias_key=True, gemma=True, gemma2=True, windows="layer_types",
+                   default_layer_types="alternate", activation_key="hidden_activation"),
     ),
 ]
