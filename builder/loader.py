@@ -85,6 +85,12 @@ def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     if overrides:
         problems = []
         for key, value in overrides.items():
+            if key.split(".")[0] == "extends":
+                problems.append(
+                    Problem.at(Mark(f"<--set {key}>"), key, "extends is read from the file before --set applies; "
+                               "write `extends:` in the file (or a new file that extends it)")
+                )
+                continue
             try:
                 _apply_override(doc, key, value)
             except SpecError as exc:

@@ -159,7 +159,7 @@ def _build_spec_model() -> type:  # noqa: C901  (one class per spec section, kep
     Architecture = Literal[tuple(registry.configs("stack"))]
 
     class _Section(BaseModel):
-        model_config = ConfigDict(extra="forbid", validate_default=True)
+        model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
     class EmbeddingConfig(_Section):
         scale: Literal["none", "sqrt_d"] = Field(

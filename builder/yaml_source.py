@@ -152,6 +152,8 @@ class SpecLoader(yaml.SafeLoader):
                 continue
             if not isinstance(key_node, ScalarNode):
                 self._fail(key_node, path, "a key must be a plain name, not a mapping or list")
+            if key_node.tag not in _SCALAR_TAGS:
+                self._fail(key_node, path, f"tag {key_node.tag!r} is not allowed on a key: a spec holds plain data only")
             key = str(key_node.value)
             if key in seen:
                 first = self._mark(seen[key])
@@ -169,13 +171,34 @@ class SpecLoader(yaml.SafeLoader):
         return result
 
 
-# YAML 1.2 floats such as 1e-5 (PyYAML's YAML 1.1 resolver reads them as strings): specs and
-# Hugging Face configs write eps like that, and editors' YAML 1.2 language servers agree.
-SpecLoader.add_implicit_resolver(
-    _CORE + "float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+# The YAML 1.2 core schema, which editors' language servers and most other readers use, instead
+# of PyYAML's YAML 1.1 one: only true/false are booleans (`yes`, `on` and `n` stay strings), `1:8`
+# is the string a layer slice needs (YAML 1.1 reads it as the base-60 integer 68), `010` is ten,
+# floats such as 1e-5 are floats, and dates stay strings. Strict fields then refuse what is not
+# of their type instead of guessing.
+SpecLoader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+    (
+        "float",
+        r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+        "-+.0123456789",
+    ),
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ("merge", r"<<", "<"),
+):
+    SpecLoader.add_implicit_resolver(_CORE + _tag, re.compile(rf"^(?:{_pattern})$"), list(_first))
+
+
+def _construct_int(loader: SpecLoader, node: ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+SpecLoader.add_constructor(_CORE + "int", _construct_int)
 
 
 def read_document(path: str | Path, display: str | None = None) -> Document:

@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,8 +24,16 @@ class RecipeError(ValueError):
     """A recipe that cannot run as written (missing data, a window longer than the model...)."""
 
 
+#: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+def _list_to_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -84,11 +92,12 @@ class TokenizerSection(_Section):
 
 class OptimizerSection(_Section):
     lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW eps.")
     weight_decay: float = Field(
         0.1, ge=0, description="Decoupled weight decay on matrices; none on norms, biases and embeddings."
     )
+    _betas_tuple = field_validator("betas", mode="before")(_list_to_tuple)
     decay_embeddings: bool = Field(
         False, description="Decay the embedding tables too (nanoGPT and GPT-2's training do)."
     )

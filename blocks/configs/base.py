@@ -15,7 +15,7 @@ class BlockConfig(BaseModel):
     matrix product in one forward pass), beside the fields that decide the shapes.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
     kind: ClassVar[str]
     module_path: ClassVar[str]
