@@ -48,11 +48,39 @@ class ModelSection(_Section):
     )
 
 
-class DataSection(_Section):
+class DatasetFields(_Section):
+    """``dataset`` and ``root``: the fields every data section has for data named in
+    :mod:`recipes.datasets` (downloaded once, verified, reused)."""
+
+    dataset: Optional[str] = Field(
+        None, description="A dataset by name (recipes/datasets.py: tinyshakespeare, multi30k, python-stdlib): "
+        "fetched once into the data root, checked against its sha256, reused.",
+    )
+    root: Optional[str] = Field(
+        None, description="The folder datasets are read from, and downloaded to when missing (relative to the "
+        "recipe; null: $BUILDER_DATA, else the user cache, ~/.cache/builder/data on Linux).",
+    )
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value):
+        if value is not None:
+            from recipes.datasets import get
+
+            get(value)
+        return value
+
+    def dataset_root(self, recipe_file: Path | None) -> Path | None:
+        """``root`` resolved against the recipe (``None``: the default data root)."""
+        return resolve(recipe_file, self.root) if self.root is not None else None
+
+
+class DataSection(DatasetFields):
     sources: list[str] = Field(
-        default_factory=lambda: [PYTHON_STDLIB],
-        description="Plain-text files or folders (relative to the recipe), or `python-stdlib`: the "
-        "standard library's own .py source from the running interpreter.",
+        default_factory=list,
+        description="Plain-text files or folders (relative to the recipe) read after `dataset`; a dataset "
+        "name here reads that dataset. With neither: `python-stdlib`, the standard library's own .py source "
+        "from the running interpreter.",
     )
     include: list[str] = Field(
         default_factory=lambda: ["*.py", "*.txt", "*.md", "*.rst"],
@@ -62,7 +90,8 @@ class DataSection(_Section):
         16_000_000, ge=1, description="Stop reading once the corpus is this large (null: no cap)."
     )
     val_fraction: float = Field(
-        0.1, gt=0, lt=1, description="The last share of the tokens, held out for validation."
+        0.1, gt=0, lt=1, description="The last share of the tokens, held out for validation (default: "
+        "the dataset's own split, e.g. tinyshakespeare's 10%, else 0.1).",
     )
     seq_len: int = Field(256, ge=1, description="Tokens per training window.")
     batch_size: int = Field(16, ge=1, description="Windows per micro-batch on each device.")
@@ -74,6 +103,20 @@ class DataSection(_Section):
     @classmethod
     def _one_source(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _corpus(self):
+        if self.dataset is None and not self.sources:
+            self.dataset = PYTHON_STDLIB
+        if self.dataset is not None and "val_fraction" not in self.model_fields_set:
+            from recipes.datasets import get
+
+            self.val_fraction = get(self.dataset).val_fraction or self.val_fraction
+        return self
+
+    def corpus(self) -> list[str]:
+        """What the corpus reads, in order: the dataset's name, then the sources."""
+        return [self.dataset, *self.sources] if self.dataset is not None else list(self.sources)
 
 
 class TokenizerSection(_Section):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sysconfig
 from pathlib import Path
 
 import lightning as L
@@ -19,10 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.config import PYTHON_STDLIB, DataSection, RecipeError, resolve
-
-#: folders of the standard library left out of `python-stdlib` (installed packages, test suites)
-_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+from recipes import datasets
+from recipes.config import DataSection, RecipeError, resolve
 
 
 @dataclasses.dataclass
@@ -33,11 +30,8 @@ class Corpus:
 
 
 def _source_files(source: str, section: DataSection, recipe_file: Path | None) -> list[Path]:
-    if source == PYTHON_STDLIB:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return [
-            f for f in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(f.relative_to(root).parts[:-1])
-        ]
+    if source in datasets.DATASETS:  # a name wins over a file of that name: write ./name for the file
+        return datasets.text_files(source, section.dataset_root(recipe_file))
     path = resolve(recipe_file, source)
     if path.is_file():
         return [path]
@@ -48,11 +42,11 @@ def _source_files(source: str, section: DataSection, recipe_file: Path | None) -
 
 
 def read_corpus(section: DataSection, recipe_file: Path | None) -> Corpus:
-    """The sources' text, in order, files joined by a newline, cut off at ``max_bytes``."""
+    """The dataset's and the sources' text, in order, files joined by a newline, cut off at ``max_bytes``."""
     texts: list[str] = []
     files: list[str] = []
     size = 0
-    for source in section.sources:
+    for source in section.corpus():
         for path in _source_files(source, section, recipe_file):
             if section.max_bytes is not None and size >= section.max_bytes:
                 break
@@ -64,7 +58,7 @@ def read_corpus(section: DataSection, recipe_file: Path | None) -> Corpus:
             size += len(text)
     text = "\n".join(texts)
     if not text.strip():
-        raise RecipeError(f"data.sources {section.sources} hold no text")
+        raise RecipeError(f"data {section.corpus()} holds no text")
     return Corpus(text=text, files=files, hash=hashlib.sha256(text.encode("utf-8")).hexdigest()[:16])
 
 

@@ -197,9 +197,14 @@ def labelled_examples(section, recipe_file: Path | None, seed: int) -> tuple[lis
     if section.file is not None:
         examples = read_examples(resolve(recipe_file, section.file), section.text_field, section.label_field)
     else:
+        if section.dataset is not None:  # each file of the split is one label (multi30k: the language)
+            from recipes.datasets import split_files
+
+            by_label = split_files(section.dataset, section.split, section.dataset_root(recipe_file))
+        else:
+            by_label = {label: resolve(recipe_file, file) for label, file in section.by_label.items()}
         examples = []
-        for label, file in section.by_label.items():
-            path = resolve(recipe_file, file)
+        for label, path in by_label.items():
             if not path.is_file():
                 raise RecipeError(f"data.by_label.{label}: no file at {path}")
             examples += [(line.strip(), label) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]

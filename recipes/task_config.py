@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from recipes.config import DataSection, Recipe, _Section
+from recipes.config import DataSection, DatasetFields, Recipe, _Section
 
 
 class ParallelFiles(_Section):
@@ -20,9 +20,15 @@ class ParallelFiles(_Section):
     target: str = Field(..., description="Their translations, line for line (path relative to the recipe).")
 
 
-class ParallelDataSection(_Section):
-    train: ParallelFiles = Field(..., description="The training pairs.")
-    validation: ParallelFiles = Field(..., description="The held-out pairs: validation loss, BLEU and chrF.")
+class ParallelDataSection(DatasetFields):
+    source_lang: str | None = Field(None, description="With `dataset`: the language translated from (de).")
+    target_lang: str | None = Field(None, description="With `dataset`: the language translated into (en).")
+    train: ParallelFiles | None = Field(
+        None, description="The training pairs (null: the dataset's training split)."
+    )
+    validation: ParallelFiles | None = Field(
+        None, description="The held-out pairs: validation loss, BLEU and chrF (null: the dataset's validation split)."
+    )
     max_tokens: int = Field(
         2000, ge=8, description="Token budget of a micro-batch: pairs x the longest side, padding included."
     )
@@ -37,6 +43,25 @@ class ParallelDataSection(_Section):
         None, ge=1, description="Use only the first this many training pairs (null: all)."
     )
     cache_dir: str = Field(".cache/builder", description="Tokenizers, keyed by content hash.")
+
+    @model_validator(mode="after")
+    def _pairs(self):
+        if self.dataset is None:
+            missing = [role for role in ("train", "validation") if getattr(self, role) is None]
+            if missing:
+                raise ValueError(f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} "
+                                 "(source and target files)")
+            return self
+        from recipes.datasets import get
+
+        dataset = get(self.dataset)
+        langs = dataset.keys
+        if self.source_lang not in langs or self.target_lang not in langs or self.source_lang == self.target_lang:
+            raise ValueError(f"data.source_lang and data.target_lang: two of {dataset.name}'s languages "
+                             f"{langs} (got {self.source_lang!r} and {self.target_lang!r})")
+        if self.validation is None:
+            dataset.split_of("validation")
+        return self
 
 
 class TranslationEval(_Section):
@@ -108,7 +133,11 @@ class MLMRecipe(Recipe):
         return self
 
 
-class LabeledDataSection(_Section):
+class LabeledDataSection(DatasetFields):
+    split: str | None = Field(
+        None, description="With `dataset`: the split read, each of its files one label (for multi30k, the "
+        "language); null: the training split.",
+    )
     file: str | None = Field(
         None, description="A .csv (with a header) or .jsonl file of examples (relative to the recipe)."
     )
@@ -132,8 +161,15 @@ class LabeledDataSection(_Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.file is None) == (self.by_label is None):
-            raise ValueError("give data.file (csv or jsonl) or data.by_label (label -> text file), one of them")
+        if sum(x is not None for x in (self.file, self.by_label, self.dataset)) != 1:
+            raise ValueError("give data.file (csv or jsonl), data.by_label (label -> text file) or data.dataset "
+                             "(its split's files, one label each), one of them")
+        if self.dataset is not None and self.split is not None:
+            from recipes.datasets import get
+
+            splits = list(get(self.dataset).splits)
+            if self.split not in splits:
+                raise ValueError(f"data.split {self.split!r}: {self.dataset} has {splits}")
         return self
 
 

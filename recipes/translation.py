@@ -174,16 +174,27 @@ def tokenizer_of(meta: dict):
     return _tokenizer(meta["tokenizer"]["model_proto"])
 
 
+def pair_paths(data, recipe_file: Path | None, role: str, split: str | None = None) -> tuple[Path, Path]:
+    """The (source, target) files of ``role`` (``train`` or ``validation``): the recipe's own files,
+    else the dataset's split for that role (``split`` names another of its splits)."""
+    files = getattr(data, role) if split is None else None
+    if files is not None:
+        return resolve(recipe_file, files.source), resolve(recipe_file, files.target)
+    from recipes.datasets import get, split_files
+
+    if data.dataset is None:
+        raise RecipeError(f"--split {split}: this recipe's data names files, not a dataset")
+    found = split_files(data.dataset, split or get(data.dataset).split_of(role), data.dataset_root(recipe_file))
+    return found[data.source_lang], found[data.target_lang]
+
+
 def validation_pairs(recipe, recipe_file: Path) -> tuple[list[str], list[str]]:
-    files = recipe.data.validation
-    return read_pairs(resolve(recipe_file, files.source), resolve(recipe_file, files.target),
-                      recipe.eval.max_sentences)
+    return read_pairs(*pair_paths(recipe.data, recipe_file, "validation"), recipe.eval.max_sentences)
 
 
 def prepare(recipe, recipe_file: Path) -> Prepared:
     data = recipe.data
-    train_src, train_tgt = read_pairs(resolve(recipe_file, data.train.source), resolve(recipe_file, data.train.target),
-                                      data.limit_pairs)
+    train_src, train_tgt = read_pairs(*pair_paths(data, recipe_file, "train"), data.limit_pairs)
     val_src, val_tgt = validation_pairs(recipe, recipe_file)
     text = "\n".join(train_src + train_tgt)
     corpus_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
@@ -242,9 +253,10 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
         raise RecipeError("give --src and --ref together (or neither: the recipe's validation pair)")
     recipe = meta["recipe"]
     if args.src is None:
-        base = Path(meta["recipe_file"])
-        src_path, ref_path = resolve(base, recipe["data"]["validation"]["source"]), \
-            resolve(base, recipe["data"]["validation"]["target"])
+        from recipes.task_config import ParallelDataSection
+
+        data = ParallelDataSection.model_validate(recipe["data"])
+        src_path, ref_path = pair_paths(data, Path(meta["recipe_file"]), "validation", getattr(args, "split", None))
     else:
         src_path, ref_path = Path(args.src), Path(args.ref)
     sources, references = read_pairs(src_path, ref_path, args.max_sentences)
