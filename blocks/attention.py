@@ -1,15 +1,21 @@
-"""Multi-head attention: MHA, GQA and MQA, self- or cross-attention, with every score option.
+"""Multi-head attention (MHA, GQA, MQA), self- or cross-attention, with every score option;
+and the module protocol every attention block follows.
 
-Projections are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear layers
-(Hugging Face's names). The scores go through ``kernels.attention`` with the backend chosen per
-model (``eager`` | ``sdpa`` | ``triton`` | ``auto``); this module only projects, places
-positions and builds the additive bias (padding and T5 relative bias).
+The protocol (what ``blocks.layers``, ``blocks.stacks`` and ``blocks.generation`` ask of an
+attention module):
 
-What a stack computes once per forward and every layer reads is an :class:`AttentionInputs`:
-the query token indices, RoPE position ids, the key padding mask and the stack's position
-blocks. A KV cache (``blocks.generation.LayerCache``) returns keys in token order together with
-the index of the first one, so causal and window masks, ALiBi and relative bias stay exact at
-any decoding offset.
+* ``forward(x, inputs, cache=None, memory=None) -> (batch, seq_q, d_model)``: ``inputs`` is the
+  stack's :class:`AttentionInputs` (positions, padding, the position block's hooks), ``cache``
+  this sub-layer's entry from ``new_cache`` (or None), ``memory`` the encoder output for a
+  cross-attention;
+* ``n_heads``: query heads (the stack precomputes score biases for them);
+* ``new_cache(batch, max_tokens, dtype, device)``: an object with ``reorder(index)`` and
+  ``nbytes()``, whose bytes equal the config's ``kv_cache(d_model, cross)`` layout
+  (``blocks.cache.TensorCache`` / ``MemoryCache`` do this for any layout).
+
+Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
+layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend
+chosen per model (``eager`` | ``sdpa`` | ``triton`` | ``auto``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blocks.cache import MemoryCache, TensorCache
 from kernels import attention as attention_kernel
 
 
@@ -26,21 +33,31 @@ class AttentionInputs:
     Args:
         start: token index of the first query (tokens already in the cache; 0 without one).
         seq_q: number of queries.
-        positions: ``(batch, seq_q)`` position ids for RoPE (differ from indices under left padding).
+        positions: ``(batch, seq_q)`` position ids (differ from indices under left padding).
         key_mask: ``(batch, n_keys)`` bool, True for real tokens, by token index; None: no padding.
-        rope, alibi, relative_bias: the stack's position block acting in attention, or None.
+        position: the stack's position module when it acts in attention (its ``rotate``,
+            ``alibi_slopes`` and ``score_bias`` hooks, see ``blocks.positions``), else None.
     """
 
-    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, rope=None, alibi=None,
-                 relative_bias=None):
+    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, position=None):
         self.start, self.seq_q = start, seq_q
         self.positions = positions
         self.key_mask = key_mask
-        self.rope, self.alibi, self.relative_bias = rope, alibi, relative_bias
+        self.position = position
         self._bias_memo: dict = {}
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` and ``k`` rotated at the query positions by the position block (if it rotates)."""
+        if self.position is None:
+            return q, k
+        return self.position.rotate(q, k, self.positions)
+
+    def alibi_slopes(self, n_heads: int, device) -> torch.Tensor | None:
+        return self.position.alibi_slopes(n_heads, device) if self.position is not None else None
+
     def bias(self, first: int, seq_k: int, n_heads: int, device) -> torch.Tensor | None:
-        """Additive ``(batch | 1, n_heads | 1, seq_q | 1, seq_k)`` bias for keys ``first .. first+seq_k``."""
+        """Additive ``(batch | 1, n_heads | 1, seq_q | 1, seq_k)`` bias for keys ``first .. first+seq_k``:
+        padding and the position block's score bias."""
         key = (first, seq_k, n_heads)
         if key in self._bias_memo:
             return self._bias_memo[key]
@@ -54,11 +71,12 @@ class AttentionInputs:
             keep = self.key_mask[:, first : first + seq_k].bool()  # (batch, seq_k)
             bias = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_fill(~keep, float("-inf"))
             bias = bias[:, None, None, :]  # (batch, 1, 1, seq_k)
-        if self.relative_bias is not None:
+        if self.position is not None:
             q_index = torch.arange(self.start, self.start + self.seq_q, device=device)
             k_index = torch.arange(first, first + seq_k, device=device)
-            relative = self.relative_bias(q_index, k_index, n_heads).float()  # (1, n_heads, seq_q, seq_k)
-            bias = relative if bias is None else bias + relative
+            scores = self.position.score_bias(q_index, k_index, n_heads)  # (1, n_heads, seq_q, seq_k)
+            if scores is not None:
+                bias = scores.float() if bias is None else bias + scores.float()
         self._bias_memo[key] = bias
         return bias
 
@@ -83,6 +101,7 @@ class MultiHeadAttention(nn.Module):
         self.softcap = config.softcap
         self.dropout = config.dropout
         self.backend = backend
+        self.cache_layout = config.kv_cache(d_model, cross=cross)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(d_model, q_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
@@ -97,31 +116,35 @@ class MultiHeadAttention(nn.Module):
         """Cross-attention keys and values of the encoder output, ``(batch, n_kv_heads, src, head_dim)``."""
         return self._heads(memory, self.k_proj, self.n_kv_heads), self._heads(memory, self.v_proj, self.n_kv_heads)
 
+    def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device):
+        """Keys and values for decoding (cross-attention: the encoder output's, projected once)."""
+        if self.cross:
+            return MemoryCache()
+        return TensorCache(self.cache_layout, batch, max_tokens, dtype, device)
+
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None, memory=None) -> torch.Tensor:
         """``x`` ``(batch, seq_q, d_model)`` -> ``(batch, seq_q, d_model)``."""
         batch, seq_q, _ = x.shape
         q = self._heads(x, self.q_proj, self.n_heads)  # (batch, n_heads, seq_q, head_dim)
         alibi = None
         if self.cross:
-            if cache is not None and cache.memory is not None:
-                k, v = cache.memory
+            if cache is not None and cache.tensors is not None:
+                k, v = cache.tensors
             else:
                 if memory is None:
                     raise ValueError("cross-attention needs the encoder output (memory)")
                 k, v = self.project_memory(memory)
                 if cache is not None:
-                    cache.memory = (k, v)
+                    cache.tensors = (k, v)
             first = 0
         else:
             k = self._heads(x, self.k_proj, self.n_kv_heads)  # (batch, n_kv_heads, seq_q, head_dim)
             v = self._heads(x, self.v_proj, self.n_kv_heads)
-            if inputs.rope is not None:
-                q, k = inputs.rope(q, k, inputs.positions)
+            q, k = inputs.rotate(q, k)
             first = inputs.start
             if cache is not None:
                 k, v, first = cache.update(k, v)  # keys first .. first + seq_k, in token order
-            if inputs.alibi is not None:
-                alibi = inputs.alibi(self.n_heads, x.device)
+            alibi = inputs.alibi_slopes(self.n_heads, x.device)
         bias = inputs.bias(first, k.shape[2], self.n_heads, x.device)
         out = attention_kernel(
             q, k, v,

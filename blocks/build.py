@@ -24,8 +24,8 @@ class Dims:
     d_model: int
     vocab_size: int
     max_seq_len: int
-    n_heads: int | None = None  # the stack's attention heads (T5's relative bias table)
-    head_dim: int | None = None
+    n_heads: int | None = None  # the stack's query heads (T5's relative bias table)
+    rotary_head_dim: int | None = None  # the width an attention-side position rotates
 
 
 _SIGNATURES: dict[type, list[inspect.Parameter]] = {}

@@ -1,18 +1,15 @@
-"""Decoding: a KV cache for every attention variant, and ``generate`` (greedy, sampling, beam).
+"""Decoding: ``generate`` (greedy, sampling, beam) over a KV cache every attention block shapes.
 
 Allocation policy (what :meth:`KVCache.nbytes` reports and what ``generate`` allocates): for a
 decoding batch of ``B`` rows (``batch * num_beams``), a prompt of ``P`` tokens (the decoder
-prompt for an encoder-decoder) and ``N = max_new_tokens``, every decoder layer ``l`` holds
-
-* self-attention keys and values, preallocated in the model's dtype:
-  ``2 * B * n_kv_heads_l * min(P + N, sliding_window_l or inf) * head_dim_l * itemsize``;
-  a windowed layer whose capacity is the window keeps a ring buffer that evicts the oldest keys;
-* for an encoder-decoder, cross-attention keys and values projected once from the encoder
-  output of ``S`` source tokens: ``2 * B * n_kv_heads_cross_l * S * head_dim_cross_l * itemsize``.
-
-The cache returns keys in token order together with the token index of the first one, so the
-attention kernel's causal and window masks, ALiBi distances and T5 relative buckets are the
-same as in a full forward pass. RoPE is applied before keys are cached, at their positions.
+prompt for an encoder-decoder) and ``N = max_new_tokens``, every layer of the decoding stack
+holds what its attention's config declares (``kv_cache(d_model)``, a
+``blocks.configs.base.CacheLayout``): ``B * min(P + N, window) * bytes_per_token``, in the
+model's dtype. Multi-head attention's bytes per token are ``2 * n_kv_heads * head_dim *
+itemsize`` (keys and values); a windowed layer whose capacity is the window keeps a ring buffer.
+A cross-attending layer adds its cross-attention's layout over the ``S`` source tokens,
+projected once from the encoder output. ``builder.memory.kv_cache_bytes`` sums the same
+layouts, so ``describe`` and ``generate`` agree to the byte (see ``blocks.cache``).
 
 ``generate`` semantics (mirroring Hugging Face): greedy unless sampling is asked for.
 ``do_sample=None`` (the default) samples exactly when ``temperature`` (other than 0),
@@ -30,84 +27,7 @@ from __future__ import annotations
 
 import torch
 
-
-class LayerCache:
-    """Keys and values of one layer's self-attention (and its cross-attention memory)."""
-
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, capacity: int, window: int | None,
-                 dtype: torch.dtype, device):
-        shape = (batch, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.window = window
-        self.length = 0  # tokens written so far
-        self.memory: tuple[torch.Tensor, torch.Tensor] | None = None  # cross-attention keys, values
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Append ``k``, ``v`` ``(batch, n_kv_heads, new, head_dim)``; return the keys and values
-        the new queries attend to, in token order, and the token index of the first of them."""
-        start, new, cap = self.length, k.shape[2], self.capacity
-        if start + new <= cap:  # no eviction yet: slot == token index
-            self.k[:, :, start : start + new] = k
-            self.v[:, :, start : start + new] = v
-            self.length += new
-            return self.k[:, :, : start + new], self.v[:, :, : start + new], 0
-        if self.window is None:
-            raise ValueError(
-                f"KV cache full: allocated for {cap} tokens, asked to hold {start + new}; "
-                "allocate it for prompt + max_new_tokens"
-            )
-        # Ring buffer: token i lives in slot i % cap. The kept past (at most cap tokens, which
-        # covers the window) is read back in token order ahead of the new keys.
-        kept = min(start, cap)
-        slots = torch.arange(start - kept, start, device=k.device) % cap
-        k_all = torch.cat((self.k.index_select(2, slots), k), dim=2)  # (batch, n_kv_heads, kept + new, head_dim)
-        v_all = torch.cat((self.v.index_select(2, slots), v), dim=2)
-        stored = min(new, cap)
-        new_slots = torch.arange(start + new - stored, start + new, device=k.device) % cap
-        self.k[:, :, new_slots] = k[:, :, new - stored :]
-        self.v[:, :, new_slots] = v[:, :, new - stored :]
-        self.length += new
-        return k_all, v_all, start - kept
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (beam search), in place."""
-        self.k.copy_(self.k.index_select(0, index))
-        self.v.copy_(self.v.index_select(0, index))
-        if self.memory is not None:
-            self.memory = tuple(t.index_select(0, index) for t in self.memory)
-
-    def nbytes(self) -> int:
-        tensors = [self.k, self.v] + (list(self.memory) if self.memory is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class KVCache:
-    """One :class:`LayerCache` per layer of a stack; ``length`` counts the tokens already fed."""
-
-    def __init__(self, layers: list[LayerCache]):
-        self.layers = layers
-        self.length = 0
-
-    @classmethod
-    def for_stack(cls, stack, batch: int, max_tokens: int, dtype: torch.dtype, device) -> KVCache:
-        """Preallocate for ``max_tokens`` tokens (a windowed layer: at most its window)."""
-        layers = []
-        for layer in stack.layers:
-            attention = layer.attention
-            window = attention.sliding_window
-            capacity = max_tokens if window is None else min(max_tokens, window)
-            layers.append(LayerCache(batch, attention.n_kv_heads, attention.head_dim, capacity, window, dtype, device))
-        return cls(layers)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.reorder(index)
-
-    def nbytes(self) -> int:
-        """Bytes held by the cache's keys and values (self- and cross-attention)."""
-        return sum(layer.nbytes() for layer in self.layers)
+from blocks.cache import KVCache
 
 
 class _DecodeState:

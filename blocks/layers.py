@@ -47,13 +47,22 @@ class TransformerLayer(nn.Module):
             return norm(x + self.dropout(fn(x)))
         return x + self.dropout(getattr(self, f"{name}_post_norm")(fn(norm(x))))
 
-    def forward(self, x: torch.Tensor, inputs, cache=None, memory: torch.Tensor | None = None,
+    def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device) -> dict:
+        """This layer's decoding caches, one per attention sub-layer (each block shapes its own)."""
+        caches = {"attention": self.attention.new_cache(batch, max_tokens, dtype, device)}
+        if self.cross_attention is not None:
+            caches["cross_attention"] = self.cross_attention.new_cache(batch, max_tokens, dtype, device)
+        return caches
+
+    def forward(self, x: torch.Tensor, inputs, cache: dict | None = None, memory: torch.Tensor | None = None,
                 memory_inputs=None) -> torch.Tensor:
         """``x`` ``(batch, seq, d_model)``; ``inputs``/``memory_inputs``: ``AttentionInputs`` for
-        self- and cross-attention; ``cache``: this layer's ``LayerCache`` or None."""
-        x = self._sublayer(x, "attention", lambda h: self.attention(h, inputs, cache=cache))
+        self- and cross-attention; ``cache``: this layer's caches from :meth:`new_cache`, or None."""
+        caches = cache or {}
+        x = self._sublayer(x, "attention", lambda h: self.attention(h, inputs, cache=caches.get("attention")))
         if self.cross_attention is not None:
             x = self._sublayer(
-                x, "cross_attention", lambda h: self.cross_attention(h, memory_inputs, cache=cache, memory=memory)
+                x, "cross_attention",
+                lambda h: self.cross_attention(h, memory_inputs, cache=caches.get("cross_attention"), memory=memory),
             )
         return self._sublayer(x, "ffn", self.ffn)

@@ -4,9 +4,13 @@ Two kinds, by where they act (``config.acts_on``):
 
 * ``embedding``: :class:`Sinusoidal` and :class:`Learned` return a ``(batch, seq, d_model)``
   tensor that the stack adds to the token embeddings, from ``positions`` ``(batch, seq)``.
-* ``attention``: :class:`Rope` rotates queries and keys at ``positions``; :class:`Alibi` gives
-  per-head slopes for the attention kernel; :class:`RelativeBias` gives an additive
-  ``(1, n_heads, seq_q, seq_k)`` bias from query and key token indices.
+* ``attention``: the stack hands the block to every self-attention layer (through
+  ``blocks.attention.AttentionInputs``), which calls its hooks, each a no-op in
+  :class:`PositionModule`: ``rotate(q, k, positions)`` (:class:`Rope` rotates the rotary part
+  of each head), ``alibi_slopes(n_heads, device)`` (:class:`Alibi`'s per-head slopes for the
+  attention kernel) and ``score_bias(query_index, key_index, n_heads)`` (:class:`RelativeBias`'s
+  additive ``(1, n_heads, seq_q, seq_k)`` bias from token indices). An attention block decides
+  which part of its heads it hands to ``rotate`` (multi-head attention: every head whole).
 
 Nothing here keeps a buffer: frequencies and slopes are recomputed from the config (a few
 hundred floats), so the blocks build instantly on the meta device and never go stale after
@@ -22,12 +26,26 @@ import torch
 from torch import nn
 
 
-class _Position(nn.Module):
-    """Base of the position blocks: ``acts_on`` ("embedding" | "attention") comes from the config."""
+class PositionModule(nn.Module):
+    """Base of the position modules: ``acts_on`` ("embedding" | "attention") comes from the
+    config; the attention-side hooks do nothing unless a block overrides them."""
 
     def __init__(self, config):
         super().__init__()
         self.acts_on = type(config).acts_on
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` ``(batch, heads, seq, width)`` and ``k`` ``(batch, kv_heads, seq, width)`` at
+        ``positions`` ``(batch, seq)``, rotated (unchanged by default)."""
+        return q, k
+
+    def alibi_slopes(self, n_heads: int, device=None) -> torch.Tensor | None:
+        """``(n_heads,)`` slopes the kernel turns into ``-slope * (i - j)`` (None by default)."""
+        return None
+
+    def score_bias(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor | None:
+        """An additive ``(1, n_heads, seq_q, seq_k)`` score bias for token indices (None by default)."""
+        return None
 
 
 def _check_positions(positions: torch.Tensor) -> None:
@@ -35,7 +53,7 @@ def _check_positions(positions: torch.Tensor) -> None:
         raise ValueError(f"positions must be (batch, seq), got shape {tuple(positions.shape)}")
 
 
-class Sinusoidal(_Position):
+class Sinusoidal(PositionModule):
     """Vaswani et al. 2017: ``PE[p, 2i] = sin(p / 10000^(2i/d))``, ``PE[p, 2i+1] = cos(...)``.
 
     ``layout: split`` puts the ``ceil(d/2)`` sines first and the cosines after them, with the
@@ -58,7 +76,7 @@ class Sinusoidal(_Position):
         return table.flatten(-2)[..., : self.d_model]  # (batch, seq, d_model), sin/cos interleaved
 
 
-class Learned(_Position):
+class Learned(PositionModule):
     """A learned table of absolute position embeddings (GPT-2's ``wpe``, BERT)."""
 
     def __init__(self, config, d_model: int, max_seq_len: int):
@@ -138,7 +156,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class Rope(_Position):
+class Rope(PositionModule):
     """Rotary embedding (Su et al. 2021), GPT-NeoX layout: ``rotate_half`` on the first
     ``rotary_dim`` dimensions of each head, the rest passed through."""
 
@@ -153,6 +171,9 @@ class Rope(_Position):
         angles = positions.float()[..., None] * inv_freq  # (batch, seq, rotary_dim / 2)
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # (batch, 1, seq, rotary_dim)
         return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        return self(q, k, positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Rotate ``q`` ``(batch, n_heads, seq, head_dim)`` and ``k`` ``(batch, n_kv_heads, ...)``."""
@@ -182,11 +203,14 @@ def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:
     return slopes
 
 
-class Alibi(_Position):
+class Alibi(PositionModule):
     """ALiBi (Press et al. 2021): the kernel adds ``-slope_h * (i - j)`` to score (i, j)."""
 
     def __init__(self, config):
         super().__init__(config)
+
+    def alibi_slopes(self, n_heads: int, device=None) -> torch.Tensor:
+        return self(n_heads, device)
 
     def forward(self, n_heads: int, device=None) -> torch.Tensor:
         return alibi_slopes(n_heads, device)
@@ -212,7 +236,7 @@ def relative_position_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
-class RelativeBias(_Position):
+class RelativeBias(PositionModule):
     """T5's learned relative position bias: one ``(num_buckets, n_heads)`` table per stack,
     shared by its layers. Causal (one-sided) buckets in a decoder, bidirectional in an encoder."""
 
@@ -223,6 +247,9 @@ class RelativeBias(_Position):
         self.n_heads = n_heads
         self.bidirectional = not causal
         self.weight = nn.Parameter(torch.empty(config.num_buckets, n_heads))
+
+    def score_bias(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return self(query_index, key_index, n_heads)
 
     def forward(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor:
         """``(1, n_heads, seq_q, seq_k)`` bias for token indices ``(seq_q,)`` and ``(seq_k,)``."""
@@ -236,7 +263,7 @@ class RelativeBias(_Position):
         return self.weight[buckets].permute(2, 0, 1)[None]  # (1, n_heads, seq_q, seq_k)
 
 
-class NoPosition(_Position):
+class NoPosition(PositionModule):
     """No position information (NoPE): the causal mask alone orders the tokens."""
 
     def __init__(self, config):

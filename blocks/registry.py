@@ -2,7 +2,9 @@
 
 This module is torch-free on purpose. A config class (pydantic) describes one block, counts its
 own parameters and FLOPs, and names the ``nn.Module`` that builds it by import path, so
-validating and sizing a spec never imports torch. Blocks register with :func:`register`;
+validating and sizing a spec never imports torch. A config subclasses its kind's contract
+(``blocks.configs.base.KIND_BASES``: what generic code may ask of it) and implements every
+abstract method; :func:`register` refuses one that does not. Blocks register with :func:`register`;
 user packages add theirs through the ``builder.blocks`` entry-point group or ``--plugin``
 (see ``builder.plugins``), and they become part of the schema automatically.
 """
@@ -31,6 +33,7 @@ def register(kind: str, module: str):
         raise RegistryError(f"unknown block kind {kind!r}; kinds are {', '.join(KINDS)}")
 
     def decorate(cls):
+        _check_contract(kind, cls)
         name = type_name(cls)
         existing = _REGISTRY[kind].get(name)
         if existing is not None and existing is not cls:
@@ -45,6 +48,23 @@ def register(kind: str, module: str):
         return cls
 
     return decorate
+
+
+def _check_contract(kind: str, cls) -> None:
+    from blocks.configs.base import KIND_BASES
+
+    base = KIND_BASES[kind]
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise RegistryError(
+            f"{getattr(cls, '__qualname__', cls)} must subclass blocks.configs.base.{base.__name__} "
+            f"to be registered as a {kind} block"
+        )
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise RegistryError(
+            f"{cls.__qualname__} leaves {', '.join(missing)} of {base.__name__} unimplemented; "
+            "see blocks/README.md"
+        )
 
 
 def type_name(cls) -> str:

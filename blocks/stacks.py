@@ -26,7 +26,6 @@ from torch import nn
 
 from blocks.attention import AttentionInputs
 from blocks.generation import GenerationMixin
-from blocks.positions import Alibi, RelativeBias, Rope
 
 
 class TransformerStack(nn.Module):
@@ -65,18 +64,14 @@ class TransformerStack(nn.Module):
         else:
             positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
         position = self.position
-        embedded_positions = position(positions) if position.acts_on == "embedding" else None
-        x = self.embedding(input_ids, token_type_ids, embedded_positions)
-        inputs = AttentionInputs(
-            start, seq, positions=positions, key_mask=attention_mask,
-            rope=position if isinstance(position, Rope) else None,
-            alibi=position if isinstance(position, Alibi) else None,
-            relative_bias=position if isinstance(position, RelativeBias) else None,
-        )
-        if cache is None and inputs.relative_bias is not None:
-            # The stack's shared bias is built here, outside the layers, so that a layer recomputed
-            # under activation checkpointing reads the same tensor instead of building (and saving
-            # for backward) its own.
+        in_attention = position.acts_on == "attention"
+        x = self.embedding(input_ids, token_type_ids, None if in_attention else position(positions))
+        inputs = AttentionInputs(start, seq, positions=positions, key_mask=attention_mask,
+                                 position=position if in_attention else None)
+        if cache is None:
+            # The stack's shared score bias (padding, a relative-bias table) is built here, outside
+            # the layers, so that a layer recomputed under activation checkpointing reads the same
+            # tensor instead of building (and saving for backward) its own.
             inputs.bias(0, seq, self.layers[0].attention.n_heads, x.device)
         memory_inputs = AttentionInputs(0, seq, key_mask=memory_mask) if memory is not None else None
         for i, layer in enumerate(self.layers):

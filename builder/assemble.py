@@ -72,13 +72,13 @@ def _assemble(spec, backend: str) -> nn.Module:
     stacks: dict[str, TransformerStack] = {}
     shared_embedding = None
     for name, stack_config in spec.stacks().items():
-        if spec.architecture == "encoder-decoder" and spec.share_encoder_decoder_embeddings and shared_embedding:
+        if spec.share_encoder_decoder_embeddings and shared_embedding:
             embedding = shared_embedding
         else:
             embedding = shared_embedding = _embedding(spec, dims)
-        cross = spec.architecture == "encoder-decoder" and name == "decoder"
+        cross = name in architecture.memory_of
         stacks[name] = _stack(spec, dims, stack_config, embedding, architecture.causal[name], cross, backend)
-    output_side = stacks["decoder" if "decoder" in stacks else "encoder"]
+    output_side = stacks[architecture.stacks[-1]]
     tied = output_side.embedding.tokens if spec.tie_embeddings and type(spec.head).projects_to_vocab else None
     head = build_block(spec.head, dims, tied_embedding=tied)
     return registry.module_class(architecture)(**stacks, head=head)
@@ -93,21 +93,15 @@ def _embedding(spec, dims: Dims) -> Embeddings:
 
 def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool, backend: str) -> TransformerStack:
     attention = stack_config.attention
-    stack_dims = dataclasses.replace(dims, n_heads=attention.n_heads,
-                                     head_dim=attention.resolved_head_dim(dims.d_model))
+    stack_dims = dataclasses.replace(dims, n_heads=attention.query_heads(),
+                                     rotary_head_dim=attention.rotary_head_dim(dims.d_model))
     position = build_block(spec.position, stack_dims, causal=causal)
     layers = []
-    for index in range(stack_config.n_layers):
-        layer = stack_config.layer(index)
-        if spec.position.type == "relative_bias" and layer.attention.n_heads != attention.n_heads:
-            raise ValueError(
-                f"layer {index} has {layer.attention.n_heads} heads but the stack's relative-bias table has "
-                f"{attention.n_heads}; relative_bias needs the same n_heads in every layer of a stack"
-            )
+    for layer in stack_config.layers():
         self_attention = build_block(layer.attention, dims, causal=causal, cross=False, backend=backend)
         cross_attention = build_block(layer.cross_attention, dims, cross=True, backend=backend) if cross else None
         ffn = build_block(layer.ffn, dims)
-        sublayers = ["attention", "ffn"] + (["cross_attention"] if cross else [])
+        sublayers = layer.sublayers(cross)
         norms = {f"{sub}_norm": build_block(layer.norm, dims) for sub in sublayers}
         if layer.norm.placement == "sandwich":
             norms.update({f"{sub}_post_norm": build_block(layer.norm, dims) for sub in sublayers})

@@ -144,12 +144,13 @@ def estimate(
     _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy)
     seq = seq_len or spec.max_seq_len
     stacks = spec.stacks()
-    enc_dec = "encoder" in stacks and "decoder" in stacks
-    src = (src_len or seq) if enc_dec else None
-    lengths = {name: (src if name == "encoder" and enc_dec else seq) for name in stacks}
+    architecture = spec.architecture_config
+    memory_of = architecture.memory_of  # stack -> the stack its cross-attention reads
+    src = (src_len or seq) if memory_of else None
+    lengths = {name: (src if name in memory_of.values() else seq) for name in stacks}
     d, vocab = spec.d_model, spec.vocab_size
     act_bytes = DTYPE_BYTES[dtype]
-    causal = spec.architecture_config.causal
+    causal = architecture.causal
 
     params: dict[str, int] = {}
     flops: dict[str, int] = {}
@@ -161,14 +162,14 @@ def estimate(
         active[key] = active.get(key, 0) + (n_params if n_active is None else n_active)
 
     # Embeddings: lookups, no matrix product.
-    # one embedding module per stack, except the one shared by both stacks of an encoder-decoder
-    modules = 2 if enc_dec and not spec.share_encoder_decoder_embeddings else 1
+    # one embedding module per stack, or one that all stacks share
+    modules = 1 if spec.share_encoder_decoder_embeddings else len(stacks)
     add("embedding", modules * (vocab + spec.embedding.segments) * d)
     if spec.embedding.norm is not None:
         add("embedding.norm", modules * spec.embedding.norm.params(d))
     position = spec.position
     for name, stack in stacks.items():
-        n_heads = stack.attention.n_heads
+        n_heads = stack.attention.query_heads()
         add("position", position.params(d, n_heads, spec.max_seq_len),
             position.flops(d, n_heads, lengths[name]))
 
@@ -176,11 +177,10 @@ def estimate(
     kernel_total = 0
     for name, stack in stacks.items():
         tokens = lengths[name]
-        cross_len = src if name == "decoder" and enc_dec else None
+        cross_len = lengths[memory_of[name]] if name in memory_of else None
         for index, layer in enumerate(stack.layers()):
             est = _layer(name, index, layer, d, tokens, cross_len, causal[name], batch, act_bytes,
-                         fused_attention, masked=_eager_masked(spec, name, layer),
-                         position=position)
+                         fused_attention, position=position)
             layers.append(est)
             kernel_total += est.kernel_flops
             for block, n in est.params.items():
@@ -231,27 +231,27 @@ def estimate(
     return Estimate(spec.name, settings, param_est, flop_est, mem, layers)
 
 
-def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, masked,
-           position):
+def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, position):
     """One layer's counts: self-attention, cross-attention (when cross_len), FFN, its norms."""
     attn, ffn, norm = layer.attention, layer.ffn, layer.norm
+    cross = cross_len is not None
     params = {"attention": attn.params(d)}
     flops = {"attention": attn.flops(d, tokens, tokens)}
-    kernel = _kernel_attention(attn, d, tokens, tokens, causal)
+    kernel = attn.kernel_flops(d, tokens, tokens, causal)
+    masked = attn.masked(causal) or position.biases_scores  # eager attention adds a mask or bias
     saved = attn.saved_bytes(d, batch, tokens, tokens, act_bytes, fused, masked)
-    saved += position.saved_bytes_per_layer(batch, tokens, attn.resolved_head_dim(d), act_bytes)
-    sublayers = 2
-    if cross_len is not None:
-        cross = layer.cross_attention
-        params["cross_attention"] = cross.params(d)
-        flops["cross_attention"] = cross.flops(d, tokens, cross_len)
-        kernel += _kernel_attention(cross, d, tokens, cross_len, causal=False)
-        saved += cross.saved_bytes(d, batch, tokens, cross_len, act_bytes, fused, masked=False,
-                                   kv_input=False)
-        sublayers = 3
+    saved += position.saved_bytes_per_layer(batch, tokens, attn.rotary_head_dim(d), act_bytes)
+    if cross:
+        cross_attn = layer.cross_attention
+        params["cross_attention"] = cross_attn.params(d)
+        flops["cross_attention"] = cross_attn.flops(d, tokens, cross_len)
+        kernel += cross_attn.kernel_flops(d, tokens, cross_len, causal=False)
+        saved += cross_attn.saved_bytes(d, batch, tokens, cross_len, act_bytes, fused, masked=False,
+                                        kv_input=False)
+    sublayers = len(layer.sublayers(cross))
     params["ffn"] = ffn.params(d)
     flops["ffn"] = ffn.flops(d, tokens)
-    ffn_active = getattr(ffn, "active_params", ffn.params)(d)
+    ffn_active = ffn.active_params(d)
     kernel += flops["ffn"]
     saved += ffn.saved_bytes(d, batch * tokens, act_bytes)
     n_norms = sublayers * norm.per_sublayer
@@ -263,34 +263,8 @@ def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, 
     active = params["attention"] + params.get("cross_attention", 0) + ffn_active + params["norm"]
     return LayerEstimate(
         stack=stack, index=index, params=params, active_params=active, flops=flops,
-        kernel_flops=kernel, saved_bytes=saved, description=_describe(layer, cross_len is not None),
+        kernel_flops=kernel, saved_bytes=saved, description=layer.describe(cross),
     )
-
-
-def _kernel_attention(attn, d: int, seq_q: int, seq_k: int, causal: bool) -> int:
-    """Projections plus the score FLOPs a tiled kernel performs under the layer's mask."""
-    unmasked = attn.model_copy(update={"sliding_window": None})
-    full_scores = unmasked.kernel_flops(d, seq_q, seq_k, causal=False)
-    return attn.flops(d, seq_q, seq_k) - full_scores + attn.kernel_flops(d, seq_q, seq_k, causal)
-
-
-def _eager_masked(spec, stack: str, layer) -> bool:
-    """Whether eager attention adds a mask or bias (and so copies the probabilities)."""
-    causal = spec.architecture_config.causal[stack]
-    return bool(causal or layer.attention.sliding_window
-                or spec.position.type in ("alibi", "relative_bias"))
-
-
-def _describe(layer, cross: bool) -> str:
-    """A short label: ``8h/4kv w4096 +cross glu rmsnorm``."""
-    attn, ffn = layer.attention, layer.ffn
-    heads = f"{attn.n_heads}h" + (f"/{attn.n_kv_heads}kv" if attn.n_kv_heads != attn.n_heads else "")
-    window = f" w{attn.sliding_window}" if attn.sliding_window else ""
-    if ffn.type == "moe":
-        ffn_text = f"moe {ffn.n_experts}x{ffn.expert.type} top{ffn.top_k}"
-    else:
-        ffn_text = ffn.type
-    return f"{heads}{window}" + (" +cross" if cross else "") + f" {ffn_text} {layer.norm.type}"
 
 
 def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy) -> None:
@@ -306,7 +280,8 @@ def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy) -> 
         problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if strategy not in STRATEGIES:
         problems.append(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if src_len is not None and spec.architecture != "encoder-decoder":
-        problems.append(f"src_len applies to encoder-decoder models; {spec.name} is {spec.architecture}")
+    if src_len is not None and not spec.architecture_config.memory_of:
+        problems.append(f"src_len applies to encoder-decoder models (a stack that cross-attends); "
+                        f"{spec.name} is {spec.architecture}")
     if problems:
         raise ValueError("; ".join(problems))

@@ -124,7 +124,8 @@ def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None
     """Bytes saved for backward over one training step of ``batch`` sequences."""
     d, vocab = spec.d_model, spec.vocab_size
     stacks = spec.stacks()
-    lengths = {name: (src_len if name == "encoder" and src_len else seq_len) for name in stacks}
+    memory_of = spec.architecture_config.memory_of  # stack -> the stack its cross-attention reads
+    lengths = {name: (src_len if name in memory_of.values() and src_len else seq_len) for name in stacks}
     total = 0
     for name, stack in stacks.items():
         tokens = batch * lengths[name]
@@ -135,10 +136,10 @@ def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None
             total += tokens * d  # one-byte mask
         if stack.final_norm:
             total += stack.norm.saved_bytes(d, tokens, act)
-        total += spec.position.saved_bytes_per_stack(lengths[name], stack.attention.n_heads,
+        total += spec.position.saved_bytes_per_stack(lengths[name], stack.attention.query_heads(),
                                                      fused_attention)
-    if "encoder" in stacks and "decoder" in stacks:
-        total += batch * lengths["encoder"] * d * act  # encoder output: every cross-attention's k/v input
+    for source in set(memory_of.values()):
+        total += batch * lengths[source] * d * act  # encoder output: every cross-attention's k/v input
     last = list(stacks)[-1]
     total += spec.head.saved_bytes(d, vocab, batch * lengths[last], act)
     if not checkpointing:
@@ -154,19 +155,17 @@ def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16",
     Encoder-only models decode nothing: 0. ``src_len`` (encoder-decoder): the source length whose
     cross-attention keys and values are cached (default ``context``).
     """
-    if spec.architecture_config.causal.get("decoder") is None or spec.decoder is None:
+    architecture = spec.architecture_config
+    name = architecture.decoding_stack()
+    if name is None:
         return 0
-    cache = BYTES[dtype]
-    d = spec.d_model
-    enc_dec = spec.encoder is not None
+    cache, d = BYTES[dtype], spec.d_model
+    cross = name in architecture.memory_of
     total = 0
-    for layer in spec.decoder.layers():
-        attn = layer.attention
-        window = attn.sliding_window
-        positions = min(context, window) if window is not None else context
-        total += attn.kv_cache_bytes(d, batch, positions, cache)
-        if enc_dec:
-            total += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache)
+    for layer in spec.stacks()[name].layers():
+        total += layer.attention.kv_cache_bytes(d, batch, context, cache)
+        if cross:
+            total += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache, cross=True)
     return total
 
 

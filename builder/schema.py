@@ -10,12 +10,12 @@ they are about so the loader can point at its line.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
 
 from blocks import registry
+from blocks.configs.layer import LayerConfig
 
 Loc = tuple[Union[str, int], ...]
 
@@ -34,17 +34,6 @@ class SpecRuleError(Exception):
     def __init__(self, problems: list[tuple[Loc, str]]):
         self.problems = problems
         super().__init__("; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems))
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerConfig:
-    """One layer's resolved blocks, after the stack's ``overrides`` are applied."""
-
-    attention: Any
-    cross_attention: Any | None
-    ffn: Any
-    norm: Any
-    dropout: float
 
 
 def block_union(kind: str):
@@ -102,6 +91,15 @@ def _same_type(kind: str, base: dict, update: dict) -> bool:
     return update.get("type", base.get("type", default)) == base.get("type", default)
 
 
+def _cross_base(attention: Any) -> Any:
+    """The fields of a self-attention mapping a cross-attention takes over (its block decides)."""
+    if not isinstance(attention, dict):
+        return attention
+    cls = registry.configs("attention").get(attention.get("type", DEFAULT_TYPES["attention"]))
+    dropped = cls.not_inherited_by_cross if cls is not None else ()
+    return {k: v for k, v in attention.items() if k not in dropped}
+
+
 def _spread_stack_defaults(data: Any) -> Any:
     """Before validation: complete cross-attention and overrides from the stack's own fields.
 
@@ -113,8 +111,7 @@ def _spread_stack_defaults(data: Any) -> Any:
     data = dict(data)
     attention = data.get("attention")
     if isinstance(attention, dict) and isinstance(data.get("cross_attention"), dict):
-        base = {k: v for k, v in attention.items() if k != "sliding_window"}
-        data["cross_attention"] = _merge(base, data["cross_attention"])
+        data["cross_attention"] = _merge(_cross_base(attention), data["cross_attention"])
     overrides = data.get("overrides")
     if isinstance(overrides, list):
         spread = []
@@ -124,7 +121,7 @@ def _spread_stack_defaults(data: Any) -> Any:
                 for key in LAYER_FIELDS:
                     base = data.get(key)
                     if key == "cross_attention" and base is None:
-                        base = {k: v for k, v in (attention or {}).items() if k != "sliding_window"}
+                        base = _cross_base(attention or {})
                     update = override.get(key)
                     if isinstance(base, dict) and isinstance(update, dict):
                         if _same_type(key, base, update):
@@ -215,7 +212,7 @@ def _build_spec_model() -> type:  # noqa: C901  (one class per spec section, kep
             """Layer ``index``'s blocks, later overrides winning over earlier ones."""
             fields = {key: getattr(self, key) for key in LAYER_FIELDS}
             if fields["cross_attention"] is None:
-                fields["cross_attention"] = self.attention.model_copy(update={"sliding_window": None})
+                fields["cross_attention"] = self.attention.for_cross_attention()
             dropout = self.dropout
             for override in self.overrides:
                 if index in self.layer_indices(override):
@@ -281,9 +278,14 @@ def _build_spec_model() -> type:  # noqa: C901  (one class per spec section, kep
 
 
 def rule_errors(spec) -> list[tuple[Loc, str]]:
-    """Cross-field rules over a spec whose fields are each valid on their own."""
+    """Cross-field rules over a spec whose fields are each valid on their own.
+
+    The rules of a block kind live with its blocks (``problems``, ``attention_problems``; see
+    ``blocks.configs.base``); here they are asked, and their locations placed in the spec.
+    """
     problems: list[tuple[Loc, str]] = []
-    needed = registry.config_class("stack", spec.architecture).stacks
+    architecture = spec.architecture_config
+    needed = architecture.stacks
     for name in ("encoder", "decoder"):
         stack = getattr(spec, name)
         if name in needed and stack is None:
@@ -293,23 +295,18 @@ def rule_errors(spec) -> list[tuple[Loc, str]]:
     for name in needed:
         stack = getattr(spec, name)
         if stack is not None:
-            problems += _stack_rules(spec, name, stack)
-    position = spec.position
-    if position.type == "learned" and position.max_positions is not None:
-        if position.max_positions < spec.max_seq_len:
-            problems.append(
-                (
-                    ("position", "max_positions"),
-                    f"learned table of {position.max_positions} positions is shorter than "
-                    f"max_seq_len ({spec.max_seq_len})",
-                )
-            )
+            problems += _stack_rules(spec, name, stack, cross_allowed=name in architecture.memory_of)
+    problems += _at(("position",), spec.position.problems(spec.d_model, spec.max_seq_len))
     return problems
 
 
-def _stack_rules(spec, name: str, stack) -> list[tuple[Loc, str]]:
+def _at(loc: Loc, problems: list[tuple[Loc, str]]) -> list[tuple[Loc, str]]:
+    """A block's problems (located within the block) located within the spec."""
+    return [(loc + tuple(where), message) for where, message in problems]
+
+
+def _stack_rules(spec, name: str, stack, cross_allowed: bool) -> list[tuple[Loc, str]]:
     problems: list[tuple[Loc, str]] = []
-    cross_allowed = spec.architecture == "encoder-decoder" and name == "decoder"
     attentions: list[tuple[Loc, Any]] = [((name, "attention"), stack.attention)]
     if stack.cross_attention is not None:
         attentions.append(((name, "cross_attention"), stack.cross_attention))
@@ -331,31 +328,16 @@ def _stack_rules(spec, name: str, stack) -> list[tuple[Loc, str]]:
         for key in ("attention", "cross_attention"):
             if getattr(override, key) is not None:
                 attentions.append((loc + (key,), getattr(override, key)))
+    stack_heads = stack.attention.query_heads()
     for loc, attention in attentions:
-        if loc[-1] == "cross_attention":
-            if not cross_allowed:
-                problems.append((loc, "cross-attention exists only in the decoder of an encoder-decoder"))
-                continue
-            if attention.sliding_window is not None:
-                problems.append((loc + ("sliding_window",), "cross-attention takes no sliding window"))
-        if attention.head_dim is None and spec.d_model % attention.n_heads:
-            problems.append(
-                (
-                    loc + ("n_heads",),
-                    f"d_model ({spec.d_model}) is not a multiple of n_heads ({attention.n_heads}); "
-                    "set head_dim or change n_heads",
-                )
-            )
+        cross = loc[-1] == "cross_attention"
+        if cross and not cross_allowed:
+            problems.append((loc, "cross-attention exists only in the decoder of an encoder-decoder"))
             continue
-        if spec.position.type == "rope" and loc[-1] != "cross_attention":
-            rotary = spec.position.rotary_dim(attention.resolved_head_dim(spec.d_model))
-            if rotary % 2:
-                problems.append(
-                    (
-                        ("position", "rotary_fraction"),
-                        f"rope needs an even rotary dimension; head_dim "
-                        f"{attention.resolved_head_dim(spec.d_model)} x rotary_fraction "
-                        f"{spec.position.rotary_fraction} = {rotary}",
-                    )
-                )
+        own = _at(loc, attention.problems(spec.d_model, cross=cross))
+        problems += own
+        if not own and not cross:  # the position acts in self-attention only
+            problems += spec.position.attention_problems(
+                attention, d_model=spec.d_model, stack_heads=stack_heads, at=loc
+            )
     return problems

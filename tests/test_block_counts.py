@@ -24,7 +24,7 @@ from builder.schema import spec_model
 
 D_MODEL, VOCAB, MAX_SEQ, N_HEADS, HEAD_DIM = 32, 50, 16, 4, 8
 DIMS = Dims(d_model=D_MODEL, vocab_size=VOCAB, max_seq_len=MAX_SEQ)
-STACK_DIMS = Dims(d_model=D_MODEL, vocab_size=VOCAB, max_seq_len=MAX_SEQ, n_heads=N_HEADS, head_dim=HEAD_DIM)
+STACK_DIMS = Dims(d_model=D_MODEL, vocab_size=VOCAB, max_seq_len=MAX_SEQ, n_heads=N_HEADS, rotary_head_dim=HEAD_DIM)
 LENGTHS = (5, 11)
 
 

@@ -21,7 +21,7 @@ from blocks.layers import TransformerLayer
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
 D, B, S, V = 32, 2, 7, 50
-DIMS = Dims(d_model=D, vocab_size=V, max_seq_len=16, n_heads=4, head_dim=8)
+DIMS = Dims(d_model=D, vocab_size=V, max_seq_len=16, n_heads=4, rotary_head_dim=8)
 
 
 def _cfg(kind: str, data: dict):
@@ -206,7 +206,7 @@ def test_cross_attention_and_alibi_in_attention_match_the_reference():
     v = attn.v_proj(x).view(B, S, 2, 8).transpose(1, 2)
     ref = _reference_attention(q, k, v, causal=True, slopes=alibi_slopes(4))
     ref = attn.out_proj(ref.transpose(1, 2).reshape(B, S, 32))
-    torch.testing.assert_close(attn(x, AttentionInputs(0, S, alibi=alibi)), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attn(x, AttentionInputs(0, S, position=alibi)), ref, rtol=1e-5, atol=1e-6)
 
 
 def _hf():  # the Hugging Face parity checks skip when transformers is not installed

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from blocks import generation
-from blocks.configs.attention import visible_pairs
+from blocks.configs.base import visible_pairs
 from blocks.configs.ffn import GLUConfig
 from builder import mfu
 from builder.assemble import build_model

@@ -254,14 +254,16 @@ def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
     """Run in a subprocess: a registered block would stay in this process's registry."""
     write(tmp_path, "myblocks.py", """\
         from typing import Literal
-        from blocks.configs.norm import _NormConfig
+        from blocks.configs.base import NormBlock
         from blocks.registry import register
 
         @register("norm", "myblocks:ScaleNorm")
-        class ScaleNormConfig(_NormConfig):
+        class ScaleNormConfig(NormBlock):
             type: Literal["scalenorm"] = "scalenorm"
             def params(self, d_model):
                 return 1
+            def saved_bytes(self, d_model, tokens, act_bytes):
+                return tokens * d_model * 4
         """)
     spec = write(tmp_path, "s.yaml", TINY + "  norm: {type: scalenorm}\n")
     env_path = f"{tmp_path}{':' + str(ROOT)}"

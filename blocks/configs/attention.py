@@ -6,12 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import BlockConfig
+from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems
 from blocks.registry import register
 
 
 @register("attention", "blocks.attention:MultiHeadAttention")
-class AttentionConfig(BlockConfig):
+class AttentionConfig(AttentionBlock):
     """Scaled dot-product attention with separate query and key/value head counts.
 
     ``n_kv_heads == n_heads`` is multi-head attention, ``1 < n_kv_heads < n_heads`` grouped-query
@@ -47,6 +47,8 @@ class AttentionConfig(BlockConfig):
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the attention weights.")
 
+    #: a cross-attention (over the encoder output) has no window
+    not_inherited_by_cross: ClassVar[tuple[str, ...]] = ("sliding_window",)
     #: configs the registry-wide tests build and count (d_model 32 unless the test says otherwise)
     examples: ClassVar[list[dict]] = [
         {"n_heads": 4},
@@ -71,6 +73,17 @@ class AttentionConfig(BlockConfig):
     def resolved_head_dim(self, d_model: int) -> int:
         return self.head_dim if self.head_dim is not None else d_model // self.n_heads
 
+    # -- the attention contract (blocks.configs.base.AttentionBlock) ----------------------------
+
+    def query_heads(self) -> int:
+        return self.n_heads
+
+    def rotary_head_dim(self, d_model: int) -> int:
+        return self.resolved_head_dim(d_model)
+
+    def window(self) -> int | None:
+        return self.sliding_window
+
     def params(self, d_model: int) -> int:
         hd = self.resolved_head_dim(d_model)
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
@@ -78,38 +91,32 @@ class AttentionConfig(BlockConfig):
         biases = (q + 2 * kv if self.qkv_bias else 0) + (d_model if self.out_bias else 0)
         return weights + biases
 
-    def flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
-        """Forward FLOPs of one sequence: projections, Q.K^T and P.V over the full (seq_q, seq_k).
-
-        ``kv_input=False`` leaves out the key/value projections (cross-attention keys that a
-        cache already holds).
-        """
+    def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         hd = self.resolved_head_dim(d_model)
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
         projections = 2 * seq_q * d_model * q * 2  # query in, output out
         if kv_input:
             projections += 2 * seq_k * d_model * kv * 2  # key and value
-        scores_and_mix = 2 * 2 * seq_q * seq_k * q  # Q.K^T and P.V
-        return projections + scores_and_mix
+        return projections
 
-    def kernel_flops(self, d_model: int, seq_q: int, seq_k: int, causal: bool) -> int:
-        """FLOPs of Q.K^T and P.V that a tiled kernel really needs under the mask (for MFU)."""
-        q = self.n_heads * self.resolved_head_dim(d_model)
-        return 2 * 2 * q * visible_pairs(seq_q, seq_k, causal, self.sliding_window)
+    def pair_flops(self, d_model: int) -> int:
+        return 2 * 2 * self.n_heads * self.resolved_head_dim(d_model)  # Q.K^T and P.V
+
+    def kv_cache(self, d_model: int, cross: bool = False) -> CacheLayout:
+        hd = self.resolved_head_dim(d_model)
+        tensors = (CacheTensor("k", self.n_kv_heads, hd), CacheTensor("v", self.n_kv_heads, hd))
+        return CacheLayout(tensors, window=None if cross else self.sliding_window)
 
     def saved_bytes(
         self, d_model: int, batch: int, seq_q: int, seq_k: int, act_bytes: int, fused: bool,
         masked: bool, kv_input: bool = True,
     ) -> int:
-        """Bytes this block keeps for backward in one training step (see builder.memory).
-
-        Both paths keep the projection input, q, the (rotated) k and v and the output-projection
-        input. ``fused`` (FlashAttention: Triton on CUDA) adds the kernel's output and its fp32
-        log-sum-exp per row; ``eager`` (kernels.attention) keeps k and v repeated to n_heads
-        for GQA, the fp32 softmax, a tanh output under softcap, a dropout mask, and the
-        probabilities cast to the compute dtype for P.V (the softmax output itself when the
-        dtype is fp32 and nothing ``masked`` them). ``kv_input=False``: the key/value input (an
-        encoder output every cross-attention layer shares) is counted once, elsewhere.
+        """Both paths keep the projection input, q, the (rotated) k and v and the
+        output-projection input. ``fused`` (FlashAttention: Triton on CUDA) adds the kernel's
+        output and its fp32 log-sum-exp per row; ``eager`` (kernels.attention) keeps k and v
+        repeated to n_heads for GQA, the fp32 softmax, a tanh output under softcap, a dropout
+        mask, and the probabilities cast to the compute dtype for P.V (the softmax output itself
+        when the dtype is fp32 and nothing ``masked`` them).
         """
         hd = self.resolved_head_dim(d_model)
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
@@ -134,40 +141,21 @@ class AttentionConfig(BlockConfig):
             total += pairs * act_bytes  # probabilities cast (or masked) for P.V
         return total
 
-    def kv_cache_bytes(self, d_model: int, batch: int, context: int, cache_bytes: int) -> int:
-        """Bytes of one layer's key and value cache for ``context`` positions."""
-        kv = self.n_kv_heads * self.resolved_head_dim(d_model)
-        return 2 * batch * context * kv * cache_bytes
+    def problems(self, d_model: int, cross: bool) -> Problems:
+        problems: Problems = []
+        if cross and self.sliding_window is not None:
+            problems.append((("sliding_window",), "cross-attention takes no sliding window"))
+        if self.head_dim is None and d_model % self.n_heads:
+            problems.append(
+                (("n_heads",), f"d_model ({d_model}) is not a multiple of n_heads ({self.n_heads}); "
+                 "set head_dim or change n_heads")
+            )
+        return problems
 
-
-def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None) -> int:
-    """How many (query, key) pairs the mask keeps; queries are the last seq_q positions.
-
-    Query row i sits at position ``i + seq_k - seq_q``; ``causal`` keeps keys at or before it,
-    a window ``w`` keeps keys fewer than ``w`` positions back. Closed form (O(1)).
-    """
-    if not causal and window is None:
-        return seq_q * seq_k
-    first, last = seq_k - seq_q, seq_k - 1  # query positions
-    if causal:
-        # keys 0..pos, capped at w: min(pos + 1, w) for each query position pos >= 0
-        lo, hi = max(first, 0) + 1, last + 1
-        return _sum_min(lo, hi, window if window is not None else hi)
-    # window, not causal: every later key plus the w - 1 before: seq_k - max(0, pos - w + 1)
-    n = last - first + 1
-    return n * seq_k - _sum_range(max(first - window + 1, 1), last - window + 1)
-
-
-def _sum_range(lo: int, hi: int) -> int:
-    """lo + (lo + 1) + ... + hi (0 when empty)."""
-    return (lo + hi) * (hi - lo + 1) // 2 if hi >= lo else 0
-
-
-def _sum_min(lo: int, hi: int, cap: int) -> int:
-    """sum of min(m, cap) for m in lo..hi."""
-    if hi < lo:
-        return 0
-    return _sum_range(lo, min(hi, cap)) + cap * max(0, hi - max(lo, cap + 1) + 1)
+    def describe(self) -> str:
+        """``8h/4kv w4096``."""
+        heads = f"{self.n_heads}h" + (f"/{self.n_kv_heads}kv" if self.n_kv_heads != self.n_heads else "")
+        return heads + (f" w{self.sliding_window}" if self.sliding_window else "")
 
 
 def _largest_divisor(n: int, below: int) -> int:

@@ -1,21 +1,336 @@
-"""The base of every block config."""
+"""The contracts: what generic code (schema rules, estimates, memory, assembly, decoding) may ask
+of a block, one base class per block kind. Torch-free.
+
+A registered config subclasses the base of its kind (``blocks.registry.register`` refuses one
+that does not, or that leaves an abstract method out). Generic code calls only what is declared
+here; a block's own fields (``n_kv_heads``, ``sliding_window``, ``kv_lora_rank``...) are its own
+business, reached through these methods. ``blocks/README.md`` is the checklist for a new block.
+
+Shared arguments: ``d_model`` (the residual width), ``tokens``/``seq_*`` (one sequence),
+``batch`` (sequences), ``act_bytes``/``dtype_bytes`` (bytes per element of the compute dtype).
+Rules return located problems, ``[(loc, message)]``: ``loc`` is a path of YAML keys relative to
+the block's own section (``("n_heads",)``) unless the method says otherwise, so the loader
+points at the line that set the field.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from abc import abstractmethod
+from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+Loc = tuple[Union[str, int], ...]
+Problems = list[tuple[Loc, str]]
 
 
 class BlockConfig(BaseModel):
     """A block's own small config. Subclasses add ``type: Literal["name"] = "name"``.
 
-    Each registered config counts what the block it describes builds:
-    ``params(...)`` (exact ``numel``) and ``flops(...)`` (2 per multiply-accumulate of every
-    matrix product in one forward pass), beside the fields that decide the shapes.
+    Each registered config counts what the block it describes builds (``params``: exact
+    ``numel``; ``flops``: 2 per multiply-accumulate of every matrix product of one forward pass)
+    beside the fields that decide the shapes, and lists ``examples`` (configs the registry-wide
+    tests build, count, run and decode with).
     """
 
     model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
     kind: ClassVar[str]
     module_path: ClassVar[str]
+    #: configs the registry-wide tests build and check (``tests/test_block_counts.py`` and others)
+    examples: ClassVar[list[dict]] = []
+
+    def describe(self) -> str:
+        """A short label for per-layer tables (``describe``); the type name unless overridden."""
+        return str(getattr(self, "type", type(self).__name__))
+
+    def parallel_plan(self) -> dict[str, str] | None:
+        """Tensor parallelism: submodule name (relative to the block's module) -> a style
+        (``"colwise"``, ``"rowwise"``, ``"replicate"``, ``"vocab"``). None: no plan, replicated."""
+        return None
+
+    def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
+        """Why this block cannot be split ``degree`` ways (none by default)."""
+        return []
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheTensor:
+    """One tensor a decoding cache holds per position: ``(batch, heads, positions, width)``."""
+
+    name: str
+    heads: int
+    width: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """What one attention layer caches per token while decoding, and for how many tokens.
+
+    Multi-head attention caches ``k`` and ``v`` (``n_kv_heads x head_dim`` each); a latent
+    attention may cache one compressed vector and a shared rotary key instead. ``window``: only
+    the last ``window`` positions are kept (a ring buffer). ``blocks.cache.TensorCache``
+    allocates exactly this, so ``describe``'s KV bytes are what ``generate`` allocates.
+    """
+
+    tensors: tuple[CacheTensor, ...]
+    window: int | None = None
+
+    def positions(self, context: int) -> int:
+        return min(context, self.window) if self.window is not None else context
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        return sum(t.heads * t.width for t in self.tensors) * dtype_bytes
+
+    def nbytes(self, batch: int, context: int, dtype_bytes: int) -> int:
+        """Bytes for ``batch`` sequences of ``context`` tokens."""
+        return batch * self.positions(context) * self.bytes_per_token(dtype_bytes)
+
+
+class AttentionBlock(BlockConfig):
+    """An attention block: what generic code asks of it.
+
+    Its module is built as ``Module(config, d_model, causal=..., cross=..., backend=...)`` (any
+    subset of those by name, see ``blocks.build``) and follows the module protocol in
+    ``blocks/attention.py``: ``forward(x, inputs, cache=None, memory=None)``, ``n_heads`` and
+    ``new_cache(batch, max_tokens, dtype, device)``.
+    """
+
+    #: fields a cross-attention does not take over from its stack's self-attention
+    #: (``cross_attention:`` merges over ``attention:`` without them; a sliding window)
+    not_inherited_by_cross: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def query_heads(self) -> int:
+        """Number of query heads (ALiBi slopes, a relative-bias table and its rules use it)."""
+
+    @abstractmethod
+    def rotary_head_dim(self, d_model: int) -> int:
+        """Width of the part of each query and key head an attention-side position rotates
+        (``head_dim``; MLA: ``qk_rope_head_dim``). RoPE's ``rotary_fraction`` applies to it."""
+
+    @abstractmethod
+    def params(self, d_model: int) -> int:
+        """Exact parameter count."""
+
+    @abstractmethod
+    def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
+        """FLOPs of every projection of one sequence (``kv_input=False``: cross-attention keys
+        and values a cache already holds are left out)."""
+
+    @abstractmethod
+    def pair_flops(self, d_model: int) -> int:
+        """FLOPs of the scores and the weighted sum for one (query, key) pair, all heads."""
+
+    @abstractmethod
+    def kv_cache(self, d_model: int, cross: bool = False) -> CacheLayout:
+        """What decoding caches per token (``cross``: the encoder output's projections)."""
+
+    @abstractmethod
+    def saved_bytes(self, d_model: int, batch: int, seq_q: int, seq_k: int, act_bytes: int, fused: bool,
+                    masked: bool, kv_input: bool = True) -> int:
+        """Bytes kept for backward in one training step (see ``builder.memory``). ``fused``: a
+        FlashAttention kernel; ``masked``: eager attention adds a mask or bias to the scores;
+        ``kv_input=False``: the key/value input is shared (an encoder output) and counted once."""
+
+    def window(self) -> int | None:
+        """How far back a query sees (itself included); None: no window."""
+        return None
+
+    def visible_pairs(self, seq_q: int, seq_k: int, causal: bool) -> int:
+        """(query, key) pairs the mask keeps; queries are the last ``seq_q`` positions."""
+        return visible_pairs(seq_q, seq_k, causal, self.window())
+
+    def masked(self, causal: bool) -> bool:
+        """Whether eager attention adds a mask to the scores (and so copies the probabilities)."""
+        return causal or self.window() is not None
+
+    def flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
+        """Forward FLOPs of one sequence: projections, scores and mix over the full (seq_q, seq_k)
+        as eager attention computes them."""
+        return self.projection_flops(d_model, seq_q, seq_k, kv_input) + seq_q * seq_k * self.pair_flops(d_model)
+
+    def kernel_flops(self, d_model: int, seq_q: int, seq_k: int, causal: bool, kv_input: bool = True) -> int:
+        """Forward FLOPs a tiled kernel performs: scores and mix over the visible pairs only (MFU)."""
+        pairs = self.visible_pairs(seq_q, seq_k, causal)
+        return self.projection_flops(d_model, seq_q, seq_k, kv_input) + pairs * self.pair_flops(d_model)
+
+    def kv_cache_bytes(self, d_model: int, batch: int, context: int, dtype_bytes: int, cross: bool = False) -> int:
+        return self.kv_cache(d_model, cross).nbytes(batch, context, dtype_bytes)
+
+    def problems(self, d_model: int, cross: bool) -> Problems:
+        """Rules that need the model's width or the block's role (``cross``: a cross-attention)."""
+        return []
+
+    def for_cross_attention(self):
+        """The config a cross-attention defaults to: this one without ``not_inherited_by_cross``."""
+        fields = type(self).model_fields
+        return self.model_copy(update={name: fields[name].default for name in self.not_inherited_by_cross})
+
+
+def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None) -> int:
+    """How many (query, key) pairs the mask keeps; queries are the last seq_q positions.
+
+    Query row i sits at position ``i + seq_k - seq_q``; ``causal`` keeps keys at or before it,
+    a window ``w`` keeps keys fewer than ``w`` positions back. Closed form (O(1)).
+    """
+    if not causal and window is None:
+        return seq_q * seq_k
+    first, last = seq_k - seq_q, seq_k - 1  # query positions
+    if causal:
+        # keys 0..pos, capped at w: min(pos + 1, w) for each query position pos >= 0
+        lo, hi = max(first, 0) + 1, last + 1
+        return _sum_min(lo, hi, window if window is not None else hi)
+    # window, not causal: every later key plus the w - 1 before: seq_k - max(0, pos - w + 1)
+    n = last - first + 1
+    return n * seq_k - _sum_range(max(first - window + 1, 1), last - window + 1)
+
+
+def _sum_range(lo: int, hi: int) -> int:
+    """lo + (lo + 1) + ... + hi (0 when empty)."""
+    return (lo + hi) * (hi - lo + 1) // 2 if hi >= lo else 0
+
+
+def _sum_min(lo: int, hi: int, cap: int) -> int:
+    """sum of min(m, cap) for m in lo..hi."""
+    if hi < lo:
+        return 0
+    return _sum_range(lo, min(hi, cap)) + cap * max(0, hi - max(lo, cap + 1) + 1)
+
+
+# -- positions ---------------------------------------------------------------------------------
+
+
+class PositionBlock(BlockConfig):
+    """A position block, one per stack. ``acts_on``: ``"embedding"`` (its module returns
+    ``(batch, seq, d_model)`` added to the token embeddings) or ``"attention"`` (its module's
+    hooks rotate q/k or add to the scores; see ``blocks/positions.py``)."""
+
+    acts_on: ClassVar[Literal["embedding", "attention"]] = "attention"
+    #: adds a term to the attention scores (ALiBi, relative bias): eager attention then masks
+    biases_scores: ClassVar[bool] = False
+
+    def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
+        """Parameters one stack's block builds (``n_heads``: the stack's query heads)."""
+        return 0
+
+    def flops(self, d_model: int, n_heads: int, tokens: int) -> int:
+        """Matrix-product FLOPs of one sequence (elementwise work counts 0)."""
+        return 0
+
+    def saved_bytes_per_layer(self, batch: int, seq: int, rotary_head_dim: int, act_bytes: int) -> int:
+        """Bytes each attention layer keeps for backward on this block's behalf."""
+        return 0
+
+    def saved_bytes_per_stack(self, seq: int, n_heads: int, fused: bool) -> int:
+        """Bytes a stack keeps once for backward on this block's behalf (shared by its layers)."""
+        return 0
+
+    def problems(self, d_model: int, max_seq_len: int) -> Problems:
+        """Rules over this block and the model's dimensions."""
+        return []
+
+    def attention_problems(self, attention: AttentionBlock, *, d_model: int, stack_heads: int, at: Loc) -> Problems:
+        """Rules over this block and one self-attention block it acts in. ``at``: where that
+        attention sits in the spec; ``stack_heads``: its stack's own query heads. Locations are
+        relative to the spec (this block sits at ``("position",)``)."""
+        return []
+
+
+# -- feed-forward, norms, heads ----------------------------------------------------------------
+
+
+class FFNBlock(BlockConfig):
+    """A feed-forward block: ``Module(config, d_model)``, ``forward(x) -> x``-shaped. A module
+    with a training-only loss exposes it as ``aux_loss`` (a tensor) after each forward."""
+
+    @abstractmethod
+    def params(self, d_model: int) -> int: ...
+
+    @abstractmethod
+    def flops(self, d_model: int, tokens: int) -> int: ...
+
+    @abstractmethod
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int: ...
+
+    def active_params(self, d_model: int) -> int:
+        """Parameters one token meets (a mixture of experts: router, shared and top_k experts)."""
+        return self.params(d_model)
+
+
+Placement = Literal["pre", "post", "sandwich"]
+
+
+class NormBlock(BlockConfig):
+    """A norm: ``Module(config, d_model)``. ``placement`` says where each layer puts it."""
+
+    placement: Placement = Field(
+        "pre",
+        description="pre: norm before each sub-layer (GPT-2, Llama); post: after the residual "
+        "add (the 2017 Transformer, BERT); sandwich: before and after each sub-layer (Gemma 2).",
+    )
+
+    @abstractmethod
+    def params(self, d_model: int) -> int: ...
+
+    @abstractmethod
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        """Bytes kept for backward (see builder.memory)."""
+
+    @property
+    def per_sublayer(self) -> int:
+        """Norms around each sub-layer (attention, cross-attention, FFN): 2 for sandwich."""
+        return 2 if self.placement == "sandwich" else 1
+
+
+class HeadBlock(BlockConfig):
+    """An output head: ``Module(config, d_model, vocab_size, tied_embedding=None)`` (by name),
+    ``forward(hidden, attention_mask=None)``. ``params`` leaves out a tied projection (the
+    embedding table, counted there)."""
+
+    #: whether the head's output projection can share the token embedding matrix
+    projects_to_vocab: ClassVar[bool] = False
+
+    def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
+        return 0
+
+    def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
+        return 0
+
+    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
+        """Bytes kept for backward, the training loss included (see builder.memory)."""
+        return 0
+
+
+# -- architectures -----------------------------------------------------------------------------
+
+
+class ArchitectureBlock(BlockConfig):
+    """Which stacks of layers a model has and how they connect (the spec's ``architecture``)."""
+
+    #: the spec's stacks this architecture needs, in the order they run; the last feeds the head
+    stacks: ClassVar[tuple[str, ...]]
+    #: whether each stack's self-attention is causal
+    causal: ClassVar[dict[str, bool]] = {"encoder": False, "decoder": True}
+    #: stack -> the stack whose output its cross-attention reads (an encoder-decoder's decoder)
+    memory_of: ClassVar[dict[str, str]] = {}
+
+    def decoding_stack(self) -> str | None:
+        """The stack ``generate`` decodes with a KV cache (None: the model does not generate)."""
+        last = self.stacks[-1]
+        return last if self.causal.get(last) else None
+
+
+#: the base class each registry kind's configs subclass
+KIND_BASES: dict[str, type[BlockConfig]] = {
+    "attention": AttentionBlock,
+    "position": PositionBlock,
+    "ffn": FFNBlock,
+    "norm": NormBlock,
+    "head": HeadBlock,
+    "stack": ArchitectureBlock,
+}

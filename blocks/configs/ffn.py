@@ -6,13 +6,13 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import BlockConfig
+from blocks.configs.base import FFNBlock
 from blocks.registry import register
 
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 
 
-class _DenseFFNConfig(BlockConfig):
+class _DenseFFNConfig(FFNBlock):
     hidden_dim: int | None = Field(None, ge=1, description="Inner width; defaults to 4 * d_model.")
     bias: bool = Field(False, description="Biases on the inner and output projections.")
 
@@ -28,9 +28,6 @@ class _DenseFFNConfig(BlockConfig):
 
     def flops(self, d_model: int, tokens: int) -> int:
         return 2 * tokens * (self.n_in_projections + 1) * d_model * self.resolved_hidden_dim(d_model)
-
-    def active_params(self, d_model: int) -> int:
-        return self.params(d_model)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         """Bytes kept for backward (see builder.memory): the input and the hidden tensors."""
@@ -88,7 +85,7 @@ ExpertConfig = Annotated[Union[MLPConfig, GLUConfig], Field(discriminator="type"
 
 
 @register("ffn", "blocks.ffn:MoE")
-class MoEConfig(BlockConfig):
+class MoEConfig(FFNBlock):
     """Mixture of experts: a linear router picks top_k experts per token (Mixtral).
 
     Gates are the softmax over the chosen experts' logits; tokens go only to their experts.
@@ -112,6 +109,9 @@ class MoEConfig(BlockConfig):
                 f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})"
             )
         return self
+
+    def describe(self) -> str:
+        return f"moe {self.n_experts}x{self.expert.type} top{self.top_k}"
 
     def params(self, d_model: int) -> int:
         return d_model * self.n_experts + self.n_experts * self.expert.params(d_model)

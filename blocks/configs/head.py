@@ -11,29 +11,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import BlockConfig
+from blocks.configs.base import HeadBlock
 from blocks.configs.ffn import Activation
 from blocks.configs.norm import LayerNormConfig
 from blocks.registry import register
 
 
-class _HeadConfig(BlockConfig):
-    #: whether the head's output projection can share the token embedding matrix
-    projects_to_vocab: ClassVar[bool] = False
-
-    def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
-        return 0
-
-    def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
-        return 0
-
-    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward, the training loss included (see builder.memory)."""
-        return 0
-
-
 @register("head", "blocks.heads:LMHead")
-class LMHeadConfig(_HeadConfig):
+class LMHeadConfig(HeadBlock):
     """Projects hidden states to vocabulary logits (tied to the embeddings or not)."""
 
     projects_to_vocab: ClassVar[bool] = True
@@ -66,7 +51,7 @@ class LMHeadConfig(_HeadConfig):
 
 
 @register("head", "blocks.heads:MLMHead")
-class MLMHeadConfig(_HeadConfig):
+class MLMHeadConfig(HeadBlock):
     """BERT's masked-LM head: dense, activation, norm, then the vocabulary projection with a bias."""
 
     projects_to_vocab: ClassVar[bool] = True
@@ -94,7 +79,7 @@ class MLMHeadConfig(_HeadConfig):
 
 
 @register("head", "blocks.heads:ClassificationHead")
-class ClassificationHeadConfig(_HeadConfig):
+class ClassificationHeadConfig(HeadBlock):
     """Pools the sequence and projects to class logits (one prediction per sequence)."""
 
     type: Literal["classification"] = "classification"
@@ -123,7 +108,7 @@ class ClassificationHeadConfig(_HeadConfig):
 
 
 @register("head", "blocks.heads:NoHead")
-class NoHeadConfig(_HeadConfig):
+class NoHeadConfig(HeadBlock):
     """No head: the model returns the final hidden states."""
 
     type: Literal["none"] = "none"

@@ -6,31 +6,16 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import BlockConfig
+from blocks.configs.base import NormBlock, Placement
 from blocks.registry import register
 
-Placement = Literal["pre", "post", "sandwich"]
+__all__ = ["LayerNormConfig", "RMSNormConfig", "Placement"]
 
 
-class _NormConfig(BlockConfig):
+class _NormConfig(NormBlock):
+    """What the built-in norms share; blocks.norms computes in fp32."""
+
     eps: float = Field(1e-5, gt=0, description="Added to the variance for numerical stability.")
-    placement: Placement = Field(
-        "pre",
-        description="pre: norm before each sub-layer (GPT-2, Llama); post: after the residual "
-        "add (the 2017 Transformer, BERT); sandwich: before and after each sub-layer (Gemma 2).",
-    )
-
-    def params(self, d_model: int) -> int:
-        raise NotImplementedError
-
-    @property
-    def per_sublayer(self) -> int:
-        """Norms around each sub-layer (attention, cross-attention, FFN): 2 for sandwich."""
-        return 2 if self.placement == "sandwich" else 1
-
-    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.memory); blocks.norms computes in fp32."""
-        raise NotImplementedError
 
 
 @register("norm", "blocks.norms:LayerNorm")

@@ -10,30 +10,12 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import BlockConfig
+from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems
 from blocks.registry import register
 
 
-class _PositionConfig(BlockConfig):
-    #: where the block acts: "embedding" adds to token embeddings, "attention" acts on q/k or scores
-    acts_on: ClassVar[str] = "attention"
-
+class _PositionConfig(PositionBlock):
     examples: ClassVar[list[dict]] = [{}]
-
-    def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
-        return 0
-
-    def flops(self, d_model: int, n_heads: int, tokens: int) -> int:
-        """Matrix-product FLOPs of one sequence; the built-in positions do only elementwise work."""
-        return 0
-
-    def saved_bytes_per_layer(self, batch: int, seq: int, head_dim: int, act_bytes: int) -> int:
-        """Bytes each attention layer keeps for backward on this block's behalf."""
-        return 0
-
-    def saved_bytes_per_stack(self, seq: int, n_heads: int, fused: bool) -> int:
-        """Bytes a stack keeps once for backward on this block's behalf (shared by its layers)."""
-        return 0
 
 
 @register("position", "blocks.positions:Sinusoidal")
@@ -64,6 +46,12 @@ class LearnedConfig(_PositionConfig):
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         return (self.max_positions or max_seq_len) * d_model
+
+    def problems(self, d_model: int, max_seq_len: int) -> Problems:
+        if self.max_positions is not None and self.max_positions < max_seq_len:
+            return [(("max_positions",), f"learned table of {self.max_positions} positions is shorter "
+                                         f"than max_seq_len ({max_seq_len})")]
+        return []
 
 
 class _RopeScaling(BlockConfig):
@@ -137,12 +125,21 @@ class RopeConfig(_PositionConfig):
     ]
 
     def rotary_dim(self, head_dim: int) -> int:
+        """The rotated width of a head whose rotary part is ``head_dim`` wide."""
         return int(head_dim * self.rotary_fraction)
 
-    def saved_bytes_per_layer(self, batch: int, seq: int, head_dim: int, act_bytes: int) -> int:
+    def saved_bytes_per_layer(self, batch: int, seq: int, rotary_head_dim: int, act_bytes: int) -> int:
         # blocks.positions.Rope makes cos and sin (batch, 1, seq, rotary_dim) in every layer;
         # the multiplies with q and k keep them
-        return 2 * batch * seq * self.rotary_dim(head_dim) * act_bytes
+        return 2 * batch * seq * self.rotary_dim(rotary_head_dim) * act_bytes
+
+    def attention_problems(self, attention, *, d_model: int, stack_heads: int, at: Loc) -> Problems:
+        head_dim = attention.rotary_head_dim(d_model)
+        rotary = self.rotary_dim(head_dim)
+        if rotary % 2:
+            return [(("position", "rotary_fraction"), f"rope needs an even rotary dimension; head_dim "
+                     f"{head_dim} x rotary_fraction {self.rotary_fraction} = {rotary}")]
+        return []
 
 
 @register("position", "blocks.positions:Alibi")
@@ -150,6 +147,7 @@ class AlibiConfig(_PositionConfig):
     """ALiBi (Press et al. 2021): a per-head linear penalty on distance added to the scores."""
 
     type: Literal["alibi"] = "alibi"
+    biases_scores: ClassVar[bool] = True
     examples: ClassVar[list[dict]] = [{}]  # no fields
 
 
@@ -158,6 +156,7 @@ class RelativeBiasConfig(_PositionConfig):
     """T5's bucketed relative position bias: one learned table per stack, shared by its layers."""
 
     type: Literal["relative_bias"] = "relative_bias"
+    biases_scores: ClassVar[bool] = True
     num_buckets: int = Field(32, ge=2, description="Buckets of relative distance.")
     max_distance: int = Field(128, ge=1, description="Distance beyond which buckets stop growing.")
     examples: ClassVar[list[dict]] = [{}, {"num_buckets": 8, "max_distance": 16}]
@@ -169,6 +168,14 @@ class RelativeBiasConfig(_PositionConfig):
         # the int64 bucket of every (query, key) pair, kept by the table lookup; a fused kernel
         # also keeps the fp32 (1, n_heads, seq, seq) bias, one tensor for every layer
         return seq * seq * 8 + (n_heads * seq * seq * 4 if fused else 0)
+
+    def attention_problems(self, attention, *, d_model: int, stack_heads: int, at: Loc) -> Problems:
+        heads = attention.query_heads()
+        if heads != stack_heads:
+            field = ("n_heads",) if "n_heads" in type(attention).model_fields else ()
+            return [(at + field, f"{heads} heads, but the stack's relative-bias table has {stack_heads}; "
+                     "relative_bias needs the same n_heads in every layer of a stack")]
+        return []
 
 
 @register("position", "blocks.positions:NoPosition")

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from blocks.configs.base import BlockConfig
+from blocks.configs.base import ArchitectureBlock
 from blocks.registry import register
 
 
-class _ArchitectureConfig(BlockConfig):
-    #: the spec's stacks this architecture needs, in the order they run
-    stacks: ClassVar[tuple[str, ...]]
-    #: whether the decoder's self-attention is causal (an encoder's never is)
-    causal: ClassVar[dict[str, bool]] = {"encoder": False, "decoder": True}
-
-
 @register("stack", "blocks.stacks:DecoderOnlyModel")
-class DecoderOnlyConfig(_ArchitectureConfig):
+class DecoderOnlyConfig(ArchitectureBlock):
     """A causal stack (GPT, Llama)."""
 
     type: Literal["decoder-only"] = "decoder-only"
@@ -28,7 +21,7 @@ class DecoderOnlyConfig(_ArchitectureConfig):
 
 
 @register("stack", "blocks.stacks:EncoderOnlyModel")
-class EncoderOnlyConfig(_ArchitectureConfig):
+class EncoderOnlyConfig(ArchitectureBlock):
     """A bidirectional stack (BERT)."""
 
     type: Literal["encoder-only"] = "encoder-only"
@@ -37,9 +30,10 @@ class EncoderOnlyConfig(_ArchitectureConfig):
 
 
 @register("stack", "blocks.stacks:EncoderDecoderModel")
-class EncoderDecoderConfig(_ArchitectureConfig):
+class EncoderDecoderConfig(ArchitectureBlock):
     """An encoder and a causal decoder that cross-attends to it (the 2017 Transformer, T5)."""
 
     type: Literal["encoder-decoder"] = "encoder-decoder"
     examples: ClassVar[list[dict]] = [{}]  # no fields; tests count whole tiny models
     stacks: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
+    memory_of: ClassVar[dict[str, str]] = {"decoder": "encoder"}
