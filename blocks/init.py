@@ -7,7 +7,10 @@
   too): normal(0, 0.02 / sqrt(2 * n_layers)), ``n_layers`` of the stack they sit in (GPT-2).
 * learned position tables and T5's relative-bias table: normal(0, 0.02).
 
-Seed with ``torch.manual_seed`` before building. Nothing is done for meta tensors.
+A block module with parameters of its own (not inside an ``nn.Linear`` or ``nn.Embedding``
+child) initialises them in an ``init_weights(std)`` method, which this calls (norms, learned
+tables; a plugin block's own tensors). Seed with ``torch.manual_seed`` before building. Nothing
+is done for meta tensors.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ import math
 
 import torch
 from torch import nn
-
-from blocks.norms import LayerNorm, RMSNorm
-from blocks.positions import Learned, RelativeBias
 
 STD = 0.02
 RESIDUAL_PROJECTIONS = ("out_proj", "down_proj")
@@ -33,14 +33,10 @@ def init_weights(model: nn.Module, std: float = STD) -> nn.Module:
             nn.init.normal_(module.weight, 0.0, std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, (nn.Embedding, Learned, RelativeBias)):
+        elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, 0.0, std)
-        elif isinstance(module, RMSNorm):
-            nn.init.constant_(module.weight, 0.0 if module.unit_offset else 1.0)
-        elif isinstance(module, LayerNorm):
-            nn.init.ones_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+        elif module is not model and callable(getattr(module, "init_weights", None)):
+            module.init_weights(std)
     stacks = model.stacks() if hasattr(model, "stacks") else {}
     for stack in stacks.values():
         residual_std = std / math.sqrt(2 * stack.n_layers)

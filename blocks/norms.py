@@ -21,6 +21,11 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if config.bias else None
 
+    def init_weights(self, std: float) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
         out = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps)
@@ -36,6 +41,9 @@ class RMSNorm(nn.Module):
         self.unit_offset = config.unit_offset
         init = torch.zeros(d_model) if config.unit_offset else torch.ones(d_model)
         self.weight = nn.Parameter(init)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -84,6 +84,9 @@ class Learned(PositionModule):
         self.max_positions = config.max_positions or max_seq_len
         self.weight = nn.Parameter(torch.empty(self.max_positions, d_model))
 
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, 0.0, std)
+
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         _check_positions(positions)
         if positions.numel() and int(positions.max()) >= self.max_positions:
@@ -247,6 +250,9 @@ class RelativeBias(PositionModule):
         self.n_heads = n_heads
         self.bidirectional = not causal
         self.weight = nn.Parameter(torch.empty(config.num_buckets, n_heads))
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, 0.0, std)
 
     def score_bias(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor:
         return self(query_index, key_index, n_heads)

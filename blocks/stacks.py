@@ -95,6 +95,16 @@ class _Model(nn.Module):
         """Parameters, tied and shared tensors counted once."""
         return sum(p.numel() for p in self.parameters())
 
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Let every block that keeps training state outside its gradients update it (a block
+        module's ``after_optimizer_step()``: DeepSeek-V3's load-balancing expert bias). Training
+        loops call this once after each optimizer step."""
+        for module in self.modules():
+            hook = getattr(module, "after_optimizer_step", None)
+            if module is not self and callable(hook):
+                hook()
+
     def aux_loss(self) -> torch.Tensor:
         """The sum of every MoE block's load-balancing loss from the last forward (0 without MoE)."""
         losses = [m.aux_loss for m in self.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]

@@ -171,6 +171,12 @@ class LMModule(L.LightningModule):
         self.log("val_loss", ce, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         return ce
 
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        after_step = getattr(self.model, "after_optimizer_step", None)
+        if after_step is not None:
+            after_step()  # blocks' state kept outside the gradients (blocks.stacks)
+
     def on_train_start(self):
         self._started = time.perf_counter() - self.elapsed
 
