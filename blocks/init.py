@@ -35,7 +35,7 @@ def init_weights(model: nn.Module, std: float = STD) -> nn.Module:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, 0.0, std)
-        elif module is not model and callable(getattr(module, "init_weights", None)):
+        elif callable(getattr(module, "init_weights", None)):
             module.init_weights(std)
     stacks = model.stacks() if hasattr(model, "stacks") else {}
     for stack in stacks.values():
