@@ -5,11 +5,30 @@
 
 from __future__ import annotations
 
-__all__ = ["load_spec", "build_model", "estimate", "SpecError"]
+__project__ = "transformer-builder"  # checked by builder.packages: this name is ours
+
+__all__ = ["load_spec", "build_model", "estimate", "SpecError", "__version__"]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformer-builder")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
 
 
 def __getattr__(name: str):
     # Lazy: `builder validate` and `builder describe` must not pay for importing torch.
+    if name == "__version__":  # importlib.metadata costs ~80 ms: only when asked
+        return _version()
+    if name in ("load_spec", "SpecError", "build_model", "estimate"):
+        from builder.packages import foreign
+
+        problem = foreign()
+        if problem:
+            raise ImportError(problem)
     if name in ("load_spec", "SpecError"):
         from builder import loader
 

@@ -26,9 +26,43 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Version(argparse.Action):
+    """``--version``: this package and the libraries it runs on (imports torch only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions())
+        parser.exit()
+
+
+def versions() -> str:
+    """One line: ``builder 0.1.0 (torch 2.13.0, lightning 2.6.6, triton 3.9.0, CUDA 12.8)``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import builder
+
+    parts = []
+    for name in ("torch", "lightning", "triton"):
+        try:
+            parts.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            parts.append(f"{name} not installed")
+    import torch
+
+    parts.append(f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA build")
+    if torch.cuda.is_available():
+        parts.append(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+    return f"builder {builder.__version__} ({', '.join(parts)})"
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="builder", description="Declarative Transformer specs: validate, size, build, train."
+    )
+    root.add_argument(
+        "--version", action=_Version, help="print the versions of builder, torch, Lightning, Triton and CUDA"
     )
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
@@ -39,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from builder.packages import foreign
+
+    problem = foreign()
+    if problem:
+        print(f"builder: {problem}", file=sys.stderr)
+        return 1
     args = parser().parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)
 

@@ -14,6 +14,8 @@ tensors with no setup. If ``triton`` was imported before (``torch.utils.flop_cou
 ``kernels.triton_attention`` re-wraps triton's helpers for the interpreter on first use.
 """
 
+__project__ = "transformer-builder"  # checked by builder.packages: this name is ours
+
 import os
 
 import torch

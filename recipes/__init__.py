@@ -3,3 +3,5 @@
 ``recipes.config`` (the recipe schema) is torch-free; the other modules import torch and
 Lightning and are imported by ``builder train`` / ``eval`` / ``generate`` inside ``run``.
 """
+
+__project__ = "transformer-builder"  # checked by builder.packages: this name is ours
