@@ -11,7 +11,10 @@ to_hf(spec, model, "path/to/export")             # config.json + model.safetenso
 
 Only local files are read (``config.json`` and ``*.safetensors``, sharded or not, or
 ``pytorch_model.bin`` through ``torch.load(weights_only=True)``); nothing is downloaded and
-``transformers`` is never imported. Every family is a table in :mod:`builder.hf.decoders` or
+``transformers`` is never imported. A folder is not trusted (:mod:`builder.hf.checks`): no path
+that leads out of it is opened, JSON is read with size and depth limits, every ``config.json``
+value must be of its key's kind, and each fault is one line of :class:`HFError` naming the file
+and the key or tensor. Every family is a table in :mod:`builder.hf.decoders` or
 :mod:`builder.hf.encoders`; the spec it produces states every difference as a field.
 
 Export picks the family whose config expresses the spec exactly: it writes the config, reads it
@@ -30,14 +33,15 @@ from typing import Any
 
 from builder.hf import decoders, encoders
 from builder.hf.common import Family, HFError, Unsupported
+from builder.hf.checks import check_config, inside, read_json
 from builder.hf.weights import (
     Checkpoint,
     alias_groups,
     dedupe,
     load_weights,
-    read_json,
     read_weights,
     save_weights,
+    torch_load_safely,
 )
 
 __all__ = [
@@ -84,24 +88,30 @@ def supported_families() -> str:
     return "\n".join(f"  {name:8} {family.description}" for name, family in FAMILIES.items())
 
 
-def family_of(config: Mapping) -> Family:
+def family_of(config: Mapping, path: str | Path = "config.json") -> Family:
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        shown = repr(model_type) if isinstance(model_type, str) and len(model_type) <= 40 else "(absent or not a name)"
         raise Unsupported(
-            f"model_type {model_type!r} is not supported; supported families:\n{supported_families()}"
+            f"{path}: model_type {shown} is not supported; supported families:\n{supported_families()}"
         )
     return FAMILIES[model_type]
 
 
 def read_config(folder: str | Path) -> dict:
+    """``folder/config.json``, read safely and with every value of its key's kind
+    (:mod:`builder.hf.checks`); :class:`HFError` naming the file and the key otherwise."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
+    if not (path.is_file() or path.is_symlink()):
         raise HFError(f"{folder} has no config.json (a Hugging Face model folder has one)")
-    return read_json(path)
+    config = read_json(path, "config", Path(folder))
+    check_config(config, path)
+    return config
 
 
-def validate(spec_dict: Mapping):
-    """The validated ``ModelSpec`` of a spec dict, or :class:`HFError` with every problem."""
+def validate(spec_dict: Mapping, config: Mapping | None = None, source: str | Path = "the converted spec"):
+    """The validated ``ModelSpec`` of a spec dict, or a one-line :class:`HFError`: the first
+    problem, named by the ``config`` key that gave the value when one did."""
     from pydantic import ValidationError
 
     from builder.schema import SpecRuleError, spec_model
@@ -109,70 +119,116 @@ def validate(spec_dict: Mapping):
     try:
         return spec_model().model_validate(dict(spec_dict))
     except ValidationError as exc:
-        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-        raise HFError("the converted spec is invalid:\n  " + "\n  ".join(lines)) from None
+        errors = exc.errors()
+        first = errors[0]
+        field = ".".join(map(str, first["loc"]))
+        keys = _keys_with_value(config or {}, first.get("input"))
+        where = f"{' or '.join(keys)} (the spec's {field})" if keys else field
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        raise HFError(f"{source}: {where}: {first['msg']}{more}") from None
     except SpecRuleError as exc:
-        raise HFError(f"the converted spec is invalid: {exc}") from None
+        raise HFError(f"{source}: {' '.join(str(exc).split())}") from None
+
+
+def _keys_with_value(config: Mapping, value: Any) -> list[str]:
+    """The config keys holding ``value`` (same type; booleans apart): who set a bad field."""
+    if value is None or isinstance(value, (dict, list)):
+        return []
+    return [k for k, v in config.items() if type(v) is type(value) and v == value]
+
+
+def _to_spec(family: Family, config: dict, names: set[str], path: str | Path) -> dict:
+    """``family.to_spec`` with a value it cannot use reported as a one-line :class:`HFError`."""
+    try:
+        return family.to_spec(config, names)
+    except HFError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+        raise HFError(f"{path}: cannot read it as a {family.model_type} config ({type(exc).__name__}: "
+                      f"{' '.join(str(exc).split())[:120]})") from None
 
 
 def config_to_spec(config: Mapping, names: set[str] = frozenset(), name: str | None = None) -> dict:
     """The spec dict of a Hugging Face ``config.json`` (validated; returned as written)."""
+    check_config(config, "config.json")
     family = family_of(config)
-    spec = {"name": name or config.get("_name_or_path") or family.model_type, **family.to_spec(dict(config), set(names))}
-    validate(spec)
+    spec = {"name": name or config.get("_name_or_path") or family.model_type,
+            **_to_spec(family, dict(config), set(names), "config.json")}
+    validate(spec, config, "config.json")
     return spec
 
 
 def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dict]:
-    """``(spec dict, ModelSpec, state dict)`` of a local Hugging Face folder."""
+    """``(spec dict, ModelSpec, state dict)`` of a local Hugging Face folder.
+
+    Reads only files inside ``folder`` (:mod:`builder.hf.checks`); every fault (a config value of
+    the wrong kind, weights of other shapes than the config implies, a missing or unexpected
+    tensor) is one line of :class:`HFError` naming the file, and the key or tensor.
+    """
     folder = Path(folder)
     config = read_config(folder)
-    family = family_of(config)
+    config_path = folder / "config.json"
+    family = family_of(config, config_path)
     checkpoint = Checkpoint(folder)
     names = checkpoint.names()
-    spec_dict = {"name": name or folder.resolve().name, **family.to_spec(config, names)}
+    spec_dict = {"name": name or folder.resolve().name, **_to_spec(family, config, names, config_path)}
     tied_copy = _decide_tying(family, spec_dict, checkpoint)
-    spec = validate(spec_dict)
+    spec = validate(spec_dict, config, config_path)
     links = family.links(spec)
     if family.alternative_links is not None:
         alternative = family.alternative_links(spec)
         if alternative and alternative[0].hf[0] in names:
             replaced = {o for link in alternative for o in link.ours}
             links = [link for link in links if not set(link.ours) & replaced] + alternative
-    state, claimed, missing = {}, set(), []
+    missing = [n for link in links for n in link.hf if n not in names]
+    if missing:
+        raise HFError(f"{folder}: the weights lack {missing[0]}, which config.json implies{_more(missing)}")
+    _check_shapes(spec, links, checkpoint, config, config_path)
+    state, claimed = {}, set()
     for link in links:
-        absent = [n for n in link.hf if n not in names]
-        if absent:
-            missing += absent
-            continue
-        tensors = link.to_ours([checkpoint.get(n) for n in link.hf])
-        state.update(zip(link.ours, tensors))
+        state.update(zip(link.ours, link.to_ours([checkpoint.get(n) for n in link.hf])))
         claimed.update(link.hf)
     leftover = sorted(n for n in names - claimed if n != tied_copy and not family.is_ignored(n))
-    problems = [f"missing from the checkpoint: {n}" for n in missing]
-    problems += _shape_problems(spec, state, links)
-    problems += [f"not part of a {family.model_type} model as configured: {n}" for n in leftover]
-    if problems:
-        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise HFError(f"{folder}: the checkpoint does not match its config.json:\n  {shown}")
+    if leftover:
+        raise HFError(
+            f"{folder}: the weights hold {leftover[0]}, which is not part of a {family.model_type} model "
+            f"as config.json configures it{_more(leftover)}"
+        )
     return _clean(spec_dict), spec, state
 
 
-def _shape_problems(spec, state: dict, links) -> list[str]:
-    """Each converted tensor whose shape differs from what config.json implies, both named."""
+def _more(items: list) -> str:
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
+def _check_shapes(spec, links, checkpoint: Checkpoint, config: Mapping, config_path: Path) -> None:
+    """Each checkpoint tensor has the shape config.json implies, found by running each link's
+    conversion on meta tensors of our model's shapes; the first that differs, named with the
+    config keys whose value it disagrees with, is a one-line :class:`HFError`."""
+    import torch
+
     from builder.assemble import build_model
 
-    expected = {k: tuple(v.shape) for k, v in build_model(spec, device="meta").state_dict().items()}
-    source = {o: link.hf for link in links for o in link.ours}
-    problems = []
-    for name, tensor in state.items():
-        want = expected.get(name)
-        if want is not None and tuple(tensor.shape) != want:
-            problems.append(
-                f"{' + '.join(source.get(name, (name,)))}: the checkpoint gives {name} shape "
-                f"{tuple(tensor.shape)}; config.json implies {want}"
-            )
-    return problems
+    ours = {k: v.shape for k, v in build_model(spec, device="meta").state_dict().items()}
+    wrong = []
+    for link in links:
+        if not all(o in ours for o in link.ours):
+            continue
+        expected = link.to_hf([torch.empty(ours[o], device="meta") for o in link.ours])
+        for name, want in zip(link.hf, expected):
+            got = checkpoint.shape(name)
+            if tuple(got) != tuple(want.shape):
+                wrong.append((name, tuple(got), tuple(want.shape)))
+    if not wrong:
+        return
+    name, got, want = wrong[0]
+    differing = {w for g, w in zip(got, want) if g != w} if len(got) == len(want) else set()
+    keys = sorted({k for w in differing for k in _keys_with_value(config, w)})
+    because = f" ({', '.join(f'{k} = {config[k]}' for k in keys)})" if keys else ""
+    raise HFError(
+        f"{config_path}: does not match the weights: {name} has shape {got} in {checkpoint.file(name).name}; "
+        f"the config implies {want}{because}{_more(wrong)}"
+    )
 
 
 def _decide_tying(family: Family, spec_dict: dict, checkpoint: Checkpoint) -> str | None:
@@ -238,7 +294,7 @@ def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> t
 def _copy_side_files(src: Path, dst: Path) -> None:
     for pattern in SIDE_FILES:
         for path in src.glob(pattern):
-            if path.is_file() and not (dst / path.name).exists():
+            if not (dst / path.name).exists() and inside(src, path).is_file():
                 shutil.copy2(path, dst / path.name)
 
 
@@ -406,7 +462,7 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
     source, out = Path(source), Path(out)
     side = source.parent
     if source.suffix in (".ckpt", ".pt", ".pth"):
-        ckpt_spec, state = _read_training_checkpoint(source)
+        ckpt_spec, state, _ = _read_training_checkpoint(source)
         spec = spec or ckpt_spec
     else:
         if spec is None:
@@ -417,7 +473,7 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
     extra: dict[str, Any] = {}
     hf_config = side / "hf_config.json"
     if hf_config.is_file():
-        extra = {k: v for k, v in json.loads(hf_config.read_text()).items() if k in TOKEN_KEYS and v is not None}
+        extra = {k: v for k, v in read_json(hf_config).items() if k in TOKEN_KEYS and v is not None}
     extra.update(extra_config or {})
     chosen = to_hf(spec, state, out, family=family, extra_config=extra)
     _copy_side_files(side, out)
@@ -425,15 +481,10 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
 
 
 def _read_training_checkpoint(path: Path):
-    import torch
-
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise HFError(f"cannot read {path} safely (weights_only=True): {str(exc).splitlines()[0]}") from None
+    checkpoint = torch_load_safely(path)
     meta = checkpoint.get("builder") if isinstance(checkpoint, Mapping) else None
-    if not meta or "spec" not in meta:
+    if not isinstance(meta, Mapping) or "spec" not in meta or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise HFError(f"{path} was not written by `builder train` (it holds no spec)")
-    spec = validate(meta["spec"])
-    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()}
-    return spec, dedupe(state)
+    spec = validate(meta["spec"], source=path)
+    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
+    return spec, dedupe(state), meta

@@ -9,16 +9,21 @@ source and target) stored once.
 
 from __future__ import annotations
 
-import json
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from builder.hf.checks import inside, read_json
 from builder.hf.common import HFError
 
 
 class Checkpoint:
-    """The tensors of a Hugging Face model folder, by name, read on demand."""
+    """The tensors of a Hugging Face model folder, by name, read on demand.
+
+    Every file is checked to lie inside the folder (:func:`builder.hf.checks.inside`) before it
+    is opened: a shard index cannot send the reader elsewhere.
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -27,15 +32,10 @@ class Checkpoint:
         self._loaded: dict[str, Any] | None = None
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise HFError(f"{index} has no 'weight_map'")
-            self._files = {name: self.folder / file for name, file in weight_map.items()}
-            for path in set(self._files.values()):
-                if not path.is_file():
-                    raise HFError(f"{index} lists {path.name}, which is not in {self.folder}")
-        elif single.is_file():
+        if index.is_file() or index.is_symlink():
+            self._files = self._shards(index)
+        elif single.is_file() or single.is_symlink():
+            single = inside(self.folder, single)
             self._files = dict.fromkeys(self._handle(single).keys(), single)
         else:
             bins = sorted(self.folder.glob("pytorch_model*.bin"))
@@ -46,8 +46,25 @@ class Checkpoint:
                 )
             self._loaded = {}
             for path in bins:
-                self._loaded.update(_torch_load(path))
+                self._loaded.update(_torch_load(inside(self.folder, path)))
             self._files = dict.fromkeys(self._loaded, bins[0])
+
+    def _shards(self, index: Path) -> dict[str, Path]:
+        weight_map = read_json(index, "index", self.folder).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFError(f"{index}: weight_map: expected a mapping of tensor names to shard files")
+        files, checked = {}, {}
+        for name, file in weight_map.items():
+            where = f"weight_map[{_cut(name)!r}]"
+            if not isinstance(file, str) or not file:
+                raise HFError(f"{index}: {where}: expected a shard file name")
+            if file not in checked:
+                path = inside(self.folder, self.folder / file, f"{index}: {where} ({_cut(file)!r})")
+                if not path.is_file():
+                    raise HFError(f"{index}: {where}: the shard {_cut(file)!r} is not in {self.folder}")
+                checked[file] = path
+            files[name] = checked[file]
+        return files
 
     def names(self) -> set[str]:
         return set(self._files)
@@ -55,12 +72,31 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
+    def file(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self._files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape, read from the file's header (no data is read)."""
+        if self._loaded is not None:
+            return tuple(self._loaded[name].shape)
+        return tuple(self._read(name, lambda handle: handle.get_slice(name).get_shape()))
+
     def get(self, name: str):
         if name not in self._files:
             raise KeyError(name)
         if self._loaded is not None:
             return self._loaded[name]
-        return self._handle(self._files[name]).get_tensor(name)
+        return self._read(name, lambda handle: handle.get_tensor(name))
+
+    def _read(self, name: str, what):
+        path = self._files[name]
+        try:
+            return what(self._handle(path))
+        except HFError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (safetensors' own errors: report the file)
+            raise HFError(f"{path}: cannot read tensor {_cut(name)} ({_first_line(exc)})") from None
 
     def _handle(self, path: Path):
         from safetensors import safe_open
@@ -69,7 +105,7 @@ class Checkpoint:
             try:
                 self._open[path] = safe_open(str(path), framework="pt")
             except Exception as exc:  # noqa: BLE001  (safetensors' own errors: report the file)
-                raise HFError(f"cannot read {path}: {exc}") from None
+                raise HFError(f"{path}: not a safetensors file, or a damaged one ({_first_line(exc)})") from None
         return self._open[path]
 
 
@@ -84,22 +120,47 @@ def read_weights(path: str | Path) -> dict:
         try:
             return load_file(str(path))
         except Exception as exc:  # noqa: BLE001
-            raise HFError(f"cannot read {path}: {exc}") from None
+            raise HFError(f"{path}: not a safetensors file, or a damaged one ({_first_line(exc)})") from None
     return _torch_load(path)
 
 
-def _torch_load(path: Path) -> dict:
+def torch_load_safely(path: Path):
+    """What a PyTorch file holds, read by ``torch.load(weights_only=True)``: a pickle that holds
+    anything but tensors and plain data (code, objects) is refused without being run, as a
+    one-line :class:`HFError`."""
+    import warnings
+
     import torch
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001  (an unsafe pickle is refused here, with the reason)
-        raise HFError(f"cannot read {path} safely (weights_only=True): {str(exc).splitlines()[0]}") from None
+        with warnings.catch_warnings():  # torch's notes on odd pickles: the error below says it all
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        objects = "GLOBAL" in str(exc) or "global" in str(exc)
+        raise HFError(
+            f"{path}: not a checkpoint this tool can load safely: "
+            + ("it holds Python objects besides tensors" if objects else "not a tensor-only pickle (or damaged)")
+            + "; only safetensors files and tensor-only PyTorch files are read"
+        ) from None
+    except Exception as exc:  # noqa: BLE001  (torch's reasons for a file it cannot read)
+        raise HFError(f"{path}: not a PyTorch weights file, or a damaged one ({type(exc).__name__})") from None
+
+
+def _torch_load(path: Path) -> dict:
+    """A state dict (names to tensors) from a PyTorch file, read safely."""
+    import torch
+
+    state = torch_load_safely(path)
     if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
         state = state["state_dict"]
-    if not isinstance(state, Mapping):
-        raise HFError(f"{path} does not hold a state dict")
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise HFError(f"{path}: does not hold a state dict (names to tensors)")
     return dict(state)
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def alias_groups(model) -> list[list[str]]:
@@ -189,12 +250,5 @@ def save_weights(source, path: str | Path, metadata: dict[str, str] | None = Non
     return path
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from ``path``; an unreadable or non-object file is an HFError."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise HFError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise HFError(f"{path} is not a JSON object")
-    return data
+def _first_line(exc: Exception) -> str:
+    return _cut(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, 120)
