@@ -9,7 +9,11 @@ Backends:
 * ``triton``: the FlashAttention-2 kernels in :mod:`kernels.triton_attention` (imported on first
   use; on CPU tensors they run under the Triton interpreter).
 * ``auto``: ``triton`` for CUDA tensors, ``sdpa`` elsewhere (and ``sdpa`` whenever
-  ``dropout_p > 0`` or ``head_dim > 256``, which the Triton kernels do not handle).
+  ``dropout_p > 0`` or a head dim is over 256, which the Triton kernels do not handle).
+
+The values may be narrower or wider than the queries and keys (``v`` ``(..., head_dim_v)``, the
+output ``(..., head_dim_v)``): DeepSeek's multi-head latent attention scores with 192-wide heads
+and mixes 128-wide values. Every backend takes it (SDPA's math and memory-efficient kernels do).
 
 Mask semantics, shared by every backend: query row ``i`` sits at position ``i + seq_k - seq_q``
 (the queries are the last ``seq_q`` positions), key ``j`` at position ``j``; with ``d`` the
@@ -41,7 +45,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     Args:
         q: ``(batch, n_heads, seq_q, head_dim)``.
-        k, v: ``(batch, n_kv_heads, seq_k, head_dim)``; ``n_heads`` a multiple of ``n_kv_heads``.
+        k: ``(batch, n_kv_heads, seq_k, head_dim)``; ``n_heads`` a multiple of ``n_kv_heads``.
+        v: ``(batch, n_kv_heads, seq_k, head_dim_v)``; ``head_dim_v`` may differ from ``head_dim``.
         causal: mask keys after the query position.
         sliding_window: ``w``: a query sees keys at most ``w - 1`` positions back (itself
             included); combine with ``causal`` for Mistral-style windows.
@@ -54,21 +59,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         dropout_p: attention dropout probability (``eager``/``sdpa`` only).
 
     Returns:
-        ``(batch, n_heads, seq_q, head_dim)`` in ``q``'s dtype.
+        ``(batch, n_heads, seq_q, head_dim_v)`` in ``q``'s dtype.
     """
     _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if backend == "auto":
-        fused_ok = q.is_cuda and dropout_p == 0.0 and q.shape[-1] <= MAX_TRITON_HEAD_DIM
+        widest = max(q.shape[-1], v.shape[-1])
+        fused_ok = q.is_cuda and dropout_p == 0.0 and widest <= MAX_TRITON_HEAD_DIM
         backend = "triton" if fused_ok else "sdpa"
     if backend == "triton":
         if dropout_p > 0.0:
             raise ValueError(f"backend='triton' does not implement attention dropout (got "
                              f"dropout_p={dropout_p}); use backend='sdpa' or 'eager' to train "
                              f"with dropout")
-        if q.shape[-1] > MAX_TRITON_HEAD_DIM:
+        if max(q.shape[-1], v.shape[-1]) > MAX_TRITON_HEAD_DIM:
             raise ValueError(f"backend='triton' supports head_dim <= {MAX_TRITON_HEAD_DIM}, got "
-                             f"{q.shape[-1]}; use backend='sdpa' or 'eager'")
+                             f"{q.shape[-1]} (values {v.shape[-1]}); use backend='sdpa' or 'eager'")
         try:
             from . import triton_attention  # lazy: importing triton costs ~1 s
         except ImportError as exc:
@@ -98,9 +104,9 @@ def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropou
                          f"{v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on batch, heads and length, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
     (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
     if B != Bk or D != Dk:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
@@ -190,7 +196,7 @@ def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, 
         p = torch.where(dead, 0.0, p)
     if dropout_p > 0.0:
         p = F.dropout(p, p=dropout_p, training=True)
-    return torch.matmul(p.to(v.dtype), v)  # (batch, n_heads, Sq, head_dim)
+    return torch.matmul(p.to(v.dtype), v)  # (batch, n_heads, Sq, head_dim_v)
 
 
 def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p):

@@ -14,6 +14,8 @@ Conventions shared by every kernel:
   ``seq_q`` positions); key column ``j`` sits at position ``j``.
 * score pipeline: ``s = q.k * scale`` -> ``softcap * tanh(s / softcap)`` -> ``+ bias``
   -> ``- slope * (pos_q - pos_k)`` -> masks (``-inf``).
+* queries and keys are ``HEAD_DIM`` wide (tiles ``BLOCK_D``), values and outputs ``HEAD_DIM_V``
+  (tiles ``BLOCK_DV``): equal for ordinary attention, different for DeepSeek's latent attention.
 
 The interpreter: Triton reads ``TRITON_INTERPRET`` whenever ``@triton.jit`` *decorates* a
 function (``triton.knobs.runtime.interpret`` in ``triton/runtime/jit.py``): our kernels, but also
@@ -126,23 +128,22 @@ def _key_range(qpos_lo, qpos_hi, seq_k, window, IS_CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, qpos,
+def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_ok, qpos,
                row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap, window, lo, hi,
                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax sweep over keys [lo, hi) for one tile of query rows.
 
-    ``k_cols``/``v_cols`` are (BLOCK_D,) pointer vectors to the head-dim columns of key 0.
+    ``k_cols``/``v_cols`` are (BLOCK_D,)/(BLOCK_DV,) pointer vectors to the columns of key 0.
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n
-        kv_mask = (kpos < hi)[:, None] & d_ok[None, :]
-        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn, mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn, mask=kv_mask,
-                    other=0.0)
+        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
+                    mask=(kpos < hi)[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
+                    mask=(kpos < hi)[:, None] & dv_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -169,12 +170,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_bb, stride_bh, stride_bm, stride_bn,
-              H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, sm_scale, softcap, window,
+              H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
               SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -183,6 +184,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
     row_ok = offs_m < SEQ_Q
     qpos = offs_m + (SEQ_K - SEQ_Q)  # queries are the last SEQ_Q positions
 
@@ -191,7 +194,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
     if UPCAST:
         q = q.to(tl.float32)
     k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
-    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_d * stride_vd
+    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope += tl.load(Alibi + h).to(tl.float32)
@@ -199,19 +202,19 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, hi = _key_range(pid_m * BLOCK_M + SEQ_K - SEQ_Q, pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
                         SEQ_K, window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn,
-                               d_ok, qpos, row_ok, slope, bias_ptrs,
+                               d_ok, dv_ok, qpos, row_ok, slope, bias_ptrs,
                                stride_bn, sm_scale, softcap, window, lo, hi, IS_CAUSAL,
                                HAS_WINDOW, HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PREC,
                                BLOCK_N)
     dead = l_i == 0.0  # every key masked: output 0, lse +inf
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
-    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     tl.store(Lse + pid_bh * SEQ_Q + offs_m, lse, mask=row_ok)
 
 
@@ -224,13 +227,13 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_bb, stride_bh, stride_bm, stride_bn,
-                 H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, sm_scale, softcap, window,
+                 H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
                  SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
                  SPLIT_LEN, NUM_SPLITS,
                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: one split of the keys, all GROUP * SEQ_Q query rows of one kv head, so the
     cache is read once per kv head (not once per query head)."""
     split = tl.program_id(0)
@@ -245,13 +248,15 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi,
     qpos = i + (SEQ_K - SEQ_Q)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
 
     q_ptrs = Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
-    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_d * stride_vd
+    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope += tl.load(Alibi + h, mask=row_ok, other=0.0).to(tl.float32)
@@ -262,37 +267,37 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi,
     hi = tl.minimum(hi, split * SPLIT_LEN + SPLIT_LEN)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok,
-                               qpos, row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap,
+                               dv_ok, qpos, row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap,
                                window, lo, hi, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_BIAS,
                                HAS_SOFTCAP, UPCAST, DOT_PREC, BLOCK_N)
     dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("-inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
     row = (b * H + h) * SEQ_Q + i  # (BLOCK_M,) row of the (B*H*SEQ_Q, NUM_SPLITS, ...) buffers
-    o_ptrs = OPart + (row * NUM_SPLITS + split)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    o_ptrs = OPart + (row * NUM_SPLITS + split)[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & dv_ok[None, :])
     tl.store(LPart + row * NUM_SPLITS + split, lse, mask=row_ok)
 
 
 @triton.jit
 def _attn_decode_combine(OPart, LPart, Out, Lse, stride_ob, stride_oh, stride_om, stride_od,
-                         H, SEQ_Q, HEAD_DIM, NUM_SPLITS, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         H, SEQ_Q, HEAD_DIM_V, NUM_SPLITS, BLOCK_S: tl.constexpr,
+                         BLOCK_DV: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     b = row // (H * SEQ_Q)
     h = (row // SEQ_Q) % H
     i = row % SEQ_Q
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < NUM_SPLITS
-    d_ok = offs_d < HEAD_DIM
+    d_ok = offs_d < HEAD_DIM_V
     lse_s = tl.load(LPart + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
     dead = m == float("-inf")
     w = tl.exp2(lse_s - tl.where(dead, 0.0, m))  # (BLOCK_S,) split weights, 0 when empty
-    o = tl.load(OPart + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    o = tl.load(OPart + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_V + offs_d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(dead, 1.0, total)
@@ -312,15 +317,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_dom, stride_dod,
                    stride_bb, stride_bh, stride_bm, stride_bn,
-                   H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, sm_scale, softcap, window,
+                   H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
                    SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV of one key tile of one kv head. The GROUP query heads sharing that kv head are
     looped here, so their contributions add up in fp32 registers (no atomics, no repeated K/V).
-    DK and DV are contiguous (B, H_KV, SEQ_K, HEAD_DIM); DBias is contiguous (B, H, SEQ_Q, SEQ_K).
+    DK is contiguous (B, H_KV, SEQ_K, HEAD_DIM), DV (B, H_KV, SEQ_K, HEAD_DIM_V); DBias is
+    contiguous (B, H, SEQ_Q, SEQ_K).
     """
     pid_n = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
@@ -331,16 +337,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
     kpos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    kv_mask = (kpos < SEQ_K)[:, None] & d_ok[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
+    k_mask = (kpos < SEQ_K)[:, None] & d_ok[None, :]
+    v_mask = (kpos < SEQ_K)[:, None] & dv_ok[None, :]
     k = tl.load(K + b * stride_kb + h_kv * stride_kh + kpos[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + h_kv * stride_vh + kpos[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
+                mask=k_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + h_kv * stride_vh + kpos[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=v_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # query rows that can see this key tile
     shift = SEQ_K - SEQ_Q
@@ -362,11 +371,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
         for start_m in range(m_lo, m_hi, BLOCK_M):
             offs_m = start_m + offs_m0
             row_ok = offs_m < SEQ_Q
-            q_mask = row_ok[:, None] & d_ok[None, :]
             q = tl.load(q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=q_mask, other=0.0)
-            do = tl.load(do_head + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                         mask=q_mask, other=0.0)
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(do_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -386,9 +394,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
             if HAS_SOFTCAP:
                 dz = dz * (1.0 - th * th)  # d/ds [c * tanh(s / c)]
             dk += tl.dot(tl.trans(dz).to(q.dtype), q, input_precision=DOT_PREC)
-    out_off = ((b * h_kv_count + h_kv) * SEQ_K + kpos[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    row = (b * h_kv_count + h_kv) * SEQ_K + kpos[:, None]  # (BLOCK_N, 1) row of DK and DV
+    tl.store(DK + row * HEAD_DIM + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + row * HEAD_DIM_V + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -398,12 +406,12 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_bb, stride_bh, stride_bm, stride_bn,
-                 H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, sm_scale, softcap, window,
+                 H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
                  SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of one query tile of one query head. DQ is contiguous (B, H, SEQ_Q, HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -414,13 +422,15 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi,
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
     row_ok = offs_m < SEQ_Q
     q_mask = row_ok[:, None] & d_ok[None, :]
     shift = SEQ_K - SEQ_Q
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -431,15 +441,16 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi,
         slope += tl.load(Alibi + h).to(tl.float32)
     bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
     k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
-    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_d * stride_vd
+    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(pid_m * BLOCK_M + shift, pid_m * BLOCK_M + BLOCK_M - 1 + shift, SEQ_K,
                         window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n0
-        kv_mask = (kpos < SEQ_K)[:, None] & d_ok[None, :]
-        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn, mask=kv_mask, other=0.0)
+        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
+                    mask=(kpos < SEQ_K)[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
+                    mask=(kpos < SEQ_K)[:, None] & dv_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

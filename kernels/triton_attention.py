@@ -43,24 +43,26 @@ _DQ_CONFIGS = [_config(64, 64, 4, 3), _config(128, 64, 8, 3), _config(64, 32, 4,
 _DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
                    for bn, w, s in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2))]
 _DECODE_MAX_BLOCK_N = 128  # the split length is a multiple of every decode BLOCK_N
-_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "GROUP", "IS_CAUSAL", "HAS_WINDOW"]
+_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_CAUSAL", "HAS_WINDOW"]
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave headroom
 
 
 def _pruner(resident, streamed):
     """Pruning function for one kernel. ``resident``/``streamed`` name the tile ("M" or "N")
     held for the whole program and the one pipelined ``num_stages`` deep, for the shared-memory
-    estimate ``element bytes * BLOCK_D * (resident rows + stages * 2 * streamed rows)``. Query
+    estimate ``element bytes * (BLOCK_D * resident rows + stages * (BLOCK_D + BLOCK_DV) *
+    streamed rows)`` (the streamed tile pairs a key-wide and a value-wide tensor). Query
     tiles far taller than the query length are dropped too; at least one config always survives
     (and the autotuner itself skips any config that still runs out of resources)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        block_d, seq_q, elt = args["BLOCK_D"], args["SEQ_Q"], args["Q"].element_size()
+        block_d, block_dv = args["BLOCK_D"], args["BLOCK_DV"]
+        seq_q, elt = args["SEQ_Q"], args["Q"].element_size()
         kept = []
         for c in configs:
             rows = {"M": c.kwargs.get("BLOCK_M", args.get("BLOCK_M")), "N": c.kwargs["BLOCK_N"]}
-            smem = elt * block_d * (rows[resident] + c.num_stages * 2 * rows[streamed])
+            smem = elt * (block_d * rows[resident] + c.num_stages * (block_d + block_dv) * rows[streamed])
             too_tall = "BLOCK_M" in c.kwargs and rows["M"] > max(16, triton.next_power_of_2(seq_q))
             if smem <= _SMEM_BUDGET and not too_tall:
                 kept.append(c)
@@ -100,7 +102,7 @@ def _strides4(t):
     return tuple(t.stride())
 
 
-def _common(q, k, bias, alibi_slopes, causal, sliding_window, softcap):
+def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap):
     """Launch arguments shared by every kernel: bias view + strides, flags, scalar knobs."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
@@ -115,7 +117,8 @@ def _common(q, k, bias, alibi_slopes, causal, sliding_window, softcap):
                  HAS_SOFTCAP=softcap is not None,
                  UPCAST=INTERPRET and q.dtype != torch.float32,
                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                 BLOCK_D=max(16, triton.next_power_of_2(D)))
+                 BLOCK_D=max(16, triton.next_power_of_2(D)),
+                 BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])))
     knobs = (float(softcap or 0.0), int(sliding_window or 0))
     return bias_arg, bias_strides, alibi_arg, flags, knobs
 
@@ -140,30 +143,31 @@ def _decode_splits(batch_kv, seq_k, device):
 
 
 def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale):
-    """Returns ``(out, lse)``; ``lse`` is the log2-domain log-sum-exp, (B, H, Sq) fp32."""
+    """Returns ``(out, lse)``: ``out`` (B, H, Sq, Dv); ``lse`` the log2-domain log-sum-exp,
+    (B, H, Sq) fp32."""
     _check_device(q)
     B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, bias, alibi_slopes, causal,
+    bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal,
                                                             sliding_window, softcap)
     # next powers of two of the lengths: the autotuning key, so a growing cache does not retune
-    tail = (H, group, Sq, Sk, D, scale, cap, window, triton.next_power_of_2(Sq),
+    tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq),
             triton.next_power_of_2(Sk))
     if Sq <= DECODE_MAX_SEQ_Q and group * Sq <= DECODE_MAX_ROWS:
         num_splits, split_len = _decode_splits(B * Hkv, Sk, q.device)
-        o_part = torch.empty((B * H * Sq, num_splits, D), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((B * H * Sq, num_splits, Dv), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B * H * Sq, num_splits), dtype=torch.float32, device=q.device)
         _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail,
                        (split_len, num_splits), flags, (num_splits, B * Hkv),
                        max(16, triton.next_power_of_2(group * Sq)))
         _attn_decode_combine[(B * H * Sq,)](
-            o_part, l_part, out, lse, *_strides4(out), H, Sq, D, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=flags["BLOCK_D"])
+            o_part, l_part, out, lse, *_strides4(out), H, Sq, Dv, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=flags["BLOCK_DV"])
         return out, lse
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _fwd_kernel[grid](q, k, v, out, lse, bias_arg, alibi_arg, *_strides4(q), *_strides4(k),
@@ -184,12 +188,12 @@ def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, slid
     ``bias_needs_grad``, else an empty tensor."""
     _check_device(q)
     B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     # every tile of dq, dk, dv is stored by the kernels (dk/dv tiles with no visible query as 0)
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, Sk, D), dtype=v.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Sk, Dv), dtype=v.dtype, device=q.device)
     # dz of every score: the (B, H, Sq, Sk) matrix only exists when the bias itself needs a grad
     dbias_full = torch.zeros((B, H, Sq, Sk) if bias_needs_grad else (0,), dtype=torch.float32,
                              device=q.device)
@@ -197,9 +201,9 @@ def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, slid
         dq.zero_(), dk.zero_(), dv.zero_()
     else:
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, Sq) rowsum(dO * O)
-        bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, bias, alibi_slopes, causal,
+        bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal,
                                                                 sliding_window, softcap)
-        tail = (H, group, Sq, Sk, D, scale, cap, window, triton.next_power_of_2(Sq),
+        tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq),
                 triton.next_power_of_2(Sk))
         strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *bs)
         grid_kv = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
@@ -226,14 +230,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                     causal: bool, sliding_window: Optional[int], softcap: Optional[float],
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention; returns ``(out (B, H, Sq, D), lse (B, H, Sq) fp32, log2 domain)``."""
+    """Fused attention; returns ``(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, log2 domain)``."""
     return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale)
 
 
 @flash_attention.register_fake
 def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale):
-    B, H, Sq, D = q.shape
-    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+    B, H, Sq, _ = q.shape
+    return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("kernels::flash_attention_backward", mutates_args=())
@@ -273,7 +277,7 @@ flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _matmul_flops(q_shape, k_shape, v_shape):
-    """Two matmuls over the full (Sq, Sk), as the eager reference does: 4 * B * H * Sq * Sk * D."""
+    """Two matmuls over the full (Sq, Sk), as the eager reference does: 2 * B * H * Sq * Sk * (D + Dv)."""
     B, H, Sq, D = q_shape
     Sk, Dv = k_shape[2], v_shape[3]
     return 2 * B * H * Sq * Sk * D + 2 * B * H * Sq * Sk * Dv

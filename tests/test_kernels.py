@@ -52,12 +52,14 @@ def reference(q, k, v, causal=False, sliding_window=None, alibi_slopes=None, bia
     return torch.einsum("bhij,bhjd->bhid", p, v)
 
 
-def make(B, H, Hkv, Sq, Sk, D, dtype=torch.float32, seed=0):
+def make(B, H, Hkv, Sq, Sk, D, dtype=torch.float32, seed=0, Dv=None):
+    """q, k, v and an output gradient; ``Dv``: the values' head dim (default ``D``)."""
     g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
     q = torch.randn(B, H, Sq, D, generator=g, dtype=dtype)
     k = torch.randn(B, Hkv, Sk, D, generator=g, dtype=dtype)
-    v = torch.randn(B, Hkv, Sk, D, generator=g, dtype=dtype)
-    dout = torch.randn(B, H, Sq, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, Sk, Dv, generator=g, dtype=dtype)
+    dout = torch.randn(B, H, Sq, Dv, generator=g, dtype=dtype)
     return [t.to(DEVICE) for t in (q, k, v, dout)]
 
 
@@ -79,8 +81,8 @@ def assert_close(actual, expected, atol, rtol, what):
 
 
 def check_backend(backend, B, H, Hkv, Sq, Sk, D, dtype=torch.float32, bias_shape=None,
-                  bias_fn=None, tol=(2e-4, 2e-4), grad_tol=None, **kw):
-    q, k, v, dout = make(B, H, Hkv, Sq, Sk, D, dtype)
+                  bias_fn=None, tol=(2e-4, 2e-4), grad_tol=None, Dv=None, **kw):
+    q, k, v, dout = make(B, H, Hkv, Sq, Sk, D, dtype, Dv=Dv)
     bias = None
     if bias_shape is not None:
         g = torch.Generator().manual_seed(1)
@@ -128,6 +130,25 @@ CASES = {
 def test_matches_float64_reference(backend, case):
     B, H, Hkv, Sq, Sk, D, kw = CASES[case]
     check_backend(backend, B, H, Hkv, Sq, Sk, D, **dict(kw))
+
+
+# values narrower or wider than queries and keys: (B, H, Hkv, Sq, Sk, D, Dv, kwargs)
+VALUE_DIM_CASES = {
+    "mla-train-causal-33-d24-v16": (2, 4, 4, 33, 33, 24, 16, dict(causal=True)),
+    "mla-absorbed-decode-1x40-d40-v32": (2, 4, 1, 1, 40, 40, 32, dict(causal=True)),
+    "mla-absorbed-chunk-5x50-d24-v16": (1, 4, 1, 5, 50, 24, 16, dict(causal=True, bias_shape=(1, 1, 5, 50))),
+    "wider-values-17x40-d16-v40": (1, 4, 2, 17, 40, 16, 40, dict(
+        causal=True, softcap=3.0, sliding_window=9, alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05]))),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(VALUE_DIM_CASES), ids=list(VALUE_DIM_CASES))
+def test_value_head_dim_may_differ(backend, case):
+    """DeepSeek's latent attention: 192-wide scores, 128-wide values; absorbed decoding is MQA
+    over the latent with values narrower than the keys (the split-K decode path on Triton)."""
+    B, H, Hkv, Sq, Sk, D, Dv, kw = VALUE_DIM_CASES[case]
+    check_backend(backend, B, H, Hkv, Sq, Sk, D, Dv=Dv, **dict(kw))
 
 
 def padding_mask():
@@ -263,6 +284,9 @@ def test_meta_tensors_give_shapes():
     dq, dk, dv, dbias = torch.ops.kernels.flash_attention_backward(
         out, q, k, k, out, lse, bias, None, True, 64, 30.0, 0.1, True)
     assert (dq.shape, dk.shape, dv.shape, dbias.shape) == (q.shape, k.shape, k.shape, bias.shape)
+    v = torch.empty(2, 2, 300, 24, device="meta", dtype=torch.bfloat16)  # narrower values
+    out, lse = torch.ops.kernels.flash_attention(q, k, v, None, None, True, None, None, 0.1)
+    assert out.shape == (2, 8, 5, 24)
 
 
 def test_opcheck():
@@ -294,15 +318,18 @@ def test_dropout(backend):
     (dict(shape=(1, 2, 4, 16), alibi_slopes=torch.zeros(3)), "alibi_slopes"),
     (dict(shape=(1, 2, 4, 16), sliding_window=0), "sliding_window"),
     (dict(shape=(1, 2, 4, 16), backend="flash"), "backend must be one of"),
+    (dict(shape=(1, 2, 4, 16), v_len=5), "agree on batch, heads and length"),
 ])
 def test_clear_errors(kwargs, message):
     kwargs = dict(kwargs)
     shape = kwargs.pop("shape")
     kv_heads = kwargs.pop("kv_heads", shape[1])
+    v_len = kwargs.pop("v_len", shape[2])
     q = torch.zeros(shape)
     k = torch.zeros(shape[0], kv_heads, *shape[2:])
+    v = torch.zeros(shape[0], kv_heads, v_len, shape[3])
     with pytest.raises(ValueError, match=message):
-        attention(q, k, k, **kwargs)
+        attention(q, k, v, **kwargs)
 
 
 def test_import_is_lazy_and_triton_runs_on_cpu():
