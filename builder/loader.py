@@ -5,10 +5,12 @@ validated ``ModelSpec``, or raises :class:`SpecError` listing every problem in t
 ``file:line:col: field.path: message``. ``load_config`` runs the same machinery for any
 pydantic model (recipes use it). Nothing here imports torch.
 
-Order of application: the ``extends:`` chain (parent first; mappings merge key by key,
-scalars and lists replace), then the overrides (each located as ``<--set key=value>``), then
-validation. A block mapping whose ``type`` differs from its parent's replaces it instead of
-merging. ``name`` defaults to the file's stem when the file itself does not set it.
+Order of application: the ``extends:`` chain (parent first), then the overrides (each located
+as ``<--set key=value>`` unless the caller says where it was written), then validation. Every
+layering goes through the one merge (``builder.merge``): mappings merge key by key, scalars and
+lists replace, and a block mapping whose ``type`` differs from the one under it replaces it. An
+override sets the value at its dotted path, a mapping merged over a mapping already there.
+``name`` defaults to the file's stem when the file itself does not set it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from builder.merge import Source, merge
 from builder.problems import validation_problems
+from builder.schema import DEFAULT_TYPES
 from builder.yaml_source import Document, FieldPath, Mark, Problem, SpecError, parse_value, read_document
 
 __all__ = [
@@ -30,16 +34,21 @@ __all__ = [
     "validate_file",
     "parse_set_args",
     "read_merged",
+    "apply_overrides",
+    "validate_document",
 ]
 
 
-def load_spec(path: str | Path, overrides: Mapping[str, Any] | None = None, plugins: Iterable[str] = ()):
-    """Load, merge and validate a model spec; raises :class:`SpecError` with every problem."""
+def load_spec(path: str | Path, overrides: Mapping[str, Any] | None = None, plugins: Iterable[str] = (),
+              sources: Mapping[str, Source] | None = None):
+    """Load, merge and validate a model spec; raises :class:`SpecError` with every problem.
+
+    ``sources``: where an override was written, by key (see :func:`apply_overrides`)."""
     from builder.plugins import load_plugins
     from builder.schema import spec_model
 
     load_plugins(plugins)
-    return _load(path, spec_model(), overrides, default_name=True)
+    return _load(path, spec_model(), overrides, default_name=True, sources=sources)
 
 
 def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None):
@@ -78,42 +87,57 @@ def parse_set_args(items: Iterable[str]) -> dict[str, Any]:
     return overrides
 
 
-def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Document:
+def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None,
+                sources: Mapping[str, Source] | None = None) -> Document:
     """The file after its ``extends:`` chain and the overrides, not validated yet."""
     path = Path(path)
     doc = _resolve(path, str(path), [])
-    if overrides:
-        problems = []
-        for key, value in overrides.items():
-            if key.split(".")[0] == "extends":
-                problems.append(
-                    Problem.at(Mark(f"<--set {key}>"), key, "extends is read from the file before --set applies; "
-                               "write `extends:` in the file (or a new file that extends it)")
-                )
-                continue
-            try:
-                _apply_override(doc, key, value)
-            except SpecError as exc:
-                problems += exc.problems
-        if problems:
-            raise SpecError(doc.problems + problems)
+    apply_overrides(doc, overrides, sources)
     return doc
 
 
-def _load(path: str | Path, model_cls: type, overrides, default_name: bool):
-    doc = read_merged(path, overrides)
-    data = doc.data
-    if default_name and "name" not in data:
-        data["name"] = Path(path).stem
-    if "extends" in data and "extends" not in model_cls.model_fields:
-        del data["extends"]
-    spec, problems = validation_problems(model_cls, data, doc)
+def apply_overrides(doc: Document, overrides: Mapping[str, Any] | None,
+                    sources: Mapping[str, Source] | None = None) -> None:
+    """Set each dotted key of ``overrides`` in ``doc`` (a mapping merges over a mapping there).
+
+    ``sources``: where an override was written (a recipe's ``model.overrides`` line), by key;
+    others are located as ``<--set key=value>``. Raises :class:`SpecError` with every problem.
+    """
+    problems = []
+    for key, value in (overrides or {}).items():
+        if key.split(".")[0] == "extends":
+            problems.append(
+                Problem.at(Mark(f"<--set {key}>"), key, "extends is read from the file before --set applies; "
+                           "write `extends:` in the file (or a new file that extends it)")
+            )
+            continue
+        try:
+            _apply_override(doc, key, value, (sources or {}).get(key))
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(doc.problems + problems)
+
+
+def validate_document(doc: Document, model_cls: type, first: str | None = None):
+    """Validate a located document as ``model_cls``; raises :class:`SpecError` with every problem,
+    ``first``'s (a file name) first, in line order."""
+    if "extends" in doc.data and "extends" not in model_cls.model_fields:
+        del doc.data["extends"]
+    spec, problems = validation_problems(model_cls, doc.data, doc)
     problems = doc.problems + problems
     if problems:
-        top = str(path)  # this file's problems first, in line order; then its parents'; then --set
-        order = lambda p: (p.line is None, p.file != top, p.file, p.line or 0, p.col or 0)  # noqa: E731
+        # this file's problems first, in line order; then its parents'; then --set
+        order = lambda p: (p.line is None, p.file != first, p.file, p.line or 0, p.col or 0)  # noqa: E731
         raise SpecError(sorted(problems, key=order))
     return spec
+
+
+def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sources=None):
+    doc = read_merged(path, overrides, sources)
+    if default_name and "name" not in doc.data:
+        doc.data["name"] = Path(path).stem
+    return validate_document(doc, model_cls, str(path))
 
 
 # -- extends -----------------------------------------------------------------------------------
@@ -147,55 +171,24 @@ def _resolve(path: Path, display: str, chain: list[tuple[Path, str]]) -> Documen
 
 def _merge_documents(base: Document, top: Document) -> Document:
     merged = Document(None, {}, {}, base.problems + top.problems)
+    merged.data = merge(base.data, top.data, types=DEFAULT_TYPES, out=merged,
+                        base_from=(base, ()), top_from=(top, ()))
     merged.values[()] = top.values[()]
-    merged.data = _merge(base.data, top.data, (), base, top, merged)
     return merged
-
-
-def _merge(base: Any, top: Any, path: FieldPath, bdoc: Document, tdoc: Document, out: Document) -> Any:
-    """Mappings merge key by key (locations follow whoever set the key); anything else replaces.
-
-    A block mapping that names a different ``type`` than its parent's replaces it: the fields
-    of one block kind mean nothing to another (``ffn: {type: moe, ...}`` over a ``glu``).
-    """
-    if not (isinstance(base, dict) and isinstance(top, dict)) or base.get("type", top.get("type")) != top.get(
-        "type", base.get("type")
-    ):
-        _copy_marks(top, path, tdoc, out)
-        return top
-    result = {}
-    for key, value in base.items():
-        if key not in top:
-            _copy_marks(value, path + (key,), bdoc, out, with_key=True)
-            result[key] = value
-    for key, value in top.items():
-        sub = path + (key,)
-        out.keys[sub], out.values[sub] = tdoc.keys[sub], tdoc.values[sub]
-        result[key] = _merge(base[key], value, sub, bdoc, tdoc, out) if key in base else _copied(value, sub, tdoc, out)
-    return result
-
-
-def _copied(value: Any, path: FieldPath, src: Document, out: Document) -> Any:
-    _copy_marks(value, path, src, out)
-    return value
-
-
-def _copy_marks(value: Any, path: FieldPath, src: Document, out: Document, with_key: bool = False) -> None:
-    if with_key and path in src.keys:
-        out.keys[path] = src.keys[path]
-    if path in src.values:
-        out.values[path] = src.values[path]
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, child in children:
-        _copy_marks(child, path + (key,), src, out, with_key=True)
 
 
 # -- overrides ---------------------------------------------------------------------------------
 
 
-def _apply_override(doc: Document, key: str, value: Any) -> None:
-    """Set ``a.b.0.c`` to ``value``, creating missing sections; located as ``<--set a.b=v>``."""
-    mark = Mark(f"<--set {key}={_show(value)}>")
+def _apply_override(doc: Document, key: str, value: Any, source: Source | None = None) -> None:
+    """Set ``a.b.0.c`` to ``value``, creating missing sections; located at ``source`` (where it
+    was written) or as ``<--set a.b=v>``."""
+    if source is None:
+        mark = Mark(f"<--set {key}={_show(value)}>")
+        source = (Document(value, {}, {}), ())
+        _mark_all(value, (), mark, source[0])
+    else:
+        mark = source[0].key_mark(source[1]) or Mark(f"<{key}>")
     parts = key.split(".")
     node, path = doc.data, ()
     for i, part in enumerate(parts):
@@ -222,8 +215,11 @@ def _apply_override(doc: Document, key: str, value: Any) -> None:
             where = ".".join(parts[:i])
             raise SpecError([Problem.at(mark, key, f"{where} is a value ({node!r}), not a section with fields")])
         if last:
-            node[step] = value
-            _mark_all(value, path + (step,), mark, doc)
+            here = path + (step,)
+            base = node[step] if isinstance(node, list) or step in node else None
+            node[step] = merge(base, value, types=DEFAULT_TYPES, out=doc, at=here, base_from=(doc, here),
+                               top_from=source)
+            doc.keys[here] = mark
         else:
             node, path = node[step], path + (step,)
 

@@ -4,7 +4,9 @@ Pydantic reports a location as a path through the *models* (``decoder.attention.
 n_heads``: the tagged union adds the block's type name); a user thinks in the YAML's keys.
 :func:`validation_problems` walks each error's location through the model types and the data
 together, drops the union tags, finds the line that set the field, and rewords the message
-("unknown key 'n_kv_head'; did you mean 'n_kv_heads'?").
+("unknown key 'n_kv_head'; did you mean 'n_kv_heads'?"). A block's own rule names its field
+(``blocks.configs.base.rule_error``); a field a merge copied from elsewhere (a layer override
+inheriting the stack's block) is reported where it was written, as the merge recorded.
 """
 
 from __future__ import annotations
@@ -16,18 +18,15 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
+from blocks.configs.base import rule_error  # noqa: F401  (recipes raise it too)
 from builder.yaml_source import Document, FieldPath, Mark, Problem
-
-#: stack-level block fields that each ``overrides`` entry merges over (see builder.schema)
-_SPREAD = ("attention", "cross_attention", "ffn", "norm")
-
 
 def validation_problems(model_cls: type, data: Any, doc: Document) -> tuple[Any, list[Problem]]:
     """Validate ``data`` as ``model_cls``: ``(instance, [])`` or ``(None, located problems)``."""
     from builder.schema import SpecRuleError
 
     try:
-        return model_cls.model_validate(data), []
+        return model_cls.model_validate(data, context={"document": doc}), []
     except ValidationError as exc:
         problems = _pydantic_problems(model_cls, data, doc, exc.errors())
     except SpecRuleError as exc:
@@ -67,20 +66,10 @@ def _problem(doc: Document, data: Any, path: FieldPath, models: list[type], erro
         return _locate(doc, data, path, f"missing required field {path[-1]!r}", "missing")
     if kind in ("unknown_block_type", "union_tag_invalid", "union_tag_not_found"):
         return _block_type_problem(doc, data, path, error)
-    if kind == "value_error" and isinstance(value, dict):
-        path += _field_named(error, value)  # a config's own rule: point at the field it names
+    if kind == "located_rule":  # a config's own rule: it names the field (blocks.configs.base)
+        ctx = error["ctx"]
+        return _locate(doc, data, path + tuple(ctx["loc"]), ctx["message"], "value")
     return _locate(doc, data, path, _reword(error), "value")
-
-
-def _field_named(error: dict, value: dict) -> FieldPath:
-    """The field a config rule's message is about: the one its fix names ("try n_kv_heads: 4"),
-    else the first field it mentions that the mapping sets."""
-    message = str((error.get("ctx") or {}).get("error") or error["msg"])
-    fix = re.search(r"try (\w+):", message)
-    if fix and fix.group(1) in value:
-        return (fix.group(1),)
-    mentioned = [word for word in re.findall(r"\w+", message) if word in value]
-    return (mentioned[0],) if mentioned else ()
 
 
 def _block_type_problem(doc: Document, data: Any, path: FieldPath, error: dict) -> Problem:
@@ -238,39 +227,9 @@ def _get(data: Any, path: FieldPath) -> Any:
 _MISSING = object()
 
 
-def _spread_source(data: Any, path: FieldPath, how: str) -> FieldPath:
-    """A problem found in a merged-in field points where the field was written.
-
-    ``overrides`` entries and ``cross_attention`` are validated after the stack's own blocks are
-    merged into them (see ``builder.schema``): a field the user wrote only in the stack's
-    ``attention`` shows up there too, and is reported once, at the stack's own line.
-    """
-    while True:
-        moved = _unspread(path)
-        if moved is None:
-            return path
-        if how == "missing":  # missing from the merge means missing from the stack's own block
-            parent = _get(data, moved[:-1])
-            if not (isinstance(parent, dict) and moved[-1] not in parent):
-                return path
-        elif _get(data, path) is not _MISSING:
-            return path
-        path = moved
-
-
-def _unspread(path: FieldPath) -> FieldPath | None:
-    """The stack-level path that a merged-in override or cross-attention field came from."""
-    for i, part in enumerate(path):
-        if part == "overrides" and i + 3 < len(path) and isinstance(path[i + 1], int) and path[i + 2] in _SPREAD:
-            return path[:i] + path[i + 2 :]
-        if part == "cross_attention" and i + 1 < len(path):
-            return path[:i] + ("attention",) + path[i + 1 :]
-    return None
-
-
 def _locate(doc: Document, data: Any, path: FieldPath, message: str, how: str) -> Problem:
     """``how``: key (an unknown key), value (a bad value), missing (a field not given)."""
-    path = _spread_source(data, path, how)
+    path = doc.written_at(path, missing=how == "missing")
     if how == "missing":
         parent = path[:-1]
         mark = doc.key_mark(parent) if parent else doc.values.get(())

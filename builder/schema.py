@@ -1,26 +1,52 @@
-"""The spec schema: Pydantic models for every field of the spec format.
+"""The spec schema: :class:`ModelSpec` and its sections, for every field of the spec format.
 
-Block choices (``position``, ``ffn``, ``norm``, ``head``, ``attention``) are discriminated
-unions built from the block registry, so a block registered later (a user's plugin) is part of
-the schema and the JSON Schema at once: :func:`spec_model` rebuilds when the registry changes.
-Cross-field rules that need the whole spec live in :func:`rule_errors`; they name the field
-they are about so the loader can point at its line.
+``from builder.schema import ModelSpec`` is a static class to annotate with: its block fields
+are typed by their contracts (``AttentionBlock``, ``FFNBlock``... in ``blocks.configs.base``),
+which is all generic code may ask of them. Validation runs on :func:`spec_model`, a subclass of
+each section whose block fields are discriminated unions of the blocks registered now, so a
+block registered later (a user's plugin) joins the schema and the JSON Schema at once; it is
+rebuilt when the registry changes. ``ModelSpec.model_validate(data)`` validates with it.
+
+Before validation each stack's ``cross_attention`` and per-layer ``overrides`` are completed
+from the stack's own blocks through the one merge (``builder.merge``), which carries where each
+field was written. Cross-field rules that need the whole spec live in :func:`rule_errors`; a
+block's own rules live with the block; every rule names the field it is about so the loader can
+point at its line.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 
 from blocks import registry
+from blocks.configs.base import (
+    ArchitectureBlock,
+    AttentionBlock,
+    FFNBlock,
+    HeadBlock,
+    Loc,
+    NormBlock,
+    PositionBlock,
+)
 from blocks.configs.layer import LayerConfig
+from builder.merge import merge
 
-Loc = tuple[Union[str, int], ...]
-
-#: the type a block field takes when its ``type`` key is left out
+#: the type a block field takes when its ``type`` key is left out, by block kind
 DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}
+#: the same by spec field name, for the merge (a cross-attention is an attention block)
+FIELD_TYPES = {**DEFAULT_TYPES, "cross_attention": DEFAULT_TYPES["attention"]}
 #: stack-level block fields that per-layer ``overrides`` may change
 LAYER_FIELDS = ("attention", "cross_attention", "ffn", "norm")
 
@@ -76,21 +102,6 @@ def parse_layers(layers: str | list[int], n_layers: int) -> list[int]:
     return [i % n_layers for i in layers if -n_layers <= i < n_layers]
 
 
-def _merge(base: Any, update: Any) -> Any:
-    """Mappings merge key by key; anything else replaces."""
-    if isinstance(base, dict) and isinstance(update, dict):
-        merged = dict(base)
-        for key, value in update.items():
-            merged[key] = _merge(base.get(key), value)
-        return merged
-    return copy.deepcopy(update)
-
-
-def _same_type(kind: str, base: dict, update: dict) -> bool:
-    default = DEFAULT_TYPES.get(kind)
-    return update.get("type", base.get("type", default)) == base.get("type", default)
-
-
 def _cross_base(attention: Any) -> Any:
     """The fields of a self-attention mapping a cross-attention takes over (its block decides)."""
     if not isinstance(attention, dict):
@@ -100,46 +111,202 @@ def _cross_base(attention: Any) -> Any:
     return {k: v for k, v in attention.items() if k not in dropped}
 
 
-def _spread_stack_defaults(data: Any) -> Any:
-    """Before validation: complete cross-attention and overrides from the stack's own fields.
-
-    ``cross_attention`` fields merge over ``attention`` (without its window); each override's
-    block fields merge over the stack's (a different ``type`` replaces instead).
-    """
+def spread_layer_defaults(data: Any, doc=None, stacks: tuple[str, ...] = ("encoder", "decoder")) -> Any:
+    """Before validation: each stack's ``cross_attention`` merged over its ``attention`` (less
+    what that block does not hand to a cross-attention), and each override's blocks merged over
+    the stack's (a different ``type`` replaces). ``doc``: the located document of ``data``; the
+    merge records there where each inherited field was written."""
     if not isinstance(data, dict):
         return data
     data = dict(data)
-    attention = data.get("attention")
-    if isinstance(attention, dict) and isinstance(data.get("cross_attention"), dict):
-        data["cross_attention"] = _merge(_cross_base(attention), data["cross_attention"])
-    overrides = data.get("overrides")
+    for name in stacks:
+        if isinstance(data.get(name), dict):
+            data[name] = _spread_stack(data[name], (name,), doc)
+    return data
+
+
+def _spread_stack(stack: dict, at: Loc, doc) -> dict:
+    stack = dict(stack)
+    attention = stack.get("attention")
+    cross_base = _cross_base(attention)
+
+    def over(base, base_at: Loc, update, update_at: Loc):
+        return merge(base, update, types=FIELD_TYPES, out=doc, at=update_at, base_from=(doc, base_at))
+
+    if isinstance(attention, dict) and isinstance(stack.get("cross_attention"), dict):
+        stack["cross_attention"] = over(cross_base, at + ("attention",), stack["cross_attention"],
+                                        at + ("cross_attention",))
+    overrides = stack.get("overrides")
     if isinstance(overrides, list):
         spread = []
-        for override in overrides:
+        for i, override in enumerate(overrides):
             if isinstance(override, dict):
                 override = dict(override)
                 for key in LAYER_FIELDS:
-                    base = data.get(key)
+                    base, base_at = stack.get(key), at + (key,)
                     if key == "cross_attention" and base is None:
-                        base = _cross_base(attention or {})
-                    update = override.get(key)
-                    if isinstance(base, dict) and isinstance(update, dict):
-                        if _same_type(key, base, update):
-                            override[key] = _merge(base, update)
+                        base, base_at = cross_base, at + ("attention",)
+                    if isinstance(base, dict) and isinstance(override.get(key), dict):
+                        override[key] = over(base, base_at, override[key], at + ("overrides", i, key))
             spread.append(override)
-        data["overrides"] = spread
-    return data
+        stack["overrides"] = spread
+    return stack
 
 
 _PARTIAL = WithJsonSchema(
     {"type": "object", "description": "Fields merged over the stack's own block of this kind."}
 )
 
-_CACHE: dict[int, type] = {}
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
-def spec_model() -> type:
-    """The ``ModelSpec`` class for the blocks registered now (rebuilt when that changes)."""
+class EmbeddingSpec(_Section):
+    """Token embeddings."""
+
+    scale: Literal["none", "sqrt_d"] = Field(
+        "none", description="sqrt_d multiplies token embeddings by sqrt(d_model) (2017 Transformer, Gemma)."
+    )
+    scale_in_model_dtype: bool = Field(
+        False,
+        description="Round the sqrt(d_model) factor to the model's dtype before multiplying, as "
+        "Gemma does (in bf16, sqrt(3072) = 55.43 becomes 55.5); false multiplies by it exactly.",
+    )
+    norm: Optional[NormBlock] = Field(None, description="A norm right after the embeddings (BERT); null: none.")
+    segments: int = Field(0, ge=0, description=">0 adds a token-type (segment) table of that size (BERT: 2).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the summed embeddings.")
+
+
+class LayerOverride(_Section):
+    """Layers that differ from the rest of their stack."""
+
+    layers: Union[str, list[int]] = Field(
+        ..., description="A Python-style slice over layer indices ('0::2') or a list [0, 5, 7]."
+    )
+    attention: Optional[AttentionBlock] = Field(None, description="Merged over the stack's attention.")
+    cross_attention: Optional[AttentionBlock] = Field(None, description="Merged over the stack's cross-attention.")
+    ffn: Optional[FFNBlock] = Field(
+        None, description="Merged over the stack's ffn; a different type replaces it (hybrids)."
+    )
+    norm: Optional[NormBlock] = Field(None, description="Merged over the stack's norm.")
+    dropout: Optional[float] = Field(None, ge=0, lt=1, description="This layer's sub-layer dropout.")
+
+
+class StackSpec(_Section):
+    """A stack of layers (the spec's ``decoder:`` or ``encoder:``)."""
+
+    n_layers: int = Field(..., ge=1, description="Number of layers in the stack.")
+    attention: AttentionBlock = Field(..., description="Self-attention of every layer.")
+    cross_attention: Optional[AttentionBlock] = Field(
+        None,
+        description="Decoder of an encoder-decoder: attention over the encoder's output; "
+        "fields merge over attention's; null means the same as attention (without its window).",
+    )
+    ffn: FFNBlock = Field(default_factory=lambda: {"type": "mlp"}, description="The feed-forward block.")
+    norm: NormBlock = Field(
+        default_factory=lambda: {"type": "layernorm"}, description="The norm block and its placement."
+    )
+    final_norm: bool = Field(True, description="A norm after the last layer (pre-norm stacks have one).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="On each sub-layer's output, before the residual add.")
+    overrides: list[LayerOverride] = Field(
+        default_factory=list, description="Layers that differ from the rest of the stack."
+    )
+
+    def layer_indices(self, override: LayerOverride) -> list[int]:
+        return parse_layers(override.layers, self.n_layers)
+
+    def layer(self, index: int) -> LayerConfig:
+        """Layer ``index``'s blocks, later overrides winning over earlier ones."""
+        fields = {key: getattr(self, key) for key in LAYER_FIELDS}
+        if fields["cross_attention"] is None:
+            fields["cross_attention"] = self.attention.for_cross_attention()
+        dropout = self.dropout
+        for override in self.overrides:
+            if index in self.layer_indices(override):
+                for key in LAYER_FIELDS:
+                    if getattr(override, key) is not None:
+                        fields[key] = getattr(override, key)
+                if override.dropout is not None:
+                    dropout = override.dropout
+        return LayerConfig(dropout=dropout, **fields)
+
+    def layers(self) -> list[LayerConfig]:
+        return [self.layer(i) for i in range(self.n_layers)]
+
+
+class ModelSpec(_Section):
+    """A Transformer, declared. Attribute names are the YAML keys.
+
+    Validate with ``ModelSpec.model_validate(data)`` (or ``builder.load_spec``): it runs on
+    :func:`spec_model`, whose instances are instances of this class.
+    """
+
+    #: the fields that hold stacks of layers
+    stack_fields: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
+
+    name: str = Field("model", description="Free text, shown in reports.")
+    extends: Optional[str] = Field(None, description="A spec this one overrides (path relative to this file).")
+    architecture: str = Field(..., description="decoder-only | encoder-only | encoder-decoder.")
+    vocab_size: int = Field(..., ge=1, description="Number of token ids.")
+    d_model: int = Field(..., ge=1, description="Width of the residual stream.")
+    max_seq_len: int = Field(..., ge=1, description="Longest sequence the model is built for.")
+    tie_embeddings: bool = Field(False, description="Output projection shares the input embedding matrix.")
+    share_encoder_decoder_embeddings: bool = Field(
+        True, description="encoder-decoder only: one table for source and target."
+    )
+    embedding: EmbeddingSpec = Field(default_factory=dict, description="Token embeddings.")
+    position: PositionBlock = Field(
+        default_factory=lambda: {"type": "rope"},
+        description="sinusoidal | learned | rope | alibi | relative_bias | none, with its knobs.",
+    )
+    decoder: Optional[StackSpec] = Field(
+        None, description="The causal stack of decoder-only and encoder-decoder models."
+    )
+    encoder: Optional[StackSpec] = Field(
+        None, description="The bidirectional stack of encoder-only and encoder-decoder models."
+    )
+    head: HeadBlock = Field(default_factory=lambda: {"type": "lm"}, description="lm | mlm | classification | none.")
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args, **kwargs):
+        if cls is ModelSpec:  # the static class: validate with the registered blocks
+            return spec_model().model_validate(obj, *args, **kwargs)
+        return super().model_validate(obj, *args, **kwargs)
+
+    @classmethod
+    def model_json_schema(cls, *args, **kwargs) -> dict[str, Any]:
+        if cls is ModelSpec:
+            return spec_model().model_json_schema(*args, **kwargs)
+        return super().model_json_schema(*args, **kwargs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spread(cls, data: Any, info: ValidationInfo) -> Any:
+        document = (info.context or {}).get("document")
+        return spread_layer_defaults(data, document, cls.stack_fields)
+
+    @model_validator(mode="after")
+    def _rules(self):
+        problems = rule_errors(self)
+        if problems:
+            raise SpecRuleError(problems)
+        return self
+
+    @property
+    def architecture_config(self) -> ArchitectureBlock:
+        return registry.config_class("stack", self.architecture)()
+
+    def stacks(self) -> dict[str, StackSpec]:
+        """The stacks this architecture runs, by name, in order."""
+        return {name: getattr(self, name) for name in self.architecture_config.stacks}
+
+
+_CACHE: dict[int, type[ModelSpec]] = {}
+
+
+def spec_model() -> type[ModelSpec]:
+    """The ``ModelSpec`` subclass for the blocks registered now (rebuilt when that changes)."""
     version = registry.version()
     if version not in _CACHE:
         _CACHE.clear()
@@ -147,134 +314,36 @@ def spec_model() -> type:
     return _CACHE[version]
 
 
-def _build_spec_model() -> type:  # noqa: C901  (one class per spec section, kept together)
-    Attention = block_union("attention")
-    Position = block_union("position")
-    FFN = block_union("ffn")
-    Norm = block_union("norm")
-    Head = block_union("head")
-    Architecture = Literal[tuple(registry.configs("stack"))]
+def _section(cls: type[_Section], **types) -> type:
+    """A subclass of ``cls`` whose fields named in ``types`` take those types (and keep their
+    defaults and descriptions)."""
+    fields = {name: (tp, cls.model_fields[name]) for name, tp in types.items()}
+    sub = create_model(cls.__name__, __base__=cls, __module__=cls.__module__, **fields)
+    sub.__qualname__ = cls.__qualname__
+    return sub
 
-    class _Section(BaseModel):
-        model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
-    class EmbeddingConfig(_Section):
-        scale: Literal["none", "sqrt_d"] = Field(
-            "none", description="sqrt_d multiplies token embeddings by sqrt(d_model) (2017 Transformer, Gemma)."
-        )
-        scale_in_model_dtype: bool = Field(
-            False,
-            description="Round the sqrt(d_model) factor to the model's dtype before multiplying, as "
-            "Gemma does (in bf16, sqrt(3072) = 55.43 becomes 55.5); false multiplies by it exactly.",
-        )
-        norm: Norm | None = Field(None, description="A norm right after the embeddings (BERT); null: none.")
-        segments: int = Field(0, ge=0, description=">0 adds a token-type (segment) table of that size (BERT: 2).")
-        dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the summed embeddings.")
-
-    class LayerOverride(_Section):
-        layers: Union[str, list[int]] = Field(
-            ..., description="A Python-style slice over layer indices ('0::2') or a list [0, 5, 7]."
-        )
-        attention: Annotated[Attention | None, _PARTIAL] = Field(None, description="Merged over the stack's attention.")
-        cross_attention: Annotated[Attention | None, _PARTIAL] = Field(
-            None, description="Merged over the stack's cross-attention."
-        )
-        ffn: Annotated[FFN | None, _PARTIAL] = Field(
-            None, description="Merged over the stack's ffn; a different type replaces it (hybrids)."
-        )
-        norm: Annotated[Norm | None, _PARTIAL] = Field(None, description="Merged over the stack's norm.")
-        dropout: float | None = Field(None, ge=0, lt=1, description="This layer's sub-layer dropout.")
-
-    class StackConfig(_Section):
-        n_layers: int = Field(..., ge=1, description="Number of layers in the stack.")
-        attention: Attention = Field(..., description="Self-attention of every layer.")
-        cross_attention: Attention | None = Field(
-            None,
-            description="Decoder of an encoder-decoder: attention over the encoder's output; "
-            "fields merge over attention's; null means the same as attention (without its window).",
-        )
-        ffn: FFN = Field(default_factory=lambda: {"type": "mlp"}, description="The feed-forward block.")
-        norm: Norm = Field(
-            default_factory=lambda: {"type": "layernorm"}, description="The norm block and its placement."
-        )
-        final_norm: bool = Field(True, description="A norm after the last layer (pre-norm stacks have one).")
-        dropout: float = Field(0.0, ge=0, lt=1, description="On each sub-layer's output, before the residual add.")
-        overrides: list[LayerOverride] = Field(
-            default_factory=list, description="Layers that differ from the rest of the stack."
-        )
-
-        _spread = model_validator(mode="before")(_spread_stack_defaults)
-
-        def layer_indices(self, override) -> list[int]:
-            return parse_layers(override.layers, self.n_layers)
-
-        def layer(self, index: int) -> LayerConfig:
-            """Layer ``index``'s blocks, later overrides winning over earlier ones."""
-            fields = {key: getattr(self, key) for key in LAYER_FIELDS}
-            if fields["cross_attention"] is None:
-                fields["cross_attention"] = self.attention.for_cross_attention()
-            dropout = self.dropout
-            for override in self.overrides:
-                if index in self.layer_indices(override):
-                    for key in LAYER_FIELDS:
-                        if getattr(override, key) is not None:
-                            fields[key] = getattr(override, key)
-                    if override.dropout is not None:
-                        dropout = override.dropout
-            return LayerConfig(dropout=dropout, **fields)
-
-        def layers(self) -> list[LayerConfig]:
-            return [self.layer(i) for i in range(self.n_layers)]
-
-    class ModelSpec(_Section):
-        """A Transformer, declared. Attribute names are the YAML keys."""
-
-        name: str = Field("model", description="Free text, shown in reports.")
-        extends: Union[str, None] = Field(
-            None, description="A spec this one overrides (path relative to this file)."
-        )
-        architecture: Architecture = Field(  # type: ignore[valid-type]
-            ..., description="decoder-only | encoder-only | encoder-decoder."
-        )
-        vocab_size: int = Field(..., ge=1, description="Number of token ids.")
-        d_model: int = Field(..., ge=1, description="Width of the residual stream.")
-        max_seq_len: int = Field(..., ge=1, description="Longest sequence the model is built for.")
-        tie_embeddings: bool = Field(False, description="Output projection shares the input embedding matrix.")
-        share_encoder_decoder_embeddings: bool = Field(
-            True, description="encoder-decoder only: one table for source and target."
-        )
-        embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig, description="Token embeddings.")
-        position: Position = Field(  # type: ignore[valid-type]
-            default_factory=lambda: {"type": "rope"},
-            description="sinusoidal | learned | rope | alibi | relative_bias | none, with its knobs.",
-        )
-        decoder: StackConfig | None = Field(
-            None, description="The causal stack of decoder-only and encoder-decoder models."
-        )
-        encoder: StackConfig | None = Field(
-            None, description="The bidirectional stack of encoder-only and encoder-decoder models."
-        )
-        head: Head = Field(  # type: ignore[valid-type]
-            default_factory=lambda: {"type": "lm"}, description="lm | mlm | classification | none."
-        )
-
-        @model_validator(mode="after")
-        def _rules(self):
-            problems = rule_errors(self)
-            if problems:
-                raise SpecRuleError(problems)
-            return self
-
-        @property
-        def architecture_config(self):
-            return registry.config_class("stack", self.architecture)()
-
-        def stacks(self) -> dict[str, Any]:
-            """The stacks this architecture runs, by name, in order."""
-            return {name: getattr(self, name) for name in self.architecture_config.stacks}
-
-    ModelSpec.__name__ = ModelSpec.__qualname__ = "ModelSpec"
-    return ModelSpec
+def _build_spec_model() -> type[ModelSpec]:
+    Attention, FFN, Norm = block_union("attention"), block_union("ffn"), block_union("norm")
+    Embedding = _section(EmbeddingSpec, norm=Optional[Norm])
+    Override = _section(
+        LayerOverride,
+        attention=Annotated[Optional[Attention], _PARTIAL],
+        cross_attention=Annotated[Optional[Attention], _PARTIAL],
+        ffn=Annotated[Optional[FFN], _PARTIAL],
+        norm=Annotated[Optional[Norm], _PARTIAL],
+    )
+    Stack = _section(StackSpec, attention=Attention, cross_attention=Optional[Attention], ffn=FFN, norm=Norm,
+                     overrides=list[Override])
+    return _section(
+        ModelSpec,
+        architecture=Literal[tuple(registry.configs("stack"))],
+        embedding=Embedding,
+        position=block_union("position"),
+        decoder=Optional[Stack],
+        encoder=Optional[Stack],
+        head=block_union("head"),
+    )
 
 
 def rule_errors(spec) -> list[tuple[Loc, str]]:

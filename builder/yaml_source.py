@@ -66,18 +66,36 @@ class SpecError(ValueError):
 
 @dataclasses.dataclass
 class Document:
-    """Plain data plus, for each field path, where its key and its value were written."""
+    """Plain data plus, for each field path, where its key and its value were written.
+
+    A merge (``builder.merge``) that copies a value from another path records it: ``origins``
+    maps a path to the path the value was written at, ``bases`` a merged mapping to the mapping
+    it was laid over (a key missing from the result is missing there too).
+    """
 
     data: Any
     keys: dict[FieldPath, Mark]
     values: dict[FieldPath, Mark]
     problems: list[Problem] = dataclasses.field(default_factory=list)  # non-fatal (duplicates)
+    origins: dict[FieldPath, FieldPath] = dataclasses.field(default_factory=dict)
+    bases: dict[FieldPath, FieldPath] = dataclasses.field(default_factory=dict)
 
     def key_mark(self, path: FieldPath) -> Mark | None:
         return self.keys.get(path) or self.values.get(path)
 
     def value_mark(self, path: FieldPath) -> Mark | None:
         return self.values.get(path) or self.keys.get(path)
+
+    def written_at(self, path: FieldPath, missing: bool = False) -> FieldPath:
+        """The path the user wrote what is at ``path`` (after merges); ``missing``: where a key
+        absent from a merged mapping is absent first (the mapping it was laid over)."""
+        if missing:
+            while path[:-1] in self.bases:
+                path = self.bases[path[:-1]] + path[-1:]
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.origins:
+                return self.origins[path[:n]] + path[n:]
+        return path
 
 
 class SpecLoader(yaml.SafeLoader):

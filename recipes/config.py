@@ -252,24 +252,8 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _rules(self):
         if self.trainer.strategy == "fsdp" and self.trainer.accelerator == "cpu":
-            raise ValueError("trainer.strategy fsdp needs CUDA devices; use ddp on CPU")
+            raise rule_error(("trainer", "strategy"), "trainer.strategy fsdp needs CUDA devices; use ddp on CPU")
         return self
-
-
-def flat_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"decoder": {"n_layers": 2}, "d_model": 64}`` -> ``{"decoder.n_layers": 2, "d_model": 64}``.
-
-    Nested mappings merge key by key (as ``extends`` does), so flattening them to dotted leaves
-    means the same; an empty mapping is kept as a value.
-    """
-    flat: dict[str, Any] = {}
-    for key, value in overrides.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flat_overrides(value, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 def resolve(recipe_file: Path | None, path: str) -> Path:
@@ -316,50 +300,42 @@ def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:
 def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[str, Any] | None = None):
     """The recipe's validated model spec, with its overrides and the tokenizer's ``vocab_size``.
 
-    A spec file loads through ``builder.load_spec``; an inline spec is validated in place, so its
-    problems point at the recipe's own lines. ``extra``: overrides a task sets over the recipe's
-    (a whole ``head`` mapping replaces the spec's head).
+    ``model.overrides`` (dotted keys or nested mappings) are laid over the spec by the loader's
+    one merge, located at the recipe's own lines; an inline spec is validated in place, so its
+    problems point at the recipe too. ``extra``: overrides a task sets over the recipe's (a
+    ``head`` mapping of another type replaces the spec's head).
     """
-    overrides = {**flat_overrides(recipe.model.overrides), **(extra or {}), "vocab_size": vocab_size}
-    if isinstance(recipe.model.spec, str):
-        from builder.loader import load_spec
-
-        return load_spec(resolve(recipe_file, recipe.model.spec), overrides=overrides)
-    return _inline_spec(recipe_file, overrides)
-
-
-def _inline_spec(recipe_file: Path, overrides: dict[str, Any]):
-    from builder.loader import read_merged
-    from builder.problems import validation_problems
-    from builder.schema import spec_model
-    from builder.yaml_source import Document, Mark, Problem, SpecError
+    from builder.loader import load_spec, read_merged
 
     doc = read_merged(recipe_file)
+    written = {key: (doc, ("model", "overrides", key)) for key in recipe.model.overrides
+               if ("model", "overrides", key) in doc.values}
+    overrides = {**recipe.model.overrides, **(extra or {}), "vocab_size": vocab_size}
+    if isinstance(recipe.model.spec, str):
+        return load_spec(resolve(recipe_file, recipe.model.spec), overrides=overrides, sources=written)
+    return _inline_spec(recipe, recipe_file, doc, overrides, written)
+
+
+def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, Any], written: dict):
+    import copy
+
+    from builder.loader import apply_overrides, validate_document
+    from builder.schema import spec_model
+    from builder.yaml_source import Document, Problem, SpecError
+
     prefix = ("model", "spec")
     inline = Document(
-        data=doc.data["model"]["spec"],
+        data=copy.deepcopy(recipe.model.spec),
         keys={k[2:]: m for k, m in doc.keys.items() if k[:2] == prefix},
         values={k[2:]: m for k, m in doc.values.items() if k[:2] == prefix},
     )
     if "extends" in inline.data:
         where = inline.value_mark(("extends",))
         raise SpecError([Problem.at(where, "model.spec.extends", "an inline spec cannot extend; give `spec:` a file")])
-    for key, value in overrides.items():
-        mark = (
-            doc.value_mark(("model", "overrides", key))
-            or doc.value_mark(("model", "overrides", *key.split(".")))
-            or Mark(f"<model.overrides {key}={value}>")
-        )
-        node, path = inline.data, ()
-        *parents, last = key.split(".")
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node, path = node[part], path + (part,)
-        node[last] = value
-        inline.keys[path + (last,)] = inline.values[path + (last,)] = mark
-    spec, problems = validation_problems(spec_model(), inline.data, inline)
-    if problems:
+    try:
+        apply_overrides(inline, overrides, written)
+        return validate_document(inline, spec_model(), str(recipe_file))
+    except SpecError as exc:
         # re-pathed under the recipe: decoder.n_layers -> model.spec.decoder.n_layers
-        raise SpecError([dataclasses.replace(p, path=".".join(filter(None, ("model.spec", p.path)))) for p in problems])
-    return spec
+        raise SpecError([dataclasses.replace(p, path=".".join(filter(None, ("model.spec", p.path))))
+                         for p in exc.problems]) from None

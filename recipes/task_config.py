@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from builder.problems import rule_error
 from recipes.config import DataSection, DatasetFields, Recipe, _Section
 
 
@@ -49,7 +50,7 @@ class ParallelDataSection(DatasetFields):
         if self.dataset is None:
             missing = [role for role in ("train", "validation") if getattr(self, role) is None]
             if missing:
-                raise ValueError(f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} "
+                raise rule_error(("dataset",), f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} "
                                  "(source and target files)")
             return self
         from recipes.datasets import get
@@ -57,7 +58,7 @@ class ParallelDataSection(DatasetFields):
         dataset = get(self.dataset)
         langs = dataset.keys
         if self.source_lang not in langs or self.target_lang not in langs or self.source_lang == self.target_lang:
-            raise ValueError(f"data.source_lang and data.target_lang: two of {dataset.name}'s languages "
+            raise rule_error(("source_lang",), f"data.source_lang and data.target_lang: two of {dataset.name}'s languages "
                              f"{langs} (got {self.source_lang!r} and {self.target_lang!r})")
         if self.validation is None:
             dataset.split_of("validation")
@@ -95,7 +96,7 @@ class TranslationRecipe(Recipe):
     @model_validator(mode="after")
     def _translation_rules(self):
         if self.tokenizer.type != "sentencepiece":
-            raise ValueError("tokenizer.type: translation needs a sentencepiece tokenizer (pad, bos and eos ids)")
+            raise rule_error(("tokenizer", "type"), "tokenizer.type: translation needs a sentencepiece tokenizer (pad, bos and eos ids)")
         return self
 
 
@@ -109,7 +110,8 @@ class MLMSection(_Section):
     @model_validator(mode="after")
     def _shares(self):
         if self.replace_mask + self.replace_random > 1:
-            raise ValueError(
+            raise rule_error(
+                ("replace_mask",),
                 f"replace_mask {self.replace_mask} + replace_random {self.replace_random} exceed 1; "
                 "the rest of the chosen tokens stay unchanged"
             )
@@ -127,9 +129,9 @@ class MLMRecipe(Recipe):
     @model_validator(mode="after")
     def _mlm_rules(self):
         if self.tokenizer.type != "sentencepiece":
-            raise ValueError("tokenizer.type: mlm needs a sentencepiece tokenizer ([PAD], [CLS], [SEP], [MASK])")
+            raise rule_error(("tokenizer", "type"), "tokenizer.type: mlm needs a sentencepiece tokenizer ([PAD], [CLS], [SEP], [MASK])")
         if self.data.seq_len < 3:
-            raise ValueError("data.seq_len must leave room for [CLS], [SEP] and a token (>= 3)")
+            raise rule_error(("data", "seq_len"), "data.seq_len must leave room for [CLS], [SEP] and a token (>= 3)")
         return self
 
 
@@ -162,14 +164,14 @@ class LabeledDataSection(DatasetFields):
     @model_validator(mode="after")
     def _one_source(self):
         if sum(x is not None for x in (self.file, self.by_label, self.dataset)) != 1:
-            raise ValueError("give data.file (csv or jsonl), data.by_label (label -> text file) or data.dataset "
+            raise rule_error((), "give data.file (csv or jsonl), data.by_label (label -> text file) or data.dataset "
                              "(its split's files, one label each), one of them")
         if self.dataset is not None and self.split is not None:
             from recipes.datasets import get
 
             splits = list(get(self.dataset).splits)
             if self.split not in splits:
-                raise ValueError(f"data.split {self.split!r}: {self.dataset} has {splits}")
+                raise rule_error(("split",), f"data.split {self.split!r}: {self.dataset} has {splits}")
         return self
 
 
@@ -194,5 +196,5 @@ class ClassificationRecipe(Recipe):
     @model_validator(mode="after")
     def _classification_rules(self):
         if self.tokenizer.type != "sentencepiece":
-            raise ValueError("tokenizer.type: classification needs a sentencepiece tokenizer ([PAD], [CLS], [SEP])")
+            raise rule_error(("tokenizer", "type"), "tokenizer.type: classification needs a sentencepiece tokenizer ([PAD], [CLS], [SEP])")
         return self

@@ -223,6 +223,78 @@ def test_set_index_out_of_range():
     assert "is a list of 1" in problems[0].message
 
 
+def test_set_mapping_merges_as_extends_does():
+    spec = load_spec(SPECS / "tiny" / "llama.yaml", overrides={"decoder.attention": {"n_kv_heads": 1}})
+    assert spec.decoder.attention.n_kv_heads == 1 and spec.decoder.attention.n_heads == 4  # kept
+    moe = {"type": "moe", "n_experts": 2, "expert": {"type": "glu", "hidden_dim": 16}}
+    spec = load_spec(SPECS / "tiny" / "llama.yaml", overrides={"decoder.ffn": moe})
+    assert spec.decoder.ffn.type == "moe"  # another block type replaces the glu and its fields
+
+
+# -- the one merge: problems in inherited fields are reported where they were written --------
+
+
+def test_a_problem_in_a_field_layers_inherit_is_reported_once_at_its_line(tmp_path):
+    spec = write(tmp_path, "s.yaml", """\
+        architecture: encoder-decoder
+        vocab_size: 256
+        d_model: 64
+        max_seq_len: 64
+        encoder: {n_layers: 2, attention: {n_heads: 4}}
+        decoder:
+          n_layers: 2
+          attention: {n_heads: 4, n_kv_heads: 3}
+          cross_attention: {n_kv_heads: 2}
+          overrides:
+            - {layers: [0], attention: {sliding_window: 8}, ffn: {hidden_dim: 8}}
+            - {layers: [1], cross_attention: {out_bias: true}}
+        """)
+    problems = validate_file(spec)
+    assert [(p.line, p.path) for p in problems] == [(8, "decoder.attention.n_kv_heads")], problems
+    assert "try n_kv_heads: 2" in problems[0].message
+    typo = write(tmp_path, "t.yaml", spec.read_text().replace("n_kv_heads: 3", "qkv_bais: true"))
+    problems = validate_file(typo)
+    assert [(p.line, p.path) for p in problems] == [(8, "decoder.attention.qkv_bais")], problems
+    assert "did you mean 'qkv_bias'" in problems[0].message
+    missing = write(tmp_path, "m.yaml", TINY.replace("{n_heads: 4, n_kv_heads: 2}", "{n_kv_heads: 2}")
+                    + "  overrides:\n    - {layers: [1], attention: {sliding_window: 8}}\n")
+    assert [(p.line, p.path) for p in validate_file(missing)] == [(7, "decoder.attention.n_heads")]
+
+
+def test_merged_documents_carry_where_every_field_was_written(tmp_path):
+    from builder.merge import merge
+    from builder.yaml_source import Document, read_document
+
+    doc = read_document(write(tmp_path, "a.yaml", TINY + "  overrides:\n    - {layers: [1], attention: {n_heads: 8}}\n"))
+    stack = doc.data["decoder"]
+    out = merge(stack["attention"], stack["overrides"][0]["attention"], out=doc,
+                at=("decoder", "overrides", 0, "attention"), base_from=(doc, ("decoder", "attention")))
+    assert out == {"n_heads": 8, "n_kv_heads": 2}
+    at = ("decoder", "overrides", 0, "attention")
+    assert doc.written_at(at + ("n_kv_heads",)) == ("decoder", "attention", "n_kv_heads")  # inherited
+    assert doc.written_at(at + ("n_heads",)) == at + ("n_heads",)  # its own
+    assert doc.written_at(at + ("head_dim",), missing=True) == ("decoder", "attention", "head_dim")
+    assert doc.values[at + ("n_kv_heads",)].line == 7
+    # without a document nothing is located; a block of another type replaces
+    assert merge({"type": "glu", "hidden_dim": 4}, {"type": "moe"}) == {"type": "moe"}
+    assert merge({"hidden_dim": 4}, {"type": "glu"}, types={"ffn": "mlp"}, at=("ffn",)) == {"type": "glu"}
+    assert merge({"a": {"b": 1, "c": [1]}}, {"a": {"c": [2]}}) == {"a": {"b": 1, "c": [2]}}
+    assert Document(None, {}, {}).written_at(("x",)) == ("x",)
+
+
+def test_the_spec_type_is_a_static_class_plugins_still_validate_through():
+    from blocks.configs.base import AttentionBlock
+    from builder.schema import ModelSpec, StackSpec
+
+    spec = load_spec(SPECS / "tiny" / "llama.yaml")
+    assert isinstance(spec, ModelSpec) and isinstance(spec.decoder, StackSpec)
+    assert isinstance(spec.decoder.attention, AttentionBlock)
+    again = ModelSpec.model_validate(spec.model_dump())
+    assert isinstance(again, ModelSpec) and again == spec
+    assert "ModelSpec" == ModelSpec.model_json_schema()["title"]
+    assert StackSpec.model_fields["attention"].annotation is AttentionBlock  # what code may ask
+
+
 # -- load_config -------------------------------------------------------------------------------
 
 

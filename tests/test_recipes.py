@@ -56,6 +56,21 @@ def test_set_reaches_recipe_fields_and_the_model(tmp_path):
     assert spec.name == "tiny-llama" and spec.decoder.n_layers == 1 and spec.vocab_size == 90
 
 
+def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
+    from recipes.config import model_spec
+
+    spec_file = Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml"
+    moe = {"type": "moe", "n_experts": 2, "expert": {"type": "glu", "hidden_dim": 16}}
+    path = tiny_recipe(tmp_path, model={"spec": str(spec_file), "overrides": {"decoder": {"ffn": moe}}})
+    spec = model_spec(load_recipe(path), path, vocab_size=90)
+    assert spec.decoder.ffn.type == "moe"  # another block type replaces the spec's glu and its fields
+    path = tiny_recipe(tmp_path, model={"spec": str(spec_file), "overrides": {"decoder.n_layers": "two"}})
+    line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if "decoder.n_layers" in row)
+    with pytest.raises(SpecError) as info:
+        model_spec(load_recipe(path), path, vocab_size=90)
+    assert [(p.file, p.line, p.path) for p in info.value.problems] == [(str(path), line, "decoder.n_layers")]
+
+
 def test_schedule_warms_up_then_decays_to_min_lr():
     from recipes.module import lr_multiplier
 

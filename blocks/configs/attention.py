@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems
+from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems, rule_error
 from blocks.registry import register
 
 
@@ -64,9 +64,10 @@ class AttentionConfig(AttentionBlock):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         elif self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise rule_error(
+                ("n_kv_heads",),
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}); "
-                f"try n_kv_heads: {_largest_divisor(self.n_heads, self.n_kv_heads)}"
+                f"try n_kv_heads: {_largest_divisor(self.n_heads, self.n_kv_heads)}",
             )
         return self
 

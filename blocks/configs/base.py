@@ -20,9 +20,17 @@ from abc import abstractmethod
 from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 Loc = tuple[Union[str, int], ...]
 Problems = list[tuple[Loc, str]]
+
+
+def rule_error(loc: Loc, message: str) -> PydanticCustomError:
+    """What a config's own validator raises for a rule over its fields: the error carries the
+    field it is about (``loc``, relative to the config), so the loader points at its line.
+    ``raise rule_error(("top_k",), "top_k (3) cannot exceed n_experts (2)")``."""
+    return PydanticCustomError("located_rule", "{message}", {"message": message, "loc": tuple(loc)})
 
 
 class BlockConfig(BaseModel):

@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import FFNBlock
+from blocks.configs.base import FFNBlock, rule_error
 from blocks.registry import register
 
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
@@ -105,9 +105,7 @@ class MoEConfig(FFNBlock):
     @model_validator(mode="after")
     def _top_k(self):
         if self.top_k > self.n_experts:
-            raise ValueError(
-                f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})"
-            )
+            raise rule_error(("top_k",), f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
         return self
 
     def describe(self) -> str:

@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems
+from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, rule_error
 from blocks.registry import register
 
 
@@ -93,7 +93,7 @@ class Llama3Scaling(_RopeScaling):
     @model_validator(mode="after")
     def _order(self):
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError("high_freq_factor must be greater than low_freq_factor")
+            raise rule_error(("high_freq_factor",), "high_freq_factor must be greater than low_freq_factor")
         return self
 
 
