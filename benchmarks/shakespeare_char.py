@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +26,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# the data comes through the dataset registry (recipes/datasets.py): BUILDER_DATA, else a checkout's
+# local copy at ../shared/data when there is one, else downloaded once into the user cache
+if (REPO.parent / "shared" / "data").is_dir():
+    os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
 
 
 def plain_loop(recipe_path: Path, target: float) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,6 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# the data comes through the dataset registry (recipes/datasets.py): BUILDER_DATA, else a checkout's
+# local copy at ../shared/data when there is one, else downloaded once into the user cache
+if (REPO.parent / "shared" / "data").is_dir():
+    os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
 
 
 def make_clock(minutes: float, eval_every: float, sources: list[str], references: list[str]):

@@ -100,7 +100,8 @@ def write_files(root: Path, contents: dict[str, bytes]) -> Path:
 
 def data_for_recipes(root: Path, monkeypatch) -> dict[str, str]:
     """Make every downloadable dataset readable offline under ``root`` (BUILDER_DATA is set to it):
-    the real files copied when a local copy exists, else stand-ins registered in their place.
+    the real files copied when a local copy exists, else stand-ins registered in their place; the
+    registry's URLs are made unreachable, so nothing can be fetched.
     Returns ``{dataset: "real" | "stand-in"}``."""
     from recipes import datasets
 
@@ -112,13 +113,14 @@ def data_for_recipes(root: Path, monkeypatch) -> dict[str, str]:
                   for path in dataset.splits[split].values()]
         real = real_data_root(*needed)
         if real is not None:
-            write_files(root, {p: (real / p).read_bytes() for p in needed})
-            kinds[name] = "real"
+            contents, kinds[name] = {p: (real / p).read_bytes() for p in needed}, "real"
+            checksums = {}  # the registry's own
         else:
-            contents = stand_in_files(name)
-            write_files(root, contents)
-            monkeypatch.setitem(datasets.DATASETS, name, stand_in(name, contents))
+            contents = checksums = stand_in_files(name)
             kinds[name] = "stand-in"
+        write_files(root, contents)
+        # every URL unreachable (the discard port): a run that tried to download would fail
+        monkeypatch.setitem(datasets.DATASETS, name, stand_in(name, checksums, "http://127.0.0.1:9"))
     monkeypatch.setenv("BUILDER_DATA", str(root))
     return kinds
 

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from data_helpers import real_data_root, stand_in_files
 
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 ENCODER = {
     "name": "tiny-encoder", "architecture": "encoder-only", "d_model": 48, "max_seq_len": 64,
@@ -106,11 +105,10 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     from recipes.checkpoint import load_trained
     from recipes.train import run
 
-    corpus = tmp_path / "corpus.txt"
-    if SHAKESPEARE.is_file():
-        corpus.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
-    else:
-        corpus.write_text("\n".join(r["text"] for r in _keyword_examples(3000)), encoding="utf-8")
+    corpus = tmp_path / "corpus.txt"  # tiny Shakespeare when a local copy is here, else made-up prose like it
+    real = real_data_root("tinyshakespeare.txt")
+    text = (real / "tinyshakespeare.txt").read_bytes() if real else stand_in_files("tinyshakespeare")["tinyshakespeare.txt"]
+    corpus.write_text(text.decode("utf-8")[:60_000], encoding="utf-8")
     mlm = _write_recipe(tmp_path, "mlm", {
         "task": "mlm",
         "data": {"sources": [str(corpus)], "seq_len": 32, "batch_size": 16, "cache_dir": str(tmp_path / "cache")},

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from data_helpers import NO_REAL_DATA, real_data_root
 
 from builder import build_model
 from builder.schema import spec_model
 
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
-MULTI30K = ROOT / ".." / "shared" / "data" / "multi30k"
 PAD, BOS, EOS = 0, 2, 3
 
 
@@ -193,10 +192,11 @@ def test_checkpoint_averaging(tmp_path):
 
 
 def _pairs(n: int, max_words: int | None = None) -> tuple[list[str], list[str]]:
-    if not (MULTI30K / "train.de").is_file():
-        pytest.skip("Multi30k is not in ../shared/data")
-    de = (MULTI30K / "train.de").read_text(encoding="utf-8").split("\n")
-    en = (MULTI30K / "train.en").read_text(encoding="utf-8").split("\n")
+    files = ("multi30k/train.de", "multi30k/train.en")
+    root = real_data_root(*files)
+    if root is None:
+        pytest.skip(NO_REAL_DATA.format(what="Multi30k", paths=" and ".join(files)))
+    de, en = ((root / f).read_text(encoding="utf-8").split("\n") for f in files)
     pairs = [(d.strip(), e.strip()) for d, e in zip(de, en)
              if max_words is None or max(len(d.split()), len(e.split())) <= max_words]
     return [d for d, _ in pairs[:n]], [e for _, e in pairs[:n]]

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     task = parser.add_argument_group("translation checkpoints (default: the recipe's validation pair and beam)")
     task.add_argument("--src", metavar="FILE", help="source sentences, one a line")
     task.add_argument("--ref", metavar="FILE", help="their reference translations, line for line")
+    task.add_argument("--split", metavar="NAME",
+                      help="a split of the recipe's dataset instead of its validation split (multi30k: test2016)")
     task.add_argument("--num-beams", type=int, help="beam size (1: greedy)")
     task.add_argument("--length-penalty", type=float, help="beam score = sum log p / length ** this")
     task.add_argument("--max-sentences", type=int, help="score only the first N pairs")
