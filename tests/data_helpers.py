@@ -101,7 +101,8 @@ def write_files(root: Path, contents: dict[str, bytes]) -> Path:
 def data_for_recipes(root: Path, monkeypatch) -> dict[str, str]:
     """Make every downloadable dataset readable offline under ``root`` (BUILDER_DATA is set to it):
     the real files copied when a local copy exists, else stand-ins registered in their place; the
-    registry's URLs are made unreachable, so nothing can be fetched.
+    registry's URLs are made unreachable, so nothing can be fetched. Only the training and
+    validation splits are written (a test split, if any, is missing).
     Returns ``{dataset: "real" | "stand-in"}``."""
     from recipes import datasets
 
@@ -116,8 +117,8 @@ def data_for_recipes(root: Path, monkeypatch) -> dict[str, str]:
             contents, kinds[name] = {p: (real / p).read_bytes() for p in needed}, "real"
             checksums = {}  # the registry's own
         else:
-            contents = checksums = stand_in_files(name)
-            kinds[name] = "stand-in"
+            checksums = stand_in_files(name)
+            contents, kinds[name] = {p: checksums[p] for p in needed}, "stand-in"
         write_files(root, contents)
         # every URL unreachable (the discard port): a run that tried to download would fail
         monkeypatch.setitem(datasets.DATASETS, name, stand_in(name, checksums, "http://127.0.0.1:9"))

@@ -73,3 +73,10 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, tmp_path, monkeyp
     assert main(["eval", summary["last"], "--json", *extra]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 3
+    if recipe.get("task") == "translation":  # another split of the dataset: val is here, test2016 is not
+        assert main(["eval", summary["last"], "--json", "--split", "val", *extra]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["src"].endswith("val.de")
+        assert main(["eval", summary["last"], "--split", "test2016", *extra]) == 1
+        *fetching, error = capsys.readouterr().err.strip().splitlines()  # (its terms,) the URL, the error
+        assert error.startswith("builder eval: downloading") and "BUILDER_DATA" in error, error
+        assert "multi30k/test2016.de" in error and fetching[-1].startswith("downloading")
