@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-KINDS = ("attention", "position", "ffn", "norm", "head", "stack")
+#: block kinds; "architecture" is the spec's ``architecture:`` (which stacks of layers a model has)
+KINDS = ("attention", "position", "ffn", "norm", "head", "architecture")
 
 _REGISTRY: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 _VERSION = [0]  # bumped on every registration so cached schemas know to rebuild

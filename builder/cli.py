@@ -1,29 +1,50 @@
 """The ``builder`` command line.
 
-Each command lives in ``builder/commands/<name>.py`` and exposes ``add_arguments(parser)`` and
-``run(args) -> int``. Command modules import torch (and Lightning) inside ``run`` only, so
-``builder validate`` and ``builder describe`` start fast.
+Each command is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; modules
+import torch (and Lightning) inside ``run`` only, so ``builder validate`` and ``builder
+describe`` start fast. ``builder``'s own commands live in ``builder/commands/``; other packages
+contribute theirs as a ``COMMANDS`` table (name -> (module, help)) in a module named in
+:data:`PROVIDERS` (the recipes' ``train``, ``eval`` and ``generate``, in ``recipes/commands``)
+or in an installed package's ``builder.commands`` entry point (``name = "package.module"``).
+Providers are imported by name when the parser is built, never at module level: ``builder``
+does not depend on ``recipes``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import importlib.util
 import sys
 
-#: command name -> (module, one-line help)
+#: builder's own commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("builder.commands.validate", "check spec files; one line per problem"),
     "schema": ("builder.commands.schema", "print the JSON Schema of a spec"),
     "describe": ("builder.commands.describe", "analytic parameters, FLOPs and memory of a spec"),
     "compare": ("builder.commands.compare", "estimated vs built parameter counts, by component"),
     "diff": ("builder.commands.diff", "fields that differ between two specs and their effect"),
-    "train": ("builder.commands.train", "run a Lightning training recipe"),
-    "eval": ("builder.commands.eval", "validation loss and perplexity of a checkpoint"),
-    "generate": ("builder.commands.generate", "decode from a checkpoint, streaming to stdout"),
     "import-hf": ("builder.commands.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
     "export-hf": ("builder.commands.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
 }
+#: modules whose ``COMMANDS`` table joins the command line, when they can be imported
+PROVIDERS = ("recipes.commands",)
+#: installed packages add commands here: ``[project.entry-points."builder.commands"]``
+GROUP = "builder.commands"
+
+
+def commands() -> dict[str, tuple[str, str]]:
+    """Every command: builder's own, then the providers', then installed entry points'."""
+    table = dict(COMMANDS)
+    for provider in PROVIDERS:
+        if importlib.util.find_spec(provider.partition(".")[0]) is not None:
+            for name, entry in importlib.import_module(provider).COMMANDS.items():
+                table.setdefault(name, entry)
+    for entry in importlib.metadata.entry_points(group=GROUP):
+        doc = (importlib.import_module(entry.value).__doc__ or "").strip().splitlines()
+        table.setdefault(entry.name, (entry.value, doc[0] if doc else ""))
+    return table
 
 
 class _Version(argparse.Action):
@@ -65,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
         "--version", action=_Version, help="print the versions of builder, torch, Lightning, Triton and CUDA"
     )
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, help_text) in commands().items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(command)
         command.set_defaults(_module=module)

@@ -295,7 +295,7 @@ class ModelSpec(_Section):
 
     @property
     def architecture_config(self) -> ArchitectureBlock:
-        return registry.config_class("stack", self.architecture)()
+        return registry.config_class("architecture", self.architecture)()
 
     def stacks(self) -> dict[str, StackSpec]:
         """The stacks this architecture runs, by name, in order."""
@@ -337,7 +337,7 @@ def _build_spec_model() -> type[ModelSpec]:
                      overrides=list[Override])
     return _section(
         ModelSpec,
-        architecture=Literal[tuple(registry.configs("stack"))],
+        architecture=Literal[tuple(registry.configs("architecture"))],
         embedding=Embedding,
         position=block_union("position"),
         decoder=Optional[Stack],

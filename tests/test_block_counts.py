@@ -50,7 +50,7 @@ def _tiny_spec(architecture: str = "decoder-only", position=None, head=None, **t
     spec = {"name": f"tiny-{architecture}", "architecture": architecture, "vocab_size": VOCAB,
             "d_model": D_MODEL, "max_seq_len": MAX_SEQ, "position": position or {"type": "rope"},
             "head": head or {"type": "lm"}, **top}
-    for name in registry.config_class("stack", architecture).stacks:
+    for name in registry.config_class("architecture", architecture).stacks:
         spec[name] = stack
     return spec_model().model_validate(spec)
 
@@ -144,7 +144,7 @@ def test_position(cls, example):
         assert _model_flops(spec, seq) == estimate(spec, seq_len=seq).flops.forward_per_sequence
 
 
-@pytest.mark.parametrize("cls, example", list(_cases("stack")))
+@pytest.mark.parametrize("cls, example", list(_cases("architecture")))
 def test_architecture(cls, example):
     name = cls.model_fields["type"].default
     spec = _tiny_spec(name, head={"type": "mlm"} if name == "encoder-only" else None)

@@ -340,5 +340,5 @@ KIND_BASES: dict[str, type[BlockConfig]] = {
     "ffn": FFNBlock,
     "norm": NormBlock,
     "head": HeadBlock,
-    "stack": ArchitectureBlock,
+    "architecture": ArchitectureBlock,
 }
