@@ -1,0 +1,66 @@
+"""The family registry: every Hugging Face ``model_type`` we read and write, and the checks a
+converted spec passes (``validate``). A family is a table in :mod:`builder.hf.decoders` or
+:mod:`builder.hf.encoders`; adding one is adding it to that module's ``FAMILIES`` list."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from builder.hf import decoders, encoders
+from builder.hf.common import Family, HFError, Unsupported
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in decoders.FAMILIES + encoders.FAMILIES}
+
+#: config.json keys that are not architecture and travel unchanged through import and export
+TOKEN_KEYS = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "forced_eos_token_id",
+)
+
+
+def supported_families() -> str:
+    return "\n".join(f"  {name:8} {family.description}" for name, family in FAMILIES.items())
+
+
+def family_of(config: Mapping, path: str | Path = "config.json") -> Family:
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        shown = repr(model_type) if isinstance(model_type, str) and len(model_type) <= 40 else "(absent or not a name)"
+        raise Unsupported(
+            f"{path}: model_type {shown} is not supported; supported families:\n{supported_families()}"
+        )
+    return FAMILIES[model_type]
+
+
+def validate(spec_dict: Mapping, config: Mapping | None = None, source: str | Path = "the converted spec"):
+    """The validated ``ModelSpec`` of a spec dict, or a one-line :class:`HFError`: the first
+    problem, named by the ``config`` key that gave the value when one did."""
+    from pydantic import ValidationError
+
+    from builder.schema import SpecRuleError, spec_model
+
+    try:
+        return spec_model().model_validate(dict(spec_dict))
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0]
+        field = ".".join(map(str, first["loc"]))
+        keys = _keys_with_value(config or {}, first.get("input"))
+        where = f"{' or '.join(keys)} (the spec's {field})" if keys else field
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        raise HFError(f"{source}: {where}: {first['msg']}{more}") from None
+    except SpecRuleError as exc:
+        raise HFError(f"{source}: {' '.join(str(exc).split())}") from None
+
+
+def _keys_with_value(config: Mapping, value: Any) -> list[str]:
+    """The config keys holding ``value`` (same type; booleans apart): who set a bad field."""
+    if value is None or isinstance(value, (dict, list)):
+        return []
+    return [k for k, v in config.items() if type(v) is type(value) and v == value]

@@ -1,0 +1,204 @@
+"""Export: a spec and its weights (and tokenizer) written as a Hugging Face folder, in the first
+family whose config expresses the spec exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from builder.hf.checks import read_json
+from builder.hf.common import Family, HFError, Unsupported
+from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
+from builder.hf.reader import _copy_side_files
+from builder.hf.weights import alias_groups, dedupe, read_weights, torch_load_safely
+
+def _semantic(spec) -> dict:
+    """What a spec means, layer by layer, defaults resolved and dropout rates left out."""
+    d = spec.d_model
+    data = spec.model_dump(mode="json", exclude={"name", "extends", "encoder", "decoder"})
+    if data["position"]["type"] == "learned":
+        data["position"]["max_positions"] = data["position"]["max_positions"] or spec.max_seq_len
+    if spec.architecture != "encoder-decoder":
+        data.pop("share_encoder_decoder_embeddings")
+
+    def block(config) -> dict:
+        out = config.model_dump(mode="json")
+        if "n_kv_heads" in out:
+            out["head_dim"] = config.resolved_head_dim(d)
+        if "hidden_dim" in out:
+            out["hidden_dim"] = config.resolved_hidden_dim(d)
+        if "expert" in out:
+            out["expert"] = block(config.expert)
+        return out
+
+    cross = spec.architecture == "encoder-decoder"
+    for name, stack in spec.stacks().items():
+        layers = []
+        for i in range(stack.n_layers):
+            layer = stack.layer(i)
+            entry = {"attention": block(layer.attention), "ffn": block(layer.ffn), "norm": block(layer.norm)}
+            if cross and name == "decoder":
+                entry["cross_attention"] = block(layer.cross_attention)
+            layers.append(entry)
+        data[name] = {"n_layers": stack.n_layers, "final_norm": stack.final_norm, "layers": layers}
+    return _without_dropout(data)
+
+
+def _without_dropout(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_dropout(v) for k, v in value.items() if k != "dropout"}
+    if isinstance(value, list):
+        return [_without_dropout(v) for v in value]
+    return value
+
+
+def _differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for key in list(ours) + [k for k in theirs if k not in ours]:
+            out += _differences(ours.get(key), theirs.get(key), f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        return [d for i, (a, b) in enumerate(zip(ours, theirs)) for d in _differences(a, b, f"{path}[{i}]")]
+    return [] if ours == theirs else [f"{path} is {ours!r} in the spec; {{family}} would make it {theirs!r}"]
+
+
+def fit(family: Family, spec) -> tuple[dict | None, list[str]]:
+    """``(config, [])`` when ``family`` expresses ``spec`` exactly, else ``(None, reasons)``."""
+    try:
+        config = family.to_config(spec)
+        back = validate({"name": spec.name, **family.to_spec(config, set())})
+    except (Unsupported, HFError, TypeError, KeyError, AttributeError) as exc:
+        return None, [str(exc) or type(exc).__name__]
+    diffs = _differences(_semantic(spec), _semantic(back))
+    return (None, [d.replace("{family}", family.model_type) for d in diffs]) if diffs else (config, [])
+
+
+def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
+    """The family (``family`` if given, else the first that fits) and its config for ``spec``."""
+    if family is not None:
+        if family not in FAMILIES:
+            raise Unsupported(f"no family {family!r}; supported families:\n{supported_families()}")
+        candidates = [FAMILIES[family]]
+    else:
+        candidates = list(FAMILIES.values())
+    reasons = []
+    for candidate in candidates:
+        if spec.architecture != _architecture(candidate):
+            reasons.append(f"  {candidate.model_type}: is {_architecture(candidate)}, the spec is {spec.architecture}")
+            continue
+        config, why = fit(candidate, spec)
+        if config is not None:
+            return candidate, config
+        more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
+        first = " ".join(why[0].split())  # one line per family
+        reasons.append(f"  {candidate.model_type}: {first}{more}")
+    raise Unsupported(
+        f"no Hugging Face family expresses spec {spec.name!r} exactly:\n" + "\n".join(reasons)
+    )
+
+
+def _architecture(family: Family) -> str:
+    return {"AutoModelForCausalLM": "decoder-only", "AutoModelForMaskedLM": "encoder-only"}.get(
+        family.auto_class, "encoder-decoder"
+    )
+
+
+def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
+          extra_config: Mapping[str, Any] | None = None) -> Family:
+    """Write ``folder/config.json`` and ``folder/model.safetensors`` for ``spec`` and ``weights``
+    (a model, a state dict, or a weights file), loadable by ``transformers``' Auto class.
+
+    ``extra_config`` adds non-architecture keys (token ids). Raises :class:`Unsupported` naming,
+    for each family, what it cannot express.
+    """
+    chosen, config = choose_family(spec, family)
+    lacking = [k for k in chosen.needs if k not in (extra_config or {})]
+    if lacking:
+        raise HFError(
+            f"a {chosen.model_type} config needs {', '.join(lacking)}, which a spec does not hold; "
+            "pass them (export-hf --hf-config KEY=VALUE, or extra_config=)"
+        )
+    state = _our_state(spec, weights)
+    tensors = {}
+    for link in chosen.links(spec):
+        missing = [n for n in link.ours if n not in state]
+        if missing:
+            raise HFError(f"the weights have no {missing[0]}")
+        tensors.update(zip(link.hf, link.to_hf([state[n] for n in link.ours])))
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+    config = {
+        "model_type": chosen.model_type,
+        "architectures": [chosen.hf_class],
+        **config,
+        **{k: v for k, v in (extra_config or {}).items() if k in TOKEN_KEYS or k not in config},
+    }
+    if len(dtypes) == 1:
+        config["dtype"] = dtypes.pop()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return chosen
+
+
+def _our_state(spec, weights) -> dict:
+    """Our tensors by every name they have (aliases of a shared tensor resolved)."""
+    if hasattr(weights, "state_dict"):
+        state = weights.state_dict()
+    elif isinstance(weights, Mapping):
+        state = dict(weights)
+    else:
+        state = read_weights(weights)
+    state = {re.sub(r"^(model\.)?(_orig_mod\.)?", "", k): v for k, v in state.items()}
+    from builder.assemble import build_model
+
+    for group in alias_groups(build_model(spec, device="meta")):
+        present = next((n for n in group if n in state), None)
+        if present is not None:
+            for name in group:
+                state.setdefault(name, state[present])
+    return state
+
+
+def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | Path | None = None,
+              family: str | None = None, extra_config: Mapping[str, Any] | None = None) -> Family:
+    """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
+    ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
+    Hugging Face folder. ``spec``: the spec already loaded (with ``--set`` overrides). Token ids
+    come from ``hf_config.json`` beside the source (written by import) and ``extra_config``."""
+    source, out = Path(source), Path(out)
+    side = source.parent
+    if source.suffix in (".ckpt", ".pt", ".pth"):
+        ckpt_spec, state, _ = _read_training_checkpoint(source)
+        spec = spec or ckpt_spec
+    else:
+        if spec is None:
+            from builder.loader import load_spec
+
+            spec = load_spec(source)
+        state = read_weights(Path(weights) if weights else side / "model.safetensors")
+    extra: dict[str, Any] = {}
+    hf_config = side / "hf_config.json"
+    if hf_config.is_file():
+        extra = {k: v for k, v in read_json(hf_config).items() if k in TOKEN_KEYS and v is not None}
+    extra.update(extra_config or {})
+    chosen = to_hf(spec, state, out, family=family, extra_config=extra)
+    _copy_side_files(side, out)
+    return chosen
+
+
+def _read_training_checkpoint(path: Path):
+    checkpoint = torch_load_safely(path)
+    meta = checkpoint.get("builder") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(meta, Mapping) or "spec" not in meta or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise HFError(f"{path} was not written by `builder train` (it holds no spec)")
+    spec = validate(meta["spec"], source=path)
+    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
+    return spec, dedupe(state), meta
