@@ -25,12 +25,17 @@ def model_weights(state_dict: dict) -> dict:
     return {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in state_dict.items()}
 
 
-def load_trained(path: str | Path, device: str | None = None):
-    """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train``."""
+def load_trained(path: str | Path, device: str | None = None, folders: bool = False):
+    """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train`` or, with
+    ``folders``, from a model folder (see :func:`load_folder`)."""
     from builder import build_model
     from builder.schema import spec_model
 
     path = Path(path)
+    if path.is_dir():
+        if folders:
+            return load_folder(path, device)
+        raise RecipeError(f"{path} is a folder; this command needs a checkpoint written by `builder train`")
     if not path.is_file():
         raise RecipeError(f"no checkpoint at {path}")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -43,6 +48,40 @@ def load_trained(path: str | Path, device: str | None = None):
     model.to(pick_device(device)).eval()
     meta = dict(meta, global_step=checkpoint.get("global_step"))
     return model, from_state(meta["tokenizer"]), meta
+
+
+def load_folder(folder: Path, device: str | None = None):
+    """``(model, tokenizer, meta)`` of a decoder-only model folder: a ``builder import-hf``
+    output (``spec.yaml``, ``model.safetensors``) or a Hugging Face folder (``config.json`` and
+    its weights), with the folder's tokenizer (``tokenizer.json``, else ``tokenizer.model``)."""
+    from builder import build_model
+    from builder.hf import HFError, from_hf, load_weights
+    from builder.hf.tokenizer import read_tokenizer
+    from builder.loader import SpecError, load_spec
+
+    try:
+        if (folder / "spec.yaml").is_file():
+            spec = load_spec(folder / "spec.yaml")
+            model = load_weights(build_model(spec), folder / "model.safetensors")
+        elif (folder / "config.json").is_file() or (folder / "config.json").is_symlink():
+            spec, state = from_hf(folder)
+            model = load_weights(build_model(spec), state)
+        else:
+            raise RecipeError(f"{folder} is not a model folder (no spec.yaml or config.json) nor a checkpoint")
+        state = read_tokenizer(folder)
+    except (HFError, SpecError) as exc:
+        raise RecipeError(str(exc)) from None
+    if spec.architecture != "decoder-only":
+        raise RecipeError(f"{folder} holds an {spec.architecture} model; generating from a folder takes a decoder-only one")
+    if state is None:
+        raise RecipeError(f"{folder} has no tokenizer (tokenizer.json or tokenizer.model) to encode the prompt with")
+    tokenizer = from_state(state)
+    if tokenizer.vocab_size > spec.vocab_size:
+        raise RecipeError(f"{folder}: the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's "
+                          f"vocab_size {spec.vocab_size:,}")
+    model.to(pick_device(device)).eval()
+    meta = {"task": "lm", "spec": spec.model_dump(mode="json"), "tokenizer": state, "global_step": None}
+    return model, tokenizer, meta
 
 
 def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:

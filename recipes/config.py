@@ -120,13 +120,17 @@ class DataSection(DatasetFields):
 
 
 class TokenizerSection(_Section):
-    type: Literal["sentencepiece", "char"] = Field(
-        "sentencepiece", description="sentencepiece (trained on the corpus, or `model_file`) | char."
+    type: Literal["sentencepiece", "char", "hf"] = Field(
+        "sentencepiece",
+        description="sentencepiece (trained on the corpus, or `model_file`) | char | hf: the tokenizer of a "
+        "Hugging Face folder or a `builder import-hf` output (`model_file`).",
     )
     model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece: bpe | unigram.")
     vocab_size: int = Field(4096, ge=16, description="sentencepiece: vocabulary size to train.")
     model_file: Optional[str] = Field(
-        None, description="sentencepiece: an existing .model file (relative to the recipe) instead of training."
+        None,
+        description="sentencepiece: an existing .model file instead of training; hf: the folder (its "
+        "tokenizer.json, else tokenizer.model) or a tokenizer.json. Relative to the recipe.",
     )
     train_max_lines: int = Field(
         300_000, ge=1, description="sentencepiece: lines of the corpus sampled to train the tokenizer."

@@ -1,8 +1,11 @@
-"""Text to token ids: a character table or a sentencepiece model trained on the corpus.
+"""Text to token ids: a character table, a sentencepiece model trained on the corpus, or the
+tokenizer of a Hugging Face folder.
 
-A tokenizer's ``state()`` is small plain data (the character list, or the sentencepiece model's
-bytes) that goes into every checkpoint, so ``builder eval`` and ``builder generate`` need only
-the checkpoint. Trained sentencepiece models are cached by the hash of corpus and settings.
+A tokenizer's ``state()`` is small plain data (the character list, the sentencepiece model's
+bytes, or a ``tokenizer.json``; the format is defined in :mod:`builder.hf.tokenizer`, which also
+writes each kind as a Hugging Face tokenizer) that goes into every checkpoint, so ``builder
+eval`` and ``builder generate`` need only the checkpoint. Trained sentencepiece models are cached
+by the hash of corpus and settings.
 """
 
 from __future__ import annotations
@@ -96,14 +99,76 @@ class SentencePieceTokenizer:
         return hashlib.sha256(self.model_proto).hexdigest()[:16]
 
 
-Tokenizer = CharTokenizer | SentencePieceTokenizer
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library's format), as read from a
+    model folder (``tokenizer.type: hf``). A prompt is encoded as ``transformers`` encodes it,
+    with the special tokens its post-processor adds (Llama's ``<s>``); a training corpus without
+    them. Decoding drops special tokens, as sentencepiece and the text-generation pipeline do."""
+
+    kind = "tokenizers"
+
+    def __init__(self, json_text: str, specials: dict | None = None, split_special_tokens: bool = False):
+        from builder.hf.tokenizer import to_tokenizers
+
+        self.json_text, self.specials, self.split = json_text, dict(specials or {}), split_special_tokens
+        self.tokenizer = to_tokenizers(self.state())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_corpus(self, text: str) -> Iterable[tuple[int, list[int]]]:
+        """(characters read, their ids) for successive chunks of ``text``, cut after newlines."""
+        start = 0
+        while start < len(text):
+            end = text.find("\n", start + _CHUNK_CHARS)
+            end = len(text) if end < 0 else end + 1
+            yield end - start, self.tokenizer.encode(text[start:end], add_special_tokens=False).ids
+            start = end
+
+    def state(self) -> dict:
+        return {"type": "tokenizers", "json": self.json_text, "specials": self.specials,
+                "split_special_tokens": self.split}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(f"{self.split}|{self.json_text}".encode("utf-8")).hexdigest()[:16]
+
+
+Tokenizer = CharTokenizer | SentencePieceTokenizer | HFTokenizer
 
 
 def from_state(state: dict) -> Tokenizer:
-    """The tokenizer a checkpoint recorded."""
+    """The tokenizer a checkpoint recorded (or :func:`builder.hf.tokenizer.read_tokenizer` read)."""
     if state["type"] == "char":
         return CharTokenizer(list(state["chars"]))
+    if state["type"] == "tokenizers":
+        return HFTokenizer(state["json"], state.get("specials"), state.get("split_special_tokens", False))
     return SentencePieceTokenizer(state["model_proto"])
+
+
+def hf_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of a Hugging Face folder (or an import-hf output), or of a tokenizer.json."""
+    from builder.hf import HFError
+    from builder.hf.tokenizer import read_tokenizer
+
+    try:
+        if path.is_file() and path.name.endswith(".json"):
+            state = read_tokenizer(path.parent, only=path.name)
+        elif path.is_dir():
+            state = read_tokenizer(path)
+        else:
+            raise RecipeError(f"tokenizer.model_file: {path} is neither a model folder nor a tokenizer.json")
+    except HFError as exc:
+        raise RecipeError(f"tokenizer.model_file: {exc}") from None
+    if state is None:
+        raise RecipeError(f"tokenizer.model_file: {path} has no tokenizer.json or tokenizer.model")
+    return from_state(state)
 
 
 def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, options: dict | None = None) -> bytes:
@@ -153,6 +218,10 @@ def build_tokenizer(
     ``options``: sentencepiece trainer settings (see :func:`train_sentencepiece`), part of the cache key."""
     if section.type == "char":
         return CharTokenizer.fit(text)
+    if section.type == "hf":
+        if section.model_file is None:
+            raise RecipeError("tokenizer.type hf needs tokenizer.model_file: a model folder or a tokenizer.json")
+        return hf_tokenizer(resolve(recipe_file, section.model_file))
     if section.model_file is not None:
         path = resolve(recipe_file, section.model_file)
         if not path.is_file():

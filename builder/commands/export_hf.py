@@ -3,8 +3,11 @@
 ``SPEC`` is a spec file with its weights beside it (``model.safetensors``, as ``import-hf``
 writes them) or named by ``--weights``; ``CKPT`` a checkpoint written by ``builder train``.
 Writes ``DIR/config.json`` and ``DIR/model.safetensors`` for the first Hugging Face family that
-expresses the spec exactly (or ``--family``), loadable with ``transformers``' Auto classes.
-Exit 1 with, for each family, the first thing it cannot express.
+expresses the spec exactly (or ``--family``), loadable with ``transformers``' Auto classes; a
+checkpoint's tokenizer as ``tokenizer.json`` (with ``tokenizer_config.json`` and its special
+tokens) and ``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")``
+load the folder (an import's tokenizer files are carried over). Exit 1 with, for each family,
+the first thing it cannot express.
 """
 
 from __future__ import annotations
@@ -58,5 +61,8 @@ def run(args: argparse.Namespace) -> int:
     except (HFError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}/config.json and model.safetensors: {family.hf_class} ({family.auto_class})")
+    from pathlib import Path
+
+    written = sorted(p.name for p in Path(args.out).iterdir() if p.name != "model.safetensors")
+    print(f"wrote {args.out}/model.safetensors and {', '.join(written)}: {family.hf_class} ({family.auto_class})")
     return 0

@@ -2,9 +2,11 @@
 
 Writes ``OUT/spec.yaml`` and ``OUT/model.safetensors`` (our tensor names; load them with
 ``builder.hf.load_weights(build_model(load_spec("OUT/spec.yaml")), "OUT/model.safetensors")``),
-plus the original ``config.json`` as ``hf_config.json`` and any tokenizer files, which
-``export-hf`` carries back. Reads only local files; never the network. Exit 1, with the reason
-and no traceback, for an unsupported ``model_type`` or a checkpoint that does not match.
+plus the original ``config.json`` as ``hf_config.json`` and the tokenizer and generation files,
+which ``export-hf`` carries back; ``builder generate OUT`` decodes with that tokenizer, and a
+recipe trains with it (``tokenizer: {type: hf, model_file: OUT}``). Reads only local files inside
+DIR; never the network. Exit 1, with one line and no traceback, for an unsupported
+``model_type``, a config or checkpoint that does not match, or a tokenizer that does not load.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from builder.hf import HFError, import_hf
     from builder.loader import SpecError, load_spec
 
+    from builder.hf.tokenizer import read_tokenizer, to_tokenizers
+
     try:
         spec_path, weights_path = import_hf(args.folder, args.out, name=args.name)
         spec = load_spec(spec_path)
+        tokenizer = read_tokenizer(args.out)
     except (HFError, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -34,4 +39,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{spec.name}: {spec.architecture}, {params:,} parameters")
     print(f"wrote {spec_path}")
     print(f"wrote {weights_path}")
+    if tokenizer is None:
+        print("no tokenizer in the folder (tokenizer.json or tokenizer.model): generate and train need one")
+    else:
+        size = to_tokenizers(tokenizer).get_vocab_size(with_added_tokens=True)
+        print(f"tokenizer: {tokenizer['type']}, {size:,} tokens (builder generate {args.out} --prompt ...)")
     return 0

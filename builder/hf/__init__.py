@@ -7,7 +7,17 @@ from builder.hf import from_hf, to_hf, load_weights
 spec, state_dict = from_hf("path/to/hf-model")   # a validated ModelSpec; tensors under our names
 model = load_weights(build_model(spec), state_dict)   # or load_weights(model, "out/model.safetensors")
 to_hf(spec, model, "path/to/export")             # config.json + model.safetensors; returns the family
+
+from builder.hf.tokenizer import read_tokenizer, write_tokenizer
+state = read_tokenizer("path/to/hf-model")       # the folder's tokenizer as a state dict, or None
+to_hf(spec, model, "path/to/export", tokenizer=state)   # + tokenizer.json, tokenizer_config.json,
+                                                 #   generation_config.json
 ```
+
+These functions are the stable API (recipes build on them: ``from_hf`` to start from a folder's
+weights, ``read_tokenizer`` for its tokenizer); the submodules are ``families`` (the registry),
+``reader`` (import), ``writer`` (export), ``tokenizer``, ``checks`` (untrusted folders),
+``weights`` (safe tensor IO) and the family tables ``decoders`` and ``encoders``.
 
 Only local files are read (``config.json`` and ``*.safetensors``, sharded or not, or
 ``pytorch_model.bin`` through ``torch.load(weights_only=True)``); nothing is downloaded and

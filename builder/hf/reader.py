@@ -169,13 +169,22 @@ def from_hf(folder: str | Path, name: str | None = None) -> tuple[Any, dict]:
 
 
 def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> tuple[Path, Path]:
-    """Write ``out/spec.yaml`` and ``out/model.safetensors`` (and the original config and tokenizer
-    files, for export); returns the two paths."""
+    """Write ``out/spec.yaml`` and ``out/model.safetensors``, the original config as
+    ``hf_config.json`` and the folder's tokenizer and generation files (for ``builder generate
+    OUT`` and for export); returns the two paths. The tokenizer is checked to load first
+    (:func:`builder.hf.tokenizer.read_tokenizer`); tokenizer files of an earlier import into
+    ``out`` are replaced."""
     import yaml
+
+    from builder.hf.tokenizer import read_tokenizer
 
     folder, out = Path(folder), Path(out)
     spec_dict, _, state = read_hf(folder, name)
+    read_tokenizer(folder)  # a tokenizer that does not load fails the import, not a later run
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.iterdir():
+        if any(stale.match(pattern) for pattern in SIDE_FILES) and (stale.is_file() or stale.is_symlink()):
+            stale.unlink()
     config = read_config(folder)
     spec_path = out / "spec.yaml"
     header = (
@@ -193,5 +202,5 @@ def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> t
 def _copy_side_files(src: Path, dst: Path) -> None:
     for pattern in SIDE_FILES:
         for path in src.glob(pattern):
-            if not (dst / path.name).exists() and inside(src, path).is_file():
+            if inside(src, path).is_file():
                 shutil.copy2(path, dst / path.name)

@@ -13,6 +13,7 @@ from builder.hf.checks import read_json
 from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
 from builder.hf.reader import _copy_side_files
+from builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from builder.hf.weights import alias_groups, dedupe, read_weights, torch_load_safely
 
 def _semantic(spec) -> dict:
@@ -108,15 +109,22 @@ def _architecture(family: Family) -> str:
 
 
 def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
-          extra_config: Mapping[str, Any] | None = None) -> Family:
+          extra_config: Mapping[str, Any] | None = None, tokenizer: Mapping | None = None,
+          generation: bool = True) -> Family:
     """Write ``folder/config.json`` and ``folder/model.safetensors`` for ``spec`` and ``weights``
     (a model, a state dict, or a weights file), loadable by ``transformers``' Auto class.
 
-    ``extra_config`` adds non-architecture keys (token ids). Raises :class:`Unsupported` naming,
-    for each family, what it cannot express.
+    ``tokenizer``: a tokenizer state (:mod:`builder.hf.tokenizer`; what ``builder train`` keeps in
+    its checkpoints), written as ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``special_tokens_map.json``; its special tokens' ids go into the config.
+    ``generation``: also write ``generation_config.json`` (token ids, ``max_length`` = the spec's
+    ``max_seq_len``; greedy) for a generating family. ``extra_config`` adds or overrides
+    non-architecture keys (token ids). Raises :class:`Unsupported` naming, for each family, what
+    it cannot express.
     """
     chosen, config = choose_family(spec, family)
-    lacking = [k for k in chosen.needs if k not in (extra_config or {})]
+    extra_config = {**_tokenizer_ids(spec, tokenizer), **(extra_config or {})}
+    lacking = [k for k in chosen.needs if k not in extra_config]
     if lacking:
         raise HFError(
             f"a {chosen.model_type} config needs {', '.join(lacking)}, which a spec does not hold; "
@@ -145,7 +153,26 @@ def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        write_tokenizer(tokenizer, folder, spec.max_seq_len, append_eos=spec.architecture == "encoder-decoder")
+    if generation and _architecture(chosen) != "encoder-only":
+        gen = generation_config(config, spec.max_seq_len)
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return chosen
+
+
+def _tokenizer_ids(spec, tokenizer: Mapping | None) -> dict:
+    """The config token ids of a tokenizer state, checked against the spec's vocabulary; an
+    encoder-decoder's decoder starts from bos, as the translation recipe trains it."""
+    if tokenizer is None:
+        return {}
+    size = to_tokenizers(dict(tokenizer)).get_vocab_size(with_added_tokens=True)
+    if size > spec.vocab_size:
+        raise HFError(f"the tokenizer has {size:,} tokens but the model's vocab_size is {spec.vocab_size:,}")
+    ids = token_ids(dict(tokenizer))
+    if spec.architecture == "encoder-decoder" and "bos_token_id" in ids:
+        ids["decoder_start_token_id"] = ids["bos_token_id"]
+    return ids
 
 
 def _our_state(spec, weights) -> dict:
@@ -172,12 +199,16 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
     """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
     ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
     Hugging Face folder. ``spec``: the spec already loaded (with ``--set`` overrides). Token ids
-    come from ``hf_config.json`` beside the source (written by import) and ``extra_config``."""
+    come from the checkpoint's tokenizer, or ``hf_config.json`` beside the source (written by
+    import), then ``extra_config``. A checkpoint's tokenizer is written with the model; the
+    tokenizer and generation files beside a spec (an import's) are copied."""
     source, out = Path(source), Path(out)
     side = source.parent
+    tokenizer = None
     if source.suffix in (".ckpt", ".pt", ".pth"):
-        ckpt_spec, state, _ = _read_training_checkpoint(source)
+        ckpt_spec, state, meta = _read_training_checkpoint(source)
         spec = spec or ckpt_spec
+        tokenizer = meta.get("tokenizer")
     else:
         if spec is None:
             from builder.loader import load_spec
@@ -189,8 +220,10 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
     if hf_config.is_file():
         extra = {k: v for k, v in read_json(hf_config).items() if k in TOKEN_KEYS and v is not None}
     extra.update(extra_config or {})
-    chosen = to_hf(spec, state, out, family=family, extra_config=extra)
-    _copy_side_files(side, out)
+    generation = tokenizer is not None or not (side / "generation_config.json").is_file()
+    chosen = to_hf(spec, state, out, family=family, extra_config=extra, tokenizer=tokenizer, generation=generation)
+    if tokenizer is None:
+        _copy_side_files(side, out)
     return chosen
 
 

@@ -7,7 +7,9 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by `builder train`")
+    parser.add_argument("checkpoint", metavar="CKPT",
+                        help="a checkpoint written by `builder train`, or a decoder-only model folder with its "
+                        "tokenizer (a `builder import-hf` output or a Hugging Face folder)")
     parser.add_argument("--prompt", "--text", dest="prompt", required=True,
                         help="the text to continue (a translation checkpoint: to translate; classification: to label)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from recipes.generation import stream
 
     try:
-        model, tokenizer, meta = load_trained(args.checkpoint, args.device)
+        model, tokenizer, meta = load_trained(args.checkpoint, args.device, folders=True)
         if meta.get("task", "lm") != "lm":
             from recipes.tasks import generate
 

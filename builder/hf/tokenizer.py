@@ -1,0 +1,260 @@
+"""Tokenizers in Hugging Face folders: ours written as ``tokenizer.json``, theirs read back.
+
+A tokenizer travels as its **state**, small plain data that ``builder train`` stores in every
+checkpoint (``checkpoint["builder"]["tokenizer"]``) and that ``recipes.tokenizer`` builds its
+tokenizer objects from. The three kinds:
+
+``{"type": "char", "chars": "..."}``
+    one id per character, in the string's order (nanoGPT's shakespeare_char);
+``{"type": "sentencepiece", "model_proto": b"..."}``
+    a sentencepiece model (BPE or unigram), its serialized ``ModelProto``;
+``{"type": "tokenizers", "json": "...", "specials": {"bos_token": "<s>", ...}, "split_special_tokens": false}``
+    a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library's format), the special
+    tokens its ``tokenizer_config.json`` names and whether special tokens typed in text are
+    read as plain text: what ``builder import-hf`` reads from a folder.
+
+:func:`to_tokenizers` turns any state into a ``tokenizers.Tokenizer`` that encodes as ours does:
+a sentencepiece model through its own normalizer settings (identity or its precompiled map,
+extra-whitespace removal, whitespace escaping, dummy prefix), BPE merges ranked by piece score
+(sentencepiece merges the best-scored pair first, the leftmost of equals), unigram pieces with
+their scores, byte fallback, user-defined pieces kept whole and control pieces as special
+tokens. :func:`write_tokenizer` writes ``tokenizer.json``, ``tokenizer_config.json`` and
+``special_tokens_map.json`` so ``AutoTokenizer.from_pretrained`` loads it; :func:`read_tokenizer`
+reads a folder's tokenizer as a state.
+
+Where the two can differ (documented in the README): a unigram text with two segmentations of
+exactly equal score (sentencepiece breaks the tie by float32 rounding, ``tokenizers`` by its own
+order; both are equally likely under the model), literal text spelling a control or byte piece
+(``<s>``, ``<0x41>``) in a unigram model, the text of invalid UTF-8 byte sequences (each side
+puts U+FFFD in its own places), and characters outside a char vocabulary (ours refuses them,
+the Hugging Face tokenizer drops them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from builder.hf.checks import inside, read_json
+from builder.hf.common import HFError
+
+# sentencepiece ModelProto.SentencePiece.Type
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# sentencepiece TrainerSpec.ModelType
+_UNIGRAM, _BPE = 1, 2
+#: the special-token names of tokenizer_config.json and the sentencepiece trainer's ids for them
+SPECIALS = {"unk_token": "unk", "bos_token": "bos", "eos_token": "eos", "pad_token": "pad"}
+#: the files write_tokenizer writes and read_tokenizer reads
+FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def to_tokenizers(state: dict):
+    """A ``tokenizers.Tokenizer`` that encodes and decodes as the tokenizer of ``state`` does."""
+    from tokenizers import Tokenizer
+
+    kind = state.get("type")
+    if kind == "char":
+        return _from_chars(state["chars"])
+    if kind == "sentencepiece":
+        return from_sentencepiece(state["model_proto"])
+    if kind == "tokenizers":
+        tokenizer = Tokenizer.from_str(state["json"])
+        tokenizer.encode_special_tokens = bool(state.get("split_special_tokens", False))
+        return tokenizer
+    raise HFError(f"a tokenizer of type {kind!r} has no Hugging Face form (char, sentencepiece, tokenizers)")
+
+
+def _from_chars(chars: str):
+    """One id per character: a BPE without merges (every character its own token) and no
+    normalizer or pre-tokenizer, so newlines and runs of spaces are tokens like any other."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return tokenizer
+
+
+def _proto(model_proto: bytes):
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(bytes(model_proto))
+    except Exception:  # noqa: BLE001  (protobuf's DecodeError and kin)
+        raise HFError("the tokenizer's sentencepiece model is damaged (not a ModelProto)") from None
+    return proto
+
+
+def from_sentencepiece(model_proto: bytes):
+    """A sentencepiece model (BPE or unigram) as a ``tokenizers.Tokenizer``, following the
+    model's own settings (see the module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    proto = _proto(model_proto)
+    trainer, spec, pieces = proto.trainer_spec, proto.normalizer_spec, list(proto.pieces)
+    unk = trainer.unk_piece if trainer.unk_id >= 0 else None
+    if trainer.model_type == _UNIGRAM:
+        model = models.Unigram([(p.piece, p.score) for p in pieces], unk_id=trainer.unk_id if unk else None,
+                               byte_fallback=trainer.byte_fallback)
+    elif trainer.model_type == _BPE:
+        normal = {p.piece: (p.score, i) for i, p in enumerate(pieces) if p.type == _NORMAL}
+        ranked = []  # a merge's rank: its result's score (best first), then the result's id
+        for piece, (score, i) in normal.items():
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in normal and right in normal:
+                    ranked.append((-score, i, left, right))
+        model = models.BPE(
+            vocab={p.piece: i for i, p in enumerate(pieces)},
+            merges=[(left, right) for _, _, left, right in sorted(ranked)],
+            unk_token=unk, fuse_unk=True, byte_fallback=trainer.byte_fallback,
+        )
+    else:
+        raise HFError(f"a sentencepiece model of type {trainer.model_type} (not BPE or unigram) has no conversion here")
+    tokenizer = Tokenizer(model)
+
+    steps = []  # sentencepiece's normalizer, in its order
+    if spec.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(spec.precompiled_charsmap))
+    if spec.remove_extra_whitespaces:  # spaces only: sentencepiece leaves newlines alone
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    if spec.add_dummy_prefix:
+        steps.append(normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    user_defined = [p.piece for p in pieces if p.type == _USER_DEFINED]
+    if user_defined:  # sentencepiece emits them whole and never merges into them
+        pattern = "|".join(re.escape(p) for p in sorted(user_defined, key=len, reverse=True))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+
+    steps = [decoders.Replace("\u2581", " ")]
+    if trainer.byte_fallback:
+        steps.append(decoders.ByteFallback())
+    steps.append(decoders.Fuse())
+    if spec.add_dummy_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    controls = [p.piece for p in pieces if p.type == _CONTROL]
+    tokenizer.add_special_tokens([AddedToken(c, normalized=False, special=True) for c in controls])
+    tokenizer.encode_special_tokens = True  # sentencepiece reads "<s>" in text as text
+    return tokenizer
+
+
+def special_tokens(state: dict) -> dict[str, tuple[str, int]]:
+    """``{"bos_token": ("<s>", 1), ...}``: the special tokens a tokenizer state has, with ids."""
+    kind = state.get("type")
+    if kind == "sentencepiece":
+        trainer = _proto(state["model_proto"]).trainer_spec
+        pieces = {"unk": trainer.unk_piece, "bos": trainer.bos_piece, "eos": trainer.eos_piece, "pad": trainer.pad_piece}
+        out = {}
+        for name, short in SPECIALS.items():
+            i = getattr(trainer, f"{short}_id")
+            if i >= 0:
+                out[name] = (pieces[short], i)
+        return out
+    if kind == "tokenizers":
+        tokenizer = to_tokenizers(state)
+        return {name: (text, tokenizer.token_to_id(text)) for name, text in (state.get("specials") or {}).items()
+                if name in SPECIALS and tokenizer.token_to_id(text) is not None}
+    return {}
+
+
+def token_ids(state: dict) -> dict[str, int]:
+    """``config.json``'s ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of a tokenizer state."""
+    specials = special_tokens(state)
+    return {f"{name.removesuffix('_token')}_token_id": specials[name][1]
+            for name in ("bos_token", "eos_token", "pad_token") if name in specials}
+
+
+def write_tokenizer(state: dict, folder: str | Path, max_length: int | None = None,
+                    append_eos: bool = False) -> list[Path]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` for
+    ``state`` into ``folder``, for ``transformers.AutoTokenizer``; returns the paths.
+
+    No special token is added to encoded text (as ours add none) unless ``append_eos`` (an
+    encoder-decoder's source ends in eos, as the translation recipe trains it); special tokens
+    typed in text are read as text (``split_special_tokens``, as sentencepiece does), and
+    decoding leaves spaces as they are (``clean_up_tokenization_spaces: false``).
+    """
+    from tokenizers import processors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = to_tokenizers(state)
+    specials = {name: text for name, (text, _) in special_tokens(state).items()}
+    eos = special_tokens(state).get("eos_token")
+    if append_eos and eos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"$A {eos[0]}", pair=f"$A {eos[0]} $B {eos[0]}", special_tokens=[eos])
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": bool(state.get("split_special_tokens", True)),
+        **specials,
+    }
+    if max_length is not None:
+        config["model_max_length"] = max_length
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
+    return [folder / name for name in FILES]
+
+
+def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
+    """The tokenizer state of a Hugging Face folder: its ``tokenizer.json`` (with the special
+    tokens ``tokenizer_config.json`` names) as a ``tokenizers`` state, else a sentencepiece
+    ``tokenizer.model`` as a ``sentencepiece`` state, else ``None``. ``only``: read this JSON
+    file of the folder instead. Reads only files inside ``folder``; a file that does not load is
+    a one-line :class:`HFError` naming it."""
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    path = folder / (only or "tokenizer.json")
+    if only or path.is_file() or path.is_symlink():
+        data = read_json(path, "tokenizer", folder)
+        text = json.dumps(data)
+        try:
+            Tokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001  (the tokenizers library's reasons)
+            raise HFError(f"{path}: not a tokenizer the tokenizers library can load "
+                          f"({' '.join(str(exc).split())[:120]})") from None
+        specials, split = _named_specials(folder)
+        return {"type": "tokenizers", "json": text, "specials": specials, "split_special_tokens": split}
+    path = folder / "tokenizer.model"
+    if path.is_file() or path.is_symlink():
+        proto = inside(folder, path).read_bytes()
+        _proto(proto)  # a damaged file is refused here
+        return {"type": "sentencepiece", "model_proto": proto}
+    return None
+
+
+def _named_specials(folder: Path) -> tuple[dict[str, str], bool]:
+    """The special tokens ``tokenizer_config.json`` (or ``special_tokens_map.json``) names, and
+    its ``split_special_tokens``."""
+    out: dict[str, str] = {}
+    split = False
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = folder / name
+        if not (path.is_file() or path.is_symlink()):
+            continue
+        config = read_json(path, "config", folder)
+        for key, value in config.items():
+            if key in SPECIALS:
+                text = value.get("content") if isinstance(value, dict) else value
+                if isinstance(text, str):
+                    out[key] = text
+        split = split or config.get("split_special_tokens") is True
+    return out, split
+
+
+def generation_config(ids: dict[str, Any], max_length: int | None) -> dict:
+    """``generation_config.json``: the token ids that stop and pad generation, and the model's
+    context length as ``max_length``; greedy unless the caller asks for sampling."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
+    config = {k: ids[k] for k in keys if ids.get(k) is not None}
+    if max_length is not None:
+        config["max_length"] = max_length
+    return config
