@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("builder.commands.describe", "analytic parameters, FLOPs and memory of a spec"),
     "compare": ("builder.commands.compare", "estimated vs built parameter counts, by component"),
     "diff": ("builder.commands.diff", "fields that differ between two specs and their effect"),
+    "plan": ("builder.commands.plan", "the cheapest multi-GPU layout that fits, with its launch lines"),
     "import-hf": ("builder.commands.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
     "export-hf": ("builder.commands.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
 }

@@ -134,14 +134,29 @@ def estimate(
     strategy: str = "ddp",
     activation_checkpointing: bool = False,
     fused_attention: bool = True,
+    tensor_parallel: int = 1,
+    data_parallel: str = "shard",
+    nodes: int = 1,
 ) -> Estimate:
     """Parameters, FLOPs at ``seq_len`` (default ``max_seq_len``) and training memory.
 
     ``src_len`` is the encoder's length in an encoder-decoder (default ``seq_len``); ``batch``
-    sequences per device; ``fused_attention``: a FlashAttention kernel saves no (seq, seq)
-    tensor for backward (``False``: the eager backend's accounting).
+    sequences per device (per tensor-parallel group); ``fused_attention``: a FlashAttention
+    kernel saves no (seq, seq) tensor for backward (``False``: the eager backend's accounting).
+    ``strategy="fsdp"`` counts what a rank holds (``builder.layout``) on ``devices`` ranks over
+    ``nodes`` machines, ``tensor_parallel`` ranks splitting each layer and ``data_parallel``
+    (``shard`` | ``hybrid`` | ``replicate``) over the rest.
     """
     _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy)
+    layout = None
+    if strategy == "fsdp":
+        from builder.layout import Layout, check_tensor_parallel
+
+        layout = Layout(devices=devices, nodes=nodes, tensor_parallel=tensor_parallel,
+                        data_parallel=data_parallel)
+        check_tensor_parallel(spec, tensor_parallel)
+    elif tensor_parallel != 1:
+        raise ValueError(f"tensor_parallel {tensor_parallel} needs strategy fsdp (DDP replicates whole layers)")
     seq = seq_len or spec.max_seq_len
     stacks = spec.stacks()
     architecture = spec.architecture_config
@@ -223,12 +238,26 @@ def estimate(
         strategy=strategy, activation_checkpointing=activation_checkpointing,
         fused_attention=fused_attention,
     )
+    if layout is not None:
+        mem = _sharded(spec, layout, mem, seq_len=seq, src_len=src_len, batch=batch, dtype=dtype,
+                       activation_checkpointing=activation_checkpointing, fused_attention=fused_attention)
     settings = {
         "seq_len": seq, "src_len": src, "batch": batch, "dtype": dtype, "devices": devices,
         "strategy": strategy, "activation_checkpointing": activation_checkpointing,
-        "fused_attention": fused_attention,
+        "fused_attention": fused_attention, "tensor_parallel": tensor_parallel,
+        "data_parallel": data_parallel if layout is not None else "replicate", "nodes": nodes,
     }
     return Estimate(spec.name, settings, param_est, flop_est, mem, layers)
+
+
+def _sharded(spec, layout, mem, **settings):
+    """FSDP/TP: one tensor-parallel rank's activations and KV cache, and what the rank holding the
+    most keeps of the parameters, gradients and optimizer state (``builder.layout``)."""
+    from builder.layout import sharded_memory, tensor_parallel_spec
+
+    if layout.tensor_parallel > 1:
+        mem = estimate(tensor_parallel_spec(spec, layout.tensor_parallel), **settings).memory
+    return sharded_memory(spec, layout, mem)
 
 
 def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, position):

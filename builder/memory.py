@@ -18,10 +18,10 @@ The accounting (printed with every estimate, see :data:`CONVENTIONS`):
   logits and the loss's fp32 log-probabilities. Parameters are never counted twice.
 * **Activation checkpointing** (every layer): each layer keeps only its input; during backward
   one layer at a time is recomputed, so the largest layer's activations are added once.
-* **Strategies.** DDP replicates everything (its gradient buckets are not counted). FSDP full
-  sharding divides weights, master weights, gradients and optimizer state by N and adds one
-  layer's gathered weights and unsharded gradients. Activations are per device for ``batch``
-  sequences on that device.
+* **Strategies.** DDP replicates everything (its gradient buckets are not counted). FSDP (FSDP2,
+  with tensor parallelism or not) is counted tensor by tensor in ``builder.layout``: what the
+  rank holding the most keeps, exactly, plus the transient gathered units. Activations are per
+  device for ``batch`` sequences on that device (one tensor-parallel rank's share under TP).
 * **KV cache** for ``generate``: keys and values of every self-attention layer for the whole
   context (a layer with a sliding window w keeps only the last w positions), plus the
   cross-attention keys and values of the encoder output in an encoder-decoder, in the compute
@@ -50,8 +50,10 @@ CONVENTIONS = (
         "recomputes one layer at a time"
     ),
     (
-        "DDP replicates everything; FSDP divides weights, master weights, gradients and optimizer "
-        "state by the device count and adds one layer's gathered weights and gradients"
+        "DDP replicates everything; FSDP2 (and tensor parallelism) per rank, exactly, as builder.layout "
+        "counts it: fp32 shards (torch.chunk on dim 0; rank 0 holds the most) that are the master "
+        "weights, fp32 sharded gradients, AdamW states and a step per tensor, plus two gathered "
+        "units and one unit's gradients in flight"
     ),
     (
         "KV cache: keys and values of every self-attention layer for the context (a sliding window "
@@ -77,6 +79,8 @@ class MemoryEstimate:
     activations: int
     activations_per_layer: int  # the largest layer's saved tensors, without checkpointing
     kv_cache: int  # batch sequences of seq_len context (target side), in the compute dtype
+    inference_weights: int = 0  # the whole model (one tensor-parallel rank's share) in the compute dtype
+    layout: dict[str, Any] | None = None  # FSDP/TP: the mesh and its largest and smallest ranks
 
     @property
     def training_total(self) -> int:
@@ -86,7 +90,7 @@ class MemoryEstimate:
     @property
     def inference_total(self) -> int:
         """Weights (unsharded) and the KV cache."""
-        return self.weights * (self.devices if self.strategy == "fsdp" else 1) + self.kv_cache
+        return self.inference_weights + self.kv_cache
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -98,24 +102,22 @@ class MemoryEstimate:
 def memory(spec, n_params: int, layers, *, batch: int, seq_len: int, src_len: int | None,
            dtype: str, devices: int, strategy: str, activation_checkpointing: bool,
            fused_attention: bool = True) -> MemoryEstimate:
-    """Per-device training memory and the KV cache, from the per-layer estimates."""
+    """Per-device training memory and the KV cache, from the per-layer estimates, every state
+    whole on the device (DDP); ``builder.estimates`` shards them for FSDP through ``builder.layout``."""
     act = BYTES[dtype]
-    shard = devices if strategy == "fsdp" else 1
-    weights = _ceil_div(n_params * act, shard)
-    master = _ceil_div(n_params * FP32, shard) if act != FP32 else 0
-    gradients = _ceil_div(n_params * act, shard)
-    optimizer = _ceil_div(n_params * FP32 * ADAMW_STATES, shard)
-    largest_layer = max((layer.total_params for layer in layers), default=0)
-    buffers = 2 * largest_layer * act if strategy == "fsdp" and devices > 1 else 0
+    weights = gradients = n_params * act
+    master = n_params * FP32 if act != FP32 else 0
+    optimizer = n_params * FP32 * ADAMW_STATES
     activations = activation_bytes(spec, layers, batch, seq_len, src_len, act,
                                    activation_checkpointing, fused_attention)
     return MemoryEstimate(
         dtype=dtype, batch=batch, devices=devices, strategy=strategy,
         activation_checkpointing=activation_checkpointing, weights=weights,
         master_weights=master, gradients=gradients, optimizer=optimizer,
-        sharding_buffers=buffers, activations=activations,
+        sharding_buffers=0, activations=activations,
         activations_per_layer=max((layer.saved_bytes for layer in layers), default=0),
         kv_cache=kv_cache_bytes(spec, batch, seq_len, dtype, src_len=src_len),
+        inference_weights=n_params * act,
     )
 
 
@@ -168,6 +170,3 @@ def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16",
             total += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache, cross=True)
     return total
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

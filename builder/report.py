@@ -163,24 +163,52 @@ def describe_table(spec, est, actual=None):
                    "attention over visible pairs only (for MFU)")
     totals.add_row("forward FLOPs/sequence", f"{f.forward_per_sequence:,}", human(f.forward_per_sequence))
 
-    memory = Table(title=(f"memory per device: batch {s['batch']}, {s['dtype']}, {s['devices']} "
-                          f"device(s) {s['strategy']}"
-                          + (", checkpointing" if s["activation_checkpointing"] else "")
-                          + (", fused attention" if s["fused_attention"] else ", eager attention")),
-                   title_justify="left", show_header=False)
-    memory.add_column("what")
-    memory.add_column("bytes", justify="right")
-    for label, value in (("weights", m.weights), ("fp32 master weights", m.master_weights),
-                         ("gradients", m.gradients), ("AdamW states", m.optimizer),
-                         ("FSDP gathered layer", m.sharding_buffers), ("activations", m.activations)):
-        if value or label in ("weights", "activations"):
-            memory.add_row(label, human_bytes(value))
-    memory.add_row("training total", human_bytes(m.training_total), style="bold")
-    memory.add_row(f"KV cache (batch {s['batch']}, {seq} tokens)", human_bytes(m.kv_cache))
-    memory.add_row("inference total (weights + KV cache)", human_bytes(m.inference_total))
+    memory = memory_table(m, s, seq)
 
     notes = Text("\n".join(f"- {c}" for c in est.conventions), style="dim")
     return Group(components, layers, totals, memory, Text("conventions:", style="dim"), notes)
+
+
+def memory_table(m, s, seq: int):
+    """Training memory per device (rank 0 under FSDP/TP, with the rank holding the least), the KV
+    cache and inference."""
+    from rich.table import Table
+
+    layout = m.layout
+    extras = ((", checkpointing" if s["activation_checkpointing"] else "")
+              + (", fused attention" if s["fused_attention"] else ", eager attention"))
+    if layout is None:
+        title = f"memory per device: batch {s['batch']}, {s['dtype']}, {s['devices']} device(s) {s['strategy']}"
+        rows = (("weights", m.weights), ("fp32 master weights", m.master_weights),
+                ("gradients", m.gradients), ("AdamW states", m.optimizer), ("activations", m.activations))
+    else:
+        from builder.layout import Layout
+
+        mesh = Layout.from_dict(layout)
+        title = (f"memory per device, rank 0 (holds the most): {mesh.describe()}; batch {s['batch']} per "
+                 f"data-parallel rank, {s['dtype']} compute")
+        rows = (("weights (fp32 shards: the master weights)", m.weights),
+                ("gradients (fp32 shards)", m.gradients),
+                ("AdamW states (2 x fp32, a step per tensor)", m.optimizer),
+                ("FSDP units in flight (2 gathered, 1 unit's grads)", m.sharding_buffers),
+                ("activations" + (" (one tensor-parallel rank)" if mesh.tensor_parallel > 1 else ""),
+                 m.activations))
+    memory = Table(title=title + extras, title_justify="left", show_header=False)
+    memory.add_column("what")
+    memory.add_column("bytes", justify="right")
+    for label, value in rows:
+        if value or label.startswith(("weights", "activations")):
+            memory.add_row(label, human_bytes(value))
+    memory.add_row("training total", human_bytes(m.training_total), style="bold")
+    least = layout["smallest"] if layout is not None else None
+    held = least["weights"] + least["gradients"] + least["optimizer"] if least else 0
+    most = m.weights + m.gradients + m.optimizer
+    if least and held != most:
+        memory.add_row(f"rank {least['rank']} (holds the least: torch.chunk's last shard)",
+                       f"{human_bytes(held)} of states, {human_bytes(most - held)} less")
+    memory.add_row(f"KV cache (batch {s['batch']}, {seq} tokens)", human_bytes(m.kv_cache))
+    memory.add_row("inference total (weights + KV cache)", human_bytes(m.inference_total))
+    return memory
 
 
 def print_describe(spec, est, actual=None, console=None) -> None:

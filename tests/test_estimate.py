@@ -36,6 +36,7 @@ PUBLISHED = {
     "bert-base.yaml": 109_514_298,
     "t5-small.yaml": 60_506_624,
     "llama2-7b.yaml": 6_738_415_616,
+    "llama2-70b.yaml": 68_976_648_192,
     "mixtral-8x7b.yaml": 46_702_792_704,
     "transformer-base.yaml": 63_082_496,
 }
@@ -139,7 +140,10 @@ def test_memory_conventions():
     fp32 = estimate(spec, seq_len=1024, batch=2, dtype="fp32").memory
     assert (fp32.weights, fp32.master_weights, fp32.gradients, fp32.optimizer) == (4 * n, 0, 4 * n, 8 * n)
     fsdp = estimate(spec, seq_len=1024, batch=2, devices=8, strategy="fsdp").memory
-    assert fsdp.weights == bf16.weights // 8 and fsdp.optimizer == bf16.optimizer // 8
+    # FSDP2 (builder.layout): fp32 shards that are the master weights (every Llama dim divides
+    # by 8), fp32 sharded gradients, AdamW's two states and a step for each of the 291 tensors
+    assert (fsdp.weights, fsdp.master_weights, fsdp.gradients) == (4 * n // 8, 0, 4 * n // 8)
+    assert fsdp.optimizer == 8 * n // 8 + 4 * 291
     assert fsdp.activations == bf16.activations and fsdp.sharding_buffers > 0
     ddp = estimate(spec, seq_len=1024, batch=2, devices=8).memory
     assert ddp.training_total == bf16.training_total

@@ -29,6 +29,7 @@ EXPECTED_PARAMS = {
     "bert-base": 109_514_298,
     "t5-small": 60_506_624,
     "llama2-7b": 6_738_415_616,
+    "llama2-70b": 68_976_648_192,
     "mixtral-8x7b": 46_702_792_704,
     "llama3-8b": 8_030_261_248,
     "mistral-7b": 7_241_732_096,
@@ -165,3 +166,22 @@ def test_schema_command_prints_json():
     schema = json.loads(run.stdout)
     assert schema["$schema"].startswith("https://json-schema.org/")
     assert "ModelSpec" in schema["$defs"]
+
+
+def test_llama2_70b_counts_as_transformers_builds_it():
+    """The 70B spec against transformers' Llama on the meta device, from the published config and
+    from the config export-hf writes for the spec."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from builder.hf import choose_family
+
+    spec = load_spec(ROOT / "specs" / "llama2-70b.yaml")
+    published = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
+                 "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    family, exported = choose_family(spec)
+    assert family.model_type == "llama"
+    assert {key: exported[key] for key in published} == published
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**published))
+    assert sum(p.numel() for p in model.parameters()) == 68_976_648_192

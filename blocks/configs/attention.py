@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems, rule_error
+from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems, Shapes, indivisible, rule_error
 from blocks.registry import register
 
 
@@ -91,6 +91,29 @@ class AttentionConfig(AttentionBlock):
         weights = d_model * q + 2 * d_model * kv + q * d_model
         biases = (q + 2 * kv if self.qkv_bias else 0) + (d_model if self.out_bias else 0)
         return weights + biases
+
+    def param_shapes(self, d_model: int) -> Shapes:
+        hd = self.resolved_head_dim(d_model)
+        q, kv = self.n_heads * hd, self.n_kv_heads * hd
+        shapes = {"q_proj.weight": (q, d_model), "k_proj.weight": (kv, d_model),
+                  "v_proj.weight": (kv, d_model), "out_proj.weight": (d_model, q)}
+        if self.qkv_bias:
+            shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+        if self.out_bias:
+            shapes["out_proj.bias"] = (d_model,)
+        return shapes
+
+    def parallel_plan(self) -> dict[str, str]:
+        # Megatron's split: each rank computes whole heads; out_proj sums their outputs
+        return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
+
+    def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
+        return indivisible(degree, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
+
+    def tensor_parallel(self, degree: int, d_model: int) -> AttentionConfig:
+        """``n_heads / degree`` query and ``n_kv_heads / degree`` key/value heads of the same width."""
+        return self.model_copy(update={"n_heads": self.n_heads // degree, "n_kv_heads": self.n_kv_heads // degree,
+                                       "head_dim": self.resolved_head_dim(d_model)})
 
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         hd = self.resolved_head_dim(d_model)

@@ -24,6 +24,13 @@ from pydantic_core import PydanticCustomError
 
 Loc = tuple[Union[str, int], ...]
 Problems = list[tuple[Loc, str]]
+Shapes = dict[str, tuple[int, ...]]
+
+#: tensor-parallel styles a block's ``parallel_plan()`` gives its submodules: ``colwise`` shards a
+#: Linear's weight and bias on dim 0 (its output features); ``rowwise`` shards the weight on dim 1
+#: (its input features) and replicates the bias; ``vocab`` shards an embedding table on dim 0
+#: (its rows); ``replicate`` keeps the whole tensor on every rank
+PARALLEL_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 
 
 def rule_error(loc: Loc, message: str) -> PydanticCustomError:
@@ -54,13 +61,32 @@ class BlockConfig(BaseModel):
         return str(getattr(self, "type", type(self).__name__))
 
     def parallel_plan(self) -> dict[str, str] | None:
-        """Tensor parallelism: submodule name (relative to the block's module) -> a style
-        (``"colwise"``, ``"rowwise"``, ``"replicate"``, ``"vocab"``). None: no plan, replicated."""
+        """Tensor parallelism: submodule name (relative to the block's module) -> a style of
+        :data:`PARALLEL_STYLES`; a submodule it does not name is replicated. None: no plan,
+        replicated."""
         return None
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
         """Why this block cannot be split ``degree`` ways (none by default)."""
         return []
+
+    def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:
+        """This block as each of ``degree`` tensor-parallel ranks holds and runs it: a config of
+        the same type whose counts (``params``, FLOPs, saved bytes, KV cache) are one rank's
+        share under :meth:`parallel_plan` (``builder.layout`` sizes activations with it). Only
+        asked when :meth:`tensor_parallel_problems` is empty; a replicated block is itself."""
+        return self
+
+    # Each kind also declares ``param_shapes(...)`` (the same arguments as its ``params``): every
+    # parameter tensor its module creates, named relative to the module as ``named_parameters()``
+    # names it, with its shape. ``builder.layout`` shards them tensor by tensor.
+
+
+def indivisible(degree: int, **fields: int) -> Problems:
+    """A problem for each field whose value ``degree`` does not divide (tensor parallelism)."""
+    return [((name,), f"{value} is not a multiple of the tensor-parallel degree {degree} (degrees that "
+                      f"divide it: {', '.join(str(d) for d in range(1, min(value, 64) + 1) if value % d == 0)})")
+            for name, value in fields.items() if value % degree]
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -226,6 +252,9 @@ class PositionBlock(BlockConfig):
         """Parameters one stack's block builds (``n_heads``: the stack's query heads)."""
         return 0
 
+    def param_shapes(self, d_model: int, n_heads: int, max_seq_len: int) -> Shapes:
+        return {}
+
     def flops(self, d_model: int, n_heads: int, tokens: int) -> int:
         """Matrix-product FLOPs of one sequence (elementwise work counts 0)."""
         return 0
@@ -305,6 +334,9 @@ class HeadBlock(BlockConfig):
 
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         return 0
+
+    def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
+        return {}
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 0

@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import FFNBlock, rule_error
+from blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
 from blocks.registry import register
 
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
@@ -17,6 +17,7 @@ class _DenseFFNConfig(FFNBlock):
     bias: bool = Field(False, description="Biases on the inner and output projections.")
 
     n_in_projections: ClassVar[int]  # 1 (MLP) or 2 (GLU: gate and up)
+    in_projections: ClassVar[tuple[str, ...]]  # their module names
 
     def resolved_hidden_dim(self, d_model: int) -> int:
         return self.hidden_dim if self.hidden_dim is not None else 4 * d_model
@@ -25,6 +26,29 @@ class _DenseFFNConfig(FFNBlock):
         h, n = self.resolved_hidden_dim(d_model), self.n_in_projections
         weights = (n + 1) * d_model * h
         return weights + ((n * h + d_model) if self.bias else 0)
+
+    def param_shapes(self, d_model: int) -> Shapes:
+        h = self.resolved_hidden_dim(d_model)
+        shapes: Shapes = {}
+        for name in self.in_projections:
+            shapes[f"{name}.weight"] = (h, d_model)
+            if self.bias:
+                shapes[f"{name}.bias"] = (h,)
+        shapes["down_proj.weight"] = (d_model, h)
+        if self.bias:
+            shapes["down_proj.bias"] = (d_model,)
+        return shapes
+
+    def parallel_plan(self) -> dict[str, str]:
+        # Megatron's MLP: the hidden width split, down_proj sums the ranks' parts
+        return {**{name: "colwise" for name in self.in_projections}, "down_proj": "rowwise"}
+
+    def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
+        return indivisible(degree, hidden_dim=self.resolved_hidden_dim(d_model))
+
+    def tensor_parallel(self, degree: int, d_model: int) -> _DenseFFNConfig:
+        """``hidden_dim / degree`` of the hidden width."""
+        return self.model_copy(update={"hidden_dim": self.resolved_hidden_dim(d_model) // degree})
 
     def flops(self, d_model: int, tokens: int) -> int:
         return 2 * tokens * (self.n_in_projections + 1) * d_model * self.resolved_hidden_dim(d_model)
@@ -46,6 +70,7 @@ class MLPConfig(_DenseFFNConfig):
     type: Literal["mlp"] = "mlp"
     activation: Activation = Field("gelu", description="relu | gelu | gelu_tanh | silu.")
     n_in_projections: ClassVar[int] = 1
+    in_projections: ClassVar[tuple[str, ...]] = ("up_proj",)
     examples: ClassVar[list[dict]] = [
         {"activation": "gelu", "bias": True},
         {"activation": "relu", "hidden_dim": 40},
@@ -67,6 +92,7 @@ class GLUConfig(_DenseFFNConfig):
     type: Literal["glu"] = "glu"
     activation: Activation = Field("silu", description="silu: SwiGLU; gelu or gelu_tanh: GeGLU.")
     n_in_projections: ClassVar[int] = 2
+    in_projections: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj")
     examples: ClassVar[list[dict]] = [
         {"activation": "silu"},
         {"activation": "gelu", "hidden_dim": 40, "bias": True},
@@ -116,6 +142,14 @@ class MoEConfig(FFNBlock):
 
     def active_params(self, d_model: int) -> int:
         return d_model * self.n_experts + self.top_k * self.expert.params(d_model)
+
+    def param_shapes(self, d_model: int) -> Shapes:
+        # under tensor parallelism the router and the experts are replicated (no plan)
+        shapes = {"router.weight": (self.n_experts, d_model)}
+        expert = self.expert.param_shapes(d_model)
+        for i in range(self.n_experts):
+            shapes.update({f"experts.{i}.{name}": shape for name, shape in expert.items()})
+        return shapes
 
     def flops(self, d_model: int, tokens: int) -> int:
         # Every token meets the router; each expert multiplies only the tokens sent to it,

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import HeadBlock
+from blocks.configs.base import HeadBlock, Shapes
 from blocks.configs.ffn import Activation
 from blocks.configs.norm import LayerNormConfig
 from blocks.registry import register
@@ -38,6 +38,13 @@ class LMHeadConfig(HeadBlock):
 
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         return (0 if tied else d_model * vocab_size) + (vocab_size if self.bias else 0)
+
+    def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
+        return _vocab_projection("proj", d_model, vocab_size, tied, self.bias)
+
+    def parallel_plan(self) -> dict[str, str]:
+        # vocab-parallel logits: each rank projects to its slice of the vocabulary
+        return {"proj": "colwise"}
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * vocab_size
@@ -67,6 +74,14 @@ class MLMHeadConfig(HeadBlock):
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         transform = d_model * d_model + d_model + self.norm.params(d_model)
         return transform + (0 if tied else d_model * vocab_size) + vocab_size
+
+    def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
+        norm = {f"norm.{name}": shape for name, shape in self.norm.param_shapes(d_model).items()}
+        return {"dense.weight": (d_model, d_model), "dense.bias": (d_model,), **norm,
+                **_vocab_projection("proj", d_model, vocab_size, tied, bias=True)}
+
+    def parallel_plan(self) -> dict[str, str]:
+        return {"proj": "colwise"}  # the transform replicated, the vocabulary split
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * (d_model + vocab_size)
@@ -103,6 +118,10 @@ class ClassificationHeadConfig(HeadBlock):
         pooler = d_model * d_model + d_model if self.pooler else 0
         return pooler + d_model * self.n_classes + self.n_classes
 
+    def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
+        pooler = {"pooler.weight": (d_model, d_model), "pooler.bias": (d_model,)} if self.pooler else {}
+        return {**pooler, "classifier.weight": (self.n_classes, d_model), "classifier.bias": (self.n_classes,)}
+
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * d_model * ((d_model if self.pooler else 0) + self.n_classes)
 
@@ -113,3 +132,9 @@ class NoHeadConfig(HeadBlock):
 
     type: Literal["none"] = "none"
     examples: ClassVar[list[dict]] = [{}]
+
+
+def _vocab_projection(name: str, d_model: int, vocab_size: int, tied: bool, bias: bool) -> Shapes:
+    """A (vocab_size, d_model) projection's tensors; a tied weight is the embedding table's."""
+    shapes = {} if tied else {f"{name}.weight": (vocab_size, d_model)}
+    return {**shapes, **({f"{name}.bias": (vocab_size,)} if bias else {})}

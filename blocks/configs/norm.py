@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import NormBlock, Placement
+from blocks.configs.base import NormBlock, Placement, Shapes
 from blocks.registry import register
 
 __all__ = ["LayerNormConfig", "RMSNormConfig", "Placement"]
@@ -30,6 +30,9 @@ class LayerNormConfig(_NormConfig):
     def params(self, d_model: int) -> int:
         return d_model * (2 if self.bias else 1)
 
+    def param_shapes(self, d_model: int) -> Shapes:
+        return {"weight": (d_model,), **({"bias": (d_model,)} if self.bias else {})}
+
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         # F.layer_norm keeps its fp32 input and an fp32 mean and 1/std per token
         return tokens * (4 * d_model + 2 * 4)
@@ -50,6 +53,9 @@ class RMSNormConfig(_NormConfig):
 
     def params(self, d_model: int) -> int:
         return d_model
+
+    def param_shapes(self, d_model: int) -> Shapes:
+        return {"weight": (d_model,)}
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         # x.float() (kept by pow and the multiply), the fp32 1/rms per token, the normalised x

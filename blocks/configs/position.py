@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, rule_error
+from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, Shapes, rule_error
 from blocks.registry import register
 
 
@@ -46,6 +46,9 @@ class LearnedConfig(_PositionConfig):
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         return (self.max_positions or max_seq_len) * d_model
+
+    def param_shapes(self, d_model: int, n_heads: int, max_seq_len: int) -> Shapes:
+        return {"weight": (self.max_positions or max_seq_len, d_model)}
 
     def problems(self, d_model: int, max_seq_len: int) -> Problems:
         if self.max_positions is not None and self.max_positions < max_seq_len:
@@ -163,6 +166,9 @@ class RelativeBiasConfig(_PositionConfig):
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         return self.num_buckets * n_heads
+
+    def param_shapes(self, d_model: int, n_heads: int, max_seq_len: int) -> Shapes:
+        return {"weight": (self.num_buckets, n_heads)}
 
     def saved_bytes_per_stack(self, seq: int, n_heads: int, fused: bool) -> int:
         # the int64 bucket of every (query, key) pair, kept by the table lookup; a fused kernel

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from builder.commands.common import add_spec_options
 
@@ -29,9 +30,19 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive, default=1, help="sequences per device (default 1)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="compute dtype (default bf16; bf16/fp16 train with fp32 master weights)")
-    parser.add_argument("--devices", type=_positive, default=1, help="data-parallel devices (default 1)")
+    parser.add_argument("--devices", type=_positive, default=1,
+                        help="devices in all, over every node (default 1)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                        help="ddp replicates everything; fsdp shards weights, gradients, optimizer")
+                        help="ddp replicates everything; fsdp (FSDP2) shards weights, gradients and "
+                        "optimizer state and counts what each rank holds, exactly")
+    parser.add_argument("--tensor-parallel", type=_positive, default=1, metavar="T",
+                        help="fsdp: ranks inside a node that split each layer (heads, FFN width, "
+                        "vocabulary); default 1")
+    parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"), default=None,
+                        help="fsdp: shard over every data-parallel rank (default), hybrid (HSDP: shard "
+                        "inside a node, replicate across nodes) or replicate")
+    parser.add_argument("--nodes", type=_positive, default=1,
+                        help="machines the devices are spread over (default 1)")
     parser.add_argument("--checkpointing", action="store_true",
                         help="activation checkpointing on every layer (train FLOPs 4x forward)")
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
@@ -39,13 +50,33 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 
 
 def estimate_from_args(spec, args: argparse.Namespace):
+    """The estimate the sizing options ask for; a bad combination raises ``ValueError`` whose
+    message names the option (``--tensor-parallel 3: decoder.attention.n_heads: ...``)."""
     from builder.estimates import estimate
+    from builder.layout import LayoutError
 
-    return estimate(
-        spec, seq_len=args.seq_len, src_len=args.src_len, batch=args.batch, dtype=args.dtype,
-        devices=args.devices, strategy=args.strategy,
-        activation_checkpointing=args.checkpointing, fused_attention=args.attention == "fused",
-    )
+    if args.strategy != "fsdp":
+        for option, value, default in (("--tensor-parallel", args.tensor_parallel, 1),
+                                       ("--data-parallel", args.data_parallel, None)):
+            if value != default:
+                raise ValueError(f"{option} needs --strategy fsdp (ddp replicates the whole model)")
+    try:
+        return estimate(
+            spec, seq_len=args.seq_len, src_len=args.src_len, batch=args.batch, dtype=args.dtype,
+            devices=args.devices, strategy=args.strategy,
+            activation_checkpointing=args.checkpointing, fused_attention=args.attention == "fused",
+            tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel or "shard",
+            nodes=args.nodes,
+        )
+    except LayoutError as exc:
+        raise ValueError(option_error(exc)) from None
+
+
+def option_error(exc) -> str:
+    """A :class:`builder.layout.LayoutError` as the option at fault: ``--tensor-parallel 3: ...``."""
+    if exc.argument == "spec":
+        return f"{exc.value}: {exc.reason}"
+    return f"--{exc.argument.replace('_', '-')} {exc.value}: {exc.reason}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         est = estimate_from_args(spec, args)
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         est_a, est_b = estimate_from_args(spec_a, args), estimate_from_args(spec_b, args)
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     fields = field_differences(spec_a, spec_b)
     rows = effects(est_a, est_b)

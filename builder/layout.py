@@ -1,0 +1,391 @@
+"""Where every parameter lives under FSDP2 and tensor parallelism, exactly, per rank (torch-free).
+
+A :class:`Layout` is the device mesh a recipe trains on: ``devices`` ranks on ``nodes``
+machines, ``tensor_parallel`` ranks inside a node splitting each layer, the rest data-parallel —
+``shard`` (FSDP2 full sharding over every data-parallel rank), ``hybrid`` (HSDP: shard inside a
+node, replicate across nodes) or ``replicate``. Ranks are numbered as
+``init_device_mesh(("replicate", "shard", "tp"))`` lays them out: tensor-parallel ranks
+innermost (neighbours on one node), then the shard group, then the replicas.
+
+What a rank holds, as PyTorch builds it:
+
+* **Tensor parallelism** (DTensor). Each block declares ``parallel_plan()`` in its config
+  (``blocks/configs``): ``colwise`` shards a Linear's weight and bias on dim 0, ``rowwise`` its
+  weight on dim 1 (the bias replicated), ``vocab`` an embedding table on dim 0; the rest is
+  replicated. The token embedding is vocab-parallel. Every split must be even: heads, KV heads,
+  FFN width and vocabulary divide by the degree, or :func:`tensor_parallel_problems` names the
+  field.
+* **FSDP2** (``fully_shard``, one unit per Transformer layer, one per embedding, one for the head
+  and the root for the rest, a tied head and its embedding among them) shards every parameter — the tensor-parallel local tensor under TP —
+  on dim 0 over the shard group as ``torch.chunk`` splits it: rank ``s`` of the group holds rows
+  ``[s*c, (s+1)*c)`` of ``c = ceil(rows / group)``, so later ranks can hold fewer rows or none.
+  Shard rank 0 holds the most, the last the least. FSDP2 pads each rank's parameter storage (and
+  its flat gradient buffer) to rank 0's size.
+* **Mixed precision** (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): the
+  sharded parameters stay fp32 and are the optimizer's master weights (no second copy); each unit
+  is all-gathered in bf16 for compute; its gradients are reduce-scattered in fp32 into fp32
+  sharded gradients. AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (fp32, the local shard's shape)
+  and a 4-byte ``step`` per parameter tensor. So a rank holds 16 bytes per local element plus 4
+  per tensor, in bf16, fp16 and fp32 alike.
+* **Transient** (an estimate, not exact): two units' gathered parameters (the one computing and
+  the one prefetched) in the compute dtype, and the largest unit's unsharded gradients in the
+  compute dtype plus their fp32 reduce-scatter input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from blocks.configs.base import PARALLEL_STYLES, indivisible
+from builder.memory import BYTES
+
+DATA_PARALLEL = ("shard", "hybrid", "replicate")
+FP32 = 4
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq
+ADAMW_STEP = 4  # one fp32 scalar per parameter tensor
+#: the token embedding's plan: a vocabulary-parallel table (torch's RowwiseParallel on nn.Embedding)
+EMBEDDING_PLAN = {"tokens": "vocab"}
+#: the layer fields that hold blocks, as ``builder.schema.LAYER_FIELDS``
+_LAYER_BLOCKS = ("attention", "cross_attention", "ffn", "norm")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run: ``argument`` (``"tensor_parallel"``) set to ``value`` is at fault
+    for ``reason``; the message reads ``tensor_parallel=3: reason``."""
+
+    def __init__(self, argument: str, value: Any, reason: str):
+        self.argument, self.value, self.reason = argument, value, reason
+        super().__init__(f"{argument}={value!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``devices`` ranks in all (the world size) on ``nodes`` machines."""
+
+    devices: int = 1
+    nodes: int = 1
+    tensor_parallel: int = 1
+    data_parallel: str = "shard"
+
+    def __post_init__(self):
+        for name in ("devices", "nodes", "tensor_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(name, value, "must be a positive integer")
+        if self.devices % self.nodes:
+            raise LayoutError("devices", self.devices, f"must be a multiple of the {self.nodes} nodes")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise LayoutError("data_parallel", self.data_parallel, f"must be one of {', '.join(DATA_PARALLEL)}")
+        if self.per_node % self.tensor_parallel:
+            raise LayoutError("tensor_parallel", self.tensor_parallel,
+                              f"must divide the {self.per_node} devices of a node (tensor parallelism "
+                              "stays inside a node)")
+        if self.data_parallel == "hybrid" and self.nodes < 2:
+            raise LayoutError("data_parallel", self.data_parallel,
+                              "shards inside a node and replicates across nodes, so it needs at least 2 "
+                              "nodes; use shard on one node")
+
+    @property
+    def per_node(self) -> int:
+        return self.devices // self.nodes
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different batches: devices / tensor_parallel."""
+        return self.devices // self.tensor_parallel
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over (the FSDP shard group)."""
+        if self.data_parallel == "shard":
+            return self.data_parallel_size
+        if self.data_parallel == "hybrid":
+            return self.per_node // self.tensor_parallel
+        return 1
+
+    @property
+    def replicas(self) -> int:
+        return self.data_parallel_size // self.shard_size
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(replica, shard rank, tensor-parallel rank)`` of a global rank."""
+        if not 0 <= rank < self.devices:
+            raise LayoutError("rank", rank, f"must be in 0..{self.devices - 1}")
+        tp = self.tensor_parallel
+        return rank // (self.shard_size * tp), rank // tp % self.shard_size, rank % tp
+
+    def smallest_rank(self) -> int:
+        """A rank holding the fewest elements: the last of the first shard group."""
+        return (self.shard_size - 1) * self.tensor_parallel
+
+    def describe(self) -> str:
+        """``64 devices on 8 nodes: tensor-parallel 8 x FSDP shard over 8`` and the like."""
+        where = f"{self.devices} device{'s' if self.devices > 1 else ''}" + (
+            f" on {self.nodes} nodes" if self.nodes > 1 else "")
+        parts = [f"tensor-parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
+        if self.data_parallel == "hybrid":
+            parts.append(f"HSDP: FSDP shard over {self.shard_size} x {self.replicas} replicas")
+        elif self.data_parallel == "shard" and self.shard_size > 1:
+            parts.append(f"FSDP shard over {self.shard_size}")
+        elif self.data_parallel_size > 1:
+            parts.append(f"{self.data_parallel_size} replicas")
+        return f"{where}: {' x '.join(parts) or 'one replica'}"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        return cls(**{field.name: data[field.name] for field in dataclasses.fields(cls)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "per_node": self.per_node,
+                "data_parallel_size": self.data_parallel_size, "shard_size": self.shard_size,
+                "replicas": self.replicas}
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of the built model (a tied or shared tensor once, by its first name)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim tensor parallelism splits; None: replicated on every TP rank
+    unit: str  # its FSDP unit: "decoder.layers.3", "decoder.embedding", "head" or "root"
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape one tensor-parallel rank holds (splits are even, see tensor_parallel_problems)."""
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+
+def chunk_rows(rows: int, parts: int, index: int) -> int:
+    """Rows of part ``index`` when ``torch.chunk`` splits ``rows`` into ``parts`` (0 past the end)."""
+    size = -(-rows // parts)
+    return max(0, min(size, rows - index * size))
+
+
+def model_tensors(spec) -> list[ParamTensor]:
+    """Every parameter tensor ``build_model(spec)`` creates, named as ``named_parameters()`` names
+    it, with the dim tensor parallelism splits and the FSDP unit it belongs to.
+
+    The names come from each block's ``param_shapes`` under the paths assembly gives the blocks
+    (``decoder.layers.3.ffn.``); the split from each block's ``parallel_plan``.
+    """
+    d, vocab = spec.d_model, spec.vocab_size
+    tensors: dict[str, ParamTensor] = {}
+
+    def add(prefix: str, config, shapes: dict, unit: str, plan: dict | None = None) -> None:
+        plan = (config.parallel_plan() or {}) if plan is None else plan
+        for name, shape in shapes.items():
+            full = prefix + name
+            tensors[full] = ParamTensor(full, tuple(shape), _tp_dim(plan, name, shape, full), unit)
+
+    architecture = spec.architecture_config
+    stacks = spec.stacks()
+    shared = spec.share_encoder_decoder_embeddings  # one embedding module for every stack
+    tied = spec.tie_embeddings and type(spec.head).projects_to_vocab
+    # a head tied to an embedding shares the root unit with it (one tensor, one unit)
+    tied_embedding = (list(stacks)[0] if shared else list(stacks)[-1]) if tied else None
+    for position, (name, stack) in enumerate(stacks.items()):
+        if position == 0 or not shared:
+            unit = f"{name}.embedding" if name != tied_embedding else "root"
+            table = {"tokens.weight": (vocab, d)}
+            if spec.embedding.segments:
+                table["segments.weight"] = (spec.embedding.segments, d)
+            add(f"{name}.embedding.", None, table, unit, plan=EMBEDDING_PLAN)
+            if spec.embedding.norm is not None:
+                norm = spec.embedding.norm
+                add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit)
+        add(f"{name}.position.", spec.position,
+            _shapes(spec.position, "position", d, stack.attention.query_heads(), spec.max_seq_len), "root")
+        for index, layer in enumerate(stack.layers()):
+            unit = f"{name}.layers.{index}"
+            sublayers = layer.sublayers(name in architecture.memory_of)
+            for sub in sublayers:
+                block = getattr(layer, sub)
+                add(f"{unit}.{sub}.", block, _shapes(block, f"{name}.{sub}", d), unit)
+            norms = [f"{sub}_norm" for sub in sublayers]
+            if layer.norm.placement == "sandwich":
+                norms += [f"{sub}_post_norm" for sub in sublayers]
+            for norm in norms:
+                add(f"{unit}.{norm}.", layer.norm, _shapes(layer.norm, f"{name}.norm", d), unit)
+        if stack.final_norm:
+            add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root")
+    add("head.", spec.head, _shapes(spec.head, "head", d, vocab, tied), "root" if tied else "head")
+    return list(tensors.values())
+
+
+def _shapes(config, where: str, *dims) -> dict[str, tuple[int, ...]]:
+    shapes = getattr(config, "param_shapes", None)
+    if shapes is None:
+        raise LayoutError("spec", where, f"block {type(config).__qualname__} declares no param_shapes(); "
+                          "per-rank figures need every parameter's shape")
+    return shapes(*dims)
+
+
+def _tp_dim(plan: dict[str, str], name: str, shape, full: str) -> int | None:
+    """The dim the plan's style splits for parameter ``name`` (``q_proj.weight``) of a block."""
+    module = name.rpartition(".")[0]
+    keys = [k for k in plan if module == k or module.startswith(k + ".")]
+    style = plan[max(keys, key=len)] if keys else "replicate"
+    if style not in PARALLEL_STYLES:
+        raise LayoutError("spec", full, f"unknown tensor-parallel style {style!r}; "
+                          f"styles are {', '.join(PARALLEL_STYLES)}")
+    if style in ("colwise", "vocab"):
+        return 0
+    if style == "rowwise":
+        return 1 if len(shape) == 2 else None
+    return None
+
+
+# -- tensor parallelism over the spec ------------------------------------------------------------
+
+
+def _blocks(spec):
+    """(location, config) of every block config in the spec, in the spec's field order."""
+    if spec.embedding.norm is not None:
+        yield ("embedding", "norm"), spec.embedding.norm
+    yield ("position",), spec.position
+    for name, stack in spec.stacks().items():
+        for key in _LAYER_BLOCKS:
+            if getattr(stack, key) is not None:
+                yield (name, key), getattr(stack, key)
+        for i, override in enumerate(stack.overrides):
+            for key in _LAYER_BLOCKS:
+                if getattr(override, key, None) is not None:
+                    yield (name, "overrides", i, key), getattr(override, key)
+    yield ("head",), spec.head
+
+
+def tensor_parallel_problems(spec, tp: int) -> list[tuple[tuple, str]]:
+    """``(field path, message)`` for every field that does not divide by ``tp``."""
+    if tp == 1:
+        return []
+    problems = [(loc, f"{message} (the embedding and head are vocab-parallel)")
+                for loc, message in indivisible(tp, vocab_size=spec.vocab_size)]
+    for loc, config in _blocks(spec):
+        problems += [(loc + where, message) for where, message in config.tensor_parallel_problems(tp, spec.d_model)]
+    return problems
+
+
+def check_tensor_parallel(spec, tp: int) -> None:
+    """Raise :class:`LayoutError` (argument ``tensor_parallel``) naming each field that does not divide."""
+    problems = tensor_parallel_problems(spec, tp)
+    if problems:
+        raise LayoutError("tensor_parallel", tp,
+                          "; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems))
+
+
+def tensor_parallel_spec(spec, tp: int):
+    """The spec as one of ``tp`` tensor-parallel ranks runs it: every block replaced by its
+    ``tensor_parallel`` view and the vocabulary split, so that estimating it gives one rank's
+    FLOPs, activations and KV cache (no sequence parallelism: each layer's input, the norms and
+    the dropout masks stay whole on every rank; the logits are vocab-parallel)."""
+    if tp == 1:
+        return spec
+    check_tensor_parallel(spec, tp)
+    d = spec.d_model
+
+    def view(config):
+        return config.tensor_parallel(tp, d) if config is not None else None
+
+    def view_blocks(section):
+        return section.model_copy(update={k: view(getattr(section, k)) for k in _LAYER_BLOCKS
+                                          if getattr(section, k, None) is not None})
+
+    update: dict[str, Any] = {}
+    for name, stack in spec.stacks().items():
+        local = view_blocks(stack)
+        update[name] = local.model_copy(update={"overrides": [view_blocks(o) for o in stack.overrides]})
+    embedding = spec.embedding.model_copy(update={"norm": view(spec.embedding.norm)})
+    return spec.model_copy(update={**update, "vocab_size": spec.vocab_size // tp, "embedding": embedding,
+                                   "position": view(spec.position), "head": view(spec.head)})
+
+
+# -- what a rank holds ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankStates:
+    """What one rank holds of the model's persistent training state, exactly.
+
+    ``elements``: the local shards' elements (``sum(p.to_local().numel())``); ``weights``,
+    ``gradients``, ``optimizer``: their bytes (fp32; AdamW's two states plus one fp32 step per
+    tensor); ``padded_elements``: what FSDP2 allocates per rank for the parameters (and the flat
+    gradient buffers), rank 0's share on every rank of the group.
+    """
+
+    rank: int
+    shard_rank: int
+    tensors: int
+    elements: int
+    padded_elements: int
+
+    @property
+    def weights(self) -> int:
+        return self.elements * FP32
+
+    @property
+    def gradients(self) -> int:
+        return self.elements * FP32
+
+    @property
+    def optimizer(self) -> int:
+        return self.elements * FP32 * ADAMW_STATES + self.tensors * ADAMW_STEP
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "weights": self.weights, "gradients": self.gradients,
+                "optimizer": self.optimizer}
+
+
+def rank_states(spec, layout: Layout, rank: int = 0, tensors: list[ParamTensor] | None = None) -> RankStates:
+    """The parameters, gradients and AdamW states global ``rank`` holds under ``layout``."""
+    check_tensor_parallel(spec, layout.tensor_parallel)
+    tensors = model_tensors(spec) if tensors is None else tensors
+    _, shard, _ = layout.coordinates(rank)
+    group, tp = layout.shard_size, layout.tensor_parallel
+    shapes = Counter(tensor.local_shape(tp) for tensor in tensors)  # a few distinct shapes
+    elements = padded = 0
+    for shape, count in shapes.items():
+        rest = _numel(shape[1:]) * count
+        elements += chunk_rows(shape[0], group, shard) * rest
+        padded += chunk_rows(shape[0], group, 0) * rest
+    return RankStates(rank=rank, shard_rank=shard, tensors=len(tensors), elements=elements, padded_elements=padded)
+
+
+def unit_sizes(tensors: list[ParamTensor], tp: int) -> dict[str, int]:
+    """Elements of each FSDP unit, unsharded, as one tensor-parallel rank gathers it."""
+    sizes: dict[str, int] = {}
+    for tensor in tensors:
+        sizes[tensor.unit] = sizes.get(tensor.unit, 0) + _numel(tensor.local_shape(tp))
+    return sizes
+
+
+def sharded_memory(spec, layout: Layout, per_rank):
+    """``per_rank`` (the memory estimate of :func:`tensor_parallel_spec`'s spec on one device)
+    with its weights, gradients, optimizer state and sharding buffers replaced by what rank 0 —
+    the rank holding the most — holds under ``layout``."""
+    tensors = model_tensors(spec)
+    largest, smallest = (rank_states(spec, layout, r, tensors) for r in (0, layout.smallest_rank()))
+    compute = BYTES[per_rank.dtype]
+    biggest_unit = max(unit_sizes(tensors, layout.tensor_parallel).values(), default=0)
+    # two gathered units (computing, prefetched); the unit's unsharded gradients and their fp32
+    # reduce-scatter input
+    buffers = biggest_unit * (3 * compute + FP32)
+    info = {**layout.to_dict(), "rank": 0, "largest": largest.to_dict(), "smallest": smallest.to_dict(),
+            "largest_unit": biggest_unit}
+    return dataclasses.replace(
+        per_rank, devices=layout.devices, strategy="fsdp", weights=largest.weights, master_weights=0,
+        gradients=largest.gradients, optimizer=largest.optimizer, sharding_buffers=buffers, layout=info,
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
