@@ -308,3 +308,25 @@ def test_unsafe_training_checkpoint_given_to_export(tmp_path, capsys):
     torch.save({"builder": _NotATensor()}, tmp_path / "last.ckpt")
     _refused(tmp_path / "last.ckpt", capsys, "last.ckpt", "not a checkpoint this tool can load safely",
              command="export-hf")
+
+
+# --- tokenizer files ---------------------------------------------------------------------
+
+
+def test_tokenizer_symlinked_out_of_the_folder_is_never_opened(hf, tmp_path, capsys, opened):
+    (tmp_path / "secret.json").write_text('{"version": "1.0"}')
+    (hf / "tokenizer.json").symlink_to(tmp_path / "secret.json")
+    opened.clear()
+    _refused(hf, capsys, "tokenizer.json", "leads outside")
+    assert not any("secret" in p for p in opened)
+
+
+def test_damaged_tokenizer_files(hf, capsys):
+    (hf / "tokenizer.model").write_bytes(b"\xff" * 64)
+    _refused(hf, capsys, "tokenizer.model", "not a sentencepiece model")
+    (hf / "tokenizer.model").write_bytes(b"")
+    _refused(hf, capsys, "tokenizer.model", "no pieces")
+    (hf / "tokenizer.json").write_bytes(b"\xff\xfe binary")
+    _refused(hf, capsys, "tokenizer.json", "not UTF-8")
+    (hf / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
+    _refused(hf, capsys, "tokenizer.json", "not a tokenizer the tokenizers library can load")

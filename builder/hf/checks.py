@@ -21,8 +21,8 @@ from typing import Any
 from builder.hf.common import HFError
 
 MiB = 1 << 20
-#: the most bytes read from each kind of JSON file (the largest real ones are a few MiB)
-JSON_LIMITS = {"config": 16 * MiB, "index": 64 * MiB, "tokenizer": 512 * MiB}
+#: the most bytes read from each kind of file (the largest real ones are a few MiB)
+LIMITS = {"config": 16 * MiB, "index": 64 * MiB, "tokenizer": 512 * MiB}
 
 #: config.json keys by the kind of value they take; ``check_config`` refuses any other kind,
 #: naming the key, before a family reads the config. A family that reads a new key adds it here.
@@ -81,25 +81,32 @@ def inside(folder: str | Path, path: str | Path, where: str | None = None) -> Pa
     )
 
 
-def read_json(path: Path, kind: str = "config", folder: Path | None = None) -> dict:
-    """A JSON object from ``path`` (inside ``folder`` when given), at most ``JSON_LIMITS[kind]``
-    bytes; any other content is a one-line :class:`HFError` naming the file, never its text."""
+def read_bytes(path: Path, kind: str = "config", folder: Path | None = None) -> bytes:
+    """The bytes of ``path`` (inside ``folder`` when given), at most ``LIMITS[kind]`` of them;
+    a larger or unreadable file is a one-line :class:`HFError` naming it."""
     path = Path(path)
     if folder is not None:
         inside(folder, path)
-    limit = JSON_LIMITS[kind]
+    limit = LIMITS[kind]
     try:
         if not path.is_file():
             raise HFError(f"{path}: not a file")
         size = path.stat().st_size
         if size > limit:
-            raise HFError(f"{path}: {size / MiB:.0f} MiB; a {kind} JSON file is at most {limit // MiB} MiB here")
+            raise HFError(f"{path}: {size / MiB:.0f} MiB; a {kind} file is at most {limit // MiB} MiB here")
         with open(path, "rb") as f:
             raw = f.read(limit + 1)
     except OSError as exc:
         raise HFError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     if len(raw) > limit:  # grew while we looked
-        raise HFError(f"{path}: larger than {limit // MiB} MiB; a {kind} JSON file is at most that here")
+        raise HFError(f"{path}: larger than {limit // MiB} MiB; a {kind} file is at most that here")
+    return raw
+
+
+def read_json(path: Path, kind: str = "config", folder: Path | None = None) -> dict:
+    """A JSON object from ``path`` (inside ``folder`` when given), at most ``LIMITS[kind]``
+    bytes; any other content is a one-line :class:`HFError` naming the file, never its text."""
+    raw = read_bytes(path, kind, folder)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from builder.hf.checks import inside, read_json
+from builder.hf.checks import read_bytes, read_json
 from builder.hf.common import HFError
 
 # sentencepiece ModelProto.SentencePiece.Type
@@ -83,7 +83,9 @@ def _proto(model_proto: bytes):
     try:
         proto.ParseFromString(bytes(model_proto))
     except Exception:  # noqa: BLE001  (protobuf's DecodeError and kin)
-        raise HFError("the tokenizer's sentencepiece model is damaged (not a ModelProto)") from None
+        raise HFError("not a sentencepiece model, or a damaged one") from None
+    if not proto.pieces:
+        raise HFError("not a sentencepiece model, or a damaged one (it has no pieces)")
     return proto
 
 
@@ -225,8 +227,11 @@ def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
         return {"type": "tokenizers", "json": text, "specials": specials, "split_special_tokens": split}
     path = folder / "tokenizer.model"
     if path.is_file() or path.is_symlink():
-        proto = inside(folder, path).read_bytes()
-        _proto(proto)  # a damaged file is refused here
+        proto = read_bytes(path, "tokenizer", folder)
+        try:
+            _proto(proto)  # a damaged file is refused here
+        except HFError as exc:
+            raise HFError(f"{path}: {exc}") from None
         return {"type": "sentencepiece", "model_proto": proto}
     return None
 
