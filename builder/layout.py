@@ -11,10 +11,11 @@ What a rank holds, as PyTorch builds it:
 
 * **Tensor parallelism** (DTensor). Each block declares ``parallel_plan()`` in its config
   (``blocks/configs``): ``colwise`` shards a Linear's weight and bias on dim 0, ``rowwise`` its
-  weight on dim 1 (the bias replicated), ``vocab`` an embedding table on dim 0; the rest is
-  replicated. The token embedding is vocab-parallel. Every split must be even: heads, KV heads,
-  FFN width and vocabulary divide by the degree, or :func:`tensor_parallel_problems` names the
-  field.
+  weight on dim 1 (the bias replicated), ``vocab`` a vocabulary table or projection on dim 0
+  (outputs whole); the rest is replicated. The token embedding is vocab-parallel; the head's
+  projection splits the vocabulary and its logits are gathered whole (``recipes.tensor_parallel``).
+  Every split must be even: heads, KV heads, FFN width and vocabulary divide by the degree, or
+  :func:`tensor_parallel_problems` names the field.
 * **FSDP2** (``fully_shard``, one unit per Transformer layer, one per embedding, one for the head
   and the root for the rest, a tied head and its embedding among them) shards every parameter — the tensor-parallel local tensor under TP —
   on dim 0 over the shard group as ``torch.chunk`` splits it: rank ``s`` of the group holds rows
@@ -282,9 +283,10 @@ def check_tensor_parallel(spec, tp: int) -> None:
 
 def tensor_parallel_spec(spec, tp: int):
     """The spec as one of ``tp`` tensor-parallel ranks runs it: every block replaced by its
-    ``tensor_parallel`` view and the vocabulary split, so that estimating it gives one rank's
-    FLOPs, activations and KV cache (no sequence parallelism: each layer's input, the norms and
-    the dropout masks stay whole on every rank; the logits are vocab-parallel)."""
+    ``tensor_parallel`` view, so that estimating it gives one rank's FLOPs, activations and KV
+    cache. No sequence parallelism: each layer's input, the norms and the dropout masks stay whole
+    on every rank; the vocabulary stays whole too, as the head's gathered logits are (its
+    parameter count is then not one rank's: :func:`rank_states` counts those)."""
     if tp == 1:
         return spec
     check_tensor_parallel(spec, tp)
@@ -302,8 +304,8 @@ def tensor_parallel_spec(spec, tp: int):
         local = view_blocks(stack)
         update[name] = local.model_copy(update={"overrides": [view_blocks(o) for o in stack.overrides]})
     embedding = spec.embedding.model_copy(update={"norm": view(spec.embedding.norm)})
-    return spec.model_copy(update={**update, "vocab_size": spec.vocab_size // tp, "embedding": embedding,
-                                   "position": view(spec.position), "head": view(spec.head)})
+    return spec.model_copy(update={**update, "embedding": embedding, "position": view(spec.position),
+                                   "head": view(spec.head)})
 
 
 # -- what a rank holds ----------------------------------------------------------------------------
@@ -378,9 +380,11 @@ def sharded_memory(spec, layout: Layout, per_rank):
     buffers = biggest_unit * (3 * compute + FP32)
     info = {**layout.to_dict(), "rank": 0, "largest": largest.to_dict(), "smallest": smallest.to_dict(),
             "largest_unit": biggest_unit}
+    local = sum(_numel(t.local_shape(layout.tensor_parallel)) for t in tensors)  # one TP rank, unsharded
     return dataclasses.replace(
         per_rank, devices=layout.devices, strategy="fsdp", weights=largest.weights, master_weights=0,
         gradients=largest.gradients, optimizer=largest.optimizer, sharding_buffers=buffers, layout=info,
+        inference_weights=local * compute,
     )
 
 

@@ -346,15 +346,25 @@ def _gib(n: float) -> str:
 # -- launch lines ---------------------------------------------------------------------------------
 
 
+#: recipe tasks whose micro-batches are token budgets (``data.max_tokens``, ``data.max_len``)
+#: rather than ``data.batch_size`` windows of ``data.seq_len`` (recipes/task_config.py)
+TOKEN_BUDGET_TASKS = ("translation", "classification")
+
+
 def recipe_overrides(candidate: Candidate, *, seq_len: int, dtype: str, spec_path: str | None = None,
-                     spec_overrides: list[str] = ()) -> list[str]:
-    """The ``--set KEY=VALUE`` values that make a recipe train with ``candidate``'s layout."""
+                     spec_overrides: list[str] = (), task: str = "lm") -> list[str]:
+    """The ``--set KEY=VALUE`` values that make a recipe of ``task`` train with ``candidate``'s
+    layout. A token-budget task gets micro-batches of ``micro_batch x seq_len`` tokens of
+    sequences no longer than ``seq_len``: at most the sequences the plan sized."""
     layout = candidate.layout
     sets = [f"model.spec={spec_path}"] if spec_path else []
     sets += [f"model.overrides.{item}" for item in spec_overrides]
+    if task in TOKEN_BUDGET_TASKS:
+        batch = [f"data.max_len={seq_len}", f"data.max_tokens={candidate.micro_batch * seq_len}"]
+    else:
+        batch = [f"data.seq_len={seq_len}", f"data.batch_size={candidate.micro_batch}"]
     sets += [
-        f"data.seq_len={seq_len}",
-        f"data.batch_size={candidate.micro_batch}",
+        *batch,
         f"trainer.accumulate_grad_batches={candidate.accumulation}",
         f"trainer.activation_checkpointing={'true' if candidate.checkpointing else 'false'}",
         "trainer.strategy=fsdp",

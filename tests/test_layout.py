@@ -164,9 +164,12 @@ def test_tensor_parallel_activations_and_kv_cache_are_one_ranks():
     ddp = estimate(spec, seq_len=2048).memory
     assert one.activations == ddp.activations and one.kv_cache == ddp.kv_cache
     assert two.kv_cache == ddp.kv_cache // 2  # KV heads split
-    assert ddp.activations / 2 < two.activations < ddp.activations  # norms and layer inputs stay whole
+    assert ddp.activations / 2 < two.activations < ddp.activations  # norms, layer inputs, logits whole
     local = tensor_parallel_spec(spec, 2)
-    assert (local.decoder.attention.n_heads, local.decoder.attention.head_dim, local.vocab_size) == (16, 128, 16000)
+    assert (local.decoder.attention.n_heads, local.decoder.attention.head_dim, local.vocab_size) == (16, 128, 32000)
+    assert local.decoder.ffn.hidden_dim == 5504
+    # served on 2 ranks: each holds half of every tensor but the 65 norms, in bf16
+    assert two.inference_weights == 2 * ((6_738_415_616 - 65 * 4096) // 2 + 65 * 4096)
 
 
 def test_tensor_parallel_problems_name_each_field():

@@ -103,6 +103,8 @@ def test_shorter_sequences_and_batches_are_suggested():
      "--gpu", "h200", "--tensor-parallel", "2"],
     ["specs/gpt2-small.yaml", "--gpus", "4", "--gpu-memory", "24GiB", "--global-batch", "64", "--recipe",
      "recipes/shakespeare-char.yaml"],
+    ["specs/t5-small.yaml", "--gpus", "4", "--gpu-memory", "24GiB", "--global-batch", "256", "--seq-len", "256",
+     "--recipe", "recipes/translate-multi30k.yaml"],
 ])
 def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypatch):
     from recipes.config import TrainerSection, load_recipe
@@ -123,8 +125,12 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
         assert (trainer.strategy, trainer.tensor_parallel, trainer.data_parallel) == (
             "fsdp", layout["tensor_parallel"], layout["data_parallel"])
         assert (trainer.devices, trainer.num_nodes) == (layout["per_node"], layout["nodes"])
-        assert (data.batch_size, trainer.accumulate_grad_batches, data.seq_len) == (
-            out["plan"]["micro_batch"], out["plan"]["accumulate_grad_batches"], out["settings"]["seq_len"])
+        seq, micro = out["settings"]["seq_len"], out["plan"]["micro_batch"]
+        if loaded.task == "translation":  # token budgets: micro-batches of at most micro x seq tokens
+            assert (data.max_len, data.max_tokens) == (seq, micro * seq)
+        else:
+            assert (data.batch_size, data.seq_len) == (micro, seq)
+        assert trainer.accumulate_grad_batches == out["plan"]["accumulate_grad_batches"]
         assert trainer.activation_checkpointing == out["plan"]["activation_checkpointing"]
         spec_path = (ROOT / recipe).parent / loaded.model.spec
         assert spec_path.resolve() == (ROOT / argv[0]).resolve()
@@ -136,7 +142,8 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
 
 @pytest.mark.parametrize("argv, expected", [
     (["--gpus", "12", "--gpus-per-node", "8"], "error: --gpus 12 is not a multiple of --gpus-per-node 8"),
-    (["--gpus", "16", "--nodes", "3"], "error: --gpus 16 is not a multiple of --gpus-per-node 5"),
+    (["--gpus", "16", "--nodes", "3"], "error: --nodes 3: --gpus 16 is not a multiple of it"),
+    (["--gpus", "16", "--nodes", "4", "--gpus-per-node", "8"], "error: --nodes 4: 4 nodes x 8 GPUs per node is not"),
     (["--gpus", "16", "--tensor-parallel", "3"], "error: --tensor-parallel 3: must divide the 8 devices of a node"),
     (["--gpus", "12", "--gpus-per-node", "6", "--tensor-parallel", "3"],
      "error: --tensor-parallel 3: vocab_size: 32000 is not a multiple of the tensor-parallel degree 3"),

@@ -28,8 +28,9 @@ Shapes = dict[str, tuple[int, ...]]
 
 #: tensor-parallel styles a block's ``parallel_plan()`` gives its submodules: ``colwise`` shards a
 #: Linear's weight and bias on dim 0 (its output features); ``rowwise`` shards the weight on dim 1
-#: (its input features) and replicates the bias; ``vocab`` shards an embedding table on dim 0
-#: (its rows); ``replicate`` keeps the whole tensor on every rank
+#: (its input features), replicates the bias and sums the outputs; ``vocab`` shards a vocabulary
+#: table or projection on dim 0 (its rows) with the outputs whole; ``replicate`` keeps the whole
+#: tensor on every rank
 PARALLEL_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 
 

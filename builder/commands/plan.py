@@ -22,7 +22,7 @@ UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 GPUS = ("a100", "h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl")
-DEFAULT_RECIPE = "recipes/lm-stdlib.yaml"
+DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=_positive, metavar="T", help="consider only this degree")
     parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"),
                         help="consider only this data-parallel mode")
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE,
-                        help=f"the recipe the launch lines train (default {DEFAULT_RECIPE})")
+    parser.add_argument("--recipe", help=f"the recipe the launch lines train (default recipes/{DEFAULT_RECIPE})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)
 
@@ -71,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = _settings(spec, args)
+        args.recipe, task = recipe_and_task(args.recipe)
         result = plan(spec, cluster, **settings)
     except LayoutError as exc:
         print(f"error: {option_error(exc)}", file=sys.stderr)
@@ -93,8 +93,11 @@ def cluster_from_args(args: argparse.Namespace):
 
     memory = parse_size(args.gpu_memory, "--gpu-memory")
     gpus, per_node, nodes = args.gpus, args.gpus_per_node, args.nodes
-    if per_node is None:
-        per_node = gpus // nodes if nodes is not None else min(8, gpus)
+    if per_node is None and nodes is not None:
+        if gpus % nodes:
+            raise ValueError(f"--nodes {nodes}: --gpus {gpus} is not a multiple of it")
+        per_node = gpus // nodes
+    per_node = per_node or min(8, gpus)
     if gpus % per_node:
         raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
     if nodes is not None and nodes * per_node != gpus:
@@ -136,13 +139,35 @@ def _settings(spec, args) -> dict:
             "mfu": args.mfu, "tensor_parallel": args.tensor_parallel, "data_parallel": args.data_parallel}
 
 
+def recipe_and_task(recipe: str | None) -> tuple[str, str]:
+    """The recipe file the lines name (default: the shipped LM recipe, as a path from here) and
+    its ``task``, read from the file (not validated: ``builder train`` does that)."""
+    from builder.loader import SpecError, read_merged
+
+    if recipe is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("recipes")  # the package's folder; nothing is imported
+        folder = list(spec.submodule_search_locations or [])[0] if spec else "recipes"
+        recipe = os.path.relpath(os.path.join(folder, DEFAULT_RECIPE))
+    if not os.path.isfile(recipe):
+        raise ValueError(f"--recipe {recipe}: no such file")
+    try:
+        data = read_merged(recipe).data
+    except SpecError as exc:
+        raise ValueError(f"--recipe {recipe}: {str(exc).splitlines()[0]}") from None
+    task = data.get("task", "lm") if isinstance(data, dict) else "lm"
+    return recipe, task if isinstance(task, str) else "lm"
+
+
 def _launch(result, args) -> dict:
     from builder.plan import launch_lines, recipe_overrides
 
     recipe_dir = os.path.dirname(os.path.abspath(args.recipe))
     spec_path = os.path.relpath(os.path.abspath(args.spec), recipe_dir)
+    _, task = recipe_and_task(args.recipe)
     sets = recipe_overrides(result.chosen, seq_len=result.seq_len, dtype=result.dtype, spec_path=spec_path,
-                            spec_overrides=args.overrides)
+                            spec_overrides=args.overrides, task=task)
     lines = launch_lines(args.recipe, sets, result.chosen.layout)
     return {**lines, "set": sets, "describe": _describe_line(result, args)}
 
