@@ -10,7 +10,6 @@ weights and the ``builder`` metadata of a training checkpoint but no optimizer s
 
 from __future__ import annotations
 
-import io
 import re
 from pathlib import Path
 
@@ -52,16 +51,13 @@ def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str,
 
 def average_checkpoints(paths: list[Path], out: Path) -> Path:
     """Write the average of the checkpoints ``paths`` to ``out`` (the metadata of the last one)."""
-    from recipes.tokenizer import write_atomic
+    from recipes.checkpoint import read_verified, write_checkpoint
 
-    loaded = [torch.load(p, map_location="cpu", weights_only=True) for p in paths]
+    loaded = [read_verified(p) for p in paths]  # a damaged one is named, never averaged in
     averaged = {key: value for key, value in loaded[-1].items() if key in ("builder", "global_step", "epoch")}
     averaged["state_dict"] = average_state_dicts([c["state_dict"] for c in loaded])
-    averaged.setdefault("builder", {})["averaged_from"] = [Path(p).name for p in paths]
-    buffer = io.BytesIO()
-    torch.save(averaged, buffer)
-    write_atomic(Path(out), buffer.getvalue())
-    return Path(out)
+    averaged["builder"] = dict(averaged.get("builder") or {}, averaged_from=[Path(p).name for p in paths])
+    return write_checkpoint(averaged, out)
 
 
 def kept_checkpoints(dirpath: Path) -> list[Path]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -12,23 +11,16 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temp file beside the target, fsync, then ``os.replace``.
-
-    A run killed mid-write leaves ``.NAME.tmp-PID`` behind and the previous checkpoint whole;
-    nothing ever reads the temp files (resuming looks for ``last.ckpt`` only).
-    """
+    """Lightning's checkpoint IO through :func:`recipes.checkpoint.write_checkpoint`: sealed with
+    tensor checksums, written to a temp file beside the target, fsynced and renamed over it
+    (``last.ckpt`` keeping its predecessor as ``last-1.ckpt``). A run killed mid-write leaves the
+    previous checkpoint whole; a failed write removes its temp file and raises
+    :class:`~recipes.checkpoint.CheckpointWriteError`."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
-        import torch
+        from recipes.checkpoint import write_checkpoint
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_checkpoint(checkpoint, path)
 
 
 class RecipeCheckpoint(L.Callback):
@@ -48,10 +40,15 @@ class RecipeCheckpoint(L.Callback):
     def best_path(self) -> Path:
         return self.dirpath / "best.ckpt"
 
-    def _save_last(self, trainer, force: bool = False) -> None:
+    def _save_last(self, trainer, force: bool = False) -> Path:
         if force or trainer.global_step != self._saved_step:
             trainer.save_checkpoint(self.last_path, weights_only=False)
             self._saved_step = trainer.global_step
+        return self.last_path
+
+    def save_last(self, trainer) -> Path:
+        """``last.ckpt`` at this step (unless it was just written); every rank calls it."""
+        return self._save_last(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0

@@ -1,8 +1,20 @@
-"""A trained model back from a checkpoint alone: spec, weights and tokenizer; evaluation."""
+"""A trained model back from a checkpoint alone: spec, weights and tokenizer; evaluation;
+writing checkpoints so that a failed or interrupted save never costs the previous one.
+
+Every checkpoint is sealed with checksums of its tensors (:mod:`builder.integrity`) and
+written to a temp file beside its name, flushed to disk, then renamed over it; ``last.ckpt``
+keeps its predecessor as ``last-1.ckpt``, so a resume has an intact checkpoint to fall back on
+when the newest is damaged. A save that fails (a full disk, a file-size limit, a read-only
+folder) removes its temp file, leaves the previous checkpoint as it was and stops the run with
+one line naming the file (:class:`CheckpointWriteError`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +29,104 @@ def pick_device(name: str | None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+#: checkpoints that keep their predecessor when saved again: name -> the predecessor's name
+KEEPS_PREVIOUS = {"last.ckpt": "last-1.ckpt"}
+
+
+class CheckpointWriteError(RecipeError):
+    """A checkpoint that could not be written; the previous one is kept."""
+
+
+def previous_path(path: Path) -> Path | None:
+    """Where a checkpoint's predecessor is kept (``last.ckpt`` -> ``last-1.ckpt``), else None."""
+    name = KEEPS_PREVIOUS.get(Path(path).name)
+    return Path(path).with_name(name) if name else None
+
+
+class _ErrorKeepingFile:
+    """A binary file for ``torch.save`` that remembers the OS error of a failed write (the zip
+    writer reports it only as a position mismatch)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_error(path: Path, exc: OSError) -> CheckpointWriteError:
+    from recipes.runfolder import os_reason
+
+    kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
+    return CheckpointWriteError(f"could not write {path}: {os_reason(exc)}; {kept}")
+
+
+def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
+    """Seal ``checkpoint`` and write it to ``path`` atomically (see the module docstring)."""
+    import torch
+
+    from builder.integrity import seal
+
+    path = Path(path)
+    seal(checkpoint)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            writer = _ErrorKeepingFile(f)
+            torch.save(checkpoint, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        previous = previous_path(path)
+        if previous is not None and path.is_file():
+            os.replace(path, previous)
+        os.replace(tmp, path)
+        _sync_folder(path.parent)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from None
+        if isinstance(exc, RuntimeError) and writer is not None and writer.error is not None:
+            raise _write_error(path, writer.error) from None
+        raise
+    return path
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (the renames) to disk, where the platform allows it."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_verified(path: str | Path) -> dict:
+    """A checkpoint file, verified against its checksums: :class:`RecipeError` naming the file
+    when it is missing, damaged or not loadable safely. One without checksums (written before
+    they were added) loads with a note."""
+    from builder.integrity import CheckpointError, is_sealed, read_checkpoint
+
+    try:
+        checkpoint = read_checkpoint(path)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc)) from None
+    if not is_sealed(checkpoint):
+        print(f"note: {path} has no checksums (written by an older builder); it is loaded unverified",
+              file=sys.stderr, flush=True)
+    return checkpoint
 
 
 def model_weights(state_dict: dict) -> dict:
@@ -36,11 +146,9 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
         if folders:
             return load_folder(path, device)
         raise RecipeError(f"{path} is a folder; this command needs a checkpoint written by `builder train`")
-    if not path.is_file():
-        raise RecipeError(f"no checkpoint at {path}")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = read_verified(path)
     meta = checkpoint.get("builder")
-    if meta is None:
+    if not isinstance(meta, dict) or "spec" not in meta or "state_dict" not in checkpoint:
         raise RecipeError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
     spec = spec_model().model_validate(meta["spec"])
     model = build_model(spec)

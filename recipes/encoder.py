@@ -274,7 +274,9 @@ class ClassifierModule(LMModule):
 
 def load_encoder(model, path: Path) -> None:
     """The ``encoder.*`` weights of a checkpoint (an MLM run) into ``model``; the head stays new."""
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    from recipes.checkpoint import read_verified
+
+    state = read_verified(path).get("state_dict") or {}
     state = {k: v for k, v in model_weights(state).items() if k.startswith("encoder.")}
     own = model.state_dict()
     wrong = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
@@ -294,7 +296,9 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     if init is not None:
         if not init.is_file():
             raise RecipeError(f"classification.init_from: no checkpoint at {init}")
-        meta = torch.load(init, map_location="cpu", weights_only=True).get("builder", {})
+        from recipes.checkpoint import read_verified
+
+        meta = read_verified(init).get("builder") or {}
         check_task(meta, "mlm")
         tokenizer = from_state(meta["tokenizer"])
     else:

@@ -74,33 +74,43 @@ class CountedThroughput(Throughput):
 
 def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False,
              callbacks: list | None = None) -> dict:
-    """Train a non-LM recipe (the shape of ``recipes.train.run``); returns its summary.
-    ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
+    """Train a non-LM recipe (the shape of ``recipes.train.run``, in the same run session);
+    returns its summary. ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
+    from recipes.train import output_dir, run_session
+
+    out = output_dir(recipe, recipe_file)
+    with run_session(recipe, out, fresh) as stop:
+        return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks)
+
+
+def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
+                callbacks: list | None) -> dict:
     from recipes.train import (
         fit,
         make_trainer,
-        output_dir,
         quiet_lightning,
         resume_path,
+        stop_callback,
         training_meta,
         training_model,
         wrap_up,
     )
 
     settings = recipe.trainer
-    out = output_dir(recipe, recipe_file)
     quiet_lightning()
     L.seed_everything(settings.seed, workers=True, verbose=False)
     prepared = task_module(recipe.task).prepare(recipe, recipe_file)
-    model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1)
     meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=recipe.task, **prepared.meta)
+    ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
+    model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1)
     module = prepared.module_class(model, recipe, meta)
     ckpt_dir = out / "checkpoints"
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
     throughput = CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
     extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
-    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra, *(callbacks or [])])
-    fit(trainer, module, prepared.data, resume_path(out, resume, fresh), meta)
+    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra, *(callbacks or []),
+                                                stop_callback(stop, checkpoints)])
+    fit(trainer, module, prepared.data, ckpt)
 
     summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,
                       f"{recipe.name or recipe_file.stem}: {prepared.spec.name}")

@@ -10,6 +10,7 @@ by the hash of corpus and settings.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -241,11 +242,21 @@ def build_tokenizer(
 
 
 def write_atomic(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` so a reader sees the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``payload`` to ``path`` so a reader sees the old file or the whole new one; a failed
+    write leaves no temp file and is a :class:`RecipeError` naming ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # no partial file is left for a rerun to trip on
+        if isinstance(exc, OSError):
+            from recipes.runfolder import os_reason
+
+            raise RecipeError(f"could not write {path}: {os_reason(exc)}") from None
+        raise

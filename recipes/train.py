@@ -3,11 +3,15 @@
 A run writes everything under its output dir: ``checkpoints/last.ckpt`` and ``best.ckpt``, CSV
 and TensorBoard logs, ``loss.png``. Running the same recipe again resumes from ``last.ckpt``
 (same step, optimizer, schedule, data position and random state); ``--fresh`` starts over.
+While it runs, the folder is checked writable and locked (:mod:`recipes.runfolder`) and a
+signal saves a checkpoint and stops it (:mod:`recipes.signals`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import sys
 import warnings
@@ -133,27 +137,85 @@ def strategy_for(recipe: Recipe, model):
     return trainer.strategy
 
 
-def resume_path(out: Path, resume: str | bool | None, fresh: bool) -> Path | None:
-    """``--resume PATH``, else ``last.ckpt`` of an earlier run of this recipe unless ``--fresh``."""
+def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | None = None) -> Path | None:
+    """The checkpoint this run resumes from: ``--resume PATH``, else (unless ``--fresh``) the
+    newest intact of the run's ``last.ckpt``, ``last-1.ckpt`` and ``best.ckpt``. A damaged one
+    is set aside as ``NAME.damaged`` with a message; ``--resume PATH`` that is damaged is an
+    error. With ``meta``, the checkpoint is checked to be this recipe's (:func:`check_resumable`)."""
+    from builder.integrity import CheckpointError, read_checkpoint
+
     if isinstance(resume, str):
         path = Path(resume)
         if not path.is_file():
             raise RecipeError(f"--resume: no checkpoint at {path}")
+        try:
+            saved = read_checkpoint(path)
+        except CheckpointError as exc:
+            raise RecipeError(f"--resume: {exc}") from None
+        if meta is not None:
+            check_resumable(path, meta, saved)
         return path
-    last = out / "checkpoints" / "last.ckpt"
-    if resume and not last.is_file():
-        raise RecipeError(f"--resume: no {last} to resume from")
-    return last if last.is_file() and not fresh else None
+    folder = out / "checkpoints"
+    found, damaged = [], []
+    for name in ("last.ckpt", "last-1.ckpt", "best.ckpt"):
+        path = folder / name
+        if fresh or not path.is_file():
+            continue
+        try:
+            saved = read_checkpoint(path)
+        except CheckpointError as exc:
+            damaged.append((path, exc))
+            continue
+        found.append((int(saved.get("global_step") or 0), -len(found), path, saved))
+    if damaged:
+        _set_aside_damaged(damaged, found)
+    if not found:
+        if resume:
+            raise RecipeError(f"--resume: no {folder / 'last.ckpt'} to resume from")
+        return None
+    _, _, path, saved = max(found, key=lambda f: f[:2])
+    if meta is not None:
+        check_resumable(path, meta, saved)
+    return path
 
 
-def check_resumable(path: Path, meta: dict) -> None:
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("builder", {})
-    for key, what in (("spec", "model spec"), ("tokenizer", "tokenizer")):
-        if saved.get(key) != meta[key]:
-            raise RecipeError(
-                f"{path} was trained with a different {what}; start over with --fresh or set "
-                "trainer.output_dir to a new folder"
-            )
+def _set_aside_damaged(damaged: list, found: list) -> None:
+    from recipes.runfolder import owns_run_folder
+
+    if owns_run_folder():
+        for path, _ in damaged:
+            with contextlib.suppress(OSError):
+                os.replace(path, path.with_name(path.name + ".damaged"))
+    for path, exc in damaged:
+        kept = f"; it is kept as {path.name}.damaged" if owns_run_folder() else ""
+        if found:
+            step, _, chosen, _ = max(found, key=lambda f: f[:2])
+            say(f"{exc}{kept}; resuming from {chosen} (step {step}) instead")
+        else:
+            raise RecipeError(f"{exc}{kept}; no intact checkpoint is left in {path.parent} to resume from: "
+                              "start over with --fresh")
+
+
+def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
+    """Refuse to resume ``path`` when the recipe, spec, tokenizer or corpus that shaped it differ
+    from this run's, one line per field (``recipes.runfolder.MAY_CHANGE`` lists what may change,
+    and those changes are printed)."""
+    from recipes.runfolder import resume_differences
+
+    if saved is None:
+        from builder.integrity import CheckpointError, read_checkpoint
+
+        try:
+            saved = read_checkpoint(path, check=False)
+        except CheckpointError as exc:
+            raise RecipeError(f"--resume: {exc}") from None
+    refused, allowed = resume_differences(saved.get("builder") or {}, meta)
+    if refused:
+        lines = "\n".join(f"  {line}" for line in refused)
+        raise RecipeError(f"{path} was trained with a different recipe:\n{lines}\nstart over with --fresh, "
+                          "or set trainer.output_dir to a new folder")
+    for line in allowed:
+        say(f"resuming with a changed setting: {line}")
 
 
 def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer:
@@ -189,10 +251,9 @@ def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer
     )
 
 
-def fit(trainer: L.Trainer, module, data, ckpt: Path | None, meta: dict) -> None:
-    """``trainer.fit``, resumed from ``ckpt`` when given (after checking it is this run's)."""
+def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
+    """``trainer.fit``, resumed from ``ckpt`` when given (see :func:`resume_path`)."""
     if ckpt is not None:
-        check_resumable(ckpt, meta)
         say(f"resuming from {ckpt}")
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
 
@@ -221,21 +282,51 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
 
 def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
         fresh: bool = False, samples: bool = True) -> dict:
-    """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN."""
+    """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN, and
+    :class:`recipes.signals.Stopped` when a signal stops it."""
     recipe_file = Path(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
     if recipe.task != "lm":
         from recipes.tasks import run_task
 
         return run_task(recipe, recipe_file, resume=resume, fresh=fresh)
-    settings = recipe.trainer
     out = output_dir(recipe, recipe_file)
+    with run_session(recipe, out, fresh) as stop:
+        return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples)
+
+
+@contextlib.contextmanager
+def run_session(recipe: Recipe, out: Path, fresh: bool):
+    """What a run holds from its first step to its last: signals caught (:mod:`recipes.signals`)
+    and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
+    (:func:`recipes.runfolder.claim`). Yields the run's :class:`~recipes.signals.SignalStop`."""
+    from recipes.runfolder import claim
+    from recipes.signals import SignalStop
+
+    stop = SignalStop()
+    cache = getattr(recipe.data, "cache_dir", None)
+    with stop.installed(), claim(out, Path(cache) if cache else None, fresh=fresh, say=say):
+        yield stop
+
+
+def stop_callback(stop, checkpoints: RecipeCheckpoint):
+    """The callback that saves ``last.ckpt`` and stops at a signal; goes last in the list."""
+    from recipes.signals import StopOnSignal
+
+    return StopOnSignal(stop, checkpoints.save_last)
+
+
+def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
+             samples: bool) -> dict:
+    """The language-model run of :func:`run`, inside its session."""
+    settings = recipe.trainer
     quiet_lightning()
     L.seed_everything(settings.seed, workers=True, verbose=False)
     corpus, tokenizer, tokens, spec = prepare(recipe, recipe_file)
 
+    meta = training_meta(recipe, recipe_file, spec, tokenizer, corpus=corpus.hash)
+    ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
     model, flops_per_token = training_model(spec, recipe)
-    meta = training_meta(recipe, recipe_file, spec, tokenizer)
     module = LMModule(model, recipe, meta)
     data = LMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
                         settings.accumulate_grad_batches)
@@ -245,8 +336,8 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
         recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
         flops_per_token, settings.precision, settings.log_every_n_steps,
     )
-    trainer = make_trainer(recipe, out, model, [checkpoints, throughput])
-    fit(trainer, module, data, resume_path(out, resume, fresh), meta)
+    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, stop_callback(stop, checkpoints)])
+    fit(trainer, module, data, ckpt)
 
     summary = wrap_up(trainer, module, data, throughput, checkpoints, out,
                       f"{recipe.name or recipe_file.stem}: {spec.name}")

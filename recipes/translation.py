@@ -233,7 +233,9 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:
     """Beam search on the validation set with the averaged weights (the trained ones without)."""
     if averaged.is_file():
-        state = torch.load(averaged, map_location="cpu", weights_only=True)["state_dict"]
+        from recipes.checkpoint import read_verified
+
+        state = read_verified(averaged)["state_dict"]
         model.load_state_dict(model_weights(state))
     what = f"validation, beam {settings.num_beams}, {'averaged ' + averaged.name if averaged.is_file() else 'last'}"
     hyps = translate(model, tokenizer, sources, settings.num_beams, settings.length_penalty,

@@ -180,6 +180,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
 
 def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatch):
     from recipes.callbacks import AtomicCheckpointIO
+    from recipes.runfolder import claim
     from recipes.train import resume_path
 
     target = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -188,16 +189,19 @@ def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatc
 
     def killed_mid_write(obj, f, *args, **kwargs):
         f.write(b"PK\x03\x04 half a checkpoint")
-        raise KeyboardInterrupt  # the process dies here, before os.replace
+        raise KeyboardInterrupt  # interrupted here, before os.replace
 
     monkeypatch.setattr(torch, "save", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"global_step": 8}, target)
     monkeypatch.undo()
-    leftovers = [p.name for p in target.parent.iterdir() if p.name != "last.ckpt"]
-    assert leftovers == [f".last.ckpt.tmp-{os.getpid()}"]
+    assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]  # the temp file went with it
     assert torch.load(target, weights_only=True)["global_step"] == 4
     assert resume_path(tmp_path / "run", resume=None, fresh=False) == target
+    # a process killed outright leaves its temp file: the next run's claim removes it
+    (target.parent / ".last.ckpt.tmp-999999").write_bytes(b"PK\x03\x04 half")
+    with claim(tmp_path / "run"):
+        assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
 
 
 def _tiny_model(spec_file: str, seed: int = 0):

@@ -14,7 +14,7 @@ from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
 from builder.hf.reader import _copy_side_files
 from builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
-from builder.hf.weights import alias_groups, dedupe, read_weights, torch_load_safely
+from builder.hf.weights import alias_groups, dedupe, read_weights
 
 def _semantic(spec) -> dict:
     """What a spec means, layer by layer, defaults resolved and dropout rates left out."""
@@ -228,7 +228,12 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
 
 
 def _read_training_checkpoint(path: Path):
-    checkpoint = torch_load_safely(path)
+    from builder.integrity import CheckpointError, read_checkpoint
+
+    try:
+        checkpoint = read_checkpoint(path)  # safely (weights only), verified against its checksums
+    except CheckpointError as exc:
+        raise HFError(str(exc)) from None
     meta = checkpoint.get("builder") if isinstance(checkpoint, Mapping) else None
     if not isinstance(meta, Mapping) or "spec" not in meta or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise HFError(f"{path} was not written by `builder train` (it holds no spec)")

@@ -25,11 +25,14 @@ def run(args: argparse.Namespace) -> int:
     from builder.loader import SpecError
     from builder.plugins import PluginError
 
+    from recipes.config import RecipeError
+    from recipes.module import NonFiniteLossError
+    from recipes.runfolder import os_problem, owns_run_folder
+    from recipes.signals import Stopped
+
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
-        from recipes.config import RecipeError
-        from recipes.module import NonFiniteLossError
         from recipes.train import run as train
 
         train(args.recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples)
@@ -38,5 +41,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except (RecipeError, NonFiniteLossError) as exc:
         print(f"builder train: {exc}", file=sys.stderr)
+        return 1
+    except Stopped as exc:  # a signal: the checkpoint it saved is named; 128 + the signal's number
+        if owns_run_folder():
+            print(f"builder train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except OSError as exc:  # a log, plot or cache file that could not be written or read
+        print(f"builder train: {os_problem(exc)}", file=sys.stderr)
         return 1
     return 0
