@@ -3,8 +3,8 @@ writing checkpoints so that a failed or interrupted save never costs the previou
 
 Every checkpoint is sealed with checksums of its tensors (:mod:`builder.integrity`) and
 written to a temp file beside its name, flushed to disk, then renamed over it; ``last.ckpt``
-keeps its predecessor as ``last-1.ckpt``, so a resume has an intact checkpoint to fall back on
-when the newest is damaged. A save that fails (a full disk, a file-size limit, a read-only
+keeps its predecessor from an earlier step as ``last-1.ckpt``, so a resume has an intact
+checkpoint to fall back on when the newest is damaged. A save that fails (a full disk, a file-size limit, a read-only
 folder) removes its temp file, leaves the previous checkpoint as it was and stops the run with
 one line naming the file (:class:`CheckpointWriteError`).
 """
@@ -88,8 +88,8 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
             f.flush()
             os.fsync(f.fileno())
         previous = previous_path(path)
-        if previous is not None and path.is_file():
-            os.replace(path, previous)
+        if previous is not None and _step_of(path) not in (None, checkpoint.get("global_step")):
+            os.replace(path, previous)  # an intact predecessor from an earlier step is kept
         os.replace(tmp, path)
         _sync_folder(path.parent)
     except BaseException as exc:
@@ -101,6 +101,19 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
             raise _write_error(path, writer.error) from None
         raise
     return path
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of the checkpoint file at ``path`` (its pickle only; tensors stay on disk), or
+    None when there is none or it cannot be read (a damaged file is never kept as a predecessor)."""
+    import torch
+
+    if not path.is_file():
+        return None
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step"))
+    except Exception:  # noqa: BLE001  (whatever is wrong with it, it is not worth keeping)
+        return None
 
 
 def _sync_folder(folder: Path) -> None:

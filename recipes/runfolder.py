@@ -298,10 +298,10 @@ def claim(out: Path, cache_dir: Path | None = None, fresh: bool = False, say=pri
         yield out
         return
     check_writable(out, "trainer.output_dir")
-    if cache_dir is not None:
-        check_writable(Path(cache_dir), "data.cache_dir")
     lock = RunLock(out).acquire()
     try:
+        if cache_dir is not None:
+            check_writable(Path(cache_dir), "data.cache_dir")
         if lock.took_over:
             say(f"taking over {lock.path}: the run that held it ({_describe(lock.took_over)}) is no longer running")
         remove_debris(out)

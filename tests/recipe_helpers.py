@@ -74,3 +74,41 @@ def history(checkpoint: Path) -> dict:
     import torch
 
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["builder"]["history"]
+
+
+#: the fault tests' trainer: checkpoints at steps 4, 6 (validation), 8 and 12 (validation, end)
+FAULT_TRAINER = {"max_steps": 12, "val_check_interval": 6, "limit_val_batches": 2, "checkpoint_every_n_steps": 4}
+
+
+def fault_recipe(tmp_path: Path, **trainer) -> Path:
+    """The recipe the fault tests break and resume (:data:`FAULT_TRAINER`), writing under ``tmp_path/run``."""
+    return tiny_recipe(tmp_path, trainer={**FAULT_TRAINER, "output_dir": str(tmp_path / "run"), **trainer})
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """The two checkpoints hold the same training and validation losses, step for step, and weights."""
+    import torch
+
+    ha, hb = history(a), history(b)
+    assert [s for s, _ in ha["train"]] == [s for s, _ in hb["train"]]
+    torch.testing.assert_close(torch.tensor([x for _, x in ha["train"]]), torch.tensor([x for _, x in hb["train"]]),
+                               rtol=0, atol=1e-6)
+    assert [v[0] for v in ha["val"]] == [v[0] for v in hb["val"]]
+    torch.testing.assert_close(torch.tensor([v[1] for v in ha["val"]]), torch.tensor([v[1] for v in hb["val"]]),
+                               rtol=0, atol=1e-6)
+    wa = torch.load(a, map_location="cpu", weights_only=True)["state_dict"]
+    wb = torch.load(b, map_location="cpu", weights_only=True)["state_dict"]
+    for name in wb:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6)
+
+
+def one_error_line(err: str, prefix: str) -> str:
+    """The single line of ``err`` that starts with ``prefix`` (a command's error), after checking
+    that no traceback was printed."""
+    import re
+
+    assert "Traceback" not in err, err[-3000:]
+    plain = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "\n", err)  # progress bars move the cursor between lines
+    lines = [line.strip() for line in re.split(r"[\r\n]", plain) if line.strip().startswith(prefix)]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]

@@ -1,0 +1,196 @@
+"""Faults during training lose nothing: a signal saves a checkpoint at a step boundary and exits
+128 + its number; a full disk or a file-size limit stops the run in one line, keeps the previous
+checkpoint and leaves no temp file; each run then resumes to the losses of an unbroken run."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+from recipe_helpers import REPO, assert_same_run, builder_process, fault_recipe, history, one_error_line
+
+
+class SignalAt(L.Callback):
+    """Sends this process ``signums`` once, when training reaches ``step`` (as a scheduler would)."""
+
+    def __init__(self, step: int, *signums: int):
+        self.step, self.signums, self.sent = step, signums, False
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            for signum in self.signums:
+                os.kill(os.getpid(), signum)
+
+
+def send_at(monkeypatch, step: int, *signums: int) -> None:
+    """Every Trainer the recipes make gets :class:`SignalAt` first in its callbacks."""
+    import recipes.train
+
+    make = recipes.train.make_trainer
+
+    def make_trainer(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        trainer.callbacks.insert(0, SignalAt(step, *signums))
+        return trainer
+
+    monkeypatch.setattr(recipes.train, "make_trainer", make_trainer)
+
+
+def _step(path: Path) -> int:
+    from builder.integrity import read_checkpoint
+
+    return read_checkpoint(path)["global_step"]  # verified: the checkpoint is whole
+
+
+CHILD = """
+import signal, sys
+sys.path.insert(0, {tests!r})
+import pytest
+from test_training_faults import send_at
+from builder.cli import main
+patch = pytest.MonkeyPatch()
+send_at(patch, 5, signal.SIGTERM)
+sys.exit(main(["train", {recipe!r}, "--no-samples"]))
+"""
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_like_an_unbroken_run(unbroken_run, tmp_path):
+    from builder.cli import main
+
+    recipe = fault_recipe(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    child = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert child.returncode == 143, child.stderr[-3000:]
+    line = one_error_line(child.stderr, "builder train:")
+    assert line == f"builder train: stopped by SIGTERM at step 5; saved {last}; run the same command to resume"
+    assert _step(last) == 5
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    assert_same_run(last, Path(unbroken_run[1]["last"]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1])
+def test_sigint_and_slurms_sigusr1_save_and_exit_128_plus_the_signal(tmp_path, capsys, monkeypatch, signum):
+    from builder.cli import main
+
+    recipe = fault_recipe(tmp_path, max_steps=4)
+    send_at(monkeypatch, 3, signum)
+    assert main(["train", str(recipe), "--no-samples"]) == 128 + signum
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert line.startswith(f"builder train: stopped by {signal.Signals(signum).name} at step 3; saved {last}")
+    assert _step(last) == 3 and signal.getsignal(signum) is not None  # handlers are given back
+
+
+def test_a_second_signal_stops_at_once_keeping_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    from builder.cli import main
+
+    recipe = fault_recipe(tmp_path)
+    send_at(monkeypatch, 6, signal.SIGINT, signal.SIGINT)  # Ctrl+C twice: do not wait for the save
+    assert main(["train", str(recipe), "--no-samples"]) == 130
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert "stopped by SIGINT again before the step ended" in line and "last checkpoint written is kept" in line
+    assert _step(tmp_path / "run" / "checkpoints" / "last.ckpt") == 4
+
+
+def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
+    import recipes.train
+    from builder.cli import main
+
+    prepare = recipes.train.prepare
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(recipes.train, "prepare", interrupted)
+    assert main(["train", str(fault_recipe(tmp_path)), "--no-samples"]) == 143
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert line == "builder train: stopped by SIGTERM before training started; there was nothing to save"
+    assert (tmp_path / "run" / "run.lock").read_text() == ""  # the folder is free again
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroken_run, tmp_path, capsys, monkeypatch):
+    import recipes.checkpoint
+    from builder.cli import main
+
+    recipe = fault_recipe(tmp_path)
+    opened = []
+    write = recipes.checkpoint._ErrorKeepingFile.write
+
+    def filling(self, data):
+        if id(self) not in opened:
+            opened.append(id(self))
+        if len(opened) >= 4:  # last at 4, last and best at 6; then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, data)
+
+    monkeypatch.setattr(recipes.checkpoint._ErrorKeepingFile, "write", filling)
+    assert main(["train", str(recipe), "--no-samples"]) == 1
+    folder = tmp_path / "run" / "checkpoints"
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert line == f"builder train: could not write {folder / 'last.ckpt'}: no space left on the device; " \
+                   "the previous last.ckpt is kept"
+    assert sorted(p.name for p in folder.iterdir()) == ["best.ckpt", "last-1.ckpt", "last.ckpt"]  # no temp file
+    assert _step(folder / "last.ckpt") == 6 and _step(folder / "last-1.ckpt") == 4
+    monkeypatch.undo()
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    assert_same_run(folder / "last.ckpt", Path(unbroken_run[1]["last"]))
+
+
+def test_a_file_size_limit_stops_in_one_line_and_the_rerun_does_not_trip_on_debris(unbroken_run, tmp_path):
+    from builder.cli import main
+
+    cache = Path(unbroken_run[0]).parent / "cache"  # tokens already cached: the first big file is a checkpoint
+    recipe = fault_recipe(tmp_path)
+    limit = 100_000  # a checkpoint of the tiny model is ~330 kB
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    child = builder_process("train", str(recipe), "--no-samples", "--set", f"data.cache_dir={cache}", cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=limited)
+    _, err = child.communicate(timeout=600)
+    folder = tmp_path / "run" / "checkpoints"
+    assert child.returncode == 1, err[-3000:]
+    line = one_error_line(err, "builder train:")
+    assert line == (f"builder train: could not write {folder / 'last.ckpt'}: file too large (the file-size limit, "
+                    "`ulimit -f`); no checkpoint was written")
+    assert list(folder.iterdir()) == []
+    assert main(["train", str(recipe), "--no-samples", "--set", f"data.cache_dir={cache}"]) == 0
+    assert_same_run(folder / "last.ckpt", Path(unbroken_run[1]["last"]))
+
+
+@pytest.mark.slow
+def test_sigterm_from_outside_stops_every_ddp_rank_at_the_same_step(tmp_path):
+    """Two CPU processes (Lightning's launcher); SIGTERM to the launcher only: both ranks agree
+    on the step, the checkpoint is saved, each exits 143, and the run resumes."""
+    recipe = fault_recipe(tmp_path, max_steps=400, checkpoint_every_n_steps=2, val_check_interval=200, devices=2,
+                          strategy="ddp")
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    child = builder_process("train", str(recipe), "--no-samples", cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not last.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 143, err[-3000:]
+    line = one_error_line(err, "builder train:")
+    step = int(line.split(" at step ")[1].split(";")[0])
+    assert 0 < step < 400 and _step(last) == step
+    resumed = builder_process("train", str(recipe), "--no-samples", "--set", f"trainer.max_steps={step + 4}",
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert _step(last) == step + 4
