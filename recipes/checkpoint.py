@@ -142,6 +142,35 @@ def read_verified(path: str | Path) -> dict:
     return checkpoint
 
 
+#: the checkpoints of a run a resume may start from, newest first at equal steps
+RESUMABLE = ("last.ckpt", "last-1.ckpt", "best.ckpt")
+
+
+def newest_intact(folder: Path) -> tuple[Path | None, dict | None, list[tuple[Path, Exception]]]:
+    """``(path, checkpoint, damaged)``: the intact checkpoint of :data:`RESUMABLE` in ``folder``
+    with the highest step (each file's step read from its pickle alone; then verified whole,
+    newest first, until one passes) and the ``(path, error)`` of each damaged one met on the way."""
+    from builder.integrity import CheckpointError, read_checkpoint
+
+    listed, damaged = [], []
+    for order, name in enumerate(RESUMABLE):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            step = int(read_checkpoint(path, check=False).get("global_step") or 0)
+        except (CheckpointError, TypeError, ValueError) as exc:
+            damaged.append((path, exc))
+            continue
+        listed.append((step, -order, path))
+    for _, _, path in sorted(listed, reverse=True):
+        try:
+            return path, read_checkpoint(path), damaged
+        except CheckpointError as exc:
+            damaged.append((path, exc))
+    return None, None, damaged
+
+
 def model_weights(state_dict: dict) -> dict:
     """The built model's tensors from a LightningModule state dict: the ``model.`` prefix and
     ``torch.compile``'s ``_orig_mod.`` wrapper taken off the names."""

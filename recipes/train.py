@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from recipes.callbacks import AtomicCheckpointIO, RecipeCheckpoint, StepProgressBar, Throughput, plot_losses
+from recipes.checkpoint import newest_intact
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec
 from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
@@ -156,44 +157,32 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
             check_resumable(path, meta, saved)
         return path
     folder = out / "checkpoints"
-    found, damaged = [], []
-    for name in ("last.ckpt", "last-1.ckpt", "best.ckpt"):
-        path = folder / name
-        if fresh or not path.is_file():
-            continue
-        try:
-            saved = read_checkpoint(path)
-        except CheckpointError as exc:
-            damaged.append((path, exc))
-            continue
-        found.append((int(saved.get("global_step") or 0), -len(found), path, saved))
-    if damaged:
-        _set_aside_damaged(damaged, found)
-    if not found:
+    path, saved, damaged = (None, None, []) if fresh else newest_intact(folder)
+    _set_aside_damaged(damaged, path, saved)
+    if path is None:
         if resume:
             raise RecipeError(f"--resume: no {folder / 'last.ckpt'} to resume from")
         return None
-    _, _, path, saved = max(found, key=lambda f: f[:2])
     if meta is not None:
         check_resumable(path, meta, saved)
     return path
 
 
-def _set_aside_damaged(damaged: list, found: list) -> None:
+def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -> None:
+    """Rename each damaged checkpoint ``NAME.damaged`` (so a later save never keeps it as a
+    predecessor) and say what the run resumes from instead; an error when nothing is left."""
     from recipes.runfolder import owns_run_folder
 
-    if owns_run_folder():
-        for path, _ in damaged:
+    for path, exc in damaged:
+        kept = ""
+        if owns_run_folder():
             with contextlib.suppress(OSError):
                 os.replace(path, path.with_name(path.name + ".damaged"))
-    for path, exc in damaged:
-        kept = f"; it is kept as {path.name}.damaged" if owns_run_folder() else ""
-        if found:
-            step, _, chosen, _ = max(found, key=lambda f: f[:2])
-            say(f"{exc}{kept}; resuming from {chosen} (step {step}) instead")
-        else:
+                kept = f"; it is kept as {path.name}.damaged"
+        if chosen is None:
             raise RecipeError(f"{exc}{kept}; no intact checkpoint is left in {path.parent} to resume from: "
                               "start over with --fresh")
+        say(f"{exc}{kept}; resuming from {chosen} (step {saved.get('global_step')}) instead")
 
 
 def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
