@@ -55,6 +55,11 @@ class AttentionInputs:
     def alibi_slopes(self, n_heads: int, device) -> torch.Tensor | None:
         return self.position.alibi_slopes(n_heads, device) if self.position is not None else None
 
+    def score_scale(self) -> float:
+        """The position block's factor on every score (YaRN's temperature under DeepSeek's
+        ``mscale_all_dim``), to multiply into the attention's own scale; 1.0 without one."""
+        return self.position.score_scale() if self.position is not None else 1.0
+
     def bias(self, first: int, seq_k: int, n_heads: int, device) -> torch.Tensor | None:
         """Additive ``(batch | 1, n_heads | 1, seq_q | 1, seq_k)`` bias for keys ``first .. first+seq_k``:
         padding and the position block's score bias."""
@@ -146,6 +151,9 @@ class MultiHeadAttention(nn.Module):
                 k, v, first = cache.update(k, v)  # keys first .. first + seq_k, in token order
             alibi = inputs.alibi_slopes(self.n_heads, x.device)
         bias = inputs.bias(first, k.shape[2], self.n_heads, x.device)
+        scale, factor = self.scale, inputs.score_scale()
+        if factor != 1.0:
+            scale = (scale if scale is not None else self.head_dim**-0.5) * factor
         out = attention_kernel(
             q, k, v,
             causal=self.causal,
@@ -153,7 +161,7 @@ class MultiHeadAttention(nn.Module):
             alibi_slopes=alibi,
             bias=bias,
             softcap=self.softcap,
-            scale=self.scale,
+            scale=scale,
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
         )  # (batch, n_heads, seq_q, head_dim)

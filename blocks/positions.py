@@ -9,8 +9,10 @@ Two kinds, by where they act (``config.acts_on``):
   :class:`PositionModule`: ``rotate(q, k, positions)`` (:class:`Rope` rotates the rotary part
   of each head), ``alibi_slopes(n_heads, device)`` (:class:`Alibi`'s per-head slopes for the
   attention kernel) and ``score_bias(query_index, key_index, n_heads)`` (:class:`RelativeBias`'s
-  additive ``(1, n_heads, seq_q, seq_k)`` bias from token indices). An attention block decides
-  which part of its heads it hands to ``rotate`` (multi-head attention: every head whole).
+  additive ``(1, n_heads, seq_q, seq_k)`` bias from token indices) and ``score_scale()`` (a
+  factor on every score: YaRN's temperature under DeepSeek's ``mscale_all_dim``; 1 otherwise).
+  An attention block decides which part of its heads it hands to ``rotate`` (multi-head
+  attention: every head whole; latent attention: the decoupled rotary part).
 
 Nothing here keeps a buffer: frequencies and slopes are recomputed from the config (a few
 hundred floats), so the blocks build instantly on the meta device and never go stale after
@@ -46,6 +48,10 @@ class PositionModule(nn.Module):
     def score_bias(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor | None:
         """An additive ``(1, n_heads, seq_q, seq_k)`` score bias for token indices (None by default)."""
         return None
+
+    def score_scale(self) -> float:
+        """A factor on every attention score, on top of the attention's own scale (1 by default)."""
+        return 1.0
 
 
 def _check_positions(positions: torch.Tensor) -> None:
@@ -134,12 +140,20 @@ def _llama3(inv_freq: torch.Tensor, s) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``sqrt(1/t) = 0.1 * mscale * ln(factor) + 1`` (1 when
+    ``factor <= 1``); DeepSeek's ``yarn_get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tensor, float]:
     factor = s.factor
     if s.attention_factor is not None:
         attention_factor = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:  # DeepSeek: the rest of the temperature is on the scores
+        attention_factor = yarn_mscale(factor, s.mscale) / yarn_mscale(factor, s.mscale_all_dim)
     else:
-        attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+        attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -177,6 +191,13 @@ class Rope(PositionModule):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         return self(q, k, positions)
+
+    def score_scale(self) -> float:
+        """DeepSeek's YaRN: ``yarn_mscale(factor, mscale_all_dim) ** 2`` on every score."""
+        s = self.config.scaling
+        if s is not None and s.type == "yarn" and s.mscale_all_dim:
+            return yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        return 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Rotate ``q`` ``(batch, n_heads, seq, head_dim)`` and ``k`` ``(batch, n_kv_heads, ...)``."""

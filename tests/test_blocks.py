@@ -221,6 +221,11 @@ ROPE_CASES = [
     ({"type": "yarn", "factor": 8.0, "original_max_seq_len": 16, "beta_fast": 16, "beta_slow": 2,
       "attention_factor": 1.3}, "yarn", None),
     ({"type": "llama3", "factor": 8.0, "original_max_seq_len": 8}, "llama3", None),
+    # DeepSeek's: cos/sin by the ratio of the two mscales (1 when they are equal, as V2/V3 ship)
+    ({"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale": 1.0, "mscale_all_dim": 0.707},
+     "yarn", None),
+    ({"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale": 0.707, "mscale_all_dim": 0.707},
+     "yarn", None),
 ]
 
 
@@ -254,6 +259,30 @@ def test_rope_frequencies_match_hugging_face(scaling, hf_type, note, rotary_frac
     ours, our_factor = rope_frequencies(config, head_dim)
     torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
     assert our_factor == pytest.approx(factor)
+
+
+@pytest.mark.parametrize("mscale_all_dim", [None, 0.707, 1.0])
+def test_yarn_mscale_all_dim_scales_every_score_as_deepseek_does(mscale_all_dim):
+    """DeepSeek-V2/V3 (and transformers' ``yarn_apply_mscale``): softmax scale times
+    ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``; an attention honours the position's
+    ``score_scale`` on top of its own scale."""
+    from blocks.positions import Rope
+
+    scaling = {"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale_all_dim": mscale_all_dim,
+               "mscale": mscale_all_dim}
+    rope = Rope(_cfg("position", {"type": "rope", "scaling": scaling}))
+    expected = 1.0 if mscale_all_dim is None else (0.1 * mscale_all_dim * math.log(40.0) + 1.0) ** 2
+    assert rope.score_scale() == pytest.approx(expected)
+    x = _x()
+    positions = torch.arange(S).expand(B, S)
+    scaled = _built("attention", {"n_heads": 4}, causal=True, backend="eager")
+    explicit = _built("attention", {"n_heads": 4, "scale": 8**-0.5 * expected}, causal=True, backend="eager")
+    plain = {"type": "yarn", "factor": 40.0, "original_max_seq_len": 4,  # the same cos and sin, no score scale
+             "attention_factor": 1.0 if mscale_all_dim else None}
+    plain_rope = Rope(_cfg("position", {"type": "rope", "scaling": plain}))
+    assert plain_rope.score_scale() == 1.0
+    torch.testing.assert_close(scaled(x, AttentionInputs(0, S, positions=positions, position=rope)),
+                               explicit(x, AttentionInputs(0, S, positions=positions, position=plain_rope)))
 
 
 def test_rope_rotation_matches_complex_multiplication():

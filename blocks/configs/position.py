@@ -81,7 +81,24 @@ class YarnScaling(_RopeScaling):
     beta_fast: float = Field(32.0, gt=0, description="Rotations above which frequencies are kept.")
     beta_slow: float = Field(1.0, gt=0, description="Rotations below which frequencies interpolate.")
     attention_factor: float | None = Field(
-        None, gt=0, description="cos/sin multiplier; null means 0.1 * ln(factor) + 1."
+        None,
+        gt=0,
+        description="cos/sin multiplier; null means 0.1 * ln(factor) + 1, or with both mscale and "
+        "mscale_all_dim set (0.1 * mscale * ln(factor) + 1) / (0.1 * mscale_all_dim * ln(factor) + 1).",
+    )
+    mscale: float | None = Field(
+        None,
+        gt=0,
+        description="DeepSeek's YaRN: scales ln(factor) in the numerator of the default "
+        "attention_factor (used only together with mscale_all_dim). null: unused.",
+    )
+    mscale_all_dim: float | None = Field(
+        None,
+        gt=0,
+        description="DeepSeek's YaRN (V2, V3): every attention score is multiplied by "
+        "(0.1 * mscale_all_dim * ln(factor) + 1)^2, the temperature applied to the whole of q.k "
+        "instead of through the rotated part only; with mscale equal to it, cos and sin are "
+        "left unscaled. null: unused.",
     )
 
 
