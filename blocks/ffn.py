@@ -1,7 +1,8 @@
-"""Feed-forward blocks: MLP, gated linear units (SwiGLU, GeGLU) and mixture of experts.
+"""Feed-forward blocks: MLP, gated linear units (SwiGLU, GeGLU), mixture of experts and DeepSeekMoE.
 
 Projection names follow Hugging Face's Llama/Mixtral (``gate_proj``, ``up_proj``,
-``down_proj``; the MoE router is ``router``), so an importer maps weights by name. The MLP has
+``down_proj``; the MoE router is ``router``, DeepSeekMoE's always-on experts ``shared_experts``),
+so an importer maps weights by name. The MLP has
 ``up_proj`` and ``down_proj`` only. ``down_proj`` is the residual projection that
 ``blocks.init`` scales GPT-2 style.
 """
@@ -88,21 +89,170 @@ class MoE(nn.Module):
         probs = torch.softmax(logits.float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)  # (tokens, top_k)
         gates = (top_probs / top_probs.sum(-1, keepdim=True)).to(x.dtype)
+        out, counts = dispatch(flat, lambda e, rows: self.experts[e](rows), self.n_experts, top_experts, gates)
 
-        choice_expert = top_experts.reshape(-1)  # (tokens * top_k,)
-        order = torch.argsort(choice_expert, stable=True)
-        counts = torch.bincount(choice_expert, minlength=self.n_experts)
-        rows_token = order // self.top_k  # token of each sorted choice
-        rows_gate = gates.reshape(-1)[order]
-        out = torch.zeros_like(flat)
-        start = 0
-        for expert, n in zip(self.experts, counts.tolist()):
-            if n:
-                tokens = rows_token[start : start + n]
-                y = expert(flat[tokens]) * rows_gate[start : start + n, None]
-                out.index_add_(0, tokens, y)
-                start += n
-
-        routed_share = counts.float() / choice_expert.numel() * self.top_k  # f_e, summed over k
+        routed_share = counts.float() / top_experts.numel() * self.top_k  # f_e, summed over k
         self.aux_loss = self.n_experts * (routed_share * probs.mean(0)).sum()
         return out.reshape(shape)
+
+
+def dispatch(flat: torch.Tensor, expert, n_experts: int, top_experts: torch.Tensor, gates: torch.Tensor):
+    """Sparse dispatch: ``flat`` ``(tokens, d_model)`` through each token's chosen experts
+    (``top_experts`` ``(tokens, top_k)``; ``expert(e, rows)`` runs expert ``e``), weighted by
+    ``gates`` ``(tokens, top_k)`` and summed.
+
+    Choices are sorted by expert, so each expert multiplies only its own rows: ``top_k * tokens``
+    rows in all. Returns the output ``(tokens, d_model)`` and the tokens each expert got.
+    """
+    top_k = top_experts.shape[-1]
+    choice_expert = top_experts.reshape(-1)  # (tokens * top_k,)
+    order = torch.argsort(choice_expert, stable=True)
+    counts = torch.bincount(choice_expert, minlength=n_experts)
+    rows_token = order // top_k  # token of each sorted choice
+    rows_gate = gates.reshape(-1)[order]
+    out = torch.zeros_like(flat)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            tokens = rows_token[start : start + n]
+            y = expert(e, flat[tokens]) * rows_gate[start : start + n, None]
+            out.index_add_(0, tokens, y)
+            start += n
+    return out, counts
+
+
+class StackedLinear(nn.Linear):
+    """``n`` linear layers of one shape as one ``(n, out_features, in_features)`` weight (and
+    ``(n, out_features)`` bias): ``forward(x, i)`` applies layer ``i``. An ``nn.Linear``, so
+    ``blocks.init`` initialises it as any linear layer of its name (a ``down_proj`` as a
+    residual projection); one tensor instead of ``n`` modules builds a 256-expert layer at once
+    and shards as one tensor."""
+
+    def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would draw a 2-D weight
+        self.in_features, self.out_features, self.n = in_features, out_features, n
+        bound = in_features**-0.5  # nn.Linear's default draw, until blocks.init runs
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return F.linear(x, self.weight[i], None if self.bias is None else self.bias[i])
+
+    def extra_repr(self) -> str:
+        return (f"n={self.n}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class GroupedExperts(nn.Module):
+    """``n`` experts of one ``mlp`` or ``glu`` config with stacked weights (``gate_proj``,
+    ``up_proj``, ``down_proj``, each a :class:`StackedLinear`); ``forward(x, e)`` is expert
+    ``e``, computing exactly what :class:`MLP` or :class:`GLU` computes."""
+
+    def __init__(self, config, d_model: int, n: int):
+        super().__init__()
+        hidden = config.resolved_hidden_dim(d_model)
+        self.gated = config.n_in_projections == 2
+        if self.gated:
+            self.gate_proj = StackedLinear(n, d_model, hidden, config.bias)
+        self.up_proj = StackedLinear(n, d_model, hidden, config.bias)
+        self.down_proj = StackedLinear(n, hidden, d_model, config.bias)
+        self.act = activation(config.activation)
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x, e)) * self.up_proj(x, e), e)
+        return self.down_proj(self.act(self.up_proj(x, e)), e)
+
+
+class DeepSeekMoE(nn.Module):
+    """DeepSeekMoE: fine-grained routed experts plus shared experts, DeepSeek-V2/V3 routing.
+
+    Routing, as DeepSeek's code and Hugging Face's ``DeepseekV2/V3TopkRouter`` compute it, in
+    fp32: scores ``softmax`` or ``sigmoid`` of the router logits; for the choice only, plus
+    ``expert_bias`` and, with groups, every expert outside the ``topk_groups`` best groups
+    masked (a group ranks by its best score or its two best summed); the ``top_k`` best are
+    chosen; their weights are the scores (renormalised with ``norm_topk_prob``) times
+    ``routed_scaling_factor``. The shared experts (one wide FFN) see every token. The routed
+    experts' weights are stacked (:class:`GroupedExperts`: ``experts.gate_proj.weight`` is
+    ``(n_experts, hidden, d_model)``), as in torchtitan and transformers 5.
+
+    After each forward, ``aux_loss`` holds DeepSeek's expert-level balance loss
+    ``N / K * sum_i f_i P_i`` over the batch (``f_i``: share of tokens routed to expert ``i``,
+    ``P_i``: its mean score, scores normalised per token; 1 when perfectly balanced). In
+    training mode the tokens each expert got are summed until :meth:`after_optimizer_step`
+    moves ``expert_bias`` (summed over all processes first when ``torch.distributed`` runs,
+    so every replica moves the bias alike).
+    """
+
+    def __init__(self, config, d_model: int):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.scoring, self.group_score = config.scoring, config.group_score
+        self.n_groups, self.topk_groups = config.n_groups, config.topk_groups
+        self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
+        self.bias_update_speed = config.bias_update_speed if config.expert_bias else 0.0
+        self.router = nn.Linear(d_model, config.n_experts, bias=False)
+        self.experts = GroupedExperts(config.expert, d_model, config.n_experts)
+        shared = config.shared(d_model)
+        self.shared_experts = registry.module_class(shared)(shared, d_model) if shared is not None else None
+        if config.expert_bias:  # fp32 like the router; a buffer: no gradient, saved with the weights
+            self.register_buffer("expert_bias", torch.zeros(config.n_experts, dtype=torch.float32))
+            self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = self.load = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def init_weights(self, std: float) -> None:
+        """A fresh bias and load (the linear layers are initialised as every linear layer is)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.load.zero_()
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scores (tokens, n_experts) fp32, chosen experts (tokens, top_k), their weights)``."""
+        logits = F.linear(flat.float(), self.router.weight.float())  # (tokens, n_experts)
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.n_groups > 1:
+                grouped = choice.view(-1, self.n_groups, self.n_experts // self.n_groups)  # (tokens, groups, per group)
+                if self.group_score == "max":
+                    rank = grouped.amax(-1)
+                else:
+                    rank = grouped.topk(2, dim=-1).values.sum(-1)
+                best = rank.topk(self.topk_groups, dim=-1).indices  # (tokens, topk_groups)
+                keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+                choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+            chosen = choice.topk(self.top_k, dim=-1).indices  # (tokens, top_k)
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return scores, chosen, weights * self.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (tokens, d_model)
+        scores, chosen, weights = self.route(flat)
+        out, counts = dispatch(flat, lambda e, rows: self.experts(rows, e), self.n_experts, chosen, weights.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if self.scoring == "sigmoid":
+            scores = scores / scores.sum(-1, keepdim=True)
+        routed_share = counts.float() * (self.n_experts / chosen.numel())  # N/(K T) * count_i
+        self.aux_loss = (routed_share * scores.mean(0)).sum()
+        if self.load is not None and self.training:
+            self.load += counts.float()
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Move ``expert_bias`` by ``bias_update_speed`` towards balance: up for an expert that got
+        fewer tokens than the mean since the last step, down for one that got more (V3, 2.1.2)."""
+        if self.load is None:
+            return
+        load = self.load.clone()
+        self.load.zero_()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        if self.bias_update_speed and load.sum() > 0:
+            self.expert_bias += self.bias_update_speed * torch.sign(load.mean() - load)

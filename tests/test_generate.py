@@ -125,10 +125,12 @@ def _expected_cache_bytes(model, spec, rows: int, prompt: int, new: int, src: in
     for i in range(stack.n_layers):
         layer = stack.layer(i)
         attn = layer.attention
-        head_dim = attn.resolved_head_dim(spec.d_model)
-        window = attn.sliding_window
+        if attn.type == "mla":  # DeepSeek: the latent and the one rotary key, nothing per head
+            per_token, window = attn.kv_lora_rank + attn.qk_rope_head_dim, None
+        else:  # keys and values of every key/value head
+            per_token, window = 2 * attn.n_kv_heads * attn.resolved_head_dim(spec.d_model), attn.sliding_window
         capacity = prompt + new if window is None else min(prompt + new, window)
-        total += 2 * rows * attn.n_kv_heads * capacity * head_dim * 4
+        total += rows * capacity * per_token * 4
         if src is not None:
             cross = layer.cross_attention
             total += 2 * rows * cross.n_kv_heads * src * cross.resolved_head_dim(spec.d_model) * 4

@@ -37,6 +37,9 @@ EXPECTED_PARAMS = {
     "qwen2-0.5b": 494_032_768,
     "mpt-7b": 6_649_286_656,
     "pythia-160m": 162_322_944,
+    # transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM built on meta (tests/test_deepseek.py)
+    "deepseek-v2-lite": 15_706_484_224,
+    "deepseek-v3": 671_026_404_352,
 }
 
 

@@ -165,3 +165,129 @@ class MoEConfig(FFNBlock):
         router = tokens * (d_model * act_bytes + self.n_experts * 4 + self.top_k * (4 + 8) + 4)
         experts = self.expert.saved_bytes(d_model, routed, act_bytes)
         return router + experts + routed * (2 * d_model * act_bytes + act_bytes + 2 * 8)
+
+
+@register("ffn", "blocks.ffn:DeepSeekMoE")
+class DeepSeekMoEConfig(FFNBlock):
+    """DeepSeekMoE (Dai et al. 2024, arXiv:2401.06066; DeepSeek-V2 and V3): many fine-grained
+    routed experts plus always-on shared experts, with DeepSeek's routing.
+
+    Each token's router scores (``softmax`` in V2, ``sigmoid`` in V3) pick ``top_k`` experts,
+    optionally only among the ``topk_groups`` best of ``n_groups`` expert groups; the chosen
+    scores, renormalised when ``norm_topk_prob`` and times ``routed_scaling_factor``, weight the
+    experts' outputs, and the shared experts' output is added. V3's auxiliary-loss-free
+    balancing (``expert_bias``) adds a per-expert bias to the scores for the choice only and
+    moves it by ``bias_update_speed`` after every optimizer step, against each expert's load.
+    """
+
+    type: Literal["deepseek_moe"] = "deepseek_moe"
+    n_experts: int = Field(..., ge=1, description="Number of routed experts.")
+    top_k: int = Field(..., ge=1, description="Routed experts each token is sent to.")
+    n_shared_experts: int = Field(
+        0,
+        ge=0,
+        description="Experts every token passes through, built as one FFN of the expert's type with "
+        "n_shared_experts times its hidden width (Hugging Face's shared_experts).",
+    )
+    expert: ExpertConfig = Field(..., description="Each routed expert: an mlp or glu block (fine-grained: narrow).")
+    scoring: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores: softmax over the experts (V2) or a sigmoid per expert (V3)."
+    )
+    n_groups: int = Field(1, ge=1, description="Groups the experts split into, in order (group-limited routing).")
+    topk_groups: int = Field(1, ge=1, description="Groups a token may choose its experts from.")
+    group_score: Literal["max", "top2_sum"] = Field(
+        "max",
+        description="How a group ranks: its best expert's score (V2's group_limited_greedy) or the sum "
+        "of its two best, bias included (V3).",
+    )
+    norm_topk_prob: bool = Field(False, description="Renormalise the chosen experts' scores to sum to 1 (V3).")
+    routed_scaling_factor: float = Field(
+        1.0, gt=0, description="Multiplies the routed experts' weights (V2: 16, V2-Lite: 1, V3: 2.5)."
+    )
+    expert_bias: bool = Field(
+        False,
+        description="Auxiliary-loss-free balancing (V3): a per-expert bias, a buffer, added to the scores "
+        "for choosing only, updated after each optimizer step.",
+    )
+    bias_update_speed: float = Field(
+        0.001,
+        ge=0,
+        description="How far expert_bias moves after each optimizer step: +speed for an expert that got "
+        "fewer tokens than the mean since the last step, -speed for one that got more (V3's gamma); "
+        "0 freezes it.",
+    )
+
+    examples: ClassVar[list[dict]] = [
+        {"n_experts": 6, "top_k": 2, "n_shared_experts": 2, "expert": {"type": "glu", "hidden_dim": 16},
+         "n_groups": 3, "topk_groups": 2, "routed_scaling_factor": 2.0},
+        {"n_experts": 8, "top_k": 3, "n_shared_experts": 1, "expert": {"type": "glu", "hidden_dim": 12},
+         "scoring": "sigmoid", "n_groups": 4, "topk_groups": 2, "group_score": "top2_sum",
+         "norm_topk_prob": True, "routed_scaling_factor": 2.5, "expert_bias": True},
+        {"n_experts": 4, "top_k": 1, "expert": {"type": "mlp", "activation": "gelu", "hidden_dim": 24, "bias": True}},
+    ]
+
+    @model_validator(mode="after")
+    def _routing(self):
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
+        if self.n_experts % self.n_groups:
+            raise ValueError(f"n_experts ({self.n_experts}) must be a multiple of n_groups ({self.n_groups})")
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"topk_groups ({self.topk_groups}) cannot exceed n_groups ({self.n_groups})")
+        reachable = self.topk_groups * (self.n_experts // self.n_groups)
+        if self.top_k > reachable:
+            raise ValueError(f"top_k ({self.top_k}) exceeds the {reachable} experts of {self.topk_groups} "
+                             f"of {self.n_groups} groups; raise topk_groups")
+        if self.group_score == "top2_sum" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
+            raise ValueError("group_score top2_sum needs at least 2 experts per group")
+        return self
+
+    def shared(self, d_model: int):
+        """The shared experts as one FFN (None without them): the expert, n_shared_experts wider."""
+        if not self.n_shared_experts:
+            return None
+        hidden = self.n_shared_experts * self.expert.resolved_hidden_dim(d_model)
+        return self.expert.model_copy(update={"hidden_dim": hidden})
+
+    def describe(self) -> str:
+        shared = f"+{self.n_shared_experts}s" if self.n_shared_experts else ""
+        return f"dsmoe {self.n_experts}{shared}x{self.expert.type} top{self.top_k}"
+
+    def params(self, d_model: int) -> int:
+        shared = self.shared(d_model)
+        return (d_model * self.n_experts + self.n_experts * self.expert.params(d_model)
+                + (shared.params(d_model) if shared else 0))
+
+    def active_params(self, d_model: int) -> int:
+        shared = self.shared(d_model)
+        return (d_model * self.n_experts + self.top_k * self.expert.params(d_model)
+                + (shared.params(d_model) if shared else 0))
+
+    def flops(self, d_model: int, tokens: int) -> int:
+        # the router on every token, tokens * top_k rows through the routed experts (whatever the
+        # routing), every token through the shared experts
+        shared = self.shared(d_model)
+        return (2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
+                + (shared.flops(d_model, tokens) if shared else 0))
+
+    def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        """Bytes kept for backward (see builder.memory). The router (fp32, as DeepSeek and
+        Hugging Face compute it): its input (and in a 16-bit dtype its fp32 copies of the input
+        and the weight), the fp32 scores, the int64 choices, with ``norm_topk_prob`` the chosen
+        scores and their sum, with sigmoid scores their per-token sum (the balancing loss).
+        The routed rows as ``moe`` keeps them; the shared experts' tensors but their input
+        (the router's, kept once)."""
+        n, k, routed = self.n_experts, self.top_k, tokens * self.top_k
+        router = tokens * (d_model * act_bytes + n * 4 + k * 8)
+        if act_bytes != 4:
+            router += tokens * d_model * 4 + n * d_model * 4
+        if self.norm_topk_prob:
+            router += tokens * (k * 4 + 4)
+        if self.scoring == "sigmoid":
+            router += tokens * 4
+        experts = self.expert.saved_bytes(d_model, routed, act_bytes)
+        experts += routed * (2 * d_model * act_bytes + act_bytes + 2 * 8)
+        shared = self.shared(d_model)
+        if shared is not None:
+            experts += shared.saved_bytes(d_model, tokens, act_bytes) - tokens * d_model * act_bytes
+        return router + experts

@@ -130,11 +130,12 @@ class MLAConfig(AttentionBlock):
     ) -> int:
         """What a training forward (``blocks.mla``, the latent expanded) keeps for backward: the
         layer input (every down-projection's), each latent's RMSNorm and its output (the
-        up-projection's input), q and k after the rotary part joins them, the whole
-        ``kv_b_proj`` output (v is a view of it) and the output-projection input. ``fused`` adds
-        the kernel's output and fp32 log-sum-exp; eager keeps the fp32 softmax and, cast or
-        masked, the probabilities, as ``multi_head`` does. In fp32 the key latent's norm keeps
-        the whole down-projection output (its input is a view of it)."""
+        up-projection's input), q and k after the rotary part joins them, v and the
+        output-projection input. ``fused`` keeps v as the view of the whole ``kv_b_proj`` output
+        it is, the kernel's output and its fp32 log-sum-exp; eager keeps v copied contiguous by
+        the P.V product, the fp32 softmax and, cast or masked, the probabilities, as
+        ``multi_head`` does. In fp32 the key latent's norm keeps the whole down-projection
+        output (its input is a view of it)."""
         tokens = batch * seq_q
         h, qk, v = self.n_heads, self.qk_head_dim, self.v_head_dim
         norm = self.latent_norm()
@@ -145,11 +146,12 @@ class MLAConfig(AttentionBlock):
         if act_bytes == 4:
             total += tokens * self.qk_rope_head_dim * 4  # the rest of kv_a_proj_with_mqa's output
         total += 2 * tokens * h * qk * act_bytes  # q, k
-        total += tokens * h * (self.qk_nope_head_dim + v) * act_bytes  # kv_b_proj's output, v in it
         total += tokens * h * v * act_bytes  # the output projection's input
         pairs = batch * h * seq_q * seq_k
         if fused:
+            total += tokens * h * (self.qk_nope_head_dim + v) * act_bytes  # kv_b_proj's output, v in it
             return total + tokens * h * v * act_bytes + batch * h * seq_q * 4  # output, log-sum-exp
+        total += tokens * h * v * act_bytes  # v, a contiguous copy
         total += pairs * 4  # fp32 softmax output
         if self.dropout > 0:
             total += pairs * (1 + act_bytes)  # mask; dropped probabilities
