@@ -125,6 +125,30 @@ def _gemma2_without_layer_types(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _deepseek_v2():  # MLA without query compression, YaRN with DeepSeek's mscale, V2's group-limited routing
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        first_k_dense_replace=1, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0},
+    ))
+
+
+def _deepseek_v3():  # query compression, attention biases, sigmoid routing over groups with the expert bias
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=2, attention_bias=True,
+        max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0},
+    ))
+
+
 def _bert():
     return transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -173,6 +197,8 @@ CASES = {
     "gemma": Case(_gemma, "causal"),
     "gemma2": Case(_gemma2, "causal"),
     "gemma2-4.x-config": Case(_gemma2, "causal", edit=_gemma2_without_layer_types),
+    "deepseek_v2": Case(_deepseek_v2, "causal"),
+    "deepseek_v3": Case(_deepseek_v3, "causal"),
     "bert": Case(_bert, "mlm"),
     "t5-v1.0": Case(_t5, "seq2seq"),
     "t5-v1.1": Case(lambda: _t5(feed_forward_proj="gated-gelu"), "seq2seq", edit=_untie_t5),
@@ -195,6 +221,8 @@ def _randomize(model) -> None:
         for name, b in model.named_buffers():
             if name.endswith("final_logits_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's balancing bias changes the choice
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def _hf_model(case: Case, folder: Path):

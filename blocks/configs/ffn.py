@@ -229,17 +229,19 @@ class DeepSeekMoEConfig(FFNBlock):
     @model_validator(mode="after")
     def _routing(self):
         if self.top_k > self.n_experts:
-            raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
+            raise rule_error(("top_k",), f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
         if self.n_experts % self.n_groups:
-            raise ValueError(f"n_experts ({self.n_experts}) must be a multiple of n_groups ({self.n_groups})")
+            raise rule_error(("n_groups",), f"n_experts ({self.n_experts}) must be a multiple of n_groups "
+                                            f"({self.n_groups})")
         if self.topk_groups > self.n_groups:
-            raise ValueError(f"topk_groups ({self.topk_groups}) cannot exceed n_groups ({self.n_groups})")
+            raise rule_error(("topk_groups",), f"topk_groups ({self.topk_groups}) cannot exceed n_groups "
+                                               f"({self.n_groups})")
         reachable = self.topk_groups * (self.n_experts // self.n_groups)
         if self.top_k > reachable:
-            raise ValueError(f"top_k ({self.top_k}) exceeds the {reachable} experts of {self.topk_groups} "
-                             f"of {self.n_groups} groups; raise topk_groups")
+            raise rule_error(("top_k",), f"top_k ({self.top_k}) exceeds the {reachable} experts of "
+                                         f"{self.topk_groups} of {self.n_groups} groups; raise topk_groups")
         if self.group_score == "top2_sum" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
-            raise ValueError("group_score top2_sum needs at least 2 experts per group")
+            raise rule_error(("group_score",), "group_score top2_sum needs at least 2 experts per group")
         return self
 
     def shared(self, d_model: int):

@@ -34,28 +34,34 @@ SIZE_KEYS = (
     "relative_attention_num_buckets", "relative_attention_max_distance", "type_vocab_size",
     "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim",
     "max_window_layers", "query_pre_attn_scalar", "original_max_position_embeddings",
+    # DeepSeek-V2/V3
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size",
+    "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq",
+    "num_nextn_predict_layers",
 )
 NUMBER_KEYS = (
     "activation_dropout", "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "dropout",
     "dropout_rate", "embd_pdrop", "hidden_dropout_prob", "resid_pdrop", "layer_norm_eps", "layer_norm_epsilon",
     "rms_norm_eps", "rope_theta", "partial_rotary_factor", "router_jitter_noise", "attn_logit_softcapping",
     "final_logit_softcapping", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-    "attention_factor", "mscale", "mscale_all_dim",
+    "attention_factor", "mscale", "mscale_all_dim", "routed_scaling_factor",
 )
 BOOL_KEYS = (
     "attention_bias", "mlp_bias", "tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
     "scale_embedding", "scale_decoder_outputs", "share_encoder_decoder_embeddings", "use_sliding_window",
-    "use_bidirectional_attention", "truncate",
+    "use_bidirectional_attention", "truncate", "norm_topk_prob", "rope_interleave",
 )
 TEXT_KEYS = (
     "model_type", "activation_function", "hidden_act", "hidden_activation", "feed_forward_proj",
-    "position_embedding_type", "rope_type", "type",
+    "position_embedding_type", "rope_type", "type", "topk_method", "scoring_func",
 )
 TOKEN_ID_KEYS = (
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "forced_eos_token_id",
 )
-#: size keys for which 0 means something (no token types; no layer without a window)
-ZERO_OK = ("type_vocab_size", "max_window_layers")
+#: size keys for which 0 means something (no token types, no layer without a window, no shared
+#: expert, no dense layer, no multi-token-prediction layer)
+ZERO_OK = ("type_vocab_size", "max_window_layers", "n_shared_experts", "first_k_dense_replace",
+           "num_nextn_predict_layers")
 #: bounds far above any released model, so a typo or a hostile file cannot make us build a
 #: billion layers (the deepest released models have under 200)
 MAX_LAYERS = 10_000

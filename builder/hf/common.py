@@ -161,9 +161,10 @@ def activation_to_hf(name: str, gelu_tanh: str) -> str:
 _ROPE_TYPES = {"default": None, "linear": "linear", "yarn": "yarn", "llama3": "llama3"}
 
 
-def rope_from_hf(config: dict, default_theta: float, head_dim: int) -> dict:
+def rope_from_hf(config: dict, default_theta: float, head_dim: int, mscale: bool = False) -> dict:
     """Our ``position:`` block from a config's ``rope_parameters`` (5.x) or ``rope_theta`` and
-    ``rope_scaling`` (4.x)."""
+    ``rope_scaling`` (4.x). ``mscale``: the family's attention applies YaRN's ``mscale_all_dim``
+    to the scores (DeepSeek's do; transformers' Llama-layout attentions do not)."""
     params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     theta = params.get("rope_theta", config.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
@@ -188,8 +189,10 @@ def rope_from_hf(config: dict, default_theta: float, head_dim: int) -> dict:
         )
     elif kind == "yarn":
         for knob in ("mscale", "mscale_all_dim"):
-            if params.get(knob) is not None:
-                raise Unsupported(f"yarn with {knob} (DeepSeek's variant) has no counterpart here")
+            if params.get(knob) is not None and not mscale:
+                raise Unsupported(f"yarn with {knob} (DeepSeek's variant) has no counterpart in this family")
+            if params.get(knob):  # 0 means unset to transformers
+                scaling[knob] = float(params[knob])
         if params.get("truncate", True) is not True:
             raise Unsupported("yarn with truncate: false has no counterpart here")
         scaling.update(
@@ -230,6 +233,9 @@ def rope_to_hf(position) -> dict:
         )
         if scaling.attention_factor is not None:
             rope["attention_factor"] = scaling.attention_factor
+        for knob in ("mscale", "mscale_all_dim"):
+            if getattr(scaling, knob) is not None:
+                rope[knob] = getattr(scaling, knob)
     out["rope_scaling"] = rope
     return out
 

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf import decoders, encoders
+from builder.hf import decoders, deepseek, encoders
 from builder.hf.common import Family, HFError, Unsupported
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in decoders.FAMILIES + encoders.FAMILIES}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in decoders.FAMILIES + deepseek.FAMILIES + encoders.FAMILIES}
 
 #: config.json keys that are not architecture and travel unchanged through import and export
 TOKEN_KEYS = (
