@@ -6,7 +6,16 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems, Shapes, indivisible, rule_error
+from blocks.configs.base import (
+    AttentionBlock,
+    CacheLayout,
+    CacheTensor,
+    Problems,
+    Shapes,
+    indivisible,
+    kernel_saved_bytes,
+    rule_error,
+)
 from blocks.registry import register
 
 
@@ -149,21 +158,9 @@ class AttentionConfig(AttentionBlock):
         if kv_input and seq_k != seq_q:
             total += tk * d_model * act_bytes
         total += 2 * tq * q * act_bytes  # q; the output-projection input
-        pairs = batch * self.n_heads * seq_q * seq_k
-        if fused:
-            total += 2 * tk * kv * act_bytes  # k, v
-            total += tq * q * act_bytes  # kernel output
-            total += batch * self.n_heads * seq_q * 4  # fp32 log-sum-exp
-            return total
-        total += 2 * tk * q * act_bytes  # k, v (repeated to n_heads when grouped)
-        total += pairs * 4  # fp32 softmax output
-        if self.softcap is not None:
-            total += pairs * 4  # tanh output
-        if self.dropout > 0:
-            total += pairs * (1 + act_bytes)  # mask; dropped probabilities
-        elif act_bytes != 4 or masked:
-            total += pairs * act_bytes  # probabilities cast (or masked) for P.V
-        return total
+        total += 2 * tk * (kv if fused else q) * act_bytes  # k, v (eager: repeated to n_heads when grouped)
+        return total + kernel_saved_bytes(batch, self.n_heads, seq_q, seq_k, hd, act_bytes, fused, masked,
+                                          softcap=self.softcap is not None, dropout=self.dropout > 0)
 
     def problems(self, d_model: int, cross: bool) -> Problems:
         problems: Problems = []

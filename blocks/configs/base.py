@@ -207,6 +207,23 @@ class AttentionBlock(BlockConfig):
         return self.model_copy(update={name: fields[name].default for name in self.not_inherited_by_cross})
 
 
+def kernel_saved_bytes(batch: int, n_heads: int, seq_q: int, seq_k: int, v_head_dim: int, act_bytes: int,
+                       fused: bool, masked: bool, softcap: bool = False, dropout: bool = False) -> int:
+    """Bytes ``kernels.attention`` itself keeps for backward, beyond q, k and v (which the
+    attention block counts, as it knows their layout). ``fused`` (FlashAttention: Triton on
+    CUDA): the output and an fp32 log-sum-exp per row. Eager: the fp32 softmax, a tanh output
+    under ``softcap``, with ``dropout`` its mask and the dropped probabilities, else the
+    probabilities cast to the compute dtype for P.V (the softmax output itself when that is
+    fp32 and nothing ``masked`` them)."""
+    if fused:
+        return batch * n_heads * seq_q * (v_head_dim * act_bytes + 4)
+    pairs = batch * n_heads * seq_q * seq_k
+    total = pairs * 4 * (2 if softcap else 1)
+    if dropout:
+        return total + pairs * (1 + act_bytes)
+    return total + (pairs * act_bytes if act_bytes != 4 or masked else 0)
+
+
 def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None) -> int:
     """How many (query, key) pairs the mask keeps; queries are the last seq_q positions.
 

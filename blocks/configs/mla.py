@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems
+from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems, kernel_saved_bytes
 from blocks.configs.norm import RMSNormConfig
 from blocks.registry import register
 
@@ -147,17 +147,11 @@ class MLAConfig(AttentionBlock):
             total += tokens * self.qk_rope_head_dim * 4  # the rest of kv_a_proj_with_mqa's output
         total += 2 * tokens * h * qk * act_bytes  # q, k
         total += tokens * h * v * act_bytes  # the output projection's input
-        pairs = batch * h * seq_q * seq_k
         if fused:
             total += tokens * h * (self.qk_nope_head_dim + v) * act_bytes  # kv_b_proj's output, v in it
-            return total + tokens * h * v * act_bytes + batch * h * seq_q * 4  # output, log-sum-exp
-        total += tokens * h * v * act_bytes  # v, a contiguous copy
-        total += pairs * 4  # fp32 softmax output
-        if self.dropout > 0:
-            total += pairs * (1 + act_bytes)  # mask; dropped probabilities
-        elif act_bytes != 4 or masked:
-            total += pairs * act_bytes  # probabilities cast (or masked) for P.V
-        return total
+        else:
+            total += tokens * h * v * act_bytes  # v, a contiguous copy
+        return total + kernel_saved_bytes(batch, h, seq_q, seq_k, v, act_bytes, fused, masked, dropout=self.dropout > 0)
 
     def problems(self, d_model: int, cross: bool) -> Problems:
         if cross:
