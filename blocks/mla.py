@@ -70,7 +70,7 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(batch, seq, self.n_heads, self.nope + self.rope).transpose(1, 2)  # (batch, heads, seq, qk)
+        return q.view(batch, seq, -1, self.nope + self.rope).transpose(1, 2)  # (batch, heads, seq, qk)
 
     def forward(self, x: torch.Tensor, inputs, cache=None, memory=None) -> torch.Tensor:
         """``x`` ``(batch, seq, d_model)`` -> ``(batch, seq, d_model)``."""
@@ -88,16 +88,16 @@ class MultiHeadLatentAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, latent, k_rope, inputs, options)
         else:
             out = self._absorbed(q_nope, q_rope, latent, k_rope, inputs, cache, options)
-        out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.v_dim)  # (batch, seq, heads * v)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)  # (batch, seq, heads * v)
         return self.out_proj(out)
 
     def _expanded(self, q_nope, q_rope, latent, k_rope, inputs, options) -> torch.Tensor:
         """Every head's key and value from the latent (training, full forward)."""
         batch, seq, _ = latent.shape
-        kv = self.kv_b_proj(latent).view(batch, seq, self.n_heads, self.nope + self.v_dim).transpose(1, 2)
+        kv = self.kv_b_proj(latent).view(batch, seq, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (batch, heads, seq, nope), (..., v)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (batch, heads, seq, nope + rope)
-        k = torch.cat((k_nope, k_rope.expand(-1, self.n_heads, -1, -1)), dim=-1)  # (batch, heads, seq, nope + rope)
+        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # (batch, heads, seq, nope + rope)
         bias = inputs.bias(inputs.start, seq, self.n_heads, latent.device)
         dropout = self.dropout if self.training else 0.0
         return attention_kernel(q, k, v, bias=bias, backend=self.backend, dropout_p=dropout, **options)
@@ -106,7 +106,7 @@ class MultiHeadLatentAttention(nn.Module):
         """Multi-query attention over the cached latents, ``kv_b_proj`` folded into q and out."""
         entry = torch.cat((latent[:, None], k_rope), dim=-1)  # (batch, 1, seq, kv_lora_rank + rope)
         cached, first = cache.update(entry)  # (batch, 1, keys, kv_lora_rank + rope), in token order
-        weight = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        weight = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         w_key, w_value = weight.split([self.nope, self.v_dim], dim=1)  # (heads, nope, rank), (heads, v, rank)
         q = torch.cat((torch.matmul(q_nope, w_key), q_rope), dim=-1)  # (batch, heads, seq, rank + rope)
         values = cached[..., : self.kv_lora_rank]  # (batch, 1, keys, rank), a view

@@ -260,6 +260,16 @@ class DeepSeekMoEConfig(FFNBlock):
         return (d_model * self.n_experts + self.n_experts * self.expert.params(d_model)
                 + (shared.params(d_model) if shared else 0))
 
+    def param_shapes(self, d_model: int) -> Shapes:
+        # no plan: under tensor parallelism the router and every expert are replicated
+        shapes: Shapes = {"router.weight": (self.n_experts, d_model)}
+        shapes.update({f"experts.{name}": (self.n_experts, *shape)  # stacked, one tensor per projection
+                       for name, shape in self.expert.param_shapes(d_model).items()})
+        shared = self.shared(d_model)
+        if shared is not None:
+            shapes.update({f"shared_experts.{name}": shape for name, shape in shared.param_shapes(d_model).items()})
+        return shapes
+
     def active_params(self, d_model: int) -> int:
         shared = self.shared(d_model)
         return (d_model * self.n_experts + self.top_k * self.expert.params(d_model)

@@ -17,11 +17,20 @@ The counts below are of one training forward, which expands the latent (see ``bl
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Problems, kernel_saved_bytes
+from blocks.configs.base import (
+    AttentionBlock,
+    CacheLayout,
+    CacheTensor,
+    Problems,
+    Shapes,
+    indivisible,
+    kernel_saved_bytes,
+)
 from blocks.configs.norm import RMSNormConfig
 from blocks.registry import register
 
@@ -92,17 +101,38 @@ class MLAConfig(AttentionBlock):
         return self.qk_rope_head_dim
 
     def params(self, d_model: int) -> int:
-        h, qk = self.n_heads, self.qk_head_dim
+        return sum(math.prod(shape) for shape in self.param_shapes(d_model).values())
+
+    def param_shapes(self, d_model: int) -> Shapes:
+        h, qk, kv_a = self.n_heads, self.qk_head_dim, self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank is None:
-            query = d_model * h * qk
+            shapes: Shapes = {"q_proj.weight": (h * qk, d_model)}
         else:
             r = self.q_lora_rank
-            query = d_model * r + (r if self.bias else 0) + r + r * h * qk  # q_a_proj, norm, q_b_proj
-        kv_a = self.kv_lora_rank + self.qk_rope_head_dim
-        kv = d_model * kv_a + (kv_a if self.bias else 0) + self.kv_lora_rank  # kv_a_proj_with_mqa, norm
-        kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
-        out = h * self.v_head_dim * d_model + (d_model if self.bias else 0)
-        return query + kv + out
+            shapes = {"q_a_proj.weight": (r, d_model), **({"q_a_proj.bias": (r,)} if self.bias else {}),
+                      "q_a_layernorm.weight": (r,), "q_b_proj.weight": (h * qk, r)}
+        shapes["kv_a_proj_with_mqa.weight"] = (kv_a, d_model)
+        if self.bias:
+            shapes["kv_a_proj_with_mqa.bias"] = (kv_a,)
+        shapes["kv_a_layernorm.weight"] = (self.kv_lora_rank,)
+        shapes["kv_b_proj.weight"] = (h * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+        shapes["out_proj.weight"] = (d_model, h * self.v_head_dim)
+        if self.bias:
+            shapes["out_proj.bias"] = (d_model,)
+        return shapes
+
+    def parallel_plan(self) -> dict[str, str]:
+        # whole heads per rank: the up-projections split by head, out_proj sums the ranks'
+        # outputs; the down-projections and their norms (the shared latent) stay whole
+        return {"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "out_proj": "rowwise"}
+
+    def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
+        return indivisible(degree, n_heads=self.n_heads)
+
+    def tensor_parallel(self, degree: int, d_model: int) -> MLAConfig:
+        """``n_heads / degree`` heads over the same (replicated) latent; the cache is the whole
+        latent on every rank."""
+        return self.model_copy(update={"n_heads": self.n_heads // degree})
 
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         h, qk = self.n_heads, self.qk_head_dim

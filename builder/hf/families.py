@@ -1,6 +1,7 @@
 """The family registry: every Hugging Face ``model_type`` we read and write, and the checks a
-converted spec passes (``validate``). A family is a table in :mod:`builder.hf.decoders` or
-:mod:`builder.hf.encoders`; adding one is adding it to that module's ``FAMILIES`` list."""
+converted spec passes (``validate``). A family is a table in :mod:`builder.hf.decoders`,
+:mod:`builder.hf.deepseek` or :mod:`builder.hf.encoders`; adding one is adding it to that module's
+``FAMILIES`` list."""
 
 from __future__ import annotations
 
