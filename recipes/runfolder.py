@@ -187,15 +187,18 @@ class RunLock:
                            f"wait for it to finish or stop it, or set {self.field} to another folder")
 
     def acquire(self) -> RunLock:
-        import fcntl
-
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: the record alone decides
+            fcntl = None
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise RecipeError(f"{self.field} {self.folder}: cannot open {self.path}: {os_reason(exc)}") from None
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise self._busy(_read_record(fd)) from None
             except OSError as exc:  # a filesystem without flock: the record alone decides

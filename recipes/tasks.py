@@ -79,7 +79,7 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     from recipes.train import output_dir, run_session
 
     out = output_dir(recipe, recipe_file)
-    with run_session(recipe, out, fresh) as stop:
+    with run_session(recipe, out, fresh, resume) as stop:
         return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks)
 
 

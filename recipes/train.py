@@ -200,11 +200,39 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
             raise RecipeError(f"--resume: {exc}") from None
     refused, allowed = resume_differences(saved.get("builder") or {}, meta)
     if refused:
-        lines = "\n".join(f"  {line}" for line in refused)
-        raise RecipeError(f"{path} was trained with a different recipe:\n{lines}\nstart over with --fresh, "
-                          "or set trainer.output_dir to a new folder")
+        raise _trained_differently(path, refused)
     for line in allowed:
         say(f"resuming with a changed setting: {line}")
+
+
+def _trained_differently(path: Path, lines: list[str]) -> RecipeError:
+    shown = "\n".join(f"  {line}" for line in lines)
+    return RecipeError(f"{path} was trained with a different recipe:\n{shown}\nstart over with --fresh, "
+                       "or set trainer.output_dir to a new folder")
+
+
+def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spec_of=None) -> None:
+    """Before any data or model work: the recipe of the checkpoint a resume starts from (its
+    pickle alone) against this one, and with ``spec_of(vocab_size) -> spec dict`` the spec it
+    resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
+    checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
+    from builder.integrity import CheckpointError, read_checkpoint
+    from recipes.runfolder import recipe_differences, spec_differences
+
+    path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
+    try:
+        saved = read_checkpoint(path, check=False).get("builder") or {}
+    except CheckpointError:
+        return  # none, or damaged: resume_path finds what to resume from and says so
+    refused, _ = recipe_differences(saved.get("recipe") or {}, recipe.model_dump(mode="json"))
+    saved_spec = saved.get("spec")
+    if spec_of is not None and isinstance(saved_spec, dict) and isinstance(saved_spec.get("vocab_size"), int):
+        try:
+            refused += spec_differences(saved_spec, spec_of(saved_spec["vocab_size"]))
+        except (RecipeError, ValueError):
+            pass  # a spec that does not load is reported with its location once the run builds it
+    if refused:
+        raise _trained_differently(path, refused)
 
 
 def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer:
@@ -280,21 +308,25 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
 
         return run_task(recipe, recipe_file, resume=resume, fresh=fresh)
     out = output_dir(recipe, recipe_file)
-    with run_session(recipe, out, fresh) as stop:
+    spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")  # noqa: E731
+    with run_session(recipe, out, fresh, resume, spec_of) as stop:
         return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples)
 
 
 @contextlib.contextmanager
-def run_session(recipe: Recipe, out: Path, fresh: bool):
+def run_session(recipe: Recipe, out: Path, fresh: bool, resume: str | bool | None = None, spec_of=None):
     """What a run holds from its first step to its last: signals caught (:mod:`recipes.signals`)
     and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
-    (:func:`recipes.runfolder.claim`). Yields the run's :class:`~recipes.signals.SignalStop`."""
+    (:func:`recipes.runfolder.claim`); a resume with a changed recipe refused before any work
+    (:func:`check_recipe_early`). Yields the run's :class:`~recipes.signals.SignalStop`."""
     from recipes.runfolder import claim
     from recipes.signals import SignalStop
 
     stop = SignalStop()
     cache = getattr(recipe.data, "cache_dir", None)
     with stop.installed(), claim(out, Path(cache) if cache else None, fresh=fresh, say=say):
+        if not fresh:
+            check_recipe_early(out, recipe, resume, spec_of)
         yield stop
 
 
