@@ -379,6 +379,10 @@ def _stack_rules(spec, name: str, stack, cross_allowed: bool) -> list[tuple[Loc,
     attentions: list[tuple[Loc, Any]] = [((name, "attention"), stack.attention)]
     if stack.cross_attention is not None:
         attentions.append(((name, "cross_attention"), stack.cross_attention))
+    elif cross_allowed:  # the cross-attention the stack's attention implies is asked its rules too
+        implied = stack.attention.for_cross_attention().problems(spec.d_model, cross=True)
+        problems += [((name, "attention") + tuple(where), f"{message} (the cross-attention defaults to this "
+                      "attention; set cross_attention)") for where, message in implied]
     for i, override in enumerate(stack.overrides):
         loc = (name, "overrides", i)
         try:

@@ -245,6 +245,24 @@ def test_routing_rules_name_the_field(tmp_path, ffn, field, message):
     assert [(p.path, message in p.message) for p in error.value.problems] == [(f"decoder.ffn.{field}", True)]
 
 
+def test_latent_attention_in_an_encoder_decoder_needs_its_own_cross_attention():
+    """An mla decoder's implied cross-attention is refused at validation (not at build); with a
+    multi_head cross_attention the model builds, counts exactly and decodes from its cache."""
+    data = {"name": "t", "architecture": "encoder-decoder", "vocab_size": 64, "d_model": 32, "max_seq_len": 32,
+            "encoder": {"n_layers": 1, "attention": {"n_heads": 4}},
+            "decoder": {"n_layers": 2, "attention": {"type": "mla", "n_heads": 4, "kv_lora_rank": 16,
+                                                     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}}}
+    with pytest.raises(SpecRuleError, match="decoder.attention: mla is a self-attention.*set cross_attention"):
+        spec_model().model_validate(data)
+    data["decoder"]["cross_attention"] = {"type": "multi_head", "n_heads": 2}
+    spec = spec_model().model_validate(data)
+    model = build_model(spec).eval()
+    assert model.n_params() == estimate(spec).params.total
+    src = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
+    cached = model.generate(src, max_new_tokens=6, decoder_start_token_id=0)
+    assert torch.equal(cached, model.generate(src, max_new_tokens=6, decoder_start_token_id=0, use_cache=False))
+
+
 def test_latent_attention_is_refused_as_a_cross_attention():
     data = load_spec(SPECS / "tiny" / "transformer.yaml").model_dump(exclude={"extends"})
     data["decoder"]["cross_attention"] = {"type": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
