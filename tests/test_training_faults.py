@@ -194,3 +194,29 @@ def test_sigterm_from_outside_stops_every_ddp_rank_at_the_same_step(tmp_path):
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert _step(last) == step + 4
+
+
+def test_a_task_run_stops_on_a_signal_the_same_way(tmp_path, capsys, monkeypatch):
+    """The tasks besides LM (here masked-LM pretraining) share the run session and its stop."""
+    import yaml
+
+    from builder.cli import main
+
+    encoder = {"name": "tiny-encoder", "architecture": "encoder-only", "d_model": 32, "max_seq_len": 32,
+               "position": {"type": "learned"}, "head": {"type": "mlm"},
+               "encoder": {"n_layers": 1, "attention": {"n_heads": 2}, "ffn": {"hidden_dim": 64}}}
+    recipe = tmp_path / "mlm.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "task": "mlm", "model": {"spec": encoder}, "tokenizer": {"vocab_size": 600},
+        "data": {"sources": ["python-stdlib"], "max_bytes": 40_000, "seq_len": 32, "batch_size": 4,
+                 "cache_dir": str(tmp_path / "cache")},
+        "trainer": {"max_steps": 4, "val_check_interval": 4, "limit_val_batches": 1, "accelerator": "cpu",
+                    "devices": 1, "output_dir": str(tmp_path / "run")},
+    }))
+    send_at(monkeypatch, 2, signal.SIGTERM)
+    assert main(["train", str(recipe), "--no-samples"]) == 143
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert one_error_line(capsys.readouterr().err, "builder train:").startswith(
+        f"builder train: stopped by SIGTERM at step 2; saved {last}")
+    monkeypatch.undo()
+    assert _step(last) == 2 and main(["train", str(recipe)]) == 0 and _step(last) == 4
