@@ -79,8 +79,16 @@ def versions() -> str:
     return f"builder {builder.__version__} ({', '.join(parts)})"
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: the option, what it takes, and where help is
+    (argparse prints the whole usage block first). Exit status 2, a usage error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(
+    root = ArgumentParser(
         prog="builder", description="Declarative Transformer specs: validate, size, build, train."
     )
     root.add_argument(
@@ -94,15 +102,72 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+#: the exit status of an internal error (a bug): BSD's EX_SOFTWARE
+INTERNAL_ERROR = 70
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status (see ``builder.commands.arguments`` for their meaning).
+
+    Every failure a user can cause has its own one-line message where it happens. What escapes
+    them is a bug: caught here as a last resort, printed as one line asking for a report (the
+    traceback too under ``BUILDER_DEBUG=1``), exit status 70.
+    """
     from builder.packages import foreign
 
     problem = foreign()
     if problem:
         print(f"builder: {problem}", file=sys.stderr)
         return 1
-    args = parser().parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        args = parser().parse_args(argv)
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("\nbuilder: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`builder schema | head`): nothing more to say
+        _silence_stdout()
+        return 141
+    except Exception as exc:  # noqa: BLE001  (the last resort: never a traceback unless asked)
+        return internal_error(exc)
+
+
+def internal_error(exc: BaseException) -> int:
+    """One line for an error no command caught (a bug), the traceback only under BUILDER_DEBUG=1."""
+    import os
+    import traceback
+
+    if os.environ.get("BUILDER_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    # the exception's type and where it was raised in our code: its message could quote a file
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if any(f"{os.sep}{package}{os.sep}" in f.filename for package in ("builder", "blocks", "kernels",
+                                                                                 "recipes"))]
+    where = f" in {_short(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    print(f"builder: internal error: {type(exc).__name__}{where}; please report it with `builder --version` "
+          "and the command (BUILDER_DEBUG=1 shows the traceback)", file=sys.stderr)
+    return INTERNAL_ERROR
+
+
+def _short(filename: str) -> str:
+    """``.../site-packages/builder/loader.py`` -> ``builder/loader.py``."""
+    import os
+
+    parts = filename.split(os.sep)
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("builder", "blocks", "kernels", "recipes"):
+            return "/".join(parts[i:])
+    return parts[-1]
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -24,7 +24,16 @@ from typing import Any
 from builder.merge import Source, merge
 from builder.problems import validation_problems
 from builder.schema import DEFAULT_TYPES
-from builder.yaml_source import Document, FieldPath, Mark, Problem, SpecError, parse_value, read_document
+from builder.yaml_source import (
+    Document,
+    FieldPath,
+    Mark,
+    Problem,
+    SpecError,
+    parse_document,
+    parse_value,
+    read_bounded,
+)
 
 __all__ = [
     "Problem",
@@ -88,10 +97,17 @@ def parse_set_args(items: Iterable[str]) -> dict[str, Any]:
 
 
 def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None,
-                sources: Mapping[str, Source] | None = None) -> Document:
-    """The file after its ``extends:`` chain and the overrides, not validated yet."""
+                sources: Mapping[str, Source] | None = None, model_cls: type | None = None) -> Document:
+    """The file after its ``extends:`` chain and the overrides, not validated yet.
+
+    ``model_cls``: what the file should be; a file of the chain whose top-level keys are none of
+    its fields is refused whole (nothing of it quoted)."""
     path = Path(path)
-    doc = _resolve(path, str(path), [])
+    fields = None
+    if model_cls is not None:  # required fields first: the message lists the first few
+        fields = sorted(model_cls.model_fields, key=lambda f: not model_cls.model_fields[f].is_required())
+    what = _kind_of(model_cls)
+    doc = _resolve(path, str(path), fields, what)
     apply_overrides(doc, overrides, sources)
     return doc
 
@@ -134,7 +150,7 @@ def validate_document(doc: Document, model_cls: type, first: str | None = None):
 
 
 def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sources=None):
-    doc = read_merged(path, overrides, sources)
+    doc = read_merged(path, overrides, sources, model_cls)
     if default_name and "name" not in doc.data:
         doc.data["name"] = Path(path).stem
     return validate_document(doc, model_cls, str(path))
@@ -143,30 +159,58 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sour
 # -- extends -----------------------------------------------------------------------------------
 
 
-def _resolve(path: Path, display: str, chain: list[tuple[Path, str]]) -> Document:
-    """Read ``path`` and, through its ``extends:``, every parent; merged, parents first."""
-    doc = read_document(path, display)
-    parent = doc.data.get("extends")
-    if parent is None:
-        return doc
-    where = doc.value_mark(("extends",))
-    if not isinstance(parent, str) or not parent.strip():
-        raise SpecError(doc.problems + [Problem.at(where, "extends", "extends takes a path to a spec file")])
-    parent_path = path.parent / parent
-    parent_display = os.path.normpath(os.path.join(os.path.dirname(display), parent))
-    here = (path.resolve(), display)
-    seen = [resolved for resolved, _ in chain] + [here[0]]
-    if parent_path.resolve() in seen:
-        names = [shown for _, shown in chain] + [display, parent_display]
-        raise SpecError(doc.problems + [Problem.at(where, "extends", "extends cycle: " + " -> ".join(names))])
-    if not parent_path.is_file():
-        reason = "is a directory" if parent_path.is_dir() else "no such file"
-        raise SpecError(doc.problems + [Problem.at(where, "extends", f"cannot read {parent_display}: {reason}")])
-    try:
-        base = _resolve(parent_path, parent_display, chain + [here])
-    except SpecError as exc:
-        raise SpecError(doc.problems + exc.problems) from None
-    return _merge_documents(base, doc)
+#: files in one ``extends:`` chain (real chains have two or three)
+MAX_EXTENDS = 64
+
+
+def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Document:
+    """Read ``path`` and, through its ``extends:``, every parent; merged, parents first.
+
+    A loop (``os.path.realpath`` follows symbolic links) and a chain longer than
+    :data:`MAX_EXTENDS` are problems located at the ``extends:`` that closes or overflows it."""
+    chain: list[tuple[str, str, Document]] = []  # (real path, shown path, document), child first
+    raw = read_bounded(path, display)
+    while True:
+        try:
+            doc = parse_document(raw, display, fields, what)
+        except SpecError as exc:
+            raise SpecError([p for _, _, d in chain for p in d.problems] + exc.problems) from None
+        chain.append((os.path.realpath(path), display, doc))
+        parent = doc.data.get("extends")
+        if parent is None:
+            break
+        where = doc.value_mark(("extends",))
+
+        def fail(message: str) -> SpecError:
+            problems = [p for _, _, d in chain for p in d.problems]
+            return SpecError(problems + [Problem.at(where, "extends", message)])
+
+        if not isinstance(parent, str) or not parent.strip():
+            raise fail("extends takes a path to a spec file")
+        if len(chain) >= MAX_EXTENDS:
+            raise fail(f"an extends chain of more than {MAX_EXTENDS} files")
+        parent_path = path.parent / parent
+        parent_display = os.path.normpath(os.path.join(os.path.dirname(display), parent))
+        if os.path.realpath(parent_path) in [real for real, _, _ in chain]:
+            raise fail("extends cycle: " + " -> ".join([shown for _, shown, _ in chain] + [parent_display]))
+        try:
+            raw = read_bounded(parent_path, parent_display)
+        except SpecError as exc:
+            raise fail(f"cannot read {parent_display}: {exc.problems[-1].message}") from None
+        path, display = parent_path, parent_display
+    merged = chain[-1][2]
+    for _, _, doc in reversed(chain[:-1]):
+        merged = _merge_documents(merged, doc)
+    return merged
+
+
+def _kind_of(model_cls: type | None) -> str:
+    """How messages name a file of ``model_cls``: "a spec", "a recipe"..."""
+    from builder.schema import ModelSpec
+
+    if model_cls is None or issubclass(model_cls, ModelSpec):
+        return "a spec"
+    return getattr(model_cls, "file_kind", "a config")
 
 
 def _merge_documents(base: Document, top: Document) -> Document:

@@ -229,7 +229,7 @@ def _search(sizer: _Sizer, cluster: Cluster, global_batch: int, mfu: float, pin_
             pin_dp: str | None, reasons: list[str]) -> list[Candidate]:
     """Every fitting layout, each with the largest micro-batch that fits."""
     found = []
-    degrees = [pin_tp] if pin_tp else [t for t in range(1, cluster.per_node + 1) if cluster.per_node % t == 0]
+    degrees = [pin_tp] if pin_tp else divisors(cluster.per_node)
     for tp in degrees:
         if sizer.tp_problems(tp):
             continue
@@ -239,7 +239,7 @@ def _search(sizer: _Sizer, cluster: Cluster, global_batch: int, mfu: float, pin_
                            f"{dp} data-parallel ranks")
             continue
         per_rank = global_batch // dp
-        batches = sorted((b for b in range(1, per_rank + 1) if per_rank % b == 0), reverse=True)
+        batches = divisors(per_rank)[::-1]
         groups = set()
         for mode in ([pin_dp] if pin_dp else DATA_PARALLEL):
             try:
@@ -263,9 +263,22 @@ def _search(sizer: _Sizer, cluster: Cluster, global_batch: int, mfu: float, pin_
     return found
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` in ascending order, in O(sqrt(n)) steps (a global batch may be 2**30)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
 def _refused_degrees(sizer: _Sizer, cluster: Cluster, pin_tp: int | None) -> list[str]:
     """One line per spec field that rules out tensor-parallel degrees a node could hold."""
-    degrees = [pin_tp] if pin_tp else [t for t in range(2, cluster.per_node + 1) if cluster.per_node % t == 0]
+    degrees = [pin_tp] if pin_tp else divisors(cluster.per_node)[1:]
     fields: dict[str, list[int]] = {}
     for tp in degrees:
         for loc, _ in sizer.tp_problems(tp):
@@ -292,7 +305,7 @@ def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu
     GPUs (whole nodes, doubling), the longest sequence (halving)."""
     again = {"dtype": dtype, "mfu": mfu, "tensor_parallel": pin_tp, "data_parallel": pin_dp, "suggest": False,
              "_states": sizer.states}
-    degrees = [t for t in ([pin_tp] if pin_tp else range(1, cluster.per_node + 1))
+    degrees = [t for t in ([pin_tp] if pin_tp else divisors(cluster.per_node))
                if cluster.per_node % t == 0 and not sizer.tp_problems(t)]
     dividing = [t for t in degrees if global_batch % (cluster.gpus // t) == 0]
     out = []

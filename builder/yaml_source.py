@@ -6,12 +6,24 @@ booleans, null), so ``!!python/object`` and friends are refused before anything 
 Every mapping key and value gets a :class:`Mark` (file, 1-based line and column) under its
 field path, duplicate keys are reported (PyYAML silently keeps the last one), and anchors,
 aliases and merge keys (``<<: *base``) work.
+
+A file is untrusted input. Reading is bounded before and while parsing: only a regular file is
+opened (never a FIFO or a device, which could block or never end), at most :data:`MAX_BYTES`;
+nesting deeper than :data:`MAX_DEPTH` and more than :data:`MAX_NODES` nodes (aliases expanded)
+stop the parse with a located problem, so no input reaches Python's recursion limit or exhausts
+memory. Messages never quote the file: a problem names the file, line, column, the field path (its
+keys cut to :data:`MAX_KEY_SHOWN` characters) and what is wrong; a file whose top-level keys are
+none of the fields the caller expects (``fields``) is refused as a whole, naming none of its keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import re
+import stat
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Union
 
@@ -23,8 +35,16 @@ FieldPath = tuple[Union[str, int], ...]
 _CORE = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_CORE + name for name in ("str", "int", "float", "bool", "null")}
 _MAP_TAG, _SEQ_TAG, _MERGE_TAG = _CORE + "map", _CORE + "seq", _CORE + "merge"
-#: more nodes than any spec has; stops alias bombs ("billion laughs") from exhausting memory
-_MAX_NODES = 200_000
+#: bytes of one file: the largest spec or recipe shipped is under 3 KB
+MAX_BYTES = 1 << 20
+#: nesting of mappings and lists (a spec nests about 5 deep)
+MAX_DEPTH = 64
+#: nodes of one document, aliases expanded (a spec has about 100); stops alias bombs
+MAX_NODES = 50_000
+#: digits of an integer (Python refuses to convert more than 4,300)
+MAX_DIGITS = 100
+#: characters of a key shown in a message
+MAX_KEY_SHOWN = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +68,18 @@ class Problem:
 
     @classmethod
     def at(cls, mark: Mark, path: FieldPath | str, message: str) -> Problem:
-        dotted = path if isinstance(path, str) else ".".join(map(str, path))
+        dotted = path if isinstance(path, str) else ".".join(cut_key(part) for part in path)
         return cls(mark.file, mark.line, mark.col, dotted, message)
 
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}:{self.col}"
         return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+def cut_key(key: str | int) -> str:
+    """A key as a message shows it: at most :data:`MAX_KEY_SHOWN` characters, on one line."""
+    text = " ".join(str(key).split()) if isinstance(key, str) else str(key)
+    return text if len(text) <= MAX_KEY_SHOWN else text[: MAX_KEY_SHOWN - 3] + "..."
 
 
 class SpecError(ValueError):
@@ -101,26 +127,53 @@ class Document:
 class SpecLoader(yaml.SafeLoader):
     """Safe YAML with locations. Use :meth:`read` (or :func:`read_document`)."""
 
-    def read(self, file: str) -> Document:
+    def read(self, file: str, fields: Collection[str] | None = None, what: str = "a spec") -> Document:
+        """The document; ``fields``: the top-level keys the caller knows (a mapping with none of
+        them is refused whole, none of its keys named); ``what`` names the kind in messages."""
         self.file = file
         self.doc = Document(None, {}, {})
-        self.nodes = 0
+        self.nodes = self.composed = self.depth = 0
         try:
             root = self.get_single_node()
         except yaml.MarkedYAMLError as exc:
             raise SpecError([_syntax_problem(file, exc)]) from None
         except yaml.YAMLError as exc:  # the reader: a character YAML does not allow
-            raise SpecError([Problem(file, None, None, "", f"not readable as YAML: {exc}")]) from None
+            raise SpecError([Problem(file, None, None, "", f"not readable as YAML: {_first_line(exc)}")]) from None
         finally:
             self.dispose()
         if root is None:
-            raise SpecError([Problem(file, 1, 1, "", "the file is empty; a spec is a mapping of fields")])
+            raise SpecError([Problem(file, 1, 1, "", f"the file is empty; {what} is a mapping of fields")])
         if not isinstance(root, MappingNode):
             mark = self._mark(root)
-            raise SpecError([Problem.at(mark, "", f"a spec is a mapping of fields, not {_kind(root)}")])
+            raise SpecError([Problem.at(mark, "", f"{what} is a mapping of fields, not {_kind(root)}")])
+        if fields is not None and root.value and not any(
+            isinstance(key, ScalarNode) and key.value in fields for key, _ in root.value
+        ):
+            listed = ", ".join(list(fields)[:6])
+            raise SpecError([Problem.at(self._mark(root), "", f"not {what}: none of its {len(root.value)} top-level "
+                                        f"keys is a field of {what} ({listed}, ...)")])
         self.doc.values[()] = self._mark(root)
-        self.doc.data = self._build(root, (), set())
+        self.doc.data = self._build(root, (), set(), 0)
         return self.doc
+
+    # -- composing, bounded ------------------------------------------------------------------
+
+    def compose_node(self, parent, index):
+        """PyYAML's composer (recursive) with the depth and the node count checked as it goes."""
+        self.depth += 1
+        self.composed += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                self._stop(f"nested more than {MAX_DEPTH} levels deep")
+            if self.composed > MAX_NODES:
+                self._stop(f"more than {MAX_NODES:,} YAML nodes")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def _stop(self, message: str):
+        mark = self.peek_event().start_mark
+        raise SpecError([Problem(self.file, mark.line + 1, mark.column + 1, "", message)])
 
     # -- building ---------------------------------------------------------------------------
 
@@ -130,30 +183,34 @@ class SpecLoader(yaml.SafeLoader):
     def _fail(self, node: Node, path: FieldPath, message: str):
         raise SpecError([*self.doc.problems, Problem.at(self._mark(node), path, message)])
 
-    def _build(self, node: Node, path: FieldPath, active: set[int]) -> Any:
+    def _build(self, node: Node, path: FieldPath, active: set[int], depth: int) -> Any:
         self.nodes += 1
-        if self.nodes > _MAX_NODES:
-            self._fail(node, path, f"more than {_MAX_NODES} YAML nodes (aliases expanding without end?)")
+        if self.nodes > MAX_NODES:
+            self._fail(node, path, f"more than {MAX_NODES:,} YAML nodes with aliases expanded (an alias bomb?)")
+        if depth > MAX_DEPTH:
+            self._fail(node, path, f"nested more than {MAX_DEPTH} levels deep with aliases expanded")
         if id(node) in active:
             self._fail(node, path, "an alias refers to a node that contains it (a recursive structure)")
         if isinstance(node, ScalarNode):
             if node.tag not in _SCALAR_TAGS:
-                self._fail(node, path, f"tag {node.tag!r} is not allowed: a spec holds plain data only")
+                self._fail(node, path, f"{_tag(node)} is not allowed: a spec holds plain data only")
+            if node.tag == _CORE + "int" and len(node.value) > MAX_DIGITS:
+                self._fail(node, path, f"an integer of {len(node.value):,} digits (at most {MAX_DIGITS})")
             return self.construct_object(node, deep=True)
         active = active | {id(node)}
         if isinstance(node, SequenceNode):
             if node.tag != _SEQ_TAG:
-                self._fail(node, path, f"tag {node.tag!r} is not allowed: a spec holds plain data only")
+                self._fail(node, path, f"{_tag(node)} is not allowed: a spec holds plain data only")
             items = []
             for index, child in enumerate(node.value):
                 self.doc.keys[path + (index,)] = self.doc.values[path + (index,)] = self._mark(child)
-                items.append(self._build(child, path + (index,), active))
+                items.append(self._build(child, path + (index,), active, depth + 1))
             return items
         if node.tag != _MAP_TAG:
-            self._fail(node, path, f"tag {node.tag!r} is not allowed: a spec holds plain data only")
-        return self._build_mapping(node, path, active)
+            self._fail(node, path, f"{_tag(node)} is not allowed: a spec holds plain data only")
+        return self._build_mapping(node, path, active, depth)
 
-    def _build_mapping(self, node: MappingNode, path: FieldPath, active: set[int]) -> dict:
+    def _build_mapping(self, node: MappingNode, path: FieldPath, active: set[int], depth: int) -> dict:
         result: dict[str, Any] = {}
         merges = [value for key, value in node.value if key.tag == _MERGE_TAG]
         # Merge sources first, the last one first, so earlier sources and then the mapping's
@@ -163,7 +220,7 @@ class SpecLoader(yaml.SafeLoader):
             for mapping in reversed(sources):
                 if not isinstance(mapping, MappingNode):
                     self._fail(mapping, path, "a merge key (<<) takes a mapping or a list of mappings")
-                result.update(self._build(mapping, path, active))
+                result.update(self._build(mapping, path, active, depth))
         seen: dict[str, Node] = {}
         for key_node, value_node in node.value:
             if key_node.tag == _MERGE_TAG:
@@ -171,7 +228,7 @@ class SpecLoader(yaml.SafeLoader):
             if not isinstance(key_node, ScalarNode):
                 self._fail(key_node, path, "a key must be a plain name, not a mapping or list")
             if key_node.tag not in _SCALAR_TAGS:
-                self._fail(key_node, path, f"tag {key_node.tag!r} is not allowed on a key: a spec holds plain data only")
+                self._fail(key_node, path, f"{_tag(key_node)} is not allowed on a key: a spec holds plain data only")
             key = str(key_node.value)
             if key in seen:
                 first = self._mark(seen[key])
@@ -179,13 +236,13 @@ class SpecLoader(yaml.SafeLoader):
                     Problem.at(
                         self._mark(key_node),
                         path + (key,),
-                        f"duplicate key {key!r} (first set on line {first.line}); remove one",
+                        f"duplicate key {cut_key(key)!r} (first set on line {first.line}); remove one",
                     )
                 )
             seen[key] = key_node
             self.doc.keys[path + (key,)] = self._mark(key_node)
             self.doc.values[path + (key,)] = self._mark(value_node)
-            result[key] = self._build(value_node, path + (key,), active)
+            result[key] = self._build(value_node, path + (key,), active, depth + 1)
         return result
 
 
@@ -219,13 +276,18 @@ def _construct_int(loader: SpecLoader, node: ScalarNode) -> int:
 SpecLoader.add_constructor(_CORE + "int", _construct_int)
 
 
-def read_document(path: str | Path, display: str | None = None) -> Document:
-    """Read one YAML file into a located :class:`Document` (raises :class:`SpecError`)."""
+def read_document(path: str | Path, display: str | None = None, fields: Collection[str] | None = None,
+                  what: str = "a spec") -> Document:
+    """Read one YAML file into a located :class:`Document` (raises :class:`SpecError`).
+
+    ``fields``: the top-level keys a file of this kind has; one with none of them is refused
+    whole (see :meth:`SpecLoader.read`). ``what`` names the kind in messages."""
     file = display or str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise SpecError([Problem(file, None, None, "", f"cannot read the file: {exc.strerror or exc}")]) from None
+    return parse_document(read_bounded(path, file), file, fields, what)
+
+
+def parse_document(raw: bytes, file: str, fields: Collection[str] | None = None, what: str = "a spec") -> Document:
+    """The located document of a file's bytes (see :func:`read_document`)."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -237,42 +299,130 @@ def read_document(path: str | Path, display: str | None = None) -> Document:
     except yaml.YAMLError as exc:  # the reader checks characters up front
         raise SpecError([_reader_problem(file, text, exc)]) from None
     try:
-        return loader.read(file)
+        return loader.read(file, fields, what)
     except yaml.reader.ReaderError as exc:
         raise SpecError([_reader_problem(file, text, exc)]) from None
+
+
+#: what a path is when it is not a regular file, by ``stat`` test
+_NOT_FILES = ((stat.S_ISDIR, "is a folder, not a file"), (stat.S_ISFIFO, "is a FIFO (named pipe), not a file"),
+              (stat.S_ISCHR, "is a character device, not a file"), (stat.S_ISBLK, "is a block device, not a file"),
+              (stat.S_ISSOCK, "is a socket, not a file"))
+_OPEN_ERRORS = {errno.ENOENT: "no such file", errno.EACCES: "permission denied",
+                errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "the name is too long",
+                errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "is a folder, not a file"}
+
+
+def read_bounded(path: str | Path, file: str | None = None, limit: int = MAX_BYTES) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit``; a :class:`SpecError` naming
+    ``file`` for anything else (missing, a folder, a FIFO or device, too large, unreadable).
+
+    Opened without blocking (a FIFO with no writer would wait for ever) and checked on the open
+    descriptor, then read no further than the limit (``/proc`` files report size 0)."""
+    file = file or str(path)
+
+    def fail(reason: str) -> SpecError:
+        return SpecError([Problem(file, None, None, "", reason)])
+
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise fail(_OPEN_ERRORS.get(exc.errno, f"cannot open it: {exc.strerror or type(exc).__name__}")) from None
+    except (ValueError, TypeError):  # a NUL byte in the name
+        raise fail("not a valid file name") from None
+    try:
+        info = os.fstat(fd)
+        for test, reason in _NOT_FILES:
+            if test(info.st_mode):
+                raise fail(reason)
+        if info.st_size > limit:
+            raise fail(f"{_size(info.st_size)}, more than the {_size(limit)} a file of this kind may have")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 16, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise fail(f"more than the {_size(limit)} a file of this kind may have")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise fail(f"cannot read it: {exc.strerror or type(exc).__name__}") from None
+    finally:
+        os.close(fd)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}".replace(".0 ", " ")
+    return f"{n} bytes"
 
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value: a YAML scalar or flow value (``2``, ``1::2``, ``null``, ``[0, 2]``)."""
     loader = SpecLoader(text)
+    loader.file, loader.doc = "<--set>", Document(None, {}, {})
+    loader.nodes = loader.composed = loader.depth = 0
     try:
         root = loader.get_single_node()
     finally:
         loader.dispose()
     if root is None:
         return None
-    loader.file, loader.doc, loader.nodes = "<--set>", Document(None, {}, {}), 0
-    return loader._build(root, (), set())
+    return loader._build(root, (), set(), 0)
 
 
 def _syntax_problem(file: str, exc: yaml.MarkedYAMLError) -> Problem:
     mark = exc.problem_mark or exc.context_mark
-    message = " ".join(part for part in (exc.context, exc.problem) if part) or "invalid YAML"
+    message = " ".join(_unquoted(part) for part in (exc.context, exc.problem) if part) or "invalid YAML"
     if mark is None:
         return Problem(file, None, None, "", f"YAML syntax error: {message}")
     return Problem(file, mark.line + 1, mark.column + 1, "", f"YAML syntax error: {message}")
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+
+
+def _unquoted(text: str) -> str:
+    """PyYAML's message without the file's text it quotes (an alias, anchor or tag name): a
+    quoted single character (``'\\t'``) and PyYAML's own token names (``'<block end>'``) stay."""
+
+    def keep(match: re.Match) -> str:
+        inner = match.group(0)[1:-1]
+        short = len(inner) == 1 or re.fullmatch(r"\\(?:.|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4})", inner)
+        return match.group(0) if short or (inner.startswith("<") and inner.endswith(">")) else "(not shown)"
+
+    return _QUOTED.sub(keep, " ".join(text.split()))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return _unquoted(lines[0]) if lines else type(exc).__name__
 
 
 def _reader_problem(file: str, text: str, exc: yaml.YAMLError) -> Problem:
     position = getattr(exc, "position", 0) or 0
     line = text.count("\n", 0, position) + 1
     col = position - text.rfind("\n", 0, position)
-    return Problem(file, line, col, "", f"character YAML does not allow: {getattr(exc, 'reason', exc)}")
+    character = getattr(exc, "character", None)
+    code = f" (#x{ord(character):04x})" if isinstance(character, str) and len(character) == 1 else ""
+    return Problem(file, line, col, "", f"character YAML does not allow{code}: {getattr(exc, 'reason', 'special')}")
+
+
+def _tag(node: Node) -> str:
+    """A node's tag as a message shows it, short (``!!python/name:os.system``, ``!include``)."""
+    tag = node.tag or ""
+    if tag.startswith(_CORE):
+        tag = "!!" + tag[len(_CORE):]
+    return f"tag {cut_key(tag)!r}"
 
 
 def _kind(node: Node) -> str:
     if isinstance(node, SequenceNode):
         return "a list"
     if isinstance(node, ScalarNode):
-        return f"a single value ({node.value!r})" if node.value else "a single empty value"
+        return "a single value" if node.value else "a single empty value"
     return "this"

@@ -240,6 +240,9 @@ TASKS = {
 class Recipe(_Section):
     """A training recipe. Attribute names are the YAML keys."""
 
+    #: how the loader's messages name a file of this kind
+    file_kind: ClassVar[str] = "a recipe"
+
     task: Literal["lm", "translation", "mlm", "classification"] = Field(
         "lm", description="lm | translation | mlm | classification: what is trained (each has its own data section)."
     )

@@ -63,11 +63,11 @@ def test_python_tag_on_a_mapping_is_refused(tmp_path):
 
 
 def test_alias_bomb_and_recursive_alias_are_problems(tmp_path):
-    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines = ["name: bomb", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
     lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 9)]
     bomb = write(tmp_path, "bomb.yaml", "\n".join(lines) + "\n")
     assert "YAML nodes" in validate_file(bomb)[0].message
-    loop = write(tmp_path, "loop.yaml", "a: &x\n  - *x\n")
+    loop = write(tmp_path, "loop.yaml", "name: loop\na: &x\n  - *x\n")
     assert "recursive" in validate_file(loop)[0].message
 
 
@@ -125,7 +125,7 @@ def test_spec_error_lists_every_problem(tmp_path):
 
 def test_missing_file_is_a_problem(tmp_path):
     problems = validate_file(tmp_path / "nope.yaml")
-    assert len(problems) == 1 and "cannot read" in problems[0].message
+    assert len(problems) == 1 and problems[0].message == "no such file"
 
 
 def test_not_utf8_and_control_characters_are_located(tmp_path):

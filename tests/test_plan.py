@@ -150,8 +150,7 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
     (["--gpus", "8", "--gpu-memory", "80XB"], "error: --gpu-memory '80XB': not a size such as 80GiB or 141GB"),
     (["--gpus", "8", "--gpu-memory", "lots"], "error: --gpu-memory 'lots': not a size"),
     (["--gpus", "8", "--gpu", "v100"], "error: --gpu 'v100': unknown; one of a100, h100"),
-    (["--gpus", "8", "--mfu", "40"], "error: --mfu 40.0: must be in (0, 1]"),
-    (["--gpus", "8", "--seq-len", "8192"], "error: --seq-len 8192: longer than the spec's max_seq_len 4096"),
+    (["--gpus", "8", "--seq-len", "8192"], "error: --seq-len 8192: more than llama2-7b's max_seq_len (4096)"),
     (["--gpus", "16", "--data-parallel", "hybrid", "--nodes", "1", "--gpus-per-node", "16"],
      "error: --data-parallel hybrid: shards inside a node"),
 ])
@@ -164,6 +163,17 @@ def test_bad_input_is_one_line_naming_the_argument(argv, expected, capsys):
     captured = capsys.readouterr()
     assert captured.err.startswith(expected), captured.err
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err and captured.out == ""
+
+
+def test_an_option_out_of_its_own_range_is_a_one_line_usage_error(capsys):
+    argv = ["plan", str(ROOT / "specs" / "llama2-7b.yaml"), "--gpus", "8", "--gpu-memory", "80GiB",
+            "--global-batch", "64", "--mfu", "40"]
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "builder plan: error: argument --mfu: takes a finite number in (0, 1], got '40' " \
+                  "(see `builder plan --help`)\n"
 
 
 def test_planning_the_biggest_spec_is_fast_and_torch_free():

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
+from builder.commands.arguments import MAX_BATCH, MAX_DEVICES, at_most, count
 from builder.commands.common import add_spec_options
 
 
@@ -24,24 +26,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_estimate_options(parser: argparse.ArgumentParser) -> None:
     """The sizing options ``describe`` and ``diff`` share."""
-    parser.add_argument("--seq-len", type=_positive, help="tokens per sequence (default max_seq_len)")
-    parser.add_argument("--src-len", type=_positive,
+    parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN),
+                        help="tokens per sequence, at most the spec's max_seq_len (default max_seq_len)")
+    parser.add_argument("--src-len", type=count(maximum=MAX_SEQ_LEN),
                         help="encoder-decoder: source tokens (default --seq-len)")
-    parser.add_argument("--batch", type=_positive, default=1, help="sequences per device (default 1)")
+    parser.add_argument("--batch", type=count(maximum=MAX_BATCH), default=1, help="sequences per device (default 1)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="compute dtype (default bf16; bf16/fp16 train with fp32 master weights)")
-    parser.add_argument("--devices", type=_positive, default=1,
+    parser.add_argument("--devices", type=count(maximum=MAX_DEVICES), default=1,
                         help="devices in all, over every node (default 1)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
                         help="ddp replicates everything; fsdp (FSDP2) shards weights, gradients and "
                         "optimizer state and counts what each rank holds, exactly")
-    parser.add_argument("--tensor-parallel", type=_positive, default=1, metavar="T",
+    parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), default=1, metavar="T",
                         help="fsdp: ranks inside a node that split each layer (heads, FFN width, "
                         "vocabulary); default 1")
     parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"), default=None,
                         help="fsdp: shard over every data-parallel rank (default), hybrid (HSDP: shard "
                         "inside a node, replicate across nodes) or replicate")
-    parser.add_argument("--nodes", type=_positive, default=1,
+    parser.add_argument("--nodes", type=count(maximum=MAX_DEVICES), default=1,
                         help="machines the devices are spread over (default 1)")
     parser.add_argument("--checkpointing", action="store_true",
                         help="activation checkpointing on every layer (train FLOPs 4x forward)")
@@ -55,6 +58,9 @@ def estimate_from_args(spec, args: argparse.Namespace):
     from builder.estimates import estimate
     from builder.layout import LayoutError
 
+    limit = f"{spec.name}'s max_seq_len"
+    at_most("--seq-len", args.seq_len, spec.max_seq_len, limit)
+    at_most("--src-len", args.src_len, spec.max_seq_len, limit)
     if args.strategy != "fsdp":
         for option, value, default in (("--tensor-parallel", args.tensor_parallel, 1),
                                        ("--data-parallel", args.data_parallel, None)):
@@ -85,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     try:
         est = estimate_from_args(spec, args)
-    except ValueError as exc:
+    except ValueError as exc:  # ArgumentError too
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -102,12 +108,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
     return 0
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value

@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from builder.commands.arguments import input_file, output_folder
 from builder.commands.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SPEC|CKPT", help="a spec file (weights beside it) or a training checkpoint")
-    parser.add_argument("-o", "--out", required=True, metavar="DIR", help="folder to write config.json and model.safetensors")
-    parser.add_argument("--weights", metavar="FILE", help="weights (.safetensors, or .pt read with weights_only)")
+    parser.add_argument("-o", "--out", required=True, metavar="DIR", type=output_folder,
+                        help="folder to write config.json and model.safetensors")
+    parser.add_argument("--weights", metavar="FILE", type=input_file, help="weights (.safetensors, or .pt read with weights_only)")
     parser.add_argument("--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)")
     parser.add_argument(
         "--hf-config",
@@ -41,10 +43,14 @@ def _pairs(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--hf-config takes KEY=VALUE, got {item!r}")
+        if len(value) > 1 << 16:
+            raise ValueError(f"--hf-config {key}: the value is longer than {1 << 16:,} characters")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
+        except RecursionError:
+            raise ValueError(f"--hf-config {key}: the value is nested too deeply") from None
     return out
 
 
@@ -60,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
                            extra_config=_pairs(args.hf_config))
     except (HFError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the output folder: unwritable, full, or a path that cannot be made
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     from pathlib import Path
 

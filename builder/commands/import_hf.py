@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from builder.commands.arguments import output_folder, text
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
-    parser.add_argument("-o", "--out", required=True, metavar="OUT", help="folder to write spec.yaml and model.safetensors")
-    parser.add_argument("--name", help="the spec's name (default: the folder's name)")
+    parser.add_argument("-o", "--out", required=True, metavar="OUT", type=output_folder,
+                        help="folder to write spec.yaml and model.safetensors")
+    parser.add_argument("--name", type=text(200), help="the spec's name (default: the folder's name)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = read_tokenizer(args.out)
     except (HFError, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the output folder: unwritable, full, or a path that cannot be made
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     params = estimate(spec).params.total
     print(f"{spec.name}: {spec.architecture}, {params:,} parameters")

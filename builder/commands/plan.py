@@ -15,39 +15,44 @@ import os
 import re
 import sys
 
+from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
+from builder.commands.arguments import MAX_DEVICES, at_most, count, number
 from builder.commands.common import add_spec_options
-from builder.commands.describe import _positive
 
 UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 GPUS = ("a100", "h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl")
 DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
+#: GPUs in one machine (an NVL72 rack counts as one: 72)
+MAX_PER_NODE = 4096
+#: sequences in one optimizer step
+MAX_GLOBAL_BATCH = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="spec file (YAML)")
-    parser.add_argument("--gpus", type=_positive, required=True, help="GPUs in all")
+    parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), required=True, help="GPUs in all")
     parser.add_argument("--gpu-memory", required=True, metavar="SIZE",
                         help="memory of one GPU, e.g. 80GiB, 141GB")
-    parser.add_argument("--global-batch", type=_positive, required=True, metavar="B",
+    parser.add_argument("--global-batch", type=count(maximum=MAX_GLOBAL_BATCH), required=True, metavar="B",
                         help="sequences per optimizer step, over every GPU and accumulation step")
-    parser.add_argument("--seq-len", type=_positive, help="tokens per sequence (default max_seq_len)")
-    parser.add_argument("--src-len", type=_positive, help="encoder-decoder: source tokens (default --seq-len)")
+    parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN), help="tokens per sequence (default max_seq_len)")
+    parser.add_argument("--src-len", type=count(maximum=MAX_SEQ_LEN), help="encoder-decoder: source tokens (default --seq-len)")
     parser.add_argument("--gpu", default="h100", metavar="NAME",
                         help=f"the GPU, for its peak FLOP/s: {', '.join(GPUS)} (default h100, the SXM part)")
-    parser.add_argument("--peak-tflops", type=float, metavar="TF",
+    parser.add_argument("--peak-tflops", type=number(above=0, maximum=1e9), metavar="TF",
                         help="dense peak TFLOP/s of one GPU in the compute dtype (overrides --gpu's)")
-    parser.add_argument("--mfu", type=float, default=0.4,
+    parser.add_argument("--mfu", type=number(above=0, maximum=1), default=0.4,
                         help="model FLOPs utilisation the step time assumes, in (0, 1] (default 0.4)")
-    parser.add_argument("--gpus-per-node", type=_positive, metavar="N",
+    parser.add_argument("--gpus-per-node", type=count(maximum=MAX_PER_NODE), metavar="N",
                         help="GPUs in one machine (default 8, or --gpus when fewer)")
-    parser.add_argument("--nodes", type=_positive, help="machines (default --gpus / --gpus-per-node)")
+    parser.add_argument("--nodes", type=count(maximum=MAX_DEVICES), help="machines (default --gpus / --gpus-per-node)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="compute dtype (default bf16: bf16-mixed, fp32 master weights)")
-    parser.add_argument("--headroom", type=float, default=10.0, metavar="PERCENT",
+    parser.add_argument("--headroom", type=number(minimum=0, below=100), default=10.0, metavar="PERCENT",
                         help="memory kept free for the CUDA context, NCCL and fragmentation (default 10)")
-    parser.add_argument("--tensor-parallel", type=_positive, metavar="T", help="consider only this degree")
+    parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), metavar="T", help="consider only this degree")
     parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"),
                         help="consider only this data-parallel mode")
     parser.add_argument("--recipe", help=f"the recipe the launch lines train (default recipes/{DEFAULT_RECIPE})")
@@ -98,6 +103,9 @@ def cluster_from_args(args: argparse.Namespace):
             raise ValueError(f"--nodes {nodes}: --gpus {gpus} is not a multiple of it")
         per_node = gpus // nodes
     per_node = per_node or min(8, gpus)
+    if per_node > MAX_PER_NODE:
+        raise ValueError(f"--gpus {gpus} on {nodes} node{'s' * (nodes != 1)} is {per_node:,} GPUs per node, "
+                         f"more than {MAX_PER_NODE:,}; give more --nodes or --gpus-per-node")
     if gpus % per_node:
         raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
     if nodes is not None and nodes * per_node != gpus:
@@ -131,8 +139,8 @@ def parse_size(text: str, option: str) -> int:
 
 def _settings(spec, args) -> dict:
     seq = args.seq_len or spec.max_seq_len
-    if seq > spec.max_seq_len:
-        raise ValueError(f"--seq-len {seq}: longer than the spec's max_seq_len {spec.max_seq_len}")
+    at_most("--seq-len", seq, spec.max_seq_len, f"{spec.name}'s max_seq_len")
+    at_most("--src-len", args.src_len, spec.max_seq_len, f"{spec.name}'s max_seq_len")
     if args.src_len is not None and spec.architecture != "encoder-decoder":
         raise ValueError(f"--src-len applies to encoder-decoder models; {spec.name} is {spec.architecture}")
     return {"seq_len": seq, "src_len": args.src_len, "global_batch": args.global_batch, "dtype": args.dtype,

@@ -19,13 +19,15 @@ import copy
 import json
 from typing import Any
 
+from builder.commands.arguments import count
 from builder.commands.common import add_spec_options
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--indent", type=int, default=2, help="JSON indentation (default 2)")
+    parser.add_argument("--indent", type=count(minimum=0, maximum=16), default=2,
+                        help="JSON indentation, 0 to 16 (default 2)")
     add_spec_options(parser)
 
 

@@ -5,31 +5,65 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blocks.limits import MAX_VOCAB
+
+
+#: language-model decoding defaults (an option left out)
+DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
+#: the options each task's generate reads (the others are refused, not ignored)
+OPTIONS = {
+    "lm": ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed"),
+    "translation": ("num_beams",),
+    "classification": (),
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from builder.commands.arguments import (
+        MAX_BEAMS,
+        MAX_NEW_TOKENS,
+        MAX_SEED,
+        count,
+        device,
+        number,
+        text,
+    )
+
     parser.add_argument("checkpoint", metavar="CKPT",
                         help="a checkpoint written by `builder train`, or a decoder-only model folder with its "
                         "tokenizer (a `builder import-hf` output or a Hugging Face folder)")
-    parser.add_argument("--prompt", "--text", dest="prompt", required=True,
+    parser.add_argument("--prompt", "--text", dest="prompt", required=True, type=text(),
                         help="the text to continue (a translation checkpoint: to translate; classification: to label)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--num-beams", type=int, default=1, help=">1: beam search (greedy, printed at the end)")
-    parser.add_argument("--seed", type=int, default=None, help="seed the sampler for a repeatable sample")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
+    parser.add_argument("--max-new-tokens", type=count(maximum=MAX_NEW_TOKENS),
+                        help=f"tokens to generate (default {DEFAULTS['max_new_tokens']})")
+    parser.add_argument("--temperature", type=number(minimum=0, maximum=1e6),
+                        help=f"0 is greedy (default {DEFAULTS['temperature']})")
+    parser.add_argument("--top-k", type=count(maximum=MAX_VOCAB), default=None,
+                        help="sample from the k most likely tokens only")
+    parser.add_argument("--top-p", type=number(above=0, maximum=1), default=None,
+                        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1]")
+    parser.add_argument("--num-beams", type=count(maximum=MAX_BEAMS),
+                        help=">1: beam search (greedy, printed at the end)")
+    parser.add_argument("--seed", type=count(minimum=0, maximum=MAX_SEED), default=None,
+                        help="seed the sampler for a repeatable sample")
+    parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from recipes.checkpoint import load_trained
+    from recipes.commands.eval import refuse_options
     from recipes.config import RecipeError
     from recipes.generation import stream
 
     try:
         model, tokenizer, meta = load_trained(args.checkpoint, args.device, folders=True)
+        refuse_options(args, meta, OPTIONS)
+        _check_decoding(args)
+        for name, value in DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         if meta.get("task", "lm") != "lm":
             from recipes.tasks import generate
 
@@ -47,3 +81,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nbuilder generate: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_decoding(args: argparse.Namespace) -> None:
+    """Options of one decoding mode given with another are refused, not ignored."""
+    from builder.commands.arguments import ArgumentError
+
+    sampling = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
+    if args.num_beams is not None and args.num_beams > 1:
+        given = sampling + (["--temperature"] if args.temperature is not None else [])
+        if given:
+            raise ArgumentError(f"{given[0]} applies to sampling; beam search (--num-beams {args.num_beams}) "
+                                "is deterministic: drop one of them")
+    elif args.temperature == 0 and sampling:
+        raise ArgumentError(f"{sampling[0]} applies to sampling; --temperature 0 is greedy: drop one of them")

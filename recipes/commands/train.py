@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from builder.commands.arguments import input_path
 from builder.commands.common import add_spec_options, load_plugins_from_args, overrides_from_args
 
 
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--set trainer.max_steps=10 sets a recipe field; --set model.overrides.decoder.n_layers=2 "
         "sets a field of the model spec."
     )
-    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT", type=input_path,
                         help="resume from CKPT (default: the run's last.ckpt; a rerun resumes by itself)")
     parser.add_argument("--fresh", action="store_true", help="ignore an earlier run's last.ckpt and start over")
     parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
