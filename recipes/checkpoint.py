@@ -181,7 +181,6 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
     """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train`` or, with
     ``folders``, from a model folder (see :func:`load_folder`)."""
     from builder import build_model
-    from builder.schema import spec_model
 
     path = Path(path)
     if path.is_dir():
@@ -192,7 +191,7 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
     meta = checkpoint.get("builder")
     if not isinstance(meta, dict) or "spec" not in meta or "state_dict" not in checkpoint:
         raise RecipeError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
-    spec = spec_model().model_validate(meta["spec"])
+    spec = _checkpoint_spec(path, meta["spec"])
     model = build_model(spec)
     model.load_state_dict(model_weights(checkpoint["state_dict"]))
     model.to(pick_device(device)).eval()
@@ -232,6 +231,20 @@ def load_folder(folder: Path, device: str | None = None):
     model.to(pick_device(device)).eval()
     meta = {"task": "lm", "spec": spec.model_dump(mode="json"), "tokenizer": state, "global_step": None}
     return model, tokenizer, meta
+
+
+def _checkpoint_spec(path: Path, data: dict):
+    """The checkpoint's spec, validated against the blocks registered now."""
+    from pydantic import ValidationError
+
+    from builder.schema import ModelSpec, SpecRuleError
+
+    try:
+        return ModelSpec.model_validate(data)
+    except (ValidationError, SpecRuleError) as exc:
+        first = str(exc).splitlines()[1 if isinstance(exc, ValidationError) else 0][:200]
+        raise RecipeError(f"{path}: its model spec does not validate here ({first}); a spec built from a "
+                          "plugin's blocks needs the same --plugin MODULE") from None
 
 
 def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:

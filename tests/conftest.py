@@ -1,11 +1,20 @@
 """Suite-wide settings and the fixtures several test modules share."""
 
+import os
+
 import pytest
 import torch
+
+from builder.plugins import load_plugins
 
 # Tiny models on a 2-core CI machine: one intra-op thread avoids oversubscription, which made
 # small decoding loops up to ~100x slower when the cores were busy.
 torch.set_num_threads(1)
+
+# The registry-walking tests (tests/test_block_counts.py, tests/test_contracts.py...) cover every
+# registered block: the built-ins, installed plugins (the `builder.blocks` entry points) and the
+# modules named here, e.g. `BUILDER_PLUGINS=mypackage.blocks pytest tests/test_contracts.py`.
+load_plugins([name for name in os.environ.get("BUILDER_PLUGINS", "").split(",") if name.strip()])
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,12 @@ def test_attention(cls, example, causal):
         x = torch.randn(1, seq, D_MODEL)
         inputs = AttentionInputs(0, seq, positions=torch.arange(seq)[None])
         assert _flops(lambda: module(x, inputs)) == config.flops(D_MODEL, seq, seq)
+        # a mask-aware kernel visits the (query, key) pairs the mask keeps, no more
+        assert config.kernel_flops(D_MODEL, seq, seq, causal=False) == config.flops(D_MODEL, seq, seq) or \
+            config.window() is not None
+        pairs = config.visible_pairs(seq, seq, causal)
+        assert config.kernel_flops(D_MODEL, seq, seq, causal) == \
+            config.flops(D_MODEL, seq, seq) - (seq * seq - pairs) * config.pair_flops(D_MODEL)
 
 
 @pytest.mark.parametrize("cls, example", list(_cases("attention")))

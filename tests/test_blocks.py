@@ -57,14 +57,15 @@ def _forward(kind: str, module, config, x: torch.Tensor):
         return module(x), shape
     if config.acts_on == "embedding":
         return module(positions) + x, (B, S, D)
-    if config.type == "rope":
-        q, k = module(x.view(B, S, 4, 8).transpose(1, 2), x.view(B, S, 4, 8).transpose(1, 2), positions)
-        return q + k, (B, 4, S, 8)
-    if config.type == "alibi":
-        return module(4) * x.sum(), (4,)
-    if config.type == "relative_bias":
-        return module(torch.arange(S), torch.arange(S), 4), (1, 4, S, S)
-    return x, (B, S, D)  # no position
+    # a position acting in attention, through its hooks (each a no-op unless the block has it)
+    q, k = module.rotate(x.view(B, S, 4, 8).transpose(1, 2), x.view(B, S, 4, 8).transpose(1, 2), positions)
+    scores = q @ k.transpose(-1, -2)  # (B, 4, S, S)
+    slopes = module.alibi_slopes(4)
+    if slopes is not None:
+        distance = (torch.arange(S)[:, None] - torch.arange(S)[None, :]).abs()  # (S, S)
+        scores = scores - slopes[:, None, None] * distance
+    bias = module.score_bias(torch.arange(S), torch.arange(S), 4)
+    return (scores if bias is None else scores + bias), (B, 4, S, S)
 
 
 @pytest.mark.parametrize("kind, data", list(_examples()))

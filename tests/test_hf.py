@@ -287,6 +287,14 @@ def _greedy(case, hf, ours, inputs):
     return theirs, mine
 
 
+def test_every_family_has_a_parity_case():
+    """A family (a new block's Hugging Face table among them) cannot land without a case below."""
+    from builder.hf import FAMILIES
+
+    covered = {case.make().config.model_type for case in CASES.values()}
+    assert not set(FAMILIES) - covered, f"families without a parity case: {sorted(set(FAMILIES) - covered)}"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_import_matches_logits_generation_count_and_export(name, tmp_path):
     case = CASES[name]

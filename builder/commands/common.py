@@ -28,6 +28,11 @@ def add_spec_options(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a field after `extends:`, e.g. --set decoder.n_layers=2 (value read as YAML)",
     )
+    add_plugin_option(parser)
+
+
+def add_plugin_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--plugin MODULE`` (repeatable): blocks from the user's own package."""
     parser.add_argument(
         "--plugin",
         dest="plugins",

@@ -7,6 +7,7 @@ import json
 import sys
 
 from blocks.limits import MAX_SEQ_LEN
+from builder.commands.common import add_plugin_option, load_plugins_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=count(maximum=MAX_BATCH), help="windows per batch (default: the recipe's)")
     parser.add_argument("--max-batches", type=count(), help="stop after this many batches (default: all the data)")
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
+    add_plugin_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     task = parser.add_argument_group("translation checkpoints (default: the recipe's validation pair and beam)")
     task.add_argument("--src", metavar="FILE", type=input_file, help="source sentences, one a line")
@@ -61,10 +63,12 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: dict[str, tupl
 
 def run(args: argparse.Namespace) -> int:
     from builder.commands.arguments import ArgumentError, at_most
+    from builder.plugins import PluginError
     from recipes.checkpoint import evaluate, file_tokens, load_trained, recipe_tokens
     from recipes.config import RecipeError
 
     try:
+        load_plugins_from_args(args)
         model, tokenizer, meta = load_trained(args.checkpoint, args.device)
         refuse_options(args, meta, OPTIONS)
         at_most("--seq-len", args.seq_len, meta["spec"]["max_seq_len"], "the model's max_seq_len")
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             tokens = recipe_tokens(meta, tokenizer)
         result = evaluate(model, tokens, args.seq_len or data["seq_len"], args.batch_size or data["batch_size"],
                           args.max_batches)
-    except (RecipeError, ArgumentError) as exc:
+    except (RecipeError, ArgumentError, PluginError) as exc:
         print(f"builder eval: {exc}", file=sys.stderr)
         return 1
     result = {"checkpoint": args.checkpoint, "step": meta["global_step"],

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from blocks.limits import MAX_VOCAB
+from builder.commands.common import add_plugin_option, load_plugins_from_args
 
 
 #: language-model decoding defaults (an option left out)
@@ -47,17 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=count(minimum=0, maximum=MAX_SEED), default=None,
                         help="seed the sampler for a repeatable sample")
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
+    add_plugin_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from builder.plugins import PluginError
     from recipes.checkpoint import load_trained
     from recipes.commands.eval import refuse_options
     from recipes.config import RecipeError
     from recipes.generation import stream
 
     try:
+        load_plugins_from_args(args)
         model, tokenizer, meta = load_trained(args.checkpoint, args.device, folders=True)
         refuse_options(args, meta, OPTIONS)
         _check_decoding(args)
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         stream(model, tokenizer, args.prompt, sys.stdout, args.max_new_tokens, temperature=temperature,
                top_k=args.top_k, top_p=args.top_p, num_beams=args.num_beams, generator=generator)
         sys.stdout.write("\n")
-    except (RecipeError, ValueError) as exc:
+    except (RecipeError, PluginError, ValueError) as exc:
         print(f"\nbuilder generate: {exc}", file=sys.stderr)
         return 1
     return 0
