@@ -135,6 +135,7 @@ def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
         load_trained(result["checkpoint"])
 
 
+@pytest.mark.slow  # a second pytest run (~25 s); the commands above cover the same blocks in the default run
 def test_the_registry_walking_tests_cover_plugin_blocks_unedited(tmp_path):
     """...and the smallest complete block of blocks/README.md, copied from it, passes them too."""
     readme = (REPO / "blocks" / "README.md").read_text()
