@@ -136,7 +136,8 @@ def verify(checkpoint: Mapping[str, Any], source: str | Path) -> bool:
     if extra:
         raise DamagedCheckpointError(f"{source} is damaged: it holds tensor {extra[0]}, which was not saved")
     if found["values"] != record.get("values"):
-        raise DamagedCheckpointError(f"{source} is damaged: its step, loop state or metadata do not match their checksum")
+        raise DamagedCheckpointError(
+            f"{source} is damaged: its step, loop state or metadata do not match their checksum")
     return True
 
 

@@ -166,7 +166,7 @@ def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     settings = recipe.trainer
     data = MLMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
                          settings.accumulate_grad_batches, Specials(tokenizer), recipe.mlm)
-    return Prepared(tokenizer, spec, data, MLMModule, masked_tokens, recipe.data.seq_len,
+    return Prepared(tokenizer, spec, data, MLMModule, masked_tokens, recipe.data.seq_len, meta={"corpus": corpus.hash},
                     finish=lambda module, _: _report(module.val_metrics))
 
 
@@ -317,9 +317,15 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
                               functools.partial(collate_labelled, pad_id=Specials(tokenizer).pad), data.max_tokens,
                               recipe.trainer.seed, recipe.trainer.accumulate_grad_batches)
     return Prepared(tokenizer, spec, module, ClassifierModule, lambda batch: int(batch[1].sum()),
-                    int(np.median(train_lengths)), meta={"labels": labels},
+                    int(np.median(train_lengths)), meta={"labels": labels, "corpus": _examples_hash(train)},
                     init=(lambda model: load_encoder(model, init)) if init is not None else None,
                     finish=lambda module, _: _report(module.val_metrics))
+
+
+def _examples_hash(examples: list[tuple[str, str]]) -> str:
+    """The training examples' content, for a resume to check it trains on the same ones."""
+    text = "\n".join(f"{label}\t{text}" for text, label in examples)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _report(metrics: dict) -> dict:

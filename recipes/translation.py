@@ -227,7 +227,7 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
         return final_evaluation(module.model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
 
     return Prepared(tokenizer, spec, module, TranslationModule, tokens_of, int(np.median(train_lengths)),
-                    callbacks=callbacks, finish=finish)
+                    meta={"corpus": corpus_hash}, callbacks=callbacks, finish=finish)
 
 
 def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:

@@ -16,7 +16,8 @@ DAMAGE = {
     "empty": lambda data: b"",
     "truncated": lambda data: data[: len(data) // 2],
     "garbage": lambda data: bytes(range(256)) * 64,
-    "bit-flipped": lambda data: data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0x10]) + data[len(data) // 2 + 1:],
+    "bit-flipped": lambda data: data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0x10])
+    + data[len(data) // 2 + 1:],
 }
 
 

@@ -85,7 +85,8 @@ def _read_only_writes(folder):
     real_open = open
 
     def guarded(path, *args, **kwargs):
-        if str(path).startswith(str(folder)) and any(m in (args[0] if args else kwargs.get("mode", "r")) for m in "wax+"):
+        mode = args[0] if args else kwargs.get("mode", "r")
+        if str(path).startswith(str(folder)) and any(m in mode for m in "wax+"):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         return real_open(path, *args, **kwargs)
 
@@ -158,3 +159,21 @@ def test_which_recipe_fields_may_change_on_resume():
     assert [line.split(":")[0] for line in refused] == ["trainer.seed"]
     assert sorted(line.split(":")[0] for line in allowed) == [
         "model.spec", "sample.prompts", "trainer.devices", "trainer.max_steps"]
+
+
+def test_resume_refuses_a_corpus_whose_text_changed(tmp_path, capsys):
+    from builder.cli import main
+
+    text = tmp_path / "corpus.txt"
+    words = [f"word{i % 97} " for i in range(4000)]
+    text.write_text("".join(words))
+    recipe = tiny_recipe(tmp_path, data={"sources": [str(text)]},
+                         trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")})
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    text.write_text("".join(reversed(words)))  # the same characters, another text
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--no-samples"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "was trained with a different recipe" in err
+    fields = [line for line in err.splitlines() if line.startswith("  ") and line.strip()]
+    assert len(fields) == 1 and fields[0].startswith("  data: the corpus text: "), fields
