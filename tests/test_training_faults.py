@@ -129,8 +129,9 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroke
     write = recipes.checkpoint._ErrorKeepingFile.write
 
     def filling(self, data):
-        if id(self) not in opened:
-            opened.append(id(self))
+        if not getattr(self, "counted", False):  # one per checkpoint file written
+            self.counted = True
+            opened.append(self)
         if len(opened) >= 4:  # last at 4, last and best at 6; then the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(self, data)
