@@ -193,9 +193,12 @@ def estimate(
     for name, stack in stacks.items():
         tokens = lengths[name]
         cross_len = lengths[memory_of[name]] if name in memory_of else None
+        counted: dict[int, LayerEstimate] = {}  # identical layers (one shared config) are counted once
         for index, layer in enumerate(stack.layers()):
-            est = _layer(name, index, layer, d, tokens, cross_len, causal[name], batch, act_bytes,
-                         fused_attention, position=position)
+            if id(layer) not in counted:
+                counted[id(layer)] = _layer(name, index, layer, d, tokens, cross_len, causal[name], batch,
+                                            act_bytes, fused_attention, position=position)
+            est = dataclasses.replace(counted[id(layer)], index=index)
             layers.append(est)
             kernel_total += est.kernel_flops
             for block, n in est.params.items():

@@ -203,21 +203,46 @@ def model_tensors(spec) -> list[ParamTensor]:
                 add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit)
         add(f"{name}.position.", spec.position,
             _shapes(spec.position, "position", d, stack.attention.query_heads(), spec.max_seq_len), "root")
+        walked: dict[int, list[tuple[str, tuple[int, ...], int | None]]] = {}  # per distinct layer
         for index, layer in enumerate(stack.layers()):
             unit = f"{name}.layers.{index}"
-            sublayers = layer.sublayers(name in architecture.memory_of)
-            for sub in sublayers:
-                block = getattr(layer, sub)
-                add(f"{unit}.{sub}.", block, _shapes(block, f"{name}.{sub}", d), unit)
-            norms = [f"{sub}_norm" for sub in sublayers]
-            if layer.norm.placement == "sandwich":
-                norms += [f"{sub}_post_norm" for sub in sublayers]
-            for norm in norms:
-                add(f"{unit}.{norm}.", layer.norm, _shapes(layer.norm, f"{name}.norm", d), unit)
+            if id(layer) not in walked:  # identical layers share one config: walk its blocks once
+                walked[id(layer)] = _layer_tensors(layer, name, name in architecture.memory_of, d)
+            for suffix, shape, dim in walked[id(layer)]:
+                full = f"{unit}.{suffix}"
+                tensors[full] = ParamTensor(full, shape, dim, unit)
         if stack.final_norm:
             add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root")
     add("head.", spec.head, _shapes(spec.head, "head", d, vocab, tied), "root" if tied else "head")
     return list(tensors.values())
+
+
+def layer_tensor_count(spec) -> int:
+    """Parameter tensors of every layer of every stack, counted per group of identical layers
+    (so instant for any number of layers)."""
+    architecture = spec.architecture_config
+    return sum(len(indices) * len(_layer_tensors(layer, name, name in architecture.memory_of, spec.d_model))
+               for name, stack in spec.stacks().items() for indices, layer in stack.layer_groups())
+
+
+def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """``(name within the layer, shape, tensor-parallel dim)`` of each parameter of one layer."""
+    out = []
+
+    def add(prefix: str, block, where: str) -> None:
+        plan = block.parallel_plan() or {}
+        for name, shape in _shapes(block, where, d).items():
+            out.append((prefix + name, tuple(shape), _tp_dim(plan, name, shape, f"{stack}.layers.N.{prefix}{name}")))
+
+    sublayers = layer.sublayers(cross)
+    for sub in sublayers:
+        add(f"{sub}.", getattr(layer, sub), f"{stack}.{sub}")
+    norms = [f"{sub}_norm" for sub in sublayers]
+    if layer.norm.placement == "sandwich":
+        norms += [f"{sub}_post_norm" for sub in sublayers]
+    for norm in norms:
+        add(f"{norm}.", layer.norm, f"{stack}.norm")
+    return out
 
 
 def _shapes(config, where: str, *dims) -> dict[str, tuple[int, ...]]:

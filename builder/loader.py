@@ -275,10 +275,13 @@ def _mark_all(value: Any, path: FieldPath, mark: Mark, doc: Document) -> None:
         _mark_all(child, path + (key,), mark, doc)
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, limit: int = 60) -> str:
+    """A --set value as its location shows it, cut to ``limit`` characters."""
     if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
+        text = value
+    else:
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

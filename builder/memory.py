@@ -164,9 +164,10 @@ def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16",
     cache, d = BYTES[dtype], spec.d_model
     cross = name in architecture.memory_of
     total = 0
-    for layer in spec.stacks()[name].layers():
-        total += layer.attention.kv_cache_bytes(d, batch, context, cache)
+    for indices, layer in spec.stacks()[name].layer_groups():  # identical layers counted once
+        per_layer = layer.attention.kv_cache_bytes(d, batch, context, cache)
         if cross:
-            total += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache, cross=True)
+            per_layer += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache, cross=True)
+        total += len(indices) * per_layer
     return total
 

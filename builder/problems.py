@@ -100,7 +100,7 @@ _TYPE_WORDS = {
     "model": "a mapping of fields",
     "model_attributes": "a mapping of fields",
 }
-_LABEL_WORDS = {"str": "a string", "list": "a list", "int": "an integer", "float": "a number", "bool": "true or false"}
+_LABEL_WORDS = {"str": "a string", "constrained-str": "a string", "list": "a list", "int": "an integer", "float": "a number", "bool": "true or false"}
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
@@ -113,6 +113,10 @@ def _reword(error: dict) -> str:
     if kind in _BOUNDS:
         bound = next(iter(ctx.values()))
         return f"must be {_BOUNDS[kind]} {bound}, got {_show(value)}"
+    if kind == "string_too_long":
+        return f"at most {ctx['max_length']:,} characters, got {len(value):,}"
+    if kind == "too_long":
+        return f"at most {ctx['max_length']:,} items, got {ctx.get('actual_length', len(value)):,}"
     if kind == "value_error":
         return str(ctx.get("error") or error["msg"].removeprefix("Value error, "))
     for prefix, words in _TYPE_WORDS.items():
@@ -201,7 +205,7 @@ def _label_of(tp: Any) -> str:
     return f"{origin.__name__}[{', '.join(_label_of(a) for a in get_args(tp))}]"
 
 
-_LABEL_TYPES = {"str": str, "list": list, "int": int, "float": (int, float), "bool": bool, "dict": dict}
+_LABEL_TYPES = {"str": str, "constrained-str": str, "list": list, "int": int, "float": (int, float), "bool": bool, "dict": dict}
 
 
 def _label_matches(label: str, value: Any) -> bool:

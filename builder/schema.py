@@ -41,6 +41,7 @@ from blocks.configs.base import (
     PositionBlock,
 )
 from blocks.configs.layer import LayerConfig
+from blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH
 from builder.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
@@ -86,6 +87,12 @@ def block_union(kind: str):
 
 def parse_layers(layers: str | list[int], n_layers: int) -> list[int]:
     """Layer indices from a Python-style slice string ("0::2", "-4:") or a list of ints."""
+    return sorted(selected_layers(layers, n_layers))
+
+
+def selected_layers(layers: str | list[int], n_layers: int) -> range | frozenset[int]:
+    """The layers ``layers`` selects, with O(1) membership: a ``range`` for a slice string, a set
+    for a list. Raises ``ValueError`` for a string that is not a slice."""
     if isinstance(layers, str):
         parts = layers.split(":")
         if len(parts) > 3:
@@ -95,11 +102,12 @@ def parse_layers(layers: str | list[int], n_layers: int) -> list[int]:
         except ValueError:
             raise ValueError(f"{layers!r} is not a slice like '0::2' or '1:8'") from None
         if len(bounds) == 1:
-            return [range(n_layers)[bounds[0]]] if -n_layers <= bounds[0] < n_layers else []
+            index = bounds[0]
+            return range(index % n_layers, index % n_layers + 1) if -n_layers <= index < n_layers else range(0)
         if len(bounds) == 3 and bounds[2] == 0:
             raise ValueError("a slice step cannot be 0")
-        return list(range(n_layers))[slice(*bounds)]
-    return [i % n_layers for i in layers if -n_layers <= i < n_layers]
+        return range(n_layers)[slice(*bounds)]
+    return frozenset(i % n_layers for i in layers if -n_layers <= i < n_layers)
 
 
 def _cross_base(attention: Any) -> Any:
@@ -174,14 +182,14 @@ class EmbeddingSpec(_Section):
         "Gemma does (in bf16, sqrt(3072) = 55.43 becomes 55.5); false multiplies by it exactly.",
     )
     norm: Optional[NormBlock] = Field(None, description="A norm right after the embeddings (BERT); null: none.")
-    segments: int = Field(0, ge=0, description=">0 adds a token-type (segment) table of that size (BERT: 2).")
+    segments: int = Field(0, ge=0, le=MAX_VOCAB, description=">0 adds a token-type (segment) table of that size (BERT: 2).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the summed embeddings.")
 
 
 class LayerOverride(_Section):
     """Layers that differ from the rest of their stack."""
 
-    layers: Union[str, list[int]] = Field(
+    layers: Union[Annotated[str, Field(max_length=64)], Annotated[list[Annotated[int, Field(ge=-MAX_LAYERS, le=MAX_LAYERS)]], Field(max_length=MAX_LAYERS)]] = Field(
         ..., description="A Python-style slice over layer indices ('0::2') or a list [0, 5, 7]."
     )
     attention: Optional[AttentionBlock] = Field(None, description="Merged over the stack's attention.")
@@ -196,7 +204,7 @@ class LayerOverride(_Section):
 class StackSpec(_Section):
     """A stack of layers (the spec's ``decoder:`` or ``encoder:``)."""
 
-    n_layers: int = Field(..., ge=1, description="Number of layers in the stack.")
+    n_layers: int = Field(..., ge=1, le=MAX_LAYERS, description="Number of layers in the stack.")
     attention: AttentionBlock = Field(..., description="Self-attention of every layer.")
     cross_attention: Optional[AttentionBlock] = Field(
         None,
@@ -210,7 +218,7 @@ class StackSpec(_Section):
     final_norm: bool = Field(True, description="A norm after the last layer (pre-norm stacks have one).")
     dropout: float = Field(0.0, ge=0, lt=1, description="On each sub-layer's output, before the residual add.")
     overrides: list[LayerOverride] = Field(
-        default_factory=list, description="Layers that differ from the rest of the stack."
+        default_factory=list, max_length=MAX_OVERRIDES, description="Layers that differ from the rest of the stack."
     )
 
     def layer_indices(self, override: LayerOverride) -> list[int]:
@@ -218,21 +226,47 @@ class StackSpec(_Section):
 
     def layer(self, index: int) -> LayerConfig:
         """Layer ``index``'s blocks, later overrides winning over earlier ones."""
+        n = self.n_layers
+        if not -n <= index < n:
+            raise IndexError(f"layer {index} of a stack of {n}")
+        chosen = tuple(j for j, o in enumerate(self.overrides) if index % n in selected_layers(o.layers, n))
+        return self._resolved(chosen)
+
+    def layers(self) -> list[LayerConfig]:
+        """Every layer's blocks, in order; identical layers are one shared object."""
+        out: list[LayerConfig] = [None] * self.n_layers  # type: ignore[list-item]
+        for indices, layer in self.layer_groups():
+            for i in indices:
+                out[i] = layer
+        return out
+
+    def layer_groups(self) -> list[tuple[list[int], LayerConfig]]:
+        """Layers built from the same blocks together: ``(their indices, the layer)``, ordered by
+        first index. Costs grow with the selections the overrides make, not layers x overrides
+        (a stack of identical layers is one group), so counting 10,000 layers stays instant."""
+        chosen: list[list[int]] = [[] for _ in range(self.n_layers)]
+        for j, override in enumerate(self.overrides):
+            for i in selected_layers(override.layers, self.n_layers):
+                chosen[i].append(j)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, overrides in enumerate(chosen):
+            groups.setdefault(tuple(overrides), []).append(i)
+        return [(indices, self._resolved(key)) for key, indices in groups.items()]
+
+    def _resolved(self, overrides: tuple[int, ...]) -> LayerConfig:
+        """The stack's blocks with the ``overrides`` (indices, in order) laid over them."""
         fields = {key: getattr(self, key) for key in LAYER_FIELDS}
         if fields["cross_attention"] is None:
             fields["cross_attention"] = self.attention.for_cross_attention()
         dropout = self.dropout
-        for override in self.overrides:
-            if index in self.layer_indices(override):
-                for key in LAYER_FIELDS:
-                    if getattr(override, key) is not None:
-                        fields[key] = getattr(override, key)
-                if override.dropout is not None:
-                    dropout = override.dropout
+        for j in overrides:
+            override = self.overrides[j]
+            for key in LAYER_FIELDS:
+                if getattr(override, key) is not None:
+                    fields[key] = getattr(override, key)
+            if override.dropout is not None:
+                dropout = override.dropout
         return LayerConfig(dropout=dropout, **fields)
-
-    def layers(self) -> list[LayerConfig]:
-        return [self.layer(i) for i in range(self.n_layers)]
 
 
 class ModelSpec(_Section):
@@ -248,9 +282,9 @@ class ModelSpec(_Section):
     name: str = Field("model", description="Free text, shown in reports.")
     extends: Optional[str] = Field(None, description="A spec this one overrides (path relative to this file).")
     architecture: str = Field(..., description="decoder-only | encoder-only | encoder-decoder.")
-    vocab_size: int = Field(..., ge=1, description="Number of token ids.")
-    d_model: int = Field(..., ge=1, description="Width of the residual stream.")
-    max_seq_len: int = Field(..., ge=1, description="Longest sequence the model is built for.")
+    vocab_size: int = Field(..., ge=1, le=MAX_VOCAB, description="Number of token ids.")
+    d_model: int = Field(..., ge=1, le=MAX_WIDTH, description="Width of the residual stream.")
+    max_seq_len: int = Field(..., ge=1, le=MAX_SEQ_LEN, description="Longest sequence the model is built for.")
     tie_embeddings: bool = Field(False, description="Output projection shares the input embedding matrix.")
     share_encoder_decoder_embeddings: bool = Field(
         True, description="encoder-decoder only: one table for source and target."

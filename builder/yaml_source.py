@@ -28,7 +28,18 @@ from pathlib import Path
 from typing import Any, Union
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.parser import Parser
+from yaml.reader import Reader
+from yaml.resolver import Resolver
+from yaml.scanner import Scanner
+
+try:
+    from yaml._yaml import CParser as _CParser
+except ImportError:  # PyYAML without libyaml: the pure-Python parser
+    _CParser = None
 
 FieldPath = tuple[Union[str, int], ...]
 
@@ -40,7 +51,7 @@ MAX_BYTES = 1 << 20
 #: nesting of mappings and lists (a spec nests about 5 deep)
 MAX_DEPTH = 64
 #: nodes of one document, aliases expanded (a spec has about 100); stops alias bombs
-MAX_NODES = 50_000
+MAX_NODES = 20_000
 #: digits of an integer (Python refuses to convert more than 4,300)
 MAX_DIGITS = 100
 #: characters of a key shown in a message
@@ -124,8 +135,9 @@ class Document:
         return path
 
 
-class SpecLoader(yaml.SafeLoader):
-    """Safe YAML with locations. Use :meth:`read` (or :func:`read_document`)."""
+class _Located(Composer, SafeConstructor, Resolver):
+    """Safe YAML with locations, over any event source (PyYAML's parser, or libyaml's, which is
+    about ten times faster). Use :meth:`read` (or :func:`read_document`)."""
 
     def read(self, file: str, fields: Collection[str] | None = None, what: str = "a spec") -> Document:
         """The document; ``fields``: the top-level keys the caller knows (a mapping with none of
@@ -135,6 +147,8 @@ class SpecLoader(yaml.SafeLoader):
         self.nodes = self.composed = self.depth = 0
         try:
             root = self.get_single_node()
+        except yaml.reader.ReaderError:
+            raise  # located by the caller, which has the text
         except yaml.MarkedYAMLError as exc:
             raise SpecError([_syntax_problem(file, exc)]) from None
         except yaml.YAMLError as exc:  # the reader: a character YAML does not allow
@@ -167,7 +181,7 @@ class SpecLoader(yaml.SafeLoader):
                 self._stop(f"nested more than {MAX_DEPTH} levels deep")
             if self.composed > MAX_NODES:
                 self._stop(f"more than {MAX_NODES:,} YAML nodes")
-            return super().compose_node(parent, index)
+            return Composer.compose_node(self, parent, index)
         finally:
             self.depth -= 1
 
@@ -251,7 +265,7 @@ class SpecLoader(yaml.SafeLoader):
 # is the string a layer slice needs (YAML 1.1 reads it as the base-60 integer 68), `010` is ten,
 # floats such as 1e-5 are floats, and dates stay strings. Strict fields then refuse what is not
 # of their type instead of guessing.
-SpecLoader.yaml_implicit_resolvers = {}
+_Located.yaml_implicit_resolvers = {}
 for _tag, _pattern, _first in (
     ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
     ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
@@ -263,7 +277,7 @@ for _tag, _pattern, _first in (
     ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
     ("merge", r"<<", "<"),
 ):
-    SpecLoader.add_implicit_resolver(_CORE + _tag, re.compile(rf"^(?:{_pattern})$"), list(_first))
+    _Located.add_implicit_resolver(_CORE + _tag, re.compile(rf"^(?:{_pattern})$"), list(_first))
 
 
 def _construct_int(loader: SpecLoader, node: ScalarNode) -> int:
@@ -273,7 +287,39 @@ def _construct_int(loader: SpecLoader, node: ScalarNode) -> int:
     return int(text, 10)
 
 
-SpecLoader.add_constructor(_CORE + "int", _construct_int)
+_Located.add_constructor(_CORE + "int", _construct_int)
+
+
+class PySpecLoader(Reader, Scanner, Parser, _Located):
+    """Located safe YAML on PyYAML's pure-Python reader, scanner and parser."""
+
+    def __init__(self, stream: str):
+        Reader.__init__(self, stream)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+
+
+if _CParser is not None:
+
+    class CSpecLoader(_Located, _CParser):
+        """Located safe YAML on libyaml's scanner and parser (events only: composing, with its
+        limits, stays in :class:`_Located`, never libyaml's recursive C composer)."""
+
+        def __init__(self, stream: str):
+            _CParser.__init__(self, stream)
+            Composer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+
+        def dispose(self) -> None:
+            pass
+
+    SpecLoader = CSpecLoader
+else:  # PyYAML built without libyaml
+    SpecLoader = PySpecLoader
 
 
 def read_document(path: str | Path, display: str | None = None, fields: Collection[str] | None = None,
@@ -378,6 +424,9 @@ def parse_value(text: str) -> Any:
 def _syntax_problem(file: str, exc: yaml.MarkedYAMLError) -> Problem:
     mark = exc.problem_mark or exc.context_mark
     message = " ".join(_unquoted(part) for part in (exc.context, exc.problem) if part) or "invalid YAML"
+    if "maximum nesting depth" in message:  # libyaml's own limit (1,000), met while scanning ahead
+        return Problem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None, "",
+                       f"nested more than {MAX_DEPTH} levels deep")
     if mark is None:
         return Problem(file, None, None, "", f"YAML syntax error: {message}")
     return Problem(file, mark.line + 1, mark.column + 1, "", f"YAML syntax error: {message}")
@@ -408,7 +457,9 @@ def _reader_problem(file: str, text: str, exc: yaml.YAMLError) -> Problem:
     line = text.count("\n", 0, position) + 1
     col = position - text.rfind("\n", 0, position)
     character = getattr(exc, "character", None)
-    code = f" (#x{ord(character):04x})" if isinstance(character, str) and len(character) == 1 else ""
+    if isinstance(character, str) and len(character) == 1:
+        character = ord(character)
+    code = f" (#x{character:04x})" if isinstance(character, int) else ""
     return Problem(file, line, col, "", f"character YAML does not allow{code}: {getattr(exc, 'reason', 'special')}")
 
 

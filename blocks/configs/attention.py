@@ -16,6 +16,7 @@ from blocks.configs.base import (
     kernel_saved_bytes,
     rule_error,
 )
+from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
 from blocks.registry import register
 
 
@@ -30,29 +31,29 @@ class AttentionConfig(AttentionBlock):
     type: Literal["multi_head"] = Field(
         "multi_head", description="The attention block; multi_head covers MHA, GQA and MQA."
     )
-    n_heads: int = Field(..., ge=1, description="Number of query heads.")
+    n_heads: int = Field(..., ge=1, le=MAX_HEADS, description="Number of query heads.")
     n_kv_heads: int | None = Field(
         None,
-        ge=1,
+        ge=1, le=MAX_HEADS,
         description="Number of key/value heads (defaults to n_heads); fewer is GQA, 1 is MQA. "
         "n_heads must be a multiple of it.",
     )
     head_dim: int | None = Field(
-        None, ge=1, description="Width of each head; defaults to d_model / n_heads (Gemma differs)."
+        None, ge=1, le=MAX_WIDTH, description="Width of each head; defaults to d_model / n_heads (Gemma differs)."
     )
     qkv_bias: bool = Field(False, description="Biases on the query, key and value projections.")
     out_bias: bool = Field(False, description="A bias on the output projection.")
     sliding_window: int | None = Field(
         None,
-        ge=1,
+        ge=1, le=MAX_SEQ_LEN,
         description="A window w: query i sees key j only where i - j < w, itself included "
         "(Mistral). null: no window.",
     )
     scale: float | None = Field(
-        None, gt=0, description="Score scale; null means 1/sqrt(head_dim). T5 uses 1.0."
+        None, gt=0, le=MAX_FACTOR, description="Score scale; null means 1/sqrt(head_dim). T5 uses 1.0."
     )
     softcap: float | None = Field(
-        None, gt=0, description="A float c: scores become c * tanh(scores / c) (Gemma 2)."
+        None, gt=0, le=MAX_FACTOR, description="A float c: scores become c * tanh(scores / c) (Gemma 2)."
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the attention weights.")
 

@@ -7,13 +7,14 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import Field, model_validator
 
 from blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
+from blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
 from blocks.registry import register
 
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 
 
 class _DenseFFNConfig(FFNBlock):
-    hidden_dim: int | None = Field(None, ge=1, description="Inner width; defaults to 4 * d_model.")
+    hidden_dim: int | None = Field(None, ge=1, le=MAX_WIDTH, description="Inner width; defaults to 4 * d_model.")
     bias: bool = Field(False, description="Biases on the inner and output projections.")
 
     n_in_projections: ClassVar[int]  # 1 (MLP) or 2 (GLU: gate and up)
@@ -118,8 +119,8 @@ class MoEConfig(FFNBlock):
     """
 
     type: Literal["moe"] = "moe"
-    n_experts: int = Field(..., ge=1, description="Number of expert FFNs.")
-    top_k: int = Field(2, ge=1, description="Experts each token is sent to; at most n_experts.")
+    n_experts: int = Field(..., ge=1, le=MAX_EXPERTS, description="Number of expert FFNs.")
+    top_k: int = Field(2, ge=1, le=MAX_EXPERTS, description="Experts each token is sent to; at most n_experts.")
     expert: ExpertConfig = Field(..., description="Each expert: an mlp or glu block.")
 
     examples: ClassVar[list[dict]] = [
@@ -181,11 +182,11 @@ class DeepSeekMoEConfig(FFNBlock):
     """
 
     type: Literal["deepseek_moe"] = "deepseek_moe"
-    n_experts: int = Field(..., ge=1, description="Number of routed experts.")
-    top_k: int = Field(..., ge=1, description="Routed experts each token is sent to.")
+    n_experts: int = Field(..., ge=1, le=MAX_EXPERTS, description="Number of routed experts.")
+    top_k: int = Field(..., ge=1, le=MAX_EXPERTS, description="Routed experts each token is sent to.")
     n_shared_experts: int = Field(
         0,
-        ge=0,
+        ge=0, le=MAX_EXPERTS,
         description="Experts every token passes through, built as one FFN of the expert's type with "
         "n_shared_experts times its hidden width (Hugging Face's shared_experts).",
     )
@@ -193,8 +194,8 @@ class DeepSeekMoEConfig(FFNBlock):
     scoring: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="Router scores: softmax over the experts (V2) or a sigmoid per expert (V3)."
     )
-    n_groups: int = Field(1, ge=1, description="Groups the experts split into, in order (group-limited routing).")
-    topk_groups: int = Field(1, ge=1, description="Groups a token may choose its experts from.")
+    n_groups: int = Field(1, ge=1, le=MAX_EXPERTS, description="Groups the experts split into, in order (group-limited routing).")
+    topk_groups: int = Field(1, ge=1, le=MAX_EXPERTS, description="Groups a token may choose its experts from.")
     group_score: Literal["max", "top2_sum"] = Field(
         "max",
         description="How a group ranks: its best expert's score (V2's group_limited_greedy) or the sum "
@@ -202,7 +203,7 @@ class DeepSeekMoEConfig(FFNBlock):
     )
     norm_topk_prob: bool = Field(False, description="Renormalise the chosen experts' scores to sum to 1 (V3).")
     routed_scaling_factor: float = Field(
-        1.0, gt=0, description="Multiplies the routed experts' weights (V2: 16, V2-Lite: 1, V3: 2.5)."
+        1.0, gt=0, le=MAX_FACTOR, description="Multiplies the routed experts' weights (V2: 16, V2-Lite: 1, V3: 2.5)."
     )
     expert_bias: bool = Field(
         False,
@@ -211,7 +212,7 @@ class DeepSeekMoEConfig(FFNBlock):
     )
     bias_update_speed: float = Field(
         0.001,
-        ge=0,
+        ge=0, le=MAX_FACTOR,
         description="How far expert_bias moves after each optimizer step: +speed for an expert that got "
         "fewer tokens than the mean since the last step, -speed for one that got more (V3's gamma); "
         "0 freezes it.",

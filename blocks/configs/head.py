@@ -14,6 +14,7 @@ from pydantic import Field
 from blocks.configs.base import HeadBlock, Shapes
 from blocks.configs.ffn import Activation
 from blocks.configs.norm import LayerNormConfig
+from blocks.limits import MAX_FACTOR, MAX_VOCAB
 from blocks.registry import register
 
 
@@ -25,11 +26,11 @@ class LMHeadConfig(HeadBlock):
     type: Literal["lm"] = "lm"
     bias: bool = Field(False, description="A bias on the output projection.")
     softcap: float | None = Field(
-        None, gt=0, description="A float c: logits become c * tanh(logits / c) (Gemma 2)."
+        None, gt=0, le=MAX_FACTOR, description="A float c: logits become c * tanh(logits / c) (Gemma 2)."
     )
     output_scale: float | None = Field(
         None,
-        gt=0,
+        gt=0, le=MAX_FACTOR,
         description="Multiply hidden states by this before the projection; T5 with tied "
         "embeddings uses d_model ** -0.5. null: no scaling.",
     )
@@ -98,7 +99,7 @@ class ClassificationHeadConfig(HeadBlock):
     """Pools the sequence and projects to class logits (one prediction per sequence)."""
 
     type: Literal["classification"] = "classification"
-    n_classes: int = Field(2, ge=1, description="Number of classes.")
+    n_classes: int = Field(2, ge=1, le=MAX_VOCAB, description="Number of classes.")
     pooling: Literal["first", "mean"] = Field(
         "first", description="first: the first token's state (BERT's [CLS]); mean: the mean over non-pad tokens."
     )

@@ -32,6 +32,7 @@ from blocks.configs.base import (
     kernel_saved_bytes,
 )
 from blocks.configs.norm import RMSNormConfig
+from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_WIDTH
 from blocks.registry import register
 
 
@@ -40,35 +41,35 @@ class MLAConfig(AttentionBlock):
     """DeepSeek's multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)."""
 
     type: Literal["mla"] = Field("mla", description="Multi-head latent attention (DeepSeek-V2/V3).")
-    n_heads: int = Field(..., ge=1, description="Number of query heads (each also gets its own key and value).")
+    n_heads: int = Field(..., ge=1, le=MAX_HEADS, description="Number of query heads (each also gets its own key and value).")
     q_lora_rank: int | None = Field(
         None,
-        ge=1,
+        ge=1, le=MAX_WIDTH,
         description="Width of the compressed query (q_a_proj, RMSNorm, q_b_proj); null: one full-rank "
         "q_proj (DeepSeek-V2-Lite).",
     )
     kv_lora_rank: int = Field(
-        ..., ge=1, description="Width of the compressed key-value latent each token caches (512 in V2/V3)."
+        ..., ge=1, le=MAX_WIDTH, description="Width of the compressed key-value latent each token caches (512 in V2/V3)."
     )
     qk_nope_head_dim: int = Field(
-        ..., ge=1, description="Per-head width of the query and key part without rotary positions."
+        ..., ge=1, le=MAX_WIDTH, description="Per-head width of the query and key part without rotary positions."
     )
     qk_rope_head_dim: int = Field(
         ...,
-        ge=2,
+        ge=2, le=MAX_WIDTH,
         description="Per-head width of the rotary query part, and of the one rotary key all heads share "
         "(cached beside the latent); the position block rotates this part only.",
     )
-    v_head_dim: int = Field(..., ge=1, description="Per-head width of the values (may differ from the key width).")
+    v_head_dim: int = Field(..., ge=1, le=MAX_WIDTH, description="Per-head width of the values (may differ from the key width).")
     bias: bool = Field(
         False,
         description="Biases on the down-projections (q_a_proj, kv_a_proj_with_mqa) and the output "
         "projection (DeepSeek's attention_bias); the up-projections have none.",
     )
-    norm_eps: float = Field(1e-6, gt=0, description="eps of the RMSNorms on the two latents.")
+    norm_eps: float = Field(1e-6, gt=0, le=MAX_FACTOR, description="eps of the RMSNorms on the two latents.")
     scale: float | None = Field(
         None,
-        gt=0,
+        gt=0, le=MAX_FACTOR,
         description="Score scale; null means 1/sqrt(qk_nope_head_dim + qk_rope_head_dim). A position's "
         "score factor (YaRN's mscale_all_dim) multiplies it.",
     )

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from blocks.configs.base import NormBlock, Placement, Shapes
+from blocks.limits import MAX_FACTOR
 from blocks.registry import register
 
 __all__ = ["LayerNormConfig", "RMSNormConfig", "Placement"]
@@ -15,7 +16,7 @@ __all__ = ["LayerNormConfig", "RMSNormConfig", "Placement"]
 class _NormConfig(NormBlock):
     """What the built-in norms share; blocks.norms computes in fp32."""
 
-    eps: float = Field(1e-5, gt=0, description="Added to the variance for numerical stability.")
+    eps: float = Field(1e-5, gt=0, le=MAX_FACTOR, description="Added to the variance for numerical stability.")
 
 
 @register("norm", "blocks.norms:LayerNorm")

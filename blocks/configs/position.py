@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import Field, model_validator
 
 from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, Shapes, rule_error
+from blocks.limits import MAX_BUCKETS, MAX_FACTOR, MAX_SEQ_LEN
 from blocks.registry import register
 
 
@@ -40,7 +41,7 @@ class LearnedConfig(_PositionConfig):
     type: Literal["learned"] = "learned"
     acts_on: ClassVar[str] = "embedding"
     max_positions: int | None = Field(
-        None, ge=1, description="Rows of the table; defaults to max_seq_len and may not be shorter."
+        None, ge=1, le=MAX_SEQ_LEN, description="Rows of the table; defaults to max_seq_len and may not be shorter."
     )
     examples: ClassVar[list[dict]] = [{}, {"max_positions": 40}]
 
@@ -58,7 +59,7 @@ class LearnedConfig(_PositionConfig):
 
 
 class _RopeScaling(BlockConfig):
-    factor: float = Field(..., gt=0, description="How many times longer the context becomes.")
+    factor: float = Field(..., gt=0, le=MAX_FACTOR, description="How many times longer the context becomes.")
 
 
 class LinearScaling(_RopeScaling):
@@ -77,24 +78,24 @@ class YarnScaling(_RopeScaling):
     """YaRN (Peng et al. 2023): per-frequency interpolation ramp and attention temperature."""
 
     type: Literal["yarn"] = "yarn"
-    original_max_seq_len: int = Field(..., ge=1, description="The context the model was trained on.")
-    beta_fast: float = Field(32.0, gt=0, description="Rotations above which frequencies are kept.")
-    beta_slow: float = Field(1.0, gt=0, description="Rotations below which frequencies interpolate.")
+    original_max_seq_len: int = Field(..., ge=1, le=MAX_SEQ_LEN, description="The context the model was trained on.")
+    beta_fast: float = Field(32.0, gt=0, le=MAX_FACTOR, description="Rotations above which frequencies are kept.")
+    beta_slow: float = Field(1.0, gt=0, le=MAX_FACTOR, description="Rotations below which frequencies interpolate.")
     attention_factor: float | None = Field(
         None,
-        gt=0,
+        gt=0, le=MAX_FACTOR,
         description="cos/sin multiplier; null means 0.1 * ln(factor) + 1, or with both mscale and "
         "mscale_all_dim set (0.1 * mscale * ln(factor) + 1) / (0.1 * mscale_all_dim * ln(factor) + 1).",
     )
     mscale: float | None = Field(
         None,
-        gt=0,
+        gt=0, le=MAX_FACTOR,
         description="DeepSeek's YaRN: scales ln(factor) in the numerator of the default "
         "attention_factor (used only together with mscale_all_dim). null: unused.",
     )
     mscale_all_dim: float | None = Field(
         None,
-        gt=0,
+        gt=0, le=MAX_FACTOR,
         description="DeepSeek's YaRN (V2, V3): every attention score is multiplied by "
         "(0.1 * mscale_all_dim * ln(factor) + 1)^2, the temperature applied to the whole of q.k "
         "instead of through the rotated part only; with mscale equal to it, cos and sin are "
@@ -106,9 +107,9 @@ class Llama3Scaling(_RopeScaling):
     """Llama 3.1's piecewise scaling of wavelengths between two thresholds."""
 
     type: Literal["llama3"] = "llama3"
-    original_max_seq_len: int = Field(..., ge=1, description="The context the model was trained on.")
-    low_freq_factor: float = Field(1.0, gt=0, description="Wavelengths above original/low are scaled.")
-    high_freq_factor: float = Field(4.0, gt=0, description="Wavelengths below original/high are kept.")
+    original_max_seq_len: int = Field(..., ge=1, le=MAX_SEQ_LEN, description="The context the model was trained on.")
+    low_freq_factor: float = Field(1.0, gt=0, le=MAX_FACTOR, description="Wavelengths above original/low are scaled.")
+    high_freq_factor: float = Field(4.0, gt=0, le=MAX_FACTOR, description="Wavelengths below original/high are kept.")
 
     @model_validator(mode="after")
     def _order(self):
@@ -127,7 +128,7 @@ class RopeConfig(_PositionConfig):
     """Rotary position embedding (Su et al. 2021) applied to queries and keys."""
 
     type: Literal["rope"] = "rope"
-    theta: float = Field(10000.0, gt=0, description="The base of the rotation frequencies.")
+    theta: float = Field(10000.0, gt=0, le=MAX_FACTOR, description="The base of the rotation frequencies.")
     rotary_fraction: float = Field(
         1.0, gt=0, le=1, description="Share of head_dim that rotates (GPT-NeoX/Phi use < 1)."
     )
@@ -177,8 +178,8 @@ class RelativeBiasConfig(_PositionConfig):
 
     type: Literal["relative_bias"] = "relative_bias"
     biases_scores: ClassVar[bool] = True
-    num_buckets: int = Field(32, ge=2, description="Buckets of relative distance.")
-    max_distance: int = Field(128, ge=1, description="Distance beyond which buckets stop growing.")
+    num_buckets: int = Field(32, ge=2, le=MAX_BUCKETS, description="Buckets of relative distance.")
+    max_distance: int = Field(128, ge=1, le=MAX_SEQ_LEN, description="Distance beyond which buckets stop growing.")
     examples: ClassVar[list[dict]] = [{}, {"num_buckets": 8, "max_distance": 16}]
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:

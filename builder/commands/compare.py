@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from builder.commands.common import add_spec_options
 
@@ -16,9 +17,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_options(parser)
 
 
+#: parameter tensors of the layers compare builds at most (any real model has under 5,000;
+#: building on the meta device takes about a third of a millisecond each)
+MAX_TENSORS = 50_000
+
+
+class TooLargeToBuild(ValueError):
+    """A spec whose model has more parameter tensors than compare builds."""
+
+
 def compare(spec) -> dict:
-    """``{"estimated", "actual", "match", "components": [...]}`` for a loaded spec."""
-    from builder.assemble import build_model
+    """``{"estimated", "actual", "match", "components": [...]}`` for a loaded spec; raises
+    :class:`TooLargeToBuild` beyond :data:`MAX_TENSORS` parameter tensors."""
+    from builder.layout import LayoutError, layer_tensor_count
+
+    try:
+        n_tensors = layer_tensor_count(spec)
+    except LayoutError:  # a plugin block that declares no shapes: cannot count before building
+        n_tensors = 0
+    if n_tensors > MAX_TENSORS:
+        raise TooLargeToBuild(f"{spec.name}'s layers have {n_tensors:,} parameter tensors, more than the "
+                              f"{MAX_TENSORS:,} compare builds on the meta device; `builder describe` counts it "
+                              "without building")
+    from builder.assemble import build_model  # torch: only for a model it builds
     from builder.estimates import estimate
     from builder.report import actual_params, compare_rows
 
@@ -40,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     from builder.commands.common import spec_from_args
 
     spec = spec_from_args(args)
-    result = compare(spec)
+    try:
+        result = compare(spec)
+    except TooLargeToBuild as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:
