@@ -247,6 +247,14 @@ def _checkpoint_spec(path: Path, data: dict):
                           "plugin's blocks needs the same --plugin MODULE") from None
 
 
+def eval_batches(args, meta: dict) -> int | None:
+    """How many batches ``builder eval`` scores: ``--max-batches N``; every batch with ``--all``
+    (``None``); else the recipe's ``trainer.limit_val_batches``, the count its validations scored."""
+    if getattr(args, "all", False):
+        return None
+    return args.max_batches or meta["recipe"]["trainer"]["limit_val_batches"]
+
+
 def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
     """The validation split of the data the checkpoint was trained on."""
     from recipes.data import read_corpus, split, tokenize_corpus
@@ -266,22 +274,42 @@ def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
     return tokenize_corpus(tokenizer, corpus, Path(cache_dir))
 
 
+def consecutive_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int):
+    """The first ``n_batches`` batches of consecutive, non-overlapping windows of ``tokens``."""
+    n_windows = min((len(tokens) - 1) // seq_len, n_batches * batch_size)
+    for first in range(0, n_windows, batch_size):
+        starts = np.arange(first, min(first + batch_size, n_windows)) * seq_len
+        rows = starts[:, None] + np.arange(seq_len + 1)  # (batch, seq_len + 1)
+        block = torch.from_numpy(tokens[rows].astype(np.int64))
+        yield block[:, :-1], block[:, 1:]
+
+
 @torch.no_grad()
-def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None) -> dict:
-    """Mean next-token cross-entropy over consecutive, non-overlapping windows of ``tokens``."""
+def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None,
+             seed: int | None = None) -> dict:
+    """Mean next-token cross-entropy over ``max_batches`` batches of ``tokens`` (``None``: every
+    consecutive, non-overlapping window). With ``seed``, the batches are the validation windows a
+    run with that seed draws (:class:`recipes.data.ValWindows`), so the loss is that run's
+    validation loss; else consecutive windows from the start. A progress bar goes to stderr."""
+    from tqdm.auto import tqdm
+
+    from recipes.data import ValWindows
+
     device = next(model.parameters()).device
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:
         raise RecipeError(f"{len(tokens)} tokens are fewer than one window of seq_len {seq_len} + 1")
-    if max_batches is not None:
-        n_windows = min(n_windows, max_batches * batch_size)
+    available = math.ceil(n_windows / batch_size)  # consecutive batches: what --all scores
+    if max_batches is not None and seed is not None:
+        batches, n = ValWindows(tokens, seq_len, batch_size, max_batches, seed, 0, 1), max_batches
+    else:
+        n = available if max_batches is None else min(max_batches, available)
+        batches = consecutive_windows(tokens, seq_len, batch_size, n)
     total, count = 0.0, 0
-    for first in range(0, n_windows, batch_size):
-        starts = np.arange(first, min(first + batch_size, n_windows)) * seq_len
-        rows = starts[:, None] + np.arange(seq_len + 1)  # (batch, seq_len + 1)
-        block = torch.from_numpy(tokens[rows].astype(np.int64)).to(device)
-        logits = model(block[:, :-1])  # (batch, seq, vocab)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), block[:, 1:].flatten(), reduction="sum").item()
-        count += block[:, 1:].numel()
+    for inputs, targets in tqdm(batches, total=n, desc="eval", unit="batch", leave=False, file=sys.stderr):
+        logits = model(inputs.to(device))  # (batch, seq, vocab)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum").item()
+        count += targets.numel()
     loss = total / count
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": count}
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": count, "batches": n,
+            "batches_available": available}

@@ -16,6 +16,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+#: ``json_schema_extra`` of the fields that hold paths: relative to the recipe's folder, or to the
+#: working directory (``recipes.runlog`` makes them absolute in a run's config.yaml)
+RECIPE_PATH = {"relative_to": "recipe"}
+WORK_PATH = {"relative_to": "cwd"}
+
 #: the data source that means "the Python standard library's own source, from this interpreter"
 PYTHON_STDLIB = "python-stdlib"
 
@@ -59,6 +64,7 @@ class DatasetFields(_Section):
     root: Optional[str] = Field(
         None, description="The folder datasets are read from, and downloaded to when missing (relative to the "
         "recipe; null: $BUILDER_DATA, else the user cache, ~/.cache/builder/data on Linux).",
+        json_schema_extra=RECIPE_PATH,
     )
 
     @field_validator("dataset")
@@ -81,6 +87,7 @@ class DataSection(DatasetFields):
         description="Plain-text files or folders (relative to the recipe) read after `dataset`; a dataset "
         "name here reads that dataset. With neither: `python-stdlib`, the standard library's own .py source "
         "from the running interpreter.",
+        json_schema_extra=RECIPE_PATH,
     )
     include: list[str] = Field(
         default_factory=lambda: ["*.py", "*.txt", "*.md", "*.rst"],
@@ -96,7 +103,8 @@ class DataSection(DatasetFields):
     seq_len: int = Field(256, ge=1, description="Tokens per training window.")
     batch_size: int = Field(16, ge=1, description="Windows per micro-batch on each device.")
     cache_dir: str = Field(
-        ".cache/builder", description="Tokenizers and tokenized corpora, keyed by content hash."
+        ".cache/builder", description="Tokenizers and tokenized corpora, keyed by content hash.",
+        json_schema_extra=WORK_PATH,
     )
 
     @field_validator("sources", mode="before")
@@ -131,6 +139,7 @@ class TokenizerSection(_Section):
         None,
         description="sentencepiece: an existing .model file instead of training; hf: the folder (its "
         "tokenizer.json, else tokenizer.model) or a tokenizer.json. Relative to the recipe.",
+        json_schema_extra=RECIPE_PATH,
     )
     train_max_lines: int = Field(
         300_000, ge=1, description="sentencepiece: lines of the corpus sampled to train the tokenizer."
@@ -193,7 +202,8 @@ class TrainerSection(_Section):
     num_nodes: int = Field(1, ge=1, description="Machines (torchrun / SLURM).")
     seed: int = Field(1337, description="Seeds weights, data windows and dropout.")
     output_dir: Optional[str] = Field(
-        None, description="Checkpoints and logs (relative to the working directory; null: runs/<recipe name>)."
+        None, description="Checkpoints and logs (relative to the working directory; null: runs/<recipe name>).",
+        json_schema_extra=WORK_PATH,
     )
     log_every_n_steps: int = Field(10, ge=1, description="Steps between log lines and progress-bar updates.")
 

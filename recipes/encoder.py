@@ -17,6 +17,7 @@ import csv
 import functools
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.batching import BucketDataModule, pad, sorted_batches
-from recipes.checkpoint import model_weights
+from recipes.checkpoint import eval_batches, model_weights
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.data import LMDataModule, read_corpus, split, tokenize_corpus
 from recipes.module import IGNORE, LMModule
@@ -341,12 +342,16 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 
 
 @torch.no_grad()
-def predict(model, tokenizer, texts: list[str], max_len: int, max_tokens: int = 8192) -> torch.Tensor:
-    """Class probabilities ``(len(texts), n_classes)``."""
+def predict(model, tokenizer, texts: list[str], max_len: int, max_tokens: int = 8192,
+            progress: bool = False) -> torch.Tensor:
+    """Class probabilities ``(len(texts), n_classes)`` (``progress``: a bar on stderr)."""
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
     rows, lengths = encode_examples(tokenizer, [(t, "") for t in texts], [""], max_len)
     out = torch.empty(len(texts), model.spec.head.n_classes)
-    for batch in sorted_batches(lengths, max(max_tokens, int(lengths.max()))):
+    batches = sorted_batches(lengths, max(max_tokens, int(lengths.max())))
+    for batch in tqdm(batches, desc="eval", unit="batch", leave=False, file=sys.stderr, disable=not progress):
         input_ids, mask, _ = collate_labelled([rows[i] for i in batch], Specials(tokenizer).pad)
         out[torch.as_tensor(batch)] = model(input_ids.to(device), mask.to(device)).float().softmax(-1).cpu()
     return out
@@ -364,14 +369,14 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
         corpus = read_corpus(recipe.data, Path(meta["recipe_file"]))
         tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
         val = split(tokens, recipe.data.val_fraction, recipe.data.seq_len)[1]
-        return masked_lm_metrics(model, tokenizer, val, recipe, args.max_batches or 50)
+        return masked_lm_metrics(model, tokenizer, val, recipe, eval_batches(args, meta))
     recipe = ClassificationRecipe.model_validate(meta["recipe"])
     labels = meta["labels"]
     if args.data:
         examples = read_examples(Path(args.data[0]), recipe.data.text_field, recipe.data.label_field)
     else:
         examples = labelled_examples(recipe.data, Path(meta["recipe_file"]), recipe.trainer.seed)[1]
-    probs = predict(model, tokenizer, [t for t, _ in examples], recipe.data.max_len)
+    probs = predict(model, tokenizer, [t for t, _ in examples], recipe.data.max_len, progress=True)
     index = {name: i for i, name in enumerate(labels)}
     unknown = sorted({label for _, label in examples} - set(index))
     if unknown:
@@ -381,17 +386,22 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
 
 
 @torch.no_grad()
-def masked_lm_metrics(model, tokenizer, tokens: np.ndarray, recipe, max_batches: int) -> dict:
-    """Masked-token cross-entropy and accuracy over consecutive windows (seeded masks)."""
+def masked_lm_metrics(model, tokenizer, tokens: np.ndarray, recipe, max_batches: int | None) -> dict:
+    """Masked-token cross-entropy and accuracy over the first ``max_batches`` batches of
+    consecutive windows (``None``: all of them), with seeded masks; a progress bar on stderr."""
     import torch.nn.functional as F
+    from tqdm.auto import tqdm
 
-    s, width = Specials(tokenizer), recipe.data.seq_len - 2
+    s, width, size = Specials(tokenizer), recipe.data.seq_len - 2, recipe.data.batch_size
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(recipe.trainer.seed)
     total, hits, count = 0.0, 0, 0
-    starts = np.arange(0, len(tokens) - width, width)[: max_batches * recipe.data.batch_size]
-    for first in range(0, len(starts), recipe.data.batch_size):
-        rows = starts[first : first + recipe.data.batch_size, None] + np.arange(width)  # (batch, width)
+    starts = np.arange(0, len(tokens) - width, width)
+    available = -(-len(starts) // size)  # ceil: consecutive batches, what --all scores
+    starts = starts[: None if max_batches is None else max_batches * size]
+    n = -(-len(starts) // size)
+    for first in tqdm(range(0, len(starts), size), total=n, desc="eval", unit="batch", leave=False, file=sys.stderr):
+        rows = starts[first : first + size, None] + np.arange(width)  # (batch, width)
         x = torch.from_numpy(tokens[rows].astype(np.int64))
         column = torch.ones(x.shape[0], 1, dtype=torch.long)
         inputs, labels = mask_tokens(torch.cat((column * s.cls, x, column * s.sep), 1), s, generator,
@@ -403,7 +413,8 @@ def masked_lm_metrics(model, tokenizer, tokens: np.ndarray, recipe, max_batches:
         count += int(chosen.sum())
     if not count:
         raise RecipeError("no validation windows to evaluate")
-    return {"masked_tokens": count, "loss": total / count, "masked_accuracy": hits / count}
+    return {"masked_tokens": count, "loss": total / count, "masked_accuracy": hits / count, "batches": n,
+            "batches_available": available}
 
 
 def generate(model, tokenizer, meta: dict, args) -> str:

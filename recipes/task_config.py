@@ -13,12 +13,18 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from builder.problems import rule_error
-from recipes.config import DataSection, DatasetFields, Recipe, _Section
+from recipes.config import RECIPE_PATH, WORK_PATH, DataSection, DatasetFields, Recipe, _Section
 
 
 class ParallelFiles(_Section):
-    source: str = Field(..., description="Source sentences, one a line (path relative to the recipe).")
-    target: str = Field(..., description="Their translations, line for line (path relative to the recipe).")
+    source: str = Field(
+        ..., description="Source sentences, one a line (path relative to the recipe).",
+        json_schema_extra=RECIPE_PATH,
+    )
+    target: str = Field(
+        ..., description="Their translations, line for line (path relative to the recipe).",
+        json_schema_extra=RECIPE_PATH,
+    )
 
 
 class ParallelDataSection(DatasetFields):
@@ -43,7 +49,10 @@ class ParallelDataSection(DatasetFields):
     limit_pairs: int | None = Field(
         None, ge=1, description="Use only the first this many training pairs (null: all)."
     )
-    cache_dir: str = Field(".cache/builder", description="Tokenizers, keyed by content hash.")
+    cache_dir: str = Field(
+        ".cache/builder", description="Tokenizers, keyed by content hash.",
+        json_schema_extra=WORK_PATH,
+    )
 
     @model_validator(mode="after")
     def _pairs(self):
@@ -141,13 +150,16 @@ class LabeledDataSection(DatasetFields):
         "language); null: the training split.",
     )
     file: str | None = Field(
-        None, description="A .csv (with a header) or .jsonl file of examples (relative to the recipe)."
+        None, description="A .csv (with a header) or .jsonl file of examples (relative to the recipe).",
+        json_schema_extra=RECIPE_PATH,
     )
     by_label: dict[str, str] | None = Field(
-        None, description="Instead of `file`: label -> a text file of that label's examples, one a line."
+        None, description="Instead of `file`: label -> a text file of that label's examples, one a line.",
+        json_schema_extra=RECIPE_PATH,
     )
     validation: str | None = Field(
-        None, description="A held-out file like `file` (null: the last val_fraction of the shuffled examples)."
+        None, description="A held-out file like `file` (null: the last val_fraction of the shuffled examples).",
+        json_schema_extra=RECIPE_PATH,
     )
     text_field: str = Field("text", description="The column or key holding the text.")
     label_field: str = Field("label", description="The column or key holding the label.")
@@ -159,7 +171,10 @@ class LabeledDataSection(DatasetFields):
     max_len: int = Field(128, ge=3, description="Tokens per example, [CLS] and [SEP] included (longer: cut).")
     max_tokens: int = Field(4096, ge=8, description="Token budget of a micro-batch, padding included.")
     bucket_size: int = Field(100, ge=1, description="Batches per length-sorted bucket.")
-    cache_dir: str = Field(".cache/builder", description="Tokenizers, keyed by content hash.")
+    cache_dir: str = Field(
+        ".cache/builder", description="Tokenizers, keyed by content hash.",
+        json_schema_extra=WORK_PATH,
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -177,7 +192,8 @@ class LabeledDataSection(DatasetFields):
 
 class ClassificationSection(_Section):
     init_from: str | None = Field(
-        None, description="An MLM checkpoint (relative to the recipe) whose encoder and tokenizer start the model."
+        None, description="An MLM checkpoint (relative to the recipe) whose encoder and tokenizer start the model.",
+        json_schema_extra=RECIPE_PATH,
     )
     pooling: Literal["first", "mean"] = Field("first", description="first ([CLS]) | mean over real tokens.")
     pooler: bool = Field(False, description="BERT's tanh pooler before the classifier.")

@@ -79,7 +79,7 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     from recipes.train import output_dir, run_session
 
     out = output_dir(recipe, recipe_file)
-    with run_session(recipe, out, fresh, resume) as stop:
+    with run_session(recipe, out, fresh, resume, recipe_file=recipe_file) as stop:
         return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks)
 
 
@@ -87,9 +87,9 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
                 callbacks: list | None) -> dict:
     from recipes.train import (
         fit,
-        make_trainer,
         quiet_lightning,
         resume_path,
+        run_trainer,
         stop_callback,
         training_meta,
         training_model,
@@ -108,8 +108,9 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
     throughput = CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
     extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
-    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, *extra, *(callbacks or []),
-                                                stop_callback(stop, checkpoints)])
+    trainer = run_trainer(recipe, recipe_file, prepared.spec, out, model,
+                          [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
+                          ckpt)
     fit(trainer, module, prepared.data, ckpt)
 
     summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,

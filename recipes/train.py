@@ -1,8 +1,9 @@
 """`builder train RECIPE`: corpus, tokenizer, model, Lightning Trainer, checkpoints, samples.
 
-A run writes everything under its output dir: ``checkpoints/last.ckpt`` and ``best.ckpt``, CSV
-and TensorBoard logs, ``loss.png``. Running the same recipe again resumes from ``last.ckpt``
-(same step, optimizer, schedule, data position and random state); ``--fresh`` starts over.
+A run writes everything under its output dir: ``config.yaml`` (the resolved recipe, a recipe
+again), ``checkpoints/last.ckpt`` and ``best.ckpt``, CSV and TensorBoard logs, ``loss.png``.
+Running the same recipe again resumes from ``last.ckpt`` (same step, optimizer, schedule, data
+position and random state); ``--fresh`` starts over.
 While it runs, the folder is checked writable and locked (:mod:`recipes.runfolder`) and a
 signal saves a checkpoint and stops it (:mod:`recipes.signals`).
 """
@@ -27,6 +28,7 @@ from recipes.checkpoint import newest_intact
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec
 from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
+from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
 from recipes.tokenizer import build_tokenizer
 
 #: recipe precision -> Lightning's name for it
@@ -117,7 +119,7 @@ def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -
     """What a checkpoint carries besides weights, so eval and generate need nothing else."""
     return {
         "spec": spec.model_dump(mode="json"),
-        "recipe": recipe.model_dump(mode="json"),
+        "recipe": recipe_dump(recipe, recipe_file),  # its data paths absolute
         "recipe_file": str(recipe_file),
         "tokenizer": tokenizer.state(),
         **extra,
@@ -211,9 +213,11 @@ def _trained_differently(path: Path, lines: list[str]) -> RecipeError:
                        "or set trainer.output_dir to a new folder")
 
 
-def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spec_of=None) -> None:
+def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spec_of=None,
+                       recipe_file: Path | None = None) -> None:
     """Before any data or model work: the recipe of the checkpoint a resume starts from (its
-    pickle alone) against this one, and with ``spec_of(vocab_size) -> spec dict`` the spec it
+    pickle alone) against this one (its paths absolute, as checkpoints keep them: ``recipe_file``
+    is where relative ones start), and with ``spec_of(vocab_size) -> spec dict`` the spec it
     resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
     checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
     from builder.integrity import CheckpointError, read_checkpoint
@@ -224,7 +228,7 @@ def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spe
         saved = read_checkpoint(path, check=False).get("builder") or {}
     except CheckpointError:
         return  # none, or damaged: resume_path finds what to resume from and says so
-    refused, _ = recipe_differences(saved.get("recipe") or {}, recipe.model_dump(mode="json"))
+    refused, _ = recipe_differences(saved.get("recipe") or {}, recipe_dump(recipe, recipe_file))
     saved_spec = saved.get("spec")
     if spec_of is not None and isinstance(saved_spec, dict) and isinstance(saved_spec.get("vocab_size"), int):
         try:
@@ -235,9 +239,10 @@ def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spe
         raise _trained_differently(path, refused)
 
 
-def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer:
+def make_trainer(recipe: Recipe, out: Path, model, callbacks: list, resume_step: int | None = None) -> L.Trainer:
     """The recipe's Lightning Trainer writing under ``out`` (progress bar, logs and checkpoint IO
-    included); ``callbacks`` go first."""
+    included); ``callbacks`` go first. ``resume_step``: the step of the checkpoint a resumed run
+    starts from (its logs continue the latest version, from that step)."""
     settings = recipe.trainer
     return L.Trainer(
         max_steps=settings.max_steps,
@@ -254,10 +259,7 @@ def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer
         accelerator=settings.accelerator,
         devices=settings.devices,
         num_nodes=settings.num_nodes,
-        logger=[
-            L.pytorch.loggers.CSVLogger(out, name="logs"),
-            L.pytorch.loggers.TensorBoardLogger(out, name="tensorboard"),
-        ],
+        logger=run_loggers(out, resume_step),
         callbacks=[*callbacks, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
         plugins=[] if settings.strategy == "fsdp" else [AtomicCheckpointIO()],
         enable_checkpointing=False,
@@ -266,6 +268,18 @@ def make_trainer(recipe: Recipe, out: Path, model, callbacks: list) -> L.Trainer
         log_every_n_steps=settings.log_every_n_steps,
         default_root_dir=out,
     )
+
+
+def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, model, callbacks: list,
+                ckpt: Path | None) -> L.Trainer:
+    """:func:`make_trainer` for this run: a run resumed from ``ckpt`` continues its logs from that
+    checkpoint's step; the run folder gets ``config.yaml`` and the loggers the resolved recipe."""
+    from builder.integrity import read_checkpoint
+
+    step = int(read_checkpoint(ckpt, check=False).get("global_step") or 0) if ckpt is not None else None
+    trainer = make_trainer(recipe, out, model, callbacks, resume_step=step)
+    record(trainer, out, resolved_recipe(recipe, recipe_file, spec, out))
+    return trainer
 
 
 def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
@@ -309,12 +323,13 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
         return run_task(recipe, recipe_file, resume=resume, fresh=fresh)
     out = output_dir(recipe, recipe_file)
     spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")  # noqa: E731
-    with run_session(recipe, out, fresh, resume, spec_of) as stop:
+    with run_session(recipe, out, fresh, resume, spec_of, recipe_file) as stop:
         return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples)
 
 
 @contextlib.contextmanager
-def run_session(recipe: Recipe, out: Path, fresh: bool, resume: str | bool | None = None, spec_of=None):
+def run_session(recipe: Recipe, out: Path, fresh: bool, resume: str | bool | None = None, spec_of=None,
+                recipe_file: Path | None = None):
     """What a run holds from its first step to its last: signals caught (:mod:`recipes.signals`)
     and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
     (:func:`recipes.runfolder.claim`); a resume with a changed recipe refused before any work
@@ -326,7 +341,7 @@ def run_session(recipe: Recipe, out: Path, fresh: bool, resume: str | bool | Non
     cache = getattr(recipe.data, "cache_dir", None)
     with stop.installed(), claim(out, Path(cache) if cache else None, fresh=fresh, say=say):
         if not fresh:
-            check_recipe_early(out, recipe, resume, spec_of)
+            check_recipe_early(out, recipe, resume, spec_of, recipe_file)
         yield stop
 
 
@@ -357,7 +372,8 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
         recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
         flops_per_token, settings.precision, settings.log_every_n_steps,
     )
-    trainer = make_trainer(recipe, out, model, [checkpoints, throughput, stop_callback(stop, checkpoints)])
+    trainer = run_trainer(recipe, recipe_file, spec, out, model,
+                          [checkpoints, throughput, stop_callback(stop, checkpoints)], ckpt)
     fit(trainer, module, data, ckpt)
 
     summary = wrap_up(trainer, module, data, throughput, checkpoints, out,

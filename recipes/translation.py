@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -85,15 +86,21 @@ def tokens_of(batch) -> int:
 
 @torch.no_grad()
 def translate(model, tokenizer, sources: list[str], num_beams: int = 1, length_penalty: float = 1.0,
-              max_len_a: float = 1.5, max_len_b: int = 10, max_tokens: int = 6000) -> list[str]:
-    """Decode ``sources`` (greedy for ``num_beams=1``); the batches hold like lengths."""
+              max_len_a: float = 1.5, max_len_b: int = 10, max_tokens: int = 6000, progress: bool = False) -> list[str]:
+    """Decode ``sources`` (greedy for ``num_beams=1``); the batches hold like lengths (``progress``:
+    a bar of sentences on stderr)."""
+    from tqdm.auto import tqdm
+
     pad_id, bos, eos = special_ids(tokenizer)
     device = next(model.parameters()).device
     limit = model.spec.max_seq_len if getattr(model, "spec", None) is not None else None
     ids = [tokenizer.sp.encode(s)[: limit - 1 if limit else None] + [eos] for s in sources]  # the start kept
     lengths = np.array([len(i) for i in ids])
     out: list[str] = [""] * len(sources)
+    bar = tqdm(total=len(sources), desc="translating", unit="sentence", leave=False, file=sys.stderr,
+               disable=not progress)
     for batch in sorted_batches(lengths, max(max_tokens // num_beams, int(lengths.max()))):
+        bar.update(len(batch))
         src = pad([ids[i] for i in batch], pad_id).to(device)  # (batch, src_len)
         new = int(max_len_a * src.shape[1] + max_len_b)
         new = min(new, limit - 1) if limit else new
@@ -102,6 +109,7 @@ def translate(model, tokenizer, sources: list[str], num_beams: int = 1, length_p
                               decoder_start_token_id=bos)
         for i, row in zip(batch, rows[:, 1:].tolist()):
             out[i] = tokenizer.decode(row[: row.index(eos)] if eos in row else row)
+    bar.close()
     return out
 
 
@@ -265,7 +273,7 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
     settings = recipe["eval"]
     beams = args.num_beams or settings["num_beams"]
     lp = args.length_penalty if args.length_penalty is not None else settings["length_penalty"]
-    hyps = translate(model, tokenizer, sources, beams, lp, settings["max_len_a"], settings["max_len_b"])
+    hyps = translate(model, tokenizer, sources, beams, lp, settings["max_len_a"], settings["max_len_b"], progress=True)
     if args.output:
         Path(args.output).write_text("\n".join(hyps) + "\n", encoding="utf-8")
     result = score(hyps, references)

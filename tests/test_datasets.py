@@ -35,6 +35,7 @@ def served(monkeypatch):
     """A local server holding the files, the registry pointed at it (with the stand-ins'
     checksums when the real files are not here). Yields ``(server, contents)``."""
     contents, kind = _contents()
+    monkeypatch.setattr(datasets, "_NOTICED", set())  # terms are printed once a process: this one is new
     with Server() as server:
         for name in ("tinyshakespeare", "multi30k"):
             dataset = datasets.DATASETS[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import signal
 import subprocess
 import time
@@ -39,6 +40,11 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     resumed = run(killed, samples=False)  # the same command again: it picks up last.ckpt
     assert resumed["steps"] == steps
     assert f"resuming from {last}" in capsys.readouterr().out
+    out = killed_dir / "run"  # one log, continued: every step once
+    assert [p.name for p in (out / "logs").iterdir()] == ["version_0"] == [p.name for p in (out / "tensorboard").iterdir()]
+    with open(out / "logs" / "version_0" / "metrics.csv", newline="") as f:
+        logged = [int(row["step"]) for row in csv.DictReader(f) if row["loss"]]
+    assert logged == sorted(set(logged)) and logged[-1] == steps - 1
 
     unbroken = tiny_recipe(unbroken_dir, trainer=dict(trainer, output_dir=str(unbroken_dir / "run")))
     summary = run(unbroken, samples=False)

@@ -69,7 +69,7 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, tmp_path, monkeyp
     assert (work / summary["output_dir"] / "checkpoints" / "last.ckpt").is_file()
     assert "downloading" not in capsys.readouterr().err
 
-    extra = ["--max-sentences", "4"] if recipe.get("task") == "translation" else ["--max-batches", "2"]
+    extra = {"translation": ["--max-sentences", "4"], "classification": []}.get(recipe.get("task"), ["--max-batches", "2"])
     assert main(["eval", summary["last"], "--json", *extra]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 3

@@ -1,4 +1,11 @@
-"""`builder eval CKPT`: validation loss and perplexity of a checkpoint written by `builder train`."""
+"""`builder eval CKPT`: validation loss and perplexity of a checkpoint written by `builder train`.
+
+How much is scored: by default what the run's own validations scored (the recipe's
+``trainer.limit_val_batches`` batches; on the recipe's data, the same windows, so the loss is the
+run's validation loss); ``--max-batches N`` scores N batches, ``--all`` every batch (of an LM,
+consecutive non-overlapping windows). Either way it shows a progress bar and says how many
+batches it scored of how many there are.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN),
                         help="tokens per window, at most the model's max_seq_len (default: the recipe's)")
     parser.add_argument("--batch-size", type=count(maximum=MAX_BATCH), help="windows per batch (default: the recipe's)")
-    parser.add_argument("--max-batches", type=count(), help="stop after this many batches (default: all the data)")
+    how_many = parser.add_mutually_exclusive_group()
+    how_many.add_argument("--max-batches", type=count(), metavar="N",
+                          help="score N batches (default: the recipe's trainer.limit_val_batches, as its validations did)")
+    how_many.add_argument("--all", action="store_true",
+                          help="score every batch (an LM: every consecutive window of the data)")
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     add_plugin_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -37,10 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 #: the options each task's evaluation reads (the others are refused, not ignored)
 OPTIONS = {
-    "lm": ("data", "seq_len", "batch_size", "max_batches"),
+    "lm": ("data", "seq_len", "batch_size", "max_batches", "all"),
     "translation": ("src", "ref", "split", "num_beams", "length_penalty", "max_sentences", "output"),
-    "mlm": ("max_batches",),
-    "classification": ("data", "max_batches"),
+    "mlm": ("max_batches", "all"),
+    "classification": ("data",),  # every example of the file or the validation split
 }
 
 
@@ -64,7 +75,7 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: dict[str, tupl
 def run(args: argparse.Namespace) -> int:
     from builder.commands.arguments import ArgumentError, at_most
     from builder.plugins import PluginError
-    from recipes.checkpoint import evaluate, file_tokens, load_trained, recipe_tokens
+    from recipes.checkpoint import eval_batches, evaluate, file_tokens, load_trained, recipe_tokens
     from recipes.config import RecipeError
 
     try:
@@ -79,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
             tokens = file_tokens(args.data, tokenizer, data["cache_dir"])
         else:
             tokens = recipe_tokens(meta, tokenizer)
+        # on the recipe's data, the windows its validations drew; on other files, consecutive ones
+        seed = None if args.data else meta["recipe"]["trainer"]["seed"]
         result = evaluate(model, tokens, args.seq_len or data["seq_len"], args.batch_size or data["batch_size"],
-                          args.max_batches)
+                          eval_batches(args, meta), seed)
     except (RecipeError, ArgumentError, PluginError) as exc:
         print(f"builder eval: {exc}", file=sys.stderr)
         return 1
@@ -91,7 +104,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{args.checkpoint} (step {result['step']}) on {result['data']}: {result['tokens']:,} tokens, "
               f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
+        print(scored(result["batches"], result["batches_available"], args))
     return 0
+
+
+def scored(batches: int, available: int | None, args: argparse.Namespace) -> str:
+    """The line that says how much was scored, and how to score all of it."""
+    if args.all:
+        return f"scored all {batches:,} batches (--all)"
+    how = f"--max-batches {args.max_batches}" if args.max_batches else "the recipe's trainer.limit_val_batches"
+    more = f"; --all scores all {available:,}" if available is not None and available != batches else ""
+    return f"scored {batches:,} batches ({how}){more}"
 
 
 def _print_task(args: argparse.Namespace, meta: dict, model, tokenizer) -> int:
@@ -103,6 +126,9 @@ def _print_task(args: argparse.Namespace, meta: dict, model, tokenizer) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    available = result.pop("batches_available", None)
     for key, value in result.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    if "batches" in result:
+        print(scored(result["batches"], available, args))
     return 0

@@ -1,0 +1,163 @@
+"""A run folder that explains itself: the recipe as the run resolved it (``config.yaml``, a recipe
+again), the same as the loggers' hyperparameters (``hparams.yaml``), and CSV and TensorBoard logs
+that a resumed run continues instead of starting a new version.
+
+Log versions: a new run (or ``--fresh``) writes ``logs/version_N`` and ``tensorboard/version_N``
+with the next free N; a resumed run continues the latest, dropping what the interrupted run logged
+after the checkpoint it resumes from (the CSV rows from that step on; TensorBoard's ``purge_step``),
+so every step appears once.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from pydantic import BaseModel
+
+CONFIG = "config.yaml"
+
+_HEADER = """\
+# The recipe as this run resolved it: every field with its value (defaults included), the model
+# spec inline with its overrides applied, paths absolute. It is a recipe again:
+#   builder train {path}                       # continues this run (--fresh: start it over)
+#   builder train {path} --set trainer.output_dir=runs/again   # the same run in a new folder
+"""
+
+
+def recipe_dump(recipe: BaseModel, recipe_file: Path | None, working_dir: bool = False) -> dict[str, Any]:
+    """``recipe.model_dump(mode="json")`` with its paths absolute: the fields whose schema says
+    ``relative_to: recipe`` (data files, a tokenizer file, init_from), and with ``working_dir`` also
+    those relative to the working directory (cache and output folders). Dataset names stay names.
+    What a checkpoint keeps (so a resume started from another file or folder compares equal)."""
+    dumped = recipe.model_dump(mode="json")
+    recipe_dir = Path(recipe_file).resolve().parent if recipe_file is not None else Path.cwd()
+    _absolute_paths(recipe, dumped, recipe_dir, Path.cwd() if working_dir else None)
+    return dumped
+
+
+def resolved_recipe(recipe: BaseModel, recipe_file: Path, spec: BaseModel, out: Path) -> dict[str, Any]:
+    """``recipe`` as plain data that loads as a recipe from anywhere: every path absolute
+    (:func:`recipe_dump`), the validated ``spec`` inline (no overrides left to apply)."""
+    config = recipe_dump(recipe, recipe_file, working_dir=True)
+    inline = {k: v for k, v in spec.model_dump(mode="json").items() if k != "extends"}  # resolved already
+    config["model"] = {"spec": inline, "overrides": {}}
+    config["trainer"]["output_dir"] = str(Path(out).resolve())
+    return config
+
+
+def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path | None) -> None:
+    from recipes.datasets import DATASETS
+
+    def absolute(value, base: Path):
+        if isinstance(value, list):
+            return [absolute(v, base) for v in value]
+        if isinstance(value, dict):
+            return {k: absolute(v, base) for k, v in value.items()}
+        if value in DATASETS:  # a dataset's name (in data.sources) stays a name
+            return value
+        return str((base / Path(value).expanduser()).resolve())
+
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            _absolute_paths(value, dumped[name], recipe_dir, cwd)
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        base = {"recipe": recipe_dir, "cwd": cwd}.get(extra.get("relative_to"))
+        if base is not None and dumped[name] is not None:
+            dumped[name] = absolute(dumped[name], base)
+
+
+def write_config(out: Path, config: dict[str, Any]) -> Path:
+    """``out/config.yaml``, written whole or not at all."""
+    from recipes.tokenizer import write_atomic
+
+    path = Path(out) / CONFIG
+    text = _HEADER.format(path=path) + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    write_atomic(path, text.encode("utf-8"))
+    return path
+
+
+def log_version(out: Path, resuming: bool) -> int:
+    """The log version of this run: the latest under ``out`` when resuming, else the next."""
+    found = [int(m.group(1)) for d in ("logs", "tensorboard") if (Path(out) / d).is_dir()
+             for p in (Path(out) / d).iterdir() if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    if not found:
+        return 0
+    return max(found) if resuming else max(found) + 1
+
+
+def run_loggers(out: Path, resume_step: int | None) -> list:
+    """CSV and TensorBoard loggers under ``out``, continuing the latest version when
+    ``resume_step`` (the step of the checkpoint resumed from) is given."""
+    version = log_version(out, resume_step is not None)
+    purge = {} if resume_step is None else {"purge_step": resume_step}
+    return [
+        ContinuedCSVLogger(out, name="logs", version=version, resume_step=resume_step),
+        TensorBoardLogger(out, name="tensorboard", version=version, default_hp_metric=False, **purge),
+    ]
+
+
+def record(trainer, out: Path, config: dict[str, Any]) -> None:
+    """Write ``config.yaml`` and give every logger the resolved recipe as its hyperparameters."""
+    if trainer.is_global_zero:
+        write_config(out, config)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(config)
+
+
+class _ContinuedWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` of a resumed run is kept
+    (its rows before ``resume_step``) and appended to, instead of deleted."""
+
+    def __init__(self, log_dir: str, resume_step: int | None):
+        self.resume_step = resume_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        path = self.metrics_file_path
+        if self.resume_step is None or not os.path.isfile(path):
+            super()._check_log_dir_exists()
+            return
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            keys = list(reader.fieldnames or [])
+            rows = [row for row in reader if _step(row) < self.resume_step]
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+        self.metrics_keys = keys  # new columns rewrite the header over these rows
+
+
+def _step(row: dict) -> float:
+    try:
+        return float(row.get("step") or 0)
+    except ValueError:
+        return 0.0
+
+
+class ContinuedCSVLogger(CSVLogger):
+    """:class:`CSVLogger` whose ``metrics.csv`` a resumed run continues (see :class:`_ContinuedWriter`)."""
+
+    def __init__(self, *args, resume_step: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _ContinuedWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuedWriter(self.log_dir, self.resume_step)
+        return self._experiment
