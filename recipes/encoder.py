@@ -156,9 +156,9 @@ def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     tokenizer = encoder_tokenizer(recipe, recipe_file, corpus.text, corpus.hash)
     tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
     spec = _encoder_spec(recipe, recipe_file, tokenizer.vocab_size)
-    if spec.head.type != "mlm" and spec.head.type != "lm":
-        raise RecipeError(f"model: masked-LM pretraining needs a head of type mlm (or lm); {spec.name} has "
-                          f"{spec.head.type}")
+    if not type(spec.head).projects_to_vocab:
+        raise RecipeError(f"model: masked-LM pretraining needs a head of type mlm (or lm), one that projects to "
+                          f"the vocabulary; {spec.name} has {spec.head.type}")
     if recipe.data.seq_len > spec.max_seq_len:
         raise RecipeError(f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "
                           f"{spec.max_seq_len}")

@@ -96,3 +96,23 @@ def test_attention_decodes_with_its_cache_as_full_recomputation(attention):
 @pytest.mark.parametrize("position", list(_cases("position", where="attention")))
 def test_attention_positions_decode_with_the_cache_as_full_recomputation(position):
     _check_decoding(*_decoder(position=position))
+
+
+def test_register_refuses_a_block_that_breaks_its_contract():
+    from typing import Literal
+
+    from blocks.configs.base import NormBlock
+    from blocks.configs.norm import RMSNormConfig
+    from blocks.registry import RegistryError, register
+
+    class HalfNorm(NormBlock):
+        type: Literal["half"] = "half"
+
+        def params(self, d_model: int) -> int:
+            return d_model
+
+    with pytest.raises(RegistryError, match="leaves param_shapes, saved_bytes of NormBlock unimplemented"):
+        register("norm", "nowhere:HalfNorm")(HalfNorm)
+    with pytest.raises(RegistryError, match="must subclass blocks.configs.base.AttentionBlock"):
+        register("attention", "nowhere:RMSNorm")(RMSNormConfig)
+    assert "half" not in registry.configs("norm")

@@ -125,15 +125,15 @@ def _expected_cache_bytes(model, spec, rows: int, prompt: int, new: int, src: in
     for i in range(stack.n_layers):
         layer = stack.layer(i)
         attn = layer.attention
-        if attn.type == "mla":  # DeepSeek: the latent and the one rotary key, nothing per head
-            per_token, window = attn.kv_lora_rank + attn.qk_rope_head_dim, None
-        else:  # keys and values of every key/value head
-            per_token, window = 2 * attn.n_kv_heads * attn.resolved_head_dim(spec.d_model), attn.sliding_window
+        # what the block declares it caches per token (multi_head: keys and values of every
+        # key/value head; mla: the latent and the one rotary key) and how far back
+        layout = attn.kv_cache(spec.d_model)
+        per_token, window = sum(t.heads * t.width for t in layout.tensors), layout.window
         capacity = prompt + new if window is None else min(prompt + new, window)
         total += rows * capacity * per_token * 4
         if src is not None:
-            cross = layer.cross_attention
-            total += 2 * rows * cross.n_kv_heads * src * cross.resolved_head_dim(spec.d_model) * 4
+            cross = layer.cross_attention.kv_cache(spec.d_model, cross=True)  # the source's keys and values
+            total += rows * src * sum(t.heads * t.width for t in cross.tensors) * 4
     return total
 
 

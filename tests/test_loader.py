@@ -334,6 +334,8 @@ def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
             type: Literal["scalenorm"] = "scalenorm"
             def params(self, d_model):
                 return 1
+            def param_shapes(self, d_model):
+                return {"scale": ()}
             def saved_bytes(self, d_model, tokens, act_bytes):
                 return tokens * d_model * 4
         """)

@@ -143,7 +143,7 @@ def test_the_registry_walking_tests_cover_plugin_blocks_unedited(tmp_path):
     (tmp_path / "mypackage").mkdir()
     (tmp_path / "mypackage" / "__init__.py").write_text("")
     (tmp_path / "mypackage" / "blocks.py").write_text(example)
-    files = ["tests/test_block_counts.py", "tests/test_contracts.py", "tests/test_blocks.py"]
+    files = ["tests/test_block_counts.py", "tests/test_contracts.py", "tests/test_blocks.py", "tests/test_layout.py"]
     env = dict(_env(), BUILDER_PLUGINS="plugin_blocks,mypackage.blocks")
     env["PYTHONPATH"] += os.pathsep + str(tmp_path)
     run = subprocess.run(
@@ -157,12 +157,14 @@ def test_the_registry_walking_tests_cover_plugin_blocks_unedited(tmp_path):
     # schema, build-run-backprop; lowrank_kv is no cross-attention (skipped, with its reason)
     for name, tests in {
         "lowrank_kv": {"test_attention", "test_attention_decodes_with_its_cache_as_full_recomputation",
+                       "test_param_shapes_are_what_the_block_builds",
                        "test_every_block_joins_a_spec_and_the_json_schema",
                        "test_every_registered_block_builds_runs_and_backpropagates"},
         "interleaved_rope": {"test_position", "test_attention_positions_decode_with_the_cache_as_full_recomputation",
                              "test_every_block_joins_a_spec_and_the_json_schema",
                              "test_every_registered_block_builds_runs_and_backpropagates"},
         "scalenorm": {"test_norm", "test_every_block_joins_a_spec_and_the_json_schema",
+                      "test_param_shapes_are_what_the_block_builds",
                       "test_every_registered_block_builds_runs_and_backpropagates"},
     }.items():
         assert tests <= {test for test, case in passed if name in case}, (name, run.stdout[-2000:])

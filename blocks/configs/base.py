@@ -80,7 +80,8 @@ class BlockConfig(BaseModel):
 
     # Each kind also declares ``param_shapes(...)`` (the same arguments as its ``params``): every
     # parameter tensor its module creates, named relative to the module as ``named_parameters()``
-    # names it, with its shape. ``builder.layout`` shards them tensor by tensor.
+    # names it, with its shape. ``builder.layout`` shards them tensor by tensor. Abstract for
+    # attention, FFN and norm blocks; positions and heads without parameters inherit ``{}``.
 
 
 def indivisible(degree: int, **fields: int) -> Problems:
@@ -151,6 +152,10 @@ class AttentionBlock(BlockConfig):
     @abstractmethod
     def params(self, d_model: int) -> int:
         """Exact parameter count."""
+
+    @abstractmethod
+    def param_shapes(self, d_model: int) -> Shapes:
+        """Every parameter tensor of the module, by ``named_parameters()`` name, with its shape."""
 
     @abstractmethod
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
@@ -307,6 +312,9 @@ class FFNBlock(BlockConfig):
     def params(self, d_model: int) -> int: ...
 
     @abstractmethod
+    def param_shapes(self, d_model: int) -> Shapes: ...
+
+    @abstractmethod
     def flops(self, d_model: int, tokens: int) -> int: ...
 
     @abstractmethod
@@ -331,6 +339,9 @@ class NormBlock(BlockConfig):
 
     @abstractmethod
     def params(self, d_model: int) -> int: ...
+
+    @abstractmethod
+    def param_shapes(self, d_model: int) -> Shapes: ...
 
     @abstractmethod
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:

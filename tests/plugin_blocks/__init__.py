@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Loc, PositionBlock, Problems
+from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Loc, PositionBlock, Problems, Shapes
 from blocks.registry import register
 
 
@@ -50,6 +50,12 @@ class LowRankKVConfig(AttentionBlock):
                 + d_model * (self.kv_rank + self.rope_dim)  # kv_down: the latent and the rotary key
                 + self.kv_rank * n * (self.head_dim + self.v_head_dim)  # kv_up
                 + n * self.v_head_dim * d_model)  # out_proj
+
+    def param_shapes(self, d_model: int) -> Shapes:
+        n, qk = self.n_heads, self.head_dim + self.rope_dim
+        return {"q_proj.weight": (n * qk, d_model), "kv_down.weight": (self.kv_rank + self.rope_dim, d_model),
+                "kv_up.weight": (n * (self.head_dim + self.v_head_dim), self.kv_rank),
+                "out_proj.weight": (d_model, n * self.v_head_dim)}
 
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         n, qk = self.n_heads, self.head_dim + self.rope_dim
