@@ -102,6 +102,8 @@ class StopOnSignal(L.Callback):
     def __init__(self, stop: SignalStop, save: Callable[[L.Trainer], Path]):
         self.stop, self.save = stop, save
         self._inflight = None  # (pinned host copy, CUDA event) of the last step's agreement
+        self._buffers = None
+        self._steps = 0
 
     def on_train_start(self, trainer, pl_module):
         self.stop.install()  # over Lightning's handlers (it restores ours when fit tears down)
@@ -112,7 +114,8 @@ class StopOnSignal(L.Callback):
 
     def _agreed(self, trainer, now: bool = False) -> int:
         """The signal any rank received (0: none); with several CUDA processes, the agreement of
-        the previous step unless ``now``."""
+        the previous step unless ``now`` (the flag is filled on the device by a kernel, reduced,
+        and copied to pinned memory behind an event, so the host never waits on the queue)."""
         local = self.stop.received or 0
         if trainer.world_size == 1:
             return local
@@ -121,12 +124,15 @@ class StopOnSignal(L.Callback):
 
         if not (dist.is_available() and dist.is_initialized()):
             return local
-        flag = torch.tensor([local], dtype=torch.int32, device=trainer.strategy.root_device)
+        flag = torch.full((1,), local, dtype=torch.int32, device=trainer.strategy.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.device.type != "cuda" or now:
             self._inflight = None
             return int(flag.item())
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        if self._buffers is None:  # two pinned slots: one being written, the other read
+            self._buffers = [torch.empty(1, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        host = self._buffers[self._steps % 2]
+        self._steps += 1
         host.copy_(flag, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

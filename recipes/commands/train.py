@@ -17,8 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sets a field of the model spec."
     )
     parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT", type=input_path,
-                        help="resume from CKPT (default: the run's last.ckpt; a rerun resumes by itself)")
-    parser.add_argument("--fresh", action="store_true", help="ignore an earlier run's last.ckpt and start over")
+                        help="resume from CKPT (default: the newest intact of the run's last.ckpt, last-1.ckpt "
+                        "and best.ckpt; a rerun resumes by itself)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over in the same folder; earlier checkpoints move to checkpoints.before-fresh-TIME")
     parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
 
 
