@@ -36,7 +36,11 @@ class Embeddings(nn.Module):
                 position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-        x = self.tokens(input_ids)  # (batch, seq, d_model)
+        table = self.tokens.weight
+        if input_ids.device != table.device and table.device.type != "meta":
+            raise ValueError(f"input_ids are on {input_ids.device}, the model on {table.device}; "
+                             f"move them first: input_ids.to({str(table.device)!r})")
+        x = _lookup(self.tokens, input_ids, "input_ids", "the vocabulary")  # (batch, seq, d_model)
         if self.scale is not None:
             x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.scale_in_model_dtype else self.scale)
         if position_embeddings is not None:
@@ -44,12 +48,26 @@ class Embeddings(nn.Module):
         if token_type_ids is not None:
             if self.segments is None:
                 raise ValueError("token_type_ids given but the spec has no segment table (embedding.segments: 0)")
-            x = x + self.segments(token_type_ids)
+            x = x + _lookup(self.segments, token_type_ids, "token_type_ids", "the segment table")
         elif self.segments is not None:
             x = x + self.segments.weight[0]  # type 0 everywhere, as BERT defaults
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x)
+
+
+def _lookup(table: nn.Embedding, ids: torch.Tensor, name: str, what: str) -> torch.Tensor:
+    """``table(ids)``, an id outside the table being a ``ValueError`` that says the range. Free: on
+    the CPU the lookup's own IndexError is turned into it; on a GPU an id out of range stops the
+    kernel with a device-side assert (checking first would cost a synchronisation per forward;
+    ``generate`` checks its prompt)."""
+    try:
+        return table(ids)
+    except IndexError:
+        rows = table.num_embeddings
+        bad = ids[(ids < 0) | (ids >= rows)]
+        shown = f" (e.g. {int(bad[0])})" if bad.numel() else ""
+        raise ValueError(f"{name} holds ids outside {what}{shown}: ids must be in [0, {rows - 1}]") from None
 
 
 def _table(rows: int, d_model: int) -> nn.Embedding:

@@ -25,6 +25,8 @@ mode while decoding and restored afterwards.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from blocks.cache import KVCache
@@ -87,7 +89,17 @@ def sample_next(logits: torch.Tensor, temperature: float | None, top_k: int | No
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
 
 
-def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature):
+def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator):
+    """The decoding options, before any work: a wrong type is a ``TypeError``, a value out of its
+    range a ``ValueError``, each naming the argument and what it takes."""
+    for name, value, optional in (("max_new_tokens", max_new_tokens, False), ("num_beams", num_beams, False),
+                                  ("top_k", top_k, True)):
+        if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    for name, value in (("top_p", top_p), ("temperature", temperature), ("length_penalty", length_penalty)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if num_beams < 1:
@@ -98,6 +110,11 @@ def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature is not None and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if streamer is not None and not (callable(streamer) or callable(getattr(streamer, "put", None))):
+        raise TypeError(f"streamer must be a callable or have a put() method (a Hugging Face streamer), "
+                        f"got {type(streamer).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
 
 class GenerationMixin:
@@ -119,7 +136,10 @@ class GenerationMixin:
         ``use_cache=False`` recomputes the whole sequence at every step (a reference).
         After the call ``self.last_cache_nbytes`` holds the cache's bytes (see module doc).
         """
-        _check_args(max_new_tokens, num_beams, top_k, top_p, temperature)
+        _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator)
+        self._check_prompt(input_ids, decoder_input_ids, attention_mask, max_new_tokens,
+                           eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                           decoder_start_token_id=decoder_start_token_id)
         if do_sample is None:
             do_sample = (temperature is not None and temperature != 0) or top_k is not None or top_p is not None
         if temperature == 0:
@@ -145,6 +165,48 @@ class GenerationMixin:
             return out
         finally:
             self.train(was_training)
+
+    def _check_prompt(self, input_ids, decoder_input_ids, attention_mask, max_new_tokens: int, **special) -> None:
+        """Token ids a decode can start from, before any work: tensors of (batch, seq) integer
+        ids inside the vocabulary (checked here once: a forward on a GPU does not), not empty,
+        and room for ``max_new_tokens`` within ``max_seq_len``."""
+        decoder = self.decoder
+        vocab = decoder.embedding.tokens.num_embeddings
+        prompts = [("input_ids", input_ids)]
+        if decoder_input_ids is not None:
+            prompts.append(("decoder_input_ids", decoder_input_ids))
+        for name, ids in prompts:
+            if not isinstance(ids, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor of token ids (batch, seq), got {type(ids).__name__}")
+            if ids.dim() != 2:
+                raise ValueError(f"{name} must be (batch, seq), got shape {tuple(ids.shape)}")
+            if ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+            if ids.numel() == 0:
+                raise ValueError(f"{name} is empty, shape {tuple(ids.shape)}: pass at least one token per row "
+                                 "(a start-of-sequence id)")
+            if ids.device.type != "meta" and bool(((ids < 0) | (ids >= vocab)).any()):
+                raise ValueError(f"{name} holds ids outside the vocabulary: ids must be in [0, {vocab - 1}]")
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, "
+                            f"got {type(attention_mask).__name__}")
+        for name, value in special.items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab):
+                    raise ValueError(f"{name} must be a token id in [0, {vocab - 1}], got {v!r}")
+        limit = decoder.max_seq_len
+        if hasattr(self, "encoder") and self.encoder.max_seq_len is not None:
+            if input_ids.shape[1] > self.encoder.max_seq_len:
+                raise ValueError(f"input_ids has {input_ids.shape[1]} tokens, more than the model's max_seq_len "
+                                 f"{self.encoder.max_seq_len}")
+        prompt = prompts[-1][1].shape[1] if decoder_input_ids is not None or not hasattr(self, "encoder") else 1
+        if limit is not None and prompt + max_new_tokens - 1 > limit:
+            room = limit - prompt + 1
+            hint = f"at most {room} new tokens" if room >= 1 else f"a prompt of at most {limit} tokens"
+            raise ValueError(f"a prompt of {prompt} tokens and max_new_tokens {max_new_tokens} need "
+                             f"{prompt + max_new_tokens - 1} positions, more than the model's max_seq_len {limit}; "
+                             f"ask for {hint} (or slide a window over the context, as `builder generate` does)")
 
     def _decode_state(self, input_ids, attention_mask, decoder_input_ids, start_id, pad, num_beams, use_cache,
                       max_new_tokens) -> _DecodeState:

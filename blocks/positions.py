@@ -95,7 +95,11 @@ class Learned(PositionModule):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         _check_positions(positions)
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+        # Checked on the CPU only: reading the largest position back from a GPU would synchronise
+        # every forward (and break a torch.compile graph). A stack refuses more positions than its
+        # max_seq_len before this, and validation keeps the table at least that long.
+        if (positions.device.type == "cpu" and not torch.compiler.is_compiling() and positions.numel()
+                and int(positions.max()) >= self.max_positions):
             raise ValueError(
                 f"position {int(positions.max())} is beyond the learned table of {self.max_positions} "
                 "positions; shorten the input or raise position.max_positions"

@@ -30,8 +30,9 @@ from blocks.generation import GenerationMixin
 
 class TransformerStack(nn.Module):
     def __init__(self, embedding: nn.Module, position: nn.Module, layers: list[nn.Module],
-                 final_norm: nn.Module | None, *, causal: bool):
+                 final_norm: nn.Module | None, *, causal: bool, max_seq_len: int | None = None):
         super().__init__()
+        self.max_seq_len = max_seq_len  # positions beyond it are refused (None: no limit)
         self.embedding = embedding
         self.position = position
         self.layers = nn.ModuleList(layers)
@@ -50,11 +51,19 @@ class TransformerStack(nn.Module):
         With a ``cache`` (``blocks.generation.KVCache``) the ids are the tokens after the cached
         ones and ``attention_mask`` covers the cached and the new tokens.
         """
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids (batch, seq), got {type(input_ids).__name__}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         batch, seq = input_ids.shape
         start = cache.length if cache is not None else 0
+        if self.max_seq_len is not None and start + seq > self.max_seq_len:
+            raise ValueError(f"{start + seq} positions ({start} cached + {seq} new) exceed the model's max_seq_len "
+                             f"{self.max_seq_len}; shorten the input (or build the model with a longer max_seq_len)")
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, "
+                                f"got {type(attention_mask).__name__}")
             if tuple(attention_mask.shape) != (batch, start + seq):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
@@ -104,6 +113,12 @@ class _Model(nn.Module):
             hook = getattr(module, "after_optimizer_step", None)
             if module is not self and callable(hook):
                 hook()
+
+    def generate(self, *args, **kwargs):
+        """Models without a causal decoder do not generate (decoder-only and encoder-decoder
+        models get ``blocks.generation.GenerationMixin.generate``)."""
+        raise TypeError(f"{type(self).__name__} has no causal decoder to generate with (an encoder-only model "
+                        "labels or fills masks: call model(input_ids) for its logits)")
 
     def aux_loss(self) -> torch.Tensor:
         """The sum of every MoE block's load-balancing loss from the last forward (0 without MoE)."""

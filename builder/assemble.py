@@ -42,28 +42,62 @@ def _default_dtype(dtype: torch.dtype | None):
         torch.set_default_dtype(previous)
 
 
-def build_model(spec, device=None, dtype: torch.dtype | None = None, attention_backend: str = "auto") -> nn.Module:
-    """The ``nn.Module`` a spec describes (a validated ``ModelSpec``, or a mapping to validate).
+#: dtype names ``build_model`` takes besides ``torch.dtype`` objects
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+
+
+def build_model(spec, device=None, dtype: torch.dtype | str | None = None, attention_backend: str = "auto") -> nn.Module:
+    """The ``nn.Module`` a spec describes: a validated ``ModelSpec``, a mapping of spec fields or
+    a path to a spec file (both loaded with ``builder.load_spec``).
 
     ``device``: where the parameters live (``"meta"``: shapes only, no memory, no init);
-    ``dtype``: their floating dtype (default: torch's default, fp32);
-    ``attention_backend``: ``auto`` | ``eager`` | ``sdpa`` | ``triton``, used by every attention
-    layer (see ``kernels.attention``).
+    ``dtype``: their floating dtype, a ``torch.dtype`` or a name (``"bf16"``; default: torch's
+    default, fp32); ``attention_backend``: ``auto`` | ``eager`` | ``sdpa`` | ``triton``, used by
+    every attention layer (see ``kernels.attention``).
     """
+    from builder.loader import load_spec
+    from builder.schema import ModelSpec
+
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {attention_backend!r}")
-    if isinstance(spec, dict):
-        from builder.schema import spec_model
-
-        spec = spec_model().model_validate(spec)
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    if not isinstance(spec, ModelSpec):
+        spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
+    dtype = _dtype(dtype)
+    device = _device(device)
     with device, _default_dtype(dtype):
         model = _assemble(spec, attention_backend)
     init_weights(model)  # a no-op on meta
     model.spec = spec
     return model
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be a floating torch.dtype or one of {', '.join(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (torch.bfloat16) or its name ('bf16'), got {dtype!r}")
+    return dtype
+
+
+def _device(device) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here; ``ValueError`` says what to pass."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', 'meta' (or another torch.device), "
+                         f"got {device!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available here (no GPU, or a torch built "
+                             "without CUDA); use 'cpu' or 'meta'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def _assemble(spec, backend: str) -> nn.Module:
@@ -108,4 +142,4 @@ def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool,
         layers.append(TransformerLayer(self_attention, ffn, norms, cross_attention=cross_attention,
                                        placement=layer.norm.placement, dropout=layer.dropout))
     final_norm = build_block(stack_config.norm, dims) if stack_config.final_norm else None
-    return TransformerStack(embedding, position, layers, final_norm, causal=causal)
+    return TransformerStack(embedding, position, layers, final_norm, causal=causal, max_seq_len=dims.max_seq_len)

@@ -147,7 +147,13 @@ def estimate(
     ``nodes`` machines, ``tensor_parallel`` ranks splitting each layer and ``data_parallel``
     (``shard`` | ``hybrid`` | ``replicate``) over the rest.
     """
-    _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy)
+    from builder.schema import ModelSpec
+
+    if not isinstance(spec, ModelSpec):
+        from builder.loader import load_spec
+
+        spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
+    _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy, nodes)
     layout = None
     if strategy == "fsdp":
         from builder.layout import Layout, check_tensor_parallel
@@ -157,6 +163,8 @@ def estimate(
         check_tensor_parallel(spec, tensor_parallel)
     elif tensor_parallel != 1:
         raise ValueError(f"tensor_parallel {tensor_parallel} needs strategy fsdp (DDP replicates whole layers)")
+    elif data_parallel not in ("shard", "replicate"):  # the default, and what DDP does
+        raise ValueError(f"data_parallel {data_parallel!r} needs strategy fsdp (DDP replicates the whole model)")
     seq = seq_len or spec.max_seq_len
     stacks = spec.stacks()
     architecture = spec.architecture_config
@@ -299,15 +307,18 @@ def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, 
     )
 
 
-def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy) -> None:
+def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy, nodes) -> None:
     problems = []
     for name, value in (("seq_len", seq_len), ("src_len", src_len)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             problems.append(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(batch, int) or batch < 1:
+        elif value is not None and value > spec.max_seq_len:
+            problems.append(f"{name} {value} is more than {spec.name}'s max_seq_len {spec.max_seq_len}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         problems.append(f"batch must be a positive int, got {batch!r}")
-    if not isinstance(devices, int) or devices < 1:
-        problems.append(f"devices must be a positive int, got {devices!r}")
+    for name, value in (("devices", devices), ("nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name} must be a positive int, got {value!r}")
     if dtype not in DTYPE_BYTES:
         problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if strategy not in STRATEGIES:

@@ -48,16 +48,31 @@ __all__ = [
 ]
 
 
-def load_spec(path: str | Path, overrides: Mapping[str, Any] | None = None, plugins: Iterable[str] = (),
-              sources: Mapping[str, Source] | None = None):
+def load_spec(spec: str | os.PathLike | Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None,
+              plugins: Iterable[str] = (), sources: Mapping[str, Source] | None = None):
     """Load, merge and validate a model spec; raises :class:`SpecError` with every problem.
 
+    ``spec``: a path to a YAML file (``str`` or ``os.PathLike``), a mapping of spec fields (as
+    ``yaml.safe_load`` gives it; an ``extends:`` in it is read relative to the working folder), or
+    a validated ``ModelSpec`` (returned as it is, or with the overrides applied).
+    ``overrides``: ``{"decoder.n_layers": 2}``, applied after ``extends:``.
     ``sources``: where an override was written, by key (see :func:`apply_overrides`)."""
     from builder.plugins import load_plugins
-    from builder.schema import spec_model
+    from builder.schema import ModelSpec, spec_model
 
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides takes a mapping of dotted keys to values ({{'decoder.n_layers': 2}}), "
+                        f"got {type(overrides).__name__}")
+    if isinstance(plugins, (str, bytes)) or not isinstance(plugins, Iterable):
+        raise TypeError(f"plugins takes a list of module names, got {type(plugins).__name__}")
     load_plugins(plugins)
-    return _load(path, spec_model(), overrides, default_name=True, sources=sources)
+    if isinstance(spec, ModelSpec):
+        if not overrides:
+            return spec
+        spec = spec.model_dump(exclude={"extends"})
+    if isinstance(spec, Mapping):
+        return _load_mapping(spec, spec_model(), overrides)
+    return _load(_path_of(spec, "load_spec"), spec_model(), overrides, default_name=True, sources=sources)
 
 
 def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None):
@@ -108,6 +123,7 @@ def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None,
         fields = sorted(model_cls.model_fields, key=lambda f: not model_cls.model_fields[f].is_required())
     what = _kind_of(model_cls)
     doc = _resolve(path, str(path), fields, what)
+    doc.data.pop("extends", None)  # resolved: the merged document holds every field
     apply_overrides(doc, overrides, sources)
     return doc
 
@@ -121,6 +137,10 @@ def apply_overrides(doc: Document, overrides: Mapping[str, Any] | None,
     """
     problems = []
     for key, value in (overrides or {}).items():
+        if not isinstance(key, str) or not key:
+            problems.append(Problem.at(Mark(f"<--set {key!r}>"), str(key), "an override's key is a dotted field "
+                                       "path, a non-empty string such as 'decoder.n_layers'"))
+            continue
         if key.split(".")[0] == "extends":
             problems.append(
                 Problem.at(Mark(f"<--set {key}>"), key, "extends is read from the file before --set applies; "
@@ -147,6 +167,33 @@ def validate_document(doc: Document, model_cls: type, first: str | None = None):
         order = lambda p: (p.line is None, p.file != first, p.file, p.line or 0, p.col or 0)  # noqa: E731
         raise SpecError(sorted(problems, key=order))
     return spec
+
+
+def _path_of(value: Any, function: str) -> str | os.PathLike:
+    """``value`` as a path, or a ``TypeError`` saying what ``function`` takes."""
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        if isinstance(value, str) and "\n" in value:
+            raise TypeError(f"{function} takes a path, not YAML text; parse it first "
+                            f"({function}(yaml.safe_load(text)) takes the mapping)")
+        return value
+    raise TypeError(f"{function} takes a path to a spec file (str or os.PathLike), a mapping of spec fields "
+                    f"or a ModelSpec, got {type(value).__name__}")
+
+
+def _load_mapping(data: Mapping[str, Any], model_cls: type, overrides) -> Any:
+    """Validate a mapping given in Python (no file: problems are located as ``<mapping>``)."""
+    import copy
+
+    mark = Mark("<mapping>")
+    doc = Document(copy.deepcopy(dict(data)), {}, {(): mark})
+    parent = doc.data.pop("extends", None)
+    if parent is not None:  # a parent of a mapping is read relative to the working folder
+        if not isinstance(parent, (str, os.PathLike)):
+            raise SpecError([Problem.at(mark, "extends", "extends takes a path to a spec file")])
+        base = _resolve(Path(parent), str(parent), list(model_cls.model_fields), _kind_of(model_cls))
+        doc = _merge_documents(base, doc)
+    apply_overrides(doc, overrides)
+    return validate_document(doc, model_cls, "<mapping>")
 
 
 def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sources=None):

@@ -326,8 +326,9 @@ def plot(spec, est, path: str, estimate_fn=None) -> None:
 
 
 def _lengths(max_seq_len: int) -> list[int]:
-    lengths, n = [], 64
-    while n < max_seq_len * 4:
+    """Sequence lengths for the FLOPs-vs-length plot: doubling up to the spec's max_seq_len."""
+    lengths, n = [], max(1, max_seq_len // 64)
+    while n < max_seq_len:
         lengths.append(n)
         n *= 2
-    return lengths or [max_seq_len]
+    return lengths + [max_seq_len]

@@ -280,7 +280,11 @@ class ModelSpec(_Section):
     stack_fields: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
 
     name: str = Field("model", description="Free text, shown in reports.")
-    extends: Optional[str] = Field(None, description="A spec this one overrides (path relative to this file).")
+    # resolved when the file is read: a validated spec's dump (a checkpoint's, load_spec(mapping))
+    # holds every field already, so it leaves the path out
+    extends: Optional[str] = Field(
+        None, exclude=True, description="A spec this one overrides (path relative to this file)."
+    )
     architecture: str = Field(..., description="decoder-only | encoder-only | encoder-decoder.")
     vocab_size: int = Field(..., ge=1, le=MAX_VOCAB, description="Number of token ids.")
     d_model: int = Field(..., ge=1, le=MAX_WIDTH, description="Width of the residual stream.")
