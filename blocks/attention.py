@@ -107,11 +107,19 @@ class MultiHeadAttention(nn.Module):
         self.dropout = config.dropout
         self.backend = backend
         self.cache_layout = config.kv_cache(d_model, cross=cross)
+        self.first_head, self.total_heads = 0, self.n_heads  # this module's heads among the layer's (tensor parallel)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(d_model, q_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
         self.out_proj = nn.Linear(q_dim, d_model, bias=config.out_bias)
+
+    def use_tensor_parallel(self, rank: int, degree: int) -> None:
+        """Compute this rank's share of the heads, after the config's plan split the projections:
+        heads ``rank * n_heads / degree ..`` of the query and key/value heads."""
+        self.n_heads //= degree
+        self.n_kv_heads //= degree
+        self.first_head = rank * self.n_heads
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, n_heads: int) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -149,8 +157,11 @@ class MultiHeadAttention(nn.Module):
             first = inputs.start
             if cache is not None:
                 k, v, first = cache.update(k, v)  # keys first .. first + seq_k, in token order
-            alibi = inputs.alibi_slopes(self.n_heads, x.device)
-        bias = inputs.bias(first, k.shape[2], self.n_heads, x.device)
+            slopes = inputs.alibi_slopes(self.total_heads, x.device)
+            alibi = slopes[self.first_head : self.first_head + self.n_heads] if slopes is not None else None
+        bias = inputs.bias(first, k.shape[2], self.total_heads, x.device)
+        if bias is not None and bias.shape[1] > self.n_heads:  # (batch | 1, total_heads, ...): this rank's heads
+            bias = bias[:, self.first_head : self.first_head + self.n_heads]
         scale, factor = self.scale, inputs.score_scale()
         if factor != 1.0:
             scale = (scale if scale is not None else self.head_dim**-0.5) * factor

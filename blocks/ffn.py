@@ -112,12 +112,13 @@ def dispatch(flat: torch.Tensor, expert, n_experts: int, top_experts: torch.Tens
     rows_gate = gates.reshape(-1)[order]
     out = torch.zeros_like(flat)
     start = 0
+    # Every expert runs, on no rows when no token chose it, so each takes part in every backward:
+    # data-parallel ranks then reduce the same gradients (FSDP2 reduces a unit's gradients together).
     for e, n in enumerate(counts.tolist()):
-        if n:
-            tokens = rows_token[start : start + n]
-            y = expert(e, flat[tokens]) * rows_gate[start : start + n, None]
-            out.index_add_(0, tokens, y)
-            start += n
+        tokens = rows_token[start : start + n]
+        y = expert(e, flat[tokens]) * rows_gate[start : start + n, None]
+        out.index_add_(0, tokens, y)
+        start += n
     return out, counts
 
 

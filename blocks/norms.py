@@ -21,10 +21,8 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if config.bias else None
 
-    def init_weights(self, std: float) -> None:
-        nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        return {"weight": ("constant", 1.0), **({"bias": ("constant", 0.0)} if self.bias is not None else {})}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
@@ -42,8 +40,8 @@ class RMSNorm(nn.Module):
         init = torch.zeros(d_model) if config.unit_offset else torch.ones(d_model)
         self.weight = nn.Parameter(init)
 
-    def init_weights(self, std: float) -> None:
-        nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        return {"weight": ("constant", 0.0 if self.unit_offset else 1.0)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

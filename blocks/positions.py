@@ -90,8 +90,8 @@ class Learned(PositionModule):
         self.max_positions = config.max_positions or max_seq_len
         self.weight = nn.Parameter(torch.empty(self.max_positions, d_model))
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, 0.0, std)
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        return {"weight": ("normal", std)}
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         _check_positions(positions)
@@ -276,8 +276,8 @@ class RelativeBias(PositionModule):
         self.bidirectional = not causal
         self.weight = nn.Parameter(torch.empty(config.num_buckets, n_heads))
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, 0.0, std)
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        return {"weight": ("normal", std)}
 
     def score_bias(self, query_index: torch.Tensor, key_index: torch.Tensor, n_heads: int) -> torch.Tensor:
         return self(query_index, key_index, n_heads)

@@ -81,7 +81,8 @@ class TransformerStack(nn.Module):
             # The stack's shared score bias (padding, a relative-bias table) is built here, outside
             # the layers, so that a layer recomputed under activation checkpointing reads the same
             # tensor instead of building (and saving for backward) its own.
-            inputs.bias(0, seq, self.layers[0].attention.n_heads, x.device)
+            attention = self.layers[0].attention  # all its heads (a tensor-parallel rank computes a share)
+            inputs.bias(0, seq, getattr(attention, "total_heads", attention.n_heads), x.device)
         memory_inputs = AttentionInputs(0, seq, key_mask=memory_mask) if memory is not None else None
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None

@@ -5,7 +5,9 @@ the built children to their parents (torchtune style): a layer gets its attentio
 norms; a stack its embedding, position block, layers and final norm; the model its stacks and
 head. Blocks are constructed directly on the target device (``device="meta"``: shapes only,
 instant even for 175B parameters, no init work) and then initialised by
-``blocks.init.init_weights`` (seed with ``torch.manual_seed`` before calling). Building on meta
+``blocks.init.init_weights`` (``init_seed``, else a seed drawn from torch's generator: seed with
+``torch.manual_seed`` before calling; each parameter's values are a pure function of that seed
+and its name, so a sharded start can draw any shard alone). Building on meta
 and materialising with ``to_empty`` would skip the constructors' default init, but the first
 meta operation of a process imports PyTorch's meta kernels (about a second), too slow for the
 tiny specs a test builds.
@@ -22,7 +24,7 @@ from torch import nn
 from blocks import registry
 from blocks.build import Dims, build_block
 from blocks.embeddings import Embeddings
-from blocks.init import init_weights
+from blocks.init import draw_seed, init_weights
 from blocks.layers import TransformerLayer
 from blocks.stacks import TransformerStack
 
@@ -47,14 +49,16 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
 
 
-def build_model(spec, device=None, dtype: torch.dtype | str | None = None, attention_backend: str = "auto") -> nn.Module:
+def build_model(spec, device=None, dtype: torch.dtype | str | None = None, attention_backend: str = "auto",
+                init_seed: int | None = None) -> nn.Module:
     """The ``nn.Module`` a spec describes: a validated ``ModelSpec``, a mapping of spec fields or
     a path to a spec file (both loaded with ``builder.load_spec``).
 
     ``device``: where the parameters live (``"meta"``: shapes only, no memory, no init);
     ``dtype``: their floating dtype, a ``torch.dtype`` or a name (``"bf16"``; default: torch's
     default, fp32); ``attention_backend``: ``auto`` | ``eager`` | ``sdpa`` | ``triton``, used by
-    every attention layer (see ``kernels.attention``).
+    every attention layer (see ``kernels.attention``); ``init_seed``: the seed of the initial
+    weights (default: drawn from torch's global generator).
     """
     from builder.loader import load_spec
     from builder.schema import ModelSpec
@@ -65,9 +69,12 @@ def build_model(spec, device=None, dtype: torch.dtype | str | None = None, atten
         spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
     dtype = _dtype(dtype)
     device = _device(device)
+    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+        raise TypeError(f"init_seed must be an int, got {init_seed!r}")
+    seed = init_seed if init_seed is not None else draw_seed()  # drawn first: the same on every device
     with device, _default_dtype(dtype):
         model = _assemble(spec, attention_backend)
-    init_weights(model)  # a no-op on meta
+    init_weights(model, seed=seed)  # a no-op on meta
     model.spec = spec
     return model
 

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("builder.commands.plan", "the cheapest multi-GPU layout that fits, with its launch lines"),
     "import-hf": ("builder.commands.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
     "export-hf": ("builder.commands.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
+    "consolidate": ("builder.commands.consolidate", "a sharded training checkpoint as one model.safetensors"),
 }
 #: modules whose ``COMMANDS`` table joins the command line, when they can be imported
 PROVIDERS = ("recipes.commands",)

@@ -231,6 +231,12 @@ def _get(data: Any, path: FieldPath) -> Any:
 _MISSING = object()
 
 
+def locate(doc: Document, path: FieldPath, message: str) -> Problem:
+    """A problem with the value of field ``path`` of ``doc``'s data, at the line that set it (a rule
+    checked after validation, such as whether a spec splits for tensor parallelism)."""
+    return _locate(doc, doc.data, tuple(path), message, "value")
+
+
 def _locate(doc: Document, data: Any, path: FieldPath, message: str, how: str) -> Problem:
     """``how``: key (an unknown key), value (a bad value), missing (a field not given)."""
     path = doc.written_at(path, missing=how == "missing")

@@ -11,6 +11,7 @@ weights and the ``builder`` metadata of a training checkpoint but no optimizer s
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -51,17 +52,21 @@ def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str,
 
 def average_checkpoints(paths: list[Path], out: Path) -> Path:
     """Write the average of the checkpoints ``paths`` to ``out`` (the metadata of the last one)."""
-    from recipes.checkpoint import read_verified, write_checkpoint
+    from builder.checkpoints import CheckpointError, read_meta, read_weights
+    from recipes.checkpoint import write_checkpoint
 
-    loaded = [read_verified(p) for p in paths]  # a damaged one is named, never averaged in
-    averaged = {key: value for key, value in loaded[-1].items() if key in ("builder", "global_step", "epoch")}
-    averaged["state_dict"] = average_state_dicts([c["state_dict"] for c in loaded])
+    try:  # each verified against its checksums: a damaged one is named, never averaged in
+        averaged = {key: value for key, value in read_meta(paths[-1]).items()
+                    if key in ("builder", "global_step", "epoch")}
+        averaged["state_dict"] = average_state_dicts([read_weights(p) for p in paths])
+    except CheckpointError as exc:
+        raise RecipeError(str(exc)) from None
     averaged["builder"] = dict(averaged.get("builder") or {}, averaged_from=[Path(p).name for p in paths])
     return write_checkpoint(averaged, out)
 
 
 def kept_checkpoints(dirpath: Path) -> list[Path]:
-    """The ``step-N.ckpt`` files in ``dirpath``, oldest first."""
+    """The ``step-N.ckpt`` checkpoints (files or sharded folders) in ``dirpath``, oldest first."""
     found = [(int(m.group(1)), p) for p in Path(dirpath).glob("step-*.ckpt") if (m := _STEP_NAME.match(p.name))]
     return [p for _, p in sorted(found)]
 
@@ -75,13 +80,15 @@ class KeepLastCheckpoints(L.Callback):
         self.averaged_path = self.dirpath / "averaged.ckpt"
 
     def _save(self, trainer) -> None:
+        from builder.checkpoints import exists
+
         path = self.dirpath / f"step-{trainer.global_step:07d}.ckpt"
-        if path.is_file():
+        if exists(path):
             return
         trainer.save_checkpoint(path, weights_only=True)
         if trainer.is_global_zero:
             for old in kept_checkpoints(self.dirpath)[: -self.keep]:
-                old.unlink(missing_ok=True)
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0

@@ -96,7 +96,9 @@ class Throughput(L.Callback):
 
         from builder.mfu import peak_flops
 
-        self.tokens_per_step = self.device_tokens_per_step * trainer.world_size
+        from recipes.parallel import data_parallel_size
+
+        self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
         device = pl_module.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         if self.precision.startswith("bf16"):

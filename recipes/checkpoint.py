@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from builder.checkpoints import model_weights
 from recipes.config import Recipe, RecipeError
 from recipes.tokenizer import from_state
 
@@ -142,7 +143,8 @@ def read_verified(path: str | Path) -> dict:
     return checkpoint
 
 
-#: the checkpoints of a run a resume may start from, newest first at equal steps
+#: the checkpoints of a run a resume may start from, newest first at equal steps (files, or
+#: sharded folders under ``trainer.strategy: fsdp``)
 RESUMABLE = ("last.ckpt", "last-1.ckpt", "best.ckpt")
 
 
@@ -150,39 +152,43 @@ def newest_intact(folder: Path) -> tuple[Path | None, dict | None, list[tuple[Pa
     """``(path, checkpoint, damaged)``: the intact checkpoint of :data:`RESUMABLE` in ``folder``
     with the highest step (each file's step read from its pickle alone; then verified whole,
     newest first, until one passes) and the ``(path, error)`` of each damaged one met on the way."""
-    from builder.integrity import CheckpointError, read_checkpoint
+    from builder.checkpoints import CheckpointError, is_sharded, read_meta
 
     listed, damaged = [], []
     for order, name in enumerate(RESUMABLE):
         path = Path(folder) / name
-        if not path.is_file():
+        if not (path.is_file() or is_sharded(path)):
             continue
         try:
-            step = int(read_checkpoint(path, check=False).get("global_step") or 0)
+            step = int(read_meta(path, check=False).get("global_step") or 0)
         except (CheckpointError, TypeError, ValueError) as exc:
             damaged.append((path, exc))
             continue
         listed.append((step, -order, path))
+    from recipes.runfolder import owns_run_folder
+
     for _, _, path in sorted(listed, reverse=True):
-        try:
-            return path, read_checkpoint(path), damaged
+        try:  # a sharded folder's shard files are checked by rank 0, whose choice every rank loads
+            return path, read_meta(path, files=owns_run_folder()), damaged
         except CheckpointError as exc:
             damaged.append((path, exc))
     return None, None, damaged
 
 
-def model_weights(state_dict: dict) -> dict:
-    """The built model's tensors from a LightningModule state dict: the ``model.`` prefix and
-    ``torch.compile``'s ``_orig_mod.`` wrapper taken off the names."""
-    return {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in state_dict.items()}
-
-
 def load_trained(path: str | Path, device: str | None = None, folders: bool = False):
-    """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train`` or, with
-    ``folders``, from a model folder (see :func:`load_folder`)."""
+    """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train`` (a file, or a
+    sharded folder read whole into this process) or, with ``folders``, from a model folder (see
+    :func:`load_folder`)."""
     from builder import build_model
+    from builder.checkpoints import CheckpointError, is_sharded, load_model
 
     path = Path(path)
+    if is_sharded(path):
+        try:
+            model, meta = load_model(path)
+        except CheckpointError as exc:
+            raise RecipeError(str(exc)) from None
+        return model.to(pick_device(device)).eval(), from_state(meta["tokenizer"]), meta
     if path.is_dir():
         if folders:
             return load_folder(path, device)
@@ -235,16 +241,12 @@ def load_folder(folder: Path, device: str | None = None):
 
 def _checkpoint_spec(path: Path, data: dict):
     """The checkpoint's spec, validated against the blocks registered now."""
-    from pydantic import ValidationError
-
-    from builder.schema import ModelSpec, SpecRuleError
+    from builder.checkpoints import CheckpointError, checkpoint_spec
 
     try:
-        return ModelSpec.model_validate(data)
-    except (ValidationError, SpecRuleError) as exc:
-        first = str(exc).splitlines()[1 if isinstance(exc, ValidationError) else 0][:200]
-        raise RecipeError(f"{path}: its model spec does not validate here ({first}); a spec built from a "
-                          "plugin's blocks needs the same --plugin MODULE") from None
+        return checkpoint_spec(path, data)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc)) from None
 
 
 def eval_batches(args, meta: dict) -> int | None:

@@ -195,7 +195,22 @@ class TrainerSection(_Section):
         False, description="Recompute each layer's activations in the backward pass (less memory)."
     )
     strategy: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="auto | ddp | fsdp (FSDP shards and wraps each layer; needs CUDA)."
+        "auto",
+        description="auto | ddp | fsdp. fsdp is FSDP2 (fully_shard) through Lightning's ModelParallelStrategy: "
+        "one shard unit per layer plus the embedding and the head, started on the meta device, sharded "
+        "checkpoints; CPU (gloo) or CUDA (nccl).",
+    )
+    data_parallel: Literal["shard", "replicate", "hybrid"] = Field(
+        "shard",
+        description="fsdp: shard (parameters, gradients and optimizer state split over the data-parallel "
+        "ranks) | replicate (every rank keeps everything, gradients all-reduced) | hybrid (HSDP: shard "
+        "inside a node, replicate across nodes).",
+    )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: tensor-parallel degree (ranks of one node that split every layer's matrices, "
+        "as each block's parallel plan declares); the data-parallel degree is the rest.",
     )
     accelerator: str = Field("auto", description="auto | cpu | gpu | cuda | mps ...")
     devices: Union[int, str] = Field("auto", description="Devices per node: a count, 'auto' or a list string.")
@@ -206,6 +221,27 @@ class TrainerSection(_Section):
         json_schema_extra=WORK_PATH,
     )
     log_every_n_steps: int = Field(10, ge=1, description="Steps between log lines and progress-bar updates.")
+
+    @model_validator(mode="after")
+    def _layout(self):
+        from builder.problems import rule_error
+
+        if self.strategy != "fsdp":
+            if self.tensor_parallel > 1:
+                raise rule_error(("tensor_parallel",), "tensor_parallel needs strategy: fsdp (FSDP2 composes with it "
+                                                       "on a 2-D device mesh)")
+            if self.data_parallel != "shard":
+                raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
+            return self
+        if self.precision == "16-mixed":
+            raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
+        if self.data_parallel == "hybrid" and self.num_nodes == 1:
+            raise rule_error(("data_parallel",), "data_parallel hybrid shards inside a node and replicates across "
+                                                 "nodes, but num_nodes is 1; use shard (or set num_nodes)")
+        if isinstance(self.devices, int) and self.devices > 0 and self.devices % self.tensor_parallel:
+            raise rule_error(("tensor_parallel",), f"tensor_parallel {self.tensor_parallel} must divide devices "
+                                                   f"({self.devices} per node): a tensor-parallel group stays inside one node")
+        return self
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -266,12 +302,6 @@ class Recipe(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="How long, where, how precisely.")
     sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
 
-    @model_validator(mode="after")
-    def _rules(self):
-        if self.trainer.strategy == "fsdp" and self.trainer.accelerator == "cpu":
-            raise rule_error(("trainer", "strategy"), "trainer.strategy fsdp needs CUDA devices; use ddp on CPU")
-        return self
-
 
 def resolve(recipe_file: Path | None, path: str) -> Path:
     """A path written in a recipe, relative to the recipe's folder."""
@@ -320,7 +350,9 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     ``model.overrides`` (dotted keys or nested mappings) are laid over the spec by the loader's
     one merge, located at the recipe's own lines; an inline spec is validated in place, so its
     problems point at the recipe too. ``extra``: overrides a task sets over the recipe's (a
-    ``head`` mapping of another type replaces the spec's head).
+    ``head`` mapping of another type replaces the spec's head). A spec that cannot split
+    ``trainer.tensor_parallel`` ways is refused here too, each problem at the line that set the
+    field (``builder.layout.tensor_parallel_problems``).
     """
     from builder.loader import load_spec, read_merged
 
@@ -329,15 +361,34 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
                if ("model", "overrides", key) in doc.values}
     overrides = {**recipe.model.overrides, **(extra or {}), "vocab_size": vocab_size}
     if isinstance(recipe.model.spec, str):
-        return load_spec(resolve(recipe_file, recipe.model.spec), overrides=overrides, sources=written)
-    return _inline_spec(recipe, recipe_file, doc, overrides, written)
+        path = resolve(recipe_file, recipe.model.spec)
+        spec = load_spec(path, overrides=overrides, sources=written)
+        _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
+        return spec
+    spec = _inline_spec(recipe, recipe_file, doc, overrides, written)
+    _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written), True))
+    return spec
 
 
-def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, Any], written: dict):
+def _check_layout(spec, recipe: Recipe, document) -> None:
+    """Located problems of ``spec`` under the recipe's tensor-parallel degree; ``document()``:
+    ``(the spec's merged document, whether it is inline in the recipe)``."""
+    from builder.layout import tensor_parallel_problems
+    from builder.problems import locate
+    from builder.yaml_source import SpecError
+
+    problems = tensor_parallel_problems(spec, recipe.trainer.tensor_parallel)
+    if problems:
+        doc, inline = document()
+        located = [locate(doc, loc, message) for loc, message in problems]
+        raise SpecError(_under_recipe(located) if inline else located)
+
+
+def _inline_document(recipe: Recipe, doc, overrides: dict[str, Any], written: dict):
+    """The recipe's inline spec with the overrides laid over it, as a located document."""
     import copy
 
-    from builder.loader import apply_overrides, validate_document
-    from builder.schema import spec_model
+    from builder.loader import apply_overrides
     from builder.yaml_source import Document, Problem, SpecError
 
     prefix = ("model", "spec")
@@ -351,8 +402,23 @@ def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, An
         raise SpecError([Problem.at(where, "model.spec.extends", "an inline spec cannot extend; give `spec:` a file")])
     try:
         apply_overrides(inline, overrides, written)
+    except SpecError as exc:
+        raise SpecError(_under_recipe(exc.problems)) from None
+    return inline
+
+
+def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, Any], written: dict):
+    from builder.loader import validate_document
+    from builder.schema import spec_model
+    from builder.yaml_source import SpecError
+
+    inline = _inline_document(recipe, doc, overrides, written)
+    try:
         return validate_document(inline, spec_model(), str(recipe_file))
     except SpecError as exc:
-        # re-pathed under the recipe: decoder.n_layers -> model.spec.decoder.n_layers
-        raise SpecError([dataclasses.replace(p, path=".".join(filter(None, ("model.spec", p.path))))
-                         for p in exc.problems]) from None
+        raise SpecError(_under_recipe(exc.problems)) from None
+
+
+def _under_recipe(problems: list) -> list:
+    """Problems of an inline spec re-pathed under the recipe: decoder.n_layers -> model.spec.decoder.n_layers."""
+    return [dataclasses.replace(p, path=".".join(filter(None, ("model.spec", p.path)))) for p in problems]

@@ -1,10 +1,12 @@
 """The corpus: read once, tokenized once into a memory-mapped array, cut into random windows.
 
-Training windows are a pure function of (seed, micro-batch index): micro-batch ``i`` draws
-``batch_size x world_size`` window offsets from a generator seeded with ``(seed, i)`` and rank
-``r`` takes its slice. So the data position is one integer (saved in checkpoints), a resumed run
-sees exactly the batches an unbroken one would, and N devices with batch B see the same global
-batches as one device with batch N x B.
+Training windows are a pure function of (seed, optimizer step): step ``s`` draws
+``batch_size x ranks x accumulate`` window offsets from a generator seeded with ``(seed, s)``,
+and micro-batch ``j`` of the step on data-parallel rank ``r`` takes slice ``j x ranks + r``. So
+the data position is one integer (micro-batches consumed, saved in checkpoints), a resumed run
+sees exactly the batches an unbroken one would, and one global batch is the same windows however
+it is split: N devices with batch B, one device with batch N x B, or one device accumulating N
+micro-batches of B (which then also see the same micro-batches as the N devices).
 """
 
 from __future__ import annotations
@@ -108,17 +110,20 @@ def window_offsets(seed: int, stream: int, index: int, count: int, high: int) ->
 class TrainWindows(IterableDataset):
     """Endless micro-batches of random windows from ``position`` on; this rank's slice of each."""
 
-    def __init__(self, tokens, seq_len, batch_size, seed, rank, world_size, position):
+    def __init__(self, tokens, seq_len, batch_size, seed, rank, world_size, position, accumulate=1):
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank, self.world_size, self.position = seed, rank, world_size, position
+        self.accumulate = accumulate
 
     def __iter__(self):
-        index = self.position
+        index = self.position  # micro-batches consumed
         high = len(self.tokens) - self.seq_len
-        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        per_step = self.batch_size * self.world_size * self.accumulate
         while True:
-            offsets = window_offsets(self.seed, 0, index, self.batch_size * self.world_size, high)
-            yield windows(self.tokens, offsets[mine], self.seq_len)
+            step, micro = divmod(index, self.accumulate)
+            first = (micro * self.world_size + self.rank) * self.batch_size
+            offsets = window_offsets(self.seed, 0, step, per_step, high)
+            yield windows(self.tokens, offsets[first : first + self.batch_size], self.seq_len)
             index += 1
 
 
@@ -150,8 +155,13 @@ class PositionedDataModule(L.LightningDataModule):
         self.position = 0
 
     def _rank(self) -> tuple[int, int]:
+        """``(rank, ranks)`` among the ranks that read different data (tensor-parallel peers
+        read the same)."""
         trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if trainer is None:
+            return 0, 1
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("rank", trainer.global_rank)), int(kwargs.get("num_replicas", trainer.world_size))
 
     def state_dict(self) -> dict:
         if self.trainer is not None:
@@ -173,7 +183,8 @@ class LMDataModule(PositionedDataModule):
     def train_dataloader(self):
         rank, world = self._rank()
         data = TrainWindows(
-            self.train_tokens, self.section.seq_len, self.section.batch_size, self.seed, rank, world, self.position
+            self.train_tokens, self.section.seq_len, self.section.batch_size, self.seed, rank, world, self.position,
+            self.accumulate,
         )
         return DataLoader(data, batch_size=None, num_workers=0)
 

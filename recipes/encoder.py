@@ -168,7 +168,7 @@ def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     data = MLMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
                          settings.accumulate_grad_batches, Specials(tokenizer), recipe.mlm)
     return Prepared(tokenizer, spec, data, MLMModule, masked_tokens, recipe.data.seq_len, meta={"corpus": corpus.hash},
-                    finish=lambda module, _: _report(module.val_metrics))
+                    finish=lambda module, _model, _dir: _report(module.val_metrics))
 
 
 # -- classification ---------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     return Prepared(tokenizer, spec, module, ClassifierModule, lambda batch: int(batch[1].sum()),
                     int(np.median(train_lengths)), meta={"labels": labels, "corpus": _examples_hash(train)},
                     init=(lambda model: load_encoder(model, init)) if init is not None else None,
-                    finish=lambda module, _: _report(module.val_metrics))
+                    finish=lambda module, _model, _dir: _report(module.val_metrics))
 
 
 def _examples_hash(examples: list[tuple[str, str]]) -> str:

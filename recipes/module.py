@@ -141,6 +141,13 @@ class LMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
+    def configure_model(self):
+        """Under ``strategy: fsdp`` the strategy shards the model here, after the processes and
+        the device mesh exist (``recipes.parallel.ShardedStrategy.parallelize``)."""
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None:
+            self.model = parallelize(self.model)
+
     def logits_and_targets(self, input_ids, targets):
         """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there).
         A task's module overrides this; the loss, logging and optimizer stay as they are."""

@@ -350,10 +350,28 @@ def _normalised(recipe: Mapping[str, Any]) -> dict[str, Any]:
         return dict(recipe)
 
 
+#: fields that may change on resume as long as the global batch they make with the layout stays the same
+GLOBAL_BATCH = ("data.batch_size", "trainer.accumulate_grad_batches")
+
+
+def global_batch(recipe: Mapping[str, Any]) -> int | None:
+    """Sequences per optimizer step of a flattened recipe: ``batch_size x accumulate x`` the
+    data-parallel ranks (devices x nodes, over the tensor-parallel degree under fsdp); None when
+    the devices are not a count."""
+    devices, batch = recipe.get("trainer.devices"), recipe.get("data.batch_size")
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or not isinstance(batch, int):
+        return None
+    tensor_parallel = recipe.get("trainer.tensor_parallel", 1) if recipe.get("trainer.strategy") == "fsdp" else 1
+    ranks = devices * recipe.get("trainer.num_nodes", 1) // max(1, tensor_parallel or 1)
+    return batch * recipe.get("trainer.accumulate_grad_batches", 1) * ranks
+
+
 def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: one line per differing field of two recipe dumps, split by
-    :data:`MAY_CHANGE`."""
+    :data:`MAY_CHANGE` (and :data:`GLOBAL_BATCH` while the global batch is unchanged: a run moved
+    from 4 processes of batch 1 to 2 of batch 2 trains on the same windows)."""
     a, b = flatten(_normalised(saved)), flatten(_normalised(current))
+    same_batch = global_batch(a) is not None and global_batch(a) == global_batch(b)
     refused, allowed = [], []
     missing = object()
     for key in sorted(set(a) | set(b)):
@@ -362,7 +380,9 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
             continue
         line = (f"{key}: {'(not set)' if old is missing else _show(old)} in the checkpoint, "
                 f"{'(not set)' if new is missing else _show(new)} now")
-        (allowed if _may_change(key) else refused).append(line)
+        if key in GLOBAL_BATCH and same_batch:
+            line += f" (the global batch stays {global_batch(b)})"
+        (allowed if _may_change(key) or (key in GLOBAL_BATCH and same_batch) else refused).append(line)
     return refused, allowed
 
 

@@ -19,6 +19,7 @@ import lightning as L
 
 from recipes.callbacks import RecipeCheckpoint, Throughput
 from recipes.config import Recipe, RecipeError
+from recipes.parallel import data_parallel_size
 
 #: task -> the module that implements it
 MODULES = {"translation": "recipes.translation", "mlm": "recipes.encoder", "classification": "recipes.encoder"}
@@ -46,7 +47,7 @@ class Prepared:
     meta: dict = dataclasses.field(default_factory=dict)  # task facts kept in checkpoints (labels...)
     init: Callable | None = None  # model -> None: weights from elsewhere (a pretrained encoder)
     callbacks: Callable | None = None  # checkpoint dir -> extra callbacks
-    finish: Callable | None = None  # (module, checkpoint dir) -> final metrics, printed and returned
+    finish: Callable | None = None  # (module, whole model, checkpoint dir) -> final metrics, printed and returned
 
 
 def task_module(task: str):
@@ -68,7 +69,7 @@ class CountedThroughput(Throughput):
         self._tokens += self.tokens_of(batch)
         self._batches += 1
         per_batch = self._tokens / self._batches
-        self.tokens_per_step = per_batch * trainer.accumulate_grad_batches * trainer.world_size
+        self.tokens_per_step = per_batch * trainer.accumulate_grad_batches * data_parallel_size(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
@@ -85,7 +86,9 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
 
 def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
                 callbacks: list | None) -> dict:
+    from recipes.parallel import whole_model
     from recipes.train import (
+        check_layout,
         fit,
         quiet_lightning,
         resume_path,
@@ -98,6 +101,7 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
 
     settings = recipe.trainer
     quiet_lightning()
+    check_layout(recipe, recipe_file)
     L.seed_everything(settings.seed, workers=True, verbose=False)
     prepared = task_module(recipe.task).prepare(recipe, recipe_file)
     meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=recipe.task, **prepared.meta)
@@ -108,7 +112,7 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
     throughput = CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
     extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
-    trainer = run_trainer(recipe, recipe_file, prepared.spec, out, model,
+    trainer = run_trainer(recipe, recipe_file, prepared.spec, out,
                           [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
                           ckpt)
     fit(trainer, module, prepared.data, ckpt)
@@ -116,8 +120,10 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,
                       f"{recipe.name or recipe_file.stem}: {prepared.spec.name}")
     summary.update(task=recipe.task, val_metrics=dict(getattr(module, "val_metrics", {})))
-    if trainer.is_global_zero and prepared.finish is not None:
-        summary.update(prepared.finish(module, ckpt_dir))
+    if prepared.finish is not None:
+        model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
+        if trainer.is_global_zero:
+            summary.update(prepared.finish(module, model, ckpt_dir))
     return summary
 
 

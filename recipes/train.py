@@ -24,10 +24,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from recipes.callbacks import AtomicCheckpointIO, RecipeCheckpoint, StepProgressBar, Throughput, plot_losses
-from recipes.checkpoint import newest_intact
+from recipes.checkpoint import RESUMABLE, newest_intact
+from recipes.runfolder import owns_run_folder
+from recipes.sharded_checkpoint import tidy
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec
 from recipes.data import LMDataModule, read_corpus, tokenize_corpus
-from recipes.module import LMModule, checkpoint_layers, layer_modules
+from recipes.module import LMModule, checkpoint_layers
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
 from recipes.tokenizer import build_tokenizer
 
@@ -65,8 +67,8 @@ def prepare(recipe: Recipe, recipe_file: Path):
     cache = Path(recipe.data.cache_dir)
     corpus = read_corpus(recipe.data, recipe_file)
     tokenizer = build_tokenizer(recipe.tokenizer, corpus.text, corpus.hash, cache, recipe_file)
+    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)  # before tokenizing: a spec that cannot run stops here
     tokens = tokenize_corpus(tokenizer, corpus, cache)
-    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)
     if recipe.data.seq_len > spec.max_seq_len:
         raise RecipeError(
             f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
@@ -83,14 +85,17 @@ def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int
     from builder.estimates import estimate
     from builder.report import print_describe
 
+    from recipes.parallel import device_count
+
     settings = recipe.trainer
     dtype = "bf16" if settings.precision.startswith("bf16") else "fp16" if settings.precision == "16-mixed" else "fp32"
-    devices = settings.devices if isinstance(settings.devices, int) else 1
+    sharded = settings.strategy == "fsdp"
     est = estimate(
         spec, seq_len=seq_len or recipe.data.seq_len, batch=batch or recipe.data.batch_size, dtype=dtype,
-        devices=devices * settings.num_nodes, strategy="fsdp" if settings.strategy == "fsdp" else "ddp",
-        activation_checkpointing=settings.activation_checkpointing,
-    )
+        devices=device_count(settings) * settings.num_nodes, strategy="fsdp" if sharded else "ddp",
+        activation_checkpointing=settings.activation_checkpointing, nodes=settings.num_nodes,
+        tensor_parallel=settings.tensor_parallel if sharded else 1, data_parallel=settings.data_parallel,
+    )  # under fsdp: what each rank holds in this layout (builder.layout)
     if rank_zero_only.rank == 0:
         print_describe(spec, est, actual=model)
     return est.flops.train_per_token
@@ -99,17 +104,23 @@ def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int
 def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, batch: int | None = None):
     """The spec's model ready to train, for every task: built (seeded; ``init`` may load weights
     into it), its describe table printed, layers checkpointed and compiled as the recipe asks.
+    Under ``strategy: fsdp`` it is built on the meta device (unless ``init`` loads weights) and
+    the strategy shards, checkpoints, compiles and materialises it (``recipes.parallel``).
     Returns ``(model, train FLOPs per token)``."""
     from builder import build_model
 
     settings = recipe.trainer
+    sharded = settings.strategy == "fsdp"
     torch.manual_seed(settings.seed)
-    model = build_model(spec, dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
+    model = build_model(spec, device="meta" if sharded and init is None else None, init_seed=settings.seed,
+                        dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
     if init is not None:
         init(model)
     flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch)
-    if settings.activation_checkpointing and settings.strategy != "fsdp":
-        checkpoint_layers(model)  # FSDP checkpoints through its own policy (strategy_for)
+    if sharded:
+        return model, flops_per_token
+    if settings.activation_checkpointing:
+        checkpoint_layers(model)
     if settings.compile:
         model.compile()
     return model, flops_per_token
@@ -126,18 +137,38 @@ def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -
     }
 
 
-def strategy_for(recipe: Recipe, model):
+def check_layout(recipe: Recipe, recipe_file: Path) -> None:
+    """Devices the machine has, a possible layout and a spec that splits for it, checked before
+    any data or model work (the vocabulary is checked once the tokenizer exists)."""
+    from recipes.parallel import device_count, layout_of
+
+    if recipe.trainer.strategy != "fsdp":
+        device_count(recipe.trainer)
+        return
+    layout = layout_of(recipe.trainer)
+    if layout.tensor_parallel > 1:
+        model_spec(recipe, recipe_file, vocab_size=64 * layout.tensor_parallel)  # a stand-in vocabulary that splits
+
+
+def strategy_for(recipe: Recipe):
+    """The Lightning strategy: FSDP2 / tensor parallelism (``recipes.parallel``) or Lightning's own."""
     trainer = recipe.trainer
     if trainer.strategy == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy
+        from recipes.parallel import ShardedStrategy
 
-        layer_classes = {type(layer) for layer in layer_modules(model)}
-        return FSDPStrategy(
-            auto_wrap_policy=layer_classes,
-            activation_checkpointing_policy=layer_classes if trainer.activation_checkpointing else None,
-            checkpoint_io=AtomicCheckpointIO(),
-        )
+        return ShardedStrategy(trainer, init_seed=trainer.seed)
     return trainer.strategy
+
+
+def precision_and_plugins(recipe: Recipe) -> tuple[str | None, list]:
+    """Lightning's ``precision`` and ``plugins``: under ``strategy: fsdp`` our own precision plugin
+    (FSDP2's policy casts; gradients clip across meshes), else Lightning's and atomic checkpoint IO."""
+    settings = recipe.trainer
+    if settings.strategy == "fsdp":
+        from recipes.parallel import precision_plugin
+
+        return None, [precision_plugin(settings.precision)]  # the sharded strategy saves checkpoints itself
+    return PRECISION[settings.precision], [AtomicCheckpointIO()]
 
 
 def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | None = None) -> Path | None:
@@ -145,20 +176,23 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
     newest intact of the run's ``last.ckpt``, ``last-1.ckpt`` and ``best.ckpt``. A damaged one
     is set aside as ``NAME.damaged`` with a message; ``--resume PATH`` that is damaged is an
     error. With ``meta``, the checkpoint is checked to be this recipe's (:func:`check_resumable`)."""
-    from builder.integrity import CheckpointError, read_checkpoint
+    from builder.checkpoints import CheckpointError, exists, read_meta
 
     if isinstance(resume, str):
         path = Path(resume)
-        if not path.is_file():
+        if not exists(path):
             raise RecipeError(f"--resume: no checkpoint at {path}")
         try:
-            saved = read_checkpoint(path)
+            saved = read_meta(path)
         except CheckpointError as exc:
             raise RecipeError(f"--resume: {exc}") from None
         if meta is not None:
             check_resumable(path, meta, saved)
         return path
     folder = out / "checkpoints"
+    if not fresh and owns_run_folder():
+        for name in RESUMABLE:
+            tidy(folder / name)  # a sharded save that died between its renames is put back
     path, saved, damaged = (None, None, []) if fresh else newest_intact(folder)
     _set_aside_damaged(damaged, path, saved)
     if path is None:
@@ -194,10 +228,10 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
     from recipes.runfolder import resume_differences
 
     if saved is None:
-        from builder.integrity import CheckpointError, read_checkpoint
+        from builder.checkpoints import CheckpointError, read_meta
 
         try:
-            saved = read_checkpoint(path, check=False)
+            saved = read_meta(path, check=False)
         except CheckpointError as exc:
             raise RecipeError(f"--resume: {exc}") from None
     refused, allowed = resume_differences(saved.get("builder") or {}, meta)
@@ -220,12 +254,12 @@ def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spe
     is where relative ones start), and with ``spec_of(vocab_size) -> spec dict`` the spec it
     resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
     checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
-    from builder.integrity import CheckpointError, read_checkpoint
+    from builder.checkpoints import CheckpointError, read_meta
     from recipes.runfolder import recipe_differences, spec_differences
 
     path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
     try:
-        saved = read_checkpoint(path, check=False).get("builder") or {}
+        saved = read_meta(path, check=False).get("builder") or {}
     except CheckpointError:
         return  # none, or damaged: resume_path finds what to resume from and says so
     refused, _ = recipe_differences(saved.get("recipe") or {}, recipe_dump(recipe, recipe_file))
@@ -239,11 +273,12 @@ def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spe
         raise _trained_differently(path, refused)
 
 
-def make_trainer(recipe: Recipe, out: Path, model, callbacks: list, resume_step: int | None = None) -> L.Trainer:
+def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | None = None) -> L.Trainer:
     """The recipe's Lightning Trainer writing under ``out`` (progress bar, logs and checkpoint IO
     included); ``callbacks`` go first. ``resume_step``: the step of the checkpoint a resumed run
     starts from (its logs continue the latest version, from that step)."""
     settings = recipe.trainer
+    precision, plugins = precision_and_plugins(recipe)
     return L.Trainer(
         max_steps=settings.max_steps,
         max_time=settings.max_time_delta(),
@@ -254,14 +289,14 @@ def make_trainer(recipe: Recipe, out: Path, model, callbacks: list, resume_step:
         num_sanity_val_steps=0,
         gradient_clip_val=settings.gradient_clip_val,
         accumulate_grad_batches=settings.accumulate_grad_batches,
-        precision=PRECISION[settings.precision],
-        strategy=strategy_for(recipe, model),
+        precision=precision,
+        strategy=strategy_for(recipe),
         accelerator=settings.accelerator,
         devices=settings.devices,
         num_nodes=settings.num_nodes,
         logger=run_loggers(out, resume_step),
         callbacks=[*callbacks, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
-        plugins=[] if settings.strategy == "fsdp" else [AtomicCheckpointIO()],
+        plugins=plugins,
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
@@ -270,14 +305,14 @@ def make_trainer(recipe: Recipe, out: Path, model, callbacks: list, resume_step:
     )
 
 
-def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, model, callbacks: list,
+def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, callbacks: list,
                 ckpt: Path | None) -> L.Trainer:
     """:func:`make_trainer` for this run: a run resumed from ``ckpt`` continues its logs from that
     checkpoint's step; the run folder gets ``config.yaml`` and the loggers the resolved recipe."""
-    from builder.integrity import read_checkpoint
+    from builder.checkpoints import read_meta
 
-    step = int(read_checkpoint(ckpt, check=False).get("global_step") or 0) if ckpt is not None else None
-    trainer = make_trainer(recipe, out, model, callbacks, resume_step=step)
+    step = int(read_meta(ckpt, check=False).get("global_step") or 0) if ckpt is not None else None
+    trainer = make_trainer(recipe, out, callbacks, resume_step=step)
     record(trainer, out, resolved_recipe(recipe, recipe_file, spec, out))
     return trainer
 
@@ -357,6 +392,7 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
     """The language-model run of :func:`run`, inside its session."""
     settings = recipe.trainer
     quiet_lightning()
+    check_layout(recipe, recipe_file)
     L.seed_everything(settings.seed, workers=True, verbose=False)
     corpus, tokenizer, tokens, spec = prepare(recipe, recipe_file)
 
@@ -372,14 +408,18 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
         recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
         flops_per_token, settings.precision, settings.log_every_n_steps,
     )
-    trainer = run_trainer(recipe, recipe_file, spec, out, model,
-                          [checkpoints, throughput, stop_callback(stop, checkpoints)], ckpt)
+    trainer = run_trainer(recipe, recipe_file, spec, out, [checkpoints, throughput, stop_callback(stop, checkpoints)],
+                          ckpt)
     fit(trainer, module, data, ckpt)
 
     summary = wrap_up(trainer, module, data, throughput, checkpoints, out,
                       f"{recipe.name or recipe_file.stem}: {spec.name}")
-    if trainer.is_global_zero and samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
-        print_samples(module.model, tokenizer, recipe)
+    if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
+        from recipes.parallel import whole_model
+
+        model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
+        if trainer.is_global_zero:
+            print_samples(model, tokenizer, recipe)
     return summary
 
 

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from recipes.averaging import KeepLastCheckpoints
+from recipes.parallel import whole_model
 from recipes.batching import BucketDataModule, pad, sorted_batches
-from recipes.checkpoint import model_weights
+from builder.checkpoints import model_weights
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.module import IGNORE, LMModule
 from recipes.tasks import PROSE, Prepared, check_task
@@ -157,11 +158,12 @@ class TranslationModule(LMModule):
         settings = self.recipe.eval
         if self.trainer.sanity_checking or not settings.bleu_at_validation:
             return
+        model = whole_model(self)  # every rank: a sharded model is gathered to rank 0
         if not self.trainer.is_global_zero:
             return
         sources, targets = self.references
         tokenizer = tokenizer_of(self.meta)
-        hyps = translate(self.model, tokenizer, sources, 1, 1.0, settings.max_len_a, settings.max_len_b)
+        hyps = translate(model, tokenizer, sources, 1, 1.0, settings.max_len_a, settings.max_len_b)
         self.val_metrics = {k: v for k, v in score(hyps, targets).items() if k in ("bleu", "chrf")}
         self.history["bleu"].append((self.global_step, self.val_metrics["bleu"], self.wall_seconds()))
         self.log("val_bleu", self.val_metrics["bleu"], prog_bar=True, rank_zero_only=True)
@@ -231,8 +233,8 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
     def callbacks(ckpt_dir: Path):
         return [KeepLastCheckpoints(ckpt_dir, settings.average_last, settings.average_every_n_steps)]
 
-    def finish(module, ckpt_dir: Path) -> dict:
-        return final_evaluation(module.model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
+    def finish(module, model, ckpt_dir: Path) -> dict:
+        return final_evaluation(model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
 
     return Prepared(tokenizer, spec, module, TranslationModule, tokens_of, int(np.median(train_lengths)),
                     meta={"corpus": corpus_hash}, callbacks=callbacks, finish=finish)

@@ -118,7 +118,8 @@ class AttentionConfig(AttentionBlock):
         return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
-        return indivisible(degree, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
+        kv = {"n_kv_heads": self.n_kv_heads} if self.n_kv_heads != self.n_heads else {}  # else said once, of n_heads
+        return indivisible(degree, n_heads=self.n_heads, **kv)
 
     def tensor_parallel(self, degree: int, d_model: int) -> AttentionConfig:
         """``n_heads / degree`` query and ``n_kv_heads / degree`` key/value heads of the same width."""

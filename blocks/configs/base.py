@@ -64,11 +64,13 @@ class BlockConfig(BaseModel):
     def parallel_plan(self) -> dict[str, str] | None:
         """Tensor parallelism: submodule name (relative to the block's module) -> a style of
         :data:`PARALLEL_STYLES`; a submodule it does not name is replicated. None: no plan,
-        replicated."""
+        replicated. A module whose plan splits its heads adapts to its share in
+        ``use_tensor_parallel(rank, degree)`` (``recipes.tensor_parallel`` applies the plans)."""
         return None
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
-        """Why this block cannot be split ``degree`` ways (none by default)."""
+        """Why this block cannot be split ``degree`` ways by its plan: ``(field path relative to
+        this config, message)`` pairs; none by default."""
         return []
 
     def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:

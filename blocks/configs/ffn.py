@@ -138,6 +138,9 @@ class MoEConfig(FFNBlock):
     def describe(self) -> str:
         return f"moe {self.n_experts}x{self.expert.type} top{self.top_k}"
 
+    def parallel_plan(self) -> dict[str, str] | None:
+        return None  # router and experts replicated under tensor parallelism (no expert parallelism yet)
+
     def params(self, d_model: int) -> int:
         return d_model * self.n_experts + self.n_experts * self.expert.params(d_model)
 

@@ -228,15 +228,17 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
 
 
 def _read_training_checkpoint(path: Path):
-    from builder.integrity import CheckpointError, read_checkpoint
+    """The spec, the model's whole tensors and the ``builder`` metadata of a ``builder train``
+    checkpoint: one file or a sharded folder, read safely and verified against its checksums
+    (``builder.checkpoints``)."""
+    from builder.checkpoints import CheckpointError, model_weights, read_meta, read_weights as read_checkpoint
 
     try:
-        checkpoint = read_checkpoint(path)  # safely (weights only), verified against its checksums
+        meta = read_meta(path, check=False)["builder"]  # read_checkpoint below verifies it whole
+        if "spec" not in meta:
+            raise CheckpointError(f"{path} was not written by `builder train` (it holds no spec)")
+        spec = validate(meta["spec"], source=path)
+        state = model_weights(read_checkpoint(path))
     except CheckpointError as exc:
         raise HFError(str(exc)) from None
-    meta = checkpoint.get("builder") if isinstance(checkpoint, Mapping) else None
-    if not isinstance(meta, Mapping) or "spec" not in meta or not isinstance(checkpoint.get("state_dict"), Mapping):
-        raise HFError(f"{path} was not written by `builder train` (it holds no spec)")
-    spec = validate(meta["spec"], source=path)
-    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
     return spec, dedupe(state), meta

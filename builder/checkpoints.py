@@ -1,0 +1,142 @@
+"""Training checkpoints as one file or as a sharded folder, read the same way.
+
+``builder train`` writes a checkpoint either as one ``torch.save`` file (one process, DDP) or,
+under ``trainer.strategy: fsdp``, as a folder written by ``torch.distributed.checkpoint`` (every
+rank its own shards, in parallel): ``.metadata`` and ``__R_N.distcp`` files for the tensors, and
+``meta.pt`` (Lightning's name) for everything else: the step, the loops' state, our ``builder``
+metadata (spec, recipe, tokenizer) and the integrity record (``builder.integrity``: the
+checksums of ``meta.pt``'s own values and of every shard file). Both are read here without a
+process group and verified: :func:`read_meta` loads only the small part, :func:`read_weights`
+the model's whole tensors (resharded from whatever layout wrote them). ``builder consolidate``
+turns a folder into one ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from builder.integrity import KEY, CheckpointError, DamagedCheckpointError, read_checkpoint, verify_files
+
+__all__ = ["CheckpointError", "DamagedCheckpointError", "META_FILE", "STATE_KEY", "consolidate", "exists",
+           "is_sharded", "load_model", "model_weights", "read_meta", "read_weights"]
+
+#: the file beside the shards that holds everything but tensors (Lightning's ``_METADATA_FILENAME``)
+META_FILE = "meta.pt"
+#: the key the LightningModule's weights sit under, in a file checkpoint and in the shards alike
+STATE_KEY = "state_dict"
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint folder written by ``torch.distributed.checkpoint``."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def exists(path: str | Path) -> bool:
+    """A checkpoint is at ``path``: a file, or a sharded folder with its metadata."""
+    path = Path(path)
+    return path.is_file() or (is_sharded(path) and (path / META_FILE).is_file())
+
+
+def read_meta(path: str | Path, check: bool = True, files: bool = True) -> dict[str, Any]:
+    """The checkpoint (``builder``, ``global_step``, loops ...; a file's tensors memory-mapped,
+    read only when touched), verified against its checksums with ``check`` (a sharded folder's
+    shard files too, unless ``files`` is False). Raises :class:`CheckpointError` (one line naming
+    the path) for a missing, unsafe, damaged or foreign checkpoint."""
+    path = Path(path)
+    if path.is_dir() and not exists(path):
+        raise CheckpointError(f"{path} is a folder but not a checkpoint written by `builder train` "
+                              f"(no .metadata and {META_FILE})")
+    checkpoint = read_checkpoint(path / META_FILE if path.is_dir() else path, check=check)
+    if not isinstance(checkpoint.get("builder"), Mapping):
+        raise CheckpointError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
+    if check and files and path.is_dir():
+        digests = (checkpoint.get(KEY) or {}).get("files")
+        if not isinstance(digests, Mapping) or not digests:
+            raise DamagedCheckpointError(f"{path} is damaged: {META_FILE} records no shard checksums")
+        verify_files(path, digests)
+    return checkpoint
+
+
+def read_weights(path: str | Path, template: Mapping[str, Any] | None = None, check: bool = True) -> dict[str, Any]:
+    """The LightningModule's whole tensors (``model.`` names) of a file or sharded checkpoint,
+    verified with ``check``. A sharded checkpoint is read into ``template`` (the names and
+    shapes to fill, e.g. a CPU model's ``state_dict`` with ``model.`` names) or, without one,
+    into fresh CPU tensors of the model its own metadata describes."""
+    path = Path(path)
+    checkpoint = read_meta(path, check=check)
+    if not is_sharded(path):
+        if not isinstance(checkpoint.get(STATE_KEY), Mapping):
+            raise CheckpointError(f"{path} holds no weights")
+        return dict(checkpoint[STATE_KEY])
+    import torch.distributed.checkpoint as dcp
+
+    if template is None:
+        template = {f"model.{k}": v for k, v in empty_model(checkpoint["builder"]["spec"], path).state_dict().items()}
+    state = {STATE_KEY: dict(template)}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except Exception as exc:  # noqa: BLE001  (a foreign or damaged folder: say what, not where in DCP)
+        raise CheckpointError(f"cannot read the shards of {path}: {str(exc).strip().splitlines()[-1][:200]}") from None
+    return state[STATE_KEY]
+
+
+def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
+    """A checkpoint's spec, validated against the blocks registered now; a one-line
+    :class:`CheckpointError` naming ``path`` when it does not validate."""
+    from pydantic import ValidationError
+
+    from builder.schema import ModelSpec, SpecRuleError
+
+    try:
+        return ModelSpec.model_validate(dict(data))
+    except (ValidationError, SpecRuleError) as exc:
+        first = str(exc).splitlines()[1 if isinstance(exc, ValidationError) else 0][:200]
+        raise CheckpointError(f"{path}: its model spec does not validate here ({first}); a spec built from a "
+                              "plugin's blocks needs the same --plugin MODULE") from None
+
+
+def empty_model(spec_data: Mapping[str, Any], path: str | Path = "the checkpoint"):
+    """The spec's model on the CPU with uninitialised tensors (to be filled from a checkpoint)."""
+    import torch
+
+    from builder.assemble import build_model
+
+    model = build_model(checkpoint_spec(path, spec_data), device="meta")
+    return model.to_empty(device=torch.device("cpu"))
+
+
+def model_weights(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The built model's tensors from a LightningModule state dict: the ``model.`` prefix and
+    ``torch.compile``'s ``_orig_mod.`` wrapper taken off the names."""
+    return {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+
+
+def load_model(path: str | Path):
+    """``(model, meta)``: the trained model on the CPU in eval mode and the checkpoint's
+    ``builder`` metadata (``global_step`` added), from a verified file or sharded checkpoint."""
+    checkpoint = read_meta(path)
+    builder = dict(checkpoint["builder"], global_step=checkpoint.get("global_step"))
+    model = empty_model(builder["spec"], path)
+    if is_sharded(path):  # the shards are read in place into the model's own tensors
+        read_weights(path, {f"model.{k}": v for k, v in model.state_dict().items()}, check=False)
+    else:
+        model.load_state_dict(model_weights(checkpoint[STATE_KEY]))
+    return model.eval(), builder
+
+
+def consolidate(path: str | Path, out: str | Path) -> Path:
+    """Write the model's whole weights of a checkpoint to one ``.safetensors`` file (a tied tensor
+    once); the spec (JSON) and step go in its metadata."""
+    import json
+
+    from builder.hf.weights import save_weights
+
+    model, builder = load_model(path)
+    metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
+    return save_weights(model, out, metadata=metadata)

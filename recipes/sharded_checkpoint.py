@@ -1,0 +1,105 @@
+"""Writing a sharded checkpoint so that no moment of a crash costs the previous one.
+
+Every rank writes its shards (``torch.distributed.checkpoint``) into a temp folder
+``.NAME.tmp-ID`` beside ``NAME`` and the checksums of its own shard files
+(:func:`write_digests`); once all are done, rank 0 seals ``meta.pt`` (the step, loops and
+``builder`` metadata, and every rank's file checksums: :func:`write_meta`) and renames the temp
+folder into place (:func:`swap_into`): the checkpoint there becomes ``last-1.ckpt`` when it is
+``last.ckpt`` of an earlier step (as ``recipes.checkpoint.write_checkpoint`` keeps a file's
+predecessor), or ``.NAME.old-ID`` until the new one is in place. Whatever moment a process dies
+at, a whole checkpoint is left: ``NAME``, ``last-1.ckpt``, or (between the two renames)
+``.NAME.old-ID``, which :func:`tidy` renames back before anything reads or writes ``NAME`` again;
+temp folders of saves that died are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from recipes.checkpoint import _step_of, _sync_folder, previous_path
+
+#: a rank's checksums of the shard files it wrote, beside them until rank 0 seals ``meta.pt``
+DIGESTS = ".digests-{rank}.json"
+
+
+def _debris(path: Path, kind: str) -> list[Path]:
+    return sorted(path.parent.glob(f".{path.name}.{kind}-*"), key=lambda p: p.stat().st_mtime)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def tidy(path: Path) -> None:
+    """Put back a checkpoint a save died between its two renames, and remove the temp and old
+    folders earlier saves left beside ``path`` (one writer at a time: rank 0)."""
+    from builder.checkpoints import exists
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    olds = _debris(path, "old")
+    if olds and not exists(path):
+        os.replace(olds.pop(), path)
+    for leftover in olds + _debris(path, "tmp"):
+        _remove(leftover)
+
+
+def write_digests(folder: Path, rank: int) -> None:
+    """This rank's shard files in ``folder`` and their CRC-32, for rank 0 to seal."""
+    from builder.integrity import file_digests
+
+    folder = Path(folder)
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + ([".metadata"] if rank == 0 else [])
+    (folder / DIGESTS.format(rank=rank)).write_text(json.dumps(file_digests(folder, names)))
+
+
+def write_meta(checkpoint: dict, folder: Path, ranks: int) -> None:
+    """``folder/meta.pt``: the checkpoint's non-tensor part, sealed with its own checksums and
+    every rank's shard-file checksums (gathered from their digest files, then removed), flushed."""
+    import torch
+
+    from builder.checkpoints import META_FILE
+    from builder.integrity import KEY, seal
+
+    folder = Path(folder)
+    files: dict[str, int] = {}
+    for rank in range(ranks):
+        digest = folder / DIGESTS.format(rank=rank)
+        files.update(json.loads(digest.read_text()))
+    seal(checkpoint)
+    checkpoint[KEY]["files"] = files
+    with open(folder / META_FILE, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    for rank in range(ranks):
+        (folder / DIGESTS.format(rank=rank)).unlink()
+
+
+def swap_into(tmp: Path, path: Path, step: int | None) -> None:
+    """Rename the finished ``tmp`` to ``path``: the checkpoint there is kept as its predecessor
+    (``last-1.ckpt``) when it is of an earlier step, else removed once the new one is in place."""
+    from builder.checkpoints import META_FILE, exists
+
+    tmp, path = Path(tmp), Path(path)
+    previous = previous_path(path)
+    old = None
+    if exists(path) or path.exists():
+        old_step = _step_of(path / META_FILE if path.is_dir() else path)
+        if previous is not None and old_step is not None and old_step != step:
+            _remove(previous)
+            os.replace(path, previous)  # an intact predecessor from an earlier step is kept
+        else:
+            old = path.with_name(f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+            os.replace(path, old)
+    os.replace(tmp, path)
+    _sync_folder(path.parent)  # the renames reach the disk before the old copy goes
+    if old is not None:
+        _remove(old)

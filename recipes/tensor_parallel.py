@@ -1,0 +1,101 @@
+"""Tensor parallelism from the blocks' own plans (``trainer.tensor_parallel``).
+
+Each block config declares how its module splits (``parallel_plan``: submodule -> style); this
+module maps the style names to ``torch.distributed.tensor.parallel`` styles and applies them to
+the built modules over the ``tp`` mesh:
+
+* ``colwise`` — ``ColwiseParallel``: a linear layer's output features split, its input whole;
+  without a ``rowwise`` partner in the plan (the head's projection to the vocabulary) its
+  output leaves the block gathered whole;
+* ``rowwise`` — ``RowwiseParallel``: its input features split, the outputs summed (all-reduce);
+* ``vocab`` — a vocabulary table (``nn.Embedding``: rows split, ``RowwiseParallel``);
+* ``replicate`` — left whole on every rank (its gradients agree across the group, since its
+  inputs do).
+
+Blocks without a plan (norms, positions, mixture-of-experts for now) are replicated. A module
+whose heads are split adapts in ``use_tensor_parallel(rank, degree)``. Tied tensors (a head tied
+to its embedding) are split alike and tied again. ``fully_shard`` then shards the result over the
+data-parallel ranks (2-D parameters).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from builder.layout import EMBEDDING_PLAN
+
+
+def styles(plan: dict[str, str], module: nn.Module) -> dict:
+    """The ``ParallelStyle`` of each submodule a plan splits (replicated ones left out)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    paired = "rowwise" in plan.values()  # a colwise output is consumed split; else it leaves the block whole
+    out = {}
+    for name, kind in plan.items():
+        if kind == "colwise":
+            out[name] = ColwiseParallel() if paired else ColwiseParallel(output_layouts=Replicate())
+        elif kind == "rowwise":
+            out[name] = RowwiseParallel()
+        elif kind == "vocab":
+            vocab_table = isinstance(module.get_submodule(name), nn.Embedding)
+            out[name] = RowwiseParallel(input_layouts=Replicate()) if vocab_table else ColwiseParallel(
+                output_layouts=Replicate())
+        elif kind != "replicate":
+            raise ValueError(f"unknown tensor-parallel style {kind!r}; one of colwise, rowwise, vocab, replicate")
+    return out
+
+
+def planned_modules(model: nn.Module) -> list[tuple[dict[str, str], nn.Module]]:
+    """``(plan, module)`` for every module a plan splits: each stack's token embedding (once when
+    shared), each layer's attention, cross-attention and FFN, the head."""
+    spec = model.spec
+    found: list[tuple[dict[str, str], nn.Module]] = []
+    embeddings: list[nn.Module] = []
+    for name, stack in model.stacks().items():
+        if all(stack.embedding is not e for e in embeddings):
+            embeddings.append(stack.embedding)
+            found.append((EMBEDDING_PLAN, stack.embedding))
+        stack_spec = getattr(spec, name)
+        for i, layer in enumerate(stack.layers):
+            config = stack_spec.layer(i)
+            blocks = [(config.attention, layer.attention), (config.ffn, layer.ffn)]
+            if layer.cross_attention is not None:
+                blocks.append((config.cross_attention, layer.cross_attention))
+            found += [(c.parallel_plan(), m) for c, m in blocks]
+    found.append((spec.head.parallel_plan(), model.head))
+    return [(plan, module) for plan, module in found if plan]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
+    """Split ``model`` (a ``build_model`` model, on any device, meta included) over ``tp_mesh``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tied = _alias_groups(model)
+    rank, degree = tp_mesh.get_local_rank(), tp_mesh.size()
+    for plan, module in planned_modules(model):
+        parallelize_module(module, tp_mesh, styles(plan, module))
+        if hasattr(module, "use_tensor_parallel"):
+            module.use_tensor_parallel(rank, degree)
+    _tie_again(model, tied)
+    return model
+
+
+def _alias_groups(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _tie_again(model: nn.Module, groups: list[list[str]]) -> None:
+    """Parameters that were one tensor before their modules were split are one again."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            other = model.get_parameter(name)
+            if getattr(other, "placements", None) != getattr(param, "placements", None):
+                raise ValueError(f"{name} is tied to {first} but their plans split them differently "
+                                 f"({getattr(other, 'placements', None)} vs {getattr(param, 'placements', None)})")
+            setattr(model.get_submodule(owner), leaf, param)
