@@ -160,7 +160,14 @@ def test_unknown_or_missing_model_type(hf, capsys):
     _set(hf, model_type=None)
     assert main(["import-hf", str(hf), "-o", str(hf.parent / "out")]) == 1
     err = capsys.readouterr().err
-    assert "config.json: model_type (absent or not a name) is not supported" in err and "Traceback" not in err
+    assert "config.json: model_type (absent) is not supported" in err and "Traceback" not in err
+    _set(hf, model_type="Root:x:0:0")  # text not shaped like a family name is not printed
+    assert main(["import-hf", str(hf), "-o", str(hf.parent / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "config.json: model_type (not a family name) is not supported" in err and "Root" not in err
+    _set(hf, model_type="mamba")
+    assert main(["import-hf", str(hf), "-o", str(hf.parent / "out")]) == 1
+    assert "config.json: model_type 'mamba' is not supported" in capsys.readouterr().err
 
 
 def test_binary_config(hf, capsys):

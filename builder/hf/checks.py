@@ -174,12 +174,13 @@ def _is_int(value: Any) -> bool:
 
 
 def _kind(value: Any) -> str:
-    """A value as an error shows it: numbers and short strings as written, others by type."""
+    """A value as an error shows it: numbers as written, others by their kind. Never a string's
+    text: config.json may be any file the user pointed at, and its text is not ours to print."""
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, (int, float)):
         text = repr(value)
         return text if len(text) <= 24 else f"a {len(text)}-digit number"
     if isinstance(value, str):
-        return repr(value) if len(value) <= 24 else f"a {len(value)}-character string"
+        return f"a string of {len(value)} characters"
     return {"list": "a list", "dict": "a mapping"}.get(type(value).__name__, type(value).__name__)

@@ -5,6 +5,7 @@ converted spec passes (``validate``). A family is a table in :mod:`builder.hf.de
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from builder.hf import decoders, deepseek, encoders
 from builder.hf.common import Family, HFError, Unsupported
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in decoders.FAMILIES + deepseek.FAMILIES + encoders.FAMILIES}
+
+#: what a transformers model_type looks like (``gpt2``, ``gpt_neox``, ``xlm-roberta``)
+_FAMILY_NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 
 #: config.json keys that are not architecture and travel unchanged through import and export
 TOKEN_KEYS = (
@@ -32,7 +36,10 @@ def supported_families() -> str:
 def family_of(config: Mapping, path: str | Path = "config.json") -> Family:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
-        shown = repr(model_type) if isinstance(model_type, str) and len(model_type) <= 40 else "(absent or not a name)"
+        # a family's name is shown when it is shaped like one (transformers' model types are
+        # lower-case identifiers); other text of the file is not printed
+        shown = repr(model_type) if isinstance(model_type, str) and _FAMILY_NAME.fullmatch(model_type) else (
+            "(absent)" if model_type is None else "(not a family name)")
         raise Unsupported(
             f"{path}: model_type {shown} is not supported; supported families:\n{supported_families()}"
         )

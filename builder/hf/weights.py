@@ -144,7 +144,8 @@ def torch_load_safely(path: Path):
             + "; only safetensors files and tensor-only PyTorch files are read"
         ) from None
     except Exception as exc:  # noqa: BLE001  (torch's reasons for a file it cannot read)
-        raise HFError(f"{path}: not a PyTorch weights file, or a damaged one ({type(exc).__name__})") from None
+        # torch's reason is not shown: it can quote the file's bytes
+        raise HFError(f"{path}: not a PyTorch weights file, or a damaged one") from None
 
 
 def _torch_load(path: Path) -> dict:
