@@ -223,6 +223,23 @@ def test_tensor_parallel_and_tp_x_fsdp_train_like_one_process_and_export_to_hf(t
 
 
 @pytest.mark.slow
+def test_tensor_parallel_encoder_decoder_trains_like_one_process(tmp_path):
+    # self- and cross-attention split; a tensor-parallel group is one data-parallel rank, so it
+    # reads what one process reads (validation included)
+    train(_translation(tmp_path / "one", devices=1))
+    train(_translation(tmp_path / "tp", devices=2, strategy="fsdp", tensor_parallel=2))
+    assert_same_losses(losses(tmp_path / "tp" / "run"), losses(tmp_path / "one" / "run"))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_moe_trains_like_one_process(tmp_path):
+    # attention split; the router and the experts replicated (their gradients agree across the group)
+    train(recipe(tmp_path / "one", batch=4, spec=TINY_MOE))
+    train(recipe(tmp_path / "tp", batch=4, devices=2, strategy="fsdp", tensor_parallel=2, spec=TINY_MOE))
+    assert_same_losses(losses(tmp_path / "tp" / "run"), losses(tmp_path / "one" / "run"))
+
+
+@pytest.mark.slow
 def test_resume_on_another_layout_continues_like_an_unbroken_run(tmp_path):
     train(recipe(tmp_path / "one", batch=4))
     moved = tmp_path / "moved"

@@ -17,16 +17,12 @@ import torch.multiprocessing as mp
 
 from builder.layout import Layout, rank_states
 from builder.schema import spec_model
+from test_layout_ranks import SPEC as ODD
 
 pytestmark = pytest.mark.slow
 
-#: dims that do not divide the shard groups evenly (ranks hold different shares), a tied head
-SPEC = {
-    "name": "odd", "architecture": "decoder-only", "vocab_size": 250, "d_model": 24, "max_seq_len": 32,
-    "position": {"type": "learned"}, "tie_embeddings": True,
-    "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True, "out_bias": True},
-                "ffn": {"type": "mlp", "hidden_dim": 70, "bias": True}, "norm": {"type": "layernorm"}},
-}
+#: dims that do not divide the shard groups evenly (ranks hold different shares), here with a tied head
+SPEC = {**ODD, "tie_embeddings": True}
 SEED = 7
 
 
