@@ -4,8 +4,8 @@
 under ``trainer.strategy: fsdp``, as a folder written by ``torch.distributed.checkpoint`` (every
 rank its own shards, in parallel): ``.metadata`` and ``__R_N.distcp`` files for the tensors, and
 ``meta.pt`` (Lightning's name) for everything else: the step, the loops' state, our ``builder``
-metadata (spec, recipe, tokenizer) and the integrity record (``builder.integrity``: the
-checksums of ``meta.pt``'s own values and of every shard file). Both are read here without a
+metadata (spec, recipe, tokenizer), the CRC-32 of every shard file (``shard_files``) and the
+integrity record (``builder.integrity``: the checksums of all of ``meta.pt``'s values). Both are read here without a
 process group and verified: :func:`read_meta` loads only the small part, :func:`read_weights`
 the model's whole tensors (resharded from whatever layout wrote them). ``builder consolidate``
 turns a folder into one ``model.safetensors``.
@@ -18,27 +18,31 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.integrity import KEY, CheckpointError, DamagedCheckpointError, read_checkpoint, verify_files
+from builder.integrity import CheckpointError, DamagedCheckpointError, read_checkpoint, verify_files
 
-__all__ = ["CheckpointError", "DamagedCheckpointError", "META_FILE", "STATE_KEY", "consolidate", "exists",
-           "is_sharded", "load_model", "model_weights", "read_meta", "read_weights"]
+__all__ = ["CheckpointError", "DamagedCheckpointError", "META_FILE", "SHARD_FILES", "STATE_KEY", "consolidate",
+           "exists", "is_sharded", "load_model", "model_weights", "read_meta", "read_weights", "read_whole"]
 
 #: the file beside the shards that holds everything but tensors (Lightning's ``_METADATA_FILENAME``)
 META_FILE = "meta.pt"
+#: the key in ``meta.pt`` of every shard file's CRC-32 (sealed with ``meta.pt``'s other values)
+SHARD_FILES = "shard_files"
 #: the key the LightningModule's weights sit under, in a file checkpoint and in the shards alike
 STATE_KEY = "state_dict"
 
 
 def is_sharded(path: str | Path) -> bool:
-    """Whether ``path`` is a checkpoint folder written by ``torch.distributed.checkpoint``."""
+    """Whether ``path`` is a checkpoint folder written by ``torch.distributed.checkpoint`` (its
+    ``.metadata`` or our ``meta.pt`` there: a folder that lost one is a damaged checkpoint, which
+    :func:`read_meta` names, not some other folder)."""
     path = Path(path)
-    return path.is_dir() and (path / ".metadata").is_file()
+    return path.is_dir() and ((path / ".metadata").is_file() or (path / META_FILE).is_file())
 
 
 def exists(path: str | Path) -> bool:
     """A checkpoint is at ``path``: a file, or a sharded folder with its metadata."""
     path = Path(path)
-    return path.is_file() or (is_sharded(path) and (path / META_FILE).is_file())
+    return path.is_file() or (path.is_dir() and (path / ".metadata").is_file() and (path / META_FILE).is_file())
 
 
 def read_meta(path: str | Path, check: bool = True, files: bool = True) -> dict[str, Any]:
@@ -47,14 +51,16 @@ def read_meta(path: str | Path, check: bool = True, files: bool = True) -> dict[
     shard files too, unless ``files`` is False). Raises :class:`CheckpointError` (one line naming
     the path) for a missing, unsafe, damaged or foreign checkpoint."""
     path = Path(path)
-    if path.is_dir() and not exists(path):
+    if path.is_dir() and not is_sharded(path):
         raise CheckpointError(f"{path} is a folder but not a checkpoint written by `builder train` "
                               f"(no .metadata and {META_FILE})")
+    if path.is_dir() and not (path / META_FILE).is_file():
+        raise DamagedCheckpointError(f"{path} is damaged: {META_FILE} is missing")
     checkpoint = read_checkpoint(path / META_FILE if path.is_dir() else path, check=check)
     if not isinstance(checkpoint.get("builder"), Mapping):
         raise CheckpointError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
     if check and files and path.is_dir():
-        digests = (checkpoint.get(KEY) or {}).get("files")
+        digests = checkpoint.get(SHARD_FILES)
         if not isinstance(digests, Mapping) or not digests:
             raise DamagedCheckpointError(f"{path} is damaged: {META_FILE} records no shard checksums")
         verify_files(path, digests)
@@ -73,6 +79,7 @@ def read_weights(path: str | Path, template: Mapping[str, Any] | None = None, ch
             raise CheckpointError(f"{path} holds no weights")
         return dict(checkpoint[STATE_KEY])
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if template is None:
         template = {f"model.{k}": v for k, v in empty_model(checkpoint["builder"]["spec"], path).state_dict().items()}
@@ -81,9 +88,46 @@ def read_weights(path: str | Path, template: Mapping[str, Any] | None = None, ch
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except Exception as exc:  # noqa: BLE001  (a foreign or damaged folder: say what, not where in DCP)
-        raise CheckpointError(f"cannot read the shards of {path}: {str(exc).strip().splitlines()[-1][:200]}") from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001  (a foreign or damaged folder: say what)
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise CheckpointError(f"cannot read the shards of {path}: {lines[-1][:200]}") from None
     return state[STATE_KEY]
+
+
+def read_whole(path: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint as the one dict a file checkpoint holds, verified: ``meta.pt``'s
+    values, the whole weights under ``state_dict`` and each optimizer's state under
+    ``optimizer_states`` keyed by parameter position (``torch.distributed.checkpoint`` keeps them
+    by name), so a run saved under ``trainer.strategy: fsdp`` resumes in one process or under DDP.
+    Every tensor is read whole into this process."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    checkpoint = read_meta(path)
+    state: dict[str, Any] = {}
+    try:  # as DCP's own format_utils.dcp_to_torch_save reads a folder whole: tensors made from .metadata
+        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001  (a foreign or damaged folder: say what)
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise CheckpointError(f"cannot read the shards of {path}: {lines[-1][:200]}") from None
+    checkpoint[STATE_KEY] = state.pop(STATE_KEY)
+    count = sum(1 for key in state if key.startswith("optimizer_"))
+    checkpoint["optimizer_states"] = [_by_position(state[f"optimizer_{i}"]) for i in range(count)]
+    return checkpoint
+
+
+def _by_position(optimizer: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (``get_optimizer_state_dict``) keyed by
+    position in its parameter groups instead (``torch.optim.Optimizer.state_dict``)."""
+    names = [name for group in optimizer["param_groups"] for name in group["params"]]
+    position = {name: i for i, name in enumerate(names)}
+    return {"state": {position[name]: value for name, value in optimizer["state"].items()},
+            "param_groups": [dict(group, params=[position[n] for n in group["params"]])
+                             for group in optimizer["param_groups"]]}
 
 
 def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
@@ -132,11 +176,20 @@ def load_model(path: str | Path):
 
 def consolidate(path: str | Path, out: str | Path) -> Path:
     """Write the model's whole weights of a checkpoint to one ``.safetensors`` file (a tied tensor
-    once); the spec (JSON) and step go in its metadata."""
+    once); the spec (JSON) and step go in its metadata. Written beside ``out`` and renamed over
+    it, so a failed write leaves no partial file (an ``OSError`` says why)."""
     import json
+    import os
 
     from builder.hf.weights import save_weights
 
     model, builder = load_model(path)
     metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
-    return save_weights(model, out, metadata=metadata)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_weights(model, tmp, metadata=metadata)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

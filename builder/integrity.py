@@ -207,7 +207,7 @@ def file_crc(path: str | Path) -> int:
 
 def file_digests(folder: str | Path, names: list[str]) -> dict[str, int]:
     """CRC-32 of each of ``names`` (files in ``folder``): a rank's own shard files after it wrote
-    them, gathered by the writer into the checkpoint's record (``{"files": ...}``)."""
+    them, gathered by the writer into the checkpoint (``builder.checkpoints.SHARD_FILES``)."""
     folder = Path(folder)
     return {name: file_crc(folder / name) for name in sorted(names)}
 

@@ -22,6 +22,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
         write_checkpoint(checkpoint, path)
 
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        """A file, or a sharded folder (a run saved under ``trainer.strategy: fsdp``) read whole."""
+        from builder.checkpoints import is_sharded, read_whole
+
+        if is_sharded(path):
+            return read_whole(path)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
 
 class RecipeCheckpoint(L.Callback):
     """``last.ckpt`` every ``every_n_steps`` optimizer steps, at each validation and at the end;

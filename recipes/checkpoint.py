@@ -88,11 +88,9 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
             torch.save(checkpoint, writer)
             f.flush()
             os.fsync(f.fileno())
-        previous = previous_path(path)
-        if previous is not None and _step_of(path) not in (None, checkpoint.get("global_step")):
-            os.replace(path, previous)  # an intact predecessor from an earlier step is kept
-        os.replace(tmp, path)
-        _sync_folder(path.parent)
+        from recipes.sharded_checkpoint import swap_into
+
+        swap_into(tmp, path, checkpoint.get("global_step"))  # a predecessor of an earlier step kept (file or folder)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()

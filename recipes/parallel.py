@@ -179,26 +179,13 @@ class ShardedStrategy(ModelParallelStrategy):
         ``filepath``; once all are done rank 0 seals ``meta.pt`` and renames the folder into place
         (``recipes.sharded_checkpoint``). A rank killed before that leaves the previous checkpoint
         whole, and a temp folder the next save removes."""
-        import torch.distributed.checkpoint as dcp
-
-        from recipes.sharded_checkpoint import swap_into, tidy, write_digests, write_meta
+        from recipes.sharded_checkpoint import save
 
         if storage_options is not None:
             raise TypeError("the sharded strategy takes no storage_options")
         path = Path(self.broadcast(str(filepath)))
         tmp = Path(self.broadcast(str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"))))
-        if self.global_rank == 0:
-            tidy(path)
-        self.barrier()
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(state, checkpoint_id=tmp)
-        write_digests(tmp, self.global_rank)
-        self.barrier()
-        if self.global_rank == 0:
-            write_meta(checkpoint, tmp, self.world_size)
-            swap_into(tmp, path, checkpoint.get("global_step"))
-        self.barrier()
+        save(checkpoint, path, tmp, self.global_rank, self.world_size, self.barrier)
 
 
 def shard_model(model: nn.Module, mesh, settings: TrainerSection, init_seed: int, device: torch.device) -> nn.Module:

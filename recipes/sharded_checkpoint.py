@@ -9,7 +9,13 @@ folder into place (:func:`swap_into`): the checkpoint there becomes ``last-1.ckp
 predecessor), or ``.NAME.old-ID`` until the new one is in place. Whatever moment a process dies
 at, a whole checkpoint is left: ``NAME``, ``last-1.ckpt``, or (between the two renames)
 ``.NAME.old-ID``, which :func:`tidy` renames back before anything reads or writes ``NAME`` again;
-temp folders of saves that died are removed by the next save.
+temp folders of saves that died are removed by the next save. :func:`save` is the whole
+sequence, run by every rank (``recipes.parallel.ShardedStrategy.save_checkpoint``).
+
+A save that fails on any rank (a full disk, a read-only folder: ``torch.distributed.checkpoint``
+gathers every rank's outcome, so all of them know) removes its temp folder, keeps the previous
+checkpoint and stops the run with one line naming the checkpoint
+(:class:`~recipes.checkpoint.CheckpointWriteError`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,51 @@ from recipes.checkpoint import _step_of, _sync_folder, previous_path
 
 #: a rank's checksums of the shard files it wrote, beside them until rank 0 seals ``meta.pt``
 DIGESTS = ".digests-{rank}.json"
+
+
+def save(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int, barrier) -> None:
+    """Write ``checkpoint`` (Lightning's dict: ``state_dict`` and ``optimizer_states`` hold this
+    rank's shards) to the folder ``path`` through ``tmp`` (the same on every rank). Every rank
+    calls it; ``barrier()`` waits for all of them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path, tmp = Path(path), Path(tmp)
+    if rank == 0:
+        tidy(path)
+    barrier()
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # raises on every rank when any rank failed
+        write_digests(tmp, rank)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001  (said in one line, below)
+        if rank == 0:
+            _remove(tmp)
+        raise _write_error(path, exc) from None
+    barrier()
+    if rank == 0:
+        try:
+            write_meta(checkpoint, tmp, ranks)
+            swap_into(tmp, path, checkpoint.get("global_step"))
+        except OSError as exc:
+            _remove(tmp)
+            raise _write_error(path, exc) from None
+    barrier()
+
+
+def _write_error(path: Path, exc: BaseException):
+    """One line for a save that failed: the checkpoint, the first OS error of any rank, and that
+    the previous checkpoint is kept."""
+    from recipes.checkpoint import CheckpointWriteError
+    from recipes.runfolder import os_reason
+
+    failures = [f[0] for f in getattr(exc, "failures", {}).values()] or [exc]
+    errors = [f for f in failures if isinstance(f, OSError)]
+    text = str(failures[0]).strip().splitlines() or [type(failures[0]).__name__]
+    reason = os_reason(errors[0]) if errors else text[0][:200]
+    kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
+    return CheckpointWriteError(f"could not write {path}: {reason}; {kept}")
 
 
 def _debris(path: Path, kind: str) -> list[Path]:
@@ -65,16 +116,16 @@ def write_meta(checkpoint: dict, folder: Path, ranks: int) -> None:
     every rank's shard-file checksums (gathered from their digest files, then removed), flushed."""
     import torch
 
-    from builder.checkpoints import META_FILE
-    from builder.integrity import KEY, seal
+    from builder.checkpoints import META_FILE, SHARD_FILES
+    from builder.integrity import seal
 
     folder = Path(folder)
     files: dict[str, int] = {}
     for rank in range(ranks):
         digest = folder / DIGESTS.format(rank=rank)
         files.update(json.loads(digest.read_text()))
+    checkpoint[SHARD_FILES] = files  # sealed with the rest: a damaged record is a damaged meta.pt
     seal(checkpoint)
-    checkpoint[KEY]["files"] = files
     with open(folder / META_FILE, "wb") as f:
         torch.save(checkpoint, f)
         f.flush()

@@ -26,5 +26,8 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"builder consolidate: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the output: an unwritable or full folder, a path that cannot be made
+        print(f"builder consolidate: cannot write {args.out}: {exc.strerror or type(exc).__name__}", file=sys.stderr)
+        return 1
     print(f"wrote {path}")
     return 0

@@ -1,0 +1,391 @@
+"""Sharded checkpoints (``trainer.strategy: fsdp``): a save killed at any moment leaves a whole
+checkpoint and nothing that blocks the next save; a damaged shard is a one-line error naming it,
+and a resume falls back to the newest intact checkpoint; a run resumes on other layouts and
+continues like an unbroken one; the readers (eval, generate, export-hf, consolidate) take a
+sharded checkpoint whole.
+
+The default run writes real sharded folders in this process (``recipes.sharded_checkpoint.save``,
+the sequence every rank of ``ShardedStrategy`` runs, with one rank); the multi-process runs on
+CPU processes (gloo) are ``slow``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_helpers import builder_process
+from sharded_helpers import assert_same_losses, losses, recipe, train
+
+torch.set_num_threads(1)
+
+#: a Llama layout (GQA, GLU, RMSNorm, RoPE, untied head) whose heads, KV heads, FFN width and
+#: the char vocabulary of the tiny corpus (94) all split in two, so it runs under TP 2 and exports to HF
+SPEC = {
+    "name": "tiny-llama", "architecture": "decoder-only", "d_model": 32, "max_seq_len": 32,
+    "position": {"type": "rope"}, "tie_embeddings": False,
+    "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2},
+                "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64}, "norm": {"type": "rmsnorm"}},
+}
+
+
+def _main(*args: str) -> int:
+    from builder.cli import main
+
+    return main(list(args))
+
+
+def _one_line(capsys, *needles: str) -> str:
+    """The one line a refusal printed to stderr (progress bars left out), holding ``needles``."""
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()]
+    err = "\n".join(lines)
+    assert "Traceback" not in err and len(lines) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+# -- sharded folders written in this process ------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _model(seed: int):
+    from builder import build_model
+    from builder.schema import spec_model
+
+    spec = spec_model().model_validate(dict(SPEC, vocab_size=96))
+    return build_model(spec, init_seed=seed), spec.model_dump(mode="json")
+
+
+def _save(path: Path, step: int, tag: str | None = None) -> dict:
+    """A sharded checkpoint of step ``step`` at ``path`` (its weights drawn with seed ``step``),
+    written the way each rank of the sharded strategy writes one; the weights it holds."""
+    from recipes.sharded_checkpoint import save
+
+    model, spec = _model(step)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint = {"global_step": step, "builder": {"spec": spec},
+                  "state_dict": {f"model.{k}": v for k, v in weights.items()}}
+    tmp = path.with_name(f".{path.name}.tmp-{tag or f'{step:04d}'}")
+    save(checkpoint, path, tmp, rank=0, ranks=1, barrier=lambda: None)
+    return weights
+
+
+def _assert_holds(path: Path, weights: dict) -> None:
+    from builder.checkpoints import load_model
+
+    model, _ = load_model(path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), (path, name)
+
+
+def _debris(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+class _Died(BaseException):
+    """A process that stops at this instant (nothing after it runs, no cleanup)."""
+
+
+def _resume(run: Path):
+    from recipes.train import resume_path
+
+    return resume_path(run, resume=None, fresh=False)
+
+
+def test_a_save_that_dies_at_any_step_leaves_a_whole_checkpoint_and_the_next_save_goes_through(tmp_path, monkeypatch):
+    """Every rename and removal a save makes (and its shard and metadata writes) is a point a
+    process can die at: at each, the next run resumes from a whole checkpoint of the old or the
+    new step, and its own save leaves ``last.ckpt`` and ``last-1.ckpt`` and no debris."""
+    import recipes.sharded_checkpoint as sc
+
+    real = {"replace": os.replace, "remove": sc._remove, "digests": sc.write_digests, "meta": sc.write_meta}
+    point = -1
+    dying = {"at": None}
+
+    def mortal(name):
+        def call(*args, **kwargs):
+            nonlocal point
+            point += 1
+            if point == dying["at"]:
+                if name == "remove" and Path(args[0]).is_dir():  # dies half-way through removing a folder
+                    next(Path(args[0]).iterdir()).unlink()
+                raise _Died(name)
+            return real[name](*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(sc.os, "replace", mortal("replace"))
+    for name in ("remove", "digests", "meta"):
+        monkeypatch.setattr(sc, {"remove": "_remove", "digests": "write_digests", "meta": "write_meta"}[name],
+                            mortal(name))
+    cases = 0
+    # no checkpoint yet; last.ckpt only; last.ckpt and last-1.ckpt; the same step saved again
+    for before, new in (((), 20), ((5,), 20), ((5, 10), 20), ((5, 10), 10)):
+        at = 0
+        while True:
+            run = tmp_path / f"{len(before)}-{new}-{at}"
+            folder = run / "checkpoints"
+            folder.mkdir(parents=True)
+            dying["at"] = None
+            saved = {step: _save(folder / "last.ckpt", step) for step in before}
+            saved[new] = _model(new)[0].state_dict()
+            point, dying["at"] = -1, at
+            try:
+                _save(folder / "last.ckpt", new, tag="new")
+            except _Died:
+                pass
+            else:
+                break  # a save with no point left to die at
+            finally:
+                dying["at"] = None
+            cases += 1
+            resumed = _resume(run)
+            if not before:
+                assert resumed is None or resumed.name == "last.ckpt", (at, resumed)
+            else:
+                assert resumed is not None, f"dying at point {at} lost every checkpoint"
+            if resumed is not None:  # what the next run resumes from is whole: the old step or the new
+                from builder.checkpoints import read_meta
+
+                step = read_meta(resumed)["global_step"]
+                assert step in (*before, new) and step >= max(before, default=0), (at, step)
+                _assert_holds(resumed, saved[step])
+            # the next save goes through, and the checkpoint resumed from becomes its predecessor
+            _save(folder / "last.ckpt", 30)
+            assert _debris(folder) == [], (at, _debris(folder))
+            _assert_holds(folder / "last.ckpt", _model(30)[0].state_dict())
+            if resumed is not None:
+                _assert_holds(folder / "last-1.ckpt", saved[step])
+            at += 1
+    assert cases >= 18, cases  # every write, rename and removal of the save was a point
+
+
+def test_temp_folders_of_dead_saves_are_removed_by_the_next_save(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    _save(folder / "last.ckpt", 5)
+    for name in (".last.ckpt.tmp-dead1", ".last.ckpt.tmp-dead2"):  # saves killed while writing shards
+        shutil.copytree(folder / "last.ckpt", folder / name)
+        (folder / name / "meta.pt").unlink()
+    weights = _save(folder / "last.ckpt", 10)
+    assert _debris(folder) == []
+    _assert_holds(folder / "last.ckpt", weights)
+
+
+def _flip(file: Path) -> None:
+    """One bit flipped: in the middle of a shard's tensor bytes, in ``meta.pt``'s pickle (the
+    spec's name; a flip in the zip's alignment padding changes nothing that is read)."""
+    data = bytearray(file.read_bytes())
+    at = data.find(b"tiny-llama") if file.name == "meta.pt" else len(data) // 2
+    data[at] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file: Path) -> None:
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("name, harm", [("__0_0.distcp", _flip), ("__0_0.distcp", _truncate),
+                                        (".metadata", _flip), ("meta.pt", _flip), (".metadata", Path.unlink)])
+def test_a_damaged_shard_is_a_one_line_error_naming_it_in_every_reader(tmp_path, capsys, name, harm):
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    _save(last, 5)
+    harm(last / name)
+    commands = [("consolidate", str(last), "-o", str(tmp_path / "model.safetensors")),
+                ("export-hf", str(last), "-o", str(tmp_path / "hf")),
+                ("eval", str(last)), ("generate", str(last), "--prompt", "def ")]
+    for command in commands:
+        assert _main(*command) == 1, command
+        _one_line(capsys, str(last), name)
+    assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_intact_one(tmp_path, capsys):
+    from recipes.config import RecipeError
+    from recipes.train import resume_path
+
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
+    folder.mkdir(parents=True)
+    _save(folder / "last.ckpt", 5)
+    kept = _save(folder / "last.ckpt", 10)  # step 5 is now last-1.ckpt
+    _flip(folder / "last.ckpt" / "__0_0.distcp")
+
+    with pytest.raises(RecipeError, match=r"--resume: .*last\.ckpt is damaged: __0_0\.distcp does not match"):
+        resume_path(run, resume=str(folder / "last.ckpt"), fresh=False)  # named: refused, not replaced
+    assert _resume(run) == folder / "last-1.ckpt"
+    said = capsys.readouterr().out
+    assert "__0_0.distcp does not match its checksum" in said and "last.ckpt.damaged" in said
+    assert "resuming from" in said and "last-1.ckpt (step 5)" in said
+    assert (folder / "last.ckpt.damaged").is_dir()
+    weights = _save(folder / "last.ckpt", 15)  # the run goes on; the damaged one is never a predecessor
+    _assert_holds(folder / "last.ckpt", weights)
+    assert kept and (folder / "last-1.ckpt").is_dir() and _resume(run) == folder / "last.ckpt"
+
+    for path in (folder / "last.ckpt", folder / "last-1.ckpt"):
+        _truncate(path / "__0_0.distcp")
+    with pytest.raises(RecipeError, match="no intact checkpoint is left .* --fresh"):
+        _resume(run)
+
+
+def test_consolidate_writes_one_safetensors_file_that_loads_into_the_spec(tmp_path, capsys):
+    from safetensors import safe_open
+
+    from builder import build_model
+    from builder.hf import load_weights
+    from builder.schema import spec_model
+
+    last = tmp_path / "last.ckpt"
+    weights = _save(last, 7)
+    out = tmp_path / "out" / "model.safetensors"
+    assert _main("consolidate", str(last), "-o", str(out)) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.safetensors"]  # one file, no temp left
+    import json
+
+    with safe_open(str(out), "pt") as f:
+        spec = spec_model().model_validate(json.loads(f.metadata()["spec"]))
+        assert f.metadata()["global_step"] == "7"
+    model = load_weights(build_model(spec), out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+
+    assert _main("consolidate", str(last), "-o", str(tmp_path / "model.bin")) == 1
+    _one_line(capsys, "-o", ".safetensors")
+    assert _main("consolidate", str(tmp_path / "nothing.ckpt"), "-o", str(out)) == 1
+    _one_line(capsys, "nothing.ckpt")
+    (tmp_path / "a-file").write_text("")
+    assert _main("consolidate", str(last), "-o", str(tmp_path / "a-file" / "m.safetensors")) == 1
+    _one_line(capsys, "cannot write", "m.safetensors")
+
+
+# -- slow: multi-process runs (CPU, gloo) ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """One process, 20 steps at the global batch of every sharded run below: ``(losses, last.ckpt)``."""
+    folder = tmp_path_factory.mktemp("unbroken")
+    train(recipe(folder, batch=4, spec=SPEC))
+    return losses(folder / "run"), folder / "run" / "checkpoints" / "last.ckpt"
+
+
+def _upto(history: dict, step: int) -> dict:
+    return {"train": [(s, x) for s, x in history["train"] if s <= step]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_same_command_resumes(tmp_path, unbroken,
+                                                                                               victim):
+    from builder.checkpoints import load_model, read_meta
+
+    path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, checkpoint_every_n_steps=1)
+    folder = tmp_path / "run" / "checkpoints"
+    log = open(tmp_path / "killed.log", "wb")
+    child = builder_process("train", str(path), "--no-samples", cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    deadline, ranks = time.monotonic() + 600, []
+    while child.poll() is None and time.monotonic() < deadline:
+        try:
+            ranks = [child.pid, *map(int, Path(f"/proc/{child.pid}/task/{child.pid}/children").read_text().split())]
+        except OSError:
+            continue
+        if len(ranks) == 2 and (folder / "last-1.ckpt").is_dir() and list(folder.glob(".last.ckpt.tmp-*")):
+            os.kill(ranks[victim], signal.SIGKILL)  # while the ranks write a save, after a few steps
+            break
+        time.sleep(0.002)
+    else:
+        pytest.fail(f"no save was caught in progress: {(tmp_path / 'killed.log').read_text()[-2000:]}")
+    try:  # the other rank notices its peer is gone: it stops with an error, it does not hang
+        deadline = time.monotonic() + 120
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "a rank still runs after its peer was killed"
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        child.wait()
+        log.close()
+    assert child.returncode != 0
+
+    step = read_meta(folder / "last.ckpt")["global_step"]  # verified: every shard matches its checksum
+    assert 1 < step < 20
+    load_model(folder / "last.ckpt")
+    out = train(path)  # the same command: it resumes, saves over the debris and finishes the run
+    assert "resuming from" in out
+    assert read_meta(folder / "last.ckpt")["global_step"] == 20
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert_same_losses(losses(tmp_path / "run"), unbroken[0], keys=("train",))
+
+
+@pytest.mark.slow
+FSDP = {"strategy": "fsdp"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [
+    ({**FSDP, "devices": 4, "batch": 1}, {**FSDP, "devices": 2, "batch": 2}),
+    ({**FSDP, "devices": 4, "batch": 2, "tensor_parallel": 2}, {**FSDP, "devices": 2, "batch": 2}),
+    ({**FSDP, "devices": 2, "batch": 2}, {**FSDP, "devices": 2, "batch": 4, "tensor_parallel": 2}),
+    ({**FSDP, "devices": 2, "batch": 2}, {"devices": 1, "batch": 4}),  # a sharded run goes on in one process
+    ({"devices": 1, "batch": 4}, {**FSDP, "devices": 2, "batch": 2}),  # and a one-process run sharded
+], ids=["fsdp4-fsdp2", "tp2xfsdp2-fsdp2", "fsdp2-tp2", "fsdp2-one", "one-fsdp2"])
+def test_a_resume_on_another_layout_reshards_and_continues_like_an_unbroken_run(tmp_path, unbroken, first, then):
+    from transformers import AutoModelForCausalLM
+
+    from builder import build_model
+    from builder.checkpoints import load_model
+    from builder.hf import load_weights
+
+    train(recipe(tmp_path, spec=SPEC, steps=10, **first))
+    out = train(recipe(tmp_path, spec=SPEC, **then))  # the same run folder, resumed
+    assert "resuming from" in out
+    assert_same_losses(losses(tmp_path / "run"), unbroken[0], keys=("train",))
+
+    # the sharded checkpoint read whole, exported to HF and consolidated: the unsharded model's logits
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    model, meta = load_model(last)
+    reference, _ = load_model(unbroken[1])
+    assert _main("export-hf", str(last), "-o", str(tmp_path / "hf")) == 0
+    assert _main("consolidate", str(last), "-o", str(tmp_path / "model.safetensors")) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    consolidated = load_weights(build_model(model.spec), tmp_path / "model.safetensors").eval()
+    ids = torch.randint(0, model.spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)
+        torch.testing.assert_close(hf(ids).logits, logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(consolidated(ids), logits, rtol=0, atol=0)
+        torch.testing.assert_close(logits, reference(ids), rtol=0, atol=1e-4)  # trained alike, to fp32 order
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_of_a_run_is_named_and_the_same_command_resumes_from_the_intact_one(tmp_path, unbroken,
+                                                                                            capsys):
+    path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, steps=12, checkpoint_every_n_steps=4)
+    train(path)
+    folder = tmp_path / "run" / "checkpoints"
+    _flip(folder / "last.ckpt" / "__1_0.distcp")  # rank 1's shard of step 12 (step 10 is last-1.ckpt)
+    for command in (("eval", str(folder / "last.ckpt")), ("export-hf", str(folder / "last.ckpt"), "-o", str(tmp_path / "hf"))):
+        assert _main(*command) == 1
+        _one_line(capsys, "last.ckpt is damaged: __1_0.distcp does not match its checksum")
+    out = train(path)
+    assert "__1_0.distcp does not match its checksum" in out and "resuming from" in out
+    assert f"{folder / 'last-1.ckpt'} (step 10)" in out
+    assert_same_losses(losses(tmp_path / "run"), _upto(unbroken[0], 12), keys=("train",))
