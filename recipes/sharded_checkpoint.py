@@ -63,15 +63,24 @@ def save(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int, barrier
 
 
 def _write_error(path: Path, exc: BaseException):
-    """One line for a save that failed: the checkpoint, the first OS error of any rank, and that
-    the previous checkpoint is kept."""
+    """One line for a save that failed: the checkpoint, why (the first OS error of any rank, or
+    that another process of the run stopped), and that the previous checkpoint is kept."""
+    import re
+
+    import torch.distributed as dist
+
     from recipes.checkpoint import CheckpointWriteError
     from recipes.runfolder import os_reason
 
     failures = [f[0] for f in getattr(exc, "failures", {}).values()] or [exc]
     errors = [f for f in failures if isinstance(f, OSError)]
-    text = str(failures[0]).strip().splitlines() or [type(failures[0]).__name__]
-    reason = os_reason(errors[0]) if errors else text[0][:200]
+    text = re.sub(r"\[[^\]]*\]\s*", "", (str(failures[0]).strip().splitlines() or [""])[0])[:200]  # no source paths
+    if errors:
+        reason = os_reason(errors[0])
+    elif isinstance(failures[0], dist.DistError) or re.search(r"gloo|nccl|connection|timed out", str(failures[0]), re.I):
+        reason = f"another process of the run stopped or cannot be reached ({text or type(failures[0]).__name__})"
+    else:
+        reason = text or type(failures[0]).__name__
     kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
     return CheckpointWriteError(f"could not write {path}: {reason}; {kept}")
 

@@ -10,6 +10,7 @@ CPU processes (gloo) are ``slow``."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -24,6 +25,8 @@ from recipe_helpers import builder_process
 from sharded_helpers import assert_same_losses, losses, recipe, train
 
 torch.set_num_threads(1)
+#: DCP in one process (no process group) says it assumes one process: it is
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 #: a Llama layout (GQA, GLU, RMSNorm, RoPE, untied head) whose heads, KV heads, FFN width and
 #: the char vocabulary of the tiny corpus (94) all split in two, so it runs under TP 2 and exports to HF
@@ -63,14 +66,14 @@ def _model(seed: int):
     return build_model(spec, init_seed=seed), spec.model_dump(mode="json")
 
 
-def _save(path: Path, step: int, tag: str | None = None) -> dict:
+def _save(path: Path, step: int, tag: str | None = None, **builder) -> dict:
     """A sharded checkpoint of step ``step`` at ``path`` (its weights drawn with seed ``step``),
     written the way each rank of the sharded strategy writes one; the weights it holds."""
     from recipes.sharded_checkpoint import save
 
     model, spec = _model(step)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    checkpoint = {"global_step": step, "builder": {"spec": spec},
+    checkpoint = {"global_step": step, "builder": {"spec": spec, **builder},
                   "state_dict": {f"model.{k}": v for k, v in weights.items()}}
     tmp = path.with_name(f".{path.name}.tmp-{tag or f'{step:04d}'}")
     save(checkpoint, path, tmp, rank=0, ranks=1, barrier=lambda: None)
@@ -178,6 +181,27 @@ def test_temp_folders_of_dead_saves_are_removed_by_the_next_save(tmp_path):
     _assert_holds(folder / "last.ckpt", weights)
 
 
+def test_a_sharded_save_that_fails_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from recipes.checkpoint import CheckpointWriteError
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    weights = _save(folder / "last.ckpt", 5)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    with pytest.raises(CheckpointWriteError) as caught:
+        _save(folder / "last.ckpt", 10)
+    assert str(caught.value) == (f"could not write {folder / 'last.ckpt'}: no space left on the device; "
+                                 "the previous last.ckpt is kept")
+    assert _debris(folder) == []
+    _assert_holds(folder / "last.ckpt", weights)
+
+
 def _flip(file: Path) -> None:
     """One bit flipped: in the middle of a shard's tensor bytes, in ``meta.pt``'s pickle (the
     spec's name; a flip in the zip's alignment padding changes nothing that is read)."""
@@ -234,6 +258,22 @@ def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_int
         _truncate(path / "__0_0.distcp")
     with pytest.raises(RecipeError, match="no intact checkpoint is left .* --fresh"):
         _resume(run)
+
+
+def test_a_sharded_checkpoint_of_another_spec_or_tokenizer_is_refused_naming_the_field(tmp_path):
+    from recipes.config import RecipeError
+    from recipes.train import resume_path
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    chars = {"type": "char", "chars": "abc"}
+    _save(run / "checkpoints" / "last.ckpt", 5, tokenizer=chars)
+    meta = {"spec": _model(5)[1], "tokenizer": chars}
+    assert resume_path(run, None, False, meta) == run / "checkpoints" / "last.ckpt"
+    with pytest.raises(RecipeError, match=r"different recipe:\n  model\.spec\.d_model: 32 in the checkpoint, 48 now\n"):
+        resume_path(run, None, False, dict(meta, spec=dict(meta["spec"], d_model=48)))
+    with pytest.raises(RecipeError, match=r"different recipe:\n  tokenizer: a different vocabulary"):
+        resume_path(run, None, False, dict(meta, tokenizer=dict(chars, chars="abcd")))
 
 
 def test_consolidate_writes_one_safetensors_file_that_loads_into_the_spec(tmp_path, capsys):
@@ -335,7 +375,6 @@ def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_same_co
     assert_same_losses(losses(tmp_path / "run"), unbroken[0], keys=("train",))
 
 
-@pytest.mark.slow
 FSDP = {"strategy": "fsdp"}
 
 
@@ -378,14 +417,22 @@ def test_a_resume_on_another_layout_reshards_and_continues_like_an_unbroken_run(
 @pytest.mark.slow
 def test_a_damaged_shard_of_a_run_is_named_and_the_same_command_resumes_from_the_intact_one(tmp_path, unbroken,
                                                                                             capsys):
+    from builder.checkpoints import read_meta
+
     path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, steps=12, checkpoint_every_n_steps=4)
     train(path)
     folder = tmp_path / "run" / "checkpoints"
-    _flip(folder / "last.ckpt" / "__1_0.distcp")  # rank 1's shard of step 12 (step 10 is last-1.ckpt)
-    for command in (("eval", str(folder / "last.ckpt")), ("export-hf", str(folder / "last.ckpt"), "-o", str(tmp_path / "hf"))):
+    step = read_meta(folder / "last-1.ckpt")["global_step"]
+    assert step < 12
+    _flip(folder / "last.ckpt" / "__1_0.distcp")  # rank 1's shard of step 12
+    _truncate(folder / "best.ckpt" / "__0_0.distcp")  # best.ckpt may be of step 12 too
+    last = str(folder / "last.ckpt")
+    for command in (("eval", last), ("export-hf", last, "-o", str(tmp_path / "hf")),
+                    ("consolidate", last, "-o", str(tmp_path / "m.safetensors"))):
         assert _main(*command) == 1
         _one_line(capsys, "last.ckpt is damaged: __1_0.distcp does not match its checksum")
-    out = train(path)
-    assert "__1_0.distcp does not match its checksum" in out and "resuming from" in out
-    assert f"{folder / 'last-1.ckpt'} (step 10)" in out
+    out = train(path)  # the same command
+    assert "__1_0.distcp does not match its checksum" in out and "kept as last.ckpt.damaged" in out
+    assert f"resuming from {folder / 'last-1.ckpt'} (step {step})" in out
+    assert read_meta(folder / "last.ckpt")["global_step"] == 12
     assert_same_losses(losses(tmp_path / "run"), _upto(unbroken[0], 12), keys=("train",))
