@@ -5,10 +5,11 @@ under ``trainer.strategy: fsdp``, as a folder written by ``torch.distributed.che
 rank its own shards, in parallel): ``.metadata`` and ``__R_N.distcp`` files for the tensors, and
 ``meta.pt`` (Lightning's name) for everything else: the step, the loops' state, our ``builder``
 metadata (spec, recipe, tokenizer), the CRC-32 of every shard file (``shard_files``) and the
-integrity record (``builder.integrity``: the checksums of all of ``meta.pt``'s values). Both are read here without a
-process group and verified: :func:`read_meta` loads only the small part, :func:`read_weights`
-the model's whole tensors (resharded from whatever layout wrote them). ``builder consolidate``
-turns a folder into one ``model.safetensors``.
+integrity record (``builder.integrity``: the checksums of all of ``meta.pt``'s values). Both
+are read here without a process group and verified: :func:`read_meta` loads only the small
+part, :func:`read_weights` the model's whole tensors (resharded from whatever layout wrote
+them), :func:`read_whole` everything, as a file checkpoint holds it (a sharded run resumed in
+one process or under DDP). ``builder consolidate`` turns a folder into one ``model.safetensors``.
 """
 
 from __future__ import annotations

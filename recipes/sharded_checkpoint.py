@@ -77,7 +77,8 @@ def _write_error(path: Path, exc: BaseException):
     text = re.sub(r"\[[^\]]*\]\s*", "", (str(failures[0]).strip().splitlines() or [""])[0])[:200]  # no source paths
     if errors:
         reason = os_reason(errors[0])
-    elif isinstance(failures[0], dist.DistError) or re.search(r"gloo|nccl|connection|timed out", str(failures[0]), re.I):
+    elif isinstance(failures[0], dist.DistError) or re.search(r"gloo|nccl|connection|timed out", str(failures[0]),
+                                                              re.I):
         reason = f"another process of the run stopped or cannot be reached ({text or type(failures[0]).__name__})"
     else:
         reason = text or type(failures[0]).__name__
