@@ -187,6 +187,16 @@ class ShardedStrategy(ModelParallelStrategy):
         tmp = Path(self.broadcast(str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"))))
         save(checkpoint, path, tmp, self.global_rank, self.world_size, self.barrier)
 
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """A sharded folder through Lightning (resharded to this layout); a file checkpoint (one
+        process or DDP wrote it) through ``recipes.sharded_checkpoint.load_file``."""
+        from recipes.sharded_checkpoint import load_file
+
+        path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice
+        if path.is_file():
+            return load_file(self.lightning_module, self.optimizers, path, strict=self.lightning_module.strict_loading)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
 
 def shard_model(model: nn.Module, mesh, settings: TrainerSection, init_seed: int, device: torch.device) -> nn.Module:
     """Tensor-parallel plans, activation checkpointing, compile, ``fully_shard`` units over the

@@ -62,6 +62,32 @@ def save(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int, barrier
     barrier()
 
 
+def load_file(module, optimizers, path: Path, strict: bool = True) -> dict:
+    """A file checkpoint (written by one process or DDP) into this rank's shards of ``module``
+    (the LightningModule, sharded) and ``optimizers``; returns the rest of the checkpoint (step,
+    loops, ``builder``). Read safely (``weights_only``; rank 0 verified it when it chose it).
+    The optimizer states are keyed by position in their parameter groups; they are given to
+    ``set_optimizer_state_dict`` by name, in the groups' order (Lightning's own conversion
+    numbers ``module.parameters()`` instead, which is not the groups' order: weight-decay and
+    no-decay groups)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from builder.checkpoints import STATE_KEY, read_meta
+
+    checkpoint = dict(read_meta(path, check=False))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop(STATE_KEY), options=options)
+    for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+        groups = get_optimizer_state_dict(module, optimizer)["param_groups"]  # the names, in the groups' order
+        names = [name for group in groups for name in group["params"]]
+        by_name = {"state": {names[i]: value for i, value in state["state"].items()},
+                   "param_groups": [dict(group, params=[names[i] for i in group["params"]])
+                                    for group in state["param_groups"]]}
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=by_name, options=options)
+    return checkpoint
+
+
 def _write_error(path: Path, exc: BaseException):
     """One line for a save that failed: the checkpoint, why (the first OS error of any rank, or
     that another process of the run stopped), and that the previous checkpoint is kept."""

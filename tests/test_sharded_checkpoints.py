@@ -319,7 +319,7 @@ def unbroken(tmp_path_factory):
 
 
 def _upto(history: dict, step: int) -> dict:
-    return {"train": [(s, x) for s, x in history["train"] if s <= step]}
+    return {"train": [(s, x) for s, x in history["train"] if s < step]}  # steps count from 0
 
 
 def _alive(pid: int) -> bool:
