@@ -118,7 +118,8 @@ def test_a_save_that_dies_at_any_step_leaves_a_whole_checkpoint_and_the_next_sav
             point += 1
             if point == dying["at"]:
                 if name == "remove" and Path(args[0]).is_dir():  # dies half-way through removing a folder
-                    next(Path(args[0]).iterdir()).unlink()
+                    for file in list(Path(args[0]).iterdir())[:1]:
+                        file.unlink()
                 raise _Died(name)
             return real[name](*args, **kwargs)
         return call
@@ -240,7 +241,7 @@ def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_int
     folder = run / "checkpoints"
     folder.mkdir(parents=True)
     _save(folder / "last.ckpt", 5)
-    kept = _save(folder / "last.ckpt", 10)  # step 5 is now last-1.ckpt
+    _save(folder / "last.ckpt", 10)  # step 5 is now last-1.ckpt
     _flip(folder / "last.ckpt" / "__0_0.distcp")
 
     with pytest.raises(RecipeError, match=r"--resume: .*last\.ckpt is damaged: __0_0\.distcp does not match"):
@@ -252,7 +253,8 @@ def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_int
     assert (folder / "last.ckpt.damaged").is_dir()
     weights = _save(folder / "last.ckpt", 15)  # the run goes on; the damaged one is never a predecessor
     _assert_holds(folder / "last.ckpt", weights)
-    assert kept and (folder / "last-1.ckpt").is_dir() and _resume(run) == folder / "last.ckpt"
+    _assert_holds(folder / "last-1.ckpt", _model(5)[0].state_dict())
+    assert _resume(run) == folder / "last.ckpt"
 
     for path in (folder / "last.ckpt", folder / "last-1.ckpt"):
         _truncate(path / "__0_0.distcp")
