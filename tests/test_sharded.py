@@ -240,6 +240,21 @@ def test_tensor_parallel_moe_trains_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["encoder-decoder", "moe"])
+def test_tp_x_fsdp_on_four_processes_trains_like_one_accumulating_two(kind, tmp_path):
+    # two data-parallel ranks of a tensor-parallel pair each: one process accumulating the same two
+    # micro-batches is the reference (token-budget batches go to ranks in turn; the balancing loss
+    # is a statistic of each micro-batch)
+    if kind == "moe":
+        make = lambda folder, **trainer: recipe(folder, batch=2, spec=TINY_MOE, **trainer)  # noqa: E731
+    else:
+        make = _translation
+    train(make(tmp_path / "tp-fsdp", devices=4, strategy="fsdp", tensor_parallel=2))
+    train(make(tmp_path / "one", devices=1, accumulate_grad_batches=2))
+    assert_same_losses(losses(tmp_path / "tp-fsdp" / "run"), losses(tmp_path / "one" / "run"), keys=("train",))
+
+
+@pytest.mark.slow
 def test_resume_on_another_layout_continues_like_an_unbroken_run(tmp_path):
     train(recipe(tmp_path / "one", batch=4))
     moved = tmp_path / "moved"
