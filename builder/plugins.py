@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 from collections.abc import Iterable
 
 GROUP = "builder.blocks"
@@ -20,6 +21,10 @@ _entry_points_loaded = [False]
 
 class PluginError(ImportError):
     """A plugin module or entry point that cannot be imported."""
+
+
+#: an importable module's absolute name
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
 def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list[str]:
@@ -39,6 +44,8 @@ def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list
     for name in modules:
         if name in _loaded:
             continue
+        if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name):
+            raise PluginError(f"plugin {name!r} is not a module name: give a dotted name such as mypackage.blocks")
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:

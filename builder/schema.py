@@ -114,7 +114,8 @@ def _cross_base(attention: Any) -> Any:
     """The fields of a self-attention mapping a cross-attention takes over (its block decides)."""
     if not isinstance(attention, dict):
         return attention
-    cls = registry.configs("attention").get(attention.get("type", DEFAULT_TYPES["attention"]))
+    kind = attention.get("type", DEFAULT_TYPES["attention"])
+    cls = registry.configs("attention").get(kind) if isinstance(kind, str) else None  # else validation says
     dropped = cls.not_inherited_by_cross if cls is not None else ()
     return {k: v for k, v in attention.items() if k not in dropped}
 

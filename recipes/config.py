@@ -212,10 +212,13 @@ class TrainerSection(_Section):
         description="fsdp: tensor-parallel degree (ranks of one node that split every layer's matrices, "
         "as each block's parallel plan declares); the data-parallel degree is the rest.",
     )
-    accelerator: str = Field("auto", description="auto | cpu | gpu | cuda | mps ...")
+    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
+        "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
+    )
     devices: Union[int, str] = Field("auto", description="Devices per node: a count, 'auto' or a list string.")
     num_nodes: int = Field(1, ge=1, description="Machines (torchrun / SLURM).")
-    seed: int = Field(1337, description="Seeds weights, data windows and dropout.")
+    seed: int = Field(1337, ge=0, le=2**32 - 1,
+                      description="Seeds weights, data windows and dropout (0 to 2**32 - 1, as Lightning takes).")
     output_dir: Optional[str] = Field(
         None, description="Checkpoints and logs (relative to the working directory; null: runs/<recipe name>).",
         json_schema_extra=WORK_PATH,
@@ -334,7 +337,8 @@ def recipe_class(task: Any) -> type[Recipe]:
     field then reports it with the valid names)."""
     import importlib
 
-    module, _, name = TASKS.get(task, TASKS["lm"]).partition(":")
+    entry = TASKS.get(task) if isinstance(task, str) else None  # a list or mapping: reported by the field
+    module, _, name = (entry or TASKS["lm"]).partition(":")
     return getattr(importlib.import_module(module), name)
 
 
