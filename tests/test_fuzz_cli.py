@@ -312,8 +312,9 @@ def test_hostile_recipe_files_at_length(capsys, hostile, in_tmp, no_training, da
 
 # -- argument lists --------------------------------------------------------------------------------
 
-#: module names --plugin may take here (importing any name runs that module: never a random one)
-PLUGINS = ["no_such_plugin_module", "", "tests.plugin_blocks", "builder", "builder.commands", ".", "a..b"]
+#: module names --plugin may take here (importing any name runs that module: never a random one;
+#: nor one that registers blocks, which would stay registered for the rest of the suite)
+PLUGINS = ["no_such_plugin_module", "", "builder", "builder.commands", ".", "a..b", "1abc", "os.path.x"]
 OPTION_VALUES = st.one_of(
     st.sampled_from(["0", "-1", "1", "2", "3", "8", "64", "1e309", "nan", "inf", "-inf", "1.5", "0.5", "", " ",
                      "0x10", "99999999999999999999999", "true", "cuda", "cuda:7", "cpu", "meta", "mps", "bogus",
