@@ -73,7 +73,8 @@ class RecipeCheckpoint(L.Callback):
             trainer.save_checkpoint(self.best_path, weights_only=False)
 
     def on_train_end(self, trainer, pl_module):
-        self._save_last(trainer)
+        flush = getattr(pl_module, "flush_losses", None)  # the losses of the steps since the last log
+        self._save_last(trainer, force=bool(flush is not None and flush(log=False)))
 
     def state_dict(self) -> dict:
         return {"best": self.best}
@@ -83,18 +84,20 @@ class RecipeCheckpoint(L.Callback):
 
 
 class Throughput(L.Callback):
-    """Tokens/s, achieved TFLOP/s and MFU from the analytic FLOPs, on the progress bar and logs."""
+    """Tokens/s, achieved TFLOP/s and MFU from the analytic FLOPs, on the progress bar and logs.
+
+    Timed over intervals of ``every_n_steps`` optimizer steps, with one device sync at each
+    interval's end (none in between); an interval that runs into validation is not counted."""
 
     def __init__(self, device_tokens_per_step: int, flops_per_token: int, precision: str, every_n_steps: int):
         self.device_tokens_per_step, self.flops_per_token = device_tokens_per_step, flops_per_token
         self.precision, self.every_n_steps = precision, every_n_steps
         self.tokens_per_step = device_tokens_per_step
         self.peak_flops: float | None = None  # all devices together
+        self.tokens_per_s: float | None = None  # the latest measurement
+        self.intervals: list[tuple[int, float, float]] = []  # (steps, seconds, tokens), validation left out
         self._start: float | None = None
         self._steps = 0
-        self.tokens_per_s: float | None = None  # the latest measurement
-        self.step_seconds: list[float] = []  # each optimizer step's wall time, validation left out
-        self._last_step: float | None = None
 
     def _restart(self):
         self._start, self._steps = time.perf_counter(), 0
@@ -119,24 +122,27 @@ class Throughput(L.Callback):
         self.peak_flops = peak * trainer.world_size if peak else None
         self._restart()
 
-    def on_validation_start(self, trainer, pl_module):
-        self._last_step = None  # the step that ran into validation is not counted
-
     def on_validation_end(self, trainer, pl_module):
-        self._restart()  # validation time is not training throughput
+        self._restart()  # validation time is not training throughput; the interval it cut is dropped
+
+    def interval_tokens(self) -> float:
+        """Tokens (all devices) of the interval now ending."""
+        return self._steps * self.tokens_per_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        now = time.perf_counter()
-        if self._last_step is not None:
-            self.step_seconds.append(now - self._last_step)
-        self._last_step = now
         self._steps += 1
-        if self._steps < self.every_n_steps or self._start is None:
+        if trainer.global_step % self.every_n_steps or self._start is None:
             return
+        if pl_module.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
-        self.tokens_per_s = self._steps * self.tokens_per_step / elapsed
+        tokens = self.interval_tokens()
+        self.intervals.append((self._steps, elapsed, tokens))
+        self.tokens_per_s = tokens / elapsed
         achieved = self.tokens_per_s * self.flops_per_token
         metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
         if self.peak_flops:
@@ -148,11 +154,12 @@ class Throughput(L.Callback):
         self._restart()
 
     def median_tokens_per_s(self) -> float | None:
-        """Tokens/s at the median step time of this process's run (robust to a noisy machine)."""
-        if not self.step_seconds:
+        """Tokens/s of the median interval (robust to a noisy machine and to compilation, which
+        falls in the first interval)."""
+        if not self.intervals:
             return None
-        ordered = sorted(self.step_seconds)
-        return self.tokens_per_step / ordered[len(ordered) // 2]
+        rates = sorted(tokens / seconds for _, seconds, tokens in self.intervals)
+        return rates[len(rates) // 2]
 
 
 class StepProgressBar(TQDMProgressBar):

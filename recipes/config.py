@@ -187,10 +187,18 @@ class TrainerSection(_Section):
     )
     gradient_clip_val: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm (null: off).")
     accumulate_grad_batches: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    precision: Literal["32", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
-        "32", description="32 | bf16-mixed | 16-mixed | bf16-true."
+    precision: Literal["auto", "32", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
+        "auto",
+        description="auto | 32 | bf16-mixed | 16-mixed | bf16-true. auto: bf16-mixed on a GPU with bf16 and on a "
+        "CPU with AMX or AVX512-BF16, else 32 (bf16 emulated on other CPUs is slower than fp32).",
     )
-    compile: bool = Field(False, description="torch.compile the model.")
+    compile: Union[bool, Literal["model", "layers"]] = Field(
+        False,
+        description="torch.compile: model (the model, the loss and their backward as one graph) | layers "
+        "(each Transformer layer, compiled once for all; works with fsdp and activation checkpointing) | "
+        "true (layers under fsdp or activation_checkpointing, else model) | false. The compile cache is "
+        "kept in <output_dir>/compile-cache, so a resumed run does not compile again.",
+    )
     activation_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in the backward pass (less memory)."
     )
@@ -238,6 +246,9 @@ class TrainerSection(_Section):
             return self
         if self.precision == "16-mixed":
             raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
+        if self.compile == "model":
+            raise rule_error(("compile",), "compile: model traces the whole step, which FSDP2's per-layer hooks "
+                                           "split; with strategy fsdp use layers (or true)")
         if self.data_parallel == "hybrid" and self.num_nodes == 1:
             raise rule_error(("data_parallel",), "data_parallel hybrid shards inside a node and replicates across "
                                                  "nodes, but num_nodes is 1; use shard (or set num_nodes)")

@@ -250,6 +250,8 @@ def classification_metrics(predictions: torch.Tensor, labels: torch.Tensor, n_cl
 class ClassifierModule(LMModule):
     """Cross-entropy on one label per sequence; validation reports accuracy and macro F1."""
 
+    variable_shapes = True  # token-budget buckets
+
     def __init__(self, model, recipe, meta):
         super().__init__(model, recipe, meta)
         self.val_metrics: dict[str, float] = {}
@@ -317,7 +319,7 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     module = BucketDataModule(train_rows, train_lengths, val_rows, val_lengths,
                               functools.partial(collate_labelled, pad_id=Specials(tokenizer).pad), data.max_tokens,
                               recipe.trainer.seed, recipe.trainer.accumulate_grad_batches)
-    return Prepared(tokenizer, spec, module, ClassifierModule, lambda batch: int(batch[1].sum()),
+    return Prepared(tokenizer, spec, module, ClassifierModule, lambda batch: batch[1].sum(),
                     int(np.median(train_lengths)), meta={"labels": labels, "corpus": _examples_hash(train)},
                     init=(lambda model: load_encoder(model, init)) if init is not None else None,
                     finish=lambda module, _model, _dir: _report(module.val_metrics))

@@ -14,18 +14,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import Recipe, ScheduleSection
+from recipes.speed import adamw, compile_mode
 
 #: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
 IGNORE = -100
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+    """The training loss became NaN or infinite; the run stops and keeps its last good checkpoint.
 
-    def __init__(self, step: int, value: float):
-        self.step, self.value = step, value
+    Losses are read every ``log_every_n_steps`` steps (and before every checkpoint), so the step
+    is known to lie in ``first .. step``."""
+
+    def __init__(self, first: int, step: int, value: float):
+        self.first, self.step, self.value = first, step, value
+        where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
         super().__init__(
-            f"the training loss became {value} at step {step}; stopping. The last good checkpoint is kept: "
+            f"the training loss became {value} {where}; stopping. The last good checkpoint is kept: "
             "lower optimizer.lr, raise schedule.warmup_steps, set trainer.gradient_clip_val or use "
             "precision 32 / bf16-mixed, then resume or start fresh"
         )
@@ -129,14 +134,27 @@ class LMModule(L.LightningModule):
     under ``"builder"``, so evaluating and decoding need nothing else.
     """
 
+    #: whether batches vary in shape (token-budget buckets): compiled for dynamic shapes from the start
+    variable_shapes = False
+
     def __init__(self, model: nn.Module, recipe: Recipe, meta: dict):
         super().__init__()
         self.model, self.recipe, self.meta = model, recipe, meta
-        # the whole run, across resumes: train (step, loss); val (step, loss, training wall seconds)
+        # the whole run, across resumes: train (step, mean loss since the entry before); val (step,
+        # loss, training wall seconds)
         self.history: dict[str, list] = {"train": [], "val": []}
         self.elapsed = 0.0  # wall seconds of training before this process took over
         self._started: float | None = None
         self.moe = has_moe(model)
+        self.label_smoothing, self.moe_aux_coef = recipe.loss.label_smoothing, recipe.loss.moe_aux_coef
+        # training losses summed on the device and read at log intervals only: no host sync per step
+        self._pending: torch.Tensor | None = None  # the sum since the last read
+        self._pending_steps = 0  # micro-batches in it
+        self._pending_from = 0  # the step the first of them trained
+        self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
+        self._train_losses = self._losses
+        if compile_mode(recipe.trainer) == "model":
+            self._train_losses = torch.compile(self._losses, dynamic=True if self.variable_shapes else None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -157,21 +175,50 @@ class LMModule(L.LightningModule):
         logits, targets = self.logits_and_targets(*batch)
         ce = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE,
-            label_smoothing=self.recipe.loss.label_smoothing,
+            label_smoothing=self.label_smoothing,
         )
         if not self.moe:
             return ce, ce
-        return ce + self.recipe.loss.moe_aux_coef * self.model.aux_loss(), ce
+        return ce + self.moe_aux_coef * self.model.aux_loss(), ce
 
     def training_step(self, batch, batch_idx):
-        loss, ce = self._losses(*batch)
-        mean = self.trainer.strategy.reduce(ce.detach(), reduce_op="mean")  # every rank's, so all stop
-        value = float(mean)
-        if not math.isfinite(value):
-            raise NonFiniteLossError(self.global_step, value)
-        self.history["train"].append((self.global_step, value))
-        self.log("loss", mean, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch[0].shape[0])
+        loss, ce = self._train_losses(*batch)
+        ce = ce.detach().float()
+        if self._pending is None and self._carried is not None:  # a resumed run's interval, from its checkpoint
+            self._pending, self._carried = ce + self._carried, None
+        elif self._pending is None:
+            self._pending, self._pending_from = ce.clone(), self.global_step
+        else:
+            self._pending += ce
+        self._pending_steps += 1
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        stepped = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
+        if stepped and self.global_step % self.trainer.log_every_n_steps == 0:
+            self.flush_losses()
+
+    def _pending_mean_sum(self) -> float:
+        """The pending sum averaged over the ranks (every rank calls this at the same step), read
+        once; raises if it is not finite."""
+        total = self.trainer.strategy.reduce(self._pending, reduce_op="mean")
+        value = float(total)
+        if not math.isfinite(value):
+            raise NonFiniteLossError(self._pending_from + 1, self.global_step, value)
+        return value
+
+    def flush_losses(self, log: bool = True) -> bool:
+        """Read the training losses summed since the last read (one host sync), stop the run if
+        one was not finite, add their mean to the history (and to the logs with ``log``).
+        Returns whether there was anything to read."""
+        if self._pending is None:
+            return False
+        value = self._pending_mean_sum() / self._pending_steps
+        self._pending, self._pending_steps = None, 0
+        self.history["train"].append((self.global_step, value))
+        if log:
+            self.log("loss", value, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+        return True
 
     def validation_step(self, batch, batch_idx):
         _, ce = self._losses(*batch)
@@ -187,6 +234,12 @@ class LMModule(L.LightningModule):
     def on_train_start(self):
         self._started = time.perf_counter() - self.elapsed
 
+    def on_validation_start(self):
+        torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.speed)
+
+    def on_validation_end(self):
+        torch.compiler.set_stance("default")
+
     def wall_seconds(self) -> float:
         """Wall seconds of training so far, across resumes (validation included)."""
         return time.perf_counter() - self._started if self._started is not None else self.elapsed
@@ -198,10 +251,8 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self):
         opt = self.recipe.optimizer
-        fused = {"fused": True} if self.device.type == "cuda" else {}
-        optimizer = torch.optim.AdamW(
-            param_groups(self.model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr, betas=opt.betas, eps=opt.eps, **fused
-        )
+        optimizer = adamw(param_groups(self.model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr,
+                          betas=opt.betas, eps=opt.eps)
         multiplier = functools.partial(
             lr_multiplier, schedule=self.recipe.schedule, lr=opt.lr, max_steps=self.recipe.trainer.max_steps
         )
@@ -209,11 +260,21 @@ class LMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng_state(), elapsed=self.wall_seconds())
+        pending = None
+        if self._pending is not None:  # raises before a checkpoint of non-finite weights is written
+            total = self._pending_mean_sum()
+            self._pending = torch.full_like(self._pending, total)
+            pending = {"sum": total, "steps": self._pending_steps, "from": self._pending_from}
+        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng_state(), elapsed=self.wall_seconds(),
+                                     pending_loss=pending)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("builder", {})
         self.history = saved.get("history", {"train": [], "val": []})
         self.elapsed = saved.get("elapsed", 0.0)
+        pending = saved.get("pending_loss")
+        self._pending, self._carried, self._pending_steps = None, None, 0
+        if pending:
+            self._carried, self._pending_steps, self._pending_from = pending["sum"], pending["steps"], pending["from"]
         if "rng" in saved:
             set_rng_state(saved["rng"])

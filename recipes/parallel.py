@@ -205,6 +205,7 @@ def shard_model(model: nn.Module, mesh, settings: TrainerSection, init_seed: int
     from torch.distributed.fsdp import fully_shard
 
     from recipes.module import checkpoint_layers, layer_modules
+    from recipes.speed import compile_layers, compile_mode
 
     if mesh["tp"].size() > 1:
         from recipes.tensor_parallel import apply_tensor_parallel
@@ -213,9 +214,8 @@ def shard_model(model: nn.Module, mesh, settings: TrainerSection, init_seed: int
     layers = layer_modules(model)
     if settings.activation_checkpointing:
         checkpoint_layers(model)
-    if settings.compile:
-        for layer in layers:
-            layer.compile()
+    if compile_mode(settings) == "layers":  # config refuses "model" under fsdp
+        compile_layers(layers)
     dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     policy = mixed_precision(settings.precision)
     for unit in [*layers, *separate_units(model)]:

@@ -42,7 +42,7 @@ class Prepared:
     spec: Any
     data: L.LightningDataModule
     module_class: type
-    tokens_of: Callable  # a micro-batch -> the real (non-pad) tokens it trains on
+    tokens_of: Callable  # a micro-batch -> the real (non-pad) tokens it trains on (an int or a device tensor)
     seq_len: int  # the typical example length, for the start-of-run estimate
     meta: dict = dataclasses.field(default_factory=dict)  # task facts kept in checkpoints (labels...)
     init: Callable | None = None  # model -> None: weights from elsewhere (a pretrained encoder)
@@ -57,28 +57,35 @@ def task_module(task: str):
 
 
 class CountedThroughput(Throughput):
-    """:class:`Throughput` for batches of varying size: a step's tokens are the running mean of
-    the real tokens per optimizer step (all devices)."""
+    """:class:`Throughput` for batches of varying size: the real tokens of each micro-batch
+    (``tokens_of``) are summed on the device and read at the interval's end, times the world size."""
 
     def __init__(self, tokens_of: Callable, flops_per_token: int, precision: str, every_n_steps: int):
         super().__init__(0, flops_per_token, precision, every_n_steps)
         self.tokens_of = tokens_of
-        self._tokens, self._batches = 0, 0
+        self._tokens = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._tokens += self.tokens_of(batch)
-        self._batches += 1
-        per_batch = self._tokens / self._batches
-        self.tokens_per_step = per_batch * trainer.accumulate_grad_batches * data_parallel_size(trainer)
+        self._tokens = self._tokens + self.tokens_of(batch)  # a device tensor for some tasks: no read here
+        self._world = data_parallel_size(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def interval_tokens(self) -> float:
+        tokens, self._tokens = float(self._tokens), 0
+        return tokens * self._world
+
+    def on_validation_end(self, trainer, pl_module):
+        super().on_validation_end(trainer, pl_module)
+        self._tokens = 0
 
 
 def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False,
              callbacks: list | None = None) -> dict:
     """Train a non-LM recipe (the shape of ``recipes.train.run``, in the same run session);
     returns its summary. ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
-    from recipes.train import output_dir, run_session
+    from recipes.train import for_this_machine, output_dir, run_session
 
+    recipe = for_this_machine(recipe)
     out = output_dir(recipe, recipe_file)
     with run_session(recipe, out, fresh, resume, recipe_file=recipe_file) as stop:
         return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks)
@@ -99,6 +106,8 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
         wrap_up,
     )
 
+    from recipes.speed import compiling, eager
+
     settings = recipe.trainer
     quiet_lightning()
     check_layout(recipe, recipe_file)
@@ -115,15 +124,16 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     trainer = run_trainer(recipe, recipe_file, prepared.spec, out,
                           [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
                           ckpt)
-    fit(trainer, module, prepared.data, ckpt)
-
-    summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,
-                      f"{recipe.name or recipe_file.stem}: {prepared.spec.name}")
-    summary.update(task=recipe.task, val_metrics=dict(getattr(module, "val_metrics", {})))
-    if prepared.finish is not None:
-        model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
-        if trainer.is_global_zero:
-            summary.update(prepared.finish(module, model, ckpt_dir))
+    with compiling(out) as compiled:
+        fit(trainer, module, prepared.data, ckpt)
+    with eager():
+        summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,
+                          f"{recipe.name or recipe_file.stem}: {prepared.spec.name}", compiled)
+        summary.update(task=recipe.task, val_metrics=dict(getattr(module, "val_metrics", {})))
+        if prepared.finish is not None:
+            model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
+            if trainer.is_global_zero:
+                summary.update(prepared.finish(module, model, ckpt_dir))
     return summary
 
 

@@ -29,11 +29,12 @@ from recipes.runfolder import owns_run_folder
 from recipes.sharded_checkpoint import tidy
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec
 from recipes.data import LMDataModule, read_corpus, tokenize_corpus
-from recipes.module import LMModule, checkpoint_layers
+from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
+from recipes.speed import compile_layers, compile_mode, compiling, eager, resolve_precision
 from recipes.tokenizer import build_tokenizer
 
-#: recipe precision -> Lightning's name for it
+#: recipe precision (``auto`` resolved by ``for_this_machine``) -> Lightning's name for it
 PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed", "bf16-true": "bf16-true"}
 
 
@@ -118,12 +119,21 @@ def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, 
         init(model)
     flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch)
     if sharded:
-        return model, flops_per_token
+        return model, flops_per_token  # recipes.parallel.shard_model checkpoints and compiles its layers
     if settings.activation_checkpointing:
         checkpoint_layers(model)
-    if settings.compile:
-        model.compile()
+    if compile_mode(settings) == "layers":
+        compile_layers(layer_modules(model))  # "model" compiles the module's loss (recipes.module)
     return model, flops_per_token
+
+
+def for_this_machine(recipe: Recipe) -> Recipe:
+    """The recipe with ``trainer.precision`` made concrete for this machine (``auto`` resolved;
+    a line printed when the choice needs explaining)."""
+    precision, note = resolve_precision(recipe.trainer.precision, recipe.trainer.accelerator)
+    if note:
+        say(note)
+    return recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"precision": precision})})
 
 
 def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -> dict:
@@ -324,8 +334,10 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
 
 
-def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str) -> dict:
-    """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve."""
+def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str,
+            compiled=None) -> dict:
+    """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve.
+    ``compiled``: the run's :class:`~recipes.speed.CompileClock`."""
     history = module.history
     if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
         trainer.validate(module, datamodule=data, verbose=False)
@@ -335,6 +347,7 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
         "val_loss": history["val"][-1][1] if history["val"] else None,
         "tokens_per_s": throughput.median_tokens_per_s(),
         "wall_seconds": module.wall_seconds(),
+        "compile_seconds": compiled.seconds if compiled is not None else 0.0,
         "last": str(checkpoints.last_path),
         "best": str(checkpoints.best_path),
         "output_dir": str(out),
@@ -343,6 +356,9 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
         plot = plot_losses(history, out / "loss.png", title)
         say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {out / 'checkpoints'}"
             + (f"; loss curve {plot}" if plot else ""))
+        if compiled is not None and compiled.count:
+            say(f"compile: {compiled.seconds:.1f} s in {compiled.count} compilations (within the training time; "
+                f"median throughput {summary['tokens_per_s'] or 0:,.0f} tokens/s leaves it out)")
     return summary
 
 
@@ -356,6 +372,7 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
         from recipes.tasks import run_task
 
         return run_task(recipe, recipe_file, resume=resume, fresh=fresh)
+    recipe = for_this_machine(recipe)
     out = output_dir(recipe, recipe_file)
     spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")  # noqa: E731
     with run_session(recipe, out, fresh, resume, spec_of, recipe_file) as stop:
@@ -410,16 +427,17 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
     )
     trainer = run_trainer(recipe, recipe_file, spec, out, [checkpoints, throughput, stop_callback(stop, checkpoints)],
                           ckpt)
-    fit(trainer, module, data, ckpt)
+    with compiling(out) as compiled:
+        fit(trainer, module, data, ckpt)
+    with eager():
+        summary = wrap_up(trainer, module, data, throughput, checkpoints, out,
+                          f"{recipe.name or recipe_file.stem}: {spec.name}", compiled)
+        if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
+            from recipes.parallel import whole_model
 
-    summary = wrap_up(trainer, module, data, throughput, checkpoints, out,
-                      f"{recipe.name or recipe_file.stem}: {spec.name}")
-    if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
-        from recipes.parallel import whole_model
-
-        model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
-        if trainer.is_global_zero:
-            print_samples(model, tokenizer, recipe)
+            model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
+            if trainer.is_global_zero:
+                print_samples(model, tokenizer, recipe)
     return summary
 
 

@@ -77,9 +77,9 @@ def collate(pairs, pad_id: int, bos: int, eos: int):
     return src, src != pad_id, tgt_in, tgt_out != IGNORE, tgt_out
 
 
-def tokens_of(batch) -> int:
-    """Real source and target tokens of a batch."""
-    return int(batch[1].sum()) + int(batch[3].sum())
+def tokens_of(batch) -> torch.Tensor:
+    """Real source and target tokens of a batch (a device tensor: read at log intervals only)."""
+    return batch[1].sum() + batch[3].sum()
 
 
 # -- decoding and scoring -------------------------------------------------------------------------
@@ -135,6 +135,8 @@ def print_scores(result: dict, what: str) -> None:
 
 class TranslationModule(LMModule):
     """Label-smoothed cross-entropy on target tokens; at each validation, greedy sacreBLEU too."""
+
+    variable_shapes = True  # token-budget buckets
 
     def __init__(self, model, recipe, meta: dict):
         super().__init__(model, recipe, meta)

@@ -22,7 +22,9 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     killed_dir, unbroken_dir = tmp_path / "killed", tmp_path / "unbroken"
     for d in (killed_dir, unbroken_dir):
         d.mkdir()
-    trainer = {"max_steps": steps, "checkpoint_every_n_steps": 5, "val_check_interval": 20, "limit_val_batches": 1}
+    # losses are read every 4 steps, checkpoints every 5: a resumed run carries the unread ones over
+    trainer = {"max_steps": steps, "checkpoint_every_n_steps": 5, "val_check_interval": 20, "limit_val_batches": 1,
+               "log_every_n_steps": 4}
     killed = tiny_recipe(killed_dir, trainer=dict(trainer, output_dir=str(killed_dir / "run")))
     last = killed_dir / "run" / "checkpoints" / "last.ckpt"
 
@@ -49,7 +51,7 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     unbroken = tiny_recipe(unbroken_dir, trainer=dict(trainer, output_dir=str(unbroken_dir / "run")))
     summary = run(unbroken, samples=False)
     a, b = history(last), history(summary["last"])
-    assert _step(last) == steps and len(a["train"]) == len(b["train"]) == steps
+    assert _step(last) == steps and len(a["train"]) == len(b["train"]) == steps // 4
     assert [s for s, _ in a["train"]] == [s for s, _ in b["train"]]
     torch.testing.assert_close(torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]),
                                rtol=0, atol=1e-6)
@@ -74,7 +76,7 @@ def test_resume_refuses_a_different_model(tmp_path, capsys):
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
     from recipes.train import run
 
-    trainer = {"max_steps": 8, "val_check_interval": 4, "limit_val_batches": 2}
+    trainer = {"max_steps": 8, "val_check_interval": 4, "limit_val_batches": 2, "log_every_n_steps": 1}
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     for d in (ddp_dir, single_dir):
         d.mkdir()

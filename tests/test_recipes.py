@@ -134,9 +134,10 @@ def trained(tmp_path_factory):
 def test_a_tiny_run_learns_and_checkpoints(trained):
     path, summary = trained
     assert summary["steps"] == 30
-    losses = [loss for _, loss in history(Path(summary["last"]))["train"]]
-    assert len(losses) == 30
-    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+    train = history(Path(summary["last"]))["train"]  # read every log_every_n_steps (2) steps: no sync per step
+    assert [step for step, _ in train] == list(range(2, 31, 2))
+    losses = [loss for _, loss in train]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3
     assert Path(summary["best"]).is_file() and (Path(summary["output_dir"]) / "loss.png").is_file()
     assert list((Path(summary["output_dir"]) / "logs").rglob("metrics.csv"))
     val = history(Path(summary["last"]))["val"]
@@ -171,11 +172,37 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     assert main(["train", str(path), "--no-samples"]) == 1
     err = capsys.readouterr().err
     assert "the training loss became" in err and "last good checkpoint" in err
-    step = int(err.split(" at step ")[1].split(";")[0])
+    step = int(err.split(" at step ")[1].split(";")[0])  # checked at every checkpoint: here every step
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     saved = torch.load(last, map_location="cpu", weights_only=True)
     assert 0 < saved["global_step"] <= step
     assert all(math.isfinite(loss) for _, loss in saved["builder"]["history"]["train"])
+
+
+def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_path, capsys, monkeypatch):
+    """Losses are read every 5 steps and before each checkpoint (every 3): the loss of step 8 is
+    NaN, so the checkpoint of step 9 is not written; step 6's stays, with only finite losses."""
+    from builder.cli import main
+    from recipes.module import LMModule
+
+    original = LMModule.logits_and_targets
+
+    def poisoned(self, *batch):
+        logits, targets = original(self, *batch)
+        return (logits * float("nan") if self.global_step >= 7 else logits), targets
+
+    monkeypatch.setattr(LMModule, "logits_and_targets", poisoned)
+    path = tiny_recipe(tmp_path, trainer={"max_steps": 40, "log_every_n_steps": 5, "checkpoint_every_n_steps": 3,
+                                          "val_check_interval": 100, "output_dir": str(tmp_path / "run")})
+    assert main(["train", str(path), "--no-samples"]) == 1
+    err = capsys.readouterr().err
+    assert "the training loss became nan between steps 6 and 9" in err
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 6
+    builder = saved["builder"]
+    assert [step for step, _ in builder["history"]["train"]] == [5]
+    assert builder["pending_loss"]["steps"] == 1 and math.isfinite(builder["pending_loss"]["sum"])
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
 
 
 def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatch):

@@ -284,7 +284,7 @@ def test_resumed_run_trains_on_the_same_batches_as_an_unbroken_one(tmp_path):
         folder.mkdir()
         for steps in stops:  # the second run picks up the first one's last.ckpt
             path = _recipe(folder, de, en, max_steps=steps, checkpoint_every_n_steps=10)
-            run(path, {"data.max_tokens": 120})
+            run(path, {"data.max_tokens": 120, "trainer.log_every_n_steps": 1})
         history = torch.load(folder / "run" / "checkpoints" / "last.ckpt", weights_only=True)["builder"]["history"]
         losses[name] = [loss for _, loss in history["train"]]
     assert len(losses["resumed"]) == len(losses["unbroken"]) == 30

@@ -1,0 +1,166 @@
+"""What makes a training step fast, in one place: ``torch.compile`` (its cache kept in the run
+folder, its time measured apart from the steps), fused AdamW, and bf16 where the hardware
+computes it natively.
+
+Compilation (``trainer.compile``):
+
+* ``model`` compiles the module's loss computation — the whole model, the loss and, through
+  AOTAutograd, their backward — into one graph per input shape. The fastest step; validation,
+  sampling and decoding run the model as built (no recompiles for ``eval()`` or a KV cache).
+* ``layers`` compiles each Transformer layer in place (regional compilation, as torchtitan does
+  before FSDP2's ``fully_shard``): identical layers share one compiled graph, so the cold compile
+  is a fraction of ``model``'s, and it composes with FSDP2 and activation checkpointing.
+* ``true`` is ``layers`` under FSDP or activation checkpointing and ``model`` otherwise.
+
+Validation, decoding and everything after training run eagerly (:func:`eager`): compiling them
+would cost more than it saves on a few batches, and a KV cache recompiles at every length.
+
+Inductor's caches (FX graph, AOTAutograd, Triton) go to ``<output_dir>/compile-cache`` unless
+``TORCHINDUCTOR_CACHE_DIR`` is set, so a resumed run finds its kernels compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+# -- precision ------------------------------------------------------------------------------------
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16() -> str | None:
+    """The instruction set this CPU computes bf16 matmuls with natively (``AMX`` or
+    ``AVX512-BF16``), or None: then bf16 is emulated and slower than fp32."""
+    capabilities = dict(torch.cpu.get_capabilities()) if hasattr(torch.cpu, "get_capabilities") else {}
+    flags = _cpuinfo_flags()
+    if capabilities.get("amx_bf16") or "amx_bf16" in flags:
+        return "AMX"
+    if capabilities.get("avx512_bf16") or "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    return None
+
+
+def on_cuda(accelerator: str) -> bool:
+    """Whether Lightning's ``accelerator`` setting puts this run on a CUDA GPU."""
+    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+
+
+def resolve_precision(precision: str, accelerator: str) -> tuple[str, str | None]:
+    """The recipe's precision made concrete for this machine, and a line to print about it.
+
+    ``auto``: ``bf16-mixed`` on a GPU that supports bf16 and on a CPU with AMX or AVX512-BF16,
+    else ``32``. An explicit bf16 precision on a CPU without them is kept, with a warning."""
+    if on_cuda(accelerator):
+        if precision == "auto":
+            return ("bf16-mixed", None) if torch.cuda.is_bf16_supported() else ("32", None)
+        return precision, None
+    native = cpu_bf16()
+    if precision == "auto":
+        if native:
+            return "bf16-mixed", f"precision auto: bf16-mixed (this CPU has {native})"
+        return "32", ("precision auto: fp32; this CPU has neither AMX nor AVX512-BF16, so bf16 would be "
+                      "emulated and slower than fp32")
+    if precision.startswith("bf16") and not native:
+        return precision, (f"warning: precision {precision} on a CPU without AMX or AVX512-BF16 is emulated "
+                           "and slower than fp32; set trainer.precision: auto or 32 for speed")
+    return precision, None
+
+
+# -- optimizer ------------------------------------------------------------------------------------
+
+
+def adamw(groups: list[dict], **settings) -> torch.optim.AdamW:
+    """AdamW with one fused kernel per step where torch has one for every parameter's device and
+    dtype (CUDA, CPU, ...), else the multi-tensor (``foreach``) implementation."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    params = [p for g in groups for p in g["params"]]
+    devices = set(_get_fused_kernels_supported_devices())
+    fused = bool(params) and all(p.device.type in devices and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(groups, **settings, **({"fused": True} if fused else {"foreach": True}))
+
+
+# -- compilation ----------------------------------------------------------------------------------
+
+
+def compile_mode(trainer) -> str | None:
+    """``model``, ``layers`` or None for a recipe's ``trainer`` section (see the module doc)."""
+    mode = trainer.compile
+    if mode is False:
+        return None
+    if mode is True:
+        return "layers" if trainer.strategy == "fsdp" or trainer.activation_checkpointing else "model"
+    return mode
+
+
+def compile_layers(layers: list[torch.nn.Module]) -> None:
+    """Compile each layer in place (``Module.compile``: names and state dicts stay as they are)."""
+    for layer in layers:
+        layer.compile()
+
+
+def eager():
+    """A context in which compiled code runs as written (validation, decoding, evaluation after
+    training): no recompiles for ``eval()``, KV caches or new shapes."""
+    return torch.compiler.set_stance("force_eager")
+
+
+class CompileClock:
+    """Wall seconds spent compiling (Dynamo tracing, AOTAutograd, Inductor, lazily compiled
+    backward graphs) while it is installed, and how many compilations there were."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.count = 0
+        self._started: float | None = None
+
+    def _start(self, args) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, args) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self.count += 1
+            self._started = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CompileClock]:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        try:
+            yield self
+        finally:
+            callback_handler.remove_start_callback(self._start)
+            callback_handler.remove_end_callback(self._end)
+
+
+@contextlib.contextmanager
+def compiling(out: Path) -> Iterator[CompileClock]:
+    """Inductor's caches under ``out/compile-cache`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is set)
+    and a :class:`CompileClock` for what runs inside."""
+    clock = CompileClock()
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        with clock.installed():
+            yield clock
+        return
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with temporary_cache_dir(str(Path(out).resolve() / "compile-cache")), clock.installed():
+        yield clock
