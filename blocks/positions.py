@@ -95,14 +95,15 @@ class Learned(PositionModule):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         _check_positions(positions)
-        # Checked on the CPU only: reading the largest position back from a GPU would synchronise
-        # every forward (and break a torch.compile graph). A stack refuses more positions than its
-        # max_seq_len before this, and validation keeps the table at least that long.
-        if (positions.device.type == "cpu" and not torch.compiler.is_compiling() and positions.numel()
-                and int(positions.max()) >= self.max_positions):
+        # From the shape, always; from the values only where reading one costs no device sync and
+        # breaks no compiled graph (eager, on the CPU). Elsewhere indexing past the table fails.
+        beyond = positions.shape[-1] > self.max_positions
+        if not beyond and positions.device.type == "cpu" and not torch.compiler.is_compiling() and positions.numel():
+            beyond = int(positions.max()) >= self.max_positions
+        if beyond:
             raise ValueError(
-                f"position {int(positions.max())} is beyond the learned table of {self.max_positions} "
-                "positions; shorten the input or raise position.max_positions"
+                f"positions reach beyond the learned table of {self.max_positions} positions; shorten the "
+                "input or raise position.max_positions"
             )
         return self.weight[positions]  # (batch, seq, d_model)
 

@@ -15,14 +15,13 @@ Compilation (``trainer.compile``):
 Validation, decoding and everything after training run eagerly (:func:`eager`): compiling them
 would cost more than it saves on a few batches, and a KV cache recompiles at every length.
 
-Inductor's caches (FX graph, AOTAutograd, Triton) go to ``<output_dir>/compile-cache`` unless
-``TORCHINDUCTOR_CACHE_DIR`` is set, so a resumed run finds its kernels compiled.
+Inductor's caches (FX graph, AOTAutograd, Triton) go to ``<output_dir>/compile-cache``, so a
+resumed run finds its kernels compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,14 +152,10 @@ class CompileClock:
 
 @contextlib.contextmanager
 def compiling(out: Path) -> Iterator[CompileClock]:
-    """Inductor's caches under ``out/compile-cache`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is set)
-    and a :class:`CompileClock` for what runs inside."""
-    clock = CompileClock()
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        with clock.installed():
-            yield clock
-        return
+    """Inductor's caches under ``out/compile-cache`` (in-memory caches cleared on the way in and
+    out, so what compiles here is looked up there) and a :class:`CompileClock` for what runs inside."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+    clock = CompileClock()
     with temporary_cache_dir(str(Path(out).resolve() / "compile-cache")), clock.installed():
         yield clock

@@ -1,0 +1,177 @@
+"""The speed levers: torch.compile on every family (graph breaks counted), the compile cache in the
+run folder, fused AdamW, precision auto, bf16 detection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_helpers import tiny_recipe
+
+SPECS = Path(__file__).resolve().parents[1] / "specs" / "tiny"
+
+
+def _model_and_loss(name: str):
+    from builder import build_model, load_spec
+
+    spec = load_spec(SPECS / f"{name}.yaml")
+    torch.manual_seed(0)
+    model = build_model(spec)
+    ids = torch.randint(0, spec.vocab_size, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # padding: the masked paths are traced too
+
+    def loss():
+        if spec.architecture == "encoder-decoder":
+            out = model(ids, mask, decoder_input_ids=ids[:, :10], decoder_attention_mask=mask[:, :10])
+        elif spec.architecture == "encoder-only":
+            out = model(ids, mask)
+        else:
+            out = model(ids)
+        return out.float().square().mean()
+
+    return spec, model, loss
+
+
+#: dense families: one graph, no break. Mixtral's sparse dispatch sorts tokens by expert and
+#: slices by data-dependent counts: a break around each MoE block.
+DENSE = ["gpt2", "llama", "alibi", "gemma2", "bert", "t5", "transformer"]
+
+
+@pytest.mark.parametrize("name", [*DENSE, "mixtral"])
+def test_every_family_traces_and_counts_its_graph_breaks(name):
+    spec, model, loss = _model_and_loss(name)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss)()
+    if name in DENSE:
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+            r.reason for r in explained.break_reasons
+        ]
+    else:
+        moe_layers = spec.decoder.n_layers
+        assert 0 < explained.graph_break_count <= 6 * moe_layers
+
+
+@pytest.mark.parametrize("name", DENSE + ["mixtral"])
+def test_compiled_forward_and_backward_match_eager(name):
+    """AOTAutograd's joint graph (what Inductor compiles) gives eager's loss and gradients
+    (dropout off: its random draws differ between the two)."""
+    _, model, loss = _model_and_loss(name)
+    model.eval()
+    expected = loss()
+    expected.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    got = torch.compile(loss, backend="aot_eager")()
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DENSE + ["mixtral"])
+def test_inductor_compiles_every_family(name):
+    _, model, loss = _model_and_loss(name)
+    model.eval()
+    expected = loss()
+    torch._dynamo.reset()
+    got = torch.compile(loss)()
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
+    """``trainer.compile: model``: Inductor writes its graphs under the run folder; the resumed
+    run (its in-memory caches cleared) loads them instead of compiling again; the losses are the
+    eager run's."""
+    from torch._dynamo.utils import counters
+
+    from recipes.train import run
+
+    trainer = {"max_steps": 6, "val_check_interval": 6, "checkpoint_every_n_steps": 3, "log_every_n_steps": 3}
+    schedule = {"type": "constant", "warmup_steps": 0}  # the same rates whatever max_steps the first part has
+    compiled = tiny_recipe(tmp_path, trainer=dict(trainer, compile="model"), schedule=schedule)
+    torch._dynamo.reset()
+    counters.clear()
+    first = run(compiled, {"trainer.max_steps": 3}, samples=False)
+    cache = Path(first["output_dir"]) / "compile-cache"
+    assert first["compile_seconds"] > 0 and any(cache.rglob("*"))
+    assert counters["inductor"]["fxgraph_cache_miss"] >= 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    resumed = run(compiled, samples=False)
+    assert resumed["steps"] == 6
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+
+    eager_dir = tmp_path / "eager"
+    eager_dir.mkdir()
+    eager = run(tiny_recipe(eager_dir, trainer=trainer, schedule=schedule), samples=False)
+    history = lambda summary: torch.load(summary["last"], weights_only=True)["builder"]["history"]  # noqa: E731
+    assert [s for s, _ in history(resumed)["train"]] == [3, 6]
+    torch.testing.assert_close(torch.tensor([x for _, x in history(resumed)["train"]]),
+                               torch.tensor([x for _, x in history(eager)["train"]]), rtol=1e-4, atol=1e-4)
+
+
+def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
+    from recipes.speed import compile_layers
+    from recipes.train import run
+
+    _, model, loss = _model_and_loss("llama")
+    names = list(model.state_dict())
+    compile_layers(list(model.decoder.layers))
+    assert list(model.state_dict()) == names  # in place: checkpoints keep their names
+    summary = run(tiny_recipe(tmp_path, trainer={"max_steps": 4, "compile": "layers"}), samples=True)
+    assert summary["steps"] == 4 and summary["compile_seconds"] > 0
+
+
+def test_fused_adamw_where_torch_has_the_kernel():
+    from recipes.speed import adamw
+
+    params = [torch.nn.Parameter(torch.randn(3, 3))]
+    assert adamw([{"params": params}], lr=1e-3).defaults["fused"]
+    ints = [torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]
+    assert adamw([{"params": ints}], lr=1e-3).defaults["foreach"]
+
+
+def test_precision_auto_uses_bf16_only_where_the_cpu_has_it(monkeypatch):
+    from recipes import speed
+
+    monkeypatch.setattr(speed, "on_cuda", lambda accelerator: False)
+    monkeypatch.setattr(speed, "cpu_bf16", lambda: "AMX")
+    assert speed.resolve_precision("auto", "cpu") == ("bf16-mixed", "precision auto: bf16-mixed (this CPU has AMX)")
+    assert speed.resolve_precision("bf16-mixed", "cpu") == ("bf16-mixed", None)
+    monkeypatch.setattr(speed, "cpu_bf16", lambda: None)
+    precision, note = speed.resolve_precision("auto", "cpu")
+    assert precision == "32" and "neither AMX nor AVX512-BF16" in note
+    precision, note = speed.resolve_precision("bf16-mixed", "cpu")
+    assert precision == "bf16-mixed" and note.startswith("warning:") and "emulated" in note
+    assert speed.resolve_precision("32", "cpu") == ("32", None)
+
+
+def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
+    from recipes import speed
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {})
+    monkeypatch.setattr(speed, "_cpuinfo_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert speed.cpu_bf16() == "AVX512-BF16"
+    monkeypatch.setattr(speed, "_cpuinfo_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    assert speed.cpu_bf16() == "AMX"
+    monkeypatch.setattr(speed, "_cpuinfo_flags", lambda: {"avx2"})
+    assert speed.cpu_bf16() is None
+
+
+def test_a_run_says_why_it_trains_in_fp32(tmp_path, capsys, monkeypatch):
+    from recipes import speed
+    from recipes.train import run
+
+    monkeypatch.setattr(speed, "cpu_bf16", lambda: None)
+    run(tiny_recipe(tmp_path, trainer={"max_steps": 2}), samples=False)
+    out = capsys.readouterr().out
+    assert "precision auto: fp32; this CPU has neither AMX nor AVX512-BF16" in out
+    meta = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["builder"]
+    assert meta["recipe"]["trainer"]["precision"] == "32"  # the checkpoint records what ran
