@@ -176,13 +176,14 @@ def train(model: GPT, batches: Iterator, val_batches: Callable[[], Iterable], c:
           device: str = "cpu", on_eval: Callable | None = None) -> dict:
     """nanoGPT's loop for ``c.max_iters`` steps. ``batches`` yields ``(x, y)`` training batches;
     ``val_batches()`` the validation batches, evaluated every ``c.eval_interval`` steps and at the
-    end. Returns each step's wall seconds (evaluation left out), the evaluations as
-    ``(step, val loss, training wall seconds so far)`` and the logged training losses."""
+    end. Returns the wall seconds of each interval of ``c.log_interval`` steps (evaluation left
+    out; the device synchronised at interval ends only), the evaluations as ``(step, val loss,
+    training wall seconds so far)`` and the training loss read at each interval's end."""
     optimizer = model.configure_optimizers(c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device)
     model.train()
-    step_seconds, evals, logged = [], [], []
-    wall = 0.0
-    last = time.perf_counter()
+    intervals, evals, logged = [], [], []
+    wall, steps = 0.0, 0
+    start = time.perf_counter()
     for it in range(c.max_iters):
         lr = get_lr(it, c)
         for group in optimizer.param_groups:
@@ -195,19 +196,20 @@ def train(model: GPT, batches: Iterator, val_batches: Callable[[], Iterable], c:
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        steps += 1
         if (it + 1) % c.log_interval == 0:
-            logged.append((it + 1, loss.item()))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        step_seconds.append(now - last)
-        wall += now - last
+            logged.append((it + 1, loss.item()))  # the one host sync of the interval
+            now = time.perf_counter()
+            intervals.append((steps, now - start))
+            wall += now - start
+            start, steps = now, 0
         if (it + 1) % c.eval_interval == 0 or it + 1 == c.max_iters:
-            start = time.perf_counter()
+            wall += time.perf_counter() - start  # steps since the interval's end (0 when aligned)
+            began = time.perf_counter()
             loss_value = estimate_loss(model, val_batches())
-            wall += time.perf_counter() - start
+            wall += time.perf_counter() - began
             evals.append((it + 1, loss_value, wall))
             if on_eval is not None:
                 on_eval(*evals[-1])
-        last = time.perf_counter()
-    return {"step_seconds": step_seconds, "val": evals, "train": logged}
+            start, steps = time.perf_counter(), 0  # an interval cut by evaluation is not counted
+    return {"intervals": intervals, "val": evals, "train": logged}

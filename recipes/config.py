@@ -41,9 +41,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
+#: one part of a model.freeze path: a module name, a layer index, a range of them, or *
+_FREEZE_SEGMENT = r"(?:\*|[A-Za-z_][A-Za-z0-9_]*|\d+(?:-\d+)?)"
+_FREEZE_PATH = re.compile(rf"{_FREEZE_SEGMENT}(?:\.{_FREEZE_SEGMENT})*")
+
+
 class ModelSection(_Section):
-    spec: Union[str, dict[str, Any]] = Field(
-        ..., description="A spec file (path relative to the recipe) or an inline spec mapping."
+    spec: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="A spec file (path relative to the recipe) or an inline spec mapping (null: the spec "
+        "of init_from).",
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -51,6 +57,33 @@ class ModelSection(_Section):
         "mappings; `--set model.overrides.decoder.n_layers=2` lands here. `vocab_size` is always "
         "set to the tokenizer's.",
     )
+    init_from: Optional[str] = Field(
+        None, description="Start from trained weights (relative to the recipe): a `builder train` checkpoint "
+        "(.ckpt; its tokenizer too), a folder written by `builder import-hf`, or a Hugging Face model folder. "
+        "Tensors must match by name and shape (a task's new head starts fresh).",
+    )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="Parts of the model that do not train, by dotted path: `embedding`, `decoder.layers.0-3` "
+        "(indices, both ends included), `decoder.layers.*.attention`; a path may start below the stacks.",
+    )
+
+    @field_validator("freeze")
+    @classmethod
+    def _freeze_paths(cls, paths):
+        for path in paths:
+            if not _FREEZE_PATH.fullmatch(path):
+                raise ValueError(f"{path!r} is not a dotted path of names, layer indices (3), ranges (0-3) or *")
+            for low, high in re.findall(r"(?:^|\.)(\d+)-(\d+)(?=\.|$)", path):
+                if int(low) > int(high):
+                    raise ValueError(f"{path!r}: the range {low}-{high} runs backwards; write {high}-{low}")
+        return paths
+
+    @model_validator(mode="after")
+    def _a_model(self):
+        if self.spec is None and self.init_from is None:
+            raise ValueError("give model.spec (a spec file or mapping) or model.init_from (trained weights), or both")
+        return self
 
 
 class DatasetFields(_Section):
@@ -380,8 +413,13 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
         spec = load_spec(path, overrides=overrides, sources=written)
         _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
         return spec
-    spec = _inline_spec(recipe, recipe_file, doc, overrides, written)
-    _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written), True))
+    base = None
+    if recipe.model.spec is None:  # the spec model.init_from was trained (or imported) with
+        from recipes.pretrained import spec_base
+
+        base = spec_base(recipe, recipe_file)
+    spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
+    _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written, base), True))
     return spec
 
 
@@ -399,41 +437,57 @@ def _check_layout(spec, recipe: Recipe, document) -> None:
         raise SpecError(_under_recipe(located) if inline else located)
 
 
-def _inline_document(recipe: Recipe, doc, overrides: dict[str, Any], written: dict):
-    """The recipe's inline spec with the overrides laid over it, as a located document."""
+def _marked(data: Any, path: tuple, mark, marks: dict) -> None:
+    marks[path] = mark
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _marked(value, path + (key,), mark, marks)
+
+
+def _inline_document(recipe: Recipe, doc, overrides: dict[str, Any], written: dict,
+                     base: tuple[dict, str] | None = None):
+    """The recipe's inline spec, or ``base`` (a spec as data and a label for where it came from),
+    with the overrides laid over it, as a located document."""
     import copy
 
     from builder.loader import apply_overrides
-    from builder.yaml_source import Document, Problem, SpecError
+    from builder.yaml_source import Document, Mark, Problem, SpecError
 
     prefix = ("model", "spec")
-    inline = Document(
-        data=copy.deepcopy(recipe.model.spec),
-        keys={k[2:]: m for k, m in doc.keys.items() if k[:2] == prefix},
-        values={k[2:]: m for k, m in doc.values.items() if k[:2] == prefix},
-    )
+    if base is not None:
+        marks: dict = {}
+        _marked(base[0], (), Mark(base[1]), marks)
+        inline = Document(data=copy.deepcopy(base[0]), keys=dict(marks), values=marks)
+    else:
+        inline = Document(
+            data=copy.deepcopy(recipe.model.spec),
+            keys={k[2:]: m for k, m in doc.keys.items() if k[:2] == prefix},
+            values={k[2:]: m for k, m in doc.values.items() if k[:2] == prefix},
+        )
     if "extends" in inline.data:
         where = inline.value_mark(("extends",))
         raise SpecError([Problem.at(where, "model.spec.extends", "an inline spec cannot extend; give `spec:` a file")])
     try:
         apply_overrides(inline, overrides, written)
     except SpecError as exc:
-        raise SpecError(_under_recipe(exc.problems)) from None
+        raise SpecError(_under_recipe(exc.problems, "model.spec" if base is None else "model.init_from")) from None
     return inline
 
 
-def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, Any], written: dict):
+def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, Any], written: dict,
+                 base: tuple[dict, str] | None = None):
     from builder.loader import validate_document
     from builder.schema import spec_model
     from builder.yaml_source import SpecError
 
-    inline = _inline_document(recipe, doc, overrides, written)
+    inline = _inline_document(recipe, doc, overrides, written, base)
     try:
         return validate_document(inline, spec_model(), str(recipe_file))
     except SpecError as exc:
-        raise SpecError(_under_recipe(exc.problems)) from None
+        raise SpecError(_under_recipe(exc.problems, "model.spec" if base is None else "model.init_from")) from None
 
 
-def _under_recipe(problems: list) -> list:
-    """Problems of an inline spec re-pathed under the recipe: decoder.n_layers -> model.spec.decoder.n_layers."""
-    return [dataclasses.replace(p, path=".".join(filter(None, ("model.spec", p.path)))) for p in problems]
+def _under_recipe(problems: list, where: str = "model.spec") -> list:
+    """Problems of an inline spec re-pathed under the recipe: decoder.n_layers -> model.spec.decoder.n_layers
+    (``model.init_from`` for the spec a run starts from)."""
+    return [dataclasses.replace(p, path=".".join(filter(None, (where, p.path)))) for p in problems]

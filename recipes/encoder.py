@@ -29,6 +29,7 @@ from recipes.checkpoint import eval_batches, model_weights
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.data import LMDataModule, read_corpus, split, tokenize_corpus
 from recipes.module import IGNORE, LMModule
+from recipes.pretrained import pretrained_tokenizer
 from recipes.tasks import PROSE, Prepared, check_task
 from recipes.tokenizer import build_tokenizer, from_state
 
@@ -153,7 +154,8 @@ def _encoder_spec(recipe, recipe_file: Path, vocab_size: int, extra: dict | None
 
 def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     corpus = read_corpus(recipe.data, recipe_file)
-    tokenizer = encoder_tokenizer(recipe, recipe_file, corpus.text, corpus.hash)
+    tokenizer = pretrained_tokenizer(recipe, recipe_file) or encoder_tokenizer(recipe, recipe_file, corpus.text,
+                                                                               corpus.hash)
     tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
     spec = _encoder_spec(recipe, recipe_file, tokenizer.vocab_size)
     if not type(spec.head).projects_to_vocab:
@@ -304,6 +306,8 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
         meta = read_verified(init).get("builder") or {}
         check_task(meta, "mlm")
         tokenizer = from_state(meta["tokenizer"])
+    elif (pretrained := pretrained_tokenizer(recipe, recipe_file)) is not None:
+        tokenizer = pretrained
     else:
         text = "\n".join(t for t, _ in train)
         tokenizer = encoder_tokenizer(recipe, recipe_file, text, hashlib.sha256(text.encode()).hexdigest()[:16])

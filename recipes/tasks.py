@@ -115,7 +115,8 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     prepared = task_module(recipe.task).prepare(recipe, recipe_file)
     meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=recipe.task, **prepared.meta)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1)
+    model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1,
+                                            recipe_file=recipe_file)
     module = prepared.module_class(model, recipe, meta)
     ckpt_dir = out / "checkpoints"
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)

@@ -32,6 +32,7 @@ from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
 from recipes.speed import compile_layers, compile_mode, compiling, eager, resolve_precision
+from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
 from recipes.tokenizer import build_tokenizer
 
 #: recipe precision (``auto`` resolved by ``for_this_machine``) -> Lightning's name for it
@@ -67,7 +68,8 @@ def prepare(recipe: Recipe, recipe_file: Path):
     """Corpus -> tokenizer -> token memmap -> spec: what model and data both need."""
     cache = Path(recipe.data.cache_dir)
     corpus = read_corpus(recipe.data, recipe_file)
-    tokenizer = build_tokenizer(recipe.tokenizer, corpus.text, corpus.hash, cache, recipe_file)
+    tokenizer = pretrained_tokenizer(recipe, recipe_file) or build_tokenizer(
+        recipe.tokenizer, corpus.text, corpus.hash, cache, recipe_file)
     spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)  # before tokenizing: a spec that cannot run stops here
     tokens = tokenize_corpus(tokenizer, corpus, cache)
     if recipe.data.seq_len > spec.max_seq_len:
@@ -102,21 +104,26 @@ def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int
     return est.flops.train_per_token
 
 
-def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, batch: int | None = None):
-    """The spec's model ready to train, for every task: built (seeded; ``init`` may load weights
-    into it), its describe table printed, layers checkpointed and compiled as the recipe asks.
-    Under ``strategy: fsdp`` it is built on the meta device (unless ``init`` loads weights) and
-    the strategy shards, checkpoints, compiles and materialises it (``recipes.parallel``).
-    Returns ``(model, train FLOPs per token)``."""
+def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, batch: int | None = None,
+                   recipe_file: Path | None = None):
+    """The spec's model ready to train, for every task: built (seeded), weights loaded from
+    ``model.init_from`` (then ``init``, a task's own loading), parts frozen, its describe table
+    printed, layers checkpointed and compiled as the recipe asks. Under ``strategy: fsdp`` it is
+    built on the meta device (unless weights are loaded into it) and the strategy shards,
+    checkpoints, compiles and materialises it (``recipes.parallel``). Returns ``(model, train
+    FLOPs per token)``."""
     from builder import build_model
 
     settings = recipe.trainer
     sharded = settings.strategy == "fsdp"
     torch.manual_seed(settings.seed)
-    model = build_model(spec, device="meta" if sharded and init is None else None, init_seed=settings.seed,
+    on_meta = sharded and init is None and recipe.model.init_from is None
+    model = build_model(spec, device="meta" if on_meta else None, init_seed=settings.seed,
                         dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
+    load_init_from(model, recipe, recipe_file)
     if init is not None:
         init(model)
+    freeze_parts(model, recipe, recipe_file)
     flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch)
     if sharded:
         return model, flops_per_token  # recipes.parallel.shard_model checkpoints and compiles its layers
@@ -415,7 +422,7 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
 
     meta = training_meta(recipe, recipe_file, spec, tokenizer, corpus=corpus.hash)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(spec, recipe)
+    model, flops_per_token = training_model(spec, recipe, recipe_file=recipe_file)
     module = LMModule(model, recipe, meta)
     data = LMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
                         settings.accumulate_grad_batches)

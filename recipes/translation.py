@@ -27,6 +27,7 @@ from builder.checkpoints import model_weights
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.module import IGNORE, LMModule
 from recipes.tasks import PROSE, Prepared, check_task
+from recipes.pretrained import pretrained_tokenizer
 from recipes.tokenizer import build_tokenizer
 
 #: sentencepiece ids of the specials (the model's padding, decoder start and end of sentence)
@@ -210,8 +211,8 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
     val_src, val_tgt = validation_pairs(recipe, recipe_file)
     text = "\n".join(train_src + train_tgt)
     corpus_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-    tokenizer = build_tokenizer(recipe.tokenizer, text, corpus_hash, Path(data.cache_dir), recipe_file,
-                                options={**PROSE, **SPECIALS})
+    tokenizer = pretrained_tokenizer(recipe, recipe_file) or build_tokenizer(
+        recipe.tokenizer, text, corpus_hash, Path(data.cache_dir), recipe_file, options={**PROSE, **SPECIALS})
     pad_id, bos, eos = special_ids(tokenizer)
     train, train_lengths = encode_pairs(tokenizer, train_src, train_tgt)
     keep = [i for i, n in enumerate(train_lengths) if n <= data.max_len]

@@ -1,0 +1,99 @@
+"""The yardstick of benchmarks/shakespeare_char.py computes what the recipe computes: same model
+function on the same weights, same schedule, and its own init draws from the same distribution."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def _recipe_model(vocab_size: int = 65, seed: int = 3):
+    from builder import build_model
+    from recipes.config import load_recipe, model_spec
+
+    recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
+    recipe = load_recipe(recipe_file)
+    spec = model_spec(recipe, recipe_file, vocab_size)
+    torch.manual_seed(seed)
+    return recipe, spec, build_model(spec)
+
+
+def test_yardstick_on_the_recipes_weights_is_the_same_function():
+    from shakespeare_char import check_nanogpt_shaped, nanogpt_state
+    from yardstick import GPT, GPTConfig
+
+    recipe, spec, ours = _recipe_model()
+    check_nanogpt_shaped(spec, recipe)
+    theirs = GPT(GPTConfig(vocab_size=65, block_size=spec.max_seq_len, n_layer=spec.decoder.n_layers,
+                           n_head=spec.decoder.attention.n_heads, n_embd=spec.d_model))
+    theirs.load_state_dict(nanogpt_state(ours.state_dict(), spec.decoder.n_layers))
+    x = torch.randint(0, 65, (3, 64))
+    y = torch.randint(0, 65, (3, 64))
+    logits, loss = theirs(x, y)
+    torch.testing.assert_close(logits, ours(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, F.cross_entropy(ours(x).flatten(0, 1), y.flatten()), rtol=1e-5, atol=1e-6)
+    assert sum(p.numel() for p in theirs.parameters()) == ours.n_params()  # tied head counted once in both
+
+
+def test_yardstick_schedule_is_the_recipes():
+    from yardstick import LoopConfig, get_lr
+
+    from recipes.module import lr_multiplier
+
+    recipe, _, _ = _recipe_model()
+    s, opt = recipe.schedule, recipe.optimizer
+    loop = LoopConfig(max_iters=2000, learning_rate=opt.lr, min_lr=s.min_lr, warmup_iters=s.warmup_steps,
+                      lr_decay_iters=s.decay_steps)
+    for step in (0, 50, 99, 100, 101, 1000, 1999, 2000, 2500):
+        assert get_lr(step, loop) == pytest.approx(opt.lr * lr_multiplier(step, s, opt.lr, 2000), rel=1e-12)
+
+
+def test_yardstick_init_has_the_recipes_distribution():
+    """nanoGPT's init (normal 0.02, residual projections 0.02 / sqrt(2 n_layer), LayerNorm 1) is
+    the recipe's: tensor by tensor, the standard deviations agree."""
+    from shakespeare_char import nanogpt_state
+    from yardstick import GPT, GPTConfig
+
+    _, spec, ours = _recipe_model(vocab_size=512)
+    torch.manual_seed(0)
+    theirs = GPT(GPTConfig(vocab_size=512, block_size=spec.max_seq_len, n_layer=spec.decoder.n_layers,
+                           n_head=spec.decoder.attention.n_heads, n_embd=spec.d_model)).state_dict()
+    mapped = nanogpt_state(ours.state_dict(), spec.decoder.n_layers)
+    assert set(mapped) == set(theirs)
+    for name, tensor in theirs.items():
+        expected = 0.02 / math.sqrt(2 * spec.decoder.n_layers) if name.endswith("c_proj.weight") else 0.02
+        if "ln_" in name:
+            assert torch.equal(tensor, mapped[name]) and torch.all(tensor == 1)
+        else:
+            assert tensor.std().item() == pytest.approx(expected, rel=0.1), name
+            assert mapped[name].std().item() == pytest.approx(expected, rel=0.1), name
+
+
+def test_yardstick_loop_learns_and_times_its_intervals():
+    from yardstick import GPT, GPTConfig, LoopConfig, train
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    data = torch.arange(16).repeat(40)  # a cycle: learnable
+
+    def batches():
+        generator = torch.Generator().manual_seed(0)
+        while True:
+            starts = torch.randint(0, len(data) - 9, (8,), generator=generator)
+            block = torch.stack([data[s : s + 9] for s in starts])
+            yield block[:, :-1].contiguous(), block[:, 1:].contiguous()  # as nanoGPT's get_batch
+
+    val = [next(batches())]
+    result = train(model, batches(), lambda: val, LoopConfig(max_iters=60, learning_rate=1e-2, warmup_iters=5,
+                                                             lr_decay_iters=60, eval_interval=30, log_interval=10))
+    assert [e[0] for e in result["val"]] == [30, 60] and result["val"][1][1] < 1.0
+    assert len(result["intervals"]) == 6 and all(n == 10 and s > 0 for n, s in result["intervals"])
+    assert result["val"][1][2] >= sum(s for _, s in result["intervals"])
