@@ -29,7 +29,7 @@ import json
 import math
 import os
 import statistics
-import subprocess (model.init_from (a run checkpoint with its tokenizer, an import-hf folder or a Hugging Face folder; the spec from there when the recipe has none; every tensor checked by name and shape, the first misfit named; a task's new head starts fresh) and model.freeze (dotted paths with layer ranges and *, located errors); benchmarks/yardstick.py: nanoGPT's model and loop in plain PyTorch, side by side with the recipe in benchmarks/shakespeare_char.py on identical batches and initial weights)
+import subprocess
 import sys
 import tempfile
 import time
