@@ -1,6 +1,13 @@
 """Multi30k German -> English through the translation recipe, for a fixed budget of training time.
 
     python benchmarks/translate_multi30k.py [--minutes 10] [--eval-every 1] [--set key=value ...]
+    python benchmarks/translate_multi30k.py --side-by-side [--steps 300] [--rounds 2]
+
+``--side-by-side`` measures throughput only: the recipe (as it trains, compile included in its
+own column) and ``benchmarks/yardstick_seq2seq.py`` (the same Transformer in plain PyTorch,
+``torch.nn.TransformerEncoder/Decoder``, eager) train ``--steps`` steps each on the identical
+token-budget batches of the recipe's seed, alternating in fresh processes, ``--rounds`` times;
+it prints real (non-pad) source + target tokens/s, medians over 20-step intervals, and the ratio.
 
 Trains recipes/translate-multi30k.yaml (3 + 3 layers, d_model 256, ff 512, joint 6k BPE, pre-LN,
 label smoothing 0.1, Adam beta2 0.98, lr 2e-3 inverse-sqrt, 2,000-token batches) and every
@@ -74,6 +81,73 @@ def make_clock(minutes: float, eval_every: float, sources: list[str], references
     return TrainingClock()
 
 
+def _throughput_overrides(steps: int, out: Path) -> dict:
+    return {"trainer.max_steps": steps, "trainer.max_time": None, "trainer.val_check_interval": 10_000_000,
+            "trainer.limit_val_batches": 1, "trainer.checkpoint_every_n_steps": 10_000_000,
+            "trainer.output_dir": str(out), "eval.bleu_at_validation": False, "eval.max_sentences": 8,
+            "eval.num_beams": 1, "eval.average_last": 1, "eval.average_every_n_steps": steps}
+
+
+def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
+    """One side of ``--side-by-side``, in this process."""
+    from recipes.config import load_recipe
+
+    recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
+    with tempfile.TemporaryDirectory(prefix="translate-throughput-") as tmp:
+        recipe = load_recipe(recipe_file, {**_throughput_overrides(steps, Path(tmp) / "run"), **overrides})
+        if which == "recipe":
+            from recipes.tasks import run_task
+
+            summary = run_task(recipe, recipe_file, fresh=True)
+            return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"]}
+        import torch
+
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from yardstick_seq2seq import Seq2Seq, train
+
+        from recipes.translation import prepare
+
+        prepared = prepare(recipe, recipe_file)
+        spec, opt = prepared.spec, recipe.optimizer
+        torch.manual_seed(recipe.trainer.seed)
+        model = Seq2Seq(spec.vocab_size, spec.d_model, spec.encoder.attention.n_heads,
+                        spec.encoder.ffn.resolved_hidden_dim(spec.d_model), spec.encoder.n_layers,
+                        max_len=spec.max_seq_len)
+        batches = iter(prepared.data.train_dataloader())
+        result = train(model, batches, steps, opt.lr, recipe.schedule.warmup_steps, opt.betas, opt.eps,
+                       recipe.loss.label_smoothing, recipe.trainer.gradient_clip_val or 0.0)
+        rates = sorted(tokens / seconds for seconds, tokens in result["intervals"])
+        return {"tokens_per_s": rates[len(rates) // 2], "compile_seconds": 0.0}
+
+
+def side_by_side(args, overrides: dict) -> int:
+    import statistics
+    import subprocess
+
+    runs: dict[str, list] = {"yardstick": [], "recipe": []}
+    for i in range(args.rounds):
+        for which in (("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick")):
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                result_path = Path(f.name)
+            command = [sys.executable, __file__, "--worker", which, "--steps", str(args.steps),
+                       "--result", str(result_path)] + [a for o in args.overrides for a in ("--set", o)]
+            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode:
+                raise SystemExit(f"the {which} run failed:\n{done.stdout[-4000:]}")
+            result = json.loads(result_path.read_text())
+            result_path.unlink()
+            runs[which].append(result)
+            print(f"round {i + 1} {which:9s}: {result['tokens_per_s']:8,.0f} tokens/s "
+                  f"(compile {result['compile_seconds']:.1f} s)", flush=True)
+    ratios = [r["tokens_per_s"] / y["tokens_per_s"] for y, r in zip(runs["yardstick"], runs["recipe"])]
+    summary = {"tokens_per_s": {w: statistics.median(r["tokens_per_s"] for r in runs[w]) for w in runs},
+               "ratio": statistics.median(ratios), "ratios": ratios, "steps": args.steps, "runs": runs}
+    print(f"recipe / yardstick tokens/s: {summary['ratio']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)}); "
+          f"yardstick {summary['tokens_per_s']['yardstick']:,.0f}, recipe {summary['tokens_per_s']['recipe']:,.0f}")
+    print(json.dumps(summary))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="training minutes (default 10)")
@@ -83,9 +157,21 @@ def main() -> int:
     parser.add_argument("--output-dir", help="default: a temporary folder")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe fields, as for `builder train`")
+    parser.add_argument("--side-by-side", action="store_true", help="throughput against the plain-PyTorch yardstick")
+    parser.add_argument("--steps", type=int, default=300, help="--side-by-side: steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="--side-by-side: yardstick/recipe pairs")
+    parser.add_argument("--worker", choices=["yardstick", "recipe"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     from builder.loader import parse_set_args
+
+    if args.worker:
+        result = throughput_worker(args.worker, args.steps, parse_set_args(args.overrides))
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    if args.side_by_side:
+        return side_by_side(args, parse_set_args(args.overrides))
     from recipes.config import load_recipe
     from recipes.tasks import run_task
     from recipes.translation import validation_pairs

