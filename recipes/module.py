@@ -193,10 +193,16 @@ class LMModule(L.LightningModule):
         self._pending_steps += 1
         return loss
 
+    def _log_step(self) -> bool:
+        return self.global_step % self.trainer.log_every_n_steps == 0
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         stepped = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
-        if stepped and self.global_step % self.trainer.log_every_n_steps == 0:
-            self.flush_losses()
+        if stepped and self._log_step():
+            if not self.flush_losses() and self.history["train"] and self.history["train"][-1][0] == self.global_step:
+                # read already by the checkpoint written at this step: logged now
+                self.log("loss", self.history["train"][-1][1], prog_bar=True, on_step=True, on_epoch=False,
+                         rank_zero_only=True)
 
     def _pending_mean_sum(self) -> float:
         """The pending sum averaged over the ranks (every rank calls this at the same step), read
@@ -260,6 +266,8 @@ class LMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self._pending is not None and self.trainer.training and self._log_step():
+            self.flush_losses(log=False)  # the interval ends here: its entry goes into this checkpoint
         pending = None
         if self._pending is not None:  # raises before a checkpoint of non-finite weights is written
             total = self._pending_mean_sum()
