@@ -160,6 +160,8 @@ def run_worker(which: str, seed: int, args) -> dict:
         command += ["--max-steps", str(args.max_steps)]
     if args.own_init:
         command.append("--own-init")
+    if args.threads:
+        command += ["--threads", str(args.threads)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     started = time.perf_counter()
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 7, 42])
     parser.add_argument("--max-steps", type=int, help="shorter runs for development (default: the recipe's 2000)")
     parser.add_argument("--own-init", action="store_true", help="the yardstick draws its own initial weights")
+    parser.add_argument("--threads", type=int, help="torch threads in both (default: torch's, one per core); 1 "
+                        "gives steadier ratios on a machine other work shares")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=["yardstick", "recipe"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -204,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
 
     if args.worker:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         if args.worker == "yardstick":
             result = yardstick_worker(args.seed, args.max_steps, args.own_init)
         else:
@@ -211,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result).write_text(json.dumps(result))
         return 0
 
-    print(f"machine: {machine()}; started {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     runs: dict[str, list[dict]] = {"yardstick": [], "recipe": []}
     for i, seed in enumerate(args.seeds):
         for which in (("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick")):
