@@ -30,8 +30,8 @@ from recipes.sharded_checkpoint import tidy
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec
 from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
-from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
 from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
+from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
 from recipes.speed import compile_layers, compile_mode, compiling, eager, resolve_precision
 from recipes.tokenizer import build_tokenizer
 
