@@ -1,0 +1,175 @@
+"""Decoding speed: ``builder generate``'s decode path against ``transformers``' ``generate``.
+
+    python benchmarks/generate.py [--new-tokens 128] [--prompt 16] [--batches 1 8] [--repeats 7]
+                                  [--threads N] [--json FILE]
+
+For each family (a tiny Llama with grouped-query attention and RoPE, a tiny GPT-2 with learned
+positions and a tied head), random weights are drawn with ``transformers``, saved with
+``save_pretrained`` and imported with ``builder import-hf``; ours is loaded from the imported
+folder the way ``builder generate FOLDER`` loads it (``build_model`` + ``load_weights``), and
+``transformers`` loads the saved folder with ``from_pretrained``. Both decode greedily (fp32, CPU,
+every token to ``--new-tokens``, no EOS) from the same random prompts, with their default caches:
+ours the preallocated KV cache of ``blocks.cache``, theirs ``DynamicCache``.
+
+In the same process, alternating (ours first in even repeats, theirs first in odd ones), after
+one untimed warm-up call each: wall time of the whole ``generate`` call (prefill included),
+tokens/s = ``batch * new_tokens / seconds``, the median over ``--repeats`` calls and the ratio of
+the medians. The generated tokens must be identical; a difference is printed with the logit
+margin of the token where they part (two near-equal logits can swap under float rounding) and
+makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+#: the two families: transformers' config class and its fields (vocabulary as a small real model's)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
+        vocab_size=8192, n_embd=256, n_layer=4, n_head=8, n_positions=1024,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)),
+}
+
+
+def make_models(family: str, folder: Path, seed: int = 0):
+    """``(ours, theirs)`` on the same weights: drawn by transformers, saved, imported by us."""
+    import torch
+    import transformers
+
+    from builder import build_model
+    from builder.hf import import_hf, load_weights
+    from builder.loader import load_spec
+
+    model_class, config_class, fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    hf = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
+    hf.save_pretrained(folder / "hf")
+    spec_path, weights_path = import_hf(folder / "hf", folder / "ours")
+    ours = load_weights(build_model(load_spec(spec_path)), weights_path).eval()
+    theirs = getattr(transformers, model_class).from_pretrained(folder / "hf").eval()
+    return ours, theirs
+
+
+def ours_generate(model, prompt, new_tokens: int):
+    return model.generate(prompt, new_tokens)
+
+
+def theirs_generate(model, prompt, new_tokens: int):
+    import torch
+
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
+
+
+def timed(fn, *args) -> tuple[float, object]:
+    import torch
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = fn(*args)
+        return time.perf_counter() - start, out
+
+
+def divergence(ours, theirs, prompt, a, b) -> str:
+    """Where two greedy outputs part, with the logit margin there in our model."""
+    import torch
+
+    row, col = next((r, c) for r in range(a.shape[0]) for c in range(a.shape[1]) if a[r, c] != b[r, c])
+    with torch.no_grad():
+        logits = ours(a[row : row + 1, :col])[0, -1]
+    top = logits.topk(2).values
+    return (f"row {row} token {col - prompt.shape[1]}: ours {int(a[row, col])} theirs {int(b[row, col])}, "
+            f"our top-2 logit margin {float(top[0] - top[1]):.2e}")
+
+
+def bench(family: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = make_models(family, Path(tmp))
+    vocab = FAMILIES[family][2]["vocab_size"]
+    rows = []
+    for batch in batches:
+        prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
+        _, a = timed(ours_generate, ours, prompt, new_tokens)  # warm-up, and the tokens to compare
+        _, b = timed(theirs_generate, theirs, prompt, new_tokens)
+        same = torch.equal(a, b)
+        seconds = {"ours": [], "transformers": []}
+        for r in range(repeats):
+            order = ("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")
+            for who in order:
+                fn, model = (ours_generate, ours) if who == "ours" else (theirs_generate, theirs)
+                seconds[who].append(timed(fn, model, prompt, new_tokens)[0])
+        rate = {who: batch * new_tokens / statistics.median(s) for who, s in seconds.items()}
+        row = {"family": family, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
+               "ours_tokens_per_s": rate["ours"], "transformers_tokens_per_s": rate["transformers"],
+               "ratio": rate["ours"] / rate["transformers"], "identical": same,
+               "seconds": seconds}
+        if not same:
+            row["first_difference"] = divergence(ours, theirs, prompt, a, b)
+        rows.append(row)
+        print(f"{family:6s} batch {batch:2d}: ours {rate['ours']:8,.0f} tokens/s, transformers "
+              f"{rate['transformers']:8,.0f} tokens/s, ratio {row['ratio']:.2f}x, tokens "
+              f"{'identical' if same else 'DIFFER: ' + row['first_difference']}", flush=True)
+    return rows
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} cores, {model}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=["llama", "gpt2"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls of each, alternating (default 7)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    import torch
+    import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}; torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}; started "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    rows = [row for family in args.families
+            for row in bench(family, args.batches, args.prompt, args.new_tokens, args.repeats)]
+    print("\n| model | batch | ours tokens/s | transformers tokens/s | ratio | tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        print(f"| {row['family']} | {row['batch']} | {row['ours_tokens_per_s']:,.0f} | "
+              f"{row['transformers_tokens_per_s']:,.0f} | {row['ratio']:.2f}x | "
+              f"{'identical' if row['identical'] else 'differ'} |")
+    result = {"machine": machine(), "threads": torch.get_num_threads(), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {
+        "ratios": {f"{r['family']}-b{r['batch']}": round(r["ratio"], 3) for r in rows}}))
+    return 0 if all(row["identical"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
