@@ -185,14 +185,32 @@ class Rope(PositionModule):
     def __init__(self, config):
         super().__init__(config)
         self.config = config
+        # Eager memos (a decoding step's cost is mostly such small ops): the frequencies per head
+        # width and device, and the last cosines and sines, which every layer of one forward asks
+        # for with the same positions tensor. Not used while torch.compile traces.
+        self._frequencies: dict = {}
+        self._last: tuple | None = None
 
     def cos_sin(self, positions: torch.Tensor, head_dim: int, dtype: torch.dtype):
         """``(batch, 1, seq, rotary_dim)`` cosines and sines at ``positions`` ``(batch, seq)``."""
         _check_positions(positions)
-        inv_freq, attention_factor = rope_frequencies(self.config, head_dim, positions.device)
+        eager = not torch.compiler.is_compiling()
+        last = self._last
+        if eager and last is not None and last[0] is positions and last[1] == head_dim and last[2] == dtype:
+            return last[3], last[4]
+        key = (head_dim, positions.device)
+        frequencies = self._frequencies.get(key) if eager else None
+        if frequencies is None:
+            frequencies = rope_frequencies(self.config, head_dim, positions.device)
+            if eager:
+                self._frequencies[key] = frequencies
+        inv_freq, attention_factor = frequencies
         angles = positions.float()[..., None] * inv_freq  # (batch, seq, rotary_dim / 2)
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # (batch, 1, seq, rotary_dim)
-        return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+        cos, sin = (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+        if eager:
+            self._last = (positions, head_dim, dtype, cos, sin)
+        return cos, sin
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         return self(q, k, positions)
