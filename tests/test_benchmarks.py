@@ -97,3 +97,22 @@ def test_yardstick_loop_learns_and_times_its_intervals():
     assert [e[0] for e in result["val"]] == [30, 60] and result["val"][1][1] < 1.0
     assert len(result["intervals"]) == 6 and all(n == 10 and s > 0 for n, s in result["intervals"])
     assert result["val"][1][2] >= sum(s for _, s in result["intervals"])
+
+
+def test_generate_benchmark_decodes_the_same_tokens_as_transformers(tmp_path, capsys):
+    """benchmarks/generate.py on one short run: both sides decode from the same imported weights
+    and the rows it reports hold rates, a ratio and identical tokens."""
+    pytest.importorskip("transformers")
+    from generate import bench, make_models
+
+    rows = bench("gpt2", [1, 2], prompt_len=4, new_tokens=6, repeats=1)
+    assert [r["batch"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["identical"], row.get("first_difference")
+        assert row["ours_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
+        assert row["ratio"] == pytest.approx(row["ours_tokens_per_s"] / row["transformers_tokens_per_s"])
+    assert "gpt2   batch  2" in capsys.readouterr().out
+    ours, theirs = make_models("llama", tmp_path)  # the other family: same function on the same weights
+    ids = torch.randint(0, 8192, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-4, atol=1e-4)
