@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-hf": ("builder.commands.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
     "export-hf": ("builder.commands.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
     "consolidate": ("builder.commands.consolidate", "a sharded training checkpoint as one model.safetensors"),
+    "list": ("builder.commands.list", "the zoo: shipped specs and recipes by name, family, size"),
+    "cp": ("builder.commands.cp", "copy a zoo spec or recipe to a file to edit"),
 }
 #: modules whose ``COMMANDS`` table joins the command line, when they can be imported
 PROVIDERS = ("recipes.commands",)

@@ -72,12 +72,16 @@ def load_spec(spec: str | os.PathLike | Mapping[str, Any] | Any, overrides: Mapp
         spec = spec.model_dump(exclude={"extends"})
     if isinstance(spec, Mapping):
         return _load_mapping(spec, spec_model(), overrides)
-    return _load(_path_of(spec, "load_spec"), spec_model(), overrides, default_name=True, sources=sources)
+    return _load(_path_of(spec, "load_spec"), spec_model(), overrides, default_name=True, sources=sources,
+                 kind="spec")
 
 
-def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None):
-    """Load any YAML config into ``model_cls`` (a pydantic model) with the same located errors."""
-    return _load(path, model_cls, overrides, default_name=False)
+def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None,
+                kind: str | None = None):
+    """Load any YAML config into ``model_cls`` (a pydantic model) with the same located errors.
+    ``kind``: the document kind expected (``builder.documents``); a file plainly of another kind
+    is one problem saying so, not one per key."""
+    return _load(path, model_cls, overrides, default_name=False, kind=kind)
 
 
 def validate_file(path: str | Path, overrides: Mapping[str, Any] | None = None, plugins: Iterable[str] = ()):
@@ -113,19 +117,35 @@ def parse_set_args(items: Iterable[str]) -> dict[str, Any]:
 
 def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None,
                 sources: Mapping[str, Source] | None = None, model_cls: type | None = None) -> Document:
-    """The file after its ``extends:`` chain and the overrides, not validated yet.
+    """The file after its ``extends:`` chain and the overrides, not validated yet. ``path`` may
+    be a zoo name (``llama3-8b``); a file that exists wins (``builder.zoo``).
 
     ``model_cls``: what the file should be; a file of the chain whose top-level keys are none of
     its fields is refused whole (nothing of it quoted)."""
-    path = Path(path)
-    fields = None
-    if model_cls is not None:  # required fields first: the message lists the first few
-        fields = sorted(model_cls.model_fields, key=lambda f: not model_cls.model_fields[f].is_required())
-    what = _kind_of(model_cls)
-    doc = _resolve(path, str(path), fields, what)
+    path, display = locate_file(path)
+    doc = _resolve(path, display, _fields_of(model_cls), _kind_of(model_cls))
     doc.data.pop("extends", None)  # resolved: the merged document holds every field
     apply_overrides(doc, overrides, sources)
     return doc
+
+
+def locate_file(path: str | Path) -> tuple[Path, str]:
+    """The file ``path`` names (a path, else a zoo name: ``builder.zoo``) and how messages show
+    it; raises :class:`SpecError` for neither, with the closest zoo names."""
+    from builder.zoo import ZooError, locate, shown
+
+    try:
+        found = locate(path)
+    except ZooError as exc:
+        raise SpecError([Problem(str(path), None, None, "", str(exc))]) from None
+    return found, str(path) if found == Path(path) and not found.is_absolute() else shown(found)
+
+
+def _fields_of(model_cls: type | None) -> list[str] | None:
+    """The top-level keys of ``model_cls``, required first (a refusal lists the first few)."""
+    if model_cls is None:
+        return None
+    return sorted(model_cls.model_fields, key=lambda f: not model_cls.model_fields[f].is_required())
 
 
 def apply_overrides(doc: Document, overrides: Mapping[str, Any] | None,
@@ -189,18 +209,42 @@ def _load_mapping(data: Mapping[str, Any], model_cls: type, overrides) -> Any:
     parent = doc.data.pop("extends", None)
     if parent is not None:  # a parent of a mapping is read relative to the working folder
         if not isinstance(parent, (str, os.PathLike)):
-            raise SpecError([Problem.at(mark, "extends", "extends takes a path to a spec file")])
-        base = _resolve(Path(parent), str(parent), list(model_cls.model_fields), _kind_of(model_cls))
+            raise SpecError([Problem.at(mark, "extends", "extends takes a path to a spec file or a zoo name")])
+        found, display = locate_file(parent)  # a path from the working folder, else a zoo name
+        base = _resolve(found, display, _fields_of(model_cls), _kind_of(model_cls))
         doc = _merge_documents(base, doc)
     apply_overrides(doc, overrides)
     return validate_document(doc, model_cls, "<mapping>")
 
 
-def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sources=None):
-    doc = read_merged(path, overrides, sources, model_cls)
+def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sources=None, kind: str | None = None):
+    found, display = locate_file(path)
+    try:
+        doc = _resolve(found, display, _fields_of(model_cls), _kind_of(model_cls))
+        wrong = _mistaken(doc, kind, found, display)
+    except SpecError:
+        try:  # refused whole, perhaps because it is plainly another kind of file: say which
+            wrong = _mistaken(_resolve(found, display), kind, found, display)
+        except SpecError:
+            wrong = None
+        if wrong is None:
+            raise
+    if wrong:
+        raise SpecError([Problem(display, None, None, "", wrong)])
+    apply_overrides(doc, overrides, sources)
     if default_name and "name" not in doc.data:
-        doc.data["name"] = Path(path).stem
-    return validate_document(doc, model_cls, str(path))
+        doc.data["name"] = found.stem
+    return validate_document(doc, model_cls, display)
+
+
+def _mistaken(doc: Document, kind: str | None, found: Path, display: str) -> str | None:
+    """One line when ``doc`` is plainly another kind of document than ``kind`` (``builder.documents``)."""
+    if kind is None:
+        return None
+    from builder.documents import mistaken
+    from builder.zoo import name_of
+
+    return mistaken(doc.data, kind, name_of(found) or display)
 
 
 # -- extends -----------------------------------------------------------------------------------
@@ -233,11 +277,18 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
             return SpecError(problems + [Problem.at(where, "extends", message)])
 
         if not isinstance(parent, str) or not parent.strip():
-            raise fail("extends takes a path to a spec file")
+            raise fail("extends takes a path to a file or a zoo name")
         if len(chain) >= MAX_EXTENDS:
             raise fail(f"an extends chain of more than {MAX_EXTENDS} files")
         parent_path = path.parent / parent
         parent_display = os.path.normpath(os.path.join(os.path.dirname(display), parent))
+        if not os.path.lexists(parent_path):  # no file there: a zoo name (`extends: llama3-8b`)?
+            from builder.zoo import find, not_found, shown
+
+            entry = find(parent)
+            if entry is None:
+                raise fail(f"cannot read {parent_display}: {not_found(parent)}")
+            parent_path, parent_display = entry.path, shown(entry.path)
         if os.path.realpath(parent_path) in [real for real, _, _ in chain]:
             raise fail("extends cycle: " + " -> ".join([shown for _, shown, _ in chain] + [parent_display]))
         try:

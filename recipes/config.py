@@ -350,6 +350,11 @@ class Recipe(_Section):
     sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
 
 
+def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
+    """Where a run writes: ``trainer.output_dir``, else ``runs/<recipe name>``."""
+    return Path(recipe.trainer.output_dir or Path("runs") / (recipe.name or recipe_file.stem))
+
+
 def resolve(recipe_file: Path | None, path: str) -> Path:
     """A path written in a recipe, relative to the recipe's folder."""
     p = Path(path).expanduser()
@@ -362,18 +367,57 @@ def resolve(recipe_file: Path | None, path: str) -> Path:
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
-    """Load and validate a recipe file; raises ``builder.loader.SpecError`` with located problems.
+    """Load and validate a recipe file (or a zoo recipe by name); raises
+    ``builder.loader.SpecError`` with located problems.
 
-    ``--set model.overrides.decoder.n_layers=2`` becomes the spec override ``decoder.n_layers: 2``.
+    ``--set model.overrides.decoder.n_layers=2`` becomes the spec override ``decoder.n_layers: 2``,
+    and so does its shorthand ``--set decoder.n_layers=2``: a key whose first part is not a
+    section of the recipe but is a field of a spec (:func:`spec_shorthand`).
     """
     from builder.loader import load_config
 
-    model_overrides = {k: v for k, v in (overrides or {}).items() if k.startswith("model.overrides.")}
-    rest = {k: v for k, v in (overrides or {}).items() if k not in model_overrides}
-    recipe = load_config(path, recipe_class(_task_of(path, rest)), rest)
+    task_cls = recipe_class(_task_of(path, overrides or {}))
+    overrides = {key: _from_cwd(key, value) for key, value in spec_shorthand(overrides or {}, task_cls).items()}
+    model_overrides = {k: v for k, v in overrides.items() if k.startswith("model.overrides.")}
+    rest = {k: v for k, v in overrides.items() if k not in model_overrides}
+    recipe = load_config(path, task_cls, rest, kind="recipe")
     for key, value in model_overrides.items():
         recipe.model.overrides[key.removeprefix("model.overrides.")] = value
     return recipe
+
+
+#: recipe fields that name files (their sub-fields and items too): relative to the recipe when
+#: written in it; given with ``--set``, relative to the working directory when the file is there
+PATH_FIELDS = ("model.spec", "data.sources", "data.root", "data.train", "data.validation", "data.file",
+               "data.by_label", "tokenizer.model_file", "classification.init_from")
+
+
+def _from_cwd(key: str, value: Any) -> Any:
+    """A ``--set`` value with each relative path of a :data:`PATH_FIELDS` field that exists
+    from the working directory made absolute (so it is not read from the recipe's folder)."""
+    if isinstance(value, dict):
+        return {k: _from_cwd(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_cwd(key, item) for item in value]
+    dotted = ".".join(part for part in key.split(".") if not part.lstrip("-").isdigit())
+    if (isinstance(value, str) and value and any(dotted == f or dotted.startswith(f + ".") for f in PATH_FIELDS)
+            and not Path(value).expanduser().is_absolute() and Path(value).exists()):
+        return str(Path(value).resolve())
+    return value
+
+
+def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[str, Any]:
+    """``decoder.n_layers`` -> ``model.overrides.decoder.n_layers``: keys whose first part is a
+    spec field and not a recipe section (``name`` stays the recipe's)."""
+    from builder.schema import ModelSpec
+
+    out = {}
+    for key, value in overrides.items():
+        first = key.split(".")[0]
+        if first not in recipe_cls.model_fields and first in ModelSpec.model_fields:
+            key = f"model.overrides.{key}"
+        out[key] = value
+    return out
 
 
 def recipe_class(task: Any) -> type[Recipe]:
@@ -409,7 +453,7 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
                if ("model", "overrides", key) in doc.values}
     overrides = {**recipe.model.overrides, **(extra or {}), "vocab_size": vocab_size}
     if isinstance(recipe.model.spec, str):
-        path = resolve(recipe_file, recipe.model.spec)
+        path = spec_file(recipe, recipe_file, doc)
         spec = load_spec(path, overrides=overrides, sources=written)
         _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
         return spec
@@ -421,6 +465,23 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
     _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written, base), True))
     return spec
+
+
+def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
+    """The file ``model.spec`` names: a path relative to the recipe when one is there, else a zoo
+    spec by name (``llama3-8b``); neither is a problem at the recipe's ``model.spec`` line."""
+    from builder.loader import read_merged
+    from builder.yaml_source import Mark, Problem, SpecError
+    from builder.zoo import ZooError, locate
+
+    try:
+        return locate(recipe.model.spec, base=Path(recipe_file).resolve().parent)
+    except ZooError as exc:
+        doc = doc if doc is not None else read_merged(recipe_file)
+        written = (doc.data.get("model") or {}).get("spec") if isinstance(doc.data, dict) else None
+        where = (doc.value_mark(("model", "spec")) if written == recipe.model.spec else None) or \
+            Mark(f"<--set model.spec={recipe.model.spec}>")
+        raise SpecError([Problem.at(where, "model.spec", str(exc))]) from None
 
 
 def _check_layout(spec, recipe: Recipe, document) -> None:

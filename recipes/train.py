@@ -25,9 +25,9 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from recipes.callbacks import AtomicCheckpointIO, RecipeCheckpoint, StepProgressBar, Throughput, plot_losses
 from recipes.checkpoint import RESUMABLE, newest_intact
+from recipes.config import Recipe, RecipeError, load_recipe, model_spec, output_dir
 from recipes.runfolder import owns_run_folder
 from recipes.sharded_checkpoint import tidy
-from recipes.config import Recipe, RecipeError, load_recipe, model_spec
 from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
@@ -60,10 +60,6 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
-    return Path(recipe.trainer.output_dir or Path("runs") / (recipe.name or recipe_file.stem))
-
-
 def prepare(recipe: Recipe, recipe_file: Path):
     """Corpus -> tokenizer -> token memmap -> spec: what model and data both need."""
     cache = Path(recipe.data.cache_dir)
@@ -85,20 +81,13 @@ def prepare(recipe: Recipe, recipe_file: Path):
 def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None) -> int:
     """Print the start-of-run table (estimated against built parameters); returns train FLOPs/token.
     ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
-    from builder.estimates import estimate
     from builder.report import print_describe
-
+    from recipes.dryrun import recipe_estimate
     from recipes.parallel import device_count
 
-    settings = recipe.trainer
-    dtype = "bf16" if settings.precision.startswith("bf16") else "fp16" if settings.precision == "16-mixed" else "fp32"
-    sharded = settings.strategy == "fsdp"
-    est = estimate(
-        spec, seq_len=seq_len or recipe.data.seq_len, batch=batch or recipe.data.batch_size, dtype=dtype,
-        devices=device_count(settings) * settings.num_nodes, strategy="fsdp" if sharded else "ddp",
-        activation_checkpointing=settings.activation_checkpointing, nodes=settings.num_nodes,
-        tensor_parallel=settings.tensor_parallel if sharded else 1, data_parallel=settings.data_parallel,
-    )  # under fsdp: what each rank holds in this layout (builder.layout)
+    # under fsdp: what each rank holds in this layout (builder.layout)
+    est = recipe_estimate(spec, recipe, seq_len or recipe.data.seq_len, batch or recipe.data.batch_size,
+                          devices=device_count(recipe.trainer))
     if rank_zero_only.rank == 0:
         print_describe(spec, est, actual=model)
     return est.flops.train_per_token

@@ -117,7 +117,7 @@ def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
     assert described["memory"]["kv_cache"] == 2 * 16 * KV_BYTES_PER_TOKEN
     assert [layer["description"].split()[0] for layer in described["layers"]] == ["lowrank_kv", "4h/2kv", "lowrank_kv"]
     schema = json.loads((out / "schema.out").read_text())
-    assert {"LowRankKVConfig", "InterleavedRopeConfig"} <= set(schema["$defs"])
+    assert {"LowRankKVConfig", "InterleavedRopeConfig"} <= set(schema["definitions"])
 
     assert result["cache_bytes"] == [2 * 16 * KV_BYTES_PER_TOKEN] * 2 and result["cached_equals_full"]
     assert result["global_step"] == steps and result["optimizer_steps"] == [steps]  # after_optimizer_step, each step

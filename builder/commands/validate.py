@@ -1,5 +1,7 @@
-"""``builder validate SPEC...``: every problem of every file, one line each, then a summary.
+"""``builder validate FILE...``: every problem of every spec or recipe, one line each, then a summary.
 
+A file is checked as what its keys say it is (``builder.documents``): a model spec, or a training
+recipe (the recipe, then the spec it trains with its overrides). A file or a zoo name.
 Exit status 0 when every file is valid, 1 otherwise. Torch-free: this path must stay fast.
 """
 
@@ -11,13 +13,14 @@ from builder.commands.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("specs", nargs="+", metavar="SPEC", help="spec files (YAML)")
+    parser.add_argument("specs", nargs="+", metavar="FILE",
+                        help="spec or recipe files, or zoo names (each checked as what its keys say it is)")
     add_spec_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from builder.commands.common import load_plugins_from_args, overrides_from_args
-    from builder.loader import SpecError, validate_file
+    from builder.loader import SpecError
     from builder.plugins import PluginError
 
     try:
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     bad = n_problems = 0
     for path in args.specs:
-        problems = validate_file(path, overrides)
+        problems = validate_any(path, overrides)
         for problem in problems:
             print(problem)
         bad += bool(problems)
@@ -43,3 +46,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"{total} {files} ok")
     return 0
+
+
+def validate_any(path: str, overrides) -> list:
+    """The problems of one file, checked as the kind its keys say (a spec when they say nothing)."""
+    from builder.documents import SPEC, kind_of
+    from builder.loader import SpecError, locate_file, read_merged
+
+    try:
+        found, _ = locate_file(path)
+        kind = kind_of(read_merged(found).data) or SPEC
+    except SpecError as exc:
+        return exc.problems
+    return kind.validate(found, overrides)

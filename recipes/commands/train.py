@@ -10,12 +10,18 @@ from builder.commands.common import add_spec_options, load_plugins_from_args, ov
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", metavar="RECIPE", help="a recipe YAML file, e.g. recipes/lm-stdlib.yaml")
+    parser.add_argument("recipe", metavar="RECIPE",
+                        help="a recipe file or a zoo recipe by name (lm-stdlib, shakespeare-char: `builder list`)")
     add_spec_options(parser)
     parser.epilog = (
-        "--set trainer.max_steps=10 sets a recipe field; --set model.overrides.decoder.n_layers=2 "
-        "sets a field of the model spec."
+        "--set trainer.max_steps=10 sets a recipe field; --set decoder.n_layers=2 (short for "
+        "--set model.overrides.decoder.n_layers=2) sets a field of the model spec. A relative path "
+        "given with --set is read from the working directory when it is there (else from the recipe's "
+        "folder, or as a zoo name)."
     )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="resolve everything (data, tokenizer, spec with its overrides, devices) and print "
+                        "the resolved recipe and the estimate; download, train and write nothing")
     parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT", type=input_path,
                         help="resume from CKPT (default: the newest intact of the run's last.ckpt, last-1.ckpt "
                         "and best.ckpt; a rerun resumes by itself)")
@@ -27,19 +33,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from builder.loader import SpecError
     from builder.plugins import PluginError
+    from recipes.config import RecipeError
 
+    try:
+        load_plugins_from_args(args)
+        overrides = overrides_from_args(args)
+        from recipes.documents import recipe_path
+
+        recipe = recipe_path(args.recipe)  # a path, else a zoo name
+        if args.dry_run:  # before torch and Lightning are imported
+            from recipes.dryrun import dry_run
+
+            dry_run(recipe, overrides)
+            return 0
+    except (SpecError, PluginError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except RecipeError as exc:
+        print(f"builder train: {exc}", file=sys.stderr)
+        return 1
+    return _train(args, recipe, overrides)
+
+
+def _train(args: argparse.Namespace, recipe, overrides) -> int:
+    from builder.loader import SpecError
     from recipes.config import RecipeError
     from recipes.module import NonFiniteLossError
     from recipes.runfolder import os_problem, owns_run_folder
     from recipes.signals import Stopped
 
     try:
-        load_plugins_from_args(args)
-        overrides = overrides_from_args(args)
         from recipes.train import run as train
 
-        train(args.recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples)
-    except (SpecError, PluginError) as exc:
+        train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples)
+    except SpecError as exc:
         print(exc, file=sys.stderr)
         return 1
     except (RecipeError, NonFiniteLossError) as exc:

@@ -1,0 +1,86 @@
+"""``builder list``: the zoo — every shipped spec and recipe by name, with its family, parameter
+count and a one-line description. Torch-free.
+
+The family of a spec is the Hugging Face model type it exports to exactly (``builder export-hf``),
+else its architecture; a recipe's is its task, and its parameters are its model's (with the
+vocabulary its tokenizer will have; ``~`` where that is known only once the data is read). The description is the first phrase of the file's header
+comment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", choices=("spec", "recipe"), default=None,
+                        help="only specs or only recipes (default: both)")
+    parser.add_argument("--json", action="store_true", help="print one JSON list of objects")
+
+
+def rows(kind: str | None = None) -> list[dict]:
+    """One dict per zoo entry: name, kind, family, params, description, path."""
+    from builder.documents import kinds
+    from builder.loader import SpecError
+    from builder.zoo import entries
+
+    table = kinds()
+    out = []
+    for entry in entries().values():
+        if kind is not None and entry.kind != kind:
+            continue
+        summarize = table[entry.kind].summary
+        try:
+            summary = summarize(entry.path) if summarize is not None else {}
+        except (SpecError, ValueError) as exc:  # a broken entry is listed, with why
+            summary = {"family": "?", "params": None, "problem": str(exc).splitlines()[0]}
+        out.append({"name": entry.name, "kind": entry.kind, "family": summary.get("family", ""),
+                    "params": summary.get("params"), "params_approximate": bool(summary.get("approximate")),
+                    "description": description(entry.path),
+                    "path": str(entry.path), **({"problem": summary["problem"]} if "problem" in summary else {})})
+    return out
+
+
+def description(path: Path, width: int = 56) -> str:
+    """The first phrase of the header comment (parentheses left out): up to the first ': ', '. '
+    or ';', then cut at a comma or a word to fit ``width``."""
+    lines = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# yaml-language-server:"):
+            lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\s*\([^()]*\)", "", text)
+    phrase = re.split(r":\s|\.\s|;\s|\.$", text, maxsplit=1)[0].strip()
+    if len(phrase) > width:
+        cut = phrase[:width].rsplit(", ", 1)[0]
+        phrase = cut if len(cut) < width else phrase[: width - 3].rsplit(" ", 1)[0] + "..."
+    return phrase
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.report import human
+
+    found = rows(args.kind)
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="the zoo: `builder describe NAME`, `builder train NAME`, `builder cp NAME my.yaml`",
+                  title_justify="left")
+    for column, justify in (("name", "left"), ("kind", "left"), ("family", "left"), ("params", "right"),
+                            ("description", "left")):
+        table.add_column(column, justify=justify)
+    for row in found:
+        params = human(row["params"]) if row["params"] is not None else "?"
+        params = f"~{params}" if row["params_approximate"] else params
+        table.add_row(row["name"], row["kind"], row["family"], params, row.get("problem") or row["description"])
+    Console().print(table)
+    return 0

@@ -1,0 +1,171 @@
+"""Recipes are first-class: `builder validate` takes specs and recipes (told apart by content), a
+spec where a recipe is wanted (or the reverse) is one line that says what to do, `--set
+decoder.n_layers=2` on a recipe sets the model, a `--set` path is read from the working
+directory, and `builder train RECIPE --dry-run` resolves everything without running anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from data_helpers import data_for_recipes
+
+from builder.cli import main
+from builder.documents import kind_of
+from builder.loader import SpecError, load_spec
+from recipes.config import load_recipe, model_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted([*(ROOT / "specs").rglob("*.yaml"), *(ROOT / "recipes").glob("*.yaml")])
+
+
+def cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env)
+
+
+def test_validate_checks_every_shipped_spec_and_recipe():
+    run = cli("validate", *[str(p.relative_to(ROOT)) for p in SHIPPED])
+    assert run.returncode == 0 and run.stdout.strip() == f"{len(SHIPPED)} files ok", run.stdout + run.stderr
+
+
+def test_a_recipe_is_validated_with_its_model(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  spec: tiny/llama\n  overrides:\n    decoder: {n_layer: 1}\ntrainer: {max_step: 3}\n")
+    assert main(["validate", str(recipe)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"{recipe}:5:11: trainer.max_step: unknown key 'max_step'; did you mean 'max_steps'?"
+    recipe.write_text("model:\n  spec: tiny/llama\n  overrides:\n    decoder: {n_layer: 1}\n")
+    assert main(["validate", str(recipe)]) == 1
+    assert capsys.readouterr().out.startswith(f"{recipe}:4:15: decoder.n_layer: unknown key 'n_layer'")
+
+
+def test_kinds_are_told_apart_by_content():
+    from builder.yaml_source import read_document
+
+    assert kind_of(read_document(ROOT / "specs" / "gpt2-small.yaml").data).name == "spec"
+    assert kind_of(read_document(ROOT / "recipes" / "bert-mlm.yaml").data).name == "recipe"
+    assert kind_of({"name": "x"}) is None and kind_of([1]) is None
+
+
+@pytest.mark.parametrize("command", [["describe"], ["compare"], ["plan", "--gpus", "8", "--gpu-memory", "80GiB",
+                                                                   "--global-batch", "8"]])
+def test_a_recipe_given_for_a_spec_is_one_line(command):
+    run = cli(command[0], "recipes/lm-stdlib.yaml", *command[1:])
+    assert run.returncode == 1
+    [line] = (run.stdout + run.stderr).strip().splitlines()
+    assert line.startswith("recipes/lm-stdlib.yaml: this is a training recipe, not a model spec: ")
+    assert "`builder train lm-stdlib --dry-run`" in line  # the zoo name, which works from anywhere
+
+
+def test_a_spec_given_for_a_recipe_is_one_line():
+    run = cli("train", "llama3-8b")
+    assert run.returncode == 1 and not run.stdout
+    [line] = run.stderr.strip().splitlines()
+    assert "this is a model spec, not a training recipe" in line
+    assert "builder train lm-stdlib --set model.spec=llama3-8b" in line
+    with pytest.raises(SpecError, match="this is a training recipe"):
+        load_spec(ROOT / "recipes" / "classify.yaml")
+
+
+def test_set_on_a_recipe_reaches_the_spec_by_its_short_form():
+    short = load_recipe("lm-stdlib", {"decoder.n_layers": 2, "d_model": 96, "trainer.max_steps": 5, "name": "x"})
+    long = load_recipe("lm-stdlib", {"model.overrides.decoder.n_layers": 2, "model.overrides.d_model": 96,
+                                     "trainer.max_steps": 5, "name": "x"})
+    assert short == long and short.name == "x"  # `name` stays the recipe's
+    spec = model_spec(short, ROOT / "recipes" / "lm-stdlib.yaml", 512)
+    assert (spec.decoder.n_layers, spec.d_model, spec.vocab_size) == (2, 96, 512)
+    with pytest.raises(SpecError) as info:
+        model_spec(load_recipe("lm-stdlib", {"decoder.n_layer": 2}), ROOT / "recipes" / "lm-stdlib.yaml", 512)
+    [problem] = info.value.problems
+    assert problem.file == "<--set decoder.n_layer=2>" and "did you mean 'n_layers'?" in problem.message
+    with pytest.raises(SpecError, match="unknown key 'n_layers'"):  # neither a recipe section nor a spec field
+        load_recipe("lm-stdlib", {"n_layers": 2})
+
+
+def test_a_set_path_is_read_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "mine.yaml").write_text("extends: tiny/llama\nname: mine\n")
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe("lm-stdlib", {"model.spec": "mine.yaml"})
+    assert recipe.model.spec == str(tmp_path / "mine.yaml")
+    assert model_spec(recipe, ROOT / "recipes" / "lm-stdlib.yaml", 256).name == "mine"
+    assert load_recipe("lm-stdlib", {"model.spec": "tiny/gpt2"}).model.spec == "tiny/gpt2"  # a name stays a name
+    with pytest.raises(SpecError) as info:
+        model_spec(load_recipe("lm-stdlib", {"model.spec": "nothing.yaml"}), ROOT / "recipes" / "lm-stdlib.yaml", 256)
+    [problem] = info.value.problems
+    assert problem.file == "<--set model.spec=nothing.yaml>" and "no such file" in problem.message
+
+
+def test_every_help_example_of_set_works(capsys):
+    """The forms the help texts show are forms that work."""
+    import re
+
+    from builder.cli import parser
+
+    texts = []
+    for action in parser()._subparsers._group_actions:
+        for name, sub in action.choices.items():
+            texts.append((name, " ".join(sub.format_help().split())))
+    examples = {(name, m) for name, text in texts for m in re.findall(r"--set ([a-z][\w.]*=[^\s);,]+)", text)}
+    assert ("train", "decoder.n_layers=2") in examples and ("describe", "decoder.n_layers=2") in examples
+    for name, example in examples:
+        key, _, value = example.partition("=")
+        if name in ("train",):
+            assert main(["validate", "lm-stdlib", "--set", example]) == 0, example
+        elif name in ("validate", "describe", "compare", "diff", "plan", "schema", "export-hf"):
+            assert main(["validate", "tiny/llama", "--set", example]) == 0, example
+    capsys.readouterr()
+
+
+def test_dry_run_resolves_without_downloading_or_writing(tmp_path):
+    """A clean machine: no data, no cache, no network. The dry run says what it would fetch and
+    prints the estimate; it writes nothing."""
+    env = {**__import__("os").environ, "BUILDER_DATA": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)}
+    run = cli("train", "shakespeare-char", "--dry-run", "--set", "decoder.n_layers=2", cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert out.startswith("# ") and "\ntrainer:\n  max_steps: 2000\n" in out  # the resolved recipe
+    assert "would download https://raw.githubusercontent.com/karpathy/char-rnn/" in out
+    assert "overrides  decoder.n_layers=2" in out and "char: the corpus's distinct characters" in out
+    assert "nanogpt-shakespeare-char: decoder-only" in out and "training total" in out  # the estimate table
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing downloaded, cached or written
+    assert "downloading" not in run.stderr
+
+
+def test_dry_run_reads_what_is_on_disk(tmp_path, monkeypatch, capsys):
+    from recipes.dryrun import dry_run
+
+    data_for_recipes(tmp_path / "data", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    result = dry_run("shakespeare-char")
+    out = capsys.readouterr().out
+    assert "(on disk)" in out and "would download" not in out
+    text = (tmp_path / "data" / "tinyshakespeare.txt").read_text()
+    assert result["vocab_size"] == len(set(text)) == result["spec"]["vocab_size"]
+    translation = dry_run("translate-multi30k", {"trainer.devices": 1})
+    assert translation["spec"]["architecture"] == "encoder-decoder" and len(translation["data"]) == 4
+    assert "longest batch of data.max_tokens" in capsys.readouterr().out
+    assert not (tmp_path / ".cache").exists() and not (tmp_path / "runs").exists()
+
+
+def test_dry_run_of_every_shipped_recipe(tmp_path, monkeypatch, capsys):
+    from recipes.dryrun import dry_run
+
+    monkeypatch.setenv("BUILDER_DATA", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        result = dry_run(path.stem)
+        assert result["params"] > 0 and result["recipe"]["model"]["spec"]
+    assert list(tmp_path.iterdir()) == []
+    capsys.readouterr()
+
+
+def test_dry_run_errors_are_one_line():
+    run = cli("train", "lm-stdlib", "--dry-run", "--set", "model.spec=tiny/llama")
+    assert run.returncode == 1
+    assert run.stderr.strip() == ("builder train: data.seq_len 128 is longer than the model's max_seq_len 64; "
+                                  "lower data.seq_len or set model.overrides.max_seq_len")
+    run = cli("train", "lm-stdlb", "--dry-run")
+    assert run.returncode == 1 and "did you mean 'lm-stdlib'?" in run.stderr and len(run.stderr.splitlines()) == 1
