@@ -231,6 +231,7 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sour
             raise
     if wrong:
         raise SpecError([Problem(display, None, None, "", wrong)])
+    doc.data.pop("extends", None)  # resolved: the merged document holds every field
     apply_overrides(doc, overrides, sources)
     if default_name and "name" not in doc.data:
         doc.data["name"] = found.stem
