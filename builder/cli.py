@@ -82,6 +82,40 @@ def versions() -> str:
     return f"builder {builder.__version__} ({', '.join(parts)})"
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help line ends with its default: the help's own words when they name it
+    ("default: the recipe's"), else one :func:`default_text` writes from the option's value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return help_with_default(action)
+
+
+def help_with_default(action: argparse.Action) -> str:
+    """``action``'s help (a ``%``-format string, as argparse expands it) with its default."""
+    text = action.help or ""
+    if not action.option_strings or action.help is argparse.SUPPRESS or "default" in text.lower():
+        return text
+    suffix = default_text(action)
+    return f"{text} ({suffix})" if suffix else text
+
+
+def default_text(action: argparse.Action) -> str | None:
+    """``required``, ``default: off`` for a flag, ``default: none`` for an empty repeatable option,
+    ``default: VALUE`` otherwise; ``None`` when the default is ``None`` (its meaning cannot be
+    guessed: the help must say it, and ``tests/test_cli_help.py`` checks that it does)."""
+    if action.required:
+        return "required"
+    if action.default is argparse.SUPPRESS:
+        return None
+    if action.nargs == 0:  # store_true, store_false, store_const, count
+        return "default: off"
+    if action.default == [] and isinstance(action, argparse._AppendAction):
+        return "default: none"
+    if action.default is None:
+        return None
+    return f"default: {action.default}".replace("%", "%%")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with one-line errors: the option, what it takes, and where help is
     (argparse prints the whole usage block first). Exit status 2, a usage error."""
@@ -91,18 +125,35 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    import shtab
+
     root = ArgumentParser(
-        prog="builder", description="Declarative Transformer specs: validate, size, build, train."
+        prog="builder", description="Declarative Transformer specs: validate, size, build, train.",
+        formatter_class=HelpFormatter,
     )
     root.add_argument(
         "--version", action=_Version, help="print the versions of builder, torch, Lightning, Triton and CUDA"
     )
+    # `builder --print-completion bash|zsh|tcsh`: shtab writes the script from this parser
+    shtab.add_argument_to(root, ["--print-completion"],
+                          help="print a shell completion script: `eval \"$(builder --print-completion bash)\"` "
+                          "in ~/.bashrc (zsh: see the README)")
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in commands().items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         importlib.import_module(module).add_arguments(command)
         command.set_defaults(_module=module)
+        _complete_files(command)
     return root
+
+
+def _complete_files(command: argparse.ArgumentParser) -> None:
+    """Positional arguments (a spec, recipe, checkpoint or folder) complete as paths in the shell."""
+    import shtab
+
+    for action in command._actions:
+        if not action.option_strings and action.dest not in ("help", "command") and action.choices is None:
+            action.complete = shtab.FILE
 
 
 #: the exit status of an internal error (a bug): BSD's EX_SOFTWARE

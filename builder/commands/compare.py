@@ -12,7 +12,7 @@ from builder.commands.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC", help="spec file (YAML)")
+    parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)
 

@@ -16,11 +16,11 @@ from builder.commands.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC", help="spec file (YAML)")
+    parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
     add_estimate_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png",
-                        help="also draw where parameters and FLOPs go (needs matplotlib)")
+                        help="also draw where parameters and FLOPs go (needs matplotlib; default: no plot)")
     add_spec_options(parser)
 
 

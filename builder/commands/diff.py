@@ -31,8 +31,8 @@ EFFECTS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec_a", metavar="A", help="the spec before")
-    parser.add_argument("spec_b", metavar="B", help="the spec after")
+    parser.add_argument("spec_a", metavar="A", help="the spec before: a file or a zoo name")
+    parser.add_argument("spec_b", metavar="B", help="the spec after: a file or a zoo name")
     add_estimate_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)

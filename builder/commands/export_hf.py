@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SPEC|CKPT", help="a spec file (weights beside it) or a training checkpoint")
     parser.add_argument("-o", "--out", required=True, metavar="DIR", type=output_folder,
                         help="folder to write config.json and model.safetensors")
-    parser.add_argument("--weights", metavar="FILE", type=input_file, help="weights (.safetensors, or .pt read with weights_only)")
+    parser.add_argument("--weights", metavar="FILE", type=input_file, help="weights (.safetensors, or .pt read with weights_only; default: model.safetensors beside the spec, or the checkpoint's own)")
     parser.add_argument("--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)")
     parser.add_argument(
         "--hf-config",

@@ -31,7 +31,7 @@ MAX_GLOBAL_BATCH = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC", help="spec file (YAML)")
+    parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
     parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), required=True, help="GPUs in all")
     parser.add_argument("--gpu-memory", required=True, metavar="SIZE",
                         help="memory of one GPU, e.g. 80GiB, 141GB")
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="h100", metavar="NAME",
                         help=f"the GPU, for its peak FLOP/s: {', '.join(GPUS)} (default h100, the SXM part)")
     parser.add_argument("--peak-tflops", type=number(above=0, maximum=1e9), metavar="TF",
-                        help="dense peak TFLOP/s of one GPU in the compute dtype (overrides --gpu's)")
+                        help="dense peak TFLOP/s of one GPU in the compute dtype (default: --gpu's)")
     parser.add_argument("--mfu", type=number(above=0, maximum=1), default=0.4,
                         help="model FLOPs utilisation the step time assumes, in (0, 1] (default 0.4)")
     parser.add_argument("--gpus-per-node", type=count(maximum=MAX_PER_NODE), metavar="N",
@@ -52,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (default bf16: bf16-mixed, fp32 master weights)")
     parser.add_argument("--headroom", type=number(minimum=0, below=100), default=10.0, metavar="PERCENT",
                         help="memory kept free for the CUDA context, NCCL and fragmentation (default 10)")
-    parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), metavar="T", help="consider only this degree")
+    parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), metavar="T", help="consider only this degree (default: every degree that divides the spec)")
     parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"),
-                        help="consider only this data-parallel mode")
+                        help="consider only this data-parallel mode (default: every mode)")
     parser.add_argument("--recipe", help=f"the recipe the launch lines train (default recipes/{DEFAULT_RECIPE})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)

@@ -35,15 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plugin_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     task = parser.add_argument_group("translation checkpoints (default: the recipe's validation pair and beam)")
-    task.add_argument("--src", metavar="FILE", type=input_file, help="source sentences, one a line")
-    task.add_argument("--ref", metavar="FILE", type=input_file, help="their reference translations, line for line")
+    task.add_argument("--src", metavar="FILE", type=input_file, help="source sentences, one a line (default: the recipe's validation split)")
+    task.add_argument("--ref", metavar="FILE", type=input_file, help="their reference translations, line for line (default: the recipe's)")
     task.add_argument("--split", metavar="NAME",
-                      help="a split of the recipe's dataset instead of its validation split (multi30k: test2016)")
-    task.add_argument("--num-beams", type=count(maximum=MAX_BEAMS), help="beam size (1: greedy)")
+                      help="a split of the recipe's dataset instead of its validation split (multi30k: test2016; default: the validation split)")
+    task.add_argument("--num-beams", type=count(maximum=MAX_BEAMS), help="beam size, 1 is greedy (default: the recipe's eval.num_beams)")
     task.add_argument("--length-penalty", type=number(minimum=-100, maximum=100),
-                      help="beam score = sum log p / length ** this")
-    task.add_argument("--max-sentences", type=count(), help="score only the first N pairs")
-    task.add_argument("--output", metavar="FILE", type=output_file, help="write the translations here")
+                      help="beam score = sum log p / length ** this (default: the recipe's eval.length_penalty)")
+    task.add_argument("--max-sentences", type=count(), help="score only the first N pairs (default: every pair)")
+    task.add_argument("--output", metavar="FILE", type=output_file, help="write the translations here (default: not written)")
 
 
 #: the options each task's evaluation reads (the others are refused, not ignored)

@@ -40,13 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=number(minimum=0, maximum=1e6),
                         help=f"0 is greedy (default {DEFAULTS['temperature']})")
     parser.add_argument("--top-k", type=count(maximum=MAX_VOCAB), default=None,
-                        help="sample from the k most likely tokens only")
+                        help="sample from the k most likely tokens only (default: every token)")
     parser.add_argument("--top-p", type=number(above=0, maximum=1), default=None,
-                        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1]")
+                        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: 1, every token)")
     parser.add_argument("--num-beams", type=count(maximum=MAX_BEAMS),
-                        help=">1: beam search (greedy, printed at the end)")
+                        help=">1: beam search (greedy, printed at the end; default 1, or a translation checkpoint's "
+                        "eval.num_beams)")
     parser.add_argument("--seed", type=count(minimum=0, maximum=MAX_SEED), default=None,
-                        help="seed the sampler for a repeatable sample")
+                        help="seed the sampler for a repeatable sample (default: a new sample each run)")
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     add_plugin_option(parser)
 
