@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -74,7 +75,10 @@ def tokenize_corpus(tokenizer, corpus: Corpus, cache_dir: Path) -> np.ndarray:
     path = cache_dir / "tokens" / f"{corpus.hash}-{tokenizer.fingerprint()}.{np.dtype(dtype).name}.bin"
     if not path.is_file():
         parts: list[np.ndarray] = []
-        with tqdm(total=len(corpus.text), desc="tokenizing", unit="char", unit_scale=True, leave=False) as bar:
+        # position 0: a bar another caller left open must not push this one down a line (tqdm then moves
+        # the cursor up with escape codes that land in front of the next message on stderr)
+        with tqdm(total=len(corpus.text), desc="tokenizing", unit="char", unit_scale=True, leave=False,
+                  position=0, file=sys.stderr) as bar:
             for chars, ids in tokenizer.encode_corpus(corpus.text):
                 parts.append(np.asarray(ids, dtype=dtype))
                 bar.update(chars)
