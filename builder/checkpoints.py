@@ -19,10 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.integrity import CheckpointError, DamagedCheckpointError, read_checkpoint, verify_files
+from builder.integrity import CheckpointError, DamagedCheckpointError, not_ours, read_checkpoint, verify_files
 
 __all__ = ["CheckpointError", "DamagedCheckpointError", "META_FILE", "SHARD_FILES", "STATE_KEY", "consolidate",
-           "exists", "is_sharded", "load_model", "model_weights", "read_meta", "read_weights", "read_whole"]
+           "exists", "is_sharded", "load_model", "load_weights", "model_weights", "read_meta", "read_weights",
+           "read_whole"]
 
 #: the file beside the shards that holds everything but tensors (Lightning's ``_METADATA_FILENAME``)
 META_FILE = "meta.pt"
@@ -59,7 +60,7 @@ def read_meta(path: str | Path, check: bool = True, files: bool = True) -> dict[
         raise DamagedCheckpointError(f"{path} is damaged: {META_FILE} is missing")
     checkpoint = read_checkpoint(path / META_FILE if path.is_dir() else path, check=check)
     if not isinstance(checkpoint.get("builder"), Mapping):
-        raise CheckpointError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
+        raise CheckpointError(not_ours(path, checkpoint))
     if check and files and path.is_dir():
         digests = checkpoint.get(SHARD_FILES)
         if not isinstance(digests, Mapping) or not digests:
@@ -162,6 +163,26 @@ def model_weights(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in state_dict.items()}
 
 
+def load_weights(model, weights: Mapping[str, Any], path: str | Path) -> None:
+    """``weights`` (the built model's names) into ``model``, or a one-line :class:`CheckpointError`
+    naming ``path`` and the first tensor its spec does not make (missing, unexpected, or of
+    another shape) instead of torch's list of all of them."""
+    import torch
+
+    def shape(value) -> list[int] | str:
+        return list(value.shape) if isinstance(value, torch.Tensor) else f"none (a {type(value).__name__})"
+
+    own = model.state_dict()
+    problems = [f"it lacks {name}" for name in own if name not in weights]
+    problems += [f"{name} has shape {shape(weights[name])}, its spec makes {list(tensor.shape)}"
+                 for name, tensor in own.items() if name in weights and shape(weights[name]) != list(tensor.shape)]
+    problems += [f"it holds {name}, which its spec does not make" for name in weights if name not in own]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{path}: its weights do not fit its model spec: {problems[0]}{more}")
+    model.load_state_dict(weights)
+
+
 def load_model(path: str | Path):
     """``(model, meta)``: the trained model on the CPU in eval mode and the checkpoint's
     ``builder`` metadata (``global_step`` added), from a verified file or sharded checkpoint."""
@@ -171,7 +192,7 @@ def load_model(path: str | Path):
     if is_sharded(path):  # the shards are read in place into the model's own tensors
         read_weights(path, {f"model.{k}": v for k, v in model.state_dict().items()}, check=False)
     else:
-        model.load_state_dict(model_weights(checkpoint[STATE_KEY]))
+        load_weights(model, model_weights(checkpoint[STATE_KEY]), path)
     return model.eval(), builder
 
 

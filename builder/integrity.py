@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -150,6 +151,32 @@ def _reason(exc: BaseException) -> str:
     return text[:200]
 
 
+def not_ours(path: str | Path, checkpoint: Mapping[str, Any]) -> str:
+    """The words for a loadable checkpoint that ``builder train`` did not write (no ``builder``
+    record with its spec, weights and tokenizer): whose it looks like, when that can be told."""
+    why = ("a Lightning checkpoint of another program" if "pytorch-lightning_version" in checkpoint
+           else "it has no spec, weights or tokenizer")
+    return f"{path} was not written by `builder train` ({why})"
+
+
+#: what a file written by ``torch.save`` is named
+SUFFIXES = (".ckpt", ".pt", ".pth")
+
+
+def looks_like_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is meant as a checkpoint, not a spec: its suffix, else its first bytes (the
+    zip archive ``torch.save`` writes, or a pickle)."""
+    path = Path(path)
+    if path.suffix in SUFFIXES:
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
 def read_checkpoint(path: str | Path, *, check: bool = True, mmap: bool = True) -> dict:
     """A checkpoint file loaded with ``torch.load(weights_only=True)`` (memory-mapped: tensors are
     read as they are touched) and, with ``check``, verified against its record.
@@ -167,20 +194,36 @@ def read_checkpoint(path: str | Path, *, check: bool = True, mmap: bool = True) 
         raise CheckpointError(f"no checkpoint at {path}")
     if path.stat().st_size == 0:
         raise DamagedCheckpointError(f"{path} is damaged: it is empty (0 bytes)")
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory is at the end
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        zipped = zipfile.is_zipfile(path)  # torch.save writes a zip archive; its directory is at the end
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not zipped and not (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
         raise DamagedCheckpointError(f"{path} is damaged: {_reason(EOFError())}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # torch warns about a pickle protocol it did not write
+            warnings.simplefilter("ignore")
+            # a pickle (torch's legacy format, or pickle.dump) is read as safely as a zip archive
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipped)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" in str(exc) or "global" in str(exc):  # torch names the global it refused
             raise CheckpointError(
                 f"{path} is not a checkpoint this tool can load safely: it holds Python objects "
                 "besides tensors and plain values"
             ) from None
+        if not zipped:
+            raise CheckpointError(
+                f"{path} is not a checkpoint this tool can load safely: it is a Python pickle that "
+                "torch.save did not write"
+            ) from None
         raise DamagedCheckpointError(f"{path} is damaged: {_reason(exc)}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except RuntimeError as exc:
         raise DamagedCheckpointError(f"{path} is damaged: {_reason(exc)}") from None
-    except (EOFError, ValueError, OSError, KeyError, IndexError, TypeError, AttributeError) as exc:
+    except (EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise DamagedCheckpointError(f"{path} is damaged: {_reason(exc)}") from None
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"{path} is not a `builder train` checkpoint (it holds no mapping)")

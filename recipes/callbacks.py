@@ -23,12 +23,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_checkpoint(checkpoint, path)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
-        """A file, or a sharded folder (a run saved under ``trainer.strategy: fsdp``) read whole."""
+        """The checkpoint a run resumes from — a file, or a sharded folder (a run saved under
+        ``trainer.strategy: fsdp``) read whole — read as every checkpoint is read: weights only,
+        never by unpickling arbitrary objects (:func:`recipes.train.resume_path` verified its
+        checksums just before; a file changed since is named in one line)."""
         from builder.checkpoints import is_sharded, read_whole
+        from builder.integrity import CheckpointError, read_checkpoint
+        from recipes.config import RecipeError
 
-        if is_sharded(path):
-            return read_whole(path)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        try:
+            if is_sharded(path):
+                return read_whole(path)
+            return read_checkpoint(path, check=False, mmap=False)
+        except CheckpointError as exc:
+            raise RecipeError(f"--resume: {exc}") from None
 
 
 class RecipeCheckpoint(L.Callback):

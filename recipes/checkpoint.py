@@ -135,7 +135,7 @@ def read_verified(path: str | Path) -> dict:
         checkpoint = read_checkpoint(path)
     except CheckpointError as exc:
         raise RecipeError(str(exc)) from None
-    if not is_sealed(checkpoint):
+    if not is_sealed(checkpoint) and isinstance(checkpoint.get("builder"), dict):  # another program's: refused by the caller
         print(f"note: {path} has no checksums (written by an older builder); it is loaded unverified",
               file=sys.stderr, flush=True)
     return checkpoint
@@ -178,7 +178,7 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
     sharded folder read whole into this process) or, with ``folders``, from a model folder (see
     :func:`load_folder`)."""
     from builder import build_model
-    from builder.checkpoints import CheckpointError, is_sharded, load_model
+    from builder.checkpoints import CheckpointError, is_sharded, load_model, load_weights
 
     path = Path(path)
     if is_sharded(path):
@@ -186,21 +186,37 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
             model, meta = load_model(path)
         except CheckpointError as exc:
             raise RecipeError(str(exc)) from None
-        return model.to(pick_device(device)).eval(), from_state(meta["tokenizer"]), meta
+        return model.to(pick_device(device)).eval(), _checkpoint_tokenizer(path, meta.get("tokenizer")), meta
     if path.is_dir():
         if folders:
             return load_folder(path, device)
         raise RecipeError(f"{path} is a folder; this command needs a checkpoint written by `builder train`")
     checkpoint = read_verified(path)
     meta = checkpoint.get("builder")
-    if not isinstance(meta, dict) or "spec" not in meta or "state_dict" not in checkpoint:
-        raise RecipeError(f"{path} was not written by `builder train` (it has no spec or tokenizer)")
+    if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict) or not isinstance(
+            checkpoint.get("state_dict"), dict) or not isinstance(meta.get("tokenizer"), dict):
+        from builder.integrity import not_ours
+
+        raise RecipeError(not_ours(path, checkpoint))
     spec = _checkpoint_spec(path, meta["spec"])
+    tokenizer = _checkpoint_tokenizer(path, meta["tokenizer"])
     model = build_model(spec)
-    model.load_state_dict(model_weights(checkpoint["state_dict"]))
+    try:
+        load_weights(model, model_weights(checkpoint["state_dict"]), path)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc)) from None
     model.to(pick_device(device)).eval()
     meta = dict(meta, global_step=checkpoint.get("global_step"))
-    return model, from_state(meta["tokenizer"]), meta
+    return model, tokenizer, meta
+
+
+def _checkpoint_tokenizer(path: Path, state: dict):
+    """The checkpoint's tokenizer, or one line naming ``path`` when its record cannot rebuild one."""
+    try:
+        return from_state(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, OSError, RecipeError) as exc:
+        reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"{path}: its tokenizer cannot be rebuilt ({reason})") from None
 
 
 def load_folder(folder: Path, device: str | None = None):
@@ -259,7 +275,14 @@ def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
     """The validation split of the data the checkpoint was trained on."""
     from recipes.data import read_corpus, split, tokenize_corpus
 
-    recipe = Recipe.model_validate(meta["recipe"])
+    from pydantic import ValidationError
+
+    try:
+        recipe = Recipe.model_validate(meta["recipe"])
+    except ValidationError as exc:
+        first = str(exc).splitlines()[1][:160]
+        raise RecipeError(f"its recipe does not validate here ({first}); pass --data FILE to evaluate on "
+                          "other text") from None
     corpus = read_corpus(recipe.data, Path(meta["recipe_file"]))
     tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
     return split(tokens, recipe.data.val_fraction, recipe.data.seq_len)[1]

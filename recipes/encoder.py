@@ -277,11 +277,19 @@ class ClassifierModule(LMModule):
             self.log("val_f1", self.val_metrics["macro_f1"], prog_bar=True)
 
 
-def load_encoder(model, path: Path) -> None:
-    """The ``encoder.*`` weights of a checkpoint (an MLM run) into ``model``; the head stays new."""
+def _init_checkpoint(path: Path) -> dict:
+    """``classification.init_from``, read safely and verified; its errors name the field."""
     from recipes.checkpoint import read_verified
 
-    state = read_verified(path).get("state_dict") or {}
+    try:
+        return read_verified(path)
+    except RecipeError as exc:
+        raise RecipeError(f"classification.init_from: {exc}") from None
+
+
+def load_encoder(model, path: Path) -> None:
+    """The ``encoder.*`` weights of a checkpoint (an MLM run) into ``model``; the head stays new."""
+    state = _init_checkpoint(path).get("state_dict") or {}
     state = {k: v for k, v in model_weights(state).items() if k.startswith("encoder.")}
     own = model.state_dict()
     wrong = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
@@ -299,13 +307,23 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     train, val = labelled_examples(data, recipe_file, recipe.trainer.seed)
     init = resolve(recipe_file, settings.init_from) if settings.init_from else None
     if init is not None:
-        if not init.is_file():
+        if not init.exists():
             raise RecipeError(f"classification.init_from: no checkpoint at {init}")
-        from recipes.checkpoint import read_verified
+        from recipes.checkpoint import _checkpoint_tokenizer
 
-        meta = read_verified(init).get("builder") or {}
-        check_task(meta, "mlm")
-        tokenizer = from_state(meta["tokenizer"])
+        checkpoint = _init_checkpoint(init)
+        meta = checkpoint.get("builder")
+        if not isinstance(meta, dict):
+            from builder.integrity import not_ours
+
+            raise RecipeError(f"classification.init_from: {not_ours(init, checkpoint)}; start from an mlm "
+                              "run's checkpoint")
+        try:
+            check_task(meta, "mlm")
+            tokenizer = _checkpoint_tokenizer(init, meta.get("tokenizer"))
+        except RecipeError as exc:
+            named = str(exc) if str(init) in str(exc) else f"{init}: {exc}"
+            raise RecipeError(f"classification.init_from: {named}") from None
     elif (pretrained := pretrained_tokenizer(recipe, recipe_file)) is not None:
         tokenizer = pretrained
     else:

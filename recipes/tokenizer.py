@@ -146,11 +146,14 @@ Tokenizer = CharTokenizer | SentencePieceTokenizer | HFTokenizer
 
 def from_state(state: dict) -> Tokenizer:
     """The tokenizer a checkpoint recorded (or :func:`builder.hf.tokenizer.read_tokenizer` read)."""
-    if state["type"] == "char":
+    kind = state.get("type") if isinstance(state, dict) else None
+    if kind == "char":
         return CharTokenizer(list(state["chars"]))
-    if state["type"] == "tokenizers":
+    if kind == "tokenizers":
         return HFTokenizer(state["json"], state.get("specials"), state.get("split_special_tokens", False))
-    return SentencePieceTokenizer(state["model_proto"])
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(state["model_proto"])
+    raise ValueError(f"a tokenizer of type {str(kind)[:40]!r} is none of char, sentencepiece, tokenizers")
 
 
 def hf_tokenizer(path: Path) -> Tokenizer:

@@ -240,11 +240,23 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
             saved = read_meta(path, check=False)
         except CheckpointError as exc:
             raise RecipeError(f"--resume: {exc}") from None
-    refused, allowed = resume_differences(saved.get("builder") or {}, meta)
+    refused, allowed = resume_differences(builder_meta(path, saved), meta)
     if refused:
         raise _trained_differently(path, refused)
     for line in allowed:
         say(f"resuming with a changed setting: {line}")
+
+
+def builder_meta(path: Path, checkpoint: dict) -> dict:
+    """The ``builder`` record of a checkpoint a run resumes from; one line naming ``path`` when it
+    has none (a checkpoint of another program: nothing to compare or continue)."""
+    meta = checkpoint.get("builder")
+    if isinstance(meta, dict) and isinstance(meta.get("recipe"), dict):
+        return meta
+    from builder.integrity import not_ours
+
+    raise RecipeError(f"{not_ours(path, checkpoint)}, so this run cannot resume from it: start over with "
+                      "--fresh, or set trainer.output_dir to a new folder")
 
 
 def _trained_differently(path: Path, lines: list[str]) -> RecipeError:
@@ -265,7 +277,7 @@ def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spe
 
     path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
     try:
-        saved = read_meta(path, check=False).get("builder") or {}
+        saved = builder_meta(path, read_meta(path, check=False))
     except CheckpointError:
         return  # none, or damaged: resume_path finds what to resume from and says so
     refused, _ = recipe_differences(saved.get("recipe") or {}, recipe_dump(recipe, recipe_file))
@@ -327,7 +339,7 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
     """``trainer.fit``, resumed from ``ckpt`` when given (see :func:`resume_path`)."""
     if ckpt is not None:
         say(f"resuming from {ckpt}")
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=False)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
 
 
 def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str,

@@ -58,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from builder.commands.common import spec_from_args
     from builder.hf import HFError, export_hf
 
+    from builder.integrity import looks_like_checkpoint
+
     spec = None
-    if not args.source.endswith((".ckpt", ".pt", ".pth")):
+    if not looks_like_checkpoint(args.source):
         spec = spec_from_args(args, args.source)  # exits 1 with located problems
     try:
         family = export_hf(args.source, args.out, spec=spec, weights=args.weights, family=args.family,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.hf.checks import read_json
+from builder.integrity import looks_like_checkpoint
 from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
 from builder.hf.reader import _copy_side_files
@@ -186,11 +187,16 @@ def _our_state(spec, weights) -> dict:
     state = {re.sub(r"^(model\.)?(_orig_mod\.)?", "", k): v for k, v in state.items()}
     from builder.assemble import build_model
 
-    for group in alias_groups(build_model(spec, device="meta")):
+    model = build_model(spec, device="meta")
+    for group in alias_groups(model):
         present = next((n for n in group if n in state), None)
         if present is not None:
             for name in group:
                 state.setdefault(name, state[present])
+    for name, tensor in model.state_dict().items():  # weights of another model never go out silently
+        if name in state and getattr(state[name], "shape", None) != tensor.shape:
+            found = list(state[name].shape) if hasattr(state[name], "shape") else type(state[name]).__name__
+            raise HFError(f"the weights' {name} has shape {found}, the spec makes {list(tensor.shape)}")
     return state
 
 
@@ -205,7 +211,7 @@ def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | 
     source, out = Path(source), Path(out)
     side = source.parent
     tokenizer = None
-    if source.suffix in (".ckpt", ".pt", ".pth"):
+    if looks_like_checkpoint(source):
         ckpt_spec, state, meta = _read_training_checkpoint(source)
         spec = spec or ckpt_spec
         tokenizer = meta.get("tokenizer")
@@ -237,6 +243,10 @@ def _read_training_checkpoint(path: Path):
         meta = read_meta(path, check=False)["builder"]  # read_checkpoint below verifies it whole
         if "spec" not in meta:
             raise CheckpointError(f"{path} was not written by `builder train` (it holds no spec)")
+        tokenizer = meta.get("tokenizer")
+        if tokenizer is not None and (not isinstance(tokenizer, Mapping)
+                                      or tokenizer.get("type") not in ("char", "sentencepiece", "tokenizers")):
+            raise CheckpointError(f"{path}: its tokenizer record is none of char, sentencepiece, tokenizers")
         spec = validate(meta["spec"], source=path)
         state = model_weights(read_checkpoint(path))
     except CheckpointError as exc:

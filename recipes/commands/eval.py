@@ -85,11 +85,17 @@ def run(args: argparse.Namespace) -> int:
         at_most("--seq-len", args.seq_len, meta["spec"]["max_seq_len"], "the model's max_seq_len")
         if meta.get("task", "lm") != "lm":
             return _print_task(args, meta, model, tokenizer)
+        if not isinstance(meta.get("recipe"), dict):
+            raise RecipeError(f"{args.checkpoint} holds no training recipe (its data, batch size and seq_len) "
+                              "to evaluate with")
         data = meta["recipe"]["data"]
         if args.data:
             tokens = file_tokens(args.data, tokenizer, data["cache_dir"])
         else:
-            tokens = recipe_tokens(meta, tokenizer)
+            try:
+                tokens = recipe_tokens(meta, tokenizer)
+            except RecipeError as exc:
+                raise RecipeError(f"{args.checkpoint}: {exc}") from None
         # on the recipe's data, the windows its validations drew; on other files, consecutive ones
         seed = None if args.data else meta["recipe"]["trainer"]["seed"]
         result = evaluate(model, tokens, args.seq_len or data["seq_len"], args.batch_size or data["batch_size"],
