@@ -14,6 +14,8 @@ one process or under DDP). ``builder consolidate`` turns a folder into one ``mod
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -199,7 +201,7 @@ def load_model(path: str | Path):
 def consolidate(path: str | Path, out: str | Path) -> Path:
     """Write the model's whole weights of a checkpoint to one ``.safetensors`` file (a tied tensor
     once); the spec (JSON) and step go in its metadata. Written beside ``out`` and renamed over
-    it, so a failed write leaves no partial file (an ``OSError`` says why)."""
+    it, so a failed write leaves no partial file (a :class:`CheckpointError` says why)."""
     import json
     import os
 
@@ -208,10 +210,30 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     model, builder = load_model(path)
     metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a failed write leaves no partial file
     try:
         save_weights(model, tmp, metadata=metadata)
         os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"could not write {out}: {write_reason(exc)}") from None
+        raise
     return out
+
+
+def write_reason(exc: Exception) -> str:
+    """Why a write failed, in words (safetensors reports the OS error inside its own message)."""
+    import errno
+    import re
+
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code is None and (found := re.search(r"(?:code: |os error )(\d+)", str(exc))):
+        code = int(found.group(1))
+    words = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (the file-size limit)",
+             errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
+             errno.ENOENT: "no such folder", errno.EISDIR: "it is a folder"}
+    if code in words:
+        return words[code]
+    return os.strerror(code) if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]

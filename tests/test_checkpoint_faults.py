@@ -100,14 +100,14 @@ def good(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 def test_every_command_that_reads_a_checkpoint_refuses_a_hostile_one_in_one_line(good, tmp_path, capsys, kind):
     bad = _write(kind, good, tmp_path)
-    out = tmp_path / "hf"
+    out, weights = tmp_path / "hf", tmp_path / "model.safetensors"
     for argv in (["eval", bad, "--max-batches", "1"], ["generate", bad, "--prompt", "ab", "--max-new-tokens", "2"],
-                 ["export-hf", bad, "-o", out]):
+                 ["export-hf", bad, "-o", out], ["consolidate", bad, "-o", weights]):
         result = cli(capsys, *argv)
         needle = "is not a model folder" if kind == "folder" and argv[0] == "generate" else EXPECTED[kind]
         refused(result, 1, str(bad), needle)
     assert not (tmp_path / MARKER).exists()  # no pickle ran code
-    assert not out.exists()  # nothing half-written
+    assert not out.exists() and not weights.exists()  # nothing half-written
 
 
 def test_a_pickle_that_runs_code_is_never_unpickled_by_the_resume_load(good, tmp_path):
@@ -142,7 +142,8 @@ def test_weights_that_do_not_fit_their_spec_are_named_not_loaded(good, tmp_path,
     lacking = dict(checkpoint, state_dict={k: v for k, v in checkpoint["state_dict"].items() if k != name})
     for path, words in ((_reseal(wrong, tmp_path / "wrong.ckpt"), ("has shape [3, 3]", "[32, 32]")),
                         (_reseal(lacking, tmp_path / "lacking.ckpt"), ("decoder.layers.0.attention.q_proj.weight",))):
-        for argv in (["eval", path, "--max-batches", "1"], ["generate", path, "--prompt", "ab"]):
+        for argv in (["eval", path, "--max-batches", "1"], ["generate", path, "--prompt", "ab"],
+                     ["consolidate", path, "-o", tmp_path / "w.safetensors"]):
             refused(cli(capsys, *argv), 1, str(path), "its weights do not fit its model spec", *words)
         refused(cli(capsys, "export-hf", path, "-o", tmp_path / "hf"), 1, *words)
     assert not (tmp_path / "hf").exists()
@@ -267,3 +268,33 @@ def test_classification_init_from_an_lm_checkpoint_says_which_task_it_has(good, 
     assert main(["train", str(_classify_recipe(tmp_path, good)), "--no-samples"]) == 1
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert str(good) in line and "trained for task 'lm', not mlm" in line, line
+
+
+def _full_disk_after(monkeypatch, nbytes: int) -> None:
+    """safetensors writes ``nbytes`` of a file, then the disk is full (as its Rust writer reports it)."""
+    import safetensors.torch
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * nbytes)
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def test_a_full_disk_during_export_or_consolidate_leaves_no_partial_file(good, tmp_path, capsys, monkeypatch):
+    out, weights = tmp_path / "hf", tmp_path / "model.safetensors"
+    weights.write_bytes(b"an earlier consolidation")
+    with monkeypatch.context() as patch:
+        _full_disk_after(patch, 1000)
+        refused(cli(capsys, "export-hf", good, "-o", out), 1, f"could not write {out / 'model.safetensors'}",
+                "no space left on the device")
+        refused(cli(capsys, "consolidate", good, "-o", weights), 1, f"could not write {weights}",
+                "no space left on the device")
+    assert sorted(p.name for p in out.iterdir()) == []  # no partial model.safetensors, no temp file
+    assert weights.read_bytes() == b"an earlier consolidation"  # the earlier file is kept whole
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+    assert cli(capsys, "export-hf", good, "-o", out).status == 0  # the rerun on a disk with room
+    assert cli(capsys, "consolidate", good, "-o", weights).status == 0
+    from safetensors.torch import load_file
+
+    assert "decoder.layers.0.attention.q_proj.weight" in load_file(str(weights))

@@ -103,6 +103,43 @@ def test_a_second_signal_stops_at_once_keeping_the_last_checkpoint(tmp_path, cap
     assert _step(tmp_path / "run" / "checkpoints" / "last.ckpt") == 4
 
 
+class SignalInValidation(L.Callback):
+    """Sends this process ``signum`` once, during the validation at ``step``."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum, self.sent = step, signum, False
+
+    def on_validation_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.slow
+def test_a_signal_during_validation_saves_at_the_next_step_and_resumes_like_an_unbroken_run(
+        unbroken_run, tmp_path, capsys, monkeypatch):
+    import recipes.train
+    from builder.cli import main
+
+    make = recipes.train.make_trainer
+
+    def make_trainer(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        trainer.callbacks.insert(0, SignalInValidation(6, signal.SIGTERM))
+        return trainer
+
+    monkeypatch.setattr(recipes.train, "make_trainer", make_trainer)
+    recipe = fault_recipe(tmp_path)
+    assert main(["train", str(recipe), "--no-samples"]) == 143
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert line.startswith(f"builder train: stopped by SIGTERM at step 7; saved {last}"), line
+    assert _step(last) == 7  # the validation finished, then the step after it: a boundary
+    monkeypatch.setattr(recipes.train, "make_trainer", make)
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    assert_same_run(last, Path(unbroken_run[1]["last"]))
+
+
 def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
     import recipes.train
     from builder.cli import main

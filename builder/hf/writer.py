@@ -4,6 +4,7 @@ family whose config expresses the spec exactly."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -151,8 +152,16 @@ def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
     folder.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    target = folder / "model.safetensors"
+    tmp = folder / f".model.safetensors.tmp-{os.getpid()}"  # a failed write leaves no partial file
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, target)
+    except Exception as exc:  # noqa: BLE001  (safetensors reports the OS error inside its own)
+        from builder.checkpoints import write_reason
+
+        tmp.unlink(missing_ok=True)
+        raise HFError(f"could not write {target}: {write_reason(exc)}") from None
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         write_tokenizer(tokenizer, folder, spec.max_seq_len, append_eos=spec.architecture == "encoder-decoder")
