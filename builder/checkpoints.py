@@ -218,7 +218,7 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
         with contextlib.suppress(OSError):
             tmp.unlink()
         if isinstance(exc, Exception):
-            raise CheckpointError(f"could not write {out}: {write_reason(exc)}") from None
+            raise CheckpointError(f"cannot write {out}: {write_reason(exc)}") from None
         raise
     return out
 
@@ -233,7 +233,8 @@ def write_reason(exc: Exception) -> str:
         code = int(found.group(1))
     words = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (the file-size limit)",
              errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
-             errno.ENOENT: "no such folder", errno.EISDIR: "it is a folder"}
+             errno.ENOENT: "no such folder", errno.EISDIR: "it is a folder",
+             errno.EEXIST: "a file is where its folder should be", errno.ENOTDIR: "a file is in its path"}
     if code in words:
         return words[code]
     return os.strerror(code) if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]

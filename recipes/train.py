@@ -251,7 +251,7 @@ def builder_meta(path: Path, checkpoint: dict) -> dict:
     """The ``builder`` record of a checkpoint a run resumes from; one line naming ``path`` when it
     has none (a checkpoint of another program: nothing to compare or continue)."""
     meta = checkpoint.get("builder")
-    if isinstance(meta, dict) and isinstance(meta.get("recipe"), dict):
+    if isinstance(meta, dict):
         return meta
     from builder.integrity import not_ours
 

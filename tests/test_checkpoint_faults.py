@@ -286,9 +286,9 @@ def test_a_full_disk_during_export_or_consolidate_leaves_no_partial_file(good, t
     weights.write_bytes(b"an earlier consolidation")
     with monkeypatch.context() as patch:
         _full_disk_after(patch, 1000)
-        refused(cli(capsys, "export-hf", good, "-o", out), 1, f"could not write {out / 'model.safetensors'}",
+        refused(cli(capsys, "export-hf", good, "-o", out), 1, f"cannot write {out / 'model.safetensors'}",
                 "no space left on the device")
-        refused(cli(capsys, "consolidate", good, "-o", weights), 1, f"could not write {weights}",
+        refused(cli(capsys, "consolidate", good, "-o", weights), 1, f"cannot write {weights}",
                 "no space left on the device")
     assert sorted(p.name for p in out.iterdir()) == []  # no partial model.safetensors, no temp file
     assert weights.read_bytes() == b"an earlier consolidation"  # the earlier file is kept whole

@@ -11,12 +11,8 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.commands.arguments import input_path, output_file
-
-    parser.add_argument("checkpoint", metavar="CKPT", type=input_path,
-                        help="a checkpoint written by `builder train` (folder or file)")
-    parser.add_argument("-o", "--out", required=True, metavar="FILE", type=output_file,
-                        help="the .safetensors file to write")
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by `builder train` (folder or file)")
+    parser.add_argument("-o", "--out", required=True, metavar="FILE", help="the .safetensors file to write")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -161,7 +161,7 @@ def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
         from builder.checkpoints import write_reason
 
         tmp.unlink(missing_ok=True)
-        raise HFError(f"could not write {target}: {write_reason(exc)}") from None
+        raise HFError(f"cannot write {target}: {write_reason(exc)}") from None
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         write_tokenizer(tokenizer, folder, spec.max_seq_len, append_eos=spec.architecture == "encoder-decoder")
