@@ -23,6 +23,7 @@ the values a single-process build draws there (``blocks.init`` seeds every param
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def mesh_shape(layout: Layout) -> tuple[int, int, int]:
     return layout.replicas, layout.shard_size, layout.tensor_parallel
 
 
+def cpu_process_limit() -> int:
+    """The most CPU processes a run may start on this machine: four per core (at least 8), room to
+    prove a multi-process layout on a small machine, not a fork bomb from a typo."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 def device_count(settings: TrainerSection) -> int:
     """The processes per node the recipe asks for, checked against the machine: a located
     :class:`RecipeError` for CUDA devices that are not there (before any data or model work)."""
@@ -52,6 +59,10 @@ def device_count(settings: TrainerSection) -> int:
         if accelerator not in ("cpu", "auto"):
             return devices if isinstance(devices, int) and devices > 0 else 1
         if isinstance(devices, int) and devices > 0:
+            limit = cpu_process_limit()
+            if devices > limit:
+                raise RecipeError(f"trainer.devices {devices}: on the CPU each device is a process; this machine "
+                                  f"has {os.cpu_count() or 1} cores, so at most {limit}")
             return devices
         if devices in ("auto", -1, "-1"):
             return 1

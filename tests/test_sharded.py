@@ -120,6 +120,9 @@ def test_hybrid_on_one_node_and_devices_that_do_not_exist_are_refused(tmp_path, 
     path = tiny_recipe(tmp_path, trainer={"strategy": "fsdp", "devices": 3, "tensor_parallel": 2})
     assert _main("train", str(path)) == 1
     _one_line_error(capsys, "trainer.tensor_parallel", "divide")
+    path = tiny_recipe(tmp_path, trainer={"accelerator": "cpu", "devices": 9999})  # a process per device
+    assert _main("train", str(path)) == 1
+    _one_line_error(capsys, "trainer.devices 9999", "at most")
     assert not list((tmp_path / "cache").rglob("*.bin"))
 
 
