@@ -13,6 +13,7 @@ import string
 from pathlib import Path
 
 import pytest
+from recipe_helpers import TINY_SPEC  # the spec tiny_recipe trains: its checkpoints below hold it
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,23 +62,6 @@ def refused(result: Result, status: int, *needles: str, lines: int = 1) -> str:
     for needle in needles:
         assert needle in err, (needle, err)
     return err
-
-
-#: the spec of the tiny checkpoints below (as ``tests/recipe_helpers.tiny_recipe`` trains)
-TINY_SPEC = {
-    "name": "tiny-decoder",
-    "architecture": "decoder-only",
-    "d_model": 32,
-    "max_seq_len": 32,
-    "tie_embeddings": True,
-    "position": {"type": "rope"},
-    "decoder": {
-        "n_layers": 2,
-        "attention": {"n_heads": 2},
-        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64},
-        "norm": {"type": "rmsnorm"},
-    },
-}
 
 
 def lm_checkpoint(folder: Path) -> Path:

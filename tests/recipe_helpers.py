@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -11,27 +12,28 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: the spec every tiny recipe trains (tests that read its checkpoints build the same one)
+TINY_SPEC = {
+    "name": "tiny-decoder",
+    "architecture": "decoder-only",
+    "d_model": 32,
+    "max_seq_len": 32,
+    "tie_embeddings": True,
+    "position": {"type": "rope"},
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 2},
+        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64},
+        "norm": {"type": "rmsnorm"},
+    },
+}
+
 
 def tiny_recipe(tmp_path: Path, **sections) -> Path:
     """Write a tiny recipe under ``tmp_path`` (each keyword replaces or extends a section)."""
     recipe = {
         "name": "tiny",
-        "model": {
-            "spec": {
-                "name": "tiny-decoder",
-                "architecture": "decoder-only",
-                "d_model": 32,
-                "max_seq_len": 32,
-                "tie_embeddings": True,
-                "position": {"type": "rope"},
-                "decoder": {
-                    "n_layers": 2,
-                    "attention": {"n_heads": 2},
-                    "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64},
-                    "norm": {"type": "rmsnorm"},
-                },
-            }
-        },
+        "model": {"spec": copy.deepcopy(TINY_SPEC)},
         "data": {
             "sources": ["python-stdlib"],
             "max_bytes": 60_000,
