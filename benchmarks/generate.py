@@ -8,15 +8,19 @@ positions and a tied head), random weights are drawn with ``transformers``, save
 ``save_pretrained`` and imported with ``builder import-hf``; ours is loaded from the imported
 folder the way ``builder generate FOLDER`` loads it (``build_model`` + ``load_weights``), and
 ``transformers`` loads the saved folder with ``from_pretrained``. Both decode greedily (fp32, CPU,
-every token to ``--new-tokens``, no EOS) from the same random prompts, with their default caches:
-ours the preallocated KV cache of ``blocks.cache``, theirs ``DynamicCache``.
+every token to ``--new-tokens``, no EOS) from the same random prompts. Ours runs twice: with
+``generate(..., compile=True)`` (the one-token step over the static KV cache of ``blocks.cache``
+compiled by ``torch.compile``, what ``builder generate --compile`` runs) and eagerly (the same
+static cache, the step run op by op: ``generate``'s default); theirs with its default
+``DynamicCache``.
 
-In the same process, alternating (ours first in even repeats, theirs first in odd ones), after
-one untimed warm-up call each: wall time of the whole ``generate`` call (prefill included),
-tokens/s = ``batch * new_tokens / seconds``, the median over ``--repeats`` calls and the ratio of
-the medians. The generated tokens must be identical; a difference is printed with the logit
-margin of the token where they part (two near-equal logits can swap under float rounding) and
-makes the exit status 1.
+In the same process, rotating the order every repeat, after one untimed warm-up call each (the
+compiled one's warm-up compiles its step; those seconds, ``compile s``, are printed apart and
+are in no rate): wall time of the whole ``generate`` call (prefill included), tokens/s =
+``batch * new_tokens / seconds``, the median over ``--repeats`` calls and the ratio of the
+medians to transformers'. Every run's tokens must be identical to transformers'; a difference
+is printed with the logit margin of the token where they part (two near-equal logits can swap
+under float rounding) and makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ def ours_generate(model, prompt, new_tokens: int):
     return model.generate(prompt, new_tokens)
 
 
+def ours_compiled_generate(model, prompt, new_tokens: int):
+    return model.generate(prompt, new_tokens, compile=True)
+
+
 def theirs_generate(model, prompt, new_tokens: int):
     import torch
 
@@ -105,26 +113,34 @@ def bench(family: str, batches: list[int], prompt_len: int, new_tokens: int, rep
     rows = []
     for batch in batches:
         prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
-        _, a = timed(ours_generate, ours, prompt, new_tokens)  # warm-up, and the tokens to compare
-        _, b = timed(theirs_generate, theirs, prompt, new_tokens)
-        same = torch.equal(a, b)
-        seconds = {"ours": [], "transformers": []}
+        runs = {"ours": (ours_compiled_generate, ours), "ours_eager": (ours_generate, ours),
+                "transformers": (theirs_generate, theirs)}
+        outputs = {"ours": timed(ours_compiled_generate, ours, prompt, new_tokens)[1]}  # warm-up: compiles
+        compile_seconds = ours.last_compile_seconds
+        outputs |= {who: timed(fn, model, prompt, new_tokens)[1] for who, (fn, model) in runs.items() if who != "ours"}
+        same = {who: torch.equal(outputs[who], outputs["transformers"]) for who in ("ours", "ours_eager")}
+        seconds = {who: [] for who in runs}
+        names = list(runs)
         for r in range(repeats):
-            order = ("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")
-            for who in order:
-                fn, model = (ours_generate, ours) if who == "ours" else (theirs_generate, theirs)
+            for who in names[r % 3 :] + names[: r % 3]:
+                fn, model = runs[who]
                 seconds[who].append(timed(fn, model, prompt, new_tokens)[0])
         rate = {who: batch * new_tokens / statistics.median(s) for who, s in seconds.items()}
         row = {"family": family, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-               "ours_tokens_per_s": rate["ours"], "transformers_tokens_per_s": rate["transformers"],
-               "ratio": rate["ours"] / rate["transformers"], "identical": same,
-               "seconds": seconds}
-        if not same:
-            row["first_difference"] = divergence(ours, theirs, prompt, a, b)
+               "ours_tokens_per_s": rate["ours"], "ours_eager_tokens_per_s": rate["ours_eager"],
+               "transformers_tokens_per_s": rate["transformers"],
+               "ratio": rate["ours"] / rate["transformers"],
+               "eager_ratio": rate["ours_eager"] / rate["transformers"],
+               "compile_seconds": compile_seconds, "identical": all(same.values()), "seconds": seconds}
+        differ = [f"{who}: " + divergence(ours, theirs, prompt, outputs[who], outputs["transformers"])
+                  for who in same if not same[who]]
+        if differ:
+            row["first_difference"] = "; ".join(differ)
         rows.append(row)
-        print(f"{family:6s} batch {batch:2d}: ours {rate['ours']:8,.0f} tokens/s, transformers "
-              f"{rate['transformers']:8,.0f} tokens/s, ratio {row['ratio']:.2f}x, tokens "
-              f"{'identical' if same else 'DIFFER: ' + row['first_difference']}", flush=True)
+        print(f"{family:6s} batch {batch:2d}: ours compiled {rate['ours']:8,.0f} tokens/s ({row['ratio']:.2f}x), "
+              f"ours eager {rate['ours_eager']:8,.0f} ({row['eager_ratio']:.2f}x), transformers "
+              f"{rate['transformers']:8,.0f} tokens/s; compile {compile_seconds:.1f} s; tokens "
+              f"{'identical' if row['identical'] else 'DIFFER: ' + row['first_difference']}", flush=True)
     return rows
 
 
@@ -143,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls of each, alternating (default 7)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls of each, rotating (default 7)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -157,17 +173,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = [row for family in args.families
             for row in bench(family, args.batches, args.prompt, args.new_tokens, args.repeats)]
-    print("\n| model | batch | ours tokens/s | transformers tokens/s | ratio | tokens |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print("\n| model | batch | ours compiled tokens/s | ours eager tokens/s | transformers tokens/s | "
+          "compiled ratio | eager ratio | compile s | tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
         print(f"| {row['family']} | {row['batch']} | {row['ours_tokens_per_s']:,.0f} | "
-              f"{row['transformers_tokens_per_s']:,.0f} | {row['ratio']:.2f}x | "
+              f"{row['ours_eager_tokens_per_s']:,.0f} | {row['transformers_tokens_per_s']:,.0f} | "
+              f"{row['ratio']:.2f}x | {row['eager_ratio']:.2f}x | {row['compile_seconds']:.1f} | "
               f"{'identical' if row['identical'] else 'differ'} |")
     result = {"machine": machine(), "threads": torch.get_num_threads(), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {
-        "ratios": {f"{r['family']}-b{r['batch']}": round(r["ratio"], 3) for r in rows}}))
+        "ratios": {f"{r['family']}-b{r['batch']}": round(r["ratio"], 3) for r in rows},
+        "eager_ratios": {f"{r['family']}-b{r['batch']}": round(r["eager_ratio"], 3) for r in rows}}))
     return 0 if all(row["identical"] for row in rows) else 1
 
 

@@ -9,9 +9,14 @@ attention module):
   this sub-layer's entry from ``new_cache`` (or None), ``memory`` the encoder output for a
   cross-attention;
 * ``n_heads``: query heads (the stack precomputes score biases for them);
-* ``new_cache(batch, max_tokens, dtype, device)``: an object with ``reorder(index)`` and
-  ``nbytes()``, whose bytes equal the config's ``kv_cache(d_model, cross)`` layout
-  (``blocks.cache.TensorCache`` / ``MemoryCache`` do this for any layout).
+* ``new_cache(batch, max_tokens, dtype, device)``: an object with ``reorder(index)``,
+  ``advance(n)`` and ``nbytes()``, whose bytes equal the config's ``kv_cache(d_model, cross)``
+  layout (``blocks.cache.TensorCache`` / ``MemoryCache`` do this for any layout);
+* ``static_decode = True`` (optional): ``forward`` honours ``inputs.index``, the static
+  decoding step (it passes ``index=inputs.index`` to ``TensorCache.update`` and masks by the
+  slots' token indices, ``inputs.bias`` / ``inputs.token_index``). ``generate`` decodes a stack
+  whose every attention declares it with one fixed-shape step (compilable); any other stack
+  feeds each token through the ordinary forward.
 
 Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
 layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend
@@ -37,10 +42,15 @@ class AttentionInputs:
         key_mask: ``(batch, n_keys)`` bool, True for real tokens, by token index; None: no padding.
         position: the stack's position module when it acts in attention (its ``rotate``,
             ``alibi_slopes`` and ``score_bias`` hooks, see ``blocks.positions``), else None.
+        index: the static decoding step's ``(1,)`` long token index of its one query (then
+            ``start`` is unused and ``key_mask`` covers every token the cache was allocated
+            for): a cache writes at it and returns whole buffers with each slot's token index
+            (``blocks.cache``), which :meth:`bias` and :meth:`token_index` take instead of ``first``.
     """
 
-    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, position=None):
+    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, position=None, index=None):
         self.start, self.seq_q = start, seq_q
+        self.index = index
         self.positions = positions
         self.key_mask = key_mask
         self.position = position
@@ -60,9 +70,17 @@ class AttentionInputs:
         ``mscale_all_dim``), to multiply into the attention's own scale; 1.0 without one."""
         return self.position.score_scale() if self.position is not None else 1.0
 
-    def bias(self, first: int, seq_k: int, n_heads: int, device) -> torch.Tensor | None:
-        """Additive ``(batch | 1, n_heads | 1, seq_q | 1, seq_k)`` bias for keys ``first .. first+seq_k``:
-        padding and the position block's score bias."""
+    def token_index(self, keys) -> tuple | None:
+        """``kernels.attention``'s ``token_index`` for keys a static cache returned (their slots'
+        token indices, a tensor); None for keys in token order (``first``, an int)."""
+        return (self.index, keys) if isinstance(keys, torch.Tensor) else None
+
+    def bias(self, first, seq_k: int, n_heads: int, device) -> torch.Tensor | None:
+        """Additive ``(batch | 1, n_heads | 1, seq_q | 1, seq_k)`` bias for keys ``first .. first+seq_k``
+        (or, in a static step, the keys whose token indices the tensor ``first`` holds): padding
+        and the position block's score bias."""
+        if isinstance(first, torch.Tensor):
+            return self._slot_bias(first, n_heads, device)
         key = (first, seq_k, n_heads)
         if key in self._bias_memo:
             return self._bias_memo[key]
@@ -85,6 +103,25 @@ class AttentionInputs:
         self._bias_memo[key] = bias
         return bias
 
+    def _slot_bias(self, keys: torch.Tensor, n_heads: int, device) -> torch.Tensor | None:
+        """:meth:`bias` over a static cache's slots, ``keys`` ``(capacity,)`` their token indices
+        (negative: empty, masked by the kernel). Every layer of one step asks with the same
+        capacity and heads, and gets the same tensor."""
+        key = ("slots", keys.shape[0], n_heads)
+        if key in self._bias_memo:
+            return self._bias_memo[key]
+        bias = None
+        if self.key_mask is not None:
+            keep = self.key_mask.index_select(1, keys.clamp(min=0)).bool()  # (batch, capacity)
+            bias = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_fill(~keep, float("-inf"))
+            bias = bias[:, None, None, :]  # (batch, 1, 1, capacity)
+        if self.position is not None:
+            scores = self.position.score_bias(self.index, keys, n_heads)  # (1, n_heads, 1, capacity)
+            if scores is not None:
+                bias = scores.float() if bias is None else bias + scores.float()
+        self._bias_memo[key] = bias
+        return bias
+
 
 class MultiHeadAttention(nn.Module):
     """Scaled dot-product attention with ``n_heads`` query and ``n_kv_heads`` key/value heads.
@@ -93,6 +130,8 @@ class MultiHeadAttention(nn.Module):
     causal mask, window or position; otherwise keys and values come from ``x`` and the mask is
     causal when ``causal=True``.
     """
+
+    static_decode = True  # honours AttentionInputs.index (module doc)
 
     def __init__(self, config, d_model: int, causal: bool = False, cross: bool = False, backend: str = "auto"):
         super().__init__()
@@ -155,8 +194,8 @@ class MultiHeadAttention(nn.Module):
             v = self._heads(x, self.v_proj, self.n_kv_heads)
             q, k = inputs.rotate(q, k)
             first = inputs.start
-            if cache is not None:
-                k, v, first = cache.update(k, v)  # keys first .. first + seq_k, in token order
+            if cache is not None:  # keys first .. first + seq_k in token order (a static step: every slot)
+                k, v, first = cache.update(k, v, index=inputs.index)
             slopes = inputs.alibi_slopes(self.total_heads, x.device)
             alibi = slopes[self.first_head : self.first_head + self.n_heads] if slopes is not None else None
         bias = inputs.bias(first, k.shape[2], self.total_heads, x.device)
@@ -175,6 +214,7 @@ class MultiHeadAttention(nn.Module):
             scale=scale,
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
+            token_index=inputs.token_index(first),
         )  # (batch, n_heads, seq_q, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq_q, self.n_heads * self.head_dim)  # (batch, seq_q, n_heads * head_dim)
         return self.out_proj(out)

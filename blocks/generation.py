@@ -26,6 +26,9 @@ mode while decoding and restored afterwards.
 from __future__ import annotations
 
 import math
+import time
+import warnings
+import weakref
 
 import torch
 
@@ -33,20 +36,47 @@ from blocks.cache import KVCache
 
 
 class _DecodeState:
-    """The growing decoder-side sequence, its mask, the encoder memory and the cache."""
+    """The growing decoder-side sequence, its mask, the encoder memory and the cache.
 
-    def __init__(self, model, tokens, mask, memory, memory_mask, use_cache: bool, max_new_tokens: int):
+    With a cache, the first call of :meth:`next_logits` (the prefill: the whole prompt) runs the
+    model's forward; every later one is a static step (``TransformerStack.step``) over the
+    preallocated cache, optionally compiled (``step``: the model's ``_decode_step`` or its
+    ``torch.compile`` of it), fed the token index as a tensor and a mask and position table
+    built once for every token the cache holds.
+    """
+
+    def __init__(self, model, tokens, mask, memory, memory_mask, use_cache: bool, max_new_tokens: int,
+                 step=None):
         self.model, self.tokens, self.mask = model, tokens, mask
         self.memory, self.memory_mask = memory, memory_mask
         self.fed = 0
         self.cache = None
+        self.step = step or model._decode_step
+        self.step_calls = 0
+        self.last = None  # the last appended tokens, (rows, 1)
         if use_cache:
             param = next(model.parameters())
             self.cache = KVCache.for_stack(model.decoder, tokens.shape[0], tokens.shape[1] + max_new_tokens,
                                            param.dtype, tokens.device)
+        self.static = use_cache and model.decoder.static_decode() is None
+        if step is not None and not self.static:
+            raise ValueError(f"compile=True needs every attention block to take the static decoding step; "
+                             f"{model.decoder.static_decode()} does not declare static_decode (decode without compile)")
+        if self.static:
+            total = tokens.shape[1] + max_new_tokens
+            # Every token's key mask and position id, built once: (rows, total)
+            rows = tokens.shape[0]
+            if mask is not None:
+                self.key_mask = torch.cat((mask, mask.new_ones(rows, max_new_tokens)), dim=1)
+                self.position_ids = (self.key_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                self.key_mask = None
+                self.position_ids = torch.arange(total, device=tokens.device).expand(rows, total)
 
     def next_logits(self) -> torch.Tensor:
         """Logits ``(rows, vocab)`` for the token after the current sequence."""
+        if self.static and self.fed:
+            return self._static_step()
         ids = self.tokens[:, self.fed :] if self.cache is not None else self.tokens
         if self.memory is not None:
             logits = self.model(None, self.memory_mask, decoder_input_ids=ids, decoder_attention_mask=self.mask,
@@ -58,9 +88,21 @@ class _DecodeState:
         self.fed = self.tokens.shape[1]
         return logits[:, -1].float()
 
+    def _static_step(self) -> torch.Tensor:
+        if self.tokens.shape[1] != self.fed + 1:
+            raise ValueError(f"a static decoding step feeds one token; {self.tokens.shape[1] - self.fed} are new")
+        index = torch.tensor([self.fed], device=self.tokens.device)  # (1,): the new token's index
+        logits = self.step(self.last, index, self.position_ids, self.cache, self.key_mask,
+                           self.memory, self.memory_mask)
+        self.cache.advance(1)
+        self.fed += 1
+        self.step_calls += 1
+        return logits
+
     def append(self, next_tokens: torch.Tensor) -> None:
-        self.tokens = torch.cat((self.tokens, next_tokens[:, None]), dim=1)
-        if self.mask is not None:
+        self.last = next_tokens[:, None]  # (rows, 1), strides (1, 1): the next static step's input
+        self.tokens = torch.cat((self.tokens, self.last), dim=1)
+        if self.mask is not None and not self.static:
             self.mask = torch.cat((self.mask, self.mask.new_ones(self.mask.shape[0], 1)), dim=1)
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -69,6 +111,10 @@ class _DecodeState:
             self.mask = self.mask[index]
         if self.cache is not None:
             self.cache.reorder(index)
+        if self.static:
+            self.position_ids = self.position_ids[index]
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask[index]
 
 
 def sample_next(logits: torch.Tensor, temperature: float | None, top_k: int | None, top_p: float | None,
@@ -89,9 +135,15 @@ def sample_next(logits: torch.Tensor, temperature: float | None, top_k: int | No
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
 
 
-def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator):
+def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator,
+                compile=False, use_cache=True):
     """The decoding options, before any work: a wrong type is a ``TypeError``, a value out of its
     range a ``ValueError``, each naming the argument and what it takes."""
+    for name, value in (("compile", compile), ("use_cache", use_cache)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decoding step; it needs use_cache=True")
     for name, value, optional in (("max_new_tokens", max_new_tokens, False), ("num_beams", num_beams, False),
                                   ("top_k", top_k, True)):
         if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)):
@@ -121,6 +173,14 @@ class GenerationMixin:
     """``generate`` for models with a ``decoder`` stack (decoder-only and encoder-decoder)."""
 
     last_cache_nbytes: int | None = None
+    last_compile_seconds: float = 0.0
+
+    def _decode_step(self, input_ids, index, position_ids, cache, key_mask, memory, memory_mask) -> torch.Tensor:
+        """Logits ``(rows, vocab)`` (fp32) of one static decoding step (``TransformerStack.step``):
+        what ``generate(..., compile=True)`` compiles."""
+        hidden = self.decoder.step(input_ids, index, position_ids, cache, key_mask, memory=memory,
+                                   memory_mask=memory_mask)
+        return self.head(hidden)[:, -1].float()
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, attention_mask=None,
@@ -128,15 +188,22 @@ class GenerationMixin:
                  top_p: float | None = None, do_sample: bool | None = None, num_beams: int = 1,
                  length_penalty: float = 1.0, early_stopping: bool = False, eos_token_id=None,
                  pad_token_id: int | None = None, decoder_start_token_id: int | None = None,
-                 streamer=None, use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+                 streamer=None, use_cache: bool = True, generator: torch.Generator | None = None,
+                 compile: bool = False) -> torch.Tensor:
         """Token ids ``(batch, prompt + new)`` (the decoder side for an encoder-decoder).
 
         ``streamer``: a callable, or an object with ``put``/``end`` (Hugging Face streamers),
         called with each new ``(batch,)`` token tensor (greedy and sampling only).
         ``use_cache=False`` recomputes the whole sequence at every step (a reference).
+        ``compile=True``: the one-token step over the static cache runs as one graph compiled by
+        ``torch.compile`` (``fullgraph``, static shapes), compiled on the first call for each
+        model, batch and cache size and reused after; the prompt's prefill stays eager. It pays
+        where per-token overhead dominates (small models, small batches); the first call pays
+        the compile (``self.last_compile_seconds``).
         After the call ``self.last_cache_nbytes`` holds the cache's bytes (see module doc).
         """
-        _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator)
+        _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator,
+                    compile, use_cache)
         self._check_prompt(input_ids, decoder_input_ids, attention_mask, max_new_tokens,
                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                            decoder_start_token_id=decoder_start_token_id)
@@ -153,15 +220,17 @@ class GenerationMixin:
 
         was_training = self.training
         self.eval()
+        step = _CompiledStep(self) if compile else None
         try:
             state = self._decode_state(input_ids, attention_mask, decoder_input_ids, decoder_start_token_id, pad,
-                                       num_beams, use_cache, max_new_tokens)
+                                       num_beams, use_cache, max_new_tokens, step)
             if num_beams > 1:
                 out = _beam_search(state, num_beams, max_new_tokens, eos, pad, length_penalty, early_stopping)
             else:
                 out = _greedy_or_sample(state, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad,
                                         streamer, generator)
             self.last_cache_nbytes = state.cache.nbytes() if state.cache is not None else 0
+            self.last_compile_seconds = step.compile_seconds if step is not None else 0.0
             return out
         finally:
             self.train(was_training)
@@ -209,7 +278,7 @@ class GenerationMixin:
                              f"ask for {hint} (or slide a window over the context, as `builder generate` does)")
 
     def _decode_state(self, input_ids, attention_mask, decoder_input_ids, start_id, pad, num_beams, use_cache,
-                      max_new_tokens) -> _DecodeState:
+                      max_new_tokens, step=None) -> _DecodeState:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         expand = (lambda t: t.repeat_interleave(num_beams, dim=0)) if num_beams > 1 else (lambda t: t)
@@ -217,7 +286,7 @@ class GenerationMixin:
             if decoder_input_ids is not None:
                 raise ValueError("decoder_input_ids is for encoder-decoder models; pass the prompt as input_ids")
             mask = expand(attention_mask) if attention_mask is not None else None
-            return _DecodeState(self, expand(input_ids), mask, None, None, use_cache, max_new_tokens)
+            return _DecodeState(self, expand(input_ids), mask, None, None, use_cache, max_new_tokens, step)
         memory = self.encode(input_ids, attention_mask)
         if decoder_input_ids is None:
             start = start_id if start_id is not None else pad
@@ -226,7 +295,58 @@ class GenerationMixin:
             decoder_input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long, device=input_ids.device)
         memory_mask = expand(attention_mask) if attention_mask is not None else None
         return _DecodeState(self, expand(decoder_input_ids), None, expand(memory), memory_mask, use_cache,
-                            max_new_tokens)
+                            max_new_tokens, step)
+
+
+_COMPILED_STEP = None
+#: graphs the one compiled step may hold: one per model, batch and cache size decoded in this
+#: process (Dynamo's default of 8 would end a long-lived process's compiled decoding in an error)
+STEP_GRAPHS = 64
+#: models whose step does not compile as one graph (a sparse MoE dispatch), with the reason
+_UNCOMPILABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_decode_step(model, *args) -> torch.Tensor:
+    return model._decode_step(*args)
+
+
+class _CompiledStep:
+    """``model._decode_step`` through one process-wide ``torch.compile`` (``fullgraph``, static
+    shapes; Dynamo guards recompile it for another model, batch or cache size, up to
+    ``STEP_GRAPHS``). The seconds of a call that compiled are kept apart in ``compile_seconds``.
+
+    A model whose step cannot be one graph (a data-dependent MoE dispatch) decodes eagerly, with
+    a warning naming why, once per model; ``reason`` then holds it.
+    """
+
+    def __init__(self, model):
+        global _COMPILED_STEP
+        if _COMPILED_STEP is None:
+            _COMPILED_STEP = torch.compile(_compiled_decode_step, fullgraph=True, dynamic=False)
+        self.model = model
+        self.compile_seconds = 0.0
+        self.reason = _UNCOMPILABLE.get(model)
+
+    def __call__(self, *args) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
+        if self.reason is not None:
+            return self.model._decode_step(*args)
+        graphs = counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        limit = max(STEP_GRAPHS, torch._dynamo.config.recompile_limit)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                out = _COMPILED_STEP(self.model, *args)
+        except Exception as exc:  # noqa: BLE001 - any compile failure: the eager step is exact
+            self.compile_seconds += time.perf_counter() - start
+            self.reason = _UNCOMPILABLE[self.model] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            warnings.warn(f"generate(compile=True): the decoding step does not compile as one graph "
+                          f"({self.reason}); decoding eagerly", stacklevel=4)
+            return self.model._decode_step(*args)
+        if counters["stats"]["unique_graphs"] != graphs:
+            self.compile_seconds += time.perf_counter() - start
+        return out
 
 
 def _greedy_or_sample(state, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, streamer, generator):

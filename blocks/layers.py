@@ -47,6 +47,14 @@ class TransformerLayer(nn.Module):
             return norm(x + self.dropout(fn(x)))
         return x + self.dropout(getattr(self, f"{name}_post_norm")(fn(norm(x))))
 
+    def static_decode(self) -> str | None:
+        """None when every attention sub-layer declares ``static_decode`` (it honours the static
+        decoding step, ``blocks.cache``); else the class name of the first that does not."""
+        for module in (self.attention, self.cross_attention):
+            if module is not None and not getattr(module, "static_decode", False):
+                return type(module).__name__
+        return None
+
     def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device) -> dict:
         """This layer's decoding caches, one per attention sub-layer (each block shapes its own)."""
         caches = {"attention": self.attention.new_cache(batch, max_tokens, dtype, device)}

@@ -36,6 +36,8 @@ from kernels.attention import MAX_TRITON_HEAD_DIM
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek's MLA as a causal (or bidirectional) self-attention; see the module doc."""
 
+    static_decode = True  # honours AttentionInputs.index (blocks.attention's protocol)
+
     def __init__(self, config, d_model: int, causal: bool = False, cross: bool = False, backend: str = "auto"):
         super().__init__()
         if cross:
@@ -105,7 +107,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed(self, q_nope, q_rope, latent, k_rope, inputs, cache, options) -> torch.Tensor:
         """Multi-query attention over the cached latents, ``kv_b_proj`` folded into q and out."""
         entry = torch.cat((latent[:, None], k_rope), dim=-1)  # (batch, 1, seq, kv_lora_rank + rope)
-        cached, first = cache.update(entry)  # (batch, 1, keys, kv_lora_rank + rope), in token order
+        cached, first = cache.update(entry, index=inputs.index)  # (batch, 1, keys, kv_lora_rank + rope)
         weight = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         w_key, w_value = weight.split([self.nope, self.v_dim], dim=1)  # (heads, nope, rank), (heads, v, rank)
         q = torch.cat((torch.matmul(q_nope, w_key), q_rope), dim=-1)  # (batch, heads, seq, rank + rope)
@@ -114,5 +116,6 @@ class MultiHeadLatentAttention(nn.Module):
         backend = self.backend
         if backend == "triton" and q.shape[-1] > MAX_TRITON_HEAD_DIM:
             backend = "auto"  # the 576-wide latent heads of V2/V3 exceed the Triton tiles (module doc)
-        out = attention_kernel(q, cached, values, bias=bias, backend=backend, **options)  # (batch, heads, seq, rank)
+        out = attention_kernel(q, cached, values, bias=bias, backend=backend, token_index=inputs.token_index(first),
+                               **options)  # (batch, heads, seq, rank)
         return torch.matmul(out, w_value.transpose(1, 2))  # (batch, heads, seq, v)

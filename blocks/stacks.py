@@ -83,12 +83,42 @@ class TransformerStack(nn.Module):
             # tensor instead of building (and saving for backward) its own.
             attention = self.layers[0].attention  # all its heads (a tensor-parallel rank computes a share)
             inputs.bias(0, seq, getattr(attention, "total_heads", attention.n_heads), x.device)
-        memory_inputs = AttentionInputs(0, seq, key_mask=memory_mask) if memory is not None else None
+        x = self._layers(x, inputs, cache, memory, memory_mask)
+        if cache is not None:
+            cache.length += seq
+        return x
+
+    def static_decode(self) -> str | None:
+        """None when every layer can take :meth:`step`; else the attention block that cannot."""
+        return next((name for layer in self.layers if (name := layer.static_decode()) is not None), None)
+
+    def step(self, input_ids: torch.Tensor, index: torch.Tensor, position_ids: torch.Tensor, cache,
+             key_mask: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
+             memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One static decoding step: hidden states ``(batch, 1, d_model)`` of the token
+        ``input_ids`` ``(batch, 1)`` at token index ``index`` (a ``(1,)`` long tensor), over a
+        ``cache`` that holds the tokens before it (``blocks.cache``: every attention writes its
+        slot and attends over its whole buffer). ``position_ids`` ``(batch, total)`` and
+        ``key_mask`` ``(batch, total)`` (None: no padding) cover every token the cache was
+        allocated for; the step reads them at ``index``. No shape or Python value depends on
+        ``index``, so ``torch.compile`` traces it once (``fullgraph``, static shapes); nothing
+        is checked here that costs a sync (``generate`` checks the lengths up front) and the
+        caller counts the token (``cache.advance(1)``) outside it.
+        """
+        positions = position_ids.index_select(1, index)  # (batch, 1)
+        position = self.position
+        in_attention = position.acts_on == "attention"
+        x = self.embedding(input_ids, None, None if in_attention else position(positions))
+        inputs = AttentionInputs(0, 1, positions=positions, key_mask=key_mask,
+                                 position=position if in_attention else None, index=index)
+        return self._layers(x, inputs, cache, memory, memory_mask)
+
+    def _layers(self, x, inputs: AttentionInputs, cache, memory, memory_mask) -> torch.Tensor:
+        """Every layer, then the final norm."""
+        memory_inputs = AttentionInputs(0, x.shape[1], key_mask=memory_mask) if memory is not None else None
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             x = layer(x, inputs, cache=layer_cache, memory=memory, memory_inputs=memory_inputs)
-        if cache is not None:
-            cache.length += seq
         return self.final_norm(x) if self.final_norm is not None else x
 
 

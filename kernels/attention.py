@@ -21,6 +21,11 @@ query position minus the key position, ``causal`` keeps ``d >= 0``, ``sliding_wi
 ``d < w``, and ALiBi adds ``-slope_h * d``. Scores are ``q.k * scale``, then
 ``softcap * tanh(. / softcap)``, then ``+ bias + alibi``, then the masks. A query row with no
 visible key returns 0 (not NaN) and passes no gradient.
+
+``token_index=(query_index, key_index)`` replaces that layout with explicit token indices, for
+keys held out of order (a static decoding cache: every slot of a preallocated buffer, a ring
+buffer's slots after it wraps): ``d`` is ``query_index[i] - key_index[j]`` and a key whose index
+is negative (an empty slot) is never visible. The same masks and ALiBi distances follow.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sliding_window: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
               bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
               scale: Optional[float] = None, backend: str = "auto",
-              dropout_p: float = 0.0) -> torch.Tensor:
+              dropout_p: float = 0.0, token_index: Optional[tuple] = None) -> torch.Tensor:
     """Multi-head attention with GQA/MQA, causal and sliding-window masks, ALiBi, an additive
     bias and score soft-capping.
 
@@ -57,16 +62,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         scale: score scale, default ``1 / sqrt(head_dim)``.
         backend: ``auto`` | ``eager`` | ``sdpa`` | ``triton``.
         dropout_p: attention dropout probability (``eager``/``sdpa`` only).
+        token_index: ``(query_index (seq_q,), key_index (seq_k,))`` long token indices that place
+            the queries and keys for the masks and ALiBi (module doc); None: the usual layout.
 
     Returns:
         ``(batch, n_heads, seq_q, head_dim_v)`` in ``q``'s dtype.
     """
-    _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p)
+    _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if backend == "auto":
         widest = max(q.shape[-1], v.shape[-1])
         fused_ok = q.is_cuda and dropout_p == 0.0 and widest <= MAX_TRITON_HEAD_DIM
         backend = "triton" if fused_ok else "sdpa"
+    if token_index is not None:
+        # Explicit indices: the masks and ALiBi become one additive bias every backend takes.
+        bias = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, token_index)
+        causal, sliding_window, alibi_slopes = False, None, None
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (batch | 1, heads | 1, Sq, Sk)
+        if backend == "sdpa" and softcap is None:
+            return _masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p)
     if backend == "triton":
         if dropout_p > 0.0:
             raise ValueError(f"backend='triton' does not implement attention dropout (got "
@@ -92,9 +106,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                   dropout_p)
 
 
-def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p):
+def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index=None):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if token_index is not None:
+        if (not isinstance(token_index, tuple) or len(token_index) != 2
+                or tuple(token_index[0].shape) != (q.shape[2],) or tuple(token_index[1].shape) != (k.shape[2],)):
+            raise ValueError(f"token_index must be (query_index ({q.shape[2]},), key_index ({k.shape[2]},)) tensors")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape "
@@ -140,25 +158,30 @@ def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropou
                              f"(batch, n_heads, seq_q, seq_k) = {target}")
 
 
-def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int], device):
+def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int], device, token_index=None):
     """Boolean ``(seq_q, seq_k)`` keep-mask (None when everything is visible) and the
-    ``(seq_q, seq_k)`` distance ``pos_q - pos_k``."""
-    pos_q = torch.arange(seq_q, device=device) + (seq_k - seq_q)  # queries are the last seq_q
-    dist = pos_q[:, None] - torch.arange(seq_k, device=device)[None, :]  # (seq_q, seq_k)
+    ``(seq_q, seq_k)`` distance ``pos_q - pos_k`` (``token_index``: see the module doc)."""
     keep = None
+    if token_index is not None:
+        pos_q, pos_k = token_index
+        keep = (pos_k >= 0)[None, :].expand(seq_q, seq_k)  # empty slots are never visible
+    else:
+        pos_q = torch.arange(seq_q, device=device) + (seq_k - seq_q)  # queries are the last seq_q
+        pos_k = torch.arange(seq_k, device=device)
+    dist = pos_q[:, None] - pos_k[None, :]  # (seq_q, seq_k)
     if causal:
-        keep = dist >= 0
+        keep = dist >= 0 if keep is None else keep & (dist >= 0)
     if sliding_window is not None:
         in_window = dist < sliding_window
         keep = in_window if keep is None else keep & in_window
     return keep, dist
 
 
-def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype):
+def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype, token_index=None):
     """Bias + ALiBi + masks as one additive ``dtype`` tensor broadcastable to (B, H, Sq, Sk), or
     None when there is nothing to add."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device)
+    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device, token_index)
     add = None
     if bias is not None:
         add = bias.to(dtype)
@@ -209,6 +232,12 @@ def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p)
     add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype)
     if add is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
+    return _masked_sdpa(q, k, v, add, scale, dropout_p)
+
+
+def _masked_sdpa(q, k, v, add, scale, dropout_p):
+    """SDPA under an additive mask ``add``, rows with no visible key returning 0."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     dead = _dead_rows(add)
     add = torch.where(dead, 0.0, add)  # SDPA would return NaN on rows with no visible key
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p,
