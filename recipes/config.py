@@ -319,6 +319,8 @@ class SampleSection(_Section):
     temperature: float = Field(0.8, ge=0, description="0 is greedy.")
     top_k: Optional[int] = Field(200, ge=1, description="Sample among the k likeliest tokens (null: all).")
     top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling (null: off).")
+    compile: bool = Field(False, description="Decode with a torch.compile'd one-token step over a static KV cache "
+                          "(pays off for many tokens from a small model; the first sample pays the compile).")
 
 
 #: recipe ``task`` -> "module:class" of its recipe schema (the LM's is :class:`Recipe` itself)

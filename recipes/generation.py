@@ -33,10 +33,11 @@ class TextStreamer:
 @torch.no_grad()
 def stream(model, tokenizer, prompt: str, out: TextIO, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
-           generator: torch.Generator | None = None) -> list[int]:
+           generator: torch.Generator | None = None, compile: bool = False) -> list[int]:
     """Continue ``prompt``, writing text to ``out`` as it is decoded; returns the new token ids.
 
     Past the model's ``max_seq_len`` the context slides: it is re-encoded from its last half.
+    ``compile``: decode with ``generate(..., compile=True)`` (a compiled one-token step).
     """
     device = next(model.parameters()).device
     max_len = model.spec.max_seq_len if getattr(model, "spec", None) is not None else None
@@ -52,11 +53,13 @@ def stream(model, tokenizer, prompt: str, out: TextIO, max_new_tokens: int, temp
         count = min(max_new_tokens - len(new), room)
         input_ids = torch.tensor([context], device=device)  # (1, seq)
         if num_beams > 1:
-            out_ids = model.generate(input_ids, count, num_beams=num_beams)[0, len(context) :].tolist()
+            out_ids = model.generate(input_ids, count, num_beams=num_beams, compile=compile)[0, len(context) :]
+            out_ids = out_ids.tolist()
             out.write(tokenizer.decode(ids + out_ids)[len(tokenizer.decode(ids)) :])
         else:
             streamer = TextStreamer(tokenizer, out, ids)
-            out_ids = model.generate(input_ids, count, streamer=streamer, generator=generator, **sampling)
+            out_ids = model.generate(input_ids, count, streamer=streamer, generator=generator, compile=compile,
+                                     **sampling)
             out_ids = out_ids[0, len(context) :].tolist()
             tail = tokenizer.decode(ids + out_ids)[len(tokenizer.decode(ids)) :]
             out.write(tail[streamer.written :])

@@ -462,5 +462,6 @@ def print_samples(model, tokenizer, recipe: Recipe) -> None:
         torch.manual_seed(generator_seed)
         sys.stdout.write(prompt)
         stream(model, tokenizer, prompt, sys.stdout, max_new_tokens=settings.max_new_tokens,
-               temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+               temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+               compile=settings.compile)
         print(flush=True)

@@ -99,18 +99,27 @@ def test_yardstick_loop_learns_and_times_its_intervals():
     assert result["val"][1][2] >= sum(s for _, s in result["intervals"])
 
 
-def test_generate_benchmark_decodes_the_same_tokens_as_transformers(tmp_path, capsys):
+def test_generate_benchmark_decodes_the_same_tokens_as_transformers(tmp_path, capsys, monkeypatch):
     """benchmarks/generate.py on one short run: both sides decode from the same imported weights
-    and the rows it reports hold rates, a ratio and identical tokens."""
+    and the rows it reports hold rates, ratios (compiled and eager), compile seconds and identical
+    tokens. The compiled step is traced by Dynamo only here (Inductor's code generation costs tens
+    of seconds; tests/test_static_decode.py runs it under ``-m slow``)."""
     pytest.importorskip("transformers")
     from generate import bench, make_models
 
+    from blocks import generation
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(generation, "_COMPILED_STEP", torch.compile(
+        generation._compiled_decode_step, backend="eager", fullgraph=True, dynamic=False))
     rows = bench("gpt2", [1, 2], prompt_len=4, new_tokens=6, repeats=1)
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
         assert row["identical"], row.get("first_difference")
         assert row["ours_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
         assert row["ratio"] == pytest.approx(row["ours_tokens_per_s"] / row["transformers_tokens_per_s"])
+        assert row["eager_ratio"] == pytest.approx(row["ours_eager_tokens_per_s"] / row["transformers_tokens_per_s"])
+        assert row["compile_seconds"] > 0  # each batch's warm-up compiled its step
     assert "gpt2   batch  2" in capsys.readouterr().out
     ours, theirs = make_models("llama", tmp_path)  # the other family: same function on the same weights
     ids = torch.randint(0, 8192, (2, 5))

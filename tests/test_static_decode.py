@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_helpers import checkpoint  # noqa: F401  (a fixture: a trained tiny LM checkpoint)
 
 from blocks import generation
 from blocks.cache import KVCache
@@ -204,3 +205,13 @@ def test_inductor_compiled_generate_equals_eager(name):
     model = _model(spec)
     prompt = torch.randint(0, spec.vocab_size, (2, 6), generator=torch.Generator().manual_seed(7))
     assert torch.equal(model.generate(prompt, 24, compile=True), model.generate(prompt, 24))
+
+
+def test_builder_generate_compile_prints_the_eager_text(capsys, checkpoint, dynamo_only):  # noqa: F811  (the fixture)
+    from hostile_helpers import cli
+
+    argv = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu"]
+    eager = cli(capsys, "generate", checkpoint, *argv)
+    compiled = cli(capsys, "generate", checkpoint, *argv, "--compile")
+    assert eager.status == compiled.status == 0, compiled.text
+    assert compiled.out == eager.out and compiled.out.startswith("def ")

@@ -13,7 +13,7 @@ from builder.commands.common import add_plugin_option, load_plugins_from_args
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
 #: the options each task's generate reads (the others are refused, not ignored)
 OPTIONS = {
-    "lm": ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed"),
+    "lm": ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile"),
     "translation": ("num_beams",),
     "classification": (),
 }
@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "eval.num_beams)")
     parser.add_argument("--seed", type=count(minimum=0, maximum=MAX_SEED), default=None,
                         help="seed the sampler for a repeatable sample (default: a new sample each run)")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="decode with a torch.compile'd one-token step over a static KV cache: faster per "
+                        "token for small models and long outputs, after a compile of several seconds")
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     add_plugin_option(parser)
 
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         temperature = 0.0 if args.num_beams > 1 else args.temperature
         sys.stdout.write(args.prompt)
         stream(model, tokenizer, args.prompt, sys.stdout, args.max_new_tokens, temperature=temperature,
-               top_k=args.top_k, top_p=args.top_p, num_beams=args.num_beams, generator=generator)
+               top_k=args.top_k, top_p=args.top_p, num_beams=args.num_beams, generator=generator,
+               compile=bool(args.compile))
         sys.stdout.write("\n")
     except (RecipeError, PluginError, ValueError) as exc:
         print(f"\nbuilder generate: {exc}", file=sys.stderr)
