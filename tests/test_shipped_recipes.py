@@ -16,7 +16,8 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 TRAINER = {"trainer.max_steps": 3, "trainer.val_check_interval": 3, "trainer.limit_val_batches": 2,
            "trainer.checkpoint_every_n_steps": 3, "trainer.log_every_n_steps": 1, "trainer.max_time": None,
-           "trainer.accelerator": "cpu", "trainer.devices": 1}
+           "trainer.accelerator": "cpu", "trainer.devices": 1,
+           "trainer.compile": False}  # a cold compile is ~25 s; compiled runs are tests/test_speed.py's
 ENCODER = {"d_model": 32, "max_seq_len": 32, "position.max_positions": 32, "encoder.n_layers": 1,
            "encoder.attention.n_heads": 2, "encoder.ffn.hidden_dim": 64}
 #: recipe -> (spec overrides, recipe overrides): a model and data small enough for seconds on a CPU

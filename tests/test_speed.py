@@ -125,6 +125,7 @@ def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
                                torch.tensor([x for _, x in history(eager)["train"]]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ~30 s: a cold compile of each layer (the model-mode run above is the default suite's)
 def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
     from recipes.speed import compile_layers
     from recipes.train import run
@@ -183,3 +184,44 @@ def test_a_run_says_why_it_trains_in_fp32(tmp_path, capsys, monkeypatch):
     assert "precision auto: fp32; this CPU has neither AMX nor AVX512-BF16" in out
     meta = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["builder"]
     assert meta["recipe"]["trainer"]["precision"] == "32"  # the checkpoint records what ran
+
+
+_FAULTS_PER_STEP = """
+import resource, sys, torch
+from recipes.speed import keep_host_memory
+kept = keep_host_memory() if sys.argv[1] == "keep" else None
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(128), torch.nn.Linear(128, 512), torch.nn.GELU(),
+                              torch.nn.Linear(512, 128)) for _ in range(4)])
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(768, 128)
+def step():  # activations of 0.4-1.5 MiB, over glibc's 128 KiB mmap threshold, freed at the end
+    model(x).square().mean().backward(); opt.step(); opt.zero_grad()
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+print(kept is not None, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="glibc mallopt: Linux only")
+def test_keep_host_memory_stops_each_step_faulting_its_activations_back_in():
+    import subprocess
+    import sys
+
+    def faults(mode: str, **env) -> tuple[bool, float]:
+        done = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP, mode], capture_output=True, text=True,
+                              check=True, env={**__import__("os").environ, **env})
+        kept, per_step = done.stdout.split()
+        return kept == "True", float(per_step)
+
+    kept, tuned = faults("keep")
+    if not kept:
+        pytest.skip("not glibc: keep_host_memory leaves the allocator as it is")
+    _, default = faults("default")
+    assert default > 150, default  # each step's activations unmapped and faulted back in, page by page
+    assert tuned * 4 < default, (tuned, default)
+    opted_out, _ = faults("keep", BUILDER_HOST_MALLOC="system")
+    assert not opted_out
