@@ -11,6 +11,13 @@ A cross-attending layer adds its cross-attention's layout over the ``S`` source 
 projected once from the encoder output. ``builder.memory.kv_cache_bytes`` sums the same
 layouts, so ``describe`` and ``generate`` agree to the byte (see ``blocks.cache``).
 
+Steps: the prompt is fed at once (the prefill, the model's forward), then each new token is one
+static step (``TransformerStack.step``) whose shapes never change: it writes its cache slot at a
+position tensor and attends over whole buffers under masks built from each slot's token index.
+``compile=True`` runs that step as one ``torch.compile`` graph (compiled once per model, batch
+and cache size). A stack with an attention block that does not declare ``static_decode``
+(``blocks.attention``'s protocol) feeds each token through the forward instead.
+
 ``generate`` semantics (mirroring Hugging Face): greedy unless sampling is asked for.
 ``do_sample=None`` (the default) samples exactly when ``temperature`` (other than 0),
 ``top_k`` or ``top_p`` is given; ``temperature=0`` is always greedy; an explicit ``do_sample``
