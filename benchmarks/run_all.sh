@@ -6,8 +6,7 @@
 #
 # Stages and their wall time on the 2-core development machine (quiet; about 90 minutes in all):
 #   generate      ~3 min   decode tokens/s against transformers, tiny Llama and GPT-2, batch 1 and 8
-#   shakespeare   ~22 min  recipe vs the plain-PyTorch yardstick, 2000 steps, seeds 1337 7 42; --ablate: and
-#                          the recipe with glibc's default malloc
+#   shakespeare   ~15 min  recipe vs the plain-PyTorch yardstick, 2000 steps, seeds 1337 7 42
 #   translate-sbs ~8 min   translation tokens/s: recipe vs yardstick_seq2seq.py, 300 steps x 2 rounds
 #   translate-10  ~17 min  10 training minutes (greedy BLEU every minute), then averaged checkpoints + beam 4
 #   translate-30  ~45 min  30 training minutes (greedy BLEU every 5 minutes), then the same final evaluation
@@ -36,7 +35,7 @@ run() {  # run STAGE COMMAND...: the command's output to the screen and OUT/STAG
 for stage in $stages; do
     case $stage in
         generate) run generate "$py" "$here/generate.py" --json "$out/generate-full.json" ;;
-        shakespeare) run shakespeare "$py" "$here/shakespeare_char.py" --seeds 1337 7 42 --ablate --json "$out/shakespeare-full.json" ;;
+        shakespeare) run shakespeare "$py" "$here/shakespeare_char.py" --seeds 1337 7 42 --json "$out/shakespeare-full.json" ;;
         translate-sbs) run translate-sbs "$py" "$here/translate_multi30k.py" --side-by-side --steps 300 --rounds 2 ;;
         translate-10) run translate-10 "$py" "$here/translate_multi30k.py" --minutes 10 --eval-every 1 \
                           --output-dir "$out/translate-10" ;;

@@ -1,6 +1,6 @@
 """nanoGPT's CPU shakespeare_char run: the recipe against a plain-PyTorch yardstick, side by side.
 
-    python benchmarks/shakespeare_char.py [--seeds 1337 7 42] [--max-steps 2000] [--ablate] [--json FILE]
+    python benchmarks/shakespeare_char.py [--seeds 1337 7 42] [--max-steps 2000] [--json FILE]
 
 For each seed, in alternating order (yardstick first for the first seed, recipe first for the
 second, ...), each in a fresh process on the same machine in the same minutes:
@@ -16,9 +16,6 @@ the same optimizer, schedule and clipping, and start from the same weights (the 
 init, copied into the yardstick's layout; ``--own-init`` gives the yardstick its own draw of the
 same distribution). Timing leaves out process start and setup; it includes validation, and for
 the recipe its compilation, checkpoints and logs.
-
-``--ablate`` adds a third run per seed: the recipe with glibc's default malloc
-(``BUILDER_HOST_MALLOC=system``; ``recipes.speed.keep_host_memory`` is the lever it takes away).
 
 Printed: tokens/s (median over 10-step intervals), compile seconds, wall seconds for the whole
 run, final validation loss, and the wall seconds to reach the yardstick's median final loss,
@@ -155,12 +152,7 @@ def recipe_worker(seed: int, max_steps: int | None) -> dict:
 # -- the side-by-side driver ------------------------------------------------------------------------
 
 
-#: the runs --ablate adds: name -> (worker, environment)
-ABLATIONS = {"recipe-sysmalloc": ("recipe", {"BUILDER_HOST_MALLOC": "system"})}
-
-
 def run_worker(which: str, seed: int, args) -> dict:
-    which, extra_env = ABLATIONS.get(which, (which, {}))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     command = [sys.executable, __file__, "--worker", which, "--seed", str(seed), "--result", str(out)]
@@ -170,7 +162,7 @@ def run_worker(which: str, seed: int, args) -> dict:
         command.append("--own-init")
     if args.threads:
         command += ["--threads", str(args.threads)]
-    env = dict(os.environ, **extra_env, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     started = time.perf_counter()
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
@@ -208,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-init", action="store_true", help="the yardstick draws its own initial weights")
     parser.add_argument("--threads", type=int, help="torch threads in both (default: torch's, one per core); 1 "
                         "gives steadier ratios on a machine other work shares")
-    parser.add_argument("--ablate", action="store_true", help="also run the recipe with glibc's default malloc")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=["yardstick", "recipe"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -230,19 +221,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
-    runs: dict[str, list[dict]] = {"yardstick": [], "recipe": [], **{name: [] for name in ABLATIONS if args.ablate}}
+    runs: dict[str, list[dict]] = {"yardstick": [], "recipe": []}
     for i, seed in enumerate(args.seeds):
-        order = list(runs) if i % 2 == 0 else list(reversed(runs))
-        for which in order:
+        for which in (("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick")):
             result = run_worker(which, seed, args)
             result["seed"] = seed
             runs[which].append(result)
-            print(f"seed {seed:5d} {which:16s}: val {result['val'][-1][1]:.4f}, {result['tokens_per_s']:8,.0f} tokens/s, "
+            print(f"seed {seed:5d} {which:9s}: val {result['val'][-1][1]:.4f}, {result['tokens_per_s']:8,.0f} tokens/s, "
                   f"{result['wall_seconds']:6.1f} s training (compile {result['compile_seconds']:.1f} s)", flush=True)
 
     target = statistics.median(r["val"][-1][1] for r in runs["yardstick"])
     rows = []
-    for which in runs:
+    for which in ("yardstick", "recipe"):
         for r in runs[which]:
             r["seconds_to_target"] = seconds_to(r["val"], target)
     pairs = list(zip(runs["yardstick"], runs["recipe"]))
@@ -257,9 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         "median_wall_seconds": {w: statistics.median(r["wall_seconds"] for r in runs[w]) for w in runs},
         "median_seconds_to_target": {w: median_or_none([r["seconds_to_target"] for r in runs[w]]) for w in runs},
         "median_compile_seconds": statistics.median(r["compile_seconds"] for r in runs["recipe"]),
-        **({"ablation_tokens_per_s_ratio": {
-            name: statistics.median(rec["tokens_per_s"] / abl["tokens_per_s"] for rec, abl in zip(runs["recipe"], runs[name]))
-            for name in ABLATIONS if name in runs}} if args.ablate else {}),
         "runs": runs,
     }
     to_target = summary["median_seconds_to_target"]
@@ -269,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     summary["wall_ratio"] = summary["median_wall_seconds"]["yardstick"] / summary["median_wall_seconds"]["recipe"]
 
     print(f"\nside by side on {summary['machine']}; target = the yardstick's median final val loss {target:.4f}")
-    print(f"{'':16s} {'final val (mean)':>16s} {'tokens/s (median)':>18s} {'run s (median)':>15s} "
+    print(f"{'':10s} {'final val (mean)':>16s} {'tokens/s (median)':>18s} {'run s (median)':>15s} "
           f"{'s to target (median)':>21s} {'compile s':>10s}")
-    for w in runs:
+    for w in ("yardstick", "recipe"):
         reached = to_target[w]
         rows.append(w)
-        print(f"{w:16s} {summary['mean_final_val'][w]:16.4f} {summary['median_tokens_per_s'][w]:18,.0f} "
+        print(f"{w:10s} {summary['mean_final_val'][w]:16.4f} {summary['median_tokens_per_s'][w]:18,.0f} "
               f"{summary['median_wall_seconds'][w]:15.1f} {('%.1f' % reached) if reached else 'not reached':>21s} "
               f"{statistics.median(r['compile_seconds'] for r in runs[w]):10.1f}")
     ratio = summary["time_to_target_ratio"]
@@ -282,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{s:.2f}' for s in speedups)}); whole run {summary['wall_ratio']:.2f}x faster; to target "
           f"{f'{ratio:.2f}x faster' if ratio else 'n/a'} (compile counted); final val loss "
           f"{summary['mean_final_val']['recipe'] - summary['mean_final_val']['yardstick']:+.4f} (recipe - yardstick)")
-    for name, ratio in summary.get("ablation_tokens_per_s_ratio", {}).items():
-        print(f"recipe / {name} tokens/s: {ratio:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

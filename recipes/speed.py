@@ -80,49 +80,6 @@ def resolve_precision(precision: str, accelerator: str) -> tuple[str, str | None
     return precision, None
 
 
-# -- host memory ----------------------------------------------------------------------------------
-
-#: glibc's ``mallopt`` parameters (malloc.h): serve blocks up to this size from the heap, and keep
-#: up to this much freed memory at its top instead of handing it back to the kernel
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_BYTES = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit systems
-_TRIM_BYTES = 1 << 30
-
-_host_memory_kept = False
-
-
-def keep_host_memory() -> str | None:
-    """Make the C allocator keep freed memory for the next step instead of returning it to the
-    kernel (glibc ``mallopt``: blocks up to 32 MiB from the heap, its top trimmed past 1 GiB only). Returns what was done, or
-    None where nothing was (not glibc, or ``BUILDER_HOST_MALLOC=system``).
-
-    Why: with glibc's defaults every step of a small model on a CPU unmaps the activations it
-    frees (blocks over 128 KiB come from ``mmap``, the heap's top is trimmed past 128 KiB) and
-    page-faults them back in the next step: ~700 minor faults and ~7 ms of kernel time per step
-    of nanoGPT's shakespeare_char model on 2 cores, a sixth of the step
-    (``benchmarks/shakespeare_char.py --ablate`` measures it). PyTorch's CPU allocator calls
-    ``malloc``; Intel's tuning guides preload jemalloc or tcmalloc for the same reason. The cost:
-    memory freed by the run stays with the process (its peak, which the run needed anyway)."""
-    global _host_memory_kept
-    import ctypes
-    import os
-
-    if os.environ.get("BUILDER_HOST_MALLOC", "").lower() == "system":
-        return None
-    if _host_memory_kept:
-        return "kept"
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only (not musl, not macOS)
-    except (OSError, AttributeError):
-        return None
-    gnu_get_libc_version.restype = ctypes.c_char_p
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES)):
-        return None
-    _host_memory_kept = True
-    return f"glibc {gnu_get_libc_version().decode()} malloc keeps freed memory for reuse"
-
-
 # -- optimizer ------------------------------------------------------------------------------------
 
 

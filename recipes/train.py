@@ -32,7 +32,7 @@ from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
-from recipes.speed import compile_layers, compile_mode, compiling, eager, keep_host_memory, on_cuda, resolve_precision
+from recipes.speed import compile_layers, compile_mode, compiling, eager, resolve_precision
 from recipes.tokenizer import build_tokenizer
 
 #: recipe precision (``auto`` resolved by ``for_this_machine``) -> Lightning's name for it
@@ -129,8 +129,6 @@ def for_this_machine(recipe: Recipe) -> Recipe:
     precision, note = resolve_precision(recipe.trainer.precision, recipe.trainer.accelerator)
     if note:
         say(note)
-    if not on_cuda(recipe.trainer.accelerator):
-        keep_host_memory()  # no page faults for each step's activations (recipes.speed)
     return recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"precision": precision})})
 
 
