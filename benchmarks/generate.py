@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -142,15 +144,6 @@ def bench(family: str, batches: list[int], prompt_len: int, new_tokens: int, rep
               f"{rate['transformers']:8,.0f} tokens/s; compile {compile_seconds:.1f} s; tokens "
               f"{'identical' if row['identical'] else 'DIFFER: ' + row['first_difference']}", flush=True)
     return rows
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()} cores, {model}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "shakespeare-char.yaml"
 # the data comes through the dataset registry (recipes/datasets.py): BUILDER_DATA, else a checkout's
@@ -182,15 +184,6 @@ def median_or_none(values: list) -> float | None:
     """The median, a run that never got there counting as slower than every one that did."""
     ordered = sorted(values, key=lambda v: math.inf if v is None else v)
     return ordered[len(ordered) // 2]
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()} cores, {model}"
 
 
 def main(argv: list[str] | None = None) -> int:
