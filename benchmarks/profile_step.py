@@ -1,6 +1,6 @@
 """Where a training step of the shakespeare-char model goes, by ``torch.profiler``.
 
-    python benchmarks/profile_step.py [--steps 30] [--rows 12] [--threads N]
+    python benchmarks/profile_step.py [--steps 30] [--rows 12] [--threads N] [--rounds 15]
 
 The model ``recipes/shakespeare-char.yaml`` builds (nanoGPT's 4 x 128 GPT), its loss, backward and
 fused AdamW step on one micro-batch of 12 x 64 tokens, profiled over ``--steps`` steps after a
@@ -8,6 +8,14 @@ warm-up, two ways in one process: eager, and ``torch.compile`` of the loss (what
 ``trainer.compile: model`` runs; Inductor's kernels named in the table). For each: the ops by self CPU time (ms per step, share), the
 matrix multiplies' share and their GFLOP/s, and the minor page faults and kernel (system) CPU
 milliseconds per step from ``getrusage``.
+
+Then, unprofiled, the wall time of one step four ways, alternating 10-step chunks for
+``--rounds`` rounds in the same process (the median of each, and its ratio to the yardstick):
+the yardstick's step (``benchmarks/yardstick.py``, eager, AdamW ``foreach``), ours eager, ours
+compiled, and the **floor**: only the step's matrix multiplies (the yardstick's fused-QKV shapes,
+forward and both backward products) and its attention kernel forward and backward, nothing else.
+The floor bounds what any tool can reach in this precision on this machine: yardstick / floor is
+the largest possible speed-up over the yardstick with every other operation made free.
 
 What it shows on a 2-core CPU: the step is bound by fp32 matrix multiplies (``aten::mm``),
 so compilation can only remove the rest.
@@ -24,16 +32,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+VOCAB = 65  # tiny Shakespeare's characters
+
+
+def recipe_and_spec():
+    from recipes.config import load_recipe, model_spec
+
+    recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
+    recipe = load_recipe(recipe_file)
+    return recipe, model_spec(recipe, recipe_file, vocab_size=VOCAB)
+
+
 def build():
     import torch
     import torch.nn.functional as F
 
     from builder import build_model
-    from recipes.config import load_recipe, model_spec
 
-    recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
-    recipe = load_recipe(recipe_file)
-    spec = model_spec(recipe, recipe_file, vocab_size=65)
+    recipe, spec = recipe_and_spec()
     torch.manual_seed(0)
     model = build_model(spec)
     batch, seq = recipe.data.batch_size, recipe.data.seq_len
@@ -85,11 +101,88 @@ def profile(name: str, model, loss, tokens: int, steps: int, rows: int) -> None:
               f"{e.count / steps:10.1f}")
 
 
+def step_fns() -> tuple[dict, int]:
+    """The four steps :func:`side_by_side` times (see the module doc), and the tokens of one."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from yardstick import GPT, GPTConfig
+
+    recipe, spec = recipe_and_spec()
+    batch, seq, vocab = recipe.data.batch_size, recipe.data.seq_len, VOCAB
+    d, layers, heads = spec.d_model, spec.decoder.n_layers, spec.decoder.attention.n_heads
+    hidden, tokens = spec.decoder.ffn.hidden_dim, batch * seq
+
+    def with_optimizer(model, loss_fn, optimizer=None):
+        params = list(model.parameters())
+        optimizer = optimizer or torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+        def step():
+            loss_fn().backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    torch.manual_seed(0)
+    yard = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=d))
+    x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+
+    def yard_loss():
+        return yard(x, y)[1]
+
+    eager_model, eager_loss, _ = build()
+    compiled_model, compiled_loss, _ = build()
+    shapes = [(d, 3 * d), (d, d), (d, hidden), (hidden, d)] * layers + [(d, vocab)]
+    gemms = [(torch.randn(tokens, k), torch.randn(n, k), torch.randn(tokens, n)) for k, n in shapes]
+    qkv = [torch.randn(batch, heads, seq, d // heads, requires_grad=True) for _ in range(3)]
+    grad_out = torch.randn(batch, heads, seq, d // heads)
+
+    def floor():
+        for a, w, g in gemms:  # forward, grad of the input, grad of the weight
+            a @ w.t(), g @ w, g.t() @ a
+        for _ in range(layers):
+            out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+            torch.autograd.grad(out, qkv, grad_out)
+
+    return {
+        "yardstick (eager)": with_optimizer(yard, yard_loss, yard.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")),
+        "ours eager": with_optimizer(eager_model, eager_loss),
+        "ours compiled": with_optimizer(compiled_model, torch.compile(compiled_loss)),
+        "floor (matmuls + attention only)": floor,
+    }, tokens
+
+
+def side_by_side(rounds: int) -> None:
+    import statistics
+    import time
+
+    steps, tokens = step_fns()
+    for step in steps.values():  # warm-up, the compile included
+        for _ in range(5):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            for _ in range(10):
+                step()
+            times[name].append((time.perf_counter() - started) / 10 * 1e3)
+    base = statistics.median(times["yardstick (eager)"])
+    print(f"\nwall time per step, alternating 10-step chunks, median of {rounds} rounds:")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"  {name:34s} {median:6.1f} ms  ({tokens / median * 1e3:8,.0f} tokens/s)  {base / median:5.2f}x the yardstick")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of the side-by-side step timing")
     args = parser.parse_args(argv)
     import torch
     import torch._inductor.config as inductor
@@ -102,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     profile("eager", model, loss, tokens, args.steps, args.rows)
     model, loss, tokens = build()
     profile("compiled (trainer.compile: model)", model, torch.compile(loss), tokens, args.steps, args.rows)
+    side_by_side(args.rounds)
     return 0
 
 

@@ -3,7 +3,8 @@
 Two kinds, by where they act (``config.acts_on``):
 
 * ``embedding``: :class:`Sinusoidal` and :class:`Learned` return a ``(batch, seq, d_model)``
-  tensor that the stack adds to the token embeddings, from ``positions`` ``(batch, seq)``.
+  tensor that the stack adds to the token embeddings, from ``positions`` ``(batch, seq)``
+  (``(1, seq)`` when every row has the same positions: the sum broadcasts it).
 * ``attention``: the stack hands the block to every self-attention layer (through
   ``blocks.attention.AttentionInputs``), which calls its hooks, each a no-op in
   :class:`PositionModule`: ``rotate(q, k, positions)`` (:class:`Rope` rotates the rotary part

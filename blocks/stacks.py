@@ -70,11 +70,15 @@ class TransformerStack(nn.Module):
                     f"(batch, cached + new tokens) = {(batch, start + seq)}"
                 )
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (batch, seq)
+            shared = positions
         else:
-            positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
+            shared = torch.arange(start, start + seq, device=input_ids.device)[None]  # (1, seq): every row's
+            positions = shared.expand(batch, seq)
         position = self.position
         in_attention = position.acts_on == "attention"
-        x = self.embedding(input_ids, token_type_ids, None if in_attention else position(positions))
+        # Embedded once for rows that share their positions and broadcast in the sum: a learned
+        # table's backward then accumulates seq rows, not batch * seq (a few % of a small model's step).
+        x = self.embedding(input_ids, token_type_ids, None if in_attention else position(shared))
         inputs = AttentionInputs(start, seq, positions=positions, key_mask=attention_mask,
                                  position=position if in_attention else None)
         if cache is None:
