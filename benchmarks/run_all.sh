@@ -9,7 +9,7 @@
 #   shakespeare   ~15 min  recipe vs the plain-PyTorch yardstick, 2000 steps, seeds 1337 7 42
 #   translate-sbs ~8 min   translation tokens/s: recipe vs yardstick_seq2seq.py, 300 steps x 2 rounds
 #   translate-10  ~17 min  10 training minutes (greedy BLEU every minute), then averaged checkpoints + beam 4
-#   translate-30  ~45 min  30 training minutes (greedy BLEU every 5 minutes), then the same final evaluation
+#   translate-30  ~32 min  30 training minutes (greedy BLEU every 5 minutes), then the same final evaluation
 # Each stage prints its table or curve and writes OUT/<stage>.log and OUT/<stage>.json; the
 # machine line (cores, CPU model, load) is at the top of each log. Nothing else should run on
 # the machine meanwhile: every ratio is taken within one stage, but the absolute tokens/s and the
