@@ -11,7 +11,7 @@ milliseconds per step from ``getrusage``.
 
 Then, unprofiled, the wall time of one step four ways, alternating 10-step chunks for
 ``--rounds`` rounds in the same process (the median of each, and its ratio to the yardstick):
-the yardstick's step (``benchmarks/yardstick.py``, eager, AdamW ``foreach``), ours eager, ours
+the yardstick's step (``benchmarks/yardstick.py``, eager, nanoGPT's AdamW), ours eager, ours
 compiled, and the **floor**: only the step's matrix multiplies (the yardstick's fused-QKV shapes,
 forward and both backward products) and its attention kernel forward and backward, nothing else.
 The floor bounds what any tool can reach in this precision on this machine: yardstick / floor is
@@ -53,7 +53,7 @@ def build():
     torch.manual_seed(0)
     model = build_model(spec)
     batch, seq = recipe.data.batch_size, recipe.data.seq_len
-    x, y = torch.randint(0, 65, (batch, seq)), torch.randint(0, 65, (batch, seq))
+    x, y = torch.randint(0, VOCAB, (batch, seq)), torch.randint(0, VOCAB, (batch, seq))
 
     def loss():
         logits = model(x)  # (batch, seq, vocab)
