@@ -224,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['wall_seconds']:6.1f} s training (compile {result['compile_seconds']:.1f} s)", flush=True)
 
     target = statistics.median(r["val"][-1][1] for r in runs["yardstick"])
-    rows = []
-    for which in ("yardstick", "recipe"):
+    for which in runs:
         for r in runs[which]:
             r["seconds_to_target"] = seconds_to(r["val"], target)
     pairs = list(zip(runs["yardstick"], runs["recipe"]))
@@ -251,9 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nside by side on {summary['machine']}; target = the yardstick's median final val loss {target:.4f}")
     print(f"{'':10s} {'final val (mean)':>16s} {'tokens/s (median)':>18s} {'run s (median)':>15s} "
           f"{'s to target (median)':>21s} {'compile s':>10s}")
-    for w in ("yardstick", "recipe"):
+    for w in runs:
         reached = to_target[w]
-        rows.append(w)
         print(f"{w:10s} {summary['mean_final_val'][w]:16.4f} {summary['median_tokens_per_s'][w]:18,.0f} "
               f"{summary['median_wall_seconds'][w]:15.1f} {('%.1f' % reached) if reached else 'not reached':>21s} "
               f"{statistics.median(r['compile_seconds'] for r in runs[w]):10.1f}")
