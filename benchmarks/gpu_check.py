@@ -1,8 +1,9 @@
-"""The GPU check: FSDP2 in bf16 on a ~1B-parameter spec, memory against the estimate, and the
-attention kernels, in one table (under 8 minutes on one H200).
+"""The GPU check: FSDP2 in bf16 on a ~1B-parameter spec, memory against the estimate, the
+attention kernels, and every shipped recipe trained a few steps in its ``auto`` precision.
 
     python benchmarks/gpu_check.py                 # the check
-    python benchmarks/gpu_check.py --steps 10 --layers 4 --skip-attention   # a quick one
+    python benchmarks/gpu_check.py --steps 10 --layers 4 --skip-attention --recipe-steps 10   # a quick one
+    python benchmarks/gpu_check.py --skip-recipes  # the FSDP and kernel rows only (under 8 minutes on one H200)
     python benchmarks/gpu_check.py --cpu --steps 2 --layers 1 --seq-len 64 --batch 2   # the script's plumbing, no GPU
 
 It trains ``builder train``'s own recipe machinery (``trainer.strategy: fsdp``: the model built
@@ -18,15 +19,32 @@ standard library's source with a character vocabulary, then reports:
 * the Triton attention kernels against SDPA's flash backend on a causal training shape and a
   decode shape (``benchmarks/attention.py``'s measurements, checked for correctness first).
 
+Then every shipped recipe (``recipes/*.yaml``, the zoo's recipes) trains ``--recipe-steps`` steps
+(default 20) as ``builder train`` runs it, with ``trainer.precision: auto``, no ``max_time``, one
+validation at the end, a throughput interval of a fifth of the steps (the median leaves the warm-up
+and compilation out) and a temporary output folder: on one GPU, and on all of them under
+``strategy: ddp`` when there are several (with one GPU that row is left out, and the output says so).
+Each row is its own process (Lightning starts a DDP row's other ranks as copies of it) with a time
+limit, so one that fails or hangs fails alone. A row reports the precision ``auto`` resolved to,
+the steps done, whether the final training loss is finite, tokens/s (all devices, median interval)
+and ok, failed (with the error's one line) or ``skipped: no data``: the recipes fetch their data
+through the dataset registry (``recipes/datasets.py``: ``BUILDER_DATA``, else the user cache,
+downloading what is missing), and a machine that can neither find nor download it skips the recipe.
+
 Without CUDA it says so and exits 2 (``--cpu`` runs the same training on the CPU, without the
-GPU memory and kernel rows: a check of the script itself). The last line is JSON.
+GPU memory and kernel rows, and the recipe rows on the CPU, one device, 2 steps: a check of the
+script itself). It exits 1 when a kernel or a recipe row failed. The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +52,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if (REPO.parent / "shared" / "data").is_dir():  # a checkout's local data copies, else the download path
+    os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
+
+#: Lightning's launch variables, which the in-process FSDP run leaves in this process's environment:
+#: a child that inherits ``LOCAL_RANK`` takes itself for a rank started by a launcher and starts no others
+LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: seconds one recipe row may take (a hung DDP rendezvous fails its row, not the whole check)
+ROW_TIMEOUT = 600
 
 
 def spec(layers: int) -> dict:
@@ -110,6 +136,119 @@ def attention() -> list[dict]:
     return rows
 
 
+def shipped_recipes() -> list[str]:
+    """The zoo's recipes by name (``recipes/*.yaml``)."""
+    from builder.zoo import entries
+
+    return [e.name for e in entries().values() if e.kind == "recipe"]
+
+
+def recipe_overrides(folder: Path, steps: int, devices: int, cpu: bool) -> dict:
+    """What a recipe row forces (the module doc); ``devices`` above 1 under DDP."""
+    return {"trainer.precision": "auto", "trainer.max_time": None, "trainer.max_steps": steps,
+            "trainer.val_check_interval": steps, "trainer.log_every_n_steps": max(1, steps // 5),
+            "trainer.accelerator": "cpu" if cpu else "cuda", "trainer.devices": devices,
+            **({"trainer.strategy": "ddp"} if devices > 1 else {}), "trainer.output_dir": str(folder / "run")}
+
+
+def recipe_worker(name: str, overrides: dict, result: Path) -> None:
+    """One recipe row, in its own process (a DDP row's other ranks run it too): ``recipes.train.run``
+    as ``builder train`` calls it; rank 0 writes what came of it to ``result``."""
+    from recipes.config import load_recipe
+    from recipes.datasets import DatasetError
+    from recipes.documents import recipe_path
+    from recipes.module import NonFiniteLossError
+    from recipes.train import for_this_machine, run
+
+    row: dict = {"precision": None, "steps": None, "train_loss": None, "finite": None, "tokens_per_s": None}
+    try:
+        path = recipe_path(name)
+        row["precision"] = for_this_machine(load_recipe(path, overrides), path, quiet=True).trainer.precision
+        summary = run(path, overrides, fresh=True, samples=False)
+        loss = summary["train_loss"]
+        row.update(steps=summary["steps"], train_loss=loss, finite=None if loss is None else math.isfinite(loss),
+                   tokens_per_s=summary["tokens_per_s"], status="ok")
+    except DatasetError as exc:  # not on disk and not downloadable here
+        row.update(status="skipped: no data", error=str(exc).splitlines()[0][:300])
+    except Exception as exc:  # noqa: BLE001  (the row fails alone; its one line says why)
+        text = (str(exc).strip().splitlines() or [""])[0]
+        row.update(status="failed", error=f"{type(exc).__name__}: {text}"[:300],
+                   finite=False if isinstance(exc, NonFiniteLossError) else None)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        result.write_text(json.dumps(row))
+
+
+def recipe_row(name: str, devices: int, steps: int, cpu: bool, tmp: Path) -> dict:
+    """One recipe row: :func:`recipe_worker` in a child process (working directory ``tmp``, where
+    the tokenizer caches go), killed with its ranks after :data:`ROW_TIMEOUT` seconds."""
+    folder = tmp / f"{name}-{devices}"
+    folder.mkdir()
+    result, log = folder / "result.json", folder / "output.txt"
+    command = [sys.executable, str(Path(__file__).resolve()), "--recipe-worker", name,
+               json.dumps(recipe_overrides(folder, steps, devices, cpu)), str(result)]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    started, timed_out = time.perf_counter(), False
+    with open(log, "wb") as out:
+        child = subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            child.wait(timeout=ROW_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(child.pid, signal.SIGKILL)  # its session: the DDP ranks Lightning started too
+            child.wait()
+    row = {"recipe": name, "devices": devices, "seconds": time.perf_counter() - started}
+    if result.is_file():
+        return row | json.loads(result.read_text())
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    error = (f"timed out after {ROW_TIMEOUT} s" if timed_out
+             else lines[-1].strip()[:300] if lines else f"exit status {child.returncode}")
+    return row | {"precision": None, "steps": None, "train_loss": None, "finite": None, "tokens_per_s": None,
+                  "status": "failed", "error": error}
+
+
+def recipes_section(args) -> tuple[list[dict], str | None]:
+    """Every shipped recipe on one device and, with several GPUs, on all of them; and a note on
+    the all-GPU rows when there are none."""
+    import torch
+
+    steps = args.recipe_steps or (2 if args.cpu else 20)
+    if args.cpu:
+        counts, note = [1], "all-device rows: not run with --cpu"
+    else:
+        gc.collect()
+        torch.cuda.empty_cache()  # the FSDP run's cached blocks, for the rows' processes
+        gpus = torch.cuda.device_count()
+        counts = [1, gpus] if gpus > 1 else [1]
+        note = None if gpus > 1 else "all-GPU rows: skipped, this machine has one GPU"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-recipes-") as tmp:
+        for name in shipped_recipes():
+            for devices in counts:
+                if rows and rows[-1]["recipe"] == name and rows[-1]["status"] == "skipped: no data":
+                    rows.append(dict(rows[-1], devices=devices, seconds=0.0))  # the same data is missing
+                    continue
+                rows.append(recipe_row(name, devices, steps, args.cpu, Path(tmp)))
+                r = rows[-1]
+                print(f"recipe {name} on {devices} device{'s' * (devices > 1)}: {r['status']} "
+                      f"({r['seconds']:.0f} s)", flush=True)
+    return rows, note
+
+
+def recipe_table(rows: list[dict], note: str | None) -> None:
+    print("\n| recipe | devices | precision (auto) | steps | final train loss | tokens/s | result |\n"
+          "|---|---|---|---|---|---|---|")
+    for r in rows:
+        finite = r["finite"]
+        loss = "n/a" if finite is None else f"{r['train_loss']:.3f} (finite)" if finite else "not finite"
+        steps = "n/a" if r["steps"] is None else r["steps"]
+        tokens = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
+        result = r["status"] + (f": {r['error']}" if r.get("error") else "")
+        print(f"| {r['recipe']} | {r['devices']} | {r['precision'] or 'n/a'} | {steps} | {loss} | {tokens} | {result} |")
+    if note:
+        print(f"\n{note}")
+
+
 def gib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
 
@@ -122,10 +261,18 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--skip-attention", action="store_true", help="leave out the attention kernel benchmark")
+    parser.add_argument("--recipe-steps", type=int, help="steps of each recipe row (default 20; 2 with --cpu)")
+    parser.add_argument("--skip-recipes", action="store_true", help="leave out the shipped recipes' rows")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU (a check of the script; no GPU rows)")
+    parser.add_argument("--recipe-worker", nargs=3, metavar=("RECIPE", "OVERRIDES", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("steps", "layers", "batch", "seq_len"):
-        if getattr(args, name) < 1:
+    if args.recipe_worker:
+        name, overrides, result = args.recipe_worker
+        recipe_worker(name, json.loads(overrides), Path(result))
+        return 0
+    for name in ("steps", "layers", "batch", "seq_len", "recipe_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
 
     import torch
@@ -147,6 +294,7 @@ def main(argv=None) -> int:
         est = estimates(path, vocab, args)
         kernels = [] if args.skip_attention or args.cpu else attention()
         device = "cpu" if args.cpu else torch.cuda.get_device_name()
+    recipe_rows, recipe_note = ([], None) if args.skip_recipes else recipes_section(args)
     peak = peak_flops(device, "bf16")
     tokens_per_s = summary.get("tokens_per_s")
     mfu = tokens_per_s * est["flops_per_token"] / peak if tokens_per_s and peak else None
@@ -181,13 +329,16 @@ def main(argv=None) -> int:
     print("\n| check | result | note |\n|---|---|---|")
     for name, value, note in rows:
         print(f"| {name} | {value} | {note} |")
+    if not args.skip_recipes:
+        recipe_table(recipe_rows, recipe_note)
     seconds = time.perf_counter() - started
     print(f"\n{seconds:.0f} s in all")
     print(json.dumps({"device": device, "params": est["params"], "steps": summary.get("steps"),
                       "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_estimate": est["memory"],
                       "max_memory_allocated": allocated, "seconds": seconds,
-                      "attention": [{k: v for k, v in r.items()} for r in kernels]}))
-    failed = [r for r in kernels if not r["ok"]]
+                      "attention": [{k: v for k, v in r.items()} for r in kernels],
+                      "recipes": recipe_rows, "recipes_note": recipe_note}))
+    failed = [r for r in kernels if not r["ok"]] + [r for r in recipe_rows if r["status"] == "failed"]
     return 1 if failed else 0
 
 

@@ -1,12 +1,14 @@
 """nanoGPT's CPU shakespeare_char run: the recipe against a plain-PyTorch yardstick, side by side.
 
-    python benchmarks/shakespeare_char.py [--seeds 1337 7 42] [--max-steps 2000] [--json FILE]
+    python benchmarks/shakespeare_char.py [--seeds 1337 7 42] [--max-steps 2000] [--set KEY=VALUE ...]
+                                          [--json FILE]
 
 For each seed, in alternating order (yardstick first for the first seed, recipe first for the
 second, ...), each in a fresh process on the same machine in the same minutes:
 
-* the **recipe**: ``builder train recipes/shakespeare-char.yaml`` as a user runs it (its compile,
-  its checkpoints and logging included), in a new output folder, so it pays a cold compile;
+* the **recipe**: ``builder train recipes/shakespeare-char.yaml`` as a user runs it (its precision,
+  compile, checkpoints and logging included), in a new output folder, so a compiled run pays a cold
+  compile; ``--set trainer.precision=32 --set trainer.compile=true`` measures another setting;
 * the **yardstick**: ``benchmarks/yardstick.py``, nanoGPT's model and loop written from the
   definitions in plain PyTorch (eager, fp32 on a CPU, AdamW ``foreach``; no code of this project).
 
@@ -138,13 +140,15 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
             "wall_seconds": result["val"][-1][2]}
 
 
-def recipe_worker(seed: int, max_steps: int | None) -> dict:
+def recipe_worker(seed: int, max_steps: int | None, settings: list[str]) -> dict:
     import torch
 
+    from builder.loader import parse_set_args
     from recipes.train import run
 
     with tempfile.TemporaryDirectory(prefix="shakespeare-char-") as tmp:
-        overrides = dict(_overrides(seed, max_steps), **{"trainer.output_dir": str(Path(tmp) / "run")})
+        overrides = dict(_overrides(seed, max_steps), **parse_set_args(settings),
+                         **{"trainer.output_dir": str(Path(tmp) / "run")})
         summary = run(RECIPE, overrides, fresh=True, samples=False)
         history = torch.load(summary["last"], map_location="cpu", weights_only=True)["builder"]["history"]
     return {"val": history["val"], "tokens_per_s": summary["tokens_per_s"],
@@ -164,6 +168,8 @@ def run_worker(which: str, seed: int, args) -> dict:
         command.append("--own-init")
     if args.threads:
         command += ["--threads", str(args.threads)]
+    for setting in args.set:
+        command += ["--set", setting]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     started = time.perf_counter()
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -193,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-init", action="store_true", help="the yardstick draws its own initial weights")
     parser.add_argument("--threads", type=int, help="torch threads in both (default: torch's, one per core); 1 "
                         "gives steadier ratios on a machine other work shares")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe field for the recipe's runs (as builder train --set)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=["yardstick", "recipe"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.worker == "yardstick":
             result = yardstick_worker(args.seed, args.max_steps, args.own_init)
         else:
-            result = recipe_worker(args.seed, args.max_steps)
+            result = recipe_worker(args.seed, args.max_steps, args.set)
         Path(args.result).write_text(json.dumps(result))
         return 0
 

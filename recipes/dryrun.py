@@ -158,7 +158,10 @@ def devices_line(recipe: Recipe) -> str:
         value = getattr(settings, field, None)
         if value is not None and settings.strategy == "fsdp":
             parts.append(f"{field} {value}")
-    parts.append(f"precision {settings.precision}")
+    from recipes.precision import resolve_precision
+
+    chosen, note = resolve_precision(settings.precision, settings.accelerator)
+    parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:
         parts.append("activation checkpointing")
     if settings.compile:
@@ -200,14 +203,17 @@ def batch_shape(recipe: Recipe, spec) -> tuple[int, int, str]:
 
 
 def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None):
-    """The spec's estimate under the recipe's trainer settings (precision, devices, strategy and
-    its layout, checkpointing), at ``seq_len`` tokens x ``batch`` sequences per device.
+    """The spec's estimate under the recipe's trainer settings (precision as this machine runs
+    it, devices, strategy and its layout, checkpointing), at ``seq_len`` tokens x ``batch``
+    sequences per device.
     ``devices``: per node (default: the recipe's count, 1 for ``auto``; a run passes what the
     machine gives it)."""
     from builder.estimates import estimate
+    from recipes.precision import resolve_precision
 
     settings = recipe.trainer
-    dtype = "bf16" if settings.precision.startswith("bf16") else "fp16" if settings.precision == "16-mixed" else "fp32"
+    precision, _ = resolve_precision(settings.precision, settings.accelerator)  # auto: what this machine runs
+    dtype = "bf16" if precision.startswith("bf16") else "fp16" if precision == "16-mixed" else "fp32"
     if devices is None:
         devices = settings.devices if isinstance(settings.devices, int) and settings.devices > 0 else 1
     sharded = settings.strategy == "fsdp"

@@ -129,19 +129,12 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
-class _MeshClipping:
+class MeshClipping:
+    """Gradient clipping across device meshes, for a Lightning precision plugin
+    (``recipes.precision.lightning_plugin``)."""
+
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         clip_grad_norm(list(self.main_params(optimizer)), clip_val)
-
-
-def precision_plugin(precision: str):
-    """Lightning's precision plugin under the sharded strategy: it clips across meshes and casts
-    nothing for bf16-mixed (FSDP2's policy does); bf16-true keeps bf16 parameters."""
-    from lightning.pytorch.plugins.precision import HalfPrecision, Precision
-
-    if precision == "bf16-true":
-        return type("ShardedHalfPrecision", (_MeshClipping, HalfPrecision), {})("bf16-true")
-    return type("ShardedPrecision", (_MeshClipping, Precision), {})()
 
 
 class ShardedStrategy(ModelParallelStrategy):

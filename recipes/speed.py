@@ -1,6 +1,6 @@
 """What makes a training step fast, in one place: ``torch.compile`` (its cache kept in the run
-folder, its time measured apart from the steps), fused AdamW, and bf16 where the hardware
-computes it natively.
+folder, its time measured apart from the steps) and fused AdamW. Precision (bf16 where the
+hardware computes it natively) is :mod:`recipes.precision`.
 
 Compilation (``trainer.compile``):
 
@@ -27,58 +27,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-# -- precision ------------------------------------------------------------------------------------
-
-
-def _cpuinfo_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_bf16() -> str | None:
-    """The instruction set this CPU computes bf16 matmuls with natively (``AMX`` or
-    ``AVX512-BF16``), or None: then bf16 is emulated and slower than fp32."""
-    capabilities = dict(torch.cpu.get_capabilities()) if hasattr(torch.cpu, "get_capabilities") else {}
-    flags = _cpuinfo_flags()
-    if capabilities.get("amx_bf16") or "amx_bf16" in flags:
-        return "AMX"
-    if capabilities.get("avx512_bf16") or "avx512_bf16" in flags:
-        return "AVX512-BF16"
-    return None
-
-
-def on_cuda(accelerator: str) -> bool:
-    """Whether Lightning's ``accelerator`` setting puts this run on a CUDA GPU."""
-    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-
-
-def resolve_precision(precision: str, accelerator: str) -> tuple[str, str | None]:
-    """The recipe's precision made concrete for this machine, and a line to print about it.
-
-    ``auto``: ``bf16-mixed`` on a GPU that supports bf16 and on a CPU with AMX or AVX512-BF16,
-    else ``32``. An explicit bf16 precision on a CPU without them is kept, with a warning."""
-    if on_cuda(accelerator):
-        if precision == "auto":
-            return ("bf16-mixed", None) if torch.cuda.is_bf16_supported() else ("32", None)
-        return precision, None
-    native = cpu_bf16()
-    if precision == "auto":
-        if native:
-            return "bf16-mixed", f"precision auto: bf16-mixed (this CPU has {native})"
-        return "32", ("precision auto: fp32; this CPU has neither AMX nor AVX512-BF16, so bf16 would be "
-                      "emulated and slower than fp32")
-    if precision.startswith("bf16") and not native:
-        return precision, (f"warning: precision {precision} on a CPU without AMX or AVX512-BF16 is emulated "
-                           "and slower than fp32; set trainer.precision: auto or 32 for speed")
-    return precision, None
-
 
 # -- optimizer ------------------------------------------------------------------------------------
 

@@ -32,12 +32,9 @@ from recipes.data import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
-from recipes.speed import compile_layers, compile_mode, compiling, eager, resolve_precision
+from recipes.precision import lightning_plugin, on_cuda, resolve_precision
+from recipes.speed import compile_layers, compile_mode, compiling, eager
 from recipes.tokenizer import build_tokenizer
-
-#: recipe precision (``auto`` resolved by ``for_this_machine``) -> Lightning's name for it
-PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed", "bf16-true": "bf16-true"}
-
 
 class _Quiet(logging.Filter):
     """Drops Lightning's advertising and chatter that says nothing about this run."""
@@ -123,13 +120,15 @@ def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, 
     return model, flops_per_token
 
 
-def for_this_machine(recipe: Recipe) -> Recipe:
-    """The recipe with ``trainer.precision`` made concrete for this machine (``auto`` resolved;
-    a line printed when the choice needs explaining)."""
-    precision, note = resolve_precision(recipe.trainer.precision, recipe.trainer.accelerator)
-    if note:
+def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
+    """The recipe with ``trainer.precision`` made concrete for this machine (``auto`` resolved by
+    ``recipes.precision.resolve_precision``; a line printed when the choice needs explaining,
+    unless ``quiet``)."""
+    settings = recipe.trainer
+    precision, note = resolve_precision(settings.precision, settings.accelerator)
+    if note and not quiet:
         say(note)
-    return recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"precision": precision})})
+    return recipe.model_copy(update={"trainer": settings.model_copy(update={"precision": precision})})
 
 
 def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -> dict:
@@ -166,15 +165,15 @@ def strategy_for(recipe: Recipe):
     return trainer.strategy
 
 
-def precision_and_plugins(recipe: Recipe) -> tuple[str | None, list]:
-    """Lightning's ``precision`` and ``plugins``: under ``strategy: fsdp`` our own precision plugin
-    (FSDP2's policy casts; gradients clip across meshes), else Lightning's and atomic checkpoint IO."""
+def plugins_for(recipe: Recipe) -> list:
+    """Lightning's plugins: the precision plugin (``recipes.precision``: it clips correctly under
+    every precision with fused AdamW; under ``strategy: fsdp`` FSDP2's policy casts and gradients
+    clip across meshes) and, unless the sharded strategy saves checkpoints itself, atomic IO."""
     settings = recipe.trainer
-    if settings.strategy == "fsdp":
-        from recipes.parallel import precision_plugin
-
-        return None, [precision_plugin(settings.precision)]  # the sharded strategy saves checkpoints itself
-    return PRECISION[settings.precision], [AtomicCheckpointIO()]
+    device = "cuda" if on_cuda(settings.accelerator) else "cpu"
+    sharded = settings.strategy == "fsdp"
+    plugin = lightning_plugin(settings.precision, device, sharded=sharded)
+    return [plugin] if sharded else [plugin, AtomicCheckpointIO()]
 
 
 def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | None = None) -> Path | None:
@@ -296,7 +295,6 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     included); ``callbacks`` go first. ``resume_step``: the step of the checkpoint a resumed run
     starts from (its logs continue the latest version, from that step)."""
     settings = recipe.trainer
-    precision, plugins = precision_and_plugins(recipe)
     return L.Trainer(
         max_steps=settings.max_steps,
         max_time=settings.max_time_delta(),
@@ -307,14 +305,13 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
         num_sanity_val_steps=0,
         gradient_clip_val=settings.gradient_clip_val,
         accumulate_grad_batches=settings.accumulate_grad_batches,
-        precision=precision,
         strategy=strategy_for(recipe),
         accelerator=settings.accelerator,
         devices=settings.devices,
         num_nodes=settings.num_nodes,
         logger=run_loggers(out, resume_step),
         callbacks=[*callbacks, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
-        plugins=plugins,
+        plugins=plugins_for(recipe),
         enable_checkpointing=False,
         enable_model_summary=False,
         use_distributed_sampler=False,

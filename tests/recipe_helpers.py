@@ -51,6 +51,7 @@ def tiny_recipe(tmp_path: Path, **sections) -> Path:
             "checkpoint_every_n_steps": 4,
             "log_every_n_steps": 2,
             "accelerator": "cpu",
+            "precision": "32",  # forced: `auto` differs by CPU (tests/test_precision.py covers both)
             "devices": 1,
             "output_dir": str(tmp_path / "run"),
         },

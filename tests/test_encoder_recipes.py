@@ -77,7 +77,7 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
         "tokenizer": {"vocab_size": 600},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
         "schedule": {"type": "constant", "warmup_steps": 10},
-        "trainer": {"accelerator": "cpu", "devices": 1, "log_every_n_steps": 10, "checkpoint_every_n_steps": 1000,
+        "trainer": {"accelerator": "cpu", "precision": "32", "devices": 1, "log_every_n_steps": 10, "checkpoint_every_n_steps": 1000,
                     "output_dir": str(tmp_path / name)},
     }
     for key, value in recipe.items():

@@ -59,7 +59,7 @@ def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_fr
         "optimizer": {"lr": 2e-3, "weight_decay": 0.0},
         "schedule": {"type": "constant", "warmup_steps": 5},
         "trainer": {"max_steps": 80, "val_check_interval": 40, "log_every_n_steps": 10, "accelerator": "cpu",
-                    "devices": 1, "output_dir": str(tmp_path / "run")},
+                    "precision": "32", "devices": 1, "output_dir": str(tmp_path / "run")},
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

@@ -1,5 +1,5 @@
 """The speed levers: torch.compile on every family (graph breaks counted), the compile cache in the
-run folder, fused AdamW, precision auto, bf16 detection."""
+run folder, fused AdamW (precision: tests/test_precision.py)."""
 
 from __future__ import annotations
 
@@ -145,42 +145,3 @@ def test_fused_adamw_where_torch_has_the_kernel():
     assert adamw([{"params": params}], lr=1e-3).defaults["fused"]
     ints = [torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]
     assert adamw([{"params": ints}], lr=1e-3).defaults["foreach"]
-
-
-def test_precision_auto_uses_bf16_only_where_the_cpu_has_it(monkeypatch):
-    from recipes import speed
-
-    monkeypatch.setattr(speed, "on_cuda", lambda accelerator: False)
-    monkeypatch.setattr(speed, "cpu_bf16", lambda: "AMX")
-    assert speed.resolve_precision("auto", "cpu") == ("bf16-mixed", "precision auto: bf16-mixed (this CPU has AMX)")
-    assert speed.resolve_precision("bf16-mixed", "cpu") == ("bf16-mixed", None)
-    monkeypatch.setattr(speed, "cpu_bf16", lambda: None)
-    precision, note = speed.resolve_precision("auto", "cpu")
-    assert precision == "32" and "neither AMX nor AVX512-BF16" in note
-    precision, note = speed.resolve_precision("bf16-mixed", "cpu")
-    assert precision == "bf16-mixed" and note.startswith("warning:") and "emulated" in note
-    assert speed.resolve_precision("32", "cpu") == ("32", None)
-
-
-def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
-    from recipes import speed
-
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {})
-    monkeypatch.setattr(speed, "_cpuinfo_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert speed.cpu_bf16() == "AVX512-BF16"
-    monkeypatch.setattr(speed, "_cpuinfo_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
-    assert speed.cpu_bf16() == "AMX"
-    monkeypatch.setattr(speed, "_cpuinfo_flags", lambda: {"avx2"})
-    assert speed.cpu_bf16() is None
-
-
-def test_a_run_says_why_it_trains_in_fp32(tmp_path, capsys, monkeypatch):
-    from recipes import speed
-    from recipes.train import run
-
-    monkeypatch.setattr(speed, "cpu_bf16", lambda: None)
-    run(tiny_recipe(tmp_path, trainer={"max_steps": 2}), samples=False)
-    out = capsys.readouterr().out
-    assert "precision auto: fp32; this CPU has neither AMX nor AVX512-BF16" in out
-    meta = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["builder"]
-    assert meta["recipe"]["trainer"]["precision"] == "32"  # the checkpoint records what ran

@@ -249,7 +249,7 @@ def test_a_task_run_stops_on_a_signal_the_same_way(tmp_path, capsys, monkeypatch
         "data": {"sources": ["python-stdlib"], "max_bytes": 40_000, "seq_len": 32, "batch_size": 4,
                  "cache_dir": str(tmp_path / "cache")},
         "trainer": {"max_steps": 4, "val_check_interval": 4, "limit_val_batches": 1, "accelerator": "cpu",
-                    "devices": 1, "output_dir": str(tmp_path / "run")},
+                    "precision": "32", "devices": 1, "output_dir": str(tmp_path / "run")},
     }))
     send_at(monkeypatch, 2, signal.SIGTERM)
     assert main(["train", str(recipe), "--no-samples"]) == 143

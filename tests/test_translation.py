@@ -218,7 +218,7 @@ def _recipe(tmp_path: Path, de: list[str], en: list[str], vocab_size: int = 400,
         "schedule": {"type": "constant", "warmup_steps": 10},
         "loss": {"label_smoothing": 0.0},
         "trainer": {"max_steps": 150, "val_check_interval": 1000, "checkpoint_every_n_steps": 1000,
-                    "log_every_n_steps": 10, "accelerator": "cpu", "devices": 1,
+                    "log_every_n_steps": 10, "accelerator": "cpu", "precision": "32", "devices": 1,
                     "output_dir": str(tmp_path / "run"), **trainer},
         "eval": {"num_beams": 2, "average_last": 2, "average_every_n_steps": 10, "bleu_at_validation": False},
     }
