@@ -28,8 +28,9 @@ Each row is its own process (Lightning starts a DDP row's other ranks as copies 
 limit, so one that fails or hangs fails alone. A row reports the precision ``auto`` resolved to,
 the steps done, whether the final training loss is finite, tokens/s (all devices, median interval)
 and ok, failed (with the error's one line) or ``skipped: no data``: the recipes fetch their data
-through the dataset registry (``recipes/datasets.py``: ``BUILDER_DATA``, else the user cache,
-downloading what is missing), and a machine that can neither find nor download it skips the recipe.
+through the dataset registry (``recipes/datasets.py``: ``BUILDER_DATA``, set here to a checkout's
+``../shared/data`` when there is one, else the user cache, downloading what is missing), and a
+machine that can neither find nor download it skips the recipe.
 
 Without CUDA it says so and exits 2 (``--cpu`` runs the same training on the CPU, without the
 GPU memory and kernel rows, and the recipe rows on the CPU, one device, 2 steps: a check of the
@@ -163,7 +164,7 @@ def recipe_worker(name: str, overrides: dict, result: Path) -> None:
     row: dict = {"precision": None, "steps": None, "train_loss": None, "finite": None, "tokens_per_s": None}
     try:
         path = recipe_path(name)
-        row["precision"] = for_this_machine(load_recipe(path, overrides), path, quiet=True).trainer.precision
+        row["precision"] = for_this_machine(load_recipe(path, overrides), quiet=True).trainer.precision
         summary = run(path, overrides, fresh=True, samples=False)
         loss = summary["train_loss"]
         row.update(steps=summary["steps"], train_loss=loss, finite=None if loss is None else math.isfinite(loss),

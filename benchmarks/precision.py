@@ -3,7 +3,7 @@ bf16 autocast, compiled and eager, and what ``trainer.precision: auto`` would pi
 
     python benchmarks/precision.py [--recipes shakespeare-char lm-stdlib] [--steps 200] [--rounds 2]
                                    [--variants 32:eager 32:compiled bf16-mixed:eager bf16-mixed:compiled]
-                                   [--json FILE]
+                                   [--set KEY=VALUE ...] [--json FILE]
 
 Each variant is ``builder train RECIPE`` as a user runs it, in a fresh process and a new output
 folder (so a compiled run pays its cold compile), with ``trainer.precision`` and
@@ -47,12 +47,14 @@ def variant_overrides(variant: str, steps: int) -> dict:
             "trainer.max_time": None, "schedule.decay_steps": steps, "trainer.val_check_interval": steps}
 
 
-def worker(recipe: str, variant: str, steps: int) -> dict:
+def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
+    from builder.loader import parse_set_args
     from recipes.documents import recipe_path
     from recipes.train import run
 
     with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
-        overrides = dict(variant_overrides(variant, steps), **{"trainer.output_dir": str(Path(tmp) / "run")})
+        overrides = dict(parse_set_args(settings), **variant_overrides(variant, steps),
+                         **{"trainer.output_dir": str(Path(tmp) / "run")})
         started = time.perf_counter()
         summary = run(recipe_path(recipe), overrides, fresh=True, samples=False)
     return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"],
@@ -60,10 +62,12 @@ def worker(recipe: str, variant: str, steps: int) -> dict:
             "train_loss": summary["train_loss"]}
 
 
-def run_worker(recipe: str, variant: str, steps: int) -> dict:
+def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     command = [sys.executable, __file__, "--worker", recipe, variant, str(steps), str(out)]
+    for setting in settings:
+        command += ["--set", setting]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
@@ -90,13 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant (default 2)")
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help=f"PRECISION:eager|compiled (default: "
                         f"{' '.join(VARIANTS)}); ratios are against {BASELINE}, which is added when missing")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe field for every run (as builder train --set), e.g. eval.max_sentences=100")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     if args.worker:
         recipe, variant, steps, result = args.worker
-        Path(result).write_text(json.dumps(worker(recipe, variant, int(steps))))
+        Path(result).write_text(json.dumps(worker(recipe, variant, int(steps), args.set)))
         return 0
     variants = list(dict.fromkeys([BASELINE, *args.variants]))
     for variant in variants:
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
             for variant in order:
-                result = run_worker(recipe, variant, args.steps)
+                result = run_worker(recipe, variant, args.steps, args.set)
                 runs[variant].append(result)
                 print(f"{recipe} round {round_ + 1} {variant:20s}: {result['tokens_per_s']:9,.0f} tokens/s, val "
                       f"{result['val_loss']:.4f}, compile {result['compile_seconds']:.1f} s, run "

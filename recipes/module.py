@@ -152,6 +152,10 @@ class LMModule(L.LightningModule):
         self._pending_steps = 0  # micro-batches in it
         self._pending_from = 0  # the step the first of them trained
         self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
+        self._rng_at_resume: dict | None = None  # the checkpoint's generator states (on_load_checkpoint)
+        # the generators as the last optimizer step left them: what a checkpoint records and what validation
+        # (whose loaders draw seeds) gives back, so a resumed run draws the dropout masks an unbroken one does
+        self._rng_after_step: dict | None = None
         self._train_losses = self._losses
         if compile_mode(recipe.trainer) == "model":
             self._train_losses = torch.compile(self._losses, dynamic=True if self.variable_shapes else None)
@@ -198,6 +202,8 @@ class LMModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         stepped = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
+        if stepped:
+            self._rng_after_step = rng_state()
         if stepped and self._log_step():
             if not self.flush_losses() and self.history["train"] and self.history["train"][-1][0] == self.global_step:
                 # read already by the checkpoint written at this step: logged now
@@ -245,6 +251,8 @@ class LMModule(L.LightningModule):
 
     def on_validation_end(self):
         torch.compiler.set_stance("default")
+        if self._rng_after_step is not None:  # validation's loaders drew seeds: training goes on as if it had not run
+            set_rng_state(self._rng_after_step)
 
     def wall_seconds(self) -> float:
         """Wall seconds of training so far, across resumes (validation included)."""
@@ -273,7 +281,8 @@ class LMModule(L.LightningModule):
             total = self._pending_mean_sum()
             self._pending = torch.full_like(self._pending, total)
             pending = {"sum": total, "steps": self._pending_steps, "from": self._pending_from}
-        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng_state(), elapsed=self.wall_seconds(),
+        rng = self._rng_after_step or rng_state()
+        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng, elapsed=self.wall_seconds(),
                                      pending_loss=pending)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -284,5 +293,11 @@ class LMModule(L.LightningModule):
         self._pending, self._carried, self._pending_steps = None, None, 0
         if pending:
             self._carried, self._pending_steps, self._pending_from = pending["sum"], pending["steps"], pending["from"]
-        if "rng" in saved:
-            set_rng_state(saved["rng"])
+        # restored at the first training batch, not now: the DataLoader's iterator, made after this
+        # hook, draws its base seed from the global generator, which the unbroken run did at step 0
+        self._rng_at_resume = saved.get("rng")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self._rng_at_resume is not None:
+            set_rng_state(self._rng_at_resume)  # dropout goes on where the checkpointed run left off
+            self._rng_at_resume = None

@@ -74,7 +74,7 @@ def _data(task: str, folder: Path) -> dict:
         return {"task": "classification",
                 "data": {"file": str(folder / "train.csv"), "validation": str(folder / "val.jsonl"), "max_len": 32,
                          "max_tokens": 256, "cache_dir": cache},
-                "tokenizer": {"vocab_size": 200},
+                "tokenizer": {"vocab_size": 320},
                 "model": {"spec": dict(copy.deepcopy(_ENCODER), head={"type": "classification"})}}
     if task == "translation":
         files = stand_in_files("multi30k")
