@@ -213,6 +213,7 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a failed write leaves no partial file
     try:
         save_weights(model, tmp, metadata=metadata)
+        user_mode(tmp)
         os.replace(tmp, out)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -221,6 +222,13 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
             raise CheckpointError(f"cannot write {out}: {write_reason(exc)}") from None
         raise
     return out
+
+
+def user_mode(path) -> None:
+    """Give a file the mode the user's umask makes for new files (safetensors writes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def write_reason(exc: Exception) -> str:

@@ -193,14 +193,31 @@ def internal_error(exc: BaseException) -> int:
 
     if os.environ.get("BUILDER_DEBUG", "") not in ("", "0"):
         traceback.print_exception(exc, file=sys.stderr)
-    # the exception's type and where it was raised in our code: its message could quote a file
+    # the exception's type, its message and where it was raised in our code
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if any(f"{os.sep}{package}{os.sep}" in f.filename for package in ("builder", "blocks", "kernels",
                                                                                  "recipes"))]
     where = f" in {_short(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
-    print(f"builder: internal error: {type(exc).__name__}{where}; please report it with `builder --version` "
-          "and the command (BUILDER_DEBUG=1 shows the traceback)", file=sys.stderr)
+    print(f"builder: internal error: {type(exc).__name__}{where}: {exception_message(exc)}; please report it with "
+          "`builder --version` and the command (BUILDER_DEBUG=1 shows the traceback)", file=sys.stderr)
     return INTERNAL_ERROR
+
+
+#: the most of an exception's message an internal-error line shows
+MESSAGE_CHARS = 200
+
+
+def exception_message(exc: BaseException) -> str:
+    """The exception's own message as one short line: its first line, cut at
+    :data:`MESSAGE_CHARS` characters, so a message that quotes an input (a YAML or JSON parser's
+    excerpt of a file) can show at most a fragment of one line of it, never the file."""
+    lines = str(exc).strip().splitlines()
+    first = " ".join(lines[0].split()) if lines else ""
+    if not first:
+        return "(no message)"
+    if len(first) > MESSAGE_CHARS or len(lines) > 1:
+        first = first[:MESSAGE_CHARS].rstrip() + " ..."
+    return first
 
 
 def _short(filename: str) -> str:

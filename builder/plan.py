@@ -365,10 +365,12 @@ TOKEN_BUDGET_TASKS = ("translation", "classification")
 
 
 def recipe_overrides(candidate: Candidate, *, seq_len: int, dtype: str, spec_path: str | None = None,
-                     spec_overrides: list[str] = (), task: str = "lm") -> list[str]:
+                     spec_overrides: list[str] = (), task: str = "lm", max_steps: int | None = None,
+                     output_dir: str | None = None) -> list[str]:
     """The ``--set KEY=VALUE`` values that make a recipe of ``task`` train with ``candidate``'s
     layout. A token-budget task gets micro-batches of ``micro_batch x seq_len`` tokens of
-    sequences no longer than ``seq_len``: at most the sequences the plan sized."""
+    sequences no longer than ``seq_len``: at most the sequences the plan sized. ``max_steps`` and
+    ``output_dir`` replace the recipe's, and its time limit is lifted (the plan's budget is steps)."""
     layout = candidate.layout
     sets = [f"model.spec={spec_path}"] if spec_path else []
     sets += [f"model.overrides.{item}" for item in spec_overrides]
@@ -387,6 +389,10 @@ def recipe_overrides(candidate: Candidate, *, seq_len: int, dtype: str, spec_pat
         f"trainer.num_nodes={layout.nodes}",
         f"trainer.precision={PRECISION[dtype]}",
     ]
+    if max_steps is not None:
+        sets += [f"trainer.max_steps={max_steps}", "trainer.max_time=null"]
+    if output_dir is not None:
+        sets.append(f"trainer.output_dir={output_dir}")
     return sets
 
 

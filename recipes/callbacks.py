@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -215,3 +215,32 @@ def plot_losses(history: dict, path: Path, title: str) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+class InvocationTimer(Timer):
+    """``trainer.max_time``, counted per invocation: a resumed run gets the whole limit again.
+    (Lightning's own ``max_time`` restores the time already spent from the checkpoint, so a run its
+    limit stopped trained 0 steps on every later resume.) Checked after each optimizer step; silent,
+    since the run's last line names the cause (:func:`stop_line`)."""
+
+    def __init__(self, duration):
+        super().__init__(duration=duration, interval="step", verbose=False)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The checkpoint's time already spent is not carried: this invocation's clock starts at 0."""
+
+
+def stop_line(settings, first_step: int, step: int) -> str:
+    """One line naming why ``fit`` returned (a signal and a NaN raise instead) and how to go on.
+    ``settings``: the recipe's trainer section; ``first_step``: where this invocation started."""
+    if step >= settings.max_steps:
+        if step == first_step:
+            return (f"nothing to train: the checkpoint is at step {step:,}, trainer.max_steps {settings.max_steps:,}; "
+                    "raise trainer.max_steps (--set trainer.max_steps=N) to go on, or --fresh to start over")
+        return f"stopped: trainer.max_steps {settings.max_steps:,} reached"
+    if settings.max_time is not None:
+        return (f"stopped: trainer.max_time {settings.max_time} (per invocation) reached at step {step:,} of "
+                f"{settings.max_steps:,}; run the same command again to go on from step {step:,}, or add "
+                "--set trainer.max_time=null to train to max_steps without a time limit")
+    return f"stopped at step {step:,} of {settings.max_steps:,}"
+

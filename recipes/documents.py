@@ -25,17 +25,18 @@ def _keys() -> frozenset[str]:
 def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     """Every problem of one recipe file and of the model spec it trains (``[]`` when valid)."""
     from recipes.config import RecipeError, load_recipe, model_spec
-    from recipes.dryrun import vocabulary
+    from recipes.dryrun import missing_inputs, vocabulary
 
     try:
         recipe = load_recipe(path, dict(overrides))
         recipe_file = recipe_path(path)
+        missing = missing_inputs(recipe, recipe_file)
         model_spec(recipe, recipe_file, vocabulary(recipe, recipe_file, read_data=False).size)
     except SpecError as exc:
         return exc.problems
     except RecipeError as exc:
         return [Problem(str(path), None, None, "", str(exc))]
-    return []
+    return [Problem(str(path), None, None, "", line) for line in missing]
 
 
 def recipe_path(path: str | Path) -> Path:

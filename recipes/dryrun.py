@@ -141,6 +141,34 @@ def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
     return found
 
 
+def _close_names(path: Path) -> str:
+    """``; did you mean 'x'?`` for entries of ``path``'s folder whose names are close to its own."""
+    import difflib
+
+    try:
+        names = [entry.name for entry in path.parent.iterdir()] if path.parent.is_dir() else []
+    except OSError:
+        names = []
+    close = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
+    return "; did you mean " + " or ".join(repr(str(path.parent / c)) for c in close) + "?" if close else ""
+
+
+def missing_inputs(recipe: Recipe, recipe_file: Path) -> list[str]:
+    """One line per file the recipe names that is not there and will not be downloaded: its field,
+    the path it was looked for at (relative paths: from the recipe's folder) and close names
+    beside it. Data files a dataset downloads on the first run are not missing."""
+    lines = [f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
+             for f in data_files(recipe, recipe_file) if f.path is not None and not f.present and not f.url]
+    named = [("tokenizer.model_file", recipe.tokenizer.model_file), ("model.init_from", recipe.model.init_from),
+             ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None))]
+    for field, value in named:
+        if value is not None:
+            path = resolve(recipe_file, value)
+            if not path.exists():
+                lines.append(f"{field}: no such file or folder {path}{_close_names(path)}")
+    return lines
+
+
 # -- devices -----------------------------------------------------------------------------------------
 
 
@@ -243,6 +271,9 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     out = out or sys.stdout
     recipe_file = locate_recipe(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
+    missing = missing_inputs(recipe, recipe_file)
+    if missing:
+        raise RecipeError("; ".join(missing))
     vocab = vocabulary(recipe, recipe_file)
     spec = model_spec(recipe, recipe_file, vocab.size)
     files = data_files(recipe, recipe_file)

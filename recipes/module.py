@@ -144,6 +144,7 @@ class LMModule(L.LightningModule):
         # loss, training wall seconds)
         self.history: dict[str, list] = {"train": [], "val": []}
         self.elapsed = 0.0  # wall seconds of training before this process took over
+        self.first_step = 0  # the step this invocation starts from (a resumed run: its checkpoint's)
         self._started: float | None = None
         self.moe = has_moe(model)
         self.label_smoothing, self.moe_aux_coef = recipe.loss.label_smoothing, recipe.loss.moe_aux_coef
@@ -287,6 +288,7 @@ class LMModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("builder", {})
+        self.first_step = int(checkpoint.get("global_step", 0))
         self.history = saved.get("history", {"train": [], "val": []})
         self.elapsed = saved.get("elapsed", 0.0)
         pending = saved.get("pending_loss")

@@ -23,7 +23,15 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from recipes.callbacks import AtomicCheckpointIO, RecipeCheckpoint, StepProgressBar, Throughput, plot_losses
+from recipes.callbacks import (
+    AtomicCheckpointIO,
+    InvocationTimer,
+    RecipeCheckpoint,
+    StepProgressBar,
+    Throughput,
+    plot_losses,
+    stop_line,
+)
 from recipes.checkpoint import RESUMABLE, newest_intact
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec, output_dir
 from recipes.runfolder import owns_run_folder
@@ -295,9 +303,10 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     included); ``callbacks`` go first. ``resume_step``: the step of the checkpoint a resumed run
     starts from (its logs continue the latest version, from that step)."""
     settings = recipe.trainer
+    duration = settings.max_time_delta()
+    timer = [InvocationTimer(duration)] if duration is not None else []
     return L.Trainer(
         max_steps=settings.max_steps,
-        max_time=settings.max_time_delta(),
         max_epochs=-1,
         val_check_interval=settings.val_check_interval * settings.accumulate_grad_batches,
         check_val_every_n_epoch=None,
@@ -310,7 +319,7 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
         devices=settings.devices,
         num_nodes=settings.num_nodes,
         logger=run_loggers(out, resume_step),
-        callbacks=[*callbacks, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
+        callbacks=[*callbacks, *timer, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
         plugins=plugins_for(recipe),
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -359,7 +368,9 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
     }
     if trainer.is_global_zero:
         plot = plot_losses(history, out / "loss.png", title)
-        say(f"\nstep {summary['steps']}: val loss {summary['val_loss']}; checkpoints in {out / 'checkpoints'}"
+        val = f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "none"
+        say(f"\n{stop_line(module.recipe.trainer, module.first_step, trainer.global_step)}")
+        say(f"step {summary['steps']}: val loss {val}; checkpoints in {out / 'checkpoints'}"
             + (f"; loss curve {plot}" if plot else ""))
         if compiled is not None and compiled.count:
             say(f"compile: {compiled.seconds:.1f} s in {compiled.count} compilations (within the training time; "

@@ -128,3 +128,25 @@ def test_bad_set_values(capsys, item, message):
 def test_a_plugin_that_does_not_exist(capsys):
     refused(cli(capsys, "describe", SPEC, "--plugin", "no_such_plugin_module"), 1,
             "plugin 'no_such_plugin_module' not found")
+
+
+def test_an_internal_error_carries_its_message_in_one_short_line(capsys, monkeypatch):
+    """The last-resort line says what went wrong (the exception's first line, cut short), never a
+    traceback and never more than a line of whatever the message quoted."""
+    import builder.commands.schema as schema
+    from builder.cli import MESSAGE_CHARS, main
+
+    def fails(message):
+        def run(args):
+            raise RuntimeError(message)
+        return run
+
+    monkeypatch.setattr(schema, "run", fails("the optimizer cannot clip\nline 2 of a file the user pointed at"))
+    assert main(["schema"]) == 70
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("builder: internal error: RuntimeError in ")
+    assert ": the optimizer cannot clip ...; please report it" in line and "line 2" not in line
+    monkeypatch.setattr(schema, "run", fails("x" * 10_000))
+    assert main(["schema"]) == 70
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "x" * MESSAGE_CHARS + " ..." in line and "x" * (MESSAGE_CHARS + 1) not in line

@@ -102,7 +102,9 @@ def test_auto_tokenizer_encodes_as_ours(exported):
     ids = ours.encode(text)
     assert theirs.decode(ids) == ours.decode(ids) == text.replace("\u2581", " ")  # sentencepiece's space mark
     config = json.loads((folder / "generation_config.json").read_text())
-    assert config["max_length"] == meta["spec"]["max_seq_len"]
+    assert "max_length" not in config  # generate(max_new_tokens=...) would warn that both are set
+    assert json.loads((folder / "tokenizer_config.json").read_text())["model_max_length"] == meta["spec"]["max_seq_len"]
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~_umask()  # not safetensors' 0600
 
 
 def test_an_exported_folder_imports_with_its_tokenizer_and_generates_alike(exported, tmp_path, capsys):
@@ -199,3 +201,12 @@ def test_a_damaged_tokenizer_fails_the_import_in_one_line(exported, tmp_path, ca
     assert main(["import-hf", str(broken), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()
     assert "tokenizer.json" in err and "\n" not in err and "Traceback" not in err
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+

@@ -194,3 +194,43 @@ def test_planning_the_biggest_spec_is_fast_and_torch_free():
                           "--gpu-memory", "80GiB", "--global-batch", "1024"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0 and "torchrun" in run.stdout
     assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("spec, recipe", [
+    ("llama2-70b", None),  # zoo names, the default recipe
+    ("llama2-7b", "lm-stdlib"),
+    (str(ROOT / "specs" / "gpt2-small.yaml"), str(ROOT / "recipes" / "shakespeare-char.yaml")),
+])
+def test_a_printed_launch_line_runs_as_printed_from_another_folder(spec, recipe, tmp_path, capsys, monkeypatch):
+    """Each line's ``builder train`` part, given ``--dry-run``, resolves from a folder that is
+    neither the repository nor the recipe's: zoo names stay zoo names, files are absolute, and the
+    line sets its own steps (20 tokens per parameter by default), output folder and no time limit."""
+    argv = [spec, "--gpus", "16", "--gpu-memory", "80GiB", "--global-batch", "64", "--seq-len", "1024"]
+    monkeypatch.chdir(tmp_path)
+    rc, out = _plan_json(capsys, *argv, *(["--recipe", recipe] if recipe else []))
+    assert rc == 0, out
+    launch = out["launch"]
+    tokens_per_step = out["settings"]["tokens_per_step"]
+    for line in (launch["torchrun"], launch["slurm"]):
+        words = shlex.split(line)
+        wrap = [w for w in words if w.startswith("--wrap=")]
+        words = shlex.split(wrap[0].removeprefix("--wrap=")) if wrap else words
+        train = words[words.index("train"):]
+        assert train[1] == (recipe or "lm-stdlib")
+        sets = parse_set_args(_sets(line))
+        assert sets["model.spec"] == spec and sets["trainer.max_time"] is None
+        assert sets["trainer.max_steps"] * tokens_per_step >= 20 * out["params"] > (sets["trainer.max_steps"] - 1) * \
+            tokens_per_step
+        assert sets["trainer.output_dir"].startswith("runs/")
+        assert main([*train, "--dry-run"]) == 0, capsys.readouterr().err
+        shown = capsys.readouterr().out
+        assert f"{sets['trainer.max_steps']:,} steps" in shown and "resumes from" not in shown
+    rc, out = _plan_json(capsys, *argv, "--tokens", "2T")
+    assert parse_set_args(_sets(out["launch"]["torchrun"]))["trainer.max_steps"] == -(-2 * 10**12 // tokens_per_step)
+
+
+def test_a_recipe_the_plan_cannot_find_is_one_line(capsys):
+    assert main(["plan", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "8",
+                 "--recipe", "lm-stdlb"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --recipe lm-stdlb: no such file, nor a zoo name; did you mean "
+                                               "'lm-stdlib'? (`builder list` shows the zoo)")

@@ -97,3 +97,28 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
                                rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]),
                                rtol=0, atol=1e-5)
+
+
+def test_a_time_limit_is_per_invocation_and_every_stop_names_its_cause(tmp_path, capsys):
+    """``trainer.max_time`` bounds each invocation: the same command again resumes and trains for
+    another max_time (it used to count the time already spent, train 0 steps and exit 0); the last
+    lines say which limit ended the run and how to go on."""
+    from recipes.train import run
+
+    path = tiny_recipe(tmp_path, trainer={"max_steps": 1_000_000, "max_time": 2, "val_check_interval": 1_000_000,
+                                          "checkpoint_every_n_steps": 1_000_000})
+    first = run(path, samples=False)
+    out = capsys.readouterr().out
+    assert 0 < first["steps"] < 1_000_000
+    assert (f"stopped: trainer.max_time 2 (per invocation) reached at step {first['steps']:,} of 1,000,000; run the "
+            f"same command again to go on from step {first['steps']:,}") in out
+    second = run(path, samples=False)
+    assert second["steps"] > first["steps"]  # it trained for another 2 s
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().out
+    done = run(path, {"trainer.max_steps": second["steps"] + 2}, samples=False)
+    assert done["steps"] == second["steps"] + 2
+    assert f"stopped: trainer.max_steps {second['steps'] + 2:,} reached" in capsys.readouterr().out
+    again = run(path, {"trainer.max_steps": second["steps"] + 2}, samples=False)
+    assert again["steps"] == done["steps"]
+    assert (f"nothing to train: the checkpoint is at step {done['steps']:,}, trainer.max_steps {done['steps']:,}; "
+            "raise trainer.max_steps") in capsys.readouterr().out

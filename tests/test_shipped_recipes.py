@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 from data_helpers import REPO, data_for_recipes
 
@@ -45,11 +46,25 @@ def test_every_shipped_recipe_is_covered():
     assert sorted(p.stem for p in RECIPES) == sorted(TINY)
 
 
-@pytest.mark.parametrize("shipped", RECIPES, ids=lambda p: p.stem)
-def test_a_shipped_recipe_runs_outside_the_repository(shipped, tmp_path, monkeypatch, capsys):
+def _cases():
+    """Each recipe; one whose precision is ``auto`` twice, with the CPU's bf16 detection patched
+    each way (so both behaviours run on every machine)."""
+    for path in RECIPES:
+        if str(yaml.safe_load(path.read_text())["trainer"].get("precision", "auto")) == "auto":
+            for native in ("AVX512-BF16", None):
+                yield pytest.param(path, native, id=f"{path.stem}-{'bf16' if native else 'fp32'}-cpu")
+        else:
+            yield pytest.param(path, "as found", id=path.stem)
+
+
+@pytest.mark.parametrize("shipped,native", _cases())
+def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path, monkeypatch, capsys):
     from builder.cli import main
+    from recipes import precision
     from recipes.train import run
 
+    if native != "as found":
+        monkeypatch.setattr(precision, "cpu_bf16", lambda: native)
     kinds = data_for_recipes(tmp_path / "data", monkeypatch)
     recipe = yaml.safe_load(shipped.read_text())
     work = tmp_path / "elsewhere"
@@ -64,6 +79,8 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, tmp_path, monkeyp
     dataset = recipe["data"].get("dataset")
     print(f"{shipped.stem}: dataset {dataset} ({kinds.get(dataset, 'local')}), summary {summary}")
     assert summary["steps"] == 3 and math.isfinite(summary["val_loss"])
+    ran = torch.load(summary["last"], weights_only=True)["builder"]["recipe"]["trainer"]["precision"]
+    assert ran == {"AVX512-BF16": "bf16-mixed", None: "32"}.get(native, str(recipe["trainer"].get("precision")))
     assert (work / summary["output_dir"] / "checkpoints" / "last.ckpt").is_file()
     assert "downloading" not in capsys.readouterr().err
 

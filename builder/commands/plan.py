@@ -55,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), metavar="T", help="consider only this degree (default: every degree that divides the spec)")
     parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"),
                         help="consider only this data-parallel mode (default: every mode)")
-    parser.add_argument("--recipe", help=f"the recipe the launch lines train (default recipes/{DEFAULT_RECIPE})")
+    parser.add_argument("--recipe", help="the recipe the launch lines train: a file or a zoo name (default "
+                        f"{DEFAULT_RECIPE.removesuffix('.yaml')})")
+    parser.add_argument("--tokens", metavar="N", help="tokens to train on, e.g. 300B or 2T: the launch lines' "
+                        "trainer.max_steps (default: 20 per parameter, Chinchilla's compute-optimal budget)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)
 
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = _settings(spec, args)
-        args.recipe, task = recipe_and_task(args.recipe)
+        recipe_and_task(args.recipe)  # a recipe that is not there is refused before planning
+        tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
         result = plan(spec, cluster, **settings)
     except LayoutError as exc:
         print(f"error: {option_error(exc)}", file=sys.stderr)
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    launch = _launch(result, args) if result.fits else None
+    launch = _launch(result, args, tokens) if result.fits else None
     if args.json:
         print(json.dumps(to_json(result, launch), indent=2))
     else:
@@ -148,36 +152,58 @@ def _settings(spec, args) -> dict:
 
 
 def recipe_and_task(recipe: str | None) -> tuple[str, str]:
-    """The recipe file the lines name (default: the shipped LM recipe, as a path from here) and
-    its ``task``, read from the file (not validated: ``builder train`` does that)."""
+    """How the launch lines name the recipe — a zoo name as given (``lm-stdlib``, the default),
+    a file as an absolute path, so a line runs from any folder — and its ``task``, read from the
+    file (not validated: ``builder train`` does that)."""
     from builder.loader import SpecError, read_merged
+    from builder.zoo import ZooError, locate
 
-    if recipe is None:
-        import importlib.util
-
-        spec = importlib.util.find_spec("recipes")  # the package's folder; nothing is imported
-        folder = list(spec.submodule_search_locations or [])[0] if spec else "recipes"
-        recipe = os.path.relpath(os.path.join(folder, DEFAULT_RECIPE))
-    if not os.path.isfile(recipe):
-        raise ValueError(f"--recipe {recipe}: no such file")
+    shown = recipe if recipe is not None else DEFAULT_RECIPE.removesuffix(".yaml")
     try:
-        data = read_merged(recipe).data
+        path = locate(shown)
+    except ZooError as exc:
+        raise ValueError(f"--recipe {shown}: {exc}") from None
+    if not path.is_file():
+        raise ValueError(f"--recipe {shown}: not a file")
+    try:
+        data = read_merged(path).data
     except SpecError as exc:
-        raise ValueError(f"--recipe {recipe}: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"--recipe {shown}: {str(exc).splitlines()[0]}") from None
     task = data.get("task", "lm") if isinstance(data, dict) else "lm"
-    return recipe, task if isinstance(task, str) else "lm"
+    named = shown if not os.path.exists(shown) else os.path.abspath(shown)
+    return named, task if isinstance(task, str) else "lm"
 
 
-def _launch(result, args) -> dict:
+#: tokens per parameter of the default budget: compute-optimal training (Hoffmann et al. 2022)
+CHINCHILLA_TOKENS_PER_PARAMETER = 20
+
+
+def parse_count(text: str, option: str) -> int:
+    """``"300B"`` -> 300_000_000_000; ``2T``, ``1.5e9``, ``500M``, ``4096`` too."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kKmMbBtT]?)\s*", text)
+    if not match:
+        raise ValueError(f"{option} {text!r}: not a count such as 300B, 2T or 1e9")
+    value = int(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()])
+    if not 0 < value <= 10**16:
+        raise ValueError(f"{option} {text!r}: must be from 1 to 10,000T")
+    return value
+
+
+def _launch(result, args, tokens: int | None) -> dict:
     from builder.plan import launch_lines, recipe_overrides
 
-    recipe_dir = os.path.dirname(os.path.abspath(args.recipe))
-    spec_path = os.path.relpath(os.path.abspath(args.spec), recipe_dir)
-    _, task = recipe_and_task(args.recipe)
-    sets = recipe_overrides(result.chosen, seq_len=result.seq_len, dtype=result.dtype, spec_path=spec_path,
-                            spec_overrides=args.overrides, task=task)
-    lines = launch_lines(args.recipe, sets, result.chosen.layout)
-    return {**lines, "set": sets, "describe": _describe_line(result, args)}
+    recipe, task = recipe_and_task(args.recipe)
+    spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
+    budget = tokens if tokens is not None else CHINCHILLA_TOKENS_PER_PARAMETER * result.estimate.params.total
+    max_steps = max(1, -(-budget // result.tokens_per_step))
+    layout = result.chosen.layout
+    output_dir = os.path.join("runs", f"{result.spec_name}-{layout.devices}gpus")
+    sets = recipe_overrides(result.chosen, seq_len=result.seq_len, dtype=result.dtype, spec_path=spec,
+                            spec_overrides=args.overrides, task=task, max_steps=max_steps, output_dir=output_dir)
+    lines = launch_lines(recipe, sets, layout)
+    return {**lines, "set": sets, "describe": _describe_line(result, args),
+            "tokens": max_steps * result.tokens_per_step, "max_steps": max_steps,
+            "budget": "--tokens" if tokens is not None else f"{CHINCHILLA_TOKENS_PER_PARAMETER} tokens per parameter"}
 
 
 def _describe_line(result, args) -> str:
@@ -217,6 +243,7 @@ def to_json(result, launch) -> dict:
         c = result.chosen
         out["plan"] = {**c.to_dict(), "tokens_per_s": result.tokens_per_step / c.step_seconds}
         out["memory"] = result.estimate.memory.to_dict()
+        out["params"] = result.estimate.params.total
         out["launch"] = launch
         out["alternatives"] = [a.to_dict() for a in result.alternatives]
     else:
@@ -266,7 +293,9 @@ def _print(result, launch, args) -> None:
         for alt in result.alternatives:
             console.print(f"  - {alt.summary()}: {human_bytes(alt.memory)}, {alt.gpu_hours:.4f} GPU-h/step",
                           highlight=False)
-    console.print("\n[bold]launch[/] (torchrun on every node; or SLURM):", highlight=False)
+    console.print(f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
+                  f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
+                  "--tokens sets it), into ./" + _output_dir(launch), highlight=False)
     console.print(launch["torchrun"], highlight=False, soft_wrap=True)
     console.print(launch["slurm"], highlight=False, soft_wrap=True)
     console.print("check the memory with:", highlight=False)
@@ -274,3 +303,6 @@ def _print(result, launch, args) -> None:
     console.print("[dim]the recipe's tokenizer sets vocab_size; these figures use the spec's "
                   f"{result.estimate.params.total:,} parameters[/]", highlight=False)
 
+
+def _output_dir(launch: dict) -> str:
+    return next(item.split("=", 1)[1] for item in launch["set"] if item.startswith("trainer.output_dir="))

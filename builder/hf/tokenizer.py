@@ -255,11 +255,10 @@ def _named_specials(folder: Path) -> tuple[dict[str, str], bool]:
     return out, split
 
 
-def generation_config(ids: dict[str, Any], max_length: int | None) -> dict:
-    """``generation_config.json``: the token ids that stop and pad generation, and the model's
-    context length as ``max_length``; greedy unless the caller asks for sampling."""
+def generation_config(ids: dict[str, Any]) -> dict:
+    """``generation_config.json``: the token ids that stop and pad generation; greedy unless the
+    caller asks for sampling. No ``max_length``: ``generate(max_new_tokens=...)`` would warn that
+    both are set (the context length is ``config.json``'s and the tokenizer's
+    ``model_max_length``)."""
     keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
-    config = {k: ids[k] for k in keys if ids.get(k) is not None}
-    if max_length is not None:
-        config["max_length"] = max_length
-    return config
+    return {k: ids[k] for k in keys if ids.get(k) is not None}

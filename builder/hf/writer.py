@@ -152,10 +152,13 @@ def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
     folder.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
+    from builder.checkpoints import user_mode
+
     target = folder / "model.safetensors"
     tmp = folder / f".model.safetensors.tmp-{os.getpid()}"  # a failed write leaves no partial file
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        user_mode(tmp)
         os.replace(tmp, target)
     except Exception as exc:  # noqa: BLE001  (safetensors reports the OS error inside its own)
         from builder.checkpoints import write_reason
@@ -166,7 +169,7 @@ def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
     if tokenizer is not None:
         write_tokenizer(tokenizer, folder, spec.max_seq_len, append_eos=spec.architecture == "encoder-decoder")
     if generation and _architecture(chosen) != "encoder-only":
-        gen = generation_config(config, spec.max_seq_len)
+        gen = generation_config(config)
         (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return chosen
 

@@ -108,17 +108,19 @@ def locate(text: str | Path, base: str | Path | None = None) -> Path:
     entry = find(raw)
     if entry is not None:
         return entry.path
-    raise ZooError(not_found(raw))
+    raise ZooError(not_found(raw, path))
 
 
-def not_found(text: str) -> str:
-    """``no such file`` and, for what could be a zoo name, the closest names."""
+def not_found(text: str, tried: Path | None = None) -> str:
+    """``no such file`` (``tried``: the path looked for, named when it is not ``text`` as given)
+    and, for what could be a zoo name, the closest names."""
+    file = "no such file" + (f" {tried}" if tried is not None and str(tried) != text else "")
     close = did_you_mean(text)
     if close:
-        return f"no such file, nor a zoo name{close} (`builder list` shows the zoo)"
+        return f"{file}, nor a zoo name{close} (`builder list` shows the zoo)"
     if Path(text).is_absolute() or text.endswith(SUFFIXES):
-        return "no such file"
-    return "no such file, nor a zoo name (`builder list` shows the zoo)"
+        return file
+    return f"{file}, nor a zoo name (`builder list` shows the zoo)"
 
 
 def shown(path: str | Path) -> str:
