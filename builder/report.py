@@ -211,6 +211,19 @@ def memory_table(m, s, seq: int):
     return memory
 
 
+def summary_line(spec, est, actual=None) -> str:
+    """The estimate in one line (what a run prints before its first step; the tables are
+    :func:`describe_table`'s): parameters (checked against ``actual``, a built model), training
+    FLOPs per token and training memory per device."""
+    p, f, m = est.params, est.flops, est.memory
+    check = ""
+    if actual is not None:
+        built = sum(actual_params(actual).values())
+        check = " (= the built model)" if built == p.total else f" ([red]the built model has {built:,}[/])"
+    return (f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}; {human(f.train_per_token)}FLOPs per "
+            f"training token; {human_bytes(m.training_total)} training memory per device ({est.settings['dtype']})")
+
+
 def print_describe(spec, est, actual=None, console=None) -> None:
     """Print :func:`describe_table` (a recipe calls this with the built model as ``actual``)."""
     from rich.console import Console

@@ -92,17 +92,21 @@ class RecipeCheckpoint(L.Callback):
 
 
 class Throughput(L.Callback):
-    """Tokens/s, achieved TFLOP/s and MFU from the analytic FLOPs, on the progress bar and logs.
+    """Tokens/s, achieved TFLOP/s and MFU from the analytic FLOPs, on the progress bar and logs
+    (the median of the last :attr:`SMOOTHING` intervals).
 
     Timed over intervals of ``every_n_steps`` optimizer steps, with one device sync at each
     interval's end (none in between); an interval that runs into validation is not counted."""
+
+    #: intervals the shown tokens/s is the median of
+    SMOOTHING = 5
 
     def __init__(self, device_tokens_per_step: int, flops_per_token: int, precision: str, every_n_steps: int):
         self.device_tokens_per_step, self.flops_per_token = device_tokens_per_step, flops_per_token
         self.precision, self.every_n_steps = precision, every_n_steps
         self.tokens_per_step = device_tokens_per_step
         self.peak_flops: float | None = None  # all devices together
-        self.tokens_per_s: float | None = None  # the latest measurement
+        self.tokens_per_s: float | None = None  # the latest shown (smoothed) measurement
         self.intervals: list[tuple[int, float, float]] = []  # (steps, seconds, tokens), validation left out
         self._start: float | None = None
         self._steps = 0
@@ -150,7 +154,10 @@ class Throughput(L.Callback):
         elapsed = time.perf_counter() - self._start
         tokens = self.interval_tokens()
         self.intervals.append((self._steps, elapsed, tokens))
-        self.tokens_per_s = tokens / elapsed
+        # shown and logged: the median of the last SMOOTHING intervals, so one slow interval (a
+        # checkpoint written, a busy machine) does not swing the number by 5x
+        recent = sorted(t / s for _, s, t in self.intervals[-self.SMOOTHING:])
+        self.tokens_per_s = recent[len(recent) // 2]
         achieved = self.tokens_per_s * self.flops_per_token
         metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
         if self.peak_flops:

@@ -80,7 +80,7 @@ class CountedThroughput(Throughput):
 
 
 def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False,
-             callbacks: list | None = None) -> dict:
+             callbacks: list | None = None, verbose: bool = False) -> dict:
     """Train a non-LM recipe (the shape of ``recipes.train.run``, in the same run session);
     returns its summary. ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
     from recipes.train import for_this_machine, output_dir, run_session
@@ -88,11 +88,11 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
     recipe = for_this_machine(recipe)
     out = output_dir(recipe, recipe_file)
     with run_session(recipe, out, fresh, resume, recipe_file=recipe_file) as stop:
-        return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks)
+        return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks, verbose)
 
 
 def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
-                callbacks: list | None) -> dict:
+                callbacks: list | None, verbose: bool = False) -> dict:
     from recipes.parallel import whole_model
     from recipes.train import (
         check_layout,
@@ -100,6 +100,7 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
         quiet_lightning,
         resume_path,
         run_trainer,
+        say_devices,
         stop_callback,
         training_meta,
         training_model,
@@ -111,12 +112,13 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     settings = recipe.trainer
     quiet_lightning()
     check_layout(recipe, recipe_file)
+    say_devices(recipe)
     L.seed_everything(settings.seed, workers=True, verbose=False)
     prepared = task_module(recipe.task).prepare(recipe, recipe_file)
     meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=recipe.task, **prepared.meta)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
     model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1,
-                                            recipe_file=recipe_file)
+                                            recipe_file=recipe_file, verbose=verbose)
     module = prepared.module_class(model, recipe, meta)
     ckpt_dir = out / "checkpoints"
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)

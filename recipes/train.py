@@ -45,9 +45,13 @@ from recipes.speed import compile_layers, compile_mode, compiling, eager
 from recipes.tokenizer import build_tokenizer
 
 class _Quiet(logging.Filter):
-    """Drops Lightning's advertising and chatter that says nothing about this run."""
+    """Drops Lightning's advertising and chatter that says nothing about this run, or that the
+    run says itself: the accelerators (the devices line), the checkpoint restored ("resuming
+    from"), why fit stopped (:func:`recipes.callbacks.stop_line`)."""
 
-    NOISE = ("litlogger", "`weights_only` was not set", "LeafSpec", "IterableDataset` has `__len__`")
+    NOISE = ("litlogger", "`weights_only` was not set", "LeafSpec", "IterableDataset` has `__len__`",
+             "GPU available:", "TPU available:", "HPU available:", "Restoring states from the checkpoint",
+             "Restored all states from the checkpoint", "`Trainer.fit` stopped:")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(noise in record.getMessage() for noise in self.NOISE)
@@ -58,6 +62,13 @@ def quiet_lightning() -> None:
         logging.getLogger(name).addFilter(_Quiet())
     for noise in _Quiet.NOISE:
         warnings.filterwarnings("ignore", message=f".*{re.escape(noise)}.*")
+
+
+def say_devices(recipe: Recipe) -> None:
+    """The run's devices, strategy and precision in one line (Lightning's own lines are filtered)."""
+    from recipes.dryrun import devices_line
+
+    say(f"devices: {devices_line(recipe)}")
 
 
 def say(*args) -> None:
@@ -83,10 +94,14 @@ def prepare(recipe: Recipe, recipe_file: Path):
     return corpus, tokenizer, tokens, spec
 
 
-def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None) -> int:
-    """Print the start-of-run table (estimated against built parameters); returns train FLOPs/token.
+def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None,
+             verbose: bool = False) -> int:
+    """Print the start-of-run estimate, checked against the built parameters: one line, or with
+    ``verbose`` the full tables ``builder describe`` prints. Returns train FLOPs per token.
     ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
-    from builder.report import print_describe
+    from rich.console import Console
+
+    from builder.report import print_describe, summary_line
     from recipes.dryrun import recipe_estimate
     from recipes.parallel import device_count
 
@@ -94,12 +109,16 @@ def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int
     est = recipe_estimate(spec, recipe, seq_len or recipe.data.seq_len, batch or recipe.data.batch_size,
                           devices=device_count(recipe.trainer))
     if rank_zero_only.rank == 0:
-        print_describe(spec, est, actual=model)
+        if verbose:
+            print_describe(spec, est, actual=model)
+        else:
+            Console().print(f"model: {summary_line(spec, est, actual=model)} (--verbose: the full estimate)",
+                            highlight=False, soft_wrap=True)
     return est.flops.train_per_token
 
 
 def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, batch: int | None = None,
-                   recipe_file: Path | None = None):
+                   recipe_file: Path | None = None, verbose: bool = False):
     """The spec's model ready to train, for every task: built (seeded), weights loaded from
     ``model.init_from`` (then ``init``, a task's own loading), parts frozen, its describe table
     printed, layers checkpointed and compiled as the recipe asks. Under ``strategy: fsdp`` it is
@@ -118,7 +137,7 @@ def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, 
     if init is not None:
         init(model)
     freeze_parts(model, recipe, recipe_file)
-    flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch)
+    flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch, verbose=verbose)
     if sharded:
         return model, flops_per_token  # recipes.parallel.shard_model checkpoints and compiles its layers
     if settings.activation_checkpointing:
@@ -379,20 +398,21 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
 
 
 def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
-        fresh: bool = False, samples: bool = True) -> dict:
+        fresh: bool = False, samples: bool = True, verbose: bool = False) -> dict:
     """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN, and
-    :class:`recipes.signals.Stopped` when a signal stops it."""
+    :class:`recipes.signals.Stopped` when a signal stops it. ``verbose``: the full estimate
+    tables before the first step, instead of one line."""
     recipe_file = Path(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
     if recipe.task != "lm":
         from recipes.tasks import run_task
 
-        return run_task(recipe, recipe_file, resume=resume, fresh=fresh)
+        return run_task(recipe, recipe_file, resume=resume, fresh=fresh, verbose=verbose)
     recipe = for_this_machine(recipe)
     out = output_dir(recipe, recipe_file)
     spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")  # noqa: E731
     with run_session(recipe, out, fresh, resume, spec_of, recipe_file) as stop:
-        return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples)
+        return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples, verbose)
 
 
 @contextlib.contextmanager
@@ -421,17 +441,18 @@ def stop_callback(stop, checkpoints: RecipeCheckpoint):
 
 
 def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
-             samples: bool) -> dict:
+             samples: bool, verbose: bool = False) -> dict:
     """The language-model run of :func:`run`, inside its session."""
     settings = recipe.trainer
     quiet_lightning()
     check_layout(recipe, recipe_file)
+    say_devices(recipe)
     L.seed_everything(settings.seed, workers=True, verbose=False)
     corpus, tokenizer, tokens, spec = prepare(recipe, recipe_file)
 
     meta = training_meta(recipe, recipe_file, spec, tokenizer, corpus=corpus.hash)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(spec, recipe, recipe_file=recipe_file)
+    model, flops_per_token = training_model(spec, recipe, recipe_file=recipe_file, verbose=verbose)
     module = LMModule(model, recipe, meta)
     data = LMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
                         settings.accumulate_grad_batches)

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh", action="store_true",
                         help="start over in the same folder; earlier checkpoints move to checkpoints.before-fresh-TIME")
     parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the full estimate tables (as `builder describe`) before the first step, "
+                        "instead of one line")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +68,7 @@ def _train(args: argparse.Namespace, recipe, overrides) -> int:
     try:
         from recipes.train import run as train
 
-        train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples)
+        train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
     except SpecError as exc:
         print(exc, file=sys.stderr)
         return 1

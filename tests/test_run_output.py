@@ -1,0 +1,41 @@
+"""What a run prints: a short header before its first step (the full estimate under --verbose),
+rounded numbers, one line naming why it stopped, no Lightning chatter the run says itself."""
+
+from __future__ import annotations
+
+from recipe_helpers import tiny_recipe
+
+
+def _before_training(out: str) -> list[str]:
+    """The lines printed before the run's stop line (stdout: the progress bar is on stderr)."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    stop = next(i for i, line in enumerate(lines) if line.startswith("stopped: "))
+    return lines[:stop]
+
+
+def test_a_run_starts_with_a_short_header_and_ends_with_its_cause(tmp_path, capsys):
+    from recipes.train import run
+
+    run(tiny_recipe(tmp_path, trainer={"max_steps": 4}), samples=False)
+    captured = capsys.readouterr()
+    header = _before_training(captured.out)
+    assert len(header) <= 6, header
+    assert any(line.startswith("devices: cpu x 1, strategy auto: one device, precision 32") for line in header)
+    model = next(line for line in header if line.startswith("model: tiny-decoder: "))
+    assert "parameters" in model and "(= the built model)" in model and "FLOPs per training token" in model
+    assert "--verbose" in model
+    tail = captured.out.splitlines()
+    stop = next(i for i, line in enumerate(tail) if line.startswith("stopped: "))
+    assert tail[stop] == "stopped: trainer.max_steps 4 reached"
+    val = tail[stop + 1]
+    assert val.startswith("step 4: val loss ") and len(val.split("val loss ")[1].split(";")[0]) == 6  # 4 decimals
+    for chatter in ("GPU available", "TPU available", "`Trainer.fit` stopped"):
+        assert chatter not in captured.out + captured.err
+
+
+def test_verbose_prints_the_estimate_tables_a_describe_prints(tmp_path, capsys):
+    from recipes.train import run
+
+    run(tiny_recipe(tmp_path, trainer={"max_steps": 2}), samples=False, verbose=True)
+    header = _before_training(capsys.readouterr().out)
+    assert len(header) > 20 and any("match" in line for line in header)
