@@ -10,6 +10,9 @@
 #   translate-sbs ~8 min   translation tokens/s: recipe vs yardstick_seq2seq.py, 300 steps x 2 rounds
 #   translate-10  ~17 min  10 training minutes (greedy BLEU every minute), then averaged checkpoints + beam 4
 #   translate-30  ~32 min  30 training minutes (greedy BLEU every 5 minutes), then the same final evaluation
+#   precision     ~50 min  shipped LM, MLM and classification recipes in fp32 and bf16 autocast, eager and
+#                          compiled, 300 steps x 3 rounds (what `auto` picks; benchmarks/precision.py)
+#   precision-translate ~20 min  the same for the translation recipe, 150 steps x 2 rounds
 # Each stage prints its table or curve and writes OUT/<stage>.log and OUT/<stage>.json; the
 # machine line (cores, CPU model, load) is at the top of each log. Nothing else should run on
 # the machine meanwhile: every ratio is taken within one stage, but the absolute tokens/s and the
@@ -41,7 +44,12 @@ for stage in $stages; do
                           --output-dir "$out/translate-10" ;;
         translate-30) run translate-30 "$py" "$here/translate_multi30k.py" --minutes 30 --eval-every 5 \
                           --output-dir "$out/translate-30" ;;
-        *) echo "unknown stage $stage (generate shakespeare translate-sbs translate-10 translate-30)" >&2; exit 2 ;;
+        precision) run precision "$py" "$here/precision.py" --recipes shakespeare-char lm-stdlib classify bert-mlm \
+                       --steps 300 --rounds 3 --json "$out/precision-full.json" ;;
+        precision-translate) run precision-translate "$py" "$here/precision.py" --recipes translate-multi30k \
+                       --steps 150 --rounds 2 --set eval.max_sentences=100 --set eval.num_beams=1 ;;
+        *) echo "unknown stage $stage (generate shakespeare translate-sbs translate-10 translate-30 precision" \
+                "precision-translate)" >&2; exit 2 ;;
     esac
 done
 echo "results in $out"

@@ -137,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
     # `builder --print-completion bash|zsh|tcsh`: shtab writes the script from this parser
     shtab.add_argument_to(root, ["--print-completion"],
                           help="print a shell completion script: `eval \"$(builder --print-completion bash)\"` "
-                          "in ~/.bashrc (zsh: see the README)")
+                          "in ~/.bashrc (zsh: see the README)", preamble={"bash": _ZOO_BASH})
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in commands().items():
         command = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
@@ -147,13 +147,25 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+#: bash: a positional that takes a zoo name completes zoo names (`builder list --names`, which
+#: reads only the zoo's folders) and files
+_ZOO_BASH = """
+_builder_zoo_or_files() {
+  compgen -W "$(builder list --names 2>/dev/null)" -- "$1"
+  compgen -f -- "$1"
+}
+"""
+
+
 def _complete_files(command: argparse.ArgumentParser) -> None:
-    """Positional arguments (a spec, recipe, checkpoint or folder) complete as paths in the shell."""
+    """Positional arguments (a spec, recipe, checkpoint or folder) complete as paths in the shell;
+    one whose help says it takes a zoo name completes zoo names too (bash)."""
     import shtab
 
     for action in command._actions:
         if not action.option_strings and action.dest not in ("help", "command") and action.choices is None:
-            action.complete = shtab.FILE
+            zoo = "zoo name" in (action.help or "")
+            action.complete = {**shtab.FILE, "bash": "_builder_zoo_or_files"} if zoo else shtab.FILE
 
 
 #: the exit status of an internal error (a bug): BSD's EX_SOFTWARE

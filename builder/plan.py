@@ -212,14 +212,22 @@ class _Sizer:
 
     def fixed(self, layout: Layout) -> int:
         """Rank 0's parameters, gradients, AdamW states and the units in flight."""
+        held, _, in_flight = self.fixed_parts(layout)
+        return held + in_flight
+
+    def fixed_parts(self, layout: Layout) -> tuple[int, tuple[str, int], int]:
+        """:meth:`fixed` in its parts: rank 0's sharded states, the largest FSDP unit (its name and
+        elements, gathered whole by one tensor-parallel rank) and the bytes it takes in flight (two
+        gathered copies and its unsharded gradients in the compute dtype, their fp32 reduce input)."""
         tp, cache = layout.tensor_parallel, self.states
         key = (tp, layout.shard_size)
         if key not in cache.held:
             states = rank_states(self.spec, layout, 0, cache.tensors)
             cache.held[key] = states.weights + states.gradients + states.optimizer
         if tp not in cache.units:
-            cache.units[tp] = max(unit_sizes(cache.tensors, tp).values(), default=0)
-        return cache.held[key] + cache.units[tp] * (3 * BYTES[self.dtype] + 4)
+            cache.units[tp] = max(unit_sizes(cache.tensors, tp).items(), key=lambda item: item[1], default=("", 0))
+        unit = cache.units[tp]
+        return cache.held[key], unit, unit[1] * (3 * BYTES[self.dtype] + 4)
 
     def step_flops(self, global_batch: int, checkpointing: bool) -> int:
         return self.forward * global_batch * (4 if checkpointing else 3)
@@ -315,10 +323,18 @@ def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu
         if other and other.chosen is not None:
             out.append(f"global batch {batch} on these {cluster.gpus} GPUs: {other.chosen.summary()}")
         return out
-    floor = min(sizer.fixed(Layout(devices=cluster.gpus, nodes=cluster.nodes, tensor_parallel=t)) for t in dividing)
+    layouts = [Layout(devices=cluster.gpus, nodes=cluster.nodes, tensor_parallel=t) for t in dividing]
+    best = min(layouts, key=sizer.fixed)
+    floor = sizer.fixed(best)
     if floor > cluster.usable:
-        reasons.append(f"the weights, gradients and AdamW states alone need {_gib(floor)} per GPU sharded over "
-                       f"all {cluster.gpus} GPUs (16 bytes per parameter), more than the {_gib(cluster.usable)} usable")
+        held, (unit, elements), in_flight = sizer.fixed_parts(best)
+        reasons.append(
+            f"the weights, gradients and AdamW states alone need {_gib(floor)} per GPU over all {cluster.gpus} GPUs "
+            f"(tensor-parallel {best.tensor_parallel}), more than the {_gib(cluster.usable)} usable: {_gib(held)} is "
+            f"this rank's shard of them (16 bytes per parameter, sharded), and {_gib(in_flight)} is the largest "
+            f"FSDP unit, {unit or 'the model'} ({elements:,} parameters per tensor-parallel rank), which FSDP gathers "
+            "whole to compute it (two copies and its gradients in flight) however many GPUs shard it; a smaller "
+            "unit (more tensor parallelism, or experts split over ranks) is what would shrink it")
     else:
         reasons.append(f"the sharded states fit ({_gib(floor)} per GPU) but no micro-batch of one sequence "
                        f"of {seq} tokens leaves room for its activations, even with checkpointing")

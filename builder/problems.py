@@ -60,7 +60,7 @@ def _problem(doc: Document, data: Any, path: FieldPath, models: list[type], erro
     if kind == "extra_forbidden":
         key = path[-1]
         names = [name for model in models for name in model.model_fields]
-        message = f"unknown key {key!r}" + _did_you_mean(str(key), names)
+        message = f"unknown key {key!r}" + (_did_you_mean(str(key), names) or _belongs_under(str(key), models, path))
         return _locate(doc, data, path, message, "key")
     if kind == "missing":
         return _locate(doc, data, path, f"missing required field {path[-1]!r}", "missing")
@@ -101,6 +101,9 @@ _TYPE_WORDS = {
     "model_attributes": "a mapping of fields",
 }
 _LABEL_WORDS = {"str": "a string", "constrained-str": "a string", "list": "a list", "int": "an integer", "float": "a number", "bool": "true or false"}
+#: other tools' names for a choice, and ours (Hugging Face's activations, PyTorch's module names)
+ALIASES = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+           "layer_norm": "layernorm", "rms_norm": "rmsnorm"}
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
@@ -108,7 +111,10 @@ def _reword(error: dict) -> str:
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
     if kind == "literal_error":
         options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
-        hint = _did_you_mean(str(value), options) if isinstance(value, str) else ""
+        hint = ""
+        if isinstance(value, str):
+            alias = ALIASES.get(value.strip().lower())
+            hint = f"; {value!r} is called {alias!r} here" if alias in options else _did_you_mean(value, options)
         return f"{_show(value)} is not one of: {', '.join(options)}{hint}"
     if kind in _BOUNDS:
         bound = next(iter(ctx.values()))
@@ -126,6 +132,27 @@ def _reword(error: dict) -> str:
                 extra = " (a whole number)"
             return f"expected {words}{extra}, got {_show(value)}"
     return f"{error['msg']} (got {_show(value)})"
+
+
+def _models_in(annotation: Any, depth: int = 0) -> list[type]:
+    """The pydantic models a field's annotation holds (through unions, ``Annotated``, lists)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if depth > 4:
+        return []
+    return [m for arg in get_args(annotation) for m in _models_in(arg, depth + 1)]
+
+
+def _belongs_under(key: str, models: list[type], path: FieldPath) -> str:
+    """``; it belongs under 'attention' (decoder.attention.sliding_window)`` for a key that is not
+    a field here but is one of a field's own mapping (a key indented one level too shallow)."""
+    homes = list(dict.fromkeys(name for model in models for name, info in model.model_fields.items()
+                               if any(key in sub.model_fields for sub in _models_in(info.annotation))))
+    if not homes:
+        return ""
+    where = ".".join(str(p) for p in path[:-1])
+    shown = " or ".join(f"{where + '.' if where else ''}{home}.{key}" for home in homes)
+    return f"; it belongs under {' or '.join(repr(h) for h in homes)} ({shown})"
 
 
 def _did_you_mean(given: str, options: list[str]) -> str:

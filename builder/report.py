@@ -220,7 +220,7 @@ def summary_line(spec, est, actual=None) -> str:
     if actual is not None:
         built = sum(actual_params(actual).values())
         check = " (= the built model)" if built == p.total else f" ([red]the built model has {built:,}[/])"
-    return (f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}; {human(f.train_per_token)}FLOPs per "
+    return (f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}; {human(f.train_per_token)} FLOPs per "
             f"training token; {human_bytes(m.training_total)} training memory per device ({est.settings['dtype']})")
 
 

@@ -346,6 +346,11 @@ def parse_document(raw: bytes, file: str, fields: Collection[str] | None = None,
         raise SpecError([_reader_problem(file, text, exc)]) from None
     try:
         return loader.read(file, fields, what)
+    except SpecError as exc:
+        tab = _tab_problem(file, text, exc.problems[0]) if len(exc.problems) == 1 else None
+        if tab is None:
+            raise
+        raise SpecError([tab]) from None
     except yaml.reader.ReaderError as exc:
         raise SpecError([_reader_problem(file, text, exc)]) from None
 
@@ -419,6 +424,21 @@ def parse_value(text: str) -> Any:
     if root is None:
         return None
     return loader._build(root, (), set(), 0)
+
+
+def _tab_problem(file: str, text: str, problem: Problem) -> Problem | None:
+    """A syntax error at or after a line indented with a tab, said as what it is, at that line
+    (PyYAML words it as a token problem, sometimes a line later)."""
+    if not problem.message.startswith("YAML syntax error"):
+        return None
+    for number, line in enumerate(text.split("\n"), start=1):
+        if problem.line is not None and number > problem.line:
+            break
+        indent = line[: len(line) - len(line.lstrip(" \t"))]
+        if "\t" in indent:
+            return Problem(file, number, indent.index("\t") + 1, "",
+                           "a tab in the indentation: YAML indents with spaces only")
+    return None
 
 
 def _syntax_problem(file: str, exc: yaml.MarkedYAMLError) -> Problem:

@@ -297,6 +297,9 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     lines.append(("tokenizer", vocab.how))
     lines += [("data", _data_line(f)) for f in files]
     lines.append(("devices", devices_line(recipe)))
+    from builder.hf import export_line
+
+    lines.append(("export", export_line(spec)))
     settings = recipe.trainer
     lines.append(("batch", f"{shape} per device; x {settings.accumulate_grad_batches} accumulation; "
                            f"{settings.max_steps:,} steps" + (f" or {settings.max_time}" if settings.max_time else "")))

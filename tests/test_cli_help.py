@@ -91,6 +91,8 @@ def test_bash_completion_completes_commands_options_and_files(tmp_path, capsys):
     assert set(complete("builder", "")) >= {name for name in COMMANDS if name}
     assert complete("builder", "describe", "--se") == ["--seq-len", "--set"]
     assert complete("builder", "validate", "my-") == ["my-model.yaml"]
+    assert "llama3-8b" in complete("builder", "describe", "llama3-")  # zoo names where one is taken
+    assert "lm-stdlib" in complete("builder", "train", "lm-")
 
 
 def test_zsh_completion_names_every_command(capsys):

@@ -478,3 +478,14 @@ def test_zoo_gemma2_exports_as_gemma2_with_the_same_logits(tmp_path):
     kept = _kept(inputs)
     assert hf_logits[kept].std() > 0.1
     assert (mine[kept] - hf_logits[kept]).abs().max().item() < 1e-4
+
+
+def test_describe_says_before_training_which_family_a_spec_exports_to_or_why_none(capsys):
+    from builder.cli import main
+
+    assert main(["describe", "llama3-8b"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "export: Hugging Face llama (LlamaForCausalLM), by builder export-hf")
+    assert main(["describe", "mpt-7b"]) == 0  # ALiBi: no family of ours expresses it
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("export: none: no Hugging Face family expresses it exactly (closest, ") and "alibi" in line

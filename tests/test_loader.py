@@ -415,3 +415,33 @@ def test_mangled_text_gives_located_problems(base, data):
         insert = data.draw(st.text(alphabet=":-[]{}&*!|>'\"#\t\n %@`,?abc01", max_size=4))
         text = text[:at] + insert + text[at + cut :]
     _assert_located(text)
+
+
+def test_a_key_indented_one_level_too_shallow_says_where_it_belongs(tmp_path):
+    spec = tmp_path / "shallow.yaml"
+    spec.write_text(textwrap.dedent("""\
+        name: shallow
+        architecture: decoder-only
+        vocab_size: 100
+        d_model: 64
+        max_seq_len: 128
+        decoder:
+          n_layers: 2
+          sliding_window: 64
+          attention: {n_heads: 4}
+          ffn: {type: mlp, hidden_dim: 128, activation: swish}
+        """))
+    problems = {p.path: p for p in validate_file(spec)}
+    shallow = problems["decoder.sliding_window"]
+    assert shallow.line == 8 and shallow.message.startswith(
+        "unknown key 'sliding_window'; it belongs under 'attention'") and "decoder.attention.sliding_window" in \
+        shallow.message
+    assert problems["decoder.ffn.activation"].message.endswith("; 'swish' is called 'silu' here")
+
+
+def test_a_tab_in_the_indentation_is_named_at_its_line(tmp_path):
+    spec = tmp_path / "tabs.yaml"
+    spec.write_text("name: tabs\ndecoder:\n  n_layers: 2\n  ffn:\n\t  hidden_dim: 3\n")
+    (problem,) = validate_file(spec)
+    assert (problem.line, problem.column, problem.message) == (5, 1, "a tab in the indentation: YAML indents with "
+                                                                      "spaces only")

@@ -106,7 +106,8 @@ def test_eval_scores_the_runs_validation_by_default(tmp_path, capsys):
     first, second = captured.out.strip().splitlines()
     run_loss = history(Path(summary["last"]))["val"][-1][1]
     assert f"loss {run_loss:.4f}" in first  # the same windows as the run's validation: the same loss
-    assert second.startswith("scored 2 batches (the recipe's trainer.limit_val_batches); --all scores all ")
+    assert second.startswith("scored 2 batches (the recipe's trainer.limit_val_batches: the windows the run's "
+                             "validations drew); --all scores the whole data once instead (")
     assert "eval" in captured.err and "batch" in captured.err  # the progress bar
 
     assert main(["eval", summary["last"], "--json", "--max-batches", "1"]) == 0

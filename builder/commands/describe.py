@@ -97,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:
+        from builder.hf import export_line
         from builder.report import print_describe
 
         print_describe(spec, est)
+        print(f"export: {export_line(spec)}")
     if args.plot:
         from builder.report import plot
 

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=("spec", "recipe"), default=None,
                         help="only specs or only recipes (default: both)")
     parser.add_argument("--json", action="store_true", help="print one JSON list of objects")
+    parser.add_argument("--names", action="store_true",
+                        help="print only the names, one a line (what shell completion offers)")
 
 
 def rows(kind: str | None = None) -> list[dict]:
@@ -66,6 +68,11 @@ def description(path: Path, width: int = 56) -> str:
 def run(args: argparse.Namespace) -> int:
     from builder.report import human
 
+    if args.names:  # read nothing but the zoo's folders: completion asks this at every TAB
+        from builder.zoo import entries
+
+        print("\n".join(name for name, entry in entries().items() if args.kind in (None, entry.kind)))
+        return 0
     found = rows(args.kind)
     if args.json:
         print(json.dumps(found, indent=2))

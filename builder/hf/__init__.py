@@ -38,7 +38,7 @@ from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, family_of, supported_families, validate
 from builder.hf.reader import config_to_spec, from_hf, import_hf, read_config, read_hf
 from builder.hf.weights import Checkpoint, load_weights, read_weights, save_weights
-from builder.hf.writer import choose_family, export_hf, fit, to_hf
+from builder.hf.writer import choose_family, export_hf, export_line, fit, to_hf
 
 __all__ = [
     "FAMILIES",

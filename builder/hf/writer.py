@@ -80,6 +80,26 @@ def fit(family: Family, spec) -> tuple[dict | None, list[str]]:
     return (None, [d.replace("{family}", family.model_type) for d in diffs]) if diffs else (config, [])
 
 
+def export_line(spec) -> str:
+    """Which Hugging Face family ``builder export-hf`` would write ``spec`` as, or why none can:
+    said before training (describe, ``train --dry-run``), not found out after it."""
+    try:
+        chosen, _ = choose_family(spec)
+    except Unsupported as exc:
+        import re
+
+        same = [line.strip() for line in str(exc).splitlines()[1:] if "the spec is" not in line]  # its architecture's
+        if not same:
+            return f"none: no Hugging Face family is {spec.architecture}"
+
+        def differences(line: str) -> int:
+            more = re.search(r"\(and (\d+) more\)$", line)
+            return 1 + (int(more.group(1)) if more else 0)
+
+        return f"none: no Hugging Face family expresses it exactly (closest, {min(same, key=differences)})"
+    return f"Hugging Face {chosen.model_type} ({chosen.hf_class}), by builder export-hf"
+
+
 def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
     """The family (``family`` if given, else the first that fits) and its config for ``spec``."""
     if family is not None:

@@ -119,8 +119,11 @@ def scored(batches: int, available: int | None, args: argparse.Namespace) -> str
     if args.all:
         return f"scored all {batches:,} batches (--all)"
     how = f"--max-batches {args.max_batches}" if args.max_batches else "the recipe's trainer.limit_val_batches"
-    more = f"; --all scores all {available:,}" if available is not None and available != batches else ""
-    return f"scored {batches:,} batches ({how}){more}"
+    drawn = "consecutive windows" if args.data else "the windows the run's validations drew"
+    more = ""
+    if available is not None and available != batches:  # --all: every consecutive window once
+        more = f"; --all scores the whole data once instead ({available:,} consecutive batches)"
+    return f"scored {batches:,} batches ({how}: {drawn}){more}"
 
 
 def _print_task(args: argparse.Namespace, meta: dict, model, tokenizer) -> int:
