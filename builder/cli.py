@@ -159,12 +159,12 @@ _builder_zoo_or_files() {
 
 def _complete_files(command: argparse.ArgumentParser) -> None:
     """Positional arguments (a spec, recipe, checkpoint or folder) complete as paths in the shell;
-    one whose help says it takes a zoo name completes zoo names too (bash)."""
+    one whose help says it takes a zoo entry completes zoo names too (bash)."""
     import shtab
 
     for action in command._actions:
         if not action.option_strings and action.dest not in ("help", "command") and action.choices is None:
-            zoo = "zoo name" in (action.help or "")
+            zoo = "zoo" in (action.help or "")  # "a spec file or a zoo name", "a zoo recipe by name"
             action.complete = {**shtab.FILE, "bash": "_builder_zoo_or_files"} if zoo else shtab.FILE
 
 

@@ -443,5 +443,5 @@ def test_a_tab_in_the_indentation_is_named_at_its_line(tmp_path):
     spec = tmp_path / "tabs.yaml"
     spec.write_text("name: tabs\ndecoder:\n  n_layers: 2\n  ffn:\n\t  hidden_dim: 3\n")
     (problem,) = validate_file(spec)
-    assert (problem.line, problem.column, problem.message) == (5, 1, "a tab in the indentation: YAML indents with "
+    assert (problem.line, problem.col, problem.message) == (5, 1, "a tab in the indentation: YAML indents with "
                                                                       "spaces only")

@@ -7,10 +7,10 @@ from recipe_helpers import tiny_recipe
 
 
 def _before_training(out: str) -> list[str]:
-    """The lines printed before the run's stop line (stdout: the progress bar is on stderr)."""
+    """The lines printed before the progress bar starts (Lightning's bar writes to stdout)."""
     lines = [line for line in out.splitlines() if line.strip()]
-    stop = next(i for i, line in enumerate(lines) if line.startswith("stopped: "))
-    return lines[:stop]
+    start = next(i for i, line in enumerate(lines) if line.startswith(("Training:", "Epoch 0", "stopped: ")))
+    return lines[:start]
 
 
 def test_a_run_starts_with_a_short_header_and_ends_with_its_cause(tmp_path, capsys):
