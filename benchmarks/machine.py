@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 
 def machine() -> str:
@@ -14,3 +16,13 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{os.cpu_count()} cores, {model}"
+
+
+def emit(result: dict, path: str | None) -> int:
+    """The benchmark's result as its last line of JSON (``run_all.sh`` keeps that line), and the
+    same, indented, in ``path`` when one is given; returns the exit status 0."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+

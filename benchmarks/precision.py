@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
+from machine import emit, machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
 
 REPO = Path(__file__).resolve().parents[1]
 if (REPO.parent / "shared" / "data").is_dir():  # a checkout's local data copies, else the download path
@@ -139,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant:20s} {row['tokens_per_s']:10,.0f} {row['ratio']:6.2f}x {row['run_ratio']:9.2f}x "
                   f"{row['compile_seconds']:10.1f} {row['val_loss']:9.4f}")
         print(flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    print(json.dumps(results))
-    return 0
+    return emit(results, args.json)
 
 
 if __name__ == "__main__":

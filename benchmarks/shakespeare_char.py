@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
+from machine import emit, machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "shakespeare-char.yaml"
@@ -268,10 +268,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{s:.2f}' for s in speedups)}); whole run {summary['wall_ratio']:.2f}x faster; to target "
           f"{f'{ratio:.2f}x faster' if ratio else 'n/a'} (compile counted); final val loss "
           f"{summary['mean_final_val']['recipe'] - summary['mean_final_val']['yardstick']:+.4f} (recipe - yardstick)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
-    return 0
+    return emit(summary, args.json)
 
 
 if __name__ == "__main__":

@@ -328,13 +328,14 @@ def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu
     floor = sizer.fixed(best)
     if floor > cluster.usable:
         held, (unit, elements), in_flight = sizer.fixed_parts(best)
+        shrink = ("a smaller unit (more tensor parallelism, or experts split over ranks) is what would shrink it"
+                  if in_flight > held else "more GPUs shrink the shard")
         reasons.append(
             f"the weights, gradients and AdamW states alone need {_gib(floor)} per GPU over all {cluster.gpus} GPUs "
             f"(tensor-parallel {best.tensor_parallel}), more than the {_gib(cluster.usable)} usable: {_gib(held)} is "
             f"this rank's shard of them (16 bytes per parameter, sharded), and {_gib(in_flight)} is the largest "
             f"FSDP unit, {unit or 'the model'} ({elements:,} parameters per tensor-parallel rank), which FSDP gathers "
-            "whole to compute it (two copies and its gradients in flight) however many GPUs shard it; a smaller "
-            "unit (more tensor parallelism, or experts split over ranks) is what would shrink it")
+            f"whole to compute it (two copies and its gradients in flight) however many GPUs shard it; {shrink}")
     else:
         reasons.append(f"the sharded states fit ({_gib(floor)} per GPU) but no micro-batch of one sequence "
                        f"of {seq} tokens leaves room for its activations, even with checkpointing")

@@ -211,7 +211,8 @@ class LossSection(_Section):
 class TrainerSection(_Section):
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
     max_time: Optional[Union[int, str]] = Field(
-        None, description="Stop after this long: seconds, or 'HH:MM:SS' / 'DD:HH:MM:SS' (null: no limit)."
+        None, description="Stop after this long, counted per invocation (a resume gets it again): seconds, or "
+        "'HH:MM:SS' / 'DD:HH:MM:SS' (null: no limit)."
     )
     val_check_interval: int = Field(200, ge=1, description="Validate every this many optimizer steps.")
     limit_val_batches: int = Field(20, ge=1, description="Validation micro-batches per check.")

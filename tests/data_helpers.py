@@ -176,3 +176,26 @@ class Server:
         self.stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def keyword_examples(folder: Path, train: int, validation: int, seed: int = 0) -> None:
+    """``folder/train.csv`` (``train`` rows) and ``folder/val.jsonl`` (``validation`` rows) of
+    labelled text: the label is whether the text mentions "apple" (half do)."""
+    import csv
+    import json
+
+    rng = random.Random(seed)
+    words = ["the", "a", "cat", "dog", "runs", "sits", "blue", "green", "house", "tree", "river", "stone", "bread",
+             "milk", "over", "under", "quick", "slow"]
+    rows = []
+    for i in range(train + validation):
+        text = [rng.choice(words) for _ in range(rng.randint(4, 10))]
+        if i % 2:
+            text.insert(rng.randrange(len(text) + 1), "apple")
+        rows.append({"text": " ".join(text), "label": "fruit" if i % 2 else "none"})
+    with open(folder / "train.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["text", "label"])
+        writer.writeheader()
+        writer.writerows(rows[:train])
+    (folder / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[train:]) + "\n", encoding="utf-8")
+

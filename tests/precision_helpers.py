@@ -5,13 +5,10 @@ result's ``eval`` and ``generate``."""
 from __future__ import annotations
 
 import copy
-import csv
-import json
-import random
 from pathlib import Path
 
 import yaml
-from data_helpers import stand_in_files
+from data_helpers import keyword_examples, stand_in_files
 from recipe_helpers import TINY_SPEC
 
 TASKS = ("lm", "translation", "mlm", "classification")
@@ -38,19 +35,6 @@ _SEQ2SEQ = {
 _SEQ2SEQ["decoder"] = _SEQ2SEQ["encoder"]
 
 
-def _labelled(n: int, seed: int = 0) -> list[dict]:
-    """Label = whether the text mentions "apple" (half do)."""
-    rng = random.Random(seed)
-    words = ["the", "a", "cat", "dog", "runs", "sits", "blue", "green", "house", "tree", "river", "stone"]
-    rows = []
-    for i in range(n):
-        text = [rng.choice(words) for _ in range(rng.randint(4, 10))]
-        if i % 2:
-            text.insert(rng.randrange(len(text) + 1), "apple")
-        rows.append({"text": " ".join(text), "label": "fruit" if i % 2 else "none"})
-    return rows
-
-
 def _data(task: str, folder: Path) -> dict:
     """The recipe's ``data`` (and extra sections) for ``task``, its files written into ``folder``."""
     cache = str(folder / "cache")
@@ -65,12 +49,7 @@ def _data(task: str, folder: Path) -> dict:
                                         "cache_dir": cache},
                 "tokenizer": {"vocab_size": 300}, "model": {"spec": dict(copy.deepcopy(_ENCODER), head={"type": "mlm"})}}
     if task == "classification":
-        rows = _labelled(200)
-        with open(folder / "train.csv", "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=["text", "label"])
-            writer.writeheader()
-            writer.writerows(rows[:160])
-        (folder / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[160:]) + "\n", encoding="utf-8")
+        keyword_examples(folder, 160, 40)
         return {"task": "classification",
                 "data": {"file": str(folder / "train.csv"), "validation": str(folder / "val.jsonl"), "max_len": 32,
                          "max_tokens": 256, "cache_dir": cache},

@@ -3,15 +3,13 @@ rule (accuracy and macro F1) from CSV and JSONL, starting from the MLM checkpoin
 
 from __future__ import annotations
 
-import csv
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from data_helpers import real_data_root, stand_in_files
+from data_helpers import keyword_examples, real_data_root, stand_in_files
 
 torch.set_num_threads(1)
 
@@ -87,19 +85,6 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
     return path
 
 
-def _keyword_examples(n: int, seed: int = 0) -> list[dict]:
-    """Label = whether the text mentions "apple" (half do)."""
-    rng = random.Random(seed)
-    words = ["the", "a", "cat", "dog", "runs", "sits", "blue", "green", "house", "tree", "river", "stone", "bread", "milk", "over", "under", "quick", "slow"]
-    rows = []
-    for i in range(n):
-        text = [rng.choice(words) for _ in range(rng.randint(4, 10))]
-        if i % 2:
-            text.insert(rng.randrange(len(text) + 1), "apple")
-        rows.append({"text": " ".join(text), "label": "fruit" if i % 2 else "none"})
-    return rows
-
-
 def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     from builder.cli import main
     from recipes.checkpoint import load_trained
@@ -126,12 +111,7 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["task"] == "mlm" and result["masked_tokens"] > 0 and result["loss"] < 7
 
-    rows = _keyword_examples(600)
-    with open(tmp_path / "train.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=["text", "label"])
-        writer.writeheader()
-        writer.writerows(rows[:500])
-    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[500:]) + "\n", encoding="utf-8")
+    keyword_examples(tmp_path, 500, 100)
     classify = _write_recipe(tmp_path, "classify", {
         "task": "classification",
         "data": {"file": "train.csv", "validation": "val.jsonl", "max_len": 64, "max_tokens": 1024,

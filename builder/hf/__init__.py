@@ -50,6 +50,7 @@ __all__ = [
     "choose_family",
     "config_to_spec",
     "export_hf",
+    "export_line",
     "family_of",
     "fit",
     "from_hf",
