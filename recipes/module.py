@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
-import random
 import time
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,23 +106,14 @@ def has_moe(model: nn.Module) -> bool:
     return any("aux_loss" in vars(m) for m in model.modules())
 
 
-def rng_state() -> dict:
-    """Every random generator's state, as plain data and tensors (safe for weights-only loading)."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached)
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def micro_batch_seed(seed: int, rank: int, micro_batch: int) -> int:
+    """The seed of the global generator for micro-batch ``micro_batch`` (counted over the whole
+    run) on data-parallel rank ``rank``: dropout's masks are a pure function of where the run is,
+    so a resumed run draws what an unbroken one does (on any number of ranks: no generator state
+    to save and gather), validation and data loading draw nothing that training sees, and
+    data-parallel ranks draw independent masks while tensor-parallel peers (one data rank) share
+    them. Python's hash of a tuple of ints is the same in every process."""
+    return hash((seed, rank, micro_batch)) & ((1 << 63) - 1)
 
 
 class LMModule(L.LightningModule):
@@ -153,10 +142,6 @@ class LMModule(L.LightningModule):
         self._pending_steps = 0  # micro-batches in it
         self._pending_from = 0  # the step the first of them trained
         self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
-        self._rng_at_resume: dict | None = None  # the checkpoint's generator states (on_load_checkpoint)
-        # the generators as the last optimizer step left them: what a checkpoint records and what validation
-        # (whose loaders draw seeds) gives back, so a resumed run draws the dropout masks an unbroken one does
-        self._rng_after_step: dict | None = None
         self._train_losses = self._losses
         if compile_mode(recipe.trainer) == "model":
             self._train_losses = torch.compile(self._losses, dynamic=True if self.variable_shapes else None)
@@ -203,8 +188,6 @@ class LMModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         stepped = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
-        if stepped:
-            self._rng_after_step = rng_state()
         if stepped and self._log_step():
             if not self.flush_losses() and self.history["train"] and self.history["train"][-1][0] == self.global_step:
                 # read already by the checkpoint written at this step: logged now
@@ -252,8 +235,6 @@ class LMModule(L.LightningModule):
 
     def on_validation_end(self):
         torch.compiler.set_stance("default")
-        if self._rng_after_step is not None:  # validation's loaders drew seeds: training goes on as if it had not run
-            set_rng_state(self._rng_after_step)
 
     def wall_seconds(self) -> float:
         """Wall seconds of training so far, across resumes (validation included)."""
@@ -282,8 +263,7 @@ class LMModule(L.LightningModule):
             total = self._pending_mean_sum()
             self._pending = torch.full_like(self._pending, total)
             pending = {"sum": total, "steps": self._pending_steps, "from": self._pending_from}
-        rng = self._rng_after_step or rng_state()
-        checkpoint["builder"] = dict(self.meta, history=self.history, rng=rng, elapsed=self.wall_seconds(),
+        checkpoint["builder"] = dict(self.meta, history=self.history, elapsed=self.wall_seconds(),
                                      pending_loss=pending)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -295,11 +275,10 @@ class LMModule(L.LightningModule):
         self._pending, self._carried, self._pending_steps = None, None, 0
         if pending:
             self._carried, self._pending_steps, self._pending_from = pending["sum"], pending["steps"], pending["from"]
-        # restored at the first training batch, not now: the DataLoader's iterator, made after this
-        # hook, draws its base seed from the global generator, which the unbroken run did at step 0
-        self._rng_at_resume = saved.get("rng")
 
     def on_train_batch_start(self, batch, batch_idx):
-        if self._rng_at_resume is not None:
-            set_rng_state(self._rng_at_resume)  # dropout goes on where the checkpointed run left off
-            self._rng_at_resume = None
+        from recipes.parallel import data_parallel_rank
+
+        accumulate = self.trainer.accumulate_grad_batches
+        micro_batch = self.global_step * accumulate + batch_idx % accumulate
+        torch.manual_seed(micro_batch_seed(self.recipe.trainer.seed, data_parallel_rank(self.trainer), micro_batch))

@@ -279,6 +279,12 @@ def data_parallel_size(trainer) -> int:
     return int(kwargs.get("num_replicas", trainer.world_size))
 
 
+def data_parallel_rank(trainer) -> int:
+    """This rank's place among those that read different data (tensor-parallel peers share one)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("rank", trainer.global_rank))
+
+
 def local_bytes(model: nn.Module) -> int:
     """Bytes of the parameters this rank holds (its shards; whole tensors when not sharded)."""
     from torch.distributed.tensor import DTensor
