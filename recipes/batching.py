@@ -77,11 +77,27 @@ class StreamBatches(IterableDataset):
             epoch += 1
 
 
+def split_to_multiple(batches: list[np.ndarray], world_size: int) -> list[np.ndarray]:
+    """``batches`` with the largest ones halved until their number divides ``world_size`` (every
+    example still once, each batch within the budget): every rank then runs the same number of
+    forward passes, which FSDP needs (each forward all-gathers; a rank with one batch more waits
+    forever). Left as they are when there are too few examples to split into such a number."""
+    batches = list(batches)
+    while len(batches) % world_size:
+        largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        if len(batches[largest]) < 2:
+            break
+        half = len(batches[largest]) // 2
+        batches[largest: largest + 1] = [batches[largest][:half], batches[largest][half:]]
+    return batches
+
+
 class FixedBatches(IterableDataset):
-    """Every example once in length order; rank ``r`` takes batches ``r, r + N, ...``."""
+    """Every example once in length order; rank ``r`` takes batches ``r, r + N, ...`` (as many on
+    every rank: :func:`split_to_multiple`)."""
 
     def __init__(self, examples, lengths, max_tokens, collate, rank: int = 0, world_size: int = 1):
-        batches = sorted_batches(lengths, max_tokens)
+        batches = split_to_multiple(sorted_batches(lengths, max_tokens), world_size)
         self.batches = batches[rank::world_size]
         self.examples, self.collate = examples, collate
 

@@ -289,3 +289,25 @@ def test_resumed_run_trains_on_the_same_batches_as_an_unbroken_one(tmp_path):
         losses[name] = [loss for _, loss in history["train"]]
     assert len(losses["resumed"]) == len(losses["unbroken"]) == 30
     assert losses["resumed"] == pytest.approx(losses["unbroken"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_validation_batches_split_so_every_rank_runs_as_many(world_size):
+    """Under FSDP each forward all-gathers, so a rank with one validation batch more than another
+    would wait forever: the batches are split until their number divides the ranks, every example
+    still once and within the budget."""
+    from recipes.batching import FixedBatches, sorted_batches
+
+    rng = np.random.default_rng(0)
+    for n in (7, 40, 101):
+        lengths = rng.integers(3, 30, n)
+        counts, seen = [], []
+        for rank in range(world_size):
+            fixed = FixedBatches(list(range(n)), lengths, 64, lambda rows: rows, rank, world_size)
+            counts.append(len(fixed))
+            for batch in fixed:
+                assert len(batch) * max(lengths[batch]) <= 64
+                seen += batch
+        assert len(set(counts)) == 1, counts
+        assert sorted(seen) == list(range(n))
+        assert sum(counts) >= len(sorted_batches(lengths, 64))
