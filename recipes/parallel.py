@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -220,6 +221,11 @@ def shard_model(model: nn.Module, mesh, settings: TrainerSection, init_seed: int
         checkpoint_layers(model)
     if compile_mode(settings) == "layers":  # config refuses "model" under fsdp
         compile_layers(layers)
+    # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
+    # hook. The root unit's output is the model's logits (a view under tensor parallelism), which
+    # every task's loss reads out of place only (reshape, float, cross_entropy), so it does not
+    # apply there; a view returned by any other unit (a layer, an embedding) still warns.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+Model\) returned a view tensor")
     dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     policy = mixed_precision(settings.precision)
     for unit in [*layers, *separate_units(model)]:
