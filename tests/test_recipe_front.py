@@ -169,3 +169,22 @@ def test_dry_run_errors_are_one_line():
                                   "lower data.seq_len or set model.overrides.max_seq_len")
     run = cli("train", "lm-stdlb", "--dry-run")
     assert run.returncode == 1 and "did you mean 'lm-stdlib'?" in run.stderr and len(run.stderr.splitlines()) == 1
+
+
+def test_validate_and_dry_run_refuse_files_that_are_not_there(tmp_path, capsys):
+    """A data folder or init_from that does not exist is named (field, the path tried, a close
+    name beside it) by `validate` and `--dry-run`, exit 1 — before any run (a missing
+    tokenizer.model_file is refused when the recipe loads)."""
+    from recipe_helpers import tiny_recipe
+
+    (tmp_path / "corpus").mkdir()
+    recipe = tiny_recipe(tmp_path, data={"sources": [str(tmp_path / "corpsu")]})
+    assert main(["validate", str(recipe)]) == 1
+    out = capsys.readouterr().out
+    assert f"data.sources: no such file or folder {tmp_path / 'corpsu'}; did you mean '{tmp_path / 'corpus'}'?" in out
+    assert main(["train", str(recipe), "--dry-run"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"builder train: data.sources: no such file or folder {tmp_path / 'corpsu'}")
+    recipe = tiny_recipe(tmp_path, model={"init_from": str(tmp_path / "run" / "last.ckpt")})
+    assert main(["train", str(recipe), "--dry-run"]) == 1
+    assert "model.init_from: no such file or folder" in capsys.readouterr().err
