@@ -153,13 +153,16 @@ def _close_names(path: Path) -> str:
     return "; did you mean " + " or ".join(repr(str(path.parent / c)) for c in close) + "?" if close else ""
 
 
-def missing_inputs(recipe: Recipe, recipe_file: Path) -> list[str]:
+def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | None = None) -> list[str]:
     """One line per file the recipe names that is not there and will not be downloaded: its field,
     the path it was looked for at (relative paths: from the recipe's folder) and close names
-    beside it. Data files a dataset downloads on the first run are not missing."""
+    beside it. Data files a dataset downloads on the first run are not missing; ``files``: the
+    recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
+    refused when the recipe loads.)"""
+    files = data_files(recipe, recipe_file) if files is None else files
     lines = [f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
-             for f in data_files(recipe, recipe_file) if f.path is not None and not f.present and not f.url]
-    named = [("tokenizer.model_file", recipe.tokenizer.model_file), ("model.init_from", recipe.model.init_from),
+             for f in files if f.path is not None and not f.present and not f.url]
+    named = [("model.init_from", recipe.model.init_from),
              ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None))]
     for field, value in named:
         if value is not None:
@@ -271,12 +274,12 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     out = out or sys.stdout
     recipe_file = locate_recipe(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
-    missing = missing_inputs(recipe, recipe_file)
+    files = data_files(recipe, recipe_file)
+    missing = missing_inputs(recipe, recipe_file, files)
     if missing:
         raise RecipeError("; ".join(missing))
     vocab = vocabulary(recipe, recipe_file)
     spec = model_spec(recipe, recipe_file, vocab.size)
-    files = data_files(recipe, recipe_file)
     seq_len, batch, shape = batch_shape(recipe, spec)
     if recipe.task in ("lm", "mlm") and recipe.data.seq_len > spec.max_seq_len:
         raise RecipeError(f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "

@@ -134,6 +134,7 @@ class LMModule(L.LightningModule):
         self.history: dict[str, list] = {"train": [], "val": []}
         self.elapsed = 0.0  # wall seconds of training before this process took over
         self.first_step = 0  # the step this invocation starts from (a resumed run: its checkpoint's)
+        self._data_rank = 0  # this rank among those reading different data (on_train_start)
         self._started: float | None = None
         self.moe = has_moe(model)
         self.label_smoothing, self.moe_aux_coef = recipe.loss.label_smoothing, recipe.loss.moe_aux_coef
@@ -228,7 +229,10 @@ class LMModule(L.LightningModule):
             after_step()  # blocks' state kept outside the gradients (blocks.stacks)
 
     def on_train_start(self):
+        from recipes.parallel import data_parallel_rank
+
         self._started = time.perf_counter() - self.elapsed
+        self._data_rank = data_parallel_rank(self.trainer)  # for micro_batch_seed, once per run
 
     def on_validation_start(self):
         torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.speed)
@@ -277,8 +281,6 @@ class LMModule(L.LightningModule):
             self._carried, self._pending_steps, self._pending_from = pending["sum"], pending["steps"], pending["from"]
 
     def on_train_batch_start(self, batch, batch_idx):
-        from recipes.parallel import data_parallel_rank
-
         accumulate = self.trainer.accumulate_grad_batches
         micro_batch = self.global_step * accumulate + batch_idx % accumulate
-        torch.manual_seed(micro_batch_seed(self.recipe.trainer.seed, data_parallel_rank(self.trainer), micro_batch))
+        torch.manual_seed(micro_batch_seed(self.recipe.trainer.seed, self._data_rank, micro_batch))
