@@ -104,7 +104,7 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
 
     from builder import build_model
     from recipes.config import load_recipe
-    from recipes.data import TrainWindows, ValWindows, split
+    from recipes.data.windows import TrainWindows, ValWindows, split
     from recipes.train import prepare
 
     recipe = load_recipe(RECIPE, _overrides(seed, max_steps))

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.config import RecipeError
-from recipes.data import PositionedDataModule
+from recipes.data.windows import PositionedDataModule
 
 
 def budget_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:

@@ -273,7 +273,7 @@ def eval_batches(args, meta: dict) -> int | None:
 
 def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
     """The validation split of the data the checkpoint was trained on."""
-    from recipes.data import read_corpus, split, tokenize_corpus
+    from recipes.data.windows import read_corpus, split, tokenize_corpus
 
     from pydantic import ValidationError
 
@@ -291,7 +291,7 @@ def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
 def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
     """All the text of ``paths`` (files or folders), tokenized."""
     from recipes.config import DataSection
-    from recipes.data import read_corpus, tokenize_corpus
+    from recipes.data.windows import read_corpus, tokenize_corpus
 
     corpus = read_corpus(DataSection(sources=paths, max_bytes=None), None)
     return tokenize_corpus(tokenizer, corpus, Path(cache_dir))
@@ -312,11 +312,11 @@ def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batch
              seed: int | None = None) -> dict:
     """Mean next-token cross-entropy over ``max_batches`` batches of ``tokens`` (``None``: every
     consecutive, non-overlapping window). With ``seed``, the batches are the validation windows a
-    run with that seed draws (:class:`recipes.data.ValWindows`), so the loss is that run's
+    run with that seed draws (:class:`recipes.data.windows.ValWindows`), so the loss is that run's
     validation loss; else consecutive windows from the start. A progress bar goes to stderr."""
     from tqdm.auto import tqdm
 
-    from recipes.data import ValWindows
+    from recipes.data.windows import ValWindows
 
     device = next(model.parameters()).device
     n_windows = (len(tokens) - 1) // seq_len

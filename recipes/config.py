@@ -14,20 +14,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-#: ``json_schema_extra`` of the fields that hold paths: relative to the recipe's folder, or to the
-#: working directory (``recipes.runlog`` makes them absolute in a run's config.yaml)
-RECIPE_PATH = {"relative_to": "recipe"}
-WORK_PATH = {"relative_to": "cwd"}
-
-#: the data source that means "the Python standard library's own source, from this interpreter"
-PYTHON_STDLIB = "python-stdlib"
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot run as written (missing data, a window longer than the model...)."""
-
+from recipes.data.section import DataSection, DatasetFields, SourceEntry  # noqa: F401 (re-exported)
+from recipes.fields import (  # noqa: F401 (re-exported: the names every recipe module imports from here)
+    PYTHON_STDLIB,
+    RECIPE_PATH,
+    WORK_PATH,
+    RecipeError,
+    _Section,
+    resolve,
+)
 
 #: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -35,10 +32,6 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 
 def _list_to_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
 
 #: one part of a model.freeze path: a module name, a layer index, a range of them, or *
@@ -84,80 +77,6 @@ class ModelSection(_Section):
         if self.spec is None and self.init_from is None:
             raise ValueError("give model.spec (a spec file or mapping) or model.init_from (trained weights), or both")
         return self
-
-
-class DatasetFields(_Section):
-    """``dataset`` and ``root``: the fields every data section has for data named in
-    :mod:`recipes.datasets` (downloaded once, verified, reused)."""
-
-    dataset: Optional[str] = Field(
-        None, description="A dataset by name (recipes/datasets.py: tinyshakespeare, multi30k, python-stdlib): "
-        "fetched once into the data root, checked against its sha256, reused.",
-    )
-    root: Optional[str] = Field(
-        None, description="The folder datasets are read from, and downloaded to when missing (relative to the "
-        "recipe; null: $BUILDER_DATA, else the user cache, ~/.cache/builder/data on Linux).",
-        json_schema_extra=RECIPE_PATH,
-    )
-
-    @field_validator("dataset")
-    @classmethod
-    def _known_dataset(cls, value):
-        if value is not None:
-            from recipes.datasets import get
-
-            get(value)
-        return value
-
-    def dataset_root(self, recipe_file: Path | None) -> Path | None:
-        """``root`` resolved against the recipe (``None``: the default data root)."""
-        return resolve(recipe_file, self.root) if self.root is not None else None
-
-
-class DataSection(DatasetFields):
-    sources: list[str] = Field(
-        default_factory=list,
-        description="Plain-text files or folders (relative to the recipe) read after `dataset`; a dataset "
-        "name here reads that dataset. With neither: `python-stdlib`, the standard library's own .py source "
-        "from the running interpreter.",
-        json_schema_extra=RECIPE_PATH,
-    )
-    include: list[str] = Field(
-        default_factory=lambda: ["*.py", "*.txt", "*.md", "*.rst"],
-        description="File-name patterns read from folders (files named directly are always read).",
-    )
-    max_bytes: Optional[int] = Field(
-        16_000_000, ge=1, description="Stop reading once the corpus is this large (null: no cap)."
-    )
-    val_fraction: float = Field(
-        0.1, gt=0, lt=1, description="The last share of the tokens, held out for validation (default: "
-        "the dataset's own split, e.g. tinyshakespeare's 10%, else 0.1).",
-    )
-    seq_len: int = Field(256, ge=1, description="Tokens per training window.")
-    batch_size: int = Field(16, ge=1, description="Windows per micro-batch on each device.")
-    cache_dir: str = Field(
-        ".cache/builder", description="Tokenizers and tokenized corpora, keyed by content hash.",
-        json_schema_extra=WORK_PATH,
-    )
-
-    @field_validator("sources", mode="before")
-    @classmethod
-    def _one_source(cls, value):
-        return [value] if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _corpus(self):
-        if self.dataset is None and not self.sources:
-            self.dataset = PYTHON_STDLIB
-        if self.dataset is not None and "val_fraction" not in self.model_fields_set:
-            from recipes.datasets import get
-
-            self.val_fraction = get(self.dataset).val_fraction or self.val_fraction
-        return self
-
-    def corpus(self) -> list[str]:
-        """What the corpus reads, in order: the dataset's name, then the sources."""
-        return [self.dataset, *self.sources] if self.dataset is not None else list(self.sources)
 
 
 class TokenizerSection(_Section):
@@ -356,14 +275,6 @@ class Recipe(_Section):
 def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
     """Where a run writes: ``trainer.output_dir``, else ``runs/<recipe name>``."""
     return Path(recipe.trainer.output_dir or Path("runs") / (recipe.name or recipe_file.stem))
-
-
-def resolve(recipe_file: Path | None, path: str) -> Path:
-    """A path written in a recipe, relative to the recipe's folder."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or recipe_file is None:
-        return p
-    return Path(recipe_file).resolve().parent / p
 
 
 # -- loading -------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     if settings.type == "char":
         missing = [f for f in data_files(recipe, recipe_file) if not f.present]
         if read_data and not missing:
-            from recipes.data import read_corpus
+            from recipes.data.windows import read_corpus
 
             chars = len(set(read_corpus(recipe.data, recipe_file).text))
             return Vocabulary(chars, f"char: the {chars} distinct characters of the corpus")

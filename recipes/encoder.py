@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from recipes.batching import BucketDataModule, pad, sorted_batches
 from recipes.checkpoint import eval_batches, model_weights
 from recipes.config import RecipeError, model_spec, resolve
-from recipes.data import LMDataModule, read_corpus, split, tokenize_corpus
+from recipes.data.windows import LMDataModule, read_corpus, split, tokenize_corpus
 from recipes.module import IGNORE, LMModule
 from recipes.pretrained import pretrained_tokenizer
 from recipes.tasks import PROSE, Prepared, check_task

@@ -36,7 +36,7 @@ from recipes.checkpoint import RESUMABLE, newest_intact
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec, output_dir
 from recipes.runfolder import owns_run_folder
 from recipes.sharded_checkpoint import tidy
-from recipes.data import LMDataModule, read_corpus, tokenize_corpus
+from recipes.data.windows import LMDataModule, read_corpus, tokenize_corpus
 from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers

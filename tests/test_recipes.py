@@ -107,7 +107,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 
 
 def test_windows_are_a_function_of_position_and_shard_across_ranks():
-    from recipes.data import TrainWindows
+    from recipes.data.windows import TrainWindows
 
     tokens = np.arange(1000, dtype=np.uint16)
     single = iter(TrainWindows(tokens, 8, 4, seed=3, rank=0, world_size=1, position=0))

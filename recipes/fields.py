@@ -1,0 +1,34 @@
+"""What every recipe section is built from, in a module that imports nothing of the project: the
+base section model, the markers of path fields, :class:`RecipeError` and :func:`resolve`.
+``recipes.config`` re-exports them; section modules elsewhere (``recipes.data.section``) import
+them from here, so no section module needs ``recipes.config`` back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+#: ``json_schema_extra`` of the fields that hold paths: relative to the recipe's folder, or to the
+#: working directory (``recipes.runlog`` makes them absolute in a run's config.yaml)
+RECIPE_PATH = {"relative_to": "recipe"}
+WORK_PATH = {"relative_to": "cwd"}
+
+#: the data source that means "the Python standard library's own source, from this interpreter"
+PYTHON_STDLIB = "python-stdlib"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run as written (missing data, a window longer than the model...)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
+
+
+def resolve(recipe_file: Path | None, path: str) -> Path:
+    """A path written in a recipe, relative to the recipe's folder."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or recipe_file is None:
+        return p
+    return Path(recipe_file).resolve().parent / p
