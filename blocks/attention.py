@@ -17,6 +17,10 @@ attention module):
   slots' token indices, ``inputs.bias`` / ``inputs.token_index``). ``generate`` decodes a stack
   whose every attention declares it with one fixed-shape step (compilable); any other stack
   feeds each token through the ordinary forward.
+* ``document_masking = True`` (optional): ``forward`` honours ``inputs.document_ids`` (several
+  documents packed in one row: no query sees another document's keys), by passing it to
+  ``kernels.attention`` as ``document_ids``. A stack given ``document_ids`` refuses a layer whose
+  attention does not declare it, rather than let its queries read across documents.
 
 Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
 layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend
@@ -46,11 +50,17 @@ class AttentionInputs:
             ``start`` is unused and ``key_mask`` covers every token the cache was allocated
             for): a cache writes at it and returns whole buffers with each slot's token index
             (``blocks.cache``), which :meth:`bias` and :meth:`token_index` take instead of ``first``.
+        document_ids: ``(batch, seq_q)`` integer document of each token, non-decreasing along a
+            row (the stack's ``document_ids``; ``positions`` then restart at each document): a
+            self-attention without cached keys passes it to ``kernels.attention``, which masks
+            every score across documents. None: one document per row.
     """
 
-    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, position=None, index=None):
+    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, position=None, index=None,
+                 document_ids=None):
         self.start, self.seq_q = start, seq_q
         self.index = index
+        self.document_ids = document_ids
         self.positions = positions
         self.key_mask = key_mask
         self.position = position
@@ -132,6 +142,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     static_decode = True  # honours AttentionInputs.index (module doc)
+    document_masking = True  # honours AttentionInputs.document_ids (module doc)
 
     def __init__(self, config, d_model: int, causal: bool = False, cross: bool = False, backend: str = "auto"):
         super().__init__()
@@ -215,6 +226,7 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
             token_index=inputs.token_index(first),
+            document_ids=inputs.document_ids,
         )  # (batch, n_heads, seq_q, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq_q, self.n_heads * self.head_dim)  # (batch, seq_q, n_heads * head_dim)
         return self.out_proj(out)

@@ -55,6 +55,15 @@ class TransformerLayer(nn.Module):
                 return type(module).__name__
         return None
 
+    def document_masking(self) -> str | None:
+        """None when every attention sub-layer declares ``document_masking`` (it keeps a packed
+        row's documents apart, ``blocks.attention``'s protocol); else the class name of the first
+        that does not."""
+        for module in (self.attention, self.cross_attention):
+            if module is not None and not getattr(module, "document_masking", False):
+                return type(module).__name__
+        return None
+
     def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device) -> dict:
         """This layer's decoding caches, one per attention sub-layer (each block shapes its own)."""
         caches = {"attention": self.attention.new_cache(batch, max_tokens, dtype, device)}

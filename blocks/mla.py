@@ -37,6 +37,7 @@ class MultiHeadLatentAttention(nn.Module):
     """DeepSeek's MLA as a causal (or bidirectional) self-attention; see the module doc."""
 
     static_decode = True  # honours AttentionInputs.index (blocks.attention's protocol)
+    document_masking = True  # honours AttentionInputs.document_ids (the same protocol)
 
     def __init__(self, config, d_model: int, causal: bool = False, cross: bool = False, backend: str = "auto"):
         super().__init__()
@@ -85,6 +86,7 @@ class MultiHeadLatentAttention(nn.Module):
             causal=self.causal,
             alibi_slopes=inputs.alibi_slopes(self.n_heads, x.device),
             scale=self.scale * inputs.score_scale(),
+            document_ids=inputs.document_ids,
         )
         if cache is None:
             out = self._expanded(q_nope, q_rope, latent, k_rope, inputs, options)

@@ -15,6 +15,10 @@ Two kinds, by where they act (``config.acts_on``):
   An attention block decides which part of its heads it hands to ``rotate`` (multi-head
   attention: every head whole; latent attention: the decoupled rotary part).
 
+Positions restart in every document of a packed row: :func:`document_positions` gives the
+stack its positions when the forward gets ``document_ids`` (the attention then masks across
+documents, so the relative positions (ALiBi, T5's bias) need nothing more).
+
 Nothing here keeps a buffer: frequencies and slopes are recomputed from the config (a few
 hundred floats), so the blocks build instantly on the meta device and never go stale after
 ``.to()``. No position computation is a matrix product (outer products are broadcast
@@ -27,6 +31,8 @@ import math
 
 import torch
 from torch import nn
+
+from kernels.attention import document_starts
 
 
 class PositionModule(nn.Module):
@@ -53,6 +59,14 @@ class PositionModule(nn.Module):
     def score_scale(self) -> float:
         """A factor on every attention score, on top of the attention's own scale (1 by default)."""
         return 1.0
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq)`` long position of each token within its document, for ``document_ids``
+    ``(batch, seq)`` (a document is a run of equal ids along the row): ``[0, 0, 0, 1, 1, 2]``
+    -> ``[0, 1, 2, 0, 1, 0]``. The token index minus where its document starts."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device)
+    return index - document_starts(document_ids).long()  # (batch, seq)
 
 
 def _check_positions(positions: torch.Tensor) -> None:

@@ -9,14 +9,24 @@ Forward contract (Hugging Face conventions; ``attention_mask`` is 1 for real tok
 padding):
 
 * :class:`DecoderOnlyModel`, :class:`EncoderOnlyModel`:
-  ``model(input_ids, attention_mask=None, token_type_ids=None)`` -> the head's output: logits
-  ``(batch, seq, vocab_size)``, ``(batch, n_classes)`` for classification, hidden states for
-  head ``none``.
+  ``model(input_ids, attention_mask=None, token_type_ids=None, *, document_ids=None)`` -> the
+  head's output: logits ``(batch, seq, vocab_size)``, ``(batch, n_classes)`` for
+  classification, hidden states for head ``none``.
 * :class:`EncoderDecoderModel`: ``model(input_ids, attention_mask=None, decoder_input_ids=...,
   decoder_attention_mask=None)`` -> the head's output over the decoder positions.
 
 Position ids are ``cumsum(attention_mask) - 1`` when a mask is given (a left-padded sequence
 starts at position 0, as in Hugging Face), else ``0 .. seq - 1`` after any cached tokens.
+
+Packed documents: ``document_ids`` ``(batch, seq)``, the document of each token within its row,
+non-decreasing along the row (``[0, 0, 0, 1, 1, 2, 2, 2]``), makes each document of a packed row
+what it is alone: no query attends across documents (causally in a causal stack, both ways in
+an encoder; a sliding window still applies inside a document) and positions restart at 0 at
+each document's first token (``blocks.positions.document_positions``), for every position
+block. Every attention block of the stack must declare ``document_masking``
+(``blocks.attention``'s protocol). It is refused with a KV cache, with ``attention_mask`` (give
+padding a document of its own instead) and in an encoder-decoder. A pooling head
+(classification) still pools the whole row.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from torch import nn
 
 from blocks.attention import AttentionInputs
 from blocks.generation import GenerationMixin
+from blocks.positions import document_positions
 
 
 class TransformerStack(nn.Module):
@@ -45,11 +56,16 @@ class TransformerStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                memory_mask: torch.Tensor | None = None, cache=None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``.
 
         With a ``cache`` (``blocks.generation.KVCache``) the ids are the tokens after the cached
-        ones and ``attention_mask`` covers the cached and the new tokens.
+        ones and ``attention_mask`` covers the cached and the new tokens. ``document_ids``
+        ``(batch, seq)``: the documents packed in each row (module doc); a ValueError naming it
+        when it is not an integer tensor of ``input_ids``' shape, decreases along a row, or
+        comes with a ``cache``, an ``attention_mask``, a ``memory`` or an attention block that
+        does not declare ``document_masking``.
         """
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor of token ids (batch, seq), got {type(input_ids).__name__}")
@@ -60,7 +76,11 @@ class TransformerStack(nn.Module):
         if self.max_seq_len is not None and start + seq > self.max_seq_len:
             raise ValueError(f"{start + seq} positions ({start} cached + {seq} new) exceed the model's max_seq_len "
                              f"{self.max_seq_len}; shorten the input (or build the model with a longer max_seq_len)")
-        if attention_mask is not None:
+        if document_ids is not None:
+            self._check_documents(document_ids, input_ids, attention_mask, cache, memory)
+            positions = document_positions(document_ids)  # (batch, seq): 0 at each document's first token
+            shared = positions
+        elif attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor):
                 raise TypeError(f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, "
                                 f"got {type(attention_mask).__name__}")
@@ -80,7 +100,7 @@ class TransformerStack(nn.Module):
         # table's backward then accumulates seq rows, not batch * seq (a few % of a small model's step).
         x = self.embedding(input_ids, token_type_ids, None if in_attention else position(shared))
         inputs = AttentionInputs(start, seq, positions=positions, key_mask=attention_mask,
-                                 position=position if in_attention else None)
+                                 position=position if in_attention else None, document_ids=document_ids)
         if cache is None:
             # The stack's shared score bias (padding, a relative-bias table) is built here, outside
             # the layers, so that a layer recomputed under activation checkpointing reads the same
@@ -91,6 +111,43 @@ class TransformerStack(nn.Module):
         if cache is not None:
             cache.length += seq
         return x
+
+    def _check_documents(self, document_ids, input_ids, attention_mask, cache, memory) -> None:
+        """Refuse ``document_ids`` this forward cannot honour (see :meth:`forward`)."""
+        if not isinstance(document_ids, torch.Tensor):
+            raise TypeError(f"document_ids must be a torch.Tensor (batch, seq) of document indices, "
+                            f"got {type(document_ids).__name__}")
+        if tuple(document_ids.shape) != tuple(input_ids.shape):
+            raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}; expected input_ids' "
+                             f"(batch, seq) = {tuple(input_ids.shape)}")
+        if document_ids.dtype == torch.bool or document_ids.is_floating_point() or document_ids.is_complex():
+            raise ValueError(f"document_ids must be an integer tensor (a document index per token), "
+                             f"got {document_ids.dtype}")
+        if document_ids.device != input_ids.device:
+            raise ValueError(f"document_ids is on {document_ids.device} but input_ids is on {input_ids.device}")
+        if cache is not None:
+            raise ValueError("document_ids cannot be combined with a KV cache (cache=...): decode one "
+                             "document per row, or run packed documents without a cache")
+        if attention_mask is not None:
+            raise ValueError("document_ids cannot be combined with attention_mask: give padding tokens a "
+                             "document of their own (and no loss) instead")
+        if memory is not None:
+            raise ValueError("document_ids is not supported with cross-attention (an encoder-decoder): "
+                             "its queries would read every document of the source row")
+        unsupported = next((name for layer in self.layers if (name := layer.document_masking()) is not None), None)
+        if unsupported is not None:
+            raise ValueError(f"document_ids needs every attention block to keep documents apart; {unsupported} "
+                             "does not declare document_masking (blocks/README.md)")
+        # From the values only where reading them costs no device sync and breaks no compiled graph
+        # (eager, on the CPU), as the learned position table does; elsewhere the documents are the
+        # runs of equal ids along the row whatever their order.
+        if document_ids.device.type == "cpu" and not torch.compiler.is_compiling() and document_ids.shape[1] > 1:
+            drops = (document_ids[:, 1:] < document_ids[:, :-1]).nonzero()
+            if len(drops):
+                row, token = drops[0].tolist()
+                raise ValueError(f"document_ids must be non-decreasing along each row; row {row} goes from "
+                                 f"{int(document_ids[row, token])} to {int(document_ids[row, token + 1])} "
+                                 f"at token {token + 1}")
 
     def static_decode(self) -> str | None:
         """None when every layer can take :meth:`step`; else the attention block that cannot."""
@@ -172,8 +229,11 @@ class DecoderOnlyModel(GenerationMixin, _Model):
         self.head = head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, cache=None) -> torch.Tensor:
-        hidden = self.decoder(input_ids, attention_mask, token_type_ids, cache=cache)
+                token_type_ids: torch.Tensor | None = None, *, cache=None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's output for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
+        packed in each row (module doc; not with ``cache`` or ``attention_mask``)."""
+        hidden = self.decoder(input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids)
         mask = attention_mask[:, -input_ids.shape[1]:] if attention_mask is not None else None
         return self.head(hidden, mask)
 
@@ -187,8 +247,12 @@ class EncoderOnlyModel(_Model):
         self.head = head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.encoder(input_ids, attention_mask, token_type_ids), attention_mask)
+                token_type_ids: torch.Tensor | None = None, *, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """The head's output for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
+        packed in each row (module doc; not with ``attention_mask``)."""
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids, document_ids=document_ids)
+        return self.head(hidden, attention_mask)
 
 
 class EncoderDecoderModel(GenerationMixin, _Model):
@@ -207,7 +271,11 @@ class EncoderDecoderModel(GenerationMixin, _Model):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 decoder_input_ids: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
-                cache=None) -> torch.Tensor:
+                cache=None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if document_ids is not None:
+            raise ValueError("document_ids (packed documents) is not supported by an encoder-decoder model: "
+                             "its decoder cross-attends to the whole source row; pack decoder-only or "
+                             "encoder-only models")
         if decoder_input_ids is None:
             raise ValueError("an encoder-decoder model needs decoder_input_ids (the target side)")
         if memory is None:

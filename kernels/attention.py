@@ -26,6 +26,14 @@ visible key returns 0 (not NaN) and passes no gradient.
 keys held out of order (a static decoding cache: every slot of a preallocated buffer, a ring
 buffer's slots after it wraps): ``d`` is ``query_index[i] - key_index[j]`` and a key whose index
 is negative (an empty slot) is never visible. The same masks and ALiBi distances follow.
+
+``document_ids`` ``(batch, seq_k)`` (several documents packed in one row): the document of each
+key, the queries being the last ``seq_q`` keys as above; a query sees only the keys of its own
+document, on top of the other masks. A document is a run of equal ids along the row (the ids
+are non-decreasing, ``[0, 0, 0, 1, 1, 2]``); every backend masks by :func:`document_starts`,
+the token index where each token's run begins, since two tokens share a document exactly when
+they share a start. A query always sees itself, so no row is left without a key by documents.
+Without ``document_ids`` every path runs exactly as before.
 """
 
 from __future__ import annotations
@@ -44,9 +52,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sliding_window: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
               bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
               scale: Optional[float] = None, backend: str = "auto",
-              dropout_p: float = 0.0, token_index: Optional[tuple] = None) -> torch.Tensor:
-    """Multi-head attention with GQA/MQA, causal and sliding-window masks, ALiBi, an additive
-    bias and score soft-capping.
+              dropout_p: float = 0.0, token_index: Optional[tuple] = None,
+              document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Multi-head attention with GQA/MQA, causal, sliding-window and document masks, ALiBi, an
+    additive bias and score soft-capping.
 
     Args:
         q: ``(batch, n_heads, seq_q, head_dim)``.
@@ -64,12 +73,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         dropout_p: attention dropout probability (``eager``/``sdpa`` only).
         token_index: ``(query_index (seq_q,), key_index (seq_k,))`` long token indices that place
             the queries and keys for the masks and ALiBi (module doc); None: the usual layout.
+        document_ids: ``(batch, seq_k)`` integer document of each key, non-decreasing along a
+            row; a query (the last ``seq_q`` keys) sees only keys of its own document (module
+            doc). Not with ``token_index``. None: one document per row.
 
     Returns:
         ``(batch, n_heads, seq_q, head_dim_v)`` in ``q``'s dtype.
     """
-    _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index)
+    _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index, document_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    starts = document_starts(document_ids) if document_ids is not None else None
     if backend == "auto":
         widest = max(q.shape[-1], v.shape[-1])
         fused_ok = q.is_cuda and dropout_p == 0.0 and widest <= MAX_TRITON_HEAD_DIM
@@ -98,15 +111,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         out, _ = triton_attention.flash_attention(
             q, k, v, bias, alibi_slopes, bool(causal),
             None if sliding_window is None else int(sliding_window),
-            None if softcap is None else float(softcap), scale)
+            None if softcap is None else float(softcap), scale, starts)
         return out
     if backend == "sdpa" and softcap is None:
-        return _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p)
+        return _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p, starts)
     return _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale,
-                  dropout_p)
+                  dropout_p, starts)
 
 
-def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index=None):
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq)`` int32 token index where each token's document begins, for
+    ``document_ids`` ``(batch, seq)``: a document is a run of equal ids along the row
+    (``[0, 0, 0, 1, 1, 2]`` -> ``[0, 0, 0, 3, 3, 5]``). Non-decreasing along every row."""
+    batch, seq = document_ids.shape
+    index = torch.arange(seq, dtype=torch.int32, device=document_ids.device).expand(batch, seq)
+    begins = torch.cat((torch.ones_like(document_ids[:, :1], dtype=torch.bool),
+                        document_ids[:, 1:] != document_ids[:, :-1]), dim=1)  # (batch, seq): a run's first token
+    return torch.where(begins, index, 0).cummax(dim=1).values
+
+
+def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index=None,
+           document_ids=None):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if token_index is not None:
@@ -156,11 +181,25 @@ def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropou
         if not ok:
             raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
                              f"(batch, n_heads, seq_q, seq_k) = {target}")
+    if document_ids is not None:
+        expected = (q.shape[0], k.shape[2])
+        if not isinstance(document_ids, torch.Tensor) or tuple(document_ids.shape) != expected:
+            got = tuple(document_ids.shape) if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__
+            raise ValueError(f"document_ids must be a (batch, seq_k) = {expected} tensor, got {got}")
+        if document_ids.dtype == torch.bool or document_ids.is_floating_point() or document_ids.is_complex():
+            raise ValueError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
+        if document_ids.device != q.device:
+            raise ValueError(f"document_ids is on {document_ids.device} but q is on {q.device}")
+        if token_index is not None:
+            raise ValueError("document_ids cannot be combined with token_index (a static decoding cache's "
+                             "slots); pass the keys in token order")
 
 
-def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int], device, token_index=None):
-    """Boolean ``(seq_q, seq_k)`` keep-mask (None when everything is visible) and the
-    ``(seq_q, seq_k)`` distance ``pos_q - pos_k`` (``token_index``: see the module doc)."""
+def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int], device, token_index=None,
+             starts=None):
+    """Boolean ``(seq_q, seq_k)`` keep-mask (``(batch, 1, seq_q, seq_k)`` with document
+    ``starts``; None when everything is visible) and the ``(seq_q, seq_k)`` distance
+    ``pos_q - pos_k`` (``token_index``, ``starts``: see the module doc)."""
     keep = None
     if token_index is not None:
         pos_q, pos_k = token_index
@@ -174,14 +213,17 @@ def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int]
     if sliding_window is not None:
         in_window = dist < sliding_window
         keep = in_window if keep is None else keep & in_window
+    if starts is not None:
+        same = (starts[:, -seq_q:, None] == starts[:, None, :])[:, None]  # (batch, 1, seq_q, seq_k)
+        keep = same if keep is None else keep & same
     return keep, dist
 
 
-def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype, token_index=None):
+def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype, token_index=None, starts=None):
     """Bias + ALiBi + masks as one additive ``dtype`` tensor broadcastable to (B, H, Sq, Sk), or
     None when there is nothing to add."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device, token_index)
+    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device, token_index, starts)
     add = None
     if bias is not None:
         add = bias.to(dtype)
@@ -200,7 +242,7 @@ def _dead_rows(add: torch.Tensor) -> torch.Tensor:
     return torch.isneginf(add).all(dim=-1, keepdim=True)
 
 
-def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, dropout_p):
+def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, dropout_p, starts=None):
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # (batch, n_heads, seq_k, head_dim)
@@ -208,7 +250,7 @@ def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, 
     scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # (batch, n_heads, Sq, Sk)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32)
+    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, starts=starts)
     dead = None
     if add is not None:
         scores = scores + add
@@ -222,14 +264,19 @@ def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, 
     return torch.matmul(p.to(v.dtype), v)  # (batch, n_heads, Sq, head_dim_v)
 
 
-def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p):
+def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p, starts=None):
     seq_q, seq_k = q.shape[2], k.shape[2]
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if starts is not None and alibi_slopes is None and bias is None:
+        # documents (and causal, window) alone: a boolean mask, no float one; every query sees
+        # itself, so no row is empty (SDPA would return NaN for one)
+        keep, _ = _visible(seq_q, seq_k, causal, sliding_window, q.device, starts=starts)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, **gqa)
     simple_causal = causal and seq_q == seq_k and sliding_window is None
     if simple_causal and alibi_slopes is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                               scale=scale, **gqa)
-    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype)
+    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype, starts=starts)
     if add is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
     return _masked_sdpa(q, k, v, add, scale, dropout_p)

@@ -16,6 +16,11 @@ Conventions shared by every kernel:
   -> ``- slope * (pos_q - pos_k)`` -> masks (``-inf``).
 * queries and keys are ``HEAD_DIM`` wide (tiles ``BLOCK_D``), values and outputs ``HEAD_DIM_V``
   (tiles ``BLOCK_DV``): equal for ordinary attention, different for DeepSeek's latent attention.
+* documents (``HAS_DOCS``): ``Docs`` is ``(batch, SEQ_K)`` int32, the token index where each
+  key's document begins (``kernels.attention.document_starts``, non-decreasing along a row); a
+  query at position ``p`` keeps the keys whose start equals ``Docs[b, p]``. Since starts never
+  decrease, no query of a tile sees a key before its first row's start: the forward and dq
+  sweeps begin there, and dk/dv skip the query tiles before their first key's start.
 
 The interpreter: Triton reads ``TRITON_INTERPRET`` whenever ``@triton.jit`` *decorates* a
 function (``triton.knobs.runtime.interpret`` in ``triton/runtime/jit.py``): our kernels, but also
@@ -84,10 +89,13 @@ def _tanh(x):
 
 @triton.jit
 def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_scale, softcap,
-            window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-            HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+            window, qdoc, doc_row, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr):
     """Masked scores of one (BLOCK_M, BLOCK_N) tile, in the log2 domain.
 
+    ``qdoc`` (BLOCK_M,): the queries' document starts and ``doc_row`` the row of ``Docs`` the
+    keys' starts are read from (both unused without ``HAS_DOCS``).
     Returns ``(z2, th)``: ``z2`` the log2-scaled scores (``-inf`` where masked) and ``th`` the
     soft-cap ``tanh`` (needed by the backward; 0 when there is no soft-cap).
     """
@@ -108,13 +116,16 @@ def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_sca
         valid = valid & (dist >= 0)
     if HAS_WINDOW:
         valid = valid & (dist < window)
+    if HAS_DOCS:
+        kdoc = tl.load(doc_row + kpos, mask=kpos < seq_k, other=-1)  # (BLOCK_N,) document starts
+        valid = valid & (qdoc[:, None] == kdoc[None, :])
     z2 = tl.where(valid, s * 1.4426950408889634, float("-inf"))  # 1/ln(2)
     return z2, th
 
 
 @triton.jit
-def _key_range(qpos_lo, qpos_hi, seq_k, window, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_range(qpos_lo, qpos_hi, seq_k, window, doc_row, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key range [lo, hi) that queries at positions [qpos_lo, qpos_hi] may see; lo is
     BLOCK_N-aligned so fully masked tiles are skipped without breaking tile alignment."""
     lo = 0
@@ -124,15 +135,17 @@ def _key_range(qpos_lo, qpos_hi, seq_k, window, IS_CAUSAL: tl.constexpr,
     if HAS_WINDOW:
         lo = tl.maximum(0, qpos_lo - window + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_DOCS:  # no query sees a key before the first query's document start
+        lo = tl.maximum(lo, (tl.load(doc_row + qpos_lo) // BLOCK_N) * BLOCK_N)
     return lo, hi
 
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_ok, qpos,
-               row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap, window, lo, hi,
+               row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap, window, qdoc, doc_row, lo, hi,
                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax sweep over keys [lo, hi) for one tile of query rows.
 
     ``k_cols``/``v_cols`` are (BLOCK_D,)/(BLOCK_DV,) pointer vectors to the columns of key 0.
@@ -148,8 +161,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         z2, th = _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, hi, sm_scale,
-                         softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_BIAS,
-                         HAS_SOFTCAP, DOT_PREC)
+                         softcap, window, qdoc, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
+                         HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(z2, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
         p = tl.exp2(z2 - m_safe[:, None])
@@ -164,18 +177,18 @@ def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_
 # forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
+def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi, Docs,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
-              stride_bb, stride_bh, stride_bm, stride_bn,
+              stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
               H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
               SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -199,16 +212,20 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
     if HAS_ALIBI:
         slope += tl.load(Alibi + h).to(tl.float32)
     bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
+    doc_row = Docs + b * stride_db
+    qdoc = qpos
+    if HAS_DOCS:
+        qdoc = tl.load(doc_row + qpos, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, hi = _key_range(pid_m * BLOCK_M + SEQ_K - SEQ_Q, pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
-                        SEQ_K, window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
+                        SEQ_K, window, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn,
                                d_ok, dv_ok, qpos, row_ok, slope, bias_ptrs,
-                               stride_bn, sm_scale, softcap, window, lo, hi, IS_CAUSAL,
-                               HAS_WINDOW, HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PREC,
+                               stride_bn, sm_scale, softcap, window, qdoc, doc_row, lo, hi, IS_CAUSAL,
+                               HAS_WINDOW, HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, UPCAST, DOT_PREC,
                                BLOCK_N)
     dead = l_i == 0.0  # every key masked: output 0, lse +inf
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
@@ -222,18 +239,18 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi,
 # decode (FlashDecoding): split the keys across programs, then combine the partial results
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi,
+def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi, Docs,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
-                 stride_bb, stride_bh, stride_bm, stride_bn,
+                 stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
                  H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
                  SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
                  SPLIT_LEN, NUM_SPLITS,
                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: one split of the keys, all GROUP * SEQ_Q query rows of one kv head, so the
     cache is read once per kv head (not once per query head)."""
     split = tl.program_id(0)
@@ -261,8 +278,13 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi,
     if HAS_ALIBI:
         slope += tl.load(Alibi + h, mask=row_ok, other=0.0).to(tl.float32)
     bias_ptrs = Bias + b * stride_bb + h * stride_bh + i.to(tl.int64) * stride_bm
+    doc_row = Docs + b * stride_db
+    qdoc = qpos
+    if HAS_DOCS:
+        qdoc = tl.load(doc_row + qpos, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
 
-    lo, hi = _key_range(SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
+    lo, hi = _key_range(SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, doc_row, IS_CAUSAL, HAS_WINDOW,
+                        HAS_DOCS, BLOCK_N)
     lo = tl.maximum(lo, split * SPLIT_LEN)
     hi = tl.minimum(hi, split * SPLIT_LEN + SPLIT_LEN)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -270,8 +292,8 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok,
                                dv_ok, qpos, row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap,
-                               window, lo, hi, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_BIAS,
-                               HAS_SOFTCAP, UPCAST, DOT_PREC, BLOCK_N)
+                               window, qdoc, doc_row, lo, hi, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
+                               HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, UPCAST, DOT_PREC, BLOCK_N)
     dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("-inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
@@ -311,18 +333,19 @@ def _attn_decode_combine(OPart, LPart, Out, Lse, stride_ob, stride_oh, stride_om
 # backward: dk/dv per kv head (the query-head group looped inside), then dq per query head
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi, Docs,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_dom, stride_dod,
-                   stride_bb, stride_bh, stride_bm, stride_bn,
+                   stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
                    H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
                    SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
-                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   HAS_DBIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """dK, dV of one key tile of one kv head. The GROUP query heads sharing that kv head are
     looped here, so their contributions add up in fp32 registers (no atomics, no repeated K/V).
     DK is contiguous (B, H_KV, SEQ_K, HEAD_DIM), DV (B, H_KV, SEQ_K, HEAD_DIM_V); DBias is
@@ -360,6 +383,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
         m_lo = (m_lo // BLOCK_M) * BLOCK_M
     if HAS_WINDOW:
         m_hi = tl.minimum(SEQ_Q, start_n + BLOCK_N - 1 + window - shift)
+    doc_row = Docs + b * stride_db
+    if HAS_DOCS:  # a query before the first key's document start sees none of these keys
+        m_lo = tl.maximum(m_lo, (tl.maximum(0, tl.load(doc_row + start_n) - shift) // BLOCK_M) * BLOCK_M)
     offs_m0 = tl.arange(0, BLOCK_M)
     for g in range(0, GROUP):
         h = h_kv * GROUP + g
@@ -381,9 +407,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
             lse = tl.load(Lse + (b * H + h) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(Delta + (b * H + h) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
             bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
+            qdoc = offs_m
+            if HAS_DOCS:
+                qdoc = tl.load(doc_row + offs_m + shift, mask=row_ok, other=-2)  # (BLOCK_M,) starts
             z2, th = _scores(q, k, offs_m + shift, kpos, row_ok, slope, bias_ptrs, stride_bn,
-                             SEQ_K, sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
-                             HAS_BIAS, HAS_SOFTCAP, DOT_PREC)
+                             SEQ_K, sm_scale, softcap, window, qdoc, doc_row, IS_CAUSAL, HAS_WINDOW,
+                             HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, DOT_PREC)
             p = tl.exp2(z2 - lse[:, None])  # (BLOCK_M, BLOCK_N); 0 where masked or row dead
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -400,18 +429,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi, Docs,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_dob, stride_doh, stride_dom, stride_dod,
-                 stride_bb, stride_bh, stride_bm, stride_bn,
+                 stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
                  H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
                  SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of one query tile of one query head. DQ is contiguous (B, H, SEQ_Q, HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -442,9 +471,13 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi,
     bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
     k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
     v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
+    doc_row = Docs + b * stride_db
+    qdoc = offs_m
+    if HAS_DOCS:
+        qdoc = tl.load(doc_row + offs_m + shift, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(pid_m * BLOCK_M + shift, pid_m * BLOCK_M + BLOCK_M - 1 + shift, SEQ_K,
-                        window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
+                        window, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n0
         k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
@@ -455,8 +488,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         z2, th = _scores(q, k, offs_m + shift, kpos, row_ok, slope, bias_ptrs, stride_bn, SEQ_K,
-                         sm_scale, softcap, window, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_BIAS,
-                         HAS_SOFTCAP, DOT_PREC)
+                         sm_scale, softcap, window, qdoc, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
+                         HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, DOT_PREC)
         p = tl.exp2(z2 - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         dz = p * (dp - delta[:, None])

@@ -43,7 +43,8 @@ _DQ_CONFIGS = [_config(64, 64, 4, 3), _config(128, 64, 8, 3), _config(64, 32, 4,
 _DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
                    for bn, w, s in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2))]
 _DECODE_MAX_BLOCK_N = 128  # the split length is a multiple of every decode BLOCK_N
-_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_CAUSAL", "HAS_WINDOW"]
+_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_CAUSAL", "HAS_WINDOW",
+             "HAS_DOCS"]
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave headroom
 
 
@@ -102,8 +103,9 @@ def _strides4(t):
     return tuple(t.stride())
 
 
-def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap):
-    """Launch arguments shared by every kernel: bias view + strides, flags, scalar knobs."""
+def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts):
+    """Launch arguments shared by every kernel: the tensors the scores read (bias view, ALiBi
+    slopes, document starts), their strides (bias, then the starts' row), flags, scalar knobs."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     if bias is not None:
@@ -112,15 +114,20 @@ def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap):
     else:
         bias_arg, bias_strides = q, (0, 0, 0, 0)  # never read: HAS_BIAS=False
     alibi_arg = alibi_slopes.contiguous() if alibi_slopes is not None else q
+    if document_starts is not None:
+        docs_arg = document_starts.to(torch.int32).contiguous()  # (B, Sk)
+        doc_stride = docs_arg.stride(0)
+    else:
+        docs_arg, doc_stride = q, 0  # never read: HAS_DOCS=False
     flags = dict(IS_CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
                  HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias is not None,
-                 HAS_SOFTCAP=softcap is not None,
+                 HAS_SOFTCAP=softcap is not None, HAS_DOCS=document_starts is not None,
                  UPCAST=INTERPRET and q.dtype != torch.float32,
                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                  BLOCK_D=max(16, triton.next_power_of_2(D)),
                  BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])))
     knobs = (float(softcap or 0.0), int(sliding_window or 0))
-    return bias_arg, bias_strides, alibi_arg, flags, knobs
+    return (bias_arg, alibi_arg, docs_arg), (*bias_strides, doc_stride), flags, knobs
 
 
 def _check_device(q):
@@ -142,9 +149,10 @@ def _decode_splits(batch_kv, seq_k, device):
     return triton.cdiv(seq_k, split_len), split_len
 
 
-def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale):
+def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale,
+                  document_starts=None):
     """Returns ``(out, lse)``: ``out`` (B, H, Sq, Dv); ``lse`` the log2-domain log-sum-exp,
-    (B, H, Sq) fp32."""
+    (B, H, Sq) fp32. ``document_starts``: (B, Sk) int, ``kernels.attention.document_starts``."""
     _check_device(q)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -153,8 +161,8 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal,
-                                                            sliding_window, softcap)
+    reads, bs, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal, sliding_window,
+                                              softcap, document_starts)
     # next powers of two of the lengths: the autotuning key, so a growing cache does not retune
     tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq),
             triton.next_power_of_2(Sk))
@@ -162,28 +170,29 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
         num_splits, split_len = _decode_splits(B * Hkv, Sk, q.device)
         o_part = torch.empty((B * H * Sq, num_splits, Dv), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B * H * Sq, num_splits), dtype=torch.float32, device=q.device)
+        bias_arg, alibi_arg, docs_arg = reads
         _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail,
                        (split_len, num_splits), flags, (num_splits, B * Hkv),
-                       max(16, triton.next_power_of_2(group * Sq)))
+                       max(16, triton.next_power_of_2(group * Sq)), docs_arg)
         _attn_decode_combine[(B * H * Sq,)](
             o_part, l_part, out, lse, *_strides4(out), H, Sq, Dv, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=flags["BLOCK_DV"])
         return out, lse
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd_kernel[grid](q, k, v, out, lse, bias_arg, alibi_arg, *_strides4(q), *_strides4(k),
+    _fwd_kernel[grid](q, k, v, out, lse, *reads, *_strides4(q), *_strides4(k),
                       *_strides4(v), *_strides4(out), *bs, *tail, **flags, **_fixed_blocks())
     return out, lse
 
 
 def _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail, split, flags, grid,
-                   block_m):
-    _decode_kernel[grid](q, k, v, o_part, l_part, bias_arg, alibi_arg, *_strides4(q),
+                   block_m, docs_arg):
+    _decode_kernel[grid](q, k, v, o_part, l_part, bias_arg, alibi_arg, docs_arg, *_strides4(q),
                          *_strides4(k), *_strides4(v), *bs, *tail, *split, **flags,
                          BLOCK_M=block_m, **_fixed_blocks(with_m=False))
 
 
 def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, sliding_window,
-                   softcap, scale, bias_needs_grad):
+                   softcap, scale, bias_needs_grad, document_starts=None):
     """Returns ``(dq, dk, dv, dbias)``; ``dbias`` is reduced to ``bias.shape`` when
     ``bias_needs_grad``, else an empty tensor."""
     _check_device(q)
@@ -201,18 +210,17 @@ def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, slid
         dq.zero_(), dk.zero_(), dv.zero_()
     else:
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, Sq) rowsum(dO * O)
-        bias_arg, bs, alibi_arg, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal,
-                                                                sliding_window, softcap)
+        reads, bs, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal, sliding_window,
+                                                  softcap, document_starts)
         tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq),
                 triton.next_power_of_2(Sk))
         strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *bs)
         grid_kv = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-        _dkdv_kernel[grid_kv](q, k, v, grad_out, lse, delta, dk, dv, dbias_full, bias_arg,
-                              alibi_arg, *strides, *tail, **flags, HAS_DBIAS=bias_needs_grad,
-                              **_fixed_blocks())
+        _dkdv_kernel[grid_kv](q, k, v, grad_out, lse, delta, dk, dv, dbias_full, *reads, *strides,
+                              *tail, **flags, HAS_DBIAS=bias_needs_grad, **_fixed_blocks())
         grid_q = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _dq_kernel[grid_q](q, k, v, grad_out, lse, delta, dq, bias_arg, alibi_arg, *strides,
-                           *tail, **flags, **_fixed_blocks())
+        _dq_kernel[grid_q](q, k, v, grad_out, lse, delta, dq, *reads, *strides, *tail, **flags,
+                           **_fixed_blocks())
     if not bias_needs_grad:
         return dq, dk, dv, dbias_full
     lead = bias.dim() - 4  # bias may have fewer leading dims than 4
@@ -229,13 +237,16 @@ def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, slid
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                     causal: bool, sliding_window: Optional[int], softcap: Optional[float],
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, document_starts: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention; returns ``(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, log2 domain)``."""
-    return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale)
+    return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale,
+                         document_starts)
 
 
 @flash_attention.register_fake
-def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale):
+def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale,
+                          document_starts=None):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -245,32 +256,33 @@ def flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                              bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                              causal: bool, sliding_window: Optional[int],
-                             softcap: Optional[float], scale: float, bias_needs_grad: bool
+                             softcap: Optional[float], scale: float, bias_needs_grad: bool,
+                             document_starts: Optional[torch.Tensor] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal,
-                          sliding_window, softcap, scale, bias_needs_grad)
+                          sliding_window, softcap, scale, bias_needs_grad, document_starts)
 
 
 @flash_attention_backward.register_fake
 def _flash_attention_backward_fake(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal,
-                                   sliding_window, softcap, scale, bias_needs_grad):
+                                   sliding_window, softcap, scale, bias_needs_grad, document_starts=None):
     dbias = torch.empty_like(bias) if bias_needs_grad else q.new_empty((0,), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale = inputs
+    q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, document_starts)
     ctx.knobs = (causal, sliding_window, softcap, scale)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, bias, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, bias, alibi_slopes, document_starts = ctx.saved_tensors
     bias_needs_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = flash_attention_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes,
-                                                 *ctx.knobs, bias_needs_grad)
-    return dq, dk, dv, (dbias if bias_needs_grad else None), None, None, None, None, None
+                                                 *ctx.knobs, bias_needs_grad, document_starts)
+    return dq, dk, dv, (dbias if bias_needs_grad else None), None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
