@@ -104,14 +104,14 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
 
     from builder import build_model
     from recipes.config import load_recipe
-    from recipes.data.windows import TrainWindows, ValWindows, split
+    from recipes.data.windows import Mixture, TrainWindows, ValWindows
     from recipes.train import prepare
 
     recipe = load_recipe(RECIPE, _overrides(seed, max_steps))
     t, d, opt, sched = recipe.trainer, recipe.data, recipe.optimizer, recipe.schedule
-    _, _, tokens, spec = prepare(recipe, RECIPE)
+    corpus, _, spec = prepare(recipe, RECIPE)
     check_nanogpt_shaped(spec, recipe)
-    train_tokens, val_tokens = split(tokens, d.val_fraction, d.seq_len)
+    mixture = Mixture(corpus.sources, t.seed, spec.vocab_size)
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=spec.vocab_size, block_size=spec.max_seq_len, n_layer=spec.decoder.n_layers,
@@ -127,10 +127,8 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
         log_interval=t.log_every_n_steps,
     )
     # the recipe's windows, each (x, y) made contiguous as nanoGPT's get_batch returns them
-    batches = ((x.contiguous(), y.contiguous()) for x, y in TrainWindows(train_tokens, d.seq_len, d.batch_size,
-                                                                          t.seed, 0, 1, 0))
-    val = [(x.contiguous(), y.contiguous()) for x, y in ValWindows(val_tokens, d.seq_len, d.batch_size,
-                                                                   t.limit_val_batches, t.seed, 0, 1)]
+    batches = ((x.contiguous(), y.contiguous()) for x, y in TrainWindows(mixture, d.batch_size, 0, 1, 0))
+    val = [(x.contiguous(), y.contiguous()) for x, y in ValWindows(mixture, d.batch_size, t.limit_val_batches, 0, 1)]
     result = train(model, batches, lambda: val, loop,
                    on_eval=lambda step, loss, wall: print(f"  yardstick step {step}: val {loss:.4f} at {wall:.1f} s",
                                                           flush=True))

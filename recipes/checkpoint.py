@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from builder.checkpoints import model_weights
 from recipes.config import Recipe, RecipeError
+from recipes.data.windows import IGNORE, ValWindows
 from recipes.tokenizer import from_state
 
 
@@ -271,11 +272,12 @@ def eval_batches(args, meta: dict) -> int | None:
     return args.max_batches or meta["recipe"]["trainer"]["limit_val_batches"]
 
 
-def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
-    """The validation split of the data the checkpoint was trained on."""
-    from recipes.data.windows import read_corpus, split, tokenize_corpus
-
+def recipe_tokens(meta: dict, tokenizer):
+    """``(held-out tokens, the run's validation windows)`` of the data the checkpoint was trained on."""
     from pydantic import ValidationError
+
+    from recipes.data.corpus import held_out_tokens, open_corpus
+    from recipes.data.windows import Mixture
 
     try:
         recipe = Recipe.model_validate(meta["recipe"])
@@ -283,18 +285,21 @@ def recipe_tokens(meta: dict, tokenizer) -> np.ndarray:
         first = str(exc).splitlines()[1][:160]
         raise RecipeError(f"its recipe does not validate here ({first}); pass --data FILE to evaluate on "
                           "other text") from None
-    corpus = read_corpus(recipe.data, Path(meta["recipe_file"]))
-    tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
-    return split(tokens, recipe.data.val_fraction, recipe.data.seq_len)[1]
+    corpus = open_corpus(recipe.data, Path(meta["recipe_file"]), None, False, pretrained=tokenizer)
+    mixture = Mixture(corpus.sources, recipe.trainer.seed, tokenizer.vocab_size, recipe.data.packing)
+    return held_out_tokens(corpus), mixture
 
 
 def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
-    """All the text of ``paths`` (files or folders), tokenized."""
+    """All the text of ``paths`` (files or folders), tokenized: one document per file, each
+    followed by the tokenizer's EOS when it has one."""
     from recipes.config import DataSection
-    from recipes.data.windows import read_corpus, tokenize_corpus
+    from recipes.data.corpus import read_text
 
-    corpus = read_corpus(DataSection(sources=paths, max_bytes=None), None)
-    return tokenize_corpus(tokenizer, corpus, Path(cache_dir))
+    text = read_text(paths, DataSection(sources=paths, max_bytes=None, cache_dir=cache_dir), None)
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    ids = [i for document in text.texts for i in tokenizer.encode(document) + eos]
+    return np.asarray(ids, dtype=np.int64)
 
 
 def consecutive_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int):
@@ -309,30 +314,33 @@ def consecutive_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_bat
 
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None,
-             seed: int | None = None) -> dict:
+             seed: int | None = None, mixture=None) -> dict:
     """Mean next-token cross-entropy over ``max_batches`` batches of ``tokens`` (``None``: every
     consecutive, non-overlapping window). With ``seed``, the batches are the validation windows a
-    run with that seed draws (:class:`recipes.data.windows.ValWindows`), so the loss is that run's
-    validation loss; else consecutive windows from the start. A progress bar goes to stderr."""
+    run drew from ``mixture`` (:class:`recipes.data.windows.ValWindows`, at the run's seq_len), so the
+    loss is that run's validation loss; else consecutive windows of ``tokens`` from the start. A
+    progress bar goes to stderr."""
     from tqdm.auto import tqdm
-
-    from recipes.data.windows import ValWindows
 
     device = next(model.parameters()).device
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:
         raise RecipeError(f"{len(tokens)} tokens are fewer than one window of seq_len {seq_len} + 1")
     available = math.ceil(n_windows / batch_size)  # consecutive batches: what --all scores
-    if max_batches is not None and seed is not None:
-        batches, n = ValWindows(tokens, seq_len, batch_size, max_batches, seed, 0, 1), max_batches
+    if max_batches is not None and seed is not None and mixture is not None and \
+            mixture.validation.streams[0].seq_len == seq_len:
+        batches, n = ValWindows(mixture, batch_size, max_batches, 0, 1), max_batches
     else:
         n = available if max_batches is None else min(max_batches, available)
         batches = consecutive_windows(tokens, seq_len, batch_size, n)
     total, count = 0.0, 0
-    for inputs, targets in tqdm(batches, total=n, desc="eval", unit="batch", leave=False, file=sys.stderr):
-        logits = model(inputs.to(device))  # (batch, seq, vocab)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum").item()
-        count += targets.numel()
+    for inputs, targets, *documents in tqdm(batches, total=n, desc="eval", unit="batch", leave=False,
+                                            file=sys.stderr):
+        extra = {"document_ids": documents[0].to(device)} if documents else {}
+        logits = model(inputs.to(device), **extra)  # (batch, seq, vocab)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum",
+                                 ignore_index=IGNORE).item()
+        count += int((targets != IGNORE).sum())
     loss = total / count
     return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": count, "batches": n,
             "batches_available": available}

@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from recipes.config import Recipe, RecipeError, resolve
+from recipes.config import Recipe, RecipeError, SourceEntry, resolve
 
 #: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
 CHAR_STAND_IN = 256
@@ -52,7 +52,7 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     if settings.type == "char":
         missing = [f for f in data_files(recipe, recipe_file) if not f.present]
         if read_data and not missing:
-            from recipes.data.windows import read_corpus
+            from recipes.data.corpus import read_corpus
 
             chars = len(set(read_corpus(recipe.data, recipe_file).text))
             return Vocabulary(chars, f"char: the {chars} distinct characters of the corpus")
@@ -96,7 +96,7 @@ def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
     data = recipe.data
     found: list[DataFile] = []
     root = datasets.data_root(data.dataset_root(recipe_file)) if data.dataset is not None or \
-        any(s in datasets.DATASETS for s in getattr(data, "sources", [])) else None
+        any(getattr(s, "path", s) in datasets.DATASETS for s in getattr(data, "sources", [])) else None
 
     def dataset(name: str, splits: list[str]) -> None:
         spec = datasets.get(name)
@@ -117,11 +117,19 @@ def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
             found.append(DataFile(what, where, where.exists()))
 
     if recipe.task in ("lm", "mlm"):
-        for source in data.corpus():
-            if source in datasets.DATASETS:
-                dataset(source, [datasets.get(source).train] if datasets.get(source).splits else [])
-            else:
-                own("data.sources", source)
+        from recipes.data.corpus import kind_of
+
+        for entry in data.entries():
+            if entry.path in datasets.DATASETS:
+                dataset(entry.path, [datasets.get(entry.path).train] if datasets.get(entry.path).splits else [])
+                continue
+            kind, where = kind_of(entry, data, recipe_file)
+            found.append(DataFile("data.sources" if kind == "text" else f"data.sources ({kind})", where,
+                                  kind != "text" or where.exists()))
+            if entry.validation is not None:
+                held = SourceEntry(path=entry.validation, dtype=entry.dtype)
+                kind, where = kind_of(held, data, recipe_file)
+                found.append(DataFile("data.sources.validation", where, kind != "text" or where.exists()))
     elif recipe.task == "translation":
         for role in ("train", "validation"):
             files = getattr(data, role)
@@ -299,6 +307,8 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
         lines.append(("overrides", ", ".join(f"{k}={v}" for k, v in recipe.model.overrides.items())))
     lines.append(("tokenizer", vocab.how))
     lines += [("data", _data_line(f)) for f in files]
+    if recipe.task == "lm":
+        lines += [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
     lines.append(("devices", devices_line(recipe)))
     from builder.hf import export_line
 
@@ -323,6 +333,48 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     return {"recipe": resolved, "spec": spec.model_dump(mode="json"), "vocab_size": vocab.size,
             "data": [dataclasses.asdict(f) | {"path": str(f.path) if f.path else None} for f in files],
             "params": est.params.total, "output_dir": str(run_dir), "missing": [str(f.path) for f in missing]}
+
+
+def mixture_lines(recipe: Recipe, recipe_file: Path) -> list[str]:
+    """Per source that is already tokens (tokenized datasets, Megatron and raw files): its training
+    tokens, its share of the windows and the passes the run makes over it, with a warning past
+    its ``max_epochs``; text is tokenized at the first run, so its count is not known here."""
+    from recipes.data.corpus import kind_of, source_tokens
+
+    data = recipe.data
+    entries = data.entries()
+    kinds = [kind_of(e, data, recipe_file) for e in entries]
+    if all(kind == "text" for kind, _ in kinds) and len(entries) == 1:
+        return []
+    tokens = [source_tokens(e, kind, path, data) if kind != "text" else None
+              for e, (kind, path) in zip(entries, kinds)]
+    weights = [e.weight for e in entries]
+    known = all(w is not None for w in weights) or all(t is not None for t in tokens)
+    raw = [w if w is not None else t for w, t in zip(weights, tokens)]
+    settings = recipe.trainer
+    total = settings.max_steps * data.batch_size * settings.accumulate_grad_batches * data_parallel_ranks(recipe)
+    lines = []
+    for entry, n, part in zip(entries, tokens, raw):
+        if n is None:
+            lines.append(f"{entry.path}: text, tokenized at the first run" +
+                         (f"; weight {entry.weight:g}" if entry.weight is not None else ""))
+            continue
+        line = f"{entry.path}: {n:,} training tokens"
+        if known:
+            share = part / sum(raw)
+            epochs = total * share / max(1, n // data.seq_len)
+            line += f", {share:.1%} of the windows, {epochs:.2f} epochs in {settings.max_steps:,} steps"
+            if entry.max_epochs is not None and epochs > entry.max_epochs:
+                line += f" -- WARNING: past its max_epochs {entry.max_epochs:g}; train refuses this"
+        lines.append(line)
+    return lines
+
+
+def data_parallel_ranks(recipe: Recipe) -> int:
+    """Ranks that read different data in the recipe's layout, as the dry run counts devices."""
+    settings = recipe.trainer
+    total = _accelerator(settings.accelerator, settings.devices)[1] * settings.num_nodes
+    return max(1, total // (settings.tensor_parallel if settings.strategy == "fsdp" else 1))
 
 
 def _data_line(f: DataFile) -> str:

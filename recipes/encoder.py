@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from recipes.batching import BucketDataModule, pad, sorted_batches
 from recipes.checkpoint import eval_batches, model_weights
 from recipes.config import RecipeError, model_spec, resolve
-from recipes.data.windows import LMDataModule, read_corpus, split, tokenize_corpus
+from recipes.data.windows import LMDataModule
 from recipes.module import IGNORE, LMModule
 from recipes.pretrained import pretrained_tokenizer
 from recipes.tasks import PROSE, Prepared, check_task
@@ -94,20 +94,21 @@ class MaskedWindows(IterableDataset):
 
 
 class MLMDataModule(LMDataModule):
-    """The LM's random windows (two tokens shorter, for [CLS] and [SEP]), masked."""
+    """The LM's windows (two tokens shorter, for [CLS] and [SEP]), masked."""
 
-    def __init__(self, tokens, section, seed, val_batches, accumulate, specials: Specials, settings):
-        super().__init__(tokens, section.model_copy(update={"seq_len": section.seq_len - 2}), seed, val_batches,
-                         accumulate)
+    def __init__(self, mixture, batch_size, seed, val_batches, accumulate, specials: Specials, settings,
+                 num_workers: int = 1):
+        super().__init__(mixture, batch_size, seed, val_batches, accumulate, num_workers)
         self.specials, self.settings = specials, settings
 
     def _masked(self, loader: DataLoader, stream: int, first: int) -> DataLoader:
         rank, _ = self._rank()
         data = MaskedWindows(loader.dataset, self.specials, self.settings, self.seed, stream, rank, first)
-        return DataLoader(data, batch_size=None, num_workers=0)
+        workers = loader.num_workers
+        return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
 
     def train_dataloader(self):
-        return self._masked(super().train_dataloader(), 0, self.position)
+        return self._masked(super().train_dataloader(), 0, self.micro_batches_taken())
 
     def val_dataloader(self):
         return self._masked(super().val_dataloader(), 1, 0)
@@ -153,10 +154,16 @@ def _encoder_spec(recipe, recipe_file: Path, vocab_size: int, extra: dict | None
 
 
 def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
-    corpus = read_corpus(recipe.data, recipe_file)
-    tokenizer = pretrained_tokenizer(recipe, recipe_file) or encoder_tokenizer(recipe, recipe_file, corpus.text,
-                                                                               corpus.hash)
-    tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
+    from recipes.data.corpus import open_corpus
+    from recipes.data.windows import Mixture
+
+    if recipe.data.packing != "concat":
+        raise RecipeError(f"data.packing {recipe.data.packing}: the mlm task frames each window as [CLS] window "
+                          "[SEP]; use concat")
+    section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})  # [CLS] and [SEP] added
+    corpus = open_corpus(section, recipe_file, lambda text, digest: encoder_tokenizer(recipe, recipe_file, text, digest),
+                         recipe.tokenizer.model_file is None, pretrained=pretrained_tokenizer(recipe, recipe_file))
+    tokenizer = corpus.tokenizer
     spec = _encoder_spec(recipe, recipe_file, tokenizer.vocab_size)
     if not type(spec.head).projects_to_vocab:
         raise RecipeError(f"model: masked-LM pretraining needs a head of type mlm (or lm), one that projects to "
@@ -164,11 +171,11 @@ def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     if recipe.data.seq_len > spec.max_seq_len:
         raise RecipeError(f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "
                           f"{spec.max_seq_len}")
-    print(f"corpus: {len(corpus.files)} files, {len(corpus.text):,} chars -> {len(tokens):,} tokens "
-          f"(vocab {tokenizer.vocab_size:,})", flush=True)
+    print(corpus.line, flush=True)
     settings = recipe.trainer
-    data = MLMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
-                         settings.accumulate_grad_batches, Specials(tokenizer), recipe.mlm)
+    mixture = Mixture(corpus.sources, settings.seed, tokenizer.vocab_size)
+    data = MLMDataModule(mixture, recipe.data.batch_size, settings.seed, settings.limit_val_batches,
+                         settings.accumulate_grad_batches, Specials(tokenizer), recipe.mlm, recipe.data.num_workers)
     return Prepared(tokenizer, spec, data, MLMModule, masked_tokens, recipe.data.seq_len, meta={"corpus": corpus.hash},
                     finish=lambda module, _model, _dir: _report(module.val_metrics))
 
@@ -390,9 +397,10 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
     model.eval()
     if meta["task"] == "mlm":
         recipe = MLMRecipe.model_validate(meta["recipe"])
-        corpus = read_corpus(recipe.data, Path(meta["recipe_file"]))
-        tokens = tokenize_corpus(tokenizer, corpus, Path(recipe.data.cache_dir))
-        val = split(tokens, recipe.data.val_fraction, recipe.data.seq_len)[1]
+        from recipes.data.corpus import held_out_tokens, open_corpus
+
+        section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})
+        val = held_out_tokens(open_corpus(section, Path(meta["recipe_file"]), None, False, pretrained=tokenizer))
         return masked_lm_metrics(model, tokenizer, val, recipe, eval_batches(args, meta))
     recipe = ClassificationRecipe.model_validate(meta["recipe"])
     labels = meta["labels"]

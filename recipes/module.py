@@ -157,9 +157,12 @@ class LMModule(L.LightningModule):
         if parallelize is not None:
             self.model = parallelize(self.model)
 
-    def logits_and_targets(self, input_ids, targets):
-        """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there).
+    def logits_and_targets(self, input_ids, targets, document_ids=None):
+        """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there);
+        ``document_ids``: each input's document in a packed row (``data.packing: doc_masked``).
         A task's module overrides this; the loss, logging and optimizer stay as they are."""
+        if document_ids is not None:
+            return self.model(input_ids, document_ids=document_ids), targets
         return self.model(input_ids), targets  # (batch, seq, vocab), (batch, seq)
 
     def _losses(self, *batch):

@@ -66,13 +66,20 @@ def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path 
         return str((base / Path(value).expanduser()).resolve())
 
     for name, field in type(model).model_fields.items():
+        if name not in dumped:  # left out of a compact dump (a data source's unset fields)
+            continue
         value = getattr(model, name)
         if isinstance(value, BaseModel):
             _absolute_paths(value, dumped[name], recipe_dir, cwd)
             continue
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         base = {"recipe": recipe_dir, "cwd": cwd}.get(extra.get("relative_to"))
-        if base is not None and dumped[name] is not None:
+        if base is None or dumped[name] is None:
+            continue
+        if isinstance(value, list):  # items that are sections (data.sources entries) mark their own paths
+            dumped[name] = [_absolute_paths(item, entry, recipe_dir, cwd) or entry if isinstance(entry, dict)
+                            else absolute(entry, base) for item, entry in zip(value, dumped[name])]
+        else:
             dumped[name] = absolute(dumped[name], base)
 
 

@@ -36,7 +36,7 @@ from recipes.checkpoint import RESUMABLE, newest_intact
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec, output_dir
 from recipes.runfolder import owns_run_folder
 from recipes.sharded_checkpoint import tidy
-from recipes.data.windows import LMDataModule, read_corpus, tokenize_corpus
+from recipes.data.windows import LMDataModule, Mixture
 from recipes.module import LMModule, checkpoint_layers, layer_modules
 from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
 from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
@@ -51,7 +51,8 @@ class _Quiet(logging.Filter):
 
     NOISE = ("litlogger", "`weights_only` was not set", "LeafSpec", "IterableDataset` has `__len__`",
              "GPU available:", "TPU available:", "HPU available:", "Restoring states from the checkpoint",
-             "Restored all states from the checkpoint", "`Trainer.fit` stopped:")
+             "Restored all states from the checkpoint", "`Trainer.fit` stopped:",
+             "does not have many workers")  # one worker makes batches far faster than a step takes them
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(noise in record.getMessage() for noise in self.NOISE)
@@ -76,22 +77,63 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
+def trains_tokenizer(recipe: Recipe) -> bool:
+    """Whether the recipe's tokenizer is made from its text (char, or sentencepiece without a file)."""
+    settings = recipe.tokenizer
+    return settings.type == "char" or (settings.type == "sentencepiece" and settings.model_file is None)
+
+
 def prepare(recipe: Recipe, recipe_file: Path):
-    """Corpus -> tokenizer -> token memmap -> spec: what model and data both need."""
+    """Sources -> tokenizer -> spec: what model and data both need (:mod:`recipes.data.corpus`)."""
+    from recipes.data.corpus import open_corpus
+
     cache = Path(recipe.data.cache_dir)
-    corpus = read_corpus(recipe.data, recipe_file)
-    tokenizer = pretrained_tokenizer(recipe, recipe_file) or build_tokenizer(
-        recipe.tokenizer, corpus.text, corpus.hash, cache, recipe_file)
-    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)  # before tokenizing: a spec that cannot run stops here
-    tokens = tokenize_corpus(tokenizer, corpus, cache)
+    checked = {}
+
+    def tokenizer_for(text: str, text_hash: str):
+        tokenizer = build_tokenizer(recipe.tokenizer, text, text_hash, cache, recipe_file)
+        # before tokenizing: a spec that cannot run stops here
+        checked["spec"] = model_spec(recipe, recipe_file, tokenizer.vocab_size)
+        return tokenizer
+
+    corpus = open_corpus(recipe.data, recipe_file, tokenizer_for, trains_tokenizer(recipe),
+                         pretrained=pretrained_tokenizer(recipe, recipe_file))
+    spec = checked.get("spec") or model_spec(recipe, recipe_file, corpus.tokenizer.vocab_size)
     if recipe.data.seq_len > spec.max_seq_len:
         raise RecipeError(
             f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
             f"lower data.seq_len or set model.overrides.max_seq_len"
         )
-    say(f"corpus: {len(corpus.files)} files, {len(corpus.text):,} chars -> {len(tokens):,} tokens "
-        f"({tokenizer.kind}, vocab {tokenizer.vocab_size:,})")
-    return corpus, tokenizer, tokens, spec
+    say(corpus.line)
+    return corpus, corpus.tokenizer, spec
+
+
+def data_ranks(recipe: Recipe) -> int:
+    """The ranks that read different data in the recipe's layout (tensor-parallel peers share)."""
+    from recipes.parallel import device_count, layout_of
+
+    settings = recipe.trainer
+    if settings.strategy == "fsdp":
+        layout = layout_of(settings)
+        return layout.devices // layout.tensor_parallel
+    return device_count(settings) * settings.num_nodes
+
+
+def lm_data(recipe: Recipe, corpus) -> LMDataModule:
+    """The corpus's windows as the run takes them; refuses a mixture past a source's epoch limit."""
+    from recipes.data.corpus import mixture_rows, over_limit
+
+    settings = recipe.trainer
+    per_step = recipe.data.batch_size * settings.accumulate_grad_batches * data_ranks(recipe)
+    rows = mixture_rows(corpus, settings.max_steps * per_step)
+    if len(rows) > 1:
+        say("mixture: " + ", ".join(f"{r['name']} {r['share']:.0%} ({r['epochs']:.2f} epochs)" for r in rows))
+    problems = over_limit(rows)
+    if problems:
+        raise RecipeError(problems[0])
+    mixture = Mixture(corpus.sources, settings.seed, corpus.tokenizer.vocab_size, recipe.data.packing)
+    return LMDataModule(mixture, recipe.data.batch_size, settings.seed, settings.limit_val_batches,
+                        settings.accumulate_grad_batches, recipe.data.num_workers)
 
 
 def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None,
@@ -448,14 +490,13 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
     check_layout(recipe, recipe_file)
     say_devices(recipe)
     L.seed_everything(settings.seed, workers=True, verbose=False)
-    corpus, tokenizer, tokens, spec = prepare(recipe, recipe_file)
+    corpus, tokenizer, spec = prepare(recipe, recipe_file)
+    data = lm_data(recipe, corpus)
 
     meta = training_meta(recipe, recipe_file, spec, tokenizer, corpus=corpus.hash)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
     model, flops_per_token = training_model(spec, recipe, recipe_file=recipe_file, verbose=verbose)
     module = LMModule(model, recipe, meta)
-    data = LMDataModule(tokens, recipe.data, settings.seed, settings.limit_val_batches,
-                        settings.accumulate_grad_batches)
 
     checkpoints = RecipeCheckpoint(out / "checkpoints", settings.checkpoint_every_n_steps)
     throughput = Throughput(

@@ -215,7 +215,7 @@ def test_recipes_name_datasets_and_typos_are_located(tmp_path):
 
 def test_a_recipe_reads_a_dataset_from_its_root(tmp_path, monkeypatch):
     from recipes.config import load_recipe
-    from recipes.data.windows import read_corpus
+    from recipes.data.corpus import read_corpus
     from recipes.encoder import labelled_examples
     from recipes.translation import pair_paths
 

@@ -28,7 +28,7 @@ PROMPT = "def parse("
 
 def _stdlib_text(limit: int = 60_000) -> str:
     from recipes.config import DataSection
-    from recipes.data.windows import read_corpus
+    from recipes.data.corpus import read_corpus
 
     return read_corpus(DataSection(sources=["python-stdlib"], max_bytes=limit), None).text
 

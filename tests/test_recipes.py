@@ -106,20 +106,6 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     assert added and all("embed" in n or "position" in n for n in added)
 
 
-def test_windows_are_a_function_of_position_and_shard_across_ranks():
-    from recipes.data.windows import TrainWindows
-
-    tokens = np.arange(1000, dtype=np.uint16)
-    single = iter(TrainWindows(tokens, 8, 4, seed=3, rank=0, world_size=1, position=0))
-    first = [next(single) for _ in range(3)]
-    resumed = next(iter(TrainWindows(tokens, 8, 4, seed=3, rank=0, world_size=1, position=2)))
-    assert torch.equal(resumed[0], first[2][0])
-    x, y = first[0]
-    assert x.shape == (4, 8) and torch.equal(y[:, :-1], x[:, 1:])
-    halves = [next(iter(TrainWindows(tokens, 8, 2, seed=3, rank=r, world_size=2, position=0))) for r in (0, 1)]
-    assert torch.equal(torch.cat([h[0] for h in halves]), first[0][0])
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One tiny run shared by the tests that need a checkpoint."""

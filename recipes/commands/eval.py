@@ -89,17 +89,18 @@ def run(args: argparse.Namespace) -> int:
             raise RecipeError(f"{args.checkpoint} holds no training recipe (its data, batch size and seq_len) "
                               "to evaluate with")
         data = meta["recipe"]["data"]
+        mixture = None
         if args.data:
             tokens = file_tokens(args.data, tokenizer, data["cache_dir"])
         else:
             try:
-                tokens = recipe_tokens(meta, tokenizer)
+                tokens, mixture = recipe_tokens(meta, tokenizer)
             except RecipeError as exc:
                 raise RecipeError(f"{args.checkpoint}: {exc}") from None
         # on the recipe's data, the windows its validations drew; on other files, consecutive ones
         seed = None if args.data else meta["recipe"]["trainer"]["seed"]
         result = evaluate(model, tokens, args.seq_len or data["seq_len"], args.batch_size or data["batch_size"],
-                          eval_batches(args, meta), seed)
+                          eval_batches(args, meta), seed, mixture)
     except (RecipeError, ArgumentError, PluginError) as exc:
         print(f"builder eval: {exc}", file=sys.stderr)
         return 1

@@ -5,9 +5,9 @@ cut into windows and held out. ``DatasetFields`` is the part every task's data s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from recipes.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, resolve
 
@@ -68,7 +68,7 @@ class DatasetFields(_Section):
 
 
 class DataSection(DatasetFields):
-    sources: list[Union[str, SourceEntry]] = Field(
+    sources: list[SourceEntry] = Field(
         default_factory=list,
         description="What is read after `dataset`, each a path (relative to the recipe) or a mapping with its "
         "weight: text files or folders, a dataset name, `builder tokenize` outputs, Megatron-LM .bin/.idx "
@@ -94,6 +94,10 @@ class DataSection(DatasetFields):
         "concat", description="concat: windows cut from the documents joined by EOS, attending across them | "
         "doc_masked: the same windows, but attention never crosses a document and positions restart at each.",
     )
+    num_workers: int = Field(
+        1, ge=0, le=64, description="Worker processes that make training batches ahead of the step (0: in the "
+        "training process).",
+    )
     cache_dir: str = Field(
         ".cache/builder", description="Tokenizers and tokenized corpora, keyed by content hash.",
         json_schema_extra=WORK_PATH,
@@ -102,12 +106,18 @@ class DataSection(DatasetFields):
     @field_validator("sources", mode="before")
     @classmethod
     def _one_source(cls, value):
-        return [value] if isinstance(value, str) else value
+        value = [value] if isinstance(value, str) else value
+        return [{"path": v} if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+
+    @field_serializer("sources")
+    def _plain_paths(self, sources):
+        """A source with its path only is written as the path, as the recipe wrote it."""
+        return [s.path if not s.model_fields_set - {"path"} else s.model_dump(exclude_unset=True) for s in sources]
 
     @field_validator("sources")
     @classmethod
     def _weights_for_all_or_none(cls, sources):
-        weighted = [isinstance(s, SourceEntry) and s.weight is not None for s in sources]
+        weighted = [s.weight is not None for s in sources]
         if any(weighted) and not all(weighted):
             missing = [i for i, w in enumerate(weighted) if not w]
             raise ValueError(f"sources {missing} have no weight while others do: give every source a weight, "
@@ -127,7 +137,7 @@ class DataSection(DatasetFields):
     def entries(self) -> list[SourceEntry]:
         """Every source, in order: the dataset by name, then ``sources``."""
         named = [SourceEntry(path=self.dataset)] if self.dataset is not None else []
-        return named + [SourceEntry(path=s) if isinstance(s, str) else s for s in self.sources]
+        return named + list(self.sources)
 
     def corpus(self) -> list[str]:
         """The paths the corpus reads, in order: the dataset's name, then the sources'."""

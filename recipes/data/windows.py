@@ -1,152 +1,102 @@
-"""The corpus: read once, tokenized once into a memory-mapped array, cut into random windows.
+"""Batches of windows for the LM and MLM tasks, and the data module that resumes them.
 
-Training windows are a pure function of (seed, optimizer step): step ``s`` draws
-``batch_size x ranks x accumulate`` window offsets from a generator seeded with ``(seed, s)``,
-and micro-batch ``j`` of the step on data-parallel rank ``r`` takes slice ``j x ranks + r``. So
-the data position is one integer (micro-batches consumed, saved in checkpoints), a resumed run
-sees exactly the batches an unbroken one would, and one global batch is the same windows however
-it is split: N devices with batch B, one device with batch N x B, or one device accumulating N
-micro-batches of B (which then also see the same micro-batches as the N devices).
+Micro-batch ``j`` of optimizer step ``s`` on data-parallel rank ``r`` takes the ``batch_size``
+windows from global index ``first + (j x ranks + r) x batch_size``, where ``first`` is the windows
+every earlier step took (:mod:`recipes.data.mixture` says which window an index is). The data
+position is that one integer, saved in checkpoints: a resumed run takes exactly the windows an
+unbroken one would, on any number of ranks, and one global batch is the same windows however it
+is split (N devices with batch B, one device with batch N x B, or N accumulated micro-batches).
+
+With ``data.packing: doc_masked`` a batch is ``(inputs, targets, document_ids)``: each input's
+document within its row (the model masks attention across them and restarts positions), and no
+target where the next token starts another document. Training batches are made in a worker
+process ahead of the step (``data.num_workers``).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import hashlib
-import sys
-from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes import datasets
-from recipes.config import DataSection, RecipeError, resolve
+from recipes.data.mixture import TRAIN, VALIDATION, Source, Windows, shares
+from recipes.fields import RecipeError
+
+#: a target that takes no part in the loss (recipes.module.IGNORE)
+IGNORE = -100
 
 
-@dataclasses.dataclass
-class Corpus:
-    text: str
-    files: list[str]
-    hash: str
+def to_batch(ids: np.ndarray, documents: np.ndarray | None, packing: str) -> tuple[torch.Tensor, ...]:
+    """``(inputs, targets)`` of windows ``ids`` ``(batch, seq_len + 1)``; with ``doc_masked`` and
+    document ends, ``(inputs, targets, document_ids)``."""
+    block = torch.from_numpy(ids)
+    inputs, targets = block[:, :-1], block[:, 1:]
+    if packing != "doc_masked" or documents is None:
+        return inputs, targets
+    documents = torch.from_numpy(documents)
+    targets = targets.masked_fill(documents[:, 1:] != documents[:, :-1], IGNORE)
+    return inputs, targets, documents[:, :-1].contiguous()
 
 
-def _source_files(source: str, section: DataSection, recipe_file: Path | None) -> list[Path]:
-    if source in datasets.DATASETS:  # a name wins over a file of that name: write ./name for the file
-        return datasets.text_files(source, section.dataset_root(recipe_file))
-    path = resolve(recipe_file, source)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        found = {f for pattern in section.include for f in path.rglob(pattern) if f.is_file()}
-        return sorted(found)
-    raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {path})")
+class Mixture:
+    """The training and validation windows of a corpus's sources, ready to be taken by index."""
 
+    def __init__(self, sources: list[Source], seed: int, vocab_size: int, packing: str = "concat"):
+        self.sources, self.seed, self.vocab_size, self.packing = sources, seed, vocab_size, packing
+        weights = shares(sources)
+        self.train = Windows([s.train for s in sources], weights, seed, TRAIN)
+        held = [i for i, s in enumerate(sources) if s.validation is not None and s.validation.n_windows > 0]
+        if not held:
+            raise RecipeError("data: no source has a validation split with a whole window; add data, lower "
+                              "data.seq_len or raise data.val_fraction")
+        self.held_out = held
+        self.validation = Windows([sources[i].validation for i in held], weights[held], seed, VALIDATION)
 
-def read_corpus(section: DataSection, recipe_file: Path | None) -> Corpus:
-    """The dataset's and the sources' text, in order, files joined by a newline, cut off at ``max_bytes``."""
-    texts: list[str] = []
-    files: list[str] = []
-    size = 0
-    for source in section.corpus():
-        for path in _source_files(source, section, recipe_file):
-            if section.max_bytes is not None and size >= section.max_bytes:
-                break
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if section.max_bytes is not None:
-                text = text[: section.max_bytes - size]
-            texts.append(text)
-            files.append(str(path))
-            size += len(text)
-    text = "\n".join(texts)
-    if not text.strip():
-        raise RecipeError(f"data {section.corpus()} holds no text")
-    return Corpus(text=text, files=files, hash=hashlib.sha256(text.encode("utf-8")).hexdigest()[:16])
-
-
-def tokenize_corpus(tokenizer, corpus: Corpus, cache_dir: Path) -> np.ndarray:
-    """The corpus as token ids in a read-only memory map, tokenized once per (corpus, tokenizer)."""
-    from tqdm.auto import tqdm
-
-    from recipes.tokenizer import write_atomic
-
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    path = cache_dir / "tokens" / f"{corpus.hash}-{tokenizer.fingerprint()}.{np.dtype(dtype).name}.bin"
-    if not path.is_file():
-        parts: list[np.ndarray] = []
-        # position 0: a bar another caller left open must not push this one down a line (tqdm then moves
-        # the cursor up with escape codes that land in front of the next message on stderr)
-        with tqdm(total=len(corpus.text), desc="tokenizing", unit="char", unit_scale=True, leave=False,
-                  position=0, file=sys.stderr) as bar:
-            for chars, ids in tokenizer.encode_corpus(corpus.text):
-                parts.append(np.asarray(ids, dtype=dtype))
-                bar.update(chars)
-        write_atomic(path, np.concatenate(parts).tobytes())
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-def split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``1 - val_fraction`` of the tokens for training, the rest held out."""
-    cut = int(len(tokens) * (1 - val_fraction))
-    train, val = tokens[:cut], tokens[cut:]
-    for name, part in (("training", train), ("validation", val)):
-        if len(part) < seq_len + 1:
-            raise RecipeError(
-                f"the {name} split has {len(part)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-                "add data, lower data.seq_len or change data.val_fraction"
-            )
-    return train, val
-
-
-def windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets for windows starting at ``offsets``."""
-    rows = offsets[:, None] + np.arange(seq_len + 1)  # (batch, seq_len + 1)
-    block = torch.from_numpy(tokens[rows].astype(np.int64))
-    return block[:, :-1], block[:, 1:]
-
-
-def window_offsets(seed: int, stream: int, index: int, count: int, high: int) -> np.ndarray:
-    """``count`` window starts in ``[0, high)`` for micro-batch ``index``: a pure function."""
-    return np.random.default_rng([seed, stream, index]).integers(0, high, size=count)
+    def batch(self, windows: Windows, first: int, count: int) -> tuple[torch.Tensor, ...]:
+        ids, documents, labels = windows.take(first, count)
+        top = int(ids.max())
+        if top >= self.vocab_size:
+            names = [s.name for s in self.sources] if windows is self.train else \
+                [self.sources[i].name for i in self.held_out]
+            bad = names[int(labels[int(np.argmax(ids.max(axis=1)))])]
+            raise RecipeError(f"{bad}: token id {top} is outside the tokenizer's vocabulary of {self.vocab_size:,} "
+                              "(the source was tokenized with another tokenizer)")
+        return to_batch(ids, documents, self.packing)
 
 
 class TrainWindows(IterableDataset):
-    """Endless micro-batches of random windows from ``position`` on; this rank's slice of each."""
+    """Endless micro-batches from global window ``position`` on; this rank's slice of each step."""
 
-    def __init__(self, tokens, seq_len, batch_size, seed, rank, world_size, position, accumulate=1):
-        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.seed, self.rank, self.world_size, self.position = seed, rank, world_size, position
-        self.accumulate = accumulate
+    def __init__(self, mixture: Mixture, batch_size: int, rank: int, world_size: int, position: int,
+                 accumulate: int = 1):
+        self.mixture, self.batch_size, self.rank, self.world_size = mixture, batch_size, rank, world_size
+        self.position, self.accumulate = position, accumulate
 
     def __iter__(self):
-        index = self.position  # micro-batches consumed
-        high = len(self.tokens) - self.seq_len
         per_step = self.batch_size * self.world_size * self.accumulate
+        index = 0  # micro-batches taken
         while True:
             step, micro = divmod(index, self.accumulate)
-            first = (micro * self.world_size + self.rank) * self.batch_size
-            offsets = window_offsets(self.seed, 0, step, per_step, high)
-            yield windows(self.tokens, offsets[first : first + self.batch_size], self.seq_len)
+            first = self.position + step * per_step + (micro * self.world_size + self.rank) * self.batch_size
+            yield self.mixture.batch(self.mixture.train, first, self.batch_size)
             index += 1
 
 
 class ValWindows(IterableDataset):
     """The same ``n_batches`` micro-batches of held-out windows at every validation."""
 
-    def __init__(self, tokens, seq_len, batch_size, n_batches, seed, rank, world_size):
-        self.tokens, self.seq_len, self.batch_size, self.n_batches = tokens, seq_len, batch_size, n_batches
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+    def __init__(self, mixture: Mixture, batch_size: int, n_batches: int, rank: int, world_size: int):
+        self.mixture, self.batch_size, self.n_batches = mixture, batch_size, n_batches
+        self.rank, self.world_size = rank, world_size
 
     def __len__(self):
         return self.n_batches
 
     def __iter__(self):
-        high = len(self.tokens) - self.seq_len
-        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         for index in range(self.n_batches):
-            offsets = window_offsets(self.seed, 1, index, self.batch_size * self.world_size, high)
-            yield windows(self.tokens, offsets[mine], self.seq_len)
+            first = (index * self.world_size + self.rank) * self.batch_size
+            yield self.mixture.batch(self.mixture.validation, first, self.batch_size)
 
 
 class PositionedDataModule(L.LightningDataModule):
@@ -176,25 +126,49 @@ class PositionedDataModule(L.LightningDataModule):
         self.position = int(state["position"])
 
 
-class LMDataModule(PositionedDataModule):
-    """Training and validation windows over a tokenized corpus; its state is the data position."""
+class LMDataModule(L.LightningDataModule):
+    """Training and validation windows of a :class:`Mixture`. Its state is the global windows
+    taken by the end of a step, so a run resumes on any number of ranks."""
 
-    def __init__(self, tokens: np.ndarray, section: DataSection, seed: int, val_batches: int, accumulate: int):
-        super().__init__(seed, accumulate)
-        self.section, self.val_batches = section, val_batches
-        self.train_tokens, self.val_tokens = split(tokens, section.val_fraction, section.seq_len)
+    def __init__(self, mixture: Mixture, batch_size: int, seed: int, val_batches: int, accumulate: int,
+                 num_workers: int = 1):
+        super().__init__()
+        self.mixture, self.batch_size, self.seed = mixture, batch_size, seed
+        self.val_batches, self.accumulate, self.num_workers = val_batches, accumulate, num_workers
+        self._resumed = (0, 0)  # (windows taken, at step) of the checkpoint this run started from
+
+    _rank = PositionedDataModule._rank
+
+    def windows_taken(self, step: int) -> int:
+        """Global windows every step before ``step`` took, this run's steps at this run's ranks."""
+        windows, at = self._resumed
+        return windows + (step - at) * self.batch_size * self._rank()[1] * self.accumulate
+
+    def micro_batches_taken(self) -> int:
+        """This rank's micro-batches so far at this run's ranks (the MLM masking's counter)."""
+        step = self.trainer.global_step if self.trainer is not None else self._resumed[1]
+        return self.windows_taken(step) // (self.batch_size * self._rank()[1])
+
+    def state_dict(self) -> dict:
+        step = self.trainer.global_step if self.trainer is not None else self._resumed[1]
+        return {"windows": self.windows_taken(step), "step": step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "windows" in state:
+            self._resumed = (int(state["windows"]), int(state["step"]))
+        else:  # a checkpoint from before windows were counted: its micro-batches at this run's ranks
+            micro = int(state["position"])
+            self._resumed = (micro * self.batch_size * self._rank()[1], micro // self.accumulate)
 
     def train_dataloader(self):
         rank, world = self._rank()
-        data = TrainWindows(
-            self.train_tokens, self.section.seq_len, self.section.batch_size, self.seed, rank, world, self.position,
-            self.accumulate,
-        )
-        return DataLoader(data, batch_size=None, num_workers=0)
+        step = self.trainer.global_step if self.trainer is not None else self._resumed[1]
+        data = TrainWindows(self.mixture, self.batch_size, rank, world, self.windows_taken(step), self.accumulate)
+        workers = self.num_workers
+        return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
+                          persistent_workers=False)
 
     def val_dataloader(self):
         rank, world = self._rank()
-        data = ValWindows(
-            self.val_tokens, self.section.seq_len, self.section.batch_size, self.val_batches, self.seed, rank, world
-        )
-        return DataLoader(data, batch_size=None, num_workers=0)
+        return DataLoader(ValWindows(self.mixture, self.batch_size, self.val_batches, rank, world),
+                          batch_size=None, num_workers=0)

@@ -1,0 +1,305 @@
+"""The corpus of an LM or MLM recipe: every entry of its data section opened as a
+:class:`~recipes.data.mixture.Source` (training and validation token streams), with the tokenizer
+they share.
+
+An entry is, by what its path holds: a tokenized dataset (``builder tokenize``'s folder: its
+split and tokenizer), a Megatron-LM dataset (``.bin``/``.idx``), a raw token file (``.bin``), or
+text (files, folders, a dataset by name). Text goes through the same format as everything else:
+tokenized once into ``cache_dir/datasets/`` (keyed by the text, the tokenizer and the split) and
+read from there. Unweighted text entries form one source, as one corpus; a weighted one is its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from recipes import datasets
+from recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
+from recipes.data.mixture import Source, Stream, epochs_seen, shares
+from recipes.data.section import DataSection, SourceEntry
+from recipes.fields import RecipeError, resolve
+
+#: text with at least this many documents is split by document; with fewer, by its tail
+DOCUMENT_SPLIT_MIN = 20
+
+
+@dataclasses.dataclass
+class TextCorpus:
+    texts: list[str]
+    files: list[str]
+    hash: str
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.texts)
+
+
+@dataclasses.dataclass
+class Corpus:
+    """The sources of a recipe's data, opened, with their tokenizer and an identity for resumes."""
+
+    sources: list[Source]
+    labels: list[str]  # where each source is written in the recipe: data.dataset, data.sources[2]
+    tokenizer: object
+    hash: str
+    line: str  # the one-line summary a run prints
+
+
+def _text_files(source: str, section: DataSection, recipe_file: Path | None) -> list[Path]:
+    if source in datasets.DATASETS:  # a name wins over a file of that name: write ./name for the file
+        return datasets.text_files(source, section.dataset_root(recipe_file))
+    path = resolve(recipe_file, source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = {f for pattern in section.include for f in path.rglob(pattern) if f.is_file()}
+        return sorted(found)
+    raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {path})")
+
+
+def read_text(paths: list[str], section: DataSection, recipe_file: Path | None) -> TextCorpus:
+    """The text of ``paths`` (files, folders, dataset names), a document per file, in order, cut
+    off at ``section.max_bytes`` in all."""
+    texts: list[str] = []
+    files: list[str] = []
+    size = 0
+    for source in paths:
+        for path in _text_files(source, section, recipe_file):
+            if section.max_bytes is not None and size >= section.max_bytes:
+                break
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if section.max_bytes is not None:
+                text = text[: section.max_bytes - size]
+            texts.append(text)
+            files.append(str(path))
+            size += len(text)
+    if not any(t.strip() for t in texts):
+        raise RecipeError(f"data {paths} holds no text")
+    digest = hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()[:16]
+    return TextCorpus(texts, files, digest)
+
+
+def read_corpus(section: DataSection, recipe_file: Path | None) -> TextCorpus:
+    """Every text entry of ``section`` (what a tokenizer is trained on)."""
+    return read_text([e.path for e in section.entries() if kind_of(e, section, recipe_file)[0] == "text"],
+                     section, recipe_file)
+
+
+def kind_of(entry: SourceEntry, section: DataSection, recipe_file: Path | None) -> tuple[str, Path | None]:
+    """``(tokenized | megatron | raw | text, path)`` of an entry, by what its path holds."""
+    from recipes.data.tokenized import is_tokenized_dataset
+
+    if entry.path in datasets.DATASETS:
+        return "text", None
+    path = resolve(recipe_file, entry.path)
+    if path.is_dir() and is_tokenized_dataset(path):
+        return "tokenized", path
+    prefix = megatron_prefix(path)
+    if prefix is not None:
+        return "megatron", prefix
+    if path.is_file() and path.suffix == ".bin":
+        return "raw", path
+    return "text", path
+
+
+def tail_split(part: Part, fraction: float) -> tuple[Part, Part]:
+    """The first ``1 - fraction`` of a part's tokens for training, the rest held out, cut at the
+    document end nearest below when the part has documents."""
+    cut = int(len(part.tokens) * (1 - fraction))
+    if part.ends is not None and len(part.ends) > 1:
+        below = part.ends[part.ends <= cut]
+        cut = int(below[-1]) if len(below) and below[-1] > 0 else cut
+    ends = part.ends
+    train_ends = None if ends is None else ends[ends <= cut]
+    val_ends = None if ends is None else ends[ends > cut] - cut
+    return Part(part.tokens[:cut], train_ends, part.path), Part(part.tokens[cut:], val_ends, part.path)
+
+
+def _stream(parts: list[Part], seq_len: int) -> Stream:
+    return Stream(parts, seq_len)
+
+
+def _dataset_parts(dataset, split: str) -> list[Part]:
+    return [Part(shard.tokens, shard.ends, shard.path) for shard in dataset.shards(split)]
+
+
+def _held_out(entry, main: list[Part], open_parts, section: DataSection, recipe_file):
+    """``(training parts, validation parts)``: ``entry.validation`` opened whole, else each part's tail."""
+    if entry.validation is not None:
+        return main, open_parts(resolve(recipe_file, entry.validation))
+    pairs = [tail_split(p, section.val_fraction) for p in main]
+    return [t for t, _ in pairs], [v for _, v in pairs]
+
+
+def _token_file(kind: str, entry: SourceEntry):
+    if kind == "megatron":
+        return lambda path: [read_megatron(megatron_prefix(path) or path)]
+    return lambda path: [read_raw(path, entry.dtype)]
+
+
+def _identity(kind: str, path: Path) -> str:
+    if kind == "tokenized":
+        return hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()[:16]
+    files = [path.with_suffix(".idx"), path.with_suffix(".bin")] if kind == "megatron" else [path]
+    return "|".join(f"{f.name}:{f.stat().st_size}" for f in files)
+
+
+def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
+    """``text`` tokenized into the cache (once per text, tokenizer and split), opened."""
+    from recipes.data.sources import Document
+    from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset, tokenize_documents
+
+    key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|{section.val_fraction}|split-v1".encode())
+    folder = Path(section.cache_dir) / "datasets" / key.hexdigest()[:16]
+    if is_tokenized_dataset(folder) and (folder / "manifest.json").is_file():
+        return TokenizedDataset.open(folder, tokenizer.fingerprint())
+    if len(text.texts) >= DOCUMENT_SPLIT_MIN:
+        documents = [Document(t, None, f) for t, f in zip(text.texts, text.files)]
+        val_fraction = section.val_fraction
+    else:  # too few documents to hold some out whole: the tail of the text, as nanoGPT splits
+        joined = text.text
+        cut = int(len(joined) * (1 - section.val_fraction))
+        documents = [Document(joined[:cut], "train", name), Document(joined[cut:], "validation", name)]
+        val_fraction = 0.0
+    return tokenize_documents(documents, tokenizer, folder, workers=1, val_fraction=val_fraction,
+                              sources=[{"path": name, "format": "text", "bytes": sum(map(len, text.texts)),
+                                        "documents": len(text.texts)}], progress=True)
+
+
+def open_corpus(section: DataSection, recipe_file: Path | None, tokenizer_for: Callable, trains_tokenizer: bool,
+                pretrained=None) -> Corpus:
+    """The recipe's sources opened. ``tokenizer_for(text, text_hash)``: the recipe's tokenizer
+    (``trains_tokenizer``: it is made from the text); ``pretrained``: one that must be used
+    (``init_from``'s); a tokenized dataset's own tokenizer wins over both (and must match them)."""
+    from recipes.data.tokenized import TokenizedDataset
+
+    entries = section.entries()
+    labels = (["data.dataset"] if section.dataset is not None else []) + \
+        [f"data.sources[{i}]" for i in range(len(section.sources))]
+    kinds = [kind_of(e, section, recipe_file) for e in entries]
+    opened = {i: TokenizedDataset.open(path) for i, (kind, path) in enumerate(kinds) if kind == "tokenized"}
+    tokenizer = _shared_tokenizer(opened, labels, pretrained)
+    text_entries = [i for i, (kind, _) in enumerate(kinds) if kind == "text"]
+    text_all = read_text([entries[i].path for i in text_entries], section, recipe_file) if text_entries else None
+    if tokenizer is None:
+        if text_all is None and trains_tokenizer:
+            raise RecipeError("data: Megatron-LM and raw token files carry no tokenizer; set tokenizer.model_file "
+                              "(and tokenizer.type) to the tokenizer they were made with")
+        tokenizer = tokenizer_for(text_all.text if text_all else "", text_all.hash if text_all else "")
+
+    sources, source_labels, identities = [], [], []
+    unweighted_text = [i for i in text_entries if entries[i].weight is None]
+    for i, entry in enumerate(entries):
+        kind, path = kinds[i]
+        if kind == "text" and i in unweighted_text and i != unweighted_text[0]:
+            continue  # read with the first unweighted text entry, as one corpus
+        if kind == "text":
+            group = unweighted_text if i in unweighted_text else [i]
+            text = read_text([entries[j].path for j in group], section, recipe_file)
+            dataset = text_dataset(text, tokenizer, section, entry.path)
+            train, validation = _dataset_parts(dataset, "train"), _dataset_parts(dataset, "validation")
+            identities.append(text.hash)
+            name = entry.path if len(group) == 1 else f"text ({len(text.files)} files)"
+        elif kind == "tokenized":
+            dataset = TokenizedDataset.open(path, tokenizer.fingerprint())
+            train, validation = _dataset_parts(dataset, "train"), _dataset_parts(dataset, "validation")
+            if entry.validation is not None:
+                other = TokenizedDataset.open(resolve(recipe_file, entry.validation), tokenizer.fingerprint())
+                validation = _dataset_parts(other, "train") + _dataset_parts(other, "validation")
+            identities.append(_identity(kind, path))
+            name = entry.path
+        else:
+            read = _token_file(kind, entry)
+            train, validation = _held_out(entry, read(path), read, section, recipe_file)
+            _check_ids(train, tokenizer.vocab_size, entry.path)
+            identities.append(_identity(kind, path))
+            name = entry.path
+        held = _stream(validation, section.seq_len) if validation else None
+        sources.append(Source(name, _stream(train, section.seq_len), held,
+                              entry.weight, entry.max_epochs))
+        source_labels.append(labels[i])
+    for source, label in zip(sources, source_labels):
+        if source.train.n_windows == 0:
+            raise RecipeError(f"{label}: {source.name} has {source.train.n_tokens:,} training tokens, fewer than "
+                              f"seq_len + 1 = {section.seq_len + 1}; add data or lower data.seq_len")
+    digest = hashlib.sha256("|".join(identities).encode()).hexdigest()[:16]
+    return Corpus(sources, source_labels, tokenizer, digest, _summary(sources, text_all, tokenizer))
+
+
+def _shared_tokenizer(opened: dict, labels: list[str], pretrained):
+    """The tokenizer the tokenized datasets were made with (the same for all), checked against
+    ``pretrained``; ``pretrained`` when there are none."""
+    if not opened:
+        return pretrained
+    first, *rest = opened.items()
+    tokenizer = first[1].tokenizer()
+    for i, dataset in rest:
+        if dataset.tokenizer().fingerprint() != tokenizer.fingerprint():
+            raise RecipeError(f"{labels[i]}: {dataset.folder} was tokenized with another tokenizer than "
+                              f"{labels[first[0]]} ({first[1].folder}); tokenize both with one")
+    if pretrained is not None and pretrained.fingerprint() != tokenizer.fingerprint():
+        raise RecipeError(f"{labels[first[0]]}: {first[1].folder} was tokenized with another tokenizer than the "
+                          "weights' (model.init_from); tokenize it with that tokenizer")
+    return tokenizer
+
+
+def _check_ids(parts: list[Part], vocab_size: int, name: str) -> None:
+    """A first look at a token file's ids (its first million): all inside the vocabulary."""
+    for part in parts:
+        head = np.asarray(part.tokens[: 1 << 20])
+        if len(head) and int(head.max()) >= vocab_size:
+            raise RecipeError(f"{name}: token id {int(head.max())} is outside the tokenizer's vocabulary of "
+                              f"{vocab_size:,} (set tokenizer.model_file to the tokenizer it was made with, or "
+                              "the source's dtype)")
+
+
+def _summary(sources: list[Source], text: TextCorpus | None, tokenizer) -> str:
+    kind = f"{tokenizer.kind}, vocab {tokenizer.vocab_size:,}"
+    train = sum(s.train.n_tokens for s in sources)
+    held = sum(s.validation.n_tokens for s in sources if s.validation is not None)
+    if len(sources) == 1 and text is not None:
+        return (f"corpus: {len(text.files)} files, {sum(map(len, text.texts)):,} chars -> {train + held:,} tokens "
+                f"({kind})")
+    return f"corpus: {len(sources)} sources, {train:,} training and {held:,} validation tokens ({kind})"
+
+
+def mixture_rows(corpus: Corpus, total_windows: int) -> list[dict]:
+    """Per source: its training tokens, its share of the windows and the passes a run of
+    ``total_windows`` makes over it, with its limit."""
+    rows = []
+    for label, source, share, epochs in zip(corpus.labels, corpus.sources, shares(corpus.sources),
+                                            epochs_seen(corpus.sources, total_windows)):
+        rows.append({"source": label, "name": source.name, "tokens": source.train.n_tokens, "share": float(share),
+                     "epochs": epochs, "max_epochs": source.max_epochs})
+    return rows
+
+
+def over_limit(rows: list[dict]) -> list[str]:
+    """One line for each source the run would pass over more often than its ``max_epochs``."""
+    return [f"{r['source']}.max_epochs: {r['name']} would be seen {r['epochs']:.2f} times (limit {r['max_epochs']:g}); "
+            "lower its weight or trainer.max_steps, or raise the limit"
+            for r in rows if r["max_epochs"] is not None and r["epochs"] > r["max_epochs"]]
+
+
+def source_tokens(entry: SourceEntry, kind: str, path: Path, section: DataSection) -> int:
+    """The training tokens of a source that is already tokens, read from its header or manifest
+    (what the dry run shows; a tail held out as the run holds it)."""
+    from recipes.data.tokenized import TokenizedDataset
+
+    if kind == "tokenized":
+        return TokenizedDataset.open(path).tokens("train")
+    part = read_megatron(path) if kind == "megatron" else read_raw(path, entry.dtype)
+    if entry.validation is not None:
+        return len(part.tokens)
+    return len(tail_split(part, section.val_fraction)[0].tokens)
+
+
+def held_out_tokens(corpus: Corpus) -> np.ndarray:
+    """Every source's validation tokens, one after another (what ``builder eval --all`` scores)."""
+    parts = [p.tokens for s in corpus.sources if s.validation is not None for p in s.validation.parts]
+    return np.concatenate([np.asarray(t) for t in parts])

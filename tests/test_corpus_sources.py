@@ -1,0 +1,121 @@
+"""Recipes that train on token files other tools wrote and on mixtures: Megatron-LM datasets,
+nanoGPT's raw .bin files, `builder tokenize` outputs and text, by weight (recipes.data.corpus)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import yaml
+
+from recipe_helpers import tiny_recipe
+from recipes.config import RecipeError
+
+TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A small sentencepiece model (with an EOS) and the documents it tokenizes."""
+    from recipes.config import TokenizerSection
+    from recipes.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    proto = train_sentencepiece(TEXT, TokenizerSection(vocab_size=300))
+    (folder / "spm.model").write_bytes(proto)
+    return folder / "spm.model", SentencePieceTokenizer(proto)
+
+
+def token_documents(tokenizer, n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    lines = TEXT.split("\n\n")
+    docs = ["\n".join(rng.choice(lines, size=int(rng.integers(1, 6)))) for _ in range(n)]
+    eos = tokenizer.eos_id
+    return [np.array(tokenizer.encode(d) + ([eos] if eos is not None else []), dtype=np.uint16) for d in docs]
+
+
+def recipe_for(tmp_path, model_file, sources, **data):
+    return tiny_recipe(tmp_path, data={"sources": sources, "seq_len": 32, "batch_size": 4, "num_workers": 0,
+                                       "cache_dir": str(tmp_path / "cache"), **data},
+                       tokenizer={"type": "sentencepiece", "model_file": str(model_file)})
+
+
+def test_a_megatron_dataset_and_a_raw_bin_train_as_a_weighted_mixture_and_resume(tmp_path, tokenizer_file):
+    from recipes.data.megatron import write_megatron
+    from recipes.train import run
+
+    model_file, tokenizer = tokenizer_file
+    write_megatron(tmp_path / "code_text_document", token_documents(tokenizer, seed=1))
+    np.concatenate(token_documents(tokenizer, seed=2)).tofile(tmp_path / "train.bin")
+    np.concatenate(token_documents(tokenizer, n=60, seed=3)).tofile(tmp_path / "val.bin")
+    sources = [{"path": "code_text_document.idx", "weight": 3.0},
+               {"path": "train.bin", "weight": 1.0, "validation": "val.bin"}]
+    path = recipe_for(tmp_path, model_file, sources)  # the schedule fixed: a run stopped at 6 is the first half of 12
+    recipe = yaml.safe_load(path.read_text())
+    recipe["schedule"]["decay_steps"] = 12
+    path.write_text(yaml.safe_dump(recipe))
+    unbroken = run(path, overrides={"trainer.output_dir": str(tmp_path / "unbroken")}, samples=False)
+    first = run(path, overrides={"trainer.max_steps": 6}, samples=False)
+    resumed = run(path, samples=False)
+    assert first["steps"] == 6 and resumed["steps"] == unbroken["steps"] == 12
+    assert resumed["val_loss"] == pytest.approx(unbroken["val_loss"], abs=1e-5)
+    assert resumed["train_loss"] == pytest.approx(unbroken["train_loss"], abs=1e-5)
+
+
+def test_a_document_masked_mixture_trains(tmp_path, tokenizer_file):
+    from recipes.data.megatron import write_megatron
+    from recipes.train import run
+
+    model_file, tokenizer = tokenizer_file
+    write_megatron(tmp_path / "docs", token_documents(tokenizer))
+    summary = run(recipe_for(tmp_path, model_file, ["docs"], packing="doc_masked"), samples=False)
+    assert summary["steps"] == 12 and np.isfinite(summary["val_loss"])
+
+
+def test_the_dry_run_shows_each_source_s_share_and_epochs_and_train_refuses_past_a_limit(tmp_path, tokenizer_file):
+    from recipes.data.megatron import write_megatron
+    from recipes.dryrun import dry_run
+    from recipes.train import run
+
+    model_file, tokenizer = tokenizer_file
+    write_megatron(tmp_path / "small", token_documents(tokenizer, n=20))
+    write_megatron(tmp_path / "large", token_documents(tokenizer, n=300, seed=4))
+    sources = [{"path": "small", "weight": 1.0, "max_epochs": 1.0}, {"path": "large", "weight": 1.0}]
+    path = recipe_for(tmp_path, model_file, sources)
+    out = io.StringIO()
+    dry_run(path, {"trainer.max_steps": 200}, out=out)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("mixture")]
+    assert len(lines) == 2 and "50.0% of the windows" in lines[0] and "WARNING: past its max_epochs 1" in lines[0]
+    with pytest.raises(RecipeError, match=r"data.sources\[0\].max_epochs: small would be seen [\d.]+ times"):
+        run(path, overrides={"trainer.max_steps": 200}, samples=False)
+
+
+def test_a_token_file_made_with_a_larger_vocabulary_is_refused_naming_it(tmp_path, tokenizer_file):
+    from recipes.train import run
+
+    model_file, _ = tokenizer_file
+    np.arange(0, 5000, dtype=np.uint16).tofile(tmp_path / "other.bin")
+    with pytest.raises(RecipeError, match=r"other\.bin: token id \d+ is outside the tokenizer's vocabulary of 300"):
+        run(recipe_for(tmp_path, model_file, ["other.bin"]), samples=False)
+
+
+def test_token_files_without_a_tokenizer_are_refused_with_what_to_set(tmp_path, tokenizer_file):
+    from recipes.train import run
+
+    np.arange(0, 200, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    path = tiny_recipe(tmp_path, data={"sources": ["t.bin"], "cache_dir": str(tmp_path / "cache")},
+                       tokenizer={"type": "sentencepiece"})
+    with pytest.raises(RecipeError, match="carry no tokenizer; set tokenizer.model_file"):
+        run(path, samples=False)
+
+
+def test_a_weight_that_is_not_positive_is_refused_where_it_is_written(tmp_path):
+    from builder.loader import SpecError
+    from recipes.config import load_recipe
+
+    path = tiny_recipe(tmp_path, data={"sources": [{"path": "a.bin", "weight": 0}]})
+    with pytest.raises(SpecError) as caught:
+        load_recipe(path)
+    line = str(caught.value)
+    assert line == f"{path}:24:13: data.sources.0.weight: must be > 0.0, got 0"
