@@ -1,6 +1,13 @@
 """Text to token ids: a character table, a sentencepiece model trained on the corpus, or the
 tokenizer of a Hugging Face folder.
 
+Each kind encodes one text (``encode``), a batch of documents (``encode_batch``, what ``builder
+tokenize`` calls) and a whole corpus in chunks (``encode_corpus``), and names its end-of-document
+id (``eos_id``, None when it has none). ``encode_batch`` uses the library's threads unless
+``TOKENIZERS_PARALLELISM`` is false in the environment (the ``tokenizers`` library's switch, which
+sentencepiece batches here follow too): each ``builder tokenize`` worker sets it, so W workers
+use W cores.
+
 A tokenizer's ``state()`` is small plain data (the character list, the sentencepiece model's
 bytes, or a ``tokenizer.json``; the format is defined in :mod:`builder.hf.tokenizer`, which also
 writes each kind as a Hugging Face tokenizer) that goes into every checkpoint, so ``builder
@@ -22,6 +29,16 @@ from recipes.config import RecipeError, TokenizerSection, resolve
 
 #: text per sentencepiece encode call; cut at newlines, which no piece crosses
 _CHUNK_CHARS = 1 << 16
+#: what TOKENIZERS_PARALLELISM says when it turns a library's threads off (the tokenizers crate's list)
+_OFF = ("", "off", "false", "f", "no", "n", "0")
+#: the spellings of an end-of-text token a tokenizer.json without named specials may hold
+EOS_SPELLINGS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+
+def _library_threads() -> bool:
+    """Whether encode_batch may use the library's thread pool (see the module docstring)."""
+    value = os.environ.get("TOKENIZERS_PARALLELISM")
+    return value is None or value.strip().lower() not in _OFF
 
 
 class CharTokenizer:
@@ -44,6 +61,17 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         try:
             return [self.index[c] for c in text]
+        except KeyError as exc:
+            raise RecipeError(f"character {exc.args[0]!r} is not in this char tokenizer's vocabulary") from None
+
+    @property
+    def eos_id(self) -> int | None:
+        return None  # a character table has no end-of-text token
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        index = self.index
+        try:
+            return [[index[c] for c in text] for text in texts]
         except KeyError as exc:
             raise RecipeError(f"character {exc.args[0]!r} is not in this char tokenizer's vocabulary") from None
 
@@ -78,8 +106,16 @@ class SentencePieceTokenizer:
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
+    @property
+    def eos_id(self) -> int | None:
+        eos = self.sp.eos_id()
+        return None if eos < 0 else eos
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), num_threads=-1 if _library_threads() else 1)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode(list(ids))
@@ -118,8 +154,25 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def eos_id(self) -> int | None:
+        """The EOS token the folder's specials name, else a special token of tokenizer.json
+        spelled as one (:data:`EOS_SPELLINGS`), else None."""
+        named = self.specials.get("eos_token")
+        if named is not None:
+            return self.tokenizer.token_to_id(named)
+        special = {token.content for token in self.tokenizer.get_added_tokens_decoder().values() if token.special}
+        for text in EOS_SPELLINGS:
+            if text in special:
+                return self.tokenizer.token_to_id(text)
+        return None
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Each text as a training corpus is encoded: no special tokens added (no offsets computed)."""
+        return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -177,8 +230,10 @@ def hf_tokenizer(path: Path) -> Tokenizer:
 
 def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, options: dict | None = None) -> bytes:
     """A sentencepiece model for ``text`` that round-trips code: identity normalization, runs of
-    spaces kept as pieces, no dummy prefix, and byte fallback (newlines and rare characters).
-    ``options``: trainer settings over these (special-token ids, prose normalization...)."""
+    spaces kept as pieces, no dummy prefix, byte fallback (newlines and rare characters), and an
+    end-of-text piece ``</s>`` (``builder tokenize`` ends each document with it) at the first id
+    the other specials leave free. ``options``: trainer settings over these (special-token ids,
+    prose normalization...); an ``eos_id`` there, -1 included, is kept."""
     import sentencepiece as spm
 
     lines = [line for line in text.split("\n") if line.strip()]
@@ -200,12 +255,14 @@ def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, opt
         max_sentence_length=1 << 14,
         unk_id=0,
         bos_id=-1,
-        eos_id=-1,
         pad_id=-1,
         num_threads=max(1, min(4, os.cpu_count() or 1)),
         minloglevel=2,
     )
     settings.update(options or {})
+    if "eos_id" not in settings:
+        taken = {settings[k] for k in ("unk_id", "bos_id", "pad_id")}
+        settings["eos_id"] = next(i for i in range(len(taken) + 1) if i not in taken)
     try:
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, **settings)
     except RuntimeError as exc:  # e.g. a vocabulary smaller than the corpus's characters + 256 bytes
@@ -233,7 +290,7 @@ def build_tokenizer(
         return SentencePieceTokenizer(path.read_bytes())
     extra = f"|{sorted(options.items())}" if options else ""
     key = hashlib.sha256(
-        f"{corpus_hash}|{section.model_type}|{section.vocab_size}|{section.train_max_lines}|v1{extra}".encode()
+        f"{corpus_hash}|{section.model_type}|{section.vocab_size}|{section.train_max_lines}|v2{extra}".encode()
     ).hexdigest()[:16]
     cached = cache_dir / "tokenizers" / f"spm-{section.model_type}-{section.vocab_size}-{key}.model"
     if cached.is_file():

@@ -1,0 +1,424 @@
+"""`builder tokenize` and the tokenized-dataset format (recipes/data/README.md): every source
+format read as documents, ids equal to the tokenizer's plus EOS, the same bytes on 1 and 2
+workers, a resume after SIGKILL that re-tokenizes nothing finished, one line per bad input naming
+file and line or row, and a damaged or foreign dataset refused by ``TokenizedDataset.open``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hostile_helpers import cli, refused
+
+from recipes.config import RecipeError, TokenizerSection
+from recipes.data.sources import DocumentStream, find_sources
+from recipes.data.tokenized import (
+    Document,
+    TokenizedDataset,
+    is_tokenized_dataset,
+    tokenize_documents,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ["the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "had", "been", "one", "all", "we", "can", "their", "has", "more", "when", "will", "would", "who", "so", "no", "über", "naïve", "café"]
+
+
+def docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 120))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), ".\n")
+        out.append(" ".join(words))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory):
+    """A small sentencepiece model with an EOS piece, as train_sentencepiece now trains them."""
+    from recipes.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+    proto = train_sentencepiece("\n".join(docs(800, seed=9)), TokenizerSection(vocab_size=300))
+    path = tmp_path_factory.mktemp("sp") / "sp.model"
+    path.write_bytes(proto)
+    return SentencePieceTokenizer(proto), path
+
+
+def dataset_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file a dataset consists of (not the lock, stamps or run records), by name."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
+
+
+def read_back(dataset: TokenizedDataset, split: str) -> list[list[int]]:
+    return [shard.document(i).tolist() for shard in dataset.shards(split) for i in range(shard.n_documents)]
+
+
+# -- what is written -----------------------------------------------------------------------------------
+
+
+def test_ids_are_the_tokenizers_per_document_with_eos(tmp_path, sp):
+    tokenizer, _ = sp
+    texts = docs(300)
+    dataset = tokenize_documents([Document(t, None, "mem") for t in texts], tokenizer, tmp_path / "ds",
+                                 val_fraction=0.2, shard_bytes=4000, progress=False)
+    assert tokenizer.eos_id == 1 and dataset.eos_id == 1 and dataset.dtype == np.dtype("<u2")
+    assert len(dataset.shards("train")) > 3
+    held = [t for t in texts if _held(t, 0.2)]
+    kept = [t for t in texts if not _held(t, 0.2)]
+    assert 20 < len(held) < 100
+    assert read_back(dataset, "train") == [tokenizer.encode(t) + [1] for t in kept]
+    assert read_back(dataset, "validation") == [tokenizer.encode(t) + [1] for t in held]
+    assert dataset.tokens("train") + dataset.tokens("validation") == sum(len(tokenizer.encode(t)) + 1 for t in texts)
+    assert dataset.documents("train") == len(kept) and dataset.tokenizer().fingerprint() == tokenizer.fingerprint()
+    for shard in dataset.shards("train"):
+        assert shard.ends[-1] == len(shard.tokens) and not shard.tokens.flags.writeable
+
+
+def _held(text: str, fraction: float) -> bool:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big") < fraction * 2**64
+
+
+def test_a_tokenizer_json_and_a_char_table(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from recipes.tokenizer import CharTokenizer, HFTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(docs(300), trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = HFTokenizer(bpe.to_str())
+    texts = docs(50, seed=3)
+    assert hf.eos_id == 0 and hf.encode_batch(texts[:2]) == [bpe.encode(t).ids for t in texts[:2]]
+    dataset = tokenize_documents([Document(t) for t in texts], hf, tmp_path / "hf", progress=False)
+    assert read_back(dataset, "train") == [bpe.encode(t).ids + [0] for t in texts]
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and dataset.tokenizer().fingerprint() == hf.fingerprint()
+
+    char = CharTokenizer.fit("".join(texts))
+    dataset = tokenize_documents([Document(t) for t in texts], char, tmp_path / "char", progress=False)
+    assert dataset.eos_id is None and read_back(dataset, "train") == [char.encode(t) for t in texts]
+    assert dataset.tokenizer().chars == char.chars
+
+
+def test_one_and_two_workers_write_the_same_bytes(tmp_path, sp):
+    tokenizer, _ = sp
+    texts = docs(400, seed=1)
+    made = {}
+    for workers in (1, 2):
+        tokenize_documents([Document(t, None, f"part{i % 3}") for i, t in enumerate(texts)], tokenizer,
+                           tmp_path / f"w{workers}", workers=workers, val_fraction=0.1, shard_bytes=3000,
+                           progress=False)
+        made[workers] = dataset_bytes(tmp_path / f"w{workers}")
+    assert len([n for n in made[1] if n.endswith(".bin")]) > 10
+    assert made[1] == made[2]
+
+
+def test_forced_splits_and_val_sources(tmp_path, sp):
+    tokenizer, _ = sp
+    documents = [Document("forced into validation", "validation", "a/x.txt"), Document("forced train", "train", "b"),
+                 Document("held out by its source", None, "held/one.jsonl"), Document("plain", None, "c")]
+    dataset = tokenize_documents(documents, tokenizer, tmp_path / "ds", val_sources=["held"], progress=False,
+                                 sources=[{"path": p, "format": "text", "bytes": 1} for p in ("a", "b", "held", "c")])
+    assert dataset.documents("validation") == 2 and dataset.documents("train") == 2
+    assert [s["documents"] for s in dataset.manifest["sources"]] == [1, 1, 1, 1]
+    with pytest.raises(RecipeError, match="split 'test' is none of train, validation"):
+        tokenize_documents([Document("x", "test", "f")], tokenizer, tmp_path / "bad", progress=False)
+
+
+# -- sources ------------------------------------------------------------------------------------------
+
+
+def test_every_source_format_reads_the_same_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = docs(30, seed=4)
+    lines = "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)).encode()
+    (tmp_path / "a.jsonl").write_bytes(lines + b"\n")  # a blank line is skipped
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    (tmp_path / "d.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    pq.write_table(pa.table({"id": range(30), "text": texts}), tmp_path / "e.parquet", row_group_size=7)
+    table = pa.table({"text": texts})
+    with pa.ipc.new_file(tmp_path / "f.arrow", table.schema) as writer:
+        writer.write_table(table, max_chunksize=8)
+    with pa.ipc.new_stream(tmp_path / "g.arrow", table.schema) as writer:
+        writer.write_table(table, max_chunksize=8)
+    (tmp_path / "h.txt").write_text("\n\n".join(texts), encoding="utf-8")
+    for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.zst", "e.parquet", "f.arrow", "g.arrow"):
+        (sources,) = find_sources([str(tmp_path / name)])
+        assert [d.text for d in DocumentStream([sources])] == texts, name
+    (sources,) = find_sources([str(tmp_path / "h.txt")])
+    assert [d.text for d in DocumentStream([sources], separator="\n\n")] == texts
+    assert [d.text for d in DocumentStream([sources])] == ["\n\n".join(texts)]  # no separator: one document
+
+
+def test_a_separator_across_read_chunks(tmp_path, monkeypatch):
+    import recipes.data.sources as sources_module
+
+    monkeypatch.setattr(sources_module, "CHUNK", 7)  # separators and UTF-8 characters cut between reads
+    texts = docs(20, seed=5)
+    (tmp_path / "t.txt").write_text("<doc>".join(texts), encoding="utf-8")
+    assert [d.text for d in DocumentStream(find_sources([str(tmp_path / "t.txt")]), separator="<doc>")] == texts
+
+
+def test_datasets_save_to_disk_folders_and_plain_folders(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = docs(40, seed=6)
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(40))}).save_to_disk(str(tmp_path / "hf"),
+                                                                                  num_shards=2)
+    (sources,) = find_sources([str(tmp_path / "hf")])
+    assert sources.format == "hf-disk" and len(sources.files) == 2
+    assert [d.text for d in DocumentStream([sources])] == texts
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:30]}),
+                                   "validation": datasets.Dataset.from_dict({"text": texts[30:35]}),
+                                   "test": datasets.Dataset.from_dict({"text": texts[35:]})})
+    splits.save_to_disk(str(tmp_path / "corpus" / "dict"))
+    (tmp_path / "corpus" / "z.txt").write_text("last", encoding="utf-8")
+    (tmp_path / "corpus" / ".hidden").write_text("skipped", encoding="utf-8")
+    (folder,) = find_sources([str(tmp_path / "corpus")])
+    read = list(DocumentStream([folder]))
+    assert [d.text for d in read] == texts[:35] + ["last"]
+    assert [d.split for d in read] == ["train"] * 30 + ["validation"] * 5 + [None]
+    assert folder.format == "arrow,text"
+
+
+# -- bad inputs: one line each, naming the file and where --------------------------------------------
+
+
+def _parquet_without_text(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a"], "id": [1]}), path)
+
+
+def _parquet_with_null(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a", "b", None]}), path)
+
+
+def _damaged_parquet(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": docs(50)}), path)
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data[: len(data) // 2]))
+
+
+BAD = {
+    "notjson.jsonl": (lambda p: p.write_bytes(b'{"text": "a"}\n{"text": "b"\n'), ["notjson.jsonl:2:", "not JSON"]),
+    "nofield.jsonl": (lambda p: p.write_bytes(b'{"text": "a"}\n\n{"body": "b", "id": 2}\n'),
+                      ["nofield.jsonl:3:", "no field 'text'", "'body', 'id'", "--text-field"]),
+    "notstring.jsonl": (lambda p: p.write_bytes(b'{"text": 5}\n'), ["notstring.jsonl:1:", "is a JSON number"]),
+    "array.json": (lambda p: p.write_bytes(b'[\n{"text": "a"}\n]\n'), ["array.json:1:", "one object a line"]),
+    "latin1.txt": (lambda p: p.write_bytes(b"caf" + "é au lait".encode("latin-1")),
+                   ["latin1.txt", "not UTF-8", "byte 3"]),
+    "empty.txt": (lambda p: p.write_bytes(b""), ["empty.txt", "no documents"]),
+    "blank.jsonl": (lambda p: p.write_bytes(b"\n\n"), ["blank.jsonl", "no documents"]),
+    "nocolumn.parquet": (_parquet_without_text, ["nocolumn.parquet", "no column 'text'", "body, id"]),
+    "null.parquet": (_parquet_with_null, ["null.parquet", "row 2", "null"]),
+    "damaged.parquet": (_damaged_parquet, ["damaged.parquet", "not a readable Parquet file"]),
+    "damaged.jsonl.gz": (lambda p: p.write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:-20]),
+                         ["damaged.jsonl.gz", "damaged gzip"]),
+    "packed.txt.xz": (lambda p: p.write_bytes(b"x"), ["packed.txt.xz", "does not read"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_a_bad_input_is_one_line_naming_file_and_place(capsys, tmp_path, sp, name):
+    make, needles = BAD[name]
+    make(tmp_path / name)
+    secret = "SECRET-CONTENT"
+    result = cli(capsys, "tokenize", tmp_path / name, "-o", tmp_path / "ds", "--tokenizer", sp[1], "--workers", "1")
+    err = refused(result, 1, *needles)
+    assert err.startswith("builder tokenize: ") and secret not in err and '"b"' not in err
+
+
+def test_out_of_range_arguments_name_the_argument_and_range(capsys, tmp_path, sp):
+    (tmp_path / "a.txt").write_text("text")
+    base = ["tokenize", tmp_path / "a.txt", "-o", tmp_path / "ds", "--tokenizer", sp[1]]
+    refused(cli(capsys, *base, "--workers", "0"), 2, "argument --workers", "an integer from 1 to 1,024")
+    refused(cli(capsys, *base, "--val-fraction", "1"), 2, "argument --val-fraction", "[0, 1)")
+    refused(cli(capsys, *base, "--shard-mb", "0"), 2, "argument --shard-mb", "from 1 to 65,536")
+    refused(cli(capsys, *base, "--val-sources", "nothing*"), 1, "--val-sources 'nothing*' matches none")
+    refused(cli(capsys, "tokenize", tmp_path / "a.txt", "-o", tmp_path / "ds", "--tokenizer", tmp_path / "a.txt"), 1,
+            "--tokenizer", "not a sentencepiece model")
+
+
+# -- the command end to end, resumes and settings ---------------------------------------------------
+
+
+def test_the_command_end_to_end_with_a_recipe_tokenizer(capsys, tmp_path):
+    texts = docs(200, seed=7)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(texts[:100]), encoding="utf-8")
+    with open(tmp_path / "corpus" / "b.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts[100:])
+    recipe = tmp_path / "tok.yaml"
+    recipe.write_text(f"model: {{spec: {REPO / 'specs' / 'tiny' / 'gpt2.yaml'}}}\n"
+                      "tokenizer: {type: sentencepiece, vocab_size: 320}\n")
+    argv = ["tokenize", tmp_path / "corpus", "-o", tmp_path / "ds", "--tokenizer", recipe, "--separator", r"\n\n",
+            "--val-fraction", "0.1", "--workers", "1"]
+    result = cli(capsys, *argv)
+    assert result.status == 0, result.text
+    for needle in ("split", "train", "validation", "documents", "tokens", "shards", "corpus", "jsonl,text", "MB/s",
+                   "tokens/s", "200"):
+        assert needle in result.out, result.out
+    dataset = TokenizedDataset.open(tmp_path / "ds")
+    trained = dataset.tokenizer()
+    assert trained.kind == "sentencepiece" and trained.vocab_size == 320 and dataset.eos_id == trained.eos_id == 1
+    first = dataset_bytes(tmp_path / "ds")
+    again = cli(capsys, *argv)  # the same command: everything reused, the trained tokenizer kept
+    assert again.status == 0 and "already done" in again.out and "training" not in again.err, again.text
+    assert dataset_bytes(tmp_path / "ds") == first
+    changed = cli(capsys, *argv[:-4], "--val-fraction", "0.2", "--workers", "1")
+    refused(changed, 1, "with other settings", "val_fraction: 0.1 there, 0.2 now", "--overwrite")
+    assert cli(capsys, *argv[:-4], "--val-fraction", "0.2", "--overwrite").status == 0
+    assert TokenizedDataset.open(tmp_path / "ds").manifest["split"]["val_fraction"] == 0.2
+    refused(cli(capsys, "tokenize", tmp_path / "corpus", "-o", tmp_path / "corpus", "--tokenizer", recipe), 1,
+            "a folder with other files in it")
+
+
+KILLED = """
+import os, random, signal
+from pathlib import Path
+from recipes.tokenizer import SentencePieceTokenizer
+from recipes.data.tokenized import Document, tokenize_documents
+WORDS = {words!r}
+{docs}
+
+def killed_stream():
+    # 150 documents in, with about 15 units cut (at most 4 in flight): SIGKILL to the whole
+    # process group, this process and its workers, mid-run
+    for i, text in enumerate(docs(400, seed=2)):
+        if i == 150:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        yield Document(text, None, "corpus")
+
+out = Path({out!r})
+tokenizer = SentencePieceTokenizer(Path({model!r}).read_bytes())
+tokenize_documents(killed_stream(), tokenizer, out, workers=2, shard_bytes=3000, val_fraction=0.1, progress=False)
+"""
+
+
+def test_a_run_killed_by_sigkill_resumes_to_the_same_bytes(tmp_path, sp):
+    tokenizer, model = sp
+    out, whole = tmp_path / "killed", tmp_path / "whole"
+    import inspect
+
+    script = KILLED.format(words=WORDS, docs=inspect.getsource(docs), out=str(out), model=str(model))
+    done = subprocess.run([sys.executable, "-c", script], start_new_session=True, capture_output=True, text=True,
+                          timeout=120, cwd=REPO, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert is_tokenized_dataset(out) and not (out / "manifest.json").exists()
+    with pytest.raises(RecipeError, match="was not finished: rerun the same `builder tokenize` command to resume"):
+        TokenizedDataset.open(out)
+    records = sorted((out / ".units").glob("*.json"))
+    assert len(records) >= 3
+    finished = [json.loads(r.read_text()) for r in records]
+    stats = {s["tokens"]: os.stat(out / s["tokens"]) for r in finished[1:] for s in r["shards"].values()}
+    records[0].unlink()  # unit 0's shards now have no record: they must be written again, not trusted
+    unit0 = os.stat(out / finished[0]["shards"]["train"]["tokens"])
+    resumed = tokenize_documents((Document(t, None, "corpus") for t in docs(400, seed=2)), tokenizer, out,
+                                 workers=1, shard_bytes=3000, val_fraction=0.1, progress=False)
+    assert resumed.stats["reused_units"] == len(finished) - 1
+    assert resumed.stats["tokenized_units"] == resumed.stats["units"] - len(finished) + 1
+    for name, before in stats.items():  # reread, never re-tokenized: the very same files
+        after = os.stat(out / name)
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), name
+    after = os.stat(out / finished[0]["shards"]["train"]["tokens"])
+    assert (after.st_ino, after.st_mtime_ns) != (unit0.st_ino, unit0.st_mtime_ns)
+    assert not list(out.rglob(".*.tmp-*"))
+    tokenize_documents((Document(t, None, "corpus") for t in docs(400, seed=2)), tokenizer, whole, workers=1,
+                       shard_bytes=3000, val_fraction=0.1, progress=False)
+    assert dataset_bytes(out) == dataset_bytes(whole)
+
+
+# -- the reader refuses what it cannot trust ------------------------------------------------------------
+
+
+@pytest.fixture
+def made(tmp_path, sp):
+    tokenizer, _ = sp
+    tokenize_documents([Document(t) for t in docs(200)], tokenizer, tmp_path / "ds", shard_bytes=4000,
+                       progress=False)
+    return tmp_path / "ds"
+
+
+def _first_shard(folder: Path) -> Path:
+    return folder / json.loads((folder / "manifest.json").read_text())["splits"]["train"]["shards"][1]["tokens"]
+
+
+def test_a_truncated_shard_is_refused(made):
+    shard = _first_shard(made)
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(RecipeError, match=rf"{shard}: [\d,]+ bytes, the manifest says [\d,]+ \(truncated"):
+        TokenizedDataset.open(made)
+
+
+def test_a_flipped_bit_is_refused_on_a_first_open_and_after_a_change(made):
+    shard = _first_shard(made)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    for stamp in made.glob(".verified-*.json"):  # a machine that has not opened it yet
+        stamp.unlink()
+    shard.write_bytes(bytes(data))
+    with pytest.raises(RecipeError, match=rf"{shard}: sha256 \w+\.\.\., the manifest says \w+\.\.\. \(the file is "
+                                          "damaged\\)"):
+        TokenizedDataset.open(made)
+
+
+def test_a_second_open_reads_no_shard(made, monkeypatch):
+    from recipes.data import tokenized
+
+    for stamp in made.glob(".verified-*.json"):
+        stamp.unlink()
+    TokenizedDataset.open(made)  # verifies and stamps
+    monkeypatch.setattr(tokenized, "file_sha256", lambda *a: pytest.fail("a stamped shard was read again"))
+    TokenizedDataset.open(made)
+    shard = _first_shard(made)
+    os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: verified again
+    with pytest.raises(pytest.fail.Exception):
+        TokenizedDataset.open(made)
+
+
+def test_a_stamp_that_cannot_be_written_is_skipped(made):
+    """(as in a read-only folder; a folder where the stamp should be fails the same way for root)"""
+    (stamp,) = made.glob(".verified-*.json")
+    stamp.unlink()
+    stamp.mkdir()
+    assert TokenizedDataset.open(made).tokens("train") > 0
+    assert TokenizedDataset.open(made).tokens("train") > 0
+
+
+def test_another_tokenizer_version_or_format_is_refused(made):
+    manifest = json.loads((made / "manifest.json").read_text())
+    fingerprint = manifest["tokenizer"]["fingerprint"]
+    with pytest.raises(RecipeError, match=f"{made} was tokenized with tokenizer {fingerprint}, this run's is abc"):
+        TokenizedDataset.open(made, tokenizer_fingerprint="abc")
+    assert TokenizedDataset.open(made, tokenizer_fingerprint=fingerprint).tokens("train") > 0
+    (made / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    with pytest.raises(RecipeError, match="manifest.json: version 2; this builder reads version 1"):
+        TokenizedDataset.open(made)
+    (made / "manifest.json").write_text(json.dumps({**manifest, "format": "other"}))
+    with pytest.raises(RecipeError, match="format 'other', not 'builder-tokenized'"):
+        TokenizedDataset.open(made)
