@@ -19,6 +19,10 @@ from pathlib import Path
 MAX_WORKERS = 1024
 #: --shard-mb at most: 64 GiB of text per shard
 MAX_SHARD_MB = 1 << 16
+#: --shard-mb by default, for a corpus of at least SHARDS_AT_LEAST times that; a smaller corpus is
+#: cut into SHARDS_AT_LEAST shards (its size decides, never the number of workers)
+DEFAULT_SHARD_MB = 64
+SHARDS_AT_LEAST = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-sources", nargs="+", default=[], metavar="GLOB",
                         help="every document of the source files matching a glob (or under a folder that does) goes "
                         "to validation (default: none)")
-    parser.add_argument("--shard-mb", type=count(maximum=MAX_SHARD_MB), default=64,
-                        help="MB of text per shard (the unit of parallel work and of resuming)")
+    parser.add_argument("--shard-mb", type=count(maximum=MAX_SHARD_MB),
+                        help=f"MiB of text per shard, the unit of parallel work and of resuming (default: "
+                        f"{DEFAULT_SHARD_MB}, or a {SHARDS_AT_LEAST}th of a smaller corpus, at least 1, so that it "
+                        "still spreads over the workers)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start over in a DATASET folder begun with other settings")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -71,16 +77,19 @@ def unescape(separator: str) -> str:
     return "".join(out)
 
 
+def shard_mb(given: int | None, sources) -> int:
+    """``--shard-mb``, or its default for this corpus (see :data:`DEFAULT_SHARD_MB`)."""
+    if given is not None:
+        return given
+    stored = sum(s.bytes for s in sources) >> 20
+    return max(1, min(DEFAULT_SHARD_MB, stored // SHARDS_AT_LEAST))
+
+
 def run(args: argparse.Namespace) -> int:
     from builder.commands.arguments import ArgumentError
     from recipes.config import RecipeError
     from recipes.data.sources import DocumentStream, find_sources
-    from recipes.data.tokenize import (
-        check_output,
-        matches,
-        tokenize_documents,
-        tokenizer_for,
-    )
+    from recipes.data.tokenize import check_output, matches, tokenize_documents
 
     try:
         out = Path(args.output)
@@ -104,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         settings = {"text_field": args.text_field, "separator": separator, **setting}
         dataset = tokenize_documents(
             stream, tokenizer, out, workers=args.workers, val_fraction=args.val_fraction,
-            shard_bytes=args.shard_mb << 20, sources=[s.entry() for s in sources], progress=not args.json,
-            val_sources=args.val_sources, settings=settings, overwrite=args.overwrite)
+            shard_bytes=shard_mb(args.shard_mb, sources) << 20, sources=[s.entry() for s in sources],
+            progress=not args.json, val_sources=args.val_sources, settings=settings, overwrite=args.overwrite)
     except (RecipeError, ArgumentError) as exc:
         print(f"builder tokenize: {exc}", file=sys.stderr)
         return 1
@@ -174,3 +183,106 @@ def print_summary(summary: dict) -> None:
                 "U+FFFD" if summary["replaced_unicode"] else "")
     console.print(f"{summary['seconds']:,.1f} s, {summary['mb_per_s']:,.1f} MB/s, "
                   f"{summary['tokens_per_s'] / 1e6:,.2f}M tokens/s{reused}{replaced}")
+
+
+# -- the tokenizer a command names -----------------------------------------------------------------
+
+#: text read from the start of the stream to train a recipe's sentencepiece tokenizer on
+SAMPLE_BYTES = 64 << 20
+
+
+def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
+    """``(tokenizer, its setting)`` for ``--tokenizer``: a sentencepiece ``.model``, a
+    ``tokenizer.json``, a Hugging Face folder, or a recipe (YAML or zoo name) whose tokenizer
+    section says how to make one: sentencepiece trained on the first :data:`SAMPLE_BYTES` of
+    ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
+    in them. A tokenizer a run of the same command in ``out`` already made is reused."""
+    from recipes.config import RecipeError
+    from recipes.tokenizer import SentencePieceTokenizer, hf_tokenizer
+
+    path = Path(argument)
+    if path.is_file() and path.suffix not in (".yaml", ".yml"):
+        if path.suffix == ".json":
+            return _named(hf_tokenizer, path), {}
+        try:
+            return SentencePieceTokenizer(path.read_bytes()), {}
+        except Exception:  # noqa: BLE001  (sentencepiece's own parse error)
+            raise RecipeError(f"--tokenizer {argument}: not a sentencepiece model (give a .model, a tokenizer.json, a "
+                              "Hugging Face folder or a recipe)") from None
+    if path.is_dir():
+        return _named(hf_tokenizer, path), {}
+    return _from_recipe(argument, documents, out, overwrite)
+
+
+def _named(read, path: Path):
+    from recipes.config import RecipeError
+
+    try:
+        return read(path)
+    except RecipeError as exc:
+        raise RecipeError(f"--tokenizer {str(exc).removeprefix('tokenizer.model_file: ')}") from None
+
+
+def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
+    from builder.loader import SpecError
+    from recipes.config import RecipeError, load_recipe
+    from recipes.documents import recipe_path
+    from recipes.tokenizer import CharTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece
+
+    try:
+        recipe_file = recipe_path(argument)
+    except RecipeError:
+        raise RecipeError(f"--tokenizer {argument}: no such file or folder, nor a zoo recipe (give a .model, a "
+                          "tokenizer.json, a Hugging Face folder or a recipe)") from None
+    try:
+        section = load_recipe(recipe_file).tokenizer
+    except SpecError as exc:
+        first = exc.problems[0] if getattr(exc, "problems", None) else exc
+        raise RecipeError(f"--tokenizer {argument}: {first}") from None
+    setting = {"tokenizer_recipe": section.model_dump(mode="json")}
+    made = section.type == "char" or (section.type == "sentencepiece" and section.model_file is None)
+    if not made:
+        return build_tokenizer(section, "", "", out, recipe_file), setting
+    earlier = _earlier_tokenizer(out, setting) if not overwrite else None
+    if earlier is not None:
+        return earlier, setting
+    if section.type == "char":
+        chars: set[str] = set()
+        for doc in documents:
+            chars.update(doc.text)
+        return CharTokenizer(sorted(chars)), setting
+    sample, size = [], 0
+    for doc in documents:
+        sample.append(doc.text)
+        size += len(doc.text)
+        if size >= SAMPLE_BYTES:
+            break
+    print(f"builder tokenize: training a sentencepiece {section.model_type} tokenizer ({section.vocab_size:,} pieces) "
+          f"on the first {f'{size / 1e6:,.1f} MB' if size >= 100_000 else f'{size:,} bytes'} of the corpus",
+          file=sys.stderr, flush=True)
+    return SentencePieceTokenizer(train_sentencepiece("\n".join(sample), section)), setting
+
+
+def _earlier_tokenizer(out: Path, setting: dict):
+    """The tokenizer an unfinished or finished run with the same recipe section saved in ``out``."""
+    from recipes.data.tokenized import STARTED, TOKENIZER_FILES
+    from recipes.tokenizer import CharTokenizer, SentencePieceTokenizer
+
+    try:
+        settings = json.loads((out / STARTED).read_text(encoding="utf-8"))["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if settings.get("tokenizer_recipe") != setting["tokenizer_recipe"]:
+        return None
+    for kind, name in TOKENIZER_FILES.items():
+        path = out / name
+        if not path.is_file() or kind == "tokenizers":
+            continue
+        try:
+            tokenizer = SentencePieceTokenizer(path.read_bytes()) if kind == "sentencepiece" else \
+                CharTokenizer(list(json.loads(path.read_text(encoding="utf-8"))["chars"]))
+        except Exception:  # noqa: BLE001  (a damaged file: train again)
+            continue
+        if tokenizer.fingerprint() == settings.get("tokenizer"):
+            return tokenizer
+    return None

@@ -207,7 +207,11 @@ _WORKER: dict = {}
 
 
 def _start_worker(state: dict, out: str, dtype: str, eos: int | None) -> None:
-    """A worker's start: one thread for its tokenizer (W workers use W cores), built once."""
+    """A worker's start: one thread for its tokenizer (W workers use W cores), built once. Ctrl+C
+    is the main process's to handle (it lets the units in flight finish and stops)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     from recipes.tokenizer import from_state
@@ -272,7 +276,9 @@ class Folder:
             self.clear()
         from recipes.tokenizer import write_atomic
 
-        write_atomic(out / STARTED, _dumps({"format": FORMAT, "version": VERSION, "settings": settings}))
+        started = _dumps({"format": FORMAT, "version": VERSION, "settings": settings})
+        if not (out / STARTED).is_file() or (out / STARTED).read_bytes() != started:
+            write_atomic(out / STARTED, started)
         (out / UNITS).mkdir(exist_ok=True)
         self._remove_temp_files()
 
@@ -613,8 +619,10 @@ def tokenize_documents(documents: Iterable[Document], tokenizer, out: Path, *, w
                              identity)
         from recipes.tokenizer import write_atomic
 
-        write_atomic(out / MANIFEST, _dumps(manifest))
-        _fsync_folder(out)
+        payload = _dumps(manifest)
+        if not (out / MANIFEST).is_file() or (out / MANIFEST).read_bytes() != payload:  # a finished rerun: kept
+            write_atomic(out / MANIFEST, payload)
+            _fsync_folder(out)
         folder.remove_stale(manifest, len(results))
     finally:
         folder.release()
@@ -726,106 +734,3 @@ def _manifest(results: list[dict], tokenizer, tokenizer_entry: dict, dtype: np.d
         "settings": settings, "splits": splits,
     }
 
-
-# -- the tokenizer a command names -----------------------------------------------------------------
-
-#: text read from the start of the stream to train a recipe's sentencepiece tokenizer on
-SAMPLE_BYTES = 64 << 20
-
-
-def tokenizer_for(argument: str, documents: Iterable[Document], out: Path, overwrite: bool) -> tuple[object, dict]:
-    """``(tokenizer, its setting)`` for ``--tokenizer``: a sentencepiece ``.model``, a
-    ``tokenizer.json``, a Hugging Face folder, or a recipe (YAML or zoo name) whose tokenizer
-    section says how to make one: sentencepiece trained on the first :data:`SAMPLE_BYTES` of
-    ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
-    in them. A tokenizer a run of the same command in ``out`` already made is reused."""
-    from recipes.tokenizer import SentencePieceTokenizer, hf_tokenizer
-
-    path = Path(argument)
-    if path.is_file() and path.suffix not in (".yaml", ".yml"):
-        if path.suffix == ".json":
-            return _named(hf_tokenizer, path), {}
-        try:
-            return SentencePieceTokenizer(path.read_bytes()), {}
-        except Exception:  # noqa: BLE001  (sentencepiece's own parse error)
-            raise RecipeError(f"--tokenizer {argument}: not a sentencepiece model (give a .model, a tokenizer.json, a "
-                              "Hugging Face folder or a recipe)") from None
-    if path.is_dir():
-        return _named(hf_tokenizer, path), {}
-    return _from_recipe(argument, documents, out, overwrite)
-
-
-def _named(read, path: Path):
-    try:
-        return read(path)
-    except RecipeError as exc:
-        raise RecipeError(f"--tokenizer {str(exc).removeprefix('tokenizer.model_file: ')}") from None
-
-
-def _from_recipe(argument: str, documents: Iterable[Document], out: Path, overwrite: bool) -> tuple[object, dict]:
-    from builder.loader import SpecError
-    from recipes.config import load_recipe
-    from recipes.documents import recipe_path
-    from recipes.tokenizer import (
-        CharTokenizer,
-        SentencePieceTokenizer,
-        build_tokenizer,
-        train_sentencepiece,
-    )
-
-    try:
-        recipe_file = recipe_path(argument)
-    except RecipeError:
-        raise RecipeError(f"--tokenizer {argument}: no such file or folder, nor a zoo recipe (give a .model, a "
-                          "tokenizer.json, a Hugging Face folder or a recipe)") from None
-    try:
-        section = load_recipe(recipe_file).tokenizer
-    except SpecError as exc:
-        first = exc.problems[0] if getattr(exc, "problems", None) else exc
-        raise RecipeError(f"--tokenizer {argument}: {first}") from None
-    setting = {"tokenizer_recipe": section.model_dump(mode="json")}
-    made = section.type == "char" or (section.type == "sentencepiece" and section.model_file is None)
-    if not made:
-        return build_tokenizer(section, "", "", out, recipe_file), setting
-    earlier = _earlier_tokenizer(out, setting) if not overwrite else None
-    if earlier is not None:
-        return earlier, setting
-    if section.type == "char":
-        chars: set[str] = set()
-        for doc in documents:
-            chars.update(doc.text)
-        return CharTokenizer(sorted(chars)), setting
-    sample, size = [], 0
-    for doc in documents:
-        sample.append(doc.text)
-        size += len(doc.text)
-        if size >= SAMPLE_BYTES:
-            break
-    print(f"builder tokenize: training a sentencepiece {section.model_type} tokenizer ({section.vocab_size:,} pieces) "
-          f"on the first {f'{size / 1e6:,.1f} MB' if size >= 100_000 else f'{size:,} bytes'} of the corpus",
-          file=sys.stderr, flush=True)
-    return SentencePieceTokenizer(train_sentencepiece("\n".join(sample), section)), setting
-
-
-def _earlier_tokenizer(out: Path, setting: dict):
-    """The tokenizer an unfinished or finished run with the same recipe section saved in ``out``."""
-    from recipes.tokenizer import CharTokenizer, SentencePieceTokenizer
-
-    try:
-        settings = json.loads((out / STARTED).read_text(encoding="utf-8"))["settings"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if settings.get("tokenizer_recipe") != setting["tokenizer_recipe"]:
-        return None
-    for kind, name in TOKENIZER_FILES.items():
-        path = out / name
-        if not path.is_file() or kind == "tokenizers":
-            continue
-        try:
-            tokenizer = SentencePieceTokenizer(path.read_bytes()) if kind == "sentencepiece" else \
-                CharTokenizer(list(json.loads(path.read_text(encoding="utf-8"))["chars"]))
-        except Exception:  # noqa: BLE001  (a damaged file: train again)
-            continue
-        if tokenizer.fingerprint() == settings.get("tokenizer"):
-            return tokenizer
-    return None
