@@ -1,6 +1,6 @@
 """`builder tokenize` against the way a user tokenizes without it: Hugging Face `datasets`.
 
-    python benchmarks/tokenize.py [--gb 0.2] [--workers 1,2] [--work DIR] [--keep] [--json FILE]
+    python benchmarks/tokenize.py [--gb 0.2] [--workers 1,2] [--rounds 1] [--work DIR] [--keep] [--json FILE]
 
 A seeded corpus of ``--gb`` GB of text is written under ``--work`` (default: a temporary folder;
 never the repository): equal thirds of plain text files (documents between blank lines), JSON
@@ -23,8 +23,9 @@ For each worker count N, in the same run, each in a fresh process:
 Printed: wall seconds, MB/s of corpus text, tokens/s, the ratio ours/theirs, the peak RSS of the
 whole process tree (psutil samples the process and all its children every 0.1 s and sums their
 RSS; "private" subtracts shared pages, which for `datasets` include the memory-mapped Arrow files
-it reads) and the CPU seconds of the tree. The token counts of both sides are checked equal. The
-last line is JSON. ``--keep`` leaves the corpus and our last output (``WORK/ours``) in place.
+it reads) and the CPU seconds of the tree; with ``--rounds R``, the fastest of R runs of each
+side (run in turning order). The token counts of both sides are checked equal. The last line is
+JSON. ``--keep`` leaves the corpus and our last output (``WORK/ours``) in place.
 """
 
 from __future__ import annotations
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated (default 1,2)")
     parser.add_argument("--work", help="where the corpus and outputs go (default: a temporary folder, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the corpus and our last output (WORK/ours)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each side per worker count, in turning order; the fastest of each is shown "
+                        "(default 1)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--theirs", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -324,18 +328,23 @@ def main(argv: list[str] | None = None) -> int:
           f"stored; thirds text / JSONL / Parquet), {sum(corpus['documents'].values()):,} documents, under {work}; "
           f"byte-level BPE of 8,192 pieces", flush=True)
     rows = []
+    sides = {"ours": lambda w: run_ours(work / "corpus", tokenizer, work / "ours", w, env),
+             "theirs": lambda w: run_theirs(work / "corpus", tokenizer, work / "hf-cache", w, env)}
     try:
         for workers in counts:
-            ours = run_ours(work / "corpus", tokenizer, work / "ours", workers, env)
-            print(f"workers {workers} ours:   {ours['seconds']:8.1f} s, peak RSS {ours['peak_rss'] / 2**30:.2f} GiB",
-                  flush=True)
-            them = run_theirs(work / "corpus", tokenizer, work / "hf-cache", workers, env)
-            print(f"workers {workers} theirs: {them['seconds']:8.1f} s, peak RSS {them['peak_rss'] / 2**30:.2f} GiB",
-                  flush=True)
+            runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
+            for round_ in range(args.rounds):
+                # the order turns each round, so a busy minute of a shared machine falls on each side in turn
+                for side in (("ours", "theirs") if round_ % 2 == 0 else ("theirs", "ours")):
+                    result = sides[side](workers)
+                    runs[side].append(result)
+                    print(f"workers {workers} round {round_ + 1} {side:6s}: {result['seconds']:8.1f} s, peak RSS "
+                          f"{result['peak_rss'] / 2**30:.2f} GiB, {result['tokens']:,} tokens", flush=True)
+            ours, them = (min(runs[side], key=lambda r: r["seconds"]) for side in ("ours", "theirs"))
             if ours["tokens"] != them["tokens"] or ours["documents"] != them["documents"]:
                 print(f"  note: token counts differ: ours {ours['tokens']:,} in {ours['documents']:,} documents, "
                       f"theirs {them['tokens']:,} in {them['documents']:,}", flush=True)
-            rows.append({"workers": workers, "ours": ours, "theirs": them,
+            rows.append({"workers": workers, "ours": ours, "theirs": them, "runs": runs,
                          "ratio": them["seconds"] / ours["seconds"]})
     finally:
         if not args.keep:

@@ -114,6 +114,25 @@ def test_a_tokenizer_json_and_a_char_table(tmp_path):
     assert dataset.tokenizer().chars == char.chars
 
 
+def test_the_command_takes_a_model_a_tokenizer_json_and_a_hugging_face_folder(capsys, tmp_path, sp):
+    from builder.hf.tokenizer import write_tokenizer
+
+    tokenizer, model = sp
+    texts = docs(40, seed=8)
+    (tmp_path / "a.txt").write_text("\n\n".join(texts), encoding="utf-8")
+    write_tokenizer(tokenizer.state(), tmp_path / "hf")  # the same model as Hugging Face writes it
+    made = {}
+    for name, tok in (("model", model), ("json", tmp_path / "hf" / "tokenizer.json"), ("folder", tmp_path / "hf")):
+        result = cli(capsys, "tokenize", tmp_path / "a.txt", "-o", tmp_path / name, "--tokenizer", tok, "--separator",
+                     r"\n\n", "--workers", "1", "--json")
+        assert result.status == 0, result.text
+        summary = json.loads(result.out)
+        assert summary["splits"]["train"]["documents"] == 40, summary
+        made[name] = read_back(TokenizedDataset.open(tmp_path / name), "train")
+    assert made["model"] == [tokenizer.encode(t) + [1] for t in texts]
+    assert made["json"] == made["folder"] == made["model"]  # eos: tokenizer_config.json names </s>, id 1
+
+
 def test_one_and_two_workers_write_the_same_bytes(tmp_path, sp):
     tokenizer, _ = sp
     texts = docs(400, seed=1)

@@ -152,8 +152,9 @@ class TokenizedDataset:
         path, index = self.folder / entry["tokens"], self.folder / entry["index"]
         if entry["n_tokens"]:
             tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(entry["n_tokens"],))
-        else:
+        else:  # a shard of documents that tokenized to nothing: no bytes to map
             tokens = np.zeros(0, dtype=self.dtype)
+            tokens.setflags(write=False)
         ends = np.memmap(index, dtype="<i8", mode="r", shape=(entry["n_documents"],))
         return Shard(tokens, ends, path)
 
