@@ -81,8 +81,8 @@ def test_a_raw_token_file_is_read_in_place_and_an_odd_size_refused(tmp_path):
         read_raw(tmp_path / "odd.bin", "uint16")
 
 
-def stream(n_tokens, seq_len, ends=None, start=0):
-    return Stream([Part(np.arange(start, start + n_tokens, dtype=np.int64), ends, None)], seq_len)
+def stream(n_tokens, seq_len, ends=None, start=0, shift=False):
+    return Stream([Part(np.arange(start, start + n_tokens, dtype=np.int64), ends, None)], seq_len, shift)
 
 
 def first_tokens(mixture, batch_size, world, position, steps, accumulate=1):
@@ -99,13 +99,15 @@ def first_tokens(mixture, batch_size, world, position, steps, accumulate=1):
 @pytest.mark.parametrize("first_world,second_world", [(2, 1), (1, 2)])
 def test_resuming_on_another_world_size_sees_every_window_of_an_epoch_once(first_world, second_world):
     seq_len, batch = 8, 4
-    mixture = Mixture([Source("a", stream(8 * 96 + 1, seq_len), stream(200, seq_len))], seed=3, vocab_size=10_000)
+    train = stream(8 * 97, seq_len, shift=True)  # room to cut at any offset in [0, 8)
+    mixture = Mixture([Source("a", train, stream(200, seq_len))], seed=3, vocab_size=10_000)
     assert mixture.train.streams[0].n_windows == 96  # 12 steps of 8 windows at world 2, 24 at world 1
     before = first_tokens(mixture, batch, first_world, 0, steps=6)
     taken = 6 * batch * first_world
     after = first_tokens(mixture, batch, second_world, taken, steps=(96 - taken) // (batch * second_world))
     seen = before + after
-    assert len(seen) == 96 and sorted(seen) == list(range(0, 96 * seq_len, seq_len))
+    offset = min(seen)
+    assert len(seen) == 96 and sorted(seen) == list(range(offset, offset + 96 * seq_len, seq_len))
     unbroken = first_tokens(mixture, batch, 1, 0, steps=24)
     assert seen == unbroken  # the same windows in the same order as one rank that never stopped
 
@@ -135,6 +137,15 @@ def test_a_mixture_follows_its_weights_in_every_prefix_and_repeats_a_source_only
     assert sorted(epoch_one) == list(range(0, 400, 8))  # its first epoch: each window once
     assert len(set(from_small)) == 50  # then the same windows again, in another order
     assert Blend(np.array([1.0, 3.0]), 0, 0).locate(2000, 100)[0].tolist() == labels[2000:2100].tolist()
+
+
+def test_each_training_epoch_cuts_the_windows_at_another_offset():
+    mixture = Mixture([Source("a", stream(8 * 11, 8, shift=True), stream(100, 8))], seed=0, vocab_size=10_000)
+    seen = first_tokens(mixture, 10, 1, 0, steps=4)  # 4 epochs of 10 windows
+    epochs = [sorted(seen[i : i + 10]) for i in range(0, 40, 10)]
+    offsets = [e[0] for e in epochs]
+    assert all(e == list(range(o, o + 80, 8)) for e, o in zip(epochs, offsets))
+    assert len(set(offsets)) > 1 and all(0 <= o < 8 for o in offsets)
 
 
 def test_validation_windows_are_the_same_at_every_validation():

@@ -120,8 +120,8 @@ def tail_split(part: Part, fraction: float) -> tuple[Part, Part]:
     return Part(part.tokens[:cut], train_ends, part.path), Part(part.tokens[cut:], val_ends, part.path)
 
 
-def _stream(parts: list[Part], seq_len: int) -> Stream:
-    return Stream(parts, seq_len)
+def _stream(parts: list[Part], seq_len: int, shift: bool = False) -> Stream:
+    return Stream(parts, seq_len, shift)
 
 
 def _dataset_parts(dataset, split: str) -> list[Part]:
@@ -220,7 +220,7 @@ def open_corpus(section: DataSection, recipe_file: Path | None, tokenizer_for: C
             identities.append(_identity(kind, path))
             name = entry.path
         held = _stream(validation, section.seq_len) if validation else None
-        sources.append(Source(name, _stream(train, section.seq_len), held,
+        sources.append(Source(name, _stream(train, section.seq_len, shift=True), held,
                               entry.weight, entry.max_epochs))
         source_labels.append(labels[i])
     for source, label in zip(sources, source_labels):

@@ -27,13 +27,22 @@ TRAIN, VALIDATION = 0, 1
 @dataclasses.dataclass
 class Stream:
     """A source's split: its parts cut into consecutive windows of ``seq_len + 1`` tokens (inputs
-    and their next-token targets; neighbours share one token), inside each part."""
+    and their next-token targets; neighbours share one token), inside each part. With ``shift``
+    (training) every epoch cuts them at another offset in ``[0, seq_len)``, so the windows of one
+    epoch cover the tokens once and successive epochs see other contexts (as nanoGPT's random
+    offsets do); a part too short to shift, and validation, start at 0."""
 
     parts: list[Part]
     seq_len: int
+    shift: bool = False
 
     def __post_init__(self):
-        counts = [max(0, (len(p.tokens) - 1) // self.seq_len) for p in self.parts]
+        def windows(n: int) -> tuple[int, bool]:
+            if self.shift and (n - self.seq_len) // self.seq_len >= 1:
+                return (n - self.seq_len) // self.seq_len, True  # room for any offset below seq_len
+            return max(0, (n - 1) // self.seq_len), False
+
+        counts, self.shiftable = zip(*(windows(len(p.tokens)) for p in self.parts)) if self.parts else ((), ())
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     @property
@@ -44,12 +53,12 @@ class Stream:
     def n_tokens(self) -> int:
         return sum(len(p.tokens) for p in self.parts)
 
-    def window(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def window(self, k: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
         """Window ``k``'s ``seq_len + 1`` ids (int64) and each id's document, numbered from the
-        window's first (None for a part without document ends)."""
+        window's first (None for a part without document ends); ``offset``: this epoch's cut."""
         part_index = int(np.searchsorted(self.starts, k, side="right")) - 1
         part = self.parts[part_index]
-        start = (k - int(self.starts[part_index])) * self.seq_len
+        start = (k - int(self.starts[part_index])) * self.seq_len + (offset if self.shiftable[part_index] else 0)
         ids = np.asarray(part.tokens[start : start + self.seq_len + 1], dtype=np.int64)
         if part.ends is None:
             return ids, None
@@ -131,10 +140,11 @@ class Blend:
         return np.concatenate(labels), np.concatenate(within)
 
 
-def epoch_order(seed: int, stream: int, source: int, epoch: int, n: int) -> np.ndarray:
-    """The order of a source's ``n`` windows in one epoch."""
+def epoch_order(seed: int, stream: int, source: int, epoch: int, n: int, seq_len: int) -> tuple[int, np.ndarray]:
+    """A source's cut offset and the order of its ``n`` windows in one epoch."""
+    rng = np.random.default_rng([seed, stream, source, epoch])
     dtype = np.int32 if n < 2**31 else np.int64
-    return np.random.default_rng([seed, stream, source, epoch]).permutation(n).astype(dtype)
+    return int(rng.integers(seq_len)), rng.permutation(n).astype(dtype)
 
 
 class Windows:
@@ -143,14 +153,15 @@ class Windows:
     def __init__(self, streams: list[Stream], weights: np.ndarray, seed: int, stream: int):
         self.streams, self.seed, self.stream = streams, seed, stream
         self.blend = Blend(weights, seed, stream)
-        self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, its order): one epoch each
+        self._orders: dict[int, tuple] = {}  # source -> (epoch, offset, order): one epoch each
 
-    def _order(self, source: int, epoch: int) -> np.ndarray:
+    def _order(self, source: int, epoch: int) -> tuple[int, np.ndarray]:
         held = self._orders.get(source)
         if held is None or held[0] != epoch:
-            held = (epoch, epoch_order(self.seed, self.stream, source, epoch, self.streams[source].n_windows))
+            s = self.streams[source]
+            held = (epoch, *epoch_order(self.seed, self.stream, source, epoch, s.n_windows, s.seq_len))
             self._orders[source] = held
-        return held[1]
+        return held[1], held[2]
 
     def take(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Windows ``first .. first + count``: ids ``(count, seq_len + 1)``, documents (same shape, or
@@ -160,7 +171,8 @@ class Windows:
         for source, j in zip(labels.tolist(), within.tolist()):
             s = self.streams[source]
             epoch, k = divmod(j, s.n_windows)
-            ids, docs = s.window(int(self._order(source, epoch)[k]))
+            offset, order = self._order(source, epoch)
+            ids, docs = s.window(int(order[k]), offset)
             rows.append(ids)
             documents.append(docs)
         has_documents = any(d is not None for d in documents)
