@@ -186,3 +186,17 @@ def test_the_data_position_counts_windows_across_world_sizes():
     first = next(iter(data.train_dataloader()))[0]
     expected = next(iter(TrainWindows(mixture, 4, 0, 1, 40, 2)))[0]
     assert torch.equal(first, expected)
+
+
+def test_a_part_pickles_as_its_file_so_a_spawned_worker_maps_it_again(tmp_path):
+    import pickle
+
+    from recipes.data.corpus import tail_split
+
+    np.arange(1_000_000, dtype=np.uint32).tofile(tmp_path / "big.bin")
+    train, held = tail_split(read_raw(tmp_path / "big.bin", "uint32"), 0.1)
+    for part in (train, held):
+        payload = pickle.dumps(part)
+        assert len(payload) < 1000  # the name, not 4 MB of tokens
+        again = pickle.loads(payload)
+        assert isinstance(again.tokens, np.memmap) and np.array_equal(again.tokens, part.tokens)

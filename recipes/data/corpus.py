@@ -117,7 +117,7 @@ def tail_split(part: Part, fraction: float) -> tuple[Part, Part]:
     ends = part.ends
     train_ends = None if ends is None else ends[ends <= cut]
     val_ends = None if ends is None else ends[ends > cut] - cut
-    return Part(part.tokens[:cut], train_ends, part.path), Part(part.tokens[cut:], val_ends, part.path)
+    return part.take(0, cut, train_ends), part.take(cut, len(part.tokens), val_ends)
 
 
 def _stream(parts: list[Part], seq_len: int, shift: bool = False) -> Stream:

@@ -13,7 +13,7 @@ writes one sequence per document (several with ``--split-sentences``) and append
 
 from __future__ import annotations
 
-import dataclasses
+import mmap
 import struct
 from pathlib import Path
 
@@ -29,18 +29,48 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 TOKEN_CODES = (1, 3, 4, 5, 8)
 
 
-@dataclasses.dataclass
 class Part:
     """One array of token ids with its document ends (``ends[i]``: one past document i's last
-    token; ``None``: one document, a raw token file), read-only and memory-mapped."""
+    token; ``None``: one document, a raw token file), read-only and memory-mapped; ``start`` and
+    ``stop`` take a range of it (a split's tail). A part pickles as its file's name, not its
+    tokens, so a data-loader worker started by ``spawn`` maps the file again instead of copying it."""
 
-    tokens: np.ndarray
-    ends: np.ndarray | None
-    path: Path
+    def __init__(self, tokens: np.ndarray, ends: np.ndarray | None, path: Path | None, start: int = 0,
+                 stop: int | None = None):
+        self._array, self.ends, self.path = tokens, ends, path
+        self.start, self.stop = start, len(tokens) if stop is None else stop
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._array[self.start : self.stop]
 
     @property
     def n_documents(self) -> int:
         return 1 if self.ends is None else len(self.ends)
+
+    def take(self, start: int, stop: int, ends: np.ndarray | None) -> Part:
+        """Tokens ``start .. stop`` of this part, with their document ends."""
+        return Part(self._array, ends, self.path, self.start + start, self.start + stop)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_array": _mapped(self._array), "ends": _mapped(self.ends)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _array=_unmapped(state["_array"]), ends=_unmapped(state["ends"]))
+
+
+def _mapped(array):
+    """A whole-file memory map as ``(file, dtype, offset, shape)``; any other array as it is."""
+    if isinstance(array, np.memmap) and array.filename is not None and isinstance(array.base, mmap.mmap):
+        return ("memmap", array.filename, array.dtype.str, array.offset, array.shape)
+    return array
+
+
+def _unmapped(value):
+    if isinstance(value, tuple) and value and value[0] == "memmap":
+        _, filename, dtype, offset, shape = value
+        return np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
+    return value
 
 
 def megatron_prefix(path: Path) -> Path | None:
