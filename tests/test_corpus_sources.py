@@ -119,3 +119,26 @@ def test_a_weight_that_is_not_positive_is_refused_where_it_is_written(tmp_path):
         load_recipe(path)
     line = str(caught.value)
     assert line == f"{path}:24:13: data.sources.0.weight: must be > 0.0, got 0"
+
+
+def test_a_tokenize_output_and_text_train_together_with_the_dataset_s_tokenizer(tmp_path, tokenizer_file, capsys):
+    import json
+
+    from builder.cli import main
+    from recipes.train import run
+
+    model_file, tokenizer = tokenizer_file
+    lines = [json.dumps({"text": chunk}) for chunk in TEXT.split("\n\n")[:300]]
+    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["tokenize", str(tmp_path / "corpus.jsonl"), "-o", str(tmp_path / "web.tok"),
+                 "--tokenizer", str(model_file), "--workers", "1"]) == 0
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text(TEXT[:20_000])
+    sources = [{"path": "web.tok", "weight": 2.0}, {"path": "notes", "weight": 1.0}]
+    path = tiny_recipe(tmp_path, data={"sources": sources, "seq_len": 32, "batch_size": 4, "num_workers": 0,
+                                       "cache_dir": str(tmp_path / "cache")})  # a char tokenizer, not used
+    capsys.readouterr()
+    summary = run(path, samples=False)
+    out = capsys.readouterr().out
+    assert summary["steps"] == 12 and "corpus: 2 sources" in out and "(sentencepiece, vocab 300)" in out
+    assert "mixture: web.tok 67% " in out

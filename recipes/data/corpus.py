@@ -211,6 +211,9 @@ def open_corpus(section: DataSection, recipe_file: Path | None, tokenizer_for: C
             if entry.validation is not None:
                 other = TokenizedDataset.open(resolve(recipe_file, entry.validation), tokenizer.fingerprint())
                 validation = _dataset_parts(other, "train") + _dataset_parts(other, "validation")
+            elif not validation:  # tokenized with no split held out: the tail of its last shard, at a document end
+                last, held = tail_split(train[-1], section.val_fraction)
+                train, validation = [*train[:-1], last], [held]
             identities.append(_identity(kind, path))
             name = entry.path
         else:
