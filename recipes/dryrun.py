@@ -37,6 +37,16 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     counts the characters of its corpus when every file is on disk (else a stand-in), and
     ``classification.init_from`` is read for its tokenizer."""
     settings = recipe.tokenizer
+    if recipe.task in ("lm", "mlm"):
+        from recipes.data.corpus import kind_of
+        from recipes.data.tokenized import TokenizedDataset
+
+        for entry in recipe.data.entries():
+            kind, path = kind_of(entry, recipe.data, recipe_file)
+            if kind == "tokenized":  # its tokenizer is the run's (recipes.data.corpus)
+                dataset = TokenizedDataset.open(path)
+                kind = dataset.manifest["tokenizer"]["kind"]
+                return Vocabulary(dataset.vocab_size, f"{kind} from the tokenized dataset {path} (the one it was made with)")
     init_from = getattr(getattr(recipe, "classification", None), "init_from", None)
     if init_from is not None:
         path = resolve(recipe_file, init_from)
