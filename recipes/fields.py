@@ -18,6 +18,22 @@ WORK_PATH = {"relative_to": "cwd"}
 PYTHON_STDLIB = "python-stdlib"
 
 
+#: where earlier versions kept caches: under the working directory (still used where it exists)
+LEGACY_CACHE = Path(".cache/builder")
+
+
+def default_cache_dir() -> str:
+    """``data.cache_dir`` when a recipe gives none: the user cache (``~/.cache/builder`` on Linux,
+    ``~/Library/Caches/builder`` on macOS), so tokenizers and tokenized corpora are made once per
+    user, not once per folder a command runs in; ``./.cache/builder`` where an earlier version
+    left one (its tokenizers and corpora are reused, not made again)."""
+    import platformdirs
+
+    if LEGACY_CACHE.is_dir():
+        return str(LEGACY_CACHE)
+    return platformdirs.user_cache_dir("builder", appauthor=False)
+
+
 class RecipeError(ValueError):
     """A recipe that cannot run as written (missing data, a window longer than the model...)."""
 

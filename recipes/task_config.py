@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from builder.problems import rule_error
 from recipes.config import RECIPE_PATH, WORK_PATH, DataSection, DatasetFields, Recipe, _Section
+from recipes.fields import default_cache_dir
 
 
 class ParallelFiles(_Section):
@@ -50,7 +51,8 @@ class ParallelDataSection(DatasetFields):
         None, ge=1, description="Use only the first this many training pairs (null: all)."
     )
     cache_dir: str = Field(
-        ".cache/builder", description="Tokenizers, keyed by content hash.",
+        default_factory=default_cache_dir, description="Tokenizers, keyed by content hash (default: the user "
+        "cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier version).",
         json_schema_extra=WORK_PATH,
     )
 
@@ -172,7 +174,8 @@ class LabeledDataSection(DatasetFields):
     max_tokens: int = Field(4096, ge=8, description="Token budget of a micro-batch, padding included.")
     bucket_size: int = Field(100, ge=1, description="Batches per length-sorted bucket.")
     cache_dir: str = Field(
-        ".cache/builder", description="Tokenizers, keyed by content hash.",
+        default_factory=default_cache_dir, description="Tokenizers, keyed by content hash (default: the user "
+        "cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier version).",
         json_schema_extra=WORK_PATH,
     )
 

@@ -142,3 +142,15 @@ def test_a_tokenize_output_and_text_train_together_with_the_dataset_s_tokenizer(
     out = capsys.readouterr().out
     assert summary["steps"] == 12 and "corpus: 2 sources" in out and "(sentencepiece, vocab 300)" in out
     assert "mixture: web.tok 67% " in out
+
+
+def test_caches_go_to_the_user_cache_unless_an_earlier_version_left_one_here(tmp_path, monkeypatch):
+    import platformdirs
+
+    from recipes.config import DataSection
+
+    monkeypatch.chdir(tmp_path)
+    assert DataSection().cache_dir == platformdirs.user_cache_dir("builder", appauthor=False)
+    (tmp_path / ".cache" / "builder").mkdir(parents=True)  # what earlier versions wrote under the working folder
+    assert DataSection().cache_dir == ".cache/builder"
+    assert DataSection(cache_dir="mine").cache_dir == "mine"

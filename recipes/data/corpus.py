@@ -5,7 +5,7 @@ they share.
 An entry is, by what its path holds: a tokenized dataset (``builder tokenize``'s folder: its
 split and tokenizer), a Megatron-LM dataset (``.bin``/``.idx``), a raw token file (``.bin``), or
 text (files, folders, a dataset by name). Text goes through the same format as everything else:
-tokenized once into ``cache_dir/datasets/`` (keyed by the text, the tokenizer and the split) and
+tokenized once into ``cache_dir/tokenized/`` (keyed by the text, the tokenizer and the split) and
 read from there. Unweighted text entries form one source, as one corpus; a weighted one is its own.
 """
 
@@ -155,7 +155,7 @@ def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
     from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset, tokenize_documents
 
     key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|{section.val_fraction}|split-v1".encode())
-    folder = Path(section.cache_dir) / "datasets" / key.hexdigest()[:16]
+    folder = Path(section.cache_dir) / "tokenized" / key.hexdigest()[:16]
     if is_tokenized_dataset(folder) and (folder / "manifest.json").is_file():
         return TokenizedDataset.open(folder, tokenizer.fingerprint())
     if len(text.texts) >= DOCUMENT_SPLIT_MIN:

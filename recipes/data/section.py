@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 
-from recipes.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, resolve
+from recipes.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
 
 
 class SourceEntry(_Section):
@@ -99,7 +99,9 @@ class DataSection(DatasetFields):
         "training process).",
     )
     cache_dir: str = Field(
-        ".cache/builder", description="Tokenizers and tokenized corpora, keyed by content hash.",
+        default_factory=default_cache_dir, description="Tokenizers and tokenized corpora, keyed by content hash "
+        "(default: the user cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier "
+        "version).",
         json_schema_extra=WORK_PATH,
     )
 
