@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 

@@ -31,7 +31,7 @@ from recipes.data.windows import LMDataModule
 from recipes.module import IGNORE, LMModule
 from recipes.pretrained import pretrained_tokenizer
 from recipes.tasks import PROSE, Prepared, check_task
-from recipes.tokenizer import build_tokenizer, from_state
+from recipes.tokenizer import build_tokenizer
 
 SPECIALS = {
     "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3,
