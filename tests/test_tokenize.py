@@ -243,6 +243,12 @@ def _damaged_parquet(path: Path) -> None:
     path.write_bytes(bytes(data[: len(data) // 2]))
 
 
+def _zstd(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(data)
+
+
 BAD = {
     "notjson.jsonl": (lambda p: p.write_bytes(b'{"text": "a"}\n{"text": "b"\n'), ["notjson.jsonl:2:", "not JSON"]),
     "nofield.jsonl": (lambda p: p.write_bytes(b'{"text": "a"}\n\n{"body": "b", "id": 2}\n'),
@@ -257,7 +263,9 @@ BAD = {
     "null.parquet": (_parquet_with_null, ["null.parquet", "row 2", "null"]),
     "damaged.parquet": (_damaged_parquet, ["damaged.parquet", "not a readable Parquet file"]),
     "damaged.jsonl.gz": (lambda p: p.write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:-20]),
-                         ["damaged.jsonl.gz", "damaged gzip"]),
+                         ["damaged.jsonl.gz", "a damaged gzip file"]),
+    "damaged.jsonl.zst": (lambda p: p.write_bytes(_zstd(b'{"text": "a"}\n' * 500)[:-30] + b"garbage!" * 4),
+                          ["damaged.jsonl.zst", "a damaged zstd file"]),
     "packed.txt.xz": (lambda p: p.write_bytes(b"x"), ["packed.txt.xz", "does not read"]),
 }
 

@@ -410,41 +410,34 @@ def _open(file: SourceFile) -> BinaryIO:
         import zstandard
 
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return _Guarded(io.BufferedReader(reader, buffer_size=CHUNK), raw, file)
+        return _Guarded(io.BufferedReader(reader, buffer_size=CHUNK), raw, file, (zstandard.ZstdError,))
     return _Guarded(raw, raw, file)
 
 
 class _Guarded:
     """A binary file whose read errors (a damaged .gz or .zst) become one RecipeError line."""
 
-    def __init__(self, inner, raw, file: SourceFile):
+    def __init__(self, inner, raw, file: SourceFile, errors: tuple = ()):
         self.inner, self.raw, self.file = inner, raw, file
+        self.errors = (OSError, EOFError, ValueError, *errors)
 
     def _damaged(self, exc: Exception) -> RecipeError:
-        what = {"gzip": "gzip", "zstd": "zstd"}.get(self.file.compression or "", "")
+        what = f"damaged {self.file.compression} file" if self.file.compression else "file that cannot be read"
         reason = " ".join(str(exc).split())[:120] or type(exc).__name__
-        return RecipeError(f"{self.file.name}: cannot be read: a damaged {what} file ({reason})".replace("  ", " "))
+        return RecipeError(f"{self.file.name}: cannot be read: a {what} ({reason})")
 
     def read(self, n: int = -1) -> bytes:
         try:
             return self.inner.read(n)
-        except (OSError, EOFError, ValueError) as exc:
+        except self.errors as exc:
             raise self._damaged(exc) from None
-        except Exception as exc:  # zstandard.ZstdError
-            if type(exc).__name__ == "ZstdError":
-                raise self._damaged(exc) from None
-            raise
 
     def __iter__(self) -> Iterator[bytes]:
         while True:
             try:
                 line = self.inner.readline()
-            except (OSError, EOFError, ValueError) as exc:
+            except self.errors as exc:
                 raise self._damaged(exc) from None
-            except Exception as exc:
-                if type(exc).__name__ == "ZstdError":
-                    raise self._damaged(exc) from None
-                raise
             if not line:
                 return
             yield line
