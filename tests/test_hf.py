@@ -149,6 +149,19 @@ def _deepseek_v3():  # query compression, attention biases, sigmoid routing over
     ))
 
 
+def _mpt():  # ALiBi over a power-of-two head count, tied
+    return transformers.MptForCausalLM(transformers.MptConfig(
+        d_model=64, n_heads=4, n_layers=2, vocab_size=VOCAB, max_seq_len=32,
+    ))
+
+
+def _mpt_six_heads():  # six heads: MPT's slopes for a head count that is not a power of two; softmax_scale; untied
+    return transformers.MptForCausalLM(transformers.MptConfig(
+        d_model=48, n_heads=6, n_layers=2, vocab_size=VOCAB, max_seq_len=32, layer_norm_epsilon=1e-6,
+        attn_config={"softmax_scale": 0.2}, tie_word_embeddings=False,
+    ))
+
+
 def _bert():
     return transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -199,6 +212,8 @@ CASES = {
     "gemma2-4.x-config": Case(_gemma2, "causal", edit=_gemma2_without_layer_types),
     "deepseek_v2": Case(_deepseek_v2, "causal"),
     "deepseek_v3": Case(_deepseek_v3, "causal"),
+    "mpt": Case(_mpt, "causal"),
+    "mpt-6-heads-scale-untied": Case(_mpt_six_heads, "causal"),
     "bert": Case(_bert, "mlm"),
     "t5-v1.0": Case(_t5, "seq2seq"),
     "t5-v1.1": Case(lambda: _t5(feed_forward_proj="gated-gelu"), "seq2seq", edit=_untie_t5),
@@ -486,6 +501,9 @@ def test_describe_says_before_training_which_family_a_spec_exports_to_or_why_non
     assert main(["describe", "llama3-8b"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "export: Hugging Face llama (LlamaForCausalLM), by builder export-hf")
-    assert main(["describe", "mpt-7b"]) == 0  # ALiBi: no family of ours expresses it
+    assert main(["describe", "mpt-7b"]) == 0  # ALiBi
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "export: Hugging Face mpt (MptForCausalLM), by builder export-hf")
+    assert main(["describe", "pythia-160m"]) == 0  # GPT-NeoX: no family of ours expresses it
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("export: none: no Hugging Face family expresses it exactly (closest, ") and "alibi" in line
+    assert line.startswith("export: none: no Hugging Face family expresses it exactly (closest, ") and "rope" in line

@@ -26,7 +26,9 @@ LIMITS = {"config": 16 * MiB, "index": 64 * MiB, "tokenizer": 512 * MiB}
 
 #: config.json keys by the kind of value they take; ``check_config`` refuses any other kind,
 #: naming the key, before a family reads the config. A family that reads a new key adds it here.
-LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+LAYER_KEYS = (
+    "n_layer", "n_layers", "num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers",
+)
 SIZE_KEYS = (
     "n_embd", "n_head", "n_inner", "n_positions", "vocab_size", "decoder_vocab_size", "hidden_size",
     "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
@@ -38,6 +40,8 @@ SIZE_KEYS = (
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size",
     "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq",
     "num_nextn_predict_layers",
+    # MPT
+    "n_heads", "max_seq_len",
 )
 NUMBER_KEYS = (
     "activation_dropout", "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "dropout",
@@ -45,15 +49,20 @@ NUMBER_KEYS = (
     "rms_norm_eps", "rope_theta", "partial_rotary_factor", "router_jitter_noise", "attn_logit_softcapping",
     "final_logit_softcapping", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
     "attention_factor", "mscale", "mscale_all_dim", "routed_scaling_factor",
+    # MPT (attn_config's among them); logit_scale may be a number or a name, and mpt refuses either
+    "expansion_ratio", "emb_pdrop", "embedding_fraction", "alibi_bias_max", "clip_qkv", "softmax_scale",
 )
 BOOL_KEYS = (
     "attention_bias", "mlp_bias", "tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
     "scale_embedding", "scale_decoder_outputs", "share_encoder_decoder_embeddings", "use_sliding_window",
     "use_bidirectional_attention", "truncate", "norm_topk_prob", "rope_interleave",
+    # MPT (attn_config's among them)
+    "no_bias", "learned_pos_emb", "alibi", "qk_ln", "prefix_lm", "attn_uses_sequence_id",
 )
 TEXT_KEYS = (
     "model_type", "activation_function", "hidden_act", "hidden_activation", "feed_forward_proj",
     "position_embedding_type", "rope_type", "type", "topk_method", "scoring_func",
+    "norm_type", "attn_type", "attn_impl",
 )
 TOKEN_ID_KEYS = (
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "forced_eos_token_id",
@@ -133,7 +142,7 @@ def check_config(config: Mapping, path: Path | str) -> None:
     for sizes and layer counts, within bounds; finite numbers; booleans; strings)."""
     for key, value in config.items():
         _check_value(key, value, path, key)
-    for nested in ("rope_scaling", "rope_parameters"):
+    for nested in ("rope_scaling", "rope_parameters", "attn_config"):
         value = config.get(nested)
         if value is None:
             continue
