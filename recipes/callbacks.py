@@ -187,6 +187,12 @@ class StepProgressBar(TQDMProgressBar):
         trainer = self.trainer
         return trainer.max_steps * trainer.accumulate_grad_batches
 
+    def on_train_start(self, trainer, pl_module):
+        # a run resumed inside an epoch gets no on_train_epoch_start, which sets the total: set it here
+        super().on_train_start(trainer, pl_module)
+        self.train_progress_bar.reset(self.total_train_batches)
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
+
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)

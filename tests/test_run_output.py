@@ -39,3 +39,15 @@ def test_verbose_prints_the_estimate_tables_a_describe_prints(tmp_path, capsys):
     run(tiny_recipe(tmp_path, trainer={"max_steps": 2}), samples=False, verbose=True)
     header = _before_training(capsys.readouterr().out)
     assert len(header) > 20 and any("match" in line for line in header)
+
+
+def test_a_resumed_run_s_progress_bar_keeps_its_total(tmp_path, capsys):
+    from recipes.train import run
+
+    path = tiny_recipe(tmp_path, trainer={"max_steps": 8, "log_every_n_steps": 2, "val_check_interval": 100,
+                                          "output_dir": str(tmp_path / "run")})
+    run(path, {"trainer.max_steps": 4}, samples=False)
+    capsys.readouterr()
+    run(path, samples=False)
+    out = capsys.readouterr().out
+    assert "6/8 [" in out and "6/?" not in out  # before: "Training: 6/?" (no epoch start on resume)
