@@ -37,6 +37,10 @@ from recipes.config import RecipeError, TrainerSection
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+#: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
+#: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
+#: dimension in sequence (slower, and its rounding may differ between ranks)
+FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"))
 
 
 def mesh_shape(layout: Layout) -> tuple[int, int, int]:
@@ -158,6 +162,8 @@ class ShardedStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self.layout = layout_of(self.settings, per_node=self.num_processes)
         self._device_mesh = init_device_mesh(self.root_device.type, mesh_shape(self.layout), mesh_dim_names=MESH_DIMS)
+        for dims in FLATTENED:  # one collective over several dimensions (DTensor looks these up), as torchtitan does
+            self._device_mesh[dims]._flatten("_".join(dims))
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
