@@ -2,9 +2,10 @@
 step, peak RSS of the whole process tree and the share of each step spent waiting for data.
 
 Each dataset trains the default recipe's model (recipes/lm-stdlib.yaml, its tokenizer replaced by
-the dataset's) for ``--steps`` steps in a fresh process. Data time is measured from the end of one
-training step to the start of the next (the batch fetch plus Lightning's own bookkeeping: an
-upper bound on waiting for data). Start-up is from the process's start to the first step's start.
+the dataset's) for ``--steps`` steps in a fresh process. Data time is the main process's wait in
+the data loader's ``next()`` (the batch is made ahead in a worker), median over the steps; "gap"
+is everything between one step's end and the next one's start (that wait plus Lightning's own
+bookkeeping: an upper bound). Start-up is from the process's start to the first step's start.
 The corpus-size question is answered by the ratio of peak RSS between the datasets.
 
     python benchmarks/tokenize.py --gb 1 --work /tmp/tokbench   # makes the datasets
@@ -14,7 +15,6 @@ The corpus-size question is answered by the ratio of peak RSS between the datase
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -63,6 +63,29 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
         return made(recipe, recipe_file, spec, out, [Clock(), *callbacks], ckpt)
 
     recipes.train.run_trainer = with_clock
+    prepared = recipes.train.prepare
+
+    def timed_prepare(*args, **kwargs):  # opening the corpus: manifests, checksums, memory maps
+        began = time.perf_counter()
+        try:
+            return prepared(*args, **kwargs)
+        finally:
+            times["open_s"] = time.perf_counter() - began
+
+    recipes.train.prepare = timed_prepare
+    from torch.utils.data import dataloader
+
+    fetches: list[float] = []
+    for iterator in (dataloader._MultiProcessingDataLoaderIter, dataloader._SingleProcessDataLoaderIter):
+        def timed_next(self, _next=iterator.__next__):  # the main process's wait for a batch
+            began = time.perf_counter()
+            try:
+                return _next(self)
+            finally:
+                fetches.append(time.perf_counter() - began)
+
+        iterator.__next__ = timed_next
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="train-from-dataset-") as tmp:
         overrides = {"data.sources": [dataset], "data.dataset": None, "trainer.max_steps": steps,
                      "trainer.max_time": None, "trainer.val_check_interval": steps, "trainer.limit_val_batches": 2,
@@ -72,7 +95,9 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
     starts, ends = times["starts"], times["ends"]
     waits = [s - e for e, s in zip(ends[:-1], starts[1:])]  # from a step's end to the next one's start
     steps_s = [e - s for s, e in zip(starts[1:], ends[1:])]
-    queue.put({"first_step_s": times["first"], "wait_s": statistics.median(waits[5:] or waits),
+    queue.put({"fetch_s": statistics.median(fetches[5:] or fetches), "first_step_s": times["first"],
+               "open_s": times["open_s"],
+               "run_to_first_step_s": times["first"] - (began - STARTED), "wait_s": statistics.median(waits[5:] or waits),
                "step_s": statistics.median(steps_s[5:] or steps_s)})
 
 
@@ -105,26 +130,26 @@ def main(argv=None) -> int:
     parser.add_argument("datasets", nargs="+", help="tokenized dataset folders (builder tokenize outputs)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from machine import emit
+    sys.path.append(str(REPO / "benchmarks"))  # after the standard library: benchmarks/tokenize.py is a script
+    from machine import emit, machine
 
     rows = [measure(d, args.steps, args.set) for d in args.datasets]
-    emit()
-    print(f"{'dataset':<40} {'token bytes':>12} {'start-up s':>10} {'peak RSS':>10} {'step ms':>8} "
-          f"{'data wait ms':>12} {'share':>6}")
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'dataset':<40} {'token bytes':>12} {'process s':>9} {'run s':>6} {'open s':>6} {'peak RSS':>10} "
+          f"{'step ms':>8} {'data ms':>8} {'share':>6} {'gap ms':>7}")
+    print("  process s: process start to the first step (imports included); run s: from `run()`; open s: the corpus")
     for r in rows:
-        print(f"{r['dataset'][-40:]:<40} {r['token_bytes'] / 1e9:>10.2f}GB {r['first_step_s']:>10.2f} "
-              f"{r['peak_rss_bytes'] / 2**30:>8.2f}GB {r['step_s'] * 1e3:>8.1f} {r['wait_s'] * 1e3:>12.2f} "
-              f"{r['wait_s'] / r['step_s']:>6.2%}")
+        print(f"{r['dataset'][-40:]:<40} {r['token_bytes'] / 1e9:>10.2f}GB {r['first_step_s']:>9.2f} "
+              f"{r['run_to_first_step_s']:>6.2f} {r['open_s']:>6.2f} "
+              f"{r['peak_rss_bytes'] / 2**30:>8.2f}GB {r['step_s'] * 1e3:>8.1f} {r['fetch_s'] * 1e3:>8.3f} "
+              f"{r['fetch_s'] / r['step_s']:>6.2%} {r['wait_s'] * 1e3:>7.2f}")
     if len(rows) > 1:
         print(f"peak RSS of the largest over the smallest dataset: "
               f"{rows[-1]['peak_rss_bytes'] / rows[0]['peak_rss_bytes']:.2f}x for "
               f"{rows[-1]['token_bytes'] / rows[0]['token_bytes']:.1f}x the tokens")
-    if args.json:
-        print(json.dumps(rows))
-    return 0
+    return emit({"machine": machine(), "steps": args.steps, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,15 @@ def test_a_part_pickles_as_its_file_so_a_spawned_worker_maps_it_again(tmp_path):
         assert len(payload) < 1000  # the name, not 4 MB of tokens
         again = pickle.loads(payload)
         assert isinstance(again.tokens, np.memmap) and np.array_equal(again.tokens, part.tokens)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_an_epoch_order_is_a_permutation_in_constant_memory(n):
+    from recipes.data.mixture import epoch_order
+
+    offset, order = epoch_order(0, 0, 0, 0, n, seq_len=8)
+    assert sorted(order[k] for k in range(n)) == list(range(n)) and 0 <= offset < 8
+    if n >= 64:
+        other = epoch_order(0, 0, 0, 1, n, seq_len=8)[1]
+        assert [order[k] for k in range(20)] != [other[k] for k in range(20)]  # each epoch its own order
+        assert [order[k] for k in range(20)] != list(range(20))

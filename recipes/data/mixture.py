@@ -6,7 +6,8 @@ block of :data:`BLOCK` windows; a block holds each source's share of windows (wh
 follow the weights cumulatively), spread evenly through the block from a seeded phase, so every
 prefix of the run, a global batch included, follows the weights to within a window or two per
 source. A source's ``j``-th window is window ``perm_e[j mod n]``
-of epoch ``e = j // n`` (``n`` its windows, ``perm_e`` a seeded permutation). So the data
+of epoch ``e = j // n`` (``n`` its windows, ``perm_e`` a seeded permutation computed index by
+index, so no order array grows with the corpus). So the data
 position is one integer, and a run resumed at window ``g`` on any number of ranks takes exactly
 the windows an unbroken run takes next: none twice within an epoch, none skipped.
 """
@@ -140,11 +141,45 @@ class Blend:
         return np.concatenate(labels), np.concatenate(within)
 
 
-def epoch_order(seed: int, stream: int, source: int, epoch: int, n: int, seq_len: int) -> tuple[int, np.ndarray]:
+_M64 = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finalizer: a 64-bit integer hash."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+class Permutation:
+    """A seeded permutation of ``range(n)`` computed one index at a time, in constant memory
+    (a 4-round Feistel network over the smallest even power of two >= n, walked back into range),
+    so a corpus of billions of windows needs no order array."""
+
+    def __init__(self, n: int, keys: list[int]):
+        self.n, self.keys = n, keys
+        self.half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+        self.mask = (1 << self.half) - 1
+
+    def __getitem__(self, k: int) -> int:
+        if not 0 <= k < self.n:
+            raise IndexError(k)
+        x = k
+        while True:  # cycle-walking: at most a few steps, the domain is under 4n
+            left, right = x >> self.half, x & self.mask
+            for key in self.keys:
+                left, right = right, left ^ (_mix(right ^ key) & self.mask)
+            x = (left << self.half) | right
+            if x < self.n:
+                return x
+
+
+def epoch_order(seed: int, stream: int, source: int, epoch: int, n: int, seq_len: int) -> tuple[int, Permutation]:
     """A source's cut offset and the order of its ``n`` windows in one epoch."""
     rng = np.random.default_rng([seed, stream, source, epoch])
-    dtype = np.int32 if n < 2**31 else np.int64
-    return int(rng.integers(seq_len)), rng.permutation(n).astype(dtype)
+    offset = int(rng.integers(seq_len))
+    return offset, Permutation(n, [int(k) for k in rng.integers(0, 2**63, size=4)])
 
 
 class Windows:
@@ -155,7 +190,7 @@ class Windows:
         self.blend = Blend(weights, seed, stream)
         self._orders: dict[int, tuple] = {}  # source -> (epoch, offset, order): one epoch each
 
-    def _order(self, source: int, epoch: int) -> tuple[int, np.ndarray]:
+    def _order(self, source: int, epoch: int) -> tuple[int, Permutation]:
         held = self._orders.get(source)
         if held is None or held[0] != epoch:
             s = self.streams[source]
