@@ -8,8 +8,11 @@ is everything between one step's end and the next one's start (that wait plus Li
 bookkeeping: an upper bound). Start-up is from the process's start to the first step's start.
 The corpus-size question is answered by the ratio of peak RSS between the datasets.
 
-    python benchmarks/tokenize.py --gb 1 --work /tmp/tokbench   # makes the datasets
-    python benchmarks/train_from_dataset.py /tmp/tokbench/ours-1gb /tmp/tokbench/ours-5gb --steps 40
+    python benchmarks/tokenize.py --gb 5 --work /tmp/tokbench --keep   # makes /tmp/tokbench/ours
+    python -P benchmarks/train_from_dataset.py /tmp/tokbench/small.tok /tmp/tokbench/ours --steps 60
+
+(``-P``: this folder not first on the path, where benchmarks/tokenize.py would stand for the standard
+library's ``tokenize`` in the spawned training process.)
 """
 
 from __future__ import annotations
