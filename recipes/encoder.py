@@ -105,7 +105,8 @@ class MLMDataModule(LMDataModule):
         rank, _ = self._rank()
         data = MaskedWindows(loader.dataset, self.specials, self.settings, self.seed, stream, rank, first)
         workers = loader.num_workers
-        return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
+        return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
+                          worker_init_fn=loader.worker_init_fn)
 
     def train_dataloader(self):
         return self._masked(super().train_dataloader(), 0, self.micro_batches_taken())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import yaml
 from recipe_helpers import REPO, assert_same_run, builder_process, fault_recipe, history, one_error_line
 
 
@@ -77,6 +78,42 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_like_an_unbrok
     assert _step(last) == 5
     assert main(["train", str(recipe), "--no-samples"]) == 0
     assert_same_run(last, Path(unbroken_run[1]["last"]))
+
+
+GROUP_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+import recipes.train
+from builder.cli import main
+
+class CtrlC(L.Callback):  # a terminal's Ctrl+C: SIGINT to the whole process group, the loader's worker too
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 5:
+            os.killpg(os.getpgrp(), signal.SIGINT)
+
+make = recipes.train.make_trainer
+def make_trainer(*args, **kwargs):
+    trainer = make(*args, **kwargs)
+    trainer.callbacks.insert(0, CtrlC())
+    return trainer
+recipes.train.make_trainer = make_trainer
+sys.exit(main(["train", {recipe!r}, "--no-samples"]))
+"""
+
+
+def test_ctrl_c_to_the_process_group_saves_and_stops_though_the_loader_worker_gets_it_too(tmp_path):
+    recipe = fault_recipe(tmp_path)
+    data = yaml.safe_load(recipe.read_text())
+    data["data"]["num_workers"] = 1  # a batch-making worker in the group
+    recipe.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    child = subprocess.run([sys.executable, "-c", GROUP_CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, start_new_session=True)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert child.returncode == 130, child.stderr[-3000:]
+    line = one_error_line(child.stderr, "builder train:")
+    assert line == f"builder train: stopped by SIGINT at step 5; saved {last}; run the same command to resume"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1])

@@ -39,6 +39,16 @@ def to_batch(ids: np.ndarray, documents: np.ndarray | None, packing: str) -> tup
     return inputs, targets, documents[:, :-1].contiguous()
 
 
+def worker_ignores_signals(_worker_id: int) -> None:
+    """A batch-making worker leaves Ctrl+C, SIGTERM and SLURM's SIGUSR1 to the training process
+    (a terminal and a scheduler signal the whole process group): that process saves and stops
+    and takes its workers down; a worker that died of the signal would end the run as an error."""
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class Mixture:
     """The training and validation windows of a corpus's sources, ready to be taken by index."""
 
@@ -166,7 +176,7 @@ class LMDataModule(L.LightningDataModule):
         data = TrainWindows(self.mixture, self.batch_size, rank, world, self.windows_taken(step), self.accumulate)
         workers = self.num_workers
         return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
-                          persistent_workers=False)
+                          persistent_workers=False, worker_init_fn=worker_ignores_signals if workers else None)
 
     def val_dataloader(self):
         rank, world = self._rank()
