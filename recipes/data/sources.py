@@ -4,7 +4,7 @@ of any of these (recursive, sorted). Torch-free; pyarrow is imported only for Pa
 
 Nothing holds a whole file: text is decoded in chunks and cut at ``separator`` (without one, a
 file is one document), JSON Lines are read line by line, Parquet by record batches of its row
-groups, Arrow IPC batch by batch (memory-mapped). Every problem is one :class:`RecipeError` line
+groups, Arrow IPC batch by batch. Every problem is one :class:`RecipeError` line
 naming the file and the line, row or byte, never quoting the file's contents.
 
 What a file is, by its name: ``.parquet`` Parquet; ``.arrow`` / ``.feather`` Arrow IPC (file or
@@ -321,7 +321,7 @@ class DocumentStream:
         import pyarrow.parquet as pq
 
         try:
-            parquet = pq.ParquetFile(file.path, memory_map=True)
+            parquet = pq.ParquetFile(file.path)  # read, not mapped: the process's memory is a row group
             schema = parquet.schema_arrow
         except (pa.ArrowException, OSError) as exc:
             raise RecipeError(f"{file.name}: not a readable Parquet file ({_arrow_reason(exc)})") from None
@@ -345,13 +345,14 @@ class DocumentStream:
         import pyarrow as pa
 
         try:
-            mapped = pa.memory_map(str(file.path))
+            # read, not mapped: a mapped file's pages would count in the process's memory as it is read
+            stored = pa.OSFile(str(file.path))
             try:
-                reader = pa.ipc.open_file(mapped)
+                reader = pa.ipc.open_file(stored)
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             except pa.ArrowInvalid:  # not the file format: the stream format (save_to_disk writes that)
-                mapped.seek(0)
-                reader = pa.ipc.open_stream(mapped)
+                stored.seek(0)
+                reader = pa.ipc.open_stream(stored)
                 batches = iter(reader)
             schema = reader.schema
         except (pa.ArrowException, OSError) as exc:
