@@ -3,9 +3,11 @@ Parquet, Arrow IPC and Hugging Face ``datasets`` folders saved with ``save_to_di
 of any of these (recursive, sorted). Torch-free; pyarrow is imported only for Parquet and Arrow.
 
 Nothing holds a whole file: text is decoded in chunks and cut at ``separator`` (without one, a
-file is one document), JSON Lines are read line by line, Parquet by record batches of its row
-groups, Arrow IPC batch by batch. Every problem is one :class:`RecipeError` line
-naming the file and the line, row or byte, never quoting the file's contents.
+file is one document), JSON Lines are read line by line, Parquet one row group at a time (the
+text column only), Arrow IPC batch by batch; files are read, not memory-mapped (a mapped file's
+pages would count in the process's memory as it is read). Every problem is one
+:class:`RecipeError` line naming the file and the line, row or byte, never quoting the file's
+contents.
 
 What a file is, by its name: ``.parquet`` Parquet; ``.arrow`` / ``.feather`` Arrow IPC (file or
 stream format); ``.jsonl``, ``.json``, ``.ndjson`` JSON Lines, also compressed (``.gz``, ``.zst``;
@@ -317,28 +319,30 @@ class DocumentStream:
     # -- Parquet and Arrow ------------------------------------------------------------------------
 
     def _parquet(self, file: SourceFile) -> Iterator[str]:
+        """Row group by row group (pyarrow's batch iterator buffers ahead: a file's worth, for a
+        file of many groups), the text column only."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
-            parquet = pq.ParquetFile(file.path)  # read, not mapped: the process's memory is a row group
+            parquet = pq.ParquetFile(file.path)
             schema = parquet.schema_arrow
         except (pa.ArrowException, OSError) as exc:
             raise RecipeError(f"{file.name}: not a readable Parquet file ({_arrow_reason(exc)})") from None
         column = self._column(file, schema)
         total = max(1, parquet.metadata.num_rows)
         start, row = self.bytes_read, 0
-        batches = parquet.iter_batches(batch_size=BATCH_ROWS, columns=[column])
-        while True:
+        for group in range(parquet.num_row_groups):
             try:
-                batch = next(batches)
-            except StopIteration:
-                return
+                table = parquet.read_row_group(group, columns=[column], use_threads=False)
             except (pa.ArrowException, OSError) as exc:
-                raise RecipeError(f"{file.name}: rows from {row:,} cannot be read: a damaged Parquet file "
-                                  f"({_arrow_reason(exc)})") from None
-            yield from self._strings(file, batch.column(0), row)
-            row += batch.num_rows
+                raise RecipeError(f"{file.name}: row group {group} (rows from {row:,}) cannot be read: a damaged "
+                                  f"Parquet file ({_arrow_reason(exc)})") from None
+            texts = table.column(0)
+            for offset in range(0, len(texts), BATCH_ROWS):
+                yield from self._strings(file, texts.slice(offset, BATCH_ROWS), row + offset)
+            row += len(texts)
+            del table, texts
             self.bytes_read = start + file.bytes * row // total
 
     def _arrow(self, file: SourceFile) -> Iterator[str]:
