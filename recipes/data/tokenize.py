@@ -160,23 +160,12 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 def write_file(path: Path, array: np.ndarray) -> str:
-    """``array``'s bytes to ``path`` (a temp file, fsync, rename); their sha256."""
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(exc, OSError):
-            from recipes.runfolder import os_reason
+    """``array``'s bytes to ``path`` (:func:`recipes.tokenizer.write_atomic`: temp file, fsync,
+    rename); their sha256."""
+    from recipes.tokenizer import write_atomic
 
-            raise RecipeError(f"could not write {path}: {os_reason(exc)}") from None
-        raise
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    write_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
