@@ -98,9 +98,9 @@ def write_files(root: Path, contents: dict[str, bytes]) -> Path:
     return root
 
 
-def data_for_recipes(root: Path, monkeypatch) -> dict[str, str]:
+def data_for_recipes(root: Path, monkeypatch, real: bool = True) -> dict[str, str]:
     """Make every downloadable dataset readable offline under ``root`` (BUILDER_DATA is set to it):
-    the real files copied when a local copy exists, else stand-ins registered in their place; the
+    the real files copied when a local copy exists (and ``real``), else stand-ins registered in their place; the
     registry's URLs are made unreachable, so nothing can be fetched. Only the training and
     validation splits are written (a test split, if any, is missing).
     Returns ``{dataset: "real" | "stand-in"}``."""
@@ -112,9 +112,9 @@ def data_for_recipes(root: Path, monkeypatch) -> dict[str, str]:
             continue
         needed = [path for split in (dataset.train, dataset.validation) if split
                   for path in dataset.splits[split].values()]
-        real = real_data_root(*needed)
-        if real is not None:
-            contents, kinds[name] = {p: (real / p).read_bytes() for p in needed}, "real"
+        local = real_data_root(*needed) if real else None
+        if local is not None:
+            contents, kinds[name] = {p: (local / p).read_bytes() for p in needed}, "real"
             checksums = {}  # the registry's own
         else:
             checksums = stand_in_files(name)
