@@ -44,8 +44,7 @@ def sdpa_backend(name):
     def run(q, k, v, causal):
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                    **gqa)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
     return run
 
@@ -94,8 +93,15 @@ def training_rows(head_dims, seqs, causals, dtype):
                 q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
                 err = check(q, k, v, causal)
                 flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
-                row = dict(head_dim=head_dim, causal=causal, seq=seq, batch=batch, heads=heads,
-                           max_rel_err=err, ok=err < TOLERANCE)
+                row = dict(
+                    head_dim=head_dim,
+                    causal=causal,
+                    seq=seq,
+                    batch=batch,
+                    heads=heads,
+                    max_rel_err=err,
+                    ok=err < TOLERANCE,
+                )
                 fns = {"ours": ours, "flash": sdpa_backend("flash"), "cudnn": sdpa_backend("cudnn")}
                 for name, fn in fns.items():
                     ms = timed(lambda: fn(q, k, v, causal))
@@ -103,11 +109,13 @@ def training_rows(head_dims, seqs, causals, dtype):
                     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
                     dout = torch.randn_like(q)
                     ms = timed(lambda: fn(*leaves, causal).backward(dout), grad_to_none=leaves)
-                    row[f"{name}_fwd_bwd"] = (None if ms is None
-                                              else FWD_BWD_FACTOR * flops / ms * 1e-9)
+                    row[f"{name}_fwd_bwd"] = None if ms is None else FWD_BWD_FACTOR * flops / ms * 1e-9
                 rows.append(row)
-                print(f"  D={head_dim} causal={causal} S={seq}: ours {fmt(row['ours_fwd'])} / "
-                      f"{fmt(row['ours_fwd_bwd'])} TFLOP/s, err {err:.1e}", file=sys.stderr)
+                print(
+                    f"  D={head_dim} causal={causal} S={seq}: ours {fmt(row['ours_fwd'])} / "
+                    f"{fmt(row['ours_fwd_bwd'])} TFLOP/s, err {err:.1e}",
+                    file=sys.stderr,
+                )
                 del q, k, v
     return rows
 
@@ -118,27 +126,25 @@ def decode_rows(batches, caches, dtype, peak_gbs):
     for batch in batches:
         for cache in caches:
             q = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=dtype)
-            k, v = (torch.randn(batch, kv_heads, cache, head_dim, device="cuda", dtype=dtype)
-                    for _ in range(2))
+            k, v = (torch.randn(batch, kv_heads, cache, head_dim, device="cuda", dtype=dtype) for _ in range(2))
             ref = sdpa_backend("flash")
             try:
                 err = rel_err(ours(q, k, v, False), ref(q, k, v, False))
             except RuntimeError:  # flash without GQA support: compare with expanded heads
                 group = heads // kv_heads
-                err = rel_err(ours(q, k, v, False),
-                              ref(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                  False))
+                err = rel_err(
+                    ours(q, k, v, False), ref(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False)
+                )
             gbytes = 2 * k.numel() * k.element_size() * 1e-9  # K and V read once
             row = dict(batch=batch, cache=cache, max_rel_err=err, ok=err < TOLERANCE)
-            for name, fn in (("ours", ours), ("flash", sdpa_backend("flash")),
-                             ("cudnn", sdpa_backend("cudnn"))):
+            for name, fn in (("ours", ours), ("flash", sdpa_backend("flash")), ("cudnn", sdpa_backend("cudnn"))):
                 ms = timed(lambda: fn(q, k, v, False))
                 row[f"{name}_gbs"] = None if ms is None else gbytes / ms * 1e3
-            row["ours_pct_peak"] = (None if row["ours_gbs"] is None
-                                    else 100.0 * row["ours_gbs"] / peak_gbs)
+            row["ours_pct_peak"] = None if row["ours_gbs"] is None else 100.0 * row["ours_gbs"] / peak_gbs
             rows.append(row)
-            print(f"  decode B={batch} cache={cache}: ours {fmt(row['ours_gbs'], 0)} GB/s, "
-                  f"err {err:.1e}", file=sys.stderr)
+            print(
+                f"  decode B={batch} cache={cache}: ours {fmt(row['ours_gbs'], 0)} GB/s, err {err:.1e}", file=sys.stderr
+            )
             del q, k, v
     return rows
 
@@ -153,39 +159,47 @@ def ratio(a, b):
 
 def print_tables(train, decode, peak_gbs):
     print("\n## Training attention (bf16, TFLOP/s, median)\n")
-    print("| D | causal | S | B x H | ours fwd | flash fwd | cudnn fwd | vs flash | vs cudnn "
-          "| ours f+b | flash f+b | cudnn f+b | vs flash | vs cudnn | max rel err |")
+    print(
+        "| D | causal | S | B x H | ours fwd | flash fwd | cudnn fwd | vs flash | vs cudnn "
+        "| ours f+b | flash f+b | cudnn f+b | vs flash | vs cudnn | max rel err |"
+    )
     print("|" + "---|" * 15)
     for r in train:
-        print(f"| {r['head_dim']} | {r['causal']} | {r['seq']} | {r['batch']} x {r['heads']} "
-              f"| {fmt(r['ours_fwd'])} | {fmt(r['flash_fwd'])} | {fmt(r['cudnn_fwd'])} "
-              f"| {ratio(r['ours_fwd'], r['flash_fwd'])} | {ratio(r['ours_fwd'], r['cudnn_fwd'])} "
-              f"| {fmt(r['ours_fwd_bwd'])} | {fmt(r['flash_fwd_bwd'])} | {fmt(r['cudnn_fwd_bwd'])} "
-              f"| {ratio(r['ours_fwd_bwd'], r['flash_fwd_bwd'])} "
-              f"| {ratio(r['ours_fwd_bwd'], r['cudnn_fwd_bwd'])} "
-              f"| {r['max_rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |")
-    print(f"\n## Decode (1 query token, 32/8 heads, D=128, GB/s of KV cache read; "
-          f"ceiling {peak_gbs:.0f} GB/s)\n")
-    print("| batch | cache | ours | flash | cudnn | vs flash | vs cudnn | ours % of ceiling "
-          "| max rel err |")
+        print(
+            f"| {r['head_dim']} | {r['causal']} | {r['seq']} | {r['batch']} x {r['heads']} "
+            f"| {fmt(r['ours_fwd'])} | {fmt(r['flash_fwd'])} | {fmt(r['cudnn_fwd'])} "
+            f"| {ratio(r['ours_fwd'], r['flash_fwd'])} | {ratio(r['ours_fwd'], r['cudnn_fwd'])} "
+            f"| {fmt(r['ours_fwd_bwd'])} | {fmt(r['flash_fwd_bwd'])} | {fmt(r['cudnn_fwd_bwd'])} "
+            f"| {ratio(r['ours_fwd_bwd'], r['flash_fwd_bwd'])} "
+            f"| {ratio(r['ours_fwd_bwd'], r['cudnn_fwd_bwd'])} "
+            f"| {r['max_rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |"
+        )
+    print(f"\n## Decode (1 query token, 32/8 heads, D=128, GB/s of KV cache read; ceiling {peak_gbs:.0f} GB/s)\n")
+    print("| batch | cache | ours | flash | cudnn | vs flash | vs cudnn | ours % of ceiling | max rel err |")
     print("|" + "---|" * 9)
     for r in decode:
-        print(f"| {r['batch']} | {r['cache']} | {fmt(r['ours_gbs'], 0)} | {fmt(r['flash_gbs'], 0)} "
-              f"| {fmt(r['cudnn_gbs'], 0)} | {ratio(r['ours_gbs'], r['flash_gbs'])} "
-              f"| {ratio(r['ours_gbs'], r['cudnn_gbs'])} | {fmt(r['ours_pct_peak'])} "
-              f"| {r['max_rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |")
+        print(
+            f"| {r['batch']} | {r['cache']} | {fmt(r['ours_gbs'], 0)} | {fmt(r['flash_gbs'], 0)} "
+            f"| {fmt(r['cudnn_gbs'], 0)} | {ratio(r['ours_gbs'], r['flash_gbs'])} "
+            f"| {ratio(r['ours_gbs'], r['cudnn_gbs'])} | {fmt(r['ours_pct_peak'])} "
+            f"| {r['max_rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |"
+        )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a few shapes)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
-    parser.add_argument("--peak-gbs", type=float, default=4800.0,
-                        help="HBM bandwidth ceiling in GB/s (default: H200, 4800)")
+    parser.add_argument(
+        "--peak-gbs", type=float, default=4800.0, help="HBM bandwidth ceiling in GB/s (default: H200, 4800)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/attention.py needs a CUDA GPU (none found); the CPU test suite "
-              "(tests/test_kernels.py) covers correctness without one.", file=sys.stderr)
+        print(
+            "benchmarks/attention.py needs a CUDA GPU (none found); the CPU test suite "
+            "(tests/test_kernels.py) covers correctness without one.",
+            file=sys.stderr,
+        )
         return 2
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -193,12 +207,10 @@ def main(argv=None):
         train = training_rows((128,), (1024, 4096), (False, True), dtype)
         decode = decode_rows((8,), (4096, 16384), dtype, args.peak_gbs)
     else:
-        train = training_rows((64, 128), (512, 1024, 2048, 4096, 8192, 16384), (False, True),
-                              dtype)
+        train = training_rows((64, 128), (512, 1024, 2048, 4096, 8192, 16384), (False, True), dtype)
         decode = decode_rows((8, 64), (1024, 4096, 16384, 32768), dtype, args.peak_gbs)
     if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "training": train,
-                          "decode": decode}, indent=2))
+        print(json.dumps({"device": torch.cuda.get_device_name(), "training": train, "decode": decode}, indent=2))
     else:
         print(f"\nDevice: {torch.cuda.get_device_name()}")
         print_tables(train, decode, args.peak_gbs)

@@ -41,13 +41,38 @@ sys.path.insert(0, str(REPO))
 
 #: the two families: transformers' config class and its fields (vocabulary as a small real model's)
 FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
-        vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)),
-    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
-        vocab_size=8192, n_embd=256, n_layer=4, n_head=8, n_positions=1024,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)),
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            vocab_size=8192,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        ),
+    ),
+    "gpt2": (
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        dict(
+            vocab_size=8192,
+            n_embd=256,
+            n_layer=4,
+            n_head=8,
+            n_positions=1024,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        ),
+    ),
 }
 
 
@@ -81,8 +106,15 @@ def ours_compiled_generate(model, prompt, new_tokens: int):
 def theirs_generate(model, prompt, new_tokens: int):
     import torch
 
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
+    return model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=0,
+    )
 
 
 def timed(fn, *args) -> tuple[float, object]:
@@ -102,8 +134,10 @@ def divergence(ours, theirs, prompt, a, b) -> str:
     with torch.no_grad():
         logits = ours(a[row : row + 1, :col])[0, -1]
     top = logits.topk(2).values
-    return (f"row {row} token {col - prompt.shape[1]}: ours {int(a[row, col])} theirs {int(b[row, col])}, "
-            f"our top-2 logit margin {float(top[0] - top[1]):.2e}")
+    return (
+        f"row {row} token {col - prompt.shape[1]}: ours {int(a[row, col])} theirs {int(b[row, col])}, "
+        f"our top-2 logit margin {float(top[0] - top[1]):.2e}"
+    )
 
 
 def bench(family: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
@@ -115,8 +149,11 @@ def bench(family: str, batches: list[int], prompt_len: int, new_tokens: int, rep
     rows = []
     for batch in batches:
         prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
-        runs = {"ours": (ours_compiled_generate, ours), "ours_eager": (ours_generate, ours),
-                "transformers": (theirs_generate, theirs)}
+        runs = {
+            "ours": (ours_compiled_generate, ours),
+            "ours_eager": (ours_generate, ours),
+            "transformers": (theirs_generate, theirs),
+        }
         outputs = {"ours": timed(ours_compiled_generate, ours, prompt, new_tokens)[1]}  # warm-up: compiles
         compile_seconds = ours.last_compile_seconds
         outputs |= {who: timed(fn, model, prompt, new_tokens)[1] for who, (fn, model) in runs.items() if who != "ours"}
@@ -128,21 +165,35 @@ def bench(family: str, batches: list[int], prompt_len: int, new_tokens: int, rep
                 fn, model = runs[who]
                 seconds[who].append(timed(fn, model, prompt, new_tokens)[0])
         rate = {who: batch * new_tokens / statistics.median(s) for who, s in seconds.items()}
-        row = {"family": family, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-               "ours_tokens_per_s": rate["ours"], "ours_eager_tokens_per_s": rate["ours_eager"],
-               "transformers_tokens_per_s": rate["transformers"],
-               "ratio": rate["ours"] / rate["transformers"],
-               "eager_ratio": rate["ours_eager"] / rate["transformers"],
-               "compile_seconds": compile_seconds, "identical": all(same.values()), "seconds": seconds}
-        differ = [f"{who}: " + divergence(ours, theirs, prompt, outputs[who], outputs["transformers"])
-                  for who in same if not same[who]]
+        row = {
+            "family": family,
+            "batch": batch,
+            "prompt": prompt_len,
+            "new_tokens": new_tokens,
+            "ours_tokens_per_s": rate["ours"],
+            "ours_eager_tokens_per_s": rate["ours_eager"],
+            "transformers_tokens_per_s": rate["transformers"],
+            "ratio": rate["ours"] / rate["transformers"],
+            "eager_ratio": rate["ours_eager"] / rate["transformers"],
+            "compile_seconds": compile_seconds,
+            "identical": all(same.values()),
+            "seconds": seconds,
+        }
+        differ = [
+            f"{who}: " + divergence(ours, theirs, prompt, outputs[who], outputs["transformers"])
+            for who in same
+            if not same[who]
+        ]
         if differ:
             row["first_difference"] = "; ".join(differ)
         rows.append(row)
-        print(f"{family:6s} batch {batch:2d}: ours compiled {rate['ours']:8,.0f} tokens/s ({row['ratio']:.2f}x), "
-              f"ours eager {rate['ours_eager']:8,.0f} ({row['eager_ratio']:.2f}x), transformers "
-              f"{rate['transformers']:8,.0f} tokens/s; compile {compile_seconds:.1f} s; tokens "
-              f"{'identical' if row['identical'] else 'DIFFER: ' + row['first_difference']}", flush=True)
+        print(
+            f"{family:6s} batch {batch:2d}: ours compiled {rate['ours']:8,.0f} tokens/s ({row['ratio']:.2f}x), "
+            f"ours eager {rate['ours_eager']:8,.0f} ({row['eager_ratio']:.2f}x), transformers "
+            f"{rate['transformers']:8,.0f} tokens/s; compile {compile_seconds:.1f} s; tokens "
+            f"{'identical' if row['identical'] else 'DIFFER: ' + row['first_difference']}",
+            flush=True,
+        )
     return rows
 
 
@@ -161,25 +212,41 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"machine: {machine()}; torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}; started "
-          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
-    rows = [row for family in args.families
-            for row in bench(family, args.batches, args.prompt, args.new_tokens, args.repeats)]
-    print("\n| model | batch | ours compiled tokens/s | ours eager tokens/s | transformers tokens/s | "
-          "compiled ratio | eager ratio | compile s | tokens |")
+    print(
+        f"machine: {machine()}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}; started "
+        f"{time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
+    rows = [
+        row
+        for family in args.families
+        for row in bench(family, args.batches, args.prompt, args.new_tokens, args.repeats)
+    ]
+    print(
+        "\n| model | batch | ours compiled tokens/s | ours eager tokens/s | transformers tokens/s | "
+        "compiled ratio | eager ratio | compile s | tokens |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
-        print(f"| {row['family']} | {row['batch']} | {row['ours_tokens_per_s']:,.0f} | "
-              f"{row['ours_eager_tokens_per_s']:,.0f} | {row['transformers_tokens_per_s']:,.0f} | "
-              f"{row['ratio']:.2f}x | {row['eager_ratio']:.2f}x | {row['compile_seconds']:.1f} | "
-              f"{'identical' if row['identical'] else 'differ'} |")
+        print(
+            f"| {row['family']} | {row['batch']} | {row['ours_tokens_per_s']:,.0f} | "
+            f"{row['ours_eager_tokens_per_s']:,.0f} | {row['transformers_tokens_per_s']:,.0f} | "
+            f"{row['ratio']:.2f}x | {row['eager_ratio']:.2f}x | {row['compile_seconds']:.1f} | "
+            f"{'identical' if row['identical'] else 'differ'} |"
+        )
     result = {"machine": machine(), "threads": torch.get_num_threads(), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {
-        "ratios": {f"{r['family']}-b{r['batch']}": round(r["ratio"], 3) for r in rows},
-        "eager_ratios": {f"{r['family']}-b{r['batch']}": round(r["eager_ratio"], 3) for r in rows}}))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k != "rows"}
+            | {
+                "ratios": {f"{r['family']}-b{r['batch']}": round(r["ratio"], 3) for r in rows},
+                "eager_ratios": {f"{r['family']}-b{r['batch']}": round(r["eager_ratio"], 3) for r in rows},
+            }
+        )
+    )
     return 0 if all(row["identical"] for row in rows) else 1
 
 

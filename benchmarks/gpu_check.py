@@ -67,10 +67,17 @@ def spec(layers: int) -> dict:
     """A Llama-style decoder: d_model 2048, 16 query / 8 key-value heads, SwiGLU 5632; ~1B
     parameters at 20 layers (the character vocabulary adds almost nothing)."""
     return {
-        "name": f"gpu-check-{layers}x2048", "architecture": "decoder-only", "d_model": 2048, "max_seq_len": 4096,
+        "name": f"gpu-check-{layers}x2048",
+        "architecture": "decoder-only",
+        "d_model": 2048,
+        "max_seq_len": 4096,
         "position": {"type": "rope", "theta": 10000.0},
-        "decoder": {"n_layers": layers, "attention": {"n_heads": 16, "n_kv_heads": 8},
-                    "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 5632}, "norm": {"type": "rmsnorm"}},
+        "decoder": {
+            "n_layers": layers,
+            "attention": {"n_heads": 16, "n_kv_heads": 8},
+            "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 5632},
+            "norm": {"type": "rmsnorm"},
+        },
     }
 
 
@@ -80,16 +87,29 @@ def recipe(folder: Path, args) -> Path:
     doc = {
         "name": "gpu-check",
         "model": {"spec": spec(args.layers)},
-        "data": {"sources": ["python-stdlib"], "max_bytes": 4_000_000, "seq_len": args.seq_len,
-                 "batch_size": args.batch, "cache_dir": str(folder / "cache")},
+        "data": {
+            "sources": ["python-stdlib"],
+            "max_bytes": 4_000_000,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch,
+            "cache_dir": str(folder / "cache"),
+        },
         "tokenizer": {"type": "char"},
         "optimizer": {"lr": 3e-4, "weight_decay": 0.1},
         "schedule": {"type": "cosine", "warmup_steps": 5},
-        "trainer": {"max_steps": args.steps, "val_check_interval": 10 * args.steps, "limit_val_batches": 1,
-                    "checkpoint_every_n_steps": 10 * args.steps, "log_every_n_steps": 5,
-                    "precision": "bf16-mixed", "strategy": "fsdp", "accelerator": "cpu" if args.cpu else "cuda",
-                    "devices": 1, "activation_checkpointing": args.activation_checkpointing,
-                    "output_dir": str(folder / "run")},
+        "trainer": {
+            "max_steps": args.steps,
+            "val_check_interval": 10 * args.steps,
+            "limit_val_batches": 1,
+            "checkpoint_every_n_steps": 10 * args.steps,
+            "log_every_n_steps": 5,
+            "precision": "bf16-mixed",
+            "strategy": "fsdp",
+            "accelerator": "cpu" if args.cpu else "cuda",
+            "devices": 1,
+            "activation_checkpointing": args.activation_checkpointing,
+            "output_dir": str(folder / "run"),
+        },
         "sample": {"max_new_tokens": 0},
     }
     path = folder / "gpu-check.yaml"
@@ -104,10 +124,21 @@ def estimates(path: Path, vocab_size: int, args) -> dict:
 
     loaded = load_recipe(path)
     model = model_spec(loaded, path, vocab_size)
-    est = estimate(model, seq_len=args.seq_len, batch=args.batch, dtype="bf16", devices=1, strategy="fsdp",
-                   activation_checkpointing=args.activation_checkpointing)
-    return {"params": est.params.total, "flops_per_token": est.flops.train_per_token,
-            "memory": est.memory.training_total, "activations": est.memory.activations}
+    est = estimate(
+        model,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        dtype="bf16",
+        devices=1,
+        strategy="fsdp",
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    return {
+        "params": est.params.total,
+        "flops_per_token": est.flops.train_per_token,
+        "memory": est.memory.training_total,
+        "activations": est.memory.activations,
+    }
 
 
 def train(path: Path, cuda: bool) -> dict:
@@ -146,10 +177,17 @@ def shipped_recipes() -> list[str]:
 
 def recipe_overrides(folder: Path, steps: int, devices: int, cpu: bool) -> dict:
     """What a recipe row forces (the module doc); ``devices`` above 1 under DDP."""
-    return {"trainer.precision": "auto", "trainer.max_time": None, "trainer.max_steps": steps,
-            "trainer.val_check_interval": steps, "trainer.log_every_n_steps": max(1, steps // 5),
-            "trainer.accelerator": "cpu" if cpu else "cuda", "trainer.devices": devices,
-            **({"trainer.strategy": "ddp"} if devices > 1 else {}), "trainer.output_dir": str(folder / "run")}
+    return {
+        "trainer.precision": "auto",
+        "trainer.max_time": None,
+        "trainer.max_steps": steps,
+        "trainer.val_check_interval": steps,
+        "trainer.log_every_n_steps": max(1, steps // 5),
+        "trainer.accelerator": "cpu" if cpu else "cuda",
+        "trainer.devices": devices,
+        **({"trainer.strategy": "ddp"} if devices > 1 else {}),
+        "trainer.output_dir": str(folder / "run"),
+    }
 
 
 def recipe_worker(name: str, overrides: dict, result: Path) -> None:
@@ -167,14 +205,22 @@ def recipe_worker(name: str, overrides: dict, result: Path) -> None:
         row["precision"] = for_this_machine(load_recipe(path, overrides), quiet=True).trainer.precision
         summary = run(path, overrides, fresh=True, samples=False)
         loss = summary["train_loss"]
-        row.update(steps=summary["steps"], train_loss=loss, finite=None if loss is None else math.isfinite(loss),
-                   tokens_per_s=summary["tokens_per_s"], status="ok")
+        row.update(
+            steps=summary["steps"],
+            train_loss=loss,
+            finite=None if loss is None else math.isfinite(loss),
+            tokens_per_s=summary["tokens_per_s"],
+            status="ok",
+        )
     except DatasetError as exc:  # not on disk and not downloadable here
         row.update(status="skipped: no data", error=str(exc).splitlines()[0][:300])
-    except Exception as exc:  # noqa: BLE001  (the row fails alone; its one line says why)
+    except Exception as exc:
         text = (str(exc).strip().splitlines() or [""])[0]
-        row.update(status="failed", error=f"{type(exc).__name__}: {text}"[:300],
-                   finite=False if isinstance(exc, NonFiniteLossError) else None)
+        row.update(
+            status="failed",
+            error=f"{type(exc).__name__}: {text}"[:300],
+            finite=False if isinstance(exc, NonFiniteLossError) else None,
+        )
     if os.environ.get("LOCAL_RANK", "0") == "0":
         result.write_text(json.dumps(row))
 
@@ -185,13 +231,20 @@ def recipe_row(name: str, devices: int, steps: int, cpu: bool, tmp: Path) -> dic
     folder = tmp / f"{name}-{devices}"
     folder.mkdir()
     result, log = folder / "result.json", folder / "output.txt"
-    command = [sys.executable, str(Path(__file__).resolve()), "--recipe-worker", name,
-               json.dumps(recipe_overrides(folder, steps, devices, cpu)), str(result)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--recipe-worker",
+        name,
+        json.dumps(recipe_overrides(folder, steps, devices, cpu)),
+        str(result),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     started, timed_out = time.perf_counter(), False
     with open(log, "wb") as out:
-        child = subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             child.wait(timeout=ROW_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -202,10 +255,22 @@ def recipe_row(name: str, devices: int, steps: int, cpu: bool, tmp: Path) -> dic
     if result.is_file():
         return row | json.loads(result.read_text())
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    error = (f"timed out after {ROW_TIMEOUT} s" if timed_out
-             else lines[-1].strip()[:300] if lines else f"exit status {child.returncode}")
-    return row | {"precision": None, "steps": None, "train_loss": None, "finite": None, "tokens_per_s": None,
-                  "status": "failed", "error": error}
+    error = (
+        f"timed out after {ROW_TIMEOUT} s"
+        if timed_out
+        else lines[-1].strip()[:300]
+        if lines
+        else f"exit status {child.returncode}"
+    )
+    return row | {
+        "precision": None,
+        "steps": None,
+        "train_loss": None,
+        "finite": None,
+        "tokens_per_s": None,
+        "status": "failed",
+        "error": error,
+    }
 
 
 def recipes_section(args) -> tuple[list[dict], str | None]:
@@ -231,21 +296,27 @@ def recipes_section(args) -> tuple[list[dict], str | None]:
                     continue
                 rows.append(recipe_row(name, devices, steps, args.cpu, Path(tmp)))
                 r = rows[-1]
-                print(f"recipe {name} on {devices} device{'s' * (devices > 1)}: {r['status']} "
-                      f"({r['seconds']:.0f} s)", flush=True)
+                print(
+                    f"recipe {name} on {devices} device{'s' * (devices > 1)}: {r['status']} ({r['seconds']:.0f} s)",
+                    flush=True,
+                )
     return rows, note
 
 
 def recipe_table(rows: list[dict], note: str | None) -> None:
-    print("\n| recipe | devices | precision (auto) | steps | final train loss | tokens/s | result |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "\n| recipe | devices | precision (auto) | steps | final train loss | tokens/s | result |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         finite = r["finite"]
         loss = "n/a" if finite is None else f"{r['train_loss']:.3f} (finite)" if finite else "not finite"
         steps = "n/a" if r["steps"] is None else r["steps"]
         tokens = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         result = r["status"] + (f": {r['error']}" if r.get("error") else "")
-        print(f"| {r['recipe']} | {r['devices']} | {r['precision'] or 'n/a'} | {steps} | {loss} | {tokens} | {result} |")
+        print(
+            f"| {r['recipe']} | {r['devices']} | {r['precision'] or 'n/a'} | {steps} | {loss} | {tokens} | {result} |"
+        )
     if note:
         print(f"\n{note}")
 
@@ -279,8 +350,11 @@ def main(argv=None) -> int:
     import torch
 
     if not args.cpu and not torch.cuda.is_available():
-        print("benchmarks/gpu_check.py needs a CUDA GPU and found none; run it on a GPU machine "
-              "(--cpu runs the same training on the CPU, to check the script itself)", file=sys.stderr)
+        print(
+            "benchmarks/gpu_check.py needs a CUDA GPU and found none; run it on a GPU machine "
+            "(--cpu runs the same training on the CPU, to check the script itself)",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from builder.mfu import peak_flops
@@ -303,30 +377,55 @@ def main(argv=None) -> int:
 
     rows = [
         ("device", device, ""),
-        ("model", f"{est['params'] / 1e9:.2f}B parameters", f"{args.layers} layers x d_model 2048, seq {args.seq_len}, "
-                                                             f"batch {args.batch}"),
-        ("layout", "FSDP2 on 1 device, bf16-mixed", "fully_shard per layer; fp32 master weights and reduction"
-                                                    + ("; activation checkpointing" if args.activation_checkpointing else "")),
+        (
+            "model",
+            f"{est['params'] / 1e9:.2f}B parameters",
+            f"{args.layers} layers x d_model 2048, seq {args.seq_len}, batch {args.batch}",
+        ),
+        (
+            "layout",
+            "FSDP2 on 1 device, bf16-mixed",
+            "fully_shard per layer; fp32 master weights and reduction"
+            + ("; activation checkpointing" if args.activation_checkpointing else ""),
+        ),
         ("steps", str(summary.get("steps", "n/a")), f"{summary.get('run_seconds', 0):.0f} s for the whole run"),
         ("train loss", f"{summary['train_loss']:.3f}" if summary.get("train_loss") else "n/a", "last step"),
         ("tokens/s", f"{tokens_per_s:,.0f}" if tokens_per_s else "n/a", "median step"),
-        ("MFU", f"{mfu:.1%}" if mfu else "n/a", f"{est['flops_per_token'] / 1e9:.2f} GFLOP/token over "
-                                                 f"{peak / 1e12:.0f} TFLOP/s" if peak else "dense bf16 peak unknown"),
+        (
+            "MFU",
+            f"{mfu:.1%}" if mfu else "n/a",
+            f"{est['flops_per_token'] / 1e9:.2f} GFLOP/token over {peak / 1e12:.0f} TFLOP/s"
+            if peak
+            else "dense bf16 peak unknown",
+        ),
         ("memory, estimated", gib(est["memory"]), f"builder describe (activations {gib(est['activations'])})"),
-        ("memory, max allocated", gib(allocated),
-         f"{allocated / est['memory']:.2f} x the estimate" if allocated else "torch.cuda.max_memory_allocated"),
+        (
+            "memory, max allocated",
+            gib(allocated),
+            f"{allocated / est['memory']:.2f} x the estimate" if allocated else "torch.cuda.max_memory_allocated",
+        ),
     ]
     for r in kernels:
         if "seq" in r:
             note = f"D {r['head_dim']}, seq {r['seq']}, causal {r['causal']}; max rel err {r['max_rel_err']:.1e}"
             ours, flash = r["ours_fwd_bwd"], r["flash_fwd_bwd"]
-            rows.append(("attention fwd+bwd TFLOP/s", f"{ours:.0f} (flash {flash:.0f})" if ours and flash else "n/a",
-                         note + ("" if r["ok"] else " FAIL")))
+            rows.append(
+                (
+                    "attention fwd+bwd TFLOP/s",
+                    f"{ours:.0f} (flash {flash:.0f})" if ours and flash else "n/a",
+                    note + ("" if r["ok"] else " FAIL"),
+                )
+            )
         else:
             note = f"batch {r['batch']}, cache {r['cache']}; max rel err {r['max_rel_err']:.1e}"
             ours, flash = r["ours_gbs"], r["flash_gbs"]
-            rows.append(("attention decode GB/s", f"{ours:.0f} (flash {flash:.0f})" if ours and flash else "n/a",
-                         note + ("" if r["ok"] else " FAIL")))
+            rows.append(
+                (
+                    "attention decode GB/s",
+                    f"{ours:.0f} (flash {flash:.0f})" if ours and flash else "n/a",
+                    note + ("" if r["ok"] else " FAIL"),
+                )
+            )
     print("\n| check | result | note |\n|---|---|---|")
     for name, value, note in rows:
         print(f"| {name} | {value} | {note} |")
@@ -334,11 +433,23 @@ def main(argv=None) -> int:
         recipe_table(recipe_rows, recipe_note)
     seconds = time.perf_counter() - started
     print(f"\n{seconds:.0f} s in all")
-    print(json.dumps({"device": device, "params": est["params"], "steps": summary.get("steps"),
-                      "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_estimate": est["memory"],
-                      "max_memory_allocated": allocated, "seconds": seconds,
-                      "attention": [{k: v for k, v in r.items()} for r in kernels],
-                      "recipes": recipe_rows, "recipes_note": recipe_note}))
+    print(
+        json.dumps(
+            {
+                "device": device,
+                "params": est["params"],
+                "steps": summary.get("steps"),
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "memory_estimate": est["memory"],
+                "max_memory_allocated": allocated,
+                "seconds": seconds,
+                "attention": [dict(r.items()) for r in kernels],
+                "recipes": recipe_rows,
+                "recipes_note": recipe_note,
+            }
+        )
+    )
     failed = [r for r in kernels if not r["ok"]] + [r for r in recipe_rows if r["status"] == "failed"]
     return 1 if failed else 0
 

@@ -25,4 +25,3 @@ def emit(result: dict, path: str | None) -> int:
         Path(path).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
     return 0
-

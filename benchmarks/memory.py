@@ -98,8 +98,14 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
 
     spec = load_spec(ROOT / spec_path, overrides)
     enc_dec = spec.architecture == "encoder-decoder"
-    est = estimate(spec, seq_len=seq, batch=batch, dtype=dtype,
-                   activation_checkpointing=checkpointing, fused_attention=backend != "eager")
+    est = estimate(
+        spec,
+        seq_len=seq,
+        batch=batch,
+        dtype=dtype,
+        activation_checkpointing=checkpointing,
+        fused_attention=backend != "eager",
+    )
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -125,10 +131,18 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
     del model, optimizer
     torch.cuda.empty_cache()
     return {
-        "spec": spec_path, "overrides": overrides, "batch": batch, "seq_len": seq, "dtype": dtype,
-        "backend": backend, "checkpointing": checkpointing, "params": est.params.total,
-        "estimate_bytes": predicted, "activations_bytes": est.memory.activations,
-        "measured_bytes": peak, "ratio": predicted / peak if peak else math.nan,
+        "spec": spec_path,
+        "overrides": overrides,
+        "batch": batch,
+        "seq_len": seq,
+        "dtype": dtype,
+        "backend": backend,
+        "checkpointing": checkpointing,
+        "params": est.params.total,
+        "estimate_bytes": predicted,
+        "activations_bytes": est.memory.activations,
+        "measured_bytes": peak,
+        "ratio": predicted / peak if peak else math.nan,
     }
 
 
@@ -143,15 +157,19 @@ def main(argv=None) -> int:
         print("benchmarks/memory.py needs torch", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("benchmarks/memory.py measures torch.cuda.max_memory_allocated and needs a CUDA GPU; "
-              "none is available here. `builder describe SPEC` prints the estimate alone.",
-              file=sys.stderr)
+        print(
+            "benchmarks/memory.py measures torch.cuda.max_memory_allocated and needs a CUDA GPU; "
+            "none is available here. `builder describe SPEC` prints the estimate alone.",
+            file=sys.stderr,
+        )
         return 2
     from builder.report import human_bytes
 
     print(f"device: {torch.cuda.get_device_name()}")
-    header = f"{'spec':28} {'batch':>5} {'seq':>6} {'dtype':>5} {'attn':>6} {'ckpt':>5} " \
-             f"{'estimate':>12} {'measured':>12} {'ratio':>6}"
+    header = (
+        f"{'spec':28} {'batch':>5} {'seq':>6} {'dtype':>5} {'attn':>6} {'ckpt':>5} "
+        f"{'estimate':>12} {'measured':>12} {'ratio':>6}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
@@ -166,9 +184,11 @@ def main(argv=None) -> int:
             continue
         rows.append(row)
         flag = "" if abs(row["ratio"] - 1) <= 0.10 else "  (off by more than 10%)"
-        print(f"{label:28} {batch:>5} {seq:>6} {dtype:>5} {backend:>6} {ckpt!s:>5} "
-              f"{human_bytes(row['estimate_bytes']):>12} {human_bytes(row['measured_bytes']):>12} "
-              f"{row['ratio']:>6.3f}{flag}")
+        print(
+            f"{label:28} {batch:>5} {seq:>6} {dtype:>5} {backend:>6} {ckpt!s:>5} "
+            f"{human_bytes(row['estimate_bytes']):>12} {human_bytes(row['measured_bytes']):>12} "
+            f"{row['ratio']:>6.3f}{flag}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -43,8 +43,14 @@ def variant_overrides(variant: str, steps: int) -> dict:
     precision, _, mode = variant.partition(":")
     if mode not in ("eager", "compiled"):
         raise SystemExit(f"--variants {variant!r}: give PRECISION:eager or PRECISION:compiled")
-    return {"trainer.precision": precision, "trainer.compile": mode == "compiled", "trainer.max_steps": steps,
-            "trainer.max_time": None, "schedule.decay_steps": steps, "trainer.val_check_interval": steps}
+    return {
+        "trainer.precision": precision,
+        "trainer.compile": mode == "compiled",
+        "trainer.max_steps": steps,
+        "trainer.max_time": None,
+        "schedule.decay_steps": steps,
+        "trainer.val_check_interval": steps,
+    }
 
 
 def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
@@ -53,13 +59,20 @@ def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
     from recipes.train import run
 
     with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
-        overrides = dict(parse_set_args(settings), **variant_overrides(variant, steps),
-                         **{"trainer.output_dir": str(Path(tmp) / "run")})
+        overrides = dict(
+            parse_set_args(settings),
+            **variant_overrides(variant, steps),
+            **{"trainer.output_dir": str(Path(tmp) / "run")},
+        )
         started = time.perf_counter()
         summary = run(recipe_path(recipe), overrides, fresh=True, samples=False)
-    return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"],
-            "run_seconds": time.perf_counter() - started, "val_loss": summary["val_loss"],
-            "train_loss": summary["train_loss"]}
+    return {
+        "tokens_per_s": summary["tokens_per_s"],
+        "compile_seconds": summary["compile_seconds"],
+        "run_seconds": time.perf_counter() - started,
+        "val_loss": summary["val_loss"],
+        "train_loss": summary["train_loss"],
+    }
 
 
 def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
@@ -92,10 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=["shakespeare-char", "lm-stdlib"])
     parser.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant (default 2)")
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, help=f"PRECISION:eager|compiled (default: "
-                        f"{' '.join(VARIANTS)}); ratios are against {BASELINE}, which is added when missing")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe field for every run (as builder train --set), e.g. eval.max_sentences=100")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=VARIANTS,
+        help=f"PRECISION:eager|compiled (default: "
+        f"{' '.join(VARIANTS)}); ratios are against {BASELINE}, which is added when missing",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe field for every run (as builder train --set), e.g. eval.max_sentences=100",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -108,36 +131,47 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         variant_overrides(variant, args.steps)  # each checked before the first run
 
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started {time.strftime('%Y-%m-%d %H:%M')}",
-          flush=True)
+    print(
+        f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started {time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
     results: dict = {"machine": machine(), "steps": args.steps, "recipes": {}}
     for recipe in args.recipes:
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for round_ in range(args.rounds):
-            order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+            order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
             for variant in order:
                 result = run_worker(recipe, variant, args.steps, args.set)
                 runs[variant].append(result)
-                print(f"{recipe} round {round_ + 1} {variant:20s}: {result['tokens_per_s']:9,.0f} tokens/s, val "
-                      f"{result['val_loss']:.4f}, compile {result['compile_seconds']:.1f} s, run "
-                      f"{result['run_seconds']:.1f} s", flush=True)
+                print(
+                    f"{recipe} round {round_ + 1} {variant:20s}: {result['tokens_per_s']:9,.0f} tokens/s, val "
+                    f"{result['val_loss']:.4f}, compile {result['compile_seconds']:.1f} s, run "
+                    f"{result['run_seconds']:.1f} s",
+                    flush=True,
+                )
         table = {}
         for variant, rs in runs.items():
             ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs[BASELINE])]
             table[variant] = {
                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-                "ratio": statistics.median(ratios), "ratios": ratios,
+                "ratio": statistics.median(ratios),
+                "ratios": ratios,
                 "run_ratio": statistics.median(b["run_seconds"] / r["run_seconds"] for r, b in zip(rs, runs[BASELINE])),
                 "compile_seconds": statistics.median(r["compile_seconds"] for r in rs),
-                "val_loss": statistics.mean(r["val_loss"] for r in rs), "runs": rs,
+                "val_loss": statistics.mean(r["val_loss"] for r in rs),
+                "runs": rs,
             }
         results["recipes"][recipe] = {"variants": table, "auto": auto_choice(recipe)}
-        print(f"\n{recipe}: {args.steps} steps, {args.rounds} rounds; ratios against {BASELINE} in the same round; "
-              f"auto picks {results['recipes'][recipe]['auto']} here")
+        print(
+            f"\n{recipe}: {args.steps} steps, {args.rounds} rounds; ratios against {BASELINE} in the same round; "
+            f"auto picks {results['recipes'][recipe]['auto']} here"
+        )
         print(f"{'variant':20s} {'tokens/s':>10s} {'ratio':>7s} {'whole run':>10s} {'compile s':>10s} {'val loss':>9s}")
         for variant, row in table.items():
-            print(f"{variant:20s} {row['tokens_per_s']:10,.0f} {row['ratio']:6.2f}x {row['run_ratio']:9.2f}x "
-                  f"{row['compile_seconds']:10.1f} {row['val_loss']:9.4f}")
+            print(
+                f"{variant:20s} {row['tokens_per_s']:10,.0f} {row['ratio']:6.2f}x {row['run_ratio']:9.2f}x "
+                f"{row['compile_seconds']:10.1f} {row['val_loss']:9.4f}"
+            )
         print(flush=True)
     return emit(results, args.json)
 

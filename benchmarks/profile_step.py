@@ -5,7 +5,8 @@
 The model ``recipes/shakespeare-char.yaml`` builds (nanoGPT's 4 x 128 GPT), its loss, backward and
 fused AdamW step on one micro-batch of 12 x 64 tokens, profiled over ``--steps`` steps after a
 warm-up, two ways in one process: eager, and ``torch.compile`` of the loss (what
-``trainer.compile: model`` runs; Inductor's kernels named in the table). For each: the ops by self CPU time (ms per step, share), the
+``trainer.compile: model`` runs; Inductor's kernels named in the table). For each: the ops by self
+CPU time (ms per step, share), the
 matrix multiplies' share and their GFLOP/s, and the minor page faults and kernel (system) CPU
 milliseconds per step from ``getrusage``.
 
@@ -91,14 +92,18 @@ def profile(name: str, model, loss, tokens: int, steps: int, rows: int) -> None:
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events)  # microseconds over `steps` steps
     mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
-    print(f"\n{name}: {total / steps / 1e3:.1f} ms/step of self CPU time under the profiler; matrix multiplies "
-          f"{mm / total:.0%} ({matmul_flops(model, tokens) / (mm / steps / 1e6) / 1e9:.0f} GFLOP/s); "
-          f"{(after.ru_minflt - before.ru_minflt) / steps:.0f} minor page faults and "
-          f"{(after.ru_stime - before.ru_stime) / steps * 1e3:.1f} ms of kernel CPU time per step (unprofiled)")
+    print(
+        f"\n{name}: {total / steps / 1e3:.1f} ms/step of self CPU time under the profiler; matrix multiplies "
+        f"{mm / total:.0%} ({matmul_flops(model, tokens) / (mm / steps / 1e6) / 1e9:.0f} GFLOP/s); "
+        f"{(after.ru_minflt - before.ru_minflt) / steps:.0f} minor page faults and "
+        f"{(after.ru_stime - before.ru_stime) / steps * 1e3:.1f} ms of kernel CPU time per step (unprofiled)"
+    )
     print(f"  {'op':60s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]:
-        print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / steps / 1e3:8.2f} {e.self_cpu_time_total / total:6.1%} "
-              f"{e.count / steps:10.1f}")
+        print(
+            f"  {e.key[:60]:60s} {e.self_cpu_time_total / steps / 1e3:8.2f} {e.self_cpu_time_total / total:6.1%} "
+            f"{e.count / steps:10.1f}"
+        )
 
 
 def step_fns() -> tuple[dict, int]:
@@ -174,7 +179,10 @@ def side_by_side(rounds: int) -> None:
     print(f"\nwall time per step, alternating 10-step chunks, median of {rounds} rounds:")
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:34s} {median:6.1f} ms  ({tokens / median * 1e3:8,.0f} tokens/s)  {base / median:5.2f}x the yardstick")
+        print(
+            f"  {name:34s} {median:6.1f} ms  ({tokens / median * 1e3:8,.0f} tokens/s)  "
+            f"{base / median:5.2f}x the yardstick"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,14 +68,16 @@ def nanogpt_state(ours: dict, n_layers: int) -> dict:
     for i in range(n_layers):
         layer, block = f"decoder.layers.{i}", f"transformer.h.{i}"
         attention = [ours[f"{layer}.attention.{p}_proj.weight"] for p in "qkv"]
-        state.update({
-            f"{block}.ln_1.weight": ours[f"{layer}.attention_norm.weight"],
-            f"{block}.attn.c_attn.weight": __import__("torch").cat(attention, dim=0),
-            f"{block}.attn.c_proj.weight": ours[f"{layer}.attention.out_proj.weight"],
-            f"{block}.ln_2.weight": ours[f"{layer}.ffn_norm.weight"],
-            f"{block}.mlp.c_fc.weight": ours[f"{layer}.ffn.up_proj.weight"],
-            f"{block}.mlp.c_proj.weight": ours[f"{layer}.ffn.down_proj.weight"],
-        })
+        state.update(
+            {
+                f"{block}.ln_1.weight": ours[f"{layer}.attention_norm.weight"],
+                f"{block}.attn.c_attn.weight": __import__("torch").cat(attention, dim=0),
+                f"{block}.attn.c_proj.weight": ours[f"{layer}.attention.out_proj.weight"],
+                f"{block}.ln_2.weight": ours[f"{layer}.ffn_norm.weight"],
+                f"{block}.mlp.c_fc.weight": ours[f"{layer}.ffn.up_proj.weight"],
+                f"{block}.mlp.c_proj.weight": ours[f"{layer}.ffn.down_proj.weight"],
+            }
+        )
     return state
 
 
@@ -83,13 +85,17 @@ def check_nanogpt_shaped(spec, recipe) -> None:
     """The recipe must describe nanoGPT's model for the comparison to mean anything."""
     d, attention, ffn, norm = spec.decoder, spec.decoder.attention, spec.decoder.ffn, spec.decoder.norm
     facts = {
-        "decoder-only": spec.architecture == "decoder-only", "learned positions": spec.position.type == "learned",
-        "tied head": spec.tie_embeddings, "GELU MLP of 4 x d_model": (ffn.type, ffn.activation) == ("mlp", "gelu")
+        "decoder-only": spec.architecture == "decoder-only",
+        "learned positions": spec.position.type == "learned",
+        "tied head": spec.tie_embeddings,
+        "GELU MLP of 4 x d_model": (ffn.type, ffn.activation) == ("mlp", "gelu")
         and ffn.resolved_hidden_dim(spec.d_model) == 4 * spec.d_model,
         "no biases": not (attention.qkv_bias or attention.out_bias or ffn.bias or norm.bias),
         "pre-LN LayerNorm": (norm.type, norm.placement) == ("layernorm", "pre"),
-        "no dropout": attention.dropout == d.dropout == 0.0, "MHA": attention.n_kv_heads == attention.n_heads,
-        "decayed embeddings": recipe.optimizer.decay_embeddings, "cosine schedule": recipe.schedule.type == "cosine",
+        "no dropout": attention.dropout == d.dropout == 0.0,
+        "MHA": attention.n_kv_heads == attention.n_heads,
+        "decayed embeddings": recipe.optimizer.decay_embeddings,
+        "cosine schedule": recipe.schedule.type == "cosine",
     }
     wrong = [name for name, ok in facts.items() if not ok]
     if wrong:
@@ -114,28 +120,50 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
     mixture = Mixture(corpus.sources, t.seed, spec.vocab_size)
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=spec.vocab_size, block_size=spec.max_seq_len, n_layer=spec.decoder.n_layers,
-                          n_head=spec.decoder.attention.n_heads, n_embd=spec.d_model))
+    model = GPT(
+        GPTConfig(
+            vocab_size=spec.vocab_size,
+            block_size=spec.max_seq_len,
+            n_layer=spec.decoder.n_layers,
+            n_head=spec.decoder.attention.n_heads,
+            n_embd=spec.d_model,
+        )
+    )
     if not own_init:  # the recipe's seeded init (recipes.train.training_model seeds the same way)
         torch.manual_seed(seed)
         ours = build_model(spec).state_dict()
         model.load_state_dict(nanogpt_state(ours, spec.decoder.n_layers))
     loop = LoopConfig(
-        max_iters=t.max_steps, learning_rate=opt.lr, min_lr=sched.min_lr, warmup_iters=sched.warmup_steps,
-        lr_decay_iters=sched.decay_steps or t.max_steps, weight_decay=opt.weight_decay, beta1=opt.betas[0],
-        beta2=opt.betas[1], grad_clip=t.gradient_clip_val or 0.0, eval_interval=t.val_check_interval,
+        max_iters=t.max_steps,
+        learning_rate=opt.lr,
+        min_lr=sched.min_lr,
+        warmup_iters=sched.warmup_steps,
+        lr_decay_iters=sched.decay_steps or t.max_steps,
+        weight_decay=opt.weight_decay,
+        beta1=opt.betas[0],
+        beta2=opt.betas[1],
+        grad_clip=t.gradient_clip_val or 0.0,
+        eval_interval=t.val_check_interval,
         log_interval=t.log_every_n_steps,
     )
     # the recipe's windows, each (x, y) made contiguous as nanoGPT's get_batch returns them
     batches = ((x.contiguous(), y.contiguous()) for x, y in TrainWindows(mixture, d.batch_size, 0, 1, 0))
     val = [(x.contiguous(), y.contiguous()) for x, y in ValWindows(mixture, d.batch_size, t.limit_val_batches, 0, 1)]
-    result = train(model, batches, lambda: val, loop,
-                   on_eval=lambda step, loss, wall: print(f"  yardstick step {step}: val {loss:.4f} at {wall:.1f} s",
-                                                          flush=True))
+    result = train(
+        model,
+        batches,
+        lambda: val,
+        loop,
+        on_eval=lambda step, loss, wall: print(f"  yardstick step {step}: val {loss:.4f} at {wall:.1f} s", flush=True),
+    )
     tokens_per_step = d.batch_size * d.seq_len
     rates = sorted(n * tokens_per_step / s for n, s in result["intervals"])
-    return {"val": result["val"], "tokens_per_s": rates[len(rates) // 2], "compile_seconds": 0.0,
-            "wall_seconds": result["val"][-1][2]}
+    return {
+        "val": result["val"],
+        "tokens_per_s": rates[len(rates) // 2],
+        "compile_seconds": 0.0,
+        "wall_seconds": result["val"][-1][2],
+    }
 
 
 def recipe_worker(seed: int, max_steps: int | None, settings: list[str]) -> dict:
@@ -145,12 +173,17 @@ def recipe_worker(seed: int, max_steps: int | None, settings: list[str]) -> dict
     from recipes.train import run
 
     with tempfile.TemporaryDirectory(prefix="shakespeare-char-") as tmp:
-        overrides = dict(_overrides(seed, max_steps), **parse_set_args(settings),
-                         **{"trainer.output_dir": str(Path(tmp) / "run")})
+        overrides = dict(
+            _overrides(seed, max_steps), **parse_set_args(settings), **{"trainer.output_dir": str(Path(tmp) / "run")}
+        )
         summary = run(RECIPE, overrides, fresh=True, samples=False)
         history = torch.load(summary["last"], map_location="cpu", weights_only=True)["builder"]["history"]
-    return {"val": history["val"], "tokens_per_s": summary["tokens_per_s"],
-            "compile_seconds": summary["compile_seconds"], "wall_seconds": history["val"][-1][2]}
+    return {
+        "val": history["val"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "compile_seconds": summary["compile_seconds"],
+        "wall_seconds": history["val"][-1][2],
+    }
 
 
 # -- the side-by-side driver ------------------------------------------------------------------------
@@ -195,10 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 7, 42])
     parser.add_argument("--max-steps", type=int, help="shorter runs for development (default: the recipe's 2000)")
     parser.add_argument("--own-init", action="store_true", help="the yardstick draws its own initial weights")
-    parser.add_argument("--threads", type=int, help="torch threads in both (default: torch's, one per core); 1 "
-                        "gives steadier ratios on a machine other work shares")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe field for the recipe's runs (as builder train --set)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads in both (default: torch's, one per core); 1 "
+        "gives steadier ratios on a machine other work shares",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe field for the recipe's runs (as builder train --set)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=["yardstick", "recipe"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -218,16 +260,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result).write_text(json.dumps(result))
         return 0
 
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started "
-          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    print(
+        f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started {time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
     runs: dict[str, list[dict]] = {"yardstick": [], "recipe": []}
     for i, seed in enumerate(args.seeds):
-        for which in (("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick")):
+        for which in ("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick"):
             result = run_worker(which, seed, args)
             result["seed"] = seed
             runs[which].append(result)
-            print(f"seed {seed:5d} {which:9s}: val {result['val'][-1][1]:.4f}, {result['tokens_per_s']:8,.0f} tokens/s, "
-                  f"{result['wall_seconds']:6.1f} s training (compile {result['compile_seconds']:.1f} s)", flush=True)
+            print(
+                f"seed {seed:5d} {which:9s}: val {result['val'][-1][1]:.4f}, {result['tokens_per_s']:8,.0f} tokens/s, "
+                f"{result['wall_seconds']:6.1f} s training (compile {result['compile_seconds']:.1f} s)",
+                flush=True,
+            )
 
     target = statistics.median(r["val"][-1][1] for r in runs["yardstick"])
     for which in runs:
@@ -254,18 +301,24 @@ def main(argv: list[str] | None = None) -> int:
     summary["wall_ratio"] = summary["median_wall_seconds"]["yardstick"] / summary["median_wall_seconds"]["recipe"]
 
     print(f"\nside by side on {summary['machine']}; target = the yardstick's median final val loss {target:.4f}")
-    print(f"{'':10s} {'final val (mean)':>16s} {'tokens/s (median)':>18s} {'run s (median)':>15s} "
-          f"{'s to target (median)':>21s} {'compile s':>10s}")
+    print(
+        f"{'':10s} {'final val (mean)':>16s} {'tokens/s (median)':>18s} {'run s (median)':>15s} "
+        f"{'s to target (median)':>21s} {'compile s':>10s}"
+    )
     for w in runs:
         reached = to_target[w]
-        print(f"{w:10s} {summary['mean_final_val'][w]:16.4f} {summary['median_tokens_per_s'][w]:18,.0f} "
-              f"{summary['median_wall_seconds'][w]:15.1f} {('%.1f' % reached) if reached else 'not reached':>21s} "
-              f"{statistics.median(r['compile_seconds'] for r in runs[w]):10.1f}")
+        print(
+            f"{w:10s} {summary['mean_final_val'][w]:16.4f} {summary['median_tokens_per_s'][w]:18,.0f} "
+            f"{summary['median_wall_seconds'][w]:15.1f} {('%.1f' % reached) if reached else 'not reached':>21s} "
+            f"{statistics.median(r['compile_seconds'] for r in runs[w]):10.1f}"
+        )
     ratio = summary["time_to_target_ratio"]
-    print(f"recipe / yardstick tokens/s: {summary['tokens_per_s_ratio']:.2f}x (per seed: "
-          f"{', '.join(f'{s:.2f}' for s in speedups)}); whole run {summary['wall_ratio']:.2f}x faster; to target "
-          f"{f'{ratio:.2f}x faster' if ratio else 'n/a'} (compile counted); final val loss "
-          f"{summary['mean_final_val']['recipe'] - summary['mean_final_val']['yardstick']:+.4f} (recipe - yardstick)")
+    print(
+        f"recipe / yardstick tokens/s: {summary['tokens_per_s_ratio']:.2f}x (per seed: "
+        f"{', '.join(f'{s:.2f}' for s in speedups)}); whole run {summary['wall_ratio']:.2f}x faster; to target "
+        f"{f'{ratio:.2f}x faster' if ratio else 'n/a'} (compile counted); final val loss "
+        f"{summary['mean_final_val']['recipe'] - summary['mean_final_val']['yardstick']:+.4f} (recipe - yardstick)"
+    )
     return emit(summary, args.json)
 
 

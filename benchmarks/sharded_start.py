@@ -34,10 +34,19 @@ SEED = 1234
 def spec_dict(layers: int, d_model: int, vocab: int) -> dict:
     """A GPT-style decoder: learned positions, GELU MLP, tied head (GPT-2 medium's shape at 22 layers)."""
     return {
-        "name": f"start-{layers}x{d_model}", "architecture": "decoder-only", "vocab_size": vocab,
-        "d_model": d_model, "max_seq_len": 1024, "tie_embeddings": True, "position": {"type": "learned"},
-        "decoder": {"n_layers": layers, "attention": {"n_heads": d_model // 64, "qkv_bias": True, "out_bias": True},
-                    "ffn": {"type": "mlp", "activation": "gelu_tanh", "bias": True}, "norm": {"type": "layernorm"}},
+        "name": f"start-{layers}x{d_model}",
+        "architecture": "decoder-only",
+        "vocab_size": vocab,
+        "d_model": d_model,
+        "max_seq_len": 1024,
+        "tie_embeddings": True,
+        "position": {"type": "learned"},
+        "decoder": {
+            "n_layers": layers,
+            "attention": {"n_heads": d_model // 64, "qkv_bias": True, "out_bias": True},
+            "ffn": {"type": "mlp", "activation": "gelu_tanh", "bias": True},
+            "norm": {"type": "layernorm"},
+        },
     }
 
 
@@ -59,8 +68,13 @@ def whole(spec: dict) -> dict:
     model = build_model(validated, init_seed=SEED)
     seconds = time.perf_counter() - started
     sums = {name: float(p.double().sum()) for name, p in model.named_parameters()}
-    return {"peak_mib": peak_mib(), "rise_mib": peak_mib() - base, "seconds": seconds,
-            "params": sum(p.numel() for p in model.parameters()), "sums": sums}
+    return {
+        "peak_mib": peak_mib(),
+        "rise_mib": peak_mib() - base,
+        "seconds": seconds,
+        "params": sum(p.numel() for p in model.parameters()),
+        "sums": sums,
+    }
 
 
 def sharded(spec: dict) -> dict:
@@ -93,13 +107,22 @@ def sharded(spec: dict) -> dict:
         sums[name] = float(total.full_tensor() if isinstance(total, DTensor) else total)
     rank = dist.get_rank()
     dist.destroy_process_group()
-    return {"rank": rank, "peak_mib": peak,
-            "rise_mib": rise, "seconds": seconds, "local_mib": local_bytes(model) / 2**20, "sums": sums}
+    return {
+        "rank": rank,
+        "peak_mib": peak,
+        "rise_mib": rise,
+        "seconds": seconds,
+        "local_mib": local_bytes(model) / 2**20,
+        "sums": sums,
+    }
 
 
 def _child(mode: str, spec: dict, out: Path, ranks: int) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+    )
     args = [__file__, "--worker", mode, "--spec", json.dumps(spec), "--out", str(out)]
     if mode == "whole":
         command = [sys.executable, *args]
@@ -134,27 +157,43 @@ def main(argv=None) -> int:
         _child("sharded", spec, out, args.ranks)
         full = json.loads((out / "whole.json").read_text())
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.ranks)]
-    mismatch = max(abs(r - full["sums"][k]) / max(1.0, abs(full["sums"][k]))
-                   for k, r in ranks[0]["sums"].items())
-    print(f"{spec['name']}: {full['params'] / 1e6:.1f}M parameters "
-          f"({full['params'] * 4 / 2**20:,.0f} MiB in fp32), {args.ranks} CPU processes (gloo)\n")
+    mismatch = max(abs(r - full["sums"][k]) / max(1.0, abs(full["sums"][k])) for k, r in ranks[0]["sums"].items())
+    print(
+        f"{spec['name']}: {full['params'] / 1e6:.1f}M parameters "
+        f"({full['params'] * 4 / 2**20:,.0f} MiB in fp32), {args.ranks} CPU processes (gloo)\n"
+    )
     print("| start | peak RSS MiB | rise after imports MiB | parameters held MiB | seconds |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| whole model, one process | {full['peak_mib']:,.0f} | {full['rise_mib']:,.0f} "
-          f"| {full['params'] * 4 / 2**20:,.0f} | {full['seconds']:.1f} |")
+    print(
+        f"| whole model, one process | {full['peak_mib']:,.0f} | {full['rise_mib']:,.0f} "
+        f"| {full['params'] * 4 / 2**20:,.0f} | {full['seconds']:.1f} |"
+    )
     for r in ranks:
-        print(f"| sharded, rank {r['rank']} | {r['peak_mib']:,.0f} | {r['rise_mib']:,.0f} "
-              f"| {r['local_mib']:,.0f} | {r['seconds']:.1f} |")
+        print(
+            f"| sharded, rank {r['rank']} | {r['peak_mib']:,.0f} | {r['rise_mib']:,.0f} "
+            f"| {r['local_mib']:,.0f} | {r['seconds']:.1f} |"
+        )
     share = max(r["rise_mib"] for r in ranks) / full["rise_mib"]
     peak_share = max(r["peak_mib"] for r in ranks) / full["peak_mib"]
-    print(f"\nlargest sharded rank / whole build: {share:.2f} of the start's rise, {peak_share:.2f} of peak RSS "
-          f"(imports included); parameter sums agree to {mismatch:.1e}")
-    print(json.dumps({"params": full["params"], "ranks": args.ranks, "whole_peak_mib": full["peak_mib"],
-                      "whole_rise_mib": full["rise_mib"],
-                      "sharded_peak_mib": [r["peak_mib"] for r in ranks],
-                      "sharded_rise_mib": [r["rise_mib"] for r in ranks], "rise_ratio": share,
-                      "peak_ratio": peak_share,
-                      "max_sum_rel_diff": mismatch}))
+    print(
+        f"\nlargest sharded rank / whole build: {share:.2f} of the start's rise, {peak_share:.2f} of peak RSS "
+        f"(imports included); parameter sums agree to {mismatch:.1e}"
+    )
+    print(
+        json.dumps(
+            {
+                "params": full["params"],
+                "ranks": args.ranks,
+                "whole_peak_mib": full["peak_mib"],
+                "whole_rise_mib": full["rise_mib"],
+                "sharded_peak_mib": [r["peak_mib"] for r in ranks],
+                "sharded_rise_mib": [r["rise_mib"] for r in ranks],
+                "rise_ratio": share,
+                "peak_ratio": peak_share,
+                "max_sum_rel_diff": mismatch,
+            }
+        )
+    )
     return 0 if share < 0.5 and mismatch < 1e-6 else 1
 
 

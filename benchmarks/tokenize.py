@@ -39,17 +39,17 @@ import sys
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.append(sys.path.pop(0))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
 
-from machine import emit, machine  # noqa: E402  (benchmarks/machine.py: this folder is on the path, last)
+from machine import emit, machine
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 1234
@@ -64,8 +64,34 @@ EOS = "<|endoftext|>"
 
 def _words(rng) -> list[str]:
     """VOCABULARY pseudo-words from syllables, most frequent first; 1% with non-ASCII letters."""
-    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "ch",
-              "sh", "th", "st", "tr", "pl", "gr"]
+    onsets = [
+        "",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "j",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "w",
+        "z",
+        "ch",
+        "sh",
+        "th",
+        "st",
+        "tr",
+        "pl",
+        "gr",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ou", "ea", "io", "ai"]
     codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng"]
     accents = ["é", "ü", "ö", "ñ", "ç", "å", "ø", "日", "本"]
@@ -87,7 +113,7 @@ def sentence_pool(seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     words = _words(rng)
     ranks = np.arange(1, VOCABULARY + 1, dtype=np.float64)
-    p = ranks ** -1.1
+    p = ranks**-1.1
     p /= p.sum()
     lengths = rng.integers(3, 26, size=SENTENCES)
     picks = rng.choice(VOCABULARY, size=int(lengths.sum()), p=p)
@@ -155,17 +181,28 @@ def make_corpus(folder: Path, gb: float) -> dict:
             elif kind == "jsonl":
                 with open(name.with_suffix(".jsonl"), "w", encoding="utf-8") as f:
                     for i, doc in enumerate(docs):
-                        f.write(json.dumps({"id": f"{index}-{i}", "url": f"https://example.com/{index}/{i}",
-                                            "text": doc}, ensure_ascii=False) + "\n")
+                        f.write(
+                            json.dumps(
+                                {"id": f"{index}-{i}", "url": f"https://example.com/{index}/{i}", "text": doc},
+                                ensure_ascii=False,
+                            )
+                            + "\n"
+                        )
             else:
                 ids = [f"{index}-{i}" for i in range(len(docs))]
                 table = pa.table({"id": ids, "url": [f"https://example.com/{i}" for i in ids], "text": docs})
                 pq.write_table(table, name.with_suffix(".parquet"), row_group_size=8192)
             del docs
     files = sorted(p.name for p in folder.iterdir() if p.suffix in (".txt", ".jsonl", ".parquet"))
-    info = {"gb": gb, "seed": SEED, "files": files, "documents": counts, "text_bytes": text_bytes,
-            "stored_bytes": sum((folder / f).stat().st_size for f in files),
-            "seconds": time.perf_counter() - started}
+    info = {
+        "gb": gb,
+        "seed": SEED,
+        "files": files,
+        "documents": counts,
+        "text_bytes": text_bytes,
+        "stored_bytes": sum((folder / f).stat().st_size for f in files),
+        "seconds": time.perf_counter() - started,
+    }
     stamp.write_text(json.dumps(info))
     return info
 
@@ -187,8 +224,9 @@ def make_tokenizer(corpus: Path, path: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192, special_tokens=[EOS], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(sample, trainer)
     tokenizer.save(str(path))
 
@@ -208,19 +246,27 @@ def theirs(corpus: str, tokenizer_file: str, workers: int, cache: str, result: s
     folder = Path(corpus)
     tokenizer = Tokenizer.from_file(tokenizer_file)
     eos = tokenizer.token_to_id(EOS)
-    files = {kind: sorted(str(p) for p in folder.glob(f"*.{suffix}"))
-             for kind, suffix in (("text", "txt"), ("json", "jsonl"), ("parquet", "parquet"))}
-    parts = [load_dataset("text", data_files=files["text"], sample_by="paragraph", split="train", cache_dir=cache),
-             load_dataset("json", data_files=files["json"], split="train", cache_dir=cache).select_columns(["text"]),
-             load_dataset("parquet", data_files=files["parquet"], split="train", cache_dir=cache)
-             .select_columns(["text"])]
+    files = {
+        kind: sorted(str(p) for p in folder.glob(f"*.{suffix}"))
+        for kind, suffix in (("text", "txt"), ("json", "jsonl"), ("parquet", "parquet"))
+    }
+    parts = [
+        load_dataset("text", data_files=files["text"], sample_by="paragraph", split="train", cache_dir=cache),
+        load_dataset("json", data_files=files["json"], split="train", cache_dir=cache).select_columns(["text"]),
+        load_dataset("parquet", data_files=files["parquet"], split="train", cache_dir=cache).select_columns(["text"]),
+    ]
     data = concatenate_datasets(parts)
 
     def tokenize(batch):
         return {"input_ids": [e.ids + [eos] for e in tokenizer.encode_batch(batch["text"], add_special_tokens=False)]}
 
-    out = data.map(tokenize, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"],
-                   cache_file_name=str(Path(cache) / "tokenized.arrow"))
+    out = data.map(
+        tokenize,
+        batched=True,
+        num_proc=workers if workers > 1 else None,
+        remove_columns=["text"],
+        cache_file_name=str(Path(cache) / "tokenized.arrow"),
+    )
     tokens = int(pc.sum(pc.list_value_length(out.data.column("input_ids"))).as_py())
     Path(result).write_text(json.dumps({"tokens": tokens, "documents": len(out)}))
 
@@ -267,14 +313,33 @@ def measure(command: list[str], env: dict) -> dict:
     # the reaped tree's CPU (every process its parent waited for), or what sampling saw when more (a
     # pool's forkserver and its workers are never waited for by the process that started them)
     waited = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"seconds": seconds, "peak_rss": peak["rss"], "peak_private": peak["private"],
-            "cpu_seconds": max(waited, sum(cpu.values())), "output": output}
+    return {
+        "seconds": seconds,
+        "peak_rss": peak["rss"],
+        "peak_private": peak["private"],
+        "cpu_seconds": max(waited, sum(cpu.values())),
+        "output": output,
+    }
 
 
 def run_ours(corpus: Path, tokenizer: Path, out: Path, workers: int, env: dict) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "builder.cli", "tokenize", str(corpus), "-o", str(out), "--tokenizer",
-               str(tokenizer), "--separator", r"\n\n", "--workers", str(workers), "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "builder.cli",
+        "tokenize",
+        str(corpus),
+        "-o",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--separator",
+        r"\n\n",
+        "--workers",
+        str(workers),
+        "--json",
+    ]
     result = measure(command, env)
     summary = json.loads(result.pop("output").strip().splitlines()[-1])
     tokens = sum(s["tokens"] for s in summary["splits"].values())
@@ -285,10 +350,10 @@ def run_theirs(corpus: Path, tokenizer: Path, cache: Path, workers: int, env: di
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
     answer = cache.parent / "theirs.json"
-    command = [sys.executable, __file__, "--theirs", str(corpus), str(tokenizer), str(workers), str(cache),
-               str(answer)]
-    result = measure(command, dict(env, HF_HOME=str(cache / "home"), HF_DATASETS_CACHE=str(cache),
-                                   HF_DATASETS_OFFLINE="1"))
+    command = [sys.executable, __file__, "--theirs", str(corpus), str(tokenizer), str(workers), str(cache), str(answer)]
+    result = measure(
+        command, dict(env, HF_HOME=str(cache / "home"), HF_DATASETS_CACHE=str(cache), HF_DATASETS_OFFLINE="1")
+    )
     result.pop("output")
     counts = json.loads(answer.read_text())
     shutil.rmtree(cache, ignore_errors=True)
@@ -301,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated (default 1,2)")
     parser.add_argument("--work", help="where the corpus and outputs go (default: a temporary folder, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the corpus and our last output (WORK/ours)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="runs of each side per worker count, in turning order; the fastest of each is shown "
-                        "(default 1)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each side per worker count, in turning order; the fastest of each is shown (default 1)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--theirs", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -316,51 +384,78 @@ def main(argv: list[str] | None = None) -> int:
     if REPO in [work.resolve(), *work.resolve().parents]:
         raise SystemExit(f"--work {work}: inside the repository; give a folder outside it")
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, RAYON_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started {time.strftime('%Y-%m-%d %H:%M')}",
-          flush=True)
+    env = dict(
+        os.environ,
+        RAYON_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    print(
+        f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started {time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
     corpus = make_corpus(work / "corpus", args.gb)
     tokenizer = work / "tokenizer.json"
     make_tokenizer(work / "corpus", tokenizer)
     mb = corpus["text_bytes"] / 1e6
-    print(f"corpus: {mb:,.0f} MB of text in {len(corpus['files'])} files ({corpus['stored_bytes'] / 1e6:,.0f} MB "
-          f"stored; thirds text / JSONL / Parquet), {sum(corpus['documents'].values()):,} documents, under {work}; "
-          f"byte-level BPE of 8,192 pieces", flush=True)
+    print(
+        f"corpus: {mb:,.0f} MB of text in {len(corpus['files'])} files ({corpus['stored_bytes'] / 1e6:,.0f} MB "
+        f"stored; thirds text / JSONL / Parquet), {sum(corpus['documents'].values()):,} documents, under {work}; "
+        f"byte-level BPE of 8,192 pieces",
+        flush=True,
+    )
     rows = []
-    sides = {"ours": lambda w: run_ours(work / "corpus", tokenizer, work / "ours", w, env),
-             "theirs": lambda w: run_theirs(work / "corpus", tokenizer, work / "hf-cache", w, env)}
+    sides = {
+        "ours": lambda w: run_ours(work / "corpus", tokenizer, work / "ours", w, env),
+        "theirs": lambda w: run_theirs(work / "corpus", tokenizer, work / "hf-cache", w, env),
+    }
     try:
         for workers in counts:
             runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
             for round_ in range(args.rounds):
                 # the order turns each round, so a busy minute of a shared machine falls on each side in turn
-                for side in (("ours", "theirs") if round_ % 2 == 0 else ("theirs", "ours")):
+                for side in ("ours", "theirs") if round_ % 2 == 0 else ("theirs", "ours"):
                     result = sides[side](workers)
                     runs[side].append(result)
-                    print(f"workers {workers} round {round_ + 1} {side:6s}: {result['seconds']:8.1f} s, peak RSS "
-                          f"{result['peak_rss'] / 2**30:.2f} GiB, {result['tokens']:,} tokens", flush=True)
+                    print(
+                        f"workers {workers} round {round_ + 1} {side:6s}: {result['seconds']:8.1f} s, peak RSS "
+                        f"{result['peak_rss'] / 2**30:.2f} GiB, {result['tokens']:,} tokens",
+                        flush=True,
+                    )
             ours, them = (min(runs[side], key=lambda r: r["seconds"]) for side in ("ours", "theirs"))
             if ours["tokens"] != them["tokens"] or ours["documents"] != them["documents"]:
-                print(f"  note: token counts differ: ours {ours['tokens']:,} in {ours['documents']:,} documents, "
-                      f"theirs {them['tokens']:,} in {them['documents']:,}", flush=True)
-            rows.append({"workers": workers, "ours": ours, "theirs": them, "runs": runs,
-                         "ratio": them["seconds"] / ours["seconds"]})
+                print(
+                    f"  note: token counts differ: ours {ours['tokens']:,} in {ours['documents']:,} documents, "
+                    f"theirs {them['tokens']:,} in {them['documents']:,}",
+                    flush=True,
+                )
+            rows.append(
+                {
+                    "workers": workers,
+                    "ours": ours,
+                    "theirs": them,
+                    "runs": runs,
+                    "ratio": them["seconds"] / ours["seconds"],
+                }
+            )
     finally:
         if not args.keep:
             shutil.rmtree(work / "ours", ignore_errors=True)
             if not args.work:
                 shutil.rmtree(work, ignore_errors=True)
     print(f"\n{args.gb:g} GB corpus ({mb:,.0f} MB of text): builder tokenize vs datasets load_dataset + map")
-    print(f"{'workers':>7s}  {'side':<18s} {'seconds':>8s} {'MB/s':>7s} {'Mtok/s':>7s} {'ratio':>6s} "
-          f"{'peak RSS':>9s} {'private':>8s} {'CPU s':>7s}")
+    print(
+        f"{'workers':>7s}  {'side':<18s} {'seconds':>8s} {'MB/s':>7s} {'Mtok/s':>7s} {'ratio':>6s} "
+        f"{'peak RSS':>9s} {'private':>8s} {'CPU s':>7s}"
+    )
     for row in rows:
         for side, name in (("ours", "builder tokenize"), ("theirs", "datasets map")):
             r = row[side]
             ratio = f"{row['ratio']:5.2f}x" if side == "ours" else ""
-            print(f"{row['workers']:7d}  {name:<18s} {r['seconds']:8.1f} {mb / r['seconds']:7.1f} "
-                  f"{r['tokens'] / r['seconds'] / 1e6:7.2f} {ratio:>6s} {r['peak_rss'] / 2**30:7.2f} G "
-                  f"{r['peak_private'] / 2**30:6.2f} G {r['cpu_seconds']:7.1f}")
+            print(
+                f"{row['workers']:7d}  {name:<18s} {r['seconds']:8.1f} {mb / r['seconds']:7.1f} "
+                f"{r['tokens'] / r['seconds'] / 1e6:7.2f} {ratio:>6s} {r['peak_rss'] / 2**30:7.2f} G "
+                f"{r['peak_private'] / 2**30:6.2f} G {r['cpu_seconds']:7.1f}"
+            )
     print(f"tokens: {rows[0]['ours']['tokens']:,} (ours), {rows[0]['theirs']['tokens']:,} (theirs)" if rows else "")
     return emit({"machine": machine(), "gb": args.gb, "corpus": corpus, "work": str(work), "rows": rows}, args.json)
 

@@ -80,6 +80,7 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
 
     fetches: list[float] = []
     for iterator in (dataloader._MultiProcessingDataLoaderIter, dataloader._SingleProcessDataLoaderIter):
+
         def timed_next(self, _next=iterator.__next__):  # the main process's wait for a batch
             began = time.perf_counter()
             try:
@@ -90,18 +91,32 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
         iterator.__next__ = timed_next
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="train-from-dataset-") as tmp:
-        overrides = {"data.sources": [dataset], "data.dataset": None, "trainer.max_steps": steps,
-                     "trainer.max_time": None, "trainer.val_check_interval": steps, "trainer.limit_val_batches": 2,
-                     "trainer.checkpoint_every_n_steps": steps, "trainer.output_dir": tmp,
-                     "data.cache_dir": str(Path(tmp) / "cache"), **parse_set_args(settings)}
+        overrides = {
+            "data.sources": [dataset],
+            "data.dataset": None,
+            "trainer.max_steps": steps,
+            "trainer.max_time": None,
+            "trainer.val_check_interval": steps,
+            "trainer.limit_val_batches": 2,
+            "trainer.checkpoint_every_n_steps": steps,
+            "trainer.output_dir": tmp,
+            "data.cache_dir": str(Path(tmp) / "cache"),
+            **parse_set_args(settings),
+        }
         run(REPO / "recipes" / "lm-stdlib.yaml", overrides=overrides, samples=False)
     starts, ends = times["starts"], times["ends"]
     waits = [s - e for e, s in zip(ends[:-1], starts[1:])]  # from a step's end to the next one's start
     steps_s = [e - s for s, e in zip(starts[1:], ends[1:])]
-    queue.put({"fetch_s": statistics.median(fetches[5:] or fetches), "first_step_s": times["first"],
-               "open_s": times["open_s"],
-               "run_to_first_step_s": times["first"] - (began - STARTED), "wait_s": statistics.median(waits[5:] or waits),
-               "step_s": statistics.median(steps_s[5:] or steps_s)})
+    queue.put(
+        {
+            "fetch_s": statistics.median(fetches[5:] or fetches),
+            "first_step_s": times["first"],
+            "open_s": times["open_s"],
+            "run_to_first_step_s": times["first"] - (began - STARTED),
+            "wait_s": statistics.median(waits[5:] or waits),
+            "step_s": statistics.median(steps_s[5:] or steps_s),
+        }
+    )
 
 
 def measure(dataset: str, steps: int, settings: list[str]) -> dict:
@@ -140,18 +155,24 @@ def main(argv=None) -> int:
 
     rows = [measure(d, args.steps, args.set) for d in args.datasets]
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'dataset':<40} {'token bytes':>12} {'process s':>9} {'run s':>6} {'open s':>6} {'peak RSS':>10} "
-          f"{'step ms':>8} {'data ms':>8} {'share':>6} {'gap ms':>7}")
+    print(
+        f"{'dataset':<40} {'token bytes':>12} {'process s':>9} {'run s':>6} {'open s':>6} {'peak RSS':>10} "
+        f"{'step ms':>8} {'data ms':>8} {'share':>6} {'gap ms':>7}"
+    )
     print("  process s: process start to the first step (imports included); run s: from `run()`; open s: the corpus")
     for r in rows:
-        print(f"{r['dataset'][-40:]:<40} {r['token_bytes'] / 1e9:>10.2f}GB {r['first_step_s']:>9.2f} "
-              f"{r['run_to_first_step_s']:>6.2f} {r['open_s']:>6.2f} "
-              f"{r['peak_rss_bytes'] / 2**30:>8.2f}GB {r['step_s'] * 1e3:>8.1f} {r['fetch_s'] * 1e3:>8.3f} "
-              f"{r['fetch_s'] / r['step_s']:>6.2%} {r['wait_s'] * 1e3:>7.2f}")
+        print(
+            f"{r['dataset'][-40:]:<40} {r['token_bytes'] / 1e9:>10.2f}GB {r['first_step_s']:>9.2f} "
+            f"{r['run_to_first_step_s']:>6.2f} {r['open_s']:>6.2f} "
+            f"{r['peak_rss_bytes'] / 2**30:>8.2f}GB {r['step_s'] * 1e3:>8.1f} {r['fetch_s'] * 1e3:>8.3f} "
+            f"{r['fetch_s'] / r['step_s']:>6.2%} {r['wait_s'] * 1e3:>7.2f}"
+        )
     if len(rows) > 1:
-        print(f"peak RSS of the largest over the smallest dataset: "
-              f"{rows[-1]['peak_rss_bytes'] / rows[0]['peak_rss_bytes']:.2f}x for "
-              f"{rows[-1]['token_bytes'] / rows[0]['token_bytes']:.1f}x the tokens")
+        print(
+            f"peak RSS of the largest over the smallest dataset: "
+            f"{rows[-1]['peak_rss_bytes'] / rows[0]['peak_rss_bytes']:.2f}x for "
+            f"{rows[-1]['token_bytes'] / rows[0]['token_bytes']:.1f}x the tokens"
+        )
     return emit({"machine": machine(), "steps": args.steps, "rows": rows}, args.json)
 
 

@@ -73,8 +73,11 @@ def make_clock(minutes: float, eval_every: float, sources: list[str], references
                 hyps = translate(pl_module.model, tokenizer_of(pl_module.meta), sources)
                 bleu = score(hyps, references)["bleu"]
                 self.curve.append((self.trained / 60, trainer.global_step, bleu))
-                print(f"\n{self.trained / 60:5.2f} min  step {trainer.global_step:6d}  "
-                      f"{self.tokens / self.trained:7,.0f} tok/s  greedy val sacreBLEU {bleu:5.2f}", flush=True)
+                print(
+                    f"\n{self.trained / 60:5.2f} min  step {trainer.global_step:6d}  "
+                    f"{self.tokens / self.trained:7,.0f} tok/s  greedy val sacreBLEU {bleu:5.2f}",
+                    flush=True,
+                )
             if self.trained >= minutes * 60:
                 trainer.should_stop = True
 
@@ -82,10 +85,19 @@ def make_clock(minutes: float, eval_every: float, sources: list[str], references
 
 
 def _throughput_overrides(steps: int, out: Path) -> dict:
-    return {"trainer.max_steps": steps, "trainer.max_time": None, "trainer.val_check_interval": 10_000_000,
-            "trainer.limit_val_batches": 1, "trainer.checkpoint_every_n_steps": 10_000_000,
-            "trainer.output_dir": str(out), "eval.bleu_at_validation": False, "eval.max_sentences": 8,
-            "eval.num_beams": 1, "eval.average_last": 1, "eval.average_every_n_steps": steps}
+    return {
+        "trainer.max_steps": steps,
+        "trainer.max_time": None,
+        "trainer.val_check_interval": 10_000_000,
+        "trainer.limit_val_batches": 1,
+        "trainer.checkpoint_every_n_steps": 10_000_000,
+        "trainer.output_dir": str(out),
+        "eval.bleu_at_validation": False,
+        "eval.max_sentences": 8,
+        "eval.num_beams": 1,
+        "eval.average_last": 1,
+        "eval.average_every_n_steps": steps,
+    }
 
 
 def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
@@ -110,12 +122,26 @@ def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
         prepared = prepare(recipe, recipe_file)
         spec, opt = prepared.spec, recipe.optimizer
         torch.manual_seed(recipe.trainer.seed)
-        model = Seq2Seq(spec.vocab_size, spec.d_model, spec.encoder.attention.n_heads,
-                        spec.encoder.ffn.resolved_hidden_dim(spec.d_model), spec.encoder.n_layers,
-                        max_len=spec.max_seq_len)
+        model = Seq2Seq(
+            spec.vocab_size,
+            spec.d_model,
+            spec.encoder.attention.n_heads,
+            spec.encoder.ffn.resolved_hidden_dim(spec.d_model),
+            spec.encoder.n_layers,
+            max_len=spec.max_seq_len,
+        )
         batches = iter(prepared.data.train_dataloader())
-        result = train(model, batches, steps, opt.lr, recipe.schedule.warmup_steps, opt.betas, opt.eps,
-                       recipe.loss.label_smoothing, recipe.trainer.gradient_clip_val or 0.0)
+        result = train(
+            model,
+            batches,
+            steps,
+            opt.lr,
+            recipe.schedule.warmup_steps,
+            opt.betas,
+            opt.eps,
+            recipe.loss.label_smoothing,
+            recipe.trainer.gradient_clip_val or 0.0,
+        )
         rates = sorted(tokens / seconds for seconds, tokens in result["intervals"])
         return {"tokens_per_s": rates[len(rates) // 2], "compile_seconds": 0.0}
 
@@ -126,24 +152,42 @@ def side_by_side(args, overrides: dict) -> int:
 
     runs: dict[str, list] = {"yardstick": [], "recipe": []}
     for i in range(args.rounds):
-        for which in (("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick")):
+        for which in ("yardstick", "recipe") if i % 2 == 0 else ("recipe", "yardstick"):
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 result_path = Path(f.name)
-            command = [sys.executable, __file__, "--worker", which, "--steps", str(args.steps),
-                       "--result", str(result_path)] + [a for o in args.overrides for a in ("--set", o)]
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                which,
+                "--steps",
+                str(args.steps),
+                "--result",
+                str(result_path),
+            ] + [a for o in args.overrides for a in ("--set", o)]
             done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if done.returncode:
                 raise SystemExit(f"the {which} run failed:\n{done.stdout[-4000:]}")
             result = json.loads(result_path.read_text())
             result_path.unlink()
             runs[which].append(result)
-            print(f"round {i + 1} {which:9s}: {result['tokens_per_s']:8,.0f} tokens/s "
-                  f"(compile {result['compile_seconds']:.1f} s)", flush=True)
+            print(
+                f"round {i + 1} {which:9s}: {result['tokens_per_s']:8,.0f} tokens/s "
+                f"(compile {result['compile_seconds']:.1f} s)",
+                flush=True,
+            )
     ratios = [r["tokens_per_s"] / y["tokens_per_s"] for y, r in zip(runs["yardstick"], runs["recipe"])]
-    summary = {"tokens_per_s": {w: statistics.median(r["tokens_per_s"] for r in runs[w]) for w in runs},
-               "ratio": statistics.median(ratios), "ratios": ratios, "steps": args.steps, "runs": runs}
-    print(f"recipe / yardstick tokens/s: {summary['ratio']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)}); "
-          f"yardstick {summary['tokens_per_s']['yardstick']:,.0f}, recipe {summary['tokens_per_s']['recipe']:,.0f}")
+    summary = {
+        "tokens_per_s": {w: statistics.median(r["tokens_per_s"] for r in runs[w]) for w in runs},
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "steps": args.steps,
+        "runs": runs,
+    }
+    print(
+        f"recipe / yardstick tokens/s: {summary['ratio']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)}); "
+        f"yardstick {summary['tokens_per_s']['yardstick']:,.0f}, recipe {summary['tokens_per_s']['recipe']:,.0f}"
+    )
     print(json.dumps(summary))
     return 0
 
@@ -155,8 +199,14 @@ def main() -> int:
     parser.add_argument("--average-last", type=int, default=5)
     parser.add_argument("--average-every", type=int, default=100, help="steps between averaged checkpoints")
     parser.add_argument("--output-dir", help="default: a temporary folder")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe fields, as for `builder train`")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe fields, as for `builder train`",
+    )
     parser.add_argument("--side-by-side", action="store_true", help="throughput against the plain-PyTorch yardstick")
     parser.add_argument("--steps", type=int, default=300, help="--side-by-side: steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="--side-by-side: yardstick/recipe pairs")
@@ -179,10 +229,15 @@ def main() -> int:
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="translate-multi30k-"))
     overrides = {
-        "trainer.max_steps": 10_000_000, "trainer.max_time": None, "trainer.val_check_interval": 10_000_000,
-        "trainer.checkpoint_every_n_steps": 10_000_000, "trainer.output_dir": str(out),
-        "eval.bleu_at_validation": False, "eval.average_last": args.average_last,
-        "eval.average_every_n_steps": args.average_every, **parse_set_args(args.overrides),
+        "trainer.max_steps": 10_000_000,
+        "trainer.max_time": None,
+        "trainer.val_check_interval": 10_000_000,
+        "trainer.checkpoint_every_n_steps": 10_000_000,
+        "trainer.output_dir": str(out),
+        "eval.bleu_at_validation": False,
+        "eval.average_last": args.average_last,
+        "eval.average_every_n_steps": args.average_every,
+        **parse_set_args(args.overrides),
     }
     recipe = load_recipe(recipe_file, overrides)
     sources, references = validation_pairs(recipe, recipe_file)

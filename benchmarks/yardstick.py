@@ -96,13 +96,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -172,8 +174,14 @@ def estimate_loss(model: GPT, val_batches: Iterable) -> float:
     return sum(losses) / len(losses)
 
 
-def train(model: GPT, batches: Iterator, val_batches: Callable[[], Iterable], c: LoopConfig,
-          device: str = "cpu", on_eval: Callable | None = None) -> dict:
+def train(
+    model: GPT,
+    batches: Iterator,
+    val_batches: Callable[[], Iterable],
+    c: LoopConfig,
+    device: str = "cpu",
+    on_eval: Callable | None = None,
+) -> dict:
     """nanoGPT's loop for ``c.max_iters`` steps. ``batches`` yields ``(x, y)`` training batches;
     ``val_batches()`` the validation batches, evaluated every ``c.eval_interval`` steps and at the
     end. Returns the wall seconds of each interval of ``c.log_interval`` steps (evaluation left

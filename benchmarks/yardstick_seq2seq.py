@@ -21,12 +21,24 @@ from torch import nn
 
 
 class Seq2Seq(nn.Module):
-    def __init__(self, vocab_size: int, d_model: int = 256, n_heads: int = 4, ffn: int = 512, layers: int = 3,
-                 dropout: float = 0.1, max_len: int = 256, eps: float = 1e-6, pad_id: int = 0):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 256,
+        n_heads: int = 4,
+        ffn: int = 512,
+        layers: int = 3,
+        dropout: float = 0.1,
+        max_len: int = 256,
+        eps: float = 1e-6,
+        pad_id: int = 0,
+    ):
         super().__init__()
         self.d_model, self.pad_id = d_model, pad_id
         self.embed = nn.Embedding(vocab_size, d_model)
-        position = torch.arange(max_len)[:, None] * torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2) / d_model)
+        position = torch.arange(max_len)[:, None] * torch.exp(
+            -math.log(10000.0) * torch.arange(0, d_model, 2) / d_model
+        )
         table = torch.zeros(max_len, d_model)
         table[:, 0::2], table[:, 1::2] = position.sin(), position.cos()
         self.register_buffer("positions", table, persistent=False)
@@ -45,8 +57,14 @@ class Seq2Seq(nn.Module):
         """Logits ``(batch, tgt_len, vocab)``; ``*_pad`` are True at padding."""
         causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
         memory = self.encoder(self._embed(src), src_key_padding_mask=src_pad)
-        hidden = self.decoder(self._embed(tgt), memory, tgt_mask=causal, tgt_key_padding_mask=tgt_pad,
-                              memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        hidden = self.decoder(
+            self._embed(tgt),
+            memory,
+            tgt_mask=causal,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
         return hidden @ self.embed.weight.T  # the output projection tied to the embedding
 
 
@@ -57,8 +75,18 @@ def inverse_sqrt(step: int, lr: float, warmup: int) -> float:
     return lr * math.sqrt(max(warmup, 1) / max(step, 1))
 
 
-def train(model: Seq2Seq, batches: Iterator, steps: int, lr: float, warmup: int, betas=(0.9, 0.98), eps=1e-9,
-          label_smoothing: float = 0.1, clip: float = 1.0, log_interval: int = 20) -> dict:
+def train(
+    model: Seq2Seq,
+    batches: Iterator,
+    steps: int,
+    lr: float,
+    warmup: int,
+    betas=(0.9, 0.98),
+    eps=1e-9,
+    label_smoothing: float = 0.1,
+    clip: float = 1.0,
+    log_interval: int = 20,
+) -> dict:
     """``steps`` optimizer steps on ``batches`` of ``(src, src_mask, tgt_in, tgt_mask, tgt_out)``
     (masks True at real tokens, ``tgt_out`` -100 at padding). Returns the wall seconds and real
     tokens (source + target) of each interval of ``log_interval`` steps and the losses read then."""
@@ -71,8 +99,9 @@ def train(model: Seq2Seq, batches: Iterator, steps: int, lr: float, warmup: int,
             group["lr"] = inverse_sqrt(step, lr, warmup)
         src, src_mask, tgt_in, tgt_mask, tgt_out = next(batches)
         logits = model(src, ~src_mask, tgt_in, ~tgt_mask)
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=-100,
-                               label_smoothing=label_smoothing)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), tgt_out.flatten(), ignore_index=-100, label_smoothing=label_smoothing
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

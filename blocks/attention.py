@@ -56,8 +56,9 @@ class AttentionInputs:
             every score across documents. None: one document per row.
     """
 
-    def __init__(self, start: int, seq_q: int, positions=None, key_mask=None, position=None, index=None,
-                 document_ids=None):
+    def __init__(
+        self, start: int, seq_q: int, positions=None, key_mask=None, position=None, index=None, document_ids=None
+    ):
         self.start, self.seq_q = start, seq_q
         self.index = index
         self.document_ids = document_ids
@@ -216,7 +217,9 @@ class MultiHeadAttention(nn.Module):
         if factor != 1.0:
             scale = (scale if scale is not None else self.head_dim**-0.5) * factor
         out = attention_kernel(
-            q, k, v,
+            q,
+            k,
+            v,
             causal=self.causal,
             sliding_window=self.sliding_window,
             alibi_slopes=alibi,
@@ -228,5 +231,7 @@ class MultiHeadAttention(nn.Module):
             token_index=inputs.token_index(first),
             document_ids=inputs.document_ids,
         )  # (batch, n_heads, seq_q, head_dim)
-        out = out.transpose(1, 2).reshape(batch, seq_q, self.n_heads * self.head_dim)  # (batch, seq_q, n_heads * head_dim)
+        out = out.transpose(1, 2).reshape(
+            batch, seq_q, self.n_heads * self.head_dim
+        )  # (batch, seq_q, n_heads * head_dim)
         return self.out_proj(out)

@@ -45,8 +45,7 @@ class TensorCache:
         self.window = layout.window
         self.names = tuple(t.name for t in layout.tensors)
         self.tensors = [
-            torch.zeros((batch, t.heads, self.capacity, t.width), dtype=dtype, device=device)
-            for t in layout.tensors
+            torch.zeros((batch, t.heads, self.capacity, t.width), dtype=dtype, device=device) for t in layout.tensors
         ]  # each (batch, heads, capacity, width)
         self.length = 0  # tokens written so far
 
@@ -92,8 +91,10 @@ class TensorCache:
         """Count ``n`` tokens written by static steps (``update(..., index=...)``)."""
         self.length += n
         if self.window is None and self.length > self.capacity:
-            raise ValueError(f"KV cache full: allocated for {self.capacity} tokens, asked to hold {self.length}; "
-                             "allocate it for prompt + max_new_tokens")
+            raise ValueError(
+                f"KV cache full: allocated for {self.capacity} tokens, asked to hold {self.length}; "
+                "allocate it for prompt + max_new_tokens"
+            )
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam search), in place."""

@@ -17,8 +17,17 @@ class Embeddings(nn.Module):
     """``tokens`` is an ``nn.Embedding(vocab_size, d_model)``; ``segments`` one of
     ``(segments, d_model)`` when the spec asks for token types; ``norm`` a built norm or None."""
 
-    def __init__(self, vocab_size: int, d_model: int, *, scale: str = "none", segments: int = 0,
-                 norm: nn.Module | None = None, dropout: float = 0.0, scale_in_model_dtype: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        *,
+        scale: str = "none",
+        segments: int = 0,
+        norm: nn.Module | None = None,
+        dropout: float = 0.0,
+        scale_in_model_dtype: bool = False,
+    ):
         super().__init__()
         if scale not in ("none", "sqrt_d"):
             raise ValueError(f"embedding scale must be none or sqrt_d, got {scale!r}")
@@ -32,14 +41,20 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.vocab_size = vocab_size
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        position_embeddings: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
         table = self.tokens.weight
         if input_ids.device != table.device and table.device.type != "meta":
-            raise ValueError(f"input_ids are on {input_ids.device}, the model on {table.device}; "
-                             f"move them first: input_ids.to({str(table.device)!r})")
+            raise ValueError(
+                f"input_ids are on {input_ids.device}, the model on {table.device}; "
+                f"move them first: input_ids.to({str(table.device)!r})"
+            )
         x = _lookup(self.tokens, input_ids, "input_ids", "the vocabulary")  # (batch, seq, d_model)
         if self.scale is not None:
             x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.scale_in_model_dtype else self.scale)

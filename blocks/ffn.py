@@ -140,8 +140,10 @@ class StackedLinear(nn.Linear):
         return F.linear(x, self.weight[i], None if self.bias is None else self.bias[i])
 
     def extra_repr(self) -> str:
-        return (f"n={self.n}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"n={self.n}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class GroupedExperts(nn.Module):

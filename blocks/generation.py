@@ -52,8 +52,7 @@ class _DecodeState:
     built once for every token the cache holds.
     """
 
-    def __init__(self, model, tokens, mask, memory, memory_mask, use_cache: bool, max_new_tokens: int,
-                 step=None):
+    def __init__(self, model, tokens, mask, memory, memory_mask, use_cache: bool, max_new_tokens: int, step=None):
         self.model, self.tokens, self.mask = model, tokens, mask
         self.memory, self.memory_mask = memory, memory_mask
         self.fed = 0
@@ -63,12 +62,15 @@ class _DecodeState:
         self.last = None  # the last appended tokens, (rows, 1)
         if use_cache:
             param = next(model.parameters())
-            self.cache = KVCache.for_stack(model.decoder, tokens.shape[0], tokens.shape[1] + max_new_tokens,
-                                           param.dtype, tokens.device)
+            self.cache = KVCache.for_stack(
+                model.decoder, tokens.shape[0], tokens.shape[1] + max_new_tokens, param.dtype, tokens.device
+            )
         self.static = use_cache and model.decoder.static_decode() is None
         if step is not None and not self.static:
-            raise ValueError(f"compile=True needs every attention block to take the static decoding step; "
-                             f"{model.decoder.static_decode()} does not declare static_decode (decode without compile)")
+            raise ValueError(
+                f"compile=True needs every attention block to take the static decoding step; "
+                f"{model.decoder.static_decode()} does not declare static_decode (decode without compile)"
+            )
         if self.static:
             total = tokens.shape[1] + max_new_tokens
             # Every token's key mask and position id, built once: (rows, total)
@@ -86,8 +88,14 @@ class _DecodeState:
             return self._static_step()
         ids = self.tokens[:, self.fed :] if self.cache is not None else self.tokens
         if self.memory is not None:
-            logits = self.model(None, self.memory_mask, decoder_input_ids=ids, decoder_attention_mask=self.mask,
-                                memory=self.memory, cache=self.cache)
+            logits = self.model(
+                None,
+                self.memory_mask,
+                decoder_input_ids=ids,
+                decoder_attention_mask=self.mask,
+                memory=self.memory,
+                cache=self.cache,
+            )
         else:
             logits = self.model(ids, self.mask, cache=self.cache)
         if logits.dim() != 3:
@@ -99,8 +107,9 @@ class _DecodeState:
         if self.tokens.shape[1] != self.fed + 1:
             raise ValueError(f"a static decoding step feeds one token; {self.tokens.shape[1] - self.fed} are new")
         index = torch.tensor([self.fed], device=self.tokens.device)  # (1,): the new token's index
-        logits = self.step(self.last, index, self.position_ids, self.cache, self.key_mask,
-                           self.memory, self.memory_mask)
+        logits = self.step(
+            self.last, index, self.position_ids, self.cache, self.key_mask, self.memory, self.memory_mask
+        )
         self.cache.advance(1)
         self.fed += 1
         self.step_calls += 1
@@ -124,8 +133,13 @@ class _DecodeState:
                 self.key_mask = self.key_mask[index]
 
 
-def sample_next(logits: torch.Tensor, temperature: float | None, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token per row from ``logits`` ``(rows, vocab)``: temperature, then top-k, then top-p
     (the smallest set of tokens whose probability reaches ``top_p``, at least one kept)."""
     if temperature is not None and temperature != 1.0:
@@ -142,8 +156,18 @@ def sample_next(logits: torch.Tensor, temperature: float | None, top_k: int | No
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
 
 
-def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator,
-                compile=False, use_cache=True):
+def _check_args(
+    max_new_tokens,
+    num_beams,
+    top_k,
+    top_p,
+    temperature,
+    length_penalty,
+    streamer,
+    generator,
+    compile=False,
+    use_cache=True,
+):
     """The decoding options, before any work: a wrong type is a ``TypeError``, a value out of its
     range a ``ValueError``, each naming the argument and what it takes."""
     for name, value in (("compile", compile), ("use_cache", use_cache)):
@@ -151,13 +175,17 @@ def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_pen
             raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decoding step; it needs use_cache=True")
-    for name, value, optional in (("max_new_tokens", max_new_tokens, False), ("num_beams", num_beams, False),
-                                  ("top_k", top_k, True)):
+    for name, value, optional in (
+        ("max_new_tokens", max_new_tokens, False),
+        ("num_beams", num_beams, False),
+        ("top_k", top_k, True),
+    ):
         if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     for name, value in (("top_p", top_p), ("temperature", temperature), ("length_penalty", length_penalty)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -170,8 +198,10 @@ def _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_pen
     if temperature is not None and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if streamer is not None and not (callable(streamer) or callable(getattr(streamer, "put", None))):
-        raise TypeError(f"streamer must be a callable or have a put() method (a Hugging Face streamer), "
-                        f"got {type(streamer).__name__}")
+        raise TypeError(
+            f"streamer must be a callable or have a put() method (a Hugging Face streamer), "
+            f"got {type(streamer).__name__}"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
@@ -185,18 +215,34 @@ class GenerationMixin:
     def _decode_step(self, input_ids, index, position_ids, cache, key_mask, memory, memory_mask) -> torch.Tensor:
         """Logits ``(rows, vocab)`` (fp32) of one static decoding step (``TransformerStack.step``):
         what ``generate(..., compile=True)`` compiles."""
-        hidden = self.decoder.step(input_ids, index, position_ids, cache, key_mask, memory=memory,
-                                   memory_mask=memory_mask)
+        hidden = self.decoder.step(
+            input_ids, index, position_ids, cache, key_mask, memory=memory, memory_mask=memory_mask
+        )
         return self.head(hidden)[:, -1].float()
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, attention_mask=None,
-                 decoder_input_ids=None, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, do_sample: bool | None = None, num_beams: int = 1,
-                 length_penalty: float = 1.0, early_stopping: bool = False, eos_token_id=None,
-                 pad_token_id: int | None = None, decoder_start_token_id: int | None = None,
-                 streamer=None, use_cache: bool = True, generator: torch.Generator | None = None,
-                 compile: bool = False) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        *,
+        attention_mask=None,
+        decoder_input_ids=None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        do_sample: bool | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool = False,
+        eos_token_id=None,
+        pad_token_id: int | None = None,
+        decoder_start_token_id: int | None = None,
+        streamer=None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+        compile: bool = False,
+    ) -> torch.Tensor:
         """Token ids ``(batch, prompt + new)`` (the decoder side for an encoder-decoder).
 
         ``streamer``: a callable, or an object with ``put``/``end`` (Hugging Face streamers),
@@ -209,11 +255,27 @@ class GenerationMixin:
         the compile (``self.last_compile_seconds``).
         After the call ``self.last_cache_nbytes`` holds the cache's bytes (see module doc).
         """
-        _check_args(max_new_tokens, num_beams, top_k, top_p, temperature, length_penalty, streamer, generator,
-                    compile, use_cache)
-        self._check_prompt(input_ids, decoder_input_ids, attention_mask, max_new_tokens,
-                           eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                           decoder_start_token_id=decoder_start_token_id)
+        _check_args(
+            max_new_tokens,
+            num_beams,
+            top_k,
+            top_p,
+            temperature,
+            length_penalty,
+            streamer,
+            generator,
+            compile,
+            use_cache,
+        )
+        self._check_prompt(
+            input_ids,
+            decoder_input_ids,
+            attention_mask,
+            max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            decoder_start_token_id=decoder_start_token_id,
+        )
         if do_sample is None:
             do_sample = (temperature is not None and temperature != 0) or top_k is not None or top_p is not None
         if temperature == 0:
@@ -229,13 +291,23 @@ class GenerationMixin:
         self.eval()
         step = _CompiledStep(self) if compile else None
         try:
-            state = self._decode_state(input_ids, attention_mask, decoder_input_ids, decoder_start_token_id, pad,
-                                       num_beams, use_cache, max_new_tokens, step)
+            state = self._decode_state(
+                input_ids,
+                attention_mask,
+                decoder_input_ids,
+                decoder_start_token_id,
+                pad,
+                num_beams,
+                use_cache,
+                max_new_tokens,
+                step,
+            )
             if num_beams > 1:
                 out = _beam_search(state, num_beams, max_new_tokens, eos, pad, length_penalty, early_stopping)
             else:
-                out = _greedy_or_sample(state, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad,
-                                        streamer, generator)
+                out = _greedy_or_sample(
+                    state, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, streamer, generator
+                )
             self.last_cache_nbytes = state.cache.nbytes() if state.cache is not None else 0
             self.last_compile_seconds = step.compile_seconds if step is not None else 0.0
             return out
@@ -259,13 +331,16 @@ class GenerationMixin:
             if ids.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
             if ids.numel() == 0:
-                raise ValueError(f"{name} is empty, shape {tuple(ids.shape)}: pass at least one token per row "
-                                 "(a start-of-sequence id)")
+                raise ValueError(
+                    f"{name} is empty, shape {tuple(ids.shape)}: pass at least one token per row "
+                    "(a start-of-sequence id)"
+                )
             if ids.device.type != "meta" and bool(((ids < 0) | (ids >= vocab)).any()):
                 raise ValueError(f"{name} holds ids outside the vocabulary: ids must be in [0, {vocab - 1}]")
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, "
-                            f"got {type(attention_mask).__name__}")
+            raise TypeError(
+                f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, got {type(attention_mask).__name__}"
+            )
         for name, value in special.items():
             values = value if isinstance(value, (list, tuple)) else [value]
             for v in values:
@@ -274,18 +349,32 @@ class GenerationMixin:
         limit = decoder.max_seq_len
         if hasattr(self, "encoder") and self.encoder.max_seq_len is not None:
             if input_ids.shape[1] > self.encoder.max_seq_len:
-                raise ValueError(f"input_ids has {input_ids.shape[1]} tokens, more than the model's max_seq_len "
-                                 f"{self.encoder.max_seq_len}")
+                raise ValueError(
+                    f"input_ids has {input_ids.shape[1]} tokens, more than the model's max_seq_len "
+                    f"{self.encoder.max_seq_len}"
+                )
         prompt = prompts[-1][1].shape[1] if decoder_input_ids is not None or not hasattr(self, "encoder") else 1
         if limit is not None and prompt + max_new_tokens - 1 > limit:
             room = limit - prompt + 1
             hint = f"at most {room} new tokens" if room >= 1 else f"a prompt of at most {limit} tokens"
-            raise ValueError(f"a prompt of {prompt} tokens and max_new_tokens {max_new_tokens} need "
-                             f"{prompt + max_new_tokens - 1} positions, more than the model's max_seq_len {limit}; "
-                             f"ask for {hint} (or slide a window over the context, as `builder generate` does)")
+            raise ValueError(
+                f"a prompt of {prompt} tokens and max_new_tokens {max_new_tokens} need "
+                f"{prompt + max_new_tokens - 1} positions, more than the model's max_seq_len {limit}; "
+                f"ask for {hint} (or slide a window over the context, as `builder generate` does)"
+            )
 
-    def _decode_state(self, input_ids, attention_mask, decoder_input_ids, start_id, pad, num_beams, use_cache,
-                      max_new_tokens, step=None) -> _DecodeState:
+    def _decode_state(
+        self,
+        input_ids,
+        attention_mask,
+        decoder_input_ids,
+        start_id,
+        pad,
+        num_beams,
+        use_cache,
+        max_new_tokens,
+        step=None,
+    ) -> _DecodeState:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         expand = (lambda t: t.repeat_interleave(num_beams, dim=0)) if num_beams > 1 else (lambda t: t)
@@ -301,8 +390,9 @@ class GenerationMixin:
                 raise ValueError("pass decoder_input_ids, decoder_start_token_id or pad_token_id to start the decoder")
             decoder_input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long, device=input_ids.device)
         memory_mask = expand(attention_mask) if attention_mask is not None else None
-        return _DecodeState(self, expand(decoder_input_ids), None, expand(memory), memory_mask, use_cache,
-                            max_new_tokens, step)
+        return _DecodeState(
+            self, expand(decoder_input_ids), None, expand(memory), memory_mask, use_cache, max_new_tokens, step
+        )
 
 
 _COMPILED_STEP = None
@@ -345,11 +435,14 @@ class _CompiledStep:
         try:
             with torch._dynamo.config.patch(recompile_limit=limit):
                 out = _COMPILED_STEP(self.model, *args)
-        except Exception as exc:  # noqa: BLE001 - any compile failure: the eager step is exact
+        except Exception as exc:
             self.compile_seconds += time.perf_counter() - start
             self.reason = _UNCOMPILABLE[self.model] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-            warnings.warn(f"generate(compile=True): the decoding step does not compile as one graph "
-                          f"({self.reason}); decoding eagerly", stacklevel=4)
+            warnings.warn(
+                f"generate(compile=True): the decoding step does not compile as one graph "
+                f"({self.reason}); decoding eagerly",
+                stacklevel=4,
+            )
             return self.model._decode_step(*args)
         if counters["stats"]["unique_graphs"] != graphs:
             self.compile_seconds += time.perf_counter() - start

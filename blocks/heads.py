@@ -100,4 +100,3 @@ class NoHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return hidden
-

@@ -75,9 +75,13 @@ def init_rules(model: nn.Module, std: float = STD) -> dict[str, Rule]:
 def imperative_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules that initialise their own tensors in ``init_weights(std)`` rather than declaring
     rules: their values come from torch's global generator, not from the per-parameter seed."""
-    return [(name, m) for name, m in model.named_modules()
-            if not isinstance(m, (nn.Linear, nn.Embedding)) and not callable(getattr(m, "init_rules", None))
-            and callable(getattr(m, "init_weights", None))]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if not isinstance(m, (nn.Linear, nn.Embedding))
+        and not callable(getattr(m, "init_rules", None))
+        and callable(getattr(m, "init_weights", None))
+    ]
 
 
 def row_block(shape: tuple[int, ...]) -> int:
@@ -92,8 +96,9 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 
 
 @torch.no_grad()
-def fill(out: torch.Tensor, rule: Rule, seed: int, name: str, shape: tuple[int, ...],
-         offset: tuple[int, ...] | None = None) -> None:
+def fill(
+    out: torch.Tensor, rule: Rule, seed: int, name: str, shape: tuple[int, ...], offset: tuple[int, ...] | None = None
+) -> None:
     """Write into ``out`` the slice at ``offset`` (default: the origin) of the initial value of
     parameter ``name`` whose whole shape is ``shape``. Values are drawn in fp32 and cast."""
     kind, value = rule

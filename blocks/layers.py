@@ -20,8 +20,16 @@ PLACEMENTS = ("pre", "post", "sandwich")
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, attention: nn.Module, ffn: nn.Module, norms: dict[str, nn.Module], *,
-                 cross_attention: nn.Module | None = None, placement: str = "pre", dropout: float = 0.0):
+    def __init__(
+        self,
+        attention: nn.Module,
+        ffn: nn.Module,
+        norms: dict[str, nn.Module],
+        *,
+        cross_attention: nn.Module | None = None,
+        placement: str = "pre",
+        dropout: float = 0.0,
+    ):
         super().__init__()
         if placement not in PLACEMENTS:
             raise ValueError(f"norm placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
@@ -71,15 +79,17 @@ class TransformerLayer(nn.Module):
             caches["cross_attention"] = self.cross_attention.new_cache(batch, max_tokens, dtype, device)
         return caches
 
-    def forward(self, x: torch.Tensor, inputs, cache: dict | None = None, memory: torch.Tensor | None = None,
-                memory_inputs=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, inputs, cache: dict | None = None, memory: torch.Tensor | None = None, memory_inputs=None
+    ) -> torch.Tensor:
         """``x`` ``(batch, seq, d_model)``; ``inputs``/``memory_inputs``: ``AttentionInputs`` for
         self- and cross-attention; ``cache``: this layer's caches from :meth:`new_cache`, or None."""
         caches = cache or {}
         x = self._sublayer(x, "attention", lambda h: self.attention(h, inputs, cache=caches.get("attention")))
         if self.cross_attention is not None:
             x = self._sublayer(
-                x, "cross_attention",
+                x,
+                "cross_attention",
                 lambda h: self.cross_attention(h, memory_inputs, cache=caches.get("cross_attention"), memory=memory),
             )
         return self._sublayer(x, "ffn", self.ffn)

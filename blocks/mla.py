@@ -118,6 +118,7 @@ class MultiHeadLatentAttention(nn.Module):
         backend = self.backend
         if backend == "triton" and q.shape[-1] > MAX_TRITON_HEAD_DIM:
             backend = "auto"  # the 576-wide latent heads of V2/V3 exceed the Triton tiles (module doc)
-        out = attention_kernel(q, cached, values, bias=bias, backend=backend, token_index=inputs.token_index(first),
-                               **options)  # (batch, heads, seq, rank)
+        out = attention_kernel(
+            q, cached, values, bias=bias, backend=backend, token_index=inputs.token_index(first), **options
+        )  # (batch, heads, seq, rank)
         return torch.matmul(out, w_value.transpose(1, 2))  # (batch, heads, seq, v)

@@ -63,8 +63,7 @@ def _check_contract(kind: str, cls) -> None:
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:
         raise RegistryError(
-            f"{cls.__qualname__} leaves {', '.join(missing)} of {base.__name__} unimplemented; "
-            "see blocks/README.md"
+            f"{cls.__qualname__} leaves {', '.join(missing)} of {base.__name__} unimplemented; see blocks/README.md"
         )
 
 

@@ -40,8 +40,16 @@ from blocks.positions import document_positions
 
 
 class TransformerStack(nn.Module):
-    def __init__(self, embedding: nn.Module, position: nn.Module, layers: list[nn.Module],
-                 final_norm: nn.Module | None, *, causal: bool, max_seq_len: int | None = None):
+    def __init__(
+        self,
+        embedding: nn.Module,
+        position: nn.Module,
+        layers: list[nn.Module],
+        final_norm: nn.Module | None,
+        *,
+        causal: bool,
+        max_seq_len: int | None = None,
+    ):
         super().__init__()
         self.max_seq_len = max_seq_len  # positions beyond it are refused (None: no limit)
         self.embedding = embedding
@@ -54,10 +62,17 @@ class TransformerStack(nn.Module):
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None, cache=None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache=None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``.
 
         With a ``cache`` (``blocks.generation.KVCache``) the ids are the tokens after the cached
@@ -68,22 +83,28 @@ class TransformerStack(nn.Module):
         does not declare ``document_masking``.
         """
         if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor of token ids (batch, seq), got {type(input_ids).__name__}")
+            raise TypeError(
+                f"input_ids must be a torch.Tensor of token ids (batch, seq), got {type(input_ids).__name__}"
+            )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         batch, seq = input_ids.shape
         start = cache.length if cache is not None else 0
         if self.max_seq_len is not None and start + seq > self.max_seq_len:
-            raise ValueError(f"{start + seq} positions ({start} cached + {seq} new) exceed the model's max_seq_len "
-                             f"{self.max_seq_len}; shorten the input (or build the model with a longer max_seq_len)")
+            raise ValueError(
+                f"{start + seq} positions ({start} cached + {seq} new) exceed the model's max_seq_len "
+                f"{self.max_seq_len}; shorten the input (or build the model with a longer max_seq_len)"
+            )
         if document_ids is not None:
             self._check_documents(document_ids, input_ids, attention_mask, cache, memory)
             positions = document_positions(document_ids)  # (batch, seq): 0 at each document's first token
             shared = positions
         elif attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor):
-                raise TypeError(f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, "
-                                f"got {type(attention_mask).__name__}")
+                raise TypeError(
+                    f"attention_mask must be a torch.Tensor (batch, seq) of 1s and 0s, "
+                    f"got {type(attention_mask).__name__}"
+                )
             if tuple(attention_mask.shape) != (batch, start + seq):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
@@ -99,8 +120,14 @@ class TransformerStack(nn.Module):
         # Embedded once for rows that share their positions and broadcast in the sum: a learned
         # table's backward then accumulates seq rows, not batch * seq (a few % of a small model's step).
         x = self.embedding(input_ids, token_type_ids, None if in_attention else position(shared))
-        inputs = AttentionInputs(start, seq, positions=positions, key_mask=attention_mask,
-                                 position=position if in_attention else None, document_ids=document_ids)
+        inputs = AttentionInputs(
+            start,
+            seq,
+            positions=positions,
+            key_mask=attention_mask,
+            position=position if in_attention else None,
+            document_ids=document_ids,
+        )
         if cache is None:
             # The stack's shared score bias (padding, a relative-bias table) is built here, outside
             # the layers, so that a layer recomputed under activation checkpointing reads the same
@@ -115,29 +142,42 @@ class TransformerStack(nn.Module):
     def _check_documents(self, document_ids, input_ids, attention_mask, cache, memory) -> None:
         """Refuse ``document_ids`` this forward cannot honour (see :meth:`forward`)."""
         if not isinstance(document_ids, torch.Tensor):
-            raise TypeError(f"document_ids must be a torch.Tensor (batch, seq) of document indices, "
-                            f"got {type(document_ids).__name__}")
+            raise TypeError(
+                f"document_ids must be a torch.Tensor (batch, seq) of document indices, "
+                f"got {type(document_ids).__name__}"
+            )
         if tuple(document_ids.shape) != tuple(input_ids.shape):
-            raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}; expected input_ids' "
-                             f"(batch, seq) = {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"document_ids has shape {tuple(document_ids.shape)}; expected input_ids' "
+                f"(batch, seq) = {tuple(input_ids.shape)}"
+            )
         if document_ids.dtype == torch.bool or document_ids.is_floating_point() or document_ids.is_complex():
-            raise ValueError(f"document_ids must be an integer tensor (a document index per token), "
-                             f"got {document_ids.dtype}")
+            raise ValueError(
+                f"document_ids must be an integer tensor (a document index per token), got {document_ids.dtype}"
+            )
         if document_ids.device != input_ids.device:
             raise ValueError(f"document_ids is on {document_ids.device} but input_ids is on {input_ids.device}")
         if cache is not None:
-            raise ValueError("document_ids cannot be combined with a KV cache (cache=...): decode one "
-                             "document per row, or run packed documents without a cache")
+            raise ValueError(
+                "document_ids cannot be combined with a KV cache (cache=...): decode one "
+                "document per row, or run packed documents without a cache"
+            )
         if attention_mask is not None:
-            raise ValueError("document_ids cannot be combined with attention_mask: give padding tokens a "
-                             "document of their own (and no loss) instead")
+            raise ValueError(
+                "document_ids cannot be combined with attention_mask: give padding tokens a "
+                "document of their own (and no loss) instead"
+            )
         if memory is not None:
-            raise ValueError("document_ids is not supported with cross-attention (an encoder-decoder): "
-                             "its queries would read every document of the source row")
+            raise ValueError(
+                "document_ids is not supported with cross-attention (an encoder-decoder): "
+                "its queries would read every document of the source row"
+            )
         unsupported = next((name for layer in self.layers if (name := layer.document_masking()) is not None), None)
         if unsupported is not None:
-            raise ValueError(f"document_ids needs every attention block to keep documents apart; {unsupported} "
-                             "does not declare document_masking (blocks/README.md)")
+            raise ValueError(
+                f"document_ids needs every attention block to keep documents apart; {unsupported} "
+                "does not declare document_masking (blocks/README.md)"
+            )
         # From the values only where reading them costs no device sync and breaks no compiled graph
         # (eager, on the CPU), as the learned position table does; elsewhere the documents are the
         # runs of equal ids along the row whatever their order.
@@ -145,17 +185,27 @@ class TransformerStack(nn.Module):
             drops = (document_ids[:, 1:] < document_ids[:, :-1]).nonzero()
             if len(drops):
                 row, token = drops[0].tolist()
-                raise ValueError(f"document_ids must be non-decreasing along each row; row {row} goes from "
-                                 f"{int(document_ids[row, token])} to {int(document_ids[row, token + 1])} "
-                                 f"at token {token + 1}")
+                raise ValueError(
+                    f"document_ids must be non-decreasing along each row; row {row} goes from "
+                    f"{int(document_ids[row, token])} to {int(document_ids[row, token + 1])} "
+                    f"at token {token + 1}"
+                )
 
     def static_decode(self) -> str | None:
         """None when every layer can take :meth:`step`; else the attention block that cannot."""
         return next((name for layer in self.layers if (name := layer.static_decode()) is not None), None)
 
-    def step(self, input_ids: torch.Tensor, index: torch.Tensor, position_ids: torch.Tensor, cache,
-             key_mask: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
-             memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        index: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache,
+        key_mask: torch.Tensor | None = None,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One static decoding step: hidden states ``(batch, 1, d_model)`` of the token
         ``input_ids`` ``(batch, 1)`` at token index ``index`` (a ``(1,)`` long tensor), over a
         ``cache`` that holds the tokens before it (``blocks.cache``: every attention writes its
@@ -170,8 +220,9 @@ class TransformerStack(nn.Module):
         position = self.position
         in_attention = position.acts_on == "attention"
         x = self.embedding(input_ids, None, None if in_attention else position(positions))
-        inputs = AttentionInputs(0, 1, positions=positions, key_mask=key_mask,
-                                 position=position if in_attention else None, index=index)
+        inputs = AttentionInputs(
+            0, 1, positions=positions, key_mask=key_mask, position=position if in_attention else None, index=index
+        )
         return self._layers(x, inputs, cache, memory, memory_mask)
 
     def _layers(self, x, inputs: AttentionInputs, cache, memory, memory_mask) -> torch.Tensor:
@@ -209,8 +260,10 @@ class _Model(nn.Module):
     def generate(self, *args, **kwargs):
         """Models without a causal decoder do not generate (decoder-only and encoder-decoder
         models get ``blocks.generation.GenerationMixin.generate``)."""
-        raise TypeError(f"{type(self).__name__} has no causal decoder to generate with (an encoder-only model "
-                        "labels or fills masks: call model(input_ids) for its logits)")
+        raise TypeError(
+            f"{type(self).__name__} has no causal decoder to generate with (an encoder-only model "
+            "labels or fills masks: call model(input_ids) for its logits)"
+        )
 
     def aux_loss(self) -> torch.Tensor:
         """The sum of every MoE block's load-balancing loss from the last forward (0 without MoE)."""
@@ -228,13 +281,19 @@ class DecoderOnlyModel(GenerationMixin, _Model):
         self.decoder = decoder
         self.head = head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, cache=None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        cache=None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The head's output for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
         packed in each row (module doc; not with ``cache`` or ``attention_mask``)."""
         hidden = self.decoder(input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids)
-        mask = attention_mask[:, -input_ids.shape[1]:] if attention_mask is not None else None
+        mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else None
         return self.head(hidden, mask)
 
 
@@ -246,9 +305,14 @@ class EncoderOnlyModel(_Model):
         self.encoder = encoder
         self.head = head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The head's output for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
         packed in each row (module doc; not with ``attention_mask``)."""
         hidden = self.encoder(input_ids, attention_mask, token_type_ids, document_ids=document_ids)
@@ -264,25 +328,40 @@ class EncoderDecoderModel(GenerationMixin, _Model):
         self.decoder = decoder
         self.head = head
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.encoder(input_ids, attention_mask, token_type_ids)
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                decoder_input_ids: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
-                cache=None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        memory: torch.Tensor | None = None,
+        cache=None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if document_ids is not None:
-            raise ValueError("document_ids (packed documents) is not supported by an encoder-decoder model: "
-                             "its decoder cross-attends to the whole source row; pack decoder-only or "
-                             "encoder-only models")
+            raise ValueError(
+                "document_ids (packed documents) is not supported by an encoder-decoder model: "
+                "its decoder cross-attends to the whole source row; pack decoder-only or "
+                "encoder-only models"
+            )
         if decoder_input_ids is None:
             raise ValueError("an encoder-decoder model needs decoder_input_ids (the target side)")
         if memory is None:
             if input_ids is None:
                 raise ValueError("pass input_ids (the source) or a precomputed encoder output as memory")
             memory = self.encode(input_ids, attention_mask, token_type_ids)
-        hidden = self.decoder(decoder_input_ids, decoder_attention_mask, memory=memory,
-                              memory_mask=attention_mask, cache=cache)
-        mask = decoder_attention_mask[:, -decoder_input_ids.shape[1]:] if decoder_attention_mask is not None else None
+        hidden = self.decoder(
+            decoder_input_ids, decoder_attention_mask, memory=memory, memory_mask=attention_mask, cache=cache
+        )
+        mask = decoder_attention_mask[:, -decoder_input_ids.shape[1] :] if decoder_attention_mask is not None else None
         return self.head(hidden, mask)

@@ -45,12 +45,25 @@ def _default_dtype(dtype: torch.dtype | None):
 
 
 #: dtype names ``build_model`` takes besides ``torch.dtype`` objects
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
 
 
-def build_model(spec, device=None, dtype: torch.dtype | str | None = None, attention_backend: str = "auto",
-                init_seed: int | None = None) -> nn.Module:
+def build_model(
+    spec,
+    device=None,
+    dtype: torch.dtype | str | None = None,
+    attention_backend: str = "auto",
+    init_seed: int | None = None,
+) -> nn.Module:
     """The ``nn.Module`` a spec describes: a validated ``ModelSpec``, a mapping of spec fields or
     a path to a spec file (both loaded with ``builder.load_spec``).
 
@@ -96,12 +109,15 @@ def _device(device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', 'meta' (or another torch.device), "
-                         f"got {device!r}") from None
+        raise ValueError(
+            f"device must be 'cpu', 'cuda', 'cuda:N', 'meta' (or another torch.device), got {device!r}"
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r}: CUDA is not available here (no GPU, or a torch built "
-                             "without CUDA); use 'cpu' or 'meta'")
+            raise ValueError(
+                f"device {str(device)!r}: CUDA is not available here (no GPU, or a torch built "
+                "without CUDA); use 'cpu' or 'meta'"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     return device
@@ -128,14 +144,22 @@ def _assemble(spec, backend: str) -> nn.Module:
 def _embedding(spec, dims: Dims) -> Embeddings:
     section = spec.embedding
     norm = build_block(section.norm, dims) if section.norm is not None else None
-    return Embeddings(dims.vocab_size, dims.d_model, scale=section.scale, segments=section.segments, norm=norm,
-                      dropout=section.dropout, scale_in_model_dtype=section.scale_in_model_dtype)
+    return Embeddings(
+        dims.vocab_size,
+        dims.d_model,
+        scale=section.scale,
+        segments=section.segments,
+        norm=norm,
+        dropout=section.dropout,
+        scale_in_model_dtype=section.scale_in_model_dtype,
+    )
 
 
 def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool, backend: str) -> TransformerStack:
     attention = stack_config.attention
-    stack_dims = dataclasses.replace(dims, n_heads=attention.query_heads(),
-                                     rotary_head_dim=attention.rotary_head_dim(dims.d_model))
+    stack_dims = dataclasses.replace(
+        dims, n_heads=attention.query_heads(), rotary_head_dim=attention.rotary_head_dim(dims.d_model)
+    )
     position = build_block(spec.position, stack_dims, causal=causal)
     layers = []
     for layer in stack_config.layers():
@@ -146,7 +170,15 @@ def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool,
         norms = {f"{sub}_norm": build_block(layer.norm, dims) for sub in sublayers}
         if layer.norm.placement == "sandwich":
             norms.update({f"{sub}_post_norm": build_block(layer.norm, dims) for sub in sublayers})
-        layers.append(TransformerLayer(self_attention, ffn, norms, cross_attention=cross_attention,
-                                       placement=layer.norm.placement, dropout=layer.dropout))
+        layers.append(
+            TransformerLayer(
+                self_attention,
+                ffn,
+                norms,
+                cross_attention=cross_attention,
+                placement=layer.norm.placement,
+                dropout=layer.dropout,
+            )
+        )
     final_norm = build_block(stack_config.norm, dims) if stack_config.final_norm else None
     return TransformerStack(embedding, position, layers, final_norm, causal=causal, max_seq_len=dims.max_seq_len)

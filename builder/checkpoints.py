@@ -23,9 +23,22 @@ from typing import Any
 
 from builder.integrity import CheckpointError, DamagedCheckpointError, not_ours, read_checkpoint, verify_files
 
-__all__ = ["CheckpointError", "DamagedCheckpointError", "META_FILE", "SHARD_FILES", "STATE_KEY", "consolidate",
-           "exists", "is_sharded", "load_model", "load_weights", "model_weights", "read_meta", "read_weights",
-           "read_whole"]
+__all__ = [
+    "CheckpointError",
+    "DamagedCheckpointError",
+    "META_FILE",
+    "SHARD_FILES",
+    "STATE_KEY",
+    "consolidate",
+    "exists",
+    "is_sharded",
+    "load_model",
+    "load_weights",
+    "model_weights",
+    "read_meta",
+    "read_weights",
+    "read_whole",
+]
 
 #: the file beside the shards that holds everything but tensors (Lightning's ``_METADATA_FILENAME``)
 META_FILE = "meta.pt"
@@ -56,8 +69,9 @@ def read_meta(path: str | Path, check: bool = True, files: bool = True) -> dict[
     the path) for a missing, unsafe, damaged or foreign checkpoint."""
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
-        raise CheckpointError(f"{path} is a folder but not a checkpoint written by `builder train` "
-                              f"(no .metadata and {META_FILE})")
+        raise CheckpointError(
+            f"{path} is a folder but not a checkpoint written by `builder train` (no .metadata and {META_FILE})"
+        )
     if path.is_dir() and not (path / META_FILE).is_file():
         raise DamagedCheckpointError(f"{path} is damaged: {META_FILE} is missing")
     checkpoint = read_checkpoint(path / META_FILE if path.is_dir() else path, check=check)
@@ -92,7 +106,7 @@ def read_weights(path: str | Path, template: Mapping[str, Any] | None = None, ch
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001  (a foreign or damaged folder: say what)
+    except (Exception, CheckpointException) as exc:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise CheckpointError(f"cannot read the shards of {path}: {lines[-1][:200]}") from None
     return state[STATE_KEY]
@@ -113,9 +127,10 @@ def read_whole(path: str | Path) -> dict[str, Any]:
     checkpoint = read_meta(path)
     state: dict[str, Any] = {}
     try:  # as DCP's own format_utils.dcp_to_torch_save reads a folder whole: tensors made from .metadata
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001  (a foreign or damaged folder: say what)
+        _load_state_dict(
+            state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
+    except (Exception, CheckpointException) as exc:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise CheckpointError(f"cannot read the shards of {path}: {lines[-1][:200]}") from None
     checkpoint[STATE_KEY] = state.pop(STATE_KEY)
@@ -129,9 +144,12 @@ def _by_position(optimizer: Mapping[str, Any]) -> dict[str, Any]:
     position in its parameter groups instead (``torch.optim.Optimizer.state_dict``)."""
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
     position = {name: i for i, name in enumerate(names)}
-    return {"state": {position[name]: value for name, value in optimizer["state"].items()},
-            "param_groups": [dict(group, params=[position[n] for n in group["params"]])
-                             for group in optimizer["param_groups"]]}
+    return {
+        "state": {position[name]: value for name, value in optimizer["state"].items()},
+        "param_groups": [
+            dict(group, params=[position[n] for n in group["params"]]) for group in optimizer["param_groups"]
+        ],
+    }
 
 
 def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
@@ -145,8 +163,10 @@ def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
         return ModelSpec.model_validate(dict(data))
     except (ValidationError, SpecRuleError) as exc:
         first = str(exc).splitlines()[1 if isinstance(exc, ValidationError) else 0][:200]
-        raise CheckpointError(f"{path}: its model spec does not validate here ({first}); a spec built from a "
-                              "plugin's blocks needs the same --plugin MODULE") from None
+        raise CheckpointError(
+            f"{path}: its model spec does not validate here ({first}); a spec built from a "
+            "plugin's blocks needs the same --plugin MODULE"
+        ) from None
 
 
 def empty_model(spec_data: Mapping[str, Any], path: str | Path = "the checkpoint"):
@@ -176,8 +196,11 @@ def load_weights(model, weights: Mapping[str, Any], path: str | Path) -> None:
 
     own = model.state_dict()
     problems = [f"it lacks {name}" for name in own if name not in weights]
-    problems += [f"{name} has shape {shape(weights[name])}, its spec makes {list(tensor.shape)}"
-                 for name, tensor in own.items() if name in weights and shape(weights[name]) != list(tensor.shape)]
+    problems += [
+        f"{name} has shape {shape(weights[name])}, its spec makes {list(tensor.shape)}"
+        for name, tensor in own.items()
+        if name in weights and shape(weights[name]) != list(tensor.shape)
+    ]
     problems += [f"it holds {name}, which its spec does not make" for name in weights if name not in own]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -239,10 +262,16 @@ def write_reason(exc: Exception) -> str:
     code = exc.errno if isinstance(exc, OSError) else None
     if code is None and (found := re.search(r"(?:code: |os error )(\d+)", str(exc))):
         code = int(found.group(1))
-    words = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (the file-size limit)",
-             errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
-             errno.ENOENT: "no such folder", errno.EISDIR: "it is a folder",
-             errno.EEXIST: "a file is where its folder should be", errno.ENOTDIR: "a file is in its path"}
+    words = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EFBIG: "file too large (the file-size limit)",
+        errno.EROFS: "the filesystem is read-only",
+        errno.EACCES: "permission denied",
+        errno.ENOENT: "no such folder",
+        errno.EISDIR: "it is a folder",
+        errno.EEXIST: "a file is where its folder should be",
+        errno.ENOTDIR: "a file is in its path",
+    }
     if code in words:
         return words[code]
     return os.strerror(code) if code else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]

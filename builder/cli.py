@@ -128,16 +128,21 @@ def parser() -> argparse.ArgumentParser:
     import shtab
 
     root = ArgumentParser(
-        prog="builder", description="Declarative Transformer specs: validate, size, build, train.",
+        prog="builder",
+        description="Declarative Transformer specs: validate, size, build, train.",
         formatter_class=HelpFormatter,
     )
     root.add_argument(
         "--version", action=_Version, help="print the versions of builder, torch, Lightning, Triton and CUDA"
     )
     # `builder --print-completion bash|zsh|tcsh`: shtab writes the script from this parser
-    shtab.add_argument_to(root, ["--print-completion"],
-                          help="print a shell completion script: `eval \"$(builder --print-completion bash)\"` "
-                          "in ~/.bashrc (zsh: see the README)", preamble={"bash": _ZOO_BASH})
+    shtab.add_argument_to(
+        root,
+        ["--print-completion"],
+        help='print a shell completion script: `eval "$(builder --print-completion bash)"` '
+        "in ~/.bashrc (zsh: see the README)",
+        preamble={"bash": _ZOO_BASH},
+    )
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in commands().items():
         command = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`builder schema | head`): nothing more to say
         _silence_stdout()
         return 141
-    except Exception as exc:  # noqa: BLE001  (the last resort: never a traceback unless asked)
+    except Exception as exc:
         return internal_error(exc)
 
 
@@ -206,12 +211,17 @@ def internal_error(exc: BaseException) -> int:
     if os.environ.get("BUILDER_DEBUG", "") not in ("", "0"):
         traceback.print_exception(exc, file=sys.stderr)
     # the exception's type, its message and where it was raised in our code
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if any(f"{os.sep}{package}{os.sep}" in f.filename for package in ("builder", "blocks", "kernels",
-                                                                                 "recipes"))]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if any(f"{os.sep}{package}{os.sep}" in f.filename for package in ("builder", "blocks", "kernels", "recipes"))
+    ]
     where = f" in {_short(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
-    print(f"builder: internal error: {type(exc).__name__}{where}: {exception_message(exc)}; please report it with "
-          "`builder --version` and the command (BUILDER_DEBUG=1 shows the traceback)", file=sys.stderr)
+    print(
+        f"builder: internal error: {type(exc).__name__}{where}: {exception_message(exc)}; please report it with "
+        "`builder --version` and the command (BUILDER_DEBUG=1 shows the traceback)",
+        file=sys.stderr,
+    )
     return INTERNAL_ERROR
 
 

@@ -74,9 +74,11 @@ def _spec_schema() -> dict:
 
 
 def _spec_hint(shown: str) -> str:
-    return (f"describe it with `builder describe {shown}`; train it with a recipe whose model.spec names it "
-            f"(`builder train lm-stdlib --set model.spec={shown}`, or `builder cp lm-stdlib my-recipe.yaml` "
-            "and edit model.spec)")
+    return (
+        f"describe it with `builder describe {shown}`; train it with a recipe whose model.spec names it "
+        f"(`builder train lm-stdlib --set model.spec={shown}`, or `builder cp lm-stdlib my-recipe.yaml` "
+        "and edit model.spec)"
+    )
 
 
 def _spec_folder() -> Path | None:
@@ -129,8 +131,9 @@ def kind_of(data: Any) -> Kind | None:
     of any kind's (or as many of two kinds')."""
     if not isinstance(data, dict):
         return None
-    scores = sorted(((len((kind.keys() - SHARED) & data.keys()), kind) for kind in kinds().values()),
-                    key=lambda pair: -pair[0])
+    scores = sorted(
+        ((len((kind.keys() - SHARED) & data.keys()), kind) for kind in kinds().values()), key=lambda pair: -pair[0]
+    )
     if not scores or scores[0][0] == 0 or (len(scores) > 1 and scores[1][0] == scores[0][0]):
         return None
     return scores[0][1]

@@ -158,8 +158,7 @@ def estimate(
     if strategy == "fsdp":
         from builder.layout import Layout, check_tensor_parallel
 
-        layout = Layout(devices=devices, nodes=nodes, tensor_parallel=tensor_parallel,
-                        data_parallel=data_parallel)
+        layout = Layout(devices=devices, nodes=nodes, tensor_parallel=tensor_parallel, data_parallel=data_parallel)
         check_tensor_parallel(spec, tensor_parallel)
     elif tensor_parallel != 1:
         raise ValueError(f"tensor_parallel {tensor_parallel} needs strategy fsdp (DDP replicates whole layers)")
@@ -193,8 +192,7 @@ def estimate(
     position = spec.position
     for name, stack in stacks.items():
         n_heads = stack.attention.query_heads()
-        add("position", position.params(d, n_heads, spec.max_seq_len),
-            position.flops(d, n_heads, lengths[name]))
+        add("position", position.params(d, n_heads, spec.max_seq_len), position.flops(d, n_heads, lengths[name]))
 
     layers: list[LayerEstimate] = []
     kernel_total = 0
@@ -204,8 +202,19 @@ def estimate(
         counted: dict[int, LayerEstimate] = {}  # identical layers (one shared config) are counted once
         for index, layer in enumerate(stack.layers()):
             if id(layer) not in counted:
-                counted[id(layer)] = _layer(name, index, layer, d, tokens, cross_len, causal[name], batch,
-                                            act_bytes, fused_attention, position=position)
+                counted[id(layer)] = _layer(
+                    name,
+                    index,
+                    layer,
+                    d,
+                    tokens,
+                    cross_len,
+                    causal[name],
+                    batch,
+                    act_bytes,
+                    fused_attention,
+                    position=position,
+                )
             est = dataclasses.replace(counted[id(layer)], index=index)
             layers.append(est)
             kernel_total += est.kernel_flops
@@ -217,8 +226,11 @@ def estimate(
 
     head = spec.head
     last = list(stacks)[-1]
-    add("head", head.params(d, vocab, spec.tie_embeddings and head.projects_to_vocab),
-        head.flops(d, vocab, lengths[last]))
+    add(
+        "head",
+        head.params(d, vocab, spec.tie_embeddings and head.projects_to_vocab),
+        head.flops(d, vocab, lengths[last]),
+    )
 
     total = sum(params.values())
     embedding = params["embedding"] + (params["position"] if position.acts_on == "embedding" else 0)
@@ -245,18 +257,42 @@ def estimate(
         by_component=flops,
     )
     mem = _memory.memory(
-        spec, total, layers, batch=batch, seq_len=seq, src_len=src, dtype=dtype, devices=devices,
-        strategy=strategy, activation_checkpointing=activation_checkpointing,
+        spec,
+        total,
+        layers,
+        batch=batch,
+        seq_len=seq,
+        src_len=src,
+        dtype=dtype,
+        devices=devices,
+        strategy=strategy,
+        activation_checkpointing=activation_checkpointing,
         fused_attention=fused_attention,
     )
     if layout is not None:
-        mem = _sharded(spec, layout, mem, seq_len=seq, src_len=src_len, batch=batch, dtype=dtype,
-                       activation_checkpointing=activation_checkpointing, fused_attention=fused_attention)
+        mem = _sharded(
+            spec,
+            layout,
+            mem,
+            seq_len=seq,
+            src_len=src_len,
+            batch=batch,
+            dtype=dtype,
+            activation_checkpointing=activation_checkpointing,
+            fused_attention=fused_attention,
+        )
     settings = {
-        "seq_len": seq, "src_len": src, "batch": batch, "dtype": dtype, "devices": devices,
-        "strategy": strategy, "activation_checkpointing": activation_checkpointing,
-        "fused_attention": fused_attention, "tensor_parallel": tensor_parallel,
-        "data_parallel": data_parallel if layout is not None else "replicate", "nodes": nodes,
+        "seq_len": seq,
+        "src_len": src,
+        "batch": batch,
+        "dtype": dtype,
+        "devices": devices,
+        "strategy": strategy,
+        "activation_checkpointing": activation_checkpointing,
+        "fused_attention": fused_attention,
+        "tensor_parallel": tensor_parallel,
+        "data_parallel": data_parallel if layout is not None else "replicate",
+        "nodes": nodes,
     }
     return Estimate(spec.name, settings, param_est, flop_est, mem, layers)
 
@@ -286,8 +322,7 @@ def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, 
         params["cross_attention"] = cross_attn.params(d)
         flops["cross_attention"] = cross_attn.flops(d, tokens, cross_len)
         kernel += cross_attn.kernel_flops(d, tokens, cross_len, causal=False)
-        saved += cross_attn.saved_bytes(d, batch, tokens, cross_len, act_bytes, fused, masked=False,
-                                        kv_input=False)
+        saved += cross_attn.saved_bytes(d, batch, tokens, cross_len, act_bytes, fused, masked=False, kv_input=False)
     sublayers = len(layer.sublayers(cross))
     params["ffn"] = ffn.params(d)
     flops["ffn"] = ffn.flops(d, tokens)
@@ -302,8 +337,14 @@ def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, 
         saved += sublayers * batch * tokens * d  # one-byte masks on each sub-layer's output
     active = params["attention"] + params.get("cross_attention", 0) + ffn_active + params["norm"]
     return LayerEstimate(
-        stack=stack, index=index, params=params, active_params=active, flops=flops,
-        kernel_flops=kernel, saved_bytes=saved, description=layer.describe(cross),
+        stack=stack,
+        index=index,
+        params=params,
+        active_params=active,
+        flops=flops,
+        kernel_flops=kernel,
+        saved_bytes=saved,
+        description=layer.describe(cross),
     )
 
 
@@ -324,7 +365,9 @@ def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy, nod
     if strategy not in STRATEGIES:
         problems.append(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if src_len is not None and not spec.architecture_config.memory_of:
-        problems.append(f"src_len applies to encoder-decoder models (a stack that cross-attends); "
-                        f"{spec.name} is {spec.architecture}")
+        problems.append(
+            f"src_len applies to encoder-decoder models (a stack that cross-attends); "
+            f"{spec.name} is {spec.architecture}"
+        )
     if problems:
         raise ValueError("; ".join(problems))

@@ -72,7 +72,7 @@ def _tensor_crc(tensor) -> int:
     raw = memoryview(data.view(torch.uint8).numpy()) if data.dtype != torch.uint8 else memoryview(data.numpy())
     crc = zlib.crc32(header)
     for start in range(0, len(raw), _CHUNK):
-        crc = zlib.crc32(raw[start:start + _CHUNK], crc)
+        crc = zlib.crc32(raw[start : start + _CHUNK], crc)
     return crc
 
 
@@ -138,7 +138,8 @@ def verify(checkpoint: Mapping[str, Any], source: str | Path) -> bool:
         raise DamagedCheckpointError(f"{source} is damaged: it holds tensor {extra[0]}, which was not saved")
     if found["values"] != record.get("values"):
         raise DamagedCheckpointError(
-            f"{source} is damaged: its step, loop state or metadata do not match their checksum")
+            f"{source} is damaged: its step, loop state or metadata do not match their checksum"
+        )
     return True
 
 
@@ -154,8 +155,11 @@ def _reason(exc: BaseException) -> str:
 def not_ours(path: str | Path, checkpoint: Mapping[str, Any]) -> str:
     """The words for a loadable checkpoint that ``builder train`` did not write (no ``builder``
     record with its spec, weights and tokenizer): whose it looks like, when that can be told."""
-    why = ("a Lightning checkpoint of another program" if "pytorch-lightning_version" in checkpoint
-           else "it has no spec, weights or tokenizer")
+    why = (
+        "a Lightning checkpoint of another program"
+        if "pytorch-lightning_version" in checkpoint
+        else "it has no spec, weights or tokenizer"
+    )
     return f"{path} was not written by `builder train` ({why})"
 
 
@@ -232,7 +236,7 @@ def read_checkpoint(path: str | Path, *, check: bool = True, mmap: bool = True) 
             verify(checkpoint, path)
         except DamagedCheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001  (a tensor whose bytes cannot be read back)
+        except Exception as exc:
             raise DamagedCheckpointError(f"{path} is damaged: {_reason(exc)}") from None
     return dict(checkpoint)
 

@@ -25,23 +25,38 @@ from typing import Any
 
 DRAFT = "http://json-schema.org/draft-07/schema#"
 #: keywords of drafts after 07 that :func:`draft7` must have converted (none may remain)
-NEWER_KEYWORDS = frozenset({"$defs", "prefixItems", "dependentRequired", "dependentSchemas",
-                            "unevaluatedProperties", "unevaluatedItems", "$anchor", "$dynamicRef",
-                            "$dynamicAnchor", "minContains", "maxContains", "$recursiveRef"})
+NEWER_KEYWORDS = frozenset(
+    {
+        "$defs",
+        "prefixItems",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "$anchor",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "minContains",
+        "maxContains",
+        "$recursiveRef",
+    }
+)
 
 
 def spec_json_schema() -> dict[str, Any]:
     """The JSON Schema (draft-07) of a spec file, as YAML language servers and ``jsonschema`` read it."""
     defs = spec_definitions()
-    return draft7({
-        "title": "Transformer builder spec",
-        "description": defs["ModelSpec"].get("description", ""),
-        "type": "object",
-        "if": {"required": ["extends"]},
-        "then": {"$ref": "#/$defs/ModelSpecPartial"},
-        "else": {"$ref": "#/$defs/ModelSpec"},
-        "$defs": defs,
-    })
+    return draft7(
+        {
+            "title": "Transformer builder spec",
+            "description": defs["ModelSpec"].get("description", ""),
+            "type": "object",
+            "if": {"required": ["extends"]},
+            "then": {"$ref": "#/$defs/ModelSpecPartial"},
+            "else": {"$ref": "#/$defs/ModelSpec"},
+            "$defs": defs,
+        }
+    )
 
 
 def spec_definitions() -> dict[str, Any]:

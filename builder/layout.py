@@ -17,7 +17,8 @@ What a rank holds, as PyTorch builds it:
   Every split must be even: heads, KV heads, FFN width and vocabulary divide by the degree, or
   :func:`tensor_parallel_problems` names the field.
 * **FSDP2** (``fully_shard``, one unit per Transformer layer, one per embedding, one for the head
-  and the root for the rest, a tied head and its embedding among them) shards every parameter — the tensor-parallel local tensor under TP —
+  and the root for the rest, a tied head and its embedding among them) shards every parameter —
+  the tensor-parallel local tensor under TP —
   on dim 0 over the shard group as ``torch.chunk`` splits it: rank ``s`` of the group holds rows
   ``[s*c, (s+1)*c)`` of ``c = ceil(rows / group)``, so later ranks can hold fewer rows or none.
   Shard rank 0 holds the most, the last the least. FSDP2 pads each rank's parameter storage (and
@@ -81,13 +82,17 @@ class Layout:
         if self.data_parallel not in DATA_PARALLEL:
             raise LayoutError("data_parallel", self.data_parallel, f"must be one of {', '.join(DATA_PARALLEL)}")
         if self.per_node % self.tensor_parallel:
-            raise LayoutError("tensor_parallel", self.tensor_parallel,
-                              f"must divide the {self.per_node} devices of a node (tensor parallelism "
-                              "stays inside a node)")
+            raise LayoutError(
+                "tensor_parallel",
+                self.tensor_parallel,
+                f"must divide the {self.per_node} devices of a node (tensor parallelism stays inside a node)",
+            )
         if self.data_parallel == "hybrid" and self.nodes < 2:
-            raise LayoutError("data_parallel", self.data_parallel,
-                              "shards inside a node and replicates across nodes, so it needs at least 2 "
-                              "nodes; use shard on one node")
+            raise LayoutError(
+                "data_parallel",
+                self.data_parallel,
+                "shards inside a node and replicates across nodes, so it needs at least 2 nodes; use shard on one node",
+            )
 
     @property
     def per_node(self) -> int:
@@ -125,7 +130,8 @@ class Layout:
     def describe(self) -> str:
         """``64 devices on 8 nodes: tensor-parallel 8 x FSDP shard over 8`` and the like."""
         where = f"{self.devices} device{'s' if self.devices > 1 else ''}" + (
-            f" on {self.nodes} nodes" if self.nodes > 1 else "")
+            f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        )
         parts = [f"tensor-parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
         if self.data_parallel == "hybrid":
             parts.append(f"HSDP: FSDP shard over {self.shard_size} x {self.replicas} replicas")
@@ -140,9 +146,13 @@ class Layout:
         return cls(**{field.name: data[field.name] for field in dataclasses.fields(cls)})
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "per_node": self.per_node,
-                "data_parallel_size": self.data_parallel_size, "shard_size": self.shard_size,
-                "replicas": self.replicas}
+        return {
+            **dataclasses.asdict(self),
+            "per_node": self.per_node,
+            "data_parallel_size": self.data_parallel_size,
+            "shard_size": self.shard_size,
+            "replicas": self.replicas,
+        }
 
 
 @dataclass(frozen=True)
@@ -201,8 +211,12 @@ def model_tensors(spec) -> list[ParamTensor]:
             if spec.embedding.norm is not None:
                 norm = spec.embedding.norm
                 add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit)
-        add(f"{name}.position.", spec.position,
-            _shapes(spec.position, "position", d, stack.attention.query_heads(), spec.max_seq_len), "root")
+        add(
+            f"{name}.position.",
+            spec.position,
+            _shapes(spec.position, "position", d, stack.attention.query_heads(), spec.max_seq_len),
+            "root",
+        )
         walked: dict[int, list[tuple[str, tuple[int, ...], int | None]]] = {}  # per distinct layer
         for index, layer in enumerate(stack.layers()):
             unit = f"{name}.layers.{index}"
@@ -221,8 +235,11 @@ def layer_tensor_count(spec) -> int:
     """Parameter tensors of every layer of every stack, counted per group of identical layers
     (so instant for any number of layers)."""
     architecture = spec.architecture_config
-    return sum(len(indices) * len(_layer_tensors(layer, name, name in architecture.memory_of, spec.d_model))
-               for name, stack in spec.stacks().items() for indices, layer in stack.layer_groups())
+    return sum(
+        len(indices) * len(_layer_tensors(layer, name, name in architecture.memory_of, spec.d_model))
+        for name, stack in spec.stacks().items()
+        for indices, layer in stack.layer_groups()
+    )
 
 
 def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tuple[int, ...], int | None]]:
@@ -248,8 +265,12 @@ def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tu
 def _shapes(config, where: str, *dims) -> dict[str, tuple[int, ...]]:
     shapes = getattr(config, "param_shapes", None)
     if shapes is None:
-        raise LayoutError("spec", where, f"block {type(config).__qualname__} declares no param_shapes(); "
-                          "per-rank figures need every parameter's shape")
+        raise LayoutError(
+            "spec",
+            where,
+            f"block {type(config).__qualname__} declares no param_shapes(); "
+            "per-rank figures need every parameter's shape",
+        )
     return shapes(*dims)
 
 
@@ -259,8 +280,9 @@ def _tp_dim(plan: dict[str, str], name: str, shape, full: str) -> int | None:
     keys = [k for k in plan if module == k or module.startswith(k + ".")]
     style = plan[max(keys, key=len)] if keys else "replicate"
     if style not in PARALLEL_STYLES:
-        raise LayoutError("spec", full, f"unknown tensor-parallel style {style!r}; "
-                          f"styles are {', '.join(PARALLEL_STYLES)}")
+        raise LayoutError(
+            "spec", full, f"unknown tensor-parallel style {style!r}; styles are {', '.join(PARALLEL_STYLES)}"
+        )
     if style in ("colwise", "vocab"):
         return 0
     if style == "rowwise":
@@ -291,8 +313,10 @@ def tensor_parallel_problems(spec, tp: int) -> list[tuple[tuple, str]]:
     """``(field path, message)`` for every field that does not divide by ``tp``."""
     if tp == 1:
         return []
-    problems = [(loc, f"{message} (the embedding and head are vocab-parallel)")
-                for loc, message in indivisible(tp, vocab_size=spec.vocab_size)]
+    problems = [
+        (loc, f"{message} (the embedding and head are vocab-parallel)")
+        for loc, message in indivisible(tp, vocab_size=spec.vocab_size)
+    ]
     for loc, config in _blocks(spec):
         problems += [(loc + where, message) for where, message in config.tensor_parallel_problems(tp, spec.d_model)]
     return problems
@@ -302,8 +326,9 @@ def check_tensor_parallel(spec, tp: int) -> None:
     """Raise :class:`LayoutError` (argument ``tensor_parallel``) naming each field that does not divide."""
     problems = tensor_parallel_problems(spec, tp)
     if problems:
-        raise LayoutError("tensor_parallel", tp,
-                          "; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems))
+        raise LayoutError(
+            "tensor_parallel", tp, "; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems)
+        )
 
 
 def tensor_parallel_spec(spec, tp: int):
@@ -321,16 +346,18 @@ def tensor_parallel_spec(spec, tp: int):
         return config.tensor_parallel(tp, d) if config is not None else None
 
     def view_blocks(section):
-        return section.model_copy(update={k: view(getattr(section, k)) for k in _LAYER_BLOCKS
-                                          if getattr(section, k, None) is not None})
+        return section.model_copy(
+            update={k: view(getattr(section, k)) for k in _LAYER_BLOCKS if getattr(section, k, None) is not None}
+        )
 
     update: dict[str, Any] = {}
     for name, stack in spec.stacks().items():
         local = view_blocks(stack)
         update[name] = local.model_copy(update={"overrides": [view_blocks(o) for o in stack.overrides]})
     embedding = spec.embedding.model_copy(update={"norm": view(spec.embedding.norm)})
-    return spec.model_copy(update={**update, "embedding": embedding, "position": view(spec.position),
-                                   "head": view(spec.head)})
+    return spec.model_copy(
+        update={**update, "embedding": embedding, "position": view(spec.position), "head": view(spec.head)}
+    )
 
 
 # -- what a rank holds ----------------------------------------------------------------------------
@@ -365,8 +392,12 @@ class RankStates:
         return self.elements * FP32 * ADAMW_STATES + self.tensors * ADAMW_STEP
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "weights": self.weights, "gradients": self.gradients,
-                "optimizer": self.optimizer}
+        return {
+            **dataclasses.asdict(self),
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+        }
 
 
 def rank_states(spec, layout: Layout, rank: int = 0, tensors: list[ParamTensor] | None = None) -> RankStates:
@@ -403,12 +434,24 @@ def sharded_memory(spec, layout: Layout, per_rank):
     # two gathered units (computing, prefetched); the unit's unsharded gradients and their fp32
     # reduce-scatter input
     buffers = biggest_unit * (3 * compute + FP32)
-    info = {**layout.to_dict(), "rank": 0, "largest": largest.to_dict(), "smallest": smallest.to_dict(),
-            "largest_unit": biggest_unit}
+    info = {
+        **layout.to_dict(),
+        "rank": 0,
+        "largest": largest.to_dict(),
+        "smallest": smallest.to_dict(),
+        "largest_unit": biggest_unit,
+    }
     local = sum(_numel(t.local_shape(layout.tensor_parallel)) for t in tensors)  # one TP rank, unsharded
     return dataclasses.replace(
-        per_rank, devices=layout.devices, strategy="fsdp", weights=largest.weights, master_weights=0,
-        gradients=largest.gradients, optimizer=largest.optimizer, sharding_buffers=buffers, layout=info,
+        per_rank,
+        devices=layout.devices,
+        strategy="fsdp",
+        weights=largest.weights,
+        master_weights=0,
+        gradients=largest.gradients,
+        optimizer=largest.optimizer,
+        sharding_buffers=buffers,
+        layout=info,
         inference_weights=local * compute,
     )
 

@@ -48,8 +48,12 @@ __all__ = [
 ]
 
 
-def load_spec(spec: str | os.PathLike | Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None,
-              plugins: Iterable[str] = (), sources: Mapping[str, Source] | None = None):
+def load_spec(
+    spec: str | os.PathLike | Mapping[str, Any] | Any,
+    overrides: Mapping[str, Any] | None = None,
+    plugins: Iterable[str] = (),
+    sources: Mapping[str, Source] | None = None,
+):
     """Load, merge and validate a model spec; raises :class:`SpecError` with every problem.
 
     ``spec``: a path to a YAML file (``str`` or ``os.PathLike``), a mapping of spec fields (as
@@ -61,8 +65,10 @@ def load_spec(spec: str | os.PathLike | Mapping[str, Any] | Any, overrides: Mapp
     from builder.schema import ModelSpec, spec_model
 
     if overrides is not None and not isinstance(overrides, Mapping):
-        raise TypeError(f"overrides takes a mapping of dotted keys to values ({{'decoder.n_layers': 2}}), "
-                        f"got {type(overrides).__name__}")
+        raise TypeError(
+            f"overrides takes a mapping of dotted keys to values ({{'decoder.n_layers': 2}}), "
+            f"got {type(overrides).__name__}"
+        )
     if isinstance(plugins, (str, bytes)) or not isinstance(plugins, Iterable):
         raise TypeError(f"plugins takes a list of module names, got {type(plugins).__name__}")
     load_plugins(plugins)
@@ -72,12 +78,10 @@ def load_spec(spec: str | os.PathLike | Mapping[str, Any] | Any, overrides: Mapp
         spec = spec.model_dump(exclude={"extends"})
     if isinstance(spec, Mapping):
         return _load_mapping(spec, spec_model(), overrides)
-    return _load(_path_of(spec, "load_spec"), spec_model(), overrides, default_name=True, sources=sources,
-                 kind="spec")
+    return _load(_path_of(spec, "load_spec"), spec_model(), overrides, default_name=True, sources=sources, kind="spec")
 
 
-def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None,
-                kind: str | None = None):
+def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None, kind: str | None = None):
     """Load any YAML config into ``model_cls`` (a pydantic model) with the same located errors.
     ``kind``: the document kind expected (``builder.documents``); a file plainly of another kind
     is one problem saying so, not one per key."""
@@ -108,15 +112,19 @@ def parse_set_args(items: Iterable[str]) -> dict[str, Any]:
             overrides[key] = parse_value(text)
         except SpecError as exc:
             problems.append(Problem.at(where, key, exc.problems[-1].message))
-        except Exception as exc:  # noqa: BLE001  (yaml's own errors: report, never a traceback)
+        except Exception as exc:
             problems.append(Problem.at(where, key, f"not a YAML value: {str(exc).splitlines()[0]}"))
     if problems:
         raise SpecError(problems)
     return overrides
 
 
-def read_merged(path: str | Path, overrides: Mapping[str, Any] | None = None,
-                sources: Mapping[str, Source] | None = None, model_cls: type | None = None) -> Document:
+def read_merged(
+    path: str | Path,
+    overrides: Mapping[str, Any] | None = None,
+    sources: Mapping[str, Source] | None = None,
+    model_cls: type | None = None,
+) -> Document:
     """The file after its ``extends:`` chain and the overrides, not validated yet. ``path`` may
     be a zoo name (``llama3-8b``); a file that exists wins (``builder.zoo``).
 
@@ -148,8 +156,9 @@ def _fields_of(model_cls: type | None) -> list[str] | None:
     return sorted(model_cls.model_fields, key=lambda f: not model_cls.model_fields[f].is_required())
 
 
-def apply_overrides(doc: Document, overrides: Mapping[str, Any] | None,
-                    sources: Mapping[str, Source] | None = None) -> None:
+def apply_overrides(
+    doc: Document, overrides: Mapping[str, Any] | None, sources: Mapping[str, Source] | None = None
+) -> None:
     """Set each dotted key of ``overrides`` in ``doc`` (a mapping merges over a mapping there).
 
     ``sources``: where an override was written (a recipe's ``model.overrides`` line), by key;
@@ -158,13 +167,22 @@ def apply_overrides(doc: Document, overrides: Mapping[str, Any] | None,
     problems = []
     for key, value in (overrides or {}).items():
         if not isinstance(key, str) or not key:
-            problems.append(Problem.at(Mark(f"<--set {key!r}>"), str(key), "an override's key is a dotted field "
-                                       "path, a non-empty string such as 'decoder.n_layers'"))
+            problems.append(
+                Problem.at(
+                    Mark(f"<--set {key!r}>"),
+                    str(key),
+                    "an override's key is a dotted field path, a non-empty string such as 'decoder.n_layers'",
+                )
+            )
             continue
         if key.split(".")[0] == "extends":
             problems.append(
-                Problem.at(Mark(f"<--set {key}>"), key, "extends is read from the file before --set applies; "
-                           "write `extends:` in the file (or a new file that extends it)")
+                Problem.at(
+                    Mark(f"<--set {key}>"),
+                    key,
+                    "extends is read from the file before --set applies; "
+                    "write `extends:` in the file (or a new file that extends it)",
+                )
             )
             continue
         try:
@@ -184,7 +202,7 @@ def validate_document(doc: Document, model_cls: type, first: str | None = None):
     problems = doc.problems + problems
     if problems:
         # this file's problems first, in line order; then its parents'; then --set
-        order = lambda p: (p.line is None, p.file != first, p.file, p.line or 0, p.col or 0)  # noqa: E731
+        order = lambda p: (p.line is None, p.file != first, p.file, p.line or 0, p.col or 0)
         raise SpecError(sorted(problems, key=order))
     return spec
 
@@ -193,11 +211,15 @@ def _path_of(value: Any, function: str) -> str | os.PathLike:
     """``value`` as a path, or a ``TypeError`` saying what ``function`` takes."""
     if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
         if isinstance(value, str) and "\n" in value:
-            raise TypeError(f"{function} takes a path, not YAML text; parse it first "
-                            f"({function}(yaml.safe_load(text)) takes the mapping)")
+            raise TypeError(
+                f"{function} takes a path, not YAML text; parse it first "
+                f"({function}(yaml.safe_load(text)) takes the mapping)"
+            )
         return value
-    raise TypeError(f"{function} takes a path to a spec file (str or os.PathLike), a mapping of spec fields "
-                    f"or a ModelSpec, got {type(value).__name__}")
+    raise TypeError(
+        f"{function} takes a path to a spec file (str or os.PathLike), a mapping of spec fields "
+        f"or a ModelSpec, got {type(value).__name__}"
+    )
 
 
 def _load_mapping(data: Mapping[str, Any], model_cls: type, overrides) -> Any:
@@ -275,7 +297,7 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
 
         def fail(message: str) -> SpecError:
             problems = [p for _, _, d in chain for p in d.problems]
-            return SpecError(problems + [Problem.at(where, "extends", message)])
+            return SpecError(problems + [Problem.at(where, "extends", message)])  # noqa: B023 (called in this pass)
 
         if not isinstance(parent, str) or not parent.strip():
             raise fail("extends takes a path to a file or a zoo name")
@@ -314,8 +336,7 @@ def _kind_of(model_cls: type | None) -> str:
 
 def _merge_documents(base: Document, top: Document) -> Document:
     merged = Document(None, {}, {}, base.problems + top.problems)
-    merged.data = merge(base.data, top.data, types=DEFAULT_TYPES, out=merged,
-                        base_from=(base, ()), top_from=(top, ()))
+    merged.data = merge(base.data, top.data, types=DEFAULT_TYPES, out=merged, base_from=(base, ()), top_from=(top, ()))
     merged.values[()] = top.values[()]
     return merged
 
@@ -360,8 +381,9 @@ def _apply_override(doc: Document, key: str, value: Any, source: Source | None =
         if last:
             here = path + (step,)
             base = node[step] if isinstance(node, list) or step in node else None
-            node[step] = merge(base, value, types=DEFAULT_TYPES, out=doc, at=here, base_from=(doc, here),
-                               top_from=source)
+            node[step] = merge(
+                base, value, types=DEFAULT_TYPES, out=doc, at=here, base_from=(doc, here), top_from=source
+            )
             doc.keys[here] = mark
         else:
             node, path = node[step], path + (step,)

@@ -84,8 +84,14 @@ class MemoryEstimate:
 
     @property
     def training_total(self) -> int:
-        return (self.weights + self.master_weights + self.gradients + self.optimizer
-                + self.sharding_buffers + self.activations)
+        return (
+            self.weights
+            + self.master_weights
+            + self.gradients
+            + self.optimizer
+            + self.sharding_buffers
+            + self.activations
+        )
 
     @property
     def inference_total(self) -> int:
@@ -99,30 +105,57 @@ class MemoryEstimate:
         return out
 
 
-def memory(spec, n_params: int, layers, *, batch: int, seq_len: int, src_len: int | None,
-           dtype: str, devices: int, strategy: str, activation_checkpointing: bool,
-           fused_attention: bool = True) -> MemoryEstimate:
+def memory(
+    spec,
+    n_params: int,
+    layers,
+    *,
+    batch: int,
+    seq_len: int,
+    src_len: int | None,
+    dtype: str,
+    devices: int,
+    strategy: str,
+    activation_checkpointing: bool,
+    fused_attention: bool = True,
+) -> MemoryEstimate:
     """Per-device training memory and the KV cache, from the per-layer estimates, every state
     whole on the device (DDP); ``builder.estimates`` shards them for FSDP through ``builder.layout``."""
     act = BYTES[dtype]
     weights = gradients = n_params * act
     master = n_params * FP32 if act != FP32 else 0
     optimizer = n_params * FP32 * ADAMW_STATES
-    activations = activation_bytes(spec, layers, batch, seq_len, src_len, act,
-                                   activation_checkpointing, fused_attention)
+    activations = activation_bytes(
+        spec, layers, batch, seq_len, src_len, act, activation_checkpointing, fused_attention
+    )
     return MemoryEstimate(
-        dtype=dtype, batch=batch, devices=devices, strategy=strategy,
-        activation_checkpointing=activation_checkpointing, weights=weights,
-        master_weights=master, gradients=gradients, optimizer=optimizer,
-        sharding_buffers=0, activations=activations,
+        dtype=dtype,
+        batch=batch,
+        devices=devices,
+        strategy=strategy,
+        activation_checkpointing=activation_checkpointing,
+        weights=weights,
+        master_weights=master,
+        gradients=gradients,
+        optimizer=optimizer,
+        sharding_buffers=0,
+        activations=activations,
         activations_per_layer=max((layer.saved_bytes for layer in layers), default=0),
         kv_cache=kv_cache_bytes(spec, batch, seq_len, dtype, src_len=src_len),
         inference_weights=n_params * act,
     )
 
 
-def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None, act: int,
-                     checkpointing: bool, fused_attention: bool = True) -> int:
+def activation_bytes(
+    spec,
+    layers,
+    batch: int,
+    seq_len: int,
+    src_len: int | None,
+    act: int,
+    checkpointing: bool,
+    fused_attention: bool = True,
+) -> int:
     """Bytes saved for backward over one training step of ``batch`` sequences."""
     d, vocab = spec.d_model, spec.vocab_size
     stacks = spec.stacks()
@@ -138,8 +171,7 @@ def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None
             total += tokens * d  # one-byte mask
         if stack.final_norm:
             total += stack.norm.saved_bytes(d, tokens, act)
-        total += spec.position.saved_bytes_per_stack(lengths[name], stack.attention.query_heads(),
-                                                     fused_attention)
+        total += spec.position.saved_bytes_per_stack(lengths[name], stack.attention.query_heads(), fused_attention)
     for source in set(memory_of.values()):
         total += batch * lengths[source] * d * act  # encoder output: every cross-attention's k/v input
     last = list(stacks)[-1]
@@ -150,8 +182,7 @@ def activation_bytes(spec, layers, batch: int, seq_len: int, src_len: int | None
     return total + inputs + max((layer.saved_bytes for layer in layers), default=0)
 
 
-def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16",
-                   src_len: int | None = None) -> int:
+def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16", src_len: int | None = None) -> int:
     """Bytes of the KV cache ``generate`` allocates for ``batch`` sequences of ``context`` tokens.
 
     Encoder-only models decode nothing: 0. ``src_len`` (encoder-decoder): the source length whose
@@ -170,4 +201,3 @@ def kv_cache_bytes(spec, batch: int, context: int, dtype: str = "bf16",
             per_layer += layer.cross_attention.kv_cache_bytes(d, batch, src_len or context, cache, cross=True)
         total += len(indices) * per_layer
     return total
-

@@ -25,8 +25,16 @@ from builder.yaml_source import Document, FieldPath
 Source = tuple[Document, FieldPath]
 
 
-def merge(base: Any, top: Any, *, types: Mapping[str, str] | None = None, out: Document | None = None,
-          at: FieldPath = (), base_from: Source | None = None, top_from: Source | None = None) -> Any:
+def merge(
+    base: Any,
+    top: Any,
+    *,
+    types: Mapping[str, str] | None = None,
+    out: Document | None = None,
+    at: FieldPath = (),
+    base_from: Source | None = None,
+    top_from: Source | None = None,
+) -> Any:
     """``top`` laid over ``base`` (neither is changed). Without ``out`` nothing is located.
 
     ``at``: the result's path in ``out``; ``base_from``/``top_from``: where ``base`` and ``top``
@@ -45,8 +53,15 @@ def merge(base: Any, top: Any, *, types: Mapping[str, str] | None = None, out: D
     for key, value in top.items():
         _carry_key(_step(top_from, key), out, at + (key,))
         if key in base:
-            result[key] = merge(base[key], value, types=types, out=out, at=at + (key,),
-                                base_from=_step(base_from, key), top_from=_step(top_from, key))
+            result[key] = merge(
+                base[key],
+                value,
+                types=types,
+                out=out,
+                at=at + (key,),
+                base_from=_step(base_from, key),
+                top_from=_step(top_from, key),
+            )
         else:
             _carry(value, _step(top_from, key), out, at + (key,))
             result[key] = value

@@ -88,19 +88,33 @@ class Candidate:
         return self.layout.devices * self.step_seconds / 3600
 
     def key(self) -> tuple:
-        return (self.gpu_hours, self.layout.tensor_parallel, DP_ORDER[self.layout.data_parallel],
-                -self.micro_batch, self.memory)
+        return (
+            self.gpu_hours,
+            self.layout.tensor_parallel,
+            DP_ORDER[self.layout.data_parallel],
+            -self.micro_batch,
+            self.memory,
+        )
 
     def summary(self) -> str:
         ckpt = "activation checkpointing" if self.checkpointing else "no activation checkpointing"
-        return (f"{self.layout.describe()}; micro-batch {self.micro_batch} x {self.accumulation} "
-                f"accumulation step{'s' if self.accumulation > 1 else ''}; {ckpt}")
+        return (
+            f"{self.layout.describe()}; micro-batch {self.micro_batch} x {self.accumulation} "
+            f"accumulation step{'s' if self.accumulation > 1 else ''}; {ckpt}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.to_dict(), "micro_batch": self.micro_batch,
-                "accumulate_grad_batches": self.accumulation, "activation_checkpointing": self.checkpointing,
-                "memory": self.memory, "step_flops": self.step_flops, "step_seconds": self.step_seconds,
-                "gpu_hours_per_step": self.gpu_hours, "summary": self.summary()}
+        return {
+            "layout": self.layout.to_dict(),
+            "micro_batch": self.micro_batch,
+            "accumulate_grad_batches": self.accumulation,
+            "activation_checkpointing": self.checkpointing,
+            "memory": self.memory,
+            "step_flops": self.step_flops,
+            "step_seconds": self.step_seconds,
+            "gpu_hours_per_step": self.gpu_hours,
+            "summary": self.summary(),
+        }
 
 
 @dataclass
@@ -128,9 +142,20 @@ class Plan:
         return self.global_batch * self.seq_len
 
 
-def plan(spec, cluster: Cluster, *, seq_len: int | None = None, global_batch: int, dtype: str = "bf16",
-         mfu: float = 0.4, src_len: int | None = None, tensor_parallel: int | None = None,
-         data_parallel: str | None = None, suggest: bool = True, _states: _States | None = None) -> Plan:
+def plan(
+    spec,
+    cluster: Cluster,
+    *,
+    seq_len: int | None = None,
+    global_batch: int,
+    dtype: str = "bf16",
+    mfu: float = 0.4,
+    src_len: int | None = None,
+    tensor_parallel: int | None = None,
+    data_parallel: str | None = None,
+    suggest: bool = True,
+    _states: _States | None = None,
+) -> Plan:
     """The cheapest layout of ``spec`` that fits ``cluster`` (see the module's docstring).
 
     ``tensor_parallel`` / ``data_parallel`` pin the search to one degree or mode. Raises
@@ -139,8 +164,12 @@ def plan(spec, cluster: Cluster, *, seq_len: int | None = None, global_batch: in
     """
     seq = seq_len or spec.max_seq_len
     if tensor_parallel is not None or data_parallel is not None:  # a pinned setting no layout can take
-        Layout(devices=cluster.gpus, nodes=cluster.nodes, tensor_parallel=tensor_parallel or 1,
-               data_parallel=data_parallel or "shard")
+        Layout(
+            devices=cluster.gpus,
+            nodes=cluster.nodes,
+            tensor_parallel=tensor_parallel or 1,
+            data_parallel=data_parallel or "shard",
+        )
         check_tensor_parallel(spec, tensor_parallel or 1)
     sizer = _Sizer(_states or _States(spec), seq, src_len, dtype)
     result = Plan(spec.name, cluster, seq, src_len, global_batch, dtype, mfu, None)
@@ -152,10 +181,19 @@ def plan(spec, cluster: Cluster, *, seq_len: int | None = None, global_batch: in
 
     for candidate in candidates:
         layout = candidate.layout
-        est = estimate(spec, seq_len=seq, src_len=src_len, batch=candidate.micro_batch, dtype=dtype,
-                       devices=layout.devices, nodes=layout.nodes, strategy="fsdp",
-                       tensor_parallel=layout.tensor_parallel, data_parallel=layout.data_parallel,
-                       activation_checkpointing=candidate.checkpointing)
+        est = estimate(
+            spec,
+            seq_len=seq,
+            src_len=src_len,
+            batch=candidate.micro_batch,
+            dtype=dtype,
+            devices=layout.devices,
+            nodes=layout.nodes,
+            strategy="fsdp",
+            tensor_parallel=layout.tensor_parallel,
+            data_parallel=layout.data_parallel,
+            activation_checkpointing=candidate.checkpointing,
+        )
         if est.memory.training_total <= cluster.usable:  # as describe counts it, not the search's sum
             result.chosen = dataclasses.replace(candidate, memory=est.memory.training_total)
             result.estimate = est
@@ -163,8 +201,9 @@ def plan(spec, cluster: Cluster, *, seq_len: int | None = None, global_batch: in
     if result.chosen is not None:
         result.alternatives = [c for c in candidates if c is not result.chosen and c.key() > result.chosen.key()][:4]
     elif suggest:
-        result.would_fit = _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu,
-                                           tensor_parallel, data_parallel, result.reasons)
+        result.would_fit = _what_would_fit(
+            spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu, tensor_parallel, data_parallel, result.reasons
+        )
     return result
 
 
@@ -204,8 +243,17 @@ class _Sizer:
             from builder.estimates import estimate
 
             local = tensor_parallel_spec(self.spec, tp)
-            one, two = (estimate(local, seq_len=self.seq, src_len=self.src_len, batch=b, dtype=self.dtype,
-                                 activation_checkpointing=checkpointing).memory.activations for b in (1, 2))
+            one, two = (
+                estimate(
+                    local,
+                    seq_len=self.seq,
+                    src_len=self.src_len,
+                    batch=b,
+                    dtype=self.dtype,
+                    activation_checkpointing=checkpointing,
+                ).memory.activations
+                for b in (1, 2)
+            )
             self._activations[key] = (one, two - one)
         base, per_sequence = self._activations[key]
         return base + (batch - 1) * per_sequence
@@ -233,8 +281,15 @@ class _Sizer:
         return self.forward * global_batch * (4 if checkpointing else 3)
 
 
-def _search(sizer: _Sizer, cluster: Cluster, global_batch: int, mfu: float, pin_tp: int | None,
-            pin_dp: str | None, reasons: list[str]) -> list[Candidate]:
+def _search(
+    sizer: _Sizer,
+    cluster: Cluster,
+    global_batch: int,
+    mfu: float,
+    pin_tp: int | None,
+    pin_dp: str | None,
+    reasons: list[str],
+) -> list[Candidate]:
     """Every fitting layout, each with the largest micro-batch that fits."""
     found = []
     degrees = [pin_tp] if pin_tp else divisors(cluster.per_node)
@@ -243,13 +298,15 @@ def _search(sizer: _Sizer, cluster: Cluster, global_batch: int, mfu: float, pin_
             continue
         dp = cluster.gpus // tp
         if global_batch % dp:
-            _note(reasons, f"tensor-parallel {tp}: the global batch {global_batch} does not divide over "
-                           f"{dp} data-parallel ranks")
+            _note(
+                reasons,
+                f"tensor-parallel {tp}: the global batch {global_batch} does not divide over {dp} data-parallel ranks",
+            )
             continue
         per_rank = global_batch // dp
         batches = divisors(per_rank)[::-1]
         groups = set()
-        for mode in ([pin_dp] if pin_dp else DATA_PARALLEL):
+        for mode in [pin_dp] if pin_dp else DATA_PARALLEL:
             try:
                 layout = Layout(devices=cluster.gpus, nodes=cluster.nodes, tensor_parallel=tp, data_parallel=mode)
             except LayoutError:
@@ -259,15 +316,23 @@ def _search(sizer: _Sizer, cluster: Cluster, global_batch: int, mfu: float, pin_
             groups.add(layout.shard_size)
             fixed = sizer.fixed(layout)
             for checkpointing in (False, True):
-                batch = next((b for b in batches
-                              if fixed + sizer.activations(tp, checkpointing, b) <= cluster.usable), None)
+                batch = next(
+                    (b for b in batches if fixed + sizer.activations(tp, checkpointing, b) <= cluster.usable), None
+                )
                 if batch is None:
                     continue
                 flops = sizer.step_flops(global_batch, checkpointing)
-                found.append(Candidate(
-                    layout=layout, micro_batch=batch, accumulation=per_rank // batch, checkpointing=checkpointing,
-                    memory=fixed + sizer.activations(tp, checkpointing, batch), step_flops=flops,
-                    step_seconds=flops / (cluster.gpus * cluster.peak * mfu)))
+                found.append(
+                    Candidate(
+                        layout=layout,
+                        micro_batch=batch,
+                        accumulation=per_rank // batch,
+                        checkpointing=checkpointing,
+                        memory=fixed + sizer.activations(tp, checkpointing, batch),
+                        step_flops=flops,
+                        step_seconds=flops / (cluster.gpus * cluster.peak * mfu),
+                    )
+                )
     return found
 
 
@@ -291,8 +356,11 @@ def _refused_degrees(sizer: _Sizer, cluster: Cluster, pin_tp: int | None) -> lis
     for tp in degrees:
         for loc, _ in sizer.tp_problems(tp):
             fields.setdefault(".".join(map(str, loc)), []).append(tp)
-    return [f"tensor-parallel {', '.join(map(str, tps))} ruled out: {path} ({_field(sizer.spec, path)}) does not "
-            f"divide by {'it' if len(tps) == 1 else 'them'}" for path, tps in fields.items()]
+    return [
+        f"tensor-parallel {', '.join(map(str, tps))} ruled out: {path} ({_field(sizer.spec, path)}) does not "
+        f"divide by {'it' if len(tps) == 1 else 'them'}"
+        for path, tps in fields.items()
+    ]
 
 
 def _field(spec, path: str):
@@ -307,14 +375,22 @@ def _note(reasons: list[str], reason: str) -> None:
         reasons.append(reason)
 
 
-def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu, pin_tp, pin_dp,
-                    reasons) -> list[str]:
+def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu, pin_tp, pin_dp, reasons) -> list[str]:
     """Why nothing fits, and what would: a global batch the data-parallel ranks divide, the fewest
     GPUs (whole nodes, doubling), the longest sequence (halving)."""
-    again = {"dtype": dtype, "mfu": mfu, "tensor_parallel": pin_tp, "data_parallel": pin_dp, "suggest": False,
-             "_states": sizer.states}
-    degrees = [t for t in ([pin_tp] if pin_tp else divisors(cluster.per_node))
-               if cluster.per_node % t == 0 and not sizer.tp_problems(t)]
+    again = {
+        "dtype": dtype,
+        "mfu": mfu,
+        "tensor_parallel": pin_tp,
+        "data_parallel": pin_dp,
+        "suggest": False,
+        "_states": sizer.states,
+    }
+    degrees = [
+        t
+        for t in ([pin_tp] if pin_tp else divisors(cluster.per_node))
+        if cluster.per_node % t == 0 and not sizer.tp_problems(t)
+    ]
     dividing = [t for t in degrees if global_batch % (cluster.gpus // t) == 0]
     out = []
     if not dividing:
@@ -328,26 +404,34 @@ def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu
     floor = sizer.fixed(best)
     if floor > cluster.usable:
         held, (unit, elements), in_flight = sizer.fixed_parts(best)
-        shrink = ("a smaller unit (more tensor parallelism, or experts split over ranks) is what would shrink it"
-                  if in_flight > held else "more GPUs shrink the shard")
+        shrink = (
+            "a smaller unit (more tensor parallelism, or experts split over ranks) is what would shrink it"
+            if in_flight > held
+            else "more GPUs shrink the shard"
+        )
         reasons.append(
             f"the weights, gradients and AdamW states alone need {_gib(floor)} per GPU over all {cluster.gpus} GPUs "
             f"(tensor-parallel {best.tensor_parallel}), more than the {_gib(cluster.usable)} usable: {_gib(held)} is "
             f"this rank's shard of them (16 bytes per parameter, sharded), and {_gib(in_flight)} is the largest "
             f"FSDP unit, {unit or 'the model'} ({elements:,} parameters per tensor-parallel rank), which FSDP gathers "
-            f"whole to compute it (two copies and its gradients in flight) however many GPUs shard it; {shrink}")
+            f"whole to compute it (two copies and its gradients in flight) however many GPUs shard it; {shrink}"
+        )
     else:
-        reasons.append(f"the sharded states fit ({_gib(floor)} per GPU) but no micro-batch of one sequence "
-                       f"of {seq} tokens leaves room for its activations, even with checkpointing")
+        reasons.append(
+            f"the sharded states fit ({_gib(floor)} per GPU) but no micro-batch of one sequence "
+            f"of {seq} tokens leaves room for its activations, even with checkpointing"
+        )
     gpus = cluster.gpus
     while gpus < MAX_GPUS:
         gpus *= 2
         if _search(sizer, cluster.with_gpus(gpus), global_batch, mfu, pin_tp, pin_dp, []):
-            bigger = plan(spec, cluster.with_gpus(gpus), seq_len=seq, global_batch=global_batch, src_len=src_len,
-                          **again)
+            bigger = plan(
+                spec, cluster.with_gpus(gpus), seq_len=seq, global_batch=global_batch, src_len=src_len, **again
+            )
             if bigger.chosen is not None:
-                out.append(f"{gpus} GPUs ({gpus // cluster.per_node} nodes x {cluster.per_node}): "
-                           f"{bigger.chosen.summary()}")
+                out.append(
+                    f"{gpus} GPUs ({gpus // cluster.per_node} nodes x {cluster.per_node}): {bigger.chosen.summary()}"
+                )
                 break
     else:
         out.append(f"no GPU count up to {MAX_GPUS} fits a global batch of {global_batch}")
@@ -357,8 +441,14 @@ def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu
     shorter = seq
     while shorter // 2 >= MIN_SEQ_LEN:
         shorter //= 2
-        short = plan(spec, cluster, seq_len=shorter, global_batch=global_batch,
-                     src_len=min(src_len, shorter) if src_len else None, **again)
+        short = plan(
+            spec,
+            cluster,
+            seq_len=shorter,
+            global_batch=global_batch,
+            src_len=min(src_len, shorter) if src_len else None,
+            **again,
+        )
         if short.chosen is not None:
             out.append(f"seq_len {shorter} on these {cluster.gpus} GPUs: {short.chosen.summary()}")
             break
@@ -381,9 +471,17 @@ def _gib(n: float) -> str:
 TOKEN_BUDGET_TASKS = ("translation", "classification")
 
 
-def recipe_overrides(candidate: Candidate, *, seq_len: int, dtype: str, spec_path: str | None = None,
-                     spec_overrides: list[str] = (), task: str = "lm", max_steps: int | None = None,
-                     output_dir: str | None = None) -> list[str]:
+def recipe_overrides(
+    candidate: Candidate,
+    *,
+    seq_len: int,
+    dtype: str,
+    spec_path: str | None = None,
+    spec_overrides: list[str] = (),
+    task: str = "lm",
+    max_steps: int | None = None,
+    output_dir: str | None = None,
+) -> list[str]:
     """The ``--set KEY=VALUE`` values that make a recipe of ``task`` train with ``candidate``'s
     layout. A token-budget task gets micro-batches of ``micro_batch x seq_len`` tokens of
     sequences no longer than ``seq_len``: at most the sequences the plan sized. ``max_steps`` and
@@ -420,10 +518,14 @@ def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]
     flags = " ".join(f"--set {shlex.quote(item)}" for item in sets)
     train = f"train {shlex.quote(recipe)} {flags}"
     if layout.nodes > 1:
-        where = (f"--nnodes={layout.nodes} --nproc-per-node={layout.per_node} --node-rank=$NODE_RANK "
-                 "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500")
+        where = (
+            f"--nnodes={layout.nodes} --nproc-per-node={layout.per_node} --node-rank=$NODE_RANK "
+            "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
+        )
     else:
         where = f"--standalone --nproc-per-node={layout.per_node}"
-    slurm = (f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
-             f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}")
+    slurm = (
+        f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
+        f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}"
+    )
     return {"torchrun": f"torchrun {where} -m builder.cli {train}", "slurm": slurm}

@@ -38,7 +38,7 @@ def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list
         for entry in importlib.metadata.entry_points(group=GROUP):
             try:
                 entry.load()
-            except Exception as exc:  # noqa: BLE001  (any failure of third-party code, named)
+            except Exception as exc:
                 raise PluginError(f"entry point {entry.name!r} ({entry.value}) of {GROUP!r} failed: {exc}") from exc
             imported.append(entry.value)
     for name in modules:
@@ -50,7 +50,7 @@ def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
             raise PluginError(f"plugin {name!r} not found: {exc}; is it installed or on PYTHONPATH?") from exc
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise PluginError(f"plugin {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
         _loaded.add(name)
         imported.append(name)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from blocks.configs.base import rule_error  # noqa: F401  (recipes raise it too)
 from builder.yaml_source import Document, FieldPath, Mark, Problem
 
+
 def validation_problems(model_cls: type, data: Any, doc: Document) -> tuple[Any, list[Problem]]:
     """Validate ``data`` as ``model_cls``: ``(instance, [])`` or ``(None, located problems)``."""
     from builder.schema import SpecRuleError
@@ -56,7 +57,7 @@ def _pydantic_problems(model_cls: type, data: Any, doc: Document, errors: list[d
 
 
 def _problem(doc: Document, data: Any, path: FieldPath, models: list[type], error: dict) -> Problem:
-    kind, value = error["type"], error.get("input")
+    kind, _value = error["type"], error.get("input")
     if kind == "extra_forbidden":
         key = path[-1]
         names = [name for model in models for name in model.model_fields]
@@ -100,10 +101,23 @@ _TYPE_WORDS = {
     "model": "a mapping of fields",
     "model_attributes": "a mapping of fields",
 }
-_LABEL_WORDS = {"str": "a string", "constrained-str": "a string", "list": "a list", "int": "an integer", "float": "a number", "bool": "true or false"}
+_LABEL_WORDS = {
+    "str": "a string",
+    "constrained-str": "a string",
+    "list": "a list",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+}
 #: other tools' names for a choice, and ours (Hugging Face's activations, PyTorch's module names)
-ALIASES = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-           "layer_norm": "layernorm", "rms_norm": "rmsnorm"}
+ALIASES = {
+    "swish": "silu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "layer_norm": "layernorm",
+    "rms_norm": "rmsnorm",
+}
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
@@ -146,8 +160,14 @@ def _models_in(annotation: Any, depth: int = 0) -> list[type]:
 def _belongs_under(key: str, models: list[type], path: FieldPath) -> str:
     """``; it belongs under 'attention' (decoder.attention.sliding_window)`` for a key that is not
     a field here but is one of a field's own mapping (a key indented one level too shallow)."""
-    homes = list(dict.fromkeys(name for model in models for name, info in model.model_fields.items()
-                               if any(key in sub.model_fields for sub in _models_in(info.annotation))))
+    homes = list(
+        dict.fromkeys(
+            name
+            for model in models
+            for name, info in model.model_fields.items()
+            if any(key in sub.model_fields for sub in _models_in(info.annotation))
+        )
+    )
     if not homes:
         return ""
     where = ".".join(str(p) for p in path[:-1])
@@ -197,8 +217,14 @@ def _walk(model_cls: type, loc: tuple, data: Any) -> tuple[FieldPath, list[type]
                 nxt.append(m.model_fields[part].annotation)
         kinds = nxt
         path += (part,)
-        node = node.get(part) if isinstance(node, dict) else (
-            node[part] if isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node) else None
+        node = (
+            node.get(part)
+            if isinstance(node, dict)
+            else (
+                node[part]
+                if isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node)
+                else None
+            )
         )
     return path, parents, label, label_at
 
@@ -232,7 +258,15 @@ def _label_of(tp: Any) -> str:
     return f"{origin.__name__}[{', '.join(_label_of(a) for a in get_args(tp))}]"
 
 
-_LABEL_TYPES = {"str": str, "constrained-str": str, "list": list, "int": int, "float": (int, float), "bool": bool, "dict": dict}
+_LABEL_TYPES = {
+    "str": str,
+    "constrained-str": str,
+    "list": list,
+    "int": int,
+    "float": (int, float),
+    "bool": bool,
+    "dict": dict,
+}
 
 
 def _label_matches(label: str, value: Any) -> bool:
@@ -246,9 +280,13 @@ def _label_matches(label: str, value: Any) -> bool:
 def _get(data: Any, path: FieldPath) -> Any:
     node = data
     for part in path:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node):
+        if (
+            isinstance(node, dict)
+            and part in node
+            or isinstance(node, list)
+            and isinstance(part, int)
+            and -len(node) <= part < len(node)
+        ):
             node = node[part]
         else:
             return _MISSING

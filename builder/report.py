@@ -88,8 +88,7 @@ def compare_rows(estimated: Mapping[str, int], actual: Mapping[str, int]) -> lis
     rows = []
     for key in keys:
         est, act = estimated.get(key, 0), actual.get(key, 0)
-        rows.append({"component": key, "estimated": est, "actual": act, "difference": act - est,
-                     "match": est == act})
+        rows.append({"component": key, "estimated": est, "actual": act, "difference": act - est, "match": est == act})
     return rows
 
 
@@ -108,8 +107,9 @@ def describe_table(spec, est, actual=None):
         actual = actual_params(actual)
     p, f, m, s = est.params, est.flops, est.memory, est.settings
     seq = f.seq_len
-    title = (f"{est.name}: {spec.architecture}, d_model {spec.d_model}, vocab {spec.vocab_size}, "
-             f"seq_len {seq}" + (f", src_len {f.src_len}" if f.src_len else ""))
+    title = f"{est.name}: {spec.architecture}, d_model {spec.d_model}, vocab {spec.vocab_size}, seq_len {seq}" + (
+        f", src_len {f.src_len}" if f.src_len else ""
+    )
 
     components = Table(title=title, title_justify="left")
     components.add_column("component")
@@ -139,14 +139,26 @@ def describe_table(spec, est, actual=None):
     components.add_row(*total_row, style="bold")
 
     layers = Table(title="layers (figures per layer; FLOPs per token)", title_justify="left")
-    for column, justify in (("stack", "left"), ("layers", "left"), ("blocks", "left"),
-                            ("params", "right"), ("active", "right"), ("fwd FLOPs", "right"),
-                            ("saved for bwd", "right")):
+    for column, justify in (
+        ("stack", "left"),
+        ("layers", "left"),
+        ("blocks", "left"),
+        ("params", "right"),
+        ("active", "right"),
+        ("fwd FLOPs", "right"),
+        ("saved for bwd", "right"),
+    ):
         layers.add_column(column, justify=justify)
     for stack, indices, layer in _layer_groups(est.layers):
-        layers.add_row(stack, _span(indices), layer.description, human(layer.total_params),
-                       human(layer.active_params), human(layer.total_flops / seq),
-                       human_bytes(layer.saved_bytes))
+        layers.add_row(
+            stack,
+            _span(indices),
+            layer.description,
+            human(layer.total_params),
+            human(layer.active_params),
+            human(layer.total_flops / seq),
+            human_bytes(layer.saved_bytes),
+        )
 
     totals = Table(title="totals", title_justify="left", show_header=False)
     totals.add_column("what")
@@ -159,8 +171,9 @@ def describe_table(spec, est, actual=None):
     totals.add_row("forward FLOPs/token", f"{f.forward_per_token:,}", human(f.forward_per_token))
     factor = "4x" if s["activation_checkpointing"] else "3x"
     totals.add_row("train FLOPs/token", f"{f.train_per_token:,}", f"{factor} forward")
-    totals.add_row("kernel train FLOPs/token", f"{f.kernel_train_per_token:,}",
-                   "attention over visible pairs only (for MFU)")
+    totals.add_row(
+        "kernel train FLOPs/token", f"{f.kernel_train_per_token:,}", "attention over visible pairs only (for MFU)"
+    )
     totals.add_row("forward FLOPs/sequence", f"{f.forward_per_sequence:,}", human(f.forward_per_sequence))
 
     memory = memory_table(m, s, seq)
@@ -175,24 +188,33 @@ def memory_table(m, s, seq: int):
     from rich.table import Table
 
     layout = m.layout
-    extras = ((", checkpointing" if s["activation_checkpointing"] else "")
-              + (", fused attention" if s["fused_attention"] else ", eager attention"))
+    extras = (", checkpointing" if s["activation_checkpointing"] else "") + (
+        ", fused attention" if s["fused_attention"] else ", eager attention"
+    )
     if layout is None:
         title = f"memory per device: batch {s['batch']}, {s['dtype']}, {s['devices']} device(s) {s['strategy']}"
-        rows = (("weights", m.weights), ("fp32 master weights", m.master_weights),
-                ("gradients", m.gradients), ("AdamW states", m.optimizer), ("activations", m.activations))
+        rows = (
+            ("weights", m.weights),
+            ("fp32 master weights", m.master_weights),
+            ("gradients", m.gradients),
+            ("AdamW states", m.optimizer),
+            ("activations", m.activations),
+        )
     else:
         from builder.layout import Layout
 
         mesh = Layout.from_dict(layout)
-        title = (f"memory per device, rank 0 (holds the most): {mesh.describe()}; batch {s['batch']} per "
-                 f"data-parallel rank, {s['dtype']} compute")
-        rows = (("weights (fp32 shards: the master weights)", m.weights),
-                ("gradients (fp32 shards)", m.gradients),
-                ("AdamW states (2 x fp32, a step per tensor)", m.optimizer),
-                ("FSDP units in flight (2 gathered, 1 unit's grads)", m.sharding_buffers),
-                ("activations" + (" (one tensor-parallel rank)" if mesh.tensor_parallel > 1 else ""),
-                 m.activations))
+        title = (
+            f"memory per device, rank 0 (holds the most): {mesh.describe()}; batch {s['batch']} per "
+            f"data-parallel rank, {s['dtype']} compute"
+        )
+        rows = (
+            ("weights (fp32 shards: the master weights)", m.weights),
+            ("gradients (fp32 shards)", m.gradients),
+            ("AdamW states (2 x fp32, a step per tensor)", m.optimizer),
+            ("FSDP units in flight (2 gathered, 1 unit's grads)", m.sharding_buffers),
+            ("activations" + (" (one tensor-parallel rank)" if mesh.tensor_parallel > 1 else ""), m.activations),
+        )
     memory = Table(title=title + extras, title_justify="left", show_header=False)
     memory.add_column("what")
     memory.add_column("bytes", justify="right")
@@ -204,8 +226,10 @@ def memory_table(m, s, seq: int):
     held = least["weights"] + least["gradients"] + least["optimizer"] if least else 0
     most = m.weights + m.gradients + m.optimizer
     if least and held != most:
-        memory.add_row(f"rank {least['rank']} (holds the least: torch.chunk's last shard)",
-                       f"{human_bytes(held)} of states, {human_bytes(most - held)} less")
+        memory.add_row(
+            f"rank {least['rank']} (holds the least: torch.chunk's last shard)",
+            f"{human_bytes(held)} of states, {human_bytes(most - held)} less",
+        )
     memory.add_row(f"KV cache (batch {s['batch']}, {seq} tokens)", human_bytes(m.kv_cache))
     memory.add_row("inference total (weights + KV cache)", human_bytes(m.inference_total))
     return memory
@@ -220,8 +244,10 @@ def summary_line(spec, est, actual=None) -> str:
     if actual is not None:
         built = sum(actual_params(actual).values())
         check = " (= the built model)" if built == p.total else f" ([red]the built model has {built:,}[/])"
-    return (f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}; {human(f.train_per_token)} FLOPs per "
-            f"training token; {human_bytes(m.training_total)} training memory per device ({est.settings['dtype']})")
+    return (
+        f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}; {human(f.train_per_token)} FLOPs per "
+        f"training token; {human_bytes(m.training_total)} training memory per device ({est.settings['dtype']})"
+    )
 
 
 def print_describe(spec, est, actual=None, console=None) -> None:
@@ -271,8 +297,7 @@ def diff_table(rows, effects, name_a: str, name_b: str):
         fmt = human_bytes if effect["unit"] == "bytes" else (lambda v: f"{v:,}")
         pct = "-" if effect["percent"] is None else f"{effect['percent']:+.2f}%"
         sign = "+" if effect["change"] > 0 else ""
-        change.add_row(effect["quantity"], fmt(effect["a"]), fmt(effect["b"]),
-                       sign + fmt(effect["change"]), pct)
+        change.add_row(effect["quantity"], fmt(effect["a"]), fmt(effect["b"]), sign + fmt(effect["change"]), pct)
     return Group(fields, change)
 
 

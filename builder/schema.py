@@ -143,8 +143,9 @@ def _spread_stack(stack: dict, at: Loc, doc) -> dict:
         return merge(base, update, types=FIELD_TYPES, out=doc, at=update_at, base_from=(doc, base_at))
 
     if isinstance(attention, dict) and isinstance(stack.get("cross_attention"), dict):
-        stack["cross_attention"] = over(cross_base, at + ("attention",), stack["cross_attention"],
-                                        at + ("cross_attention",))
+        stack["cross_attention"] = over(
+            cross_base, at + ("attention",), stack["cross_attention"], at + ("cross_attention",)
+        )
     overrides = stack.get("overrides")
     if isinstance(overrides, list):
         spread = []
@@ -162,9 +163,7 @@ def _spread_stack(stack: dict, at: Loc, doc) -> dict:
     return stack
 
 
-_PARTIAL = WithJsonSchema(
-    {"type": "object", "description": "Fields merged over the stack's own block of this kind."}
-)
+_PARTIAL = WithJsonSchema({"type": "object", "description": "Fields merged over the stack's own block of this kind."})
 
 
 class _Section(BaseModel):
@@ -182,24 +181,27 @@ class EmbeddingSpec(_Section):
         description="Round the sqrt(d_model) factor to the model's dtype before multiplying, as "
         "Gemma does (in bf16, sqrt(3072) = 55.43 becomes 55.5); false multiplies by it exactly.",
     )
-    norm: Optional[NormBlock] = Field(None, description="A norm right after the embeddings (BERT); null: none.")
-    segments: int = Field(0, ge=0, le=MAX_VOCAB, description=">0 adds a token-type (segment) table of that size (BERT: 2).")
+    norm: NormBlock | None = Field(None, description="A norm right after the embeddings (BERT); null: none.")
+    segments: int = Field(
+        0, ge=0, le=MAX_VOCAB, description=">0 adds a token-type (segment) table of that size (BERT: 2)."
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the summed embeddings.")
 
 
 class LayerOverride(_Section):
     """Layers that differ from the rest of their stack."""
 
-    layers: Union[Annotated[str, Field(max_length=64)], Annotated[list[Annotated[int, Field(ge=-MAX_LAYERS, le=MAX_LAYERS)]], Field(max_length=MAX_LAYERS)]] = Field(
-        ..., description="A Python-style slice over layer indices ('0::2') or a list [0, 5, 7]."
-    )
-    attention: Optional[AttentionBlock] = Field(None, description="Merged over the stack's attention.")
-    cross_attention: Optional[AttentionBlock] = Field(None, description="Merged over the stack's cross-attention.")
-    ffn: Optional[FFNBlock] = Field(
+    layers: (
+        Annotated[str, Field(max_length=64)]
+        | Annotated[list[Annotated[int, Field(ge=-MAX_LAYERS, le=MAX_LAYERS)]], Field(max_length=MAX_LAYERS)]
+    ) = Field(..., description="A Python-style slice over layer indices ('0::2') or a list [0, 5, 7].")
+    attention: AttentionBlock | None = Field(None, description="Merged over the stack's attention.")
+    cross_attention: AttentionBlock | None = Field(None, description="Merged over the stack's cross-attention.")
+    ffn: FFNBlock | None = Field(
         None, description="Merged over the stack's ffn; a different type replaces it (hybrids)."
     )
-    norm: Optional[NormBlock] = Field(None, description="Merged over the stack's norm.")
-    dropout: Optional[float] = Field(None, ge=0, lt=1, description="This layer's sub-layer dropout.")
+    norm: NormBlock | None = Field(None, description="Merged over the stack's norm.")
+    dropout: float | None = Field(None, ge=0, lt=1, description="This layer's sub-layer dropout.")
 
 
 class StackSpec(_Section):
@@ -207,7 +209,7 @@ class StackSpec(_Section):
 
     n_layers: int = Field(..., ge=1, le=MAX_LAYERS, description="Number of layers in the stack.")
     attention: AttentionBlock = Field(..., description="Self-attention of every layer.")
-    cross_attention: Optional[AttentionBlock] = Field(
+    cross_attention: AttentionBlock | None = Field(
         None,
         description="Decoder of an encoder-decoder: attention over the encoder's output; "
         "fields merge over attention's; null means the same as attention (without its window).",
@@ -283,7 +285,7 @@ class ModelSpec(_Section):
     name: str = Field("model", description="Free text, shown in reports.")
     # resolved when the file is read: a validated spec's dump (a checkpoint's, load_spec(mapping))
     # holds every field already, so it leaves the path out
-    extends: Optional[str] = Field(
+    extends: str | None = Field(
         None, exclude=True, description="A spec this one overrides (path relative to this file)."
     )
     architecture: str = Field(..., description="decoder-only | encoder-only | encoder-decoder.")
@@ -299,10 +301,8 @@ class ModelSpec(_Section):
         default_factory=lambda: {"type": "rope"},
         description="sinusoidal | learned | rope | alibi | relative_bias | none, with its knobs.",
     )
-    decoder: Optional[StackSpec] = Field(
-        None, description="The causal stack of decoder-only and encoder-decoder models."
-    )
-    encoder: Optional[StackSpec] = Field(
+    decoder: StackSpec | None = Field(None, description="The causal stack of decoder-only and encoder-decoder models.")
+    encoder: StackSpec | None = Field(
         None, description="The bidirectional stack of encoder-only and encoder-decoder models."
     )
     head: HeadBlock = Field(default_factory=lambda: {"type": "lm"}, description="lm | mlm | classification | none.")
@@ -364,23 +364,29 @@ def _section(cls: type[_Section], **types) -> type:
 
 def _build_spec_model() -> type[ModelSpec]:
     Attention, FFN, Norm = block_union("attention"), block_union("ffn"), block_union("norm")
-    Embedding = _section(EmbeddingSpec, norm=Optional[Norm])
+    Embedding = _section(EmbeddingSpec, norm=Optional[Norm])  # noqa: UP045 (runtime-built unions)
     Override = _section(
         LayerOverride,
-        attention=Annotated[Optional[Attention], _PARTIAL],
-        cross_attention=Annotated[Optional[Attention], _PARTIAL],
-        ffn=Annotated[Optional[FFN], _PARTIAL],
-        norm=Annotated[Optional[Norm], _PARTIAL],
+        attention=Annotated[Attention | None, _PARTIAL],
+        cross_attention=Annotated[Attention | None, _PARTIAL],
+        ffn=Annotated[FFN | None, _PARTIAL],
+        norm=Annotated[Norm | None, _PARTIAL],
     )
-    Stack = _section(StackSpec, attention=Attention, cross_attention=Optional[Attention], ffn=FFN, norm=Norm,
-                     overrides=list[Override])
+    Stack = _section(
+        StackSpec,
+        attention=Attention,
+        cross_attention=Optional[Attention],  # noqa: UP045
+        ffn=FFN,
+        norm=Norm,
+        overrides=list[Override],
+    )
     return _section(
         ModelSpec,
         architecture=Literal[tuple(registry.configs("architecture"))],
         embedding=Embedding,
         position=block_union("position"),
-        decoder=Optional[Stack],
-        encoder=Optional[Stack],
+        decoder=Optional[Stack],  # noqa: UP045
+        encoder=Optional[Stack],  # noqa: UP045
         head=block_union("head"),
     )
 
@@ -420,8 +426,13 @@ def _stack_rules(spec, name: str, stack, cross_allowed: bool) -> list[tuple[Loc,
         attentions.append(((name, "cross_attention"), stack.cross_attention))
     elif cross_allowed:  # the cross-attention the stack's attention implies is asked its rules too
         implied = stack.attention.for_cross_attention().problems(spec.d_model, cross=True)
-        problems += [((name, "attention") + tuple(where), f"{message} (the cross-attention defaults to this "
-                      "attention; set cross_attention)") for where, message in implied]
+        problems += [
+            (
+                (name, "attention") + tuple(where),
+                f"{message} (the cross-attention defaults to this attention; set cross_attention)",
+            )
+            for where, message in implied
+        ]
     for i, override in enumerate(stack.overrides):
         loc = (name, "overrides", i)
         try:

@@ -25,7 +25,7 @@ import re
 import stat
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 from yaml.composer import Composer
@@ -41,7 +41,7 @@ try:
 except ImportError:  # PyYAML without libyaml: the pure-Python parser
     _CParser = None
 
-FieldPath = tuple[Union[str, int], ...]
+FieldPath = tuple[str | int, ...]
 
 _CORE = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_CORE + name for name in ("str", "int", "float", "bool", "null")}
@@ -160,12 +160,22 @@ class _Located(Composer, SafeConstructor, Resolver):
         if not isinstance(root, MappingNode):
             mark = self._mark(root)
             raise SpecError([Problem.at(mark, "", f"{what} is a mapping of fields, not {_kind(root)}")])
-        if fields is not None and root.value and not any(
-            isinstance(key, ScalarNode) and key.value in fields for key, _ in root.value
+        if (
+            fields is not None
+            and root.value
+            and not any(isinstance(key, ScalarNode) and key.value in fields for key, _ in root.value)
         ):
             listed = ", ".join(list(fields)[:6])
-            raise SpecError([Problem.at(self._mark(root), "", f"not {what}: none of its {len(root.value)} top-level "
-                                        f"keys is a field of {what} ({listed}, ...)")])
+            raise SpecError(
+                [
+                    Problem.at(
+                        self._mark(root),
+                        "",
+                        f"not {what}: none of its {len(root.value)} top-level "
+                        f"keys is a field of {what} ({listed}, ...)",
+                    )
+                ]
+            )
         self.doc.values[()] = self._mark(root)
         self.doc.data = self._build(root, (), set(), 0)
         return self.doc
@@ -322,8 +332,9 @@ else:  # PyYAML built without libyaml
     SpecLoader = PySpecLoader
 
 
-def read_document(path: str | Path, display: str | None = None, fields: Collection[str] | None = None,
-                  what: str = "a spec") -> Document:
+def read_document(
+    path: str | Path, display: str | None = None, fields: Collection[str] | None = None, what: str = "a spec"
+) -> Document:
     """Read one YAML file into a located :class:`Document` (raises :class:`SpecError`).
 
     ``fields``: the top-level keys a file of this kind has; one with none of them is refused
@@ -356,12 +367,21 @@ def parse_document(raw: bytes, file: str, fields: Collection[str] | None = None,
 
 
 #: what a path is when it is not a regular file, by ``stat`` test
-_NOT_FILES = ((stat.S_ISDIR, "is a folder, not a file"), (stat.S_ISFIFO, "is a FIFO (named pipe), not a file"),
-              (stat.S_ISCHR, "is a character device, not a file"), (stat.S_ISBLK, "is a block device, not a file"),
-              (stat.S_ISSOCK, "is a socket, not a file"))
-_OPEN_ERRORS = {errno.ENOENT: "no such file", errno.EACCES: "permission denied",
-                errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "the name is too long",
-                errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "is a folder, not a file"}
+_NOT_FILES = (
+    (stat.S_ISDIR, "is a folder, not a file"),
+    (stat.S_ISFIFO, "is a FIFO (named pipe), not a file"),
+    (stat.S_ISCHR, "is a character device, not a file"),
+    (stat.S_ISBLK, "is a block device, not a file"),
+    (stat.S_ISSOCK, "is a socket, not a file"),
+)
+_OPEN_ERRORS = {
+    errno.ENOENT: "no such file",
+    errno.EACCES: "permission denied",
+    errno.ELOOP: "a loop of symbolic links",
+    errno.ENAMETOOLONG: "the name is too long",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EISDIR: "is a folder, not a file",
+}
 
 
 def read_bounded(path: str | Path, file: str | None = None, limit: int = MAX_BYTES) -> bytes:
@@ -436,8 +456,9 @@ def _tab_problem(file: str, text: str, problem: Problem) -> Problem | None:
             break
         indent = line[: len(line) - len(line.lstrip(" \t"))]
         if "\t" in indent:
-            return Problem(file, number, indent.index("\t") + 1, "",
-                           "a tab in the indentation: YAML indents with spaces only")
+            return Problem(
+                file, number, indent.index("\t") + 1, "", "a tab in the indentation: YAML indents with spaces only"
+            )
     return None
 
 
@@ -445,8 +466,13 @@ def _syntax_problem(file: str, exc: yaml.MarkedYAMLError) -> Problem:
     mark = exc.problem_mark or exc.context_mark
     message = " ".join(_unquoted(part) for part in (exc.context, exc.problem) if part) or "invalid YAML"
     if "maximum nesting depth" in message:  # libyaml's own limit (1,000), met while scanning ahead
-        return Problem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None, "",
-                       f"nested more than {MAX_DEPTH} levels deep")
+        return Problem(
+            file,
+            mark.line + 1 if mark else None,
+            mark.column + 1 if mark else None,
+            "",
+            f"nested more than {MAX_DEPTH} levels deep",
+        )
     if mark is None:
         return Problem(file, None, None, "", f"YAML syntax error: {message}")
     return Problem(file, mark.line + 1, mark.column + 1, "", f"YAML syntax error: {message}")
@@ -487,7 +513,7 @@ def _tag(node: Node) -> str:
     """A node's tag as a message shows it, short (``!!python/name:os.system``, ``!include``)."""
     tag = node.tag or ""
     if tag.startswith(_CORE):
-        tag = "!!" + tag[len(_CORE):]
+        tag = "!!" + tag[len(_CORE) :]
     return f"tag {cut_key(tag)!r}"
 
 

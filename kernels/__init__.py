@@ -23,6 +23,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .attention import attention  # noqa: E402
+from .attention import attention
 
 __all__ = ["attention"]

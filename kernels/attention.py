@@ -39,7 +39,6 @@ Without ``document_ids`` every path runs exactly as before.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +47,22 @@ BACKENDS = ("auto", "eager", "sdpa", "triton")
 MAX_TRITON_HEAD_DIM = 256
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              sliding_window: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
-              bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
-              scale: Optional[float] = None, backend: str = "auto",
-              dropout_p: float = 0.0, token_index: Optional[tuple] = None,
-              document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    token_index: tuple | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Multi-head attention with GQA/MQA, causal, sliding-window and document masks, ALiBi, an
     additive bias and score soft-capping.
 
@@ -96,27 +105,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             return _masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p)
     if backend == "triton":
         if dropout_p > 0.0:
-            raise ValueError(f"backend='triton' does not implement attention dropout (got "
-                             f"dropout_p={dropout_p}); use backend='sdpa' or 'eager' to train "
-                             f"with dropout")
+            raise ValueError(
+                f"backend='triton' does not implement attention dropout (got "
+                f"dropout_p={dropout_p}); use backend='sdpa' or 'eager' to train "
+                f"with dropout"
+            )
         if max(q.shape[-1], v.shape[-1]) > MAX_TRITON_HEAD_DIM:
-            raise ValueError(f"backend='triton' supports head_dim <= {MAX_TRITON_HEAD_DIM}, got "
-                             f"{q.shape[-1]} (values {v.shape[-1]}); use backend='sdpa' or 'eager'")
+            raise ValueError(
+                f"backend='triton' supports head_dim <= {MAX_TRITON_HEAD_DIM}, got "
+                f"{q.shape[-1]} (values {v.shape[-1]}); use backend='sdpa' or 'eager'"
+            )
         try:
             from . import triton_attention  # lazy: importing triton costs ~1 s
         except ImportError as exc:
-            raise ImportError(f"backend='triton' needs the `triton` package ({exc}); use "
-                              f"backend='sdpa' or 'eager' without it") from exc
+            raise ImportError(
+                f"backend='triton' needs the `triton` package ({exc}); use backend='sdpa' or 'eager' without it"
+            ) from exc
 
         out, _ = triton_attention.flash_attention(
-            q, k, v, bias, alibi_slopes, bool(causal),
+            q,
+            k,
+            v,
+            bias,
+            alibi_slopes,
+            bool(causal),
             None if sliding_window is None else int(sliding_window),
-            None if softcap is None else float(softcap), scale, starts)
+            None if softcap is None else float(softcap),
+            scale,
+            starts,
+        )
         return out
     if backend == "sdpa" and softcap is None:
         return _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p, starts)
-    return _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale,
-                  dropout_p, starts)
+    return _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, dropout_p, starts)
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -125,35 +146,37 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     (``[0, 0, 0, 1, 1, 2]`` -> ``[0, 0, 0, 3, 3, 5]``). Non-decreasing along every row."""
     batch, seq = document_ids.shape
     index = torch.arange(seq, dtype=torch.int32, device=document_ids.device).expand(batch, seq)
-    begins = torch.cat((torch.ones_like(document_ids[:, :1], dtype=torch.bool),
-                        document_ids[:, 1:] != document_ids[:, :-1]), dim=1)  # (batch, seq): a run's first token
+    begins = torch.cat(
+        (torch.ones_like(document_ids[:, :1], dtype=torch.bool), document_ids[:, 1:] != document_ids[:, :-1]), dim=1
+    )  # (batch, seq): a run's first token
     return torch.where(begins, index, 0).cummax(dim=1).values
 
 
-def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index=None,
-           document_ids=None):
+def _check(
+    q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index=None, document_ids=None
+):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if token_index is not None:
-        if (not isinstance(token_index, tuple) or len(token_index) != 2
-                or tuple(token_index[0].shape) != (q.shape[2],) or tuple(token_index[1].shape) != (k.shape[2],)):
+        if (
+            not isinstance(token_index, tuple)
+            or len(token_index) != 2
+            or tuple(token_index[0].shape) != (q.shape[2],)
+            or tuple(token_index[1].shape) != (k.shape[2],)
+        ):
             raise ValueError(f"token_index must be (query_index ({q.shape[2]},), key_index ({k.shape[2]},)) tensors")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree on batch, heads and length, got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
+        raise ValueError(f"k and v must agree on batch, heads and length, got {tuple(k.shape)} and {tuple(v.shape)}")
     (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
-    if B != Bk or D != Dk:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
-                         f"head_dim")
+    if Bk != B or Dk != D:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head_dim")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"n_heads ({H}) must be a multiple of n_kv_heads ({Hkv})")
     if sliding_window is not None and int(sliding_window) < 1:
@@ -165,22 +188,26 @@ def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropou
     for name, t in (("alibi_slopes", alibi_slopes), ("bias", bias)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if alibi_slopes is not None and (tuple(alibi_slopes.shape) != (H,)
-                                     or not alibi_slopes.dtype.is_floating_point):
-        raise ValueError(f"alibi_slopes must be a float tensor of shape (n_heads,) = ({H},), "
-                         f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
+    if alibi_slopes is not None and (tuple(alibi_slopes.shape) != (H,) or not alibi_slopes.dtype.is_floating_point):
+        raise ValueError(
+            f"alibi_slopes must be a float tensor of shape (n_heads,) = ({H},), "
+            f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}"
+        )
     if bias is not None:
         if not bias.dtype.is_floating_point:
-            raise ValueError(f"bias must be a floating additive bias, got {bias.dtype}; for a "
-                             f"boolean keep-mask pass torch.where(mask, 0.0, float('-inf'))")
+            raise ValueError(
+                f"bias must be a floating additive bias, got {bias.dtype}; for a "
+                f"boolean keep-mask pass torch.where(mask, 0.0, float('-inf'))"
+            )
         target = (B, H, q.shape[2], k.shape[2])
         try:
             ok = bias.dim() <= 4 and torch.broadcast_shapes(bias.shape, target) == target
         except RuntimeError:
             ok = False
         if not ok:
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
-                             f"(batch, n_heads, seq_q, seq_k) = {target}")
+            raise ValueError(
+                f"bias of shape {tuple(bias.shape)} does not broadcast to (batch, n_heads, seq_q, seq_k) = {target}"
+            )
     if document_ids is not None:
         expected = (q.shape[0], k.shape[2])
         if not isinstance(document_ids, torch.Tensor) or tuple(document_ids.shape) != expected:
@@ -191,12 +218,13 @@ def _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropou
         if document_ids.device != q.device:
             raise ValueError(f"document_ids is on {document_ids.device} but q is on {q.device}")
         if token_index is not None:
-            raise ValueError("document_ids cannot be combined with token_index (a static decoding cache's "
-                             "slots); pass the keys in token order")
+            raise ValueError(
+                "document_ids cannot be combined with token_index (a static decoding cache's "
+                "slots); pass the keys in token order"
+            )
 
 
-def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: Optional[int], device, token_index=None,
-             starts=None):
+def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: int | None, device, token_index=None, starts=None):
     """Boolean ``(seq_q, seq_k)`` keep-mask (``(batch, 1, seq_q, seq_k)`` with document
     ``starts``; None when everything is visible) and the ``(seq_q, seq_k)`` distance
     ``pos_q - pos_k`` (``token_index``, ``starts``: see the module doc)."""
@@ -274,8 +302,7 @@ def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p,
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, **gqa)
     simple_causal = causal and seq_q == seq_k and sliding_window is None
     if simple_causal and alibi_slopes is None and bias is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                              scale=scale, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
     add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype, starts=starts)
     if add is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
@@ -287,6 +314,5 @@ def _masked_sdpa(q, k, v, add, scale, dropout_p):
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     dead = _dead_rows(add)
     add = torch.where(dead, 0.0, add)  # SDPA would return NaN on rows with no visible key
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p,
-                                         scale=scale, **gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p, scale=scale, **gqa)
     return torch.where(dead, 0.0, out)

@@ -41,8 +41,8 @@ import torch
 if not torch.cuda.is_available():  # must precede the @triton.jit decorators below
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 try:  # what the decorators below will see; triton < 3.4 has no knobs and reads the env var
     INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -88,10 +88,29 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_scale, softcap,
-            window, qdoc, doc_row, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr):
+def _scores(
+    q,
+    k,
+    qpos,
+    kpos,
+    row_ok,
+    slope,
+    bias_ptrs,
+    stride_bn,
+    seq_k,
+    sm_scale,
+    softcap,
+    window,
+    qdoc,
+    doc_row,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Masked scores of one (BLOCK_M, BLOCK_N) tile, in the log2 domain.
 
     ``qdoc`` (BLOCK_M,): the queries' document starts and ``doc_row`` the row of ``Docs`` the
@@ -106,8 +125,7 @@ def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_sca
         s = softcap * th
     valid = row_ok[:, None] & (kpos < seq_k)[None, :]
     if HAS_BIAS:
-        b = tl.load(bias_ptrs[:, None] + kpos[None, :].to(tl.int64) * stride_bn, mask=valid,
-                    other=0.0)
+        b = tl.load(bias_ptrs[:, None] + kpos[None, :].to(tl.int64) * stride_bn, mask=valid, other=0.0)
         s += b.to(tl.float32)
     dist = qpos[:, None] - kpos[None, :]  # (BLOCK_M, BLOCK_N) query minus key position
     if HAS_ALIBI:
@@ -124,8 +142,17 @@ def _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, seq_k, sm_sca
 
 
 @triton.jit
-def _key_range(qpos_lo, qpos_hi, seq_k, window, doc_row, IS_CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_range(
+    qpos_lo,
+    qpos_hi,
+    seq_k,
+    window,
+    doc_row,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Key range [lo, hi) that queries at positions [qpos_lo, qpos_hi] may see; lo is
     BLOCK_N-aligned so fully masked tiles are skipped without breaking tile alignment."""
     lo = 0
@@ -141,11 +168,39 @@ def _key_range(qpos_lo, qpos_hi, seq_k, window, doc_row, IS_CAUSAL: tl.constexpr
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_ok, qpos,
-               row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap, window, qdoc, doc_row, lo, hi,
-               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_inner(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_cols,
+    v_cols,
+    stride_kn,
+    stride_vn,
+    d_ok,
+    dv_ok,
+    qpos,
+    row_ok,
+    slope,
+    bias_ptrs,
+    stride_bn,
+    sm_scale,
+    softcap,
+    window,
+    qdoc,
+    doc_row,
+    lo,
+    hi,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Online-softmax sweep over keys [lo, hi) for one tile of query rows.
 
     ``k_cols``/``v_cols`` are (BLOCK_D,)/(BLOCK_DV,) pointer vectors to the columns of key 0.
@@ -153,16 +208,42 @@ def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n
-        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
-                    mask=(kpos < hi)[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
-                    mask=(kpos < hi)[:, None] & dv_ok[None, :], other=0.0)
+        k = tl.load(
+            k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
+            mask=(kpos < hi)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
+            mask=(kpos < hi)[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        z2, th = _scores(q, k, qpos, kpos, row_ok, slope, bias_ptrs, stride_bn, hi, sm_scale,
-                         softcap, window, qdoc, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
-                         HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, DOT_PREC)
+        z2, th = _scores(
+            q,
+            k,
+            qpos,
+            kpos,
+            row_ok,
+            slope,
+            bias_ptrs,
+            stride_bn,
+            hi,
+            sm_scale,
+            softcap,
+            window,
+            qdoc,
+            doc_row,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            DOT_PREC,
+        )
         m_new = tl.maximum(m_i, tl.max(z2, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
         p = tl.exp2(z2 - m_safe[:, None])
@@ -177,18 +258,60 @@ def _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok, dv_
 # forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi, Docs,
-              stride_qb, stride_qh, stride_qm, stride_qd,
-              stride_kb, stride_kh, stride_kn, stride_kd,
-              stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_ob, stride_oh, stride_om, stride_od,
-              stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
-              H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
-              SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
-              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Bias,
+    Alibi,
+    Docs,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_db,
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    HEAD_DIM_V,
+    sm_scale,
+    softcap,
+    window,
+    SEQ_Q_BUCKET,
+    SEQ_K_BUCKET,  # autotuning key only
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -220,13 +343,50 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi, Docs,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    lo, hi = _key_range(pid_m * BLOCK_M + SEQ_K - SEQ_Q, pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
-                        SEQ_K, window, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn,
-                               d_ok, dv_ok, qpos, row_ok, slope, bias_ptrs,
-                               stride_bn, sm_scale, softcap, window, qdoc, doc_row, lo, hi, IS_CAUSAL,
-                               HAS_WINDOW, HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, UPCAST, DOT_PREC,
-                               BLOCK_N)
+    lo, hi = _key_range(
+        pid_m * BLOCK_M + SEQ_K - SEQ_Q,
+        pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
+        SEQ_K,
+        window,
+        doc_row,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_DOCS,
+        BLOCK_N,
+    )
+    acc, m_i, l_i = _fwd_inner(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_cols,
+        v_cols,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos,
+        row_ok,
+        slope,
+        bias_ptrs,
+        stride_bn,
+        sm_scale,
+        softcap,
+        window,
+        qdoc,
+        doc_row,
+        lo,
+        hi,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        UPCAST,
+        DOT_PREC,
+        BLOCK_N,
+    )
     dead = l_i == 0.0  # every key masked: output 0, lse +inf
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
@@ -239,18 +399,58 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Alibi, Docs,
 # decode (FlashDecoding): split the keys across programs, then combine the partial results
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi, Docs,
-                 stride_qb, stride_qh, stride_qm, stride_qd,
-                 stride_kb, stride_kh, stride_kn, stride_kd,
-                 stride_vb, stride_vh, stride_vn, stride_vd,
-                 stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
-                 H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
-                 SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
-                 SPLIT_LEN, NUM_SPLITS,
-                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_decode(
+    Q,
+    K,
+    V,
+    OPart,
+    LPart,
+    Bias,
+    Alibi,
+    Docs,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_db,
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    HEAD_DIM_V,
+    sm_scale,
+    softcap,
+    window,
+    SEQ_Q_BUCKET,
+    SEQ_K_BUCKET,  # autotuning key only
+    SPLIT_LEN,
+    NUM_SPLITS,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One program: one split of the keys, all GROUP * SEQ_Q query rows of one kv head, so the
     cache is read once per kv head (not once per query head)."""
     split = tl.program_id(0)
@@ -283,17 +483,45 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi, Docs,
     if HAS_DOCS:
         qdoc = tl.load(doc_row + qpos, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
 
-    lo, hi = _key_range(SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, doc_row, IS_CAUSAL, HAS_WINDOW,
-                        HAS_DOCS, BLOCK_N)
+    lo, hi = _key_range(SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N)
     lo = tl.maximum(lo, split * SPLIT_LEN)
     hi = tl.minimum(hi, split * SPLIT_LEN + SPLIT_LEN)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_cols, v_cols, stride_kn, stride_vn, d_ok,
-                               dv_ok, qpos, row_ok, slope, bias_ptrs, stride_bn, sm_scale, softcap,
-                               window, qdoc, doc_row, lo, hi, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
-                               HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, UPCAST, DOT_PREC, BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_cols,
+        v_cols,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos,
+        row_ok,
+        slope,
+        bias_ptrs,
+        stride_bn,
+        sm_scale,
+        softcap,
+        window,
+        qdoc,
+        doc_row,
+        lo,
+        hi,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        UPCAST,
+        DOT_PREC,
+        BLOCK_N,
+    )
     dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("-inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
@@ -304,9 +532,22 @@ def _attn_decode(Q, K, V, OPart, LPart, Bias, Alibi, Docs,
 
 
 @triton.jit
-def _attn_decode_combine(OPart, LPart, Out, Lse, stride_ob, stride_oh, stride_om, stride_od,
-                         H, SEQ_Q, HEAD_DIM_V, NUM_SPLITS, BLOCK_S: tl.constexpr,
-                         BLOCK_DV: tl.constexpr):
+def _attn_decode_combine(
+    OPart,
+    LPart,
+    Out,
+    Lse,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    H,
+    SEQ_Q,
+    HEAD_DIM_V,
+    NUM_SPLITS,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     b = row // (H * SEQ_Q)
     h = (row // SEQ_Q) % H
@@ -319,8 +560,11 @@ def _attn_decode_combine(OPart, LPart, Out, Lse, stride_ob, stride_oh, stride_om
     m = tl.max(lse_s, 0)
     dead = m == float("-inf")
     w = tl.exp2(lse_s - tl.where(dead, 0.0, m))  # (BLOCK_S,) split weights, 0 when empty
-    o = tl.load(OPart + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_V + offs_d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.load(
+        OPart + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_V + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(dead, 1.0, total)
     lse = tl.where(dead, float("inf"), m + tl.log2(tl.where(dead, 1.0, total)))
@@ -333,19 +577,65 @@ def _attn_decode_combine(OPart, LPart, Out, Lse, stride_ob, stride_oh, stride_om
 # backward: dk/dv per kv head (the query-head group looped inside), then dq per query head
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi, Docs,
-                   stride_qb, stride_qh, stride_qm, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_dob, stride_doh, stride_dom, stride_dod,
-                   stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
-                   H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
-                   SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
-                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-                   HAS_DBIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    DBias,
+    Bias,
+    Alibi,
+    Docs,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_db,
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    HEAD_DIM_V,
+    sm_scale,
+    softcap,
+    window,
+    SEQ_Q_BUCKET,
+    SEQ_K_BUCKET,  # autotuning key only
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """dK, dV of one key tile of one kv head. The GROUP query heads sharing that kv head are
     looped here, so their contributions add up in fp32 registers (no atomics, no repeated K/V).
     DK is contiguous (B, H_KV, SEQ_K, HEAD_DIM), DV (B, H_KV, SEQ_K, HEAD_DIM_V); DBias is
@@ -364,10 +654,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi, Docs,
     dv_ok = offs_dv < HEAD_DIM_V
     k_mask = (kpos < SEQ_K)[:, None] & d_ok[None, :]
     v_mask = (kpos < SEQ_K)[:, None] & dv_ok[None, :]
-    k = tl.load(K + b * stride_kb + h_kv * stride_kh + kpos[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=k_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + h_kv * stride_vh + kpos[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                mask=v_mask, other=0.0)
+    k = tl.load(
+        K + b * stride_kb + h_kv * stride_kh + kpos[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=k_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + h_kv * stride_vh + kpos[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        mask=v_mask,
+        other=0.0,
+    )
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -397,10 +693,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi, Docs,
         for start_m in range(m_lo, m_hi, BLOCK_M):
             offs_m = start_m + offs_m0
             row_ok = offs_m < SEQ_Q
-            q = tl.load(q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(do_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            q = tl.load(
+                q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            do = tl.load(
+                do_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                mask=row_ok[:, None] & dv_ok[None, :],
+                other=0.0,
+            )
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -410,9 +712,29 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi, Docs,
             qdoc = offs_m
             if HAS_DOCS:
                 qdoc = tl.load(doc_row + offs_m + shift, mask=row_ok, other=-2)  # (BLOCK_M,) starts
-            z2, th = _scores(q, k, offs_m + shift, kpos, row_ok, slope, bias_ptrs, stride_bn,
-                             SEQ_K, sm_scale, softcap, window, qdoc, doc_row, IS_CAUSAL, HAS_WINDOW,
-                             HAS_ALIBI, HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, DOT_PREC)
+            z2, th = _scores(
+                q,
+                k,
+                offs_m + shift,
+                kpos,
+                row_ok,
+                slope,
+                bias_ptrs,
+                stride_bn,
+                SEQ_K,
+                sm_scale,
+                softcap,
+                window,
+                qdoc,
+                doc_row,
+                IS_CAUSAL,
+                HAS_WINDOW,
+                HAS_ALIBI,
+                HAS_BIAS,
+                HAS_SOFTCAP,
+                HAS_DOCS,
+                DOT_PREC,
+            )
             p = tl.exp2(z2 - lse[:, None])  # (BLOCK_M, BLOCK_N); 0 where masked or row dead
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -429,18 +751,62 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Alibi, Docs,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi, Docs,
-                 stride_qb, stride_qh, stride_qm, stride_qd,
-                 stride_kb, stride_kh, stride_kn, stride_kd,
-                 stride_vb, stride_vh, stride_vn, stride_vd,
-                 stride_dob, stride_doh, stride_dom, stride_dod,
-                 stride_bb, stride_bh, stride_bm, stride_bn, stride_db,
-                 H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V, sm_scale, softcap, window,
-                 SEQ_Q_BUCKET, SEQ_K_BUCKET,  # autotuning key only
-                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    Bias,
+    Alibi,
+    Docs,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_db,
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    HEAD_DIM_V,
+    sm_scale,
+    softcap,
+    window,
+    SEQ_Q_BUCKET,
+    SEQ_K_BUCKET,  # autotuning key only
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """dQ of one query tile of one query head. DQ is contiguous (B, H, SEQ_Q, HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -456,10 +822,16 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi, Docs,
     row_ok = offs_m < SEQ_Q
     q_mask = row_ok[:, None] & d_ok[None, :]
     shift = SEQ_K - SEQ_Q
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=q_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+        mask=row_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -476,20 +848,55 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Bias, Alibi, Docs,
     if HAS_DOCS:
         qdoc = tl.load(doc_row + offs_m + shift, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _key_range(pid_m * BLOCK_M + shift, pid_m * BLOCK_M + BLOCK_M - 1 + shift, SEQ_K,
-                        window, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N)
+    lo, hi = _key_range(
+        pid_m * BLOCK_M + shift,
+        pid_m * BLOCK_M + BLOCK_M - 1 + shift,
+        SEQ_K,
+        window,
+        doc_row,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_DOCS,
+        BLOCK_N,
+    )
     for start_n in range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n0
-        k = tl.load(k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
-                    mask=(kpos < SEQ_K)[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
-                    mask=(kpos < SEQ_K)[:, None] & dv_ok[None, :], other=0.0)
+        k = tl.load(
+            k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
+            mask=(kpos < SEQ_K)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
+            mask=(kpos < SEQ_K)[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        z2, th = _scores(q, k, offs_m + shift, kpos, row_ok, slope, bias_ptrs, stride_bn, SEQ_K,
-                         sm_scale, softcap, window, qdoc, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
-                         HAS_BIAS, HAS_SOFTCAP, HAS_DOCS, DOT_PREC)
+        z2, th = _scores(
+            q,
+            k,
+            offs_m + shift,
+            kpos,
+            row_ok,
+            slope,
+            bias_ptrs,
+            stride_bn,
+            SEQ_K,
+            sm_scale,
+            softcap,
+            window,
+            qdoc,
+            doc_row,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            DOT_PREC,
+        )
         p = tl.exp2(z2 - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         dz = p * (dp - delta[:, None])

@@ -8,14 +8,19 @@ interpreter on machines without CUDA. This module is imported lazily by
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
 # triton comes through flash_kernels, which sets up the interpreter before importing it
-from .flash_kernels import (INTERPRET, _attn_bwd_dkdv, _attn_bwd_dq, _attn_decode,
-                            _attn_decode_combine, _attn_fwd, triton)
+from .flash_kernels import (
+    INTERPRET,
+    _attn_bwd_dkdv,
+    _attn_bwd_dq,
+    _attn_decode,
+    _attn_decode_combine,
+    _attn_fwd,
+    triton,
+)
 
 # Block sizes used without autotuning (interpreter). 32 keeps the interpreter fast enough while
 # still exercising multi-tile loops and masked tails at test lengths (17..100).
@@ -33,18 +38,38 @@ def _config(bm, bn, warps, stages):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-_FWD_CONFIGS = [_config(128, 64, 4, 3), _config(128, 64, 8, 3), _config(128, 128, 8, 2),
-                _config(128, 32, 4, 4), _config(64, 64, 4, 3), _config(64, 32, 4, 4),
-                _config(64, 64, 4, 2), _config(64, 32, 4, 2)]
-_DKDV_CONFIGS = [_config(32, 64, 4, 3), _config(64, 64, 4, 3), _config(32, 128, 8, 3),
-                 _config(64, 128, 8, 2), _config(16, 64, 4, 3), _config(32, 32, 4, 2)]
-_DQ_CONFIGS = [_config(64, 64, 4, 3), _config(128, 64, 8, 3), _config(64, 32, 4, 4),
-               _config(128, 32, 4, 3), _config(128, 128, 8, 2), _config(32, 32, 4, 2)]
-_DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-                   for bn, w, s in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2))]
+_FWD_CONFIGS = [
+    _config(128, 64, 4, 3),
+    _config(128, 64, 8, 3),
+    _config(128, 128, 8, 2),
+    _config(128, 32, 4, 4),
+    _config(64, 64, 4, 3),
+    _config(64, 32, 4, 4),
+    _config(64, 64, 4, 2),
+    _config(64, 32, 4, 2),
+]
+_DKDV_CONFIGS = [
+    _config(32, 64, 4, 3),
+    _config(64, 64, 4, 3),
+    _config(32, 128, 8, 3),
+    _config(64, 128, 8, 2),
+    _config(16, 64, 4, 3),
+    _config(32, 32, 4, 2),
+]
+_DQ_CONFIGS = [
+    _config(64, 64, 4, 3),
+    _config(128, 64, 8, 3),
+    _config(64, 32, 4, 4),
+    _config(128, 32, 4, 3),
+    _config(128, 128, 8, 2),
+    _config(32, 32, 4, 2),
+]
+_DECODE_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bn, w, s in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2))
+]
 _DECODE_MAX_BLOCK_N = 128  # the split length is a multiple of every decode BLOCK_N
-_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_CAUSAL", "HAS_WINDOW",
-             "HAS_DOCS"]
+_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_CAUSAL", "HAS_WINDOW", "HAS_DOCS"]
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave headroom
 
 
@@ -67,8 +92,7 @@ def _pruner(resident, streamed):
             too_tall = "BLOCK_M" in c.kwargs and rows["M"] > max(16, triton.next_power_of_2(seq_q))
             if smem <= _SMEM_BUDGET and not too_tall:
                 kept.append(c)
-        return kept or [min(configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_N"]
-                            * c.kwargs.get("BLOCK_M", 1))]
+        return kept or [min(configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_N"] * c.kwargs.get("BLOCK_M", 1))]
 
     return prune
 
@@ -119,13 +143,18 @@ def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, docume
         doc_stride = docs_arg.stride(0)
     else:
         docs_arg, doc_stride = q, 0  # never read: HAS_DOCS=False
-    flags = dict(IS_CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
-                 HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias is not None,
-                 HAS_SOFTCAP=softcap is not None, HAS_DOCS=document_starts is not None,
-                 UPCAST=INTERPRET and q.dtype != torch.float32,
-                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                 BLOCK_D=max(16, triton.next_power_of_2(D)),
-                 BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])))
+    flags = dict(
+        IS_CAUSAL=bool(causal),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_DOCS=document_starts is not None,
+        UPCAST=INTERPRET and q.dtype != torch.float32,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
+    )
     knobs = (float(softcap or 0.0), int(sliding_window or 0))
     return (bias_arg, alibi_arg, docs_arg), (*bias_strides, doc_stride), flags, knobs
 
@@ -134,7 +163,8 @@ def _check_device(q):
     if q.device.type == "cpu" and not INTERPRET:
         raise ValueError(
             "backend='triton' got CPU tensors but Triton is not in interpreter mode: set "
-            "TRITON_INTERPRET=1 before `kernels` first uses Triton, or move the tensors to CUDA.")
+            "TRITON_INTERPRET=1 before `kernels` first uses Triton, or move the tensors to CUDA."
+        )
 
 
 def _decode_splits(batch_kv, seq_k, device):
@@ -149,8 +179,7 @@ def _decode_splits(batch_kv, seq_k, device):
     return triton.cdiv(seq_k, split_len), split_len
 
 
-def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale,
-                  document_starts=None):
+def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts=None):
     """Returns ``(out, lse)``: ``out`` (B, H, Sq, Dv); ``lse`` the log2-domain log-sum-exp,
     (B, H, Sq) fp32. ``document_starts``: (B, Sk) int, ``kernels.attention.document_starts``."""
     _check_device(q)
@@ -161,38 +190,104 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    reads, bs, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal, sliding_window,
-                                              softcap, document_starts)
+    reads, bs, flags, (cap, window) = _common(
+        q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts
+    )
     # next powers of two of the lengths: the autotuning key, so a growing cache does not retune
-    tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq),
-            triton.next_power_of_2(Sk))
+    tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq), triton.next_power_of_2(Sk))
     if Sq <= DECODE_MAX_SEQ_Q and group * Sq <= DECODE_MAX_ROWS:
         num_splits, split_len = _decode_splits(B * Hkv, Sk, q.device)
         o_part = torch.empty((B * H * Sq, num_splits, Dv), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B * H * Sq, num_splits), dtype=torch.float32, device=q.device)
         bias_arg, alibi_arg, docs_arg = reads
-        _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail,
-                       (split_len, num_splits), flags, (num_splits, B * Hkv),
-                       max(16, triton.next_power_of_2(group * Sq)), docs_arg)
+        _launch_decode(
+            q,
+            k,
+            v,
+            o_part,
+            l_part,
+            bias_arg,
+            alibi_arg,
+            bs,
+            tail,
+            (split_len, num_splits),
+            flags,
+            (num_splits, B * Hkv),
+            max(16, triton.next_power_of_2(group * Sq)),
+            docs_arg,
+        )
         _attn_decode_combine[(B * H * Sq,)](
-            o_part, l_part, out, lse, *_strides4(out), H, Sq, Dv, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=flags["BLOCK_DV"])
+            o_part,
+            l_part,
+            out,
+            lse,
+            *_strides4(out),
+            H,
+            Sq,
+            Dv,
+            num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_DV=flags["BLOCK_DV"],
+        )
         return out, lse
-    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd_kernel[grid](q, k, v, out, lse, *reads, *_strides4(q), *_strides4(k),
-                      *_strides4(v), *_strides4(out), *bs, *tail, **flags, **_fixed_blocks())
+    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)
+    _fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *reads,
+        *_strides4(q),
+        *_strides4(k),
+        *_strides4(v),
+        *_strides4(out),
+        *bs,
+        *tail,
+        **flags,
+        **_fixed_blocks(),
+    )
     return out, lse
 
 
-def _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail, split, flags, grid,
-                   block_m, docs_arg):
-    _decode_kernel[grid](q, k, v, o_part, l_part, bias_arg, alibi_arg, docs_arg, *_strides4(q),
-                         *_strides4(k), *_strides4(v), *bs, *tail, *split, **flags,
-                         BLOCK_M=block_m, **_fixed_blocks(with_m=False))
+def _launch_decode(q, k, v, o_part, l_part, bias_arg, alibi_arg, bs, tail, split, flags, grid, block_m, docs_arg):
+    _decode_kernel[grid](
+        q,
+        k,
+        v,
+        o_part,
+        l_part,
+        bias_arg,
+        alibi_arg,
+        docs_arg,
+        *_strides4(q),
+        *_strides4(k),
+        *_strides4(v),
+        *bs,
+        *tail,
+        *split,
+        **flags,
+        BLOCK_M=block_m,
+        **_fixed_blocks(with_m=False),
+    )
 
 
-def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, sliding_window,
-                   softcap, scale, bias_needs_grad, document_starts=None):
+def flash_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    bias,
+    alibi_slopes,
+    causal,
+    sliding_window,
+    softcap,
+    scale,
+    bias_needs_grad,
+    document_starts=None,
+):
     """Returns ``(dq, dk, dv, dbias)``; ``dbias`` is reduced to ``bias.shape`` when
     ``bias_needs_grad``, else an empty tensor."""
     _check_device(q)
@@ -204,23 +299,36 @@ def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, slid
     dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Sk, Dv), dtype=v.dtype, device=q.device)
     # dz of every score: the (B, H, Sq, Sk) matrix only exists when the bias itself needs a grad
-    dbias_full = torch.zeros((B, H, Sq, Sk) if bias_needs_grad else (0,), dtype=torch.float32,
-                             device=q.device)
+    dbias_full = torch.zeros((B, H, Sq, Sk) if bias_needs_grad else (0,), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or Sk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
     else:
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, Sq) rowsum(dO * O)
-        reads, bs, flags, (cap, window) = _common(q, k, v, bias, alibi_slopes, causal, sliding_window,
-                                                  softcap, document_starts)
-        tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq),
-                triton.next_power_of_2(Sk))
+        reads, bs, flags, (cap, window) = _common(
+            q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts
+        )
+        tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq), triton.next_power_of_2(Sk))
         strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *bs)
-        grid_kv = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-        _dkdv_kernel[grid_kv](q, k, v, grad_out, lse, delta, dk, dv, dbias_full, *reads, *strides,
-                              *tail, **flags, HAS_DBIAS=bias_needs_grad, **_fixed_blocks())
-        grid_q = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _dq_kernel[grid_q](q, k, v, grad_out, lse, delta, dq, *reads, *strides, *tail, **flags,
-                           **_fixed_blocks())
+        grid_kv = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)
+        _dkdv_kernel[grid_kv](
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            dbias_full,
+            *reads,
+            *strides,
+            *tail,
+            **flags,
+            HAS_DBIAS=bias_needs_grad,
+            **_fixed_blocks(),
+        )
+        grid_q = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)
+        _dq_kernel[grid_q](q, k, v, grad_out, lse, delta, dq, *reads, *strides, *tail, **flags, **_fixed_blocks())
     if not bias_needs_grad:
         return dq, dk, dv, dbias_full
     lead = bias.dim() - 4  # bias may have fewer leading dims than 4
@@ -234,38 +342,80 @@ def flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal, slid
 # custom op: autograd, fake (meta) implementation, FLOP formulas
 # ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("kernels::flash_attention", mutates_args=())
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                    causal: bool, sliding_window: Optional[int], softcap: Optional[float],
-                    scale: float, document_starts: Optional[torch.Tensor] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    scale: float,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention; returns ``(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, log2 domain)``."""
-    return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale,
-                         document_starts)
+    return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts)
 
 
 @flash_attention.register_fake
-def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale,
-                          document_starts=None):
+def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts=None):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("kernels::flash_attention_backward", mutates_args=())
-def flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                             bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                             causal: bool, sliding_window: Optional[int],
-                             softcap: Optional[float], scale: float, bias_needs_grad: bool,
-                             document_starts: Optional[torch.Tensor] = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal,
-                          sliding_window, softcap, scale, bias_needs_grad, document_starts)
+def flash_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    scale: float,
+    bias_needs_grad: bool,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        bias,
+        alibi_slopes,
+        causal,
+        sliding_window,
+        softcap,
+        scale,
+        bias_needs_grad,
+        document_starts,
+    )
 
 
 @flash_attention_backward.register_fake
-def _flash_attention_backward_fake(grad_out, q, k, v, out, lse, bias, alibi_slopes, causal,
-                                   sliding_window, softcap, scale, bias_needs_grad, document_starts=None):
+def _flash_attention_backward_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    bias,
+    alibi_slopes,
+    causal,
+    sliding_window,
+    softcap,
+    scale,
+    bias_needs_grad,
+    document_starts=None,
+):
     dbias = torch.empty_like(bias) if bias_needs_grad else q.new_empty((0,), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -280,8 +430,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, bias, alibi_slopes, document_starts = ctx.saved_tensors
     bias_needs_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = flash_attention_backward(grad_out, q, k, v, out, lse, bias, alibi_slopes,
-                                                 *ctx.knobs, bias_needs_grad, document_starts)
+    dq, dk, dv, dbias = flash_attention_backward(
+        grad_out, q, k, v, out, lse, bias, alibi_slopes, *ctx.knobs, bias_needs_grad, document_starts
+    )
     return dq, dk, dv, (dbias if bias_needs_grad else None), None, None, None, None, None, None
 
 
@@ -301,8 +452,7 @@ def _flash_attention_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **k
 
 
 @register_flop_formula(torch.ops.kernels.flash_attention_backward)
-def _flash_attention_backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args,
-                                    out_shape=None, **kwargs):
+def _flash_attention_backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
     # eager's backward: two matmuls per forward matmul (dV, dP, dQ, dK); the kernel's recompute
     # of Q K^T is not counted, matching what FlopCounterMode reports for the eager backend
     return 2 * _matmul_flops(q_shape, k_shape, v_shape)

@@ -56,8 +56,9 @@ def average_checkpoints(paths: list[Path], out: Path) -> Path:
     from recipes.checkpoint import write_checkpoint
 
     try:  # each verified against its checksums: a damaged one is named, never averaged in
-        averaged = {key: value for key, value in read_meta(paths[-1]).items()
-                    if key in ("builder", "global_step", "epoch")}
+        averaged = {
+            key: value for key, value in read_meta(paths[-1]).items() if key in ("builder", "global_step", "epoch")
+        }
         averaged["state_dict"] = average_state_dicts([read_weights(p) for p in paths])
     except CheckpointError as exc:
         raise RecipeError(str(exc)) from None

@@ -88,7 +88,7 @@ def split_to_multiple(batches: list[np.ndarray], world_size: int) -> list[np.nda
         if len(batches[largest]) < 2:
             break
         half = len(batches[largest]) // 2
-        batches[largest: largest + 1] = [batches[largest][:half], batches[largest][half:]]
+        batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
     return batches
 
 
@@ -115,8 +115,17 @@ class BucketDataModule(PositionedDataModule):
     ``collate(list of examples) -> tuple of tensors``; ``lengths``: each example's padded cost
     in tokens (the longer side of a sentence pair)."""
 
-    def __init__(self, train: Sequence, train_lengths: np.ndarray, val: Sequence, val_lengths: np.ndarray,
-                 collate: Callable, max_tokens: int, seed: int, accumulate: int):
+    def __init__(
+        self,
+        train: Sequence,
+        train_lengths: np.ndarray,
+        val: Sequence,
+        val_lengths: np.ndarray,
+        collate: Callable,
+        max_tokens: int,
+        seed: int,
+        accumulate: int,
+    ):
         super().__init__(seed, accumulate)
         if not len(train) or not len(val):
             raise RecipeError(f"{len(train)} training and {len(val)} validation examples; both need some")
@@ -125,8 +134,9 @@ class BucketDataModule(PositionedDataModule):
         self.max_tokens = max_tokens
 
     def train_dataloader(self):
-        data = StreamBatches(self.train, self.train_lengths, self.max_tokens, self.collate, self.seed,
-                             *self._rank(), self.position)
+        data = StreamBatches(
+            self.train, self.train_lengths, self.max_tokens, self.collate, self.seed, *self._rank(), self.position
+        )
         return DataLoader(data, batch_size=None, num_workers=0)
 
     def val_dataloader(self):

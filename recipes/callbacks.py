@@ -118,7 +118,6 @@ class Throughput(L.Callback):
         import torch
 
         from builder.mfu import peak_flops
-
         from recipes.parallel import data_parallel_size
 
         self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
@@ -156,7 +155,7 @@ class Throughput(L.Callback):
         self.intervals.append((self._steps, elapsed, tokens))
         # shown and logged: the median of the last SMOOTHING intervals, so one slow interval (a
         # checkpoint written, a busy machine) does not swing the number by 5x
-        recent = sorted(t / s for _, s, t in self.intervals[-self.SMOOTHING:])
+        recent = sorted(t / s for _, s, t in self.intervals[-self.SMOOTHING :])
         self.tokens_per_s = recent[len(recent) // 2]
         achieved = self.tokens_per_s * self.flops_per_token
         metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
@@ -248,12 +247,15 @@ def stop_line(settings, first_step: int, step: int) -> str:
     ``settings``: the recipe's trainer section; ``first_step``: where this invocation started."""
     if step >= settings.max_steps:
         if step == first_step:
-            return (f"nothing to train: the checkpoint is at step {step:,}, trainer.max_steps {settings.max_steps:,}; "
-                    "raise trainer.max_steps (--set trainer.max_steps=N) to go on, or --fresh to start over")
+            return (
+                f"nothing to train: the checkpoint is at step {step:,}, trainer.max_steps {settings.max_steps:,}; "
+                "raise trainer.max_steps (--set trainer.max_steps=N) to go on, or --fresh to start over"
+            )
         return f"stopped: trainer.max_steps {settings.max_steps:,} reached"
     if settings.max_time is not None:
-        return (f"stopped: trainer.max_time {settings.max_time} (per invocation) reached at step {step:,} of "
-                f"{settings.max_steps:,}; run the same command again to go on from step {step:,}, or add "
-                "--set trainer.max_time=null to train to max_steps without a time limit")
+        return (
+            f"stopped: trainer.max_time {settings.max_time} (per invocation) reached at step {step:,} of "
+            f"{settings.max_steps:,}; run the same command again to go on from step {step:,}, or add "
+            "--set trainer.max_time=null to train to max_steps without a time limit"
+        )
     return f"stopped at step {step:,} of {settings.max_steps:,}"
-

@@ -112,7 +112,7 @@ def _step_of(path: Path) -> int | None:
         return None
     try:
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step"))
-    except Exception:  # noqa: BLE001  (whatever is wrong with it, it is not worth keeping)
+    except Exception:
         return None
 
 
@@ -136,9 +136,14 @@ def read_verified(path: str | Path) -> dict:
         checkpoint = read_checkpoint(path)
     except CheckpointError as exc:
         raise RecipeError(str(exc)) from None
-    if not is_sealed(checkpoint) and isinstance(checkpoint.get("builder"), dict):  # another program's: refused by the caller
-        print(f"note: {path} has no checksums (written by an older builder); it is loaded unverified",
-              file=sys.stderr, flush=True)
+    if not is_sealed(checkpoint) and isinstance(
+        checkpoint.get("builder"), dict
+    ):  # another program's: refused by the caller
+        print(
+            f"note: {path} has no checksums (written by an older builder); it is loaded unverified",
+            file=sys.stderr,
+            flush=True,
+        )
     return checkpoint
 
 
@@ -194,8 +199,12 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
         raise RecipeError(f"{path} is a folder; this command needs a checkpoint written by `builder train`")
     checkpoint = read_verified(path)
     meta = checkpoint.get("builder")
-    if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict) or not isinstance(
-            checkpoint.get("state_dict"), dict) or not isinstance(meta.get("tokenizer"), dict):
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(meta.get("spec"), dict)
+        or not isinstance(checkpoint.get("state_dict"), dict)
+        or not isinstance(meta.get("tokenizer"), dict)
+    ):
         from builder.integrity import not_ours
 
         raise RecipeError(not_ours(path, checkpoint))
@@ -216,7 +225,13 @@ def _checkpoint_tokenizer(path: Path, state: dict):
     try:
         return from_state(state)
     except (KeyError, TypeError, ValueError, RuntimeError, OSError, RecipeError) as exc:
-        reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        reason = (
+            f"no {exc}"
+            if isinstance(exc, KeyError)
+            else str(exc).strip().splitlines()[0][:160]
+            if str(exc).strip()
+            else type(exc).__name__
+        )
         raise RecipeError(f"{path}: its tokenizer cannot be rebuilt ({reason})") from None
 
 
@@ -242,13 +257,17 @@ def load_folder(folder: Path, device: str | None = None):
     except (HFError, SpecError) as exc:
         raise RecipeError(str(exc)) from None
     if spec.architecture != "decoder-only":
-        raise RecipeError(f"{folder} holds an {spec.architecture} model; generating from a folder takes a decoder-only one")
+        raise RecipeError(
+            f"{folder} holds an {spec.architecture} model; generating from a folder takes a decoder-only one"
+        )
     if state is None:
         raise RecipeError(f"{folder} has no tokenizer (tokenizer.json or tokenizer.model) to encode the prompt with")
     tokenizer = from_state(state)
     if tokenizer.vocab_size > spec.vocab_size:
-        raise RecipeError(f"{folder}: the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's "
-                          f"vocab_size {spec.vocab_size:,}")
+        raise RecipeError(
+            f"{folder}: the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's "
+            f"vocab_size {spec.vocab_size:,}"
+        )
     model.to(pick_device(device)).eval()
     meta = {"task": "lm", "spec": spec.model_dump(mode="json"), "tokenizer": state, "global_step": None}
     return model, tokenizer, meta
@@ -283,8 +302,9 @@ def recipe_tokens(meta: dict, tokenizer):
         recipe = Recipe.model_validate(meta["recipe"])
     except ValidationError as exc:
         first = str(exc).splitlines()[1][:160]
-        raise RecipeError(f"its recipe does not validate here ({first}); pass --data FILE to evaluate on "
-                          "other text") from None
+        raise RecipeError(
+            f"its recipe does not validate here ({first}); pass --data FILE to evaluate on other text"
+        ) from None
     corpus = open_corpus(recipe.data, Path(meta["recipe_file"]), None, False, pretrained=tokenizer)
     mixture = Mixture(corpus.sources, recipe.trainer.seed, tokenizer.vocab_size, recipe.data.packing)
     return held_out_tokens(corpus), mixture
@@ -313,8 +333,15 @@ def consecutive_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_bat
 
 
 @torch.no_grad()
-def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int | None = None,
-             seed: int | None = None, mixture=None) -> dict:
+def evaluate(
+    model,
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    seed: int | None = None,
+    mixture=None,
+) -> dict:
     """Mean next-token cross-entropy over ``max_batches`` batches of ``tokens`` (``None``: every
     consecutive, non-overlapping window). With ``seed``, the batches are the validation windows a
     run drew from ``mixture`` (:class:`recipes.data.windows.ValWindows`, at the run's seq_len), so the
@@ -327,20 +354,29 @@ def evaluate(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batch
     if n_windows < 1:
         raise RecipeError(f"{len(tokens)} tokens are fewer than one window of seq_len {seq_len} + 1")
     available = math.ceil(n_windows / batch_size)  # consecutive batches: what --all scores
-    if max_batches is not None and seed is not None and mixture is not None and \
-            mixture.validation.streams[0].seq_len == seq_len:
+    if (
+        max_batches is not None
+        and seed is not None
+        and mixture is not None
+        and mixture.validation.streams[0].seq_len == seq_len
+    ):
         batches, n = ValWindows(mixture, batch_size, max_batches, 0, 1), max_batches
     else:
         n = available if max_batches is None else min(max_batches, available)
         batches = consecutive_windows(tokens, seq_len, batch_size, n)
     total, count = 0.0, 0
-    for inputs, targets, *documents in tqdm(batches, total=n, desc="eval", unit="batch", leave=False,
-                                            file=sys.stderr):
+    for inputs, targets, *documents in tqdm(batches, total=n, desc="eval", unit="batch", leave=False, file=sys.stderr):
         extra = {"document_ids": documents[0].to(device)} if documents else {}
         logits = model(inputs.to(device), **extra)  # (batch, seq, vocab)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum",
-                                 ignore_index=IGNORE).item()
+        total += F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum", ignore_index=IGNORE
+        ).item()
         count += int((targets != IGNORE).sum())
     loss = total / count
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": count, "batches": n,
-            "batches_available": available}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700)),
+        "tokens": count,
+        "batches": n,
+        "batches_available": available,
+    }

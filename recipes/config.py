@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import re
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -40,8 +40,9 @@ _FREEZE_PATH = re.compile(rf"{_FREEZE_SEGMENT}(?:\.{_FREEZE_SEGMENT})*")
 
 
 class ModelSection(_Section):
-    spec: Optional[Union[str, dict[str, Any]]] = Field(
-        None, description="A spec file (path relative to the recipe) or an inline spec mapping (null: the spec "
+    spec: str | dict[str, Any] | None = Field(
+        None,
+        description="A spec file (path relative to the recipe) or an inline spec mapping (null: the spec "
         "of init_from).",
     )
     overrides: dict[str, Any] = Field(
@@ -50,8 +51,9 @@ class ModelSection(_Section):
         "mappings; `--set model.overrides.decoder.n_layers=2` lands here. `vocab_size` is always "
         "set to the tokenizer's.",
     )
-    init_from: Optional[str] = Field(
-        None, description="Start from trained weights (relative to the recipe): a `builder train` checkpoint "
+    init_from: str | None = Field(
+        None,
+        description="Start from trained weights (relative to the recipe): a `builder train` checkpoint "
         "(.ckpt; its tokenizer too), a folder written by `builder import-hf`, or a Hugging Face model folder. "
         "Tensors must match by name and shape (a task's new head starts fresh).",
     )
@@ -87,7 +89,7 @@ class TokenizerSection(_Section):
     )
     model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece: bpe | unigram.")
     vocab_size: int = Field(4096, ge=16, description="sentencepiece: vocabulary size to train.")
-    model_file: Optional[str] = Field(
+    model_file: str | None = Field(
         None,
         description="sentencepiece: an existing .model file instead of training; hf: the folder (its "
         "tokenizer.json, else tokenizer.model) or a tokenizer.json. Relative to the recipe.",
@@ -116,7 +118,7 @@ class ScheduleSection(_Section):
         "cosine", description="After warmup: cosine to min_lr | inverse_sqrt | constant."
     )
     warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr over this many steps.")
-    decay_steps: Optional[int] = Field(
+    decay_steps: int | None = Field(
         None, ge=1, description="cosine: steps until min_lr is reached (null: trainer.max_steps)."
     )
     min_lr: float = Field(0.0, ge=0, description="The floor of the learning rate.")
@@ -129,23 +131,24 @@ class LossSection(_Section):
 
 class TrainerSection(_Section):
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
-    max_time: Optional[Union[int, str]] = Field(
-        None, description="Stop after this long, counted per invocation (a resume gets it again): seconds, or "
-        "'HH:MM:SS' / 'DD:HH:MM:SS' (null: no limit)."
+    max_time: int | str | None = Field(
+        None,
+        description="Stop after this long, counted per invocation (a resume gets it again): seconds, or "
+        "'HH:MM:SS' / 'DD:HH:MM:SS' (null: no limit).",
     )
     val_check_interval: int = Field(200, ge=1, description="Validate every this many optimizer steps.")
     limit_val_batches: int = Field(20, ge=1, description="Validation micro-batches per check.")
     checkpoint_every_n_steps: int = Field(
         100, ge=1, description="Write last.ckpt every this many steps (and at every validation)."
     )
-    gradient_clip_val: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm (null: off).")
+    gradient_clip_val: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: off).")
     accumulate_grad_batches: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     precision: Literal["auto", "32", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
         "auto",
         description="auto | 32 | bf16-mixed | 16-mixed | bf16-true. auto: bf16-mixed on a GPU with bf16 and on a "
         "CPU with AMX or AVX512-BF16, else 32 (bf16 emulated on other CPUs is slower than fp32).",
     )
-    compile: Union[bool, Literal["model", "layers"]] = Field(
+    compile: bool | Literal["model", "layers"] = Field(
         False,
         description="torch.compile: model (the model, the loss and their backward as one graph) | layers "
         "(each Transformer layer, compiled once for all; works with fsdp and activation checkpointing) | "
@@ -176,12 +179,17 @@ class TrainerSection(_Section):
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
-    devices: Union[int, str] = Field("auto", description="Devices per node: a count, 'auto' or a list string.")
+    devices: int | str = Field("auto", description="Devices per node: a count, 'auto' or a list string.")
     num_nodes: int = Field(1, ge=1, description="Machines (torchrun / SLURM).")
-    seed: int = Field(1337, ge=0, le=2**32 - 1,
-                      description="Seeds weights, data windows and dropout (0 to 2**32 - 1, as Lightning takes).")
-    output_dir: Optional[str] = Field(
-        None, description="Checkpoints and logs (relative to the working directory; null: runs/<recipe name>).",
+    seed: int = Field(
+        1337,
+        ge=0,
+        le=2**32 - 1,
+        description="Seeds weights, data windows and dropout (0 to 2**32 - 1, as Lightning takes).",
+    )
+    output_dir: str | None = Field(
+        None,
+        description="Checkpoints and logs (relative to the working directory; null: runs/<recipe name>).",
         json_schema_extra=WORK_PATH,
     )
     log_every_n_steps: int = Field(10, ge=1, description="Steps between log lines and progress-bar updates.")
@@ -192,22 +200,33 @@ class TrainerSection(_Section):
 
         if self.strategy != "fsdp":
             if self.tensor_parallel > 1:
-                raise rule_error(("tensor_parallel",), "tensor_parallel needs strategy: fsdp (FSDP2 composes with it "
-                                                       "on a 2-D device mesh)")
+                raise rule_error(
+                    ("tensor_parallel",),
+                    "tensor_parallel needs strategy: fsdp (FSDP2 composes with it on a 2-D device mesh)",
+                )
             if self.data_parallel != "shard":
                 raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
             return self
         if self.precision == "16-mixed":
             raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
         if self.compile == "model":
-            raise rule_error(("compile",), "compile: model traces the whole step, which FSDP2's per-layer hooks "
-                                           "split; with strategy fsdp use layers (or true)")
+            raise rule_error(
+                ("compile",),
+                "compile: model traces the whole step, which FSDP2's per-layer hooks "
+                "split; with strategy fsdp use layers (or true)",
+            )
         if self.data_parallel == "hybrid" and self.num_nodes == 1:
-            raise rule_error(("data_parallel",), "data_parallel hybrid shards inside a node and replicates across "
-                                                 "nodes, but num_nodes is 1; use shard (or set num_nodes)")
+            raise rule_error(
+                ("data_parallel",),
+                "data_parallel hybrid shards inside a node and replicates across "
+                "nodes, but num_nodes is 1; use shard (or set num_nodes)",
+            )
         if isinstance(self.devices, int) and self.devices > 0 and self.devices % self.tensor_parallel:
-            raise rule_error(("tensor_parallel",), f"tensor_parallel {self.tensor_parallel} must divide devices "
-                                                   f"({self.devices} per node): a tensor-parallel group stays inside one node")
+            raise rule_error(
+                ("tensor_parallel",),
+                f"tensor_parallel {self.tensor_parallel} must divide devices "
+                f"({self.devices} per node): a tensor-parallel group stays inside one node",
+            )
         return self
 
     @field_validator("precision", mode="before")
@@ -237,10 +256,13 @@ class SampleSection(_Section):
     prompts: list[str] = Field(default_factory=lambda: ["\n"], description="Prompts sampled at the end of training.")
     max_new_tokens: int = Field(200, ge=0, description="Tokens generated per prompt.")
     temperature: float = Field(0.8, ge=0, description="0 is greedy.")
-    top_k: Optional[int] = Field(200, ge=1, description="Sample among the k likeliest tokens (null: all).")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling (null: off).")
-    compile: bool = Field(False, description="Decode with a torch.compile'd one-token step over a static KV cache "
-                          "(pays off for many tokens from a small model; the first sample pays the compile).")
+    top_k: int | None = Field(200, ge=1, description="Sample among the k likeliest tokens (null: all).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling (null: off).")
+    compile: bool = Field(
+        False,
+        description="Decode with a torch.compile'd one-token step over a static KV cache "
+        "(pays off for many tokens from a small model; the first sample pays the compile).",
+    )
 
 
 #: recipe ``task`` -> "module:class" of its recipe schema (the LM's is :class:`Recipe` itself)
@@ -261,7 +283,7 @@ class Recipe(_Section):
     task: Literal["lm", "translation", "mlm", "classification"] = Field(
         "lm", description="lm | translation | mlm | classification: what is trained (each has its own data section)."
     )
-    name: Optional[str] = Field(None, description="Shown in reports and names the output dir (default: file name).")
+    name: str | None = Field(None, description="Shown in reports and names the output dir (default: file name).")
     model: ModelSection = Field(..., description="The spec to train.")
     data: DataSection = Field(default_factory=DataSection, description="The corpus and its windows.")
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection, description="Text to token ids.")
@@ -302,8 +324,17 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
 
 #: recipe fields that name files (their sub-fields and items too): relative to the recipe when
 #: written in it; given with ``--set``, relative to the working directory when the file is there
-PATH_FIELDS = ("model.spec", "data.sources", "data.root", "data.train", "data.validation", "data.file",
-               "data.by_label", "tokenizer.model_file", "classification.init_from")
+PATH_FIELDS = (
+    "model.spec",
+    "data.sources",
+    "data.root",
+    "data.train",
+    "data.validation",
+    "data.file",
+    "data.by_label",
+    "tokenizer.model_file",
+    "classification.init_from",
+)
 
 
 def _from_cwd(key: str, value: Any) -> Any:
@@ -314,8 +345,13 @@ def _from_cwd(key: str, value: Any) -> Any:
     if isinstance(value, list):
         return [_from_cwd(key, item) for item in value]
     dotted = ".".join(part for part in key.split(".") if not part.lstrip("-").isdigit())
-    if (isinstance(value, str) and value and any(dotted == f or dotted.startswith(f + ".") for f in PATH_FIELDS)
-            and not Path(value).expanduser().is_absolute() and Path(value).exists()):
+    if (
+        isinstance(value, str)
+        and value
+        and any(dotted == f or dotted.startswith(f + ".") for f in PATH_FIELDS)
+        and not Path(value).expanduser().is_absolute()
+        and Path(value).exists()
+    ):
         return str(Path(value).resolve())
     return value
 
@@ -363,8 +399,11 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     from builder.loader import load_spec, read_merged
 
     doc = read_merged(recipe_file)
-    written = {key: (doc, ("model", "overrides", key)) for key in recipe.model.overrides
-               if ("model", "overrides", key) in doc.values}
+    written = {
+        key: (doc, ("model", "overrides", key))
+        for key in recipe.model.overrides
+        if ("model", "overrides", key) in doc.values
+    }
     overrides = {**recipe.model.overrides, **(extra or {}), "vocab_size": vocab_size}
     if isinstance(recipe.model.spec, str):
         path = spec_file(recipe, recipe_file, doc)
@@ -393,8 +432,9 @@ def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
     except ZooError as exc:
         doc = doc if doc is not None else read_merged(recipe_file)
         written = (doc.data.get("model") or {}).get("spec") if isinstance(doc.data, dict) else None
-        where = (doc.value_mark(("model", "spec")) if written == recipe.model.spec else None) or \
-            Mark(f"<--set model.spec={recipe.model.spec}>")
+        where = (doc.value_mark(("model", "spec")) if written == recipe.model.spec else None) or Mark(
+            f"<--set model.spec={recipe.model.spec}>"
+        )
         raise SpecError([Problem.at(where, "model.spec", str(exc))]) from None
 
 
@@ -419,8 +459,9 @@ def _marked(data: Any, path: tuple, mark, marks: dict) -> None:
             _marked(value, path + (key,), mark, marks)
 
 
-def _inline_document(recipe: Recipe, doc, overrides: dict[str, Any], written: dict,
-                     base: tuple[dict, str] | None = None):
+def _inline_document(
+    recipe: Recipe, doc, overrides: dict[str, Any], written: dict, base: tuple[dict, str] | None = None
+):
     """The recipe's inline spec, or ``base`` (a spec as data and a label for where it came from),
     with the overrides laid over it, as a located document."""
     import copy
@@ -449,8 +490,14 @@ def _inline_document(recipe: Recipe, doc, overrides: dict[str, Any], written: di
     return inline
 
 
-def _inline_spec(recipe: Recipe, recipe_file: Path, doc, overrides: dict[str, Any], written: dict,
-                 base: tuple[dict, str] | None = None):
+def _inline_spec(
+    recipe: Recipe,
+    recipe_file: Path,
+    doc,
+    overrides: dict[str, Any],
+    written: dict,
+    base: tuple[dict, str] | None = None,
+):
     from builder.loader import validate_document
     from builder.schema import spec_model
     from builder.yaml_source import SpecError

@@ -132,8 +132,14 @@ DATASETS: dict[str, Dataset] = {
         license="public-domain text, from karpathy/char-rnn (MIT)",
         how_to_split="one file; the last 10% held out for validation (nanoGPT's shakespeare_char split)",
         splits={"train": {"text": "tinyshakespeare.txt"}},
-        files=(RemoteFile("tinyshakespeare.txt", f"{_CHAR_RNN}/data/tinyshakespeare/input.txt",
-                          "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed", 1115394),),
+        files=(
+            RemoteFile(
+                "tinyshakespeare.txt",
+                f"{_CHAR_RNN}/data/tinyshakespeare/input.txt",
+                "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+                1115394,
+            ),
+        ),
         val_fraction=0.1,
     ),
     "multi30k": Dataset(
@@ -144,11 +150,15 @@ DATASETS: dict[str, Dataset] = {
         "and educational use (github.com/multi30k/dataset, 'Use of the data')",
         how_to_split="train 29,000 / val 1,014 / test2016 1,000 line-aligned pairs (files de and en); "
         "tune and validate on val, report test2016",
-        splits={split: {lang: f"multi30k/{split}.{lang}" for lang in ("de", "en")}
-                for split in ("train", "val", "test2016")},
-        files=tuple(RemoteFile(f"multi30k/{split}.{lang}", f"{_MULTI30K}/data/task1/raw/{stem}.{lang}.gz", sha, size,
-                               gzipped=True)
-                    for (split, stem, lang), (sha, size) in _MULTI30K_FILES.items()),
+        splits={
+            split: {lang: f"multi30k/{split}.{lang}" for lang in ("de", "en")} for split in ("train", "val", "test2016")
+        },
+        files=tuple(
+            RemoteFile(
+                f"multi30k/{split}.{lang}", f"{_MULTI30K}/data/task1/raw/{stem}.{lang}.gz", sha, size, gzipped=True
+            )
+            for (split, stem, lang), (sha, size) in _MULTI30K_FILES.items()
+        ),
         validation="val",
         test="test2016",
         restricted=True,
@@ -210,8 +220,9 @@ def timeout_seconds() -> float:
     return seconds
 
 
-def split_files(name: str, split: str | None = None, root: str | Path | None = None,
-                timeout: float | None = None) -> dict[str, Path]:
+def split_files(
+    name: str, split: str | None = None, root: str | Path | None = None, timeout: float | None = None
+) -> dict[str, Path]:
     """The files of one split (default: the training split) by key, fetched and verified."""
     dataset = get(name)
     split = split or dataset.train
@@ -247,8 +258,10 @@ def file_sha256(path: Path) -> str:
 
 
 def _instead(remote: RemoteFile, base: Path) -> str:
-    return (f"to use a copy instead, put it at {base / remote.path} or point {ENV_ROOT} (or data.root) "
-            f"at a folder holding {remote.path}")
+    return (
+        f"to use a copy instead, put it at {base / remote.path} or point {ENV_ROOT} (or data.root) "
+        f"at a folder holding {remote.path}"
+    )
 
 
 def ensure(dataset: Dataset, remote: RemoteFile, base: Path, timeout: float | None = None) -> Path:
@@ -296,8 +309,10 @@ def download(dataset: Dataset, remote: RemoteFile, path: Path, timeout: float, b
         with os.fdopen(fd, "wb") as out:
             served = _fetch(remote.url, out, timeout, remote.size, instead)
         if remote.download_sha256 is not None and served != remote.download_sha256:
-            raise DatasetError(f"{remote.url} served bytes with sha256 {served[:16]}..., not the expected "
-                               f"{remote.download_sha256[:16]}...; nothing was kept; {instead}")
+            raise DatasetError(
+                f"{remote.url} served bytes with sha256 {served[:16]}..., not the expected "
+                f"{remote.download_sha256[:16]}...; nothing was kept; {instead}"
+            )
         stored = temps[0]
         if remote.gzipped:
             fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".unpacked")
@@ -307,8 +322,10 @@ def download(dataset: Dataset, remote: RemoteFile, path: Path, timeout: float, b
             stored = temps[1]
         got = file_sha256(stored)
         if got != remote.sha256:
-            raise DatasetError(f"{remote.url} gave a file with sha256 {got[:16]}..., not the expected "
-                               f"{remote.sha256[:16]}...; nothing was kept; {instead}")
+            raise DatasetError(
+                f"{remote.url} gave a file with sha256 {got[:16]}..., not the expected "
+                f"{remote.sha256[:16]}...; nothing was kept; {instead}"
+            )
         os.replace(stored, path)
         temps.remove(stored)
     finally:
@@ -332,8 +349,15 @@ def _fetch(url: str, out, timeout: float, expected_size: int, instead: str) -> s
             length = response.headers.get("Content-Length")
             total = int(length) if length and length.isdigit() else None
             big = (total or expected_size) >= PROGRESS_BYTES
-            with tqdm(total=total, unit="B", unit_scale=True, desc=url.rsplit("/", 1)[-1], disable=not big,
-                      leave=False, file=sys.stderr) as bar:
+            with tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=url.rsplit("/", 1)[-1],
+                disable=not big,
+                leave=False,
+                file=sys.stderr,
+            ) as bar:
                 while chunk := response.read(_CHUNK):
                     out.write(chunk)
                     digest.update(chunk)
@@ -344,10 +368,13 @@ def _fetch(url: str, out, timeout: float, expected_size: int, instead: str) -> s
     except urllib.error.URLError as exc:
         raise DatasetError(f"downloading {url} failed: {_reason(exc.reason, timeout)}; {instead}") from None
     except (OSError, http.client.HTTPException) as exc:
-        raise DatasetError(f"downloading {url} failed: {_reason(exc, timeout)} after {got:,} bytes; {instead}") from None
+        raise DatasetError(
+            f"downloading {url} failed: {_reason(exc, timeout)} after {got:,} bytes; {instead}"
+        ) from None
     if total is not None and got < total:
-        raise DatasetError(f"downloading {url} failed: the connection closed after {got:,} of {total:,} bytes; "
-                           f"{instead}")
+        raise DatasetError(
+            f"downloading {url} failed: the connection closed after {got:,} of {total:,} bytes; {instead}"
+        )
     return digest.hexdigest()
 
 

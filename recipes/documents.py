@@ -51,8 +51,10 @@ def recipe_path(path: str | Path) -> Path:
 
 
 def _hint(shown: str) -> str:
-    return (f"`builder train {shown} --dry-run` shows its model's estimate and what it would download; "
-            f"`builder validate {shown}` checks it")
+    return (
+        f"`builder train {shown} --dry-run` shows its model's estimate and what it would download; "
+        f"`builder validate {shown}` checks it"
+    )
 
 
 def _schema() -> dict:
@@ -69,8 +71,12 @@ def _summary(path: Path) -> dict:
     recipe = load_recipe(path)
     vocab = vocabulary(recipe, path, read_data=False)
     spec = model_spec(recipe, path, vocab.size)
-    return {"family": recipe.task, "params": estimate(spec, seq_len=1).params.total, "model": spec.name,
-            "approximate": vocab.stand_in}
+    return {
+        "family": recipe.task,
+        "params": estimate(spec, seq_len=1).params.total,
+        "model": spec.name,
+        "approximate": vocab.stand_in,
+    }
 
 
 KIND = Kind(

@@ -46,14 +46,20 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
             if kind == "tokenized":  # its tokenizer is the run's (recipes.data.corpus)
                 dataset = TokenizedDataset.open(path)
                 kind = dataset.manifest["tokenizer"]["kind"]
-                return Vocabulary(dataset.vocab_size, f"{kind} from the tokenized dataset {path} (the one it was made with)")
+                return Vocabulary(
+                    dataset.vocab_size, f"{kind} from the tokenized dataset {path} (the one it was made with)"
+                )
     init_from = getattr(getattr(recipe, "classification", None), "init_from", None)
     if init_from is not None:
         path = resolve(recipe_file, init_from)
         if read_data and path.is_file():
             return Vocabulary(_checkpoint_vocabulary(path), f"the tokenizer of classification.init_from {path}")
-        return Vocabulary(settings.vocab_size, f"the tokenizer of classification.init_from {path} "
-                          f"(not read here; estimated with tokenizer.vocab_size {settings.vocab_size:,})", True)
+        return Vocabulary(
+            settings.vocab_size,
+            f"the tokenizer of classification.init_from {path} "
+            f"(not read here; estimated with tokenizer.vocab_size {settings.vocab_size:,})",
+            True,
+        )
     if settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file is not None):
         from recipes.tokenizer import build_tokenizer
 
@@ -67,10 +73,14 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
             chars = len(set(read_corpus(recipe.data, recipe_file).text))
             return Vocabulary(chars, f"char: the {chars} distinct characters of the corpus")
         why = "its corpus is not downloaded yet" if missing else "the corpus is not read here"
-        return Vocabulary(CHAR_STAND_IN, f"char: the corpus's distinct characters ({why}; estimated with "
-                          f"{CHAR_STAND_IN})", True)
-    return Vocabulary(settings.vocab_size, f"sentencepiece {settings.model_type}, {settings.vocab_size:,} pieces "
-                      f"trained on the corpus at the first run (cached under {recipe.data.cache_dir})")
+        return Vocabulary(
+            CHAR_STAND_IN, f"char: the corpus's distinct characters ({why}; estimated with {CHAR_STAND_IN})", True
+        )
+    return Vocabulary(
+        settings.vocab_size,
+        f"sentencepiece {settings.model_type}, {settings.vocab_size:,} pieces "
+        f"trained on the corpus at the first run (cached under {recipe.data.cache_dir})",
+    )
 
 
 def _checkpoint_vocabulary(path: Path) -> int:
@@ -105,8 +115,12 @@ def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
 
     data = recipe.data
     found: list[DataFile] = []
-    root = datasets.data_root(data.dataset_root(recipe_file)) if data.dataset is not None or \
-        any(getattr(s, "path", s) in datasets.DATASETS for s in getattr(data, "sources", [])) else None
+    root = (
+        datasets.data_root(data.dataset_root(recipe_file))
+        if data.dataset is not None
+        or any(getattr(s, "path", s) in datasets.DATASETS for s in getattr(data, "sources", []))
+        else None
+    )
 
     def dataset(name: str, splits: list[str]) -> None:
         spec = datasets.get(name)
@@ -118,8 +132,16 @@ def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
             for path in spec.splits[split].values():
                 remote = spec.file(path)
                 where = base.joinpath(*remote.path.split("/"))
-                found.append(DataFile(f"{name} {split}", where, where.is_file(), remote.url, remote.size,
-                                      spec.license if spec.restricted else None))
+                found.append(
+                    DataFile(
+                        f"{name} {split}",
+                        where,
+                        where.is_file(),
+                        remote.url,
+                        remote.size,
+                        spec.license if spec.restricted else None,
+                    )
+                )
 
     def own(what: str, path: str | None) -> None:
         if path is not None:
@@ -134,8 +156,13 @@ def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
                 dataset(entry.path, [datasets.get(entry.path).train] if datasets.get(entry.path).splits else [])
                 continue
             kind, where = kind_of(entry, data, recipe_file)
-            found.append(DataFile("data.sources" if kind == "text" else f"data.sources ({kind})", where,
-                                  kind != "text" or where.exists()))
+            found.append(
+                DataFile(
+                    "data.sources" if kind == "text" else f"data.sources ({kind})",
+                    where,
+                    kind != "text" or where.exists(),
+                )
+            )
             if entry.validation is not None:
                 held = SourceEntry(path=entry.validation, dtype=entry.dtype)
                 kind, where = kind_of(held, data, recipe_file)
@@ -178,10 +205,15 @@ def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | No
     recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
     refused when the recipe loads.)"""
     files = data_files(recipe, recipe_file) if files is None else files
-    lines = [f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
-             for f in files if f.path is not None and not f.present and not f.url]
-    named = [("model.init_from", recipe.model.init_from),
-             ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None))]
+    lines = [
+        f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
+        for f in files
+        if f.path is not None and not f.present and not f.url
+    ]
+    named = [
+        ("model.init_from", recipe.model.init_from),
+        ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None)),
+    ]
     for field, value in named:
         if value is not None:
             path = resolve(recipe_file, value)
@@ -201,8 +233,10 @@ def devices_line(recipe: Recipe) -> str:
     strategy = settings.strategy
     if strategy == "auto":
         strategy = "auto: one device" if total == 1 else f"auto: DDP over {total} processes"
-    parts = [f"{accelerator} x {count}" + (f" on each of {settings.num_nodes} nodes" if settings.num_nodes > 1 else ""),
-             f"strategy {strategy}"]
+    parts = [
+        f"{accelerator} x {count}" + (f" on each of {settings.num_nodes} nodes" if settings.num_nodes > 1 else ""),
+        f"strategy {strategy}",
+    ]
     for field in ("tensor_parallel", "data_parallel"):  # when the recipe's trainer has them
         value = getattr(settings, field, None)
         if value is not None and settings.strategy == "fsdp":
@@ -247,8 +281,14 @@ def batch_shape(recipe: Recipe, spec) -> tuple[int, int, str]:
         return data.seq_len, data.batch_size, f"{data.batch_size} windows x {data.seq_len} tokens"
     longest = min(data.max_len, spec.max_seq_len)
     batch = max(1, data.max_tokens // longest)
-    return longest, batch, (f"the longest batch of data.max_tokens {data.max_tokens:,}: {batch} examples x "
-                            f"{longest} tokens (data.max_len)")
+    return (
+        longest,
+        batch,
+        (
+            f"the longest batch of data.max_tokens {data.max_tokens:,}: {batch} examples x "
+            f"{longest} tokens (data.max_len)"
+        ),
+    )
 
 
 def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None):
@@ -267,10 +307,16 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
         devices = settings.devices if isinstance(settings.devices, int) and settings.devices > 0 else 1
     sharded = settings.strategy == "fsdp"
     return estimate(
-        spec, seq_len=seq_len, batch=batch, dtype=dtype,
-        devices=devices * settings.num_nodes, strategy="fsdp" if sharded else "ddp",
-        activation_checkpointing=settings.activation_checkpointing, nodes=settings.num_nodes,
-        tensor_parallel=settings.tensor_parallel if sharded else 1, data_parallel=settings.data_parallel,
+        spec,
+        seq_len=seq_len,
+        batch=batch,
+        dtype=dtype,
+        devices=devices * settings.num_nodes,
+        strategy="fsdp" if sharded else "ddp",
+        activation_checkpointing=settings.activation_checkpointing,
+        nodes=settings.num_nodes,
+        tensor_parallel=settings.tensor_parallel if sharded else 1,
+        data_parallel=settings.data_parallel,
     )
 
 
@@ -300,8 +346,10 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     spec = model_spec(recipe, recipe_file, vocab.size)
     seq_len, batch, shape = batch_shape(recipe, spec)
     if recipe.task in ("lm", "mlm") and recipe.data.seq_len > spec.max_seq_len:
-        raise RecipeError(f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "
-                          f"{spec.max_seq_len}; lower data.seq_len or set model.overrides.max_seq_len")
+        raise RecipeError(
+            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "
+            f"{spec.max_seq_len}; lower data.seq_len or set model.overrides.max_seq_len"
+        )
     est = recipe_estimate(spec, recipe, seq_len, batch)
     run_dir = output_dir(recipe, recipe_file)
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -311,8 +359,13 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     print(f"# {shown(recipe_file)}, resolved (defaults filled in, --set applied); nothing is run", file=out)
     print(yaml.safe_dump(resolved, sort_keys=False, width=100).rstrip(), file=out)
     print(file=out)
-    lines = [("model", f"{spec.name} ({where} spec), {spec.architecture}, {est.params.total:,} parameters "
-                       f"({human(est.params.total)}); vocab_size {spec.vocab_size:,} from the tokenizer")]
+    lines = [
+        (
+            "model",
+            f"{spec.name} ({where} spec), {spec.architecture}, {est.params.total:,} parameters "
+            f"({human(est.params.total)}); vocab_size {spec.vocab_size:,} from the tokenizer",
+        )
+    ]
     if recipe.model.overrides:
         lines.append(("overrides", ", ".join(f"{k}={v}" for k, v in recipe.model.overrides.items())))
     lines.append(("tokenizer", vocab.how))
@@ -324,8 +377,13 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
 
     lines.append(("export", export_line(spec)))
     settings = recipe.trainer
-    lines.append(("batch", f"{shape} per device; x {settings.accumulate_grad_batches} accumulation; "
-                           f"{settings.max_steps:,} steps" + (f" or {settings.max_time}" if settings.max_time else "")))
+    lines.append(
+        (
+            "batch",
+            f"{shape} per device; x {settings.accumulate_grad_batches} accumulation; "
+            f"{settings.max_steps:,} steps" + (f" or {settings.max_time}" if settings.max_time else ""),
+        )
+    )
     lines.append(("output", f"{run_dir} ({'resumes from ' + str(last) if last.is_file() else 'a new run'})"))
     width = max(len(k) for k, _ in lines)
     for key, text in lines:
@@ -333,16 +391,25 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     to_fetch = [f for f in files if not f.present and f.url]
     if to_fetch:
         size = sum(f.size or 0 for f in to_fetch)
-        print(f"\nwould download {len(to_fetch)} file{'s' * (len(to_fetch) != 1)} ({size / 1e6:.1f} MB) on the first "
-              "run; offline, point BUILDER_DATA (or data.root) at a folder holding them", file=out)
+        print(
+            f"\nwould download {len(to_fetch)} file{'s' * (len(to_fetch) != 1)} ({size / 1e6:.1f} MB) on the first "
+            "run; offline, point BUILDER_DATA (or data.root) at a folder holding them",
+            file=out,
+        )
     missing = [f for f in files if not f.present and not f.url]
     for f in missing:
         print(f"missing: {f.what} {f.path}", file=out)
     print(file=out)
     print_describe(spec, est, console=Console(file=out) if out is not sys.stdout else None)
-    return {"recipe": resolved, "spec": spec.model_dump(mode="json"), "vocab_size": vocab.size,
-            "data": [dataclasses.asdict(f) | {"path": str(f.path) if f.path else None} for f in files],
-            "params": est.params.total, "output_dir": str(run_dir), "missing": [str(f.path) for f in missing]}
+    return {
+        "recipe": resolved,
+        "spec": spec.model_dump(mode="json"),
+        "vocab_size": vocab.size,
+        "data": [dataclasses.asdict(f) | {"path": str(f.path) if f.path else None} for f in files],
+        "params": est.params.total,
+        "output_dir": str(run_dir),
+        "missing": [str(f.path) for f in missing],
+    }
 
 
 def mixture_lines(recipe: Recipe, recipe_file: Path) -> list[str]:
@@ -356,8 +423,7 @@ def mixture_lines(recipe: Recipe, recipe_file: Path) -> list[str]:
     kinds = [kind_of(e, data, recipe_file) for e in entries]
     if all(kind == "text" for kind, _ in kinds) and len(entries) == 1:
         return []
-    tokens = [source_tokens(e, kind, path, data) if kind != "text" else None
-              for e, (kind, path) in zip(entries, kinds)]
+    tokens = [source_tokens(e, kind, path, data) if kind != "text" else None for e, (kind, path) in zip(entries, kinds)]
     weights = [e.weight for e in entries]
     known = all(w is not None for w in weights) or all(t is not None for t in tokens)
     raw = [w if w is not None else t for w, t in zip(weights, tokens)]
@@ -366,8 +432,10 @@ def mixture_lines(recipe: Recipe, recipe_file: Path) -> list[str]:
     lines = []
     for entry, n, part in zip(entries, tokens, raw):
         if n is None:
-            lines.append(f"{entry.path}: text, tokenized at the first run" +
-                         (f"; weight {entry.weight:g}" if entry.weight is not None else ""))
+            lines.append(
+                f"{entry.path}: text, tokenized at the first run"
+                + (f"; weight {entry.weight:g}" if entry.weight is not None else "")
+            )
             continue
         line = f"{entry.path}: {n:,} training tokens"
         if known:

@@ -34,8 +34,14 @@ from recipes.tasks import PROSE, Prepared, check_task
 from recipes.tokenizer import build_tokenizer
 
 SPECIALS = {
-    "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3,
-    "pad_piece": "[PAD]", "unk_piece": "[UNK]", "bos_piece": "[CLS]", "eos_piece": "[SEP]",
+    "pad_id": 0,
+    "unk_id": 1,
+    "bos_id": 2,
+    "eos_id": 3,
+    "pad_piece": "[PAD]",
+    "unk_piece": "[UNK]",
+    "bos_piece": "[CLS]",
+    "eos_piece": "[SEP]",
     "control_symbols": "[MASK]",
 }
 
@@ -48,15 +54,23 @@ class Specials:
         self.pad, self.cls, self.sep, self.unk = sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()
         self.mask = sp.piece_to_id("[MASK]")
         if min(self.pad, self.cls, self.sep) < 0 or self.mask == self.unk:
-            raise RecipeError("this tokenizer lacks BERT's [PAD], [CLS], [SEP] or [MASK]; use one trained by "
-                              "an mlm or classification recipe")
+            raise RecipeError(
+                "this tokenizer lacks BERT's [PAD], [CLS], [SEP] or [MASK]; use one trained by "
+                "an mlm or classification recipe"
+            )
         self.vocab_size = tokenizer.vocab_size
         self.ids = torch.tensor(sorted({self.pad, self.cls, self.sep, self.unk, self.mask}))
         self.ordinary = torch.tensor([i for i in range(self.vocab_size) if i not in set(self.ids.tolist())])
 
 
-def mask_tokens(ids: torch.Tensor, specials: Specials, generator: torch.Generator, mask_prob: float = 0.15,
-                replace_mask: float = 0.8, replace_random: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    ids: torch.Tensor,
+    specials: Specials,
+    generator: torch.Generator,
+    mask_prob: float = 0.15,
+    replace_mask: float = 0.8,
+    replace_random: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, labels)`` for masked-LM training: labels hold the chosen tokens, ``IGNORE`` elsewhere."""
     candidates = ~torch.isin(ids, specials.ids)
     chosen = (torch.rand(ids.shape, generator=generator) < mask_prob) & candidates
@@ -89,15 +103,17 @@ class MaskedWindows(IterableDataset):
             ids = torch.cat((column * s.cls, x, column * s.sep), dim=1)  # (batch, seq_len)
             seed = int(np.random.default_rng([self.seed, self.stream, self.rank, index]).integers(1 << 62))
             generator = torch.Generator().manual_seed(seed)
-            yield mask_tokens(ids, s, generator, self.settings.mask_prob, self.settings.replace_mask,
-                              self.settings.replace_random)
+            yield mask_tokens(
+                ids, s, generator, self.settings.mask_prob, self.settings.replace_mask, self.settings.replace_random
+            )
 
 
 class MLMDataModule(LMDataModule):
     """The LM's windows (two tokens shorter, for [CLS] and [SEP]), masked."""
 
-    def __init__(self, mixture, batch_size, seed, val_batches, accumulate, specials: Specials, settings,
-                 num_workers: int = 1):
+    def __init__(
+        self, mixture, batch_size, seed, val_batches, accumulate, specials: Specials, settings, num_workers: int = 1
+    ):
         super().__init__(mixture, batch_size, seed, val_batches, accumulate, num_workers)
         self.specials, self.settings = specials, settings
 
@@ -105,8 +121,13 @@ class MLMDataModule(LMDataModule):
         rank, _ = self._rank()
         data = MaskedWindows(loader.dataset, self.specials, self.settings, self.seed, stream, rank, first)
         workers = loader.num_workers
-        return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
-                          worker_init_fn=loader.worker_init_fn)
+        return DataLoader(
+            data,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=4 if workers else None,
+            worker_init_fn=loader.worker_init_fn,
+        )
 
     def train_dataloader(self):
         return self._masked(super().train_dataloader(), 0, self.micro_batches_taken())
@@ -159,26 +180,51 @@ def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     from recipes.data.windows import Mixture
 
     if recipe.data.packing != "concat":
-        raise RecipeError(f"data.packing {recipe.data.packing}: the mlm task frames each window as [CLS] window "
-                          "[SEP]; use concat")
+        raise RecipeError(
+            f"data.packing {recipe.data.packing}: the mlm task frames each window as [CLS] window [SEP]; use concat"
+        )
     section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})  # [CLS] and [SEP] added
-    corpus = open_corpus(section, recipe_file, lambda text, digest: encoder_tokenizer(recipe, recipe_file, text, digest),
-                         recipe.tokenizer.model_file is None, pretrained=pretrained_tokenizer(recipe, recipe_file))
+    corpus = open_corpus(
+        section,
+        recipe_file,
+        lambda text, digest: encoder_tokenizer(recipe, recipe_file, text, digest),
+        recipe.tokenizer.model_file is None,
+        pretrained=pretrained_tokenizer(recipe, recipe_file),
+    )
     tokenizer = corpus.tokenizer
     spec = _encoder_spec(recipe, recipe_file, tokenizer.vocab_size)
     if not type(spec.head).projects_to_vocab:
-        raise RecipeError(f"model: masked-LM pretraining needs a head of type mlm (or lm), one that projects to "
-                          f"the vocabulary; {spec.name} has {spec.head.type}")
+        raise RecipeError(
+            f"model: masked-LM pretraining needs a head of type mlm (or lm), one that projects to "
+            f"the vocabulary; {spec.name} has {spec.head.type}"
+        )
     if recipe.data.seq_len > spec.max_seq_len:
-        raise RecipeError(f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "
-                          f"{spec.max_seq_len}")
+        raise RecipeError(
+            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}"
+        )
     print(corpus.line, flush=True)
     settings = recipe.trainer
     mixture = Mixture(corpus.sources, settings.seed, tokenizer.vocab_size)
-    data = MLMDataModule(mixture, recipe.data.batch_size, settings.seed, settings.limit_val_batches,
-                         settings.accumulate_grad_batches, Specials(tokenizer), recipe.mlm, recipe.data.num_workers)
-    return Prepared(tokenizer, spec, data, MLMModule, masked_tokens, recipe.data.seq_len, meta={"corpus": corpus.hash},
-                    finish=lambda module, _model, _dir: _report(module.val_metrics))
+    data = MLMDataModule(
+        mixture,
+        recipe.data.batch_size,
+        settings.seed,
+        settings.limit_val_batches,
+        settings.accumulate_grad_batches,
+        Specials(tokenizer),
+        recipe.mlm,
+        recipe.data.num_workers,
+    )
+    return Prepared(
+        tokenizer,
+        spec,
+        data,
+        MLMModule,
+        masked_tokens,
+        recipe.data.seq_len,
+        meta={"corpus": corpus.hash},
+        finish=lambda module, _model, _dir: _report(module.val_metrics),
+    )
 
 
 # -- classification ---------------------------------------------------------------------------------
@@ -198,8 +244,10 @@ def read_examples(path: Path, text_field: str, label_field: str) -> list[tuple[s
         raise RecipeError(f"{path}: examples come as .csv (with a header) or .jsonl")
     for n, row in enumerate(rows, 1):
         if text_field not in row or label_field not in row:
-            raise RecipeError(f"{path}: example {n} has no {text_field!r} or {label_field!r} field "
-                              f"(it has {sorted(row)}); set data.text_field / data.label_field")
+            raise RecipeError(
+                f"{path}: example {n} has no {text_field!r} or {label_field!r} field "
+                f"(it has {sorted(row)}); set data.text_field / data.label_field"
+            )
     return [(str(row[text_field]), str(row[label_field])) for row in rows]
 
 
@@ -233,10 +281,14 @@ def encode_examples(tokenizer, examples, labels: list[str], max_len: int) -> tup
     index = {name: i for i, name in enumerate(labels)}
     unknown = sorted({label for _, label in examples} - set(index))
     if unknown:
-        raise RecipeError(f"labels {unknown[:5]} are not among the training labels {labels[:10]}; list them in data.labels")
+        raise RecipeError(
+            f"labels {unknown[:5]} are not among the training labels {labels[:10]}; list them in data.labels"
+        )
     ids = tokenizer.sp.encode([text for text, _ in examples])
-    rows = [(np.array([s.cls, *row[: max_len - 2], s.sep], dtype=np.int32), index[label])
-            for row, (_, label) in zip(ids, examples)]
+    rows = [
+        (np.array([s.cls, *row[: max_len - 2], s.sep], dtype=np.int32), index[label])
+        for row, (_, label) in zip(ids, examples)
+    ]
     return rows, np.array([len(r[0]) for r in rows], dtype=np.int64)
 
 
@@ -302,8 +354,10 @@ def load_encoder(model, path: Path) -> None:
     own = model.state_dict()
     wrong = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
     if wrong or not state:
-        raise RecipeError(f"classification.init_from {path}: its encoder does not fit this spec "
-                          f"({wrong[:3] or 'no encoder weights'}); use the spec it was trained with")
+        raise RecipeError(
+            f"classification.init_from {path}: its encoder does not fit this spec "
+            f"({wrong[:3] or 'no encoder weights'}); use the spec it was trained with"
+        )
     missing = [k for k in own if k.startswith("encoder.") and k not in state]
     if missing:
         raise RecipeError(f"classification.init_from {path}: it lacks {missing[:3]}")
@@ -324,8 +378,9 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
         if not isinstance(meta, dict):
             from builder.integrity import not_ours
 
-            raise RecipeError(f"classification.init_from: {not_ours(init, checkpoint)}; start from an mlm "
-                              "run's checkpoint")
+            raise RecipeError(
+                f"classification.init_from: {not_ours(init, checkpoint)}; start from an mlm run's checkpoint"
+            )
         try:
             check_task(meta, "mlm")
             tokenizer = _checkpoint_tokenizer(init, meta.get("tokenizer"))
@@ -338,21 +393,43 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
         text = "\n".join(t for t, _ in train)
         tokenizer = encoder_tokenizer(recipe, recipe_file, text, hashlib.sha256(text.encode()).hexdigest()[:16])
     labels = data.labels or sorted({label for _, label in train})
-    head = {"type": "classification", "n_classes": len(labels), "pooling": settings.pooling,
-            "pooler": settings.pooler, "dropout": settings.dropout}
+    head = {
+        "type": "classification",
+        "n_classes": len(labels),
+        "pooling": settings.pooling,
+        "pooler": settings.pooler,
+        "dropout": settings.dropout,
+    }
     spec = _encoder_spec(recipe, recipe_file, tokenizer.vocab_size, {"head": head})
     max_len = min(data.max_len, spec.max_seq_len)
     train_rows, train_lengths = encode_examples(tokenizer, train, labels, max_len)
     val_rows, val_lengths = encode_examples(tokenizer, val, labels, max_len)
-    print(f"examples: {len(train_rows):,} training, {len(val_rows):,} validation; {len(labels)} labels "
-          f"{labels[:8]}{' ...' if len(labels) > 8 else ''}", flush=True)
-    module = BucketDataModule(train_rows, train_lengths, val_rows, val_lengths,
-                              functools.partial(collate_labelled, pad_id=Specials(tokenizer).pad), data.max_tokens,
-                              recipe.trainer.seed, recipe.trainer.accumulate_grad_batches)
-    return Prepared(tokenizer, spec, module, ClassifierModule, lambda batch: batch[1].sum(),
-                    int(np.median(train_lengths)), meta={"labels": labels, "corpus": _examples_hash(train)},
-                    init=(lambda model: load_encoder(model, init)) if init is not None else None,
-                    finish=lambda module, _model, _dir: _report(module.val_metrics))
+    print(
+        f"examples: {len(train_rows):,} training, {len(val_rows):,} validation; {len(labels)} labels "
+        f"{labels[:8]}{' ...' if len(labels) > 8 else ''}",
+        flush=True,
+    )
+    module = BucketDataModule(
+        train_rows,
+        train_lengths,
+        val_rows,
+        val_lengths,
+        functools.partial(collate_labelled, pad_id=Specials(tokenizer).pad),
+        data.max_tokens,
+        recipe.trainer.seed,
+        recipe.trainer.accumulate_grad_batches,
+    )
+    return Prepared(
+        tokenizer,
+        spec,
+        module,
+        ClassifierModule,
+        lambda batch: batch[1].sum(),
+        int(np.median(train_lengths)),
+        meta={"labels": labels, "corpus": _examples_hash(train)},
+        init=(lambda model: load_encoder(model, init)) if init is not None else None,
+        finish=lambda module, _model, _dir: _report(module.val_metrics),
+    )
 
 
 def _examples_hash(examples: list[tuple[str, str]]) -> str:
@@ -374,8 +451,9 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 
 
 @torch.no_grad()
-def predict(model, tokenizer, texts: list[str], max_len: int, max_tokens: int = 8192,
-            progress: bool = False) -> torch.Tensor:
+def predict(
+    model, tokenizer, texts: list[str], max_len: int, max_tokens: int = 8192, progress: bool = False
+) -> torch.Tensor:
     """Class probabilities ``(len(texts), n_classes)`` (``progress``: a bar on stderr)."""
     from tqdm.auto import tqdm
 
@@ -437,8 +515,14 @@ def masked_lm_metrics(model, tokenizer, tokens: np.ndarray, recipe, max_batches:
         rows = starts[first : first + size, None] + np.arange(width)  # (batch, width)
         x = torch.from_numpy(tokens[rows].astype(np.int64))
         column = torch.ones(x.shape[0], 1, dtype=torch.long)
-        inputs, labels = mask_tokens(torch.cat((column * s.cls, x, column * s.sep), 1), s, generator,
-                                     recipe.mlm.mask_prob, recipe.mlm.replace_mask, recipe.mlm.replace_random)
+        inputs, labels = mask_tokens(
+            torch.cat((column * s.cls, x, column * s.sep), 1),
+            s,
+            generator,
+            recipe.mlm.mask_prob,
+            recipe.mlm.replace_mask,
+            recipe.mlm.replace_random,
+        )
         logits = model(inputs.to(device)).float().cpu()  # (batch, seq, vocab)
         chosen = labels != IGNORE
         total += F.cross_entropy(logits[chosen], labels[chosen], reduction="sum").item()
@@ -446,8 +530,13 @@ def masked_lm_metrics(model, tokenizer, tokens: np.ndarray, recipe, max_batches:
         count += int(chosen.sum())
     if not count:
         raise RecipeError("no validation windows to evaluate")
-    return {"masked_tokens": count, "loss": total / count, "masked_accuracy": hits / count, "batches": n,
-            "batches_available": available}
+    return {
+        "masked_tokens": count,
+        "loss": total / count,
+        "masked_accuracy": hits / count,
+        "batches": n,
+        "batches_available": available,
+    }
 
 
 def generate(model, tokenizer, meta: dict, args) -> str:

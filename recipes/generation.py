@@ -31,9 +31,19 @@ class TextStreamer:
 
 
 @torch.no_grad()
-def stream(model, tokenizer, prompt: str, out: TextIO, max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
-           generator: torch.Generator | None = None, compile: bool = False) -> list[int]:
+def stream(
+    model,
+    tokenizer,
+    prompt: str,
+    out: TextIO,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_beams: int = 1,
+    generator: torch.Generator | None = None,
+    compile: bool = False,
+) -> list[int]:
     """Continue ``prompt``, writing text to ``out`` as it is decoded; returns the new token ids.
 
     Past the model's ``max_seq_len`` the context slides: it is re-encoded from its last half.
@@ -58,8 +68,9 @@ def stream(model, tokenizer, prompt: str, out: TextIO, max_new_tokens: int, temp
             out.write(tokenizer.decode(ids + out_ids)[len(tokenizer.decode(ids)) :])
         else:
             streamer = TextStreamer(tokenizer, out, ids)
-            out_ids = model.generate(input_ids, count, streamer=streamer, generator=generator, compile=compile,
-                                     **sampling)
+            out_ids = model.generate(
+                input_ids, count, streamer=streamer, generator=generator, compile=compile, **sampling
+            )
             out_ids = out_ids[0, len(context) :].tolist()
             tail = tokenizer.decode(ids + out_ids)[len(tokenizer.decode(ids)) :]
             out.write(tail[streamer.written :])

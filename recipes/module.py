@@ -54,9 +54,7 @@ def lr_multiplier(step: int, schedule: ScheduleSection, lr: float, max_steps: in
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
     """AdamW groups: decay on weight matrices; none on norms, biases and (unless
     ``decay_embeddings``, as nanoGPT does) embedding tables."""
-    embedding_ids = {
-        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
-    }
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -168,7 +166,9 @@ class LMModule(L.LightningModule):
     def _losses(self, *batch):
         logits, targets = self.logits_and_targets(*batch)
         ce = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE,
+            logits.reshape(-1, logits.shape[-1]).float(),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
             label_smoothing=self.label_smoothing,
         )
         if not self.moe:
@@ -195,8 +195,14 @@ class LMModule(L.LightningModule):
         if stepped and self._log_step():
             if not self.flush_losses() and self.history["train"] and self.history["train"][-1][0] == self.global_step:
                 # read already by the checkpoint written at this step: logged now
-                self.log("loss", self.history["train"][-1][1], prog_bar=True, on_step=True, on_epoch=False,
-                         rank_zero_only=True)
+                self.log(
+                    "loss",
+                    self.history["train"][-1][1],
+                    prog_bar=True,
+                    on_step=True,
+                    on_epoch=False,
+                    rank_zero_only=True,
+                )
 
     def _pending_mean_sum(self) -> float:
         """The pending sum averaged over the ranks (every rank calls this at the same step), read
@@ -254,8 +260,9 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self):
         opt = self.recipe.optimizer
-        optimizer = adamw(param_groups(self.model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr,
-                          betas=opt.betas, eps=opt.eps)
+        optimizer = adamw(
+            param_groups(self.model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr, betas=opt.betas, eps=opt.eps
+        )
         multiplier = functools.partial(
             lr_multiplier, schedule=self.recipe.schedule, lr=opt.lr, max_steps=self.recipe.trainer.max_steps
         )
@@ -270,8 +277,7 @@ class LMModule(L.LightningModule):
             total = self._pending_mean_sum()
             self._pending = torch.full_like(self._pending, total)
             pending = {"sum": total, "steps": self._pending_steps, "from": self._pending_from}
-        checkpoint["builder"] = dict(self.meta, history=self.history, elapsed=self.wall_seconds(),
-                                     pending_loss=pending)
+        checkpoint["builder"] = dict(self.meta, history=self.history, elapsed=self.wall_seconds(), pending_loss=pending)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("builder", {})

@@ -35,7 +35,6 @@ from torch import nn
 from builder.layout import Layout, LayoutError
 from recipes.config import RecipeError, TrainerSection
 
-
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
@@ -66,8 +65,10 @@ def device_count(settings: TrainerSection) -> int:
         if isinstance(devices, int) and devices > 0:
             limit = cpu_process_limit()
             if devices > limit:
-                raise RecipeError(f"trainer.devices {devices}: on the CPU each device is a process; this machine "
-                                  f"has {os.cpu_count() or 1} cores, so at most {limit}")
+                raise RecipeError(
+                    f"trainer.devices {devices}: on the CPU each device is a process; this machine "
+                    f"has {os.cpu_count() or 1} cores, so at most {limit}"
+                )
             return devices
         if devices in ("auto", -1, "-1"):
             return 1
@@ -79,8 +80,9 @@ def device_count(settings: TrainerSection) -> int:
         return available
     if isinstance(devices, int):
         if devices > available:
-            raise RecipeError(f"trainer.devices {devices}: this machine has {available} CUDA device"
-                              f"{'s' if available != 1 else ''}")
+            raise RecipeError(
+                f"trainer.devices {devices}: this machine has {available} CUDA device{'s' if available != 1 else ''}"
+            )
         return devices
     ids = [int(i) for i in str(devices).replace(",", " ").split()] if str(devices).strip() else []
     missing = [i for i in ids if i >= available]
@@ -94,8 +96,12 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
     ``trainer.devices``), checked: a :class:`RecipeError` names the field that makes it impossible."""
     per_node = device_count(settings) if per_node is None else per_node
     try:
-        return Layout(devices=per_node * settings.num_nodes, nodes=settings.num_nodes,
-                      tensor_parallel=settings.tensor_parallel, data_parallel=settings.data_parallel)
+        return Layout(
+            devices=per_node * settings.num_nodes,
+            nodes=settings.num_nodes,
+            tensor_parallel=settings.tensor_parallel,
+            data_parallel=settings.data_parallel,
+        )
     except LayoutError as exc:
         raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None
 
@@ -255,8 +261,9 @@ def separate_units(model: nn.Module) -> list[nn.Module]:
     for module in candidates:
         for p in module.parameters():
             owners[id(p)] = owners.get(id(p), 0) + 1
-    return [m for m in candidates if any(True for _ in m.parameters())
-            and all(owners[id(p)] == 1 for p in m.parameters())]
+    return [
+        m for m in candidates if any(True for _ in m.parameters()) and all(owners[id(p)] == 1 for p in m.parameters())
+    ]
 
 
 @torch.no_grad()
@@ -273,8 +280,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     for name, param in model.named_parameters():
         key = canonical_name(name)
         if key not in rules:
-            raise RecipeError(f"parameter {key} has no init rule in blocks.init, so a sharded start cannot "
-                              "initialise it")
+            raise RecipeError(
+                f"parameter {key} has no init rule in blocks.init, so a sharded start cannot initialise it"
+            )
         if isinstance(param, DTensor):
             local = param.to_local()
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

@@ -85,13 +85,19 @@ def resolve_precision(precision: str, accelerator: str) -> tuple[str, str | None
     native = cpu_bf16()
     if precision == "auto":
         if native:
-            return "bf16-mixed", (f"precision auto: bf16-mixed (this CPU has {native}; bf16 autocast measured faster "
-                                  "than fp32 on such CPUs, benchmarks/RESULTS.md)")
-        return "32", ("precision auto: fp32; this CPU has neither AMX nor AVX512-BF16, so bf16 would be "
-                      "emulated and slower than fp32")
+            return "bf16-mixed", (
+                f"precision auto: bf16-mixed (this CPU has {native}; bf16 autocast measured faster "
+                "than fp32 on such CPUs, benchmarks/RESULTS.md)"
+            )
+        return "32", (
+            "precision auto: fp32; this CPU has neither AMX nor AVX512-BF16, so bf16 would be "
+            "emulated and slower than fp32"
+        )
     if precision.startswith("bf16") and not native:
-        return precision, (f"warning: precision {precision} on a CPU without AMX or AVX512-BF16 is emulated "
-                           "and slower than fp32; set trainer.precision: auto or 32 for speed")
+        return precision, (
+            f"warning: precision {precision} on a CPU without AMX or AVX512-BF16 is emulated "
+            "and slower than fp32; set trainer.precision: auto or 32 for speed"
+        )
     return precision, None
 
 

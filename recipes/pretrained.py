@@ -154,8 +154,10 @@ def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
                 continue
             hint = ""
             if name.endswith("embedding.tokens.weight") and _shape(value)[0] != _shape(own[group[0]])[0]:
-                hint = (f"; the vocabulary differs (tokenizer {_shape(own[group[0]])[0]:,} tokens, the weights "
-                        f"{_shape(value)[0]:,}): train with the tokenizer the weights were trained with")
+                hint = (
+                    f"; the vocabulary differs (tokenizer {_shape(own[group[0]])[0]:,} tokens, the weights "
+                    f"{_shape(value)[0]:,}): train with the tokenizer the weights were trained with"
+                )
             raise RecipeError(
                 f"model.init_from: {name} has shape {_shape(value)} in {source.path} but {_shape(own[group[0]])} "
                 f"in this model{hint}"
@@ -164,8 +166,10 @@ def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
     unused = sorted(n for n in state if n not in own)
     wrong = [n for n in unused if not n.startswith("head.")]
     if wrong:
-        raise RecipeError(f"model.init_from: {source.path} holds {wrong[0]}, which this model does not have "
-                          f"({len(wrong)} such tensors); use the spec it was trained with")
+        raise RecipeError(
+            f"model.init_from: {source.path} holds {wrong[0]}, which this model does not have "
+            f"({len(wrong)} such tensors); use the spec it was trained with"
+        )
     with torch.no_grad():
         for target, value in plan:
             target.copy_(value)
@@ -233,21 +237,40 @@ def freeze(model: nn.Module, patterns: list[str], marks: list | None = None) -> 
         if not hits:
             known = _layer_ranges(_parts(model))
             close = difflib.get_close_matches(pattern, known, n=1, cutoff=0.6)
-            problems.append(Problem.at(where, f"model.freeze.{i}", (
-                f"{pattern!r} names no part of the model" + (f"; did you mean {close[0]!r}?" if close else "")
-                + f" (its parts: {', '.join(known[:12])}" + (", ...)" if len(known) > 12 else ")"))))
+            problems.append(
+                Problem.at(
+                    where,
+                    f"model.freeze.{i}",
+                    (
+                        f"{pattern!r} names no part of the model"
+                        + (f"; did you mean {close[0]!r}?" if close else "")
+                        + f" (its parts: {', '.join(known[:12])}"
+                        + (", ...)" if len(known) > 12 else ")")
+                    ),
+                )
+            )
             continue
         for c in candidates:
             for k, segment in enumerate(c):
                 bounds = _RANGE.fullmatch(segment)
                 if not bounds:
                     continue
-                present = {int(n.split(".")[k]) for n, _ in named if len(n.split(".")) > k and n.split(".")[k].isdigit()
-                           and _matches(c[:k] + ["*"], n.split(".")[: k + 1])}
+                present = {
+                    int(n.split(".")[k])
+                    for n, _ in named
+                    if len(n.split(".")) > k
+                    and n.split(".")[k].isdigit()
+                    and _matches(c[:k] + ["*"], n.split(".")[: k + 1])
+                }
                 wanted = set(range(int(bounds[1]), int(bounds[2]) + 1))
                 if present and not wanted <= present:
-                    problems.append(Problem.at(where, f"model.freeze.{i}", (
-                        f"{pattern!r}: {'.'.join(c[:k])} has {min(present)}-{max(present)}, not {segment}")))
+                    problems.append(
+                        Problem.at(
+                            where,
+                            f"model.freeze.{i}",
+                            (f"{pattern!r}: {'.'.join(c[:k])} has {min(present)}-{max(present)}, not {segment}"),
+                        )
+                    )
         chosen.update((id(p), p) for _, p in hits)
     if problems:
         raise SpecError(problems)

@@ -41,8 +41,16 @@ STALE_S = 5 * HEARTBEAT_S
 
 #: the environment variables that carry a process's rank (torchrun, SLURM, Lightning's launcher,
 #: MPI): a process owns the run folder when every one of them that is set is 0
-RANK_VARIABLES = ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
-                  "PMI_RANK", "JSM_NAMESPACE_RANK")
+RANK_VARIABLES = (
+    "RANK",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "JSM_NAMESPACE_RANK",
+)
 
 #: recipe fields (dotted prefixes) that may differ when a run is resumed: they decide how long it
 #: runs, how often it validates, logs and checkpoints, where it runs and what it prints at the
@@ -137,8 +145,11 @@ def check_writable(folder: Path, field: str) -> Path:
 
 
 def _holder_record() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def _read_record(fd: int) -> dict[str, Any] | None:
@@ -166,8 +177,9 @@ def _pid_alive(pid: Any) -> bool:
 
 
 def _describe(record: Mapping[str, Any]) -> str:
-    return (f"pid {record.get('pid', '?')} on host {record.get('host', '?')}"
-            + (f", started {record['started']}" if record.get("started") else ""))
+    return f"pid {record.get('pid', '?')} on host {record.get('host', '?')}" + (
+        f", started {record['started']}" if record.get("started") else ""
+    )
 
 
 class RunLock:
@@ -183,8 +195,10 @@ class RunLock:
 
     def _busy(self, record: Mapping[str, Any] | None) -> RecipeError:
         holder = _describe(record) if record else "another process"
-        return RecipeError(f"{self.field} {self.folder} is in use by another `builder train` ({holder}); "
-                           f"wait for it to finish or stop it, or set {self.field} to another folder")
+        return RecipeError(
+            f"{self.field} {self.folder} is in use by another `builder train` ({holder}); "
+            f"wait for it to finish or stop it, or set {self.field} to another folder"
+        )
 
     def acquire(self) -> RunLock:
         try:
@@ -346,7 +360,7 @@ def _normalised(recipe: Mapping[str, Any]) -> dict[str, Any]:
 
     try:
         return recipe_class(recipe.get("task", "lm")).model_validate(dict(recipe), strict=False).model_dump(mode="json")
-    except Exception:  # noqa: BLE001  (an old or foreign recipe: compare what is there)
+    except Exception:
         return dict(recipe)
 
 
@@ -378,8 +392,10 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
         old, new = a.get(key, missing), b.get(key, missing)
         if old == new:
             continue
-        line = (f"{key}: {'(not set)' if old is missing else _show(old)} in the checkpoint, "
-                f"{'(not set)' if new is missing else _show(new)} now")
+        line = (
+            f"{key}: {'(not set)' if old is missing else _show(old)} in the checkpoint, "
+            f"{'(not set)' if new is missing else _show(new)} now"
+        )
         if key in GLOBAL_BATCH and same_batch:
             line += f" (the global batch stays {global_batch(b)})"
         (allowed if _may_change(key) or (key in GLOBAL_BATCH and same_batch) else refused).append(line)
@@ -394,8 +410,10 @@ def spec_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, missing), b.get(key, missing)
         if old != new:
-            lines.append(f"{key}: {'(not set)' if old is missing else _show(old)} in the checkpoint, "
-                         f"{'(not set)' if new is missing else _show(new)} now")
+            lines.append(
+                f"{key}: {'(not set)' if old is missing else _show(old)} in the checkpoint, "
+                f"{'(not set)' if new is missing else _show(new)} now"
+            )
     return lines
 
 

@@ -77,8 +77,12 @@ def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path 
         if base is None or dumped[name] is None:
             continue
         if isinstance(value, list):  # items that are sections (data.sources entries) mark their own paths
-            dumped[name] = [_absolute_paths(item, entry, recipe_dir, cwd) or entry if isinstance(entry, dict)
-                            else absolute(entry, base) for item, entry in zip(value, dumped[name])]
+            dumped[name] = [
+                _absolute_paths(item, entry, recipe_dir, cwd) or entry
+                if isinstance(entry, dict)
+                else absolute(entry, base)
+                for item, entry in zip(value, dumped[name])
+            ]
         else:
             dumped[name] = absolute(dumped[name], base)
 
@@ -95,8 +99,13 @@ def write_config(out: Path, config: dict[str, Any]) -> Path:
 
 def log_version(out: Path, resuming: bool) -> int:
     """The log version of this run: the latest under ``out`` when resuming, else the next."""
-    found = [int(m.group(1)) for d in ("logs", "tensorboard") if (Path(out) / d).is_dir()
-             for p in (Path(out) / d).iterdir() if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    found = [
+        int(m.group(1))
+        for d in ("logs", "tensorboard")
+        if (Path(out) / d).is_dir()
+        for p in (Path(out) / d).iterdir()
+        if (m := re.fullmatch(r"version_(\d+)", p.name))
+    ]
     if not found:
         return 0
     return max(found) if resuming else max(found) + 1

@@ -39,23 +39,32 @@ def recipe_json_schema() -> dict[str, Any]:
     overrides = copy.deepcopy(defs["ModelSpecPartial"])
     overrides["properties"].pop("extends", None)
     overrides["patternProperties"] = {DOTTED_KEY: {}}
-    overrides["description"] = ("Spec fields laid over the spec as extends: merges them (every field optional), "
-                                "or dotted keys (decoder.n_layers: 2).")
+    overrides["description"] = (
+        "Spec fields laid over the spec as extends: merges them (every field optional), "
+        "or dotted keys (decoder.n_layers: 2)."
+    )
     added = {"InlineModelSpec": inline, "ModelOverrides": overrides}
 
     section = recipe_defs["ModelSection"]["properties"]
     section["spec"] = {
-        "anyOf": [{"type": "string", "description": "A spec file (relative to the recipe) or a zoo name "
-                   "(`builder list`)."}, {"$ref": "#/$defs/InlineModelSpec"}],
+        "anyOf": [
+            {"type": "string", "description": "A spec file (relative to the recipe) or a zoo name (`builder list`)."},
+            {"$ref": "#/$defs/InlineModelSpec"},
+        ],
         "description": section["spec"].get("description", ""),
     }
-    section["overrides"] = {"$ref": "#/$defs/ModelOverrides", "description": section["overrides"].get("description", "")}
+    section["overrides"] = {
+        "$ref": "#/$defs/ModelOverrides",
+        "description": section["overrides"].get("description", ""),
+    }
     precision = recipe_defs["TrainerSection"]["properties"]["precision"]
     precision["enum"] = [*precision["enum"], 32]  # `precision: 32` is read as "32"
     precision.pop("type", None)
     for cls in classes.values():
         recipe_defs[cls.__name__]["properties"]["extends"] = {
-            "type": "string", "description": "A recipe this one overrides (a path relative to this file, or a zoo name)."}
+            "type": "string",
+            "description": "A recipe this one overrides (a path relative to this file, or a zoo name).",
+        }
 
     combined = {**defs, **recipe_defs, **added}
     for name in [*recipe_defs, *added]:
@@ -64,16 +73,21 @@ def recipe_json_schema() -> dict[str, Any]:
     def by_task(suffix: str) -> dict:
         node: dict = {"$ref": f"#/$defs/{classes['lm'].__name__}{suffix}"}
         for task, cls in reversed([(t, c) for t, c in classes.items() if t != "lm"]):
-            node = {"if": {"properties": {"task": {"const": task}}, "required": ["task"]},
-                    "then": {"$ref": f"#/$defs/{cls.__name__}{suffix}"}, "else": node}
+            node = {
+                "if": {"properties": {"task": {"const": task}}, "required": ["task"]},
+                "then": {"$ref": f"#/$defs/{cls.__name__}{suffix}"},
+                "else": node,
+            }
         return node
 
-    return draft7({
-        "title": "Transformer builder training recipe",
-        "description": "A training recipe; its task (lm when left out) picks its schema.",
-        "type": "object",
-        "if": {"required": ["extends"]},
-        "then": by_task("Partial"),
-        "else": by_task(""),
-        "$defs": combined,
-    })
+    return draft7(
+        {
+            "title": "Transformer builder training recipe",
+            "description": "A training recipe; its task (lm when left out) picks its schema.",
+            "type": "object",
+            "if": {"required": ["extends"]},
+            "then": by_task("Partial"),
+            "else": by_task(""),
+            "$defs": combined,
+        }
+    )

@@ -47,7 +47,7 @@ def save(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int, barrier
     try:
         dcp.save(state, checkpoint_id=tmp)  # raises on every rank when any rank failed
         write_digests(tmp, rank)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001  (said in one line, below)
+    except (Exception, CheckpointException) as exc:
         if rank == 0:
             _remove(tmp)
         raise _write_error(path, exc) from None
@@ -70,8 +70,12 @@ def load_file(module, optimizers, path: Path, strict: bool = True) -> dict:
     ``set_optimizer_state_dict`` by name, in the groups' order (Lightning's own conversion
     numbers ``module.parameters()`` instead, which is not the groups' order: weight-decay and
     no-decay groups)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from builder.checkpoints import STATE_KEY, read_meta
 
@@ -81,9 +85,12 @@ def load_file(module, optimizers, path: Path, strict: bool = True) -> dict:
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
         groups = get_optimizer_state_dict(module, optimizer)["param_groups"]  # the names, in the groups' order
         names = [name for group in groups for name in group["params"]]
-        by_name = {"state": {names[i]: value for i, value in state["state"].items()},
-                   "param_groups": [dict(group, params=[names[i] for i in group["params"]])
-                                    for group in state["param_groups"]]}
+        by_name = {
+            "state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [
+                dict(group, params=[names[i] for i in group["params"]]) for group in state["param_groups"]
+            ],
+        }
         set_optimizer_state_dict(module, optimizer, optim_state_dict=by_name, options=options)
     return checkpoint
 
@@ -103,8 +110,9 @@ def _write_error(path: Path, exc: BaseException):
     text = re.sub(r"\[[^\]]*\]\s*", "", (str(failures[0]).strip().splitlines() or [""])[0])[:200]  # no source paths
     if errors:
         reason = os_reason(errors[0])
-    elif isinstance(failures[0], dist.DistError) or re.search(r"gloo|nccl|connection|timed out", str(failures[0]),
-                                                              re.I):
+    elif isinstance(failures[0], dist.DistError) or re.search(
+        r"gloo|nccl|connection|timed out", str(failures[0]), re.I
+    ):
         reason = f"another process of the run stopped or cannot be reached ({text or type(failures[0]).__name__})"
     else:
         reason = text or type(failures[0]).__name__

@@ -36,7 +36,7 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-class Stopped(BaseException):  # noqa: N818  (like KeyboardInterrupt: no ``except Exception`` may swallow it)
+class Stopped(BaseException):
     """A run stopped by a signal: ``str()`` says when and what was saved; ``exit_code`` is 128 +
     the signal's number."""
 
@@ -65,8 +65,9 @@ class SignalStop:
             with contextlib.suppress(Exception):
                 self.forward(signum)
         if self.deferring:
-            raise Stopped(signum, "again before the step ended: stopping without saving; the last checkpoint "
-                                  "written is kept")
+            raise Stopped(
+                signum, "again before the step ended: stopping without saving; the last checkpoint written is kept"
+            )
         if self.trained:
             raise Stopped(signum, "after training ended; its checkpoints were already saved")
         raise Stopped(signum, "before training started; there was nothing to save")

@@ -19,11 +19,13 @@ from recipes.fields import default_cache_dir
 
 class ParallelFiles(_Section):
     source: str = Field(
-        ..., description="Source sentences, one a line (path relative to the recipe).",
+        ...,
+        description="Source sentences, one a line (path relative to the recipe).",
         json_schema_extra=RECIPE_PATH,
     )
     target: str = Field(
-        ..., description="Their translations, line for line (path relative to the recipe).",
+        ...,
+        description="Their translations, line for line (path relative to the recipe).",
         json_schema_extra=RECIPE_PATH,
     )
 
@@ -31,27 +33,24 @@ class ParallelFiles(_Section):
 class ParallelDataSection(DatasetFields):
     source_lang: str | None = Field(None, description="With `dataset`: the language translated from (de).")
     target_lang: str | None = Field(None, description="With `dataset`: the language translated into (en).")
-    train: ParallelFiles | None = Field(
-        None, description="The training pairs (null: the dataset's training split)."
-    )
+    train: ParallelFiles | None = Field(None, description="The training pairs (null: the dataset's training split).")
     validation: ParallelFiles | None = Field(
         None, description="The held-out pairs: validation loss, BLEU and chrF (null: the dataset's validation split)."
     )
     max_tokens: int = Field(
         2000, ge=8, description="Token budget of a micro-batch: pairs x the longest side, padding included."
     )
-    max_len: int = Field(
-        128, ge=2, description="Training pairs with a side longer than this many tokens are left out."
-    )
+    max_len: int = Field(128, ge=2, description="Training pairs with a side longer than this many tokens are left out.")
     bucket_size: int = Field(
-        100, ge=1, description="Batches per bucket: pairs are sorted by length within buckets of "
+        100,
+        ge=1,
+        description="Batches per bucket: pairs are sorted by length within buckets of "
         "this many batches' worth, so a batch holds like lengths yet the order stays random.",
     )
-    limit_pairs: int | None = Field(
-        None, ge=1, description="Use only the first this many training pairs (null: all)."
-    )
+    limit_pairs: int | None = Field(None, ge=1, description="Use only the first this many training pairs (null: all).")
     cache_dir: str = Field(
-        default_factory=default_cache_dir, description="Tokenizers, keyed by content hash (default: the user "
+        default_factory=default_cache_dir,
+        description="Tokenizers, keyed by content hash (default: the user "
         "cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier version).",
         json_schema_extra=WORK_PATH,
     )
@@ -61,16 +60,21 @@ class ParallelDataSection(DatasetFields):
         if self.dataset is None:
             missing = [role for role in ("train", "validation") if getattr(self, role) is None]
             if missing:
-                raise rule_error(("dataset",), f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} "
-                                 "(source and target files)")
+                raise rule_error(
+                    ("dataset",),
+                    f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} (source and target files)",
+                )
             return self
         from recipes.datasets import get
 
         dataset = get(self.dataset)
         langs = dataset.keys
         if self.source_lang not in langs or self.target_lang not in langs or self.source_lang == self.target_lang:
-            raise rule_error(("source_lang",), f"data.source_lang and data.target_lang: two of {dataset.name}'s languages "
-                             f"{langs} (got {self.source_lang!r} and {self.target_lang!r})")
+            raise rule_error(
+                ("source_lang",),
+                f"data.source_lang and data.target_lang: two of {dataset.name}'s languages "
+                f"{langs} (got {self.source_lang!r} and {self.target_lang!r})",
+            )
         if self.validation is None:
             dataset.split_of("validation")
         return self
@@ -79,7 +83,8 @@ class ParallelDataSection(DatasetFields):
 class TranslationEval(_Section):
     num_beams: int = Field(4, ge=1, description="Beam size of the final evaluation (1: greedy).")
     length_penalty: float = Field(
-        1.0, description="Beam score = sum log p / length ** length_penalty. (The paper's 0.6 is for "
+        1.0,
+        description="Beam score = sum log p / length ** length_penalty. (The paper's 0.6 is for "
         "GNMT's ((5 + length) / 6) ** alpha; with this plain form 1.0 scored higher on Multi30k.)",
     )
     max_len_a: float = Field(1.5, ge=0, description="At most a * source_length + b new tokens.")
@@ -91,7 +96,9 @@ class TranslationEval(_Section):
         None, ge=1, description="Score only the first this many validation pairs (null: all)."
     )
     average_last: int = Field(
-        5, ge=1, description="Keep the last N checkpoints (one every average_every_n_steps) and "
+        5,
+        ge=1,
+        description="Keep the last N checkpoints (one every average_every_n_steps) and "
         "average their weights into averaged.ckpt at the end, as the paper does.",
     )
     average_every_n_steps: int = Field(200, ge=1, description="Steps between the averaged checkpoints.")
@@ -107,7 +114,10 @@ class TranslationRecipe(Recipe):
     @model_validator(mode="after")
     def _translation_rules(self):
         if self.tokenizer.type != "sentencepiece":
-            raise rule_error(("tokenizer", "type"), "tokenizer.type: translation needs a sentencepiece tokenizer (pad, bos and eos ids)")
+            raise rule_error(
+                ("tokenizer", "type"),
+                "tokenizer.type: translation needs a sentencepiece tokenizer (pad, bos and eos ids)",
+            )
         return self
 
 
@@ -124,7 +134,7 @@ class MLMSection(_Section):
             raise rule_error(
                 ("replace_mask",),
                 f"replace_mask {self.replace_mask} + replace_random {self.replace_random} exceed 1; "
-                "the rest of the chosen tokens stay unchanged"
+                "the rest of the chosen tokens stay unchanged",
             )
         return self
 
@@ -133,14 +143,18 @@ class MLMRecipe(Recipe):
     """``task: mlm``: BERT's masked-LM pretraining on windows of a text corpus."""
 
     task: Literal["mlm"] = Field("mlm", description="mlm.")
-    data: DataSection = Field(default_factory=DataSection, description="The corpus; windows of seq_len "
-                              "tokens, [CLS] and [SEP] included.")
+    data: DataSection = Field(
+        default_factory=DataSection, description="The corpus; windows of seq_len tokens, [CLS] and [SEP] included."
+    )
     mlm: MLMSection = Field(default_factory=MLMSection, description="Which tokens are masked, and how.")
 
     @model_validator(mode="after")
     def _mlm_rules(self):
         if self.tokenizer.type != "sentencepiece":
-            raise rule_error(("tokenizer", "type"), "tokenizer.type: mlm needs a sentencepiece tokenizer ([PAD], [CLS], [SEP], [MASK])")
+            raise rule_error(
+                ("tokenizer", "type"),
+                "tokenizer.type: mlm needs a sentencepiece tokenizer ([PAD], [CLS], [SEP], [MASK])",
+            )
         if self.data.seq_len < 3:
             raise rule_error(("data", "seq_len"), "data.seq_len must leave room for [CLS], [SEP] and a token (>= 3)")
         return self
@@ -148,19 +162,23 @@ class MLMRecipe(Recipe):
 
 class LabeledDataSection(DatasetFields):
     split: str | None = Field(
-        None, description="With `dataset`: the split read, each of its files one label (for multi30k, the "
+        None,
+        description="With `dataset`: the split read, each of its files one label (for multi30k, the "
         "language); null: the training split.",
     )
     file: str | None = Field(
-        None, description="A .csv (with a header) or .jsonl file of examples (relative to the recipe).",
+        None,
+        description="A .csv (with a header) or .jsonl file of examples (relative to the recipe).",
         json_schema_extra=RECIPE_PATH,
     )
     by_label: dict[str, str] | None = Field(
-        None, description="Instead of `file`: label -> a text file of that label's examples, one a line.",
+        None,
+        description="Instead of `file`: label -> a text file of that label's examples, one a line.",
         json_schema_extra=RECIPE_PATH,
     )
     validation: str | None = Field(
-        None, description="A held-out file like `file` (null: the last val_fraction of the shuffled examples).",
+        None,
+        description="A held-out file like `file` (null: the last val_fraction of the shuffled examples).",
         json_schema_extra=RECIPE_PATH,
     )
     text_field: str = Field("text", description="The column or key holding the text.")
@@ -174,7 +192,8 @@ class LabeledDataSection(DatasetFields):
     max_tokens: int = Field(4096, ge=8, description="Token budget of a micro-batch, padding included.")
     bucket_size: int = Field(100, ge=1, description="Batches per length-sorted bucket.")
     cache_dir: str = Field(
-        default_factory=default_cache_dir, description="Tokenizers, keyed by content hash (default: the user "
+        default_factory=default_cache_dir,
+        description="Tokenizers, keyed by content hash (default: the user "
         "cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier version).",
         json_schema_extra=WORK_PATH,
     )
@@ -182,8 +201,11 @@ class LabeledDataSection(DatasetFields):
     @model_validator(mode="after")
     def _one_source(self):
         if sum(x is not None for x in (self.file, self.by_label, self.dataset)) != 1:
-            raise rule_error((), "give data.file (csv or jsonl), data.by_label (label -> text file) or data.dataset "
-                             "(its split's files, one label each), one of them")
+            raise rule_error(
+                (),
+                "give data.file (csv or jsonl), data.by_label (label -> text file) or data.dataset "
+                "(its split's files, one label each), one of them",
+            )
         if self.dataset is not None and self.split is not None:
             from recipes.datasets import get
 
@@ -195,7 +217,8 @@ class LabeledDataSection(DatasetFields):
 
 class ClassificationSection(_Section):
     init_from: str | None = Field(
-        None, description="An MLM checkpoint (relative to the recipe) whose encoder and tokenizer start the model.",
+        None,
+        description="An MLM checkpoint (relative to the recipe) whose encoder and tokenizer start the model.",
         json_schema_extra=RECIPE_PATH,
     )
     pooling: Literal["first", "mean"] = Field("first", description="first ([CLS]) | mean over real tokens.")
@@ -215,5 +238,8 @@ class ClassificationRecipe(Recipe):
     @model_validator(mode="after")
     def _classification_rules(self):
         if self.tokenizer.type != "sentencepiece":
-            raise rule_error(("tokenizer", "type"), "tokenizer.type: classification needs a sentencepiece tokenizer ([PAD], [CLS], [SEP])")
+            raise rule_error(
+                ("tokenizer", "type"),
+                "tokenizer.type: classification needs a sentencepiece tokenizer ([PAD], [CLS], [SEP])",
+            )
         return self

@@ -79,8 +79,14 @@ class CountedThroughput(Throughput):
         self._tokens = 0
 
 
-def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None, fresh: bool = False,
-             callbacks: list | None = None, verbose: bool = False) -> dict:
+def run_task(
+    recipe: Recipe,
+    recipe_file: Path,
+    resume: str | bool | None = None,
+    fresh: bool = False,
+    callbacks: list | None = None,
+    verbose: bool = False,
+) -> dict:
     """Train a non-LM recipe (the shape of ``recipes.train.run``, in the same run session);
     returns its summary. ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
     from recipes.train import for_this_machine, output_dir, run_session
@@ -91,9 +97,18 @@ def run_task(recipe: Recipe, recipe_file: Path, resume: str | bool | None = None
         return _train_task(recipe, recipe_file, out, stop, resume, fresh, callbacks, verbose)
 
 
-def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
-                callbacks: list | None, verbose: bool = False) -> dict:
+def _train_task(
+    recipe: Recipe,
+    recipe_file: Path,
+    out: Path,
+    stop,
+    resume: str | bool | None,
+    fresh: bool,
+    callbacks: list | None,
+    verbose: bool = False,
+) -> dict:
     from recipes.parallel import whole_model
+    from recipes.speed import compiling, eager
     from recipes.train import (
         check_layout,
         fit,
@@ -107,8 +122,6 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
         wrap_up,
     )
 
-    from recipes.speed import compiling, eager
-
     settings = recipe.trainer
     quiet_lightning()
     check_layout(recipe, recipe_file)
@@ -117,21 +130,41 @@ def _train_task(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str 
     prepared = task_module(recipe.task).prepare(recipe, recipe_file)
     meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=recipe.task, **prepared.meta)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(prepared.spec, recipe, prepared.init, seq_len=prepared.seq_len, batch=1,
-                                            recipe_file=recipe_file, verbose=verbose)
+    model, flops_per_token = training_model(
+        prepared.spec,
+        recipe,
+        prepared.init,
+        seq_len=prepared.seq_len,
+        batch=1,
+        recipe_file=recipe_file,
+        verbose=verbose,
+    )
     module = prepared.module_class(model, recipe, meta)
     ckpt_dir = out / "checkpoints"
     checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
     throughput = CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
     extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
-    trainer = run_trainer(recipe, recipe_file, prepared.spec, out,
-                          [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
-                          ckpt)
+    trainer = run_trainer(
+        recipe,
+        recipe_file,
+        prepared.spec,
+        out,
+        [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
+        ckpt,
+    )
     with compiling(out) as compiled:
         fit(trainer, module, prepared.data, ckpt)
     with eager():
-        summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out,
-                          f"{recipe.name or recipe_file.stem}: {prepared.spec.name}", compiled)
+        summary = wrap_up(
+            trainer,
+            module,
+            prepared.data,
+            throughput,
+            checkpoints,
+            out,
+            f"{recipe.name or recipe_file.stem}: {prepared.spec.name}",
+            compiled,
+        )
         summary.update(task=recipe.task, val_metrics=dict(getattr(module, "val_metrics", {})))
         if prepared.finish is not None:
             model = whole_model(module)  # every rank: a sharded model is gathered to rank 0

@@ -39,8 +39,11 @@ def styles(plan: dict[str, str], module: nn.Module) -> dict:
             out[name] = RowwiseParallel()
         elif kind == "vocab":
             vocab_table = isinstance(module.get_submodule(name), nn.Embedding)
-            out[name] = RowwiseParallel(input_layouts=Replicate()) if vocab_table else ColwiseParallel(
-                output_layouts=Replicate())
+            out[name] = (
+                RowwiseParallel(input_layouts=Replicate())
+                if vocab_table
+                else ColwiseParallel(output_layouts=Replicate())
+            )
         elif kind != "replicate":
             raise ValueError(f"unknown tensor-parallel style {kind!r}; one of colwise, rowwise, vocab, replicate")
     return out
@@ -96,6 +99,8 @@ def _tie_again(model: nn.Module, groups: list[list[str]]) -> None:
             owner, _, leaf = name.rpartition(".")
             other = model.get_parameter(name)
             if getattr(other, "placements", None) != getattr(param, "placements", None):
-                raise ValueError(f"{name} is tied to {first} but their plans split them differently "
-                                 f"({getattr(other, 'placements', None)} vs {getattr(param, 'placements', None)})")
+                raise ValueError(
+                    f"{name} is tied to {first} but their plans split them differently "
+                    f"({getattr(other, 'placements', None)} vs {getattr(param, 'placements', None)})"
+                )
             setattr(model.get_submodule(owner), leaf, param)

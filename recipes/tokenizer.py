@@ -22,8 +22,8 @@ import hashlib
 import io
 import os
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from recipes.config import RecipeError, TokenizerSection, resolve
 
@@ -187,11 +187,15 @@ class HFTokenizer:
             start = end
 
     def state(self) -> dict:
-        return {"type": "tokenizers", "json": self.json_text, "specials": self.specials,
-                "split_special_tokens": self.split}
+        return {
+            "type": "tokenizers",
+            "json": self.json_text,
+            "specials": self.specials,
+            "split_special_tokens": self.split,
+        }
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(f"{self.split}|{self.json_text}".encode("utf-8")).hexdigest()[:16]
+        return hashlib.sha256(f"{self.split}|{self.json_text}".encode()).hexdigest()[:16]
 
 
 Tokenizer = CharTokenizer | SentencePieceTokenizer | HFTokenizer
@@ -267,12 +271,18 @@ def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, opt
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, **settings)
     except RuntimeError as exc:  # e.g. a vocabulary smaller than the corpus's characters + 256 bytes
         message = str(exc).split("] ")[-1]
-        raise RecipeError(f"sentencepiece cannot train tokenizer.vocab_size {section.vocab_size} here: {message}") from None
+        raise RecipeError(
+            f"sentencepiece cannot train tokenizer.vocab_size {section.vocab_size} here: {message}"
+        ) from None
     return buffer.getvalue()
 
 
 def build_tokenizer(
-    section: TokenizerSection, text: str, corpus_hash: str, cache_dir: Path, recipe_file: Path | None,
+    section: TokenizerSection,
+    text: str,
+    corpus_hash: str,
+    cache_dir: Path,
+    recipe_file: Path | None,
     options: dict | None = None,
 ) -> Tokenizer:
     """The recipe's tokenizer: fitted (char), loaded (model_file) or trained and cached.

@@ -34,25 +34,35 @@ from recipes.callbacks import (
 )
 from recipes.checkpoint import RESUMABLE, newest_intact
 from recipes.config import Recipe, RecipeError, load_recipe, model_spec, output_dir
-from recipes.runfolder import owns_run_folder
-from recipes.sharded_checkpoint import tidy
 from recipes.data.windows import LMDataModule, Mixture
 from recipes.module import LMModule, checkpoint_layers, layer_modules
-from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
-from recipes.runlog import record, recipe_dump, resolved_recipe, run_loggers
 from recipes.precision import lightning_plugin, on_cuda, resolve_precision
+from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
+from recipes.runfolder import owns_run_folder
+from recipes.runlog import recipe_dump, record, resolved_recipe, run_loggers
+from recipes.sharded_checkpoint import tidy
 from recipes.speed import compile_layers, compile_mode, compiling, eager
 from recipes.tokenizer import build_tokenizer
+
 
 class _Quiet(logging.Filter):
     """Drops Lightning's advertising and chatter that says nothing about this run, or that the
     run says itself: the accelerators (the devices line), the checkpoint restored ("resuming
     from"), why fit stopped (:func:`recipes.callbacks.stop_line`)."""
 
-    NOISE = ("litlogger", "`weights_only` was not set", "LeafSpec", "IterableDataset` has `__len__`",
-             "GPU available:", "TPU available:", "HPU available:", "Restoring states from the checkpoint",
-             "Restored all states from the checkpoint", "`Trainer.fit` stopped:",
-             "does not have many workers")  # one worker makes batches far faster than a step takes them
+    NOISE = (
+        "litlogger",
+        "`weights_only` was not set",
+        "LeafSpec",
+        "IterableDataset` has `__len__`",
+        "GPU available:",
+        "TPU available:",
+        "HPU available:",
+        "Restoring states from the checkpoint",
+        "Restored all states from the checkpoint",
+        "`Trainer.fit` stopped:",
+        "does not have many workers",
+    )  # one worker makes batches far faster than a step takes them
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(noise in record.getMessage() for noise in self.NOISE)
@@ -96,8 +106,13 @@ def prepare(recipe: Recipe, recipe_file: Path):
         checked["spec"] = model_spec(recipe, recipe_file, tokenizer.vocab_size)
         return tokenizer
 
-    corpus = open_corpus(recipe.data, recipe_file, tokenizer_for, trains_tokenizer(recipe),
-                         pretrained=pretrained_tokenizer(recipe, recipe_file))
+    corpus = open_corpus(
+        recipe.data,
+        recipe_file,
+        tokenizer_for,
+        trains_tokenizer(recipe),
+        pretrained=pretrained_tokenizer(recipe, recipe_file),
+    )
     spec = checked.get("spec") or model_spec(recipe, recipe_file, corpus.tokenizer.vocab_size)
     if recipe.data.seq_len > spec.max_seq_len:
         raise RecipeError(
@@ -132,12 +147,19 @@ def lm_data(recipe: Recipe, corpus) -> LMDataModule:
     if problems:
         raise RecipeError(problems[0])
     mixture = Mixture(corpus.sources, settings.seed, corpus.tokenizer.vocab_size, recipe.data.packing)
-    return LMDataModule(mixture, recipe.data.batch_size, settings.seed, settings.limit_val_batches,
-                        settings.accumulate_grad_batches, recipe.data.num_workers)
+    return LMDataModule(
+        mixture,
+        recipe.data.batch_size,
+        settings.seed,
+        settings.limit_val_batches,
+        settings.accumulate_grad_batches,
+        recipe.data.num_workers,
+    )
 
 
-def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None,
-             verbose: bool = False) -> int:
+def describe(
+    spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None, verbose: bool = False
+) -> int:
     """Print the start-of-run estimate, checked against the built parameters: one line, or with
     ``verbose`` the full tables ``builder describe`` prints. Returns train FLOPs per token.
     ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
@@ -148,19 +170,34 @@ def describe(spec, model, recipe: Recipe, seq_len: int | None = None, batch: int
     from recipes.parallel import device_count
 
     # under fsdp: what each rank holds in this layout (builder.layout)
-    est = recipe_estimate(spec, recipe, seq_len or recipe.data.seq_len, batch or recipe.data.batch_size,
-                          devices=device_count(recipe.trainer))
+    est = recipe_estimate(
+        spec,
+        recipe,
+        seq_len or recipe.data.seq_len,
+        batch or recipe.data.batch_size,
+        devices=device_count(recipe.trainer),
+    )
     if rank_zero_only.rank == 0:
         if verbose:
             print_describe(spec, est, actual=model)
         else:
-            Console().print(f"model: {summary_line(spec, est, actual=model)} (--verbose: the full estimate)",
-                            highlight=False, soft_wrap=True)
+            Console().print(
+                f"model: {summary_line(spec, est, actual=model)} (--verbose: the full estimate)",
+                highlight=False,
+                soft_wrap=True,
+            )
     return est.flops.train_per_token
 
 
-def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, batch: int | None = None,
-                   recipe_file: Path | None = None, verbose: bool = False):
+def training_model(
+    spec,
+    recipe: Recipe,
+    init=None,
+    seq_len: int | None = None,
+    batch: int | None = None,
+    recipe_file: Path | None = None,
+    verbose: bool = False,
+):
     """The spec's model ready to train, for every task: built (seeded), weights loaded from
     ``model.init_from`` (then ``init``, a task's own loading), parts frozen, its describe table
     printed, layers checkpointed and compiled as the recipe asks. Under ``strategy: fsdp`` it is
@@ -173,8 +210,12 @@ def training_model(spec, recipe: Recipe, init=None, seq_len: int | None = None, 
     sharded = settings.strategy == "fsdp"
     torch.manual_seed(settings.seed)
     on_meta = sharded and init is None and recipe.model.init_from is None
-    model = build_model(spec, device="meta" if on_meta else None, init_seed=settings.seed,
-                        dtype=torch.bfloat16 if settings.precision == "bf16-true" else None)
+    model = build_model(
+        spec,
+        device="meta" if on_meta else None,
+        init_seed=settings.seed,
+        dtype=torch.bfloat16 if settings.precision == "bf16-true" else None,
+    )
     load_init_from(model, recipe, recipe_file)
     if init is not None:
         init(model)
@@ -290,8 +331,9 @@ def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -
                 os.replace(path, path.with_name(path.name + ".damaged"))
                 kept = f"; it is kept as {path.name}.damaged"
         if chosen is None:
-            raise RecipeError(f"{exc}{kept}; no intact checkpoint is left in {path.parent} to resume from: "
-                              "start over with --fresh")
+            raise RecipeError(
+                f"{exc}{kept}; no intact checkpoint is left in {path.parent} to resume from: start over with --fresh"
+            )
         say(f"{exc}{kept}; resuming from {chosen} (step {saved.get('global_step')}) instead")
 
 
@@ -323,18 +365,23 @@ def builder_meta(path: Path, checkpoint: dict) -> dict:
         return meta
     from builder.integrity import not_ours
 
-    raise RecipeError(f"{not_ours(path, checkpoint)}, so this run cannot resume from it: start over with "
-                      "--fresh, or set trainer.output_dir to a new folder")
+    raise RecipeError(
+        f"{not_ours(path, checkpoint)}, so this run cannot resume from it: start over with "
+        "--fresh, or set trainer.output_dir to a new folder"
+    )
 
 
 def _trained_differently(path: Path, lines: list[str]) -> RecipeError:
     shown = "\n".join(f"  {line}" for line in lines)
-    return RecipeError(f"{path} was trained with a different recipe:\n{shown}\nstart over with --fresh, "
-                       "or set trainer.output_dir to a new folder")
+    return RecipeError(
+        f"{path} was trained with a different recipe:\n{shown}\nstart over with --fresh, "
+        "or set trainer.output_dir to a new folder"
+    )
 
 
-def check_recipe_early(out: Path, recipe: Recipe, resume: str | bool | None, spec_of=None,
-                       recipe_file: Path | None = None) -> None:
+def check_recipe_early(
+    out: Path, recipe: Recipe, resume: str | bool | None, spec_of=None, recipe_file: Path | None = None
+) -> None:
     """Before any data or model work: the recipe of the checkpoint a resume starts from (its
     pickle alone) against this one (its paths absolute, as checkpoints keep them: ``recipe_file``
     is where relative ones start), and with ``spec_of(vocab_size) -> spec dict`` the spec it
@@ -390,8 +437,7 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     )
 
 
-def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, callbacks: list,
-                ckpt: Path | None) -> L.Trainer:
+def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, callbacks: list, ckpt: Path | None) -> L.Trainer:
     """:func:`make_trainer` for this run: a run resumed from ``ckpt`` continues its logs from that
     checkpoint's step; the run folder gets ``config.yaml`` and the loggers the resolved recipe."""
     from builder.checkpoints import read_meta
@@ -409,8 +455,7 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
 
 
-def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str,
-            compiled=None) -> dict:
+def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str, compiled=None) -> dict:
     """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve.
     ``compiled``: the run's :class:`~recipes.speed.CompileClock`."""
     history = module.history
@@ -431,16 +476,26 @@ def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path
         plot = plot_losses(history, out / "loss.png", title)
         val = f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "none"
         say(f"\n{stop_line(module.recipe.trainer, module.first_step, trainer.global_step)}")
-        say(f"step {summary['steps']}: val loss {val}; checkpoints in {out / 'checkpoints'}"
-            + (f"; loss curve {plot}" if plot else ""))
+        say(
+            f"step {summary['steps']}: val loss {val}; checkpoints in {out / 'checkpoints'}"
+            + (f"; loss curve {plot}" if plot else "")
+        )
         if compiled is not None and compiled.count:
-            say(f"compile: {compiled.seconds:.1f} s in {compiled.count} compilations (within the training time; "
-                f"median throughput {summary['tokens_per_s'] or 0:,.0f} tokens/s leaves it out)")
+            say(
+                f"compile: {compiled.seconds:.1f} s in {compiled.count} compilations (within the training time; "
+                f"median throughput {summary['tokens_per_s'] or 0:,.0f} tokens/s leaves it out)"
+            )
     return summary
 
 
-def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume: str | bool | None = None,
-        fresh: bool = False, samples: bool = True, verbose: bool = False) -> dict:
+def run(
+    recipe_path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    resume: str | bool | None = None,
+    fresh: bool = False,
+    samples: bool = True,
+    verbose: bool = False,
+) -> dict:
     """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN, and
     :class:`recipes.signals.Stopped` when a signal stops it. ``verbose``: the full estimate
     tables before the first step, instead of one line."""
@@ -452,14 +507,20 @@ def run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, resume
         return run_task(recipe, recipe_file, resume=resume, fresh=fresh, verbose=verbose)
     recipe = for_this_machine(recipe)
     out = output_dir(recipe, recipe_file)
-    spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")  # noqa: E731
+    spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
     with run_session(recipe, out, fresh, resume, spec_of, recipe_file) as stop:
         return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples, verbose)
 
 
 @contextlib.contextmanager
-def run_session(recipe: Recipe, out: Path, fresh: bool, resume: str | bool | None = None, spec_of=None,
-                recipe_file: Path | None = None):
+def run_session(
+    recipe: Recipe,
+    out: Path,
+    fresh: bool,
+    resume: str | bool | None = None,
+    spec_of=None,
+    recipe_file: Path | None = None,
+):
     """What a run holds from its first step to its last: signals caught (:mod:`recipes.signals`)
     and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
     (:func:`recipes.runfolder.claim`); a resume with a changed recipe refused before any work
@@ -482,8 +543,16 @@ def stop_callback(stop, checkpoints: RecipeCheckpoint):
     return StopOnSignal(stop, checkpoints.save_last)
 
 
-def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | bool | None, fresh: bool,
-             samples: bool, verbose: bool = False) -> dict:
+def train_lm(
+    recipe: Recipe,
+    recipe_file: Path,
+    out: Path,
+    stop,
+    resume: str | bool | None,
+    fresh: bool,
+    samples: bool,
+    verbose: bool = False,
+) -> dict:
     """The language-model run of :func:`run`, inside its session."""
     settings = recipe.trainer
     quiet_lightning()
@@ -501,15 +570,26 @@ def train_lm(recipe: Recipe, recipe_file: Path, out: Path, stop, resume: str | b
     checkpoints = RecipeCheckpoint(out / "checkpoints", settings.checkpoint_every_n_steps)
     throughput = Throughput(
         recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
-        flops_per_token, settings.precision, settings.log_every_n_steps,
+        flops_per_token,
+        settings.precision,
+        settings.log_every_n_steps,
     )
-    trainer = run_trainer(recipe, recipe_file, spec, out, [checkpoints, throughput, stop_callback(stop, checkpoints)],
-                          ckpt)
+    trainer = run_trainer(
+        recipe, recipe_file, spec, out, [checkpoints, throughput, stop_callback(stop, checkpoints)], ckpt
+    )
     with compiling(out) as compiled:
         fit(trainer, module, data, ckpt)
     with eager():
-        summary = wrap_up(trainer, module, data, throughput, checkpoints, out,
-                          f"{recipe.name or recipe_file.stem}: {spec.name}", compiled)
+        summary = wrap_up(
+            trainer,
+            module,
+            data,
+            throughput,
+            checkpoints,
+            out,
+            f"{recipe.name or recipe_file.stem}: {spec.name}",
+            compiled,
+        )
         if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
             from recipes.parallel import whole_model
 
@@ -531,7 +611,15 @@ def print_samples(model, tokenizer, recipe: Recipe) -> None:
         print(f"\n--- sample: {prompt!r} ---", flush=True)
         torch.manual_seed(generator_seed)
         sys.stdout.write(prompt)
-        stream(model, tokenizer, prompt, sys.stdout, max_new_tokens=settings.max_new_tokens,
-               temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-               compile=settings.compile)
+        stream(
+            model,
+            tokenizer,
+            prompt,
+            sys.stdout,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            compile=settings.compile,
+        )
         print(flush=True)

@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.averaging import KeepLastCheckpoints
-from recipes.parallel import whole_model
-from recipes.batching import BucketDataModule, pad, sorted_batches
 from builder.checkpoints import model_weights
+from recipes.averaging import KeepLastCheckpoints
+from recipes.batching import BucketDataModule, pad, sorted_batches
 from recipes.config import RecipeError, model_spec, resolve
 from recipes.module import IGNORE, LMModule
-from recipes.tasks import PROSE, Prepared, check_task
+from recipes.parallel import whole_model
 from recipes.pretrained import pretrained_tokenizer
+from recipes.tasks import PROSE, Prepared, check_task
 from recipes.tokenizer import build_tokenizer
 
 #: sentencepiece ids of the specials (the model's padding, decoder start and end of sentence)
@@ -87,8 +87,17 @@ def tokens_of(batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def translate(model, tokenizer, sources: list[str], num_beams: int = 1, length_penalty: float = 1.0,
-              max_len_a: float = 1.5, max_len_b: int = 10, max_tokens: int = 6000, progress: bool = False) -> list[str]:
+def translate(
+    model,
+    tokenizer,
+    sources: list[str],
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    max_tokens: int = 6000,
+    progress: bool = False,
+) -> list[str]:
     """Decode ``sources`` (greedy for ``num_beams=1``); the batches hold like lengths (``progress``:
     a bar of sentences on stderr)."""
     from tqdm.auto import tqdm
@@ -99,16 +108,24 @@ def translate(model, tokenizer, sources: list[str], num_beams: int = 1, length_p
     ids = [tokenizer.sp.encode(s)[: limit - 1 if limit else None] + [eos] for s in sources]  # the start kept
     lengths = np.array([len(i) for i in ids])
     out: list[str] = [""] * len(sources)
-    bar = tqdm(total=len(sources), desc="translating", unit="sentence", leave=False, file=sys.stderr,
-               disable=not progress)
+    bar = tqdm(
+        total=len(sources), desc="translating", unit="sentence", leave=False, file=sys.stderr, disable=not progress
+    )
     for batch in sorted_batches(lengths, max(max_tokens // num_beams, int(lengths.max()))):
         bar.update(len(batch))
         src = pad([ids[i] for i in batch], pad_id).to(device)  # (batch, src_len)
         new = int(max_len_a * src.shape[1] + max_len_b)
         new = min(new, limit - 1) if limit else new
-        rows = model.generate(src, new, attention_mask=src != pad_id, num_beams=num_beams,
-                              length_penalty=length_penalty, eos_token_id=eos, pad_token_id=pad_id,
-                              decoder_start_token_id=bos)
+        rows = model.generate(
+            src,
+            new,
+            attention_mask=src != pad_id,
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            eos_token_id=eos,
+            pad_token_id=pad_id,
+            decoder_start_token_id=bos,
+        )
         for i, row in zip(batch, rows[:, 1:].tolist()):
             out[i] = tokenizer.decode(row[: row.index(eos)] if eos in row else row)
     bar.close()
@@ -121,8 +138,14 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
 
     bleu, chrf = BLEU(), CHRF()
     b, c = bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])
-    return {"bleu": b.score, "chrf": c.score, "bleu_text": str(b), "chrf_text": str(c),
-            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+    return {
+        "bleu": b.score,
+        "chrf": c.score,
+        "bleu_text": str(b),
+        "chrf_text": str(c),
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }
 
 
 def print_scores(result: dict, what: str) -> None:
@@ -212,7 +235,8 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
     text = "\n".join(train_src + train_tgt)
     corpus_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     tokenizer = pretrained_tokenizer(recipe, recipe_file) or build_tokenizer(
-        recipe.tokenizer, text, corpus_hash, Path(data.cache_dir), recipe_file, options={**PROSE, **SPECIALS})
+        recipe.tokenizer, text, corpus_hash, Path(data.cache_dir), recipe_file, options={**PROSE, **SPECIALS}
+    )
     pad_id, bos, eos = special_ids(tokenizer)
     train, train_lengths = encode_pairs(tokenizer, train_src, train_tgt)
     keep = [i for i, n in enumerate(train_lengths) if n <= data.max_len]
@@ -223,14 +247,26 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
         raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
     longest = int(max(train_lengths.max(), val_lengths.max()))
     if longest > spec.max_seq_len:
-        raise RecipeError(f"pairs of up to {longest} tokens exceed the model's max_seq_len {spec.max_seq_len}; "
-                          "lower data.max_len or set model.overrides.max_seq_len")
-    print(f"parallel data: {len(train):,} training pairs ({len(train_src) - len(train):,} longer than "
-          f"data.max_len {data.max_len} left out), {len(val):,} validation pairs; joint vocabulary "
-          f"{tokenizer.vocab_size:,}", flush=True)
-    module = BucketDataModule(train, train_lengths, val, val_lengths,
-                              functools.partial(collate, pad_id=pad_id, bos=bos, eos=eos), data.max_tokens,
-                              recipe.trainer.seed, recipe.trainer.accumulate_grad_batches)
+        raise RecipeError(
+            f"pairs of up to {longest} tokens exceed the model's max_seq_len {spec.max_seq_len}; "
+            "lower data.max_len or set model.overrides.max_seq_len"
+        )
+    print(
+        f"parallel data: {len(train):,} training pairs ({len(train_src) - len(train):,} longer than "
+        f"data.max_len {data.max_len} left out), {len(val):,} validation pairs; joint vocabulary "
+        f"{tokenizer.vocab_size:,}",
+        flush=True,
+    )
+    module = BucketDataModule(
+        train,
+        train_lengths,
+        val,
+        val_lengths,
+        functools.partial(collate, pad_id=pad_id, bos=bos, eos=eos),
+        data.max_tokens,
+        recipe.trainer.seed,
+        recipe.trainer.accumulate_grad_batches,
+    )
     settings = recipe.eval
 
     def callbacks(ckpt_dir: Path):
@@ -239,8 +275,17 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
     def finish(module, model, ckpt_dir: Path) -> dict:
         return final_evaluation(model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
 
-    return Prepared(tokenizer, spec, module, TranslationModule, tokens_of, int(np.median(train_lengths)),
-                    meta={"corpus": corpus_hash}, callbacks=callbacks, finish=finish)
+    return Prepared(
+        tokenizer,
+        spec,
+        module,
+        TranslationModule,
+        tokens_of,
+        int(np.median(train_lengths)),
+        meta={"corpus": corpus_hash},
+        callbacks=callbacks,
+        finish=finish,
+    )
 
 
 def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:
@@ -251,8 +296,9 @@ def final_evaluation(model, tokenizer, averaged: Path, sources, references, sett
         state = read_verified(averaged)["state_dict"]
         model.load_state_dict(model_weights(state))
     what = f"validation, beam {settings.num_beams}, {'averaged ' + averaged.name if averaged.is_file() else 'last'}"
-    hyps = translate(model, tokenizer, sources, settings.num_beams, settings.length_penalty,
-                     settings.max_len_a, settings.max_len_b)
+    hyps = translate(
+        model, tokenizer, sources, settings.num_beams, settings.length_penalty, settings.max_len_a, settings.max_len_b
+    )
     result = score(hyps, references)
     print_scores(result, what)
     return {"final": {k: result[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")}}
@@ -282,13 +328,20 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
     if args.output:
         Path(args.output).write_text("\n".join(hyps) + "\n", encoding="utf-8")
     result = score(hyps, references)
-    return {"src": str(src_path), "ref": str(ref_path), "sentences": len(sources), "num_beams": beams,
-            "length_penalty": lp, **result}
+    return {
+        "src": str(src_path),
+        "ref": str(ref_path),
+        "sentences": len(sources),
+        "num_beams": beams,
+        "length_penalty": lp,
+        **result,
+    }
 
 
 def generate(model, tokenizer, meta: dict, args) -> str:
     check_task(meta, "translation")
     settings = meta["recipe"]["eval"]
     beams = args.num_beams if args.num_beams > 1 else settings["num_beams"]
-    return translate(model, tokenizer, [args.prompt], beams, settings["length_penalty"],
-                     settings["max_len_a"], settings["max_len_b"])[0]
+    return translate(
+        model, tokenizer, [args.prompt], beams, settings["length_penalty"], settings["max_len_a"], settings["max_len_b"]
+    )[0]

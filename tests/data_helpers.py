@@ -27,8 +27,10 @@ def real_data_root(*paths: str) -> Path | None:
     return None
 
 
-NO_REAL_DATA = ("the real {what} is not here and tests never download: set BUILDER_DATA to a folder holding "
-                "{paths} (or put the data mirror at ../shared/data beside the repository)")
+NO_REAL_DATA = (
+    "the real {what} is not here and tests never download: set BUILDER_DATA to a folder holding "
+    "{paths} (or put the data mirror at ../shared/data beside the repository)"
+)
 
 
 def _words(rng: random.Random, n: int) -> list[str]:
@@ -63,9 +65,10 @@ def stand_in_files(name: str, seed: int = 0) -> dict[str, bytes]:
         files = {}
         for split, n in (("train", 3000), ("val", 120), ("test2016", 120)):
             lines = _zipf_lines(rng, de_words, n)
-            files[f"multi30k/{split}.de"] = "".join(" ".join(l).capitalize() + ".\n" for l in lines).encode()
+            files[f"multi30k/{split}.de"] = "".join(" ".join(words).capitalize() + ".\n" for words in lines).encode()
             files[f"multi30k/{split}.en"] = "".join(
-                " ".join(to_en[w] for w in l).capitalize() + ".\n" for l in lines).encode()
+                " ".join(to_en[w] for w in words).capitalize() + ".\n" for words in lines
+            ).encode()
         return files
     raise KeyError(name)
 
@@ -110,8 +113,9 @@ def data_for_recipes(root: Path, monkeypatch, real: bool = True) -> dict[str, st
     for name, dataset in datasets.DATASETS.items():
         if not dataset.files:
             continue
-        needed = [path for split in (dataset.train, dataset.validation) if split
-                  for path in dataset.splits[split].values()]
+        needed = [
+            path for split in (dataset.train, dataset.validation) if split for path in dataset.splits[split].values()
+        ]
         local = real_data_root(*needed) if real else None
         if local is not None:
             contents, kinds[name] = {p: (local / p).read_bytes() for p in needed}, "real"
@@ -185,8 +189,26 @@ def keyword_examples(folder: Path, train: int, validation: int, seed: int = 0) -
     import json
 
     rng = random.Random(seed)
-    words = ["the", "a", "cat", "dog", "runs", "sits", "blue", "green", "house", "tree", "river", "stone", "bread",
-             "milk", "over", "under", "quick", "slow"]
+    words = [
+        "the",
+        "a",
+        "cat",
+        "dog",
+        "runs",
+        "sits",
+        "blue",
+        "green",
+        "house",
+        "tree",
+        "river",
+        "stone",
+        "bread",
+        "milk",
+        "over",
+        "under",
+        "quick",
+        "slow",
+    ]
     rows = []
     for i in range(train + validation):
         text = [rng.choice(words) for _ in range(rng.randint(4, 10))]
@@ -198,4 +220,3 @@ def keyword_examples(folder: Path, train: int, validation: int, seed: int = 0) -
         writer.writeheader()
         writer.writerows(rows[:train])
     (folder / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[train:]) + "\n", encoding="utf-8")
-

@@ -47,8 +47,18 @@ def clean(result: Result) -> None:
     text = result.text
     assert "Traceback" not in text, text
     assert "internal error" not in text, text
-    for name in ("RecursionError", "IndexError", "AttributeError", "KeyError", "TypeError:", "ZeroDivisionError",
-                 "OverflowError", "MemoryError", "weights_only=False", "weights_only` set to `False"):
+    for name in (
+        "RecursionError",
+        "IndexError",
+        "AttributeError",
+        "KeyError",
+        "TypeError:",
+        "ZeroDivisionError",
+        "OverflowError",
+        "MemoryError",
+        "weights_only=False",
+        "weights_only` set to `False",
+    ):
         assert name not in text, text
 
 
@@ -69,10 +79,10 @@ def lm_checkpoint(folder: Path) -> Path:
     LightningModule's state dict, sealed when checksums exist), with a char tokenizer over the
     printable ASCII characters; in well under a second."""
     import torch
+    from recipe_helpers import tiny_recipe
 
     from builder.assemble import build_model
     from builder.schema import spec_model
-    from recipe_helpers import tiny_recipe
     from recipes.config import load_recipe
     from recipes.tokenizer import CharTokenizer
     from recipes.train import training_meta

@@ -94,11 +94,13 @@ def assert_same_run(a: Path, b: Path) -> None:
 
     ha, hb = history(a), history(b)
     assert [s for s, _ in ha["train"]] == [s for s, _ in hb["train"]]
-    torch.testing.assert_close(torch.tensor([x for _, x in ha["train"]]), torch.tensor([x for _, x in hb["train"]]),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([x for _, x in ha["train"]]), torch.tensor([x for _, x in hb["train"]]), rtol=0, atol=1e-6
+    )
     assert [v[0] for v in ha["val"]] == [v[0] for v in hb["val"]]
-    torch.testing.assert_close(torch.tensor([v[1] for v in ha["val"]]), torch.tensor([v[1] for v in hb["val"]]),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([v[1] for v in ha["val"]]), torch.tensor([v[1] for v in hb["val"]]), rtol=0, atol=1e-6
+    )
     wa = torch.load(a, map_location="cpu", weights_only=True)["state_dict"]
     wb = torch.load(b, map_location="cpu", weights_only=True)["state_dict"]
     for name in wb:

@@ -14,14 +14,24 @@ CONSTANT = {"type": "constant", "warmup_steps": 2}
 STEPS = 20
 
 
-def recipe(folder: Path, *, batch: int, devices: int = 1, spec: dict | None = None, steps: int = STEPS,
-           **trainer) -> Path:
+def recipe(
+    folder: Path, *, batch: int, devices: int = 1, spec: dict | None = None, steps: int = STEPS, **trainer
+) -> Path:
     """A tiny LM recipe in ``folder`` (its run under ``folder/run``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    sections = {"data": {"batch_size": batch}, "schedule": CONSTANT,
-                "trainer": {"max_steps": steps, "val_check_interval": 10, "limit_val_batches": 1,
-                            "checkpoint_every_n_steps": 10, "devices": devices, "output_dir": str(folder / "run"),
-                            **trainer}}
+    sections = {
+        "data": {"batch_size": batch},
+        "schedule": CONSTANT,
+        "trainer": {
+            "max_steps": steps,
+            "val_check_interval": 10,
+            "limit_val_batches": 1,
+            "checkpoint_every_n_steps": 10,
+            "devices": devices,
+            "output_dir": str(folder / "run"),
+            **trainer,
+        },
+    }
     if spec is not None:
         sections["model"] = {"spec": spec}
     return tiny_recipe(folder, **sections)
@@ -30,8 +40,9 @@ def recipe(folder: Path, *, batch: int, devices: int = 1, spec: dict | None = No
 def train(path: Path, *args: str, timeout: int = 900) -> str:
     """``builder train PATH --no-samples ARGS`` in a child process (it launches the other ranks);
     its output, after asserting it succeeded."""
-    child = builder_process("train", str(path), "--no-samples", *args, cwd=path.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = builder_process(
+        "train", str(path), "--no-samples", *args, cwd=path.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     out, _ = child.communicate(timeout=timeout)
     text = out.decode(errors="replace")
     assert child.returncode == 0, text[-4000:]
@@ -47,8 +58,10 @@ def losses(run_dir: Path) -> dict:
     by_step: dict[int, list[float]] = {}
     for step, value in history["train"]:
         by_step.setdefault(step, []).append(value)
-    return {"train": [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())],
-            "val": [(v[0], v[1]) for v in history["val"]]}
+    return {
+        "train": [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())],
+        "val": [(v[0], v[1]) for v in history["val"]],
+    }
 
 
 def assert_same_losses(a: dict, b: dict, atol: float = 2e-5, keys=("train", "val")) -> None:
@@ -56,5 +69,6 @@ def assert_same_losses(a: dict, b: dict, atol: float = 2e-5, keys=("train", "val
     validation batches hold the same windows: the same batch x processes)."""
     assert [s for s, _ in a["train"]] == [s for s, _ in b["train"]], (a["train"], b["train"])
     for key in keys:
-        torch.testing.assert_close(torch.tensor([x for _, x in a[key]]), torch.tensor([x for _, x in b[key]]),
-                                   rtol=0, atol=atol)
+        torch.testing.assert_close(
+            torch.tensor([x for _, x in a[key]]), torch.tensor([x for _, x in b[key]]), rtol=0, atol=atol
+        )

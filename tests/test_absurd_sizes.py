@@ -15,7 +15,6 @@ import sys
 import textwrap
 
 import pytest
-
 from hostile_helpers import REPO
 
 resource = pytest.importorskip("resource")  # POSIX only
@@ -85,8 +84,13 @@ def test_absurd_sizes_fail_in_under_a_second_and_200_mb(tmp_path):
     os.mkfifo(fifo)
     layers = _write(tmp_path / "layers.yaml", TINY.replace("n_layers: 2", "n_layers: 1000000000"))
     width = _write(tmp_path / "width.yaml", TINY.replace("d_model: 64", f"d_model: {10**30}"))
-    deepest = _write(tmp_path / "deepest.yaml", TINY.replace("n_layers: 2", "n_layers: 10000\n  overrides: "
-                                                             "[{layers: '0::2', attention: {n_heads: 4, sliding_window: 8}}]"))
+    deepest = _write(
+        tmp_path / "deepest.yaml",
+        TINY.replace(
+            "n_layers: 2",
+            "n_layers: 10000\n  overrides: [{layers: '0::2', attention: {n_heads: 4, sliding_window: 8}}]",
+        ),
+    )
     cases = [
         ("50 MB YAML", ["validate", str(big)], 1),
         ("100,000 deep", ["validate", nested], 1),
@@ -106,13 +110,22 @@ def test_absurd_sizes_fail_in_under_a_second_and_200_mb(tmp_path):
         cases.append(("/dev/zero", ["validate", "/dev/zero"], 1))
     cases.insert(0, ("warm-up", ["validate", ok], 0))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], capture_output=True, text=True,
-                         env=env, timeout=300, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     expected = {name: status for name, _, status in cases}
-    slow = [(name, round(cpu, 2), round(wall, 2)) for name, _, (cpu, wall), _, _ in report["cases"]
-            if cpu > SECONDS or wall > WALL_SECONDS]
+    slow = [
+        (name, round(cpu, 2), round(wall, 2))
+        for name, _, (cpu, wall), _, _ in report["cases"]
+        if cpu > SECONDS or wall > WALL_SECONDS
+    ]
     wrong = [(name, status, text) for name, status, _, text, _ in report["cases"] if status != expected[name]]
     assert not wrong, wrong
     assert not slow, slow

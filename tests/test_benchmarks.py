@@ -32,8 +32,15 @@ def test_yardstick_on_the_recipes_weights_is_the_same_function():
 
     recipe, spec, ours = _recipe_model()
     check_nanogpt_shaped(spec, recipe)
-    theirs = GPT(GPTConfig(vocab_size=65, block_size=spec.max_seq_len, n_layer=spec.decoder.n_layers,
-                           n_head=spec.decoder.attention.n_heads, n_embd=spec.d_model))
+    theirs = GPT(
+        GPTConfig(
+            vocab_size=65,
+            block_size=spec.max_seq_len,
+            n_layer=spec.decoder.n_layers,
+            n_head=spec.decoder.attention.n_heads,
+            n_embd=spec.d_model,
+        )
+    )
     theirs.load_state_dict(nanogpt_state(ours.state_dict(), spec.decoder.n_layers))
     x = torch.randint(0, 65, (3, 64))
     y = torch.randint(0, 65, (3, 64))
@@ -50,8 +57,9 @@ def test_yardstick_schedule_is_the_recipes():
 
     recipe, _, _ = _recipe_model()
     s, opt = recipe.schedule, recipe.optimizer
-    loop = LoopConfig(max_iters=2000, learning_rate=opt.lr, min_lr=s.min_lr, warmup_iters=s.warmup_steps,
-                      lr_decay_iters=s.decay_steps)
+    loop = LoopConfig(
+        max_iters=2000, learning_rate=opt.lr, min_lr=s.min_lr, warmup_iters=s.warmup_steps, lr_decay_iters=s.decay_steps
+    )
     for step in (0, 50, 99, 100, 101, 1000, 1999, 2000, 2500):
         assert get_lr(step, loop) == pytest.approx(opt.lr * lr_multiplier(step, s, opt.lr, 2000), rel=1e-12)
 
@@ -64,8 +72,15 @@ def test_yardstick_init_has_the_recipes_distribution():
 
     _, spec, ours = _recipe_model(vocab_size=512)
     torch.manual_seed(0)
-    theirs = GPT(GPTConfig(vocab_size=512, block_size=spec.max_seq_len, n_layer=spec.decoder.n_layers,
-                           n_head=spec.decoder.attention.n_heads, n_embd=spec.d_model)).state_dict()
+    theirs = GPT(
+        GPTConfig(
+            vocab_size=512,
+            block_size=spec.max_seq_len,
+            n_layer=spec.decoder.n_layers,
+            n_head=spec.decoder.attention.n_heads,
+            n_embd=spec.d_model,
+        )
+    ).state_dict()
     mapped = nanogpt_state(ours.state_dict(), spec.decoder.n_layers)
     assert set(mapped) == set(theirs)
     for name, tensor in theirs.items():
@@ -92,8 +107,14 @@ def test_yardstick_loop_learns_and_times_its_intervals():
             yield block[:, :-1].contiguous(), block[:, 1:].contiguous()  # as nanoGPT's get_batch
 
     val = [next(batches())]
-    result = train(model, batches(), lambda: val, LoopConfig(max_iters=60, learning_rate=1e-2, warmup_iters=5,
-                                                             lr_decay_iters=60, eval_interval=30, log_interval=10))
+    result = train(
+        model,
+        batches(),
+        lambda: val,
+        LoopConfig(
+            max_iters=60, learning_rate=1e-2, warmup_iters=5, lr_decay_iters=60, eval_interval=30, log_interval=10
+        ),
+    )
     assert [e[0] for e in result["val"]] == [30, 60] and result["val"][1][1] < 1.0
     assert len(result["intervals"]) == 6 and all(n == 10 and s > 0 for n, s in result["intervals"])
     assert result["val"][1][2] >= sum(s for _, s in result["intervals"])
@@ -110,8 +131,11 @@ def test_generate_benchmark_decodes_the_same_tokens_as_transformers(tmp_path, ca
     from blocks import generation
 
     torch._dynamo.reset()
-    monkeypatch.setattr(generation, "_COMPILED_STEP", torch.compile(
-        generation._compiled_decode_step, backend="eager", fullgraph=True, dynamic=False))
+    monkeypatch.setattr(
+        generation,
+        "_COMPILED_STEP",
+        torch.compile(generation._compiled_decode_step, backend="eager", fullgraph=True, dynamic=False),
+    )
     rows = bench("gpt2", [1, 2], prompt_len=4, new_tokens=6, repeats=1)
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:

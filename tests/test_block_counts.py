@@ -45,11 +45,22 @@ def _flops(fn) -> int:
 
 
 def _tiny_spec(architecture: str = "decoder-only", position=None, head=None, **top):
-    stack = {"n_layers": 2, "attention": {"n_heads": N_HEADS}, "ffn": {"type": "glu", "hidden_dim": 40},
-             "norm": {"type": "rmsnorm"}}
-    spec = {"name": f"tiny-{architecture}", "architecture": architecture, "vocab_size": VOCAB,
-            "d_model": D_MODEL, "max_seq_len": MAX_SEQ, "position": position or {"type": "rope"},
-            "head": head or {"type": "lm"}, **top}
+    stack = {
+        "n_layers": 2,
+        "attention": {"n_heads": N_HEADS},
+        "ffn": {"type": "glu", "hidden_dim": 40},
+        "norm": {"type": "rmsnorm"},
+    }
+    spec = {
+        "name": f"tiny-{architecture}",
+        "architecture": architecture,
+        "vocab_size": VOCAB,
+        "d_model": D_MODEL,
+        "max_seq_len": MAX_SEQ,
+        "position": position or {"type": "rope"},
+        "head": head or {"type": "lm"},
+        **top,
+    }
     for name in registry.config_class("architecture", architecture).stacks:
         spec[name] = stack
     return spec_model().model_validate(spec)
@@ -86,11 +97,14 @@ def test_attention(cls, example, causal):
         inputs = AttentionInputs(0, seq, positions=torch.arange(seq)[None])
         assert _flops(lambda: module(x, inputs)) == config.flops(D_MODEL, seq, seq)
         # a mask-aware kernel visits the (query, key) pairs the mask keeps, no more
-        assert config.kernel_flops(D_MODEL, seq, seq, causal=False) == config.flops(D_MODEL, seq, seq) or \
-            config.window() is not None
+        assert (
+            config.kernel_flops(D_MODEL, seq, seq, causal=False) == config.flops(D_MODEL, seq, seq)
+            or config.window() is not None
+        )
         pairs = config.visible_pairs(seq, seq, causal)
-        assert config.kernel_flops(D_MODEL, seq, seq, causal) == \
-            config.flops(D_MODEL, seq, seq) - (seq * seq - pairs) * config.pair_flops(D_MODEL)
+        assert config.kernel_flops(D_MODEL, seq, seq, causal) == config.flops(D_MODEL, seq, seq) - (
+            seq * seq - pairs
+        ) * config.pair_flops(D_MODEL)
 
 
 @pytest.mark.parametrize("cls, example", list(_cases("attention")))

@@ -53,7 +53,9 @@ def _forward(kind: str, module, config, x: torch.Tensor):
         out = module(x, AttentionInputs(0, S)) if kind == "attention" else module(x)
         return out, (B, S, D)
     if kind == "head":
-        shape = {"lm": (B, S, V), "mlm": (B, S, V), "none": (B, S, D)}.get(config.type, (B, getattr(config, "n_classes", 0)))
+        shape = {"lm": (B, S, V), "mlm": (B, S, V), "none": (B, S, D)}.get(
+            config.type, (B, getattr(config, "n_classes", 0))
+        )
         return module(x), shape
     if config.acts_on == "embedding":
         return module(positions) + x, (B, S, D)
@@ -108,17 +110,25 @@ GOLDEN = {
 def _golden_outputs() -> dict[str, torch.Tensor]:
     x = _x()
     pos = torch.arange(3, 3 + S).expand(B, S)
-    attn = _built("attention", {"n_heads": 4, "n_kv_heads": 2, "head_dim": 12, "qkv_bias": True, "softcap": 5.0},
-                  causal=True, backend="eager")
-    rope = _built("position", {"type": "rope", "rotary_fraction": 0.5, "scaling": {"type": "yarn", "factor": 4.0,
-                                                                                    "original_max_seq_len": 8}})
+    attn = _built(
+        "attention",
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 12, "qkv_bias": True, "softcap": 5.0},
+        causal=True,
+        backend="eager",
+    )
+    rope = _built(
+        "position",
+        {"type": "rope", "rotary_fraction": 0.5, "scaling": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}},
+    )
     q = x.view(B, S, 4, 8).transpose(1, 2)
     rel = _built("position", {"type": "relative_bias", "num_buckets": 8, "max_distance": 16}, causal=False)
     return {
         "attention": attn(x, AttentionInputs(0, S)),
         "mlp": _built("ffn", {"type": "mlp", "activation": "gelu_tanh", "bias": True})(x),
         "glu": _built("ffn", {"type": "glu", "activation": "silu", "hidden_dim": 40})(x),
-        "moe": _built("ffn", {"type": "moe", "n_experts": 4, "top_k": 2, "expert": {"type": "glu", "hidden_dim": 24}})(x),
+        "moe": _built("ffn", {"type": "moe", "n_experts": 4, "top_k": 2, "expert": {"type": "glu", "hidden_dim": 24}})(
+            x
+        ),
         "layernorm": _built("norm", {"type": "layernorm"})(x * 3 + 1),
         "rmsnorm": _built("norm", {"type": "rmsnorm", "unit_offset": True})(x * 3 + 1),
         "rope": rope(q, q, pos)[0],
@@ -162,11 +172,14 @@ def _reference_attention(q, k, v, *, causal, window=None, scale=None, softcap=No
     return scores.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("data, causal", [
-    ({"n_heads": 4, "n_kv_heads": 2, "head_dim": 12, "qkv_bias": True, "out_bias": True}, True),
-    ({"n_heads": 4, "n_kv_heads": 1, "sliding_window": 3, "softcap": 2.0, "scale": 0.5}, True),
-    ({"n_heads": 2, "head_dim": 24, "sliding_window": 4}, False),
-])
+@pytest.mark.parametrize(
+    "data, causal",
+    [
+        ({"n_heads": 4, "n_kv_heads": 2, "head_dim": 12, "qkv_bias": True, "out_bias": True}, True),
+        ({"n_heads": 4, "n_kv_heads": 1, "sliding_window": 3, "softcap": 2.0, "scale": 0.5}, True),
+        ({"n_heads": 2, "head_dim": 24, "sliding_window": 4}, False),
+    ],
+)
 def test_attention_matches_a_plain_reference(data, causal):
     config = _cfg("attention", data)
     attn = _built("attention", data, causal=causal, backend="eager")
@@ -178,8 +191,9 @@ def test_attention_matches_a_plain_reference(data, causal):
     k = attn.k_proj(x).view(B, S, hkv, hd).transpose(1, 2)
     v = attn.v_proj(x).view(B, S, hkv, hd).transpose(1, 2)
     pad = torch.zeros(B, 1, 1, S).masked_fill(mask[:, None, None, :] == 0, float("-inf"))
-    ref = _reference_attention(q, k, v, causal=causal, window=config.sliding_window, scale=config.scale,
-                               softcap=config.softcap, bias=pad)
+    ref = _reference_attention(
+        q, k, v, causal=causal, window=config.sliding_window, scale=config.scale, softcap=config.softcap, bias=pad
+    )
     ref = attn.out_proj(ref.transpose(1, 2).reshape(B, S, h * hd))
     out = attn(x, AttentionInputs(0, S, key_mask=mask))
     live = ~(torch.isnan(ref).any(-1))  # a padded query that sees no key is 0 in ours, NaN in the reference
@@ -219,14 +233,26 @@ ROPE_CASES = [
     ({"type": "linear", "factor": 4.0}, "linear", None),
     ({"type": "ntk", "factor": 2.0}, "dynamic", "ntk"),
     ({"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}, "yarn", None),
-    ({"type": "yarn", "factor": 8.0, "original_max_seq_len": 16, "beta_fast": 16, "beta_slow": 2,
-      "attention_factor": 1.3}, "yarn", None),
+    (
+        {
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_seq_len": 16,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "attention_factor": 1.3,
+        },
+        "yarn",
+        None,
+    ),
     ({"type": "llama3", "factor": 8.0, "original_max_seq_len": 8}, "llama3", None),
     # DeepSeek's: cos/sin by the ratio of the two mscales (1 when they are equal, as V2/V3 ship)
-    ({"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale": 1.0, "mscale_all_dim": 0.707},
-     "yarn", None),
-    ({"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale": 0.707, "mscale_all_dim": 0.707},
-     "yarn", None),
+    ({"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale": 1.0, "mscale_all_dim": 0.707}, "yarn", None),
+    (
+        {"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "yarn",
+        None,
+    ),
 ]
 
 
@@ -246,8 +272,13 @@ def test_rope_frequencies_match_hugging_face(scaling, hf_type, note, rotary_frac
         renames = {"original_max_seq_len": "original_max_position_embeddings"}
         knobs = config.scaling.model_dump(exclude={"type"}, exclude_none=True)
         params.update({renames.get(k, k): v for k, v in knobs.items()})
-    hf_config = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=head_dim,
-                            max_position_embeddings=max_pos, rope_parameters=params)
+    hf_config = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rope_parameters=params,
+    )
     if hf_type == "default":
         dim = int(head_dim * rotary_fraction)
         expected, factor = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim)), 1.0
@@ -269,8 +300,13 @@ def test_yarn_mscale_all_dim_scales_every_score_as_deepseek_does(mscale_all_dim)
     ``score_scale`` on top of its own scale."""
     from blocks.positions import Rope
 
-    scaling = {"type": "yarn", "factor": 40.0, "original_max_seq_len": 4, "mscale_all_dim": mscale_all_dim,
-               "mscale": mscale_all_dim}
+    scaling = {
+        "type": "yarn",
+        "factor": 40.0,
+        "original_max_seq_len": 4,
+        "mscale_all_dim": mscale_all_dim,
+        "mscale": mscale_all_dim,
+    }
     rope = Rope(_cfg("position", {"type": "rope", "scaling": scaling}))
     expected = 1.0 if mscale_all_dim is None else (0.1 * mscale_all_dim * math.log(40.0) + 1.0) ** 2
     assert rope.score_scale() == pytest.approx(expected)
@@ -278,12 +314,18 @@ def test_yarn_mscale_all_dim_scales_every_score_as_deepseek_does(mscale_all_dim)
     positions = torch.arange(S).expand(B, S)
     scaled = _built("attention", {"n_heads": 4}, causal=True, backend="eager")
     explicit = _built("attention", {"n_heads": 4, "scale": 8**-0.5 * expected}, causal=True, backend="eager")
-    plain = {"type": "yarn", "factor": 40.0, "original_max_seq_len": 4,  # the same cos and sin, no score scale
-             "attention_factor": 1.0 if mscale_all_dim else None}
+    plain = {
+        "type": "yarn",
+        "factor": 40.0,
+        "original_max_seq_len": 4,  # the same cos and sin, no score scale
+        "attention_factor": 1.0 if mscale_all_dim else None,
+    }
     plain_rope = Rope(_cfg("position", {"type": "rope", "scaling": plain}))
     assert plain_rope.score_scale() == 1.0
-    torch.testing.assert_close(scaled(x, AttentionInputs(0, S, positions=positions, position=rope)),
-                               explicit(x, AttentionInputs(0, S, positions=positions, position=plain_rope)))
+    torch.testing.assert_close(
+        scaled(x, AttentionInputs(0, S, positions=positions, position=rope)),
+        explicit(x, AttentionInputs(0, S, positions=positions, position=plain_rope)),
+    )
 
 
 def test_rope_rotation_matches_complex_multiplication():
@@ -291,8 +333,10 @@ def test_rope_rotation_matches_complex_multiplication():
     (as multiplying by e^{i theta}); dimensions past rotary_dim pass through; YaRN scales by its factor."""
     from blocks.positions import rope_frequencies
 
-    config = _cfg("position", {"type": "rope", "rotary_fraction": 0.5,
-                               "scaling": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}})
+    config = _cfg(
+        "position",
+        {"type": "rope", "rotary_fraction": 0.5, "scaling": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}},
+    )
     rope = build_block(config, DIMS)
     q = _x(3, (B, 4, S, 16))
     positions = torch.arange(5, 5 + S).expand(B, S)
@@ -344,8 +388,14 @@ def test_relative_bias_matches_hugging_face_compute_bias(causal):
     from transformers.models.t5.modeling_t5 import T5Attention
 
     rel = _built("position", {"type": "relative_bias", "num_buckets": 8, "max_distance": 16}, causal=causal)
-    hf_config = T5Config(d_model=32, d_kv=8, num_heads=4, relative_attention_num_buckets=8,
-                         relative_attention_max_distance=16, is_decoder=causal)
+    hf_config = T5Config(
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        is_decoder=causal,
+    )
     hf = T5Attention(hf_config, has_relative_attention_bias=True)
     with torch.no_grad():
         hf.relative_attention_bias.weight.copy_(rel.weight)
@@ -422,7 +472,9 @@ def test_layer_placements_compose_as_documented(placement):
     norm = {"type": "rmsnorm", "placement": placement}
     attn = _built("attention", {"n_heads": 4}, causal=True)
     ffn = _built("ffn", {"type": "mlp"})
-    names = ["attention_norm", "ffn_norm"] + (["attention_post_norm", "ffn_post_norm"] if placement == "sandwich" else [])
+    names = ["attention_norm", "ffn_norm"] + (
+        ["attention_post_norm", "ffn_post_norm"] if placement == "sandwich" else []
+    )
     norms = {name: _built("norm", norm, seed=i) for i, name in enumerate(names)}
     for n in norms.values():
         with torch.no_grad():

@@ -56,7 +56,7 @@ def _write(kind: str, good: Path, folder: Path) -> Path:
         path.write_bytes(os.urandom(4096))
     elif kind == "bit-flipped":
         at = len(data) // 2
-        path.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:])
+        path.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :])
     elif kind == "unsafe pickle":
         torch.save({"state_dict": {}, "builder": _RunsCode(folder)}, path)
     elif kind == "unsafe legacy pickle":  # torch's format before zip archives
@@ -67,9 +67,20 @@ def _write(kind: str, good: Path, folder: Path) -> Path:
     elif kind == "foreign state dict":
         torch.save(torch.nn.Linear(4, 4).state_dict(), path)
     elif kind == "foreign lightning":  # a Lightning checkpoint of another project
-        torch.save({"epoch": 3, "global_step": 100, "pytorch-lightning_version": "2.1.0",
-                    "state_dict": {"layer.weight": torch.ones(2, 2)}, "loops": {}, "callbacks": {},
-                    "optimizer_states": [], "lr_schedulers": [], "hyper_parameters": {"lr": 0.1}}, path)
+        torch.save(
+            {
+                "epoch": 3,
+                "global_step": 100,
+                "pytorch-lightning_version": "2.1.0",
+                "state_dict": {"layer.weight": torch.ones(2, 2)},
+                "loops": {},
+                "callbacks": {},
+                "optimizer_states": [],
+                "lr_schedulers": [],
+                "hyper_parameters": {"lr": 0.1},
+            },
+            path,
+        )
     elif kind == "not a mapping":
         torch.save([torch.ones(2)], path)
     elif kind == "folder":
@@ -101,8 +112,12 @@ def good(tmp_path_factory) -> Path:
 def test_every_command_that_reads_a_checkpoint_refuses_a_hostile_one_in_one_line(good, tmp_path, capsys, kind):
     bad = _write(kind, good, tmp_path)
     out, weights = tmp_path / "hf", tmp_path / "model.safetensors"
-    for argv in (["eval", bad, "--max-batches", "1"], ["generate", bad, "--prompt", "ab", "--max-new-tokens", "2"],
-                 ["export-hf", bad, "-o", out], ["consolidate", bad, "-o", weights]):
+    for argv in (
+        ["eval", bad, "--max-batches", "1"],
+        ["generate", bad, "--prompt", "ab", "--max-new-tokens", "2"],
+        ["export-hf", bad, "-o", out],
+        ["consolidate", bad, "-o", weights],
+    ):
         result = cli(capsys, *argv)
         needle = "is not a model folder" if kind == "folder" and argv[0] == "generate" else EXPECTED[kind]
         refused(result, 1, str(bad), needle)
@@ -140,10 +155,15 @@ def test_weights_that_do_not_fit_their_spec_are_named_not_loaded(good, tmp_path,
     name = "model.decoder.layers.0.attention.q_proj.weight"
     wrong = dict(checkpoint, state_dict={**checkpoint["state_dict"], name: torch.ones(3, 3)})
     lacking = dict(checkpoint, state_dict={k: v for k, v in checkpoint["state_dict"].items() if k != name})
-    for path, words in ((_reseal(wrong, tmp_path / "wrong.ckpt"), ("has shape [3, 3]", "[32, 32]")),
-                        (_reseal(lacking, tmp_path / "lacking.ckpt"), ("decoder.layers.0.attention.q_proj.weight",))):
-        for argv in (["eval", path, "--max-batches", "1"], ["generate", path, "--prompt", "ab"],
-                     ["consolidate", path, "-o", tmp_path / "w.safetensors"]):
+    for path, words in (
+        (_reseal(wrong, tmp_path / "wrong.ckpt"), ("has shape [3, 3]", "[32, 32]")),
+        (_reseal(lacking, tmp_path / "lacking.ckpt"), ("decoder.layers.0.attention.q_proj.weight",)),
+    ):
+        for argv in (
+            ["eval", path, "--max-batches", "1"],
+            ["generate", path, "--prompt", "ab"],
+            ["consolidate", path, "-o", tmp_path / "w.safetensors"],
+        ):
             refused(cli(capsys, *argv), 1, str(path), "its weights do not fit its model spec", *words)
         refused(cli(capsys, "export-hf", path, "-o", tmp_path / "hf"), 1, *words)
     assert not (tmp_path / "hf").exists()
@@ -151,8 +171,10 @@ def test_weights_that_do_not_fit_their_spec_are_named_not_loaded(good, tmp_path,
 
 def test_a_tokenizer_or_recipe_record_that_cannot_be_used_is_named(good, tmp_path, capsys):
     checkpoint = torch.load(good, weights_only=True)
-    odd = _reseal(dict(checkpoint, builder={**checkpoint["builder"], "tokenizer": {"type": "mystery"}}),
-                  tmp_path / "tokenizer.ckpt")
+    odd = _reseal(
+        dict(checkpoint, builder={**checkpoint["builder"], "tokenizer": {"type": "mystery"}}),
+        tmp_path / "tokenizer.ckpt",
+    )
     for argv in (["eval", odd, "--max-batches", "1"], ["generate", odd, "--prompt", "ab"]):
         refused(cli(capsys, *argv), 1, str(odd), "its tokenizer cannot be rebuilt", "mystery")
     refused(cli(capsys, "export-hf", odd, "-o", tmp_path / "hf"), 1, str(odd), "tokenizer")
@@ -173,7 +195,11 @@ def test_an_unreadable_checkpoint_is_named(good, tmp_path, capsys, monkeypatch):
         return open(path, *args, **kwargs)
 
     monkeypatch.setattr(builder.integrity, "open", no_permission, raising=False)
-    for argv in (["eval", locked], ["generate", locked, "--prompt", "ab"], ["export-hf", locked, "-o", tmp_path / "hf"]):
+    for argv in (
+        ["eval", locked],
+        ["generate", locked, "--prompt", "ab"],
+        ["export-hf", locked, "-o", tmp_path / "hf"],
+    ):
         refused(cli(capsys, *argv), 1, f"cannot read {locked}: Permission denied")
 
 
@@ -241,13 +267,18 @@ def _classify_recipe(tmp_path: Path, init_from: Path) -> Path:
     from test_encoder_recipes import _write_recipe
 
     (tmp_path / "train.jsonl").write_text(
-        "".join(f'{{"text": "word {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(20)), encoding="utf-8")
-    return _write_recipe(tmp_path, "classify", {
-        "task": "classification",
-        "data": {"file": "train.jsonl", "cache_dir": str(tmp_path / "cache")},
-        "classification": {"init_from": str(init_from)},
-        "trainer": {"max_steps": 2},
-    })
+        "".join(f'{{"text": "word {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(20)), encoding="utf-8"
+    )
+    return _write_recipe(
+        tmp_path,
+        "classify",
+        {
+            "task": "classification",
+            "data": {"file": "train.jsonl", "cache_dir": str(tmp_path / "cache")},
+            "classification": {"init_from": str(init_from)},
+            "trainer": {"max_steps": 2},
+        },
+    )
 
 
 @pytest.mark.parametrize("kind", ["unsafe pickle", "truncated", "foreign lightning", "folder"])
@@ -286,10 +317,15 @@ def test_a_full_disk_during_export_or_consolidate_leaves_no_partial_file(good, t
     weights.write_bytes(b"an earlier consolidation")
     with monkeypatch.context() as patch:
         _full_disk_after(patch, 1000)
-        refused(cli(capsys, "export-hf", good, "-o", out), 1, f"cannot write {out / 'model.safetensors'}",
-                "no space left on the device")
-        refused(cli(capsys, "consolidate", good, "-o", weights), 1, f"cannot write {weights}",
-                "no space left on the device")
+        refused(
+            cli(capsys, "export-hf", good, "-o", out),
+            1,
+            f"cannot write {out / 'model.safetensors'}",
+            "no space left on the device",
+        )
+        refused(
+            cli(capsys, "consolidate", good, "-o", weights), 1, f"cannot write {weights}", "no space left on the device"
+        )
     assert sorted(p.name for p in out.iterdir()) == []  # no partial model.safetensors, no temp file
     assert weights.read_bytes() == b"an earlier consolidation"  # the earlier file is kept whole
     assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []

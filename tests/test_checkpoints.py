@@ -11,6 +11,7 @@ import pytest
 import torch
 from recipe_helpers import assert_same_run, history, one_error_line
 
+
 def _flip_a_tensor_bit(data: bytes) -> bytes:
     """One bit flipped in the middle of the largest tensor's bytes (torch's zip format: the entry's
     data follows its local header, whose padding the central directory does not show), so the
@@ -21,9 +22,9 @@ def _flip_a_tensor_bit(data: bytes) -> bytes:
 
     entries = [i for i in zipfile.ZipFile(io.BytesIO(data)).infolist() if "/data/" in i.filename]
     largest = max(entries, key=lambda i: i.file_size)
-    name_len, extra_len = struct.unpack("<HH", data[largest.header_offset + 26: largest.header_offset + 30])
+    name_len, extra_len = struct.unpack("<HH", data[largest.header_offset + 26 : largest.header_offset + 30])
     at = largest.header_offset + 30 + name_len + extra_len + largest.file_size // 2
-    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :]
 
 
 #: ways a checkpoint file is found broken: each turns the bytes of a good one into a bad one
@@ -44,8 +45,11 @@ def damaged_copy(source: Path, target: Path, how: str) -> Path:
 def _sealed(tmp_path: Path) -> Path:
     from recipes.checkpoint import write_checkpoint
 
-    checkpoint = {"state_dict": {"model.w": torch.arange(4096, dtype=torch.float32), "model.b": torch.ones(3)},
-                  "global_step": 7, "builder": {"history": {"train": [(1, 2.5)]}}}
+    checkpoint = {
+        "state_dict": {"model.w": torch.arange(4096, dtype=torch.float32), "model.b": torch.ones(3)},
+        "global_step": 7,
+        "builder": {"history": {"train": [(1, 2.5)]}},
+    }
     return write_checkpoint(checkpoint, tmp_path / "ckpt" / "last.ckpt")
 
 
@@ -161,8 +165,20 @@ def test_no_intact_checkpoint_left_is_an_error_and_resume_path_must_be_whole(unb
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert "no intact checkpoint" in line and "--fresh" in line
     bad = damaged_copy(Path(summary["last"]), tmp_path / "given.ckpt", "garbage")
-    assert main(["train", str(recipe), "--no-samples", "--set", f"trainer.output_dir={tmp_path / 'other'}",
-                 "--resume", str(bad)]) == 1
+    assert (
+        main(
+            [
+                "train",
+                str(recipe),
+                "--no-samples",
+                "--set",
+                f"trainer.output_dir={tmp_path / 'other'}",
+                "--resume",
+                str(bad),
+            ]
+        )
+        == 1
+    )
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert line.startswith(f"builder train: --resume: {bad} is damaged")
     assert [s for s, _ in history(Path(summary["last"]))["train"]] == list(range(2, 13, 2))  # untouched

@@ -84,12 +84,20 @@ def test_bash_completion_completes_commands_options_and_files(tmp_path, capsys):
 
     def complete(*words: str) -> list[str]:
         line = " ".join(words)
-        probe = (f'source {script}; COMP_WORDS=({line}); COMP_CWORD={len(words) - 1}; '
-                 f'_shtab_builder builder "{words[-1]}" "{words[-2]}"; printf "%s\\n" "${{COMPREPLY[@]}}"')
+        probe = (
+            f"source {script}; COMP_WORDS=({line}); COMP_CWORD={len(words) - 1}; "
+            f'_shtab_builder builder "{words[-1]}" "{words[-2]}"; printf "%s\\n" "${{COMPREPLY[@]}}"'
+        )
         # the zoo names come from `builder list --names`: this interpreter's `builder` first on PATH
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        done = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PATH=path))
+        done = subprocess.run(
+            ["bash", "-c", probe],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PATH=path),
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.split()
 

@@ -20,8 +20,13 @@ from builder.estimates import estimate
 from builder.schema import ModelSpec
 
 D_MODEL, VOCAB, MAX_SEQ = 32, 64, 32
-WHERE = {"attention": ("decoder", "attention"), "ffn": ("decoder", "ffn"), "norm": ("decoder", "norm"),
-         "position": ("position",), "head": ("head",)}
+WHERE = {
+    "attention": ("decoder", "attention"),
+    "ffn": ("decoder", "ffn"),
+    "norm": ("decoder", "norm"),
+    "position": ("position",),
+    "head": ("head",),
+}
 
 
 def _cases(kind: str, where=None):
@@ -32,10 +37,20 @@ def _cases(kind: str, where=None):
 
 
 def _spec_data(**blocks) -> dict:
-    data = {"name": "contract", "architecture": "decoder-only", "vocab_size": VOCAB, "d_model": D_MODEL,
-            "max_seq_len": MAX_SEQ, "position": {"type": "rope"},
-            "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2},
-                        "ffn": {"type": "glu", "hidden_dim": 48}, "norm": {"type": "rmsnorm"}}}
+    data = {
+        "name": "contract",
+        "architecture": "decoder-only",
+        "vocab_size": VOCAB,
+        "d_model": D_MODEL,
+        "max_seq_len": MAX_SEQ,
+        "position": {"type": "rope"},
+        "decoder": {
+            "n_layers": 2,
+            "attention": {"n_heads": 4, "n_kv_heads": 2},
+            "ffn": {"type": "glu", "hidden_dim": 48},
+            "norm": {"type": "rmsnorm"},
+        },
+    }
     for kind, block in blocks.items():
         *parents, last = WHERE[kind]
         node = data
@@ -53,9 +68,10 @@ def json_schema():
     return jsonschema.Draft202012Validator(spec_json_schema())
 
 
-@pytest.mark.parametrize("kind, block", [
-    pytest.param(kind, case.values[0], id=f"{kind}-{case.id}") for kind in sorted(WHERE) for case in _cases(kind)
-])
+@pytest.mark.parametrize(
+    "kind, block",
+    [pytest.param(kind, case.values[0], id=f"{kind}-{case.id}") for kind in sorted(WHERE) for case in _cases(kind)],
+)
 def test_every_block_joins_a_spec_and_the_json_schema(kind, block, json_schema):
     data = _spec_data(**{kind: block})
     spec = ModelSpec.model_validate(data)

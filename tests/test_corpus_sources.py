@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 import yaml
-
 from recipe_helpers import tiny_recipe
+
 from recipes.config import RecipeError
 
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
@@ -36,9 +36,18 @@ def token_documents(tokenizer, n=300, seed=0):
 
 
 def recipe_for(tmp_path, model_file, sources, **data):
-    return tiny_recipe(tmp_path, data={"sources": sources, "seq_len": 32, "batch_size": 4, "num_workers": 0,
-                                       "cache_dir": str(tmp_path / "cache"), **data},
-                       tokenizer={"type": "sentencepiece", "model_file": str(model_file)})
+    return tiny_recipe(
+        tmp_path,
+        data={
+            "sources": sources,
+            "seq_len": 32,
+            "batch_size": 4,
+            "num_workers": 0,
+            "cache_dir": str(tmp_path / "cache"),
+            **data,
+        },
+        tokenizer={"type": "sentencepiece", "model_file": str(model_file)},
+    )
 
 
 def test_a_megatron_dataset_and_a_raw_bin_train_as_a_weighted_mixture_and_resume(tmp_path, tokenizer_file):
@@ -49,8 +58,10 @@ def test_a_megatron_dataset_and_a_raw_bin_train_as_a_weighted_mixture_and_resume
     write_megatron(tmp_path / "code_text_document", token_documents(tokenizer, seed=1))
     np.concatenate(token_documents(tokenizer, seed=2)).tofile(tmp_path / "train.bin")
     np.concatenate(token_documents(tokenizer, n=60, seed=3)).tofile(tmp_path / "val.bin")
-    sources = [{"path": "code_text_document.idx", "weight": 3.0},
-               {"path": "train.bin", "weight": 1.0, "validation": "val.bin"}]
+    sources = [
+        {"path": "code_text_document.idx", "weight": 3.0},
+        {"path": "train.bin", "weight": 1.0, "validation": "val.bin"},
+    ]
     path = recipe_for(tmp_path, model_file, sources)  # the schedule fixed: a run stopped at 6 is the first half of 12
     recipe = yaml.safe_load(path.read_text())
     recipe["schedule"]["decay_steps"] = 12
@@ -104,8 +115,9 @@ def test_token_files_without_a_tokenizer_are_refused_with_what_to_set(tmp_path, 
     from recipes.train import run
 
     np.arange(0, 200, dtype=np.uint16).tofile(tmp_path / "t.bin")
-    path = tiny_recipe(tmp_path, data={"sources": ["t.bin"], "cache_dir": str(tmp_path / "cache")},
-                       tokenizer={"type": "sentencepiece"})
+    path = tiny_recipe(
+        tmp_path, data={"sources": ["t.bin"], "cache_dir": str(tmp_path / "cache")}, tokenizer={"type": "sentencepiece"}
+    )
     with pytest.raises(RecipeError, match="carry no tokenizer; set tokenizer.model_file"):
         run(path, samples=False)
 
@@ -130,13 +142,34 @@ def test_a_tokenize_output_and_text_train_together_with_the_dataset_s_tokenizer(
     model_file, tokenizer = tokenizer_file
     lines = [json.dumps({"text": chunk}) for chunk in TEXT.split("\n\n")[:300]]
     (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
-    assert main(["tokenize", str(tmp_path / "corpus.jsonl"), "-o", str(tmp_path / "web.tok"),
-                 "--tokenizer", str(model_file), "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "tokenize",
+                str(tmp_path / "corpus.jsonl"),
+                "-o",
+                str(tmp_path / "web.tok"),
+                "--tokenizer",
+                str(model_file),
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text(TEXT[:20_000])
     sources = [{"path": "web.tok", "weight": 2.0}, {"path": "notes", "weight": 1.0}]
-    path = tiny_recipe(tmp_path, data={"sources": sources, "seq_len": 32, "batch_size": 4, "num_workers": 0,
-                                       "cache_dir": str(tmp_path / "cache")})  # a char tokenizer, not used
+    path = tiny_recipe(
+        tmp_path,
+        data={
+            "sources": sources,
+            "seq_len": 32,
+            "batch_size": 4,
+            "num_workers": 0,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+    )  # a char tokenizer, not used
     capsys.readouterr()
     summary = run(path, samples=False)
     out = capsys.readouterr().out

@@ -123,8 +123,9 @@ def test_one_global_batch_is_the_same_windows_however_it_is_split():
 
 def test_a_mixture_follows_its_weights_in_every_prefix_and_repeats_a_source_only_by_epochs():
     small, large = stream(8 * 50 + 1, 8, start=0), stream(8 * 5000 + 1, 8, start=10**6)
-    mixture = Mixture([Source("small", small, None, 1.0), Source("large", large, stream(100, 8), 3.0)],
-                      seed=0, vocab_size=10**7)
+    mixture = Mixture(
+        [Source("small", small, None, 1.0), Source("large", large, stream(100, 8), 3.0)], seed=0, vocab_size=10**7
+    )
     labels, within = mixture.train.blend.locate(0, 4 * BLOCK)
     counts = np.cumsum(np.stack([labels == 0, labels == 1]), axis=1)
     g = np.arange(1, 4 * BLOCK + 1)

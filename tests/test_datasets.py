@@ -118,8 +118,12 @@ def test_failed_downloads_are_one_line_and_leave_nothing(served, tmp_path, what)
     with pytest.raises(DatasetError) as excinfo:
         datasets.split_files("multi30k", "val", root=tmp_path / "data")
     message = _one_line_error(excinfo, f"{server.url}/multi30k/val.de.gz")
-    expected = {"wrong checksum": "sha256", "dropped connection": "closed after", "not found": "HTTP 404",
-                "cut gzip": "not a whole gzip file"}[what]
+    expected = {
+        "wrong checksum": "sha256",
+        "dropped connection": "closed after",
+        "not found": "HTTP 404",
+        "cut gzip": "not a whole gzip file",
+    }[what]
     assert expected in message, message
     assert _files(tmp_path) == [] and not (tmp_path / "data").exists()
 
@@ -200,8 +204,9 @@ def test_recipes_name_datasets_and_typos_are_located(tmp_path):
     assert load_recipe(_recipe(tmp_path, {"sources": ["notes.txt"]})).data.corpus() == ["notes.txt"]
     with pytest.raises(SpecError, match=r"recipe.yaml:\d+:\d+: data.dataset: .*did you mean 'tinyshakespeare'"):
         load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespear"}))
-    translation = load_recipe(_recipe(tmp_path, {"dataset": "multi30k", "source_lang": "de", "target_lang": "en"},
-                                      "translation"))
+    translation = load_recipe(
+        _recipe(tmp_path, {"dataset": "multi30k", "source_lang": "de", "target_lang": "en"}, "translation")
+    )
     assert translation.data.train is None and translation.data.source_lang == "de"
     with pytest.raises(SpecError, match="two of multi30k's languages"):
         load_recipe(_recipe(tmp_path, {"dataset": "multi30k", "source_lang": "de", "target_lang": "fr"}, "translation"))
@@ -229,10 +234,13 @@ def test_a_recipe_reads_a_dataset_from_its_root(tmp_path, monkeypatch):
     path = _recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data", "max_bytes": None})
     corpus = read_corpus(load_recipe(path).data, path)
     assert corpus.text == contents[SHAKESPEARE].decode()
-    path = _recipe(tmp_path, {"dataset": "multi30k", "root": "data", "source_lang": "en", "target_lang": "de"},
-                   "translation")
+    path = _recipe(
+        tmp_path, {"dataset": "multi30k", "root": "data", "source_lang": "en", "target_lang": "de"}, "translation"
+    )
     assert pair_paths(load_recipe(path).data, path, "validation") == (
-        tmp_path / "data" / "multi30k" / "val.en", tmp_path / "data" / "multi30k" / "val.de")
+        tmp_path / "data" / "multi30k" / "val.en",
+        tmp_path / "data" / "multi30k" / "val.de",
+    )
     path = _recipe(tmp_path, {"dataset": "multi30k", "root": "data", "split": "test2016"}, "classification")
     train, val = labelled_examples(load_recipe(path).data, path, seed=0)
     assert {label for _, label in train + val} == {"de", "en"} and len(train) + len(val) == 240

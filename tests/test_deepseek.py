@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from blocks import registry
-from blocks.attention import AttentionInputs
 from blocks.build import Dims, build_block
 from blocks.cache import KVCache
 from blocks.init import init_weights
@@ -90,11 +89,27 @@ def test_cached_decoding_never_expands_the_latent(monkeypatch):
 def test_triton_backend_runs_latent_attention(kv_lora_rank):
     """Triton (the CPU interpreter here) computes the expanded path with 24-wide scores and
     16-wide values; the absorbed heads go to Triton while narrow and to SDPA past 256 wide."""
-    data = {"name": "t", "architecture": "decoder-only", "vocab_size": 64, "d_model": 32, "max_seq_len": 32,
-            "position": {"type": "rope"},
-            "decoder": {"n_layers": 1, "attention": {"type": "mla", "n_heads": 2, "kv_lora_rank": kv_lora_rank,
-                                                     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
-                        "ffn": {"type": "glu", "hidden_dim": 32}, "norm": {"type": "rmsnorm"}}}
+    data = {
+        "name": "t",
+        "architecture": "decoder-only",
+        "vocab_size": 64,
+        "d_model": 32,
+        "max_seq_len": 32,
+        "position": {"type": "rope"},
+        "decoder": {
+            "n_layers": 1,
+            "attention": {
+                "type": "mla",
+                "n_heads": 2,
+                "kv_lora_rank": kv_lora_rank,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+            },
+            "ffn": {"type": "glu", "hidden_dim": 32},
+            "norm": {"type": "rmsnorm"},
+        },
+    }
     spec = spec_model().model_validate(data)
     torch.manual_seed(0)
     eager = build_model(spec, attention_backend="eager").eval()
@@ -110,11 +125,27 @@ def test_triton_backend_runs_latent_attention(kv_lora_rank):
 
 def test_latent_attention_takes_alibi_and_padding():
     """Positions that act on the scores (ALiBi) and a left-padded batch reach both paths."""
-    data = {"name": "t", "architecture": "decoder-only", "vocab_size": 64, "d_model": 32, "max_seq_len": 32,
-            "position": {"type": "alibi"},
-            "decoder": {"n_layers": 2, "attention": {"type": "mla", "n_heads": 4, "kv_lora_rank": 16,
-                                                     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
-                        "ffn": {"type": "glu", "hidden_dim": 32}, "norm": {"type": "rmsnorm"}}}
+    data = {
+        "name": "t",
+        "architecture": "decoder-only",
+        "vocab_size": 64,
+        "d_model": 32,
+        "max_seq_len": 32,
+        "position": {"type": "alibi"},
+        "decoder": {
+            "n_layers": 2,
+            "attention": {
+                "type": "mla",
+                "n_heads": 4,
+                "kv_lora_rank": 16,
+                "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 4,
+                "v_head_dim": 8,
+            },
+            "ffn": {"type": "glu", "hidden_dim": 32},
+            "norm": {"type": "rmsnorm"},
+        },
+    }
     model = build_model(spec_model().model_validate(data)).eval()
     ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -142,11 +173,21 @@ def _reference_route(scores, bias, n_groups, topk_groups, group_score, top_k):
     return chosen
 
 
-@pytest.mark.parametrize("fields", [
-    {"scoring": "softmax", "n_groups": 4, "topk_groups": 2},
-    {"scoring": "sigmoid", "n_groups": 4, "topk_groups": 2, "group_score": "top2_sum", "expert_bias": True,
-     "norm_topk_prob": True, "routed_scaling_factor": 2.5},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"scoring": "softmax", "n_groups": 4, "topk_groups": 2},
+        {
+            "scoring": "sigmoid",
+            "n_groups": 4,
+            "topk_groups": 2,
+            "group_score": "top2_sum",
+            "expert_bias": True,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+        },
+    ],
+)
 def test_routing_follows_the_definition(fields):
     config, moe = _moe(**fields)
     if moe.expert_bias is not None:
@@ -228,12 +269,15 @@ def test_balance_loss_is_one_when_balanced_and_training_moves_the_bias():
 # --- spec rules --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ffn, field, message", [
-    ({"n_experts": 6, "n_groups": 4}, "n_groups", "multiple of n_groups"),
-    ({"n_experts": 8, "top_k": 5, "n_groups": 4, "topk_groups": 2}, "top_k", "raise topk_groups"),
-    ({"n_experts": 8, "topk_groups": 3, "n_groups": 2}, "topk_groups", "cannot exceed n_groups"),
-    ({"n_experts": 4, "n_groups": 4, "topk_groups": 2, "group_score": "top2_sum"}, "group_score", "at least 2"),
-])
+@pytest.mark.parametrize(
+    "ffn, field, message",
+    [
+        ({"n_experts": 6, "n_groups": 4}, "n_groups", "multiple of n_groups"),
+        ({"n_experts": 8, "top_k": 5, "n_groups": 4, "topk_groups": 2}, "top_k", "raise topk_groups"),
+        ({"n_experts": 8, "topk_groups": 3, "n_groups": 2}, "topk_groups", "cannot exceed n_groups"),
+        ({"n_experts": 4, "n_groups": 4, "topk_groups": 2, "group_score": "top2_sum"}, "group_score", "at least 2"),
+    ],
+)
 def test_routing_rules_name_the_field(tmp_path, ffn, field, message):
     path = tmp_path / "bad.yaml"
     moe = {"type": "deepseek_moe", "top_k": 2, "expert": {"type": "glu", "hidden_dim": 16}, **ffn}
@@ -248,10 +292,25 @@ def test_routing_rules_name_the_field(tmp_path, ffn, field, message):
 def test_latent_attention_in_an_encoder_decoder_needs_its_own_cross_attention():
     """An mla decoder's implied cross-attention is refused at validation (not at build); with a
     multi_head cross_attention the model builds, counts exactly and decodes from its cache."""
-    data = {"name": "t", "architecture": "encoder-decoder", "vocab_size": 64, "d_model": 32, "max_seq_len": 32,
-            "encoder": {"n_layers": 1, "attention": {"n_heads": 4}},
-            "decoder": {"n_layers": 2, "attention": {"type": "mla", "n_heads": 4, "kv_lora_rank": 16,
-                                                     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}}}
+    data = {
+        "name": "t",
+        "architecture": "encoder-decoder",
+        "vocab_size": 64,
+        "d_model": 32,
+        "max_seq_len": 32,
+        "encoder": {"n_layers": 1, "attention": {"n_heads": 4}},
+        "decoder": {
+            "n_layers": 2,
+            "attention": {
+                "type": "mla",
+                "n_heads": 4,
+                "kv_lora_rank": 16,
+                "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 4,
+                "v_head_dim": 8,
+            },
+        },
+    }
     with pytest.raises(SpecRuleError, match="decoder.attention: mla is a self-attention.*set cross_attention"):
         spec_model().model_validate(data)
     data["decoder"]["cross_attention"] = {"type": "multi_head", "n_heads": 2}
@@ -265,8 +324,14 @@ def test_latent_attention_in_an_encoder_decoder_needs_its_own_cross_attention():
 
 def test_latent_attention_is_refused_as_a_cross_attention():
     data = load_spec(SPECS / "tiny" / "transformer.yaml").model_dump(exclude={"extends"})
-    data["decoder"]["cross_attention"] = {"type": "mla", "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-                                          "qk_rope_head_dim": 4, "v_head_dim": 8}
+    data["decoder"]["cross_attention"] = {
+        "type": "mla",
+        "n_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+    }
     with pytest.raises(SpecRuleError, match="decoder.cross_attention: mla is a self-attention"):
         spec_model().model_validate(data)
 

@@ -32,20 +32,32 @@ ROWS = ([5, 9, 7], [12, 3, 6])
 
 def _decoder(position: dict, **attention_fields):
     """A tiny decoder-only spec: 2 layers, d_model 32, GQA (4 query heads, 2 key/value heads)."""
-    return spec_model().model_validate({
-        "name": "packed", "architecture": "decoder-only", "vocab_size": 64, "d_model": 32, "max_seq_len": 64,
-        "position": position,
-        "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2, **attention_fields},
-                    "ffn": {"type": "glu", "hidden_dim": 64}, "norm": {"type": "rmsnorm"}},
-    })
+    return spec_model().model_validate(
+        {
+            "name": "packed",
+            "architecture": "decoder-only",
+            "vocab_size": 64,
+            "d_model": 32,
+            "max_seq_len": 64,
+            "position": position,
+            "decoder": {
+                "n_layers": 2,
+                "attention": {"n_heads": 4, "n_kv_heads": 2, **attention_fields},
+                "ffn": {"type": "glu", "hidden_dim": 64},
+                "norm": {"type": "rmsnorm"},
+            },
+        }
+    )
 
 
 SPECS = {
     "rope": lambda: _decoder({"type": "rope"}),
-    "rope-yarn": lambda: _decoder({"type": "rope", "scaling": {"type": "yarn", "factor": 4.0,
-                                                               "original_max_seq_len": 8}}),
-    "rope-llama3": lambda: _decoder({"type": "rope", "scaling": {"type": "llama3", "factor": 8.0,
-                                                                 "original_max_seq_len": 8}}),
+    "rope-yarn": lambda: _decoder(
+        {"type": "rope", "scaling": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}}
+    ),
+    "rope-llama3": lambda: _decoder(
+        {"type": "rope", "scaling": {"type": "llama3", "factor": 8.0, "original_max_seq_len": 8}}
+    ),
     "learned": lambda: _decoder({"type": "learned", "max_positions": 64}),
     "sinusoidal": lambda: _decoder({"type": "sinusoidal"}),
     "alibi": lambda: _decoder({"type": "alibi"}),
@@ -88,8 +100,13 @@ def test_each_packed_document_gets_the_logits_and_loss_it_gets_alone(name, backe
         packed = model(ids, document_ids=documents)
         for row, start, n in spans:
             alone = model(ids[row : row + 1, start : start + n])[0]
-            torch.testing.assert_close(packed[row, start : start + n], alone, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, at=(row, start, n): f"document {at}: {m}")
+            torch.testing.assert_close(
+                packed[row, start : start + n],
+                alone,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, at=(row, start, n): f"document {at}: {m}",
+            )
             loss = _loss(packed[row, start : start + n], ids[row, start : start + n], causal)
             torch.testing.assert_close(loss, _loss(alone, ids[row, start : start + n], causal), rtol=1e-5, atol=1e-6)
         # and the documents do separate: the whole row as one document reads across them
@@ -198,7 +215,9 @@ def test_kernel_document_mask_matches_an_explicit_mask(case, backend):
     ref.backward(dout.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for name, leaf, ref_leaf in zip("qkv", leaves, ref_leaves):
-        torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+        torch.testing.assert_close(
+            leaf.grad.double(), ref_leaf.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}"
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's fixed 32-wide tiles")
@@ -227,7 +246,9 @@ def test_triton_skips_the_tiles_before_a_document_start(poisoned, checked):
         grads = dict(zip(("dq", "dk", "dv"), (leaf.grad for leaf in leaves)), out=out.detach())
         results.append({name: grads[name][:, :, 64:] for name in checked.split(", ")})
     for name in results[0]:
-        torch.testing.assert_close(results[1][name], results[0][name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            results[1][name], results[0][name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,11 +272,15 @@ def test_refusals_name_document_ids():
     _refused(lambda: model(ids, document_ids=documents > 3), "document_ids must be an integer tensor")
     decreasing = documents.clone()
     decreasing[1, 15:] = 0
-    _refused(lambda: model(ids, document_ids=decreasing), "non-decreasing along each row; row 1 goes from 4 to 0 at token 15")
+    _refused(
+        lambda: model(ids, document_ids=decreasing), "non-decreasing along each row; row 1 goes from 4 to 0 at token 15"
+    )
     cache = KVCache.for_stack(model.decoder, 2, 21, torch.float32, "cpu")
     _refused(lambda: model(ids, document_ids=documents, cache=cache), "document_ids cannot be combined with a KV cache")
-    _refused(lambda: model(ids, torch.ones_like(ids), document_ids=documents),
-             "document_ids cannot be combined with attention_mask")
+    _refused(
+        lambda: model(ids, torch.ones_like(ids), document_ids=documents),
+        "document_ids cannot be combined with attention_mask",
+    )
     t5 = build_model(load_spec(ROOT / "specs" / "tiny" / "t5.yaml"))
     _refused(lambda: t5(ids, decoder_input_ids=ids, document_ids=documents), "not supported by an encoder-decoder")
     with pytest.raises(TypeError, match="document_ids must be a torch.Tensor"):
@@ -287,4 +312,6 @@ def test_kernel_refusals_name_document_ids():
     _refused(lambda: attention(q, k, k, document_ids=documents[:, :5]), r"document_ids must be a \(batch, seq_k\)")
     _refused(lambda: attention(q, k, k, document_ids=documents.double()), "document_ids must be an integer tensor")
     index = (torch.arange(6), torch.arange(6))
-    _refused(lambda: attention(q, k, k, document_ids=documents, token_index=index), "cannot be combined with token_index")
+    _refused(
+        lambda: attention(q, k, k, document_ids=documents, token_index=index), "cannot be combined with token_index"
+    )

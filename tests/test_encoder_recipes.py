@@ -15,11 +15,19 @@ torch.set_num_threads(1)
 
 
 ENCODER = {
-    "name": "tiny-encoder", "architecture": "encoder-only", "d_model": 48, "max_seq_len": 64,
-    "tie_embeddings": True, "position": {"type": "learned"},
-    "encoder": {"n_layers": 2, "attention": {"n_heads": 4}, "ffn": {"type": "mlp", "activation": "gelu",
-                                                                     "hidden_dim": 96},
-                "norm": {"type": "layernorm", "placement": "pre"}, "final_norm": True},
+    "name": "tiny-encoder",
+    "architecture": "encoder-only",
+    "d_model": 48,
+    "max_seq_len": 64,
+    "tie_embeddings": True,
+    "position": {"type": "learned"},
+    "encoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4},
+        "ffn": {"type": "mlp", "activation": "gelu", "hidden_dim": 96},
+        "norm": {"type": "layernorm", "placement": "pre"},
+        "final_norm": True,
+    },
     "head": {"type": "mlm"},
 }
 
@@ -71,12 +79,19 @@ def test_classification_metrics():
 
 def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
     base = {
-        "name": name, "model": {"spec": ENCODER},
+        "name": name,
+        "model": {"spec": ENCODER},
         "tokenizer": {"vocab_size": 600},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
         "schedule": {"type": "constant", "warmup_steps": 10},
-        "trainer": {"accelerator": "cpu", "precision": "32", "devices": 1, "log_every_n_steps": 10, "checkpoint_every_n_steps": 1000,
-                    "output_dir": str(tmp_path / name)},
+        "trainer": {
+            "accelerator": "cpu",
+            "precision": "32",
+            "devices": 1,
+            "log_every_n_steps": 10,
+            "checkpoint_every_n_steps": 1000,
+            "output_dir": str(tmp_path / name),
+        },
     }
     for key, value in recipe.items():
         base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
@@ -92,13 +107,21 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
 
     corpus = tmp_path / "corpus.txt"  # tiny Shakespeare when a local copy is here, else made-up prose like it
     real = real_data_root("tinyshakespeare.txt")
-    text = (real / "tinyshakespeare.txt").read_bytes() if real else stand_in_files("tinyshakespeare")["tinyshakespeare.txt"]
+    text = (
+        (real / "tinyshakespeare.txt").read_bytes()
+        if real
+        else stand_in_files("tinyshakespeare")["tinyshakespeare.txt"]
+    )
     corpus.write_text(text.decode("utf-8")[:60_000], encoding="utf-8")
-    mlm = _write_recipe(tmp_path, "mlm", {
-        "task": "mlm",
-        "data": {"sources": [str(corpus)], "seq_len": 32, "batch_size": 16, "cache_dir": str(tmp_path / "cache")},
-        "trainer": {"max_steps": 100, "val_check_interval": 50, "limit_val_batches": 4},
-    })
+    mlm = _write_recipe(
+        tmp_path,
+        "mlm",
+        {
+            "task": "mlm",
+            "data": {"sources": [str(corpus)], "seq_len": 32, "batch_size": 16, "cache_dir": str(tmp_path / "cache")},
+            "trainer": {"max_steps": 100, "val_check_interval": 50, "limit_val_batches": 4},
+        },
+    )
     summary = run(mlm)
     assert summary["task"] == "mlm" and summary["steps"] == 100
     # each entry: the mean loss of a log interval (10 steps), the first one's included
@@ -112,13 +135,22 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     assert result["task"] == "mlm" and result["masked_tokens"] > 0 and result["loss"] < 7
 
     keyword_examples(tmp_path, 500, 100)
-    classify = _write_recipe(tmp_path, "classify", {
-        "task": "classification",
-        "data": {"file": "train.csv", "validation": "val.jsonl", "max_len": 64, "max_tokens": 1024,
-                 "cache_dir": str(tmp_path / "cache")},
-        "classification": {"init_from": "mlm/checkpoints/last.ckpt", "pooling": "mean", "dropout": 0.0},
-        "trainer": {"max_steps": 300, "val_check_interval": 150},  # 150 was marginal on stand-in data
-    })
+    classify = _write_recipe(
+        tmp_path,
+        "classify",
+        {
+            "task": "classification",
+            "data": {
+                "file": "train.csv",
+                "validation": "val.jsonl",
+                "max_len": 64,
+                "max_tokens": 1024,
+                "cache_dir": str(tmp_path / "cache"),
+            },
+            "classification": {"init_from": "mlm/checkpoints/last.ckpt", "pooling": "mean", "dropout": 0.0},
+            "trainer": {"max_steps": 300, "val_check_interval": 150},  # 150 was marginal on stand-in data
+        },
+    )
     summary = run(classify)
     assert summary["final"]["accuracy"] > 0.95 and summary["final"]["macro_f1"] > 0.95, summary["final"]
 

@@ -48,8 +48,7 @@ def _id(path: Path) -> str:
 
 def _no_dropout(value):
     if isinstance(value, dict):
-        return {k: 0.0 if k == "dropout" and isinstance(v, float) else _no_dropout(v)
-                for k, v in value.items()}
+        return {k: 0.0 if k == "dropout" and isinstance(v, float) else _no_dropout(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_no_dropout(v) for v in value]
     return value
@@ -100,8 +99,9 @@ def test_flops_equal_flop_counter(path):
         assert counter.get_total_flops() == est.flops.forward_per_sequence
         assert est.flops.forward_per_token == round(est.flops.forward_per_sequence / seq)
         assert est.flops.train_per_token == round(3 * est.flops.forward_per_sequence / seq)
-        assert estimate(spec, seq_len=seq, src_len=src, activation_checkpointing=True).flops.train_per_token \
-            == round(4 * est.flops.forward_per_sequence / seq)
+        assert estimate(spec, seq_len=seq, src_len=src, activation_checkpointing=True).flops.train_per_token == round(
+            4 * est.flops.forward_per_sequence / seq
+        )
 
 
 @pytest.mark.parametrize("path", TINY, ids=_id)
@@ -179,8 +179,11 @@ def test_kv_cache_equals_generate(path, monkeypatch):
     monkeypatch.setattr(generation.KVCache, "for_stack", classmethod(spy))
     batch, prompt, new, src = 2, 5, 12, 7  # the tiny gemma2 window (16) caps the context (17)
     if spec.architecture == "encoder-decoder":
-        model.generate(torch.randint(0, spec.vocab_size, (batch, src)), max_new_tokens=new,
-                       decoder_input_ids=torch.zeros(batch, prompt, dtype=torch.long))
+        model.generate(
+            torch.randint(0, spec.vocab_size, (batch, src)),
+            max_new_tokens=new,
+            decoder_input_ids=torch.zeros(batch, prompt, dtype=torch.long),
+        )
     else:
         model.generate(torch.randint(0, spec.vocab_size, (batch, prompt)), max_new_tokens=new)
         src = None
@@ -218,8 +221,22 @@ def test_visible_pairs_closed_form():
 
 
 def test_describe_json(capsys):
-    assert main(["describe", str(ROOT / "specs" / "t5-small.yaml"), "--json", "--seq-len", "64",
-                 "--src-len", "128", "--batch", "4"]) == 0
+    assert (
+        main(
+            [
+                "describe",
+                str(ROOT / "specs" / "t5-small.yaml"),
+                "--json",
+                "--seq-len",
+                "64",
+                "--src-len",
+                "128",
+                "--batch",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["name"] == "t5-small"
     assert out["params"]["total"] == 60_506_624
@@ -235,8 +252,19 @@ def test_describe_table_and_plot(capsys, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps to the terminal's width
     plot = tmp_path / "where.png"
-    assert main(["describe", str(ROOT / "specs" / "tiny" / "mixtral.yaml"), "--plot", str(plot),
-                 "--set", "decoder.n_layers=3"]) == 0
+    assert (
+        main(
+            [
+                "describe",
+                str(ROOT / "specs" / "tiny" / "mixtral.yaml"),
+                "--plot",
+                str(plot),
+                "--set",
+                "decoder.n_layers=3",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "decoder.ffn" in text and "moe 4xglu top2" in text and "conventions" in text
     assert plot.stat().st_size > 10_000

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hostile_helpers import REPO, clean, cli, lm_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from recipe_helpers import tiny_recipe
 
 from builder import load_spec
-from hostile_helpers import REPO, cli, clean, lm_checkpoint
-from recipe_helpers import tiny_recipe
 
 #: a command that runs longer than this is taken for a hang (CI's shared CPUs are slow)
 SECONDS = 15.0
@@ -36,14 +36,20 @@ STATUSES = {0, 1, 2}
 #: (default run, slow run) examples per test
 EXAMPLES = {"fast": 30, "slow": 400}
 
-SPECS = {p.stem: load_spec(p).model_dump(mode="json") for p in sorted((REPO / "specs" / "tiny").glob("*.yaml"))
-         if p.stem in ("llama", "bert", "t5", "gpt2")}
+SPECS = {
+    p.stem: load_spec(p).model_dump(mode="json")
+    for p in sorted((REPO / "specs" / "tiny").glob("*.yaml"))
+    if p.stem in ("llama", "bert", "t5", "gpt2")
+}
 
 
 def profile(slow: bool):
-    return settings(max_examples=EXAMPLES["slow" if slow else "fast"], deadline=None, derandomize=not slow,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=EXAMPLES["slow" if slow else "fast"],
+        deadline=None,
+        derandomize=not slow,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 # -- running one command, bounded ------------------------------------------------------------------
@@ -166,21 +172,82 @@ NUMBERS = st.one_of(
     st.sampled_from([1e30, 1e-30, 0.5, -0.0]),
 )
 SCALARS = st.one_of(
-    NUMBERS, WORDS, st.booleans(), st.none(),
-    st.sampled_from(["512", "yes", "on", "true", ".inf", ".nan", "1e3", "0x10", "010", "~", "null", "1:8",
-                     "rope", "learned", "glu", "mlp", "rmsnorm", "layernorm", "decoder-only", "encoder-only",
-                     "encoder-decoder", "mla", "moe", "silu", "gelu", "relu", "pre", "post", "sandwich"]),
+    NUMBERS,
+    WORDS,
+    st.booleans(),
+    st.none(),
+    st.sampled_from(
+        [
+            "512",
+            "yes",
+            "on",
+            "true",
+            ".inf",
+            ".nan",
+            "1e3",
+            "0x10",
+            "010",
+            "~",
+            "null",
+            "1:8",
+            "rope",
+            "learned",
+            "glu",
+            "mlp",
+            "rmsnorm",
+            "layernorm",
+            "decoder-only",
+            "encoder-only",
+            "encoder-decoder",
+            "mla",
+            "moe",
+            "silu",
+            "gelu",
+            "relu",
+            "pre",
+            "post",
+            "sandwich",
+        ]
+    ),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(WORDS, inner, max_size=3)), max_leaves=8)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(WORDS, inner, max_size=3)),
+    max_leaves=8,
+)
 #: YAML text that breaks a document, or tricks the loader
 SNIPPETS = [
-    "!!python/object/apply:os.system ['echo pwned']", "!!python/name:os.system", "&a [*a]", "*nowhere",
-    "? [a, b]\n: c", "<<: *x", "\t", "%YAML 1.1\n---", "---\n---\n", "{", "]", "\ufeff", "x: !!binary aGVsbG8=",
-    "a: &x 1\nb: *x", "[" * 100 + "]" * 100, "{a: " * 80 + "1" + "}" * 80, "a: b: c", "- - -", "'unclosed",
-    "key: 'x'\nkey: 'y'", "!!set {a, b}", "!!omap [a: 1]", "!custom 3", "extends: /dev/zero", "extends: .",
-    "extends: spec.yaml", "extends: missing.yaml", "extends: [a, b]", "name: &n x\nalias: *n",
-    "lol: &l [l, l, l, l, l, l, l, l]\nlol2: &m [*l, *l, *l, *l, *l, *l, *l, *l]\nlol3: [*m, *m, *m, *m, *m, *m, *m, *m]",
+    "!!python/object/apply:os.system ['echo pwned']",
+    "!!python/name:os.system",
+    "&a [*a]",
+    "*nowhere",
+    "? [a, b]\n: c",
+    "<<: *x",
+    "\t",
+    "%YAML 1.1\n---",
+    "---\n---\n",
+    "{",
+    "]",
+    "\ufeff",
+    "x: !!binary aGVsbG8=",
+    "a: &x 1\nb: *x",
+    "[" * 100 + "]" * 100,
+    "{a: " * 80 + "1" + "}" * 80,
+    "a: b: c",
+    "- - -",
+    "'unclosed",
+    "key: 'x'\nkey: 'y'",
+    "!!set {a, b}",
+    "!!omap [a: 1]",
+    "!custom 3",
+    "extends: /dev/zero",
+    "extends: .",
+    "extends: spec.yaml",
+    "extends: missing.yaml",
+    "extends: [a, b]",
+    "name: &n x\nalias: *n",
+    "lol: &l [l, l, l, l, l, l, l, l]\nlol2: &m [*l, *l, *l, *l, *l, *l, *l, *l]\n"
+    "lol3: [*m, *m, *m, *m, *m, *m, *m, *m]",
 ]
 
 
@@ -227,14 +294,43 @@ def mutated(draw, bases: dict[str, dict], extra_keys: list[str]) -> str:
 
 # -- spec files ------------------------------------------------------------------------------------
 
-SPEC_KEYS = ["extends", "name", "architecture", "vocab_size", "d_model", "max_seq_len", "position", "embedding",
-             "head", "encoder", "decoder", "tie_embeddings", "n_layers", "attention", "ffn", "norm", "layers",
-             "overrides", "cross_attention", "dropout", "type", "n_heads", "n_kv_heads", "head_dim"]
+SPEC_KEYS = [
+    "extends",
+    "name",
+    "architecture",
+    "vocab_size",
+    "d_model",
+    "max_seq_len",
+    "position",
+    "embedding",
+    "head",
+    "encoder",
+    "decoder",
+    "tie_embeddings",
+    "n_layers",
+    "attention",
+    "ffn",
+    "norm",
+    "layers",
+    "overrides",
+    "cross_attention",
+    "dropout",
+    "type",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+]
 
 
 def _spec_commands(slow: bool) -> list[list[str]]:
-    commands = [["validate"], ["describe"], ["describe", "--json"], ["compare"], ["diff", "{spec}"],
-                ["plan", "--gpus", "8"]]
+    commands = [
+        ["validate"],
+        ["describe"],
+        ["describe", "--json"],
+        ["compare"],
+        ["diff", "{spec}"],
+        ["plan", "--gpus", "8"],
+    ]
     return commands + ([["describe", "--plot", "plot.png"]] if slow else [])
 
 
@@ -262,9 +358,34 @@ def test_hostile_spec_files_at_length(capsys, hostile, in_tmp, data):
 
 # -- recipe files ----------------------------------------------------------------------------------
 
-RECIPE_KEYS = ["model", "spec", "overrides", "data", "tokenizer", "optimizer", "schedule", "trainer", "sample",
-               "task", "extends", "seq_len", "batch_size", "max_steps", "lr", "output_dir", "cache_dir", "seed",
-               "precision", "strategy", "devices", "accelerator", "sources", "dataset", "path", "betas"]
+RECIPE_KEYS = [
+    "model",
+    "spec",
+    "overrides",
+    "data",
+    "tokenizer",
+    "optimizer",
+    "schedule",
+    "trainer",
+    "sample",
+    "task",
+    "extends",
+    "seq_len",
+    "batch_size",
+    "max_steps",
+    "lr",
+    "output_dir",
+    "cache_dir",
+    "seed",
+    "precision",
+    "strategy",
+    "devices",
+    "accelerator",
+    "sources",
+    "dataset",
+    "path",
+    "betas",
+]
 
 
 @pytest.fixture()
@@ -289,11 +410,26 @@ def _fuzz_recipes(capsys, hostile, in_tmp, data) -> None:
     text = data.draw(mutated({"recipe": _recipe_base(hostile)}, RECIPE_KEYS), "recipe")
     path = in_tmp / "recipe.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
-    extra = data.draw(st.lists(st.sampled_from([
-        ["--fresh"], ["--no-samples"], ["--resume"], ["--resume", hostile["secret.txt"]],
-        ["--set", "trainer.max_steps=-1"], ["--set", "model.spec=secret.txt"], ["--set", "data=3"],
-        ["--set", "optimizer.lr=.nan"], ["--set", "extends=x.yaml"], ["--set", "trainer.seed=true"],
-    ]), max_size=2), "options")
+    extra = data.draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    ["--fresh"],
+                    ["--no-samples"],
+                    ["--resume"],
+                    ["--resume", hostile["secret.txt"]],
+                    ["--set", "trainer.max_steps=-1"],
+                    ["--set", "model.spec=secret.txt"],
+                    ["--set", "data=3"],
+                    ["--set", "optimizer.lr=.nan"],
+                    ["--set", "extends=x.yaml"],
+                    ["--set", "trainer.seed=true"],
+                ]
+            ),
+            max_size=2,
+        ),
+        "options",
+    )
     run(capsys, ["train", path, *[a for option in extra for a in option]])
 
 
@@ -316,17 +452,76 @@ def test_hostile_recipe_files_at_length(capsys, hostile, in_tmp, no_training, da
 #: nor one that registers blocks, which would stay registered for the rest of the suite)
 PLUGINS = ["no_such_plugin_module", "", "builder", "builder.commands", ".", "a..b", "1abc", "os.path.x"]
 OPTION_VALUES = st.one_of(
-    st.sampled_from(["0", "-1", "1", "2", "3", "8", "64", "1e309", "nan", "inf", "-inf", "1.5", "0.5", "", " ",
-                     "0x10", "99999999999999999999999", "true", "cuda", "cuda:7", "cpu", "meta", "mps", "bogus",
-                     "fsdp", "ddp", "hybrid", "shard", "bf16", "fp8", "h100", "a100-80gb", "décodeur", "-",
-                     "--", "80GB", "1.5TB", "-5GB", "gpt2", "llama", "test", "valid", "out", "x.yaml"]),
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1",
+            "2",
+            "3",
+            "8",
+            "64",
+            "1e309",
+            "nan",
+            "inf",
+            "-inf",
+            "1.5",
+            "0.5",
+            "",
+            " ",
+            "0x10",
+            "99999999999999999999999",
+            "true",
+            "cuda",
+            "cuda:7",
+            "cpu",
+            "meta",
+            "mps",
+            "bogus",
+            "fsdp",
+            "ddp",
+            "hybrid",
+            "shard",
+            "bf16",
+            "fp8",
+            "h100",
+            "a100-80gb",
+            "décodeur",
+            "-",
+            "--",
+            "80GB",
+            "1.5TB",
+            "-5GB",
+            "gpt2",
+            "llama",
+            "test",
+            "valid",
+            "out",
+            "x.yaml",
+        ]
+    ),
     NUMBERS.map(str),
     WORDS,
 )
 SET_VALUES = st.one_of(
-    st.sampled_from(["decoder.n_layers=2", "decoder.n_layers=true", "decoder.n_layers=1e9", "d_model=1e30",
-                     "extends=spec.yaml", "=", "a.b.c=", "name", ".=1", "decoder..n_layers=2", "decoder=[1]",
-                     "vocab_size=!!python/object:os.system", "position={type: rope", "decoder.layers.0:2.ffn=3"]),
+    st.sampled_from(
+        [
+            "decoder.n_layers=2",
+            "decoder.n_layers=true",
+            "decoder.n_layers=1e9",
+            "d_model=1e30",
+            "extends=spec.yaml",
+            "=",
+            "a.b.c=",
+            "name",
+            ".=1",
+            "decoder..n_layers=2",
+            "decoder=[1]",
+            "vocab_size=!!python/object:os.system",
+            "position={type: rope",
+            "decoder.layers.0:2.ffn=3",
+        ]
+    ),
     st.builds(lambda k, v: f"{k}={v}", WORDS, WORDS),
 )
 
@@ -361,8 +556,11 @@ def command_line(draw, hostile: dict, slow: bool) -> list:
             continue
         good = {"checkpoint": hostile["checkpoint"], "source": hostile["checkpoint"], "folder": hostile["folder"]}
         value = good.get(action.dest, hostile["spec.yaml"])
-        argv += draw(st.lists(st.one_of(st.just(value), paths, WORDS), min_size=1,
-                              max_size=3 if action.nargs in ("+", "*") else 1))
+        argv += draw(
+            st.lists(
+                st.one_of(st.just(value), paths, WORDS), min_size=1, max_size=3 if action.nargs in ("+", "*") else 1
+            )
+        )
     options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
     for action in draw(st.lists(st.sampled_from(options), max_size=4)) if options else []:
         flag = draw(st.sampled_from(action.option_strings))
@@ -379,8 +577,9 @@ def command_line(draw, hostile: dict, slow: bool) -> list:
         else:
             argv += [flag, draw(st.one_of(OPTION_VALUES, paths))]
     if draw(st.integers(0, 9)) == 0:  # a stray token
-        argv.insert(draw(st.integers(1, len(argv))), draw(st.one_of(st.sampled_from(["--bogus", "-o", "--", "-"]),
-                                                                     WORDS)))
+        argv.insert(
+            draw(st.integers(1, len(argv))), draw(st.one_of(st.sampled_from(["--bogus", "-o", "--", "-"]), WORDS))
+        )
     if name == "generate":  # a decode of any length the user asks is not a hang: keep it short
         argv += ["--max-new-tokens", "3"]
     if name == "eval":
@@ -434,12 +633,15 @@ def test_a_block_type_that_is_a_mapping(capsys, in_tmp):
     assert result.status == 1 and "decoder.attention" in result.out, result.text
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("task", [], "task"),
-    ("trainer.seed", 2**70, "trainer.seed"),
-    ("trainer.seed", -1, "trainer.seed"),
-    ("trainer.accelerator", "tpu9", "trainer.accelerator"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("task", [], "task"),
+        ("trainer.seed", 2**70, "trainer.seed"),
+        ("trainer.seed", -1, "trainer.seed"),
+        ("trainer.accelerator", "tpu9", "trainer.accelerator"),
+    ],
+)
 def test_recipe_values_the_fuzz_found(capsys, hostile, in_tmp, no_training, field, value, needle):
     recipe = _recipe_base(hostile)
     section, _, key = field.rpartition(".")

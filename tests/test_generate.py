@@ -31,10 +31,18 @@ def _model(spec, seed: int = 0, **kwargs):
 def _window_spec(position: dict, window: int = 5, **extra) -> object:
     """A tiny decoder whose every layer has a sliding window (short, to decode far past it)."""
     data = {
-        "name": "tiny-window", "architecture": "decoder-only", "vocab_size": 64, "d_model": 32,
-        "max_seq_len": 64, "position": position,
-        "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2, "sliding_window": window},
-                    "ffn": {"type": "glu", "hidden_dim": 48}, "norm": {"type": "rmsnorm"}},
+        "name": "tiny-window",
+        "architecture": "decoder-only",
+        "vocab_size": 64,
+        "d_model": 32,
+        "max_seq_len": 64,
+        "position": position,
+        "decoder": {
+            "n_layers": 2,
+            "attention": {"n_heads": 4, "n_kv_heads": 2, "sliding_window": window},
+            "ffn": {"type": "glu", "hidden_dim": 48},
+            "norm": {"type": "rmsnorm"},
+        },
     }
     data.update(extra)
     return spec_model().model_validate(data)

@@ -47,75 +47,166 @@ class Case:
 
 def _gpt2():
     return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=32,
-                                bos_token_id=None, eos_token_id=None)
+        transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4, n_positions=32, bos_token_id=None, eos_token_id=None
+        )
     )
 
 
 def _gpt2_inverse_scale():  # scores also divided by (layer index + 1): per-layer attention.scale overrides
     return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2, n_positions=32, n_inner=48,
-                                activation_function="relu", scale_attn_by_inverse_layer_idx=True,
-                                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=3,
+            n_head=2,
+            n_positions=32,
+            n_inner=48,
+            activation_function="relu",
+            scale_attn_by_inverse_layer_idx=True,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
     )
 
 
 def _llama3():
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8, "rope_theta": 500000.0}
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_parameters=rope, rms_norm_eps=1e-5,
-        bos_token_id=None, eos_token_id=None,
-    ))
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 500000.0,
+    }
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_parameters=rope,
+            rms_norm_eps=1e-5,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    )
 
 
 def _llama_bias():  # Llama 1/2 layout with attention_bias and mlp_bias, tied embeddings
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=32, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None,
-    ))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    )
 
 
 def _mistral():
-    return transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, bos_token_id=None, eos_token_id=None,
-    ))
+    return transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            sliding_window=4,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    )
 
 
 def _mixtral():
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        sliding_window=None, bos_token_id=None, eos_token_id=None,
-    ))
+    return transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            sliding_window=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    )
 
 
 def _qwen2():  # q/k/v biases, tied, the second layer on a sliding window
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_sliding_window=True,
-        sliding_window=3, max_window_layers=1,
-    ))
+    return transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+        )
+    )
 
 
 def _gemma():  # head_dim 16 with d_model 32 and 4 heads; MQA
-    return transformers.GemmaForCausalLM(transformers.GemmaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
-    ))
+    return transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    )
 
 
 def _gemma2():  # sandwich norms, softcaps that bite, query_pre_attn_scalar != head_dim, windows on 0 and 2
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=3,
-        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    ))
+    return transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            sliding_window=3,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    )
 
 
 def _gemma2_without_layer_types(folder: Path) -> None:
@@ -126,55 +217,143 @@ def _gemma2_without_layer_types(folder: Path) -> None:
 
 
 def _deepseek_v2():  # MLA without query compression, YaRN with DeepSeek's mscale, V2's group-limited routing
-    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
-        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
-        first_k_dense_replace=1, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-                         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0},
-    ))
+    return transformers.DeepseekV2ForCausalLM(
+        transformers.DeepseekV2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        )
+    )
 
 
 def _deepseek_v3():  # query compression, attention biases, sigmoid routing over groups with the expert bias
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=2, attention_bias=True,
-        max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-                         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0},
-    ))
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=2,
+            attention_bias=True,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        )
+    )
 
 
 def _mpt():  # ALiBi over a power-of-two head count, tied
-    return transformers.MptForCausalLM(transformers.MptConfig(
-        d_model=64, n_heads=4, n_layers=2, vocab_size=VOCAB, max_seq_len=32,
-    ))
+    return transformers.MptForCausalLM(
+        transformers.MptConfig(
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            vocab_size=VOCAB,
+            max_seq_len=32,
+        )
+    )
 
 
 def _mpt_six_heads():  # six heads: MPT's slopes for a head count that is not a power of two; softmax_scale; untied
-    return transformers.MptForCausalLM(transformers.MptConfig(
-        d_model=48, n_heads=6, n_layers=2, vocab_size=VOCAB, max_seq_len=32, layer_norm_epsilon=1e-6,
-        attn_config={"softmax_scale": 0.2}, tie_word_embeddings=False,
-    ))
+    return transformers.MptForCausalLM(
+        transformers.MptConfig(
+            d_model=48,
+            n_heads=6,
+            n_layers=2,
+            vocab_size=VOCAB,
+            max_seq_len=32,
+            layer_norm_epsilon=1e-6,
+            attn_config={"softmax_scale": 0.2},
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _bert():
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=32, type_vocab_size=2,
-    ))
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            type_vocab_size=2,
+        )
+    )
 
 
 def _t5(**kwargs):
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0,
-        eos_token_id=None, **kwargs,
-    ))
+    return transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            decoder_start_token_id=0,
+            eos_token_id=None,
+            **kwargs,
+        )
+    )
 
 
 def _untie_t5(folder: Path) -> None:
@@ -191,12 +370,26 @@ def _untie_t5(folder: Path) -> None:
 
 
 def _marian():
-    return transformers.MarianMTModel(transformers.MarianConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=48, max_position_embeddings=32,
-        activation_function="swish", scale_embedding=True, pad_token_id=0, decoder_start_token_id=0,
-        eos_token_id=None, forced_eos_token_id=None, bos_token_id=None,
-    ))
+    return transformers.MarianMTModel(
+        transformers.MarianConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=48,
+            max_position_embeddings=32,
+            activation_function="swish",
+            scale_embedding=True,
+            pad_token_id=0,
+            decoder_start_token_id=0,
+            eos_token_id=None,
+            forced_eos_token_id=None,
+            bos_token_id=None,
+        )
+    )
 
 
 CASES = {
@@ -231,8 +424,11 @@ def _randomize(model) -> None:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
             else:
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen) if "norm" in name.lower() else
-                        0.2 * torch.randn(p.shape, generator=gen))
+                p.copy_(
+                    0.5 + torch.rand(p.shape, generator=gen)
+                    if "norm" in name.lower()
+                    else 0.2 * torch.randn(p.shape, generator=gen)
+                )
         for name, b in model.named_buffers():
             if name.endswith("final_logits_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
@@ -247,8 +443,11 @@ def _hf_model(case: Case, folder: Path):
     model.save_pretrained(folder)
     if case.edit is not None:
         case.edit(folder)
-    auto = {"causal": transformers.AutoModelForCausalLM, "mlm": transformers.AutoModelForMaskedLM,
-            "seq2seq": transformers.AutoModelForSeq2SeqLM}[case.kind]
+    auto = {
+        "causal": transformers.AutoModelForCausalLM,
+        "mlm": transformers.AutoModelForMaskedLM,
+        "seq2seq": transformers.AutoModelForSeq2SeqLM,
+    }[case.kind]
     return auto.from_pretrained(folder).eval(), auto
 
 
@@ -276,7 +475,7 @@ def _logits(model, inputs, ours: bool) -> torch.Tensor:
 
 def _kept(inputs) -> torch.Tensor:
     """The positions whose logits count: the non-padded ones."""
-    return (inputs.get("decoder_attention_mask", inputs["attention_mask"]) == 1)
+    return inputs.get("decoder_attention_mask", inputs["attention_mask"]) == 1
 
 
 def _hf_params(hf) -> int:
@@ -291,13 +490,28 @@ def _greedy(case, hf, ours, inputs):
     ids, mask = inputs["input_ids"][:, :5], inputs["attention_mask"][:, :5]
     common = {"max_new_tokens": GEN_TOKENS}
     if case.kind == "seq2seq":
-        theirs = hf.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=False,
-                             num_beams=1, min_new_tokens=GEN_TOKENS, decoder_start_token_id=0, **common)
-        mine = ours.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                             decoder_start_token_id=0, **common)
+        theirs = hf.generate(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            do_sample=False,
+            num_beams=1,
+            min_new_tokens=GEN_TOKENS,
+            decoder_start_token_id=0,
+            **common,
+        )
+        mine = ours.generate(
+            inputs["input_ids"], attention_mask=inputs["attention_mask"], decoder_start_token_id=0, **common
+        )
     else:
-        theirs = hf.generate(input_ids=ids, attention_mask=torch.ones_like(mask), do_sample=False, num_beams=1,
-                             min_new_tokens=GEN_TOKENS, pad_token_id=0, **common)
+        theirs = hf.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(mask),
+            do_sample=False,
+            num_beams=1,
+            min_new_tokens=GEN_TOKENS,
+            pad_token_id=0,
+            **common,
+        )
         mine = ours.generate(ids, **common)
     return theirs, mine
 
@@ -417,7 +631,9 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     spec, state = from_hf(_fresh(tmp_path))
     model = build_model(spec)
     state["decoder.final_norm.weight"] = torch.ones(7)
-    with pytest.raises(HFError, match=r"decoder\.final_norm\.weight: the weights have shape \(7,\), the model has \(64,\)"):
+    with pytest.raises(
+        HFError, match=r"decoder\.final_norm\.weight: the weights have shape \(7,\), the model has \(64,\)"
+    ):
         load_weights(model, state)
 
 
@@ -432,7 +648,11 @@ def test_export_says_why_a_spec_has_no_hugging_face_family(tmp_path, capsys):
     from builder.cli import main
 
     spec = {
-        "name": "alibi-lm", "architecture": "decoder-only", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
+        "name": "alibi-lm",
+        "architecture": "decoder-only",
+        "vocab_size": 64,
+        "d_model": 32,
+        "max_seq_len": 16,
         "position": {"type": "alibi"},
         "decoder": {"n_layers": 1, "attention": {"n_heads": 4}, "norm": {"type": "rmsnorm"}},
     }
@@ -451,8 +671,10 @@ def test_export_from_a_training_checkpoint(tmp_path):
     hf = _saved("qwen2", tmp_path / "hf")
     spec, state = from_hf(tmp_path / "hf")
     model = load_weights(build_model(spec), state)
-    ckpt = {"builder": {"spec": spec.model_dump(mode="json")},
-            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    ckpt = {
+        "builder": {"spec": spec.model_dump(mode="json")},
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+    }
     torch.save(ckpt, tmp_path / "last.ckpt")
     from builder.cli import main
 
@@ -500,10 +722,12 @@ def test_describe_says_before_training_which_family_a_spec_exports_to_or_why_non
 
     assert main(["describe", "llama3-8b"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "export: Hugging Face llama (LlamaForCausalLM), by builder export-hf")
+        "export: Hugging Face llama (LlamaForCausalLM), by builder export-hf"
+    )
     assert main(["describe", "mpt-7b"]) == 0  # ALiBi
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "export: Hugging Face mpt (MptForCausalLM), by builder export-hf")
+        "export: Hugging Face mpt (MptForCausalLM), by builder export-hf"
+    )
     assert main(["describe", "pythia-160m"]) == 0  # GPT-NeoX: no family of ours expresses it
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("export: none: no Hugging Face family expresses it exactly (closest, ") and "rope" in line

@@ -228,8 +228,11 @@ def _sharded(hf: Path, file_name: str) -> None:
 def test_shard_index_naming_a_file_outside_the_folder_is_never_opened(hf, tmp_path, capsys, opened, how):
     outside = tmp_path / "outside"
     outside.mkdir()
-    target = {"dotdot": "../outside/stolen.safetensors", "absolute": str(outside / "stolen.safetensors"),
-              "symlink": "link.safetensors"}[how]
+    target = {
+        "dotdot": "../outside/stolen.safetensors",
+        "absolute": str(outside / "stolen.safetensors"),
+        "symlink": "link.safetensors",
+    }[how]
     _sharded(hf, target)
     (hf / "model.safetensors").rename(outside / "stolen.safetensors")  # would import fine if read
     if how == "symlink":
@@ -313,8 +316,9 @@ def test_tensor_only_bin_imports_and_garbage_bin_is_refused(hf, tmp_path, capsys
 
 def test_unsafe_training_checkpoint_given_to_export(tmp_path, capsys):
     torch.save({"builder": _NotATensor()}, tmp_path / "last.ckpt")
-    _refused(tmp_path / "last.ckpt", capsys, "last.ckpt", "not a checkpoint this tool can load safely",
-             command="export-hf")
+    _refused(
+        tmp_path / "last.ckpt", capsys, "last.ckpt", "not a checkpoint this tool can load safely", command="export-hf"
+    )
 
 
 # --- tokenizer files ---------------------------------------------------------------------

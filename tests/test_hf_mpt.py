@@ -32,8 +32,11 @@ def _unit_scale(model) -> None:
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]) if p.dim() >= 2
-                    else 0.5 + torch.rand(p.shape, generator=gen))
+            p.copy_(
+                torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+                if p.dim() >= 2
+                else 0.5 + torch.rand(p.shape, generator=gen)
+            )
 
 
 def _padded_batch(vocab: int, length: int = 24):
@@ -77,8 +80,15 @@ def test_zoo_tiny_mpt_exports_as_mpt_with_the_same_logits_and_tokens(tmp_path):
     assert hf_logits[kept].std() > 0.1
     assert (mine[kept] - hf_logits[kept]).abs().max().item() < 1e-4
     prompt = ids[:, :5]
-    hf_tokens = theirs.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                num_beams=1, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    hf_tokens = theirs.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        pad_token_id=0,
+    )
     assert torch.equal(ours.generate(prompt, max_new_tokens=8), hf_tokens)
 
 
@@ -119,9 +129,16 @@ def test_imported_six_head_model_decodes_from_its_cache_as_from_scratch(tmp_path
     from blocks.generation import KVCache
 
     torch.manual_seed(0)
-    hf = transformers.MptForCausalLM(transformers.MptConfig(
-        d_model=48, n_heads=6, n_layers=2, vocab_size=128, max_seq_len=64, attn_config={"softmax_scale": 0.2},
-    ))
+    hf = transformers.MptForCausalLM(
+        transformers.MptConfig(
+            d_model=48,
+            n_heads=6,
+            n_layers=2,
+            vocab_size=128,
+            max_seq_len=64,
+            attn_config={"softmax_scale": 0.2},
+        )
+    )
     _unit_scale(hf)
     hf.save_pretrained(tmp_path / "hf")
     spec, state = from_hf(tmp_path / "hf")
@@ -194,18 +211,25 @@ def test_a_config_transformers_computes_otherwise_is_refused_naming_the_key(mpt_
 def test_what_only_training_or_implementation_reads_is_accepted(mpt_folder, tmp_path):
     """learned_pos_emb (ignored with ALiBi, by MosaicML's code too), attn_uses_sequence_id (packed
     documents in training: data.packing doc_masked here), attn_impl, and MPT's spellings."""
-    _edit(mpt_folder, {"attn_uses_sequence_id": True, "attn_impl": "triton", "clip_qkv": None},
-          learned_pos_emb=True, norm_type="layernorm", init_device="meta")
+    _edit(
+        mpt_folder,
+        {"attn_uses_sequence_id": True, "attn_impl": "triton", "clip_qkv": None},
+        learned_pos_emb=True,
+        norm_type="layernorm",
+        init_device="meta",
+    )
     spec, _ = from_hf(mpt_folder)
     assert spec.position.type == "alibi" and spec.decoder.norm.type == "layernorm"
 
 
 @pytest.mark.parametrize(
     "attn, values, needle",
-    [({"alibi": "yes"}, {}, "attn_config.alibi: expected true or false"),
-     ({"softmax_scale": "big"}, {}, "attn_config.softmax_scale: expected a finite number"),
-     ({}, {"attn_config": [1]}, "attn_config: expected a mapping or null"),
-     ({}, {"n_heads": 0}, "n_heads: expected an integer from 1")],
+    [
+        ({"alibi": "yes"}, {}, "attn_config.alibi: expected true or false"),
+        ({"softmax_scale": "big"}, {}, "attn_config.softmax_scale: expected a finite number"),
+        ({}, {"attn_config": [1]}, "attn_config: expected a mapping or null"),
+        ({}, {"n_heads": 0}, "n_heads: expected an integer from 1"),
+    ],
 )
 def test_a_value_of_the_wrong_kind_names_its_key(mpt_folder, capsys, attn, values, needle):
     config = json.loads((mpt_folder / "config.json").read_text())
@@ -246,7 +270,8 @@ def test_the_export_line_names_mpt_before_training(capsys, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert main(["describe", "tiny/alibi"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "export: Hugging Face mpt (MptForCausalLM), by builder export-hf")
+        "export: Hugging Face mpt (MptForCausalLM), by builder export-hf"
+    )
     assert main(["train", "shakespeare-char", "--dry-run", "--set", "model.spec=mpt-7b"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("export ")]
     assert lines and lines[0].split(None, 1)[1] == "Hugging Face mpt (MptForCausalLM), by builder export-hf"

@@ -16,13 +16,15 @@ from recipe_helpers import tiny_recipe
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from builder.cli import main  # noqa: E402
-from builder.hf.tokenizer import from_sentencepiece, read_tokenizer, to_tokenizers, token_ids  # noqa: E402
+from builder.cli import main
+from builder.hf.tokenizer import from_sentencepiece, read_tokenizer, to_tokenizers, token_ids
 
 #: whitespace runs, tabs, newlines, accents, CJK, an emoji, a non-breaking space, sentencepiece's
 #: own space mark, and text that spells special pieces
-VARIED = ("def  parse(x):\n\t\treturn   x**2  # ünïcødé ✓ 漢字 \U0001F600\n\n\n    if a\u00a0b:"
-          "  \u2581 pass\r\n<unk> <s> </s>")
+VARIED = (
+    "def  parse(x):\n\t\treturn   x**2  # ünïcødé ✓ 漢字 \U0001f600\n\n\n    if a\u00a0b:"
+    "  \u2581 pass\r\n<unk> <s> </s>"
+)
 PROMPT = "def parse("
 
 
@@ -39,18 +41,23 @@ def exported(request, tmp_path_factory):
     from recipes.train import run
 
     tmp = tmp_path_factory.mktemp(f"export-{request.param}")
-    tokenizer = {"type": "char"} if request.param == "char" else {
-        "type": "sentencepiece", "model_type": "bpe", "vocab_size": 400}
-    path = tiny_recipe(tmp, tokenizer=tokenizer,
-                       trainer={"max_steps": 8, "val_check_interval": 8, "checkpoint_every_n_steps": 8})
+    tokenizer = (
+        {"type": "char"}
+        if request.param == "char"
+        else {"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400}
+    )
+    path = tiny_recipe(
+        tmp, tokenizer=tokenizer, trainer={"max_steps": 8, "val_check_interval": 8, "checkpoint_every_n_steps": 8}
+    )
     summary = run(path, samples=False)
     assert main(["export-hf", summary["last"], "-o", str(tmp / "hf")]) == 0
     return request.param, Path(summary["last"]), tmp / "hf"
 
 
 def _ours(checkpoint: Path | str, capsys, prompt: str = PROMPT, new: int = 16) -> str:
-    assert main(["generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", str(new),
-                 "--temperature", "0"]) == 0
+    assert (
+        main(["generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.endswith("\n")
     return out[:-1]
@@ -94,8 +101,10 @@ def test_auto_tokenizer_encodes_as_ours(exported):
         text = known
     else:
         assert theirs(VARIED)["input_ids"] == ours.encode(VARIED)
-        assert any(theirs.convert_ids_to_tokens(theirs(VARIED)["input_ids"])[i].startswith("<0x")
-                   for i in range(len(theirs(VARIED)["input_ids"]))), "no byte fallback exercised"
+        assert any(
+            theirs.convert_ids_to_tokens(theirs(VARIED)["input_ids"])[i].startswith("<0x")
+            for i in range(len(theirs(VARIED)["input_ids"]))
+        ), "no byte fallback exercised"
         text = VARIED
     sample = _stdlib_text(20_000)
     assert theirs(sample)["input_ids"] == ours.encode(sample)
@@ -121,8 +130,11 @@ def test_a_recipe_trains_with_a_folders_tokenizer_and_exports_it_again(exported,
     from recipes.train import run
 
     kind, _, folder = exported
-    path = tiny_recipe(tmp_path, tokenizer={"type": "hf", "model_file": str(folder)},
-                       trainer={"max_steps": 2, "val_check_interval": 2, "checkpoint_every_n_steps": 2})
+    path = tiny_recipe(
+        tmp_path,
+        tokenizer={"type": "hf", "model_file": str(folder)},
+        trainer={"max_steps": 2, "val_check_interval": 2, "checkpoint_every_n_steps": 2},
+    )
     summary = run(path, samples=False)
     meta = torch.load(summary["last"], map_location="cpu", weights_only=True)["builder"]
     assert meta["tokenizer"]["type"] == "tokenizers"
@@ -180,8 +192,16 @@ def test_bpe_with_prose_settings_and_special_pieces_converts_exactly():
     normalization (a precompiled map), control pieces for pad/bos/eos; ids go into the config."""
     import sentencepiece as spm
 
-    proto = _spm("bpe", normalization_rule_name="nmt_nfkc", remove_extra_whitespaces=True, add_dummy_prefix=True,
-                 pad_id=0, unk_id=1, bos_id=2, eos_id=3)
+    proto = _spm(
+        "bpe",
+        normalization_rule_name="nmt_nfkc",
+        remove_extra_whitespaces=True,
+        add_dummy_prefix=True,
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+    )
     sp = spm.SentencePieceProcessor(model_proto=proto)
     converted = from_sentencepiece(proto)
     for text in _samples(_stdlib_text(), 100):
@@ -209,4 +229,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-

@@ -10,9 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hostile_helpers import REPO, cli, refused
 
 from builder.loader import SpecError, load_spec
-from hostile_helpers import REPO, cli, refused
 
 TINY = """\
 architecture: decoder-only
@@ -148,16 +148,24 @@ def test_an_extends_cycle_through_a_symbolic_link(capsys, tmp_path):
 # -- sizes no model has ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("old, new, field, line, message", [
-    ("n_layers: 2", "n_layers: 1000000000", "decoder.n_layers", 6, "must be <= 10000, got 1000000000"),
-    ("d_model: 64", f"d_model: {10**30}", "d_model", 3, "must be <= 1048576"),
-    ("vocab_size: 256", "vocab_size: 100000000000", "vocab_size", 2, "must be <= 16777216"),
-    ("max_seq_len: 64", "max_seq_len: 10000000000000", "max_seq_len", 4, "must be <= 1073741824"),
-    ("{n_heads: 4}", "{n_heads: 4, head_dim: 99999999}", "decoder.attention.head_dim", 7, "must be <= 1048576"),
-    ("{n_heads: 4}", "{n_heads: 4, sliding_window: 99999999999}", "decoder.attention.sliding_window", 7,
-     "must be <= 1073741824"),
-    ("n_layers: 2", "n_layers: " + "9" * 5000, "decoder.n_layers", 6, "an integer of 5,000 digits (at most 100)"),
-])
+@pytest.mark.parametrize(
+    "old, new, field, line, message",
+    [
+        ("n_layers: 2", "n_layers: 1000000000", "decoder.n_layers", 6, "must be <= 10000, got 1000000000"),
+        ("d_model: 64", f"d_model: {10**30}", "d_model", 3, "must be <= 1048576"),
+        ("vocab_size: 256", "vocab_size: 100000000000", "vocab_size", 2, "must be <= 16777216"),
+        ("max_seq_len: 64", "max_seq_len: 10000000000000", "max_seq_len", 4, "must be <= 1073741824"),
+        ("{n_heads: 4}", "{n_heads: 4, head_dim: 99999999}", "decoder.attention.head_dim", 7, "must be <= 1048576"),
+        (
+            "{n_heads: 4}",
+            "{n_heads: 4, sliding_window: 99999999999}",
+            "decoder.attention.sliding_window",
+            7,
+            "must be <= 1073741824",
+        ),
+        ("n_layers: 2", "n_layers: " + "9" * 5000, "decoder.n_layers", 6, "an integer of 5,000 digits (at most 100)"),
+    ],
+)
 def test_absurd_sizes_are_refused_where_written(tmp_path, old, new, field, line, message):
     spec = write(tmp_path, "spec.yaml", TINY.replace(old, new))
     with pytest.raises(SpecError) as caught:
@@ -197,8 +205,14 @@ def test_a_ten_thousand_layer_stack_is_counted_per_group(tmp_path):
 
     from builder.estimates import estimate
 
-    spec = write(tmp_path, "deep.yaml", TINY.replace("n_layers: 2", "n_layers: 10000\n  overrides: [{layers: '0::2', "
-                                                     "attention: {n_heads: 4, sliding_window: 8}}]"))
+    spec = write(
+        tmp_path,
+        "deep.yaml",
+        TINY.replace(
+            "n_layers: 2",
+            "n_layers: 10000\n  overrides: [{layers: '0::2', attention: {n_heads: 4, sliding_window: 8}}]",
+        ),
+    )
     spec = load_spec(spec)
     start = time.perf_counter()
     est = estimate(spec, seq_len=64)
@@ -214,8 +228,12 @@ def test_a_ten_thousand_layer_stack_is_counted_per_group(tmp_path):
 
 def test_compare_refuses_what_it_cannot_build_at_once(capsys, tmp_path):
     spec = write(tmp_path, "deep.yaml", TINY.replace("n_layers: 2", "n_layers: 10000"))
-    refused(cli(capsys, "compare", spec), 1, "layers have 100,000 parameter tensors, more than the 50,000 compare builds",
-            "`builder describe` counts it")
+    refused(
+        cli(capsys, "compare", spec),
+        1,
+        "layers have 100,000 parameter tensors, more than the 50,000 compare builds",
+        "`builder describe` counts it",
+    )
 
 
 def test_a_syntax_error_is_located(capsys, tmp_path):

@@ -64,7 +64,7 @@ def test_schemas_are_draft_07(make):
     assert siblings == []  # draft-07 ignores what stands beside a $ref
     text = json.dumps(schema)
     assert "#/$defs/" not in text and text.count('"$ref": "#/definitions/') > 10
-    for ref in {r for r in __import__("re").findall(r'"\$ref": "#/definitions/([^"]+)"', text)}:
+    for ref in set(__import__("re").findall(r'"\$ref": "#/definitions/([^"]+)"', text)):
         assert ref in schema["definitions"], ref
 
 
@@ -77,16 +77,22 @@ def test_a_typo_inside_layer_overrides_is_flagged(spec_schema):
     spec = read_document(ROOT / "specs" / "gemma2-2b.yaml").data
     assert not list(spec_schema.iter_errors(spec))
     good = copy.deepcopy(spec)
-    good["decoder"]["overrides"].append({"layers": [1], "attention": {"softcap": 30.0}, "ffn": {"hidden_dim": 64},
-                                         "norm": {"eps": 1.0e-5}})
+    good["decoder"]["overrides"].append(
+        {"layers": [1], "attention": {"softcap": 30.0}, "ffn": {"hidden_dim": 64}, "norm": {"eps": 1.0e-5}}
+    )
     assert [e.message for e in spec_schema.iter_errors(good)] == []
     for field, typo in (("attention", {"sliding_windw": 4096}), ("ffn", {"hiden_dim": 64}), ("norm", {"epsilon": 1.0})):
         bad = copy.deepcopy(spec)
         bad["decoder"]["overrides"][0][field] = typo
         assert list(spec_schema.iter_errors(bad)), (field, typo)
     bad = copy.deepcopy(spec)
-    bad["decoder"]["overrides"][0]["ffn"] = {"type": "moe", "n_experts": 4, "top_k": 2, "expert": {"type": "glu"},
-                                             "hidden_dim": 8}  # a moe has no hidden_dim of its own
+    bad["decoder"]["overrides"][0]["ffn"] = {
+        "type": "moe",
+        "n_experts": 4,
+        "top_k": 2,
+        "expert": {"type": "glu"},
+        "hidden_dim": 8,
+    }  # a moe has no hidden_dim of its own
     assert list(spec_schema.iter_errors(bad))
     bad["decoder"]["overrides"][0]["ffn"].pop("hidden_dim")
     assert [e.message for e in spec_schema.iter_errors(bad)] == []
@@ -106,8 +112,14 @@ def test_recipe_model_section_carries_the_spec_schema(recipe_schema):
         change(data)
         return [e.message for e in recipe_schema.iter_errors(data)]
 
-    assert errors(lambda r: r["model"].update(overrides={"decoder": {"n_layers": 2, "attention": {"n_kv_heads": 1}},
-                                                         "decoder.ffn.hidden_dim": 64})) == []
+    assert (
+        errors(
+            lambda r: r["model"].update(
+                overrides={"decoder": {"n_layers": 2, "attention": {"n_kv_heads": 1}}, "decoder.ffn.hidden_dim": 64}
+            )
+        )
+        == []
+    )
     assert errors(lambda r: r["model"].update(overrides={"decoder": {"n_layer": 2}}))
     assert errors(lambda r: r["model"].update(overrides={"d_modle": 2}))
     assert errors(lambda r: r["model"]["spec"]["decoder"]["attention"].update(n_kv_head=2))
@@ -120,8 +132,9 @@ def test_recipe_model_section_carries_the_spec_schema(recipe_schema):
 def test_recipe_tasks_pick_their_schema(recipe_schema):
     translation = read_document(ROOT / "recipes" / "translate-multi30k.yaml").data
     translation["eval"]["num_beam"] = 3
-    assert ["Additional properties are not allowed ('num_beam' was unexpected)"] == [
-        e.message for e in recipe_schema.iter_errors(translation)]
+    assert [e.message for e in recipe_schema.iter_errors(translation)] == [
+        "Additional properties are not allowed ('num_beam' was unexpected)"
+    ]
     classify = read_document(ROOT / "recipes" / "classify.yaml").data
     classify["classification"]["pooling"] = "max"
     assert list(recipe_schema.iter_errors(classify))
@@ -132,8 +145,12 @@ def test_recipe_tasks_pick_their_schema(recipe_schema):
 
 
 def test_schema_command_prints_the_recipe_schema():
-    run = subprocess.run([sys.executable, "-m", "builder.cli", "schema", "--recipe", "--indent", "0"], cwd=ROOT,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "builder.cli", "schema", "--recipe", "--indent", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     schema = json.loads(run.stdout)
     assert schema["title"] == "Transformer builder training recipe" and "InlineModelSpec" in schema["definitions"]

@@ -20,8 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "sdpa", "triton"]
 
 
-def reference(q, k, v, causal=False, sliding_window=None, alibi_slopes=None, bias=None,
-              softcap=None, scale=None):
+def reference(q, k, v, causal=False, sliding_window=None, alibi_slopes=None, bias=None, softcap=None, scale=None):
     """Float64 attention written from the definition (no shared code with the kernels)."""
     q, k, v = q.double(), k.double(), v.double()
     B, H, Sq, D = q.shape
@@ -76,12 +75,25 @@ def run_with_grads(fn, q, k, v, dout, bias=None, **kw):
 def assert_close(actual, expected, atol, rtol, what):
     assert actual.shape == expected.shape, what
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
-def check_backend(backend, B, H, Hkv, Sq, Sk, D, dtype=torch.float32, bias_shape=None,
-                  bias_fn=None, tol=(2e-4, 2e-4), grad_tol=None, Dv=None, **kw):
+def check_backend(
+    backend,
+    B,
+    H,
+    Hkv,
+    Sq,
+    Sk,
+    D,
+    dtype=torch.float32,
+    bias_shape=None,
+    bias_fn=None,
+    tol=(2e-4, 2e-4),
+    grad_tol=None,
+    Dv=None,
+    **kw,
+):
     q, k, v, dout = make(B, H, Hkv, Sq, Sk, D, dtype, Dv=Dv)
     bias = None
     if bias_shape is not None:
@@ -91,8 +103,7 @@ def check_backend(backend, B, H, Hkv, Sq, Sk, D, dtype=torch.float32, bias_shape
         bias = bias_fn().to(DEVICE, dtype)
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = kw["alibi_slopes"].to(DEVICE)
-    out, grads = run_with_grads(lambda *a, **k2: attention(*a, backend=backend, **k2),
-                                q, k, v, dout, bias=bias, **kw)
+    out, grads = run_with_grads(lambda *a, **k2: attention(*a, backend=backend, **k2), q, k, v, dout, bias=bias, **kw)
     ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, **kw)
     assert out.dtype == dtype
     assert_close(out, ref, *tol, f"{backend} out")
@@ -111,17 +122,35 @@ CASES = {
     "mha-noncausal-sq-lt-sk-17x100": (1, 2, 2, 17, 100, 16, {}),
     "gqa-window-100": (1, 4, 2, 100, 100, 64, dict(causal=True, sliding_window=20)),
     "mha-window-17x77": (1, 2, 2, 17, 77, 16, dict(causal=True, sliding_window=7)),
-    "mha-alibi-causal-77": (1, 4, 4, 77, 77, 16,
-                            dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))),
-    "mqa-alibi-full-17x40": (1, 4, 1, 17, 40, 16,
-                             dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))),
+    "mha-alibi-causal-77": (
+        1,
+        4,
+        4,
+        77,
+        77,
+        16,
+        dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    ),
+    "mqa-alibi-full-17x40": (1, 4, 1, 17, 40, 16, dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))),
     "mha-bias-17x100": (2, 2, 2, 17, 100, 40, dict(bias_shape=(1, 2, 17, 100))),
     "gqa-bias-bcast-causal-77": (2, 4, 2, 77, 77, 16, dict(causal=True, bias_shape=(4, 1, 77))),
     "gqa-softcap-causal-77": (1, 4, 2, 77, 77, 40, dict(causal=True, softcap=2.0)),
     "mha-d128-causal-100": (1, 2, 2, 100, 100, 128, dict(causal=True)),
-    "gqa-everything-17x100": (1, 4, 2, 17, 100, 40, dict(
-        causal=True, sliding_window=30, softcap=3.0, bias_shape=(1, 4, 17, 100),
-        alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05]))),
+    "gqa-everything-17x100": (
+        1,
+        4,
+        2,
+        17,
+        100,
+        40,
+        dict(
+            causal=True,
+            sliding_window=30,
+            softcap=3.0,
+            bias_shape=(1, 4, 17, 100),
+            alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05]),
+        ),
+    ),
 }
 
 
@@ -137,8 +166,16 @@ VALUE_DIM_CASES = {
     "mla-train-causal-33-d24-v16": (1, 2, 2, 33, 33, 24, 16, dict(causal=True)),
     "mla-absorbed-decode-1x40-d40-v32": (2, 4, 1, 1, 40, 40, 32, dict(causal=True)),
     "mla-absorbed-chunk-5x50-d24-v16": (1, 4, 1, 5, 50, 24, 16, dict(causal=True, bias_shape=(1, 1, 5, 50))),
-    "wider-values-17x40-d16-v40": (1, 4, 2, 17, 40, 16, 40, dict(
-        causal=True, softcap=3.0, sliding_window=9, alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05]))),
+    "wider-values-17x40-d16-v40": (
+        1,
+        4,
+        2,
+        17,
+        40,
+        16,
+        40,
+        dict(causal=True, softcap=3.0, sliding_window=9, alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05])),
+    ),
 }
 
 
@@ -179,9 +216,21 @@ def test_fully_masked_rows_give_zero(backend, mask_fn):
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(backend, dtype):
-    check_backend(backend, 1, 4, 2, 77, 77, 40, dtype=dtype, causal=True, softcap=5.0,
-                  alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
-                  tol=(3e-2, 3e-2), grad_tol=(6e-2, 6e-2))
+    check_backend(
+        backend,
+        1,
+        4,
+        2,
+        77,
+        77,
+        40,
+        dtype=dtype,
+        causal=True,
+        softcap=5.0,
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+        tol=(3e-2, 3e-2),
+        grad_tol=(6e-2, 6e-2),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -195,8 +244,9 @@ def test_non_contiguous_inputs(backend):
     dout = torch.randn(B, S, H, D, generator=g).to(DEVICE).transpose(1, 2)
     bias = torch.randn(S, S, generator=g).to(DEVICE).t()  # transposed, broadcast over B, H
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    out, grads = run_with_grads(lambda *a, **kw: attention(*a, backend=backend, **kw),
-                                q, k, v, dout, bias=bias, causal=True)
+    out, grads = run_with_grads(
+        lambda *a, **kw: attention(*a, backend=backend, **kw), q, k, v, dout, bias=bias, causal=True
+    )
     ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, causal=True)
     assert_close(out, ref, 2e-4, 2e-4, "out")
     for g_, r in zip(grads, ref_grads):
@@ -208,42 +258,56 @@ def test_out_of_bounds_canaries():
     B, H, Hkv, Sq, Sk, D = 1, 4, 2, 37, 45, 24
 
     def guarded(*shape):
-        buf = torch.full((shape[0], shape[1] + 1, shape[2] + 9, shape[3] + 8), float("nan"),
-                         device=DEVICE)
-        view = buf[:, 1:, 3:3 + shape[2], 5:5 + shape[3]]
+        buf = torch.full((shape[0], shape[1] + 1, shape[2] + 9, shape[3] + 8), float("nan"), device=DEVICE)
+        view = buf[:, 1:, 3 : 3 + shape[2], 5 : 5 + shape[3]]
         view.copy_(torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))))
         return buf, view
 
-    (qb, q), (kb, k), (vb, v), (gb, dout) = (guarded(B, H, Sq, D), guarded(B, Hkv, Sk, D),
-                                            guarded(B, Hkv, Sk, D), guarded(B, H, Sq, D))
+    (qb, q), (kb, k), (vb, v), (gb, dout) = (
+        guarded(B, H, Sq, D),
+        guarded(B, Hkv, Sk, D),
+        guarded(B, Hkv, Sk, D),
+        guarded(B, H, Sq, D),
+    )
     nan_before = [torch.isnan(b).sum().item() for b in (qb, kb, vb, gb)]
     bias_buf = torch.full((Sq + 4, Sk + 4), float("nan"), device=DEVICE)
-    bias = bias_buf[2:2 + Sq, 1:1 + Sk]
+    bias = bias_buf[2 : 2 + Sq, 1 : 1 + Sk]
     bias.zero_()
-    out, grads = run_with_grads(lambda *a, **kw: attention(*a, backend="triton", **kw),
-                                q, k, v, dout, bias=bias, causal=True, sliding_window=16)
-    ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, causal=True,
-                                    sliding_window=16)
+    out, grads = run_with_grads(
+        lambda *a, **kw: attention(*a, backend="triton", **kw), q, k, v, dout, bias=bias, causal=True, sliding_window=16
+    )
+    ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, causal=True, sliding_window=16)
     assert_close(out, ref, 2e-4, 2e-4, "out")
     for g_, r in zip(grads, ref_grads):
         assert_close(g_, r, 2e-4, 2e-4, "grad")
     assert [torch.isnan(b).sum().item() for b in (qb, kb, vb, gb)] == nan_before
 
 
-@pytest.mark.parametrize("Sq,Sk,Hkv,kw", [
-    (1, 100, 1, dict(causal=True)),
-    (1, 100, 2, dict(causal=True, sliding_window=10)),  # most splits see nothing
-    (3, 77, 4, dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
-                    softcap=4.0, bias_shape=(2, 4, 3, 77))),
-    (4, 2, 2, dict(causal=True)),  # more queries than keys: some rows see nothing
-])
+@pytest.mark.parametrize(
+    "Sq,Sk,Hkv,kw",
+    [
+        (1, 100, 1, dict(causal=True)),
+        (1, 100, 2, dict(causal=True, sliding_window=10)),  # most splits see nothing
+        (
+            3,
+            77,
+            4,
+            dict(
+                causal=True,
+                alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+                softcap=4.0,
+                bias_shape=(2, 4, 3, 77),
+            ),
+        ),
+        (4, 2, 2, dict(causal=True)),  # more queries than keys: some rows see nothing
+    ],
+)
 def test_decode_path(monkeypatch, Sq, Sk, Hkv, kw):
     from kernels import triton_attention
 
     calls = []
     launch = triton_attention._launch_decode
-    monkeypatch.setattr(triton_attention, "_launch_decode",
-                        lambda *a, **k2: calls.append(a[9]) or launch(*a, **k2))
+    monkeypatch.setattr(triton_attention, "_launch_decode", lambda *a, **k2: calls.append(a[9]) or launch(*a, **k2))
     check_backend("triton", 2, 4, Hkv, Sq, Sk, 40, **dict(kw))
     assert calls, "the split-K decode kernel was not used"
     if Sk >= 100 and DEVICE == "cpu":
@@ -265,8 +329,7 @@ def test_flop_counter_matches_eager(backward):
     counts = {}
     for backend in ("eager", "triton"):
         leaves = [t.clone().requires_grad_(backward) for t in (q, k, v)]
-        counts[backend] = _count_flops(
-            lambda: attention(*leaves, causal=True, backend=backend), backward)
+        counts[backend] = _count_flops(lambda: attention(*leaves, causal=True, backend=backend), backward)
     forward = 4 * B * H * Sq * Sk * D  # two matmuls of 2 * B * H * Sq * Sk * D
     assert counts["eager"] == forward * (3 if backward else 1)
     assert counts["triton"] == counts["eager"]
@@ -282,7 +345,8 @@ def test_meta_tensors_give_shapes():
     assert out.shape == (2, 8, 5, 40) and out.dtype == torch.bfloat16 and out.device == q.device
     assert lse.shape == (2, 8, 5) and lse.dtype == torch.float32
     dq, dk, dv, dbias = torch.ops.kernels.flash_attention_backward(
-        out, q, k, k, out, lse, bias, None, True, 64, 30.0, 0.1, True)
+        out, q, k, k, out, lse, bias, None, True, 64, 30.0, 0.1, True
+    )
     assert (dq.shape, dk.shape, dv.shape, dbias.shape) == (q.shape, k.shape, k.shape, bias.shape)
     v = torch.empty(2, 2, 300, 24, device="meta", dtype=torch.bfloat16)  # narrower values
     out, lse = torch.ops.kernels.flash_attention(q, k, v, None, None, True, None, None, 0.1)
@@ -294,11 +358,12 @@ def test_opcheck():
 
     q, k, v, _ = make(1, 2, 1, 9, 20, 16)
     bias = torch.randn(1, 2, 9, 20, device=DEVICE, requires_grad=True)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bias, None, True, None,
-            None, 0.25)
-    torch.library.opcheck(triton_attention.flash_attention, args,
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bias, None, True, None, None, 0.25)
+    torch.library.opcheck(
+        triton_attention.flash_attention,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
@@ -310,16 +375,19 @@ def test_dropout(backend):
     assert not torch.allclose(out, attention(q, k, v, causal=True, backend=backend))
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(shape=(1, 2, 4, 300), backend="triton"), "head_dim <= 256"),
-    (dict(shape=(1, 3, 4, 16), kv_heads=2), "multiple of n_kv_heads"),
-    (dict(shape=(1, 2, 4, 16), backend="triton", dropout_p=0.1), "dropout"),
-    (dict(shape=(1, 2, 4, 16), bias=torch.zeros(3, 4)), "does not broadcast"),
-    (dict(shape=(1, 2, 4, 16), alibi_slopes=torch.zeros(3)), "alibi_slopes"),
-    (dict(shape=(1, 2, 4, 16), sliding_window=0), "sliding_window"),
-    (dict(shape=(1, 2, 4, 16), backend="flash"), "backend must be one of"),
-    (dict(shape=(1, 2, 4, 16), v_len=5), "agree on batch, heads and length"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(shape=(1, 2, 4, 300), backend="triton"), "head_dim <= 256"),
+        (dict(shape=(1, 3, 4, 16), kv_heads=2), "multiple of n_kv_heads"),
+        (dict(shape=(1, 2, 4, 16), backend="triton", dropout_p=0.1), "dropout"),
+        (dict(shape=(1, 2, 4, 16), bias=torch.zeros(3, 4)), "does not broadcast"),
+        (dict(shape=(1, 2, 4, 16), alibi_slopes=torch.zeros(3)), "alibi_slopes"),
+        (dict(shape=(1, 2, 4, 16), sliding_window=0), "sliding_window"),
+        (dict(shape=(1, 2, 4, 16), backend="flash"), "backend must be one of"),
+        (dict(shape=(1, 2, 4, 16), v_len=5), "agree on batch, heads and length"),
+    ],
+)
 def test_clear_errors(kwargs, message):
     kwargs = dict(kwargs)
     shape = kwargs.pop("shape")
@@ -345,5 +413,4 @@ def test_import_is_lazy_and_triton_runs_on_cpu():
         "    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env,
-                   cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[1])

@@ -47,5 +47,8 @@ def test_the_cli_finds_the_recipes_commands():
 
     table = commands()
     assert {name: table[name][0] for name in ("train", "eval", "generate")} == {
-        "train": "recipes.commands.train", "eval": "recipes.commands.eval", "generate": "recipes.commands.generate"}
+        "train": "recipes.commands.train",
+        "eval": "recipes.commands.eval",
+        "generate": "recipes.commands.generate",
+    }
     assert not any(module.startswith("recipes") for module, _ in COMMANDS.values())

@@ -114,20 +114,38 @@ def test_chunk_rows_is_torch_chunk():
 
 def _odd_spec(**top):
     """Dims that do not divide by 3 or 4: ranks hold different shares."""
-    return spec_model().model_validate({
-        "name": "odd", "architecture": "decoder-only", "vocab_size": 250, "d_model": 24, "max_seq_len": 32,
-        "position": {"type": "learned"}, "tie_embeddings": True,
-        "decoder": {"n_layers": 3, "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True},
-                    "ffn": {"type": "glu", "hidden_dim": 70}, "norm": {"type": "layernorm"}},
-        **top,
-    })
+    return spec_model().model_validate(
+        {
+            "name": "odd",
+            "architecture": "decoder-only",
+            "vocab_size": 250,
+            "d_model": 24,
+            "max_seq_len": 32,
+            "position": {"type": "learned"},
+            "tie_embeddings": True,
+            "decoder": {
+                "n_layers": 3,
+                "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True},
+                "ffn": {"type": "glu", "hidden_dim": 70},
+                "norm": {"type": "layernorm"},
+            },
+            **top,
+        }
+    )
 
 
-@pytest.mark.parametrize("devices, nodes, tp, mode", [(3, 1, 1, "shard"), (8, 2, 2, "hybrid"),
-                                                      (8, 1, 2, "shard"), (4, 1, 1, "replicate")])
+@pytest.mark.parametrize(
+    "devices, nodes, tp, mode", [(3, 1, 1, "shard"), (8, 2, 2, "hybrid"), (8, 1, 2, "shard"), (4, 1, 1, "replicate")]
+)
 def test_ranks_split_every_tensor_as_torch_chunk(devices, nodes, tp, mode):
-    spec = _odd_spec(decoder={"n_layers": 3, "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True},
-                              "ffn": {"type": "glu", "hidden_dim": 72}, "norm": {"type": "layernorm"}})
+    spec = _odd_spec(
+        decoder={
+            "n_layers": 3,
+            "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True},
+            "ffn": {"type": "glu", "hidden_dim": 72},
+            "norm": {"type": "layernorm"},
+        }
+    )
     layout = Layout(devices=devices, nodes=nodes, tensor_parallel=tp, data_parallel=mode)
     ranks = [rank_states(spec, layout, r) for r in range(devices)]
     tensors = model_tensors(spec)
@@ -175,12 +193,18 @@ def test_tensor_parallel_activations_and_kv_cache_are_one_ranks():
 def test_tensor_parallel_problems_name_each_field():
     spec = load_spec(ROOT / "specs" / "llama2-70b.yaml")
     problems = dict(tensor_parallel_problems(spec, 3))
-    assert set(problems) == {("vocab_size",), ("decoder", "attention", "n_heads"),
-                             ("decoder", "attention", "n_kv_heads"), ("decoder", "ffn", "hidden_dim")}
+    assert set(problems) == {
+        ("vocab_size",),
+        ("decoder", "attention", "n_heads"),
+        ("decoder", "attention", "n_kv_heads"),
+        ("decoder", "ffn", "hidden_dim"),
+    }
     assert "64 is not a multiple of the tensor-parallel degree 3" in problems[("decoder", "attention", "n_heads")]
     gemma = load_spec(ROOT / "specs" / "gemma2-2b.yaml")  # 8 heads, 4 KV heads, overrides per layer
     assert [loc for loc, _ in tensor_parallel_problems(gemma, 8)] == [
-        ("decoder", "attention", "n_kv_heads"), ("decoder", "overrides", 0, "attention", "n_kv_heads")]
+        ("decoder", "attention", "n_kv_heads"),
+        ("decoder", "overrides", 0, "attention", "n_kv_heads"),
+    ]
     assert tensor_parallel_problems(gemma, 4) == []
     with pytest.raises(LayoutError, match="tensor_parallel=3: .*decoder.ffn.hidden_dim"):
         rank_states(spec, Layout(devices=3, tensor_parallel=3))
@@ -199,18 +223,42 @@ def test_layout_refusals_name_the_setting():
 
 def test_describe_layout_options(capsys):
     spec = str(ROOT / "specs" / "llama2-70b.yaml")
-    assert main(["describe", spec, "--seq-len", "4096", "--devices", "64", "--nodes", "8", "--strategy", "fsdp",
-                 "--tensor-parallel", "8", "--data-parallel", "shard", "--json"]) == 0
+    assert (
+        main(
+            [
+                "describe",
+                spec,
+                "--seq-len",
+                "4096",
+                "--devices",
+                "64",
+                "--nodes",
+                "8",
+                "--strategy",
+                "fsdp",
+                "--tensor-parallel",
+                "8",
+                "--data-parallel",
+                "shard",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["memory"]["layout"]["tensor_parallel"] == 8 and out["settings"]["tensor_parallel"] == 8
-    assert main(["describe", spec, "--devices", "64", "--nodes", "8", "--strategy", "fsdp",
-                 "--tensor-parallel", "8"]) == 0
-    assert "rank 0 (holds the most): 64 devices on 8 nodes: tensor-parallel 8 x FSDP shard over 8" \
-        in " ".join(capsys.readouterr().out.split())
+    assert (
+        main(["describe", spec, "--devices", "64", "--nodes", "8", "--strategy", "fsdp", "--tensor-parallel", "8"]) == 0
+    )
+    assert "rank 0 (holds the most): 64 devices on 8 nodes: tensor-parallel 8 x FSDP shard over 8" in " ".join(
+        capsys.readouterr().out.split()
+    )
     for argv, expected in (
         (["--strategy", "fsdp", "--devices", "8", "--tensor-parallel", "3"], "error: --tensor-parallel 3: must divide"),
-        (["--strategy", "fsdp", "--devices", "6", "--tensor-parallel", "3"],
-         "error: --tensor-parallel 3: vocab_size: 32000 is not a multiple"),
+        (
+            ["--strategy", "fsdp", "--devices", "6", "--tensor-parallel", "3"],
+            "error: --tensor-parallel 3: vocab_size: 32000 is not a multiple",
+        ),
         (["--strategy", "fsdp", "--devices", "8", "--data-parallel", "hybrid"], "error: --data-parallel hybrid: "),
         (["--devices", "8", "--tensor-parallel", "2"], "error: --tensor-parallel needs --strategy fsdp"),
         (["--strategy", "fsdp", "--devices", "10", "--nodes", "4"], "error: --devices 10: must be a multiple"),

@@ -22,10 +22,19 @@ pytestmark = pytest.mark.slow
 
 #: dims that do not divide the shard groups evenly: ranks hold different shares
 SPEC = {
-    "name": "odd", "architecture": "decoder-only", "vocab_size": 250, "d_model": 24, "max_seq_len": 32,
-    "position": {"type": "learned"}, "tie_embeddings": False,
-    "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True, "out_bias": True},
-                "ffn": {"type": "mlp", "hidden_dim": 70, "bias": True}, "norm": {"type": "layernorm"}},
+    "name": "odd",
+    "architecture": "decoder-only",
+    "vocab_size": 250,
+    "d_model": 24,
+    "max_seq_len": 32,
+    "position": {"type": "learned"},
+    "tie_embeddings": False,
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True, "out_bias": True},
+        "ffn": {"type": "mlp", "hidden_dim": 70, "bias": True},
+        "norm": {"type": "layernorm"},
+    },
 }
 
 
@@ -39,8 +48,9 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     layout = Layout(devices=world, nodes=nodes, tensor_parallel=tp, data_parallel=mode)
-    mesh = init_device_mesh("cpu", (layout.replicas, layout.shard_size, tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    mesh = init_device_mesh(
+        "cpu", (layout.replicas, layout.shard_size, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+    )
     spec = spec_model().model_validate(SPEC)
     torch.manual_seed(0)
     model = build_model(spec)
@@ -73,8 +83,9 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
         "elements": sum(local(p).numel() for p in params),
         "weights": sum(local(p).numel() * local(p).element_size() for p in params),
         "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for p in params),
-        "optimizer": sum(local(s).numel() * local(s).element_size()
-                         for p in params for s in optimizer.state[p].values()),
+        "optimizer": sum(
+            local(s).numel() * local(s).element_size() for p in params for s in optimizer.state[p].values()
+        ),
         "tensors": len(params),
     }
     Path(out, f"{rank}.json").write_text(json.dumps(held))
@@ -91,7 +102,12 @@ def test_every_rank_holds_what_rank_states_counts(world, nodes, tp, mode, tmp_pa
     for rank in range(world):
         held = json.loads((tmp_path / f"{rank}.json").read_text())
         want = counted[rank]
-        assert held == {"elements": want.elements, "weights": want.weights, "gradients": want.gradients,
-                        "optimizer": want.optimizer, "tensors": want.tensors}, f"rank {rank}"
+        assert held == {
+            "elements": want.elements,
+            "weights": want.weights,
+            "gradients": want.gradients,
+            "optimizer": want.optimizer,
+            "tensors": want.tensors,
+        }, f"rank {rank}"
     if layout.shard_size == 3:
         assert len({c.elements for c in counted}) == 2  # 250 rows over 3 ranks: 84, 84, 82

@@ -141,8 +141,12 @@ def test_not_utf8_and_control_characters_are_located(tmp_path):
 
 
 def test_extends_merges_mappings_and_replaces_scalars_lists_and_other_block_types(tmp_path):
-    write(tmp_path, "base/parent.yaml", TINY + "  ffn: {type: glu, hidden_dim: 96}\n  overrides:\n"
-          "    - {layers: [0], attention: {sliding_window: 8}}\n")
+    write(
+        tmp_path,
+        "base/parent.yaml",
+        TINY + "  ffn: {type: glu, hidden_dim: 96}\n  overrides:\n"
+        "    - {layers: [0], attention: {sliding_window: 8}}\n",
+    )
     child = write(
         tmp_path,
         "child.yaml",
@@ -181,23 +185,38 @@ def test_overrides_apply_after_extends_and_create_sections():
     )
     assert spec.decoder.n_layers == 4 and spec.embedding.dropout == 0.1
     assert [layer.attention.sliding_window for layer in spec.decoder.layers()] == [None, 16, None, 16]
-    spec = load_spec(SPECS / "tiny" / "llama.yaml", overrides={"position.scaling.type": "linear",
-                                                               "position.scaling.factor": 2})
+    spec = load_spec(
+        SPECS / "tiny" / "llama.yaml", overrides={"position.scaling.type": "linear", "position.scaling.factor": 2}
+    )
     assert spec.position.scaling.factor == 2.0
     spec = load_spec(SPECS / "llama2-7b.yaml", overrides={"embedding.norm.type": "rmsnorm"})
     assert spec.embedding.norm.type == "rmsnorm"
 
 
 def test_set_args_are_parsed_as_yaml_and_located():
-    overrides = parse_set_args(["decoder.n_layers=2", "decoder.overrides.0.layers=1::2", "head.softcap=null",
-                                "decoder.overrides.0.attention={sliding_window: 8}"])
-    assert overrides == {"decoder.n_layers": 2, "decoder.overrides.0.layers": "1::2", "head.softcap": None,
-                         "decoder.overrides.0.attention": {"sliding_window": 8}}
+    overrides = parse_set_args(
+        [
+            "decoder.n_layers=2",
+            "decoder.overrides.0.layers=1::2",
+            "head.softcap=null",
+            "decoder.overrides.0.attention={sliding_window: 8}",
+        ]
+    )
+    assert overrides == {
+        "decoder.n_layers": 2,
+        "decoder.overrides.0.layers": "1::2",
+        "head.softcap": None,
+        "decoder.overrides.0.attention": {"sliding_window": 8},
+    }
     with pytest.raises(SpecError) as caught:
         parse_set_args(["decoder.n_layers", "=3", "a..b=1", "x=[1, 2", "y=!!python/object/apply:os.system [ls]"])
     assert [p.file for p in caught.value.problems] == [
-        "<--set decoder.n_layers>", "<--set =3>", "<--set a..b=1>", "<--set x=[1, 2>",
-        "<--set y=!!python/object/apply:os.system [ls]>"]
+        "<--set decoder.n_layers>",
+        "<--set =3>",
+        "<--set a..b=1>",
+        "<--set x=[1, 2>",
+        "<--set y=!!python/object/apply:os.system [ls]>",
+    ]
     assert all(p.line is None for p in caught.value.problems)
 
 
@@ -235,7 +254,10 @@ def test_set_mapping_merges_as_extends_does():
 
 
 def test_a_problem_in_a_field_layers_inherit_is_reported_once_at_its_line(tmp_path):
-    spec = write(tmp_path, "s.yaml", """\
+    spec = write(
+        tmp_path,
+        "s.yaml",
+        """\
         architecture: encoder-decoder
         vocab_size: 256
         d_model: 64
@@ -248,7 +270,8 @@ def test_a_problem_in_a_field_layers_inherit_is_reported_once_at_its_line(tmp_pa
           overrides:
             - {layers: [0], attention: {sliding_window: 8}, ffn: {hidden_dim: 8}}
             - {layers: [1], cross_attention: {out_bias: true}}
-        """)
+        """,
+    )
     problems = validate_file(spec)
     assert [(p.line, p.path) for p in problems] == [(8, "decoder.attention.n_kv_heads")], problems
     assert "try n_kv_heads: 2" in problems[0].message
@@ -256,8 +279,12 @@ def test_a_problem_in_a_field_layers_inherit_is_reported_once_at_its_line(tmp_pa
     problems = validate_file(typo)
     assert [(p.line, p.path) for p in problems] == [(8, "decoder.attention.qkv_bais")], problems
     assert "did you mean 'qkv_bias'" in problems[0].message
-    missing = write(tmp_path, "m.yaml", TINY.replace("{n_heads: 4, n_kv_heads: 2}", "{n_kv_heads: 2}")
-                    + "  overrides:\n    - {layers: [1], attention: {sliding_window: 8}}\n")
+    missing = write(
+        tmp_path,
+        "m.yaml",
+        TINY.replace("{n_heads: 4, n_kv_heads: 2}", "{n_kv_heads: 2}")
+        + "  overrides:\n    - {layers: [1], attention: {sliding_window: 8}}\n",
+    )
     assert [(p.line, p.path) for p in validate_file(missing)] == [(7, "decoder.attention.n_heads")]
 
 
@@ -265,10 +292,17 @@ def test_merged_documents_carry_where_every_field_was_written(tmp_path):
     from builder.merge import merge
     from builder.yaml_source import Document, read_document
 
-    doc = read_document(write(tmp_path, "a.yaml", TINY + "  overrides:\n    - {layers: [1], attention: {n_heads: 8}}\n"))
+    doc = read_document(
+        write(tmp_path, "a.yaml", TINY + "  overrides:\n    - {layers: [1], attention: {n_heads: 8}}\n")
+    )
     stack = doc.data["decoder"]
-    out = merge(stack["attention"], stack["overrides"][0]["attention"], out=doc,
-                at=("decoder", "overrides", 0, "attention"), base_from=(doc, ("decoder", "attention")))
+    out = merge(
+        stack["attention"],
+        stack["overrides"][0]["attention"],
+        out=doc,
+        at=("decoder", "overrides", 0, "attention"),
+        base_from=(doc, ("decoder", "attention")),
+    )
     assert out == {"n_heads": 8, "n_kv_heads": 2}
     at = ("decoder", "overrides", 0, "attention")
     assert doc.written_at(at + ("n_kv_heads",)) == ("decoder", "attention", "n_kv_heads")  # inherited
@@ -291,7 +325,7 @@ def test_the_spec_type_is_a_static_class_plugins_still_validate_through():
     assert isinstance(spec.decoder.attention, AttentionBlock)
     again = ModelSpec.model_validate(spec.model_dump())
     assert isinstance(again, ModelSpec) and again == spec
-    assert "ModelSpec" == ModelSpec.model_json_schema()["title"]
+    assert ModelSpec.model_json_schema()["title"] == "ModelSpec"
     assert StackSpec.model_fields["attention"].annotation is AttentionBlock  # what code may ask
 
 
@@ -324,7 +358,10 @@ def test_load_config_gives_the_same_located_errors(tmp_path):
 
 def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
     """Run in a subprocess: a registered block would stay in this process's registry."""
-    write(tmp_path, "myblocks.py", """\
+    write(
+        tmp_path,
+        "myblocks.py",
+        """\
         from typing import Literal
         from blocks.configs.base import NormBlock
         from blocks.registry import register
@@ -338,12 +375,16 @@ def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
                 return {"scale": ()}
             def saved_bytes(self, d_model, tokens, act_bytes):
                 return tokens * d_model * 4
-        """)
+        """,
+    )
     spec = write(tmp_path, "s.yaml", TINY + "  norm: {type: scalenorm}\n")
     env_path = f"{tmp_path}{':' + str(ROOT)}"
-    run = lambda *extra: subprocess.run(  # noqa: E731
+    run = lambda *extra: subprocess.run(
         [sys.executable, "-m", "builder.cli", "validate", str(spec), *extra],
-        cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
     )
     without = run()
     assert without.returncode == 1 and "unknown type 'scalenorm'" in without.stdout
@@ -358,8 +399,12 @@ def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
 
 _BASES = [p for p in sorted(SPECS.glob("*.yaml")) if "extends:" not in p.read_text()]
 _JUNK = st.one_of(
-    st.integers(-5, 10**6), st.floats(allow_nan=True), st.booleans(), st.none(),
-    st.text(max_size=8), st.lists(st.integers(-3, 3), max_size=3),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=3),
     st.dictionaries(st.text(min_size=1, max_size=5), st.integers(), max_size=2),
     st.sampled_from(["rope", "moe", "glu", "0::2", "1e-5", "sandwich", "encoder-decoder"]),
 )
@@ -419,7 +464,8 @@ def test_mangled_text_gives_located_problems(base, data):
 
 def test_a_key_indented_one_level_too_shallow_says_where_it_belongs(tmp_path):
     spec = tmp_path / "shallow.yaml"
-    spec.write_text(textwrap.dedent("""\
+    spec.write_text(
+        textwrap.dedent("""\
         name: shallow
         architecture: decoder-only
         vocab_size: 100
@@ -430,12 +476,15 @@ def test_a_key_indented_one_level_too_shallow_says_where_it_belongs(tmp_path):
           sliding_window: 64
           attention: {n_heads: 4}
           ffn: {type: mlp, hidden_dim: 128, activation: swish}
-        """))
+        """)
+    )
     problems = {p.path: p for p in validate_file(spec)}
     shallow = problems["decoder.sliding_window"]
-    assert shallow.line == 8 and shallow.message.startswith(
-        "unknown key 'sliding_window'; it belongs under 'attention'") and "decoder.attention.sliding_window" in \
-        shallow.message
+    assert (
+        shallow.line == 8
+        and shallow.message.startswith("unknown key 'sliding_window'; it belongs under 'attention'")
+        and "decoder.attention.sliding_window" in shallow.message
+    )
     assert problems["decoder.ffn.activation"].message.endswith("; 'swish' is called 'silu' here")
 
 
@@ -443,5 +492,8 @@ def test_a_tab_in_the_indentation_is_named_at_its_line(tmp_path):
     spec = tmp_path / "tabs.yaml"
     spec.write_text("name: tabs\ndecoder:\n  n_layers: 2\n  ffn:\n\t  hidden_dim: 3\n")
     (problem,) = validate_file(spec)
-    assert (problem.line, problem.col, problem.message) == (5, 1, "a tab in the indentation: YAML indents with "
-                                                                      "spaces only")
+    assert (problem.line, problem.col, problem.message) == (
+        5,
+        1,
+        "a tab in the indentation: YAML indents with spaces only",
+    )

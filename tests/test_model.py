@@ -155,15 +155,24 @@ def test_padding_does_not_change_the_real_tokens(path):
             tgt = ids[:, :5]
             padded = torch.cat((ids, pad), 1)
             mask = torch.cat((torch.ones_like(ids), torch.zeros_like(pad)), 1)
-            torch.testing.assert_close(model(padded, mask, decoder_input_ids=tgt), model(ids, decoder_input_ids=tgt),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                model(padded, mask, decoder_input_ids=tgt), model(ids, decoder_input_ids=tgt), rtol=1e-5, atol=1e-5
+            )
 
 
 def _tiny(**overrides):
     data = {
-        "name": "t", "architecture": "decoder-only", "vocab_size": 50, "d_model": 32, "max_seq_len": 32,
-        "decoder": {"n_layers": 4, "attention": {"n_heads": 4}, "ffn": {"type": "glu", "hidden_dim": 64},
-                    "norm": {"type": "rmsnorm"}},
+        "name": "t",
+        "architecture": "decoder-only",
+        "vocab_size": 50,
+        "d_model": 32,
+        "max_seq_len": 32,
+        "decoder": {
+            "n_layers": 4,
+            "attention": {"n_heads": 4},
+            "ffn": {"type": "glu", "hidden_dim": 64},
+            "norm": {"type": "rmsnorm"},
+        },
     }
     for key, value in overrides.items():
         data[key] = value
@@ -172,10 +181,17 @@ def _tiny(**overrides):
 
 def test_initialisation_follows_blocks_init():
     torch.manual_seed(0)
-    spec = _tiny(d_model=256, vocab_size=2000, tie_embeddings=False,
-                 decoder={"n_layers": 8, "attention": {"n_heads": 4, "qkv_bias": True},
-                          "ffn": {"type": "mlp", "bias": True, "hidden_dim": 1024},
-                          "norm": {"type": "layernorm"}})
+    spec = _tiny(
+        d_model=256,
+        vocab_size=2000,
+        tie_embeddings=False,
+        decoder={
+            "n_layers": 8,
+            "attention": {"n_heads": 4, "qkv_bias": True},
+            "ffn": {"type": "mlp", "bias": True, "hidden_dim": 1024},
+            "norm": {"type": "layernorm"},
+        },
+    )
     model = build_model(spec)
     layer = model.decoder.layers[0]
     assert abs(model.decoder.embedding.tokens.weight.std().item() - 0.02) < 1e-3
@@ -266,9 +282,16 @@ def test_dtype_and_per_layer_overrides():
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert torch.get_default_dtype() == torch.float32  # restored
     assert model(_tiny_inputs(model.spec)).dtype == torch.bfloat16
-    spec = _tiny(decoder={"n_layers": 4, "attention": {"n_heads": 4}, "ffn": {"type": "glu", "hidden_dim": 64},
-                          "overrides": [{"layers": "1::2", "attention": {"sliding_window": 3},
-                                         "ffn": {"type": "mlp", "hidden_dim": 16}}]})
+    spec = _tiny(
+        decoder={
+            "n_layers": 4,
+            "attention": {"n_heads": 4},
+            "ffn": {"type": "glu", "hidden_dim": 64},
+            "overrides": [
+                {"layers": "1::2", "attention": {"sliding_window": 3}, "ffn": {"type": "mlp", "hidden_dim": 16}}
+            ],
+        }
+    )
     hybrid = build_model(spec)
     windows = [layer.attention.sliding_window for layer in hybrid.decoder.layers]
     assert windows == [None, 3, None, 3]

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hostile_helpers import checkpoint, cli, clean  # noqa: F401  (checkpoint: a fixture)
+from hostile_helpers import checkpoint, clean, cli  # noqa: F401  (checkpoint: a fixture)
 from recipe_helpers import tiny_recipe
 
 MARK = "S3CR3T"
@@ -77,19 +76,22 @@ def spec_file(tmp_path_factory) -> Path:
 # -- a secret given where a spec goes --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [
-    ["validate", "{secret}"],
-    ["describe", "{secret}"],
-    ["compare", "{secret}"],
-    ["plan", "{secret}", "--gpus", "8"],
-    ["diff", "{secret}", "{spec}"],
-    ["diff", "{spec}", "{secret}"],
-    ["validate", "{spec}", "--set", "extends={secret}"],
-    ["export-hf", "{secret}", "-o", "{out}"],
-    ["export-hf", "{spec}", "-o", "{out}", "--weights", "{secret}"],
-    ["export-hf", "{spec}", "-o", "{out}", "--hf-config", "{secret}"],
-    ["plan", "{spec}", "--gpus", "8", "--recipe", "{secret}"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["validate", "{secret}"],
+        ["describe", "{secret}"],
+        ["compare", "{secret}"],
+        ["plan", "{secret}", "--gpus", "8"],
+        ["diff", "{secret}", "{spec}"],
+        ["diff", "{spec}", "{secret}"],
+        ["validate", "{spec}", "--set", "extends={secret}"],
+        ["export-hf", "{secret}", "-o", "{out}"],
+        ["export-hf", "{spec}", "-o", "{out}", "--weights", "{secret}"],
+        ["export-hf", "{spec}", "-o", "{out}", "--hf-config", "{secret}"],
+        ["plan", "{spec}", "--gpus", "8", "--recipe", "{secret}"],
+    ],
+)
 def test_a_secret_named_on_the_command_line(capsys, tmp_path, secret, spec_file, command):
     argv = [a.format(secret=secret, spec=spec_file, out=tmp_path / "out") for a in command]
     no_leak(cli(capsys, *argv))
@@ -165,8 +167,14 @@ def test_a_hugging_face_config_with_secret_values(capsys, tmp_path):
     """Values of the wrong kind are named by their key; the value itself is not shown."""
     folder = tmp_path / "hf"
     folder.mkdir()
-    config = {"model_type": "gpt2", "n_embd": f"{MARK}", "n_layer": [MARK], "n_head": {MARK: 1},
-              "vocab_size": 50, "n_positions": 16}
+    config = {
+        "model_type": "gpt2",
+        "n_embd": f"{MARK}",
+        "n_layer": [MARK],
+        "n_head": {MARK: 1},
+        "vocab_size": 50,
+        "n_positions": 16,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     no_leak(cli(capsys, "import-hf", folder, "-o", tmp_path / "out"))
 

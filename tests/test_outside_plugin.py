@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -99,16 +98,31 @@ def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
     spec = tmp_path / "lowrank.yaml"
     spec.write_text(SPEC)
     steps = 3
-    recipe = tiny_recipe(tmp_path, model={"spec": str(spec)}, trainer={
-        "max_steps": steps, "val_check_interval": steps, "checkpoint_every_n_steps": steps, "log_every_n_steps": 1})
+    recipe = tiny_recipe(
+        tmp_path,
+        model={"spec": str(spec)},
+        trainer={
+            "max_steps": steps,
+            "val_check_interval": steps,
+            "checkpoint_every_n_steps": steps,
+            "log_every_n_steps": 1,
+        },
+    )
     out = tmp_path / "out"
     out.mkdir()
-    child = subprocess.run([sys.executable, "-c", CHILD, str(spec), str(recipe), str(out)], cwd=tmp_path,
-                           env=_env(), capture_output=True, text=True, timeout=600)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(spec), str(recipe), str(out)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     assert {k: result[k] for k in ("validate", "compare", "schema", "describe", "train", "generate")} == dict.fromkeys(
-        ("validate", "compare", "schema", "describe", "train", "generate"), 0), child.stderr[-3000:]
+        ("validate", "compare", "schema", "describe", "train", "generate"), 0
+    ), child.stderr[-3000:]
 
     compare = json.loads((out / "compare.out").read_text())
     assert compare["match"] and compare["estimated"] == compare["actual"] == PARAMS
@@ -147,24 +161,48 @@ def test_the_registry_walking_tests_cover_plugin_blocks_unedited(tmp_path):
     env = dict(_env(), BUILDER_PLUGINS="plugin_blocks,mypackage.blocks")
     env["PYTHONPATH"] += os.pathsep + str(tmp_path)
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-p", "no:cacheprovider", *files,
-         "-k", "lowrank_kv or interleaved_rope or scalenorm"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            *files,
+            "-k",
+            "lowrank_kv or interleaved_rope or scalenorm",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     passed = re.findall(r"::(\w+)\[([^\]]*)\] PASSED", run.stdout)
     # counts and FLOPs (self-attention, causal and not; positions in a model), cache == recompute,
     # schema, build-run-backprop; lowrank_kv is no cross-attention (skipped, with its reason)
     for name, tests in {
-        "lowrank_kv": {"test_attention", "test_attention_decodes_with_its_cache_as_full_recomputation",
-                       "test_param_shapes_are_what_the_block_builds",
-                       "test_every_block_joins_a_spec_and_the_json_schema",
-                       "test_every_registered_block_builds_runs_and_backpropagates"},
-        "interleaved_rope": {"test_position", "test_attention_positions_decode_with_the_cache_as_full_recomputation",
-                             "test_every_block_joins_a_spec_and_the_json_schema",
-                             "test_every_registered_block_builds_runs_and_backpropagates"},
-        "scalenorm": {"test_norm", "test_every_block_joins_a_spec_and_the_json_schema",
-                      "test_param_shapes_are_what_the_block_builds",
-                      "test_every_registered_block_builds_runs_and_backpropagates"},
+        "lowrank_kv": {
+            "test_attention",
+            "test_attention_decodes_with_its_cache_as_full_recomputation",
+            "test_param_shapes_are_what_the_block_builds",
+            "test_every_block_joins_a_spec_and_the_json_schema",
+            "test_every_registered_block_builds_runs_and_backpropagates",
+        },
+        "interleaved_rope": {
+            "test_position",
+            "test_attention_positions_decode_with_the_cache_as_full_recomputation",
+            "test_every_block_joins_a_spec_and_the_json_schema",
+            "test_every_registered_block_builds_runs_and_backpropagates",
+        },
+        "scalenorm": {
+            "test_norm",
+            "test_every_block_joins_a_spec_and_the_json_schema",
+            "test_param_shapes_are_what_the_block_builds",
+            "test_every_registered_block_builds_runs_and_backpropagates",
+        },
     }.items():
         assert tests <= {test for test, case in passed if name in case}, (name, run.stdout[-2000:])

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, pythonpath: list[Path]) -> subprocess.CompletedProcess:
     """``python -m builder.cli`` from the spec folder's parent, importing from ``pythonpath`` only."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
-    return subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT / "specs")
+    return subprocess.run(
+        [sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT / "specs"
+    )
 
 
 def test_every_package_of_ours_carries_the_mark():

@@ -37,8 +37,9 @@ def _sets(line: str) -> list[str]:
 
 def test_llama2_70b_on_64_gpus_fits_as_describe_counts_it(capsys):
     spec = ROOT / "specs" / "llama2-70b.yaml"
-    rc, out = _plan_json(capsys, str(spec), "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096",
-                         "--global-batch", "1024")
+    rc, out = _plan_json(
+        capsys, str(spec), "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096", "--global-batch", "1024"
+    )
     assert rc == 0 and out["fits"]
     chosen = out["plan"]
     layout = chosen["layout"]
@@ -95,17 +96,74 @@ def test_shorter_sequences_and_batches_are_suggested():
     assert "tensor-parallel 4: the global batch 3 does not divide over 2 data-parallel ranks" in odd.reasons
 
 
-@pytest.mark.parametrize("argv", [
-    ["specs/llama2-70b.yaml", "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096", "--global-batch", "1024"],
-    ["specs/llama2-7b.yaml", "--gpus", "16", "--gpu-memory", "40GB", "--global-batch", "256", "--gpu", "a100",
-     "--set", "decoder.n_layers=16"],
-    ["specs/mixtral-8x7b.yaml", "--gpus", "32", "--gpu-memory", "141GB", "--seq-len", "4096", "--global-batch", "512",
-     "--gpu", "h200", "--tensor-parallel", "2"],
-    ["specs/gpt2-small.yaml", "--gpus", "4", "--gpu-memory", "24GiB", "--global-batch", "64", "--recipe",
-     "recipes/shakespeare-char.yaml"],
-    ["specs/t5-small.yaml", "--gpus", "4", "--gpu-memory", "24GiB", "--global-batch", "256", "--seq-len", "256",
-     "--recipe", "recipes/translate-multi30k.yaml"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "specs/llama2-70b.yaml",
+            "--gpus",
+            "64",
+            "--gpu-memory",
+            "80GiB",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "1024",
+        ],
+        [
+            "specs/llama2-7b.yaml",
+            "--gpus",
+            "16",
+            "--gpu-memory",
+            "40GB",
+            "--global-batch",
+            "256",
+            "--gpu",
+            "a100",
+            "--set",
+            "decoder.n_layers=16",
+        ],
+        [
+            "specs/mixtral-8x7b.yaml",
+            "--gpus",
+            "32",
+            "--gpu-memory",
+            "141GB",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "512",
+            "--gpu",
+            "h200",
+            "--tensor-parallel",
+            "2",
+        ],
+        [
+            "specs/gpt2-small.yaml",
+            "--gpus",
+            "4",
+            "--gpu-memory",
+            "24GiB",
+            "--global-batch",
+            "64",
+            "--recipe",
+            "recipes/shakespeare-char.yaml",
+        ],
+        [
+            "specs/t5-small.yaml",
+            "--gpus",
+            "4",
+            "--gpu-memory",
+            "24GiB",
+            "--global-batch",
+            "256",
+            "--seq-len",
+            "256",
+            "--recipe",
+            "recipes/translate-multi30k.yaml",
+        ],
+    ],
+)
 def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypatch):
     from recipes.config import TrainerSection, load_recipe
 
@@ -123,7 +181,10 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
         trainer, data = loaded.trainer, loaded.data
         layout = out["plan"]["layout"]
         assert (trainer.strategy, trainer.tensor_parallel, trainer.data_parallel) == (
-            "fsdp", layout["tensor_parallel"], layout["data_parallel"])
+            "fsdp",
+            layout["tensor_parallel"],
+            layout["data_parallel"],
+        )
         assert (trainer.devices, trainer.num_nodes) == (layout["per_node"], layout["nodes"])
         seq, micro = out["settings"]["seq_len"], out["plan"]["micro_batch"]
         if loaded.task == "translation":  # token budgets: micro-batches of at most micro x seq tokens
@@ -140,20 +201,30 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
     assert launch["slurm"].startswith(f"sbatch --nodes={out['plan']['layout']['nodes']} ")
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--gpus", "12", "--gpus-per-node", "8"], "error: --gpus 12 is not a multiple of --gpus-per-node 8"),
-    (["--gpus", "16", "--nodes", "3"], "error: --nodes 3: --gpus 16 is not a multiple of it"),
-    (["--gpus", "16", "--nodes", "4", "--gpus-per-node", "8"], "error: --nodes 4: 4 nodes x 8 GPUs per node is not"),
-    (["--gpus", "16", "--tensor-parallel", "3"], "error: --tensor-parallel 3: must divide the 8 devices of a node"),
-    (["--gpus", "12", "--gpus-per-node", "6", "--tensor-parallel", "3"],
-     "error: --tensor-parallel 3: vocab_size: 32000 is not a multiple of the tensor-parallel degree 3"),
-    (["--gpus", "8", "--gpu-memory", "80XB"], "error: --gpu-memory '80XB': not a size such as 80GiB or 141GB"),
-    (["--gpus", "8", "--gpu-memory", "lots"], "error: --gpu-memory 'lots': not a size"),
-    (["--gpus", "8", "--gpu", "v100"], "error: --gpu 'v100': unknown; one of a100, h100"),
-    (["--gpus", "8", "--seq-len", "8192"], "error: --seq-len 8192: more than llama2-7b's max_seq_len (4096)"),
-    (["--gpus", "16", "--data-parallel", "hybrid", "--nodes", "1", "--gpus-per-node", "16"],
-     "error: --data-parallel hybrid: shards inside a node"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--gpus", "12", "--gpus-per-node", "8"], "error: --gpus 12 is not a multiple of --gpus-per-node 8"),
+        (["--gpus", "16", "--nodes", "3"], "error: --nodes 3: --gpus 16 is not a multiple of it"),
+        (
+            ["--gpus", "16", "--nodes", "4", "--gpus-per-node", "8"],
+            "error: --nodes 4: 4 nodes x 8 GPUs per node is not",
+        ),
+        (["--gpus", "16", "--tensor-parallel", "3"], "error: --tensor-parallel 3: must divide the 8 devices of a node"),
+        (
+            ["--gpus", "12", "--gpus-per-node", "6", "--tensor-parallel", "3"],
+            "error: --tensor-parallel 3: vocab_size: 32000 is not a multiple of the tensor-parallel degree 3",
+        ),
+        (["--gpus", "8", "--gpu-memory", "80XB"], "error: --gpu-memory '80XB': not a size such as 80GiB or 141GB"),
+        (["--gpus", "8", "--gpu-memory", "lots"], "error: --gpu-memory 'lots': not a size"),
+        (["--gpus", "8", "--gpu", "v100"], "error: --gpu 'v100': unknown; one of a100, h100"),
+        (["--gpus", "8", "--seq-len", "8192"], "error: --seq-len 8192: more than llama2-7b's max_seq_len (4096)"),
+        (
+            ["--gpus", "16", "--data-parallel", "hybrid", "--nodes", "1", "--gpus-per-node", "16"],
+            "error: --data-parallel hybrid: shards inside a node",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_argument(argv, expected, capsys):
     base = {"--gpu-memory": "80GiB", "--global-batch": "64"}
     for option, value in base.items():
@@ -166,14 +237,26 @@ def test_bad_input_is_one_line_naming_the_argument(argv, expected, capsys):
 
 
 def test_an_option_out_of_its_own_range_is_a_one_line_usage_error(capsys):
-    argv = ["plan", str(ROOT / "specs" / "llama2-7b.yaml"), "--gpus", "8", "--gpu-memory", "80GiB",
-            "--global-batch", "64", "--mfu", "40"]
+    argv = [
+        "plan",
+        str(ROOT / "specs" / "llama2-7b.yaml"),
+        "--gpus",
+        "8",
+        "--gpu-memory",
+        "80GiB",
+        "--global-batch",
+        "64",
+        "--mfu",
+        "40",
+    ]
     with pytest.raises(SystemExit) as exit:
         main(argv)
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert err == "builder plan: error: argument --mfu: takes a finite number in (0, 1], got '40' " \
-                  "(see `builder plan --help`)\n"
+    assert (
+        err == "builder plan: error: argument --mfu: takes a finite number in (0, 1], got '40' "
+        "(see `builder plan --help`)\n"
+    )
 
 
 def test_planning_the_biggest_spec_is_fast_and_torch_free():
@@ -190,17 +273,36 @@ def test_planning_the_biggest_spec_is_fast_and_torch_free():
     assert (refused_fits, fits, torch_loaded) == ("False", "True", "False")
     assert float(fitted) < 0.5 and float(refused) < 1.0  # measured 0.1 s and 0.3 s on 2 busy cores
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "builder.cli", "plan", "specs/llama2-70b.yaml", "--gpus", "64",
-                          "--gpu-memory", "80GiB", "--global-batch", "1024"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "builder.cli",
+            "plan",
+            "specs/llama2-70b.yaml",
+            "--gpus",
+            "64",
+            "--gpu-memory",
+            "80GiB",
+            "--global-batch",
+            "1024",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0 and "torchrun" in run.stdout
     assert time.perf_counter() - start < 5.0
 
 
-@pytest.mark.parametrize("spec, recipe", [
-    ("llama2-70b", None),  # zoo names, the default recipe
-    ("llama2-7b", "lm-stdlib"),
-    (str(ROOT / "specs" / "gpt2-small.yaml"), str(ROOT / "recipes" / "shakespeare-char.yaml")),
-])
+@pytest.mark.parametrize(
+    "spec, recipe",
+    [
+        ("llama2-70b", None),  # zoo names, the default recipe
+        ("llama2-7b", "lm-stdlib"),
+        (str(ROOT / "specs" / "gpt2-small.yaml"), str(ROOT / "recipes" / "shakespeare-char.yaml")),
+    ],
+)
 def test_a_printed_launch_line_runs_as_printed_from_another_folder(spec, recipe, tmp_path, capsys, monkeypatch):
     """Each line's ``builder train`` part, given ``--dry-run``, resolves from a folder that is
     neither the repository nor the recipe's: zoo names stay zoo names, files are absolute, and the
@@ -215,12 +317,15 @@ def test_a_printed_launch_line_runs_as_printed_from_another_folder(spec, recipe,
         words = shlex.split(line)
         wrap = [w for w in words if w.startswith("--wrap=")]
         words = shlex.split(wrap[0].removeprefix("--wrap=")) if wrap else words
-        train = words[words.index("train"):]
+        train = words[words.index("train") :]
         assert train[1] == (recipe or "lm-stdlib")
         sets = parse_set_args(_sets(line))
         assert sets["model.spec"] == spec and sets["trainer.max_time"] is None
-        assert sets["trainer.max_steps"] * tokens_per_step >= 20 * out["params"] > (sets["trainer.max_steps"] - 1) * \
-            tokens_per_step
+        assert (
+            sets["trainer.max_steps"] * tokens_per_step
+            >= 20 * out["params"]
+            > (sets["trainer.max_steps"] - 1) * tokens_per_step
+        )
         assert sets["trainer.output_dir"].startswith("runs/")
         assert main([*train, "--dry-run"]) == 0, capsys.readouterr().err
         shown = capsys.readouterr().out
@@ -230,10 +335,16 @@ def test_a_printed_launch_line_runs_as_printed_from_another_folder(spec, recipe,
 
 
 def test_a_recipe_the_plan_cannot_find_is_one_line(capsys):
-    assert main(["plan", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "8",
-                 "--recipe", "lm-stdlb"]) == 1
-    assert capsys.readouterr().err.strip() == ("error: --recipe lm-stdlb: no such file, nor a zoo name; did you mean "
-                                               "'lm-stdlib'? (`builder list` shows the zoo)")
+    assert (
+        main(
+            ["plan", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "8", "--recipe", "lm-stdlb"]
+        )
+        == 1
+    )
+    assert capsys.readouterr().err.strip() == (
+        "error: --recipe lm-stdlb: no such file, nor a zoo name; did you mean "
+        "'lm-stdlib'? (`builder list` shows the zoo)"
+    )
 
 
 def test_a_refusal_for_sharded_states_says_what_makes_one_rank_hold_that_much(capsys):
@@ -245,7 +356,8 @@ def test_a_refusal_for_sharded_states_says_what_makes_one_rank_hold_that_much(ca
     rc, out = _plan_json(capsys, "deepseek-v3", "--gpus", "2048", "--gpu-memory", "80GiB", "--global-batch", "2048")
     assert rc == 1
     line = next(r for r in out["reasons"] if r.startswith("the weights, gradients and AdamW states alone"))
-    floor, held, in_flight = (float(x) for x in re.findall(r"([\d.]+) GiB", line)[:1] + re.findall(
-        r"([\d.]+) GiB is", line))
+    floor, held, in_flight = (
+        float(x) for x in re.findall(r"([\d.]+) GiB", line)[:1] + re.findall(r"([\d.]+) GiB is", line)
+    )
     assert held + in_flight == pytest.approx(floor, abs=0.02)
     assert re.search(r"the largest FSDP unit, decoder\.layers\.\d+ \([\d,]+ parameters", line) and "gathers" in line

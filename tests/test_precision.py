@@ -68,8 +68,11 @@ def test_auto_on_a_faked_cuda_device(monkeypatch, native):
 
 def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {})
-    for flags, expected in (({"avx512f", "avx512_bf16"}, "AVX512-BF16"), ({"amx_tile", "amx_bf16"}, "AMX"),
-                            ({"avx2"}, None)):
+    for flags, expected in (
+        ({"avx512f", "avx512_bf16"}, "AVX512-BF16"),
+        ({"amx_tile", "amx_bf16"}, "AMX"),
+        ({"avx2"}, None),
+    ):
         monkeypatch.setattr(precision, "_cpuinfo_flags", lambda flags=flags: flags)
         assert precision.cpu_bf16() == expected
 
@@ -122,9 +125,17 @@ def _batch():
 def _lightning_step(plugin, clip: float, steps: int = 1) -> nn.Module:
     module = _Tiny()
     batch = _batch()
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, plugins=[plugin], gradient_clip_val=clip,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch] * steps, batch_size=None))
     return module.net
 
@@ -153,8 +164,9 @@ def _reference_step(kind: str, clip: float, scaler=None) -> tuple[nn.Module, flo
 def _update(net: nn.Module) -> torch.Tensor:
     """How far one step moved every parameter, flattened (fp32)."""
     start = _Tiny().net
-    return torch.cat([(p.detach().float() - s.detach().float()).flatten()
-                      for p, s in zip(net.parameters(), start.parameters())])
+    return torch.cat(
+        [(p.detach().float() - s.detach().float()).flatten() for p, s in zip(net.parameters(), start.parameters())]
+    )
 
 
 @pytest.mark.parametrize("kind", PRECISIONS)

@@ -30,7 +30,24 @@ def _train_losses(summary) -> list[float]:
 def _keyword_rows(n: int) -> list[str]:
     """``label<TAB>text`` rows: "fruit" when the text mentions apple, else "none"."""
     rng = random.Random(0)
-    words = "the a cat dog runs sits blue green house tree river stone bread milk over under".split()
+    words = [
+        "the",
+        "a",
+        "cat",
+        "dog",
+        "runs",
+        "sits",
+        "blue",
+        "green",
+        "house",
+        "tree",
+        "river",
+        "stone",
+        "bread",
+        "milk",
+        "over",
+        "under",
+    ]
     rows = []
     for i in range(n):
         text = [rng.choice(words) for _ in range(rng.randint(4, 9))]
@@ -50,16 +67,28 @@ def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_fr
     for label in ("fruit", "none"):
         (tmp_path / f"{label}.txt").write_text("\n".join(t for t, lab in rows if lab == label) + "\n")
     recipe = {
-        "name": "bert-classify", "task": "classification",
+        "name": "bert-classify",
+        "task": "classification",
         "model": {"init_from": "bert-imported", "freeze": ["embedding"]},
-        "data": {"by_label": {"fruit": "fruit.txt", "none": "none.txt"}, "max_len": 32, "max_tokens": 512,
-                 "cache_dir": str(tmp_path / "cache")},
+        "data": {
+            "by_label": {"fruit": "fruit.txt", "none": "none.txt"},
+            "max_len": 32,
+            "max_tokens": 512,
+            "cache_dir": str(tmp_path / "cache"),
+        },
         "tokenizer": {"vocab_size": 320},
         "classification": {"pooling": "first", "dropout": 0.0},
         "optimizer": {"lr": 2e-3, "weight_decay": 0.0},
         "schedule": {"type": "constant", "warmup_steps": 5},
-        "trainer": {"max_steps": 80, "val_check_interval": 40, "log_every_n_steps": 10, "accelerator": "cpu",
-                    "precision": "32", "devices": 1, "output_dir": str(tmp_path / "run")},
+        "trainer": {
+            "max_steps": 80,
+            "val_check_interval": 40,
+            "log_every_n_steps": 10,
+            "accelerator": "cpu",
+            "precision": "32",
+            "devices": 1,
+            "output_dir": str(tmp_path / "run"),
+        },
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -68,10 +97,17 @@ def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_fr
     vocab = encoder_tokenizer(load_recipe(path), path, text, "probe").vocab_size
 
     torch.manual_seed(0)
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, type_vocab_size=2,
-    ))
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            type_vocab_size=2,
+        )
+    )
     bert.save_pretrained(tmp_path / "bert-hf")
     import_hf(tmp_path / "bert-hf", tmp_path / "bert-imported")
     imported = read_weights(tmp_path / "bert-imported" / "model.safetensors")
@@ -84,7 +120,9 @@ def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_fr
     for name, value in imported.items():
         if name.startswith("encoder.embedding."):
             assert torch.equal(state[name], value), name  # frozen
-    assert not torch.equal(state["encoder.layers.1.ffn.up_proj.weight"], imported["encoder.layers.1.ffn.up_proj.weight"])
+    assert not torch.equal(
+        state["encoder.layers.1.ffn.up_proj.weight"], imported["encoder.layers.1.ffn.up_proj.weight"]
+    )
 
 
 def test_tiny_hugging_face_llama_fine_tunes_on_text_with_a_layer_frozen(tmp_path, capsys):
@@ -95,17 +133,34 @@ def test_tiny_hugging_face_llama_fine_tunes_on_text_with_a_layer_frozen(tmp_path
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(600)))
     vocab = len(set(corpus.read_text()))  # the char tokenizer's vocabulary
     torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-    ))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    )
     llama.save_pretrained(tmp_path / "llama")
     _, imported = from_hf(tmp_path / "llama")
 
-    path = tiny_recipe(tmp_path, model={"spec": None, "init_from": "llama", "freeze": ["decoder.layers.0"]},
-                       data={"sources": [str(corpus)], "max_bytes": None, "seq_len": 32, "batch_size": 8,
-                             "cache_dir": str(tmp_path / "cache")},
-                       trainer={"max_steps": 40, "val_check_interval": 40, "log_every_n_steps": 5})
+    path = tiny_recipe(
+        tmp_path,
+        model={"spec": None, "init_from": "llama", "freeze": ["decoder.layers.0"]},
+        data={
+            "sources": [str(corpus)],
+            "max_bytes": None,
+            "seq_len": 32,
+            "batch_size": 8,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+        trainer={"max_steps": 40, "val_check_interval": 40, "log_every_n_steps": 5},
+    )
     summary = run(path, samples=False)
     out = capsys.readouterr().out
     assert "weights: " in out and "Hugging Face folder" in out and "frozen: " in out
@@ -115,8 +170,9 @@ def test_tiny_hugging_face_llama_fine_tunes_on_text_with_a_layer_frozen(tmp_path
     for name, value in imported.items():
         if name.startswith("decoder.layers.0."):
             assert torch.equal(state[name], value), name
-    assert not torch.equal(state["decoder.layers.1.attention.q_proj.weight"],
-                           imported["decoder.layers.1.attention.q_proj.weight"])
+    assert not torch.equal(
+        state["decoder.layers.1.attention.q_proj.weight"], imported["decoder.layers.1.attention.q_proj.weight"]
+    )
 
 
 def test_a_run_starts_from_another_runs_checkpoint_with_its_tokenizer(tmp_path):
@@ -128,8 +184,12 @@ def test_a_run_starts_from_another_runs_checkpoint_with_its_tokenizer(tmp_path):
     second = tmp_path / "second"
     second.mkdir()
     # no spec and a tokenizer section that would build another vocabulary: both come from the checkpoint
-    recipe = tiny_recipe(second, model={"spec": None, "init_from": summary["last"]}, tokenizer={"type": "sentencepiece"},
-                         trainer={"max_steps": 5, "log_every_n_steps": 5})
+    recipe = tiny_recipe(
+        second,
+        model={"spec": None, "init_from": summary["last"]},
+        tokenizer={"type": "sentencepiece"},
+        trainer={"max_steps": 5, "log_every_n_steps": 5},
+    )
     started = run(recipe, samples=False)
     fresh = _train_losses(summary)[0]
     assert _train_losses(started)[0] < fresh - 0.5  # it picks up where the first run ended
@@ -147,10 +207,19 @@ def test_init_from_names_the_tensor_that_does_not_fit(tmp_path):
     summary = run(tiny_recipe(first, trainer={"max_steps": 2}), samples=False)
     second = tmp_path / "second"
     second.mkdir()
-    wider = tiny_recipe(second, model={"spec": yaml.safe_load((first / "recipe.yaml").read_text())["model"]["spec"],
-                                       "init_from": summary["last"], "overrides": {"d_model": 48}})
-    with pytest.raises(RecipeError, match=r"decoder\.embedding\.tokens\.weight has shape \(\d+, 32\) in .* but "
-                                          r"\(\d+, 48\) in this model"):
+    wider = tiny_recipe(
+        second,
+        model={
+            "spec": yaml.safe_load((first / "recipe.yaml").read_text())["model"]["spec"],
+            "init_from": summary["last"],
+            "overrides": {"d_model": 48},
+        },
+    )
+    with pytest.raises(
+        RecipeError,
+        match=r"decoder\.embedding\.tokens\.weight has shape \(\d+, 32\) in .* but "
+        r"\(\d+, 48\) in this model",
+    ):
         run(wider, samples=False)
     with pytest.raises(RecipeError, match="is neither a `builder train` checkpoint"):
         run(tiny_recipe(second, model={"init_from": str(tmp_path)}), samples=False)
@@ -161,10 +230,18 @@ def test_a_vocabulary_that_differs_from_the_weights_says_so(tmp_path):
     from recipes.train import run
 
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-    )).save_pretrained(tmp_path / "llama")
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).save_pretrained(tmp_path / "llama")
     with pytest.raises(RecipeError, match="the vocabulary differs .* the weights 300"):
         run(tiny_recipe(tmp_path, model={"spec": None, "init_from": "llama"}), samples=False)
 
@@ -187,7 +264,9 @@ def test_freeze_paths_are_checked_where_they_are_written(tmp_path):
         run(path, samples=False)
     message = str(info.value)
     line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if "decoder.layer.0" in text)
-    assert f"recipe.yaml:{line}:" in message and "model.freeze.1: 'decoder.layer.0' names no part of the model" in message
+    assert (
+        f"recipe.yaml:{line}:" in message and "model.freeze.1: 'decoder.layer.0' names no part of the model" in message
+    )
     assert "did you mean 'decoder.layers.0-1'" in message
     path = tiny_recipe(tmp_path, model={"spec": spec, "freeze": ["layers.0-3"]})
     with pytest.raises(SpecError, match="'layers.0-3': decoder.layers has 0-1, not 0-3"):
@@ -201,11 +280,14 @@ def test_freeze_matches_ranges_wildcards_and_paths_below_the_stacks():
     from builder import build_model, load_spec
     from recipes.pretrained import freeze
 
-    spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml",
-                     overrides={"decoder.n_layers": 4})
+    spec = load_spec(
+        Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml", overrides={"decoder.n_layers": 4}
+    )
     model = build_model(spec)
     freeze(model, ["layers.1-2.attention", "decoder.layers.*.ffn_norm"])
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    assert frozen == {n for n, _ in model.named_parameters()
-                      if n.startswith(("decoder.layers.1.attention.", "decoder.layers.2.attention."))
-                      or ".ffn_norm." in n}
+    assert frozen == {
+        n
+        for n, _ in model.named_parameters()
+        if n.startswith(("decoder.layers.1.attention.", "decoder.layers.2.attention.")) or ".ffn_norm." in n
+    }

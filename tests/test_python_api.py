@@ -26,10 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "specs" / "tiny"
 #: a decoder with RoPE (positions computed, no table to run past): max_seq_len is its only limit
 ROPE = {
-    "name": "api-rope", "architecture": "decoder-only", "vocab_size": 50, "d_model": 32, "max_seq_len": 16,
+    "name": "api-rope",
+    "architecture": "decoder-only",
+    "vocab_size": 50,
+    "d_model": 32,
+    "max_seq_len": 16,
     "position": {"type": "rope"},
-    "decoder": {"n_layers": 1, "attention": {"n_heads": 2}, "ffn": {"type": "glu", "hidden_dim": 48},
-                "norm": {"type": "rmsnorm"}},
+    "decoder": {
+        "n_layers": 1,
+        "attention": {"n_heads": 2},
+        "ffn": {"type": "glu", "hidden_dim": 48},
+        "norm": {"type": "rmsnorm"},
+    },
 }
 
 
@@ -78,16 +86,19 @@ def test_load_spec_takes_str_and_path_alike():
     assert load_spec(str(TINY / "llama.yaml")) == load_spec(TINY / "llama.yaml")
 
 
-@pytest.mark.parametrize("data, field, message", [
-    ({**ROPE, "bogus": 1}, "bogus", "unknown key"),
-    ({**ROPE, "d_model": "32"}, "d_model", "expected an integer"),
-    ({**ROPE, "d_model": 32.0}, "d_model", "expected an integer"),
-    ({**ROPE, "d_model": True}, "d_model", "expected an integer"),
-    ({**ROPE, "max_seq_len": float("nan")}, "max_seq_len", "expected an integer"),
-    ({**ROPE, "decoder": [1, 2]}, "decoder", "mapping"),
-    ({**ROPE, 3: 1}, "3", "string"),
-    ({**ROPE, "extends": 3}, "extends", "path"),
-])
+@pytest.mark.parametrize(
+    "data, field, message",
+    [
+        ({**ROPE, "bogus": 1}, "bogus", "unknown key"),
+        ({**ROPE, "d_model": "32"}, "d_model", "expected an integer"),
+        ({**ROPE, "d_model": 32.0}, "d_model", "expected an integer"),
+        ({**ROPE, "d_model": True}, "d_model", "expected an integer"),
+        ({**ROPE, "max_seq_len": float("nan")}, "max_seq_len", "expected an integer"),
+        ({**ROPE, "decoder": [1, 2]}, "decoder", "mapping"),
+        ({**ROPE, 3: 1}, "3", "string"),
+        ({**ROPE, "extends": 3}, "extends", "path"),
+    ],
+)
 def test_a_bad_mapping_is_a_located_spec_error(data, field, message):
     with pytest.raises(SpecError) as caught:
         load_spec(data)
@@ -101,13 +112,16 @@ def test_a_mapping_extending_a_missing_file_names_it(tmp_path, monkeypatch):
         load_spec({**ROPE, "extends": "nope.yaml"})
 
 
-@pytest.mark.parametrize("value, needle", [
-    (None, "got NoneType"),
-    (3, "got int"),
-    (b"spec.yaml", "got bytes"),
-    (["spec.yaml"], "got list"),
-    ("architecture: decoder-only\nd_model: 32\n", "not YAML text"),
-])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        (None, "got NoneType"),
+        (3, "got int"),
+        (b"spec.yaml", "got bytes"),
+        (["spec.yaml"], "got list"),
+        ("architecture: decoder-only\nd_model: 32\n", "not YAML text"),
+    ],
+)
 def test_load_spec_says_what_to_pass(value, needle):
     with pytest.raises(TypeError) as caught:
         load_spec(value)
@@ -143,14 +157,17 @@ def test_build_model_takes_a_dtype_by_name():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("kwargs, error, needle", [
-    ({"device": "bogus"}, ValueError, "device must be 'cpu', 'cuda'"),
-    ({"device": 5}, ValueError, "device must be"),
-    ({"dtype": "int8"}, ValueError, "dtype must be a floating torch.dtype or one of"),
-    ({"dtype": torch.int64}, TypeError, "dtype must be a floating torch.dtype"),
-    ({"dtype": 16}, TypeError, "dtype must be a floating torch.dtype"),
-    ({"attention_backend": "flash"}, ValueError, "attention_backend must be one of auto, eager, sdpa, triton"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, needle",
+    [
+        ({"device": "bogus"}, ValueError, "device must be 'cpu', 'cuda'"),
+        ({"device": 5}, ValueError, "device must be"),
+        ({"dtype": "int8"}, ValueError, "dtype must be a floating torch.dtype or one of"),
+        ({"dtype": torch.int64}, TypeError, "dtype must be a floating torch.dtype"),
+        ({"dtype": 16}, TypeError, "dtype must be a floating torch.dtype"),
+        ({"attention_backend": "flash"}, ValueError, "attention_backend must be one of auto, eager, sdpa, triton"),
+    ],
+)
 def test_build_model_arguments(kwargs, error, needle):
     with pytest.raises(error) as caught:
         build_model(ROPE, **kwargs)
@@ -185,11 +202,14 @@ def test_segment_ids_outside_the_table():
         model(tokens, token_type_ids=ids([0, 2, 1]))
 
 
-@pytest.mark.parametrize("value, error, needle", [
-    ([[1, 2]], TypeError, "input_ids must be a torch.Tensor"),
-    (torch.tensor([[1.0, 2.0]]), ValueError, "integer token ids"),
-    (torch.tensor([1, 2]), ValueError, "input_ids must be (batch, seq)"),
-])
+@pytest.mark.parametrize(
+    "value, error, needle",
+    [
+        ([[1, 2]], TypeError, "input_ids must be a torch.Tensor"),
+        (torch.tensor([[1.0, 2.0]]), ValueError, "integer token ids"),
+        (torch.tensor([1, 2]), ValueError, "input_ids must be (batch, seq)"),
+    ],
+)
 def test_input_ids_of_the_wrong_kind(rope_model, value, error, needle):
     with pytest.raises(error) as caught:
         rope_model(value)
@@ -229,8 +249,9 @@ def test_generate_up_to_max_seq_len_and_not_beyond(rope_model):
     out = rope_model.generate(prompt, 14)  # 3 + 14 - 1 = 16 positions fed
     assert out.shape == (1, 17)
     for kwargs in ({}, {"num_beams": 2}, {"temperature": 1.0}):
-        with pytest.raises(ValueError, match="need 17 positions, more than the model's max_seq_len 16; "
-                                             "ask for at most 14 new tokens"):
+        with pytest.raises(
+            ValueError, match="need 17 positions, more than the model's max_seq_len 16; ask for at most 14 new tokens"
+        ):
             rope_model.generate(prompt, 15, **kwargs)
     with pytest.raises(ValueError, match="a prompt of at most 16 tokens"):
         rope_model.generate(torch.zeros(1, 17, dtype=torch.long), 1)
@@ -245,22 +266,25 @@ def test_generate_with_ids_outside_the_vocabulary(rope_model):
         rope_model.generate(ids([1, 2]), 2, pad_token_id=-1)
 
 
-@pytest.mark.parametrize("kwargs, error, needle", [
-    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
-    ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens must be an int"),
-    ({"max_new_tokens": None}, TypeError, "max_new_tokens must be an int"),
-    ({"num_beams": 0}, ValueError, "num_beams must be >= 1"),
-    ({"num_beams": True}, TypeError, "num_beams must be an int"),
-    ({"top_k": 0}, ValueError, "top_k must be >= 1"),
-    ({"top_p": 2.0}, ValueError, "top_p must be in (0, 1]"),
-    ({"temperature": math.nan}, ValueError, "temperature must be a finite number"),
-    ({"temperature": math.inf}, ValueError, "temperature must be a finite number"),
-    ({"temperature": -1.0}, ValueError, "temperature must be >= 0"),
-    ({"length_penalty": math.nan, "num_beams": 2}, ValueError, "length_penalty must be a finite number"),
-    ({"streamer": 3}, TypeError, "streamer must be a callable"),
-    ({"generator": 3, "temperature": 1.0}, TypeError, "generator must be a torch.Generator"),
-    ({"attention_mask": [[1, 1]]}, TypeError, "attention_mask must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, needle",
+    [
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+        ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens must be an int"),
+        ({"max_new_tokens": None}, TypeError, "max_new_tokens must be an int"),
+        ({"num_beams": 0}, ValueError, "num_beams must be >= 1"),
+        ({"num_beams": True}, TypeError, "num_beams must be an int"),
+        ({"top_k": 0}, ValueError, "top_k must be >= 1"),
+        ({"top_p": 2.0}, ValueError, "top_p must be in (0, 1]"),
+        ({"temperature": math.nan}, ValueError, "temperature must be a finite number"),
+        ({"temperature": math.inf}, ValueError, "temperature must be a finite number"),
+        ({"temperature": -1.0}, ValueError, "temperature must be >= 0"),
+        ({"length_penalty": math.nan, "num_beams": 2}, ValueError, "length_penalty must be a finite number"),
+        ({"streamer": 3}, TypeError, "streamer must be a callable"),
+        ({"generator": 3, "temperature": 1.0}, TypeError, "generator must be a torch.Generator"),
+        ({"attention_mask": [[1, 1]]}, TypeError, "attention_mask must be a torch.Tensor"),
+    ],
+)
 def test_generate_arguments(rope_model, kwargs, error, needle):
     kwargs = {"max_new_tokens": 2, **kwargs}
     with pytest.raises(error) as caught:
@@ -300,20 +324,23 @@ def test_estimate_takes_a_path_or_a_mapping():
     assert estimate(TINY / "llama.yaml").params.total == estimate(load_spec(TINY / "llama.yaml")).params.total
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"seq_len": 17}, "seq_len 17 is more than api-rope's max_seq_len 16"),
-    ({"seq_len": 0}, "seq_len must be a positive int, got 0"),
-    ({"seq_len": True}, "seq_len must be a positive int, got True"),
-    ({"seq_len": 8.0}, "seq_len must be a positive int, got 8.0"),
-    ({"batch": -1}, "batch must be a positive int"),
-    ({"nodes": 0}, "nodes must be a positive int, got 0"),
-    ({"devices": True}, "devices must be a positive int"),
-    ({"dtype": "int8"}, "dtype must be one of fp32, bf16, fp16"),
-    ({"strategy": "zero3"}, "strategy must be one of ddp, fsdp"),
-    ({"data_parallel": "hybrid"}, "data_parallel 'hybrid' needs strategy fsdp"),
-    ({"tensor_parallel": 2}, "tensor_parallel 2 needs strategy fsdp"),
-    ({"src_len": 8}, "src_len applies to encoder-decoder models"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"seq_len": 17}, "seq_len 17 is more than api-rope's max_seq_len 16"),
+        ({"seq_len": 0}, "seq_len must be a positive int, got 0"),
+        ({"seq_len": True}, "seq_len must be a positive int, got True"),
+        ({"seq_len": 8.0}, "seq_len must be a positive int, got 8.0"),
+        ({"batch": -1}, "batch must be a positive int"),
+        ({"nodes": 0}, "nodes must be a positive int, got 0"),
+        ({"devices": True}, "devices must be a positive int"),
+        ({"dtype": "int8"}, "dtype must be one of fp32, bf16, fp16"),
+        ({"strategy": "zero3"}, "strategy must be one of ddp, fsdp"),
+        ({"data_parallel": "hybrid"}, "data_parallel 'hybrid' needs strategy fsdp"),
+        ({"tensor_parallel": 2}, "tensor_parallel 2 needs strategy fsdp"),
+        ({"src_len": 8}, "src_len applies to encoder-decoder models"),
+    ],
+)
 def test_estimate_arguments(kwargs, needle):
     with pytest.raises(ValueError) as caught:
         estimate(ROPE, **kwargs)

@@ -37,7 +37,11 @@ def commands(readme):
             lexer.whitespace_split, lexer.commenters = True, "#"
             words = list(lexer)
             for i, word in enumerate(words):
-                if word == "builder" and (i == 0 or words[i - 1] in ENDS) and not any("..." in w or w.startswith("[") for w in words):
+                if (
+                    word == "builder"
+                    and (i == 0 or words[i - 1] in ENDS)
+                    and not any("..." in w or w.startswith("[") for w in words)
+                ):
                     end = next((j for j in range(i + 1, len(words)) if words[j] in ENDS), len(words))
                     yield first + offset, words[i:end]
 

@@ -22,8 +22,9 @@ SHIPPED = sorted([*(ROOT / "specs").rglob("*.yaml"), *(ROOT / "recipes").glob("*
 
 
 def cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
 
 
 def test_validate_checks_every_shipped_spec_and_recipe():
@@ -50,8 +51,9 @@ def test_kinds_are_told_apart_by_content():
     assert kind_of({"name": "x"}) is None and kind_of([1]) is None
 
 
-@pytest.mark.parametrize("command", [["describe"], ["compare"], ["plan", "--gpus", "8", "--gpu-memory", "80GiB",
-                                                                   "--global-batch", "8"]])
+@pytest.mark.parametrize(
+    "command", [["describe"], ["compare"], ["plan", "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "8"]]
+)
 def test_a_recipe_given_for_a_spec_is_one_line(command):
     run = cli(command[0], "recipes/lm-stdlib.yaml", *command[1:])
     assert run.returncode == 1
@@ -72,8 +74,10 @@ def test_a_spec_given_for_a_recipe_is_one_line():
 
 def test_set_on_a_recipe_reaches_the_spec_by_its_short_form():
     short = load_recipe("lm-stdlib", {"decoder.n_layers": 2, "d_model": 96, "trainer.max_steps": 5, "name": "x"})
-    long = load_recipe("lm-stdlib", {"model.overrides.decoder.n_layers": 2, "model.overrides.d_model": 96,
-                                     "trainer.max_steps": 5, "name": "x"})
+    long = load_recipe(
+        "lm-stdlib",
+        {"model.overrides.decoder.n_layers": 2, "model.overrides.d_model": 96, "trainer.max_steps": 5, "name": "x"},
+    )
     assert short == long and short.name == "x"  # `name` stays the recipe's
     spec = model_spec(short, ROOT / "recipes" / "lm-stdlib.yaml", 512)
     assert (spec.decoder.n_layers, spec.d_model, spec.vocab_size) == (2, 96, 512)
@@ -165,8 +169,10 @@ def test_dry_run_of_every_shipped_recipe(tmp_path, monkeypatch, capsys):
 def test_dry_run_errors_are_one_line():
     run = cli("train", "lm-stdlib", "--dry-run", "--set", "model.spec=tiny/llama")
     assert run.returncode == 1
-    assert run.stderr.strip() == ("builder train: data.seq_len 128 is longer than the model's max_seq_len 64; "
-                                  "lower data.seq_len or set model.overrides.max_seq_len")
+    assert run.stderr.strip() == (
+        "builder train: data.seq_len 128 is longer than the model's max_seq_len 64; "
+        "lower data.seq_len or set model.overrides.max_seq_len"
+    )
     run = cli("train", "lm-stdlb", "--dry-run")
     assert run.returncode == 1 and "did you mean 'lm-stdlib'?" in run.stderr and len(run.stderr.splitlines()) == 1
 

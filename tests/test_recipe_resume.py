@@ -23,13 +23,19 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     for d in (killed_dir, unbroken_dir):
         d.mkdir()
     # losses are read every 4 steps, checkpoints every 5: a resumed run carries the unread ones over
-    trainer = {"max_steps": steps, "checkpoint_every_n_steps": 5, "val_check_interval": 20, "limit_val_batches": 1,
-               "log_every_n_steps": 4}
+    trainer = {
+        "max_steps": steps,
+        "checkpoint_every_n_steps": 5,
+        "val_check_interval": 20,
+        "limit_val_batches": 1,
+        "log_every_n_steps": 4,
+    }
     killed = tiny_recipe(killed_dir, trainer=dict(trainer, output_dir=str(killed_dir / "run")))
     last = killed_dir / "run" / "checkpoints" / "last.ckpt"
 
-    child = builder_process("train", str(killed), "--no-samples", cwd=killed_dir,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = builder_process(
+        "train", str(killed), "--no-samples", cwd=killed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 120
     while not last.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -43,7 +49,9 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     assert resumed["steps"] == steps
     assert f"resuming from {last}" in capsys.readouterr().out
     out = killed_dir / "run"  # one log, continued: every step once
-    assert [p.name for p in (out / "logs").iterdir()] == ["version_0"] == [p.name for p in (out / "tensorboard").iterdir()]
+    assert (
+        [p.name for p in (out / "logs").iterdir()] == ["version_0"] == [p.name for p in (out / "tensorboard").iterdir()]
+    )
     with open(out / "logs" / "version_0" / "metrics.csv", newline="") as f:
         logged = [int(row["step"]) for row in csv.DictReader(f) if row["loss"]]
     assert logged == sorted(set(logged)) and logged[-1] == steps - 1
@@ -53,10 +61,12 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     a, b = history(last), history(summary["last"])
     assert _step(last) == steps and len(a["train"]) == len(b["train"]) == steps // 4
     assert [s for s, _ in a["train"]] == [s for s, _ in b["train"]]
-    torch.testing.assert_close(torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]),
-                               rtol=0, atol=1e-6)
-    torch.testing.assert_close(torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]), rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(
+        torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]), rtol=0, atol=1e-6
+    )
     weights_a = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
     weights_b = torch.load(summary["last"], map_location="cpu", weights_only=True)["state_dict"]
     for name in weights_b:
@@ -80,23 +90,28 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     for d in (ddp_dir, single_dir):
         d.mkdir()
-    ddp = tiny_recipe(ddp_dir, data={"batch_size": 2},
-                      trainer=dict(trainer, devices=2, strategy="ddp", output_dir=str(ddp_dir / "run")))
-    child = builder_process("train", str(ddp), "--no-samples", cwd=ddp_dir,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ddp = tiny_recipe(
+        ddp_dir,
+        data={"batch_size": 2},
+        trainer=dict(trainer, devices=2, strategy="ddp", output_dir=str(ddp_dir / "run")),
+    )
+    child = builder_process(
+        "train", str(ddp), "--no-samples", cwd=ddp_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     out, _ = child.communicate(timeout=600)
     assert child.returncode == 0, out.decode()[-3000:]
     assert "GLOBAL_RANK: 1" in out.decode() or "MEMBER: 2/2" in out.decode()
 
-    single = tiny_recipe(single_dir, data={"batch_size": 4},
-                         trainer=dict(trainer, output_dir=str(single_dir / "run")))
+    single = tiny_recipe(single_dir, data={"batch_size": 4}, trainer=dict(trainer, output_dir=str(single_dir / "run")))
     summary = run(single, samples=False)
     a, b = history(ddp_dir / "run" / "checkpoints" / "last.ckpt"), history(summary["last"])
     assert len(a["train"]) == len(b["train"]) == 8
-    torch.testing.assert_close(torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]),
-                               rtol=0, atol=1e-5)
-    torch.testing.assert_close(torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor([x for _, x in a["train"]]), torch.tensor([x for _, x in b["train"]]), rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        torch.tensor([v[1] for v in a["val"]]), torch.tensor([v[1] for v in b["val"]]), rtol=0, atol=1e-5
+    )
 
 
 def test_a_time_limit_is_per_invocation_and_every_stop_names_its_cause(tmp_path, capsys):
@@ -105,13 +120,22 @@ def test_a_time_limit_is_per_invocation_and_every_stop_names_its_cause(tmp_path,
     lines say which limit ended the run and how to go on."""
     from recipes.train import run
 
-    path = tiny_recipe(tmp_path, trainer={"max_steps": 1_000_000, "max_time": 2, "val_check_interval": 1_000_000,
-                                          "checkpoint_every_n_steps": 1_000_000})
+    path = tiny_recipe(
+        tmp_path,
+        trainer={
+            "max_steps": 1_000_000,
+            "max_time": 2,
+            "val_check_interval": 1_000_000,
+            "checkpoint_every_n_steps": 1_000_000,
+        },
+    )
     first = run(path, samples=False)
     out = capsys.readouterr().out
     assert 0 < first["steps"] < 1_000_000
-    assert (f"stopped: trainer.max_time 2 (per invocation) reached at step {first['steps']:,} of 1,000,000; run the "
-            f"same command again to go on from step {first['steps']:,}") in out
+    assert (
+        f"stopped: trainer.max_time 2 (per invocation) reached at step {first['steps']:,} of 1,000,000; run the "
+        f"same command again to go on from step {first['steps']:,}"
+    ) in out
     second = run(path, samples=False)
     assert second["steps"] > first["steps"]  # it trained for another 2 s
     assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().out
@@ -120,5 +144,7 @@ def test_a_time_limit_is_per_invocation_and_every_stop_names_its_cause(tmp_path,
     assert f"stopped: trainer.max_steps {second['steps'] + 2:,} reached" in capsys.readouterr().out
     again = run(path, {"trainer.max_steps": second["steps"] + 2}, samples=False)
     assert again["steps"] == done["steps"]
-    assert (f"nothing to train: the checkpoint is at step {done['steps']:,}, trainer.max_steps {done['steps']:,}; "
-            "raise trainer.max_steps") in capsys.readouterr().out
+    assert (
+        f"nothing to train: the checkpoint is at step {done['steps']:,}, trainer.max_steps {done['steps']:,}; "
+        "raise trainer.max_steps"
+    ) in capsys.readouterr().out

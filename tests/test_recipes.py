@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -89,9 +88,14 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     from recipes.module import param_groups
 
     spec = spec_model().model_validate(
-        {"architecture": "decoder-only", "vocab_size": 50, "d_model": 16, "max_seq_len": 8,
-         "position": {"type": "learned"},
-         "decoder": {"n_layers": 1, "attention": {"n_heads": 2, "qkv_bias": True}}}
+        {
+            "architecture": "decoder-only",
+            "vocab_size": 50,
+            "d_model": 16,
+            "max_seq_len": 8,
+            "position": {"type": "learned"},
+            "decoder": {"n_layers": 1, "attention": {"n_heads": 2, "qkv_bias": True}},
+        }
     )
     model = build_model(spec)
     decay, no_decay = param_groups(model, 0.1)
@@ -143,8 +147,23 @@ def test_eval_and_generate_need_only_the_checkpoint(trained, capsys):
     assert text.startswith("def ") and len(text) == len("def ") + 40 + 1
     assert main(["generate", summary["last"], "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]) == 0
     greedy = capsys.readouterr().out
-    assert main(["generate", summary["last"], "--prompt", "import", "--max-new-tokens", "5", "--num-beams", "1",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                summary["last"],
+                "--prompt",
+                "import",
+                "--max-new-tokens",
+                "5",
+                "--num-beams",
+                "1",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == greedy
 
 
@@ -152,8 +171,15 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     from builder.cli import main
 
     path = tiny_recipe(
-        tmp_path, optimizer={"lr": 1e30}, schedule={"warmup_steps": 0, "type": "constant"},
-        trainer={"max_steps": 20, "checkpoint_every_n_steps": 1, "gradient_clip_val": None, "output_dir": str(tmp_path / "run")},
+        tmp_path,
+        optimizer={"lr": 1e30},
+        schedule={"warmup_steps": 0, "type": "constant"},
+        trainer={
+            "max_steps": 20,
+            "checkpoint_every_n_steps": 1,
+            "gradient_clip_val": None,
+            "output_dir": str(tmp_path / "run"),
+        },
     )
     assert main(["train", str(path), "--no-samples"]) == 1
     err = capsys.readouterr().err
@@ -178,8 +204,16 @@ def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_pa
         return (logits * float("nan") if self.global_step >= 7 else logits), targets
 
     monkeypatch.setattr(LMModule, "logits_and_targets", poisoned)
-    path = tiny_recipe(tmp_path, trainer={"max_steps": 40, "log_every_n_steps": 5, "checkpoint_every_n_steps": 3,
-                                          "val_check_interval": 100, "output_dir": str(tmp_path / "run")})
+    path = tiny_recipe(
+        tmp_path,
+        trainer={
+            "max_steps": 40,
+            "log_every_n_steps": 5,
+            "checkpoint_every_n_steps": 3,
+            "val_check_interval": 100,
+            "output_dir": str(tmp_path / "run"),
+        },
+    )
     assert main(["train", str(path), "--no-samples"]) == 1
     err = capsys.readouterr().err
     assert "the training loss became nan between steps 6 and 9" in err

@@ -42,10 +42,17 @@ def test_a_seeded_run_gives_the_recorded_losses(shipped, tmp_path, monkeypatch):
     data_for_recipes(tmp_path / "data", monkeypatch, real=False)
     monkeypatch.chdir(tmp_path)
     model, settings = TINY[shipped.stem]
-    overrides = {**TRAINER, **settings, **DATA.get(shipped.stem, {}), "trainer.precision": "32",
-                 "trainer.max_steps": STEPS, "trainer.val_check_interval": STEPS,
-                 "trainer.checkpoint_every_n_steps": STEPS, "trainer.output_dir": str(tmp_path / "run"),
-                 **{f"model.overrides.{k}": v for k, v in model.items()}}
+    overrides = {
+        **TRAINER,
+        **settings,
+        **DATA.get(shipped.stem, {}),
+        "trainer.precision": "32",
+        "trainer.max_steps": STEPS,
+        "trainer.val_check_interval": STEPS,
+        "trainer.checkpoint_every_n_steps": STEPS,
+        "trainer.output_dir": str(tmp_path / "run"),
+        **{f"model.overrides.{k}": v for k, v in model.items()},
+    }
     summary = run(REPO / "recipes" / shipped.name, overrides, samples=False)
     assert summary["steps"] == STEPS
     losses = _losses(Path(summary["output_dir"]))

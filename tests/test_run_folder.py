@@ -25,8 +25,9 @@ sys.stdin.read()
 def _holder(folder):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     folder.mkdir(parents=True, exist_ok=True)
-    child = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout.readline().strip() == "locked"
     return child
 
@@ -72,8 +73,12 @@ def test_only_the_process_that_owns_the_folder_locks_it(tmp_path, monkeypatch):
     from recipes.runfolder import RunLock, claim, owns_run_folder
 
     assert owns_run_folder({}) and owns_run_folder({"RANK": "0", "LOCAL_RANK": "0", "NODE_RANK": "0"})
-    for rank in ({"LOCAL_RANK": "1"}, {"NODE_RANK": "1", "LOCAL_RANK": "0"}, {"SLURM_PROCID": "3"},
-                 {"RANK": "5", "SLURM_PROCID": "0"}):
+    for rank in (
+        {"LOCAL_RANK": "1"},
+        {"NODE_RANK": "1", "LOCAL_RANK": "0"},
+        {"SLURM_PROCID": "3"},
+        {"RANK": "5", "SLURM_PROCID": "0"},
+    ):
         assert not owns_run_folder(rank), rank
     with RunLock(tmp_path):  # rank 0 holds the folder; rank 1 of the same run goes on untouched
         monkeypatch.setenv("LOCAL_RANK", "1")
@@ -113,8 +118,12 @@ def test_an_unwritable_folder_stops_the_run_before_any_work(tmp_path, capsys, mo
     line = one_error_line(capsys.readouterr().err, "builder train:")
     field, path = ("data.cache_dir", cache) if case == "cache is a file" else ("trainer.output_dir", out)
     assert line.startswith(f"builder train: {field} {path}"), line
-    expected = {"output is a file": "is a file, not a folder", "output under a file": f"is under {tmp_path / 'file'}",
-                "cache is a file": "is a file, not a folder", "read-only output": "the filesystem is read-only"}
+    expected = {
+        "output is a file": "is a file, not a folder",
+        "output under a file": f"is under {tmp_path / 'file'}",
+        "cache is a file": "is a file, not a folder",
+        "read-only output": "the filesystem is read-only",
+    }
     assert expected[case] in line
     assert not (cache / "tokens").exists()
 
@@ -126,14 +135,28 @@ def test_resume_names_every_field_that_differs_and_fresh_keeps_the_old_checkpoin
     train = ["train", str(recipe), "--no-samples"]
     assert main(train) == 0
     capsys.readouterr()
-    changed = ["--set", "optimizer.lr=0.01", "--set", "trainer.seed=7", "--set", "data.batch_size=2",
-               "--set", "schedule.warmup_steps=5", "--set", "model.overrides.decoder.n_layers=1"]
+    changed = [
+        "--set",
+        "optimizer.lr=0.01",
+        "--set",
+        "trainer.seed=7",
+        "--set",
+        "data.batch_size=2",
+        "--set",
+        "schedule.warmup_steps=5",
+        "--set",
+        "model.overrides.decoder.n_layers=1",
+    ]
     assert main([*train, *changed]) == 1
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "corpus:" not in out  # refused before the corpus was read
-    for line in ("  optimizer.lr: 0.003 in the checkpoint, 0.01 now", "  trainer.seed: 1337 in the checkpoint, 7 now",
-                 "  data.batch_size: 4 in the checkpoint, 2 now", "  schedule.warmup_steps: 2 in the checkpoint, 5 now",
-                 "  model.spec.decoder.n_layers: 2 in the checkpoint, 1 now"):
+    for line in (
+        "  optimizer.lr: 0.003 in the checkpoint, 0.01 now",
+        "  trainer.seed: 1337 in the checkpoint, 7 now",
+        "  data.batch_size: 4 in the checkpoint, 2 now",
+        "  schedule.warmup_steps: 2 in the checkpoint, 5 now",
+        "  model.spec.decoder.n_layers: 2 in the checkpoint, 1 now",
+    ):
         assert line in err.splitlines(), err[-2000:]
     assert "start over with --fresh, or set trainer.output_dir to a new folder" in err
     assert main([*train, "--set", "trainer.max_steps=3", "--set", "trainer.log_every_n_steps=1"]) == 0
@@ -151,14 +174,26 @@ def test_resume_names_every_field_that_differs_and_fresh_keeps_the_old_checkpoin
 def test_which_recipe_fields_may_change_on_resume():
     from recipes.runfolder import recipe_differences
 
-    saved = {"model": {"spec": "a.yaml"}, "trainer": {"max_steps": 10, "seed": 1, "devices": 1},
-             "optimizer": {"lr": 0.1}, "sample": {"prompts": ["a"]}}
-    now = {"model": {"spec": "../a.yaml"}, "trainer": {"max_steps": 20, "seed": 2, "devices": 2},
-           "optimizer": {"lr": 0.1}, "sample": {"prompts": ["b"]}}
+    saved = {
+        "model": {"spec": "a.yaml"},
+        "trainer": {"max_steps": 10, "seed": 1, "devices": 1},
+        "optimizer": {"lr": 0.1},
+        "sample": {"prompts": ["a"]},
+    }
+    now = {
+        "model": {"spec": "../a.yaml"},
+        "trainer": {"max_steps": 20, "seed": 2, "devices": 2},
+        "optimizer": {"lr": 0.1},
+        "sample": {"prompts": ["b"]},
+    }
     refused, allowed = recipe_differences(saved, now)
     assert [line.split(":")[0] for line in refused] == ["trainer.seed"]
     assert sorted(line.split(":")[0] for line in allowed) == [
-        "model.spec", "sample.prompts", "trainer.devices", "trainer.max_steps"]
+        "model.spec",
+        "sample.prompts",
+        "trainer.devices",
+        "trainer.max_steps",
+    ]
 
 
 def test_resume_refuses_a_corpus_whose_text_changed(tmp_path, capsys):
@@ -167,8 +202,9 @@ def test_resume_refuses_a_corpus_whose_text_changed(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     words = [f"word{i % 97} " for i in range(4000)]
     text.write_text("".join(words))
-    recipe = tiny_recipe(tmp_path, data={"sources": [str(text)]},
-                         trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")})
+    recipe = tiny_recipe(
+        tmp_path, data={"sources": [str(text)]}, trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")}
+    )
     assert main(["train", str(recipe), "--no-samples"]) == 0
     text.write_text("".join(reversed(words)))  # the same characters, another text
     capsys.readouterr()

@@ -35,9 +35,12 @@ def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "tiny.yaml").write_text(yaml.safe_dump(inline))
     (tmp_path / "corpus.txt").write_bytes(stand_in_files("tinyshakespeare")["tinyshakespeare.txt"][:60_000])
-    path = tiny_recipe(tmp_path, trainer=dict(TRAINER, output_dir="run"),  # relative paths: resolved in the config
-                       model={"spec": "specs/tiny.yaml", "overrides": {"decoder": {"n_layers": 1}}},
-                       data={"sources": ["corpus.txt"]})
+    path = tiny_recipe(
+        tmp_path,
+        trainer=dict(TRAINER, output_dir="run"),  # relative paths: resolved in the config
+        model={"spec": "specs/tiny.yaml", "overrides": {"decoder": {"n_layers": 1}}},
+        data={"sources": ["corpus.txt"]},
+    )
     monkeypatch.chdir(tmp_path)
     first = run(path, samples=False)
     out = tmp_path / "run"
@@ -85,8 +88,11 @@ def test_a_resumed_run_continues_its_logs(tmp_path, capsys):
     assert "resuming from" in capsys.readouterr().out
     assert _versions(out) == {"logs": ["version_0"], "tensorboard": ["version_0"]}
     train_steps = [int(r["step"]) for r in _rows(out) if r["loss"]]
-    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 11 and "999.0" not in {
-        r["loss"] for r in _rows(out)}
+    assert (
+        train_steps == sorted(set(train_steps))
+        and train_steps[-1] == 11
+        and "999.0" not in {r["loss"] for r in _rows(out)}
+    )
     assert len([r for r in _rows(out) if r["val_loss"]]) == len(history(out / "checkpoints" / "last.ckpt")["val"])
     hparams = yaml.safe_load((out / "logs" / "version_0" / "hparams.yaml").read_text())
     assert hparams["trainer"]["max_steps"] == 12
@@ -106,8 +112,10 @@ def test_eval_scores_the_runs_validation_by_default(tmp_path, capsys):
     first, second = captured.out.strip().splitlines()
     run_loss = history(Path(summary["last"]))["val"][-1][1]
     assert f"loss {run_loss:.4f}" in first  # the same windows as the run's validation: the same loss
-    assert second.startswith("scored 2 batches (the recipe's trainer.limit_val_batches: the windows the run's "
-                             "validations drew); --all scores the whole data once instead (")
+    assert second.startswith(
+        "scored 2 batches (the recipe's trainer.limit_val_batches: the windows the run's "
+        "validations drew); --all scores the whole data once instead ("
+    )
     assert "eval" in captured.err and "batch" in captured.err  # the progress bar
 
     assert main(["eval", summary["last"], "--json", "--max-batches", "1"]) == 0

@@ -44,8 +44,10 @@ def test_verbose_prints_the_estimate_tables_a_describe_prints(tmp_path, capsys):
 def test_a_resumed_run_s_progress_bar_keeps_its_total(tmp_path, capsys):
     from recipes.train import run
 
-    path = tiny_recipe(tmp_path, trainer={"max_steps": 8, "log_every_n_steps": 2, "val_check_interval": 4,
-                                          "output_dir": str(tmp_path / "run")})
+    path = tiny_recipe(
+        tmp_path,
+        trainer={"max_steps": 8, "log_every_n_steps": 2, "val_check_interval": 4, "output_dir": str(tmp_path / "run")},
+    )
     run(path, {"trainer.max_steps": 4}, samples=False)
     capsys.readouterr()
     run(path, samples=False)

@@ -19,16 +19,31 @@ from sharded_helpers import assert_same_losses, losses, recipe, train
 torch.set_num_threads(1)
 
 TINY_MOE = {
-    "name": "tiny-moe", "architecture": "decoder-only", "d_model": 32, "max_seq_len": 32, "position": {"type": "rope"},
-    "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2},
-                "ffn": {"type": "moe", "n_experts": 4, "top_k": 2, "expert": {"type": "glu", "hidden_dim": 32}},
-                "norm": {"type": "rmsnorm"}},
+    "name": "tiny-moe",
+    "architecture": "decoder-only",
+    "d_model": 32,
+    "max_seq_len": 32,
+    "position": {"type": "rope"},
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4, "n_kv_heads": 2},
+        "ffn": {"type": "moe", "n_experts": 4, "top_k": 2, "expert": {"type": "glu", "hidden_dim": 32}},
+        "norm": {"type": "rmsnorm"},
+    },
 }
 #: GQA, query/key/value biases, a GLU and an untied head (Qwen2's layout, so it exports to HF)
 TINY_TP = {
-    "name": "tiny-tp", "architecture": "decoder-only", "d_model": 32, "max_seq_len": 32, "position": {"type": "rope"},
-    "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True},
-                "ffn": {"type": "glu", "hidden_dim": 64}, "norm": {"type": "rmsnorm"}},
+    "name": "tiny-tp",
+    "architecture": "decoder-only",
+    "d_model": 32,
+    "max_seq_len": 32,
+    "position": {"type": "rope"},
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4, "n_kv_heads": 2, "qkv_bias": True},
+        "ffn": {"type": "glu", "hidden_dim": 64},
+        "norm": {"type": "rmsnorm"},
+    },
 }
 
 
@@ -40,8 +55,11 @@ def _main(*args: str) -> int:
 
 def _one_line_error(capsys, *needles: str) -> str:
     """The one line a refusal prints (progress bars left out)."""
-    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
-             if line.strip() and not line.startswith("tokenizing")]
+    lines = [
+        line
+        for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
+        if line.strip() and not line.startswith("tokenizing")
+    ]
     err = "\n".join(lines)
     assert "Traceback" not in err and len(lines) == 1, err
     for needle in needles:
@@ -88,8 +106,18 @@ def test_fsdp_on_two_processes_trains_like_one_and_its_sharded_checkpoint_reads_
     assert _main("train", str(sharded), "--no-samples", "--set", "model.overrides.d_model=48") == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "different recipe" in err and "model.spec.d_model: 32 in the checkpoint" in err
-    assert _main("train", str(sharded), "--no-samples", "--set", "tokenizer.type=sentencepiece",
-                 "--set", "tokenizer.vocab_size=400") == 1
+    assert (
+        _main(
+            "train",
+            str(sharded),
+            "--no-samples",
+            "--set",
+            "tokenizer.type=sentencepiece",
+            "--set",
+            "tokenizer.vocab_size=400",
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "Traceback" not in err and "different recipe" in err and "tokenizer" in err
 
@@ -166,19 +194,45 @@ def _translation(folder: Path, **trainer) -> Path:
         (folder / f"{name}.src").write_text("\n".join(lines) + "\n")
         (folder / f"{name}.tgt").write_text("\n".join(s.replace("w", "v") for s in lines) + "\n")
     files = {split: {"source": f"{split}.src", "target": f"{split}.tgt"} for split in ("train", "val")}
-    stack = {"n_layers": 2, "attention": {"n_heads": 4}, "ffn": {"type": "mlp", "activation": "relu", "hidden_dim": 64},
-             "norm": {"type": "layernorm"}}
-    spec = {"name": "tiny-translation", "architecture": "encoder-decoder", "d_model": 32, "max_seq_len": 64,
-            "tie_embeddings": True, "share_encoder_decoder_embeddings": True, "position": {"type": "sinusoidal"},
-            "encoder": stack, "decoder": stack}
-    doc = {"task": "translation", "model": {"spec": spec},
-           "data": {"train": files["train"], "validation": files["val"], "max_tokens": 160,
-                    "cache_dir": str(folder.parent / "cache")},
-           "tokenizer": {"vocab_size": 274}, "schedule": {"type": "constant", "warmup_steps": 2},
-           "trainer": {"max_steps": 20, "val_check_interval": 10, "limit_val_batches": 1,
-                       "checkpoint_every_n_steps": 10, "accelerator": "cpu", "output_dir": str(folder / "run"),
-                       **trainer},
-           "eval": {"bleu_at_validation": False, "average_last": 1, "average_every_n_steps": 10, "num_beams": 1}}
+    stack = {
+        "n_layers": 2,
+        "attention": {"n_heads": 4},
+        "ffn": {"type": "mlp", "activation": "relu", "hidden_dim": 64},
+        "norm": {"type": "layernorm"},
+    }
+    spec = {
+        "name": "tiny-translation",
+        "architecture": "encoder-decoder",
+        "d_model": 32,
+        "max_seq_len": 64,
+        "tie_embeddings": True,
+        "share_encoder_decoder_embeddings": True,
+        "position": {"type": "sinusoidal"},
+        "encoder": stack,
+        "decoder": stack,
+    }
+    doc = {
+        "task": "translation",
+        "model": {"spec": spec},
+        "data": {
+            "train": files["train"],
+            "validation": files["val"],
+            "max_tokens": 160,
+            "cache_dir": str(folder.parent / "cache"),
+        },
+        "tokenizer": {"vocab_size": 274},
+        "schedule": {"type": "constant", "warmup_steps": 2},
+        "trainer": {
+            "max_steps": 20,
+            "val_check_interval": 10,
+            "limit_val_batches": 1,
+            "checkpoint_every_n_steps": 10,
+            "accelerator": "cpu",
+            "output_dir": str(folder / "run"),
+            **trainer,
+        },
+        "eval": {"bleu_at_validation": False, "average_last": 1, "average_every_n_steps": 10, "num_beams": 1},
+    }
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -207,11 +261,24 @@ def test_tensor_parallel_and_tp_x_fsdp_train_like_one_process_and_export_to_hf(t
     # clipped (a norm over every mesh dimension), so clipping across the mesh is checked against one process
     train(recipe(tmp_path / "one", batch=4, spec=TINY_TP, gradient_clip_val=1.0))
     reference = losses(tmp_path / "one" / "run")
-    train(recipe(tmp_path / "tp", batch=4, devices=2, strategy="fsdp", tensor_parallel=2, spec=TINY_TP,
-                 gradient_clip_val=1.0))
+    train(
+        recipe(
+            tmp_path / "tp", batch=4, devices=2, strategy="fsdp", tensor_parallel=2, spec=TINY_TP, gradient_clip_val=1.0
+        )
+    )
     assert_same_losses(losses(tmp_path / "tp" / "run"), reference)
-    out = train(recipe(tmp_path / "tp-fsdp", batch=2, devices=4, strategy="fsdp", tensor_parallel=2, spec=TINY_TP,
-                       precision="32", gradient_clip_val=1.0))
+    out = train(
+        recipe(
+            tmp_path / "tp-fsdp",
+            batch=2,
+            devices=4,
+            strategy="fsdp",
+            tensor_parallel=2,
+            spec=TINY_TP,
+            precision="32",
+            gradient_clip_val=1.0,
+        )
+    )
     assert_same_losses(losses(tmp_path / "tp-fsdp" / "run"), reference)
     # the clipped gradient norm over (dp_shard, tp) is one all-reduce on the flattened mesh, not two in turn
     assert "sequential all_reduce" not in out
@@ -253,7 +320,7 @@ def test_tp_x_fsdp_on_four_processes_trains_like_one_accumulating_two(kind, tmp_
     # micro-batches is the reference (token-budget batches go to ranks in turn; the balancing loss
     # is a statistic of each micro-batch)
     if kind == "moe":
-        make = lambda folder, **trainer: recipe(folder, batch=2, spec=TINY_MOE, **trainer)  # noqa: E731
+        make = lambda folder, **trainer: recipe(folder, batch=2, spec=TINY_MOE, **trainer)
     else:
         make = _translation
     train(make(tmp_path / "tp-fsdp", devices=4, strategy="fsdp", tensor_parallel=2))
@@ -280,11 +347,13 @@ def _children(pid: int) -> list[int]:
 def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path):
     from builder.checkpoints import load_model, read_meta
 
-    path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", steps=400, checkpoint_every_n_steps=1,
-                  val_check_interval=1000)
+    path = recipe(
+        tmp_path, batch=2, devices=2, strategy="fsdp", steps=400, checkpoint_every_n_steps=1, val_check_interval=1000
+    )
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    child = builder_process("train", str(path), "--no-samples", cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = builder_process(
+        "train", str(path), "--no-samples", cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline, killed = time.monotonic() + 300, None
     while child.poll() is None and time.monotonic() < deadline and killed is None:
         saving = list(last.parent.glob(".last.ckpt.tmp-*")) if last.exists() else []

@@ -31,10 +31,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 #: a Llama layout (GQA, GLU, RMSNorm, RoPE, untied head) whose heads, KV heads, FFN width and
 #: the char vocabulary of the tiny corpus (94) all split in two, so it runs under TP 2 and exports to HF
 SPEC = {
-    "name": "tiny-llama", "architecture": "decoder-only", "d_model": 32, "max_seq_len": 32,
-    "position": {"type": "rope"}, "tie_embeddings": False,
-    "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2},
-                "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64}, "norm": {"type": "rmsnorm"}},
+    "name": "tiny-llama",
+    "architecture": "decoder-only",
+    "d_model": 32,
+    "max_seq_len": 32,
+    "position": {"type": "rope"},
+    "tie_embeddings": False,
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4, "n_kv_heads": 2},
+        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64},
+        "norm": {"type": "rmsnorm"},
+    },
 }
 
 
@@ -57,7 +65,7 @@ def _one_line(capsys, *needles: str) -> str:
 # -- sharded folders written in this process ------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(seed: int):
     from builder import build_model
     from builder.schema import spec_model
@@ -73,8 +81,11 @@ def _save(path: Path, step: int, tag: str | None = None, **builder) -> dict:
 
     model, spec = _model(step)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    checkpoint = {"global_step": step, "builder": {"spec": spec, **builder},
-                  "state_dict": {f"model.{k}": v for k, v in weights.items()}}
+    checkpoint = {
+        "global_step": step,
+        "builder": {"spec": spec, **builder},
+        "state_dict": {f"model.{k}": v for k, v in weights.items()},
+    }
     tmp = path.with_name(f".{path.name}.tmp-{tag or f'{step:04d}'}")
     save(checkpoint, path, tmp, rank=0, ranks=1, barrier=lambda: None)
     return weights
@@ -122,12 +133,14 @@ def test_a_save_that_dies_at_any_step_leaves_a_whole_checkpoint_and_the_next_sav
                         file.unlink()
                 raise _Died(name)
             return real[name](*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(sc.os, "replace", mortal("replace"))
     for name in ("remove", "digests", "meta"):
-        monkeypatch.setattr(sc, {"remove": "_remove", "digests": "write_digests", "meta": "write_meta"}[name],
-                            mortal(name))
+        monkeypatch.setattr(
+            sc, {"remove": "_remove", "digests": "write_digests", "meta": "write_meta"}[name], mortal(name)
+        )
     cases = 0
     # no checkpoint yet; last.ckpt only; last.ckpt and last-1.ckpt; the same step saved again
     for before, new in (((), 20), ((5,), 20), ((5, 10), 20), ((5, 10), 10)):
@@ -197,8 +210,9 @@ def test_a_sharded_save_that_fails_is_one_line_and_keeps_the_previous_checkpoint
     monkeypatch.setattr(FileSystemWriter, "write_data", full)
     with pytest.raises(CheckpointWriteError) as caught:
         _save(folder / "last.ckpt", 10)
-    assert str(caught.value) == (f"could not write {folder / 'last.ckpt'}: no space left on the device; "
-                                 "the previous last.ckpt is kept")
+    assert str(caught.value) == (
+        f"could not write {folder / 'last.ckpt'}: no space left on the device; the previous last.ckpt is kept"
+    )
     assert _debris(folder) == []
     _assert_holds(folder / "last.ckpt", weights)
 
@@ -217,16 +231,27 @@ def _truncate(file: Path) -> None:
         f.truncate(file.stat().st_size // 2)
 
 
-@pytest.mark.parametrize("name, harm", [("__0_0.distcp", _flip), ("__0_0.distcp", _truncate),
-                                        (".metadata", _flip), ("meta.pt", _flip), (".metadata", Path.unlink)])
+@pytest.mark.parametrize(
+    "name, harm",
+    [
+        ("__0_0.distcp", _flip),
+        ("__0_0.distcp", _truncate),
+        (".metadata", _flip),
+        ("meta.pt", _flip),
+        (".metadata", Path.unlink),
+    ],
+)
 def test_a_damaged_shard_is_a_one_line_error_naming_it_in_every_reader(tmp_path, capsys, name, harm):
     last = tmp_path / "checkpoints" / "last.ckpt"
     last.parent.mkdir()
     _save(last, 5)
     harm(last / name)
-    commands = [("consolidate", str(last), "-o", str(tmp_path / "model.safetensors")),
-                ("export-hf", str(last), "-o", str(tmp_path / "hf")),
-                ("eval", str(last)), ("generate", str(last), "--prompt", "def ")]
+    commands = [
+        ("consolidate", str(last), "-o", str(tmp_path / "model.safetensors")),
+        ("export-hf", str(last), "-o", str(tmp_path / "hf")),
+        ("eval", str(last)),
+        ("generate", str(last), "--prompt", "def "),
+    ]
     for command in commands:
         assert _main(*command) == 1, command
         _one_line(capsys, str(last), name)
@@ -334,13 +359,14 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
-def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_same_command_resumes(tmp_path, unbroken,
-                                                                                               victim):
+def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_same_command_resumes(
+    tmp_path, unbroken, victim
+):
     from builder.checkpoints import load_model, read_meta
 
     path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, checkpoint_every_n_steps=1)
     folder = tmp_path / "run" / "checkpoints"
-    log = open(tmp_path / "killed.log", "wb")
+    log = open(tmp_path / "killed.log", "wb")  # noqa: SIM115 (the child writes it until killed)
     child = builder_process("train", str(path), "--no-samples", cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     deadline, ranks = time.monotonic() + 600, []
     while child.poll() is None and time.monotonic() < deadline:
@@ -381,13 +407,17 @@ FSDP = {"strategy": "fsdp"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, then", [
-    ({**FSDP, "devices": 4, "batch": 1}, {**FSDP, "devices": 2, "batch": 2}),
-    ({**FSDP, "devices": 4, "batch": 2, "tensor_parallel": 2}, {**FSDP, "devices": 2, "batch": 2}),
-    ({**FSDP, "devices": 2, "batch": 2}, {**FSDP, "devices": 2, "batch": 4, "tensor_parallel": 2}),
-    ({**FSDP, "devices": 2, "batch": 2}, {"devices": 1, "batch": 4}),  # a sharded run goes on in one process
-    ({"devices": 1, "batch": 4}, {**FSDP, "devices": 2, "batch": 2}),  # and a one-process run sharded
-], ids=["fsdp4-fsdp2", "tp2xfsdp2-fsdp2", "fsdp2-tp2", "fsdp2-one", "one-fsdp2"])
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        ({**FSDP, "devices": 4, "batch": 1}, {**FSDP, "devices": 2, "batch": 2}),
+        ({**FSDP, "devices": 4, "batch": 2, "tensor_parallel": 2}, {**FSDP, "devices": 2, "batch": 2}),
+        ({**FSDP, "devices": 2, "batch": 2}, {**FSDP, "devices": 2, "batch": 4, "tensor_parallel": 2}),
+        ({**FSDP, "devices": 2, "batch": 2}, {"devices": 1, "batch": 4}),  # a sharded run goes on in one process
+        ({"devices": 1, "batch": 4}, {**FSDP, "devices": 2, "batch": 2}),  # and a one-process run sharded
+    ],
+    ids=["fsdp4-fsdp2", "tp2xfsdp2-fsdp2", "fsdp2-tp2", "fsdp2-one", "one-fsdp2"],
+)
 def test_a_resume_on_another_layout_reshards_and_continues_like_an_unbroken_run(tmp_path, unbroken, first, then):
     from transformers import AutoModelForCausalLM
 
@@ -417,8 +447,7 @@ def test_a_resume_on_another_layout_reshards_and_continues_like_an_unbroken_run(
 
 
 @pytest.mark.slow
-def test_a_damaged_shard_of_a_run_is_named_and_the_same_command_resumes_from_the_intact_one(tmp_path, unbroken,
-                                                                                            capsys):
+def test_a_damaged_shard_of_a_run_is_named_and_the_same_command_resumes_from_the_intact_one(tmp_path, unbroken, capsys):
     from builder.checkpoints import read_meta
 
     path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, steps=12, checkpoint_every_n_steps=4)
@@ -429,8 +458,11 @@ def test_a_damaged_shard_of_a_run_is_named_and_the_same_command_resumes_from_the
     _flip(folder / "last.ckpt" / "__1_0.distcp")  # rank 1's shard of step 12
     _truncate(folder / "best.ckpt" / "__0_0.distcp")  # best.ckpt may be of step 12 too
     last = str(folder / "last.ckpt")
-    for command in (("eval", last), ("export-hf", last, "-o", str(tmp_path / "hf")),
-                    ("consolidate", last, "-o", str(tmp_path / "m.safetensors"))):
+    for command in (
+        ("eval", last),
+        ("export-hf", last, "-o", str(tmp_path / "hf")),
+        ("consolidate", last, "-o", str(tmp_path / "m.safetensors")),
+    ):
         assert _main(*command) == 1
         _one_line(capsys, "last.ckpt is damaged: __1_0.distcp does not match its checksum")
     out = train(path)  # the same command

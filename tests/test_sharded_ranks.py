@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_layout_ranks import SPEC as ODD
 
 from builder.layout import Layout, rank_states
 from builder.schema import spec_model
-from test_layout_ranks import SPEC as ODD
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +37,25 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    settings = TrainerSection(strategy="fsdp", accelerator="cpu", devices=world // nodes, num_nodes=nodes,
-                              tensor_parallel=tp, data_parallel=mode, precision="bf16-mixed")
+    settings = TrainerSection(
+        strategy="fsdp",
+        accelerator="cpu",
+        devices=world // nodes,
+        num_nodes=nodes,
+        tensor_parallel=tp,
+        data_parallel=mode,
+        precision="bf16-mixed",
+    )
     layout = layout_of(settings)
     mesh = init_device_mesh("cpu", mesh_shape(layout), mesh_dim_names=MESH_DIMS)
     spec = spec_model().model_validate(SPEC)
     model = shard_model(build_model(spec, device="meta"), mesh, settings, SEED, torch.device("cpu"))
 
     whole = build_model(spec, init_seed=SEED)  # the single-process start
-    exact = all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, whole.get_parameter(name))
-                for name, p in model.named_parameters())
+    exact = all(
+        torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, whole.get_parameter(name))
+        for name, p in model.named_parameters()
+    )
 
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
     ids = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank // tp))
@@ -61,15 +70,18 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
         "exact": exact,
         "weights": sum(local(p).numel() * local(p).element_size() for p in params),
         "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for p in params),
-        "optimizer": sum(local(s).numel() * local(s).element_size() for p in params for s in optimizer.state[p].values()),
+        "optimizer": sum(
+            local(s).numel() * local(s).element_size() for p in params for s in optimizer.state[p].values()
+        ),
         "tensors": len(params),
     }
     Path(out, f"{rank}.json").write_text(json.dumps(held))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, nodes, tp, mode", [(3, 1, 1, "shard"), (4, 1, 2, "shard"), (4, 2, 1, "hybrid"),
-                                                    (2, 1, 2, "replicate")])
+@pytest.mark.parametrize(
+    "world, nodes, tp, mode", [(3, 1, 1, "shard"), (4, 1, 2, "shard"), (4, 2, 1, "hybrid"), (2, 1, 2, "replicate")]
+)
 def test_every_rank_holds_what_describe_counts_and_starts_where_one_process_does(world, nodes, tp, mode, tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(world, nodes, tp, mode, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
@@ -78,5 +90,10 @@ def test_every_rank_holds_what_describe_counts_and_starts_where_one_process_does
     for rank in range(world):
         held = json.loads((tmp_path / f"{rank}.json").read_text())
         want = rank_states(spec, layout, rank)
-        assert held == {"exact": True, "weights": want.weights, "gradients": want.gradients,
-                        "optimizer": want.optimizer, "tensors": want.tensors}, f"rank {rank}"
+        assert held == {
+            "exact": True,
+            "weights": want.weights,
+            "gradients": want.gradients,
+            "optimizer": want.optimizer,
+            "tensors": want.tensors,
+        }, f"rank {rank}"

@@ -15,30 +15,75 @@ from data_helpers import REPO, data_for_recipes
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
-TRAINER = {"trainer.max_steps": 3, "trainer.val_check_interval": 3, "trainer.limit_val_batches": 2,
-           "trainer.checkpoint_every_n_steps": 3, "trainer.log_every_n_steps": 1, "trainer.max_time": None,
-           "trainer.accelerator": "cpu", "trainer.devices": 1,
-           "trainer.compile": False}  # a cold compile is ~25 s; compiled runs are tests/test_speed.py's
-ENCODER = {"d_model": 32, "max_seq_len": 32, "position.max_positions": 32, "encoder.n_layers": 1,
-           "encoder.attention.n_heads": 2, "encoder.ffn.hidden_dim": 64}
+TRAINER = {
+    "trainer.max_steps": 3,
+    "trainer.val_check_interval": 3,
+    "trainer.limit_val_batches": 2,
+    "trainer.checkpoint_every_n_steps": 3,
+    "trainer.log_every_n_steps": 1,
+    "trainer.max_time": None,
+    "trainer.accelerator": "cpu",
+    "trainer.devices": 1,
+    "trainer.compile": False,
+}  # a cold compile is ~25 s; compiled runs are tests/test_speed.py's
+ENCODER = {
+    "d_model": 32,
+    "max_seq_len": 32,
+    "position.max_positions": 32,
+    "encoder.n_layers": 1,
+    "encoder.attention.n_heads": 2,
+    "encoder.ffn.hidden_dim": 64,
+}
 #: recipe -> (spec overrides, recipe overrides): a model and data small enough for seconds on a CPU
 TINY = {
-    "lm-stdlib": ({"d_model": 32, "max_seq_len": 32, "decoder.n_layers": 1, "decoder.attention.n_heads": 2,
-                   "decoder.attention.n_kv_heads": 1, "decoder.ffn.hidden_dim": 64},
-                  {"data.seq_len": 32, "data.batch_size": 4, "data.max_bytes": 100_000, "tokenizer.vocab_size": 500,
-                   "sample.max_new_tokens": 4}),
-    "shakespeare-char": ({"d_model": 32, "decoder.n_layers": 1, "decoder.attention.n_heads": 2,
-                          "decoder.ffn.hidden_dim": 64},
-                         {"data.seq_len": 32, "data.batch_size": 4, "sample.max_new_tokens": 4}),
-    "bert-mlm": (ENCODER, {"data.seq_len": 32, "data.batch_size": 4, "data.max_bytes": 200_000,
-                           "tokenizer.vocab_size": 500}),
+    "lm-stdlib": (
+        {
+            "d_model": 32,
+            "max_seq_len": 32,
+            "decoder.n_layers": 1,
+            "decoder.attention.n_heads": 2,
+            "decoder.attention.n_kv_heads": 1,
+            "decoder.ffn.hidden_dim": 64,
+        },
+        {
+            "data.seq_len": 32,
+            "data.batch_size": 4,
+            "data.max_bytes": 100_000,
+            "tokenizer.vocab_size": 500,
+            "sample.max_new_tokens": 4,
+        },
+    ),
+    "shakespeare-char": (
+        {"d_model": 32, "decoder.n_layers": 1, "decoder.attention.n_heads": 2, "decoder.ffn.hidden_dim": 64},
+        {"data.seq_len": 32, "data.batch_size": 4, "sample.max_new_tokens": 4},
+    ),
+    "bert-mlm": (
+        ENCODER,
+        {"data.seq_len": 32, "data.batch_size": 4, "data.max_bytes": 200_000, "tokenizer.vocab_size": 500},
+    ),
     "classify": (ENCODER, {"data.max_len": 32, "data.max_tokens": 256, "tokenizer.vocab_size": 500}),
-    "translate-multi30k": ({"d_model": 32, "max_seq_len": 128, "encoder.n_layers": 1, "decoder.n_layers": 1,
-                            "encoder.attention.n_heads": 2, "decoder.attention.n_heads": 2,
-                            "encoder.ffn.hidden_dim": 64, "decoder.ffn.hidden_dim": 64},
-                           {"data.limit_pairs": 1000, "data.max_len": 60, "data.max_tokens": 400,
-                            "tokenizer.vocab_size": 500, "eval.num_beams": 1, "eval.max_sentences": 8,
-                            "eval.average_last": 1, "eval.bleu_at_validation": False}),
+    "translate-multi30k": (
+        {
+            "d_model": 32,
+            "max_seq_len": 128,
+            "encoder.n_layers": 1,
+            "decoder.n_layers": 1,
+            "encoder.attention.n_heads": 2,
+            "decoder.attention.n_heads": 2,
+            "encoder.ffn.hidden_dim": 64,
+            "decoder.ffn.hidden_dim": 64,
+        },
+        {
+            "data.limit_pairs": 1000,
+            "data.max_len": 60,
+            "data.max_tokens": 400,
+            "tokenizer.vocab_size": 500,
+            "eval.num_beams": 1,
+            "eval.max_sentences": 8,
+            "eval.average_last": 1,
+            "eval.bleu_at_validation": False,
+        },
+    ),
 }
 
 
@@ -84,7 +129,9 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path,
     assert (work / summary["output_dir"] / "checkpoints" / "last.ckpt").is_file()
     assert "downloading" not in capsys.readouterr().err
 
-    extra = {"translation": ["--max-sentences", "4"], "classification": []}.get(recipe.get("task"), ["--max-batches", "2"])
+    extra = {"translation": ["--max-sentences", "4"], "classification": []}.get(
+        recipe.get("task"), ["--max-batches", "2"]
+    )
     assert main(["eval", summary["last"], "--json", *extra]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 3

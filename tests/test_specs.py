@@ -179,9 +179,17 @@ def test_llama2_70b_counts_as_transformers_builds_it():
     from builder.hf import choose_family
 
     spec = load_spec(ROOT / "specs" / "llama2-70b.yaml")
-    published = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
-                 "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    published = {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
     family, exported = choose_family(spec)
     assert family.model_type == "llama"
     assert {key: exported[key] for key in published} == published

@@ -119,10 +119,14 @@ def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
     eager_dir = tmp_path / "eager"
     eager_dir.mkdir()
     eager = run(tiny_recipe(eager_dir, trainer=trainer, schedule=schedule), samples=False)
-    history = lambda summary: torch.load(summary["last"], weights_only=True)["builder"]["history"]  # noqa: E731
+    history = lambda summary: torch.load(summary["last"], weights_only=True)["builder"]["history"]
     assert [s for s, _ in history(resumed)["train"]] == [3, 6]
-    torch.testing.assert_close(torch.tensor([x for _, x in history(resumed)["train"]]),
-                               torch.tensor([x for _, x in history(eager)["train"]]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor([x for _, x in history(resumed)["train"]]),
+        torch.tensor([x for _, x in history(eager)["train"]]),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.slow  # ~30 s: a cold compile of each layer (the model-mode run above is the default suite's)

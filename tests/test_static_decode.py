@@ -25,12 +25,22 @@ TINY = Path(__file__).resolve().parents[1] / "specs" / "tiny"
 
 def _window_spec(position: str) -> object:
     """Every layer windowed to 5 tokens: a 20-token sequence wraps the ring buffer three times."""
-    return spec_model().model_validate({
-        "name": "tiny-window", "architecture": "decoder-only", "vocab_size": 64, "d_model": 32,
-        "max_seq_len": 64, "position": {"type": position},
-        "decoder": {"n_layers": 2, "attention": {"n_heads": 4, "n_kv_heads": 2, "sliding_window": 5},
-                    "ffn": {"type": "glu", "hidden_dim": 48}, "norm": {"type": "rmsnorm"}},
-    })
+    return spec_model().model_validate(
+        {
+            "name": "tiny-window",
+            "architecture": "decoder-only",
+            "vocab_size": 64,
+            "d_model": 32,
+            "max_seq_len": 64,
+            "position": {"type": position},
+            "decoder": {
+                "n_layers": 2,
+                "attention": {"n_heads": 4, "n_kv_heads": 2, "sliding_window": 5},
+                "ffn": {"type": "glu", "hidden_dim": 48},
+                "norm": {"type": "rmsnorm"},
+            },
+        }
+    )
 
 
 SPECS = {
@@ -83,8 +93,7 @@ def test_static_steps_give_the_full_forwards_logits(name):
         cache, positions, first = _step_args(model, ids, 6, memory=memory)
         steps = []
         for i in range(6, 20):
-            steps.append(model._decode_step(ids[:, i : i + 1], torch.tensor([i]), positions, cache, None, memory,
-                                            None))
+            steps.append(model._decode_step(ids[:, i : i + 1], torch.tensor([i]), positions, cache, None, memory, None))
             cache.advance(1)
     torch.testing.assert_close(first, full[:, :6], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:].float(), rtol=1e-4, atol=1e-5)
@@ -124,7 +133,8 @@ def test_the_decode_step_is_one_graph_with_no_break(name):
         cache, positions, _ = _step_args(model, ids, 7)
         torch._dynamo.reset()
         explained = torch._dynamo.explain(generation._compiled_decode_step)(
-            model, ids[:, 7:8].contiguous(), torch.tensor([7]), positions, cache, None, None, None)
+            model, ids[:, 7:8].contiguous(), torch.tensor([7]), positions, cache, None, None, None
+        )
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [r.reason for r in explained.break_reasons]
 
 
@@ -132,8 +142,11 @@ def test_the_decode_step_is_one_graph_with_no_break(name):
 def dynamo_only(monkeypatch):
     """The compiled step traced by Dynamo without Inductor's code generation (seconds, not tens)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(generation, "_COMPILED_STEP", torch.compile(
-        generation._compiled_decode_step, backend="eager", fullgraph=True, dynamic=False))
+    monkeypatch.setattr(
+        generation,
+        "_COMPILED_STEP",
+        torch.compile(generation._compiled_decode_step, backend="eager", fullgraph=True, dynamic=False),
+    )
     yield
     torch._dynamo.reset()
 
@@ -162,8 +175,10 @@ def test_compiled_generate_equals_eager_and_compiles_once(dynamo_only):
     beams = dict(num_beams=3, max_new_tokens=6)
     assert torch.equal(model.generate(prompt, compile=True, **beams), model.generate(prompt, **beams))
     sample = dict(max_new_tokens=8, temperature=0.9, top_k=20)
-    assert torch.equal(model.generate(prompt, compile=True, generator=torch.Generator().manual_seed(1), **sample),
-                       model.generate(prompt, generator=torch.Generator().manual_seed(1), **sample))
+    assert torch.equal(
+        model.generate(prompt, compile=True, generator=torch.Generator().manual_seed(1), **sample),
+        model.generate(prompt, generator=torch.Generator().manual_seed(1), **sample),
+    )
 
 
 def test_compiled_generate_for_encoder_decoder_and_windows(dynamo_only):
@@ -207,7 +222,7 @@ def test_inductor_compiled_generate_equals_eager(name):
     assert torch.equal(model.generate(prompt, 24, compile=True), model.generate(prompt, 24))
 
 
-def test_builder_generate_compile_prints_the_eager_text(capsys, checkpoint, dynamo_only):  # noqa: F811  (the fixture)
+def test_builder_generate_compile_prints_the_eager_text(capsys, checkpoint, dynamo_only):
     from hostile_helpers import cli
 
     argv = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu"]

@@ -76,8 +76,19 @@ def test_a_python_tag_on_a_key_is_refused_not_dropped(tmp_path):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("yes", "yes"), ("on", "on"), ("1:8", "1:8"), ("010", 10), ("0x10", 16), ("0o10", 8), ("1.0e6", 1e6),
-     ("1e-5", 1e-5), ("2001-12-14", "2001-12-14"), ("True", True), ("~", None)],
+    [
+        ("yes", "yes"),
+        ("on", "on"),
+        ("1:8", "1:8"),
+        ("010", 10),
+        ("0x10", 16),
+        ("0o10", 8),
+        ("1.0e6", 1e6),
+        ("1e-5", 1e-5),
+        ("2001-12-14", "2001-12-14"),
+        ("True", True),
+        ("~", None),
+    ],
 )
 def test_yaml_is_read_with_the_1_2_core_schema(text, value):
     assert parse_value(text) == value and type(parse_value(text)) is type(value)
@@ -92,8 +103,12 @@ def test_a_layer_slice_written_without_quotes_is_a_slice(tmp_path):
 
 @pytest.mark.parametrize(
     "item, field",
-    [("decoder.n_layers=true", "decoder.n_layers"), ("d_model='512'", "d_model"),
-     ("tie_embeddings=yes", "tie_embeddings"), ("decoder.norm.eps=.inf", "decoder.norm.eps")],
+    [
+        ("decoder.n_layers=true", "decoder.n_layers"),
+        ("d_model='512'", "d_model"),
+        ("tie_embeddings=yes", "tie_embeddings"),
+        ("decoder.norm.eps=.inf", "decoder.norm.eps"),
+    ],
 )
 def test_set_values_are_strict_too(tmp_path, item, field):
     path = tmp_path / "spec.yaml"
@@ -115,9 +130,13 @@ def test_set_extends_is_refused_not_ignored(tmp_path):
 
 @pytest.mark.parametrize(
     "key, value, field",
-    [("trainer.max_steps", "yes", "trainer.max_steps"), ("data.batch_size", "'8'", "data.batch_size"),
-     ("optimizer.lr", ".inf", "optimizer.lr"), ("optimizer.betas", "[0.9, 1.5]", "optimizer.betas.1"),
-     ("trainer.compile", "1", "trainer.compile")],
+    [
+        ("trainer.max_steps", "yes", "trainer.max_steps"),
+        ("data.batch_size", "'8'", "data.batch_size"),
+        ("optimizer.lr", ".inf", "optimizer.lr"),
+        ("optimizer.betas", "[0.9, 1.5]", "optimizer.betas.1"),
+        ("trainer.compile", "1", "trainer.compile"),
+    ],
 )
 def test_recipes_are_strict(key, value, field):
     with pytest.raises(SpecError) as info:
@@ -126,7 +145,10 @@ def test_recipes_are_strict(key, value, field):
 
 
 def test_recipe_betas_are_read_from_a_yaml_list():
-    assert load_recipe(ROOT / "recipes" / "lm-stdlib.yaml", {"optimizer.betas": [0.9, 0.99]}).optimizer.betas == (0.9, 0.99)
+    assert load_recipe(ROOT / "recipes" / "lm-stdlib.yaml", {"optimizer.betas": [0.9, 0.99]}).optimizer.betas == (
+        0.9,
+        0.99,
+    )
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,60 @@ from recipes.data.tokenized import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ["the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "had", "been", "one", "all", "we", "can", "their", "has", "more", "when", "will", "would", "who", "so", "no", "über", "naïve", "café"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "had",
+    "been",
+    "one",
+    "all",
+    "we",
+    "can",
+    "their",
+    "has",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "über",
+    "naïve",
+    "café",
+]
 
 
 def docs(n: int, seed: int = 0) -> list[str]:
@@ -56,8 +109,11 @@ def sp(tmp_path_factory):
 
 def dataset_bytes(folder: Path) -> dict[str, bytes]:
     """Every file a dataset consists of (not the lock, stamps or run records), by name."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    }
 
 
 def read_back(dataset: TokenizedDataset, split: str) -> list[list[int]]:
@@ -70,8 +126,14 @@ def read_back(dataset: TokenizedDataset, split: str) -> list[list[int]]:
 def test_ids_are_the_tokenizers_per_document_with_eos(tmp_path, sp):
     tokenizer, _ = sp
     texts = docs(300)
-    dataset = tokenize_documents([Document(t, None, "mem") for t in texts], tokenizer, tmp_path / "ds",
-                                 val_fraction=0.2, shard_bytes=4000, progress=False)
+    dataset = tokenize_documents(
+        [Document(t, None, "mem") for t in texts],
+        tokenizer,
+        tmp_path / "ds",
+        val_fraction=0.2,
+        shard_bytes=4000,
+        progress=False,
+    )
     assert tokenizer.eos_id == 1 and dataset.eos_id == 1 and dataset.dtype == np.dtype("<u2")
     assert len(dataset.shards("train")) > 3
     held = [t for t in texts if _held(t, 0.2)]
@@ -99,8 +161,12 @@ def test_a_tokenizer_json_and_a_char_table(tmp_path):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(docs(300), trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        docs(300),
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     hf = HFTokenizer(bpe.to_str())
     texts = docs(50, seed=3)
     assert hf.eos_id == 0 and hf.encode_batch(texts[:2]) == [bpe.encode(t).ids for t in texts[:2]]
@@ -123,8 +189,20 @@ def test_the_command_takes_a_model_a_tokenizer_json_and_a_hugging_face_folder(ca
     write_tokenizer(tokenizer.state(), tmp_path / "hf")  # the same model as Hugging Face writes it
     made = {}
     for name, tok in (("model", model), ("json", tmp_path / "hf" / "tokenizer.json"), ("folder", tmp_path / "hf")):
-        result = cli(capsys, "tokenize", tmp_path / "a.txt", "-o", tmp_path / name, "--tokenizer", tok, "--separator",
-                     r"\n\n", "--workers", "1", "--json")
+        result = cli(
+            capsys,
+            "tokenize",
+            tmp_path / "a.txt",
+            "-o",
+            tmp_path / name,
+            "--tokenizer",
+            tok,
+            "--separator",
+            r"\n\n",
+            "--workers",
+            "1",
+            "--json",
+        )
         assert result.status == 0, result.text
         summary = json.loads(result.out)
         assert summary["splits"]["train"]["documents"] == 40, summary
@@ -138,9 +216,15 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path, sp):
     texts = docs(400, seed=1)
     made = {}
     for workers in (1, 2):
-        tokenize_documents([Document(t, None, f"part{i % 3}") for i, t in enumerate(texts)], tokenizer,
-                           tmp_path / f"w{workers}", workers=workers, val_fraction=0.1, shard_bytes=3000,
-                           progress=False)
+        tokenize_documents(
+            [Document(t, None, f"part{i % 3}") for i, t in enumerate(texts)],
+            tokenizer,
+            tmp_path / f"w{workers}",
+            workers=workers,
+            val_fraction=0.1,
+            shard_bytes=3000,
+            progress=False,
+        )
         made[workers] = dataset_bytes(tmp_path / f"w{workers}")
     assert len([n for n in made[1] if n.endswith(".bin")]) > 10
     assert made[1] == made[2]
@@ -148,10 +232,20 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path, sp):
 
 def test_forced_splits_and_val_sources(tmp_path, sp):
     tokenizer, _ = sp
-    documents = [Document("forced into validation", "validation", "a/x.txt"), Document("forced train", "train", "b"),
-                 Document("held out by its source", None, "held/one.jsonl"), Document("plain", None, "c")]
-    dataset = tokenize_documents(documents, tokenizer, tmp_path / "ds", val_sources=["held"], progress=False,
-                                 sources=[{"path": p, "format": "text", "bytes": 1} for p in ("a", "b", "held", "c")])
+    documents = [
+        Document("forced into validation", "validation", "a/x.txt"),
+        Document("forced train", "train", "b"),
+        Document("held out by its source", None, "held/one.jsonl"),
+        Document("plain", None, "c"),
+    ]
+    dataset = tokenize_documents(
+        documents,
+        tokenizer,
+        tmp_path / "ds",
+        val_sources=["held"],
+        progress=False,
+        sources=[{"path": p, "format": "text", "bytes": 1} for p in ("a", "b", "held", "c")],
+    )
     assert dataset.documents("validation") == 2 and dataset.documents("train") == 2
     assert [s["documents"] for s in dataset.manifest["sources"]] == [1, 1, 1, 1]
     with pytest.raises(RecipeError, match="split 'test' is none of train, validation"):
@@ -199,14 +293,17 @@ def test_a_separator_across_read_chunks(tmp_path, monkeypatch):
 def test_datasets_save_to_disk_folders_and_plain_folders(tmp_path):
     datasets = pytest.importorskip("datasets")
     texts = docs(40, seed=6)
-    datasets.Dataset.from_dict({"text": texts, "n": list(range(40))}).save_to_disk(str(tmp_path / "hf"),
-                                                                                  num_shards=2)
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(40))}).save_to_disk(str(tmp_path / "hf"), num_shards=2)
     (sources,) = find_sources([str(tmp_path / "hf")])
     assert sources.format == "hf-disk" and len(sources.files) == 2
     assert [d.text for d in DocumentStream([sources])] == texts
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:30]}),
-                                   "validation": datasets.Dataset.from_dict({"text": texts[30:35]}),
-                                   "test": datasets.Dataset.from_dict({"text": texts[35:]})})
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": texts[:30]}),
+            "validation": datasets.Dataset.from_dict({"text": texts[30:35]}),
+            "test": datasets.Dataset.from_dict({"text": texts[35:]}),
+        }
+    )
     splits.save_to_disk(str(tmp_path / "corpus" / "dict"))
     (tmp_path / "corpus" / "z.txt").write_text("last", encoding="utf-8")
     (tmp_path / "corpus" / ".hidden").write_text("skipped", encoding="utf-8")
@@ -251,21 +348,29 @@ def _zstd(data: bytes) -> bytes:
 
 BAD = {
     "notjson.jsonl": (lambda p: p.write_bytes(b'{"text": "a"}\n{"text": "b"\n'), ["notjson.jsonl:2:", "not JSON"]),
-    "nofield.jsonl": (lambda p: p.write_bytes(b'{"text": "a"}\n\n{"body": "b", "id": 2}\n'),
-                      ["nofield.jsonl:3:", "no field 'text'", "'body', 'id'", "--text-field"]),
+    "nofield.jsonl": (
+        lambda p: p.write_bytes(b'{"text": "a"}\n\n{"body": "b", "id": 2}\n'),
+        ["nofield.jsonl:3:", "no field 'text'", "'body', 'id'", "--text-field"],
+    ),
     "notstring.jsonl": (lambda p: p.write_bytes(b'{"text": 5}\n'), ["notstring.jsonl:1:", "is a JSON number"]),
     "array.json": (lambda p: p.write_bytes(b'[\n{"text": "a"}\n]\n'), ["array.json:1:", "one object a line"]),
-    "latin1.txt": (lambda p: p.write_bytes(b"caf" + "é au lait".encode("latin-1")),
-                   ["latin1.txt", "not UTF-8", "byte 3"]),
+    "latin1.txt": (
+        lambda p: p.write_bytes(b"caf" + "é au lait".encode("latin-1")),
+        ["latin1.txt", "not UTF-8", "byte 3"],
+    ),
     "empty.txt": (lambda p: p.write_bytes(b""), ["empty.txt", "no documents"]),
     "blank.jsonl": (lambda p: p.write_bytes(b"\n\n"), ["blank.jsonl", "no documents"]),
     "nocolumn.parquet": (_parquet_without_text, ["nocolumn.parquet", "no column 'text'", "body, id"]),
     "null.parquet": (_parquet_with_null, ["null.parquet", "row 2", "null"]),
     "damaged.parquet": (_damaged_parquet, ["damaged.parquet", "not a readable Parquet file"]),
-    "damaged.jsonl.gz": (lambda p: p.write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:-20]),
-                         ["damaged.jsonl.gz", "a damaged gzip file"]),
-    "damaged.jsonl.zst": (lambda p: p.write_bytes(_zstd(b'{"text": "a"}\n' * 500)[:-30] + b"garbage!" * 4),
-                          ["damaged.jsonl.zst", "a damaged zstd file"]),
+    "damaged.jsonl.gz": (
+        lambda p: p.write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:-20]),
+        ["damaged.jsonl.gz", "a damaged gzip file"],
+    ),
+    "damaged.jsonl.zst": (
+        lambda p: p.write_bytes(_zstd(b'{"text": "a"}\n' * 500)[:-30] + b"garbage!" * 4),
+        ["damaged.jsonl.zst", "a damaged zstd file"],
+    ),
     "packed.txt.xz": (lambda p: p.write_bytes(b"x"), ["packed.txt.xz", "does not read"]),
 }
 
@@ -287,8 +392,12 @@ def test_out_of_range_arguments_name_the_argument_and_range(capsys, tmp_path, sp
     refused(cli(capsys, *base, "--val-fraction", "1"), 2, "argument --val-fraction", "[0, 1)")
     refused(cli(capsys, *base, "--shard-mb", "0"), 2, "argument --shard-mb", "from 1 to 65,536")
     refused(cli(capsys, *base, "--val-sources", "nothing*"), 1, "--val-sources 'nothing*' matches none")
-    refused(cli(capsys, "tokenize", tmp_path / "a.txt", "-o", tmp_path / "ds", "--tokenizer", tmp_path / "a.txt"), 1,
-            "--tokenizer", "not a sentencepiece model")
+    refused(
+        cli(capsys, "tokenize", tmp_path / "a.txt", "-o", tmp_path / "ds", "--tokenizer", tmp_path / "a.txt"),
+        1,
+        "--tokenizer",
+        "not a sentencepiece model",
+    )
 
 
 # -- the command end to end, resumes and settings ---------------------------------------------------
@@ -301,14 +410,39 @@ def test_the_command_end_to_end_with_a_recipe_tokenizer(capsys, tmp_path):
     with open(tmp_path / "corpus" / "b.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts[100:])
     recipe = tmp_path / "tok.yaml"
-    recipe.write_text(f"model: {{spec: {REPO / 'specs' / 'tiny' / 'gpt2.yaml'}}}\n"
-                      "tokenizer: {type: sentencepiece, vocab_size: 320}\n")
-    argv = ["tokenize", tmp_path / "corpus", "-o", tmp_path / "ds", "--tokenizer", recipe, "--separator", r"\n\n",
-            "--val-fraction", "0.1", "--workers", "1"]
+    recipe.write_text(
+        f"model: {{spec: {REPO / 'specs' / 'tiny' / 'gpt2.yaml'}}}\n"
+        "tokenizer: {type: sentencepiece, vocab_size: 320}\n"
+    )
+    argv = [
+        "tokenize",
+        tmp_path / "corpus",
+        "-o",
+        tmp_path / "ds",
+        "--tokenizer",
+        recipe,
+        "--separator",
+        r"\n\n",
+        "--val-fraction",
+        "0.1",
+        "--workers",
+        "1",
+    ]
     result = cli(capsys, *argv)
     assert result.status == 0, result.text
-    for needle in ("split", "train", "validation", "documents", "tokens", "shards", "corpus", "jsonl,text", "MB/s",
-                   "tokens/s", "200"):
+    for needle in (
+        "split",
+        "train",
+        "validation",
+        "documents",
+        "tokens",
+        "shards",
+        "corpus",
+        "jsonl,text",
+        "MB/s",
+        "tokens/s",
+        "200",
+    ):
         assert needle in result.out, result.out
     dataset = TokenizedDataset.open(tmp_path / "ds")
     trained = dataset.tokenizer()
@@ -321,8 +455,11 @@ def test_the_command_end_to_end_with_a_recipe_tokenizer(capsys, tmp_path):
     refused(changed, 1, "with other settings", "val_fraction: 0.1 there, 0.2 now", "--overwrite")
     assert cli(capsys, *argv[:-4], "--val-fraction", "0.2", "--overwrite").status == 0
     assert TokenizedDataset.open(tmp_path / "ds").manifest["split"]["val_fraction"] == 0.2
-    refused(cli(capsys, "tokenize", tmp_path / "corpus", "-o", tmp_path / "corpus", "--tokenizer", recipe), 1,
-            "a folder with other files in it")
+    refused(
+        cli(capsys, "tokenize", tmp_path / "corpus", "-o", tmp_path / "corpus", "--tokenizer", recipe),
+        1,
+        "a folder with other files in it",
+    )
 
 
 KILLED = """
@@ -353,8 +490,15 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_bytes(tmp_path, sp):
     import inspect
 
     script = KILLED.format(words=WORDS, docs=inspect.getsource(docs), out=str(out), model=str(model))
-    done = subprocess.run([sys.executable, "-c", script], start_new_session=True, capture_output=True, text=True,
-                          timeout=120, cwd=REPO, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert is_tokenized_dataset(out) and not (out / "manifest.json").exists()
     with pytest.raises(RecipeError, match="was not finished: rerun the same `builder tokenize` command to resume"):
@@ -365,8 +509,15 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_bytes(tmp_path, sp):
     stats = {s["tokens"]: os.stat(out / s["tokens"]) for r in finished[1:] for s in r["shards"].values()}
     records[0].unlink()  # unit 0's shards now have no record: they must be written again, not trusted
     unit0 = os.stat(out / finished[0]["shards"]["train"]["tokens"])
-    resumed = tokenize_documents((Document(t, None, "corpus") for t in docs(400, seed=2)), tokenizer, out,
-                                 workers=1, shard_bytes=3000, val_fraction=0.1, progress=False)
+    resumed = tokenize_documents(
+        (Document(t, None, "corpus") for t in docs(400, seed=2)),
+        tokenizer,
+        out,
+        workers=1,
+        shard_bytes=3000,
+        val_fraction=0.1,
+        progress=False,
+    )
     assert resumed.stats["reused_units"] == len(finished) - 1
     assert resumed.stats["tokenized_units"] == resumed.stats["units"] - len(finished) + 1
     for name, before in stats.items():  # reread, never re-tokenized: the very same files
@@ -375,8 +526,15 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_bytes(tmp_path, sp):
     after = os.stat(out / finished[0]["shards"]["train"]["tokens"])
     assert (after.st_ino, after.st_mtime_ns) != (unit0.st_ino, unit0.st_mtime_ns)
     assert not list(out.rglob(".*.tmp-*"))
-    tokenize_documents((Document(t, None, "corpus") for t in docs(400, seed=2)), tokenizer, whole, workers=1,
-                       shard_bytes=3000, val_fraction=0.1, progress=False)
+    tokenize_documents(
+        (Document(t, None, "corpus") for t in docs(400, seed=2)),
+        tokenizer,
+        whole,
+        workers=1,
+        shard_bytes=3000,
+        val_fraction=0.1,
+        progress=False,
+    )
     assert dataset_bytes(out) == dataset_bytes(whole)
 
 
@@ -386,8 +544,7 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_bytes(tmp_path, sp):
 @pytest.fixture
 def made(tmp_path, sp):
     tokenizer, _ = sp
-    tokenize_documents([Document(t) for t in docs(200)], tokenizer, tmp_path / "ds", shard_bytes=4000,
-                       progress=False)
+    tokenize_documents([Document(t) for t in docs(200)], tokenizer, tmp_path / "ds", shard_bytes=4000, progress=False)
     return tmp_path / "ds"
 
 
@@ -409,8 +566,11 @@ def test_a_flipped_bit_is_refused_on_a_first_open_and_after_a_change(made):
     for stamp in made.glob(".verified-*.json"):  # a machine that has not opened it yet
         stamp.unlink()
     shard.write_bytes(bytes(data))
-    with pytest.raises(RecipeError, match=rf"{shard}: sha256 \w+\.\.\., the manifest says \w+\.\.\. \(the file is "
-                                          "damaged\\)"):
+    with pytest.raises(
+        RecipeError,
+        match=rf"{shard}: sha256 \w+\.\.\., the manifest says \w+\.\.\. \(the file is "
+        "damaged\\)",
+    ):
         TokenizedDataset.open(made)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import yaml
-from recipe_helpers import REPO, assert_same_run, builder_process, fault_recipe, history, one_error_line
+from recipe_helpers import REPO, assert_same_run, builder_process, fault_recipe, one_error_line
 
 
 class SignalAt(L.Callback):
@@ -69,8 +69,14 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_like_an_unbrok
 
     recipe = fault_recipe(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    child = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
-                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert child.returncode == 143, child.stderr[-3000:]
     line = one_error_line(child.stderr, "builder train:")
@@ -108,8 +114,15 @@ def test_ctrl_c_to_the_process_group_saves_and_stops_though_the_loader_worker_ge
     data["data"]["num_workers"] = 1  # a batch-making worker in the group
     recipe.write_text(yaml.safe_dump(data))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    child = subprocess.run([sys.executable, "-c", GROUP_CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
-                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, start_new_session=True)
+    child = subprocess.run(
+        [sys.executable, "-c", GROUP_CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert child.returncode == 130, child.stderr[-3000:]
     line = one_error_line(child.stderr, "builder train:")
@@ -154,7 +167,8 @@ class SignalInValidation(L.Callback):
 
 @pytest.mark.slow
 def test_a_signal_during_validation_saves_at_the_next_step_and_resumes_like_an_unbroken_run(
-        unbroken_run, tmp_path, capsys, monkeypatch):
+    unbroken_run, tmp_path, capsys, monkeypatch
+):
     import recipes.train
     from builder.cli import main
 
@@ -214,8 +228,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroke
     assert main(["train", str(recipe), "--no-samples"]) == 1
     folder = tmp_path / "run" / "checkpoints"
     line = one_error_line(capsys.readouterr().err, "builder train:")
-    assert line == f"builder train: could not write {folder / 'last.ckpt'}: no space left on the device; " \
-                   "the previous last.ckpt is kept"
+    assert (
+        line == f"builder train: could not write {folder / 'last.ckpt'}: no space left on the device; "
+        "the previous last.ckpt is kept"
+    )
     assert sorted(p.name for p in folder.iterdir()) == ["best.ckpt", "last-1.ckpt", "last.ckpt"]  # no temp file
     assert _step(folder / "last.ckpt") == 6 and _step(folder / "last-1.ckpt") == 4
     monkeypatch.undo()
@@ -233,14 +249,26 @@ def test_a_file_size_limit_stops_in_one_line_and_the_rerun_does_not_trip_on_debr
     def limited():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    child = builder_process("train", str(recipe), "--no-samples", "--set", f"data.cache_dir={cache}", cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=limited)
+    child = builder_process(
+        "train",
+        str(recipe),
+        "--no-samples",
+        "--set",
+        f"data.cache_dir={cache}",
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limited,
+    )
     _, err = child.communicate(timeout=600)
     folder = tmp_path / "run" / "checkpoints"
     assert child.returncode == 1, err[-3000:]
     line = one_error_line(err, "builder train:")
-    assert line == (f"builder train: could not write {folder / 'last.ckpt'}: file too large (the file-size limit, "
-                    "`ulimit -f`); no checkpoint was written")
+    assert line == (
+        f"builder train: could not write {folder / 'last.ckpt'}: file too large (the file-size limit, "
+        "`ulimit -f`); no checkpoint was written"
+    )
     assert list(folder.iterdir()) == []
     assert main(["train", str(recipe), "--no-samples", "--set", f"data.cache_dir={cache}"]) == 0
     assert_same_run(folder / "last.ckpt", Path(unbroken_run[1]["last"]))
@@ -250,11 +278,13 @@ def test_a_file_size_limit_stops_in_one_line_and_the_rerun_does_not_trip_on_debr
 def test_sigterm_from_outside_stops_every_ddp_rank_at_the_same_step(tmp_path):
     """Two CPU processes (Lightning's launcher); SIGTERM to the launcher only: both ranks agree
     on the step, the checkpoint is saved, each exits 143, and the run resumes."""
-    recipe = fault_recipe(tmp_path, max_steps=400, checkpoint_every_n_steps=2, val_check_interval=200, devices=2,
-                          strategy="ddp")
+    recipe = fault_recipe(
+        tmp_path, max_steps=400, checkpoint_every_n_steps=2, val_check_interval=200, devices=2, strategy="ddp"
+    )
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    child = builder_process("train", str(recipe), "--no-samples", cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    child = builder_process(
+        "train", str(recipe), "--no-samples", cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 300
     while not last.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -264,8 +294,17 @@ def test_sigterm_from_outside_stops_every_ddp_rank_at_the_same_step(tmp_path):
     line = one_error_line(err, "builder train:")
     step = int(line.split(" at step ")[1].split(";")[0])
     assert 0 < step < 400 and _step(last) == step
-    resumed = builder_process("train", str(recipe), "--no-samples", "--set", f"trainer.max_steps={step + 4}",
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    resumed = builder_process(
+        "train",
+        str(recipe),
+        "--no-samples",
+        "--set",
+        f"trainer.max_steps={step + 4}",
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert _step(last) == step + 4
@@ -277,21 +316,46 @@ def test_a_task_run_stops_on_a_signal_the_same_way(tmp_path, capsys, monkeypatch
 
     from builder.cli import main
 
-    encoder = {"name": "tiny-encoder", "architecture": "encoder-only", "d_model": 32, "max_seq_len": 32,
-               "position": {"type": "learned"}, "head": {"type": "mlm"},
-               "encoder": {"n_layers": 1, "attention": {"n_heads": 2}, "ffn": {"hidden_dim": 64}}}
+    encoder = {
+        "name": "tiny-encoder",
+        "architecture": "encoder-only",
+        "d_model": 32,
+        "max_seq_len": 32,
+        "position": {"type": "learned"},
+        "head": {"type": "mlm"},
+        "encoder": {"n_layers": 1, "attention": {"n_heads": 2}, "ffn": {"hidden_dim": 64}},
+    }
     recipe = tmp_path / "mlm.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "task": "mlm", "model": {"spec": encoder}, "tokenizer": {"vocab_size": 600},
-        "data": {"sources": ["python-stdlib"], "max_bytes": 40_000, "seq_len": 32, "batch_size": 4,
-                 "cache_dir": str(tmp_path / "cache")},
-        "trainer": {"max_steps": 4, "val_check_interval": 4, "limit_val_batches": 1, "accelerator": "cpu",
-                    "precision": "32", "devices": 1, "output_dir": str(tmp_path / "run")},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "task": "mlm",
+                "model": {"spec": encoder},
+                "tokenizer": {"vocab_size": 600},
+                "data": {
+                    "sources": ["python-stdlib"],
+                    "max_bytes": 40_000,
+                    "seq_len": 32,
+                    "batch_size": 4,
+                    "cache_dir": str(tmp_path / "cache"),
+                },
+                "trainer": {
+                    "max_steps": 4,
+                    "val_check_interval": 4,
+                    "limit_val_batches": 1,
+                    "accelerator": "cpu",
+                    "precision": "32",
+                    "devices": 1,
+                    "output_dir": str(tmp_path / "run"),
+                },
+            }
+        )
+    )
     send_at(monkeypatch, 2, signal.SIGTERM)
     assert main(["train", str(recipe), "--no-samples"]) == 143
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert one_error_line(capsys.readouterr().err, "builder train:").startswith(
-        f"builder train: stopped by SIGTERM at step 2; saved {last}")
+        f"builder train: stopped by SIGTERM at step 2; saved {last}"
+    )
     monkeypatch.undo()
     assert _step(last) == 2 and main(["train", str(recipe)]) == 0 and _step(last) == 4

@@ -22,12 +22,22 @@ PAD, BOS, EOS = 0, 2, 3
 
 def _tiny_spec(vocab_size: int = 40, **extra):
     data = {
-        "name": "tiny-translation", "architecture": "encoder-decoder", "vocab_size": vocab_size, "d_model": 32,
-        "max_seq_len": 32, "tie_embeddings": True, "share_encoder_decoder_embeddings": True,
-        "embedding": {"scale": "sqrt_d"}, "position": {"type": "sinusoidal"},
-        "encoder": {"n_layers": 2, "attention": {"n_heads": 4, "qkv_bias": True, "out_bias": True},
-                    "ffn": {"type": "mlp", "activation": "relu", "hidden_dim": 64, "bias": True},
-                    "norm": {"type": "layernorm", "placement": "post"}, "final_norm": False},
+        "name": "tiny-translation",
+        "architecture": "encoder-decoder",
+        "vocab_size": vocab_size,
+        "d_model": 32,
+        "max_seq_len": 32,
+        "tie_embeddings": True,
+        "share_encoder_decoder_embeddings": True,
+        "embedding": {"scale": "sqrt_d"},
+        "position": {"type": "sinusoidal"},
+        "encoder": {
+            "n_layers": 2,
+            "attention": {"n_heads": 4, "qkv_bias": True, "out_bias": True},
+            "ffn": {"type": "mlp", "activation": "relu", "hidden_dim": 64, "bias": True},
+            "norm": {"type": "layernorm", "placement": "post"},
+            "final_norm": False,
+        },
         "head": {"type": "lm"},
     }
     data["decoder"] = data["encoder"]
@@ -49,8 +59,10 @@ def test_padded_batch_equals_each_sequence_alone():
 
     model = _model()
     g = torch.Generator().manual_seed(3)
-    pairs = [(torch.randint(4, 40, (n,), generator=g).tolist(), torch.randint(4, 40, (m,), generator=g).tolist())
-             for n, m in ((3, 7), (9, 2), (5, 5), (1, 8))]
+    pairs = [
+        (torch.randint(4, 40, (n,), generator=g).tolist(), torch.randint(4, 40, (m,), generator=g).tolist())
+        for n, m in ((3, 7), (9, 2), (5, 5), (1, 8))
+    ]
     src, src_mask, tgt_in, tgt_mask, tgt_out = collate(pairs, PAD, BOS, EOS)
     assert src.shape == (4, 9) and tgt_in.shape == (4, 9) and src_mask.sum() == 3 + 9 + 5 + 1
     assert (tgt_out[~tgt_mask] == -100).all() and (tgt_in[:, 0] == BOS).all()
@@ -90,8 +102,9 @@ def test_beam_of_one_is_greedy():
 
     model = _model()
     src, mask = _sources()
-    greedy = model.generate(src, 10, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD,
-                            decoder_start_token_id=BOS)
+    greedy = model.generate(
+        src, 10, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=BOS
+    )
     for row in range(src.shape[0]):
         state = model._decode_state(src[row : row + 1], mask[row : row + 1], None, BOS, PAD, 1, True, 10)
         beam = _beam_search(state, 1, 10, [EOS], PAD, 1.0, False)[0, 1:].tolist()
@@ -121,8 +134,7 @@ def test_beam_search_matches_a_reference_beam_search(beams):
     space finding the optimum; and, on a trained model, no loss from widening (the tiny run)."""
     model = _model(seed=1)
     src, mask = _sources(1)
-    out = model.generate(src, 6, attention_mask=mask, num_beams=beams, length_penalty=1.0,
-                         decoder_start_token_id=BOS)
+    out = model.generate(src, 6, attention_mask=mask, num_beams=beams, length_penalty=1.0, decoder_start_token_id=BOS)
     tokens, total = _reference_beam(model, src, mask, beams, 6)
     assert out[0, 1:].tolist() == tokens
     assert _score(model, src, mask, tokens, 0.0) == pytest.approx(total, abs=1e-4)
@@ -132,8 +144,9 @@ def test_a_beam_as_wide_as_the_search_space_finds_the_best_sequence():
     vocab, steps = 6, 3
     model = _model(seed=2, vocab_size=vocab)
     src, mask = torch.tensor([[4, 5, 1, EOS]]), torch.ones(1, 4, dtype=torch.bool)
-    out = model.generate(src, steps, attention_mask=mask, num_beams=vocab ** (steps - 1), length_penalty=0.0,
-                         decoder_start_token_id=BOS)
+    out = model.generate(
+        src, steps, attention_mask=mask, num_beams=vocab ** (steps - 1), length_penalty=0.0, decoder_start_token_id=BOS
+    )
     every = torch.tensor(list(itertools.product(range(vocab), repeat=steps)))  # (vocab ** steps, steps)
     with torch.no_grad():
         inputs = torch.cat((torch.full((len(every), 1), BOS), every[:, :-1]), 1)
@@ -182,8 +195,10 @@ def test_checkpoint_averaging(tmp_path):
         average_state_dicts([a, dict(b, n=torch.tensor(8))])
 
     for step, sd in ((5, a), (10, b)):
-        torch.save({"state_dict": sd, "builder": {"task": "translation"}, "global_step": step},
-                   tmp_path / f"step-{step:07d}.ckpt")
+        torch.save(
+            {"state_dict": sd, "builder": {"task": "translation"}, "global_step": step},
+            tmp_path / f"step-{step:07d}.ckpt",
+        )
     paths = kept_checkpoints(tmp_path)
     assert [p.name for p in paths] == ["step-0000005.ckpt", "step-0000010.ckpt"]
     written = torch.load(average_checkpoints(paths, tmp_path / "averaged.ckpt"), weights_only=True)
@@ -197,8 +212,11 @@ def _pairs(n: int, max_words: int | None = None) -> tuple[list[str], list[str]]:
     if root is None:
         pytest.skip(NO_REAL_DATA.format(what="Multi30k", paths=" and ".join(files)))
     de, en = ((root / f).read_text(encoding="utf-8").split("\n") for f in files)
-    pairs = [(d.strip(), e.strip()) for d, e in zip(de, en)
-             if max_words is None or max(len(d.split()), len(e.split())) <= max_words]
+    pairs = [
+        (d.strip(), e.strip())
+        for d, e in zip(de, en)
+        if max_words is None or max(len(d.split()), len(e.split())) <= max_words
+    ]
     return [d for d, _ in pairs[:n]], [e for _, e in pairs[:n]]
 
 
@@ -217,9 +235,17 @@ def _recipe(tmp_path: Path, de: list[str], en: list[str], vocab_size: int = 400,
         "optimizer": {"lr": 3e-3, "betas": [0.9, 0.98], "weight_decay": 0.0},
         "schedule": {"type": "constant", "warmup_steps": 10},
         "loss": {"label_smoothing": 0.0},
-        "trainer": {"max_steps": 150, "val_check_interval": 1000, "checkpoint_every_n_steps": 1000,
-                    "log_every_n_steps": 10, "accelerator": "cpu", "precision": "32", "devices": 1,
-                    "output_dir": str(tmp_path / "run"), **trainer},
+        "trainer": {
+            "max_steps": 150,
+            "val_check_interval": 1000,
+            "checkpoint_every_n_steps": 1000,
+            "log_every_n_steps": 10,
+            "accelerator": "cpu",
+            "precision": "32",
+            "devices": 1,
+            "output_dir": str(tmp_path / "run"),
+            **trainer,
+        },
         "eval": {"num_beams": 2, "average_last": 2, "average_every_n_steps": 10, "bleu_at_validation": False},
     }
     path = tmp_path / "recipe.yaml"
@@ -241,8 +267,22 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
     assert kept == ["step-0000140.ckpt", "step-0000150.ckpt"]
 
     capsys.readouterr()
-    assert main(["eval", str(averaged), "--src", str(tmp_path / "pairs.de"), "--ref", str(tmp_path / "pairs.en"),
-                 "--num-beams", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(averaged),
+                "--src",
+                str(tmp_path / "pairs.de"),
+                "--ref",
+                str(tmp_path / "pairs.en"),
+                "--num-beams",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     import json
 
     result = json.loads(capsys.readouterr().out)
@@ -260,8 +300,16 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
         mask = torch.ones_like(src, dtype=torch.bool)
         scores = []
         for beams in (1, 2, 4):
-            out = model.generate(src, 20, attention_mask=mask, num_beams=beams, length_penalty=0.6,
-                                 eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=BOS)
+            out = model.generate(
+                src,
+                20,
+                attention_mask=mask,
+                num_beams=beams,
+                length_penalty=0.6,
+                eos_token_id=EOS,
+                pad_token_id=PAD,
+                decoder_start_token_id=BOS,
+            )
             scores.append(_score(model, src, mask, _hyp(out[0, 1:].tolist()), 0.6))
         assert scores[0] <= scores[1] + 1e-5 and scores[1] <= scores[2] + 1e-5, scores
 

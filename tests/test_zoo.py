@@ -29,7 +29,9 @@ def test_every_shipped_file_has_one_name():
     assert found["llama3-8b"].path == ROOT / "specs" / "llama3-8b.yaml"
     assert found["tiny/llama"].path == ROOT / "specs" / "tiny" / "llama.yaml"
     assert found["lm-stdlib"].kind == "recipe"
-    assert find("llama3-8b.yaml") == found["llama3-8b"] and name_of(ROOT / "specs" / "tiny" / "llama.yaml") == "tiny/llama"
+    assert (
+        find("llama3-8b.yaml") == found["llama3-8b"] and name_of(ROOT / "specs" / "tiny" / "llama.yaml") == "tiny/llama"
+    )
 
 
 def test_a_name_loads_as_its_file():
@@ -120,25 +122,50 @@ def test_a_wheel_carries_the_zoo(tmp_path):
     repository not importable): names resolve to the installed copies."""
     pytest.importorskip("setuptools", minversion="70.1")  # builds wheels without the `wheel` package
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, env=env,
-                           cwd=tmp_path)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert build.returncode == 0, build.stderr[-2000:]
     [wheel] = (tmp_path / "dist").glob("*.whl")
     target = tmp_path / "site"
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                              str(wheel)], capture_output=True, text=True, env=env)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert install.returncode == 0, install.stderr[-2000:]
     env["PYTHONPATH"] = str(target)
     work = tmp_path / "work"
     work.mkdir()
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True,
-                              env=env, cwd=work)
+        return subprocess.run(
+            [sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, env=env, cwd=work
+        )
 
-    where = subprocess.run([sys.executable, "-c", "import builder.zoo as z; print(z.spec_folder())"],
-                           capture_output=True, text=True, env=env, cwd=work)
+    where = subprocess.run(
+        [sys.executable, "-c", "import builder.zoo as z; print(z.spec_folder())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=work,
+    )
     assert where.stdout.strip() == str(target / "builder" / "zoo" / "specs"), where.stderr
     described = cli("describe", "llama3-8b", "--json")
     assert described.returncode == 0, described.stderr

@@ -34,7 +34,8 @@ class AttentionConfig(AttentionBlock):
     n_heads: int = Field(..., ge=1, le=MAX_HEADS, description="Number of query heads.")
     n_kv_heads: int | None = Field(
         None,
-        ge=1, le=MAX_HEADS,
+        ge=1,
+        le=MAX_HEADS,
         description="Number of key/value heads (defaults to n_heads); fewer is GQA, 1 is MQA. "
         "n_heads must be a multiple of it.",
     )
@@ -45,9 +46,9 @@ class AttentionConfig(AttentionBlock):
     out_bias: bool = Field(False, description="A bias on the output projection.")
     sliding_window: int | None = Field(
         None,
-        ge=1, le=MAX_SEQ_LEN,
-        description="A window w: query i sees key j only where i - j < w, itself included "
-        "(Mistral). null: no window.",
+        ge=1,
+        le=MAX_SEQ_LEN,
+        description="A window w: query i sees key j only where i - j < w, itself included (Mistral). null: no window.",
     )
     scale: float | None = Field(
         None, gt=0, le=MAX_FACTOR, description="Score scale; null means 1/sqrt(head_dim). T5 uses 1.0."
@@ -105,8 +106,12 @@ class AttentionConfig(AttentionBlock):
     def param_shapes(self, d_model: int) -> Shapes:
         hd = self.resolved_head_dim(d_model)
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
-        shapes = {"q_proj.weight": (q, d_model), "k_proj.weight": (kv, d_model),
-                  "v_proj.weight": (kv, d_model), "out_proj.weight": (d_model, q)}
+        shapes = {
+            "q_proj.weight": (q, d_model),
+            "k_proj.weight": (kv, d_model),
+            "v_proj.weight": (kv, d_model),
+            "out_proj.weight": (d_model, q),
+        }
         if self.qkv_bias:
             shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         if self.out_bias:
@@ -123,8 +128,13 @@ class AttentionConfig(AttentionBlock):
 
     def tensor_parallel(self, degree: int, d_model: int) -> AttentionConfig:
         """``n_heads / degree`` query and ``n_kv_heads / degree`` key/value heads of the same width."""
-        return self.model_copy(update={"n_heads": self.n_heads // degree, "n_kv_heads": self.n_kv_heads // degree,
-                                       "head_dim": self.resolved_head_dim(d_model)})
+        return self.model_copy(
+            update={
+                "n_heads": self.n_heads // degree,
+                "n_kv_heads": self.n_kv_heads // degree,
+                "head_dim": self.resolved_head_dim(d_model),
+            }
+        )
 
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         hd = self.resolved_head_dim(d_model)
@@ -143,8 +153,15 @@ class AttentionConfig(AttentionBlock):
         return CacheLayout(tensors, window=None if cross else self.sliding_window)
 
     def saved_bytes(
-        self, d_model: int, batch: int, seq_q: int, seq_k: int, act_bytes: int, fused: bool,
-        masked: bool, kv_input: bool = True,
+        self,
+        d_model: int,
+        batch: int,
+        seq_q: int,
+        seq_k: int,
+        act_bytes: int,
+        fused: bool,
+        masked: bool,
+        kv_input: bool = True,
     ) -> int:
         """Both paths keep the projection input, q, the (rotated) k and v and the
         output-projection input. ``fused`` (FlashAttention: Triton on CUDA) adds the kernel's
@@ -161,8 +178,18 @@ class AttentionConfig(AttentionBlock):
             total += tk * d_model * act_bytes
         total += 2 * tq * q * act_bytes  # q; the output-projection input
         total += 2 * tk * (kv if fused else q) * act_bytes  # k, v (eager: repeated to n_heads when grouped)
-        return total + kernel_saved_bytes(batch, self.n_heads, seq_q, seq_k, hd, act_bytes, fused, masked,
-                                          softcap=self.softcap is not None, dropout=self.dropout > 0)
+        return total + kernel_saved_bytes(
+            batch,
+            self.n_heads,
+            seq_q,
+            seq_k,
+            hd,
+            act_bytes,
+            fused,
+            masked,
+            softcap=self.softcap is not None,
+            dropout=self.dropout > 0,
+        )
 
     def problems(self, d_model: int, cross: bool) -> Problems:
         problems: Problems = []
@@ -170,8 +197,11 @@ class AttentionConfig(AttentionBlock):
             problems.append((("sliding_window",), "cross-attention takes no sliding window"))
         if self.head_dim is None and d_model % self.n_heads:
             problems.append(
-                (("n_heads",), f"d_model ({d_model}) is not a multiple of n_heads ({self.n_heads}); "
-                 "set head_dim or change n_heads")
+                (
+                    ("n_heads",),
+                    f"d_model ({d_model}) is not a multiple of n_heads ({self.n_heads}); "
+                    "set head_dim or change n_heads",
+                )
             )
         return problems
 

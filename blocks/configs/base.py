@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import abstractmethod
-from typing import ClassVar, Literal, Union
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-Loc = tuple[Union[str, int], ...]
+Loc = tuple[str | int, ...]
 Problems = list[tuple[Loc, str]]
 Shapes = dict[str, tuple[int, ...]]
 
@@ -88,9 +88,15 @@ class BlockConfig(BaseModel):
 
 def indivisible(degree: int, **fields: int) -> Problems:
     """A problem for each field whose value ``degree`` does not divide (tensor parallelism)."""
-    return [((name,), f"{value} is not a multiple of the tensor-parallel degree {degree} (degrees that "
-                      f"divide it: {', '.join(str(d) for d in range(1, min(value, 64) + 1) if value % d == 0)})")
-            for name, value in fields.items() if value % degree]
+    return [
+        (
+            (name,),
+            f"{value} is not a multiple of the tensor-parallel degree {degree} (degrees that "
+            f"divide it: {', '.join(str(d) for d in range(1, min(value, 64) + 1) if value % d == 0)})",
+        )
+        for name, value in fields.items()
+        if value % degree
+    ]
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -173,8 +179,17 @@ class AttentionBlock(BlockConfig):
         """What decoding caches per token (``cross``: the encoder output's projections)."""
 
     @abstractmethod
-    def saved_bytes(self, d_model: int, batch: int, seq_q: int, seq_k: int, act_bytes: int, fused: bool,
-                    masked: bool, kv_input: bool = True) -> int:
+    def saved_bytes(
+        self,
+        d_model: int,
+        batch: int,
+        seq_q: int,
+        seq_k: int,
+        act_bytes: int,
+        fused: bool,
+        masked: bool,
+        kv_input: bool = True,
+    ) -> int:
         """Bytes kept for backward in one training step (see ``builder.memory``). ``fused``: a
         FlashAttention kernel; ``masked``: eager attention adds a mask or bias to the scores;
         ``kv_input=False``: the key/value input is shared (an encoder output) and counted once."""
@@ -214,8 +229,18 @@ class AttentionBlock(BlockConfig):
         return self.model_copy(update={name: fields[name].default for name in self.not_inherited_by_cross})
 
 
-def kernel_saved_bytes(batch: int, n_heads: int, seq_q: int, seq_k: int, v_head_dim: int, act_bytes: int,
-                       fused: bool, masked: bool, softcap: bool = False, dropout: bool = False) -> int:
+def kernel_saved_bytes(
+    batch: int,
+    n_heads: int,
+    seq_q: int,
+    seq_k: int,
+    v_head_dim: int,
+    act_bytes: int,
+    fused: bool,
+    masked: bool,
+    softcap: bool = False,
+    dropout: bool = False,
+) -> int:
     """Bytes ``kernels.attention`` itself keeps for backward, beyond q, k and v (which the
     attention block counts, as it knows their layout). ``fused`` (FlashAttention: Triton on
     CUDA): the output and an fp32 log-sum-exp per row. Eager: the fp32 softmax, a tanh output

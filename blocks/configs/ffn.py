@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -42,7 +42,7 @@ class _DenseFFNConfig(FFNBlock):
 
     def parallel_plan(self) -> dict[str, str]:
         # Megatron's MLP: the hidden width split, down_proj sums the ranks' parts
-        return {**{name: "colwise" for name in self.in_projections}, "down_proj": "rowwise"}
+        return {**dict.fromkeys(self.in_projections, "colwise"), "down_proj": "rowwise"}
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
         return indivisible(degree, hidden_dim=self.resolved_hidden_dim(d_model))
@@ -108,7 +108,7 @@ class GLUConfig(_DenseFFNConfig):
         return 3 if self.activation == "relu" else 4
 
 
-ExpertConfig = Annotated[Union[MLPConfig, GLUConfig], Field(discriminator="type")]
+ExpertConfig = Annotated[MLPConfig | GLUConfig, Field(discriminator="type")]
 
 
 @register("ffn", "blocks.ffn:MoE")
@@ -189,7 +189,8 @@ class DeepSeekMoEConfig(FFNBlock):
     top_k: int = Field(..., ge=1, le=MAX_EXPERTS, description="Routed experts each token is sent to.")
     n_shared_experts: int = Field(
         0,
-        ge=0, le=MAX_EXPERTS,
+        ge=0,
+        le=MAX_EXPERTS,
         description="Experts every token passes through, built as one FFN of the expert's type with "
         "n_shared_experts times its hidden width (Hugging Face's shared_experts).",
     )
@@ -197,7 +198,9 @@ class DeepSeekMoEConfig(FFNBlock):
     scoring: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="Router scores: softmax over the experts (V2) or a sigmoid per expert (V3)."
     )
-    n_groups: int = Field(1, ge=1, le=MAX_EXPERTS, description="Groups the experts split into, in order (group-limited routing).")
+    n_groups: int = Field(
+        1, ge=1, le=MAX_EXPERTS, description="Groups the experts split into, in order (group-limited routing)."
+    )
     topk_groups: int = Field(1, ge=1, le=MAX_EXPERTS, description="Groups a token may choose its experts from.")
     group_score: Literal["max", "top2_sum"] = Field(
         "max",
@@ -215,18 +218,36 @@ class DeepSeekMoEConfig(FFNBlock):
     )
     bias_update_speed: float = Field(
         0.001,
-        ge=0, le=MAX_FACTOR,
+        ge=0,
+        le=MAX_FACTOR,
         description="How far expert_bias moves after each optimizer step: +speed for an expert that got "
         "fewer tokens than the mean since the last step, -speed for one that got more (V3's gamma); "
         "0 freezes it.",
     )
 
     examples: ClassVar[list[dict]] = [
-        {"n_experts": 6, "top_k": 2, "n_shared_experts": 2, "expert": {"type": "glu", "hidden_dim": 16},
-         "n_groups": 3, "topk_groups": 2, "routed_scaling_factor": 2.0},
-        {"n_experts": 8, "top_k": 3, "n_shared_experts": 1, "expert": {"type": "glu", "hidden_dim": 12},
-         "scoring": "sigmoid", "n_groups": 4, "topk_groups": 2, "group_score": "top2_sum",
-         "norm_topk_prob": True, "routed_scaling_factor": 2.5, "expert_bias": True},
+        {
+            "n_experts": 6,
+            "top_k": 2,
+            "n_shared_experts": 2,
+            "expert": {"type": "glu", "hidden_dim": 16},
+            "n_groups": 3,
+            "topk_groups": 2,
+            "routed_scaling_factor": 2.0,
+        },
+        {
+            "n_experts": 8,
+            "top_k": 3,
+            "n_shared_experts": 1,
+            "expert": {"type": "glu", "hidden_dim": 12},
+            "scoring": "sigmoid",
+            "n_groups": 4,
+            "topk_groups": 2,
+            "group_score": "top2_sum",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "expert_bias": True,
+        },
         {"n_experts": 4, "top_k": 1, "expert": {"type": "mlp", "activation": "gelu", "hidden_dim": 24, "bias": True}},
     ]
 
@@ -235,15 +256,20 @@ class DeepSeekMoEConfig(FFNBlock):
         if self.top_k > self.n_experts:
             raise rule_error(("top_k",), f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
         if self.n_experts % self.n_groups:
-            raise rule_error(("n_groups",), f"n_experts ({self.n_experts}) must be a multiple of n_groups "
-                                            f"({self.n_groups})")
+            raise rule_error(
+                ("n_groups",), f"n_experts ({self.n_experts}) must be a multiple of n_groups ({self.n_groups})"
+            )
         if self.topk_groups > self.n_groups:
-            raise rule_error(("topk_groups",), f"topk_groups ({self.topk_groups}) cannot exceed n_groups "
-                                               f"({self.n_groups})")
+            raise rule_error(
+                ("topk_groups",), f"topk_groups ({self.topk_groups}) cannot exceed n_groups ({self.n_groups})"
+            )
         reachable = self.topk_groups * (self.n_experts // self.n_groups)
         if self.top_k > reachable:
-            raise rule_error(("top_k",), f"top_k ({self.top_k}) exceeds the {reachable} experts of "
-                                         f"{self.topk_groups} of {self.n_groups} groups; raise topk_groups")
+            raise rule_error(
+                ("top_k",),
+                f"top_k ({self.top_k}) exceeds the {reachable} experts of "
+                f"{self.topk_groups} of {self.n_groups} groups; raise topk_groups",
+            )
         if self.group_score == "top2_sum" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
             raise rule_error(("group_score",), "group_score top2_sum needs at least 2 experts per group")
         return self
@@ -261,14 +287,21 @@ class DeepSeekMoEConfig(FFNBlock):
 
     def params(self, d_model: int) -> int:
         shared = self.shared(d_model)
-        return (d_model * self.n_experts + self.n_experts * self.expert.params(d_model)
-                + (shared.params(d_model) if shared else 0))
+        return (
+            d_model * self.n_experts
+            + self.n_experts * self.expert.params(d_model)
+            + (shared.params(d_model) if shared else 0)
+        )
 
     def param_shapes(self, d_model: int) -> Shapes:
         # no plan: under tensor parallelism the router and every expert are replicated
         shapes: Shapes = {"router.weight": (self.n_experts, d_model)}
-        shapes.update({f"experts.{name}": (self.n_experts, *shape)  # stacked, one tensor per projection
-                       for name, shape in self.expert.param_shapes(d_model).items()})
+        shapes.update(
+            {
+                f"experts.{name}": (self.n_experts, *shape)  # stacked, one tensor per projection
+                for name, shape in self.expert.param_shapes(d_model).items()
+            }
+        )
         shared = self.shared(d_model)
         if shared is not None:
             shapes.update({f"shared_experts.{name}": shape for name, shape in shared.param_shapes(d_model).items()})
@@ -276,15 +309,21 @@ class DeepSeekMoEConfig(FFNBlock):
 
     def active_params(self, d_model: int) -> int:
         shared = self.shared(d_model)
-        return (d_model * self.n_experts + self.top_k * self.expert.params(d_model)
-                + (shared.params(d_model) if shared else 0))
+        return (
+            d_model * self.n_experts
+            + self.top_k * self.expert.params(d_model)
+            + (shared.params(d_model) if shared else 0)
+        )
 
     def flops(self, d_model: int, tokens: int) -> int:
         # the router on every token, tokens * top_k rows through the routed experts (whatever the
         # routing), every token through the shared experts
         shared = self.shared(d_model)
-        return (2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
-                + (shared.flops(d_model, tokens) if shared else 0))
+        return (
+            2 * tokens * d_model * self.n_experts
+            + self.top_k * self.expert.flops(d_model, tokens)
+            + (shared.flops(d_model, tokens) if shared else 0)
+        )
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         """Bytes kept for backward (see builder.memory). The router (fp32, as DeepSeek and

@@ -30,7 +30,8 @@ class LMHeadConfig(HeadBlock):
     )
     output_scale: float | None = Field(
         None,
-        gt=0, le=MAX_FACTOR,
+        gt=0,
+        le=MAX_FACTOR,
         description="Multiply hidden states by this before the projection; T5 with tied "
         "embeddings uses d_model ** -0.5. null: no scaling.",
     )
@@ -78,8 +79,12 @@ class MLMHeadConfig(HeadBlock):
 
     def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
         norm = {f"norm.{name}": shape for name, shape in self.norm.param_shapes(d_model).items()}
-        return {"dense.weight": (d_model, d_model), "dense.bias": (d_model,), **norm,
-                **_vocab_projection("proj", d_model, vocab_size, tied, bias=True)}
+        return {
+            "dense.weight": (d_model, d_model),
+            "dense.bias": (d_model,),
+            **norm,
+            **_vocab_projection("proj", d_model, vocab_size, tied, bias=True),
+        }
 
     def parallel_plan(self) -> dict[str, str]:
         return {"proj": "colwise"}  # the transform replicated, the vocabulary split
@@ -103,9 +108,7 @@ class ClassificationHeadConfig(HeadBlock):
     pooling: Literal["first", "mean"] = Field(
         "first", description="first: the first token's state (BERT's [CLS]); mean: the mean over non-pad tokens."
     )
-    pooler: bool = Field(
-        False, description="BERT's pooler: a dense layer with tanh before the classifier."
-    )
+    pooler: bool = Field(False, description="BERT's pooler: a dense layer with tanh before the classifier.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout before the classifier.")
 
     examples: ClassVar[list[dict]] = [

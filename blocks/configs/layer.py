@@ -25,5 +25,6 @@ class LayerConfig:
 
     def describe(self, cross: bool) -> str:
         """A short label: ``8h/4kv w4096 +cross glu rmsnorm``."""
-        return (self.attention.describe() + (" +cross" if cross else "")
-                + f" {self.ffn.describe()} {self.norm.describe()}")
+        return (
+            self.attention.describe() + (" +cross" if cross else "") + f" {self.ffn.describe()} {self.norm.describe()}"
+        )

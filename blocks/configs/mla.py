@@ -41,26 +41,35 @@ class MLAConfig(AttentionBlock):
     """DeepSeek's multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)."""
 
     type: Literal["mla"] = Field("mla", description="Multi-head latent attention (DeepSeek-V2/V3).")
-    n_heads: int = Field(..., ge=1, le=MAX_HEADS, description="Number of query heads (each also gets its own key and value).")
+    n_heads: int = Field(
+        ..., ge=1, le=MAX_HEADS, description="Number of query heads (each also gets its own key and value)."
+    )
     q_lora_rank: int | None = Field(
         None,
-        ge=1, le=MAX_WIDTH,
+        ge=1,
+        le=MAX_WIDTH,
         description="Width of the compressed query (q_a_proj, RMSNorm, q_b_proj); null: one full-rank "
         "q_proj (DeepSeek-V2-Lite).",
     )
     kv_lora_rank: int = Field(
-        ..., ge=1, le=MAX_WIDTH, description="Width of the compressed key-value latent each token caches (512 in V2/V3)."
+        ...,
+        ge=1,
+        le=MAX_WIDTH,
+        description="Width of the compressed key-value latent each token caches (512 in V2/V3).",
     )
     qk_nope_head_dim: int = Field(
         ..., ge=1, le=MAX_WIDTH, description="Per-head width of the query and key part without rotary positions."
     )
     qk_rope_head_dim: int = Field(
         ...,
-        ge=2, le=MAX_WIDTH,
+        ge=2,
+        le=MAX_WIDTH,
         description="Per-head width of the rotary query part, and of the one rotary key all heads share "
         "(cached beside the latent); the position block rotates this part only.",
     )
-    v_head_dim: int = Field(..., ge=1, le=MAX_WIDTH, description="Per-head width of the values (may differ from the key width).")
+    v_head_dim: int = Field(
+        ..., ge=1, le=MAX_WIDTH, description="Per-head width of the values (may differ from the key width)."
+    )
     bias: bool = Field(
         False,
         description="Biases on the down-projections (q_a_proj, kv_a_proj_with_mqa) and the output "
@@ -69,7 +78,8 @@ class MLAConfig(AttentionBlock):
     norm_eps: float = Field(1e-6, gt=0, le=MAX_FACTOR, description="eps of the RMSNorms on the two latents.")
     scale: float | None = Field(
         None,
-        gt=0, le=MAX_FACTOR,
+        gt=0,
+        le=MAX_FACTOR,
         description="Score scale; null means 1/sqrt(qk_nope_head_dim + qk_rope_head_dim). A position's "
         "score factor (YaRN's mscale_all_dim) multiplies it.",
     )
@@ -78,10 +88,25 @@ class MLAConfig(AttentionBlock):
     #: configs the registry-wide tests build, count, run and decode with (d_model 32)
     examples: ClassVar[list[dict]] = [
         {"n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
-        {"n_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 12, "qk_nope_head_dim": 6, "qk_rope_head_dim": 8,
-         "v_head_dim": 10, "bias": True},
-        {"n_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2,
-         "v_head_dim": 4, "scale": 0.3, "norm_eps": 1e-5},
+        {
+            "n_heads": 4,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 12,
+            "qk_nope_head_dim": 6,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 10,
+            "bias": True,
+        },
+        {
+            "n_heads": 2,
+            "q_lora_rank": 8,
+            "kv_lora_rank": 8,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 2,
+            "v_head_dim": 4,
+            "scale": 0.3,
+            "norm_eps": 1e-5,
+        },
     ]
 
     @property
@@ -110,8 +135,12 @@ class MLAConfig(AttentionBlock):
             shapes: Shapes = {"q_proj.weight": (h * qk, d_model)}
         else:
             r = self.q_lora_rank
-            shapes = {"q_a_proj.weight": (r, d_model), **({"q_a_proj.bias": (r,)} if self.bias else {}),
-                      "q_a_layernorm.weight": (r,), "q_b_proj.weight": (h * qk, r)}
+            shapes = {
+                "q_a_proj.weight": (r, d_model),
+                **({"q_a_proj.bias": (r,)} if self.bias else {}),
+                "q_a_layernorm.weight": (r,),
+                "q_b_proj.weight": (h * qk, r),
+            }
         shapes["kv_a_proj_with_mqa.weight"] = (kv_a, d_model)
         if self.bias:
             shapes["kv_a_proj_with_mqa.bias"] = (kv_a,)
@@ -156,8 +185,15 @@ class MLAConfig(AttentionBlock):
         return CacheLayout((CacheTensor("latent", 1, self.kv_lora_rank + self.qk_rope_head_dim),))
 
     def saved_bytes(
-        self, d_model: int, batch: int, seq_q: int, seq_k: int, act_bytes: int, fused: bool,
-        masked: bool, kv_input: bool = True,
+        self,
+        d_model: int,
+        batch: int,
+        seq_q: int,
+        seq_k: int,
+        act_bytes: int,
+        fused: bool,
+        masked: bool,
+        kv_input: bool = True,
     ) -> int:
         """What a training forward (``blocks.mla``, the latent expanded) keeps for backward: the
         layer input (every down-projection's), each latent's RMSNorm and its output (the
@@ -186,8 +222,13 @@ class MLAConfig(AttentionBlock):
 
     def problems(self, d_model: int, cross: bool) -> Problems:
         if cross:
-            return [((), "mla is a self-attention: its cache compresses the layer's own tokens; use "
-                         "multi_head for cross-attention")]
+            return [
+                (
+                    (),
+                    "mla is a self-attention: its cache compresses the layer's own tokens; use "
+                    "multi_head for cross-attention",
+                )
+            ]
         return []
 
     def describe(self) -> str:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -53,8 +53,12 @@ class LearnedConfig(_PositionConfig):
 
     def problems(self, d_model: int, max_seq_len: int) -> Problems:
         if self.max_positions is not None and self.max_positions < max_seq_len:
-            return [(("max_positions",), f"learned table of {self.max_positions} positions is shorter "
-                                         f"than max_seq_len ({max_seq_len})")]
+            return [
+                (
+                    ("max_positions",),
+                    f"learned table of {self.max_positions} positions is shorter than max_seq_len ({max_seq_len})",
+                )
+            ]
         return []
 
 
@@ -83,19 +87,22 @@ class YarnScaling(_RopeScaling):
     beta_slow: float = Field(1.0, gt=0, le=MAX_FACTOR, description="Rotations below which frequencies interpolate.")
     attention_factor: float | None = Field(
         None,
-        gt=0, le=MAX_FACTOR,
+        gt=0,
+        le=MAX_FACTOR,
         description="cos/sin multiplier; null means 0.1 * ln(factor) + 1, or with both mscale and "
         "mscale_all_dim set (0.1 * mscale * ln(factor) + 1) / (0.1 * mscale_all_dim * ln(factor) + 1).",
     )
     mscale: float | None = Field(
         None,
-        gt=0, le=MAX_FACTOR,
+        gt=0,
+        le=MAX_FACTOR,
         description="DeepSeek's YaRN: scales ln(factor) in the numerator of the default "
         "attention_factor (used only together with mscale_all_dim). null: unused.",
     )
     mscale_all_dim: float | None = Field(
         None,
-        gt=0, le=MAX_FACTOR,
+        gt=0,
+        le=MAX_FACTOR,
         description="DeepSeek's YaRN (V2, V3): every attention score is multiplied by "
         "(0.1 * mscale_all_dim * ln(factor) + 1)^2, the temperature applied to the whole of q.k "
         "instead of through the rotated part only; with mscale equal to it, cos and sin are "
@@ -118,9 +125,7 @@ class Llama3Scaling(_RopeScaling):
         return self
 
 
-RopeScaling = Annotated[
-    Union[LinearScaling, NTKScaling, YarnScaling, Llama3Scaling], Field(discriminator="type")
-]
+RopeScaling = Annotated[LinearScaling | NTKScaling | YarnScaling | Llama3Scaling, Field(discriminator="type")]
 
 
 @register("position", "blocks.positions:Rope")
@@ -158,8 +163,13 @@ class RopeConfig(_PositionConfig):
         head_dim = attention.rotary_head_dim(d_model)
         rotary = self.rotary_dim(head_dim)
         if rotary % 2:
-            return [(("position", "rotary_fraction"), f"rope needs an even rotary dimension; head_dim "
-                     f"{head_dim} x rotary_fraction {self.rotary_fraction} = {rotary}")]
+            return [
+                (
+                    ("position", "rotary_fraction"),
+                    f"rope needs an even rotary dimension; head_dim "
+                    f"{head_dim} x rotary_fraction {self.rotary_fraction} = {rotary}",
+                )
+            ]
         return []
 
 
@@ -197,8 +207,13 @@ class RelativeBiasConfig(_PositionConfig):
         heads = attention.query_heads()
         if heads != stack_heads:
             field = ("n_heads",) if "n_heads" in type(attention).model_fields else ()
-            return [(at + field, f"{heads} heads, but the stack's relative-bias table has {stack_heads}; "
-                     "relative_bias needs the same n_heads in every layer of a stack")]
+            return [
+                (
+                    at + field,
+                    f"{heads} heads, but the stack's relative-bias table has {stack_heads}; "
+                    "relative_bias needs the same n_heads in every layer of a stack",
+                )
+            ]
         return []
 
 

@@ -51,8 +51,9 @@ def count(minimum: int = 1, maximum: int | None = None):
     """An integer from ``minimum`` to ``maximum`` (both included)."""
 
     def parse(text: str) -> int:
-        allowed = f"an integer from {_grouped(minimum)}" + (f" to {_grouped(maximum)}" if maximum is not None
-                                                          else " up")
+        allowed = f"an integer from {_grouped(minimum)}" + (
+            f" to {_grouped(maximum)}" if maximum is not None else " up"
+        )
         try:
             value = int(text.strip(), 10)
         except ValueError:  # a float, a word, or more digits than Python converts
@@ -65,8 +66,9 @@ def count(minimum: int = 1, maximum: int | None = None):
     return parse
 
 
-def number(minimum: float | None = None, maximum: float | None = None, above: float | None = None,
-           below: float | None = None):
+def number(
+    minimum: float | None = None, maximum: float | None = None, above: float | None = None, below: float | None = None
+):
     """A finite number within the given bounds (``minimum``/``maximum`` included, ``above``/
     ``below`` excluded)."""
     low = f"[{_grouped(minimum)}" if minimum is not None else f"({_grouped(above)}" if above is not None else "(-inf"
@@ -78,9 +80,13 @@ def number(minimum: float | None = None, maximum: float | None = None, above: fl
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"takes {allowed}, got {_cut(text)}") from None
-        if (not math.isfinite(value) or (minimum is not None and value < minimum)
-                or (maximum is not None and value > maximum) or (above is not None and value <= above)
-                or (below is not None and value >= below)):
+        if (
+            not math.isfinite(value)
+            or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
+            or (above is not None and value <= above)
+            or (below is not None and value >= below)
+        ):
             raise argparse.ArgumentTypeError(f"takes {allowed}, got {_cut(text)}")
         return value
 
@@ -108,13 +114,13 @@ def device(text: str) -> str:
             raise argparse.ArgumentTypeError("mps: no Apple GPU (MPS) here; use --device cpu")
         return kind
     if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text.strip()}: CUDA is not available here (no GPU, or a torch "
-                                         "built without CUDA); use --device cpu")
+        raise argparse.ArgumentTypeError(
+            f"{text.strip()}: CUDA is not available here (no GPU, or a torch built without CUDA); use --device cpu"
+        )
     n = torch.cuda.device_count()
     if index is not None and int(index) >= n:
         listed = ", ".join(f"cuda:{i}" for i in range(n))
-        raise argparse.ArgumentTypeError(f"{text.strip()}: this machine has {n} CUDA device{'s' * (n != 1)} "
-                                         f"({listed})")
+        raise argparse.ArgumentTypeError(f"{text.strip()}: this machine has {n} CUDA device{'s' * (n != 1)} ({listed})")
     return text.strip()
 
 

@@ -36,9 +36,11 @@ def compare(spec) -> dict:
     except LayoutError:  # a plugin block that declares no shapes: cannot count before building
         n_tensors = 0
     if n_tensors > MAX_TENSORS:
-        raise TooLargeToBuild(f"{spec.name}'s layers have {n_tensors:,} parameter tensors, more than the "
-                              f"{MAX_TENSORS:,} compare builds on the meta device; `builder describe` counts it "
-                              "without building")
+        raise TooLargeToBuild(
+            f"{spec.name}'s layers have {n_tensors:,} parameter tensors, more than the "
+            f"{MAX_TENSORS:,} compare builds on the meta device; `builder describe` counts it "
+            "without building"
+        )
     from builder.assemble import build_model  # torch: only for a model it builds
     from builder.estimates import estimate
     from builder.report import actual_params, compare_rows
@@ -77,10 +79,17 @@ def run(args: argparse.Namespace) -> int:
             table.add_column(column, justify="left" if column == "component" else "right")
         for row in result["components"]:
             mark = "[green]ok[/]" if row["match"] else "[red]DIFF[/]"
-            table.add_row(row["component"], f"{row['estimated']:,}", f"{row['actual']:,}",
-                          f"{row['difference']:+,}", mark)
+            table.add_row(
+                row["component"], f"{row['estimated']:,}", f"{row['actual']:,}", f"{row['difference']:+,}", mark
+            )
         mark = "[green]ok[/]" if result["match"] else "[red]DIFF[/]"
-        table.add_row("total", f"{result['estimated']:,}", f"{result['actual']:,}",
-                      f"{result['actual'] - result['estimated']:+,}", mark, style="bold")
+        table.add_row(
+            "total",
+            f"{result['estimated']:,}",
+            f"{result['actual']:,}",
+            f"{result['actual'] - result['estimated']:+,}",
+            mark,
+            style="bold",
+        )
         Console().print(table)
     return 0 if result["match"] else 1

@@ -17,8 +17,7 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="a zoo spec or recipe by name (`builder list`), e.g. llama3-8b")
-    parser.add_argument("dest", metavar="FILE",
-                        help="the file to write; a folder: NAME's file name inside it")
+    parser.add_argument("dest", metavar="FILE", help="the file to write; a folder: NAME's file name inside it")
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists (default: refuse)")
 
 
@@ -28,8 +27,11 @@ def run(args: argparse.Namespace) -> int:
 
     entry = find(args.name)
     if entry is None:
-        print(f"builder cp: no zoo spec or recipe named {args.name!r}{did_you_mean(args.name)} "
-              "(`builder list` shows the zoo)", file=sys.stderr)
+        print(
+            f"builder cp: no zoo spec or recipe named {args.name!r}{did_you_mean(args.name)} "
+            "(`builder list` shows the zoo)",
+            file=sys.stderr,
+        )
         return 1
     dest = Path(args.dest)
     if dest.is_dir():
@@ -40,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     if not dest.parent.is_dir():
         print(f"builder cp: {dest}: the folder {dest.parent} does not exist", file=sys.stderr)
         return 1
-    text, changed = rewrite_references(entry.path.read_text(encoding="utf-8"), entry.path,
-                                       kinds()[entry.kind].references)
+    text, changed = rewrite_references(
+        entry.path.read_text(encoding="utf-8"), entry.path, kinds()[entry.kind].references
+    )
     try:
         dest.write_text(text, encoding="utf-8")
     except OSError as exc:
@@ -89,4 +92,4 @@ def _node_at(node, path):
 
 def _plain(value: str) -> str:
     """``value`` as a YAML scalar: plain when that reads back as the same string, else quoted."""
-    return value if re.fullmatch(r"[A-Za-z0-9_./-]+", value) and not value[0] in "-." else json.dumps(value)
+    return value if re.fullmatch(r"[A-Za-z0-9_./-]+", value) and value[0] not in "-." else json.dumps(value)

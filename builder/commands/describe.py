@@ -19,37 +19,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
     add_estimate_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="also draw where parameters and FLOPs go (needs matplotlib; default: no plot)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw where parameters and FLOPs go (needs matplotlib; default: no plot)",
+    )
     add_spec_options(parser)
 
 
 def add_estimate_options(parser: argparse.ArgumentParser) -> None:
     """The sizing options ``describe`` and ``diff`` share."""
-    parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN),
-                        help="tokens per sequence, at most the spec's max_seq_len (default max_seq_len)")
-    parser.add_argument("--src-len", type=count(maximum=MAX_SEQ_LEN),
-                        help="encoder-decoder: source tokens (default --seq-len)")
+    parser.add_argument(
+        "--seq-len",
+        type=count(maximum=MAX_SEQ_LEN),
+        help="tokens per sequence, at most the spec's max_seq_len (default max_seq_len)",
+    )
+    parser.add_argument(
+        "--src-len", type=count(maximum=MAX_SEQ_LEN), help="encoder-decoder: source tokens (default --seq-len)"
+    )
     parser.add_argument("--batch", type=count(maximum=MAX_BATCH), default=1, help="sequences per device (default 1)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                        help="compute dtype (default bf16; bf16/fp16 train with fp32 master weights)")
-    parser.add_argument("--devices", type=count(maximum=MAX_DEVICES), default=1,
-                        help="devices in all, over every node (default 1)")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                        help="ddp replicates everything; fsdp (FSDP2) shards weights, gradients and "
-                        "optimizer state and counts what each rank holds, exactly")
-    parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), default=1, metavar="T",
-                        help="fsdp: ranks inside a node that split each layer (heads, FFN width, "
-                        "vocabulary); default 1")
-    parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"), default=None,
-                        help="fsdp: shard over every data-parallel rank (default), hybrid (HSDP: shard "
-                        "inside a node, replicate across nodes) or replicate")
-    parser.add_argument("--nodes", type=count(maximum=MAX_DEVICES), default=1,
-                        help="machines the devices are spread over (default 1)")
-    parser.add_argument("--checkpointing", action="store_true",
-                        help="activation checkpointing on every layer (train FLOPs 4x forward)")
-    parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
-                        help="activation accounting: a fused kernel saves no (seq, seq) tensor")
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="compute dtype (default bf16; bf16/fp16 train with fp32 master weights)",
+    )
+    parser.add_argument(
+        "--devices", type=count(maximum=MAX_DEVICES), default=1, help="devices in all, over every node (default 1)"
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="ddp replicates everything; fsdp (FSDP2) shards weights, gradients and "
+        "optimizer state and counts what each rank holds, exactly",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=count(maximum=MAX_HEADS),
+        default=1,
+        metavar="T",
+        help="fsdp: ranks inside a node that split each layer (heads, FFN width, vocabulary); default 1",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        choices=("shard", "hybrid", "replicate"),
+        default=None,
+        help="fsdp: shard over every data-parallel rank (default), hybrid (HSDP: shard "
+        "inside a node, replicate across nodes) or replicate",
+    )
+    parser.add_argument(
+        "--nodes", type=count(maximum=MAX_DEVICES), default=1, help="machines the devices are spread over (default 1)"
+    )
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing on every layer (train FLOPs 4x forward)"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("fused", "eager"),
+        default="fused",
+        help="activation accounting: a fused kernel saves no (seq, seq) tensor",
+    )
 
 
 def estimate_from_args(spec, args: argparse.Namespace):
@@ -62,16 +92,25 @@ def estimate_from_args(spec, args: argparse.Namespace):
     at_most("--seq-len", args.seq_len, spec.max_seq_len, limit)
     at_most("--src-len", args.src_len, spec.max_seq_len, limit)
     if args.strategy != "fsdp":
-        for option, value, default in (("--tensor-parallel", args.tensor_parallel, 1),
-                                       ("--data-parallel", args.data_parallel, None)):
+        for option, value, default in (
+            ("--tensor-parallel", args.tensor_parallel, 1),
+            ("--data-parallel", args.data_parallel, None),
+        ):
             if value != default:
                 raise ValueError(f"{option} needs --strategy fsdp (ddp replicates the whole model)")
     try:
         return estimate(
-            spec, seq_len=args.seq_len, src_len=args.src_len, batch=args.batch, dtype=args.dtype,
-            devices=args.devices, strategy=args.strategy,
-            activation_checkpointing=args.checkpointing, fused_attention=args.attention == "fused",
-            tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel or "shard",
+            spec,
+            seq_len=args.seq_len,
+            src_len=args.src_len,
+            batch=args.batch,
+            dtype=args.dtype,
+            devices=args.devices,
+            strategy=args.strategy,
+            activation_checkpointing=args.checkpointing,
+            fused_attention=args.attention == "fused",
+            tensor_parallel=args.tensor_parallel,
+            data_parallel=args.data_parallel or "shard",
             nodes=args.nodes,
         )
     except LayoutError as exc:
@@ -109,4 +148,3 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
-

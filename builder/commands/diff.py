@@ -67,8 +67,16 @@ def effects(est_a, est_b) -> list[dict[str, Any]]:
     rows = []
     for quantity, path, unit in EFFECTS:
         a, b = _get(est_a, path), _get(est_b, path)
-        rows.append({"quantity": quantity, "unit": unit, "a": a, "b": b, "change": b - a,
-                     "percent": (100.0 * (b - a) / a) if a else None})
+        rows.append(
+            {
+                "quantity": quantity,
+                "unit": unit,
+                "a": a,
+                "b": b,
+                "change": b - a,
+                "percent": (100.0 * (b - a) / a) if a else None,
+            }
+        )
     return rows
 
 
@@ -85,12 +93,17 @@ def run(args: argparse.Namespace) -> int:
     fields = field_differences(spec_a, spec_b)
     rows = effects(est_a, est_b)
     if args.json:
-        print(json.dumps({
-            "a": {"path": args.spec_a, "name": spec_a.name, "seq_len": est_a.flops.seq_len},
-            "b": {"path": args.spec_b, "name": spec_b.name, "seq_len": est_b.flops.seq_len},
-            "fields": [{"path": p, "a": _jsonable(a), "b": _jsonable(b)} for p, a, b in fields],
-            "effects": rows,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "a": {"path": args.spec_a, "name": spec_a.name, "seq_len": est_a.flops.seq_len},
+                    "b": {"path": args.spec_b, "name": spec_b.name, "seq_len": est_b.flops.seq_len},
+                    "fields": [{"path": p, "a": _jsonable(a), "b": _jsonable(b)} for p, a, b in fields],
+                    "effects": rows,
+                },
+                indent=2,
+            )
+        )
     else:
         from rich.console import Console
 

@@ -21,10 +21,24 @@ from builder.commands.common import add_spec_options
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SPEC|CKPT", help="a spec file (weights beside it) or a training checkpoint")
-    parser.add_argument("-o", "--out", required=True, metavar="DIR", type=output_folder,
-                        help="folder to write config.json and model.safetensors")
-    parser.add_argument("--weights", metavar="FILE", type=input_file, help="weights (.safetensors, or .pt read with weights_only; default: model.safetensors beside the spec, or the checkpoint's own)")
-    parser.add_argument("--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)")
+    parser.add_argument(
+        "-o",
+        "--out",
+        required=True,
+        metavar="DIR",
+        type=output_folder,
+        help="folder to write config.json and model.safetensors",
+    )
+    parser.add_argument(
+        "--weights",
+        metavar="FILE",
+        type=input_file,
+        help="weights (.safetensors, or .pt read with weights_only; "
+        "default: model.safetensors beside the spec, or the checkpoint's own)",
+    )
+    parser.add_argument(
+        "--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)"
+    )
     parser.add_argument(
         "--hf-config",
         action="append",
@@ -57,15 +71,20 @@ def _pairs(items: list[str]) -> dict:
 def run(args: argparse.Namespace) -> int:
     from builder.commands.common import spec_from_args
     from builder.hf import HFError, export_hf
-
     from builder.integrity import looks_like_checkpoint
 
     spec = None
     if not looks_like_checkpoint(args.source):
         spec = spec_from_args(args, args.source)  # exits 1 with located problems
     try:
-        family = export_hf(args.source, args.out, spec=spec, weights=args.weights, family=args.family,
-                           extra_config=_pairs(args.hf_config))
+        family = export_hf(
+            args.source,
+            args.out,
+            spec=spec,
+            weights=args.weights,
+            family=args.family,
+            extra_config=_pairs(args.hf_config),
+        )
     except (HFError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

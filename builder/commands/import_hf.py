@@ -19,17 +19,22 @@ from builder.commands.arguments import output_folder, text
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
-    parser.add_argument("-o", "--out", required=True, metavar="OUT", type=output_folder,
-                        help="folder to write spec.yaml and model.safetensors")
+    parser.add_argument(
+        "-o",
+        "--out",
+        required=True,
+        metavar="OUT",
+        type=output_folder,
+        help="folder to write spec.yaml and model.safetensors",
+    )
     parser.add_argument("--name", type=text(200), help="the spec's name (default: the folder's name)")
 
 
 def run(args: argparse.Namespace) -> int:
     from builder.estimates import estimate
     from builder.hf import HFError, import_hf
-    from builder.loader import SpecError, load_spec
-
     from builder.hf.tokenizer import read_tokenizer, to_tokenizers
+    from builder.loader import SpecError, load_spec
 
     try:
         spec_path, weights_path = import_hf(args.folder, args.out, name=args.name)

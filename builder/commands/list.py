@@ -3,7 +3,8 @@ count and a one-line description. Torch-free.
 
 The family of a spec is the Hugging Face model type it exports to exactly (``builder export-hf``),
 else its architecture; a recipe's is its task, and its parameters are its model's (with the
-vocabulary its tokenizer will have; ``~`` where that is known only once the data is read). The description is the first phrase of the file's header
+vocabulary its tokenizer will have; ``~`` where that is known only once the data is read). The
+description is the first phrase of the file's header
 comment.
 """
 
@@ -16,11 +17,13 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", choices=("spec", "recipe"), default=None,
-                        help="only specs or only recipes (default: both)")
+    parser.add_argument(
+        "--kind", choices=("spec", "recipe"), default=None, help="only specs or only recipes (default: both)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON list of objects")
-    parser.add_argument("--names", action="store_true",
-                        help="print only the names, one a line (what shell completion offers)")
+    parser.add_argument(
+        "--names", action="store_true", help="print only the names, one a line (what shell completion offers)"
+    )
 
 
 def rows(kind: str | None = None) -> list[dict]:
@@ -39,10 +42,18 @@ def rows(kind: str | None = None) -> list[dict]:
             summary = summarize(entry.path) if summarize is not None else {}
         except (SpecError, ValueError) as exc:  # a broken entry is listed, with why
             summary = {"family": "?", "params": None, "problem": str(exc).splitlines()[0]}
-        out.append({"name": entry.name, "kind": entry.kind, "family": summary.get("family", ""),
-                    "params": summary.get("params"), "params_approximate": bool(summary.get("approximate")),
-                    "description": description(entry.path),
-                    "path": str(entry.path), **({"problem": summary["problem"]} if "problem" in summary else {})})
+        out.append(
+            {
+                "name": entry.name,
+                "kind": entry.kind,
+                "family": summary.get("family", ""),
+                "params": summary.get("params"),
+                "params_approximate": bool(summary.get("approximate")),
+                "description": description(entry.path),
+                "path": str(entry.path),
+                **({"problem": summary["problem"]} if "problem" in summary else {}),
+            }
+        )
     return out
 
 
@@ -80,10 +91,16 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="the zoo: `builder describe NAME`, `builder train NAME`, `builder cp NAME my.yaml`",
-                  title_justify="left")
-    for column, justify in (("name", "left"), ("kind", "left"), ("family", "left"), ("params", "right"),
-                            ("description", "left")):
+    table = Table(
+        title="the zoo: `builder describe NAME`, `builder train NAME`, `builder cp NAME my.yaml`", title_justify="left"
+    )
+    for column, justify in (
+        ("name", "left"),
+        ("kind", "left"),
+        ("family", "left"),
+        ("params", "right"),
+        ("description", "left"),
+    ):
         table.add_column(column, justify=justify)
     for row in found:
         params = human(row["params"]) if row["params"] is not None else "?"

@@ -19,9 +19,20 @@ from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
 from builder.commands.arguments import MAX_DEVICES, at_most, count, number
 from builder.commands.common import add_spec_options
 
-UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+UNITS = {
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 GPUS = ("a100", "h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl")
 DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
 #: GPUs in one machine (an NVL72 rack counts as one: 72)
@@ -33,32 +44,78 @@ MAX_GLOBAL_BATCH = 1 << 30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
     parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), required=True, help="GPUs in all")
-    parser.add_argument("--gpu-memory", required=True, metavar="SIZE",
-                        help="memory of one GPU, e.g. 80GiB, 141GB")
-    parser.add_argument("--global-batch", type=count(maximum=MAX_GLOBAL_BATCH), required=True, metavar="B",
-                        help="sequences per optimizer step, over every GPU and accumulation step")
+    parser.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory of one GPU, e.g. 80GiB, 141GB")
+    parser.add_argument(
+        "--global-batch",
+        type=count(maximum=MAX_GLOBAL_BATCH),
+        required=True,
+        metavar="B",
+        help="sequences per optimizer step, over every GPU and accumulation step",
+    )
     parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN), help="tokens per sequence (default max_seq_len)")
-    parser.add_argument("--src-len", type=count(maximum=MAX_SEQ_LEN), help="encoder-decoder: source tokens (default --seq-len)")
-    parser.add_argument("--gpu", default="h100", metavar="NAME",
-                        help=f"the GPU, for its peak FLOP/s: {', '.join(GPUS)} (default h100, the SXM part)")
-    parser.add_argument("--peak-tflops", type=number(above=0, maximum=1e9), metavar="TF",
-                        help="dense peak TFLOP/s of one GPU in the compute dtype (default: --gpu's)")
-    parser.add_argument("--mfu", type=number(above=0, maximum=1), default=0.4,
-                        help="model FLOPs utilisation the step time assumes, in (0, 1] (default 0.4)")
-    parser.add_argument("--gpus-per-node", type=count(maximum=MAX_PER_NODE), metavar="N",
-                        help="GPUs in one machine (default 8, or --gpus when fewer)")
+    parser.add_argument(
+        "--src-len", type=count(maximum=MAX_SEQ_LEN), help="encoder-decoder: source tokens (default --seq-len)"
+    )
+    parser.add_argument(
+        "--gpu",
+        default="h100",
+        metavar="NAME",
+        help=f"the GPU, for its peak FLOP/s: {', '.join(GPUS)} (default h100, the SXM part)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=number(above=0, maximum=1e9),
+        metavar="TF",
+        help="dense peak TFLOP/s of one GPU in the compute dtype (default: --gpu's)",
+    )
+    parser.add_argument(
+        "--mfu",
+        type=number(above=0, maximum=1),
+        default=0.4,
+        help="model FLOPs utilisation the step time assumes, in (0, 1] (default 0.4)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=count(maximum=MAX_PER_NODE),
+        metavar="N",
+        help="GPUs in one machine (default 8, or --gpus when fewer)",
+    )
     parser.add_argument("--nodes", type=count(maximum=MAX_DEVICES), help="machines (default --gpus / --gpus-per-node)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                        help="compute dtype (default bf16: bf16-mixed, fp32 master weights)")
-    parser.add_argument("--headroom", type=number(minimum=0, below=100), default=10.0, metavar="PERCENT",
-                        help="memory kept free for the CUDA context, NCCL and fragmentation (default 10)")
-    parser.add_argument("--tensor-parallel", type=count(maximum=MAX_HEADS), metavar="T", help="consider only this degree (default: every degree that divides the spec)")
-    parser.add_argument("--data-parallel", choices=("shard", "hybrid", "replicate"),
-                        help="consider only this data-parallel mode (default: every mode)")
-    parser.add_argument("--recipe", help="the recipe the launch lines train: a file or a zoo name (default "
-                        f"{DEFAULT_RECIPE.removesuffix('.yaml')})")
-    parser.add_argument("--tokens", metavar="N", help="tokens to train on, e.g. 300B or 2T: the launch lines' "
-                        "trainer.max_steps (default: 20 per parameter, Chinchilla's compute-optimal budget)")
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="compute dtype (default bf16: bf16-mixed, fp32 master weights)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=number(minimum=0, below=100),
+        default=10.0,
+        metavar="PERCENT",
+        help="memory kept free for the CUDA context, NCCL and fragmentation (default 10)",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=count(maximum=MAX_HEADS),
+        metavar="T",
+        help="consider only this degree (default: every degree that divides the spec)",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        choices=("shard", "hybrid", "replicate"),
+        help="consider only this data-parallel mode (default: every mode)",
+    )
+    parser.add_argument(
+        "--recipe",
+        help="the recipe the launch lines train: a file or a zoo name (default "
+        f"{DEFAULT_RECIPE.removesuffix('.yaml')})",
+    )
+    parser.add_argument(
+        "--tokens",
+        metavar="N",
+        help="tokens to train on, e.g. 300B or 2T: the launch lines' "
+        "trainer.max_steps (default: 20 per parameter, Chinchilla's compute-optimal budget)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)
 
@@ -108,8 +165,10 @@ def cluster_from_args(args: argparse.Namespace):
         per_node = gpus // nodes
     per_node = per_node or min(8, gpus)
     if per_node > MAX_PER_NODE:
-        raise ValueError(f"--gpus {gpus} on {nodes} node{'s' * (nodes != 1)} is {per_node:,} GPUs per node, "
-                         f"more than {MAX_PER_NODE:,}; give more --nodes or --gpus-per-node")
+        raise ValueError(
+            f"--gpus {gpus} on {nodes} node{'s' * (nodes != 1)} is {per_node:,} GPUs per node, "
+            f"more than {MAX_PER_NODE:,}; give more --nodes or --gpus-per-node"
+        )
     if gpus % per_node:
         raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
     if nodes is not None and nodes * per_node != gpus:
@@ -125,8 +184,7 @@ def cluster_from_args(args: argparse.Namespace):
     if override is not None and not override > 0:
         raise ValueError(f"--peak-tflops {args.peak_tflops}: must be positive")
     peak = mfu.peak_flops(device, args.dtype, override)
-    return Cluster(gpus=gpus, per_node=per_node, memory=memory, peak=peak, gpu=device,
-                   headroom=args.headroom / 100)
+    return Cluster(gpus=gpus, per_node=per_node, memory=memory, peak=peak, gpu=device, headroom=args.headroom / 100)
 
 
 def parse_size(text: str, option: str) -> int:
@@ -147,8 +205,15 @@ def _settings(spec, args) -> dict:
     at_most("--src-len", args.src_len, spec.max_seq_len, f"{spec.name}'s max_seq_len")
     if args.src_len is not None and spec.architecture != "encoder-decoder":
         raise ValueError(f"--src-len applies to encoder-decoder models; {spec.name} is {spec.architecture}")
-    return {"seq_len": seq, "src_len": args.src_len, "global_batch": args.global_batch, "dtype": args.dtype,
-            "mfu": args.mfu, "tensor_parallel": args.tensor_parallel, "data_parallel": args.data_parallel}
+    return {
+        "seq_len": seq,
+        "src_len": args.src_len,
+        "global_batch": args.global_batch,
+        "dtype": args.dtype,
+        "mfu": args.mfu,
+        "tensor_parallel": args.tensor_parallel,
+        "data_parallel": args.data_parallel,
+    }
 
 
 def recipe_and_task(recipe: str | None) -> tuple[str, str]:
@@ -198,22 +263,52 @@ def _launch(result, args, tokens: int | None) -> dict:
     max_steps = max(1, -(-budget // result.tokens_per_step))
     layout = result.chosen.layout
     output_dir = os.path.join("runs", f"{result.spec_name}-{layout.devices}gpus")
-    sets = recipe_overrides(result.chosen, seq_len=result.seq_len, dtype=result.dtype, spec_path=spec,
-                            spec_overrides=args.overrides, task=task, max_steps=max_steps, output_dir=output_dir)
+    sets = recipe_overrides(
+        result.chosen,
+        seq_len=result.seq_len,
+        dtype=result.dtype,
+        spec_path=spec,
+        spec_overrides=args.overrides,
+        task=task,
+        max_steps=max_steps,
+        output_dir=output_dir,
+    )
     lines = launch_lines(recipe, sets, layout)
-    return {**lines, "set": sets, "describe": _describe_line(result, args),
-            "tokens": max_steps * result.tokens_per_step, "max_steps": max_steps,
-            "budget": "--tokens" if tokens is not None else f"{CHINCHILLA_TOKENS_PER_PARAMETER} tokens per parameter"}
+    return {
+        **lines,
+        "set": sets,
+        "describe": _describe_line(result, args),
+        "tokens": max_steps * result.tokens_per_step,
+        "max_steps": max_steps,
+        "budget": "--tokens" if tokens is not None else f"{CHINCHILLA_TOKENS_PER_PARAMETER} tokens per parameter",
+    }
 
 
 def _describe_line(result, args) -> str:
     import shlex
 
     c, layout = result.chosen, result.chosen.layout
-    parts = ["builder", "describe", args.spec, "--seq-len", str(result.seq_len), "--batch", str(c.micro_batch),
-             "--dtype", result.dtype, "--devices", str(layout.devices), "--nodes", str(layout.nodes),
-             "--strategy", "fsdp", "--tensor-parallel", str(layout.tensor_parallel),
-             "--data-parallel", layout.data_parallel]
+    parts = [
+        "builder",
+        "describe",
+        args.spec,
+        "--seq-len",
+        str(result.seq_len),
+        "--batch",
+        str(c.micro_batch),
+        "--dtype",
+        result.dtype,
+        "--devices",
+        str(layout.devices),
+        "--nodes",
+        str(layout.nodes),
+        "--strategy",
+        "fsdp",
+        "--tensor-parallel",
+        str(layout.tensor_parallel),
+        "--data-parallel",
+        layout.data_parallel,
+    ]
     if result.src_len:
         parts += ["--src-len", str(result.src_len)]
     if c.checkpointing:
@@ -229,11 +324,24 @@ def to_json(result, launch) -> dict:
     cluster = result.cluster
     out = {
         "spec": result.spec_name,
-        "cluster": {"gpus": cluster.gpus, "nodes": cluster.nodes, "gpus_per_node": cluster.per_node,
-                    "gpu": cluster.gpu, "gpu_memory": cluster.memory, "usable_memory": cluster.usable,
-                    "headroom": cluster.headroom, "peak_flops": cluster.peak},
-        "settings": {"seq_len": result.seq_len, "src_len": result.src_len, "global_batch": result.global_batch,
-                     "tokens_per_step": result.tokens_per_step, "dtype": result.dtype, "mfu": result.mfu},
+        "cluster": {
+            "gpus": cluster.gpus,
+            "nodes": cluster.nodes,
+            "gpus_per_node": cluster.per_node,
+            "gpu": cluster.gpu,
+            "gpu_memory": cluster.memory,
+            "usable_memory": cluster.usable,
+            "headroom": cluster.headroom,
+            "peak_flops": cluster.peak,
+        },
+        "settings": {
+            "seq_len": result.seq_len,
+            "src_len": result.src_len,
+            "global_batch": result.global_batch,
+            "tokens_per_step": result.tokens_per_step,
+            "dtype": result.dtype,
+            "mfu": result.mfu,
+        },
         "cheapest": CHEAPEST,
         "fits": result.fits,
         "considered": result.considered,
@@ -265,7 +373,8 @@ def _print(result, launch, args) -> None:
         f"{'s' if cluster.nodes > 1 else ''} x {cluster.per_node}), {human_bytes(cluster.memory)} each, "
         f"{human_bytes(cluster.usable)} usable ({cluster.headroom:.0%} headroom); seq_len {result.seq_len}, "
         f"global batch {result.global_batch} sequences ({result.tokens_per_step:,} tokens), {result.dtype}",
-        highlight=False)
+        highlight=False,
+    )
     if not result.fits:
         console.print("[bold red]does not fit[/]:", highlight=False)
         for reason in result.reasons:
@@ -278,8 +387,11 @@ def _print(result, launch, args) -> None:
     console.print(f"[bold green]fits[/]: {c.summary()}", highlight=False)
     est = result.estimate
     console.print(memory_table(est.memory, est.settings, result.seq_len))
-    step = Table(title=f"one optimizer step at MFU {result.mfu:.0%} of {human(cluster.peak)}FLOP/s per GPU",
-                 title_justify="left", show_header=False)
+    step = Table(
+        title=f"one optimizer step at MFU {result.mfu:.0%} of {human(cluster.peak)}FLOP/s per GPU",
+        title_justify="left",
+        show_header=False,
+    )
     step.add_column("what")
     step.add_column("value", justify="right")
     step.add_row("training FLOPs", f"{human(c.step_flops)} ({'4x' if c.checkpointing else '3x'} forward)")
@@ -291,17 +403,24 @@ def _print(result, launch, args) -> None:
     if result.alternatives:
         console.print("next cheapest:")
         for alt in result.alternatives:
-            console.print(f"  - {alt.summary()}: {human_bytes(alt.memory)}, {alt.gpu_hours:.4f} GPU-h/step",
-                          highlight=False)
-    console.print(f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
-                  f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
-                  "--tokens sets it), into ./" + _output_dir(launch), highlight=False)
+            console.print(
+                f"  - {alt.summary()}: {human_bytes(alt.memory)}, {alt.gpu_hours:.4f} GPU-h/step", highlight=False
+            )
+    console.print(
+        f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
+        f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
+        "--tokens sets it), into ./" + _output_dir(launch),
+        highlight=False,
+    )
     console.print(launch["torchrun"], highlight=False, soft_wrap=True)
     console.print(launch["slurm"], highlight=False, soft_wrap=True)
     console.print("check the memory with:", highlight=False)
     console.print(launch["describe"], highlight=False, soft_wrap=True)
-    console.print("[dim]the recipe's tokenizer sets vocab_size; these figures use the spec's "
-                  f"{result.estimate.params.total:,} parameters[/]", highlight=False)
+    console.print(
+        "[dim]the recipe's tokenizer sets vocab_size; these figures use the spec's "
+        f"{result.estimate.params.total:,} parameters[/]",
+        highlight=False,
+    )
 
 
 def _output_dir(launch: dict) -> str:

@@ -18,10 +18,14 @@ from builder.json_schema import spec_json_schema  # noqa: F401  (the command's P
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", action="store_true",
-                        help="the schema of a training recipe (every task), with the spec's inside model")
-    parser.add_argument("--indent", type=count(minimum=0, maximum=16), default=2,
-                        help="JSON indentation, 0 to 16 (default 2)")
+    parser.add_argument(
+        "--recipe",
+        action="store_true",
+        help="the schema of a training recipe (every task), with the spec's inside model",
+    )
+    parser.add_argument(
+        "--indent", type=count(minimum=0, maximum=16), default=2, help="JSON indentation, 0 to 16 (default 2)"
+    )
     add_spec_options(parser)
 
 

@@ -13,8 +13,12 @@ from builder.commands.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("specs", nargs="+", metavar="FILE",
-                        help="spec or recipe files, or zoo names (each checked as what its keys say it is)")
+    parser.add_argument(
+        "specs",
+        nargs="+",
+        metavar="FILE",
+        help="spec or recipe files, or zoo names (each checked as what its keys say it is)",
+    )
     add_spec_options(parser)
 
 

@@ -44,9 +44,7 @@ class GPT2(Family):
         if config.get("scale_attn_by_inverse_layer_idx", False):
             # HF divides the scores by (layer index + 1) on top of 1/sqrt(head_dim)
             base = (head_dim**-0.5) if scale is None else 1.0
-            overrides = [
-                {"layers": [i], "attention": {"scale": base / (i + 1)}} for i in range(1, n_layers)
-            ]
+            overrides = [{"layers": [i], "attention": {"scale": base / (i + 1)}} for i in range(1, n_layers)]
         attn_dropout = dropout(config.get("attn_pdrop"))
         return {
             "architecture": "decoder-only",
@@ -187,9 +185,15 @@ class LlamaLayout(Family):
         attention["qkv_bias"] = attention.get("qkv_bias", False) or k.qkv_bias
         act = activation_from_hf(
             config.get(k.activation_key) or config.get("hidden_act") or config.get("hidden_activation") or "silu",
-            family, dict(k.activation_aliases),
+            family,
+            dict(k.activation_aliases),
         )
-        dense = {"type": "glu", "activation": act, "hidden_dim": need(config, "intermediate_size", family), "bias": mlp_bias}
+        dense = {
+            "type": "glu",
+            "activation": act,
+            "hidden_dim": need(config, "intermediate_size", family),
+            "bias": mlp_bias,
+        }
         if k.moe:
             if config.get("router_jitter_noise"):
                 raise Unsupported(f"{family}: router_jitter_noise > 0 has no counterpart here")
@@ -283,7 +287,9 @@ class LlamaLayout(Family):
         if k.mlp_bias_key:
             config["mlp_bias"] = expert.bias
         if k.moe:
-            config.update(num_local_experts=getattr(ffn, "n_experts", None), num_experts_per_tok=getattr(ffn, "top_k", None))
+            config.update(
+                num_local_experts=getattr(ffn, "n_experts", None), num_experts_per_tok=getattr(ffn, "top_k", None)
+            )
             config["router_jitter_noise"] = 0.0
         windows = windows_by_layer(stack)
         sizes = {w for w in windows if w is not None}
@@ -293,7 +299,9 @@ class LlamaLayout(Family):
         if k.windows == "uniform":
             config["sliding_window"] = windows[0]  # a mixed pattern fails the round-trip check
         elif k.windows == "layer_types":
-            config.update(sliding_window=window, layer_types=["sliding_attention" if w else "full_attention" for w in windows])
+            config.update(
+                sliding_window=window, layer_types=["sliding_attention" if w else "full_attention" for w in windows]
+            )
             if k.default_layer_types == "max_window_layers":
                 config.update(use_sliding_window=window is not None, max_window_layers=stack.n_layers)
         if k.gemma2:
@@ -323,8 +331,11 @@ class LlamaLayout(Family):
                 links.append(same(f"{h}.self_attn.o_proj.bias", f"{attn}.out_proj.bias"))
             norms = {"input_layernorm": ("attention", False), "post_attention_layernorm": ("ffn", False)}
             if k.gemma2:  # sandwich: the post-attention norm closes attention; the FFN has its own two
-                norms.update(post_attention_layernorm=("attention", True), pre_feedforward_layernorm=("ffn", False),
-                             post_feedforward_layernorm=("ffn", True))
+                norms.update(
+                    post_attention_layernorm=("attention", True),
+                    pre_feedforward_layernorm=("ffn", False),
+                    post_feedforward_layernorm=("ffn", True),
+                )
             for hf_norm, (sublayer, post) in norms.items():
                 links.append(same(f"{h}.{hf_norm}.weight", ours.layer_norm("decoder", i, sublayer, post) + ".weight"))
             if k.moe:
@@ -400,26 +411,44 @@ FAMILIES = [
         ignored=(r"transformer\.h\.\d+\.attn\.(masked_)?bias",),
     ),
     _llama(
-        "llama", "LlamaForCausalLM", "Llama 1-3: RoPE (llama3 scaling), SwiGLU, RMSNorm, GQA",
+        "llama",
+        "LlamaForCausalLM",
+        "Llama 1-3: RoPE (llama3 scaling), SwiGLU, RMSNorm, GQA",
         LlamaKnobs(attention_bias_key=True, mlp_bias_key=True),
     ),
     _llama("mistral", "MistralForCausalLM", "Mistral: Llama with a sliding window", LlamaKnobs(windows="uniform")),
     _llama(
-        "mixtral", "MixtralForCausalLM", "Mixtral: Mistral with a top-k mixture of SwiGLU experts",
+        "mixtral",
+        "MixtralForCausalLM",
+        "Mixtral: Mistral with a top-k mixture of SwiGLU experts",
         LlamaKnobs(default_theta=1e6, windows="uniform", moe=True),
     ),
     _llama(
-        "qwen2", "Qwen2ForCausalLM", "Qwen2: Llama with q/k/v biases and per-layer sliding windows",
+        "qwen2",
+        "Qwen2ForCausalLM",
+        "Qwen2: Llama with q/k/v biases and per-layer sliding windows",
         LlamaKnobs(qkv_bias=True, windows="layer_types"),
     ),
     _llama(
-        "gemma", "GemmaForCausalLM", "Gemma: GeGLU, sqrt(d_model)-scaled embeddings, RMSNorm(1 + w), tied head",
-        LlamaKnobs(default_tie=True, attention_bias_key=True, gemma=True, activation_aliases=(("gelu", "gelu_pytorch_tanh"),)),
+        "gemma",
+        "GemmaForCausalLM",
+        "Gemma: GeGLU, sqrt(d_model)-scaled embeddings, RMSNorm(1 + w), tied head",
+        LlamaKnobs(
+            default_tie=True, attention_bias_key=True, gemma=True, activation_aliases=(("gelu", "gelu_pytorch_tanh"),)
+        ),
     ),
     _llama(
-        "gemma2", "Gemma2ForCausalLM",
+        "gemma2",
+        "Gemma2ForCausalLM",
         "Gemma 2: Gemma with sandwich norms, attention and logit softcaps, alternating sliding windows",
-        LlamaKnobs(default_tie=True, attention_bias_key=True, gemma=True, gemma2=True, windows="layer_types",
-                   default_layer_types="alternate", activation_key="hidden_activation"),
+        LlamaKnobs(
+            default_tie=True,
+            attention_bias_key=True,
+            gemma=True,
+            gemma2=True,
+            windows="layer_types",
+            default_layer_types="alternate",
+            activation_key="hidden_activation",
+        ),
     ),
 ]

@@ -87,11 +87,15 @@ class DeepSeek(Family):
         d, n_heads = need(config, "hidden_size", family), need(config, "num_attention_heads", family)
         n_layers = need(config, "num_hidden_layers", family)
         if (config.get("num_key_value_heads") or n_heads) != n_heads:
-            raise Unsupported(f"{family}: num_key_value_heads differs from num_attention_heads; MLA gives every "
-                              "head its own key and value")
+            raise Unsupported(
+                f"{family}: num_key_value_heads differs from num_attention_heads; MLA gives every "
+                "head its own key and value"
+            )
         if v3 and config.get("rope_interleave", True) is not True:
-            raise Unsupported(f"{family}: rope_interleave false (rotate-half weights) is not read; released "
-                              "checkpoints are interleaved")
+            raise Unsupported(
+                f"{family}: rope_interleave false (rotate-half weights) is not read; released "
+                "checkpoints are interleaved"
+            )
         if config.get("mlp_bias"):
             raise Unsupported(f"{family}: mlp_bias (biases on the dense and shared MLPs only) has no counterpart here")
         if (config.get("moe_layer_freq") or 1) != 1:
@@ -144,17 +148,24 @@ class DeepSeek(Family):
     def _v2_routing(self, config: dict) -> dict:
         method = config.get("topk_method") or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
-            raise Unsupported(f"deepseek_v2: topk_method {method!r}; transformers' DeepseekV2 knows greedy and "
-                              "group_limited_greedy")
+            raise Unsupported(
+                f"deepseek_v2: topk_method {method!r}; transformers' DeepseekV2 knows greedy and group_limited_greedy"
+            )
         if (config.get("scoring_func") or "softmax") != "softmax":
             raise Unsupported("deepseek_v2: scoring_func other than softmax (transformers' DeepseekV2 uses softmax)")
         if config.get("norm_topk_prob"):
-            raise Unsupported("deepseek_v2: norm_topk_prob true: transformers' DeepseekV2 does not renormalise "
-                              "(DeepSeek's own code does); no exact counterpart")
+            raise Unsupported(
+                "deepseek_v2: norm_topk_prob true: transformers' DeepseekV2 does not renormalise "
+                "(DeepSeek's own code does); no exact counterpart"
+            )
         if method == "greedy":
             return {"scoring": "softmax"}
-        return {"scoring": "softmax", "n_groups": need(config, "n_group", "deepseek_v2"),
-                "topk_groups": need(config, "topk_group", "deepseek_v2"), "group_score": "max"}
+        return {
+            "scoring": "softmax",
+            "n_groups": need(config, "n_group", "deepseek_v2"),
+            "topk_groups": need(config, "topk_group", "deepseek_v2"),
+            "group_score": "max",
+        }
 
     def _v3_routing(self, config: dict) -> dict:
         if (config.get("topk_method") or "noaux_tc") != "noaux_tc":
@@ -251,7 +262,9 @@ class DeepSeek(Family):
                 per_expert = [f"{h}.mlp.experts.{e}.{p}_proj.weight" for e in range(config.n_experts)]
                 links.append(_stacked(per_expert, f"{ffn}.experts.{p}_proj.weight"))
                 if config.n_shared_experts:
-                    links.append(same(f"{h}.mlp.shared_experts.{p}_proj.weight", f"{ffn}.shared_experts.{p}_proj.weight"))
+                    links.append(
+                        same(f"{h}.mlp.shared_experts.{p}_proj.weight", f"{ffn}.shared_experts.{p}_proj.weight")
+                    )
         if not spec.tie_embeddings:
             links.append(same("lm_head.weight", ours.head_projection()))
         return links
@@ -261,20 +274,30 @@ class DeepSeek(Family):
         heads, qk, rope = config.n_heads, config.qk_head_dim, config.qk_rope_head_dim
         links = []
         query = f"{h}.q_proj" if config.q_lora_rank is None else f"{h}.q_b_proj"
-        links.append(_permuted_rows(f"{query}.weight", f"{attn}.{query.rsplit('.', 1)[1]}.weight", heads, qk,
-                                    config.qk_nope_head_dim, rope))
+        links.append(
+            _permuted_rows(
+                f"{query}.weight", f"{attn}.{query.rsplit('.', 1)[1]}.weight", heads, qk, config.qk_nope_head_dim, rope
+            )
+        )
         if config.q_lora_rank is not None:
-            links += [same(f"{h}.q_a_proj.weight", f"{attn}.q_a_proj.weight"),
-                      same(f"{h}.q_a_layernorm.weight", f"{attn}.q_a_layernorm.weight")]
+            links += [
+                same(f"{h}.q_a_proj.weight", f"{attn}.q_a_proj.weight"),
+                same(f"{h}.q_a_layernorm.weight", f"{attn}.q_a_layernorm.weight"),
+            ]
             if config.bias:
                 links.append(same(f"{h}.q_a_proj.bias", f"{attn}.q_a_proj.bias"))
         kv_a = config.kv_lora_rank + rope
         for p in ("weight", "bias") if config.bias else ("weight",):
-            links.append(_permuted_rows(f"{h}.kv_a_proj_with_mqa.{p}", f"{attn}.kv_a_proj_with_mqa.{p}", 1, kv_a,
-                                        config.kv_lora_rank, rope))
-        links += [same(f"{h}.kv_a_layernorm.weight", f"{attn}.kv_a_layernorm.weight"),
-                  same(f"{h}.kv_b_proj.weight", f"{attn}.kv_b_proj.weight"),
-                  same(f"{h}.o_proj.weight", f"{attn}.out_proj.weight")]
+            links.append(
+                _permuted_rows(
+                    f"{h}.kv_a_proj_with_mqa.{p}", f"{attn}.kv_a_proj_with_mqa.{p}", 1, kv_a, config.kv_lora_rank, rope
+                )
+            )
+        links += [
+            same(f"{h}.kv_a_layernorm.weight", f"{attn}.kv_a_layernorm.weight"),
+            same(f"{h}.kv_b_proj.weight", f"{attn}.kv_b_proj.weight"),
+            same(f"{h}.o_proj.weight", f"{attn}.out_proj.weight"),
+        ]
         if config.bias:
             links.append(same(f"{h}.o_proj.bias", f"{attn}.out_proj.bias"))
         return links
@@ -291,8 +314,12 @@ def fused_experts(spec) -> list[Link]:
         ffn, hidden = ours.ffn("decoder", i), config.expert.resolved_hidden_dim(spec.d_model)
         experts = f"model.layers.{i}.mlp.experts"
         links += [
-            split(f"{experts}.gate_up_proj", [f"{ffn}.experts.gate_proj.weight", f"{ffn}.experts.up_proj.weight"],
-                  [hidden, hidden], dim=1),
+            split(
+                f"{experts}.gate_up_proj",
+                [f"{ffn}.experts.gate_proj.weight", f"{ffn}.experts.up_proj.weight"],
+                [hidden, hidden],
+                dim=1,
+            ),
             same(f"{experts}.down_proj", f"{ffn}.experts.down_proj.weight"),
         ]
     return links
@@ -315,12 +342,14 @@ def _deepseek(model_type: str, hf_class: str, description: str, knobs: DeepSeekK
 
 FAMILIES = [
     _deepseek(
-        "deepseek_v2", "DeepseekV2ForCausalLM",
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
         "DeepSeek-V2: multi-head latent attention, DeepSeekMoE (softmax, shared experts), YaRN with mscale",
         DeepSeekKnobs(v3=False),
     ),
     _deepseek(
-        "deepseek_v3", "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
         "DeepSeek-V3: V2 with sigmoid routing over expert groups and the auxiliary-loss-free expert bias",
         DeepSeekKnobs(v3=True),
     ),

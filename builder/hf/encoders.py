@@ -56,7 +56,12 @@ class Bert(Family):
                     "out_bias": True,
                     "dropout": dropout(config.get("attention_probs_dropout_prob")),
                 },
-                "ffn": {"type": "mlp", "activation": act, "hidden_dim": config.get("intermediate_size", 4 * d), "bias": True},
+                "ffn": {
+                    "type": "mlp",
+                    "activation": act,
+                    "hidden_dim": config.get("intermediate_size", 4 * d),
+                    "bias": True,
+                },
                 "norm": {"type": "layernorm", "eps": eps, "placement": "post"},
                 "final_norm": False,
                 "dropout": hidden_dropout,
@@ -215,7 +220,9 @@ class T5(Family):
                     attn = ours.attention(stack_name, i, which)
                     links += [same(f"{block}.{j}.{hf_attn}.{p}.weight", f"{attn}.{p}_proj.weight") for p in "qkv"]
                     links.append(same(f"{block}.{j}.{hf_attn}.o.weight", f"{attn}.out_proj.weight"))
-                    links.append(same(f"{block}.{j}.layer_norm.weight", ours.layer_norm(stack_name, i, which) + ".weight"))
+                    links.append(
+                        same(f"{block}.{j}.layer_norm.weight", ours.layer_norm(stack_name, i, which) + ".weight")
+                    )
                 j, ffn = len(subs), ours.ffn(stack_name, i)
                 if stack.layer(i).ffn.type == "glu":
                     links.append(same(f"{block}.{j}.DenseReluDense.wi_0.weight", f"{ffn}.gate_proj.weight"))
@@ -255,7 +262,12 @@ class Marian(Family):
                     "out_bias": True,
                     "dropout": dropout(config.get("attention_dropout")),
                 },
-                "ffn": {"type": "mlp", "activation": act, "hidden_dim": need(config, f"{side}_ffn_dim", "marian"), "bias": True},
+                "ffn": {
+                    "type": "mlp",
+                    "activation": act,
+                    "hidden_dim": need(config, f"{side}_ffn_dim", "marian"),
+                    "bias": True,
+                },
                 "norm": {"type": "layernorm", "eps": 1e-5, "placement": "post"},
                 "final_norm": False,
                 "dropout": rate,
@@ -317,7 +329,9 @@ class Marian(Family):
             stack = getattr(spec, side)
             for i in range(stack.n_layers):
                 h = f"model.{side}.layers.{i}"
-                subs = [("self_attn", "attention")] + ([("encoder_attn", "cross_attention")] if side == "decoder" else [])
+                subs = [("self_attn", "attention")] + (
+                    [("encoder_attn", "cross_attention")] if side == "decoder" else []
+                )
                 for hf_attn, which in subs:
                     attn = ours.attention(side, i, which)
                     for p in ("q", "k", "v", "out"):

@@ -40,11 +40,12 @@ def family_of(config: Mapping, path: str | Path = "config.json") -> Family:
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         # a family's name is shown when it is shaped like one (transformers' model types are
         # lower-case identifiers); other text of the file is not printed
-        shown = repr(model_type) if isinstance(model_type, str) and _FAMILY_NAME.fullmatch(model_type) else (
-            "(absent)" if model_type is None else "(not a family name)")
-        raise Unsupported(
-            f"{path}: model_type {shown} is not supported; supported families:\n{supported_families()}"
+        shown = (
+            repr(model_type)
+            if isinstance(model_type, str) and _FAMILY_NAME.fullmatch(model_type)
+            else ("(absent)" if model_type is None else "(not a family name)")
         )
+        raise Unsupported(f"{path}: model_type {shown} is not supported; supported families:\n{supported_families()}")
     return FAMILIES[model_type]
 
 

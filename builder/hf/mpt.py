@@ -61,8 +61,12 @@ class MPT(Family):
                     "dropout": dropout(attn.get("attn_pdrop")),
                 },
                 "ffn": {"type": "mlp", "activation": "gelu", "hidden_dim": EXPANSION_RATIO * d, "bias": False},
-                "norm": {"type": "layernorm", "eps": config.get("layer_norm_epsilon", 1e-5), "bias": False,
-                         "placement": "pre"},
+                "norm": {
+                    "type": "layernorm",
+                    "eps": config.get("layer_norm_epsilon", 1e-5),
+                    "bias": False,
+                    "placement": "pre",
+                },
                 "final_norm": True,
                 "dropout": dropout(config.get("resid_pdrop")),
             },
@@ -141,11 +145,14 @@ def _refuse_what_transformers_ignores(config: dict, attn: dict) -> None:
     if attn.get("alibi", True) is not True:
         raise Unsupported(f"mpt: attn_config.alibi false (learned positions): {ignores} and applies ALiBi")
     if attn.get("alibi_bias_max", ALIBI_BIAS_MAX) != ALIBI_BIAS_MAX:
-        raise Unsupported(f"mpt: attn_config.alibi_bias_max {attn['alibi_bias_max']}: {ignores} and computes its "
-                          f"ALiBi slopes with {ALIBI_BIAS_MAX}, as the slopes here are; no exact counterpart")
+        raise Unsupported(
+            f"mpt: attn_config.alibi_bias_max {attn['alibi_bias_max']}: {ignores} and computes its "
+            f"ALiBi slopes with {ALIBI_BIAS_MAX}, as the slopes here are; no exact counterpart"
+        )
     if (attn.get("attn_type") or "multihead_attention") != "multihead_attention":
-        raise Unsupported(f"mpt: attn_config.attn_type is not multihead_attention: {ignores} "
-                          "(its Wqkv is 3 * d_model wide)")
+        raise Unsupported(
+            f"mpt: attn_config.attn_type is not multihead_attention: {ignores} (its Wqkv is 3 * d_model wide)"
+        )
     if attn.get("clip_qkv"):
         raise Unsupported(f"mpt: attn_config.clip_qkv {attn['clip_qkv']}: clamping q, k and v has no counterpart here")
     if attn.get("qk_ln"):
@@ -155,16 +162,20 @@ def _refuse_what_transformers_ignores(config: dict, attn: dict) -> None:
     if config.get("no_bias", True) is not True:
         raise Unsupported(f"mpt: no_bias false: {ignores} (it has no biases and would drop the checkpoint's)")
     if config.get("expansion_ratio", EXPANSION_RATIO) != EXPANSION_RATIO:
-        raise Unsupported(f"mpt: expansion_ratio {config['expansion_ratio']}: {ignores} "
-                          f"(its MLP is {EXPANSION_RATIO} * d_model wide)")
+        raise Unsupported(
+            f"mpt: expansion_ratio {config['expansion_ratio']}: {ignores} (its MLP is {EXPANSION_RATIO} * d_model wide)"
+        )
     if config.get("logit_scale") is not None:
         raise Unsupported(f"mpt: logit_scale is set: {ignores} (MosaicML's code scales the logits)")
     if config.get("embedding_fraction", 1.0) != 1.0:
-        raise Unsupported(f"mpt: embedding_fraction {config['embedding_fraction']} (a shrunken embedding "
-                          "gradient) has no counterpart here")
+        raise Unsupported(
+            f"mpt: embedding_fraction {config['embedding_fraction']} (a shrunken embedding "
+            "gradient) has no counterpart here"
+        )
     if config.get("norm_type", LAYER_NORMS[0]) not in LAYER_NORMS:
-        raise Unsupported(f"mpt: norm_type is not a LayerNorm ({', '.join(LAYER_NORMS)}): {ignores} "
-                          "and normalises with LayerNorm")
+        raise Unsupported(
+            f"mpt: norm_type is not a LayerNorm ({', '.join(LAYER_NORMS)}): {ignores} and normalises with LayerNorm"
+        )
 
 
 FAMILIES = [

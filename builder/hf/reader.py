@@ -10,7 +10,7 @@ from typing import Any
 
 from builder.hf.checks import check_config, inside, read_json
 from builder.hf.common import Family, HFError
-from builder.hf.families import family_of, validate, _keys_with_value
+from builder.hf.families import _keys_with_value, family_of, validate
 from builder.hf.weights import Checkpoint, save_weights
 
 #: files beside the weights that a Hugging Face folder needs to be used (tokenizer, generation)
@@ -25,6 +25,8 @@ SIDE_FILES = (
     "*.model",
     "*.spm",
 )
+
+
 def read_config(folder: str | Path) -> dict:
     """``folder/config.json``, read safely and with every value of its key's kind
     (:mod:`builder.hf.checks`); :class:`HFError` naming the file and the key otherwise."""
@@ -43,16 +45,20 @@ def _to_spec(family: Family, config: dict, names: set[str], path: str | Path) ->
     except HFError as exc:
         raise type(exc)(f"{path}: {exc}") from None
     except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
-        raise HFError(f"{path}: cannot read it as a {family.model_type} config ({type(exc).__name__}: "
-                      f"{' '.join(str(exc).split())[:120]})") from None
+        raise HFError(
+            f"{path}: cannot read it as a {family.model_type} config ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:120]})"
+        ) from None
 
 
 def config_to_spec(config: Mapping, names: set[str] = frozenset(), name: str | None = None) -> dict:
     """The spec dict of a Hugging Face ``config.json`` (validated; returned as written)."""
     check_config(config, "config.json")
     family = family_of(config)
-    spec = {"name": name or config.get("_name_or_path") or family.model_type,
-            **_to_spec(family, dict(config), set(names), "config.json")}
+    spec = {
+        "name": name or config.get("_name_or_path") or family.model_type,
+        **_to_spec(family, dict(config), set(names), "config.json"),
+    }
     validate(spec, config, "config.json")
     return spec
 

@@ -82,7 +82,7 @@ def _proto(model_proto: bytes):
     proto = sentencepiece_model_pb2.ModelProto()
     try:
         proto.ParseFromString(bytes(model_proto))
-    except Exception:  # noqa: BLE001  (protobuf's DecodeError and kin)
+    except Exception:
         raise HFError("not a sentencepiece model, or a damaged one") from None
     if not proto.pieces:
         raise HFError("not a sentencepiece model, or a damaged one (it has no pieces)")
@@ -98,8 +98,11 @@ def from_sentencepiece(model_proto: bytes):
     trainer, spec, pieces = proto.trainer_spec, proto.normalizer_spec, list(proto.pieces)
     unk = trainer.unk_piece if trainer.unk_id >= 0 else None
     if trainer.model_type == _UNIGRAM:
-        model = models.Unigram([(p.piece, p.score) for p in pieces], unk_id=trainer.unk_id if unk else None,
-                               byte_fallback=trainer.byte_fallback)
+        model = models.Unigram(
+            [(p.piece, p.score) for p in pieces],
+            unk_id=trainer.unk_id if unk else None,
+            byte_fallback=trainer.byte_fallback,
+        )
     elif trainer.model_type == _BPE:
         normal = {p.piece: (p.score, i) for i, p in enumerate(pieces) if p.type == _NORMAL}
         ranked = []  # a merge's rank: its result's score (best first), then the result's id
@@ -111,7 +114,9 @@ def from_sentencepiece(model_proto: bytes):
         model = models.BPE(
             vocab={p.piece: i for i, p in enumerate(pieces)},
             merges=[(left, right) for _, _, left, right in sorted(ranked)],
-            unk_token=unk, fuse_unk=True, byte_fallback=trainer.byte_fallback,
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=trainer.byte_fallback,
         )
     else:
         raise HFError(f"a sentencepiece model of type {trainer.model_type} (not BPE or unigram) has no conversion here")
@@ -150,7 +155,12 @@ def special_tokens(state: dict) -> dict[str, tuple[str, int]]:
     kind = state.get("type")
     if kind == "sentencepiece":
         trainer = _proto(state["model_proto"]).trainer_spec
-        pieces = {"unk": trainer.unk_piece, "bos": trainer.bos_piece, "eos": trainer.eos_piece, "pad": trainer.pad_piece}
+        pieces = {
+            "unk": trainer.unk_piece,
+            "bos": trainer.bos_piece,
+            "eos": trainer.eos_piece,
+            "pad": trainer.pad_piece,
+        }
         out = {}
         for name, short in SPECIALS.items():
             i = getattr(trainer, f"{short}_id")
@@ -159,20 +169,27 @@ def special_tokens(state: dict) -> dict[str, tuple[str, int]]:
         return out
     if kind == "tokenizers":
         tokenizer = to_tokenizers(state)
-        return {name: (text, tokenizer.token_to_id(text)) for name, text in (state.get("specials") or {}).items()
-                if name in SPECIALS and tokenizer.token_to_id(text) is not None}
+        return {
+            name: (text, tokenizer.token_to_id(text))
+            for name, text in (state.get("specials") or {}).items()
+            if name in SPECIALS and tokenizer.token_to_id(text) is not None
+        }
     return {}
 
 
 def token_ids(state: dict) -> dict[str, int]:
     """``config.json``'s ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of a tokenizer state."""
     specials = special_tokens(state)
-    return {f"{name.removesuffix('_token')}_token_id": specials[name][1]
-            for name in ("bos_token", "eos_token", "pad_token") if name in specials}
+    return {
+        f"{name.removesuffix('_token')}_token_id": specials[name][1]
+        for name in ("bos_token", "eos_token", "pad_token")
+        if name in specials
+    }
 
 
-def write_tokenizer(state: dict, folder: str | Path, max_length: int | None = None,
-                    append_eos: bool = False) -> list[Path]:
+def write_tokenizer(
+    state: dict, folder: str | Path, max_length: int | None = None, append_eos: bool = False
+) -> list[Path]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` for
     ``state`` into ``folder``, for ``transformers.AutoTokenizer``; returns the paths.
 
@@ -190,7 +207,8 @@ def write_tokenizer(state: dict, folder: str | Path, max_length: int | None = No
     eos = special_tokens(state).get("eos_token")
     if append_eos and eos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"$A {eos[0]}", pair=f"$A {eos[0]} $B {eos[0]}", special_tokens=[eos])
+            single=f"$A {eos[0]}", pair=f"$A {eos[0]} $B {eos[0]}", special_tokens=[eos]
+        )
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
@@ -220,9 +238,10 @@ def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
         text = json.dumps(data)
         try:
             Tokenizer.from_str(text)
-        except Exception as exc:  # noqa: BLE001  (the tokenizers library's reasons)
-            raise HFError(f"{path}: not a tokenizer the tokenizers library can load "
-                          f"({' '.join(str(exc).split())[:120]})") from None
+        except Exception as exc:
+            raise HFError(
+                f"{path}: not a tokenizer the tokenizers library can load ({' '.join(str(exc).split())[:120]})"
+            ) from None
         specials, split = _named_specials(folder)
         return {"type": "tokenizers", "json": text, "specials": specials, "split_special_tokens": split}
     path = folder / "tokenizer.model"

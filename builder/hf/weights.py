@@ -41,8 +41,7 @@ class Checkpoint:
             bins = sorted(self.folder.glob("pytorch_model*.bin"))
             if not bins:
                 raise HFError(
-                    f"{self.folder} has no model.safetensors, model.safetensors.index.json or "
-                    "pytorch_model.bin"
+                    f"{self.folder} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
                 )
             self._loaded = {}
             for path in bins:
@@ -95,7 +94,7 @@ class Checkpoint:
             return what(self._handle(path))
         except HFError:
             raise
-        except Exception as exc:  # noqa: BLE001  (safetensors' own errors: report the file)
+        except Exception as exc:
             raise HFError(f"{path}: cannot read tensor {_cut(name)} ({_first_line(exc)})") from None
 
     def _handle(self, path: Path):
@@ -104,7 +103,7 @@ class Checkpoint:
         if path not in self._open:
             try:
                 self._open[path] = safe_open(str(path), framework="pt")
-            except Exception as exc:  # noqa: BLE001  (safetensors' own errors: report the file)
+            except Exception as exc:
                 raise HFError(f"{path}: not a safetensors file, or a damaged one ({_first_line(exc)})") from None
         return self._open[path]
 
@@ -119,7 +118,7 @@ def read_weights(path: str | Path) -> dict:
 
         try:
             return load_file(str(path))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise HFError(f"{path}: not a safetensors file, or a damaged one ({_first_line(exc)})") from None
     return _torch_load(path)
 
@@ -143,7 +142,7 @@ def torch_load_safely(path: Path):
             + ("it holds Python objects besides tensors" if objects else "not a tensor-only pickle (or damaged)")
             + "; only safetensors files and tensor-only PyTorch files are read"
         ) from None
-    except Exception as exc:  # noqa: BLE001  (torch's reasons for a file it cannot read)
+    except Exception:
         # torch's reason is not shown: it can quote the file's bytes
         raise HFError(f"{path}: not a PyTorch weights file, or a damaged one") from None
 
@@ -230,8 +229,13 @@ def dedupe(state: Mapping) -> dict:
     seen: dict[tuple, str] = {}
     out = {}
     for name, tensor in state.items():
-        key = (tensor.device.type, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-               tuple(tensor.shape), tuple(tensor.stride()))
+        key = (
+            tensor.device.type,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
         if key in seen and tensor.numel():
             continue
         seen[key] = name

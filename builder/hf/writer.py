@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from builder.hf.checks import read_json
-from builder.integrity import looks_like_checkpoint
 from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
 from builder.hf.reader import _copy_side_files
 from builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from builder.hf.weights import alias_groups, dedupe, read_weights
+from builder.integrity import looks_like_checkpoint
+
 
 def _semantic(spec) -> dict:
     """What a spec means, layer by layer, defaults resolved and dropout rates left out."""
@@ -119,9 +120,7 @@ def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
         more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
         first = " ".join(why[0].split())  # one line per family
         reasons.append(f"  {candidate.model_type}: {first}{more}")
-    raise Unsupported(
-        f"no Hugging Face family expresses spec {spec.name!r} exactly:\n" + "\n".join(reasons)
-    )
+    raise Unsupported(f"no Hugging Face family expresses spec {spec.name!r} exactly:\n" + "\n".join(reasons))
 
 
 def _architecture(family: Family) -> str:
@@ -130,9 +129,16 @@ def _architecture(family: Family) -> str:
     )
 
 
-def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
-          extra_config: Mapping[str, Any] | None = None, tokenizer: Mapping | None = None,
-          generation: bool = True) -> Family:
+def to_hf(
+    spec,
+    weights,
+    folder: str | Path,
+    *,
+    family: str | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+    tokenizer: Mapping | None = None,
+    generation: bool = True,
+) -> Family:
     """Write ``folder/config.json`` and ``folder/model.safetensors`` for ``spec`` and ``weights``
     (a model, a state dict, or a weights file), loadable by ``transformers``' Auto class.
 
@@ -180,7 +186,7 @@ def to_hf(spec, weights, folder: str | Path, *, family: str | None = None,
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
         user_mode(tmp)
         os.replace(tmp, target)
-    except Exception as exc:  # noqa: BLE001  (safetensors reports the OS error inside its own)
+    except Exception as exc:
         from builder.checkpoints import write_reason
 
         tmp.unlink(missing_ok=True)
@@ -232,8 +238,15 @@ def _our_state(spec, weights) -> dict:
     return state
 
 
-def export_hf(source: str | Path, out: str | Path, *, spec=None, weights: str | Path | None = None,
-              family: str | None = None, extra_config: Mapping[str, Any] | None = None) -> Family:
+def export_hf(
+    source: str | Path,
+    out: str | Path,
+    *,
+    spec=None,
+    weights: str | Path | None = None,
+    family: str | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+) -> Family:
     """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
     ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
     Hugging Face folder. ``spec``: the spec already loaded (with ``--set`` overrides). Token ids
@@ -269,15 +282,17 @@ def _read_training_checkpoint(path: Path):
     """The spec, the model's whole tensors and the ``builder`` metadata of a ``builder train``
     checkpoint: one file or a sharded folder, read safely and verified against its checksums
     (``builder.checkpoints``)."""
-    from builder.checkpoints import CheckpointError, model_weights, read_meta, read_weights as read_checkpoint
+    from builder.checkpoints import CheckpointError, model_weights, read_meta
+    from builder.checkpoints import read_weights as read_checkpoint
 
     try:
         meta = read_meta(path, check=False)["builder"]  # read_checkpoint below verifies it whole
         if "spec" not in meta:
             raise CheckpointError(f"{path} was not written by `builder train` (it holds no spec)")
         tokenizer = meta.get("tokenizer")
-        if tokenizer is not None and (not isinstance(tokenizer, Mapping)
-                                      or tokenizer.get("type") not in ("char", "sentencepiece", "tokenizers")):
+        if tokenizer is not None and (
+            not isinstance(tokenizer, Mapping) or tokenizer.get("type") not in ("char", "sentencepiece", "tokenizers")
+        ):
             raise CheckpointError(f"{path}: its tokenizer record is none of char, sentencepiece, tokenizers")
         spec = validate(meta["spec"], source=path)
         state = model_weights(read_checkpoint(path))

@@ -11,5 +11,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("recipes.commands.train", "run a Lightning training recipe"),
     "eval": ("recipes.commands.eval", "validation loss and perplexity of a checkpoint"),
     "generate": ("recipes.commands.generate", "decode from a checkpoint, streaming to stdout"),
-    "tokenize": ("recipes.commands.tokenize", "a corpus (text, JSONL, Parquet, Arrow) as a tokenized dataset to train from"),
+    "tokenize": (
+        "recipes.commands.tokenize",
+        "a corpus (text, JSONL, Parquet, Arrow) as a tokenized dataset to train from",
+    ),
 }

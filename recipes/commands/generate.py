@@ -8,7 +8,6 @@ import sys
 from blocks.limits import MAX_VOCAB
 from builder.commands.common import add_plugin_option, load_plugins_from_args
 
-
 #: language-model decoding defaults (an option left out)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
 #: the options each task's generate reads (the others are refused, not ignored)
@@ -30,27 +29,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         text,
     )
 
-    parser.add_argument("checkpoint", metavar="CKPT",
-                        help="a checkpoint written by `builder train`, or a decoder-only model folder with its "
-                        "tokenizer (a `builder import-hf` output or a Hugging Face folder)")
-    parser.add_argument("--prompt", "--text", dest="prompt", required=True, type=text(),
-                        help="the text to continue (a translation checkpoint: to translate; classification: to label)")
-    parser.add_argument("--max-new-tokens", type=count(maximum=MAX_NEW_TOKENS),
-                        help=f"tokens to generate (default {DEFAULTS['max_new_tokens']})")
-    parser.add_argument("--temperature", type=number(minimum=0, maximum=1e6),
-                        help=f"0 is greedy (default {DEFAULTS['temperature']})")
-    parser.add_argument("--top-k", type=count(maximum=MAX_VOCAB), default=None,
-                        help="sample from the k most likely tokens only (default: every token)")
-    parser.add_argument("--top-p", type=number(above=0, maximum=1), default=None,
-                        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: 1, every token)")
-    parser.add_argument("--num-beams", type=count(maximum=MAX_BEAMS),
-                        help=">1: beam search (greedy, printed at the end; default 1, or a translation checkpoint's "
-                        "eval.num_beams)")
-    parser.add_argument("--seed", type=count(minimum=0, maximum=MAX_SEED), default=None,
-                        help="seed the sampler for a repeatable sample (default: a new sample each run)")
-    parser.add_argument("--compile", action="store_true", default=None,
-                        help="decode with a torch.compile'd one-token step over a static KV cache: faster per "
-                        "token for small models and long outputs, after a compile of several seconds")
+    parser.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="a checkpoint written by `builder train`, or a decoder-only model folder with its "
+        "tokenizer (a `builder import-hf` output or a Hugging Face folder)",
+    )
+    parser.add_argument(
+        "--prompt",
+        "--text",
+        dest="prompt",
+        required=True,
+        type=text(),
+        help="the text to continue (a translation checkpoint: to translate; classification: to label)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=count(maximum=MAX_NEW_TOKENS),
+        help=f"tokens to generate (default {DEFAULTS['max_new_tokens']})",
+    )
+    parser.add_argument(
+        "--temperature", type=number(minimum=0, maximum=1e6), help=f"0 is greedy (default {DEFAULTS['temperature']})"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=count(maximum=MAX_VOCAB),
+        default=None,
+        help="sample from the k most likely tokens only (default: every token)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=number(above=0, maximum=1),
+        default=None,
+        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: 1, every token)",
+    )
+    parser.add_argument(
+        "--num-beams",
+        type=count(maximum=MAX_BEAMS),
+        help=">1: beam search (greedy, printed at the end; default 1, or a translation checkpoint's eval.num_beams)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=count(minimum=0, maximum=MAX_SEED),
+        default=None,
+        help="seed the sampler for a repeatable sample (default: a new sample each run)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="decode with a torch.compile'd one-token step over a static KV cache: faster per "
+        "token for small models and long outputs, after a compile of several seconds",
+    )
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     add_plugin_option(parser)
 
@@ -82,9 +112,19 @@ def run(args: argparse.Namespace) -> int:
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
         temperature = 0.0 if args.num_beams > 1 else args.temperature
         sys.stdout.write(args.prompt)
-        stream(model, tokenizer, args.prompt, sys.stdout, args.max_new_tokens, temperature=temperature,
-               top_k=args.top_k, top_p=args.top_p, num_beams=args.num_beams, generator=generator,
-               compile=bool(args.compile))
+        stream(
+            model,
+            tokenizer,
+            args.prompt,
+            sys.stdout,
+            args.max_new_tokens,
+            temperature=temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            num_beams=args.num_beams,
+            generator=generator,
+            compile=bool(args.compile),
+        )
         sys.stdout.write("\n")
     except (RecipeError, PluginError, ValueError) as exc:
         print(f"\nbuilder generate: {exc}", file=sys.stderr)
@@ -100,7 +140,9 @@ def _check_decoding(args: argparse.Namespace) -> None:
     if args.num_beams is not None and args.num_beams > 1:
         given = sampling + (["--temperature"] if args.temperature is not None else [])
         if given:
-            raise ArgumentError(f"{given[0]} applies to sampling; beam search (--num-beams {args.num_beams}) "
-                                "is deterministic: drop one of them")
+            raise ArgumentError(
+                f"{given[0]} applies to sampling; beam search (--num-beams {args.num_beams}) "
+                "is deterministic: drop one of them"
+            )
     elif args.temperature == 0 and sampling:
         raise ArgumentError(f"{sampling[0]} applies to sampling; --temperature 0 is greedy: drop one of them")

@@ -34,32 +34,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         text,
     )
 
-    parser.add_argument("sources", nargs="+", metavar="SOURCE", type=input_path,
-                        help="corpus files or folders: text, .jsonl/.json (also .gz, .zst), .parquet, .arrow, a "
-                        "`datasets` save_to_disk folder")
-    parser.add_argument("-o", "--output", required=True, metavar="DATASET", type=output_folder,
-                        help="the dataset folder to write (a rerun of the same command resumes it)")
-    parser.add_argument("--tokenizer", required=True, metavar="TOK",
-                        help="a sentencepiece .model, a tokenizer.json, a Hugging Face folder, or a recipe (file or "
-                        "zoo name) whose tokenizer section trains one on the corpus")
-    parser.add_argument("--workers", type=count(maximum=MAX_WORKERS), default=os.cpu_count() or 1,
-                        help="tokenizing processes, one core each (default: this machine's cores)")
-    parser.add_argument("--text-field", default="text", type=text(maximum=256),
-                        help="the JSON field or Parquet/Arrow column that holds the text")
-    parser.add_argument("--separator", type=text(maximum=256),
-                        help="text files: the string between documents, with \\n, \\t and \\\\ read as escapes "
-                        "(default: a document per file)")
-    parser.add_argument("--val-fraction", type=number(minimum=0, below=1), default=0.0,
-                        help="the share of documents held out for validation, chosen by a hash of their text")
-    parser.add_argument("--val-sources", nargs="+", default=[], metavar="GLOB",
-                        help="every document of the source files matching a glob (or under a folder that does) goes "
-                        "to validation (default: none)")
-    parser.add_argument("--shard-mb", type=count(maximum=MAX_SHARD_MB),
-                        help=f"MiB of text per shard, the unit of parallel work and of resuming (default: "
-                        f"{DEFAULT_SHARD_MB}, or a {SHARDS_AT_LEAST}th of a smaller corpus, at least 1, so that it "
-                        "still spreads over the workers)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over in a DATASET folder begun with other settings")
+    parser.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        type=input_path,
+        help="corpus files or folders: text, .jsonl/.json (also .gz, .zst), .parquet, .arrow, a "
+        "`datasets` save_to_disk folder",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DATASET",
+        type=output_folder,
+        help="the dataset folder to write (a rerun of the same command resumes it)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="TOK",
+        help="a sentencepiece .model, a tokenizer.json, a Hugging Face folder, or a recipe (file or "
+        "zoo name) whose tokenizer section trains one on the corpus",
+    )
+    parser.add_argument(
+        "--workers",
+        type=count(maximum=MAX_WORKERS),
+        default=os.cpu_count() or 1,
+        help="tokenizing processes, one core each (default: this machine's cores)",
+    )
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        type=text(maximum=256),
+        help="the JSON field or Parquet/Arrow column that holds the text",
+    )
+    parser.add_argument(
+        "--separator",
+        type=text(maximum=256),
+        help="text files: the string between documents, with \\n, \\t and \\\\ read as escapes "
+        "(default: a document per file)",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=number(minimum=0, below=1),
+        default=0.0,
+        help="the share of documents held out for validation, chosen by a hash of their text",
+    )
+    parser.add_argument(
+        "--val-sources",
+        nargs="+",
+        default=[],
+        metavar="GLOB",
+        help="every document of the source files matching a glob (or under a folder that does) goes "
+        "to validation (default: none)",
+    )
+    parser.add_argument(
+        "--shard-mb",
+        type=count(maximum=MAX_SHARD_MB),
+        help=f"MiB of text per shard, the unit of parallel work and of resuming (default: "
+        f"{DEFAULT_SHARD_MB}, or a {SHARDS_AT_LEAST}th of a smaller corpus, at least 1, so that it "
+        "still spreads over the workers)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start over in a DATASET folder begun with other settings"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -103,8 +142,9 @@ def run(args: argparse.Namespace) -> int:
         names = [f.name for s in sources for f in s.files]
         for pattern in args.val_sources:
             if not any(matches(name, [pattern]) for name in names):
-                raise ArgumentError(f"--val-sources {pattern!r} matches none of the {len(names):,} source files "
-                                    f"(e.g. {names[0]})")
+                raise ArgumentError(
+                    f"--val-sources {pattern!r} matches none of the {len(names):,} source files (e.g. {names[0]})"
+                )
         empty = [s.path for s in sources if s.bytes == 0]
         if empty:
             raise RecipeError(f"{empty[0]}: no documents (empty)")
@@ -112,9 +152,18 @@ def run(args: argparse.Namespace) -> int:
         tokenizer, setting = tokenizer_for(args.tokenizer, stream, out, args.overwrite)
         settings = {"text_field": args.text_field, "separator": separator, **setting}
         dataset = tokenize_documents(
-            stream, tokenizer, out, workers=args.workers, val_fraction=args.val_fraction,
-            shard_bytes=shard_mb(args.shard_mb, sources) << 20, sources=[s.entry() for s in sources],
-            progress=not args.json, val_sources=args.val_sources, settings=settings, overwrite=args.overwrite)
+            stream,
+            tokenizer,
+            out,
+            workers=args.workers,
+            val_fraction=args.val_fraction,
+            shard_bytes=shard_mb(args.shard_mb, sources) << 20,
+            sources=[s.entry() for s in sources],
+            progress=not args.json,
+            val_sources=args.val_sources,
+            settings=settings,
+            overwrite=args.overwrite,
+        )
     except (RecipeError, ArgumentError) as exc:
         print(f"builder tokenize: {exc}", file=sys.stderr)
         return 1
@@ -133,20 +182,39 @@ def summarize(dataset, sources) -> dict:
     splits = {}
     for split in ("train", "validation"):
         shards = dataset.manifest["splits"][split]["shards"]
-        splits[split] = {"documents": dataset.documents(split), "tokens": dataset.tokens(split), "shards": len(shards),
-                         "bytes": sum(s["n_tokens"] * dataset.dtype.itemsize + s["n_documents"] * 8 for s in shards)}
+        splits[split] = {
+            "documents": dataset.documents(split),
+            "tokens": dataset.tokens(split),
+            "shards": len(shards),
+            "bytes": sum(s["n_tokens"] * dataset.dtype.itemsize + s["n_documents"] * 8 for s in shards),
+        }
     tokens = sum(s["tokens"] for s in splits.values())
     seconds = max(stats["seconds"], 1e-9)
     return {
-        "dataset": str(dataset.folder), "dtype": dataset.dtype.name, "eos_id": dataset.eos_id,
-        "vocab_size": dataset.vocab_size, "tokenizer": dataset.manifest["tokenizer"]["fingerprint"],
+        "dataset": str(dataset.folder),
+        "dtype": dataset.dtype.name,
+        "eos_id": dataset.eos_id,
+        "vocab_size": dataset.vocab_size,
+        "tokenizer": dataset.manifest["tokenizer"]["fingerprint"],
         "splits": splits,
-        "sources": [{"path": e["path"], "format": e["format"], "documents": e["documents"], "bytes": e["bytes"],
-                     "text_bytes": e["text_bytes"], "skipped_splits": skipped.get(e["path"], [])}
-                    for e in stats["sources"]],
-        "seconds": stats["seconds"], "mb_per_s": stats["source_bytes"] / seconds / 1e6,
-        "tokens_per_s": tokens / seconds, "units": stats["units"], "reused_units": stats["reused_units"],
-        "tokenized_units": stats["tokenized_units"], "replaced_unicode": stats["replaced_unicode"],
+        "sources": [
+            {
+                "path": e["path"],
+                "format": e["format"],
+                "documents": e["documents"],
+                "bytes": e["bytes"],
+                "text_bytes": e["text_bytes"],
+                "skipped_splits": skipped.get(e["path"], []),
+            }
+            for e in stats["sources"]
+        ],
+        "seconds": stats["seconds"],
+        "mb_per_s": stats["source_bytes"] / seconds / 1e6,
+        "tokens_per_s": tokens / seconds,
+        "units": stats["units"],
+        "reused_units": stats["reused_units"],
+        "tokenized_units": stats["tokenized_units"],
+        "replaced_unicode": stats["replaced_unicode"],
     }
 
 
@@ -158,31 +226,50 @@ def print_summary(summary: dict) -> None:
 
     # not a terminal (a log, a pipe): wide enough that source paths are printed whole
     console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 200)
-    splits = Table(title=f"{summary['dataset']} ({summary['dtype']}, vocabulary {summary['vocab_size']:,}, "
-                   f"eos {summary['eos_id']})", title_justify="left")
+    splits = Table(
+        title=f"{summary['dataset']} ({summary['dtype']}, vocabulary {summary['vocab_size']:,}, "
+        f"eos {summary['eos_id']})",
+        title_justify="left",
+    )
     for name in ("split", "documents", "tokens", "shards", "bytes"):
         splits.add_column(name, justify="left" if name == "split" else "right")
     for name, row in summary["splits"].items():
-        splits.add_row(name, f"{row['documents']:,}", f"{row['tokens']:,}", f"{row['shards']:,}",
-                       human_bytes(row["bytes"]))
+        splits.add_row(
+            name, f"{row['documents']:,}", f"{row['tokens']:,}", f"{row['shards']:,}", human_bytes(row["bytes"])
+        )
     console.print(splits)
     sources = Table()
     for name in ("source", "format", "documents", "bytes", "text"):
-        sources.add_column(name, justify="left" if name in ("source", "format") else "right",
-                           overflow="fold" if name == "source" else "ellipsis")
+        sources.add_column(
+            name,
+            justify="left" if name in ("source", "format") else "right",
+            overflow="fold" if name == "source" else "ellipsis",
+        )
     for row in summary["sources"]:
         skipped = f" (left out: {', '.join(row['skipped_splits'])})" if row["skipped_splits"] else ""
-        sources.add_row(row["path"] + skipped, row["format"], f"{row['documents']:,}", human_bytes(row["bytes"]),
-                        human_bytes(row["text_bytes"]))
+        sources.add_row(
+            row["path"] + skipped,
+            row["format"],
+            f"{row['documents']:,}",
+            human_bytes(row["bytes"]),
+            human_bytes(row["text_bytes"]),
+        )
     console.print(sources)
     reused = ""
     if summary["reused_units"]:
-        reused = (f"; {summary['reused_units']:,} of {summary['units']:,} shards were already done (a resumed run), "
-                  f"{summary['tokenized_units']:,} tokenized now")
-    replaced = (f"; {summary['replaced_unicode']:,} documents had invalid Unicode (lone surrogates), replaced by "
-                "U+FFFD" if summary["replaced_unicode"] else "")
-    console.print(f"{summary['seconds']:,.1f} s, {summary['mb_per_s']:,.1f} MB/s, "
-                  f"{summary['tokens_per_s'] / 1e6:,.2f}M tokens/s{reused}{replaced}")
+        reused = (
+            f"; {summary['reused_units']:,} of {summary['units']:,} shards were already done (a resumed run), "
+            f"{summary['tokenized_units']:,} tokenized now"
+        )
+    replaced = (
+        f"; {summary['replaced_unicode']:,} documents had invalid Unicode (lone surrogates), replaced by U+FFFD"
+        if summary["replaced_unicode"]
+        else ""
+    )
+    console.print(
+        f"{summary['seconds']:,.1f} s, {summary['mb_per_s']:,.1f} MB/s, "
+        f"{summary['tokens_per_s'] / 1e6:,.2f}M tokens/s{reused}{replaced}"
+    )
 
 
 # -- the tokenizer a command names -----------------------------------------------------------------
@@ -206,9 +293,11 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
             return _named(hf_tokenizer, path), {}
         try:
             return SentencePieceTokenizer(path.read_bytes()), {}
-        except Exception:  # noqa: BLE001  (sentencepiece's own parse error)
-            raise RecipeError(f"--tokenizer {argument}: not a sentencepiece model (give a .model, a tokenizer.json, a "
-                              "Hugging Face folder or a recipe)") from None
+        except Exception:
+            raise RecipeError(
+                f"--tokenizer {argument}: not a sentencepiece model (give a .model, a tokenizer.json, a "
+                "Hugging Face folder or a recipe)"
+            ) from None
     if path.is_dir():
         return _named(hf_tokenizer, path), {}
     return _from_recipe(argument, documents, out, overwrite)
@@ -232,8 +321,10 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
     try:
         recipe_file = recipe_path(argument)
     except RecipeError:
-        raise RecipeError(f"--tokenizer {argument}: no such file or folder, nor a zoo recipe (give a .model, a "
-                          "tokenizer.json, a Hugging Face folder or a recipe)") from None
+        raise RecipeError(
+            f"--tokenizer {argument}: no such file or folder, nor a zoo recipe (give a .model, a "
+            "tokenizer.json, a Hugging Face folder or a recipe)"
+        ) from None
     try:
         section = load_recipe(recipe_file).tokenizer
     except SpecError as exc:
@@ -257,9 +348,12 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
         size += len(doc.text)
         if size >= SAMPLE_BYTES:
             break
-    print(f"builder tokenize: training a sentencepiece {section.model_type} tokenizer ({section.vocab_size:,} pieces) "
-          f"on the first {f'{size / 1e6:,.1f} MB' if size >= 100_000 else f'{size:,} bytes'} of the corpus",
-          file=sys.stderr, flush=True)
+    print(
+        f"builder tokenize: training a sentencepiece {section.model_type} tokenizer ({section.vocab_size:,} pieces) "
+        f"on the first {f'{size / 1e6:,.1f} MB' if size >= 100_000 else f'{size:,} bytes'} of the corpus",
+        file=sys.stderr,
+        flush=True,
+    )
     return SentencePieceTokenizer(train_sentencepiece("\n".join(sample), section)), setting
 
 
@@ -279,9 +373,12 @@ def _earlier_tokenizer(out: Path, setting: dict):
         if not path.is_file() or kind == "tokenizers":
             continue
         try:
-            tokenizer = SentencePieceTokenizer(path.read_bytes()) if kind == "sentencepiece" else \
-                CharTokenizer(list(json.loads(path.read_text(encoding="utf-8"))["chars"]))
-        except Exception:  # noqa: BLE001  (a damaged file: train again)
+            tokenizer = (
+                SentencePieceTokenizer(path.read_bytes())
+                if kind == "sentencepiece"
+                else CharTokenizer(list(json.loads(path.read_text(encoding="utf-8"))["chars"]))
+            )
+        except Exception:
             continue
         if tokenizer.fingerprint() == settings.get("tokenizer"):
             return tokenizer

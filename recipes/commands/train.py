@@ -10,8 +10,11 @@ from builder.commands.common import add_spec_options, load_plugins_from_args, ov
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", metavar="RECIPE",
-                        help="a recipe file or a zoo recipe by name (lm-stdlib, shakespeare-char: `builder list`)")
+    parser.add_argument(
+        "recipe",
+        metavar="RECIPE",
+        help="a recipe file or a zoo recipe by name (lm-stdlib, shakespeare-char: `builder list`)",
+    )
     add_spec_options(parser)
     parser.epilog = (
         "--set trainer.max_steps=10 sets a recipe field; --set decoder.n_layers=2 (short for "
@@ -19,18 +22,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "given with --set is read from the working directory when it is there (else from the recipe's "
         "folder, or as a zoo name)."
     )
-    parser.add_argument("--dry-run", action="store_true",
-                        help="resolve everything (data, tokenizer, spec with its overrides, devices) and print "
-                        "the resolved recipe and the estimate; download, train and write nothing")
-    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT", type=input_path,
-                        help="resume from CKPT (default: the newest intact of the run's last.ckpt, last-1.ckpt "
-                        "and best.ckpt; a rerun resumes by itself)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start over in the same folder; earlier checkpoints move to checkpoints.before-fresh-TIME")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve everything (data, tokenizer, spec with its overrides, devices) and print "
+        "the resolved recipe and the estimate; download, train and write nothing",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CKPT",
+        type=input_path,
+        help="resume from CKPT (default: the newest intact of the run's last.ckpt, last-1.ckpt "
+        "and best.ckpt; a rerun resumes by itself)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over in the same folder; earlier checkpoints move to checkpoints.before-fresh-TIME",
+    )
     parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
-    parser.add_argument("--verbose", action="store_true",
-                        help="print the full estimate tables (as `builder describe`) before the first step, "
-                        "instead of one line")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the full estimate tables (as `builder describe`) before the first step, instead of one line",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -86,8 +86,9 @@ def read_text(paths: list[str], section: DataSection, recipe_file: Path | None) 
 
 def read_corpus(section: DataSection, recipe_file: Path | None) -> TextCorpus:
     """Every text entry of ``section`` (what a tokenizer is trained on)."""
-    return read_text([e.path for e in section.entries() if kind_of(e, section, recipe_file)[0] == "text"],
-                     section, recipe_file)
+    return read_text(
+        [e.path for e in section.entries() if kind_of(e, section, recipe_file)[0] == "text"], section, recipe_file
+    )
 
 
 def kind_of(entry: SourceEntry, section: DataSection, recipe_file: Path | None) -> tuple[str, Path | None]:
@@ -166,21 +167,29 @@ def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
         cut = int(len(joined) * (1 - section.val_fraction))
         documents = [Document(joined[:cut], "train", name), Document(joined[cut:], "validation", name)]
         val_fraction = 0.0
-    return tokenize_documents(documents, tokenizer, folder, workers=1, val_fraction=val_fraction,
-                              sources=[{"path": name, "format": "text", "bytes": sum(map(len, text.texts)),
-                                        "documents": len(text.texts)}], progress=True)
+    return tokenize_documents(
+        documents,
+        tokenizer,
+        folder,
+        workers=1,
+        val_fraction=val_fraction,
+        sources=[{"path": name, "format": "text", "bytes": sum(map(len, text.texts)), "documents": len(text.texts)}],
+        progress=True,
+    )
 
 
-def open_corpus(section: DataSection, recipe_file: Path | None, tokenizer_for: Callable, trains_tokenizer: bool,
-                pretrained=None) -> Corpus:
+def open_corpus(
+    section: DataSection, recipe_file: Path | None, tokenizer_for: Callable, trains_tokenizer: bool, pretrained=None
+) -> Corpus:
     """The recipe's sources opened. ``tokenizer_for(text, text_hash)``: the recipe's tokenizer
     (``trains_tokenizer``: it is made from the text); ``pretrained``: one that must be used
     (``init_from``'s); a tokenized dataset's own tokenizer wins over both (and must match them)."""
     from recipes.data.tokenized import TokenizedDataset
 
     entries = section.entries()
-    labels = (["data.dataset"] if section.dataset is not None else []) + \
-        [f"data.sources[{i}]" for i in range(len(section.sources))]
+    labels = (["data.dataset"] if section.dataset is not None else []) + [
+        f"data.sources[{i}]" for i in range(len(section.sources))
+    ]
     kinds = [kind_of(e, section, recipe_file) for e in entries]
     opened = {i: TokenizedDataset.open(path) for i, (kind, path) in enumerate(kinds) if kind == "tokenized"}
     tokenizer = _shared_tokenizer(opened, labels, pretrained)
@@ -188,8 +197,10 @@ def open_corpus(section: DataSection, recipe_file: Path | None, tokenizer_for: C
     text_all = read_text([entries[i].path for i in text_entries], section, recipe_file) if text_entries else None
     if tokenizer is None:
         if text_all is None and trains_tokenizer:
-            raise RecipeError("data: Megatron-LM and raw token files carry no tokenizer; set tokenizer.model_file "
-                              "(and tokenizer.type) to the tokenizer they were made with")
+            raise RecipeError(
+                "data: Megatron-LM and raw token files carry no tokenizer; set tokenizer.model_file "
+                "(and tokenizer.type) to the tokenizer they were made with"
+            )
         tokenizer = tokenizer_for(text_all.text if text_all else "", text_all.hash if text_all else "")
 
     sources, source_labels, identities = [], [], []
@@ -223,13 +234,14 @@ def open_corpus(section: DataSection, recipe_file: Path | None, tokenizer_for: C
             identities.append(_identity(kind, path))
             name = entry.path
         held = _stream(validation, section.seq_len) if validation else None
-        sources.append(Source(name, _stream(train, section.seq_len, shift=True), held,
-                              entry.weight, entry.max_epochs))
+        sources.append(Source(name, _stream(train, section.seq_len, shift=True), held, entry.weight, entry.max_epochs))
         source_labels.append(labels[i])
     for source, label in zip(sources, source_labels):
         if source.train.n_windows == 0:
-            raise RecipeError(f"{label}: {source.name} has {source.train.n_tokens:,} training tokens, fewer than "
-                              f"seq_len + 1 = {section.seq_len + 1}; add data or lower data.seq_len")
+            raise RecipeError(
+                f"{label}: {source.name} has {source.train.n_tokens:,} training tokens, fewer than "
+                f"seq_len + 1 = {section.seq_len + 1}; add data or lower data.seq_len"
+            )
     digest = hashlib.sha256("|".join(identities).encode()).hexdigest()[:16]
     return Corpus(sources, source_labels, tokenizer, digest, _summary(sources, text_all, tokenizer))
 
@@ -243,11 +255,15 @@ def _shared_tokenizer(opened: dict, labels: list[str], pretrained):
     tokenizer = first[1].tokenizer()
     for i, dataset in rest:
         if dataset.tokenizer().fingerprint() != tokenizer.fingerprint():
-            raise RecipeError(f"{labels[i]}: {dataset.folder} was tokenized with another tokenizer than "
-                              f"{labels[first[0]]} ({first[1].folder}); tokenize both with one")
+            raise RecipeError(
+                f"{labels[i]}: {dataset.folder} was tokenized with another tokenizer than "
+                f"{labels[first[0]]} ({first[1].folder}); tokenize both with one"
+            )
     if pretrained is not None and pretrained.fingerprint() != tokenizer.fingerprint():
-        raise RecipeError(f"{labels[first[0]]}: {first[1].folder} was tokenized with another tokenizer than the "
-                          "weights' (model.init_from); tokenize it with that tokenizer")
+        raise RecipeError(
+            f"{labels[first[0]]}: {first[1].folder} was tokenized with another tokenizer than the "
+            "weights' (model.init_from); tokenize it with that tokenizer"
+        )
     return tokenizer
 
 
@@ -256,9 +272,11 @@ def _check_ids(parts: list[Part], vocab_size: int, name: str) -> None:
     for part in parts:
         head = np.asarray(part.tokens[: 1 << 20])
         if len(head) and int(head.max()) >= vocab_size:
-            raise RecipeError(f"{name}: token id {int(head.max())} is outside the tokenizer's vocabulary of "
-                              f"{vocab_size:,} (set tokenizer.model_file to the tokenizer it was made with, or "
-                              "the source's dtype)")
+            raise RecipeError(
+                f"{name}: token id {int(head.max())} is outside the tokenizer's vocabulary of "
+                f"{vocab_size:,} (set tokenizer.model_file to the tokenizer it was made with, or "
+                "the source's dtype)"
+            )
 
 
 def _summary(sources: list[Source], text: TextCorpus | None, tokenizer) -> str:
@@ -266,8 +284,9 @@ def _summary(sources: list[Source], text: TextCorpus | None, tokenizer) -> str:
     train = sum(s.train.n_tokens for s in sources)
     held = sum(s.validation.n_tokens for s in sources if s.validation is not None)
     if len(sources) == 1 and text is not None:
-        return (f"corpus: {len(text.files)} files, {sum(map(len, text.texts)):,} chars -> {train + held:,} tokens "
-                f"({kind})")
+        return (
+            f"corpus: {len(text.files)} files, {sum(map(len, text.texts)):,} chars -> {train + held:,} tokens ({kind})"
+        )
     return f"corpus: {len(sources)} sources, {train:,} training and {held:,} validation tokens ({kind})"
 
 
@@ -275,18 +294,30 @@ def mixture_rows(corpus: Corpus, total_windows: int) -> list[dict]:
     """Per source: its training tokens, its share of the windows and the passes a run of
     ``total_windows`` makes over it, with its limit."""
     rows = []
-    for label, source, share, epochs in zip(corpus.labels, corpus.sources, shares(corpus.sources),
-                                            epochs_seen(corpus.sources, total_windows)):
-        rows.append({"source": label, "name": source.name, "tokens": source.train.n_tokens, "share": float(share),
-                     "epochs": epochs, "max_epochs": source.max_epochs})
+    for label, source, share, epochs in zip(
+        corpus.labels, corpus.sources, shares(corpus.sources), epochs_seen(corpus.sources, total_windows)
+    ):
+        rows.append(
+            {
+                "source": label,
+                "name": source.name,
+                "tokens": source.train.n_tokens,
+                "share": float(share),
+                "epochs": epochs,
+                "max_epochs": source.max_epochs,
+            }
+        )
     return rows
 
 
 def over_limit(rows: list[dict]) -> list[str]:
     """One line for each source the run would pass over more often than its ``max_epochs``."""
-    return [f"{r['source']}.max_epochs: {r['name']} would be seen {r['epochs']:.2f} times (limit {r['max_epochs']:g}); "
-            "lower its weight or trainer.max_steps, or raise the limit"
-            for r in rows if r["max_epochs"] is not None and r["epochs"] > r["max_epochs"]]
+    return [
+        f"{r['source']}.max_epochs: {r['name']} would be seen {r['epochs']:.2f} times (limit {r['max_epochs']:g}); "
+        "lower its weight or trainer.max_steps, or raise the limit"
+        for r in rows
+        if r["max_epochs"] is not None and r["epochs"] > r["max_epochs"]
+    ]
 
 
 def source_tokens(entry: SourceEntry, kind: str, path: Path, section: DataSection) -> int:

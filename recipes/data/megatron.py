@@ -23,8 +23,7 @@ from recipes.fields import RecipeError
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-          8: np.uint16}
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 #: dtype codes that hold token ids
 TOKEN_CODES = (1, 3, 4, 5, 8)
 
@@ -35,8 +34,9 @@ class Part:
     ``stop`` take a range of it (a split's tail). A part pickles as its file's name, not its
     tokens, so a data-loader worker started by ``spawn`` maps the file again instead of copying it."""
 
-    def __init__(self, tokens: np.ndarray, ends: np.ndarray | None, path: Path | None, start: int = 0,
-                 stop: int | None = None):
+    def __init__(
+        self, tokens: np.ndarray, ends: np.ndarray | None, path: Path | None, start: int = 0, stop: int | None = None
+    ):
         self._array, self.ends, self.path = tokens, ends, path
         self.start, self.stop = start, len(tokens) if stop is None else stop
 
@@ -108,16 +108,21 @@ def read_megatron(prefix: Path) -> Part:
     doc_index = np.frombuffer(index, dtype="<i8", count=n_docs, offset=fixed + 12 * n_seq)
     dtype = np.dtype(DTYPES[code]).newbyteorder("<")
     tokens_total = int(lengths.sum(dtype=np.int64))
-    if n_seq and (pointers[0] != 0 or np.any(pointers[1:] != pointers[:-1] + lengths[:-1].astype(np.int64)
-                                              * dtype.itemsize)):
-        raise RecipeError(f"{idx}: its sequences are not laid out back to back in {bin_path.name}; "
-                          "this reader reads contiguous Megatron datasets only")
+    if n_seq and (
+        pointers[0] != 0 or np.any(pointers[1:] != pointers[:-1] + lengths[:-1].astype(np.int64) * dtype.itemsize)
+    ):
+        raise RecipeError(
+            f"{idx}: its sequences are not laid out back to back in {bin_path.name}; "
+            "this reader reads contiguous Megatron datasets only"
+        )
     if doc_index[0] != 0 or doc_index[-1] != n_seq or np.any(np.diff(doc_index) < 0):
         raise RecipeError(f"{idx}: its document index does not run from 0 to the {n_seq:,} sequences")
     size = bin_path.stat().st_size
     if size != tokens_total * dtype.itemsize:
-        raise RecipeError(f"{bin_path}: {size:,} bytes, its index says {tokens_total * dtype.itemsize:,} "
-                          f"(truncated or another dataset's)")
+        raise RecipeError(
+            f"{bin_path}: {size:,} bytes, its index says {tokens_total * dtype.itemsize:,} "
+            f"(truncated or another dataset's)"
+        )
     if tokens_total == 0:
         raise RecipeError(f"{bin_path}: holds no tokens")
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
@@ -147,6 +152,8 @@ def read_raw(path: Path, dtype: str) -> Part:
     dtype = np.dtype(dtype).newbyteorder("<")
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
-        raise RecipeError(f"{path}: {size:,} bytes is not a whole number of {dtype.name} tokens "
-                          f"(set the source's dtype to the type it was written with)")
+        raise RecipeError(
+            f"{path}: {size:,} bytes is not a whole number of {dtype.name} tokens "
+            f"(set the source's dtype to the type it was written with)"
+        )
     return Part(np.memmap(path, dtype=dtype, mode="r"), None, path)

@@ -15,6 +15,7 @@ the windows an unbroken run takes next: none twice within an epoch, none skipped
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from recipes.data.megatron import Part
@@ -211,8 +212,11 @@ class Windows:
             rows.append(ids)
             documents.append(docs)
         has_documents = any(d is not None for d in documents)
-        docs = (np.stack([d if d is not None else np.zeros_like(r) for d, r in zip(documents, rows)])
-                if has_documents else None)
+        docs = (
+            np.stack([d if d is not None else np.zeros_like(r) for d, r in zip(documents, rows)])
+            if has_documents
+            else None
+        )
         return np.stack(rows), docs, labels
 
 

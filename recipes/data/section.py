@@ -5,7 +5,7 @@ cut into windows and held out. ``DatasetFields`` is the part every task's data s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 
@@ -17,25 +17,32 @@ class SourceEntry(_Section):
     one of these with its path only)."""
 
     path: str = Field(
-        ..., description="A `builder tokenize` output folder, a Megatron-LM dataset (its path prefix, or the "
+        ...,
+        description="A `builder tokenize` output folder, a Megatron-LM dataset (its path prefix, or the "
         ".bin or .idx file), a raw token file (.bin, nanoGPT's format), a text file or folder, or a dataset name.",
         json_schema_extra=RECIPE_PATH,
     )
-    weight: Optional[float] = Field(
-        None, gt=0, description="Its share of the training windows, relative to the other sources' weights "
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Its share of the training windows, relative to the other sources' weights "
         "(give every source a weight or none: none draws each in proportion to its tokens).",
     )
-    max_epochs: Optional[float] = Field(
-        None, gt=0, description="The most passes over this source the run may make (`--dry-run` warns and "
+    max_epochs: float | None = Field(
+        None,
+        gt=0,
+        description="The most passes over this source the run may make (`--dry-run` warns and "
         "`train` refuses past it; null: no limit).",
     )
-    validation: Optional[str] = Field(
-        None, description="Held-out tokens for this source, in the same format (nanoGPT's val.bin); default: "
+    validation: str | None = Field(
+        None,
+        description="Held-out tokens for this source, in the same format (nanoGPT's val.bin); default: "
         "a tokenized dataset's own validation split, else data.val_fraction of the documents.",
         json_schema_extra=RECIPE_PATH,
     )
     dtype: Literal["uint16", "uint32", "int32"] = Field(
-        "uint16", description="A raw .bin token file's integer type (nanoGPT writes uint16).",
+        "uint16",
+        description="A raw .bin token file's integer type (nanoGPT writes uint16).",
     )
 
 
@@ -43,12 +50,14 @@ class DatasetFields(_Section):
     """``dataset`` and ``root``: the fields every data section has for data named in
     :mod:`recipes.datasets` (downloaded once, verified, reused)."""
 
-    dataset: Optional[str] = Field(
-        None, description="A dataset by name (recipes/datasets.py: tinyshakespeare, multi30k, python-stdlib): "
+    dataset: str | None = Field(
+        None,
+        description="A dataset by name (recipes/datasets.py: tinyshakespeare, multi30k, python-stdlib): "
         "fetched once into the data root, checked against its sha256, reused.",
     )
-    root: Optional[str] = Field(
-        None, description="The folder datasets are read from, and downloaded to when missing (relative to the "
+    root: str | None = Field(
+        None,
+        description="The folder datasets are read from, and downloaded to when missing (relative to the "
         "recipe; null: $BUILDER_DATA, else the user cache, ~/.cache/builder/data on Linux).",
         json_schema_extra=RECIPE_PATH,
     )
@@ -80,26 +89,33 @@ class DataSection(DatasetFields):
         default_factory=lambda: ["*.py", "*.txt", "*.md", "*.rst"],
         description="File-name patterns read from folders (files named directly are always read).",
     )
-    max_bytes: Optional[int] = Field(
+    max_bytes: int | None = Field(
         16_000_000, ge=1, description="Stop reading once the corpus is this large (null: no cap)."
     )
     val_fraction: float = Field(
-        0.1, gt=0, lt=1, description="The share held out for validation: whole documents, chosen by a hash of "
+        0.1,
+        gt=0,
+        lt=1,
+        description="The share held out for validation: whole documents, chosen by a hash of "
         "their text, when the text has 20 or more documents, else the stream's tail (default: the dataset's own "
         "split, e.g. tinyshakespeare's last 10%, else 0.1). Tokenized datasets keep their own split.",
     )
     seq_len: int = Field(256, ge=1, description="Tokens per training window.")
     batch_size: int = Field(16, ge=1, description="Windows per micro-batch on each device.")
     packing: Literal["concat", "doc_masked"] = Field(
-        "concat", description="concat: windows cut from the documents joined by EOS, attending across them | "
+        "concat",
+        description="concat: windows cut from the documents joined by EOS, attending across them | "
         "doc_masked: the same windows, but attention never crosses a document and positions restart at each.",
     )
     num_workers: int = Field(
-        1, ge=0, le=64, description="Worker processes that make training batches ahead of the step (0: in the "
-        "training process).",
+        1,
+        ge=0,
+        le=64,
+        description="Worker processes that make training batches ahead of the step (0: in the training process).",
     )
     cache_dir: str = Field(
-        default_factory=default_cache_dir, description="Tokenizers and tokenized corpora, keyed by content hash "
+        default_factory=default_cache_dir,
+        description="Tokenizers and tokenized corpora, keyed by content hash "
         "(default: the user cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier "
         "version).",
         json_schema_extra=WORK_PATH,
@@ -122,8 +138,10 @@ class DataSection(DatasetFields):
         weighted = [s.weight is not None for s in sources]
         if any(weighted) and not all(weighted):
             missing = [i for i, w in enumerate(weighted) if not w]
-            raise ValueError(f"sources {missing} have no weight while others do: give every source a weight, "
-                             "or none (then each is drawn in proportion to its tokens)")
+            raise ValueError(
+                f"sources {missing} have no weight while others do: give every source a weight, "
+                "or none (then each is drawn in proportion to its tokens)"
+            )
         return sources
 
     @model_validator(mode="after")
@@ -144,5 +162,3 @@ class DataSection(DatasetFields):
     def corpus(self) -> list[str]:
         """The paths the corpus reads, in order: the dataset's name, then the sources'."""
         return [entry.path for entry in self.entries()]
-
-

@@ -41,8 +41,13 @@ COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 UNSUPPORTED = (".bz2", ".xz", ".lz4", ".lzma", ".zip", ".7z", ".tar", ".tgz", ".rar")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 #: DatasetDict split names and the split their documents are forced to (others are left out)
-HF_SPLITS = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
-             "dev": "validation"}
+HF_SPLITS = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "validation",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +97,10 @@ def file_format(path: Path) -> tuple[str, str | None]:
         return "arrow", None
     for suffix in UNSUPPORTED:
         if name.endswith(suffix):
-            raise RecipeError(f"{path}: a {suffix} file, which builder tokenize does not read; decompress it, or "
-                              "compress it with gzip (.gz) or zstd (.zst)")
+            raise RecipeError(
+                f"{path}: a {suffix} file, which builder tokenize does not read; decompress it, or "
+                "compress it with gzip (.gz) or zstd (.zst)"
+            )
     compression = next((c for s, c in COMPRESSIONS.items() if name.endswith(s)), None)
     inner = name.rsplit(".", 1)[0] if compression else name
     if inner.endswith(JSONL_SUFFIXES) or (compression == "zstd" and "." not in inner):
@@ -104,7 +111,8 @@ def file_format(path: Path) -> tuple[str, str | None]:
 def is_hf_disk(folder: Path) -> bool:
     """Whether ``folder`` is a ``datasets`` ``save_to_disk`` folder (a Dataset or a DatasetDict)."""
     return (folder / "dataset_dict.json").is_file() or (
-        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    )
 
 
 def find_sources(paths: list[str], exclude: Path | None = None) -> list[Source]:
@@ -190,20 +198,23 @@ def _hf_files(folder: Path, given: str) -> tuple[list[SourceFile], list[str]]:
             for f in _hf_files(folder / split, os.path.join(given, split))[0]:
                 files.append(dataclasses.replace(f, split=HF_SPLITS[split]))
         if not files:
-            raise RecipeError(f"{given}: a DatasetDict with no train or validation split (its splits: "
-                              f"{', '.join(splits)})")
+            raise RecipeError(
+                f"{given}: a DatasetDict with no train or validation split (its splits: {', '.join(splits)})"
+            )
         return files, skipped
     state = _read_json(folder / "state.json")
     entries = state.get("_data_files")
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("filename"), str)
-                                                for e in entries):
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("filename"), str) for e in entries
+    ):
         raise RecipeError(f"{folder / 'state.json'}: no _data_files list")
     files = []
     for entry in entries:
         path = folder / entry["filename"]
         if Path(entry["filename"]).is_absolute() or ".." in Path(entry["filename"]).parts or not path.is_file():
-            raise RecipeError(f"{folder / 'state.json'}: lists {entry['filename'][:80]!r}, which is not a file of "
-                              "the folder")
+            raise RecipeError(
+                f"{folder / 'state.json'}: lists {entry['filename'][:80]!r}, which is not a file of the folder"
+            )
         files.append(SourceFile(path, os.path.join(given, entry["filename"]), "arrow", bytes=path.stat().st_size))
     return files, []
 
@@ -268,18 +279,19 @@ class DocumentStream:
                 except UnicodeDecodeError as exc:
                     where = fed - held + exc.start
                     of = " of the decompressed text" if file.compression else ""
-                    raise RecipeError(f"{file.name}: not UTF-8 text (byte {where:,}{of}); builder tokenize reads "
-                                      "text as UTF-8") from None
+                    raise RecipeError(
+                        f"{file.name}: not UTF-8 text (byte {where:,}{of}); builder tokenize reads text as UTF-8"
+                    ) from None
                 fed += len(chunk)
                 self.bytes_read = start + min(_raw_position(f, fed), file.bytes)
                 if sep is not None and sep in tail + text:
                     parts = "".join([*pending, text]).split(sep)
                     yield from parts[:-1]
-                    pending, tail = [parts[-1]], parts[-1][-(len(sep) - 1):] if len(sep) > 1 else ""
+                    pending, tail = [parts[-1]], parts[-1][-(len(sep) - 1) :] if len(sep) > 1 else ""
                 elif text:
                     pending.append(text)
                     if sep is not None and len(sep) > 1:
-                        tail = (tail + text)[-(len(sep) - 1):]
+                        tail = (tail + text)[-(len(sep) - 1) :]
                 if not chunk:
                     break
         yield "".join(pending)
@@ -300,20 +312,28 @@ class DocumentStream:
                 except UnicodeDecodeError as exc:
                     raise RecipeError(f"{file.name}:{number}: not UTF-8 (byte {exc.start:,} of the line)") from None
                 except json.JSONDecodeError as exc:
-                    hint = " (a .json file is read as JSON Lines: one object a line)" if number == 1 and \
-                        file.path.name.lower().endswith((".json", ".json.gz", ".json.zst")) else ""
-                    raise RecipeError(f"{file.name}:{number}: not JSON ({exc.msg} at column {exc.colno}){hint}") \
-                        from None
+                    hint = (
+                        " (a .json file is read as JSON Lines: one object a line)"
+                        if number == 1 and file.path.name.lower().endswith((".json", ".json.gz", ".json.zst"))
+                        else ""
+                    )
+                    raise RecipeError(
+                        f"{file.name}:{number}: not JSON ({exc.msg} at column {exc.colno}){hint}"
+                    ) from None
                 if not isinstance(value, dict):
-                    raise RecipeError(f"{file.name}:{number}: a JSON {_json_kind(value)}, not an object with a "
-                                      f"{field!r} field")
+                    raise RecipeError(
+                        f"{file.name}:{number}: a JSON {_json_kind(value)}, not an object with a {field!r} field"
+                    )
                 if field not in value:
-                    raise RecipeError(f"{file.name}:{number}: no field {field!r} (its fields: {_names(value)}); "
-                                      "--text-field names the field that holds the text")
+                    raise RecipeError(
+                        f"{file.name}:{number}: no field {field!r} (its fields: {_names(value)}); "
+                        "--text-field names the field that holds the text"
+                    )
                 text = value[field]
                 if not isinstance(text, str):
-                    raise RecipeError(f"{file.name}:{number}: field {field!r} is a JSON {_json_kind(text)}, not a "
-                                      "string")
+                    raise RecipeError(
+                        f"{file.name}:{number}: field {field!r} is a JSON {_json_kind(text)}, not a string"
+                    )
                 yield text
 
     # -- Parquet and Arrow ------------------------------------------------------------------------
@@ -336,8 +356,10 @@ class DocumentStream:
             try:
                 table = parquet.read_row_group(group, columns=[column], use_threads=False)
             except (pa.ArrowException, OSError) as exc:
-                raise RecipeError(f"{file.name}: row group {group} (rows from {row:,}) cannot be read: a damaged "
-                                  f"Parquet file ({_arrow_reason(exc)})") from None
+                raise RecipeError(
+                    f"{file.name}: row group {group} (rows from {row:,}) cannot be read: a damaged "
+                    f"Parquet file ({_arrow_reason(exc)})"
+                ) from None
             texts = table.column(0)
             for offset in range(0, len(texts), BATCH_ROWS):
                 yield from self._strings(file, texts.slice(offset, BATCH_ROWS), row + offset)
@@ -369,8 +391,9 @@ class DocumentStream:
             except StopIteration:
                 return
             except (pa.ArrowException, OSError) as exc:
-                raise RecipeError(f"{file.name}: rows from {row:,} cannot be read: a damaged Arrow file "
-                                  f"({_arrow_reason(exc)})") from None
+                raise RecipeError(
+                    f"{file.name}: rows from {row:,} cannot be read: a damaged Arrow file ({_arrow_reason(exc)})"
+                ) from None
             for offset in range(0, batch.num_rows, BATCH_ROWS):
                 part = batch.slice(offset, BATCH_ROWS)
                 yield from self._strings(file, part.column(column), row + offset)
@@ -385,11 +408,16 @@ class DocumentStream:
         field = self.text_field
         if field not in schema.names:
             names = ", ".join(n[:40] for n in schema.names[:20]) + (" ..." if len(schema.names) > 20 else "")
-            raise RecipeError(f"{file.name}: no column {field!r} (its columns: {names or 'none'}); --text-field "
-                              "names the column that holds the text")
+            raise RecipeError(
+                f"{file.name}: no column {field!r} (its columns: {names or 'none'}); --text-field "
+                "names the column that holds the text"
+            )
         kind = schema.field(field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-                or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        if not (
+            pa.types.is_string(kind)
+            or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind)
+        ):
             raise RecipeError(f"{file.name}: column {field!r} holds {kind}, not strings")
         return field
 

@@ -70,8 +70,10 @@ BATCH_CHARS = 1 << 20
 LONG_DOCUMENT_CHARS = 8 << 20
 #: units in flight per worker
 IN_FLIGHT = 2
-RULE = ("sha1(UTF-8 text)[:8] as a big-endian integer / 2**64 < val_fraction goes to validation; documents of "
-        "val_sources (the path or a folder above it matching a glob) and documents given a split keep theirs")
+RULE = (
+    "sha1(UTF-8 text)[:8] as a big-endian integer / 2**64 < val_fraction goes to validation; documents of "
+    "val_sources (the path or a folder above it matching a glob) and documents given a split keep theirs"
+)
 _SHARD_NAME = re.compile(r"\d{5,}\.(bin|idx)")
 _CUT = re.compile(r"(?<=\S\n)(?=\S)")
 
@@ -116,8 +118,10 @@ def encode(tokenizer, texts: list[str], dtype: np.dtype, eos: int | None) -> tup
             parts.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=sum(counts)))
         except (OverflowError, ValueError):
             top = max(max(one, default=0) for one in ids)
-            raise RecipeError(f"token id {top} does not fit the dataset's {dtype.name} (the tokenizer's vocabulary "
-                              f"says {tokenizer.vocab_size:,} ids)") from None
+            raise RecipeError(
+                f"token id {top} does not fit the dataset's {dtype.name} (the tokenizer's vocabulary "
+                f"says {tokenizer.vocab_size:,} ids)"
+            ) from None
         batch.clear()
 
     for text in texts:
@@ -184,9 +188,14 @@ def tokenize_unit(unit: Unit, tokenizer, out: Path, dtype: np.dtype, eos: int | 
         del texts
         bin_name, idx_name = shard_names(split, unit.index)
         (out / split).mkdir(exist_ok=True)
-        shards[split] = {"tokens": bin_name, "index": idx_name, "n_tokens": len(tokens),
-                         "n_documents": len(ends), "sha256": write_file(out / bin_name, tokens),
-                         "index_sha256": write_file(out / idx_name, ends.astype("<i8"))}
+        shards[split] = {
+            "tokens": bin_name,
+            "index": idx_name,
+            "n_tokens": len(tokens),
+            "n_documents": len(ends),
+            "sha256": write_file(out / bin_name, tokens),
+            "index_sha256": write_file(out / idx_name, ends.astype("<i8")),
+        }
     for split in shards:
         _fsync_folder(out / split)
     return shards
@@ -256,8 +265,10 @@ class Folder:
         started = self._started()
         if started is not None and started != settings:
             if not overwrite:
-                raise RecipeError(f"{out} holds a tokenize run with other settings ({_differences(started, settings)});"
-                                  " rerun with its settings, or add --overwrite to start over")
+                raise RecipeError(
+                    f"{out} holds a tokenize run with other settings ({_differences(started, settings)});"
+                    " rerun with its settings, or add --overwrite to start over"
+                )
             self.clear()
         elif started is None and (out / MANIFEST).is_file():  # a dataset another version wrote
             if not overwrite:
@@ -284,8 +295,10 @@ class Folder:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise RecipeError(f"{self.out} is being written by another `builder tokenize` ({holder}); wait for it, "
-                              "or give another folder") from None
+            raise RecipeError(
+                f"{self.out} is being written by another `builder tokenize` ({holder}); wait for it, "
+                "or give another folder"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}\n")
@@ -354,8 +367,9 @@ def check_output(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise RecipeError(f"{out}: is a file; give a folder for the dataset")
     if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()) and not is_tokenized_dataset(out):
-        raise RecipeError(f"{out}: a folder with other files in it (not a `builder tokenize` output); give a new "
-                          "or empty folder")
+        raise RecipeError(
+            f"{out}: a folder with other files in it (not a `builder tokenize` output); give a new or empty folder"
+        )
 
 
 def _differences(before: dict, now: dict) -> str:
@@ -407,8 +421,9 @@ class _Splitter:
     def held_out(self, doc: Document, digest: bytes) -> bool:
         if doc.split is not None:
             if doc.split not in SPLITS:
-                raise RecipeError(f"{doc.source}: a document's split {str(doc.split)[:40]!r} is none of "
-                                  f"{', '.join(SPLITS)}")
+                raise RecipeError(
+                    f"{doc.source}: a document's split {str(doc.split)[:40]!r} is none of {', '.join(SPLITS)}"
+                )
             return doc.split == "validation"
         if self.patterns:
             held = self._held.get(doc.source)
@@ -446,8 +461,15 @@ class _Sources:
         return owner
 
     def manifest(self) -> list[dict]:
-        return [{"path": e["path"], "format": e["format"], "bytes": int(e["bytes"] or e["text_bytes"]),
-                 "documents": e["documents"]} for e in self.entries]
+        return [
+            {
+                "path": e["path"],
+                "format": e["format"],
+                "bytes": int(e["bytes"] or e["text_bytes"]),
+                "documents": e["documents"],
+            }
+            for e in self.entries
+        ]
 
 
 def matches_parent(name: str, folder: str) -> bool:
@@ -464,8 +486,15 @@ def _valid_utf8(text: str) -> tuple[bytes, bool]:
         return fixed.encode("utf-8"), True
 
 
-def cut_units(documents: Iterable[Document], shard_bytes: int, splitter: _Splitter, key: bytes,
-              sources: _Sources, counts: dict, tick=lambda: None) -> Iterator[Unit]:
+def cut_units(
+    documents: Iterable[Document],
+    shard_bytes: int,
+    splitter: _Splitter,
+    key: bytes,
+    sources: _Sources,
+    counts: dict,
+    tick=lambda: None,
+) -> Iterator[Unit]:
     """The stream in units of about ``shard_bytes`` of text, each with its content hash;
     ``tick()`` every few hundred documents (the progress bar)."""
     blobs: list[bytes] = []
@@ -524,8 +553,18 @@ class _Bar:
 
             # position 0: another bar left open must not push this one down a line; disable=None:
             # none when stderr is not a terminal (a log would fill with carriage returns)
-            self.bar = tqdm(total=self.total, desc="tokenizing", unit="B", unit_scale=True, unit_divisor=1000,
-                            leave=False, position=0, file=sys.stderr, smoothing=0.1, disable=None)
+            self.bar = tqdm(
+                total=self.total,
+                desc="tokenizing",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                leave=False,
+                position=0,
+                file=sys.stderr,
+                smoothing=0.1,
+                disable=None,
+            )
 
     def update(self) -> None:
         if self.bar is None:
@@ -549,8 +588,10 @@ class _Bar:
 def _intact(folder: Path, record: dict, dtype: np.dtype, stamps: Stamps) -> bool:
     """Whether a recorded unit's shards are there, at their size and checksum."""
     for entry in record["shards"].values():
-        for key, size, digest in ((entry["tokens"], entry["n_tokens"] * dtype.itemsize, entry["sha256"]),
-                                  (entry["index"], entry["n_documents"] * 8, entry["index_sha256"])):
+        for key, size, digest in (
+            (entry["tokens"], entry["n_tokens"] * dtype.itemsize, entry["sha256"]),
+            (entry["index"], entry["n_documents"] * 8, entry["index_sha256"]),
+        ):
             path = folder / key
             try:
                 stat = path.stat()
@@ -565,10 +606,20 @@ def _intact(folder: Path, record: dict, dtype: np.dtype, stamps: Stamps) -> bool
     return True
 
 
-def tokenize_documents(documents: Iterable[Document], tokenizer, out: Path, *, workers: int = 1,
-                       val_fraction: float = 0.0, shard_bytes: int = 64 << 20, sources: list[dict] | None = None,
-                       progress: bool = True, val_sources: list[str] | None = None, settings: dict | None = None,
-                       overwrite: bool = False) -> TokenizedDataset:
+def tokenize_documents(
+    documents: Iterable[Document],
+    tokenizer,
+    out: Path,
+    *,
+    workers: int = 1,
+    val_fraction: float = 0.0,
+    shard_bytes: int = 64 << 20,
+    sources: list[dict] | None = None,
+    progress: bool = True,
+    val_sources: list[str] | None = None,
+    settings: dict | None = None,
+    overwrite: bool = False,
+) -> TokenizedDataset:
     """``documents`` tokenized into the dataset folder ``out``, which is returned opened (its
     ``stats``: what this run did). ``sources``: the manifest's source records (``path``,
     ``format``, ``bytes``; documents are counted here); ``val_sources``: globs over document
@@ -585,8 +636,13 @@ def tokenize_documents(documents: Iterable[Document], tokenizer, out: Path, *, w
     eos = tokenizer.eos_id
     val_sources = list(val_sources or [])
     identity = {
-        "tokenizer": tokenizer.fingerprint(), "dtype": dtype.name, "eos_id": eos, "val_fraction": val_fraction,
-        "val_sources": val_sources, "shard_bytes": shard_bytes, "sources": [s["path"] for s in sources or []],
+        "tokenizer": tokenizer.fingerprint(),
+        "dtype": dtype.name,
+        "eos_id": eos,
+        "val_fraction": val_fraction,
+        "val_sources": val_sources,
+        "shard_bytes": shard_bytes,
+        "sources": [s["path"] for s in sources or []],
         **(settings or {}),
     }
     folder = Folder(out, identity, overwrite)
@@ -596,16 +652,18 @@ def tokenize_documents(documents: Iterable[Document], tokenizer, out: Path, *, w
         counts = collections.Counter(text_bytes=0, tokens=0, replaced=0, reused=0, tokenized=0)
         tracked = _Sources(sources)
         bar = _Bar(documents, progress, counts)
-        units = cut_units(documents, shard_bytes, _Splitter(val_fraction, val_sources), key, tracked, counts,
-                          bar.update)
+        units = cut_units(
+            documents, shard_bytes, _Splitter(val_fraction, val_sources), key, tracked, counts, bar.update
+        )
         try:
             results = _run(units, folder, tokenizer, workers, dtype, eos, bar, counts)
         finally:
             bar.close()
         if not results:
             raise RecipeError("no documents to tokenize (every source was empty)")
-        manifest = _manifest(results, tokenizer, tokenizer_entry, dtype, eos, tracked, val_fraction, val_sources,
-                             identity)
+        manifest = _manifest(
+            results, tokenizer, tokenizer_entry, dtype, eos, tracked, val_fraction, val_sources, identity
+        )
         from recipes.tokenizer import write_atomic
 
         payload = _dumps(manifest)
@@ -617,16 +675,29 @@ def tokenize_documents(documents: Iterable[Document], tokenizer, out: Path, *, w
         folder.release()
     dataset = TokenizedDataset.open(out)
     seconds = time.perf_counter() - started
-    dataset.stats = {"seconds": seconds, "text_bytes": counts["text_bytes"], "units": len(results),
-                     "reused_units": counts["reused"], "tokenized_units": counts["tokenized"],
-                     "replaced_unicode": counts["replaced"],
-                     "source_bytes": getattr(documents, "bytes_total", None) or counts["text_bytes"],
-                     "sources": [dict(e) for e in tracked.entries]}
+    dataset.stats = {
+        "seconds": seconds,
+        "text_bytes": counts["text_bytes"],
+        "units": len(results),
+        "reused_units": counts["reused"],
+        "tokenized_units": counts["tokenized"],
+        "replaced_unicode": counts["replaced"],
+        "source_bytes": getattr(documents, "bytes_total", None) or counts["text_bytes"],
+        "sources": [dict(e) for e in tracked.entries],
+    }
     return dataset
 
 
-def _run(units: Iterator[Unit], folder: Folder, tokenizer, workers: int, dtype: np.dtype, eos: int | None,
-         bar: _Bar, counts: collections.Counter) -> list[dict]:
+def _run(
+    units: Iterator[Unit],
+    folder: Folder,
+    tokenizer,
+    workers: int,
+    dtype: np.dtype,
+    eos: int | None,
+    bar: _Bar,
+    counts: collections.Counter,
+) -> list[dict]:
     """Every unit reused or tokenized; their records in unit order."""
     from recipes.tokenizer import write_atomic
 
@@ -654,8 +725,9 @@ def _run(units: Iterator[Unit], folder: Folder, tokenizer, workers: int, dtype: 
         try:
             shards = future.result()
         except BrokenProcessPool:
-            raise RecipeError("a tokenize worker stopped (killed, or out of memory); rerun the same command to "
-                              "resume") from None
+            raise RecipeError(
+                "a tokenize worker stopped (killed, or out of memory); rerun the same command to resume"
+            ) from None
         record(index, unit_hash, shards)
 
     from concurrent.futures.process import BrokenProcessPool
@@ -703,23 +775,44 @@ def _pool(workers: int, tokenizer, out: Path, dtype: np.dtype, eos: int | None):
         context.set_forkserver_preload(["recipes.data.tokenize", "recipes.tokenizer"])
     else:
         context = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(tokenizer.state(), str(out), dtype.str, eos))
+    return ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer.state(), str(out), dtype.str, eos)
+    )
 
 
-def _manifest(results: list[dict], tokenizer, tokenizer_entry: dict, dtype: np.dtype, eos: int | None,
-              sources: _Sources, val_fraction: float, val_sources: list[str], identity: dict) -> dict:
+def _manifest(
+    results: list[dict],
+    tokenizer,
+    tokenizer_entry: dict,
+    dtype: np.dtype,
+    eos: int | None,
+    sources: _Sources,
+    val_fraction: float,
+    val_sources: list[str],
+    identity: dict,
+) -> dict:
     splits = {}
     for split in SPLITS:
         shards = [r["shards"][split] for r in results if split in r["shards"]]
-        splits[split] = {"tokens": sum(s["n_tokens"] for s in shards),
-                         "documents": sum(s["n_documents"] for s in shards), "shards": shards}
-    settings = {k: v for k, v in identity.items()
-                if k not in ("tokenizer", "dtype", "eos_id", "val_fraction", "val_sources", "sources")}
-    return {
-        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "eos_id": eos, "vocab_size": tokenizer.vocab_size,
-        "tokenizer": tokenizer_entry, "sources": sources.manifest(),
-        "split": {"val_fraction": val_fraction, "val_sources": val_sources, "rule": RULE},
-        "settings": settings, "splits": splits,
+        splits[split] = {
+            "tokens": sum(s["n_tokens"] for s in shards),
+            "documents": sum(s["n_documents"] for s in shards),
+            "shards": shards,
+        }
+    settings = {
+        k: v
+        for k, v in identity.items()
+        if k not in ("tokenizer", "dtype", "eos_id", "val_fraction", "val_sources", "sources")
     }
-
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "eos_id": eos,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer_entry,
+        "sources": sources.manifest(),
+        "split": {"val_fraction": val_fraction, "val_sources": val_sources, "rule": RULE},
+        "settings": settings,
+        "splits": splits,
+    }

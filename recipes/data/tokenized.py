@@ -97,9 +97,11 @@ class TokenizedDataset:
         manifest = read_manifest(folder)
         theirs = manifest["tokenizer"]["fingerprint"]
         if tokenizer_fingerprint is not None and tokenizer_fingerprint != theirs:
-            raise RecipeError(f"{folder} was tokenized with tokenizer {theirs}, this run's is {tokenizer_fingerprint}; "
-                              "tokenize it again with this tokenizer, or use the dataset's (its "
-                              f"{manifest['tokenizer']['file']})")
+            raise RecipeError(
+                f"{folder} was tokenized with tokenizer {theirs}, this run's is {tokenizer_fingerprint}; "
+                "tokenize it again with this tokenizer, or use the dataset's (its "
+                f"{manifest['tokenizer']['file']})"
+            )
         dataset = cls(folder, manifest)
         dataset._check()
         return dataset
@@ -127,20 +129,27 @@ class TokenizedDataset:
             if entry["kind"] == "sentencepiece":
                 tokenizer = SentencePieceTokenizer(path.read_bytes())
             elif entry["kind"] == "tokenizers":
-                tokenizer = HFTokenizer(path.read_text(encoding="utf-8"), entry.get("specials"),
-                                        bool(entry.get("split_special_tokens", False)))
+                tokenizer = HFTokenizer(
+                    path.read_text(encoding="utf-8"),
+                    entry.get("specials"),
+                    bool(entry.get("split_special_tokens", False)),
+                )
             elif entry["kind"] == "char":
                 tokenizer = CharTokenizer(list(json.loads(path.read_text(encoding="utf-8"))["chars"]))
             else:
-                raise RecipeError(f"{self.folder / MANIFEST}: tokenizer kind {str(entry['kind'])[:40]!r} is none of "
-                                  f"{', '.join(TOKENIZER_FILES)}")
+                raise RecipeError(
+                    f"{self.folder / MANIFEST}: tokenizer kind {str(entry['kind'])[:40]!r} is none of "
+                    f"{', '.join(TOKENIZER_FILES)}"
+                )
         except RecipeError:
             raise
-        except Exception as exc:  # noqa: BLE001  (a missing file, or one its library cannot load)
+        except Exception as exc:
             raise RecipeError(f"{path}: the dataset's tokenizer cannot be loaded ({type(exc).__name__})") from None
         if tokenizer.fingerprint() != entry["fingerprint"]:
-            raise RecipeError(f"{path}: tokenizer {tokenizer.fingerprint()}, but the manifest says the dataset was "
-                              f"tokenized with {entry['fingerprint']} (the file was changed)")
+            raise RecipeError(
+                f"{path}: tokenizer {tokenizer.fingerprint()}, but the manifest says the dataset was "
+                f"tokenized with {entry['fingerprint']} (the file was changed)"
+            )
         return tokenizer
 
     def _split(self, split: str) -> dict:
@@ -165,8 +174,10 @@ class TokenizedDataset:
         todo = []
         for split in SPLITS:
             for entry in self.manifest["splits"][split]["shards"]:
-                for key, size, digest in ((entry["tokens"], entry["n_tokens"] * self.dtype.itemsize, entry["sha256"]),
-                                          (entry["index"], entry["n_documents"] * 8, entry["index_sha256"])):
+                for key, size, digest in (
+                    (entry["tokens"], entry["n_tokens"] * self.dtype.itemsize, entry["sha256"]),
+                    (entry["index"], entry["n_documents"] * 8, entry["index_sha256"]),
+                ):
                     path = self.folder / key
                     stat = _stat(path, size)
                     if not stamps.known(key, stat, digest):
@@ -178,15 +189,23 @@ class TokenizedDataset:
 
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc=f"verifying {self.folder.name} (first open here)", unit="B",
-                       unit_scale=True, leave=False, file=sys.stderr)
+            bar = tqdm(
+                total=total,
+                desc=f"verifying {self.folder.name} (first open here)",
+                unit="B",
+                unit_scale=True,
+                leave=False,
+                file=sys.stderr,
+            )
         try:
             for key, path, stat, digest in todo:
                 found = file_sha256(path, bar)
                 if found != digest:
-                    raise RecipeError(f"{path}: sha256 {found[:16]}..., the manifest says {digest[:16]}... (the file is "
-                                      "damaged); tokenize the corpus again (rerunning the same `builder tokenize` "
-                                      "command rebuilds only the damaged shards)")
+                    raise RecipeError(
+                        f"{path}: sha256 {found[:16]}..., the manifest says {digest[:16]}... (the file is "
+                        "damaged); tokenize the corpus again (rerunning the same `builder tokenize` "
+                        "command rebuilds only the damaged shards)"
+                    )
                 stamps.add(key, stat, digest)
         finally:
             if bar is not None:
@@ -212,8 +231,10 @@ def read_manifest(folder: Path) -> dict:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise RecipeError(f"{path}: format {str(found)[:40]!r}, not {FORMAT!r}")
     if manifest.get("version") != VERSION:
-        raise RecipeError(f"{path}: version {str(manifest.get('version'))[:20]}; this builder reads version {VERSION} "
-                          "(a newer builder wrote it?)")
+        raise RecipeError(
+            f"{path}: version {str(manifest.get('version'))[:20]}; this builder reads version {VERSION} "
+            "(a newer builder wrote it?)"
+        )
     try:
         if manifest["dtype"] not in ("uint16", "uint32"):
             raise ValueError("dtype")
@@ -236,9 +257,11 @@ def _stat(path: Path, size: int) -> os.stat_result:
     except OSError:
         raise RecipeError(f"{path}: missing (the manifest lists it); tokenize the corpus again") from None
     if stat.st_size != size:
-        raise RecipeError(f"{path}: {stat.st_size:,} bytes, the manifest says {size:,} (truncated or damaged); "
-                          "tokenize the corpus again (rerunning the same `builder tokenize` command rebuilds only "
-                          "the damaged shards)")
+        raise RecipeError(
+            f"{path}: {stat.st_size:,} bytes, the manifest says {size:,} (truncated or damaged); "
+            "tokenize the corpus again (rerunning the same `builder tokenize` command rebuilds only "
+            "the damaged shards)"
+        )
     return stat
 
 
@@ -299,13 +322,31 @@ class Stamps:
         self.changed = False
 
 
-def tokenize_documents(documents, tokenizer, out: Path, *, workers: int = 1, val_fraction: float = 0.0,
-                       shard_bytes: int = 64 << 20, sources: list[dict] | None = None, progress: bool = True,
-                       **options) -> TokenizedDataset:
+def tokenize_documents(
+    documents,
+    tokenizer,
+    out: Path,
+    *,
+    workers: int = 1,
+    val_fraction: float = 0.0,
+    shard_bytes: int = 64 << 20,
+    sources: list[dict] | None = None,
+    progress: bool = True,
+    **options,
+) -> TokenizedDataset:
     """``documents`` (an iterable of :class:`Document`) tokenized into the dataset folder ``out``
     and opened; see :func:`recipes.data.tokenize.tokenize_documents` (the pipeline, which also
     takes ``val_sources``, ``settings`` and ``overwrite``)."""
     from recipes.data.tokenize import tokenize_documents as run
 
-    return run(documents, tokenizer, out, workers=workers, val_fraction=val_fraction, shard_bytes=shard_bytes,
-               sources=sources, progress=progress, **options)
+    return run(
+        documents,
+        tokenizer,
+        out,
+        workers=workers,
+        val_fraction=val_fraction,
+        shard_bytes=shard_bytes,
+        sources=sources,
+        progress=progress,
+        **options,
+    )

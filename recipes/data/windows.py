@@ -58,8 +58,10 @@ class Mixture:
         self.train = Windows([s.train for s in sources], weights, seed, TRAIN)
         held = [i for i, s in enumerate(sources) if s.validation is not None and s.validation.n_windows > 0]
         if not held:
-            raise RecipeError("data: no source has a validation split with a whole window; add data, lower "
-                              "data.seq_len or raise data.val_fraction")
+            raise RecipeError(
+                "data: no source has a validation split with a whole window; add data, lower "
+                "data.seq_len or raise data.val_fraction"
+            )
         self.held_out = held
         self.validation = Windows([sources[i].validation for i in held], weights[held], seed, VALIDATION)
 
@@ -67,19 +69,25 @@ class Mixture:
         ids, documents, labels = windows.take(first, count)
         top = int(ids.max())
         if top >= self.vocab_size:
-            names = [s.name for s in self.sources] if windows is self.train else \
-                [self.sources[i].name for i in self.held_out]
+            names = (
+                [s.name for s in self.sources]
+                if windows is self.train
+                else [self.sources[i].name for i in self.held_out]
+            )
             bad = names[int(labels[int(np.argmax(ids.max(axis=1)))])]
-            raise RecipeError(f"{bad}: token id {top} is outside the tokenizer's vocabulary of {self.vocab_size:,} "
-                              "(the source was tokenized with another tokenizer)")
+            raise RecipeError(
+                f"{bad}: token id {top} is outside the tokenizer's vocabulary of {self.vocab_size:,} "
+                "(the source was tokenized with another tokenizer)"
+            )
         return to_batch(ids, documents, self.packing)
 
 
 class TrainWindows(IterableDataset):
     """Endless micro-batches from global window ``position`` on; this rank's slice of each step."""
 
-    def __init__(self, mixture: Mixture, batch_size: int, rank: int, world_size: int, position: int,
-                 accumulate: int = 1):
+    def __init__(
+        self, mixture: Mixture, batch_size: int, rank: int, world_size: int, position: int, accumulate: int = 1
+    ):
         self.mixture, self.batch_size, self.rank, self.world_size = mixture, batch_size, rank, world_size
         self.position, self.accumulate = position, accumulate
 
@@ -140,8 +148,9 @@ class LMDataModule(L.LightningDataModule):
     """Training and validation windows of a :class:`Mixture`. Its state is the global windows
     taken by the end of a step, so a run resumes on any number of ranks."""
 
-    def __init__(self, mixture: Mixture, batch_size: int, seed: int, val_batches: int, accumulate: int,
-                 num_workers: int = 1):
+    def __init__(
+        self, mixture: Mixture, batch_size: int, seed: int, val_batches: int, accumulate: int, num_workers: int = 1
+    ):
         super().__init__()
         self.mixture, self.batch_size, self.seed = mixture, batch_size, seed
         self.val_batches, self.accumulate, self.num_workers = val_batches, accumulate, num_workers
@@ -175,10 +184,17 @@ class LMDataModule(L.LightningDataModule):
         step = self.trainer.global_step if self.trainer is not None else self._resumed[1]
         data = TrainWindows(self.mixture, self.batch_size, rank, world, self.windows_taken(step), self.accumulate)
         workers = self.num_workers
-        return DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None,
-                          persistent_workers=False, worker_init_fn=worker_ignores_signals if workers else None)
+        return DataLoader(
+            data,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=4 if workers else None,
+            persistent_workers=False,
+            worker_init_fn=worker_ignores_signals if workers else None,
+        )
 
     def val_dataloader(self):
         rank, world = self._rank()
-        return DataLoader(ValWindows(self.mixture, self.batch_size, self.val_batches, rank, world),
-                          batch_size=None, num_workers=0)
+        return DataLoader(
+            ValWindows(self.mixture, self.batch_size, self.val_batches, rank, world), batch_size=None, num_workers=0
+        )

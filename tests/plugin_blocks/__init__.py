@@ -30,7 +30,9 @@ class LowRankKVConfig(AttentionBlock):
     n_heads: int = Field(..., ge=1, description="Query heads (keys and values have as many).")
     kv_rank: int = Field(..., ge=1, description="Width of the latent each token's keys and values come from.")
     head_dim: int = Field(..., ge=1, description="Per-head query/key width without position.")
-    rope_dim: int = Field(..., ge=2, description="Per-head query/key width that rotates (one key part shared by heads).")
+    rope_dim: int = Field(
+        ..., ge=2, description="Per-head query/key width that rotates (one key part shared by heads)."
+    )
     v_head_dim: int = Field(..., ge=1, description="Per-head value width.")
 
     examples: ClassVar[list[dict]] = [
@@ -46,16 +48,21 @@ class LowRankKVConfig(AttentionBlock):
 
     def params(self, d_model: int) -> int:
         n, qk = self.n_heads, self.head_dim + self.rope_dim
-        return (d_model * n * qk  # q_proj
-                + d_model * (self.kv_rank + self.rope_dim)  # kv_down: the latent and the rotary key
-                + self.kv_rank * n * (self.head_dim + self.v_head_dim)  # kv_up
-                + n * self.v_head_dim * d_model)  # out_proj
+        return (
+            d_model * n * qk  # q_proj
+            + d_model * (self.kv_rank + self.rope_dim)  # kv_down: the latent and the rotary key
+            + self.kv_rank * n * (self.head_dim + self.v_head_dim)  # kv_up
+            + n * self.v_head_dim * d_model
+        )  # out_proj
 
     def param_shapes(self, d_model: int) -> Shapes:
         n, qk = self.n_heads, self.head_dim + self.rope_dim
-        return {"q_proj.weight": (n * qk, d_model), "kv_down.weight": (self.kv_rank + self.rope_dim, d_model),
-                "kv_up.weight": (n * (self.head_dim + self.v_head_dim), self.kv_rank),
-                "out_proj.weight": (d_model, n * self.v_head_dim)}
+        return {
+            "q_proj.weight": (n * qk, d_model),
+            "kv_down.weight": (self.kv_rank + self.rope_dim, d_model),
+            "kv_up.weight": (n * (self.head_dim + self.v_head_dim), self.kv_rank),
+            "out_proj.weight": (d_model, n * self.v_head_dim),
+        }
 
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         n, qk = self.n_heads, self.head_dim + self.rope_dim
@@ -72,8 +79,17 @@ class LowRankKVConfig(AttentionBlock):
     def kv_cache(self, d_model: int, cross: bool = False) -> CacheLayout:
         return CacheLayout((CacheTensor("latent", 1, self.kv_rank), CacheTensor("k_rope", 1, self.rope_dim)))
 
-    def saved_bytes(self, d_model: int, batch: int, seq_q: int, seq_k: int, act_bytes: int, fused: bool,
-                    masked: bool, kv_input: bool = True) -> int:
+    def saved_bytes(
+        self,
+        d_model: int,
+        batch: int,
+        seq_q: int,
+        seq_k: int,
+        act_bytes: int,
+        fused: bool,
+        masked: bool,
+        kv_input: bool = True,
+    ) -> int:
         n, qk, v = self.n_heads, self.head_dim + self.rope_dim, self.v_head_dim
         tq, tk = batch * seq_q, batch * seq_k
         total = tq * d_model * act_bytes  # the projections' input

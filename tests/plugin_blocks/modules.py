@@ -52,8 +52,12 @@ class LowRankKVAttention(nn.Module):
         k_pass, v = expanded.split([self.head_dim, self.v_head_dim], dim=-1)  # (batch, n, seq_k, .)
         k = torch.cat((k_pass, k_rot.expand(batch, n, seq_k, self.rope_dim)), dim=-1)
         out = attention_kernel(
-            torch.cat((q_pass, q_rot), dim=-1), k, v, causal=self.causal,
-            alibi_slopes=inputs.alibi_slopes(n, x.device), bias=inputs.bias(first, seq_k, n, x.device),
+            torch.cat((q_pass, q_rot), dim=-1),
+            k,
+            v,
+            causal=self.causal,
+            alibi_slopes=inputs.alibi_slopes(n, x.device),
+            bias=inputs.bias(first, seq_k, n, x.device),
             backend=self.backend,
         )  # (batch, n, seq, v_head_dim)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, n * self.v_head_dim))
@@ -72,7 +76,7 @@ class InterleavedRope(PositionModule):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         width = q.shape[-1]
         exponents = torch.arange(0, width, 2, device=q.device, dtype=torch.float32) / width
-        angles = positions.float()[..., None] * self.theta ** -exponents  # (batch, seq, width / 2)
+        angles = positions.float()[..., None] * self.theta**-exponents  # (batch, seq, width / 2)
         cos = angles.cos().repeat_interleave(2, dim=-1)[:, None].to(q.dtype)  # (batch, 1, seq, width)
         sin = angles.sin().repeat_interleave(2, dim=-1)[:, None].to(q.dtype)
 
