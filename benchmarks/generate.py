@@ -83,7 +83,7 @@ def make_models(family: str, folder: Path, seed: int = 0):
 
     from builder import build_model
     from builder.hf import import_hf, load_weights
-    from builder.loader import load_spec
+    from builder.spec.loader import load_spec
 
     model_class, config_class, fields = FAMILIES[family]
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ gradient reduction and fp32 master weights, a sharded checkpoint at the end) on 
 standard library's source with a character vocabulary, then reports:
 
 * tokens/s at the median step time and MFU (the analytic training FLOPs per token of
-  ``builder.estimates`` over ``builder.mfu``'s dense bf16 peak for the device);
+  ``builder.analysis.estimates`` over ``builder.analysis.mfu``'s dense bf16 peak for the device);
 * ``torch.cuda.max_memory_allocated`` next to ``builder describe``'s training memory for the same
   layout, batch and sequence length (the estimate counts weights, gradients, AdamW state, FSDP's
   buffers and the saved activations; the allocator adds its own blocks and the loss's temporaries);
@@ -119,7 +119,7 @@ def recipe(folder: Path, args) -> Path:
 
 def estimates(path: Path, vocab_size: int, args) -> dict:
     """Parameters, training FLOPs per token and per-device training memory of the recipe's model."""
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
     from recipes.config import load_recipe, model_spec
 
     loaded = load_recipe(path)
@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         )
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from builder.mfu import peak_flops
+    from builder.analysis.mfu import peak_flops
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """Training-memory estimate against ``torch.cuda.max_memory_allocated`` (goal: within 10%).
 
 For a few specs and batch sizes this runs real training steps on one CUDA GPU under exactly the
-convention ``builder.memory`` documents: weights and gradients in the compute dtype, an fp32
+convention ``builder.analysis.memory`` documents: weights and gradients in the compute dtype, an fp32
 master copy of the weights and AdamW's two fp32 states (for bf16; fp32 trains its weights
 directly), the attention backend the estimate assumes (``auto``: the fused Triton kernel;
 ``eager``: explicit matrix products), and, when asked, activation checkpointing on every layer.
@@ -92,9 +92,9 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
     import torch
     import torch.nn.functional as F
 
+    from builder.analysis.estimates import estimate
     from builder.assemble import build_model
-    from builder.estimates import estimate
-    from builder.loader import load_spec
+    from builder.spec.loader import load_spec
 
     spec = load_spec(ROOT / spec_path, overrides)
     enc_dec = spec.architecture == "encoder-decoder"
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    from builder.report import human_bytes
+    from builder.analysis.report import human_bytes
 
     print(f"device: {torch.cuda.get_device_name()}")
     header = (

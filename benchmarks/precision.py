@@ -54,7 +54,7 @@ def variant_overrides(variant: str, steps: int) -> dict:
 
 
 def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
-    from builder.loader import parse_set_args
+    from builder.spec.loader import parse_set_args
     from recipes.documents import recipe_path
     from recipes.train import run
 

@@ -169,7 +169,7 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
 def recipe_worker(seed: int, max_steps: int | None, settings: list[str]) -> dict:
     import torch
 
-    from builder.loader import parse_set_args
+    from builder.spec.loader import parse_set_args
     from recipes.train import run
 
     with tempfile.TemporaryDirectory(prefix="shakespeare-char-") as tmp:

@@ -59,7 +59,7 @@ def whole(spec: dict) -> dict:
     import torch
 
     from builder import build_model
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
 
     torch.set_num_threads(1)
     validated = spec_model().model_validate(spec)
@@ -85,7 +85,7 @@ def sharded(spec: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from builder import build_model
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
     from recipes.config import TrainerSection
     from recipes.parallel import MESH_DIMS, layout_of, local_bytes, mesh_shape, shard_model
 

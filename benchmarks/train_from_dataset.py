@@ -44,7 +44,7 @@ def tree_rss(pid: int) -> int:
 def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
     import lightning as L
 
-    from builder.loader import parse_set_args
+    from builder.spec.loader import parse_set_args
     from recipes.train import run
 
     times: dict = {"ends": [], "starts": [], "first": None}

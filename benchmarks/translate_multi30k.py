@@ -214,7 +214,7 @@ def main() -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    from builder.loader import parse_set_args
+    from builder.spec.loader import parse_set_args
 
     if args.worker:
         result = throughput_worker(args.worker, args.steps, parse_set_args(args.overrides))

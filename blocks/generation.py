@@ -8,7 +8,7 @@ holds what its attention's config declares (``kv_cache(d_model)``, a
 model's dtype. Multi-head attention's bytes per token are ``2 * n_kv_heads * head_dim *
 itemsize`` (keys and values); a windowed layer whose capacity is the window keeps a ring buffer.
 A cross-attending layer adds its cross-attention's layout over the ``S`` source tokens,
-projected once from the encoder output. ``builder.memory.kv_cache_bytes`` sums the same
+projected once from the encoder output. ``builder.analysis.memory.kv_cache_bytes`` sums the same
 layouts, so ``describe`` and ``generate`` agree to the byte (see ``blocks.cache``).
 
 Steps: the prompt is fed at once (the prefill, the model's forward), then each new token is one

@@ -6,7 +6,7 @@ validating and sizing a spec never imports torch. A config subclasses its kind's
 (``blocks.configs.base.KIND_BASES``: what generic code may ask of it) and implements every
 abstract method; :func:`register` refuses one that does not. Blocks register with :func:`register`;
 user packages add theirs through the ``builder.blocks`` entry-point group or ``--plugin``
-(see ``builder.plugins``), and they become part of the schema automatically.
+(see ``builder.spec.plugins``), and they become part of the schema automatically.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def __getattr__(name: str):
         if problem:
             raise ImportError(problem)
     if name in ("load_spec", "SpecError"):
-        from builder import loader
+        from builder.spec import loader
 
         return getattr(loader, name)
     if name == "build_model":
@@ -38,7 +38,7 @@ def __getattr__(name: str):
 
         return build_model
     if name == "estimate":
-        from builder.estimates import estimate
+        from builder.analysis.estimates import estimate
 
         return estimate
     raise AttributeError(f"module 'builder' has no attribute {name!r}")

@@ -73,8 +73,8 @@ def build_model(
     every attention layer (see ``kernels.attention``); ``init_seed``: the seed of the initial
     weights (default: drawn from torch's global generator).
     """
-    from builder.loader import load_spec
-    from builder.schema import ModelSpec
+    from builder.spec.loader import load_spec
+    from builder.spec.schema import ModelSpec
 
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {attention_backend!r}")

@@ -157,7 +157,7 @@ def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
     :class:`CheckpointError` naming ``path`` when it does not validate."""
     from pydantic import ValidationError
 
-    from builder.schema import ModelSpec, SpecRuleError
+    from builder.spec.schema import ModelSpec, SpecRuleError
 
     try:
         return ModelSpec.model_validate(dict(data))

@@ -117,7 +117,7 @@ class Throughput(L.Callback):
     def on_train_start(self, trainer, pl_module):
         import torch
 
-        from builder.mfu import peak_flops
+        from builder.analysis.mfu import peak_flops
         from recipes.parallel import data_parallel_size
 
         self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
@@ -160,7 +160,7 @@ class Throughput(L.Callback):
         achieved = self.tokens_per_s * self.flops_per_token
         metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
         if self.peak_flops:
-            from builder.mfu import mfu
+            from builder.analysis.mfu import mfu
 
             metrics["MFU"] = mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
         for name, value in metrics.items():

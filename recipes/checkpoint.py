@@ -242,7 +242,7 @@ def load_folder(folder: Path, device: str | None = None):
     from builder import build_model
     from builder.hf import HFError, from_hf, load_weights
     from builder.hf.tokenizer import read_tokenizer
-    from builder.loader import SpecError, load_spec
+    from builder.spec.loader import SpecError, load_spec
 
     try:
         if (folder / "spec.yaml").is_file():

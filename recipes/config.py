@@ -1,7 +1,7 @@
 """The recipe file: what to train, on what, and how. Torch-free.
 
 A recipe is YAML validated by :class:`Recipe` (``extra="forbid"``: a typo fails with its file,
-line and the closest valid name, through :func:`builder.loader.load_config`). Paths in a recipe
+line and the closest valid name, through :func:`builder.spec.loader.load_config`). Paths in a recipe
 (the model spec, data files, a tokenizer ``.model``) are relative to the recipe file; the output
 directory is relative to where ``builder train`` runs.
 """
@@ -196,7 +196,7 @@ class TrainerSection(_Section):
 
     @model_validator(mode="after")
     def _layout(self):
-        from builder.problems import rule_error
+        from builder.spec.problems import rule_error
 
         if self.strategy != "fsdp":
             if self.tensor_parallel > 1:
@@ -304,13 +304,13 @@ def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
     """Load and validate a recipe file (or a zoo recipe by name); raises
-    ``builder.loader.SpecError`` with located problems.
+    ``builder.spec.loader.SpecError`` with located problems.
 
     ``--set model.overrides.decoder.n_layers=2`` becomes the spec override ``decoder.n_layers: 2``,
     and so does its shorthand ``--set decoder.n_layers=2``: a key whose first part is not a
     section of the recipe but is a field of a spec (:func:`spec_shorthand`).
     """
-    from builder.loader import load_config
+    from builder.spec.loader import load_config
 
     task_cls = recipe_class(_task_of(path, overrides or {}))
     overrides = {key: _from_cwd(key, value) for key, value in spec_shorthand(overrides or {}, task_cls).items()}
@@ -359,7 +359,7 @@ def _from_cwd(key: str, value: Any) -> Any:
 def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[str, Any]:
     """``decoder.n_layers`` -> ``model.overrides.decoder.n_layers``: keys whose first part is a
     spec field and not a recipe section (``name`` stays the recipe's)."""
-    from builder.schema import ModelSpec
+    from builder.spec.schema import ModelSpec
 
     out = {}
     for key, value in overrides.items():
@@ -381,7 +381,7 @@ def recipe_class(task: Any) -> type[Recipe]:
 
 
 def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:
-    from builder.loader import read_merged
+    from builder.spec.loader import read_merged
 
     return overrides.get("task", read_merged(path).data.get("task", "lm"))
 
@@ -394,9 +394,9 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     problems point at the recipe too. ``extra``: overrides a task sets over the recipe's (a
     ``head`` mapping of another type replaces the spec's head). A spec that cannot split
     ``trainer.tensor_parallel`` ways is refused here too, each problem at the line that set the
-    field (``builder.layout.tensor_parallel_problems``).
+    field (``builder.analysis.layout.tensor_parallel_problems``).
     """
-    from builder.loader import load_spec, read_merged
+    from builder.spec.loader import load_spec, read_merged
 
     doc = read_merged(recipe_file)
     written = {
@@ -423,8 +423,8 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
 def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
     """The file ``model.spec`` names: a path relative to the recipe when one is there, else a zoo
     spec by name (``llama3-8b``); neither is a problem at the recipe's ``model.spec`` line."""
-    from builder.loader import read_merged
-    from builder.yaml_source import Mark, Problem, SpecError
+    from builder.spec.loader import read_merged
+    from builder.spec.source import Mark, Problem, SpecError
     from builder.zoo import ZooError, locate
 
     try:
@@ -441,9 +441,9 @@ def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
 def _check_layout(spec, recipe: Recipe, document) -> None:
     """Located problems of ``spec`` under the recipe's tensor-parallel degree; ``document()``:
     ``(the spec's merged document, whether it is inline in the recipe)``."""
-    from builder.layout import tensor_parallel_problems
-    from builder.problems import locate
-    from builder.yaml_source import SpecError
+    from builder.analysis.layout import tensor_parallel_problems
+    from builder.spec.problems import locate
+    from builder.spec.source import SpecError
 
     problems = tensor_parallel_problems(spec, recipe.trainer.tensor_parallel)
     if problems:
@@ -466,8 +466,8 @@ def _inline_document(
     with the overrides laid over it, as a located document."""
     import copy
 
-    from builder.loader import apply_overrides
-    from builder.yaml_source import Document, Mark, Problem, SpecError
+    from builder.spec.loader import apply_overrides
+    from builder.spec.source import Document, Mark, Problem, SpecError
 
     prefix = ("model", "spec")
     if base is not None:
@@ -498,9 +498,9 @@ def _inline_spec(
     written: dict,
     base: tuple[dict, str] | None = None,
 ):
-    from builder.loader import validate_document
-    from builder.schema import spec_model
-    from builder.yaml_source import SpecError
+    from builder.spec.loader import validate_document
+    from builder.spec.schema import spec_model
+    from builder.spec.source import SpecError
 
     inline = _inline_document(recipe, doc, overrides, written, base)
     try:

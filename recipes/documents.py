@@ -1,4 +1,4 @@
-"""The training recipe as a kind of document (``builder.documents``). Torch-free.
+"""The training recipe as a kind of document (``builder.spec.kinds``). Torch-free.
 
 ``builder validate`` checks a recipe through :data:`KIND` (the recipe, then its model spec with
 its overrides and the vocabulary the tokenizer will have); ``builder schema --recipe`` prints
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.documents import Kind
-from builder.yaml_source import Problem, SpecError
+from builder.spec.kinds import Kind
+from builder.spec.source import Problem, SpecError
 
 
 def _keys() -> frozenset[str]:
@@ -64,7 +64,7 @@ def _schema() -> dict:
 
 
 def _summary(path: Path) -> dict:
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
     from recipes.config import load_recipe, model_spec
     from recipes.dryrun import vocabulary
 

@@ -297,7 +297,7 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     sequences per device.
     ``devices``: per node (default: the recipe's count, 1 for ``auto``; a run passes what the
     machine gives it)."""
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
     from recipes.precision import resolve_precision
 
     settings = recipe.trainer
@@ -330,7 +330,7 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     import yaml
     from rich.console import Console
 
-    from builder.report import human, print_describe
+    from builder.analysis.report import human, print_describe
     from builder.zoo import shown
     from recipes.config import load_recipe, model_spec, output_dir, spec_file
     from recipes.documents import recipe_path as locate_recipe

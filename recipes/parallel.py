@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from builder.layout import Layout, LayoutError
+from builder.analysis.layout import Layout, LayoutError
 from recipes.config import RecipeError, TrainerSection
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -43,7 +43,7 @@ FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", 
 
 
 def mesh_shape(layout: Layout) -> tuple[int, int, int]:
-    """``(dp_replicate, dp_shard, tp)`` of a layout, the order ``builder.layout`` numbers ranks in."""
+    """``(dp_replicate, dp_shard, tp)`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
     return layout.replicas, layout.shard_size, layout.tensor_parallel
 
 

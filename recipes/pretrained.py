@@ -59,7 +59,7 @@ class Source:
         if self.kind == "checkpoint":
             return dict(self._checkpoint()["builder"]["spec"])
         if self.kind == "imported":
-            from builder.loader import read_merged
+            from builder.spec.loader import read_merged
 
             return dict(read_merged(self.path / "spec.yaml").data)
         from builder.hf import HFError, read_hf
@@ -223,7 +223,7 @@ def freeze(model: nn.Module, patterns: list[str], marks: list | None = None) -> 
     """Set ``requires_grad=False`` on every parameter a pattern matches; returns the number of
     frozen parameters (elements). A pattern that matches nothing, or a range that reaches past
     the layers there are, is a located error (``marks[i]``: where pattern ``i`` was written)."""
-    from builder.yaml_source import Mark, Problem, SpecError
+    from builder.spec.source import Mark, Problem, SpecError
 
     named = list(model.named_parameters(remove_duplicate=False))  # a tied head answers to its own name too
     roots = {name.split(".")[0] for name, _ in named}
@@ -288,7 +288,7 @@ def freeze_marks(recipe_file: Path | None, count: int) -> list:
     """Where each ``model.freeze`` entry was written in the recipe (None where unknown)."""
     if recipe_file is None:
         return [None] * count
-    from builder.loader import read_merged
+    from builder.spec.loader import read_merged
 
     doc = read_merged(recipe_file)
     return [doc.value_mark(("model", "freeze", i)) for i in range(count)]

@@ -21,7 +21,7 @@ def recipe_json_schema() -> dict[str, Any]:
     """The recipe schema: every task's, the spec's definitions included."""
     from pydantic.json_schema import models_json_schema
 
-    from builder.json_schema import draft7, partial, spec_definitions
+    from builder.spec.json_schema import draft7, partial, spec_definitions
     from recipes.config import TASKS, recipe_class
 
     classes = {task: recipe_class(task) for task in TASKS}

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from builder.problems import rule_error
+from builder.spec.problems import rule_error
 from recipes.config import RECIPE_PATH, WORK_PATH, DataSection, DatasetFields, Recipe, _Section
 from recipes.fields import default_cache_dir
 

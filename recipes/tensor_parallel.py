@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from builder.layout import EMBEDDING_PLAN
+from builder.analysis.layout import EMBEDDING_PLAN
 
 
 def styles(plan: dict[str, str], module: nn.Module) -> dict:

@@ -165,11 +165,11 @@ def describe(
     ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
     from rich.console import Console
 
-    from builder.report import print_describe, summary_line
+    from builder.analysis.report import print_describe, summary_line
     from recipes.dryrun import recipe_estimate
     from recipes.parallel import device_count
 
-    # under fsdp: what each rank holds in this layout (builder.layout)
+    # under fsdp: what each rank holds in this layout (builder.analysis.layout)
     est = recipe_estimate(
         spec,
         recipe,

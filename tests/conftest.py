@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from builder.plugins import load_plugins
+from builder.spec.plugins import load_plugins
 
 # Tiny models on a 2-core CI machine: one intra-op thread avoids oversubscription, which made
 # small decoding loops up to ~100x slower when the cores were busy.

@@ -82,7 +82,7 @@ def lm_checkpoint(folder: Path) -> Path:
     from recipe_helpers import tiny_recipe
 
     from builder.assemble import build_model
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
     from recipes.config import load_recipe
     from recipes.tokenizer import CharTokenizer
     from recipes.train import training_meta

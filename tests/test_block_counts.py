@@ -17,10 +17,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from blocks import registry
 from blocks.attention import AttentionInputs
 from blocks.build import Dims, build_block
+from builder.analysis.estimates import estimate
+from builder.analysis.report import actual_params
 from builder.assemble import build_model
-from builder.estimates import estimate
-from builder.report import actual_params
-from builder.schema import spec_model
+from builder.spec.schema import spec_model
 
 D_MODEL, VOCAB, MAX_SEQ, N_HEADS, HEAD_DIM = 32, 50, 16, 4, 8
 DIMS = Dims(d_model=D_MODEL, vocab_size=VOCAB, max_seq_len=MAX_SEQ)

@@ -168,7 +168,7 @@ def test_a_plugin_that_does_not_exist(capsys):
 def test_an_internal_error_carries_its_message_in_one_short_line(capsys, monkeypatch):
     """The last-resort line says what went wrong (the exception's first line, cut short), never a
     traceback and never more than a line of whatever the message quoted."""
-    import builder.commands.schema as schema
+    import builder.cli.schema as schema
     from builder.cli import MESSAGE_CHARS, main
 
     def fails(message):

@@ -15,9 +15,9 @@ import torch
 
 from blocks import registry
 from blocks.cache import KVCache
+from builder.analysis.estimates import estimate
 from builder.assemble import build_model
-from builder.estimates import estimate
-from builder.schema import ModelSpec
+from builder.spec.schema import ModelSpec
 
 D_MODEL, VOCAB, MAX_SEQ = 32, 64, 32
 WHERE = {
@@ -63,7 +63,7 @@ def _spec_data(**blocks) -> dict:
 @pytest.fixture(scope="module")
 def json_schema():
     jsonschema = pytest.importorskip("jsonschema")
-    from builder.commands.schema import spec_json_schema
+    from builder.cli.schema import spec_json_schema
 
     return jsonschema.Draft202012Validator(spec_json_schema())
 

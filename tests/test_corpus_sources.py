@@ -123,7 +123,7 @@ def test_token_files_without_a_tokenizer_are_refused_with_what_to_set(tmp_path, 
 
 
 def test_a_weight_that_is_not_positive_is_refused_where_it_is_written(tmp_path):
-    from builder.loader import SpecError
+    from builder.spec.loader import SpecError
     from recipes.config import load_recipe
 
     path = tiny_recipe(tmp_path, data={"sources": [{"path": "a.bin", "weight": 0}]})

@@ -192,7 +192,7 @@ def _recipe(tmp_path: Path, data: dict, task: str = "lm") -> Path:
 
 
 def test_recipes_name_datasets_and_typos_are_located(tmp_path):
-    from builder.loader import SpecError
+    from builder.spec.loader import SpecError
     from recipes.config import load_recipe
 
     recipe = load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data"}))

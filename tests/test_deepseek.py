@@ -17,8 +17,8 @@ from blocks.build import Dims, build_block
 from blocks.cache import KVCache
 from blocks.init import init_weights
 from builder import build_model, estimate, load_spec
-from builder.loader import SpecError
-from builder.schema import SpecRuleError, spec_model
+from builder.spec.loader import SpecError
+from builder.spec.schema import SpecRuleError, spec_model
 
 torch.set_num_threads(1)
 

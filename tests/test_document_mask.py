@@ -18,7 +18,7 @@ from torch import nn
 
 from blocks.positions import document_positions
 from builder import build_model, load_spec
-from builder.schema import spec_model
+from builder.spec.schema import spec_model
 from kernels import attention
 from kernels.attention import document_starts
 

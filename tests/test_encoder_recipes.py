@@ -168,7 +168,7 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
 
 def test_classification_starts_from_the_mlm_encoder(tmp_path):
     from builder import build_model
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
     from recipes.encoder import load_encoder
 
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def test_classification_starts_from_the_mlm_encoder(tmp_path):
 
 
 def test_encoder_recipe_rules(tmp_path):
-    from builder.loader import SpecError
+    from builder.spec.loader import SpecError
     from recipes.config import load_recipe
 
     path = _write_recipe(tmp_path, "bad", {"task": "classification", "data": {"text_field": "body"}})

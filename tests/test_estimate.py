@@ -18,13 +18,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from blocks import generation
 from blocks.configs.base import visible_pairs
 from blocks.configs.ffn import GLUConfig
-from builder import mfu
+from builder.analysis import mfu
+from builder.analysis.estimates import estimate
 from builder.assemble import build_model
 from builder.cli import main
-from builder.commands.compare import compare
-from builder.estimates import estimate
-from builder.loader import load_spec
-from builder.schema import spec_model
+from builder.cli.compare import compare
+from builder.spec.loader import load_spec
+from builder.spec.schema import spec_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").rglob("*.yaml"))
@@ -140,7 +140,7 @@ def test_memory_conventions():
     fp32 = estimate(spec, seq_len=1024, batch=2, dtype="fp32").memory
     assert (fp32.weights, fp32.master_weights, fp32.gradients, fp32.optimizer) == (4 * n, 0, 4 * n, 8 * n)
     fsdp = estimate(spec, seq_len=1024, batch=2, devices=8, strategy="fsdp").memory
-    # FSDP2 (builder.layout): fp32 shards that are the master weights (every Llama dim divides
+    # FSDP2 (builder.analysis.layout): fp32 shards that are the master weights (every Llama dim divides
     # by 8), fp32 sharded gradients, AdamW's two states and a step for each of the 291 tensors
     assert (fsdp.weights, fsdp.master_weights, fsdp.gradients) == (4 * n // 8, 0, 4 * n // 8)
     assert fsdp.optimizer == 8 * n // 8 + 4 * 291
@@ -341,7 +341,7 @@ def test_mfu(monkeypatch):
 
 def test_the_package_exports_the_estimate_function():
     """`from builder import estimate` is the function of the contract, even after the module loads."""
-    import builder.estimates  # noqa: F401  (a loaded submodule must not shadow the export)
+    import builder.analysis.estimates  # noqa: F401  (a loaded submodule must not shadow the export)
     from builder import estimate as exported
 
     assert callable(exported) and exported is estimate

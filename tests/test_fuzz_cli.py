@@ -610,7 +610,7 @@ def test_the_harness_fails_a_hang_and_an_internal_error(capsys, monkeypatch):
     reaches the last-resort net."""
     import sys
 
-    import builder.commands.schema as schema
+    import builder.cli.schema as schema
 
     monkeypatch.setattr(sys.modules[__name__], "SECONDS", 0.2)
     monkeypatch.setattr(schema, "run", lambda args: time.sleep(5))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from builder import build_model, load_spec
-from builder.schema import spec_model
+from builder.spec.schema import spec_model
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 

@@ -20,8 +20,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
+from builder.analysis.estimates import estimate
 from builder.assemble import build_model
-from builder.estimates import estimate
 from builder.hf import (
     TOKEN_KEYS,
     HFError,
@@ -31,7 +31,7 @@ from builder.hf import (
     read_weights,
     to_hf,
 )
-from builder.loader import load_spec
+from builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120

@@ -19,7 +19,7 @@ import torch
 from builder.assemble import build_model
 from builder.cli import main
 from builder.hf import from_hf, to_hf
-from builder.loader import load_spec
+from builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 _OPENED: list[str] | None = None  # paths opened while a test records them

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from builder.analysis.estimates import estimate
 from builder.assemble import build_model
 from builder.cli import main
-from builder.estimates import estimate
 from builder.hf import FAMILIES, fit, from_hf, load_weights, to_hf
-from builder.loader import load_spec
+from builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "specs" / "tiny" / "alibi.yaml"

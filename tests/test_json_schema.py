@@ -13,8 +13,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from builder.json_schema import NEWER_KEYWORDS, spec_json_schema
-from builder.yaml_source import read_document
+from builder.spec.json_schema import NEWER_KEYWORDS, spec_json_schema
+from builder.spec.source import read_document
 from recipes.schema import recipe_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""builder.layout against PyTorch itself: a model built from a spec, split with DTensor's
+"""builder.analysis.layout against PyTorch itself: a model built from a spec, split with DTensor's
 tensor-parallel styles as each block's ``parallel_plan`` says and sharded with FSDP2's
 ``fully_shard`` on CPU processes (gloo), holds on every rank exactly the parameter, gradient and
 AdamW-state elements ``rank_states`` counts. Slow (several processes start torch): run with
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from builder.layout import Layout, model_tensors, rank_states
-from builder.schema import spec_model
+from builder.analysis.layout import Layout, model_tensors, rank_states
+from builder.spec.schema import spec_model
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
     spec = spec_model().model_validate(SPEC)
     torch.manual_seed(0)
     model = build_model(spec)
-    if tp > 1:  # each tensor's split as builder.layout reads it from the blocks' plans
+    if tp > 1:  # each tensor's split as builder.analysis.layout reads it from the blocks' plans
         styles = {0: ColwiseParallel(), 1: RowwiseParallel()}
         plan = {}
         for tensor in model_tensors(spec):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
 
-from builder.loader import SpecError, load_config, load_spec, parse_set_args, read_merged, validate_file
+from builder.spec.loader import SpecError, load_config, load_spec, parse_set_args, read_merged, validate_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -289,8 +289,8 @@ def test_a_problem_in_a_field_layers_inherit_is_reported_once_at_its_line(tmp_pa
 
 
 def test_merged_documents_carry_where_every_field_was_written(tmp_path):
-    from builder.merge import merge
-    from builder.yaml_source import Document, read_document
+    from builder.spec.merge import merge
+    from builder.spec.source import Document, read_document
 
     doc = read_document(
         write(tmp_path, "a.yaml", TINY + "  overrides:\n    - {layers: [1], attention: {n_heads: 8}}\n")
@@ -318,7 +318,7 @@ def test_merged_documents_carry_where_every_field_was_written(tmp_path):
 
 def test_the_spec_type_is_a_static_class_plugins_still_validate_through():
     from blocks.configs.base import AttentionBlock
-    from builder.schema import ModelSpec, StackSpec
+    from builder.spec.schema import ModelSpec, StackSpec
 
     spec = load_spec(SPECS / "tiny" / "llama.yaml")
     assert isinstance(spec, ModelSpec) and isinstance(spec.decoder, StackSpec)

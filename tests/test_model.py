@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from builder import build_model, load_spec
-from builder.schema import spec_model
+from builder.spec.schema import spec_model
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
@@ -27,7 +27,7 @@ def _ids(p: Path) -> str:
 
 
 def _estimate(spec, **kw):
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
 
     return estimate(spec, **kw)
 

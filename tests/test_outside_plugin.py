@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from recipe_helpers import tiny_recipe
 
-from builder.loader import validate_file
+from builder.spec.loader import validate_file
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from builder.analysis.plan import Candidate, Cluster, plan
 from builder.cli import main
-from builder.loader import load_spec, parse_set_args
-from builder.plan import Candidate, Cluster, plan
+from builder.spec.loader import load_spec, parse_set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -261,7 +261,7 @@ def test_an_option_out_of_its_own_range_is_a_one_line_usage_error(capsys):
 
 def test_planning_the_biggest_spec_is_fast_and_torch_free():
     code = (
-        "import sys, time; from builder.loader import load_spec; from builder.plan import Cluster, plan; "
+        "import sys, time; from builder.spec.loader import load_spec; from builder.analysis.plan import Cluster, plan; "
         "spec = load_spec('specs/gpt3-175b.yaml'); t = time.perf_counter(); "
         "r = plan(spec, Cluster(gpus=8, per_node=8, memory=80 * 2**30, peak=989.5e12), global_batch=1536); "
         "refused = time.perf_counter() - t; t = time.perf_counter(); "

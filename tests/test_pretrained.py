@@ -247,7 +247,7 @@ def test_a_vocabulary_that_differs_from_the_weights_says_so(tmp_path):
 
 
 def test_freeze_paths_are_checked_where_they_are_written(tmp_path):
-    from builder.loader import SpecError
+    from builder.spec.loader import SpecError
     from recipes.config import load_recipe
     from recipes.train import run
 

@@ -13,8 +13,8 @@ import pytest
 from data_helpers import data_for_recipes
 
 from builder.cli import main
-from builder.documents import kind_of
-from builder.loader import SpecError, load_spec
+from builder.spec.kinds import kind_of
+from builder.spec.loader import SpecError, load_spec
 from recipes.config import load_recipe, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_a_recipe_is_validated_with_its_model(tmp_path, capsys):
 
 
 def test_kinds_are_told_apart_by_content():
-    from builder.yaml_source import read_document
+    from builder.spec.source import read_document
 
     assert kind_of(read_document(ROOT / "specs" / "gpt2-small.yaml").data).name == "spec"
     assert kind_of(read_document(ROOT / "recipes" / "bert-mlm.yaml").data).name == "recipe"

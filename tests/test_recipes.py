@@ -10,7 +10,7 @@ import pytest
 import torch
 from recipe_helpers import history, tiny_recipe
 
-from builder.loader import SpecError
+from builder.spec.loader import SpecError
 from recipes.config import ScheduleSection, load_recipe
 
 
@@ -84,7 +84,7 @@ def test_schedule_warms_up_then_decays_to_min_lr():
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
     from builder import build_model
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
     from recipes.module import param_groups
 
     spec = spec_model().model_validate(

@@ -68,7 +68,7 @@ def _one_line(capsys, *needles: str) -> str:
 @functools.cache
 def _model(seed: int):
     from builder import build_model
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
 
     spec = spec_model().model_validate(dict(SPEC, vocab_size=96))
     return build_model(spec, init_seed=seed), spec.model_dump(mode="json")
@@ -308,7 +308,7 @@ def test_consolidate_writes_one_safetensors_file_that_loads_into_the_spec(tmp_pa
 
     from builder import build_model
     from builder.hf import load_weights
-    from builder.schema import spec_model
+    from builder.spec.schema import spec_model
 
     last = tmp_path / "last.ckpt"
     weights = _save(last, 7)

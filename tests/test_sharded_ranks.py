@@ -1,5 +1,5 @@
 """The recipe's own sharding (``recipes.parallel.shard_model``: the blocks' tensor-parallel plans,
-``fully_shard`` units, a meta-device start) against ``builder.layout``, on CPU processes (gloo):
+``fully_shard`` units, a meta-device start) against ``builder.analysis.layout``, on CPU processes (gloo):
 after a real training step every rank holds exactly the parameter, gradient and AdamW-state
 bytes ``rank_states`` (what ``builder describe --devices/--strategy/--tensor-parallel`` prints)
 counts, and every parameter it materialised equals a whole-model build's start value. Slow."""
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_layout_ranks import SPEC as ODD
 
-from builder.layout import Layout, rank_states
-from builder.schema import spec_model
+from builder.analysis.layout import Layout, rank_states
+from builder.spec.schema import spec_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from builder.json_schema import spec_json_schema
-from builder.loader import load_spec, read_merged, validate_file
-from builder.yaml_source import read_document
+from builder.spec.json_schema import spec_json_schema
+from builder.spec.loader import load_spec, read_merged, validate_file
+from builder.spec.source import read_document
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))
@@ -63,7 +63,7 @@ def test_shipped_spec_validates(path):
 @pytest.mark.parametrize("path", SPECS, ids=_rel)
 def test_header_states_the_parameter_count(path):
     """Each file's header names its source and its count; the estimator must agree."""
-    estimate = pytest.importorskip("builder.estimates").estimate
+    estimate = pytest.importorskip("builder.analysis.estimates").estimate
     header = path.read_text().split("\nname:")[0]
     stated = re.search(r"Parameters: ([\d,]+)", header)
     assert stated, f"{_rel(path)} has no 'Parameters: N' in its header comment"

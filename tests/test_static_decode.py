@@ -16,7 +16,7 @@ from hostile_helpers import checkpoint  # noqa: F401  (a fixture: a trained tiny
 from blocks import generation
 from blocks.cache import KVCache
 from builder import build_model, load_spec
-from builder.schema import spec_model
+from builder.spec.schema import spec_model
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.loader import SpecError, load_spec, parse_set_args
-from builder.yaml_source import parse_value
+from builder.spec.loader import SpecError, load_spec, parse_set_args
+from builder.spec.source import parse_value
 from recipes.config import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +158,6 @@ def test_every_shipped_file_reads_the_same_under_yaml_1_1_and_1_2(path):
     """Numbers are written so PyYAML (1.1) and editors (1.2) agree: 1000000.0, not 1.0e6."""
     import yaml
 
-    from builder.yaml_source import read_document
+    from builder.spec.source import read_document
 
     assert read_document(path).data == yaml.safe_load(path.read_text())

@@ -13,7 +13,7 @@ import yaml
 from data_helpers import NO_REAL_DATA, real_data_root
 
 from builder import build_model
-from builder.schema import spec_model
+from builder.spec.schema import spec_model
 
 torch.set_num_threads(1)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from builder.cli import main
-from builder.commands.validate import validate_any
-from builder.loader import load_spec, validate_file
+from builder.cli.validate import validate_any
+from builder.spec.loader import load_spec, validate_file
 from builder.zoo import entries, find, locate, name_of
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -76,13 +76,13 @@ class BlockConfig(BaseModel):
     def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:
         """This block as each of ``degree`` tensor-parallel ranks holds and runs it: a config of
         the same type whose counts (``params``, FLOPs, saved bytes, KV cache) are one rank's
-        share under :meth:`parallel_plan` (``builder.layout`` sizes activations with it). Only
+        share under :meth:`parallel_plan` (``builder.analysis.layout`` sizes activations with it). Only
         asked when :meth:`tensor_parallel_problems` is empty; a replicated block is itself."""
         return self
 
     # Each kind also declares ``param_shapes(...)`` (the same arguments as its ``params``): every
     # parameter tensor its module creates, named relative to the module as ``named_parameters()``
-    # names it, with its shape. ``builder.layout`` shards them tensor by tensor. Abstract for
+    # names it, with its shape. ``builder.analysis.layout`` shards them tensor by tensor. Abstract for
     # attention, FFN and norm blocks; positions and heads without parameters inherit ``{}``.
 
 
@@ -190,7 +190,7 @@ class AttentionBlock(BlockConfig):
         masked: bool,
         kv_input: bool = True,
     ) -> int:
-        """Bytes kept for backward in one training step (see ``builder.memory``). ``fused``: a
+        """Bytes kept for backward in one training step (see ``builder.analysis.memory``). ``fused``: a
         FlashAttention kernel; ``masked``: eager attention adds a mask or bias to the scores;
         ``kv_input=False``: the key/value input is shared (an encoder output) and counted once."""
 
@@ -372,7 +372,7 @@ class NormBlock(BlockConfig):
 
     @abstractmethod
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.memory)."""
+        """Bytes kept for backward (see builder.analysis.memory)."""
 
     @property
     def per_sublayer(self) -> int:
@@ -398,7 +398,7 @@ class HeadBlock(BlockConfig):
         return 0
 
     def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward, the training loss included (see builder.memory)."""
+        """Bytes kept for backward, the training loss included (see builder.analysis.memory)."""
         return 0
 
 

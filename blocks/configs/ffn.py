@@ -55,7 +55,7 @@ class _DenseFFNConfig(FFNBlock):
         return 2 * tokens * (self.n_in_projections + 1) * d_model * self.resolved_hidden_dim(d_model)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.memory): the input and the hidden tensors."""
+        """Bytes kept for backward (see builder.analysis.memory): the input and the hidden tensors."""
         return tokens * (d_model + self.saved_hidden * self.resolved_hidden_dim(d_model)) * act_bytes
 
     @property
@@ -161,7 +161,7 @@ class MoEConfig(FFNBlock):
         return 2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.memory). The router: its input, the fp32
+        """Bytes kept for backward (see builder.analysis.memory). The router: its input, the fp32
         probabilities, the top_k fp32 values and int64 choices, their sum. Each of the
         tokens * top_k routed rows: the expert's own tensors (its gathered input among them),
         its output and the gated output, the gate, two int64 indices (sort order, token)."""
@@ -326,7 +326,7 @@ class DeepSeekMoEConfig(FFNBlock):
         )
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.memory). The router (fp32, as DeepSeek and
+        """Bytes kept for backward (see builder.analysis.memory). The router (fp32, as DeepSeek and
         Hugging Face compute it): its input (and in a 16-bit dtype its fp32 copies of the input
         and the weight), the fp32 scores, the int64 choices, with ``norm_topk_prob`` the chosen
         scores and their sum, with sigmoid scores their per-token sum (the balancing loss).

@@ -1,5 +1,5 @@
 """One layer of a stack, resolved: the blocks a layer is built from after the stack's
-``overrides`` (``builder.schema.StackSpec.layer``). Torch-free."""
+``overrides`` (``builder.spec.schema.StackSpec.layer``). Torch-free."""
 
 from __future__ import annotations
 

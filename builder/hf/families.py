@@ -54,7 +54,7 @@ def validate(spec_dict: Mapping, config: Mapping | None = None, source: str | Pa
     problem, named by the ``config`` key that gave the value when one did."""
     from pydantic import ValidationError
 
-    from builder.schema import SpecRuleError, spec_model
+    from builder.spec.schema import SpecRuleError, spec_model
 
     try:
         return spec_model().model_validate(dict(spec_dict))

@@ -262,7 +262,7 @@ def export_hf(
         tokenizer = meta.get("tokenizer")
     else:
         if spec is None:
-            from builder.loader import load_spec
+            from builder.spec.loader import load_spec
 
             spec = load_spec(source)
         state = read_weights(Path(weights) if weights else side / "model.safetensors")

@@ -11,7 +11,7 @@ file that writes it in ``extends:`` and ``model.spec``). ``builder list`` shows 
 Where the files are: a wheel carries the repository's ``specs/`` as ``builder/zoo/specs``
 (``setup.py`` copies it at build time); a checkout or an editable install reads ``specs/`` at
 the repository root. Recipes come from the kinds other packages contribute
-(``builder.documents``): the ``recipes`` package's own ``*.yaml``.
+(``builder.spec.kinds``): the ``recipes`` package's own ``*.yaml``.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def spec_folder() -> Path | None:
 
 
 def entries() -> dict[str, Entry]:
-    """Every zoo entry by name, kinds in :func:`builder.documents.kinds` order (a name taken by
+    """Every zoo entry by name, kinds in :func:`builder.spec.kinds.kinds` order (a name taken by
     an earlier kind stays with it)."""
-    from builder.documents import kinds
+    from builder.spec.kinds import kinds
 
     found: dict[str, Entry] = {}
     for kind in kinds().values():

@@ -14,11 +14,11 @@ import json
 import sys
 
 from blocks.limits import MAX_SEQ_LEN
-from builder.commands.common import add_plugin_option, load_plugins_from_args
+from builder.cli.common import add_plugin_option, load_plugins_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.commands.arguments import (
+    from builder.cli.arguments import (
         MAX_BATCH,
         MAX_BEAMS,
         count,
@@ -102,7 +102,7 @@ OPTIONS = {
 
 def refuse_options(args: argparse.Namespace, meta: dict, options: dict[str, tuple[str, ...]]) -> None:
     """An option given that the checkpoint's task does not read is an error, not ignored."""
-    from builder.commands.arguments import ArgumentError
+    from builder.cli.arguments import ArgumentError
 
     task = meta.get("task", "lm")
     used = options.get(task, ())
@@ -121,8 +121,8 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: dict[str, tupl
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.commands.arguments import ArgumentError, at_most
-    from builder.plugins import PluginError
+    from builder.cli.arguments import ArgumentError, at_most
+    from builder.spec.plugins import PluginError
     from recipes.checkpoint import eval_batches, evaluate, file_tokens, load_trained, recipe_tokens
     from recipes.config import RecipeError
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from blocks.limits import MAX_VOCAB
-from builder.commands.common import add_plugin_option, load_plugins_from_args
+from builder.cli.common import add_plugin_option, load_plugins_from_args
 
 #: language-model decoding defaults (an option left out)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
@@ -19,7 +19,7 @@ OPTIONS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.commands.arguments import (
+    from builder.cli.arguments import (
         MAX_BEAMS,
         MAX_NEW_TOKENS,
         MAX_SEED,
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from builder.plugins import PluginError
+    from builder.spec.plugins import PluginError
     from recipes.checkpoint import load_trained
     from recipes.commands.eval import refuse_options
     from recipes.config import RecipeError
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_decoding(args: argparse.Namespace) -> None:
     """Options of one decoding mode given with another are refused, not ignored."""
-    from builder.commands.arguments import ArgumentError
+    from builder.cli.arguments import ArgumentError
 
     sampling = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
     if args.num_beams is not None and args.num_beams > 1:

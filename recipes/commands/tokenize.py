@@ -26,7 +26,7 @@ SHARDS_AT_LEAST = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.commands.arguments import (
+    from builder.cli.arguments import (
         count,
         input_path,
         number,
@@ -125,7 +125,7 @@ def shard_mb(given: int | None, sources) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.commands.arguments import ArgumentError
+    from builder.cli.arguments import ArgumentError
     from recipes.config import RecipeError
     from recipes.data.sources import DocumentStream, find_sources
     from recipes.data.tokenize import check_output, matches, tokenize_documents
@@ -222,7 +222,7 @@ def print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from builder.report import human_bytes
+    from builder.analysis.report import human_bytes
 
     # not a terminal (a log, a pipe): wide enough that source paths are printed whole
     console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -313,7 +313,7 @@ def _named(read, path: Path):
 
 
 def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
-    from builder.loader import SpecError
+    from builder.spec.loader import SpecError
     from recipes.config import RecipeError, load_recipe
     from recipes.documents import recipe_path
     from recipes.tokenizer import CharTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece

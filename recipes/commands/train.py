@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder.commands.arguments import input_path
-from builder.commands.common import add_spec_options, load_plugins_from_args, overrides_from_args
+from builder.cli.arguments import input_path
+from builder.cli.common import add_spec_options, load_plugins_from_args, overrides_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.loader import SpecError
-    from builder.plugins import PluginError
+    from builder.spec.loader import SpecError
+    from builder.spec.plugins import PluginError
     from recipes.config import RecipeError
 
     try:
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
-    from builder.loader import SpecError
+    from builder.spec.loader import SpecError
     from recipes.config import RecipeError
     from recipes.module import NonFiniteLossError
     from recipes.runfolder import os_problem, owns_run_folder

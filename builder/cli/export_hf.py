@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder.commands.arguments import input_file, output_folder
-from builder.commands.common import add_spec_options
+from builder.cli.arguments import input_file, output_folder
+from builder.cli.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def _pairs(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.commands.common import spec_from_args
+    from builder.cli.common import spec_from_args
     from builder.hf import HFError, export_hf
     from builder.integrity import looks_like_checkpoint
 

@@ -3,7 +3,7 @@
 Prints the layout (tensor-parallel degree, FSDP, HSDP or replication, micro-batch and
 accumulation, activation checkpointing), its per-GPU memory as ``builder describe`` counts it,
 the step's FLOPs and time at a stated MFU, and the ``torchrun`` and SLURM lines that launch a
-recipe with it — or why nothing fits and what would. Torch-free (see ``builder.plan``). Exit
+recipe with it — or why nothing fits and what would. Torch-free (see ``builder.analysis.plan``). Exit
 status 0 when a layout fits, 1 when none does or an argument is bad.
 """
 
@@ -16,8 +16,8 @@ import re
 import sys
 
 from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
-from builder.commands.arguments import MAX_DEVICES, at_most, count, number
-from builder.commands.common import add_spec_options
+from builder.cli.arguments import MAX_DEVICES, at_most, count, number
+from builder.cli.common import add_spec_options
 
 UNITS = {
     "k": 10**3,
@@ -121,9 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.commands.common import spec_from_args
-    from builder.commands.describe import option_error
-    from builder.layout import LayoutError
+    from builder.analysis.layout import LayoutError
+    from builder.cli.common import spec_from_args
+    from builder.cli.describe import option_error
 
     try:
         cluster = cluster_from_args(args)
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     spec = spec_from_args(args)
-    from builder.plan import plan
+    from builder.analysis.plan import plan
 
     try:
         settings = _settings(spec, args)
@@ -153,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cluster_from_args(args: argparse.Namespace):
-    """The :class:`builder.plan.Cluster` the options describe; ``ValueError`` names a bad option."""
-    from builder import mfu
-    from builder.plan import Cluster
+    """The :class:`builder.analysis.plan.Cluster` the options describe; ``ValueError`` names a bad option."""
+    from builder.analysis import mfu
+    from builder.analysis.plan import Cluster
 
     memory = parse_size(args.gpu_memory, "--gpu-memory")
     gpus, per_node, nodes = args.gpus, args.gpus_per_node, args.nodes
@@ -220,7 +220,7 @@ def recipe_and_task(recipe: str | None) -> tuple[str, str]:
     """How the launch lines name the recipe — a zoo name as given (``lm-stdlib``, the default),
     a file as an absolute path, so a line runs from any folder — and its ``task``, read from the
     file (not validated: ``builder train`` does that)."""
-    from builder.loader import SpecError, read_merged
+    from builder.spec.loader import SpecError, read_merged
     from builder.zoo import ZooError, locate
 
     shown = recipe if recipe is not None else DEFAULT_RECIPE.removesuffix(".yaml")
@@ -255,7 +255,7 @@ def parse_count(text: str, option: str) -> int:
 
 
 def _launch(result, args, tokens: int | None) -> dict:
-    from builder.plan import launch_lines, recipe_overrides
+    from builder.analysis.plan import launch_lines, recipe_overrides
 
     recipe, task = recipe_and_task(args.recipe)
     spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
@@ -319,7 +319,7 @@ def _describe_line(result, args) -> str:
 
 
 def to_json(result, launch) -> dict:
-    from builder.plan import CHEAPEST
+    from builder.analysis.plan import CHEAPEST
 
     cluster = result.cluster
     out = {
@@ -363,8 +363,8 @@ def _print(result, launch, args) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from builder.plan import CHEAPEST
-    from builder.report import human, human_bytes, memory_table
+    from builder.analysis.plan import CHEAPEST
+    from builder.analysis.report import human, human_bytes, memory_table
 
     console = Console()
     cluster = result.cluster

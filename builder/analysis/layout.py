@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blocks.configs.base import PARALLEL_STYLES, indivisible
-from builder.memory import BYTES
+from builder.analysis.memory import BYTES
 
 DATA_PARALLEL = ("shard", "hybrid", "replicate")
 FP32 = 4
@@ -50,7 +50,7 @@ ADAMW_STATES = 2  # exp_avg, exp_avg_sq
 ADAMW_STEP = 4  # one fp32 scalar per parameter tensor
 #: the token embedding's plan: a vocabulary-parallel table (torch's RowwiseParallel on nn.Embedding)
 EMBEDDING_PLAN = {"tokens": "vocab"}
-#: the layer fields that hold blocks, as ``builder.schema.LAYER_FIELDS``
+#: the layer fields that hold blocks, as ``builder.spec.schema.LAYER_FIELDS``
 _LAYER_BLOCKS = ("attention", "cross_attention", "ffn", "norm")
 
 

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.documents import kinds
+    from builder.spec.kinds import kinds
     from builder.zoo import did_you_mean, find
 
     entry = find(args.name)

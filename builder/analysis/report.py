@@ -201,7 +201,7 @@ def memory_table(m, s, seq: int):
             ("activations", m.activations),
         )
     else:
-        from builder.layout import Layout
+        from builder.analysis.layout import Layout
 
         mesh = Layout.from_dict(layout)
         title = (
@@ -331,7 +331,7 @@ def plot(spec, est, path: str, estimate_fn=None) -> None:
             "error: --plot needs matplotlib; install it with `pip install 'transformer-builder[plot]'`"
         ) from None
     if estimate_fn is None:
-        from builder.estimates import estimate as estimate_fn
+        from builder.analysis.estimates import estimate as estimate_fn
     p, f, s = est.params, est.flops, est.settings
     fig, (ax_params, ax_flops, ax_seq) = plt.subplots(1, 3, figsize=(16, 5))
     names = list(p.by_component)

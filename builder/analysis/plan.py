@@ -1,7 +1,7 @@
 """The launch planner: the cheapest layout of a spec that fits a cluster, or why none does (torch-free).
 
 :func:`plan` tries every layout a recipe can launch on ``gpus`` GPUs — each tensor-parallel degree
-that divides a node and the spec (``builder.layout``), FSDP full sharding, HSDP (on several
+that divides a node and the spec (``builder.analysis.layout``), FSDP full sharding, HSDP (on several
 nodes) or replication, activation checkpointing off and on, and every micro-batch that divides the
 global batch — and sizes each with the same per-rank accounting ``builder describe --strategy
 fsdp`` prints. A layout fits when the rank holding the most needs no more than the usable memory
@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.layout import (
+from builder.analysis.layout import (
     DATA_PARALLEL,
     Layout,
     LayoutError,
@@ -35,7 +35,7 @@ from builder.layout import (
     tensor_parallel_spec,
     unit_sizes,
 )
-from builder.memory import BYTES
+from builder.analysis.memory import BYTES
 
 CHEAPEST = (
     "cheapest = fewest GPU-hours per optimizer step at the stated MFU (training FLOPs: 3x forward, "
@@ -127,7 +127,7 @@ class Plan:
     dtype: str
     mfu: float
     chosen: Candidate | None
-    estimate: Any = None  # builder.estimates.Estimate of the chosen layout, as describe prints it
+    estimate: Any = None  # builder.analysis.estimates.Estimate of the chosen layout, as describe prints it
     alternatives: list[Candidate] = field(default_factory=list)
     considered: int = 0
     reasons: list[str] = field(default_factory=list)  # why layouts were left out or nothing fits
@@ -159,7 +159,7 @@ def plan(
     """The cheapest layout of ``spec`` that fits ``cluster`` (see the module's docstring).
 
     ``tensor_parallel`` / ``data_parallel`` pin the search to one degree or mode. Raises
-    :class:`builder.layout.LayoutError` for settings no layout can satisfy (a pinned degree that
+    :class:`builder.analysis.layout.LayoutError` for settings no layout can satisfy (a pinned degree that
     does not divide the spec's heads, say).
     """
     seq = seq_len or spec.max_seq_len
@@ -177,7 +177,7 @@ def plan(
     result.reasons[:0] = _refused_degrees(sizer, cluster, tensor_parallel)
     result.considered = len(candidates)
     candidates.sort(key=Candidate.key)
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
 
     for candidate in candidates:
         layout = candidate.layout
@@ -225,7 +225,7 @@ class _Sizer:
     re-estimated in full)."""
 
     def __init__(self, states: _States, seq: int, src_len: int | None, dtype: str):
-        from builder.estimates import estimate
+        from builder.analysis.estimates import estimate
 
         self.states, self.spec, self.seq, self.src_len, self.dtype = states, states.spec, seq, src_len, dtype
         self.forward = estimate(self.spec, seq_len=seq, src_len=src_len, dtype=dtype).flops.forward_per_sequence
@@ -240,7 +240,7 @@ class _Sizer:
     def activations(self, tp: int, checkpointing: bool, batch: int) -> int:
         key = (tp, checkpointing)
         if key not in self._activations:
-            from builder.estimates import estimate
+            from builder.analysis.estimates import estimate
 
             local = tensor_parallel_spec(self.spec, tp)
             one, two = (
@@ -458,7 +458,7 @@ def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu
 
 
 def _gib(n: float) -> str:
-    from builder.report import human_bytes
+    from builder.analysis.report import human_bytes
 
     return human_bytes(n)
 

@@ -1,7 +1,7 @@
 """User blocks: loaded from the ``builder.blocks`` entry-point group and from ``--plugin``.
 
 A plugin is a module that registers config classes with ``blocks.registry.register`` when it
-is imported; the schema picks them up (``builder.schema.spec_model`` rebuilds when the
+is imported; the schema picks them up (``builder.spec.schema.spec_model`` rebuilds when the
 registry changes). A spec never imports code by itself: only an installed package's entry
 point or a module named on the command line (``--plugin mypackage.blocks``) runs.
 """

@@ -19,12 +19,12 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from blocks.configs.base import rule_error  # noqa: F401  (recipes raise it too)
-from builder.yaml_source import Document, FieldPath, Mark, Problem
+from builder.spec.source import Document, FieldPath, Mark, Problem
 
 
 def validation_problems(model_cls: type, data: Any, doc: Document) -> tuple[Any, list[Problem]]:
     """Validate ``data`` as ``model_cls``: ``(instance, [])`` or ``(None, located problems)``."""
-    from builder.schema import SpecRuleError
+    from builder.spec.schema import SpecRuleError
 
     try:
         return model_cls.model_validate(data, context={"document": doc}), []

@@ -11,8 +11,8 @@ import json
 import sys
 
 from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
-from builder.commands.arguments import MAX_BATCH, MAX_DEVICES, at_most, count
-from builder.commands.common import add_spec_options
+from builder.cli.arguments import MAX_BATCH, MAX_DEVICES, at_most, count
+from builder.cli.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +85,8 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 def estimate_from_args(spec, args: argparse.Namespace):
     """The estimate the sizing options ask for; a bad combination raises ``ValueError`` whose
     message names the option (``--tensor-parallel 3: decoder.attention.n_heads: ...``)."""
-    from builder.estimates import estimate
-    from builder.layout import LayoutError
+    from builder.analysis.estimates import estimate
+    from builder.analysis.layout import LayoutError
 
     limit = f"{spec.name}'s max_seq_len"
     at_most("--seq-len", args.seq_len, spec.max_seq_len, limit)
@@ -118,14 +118,14 @@ def estimate_from_args(spec, args: argparse.Namespace):
 
 
 def option_error(exc) -> str:
-    """A :class:`builder.layout.LayoutError` as the option at fault: ``--tensor-parallel 3: ...``."""
+    """A :class:`builder.analysis.layout.LayoutError` as the option at fault: ``--tensor-parallel 3: ...``."""
     if exc.argument == "spec":
         return f"{exc.value}: {exc.reason}"
     return f"--{exc.argument.replace('_', '-')} {exc.value}: {exc.reason}"
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.commands.common import spec_from_args
+    from builder.cli.common import spec_from_args
 
     spec = spec_from_args(args)
     try:
@@ -136,13 +136,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:
+        from builder.analysis.report import print_describe
         from builder.hf import export_line
-        from builder.report import print_describe
 
         print_describe(spec, est)
         print(f"export: {export_line(spec)}")
     if args.plot:
-        from builder.report import plot
+        from builder.analysis.report import plot
 
         plot(spec, est, args.plot)
         if not args.json:

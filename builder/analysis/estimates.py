@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder import memory as _memory
+from builder.analysis import memory as _memory
 
 #: bytes per element of the compute dtypes
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -143,20 +143,20 @@ def estimate(
     ``src_len`` is the encoder's length in an encoder-decoder (default ``seq_len``); ``batch``
     sequences per device (per tensor-parallel group); ``fused_attention``: a FlashAttention
     kernel saves no (seq, seq) tensor for backward (``False``: the eager backend's accounting).
-    ``strategy="fsdp"`` counts what a rank holds (``builder.layout``) on ``devices`` ranks over
+    ``strategy="fsdp"`` counts what a rank holds (``builder.analysis.layout``) on ``devices`` ranks over
     ``nodes`` machines, ``tensor_parallel`` ranks splitting each layer and ``data_parallel``
     (``shard`` | ``hybrid`` | ``replicate``) over the rest.
     """
-    from builder.schema import ModelSpec
+    from builder.spec.schema import ModelSpec
 
     if not isinstance(spec, ModelSpec):
-        from builder.loader import load_spec
+        from builder.spec.loader import load_spec
 
         spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
     _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy, nodes)
     layout = None
     if strategy == "fsdp":
-        from builder.layout import Layout, check_tensor_parallel
+        from builder.analysis.layout import Layout, check_tensor_parallel
 
         layout = Layout(devices=devices, nodes=nodes, tensor_parallel=tensor_parallel, data_parallel=data_parallel)
         check_tensor_parallel(spec, tensor_parallel)
@@ -299,8 +299,8 @@ def estimate(
 
 def _sharded(spec, layout, mem, **settings):
     """FSDP/TP: one tensor-parallel rank's activations and KV cache, and what the rank holding the
-    most keeps of the parameters, gradients and optimizer state (``builder.layout``)."""
-    from builder.layout import sharded_memory, tensor_parallel_spec
+    most keeps of the parameters, gradients and optimizer state (``builder.analysis.layout``)."""
+    from builder.analysis.layout import sharded_memory, tensor_parallel_spec
 
     if layout.tensor_parallel > 1:
         mem = estimate(tensor_parallel_spec(spec, layout.tensor_parallel), **settings).memory

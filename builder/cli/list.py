@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rows(kind: str | None = None) -> list[dict]:
     """One dict per zoo entry: name, kind, family, params, description, path."""
-    from builder.documents import kinds
-    from builder.loader import SpecError
+    from builder.spec.kinds import kinds
+    from builder.spec.loader import SpecError
     from builder.zoo import entries
 
     table = kinds()
@@ -77,7 +77,7 @@ def description(path: Path, width: int = 56) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.report import human
+    from builder.analysis.report import human
 
     if args.names:  # read nothing but the zoo's folders: completion asks this at every TAB
         from builder.zoo import entries

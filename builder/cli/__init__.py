@@ -2,7 +2,7 @@
 
 Each command is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; modules
 import torch (and Lightning) inside ``run`` only, so ``builder validate`` and ``builder
-describe`` start fast. ``builder``'s own commands live in ``builder/commands/``; other packages
+describe`` start fast. ``builder``'s own commands are the other modules of ``builder/cli/``; other packages
 contribute theirs as a ``COMMANDS`` table (name -> (module, help)) in a module named in
 :data:`PROVIDERS` (the recipes' ``train``, ``eval`` and ``generate``, in ``recipes/commands``)
 or in an installed package's ``builder.commands`` entry point (``name = "package.module"``).
@@ -20,17 +20,17 @@ import sys
 
 #: builder's own commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("builder.commands.validate", "check spec files; one line per problem"),
-    "schema": ("builder.commands.schema", "print the JSON Schema of a spec"),
-    "describe": ("builder.commands.describe", "analytic parameters, FLOPs and memory of a spec"),
-    "compare": ("builder.commands.compare", "estimated vs built parameter counts, by component"),
-    "diff": ("builder.commands.diff", "fields that differ between two specs and their effect"),
-    "plan": ("builder.commands.plan", "the cheapest multi-GPU layout that fits, with its launch lines"),
-    "import-hf": ("builder.commands.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
-    "export-hf": ("builder.commands.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
-    "consolidate": ("builder.commands.consolidate", "a sharded training checkpoint as one model.safetensors"),
-    "list": ("builder.commands.list", "the zoo: shipped specs and recipes by name, family, size"),
-    "cp": ("builder.commands.cp", "copy a zoo spec or recipe to a file to edit"),
+    "validate": ("builder.cli.validate", "check spec files; one line per problem"),
+    "schema": ("builder.cli.schema", "print the JSON Schema of a spec"),
+    "describe": ("builder.cli.describe", "analytic parameters, FLOPs and memory of a spec"),
+    "compare": ("builder.cli.compare", "estimated vs built parameter counts, by component"),
+    "diff": ("builder.cli.diff", "fields that differ between two specs and their effect"),
+    "plan": ("builder.cli.plan", "the cheapest multi-GPU layout that fits, with its launch lines"),
+    "import-hf": ("builder.cli.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
+    "export-hf": ("builder.cli.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
+    "consolidate": ("builder.cli.consolidate", "a sharded training checkpoint as one model.safetensors"),
+    "list": ("builder.cli.list", "the zoo: shipped specs and recipes by name, family, size"),
+    "cp": ("builder.cli.cp", "copy a zoo spec or recipe to a file to edit"),
 }
 #: modules whose ``COMMANDS`` table joins the command line, when they can be imported
 PROVIDERS = ("recipes.commands",)
@@ -178,7 +178,7 @@ INTERNAL_ERROR = 70
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status (see ``builder.commands.arguments`` for their meaning).
+    """Run one command; its exit status (see ``builder.cli.arguments`` for their meaning).
 
     Every failure a user can cause has its own one-line message where it happens. What escapes
     them is a bug: caught here as a last resort, printed as one line asking for a report (the
@@ -243,7 +243,7 @@ def exception_message(exc: BaseException) -> str:
 
 
 def _short(filename: str) -> str:
-    """``.../site-packages/builder/loader.py`` -> ``builder/loader.py``."""
+    """``.../site-packages/builder/loader.py`` -> ``builder/spec/loader.py``."""
     import os
 
     parts = filename.split(os.sep)
@@ -261,7 +261,3 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ pydantic model (recipes use it). Nothing here imports torch.
 
 Order of application: the ``extends:`` chain (parent first), then the overrides (each located
 as ``<--set key=value>`` unless the caller says where it was written), then validation. Every
-layering goes through the one merge (``builder.merge``): mappings merge key by key, scalars and
+layering goes through the one merge (``builder.spec.merge``): mappings merge key by key, scalars and
 lists replace, and a block mapping whose ``type`` differs from the one under it replaces it. An
 override sets the value at its dotted path, a mapping merged over a mapping already there.
 ``name`` defaults to the file's stem when the file itself does not set it.
@@ -21,10 +21,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.merge import Source, merge
-from builder.problems import validation_problems
-from builder.schema import DEFAULT_TYPES
-from builder.yaml_source import (
+from builder.spec.merge import Source, merge
+from builder.spec.problems import validation_problems
+from builder.spec.schema import DEFAULT_TYPES
+from builder.spec.source import (
     Document,
     FieldPath,
     Mark,
@@ -61,8 +61,8 @@ def load_spec(
     a validated ``ModelSpec`` (returned as it is, or with the overrides applied).
     ``overrides``: ``{"decoder.n_layers": 2}``, applied after ``extends:``.
     ``sources``: where an override was written, by key (see :func:`apply_overrides`)."""
-    from builder.plugins import load_plugins
-    from builder.schema import ModelSpec, spec_model
+    from builder.spec.plugins import load_plugins
+    from builder.spec.schema import ModelSpec, spec_model
 
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(
@@ -83,7 +83,7 @@ def load_spec(
 
 def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None, kind: str | None = None):
     """Load any YAML config into ``model_cls`` (a pydantic model) with the same located errors.
-    ``kind``: the document kind expected (``builder.documents``); a file plainly of another kind
+    ``kind``: the document kind expected (``builder.spec.kinds``); a file plainly of another kind
     is one problem saying so, not one per key."""
     return _load(path, model_cls, overrides, default_name=False, kind=kind)
 
@@ -261,10 +261,10 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sour
 
 
 def _mistaken(doc: Document, kind: str | None, found: Path, display: str) -> str | None:
-    """One line when ``doc`` is plainly another kind of document than ``kind`` (``builder.documents``)."""
+    """One line when ``doc`` is plainly another kind of document than ``kind`` (``builder.spec.kinds``)."""
     if kind is None:
         return None
-    from builder.documents import mistaken
+    from builder.spec.kinds import mistaken
     from builder.zoo import name_of
 
     return mistaken(doc.data, kind, name_of(found) or display)
@@ -327,7 +327,7 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
 
 def _kind_of(model_cls: type | None) -> str:
     """How messages name a file of ``model_cls``: "a spec", "a recipe"..."""
-    from builder.schema import ModelSpec
+    from builder.spec.schema import ModelSpec
 
     if model_cls is None or issubclass(model_cls, ModelSpec):
         return "a spec"

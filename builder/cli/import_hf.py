@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder.commands.arguments import output_folder, text
+from builder.cli.arguments import output_folder, text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
     from builder.hf import HFError, import_hf
     from builder.hf.tokenizer import read_tokenizer, to_tokenizers
-    from builder.loader import SpecError, load_spec
+    from builder.spec.loader import SpecError, load_spec
 
     try:
         spec_path, weights_path = import_hf(args.folder, args.out, name=args.name)

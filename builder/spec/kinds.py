@@ -4,7 +4,7 @@ Each kind of document is a :class:`Kind`: the top-level keys only it has, how to
 its JSON Schema, the fields that name other files, and the folder of its shipped files (the zoo,
 ``builder.zoo``). ``builder`` defines the spec; other packages contribute kinds as a ``KIND`` in
 a module named in :data:`PROVIDERS` (the recipes' training recipe, in ``recipes/documents.py``)
-or in an installed package's ``builder.documents`` entry point. Providers are imported by name,
+or in an installed package's ``builder.spec.kinds`` entry point. Providers are imported by name,
 only when asked: ``builder`` does not depend on ``recipes``.
 
 ``builder validate`` checks a file as the kind its keys say; a command that wants one kind and
@@ -21,12 +21,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.yaml_source import FieldPath, Problem
+from builder.spec.source import FieldPath, Problem
 
 #: modules whose ``KIND`` joins the document kinds, when they can be imported
 PROVIDERS = ("recipes.documents",)
-#: installed packages add kinds here: ``[project.entry-points."builder.documents"]``
-GROUP = "builder.documents"
+#: installed packages add kinds here: ``[project.entry-points."builder.spec.kinds"]``
+GROUP = "builder.spec.kinds"
 #: keys every kind may have; they tell nothing apart
 SHARED = frozenset({"name", "extends"})
 
@@ -56,19 +56,19 @@ class Kind:
 
 
 def _spec_keys() -> frozenset[str]:
-    from builder.schema import ModelSpec
+    from builder.spec.schema import ModelSpec
 
     return frozenset(ModelSpec.model_fields)
 
 
 def _validate_spec(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
-    from builder.loader import validate_file
+    from builder.spec.loader import validate_file
 
     return validate_file(path, overrides)
 
 
 def _spec_schema() -> dict:
-    from builder.json_schema import spec_json_schema
+    from builder.spec.json_schema import spec_json_schema
 
     return spec_json_schema()
 
@@ -88,9 +88,9 @@ def _spec_folder() -> Path | None:
 
 
 def _spec_summary(path: Path) -> dict:
-    from builder.estimates import estimate
+    from builder.analysis.estimates import estimate
     from builder.hf import Unsupported, choose_family
-    from builder.loader import load_spec
+    from builder.spec.loader import load_spec
 
     spec = load_spec(path)
     try:

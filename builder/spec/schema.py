@@ -1,6 +1,6 @@
 """The spec schema: :class:`ModelSpec` and its sections, for every field of the spec format.
 
-``from builder.schema import ModelSpec`` is a static class to annotate with: its block fields
+``from builder.spec.schema import ModelSpec`` is a static class to annotate with: its block fields
 are typed by their contracts (``AttentionBlock``, ``FFNBlock``... in ``blocks.configs.base``),
 which is all generic code may ask of them. Validation runs on :func:`spec_model`, a subclass of
 each section whose block fields are discriminated unions of the blocks registered now, so a
@@ -8,7 +8,7 @@ block registered later (a user's plugin) joins the schema and the JSON Schema at
 rebuilt when the registry changes. ``ModelSpec.model_validate(data)`` validates with it.
 
 Before validation each stack's ``cross_attention`` and per-layer ``overrides`` are completed
-from the stack's own blocks through the one merge (``builder.merge``), which carries where each
+from the stack's own blocks through the one merge (``builder.spec.merge``), which carries where each
 field was written. Cross-field rules that need the whole spec live in :func:`rule_errors`; a
 block's own rules live with the block; every rule names the field it is about so the loader can
 point at its line.
@@ -42,7 +42,7 @@ from blocks.configs.base import (
 )
 from blocks.configs.layer import LayerConfig
 from blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH
-from builder.merge import merge
+from builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
 DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}

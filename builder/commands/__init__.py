@@ -1,1 +1,0 @@
-"""One module per `builder` command: `add_arguments(parser)` and `run(args) -> int`."""
