@@ -28,7 +28,7 @@ Each row is its own process (Lightning starts a DDP row's other ranks as copies 
 limit, so one that fails or hangs fails alone. A row reports the precision ``auto`` resolved to,
 the steps done, whether the final training loss is finite, tokens/s (all devices, median interval)
 and ok, failed (with the error's one line) or ``skipped: no data``: the recipes fetch their data
-through the dataset registry (``recipes/datasets.py``: ``BUILDER_DATA``, set here to a checkout's
+through the dataset registry (``recipes/data/registry.py``: ``BUILDER_DATA``, set here to a checkout's
 ``../shared/data`` when there is one, else the user cache, downloading what is missing), and a
 machine that can neither find nor download it skips the recipe.
 
@@ -120,7 +120,7 @@ def recipe(folder: Path, args) -> Path:
 def estimates(path: Path, vocab_size: int, args) -> dict:
     """Parameters, training FLOPs per token and per-device training memory of the recipe's model."""
     from builder.analysis.estimates import estimate
-    from recipes.config import load_recipe, model_spec
+    from recipes.recipe.sections import load_recipe, model_spec
 
     loaded = load_recipe(path)
     model = model_spec(loaded, path, vocab_size)
@@ -144,7 +144,7 @@ def estimates(path: Path, vocab_size: int, args) -> dict:
 def train(path: Path, cuda: bool) -> dict:
     import torch
 
-    from recipes.train import run
+    from recipes.training.run import run
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -191,13 +191,13 @@ def recipe_overrides(folder: Path, steps: int, devices: int, cpu: bool) -> dict:
 
 
 def recipe_worker(name: str, overrides: dict, result: Path) -> None:
-    """One recipe row, in its own process (a DDP row's other ranks run it too): ``recipes.train.run``
+    """One recipe row, in its own process (a DDP row's other ranks run it too): ``recipes.training.run.run``
     as ``builder train`` calls it; rank 0 writes what came of it to ``result``."""
-    from recipes.config import load_recipe
-    from recipes.datasets import DatasetError
-    from recipes.documents import recipe_path
-    from recipes.module import NonFiniteLossError
-    from recipes.train import for_this_machine, run
+    from recipes.data.registry import DatasetError
+    from recipes.recipe.kind import recipe_path
+    from recipes.recipe.sections import load_recipe
+    from recipes.training.module import NonFiniteLossError
+    from recipes.training.run import for_this_machine, run
 
     row: dict = {"precision": None, "steps": None, "train_loss": None, "finite": None, "tokens_per_s": None}
     try:

@@ -14,7 +14,7 @@ recipe's own 10-step-interval median, compilation left out), each variant's rati
 eager in the same round, compile seconds, whole-run seconds and the final validation loss (quality
 is kept when bf16's loss is level with fp32's). The last line is JSON with all of it.
 
-``recipes/precision.py`` says which precision ``auto`` picks on a CPU from what this measures.
+``recipes/training/precision.py`` says which precision ``auto`` picks on a CPU from what this measures.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def variant_overrides(variant: str, steps: int) -> dict:
 
 def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
     from builder.spec.loader import parse_set_args
-    from recipes.documents import recipe_path
-    from recipes.train import run
+    from recipes.recipe.kind import recipe_path
+    from recipes.training.run import run
 
     with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
         overrides = dict(
@@ -92,9 +92,9 @@ def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> di
 
 def auto_choice(recipe: str) -> str:
     """What ``trainer.precision: auto`` resolves to for this recipe on this machine."""
-    from recipes.config import load_recipe
-    from recipes.documents import recipe_path
-    from recipes.train import for_this_machine
+    from recipes.recipe.kind import recipe_path
+    from recipes.recipe.sections import load_recipe
+    from recipes.training.run import for_this_machine
 
     path = recipe_path(recipe)
     return for_this_machine(load_recipe(path, {"trainer.precision": "auto"}), quiet=True).trainer.precision

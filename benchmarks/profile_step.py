@@ -37,7 +37,7 @@ VOCAB = 65  # tiny Shakespeare's characters
 
 
 def recipe_and_spec():
-    from recipes.config import load_recipe, model_spec
+    from recipes.recipe.sections import load_recipe, model_spec
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
     recipe = load_recipe(recipe_file)

@@ -41,7 +41,7 @@ from machine import emit, machine  # benchmarks/machine.py (this folder is on sy
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "shakespeare-char.yaml"
-# the data comes through the dataset registry (recipes/datasets.py): BUILDER_DATA, else a checkout's
+# the data comes through the dataset registry (recipes/data/registry.py): BUILDER_DATA, else a checkout's
 # local copy at ../shared/data when there is one, else downloaded once into the user cache
 if (REPO.parent / "shared" / "data").is_dir():
     os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
@@ -109,9 +109,9 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
     from yardstick import GPT, GPTConfig, LoopConfig, train
 
     from builder import build_model
-    from recipes.config import load_recipe
     from recipes.data.windows import Mixture, TrainWindows, ValWindows
-    from recipes.train import prepare
+    from recipes.recipe.sections import load_recipe
+    from recipes.training.run import prepare
 
     recipe = load_recipe(RECIPE, _overrides(seed, max_steps))
     t, d, opt, sched = recipe.trainer, recipe.data, recipe.optimizer, recipe.schedule
@@ -129,7 +129,7 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
             n_embd=spec.d_model,
         )
     )
-    if not own_init:  # the recipe's seeded init (recipes.train.training_model seeds the same way)
+    if not own_init:  # the recipe's seeded init (recipes.training.run.training_model seeds the same way)
         torch.manual_seed(seed)
         ours = build_model(spec).state_dict()
         model.load_state_dict(nanogpt_state(ours, spec.decoder.n_layers))
@@ -170,7 +170,7 @@ def recipe_worker(seed: int, max_steps: int | None, settings: list[str]) -> dict
     import torch
 
     from builder.spec.loader import parse_set_args
-    from recipes.train import run
+    from recipes.training.run import run
 
     with tempfile.TemporaryDirectory(prefix="shakespeare-char-") as tmp:
         overrides = dict(

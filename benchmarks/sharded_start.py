@@ -86,8 +86,8 @@ def sharded(spec: dict) -> dict:
 
     from builder import build_model
     from builder.spec.schema import spec_model
-    from recipes.config import TrainerSection
     from recipes.parallel import MESH_DIMS, layout_of, local_bytes, mesh_shape, shard_model
+    from recipes.recipe.sections import TrainerSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -45,7 +45,7 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
     import lightning as L
 
     from builder.spec.loader import parse_set_args
-    from recipes.train import run
+    from recipes.training.run import run
 
     times: dict = {"ends": [], "starts": [], "first": None}
 
@@ -58,15 +58,15 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             times["ends"].append(time.perf_counter())
 
-    import recipes.train
+    import recipes.training.run
 
-    made = recipes.train.run_trainer
+    made = recipes.training.run.run_trainer
 
     def with_clock(recipe, recipe_file, spec, out, callbacks, ckpt):
         return made(recipe, recipe_file, spec, out, [Clock(), *callbacks], ckpt)
 
-    recipes.train.run_trainer = with_clock
-    prepared = recipes.train.prepare
+    recipes.training.run.run_trainer = with_clock
+    prepared = recipes.training.run.prepare
 
     def timed_prepare(*args, **kwargs):  # opening the corpus: manifests, checksums, memory maps
         began = time.perf_counter()
@@ -75,7 +75,7 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
         finally:
             times["open_s"] = time.perf_counter() - began
 
-    recipes.train.prepare = timed_prepare
+    recipes.training.run.prepare = timed_prepare
     from torch.utils.data import dataloader
 
     fetches: list[float] = []

@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-# the data comes through the dataset registry (recipes/datasets.py): BUILDER_DATA, else a checkout's
+# the data comes through the dataset registry (recipes/data/registry.py): BUILDER_DATA, else a checkout's
 # local copy at ../shared/data when there is one, else downloaded once into the user cache
 if (REPO.parent / "shared" / "data").is_dir():
     os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
@@ -49,7 +49,7 @@ if (REPO.parent / "shared" / "data").is_dir():
 def make_clock(minutes: float, eval_every: float, sources: list[str], references: list[str]):
     import lightning as L
 
-    from recipes.translation import score, tokenizer_of, translate
+    from recipes.tasks.translation import score, tokenizer_of, translate
 
     class TrainingClock(L.Callback):
         """Stops after ``minutes`` of training; every ``eval_every`` minutes, greedy BLEU (untimed)."""
@@ -102,13 +102,13 @@ def _throughput_overrides(steps: int, out: Path) -> dict:
 
 def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
     """One side of ``--side-by-side``, in this process."""
-    from recipes.config import load_recipe
+    from recipes.recipe.sections import load_recipe
 
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     with tempfile.TemporaryDirectory(prefix="translate-throughput-") as tmp:
         recipe = load_recipe(recipe_file, {**_throughput_overrides(steps, Path(tmp) / "run"), **overrides})
         if which == "recipe":
-            from recipes.tasks import run_task
+            from recipes.tasks.base import run_task
 
             summary = run_task(recipe, recipe_file, fresh=True)
             return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"]}
@@ -117,7 +117,7 @@ def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from yardstick_seq2seq import Seq2Seq, train
 
-        from recipes.translation import prepare
+        from recipes.tasks.translation import prepare
 
         prepared = prepare(recipe, recipe_file)
         spec, opt = prepared.spec, recipe.optimizer
@@ -222,9 +222,9 @@ def main() -> int:
         return 0
     if args.side_by_side:
         return side_by_side(args, parse_set_args(args.overrides))
-    from recipes.config import load_recipe
-    from recipes.tasks import run_task
-    from recipes.translation import validation_pairs
+    from recipes.recipe.sections import load_recipe
+    from recipes.tasks.base import run_task
+    from recipes.tasks.translation import validation_pairs
 
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="translate-multi30k-"))

@@ -1,6 +1,6 @@
 """Lightning training recipes on top of ``builder``: a recipe YAML -> a trained checkpoint.
 
-``recipes.config`` (the recipe schema) is torch-free; the other modules import torch and
+``recipes.recipe.sections`` (the recipe schema) is torch-free; the other modules import torch and
 Lightning and are imported by ``builder train`` / ``eval`` / ``generate`` inside ``run``.
 """
 

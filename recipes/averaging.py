@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from recipes.config import RecipeError
+from recipes.recipe.sections import RecipeError
 
 #: kept checkpoints are named by their optimizer step, so name order is step order
 _STEP_NAME = re.compile(r"^step-(\d+)\.ckpt$")

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from builder.checkpoints import model_weights
-from recipes.config import Recipe, RecipeError
+from recipes.data.tokenizers import from_state
 from recipes.data.windows import IGNORE, ValWindows
-from recipes.tokenizer import from_state
+from recipes.recipe.sections import Recipe, RecipeError
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -66,7 +66,7 @@ class _ErrorKeepingFile:
 
 
 def _write_error(path: Path, exc: OSError) -> CheckpointWriteError:
-    from recipes.runfolder import os_reason
+    from recipes.training.run_folder import os_reason
 
     kept = f"the previous {path.name} is kept" if path.exists() else "no checkpoint was written"
     return CheckpointWriteError(f"could not write {path}: {os_reason(exc)}; {kept}")
@@ -169,7 +169,7 @@ def newest_intact(folder: Path) -> tuple[Path | None, dict | None, list[tuple[Pa
             damaged.append((path, exc))
             continue
         listed.append((step, -order, path))
-    from recipes.runfolder import owns_run_folder
+    from recipes.training.run_folder import owns_run_folder
 
     for _, _, path in sorted(listed, reverse=True):
         try:  # a sharded folder's shard files are checked by rank 0, whose choice every rank loads
@@ -313,8 +313,8 @@ def recipe_tokens(meta: dict, tokenizer):
 def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
     """All the text of ``paths`` (files or folders), tokenized: one document per file, each
     followed by the tokenizer's EOS when it has one."""
-    from recipes.config import DataSection
     from recipes.data.corpus import read_text
+    from recipes.recipe.sections import DataSection
 
     text = read_text(paths, DataSection(sources=paths, max_bytes=None, cache_dir=cache_dir), None)
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]

@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from builder.analysis.layout import Layout, LayoutError
-from recipes.config import RecipeError, TrainerSection
+from recipes.recipe.sections import RecipeError, TrainerSection
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
@@ -142,7 +142,7 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 
 class MeshClipping:
     """Gradient clipping across device meshes, for a Lightning precision plugin
-    (``recipes.precision.lightning_plugin``)."""
+    (``recipes.training.precision.lightning_plugin``)."""
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         clip_grad_norm(list(self.main_params(optimizer)), clip_val)
@@ -221,8 +221,8 @@ def shard_model(model: nn.Module, mesh, settings: TrainerSection, init_seed: int
     model is on the meta device."""
     from torch.distributed.fsdp import fully_shard
 
-    from recipes.module import checkpoint_layers, layer_modules
-    from recipes.speed import compile_layers, compile_mode
+    from recipes.training.module import checkpoint_layers, layer_modules
+    from recipes.training.speed import compile_layers, compile_mode
 
     if mesh["tp"].size() > 1:
         from recipes.tensor_parallel import apply_tensor_parallel

@@ -103,7 +103,7 @@ def _write_error(path: Path, exc: BaseException):
     import torch.distributed as dist
 
     from recipes.checkpoint import CheckpointWriteError
-    from recipes.runfolder import os_reason
+    from recipes.training.run_folder import os_reason
 
     failures = [f[0] for f in getattr(exc, "failures", {}).values()] or [exc]
     errors = [f for f in failures if isinstance(f, OSError)]

@@ -24,7 +24,7 @@ def unbroken_run(tmp_path_factory):
     Returns ``(recipe file, summary)``."""
     from recipe_helpers import fault_recipe
 
-    from recipes.train import run
+    from recipes.training.run import run
 
     recipe = fault_recipe(tmp_path_factory.mktemp("unbroken"))
     return recipe, run(recipe, samples=False)

@@ -83,9 +83,9 @@ def lm_checkpoint(folder: Path) -> Path:
 
     from builder.assemble import build_model
     from builder.spec.schema import spec_model
-    from recipes.config import load_recipe
-    from recipes.tokenizer import CharTokenizer
-    from recipes.train import training_meta
+    from recipes.data.tokenizers import CharTokenizer
+    from recipes.recipe.sections import load_recipe
+    from recipes.training.run import training_meta
 
     folder.mkdir(parents=True, exist_ok=True)
     recipe_file = tiny_recipe(folder)

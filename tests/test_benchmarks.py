@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 def _recipe_model(vocab_size: int = 65, seed: int = 3):
     from builder import build_model
-    from recipes.config import load_recipe, model_spec
+    from recipes.recipe.sections import load_recipe, model_spec
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
     recipe = load_recipe(recipe_file)
@@ -53,7 +53,7 @@ def test_yardstick_on_the_recipes_weights_is_the_same_function():
 def test_yardstick_schedule_is_the_recipes():
     from yardstick import LoopConfig, get_lr
 
-    from recipes.module import lr_multiplier
+    from recipes.training.module import lr_multiplier
 
     recipe, _, _ = _recipe_model()
     s, opt = recipe.schedule, recipe.optimizer

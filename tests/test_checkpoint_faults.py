@@ -127,8 +127,8 @@ def test_every_command_that_reads_a_checkpoint_refuses_a_hostile_one_in_one_line
 
 def test_a_pickle_that_runs_code_is_never_unpickled_by_the_resume_load(good, tmp_path):
     """Lightning reads the checkpoint a run resumes from through our checkpoint IO: weights only."""
-    from recipes.callbacks import AtomicCheckpointIO
-    from recipes.config import RecipeError
+    from recipes.recipe.sections import RecipeError
+    from recipes.training.callbacks import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     assert io.load_checkpoint(good)["global_step"] == 0

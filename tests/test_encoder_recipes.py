@@ -33,7 +33,7 @@ ENCODER = {
 
 
 class _Tok:
-    """Enough of a sentencepiece tokenizer for :class:`recipes.encoder.Specials`."""
+    """Enough of a sentencepiece tokenizer for :class:`recipes.tasks.encoder.Specials`."""
 
     vocab_size = 100
 
@@ -43,7 +43,7 @@ class _Tok:
 
 
 def test_masking_statistics_and_specials_untouched():
-    from recipes.encoder import Specials, mask_tokens
+    from recipes.tasks.encoder import Specials, mask_tokens
 
     specials = Specials(_Tok())
     g = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def test_masking_statistics_and_specials_untouched():
 
 
 def test_classification_metrics():
-    from recipes.encoder import classification_metrics
+    from recipes.tasks.encoder import classification_metrics
 
     predictions, labels = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 1, 1, 1, 0])
     m = classification_metrics(predictions, labels, 3)
@@ -103,7 +103,7 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
 def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     from builder.cli import main
     from recipes.checkpoint import load_trained
-    from recipes.train import run
+    from recipes.training.run import run
 
     corpus = tmp_path / "corpus.txt"  # tiny Shakespeare when a local copy is here, else made-up prose like it
     real = real_data_root("tinyshakespeare.txt")
@@ -169,7 +169,7 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
 def test_classification_starts_from_the_mlm_encoder(tmp_path):
     from builder import build_model
     from builder.spec.schema import spec_model
-    from recipes.encoder import load_encoder
+    from recipes.tasks.encoder import load_encoder
 
     torch.manual_seed(0)
     mlm = build_model(spec_model().model_validate(dict(ENCODER, vocab_size=50)))
@@ -188,7 +188,7 @@ def test_classification_starts_from_the_mlm_encoder(tmp_path):
 
 def test_encoder_recipe_rules(tmp_path):
     from builder.spec.loader import SpecError
-    from recipes.config import load_recipe
+    from recipes.recipe.sections import load_recipe
 
     path = _write_recipe(tmp_path, "bad", {"task": "classification", "data": {"text_field": "body"}})
     with pytest.raises(SpecError, match="data.file"):

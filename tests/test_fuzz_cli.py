@@ -391,12 +391,12 @@ RECIPE_KEYS = [
 @pytest.fixture()
 def no_training(monkeypatch):
     """Stop where training would begin: everything before the first step is what is fuzzed."""
-    import recipes.train
+    import recipes.training.run
 
     def reached(*args, **kwargs):
         raise SystemExit(0)  # the recipe, its data, tokenizer, model and run folder were all accepted
 
-    monkeypatch.setattr(recipes.train, "run_trainer", reached)
+    monkeypatch.setattr(recipes.training.run, "run_trainer", reached)
 
 
 def _recipe_base(hostile) -> dict:

@@ -29,8 +29,8 @@ PROMPT = "def parse("
 
 
 def _stdlib_text(limit: int = 60_000) -> str:
-    from recipes.config import DataSection
     from recipes.data.corpus import read_corpus
+    from recipes.recipe.sections import DataSection
 
     return read_corpus(DataSection(sources=["python-stdlib"], max_bytes=limit), None).text
 
@@ -38,7 +38,7 @@ def _stdlib_text(limit: int = 60_000) -> str:
 @pytest.fixture(scope="module", params=["char", "bpe"])
 def exported(request, tmp_path_factory):
     """A tiny LM trained a few steps by a recipe, and its `builder export-hf` folder."""
-    from recipes.train import run
+    from recipes.training.run import run
 
     tmp = tmp_path_factory.mktemp(f"export-{request.param}")
     tokenizer = (
@@ -127,7 +127,7 @@ def test_an_exported_folder_imports_with_its_tokenizer_and_generates_alike(expor
 
 
 def test_a_recipe_trains_with_a_folders_tokenizer_and_exports_it_again(exported, tmp_path, capsys):
-    from recipes.train import run
+    from recipes.training.run import run
 
     kind, _, folder = exported
     path = tiny_recipe(
@@ -151,8 +151,8 @@ def test_a_recipe_trains_with_a_folders_tokenizer_and_exports_it_again(exported,
 
 
 def _spm(model_type: str, vocab_size: int = 400, **options) -> bytes:
-    from recipes.config import TokenizerSection
-    from recipes.tokenizer import train_sentencepiece
+    from recipes.data.tokenizers import train_sentencepiece
+    from recipes.recipe.sections import TokenizerSection
 
     section = TokenizerSection(type="sentencepiece", model_type=model_type, vocab_size=vocab_size)
     return train_sentencepiece(_stdlib_text(), section, options=options)

@@ -143,7 +143,7 @@ def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
     assert [(p.line, p.path) for p in problems] == [(6, "position.type"), (9, "decoder.attention.type")], problems
     assert "unknown type 'lowrank_kv'" in problems[1].message
     from recipes.checkpoint import load_trained
-    from recipes.config import RecipeError
+    from recipes.recipe.sections import RecipeError
 
     with pytest.raises(RecipeError, match="--plugin"):
         load_trained(result["checkpoint"])

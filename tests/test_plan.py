@@ -165,7 +165,7 @@ def test_shorter_sequences_and_batches_are_suggested():
     ],
 )
 def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypatch):
-    from recipes.config import TrainerSection, load_recipe
+    from recipes.recipe.sections import TrainerSection, load_recipe
 
     if "tensor_parallel" not in TrainerSection.model_fields:
         pytest.skip("recipes lack trainer.tensor_parallel / trainer.data_parallel (issue 11's FSDP2 recipes)")

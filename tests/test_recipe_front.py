@@ -15,7 +15,7 @@ from data_helpers import data_for_recipes
 from builder.cli import main
 from builder.spec.kinds import kind_of
 from builder.spec.loader import SpecError, load_spec
-from recipes.config import load_recipe, model_spec
+from recipes.recipe.sections import load_recipe, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted([*(ROOT / "specs").rglob("*.yaml"), *(ROOT / "recipes").glob("*.yaml")])
@@ -139,7 +139,7 @@ def test_dry_run_resolves_without_downloading_or_writing(tmp_path):
 
 
 def test_dry_run_reads_what_is_on_disk(tmp_path, monkeypatch, capsys):
-    from recipes.dryrun import dry_run
+    from recipes.training.dry_run import dry_run
 
     data_for_recipes(tmp_path / "data", monkeypatch)
     monkeypatch.chdir(tmp_path)
@@ -155,7 +155,7 @@ def test_dry_run_reads_what_is_on_disk(tmp_path, monkeypatch, capsys):
 
 
 def test_dry_run_of_every_shipped_recipe(tmp_path, monkeypatch, capsys):
-    from recipes.dryrun import dry_run
+    from recipes.training.dry_run import dry_run
 
     monkeypatch.setenv("BUILDER_DATA", str(tmp_path / "empty"))
     monkeypatch.chdir(tmp_path)

@@ -16,7 +16,7 @@ def _step(checkpoint) -> int:
 
 
 def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
-    from recipes.train import run
+    from recipes.training.run import run
 
     steps = 60
     killed_dir, unbroken_dir = tmp_path / "killed", tmp_path / "unbroken"
@@ -84,7 +84,7 @@ def test_resume_refuses_a_different_model(tmp_path, capsys):
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    from recipes.train import run
+    from recipes.training.run import run
 
     trainer = {"max_steps": 8, "val_check_interval": 4, "limit_val_batches": 2, "log_every_n_steps": 1}
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
@@ -118,7 +118,7 @@ def test_a_time_limit_is_per_invocation_and_every_stop_names_its_cause(tmp_path,
     """``trainer.max_time`` bounds each invocation: the same command again resumes and trains for
     another max_time (it used to count the time already spent, train 0 steps and exit 0); the last
     lines say which limit ended the run and how to go on."""
-    from recipes.train import run
+    from recipes.training.run import run
 
     path = tiny_recipe(
         tmp_path,

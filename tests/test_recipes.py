@@ -11,7 +11,7 @@ import torch
 from recipe_helpers import history, tiny_recipe
 
 from builder.spec.loader import SpecError
-from recipes.config import ScheduleSection, load_recipe
+from recipes.recipe.sections import ScheduleSection, load_recipe
 
 
 def test_recipe_typo_fails_with_its_line(tmp_path):
@@ -27,7 +27,7 @@ def test_recipe_typo_fails_with_its_line(tmp_path):
 
 
 def test_bad_inline_spec_points_at_the_recipe_line(tmp_path):
-    from recipes.config import model_spec
+    from recipes.recipe.sections import model_spec
 
     path = tiny_recipe(tmp_path)
     text = path.read_text().replace("n_heads: 2", "n_heads: 3")
@@ -41,7 +41,7 @@ def test_bad_inline_spec_points_at_the_recipe_line(tmp_path):
 
 
 def test_set_reaches_recipe_fields_and_the_model(tmp_path):
-    from recipes.config import model_spec
+    from recipes.recipe.sections import model_spec
 
     path = tiny_recipe(tmp_path)
     recipe = load_recipe(path, {"trainer.max_steps": 3, "model.overrides.decoder.n_layers": 1, "data.seq_len": 16})
@@ -56,7 +56,7 @@ def test_set_reaches_recipe_fields_and_the_model(tmp_path):
 
 
 def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
-    from recipes.config import model_spec
+    from recipes.recipe.sections import model_spec
 
     spec_file = Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml"
     moe = {"type": "moe", "n_experts": 2, "expert": {"type": "glu", "hidden_dim": 16}}
@@ -71,7 +71,7 @@ def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
 
 
 def test_schedule_warms_up_then_decays_to_min_lr():
-    from recipes.module import lr_multiplier
+    from recipes.training.module import lr_multiplier
 
     cosine = ScheduleSection(type="cosine", warmup_steps=10, min_lr=1e-4)
     values = [lr_multiplier(s, cosine, lr=1e-3, max_steps=100) for s in range(120)]
@@ -85,7 +85,7 @@ def test_schedule_warms_up_then_decays_to_min_lr():
 def test_no_weight_decay_on_norms_biases_and_embeddings():
     from builder import build_model
     from builder.spec.schema import spec_model
-    from recipes.module import param_groups
+    from recipes.training.module import param_groups
 
     spec = spec_model().model_validate(
         {
@@ -113,7 +113,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One tiny run shared by the tests that need a checkpoint."""
-    from recipes.train import run
+    from recipes.training.run import run
 
     tmp = tmp_path_factory.mktemp("trained")
     path = tiny_recipe(tmp, trainer={"max_steps": 30, "val_check_interval": 15})
@@ -195,7 +195,7 @@ def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_pa
     """Losses are read every 5 steps and before each checkpoint (every 3): the loss of step 8 is
     NaN, so the checkpoint of step 9 is not written; step 6's stays, with only finite losses."""
     from builder.cli import main
-    from recipes.module import LMModule
+    from recipes.training.module import LMModule
 
     original = LMModule.logits_and_targets
 
@@ -226,9 +226,9 @@ def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_pa
 
 
 def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatch):
-    from recipes.callbacks import AtomicCheckpointIO
-    from recipes.runfolder import claim
-    from recipes.train import resume_path
+    from recipes.training.callbacks import AtomicCheckpointIO
+    from recipes.training.run import resume_path
+    from recipes.training.run_folder import claim
 
     target = tmp_path / "run" / "checkpoints" / "last.ckpt"
     io = AtomicCheckpointIO()
@@ -259,7 +259,7 @@ def _tiny_model(spec_file: str, seed: int = 0):
 
 
 def test_activation_checkpointing_keeps_the_gradients():
-    from recipes.module import checkpoint_layers, layer_modules
+    from recipes.training.module import checkpoint_layers, layer_modules
 
     plain, checkpointed = _tiny_model("llama.yaml"), _tiny_model("llama.yaml")
     assert checkpoint_layers(checkpointed) == len(layer_modules(plain)) == 2
@@ -274,7 +274,7 @@ def test_activation_checkpointing_keeps_the_gradients():
 def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
     """`trainer.activation_checkpointing` reaches encoder-decoder (translation) models too."""
     from builder import load_spec
-    from recipes.train import training_model
+    from recipes.training.run import training_model
 
     recipe = load_recipe(tiny_recipe(tmp_path), {"trainer.activation_checkpointing": True})
     spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "transformer.yaml")
@@ -285,7 +285,7 @@ def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
 
 
 def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
-    from recipes.module import LMModule
+    from recipes.training.module import LMModule
 
     path = tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})
     model = _tiny_model("mixtral.yaml")

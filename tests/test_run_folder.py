@@ -15,7 +15,7 @@ from recipe_helpers import REPO, one_error_line, tiny_recipe
 
 HOLD = """
 import sys
-from recipes.runfolder import RunLock
+from recipes.training.run_folder import RunLock
 RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 sys.stdin.read()
@@ -52,8 +52,8 @@ def test_a_second_run_stops_at_once_and_a_dead_holders_lock_is_taken_over(tmp_pa
 
 
 def test_a_record_from_another_host_is_trusted_while_it_is_fresh(tmp_path):
-    from recipes.config import RecipeError
-    from recipes.runfolder import STALE_S, RunLock
+    from recipes.recipe.sections import RecipeError
+    from recipes.training.run_folder import STALE_S, RunLock
 
     lock_file = tmp_path / "run.lock"
     lock_file.write_text(json.dumps({"pid": 4242, "host": "node-17", "started": "2026-01-01T00:00:00"}))
@@ -70,7 +70,7 @@ def test_a_record_from_another_host_is_trusted_while_it_is_fresh(tmp_path):
 
 
 def test_only_the_process_that_owns_the_folder_locks_it(tmp_path, monkeypatch):
-    from recipes.runfolder import RunLock, claim, owns_run_folder
+    from recipes.training.run_folder import RunLock, claim, owns_run_folder
 
     assert owns_run_folder({}) and owns_run_folder({"RANK": "0", "LOCAL_RANK": "0", "NODE_RANK": "0"})
     for rank in (
@@ -100,7 +100,7 @@ def _read_only_writes(folder):
 
 @pytest.mark.parametrize("case", ["output is a file", "output under a file", "cache is a file", "read-only output"])
 def test_an_unwritable_folder_stops_the_run_before_any_work(tmp_path, capsys, monkeypatch, case):
-    import recipes.runfolder
+    import recipes.training.run_folder
     from builder.cli import main
 
     out, cache = tmp_path / "out", tmp_path / "cache"
@@ -112,7 +112,7 @@ def test_an_unwritable_folder_stops_the_run_before_any_work(tmp_path, capsys, mo
     elif case == "cache is a file":
         cache.write_text("not a folder")
     else:
-        monkeypatch.setattr(recipes.runfolder, "open", _read_only_writes(out), raising=False)
+        monkeypatch.setattr(recipes.training.run_folder, "open", _read_only_writes(out), raising=False)
     recipe = tiny_recipe(tmp_path, data={"cache_dir": str(cache)}, trainer={"output_dir": str(out)})
     assert main(["train", str(recipe), "--no-samples"]) == 1
     line = one_error_line(capsys.readouterr().err, "builder train:")
@@ -172,7 +172,7 @@ def test_resume_names_every_field_that_differs_and_fresh_keeps_the_old_checkpoin
 
 
 def test_which_recipe_fields_may_change_on_resume():
-    from recipes.runfolder import recipe_differences
+    from recipes.training.run_folder import recipe_differences
 
     saved = {
         "model": {"spec": "a.yaml"},

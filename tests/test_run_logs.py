@@ -28,8 +28,8 @@ def _versions(out: Path) -> dict[str, list[str]]:
 
 
 def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch):
-    from recipes.config import load_recipe
-    from recipes.train import run
+    from recipes.recipe.sections import load_recipe
+    from recipes.training.run import run
 
     inline = yaml.safe_load(tiny_recipe(tmp_path).read_text())["model"]["spec"]
     (tmp_path / "specs").mkdir()
@@ -75,7 +75,7 @@ def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch
 
 
 def test_a_resumed_run_continues_its_logs(tmp_path, capsys):
-    from recipes.train import run
+    from recipes.training.run import run
 
     path = tiny_recipe(tmp_path, trainer=TRAINER)
     out = tmp_path / "run"
@@ -103,7 +103,7 @@ def test_a_resumed_run_continues_its_logs(tmp_path, capsys):
 
 def test_eval_scores_the_runs_validation_by_default(tmp_path, capsys):
     from builder.cli import main
-    from recipes.train import run
+    from recipes.training.run import run
 
     summary = run(tiny_recipe(tmp_path, trainer=TRAINER), samples=False)
     capsys.readouterr()

@@ -74,7 +74,7 @@ def test_fsdp_on_two_processes_trains_like_one_and_its_sharded_checkpoint_reads_
     from safetensors.torch import load_file
 
     from builder.checkpoints import is_sharded, load_model
-    from recipes.train import run
+    from recipes.training.run import run
 
     sharded = recipe(tmp_path / "fsdp", batch=2, devices=2, strategy="fsdp")
     out = train(sharded)

@@ -108,7 +108,7 @@ class _Died(BaseException):
 
 
 def _resume(run: Path):
-    from recipes.train import resume_path
+    from recipes.training.run import resume_path
 
     return resume_path(run, resume=None, fresh=False)
 
@@ -259,8 +259,8 @@ def test_a_damaged_shard_is_a_one_line_error_naming_it_in_every_reader(tmp_path,
 
 
 def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_intact_one(tmp_path, capsys):
-    from recipes.config import RecipeError
-    from recipes.train import resume_path
+    from recipes.recipe.sections import RecipeError
+    from recipes.training.run import resume_path
 
     run = tmp_path / "run"
     folder = run / "checkpoints"
@@ -288,8 +288,8 @@ def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_int
 
 
 def test_a_sharded_checkpoint_of_another_spec_or_tokenizer_is_refused_naming_the_field(tmp_path):
-    from recipes.config import RecipeError
-    from recipes.train import resume_path
+    from recipes.recipe.sections import RecipeError
+    from recipes.training.run import resume_path
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

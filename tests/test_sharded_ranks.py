@@ -31,9 +31,9 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
     from torch.distributed.tensor import DTensor
 
     from builder.assemble import build_model
-    from recipes.config import TrainerSection
-    from recipes.module import param_groups
     from recipes.parallel import MESH_DIMS, layout_of, mesh_shape, shard_model
+    from recipes.recipe.sections import TrainerSection
+    from recipes.training.module import param_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -14,7 +14,7 @@ import pytest
 
 from builder.spec.loader import SpecError, load_spec, parse_set_args
 from builder.spec.source import parse_value
-from recipes.config import load_recipe
+from recipes.recipe.sections import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = """\

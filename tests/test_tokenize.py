@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from hostile_helpers import cli, refused
 
-from recipes.config import RecipeError, TokenizerSection
 from recipes.data.sources import DocumentStream, find_sources
 from recipes.data.tokenized import (
     Document,
@@ -27,6 +26,7 @@ from recipes.data.tokenized import (
     is_tokenized_dataset,
     tokenize_documents,
 )
+from recipes.recipe.sections import RecipeError, TokenizerSection
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -99,7 +99,7 @@ def docs(n: int, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="module")
 def sp(tmp_path_factory):
     """A small sentencepiece model with an EOS piece, as train_sentencepiece now trains them."""
-    from recipes.tokenizer import SentencePieceTokenizer, train_sentencepiece
+    from recipes.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
 
     proto = train_sentencepiece("\n".join(docs(800, seed=9)), TokenizerSection(vocab_size=300))
     path = tmp_path_factory.mktemp("sp") / "sp.model"
@@ -156,7 +156,7 @@ def _held(text: str, fraction: float) -> bool:
 def test_a_tokenizer_json_and_a_char_table(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from recipes.tokenizer import CharTokenizer, HFTokenizer
+    from recipes.data.tokenizers import CharTokenizer, HFTokenizer
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -465,7 +465,7 @@ def test_the_command_end_to_end_with_a_recipe_tokenizer(capsys, tmp_path):
 KILLED = """
 import os, random, signal
 from pathlib import Path
-from recipes.tokenizer import SentencePieceTokenizer
+from recipes.data.tokenizers import SentencePieceTokenizer
 from recipes.data.tokenized import Document, tokenize_documents
 WORDS = {words!r}
 {docs}

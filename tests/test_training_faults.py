@@ -34,16 +34,16 @@ class SignalAt(L.Callback):
 
 def send_at(monkeypatch, step: int, *signums: int) -> None:
     """Every Trainer the recipes make gets :class:`SignalAt` first in its callbacks."""
-    import recipes.train
+    import recipes.training.run
 
-    make = recipes.train.make_trainer
+    make = recipes.training.run.make_trainer
 
     def make_trainer(*args, **kwargs):
         trainer = make(*args, **kwargs)
         trainer.callbacks.insert(0, SignalAt(step, *signums))
         return trainer
 
-    monkeypatch.setattr(recipes.train, "make_trainer", make_trainer)
+    monkeypatch.setattr(recipes.training.run, "make_trainer", make_trainer)
 
 
 def _step(path: Path) -> int:
@@ -90,7 +90,7 @@ GROUP_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import lightning as L
-import recipes.train
+import recipes.training.run
 from builder.cli import main
 
 class CtrlC(L.Callback):  # a terminal's Ctrl+C: SIGINT to the whole process group, the loader's worker too
@@ -98,12 +98,12 @@ class CtrlC(L.Callback):  # a terminal's Ctrl+C: SIGINT to the whole process gro
         if trainer.global_step == 5:
             os.killpg(os.getpgrp(), signal.SIGINT)
 
-make = recipes.train.make_trainer
+make = recipes.training.run.make_trainer
 def make_trainer(*args, **kwargs):
     trainer = make(*args, **kwargs)
     trainer.callbacks.insert(0, CtrlC())
     return trainer
-recipes.train.make_trainer = make_trainer
+recipes.training.run.make_trainer = make_trainer
 sys.exit(main(["train", {recipe!r}, "--no-samples"]))
 """
 
@@ -169,39 +169,39 @@ class SignalInValidation(L.Callback):
 def test_a_signal_during_validation_saves_at_the_next_step_and_resumes_like_an_unbroken_run(
     unbroken_run, tmp_path, capsys, monkeypatch
 ):
-    import recipes.train
+    import recipes.training.run
     from builder.cli import main
 
-    make = recipes.train.make_trainer
+    make = recipes.training.run.make_trainer
 
     def make_trainer(*args, **kwargs):
         trainer = make(*args, **kwargs)
         trainer.callbacks.insert(0, SignalInValidation(6, signal.SIGTERM))
         return trainer
 
-    monkeypatch.setattr(recipes.train, "make_trainer", make_trainer)
+    monkeypatch.setattr(recipes.training.run, "make_trainer", make_trainer)
     recipe = fault_recipe(tmp_path)
     assert main(["train", str(recipe), "--no-samples"]) == 143
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert line.startswith(f"builder train: stopped by SIGTERM at step 7; saved {last}"), line
     assert _step(last) == 7  # the validation finished, then the step after it: a boundary
-    monkeypatch.setattr(recipes.train, "make_trainer", make)
+    monkeypatch.setattr(recipes.training.run, "make_trainer", make)
     assert main(["train", str(recipe), "--no-samples"]) == 0
     assert_same_run(last, Path(unbroken_run[1]["last"]))
 
 
 def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
-    import recipes.train
+    import recipes.training.run
     from builder.cli import main
 
-    prepare = recipes.train.prepare
+    prepare = recipes.training.run.prepare
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(recipes.train, "prepare", interrupted)
+    monkeypatch.setattr(recipes.training.run, "prepare", interrupted)
     assert main(["train", str(fault_recipe(tmp_path)), "--no-samples"]) == 143
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert line == "builder train: stopped by SIGTERM before training started; there was nothing to save"

@@ -467,7 +467,7 @@ def _gib(n: float) -> str:
 
 
 #: recipe tasks whose micro-batches are token budgets (``data.max_tokens``, ``data.max_len``)
-#: rather than ``data.batch_size`` windows of ``data.seq_len`` (recipes/task_config.py)
+#: rather than ``data.batch_size`` windows of ``data.seq_len`` (recipes/recipe/task_sections.py)
 TOKEN_BUDGET_TASKS = ("translation", "classification")
 
 

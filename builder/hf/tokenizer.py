@@ -1,7 +1,7 @@
 """Tokenizers in Hugging Face folders: ours written as ``tokenizer.json``, theirs read back.
 
 A tokenizer travels as its **state**, small plain data that ``builder train`` stores in every
-checkpoint (``checkpoint["builder"]["tokenizer"]``) and that ``recipes.tokenizer`` builds its
+checkpoint (``checkpoint["builder"]["tokenizer"]``) and that ``recipes.data.tokenizers`` builds its
 tokenizer objects from. The three kinds:
 
 ``{"type": "char", "chars": "..."}``

@@ -3,7 +3,7 @@
 Each kind of document is a :class:`Kind`: the top-level keys only it has, how to validate one,
 its JSON Schema, the fields that name other files, and the folder of its shipped files (the zoo,
 ``builder.zoo``). ``builder`` defines the spec; other packages contribute kinds as a ``KIND`` in
-a module named in :data:`PROVIDERS` (the recipes' training recipe, in ``recipes/documents.py``)
+a module named in :data:`PROVIDERS` (the recipes' training recipe, in ``recipes/recipe/kind.py``)
 or in an installed package's ``builder.spec.kinds`` entry point. Providers are imported by name,
 only when asked: ``builder`` does not depend on ``recipes``.
 
@@ -24,7 +24,7 @@ from typing import Any
 from builder.spec.source import FieldPath, Problem
 
 #: modules whose ``KIND`` joins the document kinds, when they can be imported
-PROVIDERS = ("recipes.documents",)
+PROVIDERS = ("recipes.recipe.kind",)
 #: installed packages add kinds here: ``[project.entry-points."builder.spec.kinds"]``
 GROUP = "builder.spec.kinds"
 #: keys every kind may have; they tell nothing apart

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError, at_most
     from builder.spec.plugins import PluginError
     from recipes.checkpoint import eval_batches, evaluate, file_tokens, load_trained, recipe_tokens
-    from recipes.config import RecipeError
+    from recipes.recipe.sections import RecipeError
 
     try:
         load_plugins_from_args(args)
@@ -191,7 +191,7 @@ def scored(batches: int, available: int | None, args: argparse.Namespace) -> str
 
 def _print_task(args: argparse.Namespace, meta: dict, model, tokenizer) -> int:
     """Translation: sacreBLEU and chrF; classification: accuracy and macro F1; mlm: masked loss."""
-    from recipes.tasks import evaluate
+    from recipes.tasks.base import evaluate
 
     result = {
         "checkpoint": args.checkpoint,

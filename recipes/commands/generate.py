@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     from builder.spec.plugins import PluginError
     from recipes.checkpoint import load_trained
     from recipes.commands.eval import refuse_options
-    from recipes.config import RecipeError
-    from recipes.generation import stream
+    from recipes.recipe.sections import RecipeError
+    from recipes.tasks.streaming import stream
 
     try:
         load_plugins_from_args(args)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, name) is None:
                 setattr(args, name, value)
         if meta.get("task", "lm") != "lm":
-            from recipes.tasks import generate
+            from recipes.tasks.base import generate
 
             print(generate(model, tokenizer, meta, args))
             return 0

@@ -126,9 +126,9 @@ def shard_mb(given: int | None, sources) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError
-    from recipes.config import RecipeError
     from recipes.data.sources import DocumentStream, find_sources
     from recipes.data.tokenize import check_output, matches, tokenize_documents
+    from recipes.recipe.sections import RecipeError
 
     try:
         out = Path(args.output)
@@ -284,8 +284,8 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
     section says how to make one: sentencepiece trained on the first :data:`SAMPLE_BYTES` of
     ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
     in them. A tokenizer a run of the same command in ``out`` already made is reused."""
-    from recipes.config import RecipeError
-    from recipes.tokenizer import SentencePieceTokenizer, hf_tokenizer
+    from recipes.data.tokenizers import SentencePieceTokenizer, hf_tokenizer
+    from recipes.recipe.sections import RecipeError
 
     path = Path(argument)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
@@ -304,7 +304,7 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
 
 
 def _named(read, path: Path):
-    from recipes.config import RecipeError
+    from recipes.recipe.sections import RecipeError
 
     try:
         return read(path)
@@ -314,9 +314,9 @@ def _named(read, path: Path):
 
 def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
     from builder.spec.loader import SpecError
-    from recipes.config import RecipeError, load_recipe
-    from recipes.documents import recipe_path
-    from recipes.tokenizer import CharTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece
+    from recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece
+    from recipes.recipe.kind import recipe_path
+    from recipes.recipe.sections import RecipeError, load_recipe
 
     try:
         recipe_file = recipe_path(argument)
@@ -360,7 +360,7 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
 def _earlier_tokenizer(out: Path, setting: dict):
     """The tokenizer an unfinished or finished run with the same recipe section saved in ``out``."""
     from recipes.data.tokenized import STARTED, TOKENIZER_FILES
-    from recipes.tokenizer import CharTokenizer, SentencePieceTokenizer
+    from recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer
 
     try:
         settings = json.loads((out / STARTED).read_text(encoding="utf-8"))["settings"]

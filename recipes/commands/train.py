@@ -54,16 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from builder.spec.loader import SpecError
     from builder.spec.plugins import PluginError
-    from recipes.config import RecipeError
+    from recipes.recipe.sections import RecipeError
 
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
-        from recipes.documents import recipe_path
+        from recipes.recipe.kind import recipe_path
 
         recipe = recipe_path(args.recipe)  # a path, else a zoo name
         if args.dry_run:  # before torch and Lightning are imported
-            from recipes.dryrun import dry_run
+            from recipes.training.dry_run import dry_run
 
             dry_run(recipe, overrides)
             return 0
@@ -78,13 +78,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
     from builder.spec.loader import SpecError
-    from recipes.config import RecipeError
-    from recipes.module import NonFiniteLossError
-    from recipes.runfolder import os_problem, owns_run_folder
-    from recipes.signals import Stopped
+    from recipes.recipe.sections import RecipeError
+    from recipes.training.module import NonFiniteLossError
+    from recipes.training.run_folder import os_problem, owns_run_folder
+    from recipes.training.signals import Stopped
 
     try:
-        from recipes.train import run as train
+        from recipes.training.run import run as train
 
         train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
     except SpecError as exc:

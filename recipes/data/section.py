@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 
-from recipes.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
+from recipes.recipe.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
 
 
 class SourceEntry(_Section):
@@ -48,11 +48,11 @@ class SourceEntry(_Section):
 
 class DatasetFields(_Section):
     """``dataset`` and ``root``: the fields every data section has for data named in
-    :mod:`recipes.datasets` (downloaded once, verified, reused)."""
+    :mod:`recipes.data.registry` (downloaded once, verified, reused)."""
 
     dataset: str | None = Field(
         None,
-        description="A dataset by name (recipes/datasets.py: tinyshakespeare, multi30k, python-stdlib): "
+        description="A dataset by name (recipes/data/registry.py: tinyshakespeare, multi30k, python-stdlib): "
         "fetched once into the data root, checked against its sha256, reused.",
     )
     root: str | None = Field(
@@ -66,7 +66,7 @@ class DatasetFields(_Section):
     @classmethod
     def _known_dataset(cls, value):
         if value is not None:
-            from recipes.datasets import get
+            from recipes.data.registry import get
 
             get(value)
         return value
@@ -149,7 +149,7 @@ class DataSection(DatasetFields):
         if self.dataset is None and not self.sources:
             self.dataset = PYTHON_STDLIB
         if self.dataset is not None and "val_fraction" not in self.model_fields_set:
-            from recipes.datasets import get
+            from recipes.data.registry import get
 
             self.val_fraction = get(self.dataset).val_fraction or self.val_fraction
         return self

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from recipes.fields import RecipeError
+from recipes.recipe.fields import RecipeError
 
 #: bytes read from a file at a time
 CHUNK = 1 << 20

@@ -58,7 +58,7 @@ from recipes.data.tokenized import (
     file_sha256,
     is_tokenized_dataset,
 )
-from recipes.fields import RecipeError
+from recipes.recipe.fields import RecipeError
 
 #: per-unit done records
 UNITS = ".units"
@@ -164,9 +164,9 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 def write_file(path: Path, array: np.ndarray) -> str:
-    """``array``'s bytes to ``path`` (:func:`recipes.tokenizer.write_atomic`: temp file, fsync,
+    """``array``'s bytes to ``path`` (:func:`recipes.data.tokenizers.write_atomic`: temp file, fsync,
     rename); their sha256."""
-    from recipes.tokenizer import write_atomic
+    from recipes.data.tokenizers import write_atomic
 
     data = memoryview(np.ascontiguousarray(array)).cast("B")
     write_atomic(path, data)
@@ -212,7 +212,7 @@ def _start_worker(state: dict, out: str, dtype: str, eos: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    from recipes.tokenizer import from_state
+    from recipes.data.tokenizers import from_state
 
     _WORKER.update(tokenizer=from_state(state), out=Path(out), dtype=np.dtype(dtype), eos=eos)
 
@@ -258,7 +258,7 @@ class Folder:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            from recipes.runfolder import os_reason
+            from recipes.training.run_folder import os_reason
 
             raise RecipeError(f"could not make {out}: {os_reason(exc)}") from None
         self._take_lock()
@@ -274,7 +274,7 @@ class Folder:
             if not overwrite:
                 raise RecipeError(f"{out} holds a dataset without its run's settings; add --overwrite to start over")
             self.clear()
-        from recipes.tokenizer import write_atomic
+        from recipes.data.tokenizers import write_atomic
 
         started = _dumps({"format": FORMAT, "version": VERSION, "settings": settings})
         if not (out / STARTED).is_file() or (out / STARTED).read_bytes() != started:
@@ -389,7 +389,7 @@ def _dumps(value) -> bytes:
 
 def save_tokenizer(tokenizer, out: Path) -> dict:
     """The tokenizer's file in ``out`` (rewritten only when it differs); its manifest entry."""
-    from recipes.tokenizer import write_atomic
+    from recipes.data.tokenizers import write_atomic
 
     state = tokenizer.state()
     name = TOKENIZER_FILES[tokenizer.kind]
@@ -664,7 +664,7 @@ def tokenize_documents(
         manifest = _manifest(
             results, tokenizer, tokenizer_entry, dtype, eos, tracked, val_fraction, val_sources, identity
         )
-        from recipes.tokenizer import write_atomic
+        from recipes.data.tokenizers import write_atomic
 
         payload = _dumps(manifest)
         if not (out / MANIFEST).is_file() or (out / MANIFEST).read_bytes() != payload:  # a finished rerun: kept
@@ -699,7 +699,7 @@ def _run(
     counts: collections.Counter,
 ) -> list[dict]:
     """Every unit reused or tokenized; their records in unit order."""
-    from recipes.tokenizer import write_atomic
+    from recipes.data.tokenizers import write_atomic
 
     out = folder.out
     records = folder.records()
@@ -772,7 +772,7 @@ def _pool(workers: int, tokenizer, out: Path, dtype: np.dtype, eos: int | None):
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["recipes.data.tokenize", "recipes.tokenizer"])
+        context.set_forkserver_preload(["recipes.data.tokenize", "recipes.data.tokenizers"])
     else:
         context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(

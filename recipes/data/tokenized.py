@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from recipes.data.sources import Document  # noqa: F401  (re-exported: what tokenize_documents takes)
-from recipes.fields import RecipeError
+from recipes.recipe.fields import RecipeError
 
 FORMAT = "builder-tokenized"
 VERSION = 1
@@ -121,7 +121,7 @@ class TokenizedDataset:
 
     def tokenizer(self):
         """The tokenizer saved in the folder, checked against the manifest's fingerprint."""
-        from recipes.tokenizer import CharTokenizer, HFTokenizer, SentencePieceTokenizer
+        from recipes.data.tokenizers import CharTokenizer, HFTokenizer, SentencePieceTokenizer
 
         entry = self.manifest["tokenizer"]
         path = self.folder / entry["file"]

@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.data.mixture import TRAIN, VALIDATION, Source, Windows, shares
-from recipes.fields import RecipeError
+from recipes.recipe.fields import RecipeError
 
-#: a target that takes no part in the loss (recipes.module.IGNORE)
+#: a target that takes no part in the loss (recipes.training.module.IGNORE)
 IGNORE = -100
 
 

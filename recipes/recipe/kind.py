@@ -2,7 +2,7 @@
 
 ``builder validate`` checks a recipe through :data:`KIND` (the recipe, then its model spec with
 its overrides and the vocabulary the tokenizer will have); ``builder schema --recipe`` prints
-its JSON Schema; the zoo's recipes are this folder's ``*.yaml``; ``builder list`` summarises
+its JSON Schema; the zoo's recipes are the ``recipes`` folder's ``*.yaml``; ``builder list`` summarises
 one by its task and its model.
 """
 
@@ -17,15 +17,15 @@ from builder.spec.source import Problem, SpecError
 
 
 def _keys() -> frozenset[str]:
-    from recipes.config import TASKS, recipe_class
+    from recipes.recipe.sections import TASKS, recipe_class
 
     return frozenset(name for task in TASKS for name in recipe_class(task).model_fields)
 
 
 def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     """Every problem of one recipe file and of the model spec it trains (``[]`` when valid)."""
-    from recipes.config import RecipeError, load_recipe, model_spec
-    from recipes.dryrun import missing_inputs, vocabulary
+    from recipes.recipe.sections import RecipeError, load_recipe, model_spec
+    from recipes.training.dry_run import missing_inputs, vocabulary
 
     try:
         recipe = load_recipe(path, dict(overrides))
@@ -42,7 +42,7 @@ def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
 def recipe_path(path: str | Path) -> Path:
     """The recipe file ``path`` names: a path, else a zoo name (``lm-stdlib``)."""
     from builder.zoo import ZooError, locate
-    from recipes.config import RecipeError
+    from recipes.recipe.sections import RecipeError
 
     try:
         return locate(path)
@@ -58,15 +58,15 @@ def _hint(shown: str) -> str:
 
 
 def _schema() -> dict:
-    from recipes.schema import recipe_json_schema
+    from recipes.recipe.json_schema import recipe_json_schema
 
     return recipe_json_schema()
 
 
 def _summary(path: Path) -> dict:
     from builder.analysis.estimates import estimate
-    from recipes.config import load_recipe, model_spec
-    from recipes.dryrun import vocabulary
+    from recipes.recipe.sections import load_recipe, model_spec
+    from recipes.training.dry_run import vocabulary
 
     recipe = load_recipe(path)
     vocab = vocabulary(recipe, path, read_data=False)
@@ -87,7 +87,7 @@ KIND = Kind(
     schema=_schema,
     hint=_hint,
     references=(("extends",), ("model", "spec")),
-    folder=lambda: Path(__file__).resolve().parent,
+    folder=lambda: Path(__file__).resolve().parents[1],  # recipes/*.yaml
     recursive=False,
     summary=_summary,
 )

@@ -25,11 +25,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         """The checkpoint a run resumes from — a file, or a sharded folder (a run saved under
         ``trainer.strategy: fsdp``) read whole — read as every checkpoint is read: weights only,
-        never by unpickling arbitrary objects (:func:`recipes.train.resume_path` verified its
+        never by unpickling arbitrary objects (:func:`recipes.training.run.resume_path` verified its
         checksums just before; a file changed since is named in one line)."""
         from builder.checkpoints import is_sharded, read_whole
         from builder.integrity import CheckpointError, read_checkpoint
-        from recipes.config import RecipeError
+        from recipes.recipe.sections import RecipeError
 
         try:
             if is_sharded(path):

@@ -1,7 +1,7 @@
 """The tasks besides language modelling (``task: translation | mlm | classification``): one run
 loop for all of them, on the LM recipe's machinery (Trainer, checkpoints, resuming, logs).
 
-Each task module (``recipes.translation``, ``recipes.encoder``) has ``prepare(recipe, recipe_file)``
+Each task module (``recipes.tasks.translation``, ``recipes.tasks.encoder``) has ``prepare(recipe, recipe_file)``
 returning a :class:`Prepared`: the tokenizer, the validated spec, the data module, the
 LightningModule class and what the run does before and after training. ``builder eval`` and
 ``builder generate`` reach a task through :func:`evaluate` and :func:`generate`.
@@ -17,12 +17,16 @@ from typing import Any
 
 import lightning as L
 
-from recipes.callbacks import RecipeCheckpoint, Throughput
-from recipes.config import Recipe, RecipeError
 from recipes.parallel import data_parallel_size
+from recipes.recipe.sections import Recipe, RecipeError
+from recipes.training.callbacks import RecipeCheckpoint, Throughput
 
 #: task -> the module that implements it
-MODULES = {"translation": "recipes.translation", "mlm": "recipes.encoder", "classification": "recipes.encoder"}
+MODULES = {
+    "translation": "recipes.tasks.translation",
+    "mlm": "recipes.tasks.encoder",
+    "classification": "recipes.tasks.encoder",
+}
 
 #: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
 #: marker on the first word too, runs of spaces folded
@@ -87,9 +91,9 @@ def run_task(
     callbacks: list | None = None,
     verbose: bool = False,
 ) -> dict:
-    """Train a non-LM recipe (the shape of ``recipes.train.run``, in the same run session);
+    """Train a non-LM recipe (the shape of ``recipes.training.run.run``, in the same run session);
     returns its summary. ``callbacks``: more Lightning callbacks (a benchmark's clock)."""
-    from recipes.train import for_this_machine, output_dir, run_session
+    from recipes.training.run import for_this_machine, output_dir, run_session
 
     recipe = for_this_machine(recipe)
     out = output_dir(recipe, recipe_file)
@@ -108,8 +112,7 @@ def _train_task(
     verbose: bool = False,
 ) -> dict:
     from recipes.parallel import whole_model
-    from recipes.speed import compiling, eager
-    from recipes.train import (
+    from recipes.training.run import (
         check_layout,
         fit,
         quiet_lightning,
@@ -121,6 +124,7 @@ def _train_task(
         training_model,
         wrap_up,
     )
+    from recipes.training.speed import compiling, eager
 
     settings = recipe.trainer
     quiet_lightning()

@@ -6,7 +6,7 @@ from typing import TextIO
 
 import torch
 
-from recipes.config import RecipeError
+from recipes.recipe.sections import RecipeError
 
 
 class TextStreamer:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from recipes.data.section import DataSection, DatasetFields, SourceEntry  # noqa: F401 (re-exported)
-from recipes.fields import (  # noqa: F401 (re-exported: the names every recipe module imports from here)
+from recipes.recipe.fields import (  # noqa: F401 (re-exported: the names every recipe module imports from here)
     PYTHON_STDLIB,
     RECIPE_PATH,
     WORK_PATH,
@@ -267,10 +267,10 @@ class SampleSection(_Section):
 
 #: recipe ``task`` -> "module:class" of its recipe schema (the LM's is :class:`Recipe` itself)
 TASKS = {
-    "lm": "recipes.config:Recipe",
-    "translation": "recipes.task_config:TranslationRecipe",
-    "mlm": "recipes.task_config:MLMRecipe",
-    "classification": "recipes.task_config:ClassificationRecipe",
+    "lm": "recipes.recipe.sections:Recipe",
+    "translation": "recipes.recipe.task_sections:TranslationRecipe",
+    "mlm": "recipes.recipe.task_sections:MLMRecipe",
+    "classification": "recipes.recipe.task_sections:ClassificationRecipe",
 }
 
 
@@ -412,7 +412,7 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
         return spec
     base = None
     if recipe.model.spec is None:  # the spec model.init_from was trained (or imported) with
-        from recipes.pretrained import spec_base
+        from recipes.training.pretrained import spec_base
 
         base = spec_base(recipe, recipe_file)
     spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recipes.config import RecipeError, resolve
+from recipes.recipe.sections import RecipeError, resolve
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 _RANGE = re.compile(r"(\d+)-(\d+)")
@@ -117,7 +117,7 @@ def pretrained_tokenizer(recipe, recipe_file: Path | None):
     state = source.tokenizer_state() if source is not None else None
     if state is None:
         return None
-    from recipes.tokenizer import from_state
+    from recipes.data.tokenizers import from_state
 
     print(f"tokenizer: the one {source.path.name} was trained with (model.init_from)", flush=True)
     return from_state(state)

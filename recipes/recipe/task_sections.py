@@ -1,7 +1,7 @@
 """The recipe schemas of the tasks other than language modelling. Torch-free.
 
-A recipe's ``task`` picks its schema (``recipes.config.TASKS``): each task below is a
-:class:`~recipes.config.Recipe` whose ``data`` section reads that task's data, plus the task's
+A recipe's ``task`` picks its schema (``recipes.recipe.sections.TASKS``): each task below is a
+:class:`~recipes.recipe.sections.Recipe` whose ``data`` section reads that task's data, plus the task's
 own settings. Everything else (model, tokenizer, optimizer, schedule, loss, trainer) means what
 it means for the language model.
 """
@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from builder.spec.problems import rule_error
-from recipes.config import RECIPE_PATH, WORK_PATH, DataSection, DatasetFields, Recipe, _Section
-from recipes.fields import default_cache_dir
+from recipes.recipe.fields import default_cache_dir
+from recipes.recipe.sections import RECIPE_PATH, WORK_PATH, DataSection, DatasetFields, Recipe, _Section
 
 
 class ParallelFiles(_Section):
@@ -65,7 +65,7 @@ class ParallelDataSection(DatasetFields):
                     f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} (source and target files)",
                 )
             return self
-        from recipes.datasets import get
+        from recipes.data.registry import get
 
         dataset = get(self.dataset)
         langs = dataset.keys
@@ -207,7 +207,7 @@ class LabeledDataSection(DatasetFields):
                 "(its split's files, one label each), one of them",
             )
         if self.dataset is not None and self.split is not None:
-            from recipes.datasets import get
+            from recipes.data.registry import get
 
             splits = list(get(self.dataset).splits)
             if self.split not in splits:

@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from recipes.config import Recipe, RecipeError, SourceEntry, resolve
+from recipes.recipe.sections import Recipe, RecipeError, SourceEntry, resolve
 
 #: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
 CHAR_STAND_IN = 256
@@ -61,7 +61,7 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
             True,
         )
     if settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file is not None):
-        from recipes.tokenizer import build_tokenizer
+        from recipes.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), recipe_file)
         return Vocabulary(tokenizer.vocab_size, f"{settings.type} tokenizer from {settings.model_file}")
@@ -86,7 +86,7 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
 def _checkpoint_vocabulary(path: Path) -> int:
     import torch
 
-    from recipes.tokenizer import from_state
+    from recipes.data.tokenizers import from_state
 
     meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("builder")
     if meta is None:
@@ -111,7 +111,7 @@ class DataFile:
 
 def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
     """Every file the recipe's data section reads, in order; nothing is fetched or read."""
-    from recipes import datasets
+    from recipes.data import registry as datasets
 
     data = recipe.data
     found: list[DataFile] = []
@@ -241,7 +241,7 @@ def devices_line(recipe: Recipe) -> str:
         value = getattr(settings, field, None)
         if value is not None and settings.strategy == "fsdp":
             parts.append(f"{field} {value}")
-    from recipes.precision import resolve_precision
+    from recipes.training.precision import resolve_precision
 
     chosen, note = resolve_precision(settings.precision, settings.accelerator)
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
@@ -298,7 +298,7 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     ``devices``: per node (default: the recipe's count, 1 for ``auto``; a run passes what the
     machine gives it)."""
     from builder.analysis.estimates import estimate
-    from recipes.precision import resolve_precision
+    from recipes.training.precision import resolve_precision
 
     settings = recipe.trainer
     precision, _ = resolve_precision(settings.precision, settings.accelerator)  # auto: what this machine runs
@@ -332,8 +332,8 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
 
     from builder.analysis.report import human, print_describe
     from builder.zoo import shown
-    from recipes.config import load_recipe, model_spec, output_dir, spec_file
-    from recipes.documents import recipe_path as locate_recipe
+    from recipes.recipe.kind import recipe_path as locate_recipe
+    from recipes.recipe.sections import load_recipe, model_spec, output_dir, spec_file
 
     out = out or sys.stdout
     recipe_file = locate_recipe(recipe_path)

@@ -24,14 +24,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.batching import BucketDataModule, pad, sorted_batches
 from recipes.checkpoint import eval_batches, model_weights
-from recipes.config import RecipeError, model_spec, resolve
+from recipes.data.batching import BucketDataModule, pad, sorted_batches
+from recipes.data.tokenizers import build_tokenizer
 from recipes.data.windows import LMDataModule
-from recipes.module import IGNORE, LMModule
-from recipes.pretrained import pretrained_tokenizer
-from recipes.tasks import PROSE, Prepared, check_task
-from recipes.tokenizer import build_tokenizer
+from recipes.recipe.sections import RecipeError, model_spec, resolve
+from recipes.tasks.base import PROSE, Prepared, check_task
+from recipes.training.module import IGNORE, LMModule
+from recipes.training.pretrained import pretrained_tokenizer
 
 SPECIALS = {
     "pad_id": 0,
@@ -257,7 +257,7 @@ def labelled_examples(section, recipe_file: Path | None, seed: int) -> tuple[lis
         examples = read_examples(resolve(recipe_file, section.file), section.text_field, section.label_field)
     else:
         if section.dataset is not None:  # each file of the split is one label (multi30k: the language)
-            from recipes.datasets import split_files
+            from recipes.data.registry import split_files
 
             by_label = split_files(section.dataset, section.split, section.dataset_root(recipe_file))
         else:
@@ -470,7 +470,7 @@ def predict(
 def evaluate(model, tokenizer, meta: dict, args) -> dict:
     """Classification: accuracy and macro F1 on ``--data FILE`` (default: the recipe's validation
     split); MLM: masked-token loss and accuracy on the recipe's validation windows."""
-    from recipes.task_config import ClassificationRecipe, MLMRecipe
+    from recipes.recipe.task_sections import ClassificationRecipe, MLMRecipe
 
     check_task(meta, "mlm", "classification")
     model.eval()

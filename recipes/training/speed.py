@@ -1,6 +1,6 @@
 """What makes a training step fast, in one place: ``torch.compile`` (its cache kept in the run
 folder, its time measured apart from the steps) and fused AdamW. Precision (bf16 where the
-hardware computes it natively) is :mod:`recipes.precision`.
+hardware computes it natively) is :mod:`recipes.training.precision`.
 
 Compilation (``trainer.compile``):
 

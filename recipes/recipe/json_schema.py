@@ -22,7 +22,7 @@ def recipe_json_schema() -> dict[str, Any]:
     from pydantic.json_schema import models_json_schema
 
     from builder.spec.json_schema import draft7, partial, spec_definitions
-    from recipes.config import TASKS, recipe_class
+    from recipes.recipe.sections import TASKS, recipe_class
 
     classes = {task: recipe_class(task) for task in TASKS}
     _, top = models_json_schema([(cls, "validation") for cls in classes.values()], ref_template="#/$defs/{model}")

@@ -2,7 +2,7 @@
 
 Parallel text (one sentence a line; ``source`` and ``target`` files for training and
 validation) -> a joint sentencepiece vocabulary trained on both sides (cached by content hash;
-pad 0, unk 1, bos 2, eos 3) -> token-budget batches of like lengths (``recipes.batching``) -> an
+pad 0, unk 1, bos 2, eos 3) -> token-budget batches of like lengths (``recipes.data.batching``) -> an
 encoder-decoder trained with label-smoothed cross-entropy on the target tokens, padding masked
 in the encoder, the decoder and cross-attention -> beam search and sacreBLEU / chrF.
 
@@ -22,13 +22,13 @@ import torch
 
 from builder.checkpoints import model_weights
 from recipes.averaging import KeepLastCheckpoints
-from recipes.batching import BucketDataModule, pad, sorted_batches
-from recipes.config import RecipeError, model_spec, resolve
-from recipes.module import IGNORE, LMModule
+from recipes.data.batching import BucketDataModule, pad, sorted_batches
+from recipes.data.tokenizers import build_tokenizer
 from recipes.parallel import whole_model
-from recipes.pretrained import pretrained_tokenizer
-from recipes.tasks import PROSE, Prepared, check_task
-from recipes.tokenizer import build_tokenizer
+from recipes.recipe.sections import RecipeError, model_spec, resolve
+from recipes.tasks.base import PROSE, Prepared, check_task
+from recipes.training.module import IGNORE, LMModule
+from recipes.training.pretrained import pretrained_tokenizer
 
 #: sentencepiece ids of the specials (the model's padding, decoder start and end of sentence)
 SPECIALS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
@@ -201,7 +201,7 @@ class TranslationModule(LMModule):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(proto: bytes):
-    from recipes.tokenizer import SentencePieceTokenizer
+    from recipes.data.tokenizers import SentencePieceTokenizer
 
     return SentencePieceTokenizer(proto)
 
@@ -216,7 +216,7 @@ def pair_paths(data, recipe_file: Path | None, role: str, split: str | None = No
     files = getattr(data, role) if split is None else None
     if files is not None:
         return resolve(recipe_file, files.source), resolve(recipe_file, files.target)
-    from recipes.datasets import get, split_files
+    from recipes.data.registry import get, split_files
 
     if data.dataset is None:
         raise RecipeError(f"--split {split}: this recipe's data names files, not a dataset")
@@ -314,7 +314,7 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
         raise RecipeError("give --src and --ref together (or neither: the recipe's validation pair)")
     recipe = meta["recipe"]
     if args.src is None:
-        from recipes.task_config import ParallelDataSection
+        from recipes.recipe.task_sections import ParallelDataSection
 
         data = ParallelDataSection.model_validate(recipe["data"])
         src_path, ref_path = pair_paths(data, Path(meta["recipe_file"]), "validation", getattr(args, "split", None))

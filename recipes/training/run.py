@@ -4,8 +4,8 @@ A run writes everything under its output dir: ``config.yaml`` (the resolved reci
 again), ``checkpoints/last.ckpt`` and ``best.ckpt``, CSV and TensorBoard logs, ``loss.png``.
 Running the same recipe again resumes from ``last.ckpt`` (same step, optimizer, schedule, data
 position and random state); ``--fresh`` starts over.
-While it runs, the folder is checked writable and locked (:mod:`recipes.runfolder`) and a
-signal saves a checkpoint and stops it (:mod:`recipes.signals`).
+While it runs, the folder is checked writable and locked (:mod:`recipes.training.run_folder`) and a
+signal saves a checkpoint and stops it (:mod:`recipes.training.signals`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from recipes.callbacks import (
+from recipes.checkpoint import RESUMABLE, newest_intact
+from recipes.data.tokenizers import build_tokenizer
+from recipes.data.windows import LMDataModule, Mixture
+from recipes.recipe.sections import Recipe, RecipeError, load_recipe, model_spec, output_dir
+from recipes.sharded_checkpoint import tidy
+from recipes.training.callbacks import (
     AtomicCheckpointIO,
     InvocationTimer,
     RecipeCheckpoint,
@@ -32,23 +37,18 @@ from recipes.callbacks import (
     plot_losses,
     stop_line,
 )
-from recipes.checkpoint import RESUMABLE, newest_intact
-from recipes.config import Recipe, RecipeError, load_recipe, model_spec, output_dir
-from recipes.data.windows import LMDataModule, Mixture
-from recipes.module import LMModule, checkpoint_layers, layer_modules
-from recipes.precision import lightning_plugin, on_cuda, resolve_precision
-from recipes.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
-from recipes.runfolder import owns_run_folder
-from recipes.runlog import recipe_dump, record, resolved_recipe, run_loggers
-from recipes.sharded_checkpoint import tidy
-from recipes.speed import compile_layers, compile_mode, compiling, eager
-from recipes.tokenizer import build_tokenizer
+from recipes.training.module import LMModule, checkpoint_layers, layer_modules
+from recipes.training.precision import lightning_plugin, on_cuda, resolve_precision
+from recipes.training.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
+from recipes.training.run_folder import owns_run_folder
+from recipes.training.run_log import recipe_dump, record, resolved_recipe, run_loggers
+from recipes.training.speed import compile_layers, compile_mode, compiling, eager
 
 
 class _Quiet(logging.Filter):
     """Drops Lightning's advertising and chatter that says nothing about this run, or that the
     run says itself: the accelerators (the devices line), the checkpoint restored ("resuming
-    from"), why fit stopped (:func:`recipes.callbacks.stop_line`)."""
+    from"), why fit stopped (:func:`recipes.training.callbacks.stop_line`)."""
 
     NOISE = (
         "litlogger",
@@ -77,7 +77,7 @@ def quiet_lightning() -> None:
 
 def say_devices(recipe: Recipe) -> None:
     """The run's devices, strategy and precision in one line (Lightning's own lines are filtered)."""
-    from recipes.dryrun import devices_line
+    from recipes.training.dry_run import devices_line
 
     say(f"devices: {devices_line(recipe)}")
 
@@ -166,8 +166,8 @@ def describe(
     from rich.console import Console
 
     from builder.analysis.report import print_describe, summary_line
-    from recipes.dryrun import recipe_estimate
     from recipes.parallel import device_count
+    from recipes.training.dry_run import recipe_estimate
 
     # under fsdp: what each rank holds in this layout (builder.analysis.layout)
     est = recipe_estimate(
@@ -226,13 +226,13 @@ def training_model(
     if settings.activation_checkpointing:
         checkpoint_layers(model)
     if compile_mode(settings) == "layers":
-        compile_layers(layer_modules(model))  # "model" compiles the module's loss (recipes.module)
+        compile_layers(layer_modules(model))  # "model" compiles the module's loss (recipes.training.module)
     return model, flops_per_token
 
 
 def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
     """The recipe with ``trainer.precision`` made concrete for this machine (``auto`` resolved by
-    ``recipes.precision.resolve_precision``; a line printed when the choice needs explaining,
+    ``recipes.training.precision.resolve_precision``; a line printed when the choice needs explaining,
     unless ``quiet``)."""
     settings = recipe.trainer
     precision, note = resolve_precision(settings.precision, settings.accelerator)
@@ -276,7 +276,7 @@ def strategy_for(recipe: Recipe):
 
 
 def plugins_for(recipe: Recipe) -> list:
-    """Lightning's plugins: the precision plugin (``recipes.precision``: it clips correctly under
+    """Lightning's plugins: the precision plugin (``recipes.training.precision``: it clips correctly under
     every precision with fused AdamW; under ``strategy: fsdp`` FSDP2's policy casts and gradients
     clip across meshes) and, unless the sharded strategy saves checkpoints itself, atomic IO."""
     settings = recipe.trainer
@@ -322,7 +322,7 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
 def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -> None:
     """Rename each damaged checkpoint ``NAME.damaged`` (so a later save never keeps it as a
     predecessor) and say what the run resumes from instead; an error when nothing is left."""
-    from recipes.runfolder import owns_run_folder
+    from recipes.training.run_folder import owns_run_folder
 
     for path, exc in damaged:
         kept = ""
@@ -339,9 +339,9 @@ def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -
 
 def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
     """Refuse to resume ``path`` when the recipe, spec, tokenizer or corpus that shaped it differ
-    from this run's, one line per field (``recipes.runfolder.MAY_CHANGE`` lists what may change,
+    from this run's, one line per field (``recipes.training.run_folder.MAY_CHANGE`` lists what may change,
     and those changes are printed)."""
-    from recipes.runfolder import resume_differences
+    from recipes.training.run_folder import resume_differences
 
     if saved is None:
         from builder.checkpoints import CheckpointError, read_meta
@@ -388,7 +388,7 @@ def check_recipe_early(
     resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
     checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
     from builder.checkpoints import CheckpointError, read_meta
-    from recipes.runfolder import recipe_differences, spec_differences
+    from recipes.training.run_folder import recipe_differences, spec_differences
 
     path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
     try:
@@ -457,7 +457,7 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
 
 def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str, compiled=None) -> dict:
     """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve.
-    ``compiled``: the run's :class:`~recipes.speed.CompileClock`."""
+    ``compiled``: the run's :class:`~recipes.training.speed.CompileClock`."""
     history = module.history
     if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
         trainer.validate(module, datamodule=data, verbose=False)
@@ -497,12 +497,12 @@ def run(
     verbose: bool = False,
 ) -> dict:
     """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN, and
-    :class:`recipes.signals.Stopped` when a signal stops it. ``verbose``: the full estimate
+    :class:`recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the full estimate
     tables before the first step, instead of one line."""
     recipe_file = Path(recipe_path)
     recipe = load_recipe(recipe_file, overrides)
     if recipe.task != "lm":
-        from recipes.tasks import run_task
+        from recipes.tasks.base import run_task
 
         return run_task(recipe, recipe_file, resume=resume, fresh=fresh, verbose=verbose)
     recipe = for_this_machine(recipe)
@@ -521,12 +521,12 @@ def run_session(
     spec_of=None,
     recipe_file: Path | None = None,
 ):
-    """What a run holds from its first step to its last: signals caught (:mod:`recipes.signals`)
+    """What a run holds from its first step to its last: signals caught (:mod:`recipes.training.signals`)
     and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
-    (:func:`recipes.runfolder.claim`); a resume with a changed recipe refused before any work
-    (:func:`check_recipe_early`). Yields the run's :class:`~recipes.signals.SignalStop`."""
-    from recipes.runfolder import claim
-    from recipes.signals import SignalStop
+    (:func:`recipes.training.run_folder.claim`); a resume with a changed recipe refused before any work
+    (:func:`check_recipe_early`). Yields the run's :class:`~recipes.training.signals.SignalStop`."""
+    from recipes.training.run_folder import claim
+    from recipes.training.signals import SignalStop
 
     stop = SignalStop()
     cache = getattr(recipe.data, "cache_dir", None)
@@ -538,7 +538,7 @@ def run_session(
 
 def stop_callback(stop, checkpoints: RecipeCheckpoint):
     """The callback that saves ``last.ckpt`` and stops at a signal; goes last in the list."""
-    from recipes.signals import StopOnSignal
+    from recipes.training.signals import StopOnSignal
 
     return StopOnSignal(stop, checkpoints.save_last)
 
@@ -602,7 +602,7 @@ def train_lm(
 @torch.no_grad()
 def print_samples(model, tokenizer, recipe: Recipe) -> None:
     """Decode each prompt with the recipe's sampling settings and print the text."""
-    from recipes.generation import stream
+    from recipes.tasks.streaming import stream
 
     model.eval()
     settings = recipe.sample

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import Recipe, ScheduleSection
-from recipes.speed import adamw, compile_mode
+from recipes.recipe.sections import Recipe, ScheduleSection
+from recipes.training.speed import adamw, compile_mode
 
 #: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
 IGNORE = -100
@@ -244,7 +244,7 @@ class LMModule(L.LightningModule):
         self._data_rank = data_parallel_rank(self.trainer)  # for micro_batch_seed, once per run
 
     def on_validation_start(self):
-        torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.speed)
+        torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.training.speed)
 
     def on_validation_end(self):
         torch.compiler.set_stance("default")

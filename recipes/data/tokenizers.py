@@ -25,7 +25,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from recipes.config import RecipeError, TokenizerSection, resolve
+from recipes.recipe.sections import RecipeError, TokenizerSection, resolve
 
 #: text per sentencepiece encode call; cut at newlines, which no piece crosses
 _CHUNK_CHARS = 1 << 16
@@ -326,7 +326,7 @@ def write_atomic(path: Path, payload: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()  # no partial file is left for a rerun to trip on
         if isinstance(exc, OSError):
-            from recipes.runfolder import os_reason
+            from recipes.training.run_folder import os_reason
 
             raise RecipeError(f"could not write {path}: {os_reason(exc)}") from None
         raise

@@ -1,0 +1,1 @@
+"""The tasks a recipe trains (language modelling, translation, masked LM, classification)."""
