@@ -123,8 +123,9 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: dict[str, tupl
 def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError, at_most
     from builder.spec.plugins import PluginError
-    from recipes.checkpoint import eval_batches, evaluate, file_tokens, load_trained, recipe_tokens
+    from recipes.checkpoint import load_trained
     from recipes.recipe.sections import RecipeError
+    from recipes.tasks.lm import eval_batches, evaluate, file_tokens, recipe_tokens
 
     try:
         load_plugins_from_args(args)

@@ -24,12 +24,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.checkpoint import eval_batches, model_weights
+from recipes.checkpoint import model_weights
 from recipes.data.batching import BucketDataModule, pad, sorted_batches
 from recipes.data.tokenizers import build_tokenizer
 from recipes.data.windows import LMDataModule
 from recipes.recipe.sections import RecipeError, model_spec, resolve
 from recipes.tasks.base import PROSE, Prepared, check_task
+from recipes.tasks.lm import eval_batches
 from recipes.training.module import IGNORE, LMModule
 from recipes.training.pretrained import pretrained_tokenizer
 
