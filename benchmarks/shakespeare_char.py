@@ -111,11 +111,11 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
     from builder import build_model
     from recipes.data.windows import Mixture, TrainWindows, ValWindows
     from recipes.recipe.sections import load_recipe
-    from recipes.training.run import prepare
+    from recipes.tasks.lm.training import corpus_and_spec
 
     recipe = load_recipe(RECIPE, _overrides(seed, max_steps))
     t, d, opt, sched = recipe.trainer, recipe.data, recipe.optimizer, recipe.schedule
-    corpus, _, spec = prepare(recipe, RECIPE)
+    corpus, spec = corpus_and_spec(recipe, RECIPE)
     check_nanogpt_shaped(spec, recipe)
     mixture = Mixture(corpus.sources, t.seed, spec.vocab_size)
 

@@ -49,7 +49,7 @@ if (REPO.parent / "shared" / "data").is_dir():
 def make_clock(minutes: float, eval_every: float, sources: list[str], references: list[str]):
     import lightning as L
 
-    from recipes.tasks.translation import score, tokenizer_of, translate
+    from recipes.tasks.translation.training import score, tokenizer_of, translate
 
     class TrainingClock(L.Callback):
         """Stops after ``minutes`` of training; every ``eval_every`` minutes, greedy BLEU (untimed)."""
@@ -108,16 +108,16 @@ def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="translate-throughput-") as tmp:
         recipe = load_recipe(recipe_file, {**_throughput_overrides(steps, Path(tmp) / "run"), **overrides})
         if which == "recipe":
-            from recipes.tasks.base import run_task
+            from recipes.training.run import train_recipe
 
-            summary = run_task(recipe, recipe_file, fresh=True)
+            summary = train_recipe(recipe, recipe_file, fresh=True)
             return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"]}
         import torch
 
         sys.path.insert(0, str(REPO / "benchmarks"))
         from yardstick_seq2seq import Seq2Seq, train
 
-        from recipes.tasks.translation import prepare
+        from recipes.tasks.translation.training import prepare
 
         prepared = prepare(recipe, recipe_file)
         spec, opt = prepared.spec, recipe.optimizer
@@ -223,8 +223,8 @@ def main() -> int:
     if args.side_by_side:
         return side_by_side(args, parse_set_args(args.overrides))
     from recipes.recipe.sections import load_recipe
-    from recipes.tasks.base import run_task
-    from recipes.tasks.translation import validation_pairs
+    from recipes.tasks.translation.training import validation_pairs
+    from recipes.training.run import train_recipe
 
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="translate-multi30k-"))
@@ -243,7 +243,7 @@ def main() -> int:
     sources, references = validation_pairs(recipe, recipe_file)
     clock = make_clock(args.minutes, args.eval_every, sources, references)
     started = time.perf_counter()
-    summary = run_task(recipe, recipe_file, fresh=True, callbacks=[clock])
+    summary = train_recipe(recipe, recipe_file, fresh=True, callbacks=[clock])
     result = {
         "minutes": clock.trained / 60,
         "steps": summary["steps"],

@@ -221,8 +221,8 @@ def test_recipes_name_datasets_and_typos_are_located(tmp_path):
 def test_a_recipe_reads_a_dataset_from_its_root(tmp_path, monkeypatch):
     from recipes.data.corpus import read_corpus
     from recipes.recipe.sections import load_recipe
-    from recipes.tasks.encoder import labelled_examples
-    from recipes.tasks.translation import pair_paths
+    from recipes.tasks.classification.training import labelled_examples
+    from recipes.tasks.translation.training import pair_paths
 
     contents = {**stand_in_files("tinyshakespeare"), **stand_in_files("multi30k")}
     for name in ("tinyshakespeare", "multi30k"):

@@ -33,7 +33,7 @@ ENCODER = {
 
 
 class _Tok:
-    """Enough of a sentencepiece tokenizer for :class:`recipes.tasks.encoder.Specials`."""
+    """Enough of a sentencepiece tokenizer for :class:`recipes.tasks.mlm.training.Specials`."""
 
     vocab_size = 100
 
@@ -43,7 +43,7 @@ class _Tok:
 
 
 def test_masking_statistics_and_specials_untouched():
-    from recipes.tasks.encoder import Specials, mask_tokens
+    from recipes.tasks.mlm.training import Specials, mask_tokens
 
     specials = Specials(_Tok())
     g = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def test_masking_statistics_and_specials_untouched():
 
 
 def test_classification_metrics():
-    from recipes.tasks.encoder import classification_metrics
+    from recipes.tasks.classification.training import classification_metrics
 
     predictions, labels = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 1, 1, 1, 0])
     m = classification_metrics(predictions, labels, 3)
@@ -169,7 +169,7 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
 def test_classification_starts_from_the_mlm_encoder(tmp_path):
     from builder import build_model
     from builder.spec.schema import spec_model
-    from recipes.tasks.encoder import load_encoder
+    from recipes.tasks.classification.training import load_encoder
 
     torch.manual_seed(0)
     mlm = build_model(spec_model().model_validate(dict(ENCODER, vocab_size=50)))

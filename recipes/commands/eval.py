@@ -91,121 +91,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-#: the options each task's evaluation reads (the others are refused, not ignored)
-OPTIONS = {
-    "lm": ("data", "seq_len", "batch_size", "max_batches", "all"),
-    "translation": ("src", "ref", "split", "num_beams", "length_penalty", "max_sentences", "output"),
-    "mlm": ("max_batches", "all"),
-    "classification": ("data",),  # every example of the file or the validation split
-}
-
-
-def refuse_options(args: argparse.Namespace, meta: dict, options: dict[str, tuple[str, ...]]) -> None:
-    """An option given that the checkpoint's task does not read is an error, not ignored."""
+def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
+    """An option given that the checkpoint's task does not read is an error, not ignored
+    (``options``: ``"eval_options"`` or ``"generate_options"``, the tasks' own lists)."""
     from builder.cli.arguments import ArgumentError
+    from recipes.tasks import NAMES, task_named, task_of
 
-    task = meta.get("task", "lm")
-    used = options.get(task, ())
-    for name in sorted({n for names in options.values() for n in names} - set(used)):
+    task = task_of(meta)
+    read = {name: getattr(task_named(name), options) for name in NAMES}
+    for name in sorted({n for names in read.values() for n in names} - set(getattr(task, options))):
         if getattr(args, name, None) not in (None, False):
-            takers = [t for t, names in options.items() if name in names]
+            takers = [t for t, names in read.items() if name in names]
             raise ArgumentError(
                 f"--{name.replace('_', '-')} applies to {' and '.join(takers)} checkpoints; "
-                f"{args.checkpoint} is a checkpoint of task {task}"
+                f"{args.checkpoint} is a checkpoint of task {task.name}"
             )
-    data = getattr(args, "data", None)
-    if task == "classification" and data and len(data) > 1:
-        raise ArgumentError(
-            f"--data takes one file of labelled examples for a classification checkpoint, got {len(data)}"
-        )
 
 
 def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError, at_most
     from builder.spec.plugins import PluginError
     from recipes.checkpoint import load_trained
-    from recipes.recipe.sections import RecipeError
-    from recipes.tasks.lm import eval_batches, evaluate, file_tokens, recipe_tokens
+    from recipes.errors import RecipeError
+    from recipes.tasks import task_of
 
     try:
         load_plugins_from_args(args)
         model, tokenizer, meta = load_trained(args.checkpoint, args.device)
-        refuse_options(args, meta, OPTIONS)
+        refuse_options(args, meta, "eval_options")
+        task = task_of(meta)
+        task.check_eval_arguments(args)
         at_most("--seq-len", args.seq_len, meta["spec"]["max_seq_len"], "the model's max_seq_len")
-        if meta.get("task", "lm") != "lm":
-            return _print_task(args, meta, model, tokenizer)
-        if not isinstance(meta.get("recipe"), dict):
-            raise RecipeError(
-                f"{args.checkpoint} holds no training recipe (its data, batch size and seq_len) to evaluate with"
-            )
-        data = meta["recipe"]["data"]
-        mixture = None
-        if args.data:
-            tokens = file_tokens(args.data, tokenizer, data["cache_dir"])
-        else:
-            try:
-                tokens, mixture = recipe_tokens(meta, tokenizer)
-            except RecipeError as exc:
-                raise RecipeError(f"{args.checkpoint}: {exc}") from None
-        # on the recipe's data, the windows its validations drew; on other files, consecutive ones
-        seed = None if args.data else meta["recipe"]["trainer"]["seed"]
-        result = evaluate(
-            model,
-            tokens,
-            args.seq_len or data["seq_len"],
-            args.batch_size or data["batch_size"],
-            eval_batches(args, meta),
-            seed,
-            mixture,
-        )
+        metrics = task.evaluate(model, tokenizer, meta, args)
     except (RecipeError, ArgumentError, PluginError) as exc:
         print(f"builder eval: {exc}", file=sys.stderr)
         return 1
-    result = {
-        "checkpoint": args.checkpoint,
-        "step": meta["global_step"],
-        "data": args.data or "validation split",
-        **result,
-    }
+    result = {"checkpoint": args.checkpoint, "step": meta["global_step"], "task": task.name, **metrics}
     if args.json:
         print(json.dumps(result))
     else:
-        print(
-            f"{args.checkpoint} (step {result['step']}) on {result['data']}: {result['tokens']:,} tokens, "
-            f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-        )
-        print(scored(result["batches"], result["batches_available"], args))
-    return 0
-
-
-def scored(batches: int, available: int | None, args: argparse.Namespace) -> str:
-    """The line that says how much was scored, and how to score all of it."""
-    if args.all:
-        return f"scored all {batches:,} batches (--all)"
-    how = f"--max-batches {args.max_batches}" if args.max_batches else "the recipe's trainer.limit_val_batches"
-    drawn = "consecutive windows" if args.data else "the windows the run's validations drew"
-    more = ""
-    if available is not None and available != batches:  # --all: every consecutive window once
-        more = f"; --all scores the whole data once instead ({available:,} consecutive batches)"
-    return f"scored {batches:,} batches ({how}: {drawn}){more}"
-
-
-def _print_task(args: argparse.Namespace, meta: dict, model, tokenizer) -> int:
-    """Translation: sacreBLEU and chrF; classification: accuracy and macro F1; mlm: masked loss."""
-    from recipes.tasks.base import evaluate
-
-    result = {
-        "checkpoint": args.checkpoint,
-        "step": meta["global_step"],
-        "task": meta["task"],
-        **evaluate(model, tokenizer, meta, args),
-    }
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    available = result.pop("batches_available", None)
-    for key, value in result.items():
-        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
-    if "batches" in result:
-        print(scored(result["batches"], available, args))
+        task.print_evaluation(result, args)
     return 0

@@ -10,14 +10,6 @@ from builder.cli.common import add_plugin_option, load_plugins_from_args
 
 #: language-model decoding defaults (an option left out)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
-#: the options each task's generate reads (the others are refused, not ignored)
-OPTIONS = {
-    "lm": ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile"),
-    "translation": ("num_beams",),
-    "classification": (),
-}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from builder.cli.arguments import (
         MAX_BEAMS,
@@ -86,46 +78,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from builder.spec.plugins import PluginError
     from recipes.checkpoint import load_trained
     from recipes.commands.eval import refuse_options
-    from recipes.recipe.sections import RecipeError
-    from recipes.tasks.streaming import stream
+    from recipes.errors import RecipeError
+    from recipes.tasks import task_of
 
     try:
         load_plugins_from_args(args)
         model, tokenizer, meta = load_trained(args.checkpoint, args.device, folders=True)
-        refuse_options(args, meta, OPTIONS)
+        refuse_options(args, meta, "generate_options")
         _check_decoding(args)
         for name, value in DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
-        if meta.get("task", "lm") != "lm":
-            from recipes.tasks.base import generate
-
-            print(generate(model, tokenizer, meta, args))
-            return 0
-        generator = None
-        if args.seed is not None:
-            generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
-        temperature = 0.0 if args.num_beams > 1 else args.temperature
-        sys.stdout.write(args.prompt)
-        stream(
-            model,
-            tokenizer,
-            args.prompt,
-            sys.stdout,
-            args.max_new_tokens,
-            temperature=temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            num_beams=args.num_beams,
-            generator=generator,
-            compile=bool(args.compile),
-        )
-        sys.stdout.write("\n")
+        task_of(meta).generate(model, tokenizer, meta, args)
     except (RecipeError, PluginError, ValueError) as exc:
         print(f"\nbuilder generate: {exc}", file=sys.stderr)
         return 1

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.data.windows import PositionedDataModule
-from recipes.recipe.sections import RecipeError
+from recipes.errors import RecipeError
 
 
 def budget_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:

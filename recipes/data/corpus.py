@@ -22,7 +22,8 @@ from recipes.data import registry as datasets
 from recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
 from recipes.data.mixture import Source, Stream, epochs_seen, shares
 from recipes.data.section import DataSection, SourceEntry
-from recipes.recipe.fields import RecipeError, resolve
+from recipes.errors import RecipeError
+from recipes.recipe.fields import resolve
 
 #: text with at least this many documents is split by document; with fewer, by its tail
 DOCUMENT_SPLIT_MIN = 20

@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from recipes.recipe.sections import RecipeError
+from recipes.errors import RecipeError
 
 #: the environment variable naming the data root (a folder of dataset files, or where to download them)
 ENV_ROOT = "BUILDER_DATA"

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from recipes.recipe.fields import RecipeError
+from recipes.errors import RecipeError
 
 #: bytes read from a file at a time
 CHUNK = 1 << 20

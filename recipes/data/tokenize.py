@@ -58,7 +58,7 @@ from recipes.data.tokenized import (
     file_sha256,
     is_tokenized_dataset,
 )
-from recipes.recipe.fields import RecipeError
+from recipes.errors import RecipeError
 
 #: per-unit done records
 UNITS = ".units"

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from recipes.data.sources import Document  # noqa: F401  (re-exported: what tokenize_documents takes)
-from recipes.recipe.fields import RecipeError
+from recipes.errors import RecipeError
 
 FORMAT = "builder-tokenized"
 VERSION = 1

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.data.mixture import TRAIN, VALIDATION, Source, Windows, shares
-from recipes.recipe.fields import RecipeError
+from recipes.errors import RecipeError
 
 #: a target that takes no part in the loss (recipes.training.module.IGNORE)
 IGNORE = -100

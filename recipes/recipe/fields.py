@@ -1,7 +1,7 @@
 """What every recipe section is built from, in a module that imports nothing of the project: the
-base section model, the markers of path fields, :class:`RecipeError` and :func:`resolve`.
-``recipes.recipe.sections`` re-exports them; section modules elsewhere (``recipes.data.section``) import
-them from here, so no section module needs ``recipes.recipe.sections`` back."""
+base section model, the markers of path fields and :func:`resolve`. Section modules elsewhere
+(``recipes.data.section``, each task's) import them from here, so no section module needs
+``recipes.recipe.sections`` back."""
 
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ def default_cache_dir() -> str:
     if LEGACY_CACHE.is_dir():
         return str(LEGACY_CACHE)
     return platformdirs.user_cache_dir("builder", appauthor=False)
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot run as written (missing data, a window longer than the model...)."""
 
 
 class _Section(BaseModel):

@@ -22,9 +22,9 @@ def recipe_json_schema() -> dict[str, Any]:
     from pydantic.json_schema import models_json_schema
 
     from builder.spec.json_schema import draft7, partial, spec_definitions
-    from recipes.recipe.sections import TASKS, recipe_class
+    from recipes.tasks import NAMES, recipe_class
 
-    classes = {task: recipe_class(task) for task in TASKS}
+    classes = {task: recipe_class(task) for task in NAMES}
     _, top = models_json_schema([(cls, "validation") for cls in classes.values()], ref_template="#/$defs/{model}")
     recipe_defs = top["$defs"]
     defs = spec_definitions()

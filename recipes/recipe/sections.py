@@ -17,14 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from recipes.data.section import DataSection, DatasetFields, SourceEntry  # noqa: F401 (re-exported)
-from recipes.recipe.fields import (  # noqa: F401 (re-exported: the names every recipe module imports from here)
-    PYTHON_STDLIB,
-    RECIPE_PATH,
-    WORK_PATH,
-    RecipeError,
-    _Section,
-    resolve,
-)
+from recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section
+from recipes.tasks import NAMES, recipe_class
 
 #: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -129,6 +123,10 @@ class LossSection(_Section):
     moe_aux_coef: float = Field(0.01, ge=0, description="Weight of the mixture-of-experts balancing loss.")
 
 
+#: what ``trainer.devices`` may be, for its one-line refusals
+_NOT_DEVICES = "is not a count (3), auto, -1 (every device) or a list of device indices ([0, 1] or '0,1')"
+
+
 class TrainerSection(_Section):
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
     max_time: int | str | None = Field(
@@ -179,7 +177,12 @@ class TrainerSection(_Section):
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
-    devices: int | str = Field("auto", description="Devices per node: a count, 'auto' or a list string.")
+    devices: int | list[int] | Literal["auto"] = Field(
+        "auto",
+        description="Devices per node: a count (3), the indices of the devices to use ([0, 1], or '0,1' as "
+        "Lightning writes it), auto (every GPU; one process on the CPU) or -1 (every GPU). On the CPU each "
+        "device is a process.",
+    )
     num_nodes: int = Field(1, ge=1, description="Machines (torchrun / SLURM).")
     seed: int = Field(
         1337,
@@ -221,11 +224,12 @@ class TrainerSection(_Section):
                 "data_parallel hybrid shards inside a node and replicates across "
                 "nodes, but num_nodes is 1; use shard (or set num_nodes)",
             )
-        if isinstance(self.devices, int) and self.devices > 0 and self.devices % self.tensor_parallel:
+        per_node = len(self.devices) if isinstance(self.devices, list) else self.devices
+        if isinstance(per_node, int) and per_node > 0 and per_node % self.tensor_parallel:
             raise rule_error(
                 ("tensor_parallel",),
                 f"tensor_parallel {self.tensor_parallel} must divide devices "
-                f"({self.devices} per node): a tensor-parallel group stays inside one node",
+                f"({per_node} per node): a tensor-parallel group stays inside one node",
             )
         return self
 
@@ -233,6 +237,36 @@ class TrainerSection(_Section):
     @classmethod
     def _precision_str(cls, value):
         return str(value) if isinstance(value, int) else value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value):
+        """``devices`` read once, as Lightning reads it: ``"3"`` is 3, ``"[0, 1]"`` and ``"0,1"`` the
+        devices numbered 0 and 1 (a list), ``"-1"`` is -1; ``auto`` stays. Every reader then sees
+        a count, a list of indices, ``auto`` or -1 (``recipes.parallel.mesh.device_count``)."""
+        shown = repr(value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            text = value.strip()
+            if text == "auto":
+                return text
+            if re.fullmatch(r"-?\d+", text):
+                value = int(text)
+            elif re.fullmatch(r"\[\s*\d+(\s*,\s*\d+)*\s*,?\s*\]|\d+(\s*,\s*\d+)*\s*,?", text):
+                value = [int(i) for i in re.findall(r"\d+", text)]
+            else:
+                raise ValueError(f"devices {shown} {_NOT_DEVICES}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value == 0 or value < -1:
+                raise ValueError(f"devices {shown}: a count is at least 1 (or -1: every device, or auto)")
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"devices {shown} {_NOT_DEVICES}")
+        if not value or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+            raise ValueError(f"devices {shown}: a list holds device indices 0, 1, ... (at least one)")
+        twice = [i for i in value if value.count(i) > 1]
+        if twice:
+            raise ValueError(f"devices {shown}: device {twice[0]} is listed twice")
+        return value
 
     @field_validator("max_time")
     @classmethod
@@ -265,23 +299,14 @@ class SampleSection(_Section):
     )
 
 
-#: recipe ``task`` -> "module:class" of its recipe schema (the LM's is :class:`Recipe` itself)
-TASKS = {
-    "lm": "recipes.recipe.sections:Recipe",
-    "translation": "recipes.recipe.task_sections:TranslationRecipe",
-    "mlm": "recipes.recipe.task_sections:MLMRecipe",
-    "classification": "recipes.recipe.task_sections:ClassificationRecipe",
-}
-
-
 class Recipe(_Section):
     """A training recipe. Attribute names are the YAML keys."""
 
     #: how the loader's messages name a file of this kind
     file_kind: ClassVar[str] = "a recipe"
 
-    task: Literal["lm", "translation", "mlm", "classification"] = Field(
-        "lm", description="lm | translation | mlm | classification: what is trained (each has its own data section)."
+    task: Literal[NAMES] = Field(
+        "lm", description=f"{' | '.join(NAMES)}: what is trained (each has its own data section)."
     )
     name: str | None = Field(None, description="Shown in reports and names the output dir (default: file name).")
     model: ModelSection = Field(..., description="The spec to train.")
@@ -368,16 +393,6 @@ def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[
             key = f"model.overrides.{key}"
         out[key] = value
     return out
-
-
-def recipe_class(task: Any) -> type[Recipe]:
-    """The recipe schema of a ``task`` (an unknown task gets :class:`Recipe`, whose ``task``
-    field then reports it with the valid names)."""
-    import importlib
-
-    entry = TASKS.get(task) if isinstance(task, str) else None  # a list or mapping: reported by the field
-    module, _, name = (entry or TASKS["lm"]).partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:

@@ -1,1 +1,33 @@
-"""The tasks a recipe trains (language modelling, translation, masked LM, classification)."""
+"""The tasks a recipe trains, by its ``task:`` value. Each is a folder here: ``__init__.py`` (torch-free)
+holds the task's recipe schema and its :class:`~recipes.tasks.task.Task` (``TASK``), ``training.py``
+its data, LightningModule, evaluation and decoding. A new task is one folder and its name in
+:data:`NAMES`; nothing else branches on a task's name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: every task, by its ``task:`` value (the folder ``recipes/tasks/<name>/``); ``lm`` is the default
+NAMES = ("lm", "translation", "mlm", "classification")
+
+
+def task_named(name: str):
+    """The :class:`~recipes.tasks.task.Task` called ``name`` (a checkpoint's or a recipe's ``task``)."""
+    if name not in NAMES:
+        from recipes.errors import RecipeError
+
+        raise RecipeError(f"unknown task {name!r}; one of {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}").TASK
+
+
+def task_of(meta: dict):
+    """The task of a checkpoint's ``builder`` record (``lm`` when it names none: written before tasks)."""
+    return task_named(meta.get("task", "lm"))
+
+
+def recipe_class(task: Any) -> type:
+    """The recipe schema of ``task`` (an unknown task, or a value that is no name, gets the LM's,
+    whose ``task`` field then reports it with the valid names)."""
+    return task_named(task if isinstance(task, str) and task in NAMES else "lm").recipe

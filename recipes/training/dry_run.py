@@ -17,49 +17,26 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from recipes.recipe.sections import Recipe, RecipeError, SourceEntry, resolve
+from recipes.errors import RecipeError
+from recipes.recipe.fields import resolve
+from recipes.recipe.sections import Recipe
+from recipes.tasks.task import DataFile, Vocabulary
 
 #: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
 CHAR_STAND_IN = 256
 
 
-@dataclasses.dataclass(frozen=True)
-class Vocabulary:
-    """The vocabulary a run's tokenizer will have: ``size`` and how it is known."""
-
-    size: int
-    how: str
-    stand_in: bool = False  # the size is a stand-in until the data is read
-
-
 def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Vocabulary:
-    """The tokenizer's vocabulary size without training one. ``read_data``: a char tokenizer
-    counts the characters of its corpus when every file is on disk (else a stand-in), and
-    ``classification.init_from`` is read for its tokenizer."""
-    settings = recipe.tokenizer
-    if recipe.task in ("lm", "mlm"):
-        from recipes.data.corpus import kind_of
-        from recipes.data.tokenized import TokenizedDataset
+    """The tokenizer's vocabulary size without training one: the task's when it knows it (a
+    tokenized dataset's, a pretrained checkpoint's), else from the tokenizer settings. ``read_data``:
+    a char tokenizer counts the characters of its corpus when every file is on disk (else a
+    stand-in), and a pretrained checkpoint is read for its tokenizer."""
+    from recipes.tasks import task_named
 
-        for entry in recipe.data.entries():
-            kind, path = kind_of(entry, recipe.data, recipe_file)
-            if kind == "tokenized":  # its tokenizer is the run's (recipes.data.corpus)
-                dataset = TokenizedDataset.open(path)
-                kind = dataset.manifest["tokenizer"]["kind"]
-                return Vocabulary(
-                    dataset.vocab_size, f"{kind} from the tokenized dataset {path} (the one it was made with)"
-                )
-    init_from = getattr(getattr(recipe, "classification", None), "init_from", None)
-    if init_from is not None:
-        path = resolve(recipe_file, init_from)
-        if read_data and path.is_file():
-            return Vocabulary(_checkpoint_vocabulary(path), f"the tokenizer of classification.init_from {path}")
-        return Vocabulary(
-            settings.vocab_size,
-            f"the tokenizer of classification.init_from {path} "
-            f"(not read here; estimated with tokenizer.vocab_size {settings.vocab_size:,})",
-            True,
-        )
+    known = task_named(recipe.task).vocabulary(recipe, recipe_file, read_data)
+    if known is not None:
+        return known
+    settings = recipe.tokenizer
     if settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file is not None):
         from recipes.data.tokenizers import build_tokenizer
 
@@ -83,7 +60,8 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     )
 
 
-def _checkpoint_vocabulary(path: Path) -> int:
+def checkpoint_vocabulary(path: Path) -> int:
+    """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries."""
     import torch
 
     from recipes.data.tokenizers import from_state
@@ -97,93 +75,59 @@ def _checkpoint_vocabulary(path: Path) -> int:
 # -- data --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class DataFile:
-    """One file a run reads: where, whether it is there, and where it would come from."""
+class DataFiles:
+    """The files a recipe reads, collected in order as its task names them
+    (:meth:`recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the data root, or
+    the URL they would come from) and the recipe's own files."""
 
-    what: str  # "tinyshakespeare", "data.train.source"
-    path: Path | None  # None: the files of this machine (python-stdlib)
-    present: bool
-    url: str | None = None
-    size: int | None = None
-    terms: str | None = None
+    def __init__(self, recipe: Recipe, recipe_file: Path):
+        from recipes.data import registry
 
+        self.recipe, self.recipe_file, self.found = recipe, recipe_file, []
+        self._datasets = registry
+        data = recipe.data
+        names = [getattr(s, "path", s) for s in getattr(data, "sources", [])]
+        uses = data.dataset is not None or any(name in registry.DATASETS for name in names)
+        self._root = registry.data_root(data.dataset_root(recipe_file)) if uses else None
 
-def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
-    """Every file the recipe's data section reads, in order; nothing is fetched or read."""
-    from recipes.data import registry as datasets
+    def is_dataset(self, name: str) -> bool:
+        return name in self._datasets.DATASETS
 
-    data = recipe.data
-    found: list[DataFile] = []
-    root = (
-        datasets.data_root(data.dataset_root(recipe_file))
-        if data.dataset is not None
-        or any(getattr(s, "path", s) in datasets.DATASETS for s in getattr(data, "sources", []))
-        else None
-    )
+    def registry(self, name: str):
+        """The registry's :class:`recipes.data.registry.Dataset` called ``name``."""
+        return self._datasets.get(name)
 
-    def dataset(name: str, splits: list[str]) -> None:
-        spec = datasets.get(name)
+    def add(self, what: str, path: Path | None, present: bool, **where) -> None:
+        self.found.append(DataFile(what, path, present, **where))
+
+    def dataset(self, name: str, splits: list[str]) -> None:
+        """The files of dataset ``name``'s ``splits``."""
+        spec = self._datasets.get(name)
         if spec.local is not None:
-            found.append(DataFile(name, None, True, terms=spec.license))
+            self.add(name, None, True, terms=spec.license)
             return
-        base = datasets.data_root(data.dataset_root(recipe_file)) if root is None else root
+        base = self._root or self._datasets.data_root(self.recipe.data.dataset_root(self.recipe_file))
         for split in splits:
             for path in spec.splits[split].values():
                 remote = spec.file(path)
                 where = base.joinpath(*remote.path.split("/"))
-                found.append(
-                    DataFile(
-                        f"{name} {split}",
-                        where,
-                        where.is_file(),
-                        remote.url,
-                        remote.size,
-                        spec.license if spec.restricted else None,
-                    )
-                )
+                terms = spec.license if spec.restricted else None
+                self.add(f"{name} {split}", where, where.is_file(), url=remote.url, size=remote.size, terms=terms)
 
-    def own(what: str, path: str | None) -> None:
+    def own(self, what: str, path: str | None) -> None:
+        """A file the recipe names (``None``: not set)."""
         if path is not None:
-            where = resolve(recipe_file, path)
-            found.append(DataFile(what, where, where.exists()))
+            where = resolve(self.recipe_file, path)
+            self.add(what, where, where.exists())
 
-    if recipe.task in ("lm", "mlm"):
-        from recipes.data.corpus import kind_of
 
-        for entry in data.entries():
-            if entry.path in datasets.DATASETS:
-                dataset(entry.path, [datasets.get(entry.path).train] if datasets.get(entry.path).splits else [])
-                continue
-            kind, where = kind_of(entry, data, recipe_file)
-            found.append(
-                DataFile(
-                    "data.sources" if kind == "text" else f"data.sources ({kind})",
-                    where,
-                    kind != "text" or where.exists(),
-                )
-            )
-            if entry.validation is not None:
-                held = SourceEntry(path=entry.validation, dtype=entry.dtype)
-                kind, where = kind_of(held, data, recipe_file)
-                found.append(DataFile("data.sources.validation", where, kind != "text" or where.exists()))
-    elif recipe.task == "translation":
-        for role in ("train", "validation"):
-            files = getattr(data, role)
-            if files is not None:
-                own(f"data.{role}.source", files.source)
-                own(f"data.{role}.target", files.target)
-            elif data.dataset is not None:
-                spec = datasets.get(data.dataset)
-                dataset(data.dataset, [spec.split_of(role)])
-    elif recipe.task == "classification":
-        if data.dataset is not None:
-            dataset(data.dataset, [data.split or datasets.get(data.dataset).train])
-        own("data.file", data.file)
-        for label, path in (data.by_label or {}).items():
-            own(f"data.by_label.{label}", path)
-        own("data.validation", data.validation)
-    return found
+def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
+    """Every file the recipe's data section reads, in order; nothing is fetched or read."""
+    from recipes.tasks import task_named
+
+    files = DataFiles(recipe, recipe_file)
+    task_named(recipe.task).data_files(recipe, recipe_file, files)
+    return files.found
 
 
 def _close_names(path: Path) -> str:
@@ -226,9 +170,15 @@ def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | No
 
 
 def devices_line(recipe: Recipe) -> str:
-    """Accelerator, devices, strategy and precision as this machine would run them."""
+    """Accelerator, devices, strategy and precision as this machine would run them, the devices
+    counted as training counts them (:func:`recipes.parallel.mesh.device_count`), and a warning
+    when train would refuse them here (a launch line meant for another machine still shows)."""
+    from recipes.parallel.compile import compile_mode
+    from recipes.parallel.mesh import device_count, layout_of
+    from recipes.training.precision import resolve_precision
+
     settings = recipe.trainer
-    accelerator, count = _accelerator(settings.accelerator, settings.devices)
+    accelerator, count = _accelerator(settings)
     total = count * settings.num_nodes
     strategy = settings.strategy
     if strategy == "auto":
@@ -241,54 +191,35 @@ def devices_line(recipe: Recipe) -> str:
         value = getattr(settings, field, None)
         if value is not None and settings.strategy == "fsdp":
             parts.append(f"{field} {value}")
-    from recipes.training.precision import resolve_precision
-
     chosen, note = resolve_precision(settings.precision, settings.accelerator)
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:
         parts.append("activation checkpointing")
     if settings.compile:
-        parts.append("torch.compile")
+        parts.append(f"torch.compile ({compile_mode(settings)})")
+    try:
+        (layout_of if settings.strategy == "fsdp" else device_count)(settings)
+    except RecipeError as exc:
+        parts.append(f"WARNING: {exc}; train refuses this on this machine")
     return ", ".join(parts)
 
 
-def _accelerator(accelerator: str, devices: int | str) -> tuple[str, int]:
-    """What Lightning's ``auto`` picks here, and the devices per node."""
-    import torch
+def _accelerator(settings) -> tuple[str, int]:
+    """What Lightning's ``auto`` picks here, and the devices per node as training counts them,
+    not checked against this machine (:func:`devices_line` says what train would refuse)."""
+    from recipes.parallel.mesh import accelerator_of, device_count
 
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-    if accelerator == "auto":
-        accelerator = "cuda" if cuda else "mps" if mps else "cpu"
-    elif accelerator == "gpu":
-        accelerator = "cuda" if cuda or not mps else "mps"
-    available = cuda if accelerator == "cuda" else 1
-    if devices == "auto" or devices == -1 or devices == "-1":
-        return accelerator, max(1, available) if accelerator == "cuda" else 1
-    if isinstance(devices, str):
-        listed = [d for d in devices.replace(" ", "").strip("[]").split(",") if d]
-        return accelerator, len(listed) if len(listed) > 1 else int(listed[0]) if listed and listed[0].isdigit() else 1
-    return accelerator, devices
+    return accelerator_of(settings.accelerator), device_count(settings, check=False)
 
 
 # -- the estimate ------------------------------------------------------------------------------------
 
 
 def batch_shape(recipe: Recipe, spec) -> tuple[int, int, str]:
-    """``(seq_len, batch, how)``: the micro-batch shape the estimate is made at."""
-    data = recipe.data
-    if recipe.task in ("lm", "mlm"):
-        return data.seq_len, data.batch_size, f"{data.batch_size} windows x {data.seq_len} tokens"
-    longest = min(data.max_len, spec.max_seq_len)
-    batch = max(1, data.max_tokens // longest)
-    return (
-        longest,
-        batch,
-        (
-            f"the longest batch of data.max_tokens {data.max_tokens:,}: {batch} examples x "
-            f"{longest} tokens (data.max_len)"
-        ),
-    )
+    """``(seq_len, batch, how)``: the micro-batch shape the estimate is made at (the task's)."""
+    from recipes.tasks import task_named
+
+    return task_named(recipe.task).batch_shape(recipe, spec)
 
 
 def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None):
@@ -334,6 +265,7 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     from builder.zoo import shown
     from recipes.recipe.kind import recipe_path as locate_recipe
     from recipes.recipe.sections import load_recipe, model_spec, output_dir, spec_file
+    from recipes.tasks import task_named
 
     out = out or sys.stdout
     recipe_file = locate_recipe(recipe_path)
@@ -342,14 +274,11 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     missing = missing_inputs(recipe, recipe_file, files)
     if missing:
         raise RecipeError("; ".join(missing))
+    task = task_named(recipe.task)
     vocab = vocabulary(recipe, recipe_file)
     spec = model_spec(recipe, recipe_file, vocab.size)
     seq_len, batch, shape = batch_shape(recipe, spec)
-    if recipe.task in ("lm", "mlm") and recipe.data.seq_len > spec.max_seq_len:
-        raise RecipeError(
-            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len "
-            f"{spec.max_seq_len}; lower data.seq_len or set model.overrides.max_seq_len"
-        )
+    task.check_spec(recipe, spec)
     est = recipe_estimate(spec, recipe, seq_len, batch)
     run_dir = output_dir(recipe, recipe_file)
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -370,8 +299,7 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
         lines.append(("overrides", ", ".join(f"{k}={v}" for k, v in recipe.model.overrides.items())))
     lines.append(("tokenizer", vocab.how))
     lines += [("data", _data_line(f)) for f in files]
-    if recipe.task == "lm":
-        lines += [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
+    lines += task.dry_run_lines(recipe, recipe_file)
     lines.append(("devices", devices_line(recipe)))
     from builder.hf import export_line
 
@@ -412,47 +340,12 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     }
 
 
-def mixture_lines(recipe: Recipe, recipe_file: Path) -> list[str]:
-    """Per source that is already tokens (tokenized datasets, Megatron and raw files): its training
-    tokens, its share of the windows and the passes the run makes over it, with a warning past
-    its ``max_epochs``; text is tokenized at the first run, so its count is not known here."""
-    from recipes.data.corpus import kind_of, source_tokens
-
-    data = recipe.data
-    entries = data.entries()
-    kinds = [kind_of(e, data, recipe_file) for e in entries]
-    if all(kind == "text" for kind, _ in kinds) and len(entries) == 1:
-        return []
-    tokens = [source_tokens(e, kind, path, data) if kind != "text" else None for e, (kind, path) in zip(entries, kinds)]
-    weights = [e.weight for e in entries]
-    known = all(w is not None for w in weights) or all(t is not None for t in tokens)
-    raw = [w if w is not None else t for w, t in zip(weights, tokens)]
-    settings = recipe.trainer
-    total = settings.max_steps * data.batch_size * settings.accumulate_grad_batches * data_parallel_ranks(recipe)
-    lines = []
-    for entry, n, part in zip(entries, tokens, raw):
-        if n is None:
-            lines.append(
-                f"{entry.path}: text, tokenized at the first run"
-                + (f"; weight {entry.weight:g}" if entry.weight is not None else "")
-            )
-            continue
-        line = f"{entry.path}: {n:,} training tokens"
-        if known:
-            share = part / sum(raw)
-            epochs = total * share / max(1, n // data.seq_len)
-            line += f", {share:.1%} of the windows, {epochs:.2f} epochs in {settings.max_steps:,} steps"
-            if entry.max_epochs is not None and epochs > entry.max_epochs:
-                line += f" -- WARNING: past its max_epochs {entry.max_epochs:g}; train refuses this"
-        lines.append(line)
-    return lines
-
-
 def data_parallel_ranks(recipe: Recipe) -> int:
-    """Ranks that read different data in the recipe's layout, as the dry run counts devices."""
-    settings = recipe.trainer
-    total = _accelerator(settings.accelerator, settings.devices)[1] * settings.num_nodes
-    return max(1, total // (settings.tensor_parallel if settings.strategy == "fsdp" else 1))
+    """Ranks that read different data in the recipe's layout, as training counts them
+    (:func:`recipes.parallel.mesh.data_parallel_ranks`), devices not checked against this machine."""
+    from recipes.parallel import mesh
+
+    return mesh.data_parallel_ranks(recipe.trainer, check=False)
 
 
 def _data_line(f: DataFile) -> str:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import re
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from recipes.checkpoint import RESUMABLE, newest_intact
-from recipes.data.tokenizers import build_tokenizer
-from recipes.data.windows import LMDataModule, Mixture
-from recipes.recipe.sections import Recipe, RecipeError, load_recipe, model_spec, output_dir
+from recipes.errors import RecipeError
+from recipes.parallel import parallelize
+from recipes.parallel.compile import compiling, eager
+from recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
 from recipes.sharded_checkpoint import tidy
 from recipes.training.callbacks import (
     AtomicCheckpointIO,
@@ -37,12 +37,11 @@ from recipes.training.callbacks import (
     plot_losses,
     stop_line,
 )
-from recipes.training.module import LMModule, checkpoint_layers, layer_modules
 from recipes.training.precision import lightning_plugin, on_cuda, resolve_precision
-from recipes.training.pretrained import freeze_parts, load_init_from, pretrained_tokenizer
+from recipes.training.pretrained import freeze_parts, load_init_from
 from recipes.training.run_folder import owns_run_folder
 from recipes.training.run_log import recipe_dump, record, resolved_recipe, run_loggers
-from recipes.training.speed import compile_layers, compile_mode, compiling, eager
+from recipes.training.say import say
 
 
 class _Quiet(logging.Filter):
@@ -80,81 +79,6 @@ def say_devices(recipe: Recipe) -> None:
     from recipes.training.dry_run import devices_line
 
     say(f"devices: {devices_line(recipe)}")
-
-
-def say(*args) -> None:
-    if rank_zero_only.rank == 0:
-        print(*args, flush=True)
-
-
-def trains_tokenizer(recipe: Recipe) -> bool:
-    """Whether the recipe's tokenizer is made from its text (char, or sentencepiece without a file)."""
-    settings = recipe.tokenizer
-    return settings.type == "char" or (settings.type == "sentencepiece" and settings.model_file is None)
-
-
-def prepare(recipe: Recipe, recipe_file: Path):
-    """Sources -> tokenizer -> spec: what model and data both need (:mod:`recipes.data.corpus`)."""
-    from recipes.data.corpus import open_corpus
-
-    cache = Path(recipe.data.cache_dir)
-    checked = {}
-
-    def tokenizer_for(text: str, text_hash: str):
-        tokenizer = build_tokenizer(recipe.tokenizer, text, text_hash, cache, recipe_file)
-        # before tokenizing: a spec that cannot run stops here
-        checked["spec"] = model_spec(recipe, recipe_file, tokenizer.vocab_size)
-        return tokenizer
-
-    corpus = open_corpus(
-        recipe.data,
-        recipe_file,
-        tokenizer_for,
-        trains_tokenizer(recipe),
-        pretrained=pretrained_tokenizer(recipe, recipe_file),
-    )
-    spec = checked.get("spec") or model_spec(recipe, recipe_file, corpus.tokenizer.vocab_size)
-    if recipe.data.seq_len > spec.max_seq_len:
-        raise RecipeError(
-            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
-            f"lower data.seq_len or set model.overrides.max_seq_len"
-        )
-    say(corpus.line)
-    return corpus, corpus.tokenizer, spec
-
-
-def data_ranks(recipe: Recipe) -> int:
-    """The ranks that read different data in the recipe's layout (tensor-parallel peers share)."""
-    from recipes.parallel import device_count, layout_of
-
-    settings = recipe.trainer
-    if settings.strategy == "fsdp":
-        layout = layout_of(settings)
-        return layout.devices // layout.tensor_parallel
-    return device_count(settings) * settings.num_nodes
-
-
-def lm_data(recipe: Recipe, corpus) -> LMDataModule:
-    """The corpus's windows as the run takes them; refuses a mixture past a source's epoch limit."""
-    from recipes.data.corpus import mixture_rows, over_limit
-
-    settings = recipe.trainer
-    per_step = recipe.data.batch_size * settings.accumulate_grad_batches * data_ranks(recipe)
-    rows = mixture_rows(corpus, settings.max_steps * per_step)
-    if len(rows) > 1:
-        say("mixture: " + ", ".join(f"{r['name']} {r['share']:.0%} ({r['epochs']:.2f} epochs)" for r in rows))
-    problems = over_limit(rows)
-    if problems:
-        raise RecipeError(problems[0])
-    mixture = Mixture(corpus.sources, settings.seed, corpus.tokenizer.vocab_size, recipe.data.packing)
-    return LMDataModule(
-        mixture,
-        recipe.data.batch_size,
-        settings.seed,
-        settings.limit_val_batches,
-        settings.accumulate_grad_batches,
-        recipe.data.num_workers,
-    )
 
 
 def describe(
@@ -222,12 +146,8 @@ def training_model(
     freeze_parts(model, recipe, recipe_file)
     flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch, verbose=verbose)
     if sharded:
-        return model, flops_per_token  # recipes.parallel.shard_model checkpoints and compiles its layers
-    if settings.activation_checkpointing:
-        checkpoint_layers(model)
-    if compile_mode(settings) == "layers":
-        compile_layers(layer_modules(model))  # "model" compiles the module's loss (recipes.training.module)
-    return model, flops_per_token
+        return model, flops_per_token  # the strategy parallelises it on its mesh (ShardedStrategy.parallelize)
+    return parallelize(model, settings), flops_per_token  # checkpointing and compile as the recipe asks
 
 
 def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
@@ -266,10 +186,10 @@ def check_layout(recipe: Recipe, recipe_file: Path) -> None:
 
 
 def strategy_for(recipe: Recipe):
-    """The Lightning strategy: FSDP2 / tensor parallelism (``recipes.parallel``) or Lightning's own."""
+    """The Lightning strategy: FSDP2 / tensor parallelism (``recipes.parallel.strategy``) or Lightning's own."""
     trainer = recipe.trainer
     if trainer.strategy == "fsdp":
-        from recipes.parallel import ShardedStrategy
+        from recipes.parallel.strategy import ShardedStrategy
 
         return ShardedStrategy(trainer, init_seed=trainer.seed)
     return trainer.strategy
@@ -457,7 +377,7 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
 
 def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str, compiled=None) -> dict:
     """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve.
-    ``compiled``: the run's :class:`~recipes.training.speed.CompileClock`."""
+    ``compiled``: the run's :class:`~recipes.parallel.compile.CompileClock`."""
     history = module.history
     if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
         trainer.validate(module, datamodule=data, verbose=False)
@@ -495,21 +415,33 @@ def run(
     fresh: bool = False,
     samples: bool = True,
     verbose: bool = False,
+    callbacks: list | None = None,
 ) -> dict:
-    """Train a recipe; returns a summary (steps, losses, paths). Raises on bad input or NaN, and
-    :class:`recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the full estimate
-    tables before the first step, instead of one line."""
+    """Train a recipe, of any task; returns a summary (steps, losses, paths). Raises on bad input
+    or NaN, and :class:`recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the
+    full estimate tables before the first step, instead of one line; ``callbacks``: more Lightning
+    callbacks (a benchmark's clock)."""
     recipe_file = Path(recipe_path)
-    recipe = load_recipe(recipe_file, overrides)
-    if recipe.task != "lm":
-        from recipes.tasks.base import run_task
+    return train_recipe(load_recipe(recipe_file, overrides), recipe_file, resume, fresh, samples, verbose, callbacks)
 
-        return run_task(recipe, recipe_file, resume=resume, fresh=fresh, verbose=verbose)
+
+def train_recipe(
+    recipe: Recipe,
+    recipe_file: Path,
+    resume: str | bool | None = None,
+    fresh: bool = False,
+    samples: bool = True,
+    verbose: bool = False,
+    callbacks: list | None = None,
+) -> dict:
+    """:func:`run` on a recipe already loaded from ``recipe_file`` (relative paths start there)."""
+    from recipes.tasks import task_named
+
     recipe = for_this_machine(recipe)
+    task = task_named(recipe.task)
     out = output_dir(recipe, recipe_file)
-    spec_of = lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
-    with run_session(recipe, out, fresh, resume, spec_of, recipe_file) as stop:
-        return train_lm(recipe, recipe_file, out, stop, resume, fresh, samples, verbose)
+    with run_session(recipe, out, fresh, resume, task.spec_of(recipe, recipe_file), recipe_file) as stop:
+        return train(task, recipe, recipe_file, out, stop, resume, fresh, samples, callbacks, verbose)
 
 
 @contextlib.contextmanager
@@ -543,7 +475,8 @@ def stop_callback(stop, checkpoints: RecipeCheckpoint):
     return StopOnSignal(stop, checkpoints.save_last)
 
 
-def train_lm(
+def train(
+    task,
     recipe: Recipe,
     recipe_file: Path,
     out: Path,
@@ -551,75 +484,83 @@ def train_lm(
     resume: str | bool | None,
     fresh: bool,
     samples: bool,
+    callbacks: list | None = None,
     verbose: bool = False,
 ) -> dict:
-    """The language-model run of :func:`run`, inside its session."""
+    """The run of :func:`run`, inside its session: the task prepares data, tokenizer and spec
+    (:meth:`recipes.tasks.task.Task.prepare`); the model, the Trainer, checkpoints, resuming and
+    logs are the same for every task."""
     settings = recipe.trainer
     quiet_lightning()
     check_layout(recipe, recipe_file)
     say_devices(recipe)
     L.seed_everything(settings.seed, workers=True, verbose=False)
-    corpus, tokenizer, spec = prepare(recipe, recipe_file)
-    data = lm_data(recipe, corpus)
-
-    meta = training_meta(recipe, recipe_file, spec, tokenizer, corpus=corpus.hash)
+    prepared = task.prepare(recipe, recipe_file, samples)
+    meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=task.name, **prepared.meta)
     ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(spec, recipe, recipe_file=recipe_file, verbose=verbose)
-    module = LMModule(model, recipe, meta)
-
-    checkpoints = RecipeCheckpoint(out / "checkpoints", settings.checkpoint_every_n_steps)
-    throughput = Throughput(
-        recipe.data.batch_size * recipe.data.seq_len * settings.accumulate_grad_batches,
-        flops_per_token,
-        settings.precision,
-        settings.log_every_n_steps,
+    model, flops_per_token = training_model(
+        prepared.spec,
+        recipe,
+        prepared.init,
+        seq_len=prepared.seq_len,
+        batch=prepared.batch,
+        recipe_file=recipe_file,
+        verbose=verbose,
     )
+    module = prepared.module_class(model, recipe, meta)
+    ckpt_dir = out / "checkpoints"
+    checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
+    if prepared.tokens_of is None:
+        tokens = prepared.batch * prepared.seq_len * settings.accumulate_grad_batches
+        throughput = Throughput(tokens, flops_per_token, settings.precision, settings.log_every_n_steps)
+    else:
+        throughput = CountedThroughput(
+            prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps
+        )
+    extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
     trainer = run_trainer(
-        recipe, recipe_file, spec, out, [checkpoints, throughput, stop_callback(stop, checkpoints)], ckpt
+        recipe,
+        recipe_file,
+        prepared.spec,
+        out,
+        [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
+        ckpt,
     )
     with compiling(out) as compiled:
-        fit(trainer, module, data, ckpt)
+        fit(trainer, module, prepared.data, ckpt)
     with eager():
-        summary = wrap_up(
-            trainer,
-            module,
-            data,
-            throughput,
-            checkpoints,
-            out,
-            f"{recipe.name or recipe_file.stem}: {spec.name}",
-            compiled,
-        )
-        if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
+        title = f"{recipe.name or recipe_file.stem}: {prepared.spec.name}"
+        summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out, title, compiled)
+        summary.update(task=task.name, val_metrics=dict(getattr(module, "val_metrics", {})))
+        if prepared.finish is not None:
             from recipes.parallel import whole_model
 
             model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
             if trainer.is_global_zero:
-                print_samples(model, tokenizer, recipe)
+                summary.update(prepared.finish(module, model, ckpt_dir))
     return summary
 
 
-@torch.no_grad()
-def print_samples(model, tokenizer, recipe: Recipe) -> None:
-    """Decode each prompt with the recipe's sampling settings and print the text."""
-    from recipes.tasks.streaming import stream
+class CountedThroughput(Throughput):
+    """:class:`Throughput` for batches of varying size: the real tokens of each micro-batch
+    (``tokens_of``) are summed on the device and read at the interval's end, times the world size."""
 
-    model.eval()
-    settings = recipe.sample
-    generator_seed = recipe.trainer.seed
-    for prompt in settings.prompts:
-        print(f"\n--- sample: {prompt!r} ---", flush=True)
-        torch.manual_seed(generator_seed)
-        sys.stdout.write(prompt)
-        stream(
-            model,
-            tokenizer,
-            prompt,
-            sys.stdout,
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            top_k=settings.top_k,
-            top_p=settings.top_p,
-            compile=settings.compile,
-        )
-        print(flush=True)
+    def __init__(self, tokens_of, flops_per_token: int, precision: str, every_n_steps: int):
+        super().__init__(0, flops_per_token, precision, every_n_steps)
+        self.tokens_of = tokens_of
+        self._tokens = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from recipes.parallel import data_parallel_size
+
+        self._tokens = self._tokens + self.tokens_of(batch)  # a device tensor for some tasks: no read here
+        self._world = data_parallel_size(trainer)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def interval_tokens(self) -> float:
+        tokens, self._tokens = float(self._tokens), 0
+        return tokens * self._world
+
+    def on_validation_end(self, trainer, pl_module):
+        super().on_validation_end(trainer, pl_module)
+        self._tokens = 0

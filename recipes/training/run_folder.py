@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from recipes.recipe.sections import RecipeError
+from recipes.errors import RecipeError
 
 LOCK_FILE = "run.lock"
 #: seconds between refreshes of the lock file's time by its holder
@@ -356,7 +356,7 @@ def _show(value: Any) -> str:
 def _normalised(recipe: Mapping[str, Any]) -> dict[str, Any]:
     """A recipe dump re-validated by the current schema, so a field added since the checkpoint
     was written compares as its default (the dump as it is when it no longer validates)."""
-    from recipes.recipe.sections import recipe_class
+    from recipes.tasks import recipe_class
 
     try:
         return recipe_class(recipe.get("task", "lm")).model_validate(dict(recipe), strict=False).model_dump(mode="json")

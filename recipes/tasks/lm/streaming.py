@@ -6,7 +6,7 @@ from typing import TextIO
 
 import torch
 
-from recipes.recipe.sections import RecipeError
+from recipes.errors import RecipeError
 
 
 class TextStreamer:

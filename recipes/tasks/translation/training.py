@@ -24,9 +24,11 @@ from builder.checkpoints import model_weights
 from recipes.averaging import KeepLastCheckpoints
 from recipes.data.batching import BucketDataModule, pad, sorted_batches
 from recipes.data.tokenizers import build_tokenizer
+from recipes.errors import RecipeError
 from recipes.parallel import whole_model
-from recipes.recipe.sections import RecipeError, model_spec, resolve
-from recipes.tasks.base import PROSE, Prepared, check_task
+from recipes.recipe.fields import resolve
+from recipes.recipe.sections import model_spec
+from recipes.tasks.task import PROSE, Prepared
 from recipes.training.module import IGNORE, LMModule
 from recipes.training.pretrained import pretrained_tokenizer
 
@@ -276,12 +278,13 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
         return final_evaluation(model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
 
     return Prepared(
-        tokenizer,
-        spec,
-        module,
-        TranslationModule,
-        tokens_of,
-        int(np.median(train_lengths)),
+        tokenizer=tokenizer,
+        spec=spec,
+        data=module,
+        module_class=TranslationModule,
+        tokens_of=tokens_of,
+        seq_len=int(np.median(train_lengths)),
+        batch=1,
         meta={"corpus": corpus_hash},
         callbacks=callbacks,
         finish=finish,
@@ -309,12 +312,11 @@ def final_evaluation(model, tokenizer, averaged: Path, sources, references, sett
 
 def evaluate(model, tokenizer, meta: dict, args) -> dict:
     """Score ``--src`` against ``--ref`` (default: the recipe's validation files)."""
-    check_task(meta, "translation")
     if (args.src is None) != (args.ref is None):
         raise RecipeError("give --src and --ref together (or neither: the recipe's validation pair)")
     recipe = meta["recipe"]
     if args.src is None:
-        from recipes.recipe.task_sections import ParallelDataSection
+        from recipes.tasks.translation import ParallelDataSection
 
         data = ParallelDataSection.model_validate(recipe["data"])
         src_path, ref_path = pair_paths(data, Path(meta["recipe_file"]), "validation", getattr(args, "split", None))
@@ -339,7 +341,6 @@ def evaluate(model, tokenizer, meta: dict, args) -> dict:
 
 
 def generate(model, tokenizer, meta: dict, args) -> str:
-    check_task(meta, "translation")
     settings = meta["recipe"]["eval"]
     beams = args.num_beams if args.num_beams > 1 else settings["num_beams"]
     return translate(

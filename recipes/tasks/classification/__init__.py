@@ -1,0 +1,164 @@
+"""``task: classification``: an encoder-only model and a classification head on labelled text,
+from scratch or from an MLM checkpoint. This module (torch-free) is its recipe schema and its
+:class:`~recipes.tasks.task.Task`; ``training.py`` reads the examples, trains and scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from builder.spec.problems import rule_error
+from recipes.data.section import DatasetFields
+from recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
+from recipes.recipe.sections import Recipe
+from recipes.tasks.task import Task, TokenBudget, Vocabulary
+
+
+class LabeledDataSection(DatasetFields):
+    split: str | None = Field(
+        None,
+        description="With `dataset`: the split read, each of its files one label (for multi30k, the "
+        "language); null: the training split.",
+    )
+    file: str | None = Field(
+        None,
+        description="A .csv (with a header) or .jsonl file of examples (relative to the recipe).",
+        json_schema_extra=RECIPE_PATH,
+    )
+    by_label: dict[str, str] | None = Field(
+        None,
+        description="Instead of `file`: label -> a text file of that label's examples, one a line.",
+        json_schema_extra=RECIPE_PATH,
+    )
+    validation: str | None = Field(
+        None,
+        description="A held-out file like `file` (null: the last val_fraction of the shuffled examples).",
+        json_schema_extra=RECIPE_PATH,
+    )
+    text_field: str = Field("text", description="The column or key holding the text.")
+    label_field: str = Field("label", description="The column or key holding the label.")
+    labels: list[str] | None = Field(
+        None, description="Label names in id order (null: the sorted distinct labels of the training data)."
+    )
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="Held out when there is no validation file.")
+    limit: int | None = Field(None, ge=1, description="Use only this many examples (after shuffling).")
+    max_len: int = Field(128, ge=3, description="Tokens per example, [CLS] and [SEP] included (longer: cut).")
+    max_tokens: int = Field(4096, ge=8, description="Token budget of a micro-batch, padding included.")
+    bucket_size: int = Field(100, ge=1, description="Batches per length-sorted bucket.")
+    cache_dir: str = Field(
+        default_factory=default_cache_dir,
+        description="Tokenizers, keyed by content hash (default: the user "
+        "cache, ~/.cache/builder on Linux; ./.cache/builder where one is left from an earlier version).",
+        json_schema_extra=WORK_PATH,
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if sum(x is not None for x in (self.file, self.by_label, self.dataset)) != 1:
+            raise rule_error(
+                (),
+                "give data.file (csv or jsonl), data.by_label (label -> text file) or data.dataset "
+                "(its split's files, one label each), one of them",
+            )
+        if self.dataset is not None and self.split is not None:
+            from recipes.data.registry import get
+
+            splits = list(get(self.dataset).splits)
+            if self.split not in splits:
+                raise rule_error(("split",), f"data.split {self.split!r}: {self.dataset} has {splits}")
+        return self
+
+
+class ClassificationSection(_Section):
+    init_from: str | None = Field(
+        None,
+        description="An MLM checkpoint (relative to the recipe) whose encoder and tokenizer start the model.",
+        json_schema_extra=RECIPE_PATH,
+    )
+    pooling: Literal["first", "mean"] = Field("first", description="first ([CLS]) | mean over real tokens.")
+    pooler: bool = Field(False, description="BERT's tanh pooler before the classifier.")
+    dropout: float = Field(0.1, ge=0, lt=1, description="Dropout before the classifier.")
+
+
+class ClassificationRecipe(Recipe):
+    """``task: classification``: an encoder-only model and a classification head, on labelled text."""
+
+    task: Literal["classification"] = Field("classification", description="classification.")
+    data: LabeledDataSection = Field(..., description="The labelled examples.")
+    classification: ClassificationSection = Field(
+        default_factory=ClassificationSection, description="The head and an optional pretrained start."
+    )
+
+    @model_validator(mode="after")
+    def _classification_rules(self):
+        if self.tokenizer.type != "sentencepiece":
+            raise rule_error(
+                ("tokenizer", "type"),
+                "tokenizer.type: classification needs a sentencepiece tokenizer ([PAD], [CLS], [SEP])",
+            )
+        return self
+
+
+class Classification(TokenBudget, Task):
+    name = "classification"
+    recipe = ClassificationRecipe
+    eval_options = ("data",)  # every example of the file or the validation split
+    generate_options = ()
+
+    def prepare(self, recipe, recipe_file: Path, samples: bool):
+        from recipes.tasks.classification.training import prepare_classification
+
+        return prepare_classification(recipe, recipe_file)
+
+    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+        """A pretrained encoder's tokenizer is the run's (``classification.init_from``)."""
+        init_from = recipe.classification.init_from
+        if init_from is None:
+            return None
+        path = resolve(recipe_file, init_from)
+        if read_data and path.is_file():
+            from recipes.training.dry_run import checkpoint_vocabulary
+
+            return Vocabulary(checkpoint_vocabulary(path), f"the tokenizer of classification.init_from {path}")
+        size = recipe.tokenizer.vocab_size
+        return Vocabulary(
+            size,
+            f"the tokenizer of classification.init_from {path} (not read here; estimated with "
+            f"tokenizer.vocab_size {size:,})",
+            True,
+        )
+
+    def data_files(self, recipe, recipe_file: Path, files) -> None:
+        data = recipe.data
+        if data.dataset is not None:
+            files.dataset(data.dataset, [data.split or files.registry(data.dataset).train])
+        files.own("data.file", data.file)
+        for label, path in (data.by_label or {}).items():
+            files.own(f"data.by_label.{label}", path)
+        files.own("data.validation", data.validation)
+
+    def check_eval_arguments(self, args) -> None:
+        from builder.cli.arguments import ArgumentError
+
+        data = getattr(args, "data", None)
+        if data and len(data) > 1:
+            raise ArgumentError(
+                f"--data takes one file of labelled examples for a classification checkpoint, got {len(data)}"
+            )
+
+    def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        from recipes.tasks.classification.training import evaluate
+
+        self.check_meta(meta)
+        return evaluate(model, tokenizer, meta, args)
+
+    def generate(self, model, tokenizer, meta: dict, args) -> None:
+        from recipes.tasks.classification.training import generate
+
+        self.check_meta(meta)
+        print(generate(model, tokenizer, meta, args))
+
+
+TASK = Classification()

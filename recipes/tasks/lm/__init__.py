@@ -1,0 +1,138 @@
+"""``task: lm`` (the default): next-token prediction on windows of a corpus. This module
+(torch-free) is its :class:`~recipes.tasks.task.Task`, and :class:`Corpus`, what every task that
+reads a corpus of windows shares (the masked LM too); its recipe schema is the base
+:class:`~recipes.recipe.sections.Recipe`. ``training.py`` prepares the data, evaluates and samples;
+``streaming.py`` decodes text as the tokens come."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recipes.errors import RecipeError
+from recipes.recipe.sections import Recipe, SourceEntry
+from recipes.tasks.task import Task, Vocabulary
+
+
+class Corpus:
+    """A :class:`Task` that trains on windows of ``data.seq_len`` tokens of a corpus (``data.sources``,
+    a dataset, tokenized datasets): its vocabulary, files and spec check."""
+
+    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+        """A tokenized dataset's tokenizer is the run's (:mod:`recipes.data.corpus`)."""
+        from recipes.data.corpus import kind_of
+        from recipes.data.tokenized import TokenizedDataset
+
+        for entry in recipe.data.entries():
+            kind, path = kind_of(entry, recipe.data, recipe_file)
+            if kind == "tokenized":
+                dataset = TokenizedDataset.open(path)
+                kind = dataset.manifest["tokenizer"]["kind"]
+                return Vocabulary(
+                    dataset.vocab_size, f"{kind} from the tokenized dataset {path} (the one it was made with)"
+                )
+        return None
+
+    def data_files(self, recipe, recipe_file: Path, files) -> None:
+        from recipes.data.corpus import kind_of
+
+        data = recipe.data
+        for entry in data.entries():
+            if files.is_dataset(entry.path):
+                splits = files.registry(entry.path).splits
+                files.dataset(entry.path, [files.registry(entry.path).train] if splits else [])
+                continue
+            kind, where = kind_of(entry, data, recipe_file)
+            what = "data.sources" if kind == "text" else f"data.sources ({kind})"
+            files.add(what, where, kind != "text" or where.exists())
+            if entry.validation is not None:
+                held = SourceEntry(path=entry.validation, dtype=entry.dtype)
+                kind, where = kind_of(held, data, recipe_file)
+                files.add("data.sources.validation", where, kind != "text" or where.exists())
+
+    def check_spec(self, recipe, spec) -> None:
+        if recipe.data.seq_len > spec.max_seq_len:
+            raise RecipeError(
+                f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
+                "lower data.seq_len or set model.overrides.max_seq_len"
+            )
+
+
+class LanguageModelling(Corpus, Task):
+    name = "lm"
+    recipe = Recipe
+    eval_options = ("data", "seq_len", "batch_size", "max_batches", "all")
+    generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
+
+    def prepare(self, recipe, recipe_file: Path, samples: bool):
+        from recipes.tasks.lm.training import prepare
+
+        return prepare(recipe, recipe_file, samples)
+
+    def spec_of(self, recipe, recipe_file: Path):
+        from recipes.recipe.sections import model_spec
+
+        return lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
+
+    def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
+        return [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
+
+    def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        from recipes.tasks.lm.training import evaluate_checkpoint
+
+        self.check_meta(meta)
+        return evaluate_checkpoint(model, tokenizer, meta, args)
+
+    def print_evaluation(self, result: dict, args) -> None:
+        from recipes.tasks.task import scored
+
+        print(
+            f"{result['checkpoint']} (step {result['step']}) on {result['data']}: {result['tokens']:,} tokens, "
+            f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
+        )
+        print(scored(result["batches"], result["batches_available"], args))
+
+    def generate(self, model, tokenizer, meta: dict, args) -> None:
+        from recipes.tasks.lm.training import generate
+
+        self.check_meta(meta)
+        generate(model, tokenizer, args)
+
+
+def mixture_lines(recipe, recipe_file: Path) -> list[str]:
+    """Per source that is already tokens (tokenized datasets, Megatron and raw files): its training
+    tokens, its share of the windows and the passes the run makes over it, with a warning past
+    its ``max_epochs``; text is tokenized at the first run, so its count is not known here."""
+    from recipes.data.corpus import kind_of, source_tokens
+    from recipes.training.dry_run import data_parallel_ranks
+
+    data = recipe.data
+    entries = data.entries()
+    kinds = [kind_of(e, data, recipe_file) for e in entries]
+    if all(kind == "text" for kind, _ in kinds) and len(entries) == 1:
+        return []
+    tokens = [source_tokens(e, kind, path, data) if kind != "text" else None for e, (kind, path) in zip(entries, kinds)]
+    weights = [e.weight for e in entries]
+    known = all(w is not None for w in weights) or all(t is not None for t in tokens)
+    raw = [w if w is not None else t for w, t in zip(weights, tokens)]
+    settings = recipe.trainer
+    total = settings.max_steps * data.batch_size * settings.accumulate_grad_batches * data_parallel_ranks(recipe)
+    lines = []
+    for entry, n, part in zip(entries, tokens, raw):
+        if n is None:
+            lines.append(
+                f"{entry.path}: text, tokenized at the first run"
+                + (f"; weight {entry.weight:g}" if entry.weight is not None else "")
+            )
+            continue
+        line = f"{entry.path}: {n:,} training tokens"
+        if known:
+            share = part / sum(raw)
+            epochs = total * share / max(1, n // data.seq_len)
+            line += f", {share:.1%} of the windows, {epochs:.2f} epochs in {settings.max_steps:,} steps"
+            if entry.max_epochs is not None and epochs > entry.max_epochs:
+                line += f" -- WARNING: past its max_epochs {entry.max_epochs:g}; train refuses this"
+        lines.append(line)
+    return lines
+
+
+TASK = LanguageModelling()

@@ -1,0 +1,288 @@
+"""``task: lm``'s training side: the corpus, tokenizer and spec of a run and its windows
+(:func:`prepare`); ``builder eval`` on an LM checkpoint (the run's validation windows, or
+consecutive windows of other text); ``builder generate`` and the samples printed after a run."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from recipes.data.windows import IGNORE, LMDataModule, Mixture, ValWindows
+from recipes.errors import RecipeError
+from recipes.recipe.sections import Recipe, model_spec
+from recipes.tasks.task import Prepared
+from recipes.training.module import LMModule
+from recipes.training.say import say
+
+
+def trains_tokenizer(recipe: Recipe) -> bool:
+    """Whether the recipe's tokenizer is made from its text (char, or sentencepiece without a file)."""
+    settings = recipe.tokenizer
+    return settings.type == "char" or (settings.type == "sentencepiece" and settings.model_file is None)
+
+
+def corpus_and_spec(recipe: Recipe, recipe_file: Path):
+    """Sources -> tokenizer -> spec: what model and data both need (:mod:`recipes.data.corpus`)."""
+    from recipes.data.corpus import open_corpus
+    from recipes.data.tokenizers import build_tokenizer
+    from recipes.training.pretrained import pretrained_tokenizer
+
+    cache = Path(recipe.data.cache_dir)
+    checked = {}
+
+    def tokenizer_for(text: str, text_hash: str):
+        tokenizer = build_tokenizer(recipe.tokenizer, text, text_hash, cache, recipe_file)
+        # before tokenizing: a spec that cannot run stops here
+        checked["spec"] = model_spec(recipe, recipe_file, tokenizer.vocab_size)
+        return tokenizer
+
+    corpus = open_corpus(
+        recipe.data,
+        recipe_file,
+        tokenizer_for,
+        trains_tokenizer(recipe),
+        pretrained=pretrained_tokenizer(recipe, recipe_file),
+    )
+    spec = checked.get("spec") or model_spec(recipe, recipe_file, corpus.tokenizer.vocab_size)
+    if recipe.data.seq_len > spec.max_seq_len:
+        raise RecipeError(
+            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
+            f"lower data.seq_len or set model.overrides.max_seq_len"
+        )
+    say(corpus.line)
+    return corpus, spec
+
+
+def windows(recipe: Recipe, corpus, ranks: int) -> LMDataModule:
+    """The corpus's windows as the run takes them, read by ``ranks`` data-parallel ranks; refuses
+    a mixture past a source's epoch limit."""
+    from recipes.data.corpus import mixture_rows, over_limit
+
+    settings = recipe.trainer
+    per_step = recipe.data.batch_size * settings.accumulate_grad_batches * ranks
+    rows = mixture_rows(corpus, settings.max_steps * per_step)
+    if len(rows) > 1:
+        say("mixture: " + ", ".join(f"{r['name']} {r['share']:.0%} ({r['epochs']:.2f} epochs)" for r in rows))
+    problems = over_limit(rows)
+    if problems:
+        raise RecipeError(problems[0])
+    mixture = Mixture(corpus.sources, settings.seed, corpus.tokenizer.vocab_size, recipe.data.packing)
+    return LMDataModule(
+        mixture,
+        recipe.data.batch_size,
+        settings.seed,
+        settings.limit_val_batches,
+        settings.accumulate_grad_batches,
+        recipe.data.num_workers,
+    )
+
+
+def prepare(recipe: Recipe, recipe_file: Path, samples: bool) -> Prepared:
+    """What the run loop trains: the corpus's windows, its tokenizer and the spec; at the end, the
+    recipe's samples when ``samples``."""
+    from recipes.training.dry_run import data_parallel_ranks
+
+    corpus, spec = corpus_and_spec(recipe, recipe_file)
+    data = windows(recipe, corpus, data_parallel_ranks(recipe))
+    tokenizer = corpus.tokenizer
+
+    def finish(module, model, ckpt_dir: Path) -> dict:
+        if samples and recipe.sample.prompts and recipe.sample.max_new_tokens:
+            print_samples(model, tokenizer, recipe)
+        return {}
+
+    return Prepared(
+        tokenizer=tokenizer,
+        spec=spec,
+        data=data,
+        module_class=LMModule,
+        seq_len=recipe.data.seq_len,
+        batch=recipe.data.batch_size,
+        meta={"corpus": corpus.hash},
+        finish=finish,
+    )
+
+
+@torch.no_grad()
+def print_samples(model, tokenizer, recipe: Recipe) -> None:
+    """Decode each prompt with the recipe's sampling settings and print the text."""
+    from recipes.tasks.lm.streaming import stream
+
+    model.eval()
+    settings = recipe.sample
+    for prompt in settings.prompts:
+        print(f"\n--- sample: {prompt!r} ---", flush=True)
+        torch.manual_seed(recipe.trainer.seed)
+        sys.stdout.write(prompt)
+        stream(
+            model,
+            tokenizer,
+            prompt,
+            sys.stdout,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            compile=settings.compile,
+        )
+        print(flush=True)
+
+
+def generate(model, tokenizer, args) -> None:
+    """``builder generate`` on an LM checkpoint or model folder: the prompt and its continuation,
+    streamed to stdout."""
+    from recipes.tasks.lm.streaming import stream
+
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+    temperature = 0.0 if args.num_beams > 1 else args.temperature
+    sys.stdout.write(args.prompt)
+    stream(
+        model,
+        tokenizer,
+        args.prompt,
+        sys.stdout,
+        args.max_new_tokens,
+        temperature=temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_beams=args.num_beams,
+        generator=generator,
+        compile=bool(args.compile),
+    )
+    sys.stdout.write("\n")
+
+
+def evaluate_checkpoint(model, tokenizer, meta: dict, args) -> dict:
+    """``builder eval`` on an LM checkpoint: the loss on the run's validation windows, or on
+    consecutive windows of ``--data``."""
+    if not isinstance(meta.get("recipe"), dict):
+        raise RecipeError(
+            f"{args.checkpoint} holds no training recipe (its data, batch size and seq_len) to evaluate with"
+        )
+    data = meta["recipe"]["data"]
+    mixture = None
+    if args.data:
+        tokens = file_tokens(args.data, tokenizer, data["cache_dir"])
+    else:
+        try:
+            tokens, mixture = recipe_tokens(meta, tokenizer)
+        except RecipeError as exc:
+            raise RecipeError(f"{args.checkpoint}: {exc}") from None
+    # on the recipe's data, the windows its validations drew; on other files, consecutive ones
+    seed = None if args.data else meta["recipe"]["trainer"]["seed"]
+    result = evaluate(
+        model,
+        tokens,
+        args.seq_len or data["seq_len"],
+        args.batch_size or data["batch_size"],
+        eval_batches(args, meta),
+        seed,
+        mixture,
+    )
+    return {"data": args.data or "validation split", **result}
+
+
+def eval_batches(args, meta: dict) -> int | None:
+    """How many batches ``builder eval`` scores: ``--max-batches N``; every batch with ``--all``
+    (``None``); else the recipe's ``trainer.limit_val_batches``, the count its validations scored."""
+    if getattr(args, "all", False):
+        return None
+    return args.max_batches or meta["recipe"]["trainer"]["limit_val_batches"]
+
+
+def recipe_tokens(meta: dict, tokenizer):
+    """``(held-out tokens, the run's validation windows)`` of the data the checkpoint was trained on."""
+    from pydantic import ValidationError
+
+    from recipes.data.corpus import held_out_tokens, open_corpus
+    from recipes.data.windows import Mixture
+
+    try:
+        recipe = Recipe.model_validate(meta["recipe"])
+    except ValidationError as exc:
+        first = str(exc).splitlines()[1][:160]
+        raise RecipeError(
+            f"its recipe does not validate here ({first}); pass --data FILE to evaluate on other text"
+        ) from None
+    corpus = open_corpus(recipe.data, Path(meta["recipe_file"]), None, False, pretrained=tokenizer)
+    mixture = Mixture(corpus.sources, recipe.trainer.seed, tokenizer.vocab_size, recipe.data.packing)
+    return held_out_tokens(corpus), mixture
+
+
+def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
+    """All the text of ``paths`` (files or folders), tokenized: one document per file, each
+    followed by the tokenizer's EOS when it has one."""
+    from recipes.data.corpus import read_text
+    from recipes.recipe.sections import DataSection
+
+    text = read_text(paths, DataSection(sources=paths, max_bytes=None, cache_dir=cache_dir), None)
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    ids = [i for document in text.texts for i in tokenizer.encode(document) + eos]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def consecutive_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int):
+    """The first ``n_batches`` batches of consecutive, non-overlapping windows of ``tokens``."""
+    n_windows = min((len(tokens) - 1) // seq_len, n_batches * batch_size)
+    for first in range(0, n_windows, batch_size):
+        starts = np.arange(first, min(first + batch_size, n_windows)) * seq_len
+        rows = starts[:, None] + np.arange(seq_len + 1)  # (batch, seq_len + 1)
+        block = torch.from_numpy(tokens[rows].astype(np.int64))
+        yield block[:, :-1], block[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    seed: int | None = None,
+    mixture=None,
+) -> dict:
+    """Mean next-token cross-entropy over ``max_batches`` batches of ``tokens`` (``None``: every
+    consecutive, non-overlapping window). With ``seed``, the batches are the validation windows a
+    run drew from ``mixture`` (:class:`recipes.data.windows.ValWindows`, at the run's seq_len), so the
+    loss is that run's validation loss; else consecutive windows of ``tokens`` from the start. A
+    progress bar goes to stderr."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    n_windows = (len(tokens) - 1) // seq_len
+    if n_windows < 1:
+        raise RecipeError(f"{len(tokens)} tokens are fewer than one window of seq_len {seq_len} + 1")
+    available = math.ceil(n_windows / batch_size)  # consecutive batches: what --all scores
+    if (
+        max_batches is not None
+        and seed is not None
+        and mixture is not None
+        and mixture.validation.streams[0].seq_len == seq_len
+    ):
+        batches, n = ValWindows(mixture, batch_size, max_batches, 0, 1), max_batches
+    else:
+        n = available if max_batches is None else min(max_batches, available)
+        batches = consecutive_windows(tokens, seq_len, batch_size, n)
+    total, count = 0.0, 0
+    for inputs, targets, *documents in tqdm(batches, total=n, desc="eval", unit="batch", leave=False, file=sys.stderr):
+        extra = {"document_ids": documents[0].to(device)} if documents else {}
+        logits = model(inputs.to(device), **extra)  # (batch, seq, vocab)
+        total += F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum", ignore_index=IGNORE
+        ).item()
+        count += int((targets != IGNORE).sum())
+    loss = total / count
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700)),
+        "tokens": count,
+        "batches": n,
+        "batches_available": available,
+    }

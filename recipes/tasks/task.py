@@ -1,0 +1,174 @@
+"""What a task is to the rest of the project: the :class:`Task` contract, and the values it hands
+back (:class:`Prepared` to the run loop; :class:`Vocabulary` and :class:`DataFile` to the dry run,
+``builder validate`` and ``builder list``). Torch-free: a task's facade answers the questions that
+need no torch here and imports its training code when asked to train, evaluate or generate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from recipes.errors import RecipeError
+
+#: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
+#: marker on the first word too, runs of spaces folded
+PROSE = {
+    "normalization_rule_name": "nmt_nfkc",
+    "add_dummy_prefix": True,
+    "remove_extra_whitespaces": True,
+    "allow_whitespace_only_pieces": False,
+}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a task hands the run loop (:func:`recipes.training.run.train`)."""
+
+    tokenizer: Any
+    spec: Any
+    data: Any  # a LightningDataModule
+    module_class: type  # a LightningModule taking (model, recipe, meta)
+    seq_len: int  # the micro-batch shape for the start-of-run estimate
+    batch: int
+    #: a micro-batch -> the real (non-pad) tokens it trains on (an int or a device tensor); ``None``:
+    #: every micro-batch is ``batch x seq_len`` tokens
+    tokens_of: Callable | None = None
+    meta: dict = dataclasses.field(default_factory=dict)  # task facts kept in checkpoints (labels...)
+    init: Callable | None = None  # model -> None: weights from elsewhere (a pretrained encoder)
+    callbacks: Callable | None = None  # checkpoint dir -> extra callbacks
+    #: (module, whole model, checkpoint dir) -> final metrics, printed and returned (rank 0 only)
+    finish: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """The vocabulary a run's tokenizer will have: ``size`` and how it is known."""
+
+    size: int
+    how: str
+    stand_in: bool = False  # the size is a stand-in until the data is read
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """One file a run reads: where, whether it is there, and where it would come from."""
+
+    what: str  # "tinyshakespeare", "data.train.source"
+    path: Path | None  # None: the files of this machine (python-stdlib)
+    present: bool
+    url: str | None = None
+    size: int | None = None
+    terms: str | None = None
+
+
+class Task:
+    """One kind of training run (``task:`` in a recipe). A task is a folder of ``recipes/tasks/``:
+    its ``__init__`` (torch-free) defines the recipe schema and a :class:`Task` named ``TASK``;
+    its training code (torch, Lightning) is imported by the methods that need it.
+
+    Generic code (the run loop, the dry run, ``builder eval``/``generate``/``plan``/``list``) asks
+    these methods and attributes and never a task's name."""
+
+    #: the ``task:`` value
+    name: ClassVar[str]
+    #: the recipe schema (a :class:`recipes.recipe.sections.Recipe`)
+    recipe: ClassVar[type]
+    #: the ``builder eval`` / ``builder generate`` options this task reads (others are refused)
+    eval_options: ClassVar[tuple[str, ...]] = ()
+    generate_options: ClassVar[tuple[str, ...]] = ()
+    #: batches made to a token budget (``data.max_tokens``) instead of a fixed ``batch_size``
+    token_budget: ClassVar[bool] = False
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def prepare(self, recipe, recipe_file: Path, samples: bool) -> Prepared:
+        """Data, tokenizer and spec for a run (``samples``: decode the recipe's prompts at the end)."""
+        raise NotImplementedError
+
+    def spec_of(self, recipe, recipe_file: Path) -> Callable[[int], dict] | None:
+        """``vocab_size -> spec dict`` the run resolves to, so a resume with a changed spec stops
+        before any data work (``None``: checked once the spec is built)."""
+        return None
+
+    # -- before a run: estimates, the dry run, validate, list ------------------------------------
+
+    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
+        """``(seq_len, batch, how)``: the micro-batch shape estimates are made at."""
+        data = recipe.data
+        return data.seq_len, data.batch_size, f"{data.batch_size} windows x {data.seq_len} tokens"
+
+    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+        """The vocabulary when the task knows it better than the tokenizer settings (a tokenized
+        dataset's, a pretrained checkpoint's); ``None``: from ``tokenizer``."""
+        return None
+
+    def data_files(self, recipe, recipe_file: Path, files) -> None:
+        """Add every file the task's data section reads to ``files``
+        (:class:`recipes.training.dry_run.DataFiles`), in order; nothing is fetched or read."""
+        raise NotImplementedError
+
+    def check_spec(self, recipe, spec) -> None:
+        """Refuse (:class:`RecipeError`, one line) a spec this task's data cannot run on."""
+
+    def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
+        """More ``(key, text)`` lines for the dry run's summary (an LM's mixture)."""
+        return []
+
+    # -- a trained checkpoint: builder eval and builder generate ---------------------------------
+
+    def check_eval_arguments(self, args) -> None:
+        """Refuse (``ArgumentError``) a combination of ``builder eval`` options this task cannot take."""
+
+    def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        """``builder eval``: the task's metrics on a checkpoint."""
+        raise NotImplementedError
+
+    def print_evaluation(self, result: dict, args) -> None:
+        """``builder eval`` without ``--json``: the result, one ``key: value`` line each."""
+        available = result.pop("batches_available", None)
+        for key, value in result.items():
+            print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+        if "batches" in result:
+            print(scored(result["batches"], available, args))
+
+    def generate(self, model, tokenizer, meta: dict, args) -> None:
+        """``builder generate``: decode ``args.prompt`` and print it."""
+        raise RecipeError(f"a checkpoint of task {self.name} does not generate; `builder eval` scores it")
+
+    def check_meta(self, meta: dict) -> None:
+        """Refuse a checkpoint of another task."""
+        trained = meta.get("task", "lm")
+        if trained != self.name:
+            raise RecipeError(f"this checkpoint was trained for task {trained!r}, not {self.name}")
+
+
+class TokenBudget:
+    """A :class:`Task` whose micro-batches are examples of like lengths under ``data.max_tokens``
+    (``recipes.data.batching``): estimated at the longest batch it can make."""
+
+    token_budget = True
+
+    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
+        data = recipe.data
+        longest = min(data.max_len, spec.max_seq_len)
+        batch = max(1, data.max_tokens // longest)
+        how = (
+            f"the longest batch of data.max_tokens {data.max_tokens:,}: {batch} examples x {longest} tokens "
+            "(data.max_len)"
+        )
+        return longest, batch, how
+
+
+def scored(batches: int, available: int | None, args) -> str:
+    """``builder eval``'s line that says how much was scored, and how to score all of it."""
+    if args.all:
+        return f"scored all {batches:,} batches (--all)"
+    how = f"--max-batches {args.max_batches}" if args.max_batches else "the recipe's trainer.limit_val_batches"
+    drawn = "consecutive windows" if getattr(args, "data", None) else "the windows the run's validations drew"
+    more = ""
+    if available is not None and available != batches:  # --all: every consecutive window once
+        more = f"; --all scores the whole data once instead ({available:,} consecutive batches)"
+    return f"scored {batches:,} batches ({how}: {drawn}){more}"
