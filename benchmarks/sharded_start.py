@@ -5,7 +5,7 @@
 
 The whole-model build is what ``builder train`` did before FSDP2: ``build_model(spec)`` in fp32
 on the CPU of every rank. The sharded start is what ``trainer.strategy: fsdp`` does now
-(``recipes.parallel.shard_model``): the model built on the meta device, every layer, the
+(``recipes.parallel.parallelize`` on a mesh): the model built on the meta device, every layer, the
 embedding and the head made ``fully_shard`` units over the ranks, and each rank drawing only its
 own rows of every parameter. Each runs in fresh processes (the sharded one under gloo); each
 reports its peak resident set size (``ru_maxrss``) and what it rose by from after the imports
@@ -81,23 +81,25 @@ def sharded(spec: dict) -> dict:
     """One rank of the sharded start (``torch.distributed.run`` set the rank and the world)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from builder import build_model
     from builder.spec.schema import spec_model
-    from recipes.parallel import MESH_DIMS, layout_of, local_bytes, mesh_shape, shard_model
+    from recipes.parallel import layout_of, local_bytes, parallelize
+    from recipes.parallel.mesh import device_mesh
     from recipes.recipe.sections import TrainerSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     settings = TrainerSection(strategy="fsdp", accelerator="cpu", devices=world)
-    mesh = init_device_mesh("cpu", mesh_shape(layout_of(settings)), mesh_dim_names=MESH_DIMS)
+    mesh = device_mesh(layout_of(settings), "cpu")
     validated = spec_model().model_validate(spec)
     base = peak_mib()
     started = time.perf_counter()
-    model = shard_model(build_model(validated, device="meta"), mesh, settings, SEED, torch.device("cpu"))
+    model = parallelize(
+        build_model(validated, device="meta"), settings, mesh, init_seed=SEED, device=torch.device("cpu")
+    )
     dist.barrier()
     seconds = time.perf_counter() - started
     peak, rise = peak_mib(), peak_mib() - base

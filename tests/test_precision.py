@@ -110,7 +110,7 @@ class _Tiny(L.LightningModule):
         return F.cross_entropy(self.net(x).float(), y)
 
     def configure_optimizers(self):
-        from recipes.training.speed import adamw
+        from recipes.training.optimizer import adamw
 
         optimizer = adamw([{"params": list(self.parameters())}], lr=0.05, eps=EPS)
         assert optimizer.defaults.get("fused"), "the fused kernel is the case under test"

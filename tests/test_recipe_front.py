@@ -194,3 +194,58 @@ def test_validate_and_dry_run_refuse_files_that_are_not_there(tmp_path, capsys):
     recipe = tiny_recipe(tmp_path, model={"init_from": str(tmp_path / "run" / "last.ckpt")})
     assert main(["train", str(recipe), "--dry-run"]) == 1
     assert "model.init_from: no such file or folder" in capsys.readouterr().err
+
+
+# -- trainer.devices: read once, counted once --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "written, read",
+    [(3, 3), ("3", 3), (" 3 ", 3), ("auto", "auto"), (-1, -1), ("-1", -1)]
+    + [("[0, 1]", [0, 1]), ("0,1", [0, 1]), ("1,", [1]), ([0, 1], [0, 1])],
+)
+def test_devices_are_read_once_as_lightning_reads_them(written, read):
+    from recipes.recipe.sections import TrainerSection
+
+    assert TrainerSection(devices=written).devices == read
+
+
+@pytest.mark.parametrize("written", ["two", 0, "0", -2, [], [0, 0], "[0, 1", 1.5, True])
+def test_a_bad_devices_value_is_one_located_line(written, tmp_path, capsys):
+    from recipe_helpers import tiny_recipe
+
+    path = tiny_recipe(tmp_path, trainer={"devices": written})
+    assert main(["train", str(path), "--dry-run"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{path}:" in line and "trainer.devices" in line and "Traceback" not in line
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_devices_mean_one_count_in_training_and_in_the_dry_run(cuda, monkeypatch):
+    """``devices: "3"`` and ``"[0, 1]"`` are 3 and 2 processes per node for training's layout, the
+    dry run's devices line and the data ranks alike (on a machine with 4 CUDA devices, and on the
+    CPU, where device indices are refused by training in one line and flagged by the dry run)."""
+    import torch
+
+    from recipes.errors import RecipeError
+    from recipes.parallel import layout_of
+    from recipes.recipe.sections import Recipe
+    from recipes.training.dry_run import data_parallel_ranks, devices_line
+
+    if cuda:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    accelerator = "cuda" if cuda else "cpu"
+    for written, count in [("3", 3), ("[0, 1]", 2), ("0,1", 2)]:
+        for strategy in ("ddp", "fsdp"):
+            trainer = {"accelerator": accelerator, "devices": written, "strategy": strategy, "precision": "32"}
+            recipe = Recipe.model_validate({"model": {"spec": "tiny/llama"}, "trainer": trainer})
+            line = devices_line(recipe)
+            assert line.startswith(f"{accelerator} x {count}, "), line
+            assert data_parallel_ranks(recipe) == count
+            if cuda or written == "3":
+                assert layout_of(recipe.trainer).devices == count and "WARNING" not in line
+            else:
+                with pytest.raises(RecipeError, match="on the CPU each device is a process"):
+                    layout_of(recipe.trainer)
+                assert "WARNING: trainer.devices [0, 1]: on the CPU" in line and "train refuses this" in line

@@ -1,4 +1,4 @@
-"""The recipe's own sharding (``recipes.parallel.shard_model``: the blocks' tensor-parallel plans,
+"""The recipe's own sharding (``recipes.parallel.parallelize`` on a mesh: the blocks' tensor-parallel plans,
 ``fully_shard`` units, a meta-device start) against ``builder.analysis.layout``, on CPU processes (gloo):
 after a real training step every rank holds exactly the parameter, gradient and AdamW-state
 bytes ``rank_states`` (what ``builder describe --devices/--strategy/--tensor-parallel`` prints)
@@ -27,11 +27,11 @@ SEED = 7
 
 
 def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from builder.assemble import build_model
-    from recipes.parallel import MESH_DIMS, layout_of, mesh_shape, shard_model
+    from recipes.parallel import layout_of, parallelize
+    from recipes.parallel.mesh import device_mesh
     from recipes.recipe.sections import TrainerSection
     from recipes.training.module import param_groups
 
@@ -47,9 +47,9 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
         precision="bf16-mixed",
     )
     layout = layout_of(settings)
-    mesh = init_device_mesh("cpu", mesh_shape(layout), mesh_dim_names=MESH_DIMS)
+    mesh = device_mesh(layout, "cpu")
     spec = spec_model().model_validate(SPEC)
-    model = shard_model(build_model(spec, device="meta"), mesh, settings, SEED, torch.device("cpu"))
+    model = parallelize(build_model(spec, device="meta"), settings, mesh, init_seed=SEED, device=torch.device("cpu"))
 
     whole = build_model(spec, init_seed=SEED)  # the single-process start
     exact = all(

@@ -131,8 +131,8 @@ def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
 
 @pytest.mark.slow  # ~30 s: a cold compile of each layer (the model-mode run above is the default suite's)
 def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
+    from recipes.parallel.compile import compile_layers
     from recipes.training.run import run
-    from recipes.training.speed import compile_layers
 
     _, model, loss = _model_and_loss("llama")
     names = list(model.state_dict())
@@ -143,7 +143,7 @@ def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
 
 
 def test_fused_adamw_where_torch_has_the_kernel():
-    from recipes.training.speed import adamw
+    from recipes.training.optimizer import adamw
 
     params = [torch.nn.Parameter(torch.randn(3, 3))]
     assert adamw([{"params": params}], lr=1e-3).defaults["fused"]

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.parallel.compile import compiled_losses
 from recipes.recipe.sections import Recipe, ScheduleSection
-from recipes.training.speed import adamw, compile_mode
+from recipes.training.optimizer import adamw
 
 #: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
 IGNORE = -100
@@ -68,37 +69,6 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def layer_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's Transformer layers: each stack's ``layers`` (else its outermost lists of like
-    modules, for models not built by ``build_model``)."""
-    if hasattr(model, "stacks"):
-        return [layer for stack in model.stacks().values() for layer in stack.layers]
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
-            if not any(name.startswith(outer + ".") for outer, _ in found):
-                found.append((name, module))
-    return [layer for _, modules in found for layer in modules]
-
-
-def checkpoint_layers(model: nn.Module) -> int:
-    """Recompute each layer's activations in the backward pass instead of keeping them."""
-    from torch.utils.checkpoint import checkpoint
-
-    layers = layer_modules(model)
-    for layer in layers:
-        forward = layer.forward
-
-        @functools.wraps(forward)
-        def checkpointed(*args, _forward=forward, _layer=layer, **kwargs):
-            if _layer.training and torch.is_grad_enabled():
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-            return _forward(*args, **kwargs)
-
-        layer.forward = checkpointed
-    return len(layers)
-
-
 def has_moe(model: nn.Module) -> bool:
     """Whether any block keeps a balancing loss (``aux_loss``) after its forward."""
     return any("aux_loss" in vars(m) for m in model.modules())
@@ -141,16 +111,14 @@ class LMModule(L.LightningModule):
         self._pending_steps = 0  # micro-batches in it
         self._pending_from = 0  # the step the first of them trained
         self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
-        self._train_losses = self._losses
-        if compile_mode(recipe.trainer) == "model":
-            self._train_losses = torch.compile(self._losses, dynamic=True if self.variable_shapes else None)
+        self._train_losses = compiled_losses(self._losses, recipe.trainer, dynamic=self.variable_shapes)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
     def configure_model(self):
         """Under ``strategy: fsdp`` the strategy shards the model here, after the processes and
-        the device mesh exist (``recipes.parallel.ShardedStrategy.parallelize``)."""
+        the device mesh exist (``recipes.parallel.strategy.ShardedStrategy.parallelize``)."""
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:
             self.model = parallelize(self.model)
@@ -244,7 +212,7 @@ class LMModule(L.LightningModule):
         self._data_rank = data_parallel_rank(self.trainer)  # for micro_batch_seed, once per run
 
     def on_validation_start(self):
-        torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.training.speed)
+        torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.parallel.compile)
 
     def on_validation_end(self):
         torch.compiler.set_stance("default")

@@ -8,7 +8,7 @@ Clipping and the optimizer step, for every precision (PyTorch's AMP recipe):
 * ``16-mixed``: the loss is scaled; the gradients are unscaled first, then clipped, then the
   scaler steps (skipping a step whose gradients overflowed) and updates its scale.
 
-Fused AdamW (``recipes.training.speed.adamw``) declares that it unscales inside its kernel
+Fused AdamW (``recipes.training.optimizer.adamw``) declares that it unscales inside its kernel
 (``_step_supports_amp_scaling``). Lightning's own ``MixedPrecision`` refuses to clip for such an
 optimizer under *any* mixed precision, bf16 included, which has nothing to unscale. The plugin
 here keeps both: under 16-mixed it unscales before clipping (the scaler then hands the fused
@@ -134,7 +134,7 @@ def lightning_plugin(precision: str, device: str, sharded: bool = False) -> Prec
     ``cuda``). ``sharded``: under FSDP2 (``recipes.parallel``) its mixed-precision policy casts,
     so the plugin casts nothing for bf16-mixed, and gradients clip across device meshes."""
     if sharded:
-        from recipes.parallel import MeshClipping
+        from recipes.parallel.strategy import MeshClipping
 
         if precision == "bf16-true":
             return type("ShardedHalfPrecision", (MeshClipping, HalfPrecision), {})("bf16-true")

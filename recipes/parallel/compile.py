@@ -1,48 +1,31 @@
-"""What makes a training step fast, in one place: ``torch.compile`` (its cache kept in the run
-folder, its time measured apart from the steps) and fused AdamW. Precision (bf16 where the
-hardware computes it natively) is :mod:`recipes.training.precision`.
-
-Compilation (``trainer.compile``):
+"""``torch.compile`` (``trainer.compile``), the third step of :func:`recipes.parallel.parallelize`,
+with its cache kept in the run folder and its time measured apart from the steps.
 
 * ``model`` compiles the module's loss computation — the whole model, the loss and, through
-  AOTAutograd, their backward — into one graph per input shape. The fastest step; validation,
-  sampling and decoding run the model as built (no recompiles for ``eval()`` or a KV cache).
+  AOTAutograd, their backward — into one graph per input shape (:func:`compiled_losses`). The
+  fastest step; validation, sampling and decoding run the model as built (no recompiles for
+  ``eval()`` or a KV cache).
 * ``layers`` compiles each Transformer layer in place (regional compilation, as torchtitan does
-  before FSDP2's ``fully_shard``): identical layers share one compiled graph, so the cold compile
-  is a fraction of ``model``'s, and it composes with FSDP2 and activation checkpointing.
+  after activation checkpointing and before FSDP2's ``fully_shard``): identical layers share one
+  compiled graph, so the cold compile is a fraction of ``model``'s, and it composes with FSDP2 and
+  activation checkpointing.
 * ``true`` is ``layers`` under FSDP or activation checkpointing and ``model`` otherwise.
 
 Validation, decoding and everything after training run eagerly (:func:`eager`): compiling them
 would cost more than it saves on a few batches, and a KV cache recompiles at every length.
 
 Inductor's caches (FX graph, AOTAutograd, Triton) go to ``<output_dir>/compile-cache``, so a
-resumed run finds its kernels compiled.
+resumed run finds its kernels compiled (:func:`compiling`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-
-# -- optimizer ------------------------------------------------------------------------------------
-
-
-def adamw(groups: list[dict], **settings) -> torch.optim.AdamW:
-    """AdamW with one fused kernel per step where torch has one for every parameter's device and
-    dtype (CUDA, CPU, ...), else the multi-tensor (``foreach``) implementation."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    params = [p for g in groups for p in g["params"]]
-    devices = set(_get_fused_kernels_supported_devices())
-    fused = bool(params) and all(p.device.type in devices and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(groups, **settings, **({"fused": True} if fused else {"foreach": True}))
-
-
-# -- compilation ----------------------------------------------------------------------------------
 
 
 def compile_mode(trainer) -> str | None:
@@ -59,6 +42,14 @@ def compile_layers(layers: list[torch.nn.Module]) -> None:
     """Compile each layer in place (``Module.compile``: names and state dicts stay as they are)."""
     for layer in layers:
         layer.compile()
+
+
+def compiled_losses(losses: Callable, trainer, dynamic: bool = False) -> Callable:
+    """A module's training-loss computation compiled whole when ``trainer.compile`` means
+    ``model`` (``dynamic``: for batches that vary in shape from the start), else ``losses`` itself."""
+    if compile_mode(trainer) != "model":
+        return losses
+    return torch.compile(losses, dynamic=True if dynamic else None)
 
 
 def eager():

@@ -1,8 +1,9 @@
-"""Tensor parallelism from the blocks' own plans (``trainer.tensor_parallel``).
+"""Tensor parallelism from the blocks' own plans (``trainer.tensor_parallel``), the first step of
+:func:`recipes.parallel.parallelize`.
 
 Each block config declares how its module splits (``parallel_plan``: submodule -> style); this
 module maps the style names to ``torch.distributed.tensor.parallel`` styles and applies them to
-the built modules over the ``tp`` mesh:
+the built modules over the ``tp`` dimension of the mesh:
 
 * ``colwise`` — ``ColwiseParallel``: a linear layer's output features split, its input whole;
   without a ``rowwise`` partner in the plan (the head's projection to the vocabulary) its
@@ -15,7 +16,7 @@ the built modules over the ``tp`` mesh:
 Blocks without a plan (norms, positions, mixture-of-experts for now) are replicated. A module
 whose heads are split adapts in ``use_tensor_parallel(rank, degree)``. Tied tensors (a head tied
 to its embedding) are split alike and tied again. ``fully_shard`` then shards the result over the
-data-parallel ranks (2-D parameters).
+data-parallel ranks (2-D parameters, :mod:`recipes.parallel.fsdp`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""FSDP2 (``fully_shard``), the last step of :func:`recipes.parallel.parallelize`: every
+Transformer layer, each embedding and the head a shard unit over the data-parallel dimensions of
+the mesh (a head tied to its embedding shares the root unit), with a mixed-precision policy from
+``trainer.precision``; then a model built on the meta device gets only this rank's shards
+(:func:`materialize`). Also what reads a sharded model back: its local bytes, and the whole model
+gathered on rank 0 (:func:`whole_model`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from recipes.errors import RecipeError
+
+
+def mixed_precision(precision: str):
+    """FSDP2's policy for a recipe precision: bf16-mixed computes in bf16 and reduces gradients
+    in fp32 while the sharded parameters (the optimizer's master copy) stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str) -> None:
+    """``fully_shard`` on each of ``layers``, on the separate embeddings and head
+    (:func:`separate_units`) and on the root, over the data-parallel dimensions of ``mesh``
+    (``dp_replicate`` too when it has more than one rank: HSDP)."""
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
+    # hook. The root unit's output is the model's logits (a view under tensor parallelism), which
+    # every task's loss reads out of place only (reshape, float, cross_entropy), so it does not
+    # apply there; a view returned by any other unit (a layer, an embedding) still warns.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+Model\) returned a view tensor")
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    policy = mixed_precision(precision)
+    for unit in [*layers, *separate_units(model)]:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+
+
+def separate_units(model: nn.Module) -> list[nn.Module]:
+    """The embeddings and the head, each its own ``fully_shard`` unit unless it shares a tensor
+    with another of them (a tied head and its embedding stay in the root unit together)."""
+    candidates: list[nn.Module] = []
+    for stack in model.stacks().values() if hasattr(model, "stacks") else []:
+        if all(stack.embedding is not c for c in candidates):
+            candidates.append(stack.embedding)
+    if isinstance(getattr(model, "head", None), nn.Module):
+        candidates.append(model.head)
+    owners: dict[int, int] = {}
+    for module in candidates:
+        for p in module.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [
+        m for m in candidates if any(True for _ in m.parameters()) and all(owners[id(p)] == 1 for p in m.parameters())
+    ]
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate this rank's shards on ``device`` and fill them with the values a whole-model
+    build has there (``blocks.init`` seeds every parameter by name): each shard draws only the
+    rows it holds."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from blocks.init import canonical_name, fill, init_rules
+
+    model.to_empty(device=device)
+    rules = init_rules(model)
+    for name, param in model.named_parameters():
+        key = canonical_name(name)
+        if key not in rules:
+            raise RecipeError(
+                f"parameter {key} has no init rule in blocks.init, so a sharded start cannot initialise it"
+            )
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            if tuple(shape) != tuple(local.shape):
+                raise RuntimeError(f"{key}: local shard {tuple(local.shape)} is not the expected {tuple(shape)}")
+            fill(local, rules[key], seed, key, tuple(param.shape), tuple(offset))
+        else:
+            fill(param.data, rules[key], seed, key, tuple(param.shape))
+
+
+# -- reading a sharded model ----------------------------------------------------------------------
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards; whole tensors when not sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    """Whether any parameter is a DTensor (split by FSDP2 or tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def whole_model(module) -> nn.Module | None:
+    """A LightningModule's model whole, for work one rank does alone (samples, beam search):
+    the model itself when it is not sharded; else gathered into a CPU copy on rank 0 (``None``
+    on the other ranks). Every rank must call it."""
+    model = module.model
+    if not is_sharded_model(model):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from builder.checkpoints import empty_model
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if module.trainer.global_rank != 0:
+        return None
+    host = empty_model(model.spec.model_dump(mode="json"))
+    host.load_state_dict(state)
+    return host.eval()

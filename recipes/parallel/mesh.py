@@ -1,0 +1,162 @@
+"""The device mesh of a run: its dimensions, the processes per node the machine gives a recipe's
+``trainer.devices`` (the one place a device count is derived), the recipe's layout
+(:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
+
+The mesh is ``(dp_replicate, dp_shard, tp)``, numbered as ``builder.analysis.layout`` numbers ranks:
+
+* ``data_parallel: shard`` — ``(1, world / tp, tp)``: parameters, gradients and optimizer state
+  split over every data-parallel rank;
+* ``replicate`` — ``(world / tp, 1, tp)``: every rank keeps whole copies, gradients all-reduced;
+* ``hybrid`` (HSDP) — ``(nodes, per_node / tp, tp)``: shard inside a node, replicate across nodes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from builder.analysis.layout import Layout, LayoutError
+from recipes.errors import RecipeError
+from recipes.recipe.sections import TrainerSection
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+#: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
+#: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
+#: dimension in sequence (slower, and its rounding may differ between ranks)
+FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"))
+
+
+def mesh_shape(layout: Layout) -> tuple[int, int, int]:
+    """``(dp_replicate, dp_shard, tp)`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
+    return layout.replicas, layout.shard_size, layout.tensor_parallel
+
+
+def device_mesh(layout: Layout, device_type: str):
+    """The ``MESH_DIMS`` mesh of ``layout`` over the processes that exist (a process group is
+    up), with the :data:`FLATTENED` groups made dimensions too, as torchtitan does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIMS)
+    for dims in FLATTENED:  # DTensor looks these up by name
+        mesh[dims]._flatten("_".join(dims))
+    return mesh
+
+
+# -- devices --------------------------------------------------------------------------------------
+
+
+def cpu_process_limit() -> int:
+    """The most CPU processes a run may start on this machine: four per core (at least 8), room to
+    prove a multi-process layout on a small machine, not a fork bomb from a typo."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def accelerator_of(accelerator: str) -> str:
+    """The accelerator Lightning runs ``trainer.accelerator`` on here: ``auto`` and ``gpu`` made
+    ``cuda``, ``mps`` or ``cpu`` as this machine has them; the others as written."""
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    if accelerator == "auto":
+        return "cuda" if cuda else "mps" if mps else "cpu"
+    if accelerator == "gpu":
+        return "cuda" if cuda or not mps else "mps"
+    return accelerator
+
+
+def device_count(settings: TrainerSection, check: bool = True) -> int:
+    """The processes per node ``trainer.devices`` (normalised by :class:`TrainerSection`: a count,
+    a list of device indices, ``auto`` or ``-1``) makes on this machine's accelerator: ``auto`` and
+    ``-1`` are every CUDA device (one process elsewhere), a list is its length.
+
+    ``check``: refuse, in one located :class:`RecipeError`, what this machine cannot run (CUDA
+    devices that are not there, more CPU processes than :func:`cpu_process_limit`, device indices
+    or ``-1`` on the CPU), before any data or model work. Without it (a dry run of a launch line
+    meant for another machine), the count the recipe asks for."""
+    accelerator, devices = accelerator_of(settings.accelerator), settings.devices
+    if accelerator == "cuda":
+        return _cuda_count(settings.accelerator, devices, check)
+    if accelerator == "cpu":
+        return _cpu_count(devices, check)
+    if isinstance(devices, list):
+        return len(devices)
+    return devices if isinstance(devices, int) and devices > 0 else 1
+
+
+def _cuda_count(accelerator: str, devices: int | list[int] | str, check: bool) -> int:
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if check and available == 0:
+        raise RecipeError(f"trainer.accelerator {accelerator}: this machine has no CUDA device; use cpu")
+    if devices in ("auto", -1):
+        return max(1, available)
+    if isinstance(devices, list):
+        missing = [i for i in devices if i >= available]
+        if check and missing:
+            raise RecipeError(f"trainer.devices {devices}: no CUDA device {missing[0]} (this machine has {available})")
+        return len(devices)
+    if check and devices > available:
+        raise RecipeError(
+            f"trainer.devices {devices}: this machine has {available} CUDA device{'s' if available != 1 else ''}"
+        )
+    return devices
+
+
+def _cpu_count(devices: int | list[int] | str, check: bool) -> int:
+    if devices == "auto":
+        return 1
+    if isinstance(devices, list) or devices == -1:
+        if check:
+            raise RecipeError(
+                f"trainer.devices {devices}: on the CPU each device is a process; give their number (or auto: one)"
+            )
+        return len(devices) if isinstance(devices, list) else 1
+    limit = cpu_process_limit()
+    if check and devices > limit:
+        raise RecipeError(
+            f"trainer.devices {devices}: on the CPU each device is a process; this machine "
+            f"has {os.cpu_count() or 1} cores, so at most {limit}"
+        )
+    return devices
+
+
+# -- the layout -----------------------------------------------------------------------------------
+
+
+def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
+    """The recipe's layout (``per_node`` processes per node, default: what the machine has for
+    ``trainer.devices``), checked: a :class:`RecipeError` names the field that makes it impossible."""
+    per_node = device_count(settings) if per_node is None else per_node
+    try:
+        return Layout(
+            devices=per_node * settings.num_nodes,
+            nodes=settings.num_nodes,
+            tensor_parallel=settings.tensor_parallel,
+            data_parallel=settings.data_parallel,
+        )
+    except LayoutError as exc:
+        raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None
+
+
+def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
+    """Ranks of the recipe's layout that read different data (under ``strategy: fsdp`` the world
+    over the tensor-parallel degree: tensor-parallel peers read the same); ``check`` as for
+    :func:`device_count`."""
+    per_node = device_count(settings, check=check)
+    if settings.strategy == "fsdp":
+        return layout_of(settings, per_node).data_parallel_size
+    return per_node * settings.num_nodes
+
+
+def data_parallel_size(trainer) -> int:
+    """Ranks of a running Lightning ``trainer`` that read different data (the world, or the world
+    over the tensor-parallel degree)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
+
+
+def data_parallel_rank(trainer) -> int:
+    """This rank's place among those that read different data (tensor-parallel peers share one)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("rank", trainer.global_rank))

@@ -1,0 +1,118 @@
+"""The Lightning side of ``trainer.strategy: fsdp``: :class:`ShardedStrategy` (Lightning's
+``ModelParallelStrategy`` on the ``(dp_replicate, dp_shard, tp)`` mesh of :mod:`recipes.parallel.mesh`)
+starts the processes, builds the mesh, parallelises the model (:func:`recipes.parallel.parallelize`,
+from the LightningModule's ``configure_model``) and saves checkpoints atomically; gradient
+clipping across the meshes a tensor-parallel model's parameters live on (:class:`MeshClipping`,
+for the precision plugin)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from builder.analysis.layout import Layout
+from recipes.parallel.mesh import device_mesh, layout_of
+from recipes.recipe.sections import TrainerSection
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (tensor-parallel ones
+    on ``(dp, tp)``, replicated ones on ``dp`` alone): each mesh's norm is made whole, the squares
+    summed, and every gradient scaled by the one total. Returns the total norm."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    if len(groups) <= 1:
+        return torch.nn.utils.clip_grad_norm_([p for ps in groups.values() for p in ps], max_norm)
+    norms = []
+    for params in groups.values():
+        norm = get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for mesh, params in groups.items():
+        whole = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh else total
+        clip_grads_with_norm_(params, max_norm, whole)
+    return total
+
+
+class MeshClipping:
+    """Gradient clipping across device meshes, for a Lightning precision plugin
+    (``recipes.training.precision.lightning_plugin``)."""
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        clip_grad_norm(list(self.main_params(optimizer)), clip_val)
+
+
+class ShardedStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` on a ``(dp_replicate, dp_shard, tp)`` mesh, that parallelises the
+    model itself (:meth:`parallelize`) and saves checkpoints atomically (:meth:`save_checkpoint`)."""
+
+    def __init__(self, settings: TrainerSection, init_seed: int):
+        super().__init__(save_distributed_checkpoint=True)
+        self.settings = settings
+        self.init_seed = init_seed
+        self.layout: Layout | None = None
+        self._parallelized: set[int] = set()
+
+    # -- processes and mesh ------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        self.layout = layout_of(self.settings, per_node=self.num_processes)
+        self._device_mesh = device_mesh(self.layout, self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        """This rank's place among the data-parallel ranks (tensor-parallel peers read the same data)."""
+        mesh = self.device_mesh
+        replicate, shard = mesh["dp_replicate"].get_local_rank(), mesh["dp_shard"].get_local_rank()
+        return {"num_replicas": self.layout.data_parallel_size, "rank": replicate * mesh["dp_shard"].size() + shard}
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """:func:`recipes.parallel.parallelize` on this strategy's mesh, materialised on this
+        rank's device (once per model: ``configure_model`` runs for every stage)."""
+        from recipes.parallel import parallelize
+
+        if id(model) not in self._parallelized:
+            parallelize(model, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
+            self._parallelized.add(id(model))
+        return model
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """Every rank writes its shards and their checksums into a temp folder beside
+        ``filepath``; once all are done rank 0 seals ``meta.pt`` and renames the folder into place
+        (``recipes.sharded_checkpoint``). A rank killed before that leaves the previous checkpoint
+        whole, and a temp folder the next save removes."""
+        from recipes.training.checkpointing import save_sharded
+
+        if storage_options is not None:
+            raise TypeError("the sharded strategy takes no storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        tmp = Path(self.broadcast(str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"))))
+        save_sharded(checkpoint, path, tmp, self.global_rank, self.world_size, self.barrier)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """A sharded folder through Lightning (resharded to this layout); a file checkpoint (one
+        process or DDP wrote it) through ``recipes.sharded_checkpoint.load_file``."""
+        from recipes.training.checkpointing import load_into_shards
+
+        path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice
+        if path.is_file():
+            return load_into_shards(
+                self.lightning_module, self.optimizers, path, strict=self.lightning_module.strict_loading
+            )
+        return super().load_checkpoint(path, weights_only=weights_only)
