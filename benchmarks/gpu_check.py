@@ -119,20 +119,16 @@ def recipe(folder: Path, args) -> Path:
 
 def estimates(path: Path, vocab_size: int, args) -> dict:
     """Parameters, training FLOPs per token and per-device training memory of the recipe's model."""
-    from builder.analysis.estimates import estimate
+    from builder.analysis.estimates import Step, estimate
+    from builder.analysis.layout import Layout
     from recipes.recipe.sections import load_recipe, model_spec
 
     loaded = load_recipe(path)
     model = model_spec(loaded, path, vocab_size)
-    est = estimate(
-        model,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        dtype="bf16",
-        devices=1,
-        strategy="fsdp",
-        activation_checkpointing=args.activation_checkpointing,
+    step = Step(
+        seq_len=args.seq_len, batch=args.batch, dtype="bf16", activation_checkpointing=args.activation_checkpointing
     )
+    est = estimate(model, step, Layout(devices=1, strategy="fsdp"))
     return {
         "params": est.params.total,
         "flops_per_token": est.flops.train_per_token,

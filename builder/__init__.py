@@ -1,13 +1,15 @@
 """builder: declarative Transformer specs, validated, counted and assembled.
 
 ``load_spec`` and ``estimate`` stay torch-free; ``build_model`` imports torch when first used.
+``estimate(spec, seq_len=1024)`` sizes one device; ``estimate(spec, Step(...), Layout(...))`` a
+batch shape and a device layout (``builder.analysis.estimates``, ``builder.analysis.layout``).
 """
 
 from __future__ import annotations
 
 __project__ = "transformer-builder"  # checked by builder.packages: this name is ours
 
-__all__ = ["load_spec", "build_model", "estimate", "SpecError", "__version__"]
+__all__ = ["load_spec", "build_model", "estimate", "Step", "Layout", "SpecError", "__version__"]
 
 
 def _version() -> str:
@@ -23,7 +25,7 @@ def __getattr__(name: str):
     # Lazy: `builder validate` and `builder describe` must not pay for importing torch.
     if name == "__version__":  # importlib.metadata costs ~80 ms: only when asked
         return _version()
-    if name in ("load_spec", "SpecError", "build_model", "estimate"):
+    if name in ("load_spec", "SpecError", "build_model", "estimate", "Step", "Layout"):
         from builder.packages import foreign
 
         problem = foreign()
@@ -37,8 +39,12 @@ def __getattr__(name: str):
         from builder.assemble import build_model
 
         return build_model
-    if name == "estimate":
-        from builder.analysis.estimates import estimate
+    if name in ("estimate", "Step"):
+        from builder.analysis import estimates
 
-        return estimate
+        return getattr(estimates, name)
+    if name == "Layout":
+        from builder.analysis.layout import Layout
+
+        return Layout
     raise AttributeError(f"module 'builder' has no attribute {name!r}")

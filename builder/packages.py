@@ -7,6 +7,8 @@ instead of ours (an editable install is searched after site-packages), or its fi
 ours in the same folder. Both end in confusing errors far from the cause, so :func:`foreign`
 checks, without importing anything, that each name resolves to a folder beside ``builder`` whose
 ``__init__.py`` carries this project's mark, and says in one line what to do when not.
+:func:`installed` tells a checkout that was never installed, whose entry points (commands,
+document kinds) are missing, and :data:`NOT_INSTALLED` says so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ DISTRIBUTION = "transformer-builder"
 NAMES = ("builder", "blocks", "kernels", "recipes")
 #: every one of our packages' ``__init__.py`` holds this line
 MARK = f'__project__ = "{DISTRIBUTION}"'
+#: what a checkout that was never installed lacks: what joins through our entry points
+NOT_INSTALLED = (
+    f"{DISTRIBUTION} is not installed in this Python, so nothing that joins through its entry points "
+    "is here (the commands beyond builder's own, such as `builder train`; the document kinds, and so "
+    "the zoo's specs and recipes by name): run `pip install -e .` in the checkout"
+)
 
 
 def foreign() -> str | None:
@@ -37,6 +45,17 @@ def foreign() -> str | None:
             f"{DISTRIBUTION}, or use a separate virtual environment (see the README, 'Package names')"
         )
     return None
+
+
+def installed() -> bool:
+    """Whether this Python has our distribution's metadata (its entry points among them)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _marked(init: Path) -> bool:

@@ -20,6 +20,7 @@ from blocks.configs.base import visible_pairs
 from blocks.configs.ffn import GLUConfig
 from builder.analysis import mfu
 from builder.analysis.estimates import estimate
+from builder.analysis.layout import Layout
 from builder.assemble import build_model
 from builder.cli import main
 from builder.cli.compare import compare
@@ -139,13 +140,13 @@ def test_memory_conventions():
     assert (bf16.weights, bf16.master_weights, bf16.gradients, bf16.optimizer) == (2 * n, 4 * n, 2 * n, 8 * n)
     fp32 = estimate(spec, seq_len=1024, batch=2, dtype="fp32").memory
     assert (fp32.weights, fp32.master_weights, fp32.gradients, fp32.optimizer) == (4 * n, 0, 4 * n, 8 * n)
-    fsdp = estimate(spec, seq_len=1024, batch=2, devices=8, strategy="fsdp").memory
+    fsdp = estimate(spec, seq_len=1024, batch=2, layout=Layout(devices=8)).memory
     # FSDP2 (builder.analysis.layout): fp32 shards that are the master weights (every Llama dim divides
     # by 8), fp32 sharded gradients, AdamW's two states and a step for each of the 291 tensors
     assert (fsdp.weights, fsdp.master_weights, fsdp.gradients) == (4 * n // 8, 0, 4 * n // 8)
     assert fsdp.optimizer == 8 * n // 8 + 4 * 291
     assert fsdp.activations == bf16.activations and fsdp.sharding_buffers > 0
-    ddp = estimate(spec, seq_len=1024, batch=2, devices=8).memory
+    ddp = estimate(spec, seq_len=1024, batch=2, layout=Layout(devices=8, strategy="ddp")).memory
     assert ddp.training_total == bf16.training_total
     ckpt = estimate(spec, seq_len=1024, batch=2, activation_checkpointing=True).memory
     assert ckpt.activations < bf16.activations / 5

@@ -165,20 +165,20 @@ def test_llama2_70b_on_64_ranks_exactly():
     n, tensors = 68_976_648_192, 80 * 9 + 3
     fsdp = rank_states(spec, Layout(devices=64, nodes=8))
     assert (fsdp.elements, fsdp.tensors) == (n // 64, tensors)  # every dim divides by 64
-    est = estimate(spec, seq_len=4096, devices=64, nodes=8, strategy="fsdp", tensor_parallel=8).memory
+    est = estimate(spec, seq_len=4096, layout=Layout(devices=64, nodes=8, tensor_parallel=8)).memory
     # TP 8 splits all but the 161 norms (8192 each), FSDP shards that over 8
     norms = 161 * 8192
     assert est.weights == 4 * ((n - norms) // 8 + norms) // 8
     assert est.optimizer == 2 * est.weights + 4 * tensors and est.master_weights == 0
     assert est.layout["shard_size"] == 8 and est.layout["smallest"]["elements"] == est.weights // 4
-    hsdp = estimate(spec, seq_len=4096, devices=64, nodes=8, strategy="fsdp", data_parallel="hybrid").memory
+    hsdp = estimate(spec, seq_len=4096, layout=Layout(devices=64, nodes=8, data_parallel="hybrid")).memory
     assert hsdp.weights == 4 * n // 8
 
 
 def test_tensor_parallel_activations_and_kv_cache_are_one_ranks():
     spec = load_spec(ROOT / "specs" / "llama2-7b.yaml")
-    one = estimate(spec, seq_len=2048, devices=8, strategy="fsdp").memory
-    two = estimate(spec, seq_len=2048, devices=8, strategy="fsdp", tensor_parallel=2).memory
+    one = estimate(spec, seq_len=2048, layout=Layout(devices=8)).memory
+    two = estimate(spec, seq_len=2048, layout=Layout(devices=8, tensor_parallel=2)).memory
     ddp = estimate(spec, seq_len=2048).memory
     assert one.activations == ddp.activations and one.kv_cache == ddp.kv_cache
     assert two.kv_cache == ddp.kv_cache // 2  # KV heads split
@@ -217,7 +217,9 @@ def test_layout_refusals_name_the_setting():
         Layout(devices=16, nodes=2, tensor_parallel=3)
     with pytest.raises(LayoutError, match="devices=10: must be a multiple of the 4 nodes"):
         Layout(devices=10, nodes=4)
-    with pytest.raises(ValueError, match="needs strategy fsdp"):
+    with pytest.raises(LayoutError, match="tensor_parallel=2: needs strategy fsdp"):
+        Layout(tensor_parallel=2, strategy="ddp")
+    with pytest.raises(TypeError, match="the devices are a Layout"):
         estimate(load_spec(ROOT / "specs" / "tiny" / "llama.yaml"), tensor_parallel=2)
 
 

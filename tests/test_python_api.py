@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from builder import SpecError, build_model, estimate, load_spec
+from builder import Layout, SpecError, Step, build_model, estimate, load_spec
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
@@ -332,19 +332,32 @@ def test_estimate_takes_a_path_or_a_mapping():
         ({"seq_len": True}, "seq_len must be a positive int, got True"),
         ({"seq_len": 8.0}, "seq_len must be a positive int, got 8.0"),
         ({"batch": -1}, "batch must be a positive int"),
-        ({"nodes": 0}, "nodes must be a positive int, got 0"),
-        ({"devices": True}, "devices must be a positive int"),
         ({"dtype": "int8"}, "dtype must be one of fp32, bf16, fp16"),
-        ({"strategy": "zero3"}, "strategy must be one of ddp, fsdp"),
-        ({"data_parallel": "hybrid"}, "data_parallel 'hybrid' needs strategy fsdp"),
-        ({"tensor_parallel": 2}, "tensor_parallel 2 needs strategy fsdp"),
         ({"src_len": 8}, "src_len applies to encoder-decoder models"),
+        ({"layout": {"nodes": 0}}, "nodes=0: must be a positive integer"),
+        ({"layout": {"devices": True}}, "devices=True: must be a positive integer"),
+        ({"layout": {"strategy": "zero3"}}, "strategy='zero3': must be one of ddp, fsdp"),
+        ({"layout": {"strategy": "ddp", "data_parallel": "hybrid"}}, "data_parallel='hybrid': needs strategy fsdp"),
+        ({"layout": {"strategy": "ddp", "tensor_parallel": 2}}, "tensor_parallel=2: needs strategy fsdp"),
     ],
 )
 def test_estimate_arguments(kwargs, needle):
     with pytest.raises(ValueError) as caught:
-        estimate(ROPE, **kwargs)
+        if "layout" in kwargs:
+            estimate(ROPE, layout=Layout(**kwargs["layout"]))
+        else:
+            estimate(ROPE, **kwargs)
     assert needle in str(caught.value)
+
+
+def test_estimate_takes_a_step_and_a_layout():
+    assert estimate(ROPE, Step(seq_len=8, batch=2)) == estimate(ROPE, seq_len=8, batch=2)
+    sharded = estimate(ROPE, Step(seq_len=8), Layout(devices=2))
+    assert sharded.settings["strategy"] == "fsdp" and sharded.settings["devices"] == 2
+    with pytest.raises(TypeError, match="the devices are a Layout"):
+        estimate(ROPE, devices=2)
+    with pytest.raises(TypeError, match="not both"):
+        estimate(ROPE, Step(seq_len=8), batch=2)
 
 
 def test_estimate_src_len_beyond_max_seq_len():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,13 @@ def test_a_wheel_carries_the_zoo(tmp_path):
     repository not importable): names resolve to the installed copies."""
     pytest.importorskip("setuptools", minversion="70.1")  # builds wheels without the `wheel` package
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # built from a copy: a build in the checkout leaves its egg-info there, whose entry points
+    # (commands, document kinds) then shadow the installed ones for whatever runs from the checkout
+    source = tmp_path / "source"
+    for name in ("builder", "blocks", "kernels", "recipes", "specs"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     build = subprocess.run(
         [
             sys.executable,
@@ -133,7 +141,7 @@ def test_a_wheel_carries_the_zoo(tmp_path):
             "-q",
             "-w",
             str(tmp_path / "dist"),
-            str(ROOT),
+            str(source),
         ],
         capture_output=True,
         text=True,

@@ -4,6 +4,11 @@
 (``params``, ``flops``, ``saved_bytes``; see ``blocks/configs/``). It writes no whole-model
 formula: a GQA layer, a Gemma head_dim or a sliding window is counted by the block that has it.
 The conventions every figure follows live here, in :data:`CONVENTIONS`, and are printed with it.
+
+What is estimated is two small values: a :class:`Step` (the batch one device computes and how)
+and a :class:`builder.analysis.layout.Layout` (the devices and how the model is spread over them):
+``estimate(spec, Step(seq_len=2048, batch=4), Layout(devices=64, nodes=8, tensor_parallel=8))``.
+``estimate(spec, seq_len=1024)`` is short for ``estimate(spec, Step(seq_len=1024))``.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from builder.analysis import memory as _memory
+from builder.analysis.layout import Layout, check_tensor_parallel, sharded_memory, tensor_parallel_spec
 
 #: bytes per element of the compute dtypes
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-STRATEGIES = ("ddp", "fsdp")
+#: one device, the whole model on it: what an estimate is of unless a layout says otherwise
+ONE_DEVICE = Layout(strategy="ddp")
 
 CONVENTIONS = (
     (
@@ -42,6 +49,37 @@ CONVENTIONS = (
         "kernel visits under the causal mask or sliding window"
     ),
 ) + _memory.CONVENTIONS
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one device computes in a training step: ``batch`` sequences of ``seq_len`` tokens
+    (default the spec's ``max_seq_len``; ``src_len``: an encoder-decoder's source tokens, default
+    ``seq_len``) in ``dtype``, with ``activation_checkpointing`` on every layer or not, attention by
+    a fused kernel (``fused_attention``: it saves no (seq, seq) tensor for backward) or eagerly.
+    Under tensor parallelism the batch is one tensor-parallel group's."""
+
+    seq_len: int | None = None
+    src_len: int | None = None
+    batch: int = 1
+    dtype: str = "bf16"
+    activation_checkpointing: bool = False
+    fused_attention: bool = True
+
+    def __post_init__(self):
+        problems = [
+            f"{name} must be a positive int, got {value!r}"
+            for name, value in (("seq_len", self.seq_len), ("src_len", self.src_len), ("batch", self.batch))
+            if (value is not None or name == "batch") and not _positive_int(value)
+        ]
+        if self.dtype not in DTYPE_BYTES:
+            problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -124,46 +162,28 @@ class Estimate:
         return out
 
 
-def estimate(
-    spec,
-    seq_len: int | None = None,
-    src_len: int | None = None,
-    batch: int = 1,
-    dtype: str = "bf16",
-    devices: int = 1,
-    strategy: str = "ddp",
-    activation_checkpointing: bool = False,
-    fused_attention: bool = True,
-    tensor_parallel: int = 1,
-    data_parallel: str = "shard",
-    nodes: int = 1,
-) -> Estimate:
-    """Parameters, FLOPs at ``seq_len`` (default ``max_seq_len``) and training memory.
+def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step_fields) -> Estimate:
+    """Parameters, FLOPs at the step's ``seq_len`` and training memory per device.
 
-    ``src_len`` is the encoder's length in an encoder-decoder (default ``seq_len``); ``batch``
-    sequences per device (per tensor-parallel group); ``fused_attention``: a FlashAttention
-    kernel saves no (seq, seq) tensor for backward (``False``: the eager backend's accounting).
-    ``strategy="fsdp"`` counts what a rank holds (``builder.analysis.layout``) on ``devices`` ranks over
-    ``nodes`` machines, ``tensor_parallel`` ranks splitting each layer and ``data_parallel``
-    (``shard`` | ``hybrid`` | ``replicate``) over the rest.
+    ``spec``: a ``ModelSpec``, a path or a mapping. ``step`` (:class:`Step`) or its fields as
+    keywords (``estimate(spec, seq_len=1024, batch=2)``); ``layout``
+    (:class:`builder.analysis.layout.Layout`): one device unless given; under ``strategy="fsdp"``
+    the memory is what the rank holding the most keeps (``builder.analysis.layout``).
     """
     from builder.spec.schema import ModelSpec
 
+    step = _step(step, step_fields)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout takes a builder.analysis.layout.Layout, got {type(layout).__name__}")
     if not isinstance(spec, ModelSpec):
         from builder.spec.loader import load_spec
 
         spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
-    _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy, nodes)
-    layout = None
-    if strategy == "fsdp":
-        from builder.analysis.layout import Layout, check_tensor_parallel
-
-        layout = Layout(devices=devices, nodes=nodes, tensor_parallel=tensor_parallel, data_parallel=data_parallel)
-        check_tensor_parallel(spec, tensor_parallel)
-    elif tensor_parallel != 1:
-        raise ValueError(f"tensor_parallel {tensor_parallel} needs strategy fsdp (DDP replicates whole layers)")
-    elif data_parallel not in ("shard", "replicate"):  # the default, and what DDP does
-        raise ValueError(f"data_parallel {data_parallel!r} needs strategy fsdp (DDP replicates the whole model)")
+    _check_step(spec, step)
+    if layout.strategy == "fsdp":
+        check_tensor_parallel(spec, layout.tensor_parallel)
+    seq_len, src_len, batch, dtype = step.seq_len, step.src_len, step.batch, step.dtype
+    activation_checkpointing, fused_attention = step.activation_checkpointing, step.fused_attention
     seq = seq_len or spec.max_seq_len
     stacks = spec.stacks()
     architecture = spec.architecture_config
@@ -264,46 +284,56 @@ def estimate(
         seq_len=seq,
         src_len=src,
         dtype=dtype,
-        devices=devices,
-        strategy=strategy,
+        devices=layout.devices,
+        strategy=layout.strategy,
         activation_checkpointing=activation_checkpointing,
         fused_attention=fused_attention,
     )
-    if layout is not None:
-        mem = _sharded(
-            spec,
-            layout,
-            mem,
-            seq_len=seq,
-            src_len=src_len,
-            batch=batch,
-            dtype=dtype,
-            activation_checkpointing=activation_checkpointing,
-            fused_attention=fused_attention,
-        )
+    if layout.strategy == "fsdp":
+        mem = _sharded(spec, layout, mem, dataclasses.replace(step, seq_len=seq))
     settings = {
         "seq_len": seq,
         "src_len": src,
         "batch": batch,
         "dtype": dtype,
-        "devices": devices,
-        "strategy": strategy,
+        "devices": layout.devices,
+        "strategy": layout.strategy,
         "activation_checkpointing": activation_checkpointing,
         "fused_attention": fused_attention,
-        "tensor_parallel": tensor_parallel,
-        "data_parallel": data_parallel if layout is not None else "replicate",
-        "nodes": nodes,
+        "tensor_parallel": layout.tensor_parallel,
+        "data_parallel": layout.data_parallel,
+        "nodes": layout.nodes,
     }
     return Estimate(spec.name, settings, param_est, flop_est, mem, layers)
 
 
-def _sharded(spec, layout, mem, **settings):
+def _step(step: Step | None, fields: dict) -> Step:
+    """``step``, or the :class:`Step` its fields given as keywords make; a ``TypeError`` names
+    what is neither (a layout's field: the layout is a :class:`Layout`)."""
+    if step is not None and not isinstance(step, Step):
+        raise TypeError(f"step takes a builder.analysis.estimates.Step, got {type(step).__name__}")
+    if not fields:
+        return step or Step()
+    if step is not None:
+        raise TypeError("estimate() takes a Step or its fields as keywords, not both")
+    known = {f.name for f in dataclasses.fields(Step)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        layout = {f.name for f in dataclasses.fields(Layout)}
+        hint = (
+            "; the devices are a Layout: estimate(spec, layout=Layout(devices=8, strategy='fsdp'))"
+            if set(unknown) & layout
+            else ""
+        )
+        raise TypeError(f"estimate() takes no {', '.join(unknown)}; a Step's fields are {', '.join(known)}{hint}")
+    return Step(**fields)
+
+
+def _sharded(spec, layout: Layout, mem, step: Step):
     """FSDP/TP: one tensor-parallel rank's activations and KV cache, and what the rank holding the
     most keeps of the parameters, gradients and optimizer state (``builder.analysis.layout``)."""
-    from builder.analysis.layout import sharded_memory, tensor_parallel_spec
-
     if layout.tensor_parallel > 1:
-        mem = estimate(tensor_parallel_spec(spec, layout.tensor_parallel), **settings).memory
+        mem = estimate(tensor_parallel_spec(spec, layout.tensor_parallel), step).memory
     return sharded_memory(spec, layout, mem)
 
 
@@ -348,23 +378,15 @@ def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, 
     )
 
 
-def _check_settings(spec, seq_len, src_len, batch, dtype, devices, strategy, nodes) -> None:
-    problems = []
-    for name, value in (("seq_len", seq_len), ("src_len", src_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            problems.append(f"{name} must be a positive int, got {value!r}")
-        elif value is not None and value > spec.max_seq_len:
-            problems.append(f"{name} {value} is more than {spec.name}'s max_seq_len {spec.max_seq_len}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        problems.append(f"batch must be a positive int, got {batch!r}")
-    for name, value in (("devices", devices), ("nodes", nodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name} must be a positive int, got {value!r}")
-    if dtype not in DTYPE_BYTES:
-        problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    if strategy not in STRATEGIES:
-        problems.append(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if src_len is not None and not spec.architecture_config.memory_of:
+def _check_step(spec, step: Step) -> None:
+    """What a step asks that ``spec`` cannot do: more tokens than ``max_seq_len``, a source length
+    for a model without one."""
+    problems = [
+        f"{name} {value} is more than {spec.name}'s max_seq_len {spec.max_seq_len}"
+        for name, value in (("seq_len", step.seq_len), ("src_len", step.src_len))
+        if value is not None and value > spec.max_seq_len
+    ]
+    if step.src_len is not None and not spec.architecture_config.memory_of:
         problems.append(
             f"src_len applies to encoder-decoder models (a stack that cross-attends); "
             f"{spec.name} is {spec.architecture}"

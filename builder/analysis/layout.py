@@ -3,7 +3,8 @@
 A :class:`Layout` is the device mesh a recipe trains on: ``devices`` ranks on ``nodes``
 machines, ``tensor_parallel`` ranks inside a node splitting each layer, the rest data-parallel —
 ``shard`` (FSDP2 full sharding over every data-parallel rank), ``hybrid`` (HSDP: shard inside a
-node, replicate across nodes) or ``replicate``. Ranks are numbered as
+node, replicate across nodes) or ``replicate`` — or, with ``strategy="ddp"``, every rank a
+whole replica (DDP). Each parallelism is one field of it. Ranks are numbered as
 ``init_device_mesh(("replicate", "shard", "tp"))`` lays them out: tensor-parallel ranks
 innermost (neighbours on one node), then the shard group, then the replicas.
 
@@ -13,7 +14,7 @@ What a rank holds, as PyTorch builds it:
   (``blocks/configs``): ``colwise`` shards a Linear's weight and bias on dim 0, ``rowwise`` its
   weight on dim 1 (the bias replicated), ``vocab`` a vocabulary table or projection on dim 0
   (outputs whole); the rest is replicated. The token embedding is vocab-parallel; the head's
-  projection splits the vocabulary and its logits are gathered whole (``recipes.tensor_parallel``).
+  projection splits the vocabulary and its logits are gathered whole (``recipes.parallel.tensor``).
   Every split must be even: heads, KV heads, FFN width and vocabulary divide by the degree, or
   :func:`tensor_parallel_problems` names the field.
 * **FSDP2** (``fully_shard``, one unit per Transformer layer, one per embedding, one for the head
@@ -45,6 +46,8 @@ from blocks.configs.base import PARALLEL_STYLES, indivisible
 from builder.analysis.memory import BYTES
 
 DATA_PARALLEL = ("shard", "hybrid", "replicate")
+#: how data-parallel ranks hold the model: ``ddp`` a whole replica each, ``fsdp`` (FSDP2) sharded
+STRATEGIES = ("ddp", "fsdp")
 FP32 = 4
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq
 ADAMW_STEP = 4  # one fp32 scalar per parameter tensor
@@ -65,14 +68,18 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """``devices`` ranks in all (the world size) on ``nodes`` machines."""
+    """``devices`` ranks in all (the world size) on ``nodes`` machines; ``strategy="ddp"`` takes
+    no tensor parallelism and replicates (``data_parallel`` reads ``replicate``)."""
 
     devices: int = 1
     nodes: int = 1
     tensor_parallel: int = 1
     data_parallel: str = "shard"
+    strategy: str = "fsdp"
 
     def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise LayoutError("strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
         for name in ("devices", "nodes", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -81,6 +88,16 @@ class Layout:
             raise LayoutError("devices", self.devices, f"must be a multiple of the {self.nodes} nodes")
         if self.data_parallel not in DATA_PARALLEL:
             raise LayoutError("data_parallel", self.data_parallel, f"must be one of {', '.join(DATA_PARALLEL)}")
+        if self.strategy == "ddp":
+            if self.tensor_parallel != 1:
+                raise LayoutError(
+                    "tensor_parallel", self.tensor_parallel, "needs strategy fsdp (DDP replicates whole layers)"
+                )
+            if self.data_parallel == "hybrid":
+                raise LayoutError(
+                    "data_parallel", self.data_parallel, "needs strategy fsdp (DDP replicates the whole model)"
+                )
+            object.__setattr__(self, "data_parallel", "replicate")  # the default "shard" too: DDP shards nothing
         if self.per_node % self.tensor_parallel:
             raise LayoutError(
                 "tensor_parallel",
@@ -143,7 +160,8 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
-        return cls(**{field.name: data[field.name] for field in dataclasses.fields(cls)})
+        """The layout :meth:`to_dict` wrote (a field it lacks takes its default)."""
+        return cls(**{field.name: data[field.name] for field in dataclasses.fields(cls) if field.name in data})
 
     def to_dict(self) -> dict[str, Any]:
         return {

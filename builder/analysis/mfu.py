@@ -11,7 +11,7 @@ the headline "with sparsity" numbers), in FLOP/s. ``fp32`` is the non-tensor-cor
 ``torch.backends.cuda.matmul.allow_tf32``. A peak passed as an argument wins over the
 ``BUILDER_PEAK_FLOPS`` environment variable (FLOP/s, e.g. ``989e12``), which wins over the table.
 
-Torch-free, except :func:`cuda_device_name`, which imports torch when called.
+Torch-free: the caller names the device (``torch.cuda.get_device_name()``).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def match_device(device_name: str) -> str | None:
 
 
 def peak_flops(device_name: str | None, dtype: str, override: float | None = None) -> float | None:
-    """Dense peak FLOP/s of ``device_name`` in ``dtype``; None for a device not in the table.
+    """Dense peak FLOP/s of ``device_name`` (a CUDA device's name, ``"cpu"``) in ``dtype``; None
+    for a device not in the table (or none named).
 
     ``override`` (FLOP/s) wins, then the ``BUILDER_PEAK_FLOPS`` environment variable.
-    ``device_name=None`` reads the current CUDA device's name (None without CUDA).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -72,9 +72,7 @@ def peak_flops(device_name: str | None, dtype: str, override: float | None = Non
             raise ValueError(f"{ENV_VAR}={env!r} is not a number of FLOP/s (e.g. 989e12)") from None
         return _positive(value, ENV_VAR)
     if device_name is None:
-        device_name = cuda_device_name()
-        if device_name is None:
-            return None
+        return None
     key = match_device(device_name)
     return PEAKS[key][dtype] if key is not None else None
 
@@ -91,15 +89,6 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float) -> float:
     if not peak or peak <= 0:
         raise ValueError(f"peak must be a positive FLOP/s figure, got {peak!r}")
     return achieved_flops(tokens_per_s, flops_per_token) / peak
-
-
-def cuda_device_name(index: int | None = None) -> str | None:
-    """``torch.cuda.get_device_name()`` (imports torch); None without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_name(index)
 
 
 def _positive(value: float, what: str) -> float:

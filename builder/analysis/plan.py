@@ -16,6 +16,10 @@ nodes), then the largest micro-batch (the fewest accumulation steps), then the l
 
 When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whole nodes), with
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
+
+A fitting plan launches as a :class:`Launch`; the file ``builder train`` runs turns it into its
+own settings (its document kind's ``launch``, ``builder.spec.kinds``): this module names no
+recipe field.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.analysis.estimates import Step, estimate
 from builder.analysis.layout import (
     DATA_PARALLEL,
     Layout,
@@ -45,7 +50,6 @@ CHEAPEST = (
 )
 #: tie order of the data-parallel modes (fewest bytes between nodes first)
 DP_ORDER = {"hybrid": 0, "replicate": 1, "shard": 2}
-PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}
 MAX_GPUS = 65536
 MIN_SEQ_LEN = 128
 
@@ -177,23 +181,15 @@ def plan(
     result.reasons[:0] = _refused_degrees(sizer, cluster, tensor_parallel)
     result.considered = len(candidates)
     candidates.sort(key=Candidate.key)
-    from builder.analysis.estimates import estimate
-
     for candidate in candidates:
-        layout = candidate.layout
-        est = estimate(
-            spec,
+        step = Step(
             seq_len=seq,
             src_len=src_len,
             batch=candidate.micro_batch,
             dtype=dtype,
-            devices=layout.devices,
-            nodes=layout.nodes,
-            strategy="fsdp",
-            tensor_parallel=layout.tensor_parallel,
-            data_parallel=layout.data_parallel,
             activation_checkpointing=candidate.checkpointing,
         )
+        est = estimate(spec, step, candidate.layout)
         if est.memory.training_total <= cluster.usable:  # as describe counts it, not the search's sum
             result.chosen = dataclasses.replace(candidate, memory=est.memory.training_total)
             result.estimate = est
@@ -225,10 +221,8 @@ class _Sizer:
     re-estimated in full)."""
 
     def __init__(self, states: _States, seq: int, src_len: int | None, dtype: str):
-        from builder.analysis.estimates import estimate
-
         self.states, self.spec, self.seq, self.src_len, self.dtype = states, states.spec, seq, src_len, dtype
-        self.forward = estimate(self.spec, seq_len=seq, src_len=src_len, dtype=dtype).flops.forward_per_sequence
+        self.forward = estimate(self.spec, Step(seq_len=seq, src_len=src_len, dtype=dtype)).flops.forward_per_sequence
         self._activations: dict[tuple[int, bool], tuple[int, int]] = {}
 
     def tp_problems(self, tp: int) -> list:
@@ -240,17 +234,17 @@ class _Sizer:
     def activations(self, tp: int, checkpointing: bool, batch: int) -> int:
         key = (tp, checkpointing)
         if key not in self._activations:
-            from builder.analysis.estimates import estimate
-
             local = tensor_parallel_spec(self.spec, tp)
             one, two = (
                 estimate(
                     local,
-                    seq_len=self.seq,
-                    src_len=self.src_len,
-                    batch=b,
-                    dtype=self.dtype,
-                    activation_checkpointing=checkpointing,
+                    Step(
+                        seq_len=self.seq,
+                        src_len=self.src_len,
+                        batch=b,
+                        dtype=self.dtype,
+                        activation_checkpointing=checkpointing,
+                    ),
                 ).memory.activations
                 for b in (1, 2)
             )
@@ -466,49 +460,25 @@ def _gib(n: float) -> str:
 # -- launch lines ---------------------------------------------------------------------------------
 
 
-#: recipe tasks whose micro-batches are token budgets (``data.max_tokens``, ``data.max_len``)
-#: rather than ``data.batch_size`` windows of ``data.seq_len`` (recipes/recipe/task_sections.py)
-TOKEN_BUDGET_TASKS = ("translation", "classification")
+@dataclass(frozen=True)
+class Launch:
+    """What a launch of a plan's chosen layout fixes, for the file ``builder train`` runs to set
+    (its document kind's ``launch``, ``builder.spec.kinds``): micro-batches of ``seq_len`` tokens
+    on ``candidate``'s layout, with its accumulation and checkpointing, in ``dtype``. ``spec`` (a
+    file or a zoo name) and ``spec_overrides`` (``KEY=VALUE``) replace the model the file trains,
+    ``max_steps`` and ``output_dir`` its own (the plan's budget is steps); ``None``: the file's."""
 
+    candidate: Candidate
+    seq_len: int
+    dtype: str
+    spec: str | None = None
+    spec_overrides: tuple[str, ...] = ()
+    max_steps: int | None = None
+    output_dir: str | None = None
 
-def recipe_overrides(
-    candidate: Candidate,
-    *,
-    seq_len: int,
-    dtype: str,
-    spec_path: str | None = None,
-    spec_overrides: list[str] = (),
-    task: str = "lm",
-    max_steps: int | None = None,
-    output_dir: str | None = None,
-) -> list[str]:
-    """The ``--set KEY=VALUE`` values that make a recipe of ``task`` train with ``candidate``'s
-    layout. A token-budget task gets micro-batches of ``micro_batch x seq_len`` tokens of
-    sequences no longer than ``seq_len``: at most the sequences the plan sized. ``max_steps`` and
-    ``output_dir`` replace the recipe's, and its time limit is lifted (the plan's budget is steps)."""
-    layout = candidate.layout
-    sets = [f"model.spec={spec_path}"] if spec_path else []
-    sets += [f"model.overrides.{item}" for item in spec_overrides]
-    if task in TOKEN_BUDGET_TASKS:
-        batch = [f"data.max_len={seq_len}", f"data.max_tokens={candidate.micro_batch * seq_len}"]
-    else:
-        batch = [f"data.seq_len={seq_len}", f"data.batch_size={candidate.micro_batch}"]
-    sets += [
-        *batch,
-        f"trainer.accumulate_grad_batches={candidate.accumulation}",
-        f"trainer.activation_checkpointing={'true' if candidate.checkpointing else 'false'}",
-        "trainer.strategy=fsdp",
-        f"trainer.tensor_parallel={layout.tensor_parallel}",
-        f"trainer.data_parallel={layout.data_parallel}",
-        f"trainer.devices={layout.per_node}",
-        f"trainer.num_nodes={layout.nodes}",
-        f"trainer.precision={PRECISION[dtype]}",
-    ]
-    if max_steps is not None:
-        sets += [f"trainer.max_steps={max_steps}", "trainer.max_time=null"]
-    if output_dir is not None:
-        sets.append(f"trainer.output_dir={output_dir}")
-    return sets
+    @property
+    def layout(self) -> Layout:
+        return self.candidate.layout
 
 
 def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]:

@@ -2,12 +2,11 @@
 
 Each command is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; modules
 import torch (and Lightning) inside ``run`` only, so ``builder validate`` and ``builder
-describe`` start fast. ``builder``'s own commands are the other modules of ``builder/cli/``; other packages
-contribute theirs as a ``COMMANDS`` table (name -> (module, help)) in a module named in
-:data:`PROVIDERS` (the recipes' ``train``, ``eval`` and ``generate``, in ``recipes/commands``)
-or in an installed package's ``builder.commands`` entry point (``name = "package.module"``).
-Providers are imported by name when the parser is built, never at module level: ``builder``
-does not depend on ``recipes``.
+describe`` start fast. ``builder``'s own commands are the other modules of ``builder/cli/``
+(:data:`COMMANDS`); other packages add theirs through the ``builder.commands`` entry-point
+group (``name = "package.module"``; the module docstring's first line is its help): the
+recipes' ``train``, ``eval``, ``generate`` and ``tokenize`` join so, declared in
+``pyproject.toml``, and ``builder`` never imports ``recipes``.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import importlib.util
 import sys
 
 #: builder's own commands: name -> (module, one-line help)
@@ -32,23 +30,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("builder.cli.list", "the zoo: shipped specs and recipes by name, family, size"),
     "cp": ("builder.cli.cp", "copy a zoo spec or recipe to a file to edit"),
 }
-#: modules whose ``COMMANDS`` table joins the command line, when they can be imported
-PROVIDERS = ("recipes.commands",)
-#: installed packages add commands here: ``[project.entry-points."builder.commands"]``
+#: other packages add commands here: ``[project.entry-points."builder.commands"]``
 GROUP = "builder.commands"
 
 
 def commands() -> dict[str, tuple[str, str]]:
-    """Every command: builder's own, then the providers', then installed entry points'."""
+    """Every command, name -> (module, one-line help): builder's own, then the entry points'."""
     table = dict(COMMANDS)
-    for provider in PROVIDERS:
-        if importlib.util.find_spec(provider.partition(".")[0]) is not None:
-            for name, entry in importlib.import_module(provider).COMMANDS.items():
-                table.setdefault(name, entry)
     for entry in importlib.metadata.entry_points(group=GROUP):
-        doc = (importlib.import_module(entry.value).__doc__ or "").strip().splitlines()
-        table.setdefault(entry.name, (entry.value, doc[0] if doc else ""))
+        table.setdefault(entry.name, (entry.value, help_of(importlib.import_module(entry.value))))
     return table
+
+
+def help_of(module) -> str:
+    """A command module's one-line help: the first line of its docstring without the usage that
+    opens it (```builder train RECIPE`: ``) and the full stop that ends it."""
+    import re
+
+    line = (module.__doc__ or "").strip().partition("\n")[0]
+    return re.sub(r"^`+[^`]*`+:\s*", "", line).removesuffix(".")
 
 
 class _Version(argparse.Action):
@@ -120,7 +120,13 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with one-line errors: the option, what it takes, and where help is
     (argparse prints the whole usage block first). Exit status 2, a usage error."""
 
+    #: what is missing when the package was never installed (no entry points), said with a
+    #: command that is not there
+    missing: str | None = None
+
     def error(self, message: str):
+        if self.missing and "invalid choice" in message:
+            message = f"{message}; {self.missing}"
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -144,7 +150,13 @@ def parser() -> argparse.ArgumentParser:
         preamble={"bash": _ZOO_BASH},
     )
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in commands().items():
+    table = commands()
+    if table.keys() == COMMANDS.keys():  # no entry point: a checkout that was never installed?
+        from builder.packages import NOT_INSTALLED, installed
+
+        if not installed():
+            root.epilog = root.missing = NOT_INSTALLED
+    for name, (module, help_text) in table.items():
         command = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         importlib.import_module(module).add_arguments(command)
         command.set_defaults(_module=module)

@@ -85,8 +85,8 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 def estimate_from_args(spec, args: argparse.Namespace):
     """The estimate the sizing options ask for; a bad combination raises ``ValueError`` whose
     message names the option (``--tensor-parallel 3: decoder.attention.n_heads: ...``)."""
-    from builder.analysis.estimates import estimate
-    from builder.analysis.layout import LayoutError
+    from builder.analysis.estimates import Step, estimate
+    from builder.analysis.layout import Layout, LayoutError
 
     limit = f"{spec.name}'s max_seq_len"
     at_most("--seq-len", args.seq_len, spec.max_seq_len, limit)
@@ -99,20 +99,22 @@ def estimate_from_args(spec, args: argparse.Namespace):
             if value != default:
                 raise ValueError(f"{option} needs --strategy fsdp (ddp replicates the whole model)")
     try:
-        return estimate(
-            spec,
+        layout = Layout(
+            devices=args.devices,
+            nodes=args.nodes,
+            tensor_parallel=args.tensor_parallel,
+            data_parallel=args.data_parallel or "shard",
+            strategy=args.strategy,
+        )
+        step = Step(
             seq_len=args.seq_len,
             src_len=args.src_len,
             batch=args.batch,
             dtype=args.dtype,
-            devices=args.devices,
-            strategy=args.strategy,
             activation_checkpointing=args.checkpointing,
             fused_attention=args.attention == "fused",
-            tensor_parallel=args.tensor_parallel,
-            data_parallel=args.data_parallel or "shard",
-            nodes=args.nodes,
         )
+        return estimate(spec, step, layout)
     except LayoutError as exc:
         raise ValueError(option_error(exc)) from None
 

@@ -37,9 +37,8 @@ def rows(kind: str | None = None) -> list[dict]:
     for entry in entries().values():
         if kind is not None and entry.kind != kind:
             continue
-        summarize = table[entry.kind].summary
         try:
-            summary = summarize(entry.path) if summarize is not None else {}
+            summary = summarize(table[entry.kind], entry.path)
         except (SpecError, ValueError) as exc:  # a broken entry is listed, with why
             summary = {"family": "?", "params": None, "problem": str(exc).splitlines()[0]}
         out.append(
@@ -55,6 +54,25 @@ def rows(kind: str | None = None) -> list[dict]:
             }
         )
     return out
+
+
+def summarize(kind, path: Path) -> dict:
+    """``family`` and ``params`` of the model a file describes (its kind's ``model``), with the
+    kind's own facts: the family a kind names (a recipe's task), else the Hugging Face model type
+    the spec exports to exactly, else its architecture."""
+    if kind.model is None:
+        return {}
+    from builder.analysis.estimates import estimate
+    from builder.hf import Unsupported, choose_family
+
+    spec, facts = kind.model(path)
+    family = facts.get("family")
+    if family is None:
+        try:
+            family = choose_family(spec)[0].model_type
+        except Unsupported:
+            family = spec.architecture
+    return {**facts, "family": family, "params": estimate(spec, seq_len=1).params.total}
 
 
 def description(path: Path, width: int = 56) -> str:

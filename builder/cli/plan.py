@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = _settings(spec, args)
-        recipe_and_task(args.recipe)  # a recipe that is not there is refused before planning
+        recipe_document(args.recipe)  # a recipe that is not there is refused before planning
         tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
         result = plan(spec, cluster, **settings)
     except LayoutError as exc:
@@ -216,10 +216,12 @@ def _settings(spec, args) -> dict:
     }
 
 
-def recipe_and_task(recipe: str | None) -> tuple[str, str]:
+def recipe_document(recipe: str | None):
     """How the launch lines name the recipe — a zoo name as given (``lm-stdlib``, the default),
-    a file as an absolute path, so a line runs from any folder — and its ``task``, read from the
-    file (not validated: ``builder train`` does that)."""
+    a file as an absolute path, so a line runs from any folder — its document kind, which turns
+    a plan into the recipe's settings (``builder.spec.kinds``), and the merged file (not validated:
+    ``builder train`` does that)."""
+    from builder.spec.kinds import kind_of
     from builder.spec.loader import SpecError, read_merged
     from builder.zoo import ZooError, locate
 
@@ -234,9 +236,12 @@ def recipe_and_task(recipe: str | None) -> tuple[str, str]:
         data = read_merged(path).data
     except SpecError as exc:
         raise ValueError(f"--recipe {shown}: {str(exc).splitlines()[0]}") from None
-    task = data.get("task", "lm") if isinstance(data, dict) else "lm"
+    kind = kind_of(data)
+    if kind is None or kind.launch is None:
+        what = f"this is {kind.title}" if kind is not None else "its keys say no kind of file"
+        raise ValueError(f"--recipe {shown}: {what}, not a file `builder train` runs")
     named = shown if not os.path.exists(shown) else os.path.abspath(shown)
-    return named, task if isinstance(task, str) else "lm"
+    return named, kind, data
 
 
 #: tokens per parameter of the default budget: compute-optimal training (Hoffmann et al. 2022)
@@ -255,24 +260,23 @@ def parse_count(text: str, option: str) -> int:
 
 
 def _launch(result, args, tokens: int | None) -> dict:
-    from builder.analysis.plan import launch_lines, recipe_overrides
+    from builder.analysis.plan import Launch, launch_lines
 
-    recipe, task = recipe_and_task(args.recipe)
+    recipe, kind, document = recipe_document(args.recipe)
     spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
     budget = tokens if tokens is not None else CHINCHILLA_TOKENS_PER_PARAMETER * result.estimate.params.total
     max_steps = max(1, -(-budget // result.tokens_per_step))
     layout = result.chosen.layout
-    output_dir = os.path.join("runs", f"{result.spec_name}-{layout.devices}gpus")
-    sets = recipe_overrides(
+    launch = Launch(
         result.chosen,
         seq_len=result.seq_len,
         dtype=result.dtype,
-        spec_path=spec,
-        spec_overrides=args.overrides,
-        task=task,
+        spec=spec,
+        spec_overrides=tuple(args.overrides),
         max_steps=max_steps,
-        output_dir=output_dir,
+        output_dir=os.path.join("runs", f"{result.spec_name}-{layout.devices}gpus"),
     )
+    sets = kind.launch(document, launch)
     lines = launch_lines(recipe, sets, layout)
     return {
         **lines,
@@ -280,6 +284,7 @@ def _launch(result, args, tokens: int | None) -> dict:
         "describe": _describe_line(result, args),
         "tokens": max_steps * result.tokens_per_step,
         "max_steps": max_steps,
+        "output_dir": launch.output_dir,
         "budget": "--tokens" if tokens is not None else f"{CHINCHILLA_TOKENS_PER_PARAMETER} tokens per parameter",
     }
 
@@ -409,7 +414,7 @@ def _print(result, launch, args) -> None:
     console.print(
         f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
         f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
-        "--tokens sets it), into ./" + _output_dir(launch),
+        f"--tokens sets it), into ./{launch['output_dir']}",
         highlight=False,
     )
     console.print(launch["torchrun"], highlight=False, soft_wrap=True)
@@ -421,7 +426,3 @@ def _print(result, launch, args) -> None:
         f"{result.estimate.params.total:,} parameters[/]",
         highlight=False,
     )
-
-
-def _output_dir(launch: dict) -> str:
-    return next(item.split("=", 1)[1] for item in launch["set"] if item.startswith("trainer.output_dir="))

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 def validate_any(path: str, overrides) -> list:
     """The problems of one file, checked as the kind its keys say (a spec when they say nothing)."""
-    from builder.spec.kinds import SPEC, kind_of
+    from builder.spec.kind import KIND as SPEC
+    from builder.spec.kinds import kind_of
     from builder.spec.loader import SpecError, locate_file, read_merged
 
     try:

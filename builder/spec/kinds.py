@@ -1,11 +1,13 @@
 """What a YAML file is — a model spec or a training recipe — told apart by its content. Torch-free.
 
 Each kind of document is a :class:`Kind`: the top-level keys only it has, how to validate one,
-its JSON Schema, the fields that name other files, and the folder of its shipped files (the zoo,
-``builder.zoo``). ``builder`` defines the spec; other packages contribute kinds as a ``KIND`` in
-a module named in :data:`PROVIDERS` (the recipes' training recipe, in ``recipes/recipe/kind.py``)
-or in an installed package's ``builder.spec.kinds`` entry point. Providers are imported by name,
-only when asked: ``builder`` does not depend on ``recipes``.
+its JSON Schema, the fields that name other files, the folder of its shipped files (the zoo,
+``builder.zoo``), the model a file describes (``builder list``) and, for a file ``builder
+train`` runs, the settings a launch plan gives it (``builder plan``). Every kind joins through
+the ``builder.kinds`` entry-point group (``[project.entry-points."builder.kinds"]`` in a
+package's ``pyproject.toml``, ``name = "package.module:KIND"``): builder's own spec
+(``builder/spec/kind.py``) as any other package's (the recipes' training recipe,
+``recipes/recipe/kind.py``), so this module imports none of them.
 
 ``builder validate`` checks a file as the kind its keys say; a command that wants one kind and
 is given another says so in one line (:func:`mistaken`) instead of reporting every key.
@@ -14,19 +16,16 @@ is given another says so in one line (:func:`mistaken`) instead of reporting eve
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import functools
 import importlib.metadata
-import importlib.util
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from builder.spec.source import FieldPath, Problem
 
-#: modules whose ``KIND`` joins the document kinds, when they can be imported
-PROVIDERS = ("recipes.recipe.kind",)
-#: installed packages add kinds here: ``[project.entry-points."builder.spec.kinds"]``
-GROUP = "builder.spec.kinds"
+#: packages add kinds here: ``[project.entry-points."builder.kinds"]``, ``name = "module:KIND"``
+GROUP = "builder.kinds"
 #: keys every kind may have; they tell nothing apart
 SHARED = frozenset({"name", "extends"})
 
@@ -51,77 +50,27 @@ class Kind:
     #: the shipped files of this kind (``None``: none) and whether sub-folders count
     folder: Callable[[], Path | None] = lambda: None
     recursive: bool = False
-    #: ``(path) -> {"family": str, "params": int | None}`` for ``builder list``
-    summary: Callable[[Path], dict] | None = None
+    #: ``(path) -> (spec, facts)``: the validated ``ModelSpec`` a file describes and what
+    #: ``builder list`` shows of the file itself (``family``; ``approximate``: the parameter count
+    #: is a stand-in's); ``None``: its files describe no model
+    model: Callable[[Path], tuple[Any, dict]] | None = None
+    #: ``(document, launch) -> ["key=value", ...]``: the ``--set`` values that make a file of this
+    #: kind (``document``: its merged, unvalidated mapping) train as ``launch``
+    #: (``builder.analysis.plan.Launch``) says; ``None``: ``builder train`` runs no such file
+    launch: Callable[[Mapping[str, Any], Any], list[str]] | None = None
 
 
-def _spec_keys() -> frozenset[str]:
-    from builder.spec.schema import ModelSpec
-
-    return frozenset(ModelSpec.model_fields)
-
-
-def _validate_spec(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
-    from builder.spec.loader import validate_file
-
-    return validate_file(path, overrides)
-
-
-def _spec_schema() -> dict:
-    from builder.spec.json_schema import spec_json_schema
-
-    return spec_json_schema()
-
-
-def _spec_hint(shown: str) -> str:
-    return (
-        f"describe it with `builder describe {shown}`; train it with a recipe whose model.spec names it "
-        f"(`builder train lm-stdlib --set model.spec={shown}`, or `builder cp lm-stdlib my-recipe.yaml` "
-        "and edit model.spec)"
-    )
-
-
-def _spec_folder() -> Path | None:
-    from builder.zoo import spec_folder
-
-    return spec_folder()
-
-
-def _spec_summary(path: Path) -> dict:
-    from builder.analysis.estimates import estimate
-    from builder.hf import Unsupported, choose_family
-    from builder.spec.loader import load_spec
-
-    spec = load_spec(path)
-    try:
-        family = choose_family(spec)[0].model_type
-    except Unsupported:
-        family = spec.architecture
-    return {"family": family, "params": estimate(spec, seq_len=1).params.total}
-
-
-SPEC = Kind(
-    name="spec",
-    title="a model spec",
-    keys=_spec_keys,
-    validate=_validate_spec,
-    schema=_spec_schema,
-    hint=_spec_hint,
-    folder=_spec_folder,
-    recursive=True,
-    summary=_spec_summary,
-)
-
-
+@functools.cache
 def kinds() -> dict[str, Kind]:
-    """Every kind by name: the spec, then the providers', then installed entry points'."""
-    found = {SPEC.name: SPEC}
-    for provider in PROVIDERS:
-        if importlib.util.find_spec(provider.partition(".")[0]) is not None:
-            kind = importlib.import_module(provider).KIND
-            found.setdefault(kind.name, kind)
-    for entry in importlib.metadata.entry_points(group=GROUP):
-        kind = importlib.import_module(entry.value).KIND
+    """Every kind by name (the ``builder.kinds`` entry points), builder's own first.
+
+    A checkout that was never installed has no entry points, so no kinds: files are then read
+    as what a command expects, and zoo names are not found (``builder.packages.NOT_INSTALLED``)."""
+    found: dict[str, Kind] = {}
+    entries = importlib.metadata.entry_points(group=GROUP)
+    own = __name__.partition(".")[0]  # builder's own first: a zoo name a spec has stays the spec's
+    for entry in sorted(entries, key=lambda e: e.module.partition(".")[0] != own):
+        kind = entry.load()
         found.setdefault(kind.name, kind)
     return found
 
@@ -143,6 +92,7 @@ def mistaken(data: Any, wanted: str, shown: str) -> str | None:
     """One line when ``data`` is plainly another kind of document than ``wanted`` (``None`` else):
     ``x.yaml is a training recipe, not a model spec: ...``."""
     kind = kind_of(data)
-    if kind is None or kind.name == wanted:
+    table = kinds()
+    if kind is None or kind.name == wanted or wanted not in table:
         return None
-    return f"this is {kind.title}, not {kinds()[wanted].title}: {kind.hint(shown)}"
+    return f"this is {kind.title}, not {table[wanted].title}: {kind.hint(shown)}"

@@ -10,8 +10,8 @@ file that writes it in ``extends:`` and ``model.spec``). ``builder list`` shows 
 
 Where the files are: a wheel carries the repository's ``specs/`` as ``builder/zoo/specs``
 (``setup.py`` copies it at build time); a checkout or an editable install reads ``specs/`` at
-the repository root. Recipes come from the kinds other packages contribute
-(``builder.spec.kinds``): the ``recipes`` package's own ``*.yaml``.
+the repository root. Each kind of document names its folder (``builder.spec.kinds``): the spec's
+is :func:`spec_folder`, the recipes' the ``recipes`` package's own ``*.yaml``.
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ def not_found(text: str, tried: Path | None = None) -> str:
     """``no such file`` (``tried``: the path looked for, named when it is not ``text`` as given)
     and, for what could be a zoo name, the closest names."""
     file = "no such file" + (f" {tried}" if tried is not None and str(tried) != text else "")
+    if not entries():
+        from builder.packages import NOT_INSTALLED, installed
+
+        if not installed():  # no entry points, so no kinds and no zoo
+            return f"{file}, and no zoo: {NOT_INSTALLED}"
     close = did_you_mean(text)
     if close:
         return f"{file}, nor a zoo name{close} (`builder list` shows the zoo)"

@@ -3,7 +3,8 @@
 ``builder validate`` checks a recipe through :data:`KIND` (the recipe, then its model spec with
 its overrides and the vocabulary the tokenizer will have); ``builder schema --recipe`` prints
 its JSON Schema; the zoo's recipes are the ``recipes`` folder's ``*.yaml``; ``builder list`` summarises
-one by its task and its model.
+one by its task and its model; ``builder plan`` launches one with the settings :func:`_launch`
+writes from its plan.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from builder.spec.source import Problem, SpecError
 
 
 def _keys() -> frozenset[str]:
-    from recipes.recipe.sections import TASKS, recipe_class
+    from recipes.tasks import NAMES, recipe_class
 
-    return frozenset(name for task in TASKS for name in recipe_class(task).model_fields)
+    return frozenset(name for task in NAMES for name in recipe_class(task).model_fields)
 
 
 def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     """Every problem of one recipe file and of the model spec it trains (``[]`` when valid)."""
-    from recipes.recipe.sections import RecipeError, load_recipe, model_spec
+    from recipes.errors import RecipeError
+    from recipes.recipe.sections import load_recipe, model_spec
     from recipes.training.dry_run import missing_inputs, vocabulary
 
     try:
@@ -42,7 +44,7 @@ def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
 def recipe_path(path: str | Path) -> Path:
     """The recipe file ``path`` names: a path, else a zoo name (``lm-stdlib``)."""
     from builder.zoo import ZooError, locate
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
 
     try:
         return locate(path)
@@ -63,20 +65,54 @@ def _schema() -> dict:
     return recipe_json_schema()
 
 
-def _summary(path: Path) -> dict:
-    from builder.analysis.estimates import estimate
+def _model(path: Path) -> tuple[Any, dict]:
     from recipes.recipe.sections import load_recipe, model_spec
     from recipes.training.dry_run import vocabulary
 
     recipe = load_recipe(path)
     vocab = vocabulary(recipe, path, read_data=False)
-    spec = model_spec(recipe, path, vocab.size)
-    return {
-        "family": recipe.task,
-        "params": estimate(spec, seq_len=1).params.total,
-        "model": spec.name,
-        "approximate": vocab.stand_in,
-    }
+    return model_spec(recipe, path, vocab.size), {"family": recipe.task, "approximate": vocab.stand_in}
+
+
+#: Lightning's precision for a plan's compute dtype
+PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}
+
+
+def _launch(document: Mapping[str, Any], launch) -> list[str]:
+    """The ``--set KEY=VALUE`` values that make a recipe (``document``, merged, not validated)
+    train as ``launch`` (``builder.analysis.plan.Launch``) says; the time limit is lifted, the
+    plan's budget being steps."""
+    layout, candidate = launch.layout, launch.candidate
+    sets = [f"model.spec={launch.spec}"] if launch.spec else []
+    sets += [f"model.overrides.{item}" for item in launch.spec_overrides]
+    task = document.get("task", "lm")
+    sets += [
+        *batch_settings(task if isinstance(task, str) else "lm", launch.seq_len, candidate.micro_batch),
+        f"trainer.accumulate_grad_batches={candidate.accumulation}",
+        f"trainer.activation_checkpointing={'true' if candidate.checkpointing else 'false'}",
+        "trainer.strategy=fsdp",
+        f"trainer.tensor_parallel={layout.tensor_parallel}",
+        f"trainer.data_parallel={layout.data_parallel}",
+        f"trainer.devices={layout.per_node}",
+        f"trainer.num_nodes={layout.nodes}",
+        f"trainer.precision={PRECISION[launch.dtype]}",
+    ]
+    if launch.max_steps is not None:
+        sets += [f"trainer.max_steps={launch.max_steps}", "trainer.max_time=null"]
+    if launch.output_dir is not None:
+        sets.append(f"trainer.output_dir={launch.output_dir}")
+    return sets
+
+
+def batch_settings(task: str, seq_len: int, micro_batch: int) -> list[str]:
+    """The data settings of micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens: a
+    token-budget task's (translation, classification: examples of like lengths under
+    ``data.max_tokens``) are sequences no longer than ``seq_len`` in ``micro_batch x seq_len``
+    tokens, at most what the plan sized; the others' windows of ``data.seq_len`` tokens.
+    The one place here that names tasks (until the task registry says how a task batches)."""
+    if task in ("translation", "classification"):
+        return [f"data.max_len={seq_len}", f"data.max_tokens={micro_batch * seq_len}"]
+    return [f"data.seq_len={seq_len}", f"data.batch_size={micro_batch}"]
 
 
 KIND = Kind(
@@ -89,5 +125,6 @@ KIND = Kind(
     references=(("extends",), ("model", "spec")),
     folder=lambda: Path(__file__).resolve().parents[1],  # recipes/*.yaml
     recursive=False,
-    summary=_summary,
+    model=_model,
+    launch=_launch,
 )

@@ -228,7 +228,8 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     sequences per device.
     ``devices``: per node (default: the recipe's count, 1 for ``auto``; a run passes what the
     machine gives it)."""
-    from builder.analysis.estimates import estimate
+    from builder.analysis.estimates import Step, estimate
+    from builder.analysis.layout import Layout
     from recipes.training.precision import resolve_precision
 
     settings = recipe.trainer
@@ -237,18 +238,15 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     if devices is None:
         devices = settings.devices if isinstance(settings.devices, int) and settings.devices > 0 else 1
     sharded = settings.strategy == "fsdp"
-    return estimate(
-        spec,
-        seq_len=seq_len,
-        batch=batch,
-        dtype=dtype,
+    step = Step(seq_len=seq_len, batch=batch, dtype=dtype, activation_checkpointing=settings.activation_checkpointing)
+    layout = Layout(
         devices=devices * settings.num_nodes,
-        strategy="fsdp" if sharded else "ddp",
-        activation_checkpointing=settings.activation_checkpointing,
         nodes=settings.num_nodes,
         tensor_parallel=settings.tensor_parallel if sharded else 1,
         data_parallel=settings.data_parallel,
+        strategy="fsdp" if sharded else "ddp",
     )
+    return estimate(spec, step, layout)
 
 
 # -- the command -------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""The model spec as a kind of document (``builder.spec.kinds``). Torch-free.
+
+It joins the kinds through the ``builder.kinds`` entry point as the recipes' training recipe
+does (``recipes/recipe/kind.py``): ``builder validate`` checks a spec through :data:`KIND`,
+``builder schema`` prints its JSON Schema, the zoo's specs are the spec folder's ``*.yaml`` at any
+depth, and ``builder list`` counts the model a spec file is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from builder.spec.kinds import Kind
+from builder.spec.source import Problem
+
+
+def _keys() -> frozenset[str]:
+    from builder.spec.schema import ModelSpec
+
+    return frozenset(ModelSpec.model_fields)
+
+
+def _validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
+    from builder.spec.loader import validate_file
+
+    return validate_file(path, overrides)
+
+
+def _schema() -> dict:
+    from builder.spec.json_schema import spec_json_schema
+
+    return spec_json_schema()
+
+
+def _hint(shown: str) -> str:
+    return (
+        f"describe it with `builder describe {shown}`; train it with a recipe whose model.spec names it "
+        f"(`builder train lm-stdlib --set model.spec={shown}`, or `builder cp lm-stdlib my-recipe.yaml` "
+        "and edit model.spec)"
+    )
+
+
+def _folder() -> Path | None:
+    from builder.zoo import spec_folder
+
+    return spec_folder()
+
+
+def _model(path: Path) -> tuple[Any, dict]:
+    from builder.spec.loader import load_spec
+
+    return load_spec(path), {}
+
+
+KIND = Kind(
+    name="spec",
+    title="a model spec",
+    keys=_keys,
+    validate=_validate,
+    schema=_schema,
+    hint=_hint,
+    folder=_folder,
+    recursive=True,
+    model=_model,
+)
