@@ -259,7 +259,7 @@ def _tiny_model(spec_file: str, seed: int = 0):
 
 
 def test_activation_checkpointing_keeps_the_gradients():
-    from recipes.training.module import checkpoint_layers, layer_modules
+    from recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
 
     plain, checkpointed = _tiny_model("llama.yaml"), _tiny_model("llama.yaml")
     assert checkpoint_layers(checkpointed) == len(layer_modules(plain)) == 2
