@@ -65,7 +65,7 @@ class BlockConfig(BaseModel):
         """Tensor parallelism: submodule name (relative to the block's module) -> a style of
         :data:`PARALLEL_STYLES`; a submodule it does not name is replicated. None: no plan,
         replicated. A module whose plan splits its heads adapts to its share in
-        ``use_tensor_parallel(rank, degree)`` (``recipes.tensor_parallel`` applies the plans)."""
+        ``use_tensor_parallel(rank, degree)`` (``recipes.parallel.tensor`` applies the plans)."""
         return None
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
