@@ -116,3 +116,22 @@ def test_zsh_completion_names_every_command(capsys):
     assert script.startswith("#compdef builder")
     for name in COMMANDS:
         assert not name or name in script
+
+
+def test_a_checkout_never_installed_says_what_it_lacks(monkeypatch, capsys):
+    """No distribution metadata, so no entry points: builder's own commands run, and the help and
+    a missing command say to install the checkout."""
+    import importlib.metadata
+
+    from builder import packages
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: importlib.metadata.EntryPoints(()))
+    monkeypatch.setattr(packages, "installed", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "pip install -e ." in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "lm-stdlib"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice: 'train'" in err and "pip install -e ." in err
