@@ -85,9 +85,11 @@ def _launch(document: Mapping[str, Any], launch) -> list[str]:
     layout, candidate = launch.layout, launch.candidate
     sets = [f"model.spec={launch.spec}"] if launch.spec else []
     sets += [f"model.overrides.{item}" for item in launch.spec_overrides]
-    task = document.get("task", "lm")
+    from recipes.tasks import recipe_class, task_named
+
+    task = recipe_class(document.get("task")).model_fields["task"].default  # a value that is no task: the LM's
     sets += [
-        *batch_settings(task if isinstance(task, str) else "lm", launch.seq_len, candidate.micro_batch),
+        *task_named(task).batch_settings(launch.seq_len, candidate.micro_batch),
         f"trainer.accumulate_grad_batches={candidate.accumulation}",
         f"trainer.activation_checkpointing={'true' if candidate.checkpointing else 'false'}",
         "trainer.strategy=fsdp",
@@ -102,17 +104,6 @@ def _launch(document: Mapping[str, Any], launch) -> list[str]:
     if launch.output_dir is not None:
         sets.append(f"trainer.output_dir={launch.output_dir}")
     return sets
-
-
-def batch_settings(task: str, seq_len: int, micro_batch: int) -> list[str]:
-    """The data settings of micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens: a
-    token-budget task's (translation, classification: examples of like lengths under
-    ``data.max_tokens``) are sequences no longer than ``seq_len`` in ``micro_batch x seq_len``
-    tokens, at most what the plan sized; the others' windows of ``data.seq_len`` tokens.
-    The one place here that names tasks (until the task registry says how a task batches)."""
-    if task in ("translation", "classification"):
-        return [f"data.max_len={seq_len}", f"data.max_tokens={micro_batch * seq_len}"]
-    return [f"data.seq_len={seq_len}", f"data.batch_size={micro_batch}"]
 
 
 KIND = Kind(

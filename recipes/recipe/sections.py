@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -396,9 +397,26 @@ def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[
 
 
 def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:
+    return overrides.get("task", as_written(path).data.get("task", "lm"))
+
+
+def as_written(recipe_file: str | Path):
+    """The recipe file as written (its ``extends:`` chain merged, no overrides), every key and
+    value located (a :class:`builder.spec.source.Document`): read once per version of the file,
+    however many times a run asks (its task, its spec and its overrides' lines, each check).
+    Callers read it and never change it."""
+    from builder.spec.loader import locate_file
+
+    found, _ = locate_file(recipe_file)
+    stat = found.stat()
+    return _read_written(str(found), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_written(path: str, mtime_ns: int, size: int):
     from builder.spec.loader import read_merged
 
-    return overrides.get("task", read_merged(path).data.get("task", "lm"))
+    return read_merged(path)
 
 
 def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[str, Any] | None = None):
@@ -413,7 +431,7 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     """
     from builder.spec.loader import load_spec, read_merged
 
-    doc = read_merged(recipe_file)
+    doc = as_written(recipe_file)
     written = {
         key: (doc, ("model", "overrides", key))
         for key in recipe.model.overrides
@@ -438,14 +456,13 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
 def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
     """The file ``model.spec`` names: a path relative to the recipe when one is there, else a zoo
     spec by name (``llama3-8b``); neither is a problem at the recipe's ``model.spec`` line."""
-    from builder.spec.loader import read_merged
     from builder.spec.source import Mark, Problem, SpecError
     from builder.zoo import ZooError, locate
 
     try:
         return locate(recipe.model.spec, base=Path(recipe_file).resolve().parent)
     except ZooError as exc:
-        doc = doc if doc is not None else read_merged(recipe_file)
+        doc = doc if doc is not None else as_written(recipe_file)
         written = (doc.data.get("model") or {}).get("spec") if isinstance(doc.data, dict) else None
         where = (doc.value_mark(("model", "spec")) if written == recipe.model.spec else None) or Mark(
             f"<--set model.spec={recipe.model.spec}>"

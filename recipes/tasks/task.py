@@ -79,8 +79,6 @@ class Task:
     #: the ``builder eval`` / ``builder generate`` options this task reads (others are refused)
     eval_options: ClassVar[tuple[str, ...]] = ()
     generate_options: ClassVar[tuple[str, ...]] = ()
-    #: batches made to a token budget (``data.max_tokens``) instead of a fixed ``batch_size``
-    token_budget: ClassVar[bool] = False
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -99,6 +97,11 @@ class Task:
         """``(seq_len, batch, how)``: the micro-batch shape estimates are made at."""
         data = recipe.data
         return data.seq_len, data.batch_size, f"{data.batch_size} windows x {data.seq_len} tokens"
+
+    def batch_settings(self, seq_len: int, micro_batch: int) -> list[str]:
+        """The ``--set`` values of micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens
+        (``builder plan --recipe``'s launch lines)."""
+        return [f"data.seq_len={seq_len}", f"data.batch_size={micro_batch}"]
 
     def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
         """The vocabulary when the task knows it better than the tokenizer settings (a tokenized
@@ -149,8 +152,6 @@ class TokenBudget:
     """A :class:`Task` whose micro-batches are examples of like lengths under ``data.max_tokens``
     (``recipes.data.batching``): estimated at the longest batch it can make."""
 
-    token_budget = True
-
     def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
         data = recipe.data
         longest = min(data.max_len, spec.max_seq_len)
@@ -160,6 +161,11 @@ class TokenBudget:
             "(data.max_len)"
         )
         return longest, batch, how
+
+    def batch_settings(self, seq_len: int, micro_batch: int) -> list[str]:
+        """Examples no longer than ``seq_len`` in ``micro_batch x seq_len`` tokens: at most what a
+        plan sized."""
+        return [f"data.max_len={seq_len}", f"data.max_tokens={micro_batch * seq_len}"]
 
 
 def scored(batches: int, available: int | None, args) -> str:
