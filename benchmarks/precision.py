@@ -55,7 +55,7 @@ def variant_overrides(variant: str, steps: int) -> dict:
 
 def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
     from builder.spec.loader import parse_set_args
-    from recipes.recipe.kind import recipe_path
+    from recipes.recipe.sections import recipe_path
     from recipes.training.run import run
 
     with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
@@ -92,8 +92,7 @@ def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> di
 
 def auto_choice(recipe: str) -> str:
     """What ``trainer.precision: auto`` resolves to for this recipe on this machine."""
-    from recipes.recipe.kind import recipe_path
-    from recipes.recipe.sections import load_recipe
+    from recipes.recipe.sections import load_recipe, recipe_path
     from recipes.training.run import for_this_machine
 
     path = recipe_path(recipe)

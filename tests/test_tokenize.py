@@ -19,14 +19,11 @@ import numpy as np
 import pytest
 from hostile_helpers import cli, refused
 
-from recipes.data.sources import DocumentStream, find_sources
-from recipes.data.tokenized import (
-    Document,
-    TokenizedDataset,
-    is_tokenized_dataset,
-    tokenize_documents,
-)
-from recipes.recipe.sections import RecipeError, TokenizerSection
+from recipes.data.sources import Document, DocumentStream, find_sources
+from recipes.data.tokenize import tokenize_documents
+from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
+from recipes.errors import RecipeError
+from recipes.recipe.sections import TokenizerSection
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -466,7 +463,8 @@ KILLED = """
 import os, random, signal
 from pathlib import Path
 from recipes.data.tokenizers import SentencePieceTokenizer
-from recipes.data.tokenized import Document, tokenize_documents
+from recipes.data.sources import Document
+from recipes.data.tokenize import tokenize_documents
 WORDS = {words!r}
 {docs}
 

@@ -154,7 +154,8 @@ def _identity(kind: str, path: Path) -> str:
 def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
     """``text`` tokenized into the cache (once per text, tokenizer and split), opened."""
     from recipes.data.sources import Document
-    from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset, tokenize_documents
+    from recipes.data.tokenize import tokenize_documents
+    from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
 
     key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|{section.val_fraction}|split-v1".encode())
     folder = Path(section.cache_dir) / "tokenized" / key.hexdigest()[:16]

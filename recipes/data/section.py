@@ -1,6 +1,8 @@
 """The ``data`` section of the LM and MLM recipes: where the corpus comes from (a dataset by name,
 your text, tokenized datasets, Megatron-LM and nanoGPT token files, mixed by weight), how it is
-cut into windows and held out. ``DatasetFields`` is the part every task's data section shares."""
+cut into windows and held out. ``DatasetFields`` is the part every task's data section shares;
+``TokenizerSection``, the ``tokenizer`` section every recipe has, is here beside the data it is
+trained on, so the tokenizers import no recipe module."""
 
 from __future__ import annotations
 
@@ -162,3 +164,22 @@ class DataSection(DatasetFields):
     def corpus(self) -> list[str]:
         """The paths the corpus reads, in order: the dataset's name, then the sources'."""
         return [entry.path for entry in self.entries()]
+
+
+class TokenizerSection(_Section):
+    type: Literal["sentencepiece", "char", "hf"] = Field(
+        "sentencepiece",
+        description="sentencepiece (trained on the corpus, or `model_file`) | char | hf: the tokenizer of a "
+        "Hugging Face folder or a `builder import-hf` output (`model_file`).",
+    )
+    model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece: bpe | unigram.")
+    vocab_size: int = Field(4096, ge=16, description="sentencepiece: vocabulary size to train.")
+    model_file: str | None = Field(
+        None,
+        description="sentencepiece: an existing .model file instead of training; hf: the folder (its "
+        "tokenizer.json, else tokenizer.model) or a tokenizer.json. Relative to the recipe.",
+        json_schema_extra=RECIPE_PATH,
+    )
+    train_max_lines: int = Field(
+        300_000, ge=1, description="sentencepiece: lines of the corpus sampled to train the tokenizer."
+    )

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.data.sources import Document  # noqa: F401  (re-exported: what tokenize_documents takes)
 from recipes.errors import RecipeError
 
 FORMAT = "builder-tokenized"
@@ -320,33 +319,3 @@ class Stamps:
             except OSError:
                 pass
         self.changed = False
-
-
-def tokenize_documents(
-    documents,
-    tokenizer,
-    out: Path,
-    *,
-    workers: int = 1,
-    val_fraction: float = 0.0,
-    shard_bytes: int = 64 << 20,
-    sources: list[dict] | None = None,
-    progress: bool = True,
-    **options,
-) -> TokenizedDataset:
-    """``documents`` (an iterable of :class:`Document`) tokenized into the dataset folder ``out``
-    and opened; see :func:`recipes.data.tokenize.tokenize_documents` (the pipeline, which also
-    takes ``val_sources``, ``settings`` and ``overwrite``)."""
-    from recipes.data.tokenize import tokenize_documents as run
-
-    return run(
-        documents,
-        tokenizer,
-        out,
-        workers=workers,
-        val_fraction=val_fraction,
-        shard_bytes=shard_bytes,
-        sources=sources,
-        progress=progress,
-        **options,
-    )

@@ -25,9 +25,9 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from recipes.data.section import TokenizerSection
 from recipes.errors import RecipeError
 from recipes.recipe.fields import resolve
-from recipes.recipe.sections import TokenizerSection
 
 #: text per sentencepiece encode call; cut at newlines, which no piece crosses
 _CHUNK_CHARS = 1 << 16

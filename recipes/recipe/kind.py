@@ -26,7 +26,7 @@ def _keys() -> frozenset[str]:
 def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     """Every problem of one recipe file and of the model spec it trains (``[]`` when valid)."""
     from recipes.errors import RecipeError
-    from recipes.recipe.sections import load_recipe, model_spec
+    from recipes.recipe.sections import load_recipe, model_spec, recipe_path
     from recipes.training.dry_run import missing_inputs, vocabulary
 
     try:
@@ -39,17 +39,6 @@ def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     except RecipeError as exc:
         return [Problem(str(path), None, None, "", str(exc))]
     return [Problem(str(path), None, None, "", line) for line in missing]
-
-
-def recipe_path(path: str | Path) -> Path:
-    """The recipe file ``path`` names: a path, else a zoo name (``lm-stdlib``)."""
-    from builder.zoo import ZooError, locate
-    from recipes.errors import RecipeError
-
-    try:
-        return locate(path)
-    except ZooError as exc:
-        raise RecipeError(f"{path}: {exc}") from None
 
 
 def _hint(shown: str) -> str:

@@ -17,8 +17,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from recipes.data.section import DataSection, DatasetFields, SourceEntry  # noqa: F401 (re-exported)
-from recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section
+from recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
+from recipes.errors import RecipeError
+from recipes.recipe.fields import WORK_PATH, _Section
 from recipes.tasks import NAMES, recipe_class
 
 #: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
@@ -74,25 +75,6 @@ class ModelSection(_Section):
         if self.spec is None and self.init_from is None:
             raise ValueError("give model.spec (a spec file or mapping) or model.init_from (trained weights), or both")
         return self
-
-
-class TokenizerSection(_Section):
-    type: Literal["sentencepiece", "char", "hf"] = Field(
-        "sentencepiece",
-        description="sentencepiece (trained on the corpus, or `model_file`) | char | hf: the tokenizer of a "
-        "Hugging Face folder or a `builder import-hf` output (`model_file`).",
-    )
-    model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece: bpe | unigram.")
-    vocab_size: int = Field(4096, ge=16, description="sentencepiece: vocabulary size to train.")
-    model_file: str | None = Field(
-        None,
-        description="sentencepiece: an existing .model file instead of training; hf: the folder (its "
-        "tokenizer.json, else tokenizer.model) or a tokenizer.json. Relative to the recipe.",
-        json_schema_extra=RECIPE_PATH,
-    )
-    train_max_lines: int = Field(
-        300_000, ge=1, description="sentencepiece: lines of the corpus sampled to train the tokenizer."
-    )
 
 
 class OptimizerSection(_Section):
@@ -326,6 +308,16 @@ def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
 
 
 # -- loading -------------------------------------------------------------------------------------
+
+
+def recipe_path(path: str | Path) -> Path:
+    """The recipe file ``path`` names: a path, else a zoo name (``lm-stdlib``)."""
+    from builder.zoo import ZooError, locate
+
+    try:
+        return locate(path)
+    except ZooError as exc:
+        raise RecipeError(f"{path}: {exc}") from None
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:

@@ -152,7 +152,7 @@ class Classification(TokenBudget, Task):
         from recipes.tasks.classification.training import evaluate
 
         self.check_meta(meta)
-        return evaluate(model, tokenizer, meta, args)
+        return evaluate(model, tokenizer, self.recipe.model_validate(meta["recipe"]), meta, args)
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
         from recipes.tasks.classification.training import generate

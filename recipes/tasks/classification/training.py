@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.checkpoint import model_weights
+from builder.checkpoints import model_weights
 from recipes.data.batching import BucketDataModule, pad, sorted_batches
 from recipes.errors import RecipeError
 from recipes.recipe.fields import resolve
@@ -135,7 +135,7 @@ class ClassifierModule(LMModule):
 
 def _init_checkpoint(path: Path) -> dict:
     """``classification.init_from``, read safely and verified; its errors name the field."""
-    from recipes.checkpoint import read_verified
+    from recipes.trained import read_verified
 
     try:
         return read_verified(path)
@@ -167,12 +167,12 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     if init is not None:
         if not init.exists():
             raise RecipeError(f"classification.init_from: no checkpoint at {init}")
-        from recipes.checkpoint import _checkpoint_tokenizer
+        from recipes.trained import checkpoint_tokenizer as _checkpoint_tokenizer
 
         checkpoint = _init_checkpoint(init)
         meta = checkpoint.get("builder")
         if not isinstance(meta, dict):
-            from builder.integrity import not_ours
+            from builder.checkpoints import not_ours
 
             raise RecipeError(
                 f"classification.init_from: {not_ours(init, checkpoint)}; start from an mlm run's checkpoint"
@@ -255,13 +255,10 @@ def predict(
     return out
 
 
-def evaluate(model, tokenizer, meta: dict, args) -> dict:
+def evaluate(model, tokenizer, recipe, meta: dict, args) -> dict:
     """``builder eval``: accuracy and macro F1 on ``--data FILE`` (default: the recipe's validation
-    split)."""
-    from recipes.tasks.classification import ClassificationRecipe
-
+    split); ``recipe``: the checkpoint's, validated."""
     model.eval()
-    recipe = ClassificationRecipe.model_validate(meta["recipe"])
     labels = meta["labels"]
     if args.data:
         examples = read_examples(Path(args.data[0]), recipe.data.text_field, recipe.data.label_field)

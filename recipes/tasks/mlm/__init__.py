@@ -70,7 +70,7 @@ class MaskedLM(Corpus, Task):
         from recipes.tasks.mlm.training import evaluate
 
         self.check_meta(meta)
-        return evaluate(model, tokenizer, meta, args)
+        return evaluate(model, tokenizer, self.recipe.model_validate(meta["recipe"]), meta, args)
 
 
 TASK = MaskedLM()

@@ -232,13 +232,12 @@ def report(metrics: dict) -> dict:
 # -- builder eval -------------------------------------------------------------------------------------
 
 
-def evaluate(model, tokenizer, meta: dict, args) -> dict:
-    """``builder eval``: masked-token loss and accuracy on the recipe's validation windows."""
+def evaluate(model, tokenizer, recipe, meta: dict, args) -> dict:
+    """``builder eval``: masked-token loss and accuracy on the recipe's validation windows;
+    ``recipe``: the checkpoint's, validated."""
     from recipes.data.corpus import held_out_tokens, open_corpus
-    from recipes.tasks.mlm import MLMRecipe
 
     model.eval()
-    recipe = MLMRecipe.model_validate(meta["recipe"])
     section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})
     val = held_out_tokens(open_corpus(section, Path(meta["recipe_file"]), None, False, pretrained=tokenizer))
     return masked_lm_metrics(model, tokenizer, val, recipe, eval_batches(args, meta))

@@ -145,7 +145,7 @@ class Translation(TokenBudget, Task):
         from recipes.tasks.translation.training import evaluate
 
         self.check_meta(meta)
-        return evaluate(model, tokenizer, meta, args)
+        return evaluate(model, tokenizer, ParallelDataSection, meta, args)
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
         from recipes.tasks.translation.training import generate

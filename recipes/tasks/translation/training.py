@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from builder.checkpoints import model_weights
-from recipes.averaging import KeepLastCheckpoints
 from recipes.data.batching import BucketDataModule, pad, sorted_batches
 from recipes.data.tokenizers import build_tokenizer
 from recipes.errors import RecipeError
@@ -29,6 +28,7 @@ from recipes.parallel import whole_model
 from recipes.recipe.fields import resolve
 from recipes.recipe.sections import model_spec
 from recipes.tasks.task import PROSE, Prepared
+from recipes.training.checkpointing import KeepLastCheckpoints
 from recipes.training.module import IGNORE, LMModule
 from recipes.training.pretrained import pretrained_tokenizer
 
@@ -294,7 +294,7 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:
     """Beam search on the validation set with the averaged weights (the trained ones without)."""
     if averaged.is_file():
-        from recipes.checkpoint import read_verified
+        from recipes.trained import read_verified
 
         state = read_verified(averaged)["state_dict"]
         model.load_state_dict(model_weights(state))
@@ -310,15 +310,14 @@ def final_evaluation(model, tokenizer, averaged: Path, sources, references, sett
 # -- builder eval / builder generate ---------------------------------------------------------------
 
 
-def evaluate(model, tokenizer, meta: dict, args) -> dict:
-    """Score ``--src`` against ``--ref`` (default: the recipe's validation files)."""
+def evaluate(model, tokenizer, data_section, meta: dict, args) -> dict:
+    """Score ``--src`` against ``--ref`` (default: the recipe's validation files);
+    ``data_section``: the schema of the recipe's data section (validated here, when read)."""
     if (args.src is None) != (args.ref is None):
         raise RecipeError("give --src and --ref together (or neither: the recipe's validation pair)")
     recipe = meta["recipe"]
     if args.src is None:
-        from recipes.tasks.translation import ParallelDataSection
-
-        data = ParallelDataSection.model_validate(recipe["data"])
+        data = data_section.model_validate(recipe["data"])
         src_path, ref_path = pair_paths(data, Path(meta["recipe_file"]), "validation", getattr(args, "split", None))
     else:
         src_path, ref_path = Path(args.src), Path(args.ref)
