@@ -190,8 +190,7 @@ def recipe_worker(name: str, overrides: dict, result: Path) -> None:
     """One recipe row, in its own process (a DDP row's other ranks run it too): ``recipes.training.run.run``
     as ``builder train`` calls it; rank 0 writes what came of it to ``result``."""
     from recipes.data.registry import DatasetError
-    from recipes.recipe.kind import recipe_path
-    from recipes.recipe.sections import load_recipe
+    from recipes.recipe.sections import load_recipe, recipe_path
     from recipes.training.module import NonFiniteLossError
     from recipes.training.run import for_this_machine, run
 

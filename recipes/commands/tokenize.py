@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError
     from recipes.data.sources import DocumentStream, find_sources
     from recipes.data.tokenize import check_output, matches, tokenize_documents
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
 
     try:
         out = Path(args.output)
@@ -285,7 +285,7 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
     ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
     in them. A tokenizer a run of the same command in ``out`` already made is reused."""
     from recipes.data.tokenizers import SentencePieceTokenizer, hf_tokenizer
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
 
     path = Path(argument)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
@@ -304,7 +304,7 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
 
 
 def _named(read, path: Path):
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
 
     try:
         return read(path)
@@ -315,8 +315,8 @@ def _named(read, path: Path):
 def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
     from builder.spec.loader import SpecError
     from recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece
-    from recipes.recipe.kind import recipe_path
-    from recipes.recipe.sections import RecipeError, load_recipe
+    from recipes.errors import RecipeError
+    from recipes.recipe.sections import load_recipe, recipe_path
 
     try:
         recipe_file = recipe_path(argument)

@@ -54,12 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from builder.spec.loader import SpecError
     from builder.spec.plugins import PluginError
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
 
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
-        from recipes.recipe.kind import recipe_path
+        from recipes.recipe.sections import recipe_path
 
         recipe = recipe_path(args.recipe)  # a path, else a zoo name
         if args.dry_run:  # before torch and Lightning are imported
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
     from builder.spec.loader import SpecError
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
     from recipes.training.module import NonFiniteLossError
     from recipes.training.run_folder import os_problem, owns_run_folder
     from recipes.training.signals import Stopped
