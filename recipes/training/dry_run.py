@@ -61,15 +61,17 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
 
 
 def checkpoint_vocabulary(path: Path) -> int:
-    """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries."""
-    import torch
+    """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries, read and
+    verified through ``builder.checkpoints`` (a run that reads it again for its weights reads it
+    once)."""
+    from builder.checkpoints import CheckpointError, read_meta
+    from recipes.trained import checkpoint_tokenizer
 
-    from recipes.data.tokenizers import from_state
-
-    meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("builder")
-    if meta is None:
-        raise RecipeError(f"classification.init_from: {path} was not written by `builder train`")
-    return from_state(meta["tokenizer"]).vocab_size
+    try:
+        meta = read_meta(path)["builder"]
+        return checkpoint_tokenizer(path, meta.get("tokenizer")).vocab_size
+    except (CheckpointError, RecipeError) as exc:
+        raise RecipeError(f"classification.init_from: {exc}") from None
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -226,17 +228,18 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     """The spec's estimate under the recipe's trainer settings (precision as this machine runs
     it, devices, strategy and its layout, checkpointing), at ``seq_len`` tokens x ``batch``
     sequences per device.
-    ``devices``: per node (default: the recipe's count, 1 for ``auto``; a run passes what the
-    machine gives it)."""
+    ``devices``: per node (default: what ``trainer.devices`` asks for, as
+    :func:`recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it)."""
     from builder.analysis.estimates import Step, estimate
     from builder.analysis.layout import Layout
-    from recipes.training.precision import resolve_precision
+    from recipes.parallel.mesh import device_count
+    from recipes.training.precision import estimate_dtype, resolve_precision
 
     settings = recipe.trainer
     precision, _ = resolve_precision(settings.precision, settings.accelerator)  # auto: what this machine runs
-    dtype = "bf16" if precision.startswith("bf16") else "fp16" if precision == "16-mixed" else "fp32"
+    dtype = estimate_dtype(precision)
     if devices is None:
-        devices = settings.devices if isinstance(settings.devices, int) and settings.devices > 0 else 1
+        devices = device_count(settings, check=False)
     sharded = settings.strategy == "fsdp"
     step = Step(seq_len=seq_len, batch=batch, dtype=dtype, activation_checkpointing=settings.activation_checkpointing)
     layout = Layout(
@@ -261,8 +264,8 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
 
     from builder.analysis.report import human, print_describe
     from builder.zoo import shown
-    from recipes.recipe.kind import recipe_path as locate_recipe
     from recipes.recipe.sections import load_recipe, model_spec, output_dir, spec_file
+    from recipes.recipe.sections import recipe_path as locate_recipe
     from recipes.tasks import task_named
 
     out = out or sys.stdout

@@ -54,8 +54,17 @@ def cpu_bf16() -> str | None:
 
 
 def on_cuda(accelerator: str) -> bool:
-    """Whether Lightning's ``accelerator`` setting puts this run on a CUDA GPU."""
-    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    """Whether Lightning's ``accelerator`` setting puts this run on a CUDA GPU
+    (:func:`recipes.parallel.mesh.accelerator_of` says what it resolves to here)."""
+    from recipes.parallel.mesh import accelerator_of
+
+    return accelerator_of(accelerator) == "cuda" and torch.cuda.is_available()
+
+
+def estimate_dtype(precision: str) -> str:
+    """The dtype the estimates count a run of ``precision`` (a concrete Lightning precision) in:
+    ``bf16``, ``fp16`` or ``fp32``."""
+    return "bf16" if precision.startswith("bf16") else "fp16" if precision == "16-mixed" else "fp32"
 
 
 def cuda_bf16() -> bool:

@@ -373,6 +373,8 @@ def global_batch(recipe: Mapping[str, Any]) -> int | None:
     data-parallel ranks (devices x nodes, over the tensor-parallel degree under fsdp); None when
     the devices are not a count."""
     devices, batch = recipe.get("trainer.devices"), recipe.get("data.batch_size")
+    if isinstance(devices, list):  # device indices (trainer.devices normalises "[0, 1]" so)
+        devices = len(devices)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or not isinstance(batch, int):
         return None
     tensor_parallel = recipe.get("trainer.tensor_parallel", 1) if recipe.get("trainer.strategy") == "fsdp" else 1
