@@ -100,7 +100,7 @@ def lm_checkpoint(folder: Path) -> Path:
         "global_step": 0,
     }
     try:  # checkpoints are sealed with checksums where the project has them
-        from builder.integrity import seal
+        from builder.checkpoints import seal
     except ImportError:
         pass
     else:

@@ -38,7 +38,7 @@ class _RunsCode:
 
 def _reseal(checkpoint: dict, path: Path) -> Path:
     """``checkpoint`` saved with checksums that match it: a file that is whole, whatever it holds."""
-    from builder.integrity import seal
+    from builder.checkpoints import seal
 
     torch.save(seal(checkpoint), path)
     return path
@@ -127,8 +127,8 @@ def test_every_command_that_reads_a_checkpoint_refuses_a_hostile_one_in_one_line
 
 def test_a_pickle_that_runs_code_is_never_unpickled_by_the_resume_load(good, tmp_path):
     """Lightning reads the checkpoint a run resumes from through our checkpoint IO: weights only."""
-    from recipes.recipe.sections import RecipeError
-    from recipes.training.callbacks import AtomicCheckpointIO
+    from recipes.errors import RecipeError
+    from recipes.training.checkpointing import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     assert io.load_checkpoint(good)["global_step"] == 0
@@ -140,7 +140,7 @@ def test_a_pickle_that_runs_code_is_never_unpickled_by_the_resume_load(good, tmp
 
 def test_a_legacy_format_checkpoint_of_plain_tensors_loads(good, tmp_path, capsys):
     """torch's pickle format before zip archives is read as safely as a zip; only ours is accepted."""
-    from builder.integrity import read_checkpoint
+    from builder.checkpoints import read_checkpoint
 
     checkpoint = torch.load(good, weights_only=True)
     legacy = tmp_path / "legacy.pt"
@@ -184,7 +184,7 @@ def test_a_tokenizer_or_recipe_record_that_cannot_be_used_is_named(good, tmp_pat
 
 
 def test_an_unreadable_checkpoint_is_named(good, tmp_path, capsys, monkeypatch):
-    import builder.integrity
+    import builder.checkpoints.read
 
     locked = tmp_path / "locked.ckpt"
     shutil.copy(good, locked)
@@ -194,7 +194,7 @@ def test_an_unreadable_checkpoint_is_named(good, tmp_path, capsys, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(builder.integrity, "open", no_permission, raising=False)
+    monkeypatch.setattr(builder.checkpoints.read, "open", no_permission, raising=False)
     for argv in (
         ["eval", locked],
         ["generate", locked, "--prompt", "ab"],
@@ -334,3 +334,42 @@ def test_a_full_disk_during_export_or_consolidate_leaves_no_partial_file(good, t
     from safetensors.torch import load_file
 
     assert "decoder.layers.0.attention.q_proj.weight" in load_file(str(weights))
+
+
+def _printable_corpus(folder: Path) -> Path:
+    """Text in the characters the ``good`` checkpoint's tokenizer knows (printable ASCII)."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)))
+    return corpus
+
+
+def test_model_init_from_is_read_once_and_a_flipped_bit_in_it_is_refused_in_one_line(
+    good, tmp_path, capsys, monkeypatch
+):
+    """The spec, the tokenizer and the weights a run takes from ``model.init_from`` come from one
+    load and one verification of the file; a bit flipped in its tensors (which ``torch.load``
+    alone reads without a word) stops the run before any work, in one line naming the field."""
+    from test_checkpoints import _flip_a_tensor_bit, reads_until_training
+
+    from builder.cli import main
+
+    data = {"sources": [str(_printable_corpus(tmp_path))], "max_bytes": None, "cache_dir": str(tmp_path / "cache")}
+    trainer = {"max_steps": 2, "val_check_interval": 100, "limit_val_batches": 1}
+    for name in ("whole", "flipped"):
+        (tmp_path / name).mkdir()
+    source = shutil.copy(good, tmp_path / "pretrained.ckpt")  # a file this process has not read yet
+    reads = reads_until_training(monkeypatch)
+    recipe = tiny_recipe(tmp_path / "whole", model={"spec": None, "init_from": str(source)}, data=data, trainer=trainer)
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    assert "weights: " in capsys.readouterr().out
+    source = str(Path(source).resolve())
+    assert reads[("load", source)] == 1 and reads[("verify", source)] == 1, dict(reads)
+
+    bad = tmp_path / "flipped.ckpt"
+    bad.write_bytes(_flip_a_tensor_bit(good.read_bytes()))
+    recipe = tiny_recipe(tmp_path / "flipped", model={"spec": None, "init_from": str(bad)}, data=data, trainer=trainer)
+    assert main(["train", str(recipe), "--no-samples"]) == 1
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert line.startswith(f"builder train: model.init_from: {bad} is damaged: tensor "), line
+    assert "does not match its checksum" in line, line
+    assert not (tmp_path / "flipped" / "run" / "checkpoints").exists()

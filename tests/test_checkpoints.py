@@ -5,6 +5,7 @@ weights silently."""
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,47 @@ DAMAGE = {
 }
 
 
+def reads_until_training(monkeypatch) -> Counter:
+    """What the runs that follow read of each checkpoint (by resolved path) up to their first
+    training step (filled in when it starts): ``("load", file)`` a file unpickled, ``("verify",
+    file)`` its tensors checked against their checksums, ``("shards", folder)`` a folder's shard
+    files checked, ``("dcp", folder)`` its shards read into a model."""
+    import lightning as L
+    import torch.distributed.checkpoint as dcp
+
+    import builder.checkpoints.read as read
+    import recipes.training.run
+
+    counts, at_start = Counter(), Counter()
+
+    def counted(kind, real, where):
+        def call(*args, **kwargs):
+            counts[(kind, str(Path(where(args, kwargs)).resolve()))] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(read, "_load", counted("load", read._load, lambda a, k: a[0]))
+    monkeypatch.setattr(read, "verify", counted("verify", read.verify, lambda a, k: a[1]))
+    monkeypatch.setattr(read, "verify_files", counted("shards", read.verify_files, lambda a, k: a[0]))
+    monkeypatch.setattr(dcp, "load", counted("dcp", dcp.load, lambda a, k: k["checkpoint_id"]))
+
+    class AtTrainStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            at_start.clear()
+            at_start.update(counts)
+
+    make = recipes.training.run.make_trainer
+
+    def make_trainer(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        trainer.callbacks.insert(0, AtTrainStart())
+        return trainer
+
+    monkeypatch.setattr(recipes.training.run, "make_trainer", make_trainer)
+    return at_start
+
+
 def damaged_copy(source: Path, target: Path, how: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(DAMAGE[how](source.read_bytes()))
@@ -43,7 +85,7 @@ def damaged_copy(source: Path, target: Path, how: str) -> Path:
 
 
 def _sealed(tmp_path: Path) -> Path:
-    from recipes.checkpoint import write_checkpoint
+    from builder.checkpoints import write_checkpoint
 
     checkpoint = {
         "state_dict": {"model.w": torch.arange(4096, dtype=torch.float32), "model.b": torch.ones(3)},
@@ -55,7 +97,7 @@ def _sealed(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_every_kind_of_damage_is_one_error_naming_the_file(tmp_path, how):
-    from builder.integrity import CheckpointError, DamagedCheckpointError, read_checkpoint
+    from builder.checkpoints import CheckpointError, DamagedCheckpointError, read_checkpoint
 
     good = _sealed(tmp_path)
     assert read_checkpoint(good)["global_step"] == 7
@@ -67,7 +109,7 @@ def test_every_kind_of_damage_is_one_error_naming_the_file(tmp_path, how):
 
 
 def test_a_flipped_bit_in_a_tensor_or_the_step_is_caught(tmp_path):
-    from builder.integrity import DamagedCheckpointError, read_checkpoint
+    from builder.checkpoints import DamagedCheckpointError, read_checkpoint
 
     good = _sealed(tmp_path)
     data = bytearray(good.read_bytes())
@@ -87,7 +129,7 @@ def test_a_flipped_bit_in_a_tensor_or_the_step_is_caught(tmp_path):
 def test_sharded_checkpoint_files_are_checked_by_their_checksums(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from builder.integrity import DamagedCheckpointError, file_digests, verify_files
+    from builder.checkpoints import DamagedCheckpointError, file_digests, verify_files
 
     folder = tmp_path / "last.ckpt"
     dcp.save({"state_dict": {"w": torch.arange(1000.0)}}, checkpoint_id=str(folder), no_dist=True)

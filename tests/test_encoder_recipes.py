@@ -102,7 +102,7 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
 
 def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     from builder.cli import main
-    from recipes.checkpoint import load_trained
+    from recipes.trained import load_trained
     from recipes.training.run import run
 
     corpus = tmp_path / "corpus.txt"  # tiny Shakespeare when a local copy is here, else made-up prose like it

@@ -66,7 +66,7 @@ def _ours(checkpoint: Path | str, capsys, prompt: str = PROMPT, new: int = 16) -
 def test_pipeline_generates_what_builder_generate_does(exported, capsys):
     """Greedy text and tokens within the context (past it, ours slides the window), and the
     logits of a window of the corpus: a barely trained model repeats itself, the logits do not."""
-    from recipes.checkpoint import load_trained
+    from recipes.trained import load_trained
 
     kind, checkpoint, folder = exported
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in folder.iterdir()}
@@ -88,7 +88,7 @@ def test_pipeline_generates_what_builder_generate_does(exported, capsys):
 
 
 def test_auto_tokenizer_encodes_as_ours(exported):
-    from recipes.checkpoint import load_trained
+    from recipes.trained import load_trained
 
     kind, checkpoint, folder = exported
     _, ours, meta = load_trained(checkpoint, "cpu")

@@ -76,7 +76,7 @@ result["checkpoint"] = str(ckpt)
 state = torch.load(ckpt, map_location="cpu", weights_only=True)
 result["optimizer_steps"] = sorted({int(v) for k, v in state["state_dict"].items() if k.endswith("optimizer_steps")})
 result["global_step"] = state["global_step"]
-from recipes.checkpoint import load_trained
+from recipes.trained import load_trained
 trained, tokenizer, meta = load_trained(ckpt)
 ids = torch.tensor([tokenizer.encode("def f(")])
 result["trained_cached_equals_full"] = torch.equal(trained.generate(ids, max_new_tokens=12),
@@ -142,8 +142,8 @@ def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
     problems = validate_file(spec)
     assert [(p.line, p.path) for p in problems] == [(6, "position.type"), (9, "decoder.attention.type")], problems
     assert "unknown type 'lowrank_kv'" in problems[1].message
-    from recipes.checkpoint import load_trained
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
+    from recipes.trained import load_trained
 
     with pytest.raises(RecipeError, match="--plugin"):
         load_trained(result["checkpoint"])

@@ -17,7 +17,7 @@ transformers.logging.set_verbosity_error()
 
 
 def _state(summary) -> dict:
-    from recipes.checkpoint import model_weights
+    from builder.checkpoints import model_weights
 
     return model_weights(torch.load(summary["last"], map_location="cpu", weights_only=True)["state_dict"])
 
@@ -60,7 +60,7 @@ def _keyword_rows(n: int) -> list[str]:
 def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_frozen(tmp_path):
     from builder.hf import import_hf, read_weights
     from recipes.recipe.sections import load_recipe
-    from recipes.tasks.encoder import encoder_tokenizer
+    from recipes.tasks.mlm.training import encoder_tokenizer
     from recipes.training.run import run
 
     rows = _keyword_rows(400)
@@ -199,7 +199,7 @@ def test_a_run_starts_from_another_runs_checkpoint_with_its_tokenizer(tmp_path):
 
 
 def test_init_from_names_the_tensor_that_does_not_fit(tmp_path):
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
     from recipes.training.run import run
 
     first = tmp_path / "first"
@@ -226,7 +226,7 @@ def test_init_from_names_the_tensor_that_does_not_fit(tmp_path):
 
 
 def test_a_vocabulary_that_differs_from_the_weights_says_so(tmp_path):
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
     from recipes.training.run import run
 
     torch.manual_seed(0)

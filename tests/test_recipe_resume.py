@@ -6,6 +6,7 @@ import csv
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 from recipe_helpers import builder_process, history, tiny_recipe
@@ -81,6 +82,24 @@ def test_resume_refuses_a_different_model(tmp_path, capsys):
     assert main(["train", str(path), "--no-samples", "--set", "model.overrides.d_model=48"]) == 1
     assert "model.spec.d_model: 32 in the checkpoint, 48 now" in capsys.readouterr().err
     assert main(["train", str(path), "--no-samples", "--fresh", "--set", "model.overrides.d_model=48"]) == 0
+
+
+def test_a_resumed_run_reads_its_checkpoint_once(tmp_path, monkeypatch):
+    """The recipe comparison, the choice of the newest intact checkpoint, its checks against the
+    recipe and Lightning's restore share one load and one verification of ``last.ckpt``."""
+    from test_checkpoints import reads_until_training
+
+    from recipes.training.run import run
+
+    trainer = {"max_steps": 2, "checkpoint_every_n_steps": 2, "val_check_interval": 100, "limit_val_batches": 1}
+    path = tiny_recipe(tmp_path, trainer=trainer)
+    first = run(path, samples=False)
+    reads = reads_until_training(monkeypatch)
+    resumed = run(tiny_recipe(tmp_path, trainer=dict(trainer, max_steps=4)), samples=False)
+    assert resumed["steps"] == 4
+    last = str((tmp_path / "run" / "checkpoints" / "last.ckpt").resolve())
+    assert Path(first["last"]).resolve() == Path(last)
+    assert reads[("load", last)] == 1 and reads[("verify", last)] == 1, dict(reads)
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):

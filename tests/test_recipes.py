@@ -226,7 +226,7 @@ def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_pa
 
 
 def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatch):
-    from recipes.training.callbacks import AtomicCheckpointIO
+    from recipes.training.checkpointing import AtomicCheckpointIO
     from recipes.training.run import resume_path
     from recipes.training.run_folder import claim
 

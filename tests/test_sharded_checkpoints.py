@@ -4,7 +4,7 @@ and a resume falls back to the newest intact checkpoint; a run resumes on other 
 continues like an unbroken one; the readers (eval, generate, export-hf, consolidate) take a
 sharded checkpoint whole.
 
-The default run writes real sharded folders in this process (``recipes.sharded_checkpoint.save``,
+The default run writes real sharded folders in this process (``builder.checkpoints.save_sharded``,
 the sequence every rank of ``ShardedStrategy`` runs, with one rank); the multi-process runs on
 CPU processes (gloo) are ``slow``."""
 
@@ -77,7 +77,7 @@ def _model(seed: int):
 def _save(path: Path, step: int, tag: str | None = None, **builder) -> dict:
     """A sharded checkpoint of step ``step`` at ``path`` (its weights drawn with seed ``step``),
     written the way each rank of the sharded strategy writes one; the weights it holds."""
-    from recipes.sharded_checkpoint import save
+    from builder.checkpoints import save_sharded
 
     model, spec = _model(step)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,7 +87,7 @@ def _save(path: Path, step: int, tag: str | None = None, **builder) -> dict:
         "state_dict": {f"model.{k}": v for k, v in weights.items()},
     }
     tmp = path.with_name(f".{path.name}.tmp-{tag or f'{step:04d}'}")
-    save(checkpoint, path, tmp, rank=0, ranks=1, barrier=lambda: None)
+    save_sharded(checkpoint, path, tmp, rank=0, ranks=1, barrier=lambda: None)
     return weights
 
 
@@ -117,7 +117,7 @@ def test_a_save_that_dies_at_any_step_leaves_a_whole_checkpoint_and_the_next_sav
     """Every rename and removal a save makes (and its shard and metadata writes) is a point a
     process can die at: at each, the next run resumes from a whole checkpoint of the old or the
     new step, and its own save leaves ``last.ckpt`` and ``last-1.ckpt`` and no debris."""
-    import recipes.sharded_checkpoint as sc
+    import builder.checkpoints.write as sc
 
     real = {"replace": os.replace, "remove": sc._remove, "digests": sc.write_digests, "meta": sc.write_meta}
     point = -1
@@ -198,7 +198,7 @@ def test_temp_folders_of_dead_saves_are_removed_by_the_next_save(tmp_path):
 def test_a_sharded_save_that_fails_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from recipes.checkpoint import CheckpointWriteError
+    from builder.checkpoints import CheckpointWriteError
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -259,7 +259,7 @@ def test_a_damaged_shard_is_a_one_line_error_naming_it_in_every_reader(tmp_path,
 
 
 def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_intact_one(tmp_path, capsys):
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
     from recipes.training.run import resume_path
 
     run = tmp_path / "run"
@@ -288,7 +288,7 @@ def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_int
 
 
 def test_a_sharded_checkpoint_of_another_spec_or_tokenizer_is_refused_naming_the_field(tmp_path):
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
     from recipes.training.run import resume_path
 
     run = tmp_path / "run"
@@ -332,6 +332,48 @@ def test_consolidate_writes_one_safetensors_file_that_loads_into_the_spec(tmp_pa
     (tmp_path / "a-file").write_text("")
     assert _main("consolidate", str(last), "-o", str(tmp_path / "a-file" / "m.safetensors")) == 1
     _one_line(capsys, "cannot write", "m.safetensors")
+
+
+def test_model_init_from_a_sharded_folder_starts_a_run_from_its_weights(tmp_path, capsys, monkeypatch):
+    """A sharded folder as ``model.init_from`` (which a torch.load of it never read): its spec,
+    tokenizer and weights (resharded into one process, every shard file verified) start the run,
+    from one read of ``meta.pt`` and of the shards."""
+    import string
+
+    from recipe_helpers import tiny_recipe
+    from test_checkpoints import reads_until_training
+
+    from builder import build_model
+    from recipes.recipe.sections import load_recipe, model_spec
+    from recipes.training.pretrained import load_init_from, pretrained_tokenizer
+    from recipes.training.run import run
+
+    chars = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # 96: the vocabulary of SPEC's model
+    folder = tmp_path / "pretrained" / "last.ckpt"
+    folder.parent.mkdir()
+    weights = _save(folder, 9, tokenizer={"type": "char", "chars": chars}, task="lm")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)))
+    path = tiny_recipe(
+        tmp_path,
+        model={"spec": None, "init_from": str(folder)},
+        data={"sources": [str(corpus)], "max_bytes": None},
+        trainer={"max_steps": 2, "val_check_interval": 100, "limit_val_batches": 1},
+    )
+    reads = reads_until_training(monkeypatch)
+    assert run(path, samples=False)["steps"] == 2
+    assert f"weights: {len(weights)} tensors from the run checkpoint {folder}" in capsys.readouterr().out
+    meta = str((folder / "meta.pt").resolve())
+    shards = str(folder.resolve())
+    assert reads[("load", meta)] == reads[("verify", meta)] == 1, dict(reads)
+    assert reads[("shards", shards)] == reads[("dcp", shards)] == 1, dict(reads)
+
+    recipe = load_recipe(path)  # what the run started from: the folder's own weights
+    tokenizer = pretrained_tokenizer(recipe, path)
+    model = build_model(model_spec(recipe, path, tokenizer.vocab_size))
+    load_init_from(model, recipe, path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
 
 
 # -- slow: multi-process runs (CPU, gloo) ----------------------------------------------------------------

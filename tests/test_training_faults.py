@@ -47,7 +47,7 @@ def send_at(monkeypatch, step: int, *signums: int) -> None:
 
 
 def _step(path: Path) -> int:
-    from builder.integrity import read_checkpoint
+    from builder.checkpoints import read_checkpoint
 
     return read_checkpoint(path)["global_step"]  # verified: the checkpoint is whole
 
@@ -192,16 +192,16 @@ def test_a_signal_during_validation_saves_at_the_next_step_and_resumes_like_an_u
 
 
 def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
-    import recipes.training.run
+    import recipes.tasks.lm.training
     from builder.cli import main
 
-    prepare = recipes.training.run.prepare
+    prepare = recipes.tasks.lm.training.prepare  # the LM task's data, tokenizer and spec
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(recipes.training.run, "prepare", interrupted)
+    monkeypatch.setattr(recipes.tasks.lm.training, "prepare", interrupted)
     assert main(["train", str(fault_recipe(tmp_path)), "--no-samples"]) == 143
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert line == "builder train: stopped by SIGTERM before training started; there was nothing to save"
@@ -209,12 +209,12 @@ def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroken_run, tmp_path, capsys, monkeypatch):
-    import recipes.checkpoint
+    import builder.checkpoints.write
     from builder.cli import main
 
     recipe = fault_recipe(tmp_path)
     opened = []
-    write = recipes.checkpoint._ErrorKeepingFile.write
+    write = builder.checkpoints.write._ErrorKeepingFile.write
 
     def filling(self, data):
         if not getattr(self, "counted", False):  # one per checkpoint file written
@@ -224,7 +224,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroke
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(self, data)
 
-    monkeypatch.setattr(recipes.checkpoint._ErrorKeepingFile, "write", filling)
+    monkeypatch.setattr(builder.checkpoints.write._ErrorKeepingFile, "write", filling)
     assert main(["train", str(recipe), "--no-samples"]) == 1
     folder = tmp_path / "run" / "checkpoints"
     line = one_error_line(capsys.readouterr().err, "builder train:")

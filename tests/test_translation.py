@@ -55,7 +55,7 @@ def _model(seed: int = 0, **kwargs):
 
 def test_padded_batch_equals_each_sequence_alone():
     from recipes.data.batching import pad
-    from recipes.tasks.translation import collate
+    from recipes.tasks.translation.training import collate
 
     model = _model()
     g = torch.Generator().manual_seed(3)
@@ -178,7 +178,7 @@ def test_token_budget_batches_cover_each_epoch_and_resume_exactly():
 
 
 def test_checkpoint_averaging(tmp_path):
-    from recipes.averaging import (
+    from builder.checkpoints import (
         average_checkpoints,
         average_state_dicts,
         kept_checkpoints,
@@ -290,7 +290,7 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
     assert main(["generate", str(averaged), "--text", de[0]]) == 0
     assert capsys.readouterr().out.strip() == en[0]
 
-    from recipes.checkpoint import (
+    from recipes.trained import (
         load_trained,  # on this trained model, a wider beam never scores worse
     )
 

@@ -2,12 +2,15 @@
 written by ``trainer.strategy: fsdp``, or one file) as one safetensors file of the model's whole
 weights, read in one process whatever layout wrote it. The spec goes in the file's metadata;
 ``builder export-hf SPEC --weights model.safetensors`` and ``builder.load_weights`` read it.
+The checkpoint is read by ``builder.checkpoints`` and written by ``builder.hf.weights``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,8 +18,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--out", required=True, metavar="FILE", help="the .safetensors file to write")
 
 
+def consolidate(path: str | Path, out: str | Path) -> Path:
+    """Write the model's whole weights of a checkpoint to one ``.safetensors`` file (a tied tensor
+    once); the spec (JSON) and step go in its metadata. Written beside ``out`` and renamed over
+    it, so a failed write leaves no partial file (a :class:`CheckpointError` says why)."""
+    import json
+    import os
+
+    from builder.checkpoints import CheckpointError, load_model, user_mode, write_reason
+    from builder.hf.weights import save_weights
+
+    model, builder = load_model(path)
+    metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a failed write leaves no partial file
+    try:
+        save_weights(model, tmp, metadata=metadata)
+        user_mode(tmp)
+        os.replace(tmp, out)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"cannot write {out}: {write_reason(exc)}") from None
+        raise
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from builder.checkpoints import CheckpointError, consolidate
+    from builder.checkpoints import CheckpointError
 
     if not args.out.endswith(".safetensors"):
         print(f"builder consolidate: -o {args.out}: the output is a .safetensors file", file=sys.stderr)

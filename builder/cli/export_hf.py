@@ -69,9 +69,9 @@ def _pairs(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from builder.checkpoints import looks_like_checkpoint
     from builder.cli.common import spec_from_args
     from builder.hf import HFError, export_hf
-    from builder.integrity import looks_like_checkpoint
 
     spec = None
     if not looks_like_checkpoint(args.source):

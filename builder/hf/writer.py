@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from builder.checkpoints import looks_like_checkpoint
 from builder.hf.checks import read_json
 from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
 from builder.hf.reader import _copy_side_files
 from builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from builder.hf.weights import alias_groups, dedupe, read_weights
-from builder.integrity import looks_like_checkpoint
 
 
 def _semantic(spec) -> dict:

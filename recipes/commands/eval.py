@@ -111,9 +111,9 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError, at_most
     from builder.spec.plugins import PluginError
-    from recipes.checkpoint import load_trained
     from recipes.errors import RecipeError
     from recipes.tasks import task_of
+    from recipes.trained import load_trained
 
     try:
         load_plugins_from_args(args)

@@ -10,6 +10,8 @@ from builder.cli.common import add_plugin_option, load_plugins_from_args
 
 #: language-model decoding defaults (an option left out)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from builder.cli.arguments import (
         MAX_BEAMS,
@@ -79,10 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from builder.spec.plugins import PluginError
-    from recipes.checkpoint import load_trained
     from recipes.commands.eval import refuse_options
     from recipes.errors import RecipeError
     from recipes.tasks import task_of
+    from recipes.trained import load_trained
 
     try:
         load_plugins_from_args(args)

@@ -1,4 +1,5 @@
-"""What a run shows and keeps: throughput and MFU, atomic checkpoints, the loss curve."""
+"""What a run shows: throughput and MFU, the progress bar, the loss curve, the time limit and the
+line that says why it stopped (its checkpoints are ``recipes.training.checkpointing``)."""
 
 from __future__ import annotations
 
@@ -6,89 +7,7 @@ import time
 from pathlib import Path
 
 import lightning as L
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO through :func:`recipes.checkpoint.write_checkpoint`: sealed with
-    tensor checksums, written to a temp file beside the target, fsynced and renamed over it
-    (``last.ckpt`` keeping its predecessor as ``last-1.ckpt``). A run killed mid-write leaves the
-    previous checkpoint whole; a failed write removes its temp file and raises
-    :class:`~recipes.checkpoint.CheckpointWriteError`."""
-
-    def save_checkpoint(self, checkpoint, path, storage_options=None):
-        from recipes.checkpoint import write_checkpoint
-
-        write_checkpoint(checkpoint, path)
-
-    def load_checkpoint(self, path, map_location=None, weights_only=None):
-        """The checkpoint a run resumes from — a file, or a sharded folder (a run saved under
-        ``trainer.strategy: fsdp``) read whole — read as every checkpoint is read: weights only,
-        never by unpickling arbitrary objects (:func:`recipes.training.run.resume_path` verified its
-        checksums just before; a file changed since is named in one line)."""
-        from builder.checkpoints import is_sharded, read_whole
-        from builder.integrity import CheckpointError, read_checkpoint
-        from recipes.recipe.sections import RecipeError
-
-        try:
-            if is_sharded(path):
-                return read_whole(path)
-            return read_checkpoint(path, check=False, mmap=False)
-        except CheckpointError as exc:
-            raise RecipeError(f"--resume: {exc}") from None
-
-
-class RecipeCheckpoint(L.Callback):
-    """``last.ckpt`` every ``every_n_steps`` optimizer steps, at each validation and at the end;
-    ``best.ckpt`` whenever the validation loss improves."""
-
-    def __init__(self, dirpath: Path, every_n_steps: int):
-        self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
-        self.best: float | None = None
-        self._saved_step = -1
-
-    @property
-    def last_path(self) -> Path:
-        return self.dirpath / "last.ckpt"
-
-    @property
-    def best_path(self) -> Path:
-        return self.dirpath / "best.ckpt"
-
-    def _save_last(self, trainer, force: bool = False) -> Path:
-        if force or trainer.global_step != self._saved_step:
-            trainer.save_checkpoint(self.last_path, weights_only=False)
-            self._saved_step = trainer.global_step
-        return self.last_path
-
-    def save_last(self, trainer) -> Path:
-        """``last.ckpt`` at this step (unless it was just written); every rank calls it."""
-        return self._save_last(trainer)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        if stepped and trainer.global_step % self.every_n_steps == 0:
-            self._save_last(trainer)
-
-    def on_validation_end(self, trainer, pl_module):
-        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
-            return
-        self._save_last(trainer, force=True)  # again: now with this validation in the history
-        loss = float(trainer.callback_metrics["val_loss"])
-        if self.best is None or loss < self.best:
-            self.best = loss
-            trainer.save_checkpoint(self.best_path, weights_only=False)
-
-    def on_train_end(self, trainer, pl_module):
-        flush = getattr(pl_module, "flush_losses", None)  # the losses of the steps since the last log
-        self._save_last(trainer, force=bool(flush is not None and flush(log=False)))
-
-    def state_dict(self) -> dict:
-        return {"best": self.best}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.best = state_dict.get("best")
 
 
 class Throughput(L.Callback):

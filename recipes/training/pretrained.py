@@ -3,11 +3,13 @@
 
 ``init_from`` names one of:
 
-* a checkpoint of another run (``.ckpt`` from ``builder train``): its spec, weights and
-  tokenizer (the recipe's ``tokenizer`` section is not used: the weights only mean something
-  with the vocabulary they were trained on);
+* a checkpoint of another run (``.ckpt`` from ``builder train``, a file or a sharded folder):
+  its spec, weights and tokenizer (the recipe's ``tokenizer`` section is not used: the weights
+  only mean something with the vocabulary they were trained on);
 * a folder written by ``builder import-hf`` (``spec.yaml`` and ``model.safetensors``);
 * a Hugging Face model folder (``config.json`` and ``*.safetensors``), converted on the fly.
+
+Each is read (and a checkpoint verified) once per run by :mod:`builder.init_from`.
 
 Without ``model.spec`` the spec is the source's (``model.overrides`` still apply: dropout, a
 longer ``max_seq_len``...). Every tensor must fit by name and shape; the first that does not is
@@ -23,7 +25,7 @@ a tied head is frozen with its embedding.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import difflib
 import re
 from pathlib import Path
@@ -32,95 +34,46 @@ from typing import Any
 import torch
 from torch import nn
 
-from recipes.recipe.sections import RecipeError, resolve
+from builder.init_from import Source, SourceError, source_at
+from recipes.errors import RecipeError
+from recipes.recipe.fields import resolve
 
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 _RANGE = re.compile(r"(\d+)-(\d+)")
 
 
-@dataclasses.dataclass
-class Source:
-    """What ``model.init_from`` points at: its kind and path (weights read on demand)."""
-
-    kind: str  # checkpoint | imported | hf
-    path: Path
-
-    def describe(self) -> str:
-        return {"checkpoint": "run checkpoint", "imported": "imported folder", "hf": "Hugging Face folder"}[self.kind]
-
-    def _checkpoint(self) -> dict:
-        checkpoint = torch.load(self.path, map_location="cpu", weights_only=True)
-        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("builder"), dict):
-            raise RecipeError(f"model.init_from: {self.path} was not written by `builder train` (it holds no spec)")
-        return checkpoint
-
-    def spec_dict(self) -> dict:
-        """The source's spec as plain data (before the recipe's overrides)."""
-        if self.kind == "checkpoint":
-            return dict(self._checkpoint()["builder"]["spec"])
-        if self.kind == "imported":
-            from builder.spec.loader import read_merged
-
-            return dict(read_merged(self.path / "spec.yaml").data)
-        from builder.hf import HFError, read_hf
-
-        try:
-            return read_hf(self.path)[0]
-        except HFError as exc:
-            raise RecipeError(f"model.init_from: {exc}") from None
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The tensors, under the built model's names."""
-        from builder.hf import HFError, read_hf, read_weights
-
-        try:
-            if self.kind == "checkpoint":
-                from recipes.checkpoint import model_weights
-
-                return model_weights(self._checkpoint()["state_dict"])
-            if self.kind == "imported":
-                return read_weights(self.path / "model.safetensors")
-            return read_hf(self.path)[2]
-        except HFError as exc:
-            raise RecipeError(f"model.init_from: {exc}") from None
-
-    def tokenizer_state(self) -> dict | None:
-        """A run checkpoint's tokenizer (None for the folders: the recipe's tokenizer is used)."""
-        return self._checkpoint()["builder"]["tokenizer"] if self.kind == "checkpoint" else None
-
-    def task(self) -> str | None:
-        return self._checkpoint()["builder"].get("task", "lm") if self.kind == "checkpoint" else None
+@contextlib.contextmanager
+def _init_from_errors():
+    """A source that cannot be read as one line naming the field."""
+    try:
+        yield
+    except SourceError as exc:
+        raise RecipeError(f"model.init_from: {exc}") from None
 
 
 def source_of(recipe, recipe_file: Path | None) -> Source | None:
-    """The recipe's ``model.init_from`` (None when it has none); a path that is none of the three
-    kinds is a :class:`RecipeError`."""
+    """The recipe's ``model.init_from`` (None when it has none), read once however often it is
+    asked (:func:`builder.init_from.source_at`); a path that is none of the three kinds is a
+    :class:`RecipeError`."""
     if recipe.model.init_from is None:
         return None
-    path = resolve(recipe_file, recipe.model.init_from)
-    if path.is_file() and path.suffix in CHECKPOINT_SUFFIXES:
-        return Source("checkpoint", path)
-    if path.is_dir() and (path / "spec.yaml").is_file() and (path / "model.safetensors").is_file():
-        return Source("imported", path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return Source("hf", path)
-    what = "no file or folder" if not path.exists() else "neither"
-    raise RecipeError(
-        f"model.init_from: {path} is {what} a `builder train` checkpoint (.ckpt), a folder written by "
-        "`builder import-hf` (spec.yaml and model.safetensors) nor a Hugging Face model folder (config.json)"
-    )
+    with _init_from_errors():
+        return source_at(resolve(recipe_file, recipe.model.init_from))
 
 
 def pretrained_tokenizer(recipe, recipe_file: Path | None):
     """The tokenizer of the run checkpoint ``model.init_from`` names, else None."""
     source = source_of(recipe, recipe_file)
-    state = source.tokenizer_state() if source is not None else None
+    with _init_from_errors():
+        state = source.tokenizer_state() if source is not None else None
     if state is None:
         return None
-    from recipes.data.tokenizers import from_state
+    from recipes.trained import checkpoint_tokenizer
 
     print(f"tokenizer: the one {source.path.name} was trained with (model.init_from)", flush=True)
-    return from_state(state)
+    try:
+        return checkpoint_tokenizer(source.path, state)
+    except RecipeError as exc:
+        raise RecipeError(f"model.init_from: {exc}") from None
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -132,7 +85,8 @@ def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
     head tensors started fresh (``new``) and the source's tensors left out (``unused``)."""
     from builder.hf.weights import alias_groups
 
-    state = source.state()
+    with _init_from_errors():
+        state = source.state()
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in model.state_dict())
     plan, new = [], []
@@ -313,5 +267,6 @@ def spec_base(recipe, recipe_file: Path | None) -> tuple[dict[str, Any], str] | 
     source = source_of(recipe, recipe_file)
     if source is None:
         return None
-    spec = {k: v for k, v in source.spec_dict().items() if not (k == "extends" and v is None)}
+    with _init_from_errors():
+        spec = {k: v for k, v in source.spec_dict().items() if not (k == "extends" and v is None)}
     return spec, f"<model.init_from {source.path}>"

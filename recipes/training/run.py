@@ -22,21 +22,19 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from recipes.checkpoint import RESUMABLE, newest_intact
+from builder.checkpoints import RESUMABLE, tidy
 from recipes.errors import RecipeError
 from recipes.parallel import parallelize
 from recipes.parallel.compile import compiling, eager
 from recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
-from recipes.sharded_checkpoint import tidy
 from recipes.training.callbacks import (
-    AtomicCheckpointIO,
     InvocationTimer,
-    RecipeCheckpoint,
     StepProgressBar,
     Throughput,
     plot_losses,
     stop_line,
 )
+from recipes.training.checkpointing import AtomicCheckpointIO, RecipeCheckpoint, newest_intact
 from recipes.training.precision import lightning_plugin, on_cuda, resolve_precision
 from recipes.training.pretrained import freeze_parts, load_init_from
 from recipes.training.run_folder import owns_run_folder
@@ -283,7 +281,7 @@ def builder_meta(path: Path, checkpoint: dict) -> dict:
     meta = checkpoint.get("builder")
     if isinstance(meta, dict):
         return meta
-    from builder.integrity import not_ours
+    from builder.checkpoints import not_ours
 
     raise RecipeError(
         f"{not_ours(path, checkpoint)}, so this run cannot resume from it: start over with "
