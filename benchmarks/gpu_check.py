@@ -358,9 +358,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = recipe(Path(tmp), args)
         summary = train(path, cuda=not args.cpu)
-        from builder.checkpoints import read_meta
+        from builder.checkpoints import peek_meta
 
-        vocab = read_meta(Path(summary["last"]), check=False)["builder"]["spec"]["vocab_size"]
+        vocab = peek_meta(Path(summary["last"]))["builder"]["spec"]["vocab_size"]
         est = estimates(path, vocab, args)
         kernels = [] if args.skip_attention or args.cpu else attention()
         device = "cpu" if args.cpu else torch.cuda.get_device_name()

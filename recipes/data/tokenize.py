@@ -258,9 +258,9 @@ class Folder:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            from recipes.training.run_folder import os_reason
+            from builder.checkpoints import write_reason
 
-            raise RecipeError(f"could not make {out}: {os_reason(exc)}") from None
+            raise RecipeError(f"could not make {out}: {write_reason(exc)}") from None
         self._take_lock()
         started = self._started()
         if started is not None and started != settings:

@@ -328,7 +328,7 @@ def write_atomic(path: Path, payload: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()  # no partial file is left for a rerun to trip on
         if isinstance(exc, OSError):
-            from recipes.training.run_folder import os_reason
+            from builder.checkpoints import write_reason
 
-            raise RecipeError(f"could not write {path}: {os_reason(exc)}") from None
+            raise RecipeError(f"could not write {path}: {write_reason(exc)}") from None
         raise

@@ -95,7 +95,7 @@ class ShardedStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """Every rank writes its shards and their checksums into a temp folder beside
         ``filepath``; once all are done rank 0 seals ``meta.pt`` and renames the folder into place
-        (``recipes.sharded_checkpoint``). A rank killed before that leaves the previous checkpoint
+        (``builder.checkpoints.save_sharded``). A rank killed before that leaves the previous checkpoint
         whole, and a temp folder the next save removes."""
         from recipes.training.checkpointing import save_sharded
 
@@ -107,7 +107,7 @@ class ShardedStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """A sharded folder through Lightning (resharded to this layout); a file checkpoint (one
-        process or DDP wrote it) through ``recipes.sharded_checkpoint.load_file``."""
+        process or DDP wrote it) through ``builder.checkpoints.load_into_shards``."""
         from recipes.training.checkpointing import load_into_shards
 
         path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice

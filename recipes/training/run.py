@@ -262,10 +262,10 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
     from recipes.training.run_folder import resume_differences
 
     if saved is None:
-        from builder.checkpoints import CheckpointError, read_meta
+        from builder.checkpoints import CheckpointError, peek_meta
 
         try:
-            saved = read_meta(path, check=False)
+            saved = peek_meta(path)
         except CheckpointError as exc:
             raise RecipeError(f"--resume: {exc}") from None
     refused, allowed = resume_differences(builder_meta(path, saved), meta)
@@ -305,12 +305,12 @@ def check_recipe_early(
     is where relative ones start), and with ``spec_of(vocab_size) -> spec dict`` the spec it
     resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
     checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
-    from builder.checkpoints import CheckpointError, read_meta
+    from builder.checkpoints import CheckpointError, peek_meta
     from recipes.training.run_folder import recipe_differences, spec_differences
 
     path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
     try:
-        saved = builder_meta(path, read_meta(path, check=False))
+        saved = builder_meta(path, peek_meta(path))
     except CheckpointError:
         return  # none, or damaged: resume_path finds what to resume from and says so
     refused, _ = recipe_differences(saved.get("recipe") or {}, recipe_dump(recipe, recipe_file))
@@ -358,9 +358,9 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
 def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, callbacks: list, ckpt: Path | None) -> L.Trainer:
     """:func:`make_trainer` for this run: a run resumed from ``ckpt`` continues its logs from that
     checkpoint's step; the run folder gets ``config.yaml`` and the loggers the resolved recipe."""
-    from builder.checkpoints import read_meta
+    from builder.checkpoints import peek_meta
 
-    step = int(read_meta(ckpt, check=False).get("global_step") or 0) if ckpt is not None else None
+    step = int(peek_meta(ckpt).get("global_step") or 0) if ckpt is not None else None
     trainer = make_trainer(recipe, out, callbacks, resume_step=step)
     record(trainer, out, resolved_recipe(recipe, recipe_file, spec, out))
     return trainer

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from builder.checkpoints import write_reason
 from recipes.errors import RecipeError
 
 LOCK_FILE = "run.lock"
@@ -97,24 +98,10 @@ def owns_run_folder(environ: Mapping[str, str] | None = None) -> bool:
 # -- writable folders ------------------------------------------------------------------------------
 
 
-def os_reason(exc: OSError) -> str:
-    if exc.errno == errno.EFBIG:
-        return "file too large (the file-size limit, `ulimit -f`)"
-    if exc.errno == errno.ENOSPC:
-        return "no space left on the device"
-    if exc.errno == getattr(errno, "EDQUOT", None):
-        return "disk quota exceeded"
-    if exc.errno == errno.EROFS:
-        return "the filesystem is read-only"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    return exc.strerror or type(exc).__name__
-
-
 def os_problem(exc: OSError) -> str:
     """One line for an OS error: the file and the reason."""
     where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
-    return f"{where}{os_reason(exc)}"
+    return f"{where}{write_reason(exc)}"
 
 
 def check_writable(folder: Path, field: str) -> Path:
@@ -137,7 +124,7 @@ def check_writable(folder: Path, field: str) -> Path:
             with contextlib.suppress(OSError):
                 probe.unlink()
     except OSError as exc:
-        raise RecipeError(f"{field} {folder} is not writable: {os_reason(exc)}") from None
+        raise RecipeError(f"{field} {folder} is not writable: {write_reason(exc)}") from None
     return folder
 
 
@@ -208,7 +195,7 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise RecipeError(f"{self.field} {self.folder}: cannot open {self.path}: {os_reason(exc)}") from None
+            raise RecipeError(f"{self.field} {self.folder}: cannot open {self.path}: {write_reason(exc)}") from None
         try:
             try:
                 if fcntl is not None:
@@ -229,7 +216,8 @@ class RunLock:
         except BaseException as exc:
             os.close(fd)
             if isinstance(exc, OSError):
-                raise RecipeError(f"{self.field} {self.folder}: cannot write {self.path}: {os_reason(exc)}") from None
+                reason = write_reason(exc)
+                raise RecipeError(f"{self.field} {self.folder}: cannot write {self.path}: {reason}") from None
             raise
         self._fd = fd
         self._stop.clear()

@@ -167,7 +167,7 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     if init is not None:
         if not init.exists():
             raise RecipeError(f"classification.init_from: no checkpoint at {init}")
-        from recipes.trained import checkpoint_tokenizer as _checkpoint_tokenizer
+        from recipes.trained import checkpoint_tokenizer
 
         checkpoint = _init_checkpoint(init)
         meta = checkpoint.get("builder")
@@ -179,7 +179,7 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
             )
         try:
             task_named("mlm").check_meta(meta)
-            tokenizer = _checkpoint_tokenizer(init, meta.get("tokenizer"))
+            tokenizer = checkpoint_tokenizer(init, meta.get("tokenizer"))
         except RecipeError as exc:
             named = str(exc) if str(init) in str(exc) else f"{init}: {exc}"
             raise RecipeError(f"classification.init_from: {named}") from None
