@@ -37,17 +37,15 @@ class Throughput(L.Callback):
         import torch
 
         from builder.analysis.mfu import peak_flops
+        from recipes.training.precision import estimate_dtype
         from recipes.parallel import data_parallel_size
 
         self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
         device = pl_module.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        if self.precision.startswith("bf16"):
-            dtype = "bf16"
-        elif self.precision == "16-mixed":
-            dtype = "fp16"
-        else:
-            dtype = "tf32" if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        dtype = estimate_dtype(self.precision)
+        if dtype == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            dtype = "tf32"  # the peak fp32 matmuls reach here
         peak = peak_flops(name, dtype)
         self.peak_flops = peak * trainer.world_size if peak else None
         self._restart()
