@@ -37,8 +37,8 @@ class Throughput(L.Callback):
         import torch
 
         from builder.analysis.mfu import peak_flops
-        from recipes.training.precision import estimate_dtype
         from recipes.parallel import data_parallel_size
+        from recipes.training.precision import estimate_dtype
 
         self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
         device = pl_module.device
