@@ -28,6 +28,7 @@ from recipes.parallel import parallelize
 from recipes.parallel.compile import compiling, eager
 from recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
 from recipes.training.callbacks import (
+    CountedThroughput,
     InvocationTimer,
     StepProgressBar,
     Throughput,
@@ -537,28 +538,3 @@ def train(
             if trainer.is_global_zero:
                 summary.update(prepared.finish(module, model, ckpt_dir))
     return summary
-
-
-class CountedThroughput(Throughput):
-    """:class:`Throughput` for batches of varying size: the real tokens of each micro-batch
-    (``tokens_of``) are summed on the device and read at the interval's end, times the world size."""
-
-    def __init__(self, tokens_of, flops_per_token: int, precision: str, every_n_steps: int):
-        super().__init__(0, flops_per_token, precision, every_n_steps)
-        self.tokens_of = tokens_of
-        self._tokens = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from recipes.parallel import data_parallel_size
-
-        self._tokens = self._tokens + self.tokens_of(batch)  # a device tensor for some tasks: no read here
-        self._world = data_parallel_size(trainer)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    def interval_tokens(self) -> float:
-        tokens, self._tokens = float(self._tokens), 0
-        return tokens * self._world
-
-    def on_validation_end(self, trainer, pl_module):
-        super().on_validation_end(trainer, pl_module)
-        self._tokens = 0
