@@ -126,8 +126,9 @@ def shard_mb(given: int | None, sources) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from builder.cli.arguments import ArgumentError
+    from recipes.data.dataset_folder import check_output
     from recipes.data.sources import DocumentStream, find_sources
-    from recipes.data.tokenize import check_output, matches, tokenize_documents
+    from recipes.data.tokenize import matches, tokenize_documents
     from recipes.errors import RecipeError
 
     try:

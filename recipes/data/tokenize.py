@@ -9,7 +9,8 @@ one thread) tokenize a unit and write its shards themselves (a temp file, fsync,
 back only their sizes and checksums. The main process reads and splits the stream, keeps at most
 two units per worker in flight and records results in unit order, so its memory is a few units,
 never the corpus, and every byte written (shards and manifest) is the same for any worker count.
-One worker runs in this process.
+One worker runs in this process. The worker side is :mod:`recipes.data.shards`; the output folder
+(lock, settings, leftovers, the tokenizer's file) :mod:`recipes.data.dataset_folder`.
 
 Split: a document goes to validation when ``sha1(its UTF-8 text)``, read as a fraction of 2**64
 from its first 8 bytes, is below ``val_fraction``; every document of a source matching one of the
@@ -28,15 +29,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import fnmatch
 import hashlib
-import itertools
 import json
 import multiprocessing
 import os
-import re
-import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -44,367 +41,27 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.data.dataset_folder import Folder, dumps, save_tokenizer
+from recipes.data.shards import Unit, fsync_folder, one_thread, start_worker, tokenize_unit, work
 from recipes.data.sources import Document
 from recipes.data.tokenized import (
     FORMAT,
     MANIFEST,
     SPLITS,
-    STARTED,
-    TOKENIZER_FILES,
     VERSION,
     Stamps,
     TokenizedDataset,
     dtype_for,
     file_sha256,
-    is_tokenized_dataset,
 )
 from recipes.errors import RecipeError
 
-#: per-unit done records
-UNITS = ".units"
-#: text handed to one encode_batch call: enough to amortize the call, small enough that the
-#: library's per-token objects (tokenizers keeps strings and offsets per token) stay a few MB
-BATCH_CHARS = 1 << 20
-#: a longer document is encoded in pieces cut at a line break between two non-space characters
-#: (no tokenizer shipped here joins across one), so no single call holds a huge document's tokens
-LONG_DOCUMENT_CHARS = 8 << 20
 #: units in flight per worker
 IN_FLIGHT = 2
 RULE = (
     "sha1(UTF-8 text)[:8] as a big-endian integer / 2**64 < val_fraction goes to validation; documents of "
     "val_sources (the path or a folder above it matching a glob) and documents given a split keep theirs"
 )
-_SHARD_NAME = re.compile(r"\d{5,}\.(bin|idx)")
-_CUT = re.compile(r"(?<=\S\n)(?=\S)")
-
-
-@dataclasses.dataclass
-class Unit:
-    """A run of documents: their UTF-8 text end to end, each one's end offset and split."""
-
-    index: int
-    blob: bytes
-    ends: np.ndarray  # int64 byte end offsets
-    validation: np.ndarray  # bool per document
-    hash: str
-
-    @property
-    def n_documents(self) -> int:
-        return len(self.ends)
-
-
-def shard_names(split: str, index: int) -> tuple[str, str]:
-    return f"{split}/{index:05d}.bin", f"{split}/{index:05d}.idx"
-
-
-# -- the worker side -----------------------------------------------------------------------------
-
-
-def encode(tokenizer, texts: list[str], dtype: np.dtype, eos: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """``texts`` as one array of ids (each followed by ``eos``) and each one's end offset."""
-    parts: list[np.ndarray] = []
-    lengths: list[int] = []
-    batch: list[str] = []
-    size = 0
-
-    def flush() -> None:
-        ids = _encode_batch(tokenizer, batch)
-        if eos is not None:
-            for one in ids:
-                one.append(eos)
-        counts = [len(one) for one in ids]
-        lengths.extend(counts)
-        try:
-            parts.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=sum(counts)))
-        except (OverflowError, ValueError):
-            top = max(max(one, default=0) for one in ids)
-            raise RecipeError(
-                f"token id {top} does not fit the dataset's {dtype.name} (the tokenizer's vocabulary "
-                f"says {tokenizer.vocab_size:,} ids)"
-            ) from None
-        batch.clear()
-
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= BATCH_CHARS:
-            flush()
-            size = 0
-    if batch:
-        flush()
-    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-    return tokens, np.cumsum(np.asarray(lengths, dtype=np.int64), dtype=np.int64)
-
-
-def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
-    if all(len(t) <= LONG_DOCUMENT_CHARS for t in texts):
-        return tokenizer.encode_batch(texts)
-    out = []
-    for text in texts:
-        if len(text) <= LONG_DOCUMENT_CHARS:
-            out.extend(tokenizer.encode_batch([text]))
-            continue
-        ids: list[int] = []
-        for piece in _pieces(text):
-            ids.extend(tokenizer.encode_batch([piece])[0])
-        out.append(ids)
-    return out
-
-
-def _pieces(text: str) -> Iterator[str]:
-    """``text`` in pieces of about LONG_DOCUMENT_CHARS, cut after a newline between non-space characters."""
-    start = 0
-    while len(text) - start > LONG_DOCUMENT_CHARS:
-        match = _CUT.search(text, start + LONG_DOCUMENT_CHARS)
-        if match is None:
-            break
-        yield text[start : match.start()]
-        start = match.start()
-    yield text[start:]
-
-
-def write_file(path: Path, array: np.ndarray) -> str:
-    """``array``'s bytes to ``path`` (:func:`recipes.data.tokenizers.write_atomic`: temp file, fsync,
-    rename); their sha256."""
-    from recipes.data.tokenizers import write_atomic
-
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
-    write_atomic(path, data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def tokenize_unit(unit: Unit, tokenizer, out: Path, dtype: np.dtype, eos: int | None) -> dict:
-    """Unit ``unit`` tokenized into its shards under ``out``; each split's shard record."""
-    ends_at = unit.ends.tolist()
-    starts = [0, *ends_at[:-1]]
-    shards = {}
-    for split, mask in (("train", ~unit.validation), ("validation", unit.validation)):
-        chosen = np.flatnonzero(mask)
-        if not len(chosen):
-            continue
-        blob = unit.blob
-        texts = [blob[starts[i] : ends_at[i]].decode("utf-8") for i in chosen.tolist()]
-        tokens, ends = encode(tokenizer, texts, dtype, eos)
-        del texts
-        bin_name, idx_name = shard_names(split, unit.index)
-        (out / split).mkdir(exist_ok=True)
-        shards[split] = {
-            "tokens": bin_name,
-            "index": idx_name,
-            "n_tokens": len(tokens),
-            "n_documents": len(ends),
-            "sha256": write_file(out / bin_name, tokens),
-            "index_sha256": write_file(out / idx_name, ends.astype("<i8")),
-        }
-    for split in shards:
-        _fsync_folder(out / split)
-    return shards
-
-
-_WORKER: dict = {}
-
-
-def _start_worker(state: dict, out: str, dtype: str, eos: int | None) -> None:
-    """A worker's start: one thread for its tokenizer (W workers use W cores), built once. Ctrl+C
-    is the main process's to handle (it lets the units in flight finish and stops)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    from recipes.data.tokenizers import from_state
-
-    _WORKER.update(tokenizer=from_state(state), out=Path(out), dtype=np.dtype(dtype), eos=eos)
-
-
-def _work(unit: Unit) -> dict:
-    w = _WORKER
-    return tokenize_unit(unit, w["tokenizer"], w["out"], w["dtype"], w["eos"])
-
-
-def _fsync_folder(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """This process's encode_batch calls on one thread while the block runs."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
-
-
-# -- the folder ------------------------------------------------------------------------------------
-
-
-class Folder:
-    """The output folder while a run writes it: locked, its settings checked, its leftovers removed."""
-
-    def __init__(self, out: Path, settings: dict, overwrite: bool):
-        self.out, self.settings = out, settings
-        self._lock = None
-        check_output(out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            from builder.checkpoints import write_reason
-
-            raise RecipeError(f"could not make {out}: {write_reason(exc)}") from None
-        self._take_lock()
-        started = self._started()
-        if started is not None and started != settings:
-            if not overwrite:
-                raise RecipeError(
-                    f"{out} holds a tokenize run with other settings ({_differences(started, settings)});"
-                    " rerun with its settings, or add --overwrite to start over"
-                )
-            self.clear()
-        elif started is None and (out / MANIFEST).is_file():  # a dataset another version wrote
-            if not overwrite:
-                raise RecipeError(f"{out} holds a dataset without its run's settings; add --overwrite to start over")
-            self.clear()
-        from recipes.data.tokenizers import write_atomic
-
-        started = _dumps({"format": FORMAT, "version": VERSION, "settings": settings})
-        if not (out / STARTED).is_file() or (out / STARTED).read_bytes() != started:
-            write_atomic(out / STARTED, started)
-        (out / UNITS).mkdir(exist_ok=True)
-        self._remove_temp_files()
-
-    def _take_lock(self) -> None:
-        try:
-            import fcntl
-        except ImportError:  # no flock here (Windows): one run per folder is up to the user
-            return
-        path = self.out / ".lock"
-        handle = open(path, "a+")  # noqa: SIM115  (held until release)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise RecipeError(
-                f"{self.out} is being written by another `builder tokenize` ({holder}); wait for it, "
-                "or give another folder"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}\n")
-        handle.flush()
-        self._lock = handle
-
-    def release(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-
-    def _started(self) -> dict | None:
-        try:
-            return json.loads((self.out / STARTED).read_text(encoding="utf-8"))["settings"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def clear(self) -> None:
-        """Remove what a tokenize run writes (nothing else)."""
-        for name in (MANIFEST, STARTED, *TOKENIZER_FILES.values()):
-            with contextlib.suppress(FileNotFoundError):
-                (self.out / name).unlink()
-        for name in (UNITS, *SPLITS):
-            shutil.rmtree(self.out / name, ignore_errors=True)
-        for stamp in self.out.glob(".verified-*.json"):
-            stamp.unlink()
-
-    def _remove_temp_files(self) -> None:
-        for folder in (self.out, self.out / UNITS, *(self.out / s for s in SPLITS)):
-            if folder.is_dir():
-                for tmp in folder.glob(".*.tmp-*"):
-                    with contextlib.suppress(OSError):
-                        tmp.unlink()
-
-    def records(self) -> dict[int, dict]:
-        """The done records of earlier runs, by unit."""
-        found = {}
-        for path in (self.out / UNITS).glob("*.json"):
-            try:
-                record = json.loads(path.read_text(encoding="utf-8"))
-                found[int(record["unit"])] = record
-            except (OSError, ValueError, KeyError, TypeError):
-                with contextlib.suppress(OSError):
-                    path.unlink()  # torn or foreign: never trusted
-        return found
-
-    def record_path(self, index: int) -> Path:
-        return self.out / UNITS / f"{index:05d}.json"
-
-    def remove_stale(self, manifest: dict, units: int) -> None:
-        """Shards and records no longer part of the dataset (a rerun over a shorter corpus)."""
-        listed = {e[key] for s in SPLITS for e in manifest["splits"][s]["shards"] for key in ("tokens", "index")}
-        for split in SPLITS:
-            folder = self.out / split
-            if folder.is_dir():
-                for path in folder.iterdir():
-                    if _SHARD_NAME.fullmatch(path.name) and f"{split}/{path.name}" not in listed:
-                        path.unlink()
-        for path in (self.out / UNITS).glob("*.json"):
-            if path.stem.isdigit() and int(path.stem) >= units:
-                path.unlink()
-
-
-def check_output(out: Path) -> None:
-    """Refuse an output that is a file, or a folder holding anything but a tokenize run's files."""
-    if out.exists() and not out.is_dir():
-        raise RecipeError(f"{out}: is a file; give a folder for the dataset")
-    if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()) and not is_tokenized_dataset(out):
-        raise RecipeError(
-            f"{out}: a folder with other files in it (not a `builder tokenize` output); give a new or empty folder"
-        )
-
-
-def _differences(before: dict, now: dict) -> str:
-    keys = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
-    shown = [f"{k}: {_short(before.get(k))} there, {_short(now.get(k))} now" for k in keys[:3]]
-    return "; ".join(shown) + (f"; {len(keys) - 3} more" if len(keys) > 3 else "")
-
-
-def _short(value) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 60 else text[:56] + " ..."
-
-
-def _dumps(value) -> bytes:
-    return (json.dumps(value, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def save_tokenizer(tokenizer, out: Path) -> dict:
-    """The tokenizer's file in ``out`` (rewritten only when it differs); its manifest entry."""
-    from recipes.data.tokenizers import write_atomic
-
-    state = tokenizer.state()
-    name = TOKENIZER_FILES[tokenizer.kind]
-    entry = {"kind": tokenizer.kind, "fingerprint": tokenizer.fingerprint(), "file": name}
-    if tokenizer.kind == "sentencepiece":
-        payload = state["model_proto"]
-    elif tokenizer.kind == "tokenizers":
-        payload = state["json"].encode("utf-8")
-        entry.update(specials=state["specials"], split_special_tokens=state["split_special_tokens"])
-    else:
-        payload = _dumps({"type": "char", "chars": state["chars"]})
-    path = out / name
-    if not path.is_file() or path.read_bytes() != payload:
-        write_atomic(path, payload)
-    return entry
 
 
 # -- the main process ------------------------------------------------------------------------------
@@ -666,10 +323,10 @@ def tokenize_documents(
         )
         from recipes.data.tokenizers import write_atomic
 
-        payload = _dumps(manifest)
+        payload = dumps(manifest)
         if not (out / MANIFEST).is_file() or (out / MANIFEST).read_bytes() != payload:  # a finished rerun: kept
             write_atomic(out / MANIFEST, payload)
-            _fsync_folder(out)
+            fsync_folder(out)
         folder.remove_stale(manifest, len(results))
     finally:
         folder.release()
@@ -710,7 +367,7 @@ def _run(
 
     def record(index: int, unit_hash: str, shards: dict) -> None:
         entry = {"unit": index, "hash": unit_hash, "shards": shards}
-        write_atomic(folder.record_path(index), _dumps(entry))
+        write_atomic(folder.record_path(index), dumps(entry))
         for shard in shards.values():  # written by this run: their checksums are known
             for key, digest in ((shard["tokens"], shard["sha256"]), (shard["index"], shard["index_sha256"])):
                 with contextlib.suppress(OSError):
@@ -732,7 +389,7 @@ def _run(
 
     from concurrent.futures.process import BrokenProcessPool
 
-    context = _one_thread() if workers == 1 else contextlib.nullcontext()
+    context = one_thread() if workers == 1 else contextlib.nullcontext()
     try:
         with context:
             for unit in units:
@@ -755,7 +412,7 @@ def _run(
                     pool = _pool(workers, tokenizer, out, dtype, eos)
                 while len(flight) >= IN_FLIGHT * workers:
                     land_oldest()
-                flight.append((unit.index, unit.hash, pool.submit(_work, unit)))
+                flight.append((unit.index, unit.hash, pool.submit(work, unit)))
                 del unit
             while flight:
                 land_oldest()
@@ -772,11 +429,11 @@ def _pool(workers: int, tokenizer, out: Path, dtype: np.dtype, eos: int | None):
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["recipes.data.tokenize", "recipes.data.tokenizers"])
+        context.set_forkserver_preload(["recipes.data.shards", "recipes.data.tokenizers"])
     else:
         context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer.state(), str(out), dtype.str, eos)
+        workers, mp_context=context, initializer=start_worker, initargs=(tokenizer.state(), str(out), dtype.str, eos)
     )
 
 
