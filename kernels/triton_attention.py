@@ -12,15 +12,9 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 # triton comes through flash_kernels, which sets up the interpreter before importing it
-from .flash_kernels import (
-    INTERPRET,
-    _attn_bwd_dkdv,
-    _attn_bwd_dq,
-    _attn_decode,
-    _attn_decode_combine,
-    _attn_fwd,
-    triton,
-)
+from .flash_backward import _attn_bwd_dkdv, _attn_bwd_dq
+from .flash_decode import _attn_decode, _attn_decode_combine
+from .flash_kernels import INTERPRET, _attn_fwd, triton
 
 # Block sizes used without autotuning (interpreter). 32 keeps the interpreter fast enough while
 # still exercising multi-tile loops and masked tails at test lengths (17..100).
