@@ -1,10 +1,15 @@
-"""One way to build any registered block: ``build_block(config, dims, **extra)``.
+"""One way to build any registered block: ``build_block(config, dims, **extra)``; and one way to
+build a layer of blocks: ``build_layer(layer, dims, layer_index=..., n_layers=..., ...)``.
 
 The module class comes from the registry (``blocks.registry.module_class(config)``, the
 config's ``module_path``). Its constructor takes the config first and then only the dimensions
 it needs, by name (``MLP(config, d_model)``, ``Learned(config, d_model, max_seq_len)``);
 ``build_block`` fills each from ``extra`` (per-call arguments such as ``causal`` or
 ``tied_embedding``) or else from ``dims``. A block never sees the whole spec.
+
+Every block built for a layer may take its place by name: ``layer_index`` (0-based) and
+``n_layers`` (of its stack; a head's own layers count on after its stack's). An argument a
+constructor does not name is not passed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import inspect
 from torch import nn
 
 from blocks import registry
+from blocks.layers import TransformerLayer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +61,30 @@ def build_block(config, dims: Dims, **extra) -> nn.Module:
                 f"({', '.join(f.name for f in dataclasses.fields(Dims))}) nor the call provide"
             )
     return cls(config, **kwargs)
+
+
+def build_layer(
+    layer,
+    dims: Dims,
+    *,
+    layer_index: int,
+    n_layers: int,
+    causal: bool,
+    cross: bool = False,
+    backend: str = "auto",
+) -> TransformerLayer:
+    """The ``TransformerLayer`` of a ``blocks.configs.layer.LayerConfig``: its self-attention,
+    cross-attention (``cross``), FFN and norms, each told its place."""
+    place = {"layer_index": layer_index, "n_layers": n_layers}
+    attention = build_block(layer.attention, dims, causal=causal, cross=False, backend=backend, **place)
+    cross_attention = build_block(layer.cross_attention, dims, cross=True, backend=backend, **place) if cross else None
+    ffn = build_block(layer.ffn, dims, **place)
+    norms = {name: build_block(layer.norm, dims, **place) for name in layer.norm_names(cross)}
+    return TransformerLayer(
+        attention,
+        ffn,
+        norms,
+        cross_attention=cross_attention,
+        placement=layer.norm.placement,
+        dropout=layer.dropout,
+    )

@@ -218,7 +218,7 @@ class GenerationMixin:
         hidden = self.decoder.step(
             input_ids, index, position_ids, cache, key_mask, memory=memory, memory_mask=memory_mask
         )
-        return self.head(hidden)[:, -1].float()
+        return self.head(hidden).logits[:, -1].float()
 
     @torch.no_grad()
     def generate(

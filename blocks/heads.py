@@ -1,13 +1,26 @@
-"""Output heads: language model, BERT masked LM, sequence classification, none.
+"""Output heads: language model, BERT masked LM, sequence classification, none; and the head
+protocol every head follows.
 
-Every head's ``forward(hidden, attention_mask=None)`` takes the final hidden states
-``(batch, seq, d_model)``. A head whose output projection is tied to the token embedding gets
-that ``nn.Embedding`` as ``tied_embedding`` and shares its weight parameter (counted once).
+The protocol (what the architectures in ``blocks.stacks`` ask of a head):
+
+* ``forward(hidden, attention_mask=None, context=None) -> HeadOutput``: ``hidden`` the final
+  hidden states ``(batch, seq, d_model)`` of the stack that feeds the head, ``attention_mask``
+  its padding (1 real, 0 pad) over those positions; ``context`` a :class:`HeadContext` on every
+  forward without a KV cache (training, evaluation), None on a cached one (decoding), where a
+  head computes its logits only. :class:`HeadOutput` holds the logits and a dict of auxiliary
+  training losses, each already weighted by the head's own spec field (none for these heads);
+* ``loss_names``: the names of those losses (empty: the head returns none), known before any
+  forward so a training loop knows it has losses to add.
+
+A head whose output projection is tied to the token embedding gets that ``nn.Embedding`` as
+``tied_embedding`` and shares its weight parameter (counted once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,7 +29,32 @@ from blocks.ffn import activation
 from blocks.norms import LayerNorm
 
 
-def _vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: nn.Embedding | None) -> nn.Linear:
+class HeadOutput(NamedTuple):
+    """What a head returns: ``logits`` (``(batch, seq, vocab_size)``, ``(batch, n_classes)``, or
+    the hidden states for head ``none``) and ``losses``, auxiliary training losses by name, each
+    already weighted (a multi-token-prediction loss times its ``loss_weight``)."""
+
+    logits: torch.Tensor
+    losses: dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class HeadContext:
+    """What a head is given beside the hidden states, on a forward without a KV cache.
+
+    ``input_ids`` ``(batch, seq)``: the tokens of the stack that feeds the head; ``embedding``:
+    that stack's ``blocks.embeddings.Embeddings`` (call it, ``embedding(ids)``, for a shared
+    embedding: its own parameters stay where they are); ``inputs``: the stack's
+    ``blocks.attention.AttentionInputs`` of this forward (positions, padding, packed documents,
+    the position block's hooks), for a layer the head runs over the same positions."""
+
+    input_ids: torch.Tensor
+    embedding: nn.Module
+    inputs: object
+
+
+def vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: nn.Embedding | None) -> nn.Linear:
+    """The ``(vocab_size, d_model)`` output projection, its weight the embedding's when tied."""
     if tied_embedding is None:
         return nn.Linear(d_model, vocab_size, bias=bias)
     if tuple(tied_embedding.weight.shape) != (vocab_size, d_model):
@@ -38,38 +76,44 @@ def _vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding:
 class LMHead(nn.Module):
     """``softcap(proj(hidden * output_scale))``: vocabulary logits ``(batch, seq, vocab_size)``."""
 
+    loss_names: tuple[str, ...] = ()
+
     def __init__(self, config, d_model: int, vocab_size: int, tied_embedding: nn.Embedding | None = None):
         super().__init__()
-        self.proj = _vocab_projection(d_model, vocab_size, config.bias, tied_embedding)
+        self.proj = vocab_projection(d_model, vocab_size, config.bias, tied_embedding)
         self.output_scale = config.output_scale
         self.softcap = config.softcap
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
         if self.output_scale is not None:
             hidden = hidden * self.output_scale
         logits = self.proj(hidden)
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
-        return logits
+        return HeadOutput(logits, {})
 
 
 class MLMHead(nn.Module):
     """BERT's masked-LM head: ``proj(norm(act(dense(hidden))))``, the projection with a bias."""
+
+    loss_names: tuple[str, ...] = ()
 
     def __init__(self, config, d_model: int, vocab_size: int, tied_embedding: nn.Embedding | None = None):
         super().__init__()
         self.dense = nn.Linear(d_model, d_model)
         self.act = activation(config.activation)
         self.norm = LayerNorm(config.norm, d_model)
-        self.proj = _vocab_projection(d_model, vocab_size, True, tied_embedding)
+        self.proj = vocab_projection(d_model, vocab_size, True, tied_embedding)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.proj(self.norm(self.act(self.dense(hidden))))
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
+        return HeadOutput(self.proj(self.norm(self.act(self.dense(hidden)))), {})
 
 
 class ClassificationHead(nn.Module):
     """Pools the sequence (``first`` token or masked ``mean``), optionally through BERT's
     ``tanh(dense(.))`` pooler, then dropout and a linear classifier: ``(batch, n_classes)``."""
+
+    loss_names: tuple[str, ...] = ()
 
     def __init__(self, config, d_model: int):
         super().__init__()
@@ -78,7 +122,7 @@ class ClassificationHead(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.classifier = nn.Linear(d_model, config.n_classes)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
         if self.pooling == "first":
             pooled = hidden[:, 0]  # (batch, d_model)
         else:
@@ -89,14 +133,16 @@ class ClassificationHead(nn.Module):
                 pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)  # (batch, d_model)
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(pooled))
-        return self.classifier(self.dropout(pooled))
+        return HeadOutput(self.classifier(self.dropout(pooled)), {})
 
 
 class NoHead(nn.Module):
     """No head: returns the final hidden states ``(batch, seq, d_model)``."""
 
+    loss_names: tuple[str, ...] = ()
+
     def __init__(self, config):
         super().__init__()
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return hidden
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
+        return HeadOutput(hidden, {})

@@ -16,6 +16,8 @@ from typing import Any
 
 #: block kinds; "architecture" is the spec's ``architecture:`` (which stacks of layers a model has)
 KINDS = ("attention", "position", "ffn", "norm", "head", "architecture")
+#: the type a block mapping takes when its ``type`` key is left out, by block kind
+DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}
 
 _REGISTRY: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 _VERSION = [0]  # bumped on every registration so cached schemas know to rebuild

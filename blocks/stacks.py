@@ -10,10 +10,17 @@ padding):
 
 * :class:`DecoderOnlyModel`, :class:`EncoderOnlyModel`:
   ``model(input_ids, attention_mask=None, token_type_ids=None, *, document_ids=None)`` -> the
-  head's output: logits ``(batch, seq, vocab_size)``, ``(batch, n_classes)`` for
-  classification, hidden states for head ``none``.
+  head's logits: ``(batch, seq, vocab_size)``, ``(batch, n_classes)`` for classification,
+  hidden states for head ``none``.
 * :class:`EncoderDecoderModel`: ``model(input_ids, attention_mask=None, decoder_input_ids=...,
-  decoder_attention_mask=None)`` -> the head's output over the decoder positions.
+  decoder_attention_mask=None)`` -> the head's logits over the decoder positions.
+
+Auxiliary training losses go through one channel, :meth:`_Model.aux_losses` after a forward: the
+head's (returned with its logits, already weighted by their spec fields: multi-token prediction)
+and, under :data:`MOE_BALANCE`, every block's load-balancing loss summed, times the weight a
+recipe gives (its ``loss.moe_aux_coef``). A forward without a KV cache gives the head a
+``blocks.heads.HeadContext`` (the input ids, the stack's embedding and attention inputs); a cached
+forward (decoding) gives none, and the head computes its logits only.
 
 Position ids are ``cumsum(attention_mask) - 1`` when a mask is given (a left-padded sequence
 starts at position 0, as in Hugging Face), else ``0 .. seq - 1`` after any cached tokens.
@@ -36,7 +43,11 @@ from torch import nn
 
 from blocks.attention import AttentionInputs
 from blocks.generation import GenerationMixin
+from blocks.heads import HeadContext, HeadOutput
 from blocks.positions import document_positions
+
+#: the key of the blocks' load-balancing losses in :meth:`_Model.aux_losses` (their sum, weighted there)
+MOE_BALANCE = "moe_balance"
 
 
 class TransformerStack(nn.Module):
@@ -73,7 +84,30 @@ class TransformerStack(nn.Module):
         cache=None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``.
+        """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)`` (:meth:`run`)."""
+        return self.run(
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            memory=memory,
+            memory_mask=memory_mask,
+            cache=cache,
+            document_ids=document_ids,
+        )[0]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache=None,
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, AttentionInputs]:
+        """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``, and the
+        ``AttentionInputs`` its layers were given (a head runs its own layers over them).
 
         With a ``cache`` (``blocks.generation.KVCache``) the ids are the tokens after the cached
         ones and ``attention_mask`` covers the cached and the new tokens. ``document_ids``
@@ -137,7 +171,7 @@ class TransformerStack(nn.Module):
         x = self._layers(x, inputs, cache, memory, memory_mask)
         if cache is not None:
             cache.length += seq
-        return x
+        return x, inputs
 
     def _check_documents(self, document_ids, input_ids, attention_mask, cache, memory) -> None:
         """Refuse ``document_ids`` this forward cannot honour (see :meth:`forward`)."""
@@ -236,9 +270,23 @@ class TransformerStack(nn.Module):
 
 class _Model(nn.Module):
     """What every architecture shares: ``spec`` (set by ``builder.build_model``), parameter
-    counts and the MoE auxiliary loss."""
+    counts, the head call and the auxiliary losses (module doc)."""
 
     spec = None
+    _head_losses: dict[str, torch.Tensor] = {}  # the head's, from the last forward
+
+    def _head_logits(self, hidden, mask, stack: TransformerStack, input_ids, inputs, cache) -> torch.Tensor:
+        """The head's logits; its losses kept for :meth:`aux_losses`. A cached forward gives the
+        head no context (decoding uses the main head only)."""
+        context = HeadContext(input_ids, stack.embedding, inputs) if cache is None else None
+        out = self.head(hidden, mask, context)
+        if not isinstance(out, HeadOutput):
+            raise TypeError(
+                f"a head returns blocks.heads.HeadOutput(logits, losses); {type(self.head).__name__} returned "
+                f"{type(out).__name__} (blocks/README.md, the head protocol)"
+            )
+        self._head_losses = out.losses
+        return out.logits
 
     def stacks(self) -> dict[str, TransformerStack]:
         return {name: getattr(self, name) for name in ("encoder", "decoder") if hasattr(self, name)}
@@ -272,6 +320,22 @@ class _Model(nn.Module):
             return torch.zeros((), device=next(self.parameters()).device)
         return torch.stack(losses).sum()
 
+    def has_aux_losses(self) -> bool:
+        """Whether a forward leaves auxiliary losses (:meth:`aux_losses`): a block keeps a
+        balancing loss (its ``aux_loss`` attribute) or the head names losses it returns
+        (``loss_names``). Known before any forward."""
+        return bool(getattr(self.head, "loss_names", ())) or any("aux_loss" in vars(m) for m in self.modules())
+
+    def aux_losses(self, balance_weight: float = 1.0) -> dict[str, torch.Tensor]:
+        """The auxiliary training losses of the last forward, by name, each weighted: the head's
+        (by their own spec fields) and, under :data:`MOE_BALANCE`, the sum of every block's
+        load-balancing loss times ``balance_weight`` (a recipe's ``loss.moe_aux_coef``)."""
+        losses = dict(self._head_losses)
+        balance = [m.aux_loss for m in self.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+        if balance:
+            losses[MOE_BALANCE] = balance_weight * torch.stack(balance).sum()
+        return losses
+
 
 class DecoderOnlyModel(GenerationMixin, _Model):
     """A causal stack and a head (GPT, Llama)."""
@@ -290,11 +354,13 @@ class DecoderOnlyModel(GenerationMixin, _Model):
         cache=None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The head's output for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
+        """The head's logits for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
         packed in each row (module doc; not with ``cache`` or ``attention_mask``)."""
-        hidden = self.decoder(input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids)
+        hidden, inputs = self.decoder.run(
+            input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids
+        )
         mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else None
-        return self.head(hidden, mask)
+        return self._head_logits(hidden, mask, self.decoder, input_ids, inputs, cache)
 
 
 class EncoderOnlyModel(_Model):
@@ -313,10 +379,10 @@ class EncoderOnlyModel(_Model):
         *,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The head's output for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
+        """The head's logits for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
         packed in each row (module doc; not with ``attention_mask``)."""
-        hidden = self.encoder(input_ids, attention_mask, token_type_ids, document_ids=document_ids)
-        return self.head(hidden, attention_mask)
+        hidden, inputs = self.encoder.run(input_ids, attention_mask, token_type_ids, document_ids=document_ids)
+        return self._head_logits(hidden, attention_mask, self.encoder, input_ids, inputs, None)
 
 
 class EncoderDecoderModel(GenerationMixin, _Model):
@@ -360,8 +426,8 @@ class EncoderDecoderModel(GenerationMixin, _Model):
             if input_ids is None:
                 raise ValueError("pass input_ids (the source) or a precomputed encoder output as memory")
             memory = self.encode(input_ids, attention_mask, token_type_ids)
-        hidden = self.decoder(
+        hidden, inputs = self.decoder.run(
             decoder_input_ids, decoder_attention_mask, memory=memory, memory_mask=attention_mask, cache=cache
         )
         mask = decoder_attention_mask[:, -decoder_input_ids.shape[1] :] if decoder_attention_mask is not None else None
-        return self.head(hidden, mask)
+        return self._head_logits(hidden, mask, self.decoder, decoder_input_ids, inputs, cache)

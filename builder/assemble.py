@@ -2,9 +2,10 @@
 
 Assembly walks the spec and builds every block through ``blocks.build.build_block``, then hands
 the built children to their parents (torchtune style): a layer gets its attention, FFN and
-norms; a stack its embedding, position block, layers and final norm; the model its stacks and
-head. Blocks are constructed directly on the target device (``device="meta"``: shapes only,
-instant even for 175B parameters, no init work) and then initialised by
+norms (``blocks.build.build_layer``, which tells each its place: ``layer_index``, ``n_layers``);
+a stack its embedding, position block, layers and final norm; the model its stacks and head.
+Blocks are constructed directly on the target device (``device="meta"``: shapes only, instant
+even for 175B parameters, no init work) and then initialised by
 ``blocks.init.init_weights`` (``init_seed``, else a seed drawn from torch's generator: seed with
 ``torch.manual_seed`` before calling; each parameter's values are a pure function of that seed
 and its name, so a sharded start can draw any shard alone). Building on meta
@@ -22,10 +23,9 @@ import torch
 from torch import nn
 
 from blocks import registry
-from blocks.build import Dims, build_block
+from blocks.build import Dims, build_block, build_layer
 from blocks.embeddings import Embeddings
 from blocks.init import draw_seed, init_weights
-from blocks.layers import TransformerLayer
 from blocks.stacks import TransformerStack
 
 BACKENDS = ("auto", "eager", "sdpa", "triton")
@@ -137,7 +137,8 @@ def _assemble(spec, backend: str) -> nn.Module:
         stacks[name] = _stack(spec, dims, stack_config, embedding, architecture.causal[name], cross, backend)
     output_side = stacks[architecture.stacks[-1]]
     tied = output_side.embedding.tokens if spec.tie_embeddings and type(spec.head).projects_to_vocab else None
-    head = build_block(spec.head, dims, tied_embedding=tied)
+    # a head running layers of its own numbers them after its stack's (n_layers) and uses its backend
+    head = build_block(spec.head, dims, tied_embedding=tied, n_layers=output_side.n_layers, backend=backend)
     return registry.module_class(architecture)(**stacks, head=head)
 
 
@@ -161,24 +162,11 @@ def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool,
         dims, n_heads=attention.query_heads(), rotary_head_dim=attention.rotary_head_dim(dims.d_model)
     )
     position = build_block(spec.position, stack_dims, causal=causal)
-    layers = []
-    for layer in stack_config.layers():
-        self_attention = build_block(layer.attention, dims, causal=causal, cross=False, backend=backend)
-        cross_attention = build_block(layer.cross_attention, dims, cross=True, backend=backend) if cross else None
-        ffn = build_block(layer.ffn, dims)
-        sublayers = layer.sublayers(cross)
-        norms = {f"{sub}_norm": build_block(layer.norm, dims) for sub in sublayers}
-        if layer.norm.placement == "sandwich":
-            norms.update({f"{sub}_post_norm": build_block(layer.norm, dims) for sub in sublayers})
-        layers.append(
-            TransformerLayer(
-                self_attention,
-                ffn,
-                norms,
-                cross_attention=cross_attention,
-                placement=layer.norm.placement,
-                dropout=layer.dropout,
-            )
+    layers = [
+        build_layer(
+            layer, dims, layer_index=index, n_layers=stack_config.n_layers, causal=causal, cross=cross, backend=backend
         )
+        for index, layer in enumerate(stack_config.layers())
+    ]
     final_norm = build_block(stack_config.norm, dims) if stack_config.final_norm else None
     return TransformerStack(embedding, position, layers, final_norm, causal=causal, max_seq_len=dims.max_seq_len)

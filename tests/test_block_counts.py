@@ -145,15 +145,22 @@ def test_norm(cls, example):
 @pytest.mark.parametrize("cls, example", list(_cases("head")))
 @pytest.mark.parametrize("tied", [False, True])
 def test_head(cls, example, tied):
+    """Counted on a forward without a cache: the head gets its context (blocks.heads.HeadContext)."""
+    from blocks.embeddings import Embeddings
+    from blocks.heads import HeadContext
+
     config = cls.model_validate(example)
-    embedding = nn.Embedding(VOCAB, D_MODEL) if tied and cls.projects_to_vocab else None
-    module = build_block(config, DIMS, tied_embedding=embedding).eval()
+    embeddings = Embeddings(VOCAB, D_MODEL)
+    embedding = embeddings.tokens if tied and cls.projects_to_vocab else None
+    module = build_block(config, DIMS, tied_embedding=embedding, backend="eager").eval()
     own = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     numel = sum(p.numel() for p in module.parameters() if id(p) not in own)
     assert numel == config.params(D_MODEL, VOCAB, embedding is not None)
     for seq in LENGTHS:
         hidden = torch.randn(1, seq, D_MODEL)
-        assert _flops(lambda: module(hidden)) == config.flops(D_MODEL, VOCAB, seq)
+        ids = torch.randint(0, VOCAB, (1, seq))
+        context = HeadContext(ids, embeddings, AttentionInputs(0, seq, positions=torch.arange(seq)[None]))
+        assert _flops(lambda: module(hidden, None, context)) == config.flops(D_MODEL, VOCAB, seq)
 
 
 @pytest.mark.parametrize("cls, example", list(_cases("position")))

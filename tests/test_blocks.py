@@ -46,6 +46,16 @@ def _examples():
                 yield pytest.param(kind, {"type": name, **example}, id=f"{kind}-{name}-{i}")
 
 
+def _head_context():
+    """What a model gives its head on a forward without a cache (``blocks.heads.HeadContext``)."""
+    from blocks.embeddings import Embeddings
+    from blocks.heads import HeadContext
+
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(2))
+    embedding = init_weights(Embeddings(V, D))
+    return HeadContext(ids, embedding, AttentionInputs(0, S, positions=torch.arange(S).expand(B, S)))
+
+
 def _forward(kind: str, module, config, x: torch.Tensor):
     """Run a block on inputs of its kind; return (output, expected shape)."""
     positions = torch.arange(S).expand(B, S)
@@ -53,10 +63,10 @@ def _forward(kind: str, module, config, x: torch.Tensor):
         out = module(x, AttentionInputs(0, S)) if kind == "attention" else module(x)
         return out, (B, S, D)
     if kind == "head":
-        shape = {"lm": (B, S, V), "mlm": (B, S, V), "none": (B, S, D)}.get(
-            config.type, (B, getattr(config, "n_classes", 0))
-        )
-        return module(x), shape
+        shape = (B, S, D) if config.type == "none" else (B, S, V) if type(config).projects_to_vocab else None
+        out = module(x, None, _head_context())  # its auxiliary losses join the output: gradients reach them
+        losses = sum(out.losses.values(), torch.zeros(()))
+        return out.logits + losses, shape or (B, getattr(config, "n_classes", 0))
     if config.acts_on == "embedding":
         return module(positions) + x, (B, S, D)
     # a position acting in attention, through its hooks (each a no-op unless the block has it)
@@ -134,7 +144,7 @@ def _golden_outputs() -> dict[str, torch.Tensor]:
         "rope": rope(q, q, pos)[0],
         "sinusoidal": _built("position", {"type": "sinusoidal"})(pos),
         "relative_bias": rel(torch.arange(S), torch.arange(S), 4),
-        "lm": _built("head", {"type": "lm", "bias": True, "softcap": 0.5, "output_scale": 2.0})(x),
+        "lm": _built("head", {"type": "lm", "bias": True, "softcap": 0.5, "output_scale": 2.0})(x).logits,
     }
 
 
@@ -505,18 +515,20 @@ def test_heads_match_their_definitions():
     assert lm.proj.weight is table.weight
     with torch.no_grad():
         lm.proj.bias.normal_()
-    torch.testing.assert_close(lm(x), 3.0 * torch.tanh(F.linear(x * 0.5, table.weight, lm.proj.bias) / 3.0))
+    out = lm(x)
+    assert out.losses == {}
+    torch.testing.assert_close(out.logits, 3.0 * torch.tanh(F.linear(x * 0.5, table.weight, lm.proj.bias) / 3.0))
     mlm = _built("head", {"type": "mlm"})
     ref = mlm.proj(F.layer_norm(F.gelu(mlm.dense(x)), (D,), eps=1e-12))
-    torch.testing.assert_close(mlm(x), ref)
+    torch.testing.assert_close(mlm(x).logits, ref)
     cls = _built("head", {"type": "classification", "n_classes": 3, "pooling": "mean", "pooler": True})
     mask = torch.ones(B, S)
     mask[1, 4:] = 0
     pooled = torch.stack([x[0].mean(0), x[1, :4].mean(0)])
-    torch.testing.assert_close(cls(x, mask), cls.classifier(torch.tanh(cls.pooler(pooled))))
+    torch.testing.assert_close(cls(x, mask).logits, cls.classifier(torch.tanh(cls.pooler(pooled))))
     first = _built("head", {"type": "classification"})
-    torch.testing.assert_close(first(x), first.classifier(x[:, 0]))
-    assert _built("head", {"type": "none"})(x) is x
+    torch.testing.assert_close(first(x).logits, first.classifier(x[:, 0]))
+    assert _built("head", {"type": "none"})(x).logits is x
 
 
 def test_embeddings_scale_segments_norm():

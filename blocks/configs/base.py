@@ -11,16 +11,23 @@ Shared arguments: ``d_model`` (the residual width), ``tokens``/``seq_*`` (one se
 Rules return located problems, ``[(loc, message)]``: ``loc`` is a path of YAML keys relative to
 the block's own section (``("n_heads",)``) unless the method says otherwise, so the loader
 points at the line that set the field.
+
+A block's counts are the same at every layer index: a module may use its place (``layer_index``,
+``n_layers``, given by name, ``blocks.build``) for values, not for shapes or work; a layer of
+other shapes is an ``overrides`` entry. A block may hold blocks of other kinds (a head's own
+layer): :func:`nested_block` types such a field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import abstractmethod
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
+
+from blocks import registry
 
 Loc = tuple[str | int, ...]
 Problems = list[tuple[Loc, str]]
@@ -84,6 +91,47 @@ class BlockConfig(BaseModel):
     # parameter tensor its module creates, named relative to the module as ``named_parameters()``
     # names it, with its shape. ``builder.analysis.layout`` shards them tensor by tensor. Abstract for
     # attention, FFN and norm blocks; positions and heads without parameters inherit ``{}``.
+
+
+def nested_block(kind: str, description: str):
+    """The type of a field holding a block of ``kind`` inside another block (multi-token
+    prediction's layer: an attention, an FFN, a norm): a mapping validated as the block its
+    ``type`` names (the kind's default type when left out) among those registered when it is
+    validated, so a plugin's block nests too; dumped with its own fields. A problem inside it is
+    one located error (its first), at the field it names."""
+
+    def validate(value: Any) -> Any:
+        if isinstance(value, BlockConfig) or not isinstance(value, dict):
+            return value  # an instance passes; anything else fails the model check below, located here
+        name = value.get("type", registry.DEFAULT_TYPES.get(kind))
+        if not isinstance(name, str):
+            raise rule_error(("type",), f"{kind} type must be a string naming a registered block")
+        try:
+            cls = registry.config_class(kind, name)
+        except registry.RegistryError as exc:
+            raise rule_error(("type",), str(exc)) from None
+        try:
+            return cls.model_validate(value)
+        except ValidationError as exc:
+            raise _located(exc) from None
+
+    schema = {"type": "object", "description": f"{description} Any {kind} block, by its `type`."}
+    return Annotated[SerializeAsAny[KIND_BASES[kind]], BeforeValidator(validate), WithJsonSchema(schema)]
+
+
+def _located(exc: ValidationError) -> PydanticCustomError:
+    """The first error of a nested block's validation as one located rule error."""
+    errors = exc.errors()
+    first = errors[0]
+    loc, message = tuple(first["loc"]), first["msg"]
+    if first["type"] == "located_rule":
+        loc, message = loc + tuple(first["ctx"]["loc"]), first["ctx"]["message"]
+    elif first["type"] == "extra_forbidden":
+        loc, message = loc, f"unknown key {loc[-1]!r}"
+    elif first["type"] == "missing":
+        message = f"missing required field {loc[-1]!r}"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return rule_error(loc, message + more)
 
 
 def indivisible(degree: int, **fields: int) -> Problems:
@@ -381,15 +429,26 @@ class NormBlock(BlockConfig):
 
 
 class HeadBlock(BlockConfig):
-    """An output head: ``Module(config, d_model, vocab_size, tied_embedding=None)`` (by name),
-    ``forward(hidden, attention_mask=None)``. ``params`` leaves out a tied projection (the
-    embedding table, counted there)."""
+    """An output head: ``Module(config, d_model, vocab_size, tied_embedding=None)`` (any of the
+    ``blocks.build`` dimensions by name, and the call's ``n_layers``, ``backend``),
+    ``forward(hidden, attention_mask=None, context=None) -> blocks.heads.HeadOutput`` (logits and
+    auxiliary losses, already weighted). ``params`` leaves out a tied projection (the embedding
+    table, counted there). Every count covers all the head builds and computes on a forward
+    without a KV cache (``context`` given: multi-token prediction's layers included)."""
 
     #: whether the head's output projection can share the token embedding matrix
     projects_to_vocab: ClassVar[bool] = False
+    #: the field (a ``blocks.configs.layer.LayerBlocks``) holding the blocks of the layers the head
+    #: runs itself; in a spec it is merged over its stack's own blocks as a layer override is, and
+    #: its attention meets the rules a stack's does (``builder.spec.schema``). None: no such layer
+    layer_field: ClassVar[str | None] = None
 
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         return 0
+
+    def active_params(self, d_model: int, vocab_size: int, tied: bool) -> int:
+        """Parameters one token meets (a mixture of experts in the head's own layers: top_k)."""
+        return self.params(d_model, vocab_size, tied)
 
     def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
         return {}
@@ -397,8 +456,25 @@ class HeadBlock(BlockConfig):
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 0
 
-    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward, the training loss included (see builder.analysis.memory)."""
+    def kernel_flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
+        """Forward FLOPs with the attention of the head's own layers over the (query, key) pairs a
+        tiled kernel visits (MFU); :meth:`flops` for a head without layers."""
+        return self.flops(d_model, vocab_size, tokens)
+
+    def saved_bytes(
+        self,
+        d_model: int,
+        vocab_size: int,
+        tokens: int,
+        act_bytes: int,
+        *,
+        batch: int = 1,
+        fused: bool = True,
+        position: PositionBlock | None = None,
+    ) -> int:
+        """Bytes kept for backward, the training loss included (see builder.analysis.memory);
+        ``tokens`` over ``batch`` sequences. ``fused`` and ``position`` (the spec's position
+        block) are what the head's own layers' attention needs, as a stack's layer does."""
         return 0
 
 

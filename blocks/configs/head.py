@@ -2,7 +2,8 @@
 
 ``params(d_model, vocab_size, tied)`` counts the head's own tensors (a tied output projection
 is the embedding table and is counted there); ``flops(d_model, vocab_size, tokens)`` is one
-sequence of ``tokens`` tokens.
+sequence of ``tokens`` tokens; ``saved_bytes`` takes the run's keywords (``batch``, ``fused``,
+``position``: ``blocks.configs.base.HeadBlock``), which a head without layers of its own ignores.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class LMHeadConfig(HeadBlock):
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * vocab_size
 
-    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
+    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int, **run) -> int:
         # the projection input; the logits the caller holds; the loss's fp32 log-probabilities;
         # under softcap the tanh output
         logits = tokens * vocab_size
@@ -92,7 +93,7 @@ class MLMHeadConfig(HeadBlock):
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * (d_model + vocab_size)
 
-    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int) -> int:
+    def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int, **run) -> int:
         # dense input, activation input and output (the norm's input), the norm, then as lm
         norm = self.norm.saved_bytes(d_model, tokens, act_bytes)
         transform = 2 * tokens * d_model * act_bytes + norm

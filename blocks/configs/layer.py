@@ -1,17 +1,24 @@
-"""One layer of a stack, resolved: the blocks a layer is built from after the stack's
-``overrides`` (``builder.spec.schema.StackSpec.layer``). Torch-free."""
+"""One layer of blocks, torch-free: :class:`LayerConfig`, a stack's layer resolved (after the
+stack's ``overrides``, ``builder.spec.schema.StackSpec.layer``) with its exact counts, summed
+from its blocks' own; and :class:`LayerBlocks`, the field a block holding layers of its own
+declares (multi-token prediction's head), whose blocks are any registered ones."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from blocks.configs.base import AttentionBlock, FFNBlock, NormBlock
+from pydantic import BaseModel, ConfigDict, Field
+
+from blocks.configs.base import AttentionBlock, FFNBlock, NormBlock, PositionBlock, Shapes, nested_block
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
     """A layer's blocks. ``cross_attention`` is what a cross-attending stack's layer uses (the
-    stack's ``cross_attention``, else its self-attention without ``not_inherited_by_cross``)."""
+    stack's ``cross_attention``, else its self-attention without ``not_inherited_by_cross``).
+
+    The counts take ``cross_len`` (the memory's length) for a layer that cross-attends, None
+    for one that does not; ``builder.analysis.estimates`` sums them per layer."""
 
     attention: AttentionBlock
     cross_attention: AttentionBlock | None
@@ -23,8 +30,102 @@ class LayerConfig:
         """The residual sub-layers in order; each gets ``norm.per_sublayer`` norms."""
         return ("attention", "cross_attention", "ffn") if cross else ("attention", "ffn")
 
+    def norm_names(self, cross: bool) -> list[str]:
+        """The layer module's norms (``blocks.layers``): one per sub-layer, two for sandwich."""
+        subs = self.sublayers(cross)
+        names = [f"{sub}_norm" for sub in subs]
+        return names + ([f"{sub}_post_norm" for sub in subs] if self.norm.placement == "sandwich" else [])
+
     def describe(self, cross: bool) -> str:
         """A short label: ``8h/4kv w4096 +cross glu rmsnorm``."""
         return (
             self.attention.describe() + (" +cross" if cross else "") + f" {self.ffn.describe()} {self.norm.describe()}"
         )
+
+    # -- counts: the sums of the blocks' own -----------------------------------------------------
+
+    def params(self, d_model: int, cross: bool = False) -> dict[str, int]:
+        """Parameters by block: ``attention``, ``cross_attention`` (when ``cross``), ``ffn``, ``norm``."""
+        params = {"attention": self.attention.params(d_model)}
+        if cross:
+            params["cross_attention"] = self.cross_attention.params(d_model)
+        params["ffn"] = self.ffn.params(d_model)
+        params["norm"] = len(self.norm_names(cross)) * self.norm.params(d_model)
+        return params
+
+    def active_params(self, d_model: int, cross: bool = False) -> int:
+        """Parameters one token meets (the FFN's active share)."""
+        params = self.params(d_model, cross)
+        return sum(params.values()) - params["ffn"] + self.ffn.active_params(d_model)
+
+    def param_shapes(self, d_model: int, cross: bool = False) -> Shapes:
+        """Every tensor of the layer module, by its ``named_parameters()`` name within it."""
+        shapes: Shapes = {}
+        for sub in self.sublayers(cross):
+            block = getattr(self, sub)
+            shapes.update({f"{sub}.{name}": shape for name, shape in block.param_shapes(d_model).items()})
+        for norm in self.norm_names(cross):
+            shapes.update({f"{norm}.{name}": shape for name, shape in self.norm.param_shapes(d_model).items()})
+        return shapes
+
+    def flops(self, d_model: int, tokens: int, cross_len: int | None = None) -> dict[str, int]:
+        """Forward FLOPs of one sequence of ``tokens`` by block (norms: 0)."""
+        flops = {"attention": self.attention.flops(d_model, tokens, tokens)}
+        if cross_len is not None:
+            flops["cross_attention"] = self.cross_attention.flops(d_model, tokens, cross_len)
+        flops["ffn"] = self.ffn.flops(d_model, tokens)
+        flops["norm"] = 0
+        return flops
+
+    def kernel_flops(self, d_model: int, tokens: int, causal: bool, cross_len: int | None = None) -> int:
+        """Forward FLOPs with attention over the pairs a tiled kernel visits (MFU)."""
+        kernel = self.attention.kernel_flops(d_model, tokens, tokens, causal)
+        if cross_len is not None:
+            kernel += self.cross_attention.kernel_flops(d_model, tokens, cross_len, causal=False)
+        return kernel + self.ffn.flops(d_model, tokens)
+
+    def saved_bytes(
+        self,
+        d_model: int,
+        batch: int,
+        tokens: int,
+        act_bytes: int,
+        fused: bool,
+        causal: bool,
+        position: PositionBlock,
+        cross_len: int | None = None,
+    ) -> int:
+        """Bytes the layer keeps for backward over ``batch`` sequences of ``tokens``: its blocks'
+        (self-attention with the position's per-layer share, cross-attention over a shared memory,
+        FFN, norms) and one-byte dropout masks on each sub-layer's output."""
+        attn, cross = self.attention, cross_len is not None
+        masked = attn.masked(causal) or position.biases_scores  # eager attention adds a mask or bias
+        saved = attn.saved_bytes(d_model, batch, tokens, tokens, act_bytes, fused, masked)
+        saved += position.saved_bytes_per_layer(batch, tokens, attn.rotary_head_dim(d_model), act_bytes)
+        if cross:
+            saved += self.cross_attention.saved_bytes(
+                d_model, batch, tokens, cross_len, act_bytes, fused, masked=False, kv_input=False
+            )
+        saved += self.ffn.saved_bytes(d_model, batch * tokens, act_bytes)
+        saved += len(self.norm_names(cross)) * self.norm.saved_bytes(d_model, batch * tokens, act_bytes)
+        if self.dropout > 0:
+            saved += len(self.sublayers(cross)) * batch * tokens * d_model  # one-byte masks
+        return saved
+
+
+class LayerBlocks(BaseModel):
+    """The blocks of a layer another block runs itself (a multi-token-prediction head's): a
+    causal self-attention layer, its norms placed as ``norm.placement`` says. In a spec it is
+    merged over its stack's own blocks before validation, as a layer override is."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
+
+    attention: nested_block("attention", "The layer's self-attention.")
+    ffn: nested_block("ffn", "The layer's feed-forward block.") = Field(default_factory=lambda: {"type": "mlp"})
+    norm: nested_block("norm", "The layer's norm block and its placement.") = Field(
+        default_factory=lambda: {"type": "layernorm"}
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="On each sub-layer's output.")
+
+    def layer(self) -> LayerConfig:
+        return LayerConfig(self.attention, None, self.ffn, self.norm, self.dropout)

@@ -246,11 +246,9 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
 
     head = spec.head
     last = list(stacks)[-1]
-    add(
-        "head",
-        head.params(d, vocab, spec.tie_embeddings and head.projects_to_vocab),
-        head.flops(d, vocab, lengths[last]),
-    )
+    head_flops, tied = head.flops(d, vocab, lengths[last]), spec.tie_embeddings and head.projects_to_vocab
+    add("head", head.params(d, vocab, tied), head_flops, head.active_params(d, vocab, tied))
+    kernel_total += head.kernel_flops(d, vocab, lengths[last]) - head_flops  # a head's own layers' attention
 
     total = sum(params.values())
     embedding = params["embedding"] + (params["position"] if position.acts_on == "embedding" else 0)
@@ -338,42 +336,17 @@ def _sharded(spec, layout: Layout, mem, step: Step):
 
 
 def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, position):
-    """One layer's counts: self-attention, cross-attention (when cross_len), FFN, its norms."""
-    attn, ffn, norm = layer.attention, layer.ffn, layer.norm
+    """One layer's counts (``blocks.configs.layer.LayerConfig``: its blocks' own, summed):
+    self-attention, cross-attention (when cross_len), FFN, its norms."""
     cross = cross_len is not None
-    params = {"attention": attn.params(d)}
-    flops = {"attention": attn.flops(d, tokens, tokens)}
-    kernel = attn.kernel_flops(d, tokens, tokens, causal)
-    masked = attn.masked(causal) or position.biases_scores  # eager attention adds a mask or bias
-    saved = attn.saved_bytes(d, batch, tokens, tokens, act_bytes, fused, masked)
-    saved += position.saved_bytes_per_layer(batch, tokens, attn.rotary_head_dim(d), act_bytes)
-    if cross:
-        cross_attn = layer.cross_attention
-        params["cross_attention"] = cross_attn.params(d)
-        flops["cross_attention"] = cross_attn.flops(d, tokens, cross_len)
-        kernel += cross_attn.kernel_flops(d, tokens, cross_len, causal=False)
-        saved += cross_attn.saved_bytes(d, batch, tokens, cross_len, act_bytes, fused, masked=False, kv_input=False)
-    sublayers = len(layer.sublayers(cross))
-    params["ffn"] = ffn.params(d)
-    flops["ffn"] = ffn.flops(d, tokens)
-    ffn_active = ffn.active_params(d)
-    kernel += flops["ffn"]
-    saved += ffn.saved_bytes(d, batch * tokens, act_bytes)
-    n_norms = sublayers * norm.per_sublayer
-    params["norm"] = n_norms * norm.params(d)
-    flops["norm"] = 0
-    saved += n_norms * norm.saved_bytes(d, batch * tokens, act_bytes)
-    if layer.dropout > 0:
-        saved += sublayers * batch * tokens * d  # one-byte masks on each sub-layer's output
-    active = params["attention"] + params.get("cross_attention", 0) + ffn_active + params["norm"]
     return LayerEstimate(
         stack=stack,
         index=index,
-        params=params,
-        active_params=active,
-        flops=flops,
-        kernel_flops=kernel,
-        saved_bytes=saved,
+        params=layer.params(d, cross),
+        active_params=layer.active_params(d, cross),
+        flops=layer.flops(d, tokens, cross_len),
+        kernel_flops=layer.kernel_flops(d, tokens, causal, cross_len),
+        saved_bytes=layer.saved_bytes(d, batch, tokens, act_bytes, fused, causal, position, cross_len),
         description=layer.describe(cross),
     )
 

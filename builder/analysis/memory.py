@@ -176,7 +176,9 @@ def activation_bytes(
     for source in set(memory_of.values()):
         total += batch * lengths[source] * d * act  # encoder output: every cross-attention's k/v input
     last = list(stacks)[-1]
-    total += spec.head.saved_bytes(d, vocab, batch * lengths[last], act)
+    total += spec.head.saved_bytes(
+        d, vocab, batch * lengths[last], act, batch=batch, fused=fused_attention, position=spec.position
+    )
     if not checkpointing:
         return total + sum(layer.saved_bytes for layer in layers)
     inputs = sum(batch * lengths[layer.stack] * d * act for layer in layers)

@@ -45,11 +45,13 @@ from blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX
 from builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
-DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}
+DEFAULT_TYPES = registry.DEFAULT_TYPES
 #: the same by spec field name, for the merge (a cross-attention is an attention block)
 FIELD_TYPES = {**DEFAULT_TYPES, "cross_attention": DEFAULT_TYPES["attention"]}
 #: stack-level block fields that per-layer ``overrides`` may change
 LAYER_FIELDS = ("attention", "cross_attention", "ffn", "norm")
+#: a stack's blocks that a head's own layer (``HeadBlock.layer_field``) is merged over
+HEAD_LAYER_FIELDS = ("attention", "ffn", "norm")
 
 
 class SpecRuleError(Exception):
@@ -122,16 +124,42 @@ def _cross_base(attention: Any) -> Any:
 
 def spread_layer_defaults(data: Any, doc=None, stacks: tuple[str, ...] = ("encoder", "decoder")) -> Any:
     """Before validation: each stack's ``cross_attention`` merged over its ``attention`` (less
-    what that block does not hand to a cross-attention), and each override's blocks merged over
-    the stack's (a different ``type`` replaces). ``doc``: the located document of ``data``; the
-    merge records there where each inherited field was written."""
+    what that block does not hand to a cross-attention), each override's blocks merged over the
+    stack's (a different ``type`` replaces), and a head's own layer (``HeadBlock.layer_field``)
+    merged over the blocks of the stack that feeds it. ``doc``: the located document of ``data``;
+    the merge records there where each inherited field was written."""
     if not isinstance(data, dict):
         return data
     data = dict(data)
     for name in stacks:
         if isinstance(data.get(name), dict):
             data[name] = _spread_stack(data[name], (name,), doc)
+    head = data.get("head")
+    if isinstance(head, dict):
+        data["head"] = _spread_head(head, data, doc)
     return data
+
+
+def _spread_head(head: dict, data: dict, doc) -> dict:
+    """The head with its own layer merged over its stack's blocks (when its block has one)."""
+    cls = registry.configs("head").get(head.get("type")) if isinstance(head.get("type"), str) else None
+    field = getattr(cls, "layer_field", None)
+    architecture = registry.configs("architecture").get(data.get("architecture"))
+    if field is None or architecture is None or not isinstance(head.get(field, {}), dict):
+        return head  # nothing to merge, or validation names what is wrong
+    name = architecture.stacks[-1]
+    stack = data.get(name)
+    if not isinstance(stack, dict):
+        return head
+    own, at = dict(head.get(field) or {}), ("head", field)
+    for key in HEAD_LAYER_FIELDS:
+        if isinstance(stack.get(key), dict) and isinstance(own.get(key, {}), dict):
+            own[key] = merge(
+                stack[key], own.get(key, {}), types=FIELD_TYPES, out=doc, at=at + (key,), base_from=(doc, (name, key))
+            )
+    if "dropout" in stack and "dropout" not in own:  # as a layer override keeps its stack's
+        own["dropout"] = stack["dropout"]
+    return {**head, field: own}
 
 
 def _spread_stack(stack: dict, at: Loc, doc) -> dict:
@@ -411,6 +439,14 @@ def rule_errors(spec) -> list[tuple[Loc, str]]:
         if stack is not None:
             problems += _stack_rules(spec, name, stack, cross_allowed=name in architecture.memory_of)
     problems += _at(("position",), spec.position.problems(spec.d_model, spec.max_seq_len))
+    field = type(spec.head).layer_field
+    if field is not None:  # the head's own layer: its attention's rules, as a stack's
+        attention, loc = getattr(spec.head, field).attention, ("head", field, "attention")
+        own = _at(loc, attention.problems(spec.d_model, cross=False))
+        stack_heads = spec.stacks()[architecture.stacks[-1]].attention.query_heads()
+        problems += own or spec.position.attention_problems(
+            attention, d_model=spec.d_model, stack_heads=stack_heads, at=loc
+        )
     return problems
 
 

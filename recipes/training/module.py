@@ -70,8 +70,9 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
 
 
 def has_moe(model: nn.Module) -> bool:
-    """Whether any block keeps a balancing loss (``aux_loss``) after its forward."""
-    return any("aux_loss" in vars(m) for m in model.modules())
+    """Whether a forward leaves auxiliary losses to add to the cross-entropy (``aux_losses()``: a
+    block's balancing loss, a head's multi-token-prediction loss), known before any forward."""
+    return model.has_aux_losses()
 
 
 def micro_batch_seed(seed: int, rank: int, micro_batch: int) -> int:
@@ -141,7 +142,12 @@ class LMModule(L.LightningModule):
         )
         if not self.moe:
             return ce, ce
-        return ce + self.moe_aux_coef * self.model.aux_loss(), ce
+        # the model's auxiliary losses (blocks.stacks): the balancing loss weighed by the recipe's
+        # coefficient, the head's by their own spec fields
+        loss = ce
+        for aux in self.model.aux_losses(balance_weight=self.moe_aux_coef).values():
+            loss = loss + aux
+        return loss, ce
 
     def training_step(self, batch, batch_idx):
         loss, ce = self._train_losses(*batch)
