@@ -39,7 +39,8 @@ def _moe(**fields):
 @pytest.mark.parametrize("name, family", [("deepseek-v2-lite", "deepseek_v2"), ("deepseek-v3", "deepseek_v3")])
 def test_full_specs_count_what_transformers_builds_on_meta(name, family):
     """The spec's count equals transformers' model, built on meta from the config export-hf
-    writes for it (DeepseekV3ForCausalLM has no multi-token-prediction layer, nor has the spec)."""
+    writes for it: the main model (DeepseekV3ForCausalLM) is the spec with an lm head, and V3's
+    multi-token-prediction module is transformers' MtpModel less the embedding and head it shares."""
     transformers = pytest.importorskip("transformers")
     from builder.hf import FAMILIES
 
@@ -48,7 +49,18 @@ def test_full_specs_count_what_transformers_builds_on_meta(name, family):
     hf_config = transformers.AutoConfig.for_model(family, **config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    assert sum(p.numel() for p in model.parameters()) == estimate(spec).params.total
+    main = sum(p.numel() for p in model.parameters())
+    assert main == estimate(load_spec(SPECS / f"{name}.yaml", overrides={"head": {"type": "lm"}})).params.total
+    depth = config.get("num_nextn_predict_layers", 0)
+    assert depth == (1 if name == "deepseek-v3" else 0)
+    if depth:
+        from transformers.modeling_layers import MtpModel
+
+        with torch.device("meta"):
+            mtp = MtpModel(model, depth)
+        shared = {id(p) for p in model.parameters()}
+        main += sum(p.numel() for p in mtp.parameters() if id(p) not in shared)
+    assert main == estimate(spec).params.total
 
 
 def test_latent_cache_bytes_are_the_latent_and_the_rotary_key():

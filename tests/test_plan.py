@@ -348,9 +348,10 @@ def test_a_recipe_the_plan_cannot_find_is_one_line(capsys):
 
 
 def test_a_refusal_for_sharded_states_says_what_makes_one_rank_hold_that_much(capsys):
-    """DeepSeek-V3's 671B parameters over 2,048 GPUs are ~5 GB of states each at 16 bytes, yet a
+    """DeepSeek-V3's 683B parameters over 2,048 GPUs are ~5 GB of states each at 16 bytes, yet a
     rank needs far more: the line splits the floor into the rank's shard and the largest unit
-    FSDP gathers whole (a 256-expert layer), and the parts add up to it."""
+    FSDP gathers whole (a 256-expert layer: the multi-token-prediction head holds one beside the
+    output projection), and the parts add up to it."""
     import re
 
     rc, out = _plan_json(capsys, "deepseek-v3", "--gpus", "2048", "--gpu-memory", "80GiB", "--global-batch", "2048")
@@ -360,4 +361,5 @@ def test_a_refusal_for_sharded_states_says_what_makes_one_rank_hold_that_much(ca
         float(x) for x in re.findall(r"([\d.]+) GiB", line)[:1] + re.findall(r"([\d.]+) GiB is", line)
     )
     assert held + in_flight == pytest.approx(floor, abs=0.02)
-    assert re.search(r"the largest FSDP unit, decoder\.layers\.\d+ \([\d,]+ parameters", line) and "gathers" in line
+    assert re.search(r"the largest FSDP unit, (decoder\.layers\.\d+|head) \([\d,]+ parameters", line)
+    assert "gathers" in line

@@ -37,9 +37,10 @@ EXPECTED_PARAMS = {
     "qwen2-0.5b": 494_032_768,
     "mpt-7b": 6_649_286_656,
     "pythia-160m": 162_322_944,
-    # transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM built on meta (tests/test_deepseek.py)
+    # transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM built on meta (tests/test_deepseek.py);
+    # V3's with its multi-token-prediction module (transformers' MtpModel less the shared embedding and head)
     "deepseek-v2-lite": 15_706_484_224,
-    "deepseek-v3": 671_026_404_352,
+    "deepseek-v3": 682_636_472_320,
 }
 
 

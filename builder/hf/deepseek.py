@@ -8,8 +8,16 @@ complex rotation, V3's ``rope_interleave``); our RoPE rotates halves, so the rot
 ``q_proj``/``q_b_proj`` and ``kv_a_proj_with_mqa`` are permuted on import and back on export,
 which leaves every score unchanged. Routed experts are per-expert tensors on disk (as
 ``save_pretrained`` and the released checkpoints write them) and stacked here; transformers
-5.x's in-memory fused ``gate_up_proj`` layout reads too. The multi-token-prediction layer of a
-V3 checkpoint (``model.layers.61``) is skipped, as transformers skips it.
+5.x's in-memory fused ``gate_up_proj`` layout reads too.
+
+V3's multi-token prediction (``num_nextn_predict_layers`` modules, head ``mtp``) is read and
+written: module ``k`` is ``model.layers.{num_hidden_layers + k}``, a decoder layer's tensors plus
+``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``; its ``embed_tokens`` and
+``shared_head.head`` are copies of the main model's, which import checks are equal (the model
+shares one of each) and export writes again. A checkpoint without those tensors (transformers
+saves the main model only) reads as the main model, whatever its config says. The loss weight, a
+training setting with no Hugging Face key, travels as ``mtp_loss_weight`` (transformers keeps
+unknown keys).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass
 from builder.hf import names as ours
 from builder.hf.common import (
     Family,
+    HFError,
     Link,
     Unsupported,
     activation_from_hf,
@@ -74,6 +83,35 @@ def _stacked(hf: list[str], our: str) -> Link:
         return [torch.stack(ts, dim=0)]
 
     return Link(tuple(hf), (our,), to_ours, lambda ts: [t.contiguous() for t in ts[0].unbind(0)])
+
+
+def _shared(hf: list[str], our: str) -> Link:
+    """One tensor of ours that the checkpoint stores several times (the main model's embedding or
+    head and each multi-token-prediction module's copy): import checks the copies are equal."""
+
+    def to_ours(ts):
+        import torch
+
+        for name, t in zip(hf[1:], ts[1:]):
+            if t.shape != ts[0].shape or not torch.equal(t, ts[0]):
+                raise HFError(
+                    f"{name} differs from {hf[0]}; this model shares one tensor between the main model "
+                    "and its multi-token-prediction modules"
+                )
+        return [ts[0]]
+
+    return Link(tuple(hf), (our,), to_ours, lambda ts: [ts[0]] + [ts[0].clone() for _ in hf[1:]])
+
+
+def _mtp_depth(config: dict, names: set[str], n_layers: int, family: str) -> int:
+    """The multi-token-prediction modules the folder holds: ``num_nextn_predict_layers``, or 0
+    when its tensors are absent (a checkpoint of the main model alone)."""
+    depth = config.get("num_nextn_predict_layers") or 0
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise HFError(f"{family}: num_nextn_predict_layers: expected an integer from 0, got {depth!r}")
+    if depth and names and not all(f"model.layers.{n_layers + k}.eh_proj.weight" in names for k in range(depth)):
+        return 0
+    return depth
 
 
 class DeepSeek(Family):
@@ -133,6 +171,13 @@ class DeepSeek(Family):
         }
         if 0 < first_dense < n_layers:
             stack["overrides"] = [{"layers": f"0:{first_dense}", "ffn": dense}]
+        head = {"type": "lm", "bias": False}
+        depth = _mtp_depth(config, names, n_layers, family) if v3 else 0
+        if depth:  # each module's layer: the stack's own blocks (the MoE layer), as transformers builds it
+            weight = config.get("mtp_loss_weight", 0.3)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise HFError(f"{family}: mtp_loss_weight: expected a number, got {type(weight).__name__}")
+            head = {"type": "mtp", "num_nextn_predict_layers": depth, "loss_weight": float(weight)}
         return {
             "architecture": "decoder-only",
             "vocab_size": need(config, "vocab_size", family),
@@ -142,7 +187,7 @@ class DeepSeek(Family):
             "embedding": {"scale": "none"},
             "position": rope_from_hf(config, 10000.0, rope, mscale=True),
             "decoder": stack,
-            "head": {"type": "lm", "bias": False},
+            "head": head,
         }
 
     def _v2_routing(self, config: dict) -> dict:
@@ -214,6 +259,7 @@ class DeepSeek(Family):
             "tie_word_embeddings": spec.tie_embeddings,
             **rope_to_hf(spec.position),
         }
+        config.update(self._mtp_config(spec, moe))
         expert = moe.expert if moe is not None else dense
         config["hidden_act"] = activation_to_hf(getattr(expert, "activation", "silu"), "gelu_pytorch_tanh")
         config["intermediate_size"] = dense.resolved_hidden_dim(spec.d_model) if dense is not None else 1
@@ -236,37 +282,62 @@ class DeepSeek(Family):
             config.update(topk_method="greedy" if moe.n_groups == 1 else "group_limited_greedy", scoring_func="softmax")
         return config
 
+    def _mtp_config(self, spec, moe) -> dict:
+        """``num_nextn_predict_layers`` (0 without an ``mtp`` head) and the loss weight."""
+        head = spec.head
+        if head.type != "mtp":
+            return {"num_nextn_predict_layers": 0} if self.knobs.v3 else {}
+        if not self.knobs.v3:
+            raise Unsupported(f"head is mtp; {self.model_type} has no multi-token prediction (deepseek_v3 has)")
+        if moe is None:
+            raise Unsupported("head is mtp over a decoder without a MoE layer; deepseek_v3's modules are MoE layers")
+        return {"num_nextn_predict_layers": head.num_nextn_predict_layers, "mtp_loss_weight": head.loss_weight}
+
     # tensor names
     def links(self, spec) -> list[Link]:
-        stack = spec.decoder
+        stack, head = spec.decoder, spec.head
+        depth = head.num_nextn_predict_layers if head.type == "mtp" else 0
+        mtp = [f"model.layers.{stack.n_layers + k}" for k in range(depth)]
+        tied = spec.tie_embeddings
+        embedding = ["model.embed_tokens.weight"] + [f"{h}.embed_tokens.weight" for h in mtp]
+        embedding += [f"{h}.shared_head.head.weight" for h in mtp] if tied else []  # the head is the embedding
         links = [
-            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
+            _shared(embedding, ours.token_embedding("decoder")),
             same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
         ]
         for i in range(stack.n_layers):
-            layer = stack.layer(i)
-            h, attn, ffn = f"model.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
-            links += self._attention_links(f"{h}.self_attn", attn, layer.attention)
-            links += [
-                same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
-                same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight"),
-            ]
-            config = layer.ffn
-            if config.type != "deepseek_moe":
-                links += [same(f"{h}.mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight") for p in ("gate", "up", "down")]
-                continue
-            links.append(same(f"{h}.mlp.gate.weight", f"{ffn}.router.weight"))
-            if config.expert_bias:
-                links.append(same(f"{h}.mlp.gate.e_score_correction_bias", f"{ffn}.expert_bias"))
-            for p in ("gate", "up", "down"):
-                per_expert = [f"{h}.mlp.experts.{e}.{p}_proj.weight" for e in range(config.n_experts)]
-                links.append(_stacked(per_expert, f"{ffn}.experts.{p}_proj.weight"))
-                if config.n_shared_experts:
-                    links.append(
-                        same(f"{h}.mlp.shared_experts.{p}_proj.weight", f"{ffn}.shared_experts.{p}_proj.weight")
-                    )
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
+            links += self._layer_links(f"model.layers.{i}", ours.layer("decoder", i), stack.layer(i))
+        for k, h in enumerate(mtp):
+            module = ours.head(f"mtp.{k}")
+            links += self._layer_links(h, f"{module}.layer", head.layer.layer())
+            links += [same(f"{h}.{n}.weight", f"{module}.{n}.weight") for n in ("enorm", "hnorm", "eh_proj")]
+            links.append(same(f"{h}.shared_head.norm.weight", f"{module}.norm.weight"))
+        if not tied:
+            links.append(
+                _shared(["lm_head.weight"] + [f"{h}.shared_head.head.weight" for h in mtp], ours.head_projection())
+            )
+        return links
+
+    def _layer_links(self, h: str, layer: str, config) -> list[Link]:
+        """One decoder layer's tensors: ``h`` its Hugging Face prefix, ``layer`` ours (a stack's
+        layer, or a multi-token-prediction module's)."""
+        ffn = f"{layer}.ffn"
+        links = self._attention_links(f"{h}.self_attn", f"{layer}.attention", config.attention)
+        links += [
+            same(f"{h}.input_layernorm.weight", f"{layer}.attention_norm.weight"),
+            same(f"{h}.post_attention_layernorm.weight", f"{layer}.ffn_norm.weight"),
+        ]
+        moe = config.ffn
+        if moe.type != "deepseek_moe":
+            return links + [same(f"{h}.mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight") for p in ("gate", "up", "down")]
+        links.append(same(f"{h}.mlp.gate.weight", f"{ffn}.router.weight"))
+        if moe.expert_bias:
+            links.append(same(f"{h}.mlp.gate.e_score_correction_bias", f"{ffn}.expert_bias"))
+        for p in ("gate", "up", "down"):
+            per_expert = [f"{h}.mlp.experts.{e}.{p}_proj.weight" for e in range(moe.n_experts)]
+            links.append(_stacked(per_expert, f"{ffn}.experts.{p}_proj.weight"))
+            if moe.n_shared_experts:
+                links.append(same(f"{h}.mlp.shared_experts.{p}_proj.weight", f"{ffn}.shared_experts.{p}_proj.weight"))
         return links
 
     @staticmethod
@@ -333,9 +404,8 @@ def _deepseek(model_type: str, hf_class: str, description: str, knobs: DeepSeekK
         auto_class="AutoModelForCausalLM",
         description=description,
         tied=("lm_head.weight", "model.embed_tokens.weight"),
-        # recomputed rotary buffers; V3's multi-token-prediction layer, which transformers skips too
-        ignored=(r"model\.rotary_emb\.inv_freq", r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-        + ((r"model\.layers\.61\..*",) if knobs.v3 else ()),
+        # recomputed rotary buffers
+        ignored=(r"model\.rotary_emb\.inv_freq", r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
         alternative_links=fused_experts,
     )
 
