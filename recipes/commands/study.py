@@ -1,0 +1,231 @@
+"""`builder study show|report|fit STUDY`: a study's trials as a table, its report and plots, its scaling-law fit.
+
+``show`` prints the table of trials (the values that vary, parameters, FLOPs, tokens, final and
+best validation loss, wall time, status; ``*`` marks the Pareto front of loss against compute).
+``report`` prints it too and writes the plots and CSV/JSON exports (default ``STUDY_OUTPUT/report``).
+``fit`` fits Chinchilla's ``L(N, D) = E + A/N^alpha + B/D^beta`` with bootstrap intervals and
+answers, for a compute budget, the compute-optimal parameters and tokens and the study's spec
+nearest to it; ``--predict`` gives the loss of any variant at any token count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from builder.cli.arguments import count, number, output_file
+
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="the table of trials")
+    report = actions.add_parser("report", help="the table, the Pareto front, plots (PNG) and CSV/JSON exports")
+    fit = actions.add_parser("fit", help="Chinchilla's scaling law fitted to the trials; compute-optimal models")
+    for sub in (show, report, fit):
+        sub.add_argument("study", metavar="STUDY", help="a study file run by `builder sweep`")
+        sub.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    report.add_argument(
+        "--out", metavar="DIR", help="where the plots and exports go (default: the study's output_dir/report)"
+    )
+    report.add_argument(
+        "--csv", metavar="FILE", type=output_file, help="also write the rows here (default: DIR/trials.csv)"
+    )
+    budget = fit.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--flops", type=number(above=0), metavar="C", help="a compute budget in training FLOPs (default: none)"
+    )
+    budget.add_argument(
+        "--gpu-hours",
+        type=number(above=0),
+        metavar="H",
+        help="a compute budget in GPU-hours: H x 3600 x the GPU's peak x --mfu FLOPs (default: none)",
+    )
+    fit.add_argument(
+        "--gpu", default="H100 SXM", help="the GPU of --gpu-hours, as builder plan names it (default: H100 SXM)"
+    )
+    fit.add_argument(
+        "--mfu", type=number(above=0, maximum=1), default=0.4, help="the MFU of --gpu-hours (default: 0.4)"
+    )
+    fit.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "tf32", "fp32"),
+        default="bf16",
+        help="the peak of --gpu-hours (default: bf16)",
+    )
+    fit.add_argument(
+        "--predict",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="a variant of the study's base recipe (--set values over the study's set) whose loss to predict",
+    )
+    fit.add_argument("--tokens", type=number(above=0), help="the tokens --predict trains on (default: its budget's)")
+    fit.add_argument(
+        "--bootstrap", type=count(minimum=0, maximum=10000), default=200, help="bootstrap resamples (default: 200)"
+    )
+    fit.add_argument(
+        "--max-flops", type=number(above=0), metavar="C", help="fit only the trials of at most C FLOPs (default: all)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from builder.spec.source import SpecError
+    from recipes.errors import RecipeError
+
+    try:
+        return {"show": _show, "report": _report, "fit": _fit}[args.action](args)
+    except SpecError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except (RecipeError, ValueError) as exc:
+        print(f"builder study {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _table(args):
+    from recipes.studies import report, store
+    from recipes.studies.schema import load_study
+
+    loaded = load_study(args.study)
+    study, _ = store.open_study(loaded, create=False)
+    return loaded, report.rows(loaded, study)
+
+
+def _show(args) -> int:
+    from recipes.studies import report
+
+    loaded, table = _table(args)
+    if args.json:
+        print(json.dumps({"study": loaded.name, "trials": table}, default=str))
+    else:
+        report.print_table(loaded, table)
+    return 0
+
+
+def _report(args) -> int:
+    from recipes.studies import report
+
+    loaded, table = _table(args)
+    folder = Path(args.out) if args.out else loaded.root / "report"
+    csv_path = Path(args.csv) if args.csv else folder / "trials.csv"
+    report.export(loaded, table, csv_path, folder / "trials.json")
+    plots = report.plot(loaded, table, folder)
+    front = report.pareto(table)
+    if args.json:
+        print(json.dumps({"study": loaded.name, "pareto": [r["trial"] for r in front], "plots": list(map(str, plots))}))
+        return 0
+    report.print_table(loaded, table)
+    if front:
+        print("Pareto front (loss vs FLOPs): " + ", ".join(f"{r['variant']} {r['final_val']:.4f}" for r in front))
+    print(f"wrote {csv_path}, {folder / 'trials.json'}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+def _fit(args) -> int:
+    from recipes.studies import scaling
+
+    loaded, table = _table(args)
+    kept = [r for r in table if args.max_flops is None or (r["flops"] or 0) <= args.max_flops]
+    params, tokens, losses = scaling.study_points(kept)
+    fitted = scaling.fit(params, tokens, losses, bootstrap=args.bootstrap)
+    law, result = fitted.law, {"points": fitted.points, "law": fitted.law.to_dict(), "intervals": fitted.intervals()}
+    compute = _compute(args)
+    if compute is not None:
+        n_opt, d_opt = law.optimal(compute)
+        members = _members(table)
+        best = scaling.best_member(law, members, compute)
+        result["budget"] = {
+            "flops": compute,
+            "params": n_opt,
+            "tokens": d_opt,
+            "loss": float(law.loss(n_opt, d_opt)),
+            "params_interval": fitted.interval(lambda fit_law: fit_law.optimal(compute)[0]),
+            "tokens_interval": fitted.interval(lambda fit_law: fit_law.optimal(compute)[1]),
+            "loss_interval": fitted.interval(lambda fit_law: fit_law.loss(*fit_law.optimal(compute))),
+            "nearest": {
+                **best,
+                "interval": fitted.interval(lambda fit_law: fit_law.loss(best["params"], best["tokens"])),
+            },
+        }
+    if args.predict:
+        result["prediction"] = _prediction(loaded, args, fitted)
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        _print_fit(result, fitted)
+    return 0
+
+
+def _compute(args) -> float | None:
+    if args.flops is not None:
+        return args.flops
+    if args.gpu_hours is None:
+        return None
+    from builder.analysis.mfu import peak_flops
+
+    peak = peak_flops(args.gpu, args.dtype)
+    if peak is None:
+        raise ValueError(f"--gpu {args.gpu!r}: no peak FLOP/s known for it (builder plan's GPUs: H100 SXM, A100, ...)")
+    return args.gpu_hours * 3600 * peak * args.mfu
+
+
+def _members(table: list[dict]) -> list[dict]:
+    """The study's distinct models: parameters, FLOPs per token, family."""
+    out = {}
+    for row in table:
+        if row["params"] and row["flops_per_token"]:
+            out.setdefault(row["params"], {k: row[k] for k in ("params", "flops_per_token", "family")})
+    return list(out.values())
+
+
+def _prediction(loaded, args, fitted) -> dict:
+    from builder.spec.loader import parse_set_args
+    from recipes.studies.variants import check
+
+    variant = check(loaded, parse_set_args(args.predict))
+    tokens = args.tokens or variant.tokens
+    return {
+        "variant": " ".join(args.predict),
+        "params": variant.params,
+        "flops_per_token": variant.flops_per_token,
+        "tokens": tokens,
+        "flops": tokens * variant.flops_per_token,
+        "loss": float(fitted.law.loss(variant.params, tokens)),
+        "interval": fitted.interval(lambda law: law.loss(variant.params, tokens)),
+    }
+
+
+def _print_fit(result: dict, fitted) -> None:
+    from builder.analysis.report import human
+
+    print(
+        f"L(N, D) = E + A / N^alpha + B / D^beta fitted to {result['points']} runs (the best final loss per "
+        f"parameters and tokens; Huber delta 1e-3 on log loss, L-BFGS from a grid), "
+        f"95% intervals from {len(fitted.boot)} bootstrap resamples:"
+    )
+    for name, value in result["law"].items():
+        low, high = result["intervals"][name]
+        print(f"  {name:<6} {value:>12.4g}   [{low:.4g}, {high:.4g}]")
+    budget = result.get("budget")
+    if budget:
+        (pl, ph), (tl, th), (ll, lh) = budget["params_interval"], budget["tokens_interval"], budget["loss_interval"]
+        print(
+            f"compute {budget['flops']:.3g} FLOPs (C = 6ND): {human(budget['params'])} parameters "
+            f"[{human(pl)}, {human(ph)}], {human(budget['tokens'])} tokens [{human(tl)}, {human(th)}], "
+            f"loss {budget['loss']:.4f} [{ll:.4f}, {lh:.4f}]"
+        )
+        near = budget["nearest"]
+        low, high = near["interval"]
+        print(
+            f"  the study's spec for it: {near['family'] or 'its model'} ({near['params']:,} parameters, "
+            f"{near['flops_per_token']:,} FLOPs/token): {human(near['tokens'])} tokens, predicted loss "
+            f"{near['predicted']:.4f} [{low:.4f}, {high:.4f}]"
+        )
+    prediction = result.get("prediction")
+    if prediction:
+        low, high = prediction["interval"]
+        print(
+            f"{prediction['variant']}: {prediction['params']:,} parameters at {human(prediction['tokens'])} tokens "
+            f"({prediction['flops']:.3g} FLOPs): predicted loss {prediction['loss']:.4f} [{low:.4f}, {high:.4f}]"
+        )
