@@ -98,6 +98,7 @@ class Sweep:
         self.started = 0
         self.running: list[Running] = []
         self.stopping = False
+        self.ready = False  # whether the trials' shared data is made (see _slots)
         slots, per = self.settings.parallel.trials, self.settings.parallel.devices
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         pool = visible.split(",") if visible else [str(i) for i in range(slots * per)]
@@ -113,7 +114,7 @@ class Sweep:
         try:
             while not self.stopping:
                 self._look()
-                while not self.stopping and len(self.running) < self.settings.parallel.trials and self._start_next():
+                while not self.stopping and len(self.running) < self._slots() and self._start_next():
                     pass
                 if not self.running and not self.stopping:
                     break
@@ -123,6 +124,13 @@ class Sweep:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return 130 if self.stopping else 0
+
+    def _slots(self) -> int:
+        """Trials that may run now: one until a trial of this sweep has trained a step (its corpus
+        tokenized and its tokenizer made, into the cache every trial shares), then all of them."""
+        if not self.ready:
+            self.ready = any(read_curve(trial_dir(self.loaded, r.variant.name))[1] for r in self.running)
+        return self.settings.parallel.trials if self.ready else 1
 
     def _signalled(self, signum, frame) -> None:
         if self.stopping:  # a second signal: stop waiting for checkpoints
@@ -241,6 +249,7 @@ class Sweep:
             if r.why is not None and now - r.told > STOP_GRACE / (4 if r.why == "time limit" else 1):
                 _kill(r.process, signal.SIGKILL)
             if r.process.poll() is not None:
+                self.ready = self.ready or r.process.returncode == 0
                 self.running.remove(r)
                 self.free_devices += r.devices
                 self._finish(r)
