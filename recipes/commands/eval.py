@@ -53,6 +53,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how_many.add_argument(
         "--all", action="store_true", help="score every batch (an LM: every consecutive window of the data)"
     )
+    harness = parser.add_argument_group("downstream tasks (LM checkpoints; EleutherAI's lm-evaluation-harness)")
+    harness.add_argument(
+        "--tasks",
+        type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+        metavar="NAME,...",
+        help="score lm-eval tasks instead of the loss: lm-eval's own, or defined in --task-path (default: none)",
+    )
+    harness.add_argument(
+        "--task-path",
+        metavar="DIR",
+        type=input_path,
+        help="a folder of lm-eval task YAML files, which may name local data files (default: lm-eval's tasks only)",
+    )
+    harness.add_argument(
+        "--limit", type=count(), metavar="N", help="score the first N examples of each task (default: all)"
+    )
+    harness.add_argument(
+        "--num-fewshot", type=count(minimum=0), metavar="K", help="few-shot examples per prompt (default: the task's)"
+    )
     parser.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     add_plugin_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -32,9 +32,10 @@ POLL = 1.0
 STOP_GRACE = 60.0
 
 
-def read_curve(run_dir: Path) -> tuple[list[tuple[int, float]], int]:
+def read_curve(run_dir: Path, planned: int | None = None) -> tuple[list[tuple[int, float]], int]:
     """``([(step, validation loss), ...], steps trained)`` from a run's latest CSV log (Lightning
-    logs step N as N - 1)."""
+    logs step N as N - 1 during training, the last validation after it at N: ``planned``, the
+    run's max_steps, bounds both)."""
     versions = sorted((run_dir / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
     if not versions:
         return [], 0
@@ -43,6 +44,7 @@ def read_curve(run_dir: Path) -> tuple[list[tuple[int, float]], int]:
         with versions[-1].open(newline="") as f:
             for row in csv.DictReader(f):
                 step = int(row.get("step") or -1) + 1
+                step = min(step, planned) if planned else step
                 steps = max(steps, step)
                 if row.get("val_loss"):
                     curve.append((step, float(row["val_loss"])))
@@ -256,7 +258,7 @@ class Sweep:
 
     def _report(self, r: Running) -> None:
         """Tell the study each new validation loss; stop the trial when the pruner says so."""
-        curve, _ = read_curve(trial_dir(self.loaded, r.variant.name))
+        curve, _ = read_curve(trial_dir(self.loaded, r.variant.name), r.variant.steps)
         for index in range(r.reported, len(curve)):
             r.trial.report(curve[index][1], step=index + 1)
         if len(curve) > r.reported and r.why is None and self.settings.pruner is not None:
@@ -272,7 +274,7 @@ class Sweep:
         from optuna.trial import TrialState
 
         trial, variant = r.trial, r.variant
-        curve, steps = read_curve(trial_dir(self.loaded, variant.name))
+        curve, steps = read_curve(trial_dir(self.loaded, variant.name), variant.steps)
         wall = time.time() - r.started + earlier_wall(self.study, trial)
         results = {"wall_s": round(wall, 1), "curve": curve, "steps": steps}
         if curve:

@@ -60,7 +60,7 @@ class Corpus:
 class LanguageModelling(Corpus, Task):
     name = "lm"
     recipe = Recipe
-    eval_options = ("data", "seq_len", "batch_size", "max_batches", "all")
+    eval_options = ("data", "seq_len", "batch_size", "max_batches", "all", "tasks", "task_path", "limit", "num_fewshot")
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
 
     def prepare(self, recipe, recipe_file: Path, samples: bool):
@@ -76,15 +76,38 @@ class LanguageModelling(Corpus, Task):
     def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
         return [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
 
+    def check_eval_arguments(self, args) -> None:
+        from builder.cli.arguments import ArgumentError
+
+        given = [name for name in ("task_path", "limit", "num_fewshot") if getattr(args, name, None) is not None]
+        if given and not getattr(args, "tasks", None):
+            raise ArgumentError(f"--{given[0].replace('_', '-')} goes with --tasks")
+        if getattr(args, "tasks", None) and (args.data or args.max_batches or args.all):
+            raise ArgumentError("--tasks scores lm-eval tasks; --data, --max-batches and --all score the loss")
+
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        self.check_meta(meta)
+        if getattr(args, "tasks", None):  # downstream tasks through lm-eval (recipes/studies/harness.py)
+            try:
+                from recipes.studies.harness import BuilderLM, evaluate_tasks
+            except ImportError as exc:
+                raise RecipeError(
+                    f"--tasks needs lm-eval ({exc}): pip install 'transformer-builder[harness]'"
+                ) from None
+            lm = BuilderLM(model, tokenizer, batch_size=args.batch_size or 16, max_length=args.seq_len)
+            return {"harness": evaluate_tasks(lm, args.tasks, args.task_path, args.limit, args.num_fewshot)}
         from recipes.tasks.lm.training import evaluate_checkpoint
 
-        self.check_meta(meta)
         return evaluate_checkpoint(model, tokenizer, meta, args)
 
     def print_evaluation(self, result: dict, args) -> None:
         from recipes.tasks.task import scored
 
+        if "harness" in result:
+            print(f"{result['checkpoint']} (step {result['step']}), lm-eval:")
+            for name, value in result["harness"].items():
+                print(f"  {name}: {value:.4f}")
+            return
         print(
             f"{result['checkpoint']} (step {result['step']}) on {result['data']}: {result['tokens']:,} tokens, "
             f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
