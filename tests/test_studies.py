@@ -71,7 +71,7 @@ def fake_trials(tmp_path, monkeypatch):
         mode = {48: "crash", 40: "hang"}.get(d_model, "ok")
         runs.append(variant.name)
         out = runner.trial_dir(loaded, variant.name).resolve()
-        return [sys.executable, str(script), str(out), mode, "4", str(3.0 + 32 / d_model)]
+        return [sys.executable, str(script), str(out), mode, str(variant.steps or 4), str(3.0 + 32 / d_model)]
 
     monkeypatch.setattr(runner, "train_command", command)
     monkeypatch.setattr(runner, "POLL", 0.05)
@@ -312,6 +312,21 @@ def test_a_fit_of_too_few_runs_is_one_line(tmp_path, capsys, fake_trials):
     capsys.readouterr()
     assert main(["study", "fit", str(path)]) == 1
     assert "needs at least 5 runs" in one_error_line(capsys.readouterr().err, "builder study fit:")
+
+
+def test_fit_answers_a_budget_and_predicts_a_variant(tmp_path, capsys, fake_trials):
+    path = write_study(tmp_path, axes={"d_model": [16, 32, 64, 128]}, budget={"steps": [2, 3, 4], "validations": 1})
+    assert sweep(path) == 0
+    capsys.readouterr()
+    args = ["study", "fit", str(path), "--flops", "1e12", "--predict", "d_model=256", "--tokens", "1e5"]
+    assert main([*args, "--bootstrap", "10", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["points"] == 12 and set(result["law"]) == {"E", "A", "B", "alpha", "beta"}
+    assert result["budget"]["nearest"]["family"].startswith("d_model=")
+    assert result["prediction"]["params"] > max(r["params"] for r in report.rows(load_study(path), open_db(path)))
+    assert main([*args, "--bootstrap", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "fitted to 12 runs" in out and "the study's spec for it: d_model=" in out and "predicted loss" in out
 
 
 @pytest.mark.slow

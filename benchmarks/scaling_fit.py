@@ -1,0 +1,107 @@
+"""Does a study's scaling-law fit predict a run it never saw? Fit Chinchilla's ``L(N, D)`` to a
+finished study (``builder study fit``'s fit), take a compute budget ``--factor`` times the largest
+any fitted trial spent, let the fit pick the study's spec for it (the one it predicts lowest),
+train that spec at that budget with the study's best learning rate for it (a trial of the study's
+own recipe, in its own run folder), and compare the measured final validation loss with the
+prediction and its bootstrap interval.
+
+    python benchmarks/scaling_fit.py recipes/studies/examples/tiny-lm.yaml --factor 4 --out fit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from machine import emit, machine
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study", help="a study file whose sweep has finished")
+    parser.add_argument("--factor", type=float, default=4.0, help="held-out compute / the largest fitted trial's")
+    parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples of the fit")
+    parser.add_argument("--out", help="also write the result here (JSON)")
+    args = parser.parse_args()
+
+    from recipes.studies import report, scaling, store
+    from recipes.studies.runner import read_curve
+    from recipes.studies.schema import load_study
+    from recipes.studies.variants import axis_values, budget_axis, check, train_command, trial_dir
+
+    print(f"machine: {machine()}", flush=True)
+    loaded = load_study(args.study)
+    study, _ = store.open_study(loaded, create=False)
+    table = report.rows(loaded, study)
+    done = [r for r in table if r["status"] == "complete"]
+    params, tokens, losses = scaling.study_points(done)
+    fitted = scaling.fit(params, tokens, losses, bootstrap=args.bootstrap)
+    largest = max(r["flops"] for r in done)
+    compute = args.factor * largest
+    members = {r["params"]: {k: r[k] for k in ("params", "flops_per_token", "family")} for r in done}
+    chosen = scaling.best_member(fitted.law, list(members.values()), compute)
+    family = [r for r in done if r["params"] == chosen["params"]]
+    at_most = max(r["flops"] for r in family)
+    best = min((r for r in family if r["flops"] == at_most), key=lambda r: r["final_val"])  # its best tuning
+    values = {k: best[k] for k in best if k in axis_values(loaded)}
+    values[budget_axis(loaded)] = compute
+    variant = check(loaded, values)
+    print(
+        f"fitted {fitted.points} points (largest trial {largest:.3g} FLOPs); held out: {variant.name} at "
+        f"{compute:.3g} FLOPs ({variant.steps:,} steps, {variant.tokens:,} tokens)",
+        flush=True,
+    )
+    run_dir = trial_dir(loaded, variant.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with (run_dir / "trial.log").open("ab") as log:
+        done_run = subprocess.run(
+            ["nice", "-n", "19", *train_command(loaded, variant)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, TQDM_DISABLE="1"),
+        )
+    if done_run.returncode:
+        print(f"the held-out run failed (exit {done_run.returncode}); see {run_dir / 'trial.log'}", file=sys.stderr)
+        return 1
+    curve, steps = read_curve(run_dir, variant.steps)
+    measured = curve[-1][1]
+    trained = steps * variant.tokens_per_step
+    predicted = float(fitted.law.loss(variant.params, trained))
+    low, high = fitted.interval(lambda law: law.loss(variant.params, trained))
+    error = (predicted - measured) / measured
+    print(
+        f"held-out {variant.name}: measured {measured:.4f}, predicted {predicted:.4f} [{low:.4f}, {high:.4f}], "
+        f"error {error:+.2%} ({time.time() - start:.0f} s)",
+        flush=True,
+    )
+    return emit(
+        {
+            "benchmark": "scaling_fit",
+            "machine": machine(),
+            "study": loaded.name,
+            "points": fitted.points,
+            "law": fitted.law.to_dict(),
+            "intervals": fitted.intervals(),
+            "largest_fitted_flops": largest,
+            "held_out": variant.name,
+            "held_out_flops": float(trained) * variant.flops_per_token,
+            "params": variant.params,
+            "tokens": trained,
+            "measured": measured,
+            "predicted": predicted,
+            "interval": [low, high],
+            "relative_error": error,
+            "seconds": round(time.time() - start, 1),
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    raise SystemExit(main())
