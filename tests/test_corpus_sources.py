@@ -10,7 +10,7 @@ import pytest
 import yaml
 from recipe_helpers import tiny_recipe
 
-from recipes.recipe.sections import RecipeError
+from recipes.errors import RecipeError
 
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
 

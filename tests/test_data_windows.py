@@ -12,7 +12,7 @@ import torch
 from recipes.data.megatron import Part, read_megatron, read_raw, write_megatron
 from recipes.data.mixture import BLOCK, Blend, Source, Stream
 from recipes.data.windows import IGNORE, Mixture, TrainWindows, ValWindows, to_batch
-from recipes.recipe.sections import RecipeError
+from recipes.errors import RecipeError
 
 
 def documented_megatron(prefix, documents, code=8, dtype="<u2"):

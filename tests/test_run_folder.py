@@ -52,7 +52,7 @@ def test_a_second_run_stops_at_once_and_a_dead_holders_lock_is_taken_over(tmp_pa
 
 
 def test_a_record_from_another_host_is_trusted_while_it_is_fresh(tmp_path):
-    from recipes.recipe.sections import RecipeError
+    from recipes.errors import RecipeError
     from recipes.training.run_folder import STALE_S, RunLock
 
     lock_file = tmp_path / "run.lock"
