@@ -6,8 +6,9 @@ Writes ``DIR/config.json`` and ``DIR/model.safetensors`` for the first Hugging F
 expresses the spec exactly (or ``--family``), loadable with ``transformers``' Auto classes; a
 checkpoint's tokenizer as ``tokenizer.json`` (with ``tokenizer_config.json`` and its special
 tokens) and ``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")``
-load the folder (an import's tokenizer files are carried over). Exit 1 with, for each family,
-the first thing it cannot express.
+load the folder (an import's tokenizer files are carried over). A spec no family expresses exits
+1 before any weights are read, in one line naming the nearest family and the first field it
+would change.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ count and a one-line description. Torch-free.
 The family of a spec is the Hugging Face model type it exports to exactly (``builder export-hf``),
 else its architecture; a recipe's is its task, and its parameters are its model's (with the
 vocabulary its tokenizer will have; ``~`` where that is known only once the data is read). The
-description is the first phrase of the file's header
-comment.
+export column is the Hugging Face model type a spec, or the model a recipe trains, is written
+as (``-``: none; ``builder describe`` says the nearest and why). The description is the first
+phrase of the file's header comment.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def rows(kind: str | None = None) -> list[dict]:
-    """One dict per zoo entry: name, kind, family, params, description, path."""
+    """One dict per zoo entry: name, kind, family, export, params, description, path."""
     from builder.spec.kinds import kinds
     from builder.spec.loader import SpecError
     from builder.zoo import entries
@@ -46,6 +47,7 @@ def rows(kind: str | None = None) -> list[dict]:
                 "name": entry.name,
                 "kind": entry.kind,
                 "family": summary.get("family", ""),
+                "export": summary.get("export"),
                 "params": summary.get("params"),
                 "params_approximate": bool(summary.get("approximate")),
                 "description": description(entry.path),
@@ -57,22 +59,21 @@ def rows(kind: str | None = None) -> list[dict]:
 
 
 def summarize(kind, path: Path) -> dict:
-    """``family`` and ``params`` of the model a file describes (its kind's ``model``), with the
-    kind's own facts: the family a kind names (a recipe's task), else the Hugging Face model type
-    the spec exports to exactly, else its architecture."""
+    """``family``, ``export`` and ``params`` of the model a file describes (its kind's ``model``),
+    with the kind's own facts: the family a kind names (a recipe's task), else the Hugging Face
+    model type the spec exports to exactly (``export``, None when none does), else its architecture."""
     if kind.model is None:
         return {}
     from builder.analysis.estimates import estimate
     from builder.hf import Unsupported, choose_family
 
     spec, facts = kind.model(path)
-    family = facts.get("family")
-    if family is None:
-        try:
-            family = choose_family(spec)[0].model_type
-        except Unsupported:
-            family = spec.architecture
-    return {**facts, "family": family, "params": estimate(spec, seq_len=1).params.total}
+    try:
+        export = choose_family(spec)[0].model_type
+    except Unsupported:
+        export = None
+    family = facts.get("family") or export or spec.architecture
+    return {**facts, "family": family, "export": export, "params": estimate(spec, seq_len=1).params.total}
 
 
 def description(path: Path, width: int = 56) -> str:
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         ("name", "left"),
         ("kind", "left"),
         ("family", "left"),
+        ("export", "left"),
         ("params", "right"),
         ("description", "left"),
     ):
@@ -123,6 +125,13 @@ def run(args: argparse.Namespace) -> int:
     for row in found:
         params = human(row["params"]) if row["params"] is not None else "?"
         params = f"~{params}" if row["params_approximate"] else params
-        table.add_row(row["name"], row["kind"], row["family"], params, row.get("problem") or row["description"])
+        table.add_row(
+            row["name"],
+            row["kind"],
+            row["family"],
+            row.get("export") or "-",
+            params,
+            row.get("problem") or row["description"],
+        )
     Console().print(table)
     return 0

@@ -28,8 +28,9 @@ and the key or tensor. Every family is a table in :mod:`builder.hf.decoders`, :m
 :mod:`builder.hf.deepseek` or :mod:`builder.hf.encoders`; the spec it produces states every difference as a field.
 
 Export picks the family whose config expresses the spec exactly: it writes the config, reads it
-back as a spec and compares layer by layer (dropout rates aside, which inference never sees);
-the first difference is the reason a family does not fit.
+back as a spec and compares layer by layer (dropout rates aside, which inference never sees; a
+family's biases may stand, as zeros, for a spec's absent ones). A spec no family expresses is
+:class:`~builder.hf.writer.NoFamily`, one line naming the nearest family and its first difference.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from builder.hf.common import Family, HFError, Unsupported
 from builder.hf.families import FAMILIES, TOKEN_KEYS, family_of, supported_families, validate
 from builder.hf.reader import config_to_spec, from_hf, import_hf, read_config, read_hf
 from builder.hf.weights import Checkpoint, load_weights, read_weights, save_weights
-from builder.hf.writer import choose_family, export_hf, export_line, fit, to_hf
+from builder.hf.writer import NoFamily, choose_family, export_hf, export_line, fit, to_hf
 
 __all__ = [
     "FAMILIES",
@@ -46,6 +47,7 @@ __all__ = [
     "Checkpoint",
     "Family",
     "HFError",
+    "NoFamily",
     "Unsupported",
     "choose_family",
     "config_to_spec",

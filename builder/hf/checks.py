@@ -82,6 +82,8 @@ SIZE_KEYS = (
     # MPT
     "n_heads",
     "max_seq_len",
+    # a sequence classifier's
+    "num_labels",
 )
 NUMBER_KEYS = (
     "activation_dropout",
@@ -110,6 +112,7 @@ NUMBER_KEYS = (
     "mscale",
     "mscale_all_dim",
     "routed_scaling_factor",
+    "classifier_dropout",
     # MPT (attn_config's among them); logit_scale may be a number or a name, and mpt refuses either
     "expansion_ratio",
     "emb_pdrop",

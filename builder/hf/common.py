@@ -104,6 +104,8 @@ class Family:
     a tensor a link names is never ignored. ``needs``: config keys export cannot invent (token
     ids whose class default lies outside a small vocabulary). ``alternative_links``: another on-disk layout of
     some tensors (transformers 5.x's fused experts), used where its first names are present.
+    ``start_from_pad``: the family's clients start the decoder from the token the tokenizer names
+    pad (CTranslate2's Pegasus loader does), so an export names the decoder's start token so.
     """
 
     model_type: str
@@ -114,6 +116,11 @@ class Family:
     ignored: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
     alternative_links: Callable[[Any], list[Link]] | None = field(default=None)
+    start_from_pad: bool = False
+
+    def classes(self, spec) -> tuple[str, str]:
+        """``(hf_class, auto_class)`` of the model ``spec`` is (a family may have several heads)."""
+        return self.hf_class, self.auto_class
 
     def to_spec(self, config: dict, names: set[str]) -> dict:
         raise NotImplementedError
@@ -123,6 +130,12 @@ class Family:
 
     def links(self, spec) -> list[Link]:
         raise NotImplementedError
+
+    def computed(self, spec) -> dict:
+        """Tensors an export writes that hold nothing of ours: tables the family's classes would
+        recompute (Marian's sinusoids), written so the folder loads without a missing-weights
+        report. An import ignores them (``ignored``)."""
+        return {}
 
     def is_ignored(self, name: str) -> bool:
         return any(re.fullmatch(pattern, name) for pattern in self.ignored)

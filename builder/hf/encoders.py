@@ -1,5 +1,6 @@
-"""Hugging Face families with an encoder: BERT (masked LM), T5 (v1.0 and v1.1) and Marian (the
-2017 Transformer layout: post-norm, sinusoidal positions, biases everywhere)."""
+"""Hugging Face families with an encoder: BERT (masked LM), T5 (v1.0 and v1.1), Marian (the
+2017 Transformer layout: post-norm, sinusoidal positions, biases everywhere) and Pegasus (the same
+layout pre-norm, with a final norm on each stack: the zoo's transformer-multi30k)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,31 @@ def _pairs(hf: str, our: str, parts=_WB) -> list[Link]:
 
 # --- BERT --------------------------------------------------------------------------------
 
+#: BERT's sequence classifier: the pooler (dense + tanh over [CLS]) and a linear classifier
+_CLASSIFIER = ("BertForSequenceClassification", "AutoModelForSequenceClassification")
+
+
+def _classifies(config: dict, names: set[str]) -> bool:
+    return _CLASSIFIER[0] in (config.get("architectures") or []) or "classifier.weight" in names
+
+
+def _n_labels(config: dict) -> int:
+    labels = config.get("id2label")
+    if labels is not None and not isinstance(labels, dict):
+        raise HFError("bert: id2label is not a mapping of class ids to names")
+    n = len(labels) if labels else config.get("num_labels", 2)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise HFError("bert: num_labels is not a positive integer")
+    return n
+
 
 class Bert(Family):
+    """BERT with its masked-LM head (BertForMaskedLM) or its sequence classifier
+    (BertForSequenceClassification: ``head: {type: classification, pooler: true}``)."""
+
+    def classes(self, spec) -> tuple[str, str]:
+        return _CLASSIFIER if spec.head.type == "classification" else super().classes(spec)
+
     def to_spec(self, config: dict, names: set[str]) -> dict:
         kind = config.get("position_embedding_type", "absolute")
         if kind != "absolute":
@@ -66,7 +90,20 @@ class Bert(Family):
                 "final_norm": False,
                 "dropout": hidden_dropout,
             },
-            "head": {"type": "mlm", "activation": act, "norm": {"type": "layernorm", "eps": eps}},
+            "head": self._head(config, names, act, eps, hidden_dropout),
+        }
+
+    @staticmethod
+    def _head(config: dict, names: set[str], act: str, eps: float, hidden_dropout: float) -> dict:
+        if not _classifies(config, names):
+            return {"type": "mlm", "activation": act, "norm": {"type": "layernorm", "eps": eps}}
+        rate = config.get("classifier_dropout")
+        return {
+            "type": "classification",
+            "n_classes": _n_labels(config),
+            "pooling": "first",
+            "pooler": True,
+            "dropout": hidden_dropout if rate is None else dropout(rate),
         }
 
     def to_config(self, spec) -> dict:
@@ -85,6 +122,18 @@ class Bert(Family):
             "tie_word_embeddings": spec.tie_embeddings,
             "hidden_dropout_prob": stack.dropout,
             "attention_probs_dropout_prob": stack.attention.dropout,
+            **self._head_config(spec.head),
+        }
+
+    @staticmethod
+    def _head_config(head) -> dict:
+        if head.type != "classification":
+            return {}
+        return {
+            "architectures": [_CLASSIFIER[0]],
+            "id2label": {str(i): f"LABEL_{i}" for i in range(head.n_classes)},
+            "label2id": {f"LABEL_{i}": i for i in range(head.n_classes)},
+            "classifier_dropout": head.dropout,
         }
 
     def links(self, spec) -> list[Link]:
@@ -94,10 +143,16 @@ class Bert(Family):
             same(f"{e}.position_embeddings.weight", ours.learned_positions("encoder")),
             same(f"{e}.token_type_embeddings.weight", ours.segment_embedding("encoder")),
             *_pairs(f"{e}.LayerNorm", ours.embedding_norm("encoder")),
-            *_pairs("cls.predictions.transform.dense", ours.head("dense")),
-            *_pairs("cls.predictions.transform.LayerNorm", ours.head("norm")),
-            same("cls.predictions.bias", ours.head_bias()),
         ]
+        classifier = spec.head.type == "classification"
+        if classifier:
+            links += _pairs("bert.pooler.dense", ours.head("pooler")) + _pairs("classifier", ours.head("classifier"))
+        else:
+            links += [
+                *_pairs("cls.predictions.transform.dense", ours.head("dense")),
+                *_pairs("cls.predictions.transform.LayerNorm", ours.head("norm")),
+                same("cls.predictions.bias", ours.head_bias()),
+            ]
         for i in range(spec.encoder.n_layers):
             h, attn, ffn = f"bert.encoder.layer.{i}", ours.attention("encoder", i), ours.ffn("encoder", i)
             for hf_name, p in (("query", "q"), ("key", "k"), ("value", "v")):
@@ -107,7 +162,7 @@ class Bert(Family):
             links += _pairs(f"{h}.intermediate.dense", f"{ffn}.up_proj")
             links += _pairs(f"{h}.output.dense", f"{ffn}.down_proj")
             links += _pairs(f"{h}.output.LayerNorm", ours.layer_norm("encoder", i, "ffn"))
-        if not spec.tie_embeddings:
+        if not spec.tie_embeddings and not classifier:
             links.append(same("cls.predictions.decoder.weight", ours.head_projection()))
         return links
 
@@ -236,28 +291,35 @@ class T5(Family):
         return links
 
 
-# --- Marian ------------------------------------------------------------------------------
+# --- Marian and Pegasus ------------------------------------------------------------------
 
 
 class Marian(Family):
+    """BART's tensor layout with sinusoidal positions. ``pre_norm``: Pegasus's sub-layers normalise
+    their input and each stack ends in a norm; Marian's normalise after the residual sum."""
+
+    pre_norm = False
+    default_activation = "swish"
+
     def to_spec(self, config: dict, names: set[str]) -> dict:
-        d = need(config, "d_model", "marian")
-        vocab = need(config, "vocab_size", "marian")
+        name = self.model_type
+        d = need(config, "d_model", name)
+        vocab = need(config, "vocab_size", name)
         if config.get("decoder_vocab_size", vocab) != vocab:
             raise Unsupported(
-                f"marian: decoder_vocab_size {config['decoder_vocab_size']} differs from vocab_size "
+                f"{name}: decoder_vocab_size {config['decoder_vocab_size']} differs from vocab_size "
                 f"{vocab}; a spec has one vocabulary"
             )
-        act = activation_from_hf(config.get("activation_function", "swish"), "marian")
+        act = activation_from_hf(config.get("activation_function", self.default_activation), name)
         rate = dropout(config.get("dropout"))
         if config.get("activation_dropout"):
-            raise Unsupported("marian: activation_dropout > 0 (dropout inside the FFN) has no counterpart here")
+            raise Unsupported(f"{name}: activation_dropout > 0 (dropout inside the FFN) has no counterpart here")
 
         def stack(side: str) -> dict:
             return {
-                "n_layers": need(config, f"{side}_layers", "marian"),
+                "n_layers": need(config, f"{side}_layers", name),
                 "attention": {
-                    "n_heads": need(config, f"{side}_attention_heads", "marian"),
+                    "n_heads": need(config, f"{side}_attention_heads", name),
                     "qkv_bias": True,
                     "out_bias": True,
                     "dropout": dropout(config.get("attention_dropout")),
@@ -265,11 +327,11 @@ class Marian(Family):
                 "ffn": {
                     "type": "mlp",
                     "activation": act,
-                    "hidden_dim": need(config, f"{side}_ffn_dim", "marian"),
+                    "hidden_dim": need(config, f"{side}_ffn_dim", name),
                     "bias": True,
                 },
-                "norm": {"type": "layernorm", "eps": 1e-5, "placement": "post"},
-                "final_norm": False,
+                "norm": {"type": "layernorm", "eps": 1e-5, "placement": "pre" if self.pre_norm else "post"},
+                "final_norm": self.pre_norm,
                 "dropout": rate,
             }
 
@@ -284,7 +346,7 @@ class Marian(Family):
             "position": {"type": "sinusoidal", "layout": "split"},
             "encoder": stack("encoder"),
             "decoder": stack("decoder"),
-            "head": {"type": "lm", "bias": True},
+            "head": {"type": "lm", "bias": True},  # final_logits_bias, a buffer there
         }
 
     def to_config(self, spec) -> dict:
@@ -310,6 +372,10 @@ class Marian(Family):
             "is_encoder_decoder": True,
         }
 
+    def computed(self, spec) -> dict:
+        table = _sinusoids(spec.max_seq_len, spec.d_model)
+        return {f"model.{side}.embed_positions.weight": table.clone() for side in ("encoder", "decoder")}
+
     def links(self, spec) -> list[Link]:
         shared = spec.share_encoder_decoder_embeddings
         links: list[Link] = []
@@ -327,6 +393,8 @@ class Marian(Family):
         links.append(bias)
         for side in ("encoder", "decoder"):
             stack = getattr(spec, side)
+            if self.pre_norm:
+                links += _pairs(f"model.{side}.layer_norm", ours.final_norm(side))
             for i in range(stack.n_layers):
                 h = f"model.{side}.layers.{i}"
                 subs = [("self_attn", "attention")] + (
@@ -343,6 +411,32 @@ class Marian(Family):
         if not spec.tie_embeddings:
             links.append(same("lm_head.weight", ours.head_projection()))
         return links
+
+
+def _sinusoids(positions: int, dim: int):
+    """The sinusoid table Marian's and Pegasus's classes build (in float64, then float32): sines
+    of ``pos / 10000^(2i/dim)`` first, their cosines after."""
+    import torch
+
+    pos = torch.arange(positions, dtype=torch.float64)[:, None]
+    angles = pos / 10000 ** (2 * (torch.arange(dim) // 2) / dim).to(torch.float64)  # (positions, dim)
+    return torch.cat((angles[:, 0::2].sin(), angles[:, 1::2].cos()), dim=1).float()
+
+
+class Pegasus(Marian):
+    """Pegasus: Marian's layout pre-norm, one embedding table for both stacks, GELU by default."""
+
+    pre_norm = True
+    default_activation = "gelu"
+
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        return {**super().to_spec(config, names), "share_encoder_decoder_embeddings": True}
+
+    def to_config(self, spec) -> dict:
+        config = super().to_config(spec)
+        del config["decoder_vocab_size"], config["share_encoder_decoder_embeddings"]  # not Pegasus keys
+        # what google/pegasus-* configs say and CTranslate2's loader reads (transformers does not)
+        return {**config, "normalize_before": True, "normalize_embedding": False}
 
 
 FAMILIES = [
@@ -375,5 +469,22 @@ FAMILIES = [
         tied=("lm_head.weight", "model.decoder.embed_tokens.weight", "model.shared.weight"),
         ignored=(r"model\.(encoder|decoder)\.embed_positions\.weight",),  # recomputed sinusoids
         needs=("pad_token_id", "decoder_start_token_id"),  # the class defaults are 58100 and 58100
+    ),
+    Pegasus(
+        model_type="pegasus",
+        hf_class="PegasusForConditionalGeneration",
+        auto_class="AutoModelForSeq2SeqLM",
+        description="Pegasus: Marian's layout with pre-LayerNorm and a final norm per stack",
+        tied=(
+            "lm_head.weight",
+            "model.shared.weight",
+            "model.decoder.embed_tokens.weight",
+            "model.encoder.embed_tokens.weight",
+        ),
+        ignored=(
+            r"model\.(encoder|decoder)\.embed_positions\.weight",  # recomputed sinusoids
+            r"model\.(encoder|decoder)\.embed_tokens\.weight",  # copies of model.shared
+        ),
+        start_from_pad=True,
     ),
 ]

@@ -5,7 +5,8 @@ checkpoint (``checkpoint["builder"]["tokenizer"]``) and that ``recipes.data.toke
 tokenizer objects from. The three kinds:
 
 ``{"type": "char", "chars": "..."}``
-    one id per character, in the string's order (nanoGPT's shakespeare_char);
+    one id per character, in the string's order (nanoGPT's shakespeare_char); ASCII's
+    end-of-text character U+0003 among them is the end-of-text token;
 ``{"type": "sentencepiece", "model_proto": b"..."}``
     a sentencepiece model (BPE or unigram), its serialized ``ModelProto``;
 ``{"type": "tokenizers", "json": "...", "specials": {"bos_token": "<s>", ...}, "split_special_tokens": false}``
@@ -21,6 +22,15 @@ their scores, byte fallback, user-defined pieces kept whole and control pieces a
 tokens. :func:`write_tokenizer` writes ``tokenizer.json``, ``tokenizer_config.json`` and
 ``special_tokens_map.json`` so ``AutoTokenizer.from_pretrained`` loads it; :func:`read_tokenizer`
 reads a folder's tokenizer as a state.
+
+What a client is told (:func:`client_specials`, one place for the tokenizer files, ``config.json``
+and ``generation_config.json``) follows how the model was trained, in each serving library's terms:
+a language model's end-of-text token is its bos (and unk) too when it has no other (GPT-2's
+convention: the LM's documents are separated by it, so it is what the model saw before each one,
+and CTranslate2 refuses a model without a bos or unk); an encoder is told BERT's ``[CLS]``/``[SEP]``/``[MASK]`` and its
+text gets them around it, as the encoder recipes train; an encoder-decoder's source ends in eos,
+and for a family whose clients start the decoder from the pad token (Pegasus: CTranslate2's
+loader hard-codes it) the pad token is the decoder's start token: padding is masked, so it pads too.
 
 Where the two can differ (documented in the README): a unigram text with two segmentations of
 exactly equal score (sentencepiece breaks the tie by float32 rounding, ``tokenizers`` by its own
@@ -48,6 +58,10 @@ _UNIGRAM, _BPE = 1, 2
 SPECIALS = {"unk_token": "unk", "bos_token": "bos", "eos_token": "eos", "pad_token": "pad"}
 #: the files write_tokenizer writes and read_tokenizer reads
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: a char tokenizer's end-of-text token: ASCII's END OF TEXT control character
+CHAR_EOS = "\x03"
+#: BERT's mask piece, which the encoder recipes' tokenizers hold as a control piece
+MASK_PIECE = "[MASK]"
 
 
 def to_tokenizers(state: dict):
@@ -69,10 +83,12 @@ def to_tokenizers(state: dict):
 def _from_chars(chars: str):
     """One id per character: a BPE without merges (every character its own token) and no
     normalizer or pre-tokenizer, so newlines and runs of spaces are tokens like any other."""
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
     tokenizer.decoder = decoders.Fuse()
+    if CHAR_EOS in chars:  # the end-of-text character keeps its id and is special (decode drops it)
+        tokenizer.add_special_tokens([AddedToken(CHAR_EOS, normalized=False, special=True)])
     return tokenizer
 
 
@@ -153,6 +169,9 @@ def from_sentencepiece(model_proto: bytes):
 def special_tokens(state: dict) -> dict[str, tuple[str, int]]:
     """``{"bos_token": ("<s>", 1), ...}``: the special tokens a tokenizer state has, with ids."""
     kind = state.get("type")
+    if kind == "char":
+        chars = state["chars"]
+        return {"eos_token": (CHAR_EOS, chars.index(CHAR_EOS))} if CHAR_EOS in chars else {}
     if kind == "sentencepiece":
         trainer = _proto(state["model_proto"]).trainer_spec
         pieces = {
@@ -177,9 +196,41 @@ def special_tokens(state: dict) -> dict[str, tuple[str, int]]:
     return {}
 
 
-def token_ids(state: dict) -> dict[str, int]:
-    """``config.json``'s ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of a tokenizer state."""
-    specials = special_tokens(state)
+def client_specials(
+    state: dict, architecture: str | None = None, start_from_pad: bool = False
+) -> dict[str, tuple[str, int]]:
+    """The special tokens (name -> (text, id)) an exported folder tells its clients, for a model of
+    ``architecture`` (None: as the tokenizer names them); see the module docstring.
+    ``start_from_pad``: the family's clients start the decoder from the pad token."""
+    specials = dict(special_tokens(state))
+    if architecture == "decoder-only" and "eos_token" in specials:
+        specials.setdefault("bos_token", specials["eos_token"])
+        specials.setdefault("unk_token", specials["eos_token"])  # GPT-2's too; CTranslate2 needs one named
+    elif architecture == "encoder-only":
+        if "bos_token" in specials and "eos_token" in specials:
+            specials["cls_token"], specials["sep_token"] = specials["bos_token"], specials["eos_token"]
+        mask = _piece_id(state, MASK_PIECE)
+        if mask is not None:
+            specials["mask_token"] = (MASK_PIECE, mask)
+    elif architecture == "encoder-decoder" and start_from_pad and "bos_token" in specials:
+        specials["pad_token"] = specials["bos_token"]
+    return specials
+
+
+def _piece_id(state: dict, piece: str) -> int | None:
+    """The id of a control piece of a sentencepiece state (None when it has none)."""
+    if state.get("type") != "sentencepiece":
+        return None
+    for i, p in enumerate(_proto(state["model_proto"]).pieces):
+        if p.piece == piece and p.type == _CONTROL:
+            return i
+    return None
+
+
+def token_ids(state: dict, architecture: str | None = None, start_from_pad: bool = False) -> dict[str, int]:
+    """``config.json``'s ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of a tokenizer state
+    (for a model of ``architecture``: :func:`client_specials`)."""
+    specials = client_specials(state, architecture, start_from_pad)
     return {
         f"{name.removesuffix('_token')}_token_id": specials[name][1]
         for name in ("bos_token", "eos_token", "pad_token")
@@ -188,26 +239,37 @@ def token_ids(state: dict) -> dict[str, int]:
 
 
 def write_tokenizer(
-    state: dict, folder: str | Path, max_length: int | None = None, append_eos: bool = False
+    state: dict,
+    folder: str | Path,
+    max_length: int | None = None,
+    architecture: str | None = None,
+    start_from_pad: bool = False,
 ) -> list[Path]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` for
     ``state`` into ``folder``, for ``transformers.AutoTokenizer``; returns the paths.
 
-    No special token is added to encoded text (as ours add none) unless ``append_eos`` (an
-    encoder-decoder's source ends in eos, as the translation recipe trains it); special tokens
-    typed in text are read as text (``split_special_tokens``, as sentencepiece does), and
-    decoding leaves spaces as they are (``clean_up_tokenization_spaces: false``).
+    The special tokens are :func:`client_specials`' for ``architecture``. Encoding adds what the
+    recipes add: nothing to a language model's text, ``[CLS] ... [SEP]`` around an encoder's, eos
+    after an encoder-decoder's source. Special tokens typed in text are read as text
+    (``split_special_tokens``, as sentencepiece does), and decoding leaves spaces as they are
+    (``clean_up_tokenization_spaces: false``).
     """
     from tokenizers import processors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = to_tokenizers(state)
-    specials = {name: text for name, (text, _) in special_tokens(state).items()}
-    eos = special_tokens(state).get("eos_token")
-    if append_eos and eos is not None:
+    found = client_specials(state, architecture, start_from_pad)
+    specials = {name: text for name, (text, _) in found.items()}
+    if architecture == "encoder-decoder" and "eos_token" in found:
+        eos = found["eos_token"]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"$A {eos[0]}", pair=f"$A {eos[0]} $B {eos[0]}", special_tokens=[eos]
+        )
+    elif architecture == "encoder-only" and "cls_token" in found:
+        cls, sep = found["cls_token"], found["sep_token"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{cls[0]} $A {sep[0]}", pair=f"{cls[0]} $A {sep[0]} $B:1 {sep[0]}:1", special_tokens=[cls, sep]
         )
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -215,6 +277,9 @@ def write_tokenizer(
         "split_special_tokens": bool(state.get("split_special_tokens", True)),
         **specials,
     }
+    if architecture is not None:  # what the model takes: generate(**tokenizer(text)) passes nothing else
+        segments = ["token_type_ids"] if architecture == "encoder-only" else []
+        config["model_input_names"] = ["input_ids", *segments, "attention_mask"]
     if max_length is not None:
         config["model_max_length"] = max_length
     tokenizer.save(str(folder / "tokenizer.json"))

@@ -1,8 +1,16 @@
 """Export: a spec and its weights (and tokenizer) written as a Hugging Face folder, in the first
-family whose config expresses the spec exactly."""
+family whose config expresses the spec exactly.
+
+Exactly: the family's config, read back as a spec, means what the spec means layer by layer
+(dropout rates aside). A family whose layers have biases also expresses a spec without them, by
+writing zeros (the same function; that folder imports back with zero biases): a strict fit
+anywhere wins over such a one. A spec no family expresses is refused, before any weights are read
+or written, in one line naming the nearest family (the fewest differences) and its first one.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -17,6 +25,12 @@ from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, valida
 from builder.hf.reader import _copy_side_files
 from builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from builder.hf.weights import alias_groups, dedupe, read_weights
+
+#: spec fields saying a bias tensor exists: a family that has the tensor writes zeros for a spec
+#: that has none (fit's ``zero_biases``)
+BIAS_FIELDS = ("bias", "qkv_bias", "out_bias")
+#: config.json keys naming a classifier's classes: a checkpoint's labels replace the defaults
+LABEL_KEYS = ("id2label", "label2id")
 
 
 def _semantic(spec) -> dict:
@@ -59,68 +73,94 @@ def _without_dropout(value: Any) -> Any:
     return value
 
 
-def _differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
+def _differences(ours: Any, theirs: Any, path: str = "", zero_biases: bool = False) -> list[str]:
     if isinstance(ours, dict) and isinstance(theirs, dict):
         out = []
         for key in list(ours) + [k for k in theirs if k not in ours]:
-            out += _differences(ours.get(key), theirs.get(key), f"{path}.{key}" if path else str(key))
+            out += _differences(ours.get(key), theirs.get(key), f"{path}.{key}" if path else str(key), zero_biases)
         return out
     if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
-        return [d for i, (a, b) in enumerate(zip(ours, theirs)) for d in _differences(a, b, f"{path}[{i}]")]
+        return [
+            d for i, (a, b) in enumerate(zip(ours, theirs)) for d in _differences(a, b, f"{path}[{i}]", zero_biases)
+        ]
+    if zero_biases and ours is False and theirs is True and path.rsplit(".", 1)[-1] in BIAS_FIELDS:
+        return []  # written as zeros
     return [] if ours == theirs else [f"{path} is {ours!r} in the spec; {{family}} would make it {theirs!r}"]
 
 
-def fit(family: Family, spec) -> tuple[dict | None, list[str]]:
-    """``(config, [])`` when ``family`` expresses ``spec`` exactly, else ``(None, reasons)``."""
+def fit(family: Family, spec, zero_biases: bool = False) -> tuple[dict | None, list[str]]:
+    """``(config, [])`` when ``family`` expresses ``spec`` exactly (``zero_biases``: with zeros for
+    the biases the spec has not), else ``(None, reasons)``: every difference, or the one thing
+    its config cannot say."""
     try:
         config = family.to_config(spec)
         back = validate({"name": spec.name, **family.to_spec(config, set())})
     except (Unsupported, HFError, TypeError, KeyError, AttributeError) as exc:
         return None, [str(exc) or type(exc).__name__]
-    diffs = _differences(_semantic(spec), _semantic(back))
+    diffs = _differences(_semantic(spec), _semantic(back), zero_biases=zero_biases)
     return (None, [d.replace("{family}", family.model_type) for d in diffs]) if diffs else (config, [])
+
+
+class NoFamily(Unsupported):
+    """No family expresses the spec: ``nearest`` is the family with the fewest differences (None
+    when no family has the spec's architecture) and ``reasons`` its differences."""
+
+    def __init__(self, message: str, nearest: str | None, reasons: list[str]):
+        super().__init__(message)
+        self.nearest, self.reasons = nearest, reasons
 
 
 def export_line(spec) -> str:
     """Which Hugging Face family ``builder export-hf`` would write ``spec`` as, or why none can:
-    said before training (describe, ``train --dry-run``), not found out after it."""
+    said before training (describe, ``train --dry-run``, ``list``), not found out after it."""
     try:
         chosen, _ = choose_family(spec)
-    except Unsupported as exc:
-        import re
-
-        same = [line.strip() for line in str(exc).splitlines()[1:] if "the spec is" not in line]  # its architecture's
-        if not same:
+    except NoFamily as exc:
+        if exc.nearest is None:
             return f"none: no Hugging Face family is {spec.architecture}"
+        return f"none: no Hugging Face family expresses it exactly (closest, {exc.nearest}: {_first(exc.reasons)})"
+    return f"Hugging Face {chosen.model_type} ({chosen.classes(spec)[0]}), by builder export-hf"
 
-        def differences(line: str) -> int:
-            more = re.search(r"\(and (\d+) more\)$", line)
-            return 1 + (int(more.group(1)) if more else 0)
 
-        return f"none: no Hugging Face family expresses it exactly (closest, {min(same, key=differences)})"
-    return f"Hugging Face {chosen.model_type} ({chosen.hf_class}), by builder export-hf"
+def _first(reasons: list[str]) -> str:
+    more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    return " ".join(reasons[0].split()) + more
 
 
 def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
-    """The family (``family`` if given, else the first that fits) and its config for ``spec``."""
+    """The family (``family`` if given, else the first that expresses ``spec`` exactly, else the
+    first that does with zero biases) and its config; else :class:`NoFamily`, one line."""
     if family is not None:
         if family not in FAMILIES:
             raise Unsupported(f"no family {family!r}; supported families:\n{supported_families()}")
         candidates = [FAMILIES[family]]
     else:
         candidates = list(FAMILIES.values())
-    reasons = []
-    for candidate in candidates:
-        if spec.architecture != _architecture(candidate):
-            reasons.append(f"  {candidate.model_type}: is {_architecture(candidate)}, the spec is {spec.architecture}")
-            continue
-        config, why = fit(candidate, spec)
-        if config is not None:
-            return candidate, config
-        more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
-        first = " ".join(why[0].split())  # one line per family
-        reasons.append(f"  {candidate.model_type}: {first}{more}")
-    raise Unsupported(f"no Hugging Face family expresses spec {spec.name!r} exactly:\n" + "\n".join(reasons))
+    candidates = [c for c in candidates if _architecture(c) == spec.architecture]
+    if not candidates:
+        named = f"{family} is {_architecture(FAMILIES[family])}" if family else f"no family is {spec.architecture}"
+        raise NoFamily(f"spec {spec.name!r} is {spec.architecture}; {named}", None, [])
+    misses: list[tuple[Family, list[str]]] = []
+    for zero_biases in (False, True):
+        misses = []
+        for candidate in candidates:
+            config, why = fit(candidate, spec, zero_biases)
+            if config is not None:
+                return candidate, config
+            misses.append((candidate, why))
+    # nearest: the fewest differences; a config that cannot be written at all counts as farthest
+    nearest, reasons = min(misses, key=lambda miss: (_cannot_write(miss[1]), len(miss[1])))
+    which = f"family {family!r} does not express" if family else "no Hugging Face family expresses"
+    raise NoFamily(
+        f"{which} spec {spec.name!r} exactly; nearest, {nearest.model_type}: {_first(reasons)}",
+        nearest.model_type,
+        reasons,
+    )
+
+
+def _cannot_write(reasons: list[str]) -> bool:
+    """Whether ``reasons`` is a config that could not be written (no field-by-field difference)."""
+    return not (reasons and " in the spec; " in reasons[0])
 
 
 def _architecture(family: Family) -> str:
@@ -151,26 +191,27 @@ def to_hf(
     it cannot express.
     """
     chosen, config = choose_family(spec, family)
-    extra_config = {**_tokenizer_ids(spec, tokenizer), **(extra_config or {})}
+    extra_config = {**_tokenizer_ids(spec, tokenizer, chosen), **(extra_config or {})}
     lacking = [k for k in chosen.needs if k not in extra_config]
     if lacking:
         raise HFError(
             f"a {chosen.model_type} config needs {', '.join(lacking)}, which a spec does not hold; "
             "pass them (export-hf --hf-config KEY=VALUE, or extra_config=)"
         )
-    state = _our_state(spec, weights)
+    state, expected = _our_state(spec, weights)
     tensors = {}
     for link in chosen.links(spec):
-        missing = [n for n in link.ours if n not in state]
-        if missing:
-            raise HFError(f"the weights have no {missing[0]}")
-        tensors.update(zip(link.hf, link.to_hf([state[n] for n in link.ours])))
+        ours = [state[n] if n in state else _zero_bias(n, state, expected) for n in link.ours]
+        tensors.update(zip(link.hf, link.to_hf(ours)))
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+    like = next(iter(tensors.values()))
+    tensors.update({k: v.to(like.dtype) for k, v in chosen.computed(spec).items()})
+    hf_class, auto_class = chosen.classes(spec)
     config = {
         "model_type": chosen.model_type,
-        "architectures": [chosen.hf_class],
         **config,
-        **{k: v for k, v in (extra_config or {}).items() if k in TOKEN_KEYS or k not in config},
+        "architectures": [hf_class],
+        **{k: v for k, v in (extra_config or {}).items() if k in TOKEN_KEYS + LABEL_KEYS or k not in config},
     }
     if len(dtypes) == 1:
         config["dtype"] = dtypes.pop()
@@ -193,29 +234,43 @@ def to_hf(
         raise HFError(f"cannot write {target}: {write_reason(exc)}") from None
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
-        write_tokenizer(tokenizer, folder, spec.max_seq_len, append_eos=spec.architecture == "encoder-decoder")
+        write_tokenizer(tokenizer, folder, spec.max_seq_len, spec.architecture, chosen.start_from_pad)
     if generation and _architecture(chosen) != "encoder-only":
         gen = generation_config(config)
         (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    return chosen
+    written = copy.copy(chosen)  # the family as this spec's classes name it (a head of several)
+    written.hf_class, written.auto_class = hf_class, auto_class
+    return written
 
 
-def _tokenizer_ids(spec, tokenizer: Mapping | None) -> dict:
-    """The config token ids of a tokenizer state, checked against the spec's vocabulary; an
-    encoder-decoder's decoder starts from bos, as the translation recipe trains it."""
+def _zero_bias(name: str, state: dict, expected: set[str]):
+    """Zeros for a bias the spec has not (not among the model's ``expected`` tensors) and the
+    family has (see the module docstring), shaped as its weight's first dimension; any other
+    missing tensor is an :class:`HFError`."""
+    weight = state.get(name.removesuffix(".bias") + ".weight")
+    if name in expected or not name.endswith(".bias") or weight is None:
+        raise HFError(f"the weights have no {name}")
+    return weight.new_zeros(weight.shape[0])
+
+
+def _tokenizer_ids(spec, tokenizer: Mapping | None, family: Family) -> dict:
+    """The config token ids of a tokenizer state for the family's clients (``client_specials``),
+    checked against the spec's vocabulary; an encoder-decoder's decoder starts from bos, as the
+    translation recipe trains it."""
     if tokenizer is None:
         return {}
     size = to_tokenizers(dict(tokenizer)).get_vocab_size(with_added_tokens=True)
     if size > spec.vocab_size:
         raise HFError(f"the tokenizer has {size:,} tokens but the model's vocab_size is {spec.vocab_size:,}")
-    ids = token_ids(dict(tokenizer))
+    ids = token_ids(dict(tokenizer), spec.architecture, family.start_from_pad)
     if spec.architecture == "encoder-decoder" and "bos_token_id" in ids:
         ids["decoder_start_token_id"] = ids["bos_token_id"]
     return ids
 
 
-def _our_state(spec, weights) -> dict:
-    """Our tensors by every name they have (aliases of a shared tensor resolved)."""
+def _our_state(spec, weights) -> tuple[dict, set[str]]:
+    """Our tensors by every name they have (aliases of a shared tensor resolved), and the names
+    of the tensors the spec's model has."""
     if hasattr(weights, "state_dict"):
         state = weights.state_dict()
     elif isinstance(weights, Mapping):
@@ -235,7 +290,7 @@ def _our_state(spec, weights) -> dict:
         if name in state and getattr(state[name], "shape", None) != tensor.shape:
             found = list(state[name].shape) if hasattr(state[name], "shape") else type(state[name]).__name__
             raise HFError(f"the weights' {name} has shape {found}, the spec makes {list(tensor.shape)}")
-    return state
+    return state, set(model.state_dict())
 
 
 def export_hf(
@@ -255,21 +310,29 @@ def export_hf(
     tokenizer and generation files beside a spec (an import's) are copied."""
     source, out = Path(source), Path(out)
     side = source.parent
-    tokenizer = None
+    tokenizer, extra_labels = None, {}
     if looks_like_checkpoint(source):
-        ckpt_spec, state, meta = _read_training_checkpoint(source)
+        ckpt_spec, meta = _read_training_meta(source)
         spec = spec or ckpt_spec
+        choose_family(spec, family)  # a spec no family expresses stops before the weights are read
+        state = _read_training_weights(source)
         tokenizer = meta.get("tokenizer")
+        labels = meta.get("labels")
+        if isinstance(labels, list) and spec.head.type == "classification":  # a classifier's class names
+            names = [str(label) for label in labels]
+            extra_labels = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
     else:
         if spec is None:
             from builder.spec.loader import load_spec
 
             spec = load_spec(source)
+        choose_family(spec, family)
         state = read_weights(Path(weights) if weights else side / "model.safetensors")
     extra: dict[str, Any] = {}
     hf_config = side / "hf_config.json"
     if hf_config.is_file():
         extra = {k: v for k, v in read_json(hf_config).items() if k in TOKEN_KEYS and v is not None}
+    extra.update(extra_labels)
     extra.update(extra_config or {})
     generation = tokenizer is not None or not (side / "generation_config.json").is_file()
     chosen = to_hf(spec, state, out, family=family, extra_config=extra, tokenizer=tokenizer, generation=generation)
@@ -278,15 +341,14 @@ def export_hf(
     return chosen
 
 
-def _read_training_checkpoint(path: Path):
-    """The spec, the model's whole tensors and the ``builder`` metadata of a ``builder train``
-    checkpoint: one file or a sharded folder, read safely and verified against its checksums
-    (``builder.checkpoints``)."""
-    from builder.checkpoints import CheckpointError, model_weights, read_meta
-    from builder.checkpoints import read_weights as read_checkpoint
+def _read_training_meta(path: Path):
+    """The spec and the ``builder`` metadata of a ``builder train`` checkpoint (one file or a
+    sharded folder), read safely; its tensors are verified when :func:`_read_training_weights`
+    reads them (``builder.checkpoints``)."""
+    from builder.checkpoints import CheckpointError, read_meta
 
     try:
-        meta = read_meta(path, check=False)["builder"]  # read_checkpoint below verifies it whole
+        meta = read_meta(path, check=False)["builder"]
         if "spec" not in meta:
             raise CheckpointError(f"{path} was not written by `builder train` (it holds no spec)")
         tokenizer = meta.get("tokenizer")
@@ -294,8 +356,17 @@ def _read_training_checkpoint(path: Path):
             not isinstance(tokenizer, Mapping) or tokenizer.get("type") not in ("char", "sentencepiece", "tokenizers")
         ):
             raise CheckpointError(f"{path}: its tokenizer record is none of char, sentencepiece, tokenizers")
-        spec = validate(meta["spec"], source=path)
-        state = model_weights(read_checkpoint(path))
     except CheckpointError as exc:
         raise HFError(str(exc)) from None
-    return spec, dedupe(state), meta
+    return validate(meta["spec"], source=path), meta
+
+
+def _read_training_weights(path: Path) -> dict:
+    """The model's whole tensors of a ``builder train`` checkpoint, verified against its checksums."""
+    from builder.checkpoints import CheckpointError, model_weights
+    from builder.checkpoints import read_weights as read_checkpoint
+
+    try:
+        return dedupe(model_weights(read_checkpoint(path)))
+    except CheckpointError as exc:
+        raise HFError(str(exc)) from None

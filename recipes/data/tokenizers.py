@@ -3,10 +3,10 @@ tokenizer of a Hugging Face folder.
 
 Each kind encodes one text (``encode``), a batch of documents (``encode_batch``, what ``builder
 tokenize`` calls) and a whole corpus in chunks (``encode_corpus``), and names its end-of-document
-id (``eos_id``, None when it has none). ``encode_batch`` uses the library's threads unless
-``TOKENIZERS_PARALLELISM`` is false in the environment (the ``tokenizers`` library's switch, which
-sentencepiece batches here follow too): each ``builder tokenize`` worker sets it, so W workers
-use W cores.
+id (``eos_id``: every tokenizer a recipe trains has one; a Hugging Face one may not, an old char
+table has none). ``encode_batch`` uses the library's threads unless ``TOKENIZERS_PARALLELISM``
+is false in the environment (the ``tokenizers`` library's switch, which sentencepiece batches
+here follow too): each ``builder tokenize`` worker sets it, so W workers use W cores.
 
 A tokenizer's ``state()`` is small plain data (the character list, the sentencepiece model's
 bytes, or a ``tokenizer.json``; the format is defined in :mod:`builder.hf.tokenizer`, which also
@@ -25,6 +25,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from builder.hf.tokenizer import CHAR_EOS
 from recipes.data.section import TokenizerSection
 from recipes.errors import RecipeError
 from recipes.recipe.fields import resolve
@@ -44,7 +45,10 @@ def _library_threads() -> bool:
 
 
 class CharTokenizer:
-    """One id per distinct character of the corpus, in sorted order (nanoGPT's shakespeare_char)."""
+    """One id per distinct character of the corpus, in sorted order (nanoGPT's shakespeare_char),
+    and, in the tables recipes fit, ASCII's end-of-text character (``CHAR_EOS``, U+0003) after
+    them as the end-of-document token: the LM's documents are separated by it, and an exported
+    model names it bos and eos."""
 
     kind = "char"
 
@@ -53,8 +57,9 @@ class CharTokenizer:
         self.index = {c: i for i, c in enumerate(self.chars)}
 
     @classmethod
-    def fit(cls, text: str) -> CharTokenizer:
-        return cls(sorted(set(text)))
+    def fit(cls, text: str, eos: bool = False) -> CharTokenizer:
+        """The table of ``text``'s characters; ``eos``: with the end-of-text character last."""
+        return cls([*sorted(set(text) - {CHAR_EOS}), CHAR_EOS] if eos else sorted(set(text)))
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +73,7 @@ class CharTokenizer:
 
     @property
     def eos_id(self) -> int | None:
-        return None  # a character table has no end-of-text token
+        return self.index.get(CHAR_EOS)  # None in a table without one (fitted before recipes added it)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         index = self.index
@@ -78,7 +83,9 @@ class CharTokenizer:
             raise RecipeError(f"character {exc.args[0]!r} is not in this char tokenizer's vocabulary") from None
 
     def decode(self, ids: Iterable[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        """The characters of ``ids``; the end-of-text token is dropped, as sentencepiece drops its."""
+        eos = self.eos_id
+        return "".join(self.chars[i] for i in ids if i != eos)
 
     def encode_corpus(self, text: str) -> Iterable[tuple[int, list[int]]]:
         """(characters read, their ids) for successive chunks of ``text``."""
@@ -290,7 +297,7 @@ def build_tokenizer(
     """The recipe's tokenizer: fitted (char), loaded (model_file) or trained and cached.
     ``options``: sentencepiece trainer settings (see :func:`train_sentencepiece`), part of the cache key."""
     if section.type == "char":
-        return CharTokenizer.fit(text)
+        return CharTokenizer.fit(text, eos=True)
     if section.type == "hf":
         if section.model_file is None:
             raise RecipeError("tokenizer.type hf needs tokenizer.model_file: a model folder or a tokenizer.json")
