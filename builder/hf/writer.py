@@ -150,12 +150,14 @@ def choose_family(spec, family: str | None = None) -> tuple[Family, dict]:
             misses.append((candidate, why))
     # nearest: the fewest differences; a config that cannot be written at all counts as farthest
     nearest, reasons = min(misses, key=lambda miss: (_cannot_write(miss[1]), len(miss[1])))
-    which = f"family {family!r} does not express" if family else "no Hugging Face family expresses"
-    raise NoFamily(
-        f"{which} spec {spec.name!r} exactly; nearest, {nearest.model_type}: {_first(reasons)}",
-        nearest.model_type,
-        reasons,
-    )
+    if family:
+        message = f"family {family!r} does not express spec {spec.name!r} exactly: {_first(reasons)}"
+    else:
+        message = (
+            f"no Hugging Face family expresses spec {spec.name!r} exactly; "
+            f"nearest, {nearest.model_type}: {_first(reasons)}"
+        )
+    raise NoFamily(message, nearest.model_type, reasons)
 
 
 def _cannot_write(reasons: list[str]) -> bool:
