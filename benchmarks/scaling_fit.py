@@ -103,5 +103,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # the repository first on the path, not benchmarks/ (its tokenize.py would shadow the standard library's)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
     raise SystemExit(main())

@@ -27,6 +27,14 @@ COLUMNS = (
     "wall_s",
     "status",
 )
+#: how the table heads them
+HEADERS = {
+    "flops_per_token": "FLOPs/token",
+    "flops": "FLOPs",
+    "final_val": "final val",
+    "best_val": "best val",
+    "wall_s": "wall s",
+}
 
 
 def rows(loaded: StudyFile, study) -> list[dict[str, Any]]:
@@ -50,6 +58,7 @@ def rows(loaded: StudyFile, study) -> list[dict[str, Any]]:
             error=attrs.get("error"),
             curve=attrs.get("curve") or [],
             tokens_per_step=attrs.get("tokens_per_step"),
+            budget=attrs.get("budget") or {},
             downstream=attrs.get("downstream") or {},
         )
         out.append(row)
@@ -105,8 +114,9 @@ def print_table(loaded: StudyFile, table: list[dict], console=None) -> None:
         title=f"study {loaded.name}: {len(table)} trials (* on the Pareto front of loss vs FLOPs)",
         title_justify="left",
     )
-    for column in ["trial", *(shorts[a] for a in axes), *COLUMNS, *extra]:
-        out.add_column(column, justify="left" if column in ("status",) else "right")
+    axis_heads = [a if a.startswith("budget.") else shorts[a] for a in axes]
+    for column in ["trial", *axis_heads, *(HEADERS.get(c, c) for c in COLUMNS), *extra]:
+        out.add_column(column, justify="left" if column == "status" else "right")
 
     def cell(value, how="") -> str:
         if value is None:
@@ -269,18 +279,22 @@ def _curves(plt, loaded, groups, path: Path) -> Path:
 def _sensitivity(plt, loaded, groups, axis: str, folder: Path) -> Path:
     """Final loss against one tuning axis, one line per family and budget."""
     short = short_names(list(axis_values(loaded)))[axis]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for colour, (family, members) in zip(_colours(plt, len(groups)), sorted(groups.items(), key=_by_size)):
-        for flops in sorted({r["flops"] or 0 for r in members}):
-            points = sorted((r[axis], r["final_val"]) for r in members if (r["flops"] or 0) == flops)
-            ax.plot(*zip(*points), "o-", color=colour, alpha=0.8, lw=1, label=f"{family} @ {flops:.2g} FLOPs")
+        budgets = sorted({json.dumps(r["budget"], sort_keys=True) for r in members})
+        for style, budget in zip(("o-", "s--", "^:", "d-."), budgets):
+            points = sorted(
+                (r[axis], r["final_val"]) for r in members if json.dumps(r["budget"], sort_keys=True) == budget
+            )
+            shown = ", ".join(f"{k} {show(v)}" for k, v in json.loads(budget).items())
+            ax.plot(*zip(*points), style, color=colour, alpha=0.8, lw=1, label=f"{family} ({shown})")
     values = [r[axis] for m in groups.values() for r in m]
     if min(values) > 0 and max(values) / min(values) >= 8:
         ax.set_xscale("log")
     ax.set_xlabel(axis)
     ax.set_ylabel("final validation loss")
     ax.set_title(f"{loaded.name}: sensitivity to {short}")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     path = folder / f"sensitivity-{short.replace('.', '-')}.png"

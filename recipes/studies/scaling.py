@@ -15,6 +15,7 @@ predicts lowest at ``C`` (its tokens ``C / FLOPs per token``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -30,6 +31,9 @@ GRID = {
 }
 #: L-BFGS is run from this many of the grid's best starts (the grid itself is evaluated whole)
 STARTS = 32
+#: bounds of (a, b, e, alpha, beta): wide of any published fit, and no exp() overflow when a
+#: handful of runs leaves a term unidentified (a resample with one token count, say)
+BOUNDS = ((-30.0, 80.0), (-30.0, 80.0), (-10.0, 5.0), (0.0, 4.0), (0.0, 4.0))
 NAMES = ("E", "A", "B", "alpha", "beta")
 
 
@@ -124,6 +128,7 @@ def _minimise(theta0: np.ndarray, x, y, target, delta: float):
         args=(x, y, target, delta),
         jac=True,
         method="L-BFGS-B",
+        bounds=BOUNDS,
         options={"maxiter": 20000, "ftol": 1e-15, "gtol": 1e-12},
     )
 
@@ -174,12 +179,14 @@ def best_member(law: Law, members: list[dict], compute: float) -> dict:
 
 
 def study_points(table: list[dict]) -> tuple[list[float], list[float], list[float]]:
-    """``(params, tokens, losses)`` of a study's finished trials: per (parameters, tokens) the
-    lowest final loss (the best of the values that do not change either, a learning rate)."""
-    best: dict[tuple[int, int], float] = {}
+    """``(params, tokens, losses)`` of a study's finished trials: per model and trial budget the
+    lowest final loss (the best of the values that change neither, a learning rate) and the
+    tokens that trial trained."""
+    best: dict[tuple, dict] = {}
     for row in table:
         if row["status"] == "complete" and row["final_val"] is not None and row["params"] and row["tokens"]:
-            key = (row["params"], row["tokens"])
-            best[key] = min(best.get(key, math.inf), row["final_val"])
-    keys = sorted(best)
-    return [k[0] for k in keys], [k[1] for k in keys], [best[k] for k in keys]
+            key = (row["params"], json.dumps(row["budget"], sort_keys=True))
+            if key not in best or row["final_val"] < best[key]["final_val"]:
+                best[key] = row
+    rows = [best[k] for k in sorted(best)]
+    return [r["params"] for r in rows], [r["tokens"] for r in rows], [r["final_val"] for r in rows]
