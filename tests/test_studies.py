@@ -280,6 +280,19 @@ def test_report_table_pareto_plots_and_exports(tmp_path, capsys, fake_trials):
     assert all(a["flops"] < b["flops"] and a["final_val"] > b["final_val"] for a, b in zip(front, front[1:]))
 
 
+def test_a_study_ranks_by_a_downstream_metric(tmp_path, capsys):
+    path = write_study(tmp_path, downstream={"tasks": ["lines"]}, rank_by="lines/acc")
+    loaded = load_study(path)
+    rows = [
+        {"trial": n, "status": "complete", "final_val": loss, "downstream": {"lines/acc": acc}}
+        for n, loss, acc in ((0, 3.0, 0.4), (1, 2.5, 0.3), (2, 2.0, 0.5))
+    ] + [{"trial": 3, "status": "failed", "final_val": None, "downstream": {}}]
+    assert [r["trial"] for r in report.ranked(loaded, rows)] == [2, 0, 1, 3]
+    bad = write_study(tmp_path, rank_by="lines/acc")
+    assert sweep(bad, "--dry-run") == 1
+    assert "rank_by: 'lines/acc' is val_loss or TASK/METRIC of a downstream task" in capsys.readouterr().err
+
+
 CHINCHILLA = scaling.Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 

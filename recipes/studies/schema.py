@@ -168,6 +168,14 @@ class Study(_Section):
             raise ValueError("variants: give at least one named variant, or leave it out")
         if self.search != "grid" and self.total.trials is None:
             raise ValueError(f"search: {self.search} draws total.trials trials; set total.trials")
+        if self.rank_by != "val_loss":
+            task = self.rank_by.partition("/")[0]
+            if self.downstream is None or task not in self.downstream.tasks or "/" not in self.rank_by:
+                tasks = ", ".join(self.downstream.tasks) if self.downstream else "none"
+                raise ValueError(
+                    f"rank_by: {self.rank_by!r} is val_loss or TASK/METRIC of a downstream task "
+                    f"(downstream.tasks: {tasks})"
+                )
         return self
 
 
