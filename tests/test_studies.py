@@ -130,6 +130,17 @@ def test_an_impossible_variant_is_named_before_any_trial_and_the_rest_run(tmp_pa
     assert table["d_model=33"]["status"] == "invalid" and table["d_model=32"]["status"] == "complete"
 
 
+def test_named_variants_are_an_axis_and_a_bad_one_is_located(tmp_path, capsys):
+    variants = {"small": {"d_model": 32}, "wide": {"d_model": 64, "decoder.ffn.hidden_dimm": 128}}
+    path = write_study(tmp_path, axes={"optimizer.lr": [1.0e-3]}, variants=variants)
+    assert sweep(path, "--dry-run") == 0
+    out = capsys.readouterr()
+    line = one_error_line(out.err, f"{path}: variant lr=0.001-variant=wide cannot run:")
+    assert "variants.wide.decoder.ffn.hidden_dimm: unknown key 'hidden_dimm'; did you mean 'hidden_dim'?" in line
+    assert f"{path}:" in line.split("cannot run: ")[1]
+    assert [v.name for v in plan(load_study(path))[0]] == ["lr=0.001-variant=small"]
+
+
 def test_a_bad_study_file_is_located(tmp_path, capsys):
     path = write_study(tmp_path, budget={"steps": 4, "flops": 1.0e9})
     assert sweep(path, "--dry-run") == 1
@@ -258,6 +269,16 @@ def test_the_pruner_stops_hopeless_trials(tmp_path, fake_trials):
     table = {r["variant"]: r for r in report.rows(load_study(path), open_db(path))}
     assert table["d_model=16"]["status"] == "pruned" and len(table["d_model=16"]["curve"]) < 4
     assert table["d_model=128"]["status"] == "complete"
+
+
+def test_tpe_search_draws_its_trials_from_ranges_and_lists(tmp_path, fake_trials):
+    axes = {"d_model": [16, 32, 64], "optimizer.lr": {"low": 1.0e-4, "high": 1.0e-2, "log": True}}
+    path = write_study(tmp_path, search="tpe", axes=axes, total={"trials": 5}, budget={"steps": 2})
+    assert sweep(path) == 0
+    rows = report.rows(load_study(path), open_db(path))
+    assert len(rows) == 5 and {r["status"] for r in rows} == {"complete"}
+    assert all(1e-4 <= r["optimizer.lr"] <= 1e-2 and r["d_model"] in (16, 32, 64) for r in rows)
+    assert sweep(path) == 0 and len(report.rows(load_study(path), open_db(path))) == 5  # its 5 are drawn
 
 
 # -- report and fit --------------------------------------------------------------------------------
