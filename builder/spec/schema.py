@@ -144,7 +144,8 @@ def _spread_head(head: dict, data: dict, doc) -> dict:
     """The head with its own layer merged over its stack's blocks (when its block has one)."""
     cls = registry.configs("head").get(head.get("type")) if isinstance(head.get("type"), str) else None
     field = getattr(cls, "layer_field", None)
-    architecture = registry.configs("architecture").get(data.get("architecture"))
+    kind = data.get("architecture")
+    architecture = registry.configs("architecture").get(kind) if isinstance(kind, str) else None
     if field is None or architecture is None or not isinstance(head.get(field, {}), dict):
         return head  # nothing to merge, or validation names what is wrong
     name = architecture.stacks[-1]
