@@ -131,7 +131,7 @@ def test_tiny_hugging_face_llama_fine_tunes_on_text_with_a_layer_frozen(tmp_path
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(600)))
-    vocab = len(set(corpus.read_text()))  # the char tokenizer's vocabulary
+    vocab = len(set(corpus.read_text())) + 1  # the char tokenizer's vocabulary: its characters and eos
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(

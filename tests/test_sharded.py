@@ -130,11 +130,11 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_at_i
 
 
 def test_a_vocabulary_that_does_not_split_is_refused(tmp_path, capsys):
-    # the char vocabulary of this corpus has 94 symbols: 2 divides it, 4 does not
+    # the char vocabulary of this corpus has 95 symbols (94 characters and eos): 4 does not divide it
     spec = dict(TINY_MOE, decoder=dict(TINY_MOE["decoder"], attention={"n_heads": 4}))
     path = tiny_recipe(tmp_path, model={"spec": spec}, trainer={"strategy": "fsdp", "devices": 4, "tensor_parallel": 4})
     assert _main("train", str(path)) == 1
-    _one_line_error(capsys, "vocab_size", "94 is not a multiple of the tensor-parallel degree 4")
+    _one_line_error(capsys, "vocab_size", "95 is not a multiple of the tensor-parallel degree 4")
 
 
 def test_hybrid_on_one_node_and_devices_that_do_not_exist_are_refused(tmp_path, capsys):
