@@ -147,7 +147,7 @@ def test_dry_run_reads_what_is_on_disk(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "(on disk)" in out and "would download" not in out
     text = (tmp_path / "data" / "tinyshakespeare.txt").read_text()
-    assert result["vocab_size"] == len(set(text)) == result["spec"]["vocab_size"]
+    assert result["vocab_size"] == len(set(text)) + 1 == result["spec"]["vocab_size"]  # and end-of-text
     translation = dry_run("translate-multi30k", {"trainer.devices": 1})
     assert translation["spec"]["architecture"] == "encoder-decoder" and len(translation["data"]) == 4
     assert "longest batch of data.max_tokens" in capsys.readouterr().out

@@ -46,9 +46,10 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
         missing = [f for f in data_files(recipe, recipe_file) if not f.present]
         if read_data and not missing:
             from recipes.data.corpus import read_corpus
+            from recipes.data.tokenizers import CharTokenizer
 
-            chars = len(set(read_corpus(recipe.data, recipe_file).text))
-            return Vocabulary(chars, f"char: the {chars} distinct characters of the corpus")
+            size = CharTokenizer.fit(read_corpus(recipe.data, recipe_file).text, eos=True).vocab_size
+            return Vocabulary(size, f"char: the corpus's {size - 1} distinct characters and end-of-text")
         why = "its corpus is not downloaded yet" if missing else "the corpus is not read here"
         return Vocabulary(
             CHAR_STAND_IN, f"char: the corpus's distinct characters ({why}; estimated with {CHAR_STAND_IN})", True
