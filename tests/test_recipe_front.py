@@ -227,10 +227,11 @@ def test_devices_mean_one_count_in_training_and_in_the_dry_run(cuda, monkeypatch
     CPU, where device indices are refused by training in one line and flagged by the dry run)."""
     import torch
 
+    from builder.spec.loader import load_spec
     from recipes.errors import RecipeError
     from recipes.parallel import layout_of
     from recipes.recipe.sections import Recipe
-    from recipes.training.dry_run import data_parallel_ranks, devices_line
+    from recipes.training.dry_run import data_parallel_ranks, devices_line, recipe_estimate
 
     if cuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -243,6 +244,7 @@ def test_devices_mean_one_count_in_training_and_in_the_dry_run(cuda, monkeypatch
             line = devices_line(recipe)
             assert line.startswith(f"{accelerator} x {count}, "), line
             assert data_parallel_ranks(recipe) == count
+            assert recipe_estimate(load_spec("tiny/llama"), recipe, 16, 1).settings["devices"] == count
             if cuda or written == "3":
                 assert layout_of(recipe.trainer).devices == count and "WARNING" not in line
             else:

@@ -61,20 +61,6 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     )
 
 
-def checkpoint_vocabulary(path: Path) -> int:
-    """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries, read and
-    verified through ``builder.checkpoints`` (a run that reads it again for its weights reads it
-    once)."""
-    from builder.checkpoints import CheckpointError, read_meta
-    from recipes.trained import checkpoint_tokenizer
-
-    try:
-        meta = read_meta(path)["builder"]
-        return checkpoint_tokenizer(path, meta.get("tokenizer")).vocab_size
-    except (CheckpointError, RecipeError) as exc:
-        raise RecipeError(f"classification.init_from: {exc}") from None
-
-
 # -- data --------------------------------------------------------------------------------------------
 
 

@@ -119,9 +119,7 @@ class Classification(TokenBudget, Task):
             return None
         path = resolve(recipe_file, init_from)
         if read_data and path.is_file():
-            from recipes.training.dry_run import checkpoint_vocabulary
-
-            return Vocabulary(checkpoint_vocabulary(path), f"the tokenizer of classification.init_from {path}")
+            return Vocabulary(_checkpoint_vocabulary(path), f"the tokenizer of classification.init_from {path}")
         size = recipe.tokenizer.vocab_size
         return Vocabulary(
             size,
@@ -159,6 +157,21 @@ class Classification(TokenBudget, Task):
 
         self.check_meta(meta)
         print(generate(model, tokenizer, meta, args))
+
+
+def _checkpoint_vocabulary(path: Path) -> int:
+    """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries, read and
+    verified through ``builder.checkpoints`` (a run that reads it again for its weights reads it
+    once)."""
+    from builder.checkpoints import CheckpointError, read_meta
+    from recipes.errors import RecipeError
+    from recipes.trained import checkpoint_tokenizer
+
+    try:
+        meta = read_meta(path)["builder"]
+        return checkpoint_tokenizer(path, meta.get("tokenizer")).vocab_size
+    except (CheckpointError, RecipeError) as exc:
+        raise RecipeError(f"classification.init_from: {exc}") from None
 
 
 TASK = Classification()
