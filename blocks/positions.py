@@ -154,6 +154,8 @@ def _llama3(inv_freq: torch.Tensor, s) -> torch.Tensor:
     high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    if s.high_freq_factor == s.low_freq_factor:  # one threshold: no band to smooth
+        return scaled
     smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
@@ -178,8 +180,10 @@ def _yarn(inv_freq: torch.Tensor, dim: int, base: float, s) -> tuple[torch.Tenso
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:  # whole dimensions (GPT-OSS keeps the fractional ends)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # prevents a division by zero in the ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)

@@ -108,6 +108,11 @@ class YarnScaling(_RopeScaling):
         "instead of through the rotated part only; with mscale equal to it, cos and sin are "
         "left unscaled. null: unused.",
     )
+    truncate: bool = Field(
+        True,
+        description="Round the ramp's ends to whole dimensions (floor and ceil, as the YaRN paper and "
+        "Hugging Face's default do); false keeps them fractional (GPT-OSS).",
+    )
 
 
 class Llama3Scaling(_RopeScaling):
@@ -120,8 +125,8 @@ class Llama3Scaling(_RopeScaling):
 
     @model_validator(mode="after")
     def _order(self):
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise rule_error(("high_freq_factor",), "high_freq_factor must be greater than low_freq_factor")
+        if self.high_freq_factor < self.low_freq_factor:  # equal: no smoothed band (Llama 4 Scout)
+            raise rule_error(("high_freq_factor",), "high_freq_factor must be at least low_freq_factor")
         return self
 
 
@@ -147,7 +152,9 @@ class RopeConfig(_PositionConfig):
         {"scaling": {"type": "linear", "factor": 4.0}},
         {"scaling": {"type": "ntk", "factor": 2.0}},
         {"scaling": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8}},
+        {"scaling": {"type": "yarn", "factor": 8.0, "original_max_seq_len": 16, "truncate": False}},
         {"scaling": {"type": "llama3", "factor": 8.0, "original_max_seq_len": 8}},
+        {"scaling": {"type": "llama3", "factor": 16.0, "original_max_seq_len": 8, "high_freq_factor": 1.0}},
     ]
 
     def rotary_dim(self, head_dim: int) -> int:

@@ -206,8 +206,11 @@ def rope_from_hf(config: dict, default_theta: float, head_dim: int, mscale: bool
                 raise Unsupported(f"yarn with {knob} (DeepSeek's variant) has no counterpart in this family")
             if params.get(knob):  # 0 means unset to transformers
                 scaling[knob] = float(params[knob])
-        if params.get("truncate", True) is not True:
-            raise Unsupported("yarn with truncate: false has no counterpart here")
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise HFError(f"rope_parameters.truncate: expected true or false, got {type(truncate).__name__}")
+        if not truncate:
+            scaling["truncate"] = False
         scaling.update(
             original_max_seq_len=int(original),
             beta_fast=float(params.get("beta_fast", 32.0)),
@@ -246,6 +249,8 @@ def rope_to_hf(position) -> dict:
         )
         if scaling.attention_factor is not None:
             rope["attention_factor"] = scaling.attention_factor
+        if not scaling.truncate:
+            rope["truncate"] = False
         for knob in ("mscale", "mscale_all_dim"):
             if getattr(scaling, knob) is not None:
                 rope[knob] = getattr(scaling, knob)
