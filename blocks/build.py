@@ -87,4 +87,5 @@ def build_layer(
         cross_attention=cross_attention,
         placement=layer.norm.placement,
         dropout=layer.dropout,
+        parallel_residual=layer.parallel_residual,
     )

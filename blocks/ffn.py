@@ -59,6 +59,21 @@ class GLU(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ClampedGLU(GLU):
+    """GPT-OSS's clamped SwiGLU: ``gate = min(gate_proj(x), limit)``,
+    ``up = clamp(up_proj(x), -limit, limit)``, ``down_proj((up + 1) * gate * sigmoid(alpha * gate))``
+    (Hugging Face's ``GptOssExperts._apply_gate``, on separate gate and up projections)."""
+
+    def __init__(self, config, d_model: int, clamp):
+        super().__init__(config, d_model)
+        self.alpha, self.limit = clamp.alpha, clamp.limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
 class MoE(nn.Module):
     """Top-k mixture of experts (Switch, Mixtral) with sparse dispatch.
 
@@ -71,15 +86,24 @@ class MoE(nn.Module):
     ``n_experts * sum_e f_e * P_e`` (``f_e``: share of tokens routed to expert ``e``, counting
     every one of a token's ``top_k`` choices; ``P_e``: the mean router probability of ``e``),
     differentiable through ``P_e``. It is computed over every token, padding included.
+
+    GPT-OSS: ``router_bias`` gives the router a bias, ``expert_bias`` the experts' projections
+    theirs, and ``clamp`` makes each expert a :class:`ClampedGLU`. The experts are separate
+    modules (``experts.{e}.gate_proj``, ``up_proj``, ``down_proj``); Hugging Face's fused,
+    interleaved ``gate_up_proj`` is split by the importer.
     """
 
     def __init__(self, config, d_model: int):
         super().__init__()
         self.n_experts = config.n_experts
         self.top_k = config.top_k
-        self.router = nn.Linear(d_model, config.n_experts, bias=False)
-        expert_class = registry.module_class(config.expert)
-        self.experts = nn.ModuleList(expert_class(config.expert, d_model) for _ in range(config.n_experts))
+        self.router = nn.Linear(d_model, config.n_experts, bias=config.router_bias)
+        expert = config.resolved_expert()
+        if config.clamp is not None:
+            self.experts = nn.ModuleList(ClampedGLU(expert, d_model, config.clamp) for _ in range(config.n_experts))
+        else:
+            expert_class = registry.module_class(expert)
+            self.experts = nn.ModuleList(expert_class(expert, d_model) for _ in range(config.n_experts))
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +120,13 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
 
-def dispatch(flat: torch.Tensor, expert, n_experts: int, top_experts: torch.Tensor, gates: torch.Tensor):
+def dispatch(
+    flat: torch.Tensor, expert, n_experts: int, top_experts: torch.Tensor, gates: torch.Tensor, on_input: bool = False
+):
     """Sparse dispatch: ``flat`` ``(tokens, d_model)`` through each token's chosen experts
     (``top_experts`` ``(tokens, top_k)``; ``expert(e, rows)`` runs expert ``e``), weighted by
-    ``gates`` ``(tokens, top_k)`` and summed.
+    ``gates`` ``(tokens, top_k)`` (each expert's output, or its input when ``on_input``:
+    ``expert(e, gate * rows)``, Llama 4) and summed.
 
     Choices are sorted by expert, so each expert multiplies only its own rows: ``top_k * tokens``
     rows in all. Returns the output ``(tokens, d_model)`` and the tokens each expert got.
@@ -115,8 +142,8 @@ def dispatch(flat: torch.Tensor, expert, n_experts: int, top_experts: torch.Tens
     # Every expert runs, on no rows when no token chose it, so each takes part in every backward:
     # data-parallel ranks then reduce the same gradients (FSDP2 reduces a unit's gradients together).
     for e, n in enumerate(counts.tolist()):
-        tokens = rows_token[start : start + n]
-        y = expert(e, flat[tokens]) * rows_gate[start : start + n, None]
+        tokens, gate = rows_token[start : start + n], rows_gate[start : start + n, None]
+        y = expert(e, flat[tokens] * gate) if on_input else expert(e, flat[tokens]) * gate
         out.index_add_(0, tokens, y)
         start += n
     return out, counts
@@ -175,7 +202,9 @@ class DeepSeekMoE(nn.Module):
     ``expert_bias`` and, with groups, every expert outside the ``topk_groups`` best groups
     masked (a group ranks by its best score or its two best summed); the ``top_k`` best are
     chosen; their weights are the scores (renormalised with ``norm_topk_prob``) times
-    ``routed_scaling_factor``. The shared experts (one wide FFN) see every token. The routed
+    ``routed_scaling_factor``; they multiply the experts' outputs, or with ``weight_on: input``
+    their inputs (Llama 4's ``Llama4TextMoe``: top-1, sigmoid, plus a shared expert). The
+    shared experts (one wide FFN) see every token. The routed
     experts' weights are stacked (:class:`GroupedExperts`: ``experts.gate_proj.weight`` is
     ``(n_experts, hidden, d_model)``), as in torchtitan and transformers 5.
 
@@ -193,6 +222,7 @@ class DeepSeekMoE(nn.Module):
         self.scoring, self.group_score = config.scoring, config.group_score
         self.n_groups, self.topk_groups = config.n_groups, config.topk_groups
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
+        self.on_input = config.weight_on == "input"
         self.bias_update_speed = config.bias_update_speed if config.expert_bias else 0.0
         self.router = nn.Linear(d_model, config.n_experts, bias=False)
         self.experts = GroupedExperts(config.expert, d_model, config.n_experts)
@@ -236,7 +266,9 @@ class DeepSeekMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (tokens, d_model)
         scores, chosen, weights = self.route(flat)
-        out, counts = dispatch(flat, lambda e, rows: self.experts(rows, e), self.n_experts, chosen, weights.to(x.dtype))
+        out, counts = dispatch(
+            flat, lambda e, rows: self.experts(rows, e), self.n_experts, chosen, weights.to(x.dtype), self.on_input
+        )
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.scoring == "sigmoid":

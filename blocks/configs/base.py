@@ -400,7 +400,7 @@ class FFNBlock(BlockConfig):
         return self.params(d_model)
 
 
-Placement = Literal["pre", "post", "sandwich"]
+Placement = Literal["pre", "post", "sandwich", "post_sublayer"]
 
 
 class NormBlock(BlockConfig):
@@ -409,7 +409,8 @@ class NormBlock(BlockConfig):
     placement: Placement = Field(
         "pre",
         description="pre: norm before each sub-layer (GPT-2, Llama); post: after the residual "
-        "add (the 2017 Transformer, BERT); sandwich: before and after each sub-layer (Gemma 2).",
+        "add (the 2017 Transformer, BERT); sandwich: before and after each sub-layer (Gemma 2); "
+        "post_sublayer: on the sub-layer's output before the residual add, x + norm(f(x)) (OLMo 2).",
     )
 
     @abstractmethod

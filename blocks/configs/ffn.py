@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
 from blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
@@ -111,63 +111,123 @@ class GLUConfig(_DenseFFNConfig):
 ExpertConfig = Annotated[MLPConfig | GLUConfig, Field(discriminator="type")]
 
 
+class ClampConfig(BaseModel):
+    """GPT-OSS's clamped SwiGLU, on a glu expert's gate and up projections:
+    ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+    ``out = (up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    alpha: float = Field(
+        ..., gt=0, le=MAX_FACTOR, description="The sigmoid's slope in gate * sigmoid(alpha * gate) (GPT-OSS: 1.702)."
+    )
+    limit: float = Field(
+        ..., gt=0, le=MAX_FACTOR, description="Gate clamped above at limit, up to [-limit, limit] (GPT-OSS: 7.0)."
+    )
+
+
 @register("ffn", "blocks.ffn:MoE")
 class MoEConfig(FFNBlock):
-    """Mixture of experts: a linear router picks top_k experts per token (Mixtral).
+    """Mixture of experts: a linear router picks top_k experts per token (Mixtral, Qwen3-MoE
+    with norm_topk_prob, GPT-OSS).
 
-    Gates are the softmax over the chosen experts' logits; tokens go only to their experts.
+    Gates are the softmax over the chosen experts' logits (equal to a softmax over all of them,
+    top-k and renormalised); tokens go only to their experts. GPT-OSS adds a router bias, biased
+    experts and a clamped SwiGLU (``router_bias``, ``expert_bias``, ``clamp``).
     """
 
     type: Literal["moe"] = "moe"
     n_experts: int = Field(..., ge=1, le=MAX_EXPERTS, description="Number of expert FFNs.")
     top_k: int = Field(2, ge=1, le=MAX_EXPERTS, description="Experts each token is sent to; at most n_experts.")
     expert: ExpertConfig = Field(..., description="Each expert: an mlp or glu block.")
+    router_bias: bool = Field(False, description="A bias on the router's logits, one per expert (GPT-OSS).")
+    expert_bias: bool = Field(
+        False,
+        description="Biases on every expert's projections (GPT-OSS); true is the same as the expert's own bias: true.",
+    )
+    clamp: ClampConfig | None = Field(
+        None,
+        description="GPT-OSS's clamped SwiGLU on a glu expert with silu: gate = min(gate, limit), "
+        "up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate); null: the "
+        "expert's own GLU.",
+    )
 
     examples: ClassVar[list[dict]] = [
         {"n_experts": 4, "top_k": 2, "expert": {"type": "glu", "hidden_dim": 48}},
         {"n_experts": 3, "top_k": 1, "expert": {"type": "mlp", "activation": "gelu", "bias": True}},
         {"n_experts": 2, "top_k": 2, "expert": {"type": "mlp", "activation": "relu", "hidden_dim": 16}},
+        {
+            "n_experts": 4,
+            "top_k": 2,
+            "expert": {"type": "glu", "hidden_dim": 24},
+            "router_bias": True,
+            "expert_bias": True,
+            "clamp": {"alpha": 1.702, "limit": 7.0},
+        },
+        {"n_experts": 3, "top_k": 2, "expert": {"type": "mlp", "hidden_dim": 16}, "router_bias": True},
     ]
 
     @model_validator(mode="after")
     def _top_k(self):
         if self.top_k > self.n_experts:
             raise rule_error(("top_k",), f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
+        if self.clamp is not None and (self.expert.type != "glu" or self.expert.activation != "silu"):
+            raise rule_error(
+                ("clamp",),
+                f"clamp is GPT-OSS's clamped SwiGLU: it needs a glu expert with activation silu, "
+                f"got {self.expert.type} with {self.expert.activation}",
+            )
         return self
+
+    def resolved_expert(self):
+        """The expert each of the n_experts is built as (``expert_bias`` turns its biases on)."""
+        return self.expert.model_copy(update={"bias": True}) if self.expert_bias else self.expert
 
     def describe(self) -> str:
         return f"moe {self.n_experts}x{self.expert.type} top{self.top_k}"
 
     def parallel_plan(self) -> dict[str, str] | None:
-        return None  # router and experts replicated under tensor parallelism (no expert parallelism yet)
+        # router (its bias too) and experts (their biases too) replicated under tensor
+        # parallelism: no expert parallelism yet
+        return None
+
+    def _router_params(self, d_model: int) -> int:
+        return self.n_experts * (d_model + (1 if self.router_bias else 0))
 
     def params(self, d_model: int) -> int:
-        return d_model * self.n_experts + self.n_experts * self.expert.params(d_model)
+        return self._router_params(d_model) + self.n_experts * self.resolved_expert().params(d_model)
 
     def active_params(self, d_model: int) -> int:
-        return d_model * self.n_experts + self.top_k * self.expert.params(d_model)
+        return self._router_params(d_model) + self.top_k * self.resolved_expert().params(d_model)
 
     def param_shapes(self, d_model: int) -> Shapes:
         # under tensor parallelism the router and the experts are replicated (no plan)
         shapes = {"router.weight": (self.n_experts, d_model)}
-        expert = self.expert.param_shapes(d_model)
+        if self.router_bias:
+            shapes["router.bias"] = (self.n_experts,)
+        expert = self.resolved_expert().param_shapes(d_model)
         for i in range(self.n_experts):
             shapes.update({f"experts.{i}.{name}": shape for name, shape in expert.items()})
         return shapes
 
     def flops(self, d_model: int, tokens: int) -> int:
         # Every token meets the router; each expert multiplies only the tokens sent to it,
-        # tokens * top_k rows in all, whatever the routing.
+        # tokens * top_k rows in all, whatever the routing (biases and the clamp: no matmul).
         return 2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         """Bytes kept for backward (see builder.analysis.memory). The router: its input, the fp32
         probabilities, the top_k fp32 values and int64 choices, their sum. Each of the
-        tokens * top_k routed rows: the expert's own tensors (its gathered input among them),
-        its output and the gated output, the gate, two int64 indices (sort order, token)."""
+        tokens * top_k routed rows: the expert's own tensors (its gathered input among them;
+        a clamped SwiGLU's seven hidden ones: gate and up before and after their clamps,
+        sigmoid(alpha * gate), the gated gate, their product), its output and the gated
+        output, the gate, two int64 indices (sort order, token)."""
         routed = tokens * self.top_k
         router = tokens * (d_model * act_bytes + self.n_experts * 4 + self.top_k * (4 + 8) + 4)
-        experts = self.expert.saved_bytes(d_model, routed, act_bytes)
+        if self.clamp is not None:
+            experts = routed * (d_model + 7 * self.expert.resolved_hidden_dim(d_model)) * act_bytes
+        else:
+            experts = self.expert.saved_bytes(d_model, routed, act_bytes)
         return router + experts + routed * (2 * d_model * act_bytes + act_bytes + 2 * 8)
 
 
@@ -216,6 +276,11 @@ class DeepSeekMoEConfig(FFNBlock):
         description="Auxiliary-loss-free balancing (V3): a per-expert bias, a buffer, added to the scores "
         "for choosing only, updated after each optimizer step.",
     )
+    weight_on: Literal["output", "input"] = Field(
+        "output",
+        description="Where a routed expert's weight multiplies: its output (DeepSeek) or its input, "
+        "the expert then run on weight * x (Llama 4).",
+    )
     bias_update_speed: float = Field(
         0.001,
         ge=0,
@@ -249,6 +314,14 @@ class DeepSeekMoEConfig(FFNBlock):
             "expert_bias": True,
         },
         {"n_experts": 4, "top_k": 1, "expert": {"type": "mlp", "activation": "gelu", "hidden_dim": 24, "bias": True}},
+        {  # Llama 4: top-1, sigmoid, the weight on the expert's input, one shared expert
+            "n_experts": 4,
+            "top_k": 1,
+            "n_shared_experts": 1,
+            "expert": {"type": "glu", "hidden_dim": 16},
+            "scoring": "sigmoid",
+            "weight_on": "input",
+        },
     ]
 
     @model_validator(mode="after")

@@ -6,10 +6,11 @@ declares (multi-token prediction's head), whose blocks are any registered ones."
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from blocks.configs.base import AttentionBlock, FFNBlock, NormBlock, PositionBlock, Shapes, nested_block
+from blocks.configs.base import AttentionBlock, FFNBlock, NormBlock, PositionBlock, Shapes, nested_block, rule_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,16 +26,37 @@ class LayerConfig:
     ffn: FFNBlock
     norm: NormBlock
     dropout: float
+    #: False: the sub-layers in sequence; True: each reads the layer's input and their outputs
+    #: are summed (GPT-NeoX); "shared_norm": so, with one input norm for all (GPT-J, Falcon)
+    parallel_residual: bool | str = False
 
     def sublayers(self, cross: bool) -> tuple[str, ...]:
         """The residual sub-layers in order; each gets ``norm.per_sublayer`` norms."""
         return ("attention", "cross_attention", "ffn") if cross else ("attention", "ffn")
 
     def norm_names(self, cross: bool) -> list[str]:
-        """The layer module's norms (``blocks.layers``): one per sub-layer, two for sandwich."""
+        """The layer module's norms (``blocks.layers``): one per sub-layer, two for sandwich;
+        one, ``attention_norm``, for a shared_norm parallel layer."""
+        if self.parallel_residual == "shared_norm":
+            return ["attention_norm"]
         subs = self.sublayers(cross)
         names = [f"{sub}_norm" for sub in subs]
         return names + ([f"{sub}_post_norm" for sub in subs] if self.norm.placement == "sandwich" else [])
+
+    def parallel_problem(self) -> str | None:
+        """Why this layer's norm placement cannot run its sub-layers in parallel (None: it can)."""
+        placement = self.norm.placement
+        if self.parallel_residual == "shared_norm" and placement != "pre":
+            return (
+                "parallel_residual shared_norm feeds one input norm to every sub-layer: "
+                f"it needs norm placement pre, got {placement}"
+            )
+        if self.parallel_residual is True and placement == "post":
+            return (
+                "parallel_residual needs a norm inside each branch (placement pre, sandwich or "
+                "post_sublayer), got post: one norm after the summed residual"
+            )
+        return None
 
     def describe(self, cross: bool) -> str:
         """A short label: ``8h/4kv w4096 +cross glu rmsnorm``."""
@@ -110,7 +132,19 @@ class LayerConfig:
         saved += len(self.norm_names(cross)) * self.norm.saved_bytes(d_model, batch * tokens, act_bytes)
         if self.dropout > 0:
             saved += len(self.sublayers(cross)) * batch * tokens * d_model  # one-byte masks
-        return saved
+        return saved - self._shared_saved_bytes(d_model, batch * tokens, act_bytes, cross)
+
+    def _shared_saved_bytes(self, d_model: int, tokens: int, act_bytes: int, cross: bool) -> int:
+        """What the blocks' own counts hold twice in a parallel layer, whose sub-layers read one
+        input: with norms per sub-layer (pre, sandwich) in fp32 the norms' fp32 input, the layer
+        input itself (each keeps it); with no input norm (post_sublayer) or a shared one, the
+        sub-layers' input, which every sub-layer keeps (its first projections')."""
+        if not self.parallel_residual:
+            return 0
+        others = len(self.sublayers(cross)) - 1  # the sub-layers that read what the first keeps too
+        if self.parallel_residual == "shared_norm" or self.norm.placement == "post_sublayer":
+            return others * tokens * d_model * act_bytes
+        return others * tokens * d_model * 4 if act_bytes == 4 else 0
 
 
 class LayerBlocks(BaseModel):
@@ -126,6 +160,18 @@ class LayerBlocks(BaseModel):
         default_factory=lambda: {"type": "layernorm"}
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="On each sub-layer's output.")
+    parallel_residual: bool | Literal["shared_norm"] = Field(
+        False,
+        description="As a stack's: true runs attention and the FFN on the layer's input and adds both "
+        "(GPT-NeoX); shared_norm feeds them one norm (GPT-J, Falcon). Its stack's value when left out.",
+    )
+
+    @model_validator(mode="after")
+    def _parallel(self):
+        problem = self.layer().parallel_problem()
+        if problem:
+            raise rule_error(("parallel_residual",), problem)
+        return self
 
     def layer(self) -> LayerConfig:
-        return LayerConfig(self.attention, None, self.ffn, self.norm, self.dropout)
+        return LayerConfig(self.attention, None, self.ffn, self.norm, self.dropout, self.parallel_residual)

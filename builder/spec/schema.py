@@ -158,8 +158,9 @@ def _spread_head(head: dict, data: dict, doc) -> dict:
             own[key] = merge(
                 stack[key], own.get(key, {}), types=FIELD_TYPES, out=doc, at=at + (key,), base_from=(doc, (name, key))
             )
-    if "dropout" in stack and "dropout" not in own:  # as a layer override keeps its stack's
-        own["dropout"] = stack["dropout"]
+    for key in ("dropout", "parallel_residual"):  # as a layer override keeps its stack's
+        if key in stack and key not in own:
+            own[key] = stack[key]
     return {**head, field: own}
 
 
@@ -249,6 +250,13 @@ class StackSpec(_Section):
     )
     final_norm: bool = Field(True, description="A norm after the last layer (pre-norm stacks have one).")
     dropout: float = Field(0.0, ge=0, lt=1, description="On each sub-layer's output, before the residual add.")
+    parallel_residual: bool | Literal["shared_norm"] = Field(
+        False,
+        description="false: attention, then the FFN; true: both read the layer's input and are added, "
+        "x + attn(attention_norm(x)) + ffn(ffn_norm(x)) (GPT-NeoX); shared_norm: one norm feeds both, "
+        "h = attention_norm(x), x + attn(h) + ffn(h) (GPT-J, Falcon). Cross-attention, where there is "
+        "one, is a third branch; a head's own layers (multi-token prediction) take the stack's value.",
+    )
     overrides: list[LayerOverride] = Field(
         default_factory=list, max_length=MAX_OVERRIDES, description="Layers that differ from the rest of the stack."
     )
@@ -298,7 +306,7 @@ class StackSpec(_Section):
                     fields[key] = getattr(override, key)
             if override.dropout is not None:
                 dropout = override.dropout
-        return LayerConfig(dropout=dropout, **fields)
+        return LayerConfig(dropout=dropout, parallel_residual=self.parallel_residual, **fields)
 
 
 class ModelSpec(_Section):
@@ -488,6 +496,11 @@ def _stack_rules(spec, name: str, stack, cross_allowed: bool) -> list[tuple[Loc,
         for key in ("attention", "cross_attention"):
             if getattr(override, key) is not None:
                 attentions.append((loc + (key,), getattr(override, key)))
+    if stack.parallel_residual and not problems:  # every layer's norm placement must allow it
+        for indices, layer in stack.layer_groups():
+            if (problem := layer.parallel_problem()) is not None:
+                problems.append(((name, "parallel_residual"), f"{problem} (layer {indices[0]})"))
+                break
     stack_heads = stack.attention.query_heads()
     for loc, attention in attentions:
         cross = loc[-1] == "cross_attention"
