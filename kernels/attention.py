@@ -5,7 +5,12 @@ Backends:
 * ``eager``: two explicit matmuls (``Q K^T`` and ``P V``) over the full ``(seq_q, seq_k)``
   whatever the mask, fp32 softmax. The FLOP-counting reference (``4 * B * H * Sq * Sk * D``).
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an additive float mask for
-  windows, ALiBi and bias; falls back to ``eager`` for soft-capping, which SDPA cannot do.
+  windows, chunks, ALiBi and bias; falls back to ``eager`` for soft-capping, which SDPA cannot do.
+  SDPA has no sink argument: the sinks become one more key (a zero key and a zero value, so its
+  score is 0 and it adds nothing to the output) whose additive mask column is ``sinks[h]``. That
+  keeps SDPA's fused kernels (and their gradient of the mask, which is the sinks' gradient), at
+  the cost of an ``(batch | 1, n_heads, seq_q, seq_k + 1)`` mask in ``q``'s dtype (so a bf16
+  model's sink logits are rounded to bf16 there) and a copy of the keys and values one longer.
 * ``triton``: the FlashAttention-2 kernels in :mod:`kernels.triton_attention` (imported on first
   use; on CPU tensors they run under the Triton interpreter).
 * ``auto``: ``triton`` for CUDA tensors, ``sdpa`` elsewhere (and ``sdpa`` whenever
@@ -18,9 +23,16 @@ and mixes 128-wide values. Every backend takes it (SDPA's math and memory-effici
 Mask semantics, shared by every backend: query row ``i`` sits at position ``i + seq_k - seq_q``
 (the queries are the last ``seq_q`` positions), key ``j`` at position ``j``; with ``d`` the
 query position minus the key position, ``causal`` keeps ``d >= 0``, ``sliding_window=w`` keeps
-``d < w``, and ALiBi adds ``-slope_h * d``. Scores are ``q.k * scale``, then
+``d < w``, ``chunk_size=C`` keeps the keys of the query's chunk (``pos_q // C == pos_k // C``,
+Llama 4's chunked local attention), and ALiBi adds ``-slope_h * d``. Scores are ``q.k * scale``, then
 ``softcap * tanh(. / softcap)``, then ``+ bias + alibi``, then the masks. A query row with no
 visible key returns 0 (not NaN) and passes no gradient.
+
+``sinks`` ``(n_heads,)`` (GPT-OSS's attention sinks): a learned logit per head that joins every
+row's softmax as one more column and is dropped after it, ``p_ij = exp(s_ij) / (exp(sink_h) +
+sum_j exp(s_ij))``: a row's weights sum to less than 1, and a row with no visible key puts all
+its weight on the sink (output 0). The sink is a raw logit: no ``scale``, soft-cap or mask
+touches it. Its gradient is ``-sum_i p_sink(i) * rowsum(dO_i * O_i)``.
 
 ``token_index=(query_index, key_index)`` replaces that layout with explicit token indices, for
 keys held out of order (a static decoding cache: every slot of a preallocated buffer, a ring
@@ -62,9 +74,11 @@ def attention(
     dropout_p: float = 0.0,
     token_index: tuple | None = None,
     document_ids: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Multi-head attention with GQA/MQA, causal, sliding-window and document masks, ALiBi, an
-    additive bias and score soft-capping.
+    """Multi-head attention with GQA/MQA, causal, sliding-window, chunk and document masks, ALiBi,
+    an additive bias, score soft-capping and attention sinks.
 
     Args:
         q: ``(batch, n_heads, seq_q, head_dim)``.
@@ -85,11 +99,17 @@ def attention(
         document_ids: ``(batch, seq_k)`` integer document of each key, non-decreasing along a
             row; a query (the last ``seq_q`` keys) sees only keys of its own document (module
             doc). Not with ``token_index``. None: one document per row.
+        sinks: ``(n_heads,)`` float raw logits of a per-head sink column in the softmax (module
+            doc); receives a gradient when it requires one. None: no sink.
+        chunk_size: ``C``: a query sees only keys of its own chunk of ``C`` token positions
+            (``pos_q // C == pos_k // C``), on top of the other masks. None: no chunks.
 
     Returns:
         ``(batch, n_heads, seq_q, head_dim_v)`` in ``q``'s dtype.
     """
     _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index, document_ids)
+    _check_sinks_chunks(q, sinks, chunk_size)
+    chunk_size = None if chunk_size is None else int(chunk_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     starts = document_starts(document_ids) if document_ids is not None else None
     if backend == "auto":
@@ -98,11 +118,11 @@ def attention(
         backend = "triton" if fused_ok else "sdpa"
     if token_index is not None:
         # Explicit indices: the masks and ALiBi become one additive bias every backend takes.
-        bias = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, token_index)
-        causal, sliding_window, alibi_slopes = False, None, None
+        bias = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, token_index, None, chunk_size)
+        causal, sliding_window, alibi_slopes, chunk_size = False, None, None, None
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (batch | 1, heads | 1, Sq, Sk)
         if backend == "sdpa" and softcap is None:
-            return _masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p)
+            return _masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p, sinks)
     if backend == "triton":
         if dropout_p > 0.0:
             raise ValueError(
@@ -115,6 +135,8 @@ def attention(
                 f"backend='triton' supports head_dim <= {MAX_TRITON_HEAD_DIM}, got "
                 f"{q.shape[-1]} (values {v.shape[-1]}); use backend='sdpa' or 'eager'"
             )
+        if sinks is not None or chunk_size is not None:  # interim: the kernels land next
+            raise ValueError("backend='triton' does not take sinks or chunk_size yet; use 'sdpa' or 'eager'")
         try:
             from . import triton_attention  # lazy: importing triton costs ~1 s
         except ImportError as exc:
@@ -135,9 +157,10 @@ def attention(
             starts,
         )
         return out
+    masks = (causal, sliding_window, chunk_size, alibi_slopes, bias)
     if backend == "sdpa" and softcap is None:
-        return _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p, starts)
-    return _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, dropout_p, starts)
+        return _sdpa(q, k, v, *masks, scale, dropout_p, starts, sinks)
+    return _eager(q, k, v, *masks, softcap, scale, dropout_p, starts, sinks)
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -224,10 +247,32 @@ def _check(
             )
 
 
-def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: int | None, device, token_index=None, starts=None):
+def _check_sinks_chunks(q, sinks, chunk_size):
+    if chunk_size is not None and (isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if sinks is None:
+        return
+    H = q.shape[1]
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (H,) or not sinks.dtype.is_floating_point:
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a float tensor of shape (n_heads,) = ({H},), got {got}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+
+
+def _visible(
+    seq_q: int,
+    seq_k: int,
+    causal: bool,
+    sliding_window: int | None,
+    device,
+    token_index=None,
+    starts=None,
+    chunk_size: int | None = None,
+):
     """Boolean ``(seq_q, seq_k)`` keep-mask (``(batch, 1, seq_q, seq_k)`` with document
     ``starts``; None when everything is visible) and the ``(seq_q, seq_k)`` distance
-    ``pos_q - pos_k`` (``token_index``, ``starts``: see the module doc)."""
+    ``pos_q - pos_k`` (``token_index``, ``starts``, ``chunk_size``: see the module doc)."""
     keep = None
     if token_index is not None:
         pos_q, pos_k = token_index
@@ -241,17 +286,20 @@ def _visible(seq_q: int, seq_k: int, causal: bool, sliding_window: int | None, d
     if sliding_window is not None:
         in_window = dist < sliding_window
         keep = in_window if keep is None else keep & in_window
+    if chunk_size is not None:
+        same_chunk = (pos_q // chunk_size)[:, None] == (pos_k // chunk_size)[None, :]  # (seq_q, seq_k)
+        keep = same_chunk if keep is None else keep & same_chunk
     if starts is not None:
         same = (starts[:, -seq_q:, None] == starts[:, None, :])[:, None]  # (batch, 1, seq_q, seq_k)
         keep = same if keep is None else keep & same
     return keep, dist
 
 
-def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype, token_index=None, starts=None):
+def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype, token_index=None, starts=None, chunk_size=None):
     """Bias + ALiBi + masks as one additive ``dtype`` tensor broadcastable to (B, H, Sq, Sk), or
     None when there is nothing to add."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device, token_index, starts)
+    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device, token_index, starts, chunk_size)
     add = None
     if bias is not None:
         add = bias.to(dtype)
@@ -270,7 +318,9 @@ def _dead_rows(add: torch.Tensor) -> torch.Tensor:
     return torch.isneginf(add).all(dim=-1, keepdim=True)
 
 
-def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, dropout_p, starts=None):
+def _eager(
+    q, k, v, causal, sliding_window, chunk_size, alibi_slopes, bias, softcap, scale, dropout_p, starts=None, sinks=None
+):
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # (batch, n_heads, seq_k, head_dim)
@@ -278,13 +328,19 @@ def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, 
     scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # (batch, n_heads, Sq, Sk)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, starts=starts)
+    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, None, starts, chunk_size)
     dead = None
     if add is not None:
         scores = scores + add
-        dead = _dead_rows(scores)
-        scores = torch.where(dead, 0.0, scores)  # keeps softmax (and its grad) finite
-    p = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        # the sink column keeps every row finite: a row with no visible key weighs only the sink
+        column = sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)  # (batch, n_heads, Sq, 1)
+        p = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    else:
+        if add is not None:
+            dead = _dead_rows(scores)
+            scores = torch.where(dead, 0.0, scores)  # keeps softmax (and its grad) finite
+        p = torch.softmax(scores, dim=-1)
     if dead is not None:
         p = torch.where(dead, 0.0, p)
     if dropout_p > 0.0:
@@ -292,25 +348,36 @@ def _eager(q, k, v, causal, sliding_window, alibi_slopes, bias, softcap, scale, 
     return torch.matmul(p.to(v.dtype), v)  # (batch, n_heads, Sq, head_dim_v)
 
 
-def _sdpa(q, k, v, causal, sliding_window, alibi_slopes, bias, scale, dropout_p, starts=None):
+def _sdpa(q, k, v, causal, sliding_window, chunk_size, alibi_slopes, bias, scale, dropout_p, starts=None, sinks=None):
     seq_q, seq_k = q.shape[2], k.shape[2]
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    if starts is not None and alibi_slopes is None and bias is None:
-        # documents (and causal, window) alone: a boolean mask, no float one; every query sees
-        # itself, so no row is empty (SDPA would return NaN for one)
-        keep, _ = _visible(seq_q, seq_k, causal, sliding_window, q.device, starts=starts)
+    if starts is not None and alibi_slopes is None and bias is None and sinks is None:
+        # documents (and causal, window, chunks) alone: a boolean mask, no float one; every query
+        # sees itself, so no row is empty (SDPA would return NaN for one)
+        keep, _ = _visible(seq_q, seq_k, causal, sliding_window, q.device, None, starts, chunk_size)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, **gqa)
-    simple_causal = causal and seq_q == seq_k and sliding_window is None
-    if simple_causal and alibi_slopes is None and bias is None:
+    simple_causal = causal and seq_q == seq_k and sliding_window is None and chunk_size is None
+    if simple_causal and alibi_slopes is None and bias is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
-    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype, starts=starts)
-    if add is None:
+    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype, None, starts, chunk_size)
+    if add is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
-    return _masked_sdpa(q, k, v, add, scale, dropout_p)
+    return _masked_sdpa(q, k, v, add, scale, dropout_p, sinks)
 
 
-def _masked_sdpa(q, k, v, add, scale, dropout_p):
-    """SDPA under an additive mask ``add``, rows with no visible key returning 0."""
+def _masked_sdpa(q, k, v, add, scale, dropout_p, sinks=None):
+    """SDPA under an additive mask ``add`` (None: none), rows with no visible key returning 0;
+    ``sinks`` as one more key: a zero key and value under a mask column of ``sinks[h]``."""
+    if sinks is not None:
+        q_rows = q.shape[:3]  # (batch, n_heads, Sq)
+        k = torch.cat((k, k.new_zeros(*k.shape[:2], 1, k.shape[3])), dim=2)  # (batch, n_kv_heads, Sk + 1, head_dim)
+        v = torch.cat((v, v.new_zeros(*v.shape[:2], 1, v.shape[3])), dim=2)  # (batch, n_kv_heads, Sk + 1, head_dim_v)
+        if add is None:
+            add = q.new_zeros(q_rows[2], k.shape[2] - 1)
+        add = add.reshape((1,) * (4 - add.dim()) + tuple(add.shape))  # (batch | 1, heads | 1, Sq | 1, Sk)
+        rows = (add.shape[0], q_rows[1], q_rows[2])  # (batch | 1, n_heads, Sq)
+        column = sinks.to(q.dtype)[:, None, None].expand(*rows, 1)
+        add = torch.cat((add.expand(*rows, add.shape[3]), column), dim=-1)  # (batch | 1, n_heads, Sq, Sk + 1)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     dead = _dead_rows(add)
     add = torch.where(dead, 0.0, add)  # SDPA would return NaN on rows with no visible key

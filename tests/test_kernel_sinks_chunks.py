@@ -1,0 +1,198 @@
+"""Attention sinks and chunked attention on every backend, against a float64 reference written
+here from the definitions: the sink as one more softmax column dropped afterwards, the chunks as
+an explicit ``pos_q // C == pos_k // C`` mask. Forward and the gradients of q, k, v and the sinks,
+in the usual layout (queries the last ``seq_q`` keys: cached decoding), with explicit token
+indices (a static cache's slots) and with packed documents.
+
+Without CUDA the Triton backend runs under the Triton interpreter: shapes stay small (the query
+tiles are 32 rows there, so lengths of 40..70 still cross tiles and chunk boundaries).
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels import attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["eager", "sdpa"]  # triton: next commit
+
+
+def reference(q, k, v, *, causal=False, sliding_window=None, chunk_size=None, sinks=None, token_index=None, docs=None):
+    """Float64 attention from the definitions (no code shared with the kernels)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    kv_head = torch.arange(H, device=q.device) // (H // k.shape[1])
+    k, v = k[:, kv_head], v[:, kv_head]  # (B, H, Sk, D)
+    s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(D)
+    if token_index is None:
+        pos_q, pos_k = torch.arange(Sk - Sq, Sk, device=q.device), torch.arange(Sk, device=q.device)
+    else:
+        pos_q, pos_k = token_index
+    keep = (pos_k >= 0)[None, :].expand(Sq, Sk).clone()
+    for i in range(Sq):
+        for j in range(Sk):
+            d = int(pos_q[i] - pos_k[j])
+            if causal and d < 0 or sliding_window is not None and d >= sliding_window:
+                keep[i, j] = False
+            if chunk_size is not None and int(pos_q[i]) // chunk_size != int(pos_k[j]) // chunk_size:
+                keep[i, j] = False
+    keep = keep.expand(B, H, Sq, Sk)
+    if docs is not None:  # same document id (ids are runs along the row)
+        keep = keep & (docs[:, -Sq:, None] == docs[:, None, :])[:, None]
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        column = sinks.double()[None, :, None, None].expand(B, H, Sq, 1)
+        p = torch.softmax(torch.cat((s, column), dim=-1), dim=-1)[..., :Sk]
+    return torch.einsum("bhij,bhjd->bhid", p, v)
+
+
+def make(B, H, Hkv, Sq, Sk, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g)
+    k = torch.randn(B, Hkv, Sk, D, generator=g)
+    v = torch.randn(B, Hkv, Sk, D, generator=g)
+    dout = torch.randn(B, H, Sq, D, generator=g)
+    sinks = torch.randn(H, generator=g) * 2.0
+    return [t.to(DEVICE) for t in (q, k, v, dout, sinks)]
+
+
+def grads_of(fn, q, k, v, sinks, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    s = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    out = fn(*leaves, s)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), [t.grad for t in leaves] + ([s.grad] if s is not None else [])
+
+
+def check(backend, shape, with_sinks=True, tol=2e-4, docs=None, token_index=None, seed=0, **kw):
+    q, k, v, dout, sinks = make(*shape, seed=seed)
+    sinks = sinks if with_sinks else None
+    extra = {} if docs is None else dict(document_ids=docs)
+    if token_index is not None:
+        extra["token_index"] = token_index
+    out, grads = grads_of(
+        lambda *a: attention(*a[:3], sinks=a[3], backend=backend, **extra, **kw), q, k, v, sinks, dout
+    )
+    ref, ref_grads = grads_of(
+        lambda *a: reference(*a[:3], sinks=a[3], token_index=token_index, docs=docs, **kw),
+        q,
+        k,
+        v,
+        sinks,
+        dout.double(),
+    )
+    assert out.dtype == q.dtype
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), [out, *grads], [ref, *ref_grads]):
+        assert got.shape == want.shape, name
+        assert torch.isfinite(got).all(), f"{backend} {name}: non-finite"
+        torch.testing.assert_close(
+            got.double(), want.double(), atol=tol, rtol=tol, msg=lambda m: f"{backend} {name}: {m}"
+        )
+    return out
+
+
+# name: ((B, H, Hkv, Sq, Sk, D), kwargs)
+CASES = {
+    "sinks-gqa-causal-40": ((2, 4, 2, 40, 40, 16), dict(causal=True)),
+    "sinks-full-17x45": ((1, 2, 1, 17, 45, 16), {}),
+    "sinks-window-decode-3x70": ((1, 4, 2, 3, 70, 16), dict(causal=True, sliding_window=9)),
+    "chunk-causal-70-c7": ((1, 2, 2, 70, 70, 16), dict(causal=True, chunk_size=7, with_sinks=False)),
+    "chunk-full-40-c16": ((1, 2, 1, 40, 40, 16), dict(chunk_size=16, with_sinks=False)),
+    "chunk-sinks-causal-70-c32": ((1, 4, 2, 70, 70, 16), dict(causal=True, chunk_size=32)),
+    "chunk-sinks-window-45x70-c20": ((1, 2, 2, 45, 70, 16), dict(causal=True, chunk_size=20, sliding_window=13)),
+    "chunk-sinks-decode-2x70-c16": ((2, 4, 1, 2, 70, 16), dict(causal=True, chunk_size=16)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_reference(backend, case):
+    shape, kw = CASES[case]
+    check(backend, shape, **dict(kw))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no-sinks"])
+def test_documents(backend, with_sinks):
+    """Packed documents with chunks: a query sees its own document and chunk only."""
+    docs = torch.tensor([[0] * 12 + [1] * 30 + [2] * 8, [0] * 50], device=DEVICE)
+    check(backend, (2, 2, 1, 50, 50, 16), with_sinks=with_sinks, causal=True, chunk_size=8, docs=docs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_index_static_cache(backend):
+    """A static cache's slots: keys out of token order, two empty slots; chunks and sinks follow
+    the token indices, not the slots."""
+    key_index = torch.tensor([8, 9, 10, 11, 12, 13, -1, -1, 0, 1, 2, 3, 4, 5, 6, 7], device=DEVICE)
+    query_index = torch.tensor([11, 12, 13], device=DEVICE)
+    check(backend, (1, 4, 2, 3, 16, 16), token_index=(query_index, key_index), causal=True, chunk_size=6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_equals_recomputation(backend):
+    """The last rows of a full chunked, sinked forward equal the same queries against the cache."""
+    q, k, v, _, sinks = make(1, 4, 2, 40, 40, 16, seed=4)
+    kw = dict(causal=True, chunk_size=12, sinks=sinks, backend=backend)
+    full = attention(q, k, v, **kw)
+    for t in (1, 3):
+        cached = attention(q[:, :, -t:], k, v, **kw)
+        torch.testing.assert_close(cached, full[:, :, -t:], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_with_a_sink_give_zero(backend):
+    """A row with no visible key puts all its weight on the sink: output 0, not NaN, and its
+    gradients are finite (the sink's gets nothing from such a row)."""
+    B, H, S, D = 1, 2, 20, 16
+    q, k, v, dout, sinks = make(B, H, H, S, S, D, seed=2)
+    bias = torch.zeros(B, 1, S, S, device=DEVICE)
+    bias[..., 5:9, :] = float("-inf")  # rows 5..8 see nothing
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    out = attention(*leaves[:3], bias=bias, sinks=leaves[3], causal=True, chunk_size=4, backend=backend)
+    assert (out[:, :, 5:9] == 0).all() and torch.isfinite(out).all()
+    out.backward(dout)
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+    assert (leaves[0].grad[:, :, 5:9] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["sdpa"])
+def test_bfloat16(backend):
+    q, k, v, dout, sinks = make(1, 4, 2, 33, 33, 16, seed=5)
+    bf = [t.to(torch.bfloat16) for t in (q, k, v)]
+    out = attention(*bf, sinks=sinks, causal=True, chunk_size=8, backend=backend)
+    ref = reference(*bf, sinks=sinks, causal=True, chunk_size=8)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_sinks_lower_each_rows_weight():
+    """With values all ones the output is each row's total weight: 1 / (1 + exp(sink - lse))."""
+    q, k, _, _, sinks = make(1, 2, 2, 6, 6, 8, seed=6)
+    v = torch.ones(1, 2, 6, 8, device=DEVICE)
+    out = attention(q, k, v, sinks=sinks, causal=True, backend="eager")
+    lse = (
+        (torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(8))
+        .masked_fill(torch.ones(6, 6, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+        .logsumexp(-1)
+    )
+    torch.testing.assert_close(out[..., 0], torch.sigmoid(lse - sinks[None, :, None]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(chunk_size=0), "chunk_size must be a positive int"),
+        (dict(chunk_size=2.5), "chunk_size must be a positive int"),
+        (dict(sinks=torch.zeros(3)), r"sinks must be a float tensor of shape \(n_heads,\) = \(2,\)"),
+        (dict(sinks=torch.zeros(2, dtype=torch.long)), "sinks must be a float tensor"),
+    ],
+)
+def test_clear_errors(kwargs, message):
+    q = torch.zeros(1, 2, 4, 16)
+    with pytest.raises(ValueError, match=message):
+        attention(q, q, q, **kwargs)
