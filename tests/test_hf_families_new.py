@@ -1,0 +1,224 @@
+"""Hugging Face families qwen3, qwen3_moe, olmo2, phi3, gpt_neox and mpt: import from a random
+tiny transformers model (logits and greedy tokens equal), the count, export through the family
+itself and back (transformers loads it with the same logits; the spec and weights read back bit
+for bit), cached decoding equal to recomputation, ``generate`` and ``pipeline("text-generation")``
+on the exported folder with a tokenizer; then the zoo: each tiny spec exported as its family
+with transformers' logits, and each full spec counted as transformers builds it on the meta
+device from the published config.
+
+The random models and the comparisons are ``tests/test_hf.py``'s (its ``Case``, ``_randomize``,
+``_batch``...); ``CASES`` here joins its table, so ``test_every_family_has_a_parity_case``
+counts these families as covered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+from test_hf import VOCAB, Case, _batch, _greedy, _hf_model, _hf_params, _kept, _logits, _randomize
+
+from builder.analysis.estimates import estimate
+from builder.assemble import build_model
+from builder.hf import FAMILIES, from_hf, import_hf, load_weights, read_weights, to_hf
+from builder.spec.loader import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+#: a character tokenizer of VOCAB ids (printable ASCII, then Latin-1 letters), so that every token
+#: a model generates is text, for the exported folders' pipelines
+CHARS = "".join(chr(c) for c in range(32, 127)) + "".join(chr(c) for c in range(0xC0, 0xC0 + VOCAB - 95))
+NO_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+# --- the random tiny models ----------------------------------------------------------------
+
+
+def _phi3():  # GQA, untied, no window
+    return transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **NO_TOKENS,
+        )
+    )
+
+
+def _phi3_window():  # a sliding window, half the head dims rotating, head_dim != d / heads, tied
+    return transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=24,
+            max_position_embeddings=64,
+            sliding_window=4,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            **NO_TOKENS,
+        )
+    )
+
+
+CASES = {
+    "phi3": Case(_phi3, "causal"),
+    "phi3-window-partial-rotary-tied": Case(_phi3_window, "causal"),
+}
+
+
+# --- import, export through the family, cached decoding, pipeline --------------------------
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def imported(request, tmp_path_factory):
+    """The case's transformers model, and ours imported from its folder: (name, hf, auto, spec, ours, tmp)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    hf, auto = _hf_model(CASES[request.param], tmp / "hf")
+    spec_path, weights_path = import_hf(tmp / "hf", tmp / "ours")
+    spec = load_spec(spec_path)
+    ours = load_weights(build_model(spec), weights_path).eval()
+    return request.param, hf, auto, spec, ours, tmp
+
+
+def test_import_matches_logits_greedy_tokens_and_count(imported):
+    name, hf, _, spec, ours, _ = imported
+    inputs = _batch("causal")
+    theirs, mine = _logits(hf, inputs, ours=False), _logits(ours, inputs, ours=True)
+    kept = _kept(inputs)
+    assert theirs[kept].std() > 0.1, "logits too small for the tolerance to mean anything"
+    diff = (mine[kept] - theirs[kept]).abs().max().item()
+    assert diff < 1e-4, f"{name}: max |logit difference| {diff:.3g}"
+    hf_tokens, our_tokens = _greedy(CASES[name], hf, ours, inputs)
+    assert torch.equal(our_tokens, hf_tokens), f"{name}:\nours   {our_tokens}\ntheirs {hf_tokens}"
+    assert estimate(spec).params.total == _hf_params(hf)
+
+
+def test_export_through_the_family_loads_with_the_same_logits_and_reads_back(imported):
+    name, hf, auto, spec, ours, tmp = imported
+    family = hf.config.model_type
+    assert to_hf(spec, ours, tmp / "export", family=family).model_type == family
+    again = auto.from_pretrained(tmp / "export").eval()
+    assert type(again) is type(hf)
+    inputs = _batch("causal")
+    assert torch.equal(_logits(again, inputs, ours=False), _logits(hf, inputs, ours=False))
+    spec_again, state_again = from_hf(tmp / "export")
+    original = read_weights(tmp / "ours" / "model.safetensors")
+    assert set(state_again) == set(original) and all(torch.equal(state_again[k], original[k]) for k in original)
+    assert spec_again.model_dump(exclude={"name"}) == spec.model_dump(exclude={"name"})
+
+
+def test_cached_decoding_equals_recomputation(imported):
+    """Greedy decoding past the prompt with the cache and without it, and each cached step's
+    logits against the full forward's."""
+    from blocks.generation import KVCache
+
+    _, _, _, spec, ours, _ = imported
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    cached = ours.generate(ids[:, :5], max_new_tokens=12)
+    assert torch.equal(cached, ours.generate(ids[:, :5], max_new_tokens=12, use_cache=False))
+    with torch.no_grad():
+        full = ours(ids)
+        cache = KVCache.for_stack(ours.decoder, 2, 20, torch.float32, "cpu")
+        parts = [ours(ids[:, :6], cache=cache)] + [ours(ids[:, i : i + 1], cache=cache) for i in range(6, 20)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_generate_and_pipeline_on_the_exported_folder(imported):
+    """The folder written with a tokenizer: transformers' generate and pipeline decode greedily
+    what ours does, as text and as tokens."""
+    name, hf, auto, spec, ours, tmp = imported
+    folder = tmp / "with-tokenizer"
+    to_hf(spec, ours, folder, family=hf.config.model_type, tokenizer={"type": "char", "chars": CHARS})
+    prompt = "def f(x):"
+    ids = torch.tensor([[CHARS.index(c) for c in prompt]])
+    mine = ours.generate(ids, max_new_tokens=8)
+    theirs = auto.from_pretrained(folder).eval()
+    hf_tokens = theirs.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, min_new_tokens=8
+    )
+    assert torch.equal(hf_tokens, mine), name
+    pipe = transformers.pipeline("text-generation", model=str(folder), device="cpu")
+    out = pipe(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, return_tensors=True)
+    assert list(out[0]["generated_token_ids"]) == mine[0].tolist()
+    text = pipe(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text == "".join(CHARS[i] for i in mine[0].tolist())
+
+
+# --- the zoo ---------------------------------------------------------------------------------
+
+#: tiny zoo spec -> the family it is written as
+TINY = {
+    "phi3": "phi3",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_zoo_tiny_spec_exports_as_its_family_with_the_same_logits(name, tmp_path):
+    spec = load_spec(REPO / "specs" / "tiny" / f"{name}.yaml")
+    torch.manual_seed(0)
+    ours = build_model(spec).eval()
+    _randomize(ours)
+    assert to_hf(spec, ours, tmp_path / "out", family=TINY[name]).model_type == TINY[name]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    inputs = {"input_ids": torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    inputs["attention_mask"][1, 20:] = 0
+    mine, hf_logits = _logits(ours, inputs, ours=True), _logits(theirs, inputs, ours=False)
+    kept = _kept(inputs)
+    assert hf_logits[kept].std() > 0.1
+    assert (mine[kept] - hf_logits[kept]).abs().max().item() < 1e-4
+
+
+#: full zoo spec -> (family, the published config.json's architecture keys, the count)
+PUBLISHED = {
+    # microsoft/Phi-3-mini-4k-instruct
+    "phi3-mini": (
+        "phi3",
+        {
+            "vocab_size": 32064,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "sliding_window": 2047,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+        },
+        3_821_079_552,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_config(name):
+    """The spec imports from the published config, and both it and transformers' model built on
+    meta from that config count the header's parameters."""
+    from builder.hf import config_to_spec, validate
+    from builder.hf.writer import _semantic  # what a spec means, layer by layer, defaults resolved
+
+    family, published, count = PUBLISHED[name]
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    imported = validate({"name": name, **config_to_spec({"model_type": family, **published})})
+    assert _semantic(imported) == _semantic(spec)
+    hf_config = transformers.AutoConfig.for_model(family, **published, pad_token_id=None)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in model.parameters()) == estimate(spec).params.total == count
+    assert FAMILIES[family].to_config(spec)  # and export can write it
