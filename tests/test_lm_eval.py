@@ -124,13 +124,46 @@ def test_an_unknown_task_is_one_line(trained, capsys):
     assert "no task 'stdlib_line'" in line and "did you mean 'stdlib_lines'?" in line
 
 
-def test_the_harness_runs_every_n_steps_of_a_run(trained, tmp_path):
-    from recipes.studies.harness import HarnessCallback
+def test_the_harness_runs_every_n_steps_of_a_run(trained, tmp_path, capsys):
+    """A recipe's ``harness:`` section scores its tasks every N steps (logged, printed); a resume may
+    change the section (it decides what is measured, not what is learnt)."""
+    import csv
+
     from recipes.training.run import run
 
     _, _, tasks = trained
-    callback = HarnessCallback(["stdlib_lines"], every_n_steps=4, task_path=tasks, limit=8)
-    recipe = tiny_recipe(tmp_path, trainer={"max_steps": 8, "val_check_interval": 8})
-    run(recipe, samples=False, callbacks=[callback])
-    assert sorted(callback.results) == [4, 8]
-    assert all(0 <= r["stdlib_lines/acc"] <= 1 for r in callback.results.values())
+    harness = {"tasks": ["stdlib_lines"], "every_n_steps": 4, "task_path": str(tasks), "limit": 8}
+    recipe = tiny_recipe(tmp_path, harness=harness, trainer={"max_steps": 8, "val_check_interval": 8})
+    summary = run(recipe, samples=False)
+    out = capsys.readouterr().out
+    printed = [line for line in out.splitlines() if line.startswith("harness at step")]
+    assert [line.split(":")[0] for line in printed] == ["harness at step 4", "harness at step 8"]
+    logged = {}
+    for path in Path(summary["output_dir"]).rglob("*.csv"):
+        for row in csv.DictReader(path.open()):
+            if row.get("harness/stdlib_lines/acc"):
+                logged[int(row["step"])] = float(row["harness/stdlib_lines/acc"])
+    assert sorted(logged) == [4, 8] and all(0 <= v <= 1 for v in logged.values())
+    longer = tiny_recipe(tmp_path, harness={**harness, "every_n_steps": 6}, trainer={"max_steps": 12})
+    run(longer, samples=False)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("harness at step")]
+    assert [line.split(":")[0] for line in printed] == ["harness at step 12"]
+
+
+def test_a_recipe_harness_with_an_unknown_task_stops_before_the_first_step(trained, tmp_path, capsys):
+    _, _, tasks = trained
+    harness = {"tasks": ["stdlib_line"], "every_n_steps": 2, "task_path": str(tasks)}
+    recipe = tiny_recipe(tmp_path, harness=harness)
+    assert main(["train", str(recipe)]) == 1
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err, "builder train:")
+    assert "harness.tasks: no task 'stdlib_line'" in line
+    assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_bad_harness_section_is_located(tmp_path, capsys):
+    recipe = tiny_recipe(tmp_path, harness={"tasks": ["x"], "every_n_steps": 0})
+    assert main(["train", str(recipe), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"{recipe}:" in err and "harness.every_n_steps: must be >= 1, got 0" in err

@@ -115,20 +115,22 @@ class BuilderLM(TemplateLM):
         return out
 
 
-def evaluate_tasks(
-    lm, tasks: list[str], task_path: str | Path | None = None, limit: int | None = None, num_fewshot=None
-) -> dict[str, float]:
-    """Run lm-eval's ``simple_evaluate`` on ``lm`` (any harness model); ``{"TASK/METRIC": value}``."""
+def task_manager(tasks: list[str], task_path: str | Path | None = None, field: str = "--tasks"):
+    """lm-eval's ``TaskManager`` that knows every one of ``tasks`` (the local ones in ``task_path``
+    alone when it can: indexing lm-eval's thousands of task files takes seconds); an unknown task is a
+    :class:`~recipes.errors.RecipeError` naming ``field``, with the closest known name."""
     import logging
 
-    from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from recipes.errors import RecipeError
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if task_path is not None and not Path(task_path).is_dir():
+        where = "task_path" if field == "--tasks" else field.rsplit(".", 1)[0] + ".task_path"
+        raise RecipeError(f"{where}: {task_path} is not a folder of lm-eval task files")
     manager = None
-    if task_path:  # the local tasks alone first: indexing lm-eval's thousands of task files takes seconds
+    if task_path:
         manager = TaskManager(include_path=str(task_path), include_defaults=False)
     if manager is None or not all(manager.match_tasks([t]) for t in tasks):
         manager = TaskManager(include_path=str(task_path) if task_path else None)
@@ -139,7 +141,18 @@ def evaluate_tasks(
         close = difflib.get_close_matches(unknown[0], sorted(manager.all_tasks), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         where = f" in {task_path} nor" if task_path else ""
-        raise RecipeError(f"--tasks: no task {unknown[0]!r}{where} among lm-eval's own{hint}")
+        raise RecipeError(f"{field}: no task {unknown[0]!r}{where} among lm-eval's own{hint}")
+    return manager
+
+
+def evaluate_tasks(
+    lm, tasks: list[str], task_path: str | Path | None = None, limit: int | None = None, num_fewshot=None, manager=None
+) -> dict[str, float]:
+    """Run lm-eval's ``simple_evaluate`` on ``lm`` (any harness model); ``{"TASK/METRIC": value}``.
+    ``manager``: a :func:`task_manager` already made for these tasks."""
+    from lm_eval import simple_evaluate
+
+    manager = manager or task_manager(tasks, task_path)
     results = simple_evaluate(
         model=lm,
         tasks=tasks,
@@ -161,23 +174,54 @@ def evaluate_tasks(
 
 
 class HarnessCallback(L.Callback):
-    """lm-eval ``tasks`` on the training model every ``every_n_steps`` steps (rank 0), each metric
-    logged as ``harness/TASK/METRIC`` beside the losses and kept in :attr:`results` by step."""
+    """lm-eval ``tasks`` on the training model every ``every_n_steps`` steps, each metric logged as
+    ``harness/TASK/METRIC`` beside the losses, printed in one line, and kept in :attr:`results` by
+    step. Every rank scores the same requests (a sharded model's forward is collective); rank 0
+    logs and prints. The tasks are looked up when fitting starts, so a wrong name stops the run
+    before its first step, naming ``field``."""
 
-    def __init__(self, tasks, every_n_steps: int, task_path=None, limit=None, num_fewshot=None, batch_size: int = 16):
+    def __init__(
+        self,
+        tasks,
+        every_n_steps: int,
+        task_path=None,
+        limit=None,
+        num_fewshot=None,
+        batch_size: int = 16,
+        field: str = "harness.tasks",
+    ):
         self.tasks, self.every = list(tasks), every_n_steps
         self.task_path, self.limit, self.num_fewshot, self.batch_size = task_path, limit, num_fewshot, batch_size
+        self.field = field
+        self.manager = None
         self.results: dict[int, dict[str, float]] = {}
+
+    @classmethod
+    def from_section(cls, section, recipe_file: Path) -> HarnessCallback:
+        """The callback a recipe's ``harness:`` section asks for (its ``task_path`` relative to the recipe)."""
+        task_path = None if section.task_path is None else Path(recipe_file).parent / section.task_path
+        return cls(
+            section.tasks, section.every_n_steps, task_path, section.limit, section.num_fewshot, section.batch_size
+        )
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.manager is None:
+            self.manager = task_manager(self.tasks, self.task_path, self.field)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step % self.every or step in self.results or not trainer.is_global_zero:
+        if step == 0 or step % self.every or step in self.results:
             return
         from recipes.data.tokenizers import from_state
 
         model = pl_module.model
         lm = BuilderLM(model, from_state(pl_module.meta["tokenizer"]), self.batch_size)
-        self.results[step] = evaluate_tasks(lm, self.tasks, self.task_path, self.limit, self.num_fewshot)
+        self.results[step] = evaluate_tasks(lm, self.tasks, self.task_path, self.limit, self.num_fewshot, self.manager)
         model.train()
+        if not trainer.is_global_zero:
+            return
         for logger in trainer.loggers:
             logger.log_metrics({f"harness/{k}": v for k, v in self.results[step].items()}, step=step)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in self.results[step].items())
+        bar = trainer.progress_bar_callback  # its print clears the bar first, so the line stands alone
+        (bar.print if bar is not None else print)(f"harness at step {step}: {shown}")

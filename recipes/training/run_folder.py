@@ -60,6 +60,7 @@ RANK_VARIABLES = (
 #: the spec file instead is no difference.
 MAY_CHANGE = (
     "name",
+    "harness",
     "model.spec",
     "model.overrides",
     "data.cache_dir",

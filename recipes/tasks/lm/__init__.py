@@ -8,9 +8,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
+
 from recipes.errors import RecipeError
+from recipes.recipe.fields import _Section
 from recipes.recipe.sections import Recipe, SourceEntry
 from recipes.tasks.task import Task, Vocabulary
+
+
+class HarnessSection(_Section):
+    """lm-evaluation-harness tasks scored on the training model every ``every_n_steps`` steps
+    (``recipes/studies/harness.py``), logged as ``harness/TASK/METRIC`` beside the losses."""
+
+    tasks: list[str] = Field(..., min_length=1, description="lm-eval task names (or tasks in task_path).")
+    every_n_steps: int = Field(..., ge=1, description="Score them every this many optimizer steps.")
+    task_path: str | None = Field(
+        None, description="A folder of lm-eval YAML task files, relative to the recipe (local data: no download)."
+    )
+    limit: int | None = Field(None, ge=1, description="At most this many examples per task (null: all).")
+    num_fewshot: int | None = Field(None, ge=0, le=64, description="Few-shot examples (null: each task's own).")
+    batch_size: int = Field(16, ge=1, le=4096, description="Requests scored per forward pass.")
+
+
+class LMRecipe(Recipe):
+    """The language-modelling recipe: the base recipe and an optional in-training harness."""
+
+    harness: HarnessSection | None = Field(
+        None, description="Downstream tasks (lm-eval) scored during training; needs the harness extra."
+    )
 
 
 class Corpus:
@@ -59,7 +84,7 @@ class Corpus:
 
 class LanguageModelling(Corpus, Task):
     name = "lm"
-    recipe = Recipe
+    recipe = LMRecipe
     eval_options = ("data", "seq_len", "batch_size", "max_batches", "all", "tasks", "task_path", "limit", "num_fewshot")
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
 

@@ -104,8 +104,21 @@ def prepare(recipe: Recipe, recipe_file: Path, samples: bool) -> Prepared:
         seq_len=recipe.data.seq_len,
         batch=recipe.data.batch_size,
         meta={"corpus": corpus.hash},
+        callbacks=lambda ckpt_dir: harness_callbacks(recipe, recipe_file),
         finish=finish,
     )
+
+
+def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
+    """The recipe's ``harness:`` section as a callback (none without one); without lm-eval installed,
+    one line naming the section and the extra to install."""
+    if recipe.harness is None:
+        return []
+    try:
+        from recipes.studies.harness import HarnessCallback
+    except ImportError as exc:
+        raise RecipeError(f"harness: needs lm-eval ({exc}): pip install 'transformer-builder[harness]'") from None
+    return [HarnessCallback.from_section(recipe.harness, recipe_file)]
 
 
 @torch.no_grad()
