@@ -25,6 +25,15 @@ attention module):
 Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
 layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend
 chosen per model (``eager`` | ``sdpa`` | ``triton`` | ``auto``).
+
+The per-layer options of ``multi_head`` (``blocks.configs.attention``), in the order the
+forward applies them to q and k: ``qk_norm`` (``q_norm`` / ``k_norm``, Hugging Face's names:
+per head or over the whole projection, before RoPE), the rotation (none on a ``rope: false``
+layer; at the layer's own ``rope_theta`` through the position block's hook), the keys cached,
+then ``temperature_tuning``'s factor on the queries at their positions; ``sinks`` (a parameter
+``(n_heads,)``) and ``chunk_size`` go to the kernel. The KV cache holds the normed, rotated keys
+and the values exactly as without the options (a chunked layer keeps every token: a query's
+chunk starts at an absolute token index, which the cache's token order keeps).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import torch
 from torch import nn
 
 from blocks.cache import MemoryCache, TensorCache
+from blocks.differential import _SumGradient
 from kernels import attention as attention_kernel
 
 
@@ -67,10 +77,13 @@ class AttentionInputs:
         self.position = position
         self._bias_memo: dict = {}
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` and ``k`` rotated at the query positions by the position block (if it rotates)."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` and ``k`` rotated at the query positions by the position block (if it rotates);
+        ``theta``: at that base instead of the block's own (a rotary block's ``rotates``)."""
         if self.position is None:
             return q, k
+        if theta is not None:
+            return self.position.rotate(q, k, self.positions, theta=theta)
         return self.position.rotate(q, k, self.positions)
 
     def alibi_slopes(self, n_heads: int, device) -> torch.Tensor | None:
@@ -134,12 +147,41 @@ class AttentionInputs:
         return bias
 
 
+class QKNorm(nn.Module):
+    """``q_norm`` / ``k_norm``: ``x * rsqrt(mean(x^2) + eps)`` over the last dimension in fp32,
+    times ``weight`` (``1 + weight`` under ``unit_offset``) and back in the input's dtype, as
+    Gemma 3's and OLMo 2's norms compute (Qwen3's casts before the weight: the same in fp32);
+    ``l2`` has no weight (Llama 4). Under tensor parallelism a weight shared by the heads passes
+    through ``shared`` (the gradient summed over the group: each rank normalises its heads)."""
+
+    def __init__(self, config, width: int):
+        super().__init__()
+        self.eps, self.unit_offset = config.eps, config.unit_offset
+        self.shared = None
+        if config.type == "rmsnorm":
+            self.weight = nn.Parameter(torch.zeros(width) if config.unit_offset else torch.ones(width))
+        else:
+            self.register_parameter("weight", None)
+
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        return {} if self.weight is None else {"weight": ("constant", 0.0 if self.unit_offset else 1.0)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return normed.to(x.dtype)
+        weight = self.weight if self.shared is None else self.shared(self.weight)
+        scale = weight.float() + 1.0 if self.unit_offset else weight.float()
+        return (normed * scale).to(x.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """Scaled dot-product attention with ``n_heads`` query and ``n_kv_heads`` key/value heads.
 
     ``cross=True`` takes keys and values from ``memory`` (the encoder output) and applies no
-    causal mask, window or position; otherwise keys and values come from ``x`` and the mask is
-    causal when ``causal=True``.
+    causal mask, window, chunks or position; otherwise keys and values come from ``x`` and the
+    mask is causal when ``causal=True``. The per-layer options: the module doc.
     """
 
     static_decode = True  # honours AttentionInputs.index (module doc)
@@ -153,32 +195,67 @@ class MultiHeadAttention(nn.Module):
         self.causal = causal and not cross
         self.cross = cross
         self.sliding_window = None if cross else config.sliding_window
+        self.chunk_size = None if cross else config.chunk_size
+        self.rope = config.rope and not cross
+        self.rope_theta = config.rope_theta
+        self.temperature = None if cross else config.temperature_tuning
         self.scale = config.scale
         self.softcap = config.softcap
         self.dropout = config.dropout
         self.backend = backend
         self.cache_layout = config.kv_cache(d_model, cross=cross)
         self.first_head, self.total_heads = 0, self.n_heads  # this module's heads among the layer's (tensor parallel)
+        self.group = None  # the tensor-parallel group whose ranks hold the other heads
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(d_model, q_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
         self.out_proj = nn.Linear(q_dim, d_model, bias=config.out_bias)
+        norm = config.qk_norm
+        self.norm_heads = norm is not None and norm.over == "head"  # else over the whole projection
+        if norm is not None:
+            self.q_norm = QKNorm(norm, norm.width(self.head_dim, self.n_heads))
+            self.k_norm = QKNorm(norm, norm.width(self.head_dim, self.n_kv_heads))
+        else:
+            self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if config.sinks else None
+
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        return {"sinks": ("normal", std)} if self.sinks is not None else {}  # GPT-OSS's init
 
     def use_tensor_parallel(self, rank: int, degree: int) -> None:
         """Compute this rank's share of the heads, after the config's plan split the projections:
-        heads ``rank * n_heads / degree ..`` of the query and key/value heads."""
+        heads ``rank * n_heads / degree ..`` of the query and key/value heads. The per-head norm
+        weights, shared by the heads, and the sinks stay whole on every rank (each reads its heads'
+        sinks); their gradients are summed over the group, so every copy stays the same."""
         self.n_heads //= degree
         self.n_kv_heads //= degree
         self.first_head = rank * self.n_heads
+        mesh = getattr(self.q_proj.weight, "device_mesh", None)  # a DTensor once the plan applied
+        self.group = mesh.get_group() if mesh is not None else None
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.shared = self._shared
 
-    def _heads(self, x: torch.Tensor, proj: nn.Linear, n_heads: int) -> torch.Tensor:
+    def _shared(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.group is None else _SumGradient.apply(t, self.group)
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, n_heads: int, norm: QKNorm | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        return proj(x).view(batch, seq, n_heads, self.head_dim).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        y = proj(x)  # (batch, seq, n_heads * head_dim)
+        if norm is not None and not self.norm_heads:
+            y = norm(y)  # over the whole projection (OLMo 2)
+        y = y.view(batch, seq, n_heads, self.head_dim)
+        if norm is not None and self.norm_heads:
+            y = norm(y)  # over each head (Qwen3, Gemma 3, Llama 4's l2)
+        return y.transpose(1, 2)  # (batch, heads, seq, head_dim)
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-attention keys and values of the encoder output, ``(batch, n_kv_heads, src, head_dim)``."""
-        return self._heads(memory, self.k_proj, self.n_kv_heads), self._heads(memory, self.v_proj, self.n_kv_heads)
+        return (
+            self._heads(memory, self.k_proj, self.n_kv_heads, self.k_norm),
+            self._heads(memory, self.v_proj, self.n_kv_heads),
+        )
 
     def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device):
         """Keys and values for decoding (cross-attention: the encoder output's, projected once)."""
@@ -186,10 +263,17 @@ class MultiHeadAttention(nn.Module):
             return MemoryCache()
         return TensorCache(self.cache_layout, batch, max_tokens, dtype, device)
 
+    def _temperature(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's tuning: ``q * (log(floor((position + 1) / floor_scale) + 1) * scale + 1)``."""
+        t = self.temperature
+        steps = torch.floor((positions.float() + 1.0) / t.floor_scale)  # (batch, seq_q)
+        factor = torch.log1p(steps) * t.scale + 1.0
+        return q * factor[:, None, :, None].to(q.dtype)  # (batch, 1, seq_q, 1) over the heads
+
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None, memory=None) -> torch.Tensor:
         """``x`` ``(batch, seq_q, d_model)`` -> ``(batch, seq_q, d_model)``."""
         batch, seq_q, _ = x.shape
-        q = self._heads(x, self.q_proj, self.n_heads)  # (batch, n_heads, seq_q, head_dim)
+        q = self._heads(x, self.q_proj, self.n_heads, self.q_norm)  # (batch, n_heads, seq_q, head_dim)
         alibi = None
         if self.cross:
             if cache is not None and cache.tensors is not None:
@@ -202,9 +286,15 @@ class MultiHeadAttention(nn.Module):
                     cache.tensors = (k, v)
             first = 0
         else:
-            k = self._heads(x, self.k_proj, self.n_kv_heads)  # (batch, n_kv_heads, seq_q, head_dim)
+            k = self._heads(x, self.k_proj, self.n_kv_heads, self.k_norm)  # (batch, n_kv_heads, seq_q, head_dim)
             v = self._heads(x, self.v_proj, self.n_kv_heads)
-            q, k = inputs.rotate(q, k)
+            if self.rope:
+                q, k = inputs.rotate(q, k, theta=self.rope_theta)
+            if self.temperature is not None:
+                positions = inputs.positions
+                if positions is None:  # no position ids given: the token indices
+                    positions = torch.arange(inputs.start, inputs.start + seq_q, device=x.device)[None]
+                q = self._temperature(q, positions)
             first = inputs.start
             if cache is not None:  # keys first .. first + seq_k in token order (a static step: every slot)
                 k, v, first = cache.update(k, v, index=inputs.index)
@@ -216,6 +306,13 @@ class MultiHeadAttention(nn.Module):
         scale, factor = self.scale, inputs.score_scale()
         if factor != 1.0:
             scale = (scale if scale is not None else self.head_dim**-0.5) * factor
+        token_index = inputs.token_index(first)
+        if token_index is None and self.chunk_size is not None and first != 0:
+            # a ring buffer's keys start past token 0: chunks are by absolute token index
+            token_index = (
+                torch.arange(inputs.start, inputs.start + seq_q, device=x.device),
+                torch.arange(first, first + k.shape[2], device=x.device),
+            )
         out = attention_kernel(
             q,
             k,
@@ -228,10 +325,20 @@ class MultiHeadAttention(nn.Module):
             scale=scale,
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
-            token_index=inputs.token_index(first),
+            token_index=token_index,
             document_ids=inputs.document_ids,
+            **self._kernel_options(),
         )  # (batch, n_heads, seq_q, head_dim)
         out = out.transpose(1, 2).reshape(
             batch, seq_q, self.n_heads * self.head_dim
         )  # (batch, seq_q, n_heads * head_dim)
         return self.out_proj(out)
+
+    def _kernel_options(self) -> dict:
+        """The kernel's ``sinks`` (this rank's heads') and ``chunk_size``, where set."""
+        options = {}
+        if self.sinks is not None:
+            options["sinks"] = self._shared(self.sinks)[self.first_head : self.first_head + self.n_heads]
+        if self.chunk_size is not None:
+            options["chunk_size"] = self.chunk_size
+        return options

@@ -43,9 +43,12 @@ class PositionModule(nn.Module):
         super().__init__()
         self.acts_on = type(config).acts_on
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``(batch, heads, seq, width)`` and ``k`` ``(batch, kv_heads, seq, width)`` at
-        ``positions`` ``(batch, seq)``, rotated (unchanged by default)."""
+        ``positions`` ``(batch, seq)``, rotated (unchanged by default). ``theta``: a layer's own
+        base, asked only of a block whose config ``rotates``."""
         return q, k
 
     def alibi_slopes(self, n_heads: int, device=None) -> torch.Tensor | None:
@@ -123,17 +126,20 @@ class Learned(PositionModule):
         return self.weight[positions]  # (batch, seq, d_model)
 
 
-def rope_frequencies(config, head_dim: int, device=None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(config, head_dim: int, device=None, theta: float | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``(rotary_dim / 2,)`` and the cos/sin multiplier of a RoPE config.
 
     The scalings follow Hugging Face's ``transformers.modeling_rope_utils`` formulas
     (``_compute_{linear_scaling,dynamic_ntk,yarn,llama3}_parameters``). ``ntk`` is static
     NTK-aware scaling, ``theta * factor^(d / (d - 2))``: Hugging Face's dynamic formula at the
     length where its growth ratio reaches ``factor``. ``d`` is the rotary dimension.
+    ``theta``: a layer's own base (an attention's ``rope_theta``), rotating without the config's
+    scaling, which belongs to its own base (Gemma 3's local layers: Hugging Face's per-layer-type
+    ``rope_parameters`` give them the default, unscaled rotation).
     """
     dim = config.rotary_dim(head_dim)
-    base = config.theta
-    scaling = config.scaling
+    base = config.theta if theta is None else theta
+    scaling = config.scaling if theta is None else None
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     if scaling is not None and scaling.type == "ntk":
         base = base * scaling.factor ** (dim / (dim - 2))
@@ -205,22 +211,24 @@ class Rope(PositionModule):
         super().__init__(config)
         self.config = config
         # Eager memos (a decoding step's cost is mostly such small ops): the frequencies per head
-        # width and device, and the last cosines and sines, which every layer of one forward asks
-        # for with the same positions tensor. Not used while torch.compile traces.
+        # width, device and base, and for each base the last cosines and sines, which every layer
+        # of one forward rotating at it asks for with the same positions tensor. Not used while
+        # torch.compile traces.
         self._frequencies: dict = {}
-        self._last: tuple | None = None
+        self._last: dict = {}
 
-    def cos_sin(self, positions: torch.Tensor, head_dim: int, dtype: torch.dtype):
-        """``(batch, 1, seq, rotary_dim)`` cosines and sines at ``positions`` ``(batch, seq)``."""
+    def cos_sin(self, positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float | None = None):
+        """``(batch, 1, seq, rotary_dim)`` cosines and sines at ``positions`` ``(batch, seq)``
+        (``theta``: at a layer's own base, see :func:`rope_frequencies`)."""
         _check_positions(positions)
         eager = not torch.compiler.is_compiling()
-        last = self._last
+        last = self._last.get(theta)
         if eager and last is not None and last[0] is positions and last[1] == head_dim and last[2] == dtype:
             return last[3], last[4]
-        key = (head_dim, positions.device)
+        key = (head_dim, positions.device, theta)
         frequencies = self._frequencies.get(key) if eager else None
         if frequencies is None:
-            frequencies = rope_frequencies(self.config, head_dim, positions.device)
+            frequencies = rope_frequencies(self.config, head_dim, positions.device, theta)
             if eager:
                 self._frequencies[key] = frequencies
         inv_freq, attention_factor = frequencies
@@ -228,11 +236,11 @@ class Rope(PositionModule):
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # (batch, 1, seq, rotary_dim)
         cos, sin = (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
         if eager:
-            self._last = (positions, head_dim, dtype, cos, sin)
+            self._last[theta] = (positions, head_dim, dtype, cos, sin)
         return cos, sin
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return self(q, k, positions)
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float | None = None):
+        return self(q, k, positions, theta)
 
     def score_scale(self) -> float:
         """DeepSeek's YaRN: ``yarn_mscale(factor, mscale_all_dim) ** 2`` on every score."""
@@ -241,11 +249,12 @@ class Rope(PositionModule):
             return yarn_mscale(s.factor, s.mscale_all_dim) ** 2
         return 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """Rotate ``q`` ``(batch, n_heads, seq, head_dim)`` and ``k`` ``(batch, n_kv_heads, ...)``."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float | None = None):
+        """Rotate ``q`` ``(batch, n_heads, seq, head_dim)`` and ``k`` ``(batch, n_kv_heads, ...)``
+        (at base ``theta`` when given instead of the config's)."""
         head_dim = q.shape[-1]
         rotary_dim = self.config.rotary_dim(head_dim)
-        cos, sin = self.cos_sin(positions, head_dim, q.dtype)
+        cos, sin = self.cos_sin(positions, head_dim, q.dtype, theta)
 
         def rotate(x):
             rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]

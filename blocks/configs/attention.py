@@ -1,4 +1,7 @@
-"""Attention config: multi-head, grouped-query and multi-query attention."""
+"""Attention config: multi-head, grouped-query and multi-query attention, with its per-layer
+options: QK-norm (Qwen3, Gemma 3, OLMo 2, Llama 4), attention sinks (GPT-OSS), chunked local
+attention (Llama 4), NoPE layers and per-layer RoPE bases (Llama 4, Gemma 3) and attention
+temperature tuning (Llama 4). Each option is a field usable in a layer's ``overrides:``."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pydantic import Field, model_validator
 
 from blocks.configs.base import (
     AttentionBlock,
+    BlockConfig,
     CacheLayout,
     CacheTensor,
     Problems,
@@ -18,6 +22,47 @@ from blocks.configs.base import (
 )
 from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
 from blocks.registry import register
+
+
+class QKNorm(BlockConfig):
+    """A norm on the queries and keys after their projections, before RoPE."""
+
+    type: Literal["rmsnorm", "l2"] = Field(
+        "rmsnorm",
+        description="rmsnorm: x * rsqrt(mean(x^2) + eps) times a learned weight (Qwen3, Gemma 3, OLMo 2); "
+        "l2: the same without a weight (Llama 4's L2 norm; it commutes with RoPE).",
+    )
+    over: Literal["head", "projection"] = Field(
+        "head",
+        description="head: over each head's head_dim, one weight shared by the heads (Qwen3, Gemma 3); "
+        "projection: over the whole query projection (n_heads * head_dim) and the whole key "
+        "projection (n_kv_heads * head_dim) (OLMo 2).",
+    )
+    eps: float = Field(1e-6, gt=0, le=MAX_FACTOR, description="Added to the mean square.")
+    unit_offset: bool = Field(
+        False,
+        description="rmsnorm only: scale by (1 + weight), the weight initialised to 0 (Gemma 3), "
+        "instead of by the weight initialised to 1.",
+    )
+
+    @model_validator(mode="after")
+    def _weightless(self):
+        if self.type == "l2" and self.unit_offset:
+            raise rule_error(("unit_offset",), "an l2 qk_norm has no weight to offset; remove unit_offset")
+        return self
+
+    def width(self, head_dim: int, heads: int) -> int:
+        """The width one norm spans (its weight's length) for ``heads`` heads of ``head_dim``."""
+        return head_dim if self.over == "head" else heads * head_dim
+
+
+class TemperatureTuning(BlockConfig):
+    """Llama 4's attention temperature tuning (arXiv:2501.19399): longer positions, sharper scores."""
+
+    floor_scale: int = Field(
+        ..., ge=1, le=MAX_SEQ_LEN, description="Positions per step of the log: floor((position + 1) / floor_scale)."
+    )
+    scale: float = Field(..., gt=0, le=MAX_FACTOR, description="The log's factor (Llama 4: attn_scale, 0.1).")
 
 
 @register("attention", "blocks.attention:MultiHeadAttention")
@@ -57,9 +102,50 @@ class AttentionConfig(AttentionBlock):
         None, gt=0, le=MAX_FACTOR, description="A float c: scores become c * tanh(scores / c) (Gemma 2)."
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the attention weights.")
+    qk_norm: QKNorm | None = Field(
+        None,
+        description="A norm on q and k before RoPE: {type: rmsnorm | l2, over: head | projection, eps, "
+        "unit_offset}; parameters q_norm.weight and k_norm.weight (rmsnorm). null: none.",
+    )
+    sinks: bool = Field(
+        False,
+        description="A learned logit per query head that joins every softmax row as one more column "
+        "and is dropped after it, so a query may attend to nothing (GPT-OSS); parameter sinks (n_heads,).",
+    )
+    chunk_size: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SEQ_LEN,
+        description="A chunk C: query at token index i sees key j only where i // C == j // C (and j <= i "
+        "when causal): Llama 4's chunked local attention. null: no chunks.",
+    )
+    rope: bool = Field(
+        True,
+        description="false: this layer's queries and keys are not rotated (a NoPE layer among RoPE ones, "
+        "Llama 4); needs a rotary position block.",
+    )
+    rope_theta: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_FACTOR,
+        description="This layer's RoPE base instead of the position block's theta, rotating without the "
+        "block's context scaling (Gemma 3's local layers: 10,000 beside global ones at 1,000,000 with "
+        "linear scaling); rotary_fraction still applies. Needs a rotary position block. null: the block's.",
+    )
+    temperature_tuning: TemperatureTuning | None = Field(
+        None,
+        description="{floor_scale, scale}: queries multiplied by log(floor((position + 1) / floor_scale) + 1) "
+        "* scale + 1 after any norm and rotation (Llama 4, on its NoPE layers). null: none.",
+    )
 
-    #: a cross-attention (over the encoder output) has no window
-    not_inherited_by_cross: ClassVar[tuple[str, ...]] = ("sliding_window",)
+    #: a cross-attention (over the encoder output) has no window, chunks or positions
+    not_inherited_by_cross: ClassVar[tuple[str, ...]] = (
+        "sliding_window",
+        "chunk_size",
+        "rope",
+        "rope_theta",
+        "temperature_tuning",
+    )
     #: configs the registry-wide tests build and count (d_model 32 unless the test says otherwise)
     examples: ClassVar[list[dict]] = [
         {"n_heads": 4},
@@ -68,6 +154,14 @@ class AttentionConfig(AttentionBlock):
         {"n_heads": 2, "head_dim": 24, "qkv_bias": True, "out_bias": True},
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 12, "sliding_window": 3},
         {"n_heads": 4, "softcap": 20.0, "scale": 1.0},
+        {"n_heads": 4, "n_kv_heads": 2, "qk_norm": {}},  # Qwen3
+        {"n_heads": 4, "head_dim": 12, "qk_norm": {"unit_offset": True, "eps": 1e-5}, "rope_theta": 50.0},  # Gemma 3
+        {"n_heads": 4, "n_kv_heads": 2, "qk_norm": {"over": "projection"}},  # OLMo 2
+        {"n_heads": 4, "n_kv_heads": 2, "sinks": True, "sliding_window": 4, "qkv_bias": True},  # GPT-OSS
+        {"n_heads": 4, "n_kv_heads": 1, "sinks": True, "softcap": 30.0},
+        {"n_heads": 4, "n_kv_heads": 2, "chunk_size": 3, "qk_norm": {"type": "l2"}},  # Llama 4's RoPE layers
+        {"n_heads": 4, "rope": False, "temperature_tuning": {"floor_scale": 4, "scale": 0.1}},  # its NoPE layers
+        {"n_heads": 4, "n_kv_heads": 2, "chunk_size": 4, "sliding_window": 3, "sinks": True},
     ]
 
     @model_validator(mode="after")
@@ -80,6 +174,8 @@ class AttentionConfig(AttentionBlock):
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}); "
                 f"try n_kv_heads: {_largest_divisor(self.n_heads, self.n_kv_heads)}",
             )
+        if not self.rope and self.rope_theta is not None:
+            raise rule_error(("rope_theta",), "rope: false rotates nothing; remove rope_theta or set rope: true")
         return self
 
     def resolved_head_dim(self, d_model: int) -> int:
@@ -91,17 +187,34 @@ class AttentionConfig(AttentionBlock):
         return self.n_heads
 
     def rotary_head_dim(self, d_model: int) -> int:
-        return self.resolved_head_dim(d_model)
+        return self.resolved_head_dim(d_model) if self.rope else 0  # a NoPE layer rotates nothing
 
     def window(self) -> int | None:
         return self.sliding_window
+
+    def chunk(self) -> int | None:
+        return self.chunk_size
+
+    def rotation_fields(self) -> tuple[str, ...]:
+        return (() if self.rope else ("rope",)) + (("rope_theta",) if self.rope_theta is not None else ())
 
     def params(self, d_model: int) -> int:
         hd = self.resolved_head_dim(d_model)
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
         weights = d_model * q + 2 * d_model * kv + q * d_model
         biases = (q + 2 * kv if self.qkv_bias else 0) + (d_model if self.out_bias else 0)
-        return weights + biases
+        return weights + biases + sum(shape[0] for shape in self._option_shapes(d_model).values())
+
+    def _option_shapes(self, d_model: int) -> Shapes:
+        """The options' parameters: the QK-norm weights and the sinks (each one-dimensional)."""
+        hd = self.resolved_head_dim(d_model)
+        shapes: Shapes = {}
+        if self.qk_norm is not None and self.qk_norm.type == "rmsnorm":
+            shapes["q_norm.weight"] = (self.qk_norm.width(hd, self.n_heads),)
+            shapes["k_norm.weight"] = (self.qk_norm.width(hd, self.n_kv_heads),)
+        if self.sinks:
+            shapes["sinks"] = (self.n_heads,)
+        return shapes
 
     def param_shapes(self, d_model: int) -> Shapes:
         hd = self.resolved_head_dim(d_model)
@@ -116,15 +229,26 @@ class AttentionConfig(AttentionBlock):
             shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         if self.out_bias:
             shapes["out_proj.bias"] = (d_model,)
-        return shapes
+        return shapes | self._option_shapes(d_model)
 
     def parallel_plan(self) -> dict[str, str]:
-        # Megatron's split: each rank computes whole heads; out_proj sums their outputs
+        # Megatron's split: each rank computes whole heads; out_proj sums their outputs. A
+        # per-head q_norm / k_norm weight (shared by the heads) and the sinks are replicated:
+        # each rank reads its heads' sinks, and blocks.attention sums both gradients over the group
         return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
         kv = {"n_kv_heads": self.n_kv_heads} if self.n_kv_heads != self.n_heads else {}  # else said once, of n_heads
-        return indivisible(degree, n_heads=self.n_heads, **kv)
+        problems = indivisible(degree, n_heads=self.n_heads, **kv)
+        if degree > 1 and self.qk_norm is not None and self.qk_norm.over == "projection":
+            problems.append(
+                (
+                    ("qk_norm", "over"),
+                    "a norm over the whole projection spans every rank's heads; tensor parallelism "
+                    "needs qk_norm over: head (or tensor_parallel: 1)",
+                )
+            )
+        return problems
 
     def tensor_parallel(self, degree: int, d_model: int) -> AttentionConfig:
         """``n_heads / degree`` query and ``n_kv_heads / degree`` key/value heads of the same width."""
@@ -178,6 +302,11 @@ class AttentionConfig(AttentionBlock):
             total += tk * d_model * act_bytes
         total += 2 * tq * q * act_bytes  # q; the output-projection input
         total += 2 * tk * (kv if fused else q) * act_bytes  # k, v (eager: repeated to n_heads when grouped)
+        if self.qk_norm is not None:
+            total += self._norm_saved_bytes(tq, self.n_heads, hd, act_bytes)
+            total += self._norm_saved_bytes(tk, self.n_kv_heads, hd, act_bytes)
+        if self.temperature_tuning is not None:
+            total += tq * act_bytes  # the (batch, 1, seq, 1) factor the multiply keeps
         return total + kernel_saved_bytes(
             batch,
             self.n_heads,
@@ -189,12 +318,32 @@ class AttentionConfig(AttentionBlock):
             masked,
             softcap=self.softcap is not None,
             dropout=self.dropout > 0,
+            sinks=self.sinks,
         )
+
+    def _norm_saved_bytes(self, tokens: int, heads: int, hd: int, act_bytes: int) -> int:
+        """What ``blocks.attention.QKNorm`` keeps over ``tokens`` of ``heads`` heads: the fp32 input
+        (kept by the square and the multiply) and 1/rms per row; rmsnorm also the normalised input
+        (kept by the multiply with the weight) and, unless it is the fp32 weight itself, the scale."""
+        norm = self.qk_norm
+        width = norm.width(hd, heads)
+        rows = tokens * heads * hd // width
+        total = tokens * heads * hd * 4 + rows * 4
+        if norm.type == "rmsnorm":
+            total += tokens * heads * hd * 4 + (width * 4 if norm.unit_offset or act_bytes != 4 else 0)
+        return total
 
     def problems(self, d_model: int, cross: bool) -> Problems:
         problems: Problems = []
-        if cross and self.sliding_window is not None:
-            problems.append((("sliding_window",), "cross-attention takes no sliding window"))
+        if cross:
+            taken = {
+                "sliding_window": (self.sliding_window is not None, "a sliding window"),
+                "chunk_size": (self.chunk_size is not None, "chunks"),
+                "rope": (not self.rope, "rope: false (it has no positions to leave out)"),
+                "rope_theta": (self.rope_theta is not None, "a RoPE base"),
+                "temperature_tuning": (self.temperature_tuning is not None, "temperature tuning"),
+            }
+            problems += [((name,), f"cross-attention takes no {what}") for name, (bad, what) in taken.items() if bad]
         if self.head_dim is None and d_model % self.n_heads:
             problems.append(
                 (
@@ -206,9 +355,18 @@ class AttentionConfig(AttentionBlock):
         return problems
 
     def describe(self) -> str:
-        """``8h/4kv w4096``."""
+        """``8h/4kv w4096``, with ``c8192`` (chunks), ``qk-norm``, ``sinks``, ``nope``, ``base10000``, ``temp``."""
         heads = f"{self.n_heads}h" + (f"/{self.n_kv_heads}kv" if self.n_kv_heads != self.n_heads else "")
-        return heads + (f" w{self.sliding_window}" if self.sliding_window else "")
+        options = [
+            f"w{self.sliding_window}" if self.sliding_window else "",
+            f"c{self.chunk_size}" if self.chunk_size else "",
+            "qk-norm" if self.qk_norm is not None else "",
+            "sinks" if self.sinks else "",
+            "nope" if not self.rope else "",
+            f"base{self.rope_theta:g}" if self.rope_theta is not None else "",
+            "temp" if self.temperature_tuning is not None else "",
+        ]
+        return " ".join([heads, *(o for o in options if o)])
 
 
 def _largest_divisor(n: int, below: int) -> int:

@@ -246,13 +246,24 @@ class AttentionBlock(BlockConfig):
         """How far back a query sees (itself included); None: no window."""
         return None
 
+    def chunk(self) -> int | None:
+        """A chunk size C: a query sees only keys of its own chunk of C token positions (query
+        ``i`` and key ``j`` with ``i // C == j // C``); None: no chunks."""
+        return None
+
+    def rotation_fields(self) -> tuple[str, ...]:
+        """The fields set on this attention that only a position block which ``rotates`` serves
+        (``rope: false``, a layer's ``rope_theta``): :meth:`PositionBlock.attention_problems`
+        refuses them under any other position."""
+        return ()
+
     def visible_pairs(self, seq_q: int, seq_k: int, causal: bool) -> int:
         """(query, key) pairs the mask keeps; queries are the last ``seq_q`` positions."""
-        return visible_pairs(seq_q, seq_k, causal, self.window())
+        return visible_pairs(seq_q, seq_k, causal, self.window(), self.chunk())
 
     def masked(self, causal: bool) -> bool:
         """Whether eager attention adds a mask to the scores (and so copies the probabilities)."""
-        return causal or self.window() is not None
+        return causal or self.window() is not None or self.chunk() is not None
 
     def flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         """Forward FLOPs of one sequence: projections, scores and mix over the full (seq_q, seq_k)
@@ -288,28 +299,33 @@ def kernel_saved_bytes(
     masked: bool,
     softcap: bool = False,
     dropout: bool = False,
+    sinks: bool = False,
 ) -> int:
     """Bytes ``kernels.attention`` itself keeps for backward, beyond q, k and v (which the
     attention block counts, as it knows their layout). ``fused`` (FlashAttention: Triton on
     CUDA): the output and an fp32 log-sum-exp per row. Eager: the fp32 softmax, a tanh output
     under ``softcap``, with ``dropout`` its mask and the dropped probabilities, else the
     probabilities cast to the compute dtype for P.V (the softmax output itself when that is
-    fp32 and nothing ``masked`` them)."""
+    fp32 and nothing ``masked`` them). With ``sinks`` the softmax spans one more column per
+    row (the sink's) and P.V reads a view of it: no masked copy in fp32."""
     if fused:
         return batch * n_heads * seq_q * (v_head_dim * act_bytes + 4)
     pairs = batch * n_heads * seq_q * seq_k
-    total = pairs * 4 * (2 if softcap else 1)
+    total = pairs * 4 * (2 if softcap else 1) + (batch * n_heads * seq_q * 4 if sinks else 0)
     if dropout:
         return total + pairs * (1 + act_bytes)
-    return total + (pairs * act_bytes if act_bytes != 4 or masked else 0)
+    return total + (pairs * act_bytes if act_bytes != 4 or (masked and not sinks) else 0)
 
 
-def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None) -> int:
+def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None, chunk: int | None = None) -> int:
     """How many (query, key) pairs the mask keeps; queries are the last seq_q positions.
 
     Query row i sits at position ``i + seq_k - seq_q``; ``causal`` keeps keys at or before it,
-    a window ``w`` keeps keys fewer than ``w`` positions back. Closed form (O(1)).
+    a window ``w`` keeps keys fewer than ``w`` positions back, a ``chunk`` C the keys of its
+    own chunk (``pos // C``). Closed form (O(1)).
     """
+    if chunk is not None:
+        return _chunked_pairs(seq_q, seq_k, causal, window, chunk)
     if not causal and window is None:
         return seq_q * seq_k
     first, last = seq_k - seq_q, seq_k - 1  # query positions
@@ -320,6 +336,37 @@ def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None) -> i
     # window, not causal: every later key plus the w - 1 before: seq_k - max(0, pos - w + 1)
     n = last - first + 1
     return n * seq_k - _sum_range(max(first - window + 1, 1), last - window + 1)
+
+
+def _chunked_pairs(seq_q: int, seq_k: int, causal: bool, window: int | None, chunk: int) -> int:
+    """:func:`visible_pairs` under chunks: the first and last chunks the queries meet counted
+    alone, every chunk between them (whole, all its queries present) the same."""
+    first, last = seq_k - seq_q, seq_k - 1  # query positions
+    if seq_q <= 0:
+        return 0
+    lo_chunk, hi_chunk = first // chunk, last // chunk
+    total = _chunk_pairs(first, min(last, lo_chunk * chunk + chunk - 1), lo_chunk * chunk, seq_k, causal, window, chunk)
+    if hi_chunk > lo_chunk:
+        start = hi_chunk * chunk
+        total += _chunk_pairs(start, last, start, seq_k, causal, window, chunk)
+    middle = hi_chunk - lo_chunk - 1
+    if middle > 0:
+        start = (lo_chunk + 1) * chunk
+        total += middle * _chunk_pairs(start, start + chunk - 1, start, seq_k, causal, window, chunk)
+    return total
+
+
+def _chunk_pairs(lo: int, hi: int, begin: int, seq_k: int, causal: bool, window: int | None, chunk: int) -> int:
+    """Visible pairs of the query positions ``lo..hi``, all in the chunk starting at ``begin``."""
+    if causal:  # keys begin..pos, capped at w: min(pos - begin + 1, w)
+        m_lo, m_hi = lo - begin + 1, hi - begin + 1
+        return _sum_min(m_lo, m_hi, window if window is not None else m_hi)
+    top = min(begin + chunk - 1, seq_k - 1)  # the chunk's last key
+    n = hi - lo + 1
+    if window is None:
+        return n * (top - begin + 1)
+    # keys max(begin, pos - w + 1)..top: the chunk's keys less max(0, pos - w + 1 - begin)
+    return n * (top - begin + 1) - _sum_range(max(lo - window + 1 - begin, 1), hi - window + 1 - begin)
 
 
 def _sum_range(lo: int, hi: int) -> int:
@@ -345,6 +392,9 @@ class PositionBlock(BlockConfig):
     acts_on: ClassVar[Literal["embedding", "attention"]] = "attention"
     #: adds a term to the attention scores (ALiBi, relative bias): eager attention then masks
     biases_scores: ClassVar[bool] = False
+    #: rotates queries and keys, at another base when a layer asks (its module's
+    #: ``rotate(q, k, positions, theta=...)``): a layer may then set ``rope: false`` or ``rope_theta``
+    rotates: ClassVar[bool] = False
 
     def params(self, d_model: int, n_heads: int, max_seq_len: int) -> int:
         """Parameters one stack's block builds (``n_heads``: the stack's query heads)."""
@@ -372,8 +422,16 @@ class PositionBlock(BlockConfig):
     def attention_problems(self, attention: AttentionBlock, *, d_model: int, stack_heads: int, at: Loc) -> Problems:
         """Rules over this block and one self-attention block it acts in. ``at``: where that
         attention sits in the spec; ``stack_heads``: its stack's own query heads. Locations are
-        relative to the spec (this block sits at ``("position",)``)."""
-        return []
+        relative to the spec (this block sits at ``("position",)``). This base refuses the
+        attention's :meth:`~AttentionBlock.rotation_fields` unless the block ``rotates``; an
+        override adds its own rules to ``super()``'s."""
+        if self.rotates:
+            return []
+        kind = getattr(self, "type", type(self).__name__)
+        return [
+            (at + (name,), f"{name} needs a rotary position block (position: {{type: rope}}); this spec's is {kind}")
+            for name in attention.rotation_fields()
+        ]
 
 
 # -- feed-forward, norms, heads ----------------------------------------------------------------

@@ -138,6 +138,7 @@ class RopeConfig(_PositionConfig):
     """Rotary position embedding (Su et al. 2021) applied to queries and keys."""
 
     type: Literal["rope"] = "rope"
+    rotates: ClassVar[bool] = True
     theta: float = Field(10000.0, gt=0, le=MAX_FACTOR, description="The base of the rotation frequencies.")
     rotary_fraction: float = Field(
         1.0, gt=0, le=1, description="Share of head_dim that rotates (GPT-NeoX/Phi use < 1)."
@@ -170,14 +171,14 @@ class RopeConfig(_PositionConfig):
         head_dim = attention.rotary_head_dim(d_model)
         rotary = self.rotary_dim(head_dim)
         if rotary % 2:
-            return [
+            return super().attention_problems(attention, d_model=d_model, stack_heads=stack_heads, at=at) + [
                 (
                     ("position", "rotary_fraction"),
                     f"rope needs an even rotary dimension; head_dim "
                     f"{head_dim} x rotary_fraction {self.rotary_fraction} = {rotary}",
                 )
             ]
-        return []
+        return super().attention_problems(attention, d_model=d_model, stack_heads=stack_heads, at=at)
 
 
 @register("position", "blocks.positions:Alibi")
@@ -211,17 +212,18 @@ class RelativeBiasConfig(_PositionConfig):
         return seq * seq * 8 + (n_heads * seq * seq * 4 if fused else 0)
 
     def attention_problems(self, attention, *, d_model: int, stack_heads: int, at: Loc) -> Problems:
+        problems = super().attention_problems(attention, d_model=d_model, stack_heads=stack_heads, at=at)
         heads = attention.query_heads()
         if heads != stack_heads:
             field = ("n_heads",) if "n_heads" in type(attention).model_fields else ()
-            return [
+            return problems + [
                 (
                     at + field,
                     f"{heads} heads, but the stack's relative-bias table has {stack_heads}; "
                     "relative_bias needs the same n_heads in every layer of a stack",
                 )
             ]
-        return []
+        return problems
 
 
 @register("position", "blocks.positions:NoPosition")
