@@ -1,12 +1,20 @@
 """Where every parameter lives under FSDP2 and tensor parallelism, exactly, per rank (torch-free).
 
 A :class:`Layout` is the device mesh a recipe trains on: ``devices`` ranks on ``nodes``
-machines, ``tensor_parallel`` ranks inside a node splitting each layer, the rest data-parallel —
+machines, ``tensor_parallel`` ranks inside a node splitting each layer, ``pipeline_parallel``
+stages holding consecutive layers, ``context_parallel`` ranks splitting each sequence (ring
+attention), ``expert_parallel`` ranks splitting a mixture of experts' experts (borrowed from the
+FSDP shard group, as torchtitan borrows them), the rest data-parallel —
 ``shard`` (FSDP2 full sharding over every data-parallel rank), ``hybrid`` (HSDP: shard inside a
 node, replicate across nodes) or ``replicate`` — or, with ``strategy="ddp"``, every rank a
 whole replica (DDP). Each parallelism is one field of it. Ranks are numbered as
-``init_device_mesh(("replicate", "shard", "tp"))`` lays them out: tensor-parallel ranks
-innermost (neighbours on one node), then the shard group, then the replicas.
+``init_device_mesh(("pp", "replicate", "shard", "cp", "tp"))`` lays them out: tensor-parallel
+ranks innermost (neighbours on one node), then context-parallel ranks, then the shard group,
+then the replicas, then the pipeline stages. FSDP shards over the shard group and the
+context-parallel ranks together (``shard_size``). :func:`layout_problems` names every field of a
+spec (or the step's sequence) a layout cannot split; the rank accounting below
+(:func:`rank_states`, :func:`sharded_memory`) is for layouts without pipeline, context or expert
+parallelism, which ``builder.analysis.perf`` sizes per stage.
 
 What a rank holds, as PyTorch builds it:
 
@@ -69,18 +77,22 @@ class LayoutError(ValueError):
 @dataclass(frozen=True)
 class Layout:
     """``devices`` ranks in all (the world size) on ``nodes`` machines; ``strategy="ddp"`` takes
-    no tensor parallelism and replicates (``data_parallel`` reads ``replicate``)."""
+    no tensor, pipeline, context or expert parallelism and replicates (``data_parallel`` reads
+    ``replicate``)."""
 
     devices: int = 1
     nodes: int = 1
     tensor_parallel: int = 1
     data_parallel: str = "shard"
     strategy: str = "fsdp"
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise LayoutError("strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
-        for name in ("devices", "nodes", "tensor_parallel"):
+        for name in DEGREES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(name, value, "must be a positive integer")
@@ -89,10 +101,9 @@ class Layout:
         if self.data_parallel not in DATA_PARALLEL:
             raise LayoutError("data_parallel", self.data_parallel, f"must be one of {', '.join(DATA_PARALLEL)}")
         if self.strategy == "ddp":
-            if self.tensor_parallel != 1:
-                raise LayoutError(
-                    "tensor_parallel", self.tensor_parallel, "needs strategy fsdp (DDP replicates whole layers)"
-                )
+            for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+                if getattr(self, name) != 1:
+                    raise LayoutError(name, getattr(self, name), "needs strategy fsdp (DDP replicates whole layers)")
             if self.data_parallel == "hybrid":
                 raise LayoutError(
                     "data_parallel", self.data_parallel, "needs strategy fsdp (DDP replicates the whole model)"
@@ -104,11 +115,37 @@ class Layout:
                 self.tensor_parallel,
                 f"must divide the {self.per_node} devices of a node (tensor parallelism stays inside a node)",
             )
-        if self.data_parallel == "hybrid" and self.nodes < 2:
+        model = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        if self.devices % model:
             raise LayoutError(
-                "data_parallel",
-                self.data_parallel,
-                "shards inside a node and replicates across nodes, so it needs at least 2 nodes; use shard on one node",
+                "devices",
+                self.devices,
+                f"must be a multiple of tensor x pipeline x context parallel = {self.tensor_parallel} x "
+                f"{self.pipeline_parallel} x {self.context_parallel} = {model}",
+            )
+        if self.data_parallel == "hybrid":
+            if self.nodes < 2:
+                raise LayoutError(
+                    "data_parallel",
+                    self.data_parallel,
+                    "shards inside a node and replicates across nodes, so it needs at least 2 nodes; use shard "
+                    "on one node",
+                )
+            inner = self.tensor_parallel * self.context_parallel
+            if self.per_node % inner or self.data_parallel_size % max(1, self.per_node // inner):
+                raise LayoutError(
+                    "data_parallel",
+                    self.data_parallel,
+                    f"shards over a node's {self.per_node} devices, which tensor x context parallel "
+                    f"{self.tensor_parallel} x {self.context_parallel} must divide, into "
+                    f"{self.data_parallel_size} data-parallel ranks",
+                )
+        if self.shard_size % self.expert_parallel:
+            raise LayoutError(
+                "expert_parallel",
+                self.expert_parallel,
+                f"must divide the FSDP shard group of {self.shard_size} ranks (data-parallel shard x "
+                "context parallel) it borrows its ranks from",
             )
 
     @property
@@ -117,28 +154,50 @@ class Layout:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches: devices / tensor_parallel."""
-        return self.devices // self.tensor_parallel
+        """Ranks that see different batches: devices / (tensor x pipeline x context parallel)."""
+        return self.devices // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
 
     @property
-    def shard_size(self) -> int:
-        """Ranks one parameter is sharded over (the FSDP shard group)."""
+    def data_parallel_shard(self) -> int:
+        """Data-parallel ranks in one FSDP shard group (the context-parallel ranks not counted)."""
         if self.data_parallel == "shard":
             return self.data_parallel_size
         if self.data_parallel == "hybrid":
-            return self.per_node // self.tensor_parallel
+            return max(1, self.per_node // (self.tensor_parallel * self.context_parallel))
         return 1
 
     @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over (the FSDP shard group: data-parallel shard x context parallel)."""
+        return self.data_parallel_shard * self.context_parallel
+
+    @property
     def replicas(self) -> int:
-        return self.data_parallel_size // self.shard_size
+        return self.data_parallel_size // self.data_parallel_shard
+
+    @property
+    def stage_devices(self) -> int:
+        """Ranks of one pipeline stage."""
+        return self.devices // self.pipeline_parallel
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(replica, shard rank, tensor-parallel rank)`` of a global rank."""
+        """``(replica, shard rank, tensor-parallel rank)`` of a global rank within its pipeline
+        stage; the shard rank counts the context-parallel ranks of the FSDP group too."""
         if not 0 <= rank < self.devices:
             raise LayoutError("rank", rank, f"must be in 0..{self.devices - 1}")
-        tp = self.tensor_parallel
-        return rank // (self.shard_size * tp), rank // tp % self.shard_size, rank % tp
+        tp, local = self.tensor_parallel, rank % self.stage_devices
+        return local // (self.shard_size * tp), local // tp % self.shard_size, local % tp
+
+    def mesh(self, rank: int) -> dict[str, int]:
+        """Every coordinate of a global rank: ``pp``, ``replicate``, ``shard``, ``cp``, ``tp``."""
+        replica, shard, tp = self.coordinates(rank)
+        return {
+            "pp": rank // self.stage_devices,
+            "replicate": replica,
+            "shard": shard // self.context_parallel,
+            "cp": shard % self.context_parallel,
+            "tp": tp,
+        }
 
     def smallest_rank(self) -> int:
         """A rank holding the fewest elements: the last of the first shard group."""
@@ -150,6 +209,13 @@ class Layout:
             f" on {self.nodes} nodes" if self.nodes > 1 else ""
         )
         parts = [f"tensor-parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
+        for name, degree in (
+            ("pipeline-parallel", self.pipeline_parallel),
+            ("context-parallel", self.context_parallel),
+            ("expert-parallel", self.expert_parallel),
+        ):
+            if degree > 1:
+                parts.append(f"{name} {degree}")
         if self.data_parallel == "hybrid":
             parts.append(f"HSDP: FSDP shard over {self.shard_size} x {self.replicas} replicas")
         elif self.data_parallel == "shard" and self.shard_size > 1:
@@ -171,6 +237,84 @@ class Layout:
             "shard_size": self.shard_size,
             "replicas": self.replicas,
         }
+
+    @property
+    def five_d(self) -> bool:
+        """Pipeline, context or expert parallelism: sized per stage by ``builder.analysis.perf``."""
+        return max(self.pipeline_parallel, self.context_parallel, self.expert_parallel) > 1
+
+
+#: the degree fields of a layout, as the command-line options name them (``--pipeline-parallel``)
+DEGREES = ("devices", "nodes", "tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
+
+
+def experts_of(ffn) -> tuple[int, int] | None:
+    """``(n_experts, top_k)`` of a feed-forward block that routes tokens to experts (its
+    ``n_experts`` and ``top_k`` fields), None for a dense one."""
+    n = getattr(ffn, "n_experts", None)
+    return (n, ffn.top_k) if n else None
+
+
+def layout_problems(spec, layout: Layout, seq_len: int | None = None) -> list[LayoutError]:
+    """Every way ``layout`` cannot split ``spec`` (and ``seq_len``), each naming the argument at
+    fault and the spec field: a tensor-parallel degree a head count does not divide, more
+    pipeline stages than layers, an expert-parallel degree the experts do not divide (or a
+    model without experts), a sequence the context-parallel ranks cannot split in balanced halves."""
+    out = []
+    problems = tensor_parallel_problems(spec, layout.tensor_parallel)
+    if problems:
+        out.append(
+            LayoutError(
+                "tensor_parallel",
+                layout.tensor_parallel,
+                "; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems),
+            )
+        )
+    stacks = spec.stacks()
+    if max(layout.pipeline_parallel, layout.context_parallel) > 1 and len(stacks) > 1:
+        name = "pipeline_parallel" if layout.pipeline_parallel > 1 else "context_parallel"
+        out.append(LayoutError(name, getattr(layout, name), f"splits one stack; {spec.name} has {', '.join(stacks)}"))
+    layers = sum(stack.n_layers for stack in stacks.values())
+    if layout.pipeline_parallel > layers:
+        first = next(iter(stacks))
+        out.append(
+            LayoutError(
+                "pipeline_parallel",
+                layout.pipeline_parallel,
+                f"{first}.n_layers ({layers}): more stages than layers",
+            )
+        )
+    if layout.expert_parallel > 1:
+        routed = [
+            (f"{name}.{where}ffn.n_experts", experts_of(ffn))
+            for name, stack in stacks.items()
+            for where, ffn in [("", stack.ffn), *((f"overrides.{i}.", o.ffn) for i, o in enumerate(stack.overrides))]
+            if ffn is not None and experts_of(ffn)
+        ]
+        if not routed:
+            out.append(LayoutError("expert_parallel", layout.expert_parallel, f"{spec.name} has no experts to split"))
+        for path, (n, _) in routed:
+            if n % layout.expert_parallel:
+                out.append(
+                    LayoutError("expert_parallel", layout.expert_parallel, f"{path} ({n}) does not divide by it")
+                )
+    if layout.context_parallel > 1 and seq_len is not None and seq_len % (2 * layout.context_parallel):
+        out.append(
+            LayoutError(
+                "context_parallel",
+                layout.context_parallel,
+                f"seq_len {seq_len} does not split into 2 x {layout.context_parallel} equal chunks "
+                "(load-balanced causal ring attention)",
+            )
+        )
+    return out
+
+
+def check_layout(spec, layout: Layout, seq_len: int | None = None) -> None:
+    """Raise the first of :func:`layout_problems`."""
+    problems = layout_problems(spec, layout, seq_len)
+    if problems:
+        raise problems[0]
 
 
 @dataclass(frozen=True)

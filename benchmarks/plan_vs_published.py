@@ -1,0 +1,279 @@
+"""The planner's performance model (``builder.analysis.perf``) against published measured runs.
+
+Each row pins a layout a team published, predicts its tokens/s per GPU and memory per GPU with
+the model's one calibration (printed), and sets them next to the measured figures. Then the
+orderings: where a team measured two layouts, schedules or settings of one model, is the faster
+one predicted faster, and by a similar margin?
+
+Source (figures quoted exactly): the torchtitan team's December 2024 H100 benchmark,
+``benchmarks/llama3_h100_202412_torchtitan.md`` in pytorch/torchtitan (commit 31a17bf as read):
+Grand Teton hosts of 8 H100 SXM with 96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W; the
+sequence length 8192 of tables 1, 3, 4 and 5 is torchtitan's ``train_configs/llama3_{8b,70b,405b}.toml``
+``seq_len``; pipeline micro-batches are torchtitan's default, one per stage
+(``pipeline_parallel_microbatches`` unset: ``n_microbatches = num_total_stages``), interleaved
+1F1B with 2 stages per rank. Float8 rows run the projections at the fp8 peak.
+
+Run: ``python benchmarks/plan_vs_published.py [--markdown]``. Torch-free, a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# the repository root, not benchmarks/, first on the path: benchmarks/tokenize.py would shadow
+# the standard library's tokenize, which dataclasses (through inspect) imports
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[0] = ROOT
+
+import argparse  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from builder.analysis.hardware import gpu  # noqa: E402
+from builder.analysis.layout import Layout  # noqa: E402
+from builder.analysis.perf import CALIBRATION, Model, Run, predict  # noqa: E402
+from builder.spec.loader import load_spec  # noqa: E402
+
+SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+GIB = 2**30
+#: the benchmark's hardware as the file states it; the peak is the SXM part's (its footnote 2)
+GRAND_TETON = gpu("h100", memory=96 * 10**9, hbm_bandwidth=2.4e12, inter_node=400e9 / 8)
+
+
+@dataclass(frozen=True)
+class Row:
+    table: str
+    label: str
+    spec: str
+    gpus: int
+    tp: int
+    pp: int
+    cp: int
+    seq: int
+    global_batch: int
+    micro_batch: int
+    recompute: str
+    tps: int  # published TPS/GPU
+    memory_gib: float  # published peak memory
+    schedule: str = "1f1b"
+    compile: bool = False
+    float8: bool = False
+    async_tp: bool = False
+
+    @property
+    def bf16(self) -> bool:
+        return not self.float8
+
+
+ROWS = [
+    Row("1", "FSDP", "llama3-8b", 8, 1, 1, 1, 8192, 16, 2, "selective", 5762, 82.4),
+    Row("1", "FSDP + torch.compile", "llama3-8b", 8, 1, 1, 1, 8192, 16, 2, "selective", 6667, 77.0, compile=True),
+    Row(
+        "1",
+        "FSDP + compile + Float8",
+        "llama3-8b",
+        8,
+        1,
+        1,
+        1,
+        8192,
+        16,
+        2,
+        "selective",
+        8532,
+        76.8,
+        compile=True,
+        float8=True,
+    ),
+    Row("3", "FSDP", "llama3-8b", 128, 1, 1, 1, 8192, 256, 2, "selective", 5605, 67.0),
+    Row("3", "FSDP + torch.compile", "llama3-8b", 128, 1, 1, 1, 8192, 256, 2, "selective", 6514, 62.0, compile=True),
+    Row(
+        "3",
+        "FSDP + compile + Float8",
+        "llama3-8b",
+        128,
+        1,
+        1,
+        1,
+        8192,
+        256,
+        2,
+        "selective",
+        8380,
+        61.8,
+        compile=True,
+        float8=True,
+    ),
+]
+_F8 = {"compile": True, "float8": True}
+ROWS += [
+    Row("2", f"FSDP {8 // cp}, CP {cp}", "llama3-8b", 8, 1, 1, cp, seq, 8 // cp, 1, "full", tps, mem, **_F8)
+    for cp, seq, tps, mem in (
+        (1, 32768, 3890, 83.9),
+        (2, 65536, 2540, 84.2),
+        (4, 131072, 1071, 84.0),
+        (8, 262144, 548, 84.5),
+    )
+]
+ROWS += [
+    Row("4", "2D", "llama3-70b", 256, 8, 1, 1, 8192, 512, 16, "full", 829, 71.9, **_F8),
+    Row("4", "2D + AsyncTP", "llama3-70b", 256, 8, 1, 1, 8192, 512, 16, "full", 876, 67.6, async_tp=True, **_F8),
+    Row("5", "1F1B", "llama3-405b", 512, 8, 8, 1, 8192, 256, 4, "full", 100, 82.5, async_tp=True, **_F8),
+    Row(
+        "5",
+        "Interleaved 1F1B",
+        "llama3-405b",
+        512,
+        8,
+        8,
+        1,
+        8192,
+        256,
+        2,
+        "full",
+        128,
+        72.7,
+        schedule="interleaved-1f1b",
+        async_tp=True,
+        **_F8,
+    ),
+]
+ROWS += [
+    Row(
+        "6",
+        f"FSDP {8 // cp}, CP {cp}",
+        "llama3-405b",
+        512,
+        8,
+        8,
+        cp,
+        seq,
+        64 // cp,
+        1,
+        "full",
+        tps,
+        mem,
+        async_tp=True,
+        **_F8,
+    )
+    for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))
+]
+#: pairs a table measured of one model: (table, faster label, slower label)
+ORDERINGS = [
+    ("1", "FSDP + torch.compile", "FSDP"),
+    ("3", "FSDP + torch.compile", "FSDP"),
+    ("1", "FSDP + compile + Float8", "FSDP + torch.compile"),
+    ("4", "2D + AsyncTP", "2D"),
+    ("5", "Interleaved 1F1B", "1F1B"),
+    ("2", "FSDP 8, CP 1", "FSDP 4, CP 2"),
+    ("2", "FSDP 4, CP 2", "FSDP 2, CP 4"),
+    ("2", "FSDP 2, CP 4", "FSDP 1, CP 8"),
+    ("6", "FSDP 8, CP 1", "FSDP 4, CP 2"),
+    ("6", "FSDP 4, CP 2", "FSDP 2, CP 4"),
+    ("6", "FSDP 2, CP 4", "FSDP 1, CP 8"),
+]
+
+
+def predict_row(row: Row, models: dict):
+    spec = load_spec(Path(ROOT) / "specs" / f"{row.spec}.yaml")
+    if row.seq > spec.max_seq_len:  # torchtitan ran 262,144 tokens past the config's 131,072 positions
+        spec = spec.model_copy(update={"max_seq_len": row.seq})
+    layout = Layout(
+        devices=row.gpus,
+        nodes=max(1, row.gpus // 8),
+        tensor_parallel=row.tp,
+        pipeline_parallel=row.pp,
+        context_parallel=row.cp,
+    )
+    run = Run(
+        seq_len=row.seq,
+        global_batch=row.global_batch,
+        micro_batch=row.micro_batch,
+        recompute=row.recompute,
+        schedule=row.schedule,
+        stages_per_rank=2 if row.schedule == "interleaved-1f1b" else 1,
+        compile=row.compile,
+        async_tp=row.async_tp,
+        float8=row.float8,
+    )
+    key = (row.spec, row.seq)
+    if key not in models:
+        models[key] = Model(spec, row.seq)
+    return predict(spec, layout, run, GRAND_TETON, model=models[key])
+
+
+def results() -> tuple[list[dict], list[dict]]:
+    models: dict = {}
+    rows = []
+    for row in ROWS:
+        p = predict_row(row, models)
+        rows.append(
+            {
+                "row": row,
+                "tps": p.tokens_per_s_per_gpu,
+                "tps_error": p.tokens_per_s_per_gpu / row.tps - 1,
+                "memory_gib": p.memory_per_gpu_bytes / GIB,
+                "memory_error": p.memory_per_gpu_bytes / GIB / row.memory_gib - 1,
+                "mfu": p.mfu,
+                "breakdown": p.breakdown,
+            }
+        )
+    by = {(r["row"].table, r["row"].label): r for r in rows}
+    orders = []
+    for table, fast, slow in ORDERINGS:
+        f, s = by[(table, fast)], by[(table, slow)]
+        orders.append(
+            {
+                "table": table,
+                "faster": fast,
+                "slower": slow,
+                "published": f["row"].tps / s["row"].tps,
+                "predicted": f["tps"] / s["tps"],
+            }
+        )
+    return rows, orders
+
+
+def markdown(rows: list[dict], orders: list[dict]) -> str:
+    out = [
+        f"Source: {SOURCE} (figures quoted exactly). Hardware: H100 SXM peak, 96 GB at 2.4 TB/s, "
+        "400 Gb/s per GPU, as the file states. Calibration, one for every row: " + CALIBRATION.describe() + ".",
+        "",
+        "| table | run | model | GPUs | TP | PP | CP | seq | recompute | published TPS/GPU | predicted | error "
+        "| published GiB | predicted GiB | error | predicted MFU |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        row = r["row"]
+        out.append(
+            f"| {row.table} | {row.label}{'' if row.bf16 else ' (fp8)'} | {row.spec} | {row.gpus} | {row.tp} "
+            f"| {row.pp} "
+            f"| {row.cp} | {row.seq} | {row.recompute} | {row.tps:,} | {r['tps']:,.0f} | {r['tps_error']:+.0%} "
+            f"| {row.memory_gib} | {r['memory_gib']:.1f} | {r['memory_error']:+.0%} | {r['mfu']:.0%} |"
+        )
+    out += ["", "| table | faster | slower | published ratio | predicted ratio |", "| --- | --- | --- | ---: | ---: |"]
+    for o in orders:
+        out.append(f"| {o['table']} | {o['faster']} | {o['slower']} | {o['published']:.2f} | {o['predicted']:.2f} |")
+    bf16 = [r for r in rows if r["row"].bf16]
+    out += [
+        "",
+        "bf16 rows within 20% of the published TPS/GPU: "
+        f"{sum(abs(r['tps_error']) <= 0.2 for r in bf16)} of {len(bf16)}; "
+        f"all rows: {sum(abs(r['tps_error']) <= 0.2 for r in rows)} of {len(rows)}; memory within 15%: "
+        f"{sum(abs(r['memory_error']) <= 0.15 for r in rows)} of {len(rows)}; orderings right: "
+        f"{sum(o['predicted'] > 1 for o in orders)} of {len(orders)}.",
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+    rows, orders = results()
+    print(markdown(rows, orders))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

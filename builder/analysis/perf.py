@@ -1,0 +1,481 @@
+"""The performance model: one training step's time and memory per GPU on a 5-D layout (torch-free).
+
+:func:`predict` takes a spec, a :class:`builder.analysis.layout.Layout` (tensor, pipeline,
+context, expert parallel, FSDP / HSDP / replicate), a :class:`Run` (sequence, global batch,
+micro-batch, recomputation, pipeline schedule, compile, async TP, float8) and a
+:class:`builder.analysis.hardware.GPU`, and returns a :class:`Prediction`: the step time in
+parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it counts:
+
+* **Compute**: each layer's forward FLOPs as ``builder.analysis.estimates`` counts them (the
+  attention scores and mix only over the pairs a causal kernel visits), split over the
+  tensor-parallel and context-parallel ranks; backward is twice the forward; recomputation adds
+  the forward again (``full``) or :data:`SELECTIVE_RECOMPUTE` of the matmuls (``selective``,
+  torchtitan's per-op policy: every other matmul recomputed). Matmuls run at
+  ``matmul_efficiency`` of the dense peak (float8: the projections at the fp8 peak), attention
+  kernels at ``attention_efficiency``.
+* **Memory-bound work**: every byte a layer saves for backward is written, read back and its
+  gradient written, :data:`ELEMENTWISE_PASSES` passes over HBM (torch.compile fuses
+  :data:`COMPILE_FUSION` of them away); the optimizer reads and writes :data:`OPTIMIZER_BYTES`
+  bytes per local parameter.
+* **Communication**, each collective's bytes over the link it crosses (NVLink when its group
+  fits in a node, else the network), ring or tree by group size (:func:`collective_seconds`), at
+  ``collective_efficiency`` of the link. Overlapped: FSDP's all-gathers and reduce-scatters (and
+  HSDP's all-reduce) with the layers' compute, prefetched one unit ahead, so only the first
+  gather, the last reduce and what exceeds the compute are exposed; ring attention's key/value
+  passes with the attention kernels; EP dispatch/combine with the rest of the layer's compute.
+  Exposed: tensor parallelism's all-gathers and reduce-scatters (sequence parallel), unless
+  ``async_tp`` (then :data:`ASYNC_TP_OVERLAP` of them hide), and the pipeline's sends.
+* **Pipeline bubble** (:func:`bubble_fraction`): GPipe and 1F1B ``(p-1)/m``, interleaved 1F1B
+  ``(p-1)/(v m)``, zero-bubble (ZB-H1, Qi et al. 2023) ``(p-1)/(3m)`` of ``m`` micro-batches' time.
+* **Memory** (:func:`memory`): 16 bytes per local parameter element sharded over the FSDP group
+  (fp32 master weights, fp32 gradients, AdamW's two states), the stage holding the most (the
+  layers split evenly, the embedding on the first, the head on the last), two gathered units and
+  one unit's gradients in flight (under pipeline parallelism FSDP keeps the stage's parameters
+  and gradients unsharded, as torchtitan does, ``reshard_after_forward=False``), and the
+  activations the schedule keeps in flight (1F1B: ``p`` micro-batches on the first stage).
+  Activations under tensor parallelism are sequence-parallel (one ``tp``-th per rank).
+
+The constants are set once, for every GPU and every run (:data:`CALIBRATION`), and printed with
+each prediction; nothing is fitted per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from builder.analysis.hardware import GPU
+from builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
+#: fraction of the matmul forward FLOPs selective (per-op) recomputation runs again, and of the
+#: layer's saved bytes it keeps
+SELECTIVE_RECOMPUTE = 0.5
+SELECTIVE_SAVED = 0.35
+#: HBM passes over each saved byte: written in forward, read in backward, its gradient written
+ELEMENTWISE_PASSES = 3
+#: fraction of those passes torch.compile fuses away
+COMPILE_FUSION = 0.5
+#: bytes AdamW reads and writes per local parameter element (fp32 weight, gradient, two states
+#: read; weight and states written)
+OPTIMIZER_BYTES = 28
+#: fraction of the tensor-parallel collectives async TP hides behind its matmuls
+ASYNC_TP_OVERLAP = 0.75
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's physically meaningful constants, one set for every run."""
+
+    matmul_efficiency: float = 0.42  # achievable fraction of the dense bf16 peak in a model's GEMMs
+    attention_efficiency: float = 0.35  # a flash-attention kernel's, forward and backward
+    float8_efficiency: float = 0.28  # of the fp8 peak: float8 projections with their scaling casts
+    collective_efficiency: float = 0.70  # of a link's datasheet bandwidth (NCCL bus bandwidth)
+    latency: float = 10e-6  # seconds per collective hop
+
+    def describe(self) -> str:
+        return (
+            f"matmuls at {self.matmul_efficiency:.0%} of peak (float8 at {self.float8_efficiency:.0%} of the fp8 "
+            f"peak), attention kernels at {self.attention_efficiency:.0%}, "
+            f"collectives at {self.collective_efficiency:.0%} of link bandwidth, {self.latency * 1e6:g} us per hop; "
+            f"selective recomputation reruns {SELECTIVE_RECOMPUTE:.0%} of the matmuls and keeps {SELECTIVE_SAVED:.0%} "
+            f"of the activations; {ELEMENTWISE_PASSES} HBM passes per saved byte (compile fuses "
+            f"{COMPILE_FUSION:.0%}); async TP hides {ASYNC_TP_OVERLAP:.0%} of TP's collectives"
+        )
+
+
+CALIBRATION = Calibration()
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one optimizer step computes and how: ``global_batch`` sequences of ``seq_len`` tokens,
+    ``micro_batch`` sequences per micro-batch of one data-parallel rank, recomputation ``none``,
+    ``selective`` or ``full``, a pipeline ``schedule`` with ``stages_per_rank`` virtual stages
+    (interleaved), ``compile``, ``async_tp``, ``float8`` projections."""
+
+    seq_len: int
+    global_batch: int
+    micro_batch: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    compile: bool = False
+    async_tp: bool = False
+    float8: bool = False
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError("checkpointing", self.recompute, f"must be one of {', '.join(RECOMPUTE)}")
+        if self.schedule not in SCHEDULES:
+            raise LayoutError("schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
+        if self.dtype not in BYTES:
+            raise LayoutError("dtype", self.dtype, f"must be one of {', '.join(BYTES)}")
+        for name in ("seq_len", "global_batch", "micro_batch", "stages_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(name, value, "must be a positive integer")
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The pipeline's idle time over ``microbatches`` micro-batches' work (0 without pipelining)."""
+    if stages == 1:
+        return 0.0
+    idle = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0 / virtual, "zero-bubble": 1.0 / 3}[schedule]
+    return idle * (stages - 1) / microbatches
+
+
+def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches' activations (of the whole stage) the first stage keeps at once: GPipe all of
+    them, 1F1B and ZB-H1 ``p``, interleaved 1F1B ``(2(p-1) + (v-1)p + 1)`` chunks of ``1/v``
+    (Narayanan et al. 2021's warm-up)."""
+    if stages == 1 or schedule == "gpipe":
+        return microbatches if stages > 1 else 1
+    if schedule == "interleaved-1f1b":
+        return min(microbatches * virtual, 2 * (stages - 1) + (virtual - 1) * stages + 1) / virtual
+    return min(stages, microbatches)
+
+
+def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, cal: Calibration = CALIBRATION) -> float:
+    """Seconds for one collective of ``nbytes`` (the whole tensor: all-gather's output,
+    reduce-scatter's input, all-reduce's buffer, all-to-all's data per rank, a send's message)
+    over ``group`` ranks at ``bandwidth`` bytes/s per rank: a ring moves ``(n-1)/n`` of it per
+    rank (twice for all-reduce) in ``n-1`` hops; an all-reduce may instead take a double binary
+    tree, ``2 log2 n`` hops moving it twice, whichever is faster."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha, n = bandwidth * cal.collective_efficiency, cal.latency, group
+    share = (n - 1) / n * nbytes / bw
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return share + (n - 1) * alpha
+    if kind == "all_reduce":
+        ring = 2 * share + 2 * (n - 1) * alpha
+        tree = 2 * nbytes / bw + 2 * math.log2(n) * alpha
+        return min(ring, tree)
+    if kind == "send":
+        return nbytes / bw + alpha
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    run: Run
+    gpu: GPU
+    step_s: float
+    breakdown: dict[str, float]  # seconds: compute, memory_bound, optimizer, bubble, exposed_<kind>
+    communication: dict[str, float]  # seconds of each kind in all, before overlap
+    memory: dict[str, int]  # bytes on the GPU holding the most
+    tokens_per_s_per_gpu: float
+    mfu: float
+    microbatches: int
+    calibration: Calibration = field(default=CALIBRATION)
+
+    @property
+    def memory_per_gpu_bytes(self) -> int:
+        return sum(self.memory.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout.to_dict(),
+            "run": dataclasses.asdict(self.run),
+            "gpu": self.gpu.name,
+            "step_s": self.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
+            "memory": dict(self.memory),
+            "breakdown": dict(self.breakdown),
+            "communication": dict(self.communication),
+            "microbatches": self.microbatches,
+            "calibration": dataclasses.asdict(self.calibration),
+        }
+
+
+class Model:
+    """What the performance model reads from a spec at one sequence length, once: each layer's
+    forward FLOPs (projections and attention core apart), saved bytes, parameters (experts apart),
+    the key/value bytes per token and routing, and the embedding and head."""
+
+    def __init__(self, spec, seq_len: int, dtype: str = "bf16"):
+        from builder.analysis.estimates import Step, estimate
+
+        self.spec, self.seq, self.dtype = spec, seq_len, dtype
+        est = estimate(spec, Step(seq_len=seq_len, batch=1, dtype=dtype))
+        self.estimate = est
+        d = spec.d_model
+        self.layers = []
+        stack = next(iter(spec.stacks().values()))
+        configs = list(stack.layers())
+        for layer, config in zip(est.layers, configs):
+            attention = config.attention
+            projections = attention.projection_flops(d, seq_len, seq_len)
+            core = layer.kernel_flops - (layer.total_flops - layer.flops.get("attention", 0)) - projections
+            routed = experts_of(config.ffn)
+            expert_params = (routed[0] * config.ffn.expert.params(d)) if routed else 0
+            self.layers.append(
+                {
+                    "linear": layer.total_flops - layer.flops.get("attention", 0) + projections,
+                    "core": max(core, 0),
+                    "saved": layer.saved_bytes,
+                    "params": layer.total_params - expert_params,
+                    "expert_params": expert_params,
+                    "kv_per_token": attention.kv_cache(d).bytes_per_token(BYTES[dtype]),
+                    "routed": routed,
+                }
+            )
+        self.embedding = est.params.by_component.get("embedding", 0)
+        head = est.params.by_component.get("head", 0)
+        self.head_params = head if head else 0
+        self.head_flops = est.flops.by_component.get("head", 0)
+        self.other_saved = est.memory.activations - sum(layer["saved"] for layer in self.layers)
+        self.train_flops_per_token = est.flops.train_per_token
+        self.d = d
+        self.experts = next((layer["routed"] for layer in self.layers if layer["routed"]), None)
+
+
+def stages(n_layers: int, chunks: int) -> list[range]:
+    """Layers of each of ``chunks`` pipeline chunks, split evenly (the first ones one more)."""
+    size, extra = divmod(n_layers, chunks)
+    out, start = [], 0
+    for i in range(chunks):
+        end = start + size + (1 if i < extra else 0)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+def predict(
+    spec,
+    layout: Layout,
+    run: Run,
+    gpu: GPU,
+    calibration: Calibration = CALIBRATION,
+    model: Model | None = None,
+) -> Prediction:
+    """The step time and memory of ``run`` on ``layout`` (see the module's docstring). Raises a
+    located :class:`LayoutError` for a layout the spec, the batch or the schedule cannot take."""
+    check_layout(spec, layout, run.seq_len)
+    _check_run(layout, run)
+    m = model or Model(spec, run.seq_len, run.dtype)
+    cal = calibration
+    tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
+    v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1
+    per_rank = run.global_batch // layout.data_parallel_size
+    micro = per_rank // run.micro_batch
+    mb, act = run.micro_batch, BYTES[run.dtype]
+    tokens = mb * run.seq_len // cp  # one rank's tokens of one micro-batch
+    chunks = stages(len(m.layers), pp * v)
+    ranks_layers = [[i for c in range(v) for i in chunks[c * pp + s]] for s in range(pp)]
+
+    intra, inter = gpu.intra_node, gpu.inter_node
+
+    def link(stride: int, size: int) -> float:
+        return intra if stride * size <= layout.per_node else inter
+
+    lin_peak = (
+        gpu.peak_flops("fp8") * cal.float8_efficiency
+        if run.float8
+        else gpu.peak_flops(run.dtype) * cal.matmul_efficiency
+    )
+    core_peak = gpu.peak_flops(run.dtype) * cal.attention_efficiency
+    redo = {"none": 0.0, "selective": SELECTIVE_RECOMPUTE, "full": 1.0}[run.recompute]
+    passes = ELEMENTWISE_PASSES * (1 - COMPILE_FUSION if run.compile else 1)
+    hbm = gpu.hbm_bandwidth
+
+    def layer_time(i: int) -> dict[str, float]:
+        layer = m.layers[i]
+        lin = layer["linear"] * mb / (tp * cp) / lin_peak
+        core = layer["core"] * mb / (tp * cp) / core_peak
+        compute = 3 * (lin + core) + redo * (lin + (core if run.recompute == "full" else 0))
+        memory_bound = layer["saved"] * mb / (tp * cp) * passes * (1 + redo) / hbm
+        # sequence-parallel TP: all-gather + reduce-scatter around attention and the FFN, forward and backward
+        tp_bytes = tokens * m.d * act
+        tp_calls = 4 + (2 if run.recompute == "full" else 0)  # each of all-gathers and reduce-scatters
+        gathered = tp_bytes / act if run.float8 else tp_bytes  # float8 TP gathers its inputs in fp8
+        tp_comm = tp_calls * (
+            collective_seconds("all_gather", gathered, tp, link(1, tp), cal)
+            + collective_seconds("reduce_scatter", tp_bytes, tp, link(1, tp), cal)
+        )
+        tp_exposed = tp_comm * (1 - ASYNC_TP_OVERLAP if run.async_tp else 1)
+        # ring attention: cp-1 key/value passes forward, keys/values and their gradients backward
+        kv = tokens * layer["kv_per_token"] / tp
+        cp_comm = 3 * (cp - 1) * collective_seconds("send", kv, 2, link(tp, cp), cal) if cp > 1 else 0.0
+        cp_exposed = max(0.0, cp_comm - 3 * core)
+        ep_comm = 0.0
+        if layer["routed"] and ep > 1:
+            routed = tokens * layer["routed"][1] * m.d * act  # each token to top_k experts
+            calls = 4 + (2 if run.recompute == "full" else 0)  # dispatch and combine, forward and backward
+            ep_comm = calls * collective_seconds("all_to_all", routed, ep, link(tp, ep), cal)
+        ep_exposed = max(0.0, ep_comm - compute)
+        return {
+            "compute": compute,
+            "memory_bound": memory_bound,
+            "tp": tp_comm,
+            "exposed_tp": tp_exposed,
+            "cp": cp_comm,
+            "exposed_cp": cp_exposed,
+            "ep": ep_comm,
+            "exposed_ep": ep_exposed,
+        }
+
+    per_layer = [layer_time(i) for i in range(len(m.layers))]
+    head = m.head_flops * mb / (tp * cp) * 3 / lin_peak
+    p2p = 2 * v * collective_seconds("send", tokens * m.d * act / tp, 2, link(layout.stage_devices, 2), cal)
+
+    def stage_sum(s: int, key: str) -> float:
+        return sum(per_layer[i][key] for i in ranks_layers[s])
+
+    def stage_time(s: int) -> float:  # one micro-batch through stage s, forward and backward
+        keys = ("compute", "memory_bound", "exposed_tp", "exposed_cp", "exposed_ep")
+        return sum(stage_sum(s, k) for k in keys) + (head if s == pp - 1 else 0) + (p2p if pp > 1 else 0)
+
+    slowest = max(range(pp), key=stage_time)
+    t_micro = stage_time(slowest)
+    bubble = bubble_fraction(run.schedule, pp, micro, v) * micro * t_micro
+    # FSDP: the stage's parameters gathered in the compute dtype, gradients reduce-scattered in fp32
+    stage_params = _stage_params(m, ranks_layers[slowest], slowest, pp, tp, ep)
+    fsdp = hsdp = 0.0
+    shard = layout.shard_size
+    if shard > 1:
+        dense, experts = stage_params
+        rounds = 1 if pp > 1 else micro  # under pipelining FSDP gathers once a step, else every micro-batch
+        gathers = 1 if pp > 1 else 2  # forward, and backward again after resharding
+        for elements, group in ((dense, shard), (experts, shard // ep)):
+            bw = link(tp, group)
+            fsdp += rounds * (
+                gathers * collective_seconds("all_gather", elements * act, group, bw, cal)
+                + collective_seconds("reduce_scatter", elements * 4, group, bw, cal)
+            )
+    if layout.replicas > 1:
+        grads = (stage_params[0] / shard + stage_params[1] / max(1, shard // ep)) * 4
+        hsdp = collective_seconds("all_reduce", grads, layout.replicas, link(layout.stage_devices, 2), cal)
+    compute_total = micro * (stage_sum(slowest, "compute") + (head if slowest == pp - 1 else 0))
+    units = max(1, len(ranks_layers[slowest]))
+    exposed_fsdp = max(0.0, fsdp + hsdp - compute_total) + (fsdp + hsdp) / units  # first gather, last reduce
+    local = stage_params[0] / shard + stage_params[1] / max(1, shard // ep)
+    optimizer = local * OPTIMIZER_BYTES / hbm
+    breakdown = {
+        "compute": compute_total,
+        "memory_bound": micro * stage_sum(slowest, "memory_bound"),
+        "optimizer": optimizer,
+        "bubble": bubble,
+        "exposed_fsdp": exposed_fsdp,
+        "exposed_tp": micro * stage_sum(slowest, "exposed_tp"),
+        "exposed_cp": micro * stage_sum(slowest, "exposed_cp"),
+        "exposed_ep": micro * stage_sum(slowest, "exposed_ep"),
+        "exposed_pp": micro * p2p if pp > 1 else 0.0,
+    }
+    communication = {
+        "fsdp": fsdp + hsdp,
+        "tp": micro * stage_sum(slowest, "tp"),
+        "cp": micro * stage_sum(slowest, "cp"),
+        "ep": micro * stage_sum(slowest, "ep"),
+        "pp": micro * p2p if pp > 1 else 0.0,
+    }
+    step = sum(breakdown.values())
+    tokens_per_s = run.global_batch * run.seq_len / step / layout.devices
+    return Prediction(
+        layout=layout,
+        run=run,
+        gpu=gpu,
+        step_s=step,
+        breakdown=breakdown,
+        communication=communication,
+        memory=memory(m, layout, run, model_stages=ranks_layers),
+        tokens_per_s_per_gpu=tokens_per_s,
+        mfu=tokens_per_s * m.train_flops_per_token / gpu.peak_flops(run.dtype),
+        microbatches=micro,
+        calibration=cal,
+    )
+
+
+def _stage_params(m: Model, layers: list[int], stage: int, pp: int, tp: int, ep: int) -> tuple[float, float]:
+    """``(dense, expert)`` parameter elements one tensor-parallel, expert-parallel rank of a stage
+    gathers: its layers' (experts split over ``ep``, replicated over TP as their plan says), the
+    embedding on the first stage, the head on the last (both vocabulary-parallel)."""
+    dense = sum(m.layers[i]["params"] for i in layers) / tp
+    experts = sum(m.layers[i]["expert_params"] for i in layers) / ep
+    if stage == 0:
+        dense += m.embedding / tp
+    if stage == pp - 1:
+        dense += m.head_params / tp
+    return dense, experts
+
+
+def memory(m: Model, layout: Layout, run: Run, model_stages: list[list[int]] | None = None) -> dict[str, int]:
+    """Bytes on the GPU holding the most, by part (see the module's docstring)."""
+    tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
+    v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1
+    act = BYTES[run.dtype]
+    ranks_layers = model_stages or [
+        [i for c in range(v) for i in stages(len(m.layers), pp * v)[c * pp + s]] for s in range(pp)
+    ]
+    micro = run.global_batch // layout.data_parallel_size // run.micro_batch
+    tokens = run.micro_batch * run.seq_len // cp
+    best: dict[str, int] = {}
+    for s in range(pp):
+        dense, experts = _stage_params(m, ranks_layers[s], s, pp, tp, ep)
+        shard, expert_shard = layout.shard_size, max(1, layout.shard_size // ep)
+        states = 16 * (dense / shard + experts / expert_shard)
+        unit = max((m.layers[i]["params"] / tp + m.layers[i]["expert_params"] / ep for i in ranks_layers[s]), default=0)
+        if pp > 1:  # the stage's parameters and gradients stay unsharded through the step
+            buffers = (dense + experts) * 2 * act + unit * 4
+        else:
+            buffers = unit * (3 * act + 4) if layout.shard_size > 1 else 0
+        per_layer = [m.layers[i]["saved"] * run.micro_batch / (tp * cp) for i in ranks_layers[s]]
+        if run.recompute == "full":
+            held = len(per_layer) * tokens * m.d * act / tp + max(per_layer, default=0)
+        elif run.recompute == "selective":
+            held = SELECTIVE_SAVED * sum(per_layer)
+        else:
+            held = sum(per_layer)
+        flight = (
+            in_flight(run.schedule, pp, micro, v) if s == 0 else max(1.0, in_flight(run.schedule, pp, micro, v) - s)
+        )
+        activations = held * flight
+        head = m.other_saved * run.micro_batch / (tp * cp) if s == pp - 1 else 0
+        # backward's transient: the gradients of the largest block it differentiates at once, the
+        # head's logits or one layer's saved tensors, as large as what it saved
+        transient = max(head, max(per_layer, default=0))
+        parts = {
+            "states": int(states),
+            "buffers": int(buffers),
+            "activations": int(activations + head),
+            "backward_transient": int(transient),
+        }
+        if sum(parts.values()) > sum(best.values()):
+            best = parts
+    return best
+
+
+def _check_run(layout: Layout, run: Run) -> None:
+    """The batch and schedule the layout cannot take, as located refusals."""
+    dp = layout.data_parallel_size
+    if run.global_batch % dp:
+        raise LayoutError(
+            "global_batch", run.global_batch, f"does not divide over {dp} data-parallel ranks ({layout.describe()})"
+        )
+    per_rank = run.global_batch // dp
+    if per_rank % run.micro_batch:
+        raise LayoutError(
+            "micro_batch", run.micro_batch, f"does not divide the {per_rank} sequences of one data-parallel rank"
+        )
+    micro = per_rank // run.micro_batch
+    pp = layout.pipeline_parallel
+    if run.schedule == "interleaved-1f1b" and pp > 1:
+        if run.stages_per_rank < 2:
+            raise LayoutError("stages_per_rank", run.stages_per_rank, "interleaved 1F1B needs at least 2 per rank")
+        if micro % pp:
+            raise LayoutError(
+                "micro_batch",
+                run.micro_batch,
+                f"leaves {micro} micro-batches, which interleaved 1F1B needs a multiple of the {pp} stages",
+            )
+    if run.seq_len % layout.context_parallel:
+        raise LayoutError("context_parallel", layout.context_parallel, f"does not divide seq_len {run.seq_len}")
