@@ -72,7 +72,71 @@ def _phi3_window():  # a sliding window, half the head dims rotating, head_dim !
     )
 
 
+def _qwen3():  # GQA, head_dim != d / heads, tied, the second layer on a sliding window
+    return transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+            rms_norm_eps=1e-5,
+        )
+    )
+
+
+def _qwen3_bias():  # attention_bias on q, k, v and o; MHA; untied
+    return transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            attention_bias=True,
+        )
+    )
+
+
+def _qwen3_moe(norm_topk_prob: bool, **kwargs):
+    return transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=norm_topk_prob,
+            max_position_embeddings=64,
+            **kwargs,
+        )
+    )
+
+
 CASES = {
+    # renormalised top-k (the moe block), the middle layer dense; raw top-k probabilities
+    # (deepseek_moe) on every layer of a 4-token window
+    "qwen3_moe-renormalised-dense-middle": Case(lambda: _qwen3_moe(True, mlp_only_layers=[1]), "causal"),
+    "qwen3_moe-raw-probabilities-window": Case(
+        lambda: _qwen3_moe(False, use_sliding_window=True, sliding_window=4), "causal"
+    ),
+    "qwen3": Case(_qwen3, "causal"),
+    "qwen3-bias-untied": Case(_qwen3_bias, "causal"),
     "phi3": Case(_phi3, "causal"),
     "phi3-window-partial-rotary-tied": Case(_phi3_window, "causal"),
 }
@@ -161,6 +225,8 @@ def test_generate_and_pipeline_on_the_exported_folder(imported):
 #: tiny zoo spec -> the family it is written as
 TINY = {
     "phi3": "phi3",
+    "qwen3": "qwen3",
+    "qwen3-moe": "qwen3_moe",
 }
 
 
@@ -182,7 +248,52 @@ def test_zoo_tiny_spec_exports_as_its_family_with_the_same_logits(name, tmp_path
 
 
 #: full zoo spec -> (family, the published config.json's architecture keys, the count)
+_QWEN3 = {
+    "vocab_size": 151936,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "hidden_act": "silu",
+}
 PUBLISHED = {
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": (
+        "qwen3",
+        {
+            **_QWEN3,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "max_window_layers": 28,
+            "tie_word_embeddings": True,
+        },
+        596_049_920,
+    ),
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        {
+            **_QWEN3,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "tie_word_embeddings": False,
+        },
+        30_532_122_624,
+    ),
     # microsoft/Phi-3-mini-4k-instruct
     "phi3-mini": (
         "phi3",

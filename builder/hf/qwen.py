@@ -1,0 +1,216 @@
+"""Qwen3 (``qwen3``, ``Qwen3ForCausalLM``) and Qwen3-MoE (``qwen3_moe``, ``Qwen3MoeForCausalLM``):
+the Llama layout with an RMSNorm over each query and key head before RoPE.
+
+``q_norm`` and ``k_norm`` are one ``head_dim``-wide RMSNorm each, shared by the heads, with the
+model's ``rms_norm_eps`` (``attention.qk_norm: {type: rmsnorm, over: head}`` here).
+``attention_bias`` puts biases on q, k, v and o. Qwen3's sliding windows are Qwen2's
+(``layer_types``, or the layers from ``max_window_layers`` on when ``use_sliding_window``);
+Qwen3-MoE's one ``sliding_window`` covers every layer when ``use_sliding_window``.
+``Qwen3Config`` defaults ``head_dim`` to 128 (not ``hidden_size / num_attention_heads``, which
+``Qwen3MoeConfig`` has no field for and its attention falls back to).
+
+Qwen3-MoE's sparse layers (those not in ``mlp_only_layers`` whose index + 1 is a multiple of
+``decoder_sparse_step``; the others are dense SwiGLU layers of ``intermediate_size``) route each
+token to ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts by a softmax over all the
+experts: with ``norm_topk_prob`` the chosen probabilities are renormalised, which is the
+``moe`` block (Mixtral's softmax over the chosen logits: the same numbers); without it they are
+used as they are, which is ``deepseek_moe`` with softmax scoring, one group and no shared
+expert. Checkpoints hold each expert's ``gate_proj``, ``up_proj`` and ``down_proj``
+(transformers 5.x's in-memory 3-D ``gate_up_proj`` and ``down_proj``, saved as they are, are
+read too); the router is ``mlp.gate``.
+"""
+
+from __future__ import annotations
+
+from builder.hf import names as ours
+from builder.hf.common import Link, Unsupported, need, same, split, stacked
+from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout
+from builder.hf.deepseek import _stacked
+
+#: Qwen3Config's head_dim when a config has none
+QWEN3_HEAD_DIM = 128
+
+
+def attention_links(h: str, attn: str, config) -> list[Link]:
+    """A Llama-layout attention's tensors (``h``: Hugging Face's ``...self_attn``, ``attn``: ours),
+    its biases and its q/k norms (``q_norm``, ``k_norm`` on both sides) where ``config`` has them."""
+    links = []
+    for p in "qkv":
+        links.append(same(f"{h}.{p}_proj.weight", f"{attn}.{p}_proj.weight"))
+        if config.qkv_bias:
+            links.append(same(f"{h}.{p}_proj.bias", f"{attn}.{p}_proj.bias"))
+    links.append(same(f"{h}.o_proj.weight", f"{attn}.out_proj.weight"))
+    if config.out_bias:
+        links.append(same(f"{h}.o_proj.bias", f"{attn}.out_proj.bias"))
+    if getattr(config, "qk_norm", None) is not None and config.qk_norm.type != "l2":  # an L2 norm has no weight
+        links += [same(f"{h}.{p}_norm.weight", f"{attn}.{p}_norm.weight") for p in "qk"]
+    return links
+
+
+def dense_links(h: str, ffn: str) -> list[Link]:
+    """A bias-free SwiGLU MLP's tensors (``h``: Hugging Face's ``...mlp``, ``ffn``: ours)."""
+    return [same(f"{h}.{p}_proj.weight", f"{ffn}.{p}_proj.weight") for p in ("gate", "up", "down")]
+
+
+class Qwen3(LlamaLayout):
+    # config.json -> spec: the Llama layout's, with the q/k norms
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        if config.get("head_dim") is None and self.model_type == "qwen3":
+            config = {**config, "head_dim": QWEN3_HEAD_DIM}
+        spec = super().to_spec(config, names)
+        eps = spec["decoder"]["norm"]["eps"]
+        spec["decoder"]["attention"]["qk_norm"] = {"type": "rmsnorm", "over": "head", "eps": eps}
+        return spec
+
+    # spec -> config.json: the Llama layout's; the q/k norms' eps is rms_norm_eps (checked on the way back)
+
+    # tensor names
+    def links(self, spec) -> list[Link]:
+        stack = spec.decoder
+        links = [
+            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
+            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
+        ]
+        for i in range(stack.n_layers):
+            layer, h = stack.layer(i), f"model.layers.{i}"
+            links += attention_links(f"{h}.self_attn", ours.attention("decoder", i), layer.attention)
+            links += [
+                same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
+                same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight"),
+            ]
+            links += self._ffn_links(f"{h}.mlp", ours.ffn("decoder", i), layer.ffn)
+        if not spec.tie_embeddings:
+            links.append(same("lm_head.weight", ours.head_projection()))
+        return links
+
+    def _ffn_links(self, h: str, ffn: str, config) -> list[Link]:
+        return dense_links(h, ffn)
+
+
+#: the ffn types a Qwen3-MoE sparse layer reads as: by norm_topk_prob
+_SPARSE = {True: "moe", False: "deepseek_moe"}
+
+
+class Qwen3Moe(Qwen3):
+    # config.json -> spec
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        family = self.model_type
+        if config.get("router_jitter_noise"):
+            raise Unsupported(f"{family}: router_jitter_noise > 0 has no counterpart here")
+        windowed = {
+            **config,
+            "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None,
+        }
+        spec = super().to_spec(windowed, names)
+        stack, n_layers = spec["decoder"], spec["decoder"]["n_layers"]
+        dense = stack["ffn"]
+        expert = {**dense, "hidden_dim": need(config, "moe_intermediate_size", family)}
+        n_experts = config.get("num_experts", config.get("num_local_experts"))
+        moe = {
+            "type": _SPARSE[bool(config.get("norm_topk_prob", False))],
+            "n_experts": n_experts,
+            "top_k": need(config, "num_experts_per_tok", family),
+            "expert": expert,
+        }
+        if n_experts is None:
+            raise Unsupported(f"{family} config.json has no 'num_experts'")
+        if moe["type"] == "deepseek_moe":
+            moe["scoring"] = "softmax"
+        step = config.get("decoder_sparse_step") or 1
+        only_dense = config.get("mlp_only_layers") or []
+        if not isinstance(only_dense, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only_dense
+        ):
+            raise Unsupported(f"{family}: mlp_only_layers: expected a list of layer indices")
+        sparse = [i not in only_dense and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
+        stack["ffn"] = moe if any(sparse) else dense
+        overrides = [i for i, s in enumerate(sparse) if s != any(sparse)]
+        if overrides:
+            stack["overrides"] = stack.get("overrides", []) + [{"layers": overrides, "ffn": dense}]
+        return spec
+
+    # spec -> config.json
+    def to_config(self, spec) -> dict:
+        stack = spec.decoder
+        ffns = [stack.layer(i).ffn for i in range(stack.n_layers)]
+        sparse = [i for i, f in enumerate(ffns) if f.type in _SPARSE.values()]
+        moe = ffns[sparse[0]] if sparse else None
+        dense = next((f for f in ffns if f.type not in _SPARSE.values()), None)
+        if moe is None:
+            raise Unsupported(f"no layer's ffn is moe or deepseek_moe; {self.model_type} is a mixture of experts")
+        # attention, norms and RoPE as Qwen3 writes them, from the spec with one dense FFN
+        view = spec.model_copy(update={"decoder": stack.model_copy(update={"ffn": dense or moe.expert})})
+        config = super().to_config(view)
+        windows = {stack.layer(i).attention.sliding_window for i in range(stack.n_layers)}
+        config.update(
+            use_sliding_window=windows != {None},
+            num_experts=moe.n_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.expert.resolved_hidden_dim(spec.d_model),
+            norm_topk_prob=moe.type == "moe",
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(stack.n_layers) if i not in sparse],
+            router_jitter_noise=0.0,
+        )
+        return config
+
+    def _ffn_links(self, h: str, ffn: str, config) -> list[Link]:
+        if config.type not in _SPARSE.values():
+            return dense_links(h, ffn)
+        links = [same(f"{h}.gate.weight", f"{ffn}.router.weight")]
+        n = config.n_experts
+        for p in ("gate", "up", "down"):
+            theirs = [f"{h}.experts.{e}.{p}_proj.weight" for e in range(n)]
+            if config.type == "moe":  # ours: one module per expert
+                links += [same(t, f"{ffn}.experts.{e}.{p}_proj.weight") for e, t in enumerate(theirs)]
+            else:  # ours: the experts' weights stacked
+                links.append(_stacked(theirs, f"{ffn}.experts.{p}_proj.weight"))
+        return links
+
+
+def fused_experts(spec) -> list[Link]:
+    """transformers 5.x's in-memory layout of the sparse layers' experts (3-D ``gate_up_proj``
+    and ``down_proj``), as a checkpoint saved from its state dict holds it; read as an alternative."""
+    stack, links = spec.decoder, []
+    for i in range(stack.n_layers):
+        config = stack.layer(i).ffn
+        if config.type not in _SPARSE.values():
+            continue
+        ffn, experts = ours.ffn("decoder", i), f"model.layers.{i}.mlp.experts"
+        hidden, n = config.expert.resolved_hidden_dim(spec.d_model), config.n_experts
+        if config.type == "moe":
+            gate_up = [f"{ffn}.experts.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up")]
+            links += [
+                stacked(f"{experts}.gate_up_proj", gate_up, sizes=[hidden, hidden]),
+                stacked(f"{experts}.down_proj", [f"{ffn}.experts.{e}.down_proj.weight" for e in range(n)]),
+            ]
+        else:
+            gate_up = [f"{ffn}.experts.gate_proj.weight", f"{ffn}.experts.up_proj.weight"]
+            links += [
+                split(f"{experts}.gate_up_proj", gate_up, [hidden, hidden], dim=1),
+                same(f"{experts}.down_proj", f"{ffn}.experts.down_proj.weight"),
+            ]
+    return links
+
+
+FAMILIES = [
+    Qwen3(
+        LlamaKnobs(attention_bias_key=True, windows="layer_types"),
+        model_type="qwen3",
+        hf_class="Qwen3ForCausalLM",
+        auto_class="AutoModelForCausalLM",
+        description="Qwen3: Qwen2 with an RMSNorm over each query and key head, no q/k/v biases",
+        tied=("lm_head.weight", "model.embed_tokens.weight"),
+        ignored=_ROTARY,
+    ),
+    Qwen3Moe(
+        LlamaKnobs(attention_bias_key=True, windows="uniform"),
+        model_type="qwen3_moe",
+        hf_class="Qwen3MoeForCausalLM",
+        auto_class="AutoModelForCausalLM",
+        description="Qwen3-MoE: Qwen3 with softmax top-k SwiGLU experts (renormalised with norm_topk_prob)",
+        tied=("lm_head.weight", "model.embed_tokens.weight"),
+        ignored=_ROTARY,
+        alternative_links=fused_experts,
+    ),
+]
