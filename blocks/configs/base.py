@@ -306,12 +306,14 @@ def kernel_saved_bytes(
     CUDA): the output and an fp32 log-sum-exp per row. Eager: the fp32 softmax, a tanh output
     under ``softcap``, with ``dropout`` its mask and the dropped probabilities, else the
     probabilities cast to the compute dtype for P.V (the softmax output itself when that is
-    fp32 and nothing ``masked`` them). With ``sinks`` the softmax spans one more column per
-    row (the sink's) and P.V reads a view of it: no masked copy in fp32."""
+    fp32 and nothing ``masked`` them); ``masked``, the one-byte flag per row of the rows left
+    without a visible key. With ``sinks`` the softmax spans one more column per row (the
+    sink's), which keeps every row finite (no flags), and P.V reads a view of it: no masked copy
+    in fp32."""
     if fused:
         return batch * n_heads * seq_q * (v_head_dim * act_bytes + 4)
-    pairs = batch * n_heads * seq_q * seq_k
-    total = pairs * 4 * (2 if softcap else 1) + (batch * n_heads * seq_q * 4 if sinks else 0)
+    pairs, rows = batch * n_heads * seq_q * seq_k, batch * n_heads * seq_q
+    total = pairs * 4 * (2 if softcap else 1) + (rows * 4 if sinks else rows if masked else 0)
     if dropout:
         return total + pairs * (1 + act_bytes)
     return total + (pairs * act_bytes if act_bytes != 4 or (masked and not sinks) else 0)
