@@ -135,8 +135,6 @@ def attention(
                 f"backend='triton' supports head_dim <= {MAX_TRITON_HEAD_DIM}, got "
                 f"{q.shape[-1]} (values {v.shape[-1]}); use backend='sdpa' or 'eager'"
             )
-        if sinks is not None or chunk_size is not None:  # interim: the kernels land next
-            raise ValueError("backend='triton' does not take sinks or chunk_size yet; use 'sdpa' or 'eager'")
         try:
             from . import triton_attention  # lazy: importing triton costs ~1 s
         except ImportError as exc:
@@ -155,6 +153,8 @@ def attention(
             None if softcap is None else float(softcap),
             scale,
             starts,
+            sinks,
+            chunk_size,
         )
         return out
     masks = (causal, sliding_window, chunk_size, alibi_slopes, bias)

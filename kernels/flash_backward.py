@@ -53,10 +53,12 @@ def _attn_bwd_dkdv(
     sm_scale,
     softcap,
     window,
+    chunk,
     SEQ_Q_BUCKET,
     SEQ_K_BUCKET,  # autotuning key only
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -112,6 +114,11 @@ def _attn_bwd_dkdv(
         m_lo = (m_lo // BLOCK_M) * BLOCK_M
     if HAS_WINDOW:
         m_hi = tl.minimum(SEQ_Q, start_n + BLOCK_N - 1 + window - shift)
+    if HAS_CHUNK:  # the queries of the chunks this key tile spans
+        chunk_lo = (start_n // chunk) * chunk - shift  # first query row of the first key's chunk
+        m_lo = tl.maximum(m_lo, (tl.maximum(0, chunk_lo) // BLOCK_M) * BLOCK_M)
+        last_key = tl.minimum(start_n + BLOCK_N, SEQ_K) - 1
+        m_hi = tl.minimum(m_hi, (last_key // chunk + 1) * chunk - shift)
     doc_row = Docs + b * stride_db
     if HAS_DOCS:  # a query before the first key's document start sees none of these keys
         m_lo = tl.maximum(m_lo, (tl.maximum(0, tl.load(doc_row + start_n) - shift) // BLOCK_M) * BLOCK_M)
@@ -158,10 +165,12 @@ def _attn_bwd_dkdv(
                 sm_scale,
                 softcap,
                 window,
+                chunk,
                 qdoc,
                 doc_row,
                 IS_CAUSAL,
                 HAS_WINDOW,
+                HAS_CHUNK,
                 HAS_ALIBI,
                 HAS_BIAS,
                 HAS_SOFTCAP,
@@ -225,10 +234,12 @@ def _attn_bwd_dq(
     sm_scale,
     softcap,
     window,
+    chunk,
     SEQ_Q_BUCKET,
     SEQ_K_BUCKET,  # autotuning key only
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -286,9 +297,11 @@ def _attn_bwd_dq(
         pid_m * BLOCK_M + BLOCK_M - 1 + shift,
         SEQ_K,
         window,
+        chunk,
         doc_row,
         IS_CAUSAL,
         HAS_WINDOW,
+        HAS_CHUNK,
         HAS_DOCS,
         BLOCK_N,
     )
@@ -320,10 +333,12 @@ def _attn_bwd_dq(
             sm_scale,
             softcap,
             window,
+            chunk,
             qdoc,
             doc_row,
             IS_CAUSAL,
             HAS_WINDOW,
+            HAS_CHUNK,
             HAS_ALIBI,
             HAS_BIAS,
             HAS_SOFTCAP,

@@ -46,12 +46,14 @@ def _attn_decode(
     sm_scale,
     softcap,
     window,
+    chunk,
     SEQ_Q_BUCKET,
     SEQ_K_BUCKET,  # autotuning key only
     SPLIT_LEN,
     NUM_SPLITS,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -95,7 +97,9 @@ def _attn_decode(
     if HAS_DOCS:
         qdoc = tl.load(doc_row + qpos, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
 
-    lo, hi = _key_range(SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N)
+    lo, hi = _key_range(
+        SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, chunk, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, BLOCK_N
+    )
     lo = tl.maximum(lo, split * SPLIT_LEN)
     hi = tl.minimum(hi, split * SPLIT_LEN + SPLIT_LEN)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -120,12 +124,14 @@ def _attn_decode(
         sm_scale,
         softcap,
         window,
+        chunk,
         qdoc,
         doc_row,
         lo,
         hi,
         IS_CAUSAL,
         HAS_WINDOW,
+        HAS_CHUNK,
         HAS_ALIBI,
         HAS_BIAS,
         HAS_SOFTCAP,
@@ -134,7 +140,7 @@ def _attn_decode(
         DOT_PREC,
         BLOCK_N,
     )
-    dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine
+    dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine (sinks join there)
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("-inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
     row = (b * H + h) * SEQ_Q + i  # (BLOCK_M,) row of the (B*H*SEQ_Q, NUM_SPLITS, ...) buffers
@@ -149,6 +155,7 @@ def _attn_decode_combine(
     LPart,
     Out,
     Lse,
+    Sinks,
     stride_ob,
     stride_oh,
     stride_om,
@@ -157,9 +164,12 @@ def _attn_decode_combine(
     SEQ_Q,
     HEAD_DIM_V,
     NUM_SPLITS,
+    HAS_SINKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """One query row: the splits' partial outputs weighted by their log-sum-exps, the sink (once,
+    here) joining the denominator."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (H * SEQ_Q)
     h = (row // SEQ_Q) % H
@@ -170,6 +180,9 @@ def _attn_decode_combine(
     d_ok = offs_d < HEAD_DIM_V
     lse_s = tl.load(LPart + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h) * 1.4426950408889634  # 1/ln(2): the log2 logit
+        m = tl.maximum(m, sink)
     dead = m == float("-inf")
     w = tl.exp2(lse_s - tl.where(dead, 0.0, m))  # (BLOCK_S,) split weights, 0 when empty
     o = tl.load(
@@ -178,6 +191,8 @@ def _attn_decode_combine(
         other=0.0,
     )
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(w[:, None] * o, 0) / tl.where(dead, 1.0, total)
     lse = tl.where(dead, float("inf"), m + tl.log2(tl.where(dead, 1.0, total)))
     o_ptrs = Out + b * stride_ob + h * stride_oh + i * stride_om + offs_d * stride_od

@@ -22,6 +22,15 @@ Conventions shared by every kernel:
   query at position ``p`` keeps the keys whose start equals ``Docs[b, p]``. Since starts never
   decrease, no query of a tile sees a key before its first row's start: the forward and dq
   sweeps begin there, and dk/dv skip the query tiles before their first key's start.
+* chunks (``HAS_CHUNK``): a query at position ``p >= 0`` keeps the keys of its chunk,
+  ``p // chunk == k // chunk`` (a negative position, a query before the first key, sees none);
+  like the window, it is also a block-skipping range: the sweeps cover the chunks of their tile.
+* sinks (``HAS_SINKS``): a per-head logit ``Sinks[h]`` (natural-log units, fp32) in every
+  row's softmax denominator. The forward's online softmax starts from it (running max the sink's
+  log2 logit, denominator 1), so ``LSE`` includes it and a row with no visible key ends with
+  output 0 and ``LSE = sink``; the split-K decode adds it once, in the combine. The backward
+  kernels need nothing more: ``exp2(z - LSE)`` already is the sinked probability, and the sink's
+  own gradient ``-sum_i p_sink(i) * Delta_i`` is a (batch, heads, rows) reduction on the host.
 
 The interpreter: Triton reads ``TRITON_INTERPRET`` whenever ``@triton.jit`` *decorates* a
 function (``triton.knobs.runtime.interpret`` in ``triton/runtime/jit.py``): our kernels, but also
@@ -102,10 +111,12 @@ def _scores(
     sm_scale,
     softcap,
     window,
+    chunk,
     qdoc,
     doc_row,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -135,6 +146,9 @@ def _scores(
         valid = valid & (dist >= 0)
     if HAS_WINDOW:
         valid = valid & (dist < window)
+    if HAS_CHUNK:  # positions >= 0 only: integer division of a negative one differs by backend
+        same = (tl.maximum(qpos, 0) // chunk)[:, None] == (kpos // chunk)[None, :]
+        valid = valid & same & (qpos >= 0)[:, None]
     if HAS_DOCS:
         kdoc = tl.load(doc_row + kpos, mask=kpos < seq_k, other=-1)  # (BLOCK_N,) document starts
         valid = valid & (qdoc[:, None] == kdoc[None, :])
@@ -148,9 +162,11 @@ def _key_range(
     qpos_hi,
     seq_k,
     window,
+    chunk,
     doc_row,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -163,6 +179,9 @@ def _key_range(
     if HAS_WINDOW:
         lo = tl.maximum(0, qpos_lo - window + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_CHUNK:  # from the first query's chunk start to the last query's chunk end
+        lo = tl.maximum(lo, ((tl.maximum(qpos_lo, 0) // chunk) * chunk // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, (tl.maximum(qpos_hi, 0) // chunk + 1) * chunk)
     if HAS_DOCS:  # no query sees a key before the first query's document start
         lo = tl.maximum(lo, (tl.load(doc_row + qpos_lo) // BLOCK_N) * BLOCK_N)
     return lo, hi
@@ -188,12 +207,14 @@ def _fwd_inner(
     sm_scale,
     softcap,
     window,
+    chunk,
     qdoc,
     doc_row,
     lo,
     hi,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -235,10 +256,12 @@ def _fwd_inner(
             sm_scale,
             softcap,
             window,
+            chunk,
             qdoc,
             doc_row,
             IS_CAUSAL,
             HAS_WINDOW,
+            HAS_CHUNK,
             HAS_ALIBI,
             HAS_BIAS,
             HAS_SOFTCAP,
@@ -268,6 +291,7 @@ def _attn_fwd(
     Bias,
     Alibi,
     Docs,
+    Sinks,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -298,14 +322,17 @@ def _attn_fwd(
     sm_scale,
     softcap,
     window,
+    chunk,
     SEQ_Q_BUCKET,
     SEQ_K_BUCKET,  # autotuning key only
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -343,15 +370,20 @@ def _attn_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink column first: running max its log2 logit, denominator exp2(0) = 1
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h) * 1.4426950408889634  # 1/ln(2)
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo, hi = _key_range(
         pid_m * BLOCK_M + SEQ_K - SEQ_Q,
         pid_m * BLOCK_M + BLOCK_M - 1 + SEQ_K - SEQ_Q,
         SEQ_K,
         window,
+        chunk,
         doc_row,
         IS_CAUSAL,
         HAS_WINDOW,
+        HAS_CHUNK,
         HAS_DOCS,
         BLOCK_N,
     )
@@ -374,12 +406,14 @@ def _attn_fwd(
         sm_scale,
         softcap,
         window,
+        chunk,
         qdoc,
         doc_row,
         lo,
         hi,
         IS_CAUSAL,
         HAS_WINDOW,
+        HAS_CHUNK,
         HAS_ALIBI,
         HAS_BIAS,
         HAS_SOFTCAP,
@@ -388,7 +422,7 @@ def _attn_fwd(
         DOT_PREC,
         BLOCK_N,
     )
-    dead = l_i == 0.0  # every key masked: output 0, lse +inf
+    dead = l_i == 0.0  # every key masked (and no sink): output 0, lse +inf
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od

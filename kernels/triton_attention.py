@@ -63,7 +63,17 @@ _DECODE_CONFIGS = [
     for bn, w, s in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2))
 ]
 _DECODE_MAX_BLOCK_N = 128  # the split length is a multiple of every decode BLOCK_N
-_TUNE_KEY = ["SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_CAUSAL", "HAS_WINDOW", "HAS_DOCS"]
+_TUNE_KEY = [
+    "SEQ_Q_BUCKET",
+    "SEQ_K_BUCKET",
+    "HEAD_DIM",
+    "HEAD_DIM_V",
+    "GROUP",
+    "IS_CAUSAL",
+    "HAS_WINDOW",
+    "HAS_CHUNK",
+    "HAS_DOCS",
+]
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave headroom
 
 
@@ -121,7 +131,7 @@ def _strides4(t):
     return tuple(t.stride())
 
 
-def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts):
+def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts, chunk_size=None):
     """Launch arguments shared by every kernel: the tensors the scores read (bias view, ALiBi
     slopes, document starts), their strides (bias, then the starts' row), flags, scalar knobs."""
     B, H, Sq, D = q.shape
@@ -140,6 +150,7 @@ def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, docume
     flags = dict(
         IS_CAUSAL=bool(causal),
         HAS_WINDOW=sliding_window is not None,
+        HAS_CHUNK=chunk_size is not None,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap is not None,
@@ -149,7 +160,7 @@ def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, docume
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
     )
-    knobs = (float(softcap or 0.0), int(sliding_window or 0))
+    knobs = (float(softcap or 0.0), int(sliding_window or 0), int(chunk_size or 1))
     return (bias_arg, alibi_arg, docs_arg), (*bias_strides, doc_stride), flags, knobs
 
 
@@ -173,9 +184,23 @@ def _decode_splits(batch_kv, seq_k, device):
     return triton.cdiv(seq_k, split_len), split_len
 
 
-def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts=None):
+def flash_forward(
+    q,
+    k,
+    v,
+    bias,
+    alibi_slopes,
+    causal,
+    sliding_window,
+    softcap,
+    scale,
+    document_starts=None,
+    sinks=None,
+    chunk_size=None,
+):
     """Returns ``(out, lse)``: ``out`` (B, H, Sq, Dv); ``lse`` the log2-domain log-sum-exp,
-    (B, H, Sq) fp32. ``document_starts``: (B, Sk) int, ``kernels.attention.document_starts``."""
+    (B, H, Sq) fp32, the sink included. ``document_starts``: (B, Sk) int,
+    ``kernels.attention.document_starts``; ``sinks``: (H,) raw logits; ``chunk_size``: int."""
     _check_device(q)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -184,11 +209,15 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    reads, bs, flags, (cap, window) = _common(
-        q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts
+    reads, bs, flags, (cap, window, chunk) = _common(
+        q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts, chunk_size
     )
+    sinks_arg = sinks.float().contiguous() if sinks is not None else lse  # never read without HAS_SINKS
     # next powers of two of the lengths: the autotuning key, so a growing cache does not retune
-    tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq), triton.next_power_of_2(Sk))
+    tail = (
+        *(H, group, Sq, Sk, D, Dv, scale, cap, window, chunk),
+        *(triton.next_power_of_2(Sq), triton.next_power_of_2(Sk)),
+    )
     if Sq <= DECODE_MAX_SEQ_Q and group * Sq <= DECODE_MAX_ROWS:
         num_splits, split_len = _decode_splits(B * Hkv, Sk, q.device)
         o_part = torch.empty((B * H * Sq, num_splits, Dv), dtype=torch.float32, device=q.device)
@@ -215,11 +244,13 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
             l_part,
             out,
             lse,
+            sinks_arg,
             *_strides4(out),
             H,
             Sq,
             Dv,
             num_splits,
+            HAS_SINKS=sinks is not None,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_DV=flags["BLOCK_DV"],
         )
@@ -232,6 +263,7 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
         out,
         lse,
         *reads,
+        sinks_arg,
         *_strides4(q),
         *_strides4(k),
         *_strides4(v),
@@ -239,6 +271,7 @@ def flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, 
         *bs,
         *tail,
         **flags,
+        HAS_SINKS=sinks is not None,
         **_fixed_blocks(),
     )
     return out, lse
@@ -281,9 +314,11 @@ def flash_backward(
     scale,
     bias_needs_grad,
     document_starts=None,
+    sinks=None,
+    chunk_size=None,
 ):
-    """Returns ``(dq, dk, dv, dbias)``; ``dbias`` is reduced to ``bias.shape`` when
-    ``bias_needs_grad``, else an empty tensor."""
+    """Returns ``(dq, dk, dv, dbias, dsinks)``; ``dbias`` is reduced to ``bias.shape`` when
+    ``bias_needs_grad``, else an empty tensor; ``dsinks`` is (H,) with ``sinks``, else empty."""
     _check_device(q)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -294,14 +329,21 @@ def flash_backward(
     dv = torch.empty((B, Hkv, Sk, Dv), dtype=v.dtype, device=q.device)
     # dz of every score: the (B, H, Sq, Sk) matrix only exists when the bias itself needs a grad
     dbias_full = torch.zeros((B, H, Sq, Sk) if bias_needs_grad else (0,), dtype=torch.float32, device=q.device)
+    dsinks = torch.zeros((H,) if sinks is not None else (0,), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or Sk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
     else:
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, Sq) rowsum(dO * O)
-        reads, bs, flags, (cap, window) = _common(
-            q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts
+        if sinks is not None:  # d sink_h = -sum_{b, i} p_sink(b, h, i) * delta(b, h, i)
+            p_sink = torch.exp2(sinks.float()[None, :, None] * 1.4426950408889634 - lse)  # 1/ln(2)
+            dsinks = -(p_sink * delta).sum(dim=(0, 2))
+        reads, bs, flags, (cap, window, chunk) = _common(
+            q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, document_starts, chunk_size
         )
-        tail = (H, group, Sq, Sk, D, Dv, scale, cap, window, triton.next_power_of_2(Sq), triton.next_power_of_2(Sk))
+        tail = (
+            *(H, group, Sq, Sk, D, Dv, scale, cap, window, chunk),
+            *(triton.next_power_of_2(Sq), triton.next_power_of_2(Sk)),
+        )
         strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *bs)
         grid_kv = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)
         _dkdv_kernel[grid_kv](
@@ -323,13 +365,14 @@ def flash_backward(
         )
         grid_q = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)
         _dq_kernel[grid_q](q, k, v, grad_out, lse, delta, dq, *reads, *strides, *tail, **flags, **_fixed_blocks())
+    dsinks = dsinks.to(sinks.dtype) if sinks is not None else dsinks
     if not bias_needs_grad:
-        return dq, dk, dv, dbias_full
+        return dq, dk, dv, dbias_full, dsinks
     lead = bias.dim() - 4  # bias may have fewer leading dims than 4
     shape4 = (1,) * -lead + tuple(bias.shape)
     dims = [i for i in range(4) if shape4[i] == 1 and dbias_full.shape[i] != 1]
     dbias = dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full
-    return dq, dk, dv, dbias.reshape(bias.shape).to(bias.dtype)
+    return dq, dk, dv, dbias.reshape(bias.shape).to(bias.dtype), dsinks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,13 +390,30 @@ def flash_attention(
     softcap: float | None,
     scale: float,
     document_starts: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention; returns ``(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, log2 domain)``."""
-    return flash_forward(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts)
+    return flash_forward(
+        q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts, sinks, chunk_size
+    )
 
 
 @flash_attention.register_fake
-def _flash_attention_fake(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts=None):
+def _flash_attention_fake(
+    q,
+    k,
+    v,
+    bias,
+    alibi_slopes,
+    causal,
+    sliding_window,
+    softcap,
+    scale,
+    document_starts=None,
+    sinks=None,
+    chunk_size=None,
+):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -374,7 +434,9 @@ def flash_attention_backward(
     scale: float,
     bias_needs_grad: bool,
     document_starts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_backward(
         grad_out,
         q,
@@ -390,6 +452,8 @@ def flash_attention_backward(
         scale,
         bias_needs_grad,
         document_starts,
+        sinks,
+        chunk_size,
     )
 
 
@@ -409,25 +473,42 @@ def _flash_attention_backward_fake(
     scale,
     bias_needs_grad,
     document_starts=None,
+    sinks=None,
+    chunk_size=None,
 ):
     dbias = torch.empty_like(bias) if bias_needs_grad else q.new_empty((0,), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts = inputs
+    q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts, sinks, chunk_size = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, document_starts)
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, document_starts, sinks)
     ctx.knobs = (causal, sliding_window, softcap, scale)
+    ctx.chunk_size = chunk_size
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, bias, alibi_slopes, document_starts = ctx.saved_tensors
+    q, k, v, out, lse, bias, alibi_slopes, document_starts, sinks = ctx.saved_tensors
     bias_needs_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = flash_attention_backward(
-        grad_out, q, k, v, out, lse, bias, alibi_slopes, *ctx.knobs, bias_needs_grad, document_starts
+    dq, dk, dv, dbias, dsinks = flash_attention_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        bias,
+        alibi_slopes,
+        *ctx.knobs,
+        bias_needs_grad,
+        document_starts,
+        sinks,
+        ctx.chunk_size,
     )
-    return dq, dk, dv, (dbias if bias_needs_grad else None), None, None, None, None, None, None
+    dsinks = dsinks if sinks is not None and ctx.needs_input_grad[10] else None
+    return dq, dk, dv, (dbias if bias_needs_grad else None), None, None, None, None, None, None, dsinks, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

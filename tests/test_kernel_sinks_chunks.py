@@ -16,7 +16,7 @@ import torch
 from kernels import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["eager", "sdpa"]  # triton: next commit
+BACKENDS = ["eager", "sdpa", "triton"]
 
 
 def reference(q, k, v, *, causal=False, sliding_window=None, chunk_size=None, sinks=None, token_index=None, docs=None):
@@ -160,7 +160,7 @@ def test_fully_masked_rows_with_a_sink_give_zero(backend):
     assert (leaves[0].grad[:, :, 5:9] == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["sdpa"])
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
 def test_bfloat16(backend):
     q, k, v, dout, sinks = make(1, 4, 2, 33, 33, 16, seed=5)
     bf = [t.to(torch.bfloat16) for t in (q, k, v)]
@@ -196,3 +196,35 @@ def test_clear_errors(kwargs, message):
     q = torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match=message):
         attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("Sq", [20, 2], ids=["forward-kernel", "decode-kernel"])
+def test_triton_skips_key_blocks_outside_the_chunk(Sq):
+    """Chunks are a block-skipping range, not only a mask: the queries sit in the last 128-key
+    chunk and the earlier keys and values are NaN, so any tile of them read (even under a mask:
+    0 * NaN) would poison the output or the gradients. 128 is a multiple of every BLOCK_N."""
+    q, k, v, dout, sinks = make(1, 4, 2, Sq, 256, 16, seed=7)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, :128], v_nan[:, :, :128] = float("nan"), float("nan")
+    fn = lambda *a: attention(*a[:3], sinks=a[3], causal=True, chunk_size=128, backend="triton")
+    out, grads = grads_of(fn, q, k_nan, v_nan, sinks, dout)
+    ref, ref_grads = grads_of(
+        lambda *a: reference(a[0], a[1][:, :, 128:], a[2][:, :, 128:], sinks=a[3], causal=True), q, k, v, sinks, dout
+    )
+    torch.testing.assert_close(out, ref.float(), atol=2e-4, rtol=2e-4)
+    dq, dk, dv, dsinks = grads
+    assert (dk[:, :, :128] == 0).all() and (dv[:, :, :128] == 0).all()
+    for got, want in ((dq, ref_grads[0]), (dk[:, :, 128:], ref_grads[1][:, :, 128:]), (dsinks, ref_grads[3])):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_triton_op_check_with_sinks_and_chunks():
+    from kernels import triton_attention
+
+    q, k, v, _, sinks = make(1, 2, 1, 9, 20, 16)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, True, None, None, 0.25)
+    torch.library.opcheck(
+        triton_attention.flash_attention,
+        (*args, None, sinks.requires_grad_(), 4),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )

@@ -344,10 +344,17 @@ def test_meta_tensors_give_shapes():
     out, lse = torch.ops.kernels.flash_attention(q, k, k, bias, None, True, 64, 30.0, 0.1)
     assert out.shape == (2, 8, 5, 40) and out.dtype == torch.bfloat16 and out.device == q.device
     assert lse.shape == (2, 8, 5) and lse.dtype == torch.float32
-    dq, dk, dv, dbias = torch.ops.kernels.flash_attention_backward(
+    dq, dk, dv, dbias, dsinks = torch.ops.kernels.flash_attention_backward(
         out, q, k, k, out, lse, bias, None, True, 64, 30.0, 0.1, True
     )
     assert (dq.shape, dk.shape, dv.shape, dbias.shape) == (q.shape, k.shape, k.shape, bias.shape)
+    assert dsinks.numel() == 0  # no sinks: an empty gradient
+    sinks = torch.empty(8, device="meta")
+    out, lse = torch.ops.kernels.flash_attention(q, k, k, None, None, True, None, None, 0.1, None, sinks, 16)
+    grads = torch.ops.kernels.flash_attention_backward(
+        out, q, k, k, out, lse, None, None, True, None, None, 0.1, False, None, sinks, 16
+    )
+    assert grads[4].shape == (8,) and grads[4].dtype == torch.float32
     v = torch.empty(2, 2, 300, 24, device="meta", dtype=torch.bfloat16)  # narrower values
     out, lse = torch.ops.kernels.flash_attention(q, k, v, None, None, True, None, None, 0.1)
     assert out.shape == (2, 8, 5, 24)
