@@ -35,8 +35,10 @@ class LayerNormConfig(_NormConfig):
         return {"weight": (d_model,), **({"bias": (d_model,)} if self.bias else {})}
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        # F.layer_norm keeps its fp32 input and an fp32 mean and 1/std per token
-        return tokens * (4 * d_model + 2 * 4)
+        # F.layer_norm keeps its fp32 input and an fp32 mean and 1/std per token, and in a
+        # 16-bit dtype the fp32 copies of its weight and bias (fp32 parameters are kept as they are)
+        copies = 0 if act_bytes == 4 else self.params(d_model) * 4
+        return tokens * (4 * d_model + 2 * 4) + copies
 
 
 @register("norm", "blocks.norms:RMSNorm")
@@ -50,7 +52,12 @@ class RMSNormConfig(_NormConfig):
         "instead of by weight initialised to 1.",
     )
 
-    examples: ClassVar[list[dict]] = [{}, {"unit_offset": True}, {"placement": "sandwich", "eps": 1e-6}]
+    examples: ClassVar[list[dict]] = [
+        {},
+        {"unit_offset": True},
+        {"placement": "sandwich", "eps": 1e-6},
+        {"placement": "post_sublayer", "eps": 1e-6},  # OLMo 2
+    ]
 
     def params(self, d_model: int) -> int:
         return d_model
@@ -60,5 +67,5 @@ class RMSNormConfig(_NormConfig):
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         # x.float() (kept by pow and the multiply), the fp32 1/rms per token, the normalised x
-        # (kept by the multiply with the weight)
-        return tokens * (2 * 4 * d_model + 4)
+        # (kept by the multiply with the weight), and in a 16-bit dtype the weight's fp32 copy
+        return tokens * (2 * 4 * d_model + 4) + (0 if act_bytes == 4 else 4 * d_model)
