@@ -210,9 +210,12 @@ class Model:
         self.estimate = est
         d = spec.d_model
         self.layers = []
+        self.kinds: list[int] = []  # per layer, the index of its first identical layer
+        first: dict[int, int] = {}
         stack = next(iter(spec.stacks().values()))
         configs = list(stack.layers())
-        for layer, config in zip(est.layers, configs):
+        for index, (layer, config) in enumerate(zip(est.layers, configs)):
+            self.kinds.append(first.setdefault(id(config), index))
             attention = config.attention
             projections = attention.projection_flops(d, seq_len, seq_len)
             core = layer.kernel_flops - (layer.total_flops - layer.flops.get("attention", 0)) - projections
@@ -324,7 +327,8 @@ def predict(
             "exposed_ep": ep_exposed,
         }
 
-    per_layer = [layer_time(i) for i in range(len(m.layers))]
+    times = {kind: layer_time(kind) for kind in set(m.kinds)}  # identical layers cost the same
+    per_layer = [times[kind] for kind in m.kinds]
     head = m.head_flops * mb / (tp * cp) * 3 / lin_peak
     p2p = 2 * v * collective_seconds("send", tokens * m.d * act / tp, 2, link(layout.stage_devices, 2), cal)
 

@@ -1,18 +1,19 @@
-"""The launch planner: the cheapest layout of a spec that fits a cluster, or why none does (torch-free).
+"""The launch planner: the fastest layout of a spec that fits a cluster, or why none does (torch-free).
 
-:func:`plan` tries every layout a recipe can launch on ``gpus`` GPUs — each tensor-parallel degree
-that divides a node and the spec (``builder.analysis.layout``), FSDP full sharding, HSDP (on several
-nodes) or replication, activation checkpointing off and on, and every micro-batch that divides the
-global batch — and sizes each with the same per-rank accounting ``builder describe --strategy
-fsdp`` prints. A layout fits when the rank holding the most needs no more than the usable memory
-(the GPU's memory less ``headroom``, kept for the CUDA context, NCCL buffers and allocator
-fragmentation).
+:func:`plan` searches tensor x pipeline x context x expert parallel x FSDP / HSDP / replicate x
+micro-batch x recomputation (none, selective, full) x pipeline schedule — every degree that
+divides the cluster and the spec (``builder.analysis.layout.layout_problems`` refuses the rest,
+each with its field) — predicts each with the performance model (``builder.analysis.perf``:
+compute, memory-bound work, every collective over its link, the bubble, the optimizer step) on
+the cluster's GPU (``builder.analysis.hardware``), and ranks those whose GPU holding the most
+fits in the usable memory (the GPU's memory less ``headroom``, kept for the CUDA context, NCCL
+buffers and allocator fragmentation).
 
-**Cheapest** (:data:`CHEAPEST`): the fewest GPU-hours per optimizer step at the stated MFU, the
-step's FLOPs being the estimate's training FLOPs (3x forward, 4x with activation checkpointing,
-which runs the forward again); among equals, the least communication: the smallest
-tensor-parallel degree, then hybrid before replicate before shard (the fewest bytes between
-nodes), then the largest micro-batch (the fewest accumulation steps), then the least memory.
+**Ranked** (:data:`CHEAPEST`): by predicted step time (``rank_by="time"``) or GPU-hours per step
+(``"cost"``, the same order on one cluster, and what :attr:`Plan.would_fit` compares across
+cluster sizes); among equals, the smallest tensor-parallel degree, then the fewest pipeline
+stages, then hybrid before replicate before shard, then the largest micro-batch, then the least
+memory. Any dimension can be pinned (a published run's layout, to reproduce it).
 
 When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whole nodes), with
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
@@ -28,35 +29,36 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.analysis.estimates import Step, estimate
-from builder.analysis.layout import (
-    DATA_PARALLEL,
-    Layout,
-    LayoutError,
-    check_tensor_parallel,
-    model_tensors,
-    rank_states,
-    tensor_parallel_problems,
-    tensor_parallel_spec,
-    unit_sizes,
-)
-from builder.analysis.memory import BYTES
+from builder.analysis.hardware import GPU
+from builder.analysis.hardware import gpu as hardware_gpu
+from builder.analysis.layout import DATA_PARALLEL, Layout, LayoutError, layout_problems
+from builder.analysis.perf import CALIBRATION, RECOMPUTE, SCHEDULES, Calibration, Model, Prediction, Run, predict
 
 CHEAPEST = (
-    "cheapest = fewest GPU-hours per optimizer step at the stated MFU (training FLOPs: 3x forward, "
-    "4x with activation checkpointing); ties go to the smallest tensor-parallel degree, then "
-    "hybrid, replicate, shard (fewest bytes between nodes), then the largest micro-batch, then the "
-    "least memory per GPU"
+    "ranked by predicted step time (builder.analysis.perf: compute, memory-bound work, exposed "
+    "communication, pipeline bubble, optimizer step); ties go to the smallest tensor-parallel "
+    "degree, the fewest pipeline stages, then hybrid, replicate, shard (fewest bytes between "
+    "nodes), then the largest micro-batch, then the least memory per GPU"
 )
 #: tie order of the data-parallel modes (fewest bytes between nodes first)
 DP_ORDER = {"hybrid": 0, "replicate": 1, "shard": 2}
+RANK_BY = ("time", "cost")
 MAX_GPUS = 65536
 MIN_SEQ_LEN = 128
+#: the degrees the search tries when not pinned: context parallel up to 16 with chunks of at least
+#: 2,048 tokens per rank, pipeline stages up to 64
+MAX_CONTEXT = 16
+MIN_CONTEXT_CHUNK = 2048
+MAX_STAGES = 64
+#: virtual stages per rank of an interleaved schedule
+INTERLEAVE = 2
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """``gpus`` GPUs of ``memory`` bytes, ``per_node`` to a node, ``peak`` dense FLOP/s each."""
+    """``gpus`` GPUs of ``memory`` bytes, ``per_node`` to a node, ``peak`` dense FLOP/s each in
+    the compute dtype; ``hardware``: the GPU's row of ``builder.analysis.hardware`` (default the
+    H100 SXM's, its memory and peak replaced by these)."""
 
     gpus: int
     per_node: int
@@ -64,6 +66,13 @@ class Cluster:
     peak: float
     gpu: str = "H100 SXM"
     headroom: float = 0.10
+    hardware: GPU | None = None
+
+    def __post_init__(self):
+        base = self.hardware or hardware_gpu("h100")
+        object.__setattr__(
+            self, "hardware", hardware_gpu(_key(base), memory=self.memory, peak=self.peak, per_node=self.per_node)
+        )
 
     @property
     def nodes(self) -> int:
@@ -77,15 +86,50 @@ class Cluster:
         return dataclasses.replace(self, gpus=gpus)
 
 
+def _key(row: GPU) -> str:
+    from builder.analysis.hardware import GPUS
+
+    return next((k for k, v in GPUS.items() if v.name == row.name), "h100")
+
+
 @dataclass(frozen=True)
 class Candidate:
-    layout: Layout
-    micro_batch: int
-    accumulation: int
-    checkpointing: bool
-    memory: int  # training bytes of the rank holding the most
-    step_flops: int
-    step_seconds: float
+    prediction: Prediction
+    rank_by: str = "time"
+
+    @property
+    def layout(self) -> Layout:
+        return self.prediction.layout
+
+    @property
+    def run(self) -> Run:
+        return self.prediction.run
+
+    @property
+    def micro_batch(self) -> int:
+        return self.run.micro_batch
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step of one data-parallel rank (the pipeline's, under PP)."""
+        return self.prediction.microbatches
+
+    @property
+    def recompute(self) -> str:
+        return self.run.recompute
+
+    @property
+    def checkpointing(self) -> bool:
+        """Every layer recomputed (what a recipe's ``activation_checkpointing`` switches on)."""
+        return self.run.recompute == "full"
+
+    @property
+    def memory(self) -> int:
+        return self.prediction.memory_per_gpu_bytes
+
+    @property
+    def step_seconds(self) -> float:
+        return self.prediction.step_s
 
     @property
     def gpu_hours(self) -> float:
@@ -93,28 +137,32 @@ class Candidate:
 
     def key(self) -> tuple:
         return (
-            self.gpu_hours,
+            self.gpu_hours if self.rank_by == "cost" else self.step_seconds,
             self.layout.tensor_parallel,
+            self.layout.pipeline_parallel,
             DP_ORDER[self.layout.data_parallel],
             -self.micro_batch,
             self.memory,
         )
 
     def summary(self) -> str:
-        ckpt = "activation checkpointing" if self.checkpointing else "no activation checkpointing"
+        run = self.run
+        schedule = f"; {run.schedule} schedule" if self.layout.pipeline_parallel > 1 else ""
         return (
             f"{self.layout.describe()}; micro-batch {self.micro_batch} x {self.accumulation} "
-            f"accumulation step{'s' if self.accumulation > 1 else ''}; {ckpt}"
+            f"{'pipeline micro-batches' if self.layout.pipeline_parallel > 1 else 'accumulation steps'}"
+            f"; recomputation {run.recompute}{schedule}"
         )
 
     def to_dict(self) -> dict[str, Any]:
+        p = self.prediction
         return {
-            "layout": self.layout.to_dict(),
+            **p.to_dict(),
             "micro_batch": self.micro_batch,
             "accumulate_grad_batches": self.accumulation,
+            "checkpointing": self.recompute,
             "activation_checkpointing": self.checkpointing,
             "memory": self.memory,
-            "step_flops": self.step_flops,
             "step_seconds": self.step_seconds,
             "gpu_hours_per_step": self.gpu_hours,
             "summary": self.summary(),
@@ -129,13 +177,17 @@ class Plan:
     src_len: int | None
     global_batch: int
     dtype: str
-    mfu: float
     chosen: Candidate | None
-    estimate: Any = None  # builder.analysis.estimates.Estimate of the chosen layout, as describe prints it
     alternatives: list[Candidate] = field(default_factory=list)
     considered: int = 0
+    fitting: int = 0
     reasons: list[str] = field(default_factory=list)  # why layouts were left out or nothing fits
     would_fit: list[str] = field(default_factory=list)
+    calibration: Calibration = CALIBRATION
+    params: int = 0
+    #: the fastest FSDP-only layout (no tensor, pipeline, context or expert parallelism), fitting
+    #: or not: what the chosen layout is compared against
+    baseline: Candidate | None = None
 
     @property
     def fits(self) -> bool:
@@ -146,6 +198,25 @@ class Plan:
         return self.global_batch * self.seq_len
 
 
+@dataclass(frozen=True)
+class Pins:
+    """The dimensions a caller fixes (None: searched)."""
+
+    tensor_parallel: int | None = None
+    pipeline_parallel: int | None = None
+    context_parallel: int | None = None
+    expert_parallel: int | None = None
+    data_parallel: str | None = None
+    micro_batch: int | None = None
+    checkpointing: str | None = None
+    schedule: str | None = None
+    compile: bool = False
+    async_tp: bool = False
+    float8: bool = False
+    #: only what the recipes launch: tensor parallel x FSDP/HSDP/replicate, full or no recomputation
+    launchable: bool = False
+
+
 def plan(
     spec,
     cluster: Cluster,
@@ -153,181 +224,216 @@ def plan(
     seq_len: int | None = None,
     global_batch: int,
     dtype: str = "bf16",
-    mfu: float = 0.4,
     src_len: int | None = None,
-    tensor_parallel: int | None = None,
-    data_parallel: str | None = None,
+    rank_by: str = "time",
+    calibration: Calibration = CALIBRATION,
     suggest: bool = True,
-    _states: _States | None = None,
+    _model: Model | None = None,
+    **pinned,
 ) -> Plan:
-    """The cheapest layout of ``spec`` that fits ``cluster`` (see the module's docstring).
+    """The fastest layout of ``spec`` that fits ``cluster`` (see the module's docstring).
 
-    ``tensor_parallel`` / ``data_parallel`` pin the search to one degree or mode. Raises
-    :class:`builder.analysis.layout.LayoutError` for settings no layout can satisfy (a pinned degree that
-    does not divide the spec's heads, say).
+    ``pinned``: any :class:`Pins` field. Raises :class:`builder.analysis.layout.LayoutError` for
+    a pinned setting no layout can take (a degree that does not divide the spec's heads, more
+    stages than layers, experts that do not divide), naming the argument and the field.
     """
+    pins = Pins(**pinned)
+    if rank_by not in RANK_BY:
+        raise LayoutError("rank_by", rank_by, f"must be one of {', '.join(RANK_BY)}")
+    if src_len is not None or len(spec.stacks()) > 1:
+        raise LayoutError("spec", spec.name, "the performance model plans decoder-only and encoder-only models")
     seq = seq_len or spec.max_seq_len
-    if tensor_parallel is not None or data_parallel is not None:  # a pinned setting no layout can take
-        Layout(
-            devices=cluster.gpus,
-            nodes=cluster.nodes,
-            tensor_parallel=tensor_parallel or 1,
-            data_parallel=data_parallel or "shard",
-        )
-        check_tensor_parallel(spec, tensor_parallel or 1)
-    sizer = _Sizer(_states or _States(spec), seq, src_len, dtype)
-    result = Plan(spec.name, cluster, seq, src_len, global_batch, dtype, mfu, None)
-    candidates = _search(sizer, cluster, global_batch, mfu, tensor_parallel, data_parallel, result.reasons)
-    result.reasons[:0] = _refused_degrees(sizer, cluster, tensor_parallel)
-    result.considered = len(candidates)
-    candidates.sort(key=Candidate.key)
-    for candidate in candidates:
-        step = Step(
-            seq_len=seq,
-            src_len=src_len,
-            batch=candidate.micro_batch,
-            dtype=dtype,
-            activation_checkpointing=candidate.checkpointing,
-        )
-        est = estimate(spec, step, candidate.layout)
-        if est.memory.training_total <= cluster.usable:  # as describe counts it, not the search's sum
-            result.chosen = dataclasses.replace(candidate, memory=est.memory.training_total)
-            result.estimate = est
-            break
-    if result.chosen is not None:
-        result.alternatives = [c for c in candidates if c is not result.chosen and c.key() > result.chosen.key()][:4]
+    _check_pins(spec, cluster, pins, seq)
+    model = _model or Model(spec, seq, dtype)
+    result = Plan(spec.name, cluster, seq, src_len, global_batch, dtype, None, calibration=calibration)
+    result.params = model.estimate.params.total
+    found = _search(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, result)
+    found.sort(key=Candidate.key)
+    fitting = [c for c in found if c.memory <= cluster.usable]
+    result.considered, result.fitting = len(found), len(fitting)
+    flat = [c for c in found if not c.layout.five_d and c.layout.tensor_parallel == 1]
+    result.baseline = min(flat, key=lambda c: (c.memory > cluster.usable, c.key()), default=None)
+    if fitting:
+        result.chosen = fitting[0]
+        result.alternatives = _alternatives(fitting)
     elif suggest:
-        result.would_fit = _what_would_fit(
-            spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu, tensor_parallel, data_parallel, result.reasons
-        )
+        result.would_fit = _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_by, found, result)
     return result
 
 
-class _States:
-    """What does not depend on the sequence: the tensors, and cached per tensor-parallel degree
-    its problems and largest unit, per (degree, shard group) rank 0's states."""
+def _alternatives(fitting: list[Candidate]) -> list[Candidate]:
+    """The next best layout of each other shape (degrees and mode), up to four."""
+    seen, out = {_shape(fitting[0])}, []
+    for c in fitting[1:]:
+        if _shape(c) not in seen:
+            seen.add(_shape(c))
+            out.append(c)
+        if len(out) == 4:
+            break
+    return out
 
-    def __init__(self, spec):
-        self.spec = spec
-        self.tensors = model_tensors(spec)
-        self.held: dict[tuple[int, int], int] = {}
-        self.units: dict[int, int] = {}
-        self.problems: dict[int, list] = {}
+
+def _shape(c: Candidate) -> tuple:
+    lay = c.layout
+    return (lay.tensor_parallel, lay.pipeline_parallel, lay.context_parallel, lay.expert_parallel, lay.data_parallel)
 
 
-class _Sizer:
-    """The parts of a layout's memory at one sequence length, cached: per (tensor-parallel
-    degree, checkpointing) the activation bytes, affine in the micro-batch (the chosen layout is
-    re-estimated in full)."""
+def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
+    """A pinned setting no layout can take, as a located refusal."""
+    if pins.checkpointing is not None and pins.checkpointing not in RECOMPUTE:
+        raise LayoutError("checkpointing", pins.checkpointing, f"must be one of {', '.join(RECOMPUTE)}")
+    if pins.schedule is not None and pins.schedule not in SCHEDULES:
+        raise LayoutError("schedule", pins.schedule, f"must be one of {', '.join(SCHEDULES)}")
+    layout = Layout(
+        devices=cluster.gpus,
+        nodes=cluster.nodes,
+        tensor_parallel=pins.tensor_parallel or 1,
+        pipeline_parallel=pins.pipeline_parallel or 1,
+        context_parallel=pins.context_parallel or 1,
+        data_parallel=pins.data_parallel or "shard",
+        expert_parallel=pins.expert_parallel or 1,
+    )
+    problems = layout_problems(spec, layout, seq)
+    if problems:
+        raise problems[0]
 
-    def __init__(self, states: _States, seq: int, src_len: int | None, dtype: str):
-        self.states, self.spec, self.seq, self.src_len, self.dtype = states, states.spec, seq, src_len, dtype
-        self.forward = estimate(self.spec, Step(seq_len=seq, src_len=src_len, dtype=dtype)).flops.forward_per_sequence
-        self._activations: dict[tuple[int, bool], tuple[int, int]] = {}
 
-    def tp_problems(self, tp: int) -> list:
-        problems = self.states.problems
-        if tp not in problems:
-            problems[tp] = tensor_parallel_problems(self.spec, tp)
-        return problems[tp]
-
-    def activations(self, tp: int, checkpointing: bool, batch: int) -> int:
-        key = (tp, checkpointing)
-        if key not in self._activations:
-            local = tensor_parallel_spec(self.spec, tp)
-            one, two = (
-                estimate(
-                    local,
-                    Step(
-                        seq_len=self.seq,
-                        src_len=self.src_len,
-                        batch=b,
-                        dtype=self.dtype,
-                        activation_checkpointing=checkpointing,
-                    ),
-                ).memory.activations
-                for b in (1, 2)
+def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, calibration, result) -> list[Candidate]:
+    """Every layout the pins allow, each predicted, those that fit and those that do not."""
+    found: list[Candidate] = []
+    gpus, per_node = cluster.gpus, cluster.per_node
+    n_layers = len(model.layers)
+    tps = [pins.tensor_parallel] if pins.tensor_parallel else list(divisors(per_node))
+    tps = [t for t in tps if not layout_problems(spec, Layout(devices=gpus, nodes=cluster.nodes, tensor_parallel=t))]
+    for tp in tps:
+        pps = [pins.pipeline_parallel] if pins.pipeline_parallel else divisors(gpus // tp)
+        if pins.launchable:
+            pps = [1]
+        for pp in (p for p in pps if p <= min(n_layers, MAX_STAGES) and (gpus // tp) % p == 0):
+            cps = (
+                [1]
+                if pins.launchable
+                else [pins.context_parallel]
+                if pins.context_parallel
+                else [c for c in _powers(MAX_CONTEXT) if c == 1 or result.seq_len // c >= MIN_CONTEXT_CHUNK]
             )
-            self._activations[key] = (one, two - one)
-        base, per_sequence = self._activations[key]
-        return base + (batch - 1) * per_sequence
-
-    def fixed(self, layout: Layout) -> int:
-        """Rank 0's parameters, gradients, AdamW states and the units in flight."""
-        held, _, in_flight = self.fixed_parts(layout)
-        return held + in_flight
-
-    def fixed_parts(self, layout: Layout) -> tuple[int, tuple[str, int], int]:
-        """:meth:`fixed` in its parts: rank 0's sharded states, the largest FSDP unit (its name and
-        elements, gathered whole by one tensor-parallel rank) and the bytes it takes in flight (two
-        gathered copies and its unsharded gradients in the compute dtype, their fp32 reduce input)."""
-        tp, cache = layout.tensor_parallel, self.states
-        key = (tp, layout.shard_size)
-        if key not in cache.held:
-            states = rank_states(self.spec, layout, 0, cache.tensors)
-            cache.held[key] = states.weights + states.gradients + states.optimizer
-        if tp not in cache.units:
-            cache.units[tp] = max(unit_sizes(cache.tensors, tp).items(), key=lambda item: item[1], default=("", 0))
-        unit = cache.units[tp]
-        return cache.held[key], unit, unit[1] * (3 * BYTES[self.dtype] + 4)
-
-    def step_flops(self, global_batch: int, checkpointing: bool) -> int:
-        return self.forward * global_batch * (4 if checkpointing else 3)
-
-
-def _search(
-    sizer: _Sizer,
-    cluster: Cluster,
-    global_batch: int,
-    mfu: float,
-    pin_tp: int | None,
-    pin_dp: str | None,
-    reasons: list[str],
-) -> list[Candidate]:
-    """Every fitting layout, each with the largest micro-batch that fits."""
-    found = []
-    degrees = [pin_tp] if pin_tp else divisors(cluster.per_node)
-    for tp in degrees:
-        if sizer.tp_problems(tp):
-            continue
-        dp = cluster.gpus // tp
-        if global_batch % dp:
-            _note(
-                reasons,
-                f"tensor-parallel {tp}: the global batch {global_batch} does not divide over {dp} data-parallel ranks",
-            )
-            continue
-        per_rank = global_batch // dp
-        batches = divisors(per_rank)[::-1]
-        groups = set()
-        for mode in [pin_dp] if pin_dp else DATA_PARALLEL:
-            try:
-                layout = Layout(devices=cluster.gpus, nodes=cluster.nodes, tensor_parallel=tp, data_parallel=mode)
-            except LayoutError:
-                continue  # hybrid on one node
-            if layout.shard_size in groups:
-                continue  # the same ranks as a mode tried before (a shard group of 1 is replication)
-            groups.add(layout.shard_size)
-            fixed = sizer.fixed(layout)
-            for checkpointing in (False, True):
-                batch = next(
-                    (b for b in batches if fixed + sizer.activations(tp, checkpointing, b) <= cluster.usable), None
-                )
-                if batch is None:
-                    continue
-                flops = sizer.step_flops(global_batch, checkpointing)
-                found.append(
-                    Candidate(
-                        layout=layout,
-                        micro_batch=batch,
-                        accumulation=per_rank // batch,
-                        checkpointing=checkpointing,
-                        memory=fixed + sizer.activations(tp, checkpointing, batch),
-                        step_flops=flops,
-                        step_seconds=flops / (cluster.gpus * cluster.peak * mfu),
+            for cp in (c for c in cps if (gpus // (tp * pp)) % c == 0):
+                if cp > 1 and result.seq_len % (2 * cp):
+                    continue  # ring attention splits the sequence in 2 x cp balanced chunks
+                dp = gpus // (tp * pp * cp)
+                if global_batch % dp:
+                    _note(
+                        result.reasons,
+                        f"tensor {tp} x pipeline {pp} x context {cp}: the global batch {global_batch} does not "
+                        f"divide over {dp} data-parallel ranks",
                     )
-                )
+                    continue
+                found += _at_degrees(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp)
     return found
+
+
+def _at_degrees(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp) -> list[Candidate]:
+    out = []
+    groups = set()
+    for mode in [pins.data_parallel] if pins.data_parallel else DATA_PARALLEL:
+        for ep in _expert_degrees(model, pins):
+            try:
+                layout = Layout(
+                    devices=cluster.gpus,
+                    nodes=cluster.nodes,
+                    tensor_parallel=tp,
+                    pipeline_parallel=pp,
+                    context_parallel=cp,
+                    data_parallel=mode,
+                    expert_parallel=ep,
+                )
+            except LayoutError:
+                continue  # hybrid on one node, experts the shard group does not divide
+            if (layout.shard_size, layout.replicas, ep) in groups or layout_problems(spec, layout, model.seq):
+                continue  # the same ranks as a mode tried before (a shard group of 1 is replication)
+            groups.add((layout.shard_size, layout.replicas, ep))
+            per_rank = global_batch // layout.data_parallel_size
+            batches = [pins.micro_batch] if pins.micro_batch else divisors(per_rank)[::-1]
+            schedules = [pins.schedule] if pins.schedule else (["1f1b", "interleaved-1f1b", "zero-bubble"])
+            if pp == 1:
+                schedules = schedules[:1]
+            recomputes = [pins.checkpointing] if pins.checkpointing else list(RECOMPUTE)
+            if pins.launchable:
+                recomputes = [r for r in recomputes if r != "selective"]
+            for recompute in recomputes:
+                for schedule in schedules:
+                    best = _best_micro_batch(
+                        spec,
+                        model,
+                        cluster,
+                        layout,
+                        global_batch,
+                        dtype,
+                        pins,
+                        recompute,
+                        schedule,
+                        batches,
+                        calibration,
+                    )
+                    out += [Candidate(p, rank_by) for p in best]
+    return out
+
+
+def _best_micro_batch(spec, model, cluster, layout, global_batch, dtype, pins, recompute, schedule, batches, cal):
+    """The fastest micro-batch that fits, and the smallest one tried (so a layout that never
+    fits is still counted); largest first, stopping once the time stops falling."""
+    per_rank = global_batch // layout.data_parallel_size
+    kept: list[Prediction] = []
+    best = None
+    smallest = None
+    for mb in batches:
+        micro = per_rank // mb
+        if per_rank % mb or (schedule == "interleaved-1f1b" and (micro % layout.pipeline_parallel)):
+            continue
+        if schedule == "interleaved-1f1b" and layout.pipeline_parallel * INTERLEAVE > len(model.layers):
+            continue
+        run = Run(
+            seq_len=model.seq,
+            global_batch=global_batch,
+            micro_batch=mb,
+            recompute=recompute,
+            schedule=schedule,
+            stages_per_rank=INTERLEAVE if schedule == "interleaved-1f1b" else 1,
+            compile=pins.compile,
+            async_tp=pins.async_tp,
+            float8=pins.float8,
+            dtype=dtype,
+        )
+        try:
+            p = predict(spec, layout, run, cluster.hardware, cal, model=model)
+        except LayoutError:
+            continue
+        smallest = p
+        if p.memory_per_gpu_bytes <= cluster.usable:
+            if best is not None and p.step_s >= best.step_s:
+                break
+            best = p
+    if best is not None:
+        kept.append(best)
+    elif smallest is not None:
+        kept.append(smallest)
+    return kept
+
+
+def _expert_degrees(model: Model, pins: Pins) -> list[int]:
+    if pins.expert_parallel:
+        return [pins.expert_parallel]
+    if model.experts is None or pins.launchable:
+        return [1]
+    return [e for e in divisors(model.experts[0]) if e in _powers(model.experts[0])]
+
+
+def _powers(limit: int) -> list[int]:
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
 
 
 def divisors(n: int) -> list[int]:
@@ -343,106 +449,40 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def _refused_degrees(sizer: _Sizer, cluster: Cluster, pin_tp: int | None) -> list[str]:
-    """One line per spec field that rules out tensor-parallel degrees a node could hold."""
-    degrees = [pin_tp] if pin_tp else divisors(cluster.per_node)[1:]
-    fields: dict[str, list[int]] = {}
-    for tp in degrees:
-        for loc, _ in sizer.tp_problems(tp):
-            fields.setdefault(".".join(map(str, loc)), []).append(tp)
-    return [
-        f"tensor-parallel {', '.join(map(str, tps))} ruled out: {path} ({_field(sizer.spec, path)}) does not "
-        f"divide by {'it' if len(tps) == 1 else 'them'}"
-        for path, tps in fields.items()
-    ]
-
-
-def _field(spec, path: str):
-    value = spec
-    for part in path.split("."):
-        value = value[int(part)] if part.isdigit() else getattr(value, part, None)
-    return value
-
-
 def _note(reasons: list[str], reason: str) -> None:
     if reason not in reasons:
         reasons.append(reason)
 
 
-def _what_would_fit(spec, sizer, cluster, seq, src_len, global_batch, dtype, mfu, pin_tp, pin_dp, reasons) -> list[str]:
-    """Why nothing fits, and what would: a global batch the data-parallel ranks divide, the fewest
-    GPUs (whole nodes, doubling), the longest sequence (halving)."""
-    again = {
-        "dtype": dtype,
-        "mfu": mfu,
-        "tensor_parallel": pin_tp,
-        "data_parallel": pin_dp,
-        "suggest": False,
-        "_states": sizer.states,
-    }
-    degrees = [
-        t
-        for t in ([pin_tp] if pin_tp else divisors(cluster.per_node))
-        if cluster.per_node % t == 0 and not sizer.tp_problems(t)
-    ]
-    dividing = [t for t in degrees if global_batch % (cluster.gpus // t) == 0]
+def _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_by, found, result) -> list[str]:
+    """Why nothing fits, and what would: the fewest GPUs (whole nodes, doubling), the longest
+    sequence (halving)."""
+    again = {"dtype": dtype, "rank_by": rank_by, "suggest": False, **dataclasses.asdict(pins)}
     out = []
-    if not dividing:
-        batch = min((global_batch + (-global_batch) % (cluster.gpus // t) for t in degrees), default=None)
-        other = batch and plan(spec, cluster, seq_len=seq, global_batch=batch, src_len=src_len, **again)
-        if other and other.chosen is not None:
-            out.append(f"global batch {batch} on these {cluster.gpus} GPUs: {other.chosen.summary()}")
-        return out
-    layouts = [Layout(devices=cluster.gpus, nodes=cluster.nodes, tensor_parallel=t) for t in dividing]
-    best = min(layouts, key=sizer.fixed)
-    floor = sizer.fixed(best)
-    if floor > cluster.usable:
-        held, (unit, elements), in_flight = sizer.fixed_parts(best)
-        shrink = (
-            "a smaller unit (more tensor parallelism, or experts split over ranks) is what would shrink it"
-            if in_flight > held
-            else "more GPUs shrink the shard"
+    if found:
+        least = min(found, key=lambda c: c.memory)
+        parts = ", ".join(f"{k} {_gib(v)}" for k, v in least.prediction.memory.items())
+        result.reasons.append(
+            f"the layout needing the least memory, {least.summary()}, needs {_gib(least.memory)} per GPU ({parts}), "
+            f"more than the {_gib(cluster.usable)} usable"
         )
-        reasons.append(
-            f"the weights, gradients and AdamW states alone need {_gib(floor)} per GPU over all {cluster.gpus} GPUs "
-            f"(tensor-parallel {best.tensor_parallel}), more than the {_gib(cluster.usable)} usable: {_gib(held)} is "
-            f"this rank's shard of them (16 bytes per parameter, sharded), and {_gib(in_flight)} is the largest "
-            f"FSDP unit, {unit or 'the model'} ({elements:,} parameters per tensor-parallel rank), which FSDP gathers "
-            f"whole to compute it (two copies and its gradients in flight) however many GPUs shard it; {shrink}"
-        )
-    else:
-        reasons.append(
-            f"the sharded states fit ({_gib(floor)} per GPU) but no micro-batch of one sequence "
-            f"of {seq} tokens leaves room for its activations, even with checkpointing"
-        )
+    elif not result.reasons:
+        result.reasons.append("no layout the pins allow divides these GPUs")
     gpus = cluster.gpus
     while gpus < MAX_GPUS:
         gpus *= 2
-        if _search(sizer, cluster.with_gpus(gpus), global_batch, mfu, pin_tp, pin_dp, []):
-            bigger = plan(
-                spec, cluster.with_gpus(gpus), seq_len=seq, global_batch=global_batch, src_len=src_len, **again
+        bigger = plan(spec, cluster.with_gpus(gpus), seq_len=seq, global_batch=global_batch, _model=model, **again)
+        if bigger.chosen is not None:
+            out.append(
+                f"{gpus} GPUs ({gpus // cluster.per_node} nodes x {cluster.per_node}): {bigger.chosen.summary()}"
             )
-            if bigger.chosen is not None:
-                out.append(
-                    f"{gpus} GPUs ({gpus // cluster.per_node} nodes x {cluster.per_node}): {bigger.chosen.summary()}"
-                )
-                break
+            break
     else:
         out.append(f"no GPU count up to {MAX_GPUS} fits a global batch of {global_batch}")
-    if floor > cluster.usable:
-        out.append(f"no shorter sequence: the states alone exceed the memory of {cluster.gpus} GPUs")
-        return out
     shorter = seq
     while shorter // 2 >= MIN_SEQ_LEN:
         shorter //= 2
-        short = plan(
-            spec,
-            cluster,
-            seq_len=shorter,
-            global_batch=global_batch,
-            src_len=min(src_len, shorter) if src_len else None,
-            **again,
-        )
+        short = plan(spec, cluster, seq_len=shorter, global_batch=global_batch, **again)
         if short.chosen is not None:
             out.append(f"seq_len {shorter} on these {cluster.gpus} GPUs: {short.chosen.summary()}")
             break

@@ -68,6 +68,18 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
         help="fsdp: shard over every data-parallel rank (default), hybrid (HSDP: shard "
         "inside a node, replicate across nodes) or replicate",
     )
+    for option, what in (
+        ("--pipeline-parallel", "pipeline stages, each holding consecutive layers"),
+        ("--context-parallel", "ranks splitting each sequence (ring attention)"),
+        ("--expert-parallel", "ranks splitting a mixture of experts' experts"),
+    ):
+        parser.add_argument(
+            option,
+            type=count(maximum=MAX_DEVICES),
+            default=1,
+            metavar="N",
+            help=f"fsdp: {what}; sized per stage by the performance model (builder.analysis.perf); default 1",
+        )
     parser.add_argument(
         "--nodes", type=count(maximum=MAX_DEVICES), default=1, help="machines the devices are spread over (default 1)"
     )
@@ -95,6 +107,7 @@ def estimate_from_args(spec, args: argparse.Namespace):
         for option, value, default in (
             ("--tensor-parallel", args.tensor_parallel, 1),
             ("--data-parallel", args.data_parallel, None),
+            *((f"--{n}-parallel", getattr(args, f"{n}_parallel", 1), 1) for n in ("pipeline", "context", "expert")),
         ):
             if value != default:
                 raise ValueError(f"{option} needs --strategy fsdp (ddp replicates the whole model)")
@@ -114,9 +127,55 @@ def estimate_from_args(spec, args: argparse.Namespace):
             activation_checkpointing=args.checkpointing,
             fused_attention=args.attention == "fused",
         )
+        full = _five_d(layout, args)
+        if full is not None:
+            from builder.analysis.layout import check_layout
+
+            check_layout(spec, full, args.seq_len or spec.max_seq_len)
         return estimate(spec, step, layout)
     except LayoutError as exc:
         raise ValueError(option_error(exc)) from None
+
+
+def _five_d(layout, args):
+    """The layout with the pipeline, context and expert degrees the options give, or None when all are 1."""
+    import dataclasses
+
+    degrees = {f"{n}_parallel": getattr(args, f"{n}_parallel", 1) for n in ("pipeline", "context", "expert")}
+    if all(value == 1 for value in degrees.values()):
+        return None
+    return dataclasses.replace(layout, **degrees)
+
+
+def layout_memory(spec, args) -> dict | None:
+    """Per-GPU memory of a layout with pipeline, context or expert parallelism, as the planner's
+    performance model counts it (the stage holding the most); None for other layouts."""
+    from builder.analysis.estimates import Step
+    from builder.analysis.layout import Layout
+    from builder.analysis.perf import Model, Run, memory
+
+    layout = _five_d(
+        Layout(
+            devices=args.devices,
+            nodes=args.nodes,
+            tensor_parallel=args.tensor_parallel,
+            data_parallel=args.data_parallel or "shard",
+            strategy=args.strategy,
+        ),
+        args,
+    )
+    if layout is None:
+        return None
+    seq = Step(seq_len=args.seq_len).seq_len or spec.max_seq_len
+    run = Run(
+        seq_len=seq,
+        global_batch=args.batch * layout.data_parallel_size,
+        micro_batch=args.batch,
+        recompute="full" if args.checkpointing else "none",
+        dtype=args.dtype,
+    )
+    parts = memory(Model(spec, seq, args.dtype), layout, run)
+    return {"layout": layout.to_dict(), "parts": parts, "per_gpu_bytes": sum(parts.values())}
 
 
 def option_error(exc) -> str:
@@ -124,6 +183,12 @@ def option_error(exc) -> str:
     if exc.argument == "spec":
         return f"{exc.value}: {exc.reason}"
     return f"--{exc.argument.replace('_', '-')} {exc.value}: {exc.reason}"
+
+
+def _layout_text(data: dict) -> str:
+    from builder.analysis.layout import Layout
+
+    return Layout.from_dict(data).describe()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,13 +200,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ArgumentError too
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    five_d = layout_memory(spec, args)
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        print(json.dumps({**est.to_dict(), **({"layout_memory": five_d} if five_d else {})}, indent=2))
     else:
         from builder.analysis.report import print_describe
         from builder.hf import export_line
 
         print_describe(spec, est)
+        if five_d:
+            from builder.analysis.report import human_bytes
+
+            parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in five_d["parts"].items())
+            print(
+                f"per GPU on {_layout_text(five_d['layout'])} (the stage holding the most, one micro-batch "
+                f"of {args.batch} in flight per stage; builder.analysis.perf): {human_bytes(five_d['per_gpu_bytes'])} "
+                f"({parts}); the tables above are the layout without pipeline, context or expert parallelism"
+            )
         print(f"export: {export_line(spec)}")
     if args.plot:
         from builder.analysis.report import plot

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
+from blocks.limits import MAX_SEQ_LEN
 from builder.cli.arguments import MAX_DEVICES, at_most, count, number
 from builder.cli.common import add_spec_options
 
@@ -33,7 +33,9 @@ UNITS = {
     "gb": 10**9,
     "tb": 10**12,
 }
-GPUS = ("a100", "h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl")
+from builder.analysis.hardware import GPUS as _TABLE  # noqa: E402
+
+GPUS = tuple(_TABLE)
 DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
 #: GPUs in one machine (an NVL72 rack counts as one: 72)
 MAX_PER_NODE = 4096
@@ -44,13 +46,19 @@ MAX_GLOBAL_BATCH = 1 << 30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
     parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), required=True, help="GPUs in all")
-    parser.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory of one GPU, e.g. 80GiB, 141GB")
+    parser.add_argument(
+        "--gpu-memory", metavar="SIZE", help="memory of one GPU, e.g. 80GiB, 141GB (default: --gpu's HBM)"
+    )
     parser.add_argument(
         "--global-batch",
         type=count(maximum=MAX_GLOBAL_BATCH),
-        required=True,
         metavar="B",
-        help="sequences per optimizer step, over every GPU and accumulation step",
+        help="sequences per optimizer step, over every GPU and accumulation step (or give --global-batch-tokens)",
+    )
+    parser.add_argument(
+        "--global-batch-tokens",
+        metavar="N",
+        help="tokens per optimizer step, e.g. 16M: --global-batch is N / --seq-len",
     )
     parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN), help="tokens per sequence (default max_seq_len)")
     parser.add_argument(
@@ -60,20 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu",
         default="h100",
         metavar="NAME",
-        help=f"the GPU, for its peak FLOP/s: {', '.join(GPUS)} (default h100, the SXM part)",
+        help=f"the GPU, its row of the hardware table: {', '.join(GPUS)} (default h100, the SXM part)",
     )
-    parser.add_argument(
-        "--peak-tflops",
-        type=number(above=0, maximum=1e9),
-        metavar="TF",
-        help="dense peak TFLOP/s of one GPU in the compute dtype (default: --gpu's)",
-    )
-    parser.add_argument(
-        "--mfu",
-        type=number(above=0, maximum=1),
-        default=0.4,
-        help="model FLOPs utilisation the step time assumes, in (0, 1] (default 0.4)",
-    )
+    for option, what in (
+        ("--peak-tflops", "dense peak TFLOP/s of one GPU in bf16 (the other dtypes scale with it)"),
+        ("--hbm-bandwidth", "HBM bandwidth of one GPU, GB/s"),
+        ("--intra-node-bandwidth", "NVLink (or its kin) bandwidth per GPU per direction inside a node, GB/s"),
+        ("--inter-node-bandwidth", "network bandwidth per GPU per direction between nodes, GB/s"),
+    ):
+        parser.add_argument(option, type=number(above=0, maximum=1e9), metavar="X", help=f"{what} (default: --gpu's)")
     parser.add_argument(
         "--gpus-per-node",
         type=count(maximum=MAX_PER_NODE),
@@ -94,16 +97,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PERCENT",
         help="memory kept free for the CUDA context, NCCL and fragmentation (default 10)",
     )
-    parser.add_argument(
-        "--tensor-parallel",
-        type=count(maximum=MAX_HEADS),
-        metavar="T",
-        help="consider only this degree (default: every degree that divides the spec)",
-    )
+    for option, metavar, what in (
+        ("--tensor-parallel", "T", "tensor-parallel degree"),
+        ("--pipeline-parallel", "P", "pipeline stages"),
+        ("--context-parallel", "C", "context-parallel degree (ring attention)"),
+        ("--expert-parallel", "E", "expert-parallel degree"),
+        ("--micro-batch", "M", "sequences per micro-batch"),
+    ):
+        parser.add_argument(
+            option, type=count(maximum=MAX_GLOBAL_BATCH), metavar=metavar, help=f"pin the {what} (default: searched)"
+        )
     parser.add_argument(
         "--data-parallel",
         choices=("shard", "hybrid", "replicate"),
-        help="consider only this data-parallel mode (default: every mode)",
+        help="pin the data-parallel mode: FSDP shard, HSDP hybrid or replicate (default: searched)",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=("none", "selective", "full"),
+        help="pin the activation recomputation (default: searched)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"),
+        help="pin the pipeline schedule (default: searched)",
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile: fuses memory-bound work")
+    parser.add_argument("--async-tp", action="store_true", help="async tensor parallelism: TP collectives overlap")
+    parser.add_argument("--float8", action="store_true", help="float8 projections (the GPU's fp8 peak)")
+    parser.add_argument(
+        "--launchable",
+        action="store_true",
+        help="search only layouts the recipes launch (tensor parallel x FSDP/HSDP/replicate, full or no "
+        "recomputation), so the plan prints launch lines",
+    )
+    parser.add_argument(
+        "--rank-by", choices=("time", "cost"), default="time", help="rank by step time or GPU-hours (default time)"
     )
     parser.add_argument(
         "--recipe",
@@ -144,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    launch = _launch(result, args, tokens) if result.fits else None
+    launch = _launch(result, args, tokens) if result.fits and _launchable(result.chosen) else None
     if args.json:
         print(json.dumps(to_json(result, launch), indent=2))
     else:
@@ -154,10 +183,11 @@ def run(args: argparse.Namespace) -> int:
 
 def cluster_from_args(args: argparse.Namespace):
     """The :class:`builder.analysis.plan.Cluster` the options describe; ``ValueError`` names a bad option."""
-    from builder.analysis import mfu
+    from builder.analysis.hardware import gpu
     from builder.analysis.plan import Cluster
 
-    memory = parse_size(args.gpu_memory, "--gpu-memory")
+    row = gpu(args.gpu)
+    memory = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else row.memory
     gpus, per_node, nodes = args.gpus, args.gpus_per_node, args.nodes
     if per_node is None and nodes is not None:
         if gpus % nodes:
@@ -173,18 +203,25 @@ def cluster_from_args(args: argparse.Namespace):
         raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
     if nodes is not None and nodes * per_node != gpus:
         raise ValueError(f"--nodes {nodes}: {nodes} nodes x {per_node} GPUs per node is not --gpus {gpus}")
-    if not 0 < args.mfu <= 1:
-        raise ValueError(f"--mfu {args.mfu}: must be in (0, 1], e.g. 0.4 for 40%")
     if not 0 <= args.headroom < 100:
         raise ValueError(f"--headroom {args.headroom}: must be a percentage in [0, 100)")
-    device = mfu.match_device(args.gpu.replace("-", " ").replace("_", " "))
-    if device is None:
-        raise ValueError(f"--gpu {args.gpu!r}: unknown; one of {', '.join(GPUS)} (or give --peak-tflops)")
-    override = args.peak_tflops * 1e12 if args.peak_tflops is not None else None
-    if override is not None and not override > 0:
-        raise ValueError(f"--peak-tflops {args.peak_tflops}: must be positive")
-    peak = mfu.peak_flops(device, args.dtype, override)
-    return Cluster(gpus=gpus, per_node=per_node, memory=memory, peak=peak, gpu=device, headroom=args.headroom / 100)
+    giga = 1e9
+    row = gpu(
+        args.gpu,
+        hbm_bandwidth=args.hbm_bandwidth and args.hbm_bandwidth * giga,
+        intra_node=args.intra_node_bandwidth and args.intra_node_bandwidth * giga,
+        inter_node=args.inter_node_bandwidth and args.inter_node_bandwidth * giga,
+    )
+    peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else row.peak["bf16"]
+    return Cluster(
+        gpus=gpus,
+        per_node=per_node,
+        memory=memory,
+        peak=peak,
+        gpu=row.name,
+        headroom=args.headroom / 100,
+        hardware=row,
+    )
 
 
 def parse_size(text: str, option: str) -> int:
@@ -205,14 +242,34 @@ def _settings(spec, args) -> dict:
     at_most("--src-len", args.src_len, spec.max_seq_len, f"{spec.name}'s max_seq_len")
     if args.src_len is not None and spec.architecture != "encoder-decoder":
         raise ValueError(f"--src-len applies to encoder-decoder models; {spec.name} is {spec.architecture}")
+    batch = args.global_batch
+    if args.global_batch_tokens is not None:
+        tokens = parse_count(args.global_batch_tokens, "--global-batch-tokens")
+        if batch is not None:
+            raise ValueError("--global-batch-tokens: give it or --global-batch, not both")
+        if tokens % seq:
+            raise ValueError(f"--global-batch-tokens {args.global_batch_tokens}: not a multiple of --seq-len {seq}")
+        batch = tokens // seq
+    if batch is None:
+        raise ValueError("--global-batch (sequences) or --global-batch-tokens is required")
     return {
         "seq_len": seq,
         "src_len": args.src_len,
-        "global_batch": args.global_batch,
+        "global_batch": batch,
         "dtype": args.dtype,
-        "mfu": args.mfu,
+        "rank_by": args.rank_by,
         "tensor_parallel": args.tensor_parallel,
+        "pipeline_parallel": args.pipeline_parallel,
+        "context_parallel": args.context_parallel,
+        "expert_parallel": args.expert_parallel,
         "data_parallel": args.data_parallel,
+        "micro_batch": args.micro_batch,
+        "checkpointing": args.checkpointing,
+        "schedule": args.schedule,
+        "compile": args.compile,
+        "async_tp": args.async_tp,
+        "float8": args.float8,
+        "launchable": args.launchable,
     }
 
 
@@ -259,12 +316,17 @@ def parse_count(text: str, option: str) -> int:
     return value
 
 
+def _launchable(candidate) -> bool:
+    """The recipes launch tensor parallelism x FSDP/HSDP/replication with every layer recomputed or none."""
+    return not candidate.layout.five_d and candidate.recompute != "selective"
+
+
 def _launch(result, args, tokens: int | None) -> dict:
     from builder.analysis.plan import Launch, launch_lines
 
     recipe, kind, document = recipe_document(args.recipe)
     spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
-    budget = tokens if tokens is not None else CHINCHILLA_TOKENS_PER_PARAMETER * result.estimate.params.total
+    budget = tokens if tokens is not None else CHINCHILLA_TOKENS_PER_PARAMETER * result.params
     max_steps = max(1, -(-budget // result.tokens_per_step))
     layout = result.chosen.layout
     launch = Launch(
@@ -324,9 +386,12 @@ def _describe_line(result, args) -> str:
 
 
 def to_json(result, launch) -> dict:
+    import dataclasses
+
     from builder.analysis.plan import CHEAPEST
 
     cluster = result.cluster
+    hw = cluster.hardware
     out = {
         "spec": result.spec_name,
         "cluster": {
@@ -338,6 +403,9 @@ def to_json(result, launch) -> dict:
             "usable_memory": cluster.usable,
             "headroom": cluster.headroom,
             "peak_flops": cluster.peak,
+            "hbm_bandwidth": hw.hbm_bandwidth,
+            "intra_node_bandwidth": hw.intra_node,
+            "inter_node_bandwidth": hw.inter_node,
         },
         "settings": {
             "seq_len": result.seq_len,
@@ -345,18 +413,27 @@ def to_json(result, launch) -> dict:
             "global_batch": result.global_batch,
             "tokens_per_step": result.tokens_per_step,
             "dtype": result.dtype,
-            "mfu": result.mfu,
         },
-        "cheapest": CHEAPEST,
+        "calibration": dataclasses.asdict(result.calibration),
+        "ranking": CHEAPEST,
         "fits": result.fits,
         "considered": result.considered,
+        "fitting": result.fitting,
         "reasons": result.reasons,
+        "params": result.params,
     }
     if result.fits:
         c = result.chosen
+        out.update(
+            {
+                "tokens_per_s_per_gpu": c.prediction.tokens_per_s_per_gpu,
+                "mfu": c.prediction.mfu,
+                "step_s": c.step_seconds,
+                "memory_per_gpu_bytes": c.memory,
+                "layout": c.layout.to_dict(),
+            }
+        )
         out["plan"] = {**c.to_dict(), "tokens_per_s": result.tokens_per_step / c.step_seconds}
-        out["memory"] = result.estimate.memory.to_dict()
-        out["params"] = result.estimate.params.total
         out["launch"] = launch
         out["alternatives"] = [a.to_dict() for a in result.alternatives]
     else:
@@ -369,7 +446,7 @@ def _print(result, launch, args) -> None:
     from rich.table import Table
 
     from builder.analysis.plan import CHEAPEST
-    from builder.analysis.report import human, human_bytes, memory_table
+    from builder.analysis.report import human, human_bytes
 
     console = Console()
     cluster = result.cluster
@@ -390,27 +467,53 @@ def _print(result, launch, args) -> None:
         return
     c = result.chosen
     console.print(f"[bold green]fits[/]: {c.summary()}", highlight=False)
-    est = result.estimate
-    console.print(memory_table(est.memory, est.settings, result.seq_len))
-    step = Table(
-        title=f"one optimizer step at MFU {result.mfu:.0%} of {human(cluster.peak)}FLOP/s per GPU",
-        title_justify="left",
-        show_header=False,
+    table = Table(title="predicted step (the GPU holding the most memory)", title_justify="left")
+    for column in ("layout", "step s", "tokens/s/GPU", "MFU", "memory/GPU", "fits"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    rows = [c, *result.alternatives]
+    if result.baseline is not None and all(result.baseline is not r for r in rows):
+        rows.append(result.baseline)
+    for i, cand in enumerate(rows):
+        p = cand.prediction
+        table.add_row(
+            ("* " if i == 0 else "") + _short(cand) + (" (FSDP only)" if cand is result.baseline else ""),
+            f"{p.step_s:.3g}",
+            f"{p.tokens_per_s_per_gpu:,.0f}",
+            f"{p.mfu:.0%}",
+            human_bytes(p.memory_per_gpu_bytes),
+            "yes" if p.memory_per_gpu_bytes <= cluster.usable else "no",
+        )
+    console.print(table)
+    parts = Table(title="where the time goes (seconds per step)", title_justify="left")
+    parts.add_column("part")
+    shown = [c] + ([result.baseline] if result.baseline is not None and result.baseline is not c else [])
+    for cand in shown:
+        parts.add_column(_short(cand), justify="right")
+    for part in c.prediction.breakdown:
+        parts.add_row(part.replace("_", " "), *(f"{cand.prediction.breakdown[part]:.3g}" for cand in shown))
+    console.print(parts)
+    if result.baseline is None:
+        why = [r for r in result.reasons if r.startswith("tensor 1 x pipeline 1 x context 1:")]
+        console.print(
+            f"FSDP only (no tensor, pipeline, context or expert parallelism): impossible: "
+            f"{why[0].split(': ', 1)[1] if why else 'no such layout was tried'}",
+            highlight=False,
+        )
+    memory = ", ".join(f"{k} {human_bytes(v)}" for k, v in c.prediction.memory.items())
+    console.print(f"memory per GPU: {memory}", highlight=False)
+    console.print(
+        f"[dim]{CHEAPEST}; {result.fitting} of {result.considered} layouts predicted fit; model: "
+        f"{result.calibration.describe()}; peak {human(cluster.peak)}FLOP/s bf16[/]",
+        highlight=False,
     )
-    step.add_column("what")
-    step.add_column("value", justify="right")
-    step.add_row("training FLOPs", f"{human(c.step_flops)} ({'4x' if c.checkpointing else '3x'} forward)")
-    step.add_row("time", f"{c.step_seconds:.2f} s")
-    step.add_row("tokens/s", f"{result.tokens_per_step / c.step_seconds:,.0f}")
-    step.add_row("GPU-hours per step", f"{c.gpu_hours:.4f}")
-    console.print(step)
-    console.print(f"[dim]{CHEAPEST}; {result.considered} layouts fit[/]", highlight=False)
-    if result.alternatives:
-        console.print("next cheapest:")
-        for alt in result.alternatives:
-            console.print(
-                f"  - {alt.summary()}: {human_bytes(alt.memory)}, {alt.gpu_hours:.4f} GPU-h/step", highlight=False
-            )
+    if launch is None:
+        console.print(
+            "[dim]no launch lines: the recipes launch tensor parallel x FSDP/HSDP/replicate layouts with full or no "
+            "recomputation; pin those (--pipeline-parallel 1 --context-parallel 1 --expert-parallel 1 "
+            "--checkpointing none|full) for lines[/]",
+            highlight=False,
+        )
+        return
     console.print(
         f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
         f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
@@ -422,7 +525,25 @@ def _print(result, launch, args) -> None:
     console.print("check the memory with:", highlight=False)
     console.print(launch["describe"], highlight=False, soft_wrap=True)
     console.print(
-        "[dim]the recipe's tokenizer sets vocab_size; these figures use the spec's "
-        f"{result.estimate.params.total:,} parameters[/]",
+        f"[dim]the recipe's tokenizer sets vocab_size; these figures use the spec's {result.params:,} parameters[/]",
         highlight=False,
     )
+
+
+def _short(c) -> str:
+    lay = c.layout
+    dims = [
+        f"{name}{degree}"
+        for name, degree in (
+            ("TP", lay.tensor_parallel),
+            ("PP", lay.pipeline_parallel),
+            ("CP", lay.context_parallel),
+            ("EP", lay.expert_parallel),
+        )
+        if degree > 1
+    ]
+    mode = {"shard": f"FSDP{lay.shard_size}", "hybrid": f"HSDP{lay.shard_size}x{lay.replicas}"}.get(
+        lay.data_parallel, f"DP{lay.data_parallel_size}"
+    )
+    sched = f" {c.run.schedule}" if lay.pipeline_parallel > 1 else ""
+    return f"{' '.join(dims + [mode])} mb{c.micro_batch} {c.recompute}{sched}"
