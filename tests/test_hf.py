@@ -761,6 +761,10 @@ def test_describe_says_before_training_which_family_a_spec_exports_to_or_why_non
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "export: Hugging Face mpt (MptForCausalLM), by builder export-hf"
     )
-    assert main(["describe", "pythia-160m"]) == 0  # GPT-NeoX: no family of ours expresses it
+    assert main(["describe", "pythia-160m"]) == 0  # GPT-NeoX's parallel residual
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "export: Hugging Face gpt_neox (GPTNeoXForCausalLM), by builder export-hf"
+    )
+    assert main(["describe", "transformer-base"]) == 0  # interleaved sinusoids: no family
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("export: none: no Hugging Face family expresses it exactly (closest, llama: ")
+    assert line.startswith("export: none: no Hugging Face family expresses it exactly (closest, marian: ")

@@ -13,6 +13,7 @@ counts these families as covered.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from test_hf import VOCAB, Case, _batch, _greedy, _hf_model, _hf_params, _kept, _logits, _randomize
+from test_hf import VOCAB, Case, _batch, _greedy, _hf_model, _hf_params, _kept, _logits, _mpt_six_heads, _randomize
 
 from builder.analysis.estimates import estimate
 from builder.assemble import build_model
@@ -128,7 +129,68 @@ def _qwen3_moe(norm_topk_prob: bool, **kwargs):
     )
 
 
+def _olmo2(**kwargs):  # GQA, untied
+    return transformers.Olmo2ForCausalLM(
+        transformers.Olmo2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-6,
+            **NO_TOKENS,
+            **kwargs,
+        )
+    )
+
+
+def _gpt_neox(**kwargs):  # Pythia's layout: parallel residual, a quarter of each head rotating, biases
+    return transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            **NO_TOKENS,
+            **kwargs,
+        )
+    )
+
+
+def _neox_4x_config(folder: Path) -> None:
+    """A config as Pythia's were published (transformers 4.x): rotary_pct and rotary_emb_base, no
+    rope_parameters."""
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 CASES = {
+    "olmo2": Case(_olmo2, "causal"),
+    "olmo2-bias-tied": Case(lambda: _olmo2(attention_bias=True, tie_word_embeddings=True), "causal"),
+    "gpt_neox": Case(_gpt_neox, "causal"),
+    # sequential layers, all of each head rotating at another base, no attention biases, tied, gelu_new
+    "gpt_neox-sequential-full-rotary": Case(
+        lambda: _gpt_neox(
+            use_parallel_residual=False,
+            attention_bias=False,
+            tie_word_embeddings=True,
+            hidden_act="gelu_new",
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0},
+        ),
+        "causal",
+    ),
+    "gpt_neox-4.x-config": Case(
+        lambda: _gpt_neox(rope_parameters={"rope_theta": 300.0, "partial_rotary_factor": 0.5}),
+        "causal",
+        edit=_neox_4x_config,
+    ),
+    "mpt": Case(_mpt_six_heads, "causal"),
     # renormalised top-k (the moe block), the middle layer dense; raw top-k probabilities
     # (deepseek_moe) on every layer of a 4-token window
     "qwen3_moe-renormalised-dense-middle": Case(lambda: _qwen3_moe(True, mlp_only_layers=[1]), "causal"),
@@ -227,6 +289,8 @@ TINY = {
     "phi3": "phi3",
     "qwen3": "qwen3",
     "qwen3-moe": "qwen3_moe",
+    "olmo2": "olmo2",
+    "neox": "gpt_neox",
 }
 
 
@@ -259,6 +323,44 @@ _QWEN3 = {
     "hidden_act": "silu",
 }
 PUBLISHED = {
+    # allenai/OLMo-2-1124-7B
+    "olmo2-7b": (
+        "olmo2",
+        {
+            "vocab_size": 100352,
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+        },
+        7_298_617_344,
+    ),
+    # EleutherAI/pythia-160m (a transformers 4.x config: rotary_pct and rotary_emb_base)
+    "pythia-160m": (
+        "gpt_neox",
+        {
+            "vocab_size": 50304,
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "max_position_embeddings": 2048,
+            "rotary_pct": 0.25,
+            "rotary_emb_base": 10000,
+            "use_parallel_residual": True,
+            "layer_norm_eps": 1e-5,
+            "hidden_act": "gelu",
+            "tie_word_embeddings": False,
+        },
+        162_322_944,
+    ),
     # Qwen/Qwen3-0.6B
     "qwen3-0.6b": (
         "qwen3",

@@ -84,7 +84,8 @@ def test_list_shows_every_entry(capsys):
     assert set(rows) == set(entries())
     assert rows["llama3-8b"]["params"] == 8_030_261_248 and rows["llama3-8b"]["family"] == "llama"
     assert rows["mpt-7b"]["family"] == "mpt"
-    assert rows["pythia-160m"]["family"] == "decoder-only"  # no Hugging Face family exports GPT-NeoX
+    assert rows["pythia-160m"]["family"] == "gpt_neox" and rows["olmo2-7b"]["family"] == "olmo2"
+    assert rows["qwen3-30b-a3b"]["family"] == "qwen3_moe" and rows["qwen3-0.6b"]["family"] == "qwen3"
     assert rows["translate-multi30k"]["family"] == "translation" and rows["lm-stdlib"]["kind"] == "recipe"
     assert rows["shakespeare-char"]["params_approximate"]  # a char vocabulary is known once the data is read
     assert all(row["description"] and "problem" not in row for row in rows.values()), rows

@@ -10,12 +10,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf import decoders, deepseek, encoders, mpt, phi3, qwen
+from builder.hf import decoders, deepseek, encoders, mpt, neox, olmo, phi3, qwen
 from builder.hf.common import Family, HFError, Unsupported
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
-    for f in decoders.FAMILIES + qwen.FAMILIES + mpt.FAMILIES + phi3.FAMILIES + deepseek.FAMILIES + encoders.FAMILIES
+    for f in decoders.FAMILIES
+    + qwen.FAMILIES
+    + olmo.FAMILIES
+    + mpt.FAMILIES
+    + neox.FAMILIES
+    + phi3.FAMILIES
+    + deepseek.FAMILIES
+    + encoders.FAMILIES
 }
 
 #: what a transformers model_type looks like (``gpt2``, ``gpt_neox``, ``xlm-roberta``)
