@@ -82,6 +82,13 @@ SIZE_KEYS = (
     # MPT
     "n_heads",
     "max_seq_len",
+    # Gemma 3, Llama 4
+    "sliding_window_pattern",
+    "intermediate_size_mlp",
+    "attention_chunk_size",
+    "floor_scale",
+    "no_rope_layer_interval",
+    "interleave_moe_layer_step",
     # a sequence classifier's
     "num_labels",
 )
@@ -120,6 +127,11 @@ NUMBER_KEYS = (
     "alibi_bias_max",
     "clip_qkv",
     "softmax_scale",
+    # Gemma 3, GPT-OSS, Llama 4
+    "rope_local_base_freq",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "attn_scale",
 )
 BOOL_KEYS = (
     "attention_bias",
@@ -135,6 +147,7 @@ BOOL_KEYS = (
     "truncate",
     "norm_topk_prob",
     "rope_interleave",
+    "use_qk_norm",  # Llama 4
     # MPT (attn_config's among them)
     "no_bias",
     "learned_pos_emb",

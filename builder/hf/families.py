@@ -1,7 +1,7 @@
 """The family registry: every Hugging Face ``model_type`` we read and write, and the checks a
 converted spec passes (``validate``). A family is a table in :mod:`builder.hf.decoders`,
 :mod:`builder.hf.mpt`, :mod:`builder.hf.deepseek` or :mod:`builder.hf.encoders`; adding one is
-adding it to that module's ``FAMILIES`` list (a new module is also added to the sum below)."""
+adding it to that module's ``FAMILIES`` list (a new module is also added to ``MODULES``)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf import decoders, deepseek, encoders, mpt, neox, olmo, phi3, qwen
+from builder.hf import decoders, deepseek, encoders, gemma3, gpt_oss, llama4, mpt, phi3, qwen
 from builder.hf.common import Family, HFError, Unsupported
 
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in decoders.FAMILIES
-    + qwen.FAMILIES
-    + olmo.FAMILIES
-    + mpt.FAMILIES
-    + neox.FAMILIES
-    + phi3.FAMILIES
-    + deepseek.FAMILIES
-    + encoders.FAMILIES
-}
+#: every family module, in the order export tries them
+MODULES = (decoders, qwen, gemma3, gpt_oss, llama4, mpt, phi3, deepseek, encoders)
+FAMILIES: dict[str, Family] = {f.model_type: f for module in MODULES for f in module.FAMILIES}
 
 #: what a transformers model_type looks like (``gpt2``, ``gpt_neox``, ``xlm-roberta``)
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")

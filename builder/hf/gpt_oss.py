@@ -1,0 +1,186 @@
+"""GPT-OSS (``gpt_oss``, transformers' ``GptOssForCausalLM``).
+
+The Llama layout (:class:`builder.hf.decoders.LlamaLayout`: GQA, RMSNorm, RoPE) with biased
+q/k/v/o (``attention_bias``), alternating banded and full layers (``layer_types``; configs
+without it: even layers slide), YaRN with fractional ramp ends (``truncate: false``), and what
+GPT-OSS adds, each a spec field:
+
+- attention sinks: a learned logit per head in every softmax row (``attention.sinks``);
+- a mixture of experts whose router has a bias (``ffn.router_bias``), whose experts have biases
+  (``ffn.expert_bias``) and compute the clamped SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``
+  with the gate clamped above and up on both sides at ``swiglu_limit`` (``ffn.clamp``); the
+  gates are the softmax of the chosen experts' logits, as ``moe``'s are. transformers' experts
+  ignore ``hidden_act``, so it is read as the SwiGLU they compute.
+
+On disk (``save_pretrained`` and the released checkpoints alike) the experts are fused and
+transposed: ``gate_up_proj`` is ``(n_experts, d_model, 2 * hidden)`` with the gate and up columns
+interleaved (gate ``[..., ::2]``, up ``[..., 1::2]``), ``down_proj`` ``(n_experts, hidden,
+d_model)``, their biases beside them; here each expert is its own ``gate_proj``/``up_proj``/
+``down_proj``. Released checkpoints store the experts in MXFP4 (``quantization_config``), which
+is refused: dequantized weights (transformers' ``Mxfp4Config(dequantize=True)``, then
+``save_pretrained``) read.
+"""
+
+from __future__ import annotations
+
+from builder.hf import names as ours
+from builder.hf.common import Link, Unsupported
+from builder.hf.decoders import LlamaKnobs, LlamaLayout
+
+#: transformers' GptOssConfig defaults for the keys the Llama reader defaults otherwise
+DEFAULTS = {
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+}
+#: GptOssConfig's rope when a config names none
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+class GptOss(LlamaLayout):
+    # config.json -> spec
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        if config.get("quantization_config"):
+            raise Unsupported(
+                "gpt_oss: quantized experts (quantization_config, MXFP4 in the released checkpoints) are not "
+                "read; save dequantized weights first (transformers' Mxfp4Config(dequantize=True), then "
+                "save_pretrained)"
+            )
+        config = {**DEFAULTS, **config}
+        if not config.get("rope_parameters") and not config.get("rope_scaling"):
+            config["rope_parameters"] = {**DEFAULT_ROPE, "rope_theta": config.get("rope_theta", 150000.0)}
+        config["hidden_act"] = "silu"  # GptOssExperts' SwiGLU, whatever hidden_act says
+        spec = super().to_spec(config, names)
+        stack = spec["decoder"]
+        stack["attention"]["sinks"] = True
+        stack["ffn"].update(
+            router_bias=True,
+            expert_bias=True,
+            clamp={"alpha": float(config["swiglu_alpha"]), "limit": float(config["swiglu_limit"])},
+        )
+        return spec
+
+    # spec -> config.json
+    def to_config(self, spec) -> dict:
+        ffn = spec.decoder.ffn
+        if ffn.type != "moe":
+            raise Unsupported(f"decoder.ffn is {ffn.type!r}; every gpt_oss layer is a mixture of experts (moe)")
+        if ffn.clamp is None:
+            raise Unsupported("ffn.clamp is null; gpt_oss's experts always clamp their SwiGLU (swiglu_alpha, _limit)")
+        config = super().to_config(spec)
+        config.pop("router_jitter_noise")  # Mixtral's; GPT-OSS has none
+        theta, scaling = config.pop("rope_theta"), config.pop("rope_scaling")
+        config.update(
+            rope_parameters={**(scaling or {"rope_type": "default"}), "rope_theta": theta},
+            swiglu_alpha=ffn.clamp.alpha,
+            swiglu_limit=ffn.clamp.limit,
+        )
+        return config
+
+    # tensor names
+    def links(self, spec) -> list[Link]:
+        # the Llama table's attention, norms, embedding and head; its (Mixtral) expert names replaced
+        links = [link for link in super().links(spec) if ".block_sparse_moe." not in link.hf[0]]
+        for i in range(spec.decoder.n_layers):
+            layer = spec.decoder.layer(i)
+            h, attn, ffn = f"model.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
+            if layer.attention.sinks:
+                links.append(Link((f"{h}.self_attn.sinks",), (f"{attn}.sinks",)))
+            links += moe_links(f"{h}.mlp", ffn, layer.ffn)
+        return links
+
+
+def moe_links(hf: str, ffn: str, config) -> list[Link]:
+    """GPT-OSS's router and fused experts (see the module docstring) to ``moe``'s tensors."""
+    if config.type != "moe":
+        raise Unsupported(f"an ffn of type {config.type!r}; every gpt_oss layer is a mixture of experts (moe)")
+    n = config.n_experts
+    links = [Link((f"{hf}.router.weight",), (f"{ffn}.router.weight",))]
+    if config.router_bias:
+        links.append(Link((f"{hf}.router.bias",), (f"{ffn}.router.bias",)))
+    experts = [f"{ffn}.experts.{e}" for e in range(n)]
+    links += [
+        _interleaved(f"{hf}.experts.gate_up_proj", [f"{x}.{p}_proj.weight" for x in experts for p in ("gate", "up")]),
+        _per_expert(f"{hf}.experts.down_proj", [f"{x}.down_proj.weight" for x in experts], transpose=True),
+    ]
+    if config.expert_bias:
+        links += [
+            _interleaved(
+                f"{hf}.experts.gate_up_proj_bias", [f"{x}.{p}_proj.bias" for x in experts for p in ("gate", "up")]
+            ),
+            _per_expert(f"{hf}.experts.down_proj_bias", [f"{x}.down_proj.bias" for x in experts], transpose=False),
+        ]
+    return links
+
+
+def _interleaved(hf: str, ours_: list[str]) -> Link:
+    """``(n_experts, [d_model,] 2 * hidden)`` with gate and up columns interleaved: expert ``e``'s
+    gate ``[e, ..., ::2]`` and up ``[e, ..., 1::2]``, transposed to ``(hidden, d_model)`` for a
+    weight. ``ours_`` lists expert 0's gate and up, then expert 1's..."""
+
+    def to_ours(ts):
+        out = []
+        for expert in ts[0].unbind(0):  # (d_model, 2 * hidden) or (2 * hidden,)
+            gate, up = expert[..., ::2], expert[..., 1::2]
+            out += [p.t().contiguous() if p.dim() == 2 else p.contiguous() for p in (gate, up)]
+        return out
+
+    def to_hf(ts):
+        import torch
+
+        experts = []
+        for gate, up in zip(ts[0::2], ts[1::2]):
+            pair = torch.stack([gate, up], dim=-1)  # (hidden, [d_model,] 2)
+            if pair.dim() == 3:  # a weight: (hidden, d_model, 2) -> (d_model, hidden, 2)
+                pair = pair.transpose(0, 1)
+            experts.append(pair.reshape(*pair.shape[:-2], -1))  # gate, up, gate, up, ...
+        return [torch.stack(experts, dim=0).contiguous()]
+
+    return Link((hf,), tuple(ours_), to_ours, to_hf)
+
+
+def _per_expert(hf: str, ours_: list[str], transpose: bool) -> Link:
+    """``(n_experts, ...)`` to one tensor per expert, each transposed when ``transpose``
+    (``down_proj``'s ``(hidden, d_model)`` is our ``(d_model, hidden)``)."""
+
+    def flip(t):
+        return t.t().contiguous() if transpose else t.contiguous()
+
+    def to_hf(ts):
+        import torch
+
+        return [torch.stack([flip(t) for t in ts], dim=0)]
+
+    return Link((hf,), tuple(ours_), lambda ts: [flip(t) for t in ts[0].unbind(0)], to_hf)
+
+
+FAMILIES = [
+    GptOss(
+        LlamaKnobs(
+            default_theta=150000.0,
+            attention_bias_key=True,
+            windows="layer_types",
+            default_layer_types="alternate",
+            moe=True,
+        ),
+        model_type="gpt_oss",
+        hf_class="GptOssForCausalLM",
+        auto_class="AutoModelForCausalLM",
+        description="GPT-OSS: attention sinks, alternating banded/full layers, biased MoE with a clamped SwiGLU, YaRN",
+        tied=("lm_head.weight", "model.embed_tokens.weight"),
+        ignored=(r"model\.rotary_emb\.inv_freq",),
+    ),
+]
