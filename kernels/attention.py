@@ -12,7 +12,8 @@ Backends:
   the cost of an ``(batch | 1, n_heads, seq_q, seq_k + 1)`` mask in ``q``'s dtype (so a bf16
   model's sink logits are rounded to bf16 there) and a copy of the keys and values one longer.
 * ``triton``: the FlashAttention-2 kernels in :mod:`kernels.triton_attention` (imported on first
-  use; on CPU tensors they run under the Triton interpreter).
+  use; on CPU tensors they run under the Triton interpreter). Sinks and chunks are inside the
+  kernels: the online softmax starts from the sink logit, chunks skip whole key tiles.
 * ``auto``: ``triton`` for CUDA tensors, ``sdpa`` elsewhere (and ``sdpa`` whenever
   ``dropout_p > 0`` or a head dim is over 256, which the Triton kernels do not handle).
 
@@ -51,6 +52,7 @@ Without ``document_ids`` every path runs exactly as before.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -248,8 +250,13 @@ def _check(
 
 
 def _check_sinks_chunks(q, sinks, chunk_size):
-    if chunk_size is not None and (isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if chunk_size is not None:
+        try:
+            whole = not isinstance(chunk_size, bool) and operator.index(chunk_size) >= 1
+        except TypeError:
+            whole = False
+        if not whole:
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if sinks is None:
         return
     H = q.shape[1]

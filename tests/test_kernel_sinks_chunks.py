@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from kernels import attention
 
@@ -188,6 +189,8 @@ def test_sinks_lower_each_rows_weight():
     [
         (dict(chunk_size=0), "chunk_size must be a positive int"),
         (dict(chunk_size=2.5), "chunk_size must be a positive int"),
+        (dict(chunk_size="8"), "chunk_size must be a positive int"),
+        (dict(chunk_size=True), "chunk_size must be a positive int"),
         (dict(sinks=torch.zeros(3)), r"sinks must be a float tensor of shape \(n_heads,\) = \(2,\)"),
         (dict(sinks=torch.zeros(2, dtype=torch.long)), "sinks must be a float tensor"),
     ],
@@ -228,3 +231,18 @@ def test_triton_op_check_with_sinks_and_chunks():
         (*args, None, sinks.requires_grad_(), 4),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
+
+
+def test_flop_counter_counts_sinks_and_chunks_like_eager():
+    """The fused kernel reports the eager matmuls (full (Sq, Sk), forward and backward) whatever
+    the chunks skip: the sink column adds no matmul FLOPs."""
+    from kernels import triton_attention  # noqa: F401  registers the FLOP formulas before the counter copies them
+
+    q, k, v, _, sinks = make(1, 4, 2, 20, 33, 16)
+    counts = {}
+    for backend in ("eager", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+        with FlopCounterMode(display=False) as counter:
+            attention(*leaves[:3], sinks=leaves[3], causal=True, chunk_size=8, backend=backend).sum().backward()
+        counts[backend] = counter.get_total_flops()
+    assert counts["eager"] == counts["triton"] == 3 * 4 * 1 * 4 * 20 * 33 * 16
