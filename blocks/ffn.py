@@ -98,7 +98,7 @@ class MoE(nn.Module):
         self.n_experts = config.n_experts
         self.top_k = config.top_k
         self.router = nn.Linear(d_model, config.n_experts, bias=config.router_bias)
-        expert = config.resolved_expert()
+        expert = config.expert  # with expert_bias its bias is on (blocks.configs.ffn)
         if config.clamp is not None:
             self.experts = nn.ModuleList(ClampedGLU(expert, d_model, config.clamp) for _ in range(config.n_experts))
         else:

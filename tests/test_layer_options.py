@@ -24,6 +24,7 @@ from blocks.attention import AttentionInputs
 from blocks.build import Dims, build_block
 from blocks.cache import KVCache
 from builder.analysis.estimates import estimate
+from builder.analysis.layout import layer_tensor_count
 from builder.analysis.report import actual_params
 from builder.assemble import build_model
 from builder.spec.schema import spec_model
@@ -357,6 +358,8 @@ def test_counts_equal_the_built_model(name):
         for i, layer in enumerate(stack.layers()):
             built = getattr(model, stack_name).layers[i]
             assert layer.param_shapes(D, cross) == {n: tuple(p.shape) for n, p in built.named_parameters()}
+    layer_tensors = sum(len(list(getattr(model, name).layers.parameters())) for name in spec.stacks())
+    assert layer_tensor_count(spec) == layer_tensors  # the layout's walk (FSDP's optimizer steps)
     torch.manual_seed(0)
     model = build_model(spec, attention_backend="eager").eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
@@ -492,6 +495,8 @@ def test_bad_combinations_are_located_errors(tmp_path):
     assert line == _line(tmp_path, "clamp") + 1  # the mapping's first line
     path, _, _ = _located(tmp_path, ffn={**GPT_OSS, "clamp": {"alpha": 1.0, "limit": -1.0}})
     assert path == "decoder.ffn.clamp.limit"
+    path, _, message = _located(tmp_path, ffn={**GPT_OSS, "expert": {"type": "glu", "bias": False}})
+    assert path == "decoder.ffn.expert_bias" and "contradicts" in message
     path, _, _ = _located(tmp_path, parallel_residual="both")
     assert path == "decoder.parallel_residual"
     path, _, _ = _located(tmp_path, ffn={**LLAMA4, "weight_on": "gate"})

@@ -167,6 +167,22 @@ class MoEConfig(FFNBlock):
         {"n_experts": 3, "top_k": 2, "expert": {"type": "mlp", "hidden_dim": 16}, "router_bias": True},
     ]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _expert_bias(cls, data):
+        """``expert_bias: true`` is the expert's ``bias: true``, set there so every reader of the
+        expert (counts, layouts, importers) sees it."""
+        if not isinstance(data, dict) or data.get("expert_bias") is not True:
+            return data
+        expert = data.get("expert")
+        if isinstance(expert, dict):
+            if expert.get("bias") is False:
+                raise rule_error(("expert_bias",), "expert_bias: true contradicts the expert's bias: false")
+            return {**data, "expert": {**expert, "bias": True}}
+        if isinstance(expert, BaseModel) and getattr(expert, "bias", None) is False:
+            return {**data, "expert": expert.model_copy(update={"bias": True})}
+        return data
+
     @model_validator(mode="after")
     def _top_k(self):
         if self.top_k > self.n_experts:
@@ -178,10 +194,6 @@ class MoEConfig(FFNBlock):
                 f"got {self.expert.type} with {self.expert.activation}",
             )
         return self
-
-    def resolved_expert(self):
-        """The expert each of the n_experts is built as (``expert_bias`` turns its biases on)."""
-        return self.expert.model_copy(update={"bias": True}) if self.expert_bias else self.expert
 
     def describe(self) -> str:
         return f"moe {self.n_experts}x{self.expert.type} top{self.top_k}"
@@ -195,17 +207,17 @@ class MoEConfig(FFNBlock):
         return self.n_experts * (d_model + (1 if self.router_bias else 0))
 
     def params(self, d_model: int) -> int:
-        return self._router_params(d_model) + self.n_experts * self.resolved_expert().params(d_model)
+        return self._router_params(d_model) + self.n_experts * self.expert.params(d_model)
 
     def active_params(self, d_model: int) -> int:
-        return self._router_params(d_model) + self.top_k * self.resolved_expert().params(d_model)
+        return self._router_params(d_model) + self.top_k * self.expert.params(d_model)
 
     def param_shapes(self, d_model: int) -> Shapes:
         # under tensor parallelism the router and the experts are replicated (no plan)
         shapes = {"router.weight": (self.n_experts, d_model)}
         if self.router_bias:
             shapes["router.bias"] = (self.n_experts,)
-        expert = self.resolved_expert().param_shapes(d_model)
+        expert = self.expert.param_shapes(d_model)
         for i in range(self.n_experts):
             shapes.update({f"experts.{i}.{name}": shape for name, shape in expert.items()})
         return shapes

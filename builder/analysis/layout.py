@@ -416,10 +416,7 @@ def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tu
     sublayers = layer.sublayers(cross)
     for sub in sublayers:
         add(f"{sub}.", getattr(layer, sub), f"{stack}.{sub}")
-    norms = [f"{sub}_norm" for sub in sublayers]
-    if layer.norm.placement == "sandwich":
-        norms += [f"{sub}_post_norm" for sub in sublayers]
-    for norm in norms:
+    for norm in layer.norm_names(cross):  # the layer's own list (sandwich's second, shared_norm's one)
         add(f"{norm}.", layer.norm, f"{stack}.norm")
     return out
 
