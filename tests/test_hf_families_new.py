@@ -435,3 +435,144 @@ def test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_con
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     assert sum(p.numel() for p in model.parameters()) == estimate(spec).params.total == count
     assert FAMILIES[family].to_config(spec)  # and export can write it
+
+
+# --- other on-disk layouts, refusals, and what export names --------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-renormalised-dense-middle", "qwen3_moe-raw-probabilities-window"])
+def test_qwen3_moe_fused_expert_layout_imports_as_the_per_expert_one(name, tmp_path):
+    """transformers 5.x holds the experts as 3-D gate_up_proj/down_proj; a state dict saved as it
+    is reads as the same tensors as save_pretrained's per-expert checkpoint."""
+    from safetensors.torch import save_file
+
+    hf, _ = _hf_model(CASES[name], tmp_path / "per-expert")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "per-expert" / "config.json").read_text())
+    fused = {
+        k: v.contiguous()
+        for k, v in hf.state_dict().items()
+        if k != "lm_head.weight" or not hf.config.tie_word_embeddings
+    }
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    _, per_expert = from_hf(tmp_path / "per-expert")
+    _, from_fused = from_hf(tmp_path / "fused")
+    assert set(per_expert) == set(from_fused) and all(torch.equal(per_expert[k], from_fused[k]) for k in per_expert)
+
+
+def _saved_config(tmp_path: Path, name: str) -> Path:
+    _hf_model(CASES[name], tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize(
+    "name, change, needle",
+    [
+        (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 4,
+                    "long_factor": [2.0] * 4,
+                }
+            },
+            "rope_type 'longrope' is not supported",
+        ),
+        ("qwen3_moe-raw-probabilities-window", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("qwen3_moe-raw-probabilities-window", {"mlp_only_layers": "all"}, "mlp_only_layers: expected a list"),
+        ("gpt_neox", {"hidden_act": "gelu_fast"}, "activation 'gelu_fast' has no counterpart"),
+    ],
+)
+def test_a_config_without_an_exact_counterpart_is_refused_naming_the_key(name, change, needle, tmp_path):
+    from builder.hf import HFError
+
+    folder = _saved_config(tmp_path, name)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFError, match=needle.replace("(", r"\(")) as refused:
+        from_hf(folder)
+    assert "\n" not in str(refused.value) and "config.json" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "spec_name, family, change, needle",
+    [
+        (
+            "tiny/neox",
+            "gpt_neox",
+            {"decoder.parallel_residual": "shared_norm"},
+            "gpt_neox's parallel layer has two norms",
+        ),
+        (
+            "tiny/neox",
+            "gpt_neox",
+            {"decoder.attention.n_kv_heads": 2},
+            "attention.n_kv_heads is 2 in the spec; gpt_neox would make it 4",
+        ),
+        (
+            "tiny/olmo2",
+            "olmo2",
+            {"decoder.attention.qk_norm.over": "head"},
+            "qk_norm.over is 'head' in the spec; olmo2 would make it 'projection'",
+        ),
+        (
+            "tiny/olmo2",
+            "olmo2",
+            {"decoder.norm.placement": "pre"},
+            "norm.placement is 'pre' in the spec; olmo2 would make it 'post_sublayer'",
+        ),
+        (
+            "tiny/qwen3",
+            "qwen3",
+            {"decoder.attention.qk_norm.eps": 1e-5},
+            "qk_norm.eps is 1e-05 in the spec; qwen3 would make it 1e-06",
+        ),
+        (
+            "tiny/qwen3",
+            "qwen3",
+            {"decoder.attention.qk_norm": None},
+            "attention.qk_norm is None in the spec; qwen3 would make it",
+        ),
+        (
+            "tiny/qwen3-moe",
+            "qwen3_moe",
+            {"decoder.ffn": {"type": "glu", "hidden_dim": 32}},
+            "no layer's ffn is moe or deepseek_moe",
+        ),
+        ("tiny/phi3", "phi3", {"decoder.ffn.bias": True}, "ffn.bias is True in the spec; phi3 would make it False"),
+    ],
+)
+def test_export_names_what_the_family_cannot_express(spec_name, family, change, needle):
+    from builder.hf import fit, validate
+
+    data = load_spec(spec_name).model_dump(mode="json")
+    for dotted, value in change.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    config, reasons = fit(FAMILIES[family], validate(data))
+    assert config is None and any(needle in reason for reason in reasons), reasons
+
+
+def test_the_export_line_names_each_family_before_training(capsys):
+    """builder describe says which family each zoo spec is written as; Phi-3-mini computes what
+    Mistral does, which export tries first (``--family phi3`` writes Phi3ForCausalLM)."""
+    from builder.cli import main
+
+    for name, family in [
+        ("qwen3-0.6b", "qwen3 (Qwen3ForCausalLM)"),
+        ("qwen3-30b-a3b", "qwen3_moe (Qwen3MoeForCausalLM)"),
+        ("olmo2-7b", "olmo2 (Olmo2ForCausalLM)"),
+        ("pythia-160m", "gpt_neox (GPTNeoXForCausalLM)"),
+        ("phi3-mini", "mistral (MistralForCausalLM)"),
+    ]:
+        assert main(["describe", name]) == 0
+        assert (
+            capsys.readouterr().out.strip().splitlines()[-1] == f"export: Hugging Face {family}, by builder export-hf"
+        )
