@@ -484,6 +484,9 @@ def _saved_config(tmp_path: Path, name: str) -> Path:
         ("qwen3_moe-raw-probabilities-window", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
         ("qwen3_moe-raw-probabilities-window", {"mlp_only_layers": "all"}, "mlp_only_layers: expected a list"),
         ("gpt_neox", {"hidden_act": "gelu_fast"}, "activation 'gelu_fast' has no counterpart"),
+        ("gpt_neox", {"rotary_pct": "a quarter"}, "rotary_pct: expected a finite number"),
+        ("gpt_neox", {"use_parallel_residual": 1}, "use_parallel_residual: expected true or false"),
+        ("qwen3_moe-raw-probabilities-window", {"decoder_sparse_step": 0}, "decoder_sparse_step: expected an integer"),
     ],
 )
 def test_a_config_without_an_exact_counterpart_is_refused_naming_the_key(name, change, needle, tmp_path):

@@ -89,6 +89,9 @@ SIZE_KEYS = (
     "floor_scale",
     "no_rope_layer_interval",
     "interleave_moe_layer_step",
+    # Qwen3-MoE
+    "num_experts",
+    "decoder_sparse_step",
     # a sequence classifier's
     "num_labels",
 )
@@ -132,6 +135,10 @@ NUMBER_KEYS = (
     "swiglu_alpha",
     "swiglu_limit",
     "attn_scale",
+    # GPT-NeoX
+    "rotary_pct",
+    "rotary_emb_base",
+    "hidden_dropout",
 )
 BOOL_KEYS = (
     "attention_bias",
@@ -148,6 +155,7 @@ BOOL_KEYS = (
     "norm_topk_prob",
     "rope_interleave",
     "use_qk_norm",  # Llama 4
+    "use_parallel_residual",  # GPT-NeoX
     # MPT (attn_config's among them)
     "no_bias",
     "learned_pos_emb",
