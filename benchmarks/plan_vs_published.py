@@ -24,7 +24,8 @@ import sys
 # the repository root, not benchmarks/, first on the path: benchmarks/tokenize.py would shadow
 # the standard library's tokenize, which dataclasses (through inspect) imports
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[0] = ROOT
+if __name__ == "__main__":
+    sys.path[0] = ROOT
 
 import argparse  # noqa: E402
 from dataclasses import dataclass  # noqa: E402

@@ -7,7 +7,6 @@ import json
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,65 +34,84 @@ def _sets(line: str) -> list[str]:
     return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
 
 
-def test_llama2_70b_on_64_gpus_fits_as_describe_counts_it(capsys):
+def test_llama2_70b_on_64_gpus_fits_with_the_json_fields_and_a_describe_line(capsys):
     spec = ROOT / "specs" / "llama2-70b.yaml"
-    rc, out = _plan_json(
-        capsys, str(spec), "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096", "--global-batch", "1024"
-    )
+    argv = [str(spec), "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096", "--global-batch", "1024"]
+    rc, out = _plan_json(capsys, *argv, "--launchable")
     assert rc == 0 and out["fits"]
-    chosen = out["plan"]
-    layout = chosen["layout"]
-    assert layout["devices"] == 64 and layout["nodes"] == 8
+    for key in ("tokens_per_s_per_gpu", "mfu", "step_s", "memory_per_gpu_bytes", "layout"):
+        assert key in out, key
+    chosen, layout = out["plan"], out["layout"]
+    assert layout["devices"] == 64 and layout["nodes"] == 8 and layout["pipeline_parallel"] == 1
     assert chosen["micro_batch"] * chosen["accumulate_grad_batches"] * layout["data_parallel_size"] == 1024
-    # the describe line the plan prints gives the same memory, within the usable 72 GiB
+    assert out["memory_per_gpu_bytes"] <= 0.9 * 80 * GIB
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(1024 * 4096 / out["step_s"] / 64)
+    assert 0.1 < out["mfu"] < 0.7 and sum(chosen["breakdown"].values()) == pytest.approx(out["step_s"])
     words = shlex.split(out["launch"]["describe"])
     assert words[:2] == ["builder", "describe"]
     assert main([*words[1:], "--json"]) == 0
-    described = json.loads(capsys.readouterr().out)["memory"]
-    assert described["training_total"] == out["memory"]["training_total"] == chosen["memory"]
-    assert described["training_total"] <= 0.9 * 80 * GIB
-    assert described["layout"]["tensor_parallel"] == layout["tensor_parallel"]
-    # time at the stated MFU: training FLOPs over 64 GPUs at 40% of the H100's dense bf16 peak
-    assert chosen["step_seconds"] == pytest.approx(chosen["step_flops"] / (64 * H100 * 0.4))
-    assert out["cheapest"].startswith("cheapest = fewest GPU-hours per optimizer step")
+    assert json.loads(capsys.readouterr().out)["memory"]["layout"]["tensor_parallel"] == layout["tensor_parallel"]
 
 
 def test_gpt3_175b_on_8_gpus_is_refused_with_what_would_fit(capsys):
     spec = str(ROOT / "specs" / "gpt3-175b.yaml")
-    rc, out = _plan_json(capsys, spec, "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "1536")
+    argv = [spec, "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "1536", "--seq-len", "2048"]
+    rc, out = _plan_json(capsys, *argv, "--launchable")
     assert rc == 1 and not out["fits"] and "launch" not in out
-    assert any("AdamW states alone need" in r for r in out["reasons"])
-    assert any("vocab_size (50257) does not divide" in r for r in out["reasons"])  # no TP for GPT-3's vocab
+    assert any(r.startswith("the layout needing the least memory") for r in out["reasons"])
     more = [w for w in out["would_fit"] if "GPUs (" in w]
-    assert more and more[0].startswith("64 GPUs (8 nodes x 8)")
-    assert main(["plan", spec, "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch", "1536"]) == 1
-    text = " ".join(capsys.readouterr().out.split())
-    assert "does not fit" in text and "what would fit: - 64 GPUs" in text
+    assert more and more[0].split()[0] in ("16", "32", "64")
+    assert main(["plan", *argv, "--launchable"]) == 1
+    assert "does not fit" in " ".join(capsys.readouterr().out.split())
 
 
-def test_cheapest_is_defined_and_chosen():
-    """No checkpointing when it fits (3x not 4x forward), then the smallest TP, hybrid before
-    replicate before shard, then the largest micro-batch."""
+def test_the_fastest_fitting_layout_is_chosen():
     small = load_spec(ROOT / "specs" / "gpt2-small.yaml")
     result = plan(small, Cluster(gpus=16, per_node=8, memory=80 * GIB, peak=H100), seq_len=1024, global_batch=512)
     chosen = result.chosen
-    assert (chosen.checkpointing, chosen.layout.tensor_parallel, chosen.layout.data_parallel) == (False, 1, "hybrid")
-    assert chosen.micro_batch == 32 and chosen.accumulation == 1
-    assert all(chosen.key() <= alt.key() for alt in result.alternatives)
-    tight = load_spec(ROOT / "specs" / "llama2-7b.yaml")
-    result = plan(tight, Cluster(gpus=8, per_node=8, memory=24 * GIB, peak=H100), seq_len=4096, global_batch=64)
-    assert result.chosen.checkpointing and result.chosen.memory <= 0.9 * 24 * GIB
-    assert isinstance(result.chosen, Candidate) and result.estimate.memory.training_total == result.chosen.memory
+    assert isinstance(chosen, Candidate) and chosen.memory <= result.cluster.usable
+    assert all(chosen.key() <= alt.key() for alt in result.alternatives) and result.fitting >= len(result.alternatives)
+    # pinned: a published layout is taken as given
+    pinned = plan(
+        small,
+        Cluster(gpus=16, per_node=8, memory=80 * GIB, peak=H100),
+        seq_len=1024,
+        global_batch=512,
+        tensor_parallel=1,
+        pipeline_parallel=2,
+        micro_batch=4,
+        checkpointing="selective",
+        schedule="interleaved-1f1b",
+    )
+    lay = pinned.chosen.layout
+    assert (lay.tensor_parallel, lay.pipeline_parallel, pinned.chosen.micro_batch) == (1, 2, 4)
+    assert (pinned.chosen.recompute, pinned.chosen.run.schedule) == ("selective", "interleaved-1f1b")
+    assert pinned.chosen.step_seconds > chosen.step_seconds
 
 
-def test_shorter_sequences_and_batches_are_suggested():
-    spec = load_spec(ROOT / "specs" / "llama2-7b.yaml")
-    result = plan(spec, Cluster(gpus=8, per_node=8, memory=16 * GIB, peak=H100), seq_len=4096, global_batch=8)
-    assert not result.fits and any(w.startswith("seq_len ") for w in result.would_fit)
-    # 2 nodes of 4: at least 2 data-parallel ranks, which 3 sequences do not divide
-    odd = plan(spec, Cluster(gpus=8, per_node=4, memory=80 * GIB, peak=H100), seq_len=4096, global_batch=3)
-    assert not odd.fits and odd.would_fit[0].startswith("global batch 4 on these 8 GPUs")
-    assert "tensor-parallel 4: the global batch 3 does not divide over 2 data-parallel ranks" in odd.reasons
+def test_llama3_405b_on_1024_h100s_prefers_tensor_or_pipeline_parallelism_and_says_why(capsys, monkeypatch):
+    argv = ["llama3-405b", "--gpus", "1024", "--seq-len", "8192", "--global-batch", "1024", "--checkpointing", "full"]
+    rc, out = _plan_json(capsys, *argv)
+    assert rc == 0 and out["fits"]
+    layout = out["layout"]
+    assert layout["tensor_parallel"] > 1 or layout["pipeline_parallel"] > 1
+    flat = out["fsdp_only"]  # FSDP over all 1,024 GPUs: a 405B layer gathered whole does not fit
+    assert flat["layout"]["tensor_parallel"] == flat["layout"]["pipeline_parallel"] == 1
+    assert flat["memory_per_gpu_bytes"] > out["cluster"]["usable_memory"] or flat["step_s"] > out["step_s"]
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["plan", *argv]) == 0
+    text = capsys.readouterr().out
+    assert "(FSDP only)" in text and "where the time goes" in text and "exposed tp" in text
+
+
+def test_deepseek_v3_on_2048_h800s_uses_expert_parallelism(capsys):
+    argv = ["deepseek-v3", "--gpus", "2048", "--gpu", "h800", "--seq-len", "4096", "--global-batch", "4096"]
+    rc, out = _plan_json(
+        capsys, *argv, "--pipeline-parallel", "16", "--checkpointing", "full", "--context-parallel", "1"
+    )
+    assert rc == 0 and out["fits"] and out["layout"]["expert_parallel"] > 1
+    assert out["memory_per_gpu_bytes"] <= out["cluster"]["usable_memory"]
+    assert out["plan"]["communication"]["ep"] > 0
 
 
 @pytest.mark.parametrize(
@@ -170,7 +188,7 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
     if "tensor_parallel" not in TrainerSection.model_fields:
         pytest.skip("recipes lack trainer.tensor_parallel / trainer.data_parallel (issue 11's FSDP2 recipes)")
     monkeypatch.chdir(ROOT)
-    rc, out = _plan_json(capsys, *argv)
+    rc, out = _plan_json(capsys, *argv, "--launchable")
     assert rc == 0, out
     launch = out["launch"]
     recipe = argv[argv.index("--recipe") + 1] if "--recipe" in argv else "recipes/lm-stdlib.yaml"
@@ -217,7 +235,13 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
         ),
         (["--gpus", "8", "--gpu-memory", "80XB"], "error: --gpu-memory '80XB': not a size such as 80GiB or 141GB"),
         (["--gpus", "8", "--gpu-memory", "lots"], "error: --gpu-memory 'lots': not a size"),
-        (["--gpus", "8", "--gpu", "v100"], "error: --gpu 'v100': unknown; one of a100, h100"),
+        (["--gpus", "8", "--gpu", "v100"], "error: --gpu 'v100': unknown; one of a100-40gb, a100-80gb, h100"),
+        (["--gpus", "64", "--pipeline-parallel", "64"], "error: --pipeline-parallel 64: decoder.n_layers (32): more"),
+        (["--gpus", "16", "--expert-parallel", "2"], "error: --expert-parallel 2: llama2-7b has no experts to split"),
+        (
+            ["--gpus", "16", "--context-parallel", "2", "--seq-len", "1026"],
+            "error: --context-parallel 2: seq_len 1026 does not split into 2 x 2 equal chunks",
+        ),
         (["--gpus", "8", "--seq-len", "8192"], "error: --seq-len 8192: more than llama2-7b's max_seq_len (4096)"),
         (
             ["--gpus", "16", "--data-parallel", "hybrid", "--nodes", "1", "--gpus-per-node", "16"],
@@ -237,62 +261,26 @@ def test_bad_input_is_one_line_naming_the_argument(argv, expected, capsys):
 
 
 def test_an_option_out_of_its_own_range_is_a_one_line_usage_error(capsys):
-    argv = [
-        "plan",
-        str(ROOT / "specs" / "llama2-7b.yaml"),
-        "--gpus",
-        "8",
-        "--gpu-memory",
-        "80GiB",
-        "--global-batch",
-        "64",
-        "--mfu",
-        "40",
-    ]
+    argv = ["plan", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--peak-tflops", "0"]
     with pytest.raises(SystemExit) as exit:
         main(argv)
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert (
-        err == "builder plan: error: argument --mfu: takes a finite number in (0, 1], got '40' "
-        "(see `builder plan --help`)\n"
-    )
+    assert err.startswith("builder plan: error: argument --peak-tflops:") and err.count("\n") == 1
 
 
-def test_planning_the_biggest_spec_is_fast_and_torch_free():
+def test_planning_a_big_spec_is_quick_and_torch_free():
     code = (
         "import sys, time; from builder.spec.loader import load_spec; from builder.analysis.plan import Cluster, plan; "
         "spec = load_spec('specs/gpt3-175b.yaml'); t = time.perf_counter(); "
-        "r = plan(spec, Cluster(gpus=8, per_node=8, memory=80 * 2**30, peak=989.5e12), global_batch=1536); "
-        "refused = time.perf_counter() - t; t = time.perf_counter(); "
-        "f = plan(spec, Cluster(gpus=64, per_node=8, memory=80 * 2**30, peak=989.5e12), global_batch=1536); "
-        "print(r.fits, f.fits, refused, time.perf_counter() - t, 'torch' in sys.modules)"
+        "f = plan(spec, Cluster(gpus=64, per_node=8, memory=80 * 2**30, peak=989.5e12), seq_len=2048, "
+        "global_batch=1536, launchable=True); "
+        "print(f.fits, time.perf_counter() - t, 'torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    refused_fits, fits, refused, fitted, torch_loaded = done.stdout.split()
-    assert (refused_fits, fits, torch_loaded) == ("False", "True", "False")
-    assert float(fitted) < 0.5 and float(refused) < 1.0  # measured 0.1 s and 0.3 s on 2 busy cores
-    start = time.perf_counter()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "builder.cli",
-            "plan",
-            "specs/llama2-70b.yaml",
-            "--gpus",
-            "64",
-            "--gpu-memory",
-            "80GiB",
-            "--global-batch",
-            "1024",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0 and "torchrun" in run.stdout
-    assert time.perf_counter() - start < 5.0
+    fits, fitted, torch_loaded = done.stdout.split()
+    assert (fits, torch_loaded) == ("True", "False")
+    assert float(fitted) < 10.0
 
 
 @pytest.mark.parametrize(
@@ -309,6 +297,7 @@ def test_a_printed_launch_line_runs_as_printed_from_another_folder(spec, recipe,
     line sets its own steps (20 tokens per parameter by default), output folder and no time limit."""
     argv = [spec, "--gpus", "16", "--gpu-memory", "80GiB", "--global-batch", "64", "--seq-len", "1024"]
     monkeypatch.chdir(tmp_path)
+    argv.append("--launchable")
     rc, out = _plan_json(capsys, *argv, *(["--recipe", recipe] if recipe else []))
     assert rc == 0, out
     launch = out["launch"]
@@ -345,21 +334,3 @@ def test_a_recipe_the_plan_cannot_find_is_one_line(capsys):
         "error: --recipe lm-stdlb: no such file, nor a zoo name; did you mean "
         "'lm-stdlib'? (`builder list` shows the zoo)"
     )
-
-
-def test_a_refusal_for_sharded_states_says_what_makes_one_rank_hold_that_much(capsys):
-    """DeepSeek-V3's 683B parameters over 2,048 GPUs are ~5 GB of states each at 16 bytes, yet a
-    rank needs far more: the line splits the floor into the rank's shard and the largest unit
-    FSDP gathers whole (a 256-expert layer: the multi-token-prediction head holds one beside the
-    output projection), and the parts add up to it."""
-    import re
-
-    rc, out = _plan_json(capsys, "deepseek-v3", "--gpus", "2048", "--gpu-memory", "80GiB", "--global-batch", "2048")
-    assert rc == 1
-    line = next(r for r in out["reasons"] if r.startswith("the weights, gradients and AdamW states alone"))
-    floor, held, in_flight = (
-        float(x) for x in re.findall(r"([\d.]+) GiB", line)[:1] + re.findall(r"([\d.]+) GiB is", line)
-    )
-    assert held + in_flight == pytest.approx(floor, abs=0.02)
-    assert re.search(r"the largest FSDP unit, (decoder\.layers\.\d+|head) \([\d,]+ parameters", line)
-    assert "gathers" in line

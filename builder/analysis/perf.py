@@ -202,22 +202,25 @@ class Model:
     forward FLOPs (projections and attention core apart), saved bytes, parameters (experts apart),
     the key/value bytes per token and routing, and the embedding and head."""
 
-    def __init__(self, spec, seq_len: int, dtype: str = "bf16"):
+    def __init__(self, spec, seq_len: int, dtype: str = "bf16", src_len: int | None = None):
         from builder.analysis.estimates import Step, estimate
 
         self.spec, self.seq, self.dtype = spec, seq_len, dtype
-        est = estimate(spec, Step(seq_len=seq_len, batch=1, dtype=dtype))
+        est = estimate(spec, Step(seq_len=seq_len, src_len=src_len, batch=1, dtype=dtype))
         self.estimate = est
         d = spec.d_model
         self.layers = []
         self.kinds: list[int] = []  # per layer, the index of its first identical layer
         first: dict[int, int] = {}
-        stack = next(iter(spec.stacks().values()))
-        configs = list(stack.layers())
-        for index, (layer, config) in enumerate(zip(est.layers, configs)):
+        memory_of = spec.architecture_config.memory_of
+        lengths = {
+            name: (src_len or seq_len) if name in memory_of.values() else seq_len for name in spec.stacks()
+        }  # an encoder runs over the source
+        configs = [(name, config) for name, stack in spec.stacks().items() for config in stack.layers()]
+        for index, (layer, (name, config)) in enumerate(zip(est.layers, configs)):
             self.kinds.append(first.setdefault(id(config), index))
             attention = config.attention
-            projections = attention.projection_flops(d, seq_len, seq_len)
+            projections = attention.projection_flops(d, lengths[name], lengths[name])
             core = layer.kernel_flops - (layer.total_flops - layer.flops.get("attention", 0)) - projections
             routed = experts_of(config.ffn)
             expert_params = (routed[0] * config.ffn.expert.params(d)) if routed else 0

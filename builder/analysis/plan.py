@@ -240,11 +240,9 @@ def plan(
     pins = Pins(**pinned)
     if rank_by not in RANK_BY:
         raise LayoutError("rank_by", rank_by, f"must be one of {', '.join(RANK_BY)}")
-    if src_len is not None or len(spec.stacks()) > 1:
-        raise LayoutError("spec", spec.name, "the performance model plans decoder-only and encoder-only models")
     seq = seq_len or spec.max_seq_len
     _check_pins(spec, cluster, pins, seq)
-    model = _model or Model(spec, seq, dtype)
+    model = _model or Model(spec, seq, dtype, src_len)
     result = Plan(spec.name, cluster, seq, src_len, global_batch, dtype, None, calibration=calibration)
     result.params = model.estimate.params.total
     found = _search(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, result)
@@ -471,7 +469,15 @@ def _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_b
     gpus = cluster.gpus
     while gpus < MAX_GPUS:
         gpus *= 2
-        bigger = plan(spec, cluster.with_gpus(gpus), seq_len=seq, global_batch=global_batch, _model=model, **again)
+        bigger = plan(
+            spec,
+            cluster.with_gpus(gpus),
+            seq_len=seq,
+            src_len=result.src_len,
+            global_batch=global_batch,
+            _model=model,
+            **again,
+        )
         if bigger.chosen is not None:
             out.append(
                 f"{gpus} GPUs ({gpus // cluster.per_node} nodes x {cluster.per_node}): {bigger.chosen.summary()}"
@@ -482,7 +488,8 @@ def _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_b
     shorter = seq
     while shorter // 2 >= MIN_SEQ_LEN:
         shorter //= 2
-        short = plan(spec, cluster, seq_len=shorter, global_batch=global_batch, **again)
+        src = min(result.src_len, shorter) if result.src_len else None
+        short = plan(spec, cluster, seq_len=shorter, src_len=src, global_batch=global_batch, **again)
         if short.chosen is not None:
             out.append(f"seq_len {shorter} on these {cluster.gpus} GPUs: {short.chosen.summary()}")
             break

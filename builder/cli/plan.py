@@ -421,6 +421,7 @@ def to_json(result, launch) -> dict:
         "fitting": result.fitting,
         "reasons": result.reasons,
         "params": result.params,
+        "fsdp_only": result.baseline.to_dict() if result.baseline is not None else None,
     }
     if result.fits:
         c = result.chosen

@@ -1,0 +1,139 @@
+"""The performance model's pieces (builder.analysis.perf) against hand-computed figures, and the
+orderings the published runs show (benchmarks/plan_vs_published.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder.analysis.hardware import GPUS, gpu
+from builder.analysis.layout import Layout, LayoutError, layout_problems
+from builder.analysis.perf import Calibration, Model, Run, bubble_fraction, collective_seconds, in_flight, predict
+from builder.spec.loader import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+IDEAL = Calibration(collective_efficiency=1.0, latency=0.0)
+
+
+def test_ring_collectives_move_what_a_ring_moves():
+    gb = 10**9
+    # all-reduce of 1 GB over 8 ranks at 100 GB/s: 2 x 7/8 GB / 100 GB/s = 17.5 ms (a ring beats the tree's 20 ms)
+    assert collective_seconds("all_reduce", gb, 8, 100e9, IDEAL) == pytest.approx(0.0175)
+    assert collective_seconds("all_gather", gb, 8, 100e9, IDEAL) == pytest.approx(0.00875)
+    assert collective_seconds("reduce_scatter", gb, 4, 50e9, IDEAL) == pytest.approx(0.015)
+    assert collective_seconds("all_reduce", gb, 1, 100e9, IDEAL) == 0.0
+    # latency: a ring takes n-1 hops each way; a tree 2 log2(n), which wins for small messages on many ranks
+    cal = Calibration(collective_efficiency=1.0, latency=1e-5)
+    small = collective_seconds("all_reduce", 1000, 1024, 100e9, cal)
+    assert small == pytest.approx(2 * 1000 / 100e9 + 2 * math.log2(1024) * 1e-5)
+    assert collective_seconds("all_gather", gb, 8, 100e9, cal) == pytest.approx(0.00875 + 7e-5)
+    # efficiency scales the link
+    half = Calibration(collective_efficiency=0.5, latency=0.0)
+    assert collective_seconds("all_gather", gb, 8, 100e9, half) == pytest.approx(0.0175)
+
+
+def test_bubble_and_in_flight_per_schedule():
+    assert bubble_fraction("1f1b", 8, 32) == pytest.approx(7 / 32)
+    assert bubble_fraction("gpipe", 8, 32) == pytest.approx(7 / 32)
+    assert bubble_fraction("interleaved-1f1b", 8, 32, 2) == pytest.approx(7 / 64)
+    assert bubble_fraction("zero-bubble", 8, 32) == pytest.approx(7 / 96)
+    assert bubble_fraction("1f1b", 1, 32) == 0.0
+    assert in_flight("gpipe", 4, 16) == 16 and in_flight("1f1b", 4, 16) == 4 and in_flight("1f1b", 4, 2) == 2
+    # interleaved: 2(p-1) + (v-1)p + 1 chunks of 1/v of the stage (Narayanan et al. 2021)
+    assert in_flight("interleaved-1f1b", 8, 16, 2) == pytest.approx((14 + 8 + 1) / 2)
+
+
+def test_the_hardware_table_and_its_overrides():
+    assert set(GPUS) >= {"a100-40gb", "a100-80gb", "h100", "h100-pcie", "h800", "h200", "b200", "mi300x"}
+    h100 = gpu("H100 SXM")
+    assert h100.peak["bf16"] == 989.5e12 and h100.hbm_bandwidth == 3.35e12 and h100.intra_node == 450e9
+    assert gpu("h800").intra_node < h100.intra_node and gpu("h800").peak == h100.peak
+    slow = gpu("h100", peak=500e12, inter_node=25e9)
+    assert slow.peak["bf16"] == 500e12 and slow.peak["fp8"] == pytest.approx(1000e12) and slow.inter_node == 25e9
+    with pytest.raises(ValueError, match="--gpu 'v100': unknown"):
+        gpu("v100")
+
+
+def test_impossible_layouts_are_located_one_line_refusals():
+    llama, moe = load_spec(ROOT / "specs" / "llama3-8b.yaml"), load_spec(ROOT / "specs" / "mixtral-8x7b.yaml")
+    assert str(layout_problems(llama, Layout(devices=64, nodes=1, pipeline_parallel=64))[0]) == (
+        "pipeline_parallel=64: decoder.n_layers (32): more stages than layers"
+    )
+    assert str(layout_problems(llama, Layout(devices=16, nodes=2, expert_parallel=2))[0]) == (
+        "expert_parallel=2: llama3-8b has no experts to split"
+    )
+    assert "decoder.ffn.n_experts (8) does not divide by it" in str(
+        layout_problems(moe, Layout(devices=48, nodes=6, expert_parallel=3))[0]
+    )
+    assert "does not split into 2 x 4 equal chunks" in str(
+        layout_problems(llama, Layout(devices=8, context_parallel=4), seq_len=1028)[0]
+    )
+    with pytest.raises(LayoutError, match=r"^expert_parallel=3: must divide the FSDP shard group of 8"):
+        Layout(devices=8, expert_parallel=3)
+    with pytest.raises(LayoutError, match="must be a multiple of tensor x pipeline x context parallel"):
+        Layout(devices=12, nodes=1, pipeline_parallel=8)
+    layout = Layout(devices=64, nodes=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2)
+    assert (layout.data_parallel_size, layout.shard_size) == (8, 16)
+    assert layout.mesh(63) == {"pp": 1, "replicate": 0, "shard": 7, "cp": 1, "tp": 1}
+
+
+def _predict(spec, layout, **run):
+    spec = load_spec(ROOT / "specs" / f"{spec}.yaml")
+    return predict(spec, layout, Run(**run), gpu("h100"))
+
+
+def test_more_work_costs_more_and_recomputation_trades_memory_for_time():
+    layout = Layout(devices=8)
+    base = {"seq_len": 2048, "global_batch": 16, "micro_batch": 2}
+    none, sel, full = (_predict("llama3-8b", layout, **base, recompute=r) for r in ("none", "selective", "full"))
+    assert none.step_s < sel.step_s < full.step_s
+    assert none.memory["activations"] > sel.memory["activations"] > full.memory["activations"]
+    # the layers' compute is 3x forward without recomputation, 4x with full; the head is not recomputed
+    assert 1.25 < full.breakdown["compute"] / none.breakdown["compute"] < 4 / 3
+    assert _predict("llama3-8b", layout, **base, compile=True).step_s < none.step_s
+    twice = _predict("llama3-8b", layout, seq_len=2048, global_batch=32, micro_batch=2)
+    assert twice.step_s > 1.9 * none.step_s
+
+
+def test_pipeline_bubble_shrinks_with_interleaving_and_micro_batches():
+    layout = Layout(devices=16, nodes=2, tensor_parallel=8, pipeline_parallel=2)
+    base = {"seq_len": 2048, "global_batch": 16, "micro_batch": 2, "recompute": "full"}
+    one = _predict("llama3-8b", layout, **base)
+    inter = _predict("llama3-8b", layout, **base, schedule="interleaved-1f1b", stages_per_rank=2)
+    assert inter.breakdown["bubble"] < one.breakdown["bubble"] and inter.step_s < one.step_s
+    micro = one.microbatches
+    per_micro = one.breakdown["bubble"] / ((2 - 1) / micro * micro)
+    assert inter.breakdown["bubble"] == pytest.approx(per_micro / 2, rel=0.05)
+    with pytest.raises(LayoutError, match="^micro_batch=16: leaves 1 micro-batches"):
+        _predict("llama3-8b", layout, **{**base, "micro_batch": 16}, schedule="interleaved-1f1b", stages_per_rank=2)
+
+
+def test_expert_parallelism_splits_the_experts_memory():
+    spec = load_spec(ROOT / "specs" / "mixtral-8x7b.yaml")
+    model = Model(spec, 1024)
+    run = Run(seq_len=1024, global_batch=64, micro_batch=1, recompute="full")
+    layouts = [Layout(devices=64, nodes=8, tensor_parallel=8, expert_parallel=e, data_parallel="shard") for e in (1, 8)]
+    flat, split = (predict(spec, lay, run, gpu("h100"), model=model) for lay in layouts)
+    assert split.memory["buffers"] < flat.memory["buffers"]  # a gathered layer holds 1 of 8 experts
+    assert split.communication["ep"] > 0 == flat.communication["ep"]
+
+
+def _published():
+    path = ROOT / "benchmarks" / "plan_vs_published.py"
+    module_spec = importlib.util.spec_from_file_location("plan_vs_published", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["plan_vs_published"] = module  # its dataclasses look their module up
+    module_spec.loader.exec_module(module)
+    return module.results()
+
+
+def test_published_runs_are_predicted_and_ordered():
+    rows, orders = _published()
+    bf16 = [r for r in rows if r["row"].bf16]
+    assert len(bf16) >= 4 and all(abs(r["tps_error"]) <= 0.2 for r in bf16), [r["tps_error"] for r in bf16]
+    assert all(o["predicted"] > 1 for o in orders), orders  # the faster published run is predicted faster
+    assert sum(abs(r["memory_error"]) <= 0.15 for r in rows) >= len(rows) - 2
