@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from blocks.configs.base import (
     AttentionBlock,
@@ -138,6 +138,9 @@ class AttentionConfig(AttentionBlock):
         "* scale + 1 after any norm and rotation (Llama 4, on its NoPE layers). null: none.",
     )
 
+    #: a tensor-parallel rank's view (:meth:`tensor_parallel`) holds every head's sinks
+    _sink_heads: int | None = PrivateAttr(None)
+
     #: a cross-attention (over the encoder output) has no window, chunks or positions
     not_inherited_by_cross: ClassVar[tuple[str, ...]] = (
         "sliding_window",
@@ -213,7 +216,7 @@ class AttentionConfig(AttentionBlock):
             shapes["q_norm.weight"] = (self.qk_norm.width(hd, self.n_heads),)
             shapes["k_norm.weight"] = (self.qk_norm.width(hd, self.n_kv_heads),)
         if self.sinks:
-            shapes["sinks"] = (self.n_heads,)
+            shapes["sinks"] = (self._sink_heads or self.n_heads,)
         return shapes
 
     def param_shapes(self, d_model: int) -> Shapes:
@@ -251,14 +254,17 @@ class AttentionConfig(AttentionBlock):
         return problems
 
     def tensor_parallel(self, degree: int, d_model: int) -> AttentionConfig:
-        """``n_heads / degree`` query and ``n_kv_heads / degree`` key/value heads of the same width."""
-        return self.model_copy(
+        """``n_heads / degree`` query and ``n_kv_heads / degree`` key/value heads of the same width;
+        the sinks stay whole (replicated, :meth:`parallel_plan`)."""
+        view = self.model_copy(
             update={
                 "n_heads": self.n_heads // degree,
                 "n_kv_heads": self.n_kv_heads // degree,
                 "head_dim": self.resolved_head_dim(d_model),
             }
         )
+        view._sink_heads = self._sink_heads or self.n_heads
+        return view
 
     def projection_flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         hd = self.resolved_head_dim(d_model)
