@@ -9,6 +9,7 @@ tiles are 32 rows there, so lengths of 40..70 still cross tiles and chunk bounda
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -246,3 +247,56 @@ def test_flop_counter_counts_sinks_and_chunks_like_eager():
             attention(*leaves[:3], sinks=leaves[3], causal=True, chunk_size=8, backend=backend).sum().backward()
         counts[backend] = counter.get_total_flops()
     assert counts["eager"] == counts["triton"] == 3 * 4 * 1 * 4 * 20 * 33 * 16
+
+
+COMPILE_FOR_SM90 = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels, not the interpreter's
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import flash_backward, flash_decode, flash_kernels
+
+FP32 = {"Lse", "Delta", "Sinks", "Alibi", "OPart", "LPart", "DBias"}  # fp32 buffers; Docs int32
+SCALARS = {"H", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "HEAD_DIM_V", "SEQ_Q_BUCKET", "SEQ_K_BUCKET", "SPLIT_LEN",
+           "NUM_SPLITS"}
+base = dict(IS_CAUSAL=True, HAS_WINDOW=False, HAS_CHUNK=True, HAS_ALIBI=False, HAS_BIAS=False, HAS_SOFTCAP=False,
+            HAS_DOCS=False, HAS_SINKS=True, HAS_DBIAS=False, UPCAST=False, DOT_PREC="tf32", BLOCK_D=64, BLOCK_DV=64,
+            BLOCK_M=64, BLOCK_N=64, BLOCK_S=4)
+every = dict(HAS_WINDOW=True, HAS_DOCS=True, HAS_ALIBI=True, HAS_BIAS=True, HAS_SOFTCAP=True, HAS_DBIAS=True)
+kernels = [flash_kernels._attn_fwd, flash_decode._attn_decode, flash_decode._attn_decode_combine,
+           flash_backward._attn_bwd_dkdv, flash_backward._attn_bwd_dq]
+for flags in (base, {**base, **every}):
+    for fn in kernels:
+        sig, constexprs = {}, {}
+        for p in fn.params:
+            if p.is_constexpr:
+                sig[p.name], constexprs[p.name] = "constexpr", flags[p.name]
+                if fn is flash_decode._attn_decode and p.name == "BLOCK_M":
+                    constexprs[p.name] = 16  # the packed rows of a decode step
+            elif p.name[0].isupper() and p.name not in SCALARS:
+                sig[p.name] = "*fp32" if p.name in FP32 else "*i32" if p.name == "Docs" else "*bf16"
+            else:
+                sig[p.name] = "fp32" if p.name in ("sm_scale", "softcap") else "i32"
+        compiled = triton.compile(
+            ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}
+        )
+        assert compiled.asm["cubin"], fn.__name__
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The compiled path (not the interpreter): every kernel with sinks and chunks, alone and with
+    every other option, goes through Triton's whole pipeline to an sm_90 cubin (front end, TTGIR,
+    LLVM, ptxas). This catches what the interpreter accepts and the compiler does not (scoping,
+    constexpr arithmetic, types); it does not run the kernels."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], check=True, env=env, cwd=Path(__file__).parents[1], timeout=600
+    )
