@@ -109,6 +109,13 @@ def _qwen3_bias():  # attention_bias on q, k, v and o; MHA; untied
     )
 
 
+def _without_head_dim(folder: Path) -> None:
+    """A config that leaves head_dim to the class: Qwen3Config's 128, not hidden_size / heads."""
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("head_dim") == 128
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def _qwen3_moe(norm_topk_prob: bool, **kwargs):
     return transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(
@@ -199,6 +206,20 @@ CASES = {
     ),
     "qwen3": Case(_qwen3, "causal"),
     "qwen3-bias-untied": Case(_qwen3_bias, "causal"),
+    "qwen3-default-head-dim": Case(
+        lambda: transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+            )
+        ),
+        "causal",
+        edit=_without_head_dim,
+    ),
     "phi3": Case(_phi3, "causal"),
     "phi3-window-partial-rotary-tied": Case(_phi3_window, "causal"),
 }
