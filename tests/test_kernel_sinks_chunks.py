@@ -21,7 +21,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "sdpa", "triton"]
 
 
-def reference(q, k, v, *, causal=False, sliding_window=None, chunk_size=None, sinks=None, token_index=None, docs=None):
+def reference(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    sliding_window=None,
+    chunk_size=None,
+    sinks=None,
+    token_index=None,
+    docs=None,
+    softcap=None,
+    bias=None,
+):
     """Float64 attention from the definitions (no code shared with the kernels)."""
     q, k, v = q.double(), k.double(), v.double()
     B, H, Sq, D = q.shape
@@ -29,6 +42,10 @@ def reference(q, k, v, *, causal=False, sliding_window=None, chunk_size=None, si
     kv_head = torch.arange(H, device=q.device) // (H // k.shape[1])
     k, v = k[:, kv_head], v[:, kv_head]  # (B, H, Sk, D)
     s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(D)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.double()
     if token_index is None:
         pos_q, pos_k = torch.arange(Sk - Sq, Sk, device=q.device), torch.arange(Sk, device=q.device)
     else:
@@ -71,8 +88,11 @@ def grads_of(fn, q, k, v, sinks, dout):
     return out.detach(), [t.grad for t in leaves] + ([s.grad] if s is not None else [])
 
 
-def check(backend, shape, with_sinks=True, tol=2e-4, docs=None, token_index=None, seed=0, **kw):
+def check(backend, shape, with_sinks=True, tol=2e-4, docs=None, token_index=None, seed=0, with_bias=False, **kw):
     q, k, v, dout, sinks = make(*shape, seed=seed)
+    if with_bias:  # an additive (1, H, Sq, Sk) bias, as a relative-position block gives
+        B, H, _, Sq, Sk, _ = shape
+        kw["bias"] = torch.randn(1, H, Sq, Sk, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
     sinks = sinks if with_sinks else None
     extra = {} if docs is None else dict(document_ids=docs)
     if token_index is not None:
@@ -108,6 +128,14 @@ CASES = {
     "chunk-sinks-causal-70-c32": ((1, 4, 2, 70, 70, 16), dict(causal=True, chunk_size=32)),
     "chunk-sinks-window-45x70-c20": ((1, 2, 2, 45, 70, 16), dict(causal=True, chunk_size=20, sliding_window=13)),
     "chunk-sinks-decode-2x70-c16": ((2, 4, 1, 2, 70, 16), dict(causal=True, chunk_size=16)),
+    "everything-40x50-c12": (
+        (1, 4, 2, 40, 50, 16),
+        dict(causal=True, chunk_size=12, sliding_window=9, softcap=3.0, with_bias=True),
+    ),
+    "everything-decode-3x50-c12": (
+        (1, 4, 2, 3, 50, 16),
+        dict(causal=True, chunk_size=12, sliding_window=9, softcap=3.0, with_bias=True),
+    ),
 }
 
 
