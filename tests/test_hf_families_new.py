@@ -110,9 +110,10 @@ def _qwen3_bias():  # attention_bias on q, k, v and o; MHA; untied
 
 
 def _without_head_dim(folder: Path) -> None:
-    """A config that leaves head_dim to the class: Qwen3Config's 128, not hidden_size / heads."""
+    """A config that leaves head_dim and num_key_value_heads to the class: Qwen3Config's 128 and
+    32, not Llama's hidden_size / heads and num_attention_heads."""
     config = json.loads((folder / "config.json").read_text())
-    assert config.pop("head_dim") == 128
+    assert config.pop("head_dim") == 128 and config.pop("num_key_value_heads") == 32
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -213,8 +214,7 @@ CASES = {
                 hidden_size=32,
                 intermediate_size=48,
                 num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
+                num_attention_heads=32,
             )
         ),
         "causal",

@@ -6,8 +6,10 @@ model's ``rms_norm_eps`` (``attention.qk_norm: {type: rmsnorm, over: head}`` her
 ``attention_bias`` puts biases on q, k, v and o. Qwen3's sliding windows are Qwen2's
 (``layer_types``, or the layers from ``max_window_layers`` on when ``use_sliding_window``);
 Qwen3-MoE's one ``sliding_window`` covers every layer when ``use_sliding_window``.
-``Qwen3Config`` defaults ``head_dim`` to 128 (not ``hidden_size / num_attention_heads``, which
-``Qwen3MoeConfig`` has no field for and its attention falls back to).
+A key a config leaves out takes its class's default, which is not always Llama's:
+``Qwen3Config`` has ``head_dim`` 128 (``Qwen3MoeConfig`` has no such field, and its attention
+falls back to ``hidden_size / num_attention_heads``) and ``num_key_value_heads`` 32,
+``Qwen3MoeConfig`` ``num_key_value_heads`` 4.
 
 Qwen3-MoE's sparse layers (those not in ``mlp_only_layers`` whose index + 1 is a multiple of
 ``decoder_sparse_step``; the others are dense SwiGLU layers of ``intermediate_size``) route each
@@ -26,9 +28,6 @@ from builder.hf import names as ours
 from builder.hf.common import Link, Unsupported, need, same, split, stacked
 from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout
 from builder.hf.deepseek import _stacked
-
-#: Qwen3Config's head_dim when a config has none
-QWEN3_HEAD_DIM = 128
 
 
 def attention_links(h: str, attn: str, config) -> list[Link]:
@@ -53,11 +52,13 @@ def dense_links(h: str, ffn: str) -> list[Link]:
 
 
 class Qwen3(LlamaLayout):
+    def __init__(self, knobs: LlamaKnobs, defaults: dict, **kwargs):
+        super().__init__(knobs, **kwargs)
+        self.defaults = defaults  # the config class's values for the keys a config.json leaves out
+
     # config.json -> spec: the Llama layout's, with the q/k norms
     def to_spec(self, config: dict, names: set[str]) -> dict:
-        if config.get("head_dim") is None and self.model_type == "qwen3":
-            config = {**config, "head_dim": QWEN3_HEAD_DIM}
-        spec = super().to_spec(config, names)
+        spec = super().to_spec({**self.defaults, **config}, names)
         eps = spec["decoder"]["norm"]["eps"]
         spec["decoder"]["attention"]["qk_norm"] = {"type": "rmsnorm", "over": "head", "eps": eps}
         return spec
@@ -196,6 +197,7 @@ def fused_experts(spec) -> list[Link]:
 FAMILIES = [
     Qwen3(
         LlamaKnobs(attention_bias_key=True, windows="layer_types"),
+        {"head_dim": 128, "num_key_value_heads": 32},
         model_type="qwen3",
         hf_class="Qwen3ForCausalLM",
         auto_class="AutoModelForCausalLM",
@@ -205,6 +207,7 @@ FAMILIES = [
     ),
     Qwen3Moe(
         LlamaKnobs(attention_bias_key=True, windows="uniform"),
+        {"num_key_value_heads": 4},
         model_type="qwen3_moe",
         hf_class="Qwen3MoeForCausalLM",
         auto_class="AutoModelForCausalLM",
