@@ -310,6 +310,28 @@ def test_cached_pieces_and_static_steps_equal_the_full_forward(name):
     assert torch.equal(model.generate(prompt, 10), model.generate(prompt, 10, use_cache=False))
 
 
+def test_the_static_decoding_step_is_one_graph_with_every_option():
+    """``generate(compile=True)`` traces one graph: no option breaks it (chunks and the
+    temperature read the step's position tensors, the sinks a parameter slice)."""
+    from blocks import generation
+
+    for name in ("llama4", "gemma3-gpt-oss"):
+        _, model = _model(name)
+        ids = torch.randint(0, 64, (B, 8), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            cache = KVCache.for_stack(model.decoder, B, 8, torch.float32, "cpu")
+            model(ids[:, :7], cache=cache)
+            positions = torch.arange(8).expand(B, 8)
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(generation._compiled_decode_step)(
+                model, ids[:, 7:8].contiguous(), torch.tensor([7]), positions, cache, None, None, None
+            )
+        torch._dynamo.reset()
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+            r.reason for r in explained.break_reasons
+        ]
+
+
 def test_the_kv_cache_layout_is_unchanged_by_the_options():
     plain = _config({"n_heads": 4, "n_kv_heads": 2})
     for fields in CASES.values():
