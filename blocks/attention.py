@@ -31,7 +31,8 @@ forward applies them to q and k: ``qk_norm`` (``q_norm`` / ``k_norm``, Hugging F
 per head or over the whole projection, before RoPE), the rotation (none on a ``rope: false``
 layer; at the layer's own ``rope_theta`` through the position block's hook), the keys cached,
 then ``temperature_tuning``'s factor on the queries at their positions; ``sinks`` (a parameter
-``(n_heads,)``) and ``chunk_size`` go to the kernel. The KV cache holds the normed, rotated keys
+``(n_heads,)``) and ``chunk_size`` go to the kernel (in a packed row each document's
+chunks start at its own first token, as when it runs alone). The KV cache holds the normed, rotated keys
 and the values exactly as without the options (a chunked layer keeps every token: a query's
 chunk starts at an absolute token index, which the cache's token order keeps).
 """
@@ -326,19 +327,25 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
             token_index=token_index,
-            document_ids=inputs.document_ids,
-            **self._kernel_options(),
+            **self._kernel_options(inputs),
         )  # (batch, n_heads, seq_q, head_dim)
         out = out.transpose(1, 2).reshape(
             batch, seq_q, self.n_heads * self.head_dim
         )  # (batch, seq_q, n_heads * head_dim)
         return self.out_proj(out)
 
-    def _kernel_options(self) -> dict:
-        """The kernel's ``sinks`` (this rank's heads') and ``chunk_size``, where set."""
-        options = {}
+    def _kernel_options(self, inputs: AttentionInputs) -> dict:
+        """The kernel's ``document_ids``, ``sinks`` (this rank's heads') and ``chunk_size``, where
+        set. In a packed row a document's chunks start at its own first token, as they do when it
+        runs alone: each (document, chunk) pair becomes a document of its own (positions restart
+        at 0 in each document, so a run begins wherever ``position % C == 0``) and the kernel masks
+        by those runs instead of by ``chunk_size``."""
+        options = {"document_ids": inputs.document_ids}
         if self.sinks is not None:
             options["sinks"] = self._shared(self.sinks)[self.first_head : self.first_head + self.n_heads]
         if self.chunk_size is not None:
-            options["chunk_size"] = self.chunk_size
+            if inputs.document_ids is not None:
+                options["document_ids"] = torch.cumsum(inputs.positions % self.chunk_size == 0, dim=1)  # (batch, seq)
+            else:
+                options["chunk_size"] = self.chunk_size
         return options

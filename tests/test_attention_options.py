@@ -310,6 +310,24 @@ def test_cached_pieces_and_static_steps_equal_the_full_forward(name):
     assert torch.equal(model.generate(prompt, 10), model.generate(prompt, 10, use_cache=False))
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_a_packed_document_gets_what_it_gets_alone(name, backend):
+    """``document_ids``: each document's chunks start at its own first token, its temperature
+    counts its own positions; so its logits are those of the document run alone."""
+    _, model = _model(name)
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
+    lengths = (7, 2, 9)
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(7))
+    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = model(ids, document_ids=documents)
+        alone = torch.cat([model(part) for part in ids.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
 def test_the_static_decoding_step_is_one_graph_with_every_option():
     """``generate(compile=True)`` traces one graph: no option breaks it (chunks and the
     temperature read the step's position tensors, the sinks a parameter slice)."""
