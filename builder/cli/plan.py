@@ -53,12 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--global-batch",
         type=count(maximum=MAX_GLOBAL_BATCH),
         metavar="B",
-        help="sequences per optimizer step, over every GPU and accumulation step (or give --global-batch-tokens)",
+        help="sequences per optimizer step, over every GPU and accumulation step (default: --global-batch-tokens / "
+        "--seq-len; one of the two is required)",
     )
     parser.add_argument(
         "--global-batch-tokens",
         metavar="N",
-        help="tokens per optimizer step, e.g. 16M: --global-batch is N / --seq-len",
+        help="tokens per optimizer step, e.g. 16Mi (2**24) or 4M (default: --global-batch x --seq-len)",
     )
     parser.add_argument("--seq-len", type=count(maximum=MAX_SEQ_LEN), help="tokens per sequence (default max_seq_len)")
     parser.add_argument(
@@ -110,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-parallel",
         choices=("shard", "hybrid", "replicate"),
-        help="pin the data-parallel mode: FSDP shard, HSDP hybrid or replicate (default: searched)",
+        help="pin the data-parallel mode: FSDP shard, HSDP hybrid or replicate (default: every mode)",
     )
     parser.add_argument(
         "--checkpointing",
@@ -306,11 +307,17 @@ CHINCHILLA_TOKENS_PER_PARAMETER = 20
 
 
 def parse_count(text: str, option: str) -> int:
-    """``"300B"`` -> 300_000_000_000; ``2T``, ``1.5e9``, ``500M``, ``4096`` too."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kKmMbBtT]?)\s*", text)
-    if not match:
-        raise ValueError(f"{option} {text!r}: not a count such as 300B, 2T or 1e9")
-    value = int(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()])
+    """``"300B"`` -> 300_000_000_000; ``2T``, ``1.5e9``, ``500M``, ``4096`` too; ``16Mi`` is 2**24."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kKmMbBtT]?)(i?)\s*", text)
+    if not match or (match.group(3) and match.group(2).lower() not in ("k", "m", "t")):
+        raise ValueError(f"{option} {text!r}: not a count such as 300B, 2T, 1e9 or 16Mi")
+    unit = match.group(2).lower()
+    scale = (
+        {"k": 2**10, "m": 2**20, "t": 2**40}[unit]
+        if match.group(3)
+        else {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[unit]
+    )
+    value = int(float(match.group(1)) * scale)
     if not 0 < value <= 10**16:
         raise ValueError(f"{option} {text!r}: must be from 1 to 10,000T")
     return value
