@@ -600,3 +600,31 @@ def test_the_export_line_names_each_family_before_training(capsys):
         assert (
             capsys.readouterr().out.strip().splitlines()[-1] == f"export: Hugging Face {family}, by builder export-hf"
         )
+
+
+@pytest.mark.parametrize(
+    "family, minimal",
+    [
+        ("qwen3", {"num_attention_heads": 32}),
+        ("qwen3_moe", {"num_attention_heads": 8}),
+        ("olmo2", {"num_attention_heads": 4}),
+        ("phi3", {"num_attention_heads": 4}),
+        ("gpt_neox", {"num_attention_heads": 4}),
+    ],
+)
+def test_a_key_a_config_leaves_out_reads_as_its_config_class_default(family, minimal):
+    """A config.json with only the sizes reads as the same spec as transformers' config class
+    with every default filled in (its to_dict)."""
+    from builder.hf import config_to_spec, validate
+    from builder.hf.writer import _semantic
+
+    minimal = {
+        "model_type": family,
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 48,
+        **minimal,
+    }
+    full = transformers.AutoConfig.for_model(**minimal).to_dict()
+    assert _semantic(validate(config_to_spec(minimal))) == _semantic(validate(config_to_spec(full)))

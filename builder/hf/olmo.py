@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from builder.hf import names as ours
 from builder.hf.common import Link, same
-from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout
-from builder.hf.qwen import attention_links, dense_links
+from builder.hf.decoders import _ROTARY, LlamaKnobs
+from builder.hf.qwen import ClassDefaults, attention_links, dense_links
 
 
-class Olmo2(LlamaLayout):
+class Olmo2(ClassDefaults):
     # config.json -> spec: the Llama layout's, the norms after the sub-layers, the q/k norms
     def to_spec(self, config: dict, names: set[str]) -> dict:
         spec = super().to_spec(config, names)
@@ -55,6 +55,7 @@ class Olmo2(LlamaLayout):
 FAMILIES = [
     Olmo2(
         LlamaKnobs(attention_bias_key=True),
+        {"rms_norm_eps": 1e-5},
         model_type="olmo2",
         hf_class="Olmo2ForCausalLM",
         auto_class="AutoModelForCausalLM",

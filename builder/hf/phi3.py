@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from builder.hf import names as ours
 from builder.hf.common import Link, dropout, same, split
-from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout
+from builder.hf.decoders import _ROTARY, LlamaKnobs
+from builder.hf.qwen import ClassDefaults
 
 
-class Phi3(LlamaLayout):
+class Phi3(ClassDefaults):
     # config.json -> spec: Mistral's, with the residual dropout
     def to_spec(self, config: dict, names: set[str]) -> dict:
         spec = super().to_spec(config, names)
@@ -66,6 +67,7 @@ class Phi3(LlamaLayout):
 FAMILIES = [
     Phi3(
         LlamaKnobs(windows="uniform"),
+        {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
         model_type="phi3",
         hf_class="Phi3ForCausalLM",
         auto_class="AutoModelForCausalLM",

@@ -51,14 +51,22 @@ def dense_links(h: str, ffn: str) -> list[Link]:
     return [same(f"{h}.{p}_proj.weight", f"{ffn}.{p}_proj.weight") for p in ("gate", "up", "down")]
 
 
-class Qwen3(LlamaLayout):
+class ClassDefaults(LlamaLayout):
+    """A Llama-layout family whose config class defaults some keys otherwise than Llama's:
+    ``defaults`` fills them in where a config.json leaves them out, as transformers does."""
+
     def __init__(self, knobs: LlamaKnobs, defaults: dict, **kwargs):
         super().__init__(knobs, **kwargs)
-        self.defaults = defaults  # the config class's values for the keys a config.json leaves out
+        self.defaults = defaults
 
+    def to_spec(self, config: dict, names: set[str]) -> dict:
+        return super().to_spec({**self.defaults, **config}, names)
+
+
+class Qwen3(ClassDefaults):
     # config.json -> spec: the Llama layout's, with the q/k norms
     def to_spec(self, config: dict, names: set[str]) -> dict:
-        spec = super().to_spec({**self.defaults, **config}, names)
+        spec = super().to_spec(config, names)
         eps = spec["decoder"]["norm"]["eps"]
         spec["decoder"]["attention"]["qk_norm"] = {"type": "rmsnorm", "over": "head", "eps": eps}
         return spec
@@ -98,6 +106,9 @@ class Qwen3Moe(Qwen3):
         family = self.model_type
         if config.get("router_jitter_noise"):
             raise Unsupported(f"{family}: router_jitter_noise > 0 has no counterpart here")
+        if "num_experts" not in config and "num_local_experts" in config:  # to_dict's name for it
+            config = {**config, "num_experts": config["num_local_experts"]}
+        config = {**self.defaults, **config}
         windowed = {
             **config,
             "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None,
@@ -106,15 +117,13 @@ class Qwen3Moe(Qwen3):
         stack, n_layers = spec["decoder"], spec["decoder"]["n_layers"]
         dense = stack["ffn"]
         expert = {**dense, "hidden_dim": need(config, "moe_intermediate_size", family)}
-        n_experts = config.get("num_experts", config.get("num_local_experts"))
+        n_experts = need(config, "num_experts", family)
         moe = {
             "type": _SPARSE[bool(config.get("norm_topk_prob", False))],
             "n_experts": n_experts,
             "top_k": need(config, "num_experts_per_tok", family),
             "expert": expert,
         }
-        if n_experts is None:
-            raise Unsupported(f"{family} config.json has no 'num_experts'")
         if moe["type"] == "deepseek_moe":
             moe["scoring"] = "softmax"
         step = config.get("decoder_sparse_step") or 1
@@ -197,7 +206,7 @@ def fused_experts(spec) -> list[Link]:
 FAMILIES = [
     Qwen3(
         LlamaKnobs(attention_bias_key=True, windows="layer_types"),
-        {"head_dim": 128, "num_key_value_heads": 32},
+        {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
         model_type="qwen3",
         hf_class="Qwen3ForCausalLM",
         auto_class="AutoModelForCausalLM",
@@ -207,7 +216,13 @@ FAMILIES = [
     ),
     Qwen3Moe(
         LlamaKnobs(attention_bias_key=True, windows="uniform"),
-        {"num_key_value_heads": 4},
+        {
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 32768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+        },
         model_type="qwen3_moe",
         hf_class="Qwen3MoeForCausalLM",
         auto_class="AutoModelForCausalLM",
