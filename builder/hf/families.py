@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf import decoders, deepseek, encoders, gemma3, gpt_oss, llama4, mpt, phi3, qwen
+from builder.hf import decoders, deepseek, encoders, gemma3, gpt_oss, llama4, mpt, neox, olmo, phi3, qwen
 from builder.hf.common import Family, HFError, Unsupported
 
 #: every family module, in the order export tries them
-MODULES = (decoders, qwen, gemma3, gpt_oss, llama4, mpt, phi3, deepseek, encoders)
+MODULES = (decoders, qwen, olmo, gemma3, gpt_oss, llama4, mpt, neox, phi3, deepseek, encoders)
 FAMILIES: dict[str, Family] = {f.model_type: f for module in MODULES for f in module.FAMILIES}
 
 #: what a transformers model_type looks like (``gpt2``, ``gpt_neox``, ``xlm-roberta``)
