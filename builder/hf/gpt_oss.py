@@ -66,6 +66,7 @@ class GptOss(LlamaLayout):
         spec = super().to_spec(config, names)
         stack = spec["decoder"]
         stack["attention"]["sinks"] = True
+        stack["ffn"]["expert"]["bias"] = True  # what expert_bias means, said where the expert is
         stack["ffn"].update(
             router_bias=True,
             expert_bias=True,

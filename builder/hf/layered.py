@@ -24,16 +24,21 @@ def stack_overrides(layers: Sequence[dict[str, dict]]) -> tuple[dict[str, dict],
     {...}}`` (a section may be absent: the same on every layer).
 
     The stack takes the combination the most layers have (the first of equals); an override per
-    other combination lists its layers and, per section, the attention fields that differ (a
-    null clears one) and the whole FFN when it differs (an FFN of another type replaces it)."""
+    other combination lists its layers (a slice string when they are every n-th to the last)
+    and, per section, the attention fields that differ (a null clears one) and the whole FFN
+    when it differs (an FFN of another type replaces it)."""
     keys = [json.dumps(layer, sort_keys=True) for layer in layers]
-    first = {key: layers[keys.index(key)] for key in keys}  # each combination as first written
-    base_key = max(first, key=lambda k: (keys.count(k), -keys.index(k)))
-    base = first[base_key]
+    chosen: dict[str, list[int]] = {}  # each combination's layers, in the order they first appear
+    for i, key in enumerate(keys):
+        chosen.setdefault(key, []).append(i)
+    base_key = max(chosen, key=lambda k: len(chosen[k]))  # the first of equals
+    base = layers[chosen[base_key][0]]
     overrides = []
-    for key in sorted(set(keys) - {base_key}, key=keys.index):
-        layer = first[key]
-        override: dict[str, Any] = {"layers": [i for i, k in enumerate(keys) if k == key]}
+    for key, indices_ in chosen.items():
+        if key == base_key:
+            continue
+        layer = layers[indices_[0]]
+        override: dict[str, Any] = {"layers": _selection(indices_, len(keys))}
         for section, fields in layer.items():
             if section == "ffn":
                 if fields != base.get("ffn"):
@@ -44,6 +49,16 @@ def stack_overrides(layers: Sequence[dict[str, dict]]) -> tuple[dict[str, dict],
                 override[section] = changed
         overrides.append(override)
     return base, overrides
+
+
+def _selection(chosen: list[int], n_layers: int) -> str | list[int]:
+    """``"start::step"`` for every ``step``-th layer from ``start`` to the last (Gemma 3's global
+    layers, Llama 4's NoPE ones), else the list of indices."""
+    if len(chosen) >= 2:
+        start, step = chosen[0], chosen[1] - chosen[0]
+        if chosen == list(range(start, n_layers, step)):
+            return f"{start}::{step}"
+    return chosen
 
 
 def layer_values(stack, read: Callable[[Any], Any]) -> list:
