@@ -256,6 +256,18 @@ def markdown(rows: list[dict], orders: list[dict]) -> str:
     out += ["", "| table | faster | slower | published ratio | predicted ratio |", "| --- | --- | --- | ---: | ---: |"]
     for o in orders:
         out.append(f"| {o['table']} | {o['faster']} | {o['slower']} | {o['published']:.2f} | {o['predicted']:.2f} |")
+    parts = list(rows[0]["breakdown"])
+    out += [
+        "",
+        "Where the predicted step goes (share of the step):",
+        "",
+        "| table | run | " + " | ".join(p.replace("_", " ") for p in parts) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in parts) + " |",
+    ]
+    for r in rows:
+        total = sum(r["breakdown"].values())
+        shares = " | ".join(f"{r['breakdown'][p] / total:.0%}" for p in parts)
+        out.append(f"| {r['row'].table} | {r['row'].label} | {shares} |")
     bf16 = [r for r in rows if r["row"].bf16]
     out += [
         "",

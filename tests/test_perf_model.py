@@ -137,3 +137,26 @@ def test_published_runs_are_predicted_and_ordered():
     assert len(bf16) >= 4 and all(abs(r["tps_error"]) <= 0.2 for r in bf16), [r["tps_error"] for r in bf16]
     assert all(o["predicted"] > 1 for o in orders), orders  # the faster published run is predicted faster
     assert sum(abs(r["memory_error"]) <= 0.15 for r in rows) >= len(rows) - 2
+
+
+def test_describe_sizes_a_pipelined_layout_as_the_planner_does(capsys):
+    """Table 5 of torchtitan's benchmark (405B, TP 8, PP 8, FSDP 8, full recomputation): describe's
+    per-GPU memory is the model's, and within 15% of the published 82.5 / 72.7 GiB."""
+    import json
+
+    from builder.cli import main
+
+    rows, _ = _published()
+    for schedule, batch, published in (("1f1b", "4", 82.5), ("interleaved-1f1b", "2", 72.7)):
+        argv = ["describe", "llama3-405b", "--seq-len", "8192", "--batch", batch, "--devices", "512", "--nodes", "64"]
+        argv += ["--strategy", "fsdp", "--tensor-parallel", "8", "--pipeline-parallel", "8", "--checkpointing"]
+        assert main([*argv, "--schedule", schedule, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)["layout_memory"]["per_gpu_bytes"] / 2**30
+        predicted = next(r for r in rows if r["row"].table == "5" and r["row"].schedule == schedule)["memory_gib"]
+        assert shown == pytest.approx(predicted, rel=0.02) and abs(shown / published - 1) <= 0.15
+    assert main(["describe", "llama3-8b", "--devices", "64", "--strategy", "fsdp", "--pipeline-parallel", "64"]) == 1
+    assert capsys.readouterr().err == "error: --pipeline-parallel 64: decoder.n_layers (32): more stages than layers\n"
+    assert main(["describe", "llama3-8b", "--devices", "8", "--expert-parallel", "2"]) == 1
+    assert (
+        capsys.readouterr().err == "error: --expert-parallel needs --strategy fsdp (ddp replicates the whole model)\n"
+    )

@@ -56,14 +56,14 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
 SELECTIVE_RECOMPUTE = 0.5
 SELECTIVE_SAVED = 0.35
 #: HBM passes over each saved byte: written in forward, read in backward, its gradient written
-ELEMENTWISE_PASSES = 3
+ELEMENTWISE_PASSES = 6
 #: fraction of those passes torch.compile fuses away
-COMPILE_FUSION = 0.5
+COMPILE_FUSION = 0.7
 #: bytes AdamW reads and writes per local parameter element (fp32 weight, gradient, two states
 #: read; weight and states written)
 OPTIMIZER_BYTES = 28
 #: fraction of the tensor-parallel collectives async TP hides behind its matmuls
-ASYNC_TP_OVERLAP = 0.75
+ASYNC_TP_OVERLAP = 0.5
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 

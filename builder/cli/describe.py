@@ -81,6 +81,18 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
             help=f"fsdp: {what}; sized per stage by the performance model (builder.analysis.perf); default 1",
         )
     parser.add_argument(
+        "--schedule",
+        choices=("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"),
+        default="1f1b",
+        help="--pipeline-parallel: the schedule, which sets the micro-batches in flight (default 1f1b)",
+    )
+    parser.add_argument(
+        "--pipeline-microbatches",
+        type=count(maximum=MAX_DEVICES),
+        metavar="M",
+        help="--pipeline-parallel: micro-batches per step (default one per stage, as torchtitan)",
+    )
+    parser.add_argument(
         "--nodes", type=count(maximum=MAX_DEVICES), default=1, help="machines the devices are spread over (default 1)"
     )
     parser.add_argument(
@@ -167,11 +179,16 @@ def layout_memory(spec, args) -> dict | None:
     if layout is None:
         return None
     seq = Step(seq_len=args.seq_len).seq_len or spec.max_seq_len
+    schedule = getattr(args, "schedule", "1f1b")
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    micro = getattr(args, "pipeline_microbatches", None) or layout.pipeline_parallel * virtual
     run = Run(
         seq_len=seq,
-        global_batch=args.batch * layout.data_parallel_size,
+        global_batch=args.batch * micro * layout.data_parallel_size,
         micro_batch=args.batch,
         recompute="full" if args.checkpointing else "none",
+        schedule=schedule,
+        stages_per_rank=virtual,
         dtype=args.dtype,
     )
     parts = memory(Model(spec, seq, args.dtype), layout, run)
@@ -213,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
 
             parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in five_d["parts"].items())
             print(
-                f"per GPU on {_layout_text(five_d['layout'])} (the stage holding the most, one micro-batch "
-                f"of {args.batch} in flight per stage; builder.analysis.perf): {human_bytes(five_d['per_gpu_bytes'])} "
+                f"per GPU on {_layout_text(five_d['layout'])} (the stage holding the most, micro-batches of "
+                f"{args.batch} as the {args.schedule} schedule keeps them; builder.analysis.perf): "
+                f"{human_bytes(five_d['per_gpu_bytes'])} "
                 f"({parts}); the tables above are the layout without pipeline, context or expert parallelism"
             )
         print(f"export: {export_line(spec)}")
