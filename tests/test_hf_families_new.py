@@ -199,8 +199,8 @@ CASES = {
         edit=_neox_4x_config,
     ),
     "mpt": Case(_mpt_six_heads, "causal"),
-    # renormalised top-k (the moe block), the middle layer dense; raw top-k probabilities
-    # (deepseek_moe) on every layer of a 4-token window
+    # renormalised top-k probabilities, the middle layer dense; raw ones on every layer of a
+    # 4-token window
     "qwen3_moe-renormalised-dense-middle": Case(lambda: _qwen3_moe(True, mlp_only_layers=[1]), "causal"),
     "qwen3_moe-raw-probabilities-window": Case(
         lambda: _qwen3_moe(False, use_sliding_window=True, sliding_window=4), "causal"
@@ -565,7 +565,7 @@ def test_a_config_without_an_exact_counterpart_is_refused_naming_the_key(name, c
             "tiny/qwen3-moe",
             "qwen3_moe",
             {"decoder.ffn": {"type": "glu", "hidden_dim": 32}},
-            "no layer's ffn is moe or deepseek_moe",
+            "no layer's ffn is deepseek_moe",
         ),
         ("tiny/phi3", "phi3", {"decoder.ffn.bias": True}, "ffn.bias is True in the spec; phi3 would make it False"),
     ],

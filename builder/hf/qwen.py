@@ -14,20 +14,21 @@ falls back to ``hidden_size / num_attention_heads``) and ``num_key_value_heads``
 Qwen3-MoE's sparse layers (those not in ``mlp_only_layers`` whose index + 1 is a multiple of
 ``decoder_sparse_step``; the others are dense SwiGLU layers of ``intermediate_size``) route each
 token to ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts by a softmax over all the
-experts: with ``norm_topk_prob`` the chosen probabilities are renormalised, which is the
-``moe`` block (Mixtral's softmax over the chosen logits: the same numbers); without it they are
-used as they are, which is ``deepseek_moe`` with softmax scoring, one group and no shared
-expert. Checkpoints hold each expert's ``gate_proj``, ``up_proj`` and ``down_proj``
-(transformers 5.x's in-memory 3-D ``gate_up_proj`` and ``down_proj``, saved as they are, are
-read too); the router is ``mlp.gate``.
+experts, the chosen probabilities renormalised when ``norm_topk_prob``: the ``deepseek_moe``
+block with softmax scoring, one group, no shared expert and the same ``norm_topk_prob`` (its
+experts' weights stacked, so a 128-expert model builds in a blink). Checkpoints hold each
+expert's ``gate_proj``, ``up_proj`` and ``down_proj`` (transformers 5.x's in-memory 3-D
+``gate_up_proj`` and ``down_proj``, saved as they are, are read too); the router is ``mlp.gate``.
 """
 
 from __future__ import annotations
 
 from builder.hf import names as ours
-from builder.hf.common import Link, Unsupported, need, same, split, stacked
+from builder.hf.common import Link, Unsupported, need, same
 from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout
-from builder.hf.deepseek import _stacked
+
+# the experts' per-expert and 3-D layouts are DeepSeek's (the same module names)
+from builder.hf.deepseek import _stacked, fused_experts
 
 
 def attention_links(h: str, attn: str, config) -> list[Link]:
@@ -96,8 +97,8 @@ class Qwen3(ClassDefaults):
         return dense_links(h, ffn)
 
 
-#: the ffn types a Qwen3-MoE sparse layer reads as: by norm_topk_prob
-_SPARSE = {True: "moe", False: "deepseek_moe"}
+#: the ffn type of Qwen3-MoE's sparse layers
+SPARSE = "deepseek_moe"
 
 
 class Qwen3Moe(Qwen3):
@@ -119,13 +120,13 @@ class Qwen3Moe(Qwen3):
         expert = {**dense, "hidden_dim": need(config, "moe_intermediate_size", family)}
         n_experts = need(config, "num_experts", family)
         moe = {
-            "type": _SPARSE[bool(config.get("norm_topk_prob", False))],
+            "type": SPARSE,
+            "scoring": "softmax",
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
             "n_experts": n_experts,
             "top_k": need(config, "num_experts_per_tok", family),
             "expert": expert,
         }
-        if moe["type"] == "deepseek_moe":
-            moe["scoring"] = "softmax"
         step = config.get("decoder_sparse_step") or 1
         only_dense = config.get("mlp_only_layers") or []
         if not isinstance(only_dense, list) or not all(
@@ -143,11 +144,11 @@ class Qwen3Moe(Qwen3):
     def to_config(self, spec) -> dict:
         stack = spec.decoder
         ffns = [stack.layer(i).ffn for i in range(stack.n_layers)]
-        sparse = [i for i, f in enumerate(ffns) if f.type in _SPARSE.values()]
+        sparse = [i for i, f in enumerate(ffns) if f.type == SPARSE]
         moe = ffns[sparse[0]] if sparse else None
-        dense = next((f for f in ffns if f.type not in _SPARSE.values()), None)
+        dense = next((f for f in ffns if f.type != SPARSE), None)
         if moe is None:
-            raise Unsupported(f"no layer's ffn is moe or deepseek_moe; {self.model_type} is a mixture of experts")
+            raise Unsupported(f"no layer's ffn is {SPARSE}; {self.model_type} is a mixture of experts")
         # attention, norms and RoPE as Qwen3 writes them, from the spec with one dense FFN
         view = spec.model_copy(update={"decoder": stack.model_copy(update={"ffn": dense or moe.expert})})
         config = super().to_config(view)
@@ -157,7 +158,7 @@ class Qwen3Moe(Qwen3):
             num_experts=moe.n_experts,
             num_experts_per_tok=moe.top_k,
             moe_intermediate_size=moe.expert.resolved_hidden_dim(spec.d_model),
-            norm_topk_prob=moe.type == "moe",
+            norm_topk_prob=moe.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(stack.n_layers) if i not in sparse],
             router_jitter_noise=0.0,
@@ -165,42 +166,17 @@ class Qwen3Moe(Qwen3):
         return config
 
     def _ffn_links(self, h: str, ffn: str, config) -> list[Link]:
-        if config.type not in _SPARSE.values():
+        if config.type != SPARSE:
             return dense_links(h, ffn)
         links = [same(f"{h}.gate.weight", f"{ffn}.router.weight")]
-        n = config.n_experts
-        for p in ("gate", "up", "down"):
-            theirs = [f"{h}.experts.{e}.{p}_proj.weight" for e in range(n)]
-            if config.type == "moe":  # ours: one module per expert
-                links += [same(t, f"{ffn}.experts.{e}.{p}_proj.weight") for e, t in enumerate(theirs)]
-            else:  # ours: the experts' weights stacked
-                links.append(_stacked(theirs, f"{ffn}.experts.{p}_proj.weight"))
+        for p in ("gate", "up", "down"):  # ours: the experts' weights stacked
+            links.append(
+                _stacked(
+                    [f"{h}.experts.{e}.{p}_proj.weight" for e in range(config.n_experts)],
+                    f"{ffn}.experts.{p}_proj.weight",
+                )
+            )
         return links
-
-
-def fused_experts(spec) -> list[Link]:
-    """transformers 5.x's in-memory layout of the sparse layers' experts (3-D ``gate_up_proj``
-    and ``down_proj``), as a checkpoint saved from its state dict holds it; read as an alternative."""
-    stack, links = spec.decoder, []
-    for i in range(stack.n_layers):
-        config = stack.layer(i).ffn
-        if config.type not in _SPARSE.values():
-            continue
-        ffn, experts = ours.ffn("decoder", i), f"model.layers.{i}.mlp.experts"
-        hidden, n = config.expert.resolved_hidden_dim(spec.d_model), config.n_experts
-        if config.type == "moe":
-            gate_up = [f"{ffn}.experts.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up")]
-            links += [
-                stacked(f"{experts}.gate_up_proj", gate_up, sizes=[hidden, hidden]),
-                stacked(f"{experts}.down_proj", [f"{ffn}.experts.{e}.down_proj.weight" for e in range(n)]),
-            ]
-        else:
-            gate_up = [f"{ffn}.experts.gate_proj.weight", f"{ffn}.experts.up_proj.weight"]
-            links += [
-                split(f"{experts}.gate_up_proj", gate_up, [hidden, hidden], dim=1),
-                same(f"{experts}.down_proj", f"{ffn}.experts.down_proj.weight"),
-            ]
-    return links
 
 
 FAMILIES = [
