@@ -27,14 +27,15 @@ layers (Hugging Face's names). The scores go through ``kernels.attention`` with 
 chosen per model (``eager`` | ``sdpa`` | ``triton`` | ``auto``).
 
 The per-layer options of ``multi_head`` (``blocks.configs.attention``), in the order the
-forward applies them to q and k: ``qk_norm`` (``q_norm`` / ``k_norm``, Hugging Face's names:
-per head or over the whole projection, before RoPE), the rotation (none on a ``rope: false``
-layer; at the layer's own ``rope_theta`` through the position block's hook), the keys cached,
-then ``temperature_tuning``'s factor on the queries at their positions; ``sinks`` (a parameter
-``(n_heads,)``) and ``chunk_size`` go to the kernel (in a packed row each document's
-chunks start at its own first token, as when it runs alone). The KV cache holds the normed, rotated keys
-and the values exactly as without the options (a chunked layer keeps every token: a query's
-chunk starts at an absolute token index, which the cache's token order keeps).
+forward applies them: ``qk_norm`` on q and k (``q_norm`` / ``k_norm``, Hugging Face's names; per
+head or over the whole projection), the rotation (none on a ``rope: false`` layer; at the
+layer's own ``rope_theta`` through the position block's hook), ``temperature_tuning``'s factor
+on the queries at their positions; ``sinks`` (a parameter ``(n_heads,)``) and ``chunk_size`` go
+to the kernel. Chunks follow position ids: in a packed row each document's chunks start at its
+own first token, in a left-padded row at its first real token (as Hugging Face's Llama 4 counts
+them), as when the sequence runs alone and unpadded. The KV cache holds the normed, rotated
+keys and the values exactly as without the options; a chunked layer keeps every token (its
+layout has no window), the masks reading the cached keys' token indices or positions.
 """
 
 from __future__ import annotations
@@ -127,6 +128,25 @@ class AttentionInputs:
                 bias = scores.float() if bias is None else bias + scores.float()
         self._bias_memo[key] = bias
         return bias
+
+    def chunk_bias(self, first, seq_k: int, chunk: int, device) -> torch.Tensor:
+        """Additive ``(batch, 1, seq_q, seq_k)`` bias keeping for each query the keys of its chunk
+        of ``chunk`` positions, by position ids (``key_mask``'s running count, as the stack
+        numbers a padded row), so a left-padded row's chunks start at its first real token as an
+        unpadded row's do; keys ``first .. first+seq_k`` or a static step's slots (``first`` the
+        tensor of their token indices). Shared by every chunked layer of the forward."""
+        memo = ("chunk", first.shape[0] if isinstance(first, torch.Tensor) else first, seq_k, chunk)
+        if memo in self._bias_memo:
+            return self._bias_memo[memo]
+        counted = (self.key_mask.long().cumsum(-1) - 1).clamp(min=0)  # (batch, tokens): each token's position
+        if isinstance(first, torch.Tensor):
+            key_positions = counted.index_select(1, first.clamp(min=0))  # (batch, capacity)
+        else:
+            key_positions = counted[:, first : first + seq_k]  # (batch, seq_k)
+        same = (self.positions // chunk)[:, :, None] == (key_positions // chunk)[:, None, :]  # (batch, seq_q, seq_k)
+        bias = torch.zeros(same.shape, dtype=torch.float32, device=device).masked_fill(~same, float("-inf"))
+        self._bias_memo[memo] = bias[:, None]  # (batch, 1, seq_q, seq_k)
+        return self._bias_memo[memo]
 
     def _slot_bias(self, keys: torch.Tensor, n_heads: int, device) -> torch.Tensor | None:
         """:meth:`bias` over a static cache's slots, ``keys`` ``(capacity,)`` their token indices
@@ -304,11 +324,15 @@ class MultiHeadAttention(nn.Module):
         bias = inputs.bias(first, k.shape[2], self.total_heads, x.device)
         if bias is not None and bias.shape[1] > self.n_heads:  # (batch | 1, total_heads, ...): this rank's heads
             bias = bias[:, self.first_head : self.first_head + self.n_heads]
+        chunk_size = self.chunk_size
+        if chunk_size is not None and inputs.key_mask is not None:  # padded: chunks by position ids
+            chunks = inputs.chunk_bias(first, k.shape[2], chunk_size, x.device)
+            bias, chunk_size = (chunks if bias is None else bias + chunks), None
         scale, factor = self.scale, inputs.score_scale()
         if factor != 1.0:
             scale = (scale if scale is not None else self.head_dim**-0.5) * factor
         token_index = inputs.token_index(first)
-        if token_index is None and self.chunk_size is not None and first != 0:
+        if token_index is None and chunk_size is not None and first != 0:
             # a ring buffer's keys start past token 0: chunks are by absolute token index
             token_index = (
                 torch.arange(inputs.start, inputs.start + seq_q, device=x.device),
@@ -327,14 +351,14 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
             token_index=token_index,
-            **self._kernel_options(inputs),
+            **self._kernel_options(inputs, chunk_size),
         )  # (batch, n_heads, seq_q, head_dim)
         out = out.transpose(1, 2).reshape(
             batch, seq_q, self.n_heads * self.head_dim
         )  # (batch, seq_q, n_heads * head_dim)
         return self.out_proj(out)
 
-    def _kernel_options(self, inputs: AttentionInputs) -> dict:
+    def _kernel_options(self, inputs: AttentionInputs, chunk_size: int | None) -> dict:
         """The kernel's ``document_ids``, ``sinks`` (this rank's heads') and ``chunk_size``, where
         set. In a packed row a document's chunks start at its own first token, as they do when it
         runs alone: each (document, chunk) pair becomes a document of its own (positions restart
@@ -343,9 +367,9 @@ class MultiHeadAttention(nn.Module):
         options = {"document_ids": inputs.document_ids}
         if self.sinks is not None:
             options["sinks"] = self._shared(self.sinks)[self.first_head : self.first_head + self.n_heads]
-        if self.chunk_size is not None:
+        if chunk_size is not None:
             if inputs.document_ids is not None:
-                options["document_ids"] = torch.cumsum(inputs.positions % self.chunk_size == 0, dim=1)  # (batch, seq)
+                options["document_ids"] = torch.cumsum(inputs.positions % chunk_size == 0, dim=1)  # (batch, seq)
             else:
-                options["chunk_size"] = self.chunk_size
+                options["chunk_size"] = chunk_size
         return options

@@ -280,34 +280,64 @@ def _model(name: str):
     return spec, model
 
 
+def _pieces(model, ids, mask=None):
+    """Prefill 5, then pieces of 3 and 1 tokens, each through the cache (a windowed layer's ring
+    buffer wraps: its keys no longer start at token 0)."""
+    cache = KVCache.for_stack(model.decoder, ids.shape[0], ids.shape[1], torch.float32, "cpu")
+    pieces, at = [], 0
+    for n in (5, 3, 3, 1, 1, 3, 4):
+        pieces.append(model(ids[:, at : at + n], None if mask is None else mask[:, : at + n], cache=cache))
+        at += n
+    return torch.cat(pieces, dim=1)
+
+
+def _steps(model, ids, mask=None, prefill: int = 6):
+    """The static decoding step from token ``prefill`` on, over an eagerly prefilled cache."""
+    rows, total = ids.shape
+    cache = KVCache.for_stack(model.decoder, rows, total, torch.float32, "cpu")
+    model(ids[:, :prefill], None if mask is None else mask[:, :prefill], cache=cache)
+    if mask is None:
+        positions = torch.arange(total).expand(rows, total)
+    else:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    steps = []
+    for i in range(prefill, total):
+        steps.append(model._decode_step(ids[:, i : i + 1], torch.tensor([i]), positions, cache, mask, None, None))
+        cache.advance(1)
+    return torch.stack(steps, dim=1)
+
+
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_cached_pieces_and_static_steps_equal_the_full_forward(name):
-    """Prefill 5, then pieces of 3 and 1 tokens (through the ring buffer of a windowed layer,
-    where the keys no longer start at token 0), a left-padded row among them; then the static
-    step from token 6 on: each gives the full forward's logits."""
-    spec, model = _model(name)
+    """Cached pieces and static steps give the full forward's logits, with and without a
+    left-padded row; greedy decoding with the cache equals recomputation."""
+    _, model = _model(name)
     ids = torch.randint(0, 64, (B, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(B, 20, dtype=torch.long)
-    mask[1, :2] = 0
+    mask[1, :3] = 0
     with torch.no_grad():
-        full = model(ids, mask)
-        cache = KVCache.for_stack(model.decoder, B, 20, torch.float32, "cpu")
-        pieces, at = [], 0
-        for n in (5, 3, 3, 1, 1, 3, 4):
-            pieces.append(model(ids[:, at : at + n], mask[:, : at + n], cache=cache))
-            at += n
-        torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
-        full = model(ids)
-        cache = KVCache.for_stack(model.decoder, B, 20, torch.float32, "cpu")
-        model(ids[:, :6], cache=cache)
-        positions = torch.arange(20).expand(B, 20)
-        steps = []
-        for i in range(6, 20):
-            steps.append(model._decode_step(ids[:, i : i + 1], torch.tensor([i]), positions, cache, None, None, None))
-            cache.advance(1)
-    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], rtol=1e-4, atol=1e-5)
+        for m in (None, mask):
+            full = model(ids, m)
+            torch.testing.assert_close(_pieces(model, ids, m), full, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(_steps(model, ids, m), full[:, 6:], rtol=1e-4, atol=1e-5)
     prompt = ids[:, :4]
     assert torch.equal(model.generate(prompt, 10), model.generate(prompt, 10, use_cache=False))
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_left_padding_leaves_the_real_tokens_alone(name):
+    """Chunks and the temperature follow position ids: a row padded on the left computes, on its
+    real tokens, what it computes unpadded, in the full forward, cached pieces and static steps
+    (Hugging Face's Llama 4 counts chunks from the first real token too)."""
+    _, model = _model(name)
+    ids = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(6))
+    padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), ids), dim=1)
+    mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 17, dtype=torch.long)), dim=1)
+    with torch.no_grad():
+        alone = model(ids)
+        torch.testing.assert_close(model(padded, mask)[:, 3:], alone, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(_pieces(model, padded, mask)[:, 3:], alone, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(_steps(model, padded, mask, prefill=9), alone[:, 6:], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
