@@ -504,3 +504,9 @@ def test_bad_combinations_are_located_errors(tmp_path):
     head = {"type": "mtp", "layer": {"parallel_residual": "shared_norm", "norm": sandwich}}
     path, _, message = _located(tmp_path, head=head)
     assert path == "head.layer.parallel_residual" and "pre" in message
+
+
+def test_describe_names_the_wiring():
+    assert _case("parallel").decoder.layer(0).describe(cross=False).endswith("layernorm parallel")
+    assert _case("parallel-shared_norm").decoder.layer(0).describe(cross=False).endswith("parallel shared_norm")
+    assert _case("post_sublayer").decoder.layer(0).describe(cross=False).endswith("rmsnorm post_sublayer")

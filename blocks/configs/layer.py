@@ -59,10 +59,11 @@ class LayerConfig:
         return None
 
     def describe(self, cross: bool) -> str:
-        """A short label: ``8h/4kv w4096 +cross glu rmsnorm``."""
-        return (
-            self.attention.describe() + (" +cross" if cross else "") + f" {self.ffn.describe()} {self.norm.describe()}"
-        )
+        """A short label: ``8h/4kv w4096 +cross glu rmsnorm``, with a placement other than pre
+        (``rmsnorm post_sublayer``) and a parallel residual (``parallel``, ``parallel shared_norm``)."""
+        norm = self.norm.describe() + ("" if self.norm.placement == "pre" else f" {self.norm.placement}")
+        parallel = {False: "", True: " parallel"}.get(self.parallel_residual, f" parallel {self.parallel_residual}")
+        return self.attention.describe() + (" +cross" if cross else "") + f" {self.ffn.describe()} {norm}{parallel}"
 
     # -- counts: the sums of the blocks' own -----------------------------------------------------
 
