@@ -21,8 +21,9 @@ are a SwiGLU ``intermediate_size_mlp`` wide. The routed experts are fused on dis
 transformers rotates pairs of dimensions as complex numbers (interleaved); our RoPE rotates
 halves, so on the RoPE layers the rows of each head of ``q_proj`` and ``k_proj`` (weights and
 biases) are permuted on import and back on export, which leaves every score unchanged (the L2
-norm spans the whole head, so it is unchanged too). Temperature tuning counts positions from the
-cache's length, as ours counts token indices: equal for unpadded and right-padded batches.
+norm spans the whole head, so it is unchanged too). Under left padding transformers' chunks
+start at a row's first real token and its temperature counts token indices, where ours go by
+token index and by position id: the two agree on unpadded and right-padded rows.
 """
 
 from __future__ import annotations
