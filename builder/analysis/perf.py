@@ -243,6 +243,23 @@ class Model:
         self.train_flops_per_token = est.flops.train_per_token
         self.d = d
         self.experts = next((layer["routed"] for layer in self.layers if layer["routed"]), None)
+        self._stages: dict[tuple[int, int], list[dict[int, int]]] = {}
+
+    def stage_counts(self, pp: int, virtual: int = 1) -> list[dict[int, int]]:
+        """Per pipeline rank, how many of each kind of layer it holds: the layers split evenly into
+        ``pp x virtual`` chunks, rank ``s`` holding chunks ``s, s + pp, ...`` (the looped order)."""
+        key = (pp, virtual)
+        if key not in self._stages:
+            chunks = stages(len(self.layers), pp * virtual)
+            out = []
+            for s in range(pp):
+                counts: dict[int, int] = {}
+                for c in range(virtual):
+                    for i in chunks[c * pp + s]:
+                        counts[self.kinds[i]] = counts.get(self.kinds[i], 0) + 1
+                out.append(counts)
+            self._stages[key] = out
+        return self._stages[key]
 
 
 def stages(n_layers: int, chunks: int) -> list[range]:
@@ -276,8 +293,7 @@ def predict(
     micro = per_rank // run.micro_batch
     mb, act = run.micro_batch, BYTES[run.dtype]
     tokens = mb * run.seq_len // cp  # one rank's tokens of one micro-batch
-    chunks = stages(len(m.layers), pp * v)
-    ranks_layers = [[i for c in range(v) for i in chunks[c * pp + s]] for s in range(pp)]
+    counts = m.stage_counts(pp, v)
 
     intra, inter = gpu.intra_node, gpu.inter_node
 
@@ -331,22 +347,25 @@ def predict(
         }
 
     times = {kind: layer_time(kind) for kind in set(m.kinds)}  # identical layers cost the same
-    per_layer = [times[kind] for kind in m.kinds]
     head = m.head_flops * mb / (tp * cp) * 3 / lin_peak
     p2p = 2 * v * collective_seconds("send", tokens * m.d * act / tp, 2, link(layout.stage_devices, 2), cal)
 
     def stage_sum(s: int, key: str) -> float:
-        return sum(per_layer[i][key] for i in ranks_layers[s])
+        return sum(n * times[kind][key] for kind, n in counts[s].items())
 
     def stage_time(s: int) -> float:  # one micro-batch through stage s, forward and backward
         keys = ("compute", "memory_bound", "exposed_tp", "exposed_cp", "exposed_ep")
         return sum(stage_sum(s, k) for k in keys) + (head if s == pp - 1 else 0) + (p2p if pp > 1 else 0)
 
-    slowest = max(range(pp), key=stage_time)
-    t_micro = stage_time(slowest)
+    shapes = {}  # stages with the same layers (and neither end) take the same time
+    for s in range(pp):
+        shape = (tuple(sorted(counts[s].items())), s == pp - 1)
+        if shape not in shapes:
+            shapes[shape] = (stage_time(s), s)
+    t_micro, slowest = max(shapes.values())
     bubble = bubble_fraction(run.schedule, pp, micro, v) * micro * t_micro
     # FSDP: the stage's parameters gathered in the compute dtype, gradients reduce-scattered in fp32
-    stage_params = _stage_params(m, ranks_layers[slowest], slowest, pp, tp, ep)
+    stage_params = _stage_params(m, counts[slowest], slowest, pp, tp, ep)
     fsdp = hsdp = 0.0
     shard = layout.shard_size
     if shard > 1:
@@ -363,7 +382,7 @@ def predict(
         grads = (stage_params[0] / shard + stage_params[1] / max(1, shard // ep)) * 4
         hsdp = collective_seconds("all_reduce", grads, layout.replicas, link(layout.stage_devices, 2), cal)
     compute_total = micro * (stage_sum(slowest, "compute") + (head if slowest == pp - 1 else 0))
-    units = max(1, len(ranks_layers[slowest]))
+    units = max(1, sum(counts[slowest].values()))
     exposed_fsdp = max(0.0, fsdp + hsdp - compute_total) + (fsdp + hsdp) / units  # first gather, last reduce
     local = stage_params[0] / shard + stage_params[1] / max(1, shard // ep)
     optimizer = local * OPTIMIZER_BYTES / hbm
@@ -394,7 +413,7 @@ def predict(
         step_s=step,
         breakdown=breakdown,
         communication=communication,
-        memory=memory(m, layout, run, model_stages=ranks_layers),
+        memory=memory(m, layout, run),
         tokens_per_s_per_gpu=tokens_per_s,
         mfu=tokens_per_s * m.train_flops_per_token / gpu.peak_flops(run.dtype),
         microbatches=micro,
@@ -402,12 +421,12 @@ def predict(
     )
 
 
-def _stage_params(m: Model, layers: list[int], stage: int, pp: int, tp: int, ep: int) -> tuple[float, float]:
+def _stage_params(m: Model, counts: dict[int, int], stage: int, pp: int, tp: int, ep: int) -> tuple[float, float]:
     """``(dense, expert)`` parameter elements one tensor-parallel, expert-parallel rank of a stage
     gathers: its layers' (experts split over ``ep``, replicated over TP as their plan says), the
     embedding on the first stage, the head on the last (both vocabulary-parallel)."""
-    dense = sum(m.layers[i]["params"] for i in layers) / tp
-    experts = sum(m.layers[i]["expert_params"] for i in layers) / ep
+    dense = sum(n * m.layers[k]["params"] for k, n in counts.items()) / tp
+    experts = sum(n * m.layers[k]["expert_params"] for k, n in counts.items()) / ep
     if stage == 0:
         dense += m.embedding / tp
     if stage == pp - 1:
@@ -415,33 +434,34 @@ def _stage_params(m: Model, layers: list[int], stage: int, pp: int, tp: int, ep:
     return dense, experts
 
 
-def memory(m: Model, layout: Layout, run: Run, model_stages: list[list[int]] | None = None) -> dict[str, int]:
+def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
     """Bytes on the GPU holding the most, by part (see the module's docstring)."""
     tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
     v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1
     act = BYTES[run.dtype]
-    ranks_layers = model_stages or [
-        [i for c in range(v) for i in stages(len(m.layers), pp * v)[c * pp + s]] for s in range(pp)
-    ]
+    counts = m.stage_counts(pp, v)
     micro = run.global_batch // layout.data_parallel_size // run.micro_batch
     tokens = run.micro_batch * run.seq_len // cp
     best: dict[str, int] = {}
     for s in range(pp):
-        dense, experts = _stage_params(m, ranks_layers[s], s, pp, tp, ep)
+        dense, experts = _stage_params(m, counts[s], s, pp, tp, ep)
         shard, expert_shard = layout.shard_size, max(1, layout.shard_size // ep)
         states = 16 * (dense / shard + experts / expert_shard)
-        unit = max((m.layers[i]["params"] / tp + m.layers[i]["expert_params"] / ep for i in ranks_layers[s]), default=0)
+        unit = max((m.layers[k]["params"] / tp + m.layers[k]["expert_params"] / ep for k in counts[s]), default=0)
         if pp > 1:  # the stage's parameters and gradients stay unsharded through the step
             buffers = (dense + experts) * 2 * act + unit * 4
         else:
             buffers = unit * (3 * act + 4) if layout.shard_size > 1 else 0
-        per_layer = [m.layers[i]["saved"] * run.micro_batch / (tp * cp) for i in ranks_layers[s]]
+        saved = {k: m.layers[k]["saved"] * run.micro_batch / (tp * cp) for k in counts[s]}
+        largest = max(saved.values(), default=0)
+        layers = sum(counts[s].values())
+        every = sum(n * saved[k] for k, n in counts[s].items())
         if run.recompute == "full":
-            held = len(per_layer) * tokens * m.d * act / tp + max(per_layer, default=0)
+            held = layers * tokens * m.d * act / tp + largest
         elif run.recompute == "selective":
-            held = SELECTIVE_SAVED * sum(per_layer)
+            held = SELECTIVE_SAVED * every
         else:
-            held = sum(per_layer)
+            held = every
         flight = (
             in_flight(run.schedule, pp, micro, v) if s == 0 else max(1.0, in_flight(run.schedule, pp, micro, v) - s)
         )
@@ -449,7 +469,7 @@ def memory(m: Model, layout: Layout, run: Run, model_stages: list[list[int]] | N
         head = m.other_saved * run.micro_batch / (tp * cp) if s == pp - 1 else 0
         # backward's transient: the gradients of the largest block it differentiates at once, the
         # head's logits or one layer's saved tensors, as large as what it saved
-        transient = max(head, max(per_layer, default=0))
+        transient = max(head, largest)
         parts = {
             "states": int(states),
             "buffers": int(buffers),
