@@ -102,6 +102,15 @@ CASES = {
         {"architecture": "encoder-decoder", "parallel_residual": "shared_norm"},
         {"architecture": "encoder-decoder"},
     ),
+    "post_sublayer-gpt_oss-moe": ({"norm": POST_SUBLAYER, "ffn": GPT_OSS}, {"ffn": GPT_OSS}),
+    "encoder-decoder-parallel-sandwich": (
+        {
+            "architecture": "encoder-decoder",
+            "parallel_residual": True,
+            "norm": {"type": "layernorm", "placement": "sandwich"},
+        },
+        {"architecture": "encoder-decoder", "norm": {"type": "layernorm", "placement": "sandwich"}},
+    ),
     "mtp-parallel": (
         {"parallel_residual": True, "head": {"type": "mtp", "layer": {}}},
         {"head": {"type": "mtp", "layer": {}}},
