@@ -17,15 +17,16 @@ to_hf(spec, model, "path/to/export", tokenizer=state)   # + tokenizer.json, toke
 These functions are the stable API (recipes build on them: ``from_hf`` to start from a folder's
 weights, ``read_tokenizer`` for its tokenizer); the submodules are ``families`` (the registry),
 ``reader`` (import), ``writer`` (export), ``tokenizer``, ``checks`` (untrusted folders),
-``weights`` (safe tensor IO) and the family tables ``decoders``, ``mpt``, ``deepseek`` and ``encoders``.
+``weights`` (safe tensor IO) and the family tables (``decoders``, ``qwen``, ``mpt``, ``deepseek``,
+``encoders``... every module :data:`builder.hf.families.MODULES` lists).
 
 Only local files are read (``config.json`` and ``*.safetensors``, sharded or not, or
 ``pytorch_model.bin`` through ``torch.load(weights_only=True)``); nothing is downloaded and
 ``transformers`` is never imported. A folder is not trusted (:mod:`builder.hf.checks`): no path
 that leads out of it is opened, JSON is read with size and depth limits, every ``config.json``
 value must be of its key's kind, and each fault is one line of :class:`HFError` naming the file
-and the key or tensor. Every family is a table in :mod:`builder.hf.decoders`, :mod:`builder.hf.mpt`,
-:mod:`builder.hf.deepseek` or :mod:`builder.hf.encoders`; the spec it produces states every difference as a field.
+and the key or tensor. Every family is a table in one of those modules; the spec it produces states every difference
+as a field.
 
 Export picks the family whose config expresses the spec exactly: it writes the config, reads it
 back as a spec and compares layer by layer (dropout rates aside, which inference never sees; a

@@ -1,7 +1,7 @@
 """The family registry: every Hugging Face ``model_type`` we read and write, and the checks a
-converted spec passes (``validate``). A family is a table in :mod:`builder.hf.decoders`,
-:mod:`builder.hf.mpt`, :mod:`builder.hf.deepseek` or :mod:`builder.hf.encoders`; adding one is
-adding it to that module's ``FAMILIES`` list (a new module is also added to ``MODULES``)."""
+converted spec passes (``validate``). A family is a table in one of the modules ``MODULES``
+lists (:mod:`builder.hf.decoders`, :mod:`builder.hf.qwen`, :mod:`builder.hf.deepseek`...); adding
+one is adding it to that module's ``FAMILIES`` list (a new module is also added to ``MODULES``)."""
 
 from __future__ import annotations
 
