@@ -397,3 +397,14 @@ def test_llama4_older_configs_read_as_transformers_reads_them(tmp_path):
     again, _ = from_hf(tmp_path / "l4")
     assert again.model_dump(exclude={"name"}) == spec.model_dump(exclude={"name"})
     assert [again.decoder.layer(i).attention.rope for i in range(4)] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("name, family", sorted(TINY.items()))
+def test_a_partial_rotation_is_refused_naming_why(name, family):
+    """transformers' Gemma 3, GPT-OSS and Llama 4 rotate whole heads whatever
+    partial_rotary_factor says: a spec rotating half of each is none of them."""
+    spec = load_spec(REPO / "specs" / "tiny" / f"{name}.yaml", overrides={"position.rotary_fraction": 0.5})
+    assert fit(FAMILIES[family], spec) == (
+        None,
+        [f"{family}: partial_rotary_factor 0.5: transformers' {family} rotates the whole head"],
+    )

@@ -20,7 +20,7 @@ from builder.hf import names as ours
 from builder.hf.checks import check_config
 from builder.hf.common import HFError, Link, Unsupported, need, rope_to_hf, same
 from builder.hf.decoders import LlamaKnobs, LlamaLayout
-from builder.hf.layered import layer_types, layer_values, stack_overrides, uniform
+from builder.hf.layered import layer_types, layer_values, stack_overrides, uniform, whole_head_rope
 
 #: transformers' Gemma3TextConfig.default_theta
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
@@ -69,7 +69,7 @@ class Gemma3(LlamaLayout):
             {**config, "layer_types": types, "rope_parameters": full, "rope_scaling": None, "rope_theta": None},
             names,
         )
-        stack, theta = spec["decoder"], spec["position"]["theta"]
+        stack, theta = spec["decoder"], whole_head_rope(spec["position"], self.model_type)["theta"]
         eps = stack["norm"]["eps"]
         stack["attention"]["qk_norm"] = {"type": "rmsnorm", "over": "head", "eps": eps, "unit_offset": True}
         window = config.get("sliding_window")

@@ -26,6 +26,7 @@ from __future__ import annotations
 from builder.hf import names as ours
 from builder.hf.common import Link, Unsupported
 from builder.hf.decoders import LlamaKnobs, LlamaLayout
+from builder.hf.layered import whole_head_rope
 
 #: transformers' GptOssConfig defaults for the keys the Llama reader defaults otherwise
 DEFAULTS = {
@@ -65,6 +66,7 @@ class GptOss(LlamaLayout):
         config["hidden_act"] = "silu"  # GptOssExperts' SwiGLU, whatever hidden_act says
         spec = super().to_spec(config, names)
         stack = spec["decoder"]
+        whole_head_rope(spec["position"], self.model_type)
         stack["attention"]["sinks"] = True
         stack["ffn"]["expert"]["bias"] = True  # what expert_bias means, said where the expert is
         stack["ffn"].update(

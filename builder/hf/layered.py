@@ -109,3 +109,15 @@ def layer_types(config: dict, n_layers: int, known: Sequence[str], family: str) 
     if unknown:
         raise Unsupported(f"{family}: layer types {unknown} are not supported (known: {', '.join(known)})")
     return list(types)
+
+
+def whole_head_rope(position: dict, family: str) -> dict:
+    """``position`` (a spec's, from ``rope_from_hf``), refused when it rotates part of each head:
+    Gemma 3's, GPT-OSS's and Llama 4's rotations take the whole head whatever
+    ``partial_rotary_factor`` says, so a fraction would not be what transformers computes."""
+    if position.get("rotary_fraction", 1.0) != 1.0:
+        raise Unsupported(
+            f"{family}: partial_rotary_factor {position['rotary_fraction']}: transformers' {family} "
+            "rotates the whole head"
+        )
+    return position

@@ -43,7 +43,7 @@ from builder.hf.common import (
     same,
 )
 from builder.hf.deepseek import _permuted_rows
-from builder.hf.layered import flags, indices, layer_types, layer_values, stack_overrides, uniform
+from builder.hf.layered import flags, indices, layer_types, layer_values, stack_overrides, uniform, whole_head_rope
 
 #: transformers' Llama4TextConfig defaults for the keys a config may leave out
 DEFAULTS = {
@@ -142,7 +142,7 @@ class Llama4(Family):
             "max_seq_len": config["max_position_embeddings"],
             "tie_embeddings": config.get("tie_word_embeddings", False),
             "embedding": {"scale": "none"},
-            "position": rope_from_hf(config, 500000.0, head_dim),
+            "position": whole_head_rope(rope_from_hf(config, 500000.0, head_dim), family),
             "decoder": stack,
             "head": {"type": "lm", "bias": False},
         }
