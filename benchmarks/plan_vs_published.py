@@ -7,11 +7,13 @@ one predicted faster, and by a similar margin?
 
 Source (figures quoted exactly): the torchtitan team's December 2024 H100 benchmark,
 ``benchmarks/llama3_h100_202412_torchtitan.md`` in pytorch/torchtitan (commit 31a17bf as read):
-Grand Teton hosts of 8 H100 SXM with 96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W; the
+Grand Teton hosts of 8 H100 SXM with 96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W (a
+peak "between SXM and NVL", its footnote 2: the midpoint is taken); the
 sequence length 8192 of tables 1, 3, 4 and 5 is torchtitan's ``train_configs/llama3_{8b,70b,405b}.toml``
 ``seq_len``; pipeline micro-batches are torchtitan's default, one per stage
 (``pipeline_parallel_microbatches`` unset: ``n_microbatches = num_total_stages``), interleaved
-1F1B with 2 stages per rank. Float8 rows run the projections at the fp8 peak.
+1F1B with 2 stages per rank. Float8 rows run the projections at the fp8 peak. A second source:
+the Trainy team's June 2025 H200 run (``benchmarks/llama3_8b_h200_2025-06_torchtitan.md``).
 
 Run: ``python benchmarks/plan_vs_published.py [--markdown]``. Torch-free, a few seconds.
 """
@@ -36,10 +38,16 @@ from builder.analysis.layout import Layout  # noqa: E402
 from builder.analysis.perf import CALIBRATION, Model, Run, predict  # noqa: E402
 from builder.spec.loader import load_spec  # noqa: E402
 
-SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+SOURCE = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (tables 1-6, H100) and "
+    "benchmarks/llama3_8b_h200_2025-06_torchtitan.md (table H200)"
+)
 GIB = 2**30
-#: the benchmark's hardware as the file states it; the peak is the SXM part's (its footnote 2)
-GRAND_TETON = gpu("h100", memory=96 * 10**9, hbm_bandwidth=2.4e12, inter_node=400e9 / 8)
+#: the benchmark's hardware as the file states it (96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W);
+#: its footnote 2: "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
+#: value" -- taken as the midpoint of the H100 SXM's 989.5 and the H100 NVL's 835.5 dense bf16 TFLOP/s
+GRAND_TETON_PEAK = (989.5e12 + 835.5e12) / 2
+GRAND_TETON = gpu("h100", memory=96 * 10**9, hbm_bandwidth=2.4e12, inter_node=400e9 / 8, peak=GRAND_TETON_PEAK)
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class Row:
     compile: bool = False
     float8: bool = False
     async_tp: bool = False
+    source: str = "torchtitan-202412"
+    float8_all_gather: bool = False
 
     @property
     def bf16(self) -> bool:
@@ -160,6 +170,15 @@ ROWS += [
     )
     for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))
 ]
+#: the Trainy team's June 2025 H200 run (pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md):
+#: Llama 3.1 8B on 4 and 8 hosts of 8 H200, FSDP over all (llama3_8b.toml: data_parallel_shard_degree -1,
+#: seq_len 8192, selective per-op recomputation), local batch 2, compile, float8 with float8 FSDP all-gathers
+_H200 = {"compile": True, "float8": True, "float8_all_gather": True, "source": "torchtitan-h200-202506"}
+ROWS += [
+    Row("H200", f"{n} nodes", "llama3-8b", 8 * n, 1, 1, 1, 8192, 16 * n, 2, "selective", tps, mem, **_H200)
+    for n, tps, mem in ((4, 10938, 47.96), (8, 10753, 46.97))
+]
+HARDWARE = {"torchtitan-202412": GRAND_TETON, "torchtitan-h200-202506": gpu("h200")}
 #: pairs a table measured of one model: (table, faster label, slower label)
 ORDERINGS = [
     ("1", "FSDP + torch.compile", "FSDP"),
@@ -173,6 +192,7 @@ ORDERINGS = [
     ("6", "FSDP 8, CP 1", "FSDP 4, CP 2"),
     ("6", "FSDP 4, CP 2", "FSDP 2, CP 4"),
     ("6", "FSDP 2, CP 4", "FSDP 1, CP 8"),
+    ("H200", "4 nodes", "8 nodes"),
 ]
 
 
@@ -197,11 +217,12 @@ def predict_row(row: Row, models: dict):
         compile=row.compile,
         async_tp=row.async_tp,
         float8=row.float8,
+        float8_all_gather=row.float8_all_gather,
     )
     key = (row.spec, row.seq)
     if key not in models:
         models[key] = Model(spec, row.seq)
-    return predict(spec, layout, run, GRAND_TETON, model=models[key])
+    return predict(spec, layout, run, HARDWARE[row.source], model=models[key])
 
 
 def results() -> tuple[list[dict], list[dict]]:
@@ -238,8 +259,9 @@ def results() -> tuple[list[dict], list[dict]]:
 
 def markdown(rows: list[dict], orders: list[dict]) -> str:
     out = [
-        f"Source: {SOURCE} (figures quoted exactly). Hardware: H100 SXM peak, 96 GB at 2.4 TB/s, "
-        "400 Gb/s per GPU, as the file states. Calibration, one for every row: " + CALIBRATION.describe() + ".",
+        f"Sources: {SOURCE}, figures quoted exactly. Hardware as each file states it: the H100 SXM peak with "
+        "96 GB at 2.4 TB/s and 400 Gb/s per GPU (tables 1-6); the H200 SXM row of the hardware table, "
+        "400 Gb/s per GPU (table H200). Calibration, one for every row: " + CALIBRATION.describe() + ".",
         "",
         "| table | run | model | GPUs | TP | PP | CP | seq | recompute | published TPS/GPU | predicted | error "
         "| published GiB | predicted GiB | error | predicted MFU |",
@@ -275,7 +297,14 @@ def markdown(rows: list[dict], orders: list[dict]) -> str:
         f"{sum(abs(r['tps_error']) <= 0.2 for r in bf16)} of {len(bf16)}; "
         f"all rows: {sum(abs(r['tps_error']) <= 0.2 for r in rows)} of {len(rows)}; memory within 15%: "
         f"{sum(abs(r['memory_error']) <= 0.15 for r in rows)} of {len(rows)}; orderings right: "
-        f"{sum(o['predicted'] > 1 for o in orders)} of {len(orders)}.",
+        f"{sum(o['predicted'] > 1 for o in orders)} of {len(orders)}"
+        + "".join(
+            f"; {o['faster']} over {o['slower']} (table {o['table']}, {o['published'] - 1:.1%} apart as measured) "
+            f"is predicted {'a tie' if abs(o['predicted'] - 1) < 0.01 else 'the other way'}"
+            for o in orders
+            if o["predicted"] <= 1
+        )
+        + ".",
     ]
     return "\n".join(out)
 

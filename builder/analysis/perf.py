@@ -71,9 +71,9 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 class Calibration:
     """The model's physically meaningful constants, one set for every run."""
 
-    matmul_efficiency: float = 0.42  # achievable fraction of the dense bf16 peak in a model's GEMMs
+    matmul_efficiency: float = 0.45  # achievable fraction of the dense bf16 peak in a model's GEMMs
     attention_efficiency: float = 0.35  # a flash-attention kernel's, forward and backward
-    float8_efficiency: float = 0.28  # of the fp8 peak: float8 projections with their scaling casts
+    float8_efficiency: float = 0.30  # of the fp8 peak: float8 projections with their scaling casts
     collective_efficiency: float = 0.70  # of a link's datasheet bandwidth (NCCL bus bandwidth)
     latency: float = 10e-6  # seconds per collective hop
 
@@ -96,7 +96,8 @@ class Run:
     """What one optimizer step computes and how: ``global_batch`` sequences of ``seq_len`` tokens,
     ``micro_batch`` sequences per micro-batch of one data-parallel rank, recomputation ``none``,
     ``selective`` or ``full``, a pipeline ``schedule`` with ``stages_per_rank`` virtual stages
-    (interleaved), ``compile``, ``async_tp``, ``float8`` projections."""
+    (interleaved), ``compile``, ``async_tp``, ``float8`` projections (and ``float8_all_gather``:
+    FSDP gathers their weights in float8)."""
 
     seq_len: int
     global_batch: int
@@ -108,6 +109,7 @@ class Run:
     async_tp: bool = False
     float8: bool = False
     dtype: str = "bf16"
+    float8_all_gather: bool = False  # FSDP gathers float8 weights (1 byte each), with float8
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -372,10 +374,11 @@ def predict(
         dense, experts = stage_params
         rounds = 1 if pp > 1 else micro  # under pipelining FSDP gathers once a step, else every micro-batch
         gathers = 1 if pp > 1 else 2  # forward, and backward again after resharding
+        gathered = 1 if run.float8 and run.float8_all_gather else act
         for elements, group in ((dense, shard), (experts, shard // ep)):
             bw = link(tp, group)
             fsdp += rounds * (
-                gathers * collective_seconds("all_gather", elements * act, group, bw, cal)
+                gathers * collective_seconds("all_gather", elements * gathered, group, bw, cal)
                 + collective_seconds("reduce_scatter", elements * 4, group, bw, cal)
             )
     if layout.replicas > 1:
