@@ -19,6 +19,9 @@ block with softmax scoring, one group, no shared expert and the same ``norm_topk
 experts' weights stacked, so a 128-expert model builds in a blink). Checkpoints hold each
 expert's ``gate_proj``, ``up_proj`` and ``down_proj`` (transformers 5.x's in-memory 3-D
 ``gate_up_proj`` and ``down_proj``, saved as they are, are read too); the router is ``mlp.gate``.
+Training only (no inference difference): the block's auxiliary loss is DeepSeek's expert-level
+balance loss, where transformers adds Switch's router loss (``router_aux_loss_coef``) only when
+``output_router_logits``.
 """
 
 from __future__ import annotations
