@@ -46,6 +46,11 @@ EXPECTED_PARAMS = {
     "qwen3-30b-a3b": 30_532_122_624,
     "olmo2-7b": 7_298_617_344,
     "phi3-mini": 3_821_079_552,
+    # transformers built on meta from the published configs (tests/test_hf_families_recent.py)
+    "gemma3-1b": 999_885_952,
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
+    "llama4-scout": 107_769_861_120,
 }
 
 
