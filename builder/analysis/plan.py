@@ -10,10 +10,10 @@ fits in the usable memory (the GPU's memory less ``headroom``, kept for the CUDA
 buffers and allocator fragmentation).
 
 **Ranked** (:data:`CHEAPEST`): by predicted step time (``rank_by="time"``) or GPU-hours per step
-(``"cost"``, the same order on one cluster, and what :attr:`Plan.would_fit` compares across
-cluster sizes); among equals, the smallest tensor-parallel degree, then the fewest pipeline
-stages, then hybrid before replicate before shard, then the largest micro-batch, then the least
-memory. Any dimension can be pinned (a published run's layout, to reproduce it).
+(``"cost"``: the same order on one cluster; the GPU-hours are printed with each layout); times within 0.5% tie, and a tie goes to the smallest tensor-parallel degree,
+the fewest pipeline stages, the least context and expert parallelism, then hybrid before
+replicate before shard, then the largest micro-batch, then the least memory. Any dimension
+can be pinned (a published run's layout, to reproduce it).
 
 When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whole nodes), with
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
@@ -26,6 +26,7 @@ recipe field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +37,13 @@ from builder.analysis.perf import CALIBRATION, RECOMPUTE, SCHEDULES, Calibration
 
 CHEAPEST = (
     "ranked by predicted step time (builder.analysis.perf: compute, memory-bound work, exposed "
-    "communication, pipeline bubble, optimizer step); ties go to the smallest tensor-parallel "
-    "degree, the fewest pipeline stages, then hybrid, replicate, shard (fewest bytes between "
-    "nodes), then the largest micro-batch, then the least memory per GPU"
+    "communication, pipeline bubble, optimizer step); within 0.5% a tie, which goes to the "
+    "smallest tensor-parallel degree, the fewest pipeline stages, the least context and expert "
+    "parallelism, then hybrid, replicate, shard (fewest bytes between nodes), then the largest "
+    "micro-batch, then the least memory per GPU"
 )
+#: predicted times this close (relatively) rank as a tie, which the simpler layout wins
+TIE = 0.005
 #: tie order of the data-parallel modes (fewest bytes between nodes first)
 DP_ORDER = {"hybrid": 0, "replicate": 1, "shard": 2}
 RANK_BY = ("time", "cost")
@@ -136,10 +140,13 @@ class Candidate:
         return self.layout.devices * self.step_seconds / 3600
 
     def key(self) -> tuple:
+        value = self.gpu_hours if self.rank_by == "cost" else self.step_seconds
         return (
-            self.gpu_hours if self.rank_by == "cost" else self.step_seconds,
+            math.floor(math.log(value) / math.log1p(TIE)) if value > 0 else -math.inf,  # within TIE: a tie
             self.layout.tensor_parallel,
             self.layout.pipeline_parallel,
+            self.layout.context_parallel,
+            self.layout.expert_parallel,
             DP_ORDER[self.layout.data_parallel],
             -self.micro_batch,
             self.memory,
@@ -185,8 +192,8 @@ class Plan:
     would_fit: list[str] = field(default_factory=list)
     calibration: Calibration = CALIBRATION
     params: int = 0
-    #: the fastest FSDP-only layout (no tensor, pipeline, context or expert parallelism), fitting
-    #: or not: what the chosen layout is compared against
+    #: the fastest FSDP-only layout (no tensor, pipeline, context or expert parallelism) that
+    #: fits, else the one needing the least memory: what the chosen layout is compared against
     baseline: Candidate | None = None
 
     @property
@@ -250,7 +257,10 @@ def plan(
     fitting = [c for c in found if c.memory <= cluster.usable]
     result.considered, result.fitting = len(found), len(fitting)
     flat = [c for c in found if not c.layout.five_d and c.layout.tensor_parallel == 1]
-    result.baseline = min(flat, key=lambda c: (c.memory > cluster.usable, c.key()), default=None)
+    flat_fits = [c for c in flat if c.memory <= cluster.usable]
+    result.baseline = (
+        min(flat_fits, key=Candidate.key) if flat_fits else min(flat, key=lambda c: c.memory, default=None)
+    )
     if fitting:
         result.chosen = fitting[0]
         result.alternatives = _alternatives(fitting)

@@ -507,8 +507,9 @@ def _print(result, launch, args) -> None:
             f"{why[0].split(': ', 1)[1] if why else 'no such layout was tried'}",
             highlight=False,
         )
-    memory = ", ".join(f"{k} {human_bytes(v)}" for k, v in c.prediction.memory.items())
-    console.print(f"memory per GPU: {memory}", highlight=False)
+    for cand in shown:
+        memory = ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in cand.prediction.memory.items())
+        console.print(f"memory per GPU, {_short(cand)}: {memory}", highlight=False)
     console.print(
         f"[dim]{CHEAPEST}; {result.fitting} of {result.considered} layouts predicted fit; model: "
         f"{result.calibration.describe()}; peak {human(cluster.peak)}FLOP/s bf16[/]",
