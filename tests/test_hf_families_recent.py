@@ -317,6 +317,20 @@ def test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_con
     generic.test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_config(name)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("imported", ["gemma3", "gpt_oss", "llama4"], indirect=True)
+def test_every_attention_backend_computes_transformers_logits(imported, backend):
+    """The imported weights on the SDPA path and the Triton kernels (sinks, chunks, windows,
+    per-layer bases and NoPE layers inside them; the CPU interpreter here) give transformers'
+    logits as the eager path does."""
+    _, hf, _, spec, ours, _ = imported
+    model = load_weights(build_model(spec, attention_backend=backend), ours.state_dict()).eval()
+    inputs = _batch("causal")
+    kept = _kept(inputs)
+    diff = (_logits(model, inputs, ours=True) - _logits(hf, inputs, ours=False))[kept].abs().max().item()
+    assert diff < 1e-4, f"{backend}: max |logit difference| {diff:.3g}"
+
+
 # --- what is particular to a family ----------------------------------------------------------
 
 
