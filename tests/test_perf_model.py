@@ -163,3 +163,29 @@ def test_describe_sizes_a_pipelined_layout_as_the_planner_does(capsys):
     assert (
         capsys.readouterr().err == "error: --expert-parallel needs --strategy fsdp (ddp replicates the whole model)\n"
     )
+
+
+def test_the_mfu_table_knows_the_planners_gpus(monkeypatch):
+    from builder.analysis import mfu
+
+    monkeypatch.delenv(mfu.ENV_VAR, raising=False)
+    for device, key in (("NVIDIA H800", "h800"), ("NVIDIA B200", "b200"), ("AMD Instinct MI300X", "mi300x")):
+        assert mfu.peak_flops(device, "bf16") == GPUS[key].peak["bf16"]
+    assert mfu.peak_flops("NVIDIA B200", "fp32") is None  # no datasheet figure: none given
+
+
+def test_hardware_overrides_reach_the_prediction(capsys):
+    import json
+
+    from builder.cli import main
+
+    argv = ["plan", "llama3-8b", "--gpus", "64", "--global-batch", "128", "--seq-len", "8192", "--json"]
+    argv += ["--tensor-parallel", "1", "--pipeline-parallel", "1", "--context-parallel", "1"]
+    argv += ["--data-parallel", "shard", "--checkpointing", "selective"]
+    steps = {}
+    for bandwidth in ("50", "5"):
+        assert main([*argv, "--inter-node-bandwidth", bandwidth]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["cluster"]["inter_node_bandwidth"] == float(bandwidth) * 1e9
+        steps[bandwidth] = out["plan"]["breakdown"]["exposed_fsdp"]
+    assert steps["5"] > 10 * steps["50"]  # FSDP over 8 nodes waits on a slow network

@@ -6,7 +6,9 @@ PaLM and nanoGPT report, or ``kernel_train_per_token`` (only the (query, key) pa
 kernel visits under a causal mask or window) for the FLOPs a fused kernel really performs.
 
 Peaks are the vendors' datasheet figures for dense matrix math (without 2:4 sparsity, i.e. half
-the headline "with sparsity" numbers), in FLOP/s. ``fp32`` is the non-tensor-core FP32 rate;
+the headline "with sparsity" numbers), in FLOP/s; ``builder.analysis.hardware`` holds the rest
+of each GPU's row (memory, HBM and link bandwidths) for the planner. A figure a datasheet does
+not give is absent (``peak_flops`` returns None). ``fp32`` is the non-tensor-core FP32 rate;
 ``tf32`` the tensor-core rate PyTorch uses for fp32 matmuls with
 ``torch.backends.cuda.matmul.allow_tf32``. A peak passed as an argument wins over the
 ``BUILDER_PEAK_FLOPS`` environment variable (FLOP/s, e.g. ``989e12``), which wins over the table.
@@ -21,7 +23,7 @@ import os
 ENV_VAR = "BUILDER_PEAK_FLOPS"
 T = 1e12
 
-#: dense peak FLOP/s by device and dtype, from the NVIDIA datasheets
+#: dense peak FLOP/s by device and dtype, from the NVIDIA and AMD datasheets
 PEAKS: dict[str, dict[str, float]] = {
     # A100 (SXM4 and PCIe, 40 and 80 GB): 312 TF bf16/fp16, 156 TF tf32, 19.5 TF fp32
     "A100": {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T},
@@ -35,6 +37,12 @@ PEAKS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T},
     # H200 NVL: 1,671 TF bf16 with sparsity
     "H200 NVL": {"bf16": 835.5 * T, "fp16": 835.5 * T, "tf32": 417.5 * T, "fp32": 60 * T},
+    # H800 SXM: the H100 SXM's compute (its NVLink is what differs)
+    "H800": {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T},
+    # B200 (HGX B200 datasheet): 4.5 PF fp16/bf16 and 2.2 PF tf32 with sparsity; no fp32 figure here
+    "B200": {"bf16": 2250 * T, "fp16": 2250 * T, "tf32": 1125 * T},
+    # AMD Instinct MI300X data sheet: 1,307.4 TF bf16/fp16 and 653.7 TF tf32 (dense)
+    "MI300X": {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "tf32": 653.7 * T},
 }
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
@@ -43,6 +51,9 @@ DTYPES = ("bf16", "fp16", "tf32", "fp32")
 def match_device(device_name: str) -> str | None:
     """The :data:`PEAKS` key for a CUDA device name such as ``"NVIDIA H100 80GB HBM3"``."""
     name = device_name.lower()
+    for part, key in (("h800", "H800"), ("b200", "B200"), ("mi300x", "MI300X")):
+        if part in name:
+            return key
     if "h200" in name:
         return "H200 NVL" if "nvl" in name else "H200"
     if "h100" in name:
@@ -74,7 +85,7 @@ def peak_flops(device_name: str | None, dtype: str, override: float | None = Non
     if device_name is None:
         return None
     key = match_device(device_name)
-    return PEAKS[key][dtype] if key is not None else None
+    return PEAKS[key].get(dtype) if key is not None else None
 
 
 def achieved_flops(tokens_per_s: float, flops_per_token: float) -> float:

@@ -10,10 +10,10 @@ fits in the usable memory (the GPU's memory less ``headroom``, kept for the CUDA
 buffers and allocator fragmentation).
 
 **Ranked** (:data:`CHEAPEST`): by predicted step time (``rank_by="time"``) or GPU-hours per step
-(``"cost"``: the same order on one cluster; the GPU-hours are printed with each layout); times within 0.5% tie, and a tie goes to the smallest tensor-parallel degree,
-the fewest pipeline stages, the least context and expert parallelism, then hybrid before
-replicate before shard, then the largest micro-batch, then the least memory. Any dimension
-can be pinned (a published run's layout, to reproduce it).
+(``"cost"``: the same order on one cluster); times within 0.5% tie, and a tie goes to the
+smallest tensor-parallel degree, the fewest pipeline stages, the least context and expert
+parallelism, then hybrid before replicate before shard, then the largest micro-batch, then the
+least memory. Any dimension can be pinned (a published run's layout, to reproduce it).
 
 When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whole nodes), with
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
@@ -74,9 +74,14 @@ class Cluster:
 
     def __post_init__(self):
         base = self.hardware or hardware_gpu("h100")
-        object.__setattr__(
-            self, "hardware", hardware_gpu(_key(base), memory=self.memory, peak=self.peak, per_node=self.per_node)
+        scale = self.peak / base.peak["bf16"]  # the stated peak, every dtype scaled with it
+        row = dataclasses.replace(
+            base,
+            memory=self.memory,
+            per_node=self.per_node,
+            peak={dtype: value * scale for dtype, value in base.peak.items()},
         )
+        object.__setattr__(self, "hardware", row)
 
     @property
     def nodes(self) -> int:
@@ -88,12 +93,6 @@ class Cluster:
 
     def with_gpus(self, gpus: int) -> Cluster:
         return dataclasses.replace(self, gpus=gpus)
-
-
-def _key(row: GPU) -> str:
-    from builder.analysis.hardware import GPUS
-
-    return next((k for k, v in GPUS.items() if v.name == row.name), "h100")
 
 
 @dataclass(frozen=True)
