@@ -151,7 +151,7 @@ def _reference(module, config: AttentionConfig, x: torch.Tensor, positions, caus
     return out + P["out_proj.bias"] if "out_proj.bias" in P else out
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])  # triton: the interpreter on a CPU
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_option_computes_what_it_says(name, causal, backend):
@@ -269,10 +269,10 @@ DECODERS = {
 }
 
 
-def _model(name: str):
+def _model(name: str, backend: str = "eager"):
     spec = load_spec(DECODERS[name])
     torch.manual_seed(0)
-    model = build_model(spec, attention_backend="eager").eval()
+    model = build_model(spec, attention_backend=backend).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("sinks"):
@@ -307,11 +307,12 @@ def _steps(model, ids, mask=None, prefill: int = 6):
     return torch.stack(steps, dim=1)
 
 
+@pytest.mark.parametrize("backend", ["eager", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: minutes
 @pytest.mark.parametrize("name", sorted(DECODERS))
-def test_cached_pieces_and_static_steps_equal_the_full_forward(name):
+def test_cached_pieces_and_static_steps_equal_the_full_forward(name, backend):
     """Cached pieces and static steps give the full forward's logits, with and without a
     left-padded row; greedy decoding with the cache equals recomputation."""
-    _, model = _model(name)
+    _, model = _model(name, backend)
     ids = torch.randint(0, 64, (B, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(B, 20, dtype=torch.long)
     mask[1, :3] = 0
@@ -340,15 +341,12 @@ def test_left_padding_leaves_the_real_tokens_alone(name):
         torch.testing.assert_close(_steps(model, padded, mask, prefill=9), alone[:, 6:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_a_packed_document_gets_what_it_gets_alone(name, backend):
     """``document_ids``: each document's chunks start at its own first token, its temperature
     counts its own positions; so its logits are those of the document run alone."""
-    _, model = _model(name)
-    for module in model.modules():
-        if hasattr(module, "backend"):
-            module.backend = backend
+    _, model = _model(name, backend)
     lengths = (7, 2, 9)
     ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(7))
     documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
