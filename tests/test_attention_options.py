@@ -431,17 +431,18 @@ def _saved_bytes(module, x, inputs) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])  # triton: FlashAttention's output and log-sum-exp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_saved_bytes_are_what_autograd_keeps(name, causal, dtype):
-    config, module = _block(CASES[name], causal=causal)
+def test_saved_bytes_are_what_autograd_keeps(name, causal, dtype, backend):
+    config, module = _block(CASES[name], causal=causal, backend=backend)
     module = module.to(dtype).train()
     rope = RopeConfig()
     x = torch.randn(B, S, D, dtype=dtype, requires_grad=True)
     inputs = AttentionInputs(0, S, positions=torch.arange(S).expand(B, S), position=Rope(rope))
     act = 2 if dtype == torch.bfloat16 else 4
-    want = config.saved_bytes(D, B, S, S, act, fused=False, masked=config.masked(causal))
+    want = config.saved_bytes(D, B, S, S, act, fused=backend == "triton", masked=config.masked(causal))
     want += rope.saved_bytes_per_layer(B, S, config.rotary_head_dim(D), act)
     assert _saved_bytes(module, x, inputs) == want
 
