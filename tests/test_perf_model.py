@@ -189,3 +189,18 @@ def test_hardware_overrides_reach_the_prediction(capsys):
         assert out["cluster"]["inter_node_bandwidth"] == float(bandwidth) * 1e9
         steps[bandwidth] = out["plan"]["breakdown"]["exposed_fsdp"]
     assert steps["5"] > 10 * steps["50"]  # FSDP over 8 nodes waits on a slow network
+
+
+def test_sequence_parallel_splits_what_whole_tensor_parallel_keeps():
+    spec = load_spec(ROOT / "specs" / "llama3-8b.yaml")
+    model = Model(spec, 2048)
+    layout = Layout(devices=8, tensor_parallel=8)
+    runs = [Run(seq_len=2048, global_batch=8, micro_batch=8, sequence_parallel=sp) for sp in (True, False)]
+    split, whole = (predict(spec, layout, run, gpu("h100"), model=model) for run in runs)
+    assert whole.memory["activations"] > 1.5 * split.memory["activations"]
+    # the whole layers' tensors are what describe's tensor-parallel view counts
+    from builder.analysis.estimates import Step, estimate
+    from builder.analysis.layout import tensor_parallel_spec
+
+    view = estimate(tensor_parallel_spec(spec, 8), Step(seq_len=2048))
+    assert model.saved(8, False)[0] == [layer.saved_bytes for layer in view.layers]

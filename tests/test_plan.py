@@ -50,7 +50,11 @@ def test_llama2_70b_on_64_gpus_fits_with_the_json_fields_and_a_describe_line(cap
     words = shlex.split(out["launch"]["describe"])
     assert words[:2] == ["builder", "describe"]
     assert main([*words[1:], "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["memory"]["layout"]["tensor_parallel"] == layout["tensor_parallel"]
+    described = json.loads(capsys.readouterr().out)["memory"]
+    assert described["layout"]["tensor_parallel"] == layout["tensor_parallel"]
+    # describe counts the launch exactly; the model adds backward's transient (the gradients of the
+    # largest block it differentiates at once)
+    assert described["training_total"] <= out["memory_per_gpu_bytes"] <= 1.15 * described["training_total"]
 
 
 def test_gpt3_175b_on_8_gpus_is_refused_with_what_would_fit(capsys):

@@ -21,7 +21,8 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   fits in a node, else the network), ring or tree by group size (:func:`collective_seconds`), at
   ``collective_efficiency`` of the link. Overlapped: FSDP's all-gathers and reduce-scatters (and
   HSDP's all-reduce) with the layers' compute, prefetched one unit ahead, so only the first
-  gather, the last reduce and what exceeds the compute are exposed; ring attention's key/value
+  gather, the last reduce and what exceeds the compute are exposed (under pipelining FSDP
+  gathers and reduces once a step, behind one micro-batch's compute); ring attention's key/value
   passes with the attention kernels; EP dispatch/combine with the rest of the layer's compute.
   Exposed: tensor parallelism's all-gathers and reduce-scatters (sequence parallel), unless
   ``async_tp`` (then :data:`ASYNC_TP_OVERLAP` of them hide), and the pipeline's sends.
@@ -32,8 +33,11 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   layers split evenly, the embedding on the first, the head on the last), two gathered units and
   one unit's gradients in flight (under pipeline parallelism FSDP keeps the stage's parameters
   and gradients unsharded, as torchtitan does, ``reshard_after_forward=False``), and the
-  activations the schedule keeps in flight (1F1B: ``p`` micro-batches on the first stage).
-  Activations under tensor parallelism are sequence-parallel (one ``tp``-th per rank).
+  activations the schedule keeps in flight (1F1B: ``p`` micro-batches on the first stage), and
+  backward's transient (the gradients of the largest block it differentiates at once). Under
+  tensor parallelism the activations are sequence-parallel (one ``tp``-th per rank, as
+  torchtitan runs) or, ``Run(sequence_parallel=False)``, what ``describe``'s tensor-parallel view
+  keeps (inputs, norms and logits whole, as this project's recipes run).
 
 The constants are set once, for every GPU and every run (:data:`CALIBRATION`), and printed with
 each prediction; nothing is fitted per row.
@@ -97,7 +101,9 @@ class Run:
     ``micro_batch`` sequences per micro-batch of one data-parallel rank, recomputation ``none``,
     ``selective`` or ``full``, a pipeline ``schedule`` with ``stages_per_rank`` virtual stages
     (interleaved), ``compile``, ``async_tp``, ``float8`` projections (and ``float8_all_gather``:
-    FSDP gathers their weights in float8)."""
+    FSDP gathers their weights in float8); ``sequence_parallel``: under tensor parallelism the
+    layers' inputs, norms and the loss split over the TP ranks as torchtitan splits them (False:
+    whole on every rank, the logits gathered, as this project's recipes run TP)."""
 
     seq_len: int
     global_batch: int
@@ -110,6 +116,7 @@ class Run:
     float8: bool = False
     dtype: str = "bf16"
     float8_all_gather: bool = False  # FSDP gathers float8 weights (1 byte each), with float8
+    sequence_parallel: bool = True  # TP splits the layers' inputs and the loss too (torchtitan); False: whole
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -207,7 +214,7 @@ class Model:
     def __init__(self, spec, seq_len: int, dtype: str = "bf16", src_len: int | None = None):
         from builder.analysis.estimates import Step, estimate
 
-        self.spec, self.seq, self.dtype = spec, seq_len, dtype
+        self.spec, self.seq, self.dtype, self.src = spec, seq_len, dtype, src_len
         est = estimate(spec, Step(seq_len=seq_len, src_len=src_len, batch=1, dtype=dtype))
         self.estimate = est
         d = spec.d_model
@@ -246,6 +253,26 @@ class Model:
         self.d = d
         self.experts = next((layer["routed"] for layer in self.layers if layer["routed"]), None)
         self._stages: dict[tuple[int, int], list[dict[int, int]]] = {}
+        self._whole: dict[int, tuple[list[int], int]] = {}
+
+    def saved(self, tp: int, sequence_parallel: bool) -> tuple[list[int], int]:
+        """Bytes one tensor-parallel rank saves for backward per sequence: each layer's, and the rest
+        (embedding, final norm, head and loss). Sequence-parallel: a ``tp``-th of the whole; else
+        what ``builder.analysis.layout.tensor_parallel_spec`` leaves a rank (inputs, norms and
+        logits whole)."""
+        whole = [layer["saved"] for layer in self.layers]
+        if tp == 1 or sequence_parallel:
+            return [b / tp for b in whole], self.other_saved / tp
+        if tp not in self._whole:
+            from builder.analysis.estimates import Step, estimate
+            from builder.analysis.layout import tensor_parallel_spec
+
+            est = estimate(
+                tensor_parallel_spec(self.spec, tp), Step(seq_len=self.seq, src_len=self.src, dtype=self.dtype)
+            )
+            layers = [layer.saved_bytes for layer in est.layers]
+            self._whole[tp] = (layers, est.memory.activations - sum(layers))
+        return self._whole[tp]
 
     def stage_counts(self, pp: int, virtual: int = 1) -> list[dict[int, int]]:
         """Per pipeline rank, how many of each kind of layer it holds: the layers split evenly into
@@ -317,7 +344,7 @@ def predict(
         lin = layer["linear"] * mb / (tp * cp) / lin_peak
         core = layer["core"] * mb / (tp * cp) / core_peak
         compute = 3 * (lin + core) + redo * (lin + (core if run.recompute == "full" else 0))
-        memory_bound = layer["saved"] * mb / (tp * cp) * passes * (1 + redo) / hbm
+        memory_bound = layer_saved[i] * mb / cp * passes * (1 + redo) / hbm
         # sequence-parallel TP: all-gather + reduce-scatter around attention and the FFN, forward and backward
         tp_bytes = tokens * m.d * act
         tp_calls = 4 + (2 if run.recompute == "full" else 0)  # each of all-gathers and reduce-scatters
@@ -333,7 +360,7 @@ def predict(
         cp_exposed = max(0.0, cp_comm - 3 * core)
         ep_comm = 0.0
         if layer["routed"] and ep > 1:
-            routed = tokens * layer["routed"][1] * m.d * act  # each token to top_k experts
+            routed = tokens / tp * layer["routed"][1] * m.d * act  # each (sequence-parallel) token to top_k experts
             calls = 4 + (2 if run.recompute == "full" else 0)  # dispatch and combine, forward and backward
             ep_comm = calls * collective_seconds("all_to_all", routed, ep, link(tp, ep), cal)
         ep_exposed = max(0.0, ep_comm - compute)
@@ -348,6 +375,7 @@ def predict(
             "exposed_ep": ep_exposed,
         }
 
+    layer_saved, _ = m.saved(tp, run.sequence_parallel)
     times = {kind: layer_time(kind) for kind in set(m.kinds)}  # identical layers cost the same
     head = m.head_flops * mb / (tp * cp) * 3 / lin_peak
     p2p = 2 * v * collective_seconds("send", tokens * m.d * act / tp, 2, link(layout.stage_devices, 2), cal)
@@ -384,9 +412,14 @@ def predict(
     if layout.replicas > 1:
         grads = (stage_params[0] / shard + stage_params[1] / max(1, shard // ep)) * 4
         hsdp = collective_seconds("all_reduce", grads, layout.replicas, link(layout.stage_devices, 2), cal)
-    compute_total = micro * (stage_sum(slowest, "compute") + (head if slowest == pp - 1 else 0))
+    per_micro = stage_sum(slowest, "compute") + (head if slowest == pp - 1 else 0)
+    compute_total = micro * per_micro
     units = max(1, sum(counts[slowest].values()))
-    exposed_fsdp = max(0.0, fsdp + hsdp - compute_total) + (fsdp + hsdp) / units  # first gather, last reduce
+    # FSDP's traffic hides behind the compute it prefetches for: every micro-batch's, or under
+    # pipelining (one gather and one reduce a step) the first forward's and the last backward's;
+    # the first unit's gather and the last one's reduce are exposed
+    window = per_micro if pp > 1 else compute_total
+    exposed_fsdp = max(0.0, fsdp + hsdp - window) + (fsdp + hsdp) / units
     local = stage_params[0] / shard + stage_params[1] / max(1, shard // ep)
     optimizer = local * OPTIMIZER_BYTES / hbm
     breakdown = {
@@ -442,6 +475,7 @@ def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
     tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
     v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1
     act = BYTES[run.dtype]
+    layer_saved, other_saved = m.saved(tp, run.sequence_parallel)
     counts = m.stage_counts(pp, v)
     micro = run.global_batch // layout.data_parallel_size // run.micro_batch
     tokens = run.micro_batch * run.seq_len // cp
@@ -455,12 +489,12 @@ def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
             buffers = (dense + experts) * 2 * act + unit * 4
         else:
             buffers = unit * (3 * act + 4) if layout.shard_size > 1 else 0
-        saved = {k: m.layers[k]["saved"] * run.micro_batch / (tp * cp) for k in counts[s]}
+        saved = {k: layer_saved[k] * run.micro_batch / cp for k in counts[s]}
         largest = max(saved.values(), default=0)
         layers = sum(counts[s].values())
         every = sum(n * saved[k] for k, n in counts[s].items())
         if run.recompute == "full":
-            held = layers * tokens * m.d * act / tp + largest
+            held = layers * tokens * m.d * act / (tp if run.sequence_parallel else 1) + largest
         elif run.recompute == "selective":
             held = SELECTIVE_SAVED * every
         else:
@@ -469,7 +503,7 @@ def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
             in_flight(run.schedule, pp, micro, v) if s == 0 else max(1.0, in_flight(run.schedule, pp, micro, v) - s)
         )
         activations = held * flight
-        head = m.other_saved * run.micro_batch / (tp * cp) if s == pp - 1 else 0
+        head = other_saved * run.micro_batch / cp if s == pp - 1 else 0
         # backward's transient: the gradients of the largest block it differentiates at once, the
         # head's logits or one layer's saved tensors, as large as what it saved
         transient = max(head, largest)

@@ -410,6 +410,7 @@ def _best_micro_batch(spec, model, cluster, layout, global_batch, dtype, pins, r
             async_tp=pins.async_tp,
             float8=pins.float8,
             dtype=dtype,
+            sequence_parallel=not pins.launchable,  # the recipes' TP keeps inputs and logits whole
         )
         try:
             p = predict(spec, layout, run, cluster.hardware, cal, model=model)
