@@ -95,7 +95,7 @@ def _rms(x: torch.Tensor, weight, eps: float, unit_offset: bool) -> torch.Tensor
 
 def _reference(module, config: AttentionConfig, x: torch.Tensor, positions, causal: bool, theta: float):
     """The block's forward written out in float64, pair by pair where the masks are concerned."""
-    P = {name: p.detach().double() for name, p in module.named_parameters()}
+    P = {name: p.double() for name, p in module.named_parameters()}
     x = x.double()
     batch, seq, _ = x.shape
     H, KV, hd = config.n_heads, config.n_kv_heads, module.head_dim
@@ -163,6 +163,25 @@ def test_each_option_computes_what_it_says(name, causal, backend):
         out = module(x, AttentionInputs(0, S, positions=positions, position=rope))
     want = _reference(module, config, x, positions, causal, theta=1000.0)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
+@pytest.mark.parametrize("name", ["everything", "gpt-oss", "olmo2", "gemma3-local"])
+def test_each_option_trains_as_written(name, backend):
+    """The gradients of every parameter (the norm weights and sinks included) and of the input
+    are the written-out attention's."""
+    config, module = _block(CASES[name], backend=backend)
+    rope = Rope(RopeConfig(theta=1000.0))
+    positions = torch.arange(S).expand(B, S)
+    x = torch.randn(B, S, D, requires_grad=True)
+    module(x, AttentionInputs(0, S, positions=positions, position=rope)).pow(2).sum().backward()
+    ours = [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+    x.grad = None
+    module.zero_grad()
+    _reference(module, config, x, positions, True, theta=1000.0).pow(2).sum().backward()
+    want = [x.grad] + [p.grad for p in module.parameters()]
+    for (pname, _), got, expected in zip([("x", x), *module.named_parameters()], ours, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=pname)
 
 
 def test_the_norms_are_hugging_faces():
