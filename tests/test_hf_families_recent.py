@@ -16,12 +16,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import test_hf_families_new as generic
-from test_hf import VOCAB, Case, _batch, _kept, _logits
+from test_hf import VOCAB, Case, _batch, _kept, _logits, _randomize
 
 from builder.assemble import build_model
 from builder.hf import FAMILIES, HFError, fit, from_hf, import_hf, load_weights, to_hf, validate
@@ -422,3 +423,24 @@ def test_a_partial_rotation_is_refused_naming_why(name, family):
         None,
         [f"{family}: partial_rotary_factor 0.5: transformers' {family} rotates the whole head"],
     )
+
+
+def test_llama4_without_moe_layers_round_trips(tmp_path):
+    """Every layer dense (moe_layers empty, intermediate_size_mlp their width): written, read back
+    as the same layers; transformers computes our logits from it."""
+    spec = load_spec(
+        REPO / "specs" / "tiny" / "llama4.yaml",
+        overrides={"decoder.ffn": {"type": "glu", "activation": "silu", "hidden_dim": 96}},
+    )
+    config, reasons = fit(FAMILIES["llama4_text"], spec)
+    assert reasons == [] and config["moe_layers"] == [] and config["intermediate_size_mlp"] == 96
+    torch.manual_seed(0)
+    ours = build_model(spec).eval()
+    _randomize(ours)
+    to_hf(spec, ours, tmp_path / "out")
+    back, _ = from_hf(tmp_path / "out")
+    assert [back.decoder.layer(i) for i in range(4)] == [spec.decoder.layer(i) for i in range(4)]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    inputs = _batch("causal")
+    kept = _kept(inputs)
+    assert (_logits(ours, inputs, ours=True) - _logits(theirs, inputs, ours=False))[kept].abs().max().item() < 1e-4

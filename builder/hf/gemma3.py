@@ -44,9 +44,10 @@ def _rope(config: dict) -> tuple[dict, dict]:
         raise Unsupported("gemma3_text: rope_parameters must be keyed by sliding_attention and full_attention")
     if not all(isinstance(v, dict) for v in nested.values()):
         raise HFError("rope_parameters: expected a mapping for each of sliding_attention and full_attention")
-    full = nested.get("full_attention") or {**(config.get("rope_scaling") or {})}
+    # as Gemma3TextConfig reads them: rope_scaling laid over the global layers' parameters
+    full = {**(nested.get("full_attention") or {}), **(config.get("rope_scaling") or {})}
     full.setdefault("rope_theta", config.get("rope_theta", GLOBAL_THETA))
-    local = nested.get("sliding_attention") or {"rope_type": "default"}
+    local = {"rope_type": "default", **(nested.get("sliding_attention") or {})}
     local.setdefault("rope_theta", config.get("rope_local_base_freq", LOCAL_THETA))
     for part, params in (("full_attention", full), ("sliding_attention", local)):
         check_config(params, f"rope_parameters.{part}")  # the kinds check_config gives the flat spelling

@@ -156,8 +156,11 @@ class Llama4(Family):
         attentions = layer_values(stack, lambda layer: layer.attention)
         ffns = layer_values(stack, lambda layer: layer.ffn)
         moe_layers = [i for i, f in enumerate(ffns) if f.type == "deepseek_moe"]
-        moe = uniform([f.model_dump(mode="json") for f in ffns if f.type == "deepseek_moe"], "MoE FFN", family)
-        dense = uniform([f.model_dump(mode="json") for f in ffns if f.type != "deepseek_moe"], "dense FFN", family)
+        # one MoE and one dense FFN for all their layers (as the config has), read from the first of each
+        moe = next((f for f in ffns if f.type == "deepseek_moe"), None)
+        dense = next((f for f in ffns if f.type != "deepseek_moe"), None)
+        uniform([f.model_dump(mode="json") for f in ffns if f.type == "deepseek_moe"], "MoE FFN", family)
+        uniform([f.model_dump(mode="json") for f in ffns if f.type != "deepseek_moe"], "dense FFN", family)
         norm = uniform([a.qk_norm.model_dump(mode="json") for a in attentions if a.qk_norm], "qk_norm", family)
         tuning = uniform(
             [a.temperature_tuning.model_dump(mode="json") for a in attentions if a.temperature_tuning],
@@ -165,7 +168,8 @@ class Llama4(Family):
             family,
         )
         chunk = uniform([a.chunk_size for a in attentions], "chunk_size (attention_chunk_size)", family)
-        expert = (moe or {}).get("expert") or dense or {}
+        expert = moe.expert if moe is not None else dense
+        d = spec.d_model
         position = rope_to_hf(spec.position)
         theta, scaling = position.pop("rope_theta"), position.pop("rope_scaling")
         config = {
@@ -175,11 +179,12 @@ class Llama4(Family):
             "num_attention_heads": attn.n_heads,
             "num_key_value_heads": attn.n_kv_heads,
             "head_dim": attn.resolved_head_dim(spec.d_model),
-            "hidden_act": activation_to_hf(expert.get("activation", "silu"), "gelu_pytorch_tanh"),
-            "intermediate_size": (moe["expert"]["hidden_dim"] if moe else None) or (dense or {}).get("hidden_dim", 1),
-            "intermediate_size_mlp": (dense or {}).get("hidden_dim") or 1,
-            "num_local_experts": moe["n_experts"] if moe else 1,
-            "num_experts_per_tok": moe["top_k"] if moe else 1,
+            "hidden_act": activation_to_hf(getattr(expert, "activation", "silu"), "gelu_pytorch_tanh"),
+            # a size no layer uses is written as 1 (every layer dense, or every layer MoE)
+            "intermediate_size": moe.expert.resolved_hidden_dim(d) if moe is not None else 1,
+            "intermediate_size_mlp": _hidden(dense, d),
+            "num_local_experts": moe.n_experts if moe is not None else 1,
+            "num_experts_per_tok": moe.top_k if moe is not None else 1,
             "moe_layers": moe_layers,
             "interleave_moe_layer_step": 1,
             "no_rope_layers": [int(a.rope) for a in attentions],
@@ -228,6 +233,12 @@ class Llama4(Family):
         if not spec.tie_embeddings:
             links.append(same("lm_head.weight", ours.head_projection()))
         return links
+
+
+def _hidden(ffn, d_model: int) -> int:
+    """The dense layers' width: 1 without any (or for an FFN Llama 4 has not; export's comparison
+    then names it)."""
+    return ffn.resolved_hidden_dim(d_model) if ffn is not None and ffn.type in ("glu", "mlp") else 1
 
 
 def _ffn_links(hf: str, ffn: str, config, d_model: int) -> list[Link]:
