@@ -328,7 +328,8 @@ class MultiHeadAttention(nn.Module):
         if chunk_size is not None and inputs.key_mask is not None:  # padded: chunks by position ids
             chunks = inputs.chunk_bias(first, k.shape[2], chunk_size, x.device)
             bias, chunk_size = (chunks if bias is None else bias + chunks), None
-        scale, factor = self.scale, inputs.score_scale()
+        # the position block's factor belongs to its scaled rotation, not to a layer's own base
+        scale, factor = self.scale, (inputs.score_scale() if self.rope_theta is None else 1.0)
         if factor != 1.0:
             scale = (scale if scale is not None else self.head_dim**-0.5) * factor
         token_index = inputs.token_index(first)

@@ -238,6 +238,17 @@ def test_a_layers_rope_theta_rotates_at_that_base_without_the_blocks_scaling():
     own = scaled.rotate(q, k, positions)  # the block's own rotation is still scaled (and memoised apart)
     assert not torch.allclose(own[0], at_base[0])
     torch.testing.assert_close(scaled.rotate(q, k, positions, theta=500.0)[0], at_base[0])
+    # nor the score factor of DeepSeek's YaRN: the layer computes what it computes under plain RoPE
+    _, module = _block({"n_heads": 4, "rope_theta": 500.0})
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 8, "mscale": 1.0, "mscale_all_dim": 1.0}
+    x = torch.randn(B, S, D)
+    with torch.no_grad():
+        outs = [
+            module(x, AttentionInputs(0, S, positions=positions, position=Rope(RopeConfig(**fields))))
+            for fields in ({"theta": 10000.0, "scaling": yarn}, {"theta": 500.0})
+        ]
+    assert Rope(RopeConfig(scaling=yarn)).score_scale() != 1.0
+    torch.testing.assert_close(outs[0], outs[1])
 
 
 # -- decoding ------------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ class AttentionConfig(AttentionBlock):
         gt=0,
         le=MAX_FACTOR,
         description="This layer's RoPE base instead of the position block's theta, rotating without the "
-        "block's context scaling (Gemma 3's local layers: 10,000 beside global ones at 1,000,000 with "
-        "linear scaling); rotary_fraction still applies. Needs a rotary position block. null: the block's.",
+        "block's context scaling or its score factor (Gemma 3's local layers: 10,000 beside global ones at "
+        "1,000,000 with linear scaling); rotary_fraction still applies. Needs a rotary position block. "
+        "null: the block's.",
     )
     temperature_tuning: TemperatureTuning | None = Field(
         None,
