@@ -392,10 +392,10 @@ def test_active_params_count_top_k_experts():
         assert est.active == est.total - moe_layers * idle * per_expert
 
 
-def _saved(spec, dtype) -> int:
+def _saved(spec, dtype, backend: str) -> int:
     """The bytes autograd keeps over one forward (parameters aside), and the logits."""
     torch.manual_seed(0)
-    model = build_model(spec, attention_backend="eager", dtype=dtype)
+    model = build_model(spec, attention_backend=backend, dtype=dtype)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -412,18 +412,21 @@ def _saved(spec, dtype) -> int:
     return sum(saved.values()) + logits.numel() * logits.element_size()
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_saved_bytes_are_what_autograd_keeps(name, dtype):
+def test_saved_bytes_are_what_autograd_keeps(name, dtype, backend):
     """Exact: what the option changes in the estimate is what it changes in the saved tensors."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     spec, base = _case(name), _case(name, 1)
     src = 9 if spec.architecture == "encoder-decoder" else None
 
     def est(s):
-        return estimate(s, seq_len=T, src_len=src, batch=B, dtype=dtype, fused_attention=False).memory.activations
+        fused = backend != "eager"
+        return estimate(s, seq_len=T, src_len=src, batch=B, dtype=dtype, fused_attention=fused).memory.activations
 
-    assert est(spec) - est(base) == _saved(spec, torch_dtype) - _saved(base, torch_dtype)
+    saved = _saved(spec, torch_dtype, backend) - _saved(base, torch_dtype, backend)
+    assert est(spec) - est(base) == saved
 
 
 # -- decoding ----------------------------------------------------------------------------------
