@@ -353,6 +353,19 @@ def test_gemma3_local_layers_rotate_on_their_own_base_and_global_ones_scaled(imp
     assert moved > 1e-2
 
 
+def test_gemma3_attention_softcap_is_refused_as_transformers_ignores_it(tmp_path):
+    """Gemma3TextConfig keeps attn_logit_softcapping, but Gemma3Attention never passes it on:
+    a config that sets it is refused, and a spec with attention.softcap is no gemma3_text."""
+    config = _exported_tiny("gemma3", tmp_path / "g3")
+    assert config["attn_logit_softcapping"] is None and len(config["layer_types"]) == 6
+    _rewrite(tmp_path / "g3", attn_logit_softcapping=50.0)
+    with pytest.raises(HFError, match=r"config\.json: gemma3_text: attn_logit_softcapping is set, .* ignores it"):
+        from_hf(tmp_path / "g3")
+    spec = load_spec(REPO / "specs" / "tiny" / "gemma3.yaml", overrides={"decoder.attention.softcap": 50.0})
+    config, reasons = fit(FAMILIES["gemma3_text"], spec)
+    assert config is None and "attn_logit_softcapping is set" in reasons[0]
+
+
 def _exported_tiny(name: str, folder: Path):
     spec = load_spec(REPO / "specs" / "tiny" / f"{name}.yaml")
     to_hf(spec, build_model(spec), folder)

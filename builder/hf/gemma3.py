@@ -2,7 +2,8 @@
 
 Gemma 2's layout (:class:`builder.hf.decoders.LlamaLayout` with its Gemma knobs: sandwich
 RMSNorm(1 + w), GeGLU, sqrt(d_model) embeddings in the model dtype, ``query_pre_attn_scalar``,
-softcaps, which Gemma 3 leaves null) plus what Gemma 3 adds, each a spec field:
+the final logits' softcap, which Gemma 3 leaves null; ``attn_logit_softcapping`` is refused, as
+transformers' Gemma 3 stores it and never applies it) plus what Gemma 3 adds, each a spec field:
 
 - a QK-norm, RMSNorm(1 + w) over each head's ``head_dim`` with ``rms_norm_eps``
   (``attention.qk_norm: {type: rmsnorm, over: head, unit_offset: true}``; ``q_norm``/``k_norm``);
@@ -62,6 +63,11 @@ def _rope(config: dict) -> tuple[dict, dict]:
 class Gemma3(LlamaLayout):
     # config.json -> spec
     def to_spec(self, config: dict, names: set[str]) -> dict:
+        if config.get("attn_logit_softcapping") is not None:
+            raise Unsupported(
+                "gemma3_text: attn_logit_softcapping is set, and transformers' Gemma3ForCausalLM ignores it "
+                "(its attention is passed no softcap); the model it computes has none"
+            )
         n_layers = need(config, "num_hidden_layers", self.model_type)
         types = _types(config, n_layers)
         full, local = _rope(config)
