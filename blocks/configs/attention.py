@@ -117,7 +117,8 @@ class AttentionConfig(AttentionBlock):
         ge=1,
         le=MAX_SEQ_LEN,
         description="A chunk C: query at token index i sees key j only where i // C == j // C (and j <= i "
-        "when causal): Llama 4's chunked local attention. null: no chunks.",
+        "when causal): Llama 4's chunked local attention. Counted from a left-padded row's first real "
+        "token and from each packed document's first token. null: no chunks.",
     )
     rope: bool = Field(
         True,

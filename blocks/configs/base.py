@@ -247,8 +247,8 @@ class AttentionBlock(BlockConfig):
         return None
 
     def chunk(self) -> int | None:
-        """A chunk size C: a query sees only keys of its own chunk of C token positions (query
-        ``i`` and key ``j`` with ``i // C == j // C``); None: no chunks."""
+        """A chunk size C: a query sees only keys of its own chunk of C positions (query ``i``
+        and key ``j`` with ``i // C == j // C``); None: no chunks."""
         return None
 
     def rotation_fields(self) -> tuple[str, ...]:
