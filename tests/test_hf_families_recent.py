@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import test_hf_families_new as generic
-from test_hf import VOCAB, Case, _batch, _kept, _logits, _randomize
+from test_hf import VOCAB, Case, _batch, _hf_model, _kept, _logits, _randomize
 
 from builder.assemble import build_model
 from builder.hf import FAMILIES, HFError, fit, from_hf, import_hf, load_weights, to_hf, validate
@@ -166,8 +166,6 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def imported(request, tmp_path_factory):
     """The case's transformers model, and ours imported from its folder: (name, hf, auto, spec, ours, tmp)."""
-    from test_hf import _hf_model
-
     tmp = tmp_path_factory.mktemp(request.param)
     hf, auto = _hf_model(CASES[request.param], tmp / "hf")
     spec_path, weights_path = import_hf(tmp / "hf", tmp / "ours")
