@@ -108,6 +108,20 @@ def test_llama3_405b_on_1024_h100s_prefers_tensor_or_pipeline_parallelism_and_sa
     assert "(FSDP only)" in text and "where the time goes" in text and "exposed tp" in text
 
 
+def test_llama3_405b_on_8192_h100s_with_a_16m_token_batch_uses_tensor_or_pipeline_parallelism(capsys):
+    """Llama 3's own scale: 2,048 sequences of 8,192 tokens cannot spread over 8,192 FSDP ranks, and
+    without tensor or pipeline parallelism (context parallel 4 x FSDP) every rank gathers the whole
+    model over the network each step: the breakdown shows it waiting on FSDP."""
+    argv = ["llama3-405b", "--gpus", "8192", "--seq-len", "8192", "--global-batch-tokens", "16Mi"]
+    rc, out = _plan_json(capsys, *argv)
+    assert rc == 0 and out["settings"]["global_batch"] == 2048
+    assert out["layout"]["tensor_parallel"] > 1 or out["layout"]["pipeline_parallel"] > 1
+    assert out["fsdp_only"] is None and any("does not divide over 8192" in r for r in out["reasons"])
+    flat = out["no_tensor_or_pipeline"]
+    assert flat["step_s"] > 2 * out["step_s"]
+    assert flat["breakdown"]["exposed_fsdp"] > flat["breakdown"]["compute"]
+
+
 def test_deepseek_v3_on_2048_h800s_uses_expert_parallelism(capsys):
     argv = ["deepseek-v3", "--gpus", "2048", "--gpu", "h800", "--seq-len", "4096", "--global-batch", "4096"]
     rc, out = _plan_json(

@@ -194,6 +194,9 @@ class Plan:
     #: the fastest FSDP-only layout (no tensor, pipeline, context or expert parallelism) that
     #: fits, else the one needing the least memory: what the chosen layout is compared against
     baseline: Candidate | None = None
+    #: when no FSDP-only layout can run: the same, of the layouts without tensor or pipeline
+    #: parallelism (context or expert parallel over FSDP)
+    untiled: Candidate | None = None
 
     @property
     def fits(self) -> bool:
@@ -255,17 +258,23 @@ def plan(
     found.sort(key=Candidate.key)
     fitting = [c for c in found if c.memory <= cluster.usable]
     result.considered, result.fitting = len(found), len(fitting)
-    flat = [c for c in found if not c.layout.five_d and c.layout.tensor_parallel == 1]
-    flat_fits = [c for c in flat if c.memory <= cluster.usable]
-    result.baseline = (
-        min(flat_fits, key=Candidate.key) if flat_fits else min(flat, key=lambda c: c.memory, default=None)
-    )
+    result.baseline = _best(found, cluster, lambda lay: not lay.five_d and lay.tensor_parallel == 1)
+    if result.baseline is None:  # FSDP alone cannot run here: compare the best without TP or PP
+        result.untiled = _best(found, cluster, lambda lay: lay.tensor_parallel == lay.pipeline_parallel == 1)
     if fitting:
         result.chosen = fitting[0]
         result.alternatives = _alternatives(fitting)
     elif suggest:
         result.would_fit = _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_by, found, result)
     return result
+
+
+def _best(found: list[Candidate], cluster: Cluster, keep) -> Candidate | None:
+    """The fastest of the candidates whose layout ``keep`` accepts that fits, else the one of them
+    needing the least memory (None: none)."""
+    kept = [c for c in found if keep(c.layout)]
+    fits = [c for c in kept if c.memory <= cluster.usable]
+    return min(fits, key=Candidate.key) if fits else min(kept, key=lambda c: c.memory, default=None)
 
 
 def _alternatives(fitting: list[Candidate]) -> list[Candidate]:

@@ -429,6 +429,7 @@ def to_json(result, launch) -> dict:
         "reasons": result.reasons,
         "params": result.params,
         "fsdp_only": result.baseline.to_dict() if result.baseline is not None else None,
+        "no_tensor_or_pipeline": result.untiled.to_dict() if result.untiled is not None else None,
     }
     if result.fits:
         c = result.chosen
@@ -479,12 +480,18 @@ def _print(result, launch, args) -> None:
     for column in ("layout", "step s", "tokens/s/GPU", "MFU", "memory/GPU", "fits"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     rows = [c, *result.alternatives]
-    if result.baseline is not None and all(result.baseline is not r for r in rows):
-        rows.append(result.baseline)
+    compared = {
+        id(cand): label
+        for cand, label in ((result.baseline, "FSDP only"), (result.untiled, "no TP or PP"))
+        if cand is not None
+    }
+    for cand in (result.baseline, result.untiled):
+        if cand is not None and all(cand is not r for r in rows):
+            rows.append(cand)
     for i, cand in enumerate(rows):
         p = cand.prediction
         table.add_row(
-            ("* " if i == 0 else "") + _short(cand) + (" (FSDP only)" if cand is result.baseline else ""),
+            ("* " if i == 0 else "") + _short(cand) + (f" ({compared[id(cand)]})" if id(cand) in compared else ""),
             f"{p.step_s:.3g}",
             f"{p.tokens_per_s_per_gpu:,.0f}",
             f"{p.mfu:.0%}",
@@ -494,7 +501,7 @@ def _print(result, launch, args) -> None:
     console.print(table)
     parts = Table(title="where the time goes (seconds per step)", title_justify="left")
     parts.add_column("part")
-    shown = [c] + ([result.baseline] if result.baseline is not None and result.baseline is not c else [])
+    shown = [c] + [cand for cand in (result.baseline, result.untiled) if cand is not None and cand is not c]
     for cand in shown:
         parts.add_column(_short(cand), justify="right")
     for part in c.prediction.breakdown:
