@@ -488,6 +488,12 @@ class NormBlock(BlockConfig):
         """Norms around each sub-layer (attention, cross-attention, FFN): 2 for sandwich."""
         return 2 if self.placement == "sandwich" else 1
 
+    def input_saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
+        """Of :meth:`saved_bytes`, the bytes that are the norm's input tensor itself, not a copy:
+        norms reading one tensor (a parallel-residual layer's) keep it once. The built-in norms
+        keep ``x.float()``: the input itself in fp32, a copy in a 16-bit dtype."""
+        return tokens * d_model * 4 if act_bytes == 4 else 0
+
 
 class HeadBlock(BlockConfig):
     """An output head: ``Module(config, d_model, vocab_size, tied_embedding=None)`` (any of the

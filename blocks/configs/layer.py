@@ -137,15 +137,15 @@ class LayerConfig:
 
     def _shared_saved_bytes(self, d_model: int, tokens: int, act_bytes: int, cross: bool) -> int:
         """What the blocks' own counts hold twice in a parallel layer, whose sub-layers read one
-        input: with norms per sub-layer (pre, sandwich) in fp32 the norms' fp32 input, the layer
-        input itself (each keeps it); with no input norm (post_sublayer) or a shared one, the
-        sub-layers' input, which every sub-layer keeps (its first projections')."""
+        input: with norms per sub-layer (pre, sandwich) what of the layer input each norm keeps
+        as it is (``NormBlock.input_saved_bytes``); with no input norm (post_sublayer) or a shared
+        one, the sub-layers' input, which every sub-layer keeps (its first projections')."""
         if not self.parallel_residual:
             return 0
         others = len(self.sublayers(cross)) - 1  # the sub-layers that read what the first keeps too
         if self.parallel_residual == "shared_norm" or self.norm.placement == "post_sublayer":
             return others * tokens * d_model * act_bytes
-        return others * tokens * d_model * 4 if act_bytes == 4 else 0
+        return others * self.norm.input_saved_bytes(d_model, tokens, act_bytes)
 
 
 class LayerBlocks(BaseModel):
