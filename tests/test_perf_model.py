@@ -204,3 +204,11 @@ def test_sequence_parallel_splits_what_whole_tensor_parallel_keeps():
 
     view = estimate(tensor_parallel_spec(spec, 8), Step(seq_len=2048))
     assert model.saved(8, False)[0] == [layer.saved_bytes for layer in view.layers]
+
+
+def test_the_exact_estimate_refuses_what_it_does_not_size():
+    from builder.analysis.estimates import Step, estimate
+
+    spec = load_spec(ROOT / "specs" / "llama3-8b.yaml")
+    with pytest.raises(LayoutError, match=r"^pipeline_parallel=2: the exact per-rank accounting covers"):
+        estimate(spec, Step(seq_len=1024), Layout(devices=16, nodes=2, pipeline_parallel=2))

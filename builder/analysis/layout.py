@@ -585,7 +585,17 @@ def unit_sizes(tensors: list[ParamTensor], tp: int) -> dict[str, int]:
 def sharded_memory(spec, layout: Layout, per_rank):
     """``per_rank`` (the memory estimate of :func:`tensor_parallel_spec`'s spec on one device)
     with its weights, gradients, optimizer state and sharding buffers replaced by what rank 0 —
-    the rank holding the most — holds under ``layout``."""
+    the rank holding the most — holds under ``layout``. A layout with pipeline, context or expert
+    parallelism is refused, naming the degree: ``builder.analysis.perf.memory`` sizes those per
+    stage (``builder describe --pipeline-parallel`` prints it), not tensor by tensor."""
+    if layout.five_d:
+        name = next(n for n in ("pipeline_parallel", "context_parallel", "expert_parallel") if getattr(layout, n) > 1)
+        raise LayoutError(
+            name,
+            getattr(layout, name),
+            "the exact per-rank accounting covers tensor parallel x FSDP; builder.analysis.perf sizes this "
+            "layout per stage (builder describe --pipeline-parallel/--context-parallel/--expert-parallel)",
+        )
     tensors = model_tensors(spec)
     largest, smallest = (rank_states(spec, layout, r, tensors) for r in (0, layout.smallest_rank()))
     compute = BYTES[per_rank.dtype]
