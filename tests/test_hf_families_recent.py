@@ -455,3 +455,31 @@ def test_llama4_without_moe_layers_round_trips(tmp_path):
     inputs = _batch("causal")
     kept = _kept(inputs)
     assert (_logits(ours, inputs, ours=True) - _logits(theirs, inputs, ours=False))[kept].abs().max().item() < 1e-4
+
+
+_SIZES = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+}
+
+
+@pytest.mark.parametrize(
+    "family, more",
+    [("gemma3_text", {}), ("gpt_oss", {}), ("llama4_text", {"intermediate_size_mlp": 40})],
+)
+def test_a_config_that_leaves_keys_out_reads_as_its_config_class_defaults_them(family, more):
+    """Only the sizes given: head_dim, key/value heads, experts and the rest are the config
+    class's defaults (Gemma 3: head_dim 256, 4 key/value heads; GPT-OSS: 128 experts, head_dim
+    64, 8 key/value heads; Llama 4: 16 experts, head_dim 128, 8 key/value heads), so the counts
+    agree with transformers' model."""
+    from builder.analysis.estimates import estimate
+    from builder.hf import config_to_spec
+
+    given = {**_SIZES, **more}
+    spec = validate({"name": family, **config_to_spec({"model_type": family, **given})})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(family, **given))
+    assert estimate(spec).params.total == sum(p.numel() for p in model.parameters())

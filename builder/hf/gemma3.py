@@ -26,6 +26,14 @@ from builder.hf.layered import layer_types, layer_values, stack_overrides, unifo
 #: transformers' Gemma3TextConfig.default_theta
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
 LAYER_TYPES = ("sliding_attention", "full_attention")
+#: transformers' Gemma3TextConfig defaults for the keys the Llama reader defaults otherwise
+DEFAULTS = {
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "sliding_window": 4096,
+}
 
 
 def _types(config: dict, n_layers: int) -> list[str]:
@@ -68,6 +76,7 @@ class Gemma3(LlamaLayout):
                 "gemma3_text: attn_logit_softcapping is set, and transformers' Gemma3ForCausalLM ignores it "
                 "(its attention is passed no softcap); the model it computes has none"
             )
+        config = {**DEFAULTS, **config}
         n_layers = need(config, "num_hidden_layers", self.model_type)
         types = _types(config, n_layers)
         full, local = _rope(config)

@@ -30,6 +30,7 @@ from builder.hf.layered import whole_head_rope
 
 #: transformers' GptOssConfig defaults for the keys the Llama reader defaults otherwise
 DEFAULTS = {
+    "num_key_value_heads": 8,
     "attention_bias": True,
     "rms_norm_eps": 1e-5,
     "num_local_experts": 128,

@@ -47,6 +47,7 @@ from builder.hf.layered import flags, indices, layer_types, layer_values, stack_
 
 #: transformers' Llama4TextConfig defaults for the keys a config may leave out
 DEFAULTS = {
+    "num_key_value_heads": 8,
     "head_dim": 128,
     "intermediate_size_mlp": 16384,
     "num_experts_per_tok": 1,
