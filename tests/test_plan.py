@@ -257,6 +257,15 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
         (["--gpus", "64", "--pipeline-parallel", "64"], "error: --pipeline-parallel 64: decoder.n_layers (32): more"),
         (["--gpus", "16", "--expert-parallel", "2"], "error: --expert-parallel 2: llama2-7b has no experts to split"),
         (
+            ["--gpus", "8", "--micro-batch", "3", "--global-batch", "16", "--tensor-parallel", "1"],
+            "error: --micro-batch 3: does not divide the 2 sequences of one data-parallel rank",
+        ),
+        (
+            ["--gpus", "16", "--pipeline-parallel", "2", "--schedule", "interleaved-1f1b", "--micro-batch", "2"]
+            + ["--global-batch", "16", "--tensor-parallel", "1", "--context-parallel", "1"],
+            "error: --micro-batch 2: leaves 1 micro-batches, which interleaved 1F1B needs a multiple of the 2",
+        ),
+        (
             ["--gpus", "16", "--context-parallel", "2", "--seq-len", "1026"],
             "error: --context-parallel 2: seq_len 1026 does not split into 2 x 2 equal chunks",
         ),

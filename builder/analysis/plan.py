@@ -197,6 +197,8 @@ class Plan:
     #: when no FSDP-only layout can run: the same, of the layouts without tensor or pipeline
     #: parallelism (context or expert parallel over FSDP)
     untiled: Candidate | None = None
+    #: what the model refused while searching (a pinned micro-batch the batch does not divide...)
+    refused: list = field(default_factory=list, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -255,6 +257,8 @@ def plan(
     result = Plan(spec.name, cluster, seq, src_len, global_batch, dtype, None, calibration=calibration)
     result.params = model.estimate.params.total
     found = _search(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, result)
+    if not found and result.refused:  # every layout the pins allow was refused: say why, located
+        raise result.refused[0]
     found.sort(key=Candidate.key)
     fitting = [c for c in found if c.memory <= cluster.usable]
     result.considered, result.fitting = len(found), len(fitting)
@@ -344,11 +348,15 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
                         f"divide over {dp} data-parallel ranks",
                     )
                     continue
-                found += _at_degrees(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp)
+                found += _at_degrees(
+                    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result.refused
+                )
     return found
 
 
-def _at_degrees(spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp) -> list[Candidate]:
+def _at_degrees(
+    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, refused
+) -> list[Candidate]:
     out = []
     groups = set()
     for mode in [pins.data_parallel] if pins.data_parallel else DATA_PARALLEL:
@@ -390,23 +398,30 @@ def _at_degrees(spec, model, cluster, global_batch, dtype, pins, rank_by, calibr
                         schedule,
                         batches,
                         calibration,
+                        refused,
                     )
                     out += [Candidate(p, rank_by) for p in best]
     return out
 
 
-def _best_micro_batch(spec, model, cluster, layout, global_batch, dtype, pins, recompute, schedule, batches, cal):
+def _best_micro_batch(
+    spec, model, cluster, layout, global_batch, dtype, pins, recompute, schedule, batches, cal, refused
+):
     """The fastest micro-batch that fits, and the smallest one tried (so a layout that never
-    fits is still counted); largest first, stopping once the time stops falling."""
-    per_rank = global_batch // layout.data_parallel_size
+    fits is still counted); largest first, stopping once the time stops falling. What the model
+    refuses (a micro-batch count the schedule cannot take) goes to ``refused``."""
     kept: list[Prediction] = []
     best = None
     smallest = None
     for mb in batches:
-        micro = per_rank // mb
-        if per_rank % mb or (schedule == "interleaved-1f1b" and (micro % layout.pipeline_parallel)):
-            continue
         if schedule == "interleaved-1f1b" and layout.pipeline_parallel * INTERLEAVE > len(model.layers):
+            refused.append(
+                LayoutError(
+                    "pipeline_parallel",
+                    layout.pipeline_parallel,
+                    f"x {INTERLEAVE} interleaved stages per rank is more chunks than the {len(model.layers)} layers",
+                )
+            )
             continue
         run = Run(
             seq_len=model.seq,
@@ -423,7 +438,8 @@ def _best_micro_batch(spec, model, cluster, layout, global_batch, dtype, pins, r
         )
         try:
             p = predict(spec, layout, run, cluster.hardware, cal, model=model)
-        except LayoutError:
+        except LayoutError as exc:
+            refused.append(exc)
             continue
         smallest = p
         if p.memory_per_gpu_bytes <= cluster.usable:
