@@ -216,9 +216,10 @@ def recipe_tokens(meta: dict, tokenizer):
 
     from recipes.data.corpus import held_out_tokens, open_corpus
     from recipes.data.windows import Mixture
+    from recipes.tasks.lm import LMRecipe
 
     try:
-        recipe = Recipe.model_validate(meta["recipe"])
+        recipe = LMRecipe.model_validate(meta["recipe"])
     except ValidationError as exc:
         first = str(exc).splitlines()[1][:160]
         raise RecipeError(
