@@ -75,6 +75,10 @@ def test_the_fastest_fitting_layout_is_chosen():
     chosen = result.chosen
     assert isinstance(chosen, Candidate) and chosen.memory <= result.cluster.usable
     assert all(chosen.key() <= alt.key() for alt in result.alternatives) and result.fitting >= len(result.alternatives)
+    cost = plan(
+        small, Cluster(gpus=16, per_node=8, memory=80 * GIB, peak=H100), seq_len=1024, global_batch=512, rank_by="cost"
+    )
+    assert cost.chosen.layout == chosen.layout  # one cluster: GPU-hours rank as time does
     # pinned: a published layout is taken as given
     pinned = plan(
         small,
