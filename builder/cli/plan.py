@@ -324,8 +324,10 @@ def parse_count(text: str, option: str) -> int:
 
 
 def _launchable(candidate) -> bool:
-    """The recipes launch tensor parallelism x FSDP/HSDP/replication with every layer recomputed or none."""
-    return not candidate.layout.five_d and candidate.recompute != "selective"
+    """The recipes launch tensor parallelism x FSDP/HSDP/replication with every layer recomputed or
+    none, their TP keeping inputs and logits whole (a plan sized sequence-parallel would understate it)."""
+    plain = not candidate.layout.five_d and candidate.recompute != "selective"
+    return plain and (candidate.layout.tensor_parallel == 1 or not candidate.run.sequence_parallel)
 
 
 def _launch(result, args, tokens: int | None) -> dict:
@@ -525,8 +527,7 @@ def _print(result, launch, args) -> None:
     if launch is None:
         console.print(
             "[dim]no launch lines: the recipes launch tensor parallel x FSDP/HSDP/replicate layouts with full or no "
-            "recomputation; pin those (--pipeline-parallel 1 --context-parallel 1 --expert-parallel 1 "
-            "--checkpointing none|full) for lines[/]",
+            "recomputation, their TP keeping inputs and logits whole; --launchable plans only those, with lines[/]",
             highlight=False,
         )
         return
