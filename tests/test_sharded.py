@@ -228,6 +228,7 @@ def _translation(folder: Path, **trainer) -> Path:
             "limit_val_batches": 1,
             "checkpoint_every_n_steps": 10,
             "accelerator": "cpu",
+            "precision": "32",  # forced: `auto` is bf16 on a CPU with AVX512-BF16, beyond fp32 reduction tolerance
             "output_dir": str(folder / "run"),
             **trainer,
         },
