@@ -21,6 +21,9 @@ attention module):
   documents packed in one row: no query sees another document's keys), by passing it to
   ``kernels.attention`` as ``document_ids``. A stack given ``document_ids`` refuses a layer whose
   attention does not declare it, rather than let its queries read across documents.
+* ``use_context_parallel(group)`` (optional): attend over a sequence split between the ranks
+  of ``group``, each holding the tokens ``AttentionInputs.query_index`` names
+  (``recipes.parallel.context``); context parallelism refuses a model whose attention lacks it.
 
 Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
 layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend

@@ -138,6 +138,11 @@ def test_a_context_parallel_checkpoint_resumes_on_another_layout_like_an_unbroke
     out = train(recipe(moved, batch=2, devices=2, strategy="fsdp", log_every_n_steps=1))  # CP 2 -> FSDP 2
     assert "resuming from" in out
     assert_same_losses(losses(moved / "run"), losses(tmp_path / "one" / "run"))
+    back = tmp_path / "back"  # and FSDP 2 -> CP 2
+    train(recipe(back, batch=2, devices=2, strategy="fsdp", steps=10, log_every_n_steps=1))
+    out = train(recipe(back, batch=4, devices=2, strategy="fsdp", context_parallel=2, log_every_n_steps=1))
+    assert "resuming from" in out
+    assert_same_losses(losses(back / "run"), losses(tmp_path / "one" / "run"))
 
 
 @pytest.mark.slow
@@ -145,11 +150,9 @@ def test_context_parallel_composes_with_tensor_parallel_and_clipping_on_four_pro
     from test_sharded import TINY_TP
 
     settings = {"spec": TINY_TP, "gradient_clip_val": 1.0, "log_every_n_steps": 1}
-    train(recipe(tmp_path / "one", batch=4, **settings))
-    out = train(
-        recipe(
-            tmp_path / "cp-tp", batch=4, devices=4, strategy="fsdp", context_parallel=2, tensor_parallel=2, **settings
-        )
-    )
+    vocab = ("--set", "tokenizer.type=sentencepiece", "--set", "tokenizer.vocab_size=400")  # 95 chars do not split
+    train(recipe(tmp_path / "one", batch=4, **settings), *vocab)
+    layout = {"devices": 4, "strategy": "fsdp", "context_parallel": 2, "tensor_parallel": 2}
+    out = train(recipe(tmp_path / "cp-tp", batch=4, **layout, **settings), *vocab)
     assert_same_losses(losses(tmp_path / "cp-tp" / "run"), losses(tmp_path / "one" / "run"))
     assert "sequential all_reduce" not in out  # the clipped norm over (dp_shard_cp, tp): one all-reduce

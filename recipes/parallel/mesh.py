@@ -5,10 +5,12 @@
 The mesh is ``(dp_replicate, dp_shard, cp, tp)``, numbered as ``builder.analysis.layout`` numbers
 ranks (``cp``: the context-parallel ranks, which FSDP shards over with ``dp_shard``, as ``dp_shard_cp``):
 
-* ``data_parallel: shard`` — ``(1, world / tp, tp)``: parameters, gradients and optimizer state
-  split over every data-parallel rank;
-* ``replicate`` — ``(world / tp, 1, tp)``: every rank keeps whole copies, gradients all-reduced;
-* ``hybrid`` (HSDP) — ``(nodes, per_node / tp, tp)``: shard inside a node, replicate across nodes.
+* ``data_parallel: shard`` — ``(1, world / (cp x tp), cp, tp)``: parameters, gradients and
+  optimizer state split over every data-parallel (and context-parallel) rank;
+* ``replicate`` — ``(world / (cp x tp), 1, cp, tp)``: every data-parallel rank keeps whole copies
+  (split over its context-parallel ranks only), gradients all-reduced;
+* ``hybrid`` (HSDP) — ``(nodes, per_node / (cp x tp), cp, tp)``: shard inside a node, replicate
+  across nodes.
 """
 
 from __future__ import annotations
