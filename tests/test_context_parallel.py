@@ -22,6 +22,8 @@ SPECS = {  # causal RoPE GQA with a sliding window of 8 (crosses the 8-token chu
     "window": ROOT / "specs" / "tiny" / "phi3.yaml",
     "causal": ROOT / "specs" / "tiny" / "llama.yaml",
 }
+#: and at the model level also sinks with a window and YaRN-scaled RoPE (GPT-OSS)
+MODEL_SPECS = {**SPECS, "sinks": ROOT / "specs" / "tiny" / "gpt-oss.yaml"}
 
 
 def test_load_balanced_shards_cover_the_sequence_once_each_rank_a_head_and_a_tail_chunk():
@@ -43,7 +45,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        for name, path in SPECS.items():
+        for name, path in MODEL_SPECS.items():
             torch.manual_seed(0)  # the same weights and batch on every rank
             model = build_model(load_spec(path), attention_backend="sdpa")
             ids = torch.randint(0, model.spec.vocab_size, (2, 33))
