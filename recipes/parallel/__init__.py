@@ -1,14 +1,15 @@
 """Parallelism: how a built model is spread over devices and made fast to train, applied by one
 function, :func:`parallelize`, in a fixed order (torchtitan's ``parallelize_llama``):
 
-1. tensor parallelism (:mod:`.tensor`: each block's ``parallel_plan``, over the ``tp`` dimension);
+1. tensor parallelism (:mod:`.tensor`: each block's ``parallel_plan``, over the ``tp`` dimension),
+   then context parallelism (:mod:`.context`: each attention's ``use_context_parallel``, over ``cp``);
 2. activation checkpointing (:mod:`.activation_checkpointing`: each Transformer layer);
 3. ``torch.compile`` (:mod:`.compile`: each layer, after checkpointing so it traces the recompute);
 4. FSDP2 (:mod:`.fsdp`: ``fully_shard`` units over the data-parallel dimensions, then a meta-device
    model's shards materialised).
 
 One device (or DDP) takes steps 2 and 3; ``trainer.strategy: fsdp`` takes all four on the device
-mesh of :mod:`.mesh` (``(dp_replicate, dp_shard, tp)``, the one place ``trainer.devices`` becomes a
+mesh of :mod:`.mesh` (``(dp_replicate, dp_shard, cp, tp)``, the one place ``trainer.devices`` becomes a
 count), through Lightning's ``ModelParallelStrategy`` (:mod:`.strategy`).
 
 A new dimension (pipeline, expert or context parallelism) is one file here with its ``apply``
@@ -24,6 +25,7 @@ from torch import nn
 
 from recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
 from recipes.parallel.compile import compile_layers, compile_mode
+from recipes.parallel.context import apply_context_parallel
 from recipes.parallel.fsdp import apply_fsdp, is_sharded_model, local_bytes, materialize, whole_model
 from recipes.parallel.mesh import (
     MESH_DIMS,
@@ -76,6 +78,8 @@ def parallelize(
     """
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if mesh is not None and mesh["cp"].size() > 1:
+        model.context_shard = apply_context_parallel(model, mesh["cp"])  # how the training step splits a batch
     layers = layer_modules(model)
     if settings.activation_checkpointing:
         checkpoint_layers(model)

@@ -36,7 +36,9 @@ def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str) 
     # every task's loss reads out of place only (reshape, float, cross_entropy), so it does not
     # apply there; a view returned by any other unit (a layer, an embedding) still warns.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+Model\) returned a view tensor")
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    from recipes.parallel.mesh import SHARD_DIM
+
+    dp_mesh = mesh["dp_replicate", SHARD_DIM] if mesh["dp_replicate"].size() > 1 else mesh[SHARD_DIM]
     policy = mixed_precision(precision)
     for unit in [*layers, *separate_units(model)]:
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy)

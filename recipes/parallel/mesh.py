@@ -2,12 +2,15 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(dp_replicate, dp_shard, tp)``, numbered as ``builder.analysis.layout`` numbers ranks:
+The mesh is ``(dp_replicate, dp_shard, cp, tp)``, numbered as ``builder.analysis.layout`` numbers
+ranks (``cp``: the context-parallel ranks, which FSDP shards over with ``dp_shard``, as ``dp_shard_cp``):
 
-* ``data_parallel: shard`` — ``(1, world / tp, tp)``: parameters, gradients and optimizer state
-  split over every data-parallel rank;
-* ``replicate`` — ``(world / tp, 1, tp)``: every rank keeps whole copies, gradients all-reduced;
-* ``hybrid`` (HSDP) — ``(nodes, per_node / tp, tp)``: shard inside a node, replicate across nodes.
+* ``data_parallel: shard`` — ``(1, world / (cp x tp), cp, tp)``: parameters, gradients and
+  optimizer state split over every data-parallel (and context-parallel) rank;
+* ``replicate`` — ``(world / (cp x tp), 1, cp, tp)``: every data-parallel rank keeps whole copies
+  (split over its context-parallel ranks only), gradients all-reduced;
+* ``hybrid`` (HSDP) — ``(nodes, per_node / (cp x tp), cp, tp)``: shard inside a node, replicate
+  across nodes.
 """
 
 from __future__ import annotations
@@ -18,16 +21,26 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
 #: dimension in sequence (slower, and its rounding may differ between ranks)
-FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"))
+FLATTENED = (
+    ("dp_replicate", "dp_shard"),
+    ("dp_shard", "tp"),
+    ("dp_replicate", "dp_shard", "tp"),
+    ("dp_shard", "cp"),  # FSDP's shard group
+    ("dp_replicate", "dp_shard", "cp"),
+    ("dp_shard", "cp", "tp"),
+    ("dp_replicate", "dp_shard", "cp", "tp"),
+)
+#: FSDP2's shard dimension: the data-parallel shard ranks and the context-parallel ranks
+SHARD_DIM = "dp_shard_cp"
 
 
-def mesh_shape(layout: Layout) -> tuple[int, int, int]:
-    """``(dp_replicate, dp_shard, tp)`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
-    return layout.replicas, layout.shard_size, layout.tensor_parallel
+def mesh_shape(layout: Layout) -> tuple[int, ...]:
+    """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
+    return layout.replicas, layout.data_parallel_shard, layout.context_parallel, layout.tensor_parallel
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -134,6 +147,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
             nodes=settings.num_nodes,
             tensor_parallel=settings.tensor_parallel,
             data_parallel=settings.data_parallel,
+            context_parallel=settings.context_parallel,
         )
     except LayoutError as exc:
         raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None
@@ -141,7 +155,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
 
 def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
     """Ranks of the recipe's layout that read different data (under ``strategy: fsdp`` the world
-    over the tensor-parallel degree: tensor-parallel peers read the same); ``check`` as for
+    over the tensor- and context-parallel degrees: their peers read the same); ``check`` as for
     :func:`device_count`."""
     per_node = device_count(settings, check=check)
     if settings.strategy == "fsdp":

@@ -73,7 +73,7 @@ class ShardedStrategy(ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        """This rank's place among the data-parallel ranks (tensor-parallel peers read the same data)."""
+        """This rank's place among the data-parallel ranks (tensor- and context-parallel peers read the same data)."""
         mesh = self.device_mesh
         replicate, shard = mesh["dp_replicate"].get_local_rank(), mesh["dp_shard"].get_local_rank()
         return {"num_replicas": self.layout.data_parallel_size, "rank": replicate * mesh["dp_shard"].size() + shard}

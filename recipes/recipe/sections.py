@@ -157,6 +157,13 @@ class TrainerSection(_Section):
         description="fsdp: tensor-parallel degree (ranks of one node that split every layer's matrices, "
         "as each block's parallel plan declares); the data-parallel degree is the rest.",
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: context-parallel degree (ranks that split every sequence, in 2 x C load-balanced "
+        "chunks, each attending over the keys gathered from all; they read the same micro-batch); "
+        "data.seq_len must divide into 2 x C chunks. lm task, multi_head attention.",
+    )
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
@@ -185,6 +192,11 @@ class TrainerSection(_Section):
         from builder.spec.problems import rule_error
 
         if self.strategy != "fsdp":
+            if self.context_parallel > 1:
+                raise rule_error(
+                    ("context_parallel",),
+                    "context_parallel needs strategy: fsdp (its ranks join FSDP2's shard group on the device mesh)",
+                )
             if self.tensor_parallel > 1:
                 raise rule_error(
                     ("tensor_parallel",),
@@ -213,6 +225,12 @@ class TrainerSection(_Section):
                 ("tensor_parallel",),
                 f"tensor_parallel {self.tensor_parallel} must divide devices "
                 f"({per_node} per node): a tensor-parallel group stays inside one node",
+            )
+        if isinstance(per_node, int) and per_node > 0 and per_node % (self.tensor_parallel * self.context_parallel):
+            raise rule_error(
+                ("context_parallel",),
+                f"tensor_parallel x context_parallel ({self.tensor_parallel} x {self.context_parallel}) must "
+                f"divide devices ({per_node} per node): a context-parallel group stays inside one node",
             )
         return self
 
@@ -300,6 +318,30 @@ class Recipe(_Section):
     loss: LossSection = Field(default_factory=LossSection, description="The training objective.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="How long, where, how precisely.")
     sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
+
+    @model_validator(mode="after")
+    def _context_parallel(self):
+        """``trainer.context_parallel`` splits an LM window of ``data.seq_len`` tokens in ``2 x C``
+        equal chunks (``recipes.parallel.context``); whole windows only, no packed documents."""
+        from builder.spec.problems import rule_error
+
+        degree = self.trainer.context_parallel
+        if degree == 1:
+            return self
+        if self.task != "lm":
+            raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {self.task}")
+        if self.data.seq_len % (2 * degree):
+            raise rule_error(
+                ("data", "seq_len"),
+                f"seq_len {self.data.seq_len} does not split into 2 x {degree} equal chunks (trainer.context_parallel)",
+            )
+        if self.data.packing != "concat":
+            raise rule_error(
+                ("data", "packing"),
+                f"packing {self.data.packing} masks across documents, which a context-parallel share does "
+                "not (trainer.context_parallel); use concat",
+            )
+        return self
 
 
 def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
