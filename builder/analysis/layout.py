@@ -481,6 +481,25 @@ def tensor_parallel_problems(spec, tp: int) -> list[tuple[tuple, str]]:
     return problems
 
 
+def expert_parallel_problems(spec, ep: int) -> list[tuple[tuple, str]]:
+    """``(field path, message)`` for every block whose experts ``ep`` ranks cannot split as the
+    recipes run it (each block's ``expert_parallel_problems``: an expert count the degree does
+    not divide, a block that keeps its experts as separate modules), or the first stack's ``ffn``
+    when no block routes to experts. :func:`layout_problems` asks less: what any EP could split."""
+    if ep == 1:
+        return []
+    problems, routed = [], False
+    for loc, config in _blocks(spec):
+        if experts_of(config):
+            routed = True
+            problems += [(loc + where, message) for where, message in config.expert_parallel_problems(ep)]
+    if not routed:
+        problems.append(
+            ((next(iter(spec.stacks())), "ffn"), f"{spec.name} has no experts for expert parallelism to split")
+        )
+    return problems
+
+
 def check_tensor_parallel(spec, tp: int) -> None:
     """Raise :class:`LayoutError` (argument ``tensor_parallel``) naming each field that does not divide."""
     problems = tensor_parallel_problems(spec, tp)

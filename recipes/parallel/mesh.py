@@ -2,7 +2,9 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(dp_replicate, dp_shard, tp)``, numbered as ``builder.analysis.layout`` numbers ranks:
+The mesh is ``(dp_replicate, dp_shard_mod_ep, ep, tp)``, numbered as ``builder.analysis.layout``
+numbers ranks, with ``dp_shard`` the flattened ``(dp_shard_mod_ep, ep)``: expert parallelism
+borrows the ``ep`` ranks innermost from the FSDP shard group (1 without it):
 
 * ``data_parallel: shard`` — ``(1, world / tp, tp)``: parameters, gradients and optimizer state
   split over every data-parallel rank;
@@ -18,24 +20,34 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+#: the FSDP shard group, made one dimension of the mesh dimensions it spans (first: the groups below use it)
+SHARD_DIMS = ("dp_shard_mod_ep", "ep")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
 #: dimension in sequence (slower, and its rounding may differ between ranks)
 FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"))
 
 
-def mesh_shape(layout: Layout) -> tuple[int, int, int]:
-    """``(dp_replicate, dp_shard, tp)`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
-    return layout.replicas, layout.shard_size, layout.tensor_parallel
+def mesh_shape(layout: Layout) -> tuple[int, ...]:
+    """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
+    ep = layout.expert_parallel
+    return layout.replicas, layout.shard_size // ep, ep, layout.tensor_parallel
 
 
 def device_mesh(layout: Layout, device_type: str):
     """The ``MESH_DIMS`` mesh of ``layout`` over the processes that exist (a process group is
-    up), with the :data:`FLATTENED` groups made dimensions too, as torchtitan does."""
+    up), with ``dp_shard`` (:data:`SHARD_DIMS`) and the :data:`FLATTENED` groups made dimensions
+    too, as torchtitan does."""
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    # torch warns that slicing a flattened dimension (dp_shard) from the root mesh is to be
+    # deprecated; it is how DTensor and FSDP2 find these groups by name today
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIMS)
+    mesh[SHARD_DIMS]._flatten("dp_shard")
     for dims in FLATTENED:  # DTensor looks these up by name
         mesh[dims]._flatten("_".join(dims))
     return mesh
@@ -134,6 +146,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
             nodes=settings.num_nodes,
             tensor_parallel=settings.tensor_parallel,
             data_parallel=settings.data_parallel,
+            expert_parallel=settings.expert_parallel,
         )
     except LayoutError as exc:
         raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None
