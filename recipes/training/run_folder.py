@@ -77,6 +77,7 @@ MAY_CHANGE = (
     "trainer.num_nodes",
     "trainer.strategy",
     "trainer.tensor_parallel",
+    "trainer.expert_parallel",
     "trainer.data_parallel",
     "trainer.compile",
     "trainer.activation_checkpointing",
