@@ -2,15 +2,24 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(dp_replicate, dp_shard, cp, tp)``, numbered as ``builder.analysis.layout`` numbers
-ranks (``cp``: the context-parallel ranks, which FSDP shards over with ``dp_shard``, as ``dp_shard_cp``):
+The mesh is ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, numbered as ``builder.analysis.layout``
+numbers ranks. ``dp_shard`` is the flattened ``(dp_shard_mod_ep, ep)``: expert parallelism borrows
+its ``ep`` ranks innermost from the data-parallel shard ranks (``ep`` is 1 without it), which still
+read different batches. ``cp`` holds the context-parallel ranks, which FSDP shards over together
+with ``dp_shard``, as ``dp_shard_cp`` (the flattened ``(dp_shard_mod_ep, ep, cp)``). Expert and
+context parallelism are not composed yet (``trainer.expert_parallel`` refuses ``context_parallel``
+above 1), so at least one of ``ep`` and ``cp`` is 1. With ``ep`` 1 (``dp_shard`` the whole
+``dp_shard_mod_ep``):
 
-* ``data_parallel: shard`` — ``(1, world / (cp x tp), cp, tp)``: parameters, gradients and
+* ``data_parallel: shard`` — ``(1, world / (cp x tp), 1, cp, tp)``: parameters, gradients and
   optimizer state split over every data-parallel (and context-parallel) rank;
-* ``replicate`` — ``(world / (cp x tp), 1, cp, tp)``: every data-parallel rank keeps whole copies
-  (split over its context-parallel ranks only), gradients all-reduced;
-* ``hybrid`` (HSDP) — ``(nodes, per_node / (cp x tp), cp, tp)``: shard inside a node, replicate
+* ``replicate`` — ``(world / (cp x tp), 1, 1, cp, tp)``: every data-parallel rank keeps whole
+  copies (split over its context-parallel ranks only), gradients all-reduced;
+* ``hybrid`` (HSDP) — ``(nodes, per_node / (cp x tp), 1, cp, tp)``: shard inside a node, replicate
   across nodes.
+
+``trainer.expert_parallel: E`` then splits the second size by ``E``: ``shard`` is
+``(1, world / (E x tp), E, 1, tp)``, ``hybrid`` ``(nodes, per_node / (E x tp), E, 1, tp)``.
 """
 
 from __future__ import annotations
@@ -21,7 +30,10 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+#: the data-parallel shard ranks (``dp_shard``), made one dimension of the mesh dimensions they span
+#: (first: the groups below use it)
+SHARD_DIMS = ("dp_shard_mod_ep", "ep")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
 #: dimension in sequence (slower, and its rounding may differ between ranks)
@@ -40,15 +52,23 @@ SHARD_DIM = "dp_shard_cp"
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:
     """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
-    return layout.replicas, layout.data_parallel_shard, layout.context_parallel, layout.tensor_parallel
+    ep = layout.expert_parallel
+    return layout.replicas, layout.data_parallel_shard // ep, ep, layout.context_parallel, layout.tensor_parallel
 
 
 def device_mesh(layout: Layout, device_type: str):
     """The ``MESH_DIMS`` mesh of ``layout`` over the processes that exist (a process group is
-    up), with the :data:`FLATTENED` groups made dimensions too, as torchtitan does."""
+    up), with ``dp_shard`` (:data:`SHARD_DIMS`) and the :data:`FLATTENED` groups made dimensions
+    too, as torchtitan does."""
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    # torch warns that slicing a flattened dimension (dp_shard) from the root mesh is to be
+    # deprecated; it is how DTensor and FSDP2 find these groups by name today
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIMS)
+    mesh[SHARD_DIMS]._flatten("dp_shard")
     for dims in FLATTENED:  # DTensor looks these up by name
         mesh[dims]._flatten("_".join(dims))
     return mesh
@@ -148,6 +168,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
             tensor_parallel=settings.tensor_parallel,
             data_parallel=settings.data_parallel,
             context_parallel=settings.context_parallel,
+            expert_parallel=settings.expert_parallel,
         )
     except LayoutError as exc:
         raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None

@@ -1,5 +1,5 @@
 """The Lightning side of ``trainer.strategy: fsdp``: :class:`ShardedStrategy` (Lightning's
-``ModelParallelStrategy`` on the ``(dp_replicate, dp_shard, tp)`` mesh of :mod:`recipes.parallel.mesh`)
+``ModelParallelStrategy`` on the ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh of :mod:`recipes.parallel.mesh`)
 starts the processes, builds the mesh, parallelises the model (:func:`recipes.parallel.parallelize`,
 from the LightningModule's ``configure_model``) and saves checkpoints atomically; gradient
 clipping across the meshes a tensor-parallel model's parameters live on (:class:`MeshClipping`,
@@ -52,7 +52,7 @@ class MeshClipping:
 
 
 class ShardedStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` on a ``(dp_replicate, dp_shard, tp)`` mesh, that parallelises the
+    """``ModelParallelStrategy`` on a ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh, that parallelises the
     model itself (:meth:`parallelize`) and saves checkpoints atomically (:meth:`save_checkpoint`)."""
 
     def __init__(self, settings: TrainerSection, init_seed: int):

@@ -164,6 +164,14 @@ class TrainerSection(_Section):
         "chunks, each attending over the keys gathered from all; they read the same micro-batch); "
         "data.seq_len must divide into 2 x C chunks. lm task, multi_head attention.",
     )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: expert-parallel degree (ranks of the FSDP shard group that split every "
+        "mixture of experts' routed experts, tokens sent to them by all-to-all); borrowed from the "
+        "data-parallel ranks, so data.batch_size stays per data-parallel rank. Not yet with "
+        "context_parallel.",
+    )
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
@@ -204,6 +212,11 @@ class TrainerSection(_Section):
                 )
             if self.data_parallel != "shard":
                 raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
+            if self.expert_parallel > 1:
+                raise rule_error(
+                    ("expert_parallel",),
+                    "expert_parallel needs strategy: fsdp (the experts are split over FSDP2's shard group)",
+                )
             return self
         if self.precision == "16-mixed":
             raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
@@ -231,6 +244,19 @@ class TrainerSection(_Section):
                 ("context_parallel",),
                 f"tensor_parallel x context_parallel ({self.tensor_parallel} x {self.context_parallel}) must "
                 f"divide devices ({per_node} per node): a context-parallel group stays inside one node",
+            )
+        if self.expert_parallel > 1 and self.data_parallel == "replicate":
+            raise rule_error(
+                ("expert_parallel",),
+                "expert_parallel borrows its ranks from the FSDP shard group, which data_parallel "
+                "replicate does not have; use shard or hybrid",
+            )
+        if self.expert_parallel > 1 and self.context_parallel > 1:
+            raise rule_error(
+                ("expert_parallel",),
+                f"expert_parallel {self.expert_parallel} with context_parallel {self.context_parallel} is not "
+                "supported yet (the experts are sharded and their gradients reduced outside the cp ranks); "
+                "set one of them to 1",
             )
         return self
 
@@ -460,8 +486,9 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     one merge, located at the recipe's own lines; an inline spec is validated in place, so its
     problems point at the recipe too. ``extra``: overrides a task sets over the recipe's (a
     ``head`` mapping of another type replaces the spec's head). A spec that cannot split
-    ``trainer.tensor_parallel`` ways is refused here too, each problem at the line that set the
-    field (``builder.analysis.layout.tensor_parallel_problems``).
+    ``trainer.tensor_parallel`` ways (or whose experts ``trainer.expert_parallel`` ranks cannot
+    split) is refused here too, each problem at the line that set the field
+    (``builder.analysis.layout.tensor_parallel_problems``, ``expert_parallel_problems``).
     """
     from builder.spec.loader import load_spec, read_merged
 
@@ -505,13 +532,14 @@ def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
 
 
 def _check_layout(spec, recipe: Recipe, document) -> None:
-    """Located problems of ``spec`` under the recipe's tensor-parallel degree; ``document()``:
+    """Located problems of ``spec`` under the recipe's tensor- and expert-parallel degrees; ``document()``:
     ``(the spec's merged document, whether it is inline in the recipe)``."""
-    from builder.analysis.layout import tensor_parallel_problems
+    from builder.analysis.layout import expert_parallel_problems, tensor_parallel_problems
     from builder.spec.problems import locate
     from builder.spec.source import SpecError
 
     problems = tensor_parallel_problems(spec, recipe.trainer.tensor_parallel)
+    problems += expert_parallel_problems(spec, recipe.trainer.expert_parallel)
     if problems:
         doc, inline = document()
         located = [locate(doc, loc, message) for loc, message in problems]

@@ -180,6 +180,8 @@ def devices_line(recipe: Recipe) -> str:
         value = getattr(settings, field, None)
         if value is not None and settings.strategy == "fsdp" and (field != "context_parallel" or value > 1):
             parts.append(f"{field} {value}")
+    if settings.strategy == "fsdp" and getattr(settings, "expert_parallel", 1) > 1:
+        parts.append(f"expert_parallel {settings.expert_parallel}")
     chosen, note = resolve_precision(settings.precision, settings.accelerator)
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:

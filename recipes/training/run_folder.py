@@ -78,6 +78,7 @@ MAY_CHANGE = (
     "trainer.strategy",
     "trainer.tensor_parallel",
     "trainer.context_parallel",
+    "trainer.expert_parallel",
     "trainer.data_parallel",
     "trainer.compile",
     "trainer.activation_checkpointing",
