@@ -354,7 +354,9 @@ class Recipe(_Section):
         degree = self.trainer.context_parallel
         if degree == 1:
             return self
-        if self.task != "lm":
+        from recipes.tasks import task_named
+
+        if not task_named(self.task).splits_windows:
             raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {self.task}")
         if self.data.seq_len % (2 * degree):
             raise rule_error(
