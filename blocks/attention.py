@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from blocks.cache import MemoryCache, TensorCache
-from blocks.differential import _SumGradient
+from blocks.tensor_parallel import shared
 from kernels import attention as attention_kernel
 
 
@@ -311,7 +311,7 @@ class MultiHeadAttention(nn.Module):
         return k, v, inputs.context_index(self.context_group)
 
     def _shared(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.group is None else _SumGradient.apply(t, self.group)
+        return shared(t, self.group)
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, n_heads: int, norm: QKNorm | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
