@@ -228,15 +228,19 @@ CASES = {
 # --- import, export through the family, cached decoding, pipeline --------------------------
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
+def import_case(cases: dict, name: str, tmp_path_factory):
     """The case's transformers model, and ours imported from its folder: (name, hf, auto, spec, ours, tmp)."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    hf, auto = _hf_model(CASES[request.param], tmp / "hf")
+    tmp = tmp_path_factory.mktemp(name)
+    hf, auto = _hf_model(cases[name], tmp / "hf")
     spec_path, weights_path = import_hf(tmp / "hf", tmp / "ours")
     spec = load_spec(spec_path)
     ours = load_weights(build_model(spec), weights_path).eval()
-    return request.param, hf, auto, spec, ours, tmp
+    return name, hf, auto, spec, ours, tmp
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def imported(request, tmp_path_factory):
+    return import_case(CASES, request.param, tmp_path_factory)
 
 
 def test_import_matches_logits_greedy_tokens_and_count(imported):

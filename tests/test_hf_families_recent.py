@@ -22,10 +22,10 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import test_hf_families_new as generic
-from test_hf import VOCAB, Case, _batch, _hf_model, _kept, _logits, _randomize
+from test_hf import VOCAB, Case, _batch, _kept, _logits, _randomize
 
 from builder.assemble import build_model
-from builder.hf import FAMILIES, HFError, fit, from_hf, import_hf, load_weights, to_hf, validate
+from builder.hf import FAMILIES, HFError, fit, from_hf, load_weights, to_hf, validate
 from builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,13 +165,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def imported(request, tmp_path_factory):
-    """The case's transformers model, and ours imported from its folder: (name, hf, auto, spec, ours, tmp)."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    hf, auto = _hf_model(CASES[request.param], tmp / "hf")
-    spec_path, weights_path = import_hf(tmp / "hf", tmp / "ours")
-    spec = load_spec(spec_path)
-    ours = load_weights(build_model(spec), weights_path).eval()
-    return request.param, hf, auto, spec, ours, tmp
+    return generic.import_case(CASES, request.param, tmp_path_factory)
 
 
 def test_import_matches_logits_greedy_tokens_and_count(imported, monkeypatch):

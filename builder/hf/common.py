@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.hf import names
+
 
 class HFError(ValueError):
     """A Hugging Face folder, config or checkpoint that cannot be converted; says why."""
@@ -316,3 +318,26 @@ def permuted_rows(hf: str, our: str, blocks: int, width: int, start: int, rope: 
         return convert
 
     return Link((hf,), (our,), take(import_index), take(export_index))
+
+
+def decoder_links(
+    spec,
+    layer_links: Callable[[str, int, Any], list[Link]],
+    *,
+    embedding: str = "model.embed_tokens.weight",
+    final_norm: Sequence[str] = ("model.norm.weight",),
+    layers: str = "model.layers",
+    head: str = "lm_head.weight",
+) -> list[Link]:
+    """A decoder-only family's tensor names: the token embedding and the final norm (``final_norm``:
+    Hugging Face's names, ours by their last part: ``.weight``, ``.bias``), each layer's from
+    ``layer_links(hf_prefix, index, layer_config)`` (``hf_prefix``: ``{layers}.{index}``), and the
+    head unless the embedding is tied to it."""
+    norm = names.final_norm("decoder")
+    links = [same(embedding, names.token_embedding("decoder"))]
+    links += [same(hf, f"{norm}.{hf.rpartition('.')[2]}") for hf in final_norm]
+    for i in range(spec.decoder.n_layers):
+        links += layer_links(f"{layers}.{i}", i, spec.decoder.layer(i))
+    if not spec.tie_embeddings:
+        links.append(same(head, names.head_projection()))
+    return links

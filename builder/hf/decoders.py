@@ -19,6 +19,7 @@ from builder.hf.common import (
     Unsupported,
     activation_from_hf,
     activation_to_hf,
+    decoder_links,
     dropout,
     need,
     rope_from_hf,
@@ -105,17 +106,11 @@ class GPT2(Family):
 
     def links(self, spec) -> list[Link]:
         d = spec.d_model
-        stack = spec.decoder
-        links = [
-            same("transformer.wte.weight", ours.token_embedding("decoder")),
-            same("transformer.wpe.weight", ours.learned_positions("decoder")),
-            same("transformer.ln_f.weight", ours.final_norm("decoder") + ".weight"),
-            same("transformer.ln_f.bias", ours.final_norm("decoder") + ".bias"),
-        ]
-        for i in range(stack.n_layers):
-            h, attn, ffn = f"transformer.h.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
+
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            attn, ffn = ours.attention("decoder", i), ours.ffn("decoder", i)
             qkv = [f"{attn}.{p}_proj" for p in "qkv"]
-            links += [
+            links = [
                 split(f"{h}.attn.c_attn.weight", [f"{p}.weight" for p in qkv], [d, d, d], transpose=True),
                 split(f"{h}.attn.c_attn.bias", [f"{p}.bias" for p in qkv], [d, d, d]),
                 transposed(f"{h}.attn.c_proj.weight", f"{attn}.out_proj.weight"),
@@ -130,8 +125,13 @@ class GPT2(Family):
                     same(f"{h}.{hf_norm}.{p}", f"{ours.layer_norm('decoder', i, which)}.{p}")
                     for p in ("weight", "bias")
                 ]
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
+            return links
+
+        norm = [f"transformer.ln_f.{p}" for p in ("weight", "bias")]
+        links = decoder_links(
+            spec, layer_links, embedding="transformer.wte.weight", final_norm=norm, layers="transformer.h"
+        )
+        links.insert(1, same("transformer.wpe.weight", ours.learned_positions("decoder")))  # after the embedding
         return links
 
 
@@ -159,6 +159,24 @@ class LlamaKnobs:
     gemma2: bool = False
     activation_key: str = "hidden_act"  # the config key the MLP reads its activation from
     activation_aliases: tuple[tuple[str, str], ...] = ()
+
+
+def attention_links(h: str, attn: str, config, qk_norms: bool = False) -> list[Link]:
+    """A Llama-layout attention's tensors (``h``: Hugging Face's ``...self_attn``, ``attn``: ours),
+    its biases where ``config`` has them, and with ``qk_norms`` its q/k norms' weights (``q_norm``,
+    ``k_norm`` on both sides; an L2 norm has none): a family without them writes none, so a spec
+    with q/k norms fails export there instead of losing them."""
+    links = []
+    for p in "qkv":
+        links.append(same(f"{h}.{p}_proj.weight", f"{attn}.{p}_proj.weight"))
+        if config.qkv_bias:
+            links.append(same(f"{h}.{p}_proj.bias", f"{attn}.{p}_proj.bias"))
+    links.append(same(f"{h}.o_proj.weight", f"{attn}.out_proj.weight"))
+    if config.out_bias:
+        links.append(same(f"{h}.o_proj.bias", f"{attn}.out_proj.bias"))
+    if qk_norms and config.qk_norm is not None and config.qk_norm.type != "l2":
+        links += [same(f"{h}.{p}_norm.weight", f"{attn}.{p}_norm.weight") for p in "qk"]
+    return links
 
 
 class LlamaLayout(Family):
@@ -314,21 +332,11 @@ class LlamaLayout(Family):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        k, stack = self.knobs, spec.decoder
-        links = [
-            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
-            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
-        ]
-        for i in range(stack.n_layers):
-            layer = stack.layer(i)
-            h, attn, ffn = f"model.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
-            for p in "qkv":
-                links.append(same(f"{h}.self_attn.{p}_proj.weight", f"{attn}.{p}_proj.weight"))
-                if layer.attention.qkv_bias:
-                    links.append(same(f"{h}.self_attn.{p}_proj.bias", f"{attn}.{p}_proj.bias"))
-            links.append(same(f"{h}.self_attn.o_proj.weight", f"{attn}.out_proj.weight"))
-            if layer.attention.out_bias:
-                links.append(same(f"{h}.self_attn.o_proj.bias", f"{attn}.out_proj.bias"))
+        k = self.knobs
+
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            attn, ffn = ours.attention("decoder", i), ours.ffn("decoder", i)
+            links = attention_links(f"{h}.self_attn", attn, layer.attention)
             norms = {"input_layernorm": ("attention", False), "post_attention_layernorm": ("ffn", False)}
             if k.gemma2:  # sandwich: the post-attention norm closes attention; the FFN has its own two
                 norms.update(
@@ -353,9 +361,9 @@ class LlamaLayout(Family):
                     links.append(same(f"{h}.mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight"))
                     if layer.ffn.bias:
                         links.append(same(f"{h}.mlp.{p}_proj.bias", f"{ffn}.{p}_proj.bias"))
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
-        return links
+            return links
+
+        return decoder_links(spec, layer_links)
 
 
 def fused_experts(spec) -> list[Link]:

@@ -36,6 +36,7 @@ from builder.hf.common import (
     Unsupported,
     activation_from_hf,
     activation_to_hf,
+    decoder_links,
     dropout,
     need,
     permuted_rows,
@@ -208,15 +209,11 @@ class Llama4(Family):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        stack, d = spec.decoder, spec.d_model
-        links = [
-            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
-            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
-        ]
-        for i in range(stack.n_layers):
-            layer = stack.layer(i)
-            h, attn, ffn = f"model.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
-            a = layer.attention
+        d = spec.d_model
+
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            attn, ffn = ours.attention("decoder", i), ours.ffn("decoder", i)
+            a, links = layer.attention, []
             hd = a.resolved_head_dim(d)
             for p, heads in (("q", a.n_heads), ("k", a.n_kv_heads), ("v", None)):
                 for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
@@ -230,10 +227,9 @@ class Llama4(Family):
                 same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
                 same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight"),
             ]
-            links += _ffn_links(f"{h}.feed_forward", ffn, layer.ffn, d)
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
-        return links
+            return links + _ffn_links(f"{h}.feed_forward", ffn, layer.ffn, d)
+
+        return decoder_links(spec, layer_links)
 
 
 def _hidden(ffn, d_model: int) -> int:

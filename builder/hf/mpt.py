@@ -29,7 +29,7 @@ and export matches everything but dropout.
 from __future__ import annotations
 
 from builder.hf import names as ours
-from builder.hf.common import Family, Link, Unsupported, dropout, need, same, split
+from builder.hf.common import Family, Link, Unsupported, decoder_links, dropout, need, same, split
 
 #: the ALiBi slope exponent transformers' MPT always uses (``build_mpt_alibi_tensor``'s default)
 ALIBI_BIAS_MAX = 8
@@ -117,14 +117,11 @@ class MPT(Family):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        d, stack = spec.d_model, spec.decoder
-        links = [
-            same("transformer.wte.weight", ours.token_embedding("decoder")),
-            same("transformer.norm_f.weight", ours.final_norm("decoder") + ".weight"),
-        ]
-        for i in range(stack.n_layers):
-            h, attn, ffn = f"transformer.blocks.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
-            links += [
+        d = spec.d_model
+
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            attn, ffn = ours.attention("decoder", i), ours.ffn("decoder", i)
+            return [
                 same(f"{h}.norm_1.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
                 # rows: q, then k, then v (MptAttention chunks the output in three)
                 split(f"{h}.attn.Wqkv.weight", [f"{attn}.{p}_proj.weight" for p in "qkv"], [d, d, d]),
@@ -133,9 +130,14 @@ class MPT(Family):
                 same(f"{h}.ffn.up_proj.weight", f"{ffn}.up_proj.weight"),
                 same(f"{h}.ffn.down_proj.weight", f"{ffn}.down_proj.weight"),
             ]
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
-        return links
+
+        return decoder_links(
+            spec,
+            layer_links,
+            embedding="transformer.wte.weight",
+            final_norm=("transformer.norm_f.weight",),
+            layers="transformer.blocks",
+        )
 
 
 def _refuse_what_transformers_ignores(config: dict, attn: dict) -> None:

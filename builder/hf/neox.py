@@ -26,6 +26,7 @@ from builder.hf.common import (
     Unsupported,
     activation_from_hf,
     activation_to_hf,
+    decoder_links,
     dropout,
     need,
     rope_from_hf,
@@ -139,18 +140,11 @@ class GPTNeoX(Family):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        stack = spec.decoder
-        links = [
-            same("gpt_neox.embed_in.weight", ours.token_embedding("decoder")),
-            same("gpt_neox.final_layer_norm.weight", ours.final_norm("decoder") + ".weight"),
-            same("gpt_neox.final_layer_norm.bias", ours.final_norm("decoder") + ".bias"),
-        ]
-        for i in range(stack.n_layers):
-            layer = stack.layer(i)
-            h, attn, ffn = f"gpt_neox.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            attn, ffn = ours.attention("decoder", i), ours.ffn("decoder", i)
             qkv = [f"{attn}.{p}_proj" for p in "qkv"]
             params = ("weight", "bias") if layer.attention.qkv_bias else ("weight",)
-            links += [
+            links = [
                 _per_head_qkv(f"{h}.attention.query_key_value.{p}", [f"{q}.{p}" for q in qkv], layer.attention.n_heads)
                 for p in params
             ]
@@ -160,9 +154,17 @@ class GPTNeoX(Family):
             for hf_norm, which in (("input_layernorm", "attention"), ("post_attention_layernorm", "ffn")):
                 norm = ours.layer_norm("decoder", i, which)
                 links += [same(f"{h}.{hf_norm}.{p}", f"{norm}.{p}") for p in ("weight", "bias")]
-        if not spec.tie_embeddings:
-            links.append(same("embed_out.weight", ours.head_projection()))
-        return links
+            return links
+
+        norm = [f"gpt_neox.final_layer_norm.{p}" for p in ("weight", "bias")]
+        return decoder_links(
+            spec,
+            layer_links,
+            embedding="gpt_neox.embed_in.weight",
+            final_norm=norm,
+            layers="gpt_neox.layers",
+            head="embed_out.weight",
+        )
 
 
 FAMILIES = [

@@ -14,9 +14,9 @@ defaults its end-of-text id to 50279, outside a small vocabulary.
 from __future__ import annotations
 
 from builder.hf import names as ours
-from builder.hf.common import Link, same
-from builder.hf.decoders import _ROTARY, LlamaKnobs
-from builder.hf.qwen import ClassDefaults, attention_links, dense_links
+from builder.hf.common import Link, decoder_links, same
+from builder.hf.decoders import _ROTARY, LlamaKnobs, attention_links
+from builder.hf.qwen import ClassDefaults, dense_links
 
 
 class Olmo2(ClassDefaults):
@@ -34,22 +34,15 @@ class Olmo2(ClassDefaults):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        stack = spec.decoder
-        links = [
-            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
-            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
-        ]
-        for i in range(stack.n_layers):
-            h = f"model.layers.{i}"
-            links += attention_links(f"{h}.self_attn", ours.attention("decoder", i), stack.layer(i).attention)
-            links += dense_links(f"{h}.mlp", ours.ffn("decoder", i))
-            links += [
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            return [
+                *attention_links(f"{h}.self_attn", ours.attention("decoder", i), layer.attention, qk_norms=True),
+                *dense_links(f"{h}.mlp", ours.ffn("decoder", i)),
                 same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
                 same(f"{h}.post_feedforward_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight"),
             ]
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
-        return links
+
+        return decoder_links(spec, layer_links)
 
 
 FAMILIES = [

@@ -18,7 +18,7 @@ vocabulary (a tokenizer's or ``--hf-config``'s ids replace them).
 from __future__ import annotations
 
 from builder.hf import names as ours
-from builder.hf.common import Link, dropout, same, split
+from builder.hf.common import Link, decoder_links, dropout, same, split
 from builder.hf.decoders import _ROTARY, LlamaKnobs
 from builder.hf.qwen import ClassDefaults
 
@@ -38,18 +38,14 @@ class Phi3(ClassDefaults):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        stack, d = spec.decoder, spec.d_model
-        links = [
-            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
-            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
-        ]
-        for i in range(stack.n_layers):
-            layer = stack.layer(i)
-            h, attn, ffn = f"model.layers.{i}", ours.attention("decoder", i), ours.ffn("decoder", i)
+        d = spec.d_model
+
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            attn, ffn = ours.attention("decoder", i), ours.ffn("decoder", i)
             head_dim = layer.attention.resolved_head_dim(d)
             q, kv = layer.attention.n_heads * head_dim, layer.attention.n_kv_heads * head_dim
             hidden = layer.ffn.resolved_hidden_dim(d)
-            links += [
+            return [
                 split(f"{h}.self_attn.qkv_proj.weight", [f"{attn}.{p}_proj.weight" for p in "qkv"], [q, kv, kv]),
                 same(f"{h}.self_attn.o_proj.weight", f"{attn}.out_proj.weight"),
                 same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
@@ -59,9 +55,8 @@ class Phi3(ClassDefaults):
                 ),
                 same(f"{h}.mlp.down_proj.weight", f"{ffn}.down_proj.weight"),
             ]
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
-        return links
+
+        return decoder_links(spec, layer_links)
 
 
 FAMILIES = [

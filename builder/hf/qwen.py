@@ -27,27 +27,11 @@ balance loss, where transformers adds Switch's router loss (``router_aux_loss_co
 from __future__ import annotations
 
 from builder.hf import names as ours
-from builder.hf.common import Link, Unsupported, need, same
-from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout
+from builder.hf.common import Link, Unsupported, decoder_links, need, same
+from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout, attention_links
 
 # the experts' per-expert and 3-D layouts are DeepSeek's (the same module names)
 from builder.hf.deepseek import _stacked, fused_experts
-
-
-def attention_links(h: str, attn: str, config) -> list[Link]:
-    """A Llama-layout attention's tensors (``h``: Hugging Face's ``...self_attn``, ``attn``: ours),
-    its biases and its q/k norms (``q_norm``, ``k_norm`` on both sides) where ``config`` has them."""
-    links = []
-    for p in "qkv":
-        links.append(same(f"{h}.{p}_proj.weight", f"{attn}.{p}_proj.weight"))
-        if config.qkv_bias:
-            links.append(same(f"{h}.{p}_proj.bias", f"{attn}.{p}_proj.bias"))
-    links.append(same(f"{h}.o_proj.weight", f"{attn}.out_proj.weight"))
-    if config.out_bias:
-        links.append(same(f"{h}.o_proj.bias", f"{attn}.out_proj.bias"))
-    if getattr(config, "qk_norm", None) is not None and config.qk_norm.type != "l2":  # an L2 norm has no weight
-        links += [same(f"{h}.{p}_norm.weight", f"{attn}.{p}_norm.weight") for p in "qk"]
-    return links
 
 
 def dense_links(h: str, ffn: str) -> list[Link]:
@@ -79,22 +63,15 @@ class Qwen3(ClassDefaults):
 
     # tensor names
     def links(self, spec) -> list[Link]:
-        stack = spec.decoder
-        links = [
-            same("model.embed_tokens.weight", ours.token_embedding("decoder")),
-            same("model.norm.weight", ours.final_norm("decoder") + ".weight"),
-        ]
-        for i in range(stack.n_layers):
-            layer, h = stack.layer(i), f"model.layers.{i}"
-            links += attention_links(f"{h}.self_attn", ours.attention("decoder", i), layer.attention)
-            links += [
+        def layer_links(h: str, i: int, layer) -> list[Link]:
+            return [
+                *attention_links(f"{h}.self_attn", ours.attention("decoder", i), layer.attention, qk_norms=True),
                 same(f"{h}.input_layernorm.weight", ours.layer_norm("decoder", i, "attention") + ".weight"),
                 same(f"{h}.post_attention_layernorm.weight", ours.layer_norm("decoder", i, "ffn") + ".weight"),
+                *self._ffn_links(f"{h}.mlp", ours.ffn("decoder", i), layer.ffn),
             ]
-            links += self._ffn_links(f"{h}.mlp", ours.ffn("decoder", i), layer.ffn)
-        if not spec.tie_embeddings:
-            links.append(same("lm_head.weight", ours.head_projection()))
-        return links
+
+        return decoder_links(spec, layer_links)
 
     def _ffn_links(self, h: str, ffn: str, config) -> list[Link]:
         return dense_links(h, ffn)
