@@ -7,7 +7,7 @@ prediction and its bootstrap interval. ``--seeds K`` trains the held-out run K t
 own seed, then ``trainer.seed`` 1 to K-1: initialisation and data order) and compares the median,
 since one run's seed is part of the noise the fit is judged against.
 
-    python benchmarks/scaling_fit.py recipes/studies/examples/tiny-lm.yaml --factor 4 --seeds 3 --out fit.json
+    python benchmarks/scaling_fit.py recipes/studies/examples/tiny-lm.yaml --factor 4 --seeds 5 --jobs 2 --out fit.json
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def main() -> int:
     parser.add_argument(
         "--seeds", type=int, default=1, help="held-out runs (the study's seed, then 1..K-1); the median is compared"
     )
+    parser.add_argument("--jobs", type=int, default=1, help="held-out runs at once (processes)")
     parser.add_argument("--out", help="also write the result here (JSON)")
     args = parser.parse_args()
 
     from recipes.studies import report, scaling, store
-    from recipes.studies.runner import read_curve
     from recipes.studies.schema import load_study
-    from recipes.studies.variants import axis_values, budget_axis, check, train_command, trial_dir
+    from recipes.studies.variants import axis_values, budget_axis, check
 
     print(f"machine: {machine()}", flush=True)
     loaded = load_study(args.study)
@@ -55,32 +55,17 @@ def main() -> int:
     best = min((r for r in family if r["flops"] == at_most), key=lambda r: r["final_val"])  # its best tuning
     values = {k: best[k] for k in best if k in axis_values(loaded)}
     values[budget_axis(loaded)] = compute
-    runs = []
-    for seed in range(args.seeds):
-        variant = check(loaded, values if seed == 0 else {**values, "trainer.seed": seed})
-        if not runs:
-            print(
-                f"fitted {fitted.points} points (largest trial {largest:.3g} FLOPs); held out: {variant.name} at "
-                f"{compute:.3g} FLOPs ({variant.steps:,} steps, {variant.tokens:,} tokens), {args.seeds} seed(s)",
-                flush=True,
-            )
-        run_dir = trial_dir(loaded, variant.name)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        start = time.time()
-        with (run_dir / "trial.log").open("ab") as log:
-            done_run = subprocess.run(
-                ["nice", "-n", "19", *train_command(loaded, variant)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, TQDM_DISABLE="1"),
-            )
-        if done_run.returncode:
-            print(f"the held-out run failed (exit {done_run.returncode}); see {run_dir / 'trial.log'}", file=sys.stderr)
-            return 1
-        curve, steps = read_curve(run_dir, variant.steps)
-        runs.append({"seed": seed, "measured": curve[-1][1], "tokens": steps * variant.tokens_per_step})
-        runs[-1]["seconds"] = round(time.time() - start, 1)
-        print(f"  seed {seed}: final val loss {runs[-1]['measured']:.4f} ({runs[-1]['seconds']:.0f} s)", flush=True)
+    variants = [check(loaded, values if seed == 0 else {**values, "trainer.seed": seed}) for seed in range(args.seeds)]
+    variant = variants[0]
+    print(
+        f"fitted {fitted.points} points (largest trial {largest:.3g} FLOPs); held out: {variant.name} at "
+        f"{compute:.3g} FLOPs ({variant.steps:,} steps, {variant.tokens:,} tokens), {args.seeds} seed(s), "
+        f"{args.jobs} at once",
+        flush=True,
+    )
+    runs = _train_all(loaded, variants, args.jobs)
+    if runs is None:
+        return 1
     measured = statistics.median(r["measured"] for r in runs)
     trained = runs[0]["tokens"]
     predicted = float(fitted.law.loss(variant.params, trained))
@@ -114,6 +99,49 @@ def main() -> int:
         },
         args.out,
     )
+
+
+def _train_all(loaded, variants, jobs: int) -> list[dict] | None:
+    """Train each variant (one per seed) as the study trains a trial, ``jobs`` at once; per seed its
+    final validation loss, tokens and seconds, or None (said on stderr) when a run fails."""
+    from recipes.studies.runner import read_curve
+    from recipes.studies.variants import train_command, trial_dir
+
+    waiting, running, runs = list(enumerate(variants)), {}, {}
+    while waiting or running:
+        while waiting and len(running) < max(1, jobs):
+            seed, variant = waiting.pop(0)
+            run_dir = trial_dir(loaded, variant.name)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = (run_dir / "trial.log").open("ab")
+            process = subprocess.Popen(
+                ["nice", "-n", "19", *train_command(loaded, variant)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, TQDM_DISABLE="1"),
+            )
+            running[seed] = (process, log, variant, run_dir, time.time())
+        time.sleep(1)
+        for seed, (process, log, variant, run_dir, start) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log.close()
+            del running[seed]
+            if process.returncode:
+                print(
+                    f"a held-out run failed (exit {process.returncode}); see {run_dir / 'trial.log'}", file=sys.stderr
+                )
+                for other, *_ in running.values():
+                    other.terminate()
+                return None
+            curve, steps = read_curve(run_dir, variant.steps)
+            runs[seed] = {"seed": seed, "measured": curve[-1][1], "tokens": steps * variant.tokens_per_step}
+            runs[seed]["seconds"] = round(time.time() - start, 1)
+            print(
+                f"  seed {seed}: final val loss {runs[seed]['measured']:.4f} ({runs[seed]['seconds']:.0f} s)",
+                flush=True,
+            )
+    return [runs[seed] for seed in sorted(runs)]
 
 
 if __name__ == "__main__":

@@ -213,3 +213,22 @@ def test_resume_refuses_a_corpus_whose_text_changed(tmp_path, capsys):
     assert "Traceback" not in err and "was trained with a different recipe" in err
     fields = [line for line in err.splitlines() if line.startswith("  ") and line.strip()]
     assert len(fields) == 1 and fields[0].startswith("  data: the corpus text: "), fields
+
+
+def test_a_spec_field_added_since_the_checkpoint_compares_as_its_default():
+    """A checkpoint written before a spec field existed resumes when the field holds its default,
+    and is refused, naming the field, when it does not."""
+    from builder.spec.loader import load_spec
+    from recipes.training.run_folder import spec_differences
+
+    current = load_spec(REPO / "specs" / "tiny" / "llama.yaml").model_dump(mode="json")
+    older = json.loads(json.dumps(current))
+    for layer_field in ("qk_norm", "sinks", "chunk_size", "rope", "rope_theta", "temperature_tuning"):
+        older["decoder"]["attention"].pop(layer_field, None)
+    older["decoder"].pop("parallel_residual", None)
+    assert older != current
+    assert spec_differences(older, current) == []
+    changed = json.loads(json.dumps(current))
+    changed["decoder"]["attention"]["sinks"] = True
+    lines = spec_differences(older, changed)
+    assert lines == ["model.spec.decoder.attention.sinks: false in the checkpoint, true now"]

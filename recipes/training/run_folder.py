@@ -397,9 +397,21 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     return refused, allowed
 
 
+def _normalised_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A resolved spec's dump re-validated by the current schema, so a field added since the
+    checkpoint was written compares as its default (the dump as it is when it no longer validates)."""
+    from builder.spec.schema import spec_model
+
+    try:
+        return spec_model().model_validate(dict(spec)).model_dump(mode="json")
+    except Exception:
+        return dict(spec)
+
+
 def spec_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """One line per differing field of two resolved specs (``model.spec.decoder.n_layers: ...``)."""
-    a, b = flatten(dict(saved), "model.spec"), flatten(dict(current), "model.spec")
+    """One line per differing field of two resolved specs (``model.spec.decoder.n_layers: ...``);
+    a field one of them predates counts as its default."""
+    a, b = flatten(_normalised_spec(saved), "model.spec"), flatten(_normalised_spec(current), "model.spec")
     missing = object()
     lines = []
     for key in sorted(set(a) | set(b)):
