@@ -177,6 +177,8 @@ def test_deepseek_v3_on_2048_h800s_uses_expert_parallelism(capsys):
             "h200",
             "--tensor-parallel",
             "2",
+            "--pipeline-parallel",  # pipeline stages launch as test_plan_launch checks
+            "1",
         ],
         [
             "specs/gpt2-small.yaml",

@@ -37,7 +37,9 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   backward's transient (the gradients of the largest block it differentiates at once). Under
   tensor parallelism the activations are sequence-parallel (one ``tp``-th per rank, as
   torchtitan runs) or, ``Run(sequence_parallel=False)``, what ``describe``'s tensor-parallel view
-  keeps (inputs, norms and logits whole, as this project's recipes run).
+  keeps (inputs, norms and logits whole, as this project's recipes run). Under context
+  parallelism each rank keeps ``1/cp`` of every activation, and, ``Run(context_gather=True)`` (the
+  recipes' all-gather attention), every layer's gathered keys and values of the whole sequence.
 
 The constants are set once, for every GPU and every run (:data:`CALIBRATION`), and printed with
 each prediction; nothing is fitted per row.
@@ -103,7 +105,9 @@ class Run:
     (interleaved), ``compile``, ``async_tp``, ``float8`` projections (and ``float8_all_gather``:
     FSDP gathers their weights in float8); ``sequence_parallel``: under tensor parallelism the
     layers' inputs, norms and the loss split over the TP ranks as torchtitan splits them (False:
-    whole on every rank, the logits gathered, as this project's recipes run TP)."""
+    whole on every rank, the logits gathered, as this project's recipes run TP); ``context_gather``:
+    context parallelism all-gathers the keys and values (as this project's recipes run it) rather
+    than passing them round a ring."""
 
     seq_len: int
     global_batch: int
@@ -117,6 +121,9 @@ class Run:
     dtype: str = "bf16"
     float8_all_gather: bool = False  # FSDP gathers float8 weights (1 byte each), with float8
     sequence_parallel: bool = True  # TP splits the layers' inputs and the loss too (torchtitan); False: whole
+    #: CP gathers every rank's keys and values before attention and keeps them for backward (the
+    #: recipes' all-gather context parallelism, Llama 3's); False: ring attention passes them on (torchtitan)
+    context_gather: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -247,6 +254,13 @@ class Model:
         self.embedding = est.params.by_component.get("embedding", 0)
         head = est.params.by_component.get("head", 0)
         self.head_params = head if head else 0
+        # the rest (the final norm, learned positions): on the last stage, beside the head
+        self.rest_params = (
+            est.params.total
+            - sum(layer["params"] + layer["expert_params"] for layer in self.layers)
+            - self.embedding
+            - self.head_params
+        )
         self.head_flops = est.flops.by_component.get("head", 0)
         self.other_saved = est.memory.activations - sum(layer["saved"] for layer in self.layers)
         self.train_flops_per_token = est.flops.train_per_token
@@ -358,6 +372,9 @@ def predict(
         kv = tokens * layer["kv_per_token"] / tp
         cp_comm = 3 * (cp - 1) * collective_seconds("send", kv, 2, link(tp, cp), cal) if cp > 1 else 0.0
         cp_exposed = max(0.0, cp_comm - 3 * core)
+        if run.context_gather and cp > 1:  # all-gather before attention (again when recomputed), reduce-scatter after
+            calls = 2 + (1 if run.recompute == "full" else 0)
+            cp_comm = cp_exposed = calls * collective_seconds("all_gather", kv * cp, cp, link(tp, cp), cal)
         ep_comm = 0.0
         if layer["routed"] and ep > 1:
             routed = tokens / tp * layer["routed"][1] * m.d * act  # each (sequence-parallel) token to top_k experts
@@ -460,13 +477,14 @@ def predict(
 def _stage_params(m: Model, counts: dict[int, int], stage: int, pp: int, tp: int, ep: int) -> tuple[float, float]:
     """``(dense, expert)`` parameter elements one tensor-parallel, expert-parallel rank of a stage
     gathers: its layers' (experts split over ``ep``, replicated over TP as their plan says), the
-    embedding on the first stage, the head on the last (both vocabulary-parallel)."""
+    embedding on the first stage, the head (both vocabulary-parallel) and the rest (the final norm,
+    replicated) on the last."""
     dense = sum(n * m.layers[k]["params"] for k, n in counts.items()) / tp
     experts = sum(n * m.layers[k]["expert_params"] for k, n in counts.items()) / ep
     if stage == 0:
         dense += m.embedding / tp
     if stage == pp - 1:
-        dense += m.head_params / tp
+        dense += m.head_params / tp + m.rest_params
     return dense, experts
 
 
@@ -489,7 +507,7 @@ def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
             buffers = (dense + experts) * 2 * act + unit * 4
         else:
             buffers = unit * (3 * act + 4) if layout.shard_size > 1 else 0
-        saved = {k: layer_saved[k] * run.micro_batch / cp for k in counts[s]}
+        saved = {k: layer_saved[k] * run.micro_batch / cp + gathered_kv(m, k, run, tp, cp) for k in counts[s]}
         largest = max(saved.values(), default=0)
         layers = sum(counts[s].values())
         every = sum(n * saved[k] for k, n in counts[s].items())
@@ -516,6 +534,15 @@ def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
         if sum(parts.values()) > sum(best.values()):
             best = parts
     return best
+
+
+def gathered_kv(m: Model, kind: int, run: Run, tp: int, cp: int) -> float:
+    """Bytes one layer keeps beyond its own share under all-gather context parallelism
+    (``Run.context_gather``): the other ``cp - 1`` ranks' keys and values of the micro-batch, one
+    tensor-parallel rank's heads of them (0 without it)."""
+    if not run.context_gather or cp == 1:
+        return 0.0
+    return (cp - 1) / cp * run.micro_batch * run.seq_len * m.layers[kind]["kv_per_token"] / tp
 
 
 def _check_run(layout: Layout, run: Run) -> None:

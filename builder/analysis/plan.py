@@ -18,9 +18,10 @@ least memory. Any dimension can be pinned (a published run's layout, to reproduc
 When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whole nodes), with
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
 
-A fitting plan launches as a :class:`Launch`; the file ``builder train`` runs turns it into its
-own settings (its document kind's ``launch``, ``builder.spec.kinds``): this module names no
-recipe field.
+A fitting plan launches as a ``builder.analysis.launch.Launch``; the file ``builder train`` runs
+turns it into its own settings (its document kind's ``launch``, ``builder.spec.kinds``): this
+module names no recipe field. What the recipes' runtime runs is ``builder.analysis.runtime``'s
+table, which ``launchable`` searches within and :meth:`Candidate.launch_problems` reads.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.analysis import runtime
 from builder.analysis.hardware import GPU
 from builder.analysis.hardware import gpu as hardware_gpu
-from builder.analysis.layout import DATA_PARALLEL, Layout, LayoutError, layout_problems
+from builder.analysis.layout import DATA_PARALLEL, Layout, LayoutError, expert_parallel_problems, layout_problems
 from builder.analysis.perf import CALIBRATION, RECOMPUTE, SCHEDULES, Calibration, Model, Prediction, Run, predict
 
 CHEAPEST = (
@@ -54,8 +56,15 @@ MIN_SEQ_LEN = 128
 MAX_CONTEXT = 16
 MIN_CONTEXT_CHUNK = 2048
 MAX_STAGES = 64
-#: virtual stages per rank of an interleaved schedule
-INTERLEAVE = 2
+#: virtual stages per rank of an interleaved schedule (as many as the runtime's)
+INTERLEAVE = runtime.INTERLEAVED_STAGES
+#: the planner's argument for each trainer field the runtime's rules name (``builder.analysis.runtime``)
+RUNTIME_ARGUMENT = {
+    "pipeline_schedule": "schedule",
+    "activation_checkpointing": "checkpointing",
+    "microbatches": "micro_batch",
+    "accumulate_grad_batches": "micro_batch",
+}
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,18 @@ class Candidate:
             self.memory,
         )
 
+    def launch_problems(self) -> list[tuple[str, str]]:
+        """``(trainer field, reason)`` for each thing about this step the recipes' runtime does not
+        run (``builder.analysis.runtime.launch_problems``); ``[]``: it launches."""
+        return runtime.launch_problems(
+            self.layout,
+            recompute=self.recompute,
+            schedule=self.run.schedule,
+            microbatches=self.accumulation,
+            sequence_parallel=self.run.sequence_parallel,
+            context_gather=self.run.context_gather,
+        )
+
     def summary(self) -> str:
         run = self.run
         schedule = f"; {run.schedule} schedule" if self.layout.pipeline_parallel > 1 else ""
@@ -224,7 +245,9 @@ class Pins:
     compile: bool = False
     async_tp: bool = False
     float8: bool = False
-    #: only what the recipes launch: tensor parallel x FSDP/HSDP/replicate, full or no recomputation
+    #: only what the recipes' runtime runs (``builder.analysis.runtime``): its combinations of tensor,
+    #: context, expert and pipeline parallel x FSDP/HSDP/replicate, its schedules, full or no
+    #: recomputation, tensor parallelism keeping the layers' inputs whole
     launchable: bool = False
 
 
@@ -316,6 +339,16 @@ def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
     problems = layout_problems(spec, layout, seq)
     if problems:
         raise problems[0]
+    if pins.launchable:
+        refused = runtime.launch_problems(
+            layout, recompute=pins.checkpointing or "none", schedule=pins.schedule or "1f1b"
+        )
+        if refused:
+            field, reason = refused[0]
+            argument = RUNTIME_ARGUMENT.get(field, field)
+            raise LayoutError(argument, getattr(pins, argument, None), f"not launchable: {reason}")
+        for loc, message in expert_parallel_problems(spec, layout.expert_parallel):
+            raise LayoutError("expert_parallel", layout.expert_parallel, f"{'.'.join(map(str, loc))}: {message}")
 
 
 def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, calibration, result) -> list[Candidate]:
@@ -327,13 +360,9 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
     tps = [t for t in tps if not layout_problems(spec, Layout(devices=gpus, nodes=cluster.nodes, tensor_parallel=t))]
     for tp in tps:
         pps = [pins.pipeline_parallel] if pins.pipeline_parallel else divisors(gpus // tp)
-        if pins.launchable:
-            pps = [1]
         for pp in (p for p in pps if p <= min(n_layers, MAX_STAGES) and (gpus // tp) % p == 0):
             cps = (
-                [1]
-                if pins.launchable
-                else [pins.context_parallel]
+                [pins.context_parallel]
                 if pins.context_parallel
                 else [c for c in _powers(MAX_CONTEXT) if c == 1 or result.seq_len // c >= MIN_CONTEXT_CHUNK]
             )
@@ -349,18 +378,18 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
                     )
                     continue
                 found += _at_degrees(
-                    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result.refused
+                    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result
                 )
     return found
 
 
 def _at_degrees(
-    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, refused
+    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result
 ) -> list[Candidate]:
     out = []
     groups = set()
     for mode in [pins.data_parallel] if pins.data_parallel else DATA_PARALLEL:
-        for ep in _expert_degrees(model, pins):
+        for ep in _expert_degrees(spec, model, pins):
             try:
                 layout = Layout(
                     devices=cluster.gpus,
@@ -381,6 +410,8 @@ def _at_degrees(
             schedules = [pins.schedule] if pins.schedule else (["1f1b", "interleaved-1f1b", "zero-bubble"])
             if pp == 1:
                 schedules = schedules[:1]
+            if pins.launchable:  # what the runtime runs of this layout, the rest noted once each
+                schedules = [s for s in schedules if not _not_launchable(layout, "none", s, result.reasons)]
             recomputes = [pins.checkpointing] if pins.checkpointing else list(RECOMPUTE)
             if pins.launchable:
                 recomputes = [r for r in recomputes if r != "selective"]
@@ -398,7 +429,7 @@ def _at_degrees(
                         schedule,
                         batches,
                         calibration,
-                        refused,
+                        result.refused,
                     )
                     out += [Candidate(p, rank_by) for p in best]
     return out
@@ -435,12 +466,15 @@ def _best_micro_batch(
             float8=pins.float8,
             dtype=dtype,
             sequence_parallel=not pins.launchable,  # the recipes' TP keeps inputs and logits whole
+            context_gather=pins.launchable,  # the recipes' CP all-gathers keys and values
         )
         try:
             p = predict(spec, layout, run, cluster.hardware, cal, model=model)
         except LayoutError as exc:
             refused.append(exc)
             continue
+        if pins.launchable and Candidate(p).launch_problems():
+            continue  # a micro-batch count the runtime's schedule cannot take
         smallest = p
         if p.memory_per_gpu_bytes <= cluster.usable:
             if best is not None and p.step_s >= best.step_s:
@@ -453,12 +487,26 @@ def _best_micro_batch(
     return kept
 
 
-def _expert_degrees(model: Model, pins: Pins) -> list[int]:
+def _expert_degrees(spec, model: Model, pins: Pins) -> list[int]:
+    """The expert-parallel degrees to try: powers of two dividing the experts; with ``launchable``
+    only those every expert block splits as the recipes run it (``expert_parallel_problems``)."""
     if pins.expert_parallel:
         return [pins.expert_parallel]
-    if model.experts is None or pins.launchable:
+    if model.experts is None:
         return [1]
-    return [e for e in divisors(model.experts[0]) if e in _powers(model.experts[0])]
+    degrees = [e for e in divisors(model.experts[0]) if e in _powers(model.experts[0])]
+    return [e for e in degrees if not (pins.launchable and expert_parallel_problems(spec, e))]
+
+
+def _not_launchable(layout: Layout, recompute: str, schedule: str, reasons: list[str]) -> bool:
+    """Whether the runtime refuses ``layout`` with ``schedule`` (micro-batches aside), the first
+    reason of each trainer field noted once."""
+    refused = runtime.launch_problems(layout, recompute=recompute, schedule=schedule)
+    if refused:
+        field, reason = refused[0]
+        if not any(r.startswith(f"not launchable ({field})") for r in reasons):
+            reasons.append(f"not launchable ({field}): {reason}")
+    return bool(refused)
 
 
 def _powers(limit: int) -> list[int]:
@@ -537,47 +585,3 @@ def _gib(n: float) -> str:
     from builder.analysis.report import human_bytes
 
     return human_bytes(n)
-
-
-# -- launch lines ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a launch of a plan's chosen layout fixes, for the file ``builder train`` runs to set
-    (its document kind's ``launch``, ``builder.spec.kinds``): micro-batches of ``seq_len`` tokens
-    on ``candidate``'s layout, with its accumulation and checkpointing, in ``dtype``. ``spec`` (a
-    file or a zoo name) and ``spec_overrides`` (``KEY=VALUE``) replace the model the file trains,
-    ``max_steps`` and ``output_dir`` its own (the plan's budget is steps); ``None``: the file's."""
-
-    candidate: Candidate
-    seq_len: int
-    dtype: str
-    spec: str | None = None
-    spec_overrides: tuple[str, ...] = ()
-    max_steps: int | None = None
-    output_dir: str | None = None
-
-    @property
-    def layout(self) -> Layout:
-        return self.candidate.layout
-
-
-def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]:
-    """``torchrun`` (run on every node) and SLURM (``sbatch``) lines for ``builder train``."""
-    import shlex
-
-    flags = " ".join(f"--set {shlex.quote(item)}" for item in sets)
-    train = f"train {shlex.quote(recipe)} {flags}"
-    if layout.nodes > 1:
-        where = (
-            f"--nnodes={layout.nodes} --nproc-per-node={layout.per_node} --node-rank=$NODE_RANK "
-            "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
-        )
-    else:
-        where = f"--standalone --nproc-per-node={layout.per_node}"
-    slurm = (
-        f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
-        f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}"
-    )
-    return {"torchrun": f"torchrun {where} -m builder.cli {train}", "slurm": slurm}

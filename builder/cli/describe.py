@@ -163,7 +163,9 @@ def _five_d(layout, args):
 
 def layout_memory(spec, args) -> dict | None:
     """Per-GPU memory of a layout with pipeline, context or expert parallelism, as the planner's
-    performance model counts it (the stage holding the most); None for other layouts."""
+    performance model counts it (the stage holding the most; tensor parallelism sequence-parallel,
+    as torchtitan runs it; context parallelism as the recipes run it, every layer keeping the
+    keys and values it gathered); None for other layouts."""
     from builder.analysis.estimates import Step
     from builder.analysis.layout import Layout
     from builder.analysis.perf import Model, Run, memory
@@ -192,6 +194,7 @@ def layout_memory(spec, args) -> dict | None:
         schedule=schedule,
         stages_per_rank=virtual,
         dtype=args.dtype,
+        context_gather=True,  # as the recipes run context parallelism: every layer's keys and values gathered
     )
     parts = memory(Model(spec, seq, args.dtype), layout, run)
     return {"layout": layout.to_dict(), "parts": parts, "per_gpu_bytes": sum(parts.values())}

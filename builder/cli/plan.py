@@ -129,8 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--launchable",
         action="store_true",
-        help="search only layouts the recipes launch (tensor parallel x FSDP/HSDP/replicate, full or no "
-        "recomputation), so the plan prints launch lines",
+        help="search only layouts the recipes' runtime runs (its combinations of tensor, context, expert and "
+        "pipeline parallel x FSDP/HSDP/replicate, its pipeline schedules, full or no recomputation), so the "
+        "plan prints launch lines",
     )
     parser.add_argument(
         "--rank-by", choices=("time", "cost"), default="time", help="rank by step time or GPU-hours (default time)"
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    launch = _launch(result, args, tokens) if result.fits and _launchable(result.chosen) else None
+    launch = _launch(result, args, tokens) if result.fits and not result.chosen.launch_problems() else None
     if args.json:
         print(json.dumps(to_json(result, launch), indent=2))
     else:
@@ -323,15 +324,15 @@ def parse_count(text: str, option: str) -> int:
     return value
 
 
-def _launchable(candidate) -> bool:
-    """The recipes launch tensor parallelism x FSDP/HSDP/replication with every layer recomputed or
-    none, their TP keeping inputs and logits whole (a plan sized sequence-parallel would understate it)."""
-    plain = not candidate.layout.five_d and candidate.recompute != "selective"
-    return plain and (candidate.layout.tensor_parallel == 1 or not candidate.run.sequence_parallel)
+def not_launchable(candidate) -> str | None:
+    """``not launchable: REASON`` for a layout the recipes' runtime does not run (the first of
+    ``builder.analysis.runtime``'s refusals, naming the trainer field), None for one it does."""
+    problems = candidate.launch_problems()
+    return f"not launchable: trainer.{problems[0][0]}: {problems[0][1]}" if problems else None
 
 
 def _launch(result, args, tokens: int | None) -> dict:
-    from builder.analysis.plan import Launch, launch_lines
+    from builder.analysis.launch import Launch, launch_lines
 
     recipe, kind, document = recipe_document(args.recipe)
     spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
@@ -385,6 +386,15 @@ def _describe_line(result, args) -> str:
         "--data-parallel",
         layout.data_parallel,
     ]
+    for option, degree in (
+        ("--context-parallel", layout.context_parallel),
+        ("--expert-parallel", layout.expert_parallel),
+    ):
+        if degree > 1:
+            parts += [option, str(degree)]
+    if layout.pipeline_parallel > 1:
+        parts += ["--pipeline-parallel", str(layout.pipeline_parallel), "--schedule", c.run.schedule]
+        parts += ["--pipeline-microbatches", str(c.accumulation)]
     if result.src_len:
         parts += ["--src-len", str(result.src_len)]
     if c.checkpointing:
@@ -446,6 +456,7 @@ def to_json(result, launch) -> dict:
         )
         out["plan"] = {**c.to_dict(), "tokens_per_s": result.tokens_per_step / c.step_seconds}
         out["launch"] = launch
+        out["not_launchable"] = not_launchable(c)
         out["alternatives"] = [a.to_dict() for a in result.alternatives]
     else:
         out["would_fit"] = result.would_fit
@@ -526,8 +537,8 @@ def _print(result, launch, args) -> None:
     )
     if launch is None:
         console.print(
-            "[dim]no launch lines: the recipes launch tensor parallel x FSDP/HSDP/replicate layouts with full or no "
-            "recomputation, their TP keeping inputs and logits whole; --launchable plans only those, with lines[/]",
+            f"[dim]no launch lines, {not_launchable(c)} (builder.analysis.runtime); --launchable plans only "
+            "layouts the recipes run, with lines[/]",
             highlight=False,
         )
         return

@@ -71,19 +71,16 @@ def _launch(document: Mapping[str, Any], launch) -> list[str]:
     """The ``--set KEY=VALUE`` values that make a recipe (``document``, merged, not validated)
     train as ``launch`` (``builder.analysis.plan.Launch``) says; the time limit is lifted, the
     plan's budget being steps."""
-    layout, candidate = launch.layout, launch.candidate
+    layout = launch.layout
     sets = [f"model.spec={launch.spec}"] if launch.spec else []
     sets += [f"model.overrides.{item}" for item in launch.spec_overrides]
     from recipes.tasks import recipe_class, task_named
 
     task = recipe_class(document.get("task")).model_fields["task"].default  # a value that is no task: the LM's
     sets += [
-        *task_named(task).batch_settings(launch.seq_len, candidate.micro_batch),
-        f"trainer.accumulate_grad_batches={candidate.accumulation}",
-        f"trainer.activation_checkpointing={'true' if candidate.checkpointing else 'false'}",
-        "trainer.strategy=fsdp",
-        f"trainer.tensor_parallel={layout.tensor_parallel}",
-        f"trainer.data_parallel={layout.data_parallel}",
+        *task_named(task).batch_settings(launch.seq_len, launch.batch_size),
+        # the runtime's own fields for the layout (builder.analysis.runtime): degrees, schedule, accumulation
+        *(f"trainer.{name}={str(value).lower()}" for name, value in launch.trainer_fields.items()),
         f"trainer.devices={layout.per_node}",
         f"trainer.num_nodes={layout.nodes}",
         f"trainer.precision={PRECISION[launch.dtype]}",

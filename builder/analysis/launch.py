@@ -1,0 +1,72 @@
+"""A plan's chosen layout as a launch: what ``builder train`` is told to run, and its command lines (torch-free).
+
+:class:`Launch` is what a launch fixes; the file ``builder train`` runs turns it into its own
+settings (its document kind's ``launch``, ``builder.spec.kinds``), the runtime's trainer fields
+given by ``builder.analysis.runtime``. :func:`launch_lines` are the ``torchrun`` and SLURM lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from builder.analysis import runtime
+from builder.analysis.layout import Layout
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a launch of a plan's chosen layout fixes, for the file ``builder train`` runs to set
+    (its document kind's ``launch``, ``builder.spec.kinds``): micro-batches of ``seq_len`` tokens
+    on ``candidate``'s layout, with its accumulation and checkpointing, in ``dtype``. ``spec`` (a
+    file or a zoo name) and ``spec_overrides`` (``KEY=VALUE``) replace the model the file trains,
+    ``max_steps`` and ``output_dir`` its own (the plan's budget is steps); ``None``: the file's."""
+
+    candidate: Any  # a builder.analysis.plan.Candidate
+    seq_len: int
+    dtype: str
+    spec: str | None = None
+    spec_overrides: tuple[str, ...] = ()
+    max_steps: int | None = None
+    output_dir: str | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.candidate.layout
+
+    @property
+    def trainer_fields(self) -> dict[str, Any]:
+        """The runtime's trainer fields this launch sets (``builder.analysis.runtime.launch_fields``):
+        strategy, data-parallel mode, degrees, accumulation, recomputation, and under pipeline
+        parallelism the schedule and its micro-batches."""
+        c = self.candidate
+        return runtime.launch_fields(
+            self.layout, recompute=c.recompute, schedule=c.run.schedule, microbatches=c.accumulation
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences one data-parallel rank reads at a time: a micro-batch, or under pipeline
+        parallelism every micro-batch of the step (the schedule cuts it)."""
+        c = self.candidate
+        return c.micro_batch * (c.accumulation if self.layout.pipeline_parallel > 1 else 1)
+
+
+def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]:
+    """``torchrun`` (run on every node) and SLURM (``sbatch``) lines for ``builder train``."""
+    import shlex
+
+    flags = " ".join(f"--set {shlex.quote(item)}" for item in sets)
+    train = f"train {shlex.quote(recipe)} {flags}"
+    if layout.nodes > 1:
+        where = (
+            f"--nnodes={layout.nodes} --nproc-per-node={layout.per_node} --node-rank=$NODE_RANK "
+            "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
+        )
+    else:
+        where = f"--standalone --nproc-per-node={layout.per_node}"
+    slurm = (
+        f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
+        f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}"
+    )
+    return {"torchrun": f"torchrun {where} -m builder.cli {train}", "slurm": slurm}

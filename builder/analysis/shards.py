@@ -1,0 +1,280 @@
+"""What each rank holds of the model under FSDP2, tensor and expert parallelism, exactly (torch-free).
+
+Every parameter tensor ``build_model`` creates (:func:`model_tensors`, from the blocks'
+``param_shapes`` and ``parallel_plan``), the rows ``torch.chunk`` gives each rank of a shard
+group (:func:`chunk_rows`), and the bytes one rank keeps (:func:`rank_states`,
+:func:`sharded_memory`); the conventions are ``builder.analysis.layout``'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from blocks.configs.base import PARALLEL_STYLES
+from builder.analysis.layout_rules import check_tensor_parallel
+from builder.analysis.memory import BYTES
+from builder.analysis.mesh import Layout, LayoutError
+
+FP32 = 4
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq
+ADAMW_STEP = 4  # one fp32 scalar per parameter tensor
+#: the token embedding's plan: a vocabulary-parallel table (torch's RowwiseParallel on nn.Embedding)
+EMBEDDING_PLAN = {"tokens": "vocab"}
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of the built model (a tied or shared tensor once, by its first name)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim tensor parallelism splits; None: replicated on every TP rank
+    unit: str  # its FSDP unit: "decoder.layers.3", "decoder.embedding", "head" or "root"
+    expert: bool = False  # stacked routed experts, split on dim 0 over the expert-parallel ranks
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape one tensor-parallel rank holds (splits are even, see tensor_parallel_problems)."""
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+
+def chunk_rows(rows: int, parts: int, index: int) -> int:
+    """Rows of part ``index`` when ``torch.chunk`` splits ``rows`` into ``parts`` (0 past the end)."""
+    size = -(-rows // parts)
+    return max(0, min(size, rows - index * size))
+
+
+def model_tensors(spec) -> list[ParamTensor]:
+    """Every parameter tensor ``build_model(spec)`` creates, named as ``named_parameters()`` names
+    it, with the dim tensor parallelism splits and the FSDP unit it belongs to.
+
+    The names come from each block's ``param_shapes`` under the paths assembly gives the blocks
+    (``decoder.layers.3.ffn.``); the split from each block's ``parallel_plan``.
+    """
+    d, vocab = spec.d_model, spec.vocab_size
+    tensors: dict[str, ParamTensor] = {}
+
+    def add(prefix: str, config, shapes: dict, unit: str, plan: dict | None = None) -> None:
+        plan = (config.parallel_plan() or {}) if plan is None else plan
+        for name, shape in shapes.items():
+            full = prefix + name
+            tensors[full] = ParamTensor(full, tuple(shape), _tp_dim(plan, name, shape, full), unit)
+
+    architecture = spec.architecture_config
+    stacks = spec.stacks()
+    shared = spec.share_encoder_decoder_embeddings  # one embedding module for every stack
+    tied = spec.tie_embeddings and type(spec.head).projects_to_vocab
+    # a head tied to an embedding shares the root unit with it (one tensor, one unit)
+    tied_embedding = (list(stacks)[0] if shared else list(stacks)[-1]) if tied else None
+    for position, (name, stack) in enumerate(stacks.items()):
+        if position == 0 or not shared:
+            unit = f"{name}.embedding" if name != tied_embedding else "root"
+            table = {"tokens.weight": (vocab, d)}
+            if spec.embedding.segments:
+                table["segments.weight"] = (spec.embedding.segments, d)
+            add(f"{name}.embedding.", None, table, unit, plan=EMBEDDING_PLAN)
+            if spec.embedding.norm is not None:
+                norm = spec.embedding.norm
+                add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit)
+        add(
+            f"{name}.position.",
+            spec.position,
+            _shapes(spec.position, "position", d, stack.attention.query_heads(), spec.max_seq_len),
+            "root",
+        )
+        walked: dict[int, list[tuple[str, tuple[int, ...], int | None]]] = {}  # per distinct layer
+        for index, layer in enumerate(stack.layers()):
+            unit = f"{name}.layers.{index}"
+            if id(layer) not in walked:  # identical layers share one config: walk its blocks once
+                walked[id(layer)] = _layer_tensors(layer, name, name in architecture.memory_of, d)
+            for suffix, shape, dim, expert in walked[id(layer)]:
+                full = f"{unit}.{suffix}"
+                tensors[full] = ParamTensor(full, shape, dim, unit, expert)
+        if stack.final_norm:
+            add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root")
+    add("head.", spec.head, _shapes(spec.head, "head", d, vocab, tied), "root" if tied else "head")
+    return list(tensors.values())
+
+
+def layer_tensor_count(spec) -> int:
+    """Parameter tensors of every layer of every stack, counted per group of identical layers
+    (so instant for any number of layers)."""
+    architecture = spec.architecture_config
+    return sum(
+        len(indices) * len(_layer_tensors(layer, name, name in architecture.memory_of, spec.d_model))
+        for name, stack in spec.stacks().items()
+        for indices, layer in stack.layer_groups()
+    )
+
+
+def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tuple[int, ...], int | None, bool]]:
+    """``(name within the layer, shape, tensor-parallel dim, split by expert parallelism)`` of
+    each parameter of one layer."""
+    out = []
+
+    def add(prefix: str, block, where: str) -> None:
+        plan = block.parallel_plan() or {}
+        experts = tuple(f"{m}." for m in getattr(block, "expert_parallel_plan", tuple)())
+        for name, shape in _shapes(block, where, d).items():
+            dim = _tp_dim(plan, name, shape, f"{stack}.layers.N.{prefix}{name}")
+            out.append((prefix + name, tuple(shape), dim, name.startswith(experts) if experts else False))
+
+    sublayers = layer.sublayers(cross)
+    for sub in sublayers:
+        add(f"{sub}.", getattr(layer, sub), f"{stack}.{sub}")
+    for norm in layer.norm_names(cross):  # the layer's own list (sandwich's second, shared_norm's one)
+        add(f"{norm}.", layer.norm, f"{stack}.norm")
+    return out
+
+
+def _shapes(config, where: str, *dims) -> dict[str, tuple[int, ...]]:
+    shapes = getattr(config, "param_shapes", None)
+    if shapes is None:
+        raise LayoutError(
+            "spec",
+            where,
+            f"block {type(config).__qualname__} declares no param_shapes(); "
+            "per-rank figures need every parameter's shape",
+        )
+    return shapes(*dims)
+
+
+def _tp_dim(plan: dict[str, str], name: str, shape, full: str) -> int | None:
+    """The dim the plan's style splits for parameter ``name`` (``q_proj.weight``) of a block."""
+    module = name.rpartition(".")[0]
+    keys = [k for k in plan if module == k or module.startswith(k + ".")]
+    style = plan[max(keys, key=len)] if keys else "replicate"
+    if style not in PARALLEL_STYLES:
+        raise LayoutError(
+            "spec", full, f"unknown tensor-parallel style {style!r}; styles are {', '.join(PARALLEL_STYLES)}"
+        )
+    if style in ("colwise", "vocab"):
+        return 0
+    if style == "rowwise":
+        return 1 if len(shape) == 2 else None
+    return None
+
+
+# -- what a rank holds ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankStates:
+    """What one rank holds of the model's persistent training state, exactly.
+
+    ``elements``: the local shards' elements (``sum(p.to_local().numel())``); ``weights``,
+    ``gradients``, ``optimizer``: their bytes (fp32; AdamW's two states plus one fp32 step per
+    tensor); ``padded_elements``: what FSDP2 allocates per rank for the parameters (and the flat
+    gradient buffers), rank 0's share on every rank of the group.
+    """
+
+    rank: int
+    shard_rank: int
+    tensors: int
+    elements: int
+    padded_elements: int
+
+    @property
+    def weights(self) -> int:
+        return self.elements * FP32
+
+    @property
+    def gradients(self) -> int:
+        return self.elements * FP32
+
+    @property
+    def optimizer(self) -> int:
+        return self.elements * FP32 * ADAMW_STATES + self.tensors * ADAMW_STEP
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+        }
+
+
+def rank_states(spec, layout: Layout, rank: int = 0, tensors: list[ParamTensor] | None = None) -> RankStates:
+    """The parameters, gradients and AdamW states global ``rank`` holds under ``layout``. Under
+    expert parallelism (``E`` ranks) a stacked expert tensor keeps its ``n / E`` experts' rows
+    (``E`` divides ``n``: :func:`expert_parallel_problems`), which FSDP2 then chunks over the
+    ``shard_size / E`` ranks of the shard group holding the same experts."""
+    check_tensor_parallel(spec, layout.tensor_parallel)
+    tensors = model_tensors(spec) if tensors is None else tensors
+    _, shard, _ = layout.coordinates(rank)
+    group, tp, ep = layout.shard_size, layout.tensor_parallel, layout.expert_parallel
+    # (local shape, rows split over, this rank's part) -> tensors: a few distinct shapes
+    shapes = Counter((tensor.local_shape(tp), ep if tensor.expert and ep > 1 else 1) for tensor in tensors)
+    elements = padded = 0
+    for (shape, split), count in shapes.items():
+        rest = _numel(shape[1:]) * count
+        rows, parts, part = shape[0] // split, group // split, shard // split
+        elements += chunk_rows(rows, parts, part) * rest
+        padded += chunk_rows(rows, parts, 0) * rest
+    return RankStates(rank=rank, shard_rank=shard, tensors=len(tensors), elements=elements, padded_elements=padded)
+
+
+def unit_sizes(tensors: list[ParamTensor], tp: int) -> dict[str, int]:
+    """Elements of each FSDP unit, unsharded, as one tensor-parallel rank gathers it."""
+    sizes: dict[str, int] = {}
+    for tensor in tensors:
+        sizes[tensor.unit] = sizes.get(tensor.unit, 0) + _numel(tensor.local_shape(tp))
+    return sizes
+
+
+def sharded_memory(spec, layout: Layout, per_rank):
+    """``per_rank`` (the memory estimate of :func:`tensor_parallel_spec`'s spec on one device)
+    with its weights, gradients, optimizer state and sharding buffers replaced by what rank 0 —
+    the rank holding the most — holds under ``layout`` (expert parallelism counted exactly, as
+    :func:`rank_states` counts it). A layout with pipeline or context parallelism is refused,
+    naming the degree: ``builder.analysis.perf.memory`` sizes those per stage (``builder describe
+    --pipeline-parallel`` prints it), not tensor by tensor."""
+    if max(layout.pipeline_parallel, layout.context_parallel) > 1:
+        name = next(n for n in ("pipeline_parallel", "context_parallel") if getattr(layout, n) > 1)
+        raise LayoutError(
+            name,
+            getattr(layout, name),
+            "the exact per-rank accounting covers tensor parallel x FSDP; builder.analysis.perf sizes this "
+            "layout per stage (builder describe --pipeline-parallel/--context-parallel/--expert-parallel)",
+        )
+    tensors = model_tensors(spec)
+    largest, smallest = (rank_states(spec, layout, r, tensors) for r in (0, layout.smallest_rank()))
+    compute = BYTES[per_rank.dtype]
+    biggest_unit = max(unit_sizes(tensors, layout.tensor_parallel).values(), default=0)
+    # two gathered units (computing, prefetched); the unit's unsharded gradients and their fp32
+    # reduce-scatter input
+    buffers = biggest_unit * (3 * compute + FP32)
+    info = {
+        **layout.to_dict(),
+        "rank": 0,
+        "largest": largest.to_dict(),
+        "smallest": smallest.to_dict(),
+        "largest_unit": biggest_unit,
+    }
+    local = sum(_numel(t.local_shape(layout.tensor_parallel)) for t in tensors)  # one TP rank, unsharded
+    return dataclasses.replace(
+        per_rank,
+        devices=layout.devices,
+        strategy="fsdp",
+        weights=largest.weights,
+        master_weights=0,
+        gradients=largest.gradients,
+        optimizer=largest.optimizer,
+        sharding_buffers=buffers,
+        layout=info,
+        inference_weights=local * compute,
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n

@@ -1,0 +1,75 @@
+"""``builder describe`` per rank under context and expert parallelism, against analytic figures on
+tiny specs: context parallelism splits every activation by ``C`` and adds each layer's gathered
+keys and values (the recipes' all-gather attention); its ranks join the FSDP shard group; expert
+parallelism keeps ``n / E`` experts sharded over ``shard / E`` ranks, so a rank's states stay
+``1 / shard`` of the experts while a gathered layer holds ``1 / E`` of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.analysis.layout import Layout, model_tensors, rank_states
+from builder.analysis.perf import Model, Run, memory
+from builder.cli import main
+from builder.spec.loader import load_spec
+
+TINY = Path(__file__).resolve().parents[1] / "specs" / "tiny"
+BF16 = 2
+
+
+def _describe(capsys, spec, *argv) -> dict:
+    assert main(["describe", str(spec), "--strategy", "fsdp", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_context_parallel_splits_activations_and_keeps_the_gathered_keys_and_values(capsys):
+    spec = load_spec(TINY / "llama.yaml")  # 2 layers, 2 KV heads of 16, 123,712 parameters
+    seq, cp = spec.max_seq_len, 2
+    shown = _describe(capsys, TINY / "llama.yaml", "--devices", "2", "--context-parallel", str(cp))
+    parts = shown["layout_memory"]["parts"]
+    # fp32 weights, gradients and two AdamW states of every parameter, sharded over dp x cp = 2
+    assert parts["states"] == 16 * 123_712 // 2
+    whole = memory(Model(spec, seq), Layout(devices=2), Run(seq_len=seq, global_batch=2, context_gather=True))
+    kv_per_token = 2 * spec.decoder.attention.n_kv_heads * 16 * BF16  # keys and values
+    gathered = (cp - 1) / cp * seq * kv_per_token  # the other rank's keys and values, per layer
+    expected = whole["activations"] / cp + spec.decoder.n_layers * gathered
+    assert parts["activations"] == pytest.approx(expected, abs=2)
+    # ring attention (the planner's default, torchtitan's) keeps only its own share
+    ring = memory(Model(spec, seq), Layout(devices=2, context_parallel=cp), Run(seq_len=seq, global_batch=1))
+    assert ring["activations"] == pytest.approx(whole["activations"] / cp, abs=2)
+
+
+def test_expert_parallel_shards_the_experts_as_fsdp_would_and_gathers_a_layer_with_fewer(capsys):
+    path = TINY / "deepseek-v2.yaml"
+    spec = load_spec(path)
+    flat, split = (_describe(capsys, path, "--devices", "4", "--expert-parallel", str(e)) for e in (1, 2))
+    # 8 experts: 4 per expert-parallel rank, sharded over the 2 ranks holding them = 1/4 each, as plain FSDP
+    assert split["memory"]["weights"] == flat["memory"]["weights"]
+    # exactly: each stacked expert tensor (8 rows) keeps 4 rows per expert-parallel rank, 2 per shard rank
+    stacked = [t for t in model_tensors(spec) if t.expert]
+    assert stacked and all(t.shape[0] == 8 for t in stacked)
+    plain = rank_states(spec, Layout(devices=4), tensors=[t for t in model_tensors(spec) if not t.expert])
+    for rank in range(4):
+        states = rank_states(spec, Layout(devices=4, expert_parallel=2), rank)
+        rows = sum(2 * _numel(t.shape[1:]) for t in stacked)
+        assert (
+            states.elements - rows
+            == rank_states(spec, Layout(devices=4), rank, [t for t in model_tensors(spec) if not t.expert]).elements
+        )
+    assert plain.elements > 0
+    ffn = spec.decoder.ffn
+    experts = ffn.n_experts * ffn.expert.params(spec.d_model)
+    model = Model(spec, spec.max_seq_len)
+    unit = max(layer["params"] + layer["expert_params"] / 2 for layer in model.layers)
+    assert split["layout_memory"]["parts"]["buffers"] == int(unit * (3 * BF16 + 4))
+    assert max(layer["expert_params"] for layer in model.layers) == experts
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n

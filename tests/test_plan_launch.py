@@ -1,0 +1,150 @@
+"""``builder plan --launchable`` in every dimension the recipes' runtime runs: a mixture of experts
+gets expert parallelism, a long sequence context parallelism, a deep model pipeline stages, each
+launch line carrying the trainer fields; what the runtime refuses (``builder.analysis.runtime``,
+the one table of its rules) is skipped by the search, refused when pinned, and said in one line
+of a plan that was not searched for launching."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from builder.analysis import runtime
+from builder.cli import main
+from builder.spec.loader import parse_set_args
+
+
+def _plan(capsys, *argv) -> tuple[int, dict]:
+    rc = main(["plan", *argv, "--launchable", "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def _sets(line: str) -> dict:
+    words = shlex.split(line)
+    return parse_set_args([words[i + 1] for i, w in enumerate(words) if w == "--set"])
+
+
+def test_a_mixture_of_experts_launches_expert_parallel(capsys):
+    rc, out = _plan(capsys, "deepseek-v2-lite", "--gpus", "16", "--seq-len", "4096", "--global-batch", "256")
+    layout = out["layout"]
+    assert rc == 0 and layout["expert_parallel"] > 1 and layout["data_parallel"] != "replicate"
+    sets = _sets(out["launch"]["torchrun"])
+    assert sets["trainer.expert_parallel"] == layout["expert_parallel"]
+    assert "trainer.context_parallel" not in sets and "trainer.pipeline_parallel" not in sets
+    assert f"--expert-parallel {layout['expert_parallel']}" in out["launch"]["describe"]
+
+
+def test_a_long_sequence_launches_context_parallel(capsys):
+    rc, out = _plan(capsys, "llama3-8b", "--gpus", "8", "--seq-len", "131072", "--global-batch", "8")
+    layout = out["layout"]
+    assert rc == 0 and layout["context_parallel"] > 1 and out["plan"]["run"]["context_gather"]
+    sets = _sets(out["launch"]["torchrun"])
+    assert sets["trainer.context_parallel"] == layout["context_parallel"]
+    assert sets["data.seq_len"] == 131072 and 131072 % (2 * layout["context_parallel"]) == 0
+
+
+def test_pipeline_stages_launch_with_their_schedule_and_micro_batches(capsys):
+    argv = ["specs/llama2-70b.yaml", "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096"]
+    rc, out = _plan(capsys, *argv, "--global-batch", "1024", "--pipeline-parallel", "4")
+    plan, sets = out["plan"], _sets(out["launch"]["torchrun"])
+    assert rc == 0 and sets["trainer.pipeline_parallel"] == 4
+    assert sets["trainer.pipeline_schedule"] in ("gpipe", "1f1b", "interleaved_1f1b")
+    micro = plan["accumulate_grad_batches"]  # the pipeline's micro-batches
+    assert sets["trainer.microbatches"] == micro and sets["trainer.accumulate_grad_batches"] == 1
+    assert sets["data.batch_size"] == plan["micro_batch"] * micro  # the schedule cuts it
+    from recipes.recipe.sections import TrainerSection, load_recipe
+
+    if "pipeline_parallel" in TrainerSection.model_fields:  # the runtime with pipeline stages accepts it
+        load_recipe("recipes/lm-stdlib.yaml", {k: v for k, v in sets.items() if k.startswith(("trainer.", "data."))})
+
+
+def test_the_search_never_proposes_what_the_runtime_refuses(capsys):
+    rc, out = _plan(capsys, "deepseek-v2-lite", "--gpus", "16", "--seq-len", "8192", "--global-batch", "64")
+    assert rc == 0 and not runtime.problems(runtime.Settings(**_fields(out)))
+    assert any(r.startswith("not launchable (") for r in out["reasons"])
+
+
+def _fields(out) -> dict:
+    sets = _sets(out["launch"]["torchrun"])
+    names = set(runtime.Settings.__dataclass_fields__)
+    return {k.removeprefix("trainer."): v for k, v in sets.items() if k.removeprefix("trainer.") in names}
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["--expert-parallel", "2", "--context-parallel", "2"],
+            "error: --expert-parallel 2: not launchable: expert_parallel 2 with context_parallel 2 is not supported",
+        ),
+        (
+            ["--pipeline-parallel", "2", "--schedule", "zero-bubble"],
+            "error: --schedule zero-bubble: not launchable: pipeline_schedule zbv: torch's split backward",
+        ),
+        (["--checkpointing", "selective"], "error: --checkpointing selective: not launchable: recomputation selective"),
+    ],
+)
+def test_a_pinned_setting_the_runtime_refuses_is_one_line(argv, expected, capsys):
+    spec = ["deepseek-v2-lite", "--gpus", "16", "--seq-len", "4096", "--global-batch", "256"]
+    assert main(["plan", *spec, *argv, "--launchable"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+
+
+def test_a_plan_not_searched_for_launching_says_why_it_has_no_lines(capsys):
+    argv = ["specs/llama2-70b.yaml", "--gpus", "64", "--gpu", "h200", "--global-batch", "1024"]
+    argv += [
+        "--pipeline-parallel",
+        "4",
+        "--schedule",
+        "zero-bubble",
+        "--tensor-parallel",
+        "1",
+        "--context-parallel",
+        "1",
+    ]
+    argv += ["--checkpointing", "full"]
+    assert main(["plan", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["launch"] is None
+    assert out["not_launchable"].startswith("not launchable: trainer.pipeline_schedule: pipeline_schedule zbv")
+    assert main(["plan", *argv]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "no launch lines, not launchable: trainer.pipeline_schedule: pipeline_schedule zbv" in shown
+
+
+@pytest.mark.parametrize(
+    "settings, field",
+    [
+        ({"expert_parallel": 2, "context_parallel": 2, "devices": 4}, "expert_parallel"),
+        ({"expert_parallel": 2, "data_parallel": "replicate", "devices": 4}, "expert_parallel"),
+        ({"pipeline_parallel": 2, "context_parallel": 2, "devices": 4}, "pipeline_parallel"),
+        ({"pipeline_parallel": 2, "expert_parallel": 2, "devices": 4}, "pipeline_parallel"),
+        ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "devices": 4}, "pipeline_schedule"),
+        ({"pipeline_parallel": 2, "accumulate_grad_batches": 2, "devices": 4}, "accumulate_grad_batches"),
+        ({"pipeline_parallel": 3, "devices": 4}, "pipeline_parallel"),
+        ({"microbatches": 2}, "microbatches"),
+        ({"tensor_parallel": 2, "context_parallel": 4, "devices": 4}, "context_parallel"),
+        ({"context_parallel": 2, "strategy": "ddp"}, "context_parallel"),
+        ({"data_parallel": "hybrid", "devices": 4}, "data_parallel"),
+        ({"tensor_parallel": 2, "context_parallel": 2, "devices": 4}, None),
+        ({"pipeline_parallel": 2, "tensor_parallel": 2, "microbatches": 4, "devices": 4}, None),
+    ],
+)
+def test_the_runtime_table_and_the_trainer_section_refuse_alike(settings, field):
+    """Each rule names its trainer field; the recipes' trainer section (which is to read this
+    table) refuses the same settings, where it has the fields."""
+    from recipes.recipe.sections import TrainerSection
+
+    found = runtime.problems(runtime.Settings(**{"strategy": "fsdp", **settings}))
+    assert (found[0][0] if found else None) == field, found
+    if not set(settings) <= set(TrainerSection.model_fields):
+        return  # a runtime without these fields yet
+    fields = {"strategy": "fsdp", "accelerator": "cpu", "precision": "bf16-mixed", **settings}
+    if field is None:
+        TrainerSection(**fields)
+    else:
+        with pytest.raises(ValueError, match=field):
+            TrainerSection(**fields)
