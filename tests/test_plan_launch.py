@@ -148,3 +148,18 @@ def test_the_runtime_table_and_the_trainer_section_refuse_alike(settings, field)
     else:
         with pytest.raises(ValueError, match=field):
             TrainerSection(**fields)
+
+
+def test_a_latent_attention_is_not_offered_context_parallelism_to_launch(capsys):
+    """DeepSeek's latent attention has no context-parallel path in the blocks (its config's
+    ``context_parallel_problems``): a launchable plan of a long sequence finds another layout,
+    says why, and a pinned degree is one line naming the field."""
+    argv = ["deepseek-v2-lite", "--gpus", "16", "--seq-len", "32768", "--global-batch", "16"]
+    rc, out = _plan(capsys, *argv)
+    assert rc == 0 and out["layout"]["context_parallel"] == 1
+    assert any("context_parallel" in r and "mla attention" in r for r in out["reasons"])
+    assert main(["plan", *argv, "--launchable", "--context-parallel", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--context-parallel" in err and "decoder.attention.type" in err, err
+    rc, out = _plan(capsys, "llama3-8b", "--gpus", "8", "--seq-len", "131072", "--global-batch", "8")
+    assert rc == 0 and out["layout"]["context_parallel"] > 1  # multi_head attention splits

@@ -242,6 +242,11 @@ class AttentionConfig(AttentionBlock):
         # each rank reads its heads' sinks, and blocks.attention sums both gradients over the group
         return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
 
+    def context_parallel_problems(self, degree: int) -> Problems:
+        """None: the module all-gathers the keys and values of a split sequence and masks them by
+        their token indices (``use_context_parallel``), so windows, chunks and ALiBi stay exact."""
+        return []
+
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
         kv = {"n_kv_heads": self.n_kv_heads} if self.n_kv_heads != self.n_heads else {}  # else said once, of n_heads
         problems = indivisible(degree, n_heads=self.n_heads, **kv)

@@ -80,6 +80,12 @@ class BlockConfig(BaseModel):
         this config, message)`` pairs; none by default."""
         return []
 
+    def context_parallel_problems(self, degree: int) -> Problems:
+        """Why this block cannot run its share of a sequence split between ``degree``
+        context-parallel ranks as its module implements it: ``(field path, message)`` pairs; none
+        for a block that mixes no tokens (attention and heads with layers of their own say)."""
+        return []
+
     def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:
         """This block as each of ``degree`` tensor-parallel ranks holds and runs it: a config of
         the same type whose counts (``params``, FLOPs, saved bytes, KV cache) are one rank's
@@ -195,6 +201,12 @@ class AttentionBlock(BlockConfig):
     #: fields a cross-attention does not take over from its stack's self-attention
     #: (``cross_attention:`` merges over ``attention:`` without them; a sliding window)
     not_inherited_by_cross: ClassVar[tuple[str, ...]] = ()
+
+    def context_parallel_problems(self, degree: int) -> Problems:
+        """An attention splits its sequence only where its module says how (``use_context_parallel``;
+        its config then returns none)."""
+        name = getattr(self, "type", type(self).__name__)
+        return [(("type",), f"{name} attention does not split its sequence between context-parallel ranks")]
 
     @abstractmethod
     def query_heads(self) -> int:
@@ -522,6 +534,14 @@ class HeadBlock(BlockConfig):
 
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         return 0
+
+    def context_parallel_problems(self, degree: int) -> Problems:
+        """A head that runs layers of its own (``layer_field``) attends over the whole sequence
+        itself, which a context-parallel rank's share is not."""
+        if self.layer_field is None:
+            return []
+        name = getattr(self, "type", type(self).__name__)
+        return [(("type",), f"the {name} head runs attention over the whole sequence itself")]
 
     def active_params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         """Parameters one token meets (a mixture of experts in the head's own layers: top_k)."""

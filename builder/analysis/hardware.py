@@ -100,3 +100,40 @@ def gpu(name: str, **overrides) -> GPU:
         if field_name != "peak" and value is not None and not value > 0:
             raise ValueError(f"{field_name} must be positive, got {value!r}")
     return dataclasses.replace(row, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` GPUs of ``memory`` bytes, ``per_node`` to a node, ``peak`` dense FLOP/s each in
+    the compute dtype; ``hardware``: the GPU's row of ``builder.analysis.hardware`` (default the
+    H100 SXM's, its memory and peak replaced by these)."""
+
+    gpus: int
+    per_node: int
+    memory: int
+    peak: float
+    gpu: str = "H100 SXM"
+    headroom: float = 0.10
+    hardware: GPU | None = None
+
+    def __post_init__(self):
+        base = self.hardware or gpu("h100")
+        scale = self.peak / base.peak["bf16"]  # the stated peak, every dtype scaled with it
+        row = dataclasses.replace(
+            base,
+            memory=self.memory,
+            per_node=self.per_node,
+            peak={dtype: value * scale for dtype, value in base.peak.items()},
+        )
+        object.__setattr__(self, "hardware", row)
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.per_node
+
+    @property
+    def usable(self) -> int:
+        return int(self.memory * (1 - self.headroom))
+
+    def with_gpus(self, gpus: int) -> Cluster:
+        return dataclasses.replace(self, gpus=gpus)

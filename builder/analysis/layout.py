@@ -52,6 +52,7 @@ from __future__ import annotations
 from builder.analysis.layout_rules import (
     check_layout,
     check_tensor_parallel,
+    context_parallel_problems,
     expert_parallel_problems,
     experts_of,
     layout_problems,
@@ -89,6 +90,7 @@ __all__ = [
     "check_layout",
     "check_tensor_parallel",
     "chunk_rows",
+    "context_parallel_problems",
     "expert_parallel_problems",
     "experts_of",
     "layer_tensor_count",

@@ -136,6 +136,20 @@ def expert_parallel_problems(spec, ep: int) -> list[tuple[tuple, str]]:
     return problems
 
 
+def context_parallel_problems(spec, cp: int) -> list[tuple[tuple, str]]:
+    """``(field path, message)`` for every block that cannot run its share of a sequence split
+    ``cp`` ways as the recipes run it (each block's ``context_parallel_problems``: an attention
+    whose module has no context-parallel path, a head with attention layers of its own).
+    :func:`layout_problems` asks less: what any context parallelism could split."""
+    if cp == 1:
+        return []
+    return [
+        (loc + where, message)
+        for loc, config in _blocks(spec)
+        for where, message in config.context_parallel_problems(cp)
+    ]
+
+
 def check_tensor_parallel(spec, tp: int) -> None:
     """Raise :class:`LayoutError` (argument ``tensor_parallel``) naming each field that does not divide."""
     problems = tensor_parallel_problems(spec, tp)

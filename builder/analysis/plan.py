@@ -32,9 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from builder.analysis import runtime
-from builder.analysis.hardware import GPU
-from builder.analysis.hardware import gpu as hardware_gpu
-from builder.analysis.layout import DATA_PARALLEL, Layout, LayoutError, expert_parallel_problems, layout_problems
+from builder.analysis.hardware import Cluster
+from builder.analysis.layout import (
+    DATA_PARALLEL,
+    Layout,
+    LayoutError,
+    context_parallel_problems,
+    expert_parallel_problems,
+    layout_problems,
+)
 from builder.analysis.perf import CALIBRATION, RECOMPUTE, SCHEDULES, Calibration, Model, Prediction, Run, predict
 
 CHEAPEST = (
@@ -68,46 +74,12 @@ RUNTIME_ARGUMENT = {
 
 
 @dataclass(frozen=True)
-class Cluster:
-    """``gpus`` GPUs of ``memory`` bytes, ``per_node`` to a node, ``peak`` dense FLOP/s each in
-    the compute dtype; ``hardware``: the GPU's row of ``builder.analysis.hardware`` (default the
-    H100 SXM's, its memory and peak replaced by these)."""
-
-    gpus: int
-    per_node: int
-    memory: int
-    peak: float
-    gpu: str = "H100 SXM"
-    headroom: float = 0.10
-    hardware: GPU | None = None
-
-    def __post_init__(self):
-        base = self.hardware or hardware_gpu("h100")
-        scale = self.peak / base.peak["bf16"]  # the stated peak, every dtype scaled with it
-        row = dataclasses.replace(
-            base,
-            memory=self.memory,
-            per_node=self.per_node,
-            peak={dtype: value * scale for dtype, value in base.peak.items()},
-        )
-        object.__setattr__(self, "hardware", row)
-
-    @property
-    def nodes(self) -> int:
-        return self.gpus // self.per_node
-
-    @property
-    def usable(self) -> int:
-        return int(self.memory * (1 - self.headroom))
-
-    def with_gpus(self, gpus: int) -> Cluster:
-        return dataclasses.replace(self, gpus=gpus)
-
-
-@dataclass(frozen=True)
 class Candidate:
     prediction: Prediction
     rank_by: str = "time"
+    #: ``(trainer field, reason)`` for what the spec's blocks cannot run in this layout as the
+    #: recipes run it (:func:`block_problems`)
+    blocked: tuple[tuple[str, str], ...] = ()
 
     @property
     def layout(self) -> Layout:
@@ -163,7 +135,7 @@ class Candidate:
     def launch_problems(self) -> list[tuple[str, str]]:
         """``(trainer field, reason)`` for each thing about this step the recipes' runtime does not
         run (``builder.analysis.runtime.launch_problems``); ``[]``: it launches."""
-        return runtime.launch_problems(
+        return list(self.blocked) + runtime.launch_problems(
             self.layout,
             recompute=self.recompute,
             schedule=self.run.schedule,
@@ -349,6 +321,10 @@ def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
             raise LayoutError(argument, getattr(pins, argument, None), f"not launchable: {reason}")
         for loc, message in expert_parallel_problems(spec, layout.expert_parallel):
             raise LayoutError("expert_parallel", layout.expert_parallel, f"{'.'.join(map(str, loc))}: {message}")
+        for loc, message in context_parallel_problems(spec, layout.context_parallel):
+            raise LayoutError(
+                "context_parallel", layout.context_parallel, f"not launchable: {'.'.join(map(str, loc))}: {message}"
+            )
 
 
 def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, calibration, result) -> list[Candidate]:
@@ -369,6 +345,8 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
             for cp in (c for c in cps if (gpus // (tp * pp)) % c == 0):
                 if cp > 1 and result.seq_len % (2 * cp):
                     continue  # ring attention splits the sequence in 2 x cp balanced chunks
+                if pins.launchable and _context_refused(spec, cp, result.reasons):
+                    continue
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     _note(
@@ -431,7 +409,7 @@ def _at_degrees(
                         calibration,
                         result.refused,
                     )
-                    out += [Candidate(p, rank_by) for p in best]
+                    out += [Candidate(p, rank_by, block_problems(spec, layout)) for p in best]
     return out
 
 
@@ -496,6 +474,25 @@ def _expert_degrees(spec, model: Model, pins: Pins) -> list[int]:
         return [1]
     degrees = [e for e in divisors(model.experts[0]) if e in _powers(model.experts[0])]
     return [e for e in degrees if not (pins.launchable and expert_parallel_problems(spec, e))]
+
+
+def block_problems(spec, layout: Layout) -> tuple[tuple[str, str], ...]:
+    """``(trainer field, reason)`` for each block of ``spec`` that cannot run ``layout``'s expert or
+    context parallelism as the recipes run it (the blocks' ``expert_parallel_problems`` and
+    ``context_parallel_problems``)."""
+    found = [("expert_parallel", loc, m) for loc, m in expert_parallel_problems(spec, layout.expert_parallel)]
+    found += [("context_parallel", loc, m) for loc, m in context_parallel_problems(spec, layout.context_parallel)]
+    return tuple((field, f"{'.'.join(map(str, loc))}: {message}") for field, loc, message in found)
+
+
+def _context_refused(spec, cp: int, reasons: list[str]) -> bool:
+    """Whether a block of ``spec`` cannot run ``cp``-way context parallelism as the recipes run
+    it (``context_parallel_problems``), the first such block noted once."""
+    problems = context_parallel_problems(spec, cp)
+    if problems and not any(r.startswith("not launchable (context_parallel)") for r in reasons):
+        loc, message = problems[0]
+        reasons.append(f"not launchable (context_parallel): {'.'.join(map(str, loc))}: {message}")
+    return bool(problems)
 
 
 def _not_launchable(layout: Layout, recompute: str, schedule: str, reasons: list[str]) -> bool:
