@@ -9,14 +9,12 @@ so an importer maps weights by name. The MLP has
 
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blocks import registry
+from blocks.experts import SplitsExperts, StackedLinear, dispatch
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -72,51 +70,75 @@ class GLU(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class ClampedGLU(GLU):
-    """GPT-OSS's clamped SwiGLU: ``gate = min(gate_proj(x), limit)``,
-    ``up = clamp(up_proj(x), -limit, limit)``, ``down_proj((up + 1) * gate * sigmoid(alpha * gate))``
-    (Hugging Face's ``GptOssExperts._apply_gate``, on separate gate and up projections)."""
+class GroupedExperts(nn.Module):
+    """``n`` experts of one ``mlp`` or ``glu`` config with stacked weights (``gate_proj``,
+    ``up_proj``, ``down_proj``, each a :class:`~blocks.experts.StackedLinear`: ``gate_proj.weight``
+    is ``(n, hidden, d_model)``); ``forward(rows, counts)`` runs the first ``counts[0]`` rows
+    through expert 0, the next ``counts[1]`` through expert 1..., each computing exactly what
+    :class:`MLP` or :class:`GLU` computes. With ``clamp``, GPT-OSS's clamped SwiGLU: ``gate =
+    min(gate_proj(x), limit)``, ``up = clamp(up_proj(x), -limit, limit)``, ``down_proj((up + 1) *
+    gate * sigmoid(alpha * gate))`` (Hugging Face's ``GptOssExperts._apply_gate``, on separate gate
+    and up projections). Each projection is one grouped matmul where torch has one for the
+    rows' device and dtype (:func:`~blocks.experts.grouped_linear`; ``grouped_mm = False`` keeps
+    the per-expert loop)."""
 
-    def __init__(self, config, d_model: int, clamp):
-        super().__init__(config, d_model)
-        self.alpha, self.limit = clamp.alpha, clamp.limit
+    def __init__(self, config, d_model: int, n: int, clamp=None):
+        super().__init__()
+        hidden = config.resolved_hidden_dim(d_model)
+        self.gated = config.n_in_projections == 2
+        if self.gated:
+            self.gate_proj = StackedLinear(n, d_model, hidden, config.bias)
+        self.up_proj = StackedLinear(n, d_model, hidden, config.bias)
+        self.down_proj = StackedLinear(n, hidden, d_model, config.bias)
+        self.act = activation(config.activation)
+        self.clamp = (clamp.alpha, clamp.limit) if clamp is not None else None
+        self.grouped_mm = True
+        self.n_experts = n
+        self._register_load_state_dict_pre_hook(self._stack_per_expert)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+    def _stack_per_expert(self, state_dict, prefix, *args) -> None:
+        """A checkpoint written before the experts were stacked (one module per expert,
+        ``experts.{e}.up_proj.weight``) loads: its tensors are stacked under the stacked names."""
+        for name, _ in self.named_parameters():
+            old = [f"{prefix}{e}.{name}" for e in range(self.n_experts)]
+            if f"{prefix}{name}" not in state_dict and all(key in state_dict for key in old):
+                state_dict[f"{prefix}{name}"] = torch.stack([state_dict.pop(key) for key in old])
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        def project(layer, x):
+            return layer(x, counts, self.grouped_mm)
+
+        if self.clamp is not None:
+            alpha, limit = self.clamp
+            gate = project(self.gate_proj, rows).clamp(max=limit)
+            up = project(self.up_proj, rows).clamp(min=-limit, max=limit)
+            return project(self.down_proj, (up + 1) * (gate * torch.sigmoid(gate * alpha)))
+        if self.gated:
+            return project(self.down_proj, self.act(project(self.gate_proj, rows)) * project(self.up_proj, rows))
+        return project(self.down_proj, self.act(project(self.up_proj, rows)))
 
 
-@contextlib.contextmanager
-def _no_collection():
-    """Python's cyclic garbage collector paused: it rescans every live module as thousands are
-    made (half of a meta build of a 6,144-expert model), and they form no garbage cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-class MoE(nn.Module):
+class MoE(SplitsExperts, nn.Module):
     """Top-k mixture of experts (Switch, Mixtral) with sparse dispatch.
 
-    The router (a bias-free linear layer) scores every expert; each token goes to its ``top_k``
-    experts with gates softmax-normalised over the chosen logits (equal to Mixtral's softmax
-    over all experts, top-k, renormalise). Tokens are sorted by expert and each expert multiplies
-    only its own rows, so the expert matmuls cover exactly ``top_k * tokens`` rows.
+    The router (a linear layer) scores every expert; each token goes to its ``top_k`` experts
+    with gates softmax-normalised over the chosen logits (equal to Mixtral's softmax over all
+    experts, top-k, renormalise). Tokens are sorted by expert and each expert multiplies only
+    its own rows (:func:`~blocks.experts.dispatch`), so the expert matmuls cover exactly
+    ``top_k * tokens`` rows. The experts' weights are stacked (:class:`GroupedExperts`:
+    ``experts.gate_proj.weight`` is ``(n_experts, hidden, d_model)``), as in torchtitan and
+    transformers 5; the importers stack Hugging Face's per-expert or fused tensors.
 
     After each forward, ``aux_loss`` holds the Switch/Mixtral load-balancing loss
     ``n_experts * sum_e f_e * P_e`` (``f_e``: share of tokens routed to expert ``e``, counting
     every one of a token's ``top_k`` choices; ``P_e``: the mean router probability of ``e``),
-    differentiable through ``P_e``. It is computed over every token, padding included.
+    differentiable through ``P_e``. It is computed over every token of this forward's batch,
+    padding included; under expert parallelism too (each rank's own micro-batch, as under data
+    parallelism, where the ranks also read different batches).
 
     GPT-OSS: ``router_bias`` gives the router a bias, ``expert_bias`` the experts' projections
-    theirs, and ``clamp`` makes each expert a :class:`ClampedGLU`. The experts are separate
-    modules (``experts.{e}.gate_proj``, ``up_proj``, ``down_proj``); Hugging Face's fused,
-    interleaved ``gate_up_proj`` is split by the importer.
+    theirs, and ``clamp`` makes each expert GPT-OSS's clamped SwiGLU. Expert parallelism splits
+    the stacked experts (:class:`~blocks.experts.SplitsExperts`); the router stays whole.
     """
 
     def __init__(self, config, d_model: int):
@@ -124,13 +146,8 @@ class MoE(nn.Module):
         self.n_experts = config.n_experts
         self.top_k = config.top_k
         self.router = nn.Linear(d_model, config.n_experts, bias=config.router_bias)
-        expert = config.expert  # with expert_bias its bias is on (blocks.configs.ffn)
-        if config.clamp is not None:
-            make = lambda: ClampedGLU(expert, d_model, config.clamp)
-        else:
-            make = lambda: registry.module_class(expert)(expert, d_model)
-        with _no_collection():  # thousands of modules (128 experts x 48 layers), no cycles among them
-            self.experts = nn.ModuleList(make() for _ in range(config.n_experts))
+        # with expert_bias the expert's bias is on (blocks.configs.ffn)
+        self.experts = GroupedExperts(config.expert, d_model, config.n_experts, config.clamp)
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,147 +157,14 @@ class MoE(nn.Module):
         probs = torch.softmax(logits.float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)  # (tokens, top_k)
         gates = (top_probs / top_probs.sum(-1, keepdim=True)).to(x.dtype)
-        out, counts = dispatch(flat, lambda e, rows: self.experts[e](rows), self.n_experts, top_experts, gates)
+        out, counts = dispatch(flat, self.experts, self.n_experts, top_experts, gates, group=self.expert_group)
 
         routed_share = counts.float() / top_experts.numel() * self.top_k  # f_e, summed over k
         self.aux_loss = self.n_experts * (routed_share * probs.mean(0)).sum()
         return out.reshape(shape)
 
 
-def dispatch(
-    flat: torch.Tensor, expert, n_experts: int, top_experts: torch.Tensor, gates: torch.Tensor, on_input: bool = False
-):
-    """Sparse dispatch: ``flat`` ``(tokens, d_model)`` through each token's chosen experts
-    (``top_experts`` ``(tokens, top_k)``; ``expert(e, rows)`` runs expert ``e``), weighted by
-    ``gates`` ``(tokens, top_k)`` (each expert's output, or its input when ``on_input``:
-    ``expert(e, gate * rows)``, Llama 4) and summed.
-
-    Choices are sorted by expert, so each expert multiplies only its own rows: ``top_k * tokens``
-    rows in all. Returns the output ``(tokens, d_model)`` and the tokens each expert got.
-    """
-    top_k = top_experts.shape[-1]
-    choice_expert = top_experts.reshape(-1)  # (tokens * top_k,)
-    order = torch.argsort(choice_expert, stable=True)
-    counts = torch.bincount(choice_expert, minlength=n_experts)
-    rows_token = order // top_k  # token of each sorted choice
-    rows_gate = gates.reshape(-1)[order]
-    out = torch.zeros_like(flat)
-    start = 0
-    # Every expert runs, on no rows when no token chose it, so each takes part in every backward:
-    # data-parallel ranks then reduce the same gradients (FSDP2 reduces a unit's gradients together).
-    for e, n in enumerate(counts.tolist()):
-        tokens, gate = rows_token[start : start + n], rows_gate[start : start + n, None]
-        y = expert(e, flat[tokens] * gate) if on_input else expert(e, flat[tokens]) * gate
-        out.index_add_(0, tokens, y)
-        start += n
-    return out, counts
-
-
-def dispatch_parallel(
-    flat: torch.Tensor,
-    expert,
-    n_experts: int,
-    top_experts: torch.Tensor,
-    gates: torch.Tensor,
-    group,
-    on_input: bool = False,
-):
-    """:func:`dispatch` with the experts split over the ranks of ``group`` (expert parallelism):
-    rank ``r`` of ``E`` holds experts ``[r * n / E, (r + 1) * n / E)`` and ``expert(j, rows)`` runs
-    its ``j``-th. Dropless: every choice is sent, sorted by expert (so by the rank holding it),
-    to that rank by an all-to-all whose split sizes are exchanged first (torchtitan's
-    ``ExpertParallel``); the rank regroups what it got by expert, runs each local expert once (on
-    no rows too, so every rank's experts take part in every backward), sends the outputs back
-    the same way, and the gates weight and sum them. Both all-to-alls are differentiable
-    (``all_to_all_single_autograd``). Returns the output ``(tokens, d_model)`` and the tokens
-    each of the ``n_experts`` got from this rank."""
-    from torch.distributed import _functional_collectives as funcol
-
-    degree = group.size()
-    local = n_experts // degree
-    top_k = top_experts.shape[-1]
-    choice_expert = top_experts.reshape(-1)
-    order = torch.argsort(choice_expert, stable=True)
-    counts = torch.bincount(choice_expert, minlength=n_experts)
-    rows_token = order // top_k
-    rows_gate = gates.reshape(-1)[order, None]
-    rows = flat[rows_token] * rows_gate if on_input else flat[rows_token]
-    # (source rank, local expert) -> rows this rank gets from that source for that expert
-    got_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group)).view(degree, local)
-    send = counts.view(degree, local).sum(1).tolist()
-    receive = got_counts.sum(1).tolist()
-    got = funcol.all_to_all_single_autograd(rows, receive, send, group)  # source-major
-    # regroup the source-major blocks expert-major: expert j's rows from every source in turn
-    block = torch.arange(degree * local, device=flat.device)
-    expert_first = (block % local) * degree + block // local  # block (s, j) -> its place j * E + s
-    regroup = torch.argsort(torch.repeat_interleave(expert_first, got_counts.reshape(-1)), stable=True)
-    grouped = got[regroup]
-    outputs, start = [], 0
-    for j, n in enumerate(got_counts.sum(0).tolist()):
-        outputs.append(expert(j, grouped[start : start + n]))
-        start += n
-    back = torch.zeros_like(got).index_copy(0, regroup, torch.cat(outputs))  # source-major again
-    returned = funcol.all_to_all_single_autograd(back, send, receive, group)
-    if not on_input:
-        returned = returned * rows_gate
-    return torch.zeros_like(flat).index_add(0, rows_token, returned), counts
-
-
-class StackedLinear(nn.Linear):
-    """``n`` linear layers of one shape as one ``(n, out_features, in_features)`` weight (and
-    ``(n, out_features)`` bias): ``forward(x, i)`` applies layer ``i``. An ``nn.Linear``, so
-    ``blocks.init`` initialises it as any linear layer of its name (a ``down_proj`` as a
-    residual projection); one tensor instead of ``n`` modules builds a 256-expert layer at once
-    and shards as one tensor."""
-
-    def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
-        nn.Module.__init__(self)  # nn.Linear's own __init__ would draw a 2-D weight
-        self.in_features, self.out_features, self.n = in_features, out_features, n
-        bound = in_features**-0.5  # nn.Linear's default draw, until blocks.init runs
-        self.weight = nn.Parameter(torch.empty(n, out_features, in_features).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """Layer ``i`` of those this rank holds (all, unless expert parallelism split them: a
-        DTensor's local rows)."""
-        weight, bias = _local(self.weight), _local(self.bias)
-        return F.linear(x, weight[i], None if bias is None else bias[i])
-
-    def extra_repr(self) -> str:
-        return (
-            f"n={self.n}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}"
-        )
-
-
-def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's rows of a tensor split over ranks (a DTensor), differentiably; others as they are."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
-class GroupedExperts(nn.Module):
-    """``n`` experts of one ``mlp`` or ``glu`` config with stacked weights (``gate_proj``,
-    ``up_proj``, ``down_proj``, each a :class:`StackedLinear`); ``forward(x, e)`` is expert
-    ``e``, computing exactly what :class:`MLP` or :class:`GLU` computes."""
-
-    def __init__(self, config, d_model: int, n: int):
-        super().__init__()
-        hidden = config.resolved_hidden_dim(d_model)
-        self.gated = config.n_in_projections == 2
-        if self.gated:
-            self.gate_proj = StackedLinear(n, d_model, hidden, config.bias)
-        self.up_proj = StackedLinear(n, d_model, hidden, config.bias)
-        self.down_proj = StackedLinear(n, hidden, d_model, config.bias)
-        self.act = activation(config.activation)
-
-    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(self.act(self.gate_proj(x, e)) * self.up_proj(x, e), e)
-        return self.down_proj(self.act(self.up_proj(x, e)), e)
-
-
-class DeepSeekMoE(nn.Module):
+class DeepSeekMoE(SplitsExperts, nn.Module):
     """DeepSeekMoE: fine-grained routed experts plus shared experts, DeepSeek-V2/V3 routing.
 
     Routing, as DeepSeek's code and Hugging Face's ``DeepseekV2/V3TopkRouter`` compute it, in
@@ -320,25 +204,6 @@ class DeepSeekMoE(nn.Module):
         else:
             self.expert_bias = self.load = None
         self.aux_loss: torch.Tensor | None = None
-        self.expert_group = None  # the ranks the routed experts are split over (use_expert_parallel)
-
-    def use_expert_parallel(self, mesh) -> list[nn.Module]:
-        """Split the routed experts over the ranks of the 1-D device mesh ``mesh`` (expert
-        parallelism): each stacked weight becomes a DTensor sharded on dim 0 (rank ``r`` holds
-        experts ``[r * n / E, (r + 1) * n / E)``) and tokens travel to their experts' ranks by
-        all-to-all (:func:`dispatch_parallel`). The router, the shared experts and the expert bias
-        stay whole on every rank (the router and shared experts see this rank's tokens only). Returns
-        the split submodule (the stacked experts)."""
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        if self.n_experts % mesh.size():
-            raise ValueError(f"{self.n_experts} experts do not split over {mesh.size()} expert-parallel ranks")
-        for module in self.experts.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                split = distribute_tensor(param.data, mesh, [Shard(0)])
-                module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
-        self.expert_group = mesh.get_group()
-        return [self.experts]
 
     def init_weights(self, std: float) -> None:
         """A fresh bias and load (the linear layers are initialised as every linear layer is)."""
@@ -371,13 +236,9 @@ class DeepSeekMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (tokens, d_model)
         scores, chosen, weights = self.route(flat)
-        expert = lambda e, rows: self.experts(rows, e)
-        if self.expert_group is not None:
-            out, counts = dispatch_parallel(
-                flat, expert, self.n_experts, chosen, weights.to(x.dtype), self.expert_group, self.on_input
-            )
-        else:
-            out, counts = dispatch(flat, expert, self.n_experts, chosen, weights.to(x.dtype), self.on_input)
+        out, counts = dispatch(
+            flat, self.experts, self.n_experts, chosen, weights.to(x.dtype), self.on_input, self.expert_group
+        )
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.scoring == "sigmoid":

@@ -1,5 +1,6 @@
-"""Expert parallelism (``trainer.expert_parallel``) on CPU processes (gloo): DeepSeekMoE's routed
-experts split over the ``ep`` ranks, tokens dispatched and combined by all-to-all. Every rank holds
+"""Expert parallelism (``trainer.expert_parallel``) on CPU processes (gloo): the stacked experts of
+DeepSeekMoE and of the Mixtral-like ``moe`` (GPT-OSS's router bias, expert biases and clamp among
+them) split over the ``ep`` ranks, tokens dispatched and combined by all-to-all. Every rank holds
 what ``builder describe --expert-parallel`` counts and computes the whole model's loss and gradients;
 training equals one process seeing the same micro-batches, and a checkpoint resumes across the two;
 the layouts it cannot run are refused at their line. The training runs are ``slow``."""
@@ -94,17 +95,23 @@ def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_loss_and_gradients(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "name",
+    ["deepseek-v3", pytest.param("mixtral", marks=pytest.mark.slow), pytest.param("gpt-oss", marks=pytest.mark.slow)],
+)
+def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_loss_and_gradients(
+    name, tmp_path, capsys
+):
     from builder.analysis.layout import Layout, rank_states
     from builder.cli import main
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, "deepseek-v3", str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    spec, layout = _spec("deepseek-v3"), Layout(devices=2, expert_parallel=2)
+    mp.spawn(_worker, args=(2, name, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    spec, layout = _spec(name), Layout(devices=2, expert_parallel=2)
     for rank in (1, 0):
         held = json.loads((tmp_path / f"{rank}.json").read_text())
         assert held.pop("exact") and held.pop("grads_equal") and held.pop("loss") < 1e-6, rank
-        # the stacked routed experts (the MoE layer's and the multi-token-prediction layer's) are split
+        # the stacked routed experts (every MoE layer's, DeepSeek-V3's multi-token-prediction layer's) are split
         split = held.pop("split")
         assert split and all(".ffn.experts." in name for name in split), split
         want = rank_states(spec, layout, rank)
@@ -116,7 +123,7 @@ def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_
         }, f"rank {rank}"
     # builder describe prints that count for rank 0: half the experts, half of every dense tensor
     capsys.readouterr()
-    args = ["describe", str(ROOT / "specs/tiny/deepseek-v3.yaml"), "--devices", "2", "--strategy", "fsdp"]
+    args = ["describe", str(ROOT / f"specs/tiny/{name}.yaml"), "--devices", "2", "--strategy", "fsdp"]
     assert main([*args, "--expert-parallel", "2", "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]
     assert memory["layout"]["expert_parallel"] == 2
@@ -172,17 +179,7 @@ def test_layouts_expert_parallelism_cannot_run_are_refused_at_their_line(tmp_pat
         devices=2,
         expert_parallel=4,
     )
-    # the spec's fields, located: Mixtral's separate expert modules, an expert count 3 does not divide,
-    # a dense model
-    _refused(
-        tmp_path / "d",
-        capsys,
-        ["mixtral-8x7b.yaml:", "decoder.ffn.type", "deepseek_moe"],
-        spec=str(ROOT / "specs/tiny/mixtral.yaml"),
-        strategy="fsdp",
-        devices=2,
-        expert_parallel=2,
-    )
+    # the spec's fields, located: an expert count 3 does not divide, a dense model
     _refused(
         tmp_path / "e",
         capsys,
@@ -229,10 +226,11 @@ def test_expert_parallel_with_context_parallel_is_refused_by_the_trainer_section
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3", "mixtral", "gpt-oss"])
 def test_expert_parallel_on_two_processes_trains_like_one_accumulating_two(name, tmp_path):
     # each rank reads its own micro-batch (EP borrows data-parallel ranks) and the balancing loss is a
-    # statistic of each micro-batch: one process accumulating the same two is the reference
+    # statistic of each micro-batch, as under data parallelism: one process accumulating the same two
+    # (the same global batch of 4) is the reference
     spec = str(ROOT / "specs" / "tiny" / f"{name}.yaml")
     train(recipe(tmp_path / "ep", batch=2, devices=2, strategy="fsdp", expert_parallel=2, spec=spec))
     train(recipe(tmp_path / "one", batch=2, spec=spec, accumulate_grad_batches=2))
@@ -249,8 +247,9 @@ def test_expert_parallel_2_x_fsdp_2_on_four_processes_trains_like_one_accumulati
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_back(tmp_path):
-    spec = str(ROOT / "specs" / "tiny" / "deepseek-v3.yaml")
+@pytest.mark.parametrize("name", ["deepseek-v3", "mixtral"])
+def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_back(name, tmp_path):
+    spec = str(ROOT / "specs" / "tiny" / f"{name}.yaml")
     train(recipe(tmp_path / "one", batch=2, spec=spec, accumulate_grad_batches=2))
     reference = losses(tmp_path / "one" / "run")
     ep = dict(batch=2, devices=2, strategy="fsdp", expert_parallel=2, spec=spec)

@@ -287,15 +287,15 @@ def test_gpt_oss_moe_matches_hugging_face():
     hf = GptOssMLP(config)
     with torch.no_grad():
         hf.router.load_state_dict(ours.router.state_dict())
-        for e, expert in enumerate(ours.experts):
-            hf.experts.gate_up_proj[e, :, ::2] = expert.gate_proj.weight.T  # interleaved: gate even, up odd
-            hf.experts.gate_up_proj[e, :, 1::2] = expert.up_proj.weight.T
-            hf.experts.gate_up_proj_bias[e, ::2] = expert.gate_proj.bias
-            hf.experts.gate_up_proj_bias[e, 1::2] = expert.up_proj.bias
-            hf.experts.down_proj[e] = expert.down_proj.weight.T
-            hf.experts.down_proj_bias[e] = expert.down_proj.bias
+        gate, up, down = ours.experts.gate_proj, ours.experts.up_proj, ours.experts.down_proj  # stacked
+        hf.experts.gate_up_proj[..., ::2] = gate.weight.transpose(1, 2)  # interleaved: gate even, up odd
+        hf.experts.gate_up_proj[..., 1::2] = up.weight.transpose(1, 2)
+        hf.experts.gate_up_proj_bias[:, ::2] = gate.bias
+        hf.experts.gate_up_proj_bias[:, 1::2] = up.bias
+        hf.experts.down_proj.copy_(down.weight.transpose(1, 2))
+        hf.experts.down_proj_bias.copy_(down.bias)
         x = 2 * torch.randn(B, T, D)
-        up = torch.stack([e.up_proj(x) for e in ours.experts])
+        up = torch.einsum("btd,ehd->ebth", x, up.weight) + up.bias[:, None, None]  # every expert's up_proj
         assert (up.abs() > 7.0).any() and (up.abs() < 7.0).any()  # the clamps bite, and not everywhere
         torch.testing.assert_close(ours(x), hf(x)[0], rtol=1e-4, atol=1e-4)
 
@@ -331,12 +331,9 @@ def test_qwen3_moe_is_expressible(norm_topk_prob):
     expert = {"type": "glu", "hidden_dim": 16}
     if norm_topk_prob:
         ours = _ffn({"type": "moe", "n_experts": 4, "top_k": 2, "expert": expert})
-        stacked = {
-            n: torch.stack([getattr(e, n).weight for e in ours.experts]) for n in ("gate_proj", "up_proj", "down_proj")
-        }
     else:
         ours = _ffn({"type": "deepseek_moe", "n_experts": 4, "top_k": 2, "expert": expert})
-        stacked = {n: getattr(ours.experts, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
+    stacked = {n: getattr(ours.experts, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
     config = transformers.Qwen3MoeConfig(
         hidden_size=D, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob
     )

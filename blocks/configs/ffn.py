@@ -126,6 +126,13 @@ class ClampConfig(BaseModel):
     )
 
 
+def _experts_divide(n_experts: int, degree: int) -> Problems:
+    """``n_experts`` named unless ``degree`` expert-parallel ranks split them evenly."""
+    if n_experts % degree:
+        return [(("n_experts",), f"{n_experts} is not a multiple of the expert-parallel degree {degree}")]
+    return []
+
+
 @register("ffn", "blocks.ffn:MoE")
 class MoEConfig(FFNBlock):
     """Mixture of experts: a linear router picks top_k experts per token (Mixtral, Qwen3-MoE
@@ -202,17 +209,11 @@ class MoEConfig(FFNBlock):
         # router (its bias too) and experts (their biases too) replicated under tensor parallelism
         return None
 
+    def expert_parallel_plan(self) -> tuple[str, ...]:
+        return ("experts",)  # the stacked experts; the router stays whole
+
     def expert_parallel_problems(self, degree: int) -> Problems:
-        # each expert is its own module (experts.{e}.gate_proj, as Hugging Face names them), which
-        # no DTensor placement holds on one rank only; deepseek_moe stacks them (one row each)
-        return [
-            (
-                ("type",),
-                "moe keeps each expert a separate module, which expert parallelism does not split; "
-                "deepseek_moe (stacked experts; scoring softmax, no shared experts, norm_topk_prob: "
-                "true is Mixtral's routing) does",
-            )
-        ]
+        return _experts_divide(self.n_experts, degree)
 
     def _router_params(self, d_model: int) -> int:
         return self.n_experts * (d_model + (1 if self.router_bias else 0))
@@ -228,9 +229,10 @@ class MoEConfig(FFNBlock):
         shapes = {"router.weight": (self.n_experts, d_model)}
         if self.router_bias:
             shapes["router.bias"] = (self.n_experts,)
-        expert = self.expert.param_shapes(d_model)
-        for i in range(self.n_experts):
-            shapes.update({f"experts.{i}.{name}": shape for name, shape in expert.items()})
+        # the experts stacked, one (n_experts, ...) tensor per projection (and bias)
+        shapes.update(
+            {f"experts.{name}": (self.n_experts, *shape) for name, shape in self.expert.param_shapes(d_model).items()}
+        )
         return shapes
 
     def flops(self, d_model: int, tokens: int) -> int:
@@ -385,11 +387,7 @@ class DeepSeekMoEConfig(FFNBlock):
         return ("experts",)  # the stacked routed experts; router and shared experts stay whole
 
     def expert_parallel_problems(self, degree: int) -> Problems:
-        return (
-            [(("n_experts",), f"{self.n_experts} is not a multiple of the expert-parallel degree {degree}")]
-            if self.n_experts % degree
-            else []
-        )
+        return _experts_divide(self.n_experts, degree)
 
     def params(self, d_model: int) -> int:
         shared = self.shared(d_model)

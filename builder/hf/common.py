@@ -73,27 +73,16 @@ def split(hf: str, ours: Sequence[str], sizes: Sequence[int], dim: int = 0, tran
     return Link((hf,), tuple(ours), to_ours, to_hf)
 
 
-def stacked(hf: str, ours: Sequence[str], sizes: Sequence[int] | None = None) -> Link:
-    """A 3-D Hugging Face tensor ``(n_experts, ...)`` holds one of our 2-D tensors per expert.
-
-    With ``sizes``, each expert's slice is further split along its first dim (``gate_up_proj``
-    holds gate then up): ``ours`` lists expert 0's pieces, then expert 1's, and so on.
-    """
+def stacked(hf: Sequence[str], our: str) -> Link:
+    """One Hugging Face tensor per expert on disk, one ``(n_experts, ...)`` tensor here (our
+    mixtures of experts stack their experts' weights)."""
 
     def to_ours(ts):
-        out = []
-        for expert in ts[0].unbind(0):
-            out += [p.contiguous() for p in expert.split(list(sizes), dim=0)] if sizes else [expert.contiguous()]
-        return out
-
-    def to_hf(ts):
         import torch
 
-        per = len(sizes) if sizes else 1
-        experts = [torch.cat(ts[i : i + per], dim=0) for i in range(0, len(ts), per)]
-        return [torch.stack(experts, dim=0)]
+        return [torch.stack(ts, dim=0)]
 
-    return Link((hf,), tuple(ours), to_ours, to_hf)
+    return Link(tuple(hf), (our,), to_ours, lambda ts: [t.contiguous() for t in ts[0].unbind(0)])
 
 
 @dataclass

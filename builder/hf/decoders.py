@@ -349,13 +349,9 @@ class LlamaLayout(Family):
             if k.moe:
                 moe = f"{h}.block_sparse_moe"
                 links.append(same(f"{moe}.gate.weight", f"{ffn}.router.weight"))
-                for e in range(layer.ffn.n_experts):
-                    expert = f"{ffn}.experts.{e}"
-                    links += [
-                        same(f"{moe}.experts.{e}.w1.weight", f"{expert}.gate_proj.weight"),
-                        same(f"{moe}.experts.{e}.w2.weight", f"{expert}.down_proj.weight"),
-                        same(f"{moe}.experts.{e}.w3.weight", f"{expert}.up_proj.weight"),
-                    ]
+                for w, p in (("w1", "gate"), ("w2", "down"), ("w3", "up")):  # ours: stacked
+                    per_expert = [f"{moe}.experts.{e}.{w}.weight" for e in range(layer.ffn.n_experts)]
+                    links.append(stacked(per_expert, f"{ffn}.experts.{p}_proj.weight"))
             else:
                 for p in ("gate", "up", "down"):
                     links.append(same(f"{h}.mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight"))
@@ -371,13 +367,13 @@ def fused_experts(spec) -> list[Link]:
     checkpoint saved from its state dict holds it; read as an alternative on import."""
     stack, links = spec.decoder, []
     for i in range(stack.n_layers):
-        ffn, n = ours.ffn("decoder", i), stack.layer(i).ffn.n_experts
+        ffn = ours.ffn("decoder", i)
         hidden = stack.layer(i).ffn.expert.resolved_hidden_dim(spec.d_model)
         experts = f"model.layers.{i}.mlp.experts"
-        gate_up = [f"{ffn}.experts.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up")]
+        gate_up = [f"{ffn}.experts.gate_proj.weight", f"{ffn}.experts.up_proj.weight"]
         links += [
-            stacked(f"{experts}.gate_up_proj", gate_up, sizes=[hidden, hidden]),
-            stacked(f"{experts}.down_proj", [f"{ffn}.experts.{e}.down_proj.weight" for e in range(n)]),
+            split(f"{experts}.gate_up_proj", gate_up, [hidden, hidden], dim=1),  # (n_experts, 2 * hidden, d_model)
+            same(f"{experts}.down_proj", f"{ffn}.experts.down_proj.weight"),
             same(f"model.layers.{i}.mlp.gate.weight", f"{ffn}.router.weight"),
         ]
     return links

@@ -39,23 +39,13 @@ from builder.hf.common import (
     rope_to_hf,
     same,
     split,
+    stacked,
 )
 
 
 @dataclass(frozen=True)
 class DeepSeekKnobs:
     v3: bool  # sigmoid scores, top2_sum groups, expert bias, norm_topk_prob, rope_interleave
-
-
-def _stacked(hf: list[str], our: str) -> Link:
-    """One tensor per expert on disk, one ``(n_experts, ...)`` tensor here."""
-
-    def to_ours(ts):
-        import torch
-
-        return [torch.stack(ts, dim=0)]
-
-    return Link(tuple(hf), (our,), to_ours, lambda ts: [t.contiguous() for t in ts[0].unbind(0)])
 
 
 def _shared(hf: list[str], our: str) -> Link:
@@ -308,7 +298,7 @@ class DeepSeek(Family):
             links.append(same(f"{h}.mlp.gate.e_score_correction_bias", f"{ffn}.expert_bias"))
         for p in ("gate", "up", "down"):
             per_expert = [f"{h}.mlp.experts.{e}.{p}_proj.weight" for e in range(moe.n_experts)]
-            links.append(_stacked(per_expert, f"{ffn}.experts.{p}_proj.weight"))
+            links.append(stacked(per_expert, f"{ffn}.experts.{p}_proj.weight"))
             if moe.n_shared_experts:
                 links.append(same(f"{h}.mlp.shared_experts.{p}_proj.weight", f"{ffn}.shared_experts.{p}_proj.weight"))
         return links

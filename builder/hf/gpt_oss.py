@@ -15,10 +15,11 @@ GPT-OSS adds, each a spec field:
 On disk (``save_pretrained`` and the released checkpoints alike) the experts are fused and
 transposed: ``gate_up_proj`` is ``(n_experts, d_model, 2 * hidden)`` with the gate and up columns
 interleaved (gate ``[..., ::2]``, up ``[..., 1::2]``), ``down_proj`` ``(n_experts, hidden,
-d_model)``, their biases beside them; here each expert is its own ``gate_proj``/``up_proj``/
-``down_proj``. Released checkpoints store the experts in MXFP4 (``quantization_config``), which
-is refused: dequantized weights (transformers' ``Mxfp4Config(dequantize=True)``, then
-``save_pretrained``) read.
+d_model)``, their biases beside them; here they are stacked per projection
+(``experts.gate_proj``, ``up_proj``: ``(n_experts, hidden, d_model)``, ``down_proj``:
+``(n_experts, d_model, hidden)``). Released checkpoints store the experts in MXFP4
+(``quantization_config``), which is refused: dequantized weights (transformers'
+``Mxfp4Config(dequantize=True)``, then ``save_pretrained``) read.
 """
 
 from __future__ import annotations
@@ -111,64 +112,49 @@ def moe_links(hf: str, ffn: str, config) -> list[Link]:
     """GPT-OSS's router and fused experts (see the module docstring) to ``moe``'s tensors."""
     if config.type != "moe":
         raise Unsupported(f"an ffn of type {config.type!r}; every gpt_oss layer is a mixture of experts (moe)")
-    n = config.n_experts
     links = [Link((f"{hf}.router.weight",), (f"{ffn}.router.weight",))]
     if config.router_bias:
         links.append(Link((f"{hf}.router.bias",), (f"{ffn}.router.bias",)))
-    experts = [f"{ffn}.experts.{e}" for e in range(n)]
+    experts = f"{ffn}.experts"  # ours: stacked (n_experts, out, in)
     links += [
-        _interleaved(f"{hf}.experts.gate_up_proj", [f"{x}.{p}_proj.weight" for x in experts for p in ("gate", "up")]),
-        _per_expert(f"{hf}.experts.down_proj", [f"{x}.down_proj.weight" for x in experts], transpose=True),
+        _interleaved(f"{hf}.experts.gate_up_proj", [f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight"]),
+        _transposed(f"{hf}.experts.down_proj", f"{experts}.down_proj.weight"),
     ]
     if config.expert_bias:
         links += [
-            _interleaved(
-                f"{hf}.experts.gate_up_proj_bias", [f"{x}.{p}_proj.bias" for x in experts for p in ("gate", "up")]
-            ),
-            _per_expert(f"{hf}.experts.down_proj_bias", [f"{x}.down_proj.bias" for x in experts], transpose=False),
+            _interleaved(f"{hf}.experts.gate_up_proj_bias", [f"{experts}.gate_proj.bias", f"{experts}.up_proj.bias"]),
+            Link((f"{hf}.experts.down_proj_bias",), (f"{experts}.down_proj.bias",)),
         ]
     return links
 
 
 def _interleaved(hf: str, ours_: list[str]) -> Link:
-    """``(n_experts, [d_model,] 2 * hidden)`` with gate and up columns interleaved: expert ``e``'s
-    gate ``[e, ..., ::2]`` and up ``[e, ..., 1::2]``, transposed to ``(hidden, d_model)`` for a
-    weight. ``ours_`` lists expert 0's gate and up, then expert 1's..."""
+    """``(n_experts, [d_model,] 2 * hidden)`` with gate and up columns interleaved (gate
+    ``[..., ::2]``, up ``[..., 1::2]``) to our stacked gate and up, each ``(n_experts, hidden,
+    d_model)`` for a weight (transposed), ``(n_experts, hidden)`` for a bias."""
+
+    def flip(t):
+        return t.transpose(1, 2) if t.dim() == 3 else t
 
     def to_ours(ts):
-        out = []
-        for expert in ts[0].unbind(0):  # (d_model, 2 * hidden) or (2 * hidden,)
-            gate, up = expert[..., ::2], expert[..., 1::2]
-            out += [p.t().contiguous() if p.dim() == 2 else p.contiguous() for p in (gate, up)]
-        return out
+        return [flip(ts[0][..., half::2]).contiguous() for half in (0, 1)]
 
     def to_hf(ts):
         import torch
 
-        experts = []
-        for gate, up in zip(ts[0::2], ts[1::2]):
-            pair = torch.stack([gate, up], dim=-1)  # (hidden, [d_model,] 2)
-            if pair.dim() == 3:  # a weight: (hidden, d_model, 2) -> (d_model, hidden, 2)
-                pair = pair.transpose(0, 1)
-            experts.append(pair.reshape(*pair.shape[:-2], -1))  # gate, up, gate, up, ...
-        return [torch.stack(experts, dim=0).contiguous()]
+        pair = torch.stack([flip(t) for t in ts], dim=-1)  # (n_experts, [d_model,] hidden, 2)
+        return [pair.reshape(*pair.shape[:-2], -1).contiguous()]  # gate, up, gate, up, ...
 
     return Link((hf,), tuple(ours_), to_ours, to_hf)
 
 
-def _per_expert(hf: str, ours_: list[str], transpose: bool) -> Link:
-    """``(n_experts, ...)`` to one tensor per expert, each transposed when ``transpose``
-    (``down_proj``'s ``(hidden, d_model)`` is our ``(d_model, hidden)``)."""
+def _transposed(hf: str, our: str) -> Link:
+    """``(n_experts, hidden, d_model)`` to our ``(n_experts, d_model, hidden)``, and back."""
 
-    def flip(t):
-        return t.t().contiguous() if transpose else t.contiguous()
+    def flip(ts):
+        return [ts[0].transpose(1, 2).contiguous()]
 
-    def to_hf(ts):
-        import torch
-
-        return [torch.stack([flip(t) for t in ts], dim=0)]
-
-    return Link((hf,), tuple(ours_), lambda ts: [flip(t) for t in ts[0].unbind(0)], to_hf)
+    return Link((hf,), (our,), flip, flip)
 
 
 FAMILIES = [

@@ -27,11 +27,11 @@ balance loss, where transformers adds Switch's router loss (``router_aux_loss_co
 from __future__ import annotations
 
 from builder.hf import names as ours
-from builder.hf.common import Link, Unsupported, decoder_links, need, same
+from builder.hf.common import Link, Unsupported, decoder_links, need, same, stacked
 from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout, attention_links
 
 # the experts' per-expert and 3-D layouts are DeepSeek's (the same module names)
-from builder.hf.deepseek import _stacked, fused_experts
+from builder.hf.deepseek import fused_experts
 
 
 def dense_links(h: str, ffn: str) -> list[Link]:
@@ -151,7 +151,7 @@ class Qwen3Moe(Qwen3):
         links = [same(f"{h}.gate.weight", f"{ffn}.router.weight")]
         for p in ("gate", "up", "down"):  # ours: the experts' weights stacked
             links.append(
-                _stacked(
+                stacked(
                     [f"{h}.experts.{e}.{p}_proj.weight" for e in range(config.n_experts)],
                     f"{ffn}.experts.{p}_proj.weight",
                 )

@@ -1,8 +1,8 @@
 """Expert parallelism (``trainer.expert_parallel``), the step of :func:`recipes.parallel.parallelize`
-after tensor parallelism: every mixture-of-experts block that can split its routed experts
+after tensor parallelism: every mixture-of-experts block that can split its routed experts (``moe``, ``deepseek_moe``)
 (``use_expert_parallel(mesh)``, as attention declares ``use_tensor_parallel``) splits them over
 the ``ep`` dimension of the mesh, and tokens travel to their experts by all-to-all
-(``blocks.ffn.dispatch_parallel``).
+(``blocks.experts.dispatch``).
 
 The ``ep`` ranks are borrowed from the FSDP shard group, as torchtitan and Megatron borrow them
 (:mod:`.mesh`: ``dp_shard`` is ``dp_shard_mod_ep x ep``): they still read different batches, so
