@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -301,16 +300,16 @@ def test_diff(capsys, tmp_path, monkeypatch):
 
 def test_describe_gpt3_is_torch_free_and_fast():
     code = (
-        "import sys, time; t = time.perf_counter(); from builder.cli import main; "
+        "import sys, time; from builder.cli import main; "
         "main(['describe', 'specs/gpt3-175b.yaml']); "
-        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', time.perf_counter() - t)"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', time.process_time())"
     )
-    start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - start
     assert "174,604,259,328" in done.stdout
     assert done.stdout.split()[-2] == "NO-TORCH"
-    assert wall < 3.0  # 0.25 s measured; generous for a loaded CI machine
+    # the child's CPU time, interpreter start and imports included (0.25 s measured): other
+    # processes on a loaded machine do not count against it
+    assert float(done.stdout.split()[-1]) < 3.0
 
 
 def test_bad_settings_are_clear():

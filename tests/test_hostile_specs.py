@@ -214,9 +214,9 @@ def test_a_ten_thousand_layer_stack_is_counted_per_group(tmp_path):
         ),
     )
     spec = load_spec(spec)
-    start = time.perf_counter()
+    start = time.process_time()
     est = estimate(spec, seq_len=64)
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     two = estimate(load_spec(write(tmp_path, "two.yaml", TINY)), seq_len=64)
     layer = two.params.by_component["decoder.attention"] // 2
     assert est.params.by_component["decoder.attention"] == 10000 * layer

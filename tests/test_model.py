@@ -49,10 +49,10 @@ def test_specs_are_found():
 @pytest.mark.parametrize("path", SPECS, ids=_ids)
 def test_every_spec_builds_on_meta_fast_with_the_estimated_parameters(path):
     spec = load_spec(path)
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: a loaded machine does not fail it
     model = build_model(spec, device="meta")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"{path.name}: meta build took {elapsed:.2f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"{path.name}: meta build took {elapsed:.2f} s of CPU"
     assert all(p.is_meta for p in model.parameters())
     assert model.spec is spec
     assert model.n_params() == _estimate(spec, seq_len=8).params.total
@@ -61,9 +61,9 @@ def test_every_spec_builds_on_meta_fast_with_the_estimated_parameters(path):
 @pytest.mark.parametrize("path", TINY, ids=_ids)
 def test_tiny_spec_builds_fast_and_trains(path):
     spec = load_spec(path)
-    start = time.perf_counter()
+    start = time.process_time()
     model = build_model(spec)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     ids = _tiny_inputs(spec)
     out = _run(model, spec, ids)
     if type(spec.head).projects_to_vocab:

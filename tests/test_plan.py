@@ -305,10 +305,10 @@ def test_an_option_out_of_its_own_range_is_a_one_line_usage_error(capsys):
 def test_planning_a_big_spec_is_quick_and_torch_free():
     code = (
         "import sys, time; from builder.spec.loader import load_spec; from builder.analysis.plan import Cluster, plan; "
-        "spec = load_spec('specs/gpt3-175b.yaml'); t = time.perf_counter(); "
+        "spec = load_spec('specs/gpt3-175b.yaml'); t = time.process_time(); "
         "f = plan(spec, Cluster(gpus=64, per_node=8, memory=80 * 2**30, peak=989.5e12), seq_len=2048, "
         "global_batch=1536, launchable=True); "
-        "print(f.fits, time.perf_counter() - t, 'torch' in sys.modules)"
+        "print(f.fits, time.process_time() - t, 'torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     fits, fitted, torch_loaded = done.stdout.split()
