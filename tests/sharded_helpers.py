@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
-from recipe_helpers import builder_process, tiny_recipe
+from recipe_helpers import REPO, builder_process, tiny_recipe
 
 #: a constant learning rate, so a run stopped at step N and resumed to M sees the schedule an
 #: unbroken run to M does
@@ -15,7 +18,8 @@ STEPS = 20
 
 
 #: a tokenizer whose vocabulary a tensor-parallel degree of 2 divides (the char table of the tiny
-#: corpus is 94 symbols and end-of-text: 95, which the vocab-parallel embedding cannot split)
+#: corpus is 94 symbols and end-of-text: 95, which the vocab-parallel embedding cannot split); a
+#: run compared with a tensor-parallel one must use it too
 EVEN_VOCAB = {"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400}
 
 
@@ -86,3 +90,57 @@ def assert_same_losses(a: dict, b: dict, atol: float = 2e-5, keys=("train", "val
         torch.testing.assert_close(
             torch.tensor([x for _, x in a[key]]), torch.tensor([x for _, x in b[key]]), rtol=0, atol=atol
         )
+
+
+# -- a training child stopped inside a save ----------------------------------------------------------
+
+#: the ``sitecustomize`` of a child started by :func:`train_paused_in_save`: each of its ranks, in
+#: its ``AT``-th sharded save, once its shards and their checksums are in the temp folder (before
+#: the ranks' barrier, rank 0's ``meta.pt`` and the rename), writes its process id to
+#: ``SIGNALS/saving-RANK`` and waits for ``SIGNALS/go``: a kill then lands mid-save however loaded
+#: the machine is (a test polling for the temp folder missed saves that took milliseconds)
+_PAUSE = """
+import os
+import time
+from pathlib import Path
+
+import builder.checkpoints.write as _write
+
+SIGNALS, AT, _real, _saves = Path({signals!r}), {at}, _write.write_digests, [0]
+
+
+def _pausing(folder, rank):
+    _real(folder, rank)
+    _saves[0] += 1
+    if _saves[0] == AT:
+        said = SIGNALS / f".saving-{{rank}}"
+        said.write_text(str(os.getpid()))
+        os.replace(said, SIGNALS / f"saving-{{rank}}")  # whole when the test sees it
+        deadline = time.monotonic() + 600
+        while not (SIGNALS / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+_write.write_digests = _pausing
+"""
+
+
+def train_paused_in_save(path: Path, at: int, ranks: int, log) -> tuple[subprocess.Popen, list[int], Path]:
+    """``builder train PATH --no-samples`` in a child whose ``ranks`` processes all stop inside
+    their ``at``-th save (:data:`_PAUSE`), its output to the file ``log``; returns once they all
+    have: the child, the ranks' process ids (by rank) and the folder where
+    touching ``go`` lets them go on."""
+    signals = path.parent / "pause"
+    (signals / "hook").mkdir(parents=True)
+    (signals / "hook" / "sitecustomize.py").write_text(_PAUSE.format(signals=str(signals), at=at))
+    paths = [str(signals / "hook"), str(REPO), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    command = [sys.executable, "-m", "builder.cli", "train", str(path), "--no-samples"]
+    child = subprocess.Popen(command, cwd=path.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while len(list(signals.glob("saving-*"))) < ranks:
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            raise AssertionError(f"the ranks did not reach save {at}: {Path(log.name).read_text()[-2000:]}")
+        time.sleep(0.05)
+    return child, [int((signals / f"saving-{rank}").read_text()) for rank in range(ranks)], signals

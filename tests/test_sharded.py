@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from recipe_helpers import builder_process, tiny_recipe
-from sharded_helpers import EVEN_VOCAB, assert_same_losses, losses, recipe, train
+from recipe_helpers import tiny_recipe
+from sharded_helpers import EVEN_VOCAB, assert_same_losses, losses, recipe, train, train_paused_in_save
 
 torch.set_num_threads(1)
 
@@ -351,11 +349,6 @@ def test_resume_on_another_layout_continues_like_an_unbroken_run(tmp_path):
     assert_same_losses(losses(moved / "run"), losses(tmp_path / "one" / "run"))
 
 
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
 @pytest.mark.slow
 def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path):
     from builder.checkpoints import load_model, read_meta
@@ -364,25 +357,19 @@ def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint_whole(tm
         tmp_path, batch=2, devices=2, strategy="fsdp", steps=400, checkpoint_every_n_steps=1, val_check_interval=1000
     )
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    child = builder_process(
-        "train", str(path), "--no-samples", cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline, killed = time.monotonic() + 300, None
-    while child.poll() is None and time.monotonic() < deadline and killed is None:
-        saving = list(last.parent.glob(".last.ckpt.tmp-*")) if last.exists() else []
-        ranks = _children(child.pid)
-        if saving and ranks:
-            killed = ranks[0]
-            os.kill(killed, signal.SIGKILL)  # rank 1, while the ranks write a save
-        time.sleep(0.001)
-    assert killed is not None, "no save was caught in progress"
-    try:
-        child.communicate(timeout=120)  # rank 0 notices its peer is gone: an error, not a hang
-    finally:
-        child.kill()
+    with open(tmp_path / "killed.log", "wb") as log:
+        child, ranks, signals = train_paused_in_save(path, at=3, ranks=2, log=log)
+        try:
+            assert list(last.parent.glob(".last.ckpt.tmp-*")) and read_meta(last)["global_step"] == 2
+            os.kill(ranks[1], signal.SIGKILL)  # rank 1, while the ranks write the save of step 3
+            (signals / "go").touch()
+            child.wait(timeout=120)  # rank 0 notices its peer is gone: an error, not a hang
+        finally:
+            child.kill()
+            child.wait()
     assert child.returncode != 0
     step = read_meta(last)["global_step"]
-    assert 0 < step < 400
+    assert step == 2
     load_model(last)  # whole and loadable
 
     out = train(path, "--set", f"trainer.max_steps={step + 3}")  # the same command resumes; saves go on
