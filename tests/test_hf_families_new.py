@@ -311,6 +311,7 @@ def test_generate_and_pipeline_on_the_exported_folder(imported):
 
 #: tiny zoo spec -> the family it is written as
 TINY = {
+    "gemma2": "gemma2",
     "phi3": "phi3",
     "qwen3": "qwen3",
     "qwen3-moe": "qwen3_moe",
