@@ -2,7 +2,9 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(dp_replicate, dp_shard, tp)``, numbered as ``builder.analysis.layout`` numbers ranks:
+The mesh is ``(pp, dp_replicate, dp_shard, tp)``, numbered as ``builder.analysis.layout`` numbers
+ranks (the pipeline stages outermost: ``pp`` is 1 unless ``trainer.pipeline_parallel``, and each
+stage's ranks are laid out as follows):
 
 * ``data_parallel: shard`` — ``(1, world / tp, tp)``: parameters, gradients and optimizer state
   split over every data-parallel rank;
@@ -18,16 +20,16 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
 #: dimension in sequence (slower, and its rounding may differ between ranks)
 FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"))
 
 
-def mesh_shape(layout: Layout) -> tuple[int, int, int]:
-    """``(dp_replicate, dp_shard, tp)`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
-    return layout.replicas, layout.shard_size, layout.tensor_parallel
+def mesh_shape(layout: Layout) -> tuple[int, ...]:
+    """``MESH_DIMS`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
+    return layout.pipeline_parallel, layout.replicas, layout.shard_size, layout.tensor_parallel
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -134,6 +136,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
             nodes=settings.num_nodes,
             tensor_parallel=settings.tensor_parallel,
             data_parallel=settings.data_parallel,
+            pipeline_parallel=settings.pipeline_parallel,
         )
     except LayoutError as exc:
         raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None
@@ -141,7 +144,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
 
 def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
     """Ranks of the recipe's layout that read different data (under ``strategy: fsdp`` the world
-    over the tensor-parallel degree: tensor-parallel peers read the same); ``check`` as for
+    over the tensor-parallel and pipeline degrees: their peers read the same); ``check`` as for
     :func:`device_count`."""
     per_node = device_count(settings, check=check)
     if settings.strategy == "fsdp":
@@ -151,7 +154,7 @@ def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
 
 def data_parallel_size(trainer) -> int:
     """Ranks of a running Lightning ``trainer`` that read different data (the world, or the world
-    over the tensor-parallel degree)."""
+    over the tensor-parallel and pipeline degrees)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("num_replicas", trainer.world_size))
 

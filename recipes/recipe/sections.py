@@ -26,6 +26,10 @@ from recipes.tasks import NAMES, recipe_class
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
+#: the pipeline schedules (``torch.distributed.pipelining.schedules``), as ``trainer.pipeline_schedule`` names them
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
+
+
 def _list_to_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
@@ -157,6 +161,23 @@ class TrainerSection(_Section):
         description="fsdp: tensor-parallel degree (ranks of one node that split every layer's matrices, "
         "as each block's parallel plan declares); the data-parallel degree is the rest.",
     )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: pipeline stages (torch.distributed.pipelining), each holding consecutive layers "
+        "(the first the embedding, the last the final norm and head); the data-parallel degree is the rest.",
+    )
+    pipeline_schedule: PipelineSchedule = Field(
+        "1f1b",
+        description="pipeline_parallel > 1: gpipe | 1f1b | interleaved_1f1b (2 stages per rank) | zbv "
+        "(zero bubble, V-shaped: 2 stages per rank) | dualpipev (DeepSeek's DualPipe, V-shaped).",
+    )
+    microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="pipeline_parallel > 1: micro-batches each data.batch_size is cut into for the pipeline "
+        "schedule (it must divide data.batch_size; null: the number of stages).",
+    )
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
@@ -184,6 +205,7 @@ class TrainerSection(_Section):
     def _layout(self):
         from builder.spec.problems import rule_error
 
+        self._pipeline()
         if self.strategy != "fsdp":
             if self.tensor_parallel > 1:
                 raise rule_error(
@@ -215,6 +237,37 @@ class TrainerSection(_Section):
                 f"({per_node} per node): a tensor-parallel group stays inside one node",
             )
         return self
+
+    def _pipeline(self) -> None:
+        """The pipeline fields' own rules (those against data.batch_size: :class:`Recipe`)."""
+        from builder.spec.problems import rule_error
+
+        if self.pipeline_parallel == 1:
+            for name in ("microbatches",):
+                if getattr(self, name) is not None:
+                    raise rule_error((name,), f"{name} needs pipeline_parallel > 1")
+            return
+        field = ("pipeline_parallel",)
+        if self.strategy != "fsdp":
+            raise rule_error(field, "pipeline_parallel needs strategy: fsdp (stages on a device mesh)")
+        if self.accumulate_grad_batches > 1:
+            raise rule_error(
+                ("accumulate_grad_batches",),
+                "accumulate_grad_batches > 1 with pipeline_parallel: the schedule accumulates its "
+                "micro-batches itself; raise data.batch_size and trainer.microbatches instead",
+            )
+        if self.compile == "model":
+            raise rule_error(("compile",), "compile: model traces one graph; pipeline stages need layers (or true)")
+        total = (len(self.devices) if isinstance(self.devices, list) else self.devices) if self.devices != "auto" else 0
+        if isinstance(total, int) and total > 0 and (total * self.num_nodes) % self.pipeline_parallel:
+            raise rule_error(
+                field,
+                f"pipeline_parallel {self.pipeline_parallel} must divide the {total * self.num_nodes} devices",
+            )
+
+    def pipeline_microbatches(self) -> int:
+        """The micro-batches a pipelined step cuts its batch into (``microbatches``, default the stages)."""
+        return self.microbatches or self.pipeline_parallel
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -300,6 +353,34 @@ class Recipe(_Section):
     loss: LossSection = Field(default_factory=LossSection, description="The training objective.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="How long, where, how precisely.")
     sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
+
+    @model_validator(mode="after")
+    def _pipeline_batch(self):
+        from builder.spec.problems import rule_error
+
+        trainer = self.trainer
+        if trainer.pipeline_parallel == 1:
+            return self
+        if self.task != "lm":
+            why = (
+                "splits one stack; task translation trains an encoder-decoder"
+                if self.task == "translation"
+                else (f"trains next-token prediction (task lm) only; task {self.task}'s loss is not pipelined")
+            )
+            raise rule_error(("trainer", "pipeline_parallel"), f"pipeline_parallel {why}")
+        if getattr(self.data, "packing", None) == "doc_masked":
+            raise rule_error(
+                ("data", "packing"),
+                "packing doc_masked with pipeline_parallel: later stages see hidden states only, not the "
+                "document ids; use concat",
+            )
+        micro, batch = trainer.pipeline_microbatches(), self.data.batch_size
+        if batch % micro:
+            raise rule_error(
+                ("trainer", "microbatches") if trainer.microbatches else ("data", "batch_size"),
+                f"{micro} pipeline micro-batches must divide data.batch_size {batch}",
+            )
+        return self
 
 
 def output_dir(recipe: Recipe, recipe_file: Path) -> Path:

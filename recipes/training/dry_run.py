@@ -180,6 +180,11 @@ def devices_line(recipe: Recipe) -> str:
         value = getattr(settings, field, None)
         if value is not None and settings.strategy == "fsdp":
             parts.append(f"{field} {value}")
+    if settings.pipeline_parallel > 1:
+        parts.append(
+            f"pipeline_parallel {settings.pipeline_parallel} ({settings.pipeline_schedule}, "
+            f"{settings.pipeline_microbatches()} micro-batches)"
+        )
     chosen, note = resolve_precision(settings.precision, settings.accelerator)
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:
