@@ -108,6 +108,7 @@ class Pipeline:
     group: object  # the pp process group
     last_rank: int  # the pp rank holding the last stage (the loss)
     microbatches: int
+    eval_schedule: object = None  # forward only, where the training schedule has none (V placements)
 
     @property
     def has_last(self) -> bool:
@@ -125,7 +126,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = targets if self.has_last else None
-        run = self.schedule.step if train else self.schedule.eval
+        run = self.schedule.step if train else (self.eval_schedule or self.schedule).eval
         run(*args, target=target, losses=losses, return_outputs=False)
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
@@ -171,7 +172,43 @@ def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, los
     cls = getattr(schedules, name)
     micro = settings.pipeline_microbatches()
     schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
-    return part, Pipeline(schedule, stages, group, _rank_of(n_stages - 1, ranks, style), micro)
+    evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
+    return part, Pipeline(schedule, stages, group, _rank_of(n_stages - 1, ranks, style), micro, evaluation)
+
+
+def v_evaluation(stages: list, microbatches: int, loss_fn):
+    """The schedule that validates V-placed stages (rank r: stages r and 2P - 1 - r) under ``zbv``
+    and ``dualpipev``, whose steps split the backward into input and weight parts that
+    ``eval()`` cannot skip: torch's breadth-first schedule with the V placement, forwards only
+    (every micro-batch through a rank's first stage, then its second)."""
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
+
+    class VBreadthFirst(ScheduleLoopedBFS):
+        def _calculate_single_rank_operations(self, rank):
+            mapping = {s: _rank_of(s, self.pp_group_size, "v") for s in range(self._num_stages)}
+            self.stage_index_to_group_rank = mapping
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = mapping
+            mine, micro = stages_of_rank(rank, self.pp_group_size, 2, "v"), range(self._n_microbatches)
+            ops: list = [None] * rank
+            ops += [_Action(stage, _ComputationType.FORWARD, mb) for stage in mine for mb in micro]
+            ops += [None] * (2 * (self.pp_group_size - 1 - rank))
+            ops += [_Action(s, _ComputationType.FULL_BACKWARD, mb) for s in reversed(mine) for mb in reversed(micro)]
+            return ops
+
+        def _prepare_schedule_with_comms(self, actions, format="compute_only"):
+            # the backwards are there for torch's validation of the order; eval() would still run
+            # them between the two stages a rank holds (the V's turn), so the lowered order drops them
+            super()._prepare_schedule_with_comms(actions, format)
+            self.pipeline_order_with_comms = {
+                rank: [a for a in ops if a.computation_type not in BACKWARD]
+                for rank, ops in self.pipeline_order_with_comms.items()
+            }
+
+    kinds = _ComputationType
+    BACKWARD = (kinds.FULL_BACKWARD, kinds.SEND_B, kinds.RECV_B, kinds.REDUCE_GRAD)
+
+    return VBreadthFirst(stages, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
 def _rank_of(stage: int, ranks: int, style: str) -> int:

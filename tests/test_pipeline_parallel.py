@@ -1,0 +1,176 @@
+"""Pipeline parallelism (``trainer.pipeline_parallel``) on CPU processes (gloo): the model's
+stage contract, each schedule training like one process at the same global batch, checkpoints
+resuming on another layout, PP x FSDP; bad settings refused in one located line. The
+multi-process runs beyond the first are ``slow``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recipe_helpers import tiny_recipe
+from sharded_helpers import assert_same_losses, losses, recipe, train
+
+torch.set_num_threads(1)
+
+#: four layers (two stages of two, or four of one), an untied head (a tied one would span stages)
+TINY_PP = {
+    "name": "tiny-pp",
+    "architecture": "decoder-only",
+    "d_model": 32,
+    "max_seq_len": 32,
+    "tie_embeddings": False,
+    "position": {"type": "rope"},
+    "decoder": {
+        "n_layers": 4,
+        "attention": {"n_heads": 2},
+        "ffn": {"type": "glu", "hidden_dim": 64},
+        "norm": {"type": "rmsnorm"},
+    },
+}
+
+
+def _pp(folder, schedule: str = "1f1b", devices: int = 2, batch: int = 4, microbatches: int = 2, **trainer):
+    return recipe(
+        folder,
+        batch=batch,
+        devices=devices,
+        spec=TINY_PP,
+        strategy="fsdp",
+        pipeline_parallel=2,
+        pipeline_schedule=schedule,
+        microbatches=microbatches,
+        **trainer,
+    )
+
+
+# -- the default suite ----------------------------------------------------------------------------
+
+
+def test_stages_chained_compute_the_whole_model_and_keep_its_parameter_names():
+    from builder import build_model
+    from recipes.parallel.pipeline import stage_layers, stages_of_rank
+
+    assert stage_layers(4, 2) == [[0, 1], [2, 3]]
+    assert stage_layers(5, 3) == [[0, 1], [2, 3], [4]]  # extras: the middle first, then the first; the last fewest
+    assert stage_layers(6, 4) == [[0], [1, 2], [3, 4], [5]]
+    assert [stages_of_rank(r, 2, 2, "loop") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stages_of_rank(r, 2, 2, "v") for r in range(2)] == [[0, 3], [1, 2]]
+
+    model = build_model(dict(TINY_PP, vocab_size=64), init_seed=0)
+    ids = torch.randint(0, 64, (2, 8))
+    names = dict(model.named_parameters())
+    hidden = ids
+    for layers in stage_layers(4, 4):
+        part = model.pipeline_part(layers)
+        for name, p in part.named_parameters():
+            assert names[name] is p, name  # shared, under the whole model's name
+        hidden = part(hidden)
+    torch.testing.assert_close(hidden, model(ids), rtol=0, atol=0)
+    rank = model.pipeline_part([0, 3])  # a V placement's rank: the embedding and the head
+    assert rank.decoder.embedding is not None and rank.head is not None
+    assert rank.pipeline_part([3]).decoder.embedding is None and rank.pipeline_part([0]).head is None
+
+
+@pytest.mark.parametrize(
+    "trainer, needles",
+    [
+        ({"pipeline_parallel": 2, "devices": 2}, ["trainer.pipeline_parallel", "needs strategy: fsdp"]),
+        ({"pipeline_parallel": 2, "devices": 3, "strategy": "fsdp"}, ["must divide the 3 devices"]),
+        ({"microbatches": 2}, ["trainer.microbatches", "needs pipeline_parallel > 1"]),
+        (
+            {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "microbatches": 3},
+            ["trainer.microbatches", "3 pipeline micro-batches must divide data.batch_size 4"],
+        ),
+        (
+            {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "pipeline_schedule": "zbv"},
+            ["trainer.pipeline_schedule", "zbv", "does not yet train like one process"],
+        ),
+        (
+            {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "pipeline_schedule": "dualpipev"},
+            ["trainer.pipeline_schedule", "dualpipev"],
+        ),
+        (
+            {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "accumulate_grad_batches": 2},
+            ["trainer.accumulate_grad_batches", "microbatches"],
+        ),
+    ],
+)
+def test_pipeline_settings_that_cannot_run_are_refused_at_their_line(tmp_path, capsys, trainer, needles):
+    from builder.cli import main
+
+    path = tiny_recipe(tmp_path, trainer=trainer)
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "recipe.yaml:" in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ({}, "decoder.layers.0"),  # the tiny spec ties its head to the embedding
+        ({"tie_embeddings": False, "decoder": dict(TINY_PP["decoder"], n_layers=1)}, "2 stages but the model has 1"),
+    ],
+)
+def test_a_model_its_stages_cannot_cut_is_refused_before_any_data_work(tmp_path, capsys, spec, needle):
+    from recipe_helpers import TINY_SPEC
+
+    from builder.cli import main
+
+    trainer = {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp"}
+    path = tiny_recipe(tmp_path, model={"spec": {**TINY_SPEC, **spec}}, trainer=trainer)
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "trainer.pipeline_parallel 2" in err, err
+    assert needle in err or "shared between stages" in err, err
+    assert not list((tmp_path / "cache").rglob("*.bin"))  # before tokenizing the corpus
+
+
+@pytest.mark.slow  # two runs, about 30 s: the default suite keeps the contract test and the refusals
+def test_pipeline_on_two_processes_trains_like_one(tmp_path):
+    train(_pp(tmp_path / "pp", steps=6))
+    train(recipe(tmp_path / "one", batch=4, spec=TINY_PP, steps=6))
+    assert_same_losses(losses(tmp_path / "pp" / "run"), losses(tmp_path / "one" / "run"))
+
+
+# -- slow: every schedule, resumes, PP x FSDP ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run every layout below is compared with (20 steps, batch 4)."""
+    folder = tmp_path_factory.mktemp("one")
+    train(recipe(folder, batch=4, spec=TINY_PP))
+    return losses(folder / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule, microbatches",
+    [("gpipe", 2), ("1f1b", 4), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)],
+)
+def test_every_schedule_on_two_processes_trains_like_one(tmp_path, one_process, schedule, microbatches):
+    train(_pp(tmp_path, schedule, microbatches=microbatches))
+    assert_same_losses(losses(tmp_path / "run"), one_process)
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_resumes_on_another_layout(tmp_path, one_process):
+    moved = tmp_path / "moved"
+    train(_pp(moved, steps=10))
+    out = train(_pp(moved, "interleaved_1f1b"))  # the same run, looped stages: each rank holds other layers
+    assert "resuming from" in out
+    assert_same_losses(losses(moved / "run"), one_process)
+    again = tmp_path / "again"
+    train(_pp(again, steps=10))
+    out = train(recipe(again, batch=2, devices=2, spec=TINY_PP, strategy="fsdp"))  # PP 2 -> FSDP 2
+    assert "resuming from" in out
+    assert_same_losses(losses(again / "run"), one_process, keys=("train",))
+
+
+@pytest.mark.slow
+def test_pipeline_x_fsdp_on_four_processes_trains_like_one(tmp_path, one_process):
+    out = train(_pp(tmp_path, devices=4, batch=2, microbatches=2))  # 2 stages x 2 shards, batch 2 per shard
+    assert "MEMBER: 4/4" in out
+    assert_same_losses(losses(tmp_path / "run"), one_process, keys=("train",))
