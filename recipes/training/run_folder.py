@@ -78,6 +78,9 @@ MAY_CHANGE = (
     "trainer.strategy",
     "trainer.tensor_parallel",
     "trainer.data_parallel",
+    "trainer.pipeline_parallel",
+    "trainer.pipeline_schedule",
+    "trainer.microbatches",
     "trainer.compile",
     "trainer.activation_checkpointing",
     "sample",
@@ -359,15 +362,17 @@ GLOBAL_BATCH = ("data.batch_size", "trainer.accumulate_grad_batches")
 
 def global_batch(recipe: Mapping[str, Any]) -> int | None:
     """Sequences per optimizer step of a flattened recipe: ``batch_size x accumulate x`` the
-    data-parallel ranks (devices x nodes, over the tensor-parallel degree under fsdp); None when
+    data-parallel ranks (devices x nodes, over the tensor-parallel and pipeline degrees under fsdp); None when
     the devices are not a count."""
     devices, batch = recipe.get("trainer.devices"), recipe.get("data.batch_size")
     if isinstance(devices, list):  # device indices (trainer.devices normalises "[0, 1]" so)
         devices = len(devices)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or not isinstance(batch, int):
         return None
-    tensor_parallel = recipe.get("trainer.tensor_parallel", 1) if recipe.get("trainer.strategy") == "fsdp" else 1
-    ranks = devices * recipe.get("trainer.num_nodes", 1) // max(1, tensor_parallel or 1)
+    sharded = recipe.get("trainer.strategy") == "fsdp"
+    tensor_parallel = recipe.get("trainer.tensor_parallel", 1) if sharded else 1
+    pipeline = recipe.get("trainer.pipeline_parallel", 1) if sharded else 1  # stages share their data too
+    ranks = devices * recipe.get("trainer.num_nodes", 1) // max(1, (tensor_parallel or 1) * (pipeline or 1))
     return batch * recipe.get("trainer.accumulate_grad_batches", 1) * ranks
 
 
