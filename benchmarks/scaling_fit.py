@@ -3,15 +3,18 @@ finished study (``builder study fit``'s fit), take a compute budget ``--factor``
 any fitted trial spent, let the fit pick the study's spec for it (the one it predicts lowest),
 train that spec at that budget with the study's best learning rate for it (a trial of the study's
 own recipe, in its own run folder), and compare the measured final validation loss with the
-prediction and its bootstrap interval.
+prediction and its bootstrap interval. ``--seeds K`` trains the held-out run K times (the study's
+own seed, then ``trainer.seed`` 1 to K-1: initialisation and data order) and compares the median,
+since one run's seed is part of the noise the fit is judged against.
 
-    python benchmarks/scaling_fit.py recipes/studies/examples/tiny-lm.yaml --factor 4 --out fit.json
+    python benchmarks/scaling_fit.py recipes/studies/examples/tiny-lm.yaml --factor 4 --seeds 3 --out fit.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,6 +28,9 @@ def main() -> int:
     parser.add_argument("study", help="a study file whose sweep has finished")
     parser.add_argument("--factor", type=float, default=4.0, help="held-out compute / the largest fitted trial's")
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples of the fit")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="held-out runs (the study's seed, then 1..K-1); the median is compared"
+    )
     parser.add_argument("--out", help="also write the result here (JSON)")
     args = parser.parse_args()
 
@@ -49,34 +55,41 @@ def main() -> int:
     best = min((r for r in family if r["flops"] == at_most), key=lambda r: r["final_val"])  # its best tuning
     values = {k: best[k] for k in best if k in axis_values(loaded)}
     values[budget_axis(loaded)] = compute
-    variant = check(loaded, values)
-    print(
-        f"fitted {fitted.points} points (largest trial {largest:.3g} FLOPs); held out: {variant.name} at "
-        f"{compute:.3g} FLOPs ({variant.steps:,} steps, {variant.tokens:,} tokens)",
-        flush=True,
-    )
-    run_dir = trial_dir(loaded, variant.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with (run_dir / "trial.log").open("ab") as log:
-        done_run = subprocess.run(
-            ["nice", "-n", "19", *train_command(loaded, variant)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, TQDM_DISABLE="1"),
-        )
-    if done_run.returncode:
-        print(f"the held-out run failed (exit {done_run.returncode}); see {run_dir / 'trial.log'}", file=sys.stderr)
-        return 1
-    curve, steps = read_curve(run_dir, variant.steps)
-    measured = curve[-1][1]
-    trained = steps * variant.tokens_per_step
+    runs = []
+    for seed in range(args.seeds):
+        variant = check(loaded, values if seed == 0 else {**values, "trainer.seed": seed})
+        if not runs:
+            print(
+                f"fitted {fitted.points} points (largest trial {largest:.3g} FLOPs); held out: {variant.name} at "
+                f"{compute:.3g} FLOPs ({variant.steps:,} steps, {variant.tokens:,} tokens), {args.seeds} seed(s)",
+                flush=True,
+            )
+        run_dir = trial_dir(loaded, variant.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start = time.time()
+        with (run_dir / "trial.log").open("ab") as log:
+            done_run = subprocess.run(
+                ["nice", "-n", "19", *train_command(loaded, variant)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, TQDM_DISABLE="1"),
+            )
+        if done_run.returncode:
+            print(f"the held-out run failed (exit {done_run.returncode}); see {run_dir / 'trial.log'}", file=sys.stderr)
+            return 1
+        curve, steps = read_curve(run_dir, variant.steps)
+        runs.append({"seed": seed, "measured": curve[-1][1], "tokens": steps * variant.tokens_per_step})
+        runs[-1]["seconds"] = round(time.time() - start, 1)
+        print(f"  seed {seed}: final val loss {runs[-1]['measured']:.4f} ({runs[-1]['seconds']:.0f} s)", flush=True)
+    measured = statistics.median(r["measured"] for r in runs)
+    trained = runs[0]["tokens"]
     predicted = float(fitted.law.loss(variant.params, trained))
     low, high = fitted.interval(lambda law: law.loss(variant.params, trained))
     error = (predicted - measured) / measured
+    spread = (max(r["measured"] for r in runs) - min(r["measured"] for r in runs)) / measured
     print(
-        f"held-out {variant.name}: measured {measured:.4f}, predicted {predicted:.4f} [{low:.4f}, {high:.4f}], "
-        f"error {error:+.2%} ({time.time() - start:.0f} s)",
+        f"held-out {variant.name}: measured {measured:.4f} (median of {len(runs)}, spread {spread:.2%}), "
+        f"predicted {predicted:.4f} [{low:.4f}, {high:.4f}], error {error:+.2%}",
         flush=True,
     )
     return emit(
@@ -93,10 +106,11 @@ def main() -> int:
             "params": variant.params,
             "tokens": trained,
             "measured": measured,
+            "runs": runs,
+            "seed_spread": spread,
             "predicted": predicted,
             "interval": [low, high],
             "relative_error": error,
-            "seconds": round(time.time() - start, 1),
         },
         args.out,
     )

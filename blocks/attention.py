@@ -21,6 +21,9 @@ attention module):
   documents packed in one row: no query sees another document's keys), by passing it to
   ``kernels.attention`` as ``document_ids``. A stack given ``document_ids`` refuses a layer whose
   attention does not declare it, rather than let its queries read across documents.
+* ``use_context_parallel(group)`` (optional): attend over a sequence split between the ranks
+  of ``group``, each holding the tokens ``AttentionInputs.query_index`` names
+  (``recipes.parallel.context``); context parallelism refuses a model whose attention lacks it.
 
 Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
 layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend
@@ -44,7 +47,7 @@ import torch
 from torch import nn
 
 from blocks.cache import MemoryCache, TensorCache
-from blocks.differential import _SumGradient
+from blocks.tensor_parallel import shared
 from kernels import attention as attention_kernel
 
 
@@ -66,13 +69,26 @@ class AttentionInputs:
             row (the stack's ``document_ids``; ``positions`` then restart at each document): a
             self-attention without cached keys passes it to ``kernels.attention``, which masks
             every score across documents. None: one document per row.
+        query_index: ``(seq_q,)`` long index of each query in the whole sequence, when these are
+            a context-parallel rank's share of it (``positions`` are then those indices); a
+            context-parallel attention gathers the keys of every share and masks by these
+            indices (:meth:`context_index`). None: tokens ``start .. start + seq_q``.
     """
 
     def __init__(
-        self, start: int, seq_q: int, positions=None, key_mask=None, position=None, index=None, document_ids=None
+        self,
+        start: int,
+        seq_q: int,
+        positions=None,
+        key_mask=None,
+        position=None,
+        index=None,
+        document_ids=None,
+        query_index=None,
     ):
         self.start, self.seq_q = start, seq_q
         self.index = index
+        self.query_index = query_index
         self.document_ids = document_ids
         self.positions = positions
         self.key_mask = key_mask
@@ -100,6 +116,16 @@ class AttentionInputs:
         """``kernels.attention``'s ``token_index`` for keys a static cache returned (their slots'
         token indices, a tensor); None for keys in token order (``first``, an int)."""
         return (self.index, keys) if isinstance(keys, torch.Tensor) else None
+
+    def context_index(self, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kernels.attention``'s ``token_index`` for this rank's queries and the keys of every
+        rank of the context-parallel ``group`` gathered in rank order: ``(query_index, the
+        group's query indices concatenated)``, gathered once per forward."""
+        if "context" not in self._bias_memo:
+            from torch.distributed._functional_collectives import all_gather_tensor
+
+            self._bias_memo["context"] = (self.query_index, all_gather_tensor(self.query_index, 0, group))
+        return self._bias_memo["context"]
 
     def bias(self, first, seq_k: int, n_heads: int, device) -> torch.Tensor | None:
         """Additive ``(batch | 1, n_heads | 1, seq_q | 1, seq_k)`` bias for keys ``first .. first+seq_k``
@@ -227,6 +253,7 @@ class MultiHeadAttention(nn.Module):
         self.cache_layout = config.kv_cache(d_model, cross=cross)
         self.first_head, self.total_heads = 0, self.n_heads  # this module's heads among the layer's (tensor parallel)
         self.group = None  # the tensor-parallel group whose ranks hold the other heads
+        self.context_group = None  # the context-parallel group whose ranks hold the other tokens
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(d_model, q_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
@@ -258,8 +285,33 @@ class MultiHeadAttention(nn.Module):
             if norm is not None:
                 norm.shared = self._shared
 
+    def use_context_parallel(self, group) -> None:
+        """Attend over a sequence split between the ranks of ``group`` (Llama 3's all-gather
+        context parallelism): each rank projects and rotates its own tokens (at their positions
+        in the whole sequence, ``AttentionInputs.query_index``), gathers every rank's keys and
+        values (the gradient reduce-scattered back) and scores its queries against all of them,
+        masked by their token indices, so causal masks, windows, chunks and ALiBi are exact."""
+        if self.cross:
+            raise ValueError("context parallelism splits a self-attention's sequence; this is a cross-attention")
+        self.context_group = group
+
+    def _context_keys(self, k, v, inputs: AttentionInputs, cache) -> tuple:
+        """Every context-parallel rank's keys and values, and the token indices to mask them by."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        if inputs.query_index is None or cache is not None or inputs.document_ids is not None:
+            raise ValueError(
+                "a context-parallel attention takes its share of a sequence with its token indices "
+                "(the stack's token_index), without a cache or packed documents"
+            )
+        if inputs.key_mask is not None:
+            raise ValueError("a context-parallel attention takes no padding mask (whole windows only)")
+        k = all_gather_tensor_autograd(k.contiguous(), 2, self.context_group)
+        v = all_gather_tensor_autograd(v.contiguous(), 2, self.context_group)
+        return k, v, inputs.context_index(self.context_group)
+
     def _shared(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.group is None else _SumGradient.apply(t, self.group)
+        return shared(t, self.group)
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, n_heads: int, norm: QKNorm | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -295,7 +347,7 @@ class MultiHeadAttention(nn.Module):
         """``x`` ``(batch, seq_q, d_model)`` -> ``(batch, seq_q, d_model)``."""
         batch, seq_q, _ = x.shape
         q = self._heads(x, self.q_proj, self.n_heads, self.q_norm)  # (batch, n_heads, seq_q, head_dim)
-        alibi = None
+        alibi, context_index = None, None
         if self.cross:
             if cache is not None and cache.tensors is not None:
                 k, v = cache.tensors
@@ -317,11 +369,15 @@ class MultiHeadAttention(nn.Module):
                     positions = torch.arange(inputs.start, inputs.start + seq_q, device=x.device)[None]
                 q = self._temperature(q, positions)
             first = inputs.start
-            if cache is not None:  # keys first .. first + seq_k in token order (a static step: every slot)
+            if self.context_group is not None:
+                k, v, context_index = self._context_keys(k, v, inputs, cache)
+            elif cache is not None:  # keys first .. first + seq_k in token order (a static step: every slot)
                 k, v, first = cache.update(k, v, index=inputs.index)
             slopes = inputs.alibi_slopes(self.total_heads, x.device)
             alibi = slopes[self.first_head : self.first_head + self.n_heads] if slopes is not None else None
         bias = inputs.bias(first, k.shape[2], self.total_heads, x.device)
+        if self.context_group is not None and bias is not None:
+            raise ValueError("a context-parallel attention takes no score bias (padding, relative-position tables)")
         if bias is not None and bias.shape[1] > self.n_heads:  # (batch | 1, total_heads, ...): this rank's heads
             bias = bias[:, self.first_head : self.first_head + self.n_heads]
         chunk_size = self.chunk_size
@@ -332,7 +388,7 @@ class MultiHeadAttention(nn.Module):
         scale, factor = self.scale, (inputs.score_scale() if self.rope_theta is None else 1.0)
         if factor != 1.0:
             scale = (scale if scale is not None else self.head_dim**-0.5) * factor
-        token_index = inputs.token_index(first)
+        token_index = context_index if self.context_group is not None else inputs.token_index(first)
         if token_index is None and chunk_size is not None and first != 0:
             # a ring buffer's keys start past token 0: chunks are by absolute token index
             token_index = (

@@ -24,25 +24,11 @@ from torch import nn
 
 from blocks.cache import TensorCache
 from blocks.configs.differential import LAMBDAS
+from blocks.tensor_parallel import shared
 from kernels import attention as attention_kernel
 
 #: the paper's initial spread of the lambda vectors (its code: normal(0, 0.1))
 LAMBDA_STD = 0.1
-
-
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over a process group."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class DifferentialAttention(nn.Module):
@@ -92,7 +78,7 @@ class DifferentialAttention(nn.Module):
         self.group = mesh.get_group() if mesh is not None else None
 
     def _shared(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.group is None else _SumGradient.apply(t, self.group)
+        return shared(t, self.group)
 
     def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device) -> TensorCache:
         """Both key halves and the values for decoding, as the config's ``kv_cache`` lays them out."""

@@ -176,6 +176,56 @@ def dispatch(
     return out, counts
 
 
+def dispatch_parallel(
+    flat: torch.Tensor,
+    expert,
+    n_experts: int,
+    top_experts: torch.Tensor,
+    gates: torch.Tensor,
+    group,
+    on_input: bool = False,
+):
+    """:func:`dispatch` with the experts split over the ranks of ``group`` (expert parallelism):
+    rank ``r`` of ``E`` holds experts ``[r * n / E, (r + 1) * n / E)`` and ``expert(j, rows)`` runs
+    its ``j``-th. Dropless: every choice is sent, sorted by expert (so by the rank holding it),
+    to that rank by an all-to-all whose split sizes are exchanged first (torchtitan's
+    ``ExpertParallel``); the rank regroups what it got by expert, runs each local expert once (on
+    no rows too, so every rank's experts take part in every backward), sends the outputs back
+    the same way, and the gates weight and sum them. Both all-to-alls are differentiable
+    (``all_to_all_single_autograd``). Returns the output ``(tokens, d_model)`` and the tokens
+    each of the ``n_experts`` got from this rank."""
+    from torch.distributed import _functional_collectives as funcol
+
+    degree = group.size()
+    local = n_experts // degree
+    top_k = top_experts.shape[-1]
+    choice_expert = top_experts.reshape(-1)
+    order = torch.argsort(choice_expert, stable=True)
+    counts = torch.bincount(choice_expert, minlength=n_experts)
+    rows_token = order // top_k
+    rows_gate = gates.reshape(-1)[order, None]
+    rows = flat[rows_token] * rows_gate if on_input else flat[rows_token]
+    # (source rank, local expert) -> rows this rank gets from that source for that expert
+    got_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group)).view(degree, local)
+    send = counts.view(degree, local).sum(1).tolist()
+    receive = got_counts.sum(1).tolist()
+    got = funcol.all_to_all_single_autograd(rows, receive, send, group)  # source-major
+    # regroup the source-major blocks expert-major: expert j's rows from every source in turn
+    block = torch.arange(degree * local, device=flat.device)
+    expert_first = (block % local) * degree + block // local  # block (s, j) -> its place j * E + s
+    regroup = torch.argsort(torch.repeat_interleave(expert_first, got_counts.reshape(-1)), stable=True)
+    grouped = got[regroup]
+    outputs, start = [], 0
+    for j, n in enumerate(got_counts.sum(0).tolist()):
+        outputs.append(expert(j, grouped[start : start + n]))
+        start += n
+    back = torch.zeros_like(got).index_copy(0, regroup, torch.cat(outputs))  # source-major again
+    returned = funcol.all_to_all_single_autograd(back, send, receive, group)
+    if not on_input:
+        returned = returned * rows_gate
+    return torch.zeros_like(flat).index_add(0, rows_token, returned), counts
+
+
 class StackedLinear(nn.Linear):
     """``n`` linear layers of one shape as one ``(n, out_features, in_features)`` weight (and
     ``(n, out_features)`` bias): ``forward(x, i)`` applies layer ``i``. An ``nn.Linear``, so
@@ -191,13 +241,22 @@ class StackedLinear(nn.Linear):
         self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return F.linear(x, self.weight[i], None if self.bias is None else self.bias[i])
+        """Layer ``i`` of those this rank holds (all, unless expert parallelism split them: a
+        DTensor's local rows)."""
+        weight, bias = _local(self.weight), _local(self.bias)
+        return F.linear(x, weight[i], None if bias is None else bias[i])
 
     def extra_repr(self) -> str:
         return (
             f"n={self.n}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}"
         )
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's rows of a tensor split over ranks (a DTensor), differentiably; others as they are."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 class GroupedExperts(nn.Module):
@@ -261,6 +320,25 @@ class DeepSeekMoE(nn.Module):
         else:
             self.expert_bias = self.load = None
         self.aux_loss: torch.Tensor | None = None
+        self.expert_group = None  # the ranks the routed experts are split over (use_expert_parallel)
+
+    def use_expert_parallel(self, mesh) -> list[nn.Module]:
+        """Split the routed experts over the ranks of the 1-D device mesh ``mesh`` (expert
+        parallelism): each stacked weight becomes a DTensor sharded on dim 0 (rank ``r`` holds
+        experts ``[r * n / E, (r + 1) * n / E)``) and tokens travel to their experts' ranks by
+        all-to-all (:func:`dispatch_parallel`). The router, the shared experts and the expert bias
+        stay whole on every rank (the router and shared experts see this rank's tokens only). Returns
+        the split submodule (the stacked experts)."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        if self.n_experts % mesh.size():
+            raise ValueError(f"{self.n_experts} experts do not split over {mesh.size()} expert-parallel ranks")
+        for module in self.experts.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                split = distribute_tensor(param.data, mesh, [Shard(0)])
+                module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+        self.expert_group = mesh.get_group()
+        return [self.experts]
 
     def init_weights(self, std: float) -> None:
         """A fresh bias and load (the linear layers are initialised as every linear layer is)."""
@@ -293,9 +371,13 @@ class DeepSeekMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (tokens, d_model)
         scores, chosen, weights = self.route(flat)
-        out, counts = dispatch(
-            flat, lambda e, rows: self.experts(rows, e), self.n_experts, chosen, weights.to(x.dtype), self.on_input
-        )
+        expert = lambda e, rows: self.experts(rows, e)
+        if self.expert_group is not None:
+            out, counts = dispatch_parallel(
+                flat, expert, self.n_experts, chosen, weights.to(x.dtype), self.expert_group, self.on_input
+            )
+        else:
+            out, counts = dispatch(flat, expert, self.n_experts, chosen, weights.to(x.dtype), self.on_input)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.scoring == "sigmoid":

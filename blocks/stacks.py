@@ -113,6 +113,7 @@ class TransformerStack(nn.Module):
         memory_mask: torch.Tensor | None = None,
         cache=None,
         document_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)`` (:meth:`run`)."""
         return self.run(
@@ -123,6 +124,7 @@ class TransformerStack(nn.Module):
             memory_mask=memory_mask,
             cache=cache,
             document_ids=document_ids,
+            token_index=token_index,
         )[0]
 
     def run(
@@ -135,6 +137,7 @@ class TransformerStack(nn.Module):
         memory_mask: torch.Tensor | None = None,
         cache=None,
         document_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AttentionInputs]:
         """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``, and the
         ``AttentionInputs`` its layers were given (a head runs its own layers over them).
@@ -144,7 +147,10 @@ class TransformerStack(nn.Module):
         ``(batch, seq)``: the documents packed in each row (module doc); a ValueError naming it
         when it is not an integer tensor of ``input_ids``' shape, decreases along a row, or
         comes with a ``cache``, an ``attention_mask``, a ``memory`` or an attention block that
-        does not declare ``document_masking``.
+        does not declare ``document_masking``. ``token_index`` ``(seq,)``: where each token sits
+        in the whole sequence when these are a context-parallel rank's share of it
+        (``recipes.parallel.context``); the positions are those indices, and the attention layers
+        (``use_context_parallel``) mask by them. Not with a cache, a mask or documents.
         """
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(
@@ -163,7 +169,16 @@ class TransformerStack(nn.Module):
                 f"{start + seq} positions ({start} cached + {seq} new) exceed the model's max_seq_len "
                 f"{self.max_seq_len}; shorten the input (or build the model with a longer max_seq_len)"
             )
-        if document_ids is not None:
+        if token_index is not None:
+            if cache is not None or attention_mask is not None or document_ids is not None:
+                raise ValueError(
+                    "token_index (a context-parallel share) takes no cache, attention_mask or document_ids"
+                )
+            if tuple(token_index.shape) != (seq,):
+                raise ValueError(f"token_index must be (seq,) = ({seq},), got shape {tuple(token_index.shape)}")
+            shared = token_index[None]  # (1, seq): every row's positions
+            positions = shared.expand(batch, seq)
+        elif document_ids is not None:
             self._check_documents(document_ids, input_ids, attention_mask, cache, memory)
             positions = document_positions(document_ids)  # (batch, seq): 0 at each document's first token
             shared = positions
@@ -198,6 +213,7 @@ class TransformerStack(nn.Module):
             key_mask=attention_mask,
             position=position if in_attention else None,
             document_ids=document_ids,
+            query_index=token_index,
         )
         if cache is None:
             # The stack's shared score bias (padding, a relative-bias table) is built here, outside
@@ -428,11 +444,13 @@ class DecoderOnlyModel(GenerationMixin, _Model):
         *,
         cache=None,
         document_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The head's logits for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
-        packed in each row (module doc; not with ``cache`` or ``attention_mask``)."""
+        packed in each row (module doc; not with ``cache`` or ``attention_mask``); ``token_index``:
+        the tokens' places in the whole sequence, for a context-parallel share (:meth:`TransformerStack.run`)."""
         hidden, inputs = self.decoder.run(
-            input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids
+            input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids, token_index=token_index
         )
         mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else None
         return self._head_logits(hidden, mask, self.decoder, input_ids, inputs, cache)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.append(
+    str(REPO / "benchmarks")
+)  # after the standard library: benchmarks/tokenize.py must not shadow it (spawned ranks inherit the path)
 
 
 def _recipe_model(vocab_size: int = 65, seed: int = 3):

@@ -72,6 +72,34 @@ def test_stages_chained_compute_the_whole_model_and_keep_its_parameter_names():
 
 
 @pytest.mark.parametrize(
+    "layout",
+    [
+        {"devices": 8, "tensor_parallel": 2, "pipeline_parallel": 2},
+        {"devices": 8, "pipeline_parallel": 2, "data_parallel": "replicate"},
+        {"devices": 8, "nodes": 4, "pipeline_parallel": 2, "data_parallel": "hybrid"},
+        {"devices": 8, "tensor_parallel": 2, "context_parallel": 2},
+        {"devices": 8, "tensor_parallel": 2, "expert_parallel": 2},
+    ],
+)
+def test_the_runtime_mesh_numbers_ranks_as_the_layout_model_does(layout):
+    """``init_device_mesh`` lays rank ``r`` at ``unravel_index(r, mesh_shape)``: each rank's
+    coordinates on the ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh are those
+    ``builder.analysis.layout`` gives it (the shard coordinate spans ``dp_shard_mod_ep x ep``)."""
+    from builder.analysis.layout import Layout
+    from recipes.parallel.mesh import MESH_DIMS, mesh_shape
+
+    model = Layout(**layout)
+    shape = mesh_shape(model)
+    grid = torch.arange(model.devices).reshape(shape)
+    for rank in range(model.devices):
+        at = dict(zip(MESH_DIMS, (int(i) for i in torch.nonzero(grid == rank)[0]), strict=True))
+        expected = model.mesh(rank)
+        shard = at["dp_shard_mod_ep"] * shape[MESH_DIMS.index("ep")] + at["ep"]
+        got = {"pp": at["pp"], "replicate": at["dp_replicate"], "shard": shard, "cp": at["cp"], "tp": at["tp"]}
+        assert got == expected, (rank, got, expected)
+
+
+@pytest.mark.parametrize(
     "trainer, needles",
     [
         ({"pipeline_parallel": 2, "devices": 2}, ["trainer.pipeline_parallel", "needs strategy: fsdp"]),
@@ -88,6 +116,14 @@ def test_stages_chained_compute_the_whole_model_and_keep_its_parameter_names():
         (
             {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "pipeline_schedule": "dualpipev"},
             ["trainer.pipeline_schedule", "dualpipev"],
+        ),
+        (
+            {"pipeline_parallel": 2, "devices": 4, "strategy": "fsdp", "context_parallel": 2},
+            ["trainer.pipeline_parallel", "with context_parallel 2 is not supported yet"],
+        ),
+        (
+            {"pipeline_parallel": 2, "devices": 4, "strategy": "fsdp", "expert_parallel": 2},
+            ["trainer.pipeline_parallel", "with expert_parallel 2 is not supported yet"],
         ),
         (
             {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "accumulate_grad_batches": 2},

@@ -459,6 +459,16 @@ class FFNBlock(BlockConfig):
         """Parameters one token meets (a mixture of experts: router, shared and top_k experts)."""
         return self.params(d_model)
 
+    def expert_parallel_plan(self) -> tuple[str, ...]:
+        """The submodules whose parameters expert parallelism splits on dim 0 (stacked routed
+        experts, one row per expert) over the ``ep`` ranks; none for a dense block."""
+        return ()
+
+    def expert_parallel_problems(self, degree: int) -> Problems:
+        """``(field path, message)`` for each field that keeps ``degree`` expert-parallel ranks
+        from splitting this block's experts (a dense block has none to split, and no problem)."""
+        return []
+
 
 Placement = Literal["pre", "post", "sandwich", "post_sublayer"]
 

@@ -199,9 +199,20 @@ class MoEConfig(FFNBlock):
         return f"moe {self.n_experts}x{self.expert.type} top{self.top_k}"
 
     def parallel_plan(self) -> dict[str, str] | None:
-        # router (its bias too) and experts (their biases too) replicated under tensor
-        # parallelism: no expert parallelism yet
+        # router (its bias too) and experts (their biases too) replicated under tensor parallelism
         return None
+
+    def expert_parallel_problems(self, degree: int) -> Problems:
+        # each expert is its own module (experts.{e}.gate_proj, as Hugging Face names them), which
+        # no DTensor placement holds on one rank only; deepseek_moe stacks them (one row each)
+        return [
+            (
+                ("type",),
+                "moe keeps each expert a separate module, which expert parallelism does not split; "
+                "deepseek_moe (stacked experts; scoring softmax, no shared experts, norm_topk_prob: "
+                "true is Mixtral's routing) does",
+            )
+        ]
 
     def _router_params(self, d_model: int) -> int:
         return self.n_experts * (d_model + (1 if self.router_bias else 0))
@@ -369,6 +380,16 @@ class DeepSeekMoEConfig(FFNBlock):
     def describe(self) -> str:
         shared = f"+{self.n_shared_experts}s" if self.n_shared_experts else ""
         return f"dsmoe {self.n_experts}{shared}x{self.expert.type} top{self.top_k}"
+
+    def expert_parallel_plan(self) -> tuple[str, ...]:
+        return ("experts",)  # the stacked routed experts; router and shared experts stay whole
+
+    def expert_parallel_problems(self, degree: int) -> Problems:
+        return (
+            [(("n_experts",), f"{self.n_experts} is not a multiple of the expert-parallel degree {degree}")]
+            if self.n_experts % degree
+            else []
+        )
 
     def params(self, d_model: int) -> int:
         shared = self.shared(d_model)

@@ -13,8 +13,8 @@ ranks innermost (neighbours on one node), then context-parallel ranks, then the 
 then the replicas, then the pipeline stages. FSDP shards over the shard group and the
 context-parallel ranks together (``shard_size``). :func:`layout_problems` names every field of a
 spec (or the step's sequence) a layout cannot split; the rank accounting below
-(:func:`rank_states`, :func:`sharded_memory`) is for layouts without pipeline, context or expert
-parallelism, which ``builder.analysis.perf`` sizes per stage.
+(:func:`rank_states`, :func:`sharded_memory`; expert parallelism counted exactly) is for layouts
+without pipeline or context parallelism, which ``builder.analysis.perf`` sizes per stage.
 
 What a rank holds, as PyTorch builds it:
 
@@ -325,6 +325,7 @@ class ParamTensor:
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim tensor parallelism splits; None: replicated on every TP rank
     unit: str  # its FSDP unit: "decoder.layers.3", "decoder.embedding", "head" or "root"
+    expert: bool = False  # stacked routed experts, split on dim 0 over the expert-parallel ranks
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """The shape one tensor-parallel rank holds (splits are even, see tensor_parallel_problems)."""
@@ -384,9 +385,9 @@ def model_tensors(spec) -> list[ParamTensor]:
             unit = f"{name}.layers.{index}"
             if id(layer) not in walked:  # identical layers share one config: walk its blocks once
                 walked[id(layer)] = _layer_tensors(layer, name, name in architecture.memory_of, d)
-            for suffix, shape, dim in walked[id(layer)]:
+            for suffix, shape, dim, expert in walked[id(layer)]:
                 full = f"{unit}.{suffix}"
-                tensors[full] = ParamTensor(full, shape, dim, unit)
+                tensors[full] = ParamTensor(full, shape, dim, unit, expert)
         if stack.final_norm:
             add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root")
     add("head.", spec.head, _shapes(spec.head, "head", d, vocab, tied), "root" if tied else "head")
@@ -404,14 +405,17 @@ def layer_tensor_count(spec) -> int:
     )
 
 
-def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """``(name within the layer, shape, tensor-parallel dim)`` of each parameter of one layer."""
+def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tuple[int, ...], int | None, bool]]:
+    """``(name within the layer, shape, tensor-parallel dim, split by expert parallelism)`` of
+    each parameter of one layer."""
     out = []
 
     def add(prefix: str, block, where: str) -> None:
         plan = block.parallel_plan() or {}
+        experts = tuple(f"{m}." for m in getattr(block, "expert_parallel_plan", tuple)())
         for name, shape in _shapes(block, where, d).items():
-            out.append((prefix + name, tuple(shape), _tp_dim(plan, name, shape, f"{stack}.layers.N.{prefix}{name}")))
+            dim = _tp_dim(plan, name, shape, f"{stack}.layers.N.{prefix}{name}")
+            out.append((prefix + name, tuple(shape), dim, name.startswith(experts) if experts else False))
 
     sublayers = layer.sublayers(cross)
     for sub in sublayers:
@@ -478,6 +482,25 @@ def tensor_parallel_problems(spec, tp: int) -> list[tuple[tuple, str]]:
     ]
     for loc, config in _blocks(spec):
         problems += [(loc + where, message) for where, message in config.tensor_parallel_problems(tp, spec.d_model)]
+    return problems
+
+
+def expert_parallel_problems(spec, ep: int) -> list[tuple[tuple, str]]:
+    """``(field path, message)`` for every block whose experts ``ep`` ranks cannot split as the
+    recipes run it (each block's ``expert_parallel_problems``: an expert count the degree does
+    not divide, a block that keeps its experts as separate modules), or the first stack's ``ffn``
+    when no block routes to experts. :func:`layout_problems` asks less: what any EP could split."""
+    if ep == 1:
+        return []
+    problems, routed = [], False
+    for loc, config in _blocks(spec):
+        if experts_of(config):
+            routed = True
+            problems += [(loc + where, message) for where, message in config.expert_parallel_problems(ep)]
+    if not routed:
+        problems.append(
+            ((next(iter(spec.stacks())), "ffn"), f"{spec.name} has no experts for expert parallelism to split")
+        )
     return problems
 
 
@@ -560,17 +583,22 @@ class RankStates:
 
 
 def rank_states(spec, layout: Layout, rank: int = 0, tensors: list[ParamTensor] | None = None) -> RankStates:
-    """The parameters, gradients and AdamW states global ``rank`` holds under ``layout``."""
+    """The parameters, gradients and AdamW states global ``rank`` holds under ``layout``. Under
+    expert parallelism (``E`` ranks) a stacked expert tensor keeps its ``n / E`` experts' rows
+    (``E`` divides ``n``: :func:`expert_parallel_problems`), which FSDP2 then chunks over the
+    ``shard_size / E`` ranks of the shard group holding the same experts."""
     check_tensor_parallel(spec, layout.tensor_parallel)
     tensors = model_tensors(spec) if tensors is None else tensors
     _, shard, _ = layout.coordinates(rank)
-    group, tp = layout.shard_size, layout.tensor_parallel
-    shapes = Counter(tensor.local_shape(tp) for tensor in tensors)  # a few distinct shapes
+    group, tp, ep = layout.shard_size, layout.tensor_parallel, layout.expert_parallel
+    # (local shape, rows split over, this rank's part) -> tensors: a few distinct shapes
+    shapes = Counter((tensor.local_shape(tp), ep if tensor.expert and ep > 1 else 1) for tensor in tensors)
     elements = padded = 0
-    for shape, count in shapes.items():
+    for (shape, split), count in shapes.items():
         rest = _numel(shape[1:]) * count
-        elements += chunk_rows(shape[0], group, shard) * rest
-        padded += chunk_rows(shape[0], group, 0) * rest
+        rows, parts, part = shape[0] // split, group // split, shard // split
+        elements += chunk_rows(rows, parts, part) * rest
+        padded += chunk_rows(rows, parts, 0) * rest
     return RankStates(rank=rank, shard_rank=shard, tensors=len(tensors), elements=elements, padded_elements=padded)
 
 
@@ -585,11 +613,12 @@ def unit_sizes(tensors: list[ParamTensor], tp: int) -> dict[str, int]:
 def sharded_memory(spec, layout: Layout, per_rank):
     """``per_rank`` (the memory estimate of :func:`tensor_parallel_spec`'s spec on one device)
     with its weights, gradients, optimizer state and sharding buffers replaced by what rank 0 —
-    the rank holding the most — holds under ``layout``. A layout with pipeline, context or expert
-    parallelism is refused, naming the degree: ``builder.analysis.perf.memory`` sizes those per
-    stage (``builder describe --pipeline-parallel`` prints it), not tensor by tensor."""
-    if layout.five_d:
-        name = next(n for n in ("pipeline_parallel", "context_parallel", "expert_parallel") if getattr(layout, n) > 1)
+    the rank holding the most — holds under ``layout`` (expert parallelism counted exactly, as
+    :func:`rank_states` counts it). A layout with pipeline or context parallelism is refused,
+    naming the degree: ``builder.analysis.perf.memory`` sizes those per stage (``builder describe
+    --pipeline-parallel`` prints it), not tensor by tensor."""
+    if max(layout.pipeline_parallel, layout.context_parallel) > 1:
+        name = next(n for n in ("pipeline_parallel", "context_parallel") if getattr(layout, n) > 1)
         raise LayoutError(
             name,
             getattr(layout, name),

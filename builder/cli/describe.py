@@ -123,13 +123,15 @@ def estimate_from_args(spec, args: argparse.Namespace):
         ):
             if value != default:
                 raise ValueError(f"{option} needs --strategy fsdp (ddp replicates the whole model)")
+    staged = max(getattr(args, "pipeline_parallel", 1), getattr(args, "context_parallel", 1)) > 1
     try:
-        layout = Layout(
+        layout = Layout(  # expert parallelism alone: counted exactly per rank (builder.analysis.layout)
             devices=args.devices,
             nodes=args.nodes,
             tensor_parallel=args.tensor_parallel,
             data_parallel=args.data_parallel or "shard",
             strategy=args.strategy,
+            expert_parallel=1 if staged else getattr(args, "expert_parallel", 1),
         )
         step = Step(
             seq_len=args.seq_len,
@@ -233,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 f"per GPU on {_layout_text(five_d['layout'])} (the stage holding the most, micro-batches of "
                 f"{args.batch} as the {args.schedule} schedule keeps them; builder.analysis.perf): "
                 f"{human_bytes(five_d['per_gpu_bytes'])} "
-                f"({parts}); the tables above are the layout without pipeline, context or expert parallelism"
+                f"({parts}); the tables above are the layout without pipeline or context parallelism"
             )
         print(f"export: {export_line(spec)}")
     if args.plot:

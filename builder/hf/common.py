@@ -288,3 +288,31 @@ def window_overrides(windows: list[int | None]) -> tuple[int | None, list[dict]]
         layers = [i for i, w in enumerate(windows) if w == value]
         overrides.append({"layers": layers, "attention": {"sliding_window": value}})
     return base, overrides
+
+
+def _interleaved_to_halves(n: int):
+    """Index that turns interleaved rotary pairs ``(x0, x1), (x2, x3)...`` into halves
+    ``(x0, x2, ..., x1, x3, ...)`` (``ours = hf[index]``)."""
+    return list(range(0, n, 2)) + list(range(1, n, 2))
+
+
+def permuted_rows(hf: str, our: str, blocks: int, width: int, start: int, rope: int) -> Link:
+    """A weight (or bias) whose rows come in ``blocks`` blocks of ``width``, each with ``rope``
+    rotary rows from ``start``: interleaved on disk, halves here (DeepSeek's and Llama 4's rotary q/k rows)."""
+    import_index = [b * width + i for b in range(blocks) for i in range(width)]
+    export_index = list(import_index)
+    halves = _interleaved_to_halves(rope)
+    for b in range(blocks):
+        for j, source in enumerate(halves):
+            import_index[b * width + start + j] = b * width + start + source
+            export_index[b * width + start + source] = b * width + start + j
+
+    def take(index):
+        def convert(ts):
+            import torch
+
+            return [t.index_select(0, torch.tensor(index, device=t.device)).contiguous() for t in ts]
+
+        return convert
+
+    return Link((hf,), (our,), take(import_index), take(export_index))

@@ -34,6 +34,7 @@ from builder.hf.common import (
     activation_to_hf,
     dropout,
     need,
+    permuted_rows,
     rope_from_hf,
     rope_to_hf,
     same,
@@ -44,34 +45,6 @@ from builder.hf.common import (
 @dataclass(frozen=True)
 class DeepSeekKnobs:
     v3: bool  # sigmoid scores, top2_sum groups, expert bias, norm_topk_prob, rope_interleave
-
-
-def _interleaved_to_halves(n: int):
-    """Index that turns interleaved rotary pairs ``(x0, x1), (x2, x3)...`` into halves
-    ``(x0, x2, ..., x1, x3, ...)`` (``ours = hf[index]``)."""
-    return list(range(0, n, 2)) + list(range(1, n, 2))
-
-
-def _permuted_rows(hf: str, our: str, blocks: int, width: int, start: int, rope: int) -> Link:
-    """A weight (or bias) whose rows come in ``blocks`` blocks of ``width``, each with ``rope``
-    rotary rows from ``start``: interleaved on disk, halves here."""
-    import_index = [b * width + i for b in range(blocks) for i in range(width)]
-    export_index = list(import_index)
-    halves = _interleaved_to_halves(rope)
-    for b in range(blocks):
-        for j, source in enumerate(halves):
-            import_index[b * width + start + j] = b * width + start + source
-            export_index[b * width + start + source] = b * width + start + j
-
-    def take(index):
-        def convert(ts):
-            import torch
-
-            return [t.index_select(0, torch.tensor(index, device=t.device)).contiguous() for t in ts]
-
-        return convert
-
-    return Link((hf,), (our,), take(import_index), take(export_index))
 
 
 def _stacked(hf: list[str], our: str) -> Link:
@@ -346,7 +319,7 @@ class DeepSeek(Family):
         links = []
         query = f"{h}.q_proj" if config.q_lora_rank is None else f"{h}.q_b_proj"
         links.append(
-            _permuted_rows(
+            permuted_rows(
                 f"{query}.weight", f"{attn}.{query.rsplit('.', 1)[1]}.weight", heads, qk, config.qk_nope_head_dim, rope
             )
         )
@@ -360,7 +333,7 @@ class DeepSeek(Family):
         kv_a = config.kv_lora_rank + rope
         for p in ("weight", "bias") if config.bias else ("weight",):
             links.append(
-                _permuted_rows(
+                permuted_rows(
                     f"{h}.kv_a_proj_with_mqa.{p}", f"{attn}.kv_a_proj_with_mqa.{p}", 1, kv_a, config.kv_lora_rank, rope
                 )
             )

@@ -38,11 +38,11 @@ from builder.hf.common import (
     activation_to_hf,
     dropout,
     need,
+    permuted_rows,
     rope_from_hf,
     rope_to_hf,
     same,
 )
-from builder.hf.deepseek import _permuted_rows
 from builder.hf.layered import flags, indices, layer_types, layer_values, stack_overrides, uniform, whole_head_rope
 
 #: transformers' Llama4TextConfig defaults for the keys a config may leave out
@@ -222,7 +222,7 @@ class Llama4(Family):
                 for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
                     hf, our = f"{h}.self_attn.{p}_proj.{kind}", f"{attn}.{p}_proj.{kind}"
                     # the rotated heads' rows: interleaved pairs on disk, halves here
-                    links.append(_permuted_rows(hf, our, heads, hd, 0, hd) if heads and a.rope else same(hf, our))
+                    links.append(permuted_rows(hf, our, heads, hd, 0, hd) if heads and a.rope else same(hf, our))
             links.append(same(f"{h}.self_attn.o_proj.weight", f"{attn}.out_proj.weight"))
             if a.out_bias:
                 links.append(same(f"{h}.self_attn.o_proj.bias", f"{attn}.out_proj.bias"))

@@ -1,21 +1,24 @@
 """Parallelism: how a built model is spread over devices and made fast to train, applied by one
 function, :func:`parallelize`, in a fixed order (torchtitan's ``parallelize_llama``):
 
-1. tensor parallelism (:mod:`.tensor`: each block's ``parallel_plan``, over the ``tp`` dimension);
+1. tensor parallelism (:mod:`.tensor`: each block's ``parallel_plan``, over the ``tp`` dimension),
+   then context parallelism (:mod:`.context`: each attention's ``use_context_parallel``, over ``cp``)
+   or expert parallelism (:mod:`.expert`: each mixture of experts' routed experts split over the
+   ``ep`` dimension, tokens sent to them by all-to-all; not yet together with ``cp``);
 2. activation checkpointing (:mod:`.activation_checkpointing`: each Transformer layer);
 3. ``torch.compile`` (:mod:`.compile`: each layer, after checkpointing so it traces the recompute);
 4. FSDP2 (:mod:`.fsdp`: ``fully_shard`` units over the data-parallel dimensions, then a meta-device
    model's shards materialised).
 
 One device (or DDP) takes steps 2 and 3; ``trainer.strategy: fsdp`` takes all four on the device
-mesh of :mod:`.mesh` (``(pp, dp_replicate, dp_shard, tp)``, the one place ``trainer.devices`` becomes a
-count), through Lightning's ``ModelParallelStrategy`` (:mod:`.strategy`).
+mesh of :mod:`.mesh` (``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, the one place
+``trainer.devices`` becomes a count), through Lightning's ``ModelParallelStrategy`` (:mod:`.strategy`).
 
 Pipeline parallelism (:mod:`.pipeline`, ``trainer.pipeline_parallel``) comes first: the model is
 cut into stages by its own contract (``pipeline_part``) and :func:`parallelize` then runs on each
 stage alone, over the mesh's other dimensions; the LightningModule drives the stages' schedule.
 
-A new dimension (expert or context parallelism) is one file here with its ``apply``
+A new dimension is one file here with its ``apply``
 function, called from :func:`parallelize` at its place in the order, plus one dimension of the
 layout model (``builder.analysis.layout.Layout``: its degree, its place in the rank numbering,
 what a rank then holds), which :func:`.mesh.mesh_shape` turns into a mesh dimension.
@@ -28,6 +31,8 @@ from torch import nn
 
 from recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
 from recipes.parallel.compile import compile_layers, compile_mode
+from recipes.parallel.context import apply_context_parallel
+from recipes.parallel.expert import apply_expert_parallel
 from recipes.parallel.fsdp import apply_fsdp, is_sharded_model, local_bytes, materialize, whole_model
 from recipes.parallel.mesh import (
     MESH_DIMS,
@@ -62,8 +67,8 @@ def parallelize(
     init_seed: int | None = None,
     device: torch.device | None = None,
 ) -> nn.Module:
-    """Apply tensor parallelism, activation checkpointing, torch.compile and data parallelism
-    (FSDP2) to ``model``, in that order, as the recipe's ``trainer`` section asks.
+    """Apply tensor and expert parallelism, activation checkpointing, torch.compile and data
+    parallelism (FSDP2) to ``model``, in that order, as the recipe's ``trainer`` section asks.
 
     Args:
         model: a ``build_model`` model; preferably on the meta device when ``mesh`` is given
@@ -80,13 +85,16 @@ def parallelize(
     """
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if mesh is not None and mesh["cp"].size() > 1:
+        model.context_shard = apply_context_parallel(model, mesh["cp"])  # how the training step splits a batch
+    experts = apply_expert_parallel(model, mesh["ep"]) if mesh is not None and mesh["ep"].size() > 1 else []
     layers = layer_modules(model)
     if settings.activation_checkpointing:
         checkpoint_layers(model)
     if compile_mode(settings) == "layers":  # after checkpointing, before fully_shard (torchtitan's order)
         compile_layers(layers)
     if mesh is not None:
-        apply_fsdp(model, layers, mesh, settings.precision)
+        apply_fsdp(model, layers, mesh, settings.precision, experts)
         if any(p.is_meta for p in model.parameters()):
             materialize(model, device, init_seed)
     return model

@@ -25,10 +25,13 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str) -> None:
+def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str, experts: list[nn.Module] = ()) -> None:
     """``fully_shard`` on each of ``layers``, on the separate embeddings and head
     (:func:`separate_units`) and on the root, over the data-parallel dimensions of ``mesh``
-    (``dp_replicate`` too when it has more than one rank: HSDP)."""
+    (``dp_replicate`` too when it has more than one rank: HSDP). ``experts`` (split over ``ep``
+    by :mod:`.expert`) are units of their own first, over the data-parallel ranks outside
+    ``ep``; their gradients, which already sum every ``ep`` rank's tokens, are divided by the
+    whole data-parallel degree (a sum reduction, then the division: gloo has no pre-scaled sum)."""
     from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
@@ -36,8 +39,20 @@ def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str) 
     # every task's loss reads out of place only (reshape, float, cross_entropy), so it does not
     # apply there; a view returned by any other unit (a layer, an embedding) still warns.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+Model\) returned a view tensor")
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    from recipes.parallel.mesh import SHARD_DIM
+
+    dp_mesh = mesh["dp_replicate", SHARD_DIM] if mesh["dp_replicate"].size() > 1 else mesh[SHARD_DIM]
     policy = mixed_precision(precision)
+    if experts:
+        expert_mesh = (
+            mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_mod_ep"]
+        )
+        degree = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        for unit in experts:
+            fully_shard(unit, mesh=expert_mesh, mp_policy=policy)
+            if expert_mesh.size() > 1:  # alone, FSDP2 divides by the factor once; with it, twice
+                unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(float(degree))
     for unit in [*layers, *separate_units(model)]:
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
@@ -65,13 +80,16 @@ def separate_units(model: nn.Module) -> list[nn.Module]:
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's shards on ``device`` and fill them with the values a whole-model
     build has there (``blocks.init`` seeds every parameter by name): each shard draws only the
-    rows it holds."""
+    rows it holds. Buffers (DeepSeekMoE's expert bias and load) are set by their modules'
+    ``init_weights`` first, as a whole-model build sets them."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from blocks.init import canonical_name, fill, init_rules
+    from blocks.init import STD, canonical_name, fill, imperative_modules, init_rules
 
     model.to_empty(device=device)
+    for _, module in imperative_modules(model):  # before the rules: those parameters are theirs
+        module.init_weights(STD)
     rules = init_rules(model)
     for name, param in model.named_parameters():
         key = canonical_name(name)

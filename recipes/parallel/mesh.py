@@ -2,14 +2,27 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(pp, dp_replicate, dp_shard, tp)``, numbered as ``builder.analysis.layout`` numbers
-ranks (the pipeline stages outermost: ``pp`` is 1 unless ``trainer.pipeline_parallel``, and each
-stage's ranks are laid out as follows):
+The mesh is ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, numbered as
+``builder.analysis.layout`` numbers ranks. The pipeline stages are outermost (``pp`` is 1 unless
+``trainer.pipeline_parallel``). ``dp_shard`` is the flattened ``(dp_shard_mod_ep, ep)``: expert
+parallelism borrows its ``ep`` ranks innermost from the data-parallel shard ranks (``ep`` is 1 without it), which still
+read different batches. ``cp`` holds the context-parallel ranks, which FSDP shards over together
+with ``dp_shard``, as ``dp_shard_cp`` (the flattened ``(dp_shard_mod_ep, ep, cp)``). Expert and
+context parallelism are not composed yet (``trainer.expert_parallel`` refuses ``context_parallel``
+above 1), so at least one of ``ep`` and ``cp`` is 1. With ``ep`` 1 (``dp_shard`` the whole
+``dp_shard_mod_ep``) and ``stage`` the ranks of one pipeline stage (``world / pp``):
 
-* ``data_parallel: shard`` — ``(1, world / tp, tp)``: parameters, gradients and optimizer state
-  split over every data-parallel rank;
-* ``replicate`` — ``(world / tp, 1, tp)``: every rank keeps whole copies, gradients all-reduced;
-* ``hybrid`` (HSDP) — ``(nodes, per_node / tp, tp)``: shard inside a node, replicate across nodes.
+* ``data_parallel: shard`` — ``(pp, 1, stage / (cp x tp), 1, cp, tp)``: parameters, gradients and
+  optimizer state split over every data-parallel (and context-parallel) rank;
+* ``replicate`` — ``(pp, stage / (cp x tp), 1, 1, cp, tp)``: every data-parallel rank keeps whole
+  copies (split over its context-parallel ranks only), gradients all-reduced;
+* ``hybrid`` (HSDP) — ``(pp, nodes / pp, per_node / (cp x tp), 1, cp, tp)``: shard inside a node,
+  replicate across nodes.
+
+``trainer.expert_parallel: E`` then splits the third size by ``E``: ``shard`` is
+``(1, 1, world / (E x tp), E, 1, tp)``, ``hybrid`` ``(1, nodes, per_node / (E x tp), E, 1, tp)``.
+Pipeline parallelism is not composed with context or expert parallelism yet
+(``trainer.pipeline_parallel`` refuses them above 1), so ``pp`` is 1 wherever ``cp`` or ``ep`` is not.
 """
 
 from __future__ import annotations
@@ -20,24 +33,52 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+#: the data-parallel shard ranks (``dp_shard``), made one dimension of the mesh dimensions they span
+#: (first: the groups below use it)
+SHARD_DIMS = ("dp_shard_mod_ep", "ep")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
 #: dimension in sequence (slower, and its rounding may differ between ranks)
-FLATTENED = (("dp_replicate", "dp_shard"), ("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"))
+FLATTENED = (
+    ("dp_replicate", "dp_shard"),
+    ("dp_shard", "tp"),
+    ("dp_replicate", "dp_shard", "tp"),
+    ("dp_shard", "cp"),  # FSDP's shard group
+    ("dp_replicate", "dp_shard", "cp"),
+    ("dp_shard", "cp", "tp"),
+    ("dp_replicate", "dp_shard", "cp", "tp"),
+)
+#: FSDP2's shard dimension: the data-parallel shard ranks and the context-parallel ranks
+SHARD_DIM = "dp_shard_cp"
 
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:
-    """``MESH_DIMS`` of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
-    return layout.pipeline_parallel, layout.replicas, layout.shard_size, layout.tensor_parallel
+    """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
+    ep = layout.expert_parallel
+    return (
+        layout.pipeline_parallel,
+        layout.replicas,
+        layout.data_parallel_shard // ep,
+        ep,
+        layout.context_parallel,
+        layout.tensor_parallel,
+    )
 
 
 def device_mesh(layout: Layout, device_type: str):
     """The ``MESH_DIMS`` mesh of ``layout`` over the processes that exist (a process group is
-    up), with the :data:`FLATTENED` groups made dimensions too, as torchtitan does."""
+    up), with ``dp_shard`` (:data:`SHARD_DIMS`) and the :data:`FLATTENED` groups made dimensions
+    too, as torchtitan does."""
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    # torch warns that slicing a flattened dimension (dp_shard) from the root mesh is to be
+    # deprecated; it is how DTensor and FSDP2 find these groups by name today
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIMS)
+    mesh[SHARD_DIMS]._flatten("dp_shard")
     for dims in FLATTENED:  # DTensor looks these up by name
         mesh[dims]._flatten("_".join(dims))
     return mesh
@@ -137,6 +178,8 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
             tensor_parallel=settings.tensor_parallel,
             data_parallel=settings.data_parallel,
             pipeline_parallel=settings.pipeline_parallel,
+            context_parallel=settings.context_parallel,
+            expert_parallel=settings.expert_parallel,
         )
     except LayoutError as exc:
         raise RecipeError(f"trainer.{exc.argument} {exc.value}: {exc.reason}") from None
@@ -144,7 +187,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
 
 def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
     """Ranks of the recipe's layout that read different data (under ``strategy: fsdp`` the world
-    over the tensor-parallel and pipeline degrees: their peers read the same); ``check`` as for
+    over the tensor-, context- and pipeline-parallel degrees: their peers read the same); ``check`` as for
     :func:`device_count`."""
     per_node = device_count(settings, check=check)
     if settings.strategy == "fsdp":
@@ -154,7 +197,7 @@ def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
 
 def data_parallel_size(trainer) -> int:
     """Ranks of a running Lightning ``trainer`` that read different data (the world, or the world
-    over the tensor-parallel and pipeline degrees)."""
+    over the tensor-, context- and pipeline-parallel degrees)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("num_replicas", trainer.world_size))
 

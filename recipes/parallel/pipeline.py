@@ -216,21 +216,3 @@ def _rank_of(stage: int, ranks: int, style: str) -> int:
     if style == "v":
         return stage if stage < ranks else 2 * ranks - 1 - stage
     return stage % ranks
-
-
-def clip_grad_norm(parameters, max_norm: float, group) -> torch.Tensor:
-    """Gradient clipping over every stage: each rank's norm (over its meshes,
-    :func:`recipes.parallel.strategy.grad_norm`) squared and summed over the ``pp`` ``group``,
-    every gradient scaled by the one total (torchtitan's ``clip_grad_norm_`` with a pp mesh)."""
-    import torch.distributed as dist
-    from torch.nn.utils import clip_grads_with_norm_
-
-    from recipes.parallel.strategy import grad_norm, mesh_groups, on_mesh
-
-    groups = mesh_groups(parameters)
-    square = grad_norm(groups) ** 2
-    dist.all_reduce(square, group=group)
-    total = square.sqrt()
-    for mesh, params in groups.items():
-        clip_grads_with_norm_(params, max_norm, on_mesh(total, mesh))
-    return total

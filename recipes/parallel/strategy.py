@@ -1,5 +1,6 @@
 """The Lightning side of ``trainer.strategy: fsdp``: :class:`ShardedStrategy` (Lightning's
-``ModelParallelStrategy`` on the ``(pp, dp_replicate, dp_shard, tp)`` mesh of :mod:`recipes.parallel.mesh`)
+``ModelParallelStrategy`` on the ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh of
+:mod:`recipes.parallel.mesh`)
 starts the processes, builds the mesh, parallelises the model (:func:`recipes.parallel.parallelize`,
 from the LightningModule's ``configure_model``) and saves checkpoints atomically; gradient
 clipping across the meshes a tensor-parallel model's parameters live on (:class:`MeshClipping`,
@@ -47,16 +48,23 @@ def on_mesh(total: torch.Tensor, mesh):
     return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh else total
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (tensor-parallel ones
     on ``(dp, tp)``, replicated ones on ``dp`` alone): each mesh's norm is made whole, the squares
-    summed, and every gradient scaled by the one total. Returns the total norm."""
+    summed, and every gradient scaled by the one total. ``group``: the ``pp`` process group of a
+    pipeline, whose stages each hold some of the parameters: their squares are summed over it too
+    (torchtitan's ``clip_grad_norm_`` with a pp mesh). Returns the total norm."""
+    import torch.distributed as dist
     from torch.nn.utils import clip_grads_with_norm_
 
     groups = mesh_groups(parameters)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and group is None:
         return torch.nn.utils.clip_grad_norm_([p for ps in groups.values() for p in ps], max_norm)
     total = grad_norm(groups)
+    if group is not None:
+        square = total**2
+        dist.all_reduce(square, group=group)
+        total = square.sqrt()
     for mesh, params in groups.items():
         clip_grads_with_norm_(params, max_norm, on_mesh(total, mesh))
     return total
@@ -71,7 +79,7 @@ class MeshClipping:
 
 
 class ShardedStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` on a ``(dp_replicate, dp_shard, tp)`` mesh, that parallelises the
+    """``ModelParallelStrategy`` on a ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh, that parallelises the
     model itself (:meth:`parallelize`) and saves checkpoints atomically (:meth:`save_checkpoint`)."""
 
     def __init__(self, settings: TrainerSection, init_seed: int):
@@ -92,7 +100,7 @@ class ShardedStrategy(ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        """This rank's place among the data-parallel ranks (tensor-parallel peers read the same data)."""
+        """This rank's place among the data-parallel ranks (tensor- and context-parallel peers read the same data)."""
         mesh = self.device_mesh
         replicate, shard = mesh["dp_replicate"].get_local_rank(), mesh["dp_shard"].get_local_rank()
         return {"num_replicas": self.layout.data_parallel_size, "rank": replicate * mesh["dp_shard"].size() + shard}

@@ -179,6 +179,21 @@ class TrainerSection(_Section):
         description="pipeline_parallel > 1: micro-batches each data.batch_size is cut into for the pipeline "
         "schedule (it must divide data.batch_size; null: the number of stages).",
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: context-parallel degree (ranks that split every sequence, in 2 x C load-balanced "
+        "chunks, each attending over the keys gathered from all; they read the same micro-batch); "
+        "data.seq_len must divide into 2 x C chunks. lm task, multi_head attention.",
+    )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: expert-parallel degree (ranks of the FSDP shard group that split every "
+        "mixture of experts' routed experts, tokens sent to them by all-to-all); borrowed from the "
+        "data-parallel ranks, so data.batch_size stays per data-parallel rank. Not yet with "
+        "context_parallel.",
+    )
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
@@ -208,6 +223,11 @@ class TrainerSection(_Section):
 
         self._pipeline()
         if self.strategy != "fsdp":
+            if self.context_parallel > 1:
+                raise rule_error(
+                    ("context_parallel",),
+                    "context_parallel needs strategy: fsdp (its ranks join FSDP2's shard group on the device mesh)",
+                )
             if self.tensor_parallel > 1:
                 raise rule_error(
                     ("tensor_parallel",),
@@ -215,6 +235,11 @@ class TrainerSection(_Section):
                 )
             if self.data_parallel != "shard":
                 raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
+            if self.expert_parallel > 1:
+                raise rule_error(
+                    ("expert_parallel",),
+                    "expert_parallel needs strategy: fsdp (the experts are split over FSDP2's shard group)",
+                )
             return self
         if self.precision == "16-mixed":
             raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
@@ -237,6 +262,25 @@ class TrainerSection(_Section):
                 f"tensor_parallel {self.tensor_parallel} must divide devices "
                 f"({per_node} per node): a tensor-parallel group stays inside one node",
             )
+        if isinstance(per_node, int) and per_node > 0 and per_node % (self.tensor_parallel * self.context_parallel):
+            raise rule_error(
+                ("context_parallel",),
+                f"tensor_parallel x context_parallel ({self.tensor_parallel} x {self.context_parallel}) must "
+                f"divide devices ({per_node} per node): a context-parallel group stays inside one node",
+            )
+        if self.expert_parallel > 1 and self.data_parallel == "replicate":
+            raise rule_error(
+                ("expert_parallel",),
+                "expert_parallel borrows its ranks from the FSDP shard group, which data_parallel "
+                "replicate does not have; use shard or hybrid",
+            )
+        if self.expert_parallel > 1 and self.context_parallel > 1:
+            raise rule_error(
+                ("expert_parallel",),
+                f"expert_parallel {self.expert_parallel} with context_parallel {self.context_parallel} is not "
+                "supported yet (the experts are sharded and their gradients reduced outside the cp ranks); "
+                "set one of them to 1",
+            )
         return self
 
     def _pipeline(self) -> None:
@@ -251,6 +295,14 @@ class TrainerSection(_Section):
         field = ("pipeline_parallel",)
         if self.strategy != "fsdp":
             raise rule_error(field, "pipeline_parallel needs strategy: fsdp (stages on a device mesh)")
+        for other in ("context_parallel", "expert_parallel"):
+            if getattr(self, other) > 1:
+                raise rule_error(
+                    field,
+                    f"pipeline_parallel {self.pipeline_parallel} with {other} {getattr(self, other)} is not "
+                    "supported yet (the stages' schedule does not split sequences or route tokens across "
+                    f"ranks); set one of them to 1",
+                )
         if self.accumulate_grad_batches > 1:
             raise rule_error(
                 ("accumulate_grad_batches",),
@@ -380,19 +432,46 @@ class Recipe(_Section):
     sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
 
     @model_validator(mode="after")
+    def _context_parallel(self):
+        """``trainer.context_parallel`` splits an LM window of ``data.seq_len`` tokens in ``2 x C``
+        equal chunks (``recipes.parallel.context``); whole windows only, no packed documents."""
+        from builder.spec.problems import rule_error
+
+        degree = self.trainer.context_parallel
+        if degree == 1:
+            return self
+        from recipes.tasks import task_named
+
+        if not task_named(self.task).splits_windows:
+            raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {self.task}")
+        if self.data.seq_len % (2 * degree):
+            raise rule_error(
+                ("data", "seq_len"),
+                f"seq_len {self.data.seq_len} does not split into 2 x {degree} equal chunks (trainer.context_parallel)",
+            )
+        if self.data.packing != "concat":
+            raise rule_error(
+                ("data", "packing"),
+                f"packing {self.data.packing} masks across documents, which a context-parallel share does "
+                "not (trainer.context_parallel); use concat",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _pipeline_batch(self):
         from builder.spec.problems import rule_error
 
         trainer = self.trainer
         if trainer.pipeline_parallel == 1:
             return self
-        if self.task != "lm":
-            why = (
-                "splits one stack; task translation trains an encoder-decoder"
-                if self.task == "translation"
-                else (f"trains next-token prediction (task lm) only; task {self.task}'s loss is not pipelined")
+        from recipes.tasks import task_named
+
+        if not task_named(self.task).splits_windows:  # the last stage's loss: next tokens of whole windows
+            raise rule_error(
+                ("trainer", "pipeline_parallel"),
+                f"pipeline_parallel trains next-token prediction over LM windows; task {self.task}'s loss is "
+                "not pipelined",
             )
-            raise rule_error(("trainer", "pipeline_parallel"), f"pipeline_parallel {why}")
         if getattr(self.data, "packing", None) == "doc_masked":
             raise rule_error(
                 ("data", "packing"),
@@ -524,8 +603,9 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     one merge, located at the recipe's own lines; an inline spec is validated in place, so its
     problems point at the recipe too. ``extra``: overrides a task sets over the recipe's (a
     ``head`` mapping of another type replaces the spec's head). A spec that cannot split
-    ``trainer.tensor_parallel`` ways is refused here too, each problem at the line that set the
-    field (``builder.analysis.layout.tensor_parallel_problems``).
+    ``trainer.tensor_parallel`` ways (or whose experts ``trainer.expert_parallel`` ranks cannot
+    split) is refused here too, each problem at the line that set the field
+    (``builder.analysis.layout.tensor_parallel_problems``, ``expert_parallel_problems``).
     """
     from builder.spec.loader import load_spec, read_merged
 
@@ -569,13 +649,14 @@ def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
 
 
 def _check_layout(spec, recipe: Recipe, document) -> None:
-    """Located problems of ``spec`` under the recipe's tensor-parallel degree; ``document()``:
+    """Located problems of ``spec`` under the recipe's tensor- and expert-parallel degrees; ``document()``:
     ``(the spec's merged document, whether it is inline in the recipe)``."""
-    from builder.analysis.layout import tensor_parallel_problems
+    from builder.analysis.layout import expert_parallel_problems, tensor_parallel_problems
     from builder.spec.problems import locate
     from builder.spec.source import SpecError
 
     problems = tensor_parallel_problems(spec, recipe.trainer.tensor_parallel)
+    problems += expert_parallel_problems(spec, recipe.trainer.expert_parallel)
     if problems:
         doc, inline = document()
         located = [locate(doc, loc, message) for loc, message in problems]

@@ -79,6 +79,9 @@ class Task:
     #: the ``builder eval`` / ``builder generate`` options this task reads (others are refused)
     eval_options: ClassVar[tuple[str, ...]] = ()
     generate_options: ClassVar[tuple[str, ...]] = ()
+    #: its batches are whole causal windows that ``trainer.context_parallel`` may cut along the
+    #: sequence (``recipes.parallel.context``)
+    splits_windows: ClassVar[bool] = False
 
     # -- training ---------------------------------------------------------------------------------
 

@@ -176,10 +176,12 @@ def devices_line(recipe: Recipe) -> str:
         f"{accelerator} x {count}" + (f" on each of {settings.num_nodes} nodes" if settings.num_nodes > 1 else ""),
         f"strategy {strategy}",
     ]
-    for field in ("tensor_parallel", "data_parallel"):  # when the recipe's trainer has them
+    for field in ("tensor_parallel", "context_parallel", "data_parallel"):  # when the recipe's trainer has them
         value = getattr(settings, field, None)
-        if value is not None and settings.strategy == "fsdp":
+        if value is not None and settings.strategy == "fsdp" and (field != "context_parallel" or value > 1):
             parts.append(f"{field} {value}")
+    if settings.strategy == "fsdp" and getattr(settings, "expert_parallel", 1) > 1:
+        parts.append(f"expert_parallel {settings.expert_parallel}")
     if settings.pipeline_parallel > 1:
         parts.append(
             f"pipeline_parallel {settings.pipeline_parallel} ({settings.pipeline_schedule}, "
@@ -233,7 +235,12 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     if devices is None:
         devices = device_count(settings, check=False)
     sharded = settings.strategy == "fsdp"
-    step = Step(seq_len=seq_len, batch=batch, dtype=dtype, activation_checkpointing=settings.activation_checkpointing)
+    # a context-parallel rank holds seq_len / C tokens of each row; its FSDP shard group is the same
+    # ranks as data-parallel ones would be (the gathered keys and values are not counted)
+    shares = getattr(settings, "context_parallel", 1) if sharded else 1
+    step = Step(
+        seq_len=seq_len // shares, batch=batch, dtype=dtype, activation_checkpointing=settings.activation_checkpointing
+    )
     layout = Layout(
         devices=devices * settings.num_nodes,
         nodes=settings.num_nodes,

@@ -147,7 +147,7 @@ class LMModule(L.LightningModule):
         """One optimizer step through the pipeline's schedule (manual optimization): every
         micro-batch's forward and backward, the gradients clipped over every stage, the step
         and the learning-rate schedule. Returns the batch's mean loss (on every rank)."""
-        from recipes.parallel.pipeline import clip_grad_norm
+        from recipes.parallel.strategy import clip_grad_norm
 
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         optimizer.zero_grad(set_to_none=True)
@@ -163,7 +163,14 @@ class LMModule(L.LightningModule):
     def logits_and_targets(self, input_ids, targets, document_ids=None):
         """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there);
         ``document_ids``: each input's document in a packed row (``data.packing: doc_masked``).
-        A task's module overrides this; the loss, logging and optimizer stay as they are."""
+        A task's module overrides this; the loss, logging and optimizer stay as they are.
+        Under context parallelism (the model's ``context_shard``, ``recipes.parallel.context``)
+        the inputs and targets are this rank's share of each row, placed by their token indices."""
+        shard = getattr(self.model, "context_shard", None)
+        if shard is not None:
+            input_ids, targets = shard.split(input_ids, targets)
+            token_index = shard.token_index(input_ids.shape[1] * shard.degree, input_ids.device)
+            return self.model(input_ids, token_index=token_index), targets
         if document_ids is not None:
             return self.model(input_ids, document_ids=document_ids), targets
         return self.model(input_ids), targets  # (batch, seq, vocab), (batch, seq)

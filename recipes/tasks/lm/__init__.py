@@ -85,6 +85,7 @@ class Corpus:
 class LanguageModelling(Corpus, Task):
     name = "lm"
     recipe = LMRecipe
+    splits_windows = True
     eval_options = ("data", "seq_len", "batch_size", "max_batches", "all", "tasks", "task_path", "limit", "num_fewshot")
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
 

@@ -216,10 +216,9 @@ def recipe_tokens(meta: dict, tokenizer):
 
     from recipes.data.corpus import held_out_tokens, open_corpus
     from recipes.data.windows import Mixture
-    from recipes.tasks.lm import LMRecipe
 
-    try:
-        recipe = LMRecipe.model_validate(meta["recipe"])
+    try:  # the base recipe's sections are what the data path reads (the LM's harness is not)
+        recipe = Recipe.model_validate({k: v for k, v in meta["recipe"].items() if k in Recipe.model_fields})
     except ValidationError as exc:
         first = str(exc).splitlines()[1][:160]
         raise RecipeError(
