@@ -71,6 +71,37 @@ def test_stages_chained_compute_the_whole_model_and_keep_its_parameter_names():
     assert rank.pipeline_part([3]).decoder.embedding is None and rank.pipeline_part([0]).head is None
 
 
+def test_a_resume_in_the_other_optimization_mode_keeps_the_saved_step_count():
+    """A pipelined run counts optimizer steps in Lightning's manual loop, others in the automatic
+    one; a resume in the other mode reads its own counter, which the checkpoint must carry."""
+    from lightning.pytorch.loops.progress import _OptimizationProgress, _Progress, _ReadyCompletedTracker
+
+    from recipes.training.module import AUTOMATIC_STEPS, MANUAL_STEPS, carry_optimizer_steps
+
+    def saved(automatic: bool, steps: int) -> dict:
+        auto, manual = _OptimizationProgress(), _Progress.from_defaults(_ReadyCompletedTracker)
+        for _ in range(steps):
+            if automatic:
+                auto.optimizer.step.increment_ready()
+                auto.optimizer.step.increment_completed()
+            else:
+                manual.increment_ready()
+                manual.increment_completed()
+        return {"loops": {"fit_loop": {AUTOMATIC_STEPS: auto.state_dict(), MANUAL_STEPS: manual.state_dict()}}}
+
+    pipelined = saved(automatic=False, steps=10)
+    carry_optimizer_steps(pipelined, automatic=True)
+    auto = _OptimizationProgress()
+    auto.load_state_dict(pipelined["loops"]["fit_loop"][AUTOMATIC_STEPS])
+    assert auto.optimizer_steps == 10
+    one = saved(automatic=True, steps=7)
+    carry_optimizer_steps(one, automatic=False)
+    assert one["loops"]["fit_loop"][MANUAL_STEPS]["total"]["completed"] == 7
+    same = saved(automatic=True, steps=3)
+    carry_optimizer_steps(same, automatic=True)  # the mode it was saved in: untouched
+    assert same == saved(automatic=True, steps=3)
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -196,6 +227,29 @@ def test_a_pipelined_run_resumes_on_another_layout(tmp_path, one_process):
     moved = tmp_path / "moved"
     train(_pp(moved, steps=10))
     out = train(_pp(moved, "interleaved_1f1b"))  # the same run, looped stages: each rank holds other layers
+    assert "resuming from" in out
+    assert_same_losses(losses(moved / "run"), one_process)
+
+
+@pytest.mark.slow
+def test_a_pipelined_checkpoint_resumes_in_one_process(tmp_path, one_process):
+    """PP 2 for 10 steps, then one process to 20 (the sharded folder read whole): every
+    parameter's optimizer state by the whole model's name, the step count carried from the
+    manual loop the pipeline steps in to the automatic one."""
+    moved = tmp_path / "moved"
+    train(_pp(moved, steps=10))
+    out = train(recipe(moved, batch=4, spec=TINY_PP))
+    assert "resuming from" in out
+    assert_same_losses(losses(moved / "run"), one_process)
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_pipelined(tmp_path, one_process):
+    """One process for 10 steps, then PP 2 to 20 (the file read into each stage's shards by the
+    whole model's parameter positions)."""
+    moved = tmp_path / "moved"
+    train(recipe(moved, batch=4, spec=TINY_PP, steps=10))
+    out = train(_pp(moved))
     assert "resuming from" in out
     assert_same_losses(losses(moved / "run"), one_process)
 

@@ -109,6 +109,8 @@ class Pipeline:
     last_rank: int  # the pp rank holding the last stage (the loss)
     microbatches: int
     eval_schedule: object = None  # forward only, where the training schedule has none (V placements)
+    #: the whole model's parameter names in its own order (``named_parameters``), which every stage's keep
+    names: tuple[str, ...] = ()
 
     @property
     def has_last(self) -> bool:
@@ -143,6 +145,28 @@ class Pipeline:
     def evaluate(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._run(False, input_ids, targets)
 
+    def whole_groups(self, groups: list[dict], prefix: str = "") -> list[dict]:
+        """Optimizer parameter groups named as ``get_optimizer_state_dict`` names them (each
+        group's ``params`` this rank's parameter names, ``prefix`` before the model's) with every
+        stage's names instead, in the whole model's order: the groups one process training the
+        whole model has. A checkpoint written with them reads on any layout (every rank writes the
+        same groups, so which rank's copy it keeps does not matter), and a checkpoint keyed by
+        position in the whole model's groups (one process wrote it) maps to names through them.
+        Every rank of the ``pp`` group calls it."""
+        import torch.distributed as dist
+
+        parts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, [list(group["params"]) for group in groups], group=self.group)
+        order = {prefix + name: i for i, name in enumerate(self.names)}
+        whole = []
+        for index, group in enumerate(groups):
+            names = {name for part in parts for name in part[index]}
+            missing = names - order.keys()
+            if missing:
+                raise RuntimeError(f"pipeline stages hold parameters the model does not name: {sorted(missing)[:3]}")
+            whole.append(dict(group, params=sorted(names, key=order.__getitem__)))
+        return whole
+
 
 def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, loss_fn, parallelize_stage):
     """This rank's part of ``model`` (a ``build_model`` model, on meta) and its :class:`Pipeline`.
@@ -155,6 +179,7 @@ def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, los
     from torch.distributed.pipelining import schedules
 
     check_pipeline(model, settings)
+    names = tuple(name for name, _ in model.named_parameters())
     name, per_rank, style = SCHEDULES[settings.pipeline_schedule]
     pp_mesh = mesh["pp"]
     rank, ranks = pp_mesh.get_local_rank(), pp_mesh.size()
@@ -173,7 +198,8 @@ def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, los
     micro = settings.pipeline_microbatches()
     schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
     evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
-    return part, Pipeline(schedule, stages, group, _rank_of(n_stages - 1, ranks, style), micro, evaluation)
+    last = _rank_of(n_stages - 1, ranks, style)
+    return part, Pipeline(schedule, stages, group, last, micro, evaluation, names)
 
 
 def v_evaluation(stages: list, microbatches: int, loss_fn):

@@ -130,6 +130,28 @@ class ShardedStrategy(ModelParallelStrategy):
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    def _whole_groups(self):
+        """Under ``trainer.pipeline_parallel``: the function giving a stage's optimizer groups
+        (named by ``get_optimizer_state_dict`` on the LightningModule) the whole model's names
+        (:meth:`recipes.parallel.pipeline.Pipeline.whole_groups`); None otherwise."""
+        module = self.lightning_module
+        pipeline = getattr(module, "pipeline", None)
+        if pipeline is None:
+            return None
+        prefix = next(name for name, child in module.named_children() if child is module.model) + "."
+        return lambda groups: pipeline.whole_groups(groups, prefix)
+
+    def optimizer_state(self, optimizer) -> dict:
+        """Lightning's (every parameter's state by its name in the whole model), with a pipeline
+        stage's groups naming every stage's parameters: what one process's groups name, so the
+        checkpoint reads on any layout (``builder.checkpoints.read_whole`` numbers the state by
+        them)."""
+        state = super().optimizer_state(optimizer)
+        whole = self._whole_groups()
+        if whole is not None:
+            state["param_groups"] = whole(state["param_groups"])
+        return state
+
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """Every rank writes its shards and their checksums into a temp folder beside
         ``filepath``; once all are done rank 0 seals ``meta.pt`` and renames the folder into place
@@ -151,6 +173,10 @@ class ShardedStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice
         if path.is_file():
             return load_into_shards(
-                self.lightning_module, self.optimizers, path, strict=self.lightning_module.strict_loading
+                self.lightning_module,
+                self.optimizers,
+                path,
+                strict=self.lightning_module.strict_loading,
+                whole_groups=self._whole_groups(),
             )
         return super().load_checkpoint(path, weights_only=weights_only)

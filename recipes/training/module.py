@@ -69,6 +69,32 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+#: where Lightning's fit loop counts optimizer steps (``trainer.global_step``): automatic
+#: optimization (one process, FSDP, TP) and manual (a pipeline's schedule steps the optimizer)
+AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"
+MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"
+
+
+def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
+    """A checkpoint's optimizer steps moved to the counter this run reads: Lightning counts them
+    in the automatic loop or in the manual one, and a run resumed in the other mode (a pipelined
+    run resumed without ``trainer.pipeline_parallel``, or the other way) would restart at step 0.
+    The steps the saved run counted replace the other counter's (which it left at zero)."""
+    import copy
+
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if AUTOMATIC_STEPS not in loop or MANUAL_STEPS not in loop:
+        return
+    auto, manual = loop[AUTOMATIC_STEPS]["optimizer"], loop[MANUAL_STEPS]
+    if automatic and manual["total"]["completed"] > auto["step"]["total"]["completed"]:
+        auto["step"] = copy.deepcopy(manual)
+        auto["zero_grad"] = {
+            phase: {**manual[phase], "started": manual[phase]["completed"]} for phase in ("total", "current")
+        }
+    elif not automatic and auto["step"]["total"]["completed"] > manual["total"]["completed"]:
+        loop[MANUAL_STEPS] = copy.deepcopy(auto["step"])
+
+
 def has_moe(model: nn.Module) -> bool:
     """Whether a forward leaves auxiliary losses to add to the cross-entropy (``aux_losses()``: a
     block's balancing loss, a head's multi-token-prediction loss), known before any forward."""
@@ -300,6 +326,7 @@ class LMModule(L.LightningModule):
         checkpoint["builder"] = dict(self.meta, history=self.history, elapsed=self.wall_seconds(), pending_loss=pending)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        carry_optimizer_steps(checkpoint, self.automatic_optimization)
         saved = checkpoint.get("builder", {})
         self.first_step = int(checkpoint.get("global_step", 0))
         self.history = saved.get("history", {"train": [], "val": []})
