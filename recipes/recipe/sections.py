@@ -111,7 +111,9 @@ class LossSection(_Section):
 _NOT_DEVICES = "is not a count (3), auto, -1 (every device) or a list of device indices ([0, 1] or '0,1')"
 
 
-class TrainerSection(ParallelismFields):
+class _TrainingFields(_Section):
+    """The trainer fields before its parallelism ones (:class:`TrainerSection` keeps the written order)."""
+
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
     max_time: int | str | None = Field(
         None,
@@ -140,6 +142,12 @@ class TrainerSection(ParallelismFields):
     activation_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in the backward pass (less memory)."
     )
+
+
+class TrainerSection(ParallelismFields, _TrainingFields):
+    """How long, where, how precisely: the training fields, the parallelism ones
+    (:class:`recipes.recipe.parallelism.ParallelismFields`, with their rules) and the devices."""
+
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
