@@ -65,7 +65,7 @@ def init_rules(model: nn.Module, std: float = STD) -> dict[str, Rule]:
             rules.update({_join(prefix, name): rule for name, rule in module.init_rules(std).items()})
     stacks = model.stacks() if hasattr(model, "stacks") else {}
     for stack_name, stack in stacks.items():
-        residual_std = std / math.sqrt(2 * stack.n_layers)
+        residual_std = std / math.sqrt(2 * stack.stack_layers)  # the whole stack's (a pipeline stage holds some)
         for name, module in stack.layers.named_modules(prefix=f"{stack_name}.layers"):
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS:
                 rules[f"{name}.weight"] = ("normal", residual_std)

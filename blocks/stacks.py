@@ -63,15 +63,45 @@ class TransformerStack(nn.Module):
     ):
         super().__init__()
         self.max_seq_len = max_seq_len  # positions beyond it are refused (None: no limit)
-        self.embedding = embedding
+        self.embedding = embedding  # None in a pipeline stage after the first (it takes hidden states)
         self.position = position
-        self.layers = nn.ModuleList(layers)
+        self.layers = layers if isinstance(layers, LayerRange) else nn.ModuleList(layers)
         self.final_norm = final_norm
         self.causal = causal
+        self.stack_layers = len(self.layers)  # the whole stack's (a pipeline part holds some of them)
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+    def pipeline_part(self, layers: list[int]) -> TransformerStack:
+        """The part of this stack a pipeline stage holds: the layers numbered ``layers`` (of the
+        whole stack, each under its own index, so parameter names stay the whole model's), the
+        embedding with layer 0 (else the part takes hidden states), the final norm with the last
+        layer, the position block where it acts (in attention: every part; on the embedding:
+        the first). Modules are shared with this stack, not copied. ValueError when the stack
+        cannot be cut: a position block with weights every layer's attention reads (T5's bias)."""
+        held = {int(k): m for k, m in self.layers._modules.items()}
+        missing = [i for i in layers if i not in held]
+        if missing or not layers:
+            raise ValueError(f"a pipeline part needs layers this stack holds ({sorted(held)}), got {layers}")
+        first, last = 0 in layers, self.stack_layers - 1 in layers
+        in_attention = self.position is not None and self.position.acts_on == "attention"
+        if in_attention and any(True for _ in self.position.parameters()) and not (first and last):
+            raise ValueError(
+                f"position {type(self.position).__name__} has weights every layer's attention reads; "
+                "pipeline stages cannot split them"
+            )
+        part = TransformerStack(
+            self.embedding if first else None,
+            self.position if in_attention or first else None,
+            LayerRange({i: held[i] for i in sorted(layers)}),
+            self.final_norm if last else None,
+            causal=self.causal,
+            max_seq_len=self.max_seq_len,
+        )
+        part.stack_layers = self.stack_layers
+        return part
 
     def forward(
         self,
@@ -126,9 +156,13 @@ class TransformerStack(nn.Module):
             raise TypeError(
                 f"input_ids must be a torch.Tensor of token ids (batch, seq), got {type(input_ids).__name__}"
             )
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        batch, seq = input_ids.shape
+        embedded = self.embedding is None  # a pipeline stage after the first: hidden states come in
+        if input_ids.dim() != (3 if embedded else 2):
+            shape = "hidden states (batch, seq, d_model)" if embedded else "(batch, seq)"
+            raise ValueError(f"input_ids must be {shape}, got shape {tuple(input_ids.shape)}")
+        if embedded and (cache is not None or attention_mask is not None or document_ids is not None):
+            raise ValueError("a pipeline stage after the first takes hidden states alone (no cache, mask or documents)")
+        batch, seq = input_ids.shape[:2]
         start = cache.length if cache is not None else 0
         if self.max_seq_len is not None and start + seq > self.max_seq_len:
             raise ValueError(
@@ -165,10 +199,13 @@ class TransformerStack(nn.Module):
             shared = torch.arange(start, start + seq, device=input_ids.device)[None]  # (1, seq): every row's
             positions = shared.expand(batch, seq)
         position = self.position
-        in_attention = position.acts_on == "attention"
+        in_attention = position is not None and position.acts_on == "attention"
         # Embedded once for rows that share their positions and broadcast in the sum: a learned
         # table's backward then accumulates seq rows, not batch * seq (a few % of a small model's step).
-        x = self.embedding(input_ids, token_type_ids, None if in_attention else position(shared))
+        if embedded:
+            x = input_ids
+        else:
+            x = self.embedding(input_ids, token_type_ids, None if in_attention else position(shared))
         inputs = AttentionInputs(
             start,
             seq,
@@ -284,6 +321,20 @@ class TransformerStack(nn.Module):
         return self.final_norm(x) if self.final_norm is not None else x
 
 
+class LayerRange(nn.ModuleList):
+    """Some of a stack's layers (a pipeline stage's), each registered under its index in the
+    whole stack (``layers.3``), so parameter names, init seeds and checkpoint keys are the whole
+    model's; indexed and iterated by position like a list."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        nn.Module.__init__(self)
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __getitem__(self, idx):
+        return list(self._modules.values())[idx]
+
+
 class _Model(nn.Module):
     """What every architecture shares: ``spec`` (set by ``builder.build_model``), parameter
     counts, the head call and the auxiliary losses (module doc)."""
@@ -294,7 +345,9 @@ class _Model(nn.Module):
     def _head_logits(self, hidden, mask, stack: TransformerStack, input_ids, inputs, cache) -> torch.Tensor:
         """The head's logits; its losses kept for :meth:`aux_losses`. A cached forward gives the
         head no context (decoding uses the main head only)."""
-        context = HeadContext(input_ids, stack.embedding, inputs) if cache is None else None
+        if self.head is None:  # a pipeline stage before the last: its hidden states go on
+            return hidden
+        context = HeadContext(input_ids, stack.embedding, inputs) if cache is None and stack.embedding else None
         out = self.head(hidden, mask, context)
         if not isinstance(out, HeadOutput):
             raise TypeError(
@@ -306,6 +359,28 @@ class _Model(nn.Module):
 
     def stacks(self) -> dict[str, TransformerStack]:
         return {name: getattr(self, name) for name in ("encoder", "decoder") if hasattr(self, name)}
+
+    def pipeline_layers(self) -> int:
+        """The layers a pipeline cuts into stages (the one stack's); ValueError for a model of
+        several stacks (an encoder-decoder), which stages cannot cut."""
+        stacks = self.stacks()
+        if len(stacks) != 1:
+            raise ValueError(f"pipeline stages cut one stack; {type(self).__name__} has {', '.join(stacks)}")
+        return next(iter(stacks.values())).stack_layers
+
+    def pipeline_part(self, layers: list[int]) -> _Model:
+        """The model a pipeline stage (or a rank's stages together) holds: the same architecture
+        with only the stack's layers numbered ``layers`` (:meth:`TransformerStack.pipeline_part`:
+        the embedding with the first, the final norm with the last) and the head with the last.
+        It shares this model's modules and parameter names. Its forward takes token ids when it
+        has the embedding, else hidden states ``(batch, seq, d_model)``, and returns the head's
+        logits when it has the head, else hidden states."""
+        self.pipeline_layers()
+        ((name, stack),) = self.stacks().items()
+        part_stack = stack.pipeline_part(list(layers))
+        part = type(self)(**{name: part_stack}, head=self.head if stack.stack_layers - 1 in layers else None)
+        part.spec = self.spec
+        return part
 
     def n_params(self) -> int:
         """Parameters, tied and shared tensors counted once."""

@@ -207,10 +207,10 @@ def test_the_mesh_carries_both_ep_and_cp_dimensions():
     from builder.analysis.layout import Layout
     from recipes.parallel.mesh import MESH_DIMS, mesh_shape
 
-    assert MESH_DIMS == ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
-    assert mesh_shape(Layout(devices=8, tensor_parallel=2, expert_parallel=2)) == (1, 2, 2, 1, 2)
-    assert mesh_shape(Layout(devices=8, tensor_parallel=2, context_parallel=2)) == (1, 2, 1, 2, 2)
-    assert mesh_shape(Layout(devices=8, nodes=2, data_parallel="hybrid", expert_parallel=2)) == (2, 2, 2, 1, 1)
+    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+    assert mesh_shape(Layout(devices=8, tensor_parallel=2, expert_parallel=2)) == (1, 1, 2, 2, 1, 2)
+    assert mesh_shape(Layout(devices=8, tensor_parallel=2, context_parallel=2)) == (1, 1, 2, 1, 2, 2)
+    assert mesh_shape(Layout(devices=8, nodes=2, data_parallel="hybrid", expert_parallel=2)) == (1, 2, 2, 2, 1, 1)
 
 
 def test_expert_parallel_with_context_parallel_is_refused_by_the_trainer_section():

@@ -374,14 +374,16 @@ def read_for_resume(path: str | Path) -> dict[str, Any]:
         forget(path)
 
 
-def load_into_shards(module, optimizers, path: str | Path, strict: bool = True) -> dict:
+def load_into_shards(module, optimizers, path: str | Path, strict: bool = True, whole_groups=None) -> dict:
     """A file checkpoint (written by one process or DDP) into this rank's shards of ``module``
     (the LightningModule, sharded) and ``optimizers``; returns the rest of the checkpoint (step,
     loops, ``builder``). Verified (at no cost when the resume's choice verified it). The optimizer
     states are keyed by position in their parameter groups; they are given to
     ``set_optimizer_state_dict`` by name, in the groups' order (Lightning's own conversion numbers
     ``module.parameters()`` instead, which is not the groups' order: weight-decay and no-decay
-    groups)."""
+    groups). ``whole_groups(groups)``: where this rank holds only some of the model's parameters
+    (a pipeline stage), the named groups of the whole model that the positions count in. Every
+    rank reads the file, so a stage takes its own weights and optimizer state from its copy."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -393,10 +395,17 @@ def load_into_shards(module, optimizers, path: str | Path, strict: bool = True) 
         checkpoint = read_meta(path)
     finally:
         forget(path)
+    weights = checkpoint.pop(STATE_KEY)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    set_model_state_dict(module, checkpoint.pop(STATE_KEY), options=options)
+    if whole_groups is not None:  # a part of the model (a pipeline stage): its own weights and their
+        # optimizer state, each rank from its own copy (rank 0's broadcast carries only what rank 0 holds)
+        options = dataclasses.replace(options, broadcast_from_rank0=False)
+        held = module.state_dict().keys()
+        weights = {key: value for key, value in weights.items() if key in held}
+    set_model_state_dict(module, weights, options=options)
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
         groups = get_optimizer_state_dict(module, optimizer)["param_groups"]  # the names, in the groups' order
+        groups = whole_groups(groups) if whole_groups is not None else groups
         names = [name for group in groups for name in group["params"]]
         by_name = {
             "state": {names[i]: value for i, value in state["state"].items()},

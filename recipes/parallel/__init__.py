@@ -11,10 +11,14 @@ function, :func:`parallelize`, in a fixed order (torchtitan's ``parallelize_llam
    model's shards materialised).
 
 One device (or DDP) takes steps 2 and 3; ``trainer.strategy: fsdp`` takes all four on the device
-mesh of :mod:`.mesh` (``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, the one place
+mesh of :mod:`.mesh` (``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, the one place
 ``trainer.devices`` becomes a count), through Lightning's ``ModelParallelStrategy`` (:mod:`.strategy`).
 
-A new dimension (pipeline parallelism, say) is one file here with its ``apply``
+Pipeline parallelism (:mod:`.pipeline`, ``trainer.pipeline_parallel``) comes first: the model is
+cut into stages by its own contract (``pipeline_part``) and :func:`parallelize` then runs on each
+stage alone, over the mesh's other dimensions; the LightningModule drives the stages' schedule.
+
+A new dimension is one file here with its ``apply``
 function, called from :func:`parallelize` at its place in the order, plus one dimension of the
 layout model (``builder.analysis.layout.Layout``: its degree, its place in the rank numbering,
 what a rank then holds), which :func:`.mesh.mesh_shape` turns into a mesh dimension.

@@ -63,7 +63,7 @@ def separate_units(model: nn.Module) -> list[nn.Module]:
     with another of them (a tied head and its embedding stay in the root unit together)."""
     candidates: list[nn.Module] = []
     for stack in model.stacks().values() if hasattr(model, "stacks") else []:
-        if all(stack.embedding is not c for c in candidates):
+        if stack.embedding is not None and all(stack.embedding is not c for c in candidates):
             candidates.append(stack.embedding)
     if isinstance(getattr(model, "head", None), nn.Module):
         candidates.append(model.head)
@@ -139,9 +139,27 @@ def whole_model(module) -> nn.Module | None:
 
     from builder.checkpoints import empty_model
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    pipeline = getattr(module, "pipeline", None)
+    # offloaded, a whole state is rank 0's alone; a pipeline's every stage sends its own
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=pipeline is None))
+    if pipeline is not None:  # each stage's rank holds its layers: rank 0's pipeline gathers them
+        state = {key: value.cpu() for key, value in state.items()}
+        state = _gather_stages(state, pipeline.group, module.trainer.global_rank)
     if module.trainer.global_rank != 0:
         return None
     host = empty_model(model.spec.model_dump(mode="json"))
     host.load_state_dict(state)
     return host.eval()
+
+
+def _gather_stages(state: dict, group, rank: int) -> dict | None:
+    """The whole model's state on rank 0, from the stages of its pipeline ``group`` (each a
+    rank's own tensors); the ranks of other pipelines (other data-parallel coordinates) hold the
+    same and send nothing."""
+    import torch.distributed as dist
+
+    if 0 not in dist.get_process_group_ranks(group):
+        return None
+    parts = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(state, parts, group=group, group_dst=0)
+    return {key: value for part in parts for key, value in part.items()} if rank == 0 else None

@@ -2,24 +2,27 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, numbered as ``builder.analysis.layout``
-numbers ranks. ``dp_shard`` is the flattened ``(dp_shard_mod_ep, ep)``: expert parallelism borrows
-its ``ep`` ranks innermost from the data-parallel shard ranks (``ep`` is 1 without it), which still
+The mesh is ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, numbered as
+``builder.analysis.layout`` numbers ranks. The pipeline stages are outermost (``pp`` is 1 unless
+``trainer.pipeline_parallel``). ``dp_shard`` is the flattened ``(dp_shard_mod_ep, ep)``: expert
+parallelism borrows its ``ep`` ranks innermost from the data-parallel shard ranks (``ep`` is 1 without it), which still
 read different batches. ``cp`` holds the context-parallel ranks, which FSDP shards over together
 with ``dp_shard``, as ``dp_shard_cp`` (the flattened ``(dp_shard_mod_ep, ep, cp)``). Expert and
 context parallelism are not composed yet (``trainer.expert_parallel`` refuses ``context_parallel``
 above 1), so at least one of ``ep`` and ``cp`` is 1. With ``ep`` 1 (``dp_shard`` the whole
-``dp_shard_mod_ep``):
+``dp_shard_mod_ep``) and ``stage`` the ranks of one pipeline stage (``world / pp``):
 
-* ``data_parallel: shard`` — ``(1, world / (cp x tp), 1, cp, tp)``: parameters, gradients and
+* ``data_parallel: shard`` — ``(pp, 1, stage / (cp x tp), 1, cp, tp)``: parameters, gradients and
   optimizer state split over every data-parallel (and context-parallel) rank;
-* ``replicate`` — ``(world / (cp x tp), 1, 1, cp, tp)``: every data-parallel rank keeps whole
+* ``replicate`` — ``(pp, stage / (cp x tp), 1, 1, cp, tp)``: every data-parallel rank keeps whole
   copies (split over its context-parallel ranks only), gradients all-reduced;
-* ``hybrid`` (HSDP) — ``(nodes, per_node / (cp x tp), 1, cp, tp)``: shard inside a node, replicate
-  across nodes.
+* ``hybrid`` (HSDP) — ``(pp, nodes / pp, per_node / (cp x tp), 1, cp, tp)``: shard inside a node,
+  replicate across nodes.
 
-``trainer.expert_parallel: E`` then splits the second size by ``E``: ``shard`` is
-``(1, world / (E x tp), E, 1, tp)``, ``hybrid`` ``(nodes, per_node / (E x tp), E, 1, tp)``.
+``trainer.expert_parallel: E`` then splits the third size by ``E``: ``shard`` is
+``(1, 1, world / (E x tp), E, 1, tp)``, ``hybrid`` ``(1, nodes, per_node / (E x tp), E, 1, tp)``.
+Pipeline parallelism is not composed with context or expert parallelism yet
+(``trainer.pipeline_parallel`` refuses them above 1), so ``pp`` is 1 wherever ``cp`` or ``ep`` is not.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 #: the data-parallel shard ranks (``dp_shard``), made one dimension of the mesh dimensions they span
 #: (first: the groups below use it)
 SHARD_DIMS = ("dp_shard_mod_ep", "ep")
@@ -53,7 +56,14 @@ SHARD_DIM = "dp_shard_cp"
 def mesh_shape(layout: Layout) -> tuple[int, ...]:
     """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
     ep = layout.expert_parallel
-    return layout.replicas, layout.data_parallel_shard // ep, ep, layout.context_parallel, layout.tensor_parallel
+    return (
+        layout.pipeline_parallel,
+        layout.replicas,
+        layout.data_parallel_shard // ep,
+        ep,
+        layout.context_parallel,
+        layout.tensor_parallel,
+    )
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -167,6 +177,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
             nodes=settings.num_nodes,
             tensor_parallel=settings.tensor_parallel,
             data_parallel=settings.data_parallel,
+            pipeline_parallel=settings.pipeline_parallel,
             context_parallel=settings.context_parallel,
             expert_parallel=settings.expert_parallel,
         )
@@ -176,7 +187,7 @@ def layout_of(settings: TrainerSection, per_node: int | None = None) -> Layout:
 
 def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
     """Ranks of the recipe's layout that read different data (under ``strategy: fsdp`` the world
-    over the tensor- and context-parallel degrees: their peers read the same); ``check`` as for
+    over the tensor-, context- and pipeline-parallel degrees: their peers read the same); ``check`` as for
     :func:`device_count`."""
     per_node = device_count(settings, check=check)
     if settings.strategy == "fsdp":
@@ -186,7 +197,7 @@ def data_parallel_ranks(settings: TrainerSection, check: bool = True) -> int:
 
 def data_parallel_size(trainer) -> int:
     """Ranks of a running Lightning ``trainer`` that read different data (the world, or the world
-    over the tensor-parallel degree)."""
+    over the tensor-, context- and pipeline-parallel degrees)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("num_replicas", trainer.world_size))
 

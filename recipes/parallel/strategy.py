@@ -1,5 +1,6 @@
 """The Lightning side of ``trainer.strategy: fsdp``: :class:`ShardedStrategy` (Lightning's
-``ModelParallelStrategy`` on the ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh of :mod:`recipes.parallel.mesh`)
+``ModelParallelStrategy`` on the ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh of
+:mod:`recipes.parallel.mesh`)
 starts the processes, builds the mesh, parallelises the model (:func:`recipes.parallel.parallelize`,
 from the LightningModule's ``configure_model``) and saves checkpoints atomically; gradient
 clipping across the meshes a tensor-parallel model's parameters live on (:class:`MeshClipping`,
@@ -19,27 +20,53 @@ from recipes.parallel.mesh import device_mesh, layout_of
 from recipes.recipe.sections import TrainerSection
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (tensor-parallel ones
-    on ``(dp, tp)``, replicated ones on ``dp`` alone): each mesh's norm is made whole, the squares
-    summed, and every gradient scaled by the one total. Returns the total norm."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
+def mesh_groups(parameters) -> dict:
+    """Parameters with gradients, by the device mesh they live on (None: plain tensors)."""
     groups: dict = {}
     for p in parameters:
         if p.grad is not None:
             groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    if len(groups) <= 1:
-        return torch.nn.utils.clip_grad_norm_([p for ps in groups.values() for p in ps], max_norm)
+    return groups
+
+
+def grad_norm(groups: dict) -> torch.Tensor:
+    """The total gradient norm of :func:`mesh_groups`: each mesh's made whole, the squares summed."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import get_total_norm
+
     norms = []
     for params in groups.values():
         norm = get_total_norm([p.grad for p in params])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def on_mesh(total: torch.Tensor, mesh):
+    """``total`` replicated on ``mesh`` (as is, for plain tensors), to clip that mesh's gradients with."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh else total
+
+
+def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (tensor-parallel ones
+    on ``(dp, tp)``, replicated ones on ``dp`` alone): each mesh's norm is made whole, the squares
+    summed, and every gradient scaled by the one total. ``group``: the ``pp`` process group of a
+    pipeline, whose stages each hold some of the parameters: their squares are summed over it too
+    (torchtitan's ``clip_grad_norm_`` with a pp mesh). Returns the total norm."""
+    import torch.distributed as dist
+    from torch.nn.utils import clip_grads_with_norm_
+
+    groups = mesh_groups(parameters)
+    if len(groups) <= 1 and group is None:
+        return torch.nn.utils.clip_grad_norm_([p for ps in groups.values() for p in ps], max_norm)
+    total = grad_norm(groups)
+    if group is not None:
+        square = total**2
+        dist.all_reduce(square, group=group)
+        total = square.sqrt()
     for mesh, params in groups.items():
-        whole = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh else total
-        clip_grads_with_norm_(params, max_norm, whole)
+        clip_grads_with_norm_(params, max_norm, on_mesh(total, mesh))
     return total
 
 
@@ -52,7 +79,7 @@ class MeshClipping:
 
 
 class ShardedStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` on a ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh, that parallelises the
+    """``ModelParallelStrategy`` on a ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh, that parallelises the
     model itself (:meth:`parallelize`) and saves checkpoints atomically (:meth:`save_checkpoint`)."""
 
     def __init__(self, settings: TrainerSection, init_seed: int):
@@ -90,7 +117,40 @@ class ShardedStrategy(ModelParallelStrategy):
             self._parallelized.add(id(model))
         return model
 
+    def pipeline(self, model: nn.Module, loss_fn):
+        """This rank's part of ``model`` and its :class:`recipes.parallel.pipeline.Pipeline`
+        (``trainer.pipeline_parallel``), each stage parallelised on the mesh's other dimensions."""
+        from recipes.parallel import parallelize
+        from recipes.parallel.pipeline import build_pipeline
+
+        def stage(view: nn.Module) -> nn.Module:
+            return parallelize(view, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
+
+        return build_pipeline(model, self.settings, self.device_mesh, self.root_device, loss_fn, stage)
+
     # -- checkpoints -------------------------------------------------------------------------
+
+    def _whole_groups(self):
+        """Under ``trainer.pipeline_parallel``: the function giving a stage's optimizer groups
+        (named by ``get_optimizer_state_dict`` on the LightningModule) the whole model's names
+        (:meth:`recipes.parallel.pipeline.Pipeline.whole_groups`); None otherwise."""
+        module = self.lightning_module
+        pipeline = getattr(module, "pipeline", None)
+        if pipeline is None:
+            return None
+        prefix = next(name for name, child in module.named_children() if child is module.model) + "."
+        return lambda groups: pipeline.whole_groups(groups, prefix)
+
+    def optimizer_state(self, optimizer) -> dict:
+        """Lightning's (every parameter's state by its name in the whole model), with a pipeline
+        stage's groups naming every stage's parameters: what one process's groups name, so the
+        checkpoint reads on any layout (``builder.checkpoints.read_whole`` numbers the state by
+        them)."""
+        state = super().optimizer_state(optimizer)
+        whole = self._whole_groups()
+        if whole is not None:
+            state["param_groups"] = whole(state["param_groups"])
+        return state
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """Every rank writes its shards and their checksums into a temp folder beside
@@ -113,6 +173,10 @@ class ShardedStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice
         if path.is_file():
             return load_into_shards(
-                self.lightning_module, self.optimizers, path, strict=self.lightning_module.strict_loading
+                self.lightning_module,
+                self.optimizers,
+                path,
+                strict=self.lightning_module.strict_loading,
+                whole_groups=self._whole_groups(),
             )
         return super().load_checkpoint(path, weights_only=weights_only)

@@ -52,22 +52,23 @@ def styles(plan: dict[str, str], module: nn.Module) -> dict:
 
 def planned_modules(model: nn.Module) -> list[tuple[dict[str, str], nn.Module]]:
     """``(plan, module)`` for every module a plan splits: each stack's token embedding (once when
-    shared), each layer's attention, cross-attention and FFN, the head."""
+    shared), each layer's attention, cross-attention and FFN, the head (those a pipeline stage holds)."""
     spec = model.spec
     found: list[tuple[dict[str, str], nn.Module]] = []
     embeddings: list[nn.Module] = []
     for name, stack in model.stacks().items():
-        if all(stack.embedding is not e for e in embeddings):
+        if stack.embedding is not None and all(stack.embedding is not e for e in embeddings):
             embeddings.append(stack.embedding)
             found.append((EMBEDDING_PLAN, stack.embedding))
         stack_spec = getattr(spec, name)
-        for i, layer in enumerate(stack.layers):
-            config = stack_spec.layer(i)
+        for index, layer in stack.layers._modules.items():  # a pipeline stage's keep their stack's numbers
+            config = stack_spec.layer(int(index))
             blocks = [(config.attention, layer.attention), (config.ffn, layer.ffn)]
             if layer.cross_attention is not None:
                 blocks.append((config.cross_attention, layer.cross_attention))
             found += [(c.parallel_plan(), m) for c, m in blocks]
-    found.append((spec.head.parallel_plan(), model.head))
+    if model.head is not None:  # None in a pipeline stage before the last
+        found.append((spec.head.parallel_plan(), model.head))
     return [(plan, module) for plan, module in found if plan]
 
 

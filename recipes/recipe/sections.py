@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
 from recipes.errors import RecipeError
 from recipes.recipe.fields import WORK_PATH, _Section
+from recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
 from recipes.tasks import NAMES, recipe_class
 
 #: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
@@ -110,7 +111,9 @@ class LossSection(_Section):
 _NOT_DEVICES = "is not a count (3), auto, -1 (every device) or a list of device indices ([0, 1] or '0,1')"
 
 
-class TrainerSection(_Section):
+class _TrainingFields(_Section):
+    """The trainer fields before its parallelism ones (:class:`TrainerSection` keeps the written order)."""
+
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
     max_time: int | str | None = Field(
         None,
@@ -139,39 +142,12 @@ class TrainerSection(_Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in the backward pass (less memory)."
     )
-    strategy: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto",
-        description="auto | ddp | fsdp. fsdp is FSDP2 (fully_shard) through Lightning's ModelParallelStrategy: "
-        "one shard unit per layer plus the embedding and the head, started on the meta device, sharded "
-        "checkpoints; CPU (gloo) or CUDA (nccl).",
-    )
-    data_parallel: Literal["shard", "replicate", "hybrid"] = Field(
-        "shard",
-        description="fsdp: shard (parameters, gradients and optimizer state split over the data-parallel "
-        "ranks) | replicate (every rank keeps everything, gradients all-reduced) | hybrid (HSDP: shard "
-        "inside a node, replicate across nodes).",
-    )
-    tensor_parallel: int = Field(
-        1,
-        ge=1,
-        description="fsdp: tensor-parallel degree (ranks of one node that split every layer's matrices, "
-        "as each block's parallel plan declares); the data-parallel degree is the rest.",
-    )
-    context_parallel: int = Field(
-        1,
-        ge=1,
-        description="fsdp: context-parallel degree (ranks that split every sequence, in 2 x C load-balanced "
-        "chunks, each attending over the keys gathered from all; they read the same micro-batch); "
-        "data.seq_len must divide into 2 x C chunks. lm task, multi_head attention.",
-    )
-    expert_parallel: int = Field(
-        1,
-        ge=1,
-        description="fsdp: expert-parallel degree (ranks of the FSDP shard group that split every "
-        "mixture of experts' routed experts, tokens sent to them by all-to-all); borrowed from the "
-        "data-parallel ranks, so data.batch_size stays per data-parallel rank. Not yet with "
-        "context_parallel.",
-    )
+
+
+class TrainerSection(ParallelismFields, _TrainingFields):
+    """How long, where, how precisely: the training fields, the parallelism ones
+    (:class:`recipes.recipe.parallelism.ParallelismFields`, with their rules) and the devices."""
+
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
     )
@@ -194,71 +170,6 @@ class TrainerSection(_Section):
         json_schema_extra=WORK_PATH,
     )
     log_every_n_steps: int = Field(10, ge=1, description="Steps between log lines and progress-bar updates.")
-
-    @model_validator(mode="after")
-    def _layout(self):
-        from builder.spec.problems import rule_error
-
-        if self.strategy != "fsdp":
-            if self.context_parallel > 1:
-                raise rule_error(
-                    ("context_parallel",),
-                    "context_parallel needs strategy: fsdp (its ranks join FSDP2's shard group on the device mesh)",
-                )
-            if self.tensor_parallel > 1:
-                raise rule_error(
-                    ("tensor_parallel",),
-                    "tensor_parallel needs strategy: fsdp (FSDP2 composes with it on a 2-D device mesh)",
-                )
-            if self.data_parallel != "shard":
-                raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
-            if self.expert_parallel > 1:
-                raise rule_error(
-                    ("expert_parallel",),
-                    "expert_parallel needs strategy: fsdp (the experts are split over FSDP2's shard group)",
-                )
-            return self
-        if self.precision == "16-mixed":
-            raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
-        if self.compile == "model":
-            raise rule_error(
-                ("compile",),
-                "compile: model traces the whole step, which FSDP2's per-layer hooks "
-                "split; with strategy fsdp use layers (or true)",
-            )
-        if self.data_parallel == "hybrid" and self.num_nodes == 1:
-            raise rule_error(
-                ("data_parallel",),
-                "data_parallel hybrid shards inside a node and replicates across "
-                "nodes, but num_nodes is 1; use shard (or set num_nodes)",
-            )
-        per_node = len(self.devices) if isinstance(self.devices, list) else self.devices
-        if isinstance(per_node, int) and per_node > 0 and per_node % self.tensor_parallel:
-            raise rule_error(
-                ("tensor_parallel",),
-                f"tensor_parallel {self.tensor_parallel} must divide devices "
-                f"({per_node} per node): a tensor-parallel group stays inside one node",
-            )
-        if isinstance(per_node, int) and per_node > 0 and per_node % (self.tensor_parallel * self.context_parallel):
-            raise rule_error(
-                ("context_parallel",),
-                f"tensor_parallel x context_parallel ({self.tensor_parallel} x {self.context_parallel}) must "
-                f"divide devices ({per_node} per node): a context-parallel group stays inside one node",
-            )
-        if self.expert_parallel > 1 and self.data_parallel == "replicate":
-            raise rule_error(
-                ("expert_parallel",),
-                "expert_parallel borrows its ranks from the FSDP shard group, which data_parallel "
-                "replicate does not have; use shard or hybrid",
-            )
-        if self.expert_parallel > 1 and self.context_parallel > 1:
-            raise rule_error(
-                ("expert_parallel",),
-                f"expert_parallel {self.expert_parallel} with context_parallel {self.context_parallel} is not "
-                "supported yet (the experts are sharded and their gradients reduced outside the cp ranks); "
-                "set one of them to 1",
-            )
-        return self
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -346,29 +257,9 @@ class Recipe(_Section):
     sample: SampleSection = Field(default_factory=SampleSection, description="Samples printed at the end.")
 
     @model_validator(mode="after")
-    def _context_parallel(self):
-        """``trainer.context_parallel`` splits an LM window of ``data.seq_len`` tokens in ``2 x C``
-        equal chunks (``recipes.parallel.context``); whole windows only, no packed documents."""
-        from builder.spec.problems import rule_error
-
-        degree = self.trainer.context_parallel
-        if degree == 1:
-            return self
-        from recipes.tasks import task_named
-
-        if not task_named(self.task).splits_windows:
-            raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {self.task}")
-        if self.data.seq_len % (2 * degree):
-            raise rule_error(
-                ("data", "seq_len"),
-                f"seq_len {self.data.seq_len} does not split into 2 x {degree} equal chunks (trainer.context_parallel)",
-            )
-        if self.data.packing != "concat":
-            raise rule_error(
-                ("data", "packing"),
-                f"packing {self.data.packing} masks across documents, which a context-parallel share does "
-                "not (trainer.context_parallel); use concat",
-            )
+    def _parallelism(self):
+        """The parallelism rules that read other sections (``recipes.recipe.parallelism``)."""
+        check_recipe_parallelism(self)
         return self
 
 

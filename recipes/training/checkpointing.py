@@ -71,10 +71,10 @@ def save_sharded(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int,
         checkpoints.save_sharded(checkpoint, path, tmp, rank, ranks, barrier)
 
 
-def load_into_shards(module, optimizers, path: Path, strict: bool = True) -> dict:
+def load_into_shards(module, optimizers, path: Path, strict: bool = True, whole_groups=None) -> dict:
     """:func:`builder.checkpoints.load_into_shards`: a file checkpoint into a sharded run's ranks."""
     with _run_errors("--resume: "):
-        return checkpoints.load_into_shards(module, optimizers, path, strict=strict)
+        return checkpoints.load_into_shards(module, optimizers, path, strict=strict, whole_groups=whole_groups)
 
 
 class RecipeCheckpoint(L.Callback):

@@ -182,6 +182,11 @@ def devices_line(recipe: Recipe) -> str:
             parts.append(f"{field} {value}")
     if settings.strategy == "fsdp" and getattr(settings, "expert_parallel", 1) > 1:
         parts.append(f"expert_parallel {settings.expert_parallel}")
+    if settings.pipeline_parallel > 1:
+        parts.append(
+            f"pipeline_parallel {settings.pipeline_parallel} ({settings.pipeline_schedule}, "
+            f"{settings.pipeline_microbatches()} micro-batches)"
+        )
     chosen, note = resolve_precision(settings.precision, settings.accelerator)
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:

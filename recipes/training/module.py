@@ -69,6 +69,32 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+#: where Lightning's fit loop counts optimizer steps (``trainer.global_step``): automatic
+#: optimization (one process, FSDP, TP) and manual (a pipeline's schedule steps the optimizer)
+AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"
+MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"
+
+
+def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
+    """A checkpoint's optimizer steps moved to the counter this run reads: Lightning counts them
+    in the automatic loop or in the manual one, and a run resumed in the other mode (a pipelined
+    run resumed without ``trainer.pipeline_parallel``, or the other way) would restart at step 0.
+    The steps the saved run counted replace the other counter's (which it left at zero)."""
+    import copy
+
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if AUTOMATIC_STEPS not in loop or MANUAL_STEPS not in loop:
+        return
+    auto, manual = loop[AUTOMATIC_STEPS]["optimizer"], loop[MANUAL_STEPS]
+    if automatic and manual["total"]["completed"] > auto["step"]["total"]["completed"]:
+        auto["step"] = copy.deepcopy(manual)
+        auto["zero_grad"] = {
+            phase: {**manual[phase], "started": manual[phase]["completed"]} for phase in ("total", "current")
+        }
+    elif not automatic and auto["step"]["total"]["completed"] > manual["total"]["completed"]:
+        loop[MANUAL_STEPS] = copy.deepcopy(auto["step"])
+
+
 def has_moe(model: nn.Module) -> bool:
     """Whether a forward leaves auxiliary losses to add to the cross-entropy (``aux_losses()``: a
     block's balancing loss, a head's multi-token-prediction loss), known before any forward."""
@@ -113,16 +139,52 @@ class LMModule(L.LightningModule):
         self._pending_from = 0  # the step the first of them trained
         self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
         self._train_losses = compiled_losses(self._losses, recipe.trainer, dynamic=self.variable_shapes)
+        # trainer.pipeline_parallel: the strategy cuts the model into stages (configure_model) and
+        # training_step drives their schedule, so it steps the optimizer itself (recipes.parallel.pipeline)
+        self.pipeline = None
+        self.automatic_optimization = recipe.trainer.pipeline_parallel == 1
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
     def configure_model(self):
         """Under ``strategy: fsdp`` the strategy shards the model here, after the processes and
-        the device mesh exist (``recipes.parallel.strategy.ShardedStrategy.parallelize``)."""
+        the device mesh exist (``recipes.parallel.strategy.ShardedStrategy.parallelize``); under
+        ``trainer.pipeline_parallel`` the model becomes this rank's part of it, and its stages a
+        :class:`recipes.parallel.pipeline.Pipeline` (``ShardedStrategy.pipeline``)."""
+        if not self.automatic_optimization:
+            if self.pipeline is None:
+                self.model, self.pipeline = self.trainer.strategy.pipeline(self.model, self._micro_batch_loss)
+            return
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:
             self.model = parallelize(self.model)
+
+    def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss of one micro-batch, computed by its last stage (the cross-entropy of :meth:`_losses`)."""
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def _pipelined_step(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step through the pipeline's schedule (manual optimization): every
+        micro-batch's forward and backward, the gradients clipped over every stage, the step
+        and the learning-rate schedule. Returns the batch's mean loss (on every rank)."""
+        from recipes.parallel.strategy import clip_grad_norm
+
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.pipeline.train_step(input_ids, targets)
+        clip = self.recipe.trainer.gradient_clip_val
+        if clip is not None:
+            clip_grad_norm(self.model.parameters(), clip, self.pipeline.group)
+        optimizer.step()
+        scheduler.step()
+        self.model.after_optimizer_step()
+        return loss
 
     def logits_and_targets(self, input_ids, targets, document_ids=None):
         """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there);
@@ -157,7 +219,10 @@ class LMModule(L.LightningModule):
         return loss, ce
 
     def training_step(self, batch, batch_idx):
-        loss, ce = self._train_losses(*batch)
+        if self.pipeline is not None:
+            loss = ce = self._pipelined_step(*batch)
+        else:
+            loss, ce = self._train_losses(*batch)
         ce = ce.detach().float()
         if self._pending is None and self._carried is not None:  # a resumed run's interval, from its checkpoint
             self._pending, self._carried = ce + self._carried, None
@@ -166,7 +231,7 @@ class LMModule(L.LightningModule):
         else:
             self._pending += ce
         self._pending_steps += 1
-        return loss
+        return loss if self.automatic_optimization else None
 
     def _log_step(self) -> bool:
         return self.global_step % self.trainer.log_every_n_steps == 0
@@ -208,7 +273,7 @@ class LMModule(L.LightningModule):
         return True
 
     def validation_step(self, batch, batch_idx):
-        _, ce = self._losses(*batch)
+        ce = self.pipeline.evaluate(*batch) if self.pipeline is not None else self._losses(*batch)[1]
         self.log("val_loss", ce, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         return ce
 
@@ -261,6 +326,7 @@ class LMModule(L.LightningModule):
         checkpoint["builder"] = dict(self.meta, history=self.history, elapsed=self.wall_seconds(), pending_loss=pending)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        carry_optimizer_steps(checkpoint, self.automatic_optimization)
         saved = checkpoint.get("builder", {})
         self.first_step = int(checkpoint.get("global_step", 0))
         self.history = saved.get("history", {"train": [], "val": []})

@@ -180,8 +180,13 @@ def check_layout(recipe: Recipe, recipe_file: Path) -> None:
         device_count(recipe.trainer)
         return
     layout = layout_of(recipe.trainer)
-    if layout.tensor_parallel > 1:
-        model_spec(recipe, recipe_file, vocab_size=64 * layout.tensor_parallel)  # a stand-in vocabulary that splits
+    if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
+        spec = model_spec(recipe, recipe_file, vocab_size=64 * layout.tensor_parallel)  # a stand-in vocabulary
+    if layout.pipeline_parallel > 1:
+        from builder import build_model
+        from recipes.parallel.pipeline import check_pipeline
+
+        check_pipeline(build_model(spec, device="meta"), recipe.trainer)  # stages the model can be cut into
 
 
 def strategy_for(recipe: Recipe):
@@ -339,7 +344,7 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
         check_val_every_n_epoch=None,
         limit_val_batches=settings.limit_val_batches,
         num_sanity_val_steps=0,
-        gradient_clip_val=settings.gradient_clip_val,
+        gradient_clip_val=settings.gradient_clip_val if settings.pipeline_parallel == 1 else None,  # the module clips
         accumulate_grad_batches=settings.accumulate_grad_batches,
         strategy=strategy_for(recipe),
         accelerator=settings.accelerator,

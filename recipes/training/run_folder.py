@@ -80,6 +80,9 @@ MAY_CHANGE = (
     "trainer.context_parallel",
     "trainer.expert_parallel",
     "trainer.data_parallel",
+    "trainer.pipeline_parallel",
+    "trainer.pipeline_schedule",
+    "trainer.microbatches",
     "trainer.compile",
     "trainer.activation_checkpointing",
     "sample",
@@ -361,17 +364,18 @@ GLOBAL_BATCH = ("data.batch_size", "trainer.accumulate_grad_batches")
 
 def global_batch(recipe: Mapping[str, Any]) -> int | None:
     """Sequences per optimizer step of a flattened recipe: ``batch_size x accumulate x`` the
-    data-parallel ranks (devices x nodes, over the tensor- and context-parallel degrees under fsdp); None when
-    the devices are not a count."""
+    data-parallel ranks (devices x nodes, over the tensor-, context- and pipeline-parallel degrees under fsdp);
+    None when the devices are not a count."""
     devices, batch = recipe.get("trainer.devices"), recipe.get("data.batch_size")
     if isinstance(devices, list):  # device indices (trainer.devices normalises "[0, 1]" so)
         devices = len(devices)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or not isinstance(batch, int):
         return None
     fsdp = recipe.get("trainer.strategy") == "fsdp"
-    tensor_parallel = recipe.get("trainer.tensor_parallel", 1) if fsdp else 1
-    context_parallel = recipe.get("trainer.context_parallel", 1) if fsdp else 1
-    ranks = devices * recipe.get("trainer.num_nodes", 1) // max(1, (tensor_parallel or 1) * (context_parallel or 1))
+    model = 1  # ranks that read the same batch: tensor-parallel peers, context-parallel peers, stages
+    for field in ("trainer.tensor_parallel", "trainer.context_parallel", "trainer.pipeline_parallel"):
+        model *= (recipe.get(field, 1) or 1) if fsdp else 1
+    ranks = devices * recipe.get("trainer.num_nodes", 1) // max(1, model)
     return batch * recipe.get("trainer.accumulate_grad_batches", 1) * ranks
 
 

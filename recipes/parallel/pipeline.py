@@ -1,0 +1,244 @@
+"""Pipeline parallelism (``trainer.pipeline_parallel``, ``pipeline_schedule``, ``microbatches``)
+with ``torch.distributed.pipelining``, over the ``pp`` dimension of the device mesh, as
+torchtitan does it (``torchtitan/distributed/pipeline_parallel.py``):
+
+* the model (on the meta device) is cut at layer boundaries into ``pipeline_parallel x`` (stages
+  per rank) stages by its own contract, ``model.pipeline_part(layers)``
+  (``blocks.stacks``): the first stage holds the embedding, the last the final norm and head, and
+  :func:`stage_layers` gives the first and last one layer fewer where the layers do not divide;
+* each rank keeps the part holding all its stages' layers (its parameters keep the whole model's
+  names, so checkpoints load on any layout), and each stage is a view of it, parallelised alone
+  (tensor parallelism, checkpointing, compile, then ``fully_shard`` with the stage as its root,
+  which ``PipelineStage`` drives: its gradients reduce once, after the last micro-batch) and
+  wrapped in ``PipelineStage`` on the ``pp`` group;
+* the schedule (:data:`SCHEDULES`) runs a step's micro-batches through the stages, the last
+  computing the loss; the loss is broadcast over the ``pp`` group, so every rank logs it.
+
+Lightning's ``ModelParallelStrategy`` has no pipeline: the LightningModule drives the schedule
+with manual optimization (``recipes.training.module.LMModule``): a schedule's step is the forward
+and backward of every micro-batch interleaved across ranks, which no ``training_step`` returning
+a loss for Lightning to backpropagate can express; the optimizer, its scheduler, checkpoints and
+logging stay Lightning's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from recipes.errors import RecipeError
+from recipes.recipe.sections import TrainerSection
+
+#: ``trainer.pipeline_schedule`` -> (the torch schedule class, stages per rank, how stages go to ranks:
+#: ``loop`` (rank r: stages r, r + P, ...) or ``v`` (rank r: stages r and 2P - 1 - r))
+SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+}
+
+
+def stage_count(settings: TrainerSection) -> int:
+    """Stages in all: the ranks of a pipeline times the stages each holds."""
+    return settings.pipeline_parallel * SCHEDULES[settings.pipeline_schedule][1]
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The layers of each stage, consecutive; where they do not divide, the extra layers go to
+    the middle stages first, then the first, so the first (the embedding) and the last (the final
+    norm and the head's projection) hold fewer."""
+    base, extra = divmod(n_layers, n_stages)
+    order = sorted(range(n_stages), key=lambda s: (s == n_stages - 1, s == 0))  # middle, first, last
+    counts = [base + (s in order[:extra]) for s in range(n_stages)]
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def stages_of_rank(rank: int, ranks: int, per_rank: int, style: str) -> list[int]:
+    """The stage indices pipeline rank ``rank`` of ``ranks`` holds."""
+    if style == "v":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + i * ranks for i in range(per_rank)]
+
+
+def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
+    """Refuse, in one :class:`RecipeError` naming ``trainer.pipeline_parallel``, a model its stages cannot cut."""
+    degree, stages = settings.pipeline_parallel, stage_count(settings)
+    where = f"trainer.pipeline_parallel {degree}"
+    try:
+        layers = model.pipeline_layers()
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    if layers < stages:
+        per = f" ({settings.pipeline_schedule} holds {stages // degree} per rank)" if stages > degree else ""
+        raise RecipeError(f"{where}: {stages} stages{per} but the model has {layers} layers")
+    if model.has_aux_losses():
+        raise RecipeError(
+            f"{where}: the model's auxiliary losses (MoE balancing, multi-token prediction) are summed "
+            "over every stage's layers, which the last stage's loss does not see"
+        )
+    shared = _shared_across(model, stage_layers(layers, stages))
+    if shared:
+        raise RecipeError(
+            f"{where}: {shared} is shared between stages on different ranks (tied embeddings: set "
+            "model.spec tie_embeddings false)"
+        )
+
+
+def _shared_across(model: nn.Module, layers: list[list[int]]) -> str | None:
+    """A parameter two stages hold (a head tied to the embedding), by name."""
+    owner: dict[int, int] = {}
+    for index, part_layers in enumerate(layers):
+        for name, p in model.pipeline_part(part_layers).named_parameters():
+            if owner.setdefault(id(p), index) != index:
+                return name
+    return None
+
+
+@dataclass
+class Pipeline:
+    """A rank's pipeline stages and the schedule that runs them."""
+
+    schedule: object
+    stages: list
+    group: object  # the pp process group
+    last_rank: int  # the pp rank holding the last stage (the loss)
+    microbatches: int
+    eval_schedule: object = None  # forward only, where the training schedule has none (V placements)
+    #: the whole model's parameter names in its own order (``named_parameters``), which every stage's keep
+    names: tuple[str, ...] = ()
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    def _run(self, train: bool, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One schedule step (``train``: forward and backward; else forward only) over ``input_ids``
+        cut into micro-batches; the mean of their losses, on every rank of the pipeline."""
+        import torch.distributed as dist
+
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        target = targets if self.has_last else None
+        run = self.schedule.step if train else (self.eval_schedule or self.schedule).eval
+        run(*args, target=target, losses=losses, return_outputs=False)
+        if self.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=input_ids.device)
+        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
+        return loss
+
+    def train_step(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the gradients are the whole batch's mean."""
+        return self._run(True, input_ids, targets)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._run(False, input_ids, targets)
+
+    def whole_groups(self, groups: list[dict], prefix: str = "") -> list[dict]:
+        """Optimizer parameter groups named as ``get_optimizer_state_dict`` names them (each
+        group's ``params`` this rank's parameter names, ``prefix`` before the model's) with every
+        stage's names instead, in the whole model's order: the groups one process training the
+        whole model has. A checkpoint written with them reads on any layout (every rank writes the
+        same groups, so which rank's copy it keeps does not matter), and a checkpoint keyed by
+        position in the whole model's groups (one process wrote it) maps to names through them.
+        Every rank of the ``pp`` group calls it."""
+        import torch.distributed as dist
+
+        parts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, [list(group["params"]) for group in groups], group=self.group)
+        order = {prefix + name: i for i, name in enumerate(self.names)}
+        whole = []
+        for index, group in enumerate(groups):
+            names = {name for part in parts for name in part[index]}
+            missing = names - order.keys()
+            if missing:
+                raise RuntimeError(f"pipeline stages hold parameters the model does not name: {sorted(missing)[:3]}")
+            whole.append(dict(group, params=sorted(names, key=order.__getitem__)))
+        return whole
+
+
+def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, loss_fn, parallelize_stage):
+    """This rank's part of ``model`` (a ``build_model`` model, on meta) and its :class:`Pipeline`.
+
+    ``loss_fn(output, target)``: the loss of a micro-batch (a mean, as the schedules scale the
+    gradients by the micro-batch count); ``parallelize_stage(module)``: the rest of
+    :func:`recipes.parallel.parallelize` for one stage (tensor parallelism and FSDP2 on the
+    mesh's other dimensions, materialised)."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import schedules
+
+    check_pipeline(model, settings)
+    names = tuple(name for name, _ in model.named_parameters())
+    name, per_rank, style = SCHEDULES[settings.pipeline_schedule]
+    pp_mesh = mesh["pp"]
+    rank, ranks = pp_mesh.get_local_rank(), pp_mesh.size()
+    n_stages = stage_count(settings)
+    layers = stage_layers(model.pipeline_layers(), n_stages)
+    mine = stages_of_rank(rank, ranks, per_rank, style)
+    part = model.pipeline_part(sorted(i for s in mine for i in layers[s]))
+    views = [part.pipeline_part(layers[s]) for s in mine]
+    for view in views:
+        parallelize_stage(view)
+    group = pp_mesh.get_group()
+    stages = [
+        pipelining.PipelineStage(view, s, n_stages, device, group=group) for view, s in zip(views, mine, strict=True)
+    ]
+    cls = getattr(schedules, name)
+    micro = settings.pipeline_microbatches()
+    schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
+    evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
+    last = _rank_of(n_stages - 1, ranks, style)
+    return part, Pipeline(schedule, stages, group, last, micro, evaluation, names)
+
+
+def v_evaluation(stages: list, microbatches: int, loss_fn):
+    """The schedule that validates V-placed stages (rank r: stages r and 2P - 1 - r) under ``zbv``
+    and ``dualpipev``, whose steps split the backward into input and weight parts that
+    ``eval()`` cannot skip: torch's breadth-first schedule with the V placement, forwards only
+    (every micro-batch through a rank's first stage, then its second)."""
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
+
+    class VBreadthFirst(ScheduleLoopedBFS):
+        def _calculate_single_rank_operations(self, rank):
+            mapping = {s: _rank_of(s, self.pp_group_size, "v") for s in range(self._num_stages)}
+            self.stage_index_to_group_rank = mapping
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = mapping
+            mine, micro = stages_of_rank(rank, self.pp_group_size, 2, "v"), range(self._n_microbatches)
+            ops: list = [None] * rank
+            ops += [_Action(stage, _ComputationType.FORWARD, mb) for stage in mine for mb in micro]
+            ops += [None] * (2 * (self.pp_group_size - 1 - rank))
+            ops += [_Action(s, _ComputationType.FULL_BACKWARD, mb) for s in reversed(mine) for mb in reversed(micro)]
+            return ops
+
+        def _prepare_schedule_with_comms(self, actions, format="compute_only"):
+            # the backwards are there for torch's validation of the order; eval() would still run
+            # them between the two stages a rank holds (the V's turn), so the lowered order drops them
+            super()._prepare_schedule_with_comms(actions, format)
+            self.pipeline_order_with_comms = {
+                rank: [a for a in ops if a.computation_type not in BACKWARD]
+                for rank, ops in self.pipeline_order_with_comms.items()
+            }
+
+    kinds = _ComputationType
+    BACKWARD = (kinds.FULL_BACKWARD, kinds.SEND_B, kinds.RECV_B, kinds.REDUCE_GRAD)
+
+    return VBreadthFirst(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def _rank_of(stage: int, ranks: int, style: str) -> int:
+    """The pipeline rank holding ``stage`` (the inverse of :func:`stages_of_rank`)."""
+    if style == "v":
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks

@@ -1,0 +1,264 @@
+"""The trainer's parallelism: the fields that lay a run out over devices (``strategy``,
+``data_parallel`` and the tensor-, pipeline-, context- and expert-parallel degrees) and their
+rules, each refusal one located line naming the field. Torch-free.
+
+:class:`ParallelismFields` is the part of ``trainer`` (:class:`recipes.recipe.sections.TrainerSection`
+adds the rest, which these rules also read: ``devices``, ``num_nodes``, ``precision``, ``compile``,
+``accumulate_grad_batches``); :func:`check_recipe_parallelism` holds the rules that read other
+sections (the task, ``data.seq_len``, ``data.packing``, ``data.batch_size``). Which layouts can
+run at all is :class:`builder.analysis.layout.Layout`'s (``recipes.parallel.mesh.layout_of``); the
+degrees not composed yet at runtime (context with expert, pipeline with either) are refused here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from recipes.recipe.fields import _Section
+
+#: the pipeline schedules (``torch.distributed.pipelining.schedules``), as ``trainer.pipeline_schedule`` names them
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
+
+
+class ParallelismFields(_Section):
+    """The parallelism fields of ``trainer`` and their rules (module doc)."""
+
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="auto | ddp | fsdp. fsdp is FSDP2 (fully_shard) through Lightning's ModelParallelStrategy: "
+        "one shard unit per layer plus the embedding and the head, started on the meta device, sharded "
+        "checkpoints; CPU (gloo) or CUDA (nccl).",
+    )
+    data_parallel: Literal["shard", "replicate", "hybrid"] = Field(
+        "shard",
+        description="fsdp: shard (parameters, gradients and optimizer state split over the data-parallel "
+        "ranks) | replicate (every rank keeps everything, gradients all-reduced) | hybrid (HSDP: shard "
+        "inside a node, replicate across nodes).",
+    )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: tensor-parallel degree (ranks of one node that split every layer's matrices, "
+        "as each block's parallel plan declares); the data-parallel degree is the rest.",
+    )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: pipeline stages (torch.distributed.pipelining), each holding consecutive layers "
+        "(the first the embedding, the last the final norm and head); the data-parallel degree is the rest.",
+    )
+    pipeline_schedule: PipelineSchedule = Field(
+        "1f1b",
+        description="pipeline_parallel > 1: gpipe | 1f1b | interleaved_1f1b (2 stages per rank); zbv (zero "
+        "bubble) and dualpipev (DeepSeek's DualPipe), V-shaped with 2 stages per rank, are refused for now "
+        "(their split backward does not yet train like one process).",
+    )
+    microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="pipeline_parallel > 1: micro-batches each data.batch_size is cut into for the pipeline "
+        "schedule (it must divide data.batch_size; null: the number of stages).",
+    )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: context-parallel degree (ranks that split every sequence, in 2 x C load-balanced "
+        "chunks, each attending over the keys gathered from all; they read the same micro-batch); "
+        "data.seq_len must divide into 2 x C chunks. lm task, multi_head attention.",
+    )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="fsdp: expert-parallel degree (ranks of the FSDP shard group that split every "
+        "mixture of experts' routed experts, tokens sent to them by all-to-all); borrowed from the "
+        "data-parallel ranks, so data.batch_size stays per data-parallel rank. Not yet with "
+        "context_parallel.",
+    )
+
+    @model_validator(mode="after")
+    def _layout(self):
+        from builder.spec.problems import rule_error
+
+        self._pipeline()
+        if self.strategy != "fsdp":
+            if self.context_parallel > 1:
+                raise rule_error(
+                    ("context_parallel",),
+                    "context_parallel needs strategy: fsdp (its ranks join FSDP2's shard group on the device mesh)",
+                )
+            if self.tensor_parallel > 1:
+                raise rule_error(
+                    ("tensor_parallel",),
+                    "tensor_parallel needs strategy: fsdp (FSDP2 composes with it on a 2-D device mesh)",
+                )
+            if self.data_parallel != "shard":
+                raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
+            if self.expert_parallel > 1:
+                raise rule_error(
+                    ("expert_parallel",),
+                    "expert_parallel needs strategy: fsdp (the experts are split over FSDP2's shard group)",
+                )
+            return self
+        if self.precision == "16-mixed":
+            raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
+        if self.compile == "model":
+            raise rule_error(
+                ("compile",),
+                "compile: model traces the whole step, which FSDP2's per-layer hooks "
+                "split; with strategy fsdp use layers (or true)",
+            )
+        if self.data_parallel == "hybrid" and self.num_nodes == 1:
+            raise rule_error(
+                ("data_parallel",),
+                "data_parallel hybrid shards inside a node and replicates across "
+                "nodes, but num_nodes is 1; use shard (or set num_nodes)",
+            )
+        per_node = len(self.devices) if isinstance(self.devices, list) else self.devices
+        if isinstance(per_node, int) and per_node > 0 and per_node % self.tensor_parallel:
+            raise rule_error(
+                ("tensor_parallel",),
+                f"tensor_parallel {self.tensor_parallel} must divide devices "
+                f"({per_node} per node): a tensor-parallel group stays inside one node",
+            )
+        if isinstance(per_node, int) and per_node > 0 and per_node % (self.tensor_parallel * self.context_parallel):
+            raise rule_error(
+                ("context_parallel",),
+                f"tensor_parallel x context_parallel ({self.tensor_parallel} x {self.context_parallel}) must "
+                f"divide devices ({per_node} per node): a context-parallel group stays inside one node",
+            )
+        if self.expert_parallel > 1 and self.data_parallel == "replicate":
+            raise rule_error(
+                ("expert_parallel",),
+                "expert_parallel borrows its ranks from the FSDP shard group, which data_parallel "
+                "replicate does not have; use shard or hybrid",
+            )
+        if self.expert_parallel > 1 and self.context_parallel > 1:
+            raise rule_error(
+                ("expert_parallel",),
+                f"expert_parallel {self.expert_parallel} with context_parallel {self.context_parallel} is not "
+                "supported yet (the experts are sharded and their gradients reduced outside the cp ranks); "
+                "set one of them to 1",
+            )
+        return self
+
+    def _pipeline(self) -> None:
+        """The pipeline fields' own rules (those against data.batch_size: :class:`Recipe`)."""
+        from builder.spec.problems import rule_error
+
+        if self.pipeline_parallel == 1:
+            for name in ("microbatches",):
+                if getattr(self, name) is not None:
+                    raise rule_error((name,), f"{name} needs pipeline_parallel > 1")
+            return
+        field = ("pipeline_parallel",)
+        if self.strategy != "fsdp":
+            raise rule_error(field, "pipeline_parallel needs strategy: fsdp (stages on a device mesh)")
+        for other in ("context_parallel", "expert_parallel"):
+            if getattr(self, other) > 1:
+                raise rule_error(
+                    field,
+                    f"pipeline_parallel {self.pipeline_parallel} with {other} {getattr(self, other)} is not "
+                    "supported yet (the stages' schedule does not split sequences or route tokens across "
+                    f"ranks); set one of them to 1",
+                )
+        if self.accumulate_grad_batches > 1:
+            raise rule_error(
+                ("accumulate_grad_batches",),
+                "accumulate_grad_batches > 1 with pipeline_parallel: the schedule accumulates its "
+                "micro-batches itself; raise data.batch_size and trainer.microbatches instead",
+            )
+        if self.compile == "model":
+            raise rule_error(("compile",), "compile: model traces one graph; pipeline stages need layers (or true)")
+        total = (len(self.devices) if isinstance(self.devices, list) else self.devices) if self.devices != "auto" else 0
+        if isinstance(total, int) and total > 0 and (total * self.num_nodes) % self.pipeline_parallel:
+            raise rule_error(
+                field,
+                f"pipeline_parallel {self.pipeline_parallel} must divide the {total * self.num_nodes} devices",
+            )
+        self._schedule_rules()
+
+    def _schedule_rules(self) -> None:
+        """What each schedule asks of the micro-batch count (``torch.distributed.pipelining.schedules``)."""
+        from builder.spec.problems import rule_error
+
+        micro, degree, schedule = self.pipeline_microbatches(), self.pipeline_parallel, self.pipeline_schedule
+        where = ("microbatches",) if self.microbatches else ("pipeline_schedule",)
+        if schedule in ("zbv", "dualpipev"):
+            raise rule_error(
+                ("pipeline_schedule",),
+                f"pipeline_schedule {schedule}: torch's split backward (input, then weights) over FSDP2 "
+                "stages does not yet train like one process here (its gradients differ from step 1); use "
+                "1f1b, gpipe or interleaved_1f1b",
+            )
+        rounds = max(1, micro // degree)
+        if schedule == "interleaved_1f1b" and micro % rounds:
+            raise rule_error(
+                where, f"interleaved_1f1b needs micro-batches ({micro}) in whole rounds of {degree} (the stages)"
+            )
+
+    def pipeline_microbatches(self) -> int:
+        """The micro-batches a pipelined step cuts its batch into (``microbatches``, default the stages)."""
+        return self.microbatches or self.pipeline_parallel
+
+
+def check_recipe_parallelism(recipe) -> None:
+    """The parallelism rules that read sections beside ``trainer`` (a :class:`Recipe`'s validator calls it)."""
+    _context_parallel(recipe)
+    _pipeline_batch(recipe)
+
+
+def _context_parallel(recipe) -> None:
+    """``trainer.context_parallel`` splits an LM window of ``data.seq_len`` tokens in ``2 x C``
+    equal chunks (``recipes.parallel.context``); whole windows only, no packed documents."""
+    from builder.spec.problems import rule_error
+
+    degree = recipe.trainer.context_parallel
+    if degree == 1:
+        return
+    from recipes.tasks import task_named
+
+    if not task_named(recipe.task).splits_windows:
+        raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {recipe.task}")
+    if recipe.data.seq_len % (2 * degree):
+        raise rule_error(
+            ("data", "seq_len"),
+            f"seq_len {recipe.data.seq_len} does not split into 2 x {degree} equal chunks (trainer.context_parallel)",
+        )
+    if recipe.data.packing != "concat":
+        raise rule_error(
+            ("data", "packing"),
+            f"packing {recipe.data.packing} masks across documents, which a context-parallel share does "
+            "not (trainer.context_parallel); use concat",
+        )
+
+
+def _pipeline_batch(recipe) -> None:
+    """``trainer.pipeline_parallel`` trains LM windows (its last stage computes their next-token
+    loss), without packed documents' ids, in micro-batches that divide ``data.batch_size``."""
+    from builder.spec.problems import rule_error
+
+    trainer = recipe.trainer
+    if trainer.pipeline_parallel == 1:
+        return
+    from recipes.tasks import task_named
+
+    if not task_named(recipe.task).splits_windows:  # the last stage's loss: next tokens of whole windows
+        raise rule_error(
+            ("trainer", "pipeline_parallel"),
+            f"pipeline_parallel trains next-token prediction over LM windows; task {recipe.task}'s loss is "
+            "not pipelined",
+        )
+    if getattr(recipe.data, "packing", None) == "doc_masked":
+        raise rule_error(
+            ("data", "packing"),
+            "packing doc_masked with pipeline_parallel: later stages see hidden states only, not the "
+            "document ids; use concat",
+        )
+    micro, batch = trainer.pipeline_microbatches(), recipe.data.batch_size
+    if batch % micro:
+        raise rule_error(
+            ("trainer", "microbatches") if trainer.microbatches else ("data", "batch_size"),
+            f"{micro} pipeline micro-batches must divide data.batch_size {batch}",
+        )

@@ -1,0 +1,103 @@
+"""Pipeline x tensor x FSDP2 parallelism on 8 CPU processes (gloo): PP 2 x TP 2 x FSDP 2 trains
+like one process at the same global batch for 20 steps, and every rank holds exactly the
+parameters ``builder.analysis.layout.rank_states`` counts for the stage it holds. Slow (8
+processes start torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from sharded_helpers import EVEN_VOCAB, assert_same_losses, losses, recipe, train
+from test_pipeline_parallel import TINY_PP
+
+pytestmark = pytest.mark.slow
+
+WORLD, TP, PP = 8, 2, 2
+SEED = 7
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from builder.assemble import build_model
+    from builder.spec.schema import spec_model
+    from recipes.parallel import layout_of, parallelize
+    from recipes.parallel.mesh import device_mesh
+    from recipes.parallel.pipeline import build_pipeline
+    from recipes.recipe.sections import TrainerSection
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    settings = TrainerSection(
+        strategy="fsdp", accelerator="cpu", devices=WORLD, tensor_parallel=TP, pipeline_parallel=PP, microbatches=2
+    )
+    mesh = device_mesh(layout_of(settings), "cpu")
+    cpu = torch.device("cpu")
+    model = build_model(spec_model().model_validate(dict(TINY_PP, vocab_size=400)), device="meta")
+
+    def stage(view):
+        return parallelize(view, settings, mesh, init_seed=SEED, device=cpu)
+
+    part, _ = build_pipeline(model, settings, mesh, cpu, lambda logits, targets: logits.sum(), stage)
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in part.parameters()]
+    held = {"elements": sum(t.numel() for t in local), "weights": sum(t.numel() * t.element_size() for t in local)}
+    held["tensors"], held["names"] = len(local), [name for name, _ in part.named_parameters()]
+    Path(out, f"{rank}.json").write_text(json.dumps(held))
+    dist.destroy_process_group()
+
+
+def _stage_tensors(spec, stage: int):
+    """The parameter tensors of ``builder.analysis.layout.model_tensors`` that pipeline stage
+    ``stage`` holds (its layers; the embedding on the first, the final norm and head on the last),
+    cut as the recipes cut the model (``recipes.parallel.pipeline.stage_layers``)."""
+    from builder.analysis.layout import model_tensors
+    from recipes.parallel.pipeline import stage_layers
+
+    layers = stage_layers(spec.decoder.n_layers, PP)[stage]
+    units = {f"decoder.layers.{i}" for i in layers}
+    units |= {"decoder.embedding"} if stage == 0 else set()
+    units |= {"head", "root"} if stage == PP - 1 else set()
+    return [t for t in model_tensors(spec) if t.unit in units]
+
+
+def test_every_rank_of_pp2_tp2_fsdp2_holds_what_the_layout_counts_for_its_stage(tmp_path):
+    from builder.analysis.layout import Layout, rank_states
+    from builder.spec.schema import spec_model
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
+    spec = spec_model().model_validate(dict(TINY_PP, vocab_size=400))
+    layout = Layout(devices=WORLD, tensor_parallel=TP, pipeline_parallel=PP)
+    for rank in range(WORLD):
+        held = json.loads((tmp_path / f"{rank}.json").read_text())
+        stage = layout.mesh(rank)["pp"]
+        tensors = _stage_tensors(spec, stage)
+        assert sorted(held.pop("names")) == sorted(t.name for t in tensors), rank
+        want = rank_states(spec, layout, rank, tensors)
+        assert held == {"elements": want.elements, "weights": want.weights, "tensors": want.tensors}, rank
+
+
+def test_pp2_tp2_fsdp2_on_eight_processes_trains_like_one(tmp_path):
+    one = tmp_path / "one"
+    train(recipe(one, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
+    out = train(
+        recipe(
+            tmp_path / "3d",
+            batch=2,  # per data-parallel rank: 8 / (PP 2 x TP 2) = 2 of them, so 4 sequences a step
+            devices=WORLD,
+            spec=TINY_PP,
+            tokenizer=EVEN_VOCAB,
+            strategy="fsdp",
+            tensor_parallel=TP,
+            pipeline_parallel=PP,
+            microbatches=2,
+        )
+    )
+    assert f"MEMBER: {WORLD}/{WORLD}" in out
+    assert_same_losses(losses(tmp_path / "3d" / "run"), losses(one / "run"), keys=("train",))
