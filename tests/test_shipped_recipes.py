@@ -102,7 +102,7 @@ def _cases():
             yield pytest.param(path, "as found", id=path.stem)
 
 
-@pytest.mark.parametrize("shipped,native", _cases())
+@pytest.mark.parametrize("shipped,native", list(_cases()))
 def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path, monkeypatch, capsys):
     from builder.cli import main
     from recipes.training import precision

@@ -79,27 +79,17 @@ class ParallelismFields(_Section):
 
     @model_validator(mode="after")
     def _layout(self):
+        """The combinations of these fields the runtime refuses are ``builder.analysis.runtime``'s
+        table (which ``builder plan --launchable`` reads too): the first one broken, located at
+        its field. The precision and compile rules under fsdp are this section's own."""
+        from builder.analysis.runtime import Settings, problems
         from builder.spec.problems import rule_error
 
-        self._pipeline()
+        found = problems(Settings.of(self))
+        if found:
+            field, reason = found[0]
+            raise rule_error((field,), reason)
         if self.strategy != "fsdp":
-            if self.context_parallel > 1:
-                raise rule_error(
-                    ("context_parallel",),
-                    "context_parallel needs strategy: fsdp (its ranks join FSDP2's shard group on the device mesh)",
-                )
-            if self.tensor_parallel > 1:
-                raise rule_error(
-                    ("tensor_parallel",),
-                    "tensor_parallel needs strategy: fsdp (FSDP2 composes with it on a 2-D device mesh)",
-                )
-            if self.data_parallel != "shard":
-                raise rule_error(("data_parallel",), f"data_parallel {self.data_parallel} needs strategy: fsdp")
-            if self.expert_parallel > 1:
-                raise rule_error(
-                    ("expert_parallel",),
-                    "expert_parallel needs strategy: fsdp (the experts are split over FSDP2's shard group)",
-                )
             return self
         if self.precision == "16-mixed":
             raise rule_error(("precision",), "precision 16-mixed is not supported with strategy fsdp; use bf16-mixed")
@@ -109,94 +99,7 @@ class ParallelismFields(_Section):
                 "compile: model traces the whole step, which FSDP2's per-layer hooks "
                 "split; with strategy fsdp use layers (or true)",
             )
-        if self.data_parallel == "hybrid" and self.num_nodes == 1:
-            raise rule_error(
-                ("data_parallel",),
-                "data_parallel hybrid shards inside a node and replicates across "
-                "nodes, but num_nodes is 1; use shard (or set num_nodes)",
-            )
-        per_node = len(self.devices) if isinstance(self.devices, list) else self.devices
-        if isinstance(per_node, int) and per_node > 0 and per_node % self.tensor_parallel:
-            raise rule_error(
-                ("tensor_parallel",),
-                f"tensor_parallel {self.tensor_parallel} must divide devices "
-                f"({per_node} per node): a tensor-parallel group stays inside one node",
-            )
-        if isinstance(per_node, int) and per_node > 0 and per_node % (self.tensor_parallel * self.context_parallel):
-            raise rule_error(
-                ("context_parallel",),
-                f"tensor_parallel x context_parallel ({self.tensor_parallel} x {self.context_parallel}) must "
-                f"divide devices ({per_node} per node): a context-parallel group stays inside one node",
-            )
-        if self.expert_parallel > 1 and self.data_parallel == "replicate":
-            raise rule_error(
-                ("expert_parallel",),
-                "expert_parallel borrows its ranks from the FSDP shard group, which data_parallel "
-                "replicate does not have; use shard or hybrid",
-            )
-        if self.expert_parallel > 1 and self.context_parallel > 1:
-            raise rule_error(
-                ("expert_parallel",),
-                f"expert_parallel {self.expert_parallel} with context_parallel {self.context_parallel} is not "
-                "supported yet (the experts are sharded and their gradients reduced outside the cp ranks); "
-                "set one of them to 1",
-            )
         return self
-
-    def _pipeline(self) -> None:
-        """The pipeline fields' own rules (those against data.batch_size: :class:`Recipe`)."""
-        from builder.spec.problems import rule_error
-
-        if self.pipeline_parallel == 1:
-            for name in ("microbatches",):
-                if getattr(self, name) is not None:
-                    raise rule_error((name,), f"{name} needs pipeline_parallel > 1")
-            return
-        field = ("pipeline_parallel",)
-        if self.strategy != "fsdp":
-            raise rule_error(field, "pipeline_parallel needs strategy: fsdp (stages on a device mesh)")
-        for other in ("context_parallel", "expert_parallel"):
-            if getattr(self, other) > 1:
-                raise rule_error(
-                    field,
-                    f"pipeline_parallel {self.pipeline_parallel} with {other} {getattr(self, other)} is not "
-                    "supported yet (the stages' schedule does not split sequences or route tokens across "
-                    f"ranks); set one of them to 1",
-                )
-        if self.accumulate_grad_batches > 1:
-            raise rule_error(
-                ("accumulate_grad_batches",),
-                "accumulate_grad_batches > 1 with pipeline_parallel: the schedule accumulates its "
-                "micro-batches itself; raise data.batch_size and trainer.microbatches instead",
-            )
-        if self.compile == "model":
-            raise rule_error(("compile",), "compile: model traces one graph; pipeline stages need layers (or true)")
-        total = (len(self.devices) if isinstance(self.devices, list) else self.devices) if self.devices != "auto" else 0
-        if isinstance(total, int) and total > 0 and (total * self.num_nodes) % self.pipeline_parallel:
-            raise rule_error(
-                field,
-                f"pipeline_parallel {self.pipeline_parallel} must divide the {total * self.num_nodes} devices",
-            )
-        self._schedule_rules()
-
-    def _schedule_rules(self) -> None:
-        """What each schedule asks of the micro-batch count (``torch.distributed.pipelining.schedules``)."""
-        from builder.spec.problems import rule_error
-
-        micro, degree, schedule = self.pipeline_microbatches(), self.pipeline_parallel, self.pipeline_schedule
-        where = ("microbatches",) if self.microbatches else ("pipeline_schedule",)
-        if schedule in ("zbv", "dualpipev"):
-            raise rule_error(
-                ("pipeline_schedule",),
-                f"pipeline_schedule {schedule}: torch's split backward (input, then weights) over FSDP2 "
-                "stages does not yet train like one process here (its gradients differ from step 1); use "
-                "1f1b, gpipe or interleaved_1f1b",
-            )
-        rounds = max(1, micro // degree)
-        if schedule == "interleaved_1f1b" and micro % rounds:
-            raise rule_error(
-                where, f"interleaved_1f1b needs micro-batches ({micro}) in whole rounds of {degree} (the stages)"
-            )
 
     def pipeline_microbatches(self) -> int:
         """The micro-batches a pipelined step cuts its batch into (``microbatches``, default the stages)."""
