@@ -73,3 +73,29 @@ def _numel(shape) -> int:
     for size in shape:
         n *= size
     return n
+
+
+def test_pipeline_stages_hold_exactly_their_layers_states(capsys):
+    """Under pipeline parallelism describe's states are the heaviest stage's own, exactly: on two
+    stages of one rank each (no FSDP, no TP to split them) 16 bytes per parameter of the layers,
+    embedding or final norm and head a stage holds as the recipes cut the model, plus AdamW's
+    fp32 step per tensor; the built model's parameters, grouped by the same cut, say which."""
+    import torch
+
+    from builder.analysis.shards import stage_layers
+    from builder.assemble import build_model
+
+    spec = load_spec(TINY / "llama.yaml")
+    model = build_model(spec, device=torch.device("meta"))
+    cut = stage_layers(spec.decoder.n_layers, 2)
+
+    def stage_of(name: str) -> int:
+        if name.startswith("decoder.layers."):
+            layer = int(name.split(".")[2])
+            return next(s for s, layers in enumerate(cut) if layer in layers)
+        return 0 if name.startswith("decoder.embedding") else 1
+
+    held = [[p for n, p in model.named_parameters() if stage_of(n) == s] for s in range(2)]
+    want = max(16 * sum(p.numel() for p in ps) + 4 * len(ps) for ps in held)
+    out = _describe(capsys, TINY / "llama.yaml", "--devices", "2", "--pipeline-parallel", "2")
+    assert out["layout_memory"]["parts"]["states"] == want

@@ -52,22 +52,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _stage_tensors(spec, stage: int):
-    """The parameter tensors of ``builder.analysis.layout.model_tensors`` that pipeline stage
-    ``stage`` holds (its layers; the embedding on the first, the final norm and head on the last),
-    cut as the recipes cut the model (``recipes.parallel.pipeline.stage_layers``)."""
-    from builder.analysis.layout import model_tensors
-    from recipes.parallel.pipeline import stage_layers
-
-    layers = stage_layers(spec.decoder.n_layers, PP)[stage]
-    units = {f"decoder.layers.{i}" for i in layers}
-    units |= {"decoder.embedding"} if stage == 0 else set()
-    units |= {"head", "root"} if stage == PP - 1 else set()
-    return [t for t in model_tensors(spec) if t.unit in units]
-
-
 def test_every_rank_of_pp2_tp2_fsdp2_holds_what_the_layout_counts_for_its_stage(tmp_path):
     from builder.analysis.layout import Layout, rank_states
+    from builder.analysis.shards import stage_tensors
     from builder.spec.schema import spec_model
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -77,7 +64,7 @@ def test_every_rank_of_pp2_tp2_fsdp2_holds_what_the_layout_counts_for_its_stage(
     for rank in range(WORLD):
         held = json.loads((tmp_path / f"{rank}.json").read_text())
         stage = layout.mesh(rank)["pp"]
-        tensors = _stage_tensors(spec, stage)
+        tensors = stage_tensors(spec, [stage], PP)
         assert sorted(held.pop("names")) == sorted(t.name for t in tensors), rank
         want = rank_states(spec, layout, rank, tensors)
         assert held == {"elements": want.elements, "weights": want.weights, "tensors": want.tensors}, rank

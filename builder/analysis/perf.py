@@ -54,6 +54,7 @@ from typing import Any
 
 from builder.analysis.hardware import GPU
 from builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
+from builder.analysis.shards import stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
@@ -293,7 +294,7 @@ class Model:
         ``pp x virtual`` chunks, rank ``s`` holding chunks ``s, s + pp, ...`` (the looped order)."""
         key = (pp, virtual)
         if key not in self._stages:
-            chunks = stages(len(self.layers), pp * virtual)
+            chunks = stage_layers(len(self.layers), pp * virtual)
             out = []
             for s in range(pp):
                 counts: dict[int, int] = {}
@@ -303,17 +304,6 @@ class Model:
                 out.append(counts)
             self._stages[key] = out
         return self._stages[key]
-
-
-def stages(n_layers: int, chunks: int) -> list[range]:
-    """Layers of each of ``chunks`` pipeline chunks, split evenly (the first ones one more)."""
-    size, extra = divmod(n_layers, chunks)
-    out, start = [], 0
-    for i in range(chunks):
-        end = start + size + (1 if i < extra else 0)
-        out.append(range(start, end))
-        start = end
-    return out
 
 
 def predict(

@@ -278,3 +278,49 @@ def _numel(shape) -> int:
     for size in shape:
         n *= size
     return n
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The layers of each pipeline stage, consecutive; where they do not divide, the extra layers
+    go to the middle stages first, then the first, so the first (the embedding) and the last (the
+    final norm and the head's projection) hold fewer. The recipes cut a model so
+    (``recipes.parallel.pipeline``), and the performance model counts stages so."""
+    base, extra = divmod(n_layers, n_stages)
+    order = sorted(range(n_stages), key=lambda s: (s == n_stages - 1, s == 0))  # middle, first, last
+    counts = [base + (s in order[:extra]) for s in range(n_stages)]
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def stages_of_rank(rank: int, ranks: int, per_rank: int, style: str) -> list[int]:
+    """The stage indices pipeline rank ``rank`` of ``ranks`` holds: ``loop`` (rank r: stages r,
+    r + P, ...) or ``v`` (rank r: stages r and 2P - 1 - r)."""
+    if style == "v":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + i * ranks for i in range(per_rank)]
+
+
+def stage_tensors(
+    spec, stages: list[int], n_stages: int, tensors: list[ParamTensor] | None = None
+) -> list[ParamTensor]:
+    """The parameter tensors (:func:`model_tensors`) a pipeline rank holding ``stages`` of
+    ``n_stages`` keeps: their layers, the embedding with the first stage, the final norm and the
+    head with the last (a decoder-only spec: pipelines cut its one stack)."""
+    ((stack, config),) = spec.stacks().items()
+    cut = stage_layers(config.n_layers, n_stages)
+    units = {f"{stack}.layers.{i}" for s in stages for i in cut[s]}
+    units |= {f"{stack}.embedding"} if 0 in stages else set()
+    units |= {"head", "root"} if n_stages - 1 in stages else set()
+    return [t for t in (model_tensors(spec) if tensors is None else tensors) if t.unit in units]
+
+
+def pipeline_rank_states(spec, layout: Layout, per_rank: int = 1, style: str = "loop") -> list[RankStates]:
+    """:func:`rank_states` of the first rank of each pipeline rank's group (its stages' tensors
+    only; ``per_rank`` stages each, placed by ``style``), exactly as the recipes hold them."""
+    tensors, pp = model_tensors(spec), layout.pipeline_parallel
+    out = []
+    for p in range(pp):
+        rank = p * layout.stage_devices  # pp is the mesh's outermost dimension
+        mine = stage_tensors(spec, stages_of_rank(p, pp, per_rank, style), pp * per_rank, tensors)
+        out.append(rank_states(spec, layout, rank, mine))
+    return out

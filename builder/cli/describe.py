@@ -169,6 +169,7 @@ def layout_memory(spec, args) -> dict | None:
     from builder.analysis.estimates import Step
     from builder.analysis.layout import Layout
     from builder.analysis.perf import Model, Run, memory
+    from builder.analysis.shards import pipeline_rank_states
 
     layout = _five_d(
         Layout(
@@ -197,6 +198,9 @@ def layout_memory(spec, args) -> dict | None:
         context_gather=True,  # as the recipes run context parallelism: every layer's keys and values gathered
     )
     parts = memory(Model(spec, seq, args.dtype), layout, run)
+    if layout.pipeline_parallel > 1:  # the stages' parameters, gradients and AdamW states, exactly
+        held = pipeline_rank_states(spec, layout, virtual)
+        parts["states"] = max(r.weights + r.gradients + r.optimizer for r in held)
     return {"layout": layout.to_dict(), "parts": parts, "per_gpu_bytes": sum(parts.values())}
 
 

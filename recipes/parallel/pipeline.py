@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from builder.analysis.shards import stage_layers, stages_of_rank
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
@@ -45,24 +46,6 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
 def stage_count(settings: TrainerSection) -> int:
     """Stages in all: the ranks of a pipeline times the stages each holds."""
     return settings.pipeline_parallel * SCHEDULES[settings.pipeline_schedule][1]
-
-
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """The layers of each stage, consecutive; where they do not divide, the extra layers go to
-    the middle stages first, then the first, so the first (the embedding) and the last (the final
-    norm and the head's projection) hold fewer."""
-    base, extra = divmod(n_layers, n_stages)
-    order = sorted(range(n_stages), key=lambda s: (s == n_stages - 1, s == 0))  # middle, first, last
-    counts = [base + (s in order[:extra]) for s in range(n_stages)]
-    starts = [sum(counts[:s]) for s in range(n_stages)]
-    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
-
-
-def stages_of_rank(rank: int, ranks: int, per_rank: int, style: str) -> list[int]:
-    """The stage indices pipeline rank ``rank`` of ``ranks`` holds."""
-    if style == "v":
-        return [rank, 2 * ranks - 1 - rank]
-    return [rank + i * ranks for i in range(per_rank)]
 
 
 def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
