@@ -363,6 +363,38 @@ def test_fit_answers_a_budget_and_predicts_a_variant(tmp_path, capsys, fake_tria
     assert "fitted to 12 runs" in out and "the study's spec for it: d_model=" in out and "predicted loss" in out
 
 
+def test_a_gpu_hour_budget_buys_each_model_what_builder_plan_predicts_for_it(tmp_path, capsys, fake_trials):
+    """--gpu-hours on --gpus GPUs: each model's tokens are the hours x the GPUs x builder plan's
+    predicted tokens/s per GPU for its fastest layout (a wider model runs fewer tokens an hour),
+    so the budget in FLOPs is the chosen model's own, and its MFU is the prediction's; a fixed
+    --mfu gives hours x peak x MFU instead."""
+    from builder.analysis.hardware import Cluster
+    from builder.analysis.hardware import gpu as hardware_gpu
+    from builder.analysis.plan import plan
+    from recipes.studies.variants import variant_model
+
+    path = write_study(tmp_path, axes={"d_model": [16, 32, 64, 128]}, budget={"steps": [2, 3, 4], "validations": 1})
+    assert sweep(path) == 0
+    capsys.readouterr()
+    fit = ["study", "fit", str(path), "--bootstrap", "10", "--json"]
+    assert main([*fit, "--gpu-hours", "2", "--gpus", "8", "--gpu", "h100"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    near = budget["nearest"]
+    recipe, spec, _ = variant_model(load_study(path), {"d_model": int(near["family"].split("=")[1])})
+    row = hardware_gpu("h100")
+    cluster = Cluster(gpus=8, per_node=8, memory=row.memory, peak=row.peak["bf16"], gpu=row.name, hardware=row)
+    batch = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches
+    step = plan(spec, cluster, seq_len=recipe.data.seq_len, global_batch=-(-batch // 8) * 8).chosen.prediction
+    tokens = 2 * 3600 * 8 * step.tokens_per_s_per_gpu
+    assert near["tokens"] == pytest.approx(tokens) and budget["flops"] == pytest.approx(
+        tokens * near["flops_per_token"]
+    )
+    assert near["mfu"] == pytest.approx(step.mfu) and 0 < near["mfu"] < 1
+    assert main([*fit, "--gpu-hours", "2", "--gpu", "H100 SXM", "--mfu", "0.5"]) == 0
+    fixed = json.loads(capsys.readouterr().out)["budget"]
+    assert fixed["flops"] == pytest.approx(2 * 3600 * row.peak["bf16"] * 0.5) and "mfu" not in fixed["nearest"]
+
+
 @pytest.mark.slow
 def test_real_sweep_killed_and_resumed(tmp_path):
     """Real `builder train` trials: the sweep process is sent SIGINT midway, and the rerun

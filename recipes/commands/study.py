@@ -40,13 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-hours",
         type=number(above=0),
         metavar="H",
-        help="a compute budget in GPU-hours: H x 3600 x the GPU's peak x --mfu FLOPs (default: none)",
+        help="a compute budget in GPU-hours on --gpus GPUs: each study model's tokens are H x 3600 x "
+        "builder plan's predicted tokens/s on them (its fastest layout), or with --mfu H x 3600 x the "
+        "GPU's peak x MFU FLOPs (default: none)",
     )
     fit.add_argument(
         "--gpu", default="H100 SXM", help="the GPU of --gpu-hours, as builder plan names it (default: H100 SXM)"
     )
     fit.add_argument(
-        "--mfu", type=number(above=0, maximum=1), default=0.4, help="the MFU of --gpu-hours (default: 0.4)"
+        "--gpus",
+        type=count(minimum=1, maximum=65536),
+        default=8,
+        help="the GPUs --gpu-hours runs on, 8 to a node (default: 8)",
+    )
+    fit.add_argument(
+        "--mfu",
+        type=number(above=0, maximum=1),
+        help="a fixed MFU for --gpu-hours instead of builder plan's prediction per model (default: the prediction)",
     )
     fit.add_argument(
         "--dtype",
@@ -130,11 +140,15 @@ def _fit(args) -> int:
     params, tokens, losses = scaling.study_points(kept)
     fitted = scaling.fit(params, tokens, losses, bootstrap=args.bootstrap)
     law, result = fitted.law, {"points": fitted.points, "law": fitted.law.to_dict(), "intervals": fitted.intervals()}
-    compute = _compute(args)
+    compute, members = _compute(args), _members(table)
+    if args.gpu_hours is not None and args.mfu is None:
+        members = _planned(loaded, table, members, args)
+        best = scaling.best_member(law, members, None)
+        compute = best["compute"]  # what the chosen model's predicted step makes of the GPU-hours
+    elif compute is not None:
+        best = scaling.best_member(law, members, compute)
     if compute is not None:
         n_opt, d_opt = law.optimal(compute)
-        members = _members(table)
-        best = scaling.best_member(law, members, compute)
         result["budget"] = {
             "flops": compute,
             "params": n_opt,
@@ -158,9 +172,10 @@ def _fit(args) -> int:
 
 
 def _compute(args) -> float | None:
+    """The budget in FLOPs: ``--flops``, or ``--gpu-hours`` at a fixed ``--mfu`` (None otherwise)."""
     if args.flops is not None:
         return args.flops
-    if args.gpu_hours is None:
+    if args.gpu_hours is None or args.mfu is None:
         return None
     from builder.analysis.mfu import peak_flops
 
@@ -168,6 +183,51 @@ def _compute(args) -> float | None:
     if peak is None:
         raise ValueError(f"--gpu {args.gpu!r}: no peak FLOP/s known for it (builder plan's GPUs: H100 SXM, A100, ...)")
     return args.gpu_hours * 3600 * peak * args.mfu
+
+
+def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]:
+    """Each study model with the FLOPs ``--gpu-hours`` buys it on ``--gpus`` GPUs: ``builder
+    plan``'s fastest layout for its recipe's sequence length and global batch (rounded up to a
+    multiple of the GPUs), its predicted tokens/s per GPU x the hours x its FLOPs per token. A
+    model no layout fits is left out (said on stderr); none fitting is a ValueError."""
+    from builder.analysis.hardware import Cluster
+    from builder.analysis.hardware import gpu as hardware_gpu
+    from builder.analysis.plan import plan
+    from recipes.studies.variants import axis_values, budget_axis, variant_model
+    from recipes.tasks import task_named
+    from recipes.training.dry_run import data_parallel_ranks
+
+    row = hardware_gpu(args.gpu)
+    peak = row.peak.get(args.dtype)
+    if peak is None:
+        raise ValueError(f"--dtype {args.dtype}: no {row.name} peak for it ({', '.join(row.peak)})")
+    cluster = Cluster(
+        gpus=args.gpus, per_node=min(args.gpus, 8), memory=row.memory, peak=peak, gpu=row.name, hardware=row
+    )
+    axes = [axis for axis in axis_values(loaded) if axis != budget_axis(loaded)]
+    out = []
+    for member in members:
+        trial = next(r for r in table if r["params"] == member["params"])
+        recipe, spec, _ = variant_model(loaded, {axis: trial[axis] for axis in axes})
+        seq_len, batch, _ = task_named(recipe.task).batch_shape(recipe, spec)
+        sequences = batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
+        found = plan(
+            spec, cluster, seq_len=seq_len, global_batch=-(-sequences // args.gpus) * args.gpus, dtype=args.dtype
+        )
+        if not found.fits:
+            print(
+                f"{member['family'] or member['params']}: no layout fits {args.gpus} x {row.name}; left out",
+                file=sys.stderr,
+            )
+            continue
+        step = found.chosen.prediction
+        tokens = args.gpu_hours * 3600 * args.gpus * step.tokens_per_s_per_gpu
+        out.append(
+            {**member, "compute": tokens * member["flops_per_token"], "mfu": step.mfu, "layout": found.chosen.summary()}
+        )
+    if not out:
+        raise ValueError(f"--gpu-hours: no model of the study fits {args.gpus} x {row.name}")
+    return out
 
 
 def _members(table: list[dict]) -> list[dict]:
@@ -222,6 +282,8 @@ def _print_fit(result: dict, fitted) -> None:
             f"{near['flops_per_token']:,} FLOPs/token): {human(near['tokens'])} tokens, predicted loss "
             f"{near['predicted']:.4f} [{low:.4f}, {high:.4f}]"
         )
+        if "mfu" in near:
+            print(f"  builder plan's step for it: {near['layout']}, MFU {near['mfu']:.1%}")
     prediction = result.get("prediction")
     if prediction:
         low, high = prediction["interval"]

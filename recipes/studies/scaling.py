@@ -168,12 +168,13 @@ def fit(params, tokens, losses, bootstrap: int = 200, seed: int = 0, delta: floa
     return Fit(law, boot, len(params), objective)
 
 
-def best_member(law: Law, members: list[dict], compute: float) -> dict:
+def best_member(law: Law, members: list[dict], compute: float | None) -> dict:
     """The member of a family (``{"params", "flops_per_token", ...}``) the law predicts lowest at
-    ``compute`` FLOPs, with its ``tokens`` and ``predicted`` loss added."""
+    ``compute`` FLOPs (a member's own ``compute`` where it has one: what a GPU-hour budget buys
+    it), with its ``tokens`` and ``predicted`` loss added."""
     scored = []
     for member in members:
-        tokens = compute / member["flops_per_token"]
+        tokens = member.get("compute", compute) / member["flops_per_token"]
         scored.append({**member, "tokens": tokens, "predicted": float(law.loss(member["params"], tokens))})
     return min(scored, key=lambda m: m["predicted"])
 

@@ -138,13 +138,13 @@ def overrides_of(loaded: StudyFile, values: dict[str, Any]) -> tuple[dict[str, A
     return overrides, where
 
 
-def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
-    """The variant of ``values``, its model validated and counted and its steps set from the
-    budget; :class:`RecipeError` (one line per problem) when it cannot run."""
+def variant_model(loaded: StudyFile, values: dict[str, Any]):
+    """``(recipe, spec, overrides)`` of the variant of ``values``, the spec checked against its
+    task; :class:`RecipeError` (one located line per problem) when it cannot run."""
     from builder.spec.source import SpecError
-    from recipes.recipe.sections import load_recipe, model_spec, spec_shorthand
-    from recipes.tasks import recipe_class, task_named
-    from recipes.training.dry_run import data_parallel_ranks, recipe_estimate, vocabulary
+    from recipes.recipe.sections import load_recipe, model_spec
+    from recipes.tasks import task_named
+    from recipes.training.dry_run import vocabulary
 
     overrides, where = overrides_of(loaded, values)
     recipe_file = loaded.recipe_file()
@@ -153,8 +153,19 @@ def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
         spec = model_spec(recipe, recipe_file, vocabulary(recipe, recipe_file, read_data=False).size)
     except SpecError as exc:
         raise RecipeError("\n".join(_relocated(loaded, p, where) for p in exc.problems)) from None
+    task_named(recipe.task).check_spec(recipe, spec)
+    return recipe, spec, overrides
+
+
+def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
+    """The variant of ``values``, its model validated and counted and its steps set from the
+    budget; :class:`RecipeError` (one line per problem) when it cannot run."""
+    from recipes.recipe.sections import spec_shorthand
+    from recipes.tasks import recipe_class, task_named
+    from recipes.training.dry_run import data_parallel_ranks, recipe_estimate
+
+    recipe, spec, overrides = variant_model(loaded, values)
     task = task_named(recipe.task)
-    task.check_spec(recipe, spec)
     seq_len, batch, _ = task.batch_shape(recipe, spec)
     est = recipe_estimate(spec, recipe, seq_len, batch)
     per_step = seq_len * batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
