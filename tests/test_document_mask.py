@@ -67,7 +67,20 @@ SPECS = {
     "encoder": lambda: load_spec(ROOT / "specs" / "tiny" / "bert.yaml"),  # learned positions, MLM head
 }
 TRITON_CASES = ["rope", "learned", "alibi", "window", "mla", "encoder"]  # the interpreter is slow
-CASES = [(name, backend) for name in SPECS for backend in BACKENDS if backend != "triton" or name in TRITON_CASES]
+#: the Triton cases of the default suite (a sliding window and an encoder's bidirectional mask);
+#: the others run with -m slow
+TRITON_DEFAULT = ("window", "encoder")
+CASES = [
+    pytest.param(
+        name,
+        backend,
+        id=f"{name}-{backend}",
+        marks=[pytest.mark.slow] if backend == "triton" and name not in TRITON_DEFAULT else [],
+    )
+    for name in SPECS
+    for backend in BACKENDS
+    if backend != "triton" or name in TRITON_CASES
+]
 
 
 def _model(name: str, backend: str):
@@ -91,7 +104,7 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor, causal: bool) -> torch.Tensor
     return F.cross_entropy(logits, ids)
 
 
-@pytest.mark.parametrize("name,backend", CASES, ids=[f"{n}-{b}" for n, b in CASES])
+@pytest.mark.parametrize("name,backend", CASES)
 def test_each_packed_document_gets_the_logits_and_loss_it_gets_alone(name, backend):
     spec, model = _model(name, backend)
     causal = spec.architecture == "decoder-only"

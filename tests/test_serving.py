@@ -141,6 +141,7 @@ def test_ctranslate2_generator_decodes_what_builder_generate_does(name, trained,
         assert len(theirs) == NEW_TOKENS or theirs[-1] == tokenizer.eos_token_id  # stopped at eos, or ran out
 
 
+@pytest.mark.slow  # trains a translation model first
 def test_ctranslate2_translator_decodes_and_scores_what_builder_eval_does(trained, tmp_path):
     """Greedy: the same translations; beam 4 (the recipe's): sacreBLEU within 0.5 of ours."""
     import ctranslate2

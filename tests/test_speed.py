@@ -90,6 +90,7 @@ def test_inductor_compiles_every_family(name):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # 30 s: two compiled training runs
 def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
     """``trainer.compile: model``: Inductor writes its graphs under the run folder; the resumed
     run (its in-memory caches cleared) loads them instead of compiling again; the losses are the

@@ -361,21 +361,14 @@ def test_fit_answers_a_budget_and_predicts_a_variant(tmp_path, capsys, fake_tria
     assert main([*args, "--bootstrap", "10"]) == 0
     out = capsys.readouterr().out
     assert "fitted to 12 runs" in out and "the study's spec for it: d_model=" in out and "predicted loss" in out
-
-
-def test_a_gpu_hour_budget_buys_each_model_what_builder_plan_predicts_for_it(tmp_path, capsys, fake_trials):
-    """--gpu-hours on --gpus GPUs: each model's tokens are the hours x the GPUs x builder plan's
-    predicted tokens/s per GPU for its fastest layout (a wider model runs fewer tokens an hour),
-    so the budget in FLOPs is the chosen model's own, and its MFU is the prediction's; a fixed
-    --mfu gives hours x peak x MFU instead."""
+    # --gpu-hours on --gpus GPUs: each model's tokens are the hours x the GPUs x builder plan's
+    # predicted tokens/s per GPU for its fastest layout, so the budget in FLOPs is the chosen
+    # model's own and its MFU the prediction's; a fixed --mfu gives hours x peak x MFU instead
     from builder.analysis.hardware import Cluster
     from builder.analysis.hardware import gpu as hardware_gpu
     from builder.analysis.plan import plan
     from recipes.studies.variants import variant_model
 
-    path = write_study(tmp_path, axes={"d_model": [16, 32, 64, 128]}, budget={"steps": [2, 3, 4], "validations": 1})
-    assert sweep(path) == 0
-    capsys.readouterr()
     fit = ["study", "fit", str(path), "--bootstrap", "10", "--json"]
     assert main([*fit, "--gpu-hours", "2", "--gpus", "8", "--gpu", "h100"]) == 0
     budget = json.loads(capsys.readouterr().out)["budget"]
