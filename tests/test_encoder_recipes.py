@@ -100,6 +100,7 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
     return path
 
 
+@pytest.mark.slow  # 12 s: two runs
 def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
     from builder.cli import main
     from recipes.trained import load_trained

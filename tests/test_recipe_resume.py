@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from recipe_helpers import builder_process, history, tiny_recipe
 
@@ -16,6 +17,7 @@ def _step(checkpoint) -> int:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
 
 
+@pytest.mark.slow  # 15 s; SIGTERM and Ctrl-C resumes to an unbroken run's losses: tests/test_training_faults.py
 def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
     from recipes.training.run import run
 
@@ -102,6 +104,7 @@ def test_a_resumed_run_reads_its_checkpoint_once(tmp_path, monkeypatch):
     assert reads[("load", last)] == 1 and reads[("verify", last)] == 1, dict(reads)
 
 
+@pytest.mark.slow  # 16 s; two FSDP processes against one: tests/test_sharded.py (default)
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
     from recipes.training.run import run
 

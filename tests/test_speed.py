@@ -59,7 +59,13 @@ def test_every_family_traces_and_counts_its_graph_breaks(name):
             assert frame.filename == inspect.getsourcefile(experts), reason.reason
 
 
-@pytest.mark.parametrize("name", DENSE + ["mixtral"])
+#: the families compiled in the default suite (every one with -m slow)
+COMPILED = ("llama", "mixtral")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[] if n in COMPILED else [pytest.mark.slow]) for n in [*DENSE, "mixtral"]]
+)
 def test_compiled_forward_and_backward_match_eager(name):
     """AOTAutograd's joint graph (what Inductor compiles) gives eager's loss and gradients
     (dropout off: its random draws differ between the two)."""

@@ -314,6 +314,7 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
         assert scores[0] <= scores[1] + 1e-5 and scores[1] <= scores[2] + 1e-5, scores
 
 
+@pytest.mark.slow  # 15 s; ten pairs overfit in the default suite
 def test_tiny_run_overfits_fifty_multi30k_pairs(tmp_path):
     from recipes.training.run import run
 
