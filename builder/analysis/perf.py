@@ -478,8 +478,10 @@ def _stage_params(m: Model, counts: dict[int, int], stage: int, pp: int, tp: int
     return dense, experts
 
 
-def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
-    """Bytes on the GPU holding the most, by part (see the module's docstring)."""
+def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = None) -> dict[str, int]:
+    """Bytes on the GPU holding the most, by part (see the module's docstring); ``stage_states``:
+    each pipeline rank's parameter, gradient and AdamW bytes counted exactly (``builder.analysis
+    .shards.pipeline_rank_states``), in place of the per-layer estimate."""
     tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
     v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1
     act = BYTES[run.dtype]
@@ -491,7 +493,7 @@ def memory(m: Model, layout: Layout, run: Run) -> dict[str, int]:
     for s in range(pp):
         dense, experts = _stage_params(m, counts[s], s, pp, tp, ep)
         shard, expert_shard = layout.shard_size, max(1, layout.shard_size // ep)
-        states = 16 * (dense / shard + experts / expert_shard)
+        states = stage_states[s] if stage_states else 16 * (dense / shard + experts / expert_shard)
         unit = max((m.layers[k]["params"] / tp + m.layers[k]["expert_params"] / ep for k in counts[s]), default=0)
         if pp > 1:  # the stage's parameters and gradients stay unsharded through the step
             buffers = (dense + experts) * 2 * act + unit * 4

@@ -197,10 +197,10 @@ def layout_memory(spec, args) -> dict | None:
         dtype=args.dtype,
         context_gather=True,  # as the recipes run context parallelism: every layer's keys and values gathered
     )
-    parts = memory(Model(spec, seq, args.dtype), layout, run)
-    if layout.pipeline_parallel > 1:  # the stages' parameters, gradients and AdamW states, exactly
-        held = pipeline_rank_states(spec, layout, virtual)
-        parts["states"] = max(r.weights + r.gradients + r.optimizer for r in held)
+    exact = None
+    if layout.pipeline_parallel > 1:  # each stage's parameters, gradients and AdamW states, exactly
+        exact = [r.weights + r.gradients + r.optimizer for r in pipeline_rank_states(spec, layout, virtual)]
+    parts = memory(Model(spec, seq, args.dtype), layout, run, exact)
     return {"layout": layout.to_dict(), "parts": parts, "per_gpu_bytes": sum(parts.values())}
 
 
