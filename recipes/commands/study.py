@@ -193,9 +193,7 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
     from builder.analysis.hardware import Cluster
     from builder.analysis.hardware import gpu as hardware_gpu
     from builder.analysis.plan import plan
-    from recipes.studies.variants import axis_values, budget_axis, variant_model
-    from recipes.tasks import task_named
-    from recipes.training.dry_run import data_parallel_ranks
+    from recipes.studies.variants import axis_values, budget_axis, step_shape, variant_model
 
     row = hardware_gpu(args.gpu)
     peak = row.peak.get(args.dtype)
@@ -209,8 +207,7 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
     for member in members:
         trial = next(r for r in table if r["params"] == member["params"])
         recipe, spec, _ = variant_model(loaded, {axis: trial[axis] for axis in axes})
-        seq_len, batch, _ = task_named(recipe.task).batch_shape(recipe, spec)
-        sequences = batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
+        seq_len, _, sequences = step_shape(recipe, spec)
         found = plan(
             spec, cluster, seq_len=seq_len, global_batch=-(-sequences // args.gpus) * args.gpus, dtype=args.dtype
         )

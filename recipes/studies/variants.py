@@ -157,18 +157,27 @@ def variant_model(loaded: StudyFile, values: dict[str, Any]):
     return recipe, spec, overrides
 
 
+def step_shape(recipe, spec) -> tuple[int, int, int]:
+    """``(seq_len, batch, sequences)``: a step's sequence length and per-rank batch as the task
+    cuts them, and the sequences of one optimizer step over every data-parallel rank."""
+    from recipes.tasks import task_named
+    from recipes.training.dry_run import data_parallel_ranks
+
+    seq_len, batch, _ = task_named(recipe.task).batch_shape(recipe, spec)
+    return seq_len, batch, batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
+
+
 def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
     """The variant of ``values``, its model validated and counted and its steps set from the
     budget; :class:`RecipeError` (one line per problem) when it cannot run."""
     from recipes.recipe.sections import spec_shorthand
-    from recipes.tasks import recipe_class, task_named
-    from recipes.training.dry_run import data_parallel_ranks, recipe_estimate
+    from recipes.tasks import recipe_class
+    from recipes.training.dry_run import recipe_estimate
 
     recipe, spec, overrides = variant_model(loaded, values)
-    task = task_named(recipe.task)
-    seq_len, batch, _ = task.batch_shape(recipe, spec)
+    seq_len, batch, sequences = step_shape(recipe, spec)
     est = recipe_estimate(spec, recipe, seq_len, batch)
-    per_step = seq_len * batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
+    per_step = seq_len * sequences
     kind, amount = next(iter(budget_of(loaded, values).items()))
     per_token = est.flops.train_per_token
     steps = {

@@ -347,15 +347,19 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _normalised(recipe: Mapping[str, Any]) -> dict[str, Any]:
-    """A recipe dump re-validated by the current schema, so a field added since the checkpoint
-    was written compares as its default (the dump as it is when it no longer validates)."""
+def _normalised(dump: Mapping[str, Any], schema, **validate) -> dict[str, Any]:
+    """A recipe's or a spec's dump re-validated by the current ``schema``, so a field added since
+    the checkpoint was written compares as its default (the dump as it is when it no longer validates)."""
+    try:
+        return schema.model_validate(dict(dump), **validate).model_dump(mode="json")
+    except Exception:
+        return dict(dump)
+
+
+def _normalised_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
     from recipes.tasks import recipe_class
 
-    try:
-        return recipe_class(recipe.get("task", "lm")).model_validate(dict(recipe), strict=False).model_dump(mode="json")
-    except Exception:
-        return dict(recipe)
+    return _normalised(recipe, recipe_class(recipe.get("task", "lm")), strict=False)
 
 
 #: fields that may change on resume as long as the global batch they make with the layout stays the same
@@ -383,7 +387,7 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     """``(refused, allowed)``: one line per differing field of two recipe dumps, split by
     :data:`MAY_CHANGE` (and :data:`GLOBAL_BATCH` while the global batch is unchanged: a run moved
     from 4 processes of batch 1 to 2 of batch 2 trains on the same windows)."""
-    a, b = flatten(_normalised(saved)), flatten(_normalised(current))
+    a, b = flatten(_normalised_recipe(saved)), flatten(_normalised_recipe(current))
     same_batch = global_batch(a) is not None and global_batch(a) == global_batch(b)
     refused, allowed = [], []
     missing = object()
@@ -402,14 +406,9 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 
 def _normalised_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A resolved spec's dump re-validated by the current schema, so a field added since the
-    checkpoint was written compares as its default (the dump as it is when it no longer validates)."""
     from builder.spec.schema import spec_model
 
-    try:
-        return spec_model().model_validate(dict(spec)).model_dump(mode="json")
-    except Exception:
-        return dict(spec)
+    return _normalised(spec, spec_model())
 
 
 def spec_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
