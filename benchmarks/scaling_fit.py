@@ -46,6 +46,9 @@ def main() -> int:
     done = [r for r in table if r["status"] == "complete"]
     params, tokens, losses = scaling.study_points(done)
     fitted = scaling.fit(params, tokens, losses, bootstrap=args.bootstrap)
+    residuals = [(float(fitted.law.loss(n, d)) - loss) / loss for n, d, loss in zip(params, tokens, losses)]
+    rms = statistics.fmean(r * r for r in residuals) ** 0.5
+    print(f"the fit on its {len(residuals)} points: residuals RMS {rms:.2%}, largest {max(map(abs, residuals)):.2%}")
     largest = max(r["flops"] for r in done)
     compute = args.factor * largest
     members = {r["params"]: {k: r[k] for k in ("params", "flops_per_token", "family")} for r in done}
@@ -96,6 +99,8 @@ def main() -> int:
             "predicted": predicted,
             "interval": [low, high],
             "relative_error": error,
+            "fit_residual_rms": rms,
+            "fit_residual_max": max(map(abs, residuals)),
         },
         args.out,
     )
