@@ -123,3 +123,14 @@ def test_a_checkpoint_with_one_module_per_expert_loads_into_the_stacked_experts(
     fresh.load_state_dict(per_expert)
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_under_compile_grouped_mm_takes_bfloat16_only(monkeypatch):
+    """torch 2.13's meta kernel, which torch.compile traces with, takes bf16 only: while compiling,
+    fp32 operands go through the loop and bf16 ones through grouped_mm (patched both ways)."""
+    x32, w32, _ = _operands(16, 8)
+    x16, w16, _ = _operands(16, 8, torch.bfloat16)
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
+        assert grouped_mm_runs(x32, w32) is not compiling
+        assert grouped_mm_runs(x16, w16)
