@@ -87,9 +87,21 @@ def test_an_attention_without_context_parallelism_is_refused_by_name(spec):
 
     model = build_model(load_spec(ROOT / "specs" / "tiny" / f"{spec}.yaml"))
     with pytest.raises(
-        RecipeError, match=r"trainer.context_parallel 2: decoder.layers.0.attention .*does not split its sequence"
+        RecipeError,
+        match=r"trainer.context_parallel 2: decoder\.attention\.type: \w+ attention does not split its sequence",
     ):
         apply_context_parallel(model, _Mesh())
+
+
+def test_a_head_with_attention_of_its_own_is_refused_by_its_field():
+    """Multi-token prediction's layer attends over the whole sequence, which a rank's share is not:
+    the head's own contract says so, as the planner reads it."""
+    from builder import build_model, load_spec
+    from recipes.errors import RecipeError
+
+    spec = load_spec(ROOT / "specs" / "tiny" / "llama.yaml", {"head": {"type": "mtp"}})
+    with pytest.raises(RecipeError, match=r"trainer.context_parallel 2: head\.type: the mtp head runs attention"):
+        apply_context_parallel(build_model(spec), _Mesh())
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def test_pipeline_stages_launch_with_their_schedule_and_micro_batches(capsys):
     rc, out = _plan(capsys, *argv, "--global-batch", "1024", "--pipeline-parallel", "4")
     plan, sets = out["plan"], _sets(out["launch"]["torchrun"])
     assert rc == 0 and sets["trainer.pipeline_parallel"] == 4
-    assert sets["trainer.pipeline_schedule"] in ("gpipe", "1f1b", "interleaved_1f1b")
+    assert sets["trainer.pipeline_schedule"] in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
     micro = plan["accumulate_grad_batches"]  # the pipeline's micro-batches
     assert sets["trainer.microbatches"] == micro and sets["trainer.accumulate_grad_batches"] == 1
     assert sets["data.batch_size"] == plan["micro_batch"] * micro  # the schedule cuts it
@@ -80,8 +80,8 @@ def _fields(out) -> dict:
             "error: --expert-parallel 2: not launchable: expert_parallel 2 with context_parallel 2 is not supported",
         ),
         (
-            ["--pipeline-parallel", "2", "--schedule", "zero-bubble"],
-            "error: --schedule zero-bubble: not launchable: pipeline_schedule zbv: torch's split backward",
+            ["--pipeline-parallel", "2", "--expert-parallel", "2"],
+            "error: --pipeline-parallel 2: not launchable: pipeline_parallel 2 with expert_parallel 2 is not supported",
         ),
         (["--checkpointing", "selective"], "error: --checkpointing selective: not launchable: recomputation selective"),
     ],
@@ -103,16 +103,31 @@ def test_a_plan_not_searched_for_launching_says_why_it_has_no_lines(capsys):
         "--tensor-parallel",
         "1",
         "--context-parallel",
-        "1",
+        "2",
     ]
     argv += ["--checkpointing", "full"]
     assert main(["plan", *argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["launch"] is None
-    assert out["not_launchable"].startswith("not launchable: trainer.pipeline_schedule: pipeline_schedule zbv")
+    why = "not launchable: trainer.context_parallel: context_parallel 2 sized as ring attention"
+    assert out["not_launchable"].startswith(why)
     assert main(["plan", *argv]) == 0
     shown = " ".join(capsys.readouterr().out.split())
-    assert "no launch lines, not launchable: trainer.pipeline_schedule: pipeline_schedule zbv" in shown
+    assert f"no launch lines, {why}" in shown
+
+
+def test_a_zero_bubble_plan_launches_the_v_schedule_where_the_layers_cut_twice_per_rank(capsys):
+    """The runtime's zero-bubble schedule (zbv) holds two stages per rank: a plan pinned to it
+    launches it where the layers make 2 x pipeline_parallel stages, and refuses it where not."""
+    argv = ["specs/llama2-70b.yaml", "--gpus", "64", "--gpu", "h200", "--global-batch", "1024"]
+    argv += ["--schedule", "zero-bubble", "--checkpointing", "full", "--tensor-parallel", "1"]
+    rc, out = _plan(capsys, *argv, "--pipeline-parallel", "4")
+    sets = _sets(out["launch"]["torchrun"])
+    assert rc == 0 and sets["trainer.pipeline_schedule"] == "zbv" and sets["trainer.pipeline_parallel"] == 4
+    assert not runtime.problems(runtime.Settings(**_fields(out)))
+    assert main(["plan", *argv, "--pipeline-parallel", "64", "--launchable"]) == 1  # 128 stages, 80 layers
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "zero-bubble stages per rank is more chunks than the 80 layers" in err, err
 
 
 @pytest.mark.parametrize(
@@ -122,7 +137,9 @@ def test_a_plan_not_searched_for_launching_says_why_it_has_no_lines(capsys):
         ({"expert_parallel": 2, "data_parallel": "replicate", "devices": 4}, "expert_parallel"),
         ({"pipeline_parallel": 2, "context_parallel": 2, "devices": 4}, "pipeline_parallel"),
         ({"pipeline_parallel": 2, "expert_parallel": 2, "devices": 4}, "pipeline_parallel"),
-        ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "devices": 4}, "pipeline_schedule"),
+        ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "devices": 4}, "microbatches"),
+        ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "microbatches": 4, "devices": 4}, None),
+        ({"pipeline_parallel": 2, "pipeline_schedule": "zbv", "devices": 4}, None),
         ({"pipeline_parallel": 2, "accumulate_grad_batches": 2, "devices": 4}, "accumulate_grad_batches"),
         ({"pipeline_parallel": 3, "devices": 4}, "pipeline_parallel"),
         ({"microbatches": 2}, "microbatches"),

@@ -319,12 +319,8 @@ def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
             field, reason = refused[0]
             argument = RUNTIME_ARGUMENT.get(field, field)
             raise LayoutError(argument, getattr(pins, argument, None), f"not launchable: {reason}")
-        for loc, message in expert_parallel_problems(spec, layout.expert_parallel):
-            raise LayoutError("expert_parallel", layout.expert_parallel, f"{'.'.join(map(str, loc))}: {message}")
-        for loc, message in context_parallel_problems(spec, layout.context_parallel):
-            raise LayoutError(
-                "context_parallel", layout.context_parallel, f"not launchable: {'.'.join(map(str, loc))}: {message}"
-            )
+        for field, reason in block_problems(spec, layout)[:1]:
+            raise LayoutError(field, getattr(layout, field), f"not launchable: {reason}")
 
 
 def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, calibration, result) -> list[Candidate]:
@@ -413,6 +409,14 @@ def _at_degrees(
     return out
 
 
+def _chunks_per_rank(schedule: str, launchable: bool) -> int:
+    """Stages a pipeline rank holds: interleaved 1F1B's virtual stages; the runtime's zero-bubble
+    schedule (zbv) places two per rank in a V, where the performance model sizes ZB-H1's one."""
+    if schedule == "interleaved-1f1b":
+        return INTERLEAVE
+    return runtime.V_STAGES if launchable and runtime.SCHEDULE_NAMES[schedule] in runtime.V_SCHEDULES else 1
+
+
 def _best_micro_batch(
     spec, model, cluster, layout, global_batch, dtype, pins, recompute, schedule, batches, cal, refused
 ):
@@ -423,12 +427,13 @@ def _best_micro_batch(
     best = None
     smallest = None
     for mb in batches:
-        if schedule == "interleaved-1f1b" and layout.pipeline_parallel * INTERLEAVE > len(model.layers):
+        chunks = _chunks_per_rank(schedule, pins.launchable)
+        if chunks > 1 and layout.pipeline_parallel * chunks > len(model.layers):
             refused.append(
                 LayoutError(
                     "pipeline_parallel",
                     layout.pipeline_parallel,
-                    f"x {INTERLEAVE} interleaved stages per rank is more chunks than the {len(model.layers)} layers",
+                    f"x {chunks} {schedule} stages per rank is more chunks than the {len(model.layers)} layers",
                 )
             )
             continue

@@ -27,6 +27,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "interleaved_1f1b", "zero-bubble": "zbv"}
 #: the runtime's virtual stages per rank of an interleaved schedule
 INTERLEAVED_STAGES = 2
+#: the V-shaped schedules and their stages per rank (rank r holds stages r and 2P - 1 - r)
+V_SCHEDULES = ("zbv", "dualpipev")
+V_STAGES = 2
 #: the recomputation the runtime runs, as ``trainer.activation_checkpointing`` says it (every layer or none)
 CHECKPOINTING = {"none": False, "full": True}
 
@@ -176,12 +179,15 @@ RULES: tuple[Rule, ...] = (
         lambda s: f"pipeline_parallel {s.pipeline_parallel} must divide the {(s.per_node or 0) * s.num_nodes} devices",
     ),
     Rule(
-        "pipeline_schedule",
-        lambda s: s.pipeline_parallel > 1 and s.pipeline_schedule in ("zbv", "dualpipev"),
+        "microbatches",
         lambda s: (
-            f"pipeline_schedule {s.pipeline_schedule}: torch's split backward (input, then weights) over "
-            "FSDP2 stages does not yet train like one process here (its gradients differ from step 1); use "
-            "1f1b, gpipe or interleaved_1f1b"
+            s.pipeline_parallel > 1
+            and s.pipeline_schedule == "dualpipev"
+            and s.pipeline_microbatches < V_STAGES * s.pipeline_parallel
+        ),
+        lambda s: (
+            f"dualpipev needs at least as many micro-batches as stages: {s.pipeline_microbatches} for "
+            f"{V_STAGES * s.pipeline_parallel} ({V_STAGES} per rank); raise trainer.microbatches"
         ),
     ),
     Rule(

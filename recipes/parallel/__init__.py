@@ -94,7 +94,9 @@ def parallelize(
     if compile_mode(settings) == "layers":  # after checkpointing, before fully_shard (torchtitan's order)
         compile_layers(layers)
     if mesh is not None:
-        apply_fsdp(model, layers, mesh, settings.precision, experts)
+        # a pipeline stage keeps its gathered parameters through its micro-batches (torchtitan's policy)
+        staged = settings.pipeline_parallel > 1
+        apply_fsdp(model, layers, mesh, settings.precision, experts, reshard_after_forward=not staged)
         if any(p.is_meta for p in model.parameters()):
             materialize(model, device, init_seed)
     return model

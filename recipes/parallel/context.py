@@ -72,20 +72,16 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def apply_context_parallel(model: nn.Module, cp_mesh) -> ContextShard:
     """Make every attention of ``model`` (a ``build_model`` decoder-only model) attend over the
     sequence split between the ranks of ``cp_mesh``; returns the input side (:class:`ContextShard`).
-    A RecipeError naming ``trainer.context_parallel`` for a model that cannot."""
+    A RecipeError naming ``trainer.context_parallel`` and the spec's field for a model whose blocks
+    say they cannot (``context_parallel_problems``: an attention without a context-parallel path,
+    a head with attention layers of its own)."""
+    from builder.analysis.layout_rules import context_parallel_problems
+
     degree = cp_mesh.size()
-    for name, attention in attention_modules(model):
-        if not hasattr(attention, "use_context_parallel"):
-            raise RecipeError(
-                f"trainer.context_parallel {degree}: {name} ({type(attention).__name__}) does not "
-                "split its sequence (no use_context_parallel); multi_head attention does"
-            )
-    head = getattr(model, "head", None)
-    if head is not None and any(hasattr(m, "n_heads") for m in head.modules()):
-        raise RecipeError(
-            f"trainer.context_parallel {degree}: the head ({type(head).__name__}) runs attention over "
-            "the whole sequence itself (multi-token prediction), which a context-parallel share does not have"
-        )
+    problems = context_parallel_problems(model.spec, degree)  # each block's own contract, as the planner asks
+    if problems:
+        where, message = problems[0]
+        raise RecipeError(f"trainer.context_parallel {degree}: {'.'.join(map(str, where))}: {message}")
     group = cp_mesh.get_group()
     for _, attention in attention_modules(model):
         attention.use_context_parallel(group)

@@ -25,10 +25,23 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str, experts: list[nn.Module] = ()) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    layers: list[nn.Module],
+    mesh,
+    precision: str,
+    experts: list[nn.Module] = (),
+    *,
+    reshard_after_forward: bool = True,
+) -> None:
     """``fully_shard`` on each of ``layers``, on the separate embeddings and head
     (:func:`separate_units`) and on the root, over the data-parallel dimensions of ``mesh``
-    (``dp_replicate`` too when it has more than one rank: HSDP). ``experts`` (split over ``ep``
+    (``dp_replicate`` too when it has more than one rank: HSDP). ``reshard_after_forward=False``
+    (a pipeline stage, as torchtitan shards one) keeps a unit's parameters gathered from its
+    forward to its backward: one all-gather a step instead of two per micro-batch, and the split
+    backward of the zero-bubble schedules needs it (torch's weight pass differentiates the
+    parameters the stage holds when it runs, which must be the gathered ones its forward used, or
+    that unit's weight gradients are lost). ``experts`` (split over ``ep``
     by :mod:`.expert`) are units of their own first, over the data-parallel ranks outside
     ``ep``; their gradients, which already sum every ``ep`` rank's tokens, are divided by the
     whole data-parallel degree (a sum reduction, then the division: gloo has no pre-scaled sum)."""
@@ -49,13 +62,13 @@ def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh, precision: str, 
         )
         degree = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
         for unit in experts:
-            fully_shard(unit, mesh=expert_mesh, mp_policy=policy)
+            fully_shard(unit, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             if expert_mesh.size() > 1:  # alone, FSDP2 divides by the factor once; with it, twice
                 unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(float(degree))
     for unit in [*layers, *separate_units(model)]:
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 def separate_units(model: nn.Module) -> list[nn.Module]:

@@ -51,9 +51,9 @@ class ParallelismFields(_Section):
     )
     pipeline_schedule: PipelineSchedule = Field(
         "1f1b",
-        description="pipeline_parallel > 1: gpipe | 1f1b | interleaved_1f1b (2 stages per rank); zbv (zero "
-        "bubble) and dualpipev (DeepSeek's DualPipe), V-shaped with 2 stages per rank, are refused for now "
-        "(their split backward does not yet train like one process).",
+        description="pipeline_parallel > 1: gpipe | 1f1b | interleaved_1f1b (2 stages per rank) | zbv (zero "
+        "bubble, Qi et al.) | dualpipev (DeepSeek's DualPipe, at least 2 x pipeline_parallel micro-batches); "
+        "zbv and dualpipev place 2 stages per rank in a V and split each backward into input and weight parts.",
     )
     microbatches: int | None = Field(
         None,
