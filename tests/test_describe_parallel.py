@@ -103,3 +103,44 @@ def test_pipeline_stages_hold_exactly_their_layers_states(capsys):
     # micro-batch in flight per stage (its states the smaller here)
     parts = out["layout_memory"]["parts"]
     assert parts["states"] == exact[0] and out["layout_memory"]["per_gpu_bytes"] == sum(parts.values())
+
+
+def test_v_placed_stages_hold_the_first_and_the_last_and_the_dry_run_counts_them(tmp_path, capsys):
+    """The runtime's zero-bubble schedules place two stages per rank in a V: on four layers over
+    two ranks, rank 0 holds layers 0 and 3 with the embedding, the final norm and the head, rank 1
+    layers 1 and 2; the count of the rank holding the most is 16 bytes per parameter (no FSDP or
+    TP to split them) plus AdamW's fp32 step per tensor, and ``builder train --dry-run`` of a
+    recipe on that layout prints it."""
+    import torch
+
+    from builder.analysis.layout_memory import layout_memory
+    from builder.analysis.report import human_bytes
+    from builder.assemble import build_model
+    from recipe_helpers import tiny_recipe
+    from recipes.training.dry_run import dry_run
+
+    spec = load_spec(TINY / "llama.yaml", {"decoder": {"n_layers": 4}, "tie_embeddings": False})
+    model = build_model(spec, device=torch.device("meta"))
+
+    def rank_of(name: str) -> int:
+        if name.startswith("decoder.layers."):
+            return 0 if int(name.split(".")[2]) in (0, 3) else 1
+        return 0  # the embedding, the final norm and the head
+
+    held = [[p for n, p in model.named_parameters() if rank_of(n) == r] for r in range(2)]
+    exact = max(16 * sum(p.numel() for p in ps) + 4 * len(ps) for ps in held)
+    layout = Layout(devices=2, pipeline_parallel=2)
+
+    def count(spec):  # data.batch_size 4 in 4 micro-batches of 32 tokens, fp32 (the recipe's precision 32)
+        return layout_memory(
+            spec, layout, seq_len=32, micro_batch=1, dtype="fp32", checkpointing=False, schedule="zbv", microbatches=4
+        )
+
+    assert count(spec)["parts"]["states"] == exact
+    trainer = {"strategy": "fsdp", "devices": 2, "pipeline_parallel": 2, "pipeline_schedule": "zbv", "microbatches": 4}
+    recipe = tiny_recipe(tmp_path, model={"spec": spec.model_dump(mode="json")}, trainer=trainer)
+    result = dry_run(recipe)  # the spec with the tokenizer's vocabulary
+    memory = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory"))
+    expected = count(load_spec(result["spec"]))["per_gpu_bytes"]
+    assert memory.split(maxsplit=1)[1].startswith(f"{human_bytes(expected)} per device on "), memory
+    assert "pipeline-parallel 2" in memory, memory

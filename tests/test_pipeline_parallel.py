@@ -219,10 +219,14 @@ def test_every_schedule_on_two_processes_trains_like_one(tmp_path, one_process, 
 
 
 @pytest.mark.slow
-def test_a_pipelined_run_resumes_on_another_layout(tmp_path, one_process):
+@pytest.mark.parametrize(
+    "first, then",
+    [("1f1b", "interleaved_1f1b"), ("zbv", "1f1b")],  # then: looped stages; from a V's: each rank holds other layers
+)
+def test_a_pipelined_run_resumes_on_another_layout(tmp_path, one_process, first, then):
     moved = tmp_path / "moved"
-    train(_pp(moved, steps=10))
-    out = train(_pp(moved, "interleaved_1f1b"))  # the same run, looped stages: each rank holds other layers
+    train(_pp(moved, first, steps=10))
+    out = train(_pp(moved, then))
     assert "resuming from" in out
     assert_same_losses(losses(moved / "run"), one_process)
 

@@ -162,14 +162,11 @@ def _five_d(layout, args):
 
 
 def layout_memory(spec, args) -> dict | None:
-    """Per-GPU memory of a layout with pipeline, context or expert parallelism, as the planner's
-    performance model counts it (the stage holding the most; tensor parallelism sequence-parallel,
-    as torchtitan runs it; context parallelism as the recipes run it, every layer keeping the
-    keys and values it gathered); None for other layouts."""
+    """Per-GPU memory of the options' layout with pipeline, context or expert parallelism
+    (:func:`builder.analysis.layout_memory.layout_memory`); None for other layouts."""
     from builder.analysis.estimates import Step
     from builder.analysis.layout import Layout
-    from builder.analysis.perf import Model, Run, memory
-    from builder.analysis.shards import pipeline_rank_states
+    from builder.analysis.layout_memory import layout_memory as count
 
     layout = _five_d(
         Layout(
@@ -183,25 +180,16 @@ def layout_memory(spec, args) -> dict | None:
     )
     if layout is None:
         return None
-    seq = Step(seq_len=args.seq_len).seq_len or spec.max_seq_len
-    schedule = getattr(args, "schedule", "1f1b")
-    virtual = 2 if schedule == "interleaved-1f1b" else 1
-    micro = getattr(args, "pipeline_microbatches", None) or layout.pipeline_parallel * virtual
-    run = Run(
-        seq_len=seq,
-        global_batch=args.batch * micro * layout.data_parallel_size,
+    return count(
+        spec,
+        layout,
+        seq_len=Step(seq_len=args.seq_len).seq_len or spec.max_seq_len,
         micro_batch=args.batch,
-        recompute="full" if args.checkpointing else "none",
-        schedule=schedule,
-        stages_per_rank=virtual,
         dtype=args.dtype,
-        context_gather=True,  # as the recipes run context parallelism: every layer's keys and values gathered
+        checkpointing=args.checkpointing,
+        schedule=getattr(args, "schedule", "1f1b"),
+        microbatches=getattr(args, "pipeline_microbatches", None),
     )
-    exact = None
-    if layout.pipeline_parallel > 1:  # each stage's parameters, gradients and AdamW states, exactly
-        exact = [r.weights + r.gradients + r.optimizer for r in pipeline_rank_states(spec, layout, virtual)]
-    parts = memory(Model(spec, seq, args.dtype), layout, run, exact)
-    return {"layout": layout.to_dict(), "parts": parts, "per_gpu_bytes": sum(parts.values())}
 
 
 def option_error(exc) -> str:

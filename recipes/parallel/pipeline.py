@@ -113,6 +113,11 @@ class Pipeline:
         target = targets if self.has_last else None
         run = self.schedule.step if train else (self.eval_schedule or self.schedule).eval
         run(*args, target=target, losses=losses, return_outputs=False)
+        if not train and self.eval_schedule is not None:
+            # the forward-only schedule made the stages' receive buffers again, without gradients
+            # (the middle stages' weights then got none): the training schedule makes its own again
+            # before its next step, as torch does when one schedule switches between eval and train
+            self.schedule._stages_forward_initialized = self.schedule._stages_backward_initialized = False
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
         else:

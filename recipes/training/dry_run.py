@@ -251,6 +251,54 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     return estimate(spec, step, layout)
 
 
+def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | None:
+    """Per device under the recipe's pipeline, context or expert parallelism, as ``builder
+    describe`` counts that layout (the stage holding the most, each stage's states exact); None
+    for a layout without them (the estimate's tables count it)."""
+    import dataclasses
+
+    from builder.analysis.layout import Layout
+    from builder.analysis.layout_memory import layout_memory
+    from builder.analysis.report import human_bytes
+    from recipes.parallel.mesh import device_count
+    from recipes.training.precision import estimate_dtype, resolve_precision
+
+    settings = recipe.trainer
+    if settings.strategy != "fsdp":
+        return None
+    precision, _ = resolve_precision(settings.precision, settings.accelerator)
+    layout = Layout(
+        devices=device_count(settings, check=False) * settings.num_nodes,
+        nodes=settings.num_nodes,
+        tensor_parallel=settings.tensor_parallel,
+        data_parallel=settings.data_parallel,
+    )
+    layout = dataclasses.replace(
+        layout,
+        pipeline_parallel=settings.pipeline_parallel,
+        context_parallel=settings.context_parallel,
+        expert_parallel=settings.expert_parallel,
+    )
+    micro = settings.pipeline_microbatches() if settings.pipeline_parallel > 1 else 1
+    counted = layout_memory(
+        spec,
+        layout,
+        seq_len=seq_len,
+        micro_batch=max(1, batch // micro),
+        dtype=estimate_dtype(precision),
+        checkpointing=settings.activation_checkpointing,
+        schedule=settings.pipeline_schedule,
+        microbatches=micro,
+    )
+    if counted is None:
+        return None
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in counted["parts"].items())
+    return (
+        f"{human_bytes(counted['per_gpu_bytes'])} per device on {layout.describe()} ({parts}; builder describe's "
+        "count of this layout); the tables below are the layout without pipeline, context or expert parallelism"
+    )
+
+
 # -- the command -------------------------------------------------------------------------------------
 
 
@@ -301,6 +349,9 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     lines += [("data", _data_line(f)) for f in files]
     lines += task.dry_run_lines(recipe, recipe_file)
     lines.append(("devices", devices_line(recipe)))
+    staged = layout_memory_line(spec, recipe, seq_len, batch)
+    if staged:
+        lines.append(("memory", staged))
     from builder.hf import export_line
 
     lines.append(("export", export_line(spec)))
