@@ -112,11 +112,11 @@ def test_v_placed_stages_hold_the_first_and_the_last_and_the_dry_run_counts_them
     TP to split them) plus AdamW's fp32 step per tensor, and ``builder train --dry-run`` of a
     recipe on that layout prints it."""
     import torch
+    from recipe_helpers import tiny_recipe
 
     from builder.analysis.layout_memory import layout_memory
     from builder.analysis.report import human_bytes
     from builder.assemble import build_model
-    from recipe_helpers import tiny_recipe
     from recipes.training.dry_run import dry_run
 
     spec = load_spec(TINY / "llama.yaml", {"decoder": {"n_layers": 4}, "tie_embeddings": False})
