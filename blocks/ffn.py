@@ -9,6 +9,8 @@ so an importer maps weights by name. The MLP has
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,9 +184,13 @@ class DeepSeekMoE(SplitsExperts, nn.Module):
     ``N / K * sum_i f_i P_i`` over the batch (``f_i``: share of tokens routed to expert ``i``,
     ``P_i``: its mean score, scores normalised per token; 1 when perfectly balanced). In
     training mode the tokens each expert got are summed until :meth:`after_optimizer_step`
-    moves ``expert_bias`` (summed over all processes first when ``torch.distributed`` runs,
-    so every replica moves the bias alike).
+    moves ``expert_bias`` (summed first over the processes holding this block when
+    ``torch.distributed`` runs: all of them, or :meth:`use_statistics_group`'s, so every replica
+    moves the bias alike).
     """
+
+    statistics_group = None  # the processes whose loads are summed (None: all of them)
+    counting = True  # whether a training forward adds to the loads (statistics_paused)
 
     def __init__(self, config, d_model: int):
         super().__init__()
@@ -245,9 +251,24 @@ class DeepSeekMoE(SplitsExperts, nn.Module):
             scores = scores / scores.sum(-1, keepdim=True)
         routed_share = counts.float() * (self.n_experts / chosen.numel())  # N/(K T) * count_i
         self.aux_loss = (routed_share * scores.mean(0)).sum()
-        if self.load is not None and self.training:
+        if self.load is not None and self.training and self.counting:
             self.load += counts.float()
         return out.reshape(shape)
+
+    @contextlib.contextmanager
+    def statistics_paused(self):
+        """Forwards inside add nothing to the loads: one run only for its shapes (a pipeline
+        stage's metadata inference, on empty tensors past the first stage) is no batch."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def use_statistics_group(self, group) -> None:
+        """Sum the loads over ``group`` only: the processes that hold this block (under pipeline
+        parallelism, those of its stage; the others hold other layers)."""
+        self.statistics_group = group
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -258,6 +279,6 @@ class DeepSeekMoE(SplitsExperts, nn.Module):
         load = self.load.clone()
         self.load.zero_()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(load)
+            torch.distributed.all_reduce(load, group=self.statistics_group)
         if self.bias_update_speed and load.sum() > 0:
             self.expert_bias += self.bias_update_speed * torch.sign(load.mean() - load)

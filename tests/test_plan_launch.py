@@ -80,8 +80,9 @@ def _fields(out) -> dict:
             "error: --expert-parallel 2: not launchable: expert_parallel 2 with context_parallel 2 is not supported",
         ),
         (
-            ["--pipeline-parallel", "2", "--expert-parallel", "2"],
-            "error: --pipeline-parallel 2: not launchable: pipeline_parallel 2 with expert_parallel 2 is not supported",
+            ["--pipeline-parallel", "2", "--context-parallel", "2"],
+            "error: --pipeline-parallel 2: not launchable: pipeline_parallel 2 with context_parallel 2 is not "
+            "supported",
         ),
         (["--checkpointing", "selective"], "error: --checkpointing selective: not launchable: recomputation selective"),
     ],
@@ -136,7 +137,7 @@ def test_a_zero_bubble_plan_launches_the_v_schedule_where_the_layers_cut_twice_p
         ({"expert_parallel": 2, "context_parallel": 2, "devices": 4}, "expert_parallel"),
         ({"expert_parallel": 2, "data_parallel": "replicate", "devices": 4}, "expert_parallel"),
         ({"pipeline_parallel": 2, "context_parallel": 2, "devices": 4}, "pipeline_parallel"),
-        ({"pipeline_parallel": 2, "expert_parallel": 2, "devices": 4}, "pipeline_parallel"),
+        ({"pipeline_parallel": 2, "expert_parallel": 2, "devices": 4}, None),
         ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "devices": 4}, "microbatches"),
         ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "microbatches": 4, "devices": 4}, None),
         ({"pipeline_parallel": 2, "pipeline_schedule": "zbv", "devices": 4}, None),
@@ -180,3 +181,14 @@ def test_a_latent_attention_is_not_offered_context_parallelism_to_launch(capsys)
     assert "\n" not in err and "--context-parallel" in err and "decoder.attention.type" in err, err
     rc, out = _plan(capsys, "llama3-8b", "--gpus", "8", "--seq-len", "131072", "--global-batch", "8")
     assert rc == 0 and out["layout"]["context_parallel"] > 1  # multi_head attention splits
+
+
+def test_a_pipeline_the_runtime_cannot_cut_is_one_line_naming_the_spec_field(capsys):
+    """DeepSeek-V3's multi-token-prediction head adds losses read from the embedding, which the
+    last stage does not hold (its config's ``pipeline_parallel_problems``, as the runtime's
+    ``check_pipeline`` refuses it): a launchable plan pinned to stages says so in one line."""
+    argv = ["deepseek-v3", "--gpus", "64", "--global-batch", "512", "--seq-len", "4096", "--launchable"]
+    assert main(["plan", *argv, "--pipeline-parallel", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --pipeline-parallel 2: not launchable: head.type: the mtp head's own losses")
+    assert err.count("\n") == 1, err

@@ -86,6 +86,11 @@ class BlockConfig(BaseModel):
         for a block that mixes no tokens (attention and heads with layers of their own say)."""
         return []
 
+    def pipeline_parallel_problems(self, degree: int) -> Problems:
+        """Why this block cannot sit in one pipeline stage of ``degree`` as its module runs there:
+        ``(field path, message)`` pairs; none by default (a head with layers of its own says)."""
+        return []
+
     def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:
         """This block as each of ``degree`` tensor-parallel ranks holds and runs it: a config of
         the same type whose counts (``params``, FLOPs, saved bytes, KV cache) are one rank's
@@ -542,6 +547,16 @@ class HeadBlock(BlockConfig):
             return []
         name = getattr(self, "type", type(self).__name__)
         return [(("type",), f"the {name} head runs attention over the whole sequence itself")]
+
+    def pipeline_parallel_problems(self, degree: int) -> Problems:
+        """A head that runs layers of its own (``layer_field``) adds losses of its own, read from
+        the embedding on the first stage, which the last stage's loss does not have."""
+        if self.layer_field is None:
+            return []
+        name = getattr(self, "type", type(self).__name__)
+        return [
+            (("type",), f"the {name} head's own losses read the embedding, which the last pipeline stage does not hold")
+        ]
 
     def active_params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         """Parameters one token meets (a mixture of experts in the head's own layers: top_k)."""

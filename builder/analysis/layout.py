@@ -56,6 +56,7 @@ from builder.analysis.layout_rules import (
     expert_parallel_problems,
     experts_of,
     layout_problems,
+    pipeline_parallel_problems,
     tensor_parallel_problems,
     tensor_parallel_spec,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "layer_tensor_count",
     "layout_problems",
     "model_tensors",
+    "pipeline_parallel_problems",
     "rank_states",
     "sharded_memory",
     "tensor_parallel_problems",

@@ -150,6 +150,23 @@ def context_parallel_problems(spec, cp: int) -> list[tuple[tuple, str]]:
     ]
 
 
+def pipeline_parallel_problems(spec, pp: int) -> list[tuple[tuple, str]]:
+    """``(field path, message)`` for what keeps ``spec`` from ``pp`` pipeline stages as the
+    recipes run them: a head tied to the embedding (it would span the first and the last stage)
+    and each block's ``pipeline_parallel_problems`` (a head with losses of its own)."""
+    if pp == 1:
+        return []
+    problems = []
+    if getattr(spec, "tie_embeddings", False):
+        problems.append((("tie_embeddings",), "a head tied to the embedding would span the first and the last stage"))
+    problems += [
+        (loc + where, message)
+        for loc, config in _blocks(spec)
+        for where, message in config.pipeline_parallel_problems(pp)
+    ]
+    return problems
+
+
 def check_tensor_parallel(spec, tp: int) -> None:
     """Raise :class:`LayoutError` (argument ``tensor_parallel``) naming each field that does not divide."""
     problems = tensor_parallel_problems(spec, tp)

@@ -40,6 +40,7 @@ from builder.analysis.layout import (
     context_parallel_problems,
     expert_parallel_problems,
     layout_problems,
+    pipeline_parallel_problems,
 )
 from builder.analysis.perf import CALIBRATION, RECOMPUTE, SCHEDULES, Calibration, Model, Prediction, Run, predict
 
@@ -483,11 +484,12 @@ def _expert_degrees(spec, model: Model, pins: Pins) -> list[int]:
 
 
 def block_problems(spec, layout: Layout) -> tuple[tuple[str, str], ...]:
-    """``(trainer field, reason)`` for each block of ``spec`` that cannot run ``layout``'s expert or
-    context parallelism as the recipes run it (the blocks' ``expert_parallel_problems`` and
-    ``context_parallel_problems``)."""
+    """``(trainer field, reason)`` for each block of ``spec`` that cannot run ``layout``'s expert,
+    context or pipeline parallelism as the recipes run it (the blocks' ``expert_parallel_problems``,
+    ``context_parallel_problems`` and ``pipeline_parallel_problems``)."""
     found = [("expert_parallel", loc, m) for loc, m in expert_parallel_problems(spec, layout.expert_parallel)]
     found += [("context_parallel", loc, m) for loc, m in context_parallel_problems(spec, layout.context_parallel)]
+    found += [("pipeline_parallel", loc, m) for loc, m in pipeline_parallel_problems(spec, layout.pipeline_parallel)]
     return tuple((field, f"{'.'.join(map(str, loc))}: {message}") for field, loc, message in found)
 
 

@@ -151,17 +151,13 @@ RULES: tuple[Rule, ...] = (
             "of them to 1"
         ),
     ),
-    *(
-        Rule(
-            "pipeline_parallel",
-            lambda s, other=other: s.pipeline_parallel > 1 and getattr(s, other) > 1,
-            lambda s, other=other: (
-                f"pipeline_parallel {s.pipeline_parallel} with {other} {getattr(s, other)} "
-                "is not supported yet (the stages' schedule does not split sequences or route tokens across ranks); "
-                "set one of them to 1"
-            ),
-        )
-        for other in ("context_parallel", "expert_parallel")
+    Rule(
+        "pipeline_parallel",
+        lambda s: s.pipeline_parallel > 1 and s.context_parallel > 1,
+        lambda s: (
+            f"pipeline_parallel {s.pipeline_parallel} with context_parallel {s.context_parallel} is not supported "
+            "yet (the stages' schedule does not split sequences across ranks); set one of them to 1"
+        ),
     ),
     Rule(
         "accumulate_grad_batches",

@@ -51,6 +51,8 @@ FLATTENED = (
 )
 #: FSDP2's shard dimension: the data-parallel shard ranks and the context-parallel ranks
 SHARD_DIM = "dp_shard_cp"
+#: the ranks of one pipeline stage (every dimension but ``pp``): those holding the same layers
+PIPELINE_PEERS = "dp_replicate_dp_shard_cp_tp"
 
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:

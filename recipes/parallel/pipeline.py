@@ -30,6 +30,7 @@ from torch import nn
 
 from builder.analysis.shards import stage_layers, stages_of_rank
 from recipes.errors import RecipeError
+from recipes.parallel.mesh import PIPELINE_PEERS
 from recipes.recipe.sections import TrainerSection
 
 #: ``trainer.pipeline_schedule`` -> (the torch schedule class, stages per rank, how stages go to ranks:
@@ -59,10 +60,10 @@ def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
     if layers < stages:
         per = f" ({settings.pipeline_schedule} holds {stages // degree} per rank)" if stages > degree else ""
         raise RecipeError(f"{where}: {stages} stages{per} but the model has {layers} layers")
-    if model.has_aux_losses():
+    if getattr(model.head, "loss_names", ()):
         raise RecipeError(
-            f"{where}: the model's auxiliary losses (MoE balancing, multi-token prediction) are summed "
-            "over every stage's layers, which the last stage's loss does not see"
+            f"{where}: the head's own losses ({', '.join(model.head.loss_names)}) read the embedding and "
+            "hidden states of the whole model, which the last stage does not hold"
         )
     shared = _shared_across(model, stage_layers(layers, stages))
     if shared:
@@ -156,17 +157,70 @@ class Pipeline:
         return whole
 
 
-def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, loss_fn, parallelize_stage):
+class _WithAuxiliary(torch.autograd.Function):
+    """``output`` as it is; its backward also gives ``aux`` (a stage's weighted auxiliary losses)
+    the gradient 1, as if added to the micro-batch's loss, which the schedule then scales with it."""
+
+    @staticmethod
+    def forward(ctx, output, aux):
+        ctx.aux = (aux.dtype, aux.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+def attach_auxiliary_losses(stage: nn.Module, balance_weight: float) -> None:
+    """Make ``stage``'s training forwards carry its blocks' auxiliary losses (``aux_losses``: the
+    experts' balancing loss times ``balance_weight``) into its backward: the last stage's loss
+    sees only its own layers, and each stage's losses are its own layers' share of the sum one
+    process adds to the loss (``recipes.training.module``)."""
+
+    def hook(module, args, output):
+        losses = module.aux_losses(balance_weight=balance_weight) if torch.is_grad_enabled() else {}
+        return _WithAuxiliary.apply(output, sum(losses.values())) if losses else output
+
+    stage.register_forward_hook(hook)
+
+
+def _stage_class():
+    """torch's ``PipelineStage`` whose metadata inference (a forward run for its outputs' shapes
+    before the first step and after a validation: real tokens on the first stage, empty tensors
+    on the others) leaves its blocks' statistics alone (``statistics_paused``: the experts'
+    loads, which move the routing bias after the step); torch gives no hook for it, so this
+    wraps its private method, and the PP x EP test's equal losses say it still runs."""
+    from contextlib import ExitStack
+
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            with ExitStack() as paused:
+                for module in self.submod.modules():
+                    if hasattr(module, "statistics_paused"):
+                        paused.enter_context(module.statistics_paused())
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+    return Stage
+
+
+def build_pipeline(
+    model: nn.Module, settings: TrainerSection, mesh, device, loss_fn, parallelize_stage, balance_weight: float = 0.0
+):
     """This rank's part of ``model`` (a ``build_model`` model, on meta) and its :class:`Pipeline`.
 
     ``loss_fn(output, target)``: the loss of a micro-batch (a mean, as the schedules scale the
     gradients by the micro-batch count); ``parallelize_stage(module)``: the rest of
     :func:`recipes.parallel.parallelize` for one stage (tensor parallelism and FSDP2 on the
-    mesh's other dimensions, materialised)."""
-    from torch.distributed import pipelining
+    mesh's other dimensions, materialised); ``balance_weight``: the mixture of experts' balancing
+    loss coefficient (``loss.moe_aux_coef``), each stage adding its own layers' losses
+    (:func:`attach_auxiliary_losses`)."""
     from torch.distributed.pipelining import schedules
 
     check_pipeline(model, settings)
+    _Stage = _stage_class()
     names = tuple(name for name, _ in model.named_parameters())
     name, per_rank, style = SCHEDULES[settings.pipeline_schedule]
     pp_mesh = mesh["pp"]
@@ -178,10 +232,15 @@ def build_pipeline(model: nn.Module, settings: TrainerSection, mesh, device, los
     views = [part.pipeline_part(layers[s]) for s in mine]
     for view in views:
         parallelize_stage(view)
+        if model.has_aux_losses():
+            attach_auxiliary_losses(view, balance_weight)
+    # a block's statistics (the experts' loads) are summed over the ranks holding its stage
+    stage_ranks = mesh[PIPELINE_PEERS].get_group()
+    for module in part.modules():
+        if hasattr(module, "use_statistics_group"):
+            module.use_statistics_group(stage_ranks)
     group = pp_mesh.get_group()
-    stages = [
-        pipelining.PipelineStage(view, s, n_stages, device, group=group) for view, s in zip(views, mine, strict=True)
-    ]
+    stages = [_Stage(view, s, n_stages, device, group=group) for view, s in zip(views, mine, strict=True)]
     cls = getattr(schedules, name)
     micro = settings.pipeline_microbatches()
     schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)

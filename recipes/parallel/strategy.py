@@ -117,7 +117,7 @@ class ShardedStrategy(ModelParallelStrategy):
             self._parallelized.add(id(model))
         return model
 
-    def pipeline(self, model: nn.Module, loss_fn):
+    def pipeline(self, model: nn.Module, loss_fn, balance_weight: float = 0.0):
         """This rank's part of ``model`` and its :class:`recipes.parallel.pipeline.Pipeline`
         (``trainer.pipeline_parallel``), each stage parallelised on the mesh's other dimensions."""
         from recipes.parallel import parallelize
@@ -126,7 +126,9 @@ class ShardedStrategy(ModelParallelStrategy):
         def stage(view: nn.Module) -> nn.Module:
             return parallelize(view, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
 
-        return build_pipeline(model, self.settings, self.device_mesh, self.root_device, loss_fn, stage)
+        return build_pipeline(
+            model, self.settings, self.device_mesh, self.root_device, loss_fn, stage, balance_weight=balance_weight
+        )
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -154,7 +154,9 @@ class LMModule(L.LightningModule):
         :class:`recipes.parallel.pipeline.Pipeline` (``ShardedStrategy.pipeline``)."""
         if not self.automatic_optimization:
             if self.pipeline is None:
-                self.model, self.pipeline = self.trainer.strategy.pipeline(self.model, self._micro_batch_loss)
+                self.model, self.pipeline = self.trainer.strategy.pipeline(
+                    self.model, self._micro_batch_loss, balance_weight=self.moe_aux_coef
+                )
             return
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:
