@@ -20,7 +20,7 @@ from blocks.attention import AttentionInputs
 from blocks.build import Dims, build_block
 from blocks.cache import KVCache
 from blocks.configs.attention import AttentionConfig
-from blocks.configs.base import visible_pairs
+from blocks.configs.pairs import visible_pairs
 from blocks.configs.position import RopeConfig
 from blocks.init import init_weights
 from blocks.positions import Rope

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from blocks import generation
-from blocks.configs.base import visible_pairs
 from blocks.configs.ffn import GLUConfig
+from blocks.configs.pairs import visible_pairs
 from builder.analysis import mfu
 from builder.analysis.estimates import estimate
 from builder.analysis.layout import Layout

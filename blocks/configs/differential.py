@@ -28,10 +28,10 @@ from blocks.configs.base import (
     Problems,
     Shapes,
     indivisible,
-    kernel_saved_bytes,
     rule_error,
 )
 from blocks.configs.norm import RMSNormConfig
+from blocks.configs.pairs import kernel_saved_bytes
 from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
 from blocks.registry import register
 

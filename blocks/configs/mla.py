@@ -29,9 +29,9 @@ from blocks.configs.base import (
     Problems,
     Shapes,
     indivisible,
-    kernel_saved_bytes,
 )
 from blocks.configs.norm import RMSNormConfig
+from blocks.configs.pairs import kernel_saved_bytes
 from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_WIDTH
 from blocks.registry import register
 
