@@ -145,10 +145,6 @@ def test_the_runtime_mesh_numbers_ranks_as_the_layout_model_does(layout):
             ["trainer.microbatches", "dualpipev needs at least as many micro-batches as stages: 2 for 4"],
         ),
         (
-            {"pipeline_parallel": 2, "devices": 4, "strategy": "fsdp", "context_parallel": 2},
-            ["trainer.pipeline_parallel", "with context_parallel 2 is not supported yet"],
-        ),
-        (
             {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp", "accumulate_grad_batches": 2},
             ["trainer.accumulate_grad_batches", "microbatches"],
         ),
@@ -303,3 +299,16 @@ def test_pipeline_2_x_expert_parallel_2_on_four_processes_trains_like_one(tmp_pa
     assert "MEMBER: 4/4" in out
     train(recipe(tmp_path / "one", batch=1, spec=spec, accumulate_grad_batches=4, steps=10))
     assert_same_losses(losses(tmp_path / "ppep" / "run"), losses(tmp_path / "one" / "run"), keys=("train",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_2_x_context_parallel_2_on_four_processes_trains_like_one(tmp_path, schedule):
+    """Each stage's micro-batches are its context-parallel rank's share of the rows, its forward
+    told the tokens' places in the whole sequence (positions and masks follow them): the losses,
+    validation's too, are one process's."""
+    layout = dict(devices=4, strategy="fsdp", pipeline_parallel=2, context_parallel=2, microbatches=2)
+    out = train(recipe(tmp_path / "ppcp", batch=4, spec=TINY_PP, steps=10, pipeline_schedule=schedule, **layout))
+    assert "MEMBER: 4/4" in out
+    train(recipe(tmp_path / "one", batch=4, spec=TINY_PP, steps=10))
+    assert_same_losses(losses(tmp_path / "ppcp" / "run"), losses(tmp_path / "one" / "run"))

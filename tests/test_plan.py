@@ -37,6 +37,9 @@ def _sets(line: str) -> list[str]:
 def test_llama2_70b_on_64_gpus_fits_with_the_json_fields_and_a_describe_line(capsys):
     spec = ROOT / "specs" / "llama2-70b.yaml"
     argv = [str(spec), "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "4096", "--global-batch", "1024"]
+    # no stages or sequence split (the search's own choice, TP4 PP4 CP2, is the launch test's): the
+    # describe line then counts the launch exactly
+    argv += ["--pipeline-parallel", "1", "--context-parallel", "1"]
     rc, out = _plan_json(capsys, *argv, "--launchable")
     assert rc == 0 and out["fits"]
     for key in ("tokens_per_s_per_gpu", "mfu", "step_s", "memory_per_gpu_bytes", "layout"):
@@ -149,6 +152,8 @@ def test_deepseek_v3_on_2048_h800s_uses_expert_parallelism(capsys):
             "4096",
             "--global-batch",
             "1024",
+            "--pipeline-parallel",  # pipeline stages launch as test_plan_launch checks
+            "1",
         ],
         [
             "specs/llama2-7b.yaml",

@@ -79,11 +79,6 @@ def _fields(out) -> dict:
             ["--expert-parallel", "2", "--context-parallel", "2"],
             "error: --expert-parallel 2: not launchable: expert_parallel 2 with context_parallel 2 is not supported",
         ),
-        (
-            ["--pipeline-parallel", "2", "--context-parallel", "2"],
-            "error: --pipeline-parallel 2: not launchable: pipeline_parallel 2 with context_parallel 2 is not "
-            "supported",
-        ),
         (["--checkpointing", "selective"], "error: --checkpointing selective: not launchable: recomputation selective"),
     ],
 )
@@ -136,7 +131,7 @@ def test_a_zero_bubble_plan_launches_the_v_schedule_where_the_layers_cut_twice_p
     [
         ({"expert_parallel": 2, "context_parallel": 2, "devices": 4}, "expert_parallel"),
         ({"expert_parallel": 2, "data_parallel": "replicate", "devices": 4}, "expert_parallel"),
-        ({"pipeline_parallel": 2, "context_parallel": 2, "devices": 4}, "pipeline_parallel"),
+        ({"pipeline_parallel": 2, "context_parallel": 2, "devices": 4}, None),
         ({"pipeline_parallel": 2, "expert_parallel": 2, "devices": 4}, None),
         ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "devices": 4}, "microbatches"),
         ({"pipeline_parallel": 2, "pipeline_schedule": "dualpipev", "microbatches": 4, "devices": 4}, None),

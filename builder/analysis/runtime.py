@@ -152,14 +152,6 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "pipeline_parallel",
-        lambda s: s.pipeline_parallel > 1 and s.context_parallel > 1,
-        lambda s: (
-            f"pipeline_parallel {s.pipeline_parallel} with context_parallel {s.context_parallel} is not supported "
-            "yet (the stages' schedule does not split sequences across ranks); set one of them to 1"
-        ),
-    ),
-    Rule(
         "accumulate_grad_batches",
         lambda s: s.pipeline_parallel > 1 and s.accumulate_grad_batches > 1,
         lambda s: (

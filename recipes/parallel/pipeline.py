@@ -95,6 +95,8 @@ class Pipeline:
     eval_schedule: object = None  # forward only, where the training schedule has none (V placements)
     #: the whole model's parameter names in its own order (``named_parameters``), which every stage's keep
     names: tuple[str, ...] = ()
+    #: under context parallelism, this rank's share of each sequence (``recipes.parallel.context``)
+    context_shard: object = None
 
     @property
     def has_last(self) -> bool:
@@ -110,6 +112,8 @@ class Pipeline:
         import torch.distributed as dist
 
         losses: list[torch.Tensor] = []
+        if self.context_shard is not None:  # every stage's micro-batches are this rank's share of the rows
+            input_ids, targets = self.context_shard.split(input_ids, targets)
         args = (input_ids,) if self.has_first else ()
         target = targets if self.has_last else None
         run = self.schedule.step if train else (self.eval_schedule or self.schedule).eval
@@ -185,6 +189,21 @@ def attach_auxiliary_losses(stage: nn.Module, balance_weight: float) -> None:
     stage.register_forward_hook(hook)
 
 
+def attach_token_index(stage: nn.Module, shard) -> None:
+    """Give ``stage``'s forwards the whole-sequence places of this rank's tokens (``token_index``,
+    which positions and the attention masks follow under context parallelism), from the length of
+    its input (token ids on the first stage, hidden states on the others): the schedules pass a
+    stage only what the previous one returned."""
+
+    def hook(module, args, kwargs):
+        if kwargs.get("token_index") is None:
+            share = args[0].shape[1]
+            kwargs = {**kwargs, "token_index": shard.token_index(share * shard.degree, args[0].device)}
+        return args, kwargs
+
+    stage.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _stage_class():
     """torch's ``PipelineStage`` whose metadata inference (a forward run for its outputs' shapes
     before the first step and after a validation: real tokens on the first stage, empty tensors
@@ -234,6 +253,8 @@ def build_pipeline(
         parallelize_stage(view)
         if model.has_aux_losses():
             attach_auxiliary_losses(view, balance_weight)
+        if getattr(view, "context_shard", None) is not None:
+            attach_token_index(view, view.context_shard)
     # a block's statistics (the experts' loads) are summed over the ranks holding its stage
     stage_ranks = mesh[PIPELINE_PEERS].get_group()
     for module in part.modules():
@@ -246,7 +267,8 @@ def build_pipeline(
     schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
     evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
     last = _rank_of(n_stages - 1, ranks, style)
-    return part, Pipeline(schedule, stages, group, last, micro, evaluation, names)
+    shard = getattr(views[0], "context_shard", None)
+    return part, Pipeline(schedule, stages, group, last, micro, evaluation, names, shard)
 
 
 def v_evaluation(stages: list, microbatches: int, loss_fn):

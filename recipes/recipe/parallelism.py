@@ -7,7 +7,7 @@ adds the rest, which these rules also read: ``devices``, ``num_nodes``, ``precis
 ``accumulate_grad_batches``); :func:`check_recipe_parallelism` holds the rules that read other
 sections (the task, ``data.seq_len``, ``data.packing``, ``data.batch_size``). Which layouts can
 run at all is :class:`builder.analysis.layout.Layout`'s (``recipes.parallel.mesh.layout_of``); the
-degrees not composed yet at runtime (context with expert, pipeline with either) are refused here.
+degrees not composed yet at runtime (context with expert parallelism) are refused here.
 """
 
 from __future__ import annotations
