@@ -182,6 +182,13 @@ class SplitsExperts:
     :func:`dispatch`."""
 
     expert_group = None  # the ranks the routed experts are split over (use_expert_parallel)
+    sequence_group = None  # the ranks holding shares of the same sequences (use_context_parallel)
+
+    def use_context_parallel(self, group) -> None:
+        """The sequences are split between the ranks of ``group`` (context parallelism): the
+        balancing loss counts every share's tokens (:func:`balance_statistics`), as one process
+        counts the whole micro-batch's; routing and experts are per token and need nothing."""
+        self.sequence_group = group
 
     def use_expert_parallel(self, mesh) -> list[nn.Module]:
         """Split the routed experts over the ranks of the 1-D device mesh ``mesh`` (expert
@@ -200,3 +207,22 @@ class SplitsExperts:
                 module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
         self.expert_group = mesh.get_group()
         return [self.experts]
+
+
+def balance_statistics(counts: torch.Tensor, scores: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(tokens routed to each expert, the scores' mean over tokens, tokens)`` of a balancing
+    loss: over this rank's tokens, or with ``group`` (the context-parallel ranks,
+    which hold shares of the same sequences) over every share of them, so the loss is the whole
+    micro-batch's as one process computes it. The counts are summed without gradient, the scores'
+    sums through ``torch.distributed.nn``'s differentiable all-reduce (each rank's scores then get
+    the gradient of the one loss)."""
+    total, tokens = scores.sum(0), scores.shape[0]
+    if group is not None:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce
+
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+        total = all_reduce(total, group=group)
+        tokens *= dist.get_world_size(group)
+    return counts, total / tokens, tokens

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blocks import registry
-from blocks.experts import SplitsExperts, StackedLinear, dispatch
+from blocks.experts import SplitsExperts, StackedLinear, balance_statistics, dispatch
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -161,8 +161,9 @@ class MoE(SplitsExperts, nn.Module):
         gates = (top_probs / top_probs.sum(-1, keepdim=True)).to(x.dtype)
         out, counts = dispatch(flat, self.experts, self.n_experts, top_experts, gates, group=self.expert_group)
 
-        routed_share = counts.float() / top_experts.numel() * self.top_k  # f_e, summed over k
-        self.aux_loss = self.n_experts * (routed_share * probs.mean(0)).sum()
+        counts, mean_probs, tokens = balance_statistics(counts.float(), probs, self.sequence_group)
+        routed_share = counts / tokens  # f_e, summed over k
+        self.aux_loss = self.n_experts * (routed_share * mean_probs).sum()
         return out.reshape(shape)
 
 
@@ -249,10 +250,11 @@ class DeepSeekMoE(SplitsExperts, nn.Module):
             out = out + self.shared_experts(flat)
         if self.scoring == "sigmoid":
             scores = scores / scores.sum(-1, keepdim=True)
-        routed_share = counts.float() * (self.n_experts / chosen.numel())  # N/(K T) * count_i
-        self.aux_loss = (routed_share * scores.mean(0)).sum()
         if self.load is not None and self.training and self.counting:
-            self.load += counts.float()
+            self.load += counts.float()  # this rank's tokens: the step sums them over the ranks
+        counts, mean_scores, tokens = balance_statistics(counts.float(), scores, self.sequence_group)
+        routed_share = counts * (self.n_experts / (tokens * self.top_k))  # N/(K T) * count_i
+        self.aux_loss = (routed_share * mean_scores).sum()
         return out.reshape(shape)
 
     @contextlib.contextmanager

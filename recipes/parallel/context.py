@@ -60,15 +60,6 @@ class ContextShard:
         return tuple(t.index_select(1, index) for t in tensors)
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every self-attention of the model's stacks."""
-    return [
-        (f"{name}.layers.{i}.attention", layer.attention)
-        for name, stack in model.stacks().items()
-        for i, layer in enumerate(stack.layers)
-    ]
-
-
 def apply_context_parallel(model: nn.Module, cp_mesh) -> ContextShard:
     """Make every attention of ``model`` (a ``build_model`` decoder-only model) attend over the
     sequence split between the ranks of ``cp_mesh``; returns the input side (:class:`ContextShard`).
@@ -83,6 +74,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> ContextShard:
         where, message = problems[0]
         raise RecipeError(f"trainer.context_parallel {degree}: {'.'.join(map(str, where))}: {message}")
     group = cp_mesh.get_group()
-    for _, attention in attention_modules(model):
-        attention.use_context_parallel(group)
+    for module in model.modules():  # the attentions, and the blocks whose statistics span a sequence (experts)
+        if hasattr(module, "use_context_parallel"):
+            module.use_context_parallel(group)
     return ContextShard(cp_mesh)
