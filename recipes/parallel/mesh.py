@@ -20,9 +20,12 @@ above 1), so at least one of ``ep`` and ``cp`` is 1. With ``ep`` 1 (``dp_shard``
   replicate across nodes.
 
 ``trainer.expert_parallel: E`` then splits the third size by ``E``: ``shard`` is
-``(1, 1, world / (E x tp), E, 1, tp)``, ``hybrid`` ``(1, nodes, per_node / (E x tp), E, 1, tp)``.
-Pipeline parallelism is not composed with context or expert parallelism yet
-(``trainer.pipeline_parallel`` refuses them above 1), so ``pp`` is 1 wherever ``cp`` or ``ep`` is not.
+``(pp, 1, stage / (E x tp), E, 1, tp)``, ``hybrid`` ``(pp, nodes / pp, per_node / (E x tp), E, 1, tp)``.
+Why expert and context parallelism are not composed yet: the experts are DTensors sharded over
+``ep`` whose FSDP group must also span ``cp`` (those ranks see other tokens of the same
+sequences), and FSDP2 joins a parameter's mesh dimensions in the root mesh's order, where ``ep``
+comes before ``cp``; torchtitan borrows ``ep`` from ``cp`` too, which would change how this
+layout numbers ranks.
 """
 
 from __future__ import annotations
