@@ -119,11 +119,14 @@ def _train_all(loaded, variants, jobs: int) -> list[dict] | None:
             run_dir = trial_dir(loaded, variant.name)
             run_dir.mkdir(parents=True, exist_ok=True)
             log = (run_dir / "trial.log").open("ab")
+            # the cores shared between the runs at once, as the study's runner shares them between
+            # its trials (each run's own thread pool the size of the machine oversubscribes it)
+            threads = str(max(1, (os.cpu_count() or 1) // max(1, jobs)))
             process = subprocess.Popen(
                 ["nice", "-n", "19", *train_command(loaded, variant)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=dict(os.environ, TQDM_DISABLE="1"),
+                env={"OMP_NUM_THREADS": threads, **os.environ, "TQDM_DISABLE": "1"},
             )
             running[seed] = (process, log, variant, run_dir, time.time())
         time.sleep(1)
