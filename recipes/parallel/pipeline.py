@@ -12,7 +12,15 @@ torchtitan does it (``torchtitan/distributed/pipeline_parallel.py``):
   which ``PipelineStage`` drives: its gradients reduce once, after the last micro-batch) and
   wrapped in ``PipelineStage`` on the ``pp`` group;
 * the schedule (:data:`SCHEDULES`) runs a step's micro-batches through the stages, the last
-  computing the loss; the loss is broadcast over the ``pp`` group, so every rank logs it.
+  computing the loss; the loss is broadcast over the ``pp`` group, so every rank logs it. The
+  zero-bubble schedules (``zbv``, ``dualpipev``) split each backward into an input pass and a
+  weight pass; the stages' FSDP2 units keep their gathered parameters from forward to backward
+  (``reshard_after_forward=False``, torchtitan's policy under PP), which that weight pass needs;
+* a stage's own auxiliary losses (a mixture of experts' balancing loss) enter its backward
+  (:func:`attach_auxiliary_losses`), its blocks' statistics are summed over the ranks of its
+  stage (``use_statistics_group``) and torch's metadata inference counts none (:func:`_stage_class`);
+* under context parallelism each stage's micro-batches are this rank's share of the rows, its
+  forward told the tokens' places in the whole sequence (:func:`attach_token_index`).
 
 Lightning's ``ModelParallelStrategy`` has no pipeline: the LightningModule drives the schedule
 with manual optimization (``recipes.training.module.LMModule``): a schedule's step is the forward
