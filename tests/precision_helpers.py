@@ -133,6 +133,12 @@ def task_recipe(task: str, folder: Path, precision: str, steps: int, **trainer) 
     }
     if task == "lm":
         recipe["sample"] = {"prompts": [], "max_new_tokens": 0}
+        if trainer.get("tensor_parallel", 1) > 1:
+            # the char vocabulary is the corpus's characters (95 from this interpreter's standard
+            # library, odd), which a vocab-parallel embedding refuses to split
+            from sharded_helpers import EVEN_VOCAB
+
+            recipe["tokenizer"] = dict(EVEN_VOCAB)
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
