@@ -15,18 +15,6 @@ from builder.analysis.layout import Layout
 PERF_SCHEDULES = {name: perf for perf, name in runtime.SCHEDULE_NAMES.items()} | {"dualpipev": "zero-bubble"}
 
 
-def placement(schedule: str) -> tuple[int, str]:
-    """``(stages per rank, placement)`` of a schedule, by its runtime or performance-model name:
-    interleaved 1F1B loops ``INTERLEAVED_STAGES`` per rank; the runtime's zbv and dualpipev place
-    two in a V (rank 0: the first and the last, the embedding and the head); the performance
-    model's zero-bubble is ZB-H1, one stage per rank, as ``builder plan`` sizes it."""
-    if schedule in ("interleaved-1f1b", "interleaved_1f1b"):
-        return runtime.INTERLEAVED_STAGES, "loop"
-    if schedule in runtime.V_SCHEDULES:
-        return runtime.V_STAGES, "v"
-    return 1, "loop"
-
-
 def layout_memory(
     spec,
     layout: Layout,
@@ -49,7 +37,7 @@ def layout_memory(
 
     if max(layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel) == 1:
         return None
-    per_rank, style = placement(schedule)
+    per_rank, style = runtime.stage_placement(schedule)
     perf_schedule = PERF_SCHEDULES.get(schedule, schedule)
     virtual = per_rank if perf_schedule == "interleaved-1f1b" else 1
     micro = microbatches or layout.pipeline_parallel * per_rank

@@ -414,9 +414,7 @@ def _chunks_per_rank(schedule: str, launchable: bool) -> int:
     """Stages a pipeline rank holds: interleaved 1F1B's virtual stages; the runtime's zero-bubble
     schedule (zbv) places two per rank in a V, where the performance model sizes ZB-H1's one per
     rank (its time and memory; ``describe`` of the launched recipe counts the V's states exactly)."""
-    if schedule == "interleaved-1f1b":
-        return INTERLEAVE
-    return runtime.V_STAGES if launchable and runtime.SCHEDULE_NAMES[schedule] in runtime.V_SCHEDULES else 1
+    return runtime.stage_placement(runtime.SCHEDULE_NAMES[schedule] if launchable else schedule)[0]
 
 
 def _best_micro_batch(

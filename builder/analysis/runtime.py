@@ -30,6 +30,21 @@ INTERLEAVED_STAGES = 2
 #: the V-shaped schedules and their stages per rank (rank r holds stages r and 2P - 1 - r)
 V_SCHEDULES = ("zbv", "dualpipev")
 V_STAGES = 2
+
+
+def stage_placement(schedule: str) -> tuple[int, str]:
+    """``(stages per rank, placement)`` of a schedule, by its runtime or performance-model name:
+    interleaved 1F1B loops :data:`INTERLEAVED_STAGES` per rank (rank r: stages r, r + P, ...);
+    the runtime's zbv and dualpipev place :data:`V_STAGES` in a V (rank r: stages r and 2P - 1 - r,
+    so rank 0 holds the embedding and the head); the others, and the performance model's
+    zero-bubble (ZB-H1, as ``builder plan`` sizes it), one stage per rank."""
+    if schedule in ("interleaved-1f1b", "interleaved_1f1b"):
+        return INTERLEAVED_STAGES, "loop"
+    if schedule in V_SCHEDULES:
+        return V_STAGES, "v"
+    return 1, "loop"
+
+
 #: the recomputation the runtime runs, as ``trainer.activation_checkpointing`` says it (every layer or none)
 CHECKPOINTING = {"none": False, "full": True}
 

@@ -36,25 +36,26 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from builder.analysis.runtime import stage_placement
 from builder.analysis.shards import stage_layers, stages_of_rank
 from recipes.errors import RecipeError
 from recipes.parallel.mesh import PIPELINE_PEERS
 from recipes.recipe.sections import TrainerSection
 
-#: ``trainer.pipeline_schedule`` -> (the torch schedule class, stages per rank, how stages go to ranks:
-#: ``loop`` (rank r: stages r, r + P, ...) or ``v`` (rank r: stages r and 2P - 1 - r))
-SCHEDULES: dict[str, tuple[str, int, str]] = {
-    "gpipe": ("ScheduleGPipe", 1, "loop"),
-    "1f1b": ("Schedule1F1B", 1, "loop"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
-    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+#: ``trainer.pipeline_schedule`` -> the torch schedule class; how many stages each rank holds and
+#: how they go to ranks is ``builder.analysis.runtime.stage_placement``'s (the planner's too)
+SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 
 def stage_count(settings: TrainerSection) -> int:
     """Stages in all: the ranks of a pipeline times the stages each holds."""
-    return settings.pipeline_parallel * SCHEDULES[settings.pipeline_schedule][1]
+    return settings.pipeline_parallel * stage_placement(settings.pipeline_schedule)[0]
 
 
 def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
@@ -249,7 +250,8 @@ def build_pipeline(
     check_pipeline(model, settings)
     _Stage = _stage_class()
     names = tuple(name for name, _ in model.named_parameters())
-    name, per_rank, style = SCHEDULES[settings.pipeline_schedule]
+    name = SCHEDULES[settings.pipeline_schedule]
+    per_rank, style = stage_placement(settings.pipeline_schedule)
     pp_mesh = mesh["pp"]
     rank, ranks = pp_mesh.get_local_rank(), pp_mesh.size()
     n_stages = stage_count(settings)

@@ -255,30 +255,16 @@ def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | 
     """Per device under the recipe's pipeline, context or expert parallelism, as ``builder
     describe`` counts that layout (the stage holding the most, each stage's states exact); None
     for a layout without them (the estimate's tables count it)."""
-    import dataclasses
-
-    from builder.analysis.layout import Layout
     from builder.analysis.layout_memory import layout_memory
     from builder.analysis.report import human_bytes
-    from recipes.parallel.mesh import device_count
+    from recipes.parallel.mesh import device_count, layout_of
     from recipes.training.precision import estimate_dtype, resolve_precision
 
     settings = recipe.trainer
     if settings.strategy != "fsdp":
         return None
     precision, _ = resolve_precision(settings.precision, settings.accelerator)
-    layout = Layout(
-        devices=device_count(settings, check=False) * settings.num_nodes,
-        nodes=settings.num_nodes,
-        tensor_parallel=settings.tensor_parallel,
-        data_parallel=settings.data_parallel,
-    )
-    layout = dataclasses.replace(
-        layout,
-        pipeline_parallel=settings.pipeline_parallel,
-        context_parallel=settings.context_parallel,
-        expert_parallel=settings.expert_parallel,
-    )
+    layout = layout_of(settings, device_count(settings, check=False))
     micro = settings.pipeline_microbatches() if settings.pipeline_parallel > 1 else 1
     counted = layout_memory(
         spec,
