@@ -23,6 +23,20 @@ STEPS = 20
 EVEN_VOCAB = {"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400}
 
 
+def end_process_group() -> None:
+    """Leave a spawned worker's process group: a barrier, then ``destroy_process_group``. Gloo's
+    worker threads release a finished collective's tensors after its caller has seen it complete;
+    a process that then exits at once can finalize the interpreter while one of them still drops a
+    tensor Python owns, whose GIL acquire then aborts the process (SIGABRT, "terminate called
+    without an active exception", from ``ProcessGroupGloo::runLoop``; about 1 run in 20 of the
+    context-parallel model test). The barrier waits for every earlier collective and its round
+    trip to the other ranks outlasts that release."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def recipe(
     folder: Path,
     *,

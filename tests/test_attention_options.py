@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from sharded_helpers import end_process_group
 
 from blocks.attention import AttentionInputs
 from blocks.build import Dims, build_block
@@ -570,7 +571,7 @@ def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
         for n, p in model.named_parameters()
     }
     torch.save({"loss": loss.detach(), "grads": grads}, os.path.join(out, f"{rank}.pt"))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from recipe_helpers import tiny_recipe
-from sharded_helpers import assert_same_losses, losses, recipe, train
+from sharded_helpers import assert_same_losses, end_process_group, losses, recipe, train
 
 from recipes.parallel.context import apply_context_parallel, load_balanced_index
 
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 dist.all_reduce(p.grad)
                 torch.testing.assert_close(p.grad / world, expected[n], rtol=0, atol=1e-5, msg=f"{name} {n}")
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def test_context_parallel_attention_on_two_processes_gives_one_process_logits_and_gradients(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sharded_helpers import end_process_group
 
 from blocks import registry
 from blocks.build import Dims, build_block
@@ -245,7 +246,7 @@ def test_expert_bias_sums_the_load_over_processes(tmp_path):
         moe.after_optimizer_step()
         assert moe.expert_bias.abs().sum() > 0
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def test_balance_loss_is_one_when_balanced_and_training_moves_the_bias():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from sharded_helpers import end_process_group
 
 from blocks import registry
 from blocks.attention import AttentionInputs
@@ -160,7 +161,7 @@ def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = grad.clone()
     torch.save(grads, Path(out) / f"{rank}.pt")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.slow

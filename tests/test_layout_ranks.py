@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from sharded_helpers import end_process_group
 
 from builder.analysis.layout import Layout, model_tensors, rank_states
 from builder.spec.schema import spec_model
@@ -89,7 +90,7 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
         "tensors": len(params),
     }
     Path(out, f"{rank}.json").write_text(json.dumps(held))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.parametrize("world, nodes, tp, mode", [(3, 1, 1, "shard"), (4, 1, 2, "shard"), (4, 2, 1, "hybrid")])

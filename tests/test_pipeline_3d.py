@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from sharded_helpers import EVEN_VOCAB, assert_same_losses, losses, recipe, train
+from sharded_helpers import EVEN_VOCAB, assert_same_losses, end_process_group, losses, recipe, train
 from test_pipeline_parallel import TINY_PP
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     held = {"elements": sum(t.numel() for t in local), "weights": sum(t.numel() * t.element_size() for t in local)}
     held["tensors"], held["names"] = len(local), [name for name, _ in part.named_parameters()]
     Path(out, f"{rank}.json").write_text(json.dumps(held))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_every_rank_of_pp2_tp2_fsdp2_holds_what_the_layout_counts_for_its_stage(tmp_path):

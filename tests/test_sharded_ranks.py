@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from sharded_helpers import end_process_group
 from test_layout_ranks import SPEC as ODD
 
 from builder.analysis.layout import Layout, rank_states
@@ -76,7 +77,7 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
         "tensors": len(params),
     }
     Path(out, f"{rank}.json").write_text(json.dumps(held))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.parametrize(
