@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from recipe_helpers import tiny_recipe
-from sharded_helpers import assert_same_losses, losses, recipe, train
+from sharded_helpers import assert_same_losses, end_process_group, losses, recipe, train
 
 torch.set_num_threads(1)
 
@@ -37,7 +37,6 @@ def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
     from recipes.parallel import parallelize
     from recipes.parallel.mesh import device_mesh, layout_of
     from recipes.recipe.sections import TrainerSection
-    from recipes.training.module import param_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -69,21 +68,33 @@ def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
     grads_equal = all(
         (a is None and b is None) or torch.allclose(full(a), b, rtol=0, atol=1e-6) for a, b in grads
     ) and any(a is not None for a, _ in grads)
-    for p in model.parameters():  # the multi-token-prediction module is not in the logits' graph
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
-    optimizer.step()
-
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    params = list(model.parameters())
     held = {
         "exact": exact,
         "loss": abs(loss.item() - reference[rank].item()),
         "grads_equal": grads_equal,
         "split": split,
+        **_held_bytes(model),
+    }
+    Path(out, f"{rank}.json").write_text(json.dumps(held))
+    end_process_group()
+
+
+def _held_bytes(model) -> dict[str, int]:
+    """The bytes of weights, gradients and AdamW state this rank holds (after one step), and its tensors."""
+    from torch.distributed.tensor import DTensor
+
+    from recipes.training.module import param_groups
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = list(model.parameters())
+    for p in params:  # the multi-token-prediction module is not in the logits' graph
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    optimizer.step()
+    return {
         "weights": sum(local(p).numel() * local(p).element_size() for p in params),
         "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for p in params),
         "optimizer": sum(
@@ -91,8 +102,26 @@ def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
         ),
         "tensors": len(params),
     }
-    Path(out, f"{rank}.json").write_text(json.dumps(held))
-    dist.destroy_process_group()
+
+
+def _layout_worker(rank: int, world: int, cp: int, ep: int, store: str, out: str) -> None:
+    """The bytes this rank holds under EP ``ep`` x CP ``cp`` on ``world`` processes."""
+    from builder.assemble import build_model
+    from recipes.parallel import parallelize
+    from recipes.parallel.mesh import device_mesh, layout_of
+    from recipes.recipe.sections import TrainerSection
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    settings = TrainerSection(
+        strategy="fsdp", accelerator="cpu", devices=world, context_parallel=cp, expert_parallel=ep, precision="32"
+    )
+    model = build_model(_spec("mixtral"), device="meta")
+    model = parallelize(
+        model, settings, device_mesh(layout_of(settings), "cpu"), init_seed=SEED, device=torch.device("cpu")
+    )
+    Path(out, f"{rank}.json").write_text(json.dumps(_held_bytes(model)))
+    end_process_group()
 
 
 @pytest.mark.parametrize(
@@ -135,6 +164,27 @@ def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_
             rank_states(spec, layout, 0).optimizer,
         )
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 4])
+def test_under_context_parallelism_every_ep_rank_holds_what_describe_counts(ep, tmp_path):
+    """EP 2 (the context-parallel pair; experts FSDP-sharded over the other pair) and EP 4 (the
+    pair and both data-parallel ranks) with CP 2 on 4 processes: each rank's bytes, as counted."""
+    from builder.analysis.layout import Layout, rank_states
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_layout_worker, args=(4, 2, ep, str(tmp_path / "store"), str(tmp_path)), nprocs=4)
+    spec, layout = _spec("mixtral"), Layout(devices=4, context_parallel=2, expert_parallel=ep)
+    for rank in range(4):
+        want = rank_states(spec, layout, rank)
+        held = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert held == {
+            "weights": want.weights,
+            "gradients": want.gradients,
+            "optimizer": want.optimizer,
+            "tensors": want.tensors,
+        }, f"rank {rank}"
 
 
 # -- refusals, before any work ---------------------------------------------------------------------
@@ -190,36 +240,42 @@ def test_layouts_expert_parallelism_cannot_run_are_refused_at_their_line(tmp_pat
         expert_parallel=3,
     )
     _refused(tmp_path / "f", capsys, ["no experts"], strategy="fsdp", devices=2, expert_parallel=2)
-    # not composed yet with context parallelism: refused at expert_parallel, before any work
+    # with context parallelism the expert group takes the context-parallel ranks first: a degree
+    # that is not a multiple of theirs is refused at expert_parallel, before any work
     _refused(
         tmp_path / "g",
         capsys,
-        ["recipe.yaml:", "trainer.expert_parallel", "context_parallel 2", "not supported yet"],
+        ["recipe.yaml:", "trainer.expert_parallel", "context_parallel 4", "must be a multiple of context_parallel"],
         spec=v3,
         strategy="fsdp",
-        devices=4,
-        context_parallel=2,
+        devices=8,
+        context_parallel=4,
         expert_parallel=2,
     )
 
 
-def test_the_mesh_carries_both_ep_and_cp_dimensions():
+def test_the_mesh_borrows_expert_ranks_from_context_then_data_parallel_ones():
     from builder.analysis.layout import Layout
-    from recipes.parallel.mesh import MESH_DIMS, mesh_shape
+    from recipes.parallel.mesh import MESH_DIMS, expert_dims, mesh_shape
 
-    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
     assert mesh_shape(Layout(devices=8, tensor_parallel=2, expert_parallel=2)) == (1, 1, 2, 2, 1, 2)
     assert mesh_shape(Layout(devices=8, tensor_parallel=2, context_parallel=2)) == (1, 1, 2, 1, 2, 2)
     assert mesh_shape(Layout(devices=8, nodes=2, data_parallel="hybrid", expert_parallel=2)) == (1, 2, 2, 2, 1, 1)
+    # EP 2 x CP 2: the expert group is the context-parallel pair; EP 4 x CP 2 takes 2 data-parallel ranks too
+    assert mesh_shape(Layout(devices=4, context_parallel=2, expert_parallel=2)) == (1, 1, 2, 1, 2, 1)
+    assert mesh_shape(Layout(devices=8, context_parallel=2, expert_parallel=4)) == (1, 1, 2, 2, 2, 1)
+    assert expert_dims(Layout(devices=8, context_parallel=2, expert_parallel=4)) == ("dp_shard_in_ep", "cp")
+    assert expert_dims(Layout(devices=8, context_parallel=2)) == ("dp_shard_in_ep",)  # ep is 1: not the cp ranks
 
 
-def test_expert_parallel_with_context_parallel_is_refused_by_the_trainer_section():
+def test_expert_parallel_with_context_parallel_is_a_multiple_of_it():
     from recipes.recipe.sections import TrainerSection
 
-    with pytest.raises(ValueError, match="expert_parallel 2 with context_parallel 2 is not supported yet"):
-        TrainerSection(strategy="fsdp", accelerator="cpu", devices=4, context_parallel=2, expert_parallel=2)
-    for ep, cp in ((2, 1), (1, 2)):  # each alone still passes
-        TrainerSection(strategy="fsdp", accelerator="cpu", devices=4, context_parallel=cp, expert_parallel=ep)
+    with pytest.raises(ValueError, match="expert_parallel 2 with context_parallel 4: .* multiple of context_parallel"):
+        TrainerSection(strategy="fsdp", accelerator="cpu", devices=8, context_parallel=4, expert_parallel=2)
+    for ep, cp in ((2, 1), (1, 2), (2, 2), (4, 2)):
+        TrainerSection(strategy="fsdp", accelerator="cpu", devices=8, context_parallel=cp, expert_parallel=ep)
 
 
 # -- slow: training ---------------------------------------------------------------------------------
@@ -262,3 +318,27 @@ def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_back(name, tmp
     train(recipe(back, steps=10, **one))
     assert "resuming from" in train(recipe(back, **ep))
     assert_same_losses(losses(back / "run"), reference, keys=("train",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "gpt-oss"])  # top-2 of 8 experts; sinks in a sliding window
+def test_expert_parallel_over_the_context_parallel_pair_trains_like_one_process(name, tmp_path):
+    # EP 2 x CP 2 on 2 processes: the expert group is the two shares of every sequence, one
+    # data-parallel rank reading the whole batch, as one process does
+    spec = str(ROOT / "specs" / "tiny" / f"{name}.yaml")
+    layout = dict(devices=2, strategy="fsdp", context_parallel=2, expert_parallel=2, log_every_n_steps=1)
+    train(recipe(tmp_path / "ep-cp", batch=4, spec=spec, **layout))
+    train(recipe(tmp_path / "one", batch=4, spec=spec, log_every_n_steps=1))
+    assert_same_losses(losses(tmp_path / "ep-cp" / "run"), losses(tmp_path / "one" / "run"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_with_context_parallel_on_four_processes_trains_like_one_accumulating_two(ep, tmp_path):
+    # CP 2 x 2 data-parallel ranks: EP 2 is the context-parallel pair (the experts FSDP-sharded
+    # over the other pair), EP 4 borrows both data-parallel ranks too (ep = dp_shard_in_ep x cp)
+    spec = str(ROOT / "specs" / "tiny" / "mixtral.yaml")
+    layout = dict(devices=4, strategy="fsdp", context_parallel=2, expert_parallel=ep, steps=10)
+    train(recipe(tmp_path / "ep-cp", batch=2, spec=spec, **layout))
+    train(recipe(tmp_path / "one", batch=2, spec=spec, accumulate_grad_batches=2, steps=10))
+    assert_same_losses(losses(tmp_path / "ep-cp" / "run"), losses(tmp_path / "one" / "run"), keys=("train",))

@@ -110,12 +110,13 @@ def test_a_resume_in_the_other_optimization_mode_keeps_the_saved_step_count():
         {"devices": 8, "nodes": 4, "pipeline_parallel": 2, "data_parallel": "hybrid"},
         {"devices": 8, "tensor_parallel": 2, "context_parallel": 2},
         {"devices": 8, "tensor_parallel": 2, "expert_parallel": 2},
+        {"devices": 8, "context_parallel": 2, "expert_parallel": 4},
     ],
 )
 def test_the_runtime_mesh_numbers_ranks_as_the_layout_model_does(layout):
     """``init_device_mesh`` lays rank ``r`` at ``unravel_index(r, mesh_shape)``: each rank's
-    coordinates on the ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh are those
-    ``builder.analysis.layout`` gives it (the shard coordinate spans ``dp_shard_mod_ep x ep``)."""
+    coordinates on the ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)`` mesh are those
+    ``builder.analysis.layout`` gives it (the shard coordinate spans ``dp_shard_mod_ep x dp_shard_in_ep``)."""
     from builder.analysis.layout import Layout
     from recipes.parallel.mesh import MESH_DIMS, mesh_shape
 
@@ -125,7 +126,7 @@ def test_the_runtime_mesh_numbers_ranks_as_the_layout_model_does(layout):
     for rank in range(model.devices):
         at = dict(zip(MESH_DIMS, (int(i) for i in torch.nonzero(grid == rank)[0]), strict=True))
         expected = model.mesh(rank)
-        shard = at["dp_shard_mod_ep"] * shape[MESH_DIMS.index("ep")] + at["ep"]
+        shard = at["dp_shard_mod_ep"] * shape[MESH_DIMS.index("dp_shard_in_ep")] + at["dp_shard_in_ep"]
         got = {"pp": at["pp"], "replicate": at["dp_replicate"], "shard": shard, "cp": at["cp"], "tp": at["tp"]}
         assert got == expected, (rank, got, expected)
 

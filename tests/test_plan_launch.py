@@ -76,8 +76,8 @@ def _fields(out) -> dict:
     "argv, expected",
     [
         (
-            ["--expert-parallel", "2", "--context-parallel", "2"],
-            "error: --expert-parallel 2: not launchable: expert_parallel 2 with context_parallel 2 is not supported",
+            ["--expert-parallel", "2", "--context-parallel", "4"],
+            "error: --expert-parallel 2: not launchable: expert_parallel 2 with context_parallel 4: the expert group",
         ),
         (["--checkpointing", "selective"], "error: --checkpointing selective: not launchable: recomputation selective"),
     ],
@@ -129,7 +129,8 @@ def test_a_zero_bubble_plan_launches_the_v_schedule_where_the_layers_cut_twice_p
 @pytest.mark.parametrize(
     "settings, field",
     [
-        ({"expert_parallel": 2, "context_parallel": 2, "devices": 4}, "expert_parallel"),
+        ({"expert_parallel": 2, "context_parallel": 4, "devices": 8}, "expert_parallel"),
+        ({"expert_parallel": 4, "context_parallel": 2, "devices": 8}, None),
         ({"expert_parallel": 2, "data_parallel": "replicate", "devices": 4}, "expert_parallel"),
         ({"pipeline_parallel": 2, "context_parallel": 2, "devices": 4}, None),
         ({"pipeline_parallel": 2, "expert_parallel": 2, "devices": 4}, None),

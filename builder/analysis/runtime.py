@@ -159,11 +159,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "expert_parallel",
-        lambda s: s.expert_parallel > 1 and s.context_parallel > 1,
+        lambda s: s.expert_parallel > 1 and s.context_parallel > 1 and s.expert_parallel % s.context_parallel,
         lambda s: (
-            f"expert_parallel {s.expert_parallel} with context_parallel {s.context_parallel} is not "
-            "supported yet (the experts are sharded and their gradients reduced outside the cp ranks); set one "
-            "of them to 1"
+            f"expert_parallel {s.expert_parallel} with context_parallel {s.context_parallel}: the expert group "
+            "takes every context-parallel rank of the FSDP shard group first (as torchtitan), so it must be a "
+            "multiple of context_parallel"
         ),
     ),
     Rule(

@@ -11,7 +11,7 @@ function, :func:`parallelize`, in a fixed order (torchtitan's ``parallelize_llam
    model's shards materialised).
 
 One device (or DDP) takes steps 2 and 3; ``trainer.strategy: fsdp`` takes all four on the device
-mesh of :mod:`.mesh` (``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, the one place
+mesh of :mod:`.mesh` (``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)``, the one place
 ``trainer.devices`` becomes a count), through Lightning's ``ModelParallelStrategy`` (:mod:`.strategy`).
 
 Pipeline parallelism (:mod:`.pipeline`, ``trainer.pipeline_parallel``) comes first: the model is

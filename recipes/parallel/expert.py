@@ -5,13 +5,15 @@ the ``ep`` dimension of the mesh, and tokens travel to their experts by all-to-a
 (``blocks.experts.dispatch``).
 
 The ``ep`` ranks are borrowed from the FSDP shard group, as torchtitan and Megatron borrow them
-(:mod:`.mesh`: ``dp_shard`` is ``dp_shard_mod_ep x ep``): they still read different batches, so
-``data.batch_size`` stays per data-parallel rank. FSDP2 then shards each split block's experts
-over the rest of the data-parallel ranks (``dp_replicate x dp_shard_mod_ep``, :mod:`.fsdp`),
-and the dense parameters over all of them as without expert parallelism. An expert's gradient
-already sums the contributions of every ``ep`` rank's tokens, so its reduction divides by the
-whole data-parallel degree (torchtitan's ``fsdp_gradient_divide_factor``), not by the ranks it
-is reduced over. The router, the shared experts and the expert bias stay whole on every rank;
+(:mod:`.mesh`: ``ep`` is the context-parallel ranks and ``dp_shard_in_ep`` data-parallel ones):
+the data-parallel ones still read different batches, so ``data.batch_size`` stays per
+data-parallel rank, and the context-parallel ones other shares of the same sequences (a token's
+expert does not care whose share it is). FSDP2 then shards each split block's experts over the
+rest of the data-parallel ranks (``dp_replicate x dp_shard_mod_ep``, :mod:`.fsdp`), and the
+dense parameters over all of them as without expert parallelism. An expert's gradient already
+sums the contributions of every ``ep`` rank's tokens, so its reduction divides by the whole
+data- and context-parallel degree (torchtitan's ``fsdp_gradient_divide_factor``), not by the
+ranks it is reduced over. The router, the shared experts and the expert bias stay whole on every rank;
 the bias moves by load statistics summed over every rank (``after_optimizer_step``), so every
 rank keeps the same bias.
 """

@@ -44,7 +44,8 @@ def apply_fsdp(
     that unit's weight gradients are lost). ``experts`` (split over ``ep``
     by :mod:`.expert`) are units of their own first, over the data-parallel ranks outside
     ``ep``; their gradients, which already sum every ``ep`` rank's tokens, are divided by the
-    whole data-parallel degree (a sum reduction, then the division: gloo has no pre-scaled sum)."""
+    whole data- and context-parallel degree the dense gradients are averaged over (a sum
+    reduction, then the division: gloo has no pre-scaled sum)."""
     from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
@@ -60,7 +61,8 @@ def apply_fsdp(
         expert_mesh = (
             mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_mod_ep"]
         )
-        degree = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        # every data-parallel and context-parallel rank's tokens: the dense parameters' mean
+        degree = mesh["dp_replicate"].size() * mesh[SHARD_DIM].size()
         for unit in experts:
             fully_shard(unit, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             if expert_mesh.size() > 1:  # alone, FSDP2 divides by the factor once; with it, twice

@@ -2,30 +2,26 @@
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
 (:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
-The mesh is ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)``, numbered as
-``builder.analysis.layout`` numbers ranks. The pipeline stages are outermost (``pp`` is 1 unless
-``trainer.pipeline_parallel``). ``dp_shard`` is the flattened ``(dp_shard_mod_ep, ep)``: expert
-parallelism borrows its ``ep`` ranks innermost from the data-parallel shard ranks (``ep`` is 1 without it), which still
-read different batches. ``cp`` holds the context-parallel ranks, which FSDP shards over together
-with ``dp_shard``, as ``dp_shard_cp`` (the flattened ``(dp_shard_mod_ep, ep, cp)``). Expert and
-context parallelism are not composed yet (``trainer.expert_parallel`` refuses ``context_parallel``
-above 1), so at least one of ``ep`` and ``cp`` is 1. With ``ep`` 1 (``dp_shard`` the whole
-``dp_shard_mod_ep``) and ``stage`` the ranks of one pipeline stage (``world / pp``):
+The mesh is ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)``, numbered as
+``builder.analysis.layout`` numbers ranks (torchtitan's names). The pipeline stages are outermost
+(``pp`` is 1 unless ``trainer.pipeline_parallel``). ``dp_shard`` is the flattened
+``(dp_shard_mod_ep, dp_shard_in_ep)``, the data-parallel shard ranks; ``cp`` holds the
+context-parallel ranks, which FSDP shards over together with them, as ``dp_shard_cp``. Expert
+parallelism borrows its ranks innermost from that shard group, as torchtitan does: the context-
+parallel ranks first, then ``dp_shard_in_ep`` data-parallel ones, so ``ep`` is the flattened
+``(dp_shard_in_ep, cp)`` of ``trainer.expert_parallel`` ranks (which must then be a multiple of
+``trainer.context_parallel``), and FSDP shards the experts over the ranks outside it,
+``dp_replicate x dp_shard_mod_ep`` — dimensions in the root mesh's order, as FSDP2 needs.
+Without expert parallelism ``dp_shard_in_ep`` and ``ep`` are 1. With ``stage`` the ranks of one
+pipeline stage (``world / pp``) and ``E`` the data-parallel ranks ``ep`` borrows
+(``expert_parallel / context_parallel``, else 1):
 
-* ``data_parallel: shard`` — ``(pp, 1, stage / (cp x tp), 1, cp, tp)``: parameters, gradients and
+* ``data_parallel: shard`` — ``(pp, 1, stage / (E x cp x tp), E, cp, tp)``: parameters, gradients and
   optimizer state split over every data-parallel (and context-parallel) rank;
 * ``replicate`` — ``(pp, stage / (cp x tp), 1, 1, cp, tp)``: every data-parallel rank keeps whole
   copies (split over its context-parallel ranks only), gradients all-reduced;
-* ``hybrid`` (HSDP) — ``(pp, nodes / pp, per_node / (cp x tp), 1, cp, tp)``: shard inside a node,
+* ``hybrid`` (HSDP) — ``(pp, nodes / pp, per_node / (E x cp x tp), E, cp, tp)``: shard inside a node,
   replicate across nodes.
-
-``trainer.expert_parallel: E`` then splits the third size by ``E``: ``shard`` is
-``(pp, 1, stage / (E x tp), E, 1, tp)``, ``hybrid`` ``(pp, nodes / pp, per_node / (E x tp), E, 1, tp)``.
-Why expert and context parallelism are not composed yet: the experts are DTensors sharded over
-``ep`` whose FSDP group must also span ``cp`` (those ranks see other tokens of the same
-sequences), and FSDP2 joins a parameter's mesh dimensions in the root mesh's order, where ``ep``
-comes before ``cp``; torchtitan borrows ``ep`` from ``cp`` too, which would change how this
-layout numbers ranks.
 """
 
 from __future__ import annotations
@@ -36,10 +32,10 @@ from builder.analysis.layout import Layout, LayoutError
 from recipes.errors import RecipeError
 from recipes.recipe.sections import TrainerSection
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 #: the data-parallel shard ranks (``dp_shard``), made one dimension of the mesh dimensions they span
 #: (first: the groups below use it)
-SHARD_DIMS = ("dp_shard_mod_ep", "ep")
+SHARD_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
 #: groups of mesh dimensions also made one dimension: a DTensor reduction over several of them (the
 #: gradient norm of a sharded, tensor-parallel weight) is then one all-reduce, not one per
 #: dimension in sequence (slower, and its rounding may differ between ranks)
@@ -60,21 +56,35 @@ PIPELINE_PEERS = "dp_replicate_dp_shard_cp_tp"
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:
     """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
-    ep = layout.expert_parallel
+    borrowed = borrowed_data_parallel(layout)
     return (
         layout.pipeline_parallel,
         layout.replicas,
-        layout.data_parallel_shard // ep,
-        ep,
+        layout.data_parallel_shard // borrowed,
+        borrowed,
         layout.context_parallel,
         layout.tensor_parallel,
     )
 
 
+def borrowed_data_parallel(layout: Layout) -> int:
+    """The data-parallel shard ranks expert parallelism borrows (``dp_shard_in_ep``): its degree
+    over the context-parallel ranks it takes first; 1 without it."""
+    if layout.expert_parallel == 1:
+        return 1
+    return layout.expert_parallel // layout.context_parallel
+
+
+def expert_dims(layout: Layout) -> tuple[str, ...]:
+    """The mesh dimensions the ``ep`` group spans: the borrowed data-parallel ranks, and under
+    expert parallelism the context-parallel ranks too."""
+    return ("dp_shard_in_ep", "cp") if layout.expert_parallel > 1 else ("dp_shard_in_ep",)
+
+
 def device_mesh(layout: Layout, device_type: str):
     """The ``MESH_DIMS`` mesh of ``layout`` over the processes that exist (a process group is
-    up), with ``dp_shard`` (:data:`SHARD_DIMS`) and the :data:`FLATTENED` groups made dimensions
-    too, as torchtitan does."""
+    up), with ``dp_shard`` (:data:`SHARD_DIMS`), ``ep`` (:func:`expert_dims`) and the
+    :data:`FLATTENED` groups made dimensions too, as torchtitan does."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -84,6 +94,7 @@ def device_mesh(layout: Layout, device_type: str):
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIMS)
     mesh[SHARD_DIMS]._flatten("dp_shard")
+    mesh[expert_dims(layout)]._flatten("ep")
     for dims in FLATTENED:  # DTensor looks these up by name
         mesh[dims]._flatten("_".join(dims))
     return mesh

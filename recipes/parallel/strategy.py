@@ -1,5 +1,5 @@
 """The Lightning side of ``trainer.strategy: fsdp``: :class:`ShardedStrategy` (Lightning's
-``ModelParallelStrategy`` on the ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh of
+``ModelParallelStrategy`` on the ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)`` mesh of
 :mod:`recipes.parallel.mesh`)
 starts the processes, builds the mesh, parallelises the model (:func:`recipes.parallel.parallelize`,
 from the LightningModule's ``configure_model``) and saves checkpoints atomically; gradient
@@ -79,8 +79,9 @@ class MeshClipping:
 
 
 class ShardedStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` on a ``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` mesh, that parallelises the
-    model itself (:meth:`parallelize`) and saves checkpoints atomically (:meth:`save_checkpoint`)."""
+    """``ModelParallelStrategy`` on a ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)``
+    mesh, that parallelises the model itself (:meth:`parallelize`) and saves checkpoints
+    atomically (:meth:`save_checkpoint`)."""
 
     def __init__(self, settings: TrainerSection, init_seed: int):
         super().__init__(save_distributed_checkpoint=True)

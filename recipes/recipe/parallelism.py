@@ -7,7 +7,7 @@ adds the rest, which these rules also read: ``devices``, ``num_nodes``, ``precis
 ``accumulate_grad_batches``); :func:`check_recipe_parallelism` holds the rules that read other
 sections (the task, ``data.seq_len``, ``data.packing``, ``data.batch_size``). Which layouts can
 run at all is :class:`builder.analysis.layout.Layout`'s (``recipes.parallel.mesh.layout_of``); the
-degrees not composed yet at runtime (context with expert parallelism) are refused here.
+combinations the runtime cannot lay out (``builder.analysis.runtime``'s table) are refused here.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class ParallelismFields(_Section):
         ge=1,
         description="fsdp: expert-parallel degree (ranks of the FSDP shard group that split every "
         "mixture of experts' routed experts, tokens sent to them by all-to-all); borrowed from the "
-        "data-parallel ranks, so data.batch_size stays per data-parallel rank. Not yet with "
-        "context_parallel.",
+        "data-parallel ranks, so data.batch_size stays per data-parallel rank; with context_parallel a "
+        "multiple of it (the expert group takes the context-parallel ranks first).",
     )
 
     @model_validator(mode="after")
