@@ -167,7 +167,7 @@ def test_pipeline_settings_that_cannot_run_are_refused_at_their_line(tmp_path, c
     [
         ({}, "decoder.layers.0"),  # the tiny spec ties its head to the embedding
         ({"tie_embeddings": False, "decoder": dict(TINY_PP["decoder"], n_layers=1)}, "2 stages but the model has 1"),
-        ({"tie_embeddings": False, "head": {"type": "mtp"}}, "the head's own losses (mtp)"),
+        ({"tie_embeddings": False, "head": {"type": "mtp"}}, "head.type: the mtp head's own losses"),
     ],
 )
 def test_a_model_its_stages_cannot_cut_is_refused_before_any_data_work(tmp_path, capsys, spec, needle):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from builder.analysis.layout import pipeline_parallel_problems
 from builder.analysis.runtime import stage_placement
 from builder.analysis.shards import stage_layers, stages_of_rank
 from recipes.errors import RecipeError
@@ -69,17 +70,14 @@ def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
     if layers < stages:
         per = f" ({settings.pipeline_schedule} holds {stages // degree} per rank)" if stages > degree else ""
         raise RecipeError(f"{where}: {stages} stages{per} but the model has {layers} layers")
-    if getattr(model.head, "loss_names", ()):
-        raise RecipeError(
-            f"{where}: the head's own losses ({', '.join(model.head.loss_names)}) read the embedding and "
-            "hidden states of the whole model, which the last stage does not hold"
-        )
     shared = _shared_across(model, stage_layers(layers, stages))
     if shared:
         raise RecipeError(
             f"{where}: {shared} is shared between stages on different ranks (tied embeddings: set "
             "model.spec tie_embeddings false)"
         )
+    for loc, message in pipeline_parallel_problems(model.spec, degree):  # the blocks' own contract, as plan reads it
+        raise RecipeError(f"{where}: {'.'.join(map(str, loc))}: {message}")
 
 
 def _shared_across(model: nn.Module, layers: list[list[int]]) -> str | None:
