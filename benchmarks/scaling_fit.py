@@ -5,7 +5,9 @@ train that spec at that budget with the study's best learning rate for it (a tri
 own recipe, in its own run folder), and compare the measured final validation loss with the
 prediction and its bootstrap interval. ``--seeds K`` trains the held-out run K times (the study's
 own seed, then ``trainer.seed`` 1 to K-1: initialisation and data order) and compares the median,
-since one run's seed is part of the noise the fit is judged against.
+since one run's seed is part of the noise the fit is judged against. ``--max-tokens D`` (the
+tokens of one pass over the corpus's training split) keeps the pick to models that would not
+repeat the corpus at that budget: the law takes every token as fresh.
 
     python benchmarks/scaling_fit.py recipes/studies/examples/tiny-lm.yaml --factor 4 --seeds 5 --jobs 2 --out fit.json
 """
@@ -32,6 +34,12 @@ def main() -> int:
         "--seeds", type=int, default=1, help="held-out runs (the study's seed, then 1..K-1); the median is compared"
     )
     parser.add_argument("--jobs", type=int, default=1, help="held-out runs at once (processes)")
+    parser.add_argument(
+        "--max-tokens",
+        type=float,
+        help="one pass over the corpus's training split: the held-out spec is picked among the models that "
+        "would not repeat it at the held-out budget (builder study fit --max-tokens)",
+    )
     parser.add_argument("--out", help="also write the result here (JSON)")
     args = parser.parse_args()
 
@@ -52,7 +60,7 @@ def main() -> int:
     largest = max(r["flops"] for r in done)
     compute = args.factor * largest
     members = {r["params"]: {k: r[k] for k in ("params", "flops_per_token", "family")} for r in done}
-    chosen = scaling.best_member(fitted.law, list(members.values()), compute)
+    chosen = scaling.best_member(fitted.law, list(members.values()), compute, args.max_tokens)
     family = [r for r in done if r["params"] == chosen["params"]]
     at_most = max(r["flops"] for r in family)
     best = min((r for r in family if r["flops"] == at_most), key=lambda r: r["final_val"])  # its best tuning
@@ -89,6 +97,7 @@ def main() -> int:
             "law": fitted.law.to_dict(),
             "intervals": fitted.intervals(),
             "largest_fitted_flops": largest,
+            "max_tokens": args.max_tokens,
             "held_out": variant.name,
             "held_out_flops": float(trained) * variant.flops_per_token,
             "params": variant.params,

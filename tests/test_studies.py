@@ -338,6 +338,12 @@ def test_compute_optimal_minimises_the_law_at_its_budget():
     assert sizes[int(np.argmin(losses))] == pytest.approx(n_opt, rel=0.03)
     family = [{"params": n, "flops_per_token": 6 * n, "family": str(n)} for n in (n_opt / 10, n_opt * 1.2, n_opt * 10)]
     assert scaling.best_member(CHINCHILLA, family, compute)["family"] == str(n_opt * 1.2)
+    # one pass over a corpus of fewer tokens than the optimum trains on: the pick is the best model
+    # that does not repeat it (here the largest: the others would train on more), none is a ValueError
+    corpus = compute / 6 / (n_opt * 1.2) * 0.5
+    assert scaling.best_member(CHINCHILLA, family, compute, max_tokens=corpus)["family"] == str(n_opt * 10)
+    with pytest.raises(ValueError, match="--max-tokens .* every model of the study trains on more"):
+        scaling.best_member(CHINCHILLA, family, compute, max_tokens=compute / 6 / (n_opt * 10) / 2)
 
 
 def test_a_fit_of_too_few_runs_is_one_line(tmp_path, capsys, fake_trials):
@@ -361,6 +367,13 @@ def test_fit_answers_a_budget_and_predicts_a_variant(tmp_path, capsys, fake_tria
     assert main([*args, "--bootstrap", "10"]) == 0
     out = capsys.readouterr().out
     assert "fitted to 12 runs" in out and "the study's spec for it: d_model=" in out and "predicted loss" in out
+    # --max-tokens: the spec picked among the models that do not repeat a corpus of that many tokens;
+    # at the fewest any model trains on only that one is, below it none (one line)
+    fewest = 1e12 / max(r["flops_per_token"] for r in report.rows(load_study(path), open_db(path)))
+    assert main([*args, "--bootstrap", "10", "--json", "--max-tokens", repr(fewest * (1 + 1e-9))]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["nearest"]["tokens"] == pytest.approx(fewest)
+    assert main([*args, "--bootstrap", "10", "--max-tokens", repr(fewest / 2)]) == 1
+    assert "every model of the study trains on more" in one_error_line(capsys.readouterr().err, "builder study fit:")
     # --gpu-hours on --gpus GPUs: each model's tokens are the hours x the GPUs x builder plan's
     # predicted tokens/s per GPU for its fastest layout, so the budget in FLOPs is the chosen
     # model's own and its MFU the prediction's; a fixed --mfu gives hours x peak x MFU instead

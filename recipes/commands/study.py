@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument(
         "--max-flops", type=number(above=0), metavar="C", help="fit only the trials of at most C FLOPs (default: all)"
     )
+    fit.add_argument(
+        "--max-tokens",
+        type=number(above=0),
+        metavar="D",
+        help="the tokens of one pass over the corpus: the study's spec for a budget is picked among the models "
+        "that would not repeat it, since the law takes every token as fresh (default: no limit)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,13 +147,15 @@ def _fit(args) -> int:
     params, tokens, losses = scaling.study_points(kept)
     fitted = scaling.fit(params, tokens, losses, bootstrap=args.bootstrap)
     law, result = fitted.law, {"points": fitted.points, "law": fitted.law.to_dict(), "intervals": fitted.intervals()}
+    if args.max_tokens is not None:
+        result["max_tokens"] = args.max_tokens
     compute, members = _compute(args), _members(table)
     if args.gpu_hours is not None and args.mfu is None:
         members = _planned(loaded, table, members, args)
-        best = scaling.best_member(law, members, None)
+        best = scaling.best_member(law, members, None, args.max_tokens)
         compute = best["compute"]  # what the chosen model's predicted step makes of the GPU-hours
     elif compute is not None:
-        best = scaling.best_member(law, members, compute)
+        best = scaling.best_member(law, members, compute, args.max_tokens)
     if compute is not None:
         n_opt, d_opt = law.optimal(compute)
         result["budget"] = {
@@ -274,8 +283,9 @@ def _print_fit(result: dict, fitted) -> None:
         )
         near = budget["nearest"]
         low, high = near["interval"]
+        within = f" within {human(result['max_tokens'])} tokens" if result.get("max_tokens") else ""
         print(
-            f"  the study's spec for it: {near['family'] or 'its model'} ({near['params']:,} parameters, "
+            f"  the study's spec for it{within}: {near['family'] or 'its model'} ({near['params']:,} parameters, "
             f"{near['flops_per_token']:,} FLOPs/token): {human(near['tokens'])} tokens, predicted loss "
             f"{near['predicted']:.4f} [{low:.4f}, {high:.4f}]"
         )

@@ -168,14 +168,24 @@ def fit(params, tokens, losses, bootstrap: int = 200, seed: int = 0, delta: floa
     return Fit(law, boot, len(params), objective)
 
 
-def best_member(law: Law, members: list[dict], compute: float | None) -> dict:
+def best_member(law: Law, members: list[dict], compute: float | None, max_tokens: float | None = None) -> dict:
     """The member of a family (``{"params", "flops_per_token", ...}``) the law predicts lowest at
     ``compute`` FLOPs (a member's own ``compute`` where it has one: what a GPU-hour budget buys
-    it), with its ``tokens`` and ``predicted`` loss added."""
+    it), with its ``tokens`` and ``predicted`` loss added. ``max_tokens``: only members that
+    train on at most that many tokens (one pass over a corpus: the law takes every token as
+    fresh, which a repeated corpus is not; Muennighoff et al. 2023, "Scaling Data-Constrained
+    Language Models"); a ValueError when none does."""
     scored = []
     for member in members:
         tokens = member.get("compute", compute) / member["flops_per_token"]
-        scored.append({**member, "tokens": tokens, "predicted": float(law.loss(member["params"], tokens))})
+        if max_tokens is None or tokens <= max_tokens:
+            scored.append({**member, "tokens": tokens, "predicted": float(law.loss(member["params"], tokens))})
+    if not scored:
+        fewest = min(member.get("compute", compute) / member["flops_per_token"] for member in members)
+        raise ValueError(
+            f"--max-tokens {max_tokens:.4g}: every model of the study trains on more at this budget "
+            f"(the fewest {fewest:.4g}); raise it or lower the budget"
+        )
     return min(scored, key=lambda m: m["predicted"])
 
 
