@@ -287,7 +287,8 @@ def _summary(sources: list[Source], text: TextCorpus | None, tokenizer) -> str:
     held = sum(s.validation.n_tokens for s in sources if s.validation is not None)
     if len(sources) == 1 and text is not None:
         return (
-            f"corpus: {len(text.files)} files, {sum(map(len, text.texts)):,} chars -> {train + held:,} tokens ({kind})"
+            f"corpus: {len(text.files)} files, {sum(map(len, text.texts)):,} chars -> {train + held:,} tokens, "
+            f"{train:,} for training ({kind})"
         )
     return f"corpus: {len(sources)} sources, {train:,} training and {held:,} validation tokens ({kind})"
 
