@@ -3,13 +3,16 @@
 :func:`cli` calls ``builder.cli.main`` and returns its exit status with what it wrote;
 :func:`refused` asserts that a refusal is what every refusal must be: the expected exit status,
 one line on stderr that names the field or option, no traceback, and never the last-resort
-"internal error" (every case has its own message: a test that reached the net has found a bug).
+"internal error" (every case has its own message: a test that reached the net has found a bug);
+:func:`bounded_run` runs one command as the fuzz tests do, bounded in time and memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,67 @@ def lm_checkpoint(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return lm_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+# -- one command, bounded (the fuzz tests') ---------------------------------------------------------
+
+#: a command that runs longer than this is taken for a hang (CI's shared CPUs are slow)
+SECONDS = 15.0
+#: the most a command may raise the process's peak resident memory
+MEGABYTES = 400
+STATUSES = {0, 1, 2}
+
+
+class _Hung(BaseException):
+    """Raised by the alarm: a BaseException, so no ``except Exception`` on the way swallows it."""
+
+
+def _rss_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset this process's peak resident memory (VmHWM) to its current one (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def bounded_run(capsys, argv: list) -> None:
+    """``builder ARGV`` in this process: a documented status, no traceback, bounded time and memory."""
+    import resource
+
+    resettable = _reset_peak()
+    before = _rss_mb("VmRSS") if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def alarm(signum, frame):
+        raise _Hung
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, SECONDS)
+    start = time.perf_counter()
+    try:
+        result = cli(capsys, *argv)
+    except _Hung:
+        pytest.fail(f"builder {' '.join(map(str, argv))!r} ran more than {SECONDS} s")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    seconds = time.perf_counter() - start
+    peak = _rss_mb("VmHWM") if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    shown = f"builder {' '.join(map(repr, map(str, argv)))}: status {result.status}\n{result.text[-2000:]}"
+    clean(result)
+    assert result.status in STATUSES, shown
+    assert seconds < SECONDS, shown
+    if peak is not None and before is not None:
+        assert peak - before < MEGABYTES, f"{shown}\npeak memory grew by {peak - before:.0f} MB"

@@ -14,25 +14,19 @@ the trainer is made (loading and validating, the run folder, data, tokenizer and
 from __future__ import annotations
 
 import os
-import signal
 import stat
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from hostile_helpers import REPO, clean, cli, lm_checkpoint
+from hostile_helpers import REPO, bounded_run, clean, cli, lm_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from recipe_helpers import tiny_recipe
 
 from builder import load_spec
 
-#: a command that runs longer than this is taken for a hang (CI's shared CPUs are slow)
-SECONDS = 15.0
-#: the most a command may raise the process's peak resident memory
-MEGABYTES = 400
-STATUSES = {0, 1, 2}
 #: (default run, slow run) examples per test
 EXAMPLES = {"fast": 30, "slow": 400}
 
@@ -50,64 +44,6 @@ def profile(slow: bool):
         derandomize=not slow,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-
-
-# -- running one command, bounded ------------------------------------------------------------------
-
-
-class _Hung(BaseException):
-    """Raised by the alarm: a BaseException, so no ``except Exception`` on the way swallows it."""
-
-
-def _rss_mb(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak resident memory (VmHWM) to its current one (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def run(capsys, argv: list) -> None:
-    """``builder ARGV`` in this process: a documented status, no traceback, bounded time and memory."""
-    import resource
-
-    resettable = _reset_peak()
-    before = _rss_mb("VmRSS") if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    def alarm(signum, frame):
-        raise _Hung
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, SECONDS)
-    start = time.perf_counter()
-    try:
-        result = cli(capsys, *argv)
-    except _Hung:
-        pytest.fail(f"builder {' '.join(map(str, argv))!r} ran more than {SECONDS} s")
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    seconds = time.perf_counter() - start
-    peak = _rss_mb("VmHWM") if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    shown = f"builder {' '.join(map(repr, map(str, argv)))}: status {result.status}\n{result.text[-2000:]}"
-    clean(result)
-    assert result.status in STATUSES, shown
-    assert seconds < SECONDS, shown
-    if peak is not None and before is not None:
-        assert peak - before < MEGABYTES, f"{shown}\npeak memory grew by {peak - before:.0f} MB"
 
 
 # -- files a hostile user points at ----------------------------------------------------------------
@@ -340,7 +276,7 @@ def _fuzz_specs(capsys, hostile, in_tmp, data, slow: bool) -> None:
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     command = data.draw(st.sampled_from(_spec_commands(slow)), "command")
     argv = [command[0], path] + [a.format(spec=hostile["spec.yaml"]) for a in command[1:]]
-    run(capsys, argv)
+    bounded_run(capsys, argv)
 
 
 @settings(parent=profile(slow=False))
@@ -430,7 +366,7 @@ def _fuzz_recipes(capsys, hostile, in_tmp, data) -> None:
         ),
         "options",
     )
-    run(capsys, ["train", path, *[a for option in extra for a in option]])
+    bounded_run(capsys, ["train", path, *[a for option in extra for a in option]])
 
 
 @settings(parent=profile(slow=False))
@@ -589,7 +525,7 @@ def command_line(draw, hostile: dict, slow: bool) -> list:
 
 def _fuzz_arguments(capsys, hostile, in_tmp, data, slow: bool) -> None:
     argv = data.draw(command_line(hostile, slow), "argv")
-    run(capsys, argv)
+    bounded_run(capsys, argv)
 
 
 @settings(parent=profile(slow=False))
@@ -608,17 +544,17 @@ def test_hostile_command_lines_at_length(capsys, hostile, in_tmp, data):
 def test_the_harness_fails_a_hang_and_an_internal_error(capsys, monkeypatch):
     """The bounds above are real: a command that hangs fails its case, and so does one that
     reaches the last-resort net."""
-    import sys
+    import hostile_helpers
 
     import builder.cli.schema as schema
 
-    monkeypatch.setattr(sys.modules[__name__], "SECONDS", 0.2)
+    monkeypatch.setattr(hostile_helpers, "SECONDS", 0.2)
     monkeypatch.setattr(schema, "run", lambda args: time.sleep(5))
     with pytest.raises(pytest.fail.Exception, match="ran more than 0.2 s"):
-        run(capsys, ["schema"])
+        bounded_run(capsys, ["schema"])
     monkeypatch.setattr(schema, "run", lambda args: {}["missing"])
     with pytest.raises(AssertionError, match="internal error"):
-        run(capsys, ["schema"])
+        bounded_run(capsys, ["schema"])
 
 
 # -- what the fuzz found, kept as plain cases ------------------------------------------------------

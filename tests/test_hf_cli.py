@@ -162,7 +162,7 @@ def test_gemma_embedding_scale_is_rounded_to_the_model_dtype(tmp_path):
 
 def test_zoo_gemma2_is_exported_as_gemma2_by_default():
     """specs/tiny/gemma2.yaml (the zoo's Gemma 2 fields: softcaps, sandwich norms, windows on even
-    layers) is written as Gemma 2 without naming the family (its logits: test_hf_families_new.py)."""
+    layers) is written as Gemma 2 without naming the family (its logits: test_hf_families_zoo.py)."""
     from builder.hf import choose_family
 
     family, _ = choose_family(load_spec(REPO / "specs" / "tiny" / "gemma2.yaml"))

@@ -1,12 +1,13 @@
 """Hugging Face families gemma3_text, gpt_oss and llama4_text.
 
-The checks are ``tests/test_hf_families_new.py``'s, run here on this file's random tiny models
-and zoo tables (each test below hands its entry to the one there): import (logits and greedy
-tokens equal to transformers', the count), export through the family and back, cached decoding
-equal to recomputation, ``generate`` and ``pipeline("text-generation")`` on the exported folder,
-each tiny zoo spec exported with transformers' logits, each full zoo spec read from its
-published config and counted as transformers builds it on meta. What is particular to a family
-follows: both of Gemma 3's RoPE bases at work, GPT-OSS's refusals, Llama 4's config lists.
+The checks are ``tests/test_hf_families_new.py``'s and ``tests/test_hf_families_zoo.py``'s, run
+here on this file's random tiny models and zoo tables (each test below hands its entry to the one
+there): import (logits and greedy tokens equal to transformers', the count), export through the
+family and back, cached decoding equal to recomputation, ``generate`` and
+``pipeline("text-generation")`` on the exported folder, each tiny zoo spec exported with
+transformers' logits, each full zoo spec read from its published config and counted as transformers
+builds it on meta. What is particular to a family follows: both of Gemma 3's RoPE bases at work,
+GPT-OSS's refusals, Llama 4's config lists.
 ``CASES`` joins ``tests/test_hf.py``'s coverage test.
 """
 
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import test_hf_families_new as generic
+import test_hf_families_zoo as zoo
 from test_hf import VOCAB, Case, _batch, _kept, _logits, _randomize
 
 from builder.assemble import build_model
@@ -191,8 +193,8 @@ TINY = {"gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "llama4": "llama4_text"}
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_zoo_tiny_spec_exports_as_its_family_with_the_same_logits(name, tmp_path, monkeypatch):
-    monkeypatch.setitem(generic.TINY, name, TINY[name])
-    generic.test_zoo_tiny_spec_exports_as_its_family_with_the_same_logits(name, tmp_path)
+    monkeypatch.setitem(zoo.TINY, name, TINY[name])
+    zoo.test_zoo_tiny_spec_exports_as_its_family_with_the_same_logits(name, tmp_path)
 
 
 _GPT_OSS_20B = {  # openai/gpt-oss-20b (its experts' MXFP4 quantization_config left out)
@@ -306,8 +308,8 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_config(name, monkeypatch):
-    monkeypatch.setitem(generic.PUBLISHED, name, PUBLISHED[name])
-    generic.test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_config(name)
+    monkeypatch.setitem(zoo.PUBLISHED, name, PUBLISHED[name])
+    zoo.test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_config(name)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])

@@ -41,7 +41,7 @@ EXPECTED_PARAMS = {
     # V3's with its multi-token-prediction module (transformers' MtpModel less the shared embedding and head)
     "deepseek-v2-lite": 15_706_484_224,
     "deepseek-v3": 682_636_472_320,
-    # transformers built on meta from the published configs (tests/test_hf_families_new.py)
+    # transformers built on meta from the published configs (tests/test_hf_families_zoo.py)
     "qwen3-0.6b": 596_049_920,
     "qwen3-30b-a3b": 30_532_122_624,
     "olmo2-7b": 7_298_617_344,
