@@ -346,6 +346,23 @@ def test_compute_optimal_minimises_the_law_at_its_budget():
         scaling.best_member(CHINCHILLA, family, compute, max_tokens=compute / 6 / (n_opt * 10) / 2)
 
 
+def test_a_model_is_named_by_its_best_tuning_at_its_largest_budget():
+    from recipes.commands.study import _members
+
+    def row(family, flops, final_val, status="complete", params=1000):
+        return {"params": params, "flops_per_token": 6000, "family": family, "flops": flops,
+                "final_val": final_val, "status": status}  # fmt: skip
+
+    table = [
+        row("lr=1e-3", 1e12, 3.0),
+        row("lr=2e-3", 1e12, 2.9),
+        row("lr=1e-3", 1e10, 2.0),  # lower, but at a smaller budget
+        row("lr=4e-3", 1e13, None, status="failed"),  # not finished
+        row("lr=1e-3", 1e10, 4.0, params=2000),
+    ]
+    assert {m["params"]: m["family"] for m in _members(table)} == {1000: "lr=2e-3", 2000: "lr=1e-3"}
+
+
 def test_a_fit_of_too_few_runs_is_one_line(tmp_path, capsys, fake_trials):
     path = write_study(tmp_path)
     assert sweep(path) == 0
