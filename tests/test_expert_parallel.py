@@ -104,6 +104,14 @@ def _held_bytes(model) -> dict[str, int]:
     }
 
 
+def _counted(spec, layout, rank: int) -> dict[str, int]:
+    """What ``builder.analysis.layout.rank_states`` counts of ``rank``, as :func:`_held_bytes` reports it."""
+    from builder.analysis.layout import rank_states
+
+    want = rank_states(spec, layout, rank)
+    return {"weights": want.weights, "gradients": want.gradients, "optimizer": want.optimizer, "tensors": want.tensors}
+
+
 def _layout_worker(rank: int, world: int, cp: int, ep: int, store: str, out: str) -> None:
     """The bytes this rank holds under EP ``ep`` x CP ``cp`` on ``world`` processes."""
     from builder.assemble import build_model
@@ -143,13 +151,7 @@ def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_
         # the stacked routed experts (every MoE layer's, DeepSeek-V3's multi-token-prediction layer's) are split
         split = held.pop("split")
         assert split and all(".ffn.experts." in name for name in split), split
-        want = rank_states(spec, layout, rank)
-        assert held == {
-            "weights": want.weights,
-            "gradients": want.gradients,
-            "optimizer": want.optimizer,
-            "tensors": want.tensors,
-        }, f"rank {rank}"
+        assert held == _counted(spec, layout, rank), f"rank {rank}"
     # builder describe prints that count for rank 0: half the experts, half of every dense tensor
     capsys.readouterr()
     args = ["describe", str(ROOT / f"specs/tiny/{name}.yaml"), "--devices", "2", "--strategy", "fsdp"]
@@ -171,20 +173,13 @@ def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_
 def test_under_context_parallelism_every_ep_rank_holds_what_describe_counts(ep, tmp_path):
     """EP 2 (the context-parallel pair; experts FSDP-sharded over the other pair) and EP 4 (the
     pair and both data-parallel ranks) with CP 2 on 4 processes: each rank's bytes, as counted."""
-    from builder.analysis.layout import Layout, rank_states
+    from builder.analysis.layout import Layout
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_layout_worker, args=(4, 2, ep, str(tmp_path / "store"), str(tmp_path)), nprocs=4)
     spec, layout = _spec("mixtral"), Layout(devices=4, context_parallel=2, expert_parallel=ep)
     for rank in range(4):
-        want = rank_states(spec, layout, rank)
-        held = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert held == {
-            "weights": want.weights,
-            "gradients": want.gradients,
-            "optimizer": want.optimizer,
-            "tensors": want.tensors,
-        }, f"rank {rank}"
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == _counted(spec, layout, rank), f"rank {rank}"
 
 
 # -- refusals, before any work ---------------------------------------------------------------------
