@@ -122,9 +122,9 @@ class AttentionInputs:
         rank of the context-parallel ``group`` gathered in rank order: ``(query_index, the
         group's query indices concatenated)``, gathered once per forward."""
         if "context" not in self._bias_memo:
-            from torch.distributed._functional_collectives import all_gather_tensor
+            from torch.distributed._functional_collectives import all_gather_single
 
-            self._bias_memo["context"] = (self.query_index, all_gather_tensor(self.query_index, 0, group))
+            self._bias_memo["context"] = (self.query_index, all_gather_single(self.query_index, 0, group))
         return self._bias_memo["context"]
 
     def bias(self, first, seq_k: int, n_heads: int, device) -> torch.Tensor | None:
@@ -297,7 +297,7 @@ class MultiHeadAttention(nn.Module):
 
     def _context_keys(self, k, v, inputs: AttentionInputs, cache) -> tuple:
         """Every context-parallel rank's keys and values, and the token indices to mask them by."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
         if inputs.query_index is None or cache is not None or inputs.document_ids is not None:
             raise ValueError(
@@ -306,8 +306,8 @@ class MultiHeadAttention(nn.Module):
             )
         if inputs.key_mask is not None:
             raise ValueError("a context-parallel attention takes no padding mask (whole windows only)")
-        k = all_gather_tensor_autograd(k.contiguous(), 2, self.context_group)
-        v = all_gather_tensor_autograd(v.contiguous(), 2, self.context_group)
+        k = all_gather_single_autograd(k.contiguous(), 2, self.context_group)
+        v = all_gather_single_autograd(v.contiguous(), 2, self.context_group)
         return k, v, inputs.context_index(self.context_group)
 
     def _shared(self, t: torch.Tensor) -> torch.Tensor:

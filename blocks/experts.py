@@ -214,15 +214,15 @@ def balance_statistics(counts: torch.Tensor, scores: torch.Tensor, group) -> tup
     loss: over this rank's tokens, or with ``group`` (the context-parallel ranks,
     which hold shares of the same sequences) over every share of them, so the loss is the whole
     micro-batch's as one process computes it. The counts are summed without gradient, the scores'
-    sums through ``torch.distributed.nn``'s differentiable all-reduce (each rank's scores then get
-    the gradient of the one loss)."""
+    sums through torch's functional all-reduce, whose backward all-reduces too (each rank's scores
+    then get the gradient of the one loss)."""
     total, tokens = scores.sum(0), scores.shape[0]
     if group is not None:
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce
+        from torch.distributed._functional_collectives import all_reduce
 
         counts = counts.clone()
         dist.all_reduce(counts, group=group)
-        total = all_reduce(total, group=group)
+        total = all_reduce(total, "sum", group)  # its backward sums the ranks' gradients
         tokens *= dist.get_world_size(group)
     return counts, total / tokens, tokens

@@ -7,7 +7,9 @@ gathered on rank 0 (:func:`whole_model`)."""
 
 from __future__ import annotations
 
+import logging
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -50,9 +52,11 @@ def apply_fsdp(
 
     # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
     # hook. The root unit's output is the model's logits (a view under tensor parallelism), which
-    # every task's loss reads out of place only (reshape, float, cross_entropy), so it does not
-    # apply there; a view returned by any other unit (a layer, an embedding) still warns.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+Model\) returned a view tensor")
+    # every task's loss reads out of place only (reshape, float, cross_entropy), and a split
+    # experts unit's is its grouped matmul's rows, which ``blocks.experts.dispatch`` reads out of
+    # place only (a product with the gates, ``index_copy`` and ``index_add`` into new tensors), so
+    # it does not apply there; a view returned by any other unit (a layer, an embedding) still warns.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+(Model|Experts)\) returned a view tensor")
     from recipes.parallel.mesh import SHARD_DIM
 
     dp_mesh = mesh["dp_replicate", SHARD_DIM] if mesh["dp_replicate"].size() > 1 else mesh[SHARD_DIM]
@@ -155,8 +159,12 @@ def whole_model(module) -> nn.Module | None:
     from builder.checkpoints import empty_model
 
     pipeline = getattr(module, "pipeline", None)
-    # offloaded, a whole state is rank 0's alone; a pipeline's every stage sends its own
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=pipeline is None))
+    # offloaded, a whole state is rank 0's alone; a pipeline's every stage sends its own. Split
+    # experts FSDP-sharded too are 2-D DTensors that DTensor gathers dimension by dimension, and
+    # says so (its logger's warning that the gathers are not merged): exact, and once a run
+    with _quiet("torch.distributed.tensor._redistribute"):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=pipeline is None)
+        state = get_model_state_dict(model, options=options)
     if pipeline is not None:  # each stage's rank holds its layers: rank 0's pipeline gathers them
         state = {key: value.cpu() for key, value in state.items()}
         state = _gather_stages(state, pipeline.group, module.trainer.global_rank)
@@ -165,6 +173,18 @@ def whole_model(module) -> nn.Module | None:
     host = empty_model(model.spec.model_dump(mode="json"))
     host.load_state_dict(state)
     return host.eval()
+
+
+@contextmanager
+def _quiet(name: str):
+    """The ``logging`` logger ``name`` at ERROR inside the block, as it was after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _gather_stages(state: dict, group, rank: int) -> dict | None:
