@@ -94,7 +94,8 @@ def _shared_across(model: nn.Module, layers: list[list[int]]) -> str | None:
 class Pipeline:
     """A rank's pipeline stages and the schedule that runs them."""
 
-    schedule: object
+    #: ``() -> schedule``: the training schedule, made again after a separate evaluation schedule ran
+    make_schedule: object
     stages: list
     group: object  # the pp process group
     last_rank: int  # the pp rank holding the last stage (the loss)
@@ -104,6 +105,9 @@ class Pipeline:
     names: tuple[str, ...] = ()
     #: under context parallelism, this rank's share of each sequence (``recipes.parallel.context``)
     context_shard: object = None
+
+    def __post_init__(self):
+        self.schedule = self.make_schedule()
 
     @property
     def has_last(self) -> bool:
@@ -127,9 +131,9 @@ class Pipeline:
         run(*args, target=target, losses=losses, return_outputs=False)
         if not train and self.eval_schedule is not None:
             # the forward-only schedule made the stages' receive buffers again, without gradients
-            # (the middle stages' weights then got none): the training schedule makes its own again
-            # before its next step, as torch does when one schedule switches between eval and train
-            self.schedule._stages_forward_initialized = self.schedule._stages_backward_initialized = False
+            # (the middle stages' weights then got none): a new training schedule makes its own
+            # again at its first step, as one schedule does when it switches between eval and train
+            self.schedule = self.make_schedule()
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
         else:
@@ -272,7 +276,10 @@ def build_pipeline(
     stages = [_Stage(view, s, n_stages, device, group=group) for view, s in zip(views, mine, strict=True)]
     cls = getattr(schedules, name)
     micro = settings.pipeline_microbatches()
-    schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
+
+    def schedule():
+        return cls(stages[0] if per_rank == 1 else stages, n_microbatches=micro, loss_fn=loss_fn)
+
     evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
     last = _rank_of(n_stages - 1, ranks, style)
     shard = getattr(views[0], "context_shard", None)
