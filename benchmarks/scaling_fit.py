@@ -59,11 +59,10 @@ def main() -> int:
     print(f"the fit on its {len(residuals)} points: residuals RMS {rms:.2%}, largest {max(map(abs, residuals)):.2%}")
     largest = max(r["flops"] for r in done)
     compute = args.factor * largest
-    members = {r["params"]: {k: r[k] for k in ("params", "flops_per_token", "family")} for r in done}
-    chosen = scaling.best_member(fitted.law, list(members.values()), compute, args.max_tokens)
-    family = [r for r in done if r["params"] == chosen["params"]]
-    at_most = max(r["flops"] for r in family)
-    best = min((r for r in family if r["flops"] == at_most), key=lambda r: r["final_val"])  # its best tuning
+    tuned = scaling.best_tuned(done)  # per model, its best tuning at its largest budget
+    members = [{k: r[k] for k in ("params", "flops_per_token", "family")} for r in tuned.values()]
+    chosen = scaling.best_member(fitted.law, members, compute, args.max_tokens)
+    best = tuned[chosen["params"]]
     values = {k: best[k] for k in best if k in axis_values(loaded)}
     values[budget_axis(loaded)] = compute
     variants = [check(loaded, values if seed == 0 else {**values, "trainer.seed": seed}) for seed in range(args.seeds)]

@@ -30,9 +30,9 @@ def _spec(name: str):
     return load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml")
 
 
-def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
-    from torch.distributed.tensor import DTensor
-
+def _sharded(rank: int, world: int, store: str, spec, **layout):
+    """Join the ``world`` processes' group and return ``spec`` built on meta and parallelised as
+    ``trainer`` with ``layout`` (fsdp, fp32) lays it out, each rank drawing its own shards."""
     from builder.assemble import build_model
     from recipes.parallel import parallelize
     from recipes.parallel.mesh import device_mesh, layout_of
@@ -40,12 +40,20 @@ def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    settings = TrainerSection(strategy="fsdp", accelerator="cpu", devices=world, expert_parallel=world, precision="32")
-    spec = _spec(name)
+    settings = TrainerSection(strategy="fsdp", accelerator="cpu", devices=world, precision="32", **layout)
     model = build_model(spec, device="meta")
-    model = parallelize(
+    return parallelize(
         model, settings, device_mesh(layout_of(settings), "cpu"), init_seed=SEED, device=torch.device("cpu")
     )
+
+
+def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from builder.assemble import build_model
+
+    spec = _spec(name)
+    model = _sharded(rank, world, store, spec, expert_parallel=world)
     whole = build_model(spec, init_seed=SEED)  # the single-process start
 
     def full(t):
@@ -114,20 +122,7 @@ def _counted(spec, layout, rank: int) -> dict[str, int]:
 
 def _layout_worker(rank: int, world: int, cp: int, ep: int, store: str, out: str) -> None:
     """The bytes this rank holds under EP ``ep`` x CP ``cp`` on ``world`` processes."""
-    from builder.assemble import build_model
-    from recipes.parallel import parallelize
-    from recipes.parallel.mesh import device_mesh, layout_of
-    from recipes.recipe.sections import TrainerSection
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    settings = TrainerSection(
-        strategy="fsdp", accelerator="cpu", devices=world, context_parallel=cp, expert_parallel=ep, precision="32"
-    )
-    model = build_model(_spec("mixtral"), device="meta")
-    model = parallelize(
-        model, settings, device_mesh(layout_of(settings), "cpu"), init_seed=SEED, device=torch.device("cpu")
-    )
+    model = _sharded(rank, world, store, _spec("mixtral"), context_parallel=cp, expert_parallel=ep)
     Path(out, f"{rank}.json").write_text(json.dumps(_held_bytes(model)))
     end_process_group()
 

@@ -237,19 +237,11 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
 
 
 def _members(table: list[dict]) -> list[dict]:
-    """The study's distinct models: parameters, FLOPs per token, family (named by its best tuning:
-    the variant of that model with the lowest final loss at its largest finished budget)."""
-    best: dict[int, dict] = {}
+    """The study's distinct models: parameters, FLOPs per token, family (named by its best tuning,
+    ``scaling.best_tuned``)."""
+    from recipes.studies import scaling
 
-    def rank(row: dict) -> tuple:
-        done = row["status"] == "complete" and row["final_val"] is not None
-        return (not done, -(row["flops"] or 0) if done else 0, row["final_val"] if done else 0)
-
-    for row in table:
-        if row["params"] and row["flops_per_token"]:
-            if row["params"] not in best or rank(row) < rank(best[row["params"]]):
-                best[row["params"]] = row
-    return [{k: row[k] for k in ("params", "flops_per_token", "family")} for row in best.values()]
+    return [{k: row[k] for k in ("params", "flops_per_token", "family")} for row in scaling.best_tuned(table).values()]
 
 
 def _prediction(loaded, args, fitted) -> dict:

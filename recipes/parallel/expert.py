@@ -14,8 +14,8 @@ dense parameters over all of them as without expert parallelism. An expert's gra
 sums the contributions of every ``ep`` rank's tokens, so its reduction divides by the whole
 data- and context-parallel degree (torchtitan's ``fsdp_gradient_divide_factor``), not by the
 ranks it is reduced over. The router, the shared experts and the expert bias stay whole on every rank;
-the bias moves by load statistics summed over every rank (``after_optimizer_step``), so every
-rank keeps the same bias.
+the bias moves by load statistics summed over every rank holding the block (``after_optimizer_step``;
+under pipeline parallelism its stage's ranks), so every rank keeps the same bias.
 """
 
 from __future__ import annotations

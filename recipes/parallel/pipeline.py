@@ -76,7 +76,9 @@ def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
             f"{where}: {shared} is shared between stages on different ranks (tied embeddings: set "
             "model.spec tie_embeddings false)"
         )
-    for loc, message in pipeline_parallel_problems(model.spec, degree):  # the blocks' own contract, as plan reads it
+    problems = pipeline_parallel_problems(model.spec, degree)  # the blocks' own contract, as the planner asks
+    if problems:
+        loc, message = problems[0]
         raise RecipeError(f"{where}: {'.'.join(map(str, loc))}: {message}")
 
 

@@ -175,18 +175,35 @@ def best_member(law: Law, members: list[dict], compute: float | None, max_tokens
     train on at most that many tokens (one pass over a corpus: the law takes every token as
     fresh, which a repeated corpus is not; Muennighoff et al. 2023, "Scaling Data-Constrained
     Language Models"); a ValueError when none does."""
-    scored = []
-    for member in members:
-        tokens = member.get("compute", compute) / member["flops_per_token"]
-        if max_tokens is None or tokens <= max_tokens:
-            scored.append({**member, "tokens": tokens, "predicted": float(law.loss(member["params"], tokens))})
+    trained = [(member, member.get("compute", compute) / member["flops_per_token"]) for member in members]
+    scored = [
+        {**member, "tokens": tokens, "predicted": float(law.loss(member["params"], tokens))}
+        for member, tokens in trained
+        if max_tokens is None or tokens <= max_tokens
+    ]
     if not scored:
-        fewest = min(member.get("compute", compute) / member["flops_per_token"] for member in members)
         raise ValueError(
             f"--max-tokens {max_tokens:.4g}: every model of the study trains on more at this budget "
-            f"(the fewest {fewest:.4g}); raise it or lower the budget"
+            f"(the fewest {min(tokens for _, tokens in trained):.4g}); raise it or lower the budget"
         )
     return min(scored, key=lambda m: m["predicted"])
+
+
+def best_tuned(table: list[dict]) -> dict[int, dict]:
+    """Per model of a study (its parameter count) the row of its best tuning: the variant with
+    the lowest final loss at the model's largest finished budget (a row of an unfinished trial
+    only where the model has no finished one)."""
+    best: dict[int, dict] = {}
+
+    def rank(row: dict) -> tuple:
+        done = row["status"] == "complete" and row["final_val"] is not None
+        return (not done, -(row["flops"] or 0) if done else 0, row["final_val"] if done else 0)
+
+    for row in table:
+        if row["params"] and row["flops_per_token"]:
+            if row["params"] not in best or rank(row) < rank(best[row["params"]]):
+                best[row["params"]] = row
+    return best
 
 
 def study_points(table: list[dict]) -> tuple[list[float], list[float], list[float]]:
