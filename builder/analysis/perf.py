@@ -23,11 +23,14 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   HSDP's all-reduce) with the layers' compute, prefetched one unit ahead, so only the first
   gather, the last reduce and what exceeds the compute are exposed (under pipelining FSDP
   gathers and reduces once a step, behind one micro-batch's compute); ring attention's key/value
-  passes with the attention kernels; EP dispatch/combine with the rest of the layer's compute.
+  passes and their gradients' with the ring steps' attention kernels, as torch's ring runs them
+  (:func:`context_parallel_seconds`: under its default ``allgather`` rotation the whole gather
+  behind the first step alone); EP dispatch/combine with the rest of the layer's compute.
   Exposed: tensor parallelism's all-gathers and reduce-scatters (sequence parallel), unless
   ``async_tp`` (then :data:`ASYNC_TP_OVERLAP` of them hide), and the pipeline's sends.
-* **Pipeline bubble** (:func:`bubble_fraction`): GPipe and 1F1B ``(p-1)/m``, interleaved 1F1B
-  ``(p-1)/(v m)``, zero-bubble (ZB-H1, Qi et al. 2023) ``(p-1)/(3m)`` of ``m`` micro-batches' time.
+* **Pipeline bubble** (:func:`builder.analysis.schedules.bubble_fraction`): GPipe and 1F1B
+  ``(p-1)/m``, interleaved 1F1B ``(p-1)/(v m)``, zero-bubble (ZB-H1, Qi et al. 2023)
+  ``(p-1)/(3m)`` of ``m`` micro-batches' time.
 * **Memory** (:func:`memory`): 16 bytes per local parameter element sharded over the FSDP group
   (fp32 master weights, fp32 gradients, AdamW's two states), the stage holding the most (the
   layers split evenly, the embedding on the first, the head on the last), two gathered units and
@@ -54,10 +57,11 @@ from typing import Any
 
 from builder.analysis.hardware import GPU
 from builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
+from builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
 from builder.analysis.shards import stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
+CP_ROTATE = ("allgather", "alltoall")
 #: fraction of the matmul forward FLOPs selective (per-op) recomputation runs again, and of the
 #: layer's saved bytes it keeps
 SELECTIVE_RECOMPUTE = 0.5
@@ -125,6 +129,13 @@ class Run:
     #: CP gathers every rank's keys and values before attention and keeps them for backward (the
     #: recipes' all-gather context parallelism, Llama 3's); False: ring attention passes them on (torchtitan)
     context_gather: bool = False
+    #: how torch's ring attention passes the keys and values: ``allgather`` (torch's and torchtitan's
+    #: default: one all-gather a pass, behind only the first ring step's kernel) or ``alltoall`` (one
+    #: shard a step, each behind a step's kernel); their gradients go round a step at a time in fp32
+    cp_rotate: str = "allgather"
+    #: keys and values repeated to every query head before attention (torchtitan's Llama of 2024, SDPA
+    #: without grouped-query support), so context parallelism moves n_heads / n_kv_heads times the bytes
+    kv_repeat: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -133,29 +144,12 @@ class Run:
             raise LayoutError("schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
         if self.dtype not in BYTES:
             raise LayoutError("dtype", self.dtype, f"must be one of {', '.join(BYTES)}")
+        if self.cp_rotate not in CP_ROTATE:
+            raise LayoutError("cp_rotate", self.cp_rotate, f"must be one of {', '.join(CP_ROTATE)}")
         for name in ("seq_len", "global_batch", "micro_batch", "stages_per_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(name, value, "must be a positive integer")
-
-
-def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """The pipeline's idle time over ``microbatches`` micro-batches' work (0 without pipelining)."""
-    if stages == 1:
-        return 0.0
-    idle = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0 / virtual, "zero-bubble": 1.0 / 3}[schedule]
-    return idle * (stages - 1) / microbatches
-
-
-def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Micro-batches' activations (of the whole stage) the first stage keeps at once: GPipe all of
-    them, 1F1B and ZB-H1 ``p``, interleaved 1F1B ``(2(p-1) + (v-1)p + 1)`` chunks of ``1/v``
-    (Narayanan et al. 2021's warm-up)."""
-    if stages == 1 or schedule == "gpipe":
-        return microbatches if stages > 1 else 1
-    if schedule == "interleaved-1f1b":
-        return min(microbatches * virtual, 2 * (stages - 1) + (virtual - 1) * stages + 1) / virtual
-    return min(stages, microbatches)
 
 
 def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, cal: Calibration = CALIBRATION) -> float:
@@ -177,6 +171,31 @@ def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, c
     if kind == "send":
         return nbytes / bw + alpha
     raise ValueError(f"unknown collective {kind!r}")
+
+
+def context_parallel_seconds(kv: float, core: float, cp: int, bandwidth: float, run: Run, cal: Calibration):
+    """``(all, exposed)`` seconds of one layer's context-parallel traffic for one micro-batch:
+    ``kv`` bytes of keys and values per rank, ``core`` seconds of its attention kernel forward
+    (a ring step runs ``1/cp`` of it, backward twice that). All-gather CP (``run.context_gather``)
+    gathers before every forward and reduce-scatters after backward, exposed. Ring attention (torch's
+    templated ring) passes the keys and values once per forward (again when recomputed) and once in
+    backward, by :attr:`Run.cp_rotate`, and the gradients of the keys and values a step at a time in
+    fp32, each behind the next step's kernel, the last one exposed."""
+    forwards = 2 if run.recompute == "full" else 1
+    if run.context_gather:
+        gather = (forwards + 1) * collective_seconds("all_gather", kv * cp, cp, bandwidth, cal)
+        return gather, gather
+    step_forward, step_backward = core / cp, 2 * core / cp
+    if run.cp_rotate == "allgather":  # one gather a pass, waited for at the second step
+        one = collective_seconds("all_gather", kv * cp, cp, bandwidth, cal)
+        passes = (forwards + 1) * one
+        hidden = forwards * max(0.0, one - step_forward) + max(0.0, one - step_backward)
+    else:  # a shard a step, each behind a step's kernel
+        one = collective_seconds("send", kv, 2, bandwidth, cal)
+        passes = (cp - 1) * (forwards + 1) * one
+        hidden = (cp - 1) * (forwards * max(0.0, one - step_forward) + max(0.0, one - step_backward))
+    grads = collective_seconds("send", kv * 4 / BYTES[run.dtype], 2, bandwidth, cal)
+    return passes + cp * grads, hidden + (cp - 1) * max(0.0, grads - step_backward) + grads
 
 
 @dataclass
@@ -249,6 +268,9 @@ class Model:
                     "params": layer.total_params - expert_params,
                     "expert_params": expert_params,
                     "kv_per_token": attention.kv_cache(d).bytes_per_token(BYTES[dtype]),
+                    # keys and values once per query head (what scores and mix read per pair, a
+                    # quarter of its FLOPs each), as a kernel without grouped-query support gets them
+                    "kv_repeated_per_token": attention.pair_flops(d) // 2 * BYTES[dtype],
                     "routed": routed,
                 }
             )
@@ -358,13 +380,8 @@ def predict(
             + collective_seconds("reduce_scatter", tp_bytes, tp, link(1, tp), cal)
         )
         tp_exposed = tp_comm * (1 - ASYNC_TP_OVERLAP if run.async_tp else 1)
-        # ring attention: cp-1 key/value passes forward, keys/values and their gradients backward
-        kv = tokens * layer["kv_per_token"] / tp
-        cp_comm = 3 * (cp - 1) * collective_seconds("send", kv, 2, link(tp, cp), cal) if cp > 1 else 0.0
-        cp_exposed = max(0.0, cp_comm - 3 * core)
-        if run.context_gather and cp > 1:  # all-gather before attention (again when recomputed), reduce-scatter after
-            calls = 2 + (1 if run.recompute == "full" else 0)
-            cp_comm = cp_exposed = calls * collective_seconds("all_gather", kv * cp, cp, link(tp, cp), cal)
+        kv = tokens * layer["kv_repeated_per_token" if run.kv_repeat else "kv_per_token"] / tp
+        cp_comm, cp_exposed = context_parallel_seconds(kv, core, cp, link(tp, cp), run, cal) if cp > 1 else (0.0, 0.0)
         ep_comm = 0.0
         if layer["routed"] and ep > 1:
             routed = tokens / tp * layer["routed"][1] * m.d * act  # each (sequence-parallel) token to top_k experts
@@ -515,8 +532,9 @@ def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = 
         activations = held * flight
         head = other_saved * run.micro_batch / cp if s == pp - 1 else 0
         # backward's transient: the gradients of the largest block it differentiates at once, the
-        # head's logits or one layer's saved tensors, as large as what it saved
-        transient = max(head, largest)
+        # head's logits or one layer's saved tensors, as large as what it saved (with ring
+        # attention's gathered keys and values and fp32 gradient buffers)
+        transient = max(head, max((saved[k] + ring_buffers(m, k, run, tp, cp) for k in counts[s]), default=0))
         parts = {
             "states": int(states),
             "buffers": int(buffers),
@@ -535,6 +553,18 @@ def gathered_kv(m: Model, kind: int, run: Run, tp: int, cp: int) -> float:
     if not run.context_gather or cp == 1:
         return 0.0
     return (cp - 1) / cp * run.micro_batch * run.seq_len * m.layers[kind]["kv_per_token"] / tp
+
+
+def ring_buffers(m: Model, kind: int, run: Run, tp: int, cp: int) -> float:
+    """Bytes ring attention holds while one layer's backward runs (0 without it): the keys and
+    values it has gathered (all ``cp`` shards under ``allgather``, the current and the next one
+    under ``alltoall``) and three fp32 buffers of their gradients (the sum, the one going out, the
+    one coming in)."""
+    if cp == 1 or run.context_gather:
+        return 0.0
+    layer = m.layers[kind]
+    kv = run.micro_batch * run.seq_len // cp * layer["kv_repeated_per_token" if run.kv_repeat else "kv_per_token"] / tp
+    return kv * (cp if run.cp_rotate == "allgather" else 2) + 3 * kv * 4 / BYTES[run.dtype]
 
 
 def _check_run(layout: Layout, run: Run) -> None:

@@ -42,7 +42,8 @@ from builder.analysis.layout import (
     layout_problems,
     pipeline_parallel_problems,
 )
-from builder.analysis.perf import CALIBRATION, RECOMPUTE, SCHEDULES, Calibration, Model, Prediction, Run, predict
+from builder.analysis.perf import CALIBRATION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
+from builder.analysis.schedules import SCHEDULES
 
 CHEAPEST = (
     "ranked by predicted step time (builder.analysis.perf: compute, memory-bound work, exposed "
