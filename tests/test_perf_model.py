@@ -3,6 +3,7 @@ orderings the published runs show (benchmarks/plan_vs_published.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from builder.analysis.hardware import GPUS, gpu
 from builder.analysis.layout import Layout, LayoutError, layout_problems
-from builder.analysis.perf import Calibration, Model, Run, collective_seconds, predict
+from builder.analysis.perf import Calibration, Model, Run, collective_seconds, context_parallel_seconds, predict
 from builder.analysis.schedules import bubble_fraction, in_flight
 from builder.spec.loader import load_spec
 
@@ -46,6 +47,34 @@ def test_bubble_and_in_flight_per_schedule():
     assert in_flight("gpipe", 4, 16) == 16 and in_flight("1f1b", 4, 16) == 4 and in_flight("1f1b", 4, 2) == 2
     # interleaved: 2(p-1) + (v-1)p + 1 chunks of 1/v of the stage (Narayanan et al. 2021)
     assert in_flight("interleaved-1f1b", 8, 16, 2) == pytest.approx((14 + 8 + 1) / 2)
+
+
+def test_ring_attention_costs_what_torchs_ring_exposes():
+    gb, bw = 10**9, 100e9
+    run = Run(seq_len=8192, global_batch=1, recompute="none")  # allgather: torch's default rotation
+    # 4 ranks, 1 GB of keys and values each, a 40 ms kernel: ring steps of 10 ms forward, 20 ms backward;
+    # the 4 GB gathered (30 ms) once forward and once backward, the fp32 gradients (2 GB, 20 ms a send) 4 times
+    total, exposed = context_parallel_seconds(gb, 0.04, 4, bw, run, IDEAL)
+    assert total == pytest.approx(2 * 0.03 + 4 * 0.02)
+    assert exposed == pytest.approx((0.03 - 0.01) + (0.03 - 0.02) + 0.02)  # the last gradient send waits
+    # alltoall: three 10 ms sends a pass, each hidden behind its step's kernel
+    total, exposed = context_parallel_seconds(gb, 0.04, 4, bw, dataclasses.replace(run, cp_rotate="alltoall"), IDEAL)
+    assert total == pytest.approx(2 * 3 * 0.01 + 4 * 0.02) and exposed == pytest.approx(0.02)
+    full = dataclasses.replace(run, recompute="full")  # the recomputed forward gathers again
+    assert context_parallel_seconds(gb, 0.04, 4, bw, full, IDEAL)[0] == pytest.approx(3 * 0.03 + 4 * 0.02)
+    with pytest.raises(LayoutError, match="cp_rotate"):
+        Run(seq_len=8192, global_batch=1, cp_rotate="ring")
+
+
+def test_repeated_keys_and_values_move_a_query_heads_worth():
+    spec = load_spec(ROOT / "specs" / "llama3-8b.yaml")  # 32 query heads over 8 key/value heads
+    layer = Model(spec, 4096).layers[0]
+    assert layer["kv_repeated_per_token"] == 4 * layer["kv_per_token"] == 2 * 32 * 128 * 2
+    layout = Layout(devices=16, nodes=2, tensor_parallel=8, context_parallel=2)  # CP crosses nodes
+    runs = [Run(seq_len=65536, global_batch=1, recompute="full", kv_repeat=r) for r in (False, True)]
+    grouped, repeated = (predict(spec, layout, run, gpu("h100"), IDEAL) for run in runs)  # no per-hop latency
+    assert repeated.communication["cp"] == pytest.approx(4 * grouped.communication["cp"])
+    assert repeated.memory_per_gpu_bytes >= grouped.memory_per_gpu_bytes
 
 
 def test_the_hardware_table_and_its_overrides():
