@@ -1,107 +1,29 @@
 """`builder tokenize` and the tokenized-dataset format (recipes/data/README.md): every source
 format read as documents, ids equal to the tokenizer's plus EOS, the same bytes on 1 and 2
-workers, a resume after SIGKILL that re-tokenizes nothing finished, one line per bad input naming
-file and line or row, and a damaged or foreign dataset refused by ``TokenizedDataset.open``."""
+workers, a resume after SIGKILL that re-tokenizes nothing finished, and one line per bad input
+naming file and line or row (a damaged or foreign dataset: tests/test_tokenized_integrity.py)."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hostile_helpers import cli, refused
+from tokenize_helpers import WORDS, docs, sp  # noqa: F401 (sp: a fixture)
 
 from recipes.data.sources import Document, DocumentStream, find_sources
 from recipes.data.tokenize import tokenize_documents
 from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
 from recipes.errors import RecipeError
-from recipes.recipe.sections import TokenizerSection
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "a",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "was",
-    "with",
-    "be",
-    "by",
-    "on",
-    "not",
-    "he",
-    "this",
-    "are",
-    "or",
-    "his",
-    "from",
-    "at",
-    "which",
-    "but",
-    "have",
-    "an",
-    "they",
-    "you",
-    "were",
-    "her",
-    "she",
-    "there",
-    "had",
-    "been",
-    "one",
-    "all",
-    "we",
-    "can",
-    "their",
-    "has",
-    "more",
-    "when",
-    "will",
-    "would",
-    "who",
-    "so",
-    "no",
-    "über",
-    "naïve",
-    "café",
-]
-
-
-def docs(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 120))]
-        if rng.random() < 0.3:
-            words.insert(rng.randrange(len(words)), ".\n")
-        out.append(" ".join(words))
-    return out
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory):
-    """A small sentencepiece model with an EOS piece, as train_sentencepiece now trains them."""
-    from recipes.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
-
-    proto = train_sentencepiece("\n".join(docs(800, seed=9)), TokenizerSection(vocab_size=300))
-    path = tmp_path_factory.mktemp("sp") / "sp.model"
-    path.write_bytes(proto)
-    return SentencePieceTokenizer(proto), path
 
 
 def dataset_bytes(folder: Path) -> dict[str, bytes]:
@@ -534,76 +456,3 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_bytes(tmp_path, sp):
         progress=False,
     )
     assert dataset_bytes(out) == dataset_bytes(whole)
-
-
-# -- the reader refuses what it cannot trust ------------------------------------------------------------
-
-
-@pytest.fixture
-def made(tmp_path, sp):
-    tokenizer, _ = sp
-    tokenize_documents([Document(t) for t in docs(200)], tokenizer, tmp_path / "ds", shard_bytes=4000, progress=False)
-    return tmp_path / "ds"
-
-
-def _first_shard(folder: Path) -> Path:
-    return folder / json.loads((folder / "manifest.json").read_text())["splits"]["train"]["shards"][1]["tokens"]
-
-
-def test_a_truncated_shard_is_refused(made):
-    shard = _first_shard(made)
-    shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(RecipeError, match=rf"{shard}: [\d,]+ bytes, the manifest says [\d,]+ \(truncated"):
-        TokenizedDataset.open(made)
-
-
-def test_a_flipped_bit_is_refused_on_a_first_open_and_after_a_change(made):
-    shard = _first_shard(made)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    for stamp in made.glob(".verified-*.json"):  # a machine that has not opened it yet
-        stamp.unlink()
-    shard.write_bytes(bytes(data))
-    with pytest.raises(
-        RecipeError,
-        match=rf"{shard}: sha256 \w+\.\.\., the manifest says \w+\.\.\. \(the file is "
-        "damaged\\)",
-    ):
-        TokenizedDataset.open(made)
-
-
-def test_a_second_open_reads_no_shard(made, monkeypatch):
-    from recipes.data import tokenized
-
-    for stamp in made.glob(".verified-*.json"):
-        stamp.unlink()
-    TokenizedDataset.open(made)  # verifies and stamps
-    monkeypatch.setattr(tokenized, "file_sha256", lambda *a: pytest.fail("a stamped shard was read again"))
-    TokenizedDataset.open(made)
-    shard = _first_shard(made)
-    os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: verified again
-    with pytest.raises(pytest.fail.Exception):
-        TokenizedDataset.open(made)
-
-
-def test_a_stamp_that_cannot_be_written_is_skipped(made):
-    """(as in a read-only folder; a folder where the stamp should be fails the same way for root)"""
-    (stamp,) = made.glob(".verified-*.json")
-    stamp.unlink()
-    stamp.mkdir()
-    assert TokenizedDataset.open(made).tokens("train") > 0
-    assert TokenizedDataset.open(made).tokens("train") > 0
-
-
-def test_another_tokenizer_version_or_format_is_refused(made):
-    manifest = json.loads((made / "manifest.json").read_text())
-    fingerprint = manifest["tokenizer"]["fingerprint"]
-    with pytest.raises(RecipeError, match=f"{made} was tokenized with tokenizer {fingerprint}, this run's is abc"):
-        TokenizedDataset.open(made, tokenizer_fingerprint="abc")
-    assert TokenizedDataset.open(made, tokenizer_fingerprint=fingerprint).tokens("train") > 0
-    (made / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
-    with pytest.raises(RecipeError, match="manifest.json: version 2; this builder reads version 1"):
-        TokenizedDataset.open(made)
-    (made / "manifest.json").write_text(json.dumps({**manifest, "format": "other"}))
-    with pytest.raises(RecipeError, match="format 'other', not 'builder-tokenized'"):
-        TokenizedDataset.open(made)
