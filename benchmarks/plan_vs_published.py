@@ -73,6 +73,7 @@ class Row:
     async_tp: bool = False
     source: str = "torchtitan-202412"
     float8_all_gather: bool = False
+    compile_loss: bool = False
 
     @property
     def bf16(self) -> bool:
@@ -175,8 +176,16 @@ ROWS += [
 ]
 #: the Trainy team's June 2025 H200 run (pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md):
 #: Llama 3.1 8B on 4 and 8 hosts of 8 H200, FSDP over all (llama3_8b.toml: data_parallel_shard_degree -1,
-#: seq_len 8192, selective per-op recomputation), local batch 2, compile, float8 with float8 FSDP all-gathers
-_H200 = {"compile": True, "float8": True, "float8_all_gather": True, "source": "torchtitan-h200-202506"}
+#: seq_len 8192, selective per-op recomputation), local batch 2, compile, float8 with float8 FSDP all-gathers;
+#: its torchtitan (e7c0cae, torchtitan/components/loss.py) compiles the loss under --training.compile, which
+#: the December one did not (9dec370 train.py: "compiling loss function causes CUDA errors, turning off for now")
+_H200 = {
+    "compile": True,
+    "compile_loss": True,
+    "float8": True,
+    "float8_all_gather": True,
+    "source": "torchtitan-h200-202506",
+}
 ROWS += [
     Row("H200", f"{n} nodes", "llama3-8b", 8 * n, 1, 1, 1, 8192, 16 * n, 2, "selective", tps, mem, **_H200)
     for n, tps, mem in ((4, 10938, 47.96), (8, 10753, 46.97))
@@ -221,6 +230,7 @@ def predict_row(row: Row, models: dict):
         async_tp=row.async_tp,
         float8=row.float8,
         float8_all_gather=row.float8_all_gather,
+        compile_loss=row.compile_loss,
         kv_repeat=row.source == "torchtitan-202412",  # its Llama's repeat_kv before SDPA (models/llama/model.py)
     )
     key = (row.spec, row.seq)

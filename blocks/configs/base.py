@@ -486,11 +486,21 @@ class HeadBlock(BlockConfig):
         batch: int = 1,
         fused: bool = True,
         position: PositionBlock | None = None,
+        compiled_loss: bool = False,
     ) -> int:
         """Bytes kept for backward, the training loss included (see builder.analysis.memory);
         ``tokens`` over ``batch`` sequences. ``fused`` and ``position`` (the spec's position
-        block) are what the head's own layers' attention needs, as a stack's layer does."""
+        block) are what the head's own layers' attention needs, as a stack's layer does;
+        ``compiled_loss``: the loss is compiled with the head (see :func:`loss_saved_bytes`)."""
         return 0
+
+
+def loss_saved_bytes(tokens: int, vocab_size: int, compiled_loss: bool = False) -> int:
+    """What a vocabulary cross-entropy keeps for backward beyond the logits: eagerly the fp32
+    log-probabilities (``log_softmax`` of the logits upcast); compiled (torch.compile fusing the
+    upcast, the log-softmax and the loss, as a compiled training step or torchtitan's compiled
+    loss does) an fp32 log-sum-exp per token."""
+    return tokens * 4 if compiled_loss else tokens * vocab_size * 4
 
 
 # -- architectures -----------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 ``params(d_model, vocab_size, tied)`` counts the head's own tensors (a tied output projection
 is the embedding table and is counted there); ``flops(d_model, vocab_size, tokens)`` is one
 sequence of ``tokens`` tokens; ``saved_bytes`` takes the run's keywords (``batch``, ``fused``,
-``position``: ``blocks.configs.base.HeadBlock``), which a head without layers of its own ignores.
+``position``: ``blocks.configs.base.HeadBlock``), which a head without layers of its own ignores,
+and ``compiled_loss``, which a vocabulary head's loss reads (``blocks.configs.base.loss_saved_bytes``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import HeadBlock, Shapes
+from blocks.configs.base import HeadBlock, Shapes, loss_saved_bytes
 from blocks.configs.ffn import Activation
 from blocks.configs.norm import LayerNormConfig
 from blocks.limits import MAX_FACTOR, MAX_VOCAB
@@ -53,11 +54,12 @@ class LMHeadConfig(HeadBlock):
         return 2 * tokens * d_model * vocab_size
 
     def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int, **run) -> int:
-        # the projection input; the logits the caller holds; the loss's fp32 log-probabilities;
-        # under softcap the tanh output
+        # the projection input; the logits the caller holds; the loss's (loss_saved_bytes); under
+        # softcap the tanh output
         logits = tokens * vocab_size
         softcap = logits * act_bytes if self.softcap is not None else 0
-        return tokens * d_model * act_bytes + logits * (act_bytes + 4) + softcap
+        loss = loss_saved_bytes(tokens, vocab_size, run.get("compiled_loss", False))
+        return tokens * d_model * act_bytes + logits * act_bytes + loss + softcap
 
 
 @register("head", "blocks.heads:MLMHead")
@@ -97,7 +99,8 @@ class MLMHeadConfig(HeadBlock):
         # dense input, activation input and output (the norm's input), the norm, then as lm
         norm = self.norm.saved_bytes(d_model, tokens, act_bytes)
         transform = 2 * tokens * d_model * act_bytes + norm
-        return transform + tokens * d_model * act_bytes + tokens * vocab_size * (act_bytes + 4)
+        loss = loss_saved_bytes(tokens, vocab_size, run.get("compiled_loss", False))
+        return transform + tokens * d_model * act_bytes + tokens * vocab_size * act_bytes + loss
 
 
 @register("head", "blocks.heads:ClassificationHead")

@@ -22,7 +22,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, WithJsonSchema, model_validator
 
-from blocks.configs.base import HeadBlock, PositionBlock, Shapes, rule_error
+from blocks.configs.base import HeadBlock, PositionBlock, Shapes, loss_saved_bytes, rule_error
 from blocks.configs.layer import LayerBlocks
 from blocks.limits import MAX_FACTOR, MAX_LAYERS
 from blocks.registry import register
@@ -165,6 +165,7 @@ class MTPHeadConfig(HeadBlock):
         batch: int = 1,
         fused: bool = True,
         position: PositionBlock | None = None,
+        compiled_loss: bool = False,
     ) -> int:
         """As ``lm`` for the main prediction (the projection input, the logits the caller holds,
         the loss's fp32 log-probabilities); per module: the shifted ids (int64) its embedding
@@ -173,12 +174,13 @@ class MTPHeadConfig(HeadBlock):
         its loss. In fp32 ``hnorm``'s input is a tensor kept already (the main projection's
         input, then the previous module's norm input)."""
         d, norm = d_model, self.layer.norm
-        main = tokens * d * act_bytes + tokens * vocab_size * (act_bytes + 4)
+        loss = loss_saved_bytes(tokens, vocab_size, compiled_loss)
+        main = tokens * d * act_bytes + tokens * vocab_size * act_bytes + loss
         module = tokens * 8  # the shifted ids
         module += 3 * norm.saved_bytes(d, tokens, act_bytes) - (tokens * d * 4 if act_bytes == 4 else 0)
         module += tokens * 2 * d * act_bytes  # eh_proj's input
         layer = self.layer.layer()
         seq = tokens // batch
         module += layer.saved_bytes(d, batch, seq, act_bytes, fused, True, position or PositionBlock())
-        module += tokens * d * act_bytes + tokens * vocab_size * 4 + tokens * 8  # the module's prediction and loss
+        module += tokens * d * act_bytes + loss + tokens * 8  # the module's prediction and loss
         return main + self.num_nextn_predict_layers * module

@@ -37,7 +37,8 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   one unit's gradients in flight (under pipeline parallelism FSDP keeps the stage's parameters
   and gradients unsharded, as torchtitan does, ``reshard_after_forward=False``), and the
   activations the schedule keeps in flight (1F1B: ``p`` micro-batches on the first stage), and
-  backward's transient (the gradients of the largest block it differentiates at once). Under
+  backward's transient (the gradients of the largest block it differentiates at once); a compiled
+  loss (``Run(compile_loss=True)``) keeps no fp32 log-probabilities. Under
   tensor parallelism the activations are sequence-parallel (one ``tp``-th per rank, as
   torchtitan runs) or, ``Run(sequence_parallel=False)``, what ``describe``'s tensor-parallel view
   keeps (inputs, norms and logits whole, as this project's recipes run). Under context
@@ -51,10 +52,22 @@ each prediction; nothing is fitted per row.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.analysis.calibration import (
+    ASYNC_TP_OVERLAP,
+    BYTES,
+    CALIBRATION,
+    COMPILE_FUSION,
+    ELEMENTWISE_PASSES,
+    OPTIMIZER_BYTES,
+    SELECTIVE_RECOMPUTE,
+    SELECTIVE_SAVED,
+    Calibration,
+    collective_seconds,
+)
 from builder.analysis.hardware import GPU
 from builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
 from builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
@@ -62,44 +75,6 @@ from builder.analysis.shards import stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 CP_ROTATE = ("allgather", "alltoall")
-#: fraction of the matmul forward FLOPs selective (per-op) recomputation runs again, and of the
-#: layer's saved bytes it keeps
-SELECTIVE_RECOMPUTE = 0.5
-SELECTIVE_SAVED = 0.35
-#: HBM passes over each saved byte: written in forward, read in backward, its gradient written
-ELEMENTWISE_PASSES = 6
-#: fraction of those passes torch.compile fuses away
-COMPILE_FUSION = 0.7
-#: bytes AdamW reads and writes per local parameter element (fp32 weight, gradient, two states
-#: read; weight and states written)
-OPTIMIZER_BYTES = 28
-#: fraction of the tensor-parallel collectives async TP hides behind its matmuls
-ASYNC_TP_OVERLAP = 0.5
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The model's physically meaningful constants, one set for every run."""
-
-    matmul_efficiency: float = 0.45  # achievable fraction of the dense bf16 peak in a model's GEMMs
-    attention_efficiency: float = 0.35  # a flash-attention kernel's, forward and backward
-    float8_efficiency: float = 0.30  # of the fp8 peak: float8 projections with their scaling casts
-    collective_efficiency: float = 0.70  # of a link's datasheet bandwidth (NCCL bus bandwidth)
-    latency: float = 10e-6  # seconds per collective hop
-
-    def describe(self) -> str:
-        return (
-            f"matmuls at {self.matmul_efficiency:.0%} of peak (float8 at {self.float8_efficiency:.0%} of the fp8 "
-            f"peak), attention kernels at {self.attention_efficiency:.0%}, "
-            f"collectives at {self.collective_efficiency:.0%} of link bandwidth, {self.latency * 1e6:g} us per hop; "
-            f"selective recomputation reruns {SELECTIVE_RECOMPUTE:.0%} of the matmuls and keeps {SELECTIVE_SAVED:.0%} "
-            f"of the activations; {ELEMENTWISE_PASSES} HBM passes per saved byte (compile fuses "
-            f"{COMPILE_FUSION:.0%}); async TP hides {ASYNC_TP_OVERLAP:.0%} of TP's collectives"
-        )
-
-
-CALIBRATION = Calibration()
 
 
 @dataclass(frozen=True)
@@ -133,6 +108,9 @@ class Run:
     #: default: one all-gather a pass, behind only the first ring step's kernel) or ``alltoall`` (one
     #: shard a step, each behind a step's kernel); their gradients go round a step at a time in fp32
     cp_rotate: str = "allgather"
+    #: the loss compiled with the model (torchtitan's since 2025, this project's ``compile: model``):
+    #: no fp32 log-probabilities kept (``blocks.configs.base.loss_saved_bytes``)
+    compile_loss: bool = False
     #: keys and values repeated to every query head before attention (torchtitan's Llama of 2024, SDPA
     #: without grouped-query support), so context parallelism moves n_heads / n_kv_heads times the bytes
     kv_repeat: bool = False
@@ -150,27 +128,6 @@ class Run:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(name, value, "must be a positive integer")
-
-
-def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, cal: Calibration = CALIBRATION) -> float:
-    """Seconds for one collective of ``nbytes`` (the whole tensor: all-gather's output,
-    reduce-scatter's input, all-reduce's buffer, all-to-all's data per rank, a send's message)
-    over ``group`` ranks at ``bandwidth`` bytes/s per rank: a ring moves ``(n-1)/n`` of it per
-    rank (twice for all-reduce) in ``n-1`` hops; an all-reduce may instead take a double binary
-    tree, ``2 log2 n`` hops moving it twice, whichever is faster."""
-    if group <= 1 or nbytes <= 0:
-        return 0.0
-    bw, alpha, n = bandwidth * cal.collective_efficiency, cal.latency, group
-    share = (n - 1) / n * nbytes / bw
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return share + (n - 1) * alpha
-    if kind == "all_reduce":
-        ring = 2 * share + 2 * (n - 1) * alpha
-        tree = 2 * nbytes / bw + 2 * math.log2(n) * alpha
-        return min(ring, tree)
-    if kind == "send":
-        return nbytes / bw + alpha
-    raise ValueError(f"unknown collective {kind!r}")
 
 
 def context_parallel_seconds(kv: float, core: float, cp: int, bandwidth: float, run: Run, cal: Calibration):
@@ -286,6 +243,11 @@ class Model:
         )
         self.head_flops = est.flops.by_component.get("head", 0)
         self.other_saved = est.memory.activations - sum(layer["saved"] for layer in self.layers)
+        # what a compiled loss does not keep of one sequence's (the head's contract, eager minus compiled)
+        head_saved = functools.partial(
+            spec.head.saved_bytes, d, spec.vocab_size, seq_len, BYTES[dtype], fused=True, position=spec.position
+        )
+        self.compiled_loss_saving = head_saved() - head_saved(compiled_loss=True)
         self.train_flops_per_token = est.flops.train_per_token
         self.d = d
         self.experts = next((layer["routed"] for layer in self.layers if layer["routed"]), None)
@@ -530,7 +492,8 @@ def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = 
             in_flight(run.schedule, pp, micro, v) if s == 0 else max(1.0, in_flight(run.schedule, pp, micro, v) - s)
         )
         activations = held * flight
-        head = other_saved * run.micro_batch / cp if s == pp - 1 else 0
+        loss_saving = m.compiled_loss_saving / (tp if run.sequence_parallel else 1) if run.compile_loss else 0
+        head = (other_saved - loss_saving) * run.micro_batch / cp if s == pp - 1 else 0
         # backward's transient: the gradients of the largest block it differentiates at once, the
         # head's logits or one layer's saved tensors, as large as what it saved (with ring
         # attention's gathered keys and values and fp32 gradient buffers)
