@@ -1,7 +1,7 @@
 """Pipeline x tensor x FSDP2 parallelism on 8 CPU processes (gloo): PP 2 x TP 2 x FSDP 2 trains
-like one process at the same global batch for 20 steps, and every rank holds exactly the
-parameters ``builder.analysis.layout.rank_states`` counts for the stage it holds. Slow (8
-processes start torch)."""
+like one process at the same global batch for 20 steps, its checkpoint resumes in one process as
+an unbroken run, and every rank holds exactly the parameters ``builder.analysis.layout.rank_states``
+counts for the stage it holds. Slow (8 processes start torch)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,17 @@ def test_pp2_tp2_fsdp2_on_eight_processes_trains_like_one(tmp_path):
     )
     assert f"MEMBER: {WORLD}/{WORLD}" in out
     assert_same_losses(losses(tmp_path / "3d" / "run"), losses(one / "run"), keys=("train",))
+
+
+def test_a_pp2_tp2_fsdp2_checkpoint_resumes_in_one_process_like_an_unbroken_run(tmp_path):
+    """PP 2 x TP 2 x FSDP 2 for 10 steps, then one process to 20: the sharded folder (each stage's
+    tensor- and FSDP-sharded parameters and their optimizer state) read whole, by the whole model's
+    names, and the losses of all 20 steps those of one process throughout."""
+    one = tmp_path / "one"
+    train(recipe(one, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
+    moved = tmp_path / "moved"
+    settings = {"strategy": "fsdp", "tensor_parallel": TP, "pipeline_parallel": PP, "microbatches": 2}
+    train(recipe(moved, batch=2, devices=WORLD, spec=TINY_PP, tokenizer=EVEN_VOCAB, steps=10, **settings))
+    out = train(recipe(moved, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
+    assert "resuming from" in out
+    assert_same_losses(losses(moved / "run"), losses(one / "run"), keys=("train",))
