@@ -3,7 +3,7 @@ attention kernels, and every shipped recipe trained a few steps in its ``auto`` 
 
     python benchmarks/gpu_check.py                 # the check
     python benchmarks/gpu_check.py --steps 10 --layers 4 --skip-attention --recipe-steps 10   # a quick one
-    python benchmarks/gpu_check.py --skip-recipes  # the FSDP and kernel rows only (under 8 minutes on one H200)
+    python benchmarks/gpu_check.py --skip-recipes  # the FSDP and kernel rows only (under 9 minutes on one H200)
     python benchmarks/gpu_check.py --cpu --steps 2 --layers 1 --seq-len 64 --batch 2   # the script's plumbing, no GPU
 
 It trains ``builder train``'s own recipe machinery (``trainer.strategy: fsdp``: the model built
@@ -17,7 +17,10 @@ standard library's source with a character vocabulary, then reports:
   layout, batch and sequence length (the estimate counts weights, gradients, AdamW state, FSDP's
   buffers and the saved activations; the allocator adds its own blocks and the loss's temporaries);
 * the Triton attention kernels against SDPA's flash backend on a causal training shape and a
-  decode shape (``benchmarks/attention.py``'s measurements, checked for correctness first).
+  decode shape (``benchmarks/attention.py``'s measurements, checked for correctness first);
+* the performance model's kernel efficiencies at the published runs' shapes (``benchmarks/
+  perf_kernels.py``: bf16 and float8 GEMMs of 8B/70B/405B layers, ring-attention steps; under a
+  minute, ``--skip-perf-kernels`` leaves them out).
 
 Then every shipped recipe (``recipes/*.yaml``, the zoo's recipes) trains ``--recipe-steps`` steps
 (default 20) as ``builder train`` runs it, with ``trainer.precision: auto``, no ``max_time``, one
@@ -330,6 +333,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-attention", action="store_true", help="leave out the attention kernel benchmark")
     parser.add_argument("--recipe-steps", type=int, help="steps of each recipe row (default 20; 2 with --cpu)")
     parser.add_argument("--skip-recipes", action="store_true", help="leave out the shipped recipes' rows")
+    parser.add_argument(
+        "--skip-perf-kernels", action="store_true", help="leave out benchmarks/perf_kernels.py's rows (under a minute)"
+    )
     parser.add_argument("--cpu", action="store_true", help="train on the CPU (a check of the script; no GPU rows)")
     parser.add_argument("--recipe-worker", nargs=3, metavar=("RECIPE", "OVERRIDES", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -426,6 +432,13 @@ def main(argv=None) -> int:
         print(f"| {name} | {value} | {note} |")
     if not args.skip_recipes:
         recipe_table(recipe_rows, recipe_note)
+    perf = None
+    if not (args.cpu or args.skip_perf_kernels):  # the performance model's kernel efficiencies
+        import perf_kernels
+
+        print("\n## The performance model's constants at the published runs' shapes (benchmarks/perf_kernels.py)\n")
+        perf = perf_kernels.measure()
+        perf_kernels.print_tables(perf)
     seconds = time.perf_counter() - started
     print(f"\n{seconds:.0f} s in all")
     print(
@@ -442,6 +455,7 @@ def main(argv=None) -> int:
                 "attention": [dict(r.items()) for r in kernels],
                 "recipes": recipe_rows,
                 "recipes_note": recipe_note,
+                "perf_kernels": perf,
             }
         )
     )

@@ -151,3 +151,26 @@ def test_generate_benchmark_decodes_the_same_tokens_as_transformers(tmp_path, ca
     ids = torch.randint(0, 8192, (2, 5))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernel_efficiency_benchmark_runs_its_rows_on_the_cpu(capsys):
+    """benchmarks/perf_kernels.py --cpu: every GEMM row (bf16 and float8 through torch's
+    ``_scaled_mm``) and every attention row measured at 1/64 of the published shapes, the tables
+    and the JSON line; without CUDA and without --cpu it refuses (exit 2)."""
+    import json
+
+    import perf_kernels
+
+    assert perf_kernels.main(["--cpu", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert [(row["model"], row["dtype"]) for row in result["gemms"]] == [
+        (model, dtype) for model in perf_kernels.LAYERS for dtype in ("bf16", "fp8")
+    ]
+    assert len(result["attention"]) == len(perf_kernels.ATTENTION)
+    rates = [row["tflops"] for row in result["gemms"]] + [row["forward_tflops"] for row in result["attention"]]
+    assert all(rate > 0 and math.isfinite(rate) for rate in rates)
+    assert "| llama3-405b, TP 8 (table 5) | fp8 |" in out
+    if not torch.cuda.is_available():
+        assert perf_kernels.main([]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
