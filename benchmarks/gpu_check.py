@@ -3,7 +3,7 @@ attention kernels, and every shipped recipe trained a few steps in its ``auto`` 
 
     python benchmarks/gpu_check.py                 # the check
     python benchmarks/gpu_check.py --steps 10 --layers 4 --skip-attention --recipe-steps 10   # a quick one
-    python benchmarks/gpu_check.py --skip-recipes  # the FSDP and kernel rows only (under 9 minutes on one H200)
+    python benchmarks/gpu_check.py --skip-recipes  # the FSDP and kernel rows only (under 8 minutes on one H200)
     python benchmarks/gpu_check.py --cpu --steps 2 --layers 1 --seq-len 64 --batch 2   # the script's plumbing, no GPU
 
 It trains ``builder train``'s own recipe machinery (``trainer.strategy: fsdp``: the model built
@@ -19,8 +19,9 @@ standard library's source with a character vocabulary, then reports:
 * the Triton attention kernels against SDPA's flash backend on a causal training shape and a
   decode shape (``benchmarks/attention.py``'s measurements, checked for correctness first);
 * the performance model's kernel efficiencies at the published runs' shapes (``benchmarks/
-  perf_kernels.py``: bf16 and float8 GEMMs of 8B/70B/405B layers, ring-attention steps; under a
-  minute, ``--skip-perf-kernels`` leaves them out).
+  perf_kernels.py``: bf16 and float8 GEMMs of 8B/70B/405B layers, ring-attention steps; about
+  10^15 FLOPs, estimated well under a minute and not yet run on a GPU, added after the 8 minutes
+  above were measured; ``--skip-perf-kernels`` leaves them out).
 
 Then every shipped recipe (``recipes/*.yaml``, the zoo's recipes) trains ``--recipe-steps`` steps
 (default 20) as ``builder train`` runs it, with ``trainer.precision: auto``, no ``max_time``, one

@@ -20,7 +20,7 @@ rank of each published run computes:
   and a whole causal sequence of 8,192 tokens; efficiency counted as the model counts FLOPs (the
   visible pairs, backward twice the forward).
 
-    python benchmarks/perf_kernels.py            # on a GPU: under a minute on one H100/H200
+    python benchmarks/perf_kernels.py            # on a GPU (~10^15 FLOPs: estimated under a minute, not yet run)
     python benchmarks/perf_kernels.py --cpu      # the script's plumbing at 1/64 of every size
 
 The output is Markdown (for benchmarks/RESULTS.md); the last line is JSON. Without CUDA and
