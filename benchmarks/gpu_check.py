@@ -335,7 +335,9 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe-steps", type=int, help="steps of each recipe row (default 20; 2 with --cpu)")
     parser.add_argument("--skip-recipes", action="store_true", help="leave out the shipped recipes' rows")
     parser.add_argument(
-        "--skip-perf-kernels", action="store_true", help="leave out benchmarks/perf_kernels.py's rows (under a minute)"
+        "--skip-perf-kernels",
+        action="store_true",
+        help="leave out benchmarks/perf_kernels.py's rows (estimated under a minute)",
     )
     parser.add_argument("--cpu", action="store_true", help="train on the CPU (a check of the script; no GPU rows)")
     parser.add_argument("--recipe-worker", nargs=3, metavar=("RECIPE", "OVERRIDES", "RESULT"), help=argparse.SUPPRESS)

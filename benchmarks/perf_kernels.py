@@ -39,6 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
     sys.path[0] = ROOT  # the repository, not benchmarks/ (whose tokenize.py shadows the standard library's)
+    sys.path.append(os.path.join(ROOT, "benchmarks"))  # after the standard library: attention.py's SDPA backends
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -126,6 +127,12 @@ def gemm_rows(peaks: dict, device: torch.device, scale: int, repeats: int, fp8: 
 
 
 def attention_rows(peak: float | None, device: torch.device, scale: int, repeats: int) -> list[dict]:
+    if device.type == "cuda":  # the flash backend alone, as benchmarks/attention.py restricts it
+        from attention import sdpa_backend
+
+        sdpa = sdpa_backend("flash")
+    else:
+        sdpa = lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     rows = []
     for label, q_len, k_len, causal in ATTENTION:
         q_len, k_len = q_len // scale, k_len // scale
@@ -139,10 +146,10 @@ def attention_rows(peak: float | None, device: torch.device, scale: int, repeats
 
         def forward(q=q, k=k, v=v, causal=causal):
             with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return sdpa(q, k, v, causal)
 
         def both(q=q, k=k, v=v, causal=causal, grad=grad):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            out = sdpa(q, k, v, causal)
             torch.autograd.grad(out, (q, k, v), grad)
 
         fwd = timed(forward, device, repeats)
@@ -162,16 +169,22 @@ def percent(value: float | None) -> str:
     return f"{value:.0%}" if value is not None else "-"
 
 
+def device_peaks(name: str) -> dict:
+    """Dense peak FLOP/s by dtype of the CUDA device ``name`` (its hardware-table row), {} for
+    one the table does not know."""
+    key = match_device(name)
+    try:
+        return gpu(key).peak if key is not None else {}
+    except ValueError:  # a device the MFU table knows and the planner's hardware table does not
+        return {}
+
+
 def measure(cpu: bool = False, repeats: int = 10) -> dict:
     """Every row, on the GPU (``cpu``: on the CPU at 1/64 of every size): the device, its peaks and
     the GEMM and attention rows."""
     device = torch.device("cpu" if cpu else "cuda")
     name = "cpu" if cpu else torch.cuda.get_device_name()
-    key = None if cpu else match_device(name)
-    try:
-        peaks = gpu(key).peak if key is not None else {}
-    except ValueError:  # a device the MFU table knows and the planner's hardware table does not
-        peaks = {}
+    peaks = {} if cpu else device_peaks(name)
     fp8 = cpu or "fp8" in peaks  # torch's CPU _scaled_mm runs the float8 rows' plumbing
     scale = 64 if cpu else 1
     torch.manual_seed(0)

@@ -174,3 +174,7 @@ def test_the_kernel_efficiency_benchmark_runs_its_rows_on_the_cpu(capsys):
     if not torch.cuda.is_available():
         assert perf_kernels.main([]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+    # the GPU branch's peaks, whatever this machine has: a known device with float8, one without, an unknown one
+    assert perf_kernels.device_peaks("NVIDIA H200")["fp8"] == 1979e12
+    assert "fp8" not in perf_kernels.device_peaks("NVIDIA A100-SXM4-80GB")
+    assert perf_kernels.device_peaks("Some Future GPU") == {}

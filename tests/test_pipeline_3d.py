@@ -19,6 +19,9 @@ from test_pipeline_parallel import TINY_PP
 pytestmark = pytest.mark.slow
 
 WORLD, TP, PP = 8, 2, 2
+#: the 3-D layout's trainer settings; ``batch=2`` per data-parallel rank: 8 / (PP 2 x TP 2) = 2 of
+#: them, so 4 sequences a step, as the one-process run's
+LAYOUT_3D = {"strategy": "fsdp", "tensor_parallel": TP, "pipeline_parallel": PP, "microbatches": 2}
 SEED = 7
 
 
@@ -34,9 +37,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    settings = TrainerSection(
-        strategy="fsdp", accelerator="cpu", devices=WORLD, tensor_parallel=TP, pipeline_parallel=PP, microbatches=2
-    )
+    settings = TrainerSection(accelerator="cpu", devices=WORLD, **LAYOUT_3D)
     mesh = device_mesh(layout_of(settings), "cpu")
     cpu = torch.device("cpu")
     model = build_model(spec_model().model_validate(dict(TINY_PP, vocab_size=400)), device="meta")
@@ -70,35 +71,26 @@ def test_every_rank_of_pp2_tp2_fsdp2_holds_what_the_layout_counts_for_its_stage(
         assert held == {"elements": want.elements, "weights": want.weights, "tensors": want.tensors}, rank
 
 
-def test_pp2_tp2_fsdp2_on_eight_processes_trains_like_one(tmp_path):
-    one = tmp_path / "one"
-    train(recipe(one, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
-    out = train(
-        recipe(
-            tmp_path / "3d",
-            batch=2,  # per data-parallel rank: 8 / (PP 2 x TP 2) = 2 of them, so 4 sequences a step
-            devices=WORLD,
-            spec=TINY_PP,
-            tokenizer=EVEN_VOCAB,
-            strategy="fsdp",
-            tensor_parallel=TP,
-            pipeline_parallel=PP,
-            microbatches=2,
-        )
-    )
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run both layouts below are compared with (20 steps, batch 4)."""
+    folder = tmp_path_factory.mktemp("one")
+    train(recipe(folder, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
+    return losses(folder / "run")
+
+
+def test_pp2_tp2_fsdp2_on_eight_processes_trains_like_one(tmp_path, one_process):
+    out = train(recipe(tmp_path / "3d", batch=2, devices=WORLD, spec=TINY_PP, tokenizer=EVEN_VOCAB, **LAYOUT_3D))
     assert f"MEMBER: {WORLD}/{WORLD}" in out
-    assert_same_losses(losses(tmp_path / "3d" / "run"), losses(one / "run"), keys=("train",))
+    assert_same_losses(losses(tmp_path / "3d" / "run"), one_process, keys=("train",))
 
 
-def test_a_pp2_tp2_fsdp2_checkpoint_resumes_in_one_process_like_an_unbroken_run(tmp_path):
+def test_a_pp2_tp2_fsdp2_checkpoint_resumes_in_one_process_like_an_unbroken_run(tmp_path, one_process):
     """PP 2 x TP 2 x FSDP 2 for 10 steps, then one process to 20: the sharded folder (each stage's
     tensor- and FSDP-sharded parameters and their optimizer state) read whole, by the whole model's
     names, and the losses of all 20 steps those of one process throughout."""
-    one = tmp_path / "one"
-    train(recipe(one, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
     moved = tmp_path / "moved"
-    settings = {"strategy": "fsdp", "tensor_parallel": TP, "pipeline_parallel": PP, "microbatches": 2}
-    train(recipe(moved, batch=2, devices=WORLD, spec=TINY_PP, tokenizer=EVEN_VOCAB, steps=10, **settings))
+    train(recipe(moved, batch=2, devices=WORLD, spec=TINY_PP, tokenizer=EVEN_VOCAB, steps=10, **LAYOUT_3D))
     out = train(recipe(moved, batch=4, spec=TINY_PP, tokenizer=EVEN_VOCAB))
     assert "resuming from" in out
-    assert_same_losses(losses(moved / "run"), losses(one / "run"), keys=("train",))
+    assert_same_losses(losses(moved / "run"), one_process, keys=("train",))

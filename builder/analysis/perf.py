@@ -342,7 +342,7 @@ def predict(
             + collective_seconds("reduce_scatter", tp_bytes, tp, link(1, tp), cal)
         )
         tp_exposed = tp_comm * (1 - ASYNC_TP_OVERLAP if run.async_tp else 1)
-        kv = tokens * layer["kv_repeated_per_token" if run.kv_repeat else "kv_per_token"] / tp
+        kv = tokens * kv_per_token(layer, run) / tp
         cp_comm, cp_exposed = context_parallel_seconds(kv, core, cp, link(tp, cp), run, cal) if cp > 1 else (0.0, 0.0)
         ep_comm = 0.0
         if layer["routed"] and ep > 1:
@@ -469,6 +469,8 @@ def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = 
     micro = run.global_batch // layout.data_parallel_size // run.micro_batch
     tokens = run.micro_batch * run.seq_len // cp
     best: dict[str, int] = {}
+    # what a compiled loss does not keep (per rank: a tp-th under sequence parallelism)
+    loss_saving = m.compiled_loss_saving / (tp if run.sequence_parallel else 1) if run.compile_loss else 0
     for s in range(pp):
         dense, experts = _stage_params(m, counts[s], s, pp, tp, ep)
         shard, expert_shard = layout.shard_size, max(1, layout.shard_size // ep)
@@ -492,7 +494,6 @@ def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = 
             in_flight(run.schedule, pp, micro, v) if s == 0 else max(1.0, in_flight(run.schedule, pp, micro, v) - s)
         )
         activations = held * flight
-        loss_saving = m.compiled_loss_saving / (tp if run.sequence_parallel else 1) if run.compile_loss else 0
         head = (other_saved - loss_saving) * run.micro_batch / cp if s == pp - 1 else 0
         # backward's transient: the gradients of the largest block it differentiates at once, the
         # head's logits or one layer's saved tensors, as large as what it saved (with ring
@@ -518,6 +519,12 @@ def gathered_kv(m: Model, kind: int, run: Run, tp: int, cp: int) -> float:
     return (cp - 1) / cp * run.micro_batch * run.seq_len * m.layers[kind]["kv_per_token"] / tp
 
 
+def kv_per_token(layer: dict, run: Run) -> int:
+    """Key and value bytes per token ring attention passes: the layer's, or once per query head
+    under :attr:`Run.kv_repeat`."""
+    return layer["kv_repeated_per_token" if run.kv_repeat else "kv_per_token"]
+
+
 def ring_buffers(m: Model, kind: int, run: Run, tp: int, cp: int) -> float:
     """Bytes ring attention holds while one layer's backward runs (0 without it): the keys and
     values it has gathered (all ``cp`` shards under ``allgather``, the current and the next one
@@ -525,8 +532,7 @@ def ring_buffers(m: Model, kind: int, run: Run, tp: int, cp: int) -> float:
     one coming in)."""
     if cp == 1 or run.context_gather:
         return 0.0
-    layer = m.layers[kind]
-    kv = run.micro_batch * run.seq_len // cp * layer["kv_repeated_per_token" if run.kv_repeat else "kv_per_token"] / tp
+    kv = run.micro_batch * run.seq_len // cp * kv_per_token(m.layers[kind], run) / tp
     return kv * (cp if run.cp_rotate == "allgather" else 2) + 3 * kv * 4 / BYTES[run.dtype]
 
 
