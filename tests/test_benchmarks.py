@@ -178,3 +178,30 @@ def test_the_kernel_efficiency_benchmark_runs_its_rows_on_the_cpu(capsys):
     assert perf_kernels.device_peaks("NVIDIA H200")["fp8"] == 1979e12
     assert "fp8" not in perf_kernels.device_peaks("NVIDIA A100-SXM4-80GB")
     assert perf_kernels.device_peaks("Some Future GPU") == {}
+
+
+def test_the_kernel_timer_reads_cuda_events_in_seconds_whatever_this_machine_has(monkeypatch):
+    """perf_kernels.timed's CUDA branch, forced on any machine: two warm-up calls untimed, then the
+    median of the events' elapsed milliseconds, as seconds (the CPU branch is the test above)."""
+    import types
+
+    import perf_kernels
+
+    elapsed = iter([3.0, 1.0, 2.0])  # milliseconds, one per timed call
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(elapsed)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    seconds = perf_kernels.timed(lambda: calls.append(1), types.SimpleNamespace(type="cuda"), repeats=3)
+    assert seconds == pytest.approx(2e-3)
+    assert len(calls) == 2 + 3
