@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 TOKENS = 16384  # batch * seq for the training shapes
 WIDTH = 2048  # n_heads * head_dim for the training shapes
@@ -50,7 +47,7 @@ def sdpa_backend(name):
 
 
 def ours(q, k, v, causal):
-    from kernels import attention
+    from yamlformer.kernels import attention
 
     return attention(q, k, v, causal=causal, backend="triton")
 

@@ -9,7 +9,7 @@ positions and a tied head), random weights are drawn with ``transformers``, save
 folder the way ``builder generate FOLDER`` loads it (``build_model`` + ``load_weights``), and
 ``transformers`` loads the saved folder with ``from_pretrained``. Both decode greedily (fp32, CPU,
 every token to ``--new-tokens``, no EOS) from the same random prompts. Ours runs twice: with
-``generate(..., compile=True)`` (the one-token step over the static KV cache of ``blocks.cache``
+``generate(..., compile=True)`` (the one-token step over the static KV cache of ``yamlformer.blocks.cache``
 compiled by ``torch.compile``, what ``builder generate --compile`` runs) and eagerly (the same
 static cache, the step run op by op: ``generate``'s default); theirs with its default
 ``DynamicCache``.
@@ -37,7 +37,6 @@ from pathlib import Path
 from machine import machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 #: the two families: transformers' config class and its fields (vocabulary as a small real model's)
 FAMILIES = {
@@ -81,9 +80,9 @@ def make_models(family: str, folder: Path, seed: int = 0):
     import torch
     import transformers
 
-    from builder import build_model
-    from builder.hf import import_hf, load_weights
-    from builder.spec.loader import load_spec
+    from yamlformer.builder import build_model
+    from yamlformer.builder.hf import import_hf, load_weights
+    from yamlformer.builder.spec.loader import load_spec
 
     model_class, config_class, fields = FAMILIES[family]
     torch.manual_seed(seed)

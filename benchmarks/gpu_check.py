@@ -12,7 +12,7 @@ gradient reduction and fp32 master weights, a sharded checkpoint at the end) on 
 standard library's source with a character vocabulary, then reports:
 
 * tokens/s at the median step time and MFU (the analytic training FLOPs per token of
-  ``builder.analysis.estimates`` over ``builder.analysis.mfu``'s dense bf16 peak for the device);
+  ``yamlformer.builder.analysis.estimates`` over ``yamlformer.builder.analysis.mfu``'s dense bf16 peak for the device);
 * ``torch.cuda.max_memory_allocated`` next to ``builder describe``'s training memory for the same
   layout, batch and sequence length (the estimate counts weights, gradients, AdamW state, FSDP's
   buffers and the saved activations; the allocator adds its own blocks and the loss's temporaries);
@@ -56,7 +56,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 if (REPO.parent / "shared" / "data").is_dir():  # a checkout's local data copies, else the download path
     os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
 
@@ -123,9 +122,9 @@ def recipe(folder: Path, args) -> Path:
 
 def estimates(path: Path, vocab_size: int, args) -> dict:
     """Parameters, training FLOPs per token and per-device training memory of the recipe's model."""
-    from builder.analysis.estimates import Step, estimate
-    from builder.analysis.layout import Layout
-    from recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.builder.analysis.estimates import Step, estimate
+    from yamlformer.builder.analysis.layout import Layout
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
 
     loaded = load_recipe(path)
     model = model_spec(loaded, path, vocab_size)
@@ -144,7 +143,7 @@ def estimates(path: Path, vocab_size: int, args) -> dict:
 def train(path: Path, cuda: bool) -> dict:
     import torch
 
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -170,7 +169,7 @@ def attention() -> list[dict]:
 
 def shipped_recipes() -> list[str]:
     """The zoo's recipes by name (``recipes/*.yaml``)."""
-    from builder.zoo import entries
+    from yamlformer.builder.zoo import entries
 
     return [e.name for e in entries().values() if e.kind == "recipe"]
 
@@ -191,12 +190,12 @@ def recipe_overrides(folder: Path, steps: int, devices: int, cpu: bool) -> dict:
 
 
 def recipe_worker(name: str, overrides: dict, result: Path) -> None:
-    """One recipe row, in its own process (a DDP row's other ranks run it too): ``recipes.training.run.run``
+    """One recipe row, in its own process (a DDP row's other ranks run it too): ``yamlformer.recipes.training.run.run``
     as ``builder train`` calls it; rank 0 writes what came of it to ``result``."""
-    from recipes.data.registry import DatasetError
-    from recipes.recipe.sections import load_recipe, recipe_path
-    from recipes.training.module import NonFiniteLossError
-    from recipes.training.run import for_this_machine, run
+    from yamlformer.recipes.data.registry import DatasetError
+    from yamlformer.recipes.recipe.sections import load_recipe, recipe_path
+    from yamlformer.recipes.training.module import NonFiniteLossError
+    from yamlformer.recipes.training.run import for_this_machine, run
 
     row: dict = {"precision": None, "steps": None, "train_loss": None, "finite": None, "tokens_per_s": None}
     try:
@@ -361,13 +360,13 @@ def main(argv=None) -> int:
         )
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from builder.analysis.mfu import peak_flops
+    from yamlformer.builder.analysis.mfu import peak_flops
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = recipe(Path(tmp), args)
         summary = train(path, cuda=not args.cpu)
-        from builder.checkpoints import peek_meta
+        from yamlformer.builder.checkpoints import peek_meta
 
         vocab = peek_meta(Path(summary["last"]))["builder"]["spec"]["vocab_size"]
         est = estimates(path, vocab, args)

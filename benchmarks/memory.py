@@ -1,7 +1,7 @@
 """Training-memory estimate against ``torch.cuda.max_memory_allocated`` (goal: within 10%).
 
 For a few specs and batch sizes this runs real training steps on one CUDA GPU under exactly the
-convention ``builder.analysis.memory`` documents: weights and gradients in the compute dtype, an fp32
+convention ``yamlformer.builder.analysis.memory`` documents: weights and gradients in the compute dtype, an fp32
 master copy of the weights and AdamW's two fp32 states (for bf16; fp32 trains its weights
 directly), the attention backend the estimate assumes (``auto``: the fused Triton kernel;
 ``eager``: explicit matrix products), and, when asked, activation checkpointing on every layer.
@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # (spec, overrides, batch, seq_len, dtype, backend, checkpointing)
 CASES = [
@@ -92,9 +91,9 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
     import torch
     import torch.nn.functional as F
 
-    from builder.analysis.estimates import estimate
-    from builder.assemble import build_model
-    from builder.spec.loader import load_spec
+    from yamlformer.builder.analysis.estimates import estimate
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.spec.loader import load_spec
 
     spec = load_spec(ROOT / spec_path, overrides)
     enc_dec = spec.architecture == "encoder-decoder"
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    from builder.analysis.report import human_bytes
+    from yamlformer.builder.analysis.report import human_bytes
 
     print(f"device: {torch.cuda.get_device_name()}")
     header = (

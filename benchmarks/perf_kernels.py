@@ -1,6 +1,6 @@
 """The performance model's kernel efficiencies, measured on one GPU at the published runs' shapes.
 
-``builder.analysis.perf`` runs every matmul at one fraction of the peak (``matmul_efficiency``,
+``yamlformer.builder.analysis.perf`` runs every matmul at one fraction of the peak (``matmul_efficiency``,
 float8 ``float8_efficiency``) and every attention kernel at another (``attention_efficiency``);
 ``benchmarks/plan_vs_published.py`` shows where that misses: the float8 runs with tensor parallel 8
 (70B, 405B) are predicted 14-24% too slow, and ring attention at 128K-256K tokens far too fast.
@@ -37,17 +37,16 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if __name__ == "__main__":
-    sys.path[0] = ROOT  # the repository, not benchmarks/ (whose tokenize.py shadows the standard library's)
-    sys.path.append(os.path.join(ROOT, "benchmarks"))  # after the standard library: attention.py's SDPA backends
+if __name__ != "__main__":
+    sys.path.append(os.path.join(ROOT, "benchmarks"))  # imported (gpu_check, tests): attention.py's SDPA backends
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from builder.analysis.calibration import CALIBRATION  # noqa: E402
-from builder.analysis.hardware import gpu  # noqa: E402
-from builder.analysis.mfu import match_device  # noqa: E402
-from builder.cli.arguments import count  # noqa: E402
+from yamlformer.builder.analysis.calibration import CALIBRATION  # noqa: E402
+from yamlformer.builder.analysis.hardware import gpu  # noqa: E402
+from yamlformer.builder.analysis.mfu import match_device  # noqa: E402
+from yamlformer.builder.cli.arguments import count  # noqa: E402
 
 #: one rank's projections of one layer: (name, tokens, in features, out features)
 LAYERS = {

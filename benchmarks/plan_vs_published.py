@@ -1,4 +1,4 @@
-"""The planner's performance model (``builder.analysis.perf``) against published measured runs.
+"""The planner's performance model (``yamlformer.builder.analysis.perf``) against published measured runs.
 
 Each row pins a layout a team published, predicts its tokens/s per GPU and memory per GPU with
 the model's one calibration (printed), and sets them next to the measured figures. Then the
@@ -23,22 +23,17 @@ Run: ``python benchmarks/plan_vs_published.py`` (prints Markdown). Torch-free, a
 from __future__ import annotations
 
 import os
-import sys
 
-# the repository root, not benchmarks/, first on the path: benchmarks/tokenize.py would shadow
-# the standard library's tokenize, which dataclasses (through inspect) imports
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if __name__ == "__main__":
-    sys.path[0] = ROOT
 
 import argparse  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from builder.analysis.hardware import gpu  # noqa: E402
-from builder.analysis.layout import Layout  # noqa: E402
-from builder.analysis.perf import CALIBRATION, Model, Run, predict  # noqa: E402
-from builder.spec.loader import load_spec  # noqa: E402
+from yamlformer.builder.analysis.hardware import gpu  # noqa: E402
+from yamlformer.builder.analysis.layout import Layout  # noqa: E402
+from yamlformer.builder.analysis.perf import CALIBRATION, Model, Run, predict  # noqa: E402
+from yamlformer.builder.spec.loader import load_spec  # noqa: E402
 
 SOURCE = (
     "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (tables 1-6, H100) and "

@@ -54,9 +54,9 @@ def variant_overrides(variant: str, steps: int) -> dict:
 
 
 def worker(recipe: str, variant: str, steps: int, settings: list[str]) -> dict:
-    from builder.spec.loader import parse_set_args
-    from recipes.recipe.sections import recipe_path
-    from recipes.training.run import run
+    from yamlformer.builder.spec.loader import parse_set_args
+    from yamlformer.recipes.recipe.sections import recipe_path
+    from yamlformer.recipes.training.run import run
 
     with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
         overrides = dict(
@@ -81,7 +81,7 @@ def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> di
     command = [sys.executable, __file__, "--worker", recipe, variant, str(steps), str(out)]
     for setting in settings:
         command += ["--set", setting]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONSAFEPATH="1")
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         raise SystemExit(f"{recipe} {variant} failed:\n{done.stdout[-4000:]}")
@@ -92,8 +92,8 @@ def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> di
 
 def auto_choice(recipe: str) -> str:
     """What ``trainer.precision: auto`` resolves to for this recipe on this machine."""
-    from recipes.recipe.sections import load_recipe, recipe_path
-    from recipes.training.run import for_this_machine
+    from yamlformer.recipes.recipe.sections import load_recipe, recipe_path
+    from yamlformer.recipes.training.run import for_this_machine
 
     path = recipe_path(recipe)
     return for_this_machine(load_recipe(path, {"trainer.precision": "auto"}), quiet=True).trainer.precision
@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     if args.worker:
         recipe, variant, steps, result = args.worker
         Path(result).write_text(json.dumps(worker(recipe, variant, int(steps), args.set)))

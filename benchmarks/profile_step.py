@@ -30,14 +30,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 VOCAB = 65  # tiny Shakespeare's characters
 
 
 def recipe_and_spec():
-    from recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
     recipe = load_recipe(recipe_file)
@@ -48,7 +47,7 @@ def build():
     import torch
     import torch.nn.functional as F
 
-    from builder import build_model
+    from yamlformer.builder import build_model
 
     recipe, spec = recipe_and_spec()
     torch.manual_seed(0)

@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from machine import emit, machine
 
@@ -43,9 +42,9 @@ def main() -> int:
     parser.add_argument("--out", help="also write the result here (JSON)")
     args = parser.parse_args()
 
-    from recipes.studies import report, scaling, store
-    from recipes.studies.schema import load_study
-    from recipes.studies.variants import axis_values, budget_axis, check
+    from yamlformer.recipes.studies import report, scaling, store
+    from yamlformer.recipes.studies.schema import load_study
+    from yamlformer.recipes.studies.variants import axis_values, budget_axis, check
 
     print(f"machine: {machine()}", flush=True)
     loaded = load_study(args.study)
@@ -117,8 +116,8 @@ def main() -> int:
 def _train_all(loaded, variants, jobs: int) -> list[dict] | None:
     """Train each variant (one per seed) as the study trains a trial, ``jobs`` at once; per seed its
     final validation loss, tokens and seconds, or None (said on stderr) when a run fails."""
-    from recipes.studies.runner import read_curve
-    from recipes.studies.variants import train_command, trial_dir
+    from yamlformer.recipes.studies.runner import read_curve
+    from yamlformer.recipes.studies.variants import train_command, trial_dir
 
     waiting, running, runs = list(enumerate(variants)), {}, {}
     while waiting or running:
@@ -161,6 +160,4 @@ def _train_all(loaded, variants, jobs: int) -> list[dict] | None:
 
 
 if __name__ == "__main__":
-    # the repository first on the path, not benchmarks/ (its tokenize.py would shadow the standard library's)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
     raise SystemExit(main())

@@ -108,10 +108,10 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from yardstick import GPT, GPTConfig, LoopConfig, train
 
-    from builder import build_model
-    from recipes.data.windows import Mixture, TrainWindows, ValWindows
-    from recipes.recipe.sections import load_recipe
-    from recipes.tasks.lm.training import corpus_and_spec
+    from yamlformer.builder import build_model
+    from yamlformer.recipes.data.windows import Mixture, TrainWindows, ValWindows
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks.lm.training import corpus_and_spec
 
     recipe = load_recipe(RECIPE, _overrides(seed, max_steps))
     t, d, opt, sched = recipe.trainer, recipe.data, recipe.optimizer, recipe.schedule
@@ -129,7 +129,7 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
             n_embd=spec.d_model,
         )
     )
-    if not own_init:  # the recipe's seeded init (recipes.training.run.training_model seeds the same way)
+    if not own_init:  # the recipe's seeded init (yamlformer.recipes.training.run.training_model seeds the same way)
         torch.manual_seed(seed)
         ours = build_model(spec).state_dict()
         model.load_state_dict(nanogpt_state(ours, spec.decoder.n_layers))
@@ -169,8 +169,8 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
 def recipe_worker(seed: int, max_steps: int | None, settings: list[str]) -> dict:
     import torch
 
-    from builder.spec.loader import parse_set_args
-    from recipes.training.run import run
+    from yamlformer.builder.spec.loader import parse_set_args
+    from yamlformer.recipes.training.run import run
 
     with tempfile.TemporaryDirectory(prefix="shakespeare-char-") as tmp:
         overrides = dict(
@@ -201,7 +201,7 @@ def run_worker(which: str, seed: int, args) -> dict:
         command += ["--threads", str(args.threads)]
     for setting in args.set:
         command += ["--set", setting]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONSAFEPATH="1")
     started = time.perf_counter()
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
@@ -246,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
 
     if args.worker:
         if args.threads:

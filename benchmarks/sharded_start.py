@@ -5,7 +5,7 @@
 
 The whole-model build is what ``builder train`` did before FSDP2: ``build_model(spec)`` in fp32
 on the CPU of every rank. The sharded start is what ``trainer.strategy: fsdp`` does now
-(``recipes.parallel.parallelize`` on a mesh): the model built on the meta device, every layer, the
+(``yamlformer.recipes.parallel.parallelize`` on a mesh): the model built on the meta device, every layer, the
 embedding and the head made ``fully_shard`` units over the ranks, and each rank drawing only its
 own rows of every parameter. Each runs in fresh processes (the sharded one under gloo); each
 reports its peak resident set size (``ru_maxrss``) and what it rose by from after the imports
@@ -58,8 +58,8 @@ def whole(spec: dict) -> dict:
     """Build the whole model in this process, as every rank did before."""
     import torch
 
-    from builder import build_model
-    from builder.spec.schema import spec_model
+    from yamlformer.builder import build_model
+    from yamlformer.builder.spec.schema import spec_model
 
     torch.set_num_threads(1)
     validated = spec_model().model_validate(spec)
@@ -83,11 +83,11 @@ def sharded(spec: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from builder import build_model
-    from builder.spec.schema import spec_model
-    from recipes.parallel import layout_of, local_bytes, parallelize
-    from recipes.parallel.mesh import device_mesh
-    from recipes.recipe.sections import TrainerSection
+    from yamlformer.builder import build_model
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.recipes.parallel import layout_of, local_bytes, parallelize
+    from yamlformer.recipes.parallel.mesh import device_mesh
+    from yamlformer.recipes.recipe.sections import TrainerSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -122,7 +122,7 @@ def sharded(spec: dict) -> dict:
 def _child(mode: str, spec: dict, out: Path, ranks: int) -> None:
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        PYTHONSAFEPATH="1",
         OMP_NUM_THREADS="1",
     )
     args = [__file__, "--worker", mode, "--spec", json.dumps(spec), "--out", str(out)]

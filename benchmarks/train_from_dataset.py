@@ -8,11 +8,8 @@ is everything between one step's end and the next one's start (that wait plus Li
 bookkeeping: an upper bound). Start-up is from the process's start to the first step's start.
 The corpus-size question is answered by the ratio of peak RSS between the datasets.
 
-    python benchmarks/tokenize.py --gb 5 --work /tmp/tokbench --keep   # makes /tmp/tokbench/ours
-    python -P benchmarks/train_from_dataset.py /tmp/tokbench/small.tok /tmp/tokbench/ours --steps 60
-
-(``-P``: this folder not first on the path, where benchmarks/tokenize.py would stand for the standard
-library's ``tokenize`` in the spawned training process.)
+    python benchmarks/tokenize_corpus.py --gb 5 --work /tmp/tokbench --keep   # makes /tmp/tokbench/ours
+    python benchmarks/train_from_dataset.py /tmp/tokbench/small.tok /tmp/tokbench/ours --steps 60
 """
 
 from __future__ import annotations
@@ -44,8 +41,8 @@ def tree_rss(pid: int) -> int:
 def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
     import lightning as L
 
-    from builder.spec.loader import parse_set_args
-    from recipes.training.run import run
+    from yamlformer.builder.spec.loader import parse_set_args
+    from yamlformer.recipes.training.run import run
 
     times: dict = {"ends": [], "starts": [], "first": None}
 
@@ -58,15 +55,15 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             times["ends"].append(time.perf_counter())
 
-    import recipes.training.run
+    import yamlformer.recipes.training.run
 
-    made = recipes.training.run.run_trainer
+    made = yamlformer.recipes.training.run.run_trainer
 
     def with_clock(recipe, recipe_file, spec, out, callbacks, ckpt):
         return made(recipe, recipe_file, spec, out, [Clock(), *callbacks], ckpt)
 
-    recipes.training.run.run_trainer = with_clock
-    prepared = recipes.training.run.prepare
+    yamlformer.recipes.training.run.run_trainer = with_clock
+    prepared = yamlformer.recipes.training.run.prepare
 
     def timed_prepare(*args, **kwargs):  # opening the corpus: manifests, checksums, memory maps
         began = time.perf_counter()
@@ -75,7 +72,7 @@ def worker(dataset: str, steps: int, settings: list[str], queue) -> None:
         finally:
             times["open_s"] = time.perf_counter() - began
 
-    recipes.training.run.prepare = timed_prepare
+    yamlformer.recipes.training.run.prepare = timed_prepare
     from torch.utils.data import dataloader
 
     fetches: list[float] = []
@@ -150,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    sys.path.append(str(REPO / "benchmarks"))  # after the standard library: benchmarks/tokenize.py is a script
+    sys.path.append(str(REPO / "benchmarks"))  # imported by a test as well as run as a script
     from machine import emit, machine
 
     rows = [measure(d, args.steps, args.set) for d in args.datasets]

@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 # the data comes through the dataset registry (recipes/data/registry.py): BUILDER_DATA, else a checkout's
 # local copy at ../shared/data when there is one, else downloaded once into the user cache
 if (REPO.parent / "shared" / "data").is_dir():
@@ -49,7 +48,7 @@ if (REPO.parent / "shared" / "data").is_dir():
 def make_clock(minutes: float, eval_every: float, sources: list[str], references: list[str]):
     import lightning as L
 
-    from recipes.tasks.translation.training import score, tokenizer_of, translate
+    from yamlformer.recipes.tasks.translation.training import score, tokenizer_of, translate
 
     class TrainingClock(L.Callback):
         """Stops after ``minutes`` of training; every ``eval_every`` minutes, greedy BLEU (untimed)."""
@@ -102,13 +101,13 @@ def _throughput_overrides(steps: int, out: Path) -> dict:
 
 def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
     """One side of ``--side-by-side``, in this process."""
-    from recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.recipe.sections import load_recipe
 
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     with tempfile.TemporaryDirectory(prefix="translate-throughput-") as tmp:
         recipe = load_recipe(recipe_file, {**_throughput_overrides(steps, Path(tmp) / "run"), **overrides})
         if which == "recipe":
-            from recipes.training.run import train_recipe
+            from yamlformer.recipes.training.run import train_recipe
 
             summary = train_recipe(recipe, recipe_file, fresh=True)
             return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"]}
@@ -117,7 +116,7 @@ def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from yardstick_seq2seq import Seq2Seq, train
 
-        from recipes.tasks.translation.training import prepare
+        from yamlformer.recipes.tasks.translation.training import prepare
 
         prepared = prepare(recipe, recipe_file)
         spec, opt = prepared.spec, recipe.optimizer
@@ -214,7 +213,7 @@ def main() -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    from builder.spec.loader import parse_set_args
+    from yamlformer.builder.spec.loader import parse_set_args
 
     if args.worker:
         result = throughput_worker(args.worker, args.steps, parse_set_args(args.overrides))
@@ -222,9 +221,9 @@ def main() -> int:
         return 0
     if args.side_by_side:
         return side_by_side(args, parse_set_args(args.overrides))
-    from recipes.recipe.sections import load_recipe
-    from recipes.tasks.translation.training import validation_pairs
-    from recipes.training.run import train_recipe
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks.translation.training import validation_pairs
+    from yamlformer.recipes.training.run import train_recipe
 
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="translate-multi30k-"))

@@ -1,3 +1,3 @@
-"""Registered PyTorch blocks. ``blocks.configs`` holds their torch-free configs and counts."""
+"""Registered PyTorch blocks. ``yamlformer.blocks.configs`` holds their torch-free configs and counts."""
 
-__project__ = "transformer-builder"  # checked by builder.packages: this name is ours
+__project__ = "yamlformer"  # checked by yamlformer.builder.packages: this name is ours

@@ -1,8 +1,8 @@
 """Multi-head attention (MHA, GQA, MQA), self- or cross-attention, with every score option;
 and the module protocol every attention block follows.
 
-The protocol (what ``blocks.layers``, ``blocks.stacks`` and ``blocks.generation`` ask of an
-attention module):
+The protocol (what ``yamlformer.blocks.layers``, ``yamlformer.blocks.stacks`` and
+``yamlformer.blocks.generation`` ask of an attention module):
 
 * ``forward(x, inputs, cache=None, memory=None) -> (batch, seq_q, d_model)``: ``inputs`` is the
   stack's :class:`AttentionInputs` (positions, padding, the position block's hooks), ``cache``
@@ -11,7 +11,7 @@ attention module):
 * ``n_heads``: query heads (the stack precomputes score biases for them);
 * ``new_cache(batch, max_tokens, dtype, device)``: an object with ``reorder(index)``,
   ``advance(n)`` and ``nbytes()``, whose bytes equal the config's ``kv_cache(d_model, cross)``
-  layout (``blocks.cache.TensorCache`` / ``MemoryCache`` do this for any layout);
+  layout (``yamlformer.blocks.cache.TensorCache`` / ``MemoryCache`` do this for any layout);
 * ``static_decode = True`` (optional): ``forward`` honours ``inputs.index``, the static
   decoding step (it passes ``index=inputs.index`` to ``TensorCache.update`` and masks by the
   slots' token indices, ``inputs.bias`` / ``inputs.token_index``). ``generate`` decodes a stack
@@ -19,17 +19,17 @@ attention module):
   feeds each token through the ordinary forward.
 * ``document_masking = True`` (optional): ``forward`` honours ``inputs.document_ids`` (several
   documents packed in one row: no query sees another document's keys), by passing it to
-  ``kernels.attention`` as ``document_ids``. A stack given ``document_ids`` refuses a layer whose
+  ``yamlformer.kernels.attention`` as ``document_ids``. A stack given ``document_ids`` refuses a layer whose
   attention does not declare it, rather than let its queries read across documents.
 * ``use_context_parallel(group)`` (optional): attend over a sequence split between the ranks
   of ``group``, each holding the tokens ``AttentionInputs.query_index`` names
-  (``recipes.parallel.context``); context parallelism refuses a model whose attention lacks it.
+  (``yamlformer.recipes.parallel.context``); context parallelism refuses a model whose attention lacks it.
 
 Projections here are separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear
-layers (Hugging Face's names). The scores go through ``kernels.attention`` with the backend
+layers (Hugging Face's names). The scores go through ``yamlformer.kernels.attention`` with the backend
 chosen per model (``eager`` | ``sdpa`` | ``triton`` | ``auto``).
 
-The per-layer options of ``multi_head`` (``blocks.configs.attention``), in the order the
+The per-layer options of ``multi_head`` (``yamlformer.blocks.configs.attention``), in the order the
 forward applies them: ``qk_norm`` on q and k (``q_norm`` / ``k_norm``, Hugging Face's names; per
 head or over the whole projection), the rotation (none on a ``rope: false`` layer; at the
 layer's own ``rope_theta`` through the position block's hook), ``temperature_tuning``'s factor
@@ -46,9 +46,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blocks.cache import MemoryCache, TensorCache
-from blocks.tensor_parallel import shared
-from kernels import attention as attention_kernel
+from yamlformer.blocks.cache import MemoryCache, TensorCache
+from yamlformer.blocks.tensor_parallel import shared
+from yamlformer.kernels import attention as attention_kernel
 
 
 class AttentionInputs:
@@ -60,14 +60,14 @@ class AttentionInputs:
         positions: ``(batch, seq_q)`` position ids (differ from indices under left padding).
         key_mask: ``(batch, n_keys)`` bool, True for real tokens, by token index; None: no padding.
         position: the stack's position module when it acts in attention (its ``rotate``,
-            ``alibi_slopes`` and ``score_bias`` hooks, see ``blocks.positions``), else None.
+            ``alibi_slopes`` and ``score_bias`` hooks, see ``yamlformer.blocks.positions``), else None.
         index: the static decoding step's ``(1,)`` long token index of its one query (then
             ``start`` is unused and ``key_mask`` covers every token the cache was allocated
             for): a cache writes at it and returns whole buffers with each slot's token index
-            (``blocks.cache``), which :meth:`bias` and :meth:`token_index` take instead of ``first``.
+            (``yamlformer.blocks.cache``), which :meth:`bias` and :meth:`token_index` take instead of ``first``.
         document_ids: ``(batch, seq_q)`` integer document of each token, non-decreasing along a
             row (the stack's ``document_ids``; ``positions`` then restart at each document): a
-            self-attention without cached keys passes it to ``kernels.attention``, which masks
+            self-attention without cached keys passes it to ``yamlformer.kernels.attention``, which masks
             every score across documents. None: one document per row.
         query_index: ``(seq_q,)`` long index of each query in the whole sequence, when these are
             a context-parallel rank's share of it (``positions`` are then those indices); a
@@ -113,12 +113,12 @@ class AttentionInputs:
         return self.position.score_scale() if self.position is not None else 1.0
 
     def token_index(self, keys) -> tuple | None:
-        """``kernels.attention``'s ``token_index`` for keys a static cache returned (their slots'
+        """``yamlformer.kernels.attention``'s ``token_index`` for keys a static cache returned (their slots'
         token indices, a tensor); None for keys in token order (``first``, an int)."""
         return (self.index, keys) if isinstance(keys, torch.Tensor) else None
 
     def context_index(self, group) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kernels.attention``'s ``token_index`` for this rank's queries and the keys of every
+        """``yamlformer.kernels.attention``'s ``token_index`` for this rank's queries and the keys of every
         rank of the context-parallel ``group`` gathered in rank order: ``(query_index, the
         group's query indices concatenated)``, gathered once per forward."""
         if "context" not in self._bias_memo:

@@ -1,7 +1,7 @@
 """One way to build any registered block: ``build_block(config, dims, **extra)``; and one way to
 build a layer of blocks: ``build_layer(layer, dims, layer_index=..., n_layers=..., ...)``.
 
-The module class comes from the registry (``blocks.registry.module_class(config)``, the
+The module class comes from the registry (``yamlformer.blocks.registry.module_class(config)``, the
 config's ``module_path``). Its constructor takes the config first and then only the dimensions
 it needs, by name (``MLP(config, d_model)``, ``Learned(config, d_model, max_seq_len)``);
 ``build_block`` fills each from ``extra`` (per-call arguments such as ``causal`` or
@@ -19,8 +19,8 @@ import inspect
 
 from torch import nn
 
-from blocks import registry
-from blocks.layers import TransformerLayer
+from yamlformer.blocks import registry
+from yamlformer.blocks.layers import TransformerLayer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def build_layer(
     cross: bool = False,
     backend: str = "auto",
 ) -> TransformerLayer:
-    """The ``TransformerLayer`` of a ``blocks.configs.layer.LayerConfig``: its self-attention,
+    """The ``TransformerLayer`` of a ``yamlformer.blocks.configs.layer.LayerConfig``: its self-attention,
     cross-attention (``cross``), FFN and norms, each told its place."""
     place = {"layer_index": layer_index, "n_layers": n_layers}
     attention = build_block(layer.attention, dims, causal=causal, cross=False, backend=backend, **place)

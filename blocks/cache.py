@@ -1,6 +1,6 @@
 """Decoding caches: what an attention module's ``new_cache`` returns, and one cache per stack.
 
-* :class:`TensorCache` holds the tensors a :class:`~blocks.configs.base.CacheLayout` names
+* :class:`TensorCache` holds the tensors a :class:`~yamlformer.blocks.configs.base.CacheLayout` names
   (multi-head attention: ``k`` and ``v``; a latent attention: its compressed vector and rotary
   key), each ``(batch, heads, capacity, width)``, preallocated for ``capacity`` positions
   (``min(max_tokens, window)``). A windowed layer whose capacity is the window keeps a ring
@@ -13,7 +13,7 @@
     decoding step) writes slot ``t % capacity`` with ``index_copy_`` and returns every buffer
     whole with :func:`slot_tokens` (which token each slot holds, -1 for an empty one). No shape
     depends on ``t``, so one compiled step (``torch.compile``, static shapes) serves every
-    position; the attention masks by those token indices (``kernels.attention``'s
+    position; the attention masks by those token indices (``yamlformer.kernels.attention``'s
     ``token_index``). The caller then calls ``advance(1)`` (outside the compiled step).
 * :class:`MemoryCache` holds what a cross-attention projects once from the encoder output.
 * :class:`KVCache` is one mapping per layer (sub-layer name -> its cache) built by each
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from blocks.configs.base import CacheLayout
+from yamlformer.blocks.configs.base import CacheLayout
 
 
 def slot_tokens(index: torch.Tensor, capacity: int) -> torch.Tensor:

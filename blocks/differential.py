@@ -1,11 +1,11 @@
 """Differential attention (Ye et al. 2024, arXiv:2410.05258), following the attention module
-protocol of ``blocks.attention``; the fields, counts and the paper's rule are in
-``blocks.configs.differential``.
+protocol of ``yamlformer.blocks.attention``; the fields, counts and the paper's rule are in
+``yamlformer.blocks.configs.differential``.
 
 The query and key projections hold ``2 * n_heads`` and ``2 * n_kv_heads`` half-heads of
 ``head_dim``, the two halves of head ``h`` side by side (half-heads ``2h`` and ``2h + 1``, as the
 paper's code lays them out); the value projection ``n_kv_heads`` heads of ``2 * head_dim``. The
-position block rotates every half-head as a head. The two maps are two ``kernels.attention``
+position block rotates every half-head as a head. The two maps are two ``yamlformer.kernels.attention``
 calls over the same values, ``A1 V - lambda * A2 V`` being ``(A1 - lambda * A2) V``, so every
 backend, mask, the KV cache (both key halves cached as ``2 * n_kv_heads`` heads) and the static
 decoding step work as they do for ``multi_head``.
@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blocks.cache import TensorCache
-from blocks.configs.differential import LAMBDAS
-from blocks.tensor_parallel import shared
-from kernels import attention as attention_kernel
+from yamlformer.blocks.cache import TensorCache
+from yamlformer.blocks.configs.differential import LAMBDAS
+from yamlformer.blocks.tensor_parallel import shared
+from yamlformer.kernels import attention as attention_kernel
 
 #: the paper's initial spread of the lambda vectors (its code: normal(0, 0.1))
 LAMBDA_STD = 0.1
@@ -34,7 +34,7 @@ LAMBDA_STD = 0.1
 class DifferentialAttention(nn.Module):
     """Differential attention as a causal (or bidirectional) self-attention; see the module doc."""
 
-    static_decode = True  # honours AttentionInputs.index (blocks.attention's protocol)
+    static_decode = True  # honours AttentionInputs.index (yamlformer.blocks.attention's protocol)
     document_masking = True  # honours AttentionInputs.document_ids (the same protocol)
 
     def __init__(
@@ -135,6 +135,6 @@ class _HeadNormWeight(nn.Module):
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the last dim in fp32 (as ``blocks.norms.RMSNorm``), with a weight passed in."""
+    """RMS norm over the last dim in fp32 (as ``yamlformer.blocks.norms.RMSNorm``), with a weight passed in."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)

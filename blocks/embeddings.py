@@ -31,7 +31,7 @@ class Embeddings(nn.Module):
         super().__init__()
         if scale not in ("none", "sqrt_d"):
             raise ValueError(f"embedding scale must be none or sqrt_d, got {scale!r}")
-        # Uninitialised tables (blocks.init fills them): nn.Embedding's own normal_ init would
+        # Uninitialised tables (yamlformer.blocks.init fills them): nn.Embedding's own normal_ init would
         # cost a second on the meta device, the first time a process runs it there.
         self.tokens = _table(vocab_size, d_model)
         self.segments = _table(segments, d_model) if segments else None

@@ -1,4 +1,4 @@
-"""What the mixture-of-experts blocks (``moe`` and ``deepseek_moe``, :mod:`blocks.ffn`) share: stacked
+"""What the mixture-of-experts blocks (``moe`` and ``deepseek_moe``, :mod:`yamlformer.blocks.ffn`) share: stacked
 expert weights, grouped matmuls over them, and the token dispatch to the experts, on one process or
 over an expert-parallel group (torch's differentiable all-to-all).
 
@@ -99,14 +99,14 @@ class StackedLinear(nn.Linear):
     """``n`` linear layers of one shape as one ``(n, out_features, in_features)`` weight (and
     ``(n, out_features)`` bias): ``forward(rows, counts)`` is :func:`grouped_linear` over the layers
     this rank holds (all, unless expert parallelism split them: a DTensor's local rows). An
-    ``nn.Linear``, so ``blocks.init`` initialises it as any linear layer of its name (a ``down_proj``
+    ``nn.Linear``, so ``yamlformer.blocks.init`` initialises it as any linear layer of its name (a ``down_proj``
     as a residual projection); one tensor instead of ``n`` modules builds a 256-expert layer at once
     and shards as one tensor."""
 
     def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
         nn.Module.__init__(self)  # nn.Linear's own __init__ would draw a 2-D weight
         self.in_features, self.out_features, self.n = in_features, out_features, n
-        bound = in_features**-0.5  # nn.Linear's default draw, until blocks.init runs
+        bound = in_features**-0.5  # nn.Linear's default draw, until yamlformer.blocks.init runs
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
 

@@ -4,7 +4,7 @@ Projection names follow Hugging Face's Llama/Mixtral (``gate_proj``, ``up_proj``
 ``down_proj``; the MoE router is ``router``, DeepSeekMoE's always-on experts ``shared_experts``),
 so an importer maps weights by name. The MLP has
 ``up_proj`` and ``down_proj`` only. ``down_proj`` is the residual projection that
-``blocks.init`` scales GPT-2 style.
+``yamlformer.blocks.init`` scales GPT-2 style.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blocks import registry
-from blocks.experts import SplitsExperts, StackedLinear, balance_statistics, dispatch
+from yamlformer.blocks import registry
+from yamlformer.blocks.experts import SplitsExperts, StackedLinear, balance_statistics, dispatch
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -36,7 +36,7 @@ def activation(name: str):
 class Linear(nn.Linear):
     """``nn.Linear`` that draws no default values on the meta device, where there are none to
     draw (a meta build of 128 experts x 48 layers otherwise spends seconds in meta ``uniform_``);
-    elsewhere nn.Linear's draw, until ``blocks.init`` runs."""
+    elsewhere nn.Linear's draw, until ``yamlformer.blocks.init`` runs."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -74,14 +74,14 @@ class GLU(nn.Module):
 
 class GroupedExperts(nn.Module):
     """``n`` experts of one ``mlp`` or ``glu`` config with stacked weights (``gate_proj``,
-    ``up_proj``, ``down_proj``, each a :class:`~blocks.experts.StackedLinear`: ``gate_proj.weight``
+    ``up_proj``, ``down_proj``, each a :class:`~yamlformer.blocks.experts.StackedLinear`: ``gate_proj.weight``
     is ``(n, hidden, d_model)``); ``forward(rows, counts)`` runs the first ``counts[0]`` rows
     through expert 0, the next ``counts[1]`` through expert 1..., each computing exactly what
     :class:`MLP` or :class:`GLU` computes. With ``clamp``, GPT-OSS's clamped SwiGLU: ``gate =
     min(gate_proj(x), limit)``, ``up = clamp(up_proj(x), -limit, limit)``, ``down_proj((up + 1) *
     gate * sigmoid(alpha * gate))`` (Hugging Face's ``GptOssExperts._apply_gate``, on separate gate
     and up projections). Each projection is one grouped matmul where torch has one for the
-    rows' device and dtype (:func:`~blocks.experts.grouped_linear`; ``grouped_mm = False`` keeps
+    rows' device and dtype (:func:`~yamlformer.blocks.experts.grouped_linear`; ``grouped_mm = False`` keeps
     the per-expert loop)."""
 
     def __init__(self, config, d_model: int, n: int, clamp=None):
@@ -126,7 +126,7 @@ class MoE(SplitsExperts, nn.Module):
     The router (a linear layer) scores every expert; each token goes to its ``top_k`` experts
     with gates softmax-normalised over the chosen logits (equal to Mixtral's softmax over all
     experts, top-k, renormalise). Tokens are sorted by expert and each expert multiplies only
-    its own rows (:func:`~blocks.experts.dispatch`), so the expert matmuls cover exactly
+    its own rows (:func:`~yamlformer.blocks.experts.dispatch`), so the expert matmuls cover exactly
     ``top_k * tokens`` rows. The experts' weights are stacked (:class:`GroupedExperts`:
     ``experts.gate_proj.weight`` is ``(n_experts, hidden, d_model)``), as in torchtitan and
     transformers 5; the importers stack Hugging Face's per-expert or fused tensors.
@@ -140,7 +140,7 @@ class MoE(SplitsExperts, nn.Module):
 
     GPT-OSS: ``router_bias`` gives the router a bias, ``expert_bias`` the experts' projections
     theirs, and ``clamp`` makes each expert GPT-OSS's clamped SwiGLU. Expert parallelism splits
-    the stacked experts (:class:`~blocks.experts.SplitsExperts`); the router stays whole.
+    the stacked experts (:class:`~yamlformer.blocks.experts.SplitsExperts`); the router stays whole.
     """
 
     def __init__(self, config, d_model: int):
@@ -148,7 +148,7 @@ class MoE(SplitsExperts, nn.Module):
         self.n_experts = config.n_experts
         self.top_k = config.top_k
         self.router = nn.Linear(d_model, config.n_experts, bias=config.router_bias)
-        # with expert_bias the expert's bias is on (blocks.configs.ffn)
+        # with expert_bias the expert's bias is on (yamlformer.blocks.configs.ffn)
         self.experts = GroupedExperts(config.expert, d_model, config.n_experts, config.clamp)
         self.aux_loss: torch.Tensor | None = None
 

@@ -4,19 +4,19 @@ Allocation policy (what :meth:`KVCache.nbytes` reports and what ``generate`` all
 decoding batch of ``B`` rows (``batch * num_beams``), a prompt of ``P`` tokens (the decoder
 prompt for an encoder-decoder) and ``N = max_new_tokens``, every layer of the decoding stack
 holds what its attention's config declares (``kv_cache(d_model)``, a
-``blocks.configs.base.CacheLayout``): ``B * min(P + N, window) * bytes_per_token``, in the
+``yamlformer.blocks.configs.base.CacheLayout``): ``B * min(P + N, window) * bytes_per_token``, in the
 model's dtype. Multi-head attention's bytes per token are ``2 * n_kv_heads * head_dim *
 itemsize`` (keys and values); a windowed layer whose capacity is the window keeps a ring buffer.
 A cross-attending layer adds its cross-attention's layout over the ``S`` source tokens,
-projected once from the encoder output. ``builder.analysis.memory.kv_cache_bytes`` sums the same
-layouts, so ``describe`` and ``generate`` agree to the byte (see ``blocks.cache``).
+projected once from the encoder output. ``yamlformer.builder.analysis.memory.kv_cache_bytes`` sums the same
+layouts, so ``describe`` and ``generate`` agree to the byte (see ``yamlformer.blocks.cache``).
 
 Steps: the prompt is fed at once (the prefill, the model's forward), then each new token is one
 static step (``TransformerStack.step``) whose shapes never change: it writes its cache slot at a
 position tensor and attends over whole buffers under masks built from each slot's token index.
 ``compile=True`` runs that step as one ``torch.compile`` graph (compiled once per model, batch
 and cache size). A stack with an attention block that does not declare ``static_decode``
-(``blocks.attention``'s protocol) feeds each token through the forward instead.
+(``yamlformer.blocks.attention``'s protocol) feeds each token through the forward instead.
 
 ``generate`` semantics (mirroring Hugging Face): greedy unless sampling is asked for.
 ``do_sample=None`` (the default) samples exactly when ``temperature`` (other than 0),
@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from blocks.cache import KVCache
+from yamlformer.blocks.cache import KVCache
 
 
 class _DecodeState:

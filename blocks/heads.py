@@ -1,7 +1,7 @@
 """Output heads: language model, BERT masked LM, sequence classification, none; and the head
 protocol every head follows.
 
-The protocol (what the architectures in ``blocks.stacks`` ask of a head):
+The protocol (what the architectures in ``yamlformer.blocks.stacks`` ask of a head):
 
 * ``forward(hidden, attention_mask=None, context=None) -> HeadOutput``: ``hidden`` the final
   hidden states ``(batch, seq, d_model)`` of the stack that feeds the head, ``attention_mask``
@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from blocks.ffn import activation
-from blocks.norms import LayerNorm
+from yamlformer.blocks.ffn import activation
+from yamlformer.blocks.norms import LayerNorm
 
 
 class HeadOutput(NamedTuple):
@@ -43,9 +43,9 @@ class HeadContext:
     """What a head is given beside the hidden states, on a forward without a KV cache.
 
     ``input_ids`` ``(batch, seq)``: the tokens of the stack that feeds the head; ``embedding``:
-    that stack's ``blocks.embeddings.Embeddings`` (call it, ``embedding(ids)``, for a shared
+    that stack's ``yamlformer.blocks.embeddings.Embeddings`` (call it, ``embedding(ids)``, for a shared
     embedding: its own parameters stay where they are); ``inputs``: the stack's
-    ``blocks.attention.AttentionInputs`` of this forward (positions, padding, packed documents,
+    ``yamlformer.blocks.attention.AttentionInputs`` of this forward (positions, padding, packed documents,
     the position block's hooks), for a layer the head runs over the same positions."""
 
     input_ids: torch.Tensor

@@ -88,7 +88,7 @@ class TransformerLayer(nn.Module):
 
     def static_decode(self) -> str | None:
         """None when every attention sub-layer declares ``static_decode`` (it honours the static
-        decoding step, ``blocks.cache``); else the class name of the first that does not."""
+        decoding step, ``yamlformer.blocks.cache``); else the class name of the first that does not."""
         for module in (self.attention, self.cross_attention):
             if module is not None and not getattr(module, "static_decode", False):
                 return type(module).__name__
@@ -96,7 +96,7 @@ class TransformerLayer(nn.Module):
 
     def document_masking(self) -> str | None:
         """None when every attention sub-layer declares ``document_masking`` (it keeps a packed
-        row's documents apart, ``blocks.attention``'s protocol); else the class name of the first
+        row's documents apart, ``yamlformer.blocks.attention``'s protocol); else the class name of the first
         that does not."""
         for module in (self.attention, self.cross_attention):
             if module is not None and not getattr(module, "document_masking", False):

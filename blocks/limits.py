@@ -4,7 +4,7 @@ Each is far above any model trained so far (noted beside it), so no real spec me
 exist so that a typo or a hostile value (``n_layers: 1000000000``, ``d_model: 10**30``) is a
 located error at once instead of an estimate that runs for hours or a build that exhausts memory.
 Schema fields state them as ``Field(le=...)``, so the JSON Schema carries them too; command-line
-options use the same numbers (``builder.cli.arguments``).
+options use the same numbers (``yamlformer.builder.cli.arguments``).
 """
 
 from __future__ import annotations

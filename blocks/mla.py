@@ -1,10 +1,10 @@
 """Multi-head latent attention (DeepSeek-V2/V3), following the attention module protocol of
-``blocks.attention``; the fields and counts are in ``blocks.configs.mla``.
+``yamlformer.blocks.attention``; the fields and counts are in ``yamlformer.blocks.configs.mla``.
 
 Two ways through the same weights:
 
 * **Without a cache** (training, a full forward): the latent is expanded by ``kv_b_proj`` into
-  every head's key and value, and ``kernels.attention`` scores ``qk_nope + qk_rope``-wide heads
+  every head's key and value, and ``yamlformer.kernels.attention`` scores ``qk_nope + qk_rope``-wide heads
   and mixes ``v_head_dim``-wide values (DeepSeek's "naive" path; what the FLOP count counts).
 * **With a cache** (decoding): the cache holds ``[normalised latent | rotated shared key]``
   per token, one ``kv_lora_rank + qk_rope_head_dim`` vector, and is never expanded. The key
@@ -19,7 +19,7 @@ built for ``triton``; smaller latents (tests, small models) stay on Triton. Trai
 (192-wide scores, 128-wide values) run on every backend.
 
 Weight names are Hugging Face's (``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``...),
-except ``out_proj`` (their ``o_proj``), the residual projection ``blocks.init`` scales.
+except ``out_proj`` (their ``o_proj``), the residual projection ``yamlformer.blocks.init`` scales.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blocks.cache import TensorCache
-from blocks.norms import RMSNorm
-from kernels import attention as attention_kernel
-from kernels.attention import MAX_TRITON_HEAD_DIM
+from yamlformer.blocks.cache import TensorCache
+from yamlformer.blocks.norms import RMSNorm
+from yamlformer.kernels import attention as attention_kernel
+from yamlformer.kernels.attention import MAX_TRITON_HEAD_DIM
 
 
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek's MLA as a causal (or bidirectional) self-attention; see the module doc."""
 
-    static_decode = True  # honours AttentionInputs.index (blocks.attention's protocol)
+    static_decode = True  # honours AttentionInputs.index (yamlformer.blocks.attention's protocol)
     document_masking = True  # honours AttentionInputs.document_ids (the same protocol)
 
     def __init__(self, config, d_model: int, causal: bool = False, cross: bool = False, backend: str = "auto"):

@@ -1,6 +1,6 @@
 """Multi-token prediction (DeepSeek-V3, arXiv:2412.19437, section 2.2) as a head, following the
-head protocol of ``blocks.heads``; the fields, counts and the loss's definition are in
-``blocks.configs.mtp``.
+head protocol of ``yamlformer.blocks.heads``; the fields, counts and the loss's definition are in
+``yamlformer.blocks.configs.mtp``.
 
 ``forward(hidden, attention_mask, context)`` returns the main prediction's logits and, given a
 context (a forward without a KV cache), ``{"mtp": loss}``: each module ``k`` (``mtp.{k-1}``) reads
@@ -12,7 +12,7 @@ beyond the window, so they take no part in the loss. A cached forward (decoding)
 prediction alone.
 
 Names: ``proj`` (the shared output projection, tied to the embedding when the spec ties it),
-``mtp.{k}.enorm``, ``.hnorm``, ``.eh_proj``, ``.layer`` (a ``blocks.layers.TransformerLayer``)
+``mtp.{k}.enorm``, ``.hnorm``, ``.eh_proj``, ``.layer`` (a ``yamlformer.blocks.layers.TransformerLayer``)
 and ``.norm`` (Hugging Face's ``shared_head.norm``).
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blocks.build import Dims, build_block, build_layer
-from blocks.heads import HeadOutput, vocab_projection
+from yamlformer.blocks.build import Dims, build_block, build_layer
+from yamlformer.blocks.heads import HeadOutput, vocab_projection
 
 #: a target that takes no part in the loss (PyTorch's default ignore_index)
 IGNORE = -100

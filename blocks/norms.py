@@ -1,7 +1,7 @@
 """Norms: LayerNorm (with or without bias) and RMSNorm (with Gemma's unit offset).
 
 Where a layer places its norms (``pre``, ``post``, ``sandwich``) is decided in
-``blocks.layers``; a norm module only normalises. Both compute in fp32 and return the input's
+``yamlformer.blocks.layers``; a norm module only normalises. Both compute in fp32 and return the input's
 dtype, as Hugging Face's Llama and T5 norms do.
 """
 

@@ -6,7 +6,7 @@ Two kinds, by where they act (``config.acts_on``):
   tensor that the stack adds to the token embeddings, from ``positions`` ``(batch, seq)``
   (``(1, seq)`` when every row has the same positions: the sum broadcasts it).
 * ``attention``: the stack hands the block to every self-attention layer (through
-  ``blocks.attention.AttentionInputs``), which calls its hooks, each a no-op in
+  ``yamlformer.blocks.attention.AttentionInputs``), which calls its hooks, each a no-op in
   :class:`PositionModule`: ``rotate(q, k, positions)`` (:class:`Rope` rotates the rotary part
   of each head), ``alibi_slopes(n_heads, device)`` (:class:`Alibi`'s per-head slopes for the
   attention kernel) and ``score_bias(query_index, key_index, n_heads)`` (:class:`RelativeBias`'s
@@ -32,7 +32,7 @@ import math
 import torch
 from torch import nn
 
-from kernels.attention import document_starts
+from yamlformer.kernels.attention import document_starts
 
 
 class PositionModule(nn.Module):

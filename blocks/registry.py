@@ -3,10 +3,10 @@
 This module is torch-free on purpose. A config class (pydantic) describes one block, counts its
 own parameters and FLOPs, and names the ``nn.Module`` that builds it by import path, so
 validating and sizing a spec never imports torch. A config subclasses its kind's contract
-(``blocks.configs.base.KIND_BASES``: what generic code may ask of it) and implements every
+(``yamlformer.blocks.configs.base.KIND_BASES``: what generic code may ask of it) and implements every
 abstract method; :func:`register` refuses one that does not. Blocks register with :func:`register`;
-user packages add theirs through the ``builder.blocks`` entry-point group or ``--plugin``
-(see ``builder.spec.plugins``), and they become part of the schema automatically.
+user packages add theirs through the ``yamlformer.blocks`` entry-point group or ``--plugin``
+(see ``yamlformer.builder.spec.plugins``), and they become part of the schema automatically.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def register(kind: str, module: str):
 
 
 def _check_contract(kind: str, cls) -> None:
-    from blocks.configs.base import KIND_BASES
+    from yamlformer.blocks.configs.base import KIND_BASES
 
     base = KIND_BASES[kind]
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise RegistryError(
-            f"{getattr(cls, '__qualname__', cls)} must subclass blocks.configs.base.{base.__name__} "
+            f"{getattr(cls, '__qualname__', cls)} must subclass yamlformer.blocks.configs.base.{base.__name__} "
             f"to be registered as a {kind} block"
         )
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
@@ -107,4 +107,4 @@ def version() -> int:
 
 def _ensure_builtins() -> None:
     # Importing the config modules runs their @register decorators (torch-free).
-    importlib.import_module("blocks.configs")
+    importlib.import_module("yamlformer.blocks.configs")

@@ -19,7 +19,7 @@ Auxiliary training losses go through one channel, :meth:`_Model.aux_losses` afte
 head's (returned with its logits, already weighted by their spec fields: multi-token prediction)
 and, under :data:`MOE_BALANCE`, every block's load-balancing loss summed, times the weight a
 recipe gives (its ``loss.moe_aux_coef``). A forward without a KV cache gives the head a
-``blocks.heads.HeadContext`` (the input ids, the stack's embedding and attention inputs); a cached
+``yamlformer.blocks.heads.HeadContext`` (the input ids, the stack's embedding and attention inputs); a cached
 forward (decoding) gives none, and the head computes its logits only.
 
 Position ids are ``cumsum(attention_mask) - 1`` when a mask is given (a left-padded sequence
@@ -29,9 +29,9 @@ Packed documents: ``document_ids`` ``(batch, seq)``, the document of each token 
 non-decreasing along the row (``[0, 0, 0, 1, 1, 2, 2, 2]``), makes each document of a packed row
 what it is alone: no query attends across documents (causally in a causal stack, both ways in
 an encoder; a sliding window still applies inside a document) and positions restart at 0 at
-each document's first token (``blocks.positions.document_positions``), for every position
+each document's first token (``yamlformer.blocks.positions.document_positions``), for every position
 block. Every attention block of the stack must declare ``document_masking``
-(``blocks.attention``'s protocol). It is refused with a KV cache, with ``attention_mask`` (give
+(``yamlformer.blocks.attention``'s protocol). It is refused with a KV cache, with ``attention_mask`` (give
 padding a document of its own instead) and in an encoder-decoder. A pooling head
 (classification) still pools the whole row.
 """
@@ -41,10 +41,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blocks.attention import AttentionInputs
-from blocks.generation import GenerationMixin
-from blocks.heads import HeadContext, HeadOutput
-from blocks.positions import document_positions
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.generation import GenerationMixin
+from yamlformer.blocks.heads import HeadContext, HeadOutput
+from yamlformer.blocks.positions import document_positions
 
 #: the key of the blocks' load-balancing losses in :meth:`_Model.aux_losses` (their sum, weighted there)
 MOE_BALANCE = "moe_balance"
@@ -142,14 +142,14 @@ class TransformerStack(nn.Module):
         """Hidden states ``(batch, seq, d_model)`` of ``input_ids`` ``(batch, seq)``, and the
         ``AttentionInputs`` its layers were given (a head runs its own layers over them).
 
-        With a ``cache`` (``blocks.generation.KVCache``) the ids are the tokens after the cached
+        With a ``cache`` (``yamlformer.blocks.generation.KVCache``) the ids are the tokens after the cached
         ones and ``attention_mask`` covers the cached and the new tokens. ``document_ids``
         ``(batch, seq)``: the documents packed in each row (module doc); a ValueError naming it
         when it is not an integer tensor of ``input_ids``' shape, decreases along a row, or
         comes with a ``cache``, an ``attention_mask``, a ``memory`` or an attention block that
         does not declare ``document_masking``. ``token_index`` ``(seq,)``: where each token sits
         in the whole sequence when these are a context-parallel rank's share of it
-        (``recipes.parallel.context``); the positions are those indices, and the attention layers
+        (``yamlformer.recipes.parallel.context``); the positions are those indices, and the attention layers
         (``use_context_parallel``) mask by them. Not with a cache, a mask or documents.
         """
         if not isinstance(input_ids, torch.Tensor):
@@ -295,7 +295,7 @@ class TransformerStack(nn.Module):
     ) -> torch.Tensor:
         """One static decoding step: hidden states ``(batch, 1, d_model)`` of the token
         ``input_ids`` ``(batch, 1)`` at token index ``index`` (a ``(1,)`` long tensor), over a
-        ``cache`` that holds the tokens before it (``blocks.cache``: every attention writes its
+        ``cache`` that holds the tokens before it (``yamlformer.blocks.cache``: every attention writes its
         slot and attends over its whole buffer). ``position_ids`` ``(batch, total)`` and
         ``key_mask`` ``(batch, total)`` (None: no padding) cover every token the cache was
         allocated for; the step reads them at ``index``. No shape or Python value depends on
@@ -336,7 +336,7 @@ class LayerRange(nn.ModuleList):
 
 
 class _Model(nn.Module):
-    """What every architecture shares: ``spec`` (set by ``builder.build_model``), parameter
+    """What every architecture shares: ``spec`` (set by ``yamlformer.builder.build_model``), parameter
     counts, the head call and the auxiliary losses (module doc)."""
 
     spec = None
@@ -351,8 +351,8 @@ class _Model(nn.Module):
         out = self.head(hidden, mask, context)
         if not isinstance(out, HeadOutput):
             raise TypeError(
-                f"a head returns blocks.heads.HeadOutput(logits, losses); {type(self.head).__name__} returned "
-                f"{type(out).__name__} (blocks/README.md, the head protocol)"
+                f"a head returns yamlformer.blocks.heads.HeadOutput(logits, losses); "
+                f"{type(self.head).__name__} returned {type(out).__name__} (blocks/README.md, the head protocol)"
             )
         self._head_losses = out.losses
         return out.logits
@@ -398,7 +398,7 @@ class _Model(nn.Module):
 
     def generate(self, *args, **kwargs):
         """Models without a causal decoder do not generate (decoder-only and encoder-decoder
-        models get ``blocks.generation.GenerationMixin.generate``)."""
+        models get ``yamlformer.blocks.generation.GenerationMixin.generate``)."""
         raise TypeError(
             f"{type(self).__name__} has no causal decoder to generate with (an encoder-only model "
             "labels or fills masks: call model(input_ids) for its logits)"

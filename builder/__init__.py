@@ -2,12 +2,12 @@
 
 ``load_spec`` and ``estimate`` stay torch-free; ``build_model`` imports torch when first used.
 ``estimate(spec, seq_len=1024)`` sizes one device; ``estimate(spec, Step(...), Layout(...))`` a
-batch shape and a device layout (``builder.analysis.estimates``, ``builder.analysis.layout``).
+batch shape and a device layout (``yamlformer.builder.analysis.estimates``, ``yamlformer.builder.analysis.layout``).
 """
 
 from __future__ import annotations
 
-__project__ = "transformer-builder"  # checked by builder.packages: this name is ours
+__project__ = "yamlformer"  # checked by yamlformer.builder.packages: this name is ours
 
 __all__ = ["load_spec", "build_model", "estimate", "Step", "Layout", "SpecError", "__version__"]
 
@@ -16,7 +16,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("transformer-builder")
+        return version("yamlformer")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "0+unknown"
 
@@ -26,25 +26,25 @@ def __getattr__(name: str):
     if name == "__version__":  # importlib.metadata costs ~80 ms: only when asked
         return _version()
     if name in ("load_spec", "SpecError", "build_model", "estimate", "Step", "Layout"):
-        from builder.packages import foreign
+        from yamlformer.builder.packages import foreign
 
         problem = foreign()
         if problem:
             raise ImportError(problem)
     if name in ("load_spec", "SpecError"):
-        from builder.spec import loader
+        from yamlformer.builder.spec import loader
 
         return getattr(loader, name)
     if name == "build_model":
-        from builder.assemble import build_model
+        from yamlformer.builder.assemble import build_model
 
         return build_model
     if name in ("estimate", "Step"):
-        from builder.analysis import estimates
+        from yamlformer.builder.analysis import estimates
 
         return getattr(estimates, name)
     if name == "Layout":
-        from builder.analysis.layout import Layout
+        from yamlformer.builder.analysis.layout import Layout
 
         return Layout
-    raise AttributeError(f"module 'builder' has no attribute {name!r}")
+    raise AttributeError(f"module 'yamlformer.builder' has no attribute {name!r}")

@@ -1,12 +1,12 @@
 """Assemble a PyTorch model from a validated spec: ``build_model(spec)``.
 
-Assembly walks the spec and builds every block through ``blocks.build.build_block``, then hands
+Assembly walks the spec and builds every block through ``yamlformer.blocks.build.build_block``, then hands
 the built children to their parents (torchtune style): a layer gets its attention, FFN and
-norms (``blocks.build.build_layer``, which tells each its place: ``layer_index``, ``n_layers``);
+norms (``yamlformer.blocks.build.build_layer``, which tells each its place: ``layer_index``, ``n_layers``);
 a stack its embedding, position block, layers and final norm; the model its stacks and head.
 Blocks are constructed directly on the target device (``device="meta"``: shapes only, instant
 even for 175B parameters, no init work) and then initialised by
-``blocks.init.init_weights`` (``init_seed``, else a seed drawn from torch's generator: seed with
+``yamlformer.blocks.init.init_weights`` (``init_seed``, else a seed drawn from torch's generator: seed with
 ``torch.manual_seed`` before calling; each parameter's values are a pure function of that seed
 and its name, so a sharded start can draw any shard alone). Building on meta
 and materialising with ``to_empty`` would skip the constructors' default init, but the first
@@ -22,11 +22,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from blocks import registry
-from blocks.build import Dims, build_block, build_layer
-from blocks.embeddings import Embeddings
-from blocks.init import draw_seed, init_weights
-from blocks.stacks import TransformerStack
+from yamlformer.blocks import registry
+from yamlformer.blocks.build import Dims, build_block, build_layer
+from yamlformer.blocks.embeddings import Embeddings
+from yamlformer.blocks.init import draw_seed, init_weights
+from yamlformer.blocks.stacks import TransformerStack
 
 BACKENDS = ("auto", "eager", "sdpa", "triton")
 
@@ -65,16 +65,16 @@ def build_model(
     init_seed: int | None = None,
 ) -> nn.Module:
     """The ``nn.Module`` a spec describes: a validated ``ModelSpec``, a mapping of spec fields or
-    a path to a spec file (both loaded with ``builder.load_spec``).
+    a path to a spec file (both loaded with ``yamlformer.builder.load_spec``).
 
     ``device``: where the parameters live (``"meta"``: shapes only, no memory, no init);
     ``dtype``: their floating dtype, a ``torch.dtype`` or a name (``"bf16"``; default: torch's
     default, fp32); ``attention_backend``: ``auto`` | ``eager`` | ``sdpa`` | ``triton``, used by
-    every attention layer (see ``kernels.attention``); ``init_seed``: the seed of the initial
+    every attention layer (see ``yamlformer.kernels.attention``); ``init_seed``: the seed of the initial
     weights (default: drawn from torch's global generator).
     """
-    from builder.spec.loader import load_spec
-    from builder.spec.schema import ModelSpec
+    from yamlformer.builder.spec.loader import load_spec
+    from yamlformer.builder.spec.schema import ModelSpec
 
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {attention_backend!r}")

@@ -1,15 +1,15 @@
 """What a run may start from (a recipe's ``model.init_from``), read once:
 
 * a checkpoint of another run (``builder train``: a file or a sharded folder): its spec, weights
-  and tokenizer, read and verified by :mod:`builder.checkpoints`;
+  and tokenizer, read and verified by :mod:`yamlformer.builder.checkpoints`;
 * a folder written by ``builder import-hf`` (``spec.yaml`` and ``model.safetensors``);
 * a Hugging Face model folder (``config.json`` and its weights, converted on the fly by
-  :mod:`builder.hf`).
+  :mod:`yamlformer.builder.hf`).
 
 :func:`source_at` gives the same :class:`Source` for a path while its files are unchanged, so the
 several questions a run asks of it (the spec, the tokenizer, the weights) read it one
 time; the weights are handed over once (:meth:`Source.state`) and not kept. This module sits above
-both :mod:`builder.checkpoints` and :mod:`builder.hf`, which never import it.
+both :mod:`yamlformer.builder.checkpoints` and :mod:`yamlformer.builder.hf`, which never import it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Source:
 
     def _builder(self) -> dict:
         """A run checkpoint's ``builder`` record (spec, tokenizer), verified."""
-        from builder.checkpoints import CheckpointError, read_meta
+        from yamlformer.builder.checkpoints import CheckpointError, read_meta
 
         if self._meta is None:
             try:
@@ -56,7 +56,7 @@ class Source:
 
     def _hf(self) -> tuple[dict, dict]:
         """An HF folder's spec and tensors, converted (one read serves both)."""
-        from builder.hf import HFError, read_hf
+        from yamlformer.builder.hf import HFError, read_hf
 
         try:
             spec, _, state = read_hf(self.path)
@@ -70,7 +70,7 @@ class Source:
             if self.kind == "checkpoint":
                 self._spec = dict(self._builder()["spec"])
             elif self.kind == "imported":
-                from builder.spec.loader import read_merged
+                from yamlformer.builder.spec.loader import read_merged
 
                 self._spec = dict(read_merged(self.path / "spec.yaml").data)
             else:
@@ -80,7 +80,7 @@ class Source:
     def state(self) -> dict[str, Any]:
         """The tensors, under the built model's names; handed over, not kept."""
         if self.kind == "checkpoint":
-            from builder.checkpoints import CheckpointError, model_weights, read_weights
+            from yamlformer.builder.checkpoints import CheckpointError, model_weights, read_weights
 
             self._builder()
             try:
@@ -88,7 +88,7 @@ class Source:
             except CheckpointError as exc:
                 raise SourceError(str(exc)) from None
         if self.kind == "imported":
-            from builder.hf import HFError, read_weights
+            from yamlformer.builder.hf import HFError, read_weights
 
             try:
                 return read_weights(self.path / "model.safetensors")
@@ -121,7 +121,7 @@ def _fingerprint(path: Path) -> tuple:
 
 
 def _kind(path: Path) -> str:
-    from builder.checkpoints import is_sharded, looks_like_checkpoint
+    from yamlformer.builder.checkpoints import is_sharded, looks_like_checkpoint
 
     if (path.is_file() and looks_like_checkpoint(path)) or is_sharded(path):
         return "checkpoint"

@@ -11,7 +11,7 @@ Backends:
   keeps SDPA's fused kernels (and their gradient of the mask, which is the sinks' gradient), at
   the cost of an ``(batch | 1, n_heads, seq_q, seq_k + 1)`` mask in ``q``'s dtype (so a bf16
   model's sink logits are rounded to bf16 there) and a copy of the keys and values one longer.
-* ``triton``: the FlashAttention-2 kernels in :mod:`kernels.triton_attention` (imported on first
+* ``triton``: the FlashAttention-2 kernels in :mod:`yamlformer.kernels.triton_attention` (imported on first
   use; on CPU tensors they run under the Triton interpreter). Sinks and chunks are inside the
   kernels: the online softmax starts from the sink logit, chunks skip whole key tiles.
 * ``auto``: ``triton`` for CUDA tensors, ``sdpa`` elsewhere (and ``sdpa`` whenever

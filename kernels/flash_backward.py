@@ -1,5 +1,5 @@
 """The backward kernels: dK and dV per key tile, dQ per query tile (FlashAttention-2's split).
-Conventions, the interpreter set-up and the score helpers are :mod:`kernels.flash_kernels`'."""
+Conventions, the interpreter set-up and the score helpers are :mod:`yamlformer.kernels.flash_kernels`'."""
 
 from __future__ import annotations
 

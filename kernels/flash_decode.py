@@ -1,6 +1,6 @@
 """The split-K decode kernels (FlashDecoding): a few query rows against a long KV cache, the keys
 split over programs and the partial results combined. Conventions, the interpreter set-up and the
-score helpers are :mod:`kernels.flash_kernels`'."""
+score helpers are :mod:`yamlformer.kernels.flash_kernels`'."""
 
 from __future__ import annotations
 

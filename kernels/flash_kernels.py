@@ -1,9 +1,10 @@
 """FlashAttention-2 style Triton kernels: the set-up, the score helpers and the forward; the split-K
-decode kernels (FlashDecoding) are :mod:`kernels.flash_decode`, the backward :mod:`kernels.flash_backward`.
+decode kernels (FlashDecoding) are :mod:`yamlformer.kernels.flash_decode`, the backward
+:mod:`yamlformer.kernels.flash_backward`.
 
 Layout follows the Triton tutorials: ``_``-prefixed ``@triton.jit`` helpers and UPPER_CASE
 ``tl.constexpr`` parameters. Autotuning, launches and the custom op are in
-:mod:`kernels.triton_attention`; the public entry point is :func:`kernels.attention` with
+:mod:`yamlformer.kernels.triton_attention`; the public entry point is :func:`yamlformer.kernels.attention` with
 ``backend="triton"``. Nothing here imports unless that backend is used.
 
 Conventions shared by every kernel:
@@ -18,7 +19,7 @@ Conventions shared by every kernel:
 * queries and keys are ``HEAD_DIM`` wide (tiles ``BLOCK_D``), values and outputs ``HEAD_DIM_V``
   (tiles ``BLOCK_DV``): equal for ordinary attention, different for DeepSeek's latent attention.
 * documents (``HAS_DOCS``): ``Docs`` is ``(batch, SEQ_K)`` int32, the token index where each
-  key's document begins (``kernels.attention.document_starts``, non-decreasing along a row); a
+  key's document begins (``yamlformer.kernels.attention.document_starts``, non-decreasing along a row); a
   query at position ``p`` keeps the keys whose start equals ``Docs[b, p]``. Since starts never
   decrease, no query of a tile sees a key before its first row's start: the forward and dq
   sweeps begin there, and dk/dv skip the query tiles before their first key's start.

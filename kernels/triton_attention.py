@@ -1,9 +1,9 @@
-"""Host side of the Triton attention: autotuning, launches, and the ``kernels::flash_attention``
+"""Host side of the Triton attention: autotuning, launches, and the ``yamlformer::flash_attention``
 custom op (autograd, fake/meta implementation, FLOP formulas).
 
-The ``@triton.jit`` kernels live in :mod:`kernels.flash_kernels`, which also sets up the Triton
+The ``@triton.jit`` kernels live in :mod:`yamlformer.kernels.flash_kernels`, which also sets up the Triton
 interpreter on machines without CUDA. This module is imported lazily by
-:func:`kernels.attention` the first time ``backend="triton"`` is used.
+:func:`yamlformer.kernels.attention` the first time ``backend="triton"`` is used.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def flash_forward(
 ):
     """Returns ``(out, lse)``: ``out`` (B, H, Sq, Dv); ``lse`` the log2-domain log-sum-exp,
     (B, H, Sq) fp32, the sink included. ``document_starts``: (B, Sk) int,
-    ``kernels.attention.document_starts``; ``sinks``: (H,) raw logits; ``chunk_size``: int."""
+    ``yamlformer.kernels.attention.document_starts``; ``sinks``: (H,) raw logits; ``chunk_size``: int."""
     _check_device(q)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -378,7 +378,7 @@ def flash_backward(
 # ----------------------------------------------------------------------------------------------
 # custom op: autograd, fake (meta) implementation, FLOP formulas
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("kernels::flash_attention", mutates_args=())
+@torch.library.custom_op("yamlformer::flash_attention", mutates_args=())
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -418,7 +418,7 @@ def _flash_attention_fake(
     return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("kernels::flash_attention_backward", mutates_args=())
+@torch.library.custom_op("yamlformer::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -521,12 +521,12 @@ def _matmul_flops(q_shape, k_shape, v_shape):
     return 2 * B * H * Sq * Sk * D + 2 * B * H * Sq * Sk * Dv
 
 
-@register_flop_formula(torch.ops.kernels.flash_attention)
+@register_flop_formula(torch.ops.yamlformer.flash_attention)
 def _flash_attention_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
     return _matmul_flops(q_shape, k_shape, v_shape)
 
 
-@register_flop_formula(torch.ops.kernels.flash_attention_backward)
+@register_flop_formula(torch.ops.yamlformer.flash_attention_backward)
 def _flash_attention_backward_flops(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
     # eager's backward: two matmuls per forward matmul (dV, dP, dQ, dK); the kernel's recompute
     # of Q K^T is not counted, matching what FlopCounterMode reports for the eager backend

@@ -1,7 +1,7 @@
 """Lightning training recipes on top of ``builder``: a recipe YAML -> a trained checkpoint.
 
-``recipes.recipe.sections`` (the recipe schema) is torch-free; the other modules import torch and
+``yamlformer.recipes.recipe.sections`` (the recipe schema) is torch-free; the other modules import torch and
 Lightning and are imported by ``builder train`` / ``eval`` / ``generate`` inside ``run``.
 """
 
-__project__ = "transformer-builder"  # checked by builder.packages: this name is ours
+__project__ = "yamlformer"  # checked by yamlformer.builder.packages: this name is ours

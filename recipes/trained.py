@@ -1,9 +1,9 @@
 """A trained model back from a checkpoint alone (``builder eval``, ``builder generate``, a task's
 final evaluation): its spec, weights and tokenizer, or those of a model folder.
 
-Checkpoints are read and verified by :mod:`builder.checkpoints`; this module adds what only the
+Checkpoints are read and verified by :mod:`yamlformer.builder.checkpoints`; this module adds what only the
 recipes know (the tokenizers, the device to run on) and turns every fault into one
-:class:`~recipes.errors.RecipeError` line naming the file.
+:class:`~yamlformer.recipes.errors.RecipeError` line naming the file.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.data.tokenizers import from_state
-from recipes.errors import RecipeError
+from yamlformer.recipes.data.tokenizers import from_state
+from yamlformer.recipes.errors import RecipeError
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -27,7 +27,7 @@ def read_verified(path: str | Path) -> dict:
     """A checkpoint file, verified against its checksums: :class:`RecipeError` naming the file
     when it is missing, damaged or not loadable safely. One without checksums (written before
     they were added) loads with a note."""
-    from builder.checkpoints import CheckpointError, is_sealed, read_checkpoint
+    from yamlformer.builder.checkpoints import CheckpointError, is_sealed, read_checkpoint
 
     try:
         checkpoint = read_checkpoint(path)
@@ -46,8 +46,15 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
     """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train`` (a file, or a
     sharded folder read whole into this process) or, with ``folders``, from a model folder (see
     :func:`load_folder`)."""
-    from builder import build_model
-    from builder.checkpoints import CheckpointError, is_sharded, load_model, load_weights, model_weights, not_ours
+    from yamlformer.builder import build_model
+    from yamlformer.builder.checkpoints import (
+        CheckpointError,
+        is_sharded,
+        load_model,
+        load_weights,
+        model_weights,
+        not_ours,
+    )
 
     path = Path(path)
     if is_sharded(path):
@@ -100,10 +107,10 @@ def load_folder(folder: Path, device: str | None = None):
     """``(model, tokenizer, meta)`` of a decoder-only model folder: a ``builder import-hf``
     output (``spec.yaml``, ``model.safetensors``) or a Hugging Face folder (``config.json`` and
     its weights), with the folder's tokenizer (``tokenizer.json``, else ``tokenizer.model``)."""
-    from builder import build_model
-    from builder.hf import HFError, from_hf, load_weights
-    from builder.hf.tokenizer import read_tokenizer
-    from builder.spec.loader import SpecError, load_spec
+    from yamlformer.builder import build_model
+    from yamlformer.builder.hf import HFError, from_hf, load_weights
+    from yamlformer.builder.hf.tokenizer import read_tokenizer
+    from yamlformer.builder.spec.loader import SpecError, load_spec
 
     try:
         if (folder / "spec.yaml").is_file():
@@ -136,7 +143,7 @@ def load_folder(folder: Path, device: str | None = None):
 
 def _checkpoint_spec(path: Path, data: dict):
     """The checkpoint's spec, validated against the blocks registered now."""
-    from builder.checkpoints import CheckpointError, checkpoint_spec
+    from yamlformer.builder.checkpoints import CheckpointError, checkpoint_spec
 
     try:
         return checkpoint_spec(path, data)

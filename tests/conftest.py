@@ -1,18 +1,27 @@
 """Suite-wide settings and the fixtures several test modules share."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from builder.spec.plugins import load_plugins
+# The suite imports the installed `yamlformer` packages, never the checkout's folders by their bare
+# names: `python -m pytest` puts the checkout's root first on sys.path, where its `kernels/` would
+# hide Hugging Face's `kernels` from `transformers`. Child Pythons the tests start keep it off too.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _CHECKOUT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+from yamlformer.builder.spec.plugins import load_plugins
 
 # Tiny models on a 2-core CI machine: one intra-op thread avoids oversubscription, which made
 # small decoding loops up to ~100x slower when the cores were busy.
 torch.set_num_threads(1)
 
 # The registry-walking tests (tests/test_block_counts.py, tests/test_contracts.py...) cover every
-# registered block: the built-ins, installed plugins (the `builder.blocks` entry points) and the
+# registered block: the built-ins, installed plugins (the `yamlformer.blocks` entry points) and the
 # modules named here, e.g. `BUILDER_PLUGINS=mypackage.blocks pytest tests/test_contracts.py`.
 load_plugins([name for name in os.environ.get("BUILDER_PLUGINS", "").split(",") if name.strip()])
 
@@ -24,7 +33,7 @@ def unbroken_run(tmp_path_factory):
     Returns ``(recipe file, summary)``."""
     from recipe_helpers import fault_recipe
 
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     recipe = fault_recipe(tmp_path_factory.mktemp("unbroken"))
     return recipe, run(recipe, samples=False)

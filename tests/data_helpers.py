@@ -75,7 +75,7 @@ def stand_in_files(name: str, seed: int = 0) -> dict[str, bytes]:
 
 def stand_in(name: str, contents: dict[str, bytes], url_base: str | None = None):
     """The registry's dataset ``name`` with checksums (and, given ``url_base``, URLs) of ``contents``."""
-    from recipes.data.registry import DATASETS
+    from yamlformer.recipes.data.registry import DATASETS
 
     dataset = DATASETS[name]
     files = []
@@ -107,7 +107,7 @@ def data_for_recipes(root: Path, monkeypatch, real: bool = True) -> dict[str, st
     registry's URLs are made unreachable, so nothing can be fetched. Only the training and
     validation splits are written (a test split, if any, is missing).
     Returns ``{dataset: "real" | "stand-in"}``."""
-    from recipes.data import registry as datasets
+    from yamlformer.recipes.data import registry as datasets
 
     kinds = {}
     for name, dataset in datasets.DATASETS.items():

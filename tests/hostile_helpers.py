@@ -1,6 +1,6 @@
 """Running the command line in-process as a hostile user would, and judging what it printed.
 
-:func:`cli` calls ``builder.cli.main`` and returns its exit status with what it wrote;
+:func:`cli` calls ``yamlformer.builder.cli.main`` and returns its exit status with what it wrote;
 :func:`refused` asserts that a refusal is what every refusal must be: the expected exit status,
 one line on stderr that names the field or option, no traceback, and never the last-resort
 "internal error" (every case has its own message: a test that reached the net has found a bug);
@@ -34,7 +34,7 @@ class Result:
 
 def cli(capsys, *argv: str) -> Result:
     """``builder ARGV`` in this process: its exit status (argparse's ``SystemExit`` too) and output."""
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     capsys.readouterr()
     try:
@@ -84,11 +84,11 @@ def lm_checkpoint(folder: Path) -> Path:
     import torch
     from recipe_helpers import tiny_recipe
 
-    from builder.assemble import build_model
-    from builder.spec.schema import spec_model
-    from recipes.data.tokenizers import CharTokenizer
-    from recipes.recipe.sections import load_recipe
-    from recipes.training.run import training_meta
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.recipes.data.tokenizers import CharTokenizer
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.training.run import training_meta
 
     folder.mkdir(parents=True, exist_ok=True)
     recipe_file = tiny_recipe(folder)
@@ -103,7 +103,7 @@ def lm_checkpoint(folder: Path) -> Path:
         "global_step": 0,
     }
     try:  # checkpoints are sealed with checksums where the project has them
-        from builder.checkpoints import seal
+        from yamlformer.builder.checkpoints import seal
     except ImportError:
         pass
     else:

@@ -68,9 +68,9 @@ def tiny_recipe(tmp_path: Path, **sections) -> Path:
 
 
 def builder_process(*args: str, cwd: Path, **popen) -> subprocess.Popen:
-    """``python -m builder.cli ARGS`` in a child process that imports this checkout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "builder.cli", *args], cwd=cwd, env=env, **popen)
+    """``python -m yamlformer.builder.cli ARGS`` in a child process that imports this checkout."""
+    env = dict(os.environ)
+    return subprocess.Popen([sys.executable, "-m", "yamlformer.builder.cli", *args], cwd=cwd, env=env, **popen)
 
 
 def history(checkpoint: Path) -> dict:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import torch
-from recipe_helpers import REPO, builder_process, tiny_recipe
+from recipe_helpers import builder_process, tiny_recipe
 
 #: a constant learning rate, so a run stopped at step N and resumed to M sees the schedule an
 #: unbroken run to M does
@@ -84,7 +84,7 @@ def train(path: Path, *args: str, timeout: int = 900) -> str:
 def losses(run_dir: Path) -> dict:
     """``{"train": [(step, loss)...], "val": [...]}`` of a run's ``last.ckpt`` (file or folder); the
     training losses of one optimizer step (several with gradient accumulation) averaged."""
-    from builder.checkpoints import read_meta
+    from yamlformer.builder.checkpoints import read_meta
 
     history = read_meta(run_dir / "checkpoints" / "last.ckpt")["builder"]["history"]
     by_step: dict[int, list[float]] = {}
@@ -118,7 +118,7 @@ import os
 import time
 from pathlib import Path
 
-import builder.checkpoints.write as _write
+import yamlformer.builder.checkpoints.write as _write
 
 SIGNALS, AT, _real, _saves = Path({signals!r}), {at}, _write.write_digests, [0]
 
@@ -147,9 +147,9 @@ def train_paused_in_save(path: Path, at: int, ranks: int, log) -> tuple[subproce
     signals = path.parent / "pause"
     (signals / "hook").mkdir(parents=True)
     (signals / "hook" / "sitecustomize.py").write_text(_PAUSE.format(signals=str(signals), at=at))
-    paths = [str(signals / "hook"), str(REPO), os.environ.get("PYTHONPATH")]
+    paths = [str(signals / "hook"), os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
-    command = [sys.executable, "-m", "builder.cli", "train", str(path), "--no-samples"]
+    command = [sys.executable, "-m", "yamlformer.builder.cli", "train", str(path), "--no-samples"]
     child = subprocess.Popen(command, cwd=path.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while len(list(signals.glob("saving-*"))) < ranks:

@@ -17,18 +17,18 @@ import torch
 import torch.nn.functional as F
 from sharded_helpers import end_process_group
 
-from blocks.attention import AttentionInputs
-from blocks.build import Dims, build_block
-from blocks.cache import KVCache
-from blocks.configs.attention import AttentionConfig
-from blocks.configs.pairs import visible_pairs
-from blocks.configs.position import RopeConfig
-from blocks.init import init_weights
-from blocks.positions import Rope
-from builder import build_model, load_spec
-from builder.analysis.layout import tensor_parallel_problems
-from builder.spec.loader import SpecError
-from kernels import attention as attention_kernel
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.blocks.cache import KVCache
+from yamlformer.blocks.configs.attention import AttentionConfig
+from yamlformer.blocks.configs.pairs import visible_pairs
+from yamlformer.blocks.configs.position import RopeConfig
+from yamlformer.blocks.init import init_weights
+from yamlformer.blocks.positions import Rope
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.analysis.layout import tensor_parallel_problems
+from yamlformer.builder.spec.loader import SpecError
+from yamlformer.kernels import attention as attention_kernel
 
 torch.set_num_threads(1)
 
@@ -390,7 +390,7 @@ def test_a_packed_document_gets_what_it_gets_alone(name, backend):
 def test_the_static_decoding_step_is_one_graph_with_every_option():
     """``generate(compile=True)`` traces one graph: no option breaks it (chunks and the
     temperature read the step's position tensors, the sinks a parameter slice)."""
-    from blocks import generation
+    from yamlformer.blocks import generation
 
     for name in ("llama4", "gemma3-gpt-oss"):
         _, model = _model(name)
@@ -432,7 +432,7 @@ def test_params_and_shapes_are_the_modules(name):
 
 
 def test_visible_pairs_under_chunks_count_the_kernels_mask():
-    from kernels.attention import _visible
+    from yamlformer.kernels.attention import _visible
 
     for seq_q, seq_k in ((1, 1), (1, 9), (5, 5), (7, 19), (19, 19), (3, 30)):
         for causal in (True, False):
@@ -559,7 +559,7 @@ def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from recipes.parallel.tensor import apply_tensor_parallel
+    from yamlformer.recipes.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = _tp_model()

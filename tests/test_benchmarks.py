@@ -12,14 +12,12 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.append(
-    str(REPO / "benchmarks")
-)  # after the standard library: benchmarks/tokenize.py must not shadow it (spawned ranks inherit the path)
+sys.path.append(str(REPO / "benchmarks"))  # the benchmark scripts, imported as modules
 
 
 def _recipe_model(vocab_size: int = 65, seed: int = 3):
-    from builder import build_model
-    from recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.builder import build_model
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
     recipe = load_recipe(recipe_file)
@@ -55,7 +53,7 @@ def test_yardstick_on_the_recipes_weights_is_the_same_function():
 def test_yardstick_schedule_is_the_recipes():
     from yardstick import LoopConfig, get_lr
 
-    from recipes.training.module import lr_multiplier
+    from yamlformer.recipes.training.module import lr_multiplier
 
     recipe, _, _ = _recipe_model()
     s, opt = recipe.schedule, recipe.optimizer
@@ -130,7 +128,7 @@ def test_generate_benchmark_decodes_the_same_tokens_as_transformers(tmp_path, ca
     pytest.importorskip("transformers")
     from generate import bench, make_models
 
-    from blocks import generation
+    from yamlformer.blocks import generation
 
     torch._dynamo.reset()
     monkeypatch.setattr(

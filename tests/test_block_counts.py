@@ -1,7 +1,7 @@
 """Every registered block counts what it builds: parameters == numel, FLOPs == FlopCounterMode.
 
 Each config class in ``blocks/configs`` lists ``examples``; this file walks the whole registry,
-builds each example with ``blocks.build.build_block`` (the eager attention backend) and sets the
+builds each example with ``yamlformer.blocks.build.build_block`` (the eager attention backend) and sets the
 config's own ``params``/``flops`` against the module, at two sequence lengths. Position blocks
 and architectures act inside a model, so their FLOPs are checked on tiny whole models. A block
 registered without examples fails the meta-test: nothing lands uncounted.
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from blocks import registry
-from blocks.attention import AttentionInputs
-from blocks.build import Dims, build_block
-from builder.analysis.estimates import estimate
-from builder.analysis.report import actual_params
-from builder.assemble import build_model
-from builder.spec.schema import spec_model
+from yamlformer.blocks import registry
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.analysis.report import actual_params
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.spec.schema import spec_model
 
 D_MODEL, VOCAB, MAX_SEQ, N_HEADS, HEAD_DIM = 32, 50, 16, 4, 8
 DIMS = Dims(d_model=D_MODEL, vocab_size=VOCAB, max_seq_len=MAX_SEQ)
@@ -146,9 +146,9 @@ def test_norm(cls, example):
 @pytest.mark.parametrize("cls, example", list(_cases("head")))
 @pytest.mark.parametrize("tied", [False, True])
 def test_head(cls, example, tied):
-    """Counted on a forward without a cache: the head gets its context (blocks.heads.HeadContext)."""
-    from blocks.embeddings import Embeddings
-    from blocks.heads import HeadContext
+    """Counted on a forward without a cache: the head gets its context (yamlformer.blocks.heads.HeadContext)."""
+    from yamlformer.blocks.embeddings import Embeddings
+    from yamlformer.blocks.heads import HeadContext
 
     config = cls.model_validate(example)
     embeddings = Embeddings(VOCAB, D_MODEL)

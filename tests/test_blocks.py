@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from blocks import registry
-from blocks.attention import AttentionInputs
-from blocks.build import Dims, build_block
-from blocks.init import init_weights
-from blocks.layers import TransformerLayer
+from yamlformer.blocks import registry
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.blocks.init import init_weights
+from yamlformer.blocks.layers import TransformerLayer
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
@@ -47,9 +47,9 @@ def _examples():
 
 
 def _head_context():
-    """What a model gives its head on a forward without a cache (``blocks.heads.HeadContext``)."""
-    from blocks.embeddings import Embeddings
-    from blocks.heads import HeadContext
+    """What a model gives its head on a forward without a cache (``yamlformer.blocks.heads.HeadContext``)."""
+    from yamlformer.blocks.embeddings import Embeddings
+    from yamlformer.blocks.heads import HeadContext
 
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(2))
     embedding = init_weights(Embeddings(V, D))
@@ -211,7 +211,7 @@ def test_attention_matches_a_plain_reference(data, causal):
 
 
 def test_cross_attention_and_alibi_in_attention_match_the_reference():
-    from blocks.positions import Alibi, alibi_slopes
+    from yamlformer.blocks.positions import Alibi, alibi_slopes
 
     data = {"n_heads": 4, "n_kv_heads": 2}
     cross = _built("attention", data, cross=True, backend="eager")
@@ -273,7 +273,7 @@ def test_rope_frequencies_match_hugging_face(scaling, hf_type, note, rotary_frac
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from blocks.positions import rope_frequencies
+    from yamlformer.blocks.positions import rope_frequencies
 
     head_dim, max_pos = 32, 8
     config = _cfg("position", {"type": "rope", "rotary_fraction": rotary_fraction, "scaling": scaling or None})
@@ -308,7 +308,7 @@ def test_yarn_mscale_all_dim_scales_every_score_as_deepseek_does(mscale_all_dim)
     """DeepSeek-V2/V3 (and transformers' ``yarn_apply_mscale``): softmax scale times
     ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``; an attention honours the position's
     ``score_scale`` on top of its own scale."""
-    from blocks.positions import Rope
+    from yamlformer.blocks.positions import Rope
 
     scaling = {
         "type": "yarn",
@@ -341,7 +341,7 @@ def test_yarn_mscale_all_dim_scales_every_score_as_deepseek_does(mscale_all_dim)
 def test_rope_rotation_matches_complex_multiplication():
     """GPT-NeoX layout: dimension i pairs with i + rotary_dim/2, rotated by position * inv_freq_i
     (as multiplying by e^{i theta}); dimensions past rotary_dim pass through; YaRN scales by its factor."""
-    from blocks.positions import rope_frequencies
+    from yamlformer.blocks.positions import rope_frequencies
 
     config = _cfg(
         "position",
@@ -369,7 +369,7 @@ def test_alibi_slopes_match_the_paper_and_hugging_face(n_heads):
     _hf()
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-    from blocks.positions import alibi_slopes
+    from yamlformer.blocks.positions import alibi_slopes
 
     hf = build_alibi_tensor(torch.ones(1, 3), n_heads, torch.float32)  # (heads, 1, 3): slope * position
     torch.testing.assert_close(alibi_slopes(n_heads), hf[:, 0, 1], rtol=1e-6, atol=0)
@@ -383,7 +383,7 @@ def test_t5_buckets_match_hugging_face(bidirectional, num_buckets, max_distance)
     _hf()
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    from blocks.positions import relative_position_bucket
+    from yamlformer.blocks.positions import relative_position_bucket
 
     relative = torch.arange(-300, 300)[None, :] + torch.arange(0, 3)[:, None]
     ours = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
@@ -537,7 +537,7 @@ def test_heads_match_their_definitions():
 
 
 def test_embeddings_scale_segments_norm():
-    from blocks.embeddings import Embeddings
+    from yamlformer.blocks.embeddings import Embeddings
 
     norm = _built("norm", {"type": "layernorm"})
     emb = init_weights(Embeddings(V, D, scale="sqrt_d", segments=2, norm=norm))

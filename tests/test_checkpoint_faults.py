@@ -38,7 +38,7 @@ class _RunsCode:
 
 def _reseal(checkpoint: dict, path: Path) -> Path:
     """``checkpoint`` saved with checksums that match it: a file that is whole, whatever it holds."""
-    from builder.checkpoints import seal
+    from yamlformer.builder.checkpoints import seal
 
     torch.save(seal(checkpoint), path)
     return path
@@ -127,8 +127,8 @@ def test_every_command_that_reads_a_checkpoint_refuses_a_hostile_one_in_one_line
 
 def test_a_pickle_that_runs_code_is_never_unpickled_by_the_resume_load(good, tmp_path):
     """Lightning reads the checkpoint a run resumes from through our checkpoint IO: weights only."""
-    from recipes.errors import RecipeError
-    from recipes.training.checkpointing import AtomicCheckpointIO
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.checkpointing import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     assert io.load_checkpoint(good)["global_step"] == 0
@@ -140,7 +140,7 @@ def test_a_pickle_that_runs_code_is_never_unpickled_by_the_resume_load(good, tmp
 
 def test_a_legacy_format_checkpoint_of_plain_tensors_loads(good, tmp_path, capsys):
     """torch's pickle format before zip archives is read as safely as a zip; only ours is accepted."""
-    from builder.checkpoints import read_checkpoint
+    from yamlformer.builder.checkpoints import read_checkpoint
 
     checkpoint = torch.load(good, weights_only=True)
     legacy = tmp_path / "legacy.pt"
@@ -184,7 +184,7 @@ def test_a_tokenizer_or_recipe_record_that_cannot_be_used_is_named(good, tmp_pat
 
 
 def test_an_unreadable_checkpoint_is_named(good, tmp_path, capsys, monkeypatch):
-    import builder.checkpoints.read
+    import yamlformer.builder.checkpoints.read
 
     locked = tmp_path / "locked.ckpt"
     shutil.copy(good, locked)
@@ -194,7 +194,7 @@ def test_an_unreadable_checkpoint_is_named(good, tmp_path, capsys, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(builder.checkpoints.read, "open", no_permission, raising=False)
+    monkeypatch.setattr(yamlformer.builder.checkpoints.read, "open", no_permission, raising=False)
     for argv in (
         ["eval", locked],
         ["generate", locked, "--prompt", "ab"],
@@ -231,7 +231,7 @@ def _copy_run(summary: dict, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["foreign lightning", "foreign state dict", "unsafe pickle", "plain pickle"])
 def test_train_resume_refuses_another_programs_checkpoint_and_keeps_its_own(unbroken_run, tmp_path, capsys, kind):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe, summary = unbroken_run
     run = _copy_run(summary, tmp_path)
@@ -248,7 +248,7 @@ def test_train_resume_refuses_another_programs_checkpoint_and_keeps_its_own(unbr
 
 
 def test_a_run_folder_holding_another_programs_checkpoint_is_not_resumed(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe = tiny_recipe(tmp_path)
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -283,7 +283,7 @@ def _classify_recipe(tmp_path: Path, init_from: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["unsafe pickle", "truncated", "foreign lightning", "folder"])
 def test_classification_init_from_names_the_field_and_the_file(good, tmp_path, capsys, kind):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     bad = _write(kind, good, tmp_path)
     assert main(["train", str(_classify_recipe(tmp_path, bad)), "--no-samples"]) == 1
@@ -294,7 +294,7 @@ def test_classification_init_from_names_the_field_and_the_file(good, tmp_path, c
 
 
 def test_classification_init_from_an_lm_checkpoint_says_which_task_it_has(good, tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     assert main(["train", str(_classify_recipe(tmp_path, good)), "--no-samples"]) == 1
     line = one_error_line(capsys.readouterr().err, "builder train:")
@@ -351,7 +351,7 @@ def test_model_init_from_is_read_once_and_a_flipped_bit_in_it_is_refused_in_one_
     alone reads without a word) stops the run before any work, in one line naming the field."""
     from test_checkpoints import _flip_a_tensor_bit, reads_until_training
 
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     data = {"sources": [str(_printable_corpus(tmp_path))], "max_bytes": None, "cache_dir": str(tmp_path / "cache")}
     trainer = {"max_steps": 2, "val_check_interval": 100, "limit_val_batches": 1}

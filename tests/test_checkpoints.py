@@ -45,8 +45,8 @@ def reads_until_training(monkeypatch) -> Counter:
     import lightning as L
     import torch.distributed.checkpoint as dcp
 
-    import builder.checkpoints.read as read
-    import recipes.training.run
+    import yamlformer.builder.checkpoints.read as read
+    import yamlformer.recipes.training.run
 
     counts, at_start = Counter(), Counter()
 
@@ -67,14 +67,14 @@ def reads_until_training(monkeypatch) -> Counter:
             at_start.clear()
             at_start.update(counts)
 
-    make = recipes.training.run.make_trainer
+    make = yamlformer.recipes.training.run.make_trainer
 
     def make_trainer(*args, **kwargs):
         trainer = make(*args, **kwargs)
         trainer.callbacks.insert(0, AtTrainStart())
         return trainer
 
-    monkeypatch.setattr(recipes.training.run, "make_trainer", make_trainer)
+    monkeypatch.setattr(yamlformer.recipes.training.run, "make_trainer", make_trainer)
     return at_start
 
 
@@ -85,7 +85,7 @@ def damaged_copy(source: Path, target: Path, how: str) -> Path:
 
 
 def _sealed(tmp_path: Path) -> Path:
-    from builder.checkpoints import write_checkpoint
+    from yamlformer.builder.checkpoints import write_checkpoint
 
     checkpoint = {
         "state_dict": {"model.w": torch.arange(4096, dtype=torch.float32), "model.b": torch.ones(3)},
@@ -97,7 +97,7 @@ def _sealed(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_every_kind_of_damage_is_one_error_naming_the_file(tmp_path, how):
-    from builder.checkpoints import CheckpointError, DamagedCheckpointError, read_checkpoint
+    from yamlformer.builder.checkpoints import CheckpointError, DamagedCheckpointError, read_checkpoint
 
     good = _sealed(tmp_path)
     assert read_checkpoint(good)["global_step"] == 7
@@ -109,7 +109,7 @@ def test_every_kind_of_damage_is_one_error_naming_the_file(tmp_path, how):
 
 
 def test_a_flipped_bit_in_a_tensor_or_the_step_is_caught(tmp_path):
-    from builder.checkpoints import DamagedCheckpointError, read_checkpoint
+    from yamlformer.builder.checkpoints import DamagedCheckpointError, read_checkpoint
 
     good = _sealed(tmp_path)
     data = bytearray(good.read_bytes())
@@ -129,7 +129,7 @@ def test_a_flipped_bit_in_a_tensor_or_the_step_is_caught(tmp_path):
 def test_sharded_checkpoint_files_are_checked_by_their_checksums(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from builder.checkpoints import DamagedCheckpointError, file_digests, verify_files
+    from yamlformer.builder.checkpoints import DamagedCheckpointError, file_digests, verify_files
 
     folder = tmp_path / "last.ckpt"
     dcp.save({"state_dict": {"w": torch.arange(1000.0)}}, checkpoint_id=str(folder), no_dist=True)
@@ -146,7 +146,7 @@ def test_sharded_checkpoint_files_are_checked_by_their_checksums(tmp_path):
 
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_eval_generate_and_export_name_a_damaged_checkpoint_in_one_line(unbroken_run, tmp_path, capsys, how):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     _, summary = unbroken_run
     bad = damaged_copy(Path(summary["last"]), tmp_path / "checkpoints" / "last.ckpt", how)
@@ -162,7 +162,7 @@ def test_eval_generate_and_export_name_a_damaged_checkpoint_in_one_line(unbroken
 
 
 def test_a_checkpoint_from_before_checksums_loads_with_a_note(unbroken_run, tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     _, summary = unbroken_run
     old = torch.load(summary["last"], map_location="cpu", weights_only=True)
@@ -181,7 +181,7 @@ def _copy_run(summary: dict, tmp_path: Path) -> Path:
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint(unbroken_run, tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe, summary = unbroken_run
     run = _copy_run(summary, tmp_path)
@@ -197,7 +197,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(unbroken_run, tmp_pat
 
 
 def test_no_intact_checkpoint_left_is_an_error_and_resume_path_must_be_whole(unbroken_run, tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe, summary = unbroken_run
     run = _copy_run(summary, tmp_path)

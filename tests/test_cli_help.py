@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.cli import help_with_default, main, parser
+from yamlformer.builder.cli import help_with_default, main, parser
 
 #: root options that print something and exit: nothing to default
 EXITS = {"--version", "--print-completion"}
@@ -123,7 +123,7 @@ def test_a_checkout_never_installed_says_what_it_lacks(monkeypatch, capsys):
     a missing command say to install the checkout."""
     import importlib.metadata
 
-    from builder import packages
+    from yamlformer.builder import packages
 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: importlib.metadata.EntryPoints(()))
     monkeypatch.setattr(packages, "installed", lambda: False)

@@ -168,8 +168,8 @@ def test_a_plugin_that_does_not_exist(capsys):
 def test_an_internal_error_carries_its_message_in_one_short_line(capsys, monkeypatch):
     """The last-resort line says what went wrong (the exception's first line, cut short), never a
     traceback and never more than a line of whatever the message quoted."""
-    import builder.cli.schema as schema
-    from builder.cli import MESSAGE_CHARS, main
+    import yamlformer.builder.cli.schema as schema
+    from yamlformer.builder.cli import MESSAGE_CHARS, main
 
     def fails(message):
         def run(args):

@@ -1,4 +1,4 @@
-"""Context parallelism (``trainer.context_parallel``, ``recipes.parallel.context``): the load-balanced
+"""Context parallelism (``trainer.context_parallel``, ``yamlformer.recipes.parallel.context``): the load-balanced
 shards, the attention over keys gathered from every rank (exact under causal masks, sliding
 windows and RoPE: logits and gradients equal one process's), a recipe trained on CP 2 x 2
 processes like one process step for step, a checkpoint resumed on another layout, and the
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from recipe_helpers import tiny_recipe
 from sharded_helpers import assert_same_losses, end_process_group, losses, recipe, train
 
-from recipes.parallel.context import apply_context_parallel, load_balanced_index
+from yamlformer.recipes.parallel.context import apply_context_parallel, load_balanced_index
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {  # causal RoPE GQA with a sliding window of 8 (crosses the 8-token chunks of a 32-token row) and without
@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from builder import build_model, load_spec
+    from yamlformer.builder import build_model, load_spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -82,8 +82,8 @@ class _Mesh:  # what apply_context_parallel reads of a mesh before it asks for i
 
 @pytest.mark.parametrize("spec", ["diff-transformer", "deepseek-v2"])  # differential, multi-head latent
 def test_an_attention_without_context_parallelism_is_refused_by_name(spec):
-    from builder import build_model, load_spec
-    from recipes.errors import RecipeError
+    from yamlformer.builder import build_model, load_spec
+    from yamlformer.recipes.errors import RecipeError
 
     model = build_model(load_spec(ROOT / "specs" / "tiny" / f"{spec}.yaml"))
     with pytest.raises(
@@ -96,8 +96,8 @@ def test_an_attention_without_context_parallelism_is_refused_by_name(spec):
 def test_a_head_with_attention_of_its_own_is_refused_by_its_field():
     """Multi-token prediction's layer attends over the whole sequence, which a rank's share is not:
     the head's own contract says so, as the planner reads it."""
-    from builder import build_model, load_spec
-    from recipes.errors import RecipeError
+    from yamlformer.builder import build_model, load_spec
+    from yamlformer.recipes.errors import RecipeError
 
     spec = load_spec(ROOT / "specs" / "tiny" / "llama.yaml", {"head": {"type": "mtp"}})
     with pytest.raises(RecipeError, match=r"trainer.context_parallel 2: head\.type: the mtp head runs attention"):
@@ -117,8 +117,8 @@ def test_a_head_with_attention_of_its_own_is_refused_by_its_field():
     ],
 )
 def test_a_context_parallel_recipe_that_cannot_run_is_refused_at_its_line(tmp_path, sections, where):
-    from builder.spec.source import SpecError
-    from recipes.recipe.sections import load_recipe
+    from yamlformer.builder.spec.source import SpecError
+    from yamlformer.recipes.recipe.sections import load_recipe
 
     path = tiny_recipe(tmp_path, **sections)
     with pytest.raises(SpecError) as caught:
@@ -131,7 +131,7 @@ def test_a_context_parallel_recipe_that_cannot_run_is_refused_at_its_line(tmp_pa
 
 
 #: a mixture of experts too: its balancing loss is the whole micro-batch's, its statistics summed
-#: over both shares of every sequence (``blocks.experts.balance_statistics``), as one process counts them
+#: over both shares of every sequence (``yamlformer.blocks.experts.balance_statistics``), as one process counts them
 TRAINED = {**SPECS, "experts": ROOT / "specs" / "tiny" / "mixtral.yaml"}
 
 

@@ -1,4 +1,4 @@
-"""Every registered block honours its contract (``blocks.configs.base``), found by walking the
+"""Every registered block honours its contract (``yamlformer.blocks.configs.base``), found by walking the
 registry: a block registered later (a plugin's; ``BUILDER_PLUGINS=module pytest ...``) is covered
 without editing this file. Counts and FLOPs: ``tests/test_block_counts.py``.
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blocks import registry
-from blocks.cache import KVCache
-from builder.analysis.estimates import estimate
-from builder.assemble import build_model
-from builder.spec.schema import ModelSpec
+from yamlformer.blocks import registry
+from yamlformer.blocks.cache import KVCache
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.spec.schema import ModelSpec
 
 D_MODEL, VOCAB, MAX_SEQ = 32, 64, 32
 WHERE = {
@@ -63,7 +63,7 @@ def _spec_data(**blocks) -> dict:
 @pytest.fixture(scope="module")
 def json_schema():
     jsonschema = pytest.importorskip("jsonschema")
-    from builder.cli.schema import spec_json_schema
+    from yamlformer.builder.cli.schema import spec_json_schema
 
     return jsonschema.Draft202012Validator(spec_json_schema())
 
@@ -117,9 +117,9 @@ def test_attention_positions_decode_with_the_cache_as_full_recomputation(positio
 def test_register_refuses_a_block_that_breaks_its_contract():
     from typing import Literal
 
-    from blocks.configs.base import NormBlock
-    from blocks.configs.norm import RMSNormConfig
-    from blocks.registry import RegistryError, register
+    from yamlformer.blocks.configs.base import NormBlock
+    from yamlformer.blocks.configs.norm import RMSNormConfig
+    from yamlformer.blocks.registry import RegistryError, register
 
     class HalfNorm(NormBlock):
         type: Literal["half"] = "half"
@@ -129,6 +129,6 @@ def test_register_refuses_a_block_that_breaks_its_contract():
 
     with pytest.raises(RegistryError, match="leaves param_shapes, saved_bytes of NormBlock unimplemented"):
         register("norm", "nowhere:HalfNorm")(HalfNorm)
-    with pytest.raises(RegistryError, match="must subclass blocks.configs.base.AttentionBlock"):
+    with pytest.raises(RegistryError, match="must subclass yamlformer.blocks.configs.base.AttentionBlock"):
         register("attention", "nowhere:RMSNorm")(RMSNormConfig)
     assert "half" not in registry.configs("norm")

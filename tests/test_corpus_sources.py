@@ -1,5 +1,5 @@
 """Recipes that train on token files other tools wrote and on mixtures: Megatron-LM datasets,
-nanoGPT's raw .bin files, `builder tokenize` outputs and text, by weight (recipes.data.corpus)."""
+nanoGPT's raw .bin files, `builder tokenize` outputs and text, by weight (yamlformer.recipes.data.corpus)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 from recipe_helpers import tiny_recipe
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
 
@@ -18,8 +18,8 @@ TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i i
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
     """A small sentencepiece model (with an EOS) and the documents it tokenizes."""
-    from recipes.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
-    from recipes.recipe.sections import TokenizerSection
+    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
+    from yamlformer.recipes.recipe.sections import TokenizerSection
 
     folder = tmp_path_factory.mktemp("tokenizer")
     proto = train_sentencepiece(TEXT, TokenizerSection(vocab_size=300))
@@ -51,8 +51,8 @@ def recipe_for(tmp_path, model_file, sources, **data):
 
 
 def test_a_megatron_dataset_and_a_raw_bin_train_as_a_weighted_mixture_and_resume(tmp_path, tokenizer_file):
-    from recipes.data.megatron import write_megatron
-    from recipes.training.run import run
+    from yamlformer.recipes.data.megatron import write_megatron
+    from yamlformer.recipes.training.run import run
 
     model_file, tokenizer = tokenizer_file
     write_megatron(tmp_path / "code_text_document", token_documents(tokenizer, seed=1))
@@ -75,8 +75,8 @@ def test_a_megatron_dataset_and_a_raw_bin_train_as_a_weighted_mixture_and_resume
 
 
 def test_a_document_masked_mixture_trains(tmp_path, tokenizer_file):
-    from recipes.data.megatron import write_megatron
-    from recipes.training.run import run
+    from yamlformer.recipes.data.megatron import write_megatron
+    from yamlformer.recipes.training.run import run
 
     model_file, tokenizer = tokenizer_file
     write_megatron(tmp_path / "docs", token_documents(tokenizer))
@@ -85,9 +85,9 @@ def test_a_document_masked_mixture_trains(tmp_path, tokenizer_file):
 
 
 def test_the_dry_run_shows_each_source_s_share_and_epochs_and_train_refuses_past_a_limit(tmp_path, tokenizer_file):
-    from recipes.data.megatron import write_megatron
-    from recipes.training.dry_run import dry_run
-    from recipes.training.run import run
+    from yamlformer.recipes.data.megatron import write_megatron
+    from yamlformer.recipes.training.dry_run import dry_run
+    from yamlformer.recipes.training.run import run
 
     model_file, tokenizer = tokenizer_file
     write_megatron(tmp_path / "small", token_documents(tokenizer, n=20))
@@ -103,7 +103,7 @@ def test_the_dry_run_shows_each_source_s_share_and_epochs_and_train_refuses_past
 
 
 def test_a_token_file_made_with_a_larger_vocabulary_is_refused_naming_it(tmp_path, tokenizer_file):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     model_file, _ = tokenizer_file
     np.arange(0, 5000, dtype=np.uint16).tofile(tmp_path / "other.bin")
@@ -112,7 +112,7 @@ def test_a_token_file_made_with_a_larger_vocabulary_is_refused_naming_it(tmp_pat
 
 
 def test_token_files_without_a_tokenizer_are_refused_with_what_to_set(tmp_path, tokenizer_file):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     np.arange(0, 200, dtype=np.uint16).tofile(tmp_path / "t.bin")
     path = tiny_recipe(
@@ -123,8 +123,8 @@ def test_token_files_without_a_tokenizer_are_refused_with_what_to_set(tmp_path, 
 
 
 def test_a_weight_that_is_not_positive_is_refused_where_it_is_written(tmp_path):
-    from builder.spec.loader import SpecError
-    from recipes.recipe.sections import load_recipe
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.recipes.recipe.sections import load_recipe
 
     path = tiny_recipe(tmp_path, data={"sources": [{"path": "a.bin", "weight": 0}]})
     with pytest.raises(SpecError) as caught:
@@ -136,8 +136,8 @@ def test_a_weight_that_is_not_positive_is_refused_where_it_is_written(tmp_path):
 def test_a_tokenize_output_and_text_train_together_with_the_dataset_s_tokenizer(tmp_path, tokenizer_file, capsys):
     import json
 
-    from builder.cli import main
-    from recipes.training.run import run
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training.run import run
 
     model_file, tokenizer = tokenizer_file
     lines = [json.dumps({"text": chunk}) for chunk in TEXT.split("\n\n")[:300]]
@@ -180,7 +180,7 @@ def test_a_tokenize_output_and_text_train_together_with_the_dataset_s_tokenizer(
 def test_caches_go_to_the_user_cache_unless_an_earlier_version_left_one_here(tmp_path, monkeypatch):
     import platformdirs
 
-    from recipes.recipe.sections import DataSection
+    from yamlformer.recipes.recipe.sections import DataSection
 
     monkeypatch.chdir(tmp_path)
     assert DataSection().cache_dir == platformdirs.user_cache_dir("builder", appauthor=False)

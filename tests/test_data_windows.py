@@ -1,5 +1,5 @@
 """Token files other tools wrote, mixtures by weight, and windows that resume on any world size
-(recipes.data.megatron, recipes.data.mixture, recipes.data.windows)."""
+(yamlformer.recipes.data.megatron, yamlformer.recipes.data.mixture, yamlformer.recipes.data.windows)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.data.megatron import Part, read_megatron, read_raw, write_megatron
-from recipes.data.mixture import BLOCK, Blend, Source, Stream
-from recipes.data.windows import IGNORE, Mixture, TrainWindows, ValWindows, to_batch
-from recipes.errors import RecipeError
+from yamlformer.recipes.data.megatron import Part, read_megatron, read_raw, write_megatron
+from yamlformer.recipes.data.mixture import BLOCK, Blend, Source, Stream
+from yamlformer.recipes.data.windows import IGNORE, Mixture, TrainWindows, ValWindows, to_batch
+from yamlformer.recipes.errors import RecipeError
 
 
 def documented_megatron(prefix, documents, code=8, dtype="<u2"):
@@ -44,7 +44,7 @@ def test_a_megatron_dataset_reads_back_the_ids_its_layout_holds(tmp_path, code, 
     documents = some_documents()
     documented_megatron(tmp_path / "corpus_text_document", documents, code, dtype)
     for given in ("corpus_text_document", "corpus_text_document.bin", "corpus_text_document.idx"):
-        from recipes.data.megatron import megatron_prefix
+        from yamlformer.recipes.data.megatron import megatron_prefix
 
         part = read_megatron(megatron_prefix(tmp_path / given))
         assert np.array_equal(np.asarray(part.tokens), np.concatenate(documents))
@@ -177,7 +177,7 @@ def test_an_id_outside_the_vocabulary_names_its_source():
 
 
 def test_the_data_position_counts_windows_across_world_sizes():
-    from recipes.data.windows import LMDataModule
+    from yamlformer.recipes.data.windows import LMDataModule
 
     mixture = Mixture([Source("a", stream(5000, 8), stream(200, 8))], seed=0, vocab_size=10_000)
     data = LMDataModule(mixture, batch_size=4, seed=0, val_batches=2, accumulate=2, num_workers=0)
@@ -192,7 +192,7 @@ def test_the_data_position_counts_windows_across_world_sizes():
 def test_a_part_pickles_as_its_file_so_a_spawned_worker_maps_it_again(tmp_path):
     import pickle
 
-    from recipes.data.corpus import tail_split
+    from yamlformer.recipes.data.corpus import tail_split
 
     np.arange(1_000_000, dtype=np.uint32).tofile(tmp_path / "big.bin")
     train, held = tail_split(read_raw(tmp_path / "big.bin", "uint32"), 0.1)
@@ -205,7 +205,7 @@ def test_a_part_pickles_as_its_file_so_a_spawned_worker_maps_it_again(tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
 def test_an_epoch_order_is_a_permutation_in_constant_memory(n):
-    from recipes.data.mixture import epoch_order
+    from yamlformer.recipes.data.mixture import epoch_order
 
     offset, order = epoch_order(0, 0, 0, 0, n, seq_len=8)
     assert sorted(order[k] for k in range(n)) == list(range(n)) and 0 <= offset < 8

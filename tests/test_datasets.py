@@ -14,8 +14,8 @@ import pytest
 import yaml
 from data_helpers import Server, real_data_root, stand_in, stand_in_files
 
-from recipes.data import registry as datasets
-from recipes.data.registry import DatasetError
+from yamlformer.recipes.data import registry as datasets
+from yamlformer.recipes.data.registry import DatasetError
 
 SHAKESPEARE = "tinyshakespeare.txt"
 VAL = ("multi30k/val.de", "multi30k/val.en")
@@ -192,8 +192,8 @@ def _recipe(tmp_path: Path, data: dict, task: str = "lm") -> Path:
 
 
 def test_recipes_name_datasets_and_typos_are_located(tmp_path):
-    from builder.spec.loader import SpecError
-    from recipes.recipe.sections import load_recipe
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.recipes.recipe.sections import load_recipe
 
     recipe = load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data"}))
     assert recipe.data.corpus() == ["tinyshakespeare"] and recipe.data.val_fraction == 0.1  # the dataset's split
@@ -219,10 +219,10 @@ def test_recipes_name_datasets_and_typos_are_located(tmp_path):
 
 
 def test_a_recipe_reads_a_dataset_from_its_root(tmp_path, monkeypatch):
-    from recipes.data.corpus import read_corpus
-    from recipes.recipe.sections import load_recipe
-    from recipes.tasks.classification.training import labelled_examples
-    from recipes.tasks.translation.training import pair_paths
+    from yamlformer.recipes.data.corpus import read_corpus
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks.classification.training import labelled_examples
+    from yamlformer.recipes.tasks.translation.training import pair_paths
 
     contents = {**stand_in_files("tinyshakespeare"), **stand_in_files("multi30k")}
     for name in ("tinyshakespeare", "multi30k"):

@@ -13,13 +13,13 @@ import pytest
 import torch
 from sharded_helpers import end_process_group
 
-from blocks import registry
-from blocks.build import Dims, build_block
-from blocks.cache import KVCache
-from blocks.init import init_weights
-from builder import build_model, estimate, load_spec
-from builder.spec.loader import SpecError
-from builder.spec.schema import SpecRuleError, spec_model
+from yamlformer.blocks import registry
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.blocks.cache import KVCache
+from yamlformer.blocks.init import init_weights
+from yamlformer.builder import build_model, estimate, load_spec
+from yamlformer.builder.spec.loader import SpecError
+from yamlformer.builder.spec.schema import SpecRuleError, spec_model
 
 torch.set_num_threads(1)
 
@@ -43,7 +43,7 @@ def test_full_specs_count_what_transformers_builds_on_meta(name, family):
     writes for it: the main model (DeepseekV3ForCausalLM) is the spec with an lm head, and V3's
     multi-token-prediction module is transformers' MtpModel less the embedding and head it shares."""
     transformers = pytest.importorskip("transformers")
-    from builder.hf import FAMILIES
+    from yamlformer.builder.hf import FAMILIES
 
     spec = load_spec(SPECS / f"{name}.yaml")
     config = FAMILIES[family].to_config(spec)
@@ -355,7 +355,7 @@ def test_latent_attention_is_refused_as_a_cross_attention():
 @pytest.mark.parametrize("name, family", [("deepseek-v2", "deepseek_v2"), ("deepseek-v3", "deepseek_v3")])
 def test_zoo_tiny_specs_export_with_the_same_logits(tmp_path, name, family):
     transformers = pytest.importorskip("transformers")
-    from builder.hf import to_hf
+    from yamlformer.builder.hf import to_hf
 
     spec = load_spec(SPECS / "tiny" / f"{name}.yaml")
     torch.manual_seed(0)

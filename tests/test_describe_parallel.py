@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from builder.analysis.layout import Layout, model_tensors, rank_states
-from builder.analysis.perf import Model, Run, memory
-from builder.cli import main
-from builder.spec.loader import load_spec
+from yamlformer.builder.analysis.layout import Layout, model_tensors, rank_states
+from yamlformer.builder.analysis.perf import Model, Run, memory
+from yamlformer.builder.cli import main
+from yamlformer.builder.spec.loader import load_spec
 
 TINY = Path(__file__).resolve().parents[1] / "specs" / "tiny"
 BF16 = 2
@@ -82,8 +82,8 @@ def test_pipeline_stages_hold_exactly_their_layers_states(capsys):
     fp32 step per tensor; the built model's parameters, grouped by the same cut, say which."""
     import torch
 
-    from builder.analysis.shards import stage_layers
-    from builder.assemble import build_model
+    from yamlformer.builder.analysis.shards import stage_layers
+    from yamlformer.builder.assemble import build_model
 
     spec = load_spec(TINY / "llama.yaml")
     model = build_model(spec, device=torch.device("meta"))
@@ -114,10 +114,10 @@ def test_v_placed_stages_hold_the_first_and_the_last_and_the_dry_run_counts_them
     import torch
     from recipe_helpers import tiny_recipe
 
-    from builder.analysis.layout_memory import layout_memory
-    from builder.analysis.report import human_bytes
-    from builder.assemble import build_model
-    from recipes.training.dry_run import dry_run
+    from yamlformer.builder.analysis.layout_memory import layout_memory
+    from yamlformer.builder.analysis.report import human_bytes
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.recipes.training.dry_run import dry_run
 
     spec = load_spec(TINY / "llama.yaml", {"decoder": {"n_layers": 4}, "tie_embeddings": False})
     model = build_model(spec, device=torch.device("meta"))

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from sharded_helpers import end_process_group
 
-from blocks import registry
-from blocks.attention import AttentionInputs
-from blocks.build import Dims, build_block
-from blocks.init import init_weights
-from builder import build_model, load_spec
-from builder.spec.loader import SpecError
+from yamlformer.blocks import registry
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.blocks.init import init_weights
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.spec.loader import SpecError
 
 torch.set_num_threads(1)
 
@@ -147,7 +147,7 @@ def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from recipes.parallel.tensor import apply_tensor_parallel
+    from yamlformer.recipes.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     spec = load_spec(TINY, overrides={"decoder.attention.n_kv_heads": 2})

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blocks.positions import document_positions
-from builder import build_model, load_spec
-from builder.spec.schema import spec_model
-from kernels import attention
-from kernels.attention import document_starts
+from yamlformer.blocks.positions import document_positions
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.spec.schema import spec_model
+from yamlformer.kernels import attention
+from yamlformer.kernels.attention import document_starts
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
@@ -250,7 +250,7 @@ def test_triton_skips_the_tiles_before_a_document_start(poisoned, checked):
     under the mask, spreads it. The last query tile (64..69, its first document starting at 60)
     never reads the key tile 0..31 (forward and dq); the last key tile's dk/dv never read the
     query tile 0..31."""
-    from kernels import triton_attention
+    from yamlformer.kernels import triton_attention
 
     assert (triton_attention.INTERPRET_BLOCK_M, triton_attention.INTERPRET_BLOCK_N) == (32, 32)
     documents = torch.repeat_interleave(torch.arange(3), torch.tensor([40, 20, 10]))[None]
@@ -285,7 +285,7 @@ def _refused(call, match: str) -> str:
 
 
 def test_refusals_name_document_ids():
-    from blocks.generation import KVCache
+    from yamlformer.blocks.generation import KVCache
 
     spec, model = _model("rope", "eager")
     ids, documents, _ = _packed(spec)

@@ -33,7 +33,7 @@ ENCODER = {
 
 
 class _Tok:
-    """Enough of a sentencepiece tokenizer for :class:`recipes.tasks.mlm.training.Specials`."""
+    """Enough of a sentencepiece tokenizer for :class:`yamlformer.recipes.tasks.mlm.training.Specials`."""
 
     vocab_size = 100
 
@@ -43,7 +43,7 @@ class _Tok:
 
 
 def test_masking_statistics_and_specials_untouched():
-    from recipes.tasks.mlm.training import Specials, mask_tokens
+    from yamlformer.recipes.tasks.mlm.training import Specials, mask_tokens
 
     specials = Specials(_Tok())
     g = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def test_masking_statistics_and_specials_untouched():
 
 
 def test_classification_metrics():
-    from recipes.tasks.classification.training import classification_metrics
+    from yamlformer.recipes.tasks.classification.training import classification_metrics
 
     predictions, labels = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 1, 1, 1, 0])
     m = classification_metrics(predictions, labels, 3)
@@ -102,9 +102,9 @@ def _write_recipe(tmp_path: Path, name: str, recipe: dict) -> Path:
 
 @pytest.mark.slow  # 12 s: two runs
 def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
-    from builder.cli import main
-    from recipes.trained import load_trained
-    from recipes.training.run import run
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.trained import load_trained
+    from yamlformer.recipes.training.run import run
 
     corpus = tmp_path / "corpus.txt"  # tiny Shakespeare when a local copy is here, else made-up prose like it
     real = real_data_root("tinyshakespeare.txt")
@@ -168,9 +168,9 @@ def test_mlm_run_then_classification_from_its_encoder(tmp_path, capsys):
 
 
 def test_classification_starts_from_the_mlm_encoder(tmp_path):
-    from builder import build_model
-    from builder.spec.schema import spec_model
-    from recipes.tasks.classification.training import load_encoder
+    from yamlformer.builder import build_model
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.recipes.tasks.classification.training import load_encoder
 
     torch.manual_seed(0)
     mlm = build_model(spec_model().model_validate(dict(ENCODER, vocab_size=50)))
@@ -188,8 +188,8 @@ def test_classification_starts_from_the_mlm_encoder(tmp_path):
 
 
 def test_encoder_recipe_rules(tmp_path):
-    from builder.spec.loader import SpecError
-    from recipes.recipe.sections import load_recipe
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.recipes.recipe.sections import load_recipe
 
     path = _write_recipe(tmp_path, "bad", {"task": "classification", "data": {"text_field": "body"}})
     with pytest.raises(SpecError, match="data.file"):

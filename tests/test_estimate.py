@@ -14,17 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from blocks import generation
-from blocks.configs.ffn import GLUConfig
-from blocks.configs.pairs import visible_pairs
-from builder.analysis import mfu
-from builder.analysis.estimates import estimate
-from builder.analysis.layout import Layout
-from builder.assemble import build_model
-from builder.cli import main
-from builder.cli.compare import compare
-from builder.spec.loader import load_spec
-from builder.spec.schema import spec_model
+from yamlformer.blocks import generation
+from yamlformer.blocks.configs.ffn import GLUConfig
+from yamlformer.blocks.configs.pairs import visible_pairs
+from yamlformer.builder.analysis import mfu
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.analysis.layout import Layout
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.cli import main
+from yamlformer.builder.cli.compare import compare
+from yamlformer.builder.spec.loader import load_spec
+from yamlformer.builder.spec.schema import spec_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").rglob("*.yaml"))
@@ -140,7 +140,7 @@ def test_memory_conventions():
     fp32 = estimate(spec, seq_len=1024, batch=2, dtype="fp32").memory
     assert (fp32.weights, fp32.master_weights, fp32.gradients, fp32.optimizer) == (4 * n, 0, 4 * n, 8 * n)
     fsdp = estimate(spec, seq_len=1024, batch=2, layout=Layout(devices=8)).memory
-    # FSDP2 (builder.analysis.layout): fp32 shards that are the master weights (every Llama dim divides
+    # FSDP2 (yamlformer.builder.analysis.layout): fp32 shards that are the master weights (every Llama dim divides
     # by 8), fp32 sharded gradients, AdamW's two states and a step for each of the 291 tensors
     assert (fsdp.weights, fsdp.master_weights, fsdp.gradients) == (4 * n // 8, 0, 4 * n // 8)
     assert fsdp.optimizer == 8 * n // 8 + 4 * 291
@@ -300,7 +300,7 @@ def test_diff(capsys, tmp_path, monkeypatch):
 
 def test_describe_gpt3_is_torch_free_and_fast():
     code = (
-        "import sys, time; from builder.cli import main; "
+        "import sys, time; from yamlformer.builder.cli import main; "
         "main(['describe', 'specs/gpt3-175b.yaml']); "
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', time.process_time())"
     )
@@ -341,7 +341,7 @@ def test_mfu(monkeypatch):
 
 def test_the_package_exports_the_estimate_function():
     """`from builder import estimate` is the function of the contract, even after the module loads."""
-    import builder.analysis.estimates  # noqa: F401  (a loaded submodule must not shadow the export)
-    from builder import estimate as exported
+    import yamlformer.builder.analysis.estimates  # noqa: F401  (a loaded submodule must not shadow the export)
+    from yamlformer.builder import estimate as exported
 
     assert callable(exported) and exported is estimate

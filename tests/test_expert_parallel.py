@@ -25,7 +25,7 @@ SEED = 7
 
 
 def _spec(name: str):
-    from builder.spec.loader import load_spec
+    from yamlformer.builder.spec.loader import load_spec
 
     return load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml")
 
@@ -33,10 +33,10 @@ def _spec(name: str):
 def _sharded(rank: int, world: int, store: str, spec, **layout):
     """Join the ``world`` processes' group and return ``spec`` built on meta and parallelised as
     ``trainer`` with ``layout`` (fsdp, fp32) lays it out, each rank drawing its own shards."""
-    from builder.assemble import build_model
-    from recipes.parallel import parallelize
-    from recipes.parallel.mesh import device_mesh, layout_of
-    from recipes.recipe.sections import TrainerSection
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.recipes.parallel import parallelize
+    from yamlformer.recipes.parallel.mesh import device_mesh, layout_of
+    from yamlformer.recipes.recipe.sections import TrainerSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -50,7 +50,7 @@ def _sharded(rank: int, world: int, store: str, spec, **layout):
 def _worker(rank: int, world: int, name: str, store: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from builder.assemble import build_model
+    from yamlformer.builder.assemble import build_model
 
     spec = _spec(name)
     model = _sharded(rank, world, store, spec, expert_parallel=world)
@@ -91,7 +91,7 @@ def _held_bytes(model) -> dict[str, int]:
     """The bytes of weights, gradients and AdamW state this rank holds (after one step), and its tensors."""
     from torch.distributed.tensor import DTensor
 
-    from recipes.training.module import param_groups
+    from yamlformer.recipes.training.module import param_groups
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
@@ -113,8 +113,8 @@ def _held_bytes(model) -> dict[str, int]:
 
 
 def _counted(spec, layout, rank: int) -> dict[str, int]:
-    """What ``builder.analysis.layout.rank_states`` counts of ``rank``, as :func:`_held_bytes` reports it."""
-    from builder.analysis.layout import rank_states
+    """What ``yamlformer.builder.analysis.layout.rank_states`` counts of ``rank``, as :func:`_held_bytes` reports it."""
+    from yamlformer.builder.analysis.layout import rank_states
 
     want = rank_states(spec, layout, rank)
     return {"weights": want.weights, "gradients": want.gradients, "optimizer": want.optimizer, "tensors": want.tensors}
@@ -134,8 +134,8 @@ def _layout_worker(rank: int, world: int, cp: int, ep: int, store: str, out: str
 def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_loss_and_gradients(
     name, tmp_path, capsys
 ):
-    from builder.analysis.layout import Layout, rank_states
-    from builder.cli import main
+    from yamlformer.builder.analysis.layout import Layout, rank_states
+    from yamlformer.builder.cli import main
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(2, name, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
@@ -168,7 +168,7 @@ def test_every_ep_rank_holds_what_describe_counts_and_computes_the_whole_models_
 def test_under_context_parallelism_every_ep_rank_holds_what_describe_counts(ep, tmp_path):
     """EP 2 (the context-parallel pair; experts FSDP-sharded over the other pair) and EP 4 (the
     pair and both data-parallel ranks) with CP 2 on 4 processes: each rank's bytes, as counted."""
-    from builder.analysis.layout import Layout
+    from yamlformer.builder.analysis.layout import Layout
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_layout_worker, args=(4, 2, ep, str(tmp_path / "store"), str(tmp_path)), nprocs=4)
@@ -181,7 +181,7 @@ def test_under_context_parallelism_every_ep_rank_holds_what_describe_counts(ep, 
 
 
 def _refused(tmp_path, capsys, needles, spec=None, **trainer) -> None:
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     sections = {"trainer": trainer}
     if spec is not None:
@@ -245,8 +245,8 @@ def test_layouts_expert_parallelism_cannot_run_are_refused_at_their_line(tmp_pat
 
 
 def test_the_mesh_borrows_expert_ranks_from_context_then_data_parallel_ones():
-    from builder.analysis.layout import Layout
-    from recipes.parallel.mesh import MESH_DIMS, expert_dims, mesh_shape
+    from yamlformer.builder.analysis.layout import Layout
+    from yamlformer.recipes.parallel.mesh import MESH_DIMS, expert_dims, mesh_shape
 
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
     assert mesh_shape(Layout(devices=8, tensor_parallel=2, expert_parallel=2)) == (1, 1, 2, 2, 1, 2)
@@ -260,7 +260,7 @@ def test_the_mesh_borrows_expert_ranks_from_context_then_data_parallel_ones():
 
 
 def test_expert_parallel_with_context_parallel_is_a_multiple_of_it():
-    from recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.recipe.sections import TrainerSection
 
     with pytest.raises(ValueError, match="expert_parallel 2 with context_parallel 4: .* multiple of context_parallel"):
         TrainerSection(strategy="fsdp", accelerator="cpu", devices=8, context_parallel=4, expert_parallel=2)

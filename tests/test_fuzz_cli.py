@@ -1,7 +1,7 @@
 """Fuzzing the command line in-process: hypothesis writes hostile spec and recipe files (mutated
 real ones, YAML tricks, other files' text) and hostile argument lists (every option of every
 command, with values out of range, of the wrong kind, paths to what is not a file of ours), and
-runs ``builder.cli.main`` on them. Whatever it draws, the command ends with a documented exit
+runs ``yamlformer.builder.cli.main`` on them. Whatever it draws, the command ends with a documented exit
 status (0 done, 1 refused input, 2 malformed command line), prints no traceback and never the
 last-resort "internal error", within a set time and a set growth of the process's peak memory.
 
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from recipe_helpers import tiny_recipe
 
-from builder import load_spec
+from yamlformer.builder import load_spec
 
 #: (default run, slow run) examples per test
 EXAMPLES = {"fast": 30, "slow": 400}
@@ -327,12 +327,12 @@ RECIPE_KEYS = [
 @pytest.fixture()
 def no_training(monkeypatch):
     """Stop where training would begin: everything before the first step is what is fuzzed."""
-    import recipes.training.run
+    import yamlformer.recipes.training.run
 
     def reached(*args, **kwargs):
         raise SystemExit(0)  # the recipe, its data, tokenizer, model and run folder were all accepted
 
-    monkeypatch.setattr(recipes.training.run, "run_trainer", reached)
+    monkeypatch.setattr(yamlformer.recipes.training.run, "run_trainer", reached)
 
 
 def _recipe_base(hostile) -> dict:
@@ -386,7 +386,7 @@ def test_hostile_recipe_files_at_length(capsys, hostile, in_tmp, no_training, da
 
 #: module names --plugin may take here (importing any name runs that module: never a random one;
 #: nor one that registers blocks, which would stay registered for the rest of the suite)
-PLUGINS = ["no_such_plugin_module", "", "builder", "builder.commands", ".", "a..b", "1abc", "os.path.x"]
+PLUGINS = ["no_such_plugin_module", "", "builder", "yamlformer.commands", ".", "a..b", "1abc", "os.path.x"]
 OPTION_VALUES = st.one_of(
     st.sampled_from(
         [
@@ -467,7 +467,7 @@ OUTPUT_TYPES = ("output_folder", "output_file")
 
 
 def _command_parsers() -> dict:
-    from builder.cli import parser
+    from yamlformer.builder.cli import parser
 
     root = parser()
     sub = next(a for a in root._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -546,7 +546,7 @@ def test_the_harness_fails_a_hang_and_an_internal_error(capsys, monkeypatch):
     reaches the last-resort net."""
     import hostile_helpers
 
-    import builder.cli.schema as schema
+    import yamlformer.builder.cli.schema as schema
 
     monkeypatch.setattr(hostile_helpers, "SECONDS", 0.2)
     monkeypatch.setattr(schema, "run", lambda args: time.sleep(5))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder import build_model, load_spec
-from builder.spec.schema import spec_model
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.spec.schema import spec_model
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
@@ -79,7 +79,7 @@ def test_cached_greedy_equals_full_recomputation(path):
 @pytest.mark.parametrize("path", GENERATIVE, ids=_ids)
 def test_cached_logits_equal_full_forward(path):
     """Feed a sequence token by token through the cache; every step's logits match the full pass."""
-    from blocks.generation import KVCache
+    from yamlformer.blocks.generation import KVCache
 
     spec = load_spec(path)
     model = _model(spec)
@@ -114,7 +114,7 @@ def test_sliding_window_cache_evicts_and_stays_exact(name):
 
 def test_window_cache_with_chunked_prefill_matches_full():
     """Chunks of several tokens meeting a wrapped ring buffer (the general update path)."""
-    from blocks.generation import KVCache
+    from yamlformer.blocks.generation import KVCache
 
     spec = WINDOW_SPECS["alibi"]
     model = _model(spec)
@@ -166,7 +166,7 @@ def test_beam_search_with_one_beam_is_greedy(path):
     greedy = model.generate(x, max_new_tokens=8, **kw)
     assert torch.equal(model.generate(x, max_new_tokens=8, num_beams=1, **kw), greedy)
     # the beam-search code path itself, with one beam
-    from blocks import generation
+    from yamlformer.blocks import generation
 
     state = model._decode_state(x, None, kw.get("decoder_input_ids"), None, None, 1, True, 8)
     beams = generation._beam_search(state, 1, 8, [], None, 1.0, False)
@@ -265,7 +265,7 @@ def test_sampling_semantics():
 
 
 def test_sample_next_filters():
-    from blocks.generation import sample_next
+    from yamlformer.blocks.generation import sample_next
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).log_softmax(-1).expand(2000, 4)
     drawn = sample_next(logits, None, 2, None, torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""Grouped expert matmuls (``blocks.experts.grouped_linear``): torch's ``F.grouped_mm`` where it runs
+"""Grouped expert matmuls (``yamlformer.blocks.experts.grouped_linear``): torch's ``F.grouped_mm`` where it runs
 gives the per-expert loop's outputs and gradients, empty experts included; where it does not run (a
 dtype or layout it refuses) the loop does; FlopCounterMode counts both alike."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from blocks.experts import grouped_linear, grouped_mm_runs
+from yamlformer.blocks.experts import grouped_linear, grouped_mm_runs
 
 COUNTS = torch.tensor([3, 0, 5, 2])  # an expert with no rows among them
 
@@ -72,8 +72,8 @@ def test_flop_counter_counts_grouped_mm_as_the_loop():
 
 
 def test_grouped_experts_compute_the_same_through_either_path():
-    from blocks import registry
-    from blocks.configs.ffn import MoEConfig
+    from yamlformer.blocks import registry
+    from yamlformer.blocks.configs.ffn import MoEConfig
 
     config = MoEConfig(
         n_experts=4,
@@ -103,8 +103,8 @@ def test_grouped_experts_compute_the_same_through_either_path():
 def test_a_checkpoint_with_one_module_per_expert_loads_into_the_stacked_experts(name):
     """``moe``'s experts were separate modules before they were stacked: a state dict with
     ``experts.{e}.up_proj.weight`` names (biases too) loads, each tensor in its expert's row."""
-    from builder.assemble import build_model
-    from builder.spec.loader import load_spec
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.spec.loader import load_spec
 
     spec = load_spec(f"specs/tiny/{name}.yaml")
     torch.manual_seed(0)

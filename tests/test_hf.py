@@ -20,9 +20,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from builder.analysis.estimates import estimate
-from builder.assemble import build_model
-from builder.hf import (
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.hf import (
     TOKEN_KEYS,
     from_hf,
     import_hf,
@@ -30,7 +30,7 @@ from builder.hf import (
     read_weights,
     to_hf,
 )
-from builder.spec.loader import load_spec
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120
@@ -546,7 +546,7 @@ def test_every_family_has_a_parity_case():
     or in the ``CASES`` of a ``tests/test_hf_*.py`` file that runs these checks on its own."""
     import importlib
 
-    from builder.hf import FAMILIES
+    from yamlformer.builder.hf import FAMILIES
 
     cases = list(CASES.values())
     for path in sorted(Path(__file__).parent.glob("test_hf_*.py")):

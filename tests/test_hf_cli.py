@@ -16,9 +16,9 @@ transformers.logging.set_verbosity_error()
 
 from test_hf import CASES, REPO, _batch, _logits, _randomize
 
-from builder.assemble import build_model
-from builder.hf import HFError, from_hf, load_weights
-from builder.spec.loader import load_spec
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.hf import HFError, from_hf, load_weights
+from yamlformer.builder.spec.loader import load_spec
 
 # --- the command line, other on-disk layouts, and errors ---------------------------------
 
@@ -32,7 +32,7 @@ def _saved(case_name: str, folder: Path, **save_kwargs):
 
 
 def test_cli_import_then_export_loads_in_transformers(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     hf = _saved("gpt2", tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "ours")]) == 0
@@ -45,7 +45,7 @@ def test_cli_import_then_export_loads_in_transformers(tmp_path, capsys):
 
 
 def test_unsupported_model_type_lists_the_families_and_exits_1(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bloom"}))
@@ -105,7 +105,7 @@ def _fresh(tmp_path: Path) -> Path:
 def test_export_says_why_a_spec_has_no_hugging_face_family(tmp_path, capsys):
     import yaml
 
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     spec = {
         "name": "alibi-lm",
@@ -117,7 +117,7 @@ def test_export_says_why_a_spec_has_no_hugging_face_family(tmp_path, capsys):
         "decoder": {"n_layers": 1, "attention": {"n_heads": 4}, "norm": {"type": "rmsnorm"}},
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    from builder.hf import save_weights
+    from yamlformer.builder.hf import save_weights
 
     save_weights(build_model(load_spec(tmp_path / "spec.yaml")), tmp_path / "model.safetensors")
     assert main(["export-hf", str(tmp_path / "spec.yaml"), "-o", str(tmp_path / "out")]) == 1
@@ -137,7 +137,7 @@ def test_export_from_a_training_checkpoint(tmp_path):
         "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
     }
     torch.save(ckpt, tmp_path / "last.ckpt")
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     assert main(["export-hf", str(tmp_path / "last.ckpt"), "-o", str(tmp_path / "out")]) == 0
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -163,14 +163,14 @@ def test_gemma_embedding_scale_is_rounded_to_the_model_dtype(tmp_path):
 def test_zoo_gemma2_is_exported_as_gemma2_by_default():
     """specs/tiny/gemma2.yaml (the zoo's Gemma 2 fields: softcaps, sandwich norms, windows on even
     layers) is written as Gemma 2 without naming the family (its logits: test_hf_families_zoo.py)."""
-    from builder.hf import choose_family
+    from yamlformer.builder.hf import choose_family
 
     family, _ = choose_family(load_spec(REPO / "specs" / "tiny" / "gemma2.yaml"))
     assert family.model_type == "gemma2"
 
 
 def test_describe_says_before_training_which_family_a_spec_exports_to_or_why_none(capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     assert main(["describe", "llama3-8b"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (

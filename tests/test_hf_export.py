@@ -13,10 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from builder.assemble import build_model
-from builder.cli import main
-from builder.hf import from_hf, to_hf
-from builder.spec.loader import load_spec
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.cli import main
+from yamlformer.builder.hf import from_hf, to_hf
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def test_a_spec_without_biases_exports_as_gpt2_with_zero_biases(tmp_path):
 
 
 def test_a_family_that_fits_exactly_wins_over_one_that_needs_zero_biases():
-    from builder.hf import choose_family
+    from yamlformer.builder.hf import choose_family
 
     assert choose_family(load_spec(REPO / "specs" / "tiny" / "llama.yaml"))[0].model_type == "llama"
 
@@ -84,7 +84,7 @@ def test_berts_sequence_classifier_round_trips(tmp_path):
     back, _ = from_hf(tmp_path / "out")
     assert back.model_dump(exclude={"name"}) == spec.model_dump(exclude={"name"})
     unpooled = load_spec(REPO / "specs" / "tiny" / "bert.yaml", overrides={"head": {"type": "classification"}})
-    from builder.hf import export_line
+    from yamlformer.builder.hf import export_line
 
     assert "head.pooler is False in the spec; bert would make it True" in export_line(unpooled)
 
@@ -130,8 +130,8 @@ def test_the_special_tokens_a_client_is_told(tmp_path):
     [MASK] named; Pegasus's pad is the decoder's start; a recipe's char table ends in U+0003."""
     import sentencepiece as spm
 
-    from builder.hf.tokenizer import CHAR_EOS, client_specials, write_tokenizer
-    from recipes.data.tokenizers import CharTokenizer
+    from yamlformer.builder.hf.tokenizer import CHAR_EOS, client_specials, write_tokenizer
+    from yamlformer.recipes.data.tokenizers import CharTokenizer
 
     char = CharTokenizer.fit("abc\nd", eos=True)
     assert char.chars[-1] == CHAR_EOS and char.eos_id == 5 and char.decode([1, 5, 2]) == "ab"
@@ -170,7 +170,7 @@ def test_the_special_tokens_a_client_is_told(tmp_path):
 
 
 def test_list_has_each_zoo_entrys_export_family():
-    from builder.cli.list import rows
+    from yamlformer.builder.cli.list import rows
 
     exports = {row["name"]: row["export"] for row in rows()}
     assert exports["translate-multi30k"] == exports["transformer-multi30k"] == "pegasus"

@@ -23,10 +23,10 @@ transformers.logging.set_verbosity_error()
 
 from test_hf import VOCAB, Case, _batch, _greedy, _hf_model, _hf_params, _kept, _logits, _mpt_six_heads
 
-from builder.analysis.estimates import estimate
-from builder.assemble import build_model
-from builder.hf import FAMILIES, from_hf, import_hf, load_weights, read_weights, to_hf
-from builder.spec.loader import load_spec
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.hf import FAMILIES, from_hf, import_hf, load_weights, read_weights, to_hf
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 #: a character tokenizer of VOCAB ids (printable ASCII, then Latin-1 letters), so that every token
@@ -272,7 +272,7 @@ def test_export_through_the_family_loads_with_the_same_logits_and_reads_back(imp
 def test_cached_decoding_equals_recomputation(imported):
     """Greedy decoding past the prompt with the cache and without it, and each cached step's
     logits against the full forward's."""
-    from blocks.generation import KVCache
+    from yamlformer.blocks.generation import KVCache
 
     _, _, _, spec, ours, _ = imported
     ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
@@ -359,7 +359,7 @@ def _saved_config(tmp_path: Path, name: str) -> Path:
     ],
 )
 def test_a_config_without_an_exact_counterpart_is_refused_naming_the_key(name, change, needle, tmp_path):
-    from builder.hf import HFError
+    from yamlformer.builder.hf import HFError
 
     folder = _saved_config(tmp_path, name)
     config = json.loads((folder / "config.json").read_text())
@@ -419,7 +419,7 @@ def test_a_config_without_an_exact_counterpart_is_refused_naming_the_key(name, c
     ],
 )
 def test_export_names_what_the_family_cannot_express(spec_name, family, change, needle):
-    from builder.hf import fit, validate
+    from yamlformer.builder.hf import fit, validate
 
     data = load_spec(spec_name).model_dump(mode="json")
     for dotted, value in change.items():
@@ -435,7 +435,7 @@ def test_export_names_what_the_family_cannot_express(spec_name, family, change, 
 def test_the_export_line_names_each_family_before_training(capsys):
     """builder describe says which family each zoo spec is written as; Phi-3-mini computes what
     Mistral does, which export tries first (``--family phi3`` writes Phi3ForCausalLM)."""
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     for name, family in [
         ("qwen3-0.6b", "qwen3 (Qwen3ForCausalLM)"),
@@ -463,8 +463,8 @@ def test_the_export_line_names_each_family_before_training(capsys):
 def test_a_key_a_config_leaves_out_reads_as_its_config_class_default(family, minimal):
     """A config.json with only the sizes reads as the same spec as transformers' config class
     with every default filled in (its to_dict)."""
-    from builder.hf import config_to_spec, validate
-    from builder.hf.writer import _semantic
+    from yamlformer.builder.hf import config_to_spec, validate
+    from yamlformer.builder.hf.writer import _semantic
 
     minimal = {
         "model_type": family,

@@ -26,9 +26,9 @@ import test_hf_families_new as generic
 import test_hf_families_zoo as zoo
 from test_hf import VOCAB, Case, _batch, _kept, _logits, _randomize
 
-from builder.assemble import build_model
-from builder.hf import FAMILIES, HFError, fit, from_hf, load_weights, to_hf, validate
-from builder.spec.loader import load_spec
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.hf import FAMILIES, HFError, fit, from_hf, load_weights, to_hf, validate
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 NO_TOKENS = generic.NO_TOKENS
@@ -471,8 +471,8 @@ def test_a_config_that_leaves_keys_out_reads_as_its_config_class_defaults_them(f
     class's defaults (Gemma 3: head_dim 256, 4 key/value heads; GPT-OSS: 128 experts, head_dim
     64, 8 key/value heads; Llama 4: 16 experts, head_dim 128, 8 key/value heads), so the counts
     agree with transformers' model."""
-    from builder.analysis.estimates import estimate
-    from builder.hf import config_to_spec
+    from yamlformer.builder.analysis.estimates import estimate
+    from yamlformer.builder.hf import config_to_spec
 
     given = {**_SIZES, **more}
     spec = validate({"name": family, **config_to_spec({"model_type": family, **given})})

@@ -14,10 +14,10 @@ transformers.logging.set_verbosity_error()
 
 from test_hf import _kept, _logits, _randomize
 
-from builder.analysis.estimates import estimate
-from builder.assemble import build_model
-from builder.hf import FAMILIES, to_hf
-from builder.spec.loader import load_spec
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.hf import FAMILIES, to_hf
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,8 +161,8 @@ PUBLISHED = {
 def test_zoo_spec_counts_what_transformers_builds_on_meta_from_the_published_config(name):
     """The spec imports from the published config, and both it and transformers' model built on
     meta from that config count the header's parameters."""
-    from builder.hf import config_to_spec, validate
-    from builder.hf.writer import _semantic  # what a spec means, layer by layer, defaults resolved
+    from yamlformer.builder.hf import config_to_spec, validate
+    from yamlformer.builder.hf.writer import _semantic  # what a spec means, layer by layer, defaults resolved
 
     family, published, count = PUBLISHED[name]
     spec = load_spec(REPO / "specs" / f"{name}.yaml")

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder.assemble import build_model
-from builder.cli import main
-from builder.hf import from_hf, to_hf
-from builder.spec.loader import load_spec
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.cli import main
+from yamlformer.builder.hf import from_hf, to_hf
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 _OPENED: list[str] | None = None  # paths opened while a test records them

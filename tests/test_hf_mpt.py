@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder.analysis.estimates import estimate
-from builder.assemble import build_model
-from builder.cli import main
-from builder.hf import FAMILIES, fit, from_hf, load_weights, to_hf
-from builder.spec.loader import load_spec
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.cli import main
+from yamlformer.builder.hf import FAMILIES, fit, from_hf, load_weights, to_hf
+from yamlformer.builder.spec.loader import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "specs" / "tiny" / "alibi.yaml"
@@ -53,7 +53,7 @@ def test_alibi_slopes_are_mpt_s_for_every_head_count():
     """MPT spreads 2^(-8k/n') over the next power of two n' and, for other counts, takes the odd
     members first; the project's slopes (the ALiBi paper's) are the same numbers in the same order."""
     build_mpt_alibi_tensor = pytest.importorskip("transformers.models.mpt.modeling_mpt").build_mpt_alibi_tensor
-    from blocks.positions import alibi_slopes
+    from yamlformer.blocks.positions import alibi_slopes
 
     for n_heads in range(1, 65):
         bias = build_mpt_alibi_tensor(n_heads, 2)  # (heads, 1, 2): slope * (key - last key)
@@ -126,7 +126,7 @@ def test_imported_six_head_model_decodes_from_its_cache_as_from_scratch(tmp_path
     decoding without a cache, and each cached step's logits equal the full forward's."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    from blocks.generation import KVCache
+    from yamlformer.blocks.generation import KVCache
 
     torch.manual_seed(0)
     hf = transformers.MptForCausalLM(
@@ -259,7 +259,7 @@ def test_export_names_the_spec_field_mpt_cannot_express(change, needle):
         for key in parents:
             node = node[key]
         node[last] = value
-    from builder.hf import validate
+    from yamlformer.builder.hf import validate
 
     config, reasons = fit(FAMILIES["mpt"], validate(data))
     assert config is None and any(needle in reason for reason in reasons), reasons

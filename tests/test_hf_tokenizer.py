@@ -16,8 +16,8 @@ from recipe_helpers import tiny_recipe
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from builder.cli import main
-from builder.hf.tokenizer import from_sentencepiece, read_tokenizer, to_tokenizers, token_ids
+from yamlformer.builder.cli import main
+from yamlformer.builder.hf.tokenizer import from_sentencepiece, read_tokenizer, to_tokenizers, token_ids
 
 #: whitespace runs, tabs, newlines, accents, CJK, an emoji, a non-breaking space, sentencepiece's
 #: own space mark, and text that spells special pieces
@@ -29,8 +29,8 @@ PROMPT = "def parse("
 
 
 def _stdlib_text(limit: int = 60_000) -> str:
-    from recipes.data.corpus import read_corpus
-    from recipes.recipe.sections import DataSection
+    from yamlformer.recipes.data.corpus import read_corpus
+    from yamlformer.recipes.recipe.sections import DataSection
 
     return read_corpus(DataSection(sources=["python-stdlib"], max_bytes=limit), None).text
 
@@ -38,7 +38,7 @@ def _stdlib_text(limit: int = 60_000) -> str:
 @pytest.fixture(scope="module", params=["char", "bpe"])
 def exported(request, tmp_path_factory):
     """A tiny LM trained a few steps by a recipe, and its `builder export-hf` folder."""
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     tmp = tmp_path_factory.mktemp(f"export-{request.param}")
     tokenizer = (
@@ -66,7 +66,7 @@ def _ours(checkpoint: Path | str, capsys, prompt: str = PROMPT, new: int = 16) -
 def test_pipeline_generates_what_builder_generate_does(exported, capsys):
     """Greedy text and tokens within the context (past it, ours slides the window), and the
     logits of a window of the corpus: a barely trained model repeats itself, the logits do not."""
-    from recipes.trained import load_trained
+    from yamlformer.recipes.trained import load_trained
 
     kind, checkpoint, folder = exported
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in folder.iterdir()}
@@ -88,7 +88,7 @@ def test_pipeline_generates_what_builder_generate_does(exported, capsys):
 
 
 def test_auto_tokenizer_encodes_as_ours(exported):
-    from recipes.trained import load_trained
+    from yamlformer.recipes.trained import load_trained
 
     kind, checkpoint, folder = exported
     _, ours, meta = load_trained(checkpoint, "cpu")
@@ -127,7 +127,7 @@ def test_an_exported_folder_imports_with_its_tokenizer_and_generates_alike(expor
 
 
 def test_a_recipe_trains_with_a_folders_tokenizer_and_exports_it_again(exported, tmp_path, capsys):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     kind, _, folder = exported
     path = tiny_recipe(
@@ -151,8 +151,8 @@ def test_a_recipe_trains_with_a_folders_tokenizer_and_exports_it_again(exported,
 
 
 def _spm(model_type: str, vocab_size: int = 400, **options) -> bytes:
-    from recipes.data.tokenizers import train_sentencepiece
-    from recipes.recipe.sections import TokenizerSection
+    from yamlformer.recipes.data.tokenizers import train_sentencepiece
+    from yamlformer.recipes.recipe.sections import TokenizerSection
 
     section = TokenizerSection(type="sentencepiece", model_type=model_type, vocab_size=vocab_size)
     return train_sentencepiece(_stdlib_text(), section, options=options)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hostile_helpers import REPO, cli, refused
 
-from builder.spec.loader import SpecError, load_spec
+from yamlformer.builder.spec.loader import SpecError, load_spec
 
 TINY = """\
 architecture: decoder-only
@@ -178,7 +178,7 @@ def test_absurd_sizes_are_refused_where_written(tmp_path, old, new, field, line,
 def test_every_size_in_the_json_schema_has_an_upper_bound():
     """Integers and numbers state their maximum and lists their length, so an editor flags an
     absurd size as the loader does (a new block's fields included)."""
-    from builder.cli.schema import spec_json_schema
+    from yamlformer.builder.cli.schema import spec_json_schema
 
     unbounded = []
 
@@ -203,7 +203,7 @@ def test_a_ten_thousand_layer_stack_is_counted_per_group(tmp_path):
     an override every other layer takes the time of counting two."""
     import time
 
-    from builder.analysis.estimates import estimate
+    from yamlformer.builder.analysis.estimates import estimate
 
     spec = write(
         tmp_path,
@@ -250,7 +250,7 @@ def test_the_zoo_still_loads():
 def test_the_pure_python_parser_reads_the_same_and_keeps_the_limits(monkeypatch):
     """libyaml parses when PyYAML has it; without it the pure-Python parser gives the same located
     documents and the same limits (only slower)."""
-    from builder.spec import source as yaml_source
+    from yamlformer.builder.spec import source as yaml_source
 
     for path in sorted((REPO / "specs").rglob("*.yaml")) + sorted((REPO / "recipes").glob("*.yaml")):
         text = path.read_text()

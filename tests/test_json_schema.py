@@ -13,9 +13,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from builder.spec.json_schema import NEWER_KEYWORDS, spec_json_schema
-from builder.spec.source import read_document
-from recipes.recipe.json_schema import recipe_json_schema
+from yamlformer.builder.spec.json_schema import NEWER_KEYWORDS, spec_json_schema
+from yamlformer.builder.spec.source import read_document
+from yamlformer.recipes.recipe.json_schema import recipe_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -146,7 +146,7 @@ def test_recipe_tasks_pick_their_schema(recipe_schema):
 
 def test_schema_command_prints_the_recipe_schema():
     run = subprocess.run(
-        [sys.executable, "-m", "builder.cli", "schema", "--recipe", "--indent", "0"],
+        [sys.executable, "-m", "yamlformer.builder.cli", "schema", "--recipe", "--indent", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from kernels import attention
+from yamlformer.kernels import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "sdpa", "triton"]
@@ -251,7 +251,7 @@ def test_triton_skips_key_blocks_outside_the_chunk(Sq):
 
 
 def test_triton_op_check_with_sinks_and_chunks():
-    from kernels import triton_attention
+    from yamlformer.kernels import triton_attention
 
     q, k, v, _, sinks = make(1, 2, 1, 9, 20, 16)
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, True, None, None, 0.25)
@@ -265,7 +265,7 @@ def test_triton_op_check_with_sinks_and_chunks():
 def test_flop_counter_counts_sinks_and_chunks_like_eager():
     """The fused kernel reports the eager matmuls (full (Sq, Sk), forward and backward) whatever
     the chunks skip: the sink column adds no matmul FLOPs."""
-    from kernels import triton_attention  # noqa: F401  registers the FLOP formulas before the counter copies them
+    from yamlformer.kernels import triton_attention  # noqa: F401  registers the FLOP formulas before the counter copies them
 
     q, k, v, _, sinks = make(1, 4, 2, 20, 33, 16)
     counts = {}
@@ -283,7 +283,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels, not the interprete
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import flash_backward, flash_decode, flash_kernels
+from yamlformer.kernels import flash_backward, flash_decode, flash_kernels
 
 FP32 = {"Lse", "Delta", "Sinks", "Alibi", "OPart", "LPart", "DBias"}  # fp32 buffers; Docs int32
 SCALARS = {"H", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "HEAD_DIM_V", "SEQ_Q_BUCKET", "SEQ_K_BUCKET", "SPLIT_LEN",

@@ -1,7 +1,7 @@
 """Attention kernels: every backend against an independent float64 reference.
 
 On a machine without CUDA the Triton backend runs under the Triton interpreter (set up by
-``kernels.triton_attention``); shapes are small so the whole file stays well under a minute.
+``yamlformer.kernels.triton_attention``); shapes are small so the whole file stays well under a minute.
 """
 
 import math
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from kernels import attention
+from yamlformer.kernels import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "sdpa", "triton"]
@@ -303,7 +303,7 @@ def test_out_of_bounds_canaries():
     ],
 )
 def test_decode_path(monkeypatch, Sq, Sk, Hkv, kw):
-    from kernels import triton_attention
+    from yamlformer.kernels import triton_attention
 
     calls = []
     launch = triton_attention._launch_decode
@@ -336,32 +336,32 @@ def test_flop_counter_matches_eager(backward):
 
 
 def test_meta_tensors_give_shapes():
-    from kernels import triton_attention  # noqa: F401  registers the ops
+    from yamlformer.kernels import triton_attention  # noqa: F401  registers the ops
 
     q = torch.empty(2, 8, 5, 40, device="meta", dtype=torch.bfloat16)
     k = torch.empty(2, 2, 300, 40, device="meta", dtype=torch.bfloat16)
     bias = torch.empty(1, 8, 5, 300, device="meta", dtype=torch.bfloat16)
-    out, lse = torch.ops.kernels.flash_attention(q, k, k, bias, None, True, 64, 30.0, 0.1)
+    out, lse = torch.ops.yamlformer.flash_attention(q, k, k, bias, None, True, 64, 30.0, 0.1)
     assert out.shape == (2, 8, 5, 40) and out.dtype == torch.bfloat16 and out.device == q.device
     assert lse.shape == (2, 8, 5) and lse.dtype == torch.float32
-    dq, dk, dv, dbias, dsinks = torch.ops.kernels.flash_attention_backward(
+    dq, dk, dv, dbias, dsinks = torch.ops.yamlformer.flash_attention_backward(
         out, q, k, k, out, lse, bias, None, True, 64, 30.0, 0.1, True
     )
     assert (dq.shape, dk.shape, dv.shape, dbias.shape) == (q.shape, k.shape, k.shape, bias.shape)
     assert dsinks.numel() == 0  # no sinks: an empty gradient
     sinks = torch.empty(8, device="meta")
-    out, lse = torch.ops.kernels.flash_attention(q, k, k, None, None, True, None, None, 0.1, None, sinks, 16)
-    grads = torch.ops.kernels.flash_attention_backward(
+    out, lse = torch.ops.yamlformer.flash_attention(q, k, k, None, None, True, None, None, 0.1, None, sinks, 16)
+    grads = torch.ops.yamlformer.flash_attention_backward(
         out, q, k, k, out, lse, None, None, True, None, None, 0.1, False, None, sinks, 16
     )
     assert grads[4].shape == (8,) and grads[4].dtype == torch.float32
     v = torch.empty(2, 2, 300, 24, device="meta", dtype=torch.bfloat16)  # narrower values
-    out, lse = torch.ops.kernels.flash_attention(q, k, v, None, None, True, None, None, 0.1)
+    out, lse = torch.ops.yamlformer.flash_attention(q, k, v, None, None, True, None, None, 0.1)
     assert out.shape == (2, 8, 5, 24)
 
 
 def test_opcheck():
-    from kernels import triton_attention
+    from yamlformer.kernels import triton_attention
 
     q, k, v, _ = make(1, 2, 1, 9, 20, 16)
     bias = torch.randn(1, 2, 9, 20, device=DEVICE, requires_grad=True)
@@ -411,12 +411,12 @@ def test_import_is_lazy_and_triton_runs_on_cpu():
     """Importing kernels does not import triton; a fresh process with no TRITON_INTERPRET in the
     environment can still run backend="triton" on CPU tensors (the interpreter is set up)."""
     code = (
-        "import sys, torch, kernels\n"
+        "import sys, torch, yamlformer.kernels\n"
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
         "if not torch.cuda.is_available():\n"
         "    q = torch.randn(1, 2, 8, 16)\n"
-        "    out = kernels.attention(q, q, q, causal=True, backend='triton')\n"
-        "    ref = kernels.attention(q, q, q, causal=True, backend='eager')\n"
+        "    out = yamlformer.kernels.attention(q, q, q, causal=True, backend='triton')\n"
+        "    ref = yamlformer.kernels.attention(q, q, q, causal=True, backend='eager')\n"
         "    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -20,14 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from blocks.attention import AttentionInputs
-from blocks.build import Dims, build_block
-from blocks.cache import KVCache
-from builder.analysis.estimates import estimate
-from builder.analysis.layout import layer_tensor_count
-from builder.analysis.report import actual_params
-from builder.assemble import build_model
-from builder.spec.schema import spec_model
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.blocks.cache import KVCache
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.analysis.layout import layer_tensor_count
+from yamlformer.builder.analysis.report import actual_params
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.spec.schema import spec_model
 
 D, VOCAB, MAX_SEQ, B, T = 32, 50, 24, 2, 12
 GPT_OSS = {
@@ -244,7 +244,7 @@ def test_parallel_branches_compose_as_documented():
 
 
 def test_parallel_layer_needs_its_norms():
-    from blocks.layers import TransformerLayer
+    from yamlformer.blocks.layers import TransformerLayer
 
     layer = build_model(_spec(parallel_residual="shared_norm")).decoder.layers[0]
     with pytest.raises(ValueError, match="shared_norm parallel layer needs norms"):
@@ -471,11 +471,11 @@ def test_a_head_layer_takes_its_stack_parallel_residual():
 
 
 def _located(tmp_path, **stack):
-    """The first problem ``builder.load_spec`` reports for the spec file: (field path, line, message)."""
+    """The first problem ``yamlformer.builder.load_spec`` reports for the spec file: (field path, line, message)."""
     import yaml
 
-    from builder.spec.loader import load_spec
-    from builder.spec.source import SpecError
+    from yamlformer.builder.spec.loader import load_spec
+    from yamlformer.builder.spec.source import SpecError
 
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(_spec_data(**stack), sort_keys=False))

@@ -1,7 +1,7 @@
 """Imports run one way: recipes -> builder -> blocks -> kernels; inside ``builder`` and ``recipes``
 no module imports one that imports it back (no import circle); builder's spec pipeline and
 analysis never import torch, Lightning or ``recipes``, however deep; blocks/configs and the
-registry are torch-free; the CLI finds the recipes' commands through the ``builder.commands``
+registry are torch-free; the CLI finds the recipes' commands through the ``yamlformer.commands``
 entry point, without builder importing recipes.
 
 Every import counts, at any depth of a module (inside functions too), as an AST walk reads it:
@@ -29,7 +29,7 @@ FORBIDDEN = {
 }
 TORCH_FREE = [ROOT / "blocks" / "registry.py", *sorted((ROOT / "blocks" / "configs").glob("*.py"))]
 #: builder's subpackages that import neither torch, Lightning nor recipes, through anything they import
-PURE = ("builder.spec", "builder.analysis")
+PURE = ("yamlformer.builder.spec", "yamlformer.builder.analysis")
 HEAVY = {"torch", "lightning", "recipes"}
 
 
@@ -125,18 +125,18 @@ def test_configs_and_registry_are_torch_free():
 def test_the_cli_finds_the_recipes_commands_through_the_entry_point():
     import importlib.metadata
 
-    from builder.cli import COMMANDS, GROUP, commands
+    from yamlformer.builder.cli import COMMANDS, GROUP, commands
 
     declared = {entry.name: entry.value for entry in importlib.metadata.entry_points(group=GROUP)}
     table = commands()
     for name in ("train", "eval", "generate", "tokenize"):
-        assert table[name][0] == declared[name] == f"recipes.commands.{name}"
+        assert table[name][0] == declared[name] == f"yamlformer.recipes.commands.{name}"
         assert table[name][1]  # a help line, from the module's docstring
     assert not any(module.startswith("recipes") for module, _ in COMMANDS.values())
 
 
 def test_document_kinds_join_through_the_entry_point():
-    from builder.spec.kinds import kinds
+    from yamlformer.builder.spec.kinds import kinds
 
     table = kinds()
     assert list(table) == ["spec", "recipe"]  # builder's own first
@@ -144,7 +144,7 @@ def test_document_kinds_join_through_the_entry_point():
 
 
 def test_builder_names_no_recipes_module_in_a_string():
-    """The one-way rule is not kept by module names in strings (``"recipes.commands"``), which an
+    """The one-way rule is not kept by module names in strings (``"yamlformer.recipes.commands"``), which an
     import walk cannot see."""
     named = {
         str(path.relative_to(ROOT)): node.value

@@ -1,4 +1,4 @@
-"""Where parameters live under FSDP2 and tensor parallelism (builder.analysis.layout): every block's
+"""Where parameters live under FSDP2 and tensor parallelism (yamlformer.builder.analysis.layout): every block's
 ``param_shapes`` against the module it builds, the whole model's tensors against
 ``named_parameters()``, each block's tensor-parallel view against its plan, torch.chunk's split,
 exact per-rank figures, located refusals and the describe options."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from blocks import registry
-from blocks.build import Dims, build_block
-from builder.analysis.estimates import estimate
-from builder.analysis.layout import (
+from yamlformer.blocks import registry
+from yamlformer.blocks.build import Dims, build_block
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.analysis.layout import (
     Layout,
     LayoutError,
     chunk_rows,
@@ -24,10 +24,10 @@ from builder.analysis.layout import (
     tensor_parallel_problems,
     tensor_parallel_spec,
 )
-from builder.assemble import build_model
-from builder.cli import main
-from builder.spec.loader import load_spec
-from builder.spec.schema import spec_model
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.cli import main
+from yamlformer.builder.spec.loader import load_spec
+from yamlformer.builder.spec.schema import spec_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").rglob("*.yaml"))

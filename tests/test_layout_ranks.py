@@ -1,4 +1,4 @@
-"""builder.analysis.layout against PyTorch itself: a model built from a spec, split with DTensor's
+"""yamlformer.builder.analysis.layout against PyTorch itself: a model built from a spec, split with DTensor's
 tensor-parallel styles as each block's ``parallel_plan`` says and sharded with FSDP2's
 ``fully_shard`` on CPU processes (gloo), holds on every rank exactly the parameter, gradient and
 AdamW-state elements ``rank_states`` counts. Slow (several processes start torch): run with
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from sharded_helpers import end_process_group
 
-from builder.analysis.layout import Layout, model_tensors, rank_states
-from builder.spec.schema import spec_model
+from yamlformer.builder.analysis.layout import Layout, model_tensors, rank_states
+from yamlformer.builder.spec.schema import spec_model
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from builder.assemble import build_model
+    from yamlformer.builder.assemble import build_model
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     layout = Layout(devices=world, nodes=nodes, tensor_parallel=tp, data_parallel=mode)
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
     spec = spec_model().model_validate(SPEC)
     torch.manual_seed(0)
     model = build_model(spec)
-    if tp > 1:  # each tensor's split as builder.analysis.layout reads it from the blocks' plans
+    if tp > 1:  # each tensor's split as yamlformer.builder.analysis.layout reads it from the blocks' plans
         styles = {0: ColwiseParallel(), 1: RowwiseParallel()}
         plan = {}
         for tensor in model_tensors(spec):

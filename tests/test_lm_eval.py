@@ -15,7 +15,7 @@ pytest.importorskip("lm_eval")
 
 from recipe_helpers import one_error_line, tiny_recipe
 
-from builder.cli import main
+from yamlformer.builder.cli import main
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,8 +38,8 @@ metric_list:
 
 
 def _lines() -> list[str]:
-    from recipes.data.corpus import read_corpus
-    from recipes.recipe.sections import DataSection
+    from yamlformer.recipes.data.corpus import read_corpus
+    from yamlformer.recipes.recipe.sections import DataSection
 
     text = read_corpus(DataSection(sources=["python-stdlib"], max_bytes=200_000), None).text
     return [line for line in text.splitlines() if 24 <= len(line.strip()) <= 60][2000:2040]
@@ -49,7 +49,7 @@ def _lines() -> list[str]:
 def trained(tmp_path_factory):
     """A tiny sentencepiece LM trained a few steps, its export-hf folder and a local task: which
     of 4 line endings follows the line's start."""
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     tmp = tmp_path_factory.mktemp("lm-eval")
     tokenizer = {"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400}
@@ -99,8 +99,8 @@ def test_loglikelihoods_match_the_hf_model(trained):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from recipes.studies.harness import BuilderLM
-    from recipes.trained import load_trained
+    from yamlformer.recipes.studies.harness import BuilderLM
+    from yamlformer.recipes.trained import load_trained
 
     checkpoint, folder, _ = trained
     model, tokenizer, _ = load_trained(checkpoint, "cpu")
@@ -129,7 +129,7 @@ def test_the_harness_runs_every_n_steps_of_a_run(trained, tmp_path, capsys):
     change the section (it decides what is measured, not what is learnt)."""
     import csv
 
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     _, _, tasks = trained
     harness = {"tasks": ["stdlib_lines"], "every_n_steps": 4, "task_path": str(tasks), "limit": 8}

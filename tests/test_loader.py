@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
 
-from builder.spec.loader import SpecError, load_config, load_spec, parse_set_args, read_merged, validate_file
+from yamlformer.builder.spec.loader import SpecError, load_config, load_spec, parse_set_args, read_merged, validate_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -289,8 +289,8 @@ def test_a_problem_in_a_field_layers_inherit_is_reported_once_at_its_line(tmp_pa
 
 
 def test_merged_documents_carry_where_every_field_was_written(tmp_path):
-    from builder.spec.merge import merge
-    from builder.spec.source import Document, read_document
+    from yamlformer.builder.spec.merge import merge
+    from yamlformer.builder.spec.source import Document, read_document
 
     doc = read_document(
         write(tmp_path, "a.yaml", TINY + "  overrides:\n    - {layers: [1], attention: {n_heads: 8}}\n")
@@ -317,8 +317,8 @@ def test_merged_documents_carry_where_every_field_was_written(tmp_path):
 
 
 def test_the_spec_type_is_a_static_class_plugins_still_validate_through():
-    from blocks.configs.base import AttentionBlock
-    from builder.spec.schema import ModelSpec, StackSpec
+    from yamlformer.blocks.configs.base import AttentionBlock
+    from yamlformer.builder.spec.schema import ModelSpec, StackSpec
 
     spec = load_spec(SPECS / "tiny" / "llama.yaml")
     assert isinstance(spec, ModelSpec) and isinstance(spec.decoder, StackSpec)
@@ -363,8 +363,8 @@ def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
         "myblocks.py",
         """\
         from typing import Literal
-        from blocks.configs.base import NormBlock
-        from blocks.registry import register
+        from yamlformer.blocks.configs.base import NormBlock
+        from yamlformer.blocks.registry import register
 
         @register("norm", "myblocks:ScaleNorm")
         class ScaleNormConfig(NormBlock):
@@ -378,13 +378,13 @@ def test_plugin_blocks_join_the_schema_only_when_asked(tmp_path):
         """,
     )
     spec = write(tmp_path, "s.yaml", TINY + "  norm: {type: scalenorm}\n")
-    env_path = f"{tmp_path}{':' + str(ROOT)}"
+    env_path = str(tmp_path)
     run = lambda *extra: subprocess.run(
-        [sys.executable, "-m", "builder.cli", "validate", str(spec), *extra],
+        [sys.executable, "-m", "yamlformer.builder.cli", "validate", str(spec), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "PYTHONSAFEPATH": "1"},
     )
     without = run()
     assert without.returncode == 1 and "unknown type 'scalenorm'" in without.stdout

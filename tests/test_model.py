@@ -1,6 +1,6 @@
 """Whole models from specs: every spec builds on meta in under 2 s with the estimated parameter
 count; tiny specs build fast, run forward and backward, agree across attention backends, match
-the estimated FLOPs, respect causality and padding; initialisation follows blocks.init."""
+the estimated FLOPs, respect causality and padding; initialisation follows yamlformer.blocks.init."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from builder import build_model, load_spec
-from builder.spec.schema import spec_model
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.spec.schema import spec_model
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 
@@ -27,7 +27,7 @@ def _ids(p: Path) -> str:
 
 
 def _estimate(spec, **kw):
-    from builder.analysis.estimates import estimate
+    from yamlformer.builder.analysis.estimates import estimate
 
     return estimate(spec, **kw)
 

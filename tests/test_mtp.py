@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blocks.attention import AttentionInputs
-from blocks.heads import HeadContext
-from blocks.mtp import IGNORE, _targets
-from builder import build_model, load_spec
+from yamlformer.blocks.attention import AttentionInputs
+from yamlformer.blocks.heads import HeadContext
+from yamlformer.blocks.mtp import IGNORE, _targets
+from yamlformer.builder import build_model, load_spec
 
 torch.set_num_threads(1)
 
@@ -102,8 +102,8 @@ def test_packed_documents_predict_within_their_document():
 def test_training_adds_the_weighted_losses(tmp_path):
     from recipe_helpers import tiny_recipe
 
-    from recipes.recipe.sections import load_recipe
-    from recipes.training.module import LMModule
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.training.module import LMModule
 
     spec, model = _model()
     model.train()
@@ -132,7 +132,7 @@ def test_decoding_uses_the_main_head_only():
 
 
 def test_builder_compare_counts_the_modules_exactly(capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     assert main(["compare", str(TINY), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -251,8 +251,8 @@ def test_import_reads_the_mtp_weights_with_transformers_predictions(tmp_path, ca
     transformers = pytest.importorskip("transformers")
     if not hasattr(__import__("transformers.modeling_layers").modeling_layers, "MtpModel"):
         pytest.skip("this transformers has no MtpModel")
-    from builder.cli import main as cli
-    from builder.hf import load_weights
+    from yamlformer.builder.cli import main as cli
+    from yamlformer.builder.hf import load_weights
 
     main = _hf_main(transformers)
     mtp = _mtp_model(main, transformers)
@@ -284,7 +284,7 @@ def test_import_reads_the_mtp_weights_with_transformers_predictions(tmp_path, ca
 def test_a_folder_without_the_mtp_tensors_imports_as_the_main_model(tmp_path):
     """transformers saves the main model alone, its config still saying num_nextn_predict_layers 1."""
     transformers = pytest.importorskip("transformers")
-    from builder.hf import from_hf
+    from yamlformer.builder.hf import from_hf
 
     main = _hf_main(transformers)
     main.save_pretrained(tmp_path / "hf")
@@ -297,7 +297,7 @@ def test_copies_of_the_shared_embedding_must_agree(tmp_path):
     transformers = pytest.importorskip("transformers")
     if not hasattr(__import__("transformers.modeling_layers").modeling_layers, "MtpModel"):
         pytest.skip("this transformers has no MtpModel")
-    from builder.hf import HFError, from_hf
+    from yamlformer.builder.hf import HFError, from_hf
 
     main = _hf_main(transformers)
     _write_folder(tmp_path / "hf", main, _mtp_model(main, transformers), differing_copy=True)
@@ -314,7 +314,7 @@ def test_the_zoo_tiny_spec_exports_its_modules_with_transformers_predictions(tmp
     from safetensors.torch import load_file
     from transformers.modeling_layers import MtpModel
 
-    from builder.hf import to_hf
+    from yamlformer.builder.hf import to_hf
 
     spec, ours = _model()
     with torch.no_grad():

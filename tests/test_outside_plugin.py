@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from recipe_helpers import tiny_recipe
 
-from builder.spec.loader import validate_file
+from yamlformer.builder.spec.loader import validate_file
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -50,7 +50,7 @@ KV_BYTES_PER_TOKEN = (16 + 32 + 10) * 4
 CHILD = """
 import json, sys, torch
 from pathlib import Path
-from builder.cli import main
+from yamlformer.builder.cli import main
 spec_path, recipe_path, out = sys.argv[1:4]
 plugin = ["--plugin", "plugin_blocks"]
 result = {}
@@ -61,7 +61,7 @@ for command in (["validate", spec_path], ["compare", spec_path, "--json"], ["sch
     sys.stdout.close()
 sys.stdout = sys.__stdout__
 
-from builder import build_model, estimate, load_spec
+from yamlformer.builder import build_model, estimate, load_spec
 spec = load_spec(spec_path)
 torch.manual_seed(0)
 model = build_model(spec).eval()
@@ -76,7 +76,7 @@ result["checkpoint"] = str(ckpt)
 state = torch.load(ckpt, map_location="cpu", weights_only=True)
 result["optimizer_steps"] = sorted({int(v) for k, v in state["state_dict"].items() if k.endswith("optimizer_steps")})
 result["global_step"] = state["global_step"]
-from recipes.trained import load_trained
+from yamlformer.recipes.trained import load_trained
 trained, tokenizer, meta = load_trained(ckpt)
 ids = torch.tensor([tokenizer.encode("def f(")])
 result["trained_cached_equals_full"] = torch.equal(trained.generate(ids, max_new_tokens=12),
@@ -91,7 +91,7 @@ print(json.dumps(result))
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+    return dict(os.environ, PYTHONPATH=str(TESTS))
 
 
 def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
@@ -142,8 +142,8 @@ def test_plugin_blocks_go_through_every_command_with_exact_counts(tmp_path):
     problems = validate_file(spec)
     assert [(p.line, p.path) for p in problems] == [(6, "position.type"), (9, "decoder.attention.type")], problems
     assert "unknown type 'lowrank_kv'" in problems[1].message
-    from recipes.errors import RecipeError
-    from recipes.trained import load_trained
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.trained import load_trained
 
     with pytest.raises(RecipeError, match="--plugin"):
         load_trained(result["checkpoint"])

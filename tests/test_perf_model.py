@@ -1,4 +1,4 @@
-"""The performance model's pieces (builder.analysis.perf) against hand-computed figures, and the
+"""The performance model's pieces (yamlformer.builder.analysis.perf) against hand-computed figures, and the
 orderings the published runs show (benchmarks/plan_vs_published.py)."""
 
 from __future__ import annotations
@@ -11,11 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from builder.analysis.hardware import GPUS, gpu
-from builder.analysis.layout import Layout, LayoutError, layout_problems
-from builder.analysis.perf import Calibration, Model, Run, collective_seconds, context_parallel_seconds, predict
-from builder.analysis.schedules import bubble_fraction, in_flight
-from builder.spec.loader import load_spec
+from yamlformer.builder.analysis.hardware import GPUS, gpu
+from yamlformer.builder.analysis.layout import Layout, LayoutError, layout_problems
+from yamlformer.builder.analysis.perf import (
+    Calibration,
+    Model,
+    Run,
+    collective_seconds,
+    context_parallel_seconds,
+    predict,
+)
+from yamlformer.builder.analysis.schedules import bubble_fraction, in_flight
+from yamlformer.builder.spec.loader import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 IDEAL = Calibration(collective_efficiency=1.0, latency=0.0)
@@ -195,7 +202,7 @@ def test_describe_sizes_a_pipelined_layout_as_the_planner_does(capsys):
     with 8 micro-batches of 4 sequences)."""
     import json
 
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     rows, _ = _published()
     for schedule, batch, published in (("1f1b", "4", 82.5), ("interleaved-1f1b", "4", 72.7)):
@@ -215,7 +222,7 @@ def test_describe_sizes_a_pipelined_layout_as_the_planner_does(capsys):
 
 
 def test_the_mfu_table_knows_the_planners_gpus(monkeypatch):
-    from builder.analysis import mfu
+    from yamlformer.builder.analysis import mfu
 
     monkeypatch.delenv(mfu.ENV_VAR, raising=False)
     for device, key in (("NVIDIA H800", "h800"), ("NVIDIA B200", "b200"), ("AMD Instinct MI300X", "mi300x")):
@@ -226,7 +233,7 @@ def test_the_mfu_table_knows_the_planners_gpus(monkeypatch):
 def test_hardware_overrides_reach_the_prediction(capsys):
     import json
 
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     argv = ["plan", "llama3-8b", "--gpus", "64", "--global-batch", "128", "--seq-len", "8192", "--json"]
     argv += ["--tensor-parallel", "1", "--pipeline-parallel", "1", "--context-parallel", "1"]
@@ -248,15 +255,15 @@ def test_sequence_parallel_splits_what_whole_tensor_parallel_keeps():
     split, whole = (predict(spec, layout, run, gpu("h100"), model=model) for run in runs)
     assert whole.memory["activations"] > 1.5 * split.memory["activations"]
     # the whole layers' tensors are what describe's tensor-parallel view counts
-    from builder.analysis.estimates import Step, estimate
-    from builder.analysis.layout import tensor_parallel_spec
+    from yamlformer.builder.analysis.estimates import Step, estimate
+    from yamlformer.builder.analysis.layout import tensor_parallel_spec
 
     view = estimate(tensor_parallel_spec(spec, 8), Step(seq_len=2048))
     assert model.saved(8, False)[0] == [layer.saved_bytes for layer in view.layers]
 
 
 def test_the_exact_estimate_refuses_what_it_does_not_size():
-    from builder.analysis.estimates import Step, estimate
+    from yamlformer.builder.analysis.estimates import Step, estimate
 
     spec = load_spec(ROOT / "specs" / "llama3-8b.yaml")
     with pytest.raises(LayoutError, match=r"^pipeline_parallel=2: the exact per-rank accounting covers"):

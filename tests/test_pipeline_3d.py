@@ -1,6 +1,6 @@
 """Pipeline x tensor x FSDP2 parallelism on 8 CPU processes (gloo): PP 2 x TP 2 x FSDP 2 trains
 like one process at the same global batch for 20 steps, its checkpoint resumes in one process as
-an unbroken run, and every rank holds exactly the parameters ``builder.analysis.layout.rank_states``
+an unbroken run, and every rank holds exactly the parameters ``yamlformer.builder.analysis.layout.rank_states``
 counts for the stage it holds. Slow (8 processes start torch)."""
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ SEED = 7
 def _worker(rank: int, store: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from builder.assemble import build_model
-    from builder.spec.schema import spec_model
-    from recipes.parallel import layout_of, parallelize
-    from recipes.parallel.mesh import device_mesh
-    from recipes.parallel.pipeline import build_pipeline
-    from recipes.recipe.sections import TrainerSection
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.recipes.parallel import layout_of, parallelize
+    from yamlformer.recipes.parallel.mesh import device_mesh
+    from yamlformer.recipes.parallel.pipeline import build_pipeline
+    from yamlformer.recipes.recipe.sections import TrainerSection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -54,9 +54,9 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_every_rank_of_pp2_tp2_fsdp2_holds_what_the_layout_counts_for_its_stage(tmp_path):
-    from builder.analysis.layout import Layout, rank_states
-    from builder.analysis.shards import stage_tensors
-    from builder.spec.schema import spec_model
+    from yamlformer.builder.analysis.layout import Layout, rank_states
+    from yamlformer.builder.analysis.shards import stage_tensors
+    from yamlformer.builder.spec.schema import spec_model
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)

@@ -47,8 +47,8 @@ def _pp(folder, schedule: str = "1f1b", devices: int = 2, batch: int = 4, microb
 
 
 def test_stages_chained_compute_the_whole_model_and_keep_its_parameter_names():
-    from builder import build_model
-    from recipes.parallel.pipeline import stage_layers, stages_of_rank
+    from yamlformer.builder import build_model
+    from yamlformer.recipes.parallel.pipeline import stage_layers, stages_of_rank
 
     assert stage_layers(4, 2) == [[0, 1], [2, 3]]
     assert stage_layers(5, 3) == [[0, 1], [2, 3], [4]]  # extras: the middle first, then the first; the last fewest
@@ -76,7 +76,7 @@ def test_a_resume_in_the_other_optimization_mode_keeps_the_saved_step_count():
     one; a resume in the other mode reads its own counter, which the checkpoint must carry."""
     from lightning.pytorch.loops.progress import _OptimizationProgress, _Progress, _ReadyCompletedTracker
 
-    from recipes.training.module import AUTOMATIC_STEPS, MANUAL_STEPS, carry_optimizer_steps
+    from yamlformer.recipes.training.module import AUTOMATIC_STEPS, MANUAL_STEPS, carry_optimizer_steps
 
     def saved(automatic: bool, steps: int) -> dict:
         auto, manual = _OptimizationProgress(), _Progress.from_defaults(_ReadyCompletedTracker)
@@ -116,9 +116,10 @@ def test_a_resume_in_the_other_optimization_mode_keeps_the_saved_step_count():
 def test_the_runtime_mesh_numbers_ranks_as_the_layout_model_does(layout):
     """``init_device_mesh`` lays rank ``r`` at ``unravel_index(r, mesh_shape)``: each rank's
     coordinates on the ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)`` mesh are those
-    ``builder.analysis.layout`` gives it (the shard coordinate spans ``dp_shard_mod_ep x dp_shard_in_ep``)."""
-    from builder.analysis.layout import Layout
-    from recipes.parallel.mesh import MESH_DIMS, mesh_shape
+    ``yamlformer.builder.analysis.layout`` gives it (the shard coordinate spans
+    ``dp_shard_mod_ep x dp_shard_in_ep``)."""
+    from yamlformer.builder.analysis.layout import Layout
+    from yamlformer.recipes.parallel.mesh import MESH_DIMS, mesh_shape
 
     model = Layout(**layout)
     shape = mesh_shape(model)
@@ -152,7 +153,7 @@ def test_the_runtime_mesh_numbers_ranks_as_the_layout_model_does(layout):
     ],
 )
 def test_pipeline_settings_that_cannot_run_are_refused_at_their_line(tmp_path, capsys, trainer, needles):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     path = tiny_recipe(tmp_path, trainer=trainer)
     assert main(["train", str(path)]) == 1
@@ -173,7 +174,7 @@ def test_pipeline_settings_that_cannot_run_are_refused_at_their_line(tmp_path, c
 def test_a_model_its_stages_cannot_cut_is_refused_before_any_data_work(tmp_path, capsys, spec, needle):
     from recipe_helpers import TINY_SPEC
 
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     trainer = {"pipeline_parallel": 2, "devices": 2, "strategy": "fsdp"}
     path = tiny_recipe(tmp_path, model={"spec": {**TINY_SPEC, **spec}}, trainer=trainer)

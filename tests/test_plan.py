@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.analysis.plan import Candidate, Cluster, plan
-from builder.cli import main
-from builder.spec.loader import load_spec, parse_set_args
+from yamlformer.builder.analysis.plan import Candidate, Cluster, plan
+from yamlformer.builder.cli import main
+from yamlformer.builder.spec.loader import load_spec, parse_set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -212,7 +212,7 @@ def test_deepseek_v3_on_2048_h800s_uses_expert_parallelism(capsys):
     ],
 )
 def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypatch):
-    from recipes.recipe.sections import TrainerSection, load_recipe
+    from yamlformer.recipes.recipe.sections import TrainerSection, load_recipe
 
     if "tensor_parallel" not in TrainerSection.model_fields:
         pytest.skip("recipes lack trainer.tensor_parallel / trainer.data_parallel (issue 11's FSDP2 recipes)")
@@ -309,7 +309,8 @@ def test_an_option_out_of_its_own_range_is_a_one_line_usage_error(capsys):
 
 def test_planning_a_big_spec_is_quick_and_torch_free():
     code = (
-        "import sys, time; from builder.spec.loader import load_spec; from builder.analysis.plan import Cluster, plan; "
+        "import sys, time; from yamlformer.builder.spec.loader import load_spec; "
+        "from yamlformer.builder.analysis.plan import Cluster, plan; "
         "spec = load_spec('specs/gpt3-175b.yaml'); t = time.process_time(); "
         "f = plan(spec, Cluster(gpus=64, per_node=8, memory=80 * 2**30, peak=989.5e12), seq_len=2048, "
         "global_batch=1536, launchable=True); "

@@ -1,6 +1,6 @@
 """``builder plan --launchable`` in every dimension the recipes' runtime runs: a mixture of experts
 gets expert parallelism, a long sequence context parallelism, a deep model pipeline stages, each
-launch line carrying the trainer fields; what the runtime refuses (``builder.analysis.runtime``,
+launch line carrying the trainer fields; what the runtime refuses (``yamlformer.builder.analysis.runtime``,
 the one table of its rules) is skipped by the search, refused when pinned, and said in one line
 of a plan that was not searched for launching."""
 
@@ -11,9 +11,9 @@ import shlex
 
 import pytest
 
-from builder.analysis import runtime
-from builder.cli import main
-from builder.spec.loader import parse_set_args
+from yamlformer.builder.analysis import runtime
+from yamlformer.builder.cli import main
+from yamlformer.builder.spec.loader import parse_set_args
 
 
 def _plan(capsys, *argv) -> tuple[int, dict]:
@@ -54,7 +54,7 @@ def test_pipeline_stages_launch_with_their_schedule_and_micro_batches(capsys):
     micro = plan["accumulate_grad_batches"]  # the pipeline's micro-batches
     assert sets["trainer.microbatches"] == micro and sets["trainer.accumulate_grad_batches"] == 1
     assert sets["data.batch_size"] == plan["micro_batch"] * micro  # the schedule cuts it
-    from recipes.recipe.sections import TrainerSection, load_recipe
+    from yamlformer.recipes.recipe.sections import TrainerSection, load_recipe
 
     if "pipeline_parallel" in TrainerSection.model_fields:  # the runtime with pipeline stages accepts it
         load_recipe("recipes/lm-stdlib.yaml", {k: v for k, v in sets.items() if k.startswith(("trainer.", "data."))})
@@ -150,7 +150,7 @@ def test_a_zero_bubble_plan_launches_the_v_schedule_where_the_layers_cut_twice_p
 def test_the_runtime_table_and_the_trainer_section_refuse_alike(settings, field):
     """Each rule names its trainer field; the recipes' trainer section (which is to read this
     table) refuses the same settings, where it has the fields."""
-    from recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.recipe.sections import TrainerSection
 
     found = runtime.problems(runtime.Settings(**{"strategy": "fsdp", **settings}))
     assert (found[0][0] if found else None) == field, found

@@ -17,7 +17,7 @@ from precision_helpers import TASKS, eval_and_generate_args, task_recipe
 from recipe_helpers import tiny_recipe
 from torch import nn
 
-from recipes.training import precision
+from yamlformer.recipes.training import precision
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -79,7 +79,7 @@ def test_cpu_bf16_reads_the_cpu_flags(monkeypatch):
 
 @pytest.mark.parametrize("native", ["AMX", None])
 def test_a_run_with_auto_trains_in_what_the_patched_cpu_resolves_to(tmp_path, capsys, monkeypatch, native):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     monkeypatch.setattr(precision, "on_cuda", lambda accelerator: False)
     monkeypatch.setattr(precision, "cpu_bf16", lambda: native)
@@ -110,7 +110,7 @@ class _Tiny(L.LightningModule):
         return F.cross_entropy(self.net(x).float(), y)
 
     def configure_optimizers(self):
-        from recipes.training.optimizer import adamw
+        from yamlformer.recipes.training.optimizer import adamw
 
         optimizer = adamw([{"params": list(self.parameters())}], lr=0.05, eps=EPS)
         assert optimizer.defaults.get("fused"), "the fused kernel is the case under test"
@@ -227,7 +227,7 @@ def _rows():
 
 def _train(path, processes: int) -> None:
     if processes == 1:
-        from recipes.training.run import run
+        from yamlformer.recipes.training.run import run
 
         run(path, samples=False)
         return
@@ -244,7 +244,7 @@ def _losses(run_dir) -> dict:
 
 @pytest.mark.parametrize("kind,strategy,task", list(_rows()))
 def test_precision_strategy_task_matrix(tmp_path, capsys, kind, strategy, task):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     settings, processes = STRATEGIES[strategy]
     unbroken = tmp_path / "unbroken"
@@ -273,7 +273,7 @@ def test_precision_strategy_task_matrix(tmp_path, capsys, kind, strategy, task):
 
 def test_a_resumed_fp16_run_keeps_its_loss_scale(tmp_path, monkeypatch):
     """The scaler's state rides in the checkpoint: a resumed 16-mixed run goes on from its scale."""
-    from recipes.training import run as train
+    from yamlformer.recipes.training import run as train
 
     def growing(kind, device, sharded=False):  # from 1, the scale doubles every step (far from an overflow)
         scaler = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=1)

@@ -17,7 +17,7 @@ transformers.logging.set_verbosity_error()
 
 
 def _state(summary) -> dict:
-    from builder.checkpoints import model_weights
+    from yamlformer.builder.checkpoints import model_weights
 
     return model_weights(torch.load(summary["last"], map_location="cpu", weights_only=True)["state_dict"])
 
@@ -58,10 +58,10 @@ def _keyword_rows(n: int) -> list[str]:
 
 
 def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_frozen(tmp_path):
-    from builder.hf import import_hf, read_weights
-    from recipes.recipe.sections import load_recipe
-    from recipes.tasks.mlm.training import encoder_tokenizer
-    from recipes.training.run import run
+    from yamlformer.builder.hf import import_hf, read_weights
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks.mlm.training import encoder_tokenizer
+    from yamlformer.recipes.training.run import run
 
     rows = _keyword_rows(400)
     for label in ("fruit", "none"):
@@ -126,8 +126,8 @@ def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_fr
 
 
 def test_tiny_hugging_face_llama_fine_tunes_on_text_with_a_layer_frozen(tmp_path, capsys):
-    from builder.hf import from_hf
-    from recipes.training.run import run
+    from yamlformer.builder.hf import from_hf
+    from yamlformer.recipes.training.run import run
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(600)))
@@ -176,7 +176,7 @@ def test_tiny_hugging_face_llama_fine_tunes_on_text_with_a_layer_frozen(tmp_path
 
 
 def test_a_run_starts_from_another_runs_checkpoint_with_its_tokenizer(tmp_path):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     first = tmp_path / "first"
     first.mkdir()
@@ -199,8 +199,8 @@ def test_a_run_starts_from_another_runs_checkpoint_with_its_tokenizer(tmp_path):
 
 
 def test_init_from_names_the_tensor_that_does_not_fit(tmp_path):
-    from recipes.errors import RecipeError
-    from recipes.training.run import run
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.run import run
 
     first = tmp_path / "first"
     first.mkdir()
@@ -226,8 +226,8 @@ def test_init_from_names_the_tensor_that_does_not_fit(tmp_path):
 
 
 def test_a_vocabulary_that_differs_from_the_weights_says_so(tmp_path):
-    from recipes.errors import RecipeError
-    from recipes.training.run import run
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.run import run
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(
@@ -247,9 +247,9 @@ def test_a_vocabulary_that_differs_from_the_weights_says_so(tmp_path):
 
 
 def test_freeze_paths_are_checked_where_they_are_written(tmp_path):
-    from builder.spec.loader import SpecError
-    from recipes.recipe.sections import load_recipe
-    from recipes.training.run import run
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.training.run import run
 
     path = tiny_recipe(tmp_path, model={"spec": "../spec.yaml", "freeze": ["decoder..layers"]})
     with pytest.raises(SpecError, match=r"recipe\.yaml:\d+:\d+: model\.freeze.*not a dotted path"):
@@ -277,8 +277,8 @@ def test_freeze_paths_are_checked_where_they_are_written(tmp_path):
 
 
 def test_freeze_matches_ranges_wildcards_and_paths_below_the_stacks():
-    from builder import build_model, load_spec
-    from recipes.training.pretrained import freeze
+    from yamlformer.builder import build_model, load_spec
+    from yamlformer.recipes.training.pretrained import freeze
 
     spec = load_spec(
         Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml", overrides={"decoder.n_layers": 4}

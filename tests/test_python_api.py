@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from builder import Layout, SpecError, Step, build_model, estimate, load_spec
+from yamlformer.builder import Layout, SpecError, Step, build_model, estimate, load_spec
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 

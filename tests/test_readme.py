@@ -10,7 +10,7 @@ import shlex
 import pytest
 from data_helpers import REPO
 
-from builder.cli import parser
+from yamlformer.builder.cli import parser
 
 READMES = [REPO / "README.md", REPO / "recipes" / "README.md", REPO / "specs" / "README.md"]
 BLOCK = re.compile(r"^```(bash|console|sh)\n(.*?)^```", re.M | re.S)

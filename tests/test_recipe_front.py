@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from data_helpers import data_for_recipes
 
-from builder.cli import main
-from builder.spec.kinds import kind_of
-from builder.spec.loader import SpecError, load_spec
-from recipes.recipe.sections import load_recipe, model_spec
+from yamlformer.builder.cli import main
+from yamlformer.builder.spec.kinds import kind_of
+from yamlformer.builder.spec.loader import SpecError, load_spec
+from yamlformer.recipes.recipe.sections import load_recipe, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted([*(ROOT / "specs").rglob("*.yaml"), *(ROOT / "recipes").glob("*.yaml")])
@@ -23,7 +23,7 @@ SHIPPED = sorted([*(ROOT / "specs").rglob("*.yaml"), *(ROOT / "recipes").glob("*
 
 def cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, cwd=cwd, env=env
+        [sys.executable, "-m", "yamlformer.builder.cli", *args], capture_output=True, text=True, cwd=cwd, env=env
     )
 
 
@@ -44,7 +44,7 @@ def test_a_recipe_is_validated_with_its_model(tmp_path, capsys):
 
 
 def test_kinds_are_told_apart_by_content():
-    from builder.spec.source import read_document
+    from yamlformer.builder.spec.source import read_document
 
     assert kind_of(read_document(ROOT / "specs" / "gpt2-small.yaml").data).name == "spec"
     assert kind_of(read_document(ROOT / "recipes" / "bert-mlm.yaml").data).name == "recipe"
@@ -106,7 +106,7 @@ def test_every_help_example_of_set_works(capsys):
     """The forms the help texts show are forms that work."""
     import re
 
-    from builder.cli import parser
+    from yamlformer.builder.cli import parser
 
     texts = []
     for action in parser()._subparsers._group_actions:
@@ -126,7 +126,7 @@ def test_every_help_example_of_set_works(capsys):
 def test_dry_run_resolves_without_downloading_or_writing(tmp_path):
     """A clean machine: no data, no cache, no network. The dry run says what it would fetch and
     prints the estimate; it writes nothing."""
-    env = {**__import__("os").environ, "BUILDER_DATA": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)}
+    env = {**__import__("os").environ, "BUILDER_DATA": str(tmp_path / "data")}
     run = cli("train", "shakespeare-char", "--dry-run", "--set", "decoder.n_layers=2", cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr
     out = run.stdout
@@ -139,7 +139,7 @@ def test_dry_run_resolves_without_downloading_or_writing(tmp_path):
 
 
 def test_dry_run_reads_what_is_on_disk(tmp_path, monkeypatch, capsys):
-    from recipes.training.dry_run import dry_run
+    from yamlformer.recipes.training.dry_run import dry_run
 
     data_for_recipes(tmp_path / "data", monkeypatch)
     monkeypatch.chdir(tmp_path)
@@ -155,7 +155,7 @@ def test_dry_run_reads_what_is_on_disk(tmp_path, monkeypatch, capsys):
 
 
 def test_dry_run_of_every_shipped_recipe(tmp_path, monkeypatch, capsys):
-    from recipes.training.dry_run import dry_run
+    from yamlformer.recipes.training.dry_run import dry_run
 
     monkeypatch.setenv("BUILDER_DATA", str(tmp_path / "empty"))
     monkeypatch.chdir(tmp_path)
@@ -205,7 +205,7 @@ def test_validate_and_dry_run_refuse_files_that_are_not_there(tmp_path, capsys):
     + [("[0, 1]", [0, 1]), ("0,1", [0, 1]), ("1,", [1]), ([0, 1], [0, 1])],
 )
 def test_devices_are_read_once_as_lightning_reads_them(written, read):
-    from recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.recipe.sections import TrainerSection
 
     assert TrainerSection(devices=written).devices == read
 
@@ -227,11 +227,11 @@ def test_devices_mean_one_count_in_training_and_in_the_dry_run(cuda, monkeypatch
     CPU, where device indices are refused by training in one line and flagged by the dry run)."""
     import torch
 
-    from builder.spec.loader import load_spec
-    from recipes.errors import RecipeError
-    from recipes.parallel import layout_of
-    from recipes.recipe.sections import Recipe
-    from recipes.training.dry_run import data_parallel_ranks, devices_line, recipe_estimate
+    from yamlformer.builder.spec.loader import load_spec
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.parallel import layout_of
+    from yamlformer.recipes.recipe.sections import Recipe
+    from yamlformer.recipes.training.dry_run import data_parallel_ranks, devices_line, recipe_estimate
 
     if cuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

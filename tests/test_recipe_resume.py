@@ -19,7 +19,7 @@ def _step(checkpoint) -> int:
 
 @pytest.mark.slow  # 15 s; SIGTERM and Ctrl-C resumes to an unbroken run's losses: tests/test_training_faults.py
 def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     steps = 60
     killed_dir, unbroken_dir = tmp_path / "killed", tmp_path / "unbroken"
@@ -77,7 +77,7 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path, capsys):
 
 
 def test_resume_refuses_a_different_model(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     path = tiny_recipe(tmp_path, trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")})
     assert main(["train", str(path), "--no-samples"]) == 0
@@ -91,7 +91,7 @@ def test_a_resumed_run_reads_its_checkpoint_once(tmp_path, monkeypatch):
     recipe and Lightning's restore share one load and one verification of ``last.ckpt``."""
     from test_checkpoints import reads_until_training
 
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     trainer = {"max_steps": 2, "checkpoint_every_n_steps": 2, "val_check_interval": 100, "limit_val_batches": 1}
     path = tiny_recipe(tmp_path, trainer=trainer)
@@ -106,7 +106,7 @@ def test_a_resumed_run_reads_its_checkpoint_once(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # 16 s; two FSDP processes against one: tests/test_sharded.py (default)
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     trainer = {"max_steps": 8, "val_check_interval": 4, "limit_val_batches": 2, "log_every_n_steps": 1}
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
@@ -140,7 +140,7 @@ def test_a_time_limit_is_per_invocation_and_every_stop_names_its_cause(tmp_path,
     """``trainer.max_time`` bounds each invocation: the same command again resumes and trains for
     another max_time (it used to count the time already spent, train 0 steps and exit 0); the last
     lines say which limit ended the run and how to go on."""
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     path = tiny_recipe(
         tmp_path,

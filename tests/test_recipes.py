@@ -10,8 +10,8 @@ import pytest
 import torch
 from recipe_helpers import history, tiny_recipe
 
-from builder.spec.loader import SpecError
-from recipes.recipe.sections import ScheduleSection, load_recipe
+from yamlformer.builder.spec.loader import SpecError
+from yamlformer.recipes.recipe.sections import ScheduleSection, load_recipe
 
 
 def test_recipe_typo_fails_with_its_line(tmp_path):
@@ -27,7 +27,7 @@ def test_recipe_typo_fails_with_its_line(tmp_path):
 
 
 def test_bad_inline_spec_points_at_the_recipe_line(tmp_path):
-    from recipes.recipe.sections import model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
 
     path = tiny_recipe(tmp_path)
     text = path.read_text().replace("n_heads: 2", "n_heads: 3")
@@ -41,7 +41,7 @@ def test_bad_inline_spec_points_at_the_recipe_line(tmp_path):
 
 
 def test_set_reaches_recipe_fields_and_the_model(tmp_path):
-    from recipes.recipe.sections import model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
 
     path = tiny_recipe(tmp_path)
     recipe = load_recipe(path, {"trainer.max_steps": 3, "model.overrides.decoder.n_layers": 1, "data.seq_len": 16})
@@ -56,7 +56,7 @@ def test_set_reaches_recipe_fields_and_the_model(tmp_path):
 
 
 def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
-    from recipes.recipe.sections import model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
 
     spec_file = Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml"
     moe = {"type": "moe", "n_experts": 2, "expert": {"type": "glu", "hidden_dim": 16}}
@@ -71,7 +71,7 @@ def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
 
 
 def test_schedule_warms_up_then_decays_to_min_lr():
-    from recipes.training.module import lr_multiplier
+    from yamlformer.recipes.training.module import lr_multiplier
 
     cosine = ScheduleSection(type="cosine", warmup_steps=10, min_lr=1e-4)
     values = [lr_multiplier(s, cosine, lr=1e-3, max_steps=100) for s in range(120)]
@@ -83,9 +83,9 @@ def test_schedule_warms_up_then_decays_to_min_lr():
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
-    from builder import build_model
-    from builder.spec.schema import spec_model
-    from recipes.training.module import param_groups
+    from yamlformer.builder import build_model
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.recipes.training.module import param_groups
 
     spec = spec_model().model_validate(
         {
@@ -113,7 +113,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One tiny run shared by the tests that need a checkpoint."""
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     tmp = tmp_path_factory.mktemp("trained")
     path = tiny_recipe(tmp, trainer={"max_steps": 30, "val_check_interval": 15})
@@ -135,7 +135,7 @@ def test_a_tiny_run_learns_and_checkpoints(trained):
 
 
 def test_eval_and_generate_need_only_the_checkpoint(trained, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     _, summary = trained
     assert main(["eval", summary["last"], "--json", "--max-batches", "4"]) == 0
@@ -168,7 +168,7 @@ def test_eval_and_generate_need_only_the_checkpoint(trained, capsys):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     path = tiny_recipe(
         tmp_path,
@@ -194,8 +194,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
 def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_path, capsys, monkeypatch):
     """Losses are read every 5 steps and before each checkpoint (every 3): the loss of step 8 is
     NaN, so the checkpoint of step 9 is not written; step 6's stays, with only finite losses."""
-    from builder.cli import main
-    from recipes.training.module import LMModule
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training.module import LMModule
 
     original = LMModule.logits_and_targets
 
@@ -226,9 +226,9 @@ def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_pa
 
 
 def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatch):
-    from recipes.training.checkpointing import AtomicCheckpointIO
-    from recipes.training.run import resume_path
-    from recipes.training.run_folder import claim
+    from yamlformer.recipes.training.checkpointing import AtomicCheckpointIO
+    from yamlformer.recipes.training.run import resume_path
+    from yamlformer.recipes.training.run_folder import claim
 
     target = tmp_path / "run" / "checkpoints" / "last.ckpt"
     io = AtomicCheckpointIO()
@@ -252,14 +252,14 @@ def test_atomic_checkpoint_survives_a_kill_during_the_write(tmp_path, monkeypatc
 
 
 def _tiny_model(spec_file: str, seed: int = 0):
-    from builder import build_model, load_spec
+    from yamlformer.builder import build_model, load_spec
 
     torch.manual_seed(seed)
     return build_model(load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / spec_file))
 
 
 def test_activation_checkpointing_keeps_the_gradients():
-    from recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
+    from yamlformer.recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
 
     plain, checkpointed = _tiny_model("llama.yaml"), _tiny_model("llama.yaml")
     assert checkpoint_layers(checkpointed) == len(layer_modules(plain)) == 2
@@ -273,8 +273,8 @@ def test_activation_checkpointing_keeps_the_gradients():
 
 def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
     """`trainer.activation_checkpointing` reaches encoder-decoder (translation) models too."""
-    from builder import load_spec
-    from recipes.training.run import training_model
+    from yamlformer.builder import load_spec
+    from yamlformer.recipes.training.run import training_model
 
     recipe = load_recipe(tiny_recipe(tmp_path), {"trainer.activation_checkpointing": True})
     spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "transformer.yaml")
@@ -285,7 +285,7 @@ def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
 
 
 def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
-    from recipes.training.module import LMModule
+    from yamlformer.recipes.training.module import LMModule
 
     path = tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})
     model = _tiny_model("mixtral.yaml")

@@ -37,7 +37,7 @@ def _losses(out: Path) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("shipped", RECIPES, ids=[p.stem for p in RECIPES])
 def test_a_seeded_run_gives_the_recorded_losses(shipped, tmp_path, monkeypatch):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     data_for_recipes(tmp_path / "data", monkeypatch, real=False)
     monkeypatch.chdir(tmp_path)

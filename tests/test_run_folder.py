@@ -15,7 +15,7 @@ from recipe_helpers import REPO, one_error_line, tiny_recipe
 
 HOLD = """
 import sys
-from recipes.training.run_folder import RunLock
+from yamlformer.recipes.training.run_folder import RunLock
 RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 sys.stdin.read()
@@ -23,7 +23,7 @@ sys.stdin.read()
 
 
 def _holder(folder):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     folder.mkdir(parents=True, exist_ok=True)
     child = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(folder)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -33,7 +33,7 @@ def _holder(folder):
 
 
 def test_a_second_run_stops_at_once_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe = tiny_recipe(tmp_path, trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")})
     holder = _holder(tmp_path / "run")
@@ -52,8 +52,8 @@ def test_a_second_run_stops_at_once_and_a_dead_holders_lock_is_taken_over(tmp_pa
 
 
 def test_a_record_from_another_host_is_trusted_while_it_is_fresh(tmp_path):
-    from recipes.errors import RecipeError
-    from recipes.training.run_folder import STALE_S, RunLock
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.run_folder import STALE_S, RunLock
 
     lock_file = tmp_path / "run.lock"
     lock_file.write_text(json.dumps({"pid": 4242, "host": "node-17", "started": "2026-01-01T00:00:00"}))
@@ -70,7 +70,7 @@ def test_a_record_from_another_host_is_trusted_while_it_is_fresh(tmp_path):
 
 
 def test_only_the_process_that_owns_the_folder_locks_it(tmp_path, monkeypatch):
-    from recipes.training.run_folder import RunLock, claim, owns_run_folder
+    from yamlformer.recipes.training.run_folder import RunLock, claim, owns_run_folder
 
     assert owns_run_folder({}) and owns_run_folder({"RANK": "0", "LOCAL_RANK": "0", "NODE_RANK": "0"})
     for rank in (
@@ -100,8 +100,8 @@ def _read_only_writes(folder):
 
 @pytest.mark.parametrize("case", ["output is a file", "output under a file", "cache is a file", "read-only output"])
 def test_an_unwritable_folder_stops_the_run_before_any_work(tmp_path, capsys, monkeypatch, case):
-    import recipes.training.run_folder
-    from builder.cli import main
+    import yamlformer.recipes.training.run_folder
+    from yamlformer.builder.cli import main
 
     out, cache = tmp_path / "out", tmp_path / "cache"
     if case == "output is a file":
@@ -112,7 +112,7 @@ def test_an_unwritable_folder_stops_the_run_before_any_work(tmp_path, capsys, mo
     elif case == "cache is a file":
         cache.write_text("not a folder")
     else:
-        monkeypatch.setattr(recipes.training.run_folder, "open", _read_only_writes(out), raising=False)
+        monkeypatch.setattr(yamlformer.recipes.training.run_folder, "open", _read_only_writes(out), raising=False)
     recipe = tiny_recipe(tmp_path, data={"cache_dir": str(cache)}, trainer={"output_dir": str(out)})
     assert main(["train", str(recipe), "--no-samples"]) == 1
     line = one_error_line(capsys.readouterr().err, "builder train:")
@@ -129,7 +129,7 @@ def test_an_unwritable_folder_stops_the_run_before_any_work(tmp_path, capsys, mo
 
 
 def test_resume_names_every_field_that_differs_and_fresh_keeps_the_old_checkpoints(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe = tiny_recipe(tmp_path, trainer={"max_steps": 2, "output_dir": str(tmp_path / "run")})
     train = ["train", str(recipe), "--no-samples"]
@@ -172,7 +172,7 @@ def test_resume_names_every_field_that_differs_and_fresh_keeps_the_old_checkpoin
 
 
 def test_which_recipe_fields_may_change_on_resume():
-    from recipes.training.run_folder import recipe_differences
+    from yamlformer.recipes.training.run_folder import recipe_differences
 
     saved = {
         "model": {"spec": "a.yaml"},
@@ -197,7 +197,7 @@ def test_which_recipe_fields_may_change_on_resume():
 
 
 def test_resume_refuses_a_corpus_whose_text_changed(tmp_path, capsys):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     text = tmp_path / "corpus.txt"
     words = [f"word{i % 97} " for i in range(4000)]
@@ -218,8 +218,8 @@ def test_resume_refuses_a_corpus_whose_text_changed(tmp_path, capsys):
 def test_a_spec_field_added_since_the_checkpoint_compares_as_its_default():
     """A checkpoint written before a spec field existed resumes when the field holds its default,
     and is refused, naming the field, when it does not."""
-    from builder.spec.loader import load_spec
-    from recipes.training.run_folder import spec_differences
+    from yamlformer.builder.spec.loader import load_spec
+    from yamlformer.recipes.training.run_folder import spec_differences
 
     current = load_spec(REPO / "specs" / "tiny" / "llama.yaml").model_dump(mode="json")
     older = json.loads(json.dumps(current))

@@ -28,8 +28,8 @@ def _versions(out: Path) -> dict[str, list[str]]:
 
 
 def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch):
-    from recipes.recipe.sections import load_recipe
-    from recipes.training.run import run
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.training.run import run
 
     inline = yaml.safe_load(tiny_recipe(tmp_path).read_text())["model"]["spec"]
     (tmp_path / "specs").mkdir()
@@ -66,7 +66,7 @@ def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch
     assert again_meta["spec"] == meta["spec"] and again_meta["tokenizer"] == meta["tokenizer"]
 
     # the config continues its own run, from anywhere: its paths and inline spec are this run's
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     assert main(["train", str(config), "--no-samples", "--set", "trainer.max_steps=10"]) == 0
     steps = [step for step, _ in history(out / "checkpoints" / "last.ckpt")["train"]]
@@ -75,7 +75,7 @@ def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch
 
 
 def test_a_resumed_run_continues_its_logs(tmp_path, capsys):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     path = tiny_recipe(tmp_path, trainer=TRAINER)
     out = tmp_path / "run"
@@ -102,8 +102,8 @@ def test_a_resumed_run_continues_its_logs(tmp_path, capsys):
 
 
 def test_eval_scores_the_runs_validation_by_default(tmp_path, capsys):
-    from builder.cli import main
-    from recipes.training.run import run
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training.run import run
 
     summary = run(tiny_recipe(tmp_path, trainer=TRAINER), samples=False)
     capsys.readouterr()

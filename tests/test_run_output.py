@@ -14,7 +14,7 @@ def _before_training(out: str) -> list[str]:
 
 
 def test_a_run_starts_with_a_short_header_and_ends_with_its_cause(tmp_path, capsys):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     run(tiny_recipe(tmp_path, trainer={"max_steps": 4}), samples=False)
     captured = capsys.readouterr()
@@ -34,7 +34,7 @@ def test_a_run_starts_with_a_short_header_and_ends_with_its_cause(tmp_path, caps
 
 
 def test_verbose_prints_the_estimate_tables_a_describe_prints(tmp_path, capsys):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     run(tiny_recipe(tmp_path, trainer={"max_steps": 2}), samples=False, verbose=True)
     header = _before_training(capsys.readouterr().out)
@@ -42,7 +42,7 @@ def test_verbose_prints_the_estimate_tables_a_describe_prints(tmp_path, capsys):
 
 
 def test_a_resumed_run_s_progress_bar_keeps_its_total(tmp_path, capsys):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     path = tiny_recipe(
         tmp_path,

@@ -47,8 +47,8 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """``trained(name)``: ``(checkpoint, export folder)`` of shipped recipe ``name``, trained once."""
-    from builder.cli import main
-    from recipes.training.run import run
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training.run import run
 
     root = tmp_path_factory.mktemp("serving")
     patch = pytest.MonkeyPatch()
@@ -83,8 +83,8 @@ def trained(tmp_path_factory):
 
 def _ours_lm(checkpoint: Path, prompt: str) -> list[int]:
     """What ``builder generate CKPT --prompt P --temperature 0 --max-new-tokens N`` decodes."""
-    from recipes.tasks.lm.streaming import stream
-    from recipes.trained import load_trained
+    from yamlformer.recipes.tasks.lm.streaming import stream
+    from yamlformer.recipes.trained import load_trained
 
     model, tokenizer, _ = load_trained(checkpoint, "cpu")
     return stream(model, tokenizer, prompt, io.StringIO(), NEW_TOKENS, temperature=0.0)
@@ -98,8 +98,8 @@ def _validation(name: str = "val") -> tuple[list[str], list[str]]:
 def _ours_translations(checkpoint: Path, sources: list[str], beams: int, one_by_one: bool = False) -> list[str]:
     """What ``builder eval`` decodes: the translation task's ``translate`` (the recipe's length
     penalty); ``one_by_one``: each source alone, with its own length budget, as a client is called."""
-    from recipes.tasks.translation.training import translate
-    from recipes.trained import load_trained
+    from yamlformer.recipes.tasks.translation.training import translate
+    from yamlformer.recipes.trained import load_trained
 
     model, tokenizer, meta = load_trained(checkpoint, "cpu")
     penalty = meta["recipe"]["eval"]["length_penalty"]
@@ -146,7 +146,7 @@ def test_ctranslate2_translator_decodes_and_scores_what_builder_eval_does(traine
     """Greedy: the same translations; beam 4 (the recipe's): sacreBLEU within 0.5 of ours."""
     import ctranslate2
 
-    from recipes.tasks.translation.training import score
+    from yamlformer.recipes.tasks.translation.training import score
 
     checkpoint, folder = trained("translate-multi30k")
     translator = ctranslate2.Translator(str(_ct2(folder, tmp_path / "ct2")), device="cpu", compute_type="float32")
@@ -184,7 +184,7 @@ def test_ctranslate2_encoder_computes_our_encoder_states(name, trained, tmp_path
     import ctranslate2
     import numpy as np
 
-    from recipes.trained import load_trained
+    from yamlformer.recipes.trained import load_trained
 
     checkpoint, folder = trained(name)
     encoder = ctranslate2.Encoder(str(_ct2(folder, tmp_path / "ct2")), device="cpu", compute_type="float32")
@@ -234,7 +234,7 @@ def test_onnx_runtime_decodes_what_builder_generate_does(name, trained, tmp_path
 
 
 def test_onnx_runtime_translates_and_scores_what_builder_eval_does(trained, tmp_path):
-    from recipes.tasks.translation.training import score
+    from yamlformer.recipes.tasks.translation.training import score
 
     checkpoint, folder = trained("translate-multi30k")
     onnx = _onnx(folder, tmp_path / "onnx", "text2text-generation-with-past")
@@ -262,7 +262,7 @@ def test_onnx_runtime_translates_and_scores_what_builder_eval_does(trained, tmp_
 
 @pytest.mark.parametrize("name,task", [("bert-mlm", "fill-mask"), ("classify", "text-classification")])
 def test_onnx_runtime_computes_our_logits(name, task, trained, tmp_path):
-    from recipes.trained import load_trained
+    from yamlformer.recipes.trained import load_trained
 
     checkpoint, folder = trained(name)
     onnx = _onnx(folder, tmp_path / "onnx", task)

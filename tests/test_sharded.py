@@ -46,7 +46,7 @@ TINY_TP = {
 
 
 def _main(*args: str) -> int:
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     return main(list(args))
 
@@ -71,8 +71,8 @@ def _one_line_error(capsys, *needles: str) -> str:
 def test_fsdp_on_two_processes_trains_like_one_and_its_sharded_checkpoint_reads_whole(tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from builder.checkpoints import is_sharded, load_model
-    from recipes.training.run import run
+    from yamlformer.builder.checkpoints import is_sharded, load_model
+    from yamlformer.recipes.training.run import run
 
     sharded = recipe(tmp_path / "fsdp", batch=2, devices=2, strategy="fsdp")
     out = train(sharded)
@@ -153,7 +153,7 @@ def test_hybrid_on_one_node_and_devices_that_do_not_exist_are_refused(tmp_path, 
 
 
 def test_fill_draws_any_slice_of_a_parameter_exactly():
-    from blocks.init import fill, row_block
+    from yamlformer.blocks.init import fill, row_block
 
     shapes = [(7, 5), (300, 700), (1, 4), (131073,), (5, 3, 2)]
     for shape in shapes:
@@ -292,7 +292,7 @@ def test_tensor_parallel_and_tp_x_fsdp_train_like_one_process_and_export_to_hf(t
 
     from transformers import AutoModelForCausalLM
 
-    from builder.checkpoints import load_model
+    from yamlformer.builder.checkpoints import load_model
 
     last = tmp_path / "tp-fsdp" / "run" / "checkpoints" / "last.ckpt"
     assert _main("export-hf", str(last), "-o", str(tmp_path / "hf")) == 0
@@ -351,7 +351,7 @@ def test_resume_on_another_layout_continues_like_an_unbroken_run(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path):
-    from builder.checkpoints import load_model, read_meta
+    from yamlformer.builder.checkpoints import load_model, read_meta
 
     path = recipe(
         tmp_path, batch=2, devices=2, strategy="fsdp", steps=400, checkpoint_every_n_steps=1, val_check_interval=1000

@@ -4,7 +4,7 @@ and a resume falls back to the newest intact checkpoint; a run resumes on other 
 continues like an unbroken one; the readers (eval, generate, export-hf, consolidate) take a
 sharded checkpoint whole.
 
-The default run writes real sharded folders in this process (``builder.checkpoints.save_sharded``,
+The default run writes real sharded folders in this process (``yamlformer.builder.checkpoints.save_sharded``,
 the sequence every rank of ``ShardedStrategy`` runs, with one rank); the multi-process runs on
 CPU processes (gloo) are ``slow``."""
 
@@ -47,7 +47,7 @@ SPEC = {
 
 
 def _main(*args: str) -> int:
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     return main(list(args))
 
@@ -67,8 +67,8 @@ def _one_line(capsys, *needles: str) -> str:
 
 @functools.cache
 def _model(seed: int):
-    from builder import build_model
-    from builder.spec.schema import spec_model
+    from yamlformer.builder import build_model
+    from yamlformer.builder.spec.schema import spec_model
 
     spec = spec_model().model_validate(dict(SPEC, vocab_size=96))
     return build_model(spec, init_seed=seed), spec.model_dump(mode="json")
@@ -77,7 +77,7 @@ def _model(seed: int):
 def _save(path: Path, step: int, tag: str | None = None, **builder) -> dict:
     """A sharded checkpoint of step ``step`` at ``path`` (its weights drawn with seed ``step``),
     written the way each rank of the sharded strategy writes one; the weights it holds."""
-    from builder.checkpoints import save_sharded
+    from yamlformer.builder.checkpoints import save_sharded
 
     model, spec = _model(step)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -92,7 +92,7 @@ def _save(path: Path, step: int, tag: str | None = None, **builder) -> dict:
 
 
 def _assert_holds(path: Path, weights: dict) -> None:
-    from builder.checkpoints import load_model
+    from yamlformer.builder.checkpoints import load_model
 
     model, _ = load_model(path)
     for name, tensor in model.state_dict().items():
@@ -108,7 +108,7 @@ class _Died(BaseException):
 
 
 def _resume(run: Path):
-    from recipes.training.run import resume_path
+    from yamlformer.recipes.training.run import resume_path
 
     return resume_path(run, resume=None, fresh=False)
 
@@ -117,7 +117,7 @@ def test_a_save_that_dies_at_any_step_leaves_a_whole_checkpoint_and_the_next_sav
     """Every rename and removal a save makes (and its shard and metadata writes) is a point a
     process can die at: at each, the next run resumes from a whole checkpoint of the old or the
     new step, and its own save leaves ``last.ckpt`` and ``last-1.ckpt`` and no debris."""
-    import builder.checkpoints.write as sc
+    import yamlformer.builder.checkpoints.write as sc
 
     real = {"replace": os.replace, "remove": sc._remove, "digests": sc.write_digests, "meta": sc.write_meta}
     point = -1
@@ -168,7 +168,7 @@ def test_a_save_that_dies_at_any_step_leaves_a_whole_checkpoint_and_the_next_sav
             else:
                 assert resumed is not None, f"dying at point {at} lost every checkpoint"
             if resumed is not None:  # what the next run resumes from is whole: the old step or the new
-                from builder.checkpoints import read_meta
+                from yamlformer.builder.checkpoints import read_meta
 
                 step = read_meta(resumed)["global_step"]
                 assert step in (*before, new) and step >= max(before, default=0), (at, step)
@@ -198,7 +198,7 @@ def test_temp_folders_of_dead_saves_are_removed_by_the_next_save(tmp_path):
 def test_a_sharded_save_that_fails_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from builder.checkpoints import CheckpointWriteError
+    from yamlformer.builder.checkpoints import CheckpointWriteError
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -259,8 +259,8 @@ def test_a_damaged_shard_is_a_one_line_error_naming_it_in_every_reader(tmp_path,
 
 
 def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_intact_one(tmp_path, capsys):
-    from recipes.errors import RecipeError
-    from recipes.training.run import resume_path
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.run import resume_path
 
     run = tmp_path / "run"
     folder = run / "checkpoints"
@@ -288,8 +288,8 @@ def test_a_resume_falls_back_from_a_damaged_sharded_checkpoint_to_the_newest_int
 
 
 def test_a_sharded_checkpoint_of_another_spec_or_tokenizer_is_refused_naming_the_field(tmp_path):
-    from recipes.errors import RecipeError
-    from recipes.training.run import resume_path
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.run import resume_path
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -306,9 +306,9 @@ def test_a_sharded_checkpoint_of_another_spec_or_tokenizer_is_refused_naming_the
 def test_consolidate_writes_one_safetensors_file_that_loads_into_the_spec(tmp_path, capsys):
     from safetensors import safe_open
 
-    from builder import build_model
-    from builder.hf import load_weights
-    from builder.spec.schema import spec_model
+    from yamlformer.builder import build_model
+    from yamlformer.builder.hf import load_weights
+    from yamlformer.builder.spec.schema import spec_model
 
     last = tmp_path / "last.ckpt"
     weights = _save(last, 7)
@@ -343,10 +343,10 @@ def test_model_init_from_a_sharded_folder_starts_a_run_from_its_weights(tmp_path
     from recipe_helpers import tiny_recipe
     from test_checkpoints import reads_until_training
 
-    from builder import build_model
-    from recipes.recipe.sections import load_recipe, model_spec
-    from recipes.training.pretrained import load_init_from, pretrained_tokenizer
-    from recipes.training.run import run
+    from yamlformer.builder import build_model
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.training.pretrained import load_init_from, pretrained_tokenizer
+    from yamlformer.recipes.training.run import run
 
     chars = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # 96: the vocabulary of SPEC's model
     folder = tmp_path / "pretrained" / "last.ckpt"
@@ -416,7 +416,7 @@ def _alive(pid: int) -> bool:
 def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_same_command_resumes(
     tmp_path, unbroken, victim
 ):
-    from builder.checkpoints import load_model, read_meta
+    from yamlformer.builder.checkpoints import load_model, read_meta
 
     path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, checkpoint_every_n_steps=1)
     folder = tmp_path / "run" / "checkpoints"
@@ -466,9 +466,9 @@ FSDP = {"strategy": "fsdp"}
 def test_a_resume_on_another_layout_reshards_and_continues_like_an_unbroken_run(tmp_path, unbroken, first, then):
     from transformers import AutoModelForCausalLM
 
-    from builder import build_model
-    from builder.checkpoints import load_model
-    from builder.hf import load_weights
+    from yamlformer.builder import build_model
+    from yamlformer.builder.checkpoints import load_model
+    from yamlformer.builder.hf import load_weights
 
     # the char vocabulary (95) does not split in two: a run with tensor parallelism on either side
     # uses an even one, and so does the unbroken run it is compared with
@@ -497,7 +497,7 @@ def test_a_resume_on_another_layout_reshards_and_continues_like_an_unbroken_run(
 
 @pytest.mark.slow
 def test_a_damaged_shard_of_a_run_is_named_and_the_same_command_resumes_from_the_intact_one(tmp_path, unbroken, capsys):
-    from builder.checkpoints import read_meta
+    from yamlformer.builder.checkpoints import read_meta
 
     path = recipe(tmp_path, batch=2, devices=2, strategy="fsdp", spec=SPEC, steps=12, checkpoint_every_n_steps=4)
     train(path)

@@ -1,5 +1,5 @@
-"""The recipe's own sharding (``recipes.parallel.parallelize`` on a mesh: the blocks' tensor-parallel plans,
-``fully_shard`` units, a meta-device start) against ``builder.analysis.layout``, on CPU processes (gloo):
+"""The recipe's own sharding (``yamlformer.recipes.parallel.parallelize`` on a mesh: the blocks' tensor-parallel plans,
+``fully_shard`` units, a meta-device start) against ``yamlformer.builder.analysis.layout``, on CPU processes (gloo):
 after a real training step every rank holds exactly the parameter, gradient and AdamW-state
 bytes ``rank_states`` (what ``builder describe --devices/--strategy/--tensor-parallel`` prints)
 counts, and every parameter it materialised equals a whole-model build's start value. Slow."""
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from sharded_helpers import end_process_group
 from test_layout_ranks import SPEC as ODD
 
-from builder.analysis.layout import Layout, rank_states
-from builder.spec.schema import spec_model
+from yamlformer.builder.analysis.layout import Layout, rank_states
+from yamlformer.builder.spec.schema import spec_model
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +30,11 @@ SEED = 7
 def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from builder.assemble import build_model
-    from recipes.parallel import layout_of, parallelize
-    from recipes.parallel.mesh import device_mesh
-    from recipes.recipe.sections import TrainerSection
-    from recipes.training.module import param_groups
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.recipes.parallel import layout_of, parallelize
+    from yamlformer.recipes.parallel.mesh import device_mesh
+    from yamlformer.recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.training.module import param_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -104,9 +104,9 @@ def _cases():
 
 @pytest.mark.parametrize("shipped,native", list(_cases()))
 def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path, monkeypatch, capsys):
-    from builder.cli import main
-    from recipes.training import precision
-    from recipes.training.run import run
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training import precision
+    from yamlformer.recipes.training.run import run
 
     if native != "as found":
         monkeypatch.setattr(precision, "cpu_bf16", lambda: native)

@@ -12,9 +12,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from builder.spec.json_schema import spec_json_schema
-from builder.spec.loader import load_spec, read_merged, validate_file
-from builder.spec.source import read_document
+from yamlformer.builder.spec.json_schema import spec_json_schema
+from yamlformer.builder.spec.loader import load_spec, read_merged, validate_file
+from yamlformer.builder.spec.source import read_document
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))
@@ -74,7 +74,7 @@ def test_shipped_spec_validates(path):
 @pytest.mark.parametrize("path", SPECS, ids=_rel)
 def test_header_states_the_parameter_count(path):
     """Each file's header names its source and its count; the estimator must agree."""
-    estimate = pytest.importorskip("builder.analysis.estimates").estimate
+    estimate = pytest.importorskip("yamlformer.builder.analysis.estimates").estimate
     header = path.read_text().split("\nname:")[0]
     stated = re.search(r"Parameters: ([\d,]+)", header)
     assert stated, f"{_rel(path)} has no 'Parameters: N' in its header comment"
@@ -152,12 +152,15 @@ def test_validate_command_exit_codes_and_output():
     good = [_rel(p) for p in SPECS[:3]]
     bad = _rel(MALFORMED / "several_problems.yaml")
     run = subprocess.run(
-        [sys.executable, "-m", "builder.cli", "validate", *good], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "yamlformer.builder.cli", "validate", *good], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == "3 files ok"
     run = subprocess.run(
-        [sys.executable, "-m", "builder.cli", "validate", *good, bad], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "yamlformer.builder.cli", "validate", *good, bad],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 1 and not run.stderr
     lines = run.stdout.strip().splitlines()
@@ -167,7 +170,7 @@ def test_validate_command_exit_codes_and_output():
 
 def test_validate_never_imports_torch():
     code = (
-        "import sys; from builder.cli import main; rc = main(['validate', 'specs/tiny/llama.yaml']);"
+        "import sys; from yamlformer.builder.cli import main; rc = main(['validate', 'specs/tiny/llama.yaml']);"
         "print(rc, 'torch' in sys.modules, 'lightning' in sys.modules)"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -175,7 +178,9 @@ def test_validate_never_imports_torch():
 
 
 def test_schema_command_prints_json():
-    run = subprocess.run([sys.executable, "-m", "builder.cli", "schema"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "yamlformer.builder.cli", "schema"], cwd=ROOT, capture_output=True, text=True
+    )
     assert run.returncode == 0
     schema = json.loads(run.stdout)
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
@@ -187,7 +192,7 @@ def test_llama2_70b_counts_as_transformers_builds_it():
     from the config export-hf writes for the spec."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from builder.hf import choose_family
+    from yamlformer.builder.hf import choose_family
 
     spec = load_spec(ROOT / "specs" / "llama2-70b.yaml")
     published = {

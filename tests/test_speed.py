@@ -13,7 +13,7 @@ SPECS = Path(__file__).resolve().parents[1] / "specs" / "tiny"
 
 
 def _model_and_loss(name: str):
-    from builder import build_model, load_spec
+    from yamlformer.builder import build_model, load_spec
 
     spec = load_spec(SPECS / f"{name}.yaml")
     torch.manual_seed(0)
@@ -35,7 +35,7 @@ def _model_and_loss(name: str):
 
 
 #: dense families: one graph, no break. Mixtral's sparse dispatch sorts tokens by expert and
-#: slices by data-dependent counts: breaks in that dispatch (blocks.experts), nowhere else.
+#: slices by data-dependent counts: breaks in that dispatch (yamlformer.blocks.experts), nowhere else.
 DENSE = ["gpt2", "llama", "alibi", "gemma2", "bert", "t5", "transformer"]
 
 
@@ -48,10 +48,10 @@ def test_every_family_traces_and_counts_its_graph_breaks(name):
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
             r.reason for r in explained.break_reasons
         ]
-    else:  # every break is in the sparse expert dispatch and its per-expert matmuls (blocks.experts)
+    else:  # every break is in the sparse expert dispatch and its per-expert matmuls (yamlformer.blocks.experts)
         import inspect
 
-        from blocks import experts
+        from yamlformer.blocks import experts
 
         assert explained.graph_break_count > 0
         for reason in explained.break_reasons:
@@ -103,7 +103,7 @@ def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
     eager run's."""
     from torch._dynamo.utils import counters
 
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     trainer = {"max_steps": 6, "val_check_interval": 6, "checkpoint_every_n_steps": 3, "log_every_n_steps": 3}
     schedule = {"type": "constant", "warmup_steps": 0}  # the same rates whatever max_steps the first part has
@@ -136,8 +136,8 @@ def test_compiled_run_keeps_its_cache_and_a_resumed_run_reuses_it(tmp_path):
 
 @pytest.mark.slow  # ~30 s: a cold compile of each layer (the model-mode run above is the default suite's)
 def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
-    from recipes.parallel.compile import compile_layers
-    from recipes.training.run import run
+    from yamlformer.recipes.parallel.compile import compile_layers
+    from yamlformer.recipes.training.run import run
 
     _, model, loss = _model_and_loss("llama")
     names = list(model.state_dict())
@@ -148,7 +148,7 @@ def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
 
 
 def test_fused_adamw_where_torch_has_the_kernel():
-    from recipes.training.optimizer import adamw
+    from yamlformer.recipes.training.optimizer import adamw
 
     params = [torch.nn.Parameter(torch.randn(3, 3))]
     assert adamw([{"params": params}], lr=1e-3).defaults["fused"]

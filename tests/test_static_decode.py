@@ -1,4 +1,4 @@
-"""The static decoding step (``blocks.cache``, ``TransformerStack.step``) and its compiled form
+"""The static decoding step (``yamlformer.blocks.cache``, ``TransformerStack.step``) and its compiled form
 (``generate(..., compile=True)``): one token at a fixed shape over preallocated buffers gives the
 full forward's logits for every attention with a cache (GQA + RoPE, learned positions, a sliding
 window's ring buffer past its wrap, ALiBi, multi-head latent attention, encoder-decoder cross
@@ -13,10 +13,10 @@ import pytest
 import torch
 from hostile_helpers import checkpoint  # noqa: F401  (a fixture: a trained tiny LM checkpoint)
 
-from blocks import generation
-from blocks.cache import KVCache
-from builder import build_model, load_spec
-from builder.spec.schema import spec_model
+from yamlformer.blocks import generation
+from yamlformer.blocks.cache import KVCache
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.spec.schema import spec_model
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
 

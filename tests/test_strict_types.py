@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.spec.loader import SpecError, load_spec, parse_set_args
-from builder.spec.source import parse_value
-from recipes.recipe.sections import load_recipe
+from yamlformer.builder.spec.loader import SpecError, load_spec, parse_set_args
+from yamlformer.builder.spec.source import parse_value
+from yamlformer.recipes.recipe.sections import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = """\
@@ -158,6 +158,6 @@ def test_every_shipped_file_reads_the_same_under_yaml_1_1_and_1_2(path):
     """Numbers are written so PyYAML (1.1) and editors (1.2) agree: 1000000.0, not 1.0e6."""
     import yaml
 
-    from builder.spec.source import read_document
+    from yamlformer.builder.spec.source import read_document
 
     assert read_document(path).data == yaml.safe_load(path.read_text())

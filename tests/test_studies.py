@@ -27,10 +27,10 @@ pytest.importorskip("scipy")
 
 from recipe_helpers import one_error_line, tiny_recipe
 
-from builder.cli import main
-from recipes.studies import report, runner, scaling, store
-from recipes.studies.schema import load_study
-from recipes.studies.variants import plan
+from yamlformer.builder.cli import main
+from yamlformer.recipes.studies import report, runner, scaling, store
+from yamlformer.recipes.studies.schema import load_study
+from yamlformer.recipes.studies.variants import plan
 
 #: a stand-in for `builder train`: validations of a made-up loss, appended to the run's metrics.csv;
 #: SIGTERM "saves" the steps done (resumed from there); mode crash fails, hang never ends
@@ -157,7 +157,7 @@ def test_launch_lines(tmp_path, capsys):
     assert sweep(path, "--print-torchrun") == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and all(
-        x.startswith("torchrun --standalone --nproc-per-node=2 -m builder.cli train ") for x in lines
+        x.startswith("torchrun --standalone --nproc-per-node=2 -m yamlformer.builder.cli train ") for x in lines
     )
     assert all("trainer.max_steps=4" in x and "trainer.devices=2" in x for x in lines)
     assert sweep(path, "--print-slurm") == 0
@@ -347,7 +347,7 @@ def test_compute_optimal_minimises_the_law_at_its_budget():
 
 
 def test_a_model_is_named_by_its_best_tuning_at_its_largest_budget():
-    from recipes.commands.study import _members
+    from yamlformer.recipes.commands.study import _members
 
     def row(family, flops, final_val, status="complete", params=1000):
         return {"params": params, "flops_per_token": 6000, "family": family, "flops": flops,
@@ -394,10 +394,10 @@ def test_fit_answers_a_budget_and_predicts_a_variant(tmp_path, capsys, fake_tria
     # --gpu-hours on --gpus GPUs: each model's tokens are the hours x the GPUs x builder plan's
     # predicted tokens/s per GPU for its fastest layout, so the budget in FLOPs is the chosen
     # model's own and its MFU the prediction's; a fixed --mfu gives hours x peak x MFU instead
-    from builder.analysis.hardware import Cluster
-    from builder.analysis.hardware import gpu as hardware_gpu
-    from builder.analysis.plan import plan
-    from recipes.studies.variants import variant_model
+    from yamlformer.builder.analysis.hardware import Cluster
+    from yamlformer.builder.analysis.hardware import gpu as hardware_gpu
+    from yamlformer.builder.analysis.plan import plan
+    from yamlformer.recipes.studies.variants import variant_model
 
     fit = ["study", "fit", str(path), "--bootstrap", "10", "--json"]
     assert main([*fit, "--gpu-hours", "2", "--gpus", "8", "--gpu", "h100"]) == 0

@@ -14,16 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _names():
-    from recipes.tasks import NAMES
+    from yamlformer.recipes.tasks import NAMES
 
     return NAMES
 
 
 @pytest.mark.parametrize("name", _names())
 def test_every_task_answers_the_contract(name):
-    from recipes.recipe.sections import Recipe
-    from recipes.tasks import task_named
-    from recipes.tasks.task import Task
+    from yamlformer.recipes.recipe.sections import Recipe
+    from yamlformer.recipes.tasks import task_named
+    from yamlformer.recipes.tasks.task import Task
 
     task = task_named(name)
     assert isinstance(task, Task) and task.name == name
@@ -37,9 +37,9 @@ def test_every_task_answers_the_contract(name):
 def test_the_eval_and_generate_options_of_the_tasks_are_options_of_the_commands():
     import argparse
 
-    from recipes.commands import eval as eval_command
-    from recipes.commands import generate as generate_command
-    from recipes.tasks import NAMES, task_named
+    from yamlformer.recipes.commands import eval as eval_command
+    from yamlformer.recipes.commands import generate as generate_command
+    from yamlformer.recipes.tasks import NAMES, task_named
 
     for command, field in ((eval_command, "eval_options"), (generate_command, "generate_options")):
         parser = argparse.ArgumentParser()
@@ -53,7 +53,7 @@ def test_task_facades_are_torch_free():
     """A task's facade (its recipe schema, shapes, files) loads without torch, so ``builder
     validate`` and ``builder list`` stay fast; its training code is imported when it trains."""
     code = (
-        "import sys\nfrom recipes.tasks import NAMES, task_named\n"
+        "import sys\nfrom yamlformer.recipes.tasks import NAMES, task_named\n"
         "[task_named(n) for n in NAMES]\nprint('torch' in sys.modules, 'lightning' in sys.modules)"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -18,10 +18,10 @@ import pytest
 from hostile_helpers import cli, refused
 from tokenize_helpers import WORDS, docs, sp  # noqa: F401 (sp: a fixture)
 
-from recipes.data.sources import Document, DocumentStream, find_sources
-from recipes.data.tokenize import tokenize_documents
-from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
-from recipes.errors import RecipeError
+from yamlformer.recipes.data.sources import Document, DocumentStream, find_sources
+from yamlformer.recipes.data.tokenize import tokenize_documents
+from yamlformer.recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
+from yamlformer.recipes.errors import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def _held(text: str, fraction: float) -> bool:
 def test_a_tokenizer_json_and_a_char_table(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from recipes.data.tokenizers import CharTokenizer, HFTokenizer
+    from yamlformer.recipes.data.tokenizers import CharTokenizer, HFTokenizer
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -100,7 +100,7 @@ def test_a_tokenizer_json_and_a_char_table(tmp_path):
 
 
 def test_the_command_takes_a_model_a_tokenizer_json_and_a_hugging_face_folder(capsys, tmp_path, sp):
-    from builder.hf.tokenizer import write_tokenizer
+    from yamlformer.builder.hf.tokenizer import write_tokenizer
 
     tokenizer, model = sp
     texts = docs(40, seed=8)
@@ -201,7 +201,7 @@ def test_every_source_format_reads_the_same_documents(tmp_path):
 
 
 def test_a_separator_across_read_chunks(tmp_path, monkeypatch):
-    import recipes.data.sources as sources_module
+    import yamlformer.recipes.data.sources as sources_module
 
     monkeypatch.setattr(sources_module, "CHUNK", 7)  # separators and UTF-8 characters cut between reads
     texts = docs(20, seed=5)
@@ -384,9 +384,9 @@ def test_the_command_end_to_end_with_a_recipe_tokenizer(capsys, tmp_path):
 KILLED = """
 import os, random, signal
 from pathlib import Path
-from recipes.data.tokenizers import SentencePieceTokenizer
-from recipes.data.sources import Document
-from recipes.data.tokenize import tokenize_documents
+from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer
+from yamlformer.recipes.data.sources import Document
+from yamlformer.recipes.data.tokenize import tokenize_documents
 WORDS = {words!r}
 {docs}
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from tokenize_helpers import docs, sp  # noqa: F401 (sp: a fixture)
 
-from recipes.data.sources import Document
-from recipes.data.tokenize import tokenize_documents
-from recipes.data.tokenized import TokenizedDataset
-from recipes.errors import RecipeError
+from yamlformer.recipes.data.sources import Document
+from yamlformer.recipes.data.tokenize import tokenize_documents
+from yamlformer.recipes.data.tokenized import TokenizedDataset
+from yamlformer.recipes.errors import RecipeError
 
 # -- the reader refuses what it cannot trust ------------------------------------------------------------
 
@@ -54,7 +54,7 @@ def test_a_flipped_bit_is_refused_on_a_first_open_and_after_a_change(made):
 
 
 def test_a_second_open_reads_no_shard(made, monkeypatch):
-    from recipes.data import tokenized
+    from yamlformer.recipes.data import tokenized
 
     for stamp in made.glob(".verified-*.json"):
         stamp.unlink()

@@ -34,20 +34,20 @@ class SignalAt(L.Callback):
 
 def send_at(monkeypatch, step: int, *signums: int) -> None:
     """Every Trainer the recipes make gets :class:`SignalAt` first in its callbacks."""
-    import recipes.training.run
+    import yamlformer.recipes.training.run
 
-    make = recipes.training.run.make_trainer
+    make = yamlformer.recipes.training.run.make_trainer
 
     def make_trainer(*args, **kwargs):
         trainer = make(*args, **kwargs)
         trainer.callbacks.insert(0, SignalAt(step, *signums))
         return trainer
 
-    monkeypatch.setattr(recipes.training.run, "make_trainer", make_trainer)
+    monkeypatch.setattr(yamlformer.recipes.training.run, "make_trainer", make_trainer)
 
 
 def _step(path: Path) -> int:
-    from builder.checkpoints import read_checkpoint
+    from yamlformer.builder.checkpoints import read_checkpoint
 
     return read_checkpoint(path)["global_step"]  # verified: the checkpoint is whole
 
@@ -57,7 +57,7 @@ import signal, sys
 sys.path.insert(0, {tests!r})
 import pytest
 from test_training_faults import send_at
-from builder.cli import main
+from yamlformer.builder.cli import main
 patch = pytest.MonkeyPatch()
 send_at(patch, 5, signal.SIGTERM)
 sys.exit(main(["train", {recipe!r}, "--no-samples"]))
@@ -65,10 +65,10 @@ sys.exit(main(["train", {recipe!r}, "--no-samples"]))
 
 
 def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_like_an_unbroken_run(unbroken_run, tmp_path):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe = fault_recipe(tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     child = subprocess.run(
         [sys.executable, "-c", CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
         env=env,
@@ -90,20 +90,20 @@ GROUP_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import lightning as L
-import recipes.training.run
-from builder.cli import main
+import yamlformer.recipes.training.run
+from yamlformer.builder.cli import main
 
 class CtrlC(L.Callback):  # a terminal's Ctrl+C: SIGINT to the whole process group, the loader's worker too
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step == 5:
             os.killpg(os.getpgrp(), signal.SIGINT)
 
-make = recipes.training.run.make_trainer
+make = yamlformer.recipes.training.run.make_trainer
 def make_trainer(*args, **kwargs):
     trainer = make(*args, **kwargs)
     trainer.callbacks.insert(0, CtrlC())
     return trainer
-recipes.training.run.make_trainer = make_trainer
+yamlformer.recipes.training.run.make_trainer = make_trainer
 sys.exit(main(["train", {recipe!r}, "--no-samples"]))
 """
 
@@ -113,7 +113,7 @@ def test_ctrl_c_to_the_process_group_saves_and_stops_though_the_loader_worker_ge
     data = yaml.safe_load(recipe.read_text())
     data["data"]["num_workers"] = 1  # a batch-making worker in the group
     recipe.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     child = subprocess.run(
         [sys.executable, "-c", GROUP_CHILD.format(tests=str(REPO / "tests"), recipe=str(recipe))],
         env=env,
@@ -131,7 +131,7 @@ def test_ctrl_c_to_the_process_group_saves_and_stops_though_the_loader_worker_ge
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1])
 def test_sigint_and_slurms_sigusr1_save_and_exit_128_plus_the_signal(tmp_path, capsys, monkeypatch, signum):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe = fault_recipe(tmp_path, max_steps=4)
     send_at(monkeypatch, 3, signum)
@@ -143,7 +143,7 @@ def test_sigint_and_slurms_sigusr1_save_and_exit_128_plus_the_signal(tmp_path, c
 
 
 def test_a_second_signal_stops_at_once_keeping_the_last_checkpoint(tmp_path, capsys, monkeypatch):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     recipe = fault_recipe(tmp_path)
     send_at(monkeypatch, 6, signal.SIGINT, signal.SIGINT)  # Ctrl+C twice: do not wait for the save
@@ -169,39 +169,39 @@ class SignalInValidation(L.Callback):
 def test_a_signal_during_validation_saves_at_the_next_step_and_resumes_like_an_unbroken_run(
     unbroken_run, tmp_path, capsys, monkeypatch
 ):
-    import recipes.training.run
-    from builder.cli import main
+    import yamlformer.recipes.training.run
+    from yamlformer.builder.cli import main
 
-    make = recipes.training.run.make_trainer
+    make = yamlformer.recipes.training.run.make_trainer
 
     def make_trainer(*args, **kwargs):
         trainer = make(*args, **kwargs)
         trainer.callbacks.insert(0, SignalInValidation(6, signal.SIGTERM))
         return trainer
 
-    monkeypatch.setattr(recipes.training.run, "make_trainer", make_trainer)
+    monkeypatch.setattr(yamlformer.recipes.training.run, "make_trainer", make_trainer)
     recipe = fault_recipe(tmp_path)
     assert main(["train", str(recipe), "--no-samples"]) == 143
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert line.startswith(f"builder train: stopped by SIGTERM at step 7; saved {last}"), line
     assert _step(last) == 7  # the validation finished, then the step after it: a boundary
-    monkeypatch.setattr(recipes.training.run, "make_trainer", make)
+    monkeypatch.setattr(yamlformer.recipes.training.run, "make_trainer", make)
     assert main(["train", str(recipe), "--no-samples"]) == 0
     assert_same_run(last, Path(unbroken_run[1]["last"]))
 
 
 def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
-    import recipes.tasks.lm.training
-    from builder.cli import main
+    import yamlformer.recipes.tasks.lm.training
+    from yamlformer.builder.cli import main
 
-    prepare = recipes.tasks.lm.training.prepare  # the LM task's data, tokenizer and spec
+    prepare = yamlformer.recipes.tasks.lm.training.prepare  # the LM task's data, tokenizer and spec
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(recipes.tasks.lm.training, "prepare", interrupted)
+    monkeypatch.setattr(yamlformer.recipes.tasks.lm.training, "prepare", interrupted)
     assert main(["train", str(fault_recipe(tmp_path)), "--no-samples"]) == 143
     line = one_error_line(capsys.readouterr().err, "builder train:")
     assert line == "builder train: stopped by SIGTERM before training started; there was nothing to save"
@@ -209,12 +209,12 @@ def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroken_run, tmp_path, capsys, monkeypatch):
-    import builder.checkpoints.write
-    from builder.cli import main
+    import yamlformer.builder.checkpoints.write
+    from yamlformer.builder.cli import main
 
     recipe = fault_recipe(tmp_path)
     opened = []
-    write = builder.checkpoints.write._ErrorKeepingFile.write
+    write = yamlformer.builder.checkpoints.write._ErrorKeepingFile.write
 
     def filling(self, data):
         if not getattr(self, "counted", False):  # one per checkpoint file written
@@ -224,7 +224,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroke
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(self, data)
 
-    monkeypatch.setattr(builder.checkpoints.write._ErrorKeepingFile, "write", filling)
+    monkeypatch.setattr(yamlformer.builder.checkpoints.write._ErrorKeepingFile, "write", filling)
     assert main(["train", str(recipe), "--no-samples"]) == 1
     folder = tmp_path / "run" / "checkpoints"
     line = one_error_line(capsys.readouterr().err, "builder train:")
@@ -240,7 +240,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroke
 
 
 def test_a_file_size_limit_stops_in_one_line_and_the_rerun_does_not_trip_on_debris(unbroken_run, tmp_path):
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     cache = Path(unbroken_run[0]).parent / "cache"  # tokens already cached: the first big file is a checkpoint
     recipe = fault_recipe(tmp_path)
@@ -314,7 +314,7 @@ def test_a_task_run_stops_on_a_signal_the_same_way(tmp_path, capsys, monkeypatch
     """The tasks besides LM (here masked-LM pretraining) share the run session and its stop."""
     import yaml
 
-    from builder.cli import main
+    from yamlformer.builder.cli import main
 
     encoder = {
         "name": "tiny-encoder",

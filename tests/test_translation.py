@@ -12,8 +12,8 @@ import torch
 import yaml
 from data_helpers import NO_REAL_DATA, real_data_root
 
-from builder import build_model
-from builder.spec.schema import spec_model
+from yamlformer.builder import build_model
+from yamlformer.builder.spec.schema import spec_model
 
 torch.set_num_threads(1)
 
@@ -54,8 +54,8 @@ def _model(seed: int = 0, **kwargs):
 
 
 def test_padded_batch_equals_each_sequence_alone():
-    from recipes.data.batching import pad
-    from recipes.tasks.translation.training import collate
+    from yamlformer.recipes.data.batching import pad
+    from yamlformer.recipes.tasks.translation.training import collate
 
     model = _model()
     g = torch.Generator().manual_seed(3)
@@ -79,7 +79,7 @@ def _sources(n: int = 4, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     lengths = [6, 3, 5, 4][:n]
     rows = [torch.randint(4, 40, (k,), generator=g).tolist() + [EOS] for k in lengths]
-    from recipes.data.batching import pad
+    from yamlformer.recipes.data.batching import pad
 
     src = pad(rows, PAD)
     return src, src != PAD
@@ -98,7 +98,7 @@ def _hyp(row: list[int]) -> list[int]:
 
 
 def test_beam_of_one_is_greedy():
-    from blocks.generation import _beam_search
+    from yamlformer.blocks.generation import _beam_search
 
     model = _model()
     src, mask = _sources()
@@ -156,7 +156,7 @@ def test_a_beam_as_wide_as_the_search_space_finds_the_best_sequence():
 
 
 def test_token_budget_batches_cover_each_epoch_and_resume_exactly():
-    from recipes.data.batching import StreamBatches, epoch_batches
+    from yamlformer.recipes.data.batching import StreamBatches, epoch_batches
 
     lengths = np.random.default_rng(0).integers(1, 40, size=500)
     batches = epoch_batches(lengths, 200, seed=1, epoch=0)
@@ -178,7 +178,7 @@ def test_token_budget_batches_cover_each_epoch_and_resume_exactly():
 
 
 def test_checkpoint_averaging(tmp_path):
-    from builder.checkpoints import (
+    from yamlformer.builder.checkpoints import (
         average_checkpoints,
         average_state_dicts,
         kept_checkpoints,
@@ -254,8 +254,8 @@ def _recipe(tmp_path: Path, de: list[str], en: list[str], vocab_size: int = 400,
 
 
 def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
-    from builder.cli import main
-    from recipes.training.run import run
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training.run import run
 
     de, en = _pairs(10, max_words=8)
     summary = run(_recipe(tmp_path, de, en, max_steps=150))
@@ -290,7 +290,7 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
     assert main(["generate", str(averaged), "--text", de[0]]) == 0
     assert capsys.readouterr().out.strip() == en[0]
 
-    from recipes.trained import (
+    from yamlformer.recipes.trained import (
         load_trained,  # on this trained model, a wider beam never scores worse
     )
 
@@ -316,7 +316,7 @@ def test_tiny_run_overfits_ten_pairs_then_eval_and_generate(tmp_path, capsys):
 
 @pytest.mark.slow  # 15 s; ten pairs overfit in the default suite
 def test_tiny_run_overfits_fifty_multi30k_pairs(tmp_path):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     de, en = _pairs(50)
     summary = run(_recipe(tmp_path, de, en, vocab_size=800, max_steps=600))
@@ -324,7 +324,7 @@ def test_tiny_run_overfits_fifty_multi30k_pairs(tmp_path):
 
 
 def test_resumed_run_trains_on_the_same_batches_as_an_unbroken_one(tmp_path):
-    from recipes.training.run import run
+    from yamlformer.recipes.training.run import run
 
     de, en = _pairs(40, max_words=10)
     losses = {}
@@ -345,7 +345,7 @@ def test_validation_batches_split_so_every_rank_runs_as_many(world_size):
     """Under FSDP each forward all-gathers, so a rank with one validation batch more than another
     would wait forever: the batches are split until their number divides the ranks, every example
     still once and within the budget."""
-    from recipes.data.batching import FixedBatches, sorted_batches
+    from yamlformer.recipes.data.batching import FixedBatches, sorted_batches
 
     rng = np.random.default_rng(0)
     for n in (7, 40, 101):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from builder.cli import main
-from builder.cli.validate import validate_any
-from builder.spec.loader import load_spec, validate_file
-from builder.zoo import entries, find, locate, name_of
+from yamlformer.builder.cli import main
+from yamlformer.builder.cli.validate import validate_any
+from yamlformer.builder.spec.loader import load_spec, validate_file
+from yamlformer.builder.zoo import entries, find, locate, name_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_FILES = sorted((ROOT / "specs").rglob("*.yaml"))
@@ -57,7 +57,7 @@ def test_extends_and_model_spec_take_names(tmp_path):
     mine.write_text("extends: llama3-8b\ndecoder: {n_layers: 2}\n")
     spec = load_spec(mine)
     assert spec.decoder.n_layers == 2 and spec.vocab_size == 128256
-    from recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
 
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("model: {spec: tiny/llama, overrides: {decoder.n_layers: 1}}\n")
@@ -165,17 +165,17 @@ def test_a_wheel_carries_the_zoo(tmp_path):
 
     def cli(*args):
         return subprocess.run(
-            [sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True, env=env, cwd=work
+            [sys.executable, "-m", "yamlformer.builder.cli", *args], capture_output=True, text=True, env=env, cwd=work
         )
 
     where = subprocess.run(
-        [sys.executable, "-c", "import builder.zoo as z; print(z.spec_folder())"],
+        [sys.executable, "-c", "import yamlformer.builder.zoo as z; print(z.spec_folder())"],
         capture_output=True,
         text=True,
         env=env,
         cwd=work,
     )
-    assert where.stdout.strip() == str(target / "builder" / "zoo" / "specs"), where.stderr
+    assert where.stdout.strip() == str(target / "yamlformer" / "builder" / "zoo" / "specs"), where.stderr
     described = cli("describe", "llama3-8b", "--json")
     assert described.returncode == 0, described.stderr
     assert json.loads(described.stdout)["params"]["total"] == 8_030_261_248

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from recipes.recipe.sections import TokenizerSection
+from yamlformer.recipes.recipe.sections import TokenizerSection
 
 WORDS = [
     "the",
@@ -79,7 +79,7 @@ def docs(n: int, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="module")
 def sp(tmp_path_factory):
     """A small sentencepiece model with an EOS piece, as train_sentencepiece now trains them."""
-    from recipes.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
+    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
 
     proto = train_sentencepiece("\n".join(docs(800, seed=9)), TokenizerSection(vocab_size=300))
     path = tmp_path_factory.mktemp("sp") / "sp.model"

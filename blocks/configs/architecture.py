@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from blocks.configs.base import ArchitectureBlock
-from blocks.registry import register
+from yamlformer.blocks.configs.base import ArchitectureBlock
+from yamlformer.blocks.registry import register
 
 
-@register("architecture", "blocks.stacks:DecoderOnlyModel")
+@register("architecture", "yamlformer.blocks.stacks:DecoderOnlyModel")
 class DecoderOnlyConfig(ArchitectureBlock):
     """A causal stack (GPT, Llama)."""
 
@@ -20,7 +20,7 @@ class DecoderOnlyConfig(ArchitectureBlock):
     stacks: ClassVar[tuple[str, ...]] = ("decoder",)
 
 
-@register("architecture", "blocks.stacks:EncoderOnlyModel")
+@register("architecture", "yamlformer.blocks.stacks:EncoderOnlyModel")
 class EncoderOnlyConfig(ArchitectureBlock):
     """A bidirectional stack (BERT)."""
 
@@ -29,7 +29,7 @@ class EncoderOnlyConfig(ArchitectureBlock):
     stacks: ClassVar[tuple[str, ...]] = ("encoder",)
 
 
-@register("architecture", "blocks.stacks:EncoderDecoderModel")
+@register("architecture", "yamlformer.blocks.stacks:EncoderDecoderModel")
 class EncoderDecoderConfig(ArchitectureBlock):
     """An encoder and a causal decoder that cross-attends to it (the 2017 Transformer, T5)."""
 

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from blocks.configs.base import (
+from yamlformer.blocks.configs.base import (
     AttentionBlock,
     BlockConfig,
     CacheLayout,
@@ -19,9 +19,9 @@ from blocks.configs.base import (
     indivisible,
     rule_error,
 )
-from blocks.configs.pairs import kernel_saved_bytes
-from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
-from blocks.registry import register
+from yamlformer.blocks.configs.pairs import kernel_saved_bytes
+from yamlformer.blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
+from yamlformer.blocks.registry import register
 
 
 class QKNorm(BlockConfig):
@@ -65,7 +65,7 @@ class TemperatureTuning(BlockConfig):
     scale: float = Field(..., gt=0, le=MAX_FACTOR, description="The log's factor (Llama 4: attn_scale, 0.1).")
 
 
-@register("attention", "blocks.attention:MultiHeadAttention")
+@register("attention", "yamlformer.blocks.attention:MultiHeadAttention")
 class AttentionConfig(AttentionBlock):
     """Scaled dot-product attention with separate query and key/value head counts.
 
@@ -186,7 +186,7 @@ class AttentionConfig(AttentionBlock):
     def resolved_head_dim(self, d_model: int) -> int:
         return self.head_dim if self.head_dim is not None else d_model // self.n_heads
 
-    # -- the attention contract (blocks.configs.base.AttentionBlock) ----------------------------
+    # -- the attention contract (yamlformer.blocks.configs.base.AttentionBlock) ----------------------------
 
     def query_heads(self) -> int:
         return self.n_heads
@@ -239,7 +239,7 @@ class AttentionConfig(AttentionBlock):
     def parallel_plan(self) -> dict[str, str]:
         # Megatron's split: each rank computes whole heads; out_proj sums their outputs. A
         # per-head q_norm / k_norm weight (shared by the heads) and the sinks are replicated:
-        # each rank reads its heads' sinks, and blocks.attention sums both gradients over the group
+        # each rank reads its heads' sinks, and yamlformer.blocks.attention sums both gradients over the group
         return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
 
     def context_parallel_problems(self, degree: int) -> Problems:
@@ -302,7 +302,7 @@ class AttentionConfig(AttentionBlock):
     ) -> int:
         """Both paths keep the projection input, q, the (rotated) k and v and the
         output-projection input. ``fused`` (FlashAttention: Triton on CUDA) adds the kernel's
-        output and its fp32 log-sum-exp per row; ``eager`` (kernels.attention) keeps k and v
+        output and its fp32 log-sum-exp per row; ``eager`` (yamlformer.kernels.attention) keeps k and v
         repeated to n_heads for GQA, the fp32 softmax, a tanh output under softcap, a dropout
         mask, and the probabilities cast to the compute dtype for P.V (the softmax output itself
         when the dtype is fp32 and nothing ``masked`` them).
@@ -335,7 +335,7 @@ class AttentionConfig(AttentionBlock):
         )
 
     def _norm_saved_bytes(self, tokens: int, heads: int, hd: int, act_bytes: int) -> int:
-        """What ``blocks.attention.QKNorm`` keeps over ``tokens`` of ``heads`` heads: the fp32 input
+        """What ``yamlformer.blocks.attention.QKNorm`` keeps over ``tokens`` of ``heads`` heads: the fp32 input
         (kept by the square and the multiply) and 1/rms per row; rmsnorm also the normalised input
         (kept by the multiply with the weight) and, unless it is the fp32 weight itself, the scale."""
         norm = self.qk_norm

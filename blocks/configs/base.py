@@ -1,7 +1,7 @@
 """The contracts: what generic code (schema rules, estimates, memory, assembly, decoding) may ask
 of a block, one base class per block kind. Torch-free.
 
-A registered config subclasses the base of its kind (``blocks.registry.register`` refuses one
+A registered config subclasses the base of its kind (``yamlformer.blocks.registry.register`` refuses one
 that does not, or that leaves an abstract method out). Generic code calls only what is declared
 here; a block's own fields (``n_kv_heads``, ``sliding_window``, ``kv_lora_rank``...) are its own
 business, reached through these methods. ``blocks/README.md`` is the checklist for a new block.
@@ -13,7 +13,7 @@ the block's own section (``("n_heads",)``) unless the method says otherwise, so 
 points at the line that set the field.
 
 A block's counts are the same at every layer index: a module may use its place (``layer_index``,
-``n_layers``, given by name, ``blocks.build``) for values, not for shapes or work; a layer of
+``n_layers``, given by name, ``yamlformer.blocks.build``) for values, not for shapes or work; a layer of
 other shapes is an ``overrides`` entry. A block may hold blocks of other kinds (a head's own
 layer): :func:`nested_block` types such a field.
 """
@@ -27,8 +27,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from blocks import registry
-from blocks.configs.pairs import visible_pairs
+from yamlformer.blocks import registry
+from yamlformer.blocks.configs.pairs import visible_pairs
 
 Loc = tuple[str | int, ...]
 Problems = list[tuple[Loc, str]]
@@ -73,7 +73,7 @@ class BlockConfig(BaseModel):
         """Tensor parallelism: submodule name (relative to the block's module) -> a style of
         :data:`PARALLEL_STYLES`; a submodule it does not name is replicated. None: no plan,
         replicated. A module whose plan splits its heads adapts to its share in
-        ``use_tensor_parallel(rank, degree)`` (``recipes.parallel.tensor`` applies the plans)."""
+        ``use_tensor_parallel(rank, degree)`` (``yamlformer.recipes.parallel.tensor`` applies the plans)."""
         return None
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:
@@ -95,13 +95,13 @@ class BlockConfig(BaseModel):
     def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:
         """This block as each of ``degree`` tensor-parallel ranks holds and runs it: a config of
         the same type whose counts (``params``, FLOPs, saved bytes, KV cache) are one rank's
-        share under :meth:`parallel_plan` (``builder.analysis.layout`` sizes activations with it). Only
+        share under :meth:`parallel_plan` (``yamlformer.builder.analysis.layout`` sizes activations with it). Only
         asked when :meth:`tensor_parallel_problems` is empty; a replicated block is itself."""
         return self
 
     # Each kind also declares ``param_shapes(...)`` (the same arguments as its ``params``): every
     # parameter tensor its module creates, named relative to the module as ``named_parameters()``
-    # names it, with its shape. ``builder.analysis.layout`` shards them tensor by tensor. Abstract for
+    # names it, with its shape. ``yamlformer.builder.analysis.layout`` shards them tensor by tensor. Abstract for
     # attention, FFN and norm blocks; positions and heads without parameters inherit ``{}``.
 
 
@@ -177,7 +177,7 @@ class CacheLayout:
 
     Multi-head attention caches ``k`` and ``v`` (``n_kv_heads x head_dim`` each); a latent
     attention may cache one compressed vector and a shared rotary key instead. ``window``: only
-    the last ``window`` positions are kept (a ring buffer). ``blocks.cache.TensorCache``
+    the last ``window`` positions are kept (a ring buffer). ``yamlformer.blocks.cache.TensorCache``
     allocates exactly this, so ``describe``'s KV bytes are what ``generate`` allocates.
     """
 
@@ -199,7 +199,7 @@ class AttentionBlock(BlockConfig):
     """An attention block: what generic code asks of it.
 
     Its module is built as ``Module(config, d_model, causal=..., cross=..., backend=...)`` (any
-    subset of those by name, see ``blocks.build``) and follows the module protocol in
+    subset of those by name, see ``yamlformer.blocks.build``) and follows the module protocol in
     ``blocks/attention.py``: ``forward(x, inputs, cache=None, memory=None)``, ``n_heads`` and
     ``new_cache(batch, max_tokens, dtype, device)``.
     """
@@ -256,7 +256,7 @@ class AttentionBlock(BlockConfig):
         masked: bool,
         kv_input: bool = True,
     ) -> int:
-        """Bytes kept for backward in one training step (see ``builder.analysis.memory``). ``fused``: a
+        """Bytes kept for backward in one training step (see ``yamlformer.builder.analysis.memory``). ``fused``: a
         FlashAttention kernel; ``masked``: eager attention adds a mask or bias to the scores;
         ``kv_input=False``: the key/value input is shared (an encoder output) and counted once."""
 
@@ -411,7 +411,7 @@ class NormBlock(BlockConfig):
 
     @abstractmethod
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.analysis.memory)."""
+        """Bytes kept for backward (see yamlformer.builder.analysis.memory)."""
 
     @property
     def per_sublayer(self) -> int:
@@ -427,17 +427,17 @@ class NormBlock(BlockConfig):
 
 class HeadBlock(BlockConfig):
     """An output head: ``Module(config, d_model, vocab_size, tied_embedding=None)`` (any of the
-    ``blocks.build`` dimensions by name, and the call's ``n_layers``, ``backend``),
-    ``forward(hidden, attention_mask=None, context=None) -> blocks.heads.HeadOutput`` (logits and
+    ``yamlformer.blocks.build`` dimensions by name, and the call's ``n_layers``, ``backend``),
+    ``forward(hidden, attention_mask=None, context=None) -> yamlformer.blocks.heads.HeadOutput`` (logits and
     auxiliary losses, already weighted). ``params`` leaves out a tied projection (the embedding
     table, counted there). Every count covers all the head builds and computes on a forward
     without a KV cache (``context`` given: multi-token prediction's layers included)."""
 
     #: whether the head's output projection can share the token embedding matrix
     projects_to_vocab: ClassVar[bool] = False
-    #: the field (a ``blocks.configs.layer.LayerBlocks``) holding the blocks of the layers the head
+    #: the field (a ``yamlformer.blocks.configs.layer.LayerBlocks``) holding the blocks of the layers the head
     #: runs itself; in a spec it is merged over its stack's own blocks as a layer override is, and
-    #: its attention meets the rules a stack's does (``builder.spec.schema``). None: no such layer
+    #: its attention meets the rules a stack's does (``yamlformer.builder.spec.schema``). None: no such layer
     layer_field: ClassVar[str | None] = None
 
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
@@ -488,7 +488,7 @@ class HeadBlock(BlockConfig):
         position: PositionBlock | None = None,
         compiled_loss: bool = False,
     ) -> int:
-        """Bytes kept for backward, the training loss included (see builder.analysis.memory);
+        """Bytes kept for backward, the training loss included (see yamlformer.builder.analysis.memory);
         ``tokens`` over ``batch`` sequences. ``fused`` and ``position`` (the spec's position
         block) are what the head's own layers' attention needs, as a stack's layer does;
         ``compiled_loss``: the loss is compiled with the head (see :func:`loss_saved_bytes`)."""

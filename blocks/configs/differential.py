@@ -1,5 +1,5 @@
 """Differential attention (Ye et al. 2024, "Differential Transformer", arXiv:2410.05258): its
-config and exact counts; the module is ``blocks.differential``.
+config and exact counts; the module is ``yamlformer.blocks.differential``.
 
 Each of ``n_heads`` heads splits its query and key into two halves of ``head_dim`` and takes
 the difference of their two softmax maps, ``softmax(Q1 K1^T) - lambda * softmax(Q2 K2^T)``, over
@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import (
+from yamlformer.blocks.configs.base import (
     AttentionBlock,
     CacheLayout,
     CacheTensor,
@@ -30,10 +30,10 @@ from blocks.configs.base import (
     indivisible,
     rule_error,
 )
-from blocks.configs.norm import RMSNormConfig
-from blocks.configs.pairs import kernel_saved_bytes
-from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
-from blocks.registry import register
+from yamlformer.blocks.configs.norm import RMSNormConfig
+from yamlformer.blocks.configs.pairs import kernel_saved_bytes
+from yamlformer.blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
+from yamlformer.blocks.registry import register
 
 #: the learned lambda vectors (module parameters, each ``(head_dim,)``)
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -44,7 +44,7 @@ def depth_lambda_init(layer_index: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
 
 
-@register("attention", "blocks.differential:DifferentialAttention")
+@register("attention", "yamlformer.blocks.differential:DifferentialAttention")
 class DifferentialAttentionConfig(AttentionBlock):
     """Differential attention: two softmax maps per head, subtracted (module doc)."""
 
@@ -105,7 +105,7 @@ class DifferentialAttentionConfig(AttentionBlock):
         """The per-head norm, counted as an RMSNorm over ``2 * head_dim``."""
         return RMSNormConfig(eps=self.norm_eps)
 
-    # -- the attention contract (blocks.configs.base.AttentionBlock) ----------------------------
+    # -- the attention contract (yamlformer.blocks.configs.base.AttentionBlock) ----------------------------
 
     def query_heads(self) -> int:
         return self.n_heads
@@ -133,7 +133,7 @@ class DifferentialAttentionConfig(AttentionBlock):
 
     def parallel_plan(self) -> dict[str, str]:
         # whole heads per rank, as multi_head; lambda and the norm weight, shared by the heads,
-        # stay whole and the module sums their gradients over the ranks (blocks.differential)
+        # stay whole and the module sums their gradients over the ranks (yamlformer.blocks.differential)
         return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
 
     def tensor_parallel_problems(self, degree: int, d_model: int) -> Problems:

@@ -6,9 +6,9 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
-from blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
-from blocks.registry import register
+from yamlformer.blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
+from yamlformer.blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
+from yamlformer.blocks.registry import register
 
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 
@@ -55,7 +55,7 @@ class _DenseFFNConfig(FFNBlock):
         return 2 * tokens * (self.n_in_projections + 1) * d_model * self.resolved_hidden_dim(d_model)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.analysis.memory): the input and the hidden tensors."""
+        """Bytes kept for backward (see yamlformer.builder.analysis.memory): the input and the hidden tensors."""
         return tokens * (d_model + self.saved_hidden * self.resolved_hidden_dim(d_model)) * act_bytes
 
     @property
@@ -64,7 +64,7 @@ class _DenseFFNConfig(FFNBlock):
         raise NotImplementedError
 
 
-@register("ffn", "blocks.ffn:MLP")
+@register("ffn", "yamlformer.blocks.ffn:MLP")
 class MLPConfig(_DenseFFNConfig):
     """Two projections with an activation between them (the 2017 Transformer, GPT-2, BERT)."""
 
@@ -86,7 +86,7 @@ class MLPConfig(_DenseFFNConfig):
         return 1 if self.activation == "relu" else 2
 
 
-@register("ffn", "blocks.ffn:GLU")
+@register("ffn", "yamlformer.blocks.ffn:GLU")
 class GLUConfig(_DenseFFNConfig):
     """Gated linear unit: act(x W_gate) * (x W_up), then W_down (SwiGLU with silu, GeGLU with gelu)."""
 
@@ -133,7 +133,7 @@ def _experts_divide(n_experts: int, degree: int) -> Problems:
     return []
 
 
-@register("ffn", "blocks.ffn:MoE")
+@register("ffn", "yamlformer.blocks.ffn:MoE")
 class MoEConfig(FFNBlock):
     """Mixture of experts: a linear router picks top_k experts per token (Mixtral, Qwen3-MoE
     with norm_topk_prob, GPT-OSS).
@@ -241,7 +241,7 @@ class MoEConfig(FFNBlock):
         return 2 * tokens * d_model * self.n_experts + self.top_k * self.expert.flops(d_model, tokens)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.analysis.memory). The router: its input, the fp32
+        """Bytes kept for backward (see yamlformer.builder.analysis.memory). The router: its input, the fp32
         probabilities, the top_k fp32 values and int64 choices, their sum. Each of the
         tokens * top_k routed rows: the expert's own tensors (its gathered input among them;
         a clamped SwiGLU's seven hidden ones: gate and up before and after their clamps,
@@ -256,7 +256,7 @@ class MoEConfig(FFNBlock):
         return router + experts + routed * (2 * d_model * act_bytes + act_bytes + 2 * 8)
 
 
-@register("ffn", "blocks.ffn:DeepSeekMoE")
+@register("ffn", "yamlformer.blocks.ffn:DeepSeekMoE")
 class DeepSeekMoEConfig(FFNBlock):
     """DeepSeekMoE (Dai et al. 2024, arXiv:2401.06066; DeepSeek-V2 and V3): many fine-grained
     routed experts plus always-on shared experts, with DeepSeek's routing.
@@ -430,7 +430,7 @@ class DeepSeekMoEConfig(FFNBlock):
         )
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
-        """Bytes kept for backward (see builder.analysis.memory). The router (fp32, as DeepSeek and
+        """Bytes kept for backward (see yamlformer.builder.analysis.memory). The router (fp32, as DeepSeek and
         Hugging Face compute it): its input (and in a 16-bit dtype its fp32 copies of the input
         and the weight), the fp32 scores, the int64 choices, with ``norm_topk_prob`` the chosen
         scores and their sum, with sigmoid scores their per-token sum (the balancing loss).

@@ -3,8 +3,8 @@
 ``params(d_model, vocab_size, tied)`` counts the head's own tensors (a tied output projection
 is the embedding table and is counted there); ``flops(d_model, vocab_size, tokens)`` is one
 sequence of ``tokens`` tokens; ``saved_bytes`` takes the run's keywords (``batch``, ``fused``,
-``position``: ``blocks.configs.base.HeadBlock``), which a head without layers of its own ignores,
-and ``compiled_loss``, which a vocabulary head's loss reads (``blocks.configs.base.loss_saved_bytes``).
+``position``: ``yamlformer.blocks.configs.base.HeadBlock``), which a head without layers of its own ignores,
+and ``compiled_loss``, which a vocabulary head's loss reads (``yamlformer.blocks.configs.base.loss_saved_bytes``).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import HeadBlock, Shapes, loss_saved_bytes
-from blocks.configs.ffn import Activation
-from blocks.configs.norm import LayerNormConfig
-from blocks.limits import MAX_FACTOR, MAX_VOCAB
-from blocks.registry import register
+from yamlformer.blocks.configs.base import HeadBlock, Shapes, loss_saved_bytes
+from yamlformer.blocks.configs.ffn import Activation
+from yamlformer.blocks.configs.norm import LayerNormConfig
+from yamlformer.blocks.limits import MAX_FACTOR, MAX_VOCAB
+from yamlformer.blocks.registry import register
 
 
-@register("head", "blocks.heads:LMHead")
+@register("head", "yamlformer.blocks.heads:LMHead")
 class LMHeadConfig(HeadBlock):
     """Projects hidden states to vocabulary logits (tied to the embeddings or not)."""
 
@@ -62,7 +62,7 @@ class LMHeadConfig(HeadBlock):
         return tokens * d_model * act_bytes + logits * act_bytes + loss + softcap
 
 
-@register("head", "blocks.heads:MLMHead")
+@register("head", "yamlformer.blocks.heads:MLMHead")
 class MLMHeadConfig(HeadBlock):
     """BERT's masked-LM head: dense, activation, norm, then the vocabulary projection with a bias."""
 
@@ -103,7 +103,7 @@ class MLMHeadConfig(HeadBlock):
         return transform + tokens * d_model * act_bytes + tokens * vocab_size * act_bytes + loss
 
 
-@register("head", "blocks.heads:ClassificationHead")
+@register("head", "yamlformer.blocks.heads:ClassificationHead")
 class ClassificationHeadConfig(HeadBlock):
     """Pools the sequence and projects to class logits (one prediction per sequence)."""
 
@@ -134,7 +134,7 @@ class ClassificationHeadConfig(HeadBlock):
         return 2 * d_model * ((d_model if self.pooler else 0) + self.n_classes)
 
 
-@register("head", "blocks.heads:NoHead")
+@register("head", "yamlformer.blocks.heads:NoHead")
 class NoHeadConfig(HeadBlock):
     """No head: the model returns the final hidden states."""
 

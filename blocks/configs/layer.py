@@ -1,5 +1,5 @@
 """One layer of blocks, torch-free: :class:`LayerConfig`, a stack's layer resolved (after the
-stack's ``overrides``, ``builder.spec.schema.StackSpec.layer``) with its exact counts, summed
+stack's ``overrides``, ``yamlformer.builder.spec.schema.StackSpec.layer``) with its exact counts, summed
 from its blocks' own; and :class:`LayerBlocks`, the field a block holding layers of its own
 declares (multi-token prediction's head), whose blocks are any registered ones."""
 
@@ -10,7 +10,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from blocks.configs.base import AttentionBlock, FFNBlock, NormBlock, PositionBlock, Shapes, nested_block, rule_error
+from yamlformer.blocks.configs.base import (
+    AttentionBlock,
+    FFNBlock,
+    NormBlock,
+    PositionBlock,
+    Shapes,
+    nested_block,
+    rule_error,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +27,7 @@ class LayerConfig:
     stack's ``cross_attention``, else its self-attention without ``not_inherited_by_cross``).
 
     The counts take ``cross_len`` (the memory's length) for a layer that cross-attends, None
-    for one that does not; ``builder.analysis.estimates`` sums them per layer."""
+    for one that does not; ``yamlformer.builder.analysis.estimates`` sums them per layer."""
 
     attention: AttentionBlock
     cross_attention: AttentionBlock | None
@@ -35,7 +43,7 @@ class LayerConfig:
         return ("attention", "cross_attention", "ffn") if cross else ("attention", "ffn")
 
     def norm_names(self, cross: bool) -> list[str]:
-        """The layer module's norms (``blocks.layers``): one per sub-layer, two for sandwich;
+        """The layer module's norms (``yamlformer.blocks.layers``): one per sub-layer, two for sandwich;
         one, ``attention_norm``, for a shared_norm parallel layer."""
         if self.parallel_residual == "shared_norm":
             return ["attention_norm"]

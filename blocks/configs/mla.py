@@ -10,9 +10,9 @@ wide for the scores and ``v_head_dim`` wide for the mix.
 
 Decoding caches the normalised latent and the rotated shared key only, ``kv_lora_rank +
 qk_rope_head_dim`` numbers per token and layer (576 in V2/V3, against 2 x 128 heads x 128 for
-the multi-head attention it replaces); ``blocks.mla`` absorbs ``kv_b_proj`` into the query and
+the multi-head attention it replaces); ``yamlformer.blocks.mla`` absorbs ``kv_b_proj`` into the query and
 the output instead of expanding the cache (DeepSeek's own inference code does the same).
-The counts below are of one training forward, which expands the latent (see ``blocks.mla``).
+The counts below are of one training forward, which expands the latent (see ``yamlformer.blocks.mla``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import (
+from yamlformer.blocks.configs.base import (
     AttentionBlock,
     CacheLayout,
     CacheTensor,
@@ -30,13 +30,13 @@ from blocks.configs.base import (
     Shapes,
     indivisible,
 )
-from blocks.configs.norm import RMSNormConfig
-from blocks.configs.pairs import kernel_saved_bytes
-from blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_WIDTH
-from blocks.registry import register
+from yamlformer.blocks.configs.norm import RMSNormConfig
+from yamlformer.blocks.configs.pairs import kernel_saved_bytes
+from yamlformer.blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_WIDTH
+from yamlformer.blocks.registry import register
 
 
-@register("attention", "blocks.mla:MultiHeadLatentAttention")
+@register("attention", "yamlformer.blocks.mla:MultiHeadLatentAttention")
 class MLAConfig(AttentionBlock):
     """DeepSeek's multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1)."""
 
@@ -118,7 +118,7 @@ class MLAConfig(AttentionBlock):
         """The RMSNorm on each latent (its config: eps; counted as a norm block counts itself)."""
         return RMSNormConfig(eps=self.norm_eps)
 
-    # -- the attention contract (blocks.configs.base.AttentionBlock) ----------------------------
+    # -- the attention contract (yamlformer.blocks.configs.base.AttentionBlock) ----------------------------
 
     def query_heads(self) -> int:
         return self.n_heads
@@ -195,7 +195,7 @@ class MLAConfig(AttentionBlock):
         masked: bool,
         kv_input: bool = True,
     ) -> int:
-        """What a training forward (``blocks.mla``, the latent expanded) keeps for backward: the
+        """What a training forward (``yamlformer.blocks.mla``, the latent expanded) keeps for backward: the
         layer input (every down-projection's), each latent's RMSNorm and its output (the
         up-projection's input), q and k after the rotary part joins them, v and the
         output-projection input. ``fused`` keeps v as the view of the whole ``kv_b_proj`` output

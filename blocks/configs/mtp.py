@@ -1,5 +1,5 @@
 """Multi-token prediction (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv:2412.19437,
-section 2.2) as a head: its config and exact counts; the module is ``blocks.mtp``.
+section 2.2) as a head: its config and exact counts; the module is ``yamlformer.blocks.mtp``.
 
 The head projects the final hidden states to the vocabulary (the main prediction, which decoding
 uses alone) and, on a forward without a KV cache, runs ``num_nextn_predict_layers`` (D) chained
@@ -22,10 +22,10 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, WithJsonSchema, model_validator
 
-from blocks.configs.base import HeadBlock, PositionBlock, Shapes, loss_saved_bytes, rule_error
-from blocks.configs.layer import LayerBlocks
-from blocks.limits import MAX_FACTOR, MAX_LAYERS
-from blocks.registry import register
+from yamlformer.blocks.configs.base import HeadBlock, PositionBlock, Shapes, loss_saved_bytes, rule_error
+from yamlformer.blocks.configs.layer import LayerBlocks
+from yamlformer.blocks.limits import MAX_FACTOR, MAX_LAYERS
+from yamlformer.blocks.registry import register
 
 #: a spec may give part of the layer (the rest is its stack's), so every key is optional here
 _PARTIAL_LAYER = {
@@ -50,7 +50,7 @@ _TINY = {
 }
 
 
-@register("head", "blocks.mtp:MultiTokenPredictionHead")
+@register("head", "yamlformer.blocks.mtp:MultiTokenPredictionHead")
 class MTPHeadConfig(HeadBlock):
     """A language-model head with DeepSeek-V3's multi-token prediction modules (module doc)."""
 
@@ -117,7 +117,7 @@ class MTPHeadConfig(HeadBlock):
     def describe(self) -> str:
         return f"mtp x{self.num_nextn_predict_layers} ({self.layer.layer().describe(cross=False)})"
 
-    # -- the head contract (blocks.configs.base.HeadBlock) ----------------------------------------
+    # -- the head contract (yamlformer.blocks.configs.base.HeadBlock) ----------------------------------------
 
     def params(self, d_model: int, vocab_size: int, tied: bool) -> int:
         return sum(math.prod(shape) for shape in self.param_shapes(d_model, vocab_size, tied).values())

@@ -6,20 +6,20 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import NormBlock, Placement, Shapes
-from blocks.limits import MAX_FACTOR
-from blocks.registry import register
+from yamlformer.blocks.configs.base import NormBlock, Placement, Shapes
+from yamlformer.blocks.limits import MAX_FACTOR
+from yamlformer.blocks.registry import register
 
 __all__ = ["LayerNormConfig", "RMSNormConfig", "Placement"]
 
 
 class _NormConfig(NormBlock):
-    """What the built-in norms share; blocks.norms computes in fp32."""
+    """What the built-in norms share; yamlformer.blocks.norms computes in fp32."""
 
     eps: float = Field(1e-5, gt=0, le=MAX_FACTOR, description="Added to the variance for numerical stability.")
 
 
-@register("norm", "blocks.norms:LayerNorm")
+@register("norm", "yamlformer.blocks.norms:LayerNorm")
 class LayerNormConfig(_NormConfig):
     """LayerNorm (Ba et al. 2016): subtract the mean, divide by the standard deviation."""
 
@@ -41,7 +41,7 @@ class LayerNormConfig(_NormConfig):
         return tokens * (4 * d_model + 2 * 4) + copies
 
 
-@register("norm", "blocks.norms:RMSNorm")
+@register("norm", "yamlformer.blocks.norms:RMSNorm")
 class RMSNormConfig(_NormConfig):
     """RMSNorm (Zhang & Sennrich 2019): divide by the root mean square; no mean, no bias."""
 

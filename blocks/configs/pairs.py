@@ -1,6 +1,6 @@
 """Counting the query-key pairs an attention kernel visits (causal, windowed, chunked masks) in
 closed form, and the bytes a fused kernel saves for its backward: what every attention config's
-FLOP and memory counts read (``blocks.configs.base.AttentionBlock``)."""
+FLOP and memory counts read (``yamlformer.blocks.configs.base.AttentionBlock``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def kernel_saved_bytes(
     dropout: bool = False,
     sinks: bool = False,
 ) -> int:
-    """Bytes ``kernels.attention`` itself keeps for backward, beyond q, k and v (which the
+    """Bytes ``yamlformer.kernels.attention`` itself keeps for backward, beyond q, k and v (which the
     attention block counts, as it knows their layout). ``fused`` (FlashAttention: Triton on
     CUDA): the output and an fp32 log-sum-exp per row. Eager: the fp32 softmax, a tanh output
     under ``softcap``, with ``dropout`` its mask and the dropped probabilities, else the

@@ -10,16 +10,16 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, Shapes, rule_error
-from blocks.limits import MAX_BUCKETS, MAX_FACTOR, MAX_SEQ_LEN
-from blocks.registry import register
+from yamlformer.blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, Shapes, rule_error
+from yamlformer.blocks.limits import MAX_BUCKETS, MAX_FACTOR, MAX_SEQ_LEN
+from yamlformer.blocks.registry import register
 
 
 class _PositionConfig(PositionBlock):
     examples: ClassVar[list[dict]] = [{}]
 
 
-@register("position", "blocks.positions:Sinusoidal")
+@register("position", "yamlformer.blocks.positions:Sinusoidal")
 class SinusoidalConfig(_PositionConfig):
     """Fixed sines and cosines added to the embeddings (Vaswani et al. 2017)."""
 
@@ -34,7 +34,7 @@ class SinusoidalConfig(_PositionConfig):
     examples: ClassVar[list[dict]] = [{}, {"layout": "split"}]
 
 
-@register("position", "blocks.positions:Learned")
+@register("position", "yamlformer.blocks.positions:Learned")
 class LearnedConfig(_PositionConfig):
     """A learned table of absolute position embeddings (GPT-2, BERT)."""
 
@@ -133,7 +133,7 @@ class Llama3Scaling(_RopeScaling):
 RopeScaling = Annotated[LinearScaling | NTKScaling | YarnScaling | Llama3Scaling, Field(discriminator="type")]
 
 
-@register("position", "blocks.positions:Rope")
+@register("position", "yamlformer.blocks.positions:Rope")
 class RopeConfig(_PositionConfig):
     """Rotary position embedding (Su et al. 2021) applied to queries and keys."""
 
@@ -163,7 +163,7 @@ class RopeConfig(_PositionConfig):
         return int(head_dim * self.rotary_fraction)
 
     def saved_bytes_per_layer(self, batch: int, seq: int, rotary_head_dim: int, act_bytes: int) -> int:
-        # blocks.positions.Rope makes cos and sin (batch, 1, seq, rotary_dim) in every layer;
+        # yamlformer.blocks.positions.Rope makes cos and sin (batch, 1, seq, rotary_dim) in every layer;
         # the multiplies with q and k keep them
         return 2 * batch * seq * self.rotary_dim(rotary_head_dim) * act_bytes
 
@@ -181,7 +181,7 @@ class RopeConfig(_PositionConfig):
         return super().attention_problems(attention, d_model=d_model, stack_heads=stack_heads, at=at)
 
 
-@register("position", "blocks.positions:Alibi")
+@register("position", "yamlformer.blocks.positions:Alibi")
 class AlibiConfig(_PositionConfig):
     """ALiBi (Press et al. 2021): a per-head linear penalty on distance added to the scores."""
 
@@ -190,7 +190,7 @@ class AlibiConfig(_PositionConfig):
     examples: ClassVar[list[dict]] = [{}]  # no fields
 
 
-@register("position", "blocks.positions:RelativeBias")
+@register("position", "yamlformer.blocks.positions:RelativeBias")
 class RelativeBiasConfig(_PositionConfig):
     """T5's bucketed relative position bias: one learned table per stack, shared by its layers."""
 
@@ -226,7 +226,7 @@ class RelativeBiasConfig(_PositionConfig):
         return problems
 
 
-@register("position", "blocks.positions:NoPosition")
+@register("position", "yamlformer.blocks.positions:NoPosition")
 class NoPositionConfig(_PositionConfig):
     """No position information (NoPE); a causal mask alone orders the tokens."""
 

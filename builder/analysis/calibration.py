@@ -1,4 +1,4 @@
-"""The performance model's constants (``builder.analysis.perf``): one set for every GPU and every
+"""The performance model's constants (``yamlformer.builder.analysis.perf``): one set for every GPU and every
 run, printed with each prediction, and what a collective costs on a link (torch-free)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ formula: a GQA layer, a Gemma head_dim or a sliding window is counted by the blo
 The conventions every figure follows live here, in :data:`CONVENTIONS`, and are printed with it.
 
 What is estimated is two small values: a :class:`Step` (the batch one device computes and how)
-and a :class:`builder.analysis.layout.Layout` (the devices and how the model is spread over them):
+and a :class:`yamlformer.builder.analysis.layout.Layout` (the devices and how the model is spread over them):
 ``estimate(spec, Step(seq_len=2048, batch=4), Layout(devices=64, nodes=8, tensor_parallel=8))``.
 ``estimate(spec, seq_len=1024)`` is short for ``estimate(spec, Step(seq_len=1024))``.
 """
@@ -17,8 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.analysis import memory as _memory
-from builder.analysis.layout import Layout, check_tensor_parallel, sharded_memory, tensor_parallel_spec
+from yamlformer.builder.analysis import memory as _memory
+from yamlformer.builder.analysis.layout import Layout, check_tensor_parallel, sharded_memory, tensor_parallel_spec
 
 #: bytes per element of the compute dtypes
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -167,16 +167,16 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
 
     ``spec``: a ``ModelSpec``, a path or a mapping. ``step`` (:class:`Step`) or its fields as
     keywords (``estimate(spec, seq_len=1024, batch=2)``); ``layout``
-    (:class:`builder.analysis.layout.Layout`): one device unless given; under ``strategy="fsdp"``
-    the memory is what the rank holding the most keeps (``builder.analysis.layout``).
+    (:class:`yamlformer.builder.analysis.layout.Layout`): one device unless given; under ``strategy="fsdp"``
+    the memory is what the rank holding the most keeps (``yamlformer.builder.analysis.layout``).
     """
-    from builder.spec.schema import ModelSpec
+    from yamlformer.builder.spec.schema import ModelSpec
 
     step = _step(step, step_fields)
     if not isinstance(layout, Layout):
-        raise TypeError(f"layout takes a builder.analysis.layout.Layout, got {type(layout).__name__}")
+        raise TypeError(f"layout takes a yamlformer.builder.analysis.layout.Layout, got {type(layout).__name__}")
     if not isinstance(spec, ModelSpec):
-        from builder.spec.loader import load_spec
+        from yamlformer.builder.spec.loader import load_spec
 
         spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
     _check_step(spec, step)
@@ -309,7 +309,7 @@ def _step(step: Step | None, fields: dict) -> Step:
     """``step``, or the :class:`Step` its fields given as keywords make; a ``TypeError`` names
     what is neither (a layout's field: the layout is a :class:`Layout`)."""
     if step is not None and not isinstance(step, Step):
-        raise TypeError(f"step takes a builder.analysis.estimates.Step, got {type(step).__name__}")
+        raise TypeError(f"step takes a yamlformer.builder.analysis.estimates.Step, got {type(step).__name__}")
     if not fields:
         return step or Step()
     if step is not None:
@@ -329,14 +329,14 @@ def _step(step: Step | None, fields: dict) -> Step:
 
 def _sharded(spec, layout: Layout, mem, step: Step):
     """FSDP/TP: one tensor-parallel rank's activations and KV cache, and what the rank holding the
-    most keeps of the parameters, gradients and optimizer state (``builder.analysis.layout``)."""
+    most keeps of the parameters, gradients and optimizer state (``yamlformer.builder.analysis.layout``)."""
     if layout.tensor_parallel > 1:
         mem = estimate(tensor_parallel_spec(spec, layout.tensor_parallel), step).memory
     return sharded_memory(spec, layout, mem)
 
 
 def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, position):
-    """One layer's counts (``blocks.configs.layer.LayerConfig``: its blocks' own, summed):
+    """One layer's counts (``yamlformer.blocks.configs.layer.LayerConfig``: its blocks' own, summed):
     self-attention, cross-attention (when cross_len), FFN, its norms."""
     cross = cross_len is not None
     return LayerEstimate(

@@ -1,4 +1,4 @@
-"""The GPUs the performance model (``builder.analysis.perf``) knows: one row of figures each (torch-free).
+"""The GPUs the performance model (``yamlformer.builder.analysis.perf``) knows: one row of figures each (torch-free).
 
 Every figure is the vendor's datasheet figure for one GPU, dense (no 2:4 sparsity, i.e. half the
 headline "with sparsity" tensor-core numbers), in SI units (FLOP/s, bytes, bytes/s); links are
@@ -105,7 +105,7 @@ def gpu(name: str, **overrides) -> GPU:
 @dataclass(frozen=True)
 class Cluster:
     """``gpus`` GPUs of ``memory`` bytes, ``per_node`` to a node, ``peak`` dense FLOP/s each in
-    the compute dtype; ``hardware``: the GPU's row of ``builder.analysis.hardware`` (default the
+    the compute dtype; ``hardware``: the GPU's row of ``yamlformer.builder.analysis.hardware`` (default the
     H100 SXM's, its memory and peak replaced by these)."""
 
     gpus: int

@@ -1,8 +1,8 @@
 """A plan's chosen layout as a launch: what ``builder train`` is told to run, and its command lines (torch-free).
 
 :class:`Launch` is what a launch fixes; the file ``builder train`` runs turns it into its own
-settings (its document kind's ``launch``, ``builder.spec.kinds``), the runtime's trainer fields
-given by ``builder.analysis.runtime``. :func:`launch_lines` are the ``torchrun`` and SLURM lines.
+settings (its document kind's ``launch``, ``yamlformer.builder.spec.kinds``), the runtime's trainer fields
+given by ``yamlformer.builder.analysis.runtime``. :func:`launch_lines` are the ``torchrun`` and SLURM lines.
 """
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from builder.analysis import runtime
-from builder.analysis.layout import Layout
+from yamlformer.builder.analysis import runtime
+from yamlformer.builder.analysis.layout import Layout
 
 
 @dataclass(frozen=True)
 class Launch:
     """What a launch of a plan's chosen layout fixes, for the file ``builder train`` runs to set
-    (its document kind's ``launch``, ``builder.spec.kinds``): micro-batches of ``seq_len`` tokens
+    (its document kind's ``launch``, ``yamlformer.builder.spec.kinds``): micro-batches of ``seq_len`` tokens
     on ``candidate``'s layout, with its accumulation and checkpointing, in ``dtype``. ``spec`` (a
     file or a zoo name) and ``spec_overrides`` (``KEY=VALUE``) replace the model the file trains,
     ``max_steps`` and ``output_dir`` its own (the plan's budget is steps); ``None``: the file's."""
 
-    candidate: Any  # a builder.analysis.plan.Candidate
+    candidate: Any  # a yamlformer.builder.analysis.plan.Candidate
     seq_len: int
     dtype: str
     spec: str | None = None
@@ -36,7 +36,7 @@ class Launch:
 
     @property
     def trainer_fields(self) -> dict[str, Any]:
-        """The runtime's trainer fields this launch sets (``builder.analysis.runtime.launch_fields``):
+        """The runtime's trainer fields this launch sets (``yamlformer.builder.analysis.runtime.launch_fields``):
         strategy, data-parallel mode, degrees, accumulation, recomputation, and under pipeline
         parallelism the schedule and its micro-batches."""
         c = self.candidate
@@ -69,4 +69,4 @@ def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]
         f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
         f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}"
     )
-    return {"torchrun": f"torchrun {where} -m builder.cli {train}", "slurm": slurm}
+    return {"torchrun": f"torchrun {where} -m yamlformer.builder.cli {train}", "slurm": slurm}

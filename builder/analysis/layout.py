@@ -14,7 +14,7 @@ then the replicas, then the pipeline stages. FSDP shards over the shard group an
 context-parallel ranks together (``shard_size``). :func:`layout_problems` names every field of a
 spec (or the step's sequence) a layout cannot split; the rank accounting below
 (:func:`rank_states`, :func:`sharded_memory`; expert parallelism counted exactly) is for layouts
-without pipeline or context parallelism, which ``builder.analysis.perf`` sizes per stage.
+without pipeline or context parallelism, which ``yamlformer.builder.analysis.perf`` sizes per stage.
 
 What a rank holds, as PyTorch builds it:
 
@@ -22,7 +22,7 @@ What a rank holds, as PyTorch builds it:
   (``blocks/configs``): ``colwise`` shards a Linear's weight and bias on dim 0, ``rowwise`` its
   weight on dim 1 (the bias replicated), ``vocab`` a vocabulary table or projection on dim 0
   (outputs whole); the rest is replicated. The token embedding is vocab-parallel; the head's
-  projection splits the vocabulary and its logits are gathered whole (``recipes.parallel.tensor``).
+  projection splits the vocabulary and its logits are gathered whole (``yamlformer.recipes.parallel.tensor``).
   Every split must be even: heads, KV heads, FFN width and vocabulary divide by the degree, or
   :func:`tensor_parallel_problems` names the field.
 * **FSDP2** (``fully_shard``, one unit per Transformer layer, one per embedding, one for the head
@@ -42,14 +42,15 @@ What a rank holds, as PyTorch builds it:
   the one prefetched) in the compute dtype, and the largest unit's unsharded gradients in the
   compute dtype plus their fp32 reduce-scatter input.
 
-The layout value and its rank numbering are ``builder.analysis.mesh``'s, the refusals per
-dimension ``builder.analysis.layout_rules``', the per-rank accounting ``builder.analysis.shards``';
+The layout value and its rank numbering are ``yamlformer.builder.analysis.mesh``'s, the refusals
+per dimension ``yamlformer.builder.analysis.layout_rules``', the per-rank accounting
+``yamlformer.builder.analysis.shards``';
 this module gathers them, the one place the rest of the project imports them from.
 """
 
 from __future__ import annotations
 
-from builder.analysis.layout_rules import (
+from yamlformer.builder.analysis.layout_rules import (
     check_layout,
     check_tensor_parallel,
     context_parallel_problems,
@@ -60,8 +61,8 @@ from builder.analysis.layout_rules import (
     tensor_parallel_problems,
     tensor_parallel_spec,
 )
-from builder.analysis.mesh import DATA_PARALLEL, DEGREES, STRATEGIES, Layout, LayoutError
-from builder.analysis.shards import (
+from yamlformer.builder.analysis.mesh import DATA_PARALLEL, DEGREES, STRATEGIES, Layout, LayoutError
+from yamlformer.builder.analysis.shards import (
     ADAMW_STATES,
     ADAMW_STEP,
     EMBEDDING_PLAN,

@@ -1,14 +1,14 @@
 """Per-GPU memory of a layout with pipeline, context or expert parallelism (torch-free), as
 ``builder describe --pipeline-parallel ...`` prints it and ``builder train --dry-run`` prints it
-for a recipe's trainer layout: the performance model's count (:func:`builder.analysis.perf.memory`)
+for a recipe's trainer layout: the performance model's count (:func:`yamlformer.builder.analysis.perf.memory`)
 of the stage holding the most, each pipeline stage's parameters, gradients and AdamW states
-exact (:func:`builder.analysis.shards.pipeline_rank_states`, the stages placed as the runtime's
+exact (:func:`yamlformer.builder.analysis.shards.pipeline_rank_states`, the stages placed as the runtime's
 schedule places them)."""
 
 from __future__ import annotations
 
-from builder.analysis import runtime
-from builder.analysis.layout import Layout
+from yamlformer.builder.analysis import runtime
+from yamlformer.builder.analysis.layout import Layout
 
 #: a schedule as the runtime names it (``trainer.pipeline_schedule``) -> the performance model's
 #: name; the V-shaped ones are sized as zero-bubble (ZB-H1's bubble and 1F1B's micro-batches in flight)
@@ -32,8 +32,8 @@ def layout_memory(
     for a layout without pipeline, context or expert parallelism (``estimate`` counts that one
     exactly). Tensor parallelism is sized sequence-parallel; context parallelism as the recipes
     run it, every layer keeping the keys and values it gathered."""
-    from builder.analysis.perf import Model, Run, memory
-    from builder.analysis.shards import pipeline_rank_states
+    from yamlformer.builder.analysis.perf import Model, Run, memory
+    from yamlformer.builder.analysis.shards import pipeline_rank_states
 
     if max(layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel) == 1:
         return None

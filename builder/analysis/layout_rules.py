@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from blocks.configs.base import indivisible
-from builder.analysis.mesh import Layout, LayoutError
+from yamlformer.blocks.configs.base import indivisible
+from yamlformer.builder.analysis.mesh import Layout, LayoutError
 
-#: the layer fields that hold blocks, as ``builder.spec.schema.LAYER_FIELDS``
+#: the layer fields that hold blocks, as ``yamlformer.builder.spec.schema.LAYER_FIELDS``
 _LAYER_BLOCKS = ("attention", "cross_attention", "ffn", "norm")
 
 

@@ -19,7 +19,7 @@ The accounting (printed with every estimate, see :data:`CONVENTIONS`):
 * **Activation checkpointing** (every layer): each layer keeps only its input; during backward
   one layer at a time is recomputed, so the largest layer's activations are added once.
 * **Strategies.** DDP replicates everything (its gradient buckets are not counted). FSDP (FSDP2,
-  with tensor parallelism or not) is counted tensor by tensor in ``builder.analysis.layout``: what the
+  with tensor parallelism or not) is counted tensor by tensor in ``yamlformer.builder.analysis.layout``: what the
   rank holding the most keeps, exactly, plus the transient gathered units. Activations are per
   device for ``batch`` sequences on that device (one tensor-parallel rank's share under TP).
 * **KV cache** for ``generate``: keys and values of every self-attention layer for the whole
@@ -50,10 +50,10 @@ CONVENTIONS = (
         "recomputes one layer at a time"
     ),
     (
-        "DDP replicates everything; FSDP2 (and tensor parallelism) per rank, exactly, as builder.analysis.layout "
-        "counts it: fp32 shards (torch.chunk on dim 0; rank 0 holds the most) that are the master "
-        "weights, fp32 sharded gradients, AdamW states and a step per tensor, plus two gathered "
-        "units and one unit's gradients in flight"
+        "DDP replicates everything; FSDP2 (and tensor parallelism) per rank, exactly, as "
+        "yamlformer.builder.analysis.layout counts it: fp32 shards (torch.chunk on dim 0; rank 0 "
+        "holds the most) that are the master weights, fp32 sharded gradients, AdamW states and a "
+        "step per tensor, plus two gathered units and one unit's gradients in flight"
     ),
     (
         "KV cache: keys and values of every self-attention layer for the context (a sliding window "
@@ -120,8 +120,8 @@ def memory(
     fused_attention: bool = True,
 ) -> MemoryEstimate:
     """Per-device training memory and the KV cache, from the per-layer estimates, every state
-    whole on the device (DDP); ``builder.analysis.estimates`` shards them for FSDP through
-    ``builder.analysis.layout``."""
+    whole on the device (DDP); ``yamlformer.builder.analysis.estimates`` shards them for FSDP through
+    ``yamlformer.builder.analysis.layout``."""
     act = BYTES[dtype]
     weights = gradients = n_params * act
     master = n_params * FP32 if act != FP32 else 0

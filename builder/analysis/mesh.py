@@ -6,8 +6,9 @@ node splitting each layer, ``pipeline_parallel`` stages holding consecutive laye
 of experts' experts (borrowed from the FSDP shard group), the rest data-parallel (``shard``,
 ``hybrid`` or ``replicate``), or with ``strategy="ddp"`` every rank a whole replica. Ranks are
 numbered as ``init_device_mesh(("pp", "replicate", "shard", "cp", "tp"))`` lays them out
-(:meth:`Layout.mesh`). What a layout cannot split of a spec is ``builder.analysis.layout_rules``'s;
-what each rank holds, ``builder.analysis.shards``'s; ``builder.analysis.layout`` gathers the three.
+(:meth:`Layout.mesh`). What a layout cannot split of a spec is
+``yamlformer.builder.analysis.layout_rules``'s; what each rank holds,
+``yamlformer.builder.analysis.shards``'s; ``yamlformer.builder.analysis.layout`` gathers the three.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class Layout:
 
     @property
     def five_d(self) -> bool:
-        """Pipeline, context or expert parallelism: sized per stage by ``builder.analysis.perf``."""
+        """Pipeline, context or expert parallelism: sized per stage by ``yamlformer.builder.analysis.perf``."""
         return max(self.pipeline_parallel, self.context_parallel, self.expert_parallel) > 1
 
 

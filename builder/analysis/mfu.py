@@ -6,7 +6,7 @@ PaLM and nanoGPT report, or ``kernel_train_per_token`` (only the (query, key) pa
 kernel visits under a causal mask or window) for the FLOPs a fused kernel really performs.
 
 Peaks are the vendors' datasheet figures for dense matrix math (without 2:4 sparsity, i.e. half
-the headline "with sparsity" numbers), in FLOP/s; ``builder.analysis.hardware`` holds the rest
+the headline "with sparsity" numbers), in FLOP/s; ``yamlformer.builder.analysis.hardware`` holds the rest
 of each GPU's row (memory, HBM and link bandwidths) for the planner. A figure a datasheet does
 not give is absent (``peak_flops`` returns None). ``fp32`` is the non-tensor-core FP32 rate;
 ``tf32`` the tensor-core rate PyTorch uses for fp32 matmuls with

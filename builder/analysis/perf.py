@@ -1,12 +1,12 @@
 """The performance model: one training step's time and memory per GPU on a 5-D layout (torch-free).
 
-:func:`predict` takes a spec, a :class:`builder.analysis.layout.Layout` (tensor, pipeline,
+:func:`predict` takes a spec, a :class:`yamlformer.builder.analysis.layout.Layout` (tensor, pipeline,
 context, expert parallel, FSDP / HSDP / replicate), a :class:`Run` (sequence, global batch,
 micro-batch, recomputation, pipeline schedule, compile, async TP, float8) and a
-:class:`builder.analysis.hardware.GPU`, and returns a :class:`Prediction`: the step time in
+:class:`yamlformer.builder.analysis.hardware.GPU`, and returns a :class:`Prediction`: the step time in
 parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it counts:
 
-* **Compute**: each layer's forward FLOPs as ``builder.analysis.estimates`` counts them (the
+* **Compute**: each layer's forward FLOPs as ``yamlformer.builder.analysis.estimates`` counts them (the
   attention scores and mix only over the pairs a causal kernel visits), split over the
   tensor-parallel and context-parallel ranks; backward is twice the forward; recomputation adds
   the forward again (``full``) or :data:`SELECTIVE_RECOMPUTE` of the matmuls (``selective``,
@@ -28,7 +28,7 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   behind the first step alone); EP dispatch/combine with the rest of the layer's compute.
   Exposed: tensor parallelism's all-gathers and reduce-scatters (sequence parallel), unless
   ``async_tp`` (then :data:`ASYNC_TP_OVERLAP` of them hide), and the pipeline's sends.
-* **Pipeline bubble** (:func:`builder.analysis.schedules.bubble_fraction`): GPipe and 1F1B
+* **Pipeline bubble** (:func:`yamlformer.builder.analysis.schedules.bubble_fraction`): GPipe and 1F1B
   ``(p-1)/m``, interleaved 1F1B ``(p-1)/(v m)``, zero-bubble (ZB-H1, Qi et al. 2023)
   ``(p-1)/(3m)`` of ``m`` micro-batches' time.
 * **Memory** (:func:`memory`): 16 bytes per local parameter element sharded over the FSDP group
@@ -56,7 +56,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.analysis.calibration import (
+from yamlformer.builder.analysis.calibration import (
     ASYNC_TP_OVERLAP,
     BYTES,
     CALIBRATION,
@@ -68,10 +68,10 @@ from builder.analysis.calibration import (
     Calibration,
     collective_seconds,
 )
-from builder.analysis.hardware import GPU
-from builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
-from builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
-from builder.analysis.shards import stage_layers
+from yamlformer.builder.analysis.hardware import GPU
+from yamlformer.builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
+from yamlformer.builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
+from yamlformer.builder.analysis.shards import stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 CP_ROTATE = ("allgather", "alltoall")
@@ -109,7 +109,7 @@ class Run:
     #: shard a step, each behind a step's kernel); their gradients go round a step at a time in fp32
     cp_rotate: str = "allgather"
     #: the loss compiled with the model (torchtitan's since 2025, this project's ``compile: model``):
-    #: no fp32 log-probabilities kept (``blocks.configs.base.loss_saved_bytes``)
+    #: no fp32 log-probabilities kept (``yamlformer.blocks.configs.base.loss_saved_bytes``)
     compile_loss: bool = False
     #: keys and values repeated to every query head before attention (torchtitan's Llama of 2024, SDPA
     #: without grouped-query support), so context parallelism moves n_heads / n_kv_heads times the bytes
@@ -196,7 +196,7 @@ class Model:
     the key/value bytes per token and routing, and the embedding and head."""
 
     def __init__(self, spec, seq_len: int, dtype: str = "bf16", src_len: int | None = None):
-        from builder.analysis.estimates import Step, estimate
+        from yamlformer.builder.analysis.estimates import Step, estimate
 
         self.spec, self.seq, self.dtype, self.src = spec, seq_len, dtype, src_len
         est = estimate(spec, Step(seq_len=seq_len, src_len=src_len, batch=1, dtype=dtype))
@@ -257,14 +257,14 @@ class Model:
     def saved(self, tp: int, sequence_parallel: bool) -> tuple[list[int], int]:
         """Bytes one tensor-parallel rank saves for backward per sequence: each layer's, and the rest
         (embedding, final norm, head and loss). Sequence-parallel: a ``tp``-th of the whole; else
-        what ``builder.analysis.layout.tensor_parallel_spec`` leaves a rank (inputs, norms and
+        what ``yamlformer.builder.analysis.layout.tensor_parallel_spec`` leaves a rank (inputs, norms and
         logits whole)."""
         whole = [layer["saved"] for layer in self.layers]
         if tp == 1 or sequence_parallel:
             return [b / tp for b in whole], self.other_saved / tp
         if tp not in self._whole:
-            from builder.analysis.estimates import Step, estimate
-            from builder.analysis.layout import tensor_parallel_spec
+            from yamlformer.builder.analysis.estimates import Step, estimate
+            from yamlformer.builder.analysis.layout import tensor_parallel_spec
 
             est = estimate(
                 tensor_parallel_spec(self.spec, tp), Step(seq_len=self.seq, src_len=self.src, dtype=self.dtype)
@@ -459,7 +459,7 @@ def _stage_params(m: Model, counts: dict[int, int], stage: int, pp: int, tp: int
 
 def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = None) -> dict[str, int]:
     """Bytes on the GPU holding the most, by part (see the module's docstring); ``stage_states``:
-    each pipeline rank's parameter, gradient and AdamW bytes counted exactly (``builder.analysis
+    each pipeline rank's parameter, gradient and AdamW bytes counted exactly (``yamlformer.builder.analysis
     .shards.pipeline_rank_states``), in place of the per-layer estimate."""
     tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
     v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1

@@ -2,10 +2,10 @@
 
 :func:`plan` searches tensor x pipeline x context x expert parallel x FSDP / HSDP / replicate x
 micro-batch x recomputation (none, selective, full) x pipeline schedule — every degree that
-divides the cluster and the spec (``builder.analysis.layout.layout_problems`` refuses the rest,
-each with its field) — predicts each with the performance model (``builder.analysis.perf``:
+divides the cluster and the spec (``yamlformer.builder.analysis.layout.layout_problems`` refuses the rest,
+each with its field) — predicts each with the performance model (``yamlformer.builder.analysis.perf``:
 compute, memory-bound work, every collective over its link, the bubble, the optimizer step) on
-the cluster's GPU (``builder.analysis.hardware``), and ranks those whose GPU holding the most
+the cluster's GPU (``yamlformer.builder.analysis.hardware``), and ranks those whose GPU holding the most
 fits in the usable memory (the GPU's memory less ``headroom``, kept for the CUDA context, NCCL
 buffers and allocator fragmentation).
 
@@ -18,9 +18,9 @@ least memory. Any dimension can be pinned (a published run's layout, to reproduc
 When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whole nodes), with
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
 
-A fitting plan launches as a ``builder.analysis.launch.Launch``; the file ``builder train`` runs
-turns it into its own settings (its document kind's ``launch``, ``builder.spec.kinds``): this
-module names no recipe field. What the recipes' runtime runs is ``builder.analysis.runtime``'s
+A fitting plan launches as a ``yamlformer.builder.analysis.launch.Launch``; the file ``builder train`` runs
+turns it into its own settings (its document kind's ``launch``, ``yamlformer.builder.spec.kinds``): this
+module names no recipe field. What the recipes' runtime runs is ``yamlformer.builder.analysis.runtime``'s
 table, which ``launchable`` searches within and :meth:`Candidate.launch_problems` reads.
 """
 
@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.analysis import runtime
-from builder.analysis.hardware import Cluster
-from builder.analysis.layout import (
+from yamlformer.builder.analysis import runtime
+from yamlformer.builder.analysis.hardware import Cluster
+from yamlformer.builder.analysis.layout import (
     DATA_PARALLEL,
     Layout,
     LayoutError,
@@ -42,11 +42,11 @@ from builder.analysis.layout import (
     layout_problems,
     pipeline_parallel_problems,
 )
-from builder.analysis.perf import CALIBRATION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
-from builder.analysis.schedules import SCHEDULES
+from yamlformer.builder.analysis.perf import CALIBRATION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
+from yamlformer.builder.analysis.schedules import SCHEDULES
 
 CHEAPEST = (
-    "ranked by predicted step time (builder.analysis.perf: compute, memory-bound work, exposed "
+    "ranked by predicted step time (yamlformer.builder.analysis.perf: compute, memory-bound work, exposed "
     "communication, pipeline bubble, optimizer step); within 0.5% a tie, which goes to the "
     "smallest tensor-parallel degree, the fewest pipeline stages, the least context and expert "
     "parallelism, then hybrid, replicate, shard (fewest bytes between nodes), then the largest "
@@ -66,7 +66,7 @@ MIN_CONTEXT_CHUNK = 2048
 MAX_STAGES = 64
 #: virtual stages per rank of an interleaved schedule (as many as the runtime's)
 INTERLEAVE = runtime.INTERLEAVED_STAGES
-#: the planner's argument for each trainer field the runtime's rules name (``builder.analysis.runtime``)
+#: the planner's argument for each trainer field the runtime's rules name (``yamlformer.builder.analysis.runtime``)
 RUNTIME_ARGUMENT = {
     "pipeline_schedule": "schedule",
     "activation_checkpointing": "checkpointing",
@@ -136,7 +136,7 @@ class Candidate:
 
     def launch_problems(self) -> list[tuple[str, str]]:
         """``(trainer field, reason)`` for each thing about this step the recipes' runtime does not
-        run (``builder.analysis.runtime.launch_problems``); ``[]``: it launches."""
+        run (``yamlformer.builder.analysis.runtime.launch_problems``); ``[]``: it launches."""
         return list(self.blocked) + runtime.launch_problems(
             self.layout,
             recompute=self.recompute,
@@ -219,7 +219,7 @@ class Pins:
     compile: bool = False
     async_tp: bool = False
     float8: bool = False
-    #: only what the recipes' runtime runs (``builder.analysis.runtime``): its combinations of tensor,
+    #: only what the recipes' runtime runs (``yamlformer.builder.analysis.runtime``): its combinations of tensor,
     #: context, expert and pipeline parallel x FSDP/HSDP/replicate, its schedules, full or no
     #: recomputation, tensor parallelism keeping the layers' inputs whole
     launchable: bool = False
@@ -241,7 +241,7 @@ def plan(
 ) -> Plan:
     """The fastest layout of ``spec`` that fits ``cluster`` (see the module's docstring).
 
-    ``pinned``: any :class:`Pins` field. Raises :class:`builder.analysis.layout.LayoutError` for
+    ``pinned``: any :class:`Pins` field. Raises :class:`yamlformer.builder.analysis.layout.LayoutError` for
     a pinned setting no layout can take (a degree that does not divide the spec's heads, more
     stages than layers, experts that do not divide), naming the argument and the field.
     """
@@ -586,6 +586,6 @@ def _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_b
 
 
 def _gib(n: float) -> str:
-    from builder.analysis.report import human_bytes
+    from yamlformer.builder.analysis.report import human_bytes
 
     return human_bytes(n)

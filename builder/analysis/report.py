@@ -201,7 +201,7 @@ def memory_table(m, s, seq: int):
             ("activations", m.activations),
         )
     else:
-        from builder.analysis.layout import Layout
+        from yamlformer.builder.analysis.layout import Layout
 
         mesh = Layout.from_dict(layout)
         title = (
@@ -327,11 +327,9 @@ def plot(spec, est, path: str, estimate_fn=None) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit(
-            "error: --plot needs matplotlib; install it with `pip install 'transformer-builder[plot]'`"
-        ) from None
+        raise SystemExit("error: --plot needs matplotlib; install it with `pip install 'yamlformer[plot]'`") from None
     if estimate_fn is None:
-        from builder.analysis.estimates import estimate as estimate_fn
+        from yamlformer.builder.analysis.estimates import estimate as estimate_fn
     p, f, s = est.params, est.flops, est.settings
     fig, (ax_params, ax_flops, ax_seq) = plt.subplots(1, 3, figsize=(16, 5))
     names = list(p.by_component)

@@ -12,7 +12,7 @@ the runtime does not run: selective recomputation, sequence-parallel tensor para
 writes a chosen layout's fields with :func:`launch_fields`.
 
 What a spec itself cannot split (head counts, experts kept as separate modules, too few layers)
-is each block's own contract, read through ``builder.analysis.layout_rules``.
+is each block's own contract, read through ``yamlformer.builder.analysis.layout_rules``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 #: the pipeline schedules, as ``trainer.pipeline_schedule`` names them (torch.distributed.pipelining)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-#: the performance model's schedule names (``builder.analysis.perf.SCHEDULES``) as the runtime's
+#: the performance model's schedule names (``yamlformer.builder.analysis.perf.SCHEDULES``) as the runtime's
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "interleaved_1f1b", "zero-bubble": "zbv"}
 #: the runtime's virtual stages per rank of an interleaved schedule
 INTERLEAVED_STAGES = 2
@@ -217,7 +217,7 @@ def problems(settings: Settings) -> list[tuple[str, str]]:
 
 
 def settings_of(layout, *, schedule: str = "1f1b", microbatches: int = 1) -> Settings:
-    """The trainer settings that run ``layout`` (a ``builder.analysis.layout.Layout``) with the
+    """The trainer settings that run ``layout`` (a ``yamlformer.builder.analysis.layout.Layout``) with the
     performance model's ``schedule`` and ``microbatches`` micro-batches per optimizer step of a
     data-parallel rank: the pipeline's own under pipeline parallelism, else accumulation steps."""
     piped = layout.pipeline_parallel > 1

@@ -1,4 +1,4 @@
-"""The pipeline schedules the performance model (``builder.analysis.perf``) knows, and what each
+"""The pipeline schedules the performance model (``yamlformer.builder.analysis.perf``) knows, and what each
 costs: the idle time (the bubble) and the micro-batches' activations in flight (torch-free)."""
 
 from __future__ import annotations

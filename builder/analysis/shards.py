@@ -3,7 +3,7 @@
 Every parameter tensor ``build_model`` creates (:func:`model_tensors`, from the blocks'
 ``param_shapes`` and ``parallel_plan``), the rows ``torch.chunk`` gives each rank of a shard
 group (:func:`chunk_rows`), and the bytes one rank keeps (:func:`rank_states`,
-:func:`sharded_memory`); the conventions are ``builder.analysis.layout``'s docstring.
+:func:`sharded_memory`); the conventions are ``yamlformer.builder.analysis.layout``'s docstring.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from blocks.configs.base import PARALLEL_STYLES
-from builder.analysis.layout_rules import check_tensor_parallel
-from builder.analysis.memory import BYTES
-from builder.analysis.mesh import Layout, LayoutError
+from yamlformer.blocks.configs.base import PARALLEL_STYLES
+from yamlformer.builder.analysis.layout_rules import check_tensor_parallel
+from yamlformer.builder.analysis.memory import BYTES
+from yamlformer.builder.analysis.mesh import Layout, LayoutError
 
 FP32 = 4
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq
@@ -234,14 +234,14 @@ def sharded_memory(spec, layout: Layout, per_rank):
     with its weights, gradients, optimizer state and sharding buffers replaced by what rank 0 —
     the rank holding the most — holds under ``layout`` (expert parallelism counted exactly, as
     :func:`rank_states` counts it). A layout with pipeline or context parallelism is refused,
-    naming the degree: ``builder.analysis.perf.memory`` sizes those per stage (``builder describe
+    naming the degree: ``yamlformer.builder.analysis.perf.memory`` sizes those per stage (``builder describe
     --pipeline-parallel`` prints it), not tensor by tensor."""
     if max(layout.pipeline_parallel, layout.context_parallel) > 1:
         name = next(n for n in ("pipeline_parallel", "context_parallel") if getattr(layout, n) > 1)
         raise LayoutError(
             name,
             getattr(layout, name),
-            "the exact per-rank accounting covers tensor parallel x FSDP; builder.analysis.perf sizes this "
+            "the exact per-rank accounting covers tensor parallel x FSDP; yamlformer.builder.analysis.perf sizes this "
             "layout per stage (builder describe --pipeline-parallel/--context-parallel/--expert-parallel)",
         )
     tensors = model_tensors(spec)
@@ -284,7 +284,7 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     """The layers of each pipeline stage, consecutive; where they do not divide, the extra layers
     go to the middle stages first, then the first, so the first (the embedding) and the last (the
     final norm and the head's projection) hold fewer. The recipes cut a model so
-    (``recipes.parallel.pipeline``), and the performance model counts stages so."""
+    (``yamlformer.recipes.parallel.pipeline``), and the performance model counts stages so."""
     base, extra = divmod(n_layers, n_stages)
     order = sorted(range(n_stages), key=lambda s: (s == n_stages - 1, s == 0))  # middle, first, last
     counts = [base + (s in order[:extra]) for s in range(n_stages)]

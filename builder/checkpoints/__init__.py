@@ -7,26 +7,31 @@ its own shards). Both are read here without a process group and verified, so the
 commands (``consolidate``, ``export-hf``) and the recipes (resume, eval, generate,
 ``model.init_from``, ``classification.init_from``, the dry run) all read them one way.
 
-* :mod:`~builder.checkpoints.format`: what a checkpoint holds (weights under ``state_dict``, the
+* :mod:`~yamlformer.builder.checkpoints.format`: what a checkpoint holds (weights under ``state_dict``, the
   ``builder`` record with spec, recipe and tokenizer, a sharded folder's ``meta.pt``), how one is
   told from other files, its spec and weights as a model; the errors.
-* :mod:`~builder.checkpoints.integrity`: the checksums: a CRC-32 of every tensor and value sealed
+* :mod:`~yamlformer.builder.checkpoints.integrity`: the checksums: a CRC-32 of every tensor and value sealed
   into a file, of every shard file into a folder's ``meta.pt``, and their checks.
-* :mod:`~builder.checkpoints.write`: the atomic file write (``last.ckpt`` keeping its predecessor
+* :mod:`~yamlformer.builder.checkpoints.write`: the atomic file write (``last.ckpt`` keeping its predecessor
   as ``last-1.ckpt``), the sharded save every rank runs, and the tidying of a save that died.
-* :mod:`~builder.checkpoints.read`: every reader side by side (one file, the one cheap peek, a
+* :mod:`~yamlformer.builder.checkpoints.read`: every reader side by side (one file, the one cheap peek, a
   sharded folder, the model, the newest intact checkpoint of a run, Lightning's resume load, a
   file into a sharded model), each file read and verified once while it is unchanged.
-* :mod:`~builder.checkpoints.averaging`: the average of a run's kept ``step-N.ckpt`` weights.
+* :mod:`~yamlformer.builder.checkpoints.averaging`: the average of a run's kept ``step-N.ckpt`` weights.
 
-The Lightning glue (checkpoint IO and callbacks) is ``recipes.training.checkpointing``; what a
-run may start from (a checkpoint, an imported or a Hugging Face folder) is ``builder.init_from``.
+The Lightning glue (checkpoint IO and callbacks) is ``yamlformer.recipes.training.checkpointing``; what a
+run may start from (a checkpoint, an imported or a Hugging Face folder) is ``yamlformer.builder.init_from``.
 """
 
 from __future__ import annotations
 
-from builder.checkpoints.averaging import average_checkpoints, average_state_dicts, kept_checkpoints, step_path
-from builder.checkpoints.format import (
+from yamlformer.builder.checkpoints.averaging import (
+    average_checkpoints,
+    average_state_dicts,
+    kept_checkpoints,
+    step_path,
+)
+from yamlformer.builder.checkpoints.format import (
     BUILDER_KEY,
     KEEPS_PREVIOUS,
     META_FILE,
@@ -48,8 +53,8 @@ from builder.checkpoints.format import (
     not_ours,
     previous_path,
 )
-from builder.checkpoints.integrity import digests, file_digests, is_sealed, seal, verify, verify_files
-from builder.checkpoints.read import (
+from yamlformer.builder.checkpoints.integrity import digests, file_digests, is_sealed, seal, verify, verify_files
+from yamlformer.builder.checkpoints.read import (
     forget,
     load_into_shards,
     load_model,
@@ -61,7 +66,14 @@ from builder.checkpoints.read import (
     read_weights,
     read_whole,
 )
-from builder.checkpoints.write import save_sharded, swap_into, tidy, user_mode, write_checkpoint, write_reason
+from yamlformer.builder.checkpoints.write import (
+    save_sharded,
+    swap_into,
+    tidy,
+    user_mode,
+    write_checkpoint,
+    write_reason,
+)
 
 __all__ = [
     "BUILDER_KEY",

@@ -6,7 +6,7 @@ The average is taken over every floating tensor of the ``state_dict`` in float64
 integer tensors (counters, index buffers) must agree and are kept. ``averaged.ckpt`` has the
 weights and the ``builder`` metadata of a training checkpoint but no optimizer state: it is for
 ``builder eval`` and ``builder generate``, not for resuming. Keeping the last N during training
-is the Lightning callback ``recipes.training.checkpointing.KeepLastCheckpoints``.
+is the Lightning callback ``yamlformer.recipes.training.checkpointing.KeepLastCheckpoints``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from builder.checkpoints.format import BUILDER_KEY, STATE_KEY, CheckpointError
-from builder.checkpoints.read import read_meta, read_weights
-from builder.checkpoints.write import write_checkpoint
+from yamlformer.builder.checkpoints.format import BUILDER_KEY, STATE_KEY, CheckpointError
+from yamlformer.builder.checkpoints.read import read_meta, read_weights
+from yamlformer.builder.checkpoints.write import write_checkpoint
 
 #: kept checkpoints are named by their optimizer step, so name order is step order
 _STEP_NAME = re.compile(r"^step-(\d+)\.ckpt$")

@@ -95,7 +95,7 @@ def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
     :class:`CheckpointError` naming ``path`` when it does not validate."""
     from pydantic import ValidationError
 
-    from builder.spec.schema import ModelSpec, SpecRuleError
+    from yamlformer.builder.spec.schema import ModelSpec, SpecRuleError
 
     try:
         return ModelSpec.model_validate(dict(data))
@@ -111,7 +111,7 @@ def empty_model(spec_data: Mapping[str, Any], path: str | Path = "the checkpoint
     """The spec's model on the CPU with uninitialised tensors (to be filled from a checkpoint)."""
     import torch
 
-    from builder.assemble import build_model
+    from yamlformer.builder.assemble import build_model
 
     model = build_model(checkpoint_spec(path, spec_data), device="meta")
     return model.to_empty(device=torch.device("cpu"))

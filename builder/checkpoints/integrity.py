@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from builder.checkpoints.format import DamagedCheckpointError
+from yamlformer.builder.checkpoints.format import DamagedCheckpointError
 
 #: the key of the record in a checkpoint
 KEY = "integrity"
@@ -141,7 +141,7 @@ def file_crc(path: str | Path) -> int:
 
 def file_digests(folder: str | Path, names: list[str]) -> dict[str, int]:
     """CRC-32 of each of ``names`` (files in ``folder``): a rank's own shard files after it wrote
-    them, gathered by the writer into the checkpoint (``builder.checkpoints.SHARD_FILES``)."""
+    them, gathered by the writer into the checkpoint (``yamlformer.builder.checkpoints.SHARD_FILES``)."""
     folder = Path(folder)
     return {name: file_crc(folder / name) for name in sorted(names)}
 

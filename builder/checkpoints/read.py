@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.checkpoints.format import (
+from yamlformer.builder.checkpoints.format import (
     BUILDER_KEY,
     META_FILE,
     RESUMABLE,
@@ -48,7 +48,8 @@ from builder.checkpoints.format import (
     model_weights,
     not_ours,
 )
-from builder.checkpoints.integrity import verify, verify_files
+from yamlformer.builder.checkpoints.integrity import verify, verify_files
+from yamlformer.builder.packages import renamed_global
 
 #: files remembered at once (their tensors are mapped, not held in memory)
 _KEPT = 8
@@ -126,8 +127,8 @@ def _load(path: Path) -> dict:
     except pickle.UnpicklingError as exc:
         if "GLOBAL" in str(exc) or "global" in str(exc):  # torch names the global it refused
             raise CheckpointError(
-                f"{path} is not a checkpoint this tool can load safely: it holds Python objects "
-                "besides tensors and plain values"
+                f"{path} is not a checkpoint this tool can load safely: "
+                + (renamed_global(str(exc)) or "it holds Python objects besides tensors and plain values")
             ) from None
         if not zipped:
             raise CheckpointError(

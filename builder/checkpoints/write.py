@@ -1,9 +1,9 @@
 """Writing checkpoints so that a failed or interrupted save never costs the previous one.
 
 A file checkpoint (:func:`write_checkpoint`) is sealed with the checksums of its tensors
-(:mod:`builder.checkpoints.integrity`), written to a temp file beside its name, flushed to disk,
+(:mod:`yamlformer.builder.checkpoints.integrity`), written to a temp file beside its name, flushed to disk,
 then renamed over it. A sharded one (:func:`save_sharded`, run by every rank of
-``recipes.parallel.ShardedStrategy``) is written by ``torch.distributed.checkpoint`` into a temp
+``yamlformer.recipes.parallel.ShardedStrategy``) is written by ``torch.distributed.checkpoint`` into a temp
 folder ``.NAME.tmp-ID``, each rank with the checksums of its own shard files
 (:func:`write_digests`); once all are done rank 0 seals ``meta.pt`` (:func:`write_meta`) and
 renames the folder into place. Either way :func:`swap_into` keeps the checkpoint there as
@@ -15,7 +15,7 @@ temp folders before anything reads or writes ``NAME`` again.
 A save that fails (a full disk, a file-size limit, a read-only folder; for a sharded one on any
 rank: ``torch.distributed.checkpoint`` gathers every rank's outcome) removes its temp file or
 folder, leaves the previous checkpoint as it was and raises one line naming the checkpoint
-(:class:`~builder.checkpoints.format.CheckpointWriteError`).
+(:class:`~yamlformer.builder.checkpoints.format.CheckpointWriteError`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import re
 import shutil
 from pathlib import Path
 
-from builder.checkpoints.format import META_FILE, SHARD_FILES, CheckpointWriteError, exists, previous_path
-from builder.checkpoints.integrity import file_digests, seal
-from builder.checkpoints.read import peek_meta
+from yamlformer.builder.checkpoints.format import META_FILE, SHARD_FILES, CheckpointWriteError, exists, previous_path
+from yamlformer.builder.checkpoints.integrity import file_digests, seal
+from yamlformer.builder.checkpoints.read import peek_meta
 
 #: a rank's checksums of the shard files it wrote, beside them until rank 0 seals ``meta.pt``
 DIGESTS = ".digests-{rank}.json"

@@ -3,7 +3,7 @@
 Each command is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; modules
 import torch (and Lightning) inside ``run`` only, so ``builder validate`` and ``builder
 describe`` start fast. ``builder``'s own commands are the other modules of ``builder/cli/``
-(:data:`COMMANDS`); other packages add theirs through the ``builder.commands`` entry-point
+(:data:`COMMANDS`); other packages add theirs through the ``yamlformer.commands`` entry-point
 group (``name = "package.module"``; the module docstring's first line is its help): the
 recipes' ``train``, ``eval``, ``generate`` and ``tokenize`` join so, declared in
 ``pyproject.toml``, and ``builder`` never imports ``recipes``.
@@ -18,20 +18,23 @@ import sys
 
 #: builder's own commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("builder.cli.validate", "check spec files; one line per problem"),
-    "schema": ("builder.cli.schema", "print the JSON Schema of a spec"),
-    "describe": ("builder.cli.describe", "analytic parameters, FLOPs and memory of a spec"),
-    "compare": ("builder.cli.compare", "estimated vs built parameter counts, by component"),
-    "diff": ("builder.cli.diff", "fields that differ between two specs and their effect"),
-    "plan": ("builder.cli.plan", "the cheapest multi-GPU layout that fits, with its launch lines"),
-    "import-hf": ("builder.cli.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
-    "export-hf": ("builder.cli.export_hf", "a spec and its weights (or a checkpoint) as a Hugging Face folder"),
-    "consolidate": ("builder.cli.consolidate", "a sharded training checkpoint as one model.safetensors"),
-    "list": ("builder.cli.list", "the zoo: shipped specs and recipes by name, family, size"),
-    "cp": ("builder.cli.cp", "copy a zoo spec or recipe to a file to edit"),
+    "validate": ("yamlformer.builder.cli.validate", "check spec files; one line per problem"),
+    "schema": ("yamlformer.builder.cli.schema", "print the JSON Schema of a spec"),
+    "describe": ("yamlformer.builder.cli.describe", "analytic parameters, FLOPs and memory of a spec"),
+    "compare": ("yamlformer.builder.cli.compare", "estimated vs built parameter counts, by component"),
+    "diff": ("yamlformer.builder.cli.diff", "fields that differ between two specs and their effect"),
+    "plan": ("yamlformer.builder.cli.plan", "the cheapest multi-GPU layout that fits, with its launch lines"),
+    "import-hf": ("yamlformer.builder.cli.import_hf", "a local Hugging Face model folder as spec.yaml + weights"),
+    "export-hf": (
+        "yamlformer.builder.cli.export_hf",
+        "a spec and its weights (or a checkpoint) as a Hugging Face folder",
+    ),
+    "consolidate": ("yamlformer.builder.cli.consolidate", "a sharded training checkpoint as one model.safetensors"),
+    "list": ("yamlformer.builder.cli.list", "the zoo: shipped specs and recipes by name, family, size"),
+    "cp": ("yamlformer.builder.cli.cp", "copy a zoo spec or recipe to a file to edit"),
 }
-#: other packages add commands here: ``[project.entry-points."builder.commands"]``
-GROUP = "builder.commands"
+#: other packages add commands here: ``[project.entry-points."yamlformer.commands"]``
+GROUP = "yamlformer.commands"
 
 
 def commands() -> dict[str, tuple[str, str]]:
@@ -66,7 +69,7 @@ def versions() -> str:
     """One line: ``builder 0.1.0 (torch 2.13.0, lightning 2.6.6, triton 3.9.0, CUDA 12.8)``."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import builder
+    import yamlformer.builder
 
     parts = []
     for name in ("torch", "lightning", "triton"):
@@ -79,7 +82,7 @@ def versions() -> str:
     parts.append(f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA build")
     if torch.cuda.is_available():
         parts.append(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
-    return f"builder {builder.__version__} ({', '.join(parts)})"
+    return f"builder {yamlformer.builder.__version__} ({', '.join(parts)})"
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -152,7 +155,7 @@ def parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     table = commands()
     if table.keys() == COMMANDS.keys():  # no entry point: a checkout that was never installed?
-        from builder.packages import NOT_INSTALLED, installed
+        from yamlformer.builder.packages import NOT_INSTALLED, installed
 
         if not installed():
             root.epilog = root.missing = NOT_INSTALLED
@@ -190,13 +193,13 @@ INTERNAL_ERROR = 70
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status (see ``builder.cli.arguments`` for their meaning).
+    """Run one command; its exit status (see ``yamlformer.builder.cli.arguments`` for their meaning).
 
     Every failure a user can cause has its own one-line message where it happens. What escapes
     them is a bug: caught here as a last resort, printed as one line asking for a report (the
     traceback too under ``BUILDER_DEBUG=1``), exit status 70.
     """
-    from builder.packages import foreign
+    from yamlformer.builder.packages import foreign
 
     problem = foreign()
     if problem:

@@ -1,7 +1,7 @@
-"""`python -m builder.cli`: the same as the `builder` command."""
+"""`python -m yamlformer.builder.cli`: the same as the `builder` command."""
 
 import sys
 
-from builder.cli import main
+from yamlformer.builder.cli import main
 
 sys.exit(main())

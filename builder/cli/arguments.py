@@ -13,7 +13,7 @@ A check that needs what the command loaded (a checkpoint's ``max_seq_len``) rais
 
 Exit statuses of every command: 0 done, 1 a bad input file or a refused value (the message says
 which), 2 a malformed command line (argparse's usage error), 70 an internal error (a bug; see
-``builder.cli``), 128 + n stopped by signal n.
+``yamlformer.builder.cli``), 128 + n stopped by signal n.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import re
 from pathlib import Path
 
-from blocks.limits import MAX_SEQ_LEN
+from yamlformer.blocks.limits import MAX_SEQ_LEN
 
 #: sequences in one batch, on one device or in all (far above any run)
 MAX_BATCH = 1 << 24

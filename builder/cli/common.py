@@ -39,20 +39,20 @@ def add_plugin_option(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE",
-        help="import MODULE first; it registers extra blocks (blocks.registry.register)",
+        help="import MODULE first; it registers extra blocks (yamlformer.blocks.registry.register)",
     )
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--set`` values parsed as YAML; raises ``SpecError`` for a malformed one."""
-    from builder.spec.loader import parse_set_args
+    from yamlformer.builder.spec.loader import parse_set_args
 
     return parse_set_args(getattr(args, "overrides", None) or [])
 
 
 def load_plugins_from_args(args: argparse.Namespace) -> None:
-    """Import the ``builder.blocks`` entry points and every ``--plugin``; raises ``PluginError``."""
-    from builder.spec.plugins import load_plugins
+    """Import the ``yamlformer.blocks`` entry points and every ``--plugin``; raises ``PluginError``."""
+    from yamlformer.builder.spec.plugins import load_plugins
 
     load_plugins(getattr(args, "plugins", None) or [])
 
@@ -63,8 +63,8 @@ def spec_from_args(args: argparse.Namespace, path: str | None = None, exit_on_er
     On a bad spec, a bad ``--set`` or a failing plugin, prints the located problems on stderr and
     exits with status 1 (``exit_on_error=False`` raises ``SpecError``/``PluginError`` instead).
     """
-    from builder.spec.loader import SpecError, load_spec
-    from builder.spec.plugins import PluginError
+    from yamlformer.builder.spec.loader import SpecError, load_spec
+    from yamlformer.builder.spec.plugins import PluginError
 
     try:
         load_plugins_from_args(args)

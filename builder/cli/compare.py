@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ class TooLargeToBuild(ValueError):
 def compare(spec) -> dict:
     """``{"estimated", "actual", "match", "components": [...]}`` for a loaded spec; raises
     :class:`TooLargeToBuild` beyond :data:`MAX_TENSORS` parameter tensors."""
-    from builder.analysis.layout import LayoutError, layer_tensor_count
+    from yamlformer.builder.analysis.layout import LayoutError, layer_tensor_count
 
     try:
         n_tensors = layer_tensor_count(spec)
@@ -41,9 +41,9 @@ def compare(spec) -> dict:
             f"{MAX_TENSORS:,} compare builds on the meta device; `builder describe` counts it "
             "without building"
         )
-    from builder.analysis.estimates import estimate
-    from builder.analysis.report import actual_params, compare_rows
-    from builder.assemble import build_model  # torch: only for a model it builds
+    from yamlformer.builder.analysis.estimates import estimate
+    from yamlformer.builder.analysis.report import actual_params, compare_rows
+    from yamlformer.builder.assemble import build_model  # torch: only for a model it builds
 
     est = estimate(spec, seq_len=1)
     model = build_model(spec, device="meta")
@@ -60,7 +60,7 @@ def compare(spec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.common import spec_from_args
+    from yamlformer.builder.cli.common import spec_from_args
 
     spec = spec_from_args(args)
     try:

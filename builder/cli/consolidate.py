@@ -2,7 +2,7 @@
 written by ``trainer.strategy: fsdp``, or one file) as one safetensors file of the model's whole
 weights, read in one process whatever layout wrote it. The spec goes in the file's metadata;
 ``builder export-hf SPEC --weights model.safetensors`` and ``builder.load_weights`` read it.
-The checkpoint is read by ``builder.checkpoints`` and written by ``builder.hf.weights``.
+The checkpoint is read by ``yamlformer.builder.checkpoints`` and written by ``yamlformer.builder.hf.weights``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     import json
     import os
 
-    from builder.checkpoints import CheckpointError, load_model, user_mode, write_reason
-    from builder.hf.weights import save_weights
+    from yamlformer.builder.checkpoints import CheckpointError, load_model, user_mode, write_reason
+    from yamlformer.builder.hf.weights import save_weights
 
     model, builder = load_model(path)
     metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
@@ -46,7 +46,7 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.checkpoints import CheckpointError
+    from yamlformer.builder.checkpoints import CheckpointError
 
     if not args.out.endswith(".safetensors"):
         print(f"builder consolidate: -o {args.out}: the output is a .safetensors file", file=sys.stderr)

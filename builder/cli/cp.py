@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.spec.kinds import kinds
-    from builder.zoo import did_you_mean, find
+    from yamlformer.builder.spec.kinds import kinds
+    from yamlformer.builder.zoo import did_you_mean, find
 
     entry = find(args.name)
     if entry is None:
@@ -61,7 +61,7 @@ def rewrite_references(text: str, source: Path, fields) -> tuple[str, list[tuple
     in the zoo). Returns the new text and ``(field, old, new)`` for each change."""
     import yaml
 
-    from builder.zoo import name_of
+    from yamlformer.builder.zoo import name_of
 
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     edits = []

@@ -10,9 +10,9 @@ import argparse
 import json
 import sys
 
-from blocks.limits import MAX_HEADS, MAX_SEQ_LEN
-from builder.cli.arguments import MAX_BATCH, MAX_DEVICES, at_most, count
-from builder.cli.common import add_spec_options
+from yamlformer.blocks.limits import MAX_HEADS, MAX_SEQ_LEN
+from yamlformer.builder.cli.arguments import MAX_BATCH, MAX_DEVICES, at_most, count
+from yamlformer.builder.cli.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +78,8 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
             type=count(maximum=MAX_DEVICES),
             default=1,
             metavar="N",
-            help=f"fsdp: {what}; sized per stage by the performance model (builder.analysis.perf); default 1",
+            help=f"fsdp: {what}; sized per stage by the performance model "
+            "(yamlformer.builder.analysis.perf); default 1",
         )
     parser.add_argument(
         "--schedule",
@@ -109,8 +110,8 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 def estimate_from_args(spec, args: argparse.Namespace):
     """The estimate the sizing options ask for; a bad combination raises ``ValueError`` whose
     message names the option (``--tensor-parallel 3: decoder.attention.n_heads: ...``)."""
-    from builder.analysis.estimates import Step, estimate
-    from builder.analysis.layout import Layout, LayoutError
+    from yamlformer.builder.analysis.estimates import Step, estimate
+    from yamlformer.builder.analysis.layout import Layout, LayoutError
 
     limit = f"{spec.name}'s max_seq_len"
     at_most("--seq-len", args.seq_len, spec.max_seq_len, limit)
@@ -125,7 +126,7 @@ def estimate_from_args(spec, args: argparse.Namespace):
                 raise ValueError(f"{option} needs --strategy fsdp (ddp replicates the whole model)")
     staged = max(getattr(args, "pipeline_parallel", 1), getattr(args, "context_parallel", 1)) > 1
     try:
-        layout = Layout(  # expert parallelism alone: counted exactly per rank (builder.analysis.layout)
+        layout = Layout(  # expert parallelism alone: counted exactly per rank (yamlformer.builder.analysis.layout)
             devices=args.devices,
             nodes=args.nodes,
             tensor_parallel=args.tensor_parallel,
@@ -143,7 +144,7 @@ def estimate_from_args(spec, args: argparse.Namespace):
         )
         full = _five_d(layout, args)
         if full is not None:
-            from builder.analysis.layout import check_layout
+            from yamlformer.builder.analysis.layout import check_layout
 
             check_layout(spec, full, args.seq_len or spec.max_seq_len)
         return estimate(spec, step, layout)
@@ -163,10 +164,10 @@ def _five_d(layout, args):
 
 def layout_memory(spec, args) -> dict | None:
     """Per-GPU memory of the options' layout with pipeline, context or expert parallelism
-    (:func:`builder.analysis.layout_memory.layout_memory`); None for other layouts."""
-    from builder.analysis.estimates import Step
-    from builder.analysis.layout import Layout
-    from builder.analysis.layout_memory import layout_memory as count
+    (:func:`yamlformer.builder.analysis.layout_memory.layout_memory`); None for other layouts."""
+    from yamlformer.builder.analysis.estimates import Step
+    from yamlformer.builder.analysis.layout import Layout
+    from yamlformer.builder.analysis.layout_memory import layout_memory as count
 
     layout = _five_d(
         Layout(
@@ -193,20 +194,21 @@ def layout_memory(spec, args) -> dict | None:
 
 
 def option_error(exc) -> str:
-    """A :class:`builder.analysis.layout.LayoutError` as the option at fault: ``--tensor-parallel 3: ...``."""
+    """A :class:`yamlformer.builder.analysis.layout.LayoutError` as the option at fault:
+    ``--tensor-parallel 3: ...``."""
     if exc.argument == "spec":
         return f"{exc.value}: {exc.reason}"
     return f"--{exc.argument.replace('_', '-')} {exc.value}: {exc.reason}"
 
 
 def _layout_text(data: dict) -> str:
-    from builder.analysis.layout import Layout
+    from yamlformer.builder.analysis.layout import Layout
 
     return Layout.from_dict(data).describe()
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.common import spec_from_args
+    from yamlformer.builder.cli.common import spec_from_args
 
     spec = spec_from_args(args)
     try:
@@ -218,23 +220,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**est.to_dict(), **({"layout_memory": five_d} if five_d else {})}, indent=2))
     else:
-        from builder.analysis.report import print_describe
-        from builder.hf import export_line
+        from yamlformer.builder.analysis.report import print_describe
+        from yamlformer.builder.hf import export_line
 
         print_describe(spec, est)
         if five_d:
-            from builder.analysis.report import human_bytes
+            from yamlformer.builder.analysis.report import human_bytes
 
             parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in five_d["parts"].items())
             print(
                 f"per GPU on {_layout_text(five_d['layout'])} (the stage holding the most, micro-batches of "
-                f"{args.batch} as the {args.schedule} schedule keeps them; builder.analysis.perf): "
+                f"{args.batch} as the {args.schedule} schedule keeps them; yamlformer.builder.analysis.perf): "
                 f"{human_bytes(five_d['per_gpu_bytes'])} "
                 f"({parts}); the tables above are the layout without pipeline or context parallelism"
             )
         print(f"export: {export_line(spec)}")
     if args.plot:
-        from builder.analysis.report import plot
+        from yamlformer.builder.analysis.report import plot
 
         plot(spec, est, args.plot)
         if not args.json:

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from builder.cli.common import add_spec_options
-from builder.cli.describe import add_estimate_options, estimate_from_args
+from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.describe import add_estimate_options, estimate_from_args
 
 #: (quantity, estimate attribute path, unit) in the order they are reported
 EFFECTS = (
@@ -54,7 +54,7 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def field_differences(spec_a, spec_b) -> list[tuple[str, Any, Any]]:
     """``(dotted path, value in A, value in B)`` for every resolved field that differs."""
-    from builder.analysis.report import MISSING
+    from yamlformer.builder.analysis.report import MISSING
 
     a = flatten(spec_a.model_dump(exclude={"extends"}))
     b = flatten(spec_b.model_dump(exclude={"extends"}))
@@ -81,7 +81,7 @@ def effects(est_a, est_b) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.common import spec_from_args
+    from yamlformer.builder.cli.common import spec_from_args
 
     spec_a = spec_from_args(args, args.spec_a)
     spec_b = spec_from_args(args, args.spec_b)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from builder.analysis.report import diff_table
+        from yamlformer.builder.analysis.report import diff_table
 
         label_a, label_b = Path(args.spec_a).name, Path(args.spec_b).name
         if label_a == label_b:
@@ -123,6 +123,6 @@ def _get(obj, path: str):
 
 
 def _jsonable(value):
-    from builder.analysis.report import MISSING
+    from yamlformer.builder.analysis.report import MISSING
 
     return None if value is MISSING else value

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder.cli.arguments import input_file, output_folder
-from builder.cli.common import add_spec_options
+from yamlformer.builder.cli.arguments import input_file, output_folder
+from yamlformer.builder.cli.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +70,9 @@ def _pairs(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.checkpoints import looks_like_checkpoint
-    from builder.cli.common import spec_from_args
-    from builder.hf import HFError, export_hf
+    from yamlformer.builder.checkpoints import looks_like_checkpoint
+    from yamlformer.builder.cli.common import spec_from_args
+    from yamlformer.builder.hf import HFError, export_hf
 
     spec = None
     if not looks_like_checkpoint(args.source):

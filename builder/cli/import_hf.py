@@ -1,7 +1,7 @@
 """``builder import-hf DIR -o OUT``: a local Hugging Face model folder as a spec and weights.
 
 Writes ``OUT/spec.yaml`` and ``OUT/model.safetensors`` (our tensor names; load them with
-``builder.hf.load_weights(build_model(load_spec("OUT/spec.yaml")), "OUT/model.safetensors")``),
+``yamlformer.builder.hf.load_weights(build_model(load_spec("OUT/spec.yaml")), "OUT/model.safetensors")``),
 plus the original ``config.json`` as ``hf_config.json`` and the tokenizer and generation files,
 which ``export-hf`` carries back; ``builder generate OUT`` decodes with that tokenizer, and a
 recipe trains with it (``tokenizer: {type: hf, model_file: OUT}``). Reads only local files inside
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder.cli.arguments import output_folder, text
+from yamlformer.builder.cli.arguments import output_folder, text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.analysis.estimates import estimate
-    from builder.hf import HFError, import_hf
-    from builder.hf.tokenizer import read_tokenizer, to_tokenizers
-    from builder.spec.loader import SpecError, load_spec
+    from yamlformer.builder.analysis.estimates import estimate
+    from yamlformer.builder.hf import HFError, import_hf
+    from yamlformer.builder.hf.tokenizer import read_tokenizer, to_tokenizers
+    from yamlformer.builder.spec.loader import SpecError, load_spec
 
     try:
         spec_path, weights_path = import_hf(args.folder, args.out, name=args.name)

@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rows(kind: str | None = None) -> list[dict]:
     """One dict per zoo entry: name, kind, family, export, params, description, path."""
-    from builder.spec.kinds import kinds
-    from builder.spec.loader import SpecError
-    from builder.zoo import entries
+    from yamlformer.builder.spec.kinds import kinds
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.builder.zoo import entries
 
     table = kinds()
     out = []
@@ -64,8 +64,8 @@ def summarize(kind, path: Path) -> dict:
     model type the spec exports to exactly (``export``, None when none does), else its architecture."""
     if kind.model is None:
         return {}
-    from builder.analysis.estimates import estimate
-    from builder.hf import Unsupported, choose_family
+    from yamlformer.builder.analysis.estimates import estimate
+    from yamlformer.builder.hf import Unsupported, choose_family
 
     spec, facts = kind.model(path)
     try:
@@ -96,10 +96,10 @@ def description(path: Path, width: int = 56) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.analysis.report import human
+    from yamlformer.builder.analysis.report import human
 
     if args.names:  # read nothing but the zoo's folders: completion asks this at every TAB
-        from builder.zoo import entries
+        from yamlformer.builder.zoo import entries
 
         print("\n".join(name for name, entry in entries().items() if args.kind in (None, entry.kind)))
         return 0

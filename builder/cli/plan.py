@@ -3,7 +3,7 @@
 Prints the layout (tensor-parallel degree, FSDP, HSDP or replication, micro-batch and
 accumulation, activation checkpointing), its per-GPU memory as ``builder describe`` counts it,
 the step's FLOPs and time at a stated MFU, and the ``torchrun`` and SLURM lines that launch a
-recipe with it — or why nothing fits and what would. Torch-free (see ``builder.analysis.plan``). Exit
+recipe with it — or why nothing fits and what would. Torch-free (see ``yamlformer.builder.analysis.plan``). Exit
 status 0 when a layout fits, 1 when none does or an argument is bad.
 """
 
@@ -15,9 +15,9 @@ import os
 import re
 import sys
 
-from blocks.limits import MAX_SEQ_LEN
-from builder.cli.arguments import MAX_DEVICES, at_most, count, number
-from builder.cli.common import add_spec_options
+from yamlformer.blocks.limits import MAX_SEQ_LEN
+from yamlformer.builder.cli.arguments import MAX_DEVICES, at_most, count, number
+from yamlformer.builder.cli.common import add_spec_options
 
 UNITS = {
     "k": 10**3,
@@ -33,7 +33,7 @@ UNITS = {
     "gb": 10**9,
     "tb": 10**12,
 }
-from builder.analysis.hardware import GPUS as _TABLE  # noqa: E402
+from yamlformer.builder.analysis.hardware import GPUS as _TABLE  # noqa: E402
 
 GPUS = tuple(_TABLE)
 DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
@@ -152,9 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.analysis.layout import LayoutError
-    from builder.cli.common import spec_from_args
-    from builder.cli.describe import option_error
+    from yamlformer.builder.analysis.layout import LayoutError
+    from yamlformer.builder.cli.common import spec_from_args
+    from yamlformer.builder.cli.describe import option_error
 
     try:
         cluster = cluster_from_args(args)
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     spec = spec_from_args(args)
-    from builder.analysis.plan import plan
+    from yamlformer.builder.analysis.plan import plan
 
     try:
         settings = _settings(spec, args)
@@ -184,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cluster_from_args(args: argparse.Namespace):
-    """The :class:`builder.analysis.plan.Cluster` the options describe; ``ValueError`` names a bad option."""
-    from builder.analysis.hardware import gpu
-    from builder.analysis.plan import Cluster
+    """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe; ``ValueError`` names a bad option."""
+    from yamlformer.builder.analysis.hardware import gpu
+    from yamlformer.builder.analysis.plan import Cluster
 
     row = gpu(args.gpu)
     memory = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else row.memory
@@ -278,11 +278,11 @@ def _settings(spec, args) -> dict:
 def recipe_document(recipe: str | None):
     """How the launch lines name the recipe — a zoo name as given (``lm-stdlib``, the default),
     a file as an absolute path, so a line runs from any folder — its document kind, which turns
-    a plan into the recipe's settings (``builder.spec.kinds``), and the merged file (not validated:
+    a plan into the recipe's settings (``yamlformer.builder.spec.kinds``), and the merged file (not validated:
     ``builder train`` does that)."""
-    from builder.spec.kinds import kind_of
-    from builder.spec.loader import SpecError, read_merged
-    from builder.zoo import ZooError, locate
+    from yamlformer.builder.spec.kinds import kind_of
+    from yamlformer.builder.spec.loader import SpecError, read_merged
+    from yamlformer.builder.zoo import ZooError, locate
 
     shown = recipe if recipe is not None else DEFAULT_RECIPE.removesuffix(".yaml")
     try:
@@ -326,13 +326,13 @@ def parse_count(text: str, option: str) -> int:
 
 def not_launchable(candidate) -> str | None:
     """``not launchable: REASON`` for a layout the recipes' runtime does not run (the first of
-    ``builder.analysis.runtime``'s refusals, naming the trainer field), None for one it does."""
+    ``yamlformer.builder.analysis.runtime``'s refusals, naming the trainer field), None for one it does."""
     problems = candidate.launch_problems()
     return f"not launchable: trainer.{problems[0][0]}: {problems[0][1]}" if problems else None
 
 
 def _launch(result, args, tokens: int | None) -> dict:
-    from builder.analysis.launch import Launch, launch_lines
+    from yamlformer.builder.analysis.launch import Launch, launch_lines
 
     recipe, kind, document = recipe_document(args.recipe)
     spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
@@ -407,7 +407,7 @@ def _describe_line(result, args) -> str:
 def to_json(result, launch) -> dict:
     import dataclasses
 
-    from builder.analysis.plan import CHEAPEST
+    from yamlformer.builder.analysis.plan import CHEAPEST
 
     cluster = result.cluster
     hw = cluster.hardware
@@ -467,8 +467,8 @@ def _print(result, launch, args) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from builder.analysis.plan import CHEAPEST
-    from builder.analysis.report import human, human_bytes
+    from yamlformer.builder.analysis.plan import CHEAPEST
+    from yamlformer.builder.analysis.report import human, human_bytes
 
     console = Console()
     cluster = result.cluster
@@ -537,7 +537,7 @@ def _print(result, launch, args) -> None:
     )
     if launch is None:
         console.print(
-            f"[dim]no launch lines, {not_launchable(c)} (builder.analysis.runtime); --launchable plans only "
+            f"[dim]no launch lines, {not_launchable(c)} (yamlformer.builder.analysis.runtime); --launchable plans only "
             "layouts the recipes run, with lines[/]",
             highlight=False,
         )

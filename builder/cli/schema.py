@@ -4,7 +4,7 @@ editors' YAML language servers.
 Save it with ``builder schema > spec.schema.json`` (``builder schema --recipe >
 recipe.schema.json``) and put ``# yaml-language-server: $schema=spec.schema.json`` (a path
 relative to the YAML file, or a URL) on the first line of a file. The schema follows the
-registry, plugins included (``--plugin``); how it is made: ``builder.spec.json_schema``.
+registry, plugins included (``--plugin``); how it is made: ``yamlformer.builder.spec.json_schema``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from builder.cli.arguments import count
-from builder.cli.common import add_spec_options
-from builder.spec.json_schema import spec_json_schema  # noqa: F401  (the command's Python form)
+from yamlformer.builder.cli.arguments import count
+from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.spec.json_schema import spec_json_schema  # noqa: F401  (the command's Python form)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,15 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.common import load_plugins_from_args
-    from builder.spec.plugins import PluginError
+    from yamlformer.builder.cli.common import load_plugins_from_args
+    from yamlformer.builder.spec.plugins import PluginError
 
     try:
         load_plugins_from_args(args)
     except PluginError as exc:
         print(f"error: {exc}")
         return 1
-    from builder.spec.kinds import kinds
+    from yamlformer.builder.spec.kinds import kinds
 
     kind = kinds().get("recipe" if args.recipe else "spec")
     if kind is None:

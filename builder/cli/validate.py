@@ -1,6 +1,6 @@
 """``builder validate FILE...``: every problem of every spec or recipe, one line each, then a summary.
 
-A file is checked as what its keys say it is (``builder.spec.kinds``): a model spec, or a training
+A file is checked as what its keys say it is (``yamlformer.builder.spec.kinds``): a model spec, or a training
 recipe (the recipe, then the spec it trains with its overrides). A file or a zoo name.
 Exit status 0 when every file is valid, 1 otherwise. Torch-free: this path must stay fast.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.common import load_plugins_from_args, overrides_from_args
-    from builder.spec.loader import SpecError
-    from builder.spec.plugins import PluginError
+    from yamlformer.builder.cli.common import load_plugins_from_args, overrides_from_args
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.builder.spec.plugins import PluginError
 
     try:
         load_plugins_from_args(args)
@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
 
 def validate_any(path: str, overrides) -> list:
     """The problems of one file, checked as the kind its keys say (a spec when they say nothing)."""
-    from builder.spec.kind import KIND as SPEC
-    from builder.spec.kinds import kind_of
-    from builder.spec.loader import SpecError, locate_file, read_merged
+    from yamlformer.builder.spec.kind import KIND as SPEC
+    from yamlformer.builder.spec.kinds import kind_of
+    from yamlformer.builder.spec.loader import SpecError, locate_file, read_merged
 
     try:
         found, _ = locate_file(path)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf.common import HFError
+from yamlformer.builder.hf.common import HFError
 
 MiB = 1 << 20
 #: the most bytes read from each kind of file (the largest real ones are a few MiB)

@@ -1,6 +1,6 @@
 """What every Hugging Face family table is made of: tensor links, activation names, RoPE knobs.
 
-A family (``builder.hf.decoders``, ``builder.hf.encoders``) says three things about one
+A family (``yamlformer.builder.hf.decoders``, ``yamlformer.builder.hf.encoders``) says three things about one
 ``model_type``: how its ``config.json`` reads as a spec (``to_spec``), how a spec writes back
 as that config (``to_config``), and which of its tensors is which of ours (``links``). A
 :class:`Link` joins one or more Hugging Face tensors to one or more of ours with a conversion
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from builder.hf import names
+from yamlformer.builder.hf import names
 
 
 class HFError(ValueError):

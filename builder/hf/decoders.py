@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from builder.hf import names as ours
-from builder.hf.common import (
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import (
     Family,
     Link,
     Unsupported,

@@ -4,8 +4,8 @@ layout pre-norm, with a final norm on each stack: the zoo's transformer-multi30k
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import (
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import (
     Family,
     HFError,
     Link,

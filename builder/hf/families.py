@@ -1,7 +1,8 @@
 """The family registry: every Hugging Face ``model_type`` we read and write, and the checks a
 converted spec passes (``validate``). A family is a table in one of the modules ``MODULES``
-lists (:mod:`builder.hf.decoders`, :mod:`builder.hf.qwen`, :mod:`builder.hf.deepseek`...); adding
-one is adding it to that module's ``FAMILIES`` list (a new module is also added to ``MODULES``)."""
+lists (:mod:`yamlformer.builder.hf.decoders`, :mod:`yamlformer.builder.hf.qwen`,
+:mod:`yamlformer.builder.hf.deepseek`...); adding one is adding it to that module's ``FAMILIES``
+list (a new module is also added to ``MODULES``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf import decoders, deepseek, encoders, gemma3, gpt_oss, llama4, mpt, neox, olmo, phi3, qwen
-from builder.hf.common import Family, HFError, Unsupported
+from yamlformer.builder.hf import decoders, deepseek, encoders, gemma3, gpt_oss, llama4, mpt, neox, olmo, phi3, qwen
+from yamlformer.builder.hf.common import Family, HFError, Unsupported
 
 #: every family module, in the order export tries them
 MODULES = (decoders, qwen, olmo, gemma3, gpt_oss, llama4, mpt, neox, phi3, deepseek, encoders)
@@ -54,7 +55,7 @@ def validate(spec_dict: Mapping, config: Mapping | None = None, source: str | Pa
     problem, named by the ``config`` key that gave the value when one did."""
     from pydantic import ValidationError
 
-    from builder.spec.schema import SpecRuleError, spec_model
+    from yamlformer.builder.spec.schema import SpecRuleError, spec_model
 
     try:
         return spec_model().model_validate(dict(spec_dict))

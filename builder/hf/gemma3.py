@@ -1,6 +1,6 @@
 """Gemma 3's text model (``gemma3_text``, transformers' ``Gemma3ForCausalLM``).
 
-Gemma 2's layout (:class:`builder.hf.decoders.LlamaLayout` with its Gemma knobs: sandwich
+Gemma 2's layout (:class:`yamlformer.builder.hf.decoders.LlamaLayout` with its Gemma knobs: sandwich
 RMSNorm(1 + w), GeGLU, sqrt(d_model) embeddings in the model dtype, ``query_pre_attn_scalar``,
 the final logits' softcap, which Gemma 3 leaves null; ``attn_logit_softcapping`` is refused, as
 transformers' Gemma 3 stores it and never applies it) plus what Gemma 3 adds, each a spec field:
@@ -17,11 +17,11 @@ transformers' Gemma 3 stores it and never applies it) plus what Gemma 3 adds, ea
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.checks import check_config
-from builder.hf.common import HFError, Link, Unsupported, need, rope_to_hf, same
-from builder.hf.decoders import LlamaKnobs, LlamaLayout
-from builder.hf.layered import layer_types, layer_values, stack_overrides, uniform, whole_head_rope
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.checks import check_config
+from yamlformer.builder.hf.common import HFError, Link, Unsupported, need, rope_to_hf, same
+from yamlformer.builder.hf.decoders import LlamaKnobs, LlamaLayout
+from yamlformer.builder.hf.layered import layer_types, layer_values, stack_overrides, uniform, whole_head_rope
 
 #: transformers' Gemma3TextConfig.default_theta
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0

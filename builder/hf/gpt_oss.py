@@ -1,6 +1,6 @@
 """GPT-OSS (``gpt_oss``, transformers' ``GptOssForCausalLM``).
 
-The Llama layout (:class:`builder.hf.decoders.LlamaLayout`: GQA, RMSNorm, RoPE) with biased
+The Llama layout (:class:`yamlformer.builder.hf.decoders.LlamaLayout`: GQA, RMSNorm, RoPE) with biased
 q/k/v/o (``attention_bias``), alternating banded and full layers (``layer_types``; configs
 without it: even layers slide), YaRN with fractional ramp ends (``truncate: false``), and what
 GPT-OSS adds, each a spec field:
@@ -24,10 +24,10 @@ d_model)``, their biases beside them; here they are stacked per projection
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import Link, Unsupported
-from builder.hf.decoders import LlamaKnobs, LlamaLayout
-from builder.hf.layered import whole_head_rope
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import Link, Unsupported
+from yamlformer.builder.hf.decoders import LlamaKnobs, LlamaLayout
+from yamlformer.builder.hf.layered import whole_head_rope
 
 #: transformers' GptOssConfig defaults for the keys the Llama reader defaults otherwise
 DEFAULTS = {

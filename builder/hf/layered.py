@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from builder.hf.common import HFError, Unsupported
+from yamlformer.builder.hf.common import HFError, Unsupported
 
 #: the sub-layer sections a layer's fields are grouped in
 SECTIONS = ("attention", "ffn")

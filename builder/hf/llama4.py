@@ -28,8 +28,8 @@ token index and by position id: the two agree on unpadded and right-padded rows.
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import (
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import (
     Family,
     HFError,
     Link,
@@ -44,7 +44,15 @@ from builder.hf.common import (
     rope_to_hf,
     same,
 )
-from builder.hf.layered import flags, indices, layer_types, layer_values, stack_overrides, uniform, whole_head_rope
+from yamlformer.builder.hf.layered import (
+    flags,
+    indices,
+    layer_types,
+    layer_values,
+    stack_overrides,
+    uniform,
+    whole_head_rope,
+)
 
 #: transformers' Llama4TextConfig defaults for the keys a config may leave out
 DEFAULTS = {

@@ -9,7 +9,7 @@ counterpart, the config is refused with the key and the reason, never approximat
 - ``attn_config.alibi`` false, ``alibi_bias_max`` other than 8: transformers applies ALiBi
   with 8 whatever they say (MosaicML's code would not). The slopes are then MPT's
   ``2^(-8k/n)`` series over the next power of two, odd members first, which is exactly
-  :func:`blocks.positions.alibi_slopes` for every head count (``tests/test_hf_mpt.py`` checks).
+  :func:`yamlformer.blocks.positions.alibi_slopes` for every head count (``tests/test_hf_mpt.py`` checks).
 - ``no_bias`` false, ``expansion_ratio`` other than 4, ``attn_type`` other than multi-head,
   ``qk_ln``, ``prefix_lm``, ``logit_scale``: transformers ignores them (no biases, a
   ``4 * d_model`` MLP, a ``3 * d_model`` ``Wqkv``, no query/key norm, causal attention,
@@ -28,8 +28,8 @@ and export matches everything but dropout.
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import Family, Link, Unsupported, decoder_links, dropout, need, same, split
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import Family, Link, Unsupported, decoder_links, dropout, need, same, split
 
 #: the ALiBi slope exponent transformers' MPT always uses (``build_mpt_alibi_tensor``'s default)
 ALIBI_BIAS_MAX = 8

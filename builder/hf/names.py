@@ -1,4 +1,5 @@
-"""Our state-dict names, in one place (``blocks.stacks``, ``blocks.layers``, ``blocks.heads``).
+"""Our state-dict names, in one place (``yamlformer.blocks.stacks``, ``yamlformer.blocks.layers``,
+``yamlformer.blocks.heads``).
 
 Every family table names our tensors through these helpers, so a renamed module is one edit
 here. ``stack`` is ``"encoder"`` or ``"decoder"``; a layer's sub-layers are ``"attention"``,

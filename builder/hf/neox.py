@@ -19,8 +19,8 @@ published checkpoints); export writes both spellings. Export writes null token i
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import (
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import (
     Family,
     Link,
     Unsupported,

@@ -13,10 +13,10 @@ defaults its end-of-text id to 50279, outside a small vocabulary.
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import Link, decoder_links, same
-from builder.hf.decoders import _ROTARY, LlamaKnobs, attention_links
-from builder.hf.qwen import ClassDefaults, dense_links
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import Link, decoder_links, same
+from yamlformer.builder.hf.decoders import _ROTARY, LlamaKnobs, attention_links
+from yamlformer.builder.hf.qwen import ClassDefaults, dense_links
 
 
 class Olmo2(ClassDefaults):

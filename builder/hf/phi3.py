@@ -17,10 +17,10 @@ vocabulary (a tokenizer's or ``--hf-config``'s ids replace them).
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import Link, decoder_links, dropout, same, split
-from builder.hf.decoders import _ROTARY, LlamaKnobs
-from builder.hf.qwen import ClassDefaults
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import Link, decoder_links, dropout, same, split
+from yamlformer.builder.hf.decoders import _ROTARY, LlamaKnobs
+from yamlformer.builder.hf.qwen import ClassDefaults
 
 
 class Phi3(ClassDefaults):

@@ -26,12 +26,12 @@ balance loss, where transformers adds Switch's router loss (``router_aux_loss_co
 
 from __future__ import annotations
 
-from builder.hf import names as ours
-from builder.hf.common import Link, Unsupported, decoder_links, need, same, stacked
-from builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout, attention_links
+from yamlformer.builder.hf import names as ours
+from yamlformer.builder.hf.common import Link, Unsupported, decoder_links, need, same, stacked
+from yamlformer.builder.hf.decoders import _ROTARY, LlamaKnobs, LlamaLayout, attention_links
 
 # the experts' per-expert and 3-D layouts are DeepSeek's (the same module names)
-from builder.hf.deepseek import fused_experts
+from yamlformer.builder.hf.deepseek import fused_experts
 
 
 def dense_links(h: str, ffn: str) -> list[Link]:

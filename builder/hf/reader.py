@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf.checks import check_config, inside, read_json
-from builder.hf.common import Family, HFError
-from builder.hf.families import _keys_with_value, family_of, validate
-from builder.hf.weights import Checkpoint, save_weights
+from yamlformer.builder.hf.checks import check_config, inside, read_json
+from yamlformer.builder.hf.common import Family, HFError
+from yamlformer.builder.hf.families import _keys_with_value, family_of, validate
+from yamlformer.builder.hf.weights import Checkpoint, save_weights
 
 #: files beside the weights that a Hugging Face folder needs to be used (tokenizer, generation)
 SIDE_FILES = (
@@ -29,7 +29,7 @@ SIDE_FILES = (
 
 def read_config(folder: str | Path) -> dict:
     """``folder/config.json``, read safely and with every value of its key's kind
-    (:mod:`builder.hf.checks`); :class:`HFError` naming the file and the key otherwise."""
+    (:mod:`yamlformer.builder.hf.checks`); :class:`HFError` naming the file and the key otherwise."""
     path = Path(folder) / "config.json"
     if not (path.is_file() or path.is_symlink()):
         raise HFError(f"{folder} has no config.json (a Hugging Face model folder has one)")
@@ -66,7 +66,7 @@ def config_to_spec(config: Mapping, names: set[str] = frozenset(), name: str | N
 def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dict]:
     """``(spec dict, ModelSpec, state dict)`` of a local Hugging Face folder.
 
-    Reads only files inside ``folder`` (:mod:`builder.hf.checks`); every fault (a config value of
+    Reads only files inside ``folder`` (:mod:`yamlformer.builder.hf.checks`); every fault (a config value of
     the wrong kind, weights of other shapes than the config implies, a missing or unexpected
     tensor) is one line of :class:`HFError` naming the file, and the key or tensor.
     """
@@ -112,7 +112,7 @@ def _check_shapes(spec, links, checkpoint: Checkpoint, config: Mapping, config_p
     config keys whose value it disagrees with, is a one-line :class:`HFError`."""
     import torch
 
-    from builder.assemble import build_model
+    from yamlformer.builder.assemble import build_model
 
     ours = {k: v.shape for k, v in build_model(spec, device="meta").state_dict().items()}
     wrong = []
@@ -178,11 +178,11 @@ def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> t
     """Write ``out/spec.yaml`` and ``out/model.safetensors``, the original config as
     ``hf_config.json`` and the folder's tokenizer and generation files (for ``builder generate
     OUT`` and for export); returns the two paths. The tokenizer is checked to load first
-    (:func:`builder.hf.tokenizer.read_tokenizer`); tokenizer files of an earlier import into
+    (:func:`yamlformer.builder.hf.tokenizer.read_tokenizer`); tokenizer files of an earlier import into
     ``out`` are replaced."""
     import yaml
 
-    from builder.hf.tokenizer import read_tokenizer
+    from yamlformer.builder.hf.tokenizer import read_tokenizer
 
     folder, out = Path(folder), Path(out)
     spec_dict, _, state = read_hf(folder, name)
@@ -196,7 +196,7 @@ def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> t
     header = (
         f"# Imported by `builder import-hf` from a Hugging Face {config['model_type']} model "
         f"({folder.resolve().name}).\n# Weights: model.safetensors beside this file "
-        "(builder.hf.load_weights).\n"
+        "(yamlformer.builder.hf.load_weights).\n"
     )
     spec_path.write_text(header + yaml.safe_dump(spec_dict, sort_keys=False))
     weights_path = save_weights(state, out / "model.safetensors", metadata={"source": "hf:" + config["model_type"]})

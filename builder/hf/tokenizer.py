@@ -1,7 +1,7 @@
 """Tokenizers in Hugging Face folders: ours written as ``tokenizer.json``, theirs read back.
 
 A tokenizer travels as its **state**, small plain data that ``builder train`` stores in every
-checkpoint (``checkpoint["builder"]["tokenizer"]``) and that ``recipes.data.tokenizers`` builds its
+checkpoint (``checkpoint["builder"]["tokenizer"]``) and that ``yamlformer.recipes.data.tokenizers`` builds its
 tokenizer objects from. The three kinds:
 
 ``{"type": "char", "chars": "..."}``
@@ -47,8 +47,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from builder.hf.checks import read_bytes, read_json
-from builder.hf.common import HFError
+from yamlformer.builder.hf.checks import read_bytes, read_json
+from yamlformer.builder.hf.common import HFError
 
 # sentencepiece ModelProto.SentencePiece.Type
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6

@@ -14,14 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.hf.checks import inside, read_json
-from builder.hf.common import HFError
+from yamlformer.builder.hf.checks import inside, read_json
+from yamlformer.builder.hf.common import HFError
+from yamlformer.builder.packages import renamed_global
 
 
 class Checkpoint:
     """The tensors of a Hugging Face model folder, by name, read on demand.
 
-    Every file is checked to lie inside the folder (:func:`builder.hf.checks.inside`) before it
+    Every file is checked to lie inside the folder (:func:`yamlformer.builder.hf.checks.inside`) before it
     is opened: a shard index cannot send the reader elsewhere.
     """
 
@@ -137,10 +138,10 @@ def torch_load_safely(path: Path):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         objects = "GLOBAL" in str(exc) or "global" in str(exc)
+        reason = "it holds Python objects besides tensors" if objects else "not a tensor-only pickle (or damaged)"
         raise HFError(
             f"{path}: not a checkpoint this tool can load safely: "
-            + ("it holds Python objects besides tensors" if objects else "not a tensor-only pickle (or damaged)")
-            + "; only safetensors files and tensor-only PyTorch files are read"
+            + (renamed_global(str(exc)) or f"{reason}; only safetensors files and tensor-only PyTorch files are read")
         ) from None
     except Exception:
         # torch's reason is not shown: it can quote the file's bytes

@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.checkpoints import looks_like_checkpoint
-from builder.hf.checks import read_json
-from builder.hf.common import Family, HFError, Unsupported
-from builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
-from builder.hf.reader import _copy_side_files
-from builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
-from builder.hf.weights import alias_groups, dedupe, read_weights
+from yamlformer.builder.checkpoints import looks_like_checkpoint
+from yamlformer.builder.hf.checks import read_json
+from yamlformer.builder.hf.common import Family, HFError, Unsupported
+from yamlformer.builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
+from yamlformer.builder.hf.reader import _copy_side_files
+from yamlformer.builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
+from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights
 
 #: spec fields saying a bias tensor exists: a family that has the tensor writes zeros for a spec
 #: that has none (fit's ``zero_biases``)
@@ -184,7 +184,7 @@ def to_hf(
     """Write ``folder/config.json`` and ``folder/model.safetensors`` for ``spec`` and ``weights``
     (a model, a state dict, or a weights file), loadable by ``transformers``' Auto class.
 
-    ``tokenizer``: a tokenizer state (:mod:`builder.hf.tokenizer`; what ``builder train`` keeps in
+    ``tokenizer``: a tokenizer state (:mod:`yamlformer.builder.hf.tokenizer`; what ``builder train`` keeps in
     its checkpoints), written as ``tokenizer.json``, ``tokenizer_config.json`` and
     ``special_tokens_map.json``; its special tokens' ids go into the config.
     ``generation``: also write ``generation_config.json`` (token ids, ``max_length`` = the spec's
@@ -221,7 +221,7 @@ def to_hf(
     folder.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
-    from builder.checkpoints import user_mode
+    from yamlformer.builder.checkpoints import user_mode
 
     target = folder / "model.safetensors"
     tmp = folder / f".model.safetensors.tmp-{os.getpid()}"  # a failed write leaves no partial file
@@ -230,7 +230,7 @@ def to_hf(
         user_mode(tmp)
         os.replace(tmp, target)
     except Exception as exc:
-        from builder.checkpoints import write_reason
+        from yamlformer.builder.checkpoints import write_reason
 
         tmp.unlink(missing_ok=True)
         raise HFError(f"cannot write {target}: {write_reason(exc)}") from None
@@ -280,7 +280,7 @@ def _our_state(spec, weights) -> tuple[dict, set[str]]:
     else:
         state = read_weights(weights)
     state = {re.sub(r"^(model\.)?(_orig_mod\.)?", "", k): v for k, v in state.items()}
-    from builder.assemble import build_model
+    from yamlformer.builder.assemble import build_model
 
     model = build_model(spec, device="meta")
     for group in alias_groups(model):
@@ -325,7 +325,7 @@ def export_hf(
             extra_labels = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
     else:
         if spec is None:
-            from builder.spec.loader import load_spec
+            from yamlformer.builder.spec.loader import load_spec
 
             spec = load_spec(source)
         choose_family(spec, family)
@@ -346,8 +346,8 @@ def export_hf(
 def _read_training_meta(path: Path):
     """The spec and the ``builder`` metadata of a ``builder train`` checkpoint (one file or a
     sharded folder), read safely; its tensors are verified when :func:`_read_training_weights`
-    reads them (``builder.checkpoints``)."""
-    from builder.checkpoints import CheckpointError, read_meta
+    reads them (``yamlformer.builder.checkpoints``)."""
+    from yamlformer.builder.checkpoints import CheckpointError, read_meta
 
     try:
         meta = read_meta(path, check=False)["builder"]
@@ -365,8 +365,8 @@ def _read_training_meta(path: Path):
 
 def _read_training_weights(path: Path) -> dict:
     """The model's whole tensors of a ``builder train`` checkpoint, verified against its checksums."""
-    from builder.checkpoints import CheckpointError, model_weights
-    from builder.checkpoints import read_weights as read_checkpoint
+    from yamlformer.builder.checkpoints import CheckpointError, model_weights
+    from yamlformer.builder.checkpoints import read_weights as read_checkpoint
 
     try:
         return dedupe(model_weights(read_checkpoint(path)))

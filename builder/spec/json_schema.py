@@ -62,8 +62,8 @@ def spec_json_schema() -> dict[str, Any]:
 def spec_definitions() -> dict[str, Any]:
     """Every definition of the spec schema (2020-12 refs, ``#/$defs/...``): ``ModelSpec``, its
     sections and blocks, and each one's ``...Partial`` (nothing required)."""
-    from blocks import registry
-    from builder.spec.schema import DEFAULT_TYPES, spec_model
+    from yamlformer.blocks import registry
+    from yamlformer.builder.spec.schema import DEFAULT_TYPES, spec_model
 
     full = spec_model().model_json_schema()
     defs = full.pop("$defs")
@@ -83,8 +83,8 @@ def spec_definitions() -> dict[str, Any]:
 
 def _override_blocks(override: dict) -> None:
     """Each block field of a per-layer override: any block of its kind, every field optional."""
-    from blocks import registry
-    from builder.spec.schema import LAYER_FIELDS
+    from yamlformer.blocks import registry
+    from yamlformer.builder.spec.schema import LAYER_FIELDS
 
     for field in LAYER_FIELDS:
         kind = "attention" if field == "cross_attention" else field

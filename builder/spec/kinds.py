@@ -2,9 +2,9 @@
 
 Each kind of document is a :class:`Kind`: the top-level keys only it has, how to validate one,
 its JSON Schema, the fields that name other files, the folder of its shipped files (the zoo,
-``builder.zoo``), the model a file describes (``builder list``) and, for a file ``builder
+``yamlformer.builder.zoo``), the model a file describes (``builder list``) and, for a file ``builder
 train`` runs, the settings a launch plan gives it (``builder plan``). Every kind joins through
-the ``builder.kinds`` entry-point group (``[project.entry-points."builder.kinds"]`` in a
+the ``yamlformer.kinds`` entry-point group (``[project.entry-points."yamlformer.kinds"]`` in a
 package's ``pyproject.toml``, ``name = "package.module:KIND"``): builder's own spec
 (``builder/spec/kind.py``) as any other package's (the recipes' training recipe,
 ``recipes/recipe/kind.py``), so this module imports none of them.
@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.spec.source import FieldPath, Problem
+from yamlformer.builder.spec.source import FieldPath, Problem
 
-#: packages add kinds here: ``[project.entry-points."builder.kinds"]``, ``name = "module:KIND"``
-GROUP = "builder.kinds"
+#: packages add kinds here: ``[project.entry-points."yamlformer.kinds"]``, ``name = "module:KIND"``
+GROUP = "yamlformer.kinds"
 #: keys every kind may have; they tell nothing apart
 SHARED = frozenset({"name", "extends"})
 
@@ -56,20 +56,20 @@ class Kind:
     model: Callable[[Path], tuple[Any, dict]] | None = None
     #: ``(document, launch) -> ["key=value", ...]``: the ``--set`` values that make a file of this
     #: kind (``document``: its merged, unvalidated mapping) train as ``launch``
-    #: (``builder.analysis.plan.Launch``) says; ``None``: ``builder train`` runs no such file
+    #: (``yamlformer.builder.analysis.plan.Launch``) says; ``None``: ``builder train`` runs no such file
     launch: Callable[[Mapping[str, Any], Any], list[str]] | None = None
 
 
 @functools.cache
 def kinds() -> dict[str, Kind]:
-    """Every kind by name (the ``builder.kinds`` entry points), builder's own first.
+    """Every kind by name (the ``yamlformer.kinds`` entry points), builder's own first.
 
     A checkout that was never installed has no entry points, so no kinds: files are then read
-    as what a command expects, and zoo names are not found (``builder.packages.NOT_INSTALLED``)."""
+    as what a command expects, and zoo names are not found (``yamlformer.builder.packages.NOT_INSTALLED``)."""
     found: dict[str, Kind] = {}
     entries = importlib.metadata.entry_points(group=GROUP)
-    own = __name__.partition(".")[0]  # builder's own first: a zoo name a spec has stays the spec's
-    for entry in sorted(entries, key=lambda e: e.module.partition(".")[0] != own):
+    own = __name__.removesuffix(".spec.kinds") + "."  # builder's own first: a zoo name a spec has stays the spec's
+    for entry in sorted(entries, key=lambda e: not e.module.startswith(own)):
         kind = entry.load()
         found.setdefault(kind.name, kind)
     return found

@@ -7,7 +7,7 @@ pydantic model (recipes use it). Nothing here imports torch.
 
 Order of application: the ``extends:`` chain (parent first), then the overrides (each located
 as ``<--set key=value>`` unless the caller says where it was written), then validation. Every
-layering goes through the one merge (``builder.spec.merge``): mappings merge key by key, scalars and
+layering goes through the one merge (``yamlformer.builder.spec.merge``): mappings merge key by key, scalars and
 lists replace, and a block mapping whose ``type`` differs from the one under it replaces it. An
 override sets the value at its dotted path, a mapping merged over a mapping already there.
 ``name`` defaults to the file's stem when the file itself does not set it.
@@ -21,10 +21,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.spec.merge import Source, merge
-from builder.spec.problems import validation_problems
-from builder.spec.schema import DEFAULT_TYPES
-from builder.spec.source import (
+from yamlformer.builder.spec.merge import Source, merge
+from yamlformer.builder.spec.problems import validation_problems
+from yamlformer.builder.spec.schema import DEFAULT_TYPES
+from yamlformer.builder.spec.source import (
     Document,
     FieldPath,
     Mark,
@@ -61,8 +61,8 @@ def load_spec(
     a validated ``ModelSpec`` (returned as it is, or with the overrides applied).
     ``overrides``: ``{"decoder.n_layers": 2}``, applied after ``extends:``.
     ``sources``: where an override was written, by key (see :func:`apply_overrides`)."""
-    from builder.spec.plugins import load_plugins
-    from builder.spec.schema import ModelSpec, spec_model
+    from yamlformer.builder.spec.plugins import load_plugins
+    from yamlformer.builder.spec.schema import ModelSpec, spec_model
 
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(
@@ -83,7 +83,7 @@ def load_spec(
 
 def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None, kind: str | None = None):
     """Load any YAML config into ``model_cls`` (a pydantic model) with the same located errors.
-    ``kind``: the document kind expected (``builder.spec.kinds``); a file plainly of another kind
+    ``kind``: the document kind expected (``yamlformer.builder.spec.kinds``); a file plainly of another kind
     is one problem saying so, not one per key."""
     return _load(path, model_cls, overrides, default_name=False, kind=kind)
 
@@ -126,7 +126,7 @@ def read_merged(
     model_cls: type | None = None,
 ) -> Document:
     """The file after its ``extends:`` chain and the overrides, not validated yet. ``path`` may
-    be a zoo name (``llama3-8b``); a file that exists wins (``builder.zoo``).
+    be a zoo name (``llama3-8b``); a file that exists wins (``yamlformer.builder.zoo``).
 
     ``model_cls``: what the file should be; a file of the chain whose top-level keys are none of
     its fields is refused whole (nothing of it quoted)."""
@@ -138,9 +138,9 @@ def read_merged(
 
 
 def locate_file(path: str | Path) -> tuple[Path, str]:
-    """The file ``path`` names (a path, else a zoo name: ``builder.zoo``) and how messages show
+    """The file ``path`` names (a path, else a zoo name: ``yamlformer.builder.zoo``) and how messages show
     it; raises :class:`SpecError` for neither, with the closest zoo names."""
-    from builder.zoo import ZooError, locate, shown
+    from yamlformer.builder.zoo import ZooError, locate, shown
 
     try:
         found = locate(path)
@@ -261,11 +261,11 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sour
 
 
 def _mistaken(doc: Document, kind: str | None, found: Path, display: str) -> str | None:
-    """One line when ``doc`` is plainly another kind of document than ``kind`` (``builder.spec.kinds``)."""
+    """One line when ``doc`` is plainly another kind of document than ``kind`` (``yamlformer.builder.spec.kinds``)."""
     if kind is None:
         return None
-    from builder.spec.kinds import mistaken
-    from builder.zoo import name_of
+    from yamlformer.builder.spec.kinds import mistaken
+    from yamlformer.builder.zoo import name_of
 
     return mistaken(doc.data, kind, name_of(found) or display)
 
@@ -306,7 +306,7 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
         parent_path = path.parent / parent
         parent_display = os.path.normpath(os.path.join(os.path.dirname(display), parent))
         if not os.path.lexists(parent_path):  # no file there: a zoo name (`extends: llama3-8b`)?
-            from builder.zoo import find, not_found, shown
+            from yamlformer.builder.zoo import find, not_found, shown
 
             entry = find(parent)
             if entry is None:
@@ -327,7 +327,7 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
 
 def _kind_of(model_cls: type | None) -> str:
     """How messages name a file of ``model_cls``: "a spec", "a recipe"..."""
-    from builder.spec.schema import ModelSpec
+    from yamlformer.builder.spec.schema import ModelSpec
 
     if model_cls is None or issubclass(model_cls, ModelSpec):
         return "a spec"

@@ -8,7 +8,7 @@ mappings merge key by key, scalars and lists replace, and a block mapping that n
 another: ``ffn: {type: moe, ...}`` over a ``glu``). A block mapping without ``type`` is its
 field's default block (``types``: field name -> default type).
 
-With ``out`` (a :class:`~builder.spec.source.Document`), the result's marks follow whoever set
+With ``out`` (a :class:`~yamlformer.builder.spec.source.Document`), the result's marks follow whoever set
 each key, and where a value or a whole mapping came from another path (a layer override's field
 inherited from the stack's block) the document records it (``origins``, ``bases``), so a problem
 found in the merged data is reported once, at the line the user wrote.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from builder.spec.source import Document, FieldPath
+from yamlformer.builder.spec.source import Document, FieldPath
 
 #: where a value was written: the document and the path in it
 Source = tuple[Document, FieldPath]

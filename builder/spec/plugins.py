@@ -1,7 +1,7 @@
-"""User blocks: loaded from the ``builder.blocks`` entry-point group and from ``--plugin``.
+"""User blocks: loaded from the ``yamlformer.blocks`` entry-point group and from ``--plugin``.
 
-A plugin is a module that registers config classes with ``blocks.registry.register`` when it
-is imported; the schema picks them up (``builder.spec.schema.spec_model`` rebuilds when the
+A plugin is a module that registers config classes with ``yamlformer.blocks.registry.register`` when it
+is imported; the schema picks them up (``yamlformer.builder.spec.schema.spec_model`` rebuilds when the
 registry changes). A spec never imports code by itself: only an installed package's entry
 point or a module named on the command line (``--plugin mypackage.blocks``) runs.
 """
@@ -13,7 +13,7 @@ import importlib.metadata
 import re
 from collections.abc import Iterable
 
-GROUP = "builder.blocks"
+GROUP = "yamlformer.blocks"
 
 _loaded: set[str] = set()
 _entry_points_loaded = [False]
@@ -28,7 +28,7 @@ _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
 def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list[str]:
-    """Import the ``builder.blocks`` entry points (once per process) and ``modules``.
+    """Import the ``yamlformer.blocks`` entry points (once per process) and ``modules``.
 
     Returns the names imported by this call. Raises :class:`PluginError` naming the plugin.
     """

@@ -5,7 +5,7 @@ n_heads``: the tagged union adds the block's type name); a user thinks in the YA
 :func:`validation_problems` walks each error's location through the model types and the data
 together, drops the union tags, finds the line that set the field, and rewords the message
 ("unknown key 'n_kv_head'; did you mean 'n_kv_heads'?"). A block's own rule names its field
-(``blocks.configs.base.rule_error``); a field a merge copied from elsewhere (a layer override
+(``yamlformer.blocks.configs.base.rule_error``); a field a merge copied from elsewhere (a layer override
 inheriting the stack's block) is reported where it was written, as the merge recorded.
 """
 
@@ -18,13 +18,13 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from blocks.configs.base import rule_error  # noqa: F401  (recipes raise it too)
-from builder.spec.source import Document, FieldPath, Mark, Problem
+from yamlformer.blocks.configs.base import rule_error  # noqa: F401  (recipes raise it too)
+from yamlformer.builder.spec.source import Document, FieldPath, Mark, Problem
 
 
 def validation_problems(model_cls: type, data: Any, doc: Document) -> tuple[Any, list[Problem]]:
     """Validate ``data`` as ``model_cls``: ``(instance, [])`` or ``(None, located problems)``."""
-    from builder.spec.schema import SpecRuleError
+    from yamlformer.builder.spec.schema import SpecRuleError
 
     try:
         return model_cls.model_validate(data, context={"document": doc}), []
@@ -67,7 +67,7 @@ def _problem(doc: Document, data: Any, path: FieldPath, models: list[type], erro
         return _locate(doc, data, path, f"missing required field {path[-1]!r}", "missing")
     if kind in ("unknown_block_type", "union_tag_invalid", "union_tag_not_found"):
         return _block_type_problem(doc, data, path, error)
-    if kind == "located_rule":  # a config's own rule: it names the field (blocks.configs.base)
+    if kind == "located_rule":  # a config's own rule: it names the field (yamlformer.blocks.configs.base)
         ctx = error["ctx"]
         return _locate(doc, data, path + tuple(ctx["loc"]), ctx["message"], "value")
     return _locate(doc, data, path, _reword(error), "value")

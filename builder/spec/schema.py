@@ -1,14 +1,14 @@
 """The spec schema: :class:`ModelSpec` and its sections, for every field of the spec format.
 
-``from builder.spec.schema import ModelSpec`` is a static class to annotate with: its block fields
-are typed by their contracts (``AttentionBlock``, ``FFNBlock``... in ``blocks.configs.base``),
+``from yamlformer.builder.spec.schema import ModelSpec`` is a static class to annotate with: its block fields
+are typed by their contracts (``AttentionBlock``, ``FFNBlock``... in ``yamlformer.blocks.configs.base``),
 which is all generic code may ask of them. Validation runs on :func:`spec_model`, a subclass of
 each section whose block fields are discriminated unions of the blocks registered now, so a
 block registered later (a user's plugin) joins the schema and the JSON Schema at once; it is
 rebuilt when the registry changes. ``ModelSpec.model_validate(data)`` validates with it.
 
 Before validation each stack's ``cross_attention`` and per-layer ``overrides`` are completed
-from the stack's own blocks through the one merge (``builder.spec.merge``), which carries where each
+from the stack's own blocks through the one merge (``yamlformer.builder.spec.merge``), which carries where each
 field was written. Cross-field rules that need the whole spec live in :func:`rule_errors`; a
 block's own rules live with the block; every rule names the field it is about so the loader can
 point at its line.
@@ -30,8 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from blocks import registry
-from blocks.configs.base import (
+from yamlformer.blocks import registry
+from yamlformer.blocks.configs.base import (
     ArchitectureBlock,
     AttentionBlock,
     FFNBlock,
@@ -40,9 +40,9 @@ from blocks.configs.base import (
     NormBlock,
     PositionBlock,
 )
-from blocks.configs.layer import LayerConfig
-from blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH
-from builder.spec.merge import merge
+from yamlformer.blocks.configs.layer import LayerConfig
+from yamlformer.blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH
+from yamlformer.builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
 DEFAULT_TYPES = registry.DEFAULT_TYPES
@@ -312,7 +312,7 @@ class StackSpec(_Section):
 class ModelSpec(_Section):
     """A Transformer, declared. Attribute names are the YAML keys.
 
-    Validate with ``ModelSpec.model_validate(data)`` (or ``builder.load_spec``): it runs on
+    Validate with ``ModelSpec.model_validate(data)`` (or ``yamlformer.builder.load_spec``): it runs on
     :func:`spec_model`, whose instances are instances of this class.
     """
 
@@ -432,7 +432,7 @@ def rule_errors(spec) -> list[tuple[Loc, str]]:
     """Cross-field rules over a spec whose fields are each valid on their own.
 
     The rules of a block kind live with its blocks (``problems``, ``attention_problems``; see
-    ``blocks.configs.base``); here they are asked, and their locations placed in the spec.
+    ``yamlformer.blocks.configs.base``); here they are asked, and their locations placed in the spec.
     """
     problems: list[tuple[Loc, str]] = []
     architecture = spec.architecture_config

@@ -105,7 +105,7 @@ class SpecError(ValueError):
 class Document:
     """Plain data plus, for each field path, where its key and its value were written.
 
-    A merge (``builder.spec.merge``) that copies a value from another path records it: ``origins``
+    A merge (``yamlformer.builder.spec.merge``) that copies a value from another path records it: ``origins``
     maps a path to the path the value was written at, ``bases`` a merged mapping to the mapping
     it was laid over (a key missing from the result is missing there too).
     """

@@ -13,12 +13,12 @@ import argparse
 import json
 import sys
 
-from blocks.limits import MAX_SEQ_LEN
-from builder.cli.common import add_plugin_option, load_plugins_from_args
+from yamlformer.blocks.limits import MAX_SEQ_LEN
+from yamlformer.builder.cli.common import add_plugin_option, load_plugins_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.cli.arguments import (
+    from yamlformer.builder.cli.arguments import (
         MAX_BATCH,
         MAX_BEAMS,
         count,
@@ -113,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
     """An option given that the checkpoint's task does not read is an error, not ignored
     (``options``: ``"eval_options"`` or ``"generate_options"``, the tasks' own lists)."""
-    from builder.cli.arguments import ArgumentError
-    from recipes.tasks import NAMES, task_named, task_of
+    from yamlformer.builder.cli.arguments import ArgumentError
+    from yamlformer.recipes.tasks import NAMES, task_named, task_of
 
     task = task_of(meta)
     read = {name: getattr(task_named(name), options) for name in NAMES}
@@ -128,11 +128,11 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.arguments import ArgumentError, at_most
-    from builder.spec.plugins import PluginError
-    from recipes.errors import RecipeError
-    from recipes.tasks import task_of
-    from recipes.trained import load_trained
+    from yamlformer.builder.cli.arguments import ArgumentError, at_most
+    from yamlformer.builder.spec.plugins import PluginError
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.tasks import task_of
+    from yamlformer.recipes.trained import load_trained
 
     try:
         load_plugins_from_args(args)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocks.limits import MAX_VOCAB
-from builder.cli.common import add_plugin_option, load_plugins_from_args
+from yamlformer.blocks.limits import MAX_VOCAB
+from yamlformer.builder.cli.common import add_plugin_option, load_plugins_from_args
 
 #: language-model decoding defaults (an option left out)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.cli.arguments import (
+    from yamlformer.builder.cli.arguments import (
         MAX_BEAMS,
         MAX_NEW_TOKENS,
         MAX_SEED,
@@ -80,11 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.spec.plugins import PluginError
-    from recipes.commands.eval import refuse_options
-    from recipes.errors import RecipeError
-    from recipes.tasks import task_of
-    from recipes.trained import load_trained
+    from yamlformer.builder.spec.plugins import PluginError
+    from yamlformer.recipes.commands.eval import refuse_options
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.tasks import task_of
+    from yamlformer.recipes.trained import load_trained
 
     try:
         load_plugins_from_args(args)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_decoding(args: argparse.Namespace) -> None:
     """Options of one decoding mode given with another are refused, not ignored."""
-    from builder.cli.arguments import ArgumentError
+    from yamlformer.builder.cli.arguments import ArgumentError
 
     sampling = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
     if args.num_beams is not None and args.num_beams > 1:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.cli.arguments import count, number, output_file
+    from yamlformer.builder.cli.arguments import count, number, output_file
 
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = actions.add_parser("show", help="the table of trials")
@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.spec.source import SpecError
-    from recipes.errors import RecipeError
+    from yamlformer.builder.spec.source import SpecError
+    from yamlformer.recipes.errors import RecipeError
 
     try:
         return {"show": _show, "report": _report, "fit": _fit}[args.action](args)
@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(args):
-    from recipes.studies import report, store
-    from recipes.studies.schema import load_study
+    from yamlformer.recipes.studies import report, store
+    from yamlformer.recipes.studies.schema import load_study
 
     loaded = load_study(args.study)
     study, _ = store.open_study(loaded, create=False)
@@ -110,7 +110,7 @@ def _table(args):
 
 
 def _show(args) -> int:
-    from recipes.studies import report
+    from yamlformer.recipes.studies import report
 
     loaded, table = _table(args)
     if args.json:
@@ -121,7 +121,7 @@ def _show(args) -> int:
 
 
 def _report(args) -> int:
-    from recipes.studies import report
+    from yamlformer.recipes.studies import report
 
     loaded, table = _table(args)
     folder = Path(args.out) if args.out else loaded.root / "report"
@@ -140,7 +140,7 @@ def _report(args) -> int:
 
 
 def _fit(args) -> int:
-    from recipes.studies import scaling
+    from yamlformer.recipes.studies import scaling
 
     loaded, table = _table(args)
     kept = [r for r in table if args.max_flops is None or (r["flops"] or 0) <= args.max_flops]
@@ -186,7 +186,7 @@ def _compute(args) -> float | None:
         return args.flops
     if args.gpu_hours is None or args.mfu is None:
         return None
-    from builder.analysis.mfu import peak_flops
+    from yamlformer.builder.analysis.mfu import peak_flops
 
     peak = peak_flops(args.gpu, args.dtype)
     if peak is None:
@@ -199,10 +199,10 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
     plan``'s fastest layout for its recipe's sequence length and global batch (rounded up to a
     multiple of the GPUs), its predicted tokens/s per GPU x the hours x its FLOPs per token. A
     model no layout fits is left out (said on stderr); none fitting is a ValueError."""
-    from builder.analysis.hardware import Cluster
-    from builder.analysis.hardware import gpu as hardware_gpu
-    from builder.analysis.plan import plan
-    from recipes.studies.variants import axis_values, budget_axis, step_shape, variant_model
+    from yamlformer.builder.analysis.hardware import Cluster
+    from yamlformer.builder.analysis.hardware import gpu as hardware_gpu
+    from yamlformer.builder.analysis.plan import plan
+    from yamlformer.recipes.studies.variants import axis_values, budget_axis, step_shape, variant_model
 
     row = hardware_gpu(args.gpu)
     peak = row.peak.get(args.dtype)
@@ -239,14 +239,14 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
 def _members(table: list[dict]) -> list[dict]:
     """The study's distinct models: parameters, FLOPs per token, family (named by its best tuning,
     ``scaling.best_tuned``)."""
-    from recipes.studies import scaling
+    from yamlformer.recipes.studies import scaling
 
     return [{k: row[k] for k in ("params", "flops_per_token", "family")} for row in scaling.best_tuned(table).values()]
 
 
 def _prediction(loaded, args, fitted) -> dict:
-    from builder.spec.loader import parse_set_args
-    from recipes.studies.variants import check
+    from yamlformer.builder.spec.loader import parse_set_args
+    from yamlformer.recipes.studies.variants import check
 
     variant = check(loaded, parse_set_args(args.predict))
     tokens = args.tokens or variant.tokens
@@ -262,7 +262,7 @@ def _prediction(loaded, args, fitted) -> dict:
 
 
 def _print_fit(result: dict, fitted) -> None:
-    from builder.analysis.report import human
+    from yamlformer.builder.analysis.report import human
 
     print(
         f"L(N, D) = E + A / N^alpha + B / D^beta fitted to {result['points']} runs (the best final loss per "

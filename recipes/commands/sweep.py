@@ -15,7 +15,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.cli.arguments import count
+    from yamlformer.builder.cli.arguments import count
 
     parser.add_argument("study", metavar="STUDY", help="a study file (recipes/README.md, 'Variant studies')")
     show = parser.add_mutually_exclusive_group()
@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.spec.source import SpecError
-    from recipes.errors import RecipeError
-    from recipes.studies.variants import NothingToRun
+    from yamlformer.builder.spec.source import SpecError
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.studies.variants import NothingToRun
 
     try:
         return _run(args)
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from recipes.studies.schema import load_study
-    from recipes.studies.variants import plan
+    from yamlformer.recipes.studies.schema import load_study
+    from yamlformer.recipes.studies.variants import plan
 
     loaded = load_study(args.study)
     variants, invalid = plan(loaded)
@@ -82,8 +82,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(loaded, variants, invalid, args) -> int:
-    from recipes.studies import store
-    from recipes.studies.runner import Sweep, queue_grid
+    from yamlformer.recipes.studies import store
+    from yamlformer.recipes.studies.runner import Sweep, queue_grid
 
     settings = loaded.study
     study, created = store.open_study(loaded, create=True, sampler=_sampler(settings), pruner=_pruner(settings))
@@ -150,7 +150,7 @@ def _print_plan(loaded, variants) -> None:
 
 
 def _launch_lines(loaded, variants, slurm: bool) -> str:
-    from recipes.studies.variants import train_command
+    from yamlformer.recipes.studies.variants import train_command
 
     settings = loaded.study
     devices = settings.parallel.devices

@@ -26,7 +26,7 @@ SHARDS_AT_LEAST = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from builder.cli.arguments import (
+    from yamlformer.builder.cli.arguments import (
         count,
         input_path,
         number,
@@ -125,11 +125,11 @@ def shard_mb(given: int | None, sources) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.cli.arguments import ArgumentError
-    from recipes.data.dataset_folder import check_output
-    from recipes.data.sources import DocumentStream, find_sources
-    from recipes.data.tokenize import matches, tokenize_documents
-    from recipes.errors import RecipeError
+    from yamlformer.builder.cli.arguments import ArgumentError
+    from yamlformer.recipes.data.dataset_folder import check_output
+    from yamlformer.recipes.data.sources import DocumentStream, find_sources
+    from yamlformer.recipes.data.tokenize import matches, tokenize_documents
+    from yamlformer.recipes.errors import RecipeError
 
     try:
         out = Path(args.output)
@@ -223,7 +223,7 @@ def print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from builder.analysis.report import human_bytes
+    from yamlformer.builder.analysis.report import human_bytes
 
     # not a terminal (a log, a pipe): wide enough that source paths are printed whole
     console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -285,8 +285,8 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
     section says how to make one: sentencepiece trained on the first :data:`SAMPLE_BYTES` of
     ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
     in them. A tokenizer a run of the same command in ``out`` already made is reused."""
-    from recipes.data.tokenizers import SentencePieceTokenizer, hf_tokenizer
-    from recipes.errors import RecipeError
+    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer, hf_tokenizer
+    from yamlformer.recipes.errors import RecipeError
 
     path = Path(argument)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
@@ -305,7 +305,7 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
 
 
 def _named(read, path: Path):
-    from recipes.errors import RecipeError
+    from yamlformer.recipes.errors import RecipeError
 
     try:
         return read(path)
@@ -314,10 +314,15 @@ def _named(read, path: Path):
 
 
 def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
-    from builder.spec.loader import SpecError
-    from recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece
-    from recipes.errors import RecipeError
-    from recipes.recipe.sections import load_recipe, recipe_path
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.recipes.data.tokenizers import (
+        CharTokenizer,
+        SentencePieceTokenizer,
+        build_tokenizer,
+        train_sentencepiece,
+    )
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.recipe.sections import load_recipe, recipe_path
 
     try:
         recipe_file = recipe_path(argument)
@@ -360,8 +365,8 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
 
 def _earlier_tokenizer(out: Path, setting: dict):
     """The tokenizer an unfinished or finished run with the same recipe section saved in ``out``."""
-    from recipes.data.tokenized import STARTED, TOKENIZER_FILES
-    from recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer
+    from yamlformer.recipes.data.tokenized import STARTED, TOKENIZER_FILES
+    from yamlformer.recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer
 
     try:
         settings = json.loads((out / STARTED).read_text(encoding="utf-8"))["settings"]

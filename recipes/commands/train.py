@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder.cli.arguments import input_path
-from builder.cli.common import add_spec_options, load_plugins_from_args, overrides_from_args
+from yamlformer.builder.cli.arguments import input_path
+from yamlformer.builder.cli.common import add_spec_options, load_plugins_from_args, overrides_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,18 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from builder.spec.loader import SpecError
-    from builder.spec.plugins import PluginError
-    from recipes.errors import RecipeError
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.builder.spec.plugins import PluginError
+    from yamlformer.recipes.errors import RecipeError
 
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
-        from recipes.recipe.sections import recipe_path
+        from yamlformer.recipes.recipe.sections import recipe_path
 
         recipe = recipe_path(args.recipe)  # a path, else a zoo name
         if args.dry_run:  # before torch and Lightning are imported
-            from recipes.training.dry_run import dry_run
+            from yamlformer.recipes.training.dry_run import dry_run
 
             dry_run(recipe, overrides)
             return 0
@@ -77,14 +77,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
-    from builder.spec.loader import SpecError
-    from recipes.errors import RecipeError
-    from recipes.training.module import NonFiniteLossError
-    from recipes.training.run_folder import os_problem, owns_run_folder
-    from recipes.training.signals import Stopped
+    from yamlformer.builder.spec.loader import SpecError
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.training.module import NonFiniteLossError
+    from yamlformer.recipes.training.run_folder import os_problem, owns_run_folder
+    from yamlformer.recipes.training.signals import Stopped
 
     try:
-        from recipes.training.run import run as train
+        from yamlformer.recipes.training.run import run as train
 
         train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
     except SpecError as exc:

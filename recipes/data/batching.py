@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.data.windows import PositionedDataModule
-from recipes.errors import RecipeError
+from yamlformer.recipes.data.windows import PositionedDataModule
+from yamlformer.recipes.errors import RecipeError
 
 
 def budget_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:

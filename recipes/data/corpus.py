@@ -1,5 +1,5 @@
 """The corpus of an LM or MLM recipe: every entry of its data section opened as a
-:class:`~recipes.data.mixture.Source` (training and validation token streams), with the tokenizer
+:class:`~yamlformer.recipes.data.mixture.Source` (training and validation token streams), with the tokenizer
 they share.
 
 An entry is, by what its path holds: a tokenized dataset (``builder tokenize``'s folder: its
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.data import registry as datasets
-from recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
-from recipes.data.mixture import Source, Stream, epochs_seen, shares
-from recipes.data.section import DataSection, SourceEntry
-from recipes.errors import RecipeError
-from recipes.recipe.fields import resolve
+from yamlformer.recipes.data import registry as datasets
+from yamlformer.recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
+from yamlformer.recipes.data.mixture import Source, Stream, epochs_seen, shares
+from yamlformer.recipes.data.section import DataSection, SourceEntry
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import resolve
 
 #: text with at least this many documents is split by document; with fewer, by its tail
 DOCUMENT_SPLIT_MIN = 20
@@ -94,7 +94,7 @@ def read_corpus(section: DataSection, recipe_file: Path | None) -> TextCorpus:
 
 def kind_of(entry: SourceEntry, section: DataSection, recipe_file: Path | None) -> tuple[str, Path | None]:
     """``(tokenized | megatron | raw | text, path)`` of an entry, by what its path holds."""
-    from recipes.data.tokenized import is_tokenized_dataset
+    from yamlformer.recipes.data.tokenized import is_tokenized_dataset
 
     if entry.path in datasets.DATASETS:
         return "text", None
@@ -153,9 +153,9 @@ def _identity(kind: str, path: Path) -> str:
 
 def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
     """``text`` tokenized into the cache (once per text, tokenizer and split), opened."""
-    from recipes.data.sources import Document
-    from recipes.data.tokenize import tokenize_documents
-    from recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
+    from yamlformer.recipes.data.sources import Document
+    from yamlformer.recipes.data.tokenize import tokenize_documents
+    from yamlformer.recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
 
     key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|{section.val_fraction}|split-v1".encode())
     folder = Path(section.cache_dir) / "tokenized" / key.hexdigest()[:16]
@@ -186,7 +186,7 @@ def open_corpus(
     """The recipe's sources opened. ``tokenizer_for(text, text_hash)``: the recipe's tokenizer
     (``trains_tokenizer``: it is made from the text); ``pretrained``: one that must be used
     (``init_from``'s); a tokenized dataset's own tokenizer wins over both (and must match them)."""
-    from recipes.data.tokenized import TokenizedDataset
+    from yamlformer.recipes.data.tokenized import TokenizedDataset
 
     entries = section.entries()
     labels = (["data.dataset"] if section.dataset is not None else []) + [
@@ -326,7 +326,7 @@ def over_limit(rows: list[dict]) -> list[str]:
 def source_tokens(entry: SourceEntry, kind: str, path: Path, section: DataSection) -> int:
     """The training tokens of a source that is already tokens, read from its header or manifest
     (what the dry run shows; a tail held out as the run holds it)."""
-    from recipes.data.tokenized import TokenizedDataset
+    from yamlformer.recipes.data.tokenized import TokenizedDataset
 
     if kind == "tokenized":
         return TokenizedDataset.open(path).tokens("train")

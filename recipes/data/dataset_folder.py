@@ -1,4 +1,4 @@
-"""The output folder of ``builder tokenize`` while a run writes it (:mod:`recipes.data.tokenize`):
+"""The output folder of ``builder tokenize`` while a run writes it (:mod:`yamlformer.recipes.data.tokenize`):
 locked, its settings checked against a run that began it, what a killed run left removed, the
 tokenizer's file saved beside the shards. Torch-free."""
 
@@ -11,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-from recipes.data.tokenized import (
+from yamlformer.recipes.data.tokenized import (
     FORMAT,
     MANIFEST,
     SPLITS,
@@ -20,7 +20,7 @@ from recipes.data.tokenized import (
     VERSION,
     is_tokenized_dataset,
 )
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 #: per-unit done records
 UNITS = ".units"
@@ -37,7 +37,7 @@ class Folder:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            from builder.checkpoints import write_reason
+            from yamlformer.builder.checkpoints import write_reason
 
             raise RecipeError(f"could not make {out}: {write_reason(exc)}") from None
         self._take_lock()
@@ -53,7 +53,7 @@ class Folder:
             if not overwrite:
                 raise RecipeError(f"{out} holds a dataset without its run's settings; add --overwrite to start over")
             self.clear()
-        from recipes.data.tokenizers import write_atomic
+        from yamlformer.recipes.data.tokenizers import write_atomic
 
         started = dumps({"format": FORMAT, "version": VERSION, "settings": settings})
         if not (out / STARTED).is_file() or (out / STARTED).read_bytes() != started:
@@ -168,7 +168,7 @@ def dumps(value) -> bytes:
 
 def save_tokenizer(tokenizer, out: Path) -> dict:
     """The tokenizer's file in ``out`` (rewritten only when it differs); its manifest entry."""
-    from recipes.data.tokenizers import write_atomic
+    from yamlformer.recipes.data.tokenizers import write_atomic
 
     state = tokenizer.state()
     name = TOKENIZER_FILES[tokenizer.kind]

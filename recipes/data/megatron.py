@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from recipes.data.megatron import Part
+from yamlformer.recipes.data.megatron import Part
 
 #: windows per interleaving block
 BLOCK = 1024

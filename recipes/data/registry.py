@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 #: the environment variable naming the data root (a folder of dataset files, or where to download them)
 ENV_ROOT = "BUILDER_DATA"
@@ -343,7 +343,7 @@ def _fetch(url: str, out, timeout: float, expected_size: int, instead: str) -> s
     from tqdm.auto import tqdm
 
     digest, got, total = hashlib.sha256(), 0, None
-    request = urllib.request.Request(url, headers={"User-Agent": "transformer-builder"})
+    request = urllib.request.Request(url, headers={"User-Agent": "yamlformer"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             length = response.headers.get("Content-Length")

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 
-from recipes.recipe.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
+from yamlformer.recipes.recipe.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
 
 
 class SourceEntry(_Section):
@@ -50,7 +50,7 @@ class SourceEntry(_Section):
 
 class DatasetFields(_Section):
     """``dataset`` and ``root``: the fields every data section has for data named in
-    :mod:`recipes.data.registry` (downloaded once, verified, reused)."""
+    :mod:`yamlformer.recipes.data.registry` (downloaded once, verified, reused)."""
 
     dataset: str | None = Field(
         None,
@@ -68,7 +68,7 @@ class DatasetFields(_Section):
     @classmethod
     def _known_dataset(cls, value):
         if value is not None:
-            from recipes.data.registry import get
+            from yamlformer.recipes.data.registry import get
 
             get(value)
         return value
@@ -151,7 +151,7 @@ class DataSection(DatasetFields):
         if self.dataset is None and not self.sources:
             self.dataset = PYTHON_STDLIB
         if self.dataset is not None and "val_fraction" not in self.model_fields_set:
-            from recipes.data.registry import get
+            from yamlformer.recipes.data.registry import get
 
             self.val_fraction = get(self.dataset).val_fraction or self.val_fraction
         return self

@@ -1,4 +1,4 @@
-"""The worker side of ``builder tokenize`` (:mod:`recipes.data.tokenize`): a *unit* of documents
+"""The worker side of ``builder tokenize`` (:mod:`yamlformer.recipes.data.tokenize`): a *unit* of documents
 encoded and written as the shard files of each split it has documents of (a temp file, fsync,
 rename), handing back only their sizes and checksums. Workers are processes that build the
 tokenizer once from its ``state()`` and encode on one thread. Torch-free."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 #: text handed to one encode_batch call: enough to amortize the call, small enough that the
 #: library's per-token objects (tokenizers keeps strings and offsets per token) stay a few MB
@@ -113,9 +113,9 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 def write_file(path: Path, array: np.ndarray) -> str:
-    """``array``'s bytes to ``path`` (:func:`recipes.data.tokenizers.write_atomic`: temp file, fsync,
+    """``array``'s bytes to ``path`` (:func:`yamlformer.recipes.data.tokenizers.write_atomic`: temp file, fsync,
     rename); their sha256."""
-    from recipes.data.tokenizers import write_atomic
+    from yamlformer.recipes.data.tokenizers import write_atomic
 
     data = memoryview(np.ascontiguousarray(array)).cast("B")
     write_atomic(path, data)
@@ -161,7 +161,7 @@ def start_worker(state: dict, out: str, dtype: str, eos: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    from recipes.data.tokenizers import from_state
+    from yamlformer.recipes.data.tokenizers import from_state
 
     _WORKER.update(tokenizer=from_state(state), out=Path(out), dtype=np.dtype(dtype), eos=eos)
 

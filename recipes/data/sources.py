@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 #: bytes read from a file at a time
 CHUNK = 1 << 20
@@ -119,7 +119,7 @@ def find_sources(paths: list[str], exclude: Path | None = None) -> list[Source]:
     """Each SOURCE with its files (folders walked recursively in sorted order); ``exclude``: a
     folder never read (the output). A missing path, an empty folder or a refused compression is
     a :class:`RecipeError`."""
-    from recipes.data.tokenized import is_tokenized_dataset
+    from yamlformer.recipes.data.tokenized import is_tokenized_dataset
 
     skip = exclude.resolve() if exclude is not None else None
     sources = []
@@ -157,7 +157,7 @@ def _file(path: Path, name: str) -> SourceFile:
 def _walk(folder: Path, skip: Path | None) -> Iterator[Path]:
     """Files under ``folder`` in sorted order, and save_to_disk folders as one entry; hidden
     names, ``skip`` and tokenized datasets left out."""
-    from recipes.data.tokenized import is_tokenized_dataset
+    from yamlformer.recipes.data.tokenized import is_tokenized_dataset
 
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         if entry.name.startswith("."):

@@ -1,5 +1,5 @@
 """``builder tokenize``'s pipeline: a stream of documents into a tokenized dataset (the format of
-:mod:`recipes.data.tokenized`), in bounded memory, in parallel, resumable. Torch-free.
+:mod:`yamlformer.recipes.data.tokenized`), in bounded memory, in parallel, resumable. Torch-free.
 
 The stream is cut, in order, into *units* of about ``shard_bytes`` of UTF-8 text (a cut falls
 after the document that reaches it), whatever the number of workers; unit ``k`` becomes the shard
@@ -9,8 +9,8 @@ one thread) tokenize a unit and write its shards themselves (a temp file, fsync,
 back only their sizes and checksums. The main process reads and splits the stream, keeps at most
 two units per worker in flight and records results in unit order, so its memory is a few units,
 never the corpus, and every byte written (shards and manifest) is the same for any worker count.
-One worker runs in this process. The worker side is :mod:`recipes.data.shards`; the output folder
-(lock, settings, leftovers, the tokenizer's file) :mod:`recipes.data.dataset_folder`.
+One worker runs in this process. The worker side is :mod:`yamlformer.recipes.data.shards`; the output folder
+(lock, settings, leftovers, the tokenizer's file) :mod:`yamlformer.recipes.data.dataset_folder`.
 
 Split: a document goes to validation when ``sha1(its UTF-8 text)``, read as a fraction of 2**64
 from its first 8 bytes, is below ``val_fraction``; every document of a source matching one of the
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.data.dataset_folder import Folder, dumps, save_tokenizer
-from recipes.data.shards import Unit, fsync_folder, one_thread, start_worker, tokenize_unit, work
-from recipes.data.sources import Document
-from recipes.data.tokenized import (
+from yamlformer.recipes.data.dataset_folder import Folder, dumps, save_tokenizer
+from yamlformer.recipes.data.shards import Unit, fsync_folder, one_thread, start_worker, tokenize_unit, work
+from yamlformer.recipes.data.sources import Document
+from yamlformer.recipes.data.tokenized import (
     FORMAT,
     MANIFEST,
     SPLITS,
@@ -54,7 +54,7 @@ from recipes.data.tokenized import (
     dtype_for,
     file_sha256,
 )
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 #: units in flight per worker
 IN_FLIGHT = 2
@@ -321,7 +321,7 @@ def tokenize_documents(
         manifest = _manifest(
             results, tokenizer, tokenizer_entry, dtype, eos, tracked, val_fraction, val_sources, identity
         )
-        from recipes.data.tokenizers import write_atomic
+        from yamlformer.recipes.data.tokenizers import write_atomic
 
         payload = dumps(manifest)
         if not (out / MANIFEST).is_file() or (out / MANIFEST).read_bytes() != payload:  # a finished rerun: kept
@@ -356,7 +356,7 @@ def _run(
     counts: collections.Counter,
 ) -> list[dict]:
     """Every unit reused or tokenized; their records in unit order."""
-    from recipes.data.tokenizers import write_atomic
+    from yamlformer.recipes.data.tokenizers import write_atomic
 
     out = folder.out
     records = folder.records()
@@ -429,7 +429,7 @@ def _pool(workers: int, tokenizer, out: Path, dtype: np.dtype, eos: int | None):
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["recipes.data.shards", "recipes.data.tokenizers"])
+        context.set_forkserver_preload(["yamlformer.recipes.data.shards", "yamlformer.recipes.data.tokenizers"])
     else:
         context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(

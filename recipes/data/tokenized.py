@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 FORMAT = "builder-tokenized"
 VERSION = 1
@@ -120,7 +120,7 @@ class TokenizedDataset:
 
     def tokenizer(self):
         """The tokenizer saved in the folder, checked against the manifest's fingerprint."""
-        from recipes.data.tokenizers import CharTokenizer, HFTokenizer, SentencePieceTokenizer
+        from yamlformer.recipes.data.tokenizers import CharTokenizer, HFTokenizer, SentencePieceTokenizer
 
         entry = self.manifest["tokenizer"]
         path = self.folder / entry["file"]

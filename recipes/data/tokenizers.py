@@ -9,7 +9,7 @@ is false in the environment (the ``tokenizers`` library's switch, which sentence
 here follow too): each ``builder tokenize`` worker sets it, so W workers use W cores.
 
 A tokenizer's ``state()`` is small plain data (the character list, the sentencepiece model's
-bytes, or a ``tokenizer.json``; the format is defined in :mod:`builder.hf.tokenizer`, which also
+bytes, or a ``tokenizer.json``; the format is defined in :mod:`yamlformer.builder.hf.tokenizer`, which also
 writes each kind as a Hugging Face tokenizer) that goes into every checkpoint, so ``builder
 eval`` and ``builder generate`` need only the checkpoint. Trained sentencepiece models are cached
 by the hash of corpus and settings.
@@ -25,10 +25,10 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from builder.hf.tokenizer import CHAR_EOS
-from recipes.data.section import TokenizerSection
-from recipes.errors import RecipeError
-from recipes.recipe.fields import resolve
+from yamlformer.builder.hf.tokenizer import CHAR_EOS
+from yamlformer.recipes.data.section import TokenizerSection
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import resolve
 
 #: text per sentencepiece encode call; cut at newlines, which no piece crosses
 _CHUNK_CHARS = 1 << 16
@@ -154,7 +154,7 @@ class HFTokenizer:
     kind = "tokenizers"
 
     def __init__(self, json_text: str, specials: dict | None = None, split_special_tokens: bool = False):
-        from builder.hf.tokenizer import to_tokenizers
+        from yamlformer.builder.hf.tokenizer import to_tokenizers
 
         self.json_text, self.specials, self.split = json_text, dict(specials or {}), split_special_tokens
         self.tokenizer = to_tokenizers(self.state())
@@ -211,7 +211,7 @@ Tokenizer = CharTokenizer | SentencePieceTokenizer | HFTokenizer
 
 
 def from_state(state: dict) -> Tokenizer:
-    """The tokenizer a checkpoint recorded (or :func:`builder.hf.tokenizer.read_tokenizer` read)."""
+    """The tokenizer a checkpoint recorded (or :func:`yamlformer.builder.hf.tokenizer.read_tokenizer` read)."""
     kind = state.get("type") if isinstance(state, dict) else None
     if kind == "char":
         return CharTokenizer(list(state["chars"]))
@@ -224,8 +224,8 @@ def from_state(state: dict) -> Tokenizer:
 
 def hf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer of a Hugging Face folder (or an import-hf output), or of a tokenizer.json."""
-    from builder.hf import HFError
-    from builder.hf.tokenizer import read_tokenizer
+    from yamlformer.builder.hf import HFError
+    from yamlformer.builder.hf.tokenizer import read_tokenizer
 
     try:
         if path.is_file() and path.name.endswith(".json"):
@@ -335,7 +335,7 @@ def write_atomic(path: Path, payload: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()  # no partial file is left for a rerun to trip on
         if isinstance(exc, OSError):
-            from builder.checkpoints import write_reason
+            from yamlformer.builder.checkpoints import write_reason
 
             raise RecipeError(f"could not write {path}: {write_reason(exc)}") from None
         raise

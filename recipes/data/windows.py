@@ -2,7 +2,7 @@
 
 Micro-batch ``j`` of optimizer step ``s`` on data-parallel rank ``r`` takes the ``batch_size``
 windows from global index ``first + (j x ranks + r) x batch_size``, where ``first`` is the windows
-every earlier step took (:mod:`recipes.data.mixture` says which window an index is). The data
+every earlier step took (:mod:`yamlformer.recipes.data.mixture` says which window an index is). The data
 position is that one integer, saved in checkpoints: a resumed run takes exactly the windows an
 unbroken one would, on any number of ranks, and one global batch is the same windows however it
 is split (N devices with batch B, one device with batch N x B, or N accumulated micro-batches).
@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.data.mixture import TRAIN, VALIDATION, Source, Windows, shares
-from recipes.errors import RecipeError
+from yamlformer.recipes.data.mixture import TRAIN, VALIDATION, Source, Windows, shares
+from yamlformer.recipes.errors import RecipeError
 
-#: a target that takes no part in the loss (recipes.training.module.IGNORE)
+#: a target that takes no part in the loss (yamlformer.recipes.training.module.IGNORE)
 IGNORE = -100
 
 

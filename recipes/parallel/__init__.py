@@ -20,7 +20,7 @@ stage alone, over the mesh's other dimensions; the LightningModule drives the st
 
 A new dimension is one file here with its ``apply``
 function, called from :func:`parallelize` at its place in the order, plus one dimension of the
-layout model (``builder.analysis.layout.Layout``: its degree, its place in the rank numbering,
+layout model (``yamlformer.builder.analysis.layout.Layout``: its degree, its place in the rank numbering,
 what a rank then holds), which :func:`.mesh.mesh_shape` turns into a mesh dimension.
 """
 
@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
-from recipes.parallel.compile import compile_layers, compile_mode
-from recipes.parallel.context import apply_context_parallel
-from recipes.parallel.expert import apply_expert_parallel
-from recipes.parallel.fsdp import apply_fsdp, is_sharded_model, local_bytes, materialize, whole_model
-from recipes.parallel.mesh import (
+from yamlformer.recipes.parallel.activation_checkpointing import checkpoint_layers, layer_modules
+from yamlformer.recipes.parallel.compile import compile_layers, compile_mode
+from yamlformer.recipes.parallel.context import apply_context_parallel
+from yamlformer.recipes.parallel.expert import apply_expert_parallel
+from yamlformer.recipes.parallel.fsdp import apply_fsdp, is_sharded_model, local_bytes, materialize, whole_model
+from yamlformer.recipes.parallel.mesh import (
     MESH_DIMS,
     data_parallel_rank,
     data_parallel_size,
@@ -42,8 +42,8 @@ from recipes.parallel.mesh import (
     layout_of,
     mesh_shape,
 )
-from recipes.parallel.tensor import apply_tensor_parallel
-from recipes.recipe.sections import TrainerSection
+from yamlformer.recipes.parallel.tensor import apply_tensor_parallel
+from yamlformer.recipes.recipe.sections import TrainerSection
 
 __all__ = [
     "MESH_DIMS",

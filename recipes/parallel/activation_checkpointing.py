@@ -1,5 +1,5 @@
 """Activation checkpointing (``trainer.activation_checkpointing``), the second step of
-:func:`recipes.parallel.parallelize`: each Transformer layer recomputes its forward in the
+:func:`yamlformer.recipes.parallel.parallelize`: each Transformer layer recomputes its forward in the
 backward pass instead of keeping its activations (less memory, one more forward per layer).
 Applied after tensor parallelism and before compile and FSDP, as torchtitan orders them, so a
 compiled layer traces the recomputation and a ``fully_shard`` unit gathers its parameters again

@@ -1,4 +1,4 @@
-"""``torch.compile`` (``trainer.compile``), the third step of :func:`recipes.parallel.parallelize`,
+"""``torch.compile`` (``trainer.compile``), the third step of :func:`yamlformer.recipes.parallel.parallelize`,
 with its cache kept in the run folder and its time measured apart from the steps.
 
 * ``model`` compiles the module's loss computation — the whole model, the loss and, through

@@ -1,6 +1,6 @@
 """Context parallelism (``trainer.context_parallel: C``): each sequence split between the ``C``
 ranks of the mesh's ``cp`` dimension, which read the same micro-batch (their data-parallel
-rank's). Called from :func:`recipes.parallel.parallelize` after tensor parallelism.
+rank's). Called from :func:`yamlformer.recipes.parallel.parallelize` after tensor parallelism.
 
 The attention side is each attention block's (``use_context_parallel(group)``: Llama 3's
 all-gather context parallelism, the Llama 3 paper's section 3.3.2; every rank scores its own
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 
 def load_balanced_index(seq_len: int, rank: int, degree: int, device=None) -> torch.Tensor:
@@ -66,7 +66,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> ContextShard:
     A RecipeError naming ``trainer.context_parallel`` and the spec's field for a model whose blocks
     say they cannot (``context_parallel_problems``: an attention without a context-parallel path,
     a head with attention layers of its own)."""
-    from builder.analysis.layout_rules import context_parallel_problems
+    from yamlformer.builder.analysis.layout_rules import context_parallel_problems
 
     degree = cp_mesh.size()
     problems = context_parallel_problems(model.spec, degree)  # each block's own contract, as the planner asks

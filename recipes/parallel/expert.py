@@ -1,8 +1,8 @@
-"""Expert parallelism (``trainer.expert_parallel``), the step of :func:`recipes.parallel.parallelize`
+"""Expert parallelism (``trainer.expert_parallel``), the step of :func:`yamlformer.recipes.parallel.parallelize`
 after tensor parallelism: every mixture-of-experts block that can split its routed experts (``moe``, ``deepseek_moe``)
 (``use_expert_parallel(mesh)``, as attention declares ``use_tensor_parallel``) splits them over
 the ``ep`` dimension of the mesh, and tokens travel to their experts by all-to-all
-(``blocks.experts.dispatch``).
+(``yamlformer.blocks.experts.dispatch``).
 
 The ``ep`` ranks are borrowed from the FSDP shard group, as torchtitan and Megatron borrow them
 (:mod:`.mesh`: ``ep`` is the context-parallel ranks and ``dp_shard_in_ep`` data-parallel ones):

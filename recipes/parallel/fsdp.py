@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``), the last step of :func:`recipes.parallel.parallelize`: every
+"""FSDP2 (``fully_shard``), the last step of :func:`yamlformer.recipes.parallel.parallelize`: every
 Transformer layer, each embedding and the head a shard unit over the data-parallel dimensions of
 the mesh (a head tied to its embedding shares the root unit), with a mixed-precision policy from
 ``trainer.precision``; then a model built on the meta device gets only this rank's shards
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 
 def mixed_precision(precision: str):
@@ -53,11 +53,11 @@ def apply_fsdp(
     # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
     # hook. The root unit's output is the model's logits (a view under tensor parallelism), which
     # every task's loss reads out of place only (reshape, float, cross_entropy), and a split
-    # experts unit's is its grouped matmul's rows, which ``blocks.experts.dispatch`` reads out of
+    # experts unit's is its grouped matmul's rows, which ``yamlformer.blocks.experts.dispatch`` reads out of
     # place only (a product with the gates, ``index_copy`` and ``index_add`` into new tensors), so
     # it does not apply there; a view returned by any other unit (a layer, an embedding) still warns.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+(Model|Experts)\) returned a view tensor")
-    from recipes.parallel.mesh import SHARD_DIM
+    from yamlformer.recipes.parallel.mesh import SHARD_DIM
 
     dp_mesh = mesh["dp_replicate", SHARD_DIM] if mesh["dp_replicate"].size() > 1 else mesh[SHARD_DIM]
     policy = mixed_precision(precision)
@@ -98,13 +98,13 @@ def separate_units(model: nn.Module) -> list[nn.Module]:
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's shards on ``device`` and fill them with the values a whole-model
-    build has there (``blocks.init`` seeds every parameter by name): each shard draws only the
+    build has there (``yamlformer.blocks.init`` seeds every parameter by name): each shard draws only the
     rows it holds. Buffers (DeepSeekMoE's expert bias and load) are set by their modules'
     ``init_weights`` first, as a whole-model build sets them."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from blocks.init import STD, canonical_name, fill, imperative_modules, init_rules
+    from yamlformer.blocks.init import STD, canonical_name, fill, imperative_modules, init_rules
 
     model.to_empty(device=device)
     for _, module in imperative_modules(model):  # before the rules: those parameters are theirs
@@ -114,7 +114,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         key = canonical_name(name)
         if key not in rules:
             raise RecipeError(
-                f"parameter {key} has no init rule in blocks.init, so a sharded start cannot initialise it"
+                f"parameter {key} has no init rule in yamlformer.blocks.init, so a sharded start cannot initialise it"
             )
         if isinstance(param, DTensor):
             local = param.to_local()
@@ -156,7 +156,7 @@ def whole_model(module) -> nn.Module | None:
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from builder.checkpoints import empty_model
+    from yamlformer.builder.checkpoints import empty_model
 
     pipeline = getattr(module, "pipeline", None)
     # offloaded, a whole state is rank 0's alone; a pipeline's every stage sends its own. Split

@@ -1,9 +1,9 @@
 """The device mesh of a run: its dimensions, the processes per node the machine gives a recipe's
 ``trainer.devices`` (the one place a device count is derived), the recipe's layout
-(:class:`builder.analysis.layout.Layout`) and each rank's place among those that read different data.
+(:class:`yamlformer.builder.analysis.layout.Layout`) and each rank's place among those that read different data.
 
 The mesh is ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)``, numbered as
-``builder.analysis.layout`` numbers ranks (torchtitan's names). The pipeline stages are outermost
+``yamlformer.builder.analysis.layout`` numbers ranks (torchtitan's names). The pipeline stages are outermost
 (``pp`` is 1 unless ``trainer.pipeline_parallel``). ``dp_shard`` is the flattened
 ``(dp_shard_mod_ep, dp_shard_in_ep)``, the data-parallel shard ranks; ``cp`` holds the
 context-parallel ranks, which FSDP shards over together with them, as ``dp_shard_cp``. Expert
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import os
 
-from builder.analysis.layout import Layout, LayoutError
-from recipes.errors import RecipeError
-from recipes.recipe.sections import TrainerSection
+from yamlformer.builder.analysis.layout import Layout, LayoutError
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import TrainerSection
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 #: the data-parallel shard ranks (``dp_shard``), made one dimension of the mesh dimensions they span
@@ -55,7 +55,7 @@ PIPELINE_PEERS = "dp_replicate_dp_shard_cp_tp"
 
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:
-    """``MESH_DIMS`` sizes of a layout, the order ``builder.analysis.layout`` numbers ranks in."""
+    """``MESH_DIMS`` sizes of a layout, the order ``yamlformer.builder.analysis.layout`` numbers ranks in."""
     borrowed = borrowed_data_parallel(layout)
     return (
         layout.pipeline_parallel,

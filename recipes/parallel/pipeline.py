@@ -4,7 +4,7 @@ torchtitan does it (``torchtitan/distributed/pipeline_parallel.py``):
 
 * the model (on the meta device) is cut at layer boundaries into ``pipeline_parallel x`` (stages
   per rank) stages by its own contract, ``model.pipeline_part(layers)``
-  (``blocks.stacks``): the first stage holds the embedding, the last the final norm and head, and
+  (``yamlformer.blocks.stacks``): the first stage holds the embedding, the last the final norm and head, and
   :func:`stage_layers` gives the first and last one layer fewer where the layers do not divide;
 * each rank keeps the part holding all its stages' layers (its parameters keep the whole model's
   names, so checkpoints load on any layout), and each stage is a view of it, parallelised alone
@@ -23,7 +23,7 @@ torchtitan does it (``torchtitan/distributed/pipeline_parallel.py``):
   forward told the tokens' places in the whole sequence (:func:`attach_token_index`).
 
 Lightning's ``ModelParallelStrategy`` has no pipeline: the LightningModule drives the schedule
-with manual optimization (``recipes.training.module.LMModule``): a schedule's step is the forward
+with manual optimization (``yamlformer.recipes.training.module.LMModule``): a schedule's step is the forward
 and backward of every micro-batch interleaved across ranks, which no ``training_step`` returning
 a loss for Lightning to backpropagate can express; the optimizer, its scheduler, checkpoints and
 logging stay Lightning's.
@@ -36,15 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from builder.analysis.layout import pipeline_parallel_problems
-from builder.analysis.runtime import stage_placement
-from builder.analysis.shards import stage_layers, stages_of_rank
-from recipes.errors import RecipeError
-from recipes.parallel.mesh import PIPELINE_PEERS
-from recipes.recipe.sections import TrainerSection
+from yamlformer.builder.analysis.layout import pipeline_parallel_problems
+from yamlformer.builder.analysis.runtime import stage_placement
+from yamlformer.builder.analysis.shards import stage_layers, stages_of_rank
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.parallel.mesh import PIPELINE_PEERS
+from yamlformer.recipes.recipe.sections import TrainerSection
 
 #: ``trainer.pipeline_schedule`` -> the torch schedule class; how many stages each rank holds and
-#: how they go to ranks is ``builder.analysis.runtime.stage_placement``'s (the planner's too)
+#: how they go to ranks is ``yamlformer.builder.analysis.runtime.stage_placement``'s (the planner's too)
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -105,7 +105,7 @@ class Pipeline:
     eval_schedule: object = None  # forward only, where the training schedule has none (V placements)
     #: the whole model's parameter names in its own order (``named_parameters``), which every stage's keep
     names: tuple[str, ...] = ()
-    #: under context parallelism, this rank's share of each sequence (``recipes.parallel.context``)
+    #: under context parallelism, this rank's share of each sequence (``yamlformer.recipes.parallel.context``)
     context_shard: object = None
 
     def __post_init__(self):
@@ -193,7 +193,7 @@ def attach_auxiliary_losses(stage: nn.Module, balance_weight: float) -> None:
     """Make ``stage``'s training forwards carry its blocks' auxiliary losses (``aux_losses``: the
     experts' balancing loss times ``balance_weight``) into its backward: the last stage's loss
     sees only its own layers, and each stage's losses are its own layers' share of the sum one
-    process adds to the loss (``recipes.training.module``)."""
+    process adds to the loss (``yamlformer.recipes.training.module``)."""
 
     def hook(module, args, output):
         losses = module.aux_losses(balance_weight=balance_weight) if torch.is_grad_enabled() else {}
@@ -245,7 +245,7 @@ def build_pipeline(
 
     ``loss_fn(output, target)``: the loss of a micro-batch (a mean, as the schedules scale the
     gradients by the micro-batch count); ``parallelize_stage(module)``: the rest of
-    :func:`recipes.parallel.parallelize` for one stage (tensor parallelism and FSDP2 on the
+    :func:`yamlformer.recipes.parallel.parallelize` for one stage (tensor parallelism and FSDP2 on the
     mesh's other dimensions, materialised); ``balance_weight``: the mixture of experts' balancing
     loss coefficient (``loss.moe_aux_coef``), each stage adding its own layers' losses
     (:func:`attach_auxiliary_losses`)."""

@@ -1,7 +1,7 @@
 """The Lightning side of ``trainer.strategy: fsdp``: :class:`ShardedStrategy` (Lightning's
 ``ModelParallelStrategy`` on the ``(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)`` mesh of
-:mod:`recipes.parallel.mesh`)
-starts the processes, builds the mesh, parallelises the model (:func:`recipes.parallel.parallelize`,
+:mod:`yamlformer.recipes.parallel.mesh`)
+starts the processes, builds the mesh, parallelises the model (:func:`yamlformer.recipes.parallel.parallelize`,
 from the LightningModule's ``configure_model``) and saves checkpoints atomically; gradient
 clipping across the meshes a tensor-parallel model's parameters live on (:class:`MeshClipping`,
 for the precision plugin)."""
@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from builder.analysis.layout import Layout
-from recipes.parallel.mesh import device_mesh, layout_of
-from recipes.recipe.sections import TrainerSection
+from yamlformer.builder.analysis.layout import Layout
+from yamlformer.recipes.parallel.mesh import device_mesh, layout_of
+from yamlformer.recipes.recipe.sections import TrainerSection
 
 
 def mesh_groups(parameters) -> dict:
@@ -72,7 +72,7 @@ def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
 
 class MeshClipping:
     """Gradient clipping across device meshes, for a Lightning precision plugin
-    (``recipes.training.precision.lightning_plugin``)."""
+    (``yamlformer.recipes.training.precision.lightning_plugin``)."""
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         clip_grad_norm(list(self.main_params(optimizer)), clip_val)
@@ -109,9 +109,9 @@ class ShardedStrategy(ModelParallelStrategy):
     # -- the model ---------------------------------------------------------------------------
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """:func:`recipes.parallel.parallelize` on this strategy's mesh, materialised on this
+        """:func:`yamlformer.recipes.parallel.parallelize` on this strategy's mesh, materialised on this
         rank's device (once per model: ``configure_model`` runs for every stage)."""
-        from recipes.parallel import parallelize
+        from yamlformer.recipes.parallel import parallelize
 
         if id(model) not in self._parallelized:
             parallelize(model, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
@@ -119,10 +119,10 @@ class ShardedStrategy(ModelParallelStrategy):
         return model
 
     def pipeline(self, model: nn.Module, loss_fn, balance_weight: float = 0.0):
-        """This rank's part of ``model`` and its :class:`recipes.parallel.pipeline.Pipeline`
+        """This rank's part of ``model`` and its :class:`yamlformer.recipes.parallel.pipeline.Pipeline`
         (``trainer.pipeline_parallel``), each stage parallelised on the mesh's other dimensions."""
-        from recipes.parallel import parallelize
-        from recipes.parallel.pipeline import build_pipeline
+        from yamlformer.recipes.parallel import parallelize
+        from yamlformer.recipes.parallel.pipeline import build_pipeline
 
         def stage(view: nn.Module) -> nn.Module:
             return parallelize(view, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
@@ -136,7 +136,7 @@ class ShardedStrategy(ModelParallelStrategy):
     def _whole_groups(self):
         """Under ``trainer.pipeline_parallel``: the function giving a stage's optimizer groups
         (named by ``get_optimizer_state_dict`` on the LightningModule) the whole model's names
-        (:meth:`recipes.parallel.pipeline.Pipeline.whole_groups`); None otherwise."""
+        (:meth:`yamlformer.recipes.parallel.pipeline.Pipeline.whole_groups`); None otherwise."""
         module = self.lightning_module
         pipeline = getattr(module, "pipeline", None)
         if pipeline is None:
@@ -147,7 +147,7 @@ class ShardedStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer) -> dict:
         """Lightning's (every parameter's state by its name in the whole model), with a pipeline
         stage's groups naming every stage's parameters: what one process's groups name, so the
-        checkpoint reads on any layout (``builder.checkpoints.read_whole`` numbers the state by
+        checkpoint reads on any layout (``yamlformer.builder.checkpoints.read_whole`` numbers the state by
         them)."""
         state = super().optimizer_state(optimizer)
         whole = self._whole_groups()
@@ -158,9 +158,9 @@ class ShardedStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """Every rank writes its shards and their checksums into a temp folder beside
         ``filepath``; once all are done rank 0 seals ``meta.pt`` and renames the folder into place
-        (``builder.checkpoints.save_sharded``). A rank killed before that leaves the previous checkpoint
+        (``yamlformer.builder.checkpoints.save_sharded``). A rank killed before that leaves the previous checkpoint
         whole, and a temp folder the next save removes."""
-        from recipes.training.checkpointing import save_sharded
+        from yamlformer.recipes.training.checkpointing import save_sharded
 
         if storage_options is not None:
             raise TypeError("the sharded strategy takes no storage_options")
@@ -170,8 +170,8 @@ class ShardedStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """A sharded folder through Lightning (resharded to this layout); a file checkpoint (one
-        process or DDP wrote it) through ``builder.checkpoints.load_into_shards``."""
-        from recipes.training.checkpointing import load_into_shards
+        process or DDP wrote it) through ``yamlformer.builder.checkpoints.load_into_shards``."""
+        from yamlformer.recipes.training.checkpointing import load_into_shards
 
         path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice
         if path.is_file():

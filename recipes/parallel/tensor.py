@@ -1,5 +1,5 @@
 """Tensor parallelism from the blocks' own plans (``trainer.tensor_parallel``), the first step of
-:func:`recipes.parallel.parallelize`.
+:func:`yamlformer.recipes.parallel.parallelize`.
 
 Each block config declares how its module splits (``parallel_plan``: submodule -> style); this
 module maps the style names to ``torch.distributed.tensor.parallel`` styles and applies them to
@@ -16,14 +16,14 @@ the built modules over the ``tp`` dimension of the mesh:
 Blocks without a plan (norms, positions, mixture-of-experts for now) are replicated. A module
 whose heads are split adapts in ``use_tensor_parallel(rank, degree)``. Tied tensors (a head tied
 to its embedding) are split alike and tied again. ``fully_shard`` then shards the result over the
-data-parallel ranks (2-D parameters, :mod:`recipes.parallel.fsdp`).
+data-parallel ranks (2-D parameters, :mod:`yamlformer.recipes.parallel.fsdp`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from builder.analysis.layout import EMBEDDING_PLAN
+from yamlformer.builder.analysis.layout import EMBEDDING_PLAN
 
 
 def styles(plan: dict[str, str], module: nn.Module) -> dict:

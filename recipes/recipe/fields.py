@@ -1,7 +1,7 @@
 """What every recipe section is built from, in a module that imports nothing of the project: the
 base section model, the markers of path fields and :func:`resolve`. Section modules elsewhere
-(``recipes.data.section``, each task's) import them from here, so no section module needs
-``recipes.recipe.sections`` back."""
+(``yamlformer.recipes.data.section``, each task's) import them from here, so no section module needs
+``yamlformer.recipes.recipe.sections`` back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 #: ``json_schema_extra`` of the fields that hold paths: relative to the recipe's folder, or to the
-#: working directory (``recipes.training.run_log`` makes them absolute in a run's config.yaml)
+#: working directory (``yamlformer.recipes.training.run_log`` makes them absolute in a run's config.yaml)
 RECIPE_PATH = {"relative_to": "recipe"}
 WORK_PATH = {"relative_to": "cwd"}
 

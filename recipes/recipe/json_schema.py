@@ -21,8 +21,8 @@ def recipe_json_schema() -> dict[str, Any]:
     """The recipe schema: every task's, the spec's definitions included."""
     from pydantic.json_schema import models_json_schema
 
-    from builder.spec.json_schema import draft7, partial, spec_definitions
-    from recipes.tasks import NAMES, recipe_class
+    from yamlformer.builder.spec.json_schema import draft7, partial, spec_definitions
+    from yamlformer.recipes.tasks import NAMES, recipe_class
 
     classes = {task: recipe_class(task) for task in NAMES}
     _, top = models_json_schema([(cls, "validation") for cls in classes.values()], ref_template="#/$defs/{model}")

@@ -1,4 +1,4 @@
-"""The training recipe as a kind of document (``builder.spec.kinds``). Torch-free.
+"""The training recipe as a kind of document (``yamlformer.builder.spec.kinds``). Torch-free.
 
 ``builder validate`` checks a recipe through :data:`KIND` (the recipe, then its model spec with
 its overrides and the vocabulary the tokenizer will have); ``builder schema --recipe`` prints
@@ -13,21 +13,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.spec.kinds import Kind
-from builder.spec.source import Problem, SpecError
+from yamlformer.builder.spec.kinds import Kind
+from yamlformer.builder.spec.source import Problem, SpecError
 
 
 def _keys() -> frozenset[str]:
-    from recipes.tasks import NAMES, recipe_class
+    from yamlformer.recipes.tasks import NAMES, recipe_class
 
     return frozenset(name for task in NAMES for name in recipe_class(task).model_fields)
 
 
 def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     """Every problem of one recipe file and of the model spec it trains (``[]`` when valid)."""
-    from recipes.errors import RecipeError
-    from recipes.recipe.sections import load_recipe, model_spec, recipe_path
-    from recipes.training.dry_run import missing_inputs, vocabulary
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec, recipe_path
+    from yamlformer.recipes.training.dry_run import missing_inputs, vocabulary
 
     try:
         recipe = load_recipe(path, dict(overrides))
@@ -49,14 +49,14 @@ def _hint(shown: str) -> str:
 
 
 def _schema() -> dict:
-    from recipes.recipe.json_schema import recipe_json_schema
+    from yamlformer.recipes.recipe.json_schema import recipe_json_schema
 
     return recipe_json_schema()
 
 
 def _model(path: Path) -> tuple[Any, dict]:
-    from recipes.recipe.sections import load_recipe, model_spec
-    from recipes.training.dry_run import vocabulary
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.training.dry_run import vocabulary
 
     recipe = load_recipe(path)
     vocab = vocabulary(recipe, path, read_data=False)
@@ -69,17 +69,17 @@ PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}
 
 def _launch(document: Mapping[str, Any], launch) -> list[str]:
     """The ``--set KEY=VALUE`` values that make a recipe (``document``, merged, not validated)
-    train as ``launch`` (``builder.analysis.plan.Launch``) says; the time limit is lifted, the
+    train as ``launch`` (``yamlformer.builder.analysis.plan.Launch``) says; the time limit is lifted, the
     plan's budget being steps."""
     layout = launch.layout
     sets = [f"model.spec={launch.spec}"] if launch.spec else []
     sets += [f"model.overrides.{item}" for item in launch.spec_overrides]
-    from recipes.tasks import recipe_class, task_named
+    from yamlformer.recipes.tasks import recipe_class, task_named
 
     task = recipe_class(document.get("task")).model_fields["task"].default  # a value that is no task: the LM's
     sets += [
         *task_named(task).batch_settings(launch.seq_len, launch.batch_size),
-        # the runtime's own fields for the layout (builder.analysis.runtime): degrees, schedule, accumulation
+        # the runtime's own fields for the layout (yamlformer.builder.analysis.runtime): degrees, schedule, accumulation
         *(f"trainer.{name}={str(value).lower()}" for name, value in launch.trainer_fields.items()),
         f"trainer.devices={layout.per_node}",
         f"trainer.num_nodes={layout.nodes}",

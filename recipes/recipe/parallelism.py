@@ -2,12 +2,12 @@
 ``data_parallel`` and the tensor-, pipeline-, context- and expert-parallel degrees) and their
 rules, each refusal one located line naming the field. Torch-free.
 
-:class:`ParallelismFields` is the part of ``trainer`` (:class:`recipes.recipe.sections.TrainerSection`
+:class:`ParallelismFields` is the part of ``trainer`` (:class:`yamlformer.recipes.recipe.sections.TrainerSection`
 adds the rest, which these rules also read: ``devices``, ``num_nodes``, ``precision``, ``compile``,
 ``accumulate_grad_batches``); :func:`check_recipe_parallelism` holds the rules that read other
 sections (the task, ``data.seq_len``, ``data.packing``, ``data.batch_size``). Which layouts can
-run at all is :class:`builder.analysis.layout.Layout`'s (``recipes.parallel.mesh.layout_of``); the
-combinations the runtime cannot lay out (``builder.analysis.runtime``'s table) are refused here.
+run at all is :class:`yamlformer.builder.analysis.layout.Layout`'s (``yamlformer.recipes.parallel.mesh.layout_of``); the
+combinations the runtime cannot lay out (``yamlformer.builder.analysis.runtime``'s table) are refused here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from recipes.recipe.fields import _Section
+from yamlformer.recipes.recipe.fields import _Section
 
 #: the pipeline schedules (``torch.distributed.pipelining.schedules``), as ``trainer.pipeline_schedule`` names them
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -79,11 +79,11 @@ class ParallelismFields(_Section):
 
     @model_validator(mode="after")
     def _layout(self):
-        """The combinations of these fields the runtime refuses are ``builder.analysis.runtime``'s
+        """The combinations of these fields the runtime refuses are ``yamlformer.builder.analysis.runtime``'s
         table (which ``builder plan --launchable`` reads too): the first one broken, located at
         its field. The precision and compile rules under fsdp are this section's own."""
-        from builder.analysis.runtime import Settings, problems
-        from builder.spec.problems import rule_error
+        from yamlformer.builder.analysis.runtime import Settings, problems
+        from yamlformer.builder.spec.problems import rule_error
 
         found = problems(Settings.of(self))
         if found:
@@ -114,13 +114,13 @@ def check_recipe_parallelism(recipe) -> None:
 
 def _context_parallel(recipe) -> None:
     """``trainer.context_parallel`` splits an LM window of ``data.seq_len`` tokens in ``2 x C``
-    equal chunks (``recipes.parallel.context``); whole windows only, no packed documents."""
-    from builder.spec.problems import rule_error
+    equal chunks (``yamlformer.recipes.parallel.context``); whole windows only, no packed documents."""
+    from yamlformer.builder.spec.problems import rule_error
 
     degree = recipe.trainer.context_parallel
     if degree == 1:
         return
-    from recipes.tasks import task_named
+    from yamlformer.recipes.tasks import task_named
 
     if not task_named(recipe.task).splits_windows:
         raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {recipe.task}")
@@ -140,12 +140,12 @@ def _context_parallel(recipe) -> None:
 def _pipeline_batch(recipe) -> None:
     """``trainer.pipeline_parallel`` trains LM windows (its last stage computes their next-token
     loss), without packed documents' ids, in micro-batches that divide ``data.batch_size``."""
-    from builder.spec.problems import rule_error
+    from yamlformer.builder.spec.problems import rule_error
 
     trainer = recipe.trainer
     if trainer.pipeline_parallel == 1:
         return
-    from recipes.tasks import task_named
+    from yamlformer.recipes.tasks import task_named
 
     if not task_named(recipe.task).splits_windows:  # the last stage's loss: next tokens of whole windows
         raise rule_error(

@@ -1,7 +1,7 @@
 """The recipe file: what to train, on what, and how. Torch-free.
 
 A recipe is YAML validated by :class:`Recipe` (``extra="forbid"``: a typo fails with its file,
-line and the closest valid name, through :func:`builder.spec.loader.load_config`). Paths in a recipe
+line and the closest valid name, through :func:`yamlformer.builder.spec.loader.load_config`). Paths in a recipe
 (the model spec, data files, a tokenizer ``.model``) are relative to the recipe file; the output
 directory is relative to where ``builder train`` runs.
 """
@@ -17,11 +17,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
-from recipes.errors import RecipeError
-from recipes.recipe.fields import WORK_PATH, _Section
-from recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
-from recipes.tasks import NAMES, recipe_class
+from yamlformer.recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import WORK_PATH, _Section
+from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
+from yamlformer.recipes.tasks import NAMES, recipe_class
 
 #: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -146,7 +146,7 @@ class _TrainingFields(_Section):
 
 class TrainerSection(ParallelismFields, _TrainingFields):
     """How long, where, how precisely: the training fields, the parallelism ones
-    (:class:`recipes.recipe.parallelism.ParallelismFields`, with their rules) and the devices."""
+    (:class:`yamlformer.recipes.recipe.parallelism.ParallelismFields`, with their rules) and the devices."""
 
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu"] = Field(
         "auto", description="auto | cpu | gpu | cuda | mps | tpu | hpu (Lightning's accelerators)."
@@ -181,7 +181,7 @@ class TrainerSection(ParallelismFields, _TrainingFields):
     def _devices(cls, value):
         """``devices`` read once, as Lightning reads it: ``"3"`` is 3, ``"[0, 1]"`` and ``"0,1"`` the
         devices numbered 0 and 1 (a list), ``"-1"`` is -1; ``auto`` stays. Every reader then sees
-        a count, a list of indices, ``auto`` or -1 (``recipes.parallel.mesh.device_count``)."""
+        a count, a list of indices, ``auto`` or -1 (``yamlformer.recipes.parallel.mesh.device_count``)."""
         shown = repr(value) if isinstance(value, str) else value
         if isinstance(value, str):
             text = value.strip()
@@ -258,7 +258,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _parallelism(self):
-        """The parallelism rules that read other sections (``recipes.recipe.parallelism``)."""
+        """The parallelism rules that read other sections (``yamlformer.recipes.recipe.parallelism``)."""
         check_recipe_parallelism(self)
         return self
 
@@ -273,7 +273,7 @@ def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
 
 def recipe_path(path: str | Path) -> Path:
     """The recipe file ``path`` names: a path, else a zoo name (``lm-stdlib``)."""
-    from builder.zoo import ZooError, locate
+    from yamlformer.builder.zoo import ZooError, locate
 
     try:
         return locate(path)
@@ -283,13 +283,13 @@ def recipe_path(path: str | Path) -> Path:
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
     """Load and validate a recipe file (or a zoo recipe by name); raises
-    ``builder.spec.loader.SpecError`` with located problems.
+    ``yamlformer.builder.spec.loader.SpecError`` with located problems.
 
     ``--set model.overrides.decoder.n_layers=2`` becomes the spec override ``decoder.n_layers: 2``,
     and so does its shorthand ``--set decoder.n_layers=2``: a key whose first part is not a
     section of the recipe but is a field of a spec (:func:`spec_shorthand`).
     """
-    from builder.spec.loader import load_config
+    from yamlformer.builder.spec.loader import load_config
 
     task_cls = recipe_class(_task_of(path, overrides or {}))
     overrides = {key: _from_cwd(key, value) for key, value in spec_shorthand(overrides or {}, task_cls).items()}
@@ -338,7 +338,7 @@ def _from_cwd(key: str, value: Any) -> Any:
 def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[str, Any]:
     """``decoder.n_layers`` -> ``model.overrides.decoder.n_layers``: keys whose first part is a
     spec field and not a recipe section (``name`` stays the recipe's)."""
-    from builder.spec.schema import ModelSpec
+    from yamlformer.builder.spec.schema import ModelSpec
 
     out = {}
     for key, value in overrides.items():
@@ -355,10 +355,10 @@ def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:
 
 def as_written(recipe_file: str | Path):
     """The recipe file as written (its ``extends:`` chain merged, no overrides), every key and
-    value located (a :class:`builder.spec.source.Document`): read once per version of the file,
+    value located (a :class:`yamlformer.builder.spec.source.Document`): read once per version of the file,
     however many times a run asks (its task, its spec and its overrides' lines, each check).
     Callers read it and never change it."""
-    from builder.spec.loader import locate_file
+    from yamlformer.builder.spec.loader import locate_file
 
     found, _ = locate_file(recipe_file)
     stat = found.stat()
@@ -367,7 +367,7 @@ def as_written(recipe_file: str | Path):
 
 @functools.lru_cache(maxsize=16)
 def _read_written(path: str, mtime_ns: int, size: int):
-    from builder.spec.loader import read_merged
+    from yamlformer.builder.spec.loader import read_merged
 
     return read_merged(path)
 
@@ -381,9 +381,9 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     ``head`` mapping of another type replaces the spec's head). A spec that cannot split
     ``trainer.tensor_parallel`` ways (or whose experts ``trainer.expert_parallel`` ranks cannot
     split) is refused here too, each problem at the line that set the field
-    (``builder.analysis.layout.tensor_parallel_problems``, ``expert_parallel_problems``).
+    (``yamlformer.builder.analysis.layout.tensor_parallel_problems``, ``expert_parallel_problems``).
     """
-    from builder.spec.loader import load_spec, read_merged
+    from yamlformer.builder.spec.loader import load_spec, read_merged
 
     doc = as_written(recipe_file)
     written = {
@@ -399,7 +399,7 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
         return spec
     base = None
     if recipe.model.spec is None:  # the spec model.init_from was trained (or imported) with
-        from recipes.training.pretrained import spec_base
+        from yamlformer.recipes.training.pretrained import spec_base
 
         base = spec_base(recipe, recipe_file)
     spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
@@ -410,8 +410,8 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
 def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
     """The file ``model.spec`` names: a path relative to the recipe when one is there, else a zoo
     spec by name (``llama3-8b``); neither is a problem at the recipe's ``model.spec`` line."""
-    from builder.spec.source import Mark, Problem, SpecError
-    from builder.zoo import ZooError, locate
+    from yamlformer.builder.spec.source import Mark, Problem, SpecError
+    from yamlformer.builder.zoo import ZooError, locate
 
     try:
         return locate(recipe.model.spec, base=Path(recipe_file).resolve().parent)
@@ -427,9 +427,9 @@ def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
 def _check_layout(spec, recipe: Recipe, document) -> None:
     """Located problems of ``spec`` under the recipe's tensor- and expert-parallel degrees; ``document()``:
     ``(the spec's merged document, whether it is inline in the recipe)``."""
-    from builder.analysis.layout import expert_parallel_problems, tensor_parallel_problems
-    from builder.spec.problems import locate
-    from builder.spec.source import SpecError
+    from yamlformer.builder.analysis.layout import expert_parallel_problems, tensor_parallel_problems
+    from yamlformer.builder.spec.problems import locate
+    from yamlformer.builder.spec.source import SpecError
 
     problems = tensor_parallel_problems(spec, recipe.trainer.tensor_parallel)
     problems += expert_parallel_problems(spec, recipe.trainer.expert_parallel)
@@ -453,8 +453,8 @@ def _inline_document(
     with the overrides laid over it, as a located document."""
     import copy
 
-    from builder.spec.loader import apply_overrides
-    from builder.spec.source import Document, Mark, Problem, SpecError
+    from yamlformer.builder.spec.loader import apply_overrides
+    from yamlformer.builder.spec.source import Document, Mark, Problem, SpecError
 
     prefix = ("model", "spec")
     if base is not None:
@@ -485,9 +485,9 @@ def _inline_spec(
     written: dict,
     base: tuple[dict, str] | None = None,
 ):
-    from builder.spec.loader import validate_document
-    from builder.spec.schema import spec_model
-    from builder.spec.source import SpecError
+    from yamlformer.builder.spec.loader import validate_document
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.builder.spec.source import SpecError
 
     inline = _inline_document(recipe, doc, overrides, written, base)
     try:

@@ -7,7 +7,7 @@ with our KV-cached ``generate``. It tokenizes and truncates as lm-eval's own Hug
 :func:`evaluate_tasks` runs tasks by name (lm-eval's, or YAML task files in ``task_path``, which
 needs no download when their ``dataset_kwargs`` name local data files) and returns
 ``{"TASK/METRIC": value}``; :class:`HarnessCallback` does it every N steps of a run
-(``recipes.training.run.run(recipe, callbacks=[HarnessCallback(["my_task"], 100)])``).
+(``yamlformer.recipes.training.run.run(recipe, callbacks=[HarnessCallback(["my_task"], 100)])``).
 """
 
 from __future__ import annotations
@@ -118,12 +118,12 @@ class BuilderLM(TemplateLM):
 def task_manager(tasks: list[str], task_path: str | Path | None = None, field: str = "--tasks"):
     """lm-eval's ``TaskManager`` that knows every one of ``tasks`` (the local ones in ``task_path``
     alone when it can: indexing lm-eval's thousands of task files takes seconds); an unknown task is a
-    :class:`~recipes.errors.RecipeError` naming ``field``, with the closest known name."""
+    :class:`~yamlformer.recipes.errors.RecipeError` naming ``field``, with the closest known name."""
     import logging
 
     from lm_eval.tasks import TaskManager
 
-    from recipes.errors import RecipeError
+    from yamlformer.recipes.errors import RecipeError
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     if task_path is not None and not Path(task_path).is_dir():
@@ -212,7 +212,7 @@ class HarnessCallback(L.Callback):
         step = trainer.global_step
         if step == 0 or step % self.every or step in self.results:
             return
-        from recipes.data.tokenizers import from_state
+        from yamlformer.recipes.data.tokenizers import from_state
 
         model = pl_module.model
         lm = BuilderLM(model, from_state(pl_module.meta["tokenizer"]), self.batch_size)

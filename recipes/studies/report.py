@@ -12,9 +12,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from recipes.studies import store
-from recipes.studies.schema import StudyFile
-from recipes.studies.variants import axis_values, short_names, show
+from yamlformer.recipes.studies import store
+from yamlformer.recipes.studies.schema import StudyFile
+from yamlformer.recipes.studies.variants import axis_values, short_names, show
 
 #: the columns of a row besides the axes, in table and CSV order
 COLUMNS = (
@@ -104,7 +104,7 @@ def print_table(loaded: StudyFile, table: list[dict], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from builder.analysis.report import human
+    from yamlformer.builder.analysis.report import human
 
     axes = list(axis_values(loaded))
     shorts = short_names(axes)

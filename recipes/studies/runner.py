@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import RecipeError
-from recipes.studies import store
-from recipes.studies.schema import Distribution, StudyFile
-from recipes.studies.variants import Invalid, Variant, axis_values, check, show, train_command, trial_dir
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.studies import store
+from yamlformer.recipes.studies.schema import Distribution, StudyFile
+from yamlformer.recipes.studies.variants import Invalid, Variant, axis_values, check, show, train_command, trial_dir
 
 #: seconds between looks at the running trials
 POLL = 1.0
@@ -383,7 +383,7 @@ def downstream(loaded: StudyFile, trial, run_dir: Path) -> str:
     import sys
 
     settings = loaded.study.downstream
-    command = [sys.executable, "-m", "builder.cli", "eval", str(run_dir / "checkpoints" / "best.ckpt")]
+    command = [sys.executable, "-m", "yamlformer.builder.cli", "eval", str(run_dir / "checkpoints" / "best.ckpt")]
     command += ["--tasks", ",".join(settings.tasks), "--json"]
     if settings.include:
         command += ["--task-path", str(loaded.path.resolve().parent / settings.include)]

@@ -23,8 +23,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from recipes.errors import RecipeError
-from recipes.recipe.fields import _Section
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import _Section
 
 #: how a budget per trial may be given; exactly one of them
 BUDGETS = ("steps", "tokens", "flops", "minutes")
@@ -185,7 +185,7 @@ class StudyFile:
 
     study: Study
     path: Path
-    document: Any  # builder.spec.source.Document: where each key was written
+    document: Any  # yamlformer.builder.spec.source.Document: where each key was written
 
     @property
     def name(self) -> str:
@@ -206,14 +206,14 @@ class StudyFile:
 
     def recipe_file(self) -> Path:
         """The base recipe: a file beside the study, else a zoo name."""
-        from recipes.recipe.sections import recipe_path
+        from yamlformer.recipes.recipe.sections import recipe_path
 
         near = self.path.resolve().parent / self.study.recipe
         return near if near.is_file() else recipe_path(self.study.recipe)
 
     def mark(self, *path):
         """Where ``path`` was written (a key's mark, else its nearest written parent's)."""
-        from builder.spec.source import Mark
+        from yamlformer.builder.spec.source import Mark
 
         for n in range(len(path), 0, -1):
             found = self.document.key_mark(tuple(path[:n]))
@@ -242,8 +242,8 @@ class StudyFile:
 def load_study(path: str | Path) -> StudyFile:
     """Read and validate a study file; ``SpecError`` with every located problem, ``RecipeError``
     when its base recipe is not found."""
-    from builder.spec.loader import validate_document
-    from builder.spec.source import read_document
+    from yamlformer.builder.spec.loader import validate_document
+    from yamlformer.builder.spec.source import read_document
 
     path = Path(path)
     fields = sorted(Study.model_fields, key=lambda f: not Study.model_fields[f].is_required())
@@ -253,7 +253,7 @@ def load_study(path: str | Path) -> StudyFile:
     try:
         loaded.recipe_file()
     except RecipeError as exc:
-        from builder.spec.source import Problem, SpecError
+        from yamlformer.builder.spec.source import Problem, SpecError
 
         raise SpecError([Problem.at(loaded.mark("recipe"), "recipe", str(exc))]) from None
     return loaded

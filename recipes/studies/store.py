@@ -17,8 +17,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import RecipeError
-from recipes.studies.schema import StudyFile
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.studies.schema import StudyFile
 
 #: seconds a database locked by another process is waited for (``BUILDER_STUDY_DB_TIMEOUT``)
 LOCK_TIMEOUT = 30.0

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import RecipeError
-from recipes.studies.schema import VARIANT_AXIS, Distribution, StudyFile
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.studies.schema import VARIANT_AXIS, Distribution, StudyFile
 
 
 @dataclasses.dataclass
@@ -141,10 +141,10 @@ def overrides_of(loaded: StudyFile, values: dict[str, Any]) -> tuple[dict[str, A
 def variant_model(loaded: StudyFile, values: dict[str, Any]):
     """``(recipe, spec, overrides)`` of the variant of ``values``, the spec checked against its
     task; :class:`RecipeError` (one located line per problem) when it cannot run."""
-    from builder.spec.source import SpecError
-    from recipes.recipe.sections import load_recipe, model_spec
-    from recipes.tasks import task_named
-    from recipes.training.dry_run import vocabulary
+    from yamlformer.builder.spec.source import SpecError
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.tasks import task_named
+    from yamlformer.recipes.training.dry_run import vocabulary
 
     overrides, where = overrides_of(loaded, values)
     recipe_file = loaded.recipe_file()
@@ -160,8 +160,8 @@ def variant_model(loaded: StudyFile, values: dict[str, Any]):
 def step_shape(recipe, spec) -> tuple[int, int, int]:
     """``(seq_len, batch, sequences)``: a step's sequence length and per-rank batch as the task
     cuts them, and the sequences of one optimizer step over every data-parallel rank."""
-    from recipes.tasks import task_named
-    from recipes.training.dry_run import data_parallel_ranks
+    from yamlformer.recipes.tasks import task_named
+    from yamlformer.recipes.training.dry_run import data_parallel_ranks
 
     seq_len, batch, _ = task_named(recipe.task).batch_shape(recipe, spec)
     return seq_len, batch, batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
@@ -170,9 +170,9 @@ def step_shape(recipe, spec) -> tuple[int, int, int]:
 def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
     """The variant of ``values``, its model validated and counted and its steps set from the
     budget; :class:`RecipeError` (one line per problem) when it cannot run."""
-    from recipes.recipe.sections import spec_shorthand
-    from recipes.tasks import recipe_class
-    from recipes.training.dry_run import recipe_estimate
+    from yamlformer.recipes.recipe.sections import spec_shorthand
+    from yamlformer.recipes.tasks import recipe_class
+    from yamlformer.recipes.training.dry_run import recipe_estimate
 
     recipe, spec, overrides = variant_model(loaded, values)
     seq_len, batch, sequences = step_shape(recipe, spec)
@@ -268,14 +268,18 @@ def train_command(loaded: StudyFile, variant: Variant, devices: int = 0, python:
     import sys
 
     if python == "builder":
-        head = ["torchrun", "--standalone", f"--nproc-per-node={devices}", "-m", "builder.cli"] if devices > 1 else []
+        head = (
+            ["torchrun", "--standalone", f"--nproc-per-node={devices}", "-m", "yamlformer.builder.cli"]
+            if devices > 1
+            else []
+        )
         head = head or ["builder"]
     else:
         python = python or sys.executable
-        head = [python, "-m", "builder.cli"]
+        head = [python, "-m", "yamlformer.builder.cli"]
         if devices > 1:
             head = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m"]
-            head += ["builder.cli"]
+            head += ["yamlformer.builder.cli"]
     sets = {**variant.overrides, "trainer.output_dir": str(trial_dir(loaded, variant.name).resolve())}
     if devices:
         sets["trainer.devices"] = devices

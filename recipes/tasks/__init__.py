@@ -1,5 +1,5 @@
 """The tasks a recipe trains, by its ``task:`` value. Each is a folder here: ``__init__.py`` (torch-free)
-holds the task's recipe schema and its :class:`~recipes.tasks.task.Task` (``TASK``), ``training.py``
+holds the task's recipe schema and its :class:`~yamlformer.recipes.tasks.task.Task` (``TASK``), ``training.py``
 its data, LightningModule, evaluation and decoding. A new task is one folder and its name in
 :data:`NAMES`; nothing else branches on a task's name.
 """
@@ -14,9 +14,9 @@ NAMES = ("lm", "translation", "mlm", "classification")
 
 
 def task_named(name: str):
-    """The :class:`~recipes.tasks.task.Task` called ``name`` (a checkpoint's or a recipe's ``task``)."""
+    """The :class:`~yamlformer.recipes.tasks.task.Task` called ``name`` (a checkpoint's or a recipe's ``task``)."""
     if name not in NAMES:
-        from recipes.errors import RecipeError
+        from yamlformer.recipes.errors import RecipeError
 
         raise RecipeError(f"unknown task {name!r}; one of {', '.join(NAMES)}")
     return importlib.import_module(f"{__name__}.{name}").TASK

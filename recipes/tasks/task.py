@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 #: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
 #: marker on the first word too, runs of spaces folded
@@ -25,7 +25,7 @@ PROSE = {
 
 @dataclasses.dataclass
 class Prepared:
-    """What a task hands the run loop (:func:`recipes.training.run.train`)."""
+    """What a task hands the run loop (:func:`yamlformer.recipes.training.run.train`)."""
 
     tokenizer: Any
     spec: Any
@@ -74,13 +74,13 @@ class Task:
 
     #: the ``task:`` value
     name: ClassVar[str]
-    #: the recipe schema (a :class:`recipes.recipe.sections.Recipe`)
+    #: the recipe schema (a :class:`yamlformer.recipes.recipe.sections.Recipe`)
     recipe: ClassVar[type]
     #: the ``builder eval`` / ``builder generate`` options this task reads (others are refused)
     eval_options: ClassVar[tuple[str, ...]] = ()
     generate_options: ClassVar[tuple[str, ...]] = ()
     #: its batches are whole causal windows that ``trainer.context_parallel`` may cut along the
-    #: sequence (``recipes.parallel.context``)
+    #: sequence (``yamlformer.recipes.parallel.context``)
     splits_windows: ClassVar[bool] = False
 
     # -- training ---------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class Task:
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
         """Add every file the task's data section reads to ``files``
-        (:class:`recipes.training.dry_run.DataFiles`), in order; nothing is fetched or read."""
+        (:class:`yamlformer.recipes.training.dry_run.DataFiles`), in order; nothing is fetched or read."""
         raise NotImplementedError
 
     def check_spec(self, recipe, spec) -> None:
@@ -153,7 +153,7 @@ class Task:
 
 class TokenBudget:
     """A :class:`Task` whose micro-batches are examples of like lengths under ``data.max_tokens``
-    (``recipes.data.batching``): estimated at the longest batch it can make."""
+    (``yamlformer.recipes.data.batching``): estimated at the longest batch it can make."""
 
     def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
         data = recipe.data

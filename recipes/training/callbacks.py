@@ -1,5 +1,5 @@
 """What a run shows: throughput and MFU, the progress bar, the loss curve, the time limit and the
-line that says why it stopped (its checkpoints are ``recipes.training.checkpointing``)."""
+line that says why it stopped (its checkpoints are ``yamlformer.recipes.training.checkpointing``)."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ class Throughput(L.Callback):
     def on_train_start(self, trainer, pl_module):
         import torch
 
-        from builder.analysis.mfu import peak_flops
-        from recipes.parallel import data_parallel_size
-        from recipes.training.precision import estimate_dtype
+        from yamlformer.builder.analysis.mfu import peak_flops
+        from yamlformer.recipes.parallel import data_parallel_size
+        from yamlformer.recipes.training.precision import estimate_dtype
 
         self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
         device = pl_module.device
@@ -77,7 +77,7 @@ class Throughput(L.Callback):
         achieved = self.tokens_per_s * self.flops_per_token
         metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
         if self.peak_flops:
-            from builder.analysis.mfu import mfu
+            from yamlformer.builder.analysis.mfu import mfu
 
             metrics["MFU"] = mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
         for name, value in metrics.items():
@@ -103,7 +103,7 @@ class CountedThroughput(Throughput):
         self._tokens = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from recipes.parallel import data_parallel_size
+        from yamlformer.recipes.parallel import data_parallel_size
 
         self._tokens = self._tokens + self.tokens_of(batch)  # a device tensor for some tasks: no read here
         self._world = data_parallel_size(trainer)

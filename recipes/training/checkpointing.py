@@ -1,8 +1,8 @@
 """The Lightning side of a run's checkpoints: the checkpoint IO a run writes and resumes through,
 and the callbacks that say when to save (``last.ckpt``, ``best.ckpt``; the kept ``step-N.ckpt``
 that averaging needs). What a checkpoint is, and every write and read of one, is
-:mod:`builder.checkpoints`; here its errors become the run's one line
-(:class:`~recipes.errors.RecipeError`), and a resume's checks of a sharded folder's files are
+:mod:`yamlformer.builder.checkpoints`; here its errors become the run's one line
+(:class:`~yamlformer.recipes.errors.RecipeError`), and a resume's checks of a sharded folder's files are
 left to the process that owns the run folder.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import lightning as L
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from builder import checkpoints
-from builder.checkpoints import CheckpointError, CheckpointWriteError
-from recipes.errors import RecipeError
+from yamlformer.builder import checkpoints
+from yamlformer.builder.checkpoints import CheckpointError, CheckpointWriteError
+from yamlformer.recipes.errors import RecipeError
 
 
 class RunCheckpointWriteError(CheckpointWriteError, RecipeError):
@@ -36,7 +36,7 @@ def _run_errors(prefix: str = ""):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO through :func:`builder.checkpoints.write_checkpoint`: sealed with
+    """Lightning's checkpoint IO through :func:`yamlformer.builder.checkpoints.write_checkpoint`: sealed with
     tensor checksums, written to a temp file beside the target, fsynced and renamed over it
     (``last.ckpt`` keeping its predecessor as ``last-1.ckpt``). A run killed mid-write leaves the
     previous checkpoint whole; a failed write removes its temp file and stops the run in one line
@@ -50,29 +50,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """The checkpoint a run resumes from — a file, or a sharded folder (a run saved under
         ``trainer.strategy: fsdp``) read whole — read as every checkpoint is read: weights only,
         never by unpickling arbitrary objects, and from the read that verified it when the resume
-        chose it (:func:`builder.checkpoints.read_for_resume`); a file changed since is named in
+        chose it (:func:`yamlformer.builder.checkpoints.read_for_resume`); a file changed since is named in
         one line."""
         with _run_errors("--resume: "):
             return checkpoints.read_for_resume(path)
 
 
 def newest_intact(folder: Path):
-    """:func:`builder.checkpoints.newest_intact` of a run's checkpoints folder: a sharded folder's
+    """:func:`yamlformer.builder.checkpoints.newest_intact` of a run's checkpoints folder: a sharded folder's
     shard files are checked by the process that owns the run folder (rank 0), whose choice every
     rank loads."""
-    from recipes.training.run_folder import owns_run_folder
+    from yamlformer.recipes.training.run_folder import owns_run_folder
 
     return checkpoints.newest_intact(folder, files=owns_run_folder())
 
 
 def save_sharded(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int, barrier) -> None:
-    """:func:`builder.checkpoints.save_sharded` (every rank calls it), its failure the run's line."""
+    """:func:`yamlformer.builder.checkpoints.save_sharded` (every rank calls it), its failure the run's line."""
     with _run_errors():
         checkpoints.save_sharded(checkpoint, path, tmp, rank, ranks, barrier)
 
 
 def load_into_shards(module, optimizers, path: Path, strict: bool = True, whole_groups=None) -> dict:
-    """:func:`builder.checkpoints.load_into_shards`: a file checkpoint into a sharded run's ranks."""
+    """:func:`yamlformer.builder.checkpoints.load_into_shards`: a file checkpoint into a sharded run's ranks."""
     with _run_errors("--resume: "):
         return checkpoints.load_into_shards(module, optimizers, path, strict=strict, whole_groups=whole_groups)
 
@@ -132,7 +132,7 @@ class RecipeCheckpoint(L.Callback):
 class KeepLastCheckpoints(L.Callback):
     """Weights every ``every_n_steps`` optimizer steps (and at the end) as ``step-N.ckpt``, the last
     ``keep`` of them kept; at the end of training their average goes to ``averaged.ckpt``
-    (:mod:`builder.checkpoints.averaging`)."""
+    (:mod:`yamlformer.builder.checkpoints.averaging`)."""
 
     def __init__(self, dirpath: Path, keep: int, every_n_steps: int):
         self.dirpath, self.keep, self.every_n_steps = Path(dirpath), keep, every_n_steps

@@ -17,10 +17,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from recipes.errors import RecipeError
-from recipes.recipe.fields import resolve
-from recipes.recipe.sections import Recipe
-from recipes.tasks.task import DataFile, Vocabulary
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.tasks.task import DataFile, Vocabulary
 
 #: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
 CHAR_STAND_IN = 256
@@ -31,22 +31,22 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     tokenized dataset's, a pretrained checkpoint's), else from the tokenizer settings. ``read_data``:
     a char tokenizer counts the characters of its corpus when every file is on disk (else a
     stand-in), and a pretrained checkpoint is read for its tokenizer."""
-    from recipes.tasks import task_named
+    from yamlformer.recipes.tasks import task_named
 
     known = task_named(recipe.task).vocabulary(recipe, recipe_file, read_data)
     if known is not None:
         return known
     settings = recipe.tokenizer
     if settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file is not None):
-        from recipes.data.tokenizers import build_tokenizer
+        from yamlformer.recipes.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), recipe_file)
         return Vocabulary(tokenizer.vocab_size, f"{settings.type} tokenizer from {settings.model_file}")
     if settings.type == "char":
         missing = [f for f in data_files(recipe, recipe_file) if not f.present]
         if read_data and not missing:
-            from recipes.data.corpus import read_corpus
-            from recipes.data.tokenizers import CharTokenizer
+            from yamlformer.recipes.data.corpus import read_corpus
+            from yamlformer.recipes.data.tokenizers import CharTokenizer
 
             size = CharTokenizer.fit(read_corpus(recipe.data, recipe_file).text, eos=True).vocab_size
             return Vocabulary(size, f"char: the corpus's {size - 1} distinct characters and end-of-text")
@@ -66,11 +66,11 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
 
 class DataFiles:
     """The files a recipe reads, collected in order as its task names them
-    (:meth:`recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the data root, or
+    (:meth:`yamlformer.recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the data root, or
     the URL they would come from) and the recipe's own files."""
 
     def __init__(self, recipe: Recipe, recipe_file: Path):
-        from recipes.data import registry
+        from yamlformer.recipes.data import registry
 
         self.recipe, self.recipe_file, self.found = recipe, recipe_file, []
         self._datasets = registry
@@ -83,7 +83,7 @@ class DataFiles:
         return name in self._datasets.DATASETS
 
     def registry(self, name: str):
-        """The registry's :class:`recipes.data.registry.Dataset` called ``name``."""
+        """The registry's :class:`yamlformer.recipes.data.registry.Dataset` called ``name``."""
         return self._datasets.get(name)
 
     def add(self, what: str, path: Path | None, present: bool, **where) -> None:
@@ -112,7 +112,7 @@ class DataFiles:
 
 def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
     """Every file the recipe's data section reads, in order; nothing is fetched or read."""
-    from recipes.tasks import task_named
+    from yamlformer.recipes.tasks import task_named
 
     files = DataFiles(recipe, recipe_file)
     task_named(recipe.task).data_files(recipe, recipe_file, files)
@@ -160,11 +160,11 @@ def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | No
 
 def devices_line(recipe: Recipe) -> str:
     """Accelerator, devices, strategy and precision as this machine would run them, the devices
-    counted as training counts them (:func:`recipes.parallel.mesh.device_count`), and a warning
+    counted as training counts them (:func:`yamlformer.recipes.parallel.mesh.device_count`), and a warning
     when train would refuse them here (a launch line meant for another machine still shows)."""
-    from recipes.parallel.compile import compile_mode
-    from recipes.parallel.mesh import device_count, layout_of
-    from recipes.training.precision import resolve_precision
+    from yamlformer.recipes.parallel.compile import compile_mode
+    from yamlformer.recipes.parallel.mesh import device_count, layout_of
+    from yamlformer.recipes.training.precision import resolve_precision
 
     settings = recipe.trainer
     accelerator, count = _accelerator(settings)
@@ -203,7 +203,7 @@ def devices_line(recipe: Recipe) -> str:
 def _accelerator(settings) -> tuple[str, int]:
     """What Lightning's ``auto`` picks here, and the devices per node as training counts them,
     not checked against this machine (:func:`devices_line` says what train would refuse)."""
-    from recipes.parallel.mesh import accelerator_of, device_count
+    from yamlformer.recipes.parallel.mesh import accelerator_of, device_count
 
     return accelerator_of(settings.accelerator), device_count(settings, check=False)
 
@@ -213,7 +213,7 @@ def _accelerator(settings) -> tuple[str, int]:
 
 def batch_shape(recipe: Recipe, spec) -> tuple[int, int, str]:
     """``(seq_len, batch, how)``: the micro-batch shape the estimate is made at (the task's)."""
-    from recipes.tasks import task_named
+    from yamlformer.recipes.tasks import task_named
 
     return task_named(recipe.task).batch_shape(recipe, spec)
 
@@ -223,11 +223,11 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     it, devices, strategy and its layout, checkpointing), at ``seq_len`` tokens x ``batch``
     sequences per device.
     ``devices``: per node (default: what ``trainer.devices`` asks for, as
-    :func:`recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it)."""
-    from builder.analysis.estimates import Step, estimate
-    from builder.analysis.layout import Layout
-    from recipes.parallel.mesh import device_count
-    from recipes.training.precision import estimate_dtype, resolve_precision
+    :func:`yamlformer.recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it)."""
+    from yamlformer.builder.analysis.estimates import Step, estimate
+    from yamlformer.builder.analysis.layout import Layout
+    from yamlformer.recipes.parallel.mesh import device_count
+    from yamlformer.recipes.training.precision import estimate_dtype, resolve_precision
 
     settings = recipe.trainer
     precision, _ = resolve_precision(settings.precision, settings.accelerator)  # auto: what this machine runs
@@ -255,10 +255,10 @@ def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | 
     """Per device under the recipe's pipeline, context or expert parallelism, as ``builder
     describe`` counts that layout (the stage holding the most, each stage's states exact); None
     for a layout without them (the estimate's tables count it)."""
-    from builder.analysis.layout_memory import layout_memory
-    from builder.analysis.report import human_bytes
-    from recipes.parallel.mesh import device_count, layout_of
-    from recipes.training.precision import estimate_dtype, resolve_precision
+    from yamlformer.builder.analysis.layout_memory import layout_memory
+    from yamlformer.builder.analysis.report import human_bytes
+    from yamlformer.recipes.parallel.mesh import device_count, layout_of
+    from yamlformer.recipes.training.precision import estimate_dtype, resolve_precision
 
     settings = recipe.trainer
     if settings.strategy != "fsdp":
@@ -295,11 +295,11 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     import yaml
     from rich.console import Console
 
-    from builder.analysis.report import human, print_describe
-    from builder.zoo import shown
-    from recipes.recipe.sections import load_recipe, model_spec, output_dir, spec_file
-    from recipes.recipe.sections import recipe_path as locate_recipe
-    from recipes.tasks import task_named
+    from yamlformer.builder.analysis.report import human, print_describe
+    from yamlformer.builder.zoo import shown
+    from yamlformer.recipes.recipe.sections import load_recipe, model_spec, output_dir, spec_file
+    from yamlformer.recipes.recipe.sections import recipe_path as locate_recipe
+    from yamlformer.recipes.tasks import task_named
 
     out = out or sys.stdout
     recipe_file = locate_recipe(recipe_path)
@@ -338,7 +338,7 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     staged = layout_memory_line(spec, recipe, seq_len, batch)
     if staged:
         lines.append(("memory", staged))
-    from builder.hf import export_line
+    from yamlformer.builder.hf import export_line
 
     lines.append(("export", export_line(spec)))
     settings = recipe.trainer
@@ -379,8 +379,8 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
 
 def data_parallel_ranks(recipe: Recipe) -> int:
     """Ranks that read different data in the recipe's layout, as training counts them
-    (:func:`recipes.parallel.mesh.data_parallel_ranks`), devices not checked against this machine."""
-    from recipes.parallel import mesh
+    (:func:`yamlformer.recipes.parallel.mesh.data_parallel_ranks`), devices not checked against this machine."""
+    from yamlformer.recipes.parallel import mesh
 
     return mesh.data_parallel_ranks(recipe.trainer, check=False)
 

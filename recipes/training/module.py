@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.parallel.compile import compiled_losses
-from recipes.recipe.sections import Recipe, ScheduleSection
-from recipes.training.optimizer import adamw
+from yamlformer.recipes.parallel.compile import compiled_losses
+from yamlformer.recipes.recipe.sections import Recipe, ScheduleSection
+from yamlformer.recipes.training.optimizer import adamw
 
 #: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
 IGNORE = -100
@@ -140,7 +140,7 @@ class LMModule(L.LightningModule):
         self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
         self._train_losses = compiled_losses(self._losses, recipe.trainer, dynamic=self.variable_shapes)
         # trainer.pipeline_parallel: the strategy cuts the model into stages (configure_model) and
-        # training_step drives their schedule, so it steps the optimizer itself (recipes.parallel.pipeline)
+        # training_step drives their schedule, so it steps the optimizer itself (yamlformer.recipes.parallel.pipeline)
         self.pipeline = None
         self.automatic_optimization = recipe.trainer.pipeline_parallel == 1
 
@@ -149,9 +149,9 @@ class LMModule(L.LightningModule):
 
     def configure_model(self):
         """Under ``strategy: fsdp`` the strategy shards the model here, after the processes and
-        the device mesh exist (``recipes.parallel.strategy.ShardedStrategy.parallelize``); under
+        the device mesh exist (``yamlformer.recipes.parallel.strategy.ShardedStrategy.parallelize``); under
         ``trainer.pipeline_parallel`` the model becomes this rank's part of it, and its stages a
-        :class:`recipes.parallel.pipeline.Pipeline` (``ShardedStrategy.pipeline``)."""
+        :class:`yamlformer.recipes.parallel.pipeline.Pipeline` (``ShardedStrategy.pipeline``)."""
         if not self.automatic_optimization:
             if self.pipeline is None:
                 self.model, self.pipeline = self.trainer.strategy.pipeline(
@@ -175,7 +175,7 @@ class LMModule(L.LightningModule):
         """One optimizer step through the pipeline's schedule (manual optimization): every
         micro-batch's forward and backward, the gradients clipped over every stage, the step
         and the learning-rate schedule. Returns the batch's mean loss (on every rank)."""
-        from recipes.parallel.strategy import clip_grad_norm
+        from yamlformer.recipes.parallel.strategy import clip_grad_norm
 
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         optimizer.zero_grad(set_to_none=True)
@@ -192,7 +192,7 @@ class LMModule(L.LightningModule):
         """The model's logits for a batch and the ids they predict (``IGNORE``: no loss there);
         ``document_ids``: each input's document in a packed row (``data.packing: doc_masked``).
         A task's module overrides this; the loss, logging and optimizer stay as they are.
-        Under context parallelism (the model's ``context_shard``, ``recipes.parallel.context``)
+        Under context parallelism (the model's ``context_shard``, ``yamlformer.recipes.parallel.context``)
         the inputs and targets are this rank's share of each row, placed by their token indices."""
         shard = getattr(self.model, "context_shard", None)
         if shard is not None:
@@ -213,7 +213,7 @@ class LMModule(L.LightningModule):
         )
         if not self.moe:
             return ce, ce
-        # the model's auxiliary losses (blocks.stacks): the balancing loss weighed by the recipe's
+        # the model's auxiliary losses (yamlformer.blocks.stacks): the balancing loss weighed by the recipe's
         # coefficient, the head's by their own spec fields
         loss = ce
         for aux in self.model.aux_losses(balance_weight=self.moe_aux_coef).values():
@@ -283,16 +283,18 @@ class LMModule(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         after_step = getattr(self.model, "after_optimizer_step", None)
         if after_step is not None:
-            after_step()  # blocks' state kept outside the gradients (blocks.stacks)
+            after_step()  # blocks' state kept outside the gradients (yamlformer.blocks.stacks)
 
     def on_train_start(self):
-        from recipes.parallel import data_parallel_rank
+        from yamlformer.recipes.parallel import data_parallel_rank
 
         self._started = time.perf_counter() - self.elapsed
         self._data_rank = data_parallel_rank(self.trainer)  # for micro_batch_seed, once per run
 
     def on_validation_start(self):
-        torch.compiler.set_stance("force_eager")  # validation runs the layers as built (recipes.parallel.compile)
+        torch.compiler.set_stance(
+            "force_eager"
+        )  # validation runs the layers as built (yamlformer.recipes.parallel.compile)
 
     def on_validation_end(self):
         torch.compiler.set_stance("default")

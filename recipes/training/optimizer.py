@@ -1,6 +1,6 @@
 """The optimizer every task trains with: AdamW, fused into one kernel per step where torch has
 one. Its parameter groups (decay on matrices only) are the LightningModule's
-(``recipes.training.module.param_groups``); precision is :mod:`recipes.training.precision`."""
+(``yamlformer.recipes.training.module.param_groups``); precision is :mod:`yamlformer.recipes.training.precision`."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Clipping and the optimizer step, for every precision (PyTorch's AMP recipe):
 * ``16-mixed``: the loss is scaled; the gradients are unscaled first, then clipped, then the
   scaler steps (skipping a step whose gradients overflowed) and updates its scale.
 
-Fused AdamW (``recipes.training.optimizer.adamw``) declares that it unscales inside its kernel
+Fused AdamW (``yamlformer.recipes.training.optimizer.adamw``) declares that it unscales inside its kernel
 (``_step_supports_amp_scaling``). Lightning's own ``MixedPrecision`` refuses to clip for such an
 optimizer under *any* mixed precision, bf16 included, which has nothing to unscale. The plugin
 here keeps both: under 16-mixed it unscales before clipping (the scaler then hands the fused
@@ -55,8 +55,8 @@ def cpu_bf16() -> str | None:
 
 def on_cuda(accelerator: str) -> bool:
     """Whether Lightning's ``accelerator`` setting puts this run on a CUDA GPU
-    (:func:`recipes.parallel.mesh.accelerator_of` says what it resolves to here)."""
-    from recipes.parallel.mesh import accelerator_of
+    (:func:`yamlformer.recipes.parallel.mesh.accelerator_of` says what it resolves to here)."""
+    from yamlformer.recipes.parallel.mesh import accelerator_of
 
     return accelerator_of(accelerator) == "cuda" and torch.cuda.is_available()
 
@@ -140,10 +140,10 @@ class ClippingMixedPrecision(MixedPrecision):
 
 def lightning_plugin(precision: str, device: str, sharded: bool = False) -> Precision:
     """Lightning's precision plugin for a resolved recipe precision on ``device`` (``cpu`` or
-    ``cuda``). ``sharded``: under FSDP2 (``recipes.parallel``) its mixed-precision policy casts,
+    ``cuda``). ``sharded``: under FSDP2 (``yamlformer.recipes.parallel``) its mixed-precision policy casts,
     so the plugin casts nothing for bf16-mixed, and gradients clip across device meshes."""
     if sharded:
-        from recipes.parallel.strategy import MeshClipping
+        from yamlformer.recipes.parallel.strategy import MeshClipping
 
         if precision == "bf16-true":
             return type("ShardedHalfPrecision", (MeshClipping, HalfPrecision), {})("bf16-true")

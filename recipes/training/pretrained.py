@@ -9,7 +9,7 @@
 * a folder written by ``builder import-hf`` (``spec.yaml`` and ``model.safetensors``);
 * a Hugging Face model folder (``config.json`` and ``*.safetensors``), converted on the fly.
 
-Each is read (and a checkpoint verified) once per run by :mod:`builder.init_from`.
+Each is read (and a checkpoint verified) once per run by :mod:`yamlformer.builder.init_from`.
 
 Without ``model.spec`` the spec is the source's (``model.overrides`` still apply: dropout, a
 longer ``max_seq_len``...). Every tensor must fit by name and shape; the first that does not is
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from builder.init_from import Source, SourceError, source_at
-from recipes.errors import RecipeError
-from recipes.recipe.fields import resolve
+from yamlformer.builder.init_from import Source, SourceError, source_at
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import resolve
 
 _RANGE = re.compile(r"(\d+)-(\d+)")
 
@@ -52,7 +52,7 @@ def _init_from_errors():
 
 def source_of(recipe, recipe_file: Path | None) -> Source | None:
     """The recipe's ``model.init_from`` (None when it has none), read once however often it is
-    asked (:func:`builder.init_from.source_at`); a path that is none of the three kinds is a
+    asked (:func:`yamlformer.builder.init_from.source_at`); a path that is none of the three kinds is a
     :class:`RecipeError`."""
     if recipe.model.init_from is None:
         return None
@@ -67,7 +67,7 @@ def pretrained_tokenizer(recipe, recipe_file: Path | None):
         state = source.tokenizer_state() if source is not None else None
     if state is None:
         return None
-    from recipes.trained import checkpoint_tokenizer
+    from yamlformer.recipes.trained import checkpoint_tokenizer
 
     print(f"tokenizer: the one {source.path.name} was trained with (model.init_from)", flush=True)
     try:
@@ -83,7 +83,7 @@ def _shape(t: torch.Tensor) -> tuple:
 def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
     """Copy the source's tensors into ``model``, checking every name and shape first. Returns the
     head tensors started fresh (``new``) and the source's tensors left out (``unused``)."""
-    from builder.hf.weights import alias_groups
+    from yamlformer.builder.hf.weights import alias_groups
 
     with _init_from_errors():
         state = source.state()
@@ -177,7 +177,7 @@ def freeze(model: nn.Module, patterns: list[str], marks: list | None = None) -> 
     """Set ``requires_grad=False`` on every parameter a pattern matches; returns the number of
     frozen parameters (elements). A pattern that matches nothing, or a range that reaches past
     the layers there are, is a located error (``marks[i]``: where pattern ``i`` was written)."""
-    from builder.spec.source import Mark, Problem, SpecError
+    from yamlformer.builder.spec.source import Mark, Problem, SpecError
 
     named = list(model.named_parameters(remove_duplicate=False))  # a tied head answers to its own name too
     roots = {name.split(".")[0] for name, _ in named}
@@ -242,7 +242,7 @@ def freeze_marks(recipe_file: Path | None, count: int) -> list:
     """Where each ``model.freeze`` entry was written in the recipe (None where unknown)."""
     if recipe_file is None:
         return [None] * count
-    from builder.spec.loader import read_merged
+    from yamlformer.builder.spec.loader import read_merged
 
     doc = read_merged(recipe_file)
     return [doc.value_mark(("model", "freeze", i)) for i in range(count)]

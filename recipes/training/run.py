@@ -4,8 +4,8 @@ A run writes everything under its output dir: ``config.yaml`` (the resolved reci
 again), ``checkpoints/last.ckpt`` and ``best.ckpt``, CSV and TensorBoard logs, ``loss.png``.
 Running the same recipe again resumes from ``last.ckpt`` (same step, optimizer, schedule, data
 position and random state); ``--fresh`` starts over.
-While it runs, the folder is checked writable and locked (:mod:`recipes.training.run_folder`) and a
-signal saves a checkpoint and stops it (:mod:`recipes.training.signals`).
+While it runs, the folder is checked writable and locked (:mod:`yamlformer.recipes.training.run_folder`) and a
+signal saves a checkpoint and stops it (:mod:`yamlformer.recipes.training.signals`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from builder.checkpoints import RESUMABLE, tidy
-from recipes.errors import RecipeError
-from recipes.parallel import parallelize
-from recipes.parallel.compile import compiling, eager
-from recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
-from recipes.training.callbacks import (
+from yamlformer.builder.checkpoints import RESUMABLE, tidy
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.parallel import parallelize
+from yamlformer.recipes.parallel.compile import compiling, eager
+from yamlformer.recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
+from yamlformer.recipes.training.callbacks import (
     CountedThroughput,
     InvocationTimer,
     StepProgressBar,
@@ -35,18 +35,18 @@ from recipes.training.callbacks import (
     plot_losses,
     stop_line,
 )
-from recipes.training.checkpointing import AtomicCheckpointIO, RecipeCheckpoint, newest_intact
-from recipes.training.precision import lightning_plugin, on_cuda, resolve_precision
-from recipes.training.pretrained import freeze_parts, load_init_from
-from recipes.training.run_folder import owns_run_folder
-from recipes.training.run_log import recipe_dump, record, resolved_recipe, run_loggers
-from recipes.training.say import say
+from yamlformer.recipes.training.checkpointing import AtomicCheckpointIO, RecipeCheckpoint, newest_intact
+from yamlformer.recipes.training.precision import lightning_plugin, on_cuda, resolve_precision
+from yamlformer.recipes.training.pretrained import freeze_parts, load_init_from
+from yamlformer.recipes.training.run_folder import owns_run_folder
+from yamlformer.recipes.training.run_log import recipe_dump, record, resolved_recipe, run_loggers
+from yamlformer.recipes.training.say import say
 
 
 class _Quiet(logging.Filter):
     """Drops Lightning's advertising and chatter that says nothing about this run, or that the
     run says itself: the accelerators (the devices line), the checkpoint restored ("resuming
-    from"), why fit stopped (:func:`recipes.training.callbacks.stop_line`)."""
+    from"), why fit stopped (:func:`yamlformer.recipes.training.callbacks.stop_line`)."""
 
     NOISE = (
         "litlogger",
@@ -75,7 +75,7 @@ def quiet_lightning() -> None:
 
 def say_devices(recipe: Recipe) -> None:
     """The run's devices, strategy and precision in one line (Lightning's own lines are filtered)."""
-    from recipes.training.dry_run import devices_line
+    from yamlformer.recipes.training.dry_run import devices_line
 
     say(f"devices: {devices_line(recipe)}")
 
@@ -88,11 +88,11 @@ def describe(
     ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
     from rich.console import Console
 
-    from builder.analysis.report import print_describe, summary_line
-    from recipes.parallel import device_count
-    from recipes.training.dry_run import recipe_estimate
+    from yamlformer.builder.analysis.report import print_describe, summary_line
+    from yamlformer.recipes.parallel import device_count
+    from yamlformer.recipes.training.dry_run import recipe_estimate
 
-    # under fsdp: what each rank holds in this layout (builder.analysis.layout)
+    # under fsdp: what each rank holds in this layout (yamlformer.builder.analysis.layout)
     est = recipe_estimate(
         spec,
         recipe,
@@ -125,9 +125,9 @@ def training_model(
     ``model.init_from`` (then ``init``, a task's own loading), parts frozen, its describe table
     printed, layers checkpointed and compiled as the recipe asks. Under ``strategy: fsdp`` it is
     built on the meta device (unless weights are loaded into it) and the strategy shards,
-    checkpoints, compiles and materialises it (``recipes.parallel``). Returns ``(model, train
+    checkpoints, compiles and materialises it (``yamlformer.recipes.parallel``). Returns ``(model, train
     FLOPs per token)``."""
-    from builder import build_model
+    from yamlformer.builder import build_model
 
     settings = recipe.trainer
     sharded = settings.strategy == "fsdp"
@@ -151,7 +151,7 @@ def training_model(
 
 def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
     """The recipe with ``trainer.precision`` made concrete for this machine (``auto`` resolved by
-    ``recipes.training.precision.resolve_precision``; a line printed when the choice needs explaining,
+    ``yamlformer.recipes.training.precision.resolve_precision``; a line printed when the choice needs explaining,
     unless ``quiet``)."""
     settings = recipe.trainer
     precision, note = resolve_precision(settings.precision, settings.accelerator)
@@ -174,7 +174,7 @@ def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -
 def check_layout(recipe: Recipe, recipe_file: Path) -> None:
     """Devices the machine has, a possible layout and a spec that splits for it, checked before
     any data or model work (the vocabulary is checked once the tokenizer exists)."""
-    from recipes.parallel import device_count, layout_of
+    from yamlformer.recipes.parallel import device_count, layout_of
 
     if recipe.trainer.strategy != "fsdp":
         device_count(recipe.trainer)
@@ -183,24 +183,25 @@ def check_layout(recipe: Recipe, recipe_file: Path) -> None:
     if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
         spec = model_spec(recipe, recipe_file, vocab_size=64 * layout.tensor_parallel)  # a stand-in vocabulary
     if layout.pipeline_parallel > 1:
-        from builder import build_model
-        from recipes.parallel.pipeline import check_pipeline
+        from yamlformer.builder import build_model
+        from yamlformer.recipes.parallel.pipeline import check_pipeline
 
         check_pipeline(build_model(spec, device="meta"), recipe.trainer)  # stages the model can be cut into
 
 
 def strategy_for(recipe: Recipe):
-    """The Lightning strategy: FSDP2 / tensor parallelism (``recipes.parallel.strategy``) or Lightning's own."""
+    """The Lightning strategy: FSDP2 / tensor parallelism (``yamlformer.recipes.parallel.strategy``)
+    or Lightning's own."""
     trainer = recipe.trainer
     if trainer.strategy == "fsdp":
-        from recipes.parallel.strategy import ShardedStrategy
+        from yamlformer.recipes.parallel.strategy import ShardedStrategy
 
         return ShardedStrategy(trainer, init_seed=trainer.seed)
     return trainer.strategy
 
 
 def plugins_for(recipe: Recipe) -> list:
-    """Lightning's plugins: the precision plugin (``recipes.training.precision``: it clips correctly under
+    """Lightning's plugins: the precision plugin (``yamlformer.recipes.training.precision``: it clips correctly under
     every precision with fused AdamW; under ``strategy: fsdp`` FSDP2's policy casts and gradients
     clip across meshes) and, unless the sharded strategy saves checkpoints itself, atomic IO."""
     settings = recipe.trainer
@@ -215,7 +216,7 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
     newest intact of the run's ``last.ckpt``, ``last-1.ckpt`` and ``best.ckpt``. A damaged one
     is set aside as ``NAME.damaged`` with a message; ``--resume PATH`` that is damaged is an
     error. With ``meta``, the checkpoint is checked to be this recipe's (:func:`check_resumable`)."""
-    from builder.checkpoints import CheckpointError, exists, read_meta
+    from yamlformer.builder.checkpoints import CheckpointError, exists, read_meta
 
     if isinstance(resume, str):
         path = Path(resume)
@@ -246,7 +247,7 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
 def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -> None:
     """Rename each damaged checkpoint ``NAME.damaged`` (so a later save never keeps it as a
     predecessor) and say what the run resumes from instead; an error when nothing is left."""
-    from recipes.training.run_folder import owns_run_folder
+    from yamlformer.recipes.training.run_folder import owns_run_folder
 
     for path, exc in damaged:
         kept = ""
@@ -263,12 +264,12 @@ def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -
 
 def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
     """Refuse to resume ``path`` when the recipe, spec, tokenizer or corpus that shaped it differ
-    from this run's, one line per field (``recipes.training.run_folder.MAY_CHANGE`` lists what may change,
+    from this run's, one line per field (``yamlformer.recipes.training.run_folder.MAY_CHANGE`` lists what may change,
     and those changes are printed)."""
-    from recipes.training.run_folder import resume_differences
+    from yamlformer.recipes.training.run_folder import resume_differences
 
     if saved is None:
-        from builder.checkpoints import CheckpointError, peek_meta
+        from yamlformer.builder.checkpoints import CheckpointError, peek_meta
 
         try:
             saved = peek_meta(path)
@@ -287,7 +288,7 @@ def builder_meta(path: Path, checkpoint: dict) -> dict:
     meta = checkpoint.get("builder")
     if isinstance(meta, dict):
         return meta
-    from builder.checkpoints import not_ours
+    from yamlformer.builder.checkpoints import not_ours
 
     raise RecipeError(
         f"{not_ours(path, checkpoint)}, so this run cannot resume from it: start over with "
@@ -311,8 +312,8 @@ def check_recipe_early(
     is where relative ones start), and with ``spec_of(vocab_size) -> spec dict`` the spec it
     resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
     checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
-    from builder.checkpoints import CheckpointError, peek_meta
-    from recipes.training.run_folder import recipe_differences, spec_differences
+    from yamlformer.builder.checkpoints import CheckpointError, peek_meta
+    from yamlformer.recipes.training.run_folder import recipe_differences, spec_differences
 
     path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
     try:
@@ -364,7 +365,7 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
 def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, callbacks: list, ckpt: Path | None) -> L.Trainer:
     """:func:`make_trainer` for this run: a run resumed from ``ckpt`` continues its logs from that
     checkpoint's step; the run folder gets ``config.yaml`` and the loggers the resolved recipe."""
-    from builder.checkpoints import peek_meta
+    from yamlformer.builder.checkpoints import peek_meta
 
     step = int(peek_meta(ckpt).get("global_step") or 0) if ckpt is not None else None
     trainer = make_trainer(recipe, out, callbacks, resume_step=step)
@@ -381,7 +382,7 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
 
 def wrap_up(trainer: L.Trainer, module, data, throughput, checkpoints, out: Path, title: str, compiled=None) -> dict:
     """After ``fit``: a last validation unless the run ended on one, the summary, the loss curve.
-    ``compiled``: the run's :class:`~recipes.parallel.compile.CompileClock`."""
+    ``compiled``: the run's :class:`~yamlformer.recipes.parallel.compile.CompileClock`."""
     history = module.history
     if trainer.global_step and (not history["val"] or history["val"][-1][0] != trainer.global_step):
         trainer.validate(module, datamodule=data, verbose=False)
@@ -422,7 +423,7 @@ def run(
     callbacks: list | None = None,
 ) -> dict:
     """Train a recipe, of any task; returns a summary (steps, losses, paths). Raises on bad input
-    or NaN, and :class:`recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the
+    or NaN, and :class:`yamlformer.recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the
     full estimate tables before the first step, instead of one line; ``callbacks``: more Lightning
     callbacks (a benchmark's clock)."""
     recipe_file = Path(recipe_path)
@@ -439,7 +440,7 @@ def train_recipe(
     callbacks: list | None = None,
 ) -> dict:
     """:func:`run` on a recipe already loaded from ``recipe_file`` (relative paths start there)."""
-    from recipes.tasks import task_named
+    from yamlformer.recipes.tasks import task_named
 
     recipe = for_this_machine(recipe)
     task = task_named(recipe.task)
@@ -457,12 +458,12 @@ def run_session(
     spec_of=None,
     recipe_file: Path | None = None,
 ):
-    """What a run holds from its first step to its last: signals caught (:mod:`recipes.training.signals`)
+    """What a run holds from its first step to its last: signals caught (:mod:`yamlformer.recipes.training.signals`)
     and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
-    (:func:`recipes.training.run_folder.claim`); a resume with a changed recipe refused before any work
-    (:func:`check_recipe_early`). Yields the run's :class:`~recipes.training.signals.SignalStop`."""
-    from recipes.training.run_folder import claim
-    from recipes.training.signals import SignalStop
+    (:func:`yamlformer.recipes.training.run_folder.claim`); a resume with a changed recipe refused before any work
+    (:func:`check_recipe_early`). Yields the run's :class:`~yamlformer.recipes.training.signals.SignalStop`."""
+    from yamlformer.recipes.training.run_folder import claim
+    from yamlformer.recipes.training.signals import SignalStop
 
     stop = SignalStop()
     cache = getattr(recipe.data, "cache_dir", None)
@@ -474,7 +475,7 @@ def run_session(
 
 def stop_callback(stop, checkpoints: RecipeCheckpoint):
     """The callback that saves ``last.ckpt`` and stops at a signal; goes last in the list."""
-    from recipes.training.signals import StopOnSignal
+    from yamlformer.recipes.training.signals import StopOnSignal
 
     return StopOnSignal(stop, checkpoints.save_last)
 
@@ -492,7 +493,7 @@ def train(
     verbose: bool = False,
 ) -> dict:
     """The run of :func:`run`, inside its session: the task prepares data, tokenizer and spec
-    (:meth:`recipes.tasks.task.Task.prepare`); the model, the Trainer, checkpoints, resuming and
+    (:meth:`yamlformer.recipes.tasks.task.Task.prepare`); the model, the Trainer, checkpoints, resuming and
     logs are the same for every task."""
     settings = recipe.trainer
     quiet_lightning()
@@ -537,7 +538,7 @@ def train(
         summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out, title, compiled)
         summary.update(task=task.name, val_metrics=dict(getattr(module, "val_metrics", {})))
         if prepared.finish is not None:
-            from recipes.parallel import whole_model
+            from yamlformer.recipes.parallel import whole_model
 
             model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
             if trainer.is_global_zero:

@@ -31,8 +31,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from builder.checkpoints import write_reason
-from recipes.errors import RecipeError
+from yamlformer.builder.checkpoints import write_reason
+from yamlformer.recipes.errors import RecipeError
 
 LOCK_FILE = "run.lock"
 #: seconds between refreshes of the lock file's time by its holder
@@ -357,7 +357,7 @@ def _normalised(dump: Mapping[str, Any], schema, **validate) -> dict[str, Any]:
 
 
 def _normalised_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
-    from recipes.tasks import recipe_class
+    from yamlformer.recipes.tasks import recipe_class
 
     return _normalised(recipe, recipe_class(recipe.get("task", "lm")), strict=False)
 
@@ -406,7 +406,7 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 
 def _normalised_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    from builder.spec.schema import spec_model
+    from yamlformer.builder.spec.schema import spec_model
 
     return _normalised(spec, spec_model())
 

@@ -54,7 +54,7 @@ def resolved_recipe(recipe: BaseModel, recipe_file: Path, spec: BaseModel, out: 
 
 
 def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path | None) -> None:
-    from recipes.data.registry import DATASETS
+    from yamlformer.recipes.data.registry import DATASETS
 
     def absolute(value, base: Path):
         if isinstance(value, list):
@@ -89,7 +89,7 @@ def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path 
 
 def write_config(out: Path, config: dict[str, Any]) -> Path:
     """``out/config.yaml``, written whole or not at all."""
-    from recipes.data.tokenizers import write_atomic
+    from yamlformer.recipes.data.tokenizers import write_atomic
 
     path = Path(out) / CONFIG
     text = _HEADER.format(path=path) + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)

@@ -144,7 +144,7 @@ class StopOnSignal(L.Callback):
         return int(previous[0].item())
 
     def _stop_here(self, trainer, signum: int) -> None:
-        from builder.checkpoints import CheckpointWriteError
+        from yamlformer.builder.checkpoints import CheckpointWriteError
 
         self.stop.received = signum
         step = trainer.global_step

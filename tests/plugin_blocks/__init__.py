@@ -1,5 +1,5 @@
 """Blocks from outside the package, registered through ``--plugin plugin_blocks``: the proof that
-the block contracts (``blocks.configs.base``) are all generic code needs.
+the block contracts (``yamlformer.blocks.configs.base``) are all generic code needs.
 
 * ``lowrank_kv`` attention: keys and values come from one low-rank latent per token shared by the
   heads, plus one rotary key shared by the heads (the shape of DeepSeek's multi-head latent
@@ -18,8 +18,16 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from blocks.configs.base import AttentionBlock, CacheLayout, CacheTensor, Loc, PositionBlock, Problems, Shapes
-from blocks.registry import register
+from yamlformer.blocks.configs.base import (
+    AttentionBlock,
+    CacheLayout,
+    CacheTensor,
+    Loc,
+    PositionBlock,
+    Problems,
+    Shapes,
+)
+from yamlformer.blocks.registry import register
 
 
 @register("attention", "plugin_blocks.modules:LowRankKVAttention")

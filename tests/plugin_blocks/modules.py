@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blocks.cache import TensorCache
-from blocks.positions import PositionModule
-from kernels import attention as attention_kernel
+from yamlformer.blocks.cache import TensorCache
+from yamlformer.blocks.positions import PositionModule
+from yamlformer.kernels import attention as attention_kernel
 
 
 class LowRankKVAttention(nn.Module):

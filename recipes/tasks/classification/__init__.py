@@ -1,6 +1,6 @@
 """``task: classification``: an encoder-only model and a classification head on labelled text,
 from scratch or from an MLM checkpoint. This module (torch-free) is its recipe schema and its
-:class:`~recipes.tasks.task.Task`; ``training.py`` reads the examples, trains and scores."""
+:class:`~yamlformer.recipes.tasks.task.Task`; ``training.py`` reads the examples, trains and scores."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from builder.spec.problems import rule_error
-from recipes.data.section import DatasetFields
-from recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
-from recipes.recipe.sections import Recipe
-from recipes.tasks.task import Task, TokenBudget, Vocabulary
+from yamlformer.builder.spec.problems import rule_error
+from yamlformer.recipes.data.section import DatasetFields
+from yamlformer.recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
+from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.tasks.task import Task, TokenBudget, Vocabulary
 
 
 class LabeledDataSection(DatasetFields):
@@ -63,7 +63,7 @@ class LabeledDataSection(DatasetFields):
                 "(its split's files, one label each), one of them",
             )
         if self.dataset is not None and self.split is not None:
-            from recipes.data.registry import get
+            from yamlformer.recipes.data.registry import get
 
             splits = list(get(self.dataset).splits)
             if self.split not in splits:
@@ -108,7 +108,7 @@ class Classification(TokenBudget, Task):
     generate_options = ()
 
     def prepare(self, recipe, recipe_file: Path, samples: bool):
-        from recipes.tasks.classification.training import prepare_classification
+        from yamlformer.recipes.tasks.classification.training import prepare_classification
 
         return prepare_classification(recipe, recipe_file)
 
@@ -138,7 +138,7 @@ class Classification(TokenBudget, Task):
         files.own("data.validation", data.validation)
 
     def check_eval_arguments(self, args) -> None:
-        from builder.cli.arguments import ArgumentError
+        from yamlformer.builder.cli.arguments import ArgumentError
 
         data = getattr(args, "data", None)
         if data and len(data) > 1:
@@ -147,13 +147,13 @@ class Classification(TokenBudget, Task):
             )
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
-        from recipes.tasks.classification.training import evaluate
+        from yamlformer.recipes.tasks.classification.training import evaluate
 
         self.check_meta(meta)
         return evaluate(model, tokenizer, self.recipe.model_validate(meta["recipe"]), meta, args)
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
-        from recipes.tasks.classification.training import generate
+        from yamlformer.recipes.tasks.classification.training import generate
 
         self.check_meta(meta)
         print(generate(model, tokenizer, meta, args))
@@ -161,11 +161,11 @@ class Classification(TokenBudget, Task):
 
 def _checkpoint_vocabulary(path: Path) -> int:
     """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries, read and
-    verified through ``builder.checkpoints`` (a run that reads it again for its weights reads it
+    verified through ``yamlformer.builder.checkpoints`` (a run that reads it again for its weights reads it
     once)."""
-    from builder.checkpoints import CheckpointError, read_meta
-    from recipes.errors import RecipeError
-    from recipes.trained import checkpoint_tokenizer
+    from yamlformer.builder.checkpoints import CheckpointError, read_meta
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.trained import checkpoint_tokenizer
 
     try:
         meta = read_meta(path)["builder"]

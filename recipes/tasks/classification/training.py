@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from builder.checkpoints import model_weights
-from recipes.data.batching import BucketDataModule, pad, sorted_batches
-from recipes.errors import RecipeError
-from recipes.recipe.fields import resolve
-from recipes.tasks import task_named
-from recipes.tasks.mlm.training import Specials, encoder_spec, encoder_tokenizer, report
-from recipes.tasks.task import Prepared
-from recipes.training.module import LMModule
-from recipes.training.pretrained import pretrained_tokenizer
+from yamlformer.builder.checkpoints import model_weights
+from yamlformer.recipes.data.batching import BucketDataModule, pad, sorted_batches
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.tasks import task_named
+from yamlformer.recipes.tasks.mlm.training import Specials, encoder_spec, encoder_tokenizer, report
+from yamlformer.recipes.tasks.task import Prepared
+from yamlformer.recipes.training.module import LMModule
+from yamlformer.recipes.training.pretrained import pretrained_tokenizer
 
 
 def read_examples(path: Path, text_field: str, label_field: str) -> list[tuple[str, str]]:
@@ -53,7 +53,7 @@ def labelled_examples(section, recipe_file: Path | None, seed: int) -> tuple[lis
         examples = read_examples(resolve(recipe_file, section.file), section.text_field, section.label_field)
     else:
         if section.dataset is not None:  # each file of the split is one label (multi30k: the language)
-            from recipes.data.registry import split_files
+            from yamlformer.recipes.data.registry import split_files
 
             by_label = split_files(section.dataset, section.split, section.dataset_root(recipe_file))
         else:
@@ -135,7 +135,7 @@ class ClassifierModule(LMModule):
 
 def _init_checkpoint(path: Path) -> dict:
     """``classification.init_from``, read safely and verified; its errors name the field."""
-    from recipes.trained import read_verified
+    from yamlformer.recipes.trained import read_verified
 
     try:
         return read_verified(path)
@@ -167,12 +167,12 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     if init is not None:
         if not init.exists():
             raise RecipeError(f"classification.init_from: no checkpoint at {init}")
-        from recipes.trained import checkpoint_tokenizer
+        from yamlformer.recipes.trained import checkpoint_tokenizer
 
         checkpoint = _init_checkpoint(init)
         meta = checkpoint.get("builder")
         if not isinstance(meta, dict):
-            from builder.checkpoints import not_ours
+            from yamlformer.builder.checkpoints import not_ours
 
             raise RecipeError(
                 f"classification.init_from: {not_ours(init, checkpoint)}; start from an mlm run's checkpoint"

@@ -1,7 +1,7 @@
 """``task: lm`` (the default): next-token prediction on windows of a corpus. This module
-(torch-free) is its :class:`~recipes.tasks.task.Task`, and :class:`Corpus`, what every task that
+(torch-free) is its :class:`~yamlformer.recipes.tasks.task.Task`, and :class:`Corpus`, what every task that
 reads a corpus of windows shares (the masked LM too); its recipe schema is the base
-:class:`~recipes.recipe.sections.Recipe`. ``training.py`` prepares the data, evaluates and samples;
+:class:`~yamlformer.recipes.recipe.sections.Recipe`. ``training.py`` prepares the data, evaluates and samples;
 ``streaming.py`` decodes text as the tokens come."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 from pydantic import Field
 
-from recipes.errors import RecipeError
-from recipes.recipe.fields import _Section
-from recipes.recipe.sections import Recipe, SourceEntry
-from recipes.tasks.task import Task, Vocabulary
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import _Section
+from yamlformer.recipes.recipe.sections import Recipe, SourceEntry
+from yamlformer.recipes.tasks.task import Task, Vocabulary
 
 
 class HarnessSection(_Section):
@@ -43,9 +43,9 @@ class Corpus:
     a dataset, tokenized datasets): its vocabulary, files and spec check."""
 
     def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
-        """A tokenized dataset's tokenizer is the run's (:mod:`recipes.data.corpus`)."""
-        from recipes.data.corpus import kind_of
-        from recipes.data.tokenized import TokenizedDataset
+        """A tokenized dataset's tokenizer is the run's (:mod:`yamlformer.recipes.data.corpus`)."""
+        from yamlformer.recipes.data.corpus import kind_of
+        from yamlformer.recipes.data.tokenized import TokenizedDataset
 
         for entry in recipe.data.entries():
             kind, path = kind_of(entry, recipe.data, recipe_file)
@@ -58,7 +58,7 @@ class Corpus:
         return None
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
-        from recipes.data.corpus import kind_of
+        from yamlformer.recipes.data.corpus import kind_of
 
         data = recipe.data
         for entry in data.entries():
@@ -90,12 +90,12 @@ class LanguageModelling(Corpus, Task):
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
 
     def prepare(self, recipe, recipe_file: Path, samples: bool):
-        from recipes.tasks.lm.training import prepare
+        from yamlformer.recipes.tasks.lm.training import prepare
 
         return prepare(recipe, recipe_file, samples)
 
     def spec_of(self, recipe, recipe_file: Path):
-        from recipes.recipe.sections import model_spec
+        from yamlformer.recipes.recipe.sections import model_spec
 
         return lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
 
@@ -103,7 +103,7 @@ class LanguageModelling(Corpus, Task):
         return [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
 
     def check_eval_arguments(self, args) -> None:
-        from builder.cli.arguments import ArgumentError
+        from yamlformer.builder.cli.arguments import ArgumentError
 
         given = [name for name in ("task_path", "limit", "num_fewshot") if getattr(args, name, None) is not None]
         if given and not getattr(args, "tasks", None):
@@ -115,19 +115,17 @@ class LanguageModelling(Corpus, Task):
         self.check_meta(meta)
         if getattr(args, "tasks", None):  # downstream tasks through lm-eval (recipes/studies/harness.py)
             try:
-                from recipes.studies.harness import BuilderLM, evaluate_tasks
+                from yamlformer.recipes.studies.harness import BuilderLM, evaluate_tasks
             except ImportError as exc:
-                raise RecipeError(
-                    f"--tasks needs lm-eval ({exc}): pip install 'transformer-builder[harness]'"
-                ) from None
+                raise RecipeError(f"--tasks needs lm-eval ({exc}): pip install 'yamlformer[harness]'") from None
             lm = BuilderLM(model, tokenizer, batch_size=args.batch_size or 16, max_length=args.seq_len)
             return {"harness": evaluate_tasks(lm, args.tasks, args.task_path, args.limit, args.num_fewshot)}
-        from recipes.tasks.lm.training import evaluate_checkpoint
+        from yamlformer.recipes.tasks.lm.training import evaluate_checkpoint
 
         return evaluate_checkpoint(model, tokenizer, meta, args)
 
     def print_evaluation(self, result: dict, args) -> None:
-        from recipes.tasks.task import scored
+        from yamlformer.recipes.tasks.task import scored
 
         if "harness" in result:
             print(f"{result['checkpoint']} (step {result['step']}), lm-eval:")
@@ -141,7 +139,7 @@ class LanguageModelling(Corpus, Task):
         print(scored(result["batches"], result["batches_available"], args))
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
-        from recipes.tasks.lm.training import generate
+        from yamlformer.recipes.tasks.lm.training import generate
 
         self.check_meta(meta)
         generate(model, tokenizer, args)
@@ -151,8 +149,8 @@ def mixture_lines(recipe, recipe_file: Path) -> list[str]:
     """Per source that is already tokens (tokenized datasets, Megatron and raw files): its training
     tokens, its share of the windows and the passes the run makes over it, with a warning past
     its ``max_epochs``; text is tokenized at the first run, so its count is not known here."""
-    from recipes.data.corpus import kind_of, source_tokens
-    from recipes.training.dry_run import data_parallel_ranks
+    from yamlformer.recipes.data.corpus import kind_of, source_tokens
+    from yamlformer.recipes.training.dry_run import data_parallel_ranks
 
     data = recipe.data
     entries = data.entries()

@@ -6,7 +6,7 @@ from typing import TextIO
 
 import torch
 
-from recipes.errors import RecipeError
+from yamlformer.recipes.errors import RecipeError
 
 
 class TextStreamer:

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from recipes.data.windows import IGNORE, LMDataModule, Mixture, ValWindows
-from recipes.errors import RecipeError
-from recipes.recipe.sections import Recipe, model_spec
-from recipes.tasks.task import Prepared
-from recipes.training.module import LMModule
-from recipes.training.say import say
+from yamlformer.recipes.data.windows import IGNORE, LMDataModule, Mixture, ValWindows
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import Recipe, model_spec
+from yamlformer.recipes.tasks.task import Prepared
+from yamlformer.recipes.training.module import LMModule
+from yamlformer.recipes.training.say import say
 
 
 def trains_tokenizer(recipe: Recipe) -> bool:
@@ -27,10 +27,10 @@ def trains_tokenizer(recipe: Recipe) -> bool:
 
 
 def corpus_and_spec(recipe: Recipe, recipe_file: Path):
-    """Sources -> tokenizer -> spec: what model and data both need (:mod:`recipes.data.corpus`)."""
-    from recipes.data.corpus import open_corpus
-    from recipes.data.tokenizers import build_tokenizer
-    from recipes.training.pretrained import pretrained_tokenizer
+    """Sources -> tokenizer -> spec: what model and data both need (:mod:`yamlformer.recipes.data.corpus`)."""
+    from yamlformer.recipes.data.corpus import open_corpus
+    from yamlformer.recipes.data.tokenizers import build_tokenizer
+    from yamlformer.recipes.training.pretrained import pretrained_tokenizer
 
     cache = Path(recipe.data.cache_dir)
     checked = {}
@@ -61,7 +61,7 @@ def corpus_and_spec(recipe: Recipe, recipe_file: Path):
 def windows(recipe: Recipe, corpus, ranks: int) -> LMDataModule:
     """The corpus's windows as the run takes them, read by ``ranks`` data-parallel ranks; refuses
     a mixture past a source's epoch limit."""
-    from recipes.data.corpus import mixture_rows, over_limit
+    from yamlformer.recipes.data.corpus import mixture_rows, over_limit
 
     settings = recipe.trainer
     per_step = recipe.data.batch_size * settings.accumulate_grad_batches * ranks
@@ -85,7 +85,7 @@ def windows(recipe: Recipe, corpus, ranks: int) -> LMDataModule:
 def prepare(recipe: Recipe, recipe_file: Path, samples: bool) -> Prepared:
     """What the run loop trains: the corpus's windows, its tokenizer and the spec; at the end, the
     recipe's samples when ``samples``."""
-    from recipes.training.dry_run import data_parallel_ranks
+    from yamlformer.recipes.training.dry_run import data_parallel_ranks
 
     corpus, spec = corpus_and_spec(recipe, recipe_file)
     data = windows(recipe, corpus, data_parallel_ranks(recipe))
@@ -115,16 +115,16 @@ def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
     if recipe.harness is None:
         return []
     try:
-        from recipes.studies.harness import HarnessCallback
+        from yamlformer.recipes.studies.harness import HarnessCallback
     except ImportError as exc:
-        raise RecipeError(f"harness: needs lm-eval ({exc}): pip install 'transformer-builder[harness]'") from None
+        raise RecipeError(f"harness: needs lm-eval ({exc}): pip install 'yamlformer[harness]'") from None
     return [HarnessCallback.from_section(recipe.harness, recipe_file)]
 
 
 @torch.no_grad()
 def print_samples(model, tokenizer, recipe: Recipe) -> None:
     """Decode each prompt with the recipe's sampling settings and print the text."""
-    from recipes.tasks.lm.streaming import stream
+    from yamlformer.recipes.tasks.lm.streaming import stream
 
     model.eval()
     settings = recipe.sample
@@ -149,7 +149,7 @@ def print_samples(model, tokenizer, recipe: Recipe) -> None:
 def generate(model, tokenizer, args) -> None:
     """``builder generate`` on an LM checkpoint or model folder: the prompt and its continuation,
     streamed to stdout."""
-    from recipes.tasks.lm.streaming import stream
+    from yamlformer.recipes.tasks.lm.streaming import stream
 
     generator = None
     if args.seed is not None:
@@ -214,8 +214,8 @@ def recipe_tokens(meta: dict, tokenizer):
     """``(held-out tokens, the run's validation windows)`` of the data the checkpoint was trained on."""
     from pydantic import ValidationError
 
-    from recipes.data.corpus import held_out_tokens, open_corpus
-    from recipes.data.windows import Mixture
+    from yamlformer.recipes.data.corpus import held_out_tokens, open_corpus
+    from yamlformer.recipes.data.windows import Mixture
 
     try:  # the base recipe's sections are what the data path reads (the LM's harness is not)
         recipe = Recipe.model_validate({k: v for k, v in meta["recipe"].items() if k in Recipe.model_fields})
@@ -232,8 +232,8 @@ def recipe_tokens(meta: dict, tokenizer):
 def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
     """All the text of ``paths`` (files or folders), tokenized: one document per file, each
     followed by the tokenizer's EOS when it has one."""
-    from recipes.data.corpus import read_text
-    from recipes.recipe.sections import DataSection
+    from yamlformer.recipes.data.corpus import read_text
+    from yamlformer.recipes.recipe.sections import DataSection
 
     text = read_text(paths, DataSection(sources=paths, max_bytes=None, cache_dir=cache_dir), None)
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
@@ -263,7 +263,7 @@ def evaluate(
 ) -> dict:
     """Mean next-token cross-entropy over ``max_batches`` batches of ``tokens`` (``None``: every
     consecutive, non-overlapping window). With ``seed``, the batches are the validation windows a
-    run drew from ``mixture`` (:class:`recipes.data.windows.ValWindows`, at the run's seq_len), so the
+    run drew from ``mixture`` (:class:`yamlformer.recipes.data.windows.ValWindows`, at the run's seq_len), so the
     loss is that run's validation loss; else consecutive windows of ``tokens`` from the start. A
     progress bar goes to stderr."""
     from tqdm.auto import tqdm

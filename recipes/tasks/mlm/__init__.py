@@ -1,5 +1,5 @@
 """``task: mlm``: BERT's masked-LM pretraining on windows of a text corpus, on an encoder-only
-spec. This module (torch-free) is its recipe schema and its :class:`~recipes.tasks.task.Task`;
+spec. This module (torch-free) is its recipe schema and its :class:`~yamlformer.recipes.tasks.task.Task`;
 ``training.py`` masks, trains and scores."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from builder.spec.problems import rule_error
-from recipes.data.section import DataSection
-from recipes.recipe.fields import _Section
-from recipes.recipe.sections import Recipe
-from recipes.tasks.lm import Corpus
-from recipes.tasks.task import Task
+from yamlformer.builder.spec.problems import rule_error
+from yamlformer.recipes.data.section import DataSection
+from yamlformer.recipes.recipe.fields import _Section
+from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.tasks.lm import Corpus
+from yamlformer.recipes.tasks.task import Task
 
 
 class MLMSection(_Section):
@@ -62,12 +62,12 @@ class MaskedLM(Corpus, Task):
     eval_options = ("max_batches", "all")
 
     def prepare(self, recipe, recipe_file: Path, samples: bool):
-        from recipes.tasks.mlm.training import prepare_mlm
+        from yamlformer.recipes.tasks.mlm.training import prepare_mlm
 
         return prepare_mlm(recipe, recipe_file)
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
-        from recipes.tasks.mlm.training import evaluate
+        from yamlformer.recipes.tasks.mlm.training import evaluate
 
         self.check_meta(meta)
         return evaluate(model, tokenizer, self.recipe.model_validate(meta["recipe"]), meta, args)

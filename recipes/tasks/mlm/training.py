@@ -20,14 +20,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.data.tokenizers import build_tokenizer
-from recipes.data.windows import LMDataModule
-from recipes.errors import RecipeError
-from recipes.recipe.sections import model_spec
-from recipes.tasks.lm.training import eval_batches
-from recipes.tasks.task import PROSE, Prepared
-from recipes.training.module import IGNORE, LMModule
-from recipes.training.pretrained import pretrained_tokenizer
+from yamlformer.recipes.data.tokenizers import build_tokenizer
+from yamlformer.recipes.data.windows import LMDataModule
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import model_spec
+from yamlformer.recipes.tasks.lm.training import eval_batches
+from yamlformer.recipes.tasks.task import PROSE, Prepared
+from yamlformer.recipes.training.module import IGNORE, LMModule
+from yamlformer.recipes.training.pretrained import pretrained_tokenizer
 
 SPECIALS = {
     "pad_id": 0,
@@ -172,8 +172,8 @@ def encoder_spec(recipe, recipe_file: Path, vocab_size: int, extra: dict | None 
 
 
 def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
-    from recipes.data.corpus import open_corpus
-    from recipes.data.windows import Mixture
+    from yamlformer.recipes.data.corpus import open_corpus
+    from yamlformer.recipes.data.windows import Mixture
 
     if recipe.data.packing != "concat":
         raise RecipeError(
@@ -235,7 +235,7 @@ def report(metrics: dict) -> dict:
 def evaluate(model, tokenizer, recipe, meta: dict, args) -> dict:
     """``builder eval``: masked-token loss and accuracy on the recipe's validation windows;
     ``recipe``: the checkpoint's, validated."""
-    from recipes.data.corpus import held_out_tokens, open_corpus
+    from yamlformer.recipes.data.corpus import held_out_tokens, open_corpus
 
     model.eval()
     section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})

@@ -1,6 +1,6 @@
 """``task: translation``: an encoder-decoder trained on sentence pairs and scored with sacreBLEU,
 the original Transformer's task. This module (torch-free) is its recipe schema and its
-:class:`~recipes.tasks.task.Task`; ``training.py`` trains, evaluates and decodes."""
+:class:`~yamlformer.recipes.tasks.task.Task`; ``training.py`` trains, evaluates and decodes."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from builder.spec.problems import rule_error
-from recipes.data.section import DatasetFields
-from recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
-from recipes.recipe.sections import Recipe
-from recipes.tasks.task import Task, TokenBudget
+from yamlformer.builder.spec.problems import rule_error
+from yamlformer.recipes.data.section import DatasetFields
+from yamlformer.recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
+from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.tasks.task import Task, TokenBudget
 
 
 class ParallelFiles(_Section):
@@ -64,7 +64,7 @@ class ParallelDataSection(DatasetFields):
                     f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} (source and target files)",
                 )
             return self
-        from recipes.data.registry import get
+        from yamlformer.recipes.data.registry import get
 
         dataset = get(self.dataset)
         langs = dataset.keys
@@ -127,7 +127,7 @@ class Translation(TokenBudget, Task):
     generate_options = ("num_beams",)
 
     def prepare(self, recipe, recipe_file: Path, samples: bool):
-        from recipes.tasks.translation.training import prepare
+        from yamlformer.recipes.tasks.translation.training import prepare
 
         return prepare(recipe, recipe_file)
 
@@ -142,13 +142,13 @@ class Translation(TokenBudget, Task):
                 files.dataset(data.dataset, [files.registry(data.dataset).split_of(role)])
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
-        from recipes.tasks.translation.training import evaluate
+        from yamlformer.recipes.tasks.translation.training import evaluate
 
         self.check_meta(meta)
         return evaluate(model, tokenizer, ParallelDataSection, meta, args)
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
-        from recipes.tasks.translation.training import generate
+        from yamlformer.recipes.tasks.translation.training import generate
 
         self.check_meta(meta)
         print(generate(model, tokenizer, meta, args))

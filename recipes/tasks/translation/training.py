@@ -2,7 +2,7 @@
 
 Parallel text (one sentence a line; ``source`` and ``target`` files for training and
 validation) -> a joint sentencepiece vocabulary trained on both sides (cached by content hash;
-pad 0, unk 1, bos 2, eos 3) -> token-budget batches of like lengths (``recipes.data.batching``) -> an
+pad 0, unk 1, bos 2, eos 3) -> token-budget batches of like lengths (``yamlformer.recipes.data.batching``) -> an
 encoder-decoder trained with label-smoothed cross-entropy on the target tokens, padding masked
 in the encoder, the decoder and cross-attention -> beam search and sacreBLEU / chrF.
 
@@ -20,17 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from builder.checkpoints import model_weights
-from recipes.data.batching import BucketDataModule, pad, sorted_batches
-from recipes.data.tokenizers import build_tokenizer
-from recipes.errors import RecipeError
-from recipes.parallel import whole_model
-from recipes.recipe.fields import resolve
-from recipes.recipe.sections import model_spec
-from recipes.tasks.task import PROSE, Prepared
-from recipes.training.checkpointing import KeepLastCheckpoints
-from recipes.training.module import IGNORE, LMModule
-from recipes.training.pretrained import pretrained_tokenizer
+from yamlformer.builder.checkpoints import model_weights
+from yamlformer.recipes.data.batching import BucketDataModule, pad, sorted_batches
+from yamlformer.recipes.data.tokenizers import build_tokenizer
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.parallel import whole_model
+from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.recipe.sections import model_spec
+from yamlformer.recipes.tasks.task import PROSE, Prepared
+from yamlformer.recipes.training.checkpointing import KeepLastCheckpoints
+from yamlformer.recipes.training.module import IGNORE, LMModule
+from yamlformer.recipes.training.pretrained import pretrained_tokenizer
 
 #: sentencepiece ids of the specials (the model's padding, decoder start and end of sentence)
 SPECIALS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
@@ -203,7 +203,7 @@ class TranslationModule(LMModule):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(proto: bytes):
-    from recipes.data.tokenizers import SentencePieceTokenizer
+    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer
 
     return SentencePieceTokenizer(proto)
 
@@ -218,7 +218,7 @@ def pair_paths(data, recipe_file: Path | None, role: str, split: str | None = No
     files = getattr(data, role) if split is None else None
     if files is not None:
         return resolve(recipe_file, files.source), resolve(recipe_file, files.target)
-    from recipes.data.registry import get, split_files
+    from yamlformer.recipes.data.registry import get, split_files
 
     if data.dataset is None:
         raise RecipeError(f"--split {split}: this recipe's data names files, not a dataset")
@@ -294,7 +294,7 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:
     """Beam search on the validation set with the averaged weights (the trained ones without)."""
     if averaged.is_file():
-        from recipes.trained import read_verified
+        from yamlformer.recipes.trained import read_verified
 
         state = read_verified(averaged)["state_dict"]
         model.load_state_dict(model_weights(state))

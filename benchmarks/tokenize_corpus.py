@@ -1,6 +1,6 @@
 """`builder tokenize` against the way a user tokenizes without it: Hugging Face `datasets`.
 
-    python benchmarks/tokenize.py [--gb 0.2] [--workers 1,2] [--rounds 1] [--work DIR] [--keep] [--json FILE]
+    python benchmarks/tokenize_corpus.py [--gb 0.2] [--workers 1,2] [--rounds 1] [--work DIR] [--keep] [--json FILE]
 
 A seeded corpus of ``--gb`` GB of text is written under ``--work`` (default: a temporary folder;
 never the repository): equal thirds of plain text files (documents between blank lines), JSON
@@ -30,20 +30,13 @@ JSON. ``--keep`` leaves the corpus and our last output (``WORK/ours``) in place.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# This file shares its name with the standard library's `tokenize` (which inspect, linecache and
-# dataclasses import): run as a script, its folder moves to the end of the path, so `import
-# tokenize` is the standard library's and `import machine` still finds benchmarks/machine.py.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.append(sys.path.pop(0))
-
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -327,7 +320,7 @@ def run_ours(corpus: Path, tokenizer: Path, out: Path, workers: int, env: dict) 
     command = [
         sys.executable,
         "-m",
-        "builder.cli",
+        "yamlformer.builder.cli",
         "tokenize",
         str(corpus),
         "-o",
@@ -387,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(
         os.environ,
         RAYON_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PYTHONSAFEPATH="1",
     )
     print(
         f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; started {time.strftime('%Y-%m-%d %H:%M')}",
