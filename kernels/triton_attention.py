@@ -164,6 +164,20 @@ def _common(q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, docume
     return (bias_arg, alibi_arg, docs_arg), (*bias_strides, doc_stride), flags, knobs
 
 
+def _forward_outputs(q, v):
+    """``(out, lse)`` as the forward returns them: ``out`` (B, H, Sq, Dv) contiguous in ``q``'s
+    dtype, ``lse`` (B, H, Sq) fp32. The kernels and the fake implementation both allocate here,
+    so ``torch.compile`` sees the strides the kernels return."""
+    B, H, Sq, _ = q.shape
+    return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+def _gradient_outputs(q, k, v):
+    """``(dq, dk, dv)`` as the backward kernels store them: contiguous, whatever the inputs'
+    layout (a query laid out (B, S, H, D) still gets a (B, H, S, D)-contiguous ``dq``)."""
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _check_device(q):
     if q.device.type == "cpu" and not INTERPRET:
         raise ValueError(
@@ -205,8 +219,7 @@ def flash_forward(
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
-    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    out, lse = _forward_outputs(q, v)
     if out.numel() == 0 or Sk == 0:
         return out.zero_(), lse.fill_(float("inf"))
     reads, bs, flags, (cap, window, chunk) = _common(
@@ -324,9 +337,7 @@ def flash_backward(
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     # every tile of dq, dk, dv is stored by the kernels (dk/dv tiles with no visible query as 0)
-    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, Sk, Dv), dtype=v.dtype, device=q.device)
+    dq, dk, dv = _gradient_outputs(q, k, v)
     # dz of every score: the (B, H, Sq, Sk) matrix only exists when the bias itself needs a grad
     dbias_full = torch.zeros((B, H, Sq, Sk) if bias_needs_grad else (0,), dtype=torch.float32, device=q.device)
     dsinks = torch.zeros((H,) if sinks is not None else (0,), dtype=torch.float32, device=q.device)
@@ -372,7 +383,7 @@ def flash_backward(
     shape4 = (1,) * -lead + tuple(bias.shape)
     dims = [i for i in range(4) if shape4[i] == 1 and dbias_full.shape[i] != 1]
     dbias = dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full
-    return dq, dk, dv, dbias.reshape(bias.shape).to(bias.dtype), dsinks
+    return dq, dk, dv, dbias.reshape(bias.shape).to(bias.dtype).contiguous(), dsinks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,8 +425,7 @@ def _flash_attention_fake(
     sinks=None,
     chunk_size=None,
 ):
-    B, H, Sq, _ = q.shape
-    return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
+    return _forward_outputs(q, v)
 
 
 @torch.library.custom_op("yamlformer::flash_attention_backward", mutates_args=())
@@ -476,9 +486,10 @@ def _flash_attention_backward_fake(
     sinks=None,
     chunk_size=None,
 ):
-    dbias = torch.empty_like(bias) if bias_needs_grad else q.new_empty((0,), dtype=torch.float32)
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
+    # as flash_backward returns them: dbias reduced to bias.shape and contiguous, dsinks (H,)
+    dbias = bias.new_empty(bias.shape) if bias_needs_grad else q.new_empty((0,), dtype=torch.float32)
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return (*_gradient_outputs(q, k, v), dbias, dsinks)
 
 
 def _setup_context(ctx, inputs, output):
