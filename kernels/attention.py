@@ -14,8 +14,12 @@ Backends:
 * ``triton``: the FlashAttention-2 kernels in :mod:`yamlformer.kernels.triton_attention` (imported on first
   use; on CPU tensors they run under the Triton interpreter). Sinks and chunks are inside the
   kernels: the online softmax starts from the sink logit, chunks skip whole key tiles.
-* ``auto``: ``triton`` for CUDA tensors, ``sdpa`` elsewhere (and ``sdpa`` whenever
-  ``dropout_p > 0`` or a head dim is over 256, which the Triton kernels do not handle).
+* ``auto`` (:func:`auto_backend`): on CUDA, ``sdpa`` wherever SDPA runs the attention without a
+  mask tensor (no mask, or causal over equal lengths: its flash and cuDNN kernels, which measured
+  faster than ours on an H200, ``benchmarks/RESULTS.md``), and ``triton`` where only a mask tensor
+  would express it to SDPA (windows, chunks, documents, ALiBi, a bias, sinks, explicit token
+  indices) or SDPA cannot at all (soft-capping); ``sdpa`` on every other device, and whenever
+  ``dropout_p > 0`` or a head dim is over 256, which the Triton kernels do not handle.
 
 The values may be narrower or wider than the queries and keys (``v`` ``(..., head_dim_v)``, the
 output ``(..., head_dim_v)``): DeepSeek's multi-head latent attention scores with 192-wide heads
@@ -115,9 +119,8 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     starts = document_starts(document_ids) if document_ids is not None else None
     if backend == "auto":
-        widest = max(q.shape[-1], v.shape[-1])
-        fused_ok = q.is_cuda and dropout_p == 0.0 and widest <= MAX_TRITON_HEAD_DIM
-        backend = "triton" if fused_ok else "sdpa"
+        masks = (sliding_window, chunk_size, alibi_slopes, bias, softcap, token_index, document_ids, sinks)
+        backend = auto_backend(q.device.type, q, v, causal, dropout_p, masks)
     if token_index is not None:
         # Explicit indices: the masks and ALiBi become one additive bias every backend takes.
         bias = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, token_index, None, chunk_size)
@@ -163,6 +166,24 @@ def attention(
     if backend == "sdpa" and softcap is None:
         return _sdpa(q, k, v, *masks, scale, dropout_p, starts, sinks)
     return _eager(q, k, v, *masks, softcap, scale, dropout_p, starts, sinks)
+
+
+def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float, masks) -> str:
+    """The backend ``backend="auto"`` runs on a ``device_type`` device (the module doc).
+    ``masks``: what the attention has besides ``causal``: ``(sliding_window, chunk_size,
+    alibi_slopes, bias, softcap, token_index, document_ids, sinks)``, each None when absent."""
+    if device_type != "cuda" or dropout_p > 0.0 or max(q.shape[-1], v.shape[-1]) > MAX_TRITON_HEAD_DIM:
+        return "sdpa"
+    if all(m is None for m in masks) and _sdpa_unmasked(causal, q.shape[2], v.shape[2]):
+        return "sdpa"
+    return "triton"
+
+
+def _sdpa_unmasked(causal: bool, seq_q: int, seq_k: int) -> bool:
+    """Whether SDPA runs causal (or not) attention of these lengths without a mask tensor: SDPA's
+    ``is_causal`` aligns the queries at the top left, ours at the bottom right (the queries are
+    the last ``seq_q`` positions), which agree when the lengths are equal; one query sees every key."""
+    return not causal or seq_q == seq_k or seq_q == 1
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -363,9 +384,10 @@ def _sdpa(q, k, v, causal, sliding_window, chunk_size, alibi_slopes, bias, scale
         # sees itself, so no row is empty (SDPA would return NaN for one)
         keep, _ = _visible(seq_q, seq_k, causal, sliding_window, q.device, None, starts, chunk_size)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, **gqa)
-    simple_causal = causal and seq_q == seq_k and sliding_window is None and chunk_size is None
-    if simple_causal and alibi_slopes is None and bias is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+    plain = sliding_window is None and chunk_size is None and alibi_slopes is None and bias is None and sinks is None
+    if plain and causal and _sdpa_unmasked(causal, seq_q, seq_k):
+        is_causal = seq_q == seq_k and seq_q > 1  # one query sees every key: no mask at all
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
     add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype, None, starts, chunk_size)
     if add is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)

@@ -66,7 +66,7 @@ class _Version(argparse.Action):
 
 
 def versions() -> str:
-    """One line: ``builder 0.1.0 (torch 2.13.0, lightning 2.6.6, triton 3.9.0, CUDA 12.8)``."""
+    """One line: ``builder 0.2.0 (torch 2.13.0, lightning 2.6.6, triton 3.9.0, CUDA 12.8)``."""
     from importlib.metadata import PackageNotFoundError, version
 
     import yamlformer.builder

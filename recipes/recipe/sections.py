@@ -132,6 +132,12 @@ class _TrainingFields(_Section):
         description="auto | 32 | bf16-mixed | 16-mixed | bf16-true. auto: bf16-mixed on a GPU with bf16 and on a "
         "CPU with AMX or AVX512-BF16, else 32 (bf16 emulated on other CPUs is slower than fp32).",
     )
+    matmul_precision: Literal["auto", "highest", "high", "medium"] = Field(
+        "auto",
+        description="float32 matmuls (torch.set_float32_matmul_precision): highest (true fp32) | high (TF32 "
+        "on GPUs that have it) | medium (bf16 passes) | auto: high under a mixed or bf16 precision (its few "
+        "fp32 matmuls), highest under 32 (the recipe asked for fp32).",
+    )
     compile: bool | Literal["model", "layers"] = Field(
         False,
         description="torch.compile: model (the model, the loss and their backward as one graph) | layers "

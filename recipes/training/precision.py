@@ -138,6 +138,14 @@ class ClippingMixedPrecision(MixedPrecision):
         Precision.clip_gradients(self, optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
 
+def matmul_precision(setting: str, precision: str) -> str:
+    """``torch.set_float32_matmul_precision``'s value for ``trainer.matmul_precision`` under a
+    concrete ``precision``: ``auto`` is ``high`` (TF32) unless the recipe trains in ``32``."""
+    if setting != "auto":
+        return setting
+    return "highest" if precision == "32" else "high"
+
+
 def lightning_plugin(precision: str, device: str, sharded: bool = False) -> Precision:
     """Lightning's precision plugin for a resolved recipe precision on ``device`` (``cpu`` or
     ``cuda``). ``sharded``: under FSDP2 (``yamlformer.recipes.parallel``) its mixed-precision policy casts,

@@ -36,7 +36,7 @@ from yamlformer.recipes.training.callbacks import (
     stop_line,
 )
 from yamlformer.recipes.training.checkpointing import AtomicCheckpointIO, RecipeCheckpoint, newest_intact
-from yamlformer.recipes.training.precision import lightning_plugin, on_cuda, resolve_precision
+from yamlformer.recipes.training.precision import lightning_plugin, matmul_precision, on_cuda, resolve_precision
 from yamlformer.recipes.training.pretrained import freeze_parts, load_init_from
 from yamlformer.recipes.training.run_folder import owns_run_folder
 from yamlformer.recipes.training.run_log import recipe_dump, record, resolved_recipe, run_loggers
@@ -60,6 +60,7 @@ class _Quiet(logging.Filter):
         "Restored all states from the checkpoint",
         "`Trainer.fit` stopped:",
         "does not have many workers",
+        "set_float32_matmul_precision",  # trainer.matmul_precision sets it (make_trainer)
     )  # one worker makes batches far faster than a step takes them
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -338,6 +339,8 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     settings = recipe.trainer
     duration = settings.max_time_delta()
     timer = [InvocationTimer(duration)] if duration is not None else []
+    # the recipe decides fp32 matmuls (Lightning's advice to set them is then noise, _Quiet)
+    torch.set_float32_matmul_precision(matmul_precision(settings.matmul_precision, settings.precision))
     return L.Trainer(
         max_steps=settings.max_steps,
         max_epochs=-1,
@@ -356,6 +359,10 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
         plugins=plugins_for(recipe),
         enable_checkpointing=False,
         enable_model_summary=False,
+        # validation under no_grad, not inference_mode: FSDP2 unshards parameters during a
+        # validation, and under inference_mode they come back as inference tensors, which the
+        # next checkpoint's state dict cannot detach (every sharded CUDA run died at its end)
+        inference_mode=False,
         use_distributed_sampler=False,
         log_every_n_steps=settings.log_every_n_steps,
         default_root_dir=out,

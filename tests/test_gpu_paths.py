@@ -1,0 +1,157 @@
+"""What the first GPU run found, held on the CPU: the choices behind each fix are tested here with
+the device detection patched, so the suite means the same with or without a GPU."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import lightning as L
+import pytest
+import torch
+from recipe_helpers import tiny_recipe
+
+attn = importlib.import_module("yamlformer.kernels.attention")  # the module (the package exports its function)
+
+# -- attention: what `auto` runs -------------------------------------------------------------------
+
+NO_MASKS = (None,) * 8
+#: one of auto_backend's `masks` at a time, by its place in the tuple
+MASKS = {
+    "window": 0,
+    "chunk": 1,
+    "alibi": 2,
+    "bias": 3,
+    "softcap": 4,
+    "token_index": 5,
+    "documents": 6,
+    "sinks": 7,
+}
+
+
+def _qv(seq_q=16, head_dim=64):
+    return torch.empty(1, 4, seq_q, head_dim), torch.empty(1, 2, 16, head_dim)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_auto_takes_sdpa_on_cuda_wherever_sdpa_needs_no_mask(causal):
+    q, v = _qv()
+    assert attn.auto_backend("cuda", q, v, causal, 0.0, NO_MASKS) == "sdpa"
+    q1, _ = _qv(seq_q=1)  # a decode step: one query sees every key
+    assert attn.auto_backend("cuda", q1, v, causal, 0.0, NO_MASKS) == "sdpa"
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_auto_takes_triton_on_cuda_where_only_a_mask_tensor_would_tell_sdpa(mask):
+    q, v = _qv()
+    masks = list(NO_MASKS)
+    masks[MASKS[mask]] = object()
+    assert attn.auto_backend("cuda", q, v, True, 0.0, tuple(masks)) == "triton"
+    assert attn.auto_backend("cpu", q, v, True, 0.0, tuple(masks)) == "sdpa"
+    assert attn.auto_backend("cuda", q, v, True, 0.1, tuple(masks)) == "sdpa"  # dropout: ours has none
+    wide_q, wide_v = _qv(head_dim=288)
+    assert attn.auto_backend("cuda", wide_q, wide_v, True, 0.0, tuple(masks)) == "sdpa"  # over the Triton tiles
+    short_q, _ = _qv(seq_q=8)  # causal over fewer queries than keys: SDPA would need a mask
+    assert attn.auto_backend("cuda", short_q, v, True, 0.0, NO_MASKS) == "triton"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_auto_runs_the_backend_it_chose_with_cuda_detection_patched(monkeypatch, window):
+    """The wiring: `attention(backend="auto")` asks auto_backend as if on a GPU and runs what it
+    says (the Triton kernel under the interpreter for a window, SDPA without), to eager's numbers."""
+    from yamlformer.kernels import triton_attention
+
+    chosen = []
+    real = attn.auto_backend
+    monkeypatch.setattr(attn, "auto_backend", lambda _, *args: chosen.append(real("cuda", *args)) or chosen[-1])
+    called = []
+    kernel = triton_attention.flash_attention
+    monkeypatch.setattr(triton_attention, "flash_attention", lambda *a: called.append(1) or kernel(*a))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 20, 16, generator=g) for h in (4, 2, 2))
+    out = attn.attention(q, k, v, causal=True, sliding_window=window, backend="auto")
+    expected = attn.attention(q, k, v, causal=True, sliding_window=window, backend="eager")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert chosen == ["sdpa" if window is None else "triton"]
+    assert bool(called) == (window is not None)
+
+
+# -- validation under a sharded strategy -----------------------------------------------------------
+
+
+class _Watch(L.Callback):
+    """Records whether validation ran under inference mode and whether it left inference tensors
+    in the parameters, then saves the model's state dict as the next checkpoint would."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_validation_batch_start(self, trainer, pl_module, *args):
+        self.seen.append(("inference mode", torch.is_inference_mode_enabled()))
+
+    def on_validation_end(self, trainer, pl_module):
+        local = [getattr(p, "_local_tensor", p) for p in pl_module.parameters()]
+        self.seen.append(("inference parameters", any(t.is_inference() for t in local)))
+        self.seen.append(("state dict", len(trainer.strategy.lightning_module_state_dict())))
+
+
+def test_a_sharded_runs_validation_leaves_parameters_a_checkpoint_can_save(tmp_path, monkeypatch):
+    """FSDP2 unshards into inference tensors under Lightning's default inference_mode, and the
+    next save's `param.detach()` then fails (every sharded CUDA run died at its end): validation
+    runs under no_grad, its parameters stay ordinary tensors, and the state dict is taken.
+    Lightning itself validates under no_grad on gloo, which hid this on the CPU: its check is
+    patched to see the NCCL a GPU run has."""
+    from lightning.pytorch.loops import utilities
+
+    from yamlformer.recipes.training.run import run
+
+    monkeypatch.setattr(utilities, "_distributed_is_initialized", lambda: False)
+
+    watch = _Watch()
+    # a run that does not end on a validation: its end validates again (trainer.validate, which
+    # the crash came from; fit's own validations run under no_grad whatever the Trainer says)
+    trainer = {"strategy": "fsdp", "max_steps": 3, "val_check_interval": 2, "checkpoint_every_n_steps": 2}
+    summary = run(tiny_recipe(tmp_path, trainer=trainer), samples=False, callbacks=[watch])
+    assert summary["steps"] == 3 and summary["val_loss"] is not None
+    assert sum(kind == "state dict" for kind, _ in watch.seen) == 2  # fit's validation and the end's
+    kinds = {kind for kind, _ in watch.seen}
+    assert kinds == {"inference mode", "inference parameters", "state dict"}
+    assert all(value is False for kind, value in watch.seen if kind != "state dict")
+    assert all(value > 0 for kind, value in watch.seen if kind == "state dict")
+
+
+# -- float32 matmuls ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("precision", "setting", "expected"),
+    [
+        ("bf16-mixed", "auto", "high"),
+        ("32", "auto", "highest"),
+        ("32", "high", "high"),
+        ("bf16-true", "medium", "medium"),
+    ],
+)
+def test_the_recipe_sets_float32_matmuls_and_lightnings_advice_is_not_printed(
+    tmp_path, monkeypatch, caplog, precision, setting, expected
+):
+    from lightning.fabric.accelerators import cuda as lightning_cuda
+
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.training.run import make_trainer, quiet_lightning
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        path = tiny_recipe(tmp_path, trainer={"precision": precision, "matmul_precision": setting})
+        make_trainer(load_recipe(path), tmp_path / "out", [])
+        assert torch.get_float32_matmul_precision() == expected
+        # what Lightning's CUDA accelerator runs at setup, as on an Ampere or later GPU
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(lightning_cuda, "_is_ampere_or_later", lambda device=None: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+        quiet_lightning()
+        with caplog.at_level(logging.INFO):
+            lightning_cuda._check_cuda_matmul_precision(torch.device("cuda", 0))
+        assert "set_float32_matmul_precision" not in caplog.text
+    finally:
+        torch.set_float32_matmul_precision(before)
