@@ -155,3 +155,74 @@ def test_the_recipe_sets_float32_matmuls_and_lightnings_advice_is_not_printed(
         assert "set_float32_matmul_precision" not in caplog.text
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+# -- host synchronisations per training step ---------------------------------------------------------
+
+#: the Tensor methods that read a value back to the host (on a GPU each waits for every queued kernel)
+HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+    torch.nonzero,
+    torch.Tensor.nonzero,
+}
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class _CountReads(L.Callback):
+    """Host reads from the start of each training batch to the start of the next (its forward,
+    backward, clipping, optimizer step, schedule and every batch-end hook), by step."""
+
+    def __init__(self):
+        self.by_step: dict[int, list[str]] = {}
+        self._mode, self._step = None, None
+
+    def _close(self):
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.by_step[self._step] = self._mode.calls
+            self._mode = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._close()
+        self._mode, self._step = _HostReads(), trainer.global_step + 1
+        self._mode.__enter__()
+
+    def on_train_end(self, trainer, pl_module):
+        self._close()
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_a_training_step_reads_nothing_back_to_the_host_but_at_log_steps(tmp_path, precision):
+    """What a step costs beyond the model: no value read back (a GPU sync) in a step that neither
+    logs nor saves; the losses are read once per log interval."""
+    from yamlformer.recipes.training.run import run
+
+    counter = _CountReads()
+    trainer = {
+        "max_steps": 8,
+        "log_every_n_steps": 4,
+        "val_check_interval": 100,
+        "checkpoint_every_n_steps": 100,
+        "precision": precision,
+    }
+    run(tiny_recipe(tmp_path, trainer=trainer), samples=False, callbacks=[counter])
+    assert sorted(counter.by_step) == list(range(1, 9))
+    quiet = {step: calls for step, calls in counter.by_step.items() if step % 4}
+    assert quiet == {step: [] for step in quiet}, quiet
+    assert all(counter.by_step[step] for step in (4, 8))  # the loss, read at each log step

@@ -10,6 +10,21 @@ import lightning as L
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 
 
+def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Training metrics known on the host (a loss read at a log step, the throughput) shown on the
+    progress bar and written to the run's loggers (rank zero), in the row Lightning's own logging
+    would write them: the step of the batch just trained (``global_step - 1``) and the epoch.
+    Not through ``LightningModule.log``: a value logged there stays in Lightning's results as a
+    device tensor that it reads back at every later step, a GPU synchronisation each time."""
+    shown = getattr(trainer.progress_bar_callback, "shown", None)
+    if shown is not None:
+        shown.update(metrics)
+    if trainer.is_global_zero:
+        row = dict(metrics, epoch=trainer.current_epoch)
+        for logger in trainer.loggers:
+            logger.log_metrics(row, step=max(0, trainer.global_step - 1))
+
+
 class Throughput(L.Callback):
     """Tokens/s, achieved TFLOP/s and MFU from the analytic FLOPs, on the progress bar and logs
     (the median of the last :attr:`SMOOTHING` intervals).
@@ -80,8 +95,7 @@ class Throughput(L.Callback):
             from yamlformer.builder.analysis.mfu import mfu
 
             metrics["MFU"] = mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
-        for name, value in metrics.items():
-            pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+        publish(trainer, metrics)
         self._restart()
 
     def median_tokens_per_s(self) -> float | None:
@@ -119,9 +133,14 @@ class CountedThroughput(Throughput):
 
 
 class StepProgressBar(TQDMProgressBar):
-    """The training bar counts to ``max_steps`` and shows readable numbers."""
+    """The training bar counts to ``max_steps`` and shows readable numbers: Lightning's metrics
+    and what :func:`publish` shows (host numbers, refreshed at log steps)."""
 
     _FORMATS = {"tok/s": "{:,.0f}", "TFLOP/s": "{:.3g}", "MFU": "{:.1%}", "loss": "{:.4f}", "val_loss": "{:.4f}"}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shown: dict[str, float] = {}
 
     @property
     def total_train_batches(self):
@@ -135,7 +154,7 @@ class StepProgressBar(TQDMProgressBar):
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def get_metrics(self, trainer, pl_module):
-        metrics = super().get_metrics(trainer, pl_module)
+        metrics = {**super().get_metrics(trainer, pl_module), **self.shown}
         metrics.pop("v_num", None)
         for name, fmt in self._FORMATS.items():
             if isinstance(metrics.get(name), (int, float)):

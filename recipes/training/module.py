@@ -13,6 +13,7 @@ from torch import nn
 
 from yamlformer.recipes.parallel.compile import compiled_losses
 from yamlformer.recipes.recipe.sections import Recipe, ScheduleSection
+from yamlformer.recipes.training.callbacks import publish
 from yamlformer.recipes.training.optimizer import adamw
 
 #: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
@@ -243,14 +244,7 @@ class LMModule(L.LightningModule):
         if stepped and self._log_step():
             if not self.flush_losses() and self.history["train"] and self.history["train"][-1][0] == self.global_step:
                 # read already by the checkpoint written at this step: logged now
-                self.log(
-                    "loss",
-                    self.history["train"][-1][1],
-                    prog_bar=True,
-                    on_step=True,
-                    on_epoch=False,
-                    rank_zero_only=True,
-                )
+                publish(self.trainer, {"loss": self.history["train"][-1][1]})
 
     def _pending_mean_sum(self) -> float:
         """The pending sum averaged over the ranks (every rank calls this at the same step), read
@@ -271,7 +265,7 @@ class LMModule(L.LightningModule):
         self._pending, self._pending_steps = None, 0
         self.history["train"].append((self.global_step, value))
         if log:
-            self.log("loss", value, prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True)
+            publish(self.trainer, {"loss": value})
         return True
 
     def validation_step(self, batch, batch_idx):
