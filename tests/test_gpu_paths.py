@@ -226,3 +226,15 @@ def test_a_training_step_reads_nothing_back_to_the_host_but_at_log_steps(tmp_pat
     quiet = {step: calls for step, calls in counter.by_step.items() if step % 4}
     assert quiet == {step: [] for step in quiet}, quiet
     assert all(counter.by_step[step] for step in (4, 8))  # the loss, read at each log step
+
+
+def test_a_cuda_runs_batches_come_in_pinned_memory():
+    """Lightning copies each batch to the GPU non-blocking; from pageable memory that copy is
+    staged by the host first. Every task's loader pins its batches when the run is on CUDA."""
+    from types import SimpleNamespace
+
+    from yamlformer.recipes.data.windows import loader
+
+    on = lambda kind: SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(kind, 0)))
+    assert loader([], on("cuda")).pin_memory
+    assert not loader([], on("cpu")).pin_memory and not loader([], None).pin_memory

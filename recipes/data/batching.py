@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
-from yamlformer.recipes.data.windows import PositionedDataModule
+from yamlformer.recipes.data.windows import PositionedDataModule, loader
 from yamlformer.recipes.errors import RecipeError
 
 
@@ -137,8 +137,8 @@ class BucketDataModule(PositionedDataModule):
         data = StreamBatches(
             self.train, self.train_lengths, self.max_tokens, self.collate, self.seed, *self._rank(), self.position
         )
-        return DataLoader(data, batch_size=None, num_workers=0)
+        return loader(data, self.trainer)
 
     def val_dataloader(self):
         data = FixedBatches(self.val, self.val_lengths, self.max_tokens, self.collate, *self._rank())
-        return DataLoader(data, batch_size=None, num_workers=0)
+        return loader(data, self.trainer)

@@ -117,6 +117,22 @@ class ValWindows(IterableDataset):
             yield self.mixture.batch(self.mixture.validation, first, self.batch_size)
 
 
+def loader(data, trainer, workers: int = 0, worker_init_fn=None) -> DataLoader:
+    """A loader of ready micro-batches (``data`` yields whole batches): ``workers`` processes
+    prefetching four each, and pinned host memory when the run trains on a CUDA GPU, so that
+    Lightning's non-blocking copy to the device does not stage through pageable memory."""
+    pin = trainer is not None and trainer.strategy.root_device.type == "cuda"
+    return DataLoader(
+        data,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+        worker_init_fn=worker_init_fn,
+        pin_memory=pin,
+    )
+
+
 class PositionedDataModule(L.LightningDataModule):
     """A data module whose whole state is its position: the micro-batches consumed, restored
     from checkpoints (``accumulate`` micro-batches per optimizer step)."""
@@ -184,17 +200,8 @@ class LMDataModule(L.LightningDataModule):
         step = self.trainer.global_step if self.trainer is not None else self._resumed[1]
         data = TrainWindows(self.mixture, self.batch_size, rank, world, self.windows_taken(step), self.accumulate)
         workers = self.num_workers
-        return DataLoader(
-            data,
-            batch_size=None,
-            num_workers=workers,
-            prefetch_factor=4 if workers else None,
-            persistent_workers=False,
-            worker_init_fn=worker_ignores_signals if workers else None,
-        )
+        return loader(data, self.trainer, workers, worker_ignores_signals if workers else None)
 
     def val_dataloader(self):
         rank, world = self._rank()
-        return DataLoader(
-            ValWindows(self.mixture, self.batch_size, self.val_batches, rank, world), batch_size=None, num_workers=0
-        )
+        return loader(ValWindows(self.mixture, self.batch_size, self.val_batches, rank, world), self.trainer)

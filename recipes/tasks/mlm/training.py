@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from yamlformer.recipes.data.tokenizers import build_tokenizer
 from yamlformer.recipes.data.windows import LMDataModule
+from yamlformer.recipes.data.windows import loader as batch_loader
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.sections import model_spec
 from yamlformer.recipes.tasks.lm.training import eval_batches
@@ -116,14 +117,7 @@ class MLMDataModule(LMDataModule):
     def _masked(self, loader: DataLoader, stream: int, first: int) -> DataLoader:
         rank, _ = self._rank()
         data = MaskedWindows(loader.dataset, self.specials, self.settings, self.seed, stream, rank, first)
-        workers = loader.num_workers
-        return DataLoader(
-            data,
-            batch_size=None,
-            num_workers=workers,
-            prefetch_factor=4 if workers else None,
-            worker_init_fn=loader.worker_init_fn,
-        )
+        return batch_loader(data, self.trainer, loader.num_workers, loader.worker_init_fn)
 
     def train_dataloader(self):
         return self._masked(super().train_dataloader(), 0, self.micro_batches_taken())
