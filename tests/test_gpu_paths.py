@@ -238,3 +238,22 @@ def test_a_cuda_runs_batches_come_in_pinned_memory():
     on = lambda kind: SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(kind, 0)))
     assert loader([], on("cuda")).pin_memory
     assert not loader([], on("cpu")).pin_memory and not loader([], None).pin_memory
+
+
+def test_each_micro_batch_seeds_the_cpu_generator_and_its_gpus_only(monkeypatch):
+    """Dropout's draws per micro-batch come from the CPU's generator and the step's GPU's; the
+    other GPUs' (and device kinds never used) are left alone. torch.manual_seed, which seeds
+    them all, recorded a stack trace per step for each device kind not yet initialised."""
+    from yamlformer.recipes.training.module import seed_generators
+
+    fakes = (torch.Generator(), torch.Generator())
+    for g in fakes:
+        g.manual_seed(99)
+    monkeypatch.setattr(torch.cuda, "default_generators", fakes)
+    before = torch.default_generator.get_state()
+    try:
+        seed_generators(torch.device("cuda", 1), 1234)
+        assert torch.default_generator.initial_seed() == 1234
+        assert [g.initial_seed() for g in fakes] == [99, 1234]
+    finally:
+        torch.default_generator.set_state(before)

@@ -112,6 +112,16 @@ def micro_batch_seed(seed: int, rank: int, micro_batch: int) -> int:
     return hash((seed, rank, micro_batch)) & ((1 << 63) - 1)
 
 
+def seed_generators(device: torch.device, seed: int) -> None:
+    """Seed the generators a training step on ``device`` draws from: the CPU's and, on a GPU, that
+    device's. (``torch.manual_seed`` seeds every device kind torch knows, and for each one not yet
+    initialised it records a stack trace to report with a failure later: milliseconds a step.)"""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.default_generators[index].manual_seed(seed)
+
+
 class LMModule(L.LightningModule):
     """Next-token prediction with a model from ``build_model``.
 
@@ -337,4 +347,4 @@ class LMModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         accumulate = self.trainer.accumulate_grad_batches
         micro_batch = self.global_step * accumulate + batch_idx % accumulate
-        torch.manual_seed(micro_batch_seed(self.recipe.trainer.seed, self._data_rank, micro_batch))
+        seed_generators(self.device, micro_batch_seed(self.recipe.trainer.seed, self._data_rank, micro_batch))
