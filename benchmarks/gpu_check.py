@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if (REPO.parent / "shared" / "data").is_dir():  # a checkout's local data copies, else the download path
-    os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
+if str(REPO / "benchmarks") not in sys.path:  # its sibling modules, also under PYTHONSAFEPATH (python -P)
+    sys.path.insert(0, str(REPO / "benchmarks"))
 
 #: the sections in the order they run, with the seconds each may take on one H200
 #: (gpu_sections.SECTIONS holds the same names with their functions)
@@ -177,4 +177,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if (REPO.parent / "shared" / "data").is_dir():  # a checkout's local data copies, else the download path
+        os.environ.setdefault("BUILDER_DATA", str(REPO.parent / "shared" / "data"))
     sys.exit(main())
