@@ -27,7 +27,8 @@ def _sets(line: str) -> dict:
 
 
 def test_a_mixture_of_experts_launches_expert_parallel(capsys):
-    rc, out = _plan(capsys, "deepseek-v2-lite", "--gpus", "16", "--seq-len", "4096", "--global-batch", "256")
+    argv = ["deepseek-v2-lite", "--gpus", "16", "--seq-len", "4096", "--global-batch", "256"]
+    rc, out = _plan(capsys, *argv, "--pipeline-parallel", "1", "--context-parallel", "1")  # EP alone
     layout = out["layout"]
     assert rc == 0 and layout["expert_parallel"] > 1 and layout["data_parallel"] != "replicate"
     sets = _sets(out["launch"]["torchrun"])

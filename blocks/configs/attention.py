@@ -191,6 +191,9 @@ class AttentionConfig(AttentionBlock):
     def query_heads(self) -> int:
         return self.n_heads
 
+    def rotated_heads(self) -> int:
+        return self.n_heads + self.n_kv_heads
+
     def rotary_head_dim(self, d_model: int) -> int:
         return self.resolved_head_dim(d_model) if self.rope else 0  # a NoPE layer rotates nothing
 

@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError
 
 from yamlformer.blocks import registry
 from yamlformer.blocks.configs.pairs import visible_pairs
+from yamlformer.blocks.configs.traffic import Traffic, layer_norm, layout_copy
 
 Loc = tuple[str | int, ...]
 Problems = list[tuple[Loc, str]]
@@ -283,6 +284,18 @@ class AttentionBlock(BlockConfig):
         """Whether eager attention adds a mask to the scores (and so copies the probabilities)."""
         return causal or self.window() is not None or self.chunk() is not None
 
+    def rotated_heads(self) -> int:
+        """Query and key heads per token a rotating position block turns (each
+        :meth:`rotary_head_dim` wide); by default twice the query heads (as many keys)."""
+        return 2 * self.query_heads()
+
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        """HBM bytes per token of the memory-bound work around the attention kernel
+        (``yamlformer.blocks.configs.traffic``; the rotation is the position block's): by default the
+        kernel's output copied from heads back to tokens before the output projection, one value
+        per query head and head width (``pair_flops / 4``)."""
+        return layout_copy(self.pair_flops(d_model) // 4, act_bytes)
+
     def flops(self, d_model: int, seq_q: int, seq_k: int, kv_input: bool = True) -> int:
         """Forward FLOPs of one sequence: projections, scores and mix over the full (seq_q, seq_k)
         as eager attention computes them."""
@@ -337,6 +350,12 @@ class PositionBlock(BlockConfig):
         """Bytes a stack keeps once for backward on this block's behalf (shared by its layers)."""
         return 0
 
+    def traffic_per_layer(self, heads: int, rotary_head_dim: int, act_bytes: int) -> Traffic:
+        """HBM bytes per token of this block's work in each attention layer
+        (``yamlformer.blocks.configs.traffic``): ``heads`` query and key heads it may rotate, each
+        ``rotary_head_dim`` wide (``AttentionBlock.rotated_heads``); none by default."""
+        return Traffic()
+
     def problems(self, d_model: int, max_seq_len: int) -> Problems:
         """Rules over this block and the model's dimensions."""
         return []
@@ -379,6 +398,11 @@ class FFNBlock(BlockConfig):
         """Parameters one token meets (a mixture of experts: router, shared and top_k experts)."""
         return self.params(d_model)
 
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        """HBM bytes per token of the block's memory-bound work (activations, gating, routing:
+        ``yamlformer.blocks.configs.traffic``); none by default."""
+        return Traffic()
+
     def expert_parallel_plan(self) -> tuple[str, ...]:
         """The submodules whose parameters expert parallelism splits on dim 0 (stacked routed
         experts, one row per expert) over the ``ep`` ranks; none for a dense block."""
@@ -412,6 +436,11 @@ class NormBlock(BlockConfig):
     @abstractmethod
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         """Bytes kept for backward (see yamlformer.builder.analysis.memory)."""
+
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        """HBM bytes per token of one norm (``yamlformer.blocks.configs.traffic``); by default a
+        norm computed in fp32 by one kernel, as ``F.layer_norm``."""
+        return layer_norm(d_model, act_bytes)
 
     @property
     def per_sublayer(self) -> int:
@@ -475,6 +504,11 @@ class HeadBlock(BlockConfig):
         """Forward FLOPs with the attention of the head's own layers over the (query, key) pairs a
         tiled kernel visits (MFU); :meth:`flops` for a head without layers."""
         return self.flops(d_model, vocab_size, tokens)
+
+    def traffic(self, d_model: int, vocab_size: int, act_bytes: int, compiled_loss: bool = False) -> Traffic:
+        """HBM bytes per token of the head's memory-bound work, its training loss included
+        (``yamlformer.blocks.configs.traffic``; ``compiled_loss`` as :func:`loss_saved_bytes`); none by default."""
+        return Traffic()
 
     def saved_bytes(
         self,

@@ -7,6 +7,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from yamlformer.blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
+from yamlformer.blocks.configs.traffic import Traffic, activation, routing
 from yamlformer.blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
 from yamlformer.blocks.registry import register
 
@@ -53,6 +54,10 @@ class _DenseFFNConfig(FFNBlock):
 
     def flops(self, d_model: int, tokens: int) -> int:
         return 2 * tokens * (self.n_in_projections + 1) * d_model * self.resolved_hidden_dim(d_model)
+
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        # the activation over the hidden width (a GLU's product with the up projection too)
+        return activation(self.resolved_hidden_dim(d_model), act_bytes, gated=self.n_in_projections == 2)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         """Bytes kept for backward (see yamlformer.builder.analysis.memory): the input and the hidden tensors."""
@@ -234,6 +239,11 @@ class MoEConfig(FFNBlock):
             {f"experts.{name}": (self.n_experts, *shape) for name, shape in self.expert.param_shapes(d_model).items()}
         )
         return shapes
+
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        # the router's softmax and choice, each token's top_k rows gathered and combined, the experts' own
+        expert = self.expert.traffic(d_model, act_bytes) * self.top_k
+        return routing(d_model, act_bytes, self.n_experts, self.top_k) + expert
 
     def flops(self, d_model: int, tokens: int) -> int:
         # Every token meets the router; each expert multiplies only the tokens sent to it,
@@ -418,6 +428,13 @@ class DeepSeekMoEConfig(FFNBlock):
             + self.top_k * self.expert.params(d_model)
             + (shared.params(d_model) if shared else 0)
         )
+
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        # as MoE's, and every token through the shared experts
+        shared = self.shared(d_model)
+        routed = routing(d_model, act_bytes, self.n_experts, self.top_k)
+        expert = self.expert.traffic(d_model, act_bytes) * self.top_k
+        return routed + expert + (shared.traffic(d_model, act_bytes) if shared else Traffic())
 
     def flops(self, d_model: int, tokens: int) -> int:
         # the router on every token, tokens * top_k rows through the routed experts (whatever the

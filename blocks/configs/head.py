@@ -16,6 +16,7 @@ from pydantic import Field
 from yamlformer.blocks.configs.base import HeadBlock, Shapes, loss_saved_bytes
 from yamlformer.blocks.configs.ffn import Activation
 from yamlformer.blocks.configs.norm import LayerNormConfig
+from yamlformer.blocks.configs.traffic import Traffic, activation, cross_entropy
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_VOCAB
 from yamlformer.blocks.registry import register
 
@@ -52,6 +53,13 @@ class LMHeadConfig(HeadBlock):
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * vocab_size
+
+    def traffic(self, d_model: int, vocab_size: int, act_bytes: int, compiled_loss: bool = False) -> Traffic:
+        # the loss; under softcap its division, tanh and product (each read, write; backward read two,
+        # write one), fused into one kernel by compile
+        a = act_bytes
+        softcap = Traffic(6 * a, 9 * a, 2 * a, 3 * a) * vocab_size if self.softcap is not None else Traffic()
+        return cross_entropy(vocab_size, a, compiled_loss) + softcap
 
     def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int, **run) -> int:
         # the projection input; the logits the caller holds; the loss's (loss_saved_bytes); under
@@ -94,6 +102,11 @@ class MLMHeadConfig(HeadBlock):
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * tokens * d_model * (d_model + vocab_size)
+
+    def traffic(self, d_model: int, vocab_size: int, act_bytes: int, compiled_loss: bool = False) -> Traffic:
+        # the transform's activation and norm, then the loss
+        transform = activation(d_model, act_bytes, gated=False) + self.norm.traffic(d_model, act_bytes)
+        return transform + cross_entropy(vocab_size, act_bytes, compiled_loss)
 
     def saved_bytes(self, d_model: int, vocab_size: int, tokens: int, act_bytes: int, **run) -> int:
         # dense input, activation input and output (the norm's input), the norm, then as lm

@@ -19,6 +19,7 @@ from yamlformer.blocks.configs.base import (
     nested_block,
     rule_error,
 )
+from yamlformer.blocks.configs.traffic import Traffic, dropout, residual
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,26 @@ class LayerConfig:
         if self.dropout > 0:
             saved += len(self.sublayers(cross)) * batch * tokens * d_model  # one-byte masks
         return saved - self._shared_saved_bytes(d_model, batch * tokens, act_bytes, cross)
+
+    def traffic(self, d_model: int, act_bytes: int, position: PositionBlock, cross: bool = False) -> dict[str, Traffic]:
+        """HBM bytes per token of the layer's memory-bound work (``yamlformer.blocks.configs.traffic``)
+        by part: ``attention`` (around the kernels, cross-attention's too), ``position`` (the
+        rotation the position block applies in the self-attention), ``ffn``, ``norms``, and
+        ``residual`` (each sub-layer's residual add, and its dropout when the layer has one)."""
+        attn, subs = self.attention, len(self.sublayers(cross))
+        around = attn.traffic(d_model, act_bytes)
+        if cross:
+            around = around + self.cross_attention.traffic(d_model, act_bytes)
+        adds = residual(d_model, act_bytes) * subs
+        if self.dropout > 0:
+            adds = adds + dropout(d_model, act_bytes) * subs
+        return {
+            "attention": around,
+            "position": position.traffic_per_layer(attn.rotated_heads(), attn.rotary_head_dim(d_model), act_bytes),
+            "ffn": self.ffn.traffic(d_model, act_bytes),
+            "norms": self.norm.traffic(d_model, act_bytes) * len(self.norm_names(cross)),
+            "residual": adds,
+        }
 
     def _shared_saved_bytes(self, d_model: int, tokens: int, act_bytes: int, cross: bool) -> int:
         """What the blocks' own counts hold twice in a parallel layer, whose sub-layers read one

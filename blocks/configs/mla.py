@@ -123,6 +123,9 @@ class MLAConfig(AttentionBlock):
     def query_heads(self) -> int:
         return self.n_heads
 
+    def rotated_heads(self) -> int:
+        return self.n_heads + 1  # every query head's rotary part and the one shared rotary key
+
     def rotary_head_dim(self, d_model: int) -> int:
         return self.qk_rope_head_dim
 

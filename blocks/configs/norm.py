@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from yamlformer.blocks.configs.base import NormBlock, Placement, Shapes
+from yamlformer.blocks.configs.traffic import Traffic, rms_norm
 from yamlformer.blocks.limits import MAX_FACTOR
 from yamlformer.blocks.registry import register
 
@@ -64,6 +65,9 @@ class RMSNormConfig(_NormConfig):
 
     def param_shapes(self, d_model: int) -> Shapes:
         return {"weight": (d_model,)}
+
+    def traffic(self, d_model: int, act_bytes: int) -> Traffic:
+        return rms_norm(d_model, act_bytes)
 
     def saved_bytes(self, d_model: int, tokens: int, act_bytes: int) -> int:
         # x.float() (kept by pow and the multiply), the fp32 1/rms per token, the normalised x

@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from yamlformer.blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, Shapes, rule_error
+from yamlformer.blocks.configs.traffic import Traffic, rotary
 from yamlformer.blocks.limits import MAX_BUCKETS, MAX_FACTOR, MAX_SEQ_LEN
 from yamlformer.blocks.registry import register
 
@@ -161,6 +162,9 @@ class RopeConfig(_PositionConfig):
     def rotary_dim(self, head_dim: int) -> int:
         """The rotated width of a head whose rotary part is ``head_dim`` wide."""
         return int(head_dim * self.rotary_fraction)
+
+    def traffic_per_layer(self, heads: int, rotary_head_dim: int, act_bytes: int) -> Traffic:
+        return rotary(heads * self.rotary_dim(rotary_head_dim), act_bytes)
 
     def saved_bytes_per_layer(self, batch: int, seq: int, rotary_head_dim: int, act_bytes: int) -> int:
         # yamlformer.blocks.positions.Rope makes cos and sin (batch, 1, seq, rotary_dim) in every layer;

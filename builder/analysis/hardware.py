@@ -83,15 +83,23 @@ GPUS: dict[str, GPU] = {
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
 
 
-def gpu(name: str, **overrides) -> GPU:
-    """The table's row for ``name`` (``h100``, ``H100 SXM``, ``mi300x``), with any figure replaced:
+def resolve(name: str) -> str:
+    """The key ``name`` stands for (``H100 SXM`` -> ``h100``), known to the table or not."""
+    key = name.strip().lower().replace(" ", "-").replace("_", "-")
+    return ALIASES.get(key, key)
+
+
+def gpu(name: str, row: GPU | None = None, **overrides) -> GPU:
+    """The table's row for ``name`` (``h100``, ``H100 SXM``, ``mi300x``), or ``row`` (a device the
+    table does not know: a calibration table's own datasheet), with any figure replaced:
     ``memory``, ``hbm_bandwidth``, ``intra_node``, ``inter_node``, ``per_node`` or ``peak`` (FLOP/s
     in every dtype it lists, scaled together). ``ValueError`` names an unknown GPU."""
-    key = name.strip().lower().replace(" ", "-").replace("_", "-")
-    key = ALIASES.get(key, key)
-    if key not in GPUS:
-        raise ValueError(f"--gpu {name!r}: unknown; one of {', '.join(GPUS)}")
-    row = GPUS[key]
+    key = resolve(name)
+    if row is None and key not in GPUS:
+        raise ValueError(
+            f"--gpu {name!r}: unknown; one of {', '.join(GPUS)}, or a device `builder plan --calibrate` measured"
+        )
+    row = row or GPUS[key]
     peak = overrides.pop("peak", None)
     if peak is not None:
         scale = peak / row.peak["bf16"]

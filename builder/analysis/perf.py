@@ -2,23 +2,32 @@
 
 :func:`predict` takes a spec, a :class:`yamlformer.builder.analysis.layout.Layout` (tensor, pipeline,
 context, expert parallel, FSDP / HSDP / replicate), a :class:`Run` (sequence, global batch,
-micro-batch, recomputation, pipeline schedule, compile, async TP, float8) and a
-:class:`yamlformer.builder.analysis.hardware.GPU`, and returns a :class:`Prediction`: the step time in
-parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it counts:
+micro-batch, recomputation, pipeline schedule, compile, async TP, float8, attention backend) and a
+:class:`yamlformer.builder.analysis.hardware.GPU` with its calibration
+(``yamlformer.builder.analysis.calibration``: the GPU's measured kernel rates), and returns a
+:class:`Prediction`: the step time in parts, tokens/s per GPU, MFU and the memory of the GPU
+holding the most. Every term is a count (FLOPs, bytes, collectives) over a measured rate; nothing
+is fitted to a published run (``benchmarks/plan_vs_published.py`` checks them):
 
-* **Compute**: each layer's forward FLOPs as ``yamlformer.builder.analysis.estimates`` counts them (the
-  attention scores and mix only over the pairs a causal kernel visits), split over the
-  tensor-parallel and context-parallel ranks; backward is twice the forward; recomputation adds
-  the forward again (``full``) or :data:`SELECTIVE_RECOMPUTE` of the matmuls (``selective``,
-  torchtitan's per-op policy: every other matmul recomputed). Matmuls run at
-  ``matmul_efficiency`` of the dense peak (float8: the projections at the fp8 peak), attention
-  kernels at ``attention_efficiency``.
-* **Memory-bound work**: every byte a layer saves for backward is written, read back and its
-  gradient written, :data:`ELEMENTWISE_PASSES` passes over HBM (torch.compile fuses
-  :data:`COMPILE_FUSION` of them away); the optimizer reads and writes :data:`OPTIMIZER_BYTES`
-  bytes per local parameter.
+* **GEMMs** (``gemm``): each linear of each layer (its blocks' ``param_shapes``, one
+  tensor-parallel rank's; the head's vocabulary projection), forward, input gradient and weight
+  gradient, at the rate the calibration measured for its shape and dtype (float8 under
+  ``Run.float8`` for every dense linear torchao converts; the head stays in the compute dtype),
+  the bandwidth bound below the measured shapes; recomputation runs the forward GEMMs again
+  (``full``) or :data:`SELECTIVE_RECOMPUTE` of them (``selective``, torchtitan's per-op policy).
+* **Attention** (``attention``): the kernels' FLOPs over the pairs they visit (the spec's
+  estimate), at the rate of the run's backend (``Run.attention``: SDPA's ``flash`` or ``cudnn``,
+  this project's ``triton``) at their lengths (``yamlformer.builder.analysis.perf_terms.attention_seconds``).
+* **Memory-bound work** (``memory_bound``, ``optimizer``): the HBM bytes the blocks count for
+  their norms, activations, rotations, residual adds, copies and the loss
+  (``yamlformer.blocks.configs.traffic``: eager, or fused under ``Run.compile``; recomputation runs
+  the forward's again, torchtitan's per-op policy recomputing every elementwise op too), the
+  embedding's lookup and gradient, torchao's float8 casts, FSDP2's copies around its collectives
+  and the optimizer step with gradient clipping
+  (``yamlformer.builder.analysis.calibration.optimizer_bytes_per_parameter``), over the measured HBM
+  bandwidth. :attr:`Prediction.memory_bound` gives the bytes' seconds by part.
 * **Communication**, each collective's bytes over the link it crosses (NVLink when its group
-  fits in a node, else the network), ring or tree by group size (:func:`collective_seconds`), at
+  fits in a node, else the network), ring or tree by group size (``collective_seconds``), at
   ``collective_efficiency`` of the link. Overlapped: FSDP's all-gathers and reduce-scatters (and
   HSDP's all-reduce) with the layers' compute, prefetched one unit ahead, so only the first
   gather, the last reduce and what exceeds the compute are exposed (under pipelining FSDP
@@ -27,7 +36,7 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   (:func:`context_parallel_seconds`: under its default ``allgather`` rotation the whole gather
   behind the first step alone); EP dispatch/combine with the rest of the layer's compute.
   Exposed: tensor parallelism's all-gathers and reduce-scatters (sequence parallel), unless
-  ``async_tp`` (then :data:`ASYNC_TP_OVERLAP` of them hide), and the pipeline's sends.
+  ``async_tp`` (then only what exceeds the matmul each overlaps), and the pipeline's sends.
 * **Pipeline bubble** (:func:`yamlformer.builder.analysis.schedules.bubble_fraction`): GPipe and 1F1B
   ``(p-1)/m``, interleaved 1F1B ``(p-1)/(v m)``, zero-bubble (ZB-H1, Qi et al. 2023)
   ``(p-1)/(3m)`` of ``m`` micro-batches' time.
@@ -44,37 +53,43 @@ parts, tokens/s per GPU, MFU and the memory of the GPU holding the most. What it
   keeps (inputs, norms and logits whole, as this project's recipes run). Under context
   parallelism each rank keeps ``1/cp`` of every activation, and, ``Run(context_gather=True)`` (the
   recipes' all-gather attention), every layer's gathered keys and values of the whole sequence.
-
-The constants are set once, for every GPU and every run (:data:`CALIBRATION`), and printed with
-each prediction; nothing is fitted per row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from yamlformer.builder.analysis.calibration import (
-    ASYNC_TP_OVERLAP,
     BYTES,
-    CALIBRATION,
-    COMPILE_FUSION,
-    ELEMENTWISE_PASSES,
-    OPTIMIZER_BYTES,
+    CLIP_BYTES,
     SELECTIVE_RECOMPUTE,
     SELECTIVE_SAVED,
     Calibration,
     collective_seconds,
+    optimizer_bytes_per_parameter,
+    reference,
 )
 from yamlformer.builder.analysis.hardware import GPU
-from yamlformer.builder.analysis.layout import Layout, LayoutError, check_layout, experts_of
+from yamlformer.builder.analysis.layout import Layout, LayoutError, check_layout
+from yamlformer.builder.analysis.perf_model import Model
+from yamlformer.builder.analysis.perf_terms import (
+    attention_seconds,
+    float8_cast_bytes,
+    fsdp_copy_bytes,
+    gemm_seconds,
+    linear_flops,
+    tensor_parallel_seconds,
+)
 from yamlformer.builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
-from yamlformer.builder.analysis.shards import stage_layers
+
+__all__ = ["Model", "Prediction", "Run", "Calibration", "collective_seconds", "context_parallel_seconds", "predict"]
 
 RECOMPUTE = ("none", "selective", "full")
 CP_ROTATE = ("allgather", "alltoall")
+#: attention kernels a run may use: SDPA's flash and cuDNN backends, this project's Triton kernel
+ATTENTION = ("flash", "cudnn", "triton")
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,7 @@ class Run:
     layers' inputs, norms and the loss split over the TP ranks as torchtitan splits them (False:
     whole on every rank, the logits gathered, as this project's recipes run TP); ``context_gather``:
     context parallelism all-gathers the keys and values (as this project's recipes run it) rather
-    than passing them round a ring."""
+    than passing them round a ring; ``attention``: the attention kernel (:data:`ATTENTION`)."""
 
     seq_len: int
     global_batch: int
@@ -114,6 +129,7 @@ class Run:
     #: keys and values repeated to every query head before attention (torchtitan's Llama of 2024, SDPA
     #: without grouped-query support), so context parallelism moves n_heads / n_kv_heads times the bytes
     kv_repeat: bool = False
+    attention: str = "flash"
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -124,6 +140,8 @@ class Run:
             raise LayoutError("dtype", self.dtype, f"must be one of {', '.join(BYTES)}")
         if self.cp_rotate not in CP_ROTATE:
             raise LayoutError("cp_rotate", self.cp_rotate, f"must be one of {', '.join(CP_ROTATE)}")
+        if self.attention not in ATTENTION:
+            raise LayoutError("attention", self.attention, f"must be one of {', '.join(ATTENTION)}")
         for name in ("seq_len", "global_batch", "micro_batch", "stages_per_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -132,7 +150,7 @@ class Run:
 
 def context_parallel_seconds(kv: float, core: float, cp: int, bandwidth: float, run: Run, cal: Calibration):
     """``(all, exposed)`` seconds of one layer's context-parallel traffic for one micro-batch:
-    ``kv`` bytes of keys and values per rank, ``core`` seconds of its attention kernel forward
+    ``kv`` bytes of keys and values per rank, ``core`` seconds of its attention kernels forward
     (a ring step runs ``1/cp`` of it, backward twice that). All-gather CP (``run.context_gather``)
     gathers before every forward and reduce-scatters after backward, exposed. Ring attention (torch's
     templated ring) passes the keys and values once per forward (again when recomputed) and once in
@@ -161,13 +179,18 @@ class Prediction:
     run: Run
     gpu: GPU
     step_s: float
-    breakdown: dict[str, float]  # seconds: compute, memory_bound, optimizer, bubble, exposed_<kind>
+    #: seconds: gemm, attention, memory_bound, optimizer, bubble, exposed_<kind>
+    breakdown: dict[str, float]
     communication: dict[str, float]  # seconds of each kind in all, before overlap
     memory: dict[str, int]  # bytes on the GPU holding the most
     tokens_per_s_per_gpu: float
     mfu: float
     microbatches: int
-    calibration: Calibration = field(default=CALIBRATION)
+    calibration: Calibration = field(default_factory=reference)
+    #: seconds of the memory-bound work by part: norms, ffn (activations), position (rotary),
+    #: residual, attention (copies around the kernels), head (final norm, loss), embedding,
+    #: float8 (casts), fsdp (copies), kv_repeat
+    memory_bound: dict[str, float] = field(default_factory=dict)
 
     @property
     def memory_per_gpu_bytes(self) -> int:
@@ -184,110 +207,11 @@ class Prediction:
             "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
             "memory": dict(self.memory),
             "breakdown": dict(self.breakdown),
+            "memory_bound": dict(self.memory_bound),
             "communication": dict(self.communication),
             "microbatches": self.microbatches,
-            "calibration": dataclasses.asdict(self.calibration),
+            "calibration": self.calibration.to_dict(),
         }
-
-
-class Model:
-    """What the performance model reads from a spec at one sequence length, once: each layer's
-    forward FLOPs (projections and attention core apart), saved bytes, parameters (experts apart),
-    the key/value bytes per token and routing, and the embedding and head."""
-
-    def __init__(self, spec, seq_len: int, dtype: str = "bf16", src_len: int | None = None):
-        from yamlformer.builder.analysis.estimates import Step, estimate
-
-        self.spec, self.seq, self.dtype, self.src = spec, seq_len, dtype, src_len
-        est = estimate(spec, Step(seq_len=seq_len, src_len=src_len, batch=1, dtype=dtype))
-        self.estimate = est
-        d = spec.d_model
-        self.layers = []
-        self.kinds: list[int] = []  # per layer, the index of its first identical layer
-        first: dict[int, int] = {}
-        memory_of = spec.architecture_config.memory_of
-        lengths = {
-            name: (src_len or seq_len) if name in memory_of.values() else seq_len for name in spec.stacks()
-        }  # an encoder runs over the source
-        configs = [(name, config) for name, stack in spec.stacks().items() for config in stack.layers()]
-        for index, (layer, (name, config)) in enumerate(zip(est.layers, configs)):
-            self.kinds.append(first.setdefault(id(config), index))
-            attention = config.attention
-            projections = attention.projection_flops(d, lengths[name], lengths[name])
-            core = layer.kernel_flops - (layer.total_flops - layer.flops.get("attention", 0)) - projections
-            routed = experts_of(config.ffn)
-            expert_params = (routed[0] * config.ffn.expert.params(d)) if routed else 0
-            self.layers.append(
-                {
-                    "linear": layer.total_flops - layer.flops.get("attention", 0) + projections,
-                    "core": max(core, 0),
-                    "saved": layer.saved_bytes,
-                    "params": layer.total_params - expert_params,
-                    "expert_params": expert_params,
-                    "kv_per_token": attention.kv_cache(d).bytes_per_token(BYTES[dtype]),
-                    # keys and values once per query head (what scores and mix read per pair, a
-                    # quarter of its FLOPs each), as a kernel without grouped-query support gets them
-                    "kv_repeated_per_token": attention.pair_flops(d) // 2 * BYTES[dtype],
-                    "routed": routed,
-                }
-            )
-        self.embedding = est.params.by_component.get("embedding", 0)
-        head = est.params.by_component.get("head", 0)
-        self.head_params = head if head else 0
-        # the rest (the final norm, learned positions): on the last stage, beside the head
-        self.rest_params = (
-            est.params.total
-            - sum(layer["params"] + layer["expert_params"] for layer in self.layers)
-            - self.embedding
-            - self.head_params
-        )
-        self.head_flops = est.flops.by_component.get("head", 0)
-        self.other_saved = est.memory.activations - sum(layer["saved"] for layer in self.layers)
-        # what a compiled loss does not keep of one sequence's (the head's contract, eager minus compiled)
-        head_saved = functools.partial(
-            spec.head.saved_bytes, d, spec.vocab_size, seq_len, BYTES[dtype], fused=True, position=spec.position
-        )
-        self.compiled_loss_saving = head_saved() - head_saved(compiled_loss=True)
-        self.train_flops_per_token = est.flops.train_per_token
-        self.d = d
-        self.experts = next((layer["routed"] for layer in self.layers if layer["routed"]), None)
-        self._stages: dict[tuple[int, int], list[dict[int, int]]] = {}
-        self._whole: dict[int, tuple[list[int], int]] = {}
-
-    def saved(self, tp: int, sequence_parallel: bool) -> tuple[list[int], int]:
-        """Bytes one tensor-parallel rank saves for backward per sequence: each layer's, and the rest
-        (embedding, final norm, head and loss). Sequence-parallel: a ``tp``-th of the whole; else
-        what ``yamlformer.builder.analysis.layout.tensor_parallel_spec`` leaves a rank (inputs, norms and
-        logits whole)."""
-        whole = [layer["saved"] for layer in self.layers]
-        if tp == 1 or sequence_parallel:
-            return [b / tp for b in whole], self.other_saved / tp
-        if tp not in self._whole:
-            from yamlformer.builder.analysis.estimates import Step, estimate
-            from yamlformer.builder.analysis.layout import tensor_parallel_spec
-
-            est = estimate(
-                tensor_parallel_spec(self.spec, tp), Step(seq_len=self.seq, src_len=self.src, dtype=self.dtype)
-            )
-            layers = [layer.saved_bytes for layer in est.layers]
-            self._whole[tp] = (layers, est.memory.activations - sum(layers))
-        return self._whole[tp]
-
-    def stage_counts(self, pp: int, virtual: int = 1) -> list[dict[int, int]]:
-        """Per pipeline rank, how many of each kind of layer it holds: the layers split evenly into
-        ``pp x virtual`` chunks, rank ``s`` holding chunks ``s, s + pp, ...`` (the looped order)."""
-        key = (pp, virtual)
-        if key not in self._stages:
-            chunks = stage_layers(len(self.layers), pp * virtual)
-            out = []
-            for s in range(pp):
-                counts: dict[int, int] = {}
-                for c in range(virtual):
-                    for i in chunks[c * pp + s]:
-                        counts[self.kinds[i]] = counts.get(self.kinds[i], 0) + 1
-                out.append(counts)
-            self._stages[key] = out
-        return self._stages[key]
 
 
 def predict(
@@ -295,15 +219,16 @@ def predict(
     layout: Layout,
     run: Run,
     gpu: GPU,
-    calibration: Calibration = CALIBRATION,
+    calibration: Calibration | None = None,
     model: Model | None = None,
 ) -> Prediction:
-    """The step time and memory of ``run`` on ``layout`` (see the module's docstring). Raises a
-    located :class:`LayoutError` for a layout the spec, the batch or the schedule cannot take."""
+    """The step time and memory of ``run`` on ``layout`` (see the module's docstring), with
+    ``calibration``'s rates (default the reference table's, ``yamlformer.builder.analysis.calibration``).
+    Raises a located :class:`LayoutError` for a layout the spec, the batch or the schedule cannot take."""
     check_layout(spec, layout, run.seq_len)
     _check_run(layout, run)
     m = model or Model(spec, run.seq_len, run.dtype)
-    cal = calibration
+    cal = calibration or reference()
     tp, pp, cp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
     v = run.stages_per_rank if run.schedule == "interleaved-1f1b" else 1
     per_rank = run.global_batch // layout.data_parallel_size
@@ -311,94 +236,104 @@ def predict(
     mb, act = run.micro_batch, BYTES[run.dtype]
     tokens = mb * run.seq_len // cp  # one rank's tokens of one micro-batch
     counts = m.stage_counts(pp, v)
-
     intra, inter = gpu.intra_node, gpu.inter_node
+    hbm = cal.hbm(gpu)
+    shard = layout.shard_size
+    linears, traffic = m.linears(tp), m.traffic(tp, run.sequence_parallel)
 
     def link(stride: int, size: int) -> float:
         return intra if stride * size <= layout.per_node else inter
 
-    lin_peak = (
-        gpu.peak_flops("fp8") * cal.float8_efficiency
-        if run.float8
-        else gpu.peak_flops(run.dtype) * cal.matmul_efficiency
-    )
-    core_peak = gpu.peak_flops(run.dtype) * cal.attention_efficiency
     redo = {"none": 0.0, "selective": SELECTIVE_RECOMPUTE, "full": 1.0}[run.recompute]
-    passes = ELEMENTWISE_PASSES * (1 - COMPILE_FUSION if run.compile else 1)
-    hbm = gpu.hbm_bandwidth
+    replays = 0 if run.recompute == "none" else 1  # both policies run every elementwise op again
 
-    def layer_time(i: int) -> dict[str, float]:
+    def layer_time(i: int) -> dict[str, Any]:
         layer = m.layers[i]
-        lin = layer["linear"] * mb / (tp * cp) / lin_peak
-        core = layer["core"] * mb / (tp * cp) / core_peak
-        compute = 3 * (lin + core) + redo * (lin + (core if run.recompute == "full" else 0))
-        memory_bound = layer_saved[i] * mb / cp * passes * (1 + redo) / hbm
-        # sequence-parallel TP: all-gather + reduce-scatter around attention and the FFN, forward and backward
-        tp_bytes = tokens * m.d * act
-        tp_calls = 4 + (2 if run.recompute == "full" else 0)  # each of all-gathers and reduce-scatters
-        gathered = tp_bytes / act if run.float8 else tp_bytes  # float8 TP gathers its inputs in fp8
-        tp_comm = tp_calls * (
-            collective_seconds("all_gather", gathered, tp, link(1, tp), cal)
-            + collective_seconds("reduce_scatter", tp_bytes, tp, link(1, tp), cal)
-        )
-        tp_exposed = tp_comm * (1 - ASYNC_TP_OVERLAP if run.async_tp else 1)
+        gemms = gemm_seconds(linears[i], tokens, ep, run, cal, gpu)
+        gemm = sum(sum(styles.values()) for styles in gemms.values())
+        counted = linear_flops(linears[i], tokens, ep)
+        rest = layer["linear"] / layer["tokens"] * tokens / tp - counted  # matmuls no weight shows (none for most)
+        if rest > 0 and counted > 0:
+            gemm *= 1 + rest / counted
+        gemm *= 1 + redo / 3  # the forward's share of the three GEMMs, again
+        core = layer["core"] * mb / (tp * cp)
+        core_forward, attention = attention_seconds(core, run.seq_len, cp, layer["causal"], run, cal, gpu)
+        parts = {}
+        for part, t in traffic[i].items():
+            forward, backward = t.passes(run.compile)
+            parts[part] = tokens * (forward * (1 + replays) + backward) / hbm
+        if run.kv_repeat:  # torchtitan's repeat_kv: keys and values copied to every query head, and summed back
+            moved = (layer["kv_repeated_per_token"] + layer["kv_per_token"]) / tp
+            parts["kv_repeat"] = tokens * moved * (2 + replays) / hbm
+        forward, backward = float8_cast_bytes(linears[i], tokens, tp, shard, run)
+        parts["float8"] = (forward * (1 + replays) + backward) / hbm
+        tp_comm, tp_exposed = tensor_parallel_seconds(gemms, tokens, m.d, tp, link(1, tp), run, cal)
         kv = tokens * kv_per_token(layer, run) / tp
-        cp_comm, cp_exposed = context_parallel_seconds(kv, core, cp, link(tp, cp), run, cal) if cp > 1 else (0.0, 0.0)
+        cp_comm, cp_exposed = (
+            context_parallel_seconds(kv, core_forward, cp, link(tp, cp), run, cal) if cp > 1 else (0.0, 0.0)
+        )
         ep_comm = 0.0
         if layer["routed"] and ep > 1:
             routed = tokens / tp * layer["routed"][1] * m.d * act  # each (sequence-parallel) token to top_k experts
             calls = 4 + (2 if run.recompute == "full" else 0)  # dispatch and combine, forward and backward
             ep_comm = calls * collective_seconds("all_to_all", routed, ep, link(tp, ep), cal)
-        ep_exposed = max(0.0, ep_comm - compute)
         return {
-            "compute": compute,
-            "memory_bound": memory_bound,
+            "gemm": gemm,
+            "attention": attention,
+            "memory_bound": sum(parts.values()),
+            "parts": parts,
             "tp": tp_comm,
             "exposed_tp": tp_exposed,
             "cp": cp_comm,
             "exposed_cp": cp_exposed,
             "ep": ep_comm,
-            "exposed_ep": ep_exposed,
+            "exposed_ep": max(0.0, ep_comm - gemm - attention),
         }
 
-    layer_saved, _ = m.saved(tp, run.sequence_parallel)
     times = {kind: layer_time(kind) for kind in set(m.kinds)}  # identical layers cost the same
-    head = m.head_flops * mb / (tp * cp) * 3 / lin_peak
+    ends = _end_stages(m, run, tokens, tp, cal, gpu, hbm, replays)
     p2p = 2 * v * collective_seconds("send", tokens * m.d * act / tp, 2, link(layout.stage_devices, 2), cal)
 
     def stage_sum(s: int, key: str) -> float:
         return sum(n * times[kind][key] for kind, n in counts[s].items())
 
+    def end(s: int, key: str) -> float:
+        return (ends["first"][key] if s == 0 else 0.0) + (ends["last"][key] if s == pp - 1 else 0.0)
+
+    keys = ("gemm", "attention", "memory_bound", "exposed_tp", "exposed_cp", "exposed_ep")
+
     def stage_time(s: int) -> float:  # one micro-batch through stage s, forward and backward
-        keys = ("compute", "memory_bound", "exposed_tp", "exposed_cp", "exposed_ep")
-        return sum(stage_sum(s, k) for k in keys) + (head if s == pp - 1 else 0) + (p2p if pp > 1 else 0)
+        own = sum(stage_sum(s, k) for k in keys) + end(s, "gemm") + end(s, "memory_bound")
+        return own + (p2p if pp > 1 else 0)
 
     shapes = {}  # stages with the same layers (and neither end) take the same time
     for s in range(pp):
-        shape = (tuple(sorted(counts[s].items())), s == pp - 1)
+        shape = (tuple(sorted(counts[s].items())), s == 0, s == pp - 1)
         if shape not in shapes:
             shapes[shape] = (stage_time(s), s)
     t_micro, slowest = max(shapes.values())
     bubble = bubble_fraction(run.schedule, pp, micro, v) * micro * t_micro
     # FSDP: the stage's parameters gathered in the compute dtype, gradients reduce-scattered in fp32
-    stage_params = _stage_params(m, counts[slowest], slowest, pp, tp, ep)
-    fsdp = hsdp = 0.0
-    shard = layout.shard_size
-    if shard > 1:
-        dense, experts = stage_params
-        rounds = 1 if pp > 1 else micro  # under pipelining FSDP gathers once a step, else every micro-batch
-        gathers = 1 if pp > 1 else 2  # forward, and backward again after resharding
-        gathered = 1 if run.float8 and run.float8_all_gather else act
-        for elements, group in ((dense, shard), (experts, shard // ep)):
+    dense, experts = _stage_params(m, counts[slowest], slowest, pp, tp, ep)
+    gathered = 1 if run.float8 and run.float8_all_gather else act
+    rounds = 1 if pp > 1 else micro  # under pipelining FSDP gathers once a step, else every micro-batch
+    gathers = 1 if pp > 1 else 2  # forward, and backward again after resharding
+    fsdp = hsdp = copies = 0.0
+    for elements, group in ((dense, shard), (experts, max(1, shard // ep))):
+        if layout.data_parallel != "replicate" and elements:
+            copies += rounds * fsdp_copy_bytes(elements, group, gathers, gathered, act)
+        if group > 1:
             bw = link(tp, group)
             fsdp += rounds * (
                 gathers * collective_seconds("all_gather", elements * gathered, group, bw, cal)
                 + collective_seconds("reduce_scatter", elements * 4, group, bw, cal)
             )
     if layout.replicas > 1:
-        grads = (stage_params[0] / shard + stage_params[1] / max(1, shard // ep)) * 4
+        grads = (dense / shard + experts / max(1, shard // ep)) * 4
         hsdp = collective_seconds("all_reduce", grads, layout.replicas, link(layout.stage_devices, 2), cal)
-    per_micro = stage_sum(slowest, "compute") + (head if slowest == pp - 1 else 0)
+    # all the stage's kernels (GEMMs, attention, memory-bound work) run while the collectives do
+    per_micro = sum(stage_sum(slowest, k) for k in ("gemm", "attention", "memory_bound"))
+    per_micro += end(slowest, "gemm") + end(slowest, "memory_bound")
     compute_total = micro * per_micro
     units = max(1, sum(counts[slowest].values()))
     # FSDP's traffic hides behind the compute it prefetches for: every micro-batch's, or under
@@ -406,11 +341,21 @@ def predict(
     # the first unit's gather and the last one's reduce are exposed
     window = per_micro if pp > 1 else compute_total
     exposed_fsdp = max(0.0, fsdp + hsdp - window) + (fsdp + hsdp) / units
-    local = stage_params[0] / shard + stage_params[1] / max(1, shard // ep)
-    optimizer = local * OPTIMIZER_BYTES / hbm
+    local = dense / shard + experts / max(1, shard // ep)
+    optimizer = local * (optimizer_bytes_per_parameter() + CLIP_BYTES) / hbm
+    memory_bound = {
+        part: micro * sum(n * times[kind]["parts"].get(part, 0.0) for kind, n in counts[slowest].items())
+        for part in {p for t in times.values() for p in t["parts"]}
+    }
+    for where, stage in (("first", 0), ("last", pp - 1)):
+        if slowest == stage:
+            for part, seconds in ends[where]["parts"].items():
+                memory_bound[part] = memory_bound.get(part, 0.0) + micro * seconds
+    memory_bound["fsdp"] = copies / hbm
     breakdown = {
-        "compute": compute_total,
-        "memory_bound": micro * stage_sum(slowest, "memory_bound"),
+        "gemm": micro * (stage_sum(slowest, "gemm") + end(slowest, "gemm")),
+        "attention": micro * stage_sum(slowest, "attention"),
+        "memory_bound": sum(memory_bound.values()),
         "optimizer": optimizer,
         "bubble": bubble,
         "exposed_fsdp": exposed_fsdp,
@@ -440,7 +385,26 @@ def predict(
         mfu=tokens_per_s * m.train_flops_per_token / gpu.peak_flops(run.dtype),
         microbatches=micro,
         calibration=cal,
+        memory_bound=memory_bound,
     )
+
+
+def _end_stages(m: Model, run: Run, tokens: int, tp: int, cal: Calibration, gpu, hbm: float, replays: int) -> dict:
+    """One micro-batch's work of the first stage beyond its layers (the embedding: its lookup, and
+    its gradient: read the output's gradient, add it into a zero-filled gradient table) and of the
+    last (the head's GEMMs in the compute dtype, the final norm, the head's and the loss's
+    memory-bound work)."""
+    act, d = BYTES[run.dtype], m.d
+    lookup = tokens * 4 * act * d + m.embedding / tp * act  # rows read and written, both ways; the table zeroed
+    head_t = m.head_traffic(tp, run.sequence_parallel, run.compile_loss)
+    forward, backward = head_t.passes(run.compile)
+    head_bytes = tokens * (forward * (1 + replays) + backward)
+    n = m.head_flops / (2 * m.seq * d) if m.head_flops else 0  # the projection's output width (the vocabulary)
+    head_gemm = cal.linear_seconds(run.dtype, tokens, d, max(1, round(n / tp)), gpu) if n else 0.0
+    return {
+        "first": {"gemm": 0.0, "memory_bound": lookup / hbm, "parts": {"embedding": lookup / hbm}},
+        "last": {"gemm": head_gemm, "memory_bound": head_bytes / hbm, "parts": {"head": head_bytes / hbm}},
+    }
 
 
 def _stage_params(m: Model, counts: dict[int, int], stage: int, pp: int, tp: int, ep: int) -> tuple[float, float]:

@@ -42,7 +42,7 @@ from yamlformer.builder.analysis.layout import (
     layout_problems,
     pipeline_parallel_problems,
 )
-from yamlformer.builder.analysis.perf import CALIBRATION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
+from yamlformer.builder.analysis.perf import ATTENTION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
 from yamlformer.builder.analysis.schedules import SCHEDULES
 
 CHEAPEST = (
@@ -184,7 +184,7 @@ class Plan:
     fitting: int = 0
     reasons: list[str] = field(default_factory=list)  # why layouts were left out or nothing fits
     would_fit: list[str] = field(default_factory=list)
-    calibration: Calibration = CALIBRATION
+    calibration: Calibration | None = None
     params: int = 0
     #: the fastest FSDP-only layout (no tensor, pipeline, context or expert parallelism) that
     #: fits, else the one needing the least memory: what the chosen layout is compared against
@@ -219,6 +219,8 @@ class Pins:
     compile: bool = False
     async_tp: bool = False
     float8: bool = False
+    #: the attention kernel the run uses (``yamlformer.builder.analysis.perf.ATTENTION``)
+    attention: str = "flash"
     #: only what the recipes' runtime runs (``yamlformer.builder.analysis.runtime``): its combinations of tensor,
     #: context, expert and pipeline parallel x FSDP/HSDP/replicate, its schedules, full or no
     #: recomputation, tensor parallelism keeping the layers' inputs whole
@@ -234,7 +236,7 @@ def plan(
     dtype: str = "bf16",
     src_len: int | None = None,
     rank_by: str = "time",
-    calibration: Calibration = CALIBRATION,
+    calibration: Calibration | None = None,
     suggest: bool = True,
     _model: Model | None = None,
     **pinned,
@@ -246,6 +248,13 @@ def plan(
     stages than layers, experts that do not divide), naming the argument and the field.
     """
     pins = Pins(**pinned)
+    if calibration is None:  # the cluster's GPU's table (or, unmeasured, the reference's fractions)
+        from yamlformer.builder.analysis.calibration import calibration_for
+        from yamlformer.builder.analysis.hardware import resolve
+
+        calibration = calibration_for(resolve(cluster.gpu), cluster.hardware)
+    if pins.attention not in ATTENTION:
+        raise LayoutError("attention", pins.attention, f"must be one of {', '.join(ATTENTION)}")
     if rank_by not in RANK_BY:
         raise LayoutError("rank_by", rank_by, f"must be one of {', '.join(RANK_BY)}")
     seq = seq_len or spec.max_seq_len
@@ -448,6 +457,7 @@ def _best_micro_batch(
             compile=pins.compile,
             async_tp=pins.async_tp,
             float8=pins.float8,
+            attention=pins.attention,
             dtype=dtype,
             sequence_parallel=not pins.launchable,  # the recipes' TP keeps inputs and logits whole
             context_gather=pins.launchable,  # the recipes' CP all-gathers keys and values
@@ -542,7 +552,13 @@ def _note(reasons: list[str], reason: str) -> None:
 def _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_by, found, result) -> list[str]:
     """Why nothing fits, and what would: the fewest GPUs (whole nodes, doubling), the longest
     sequence (halving)."""
-    again = {"dtype": dtype, "rank_by": rank_by, "suggest": False, **dataclasses.asdict(pins)}
+    again = {
+        "dtype": dtype,
+        "rank_by": rank_by,
+        "suggest": False,
+        "calibration": result.calibration,
+        **dataclasses.asdict(pins),
+    }
     out = []
     if found:
         least = min(found, key=lambda c: c.memory)

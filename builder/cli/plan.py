@@ -44,8 +44,13 @@ MAX_GLOBAL_BATCH = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC", help="a spec file (YAML) or a zoo name (`builder list`)")
-    parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), required=True, help="GPUs in all")
+    parser.add_argument(
+        "spec",
+        metavar="SPEC",
+        nargs="?",
+        help="a spec file (YAML) or a zoo name (`builder list`); optional with --calibrate",
+    )
+    parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), help="GPUs in all (required with SPEC)")
     parser.add_argument(
         "--gpu-memory", metavar="SIZE", help="memory of one GPU, e.g. 80GiB, 141GB (default: --gpu's HBM)"
     )
@@ -69,7 +74,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu",
         default="h100",
         metavar="NAME",
-        help=f"the GPU, its row of the hardware table: {', '.join(GPUS)} (default h100, the SXM part)",
+        help=f"the GPU, its row of the hardware table: {', '.join(GPUS)} (default h100, the SXM part), or a device "
+        "`builder plan --calibrate` measured; its kernel rates are its calibration table's (unmeasured: the H200's "
+        "fractions of its datasheet on this GPU's, and the plan says so)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first measure this machine's GPU (GEMMs, attention kernels, HBM bandwidth; about a minute on an H200) "
+        "and write its calibration table, which plans for it then read; with SPEC, plan on it",
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="with --calibrate: measure the CPU at 1/64 of every size instead (a check of the machinery: cpu.yaml)",
+    )
+    parser.add_argument(
+        "--calibration-dir",
+        metavar="DIR",
+        help="where --calibrate writes tables and plans look first (default $BUILDER_CALIBRATION_DIR, else the user "
+        "data folder's calibration/)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("flash", "cudnn", "triton"),
+        default="flash",
+        help="the attention kernel the run uses: SDPA's flash (default) or cuDNN backend, or this project's Triton "
+        "kernel (each at its measured rate)",
     )
     for option, what in (
         ("--peak-tflops", "dense peak TFLOP/s of one GPU in bf16 (the other dtypes scale with it)"),
@@ -156,8 +187,23 @@ def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.cli.describe import option_error
 
+    if args.cpu and not args.calibrate:
+        print("error: --cpu goes with --calibrate", file=sys.stderr)
+        return 1
+    if args.calibrate:
+        measured = calibrate(args)
+        if measured is None:
+            return 1
+        if args.spec is None:
+            return 0
+        args.gpu = measured
+    if args.spec is None or args.gpus is None:
+        print(
+            f"error: {'SPEC' if args.spec is None else '--gpus'} is required (unless only --calibrate)", file=sys.stderr
+        )
+        return 1
     try:
-        cluster = cluster_from_args(args)
+        cluster, calibration = cluster_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -168,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(spec, args)
         recipe_document(args.recipe)  # a recipe that is not there is refused before planning
         tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
-        result = plan(spec, cluster, **settings)
+        result = plan(spec, cluster, calibration=calibration, **settings)
     except LayoutError as exc:
         print(f"error: {option_error(exc)}", file=sys.stderr)
         return 1
@@ -183,12 +229,52 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
+def calibrate(args: argparse.Namespace) -> str | None:
+    """Measure this machine's GPU (``--cpu``: the CPU's machinery) into its calibration table in
+    ``--calibration-dir``; its key (what ``--gpu`` names it), or None (said why) when it cannot."""
+    import time
+
+    from yamlformer.builder.analysis.calibration import user_folder
+
+    try:
+        import torch
+
+        from yamlformer.builder.analysis.calibration.measure import measure
+        from yamlformer.builder.analysis.calibration.table import write_table
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        print(f"error: --calibrate needs torch: {exc}", file=sys.stderr)
+        return None
+    if not args.cpu and not torch.cuda.is_available():
+        print("error: --calibrate: no CUDA device here (--cpu checks the machinery on the CPU)", file=sys.stderr)
+        return None
+    began = time.perf_counter()
+    table = measure(cpu=args.cpu, log=lambda message: print(f"  {message}", file=sys.stderr))
+    folder = user_folder(args.calibration_dir)
+    header = (
+        f"{table.gpu}'s kernel rates, measured by `builder plan --calibrate` on {table.measured.device} "
+        f"({table.measured.date}, torch {table.measured.torch}); `builder plan --gpu {table.gpu}` reads them."
+    )
+    try:
+        path = write_table(table, folder / f"{table.gpu}.yaml", header)
+    except OSError as exc:
+        print(f"error: --calibration-dir {folder}: cannot write there: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    print(f"measured {table.measured.device} in {time.perf_counter() - began:.0f} s: wrote {path} (--gpu {table.gpu})")
+    return table.gpu
+
+
 def cluster_from_args(args: argparse.Namespace):
-    """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe; ``ValueError`` names a bad option."""
+    """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe and its GPU's
+    calibration (``yamlformer.builder.analysis.calibration.lookup``); ``ValueError`` names a bad option."""
+    from yamlformer.builder.analysis.calibration import lookup
     from yamlformer.builder.analysis.hardware import gpu
     from yamlformer.builder.analysis.plan import Cluster
+    from yamlformer.builder.spec.loader import SpecError
 
-    row = gpu(args.gpu)
+    try:
+        key, row, calibration = lookup(args.gpu, getattr(args, "calibration_dir", None))
+    except SpecError as exc:
+        raise ValueError(f"--gpu {args.gpu}: its calibration table is malformed:\n{exc}") from None
     memory = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else row.memory
     gpus, per_node, nodes = args.gpus, args.gpus_per_node, args.nodes
     if per_node is None and nodes is not None:
@@ -209,13 +295,14 @@ def cluster_from_args(args: argparse.Namespace):
         raise ValueError(f"--headroom {args.headroom}: must be a percentage in [0, 100)")
     giga = 1e9
     row = gpu(
-        args.gpu,
+        key,
+        row,
         hbm_bandwidth=args.hbm_bandwidth and args.hbm_bandwidth * giga,
         intra_node=args.intra_node_bandwidth and args.intra_node_bandwidth * giga,
         inter_node=args.inter_node_bandwidth and args.inter_node_bandwidth * giga,
     )
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else row.peak["bf16"]
-    return Cluster(
+    cluster = Cluster(
         gpus=gpus,
         per_node=per_node,
         memory=memory,
@@ -224,6 +311,7 @@ def cluster_from_args(args: argparse.Namespace):
         headroom=args.headroom / 100,
         hardware=row,
     )
+    return cluster, calibration
 
 
 def parse_size(text: str, option: str) -> int:
@@ -271,6 +359,7 @@ def _settings(spec, args) -> dict:
         "compile": args.compile,
         "async_tp": args.async_tp,
         "float8": args.float8,
+        "attention": args.attention,
         "launchable": args.launchable,
     }
 
@@ -405,7 +494,6 @@ def _describe_line(result, args) -> str:
 
 
 def to_json(result, launch) -> dict:
-    import dataclasses
 
     from yamlformer.builder.analysis.plan import CHEAPEST
 
@@ -433,7 +521,7 @@ def to_json(result, launch) -> dict:
             "tokens_per_step": result.tokens_per_step,
             "dtype": result.dtype,
         },
-        "calibration": dataclasses.asdict(result.calibration),
+        "calibration": result.calibration.to_dict(),
         "ranking": CHEAPEST,
         "fits": result.fits,
         "considered": result.considered,
@@ -479,6 +567,8 @@ def _print(result, launch, args) -> None:
         f"global batch {result.global_batch} sequences ({result.tokens_per_step:,} tokens), {result.dtype}",
         highlight=False,
     )
+    if not result.calibration.measured:
+        console.print(f"[yellow]kernel rates {result.calibration.source}[/]", highlight=False)
     if not result.fits:
         console.print("[bold red]does not fit[/]:", highlight=False)
         for reason in result.reasons:
