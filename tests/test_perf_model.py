@@ -15,7 +15,6 @@ from yamlformer.builder.analysis.calibration import reference
 from yamlformer.builder.analysis.hardware import GPUS, gpu
 from yamlformer.builder.analysis.layout import Layout, LayoutError, layout_problems
 from yamlformer.builder.analysis.perf import (
-    Calibration,
     Model,
     Run,
     collective_seconds,
@@ -131,7 +130,7 @@ def test_more_work_costs_more_and_recomputation_trades_memory_for_time():
     assert none.step_s < sel.step_s < full.step_s
     assert none.memory["activations"] > sel.memory["activations"] > full.memory["activations"]
     # the layers' GEMMs and attention are 3x forward without recomputation, 4x with full; the head is not recomputed
-    compute = lambda p: p.breakdown["gemm"] + p.breakdown["attention"]  # noqa: E731
+    compute = lambda p: p.breakdown["gemm"] + p.breakdown["attention"]
     assert 1.25 < compute(full) / compute(none) < 4 / 3
     assert _predict("llama3-8b", layout, **base, compile=True).step_s < none.step_s
     twice = _predict("llama3-8b", layout, seq_len=2048, global_batch=32, micro_batch=2)

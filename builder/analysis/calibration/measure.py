@@ -16,9 +16,9 @@ Three sweeps, each timed as the median of ``repeats`` calls after two untimed on
   elements), its bytes read and written over its time.
 
 On an H200 the whole measurement takes about a minute (the Triton kernel's autotuning most of it).
-``cpu=True`` runs a few of the same on the CPU at 1/64 of every size (the machinery, in the test
-suite: the grid's corners, SDPA's CPU flash kernel at two lengths and a ring step), writing a table
-for ``cpu`` with its own datasheet (its best GEMM rate as its peak).
+``cpu=True`` runs a few of the same on the CPU at 1/64 of every size, three timed calls a row
+(the machinery, in the test suite: the grid's corners, SDPA's CPU flash kernel at two lengths and
+a ring step), writing a table for ``cpu`` with its own datasheet (its best GEMM rate as its peak).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ ATTENTION_TOKENS = 32768
 STREAM_ELEMENTS = 1 << 28
 CPU_SCALE = 64
 CPU_HEADS = 2
+CPU_REPEATS = 3
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -186,6 +187,7 @@ def measure(cpu: bool = False, repeats: int = 10, log=None) -> CalibrationTable:
     """This machine's GPU (``cpu``: the CPU at 1/64 of every size) measured into a table; ``log``
     (a callable) hears each sweep as it finishes."""
     say = log or (lambda message: None)
+    repeats = min(repeats, CPU_REPEATS) if cpu else repeats
     device = torch.device("cpu" if cpu else "cuda")
     name = "cpu" if cpu else torch.cuda.get_device_name()
     key = "cpu" if cpu else (device_key(name) or slug(name))
