@@ -30,6 +30,8 @@ class Dims:
     d_model: int
     vocab_size: int
     max_seq_len: int
+    #: the rows of the embedding table and output projection (``vocab_size`` padded; None: the same)
+    padded_vocab_size: int | None = None
     n_heads: int | None = None  # the stack's query heads (T5's relative bias table)
     rotary_head_dim: int | None = None  # the width an attention-side position rotates
 

@@ -54,7 +54,8 @@ class HeadContext:
 
 
 def vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: nn.Embedding | None) -> nn.Linear:
-    """The ``(vocab_size, d_model)`` output projection, its weight the embedding's when tied."""
+    """The ``(vocab_size, d_model)`` output projection, its weight the embedding's when tied
+    (``vocab_size``: the rows, a padded vocabulary's when the spec pads it)."""
     if tied_embedding is None:
         return nn.Linear(d_model, vocab_size, bias=bias)
     if tuple(tied_embedding.weight.shape) != (vocab_size, d_model):
@@ -73,21 +74,36 @@ def vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: 
     return proj
 
 
+def vocabulary_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``logits`` of a padded vocabulary's projection without the padded ids' columns (the spec's
+    ``pad_vocab_to_multiple_of``), so no loss or sampling ever sees them; as they are otherwise."""
+    return logits[..., :vocab_size] if logits.shape[-1] != vocab_size else logits
+
+
 class LMHead(nn.Module):
-    """``softcap(proj(hidden * output_scale))``: vocabulary logits ``(batch, seq, vocab_size)``."""
+    """``softcap(proj(hidden * output_scale))``: vocabulary logits ``(batch, seq, vocab_size)``
+    (a padded vocabulary's projection has ``padded_vocab_size`` rows; the padded ids' logits are cut off)."""
 
     loss_names: tuple[str, ...] = ()
 
-    def __init__(self, config, d_model: int, vocab_size: int, tied_embedding: nn.Embedding | None = None):
+    def __init__(
+        self,
+        config,
+        d_model: int,
+        vocab_size: int,
+        tied_embedding: nn.Embedding | None = None,
+        padded_vocab_size: int | None = None,
+    ):
         super().__init__()
-        self.proj = vocab_projection(d_model, vocab_size, config.bias, tied_embedding)
+        self.proj = vocab_projection(d_model, padded_vocab_size or vocab_size, config.bias, tied_embedding)
+        self.vocab_size = vocab_size
         self.output_scale = config.output_scale
         self.softcap = config.softcap
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
         if self.output_scale is not None:
             hidden = hidden * self.output_scale
-        logits = self.proj(hidden)
+        logits = vocabulary_logits(self.proj(hidden), self.vocab_size)
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return HeadOutput(logits, {})
@@ -98,15 +114,24 @@ class MLMHead(nn.Module):
 
     loss_names: tuple[str, ...] = ()
 
-    def __init__(self, config, d_model: int, vocab_size: int, tied_embedding: nn.Embedding | None = None):
+    def __init__(
+        self,
+        config,
+        d_model: int,
+        vocab_size: int,
+        tied_embedding: nn.Embedding | None = None,
+        padded_vocab_size: int | None = None,
+    ):
         super().__init__()
         self.dense = nn.Linear(d_model, d_model)
         self.act = activation(config.activation)
         self.norm = LayerNorm(config.norm, d_model)
-        self.proj = vocab_projection(d_model, vocab_size, True, tied_embedding)
+        self.proj = vocab_projection(d_model, padded_vocab_size or vocab_size, True, tied_embedding)
+        self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
-        return HeadOutput(self.proj(self.norm(self.act(self.dense(hidden)))), {})
+        logits = self.proj(self.norm(self.act(self.dense(hidden))))
+        return HeadOutput(vocabulary_logits(logits, self.vocab_size), {})
 
 
 class ClassificationHead(nn.Module):

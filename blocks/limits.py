@@ -17,6 +17,8 @@ MAX_WIDTH = 1 << 20
 MAX_HEADS = 1 << 16
 #: token ids, token types, classes (Gemma: 256,000)
 MAX_VOCAB = 1 << 24
+#: the largest multiple a vocabulary is padded to (Megatron-LM's 128 x a tensor-parallel degree of 512)
+MAX_VOCAB_PADDING = 1 << 16
 #: tokens in a sequence: max_seq_len, windows, learned tables, rope's original context (10M in use)
 MAX_SEQ_LEN = 1 << 30
 #: experts of one mixture (DeepSeek-V3: 256)

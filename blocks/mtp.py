@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from yamlformer.blocks.build import Dims, build_block, build_layer
-from yamlformer.blocks.heads import HeadOutput, vocab_projection
+from yamlformer.blocks.heads import HeadOutput, vocab_projection, vocabulary_logits
 
 #: a target that takes no part in the loss (PyTorch's default ignore_index)
 IGNORE = -100
@@ -60,9 +60,11 @@ class MultiTokenPredictionHead(nn.Module):
         tied_embedding: nn.Embedding | None = None,
         n_layers: int = 0,
         backend: str = "auto",
+        padded_vocab_size: int | None = None,
     ):
         super().__init__()
-        self.proj = vocab_projection(d_model, vocab_size, False, tied_embedding)
+        self.proj = vocab_projection(d_model, padded_vocab_size or vocab_size, False, tied_embedding)
+        self.vocab_size = vocab_size
         self.loss_weight = config.loss_weight
         dims, depth, layer = (
             Dims(d_model, vocab_size, max_seq_len),
@@ -78,7 +80,7 @@ class MultiTokenPredictionHead(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
-        logits = self.proj(hidden)
+        logits = vocabulary_logits(self.proj(hidden), self.vocab_size)
         if context is None:
             return HeadOutput(logits, {})
         return HeadOutput(logits, {"mtp": self.loss(hidden, attention_mask, context)})
@@ -89,7 +91,7 @@ class MultiTokenPredictionHead(nn.Module):
         out = []
         for k, module in enumerate(self.mtp, start=1):
             hidden = module(hidden, context.embedding(torch.roll(context.input_ids, -k, dims=1)), context.inputs)
-            out.append(self.proj(module.norm(hidden)))
+            out.append(vocabulary_logits(self.proj(module.norm(hidden)), self.vocab_size))
         return out
 
     def loss(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, context) -> torch.Tensor:

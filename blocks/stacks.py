@@ -64,6 +64,9 @@ class TransformerStack(nn.Module):
         super().__init__()
         self.max_seq_len = max_seq_len  # positions beyond it are refused (None: no limit)
         self.embedding = embedding  # None in a pipeline stage after the first (it takes hidden states)
+        #: whether forward looks token ids up in the embedding (False: hidden states come in; the last
+        #: stage of a tied model holds the table for its head without running it)
+        self.embeds = embedding is not None
         self.position = position
         self.layers = layers if isinstance(layers, LayerRange) else nn.ModuleList(layers)
         self.final_norm = final_norm
@@ -74,13 +77,15 @@ class TransformerStack(nn.Module):
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def pipeline_part(self, layers: list[int]) -> TransformerStack:
+    def pipeline_part(self, layers: list[int], hold_embedding: bool = False) -> TransformerStack:
         """The part of this stack a pipeline stage holds: the layers numbered ``layers`` (of the
         whole stack, each under its own index, so parameter names stay the whole model's), the
-        embedding with layer 0 (else the part takes hidden states), the final norm with the last
-        layer, the position block where it acts (in attention: every part; on the embedding:
-        the first). Modules are shared with this stack, not copied. ValueError when the stack
-        cannot be cut: a position block with weights every layer's attention reads (T5's bias)."""
+        embedding with layer 0 (else the part takes hidden states; ``hold_embedding``: it holds the
+        embedding without running it, for a head tied to it, so the table keeps the whole model's
+        name), the final norm with the last layer, the position block where it acts (in attention:
+        every part; on the embedding: the first). Modules are shared with this stack, not copied.
+        ValueError when the stack cannot be cut: a position block with weights every layer's
+        attention reads (T5's bias)."""
         held = {int(k): m for k, m in self.layers._modules.items()}
         missing = [i for i in layers if i not in held]
         if missing or not layers:
@@ -93,7 +98,7 @@ class TransformerStack(nn.Module):
                 "pipeline stages cannot split them"
             )
         part = TransformerStack(
-            self.embedding if first else None,
+            self.embedding if first or hold_embedding else None,
             self.position if in_attention or first else None,
             LayerRange({i: held[i] for i in sorted(layers)}),
             self.final_norm if last else None,
@@ -101,6 +106,7 @@ class TransformerStack(nn.Module):
             max_seq_len=self.max_seq_len,
         )
         part.stack_layers = self.stack_layers
+        part.embeds = first
         return part
 
     def forward(
@@ -156,7 +162,7 @@ class TransformerStack(nn.Module):
             raise TypeError(
                 f"input_ids must be a torch.Tensor of token ids (batch, seq), got {type(input_ids).__name__}"
             )
-        embedded = self.embedding is None  # a pipeline stage after the first: hidden states come in
+        embedded = not self.embeds  # a pipeline stage after the first: hidden states come in
         if input_ids.dim() != (3 if embedded else 2):
             shape = "hidden states (batch, seq, d_model)" if embedded else "(batch, seq)"
             raise ValueError(f"input_ids must be {shape}, got shape {tuple(input_ids.shape)}")
@@ -347,7 +353,7 @@ class _Model(nn.Module):
         head no context (decoding uses the main head only)."""
         if self.head is None:  # a pipeline stage before the last: its hidden states go on
             return hidden
-        context = HeadContext(input_ids, stack.embedding, inputs) if cache is None and stack.embedding else None
+        context = HeadContext(input_ids, stack.embedding, inputs) if cache is None and stack.embeds else None
         out = self.head(hidden, mask, context)
         if not isinstance(out, HeadOutput):
             raise TypeError(
@@ -372,15 +378,26 @@ class _Model(nn.Module):
         """The model a pipeline stage (or a rank's stages together) holds: the same architecture
         with only the stack's layers numbered ``layers`` (:meth:`TransformerStack.pipeline_part`:
         the embedding with the first, the final norm with the last) and the head with the last.
-        It shares this model's modules and parameter names. Its forward takes token ids when it
-        has the embedding, else hidden states ``(batch, seq, d_model)``, and returns the head's
-        logits when it has the head, else hidden states."""
+        It shares this model's modules and parameter names: the last stage of a model whose head
+        is tied to its embedding holds the embedding too (not run), so the tied table is named as
+        the whole model names it there as well. Its forward takes token ids when it runs the
+        embedding, else hidden states ``(batch, seq, d_model)``, and returns the head's logits when
+        it has the head, else hidden states."""
         self.pipeline_layers()
         ((name, stack),) = self.stacks().items()
-        part_stack = stack.pipeline_part(list(layers))
-        part = type(self)(**{name: part_stack}, head=self.head if stack.stack_layers - 1 in layers else None)
+        last = stack.stack_layers - 1 in layers
+        part_stack = stack.pipeline_part(list(layers), hold_embedding=last and self.tied_head())
+        part = type(self)(**{name: part_stack}, head=self.head if last else None)
         part.spec = self.spec
         return part
+
+    def tied_head(self) -> bool:
+        """Whether the head shares a tensor with the (one) stack's embedding (``tie_embeddings``)."""
+        stack = next(iter(self.stacks().values()))
+        if self.head is None or stack.embedding is None:
+            return False
+        table = {id(p) for p in stack.embedding.parameters()}
+        return any(id(p) in table for p in self.head.parameters())
 
     def n_params(self) -> int:
         """Parameters, tied and shared tensors counted once."""

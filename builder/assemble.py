@@ -124,7 +124,12 @@ def _device(device) -> torch.device:
 
 
 def _assemble(spec, backend: str) -> nn.Module:
-    dims = Dims(d_model=spec.d_model, vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len)
+    dims = Dims(
+        d_model=spec.d_model,
+        vocab_size=spec.vocab_size,
+        max_seq_len=spec.max_seq_len,
+        padded_vocab_size=spec.padded_vocab_size,
+    )
     architecture = spec.architecture_config
     stacks: dict[str, TransformerStack] = {}
     shared_embedding = None
@@ -146,7 +151,7 @@ def _embedding(spec, dims: Dims) -> Embeddings:
     section = spec.embedding
     norm = build_block(section.norm, dims) if section.norm is not None else None
     return Embeddings(
-        dims.vocab_size,
+        dims.padded_vocab_size or dims.vocab_size,
         dims.d_model,
         scale=section.scale,
         segments=section.segments,

@@ -190,7 +190,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     memory_of = architecture.memory_of  # stack -> the stack its cross-attention reads
     src = (src_len or seq) if memory_of else None
     lengths = {name: (src if name in memory_of.values() else seq) for name in stacks}
-    d, vocab = spec.d_model, spec.vocab_size
+    d, vocab = spec.d_model, spec.padded_vocab_size  # the tables and projection hold the padded rows
     act_bytes = DTYPE_BYTES[dtype]
     causal = architecture.causal
 

@@ -10,11 +10,13 @@ tensor-parallel rank runs it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from yamlformer.blocks.configs.base import indivisible
 from yamlformer.builder.analysis.mesh import Layout, LayoutError
 
+#: Megatron-LM's ``make_vocab_size_divisible_by``: it pads the vocabulary to a multiple of this x TP
+MEGATRON_VOCAB_MULTIPLE = 128
 #: the layer fields that hold blocks, as ``yamlformer.builder.spec.schema.LAYER_FIELDS``
 _LAYER_BLOCKS = ("attention", "cross_attention", "ffn", "norm")
 
@@ -104,14 +106,40 @@ def _blocks(spec):
     yield ("head",), spec.head
 
 
+def padded_for(spec, tp: int):
+    """``spec`` as it runs ``tp``-way tensor parallel: itself when its vocabulary (padded as it
+    says) divides by ``tp``, else with the vocabulary padded as Megatron-LM pads it, to a multiple
+    of :data:`MEGATRON_VOCAB_MULTIPLE` x ``tp`` (and of the spec's own multiple)."""
+    if tp == 1 or spec.padded_vocab_size % tp == 0:
+        return spec
+    multiple = math.lcm(spec.pad_vocab_to_multiple_of, MEGATRON_VOCAB_MULTIPLE * tp)
+    return spec.model_copy(update={"pad_vocab_to_multiple_of": multiple})
+
+
+def vocabulary_problems(spec, tp: int) -> list[tuple[tuple, str]]:
+    """The vocabulary's rows (``padded_vocab_size``) that ``tp`` vocab-parallel ranks cannot
+    split evenly, with the padding that would (:func:`padded_for`)."""
+    rows = spec.padded_vocab_size
+    if rows % tp == 0:
+        return []
+    fix = padded_for(spec, tp)
+    field = "vocab_size" if spec.pad_vocab_to_multiple_of == 1 else "pad_vocab_to_multiple_of"
+    shown = f"{rows}" if rows == spec.vocab_size else f"{spec.vocab_size} padded to {rows}"
+    return [
+        (
+            (field,),
+            f"{shown} rows of the vocabulary-parallel embedding and head do not split over {tp} tensor-parallel "
+            f"ranks; pad_vocab_to_multiple_of: {fix.pad_vocab_to_multiple_of} pads them to "
+            f"{fix.padded_vocab_size:,} (Megatron-LM's {MEGATRON_VOCAB_MULTIPLE} x TP)",
+        )
+    ]
+
+
 def tensor_parallel_problems(spec, tp: int) -> list[tuple[tuple, str]]:
     """``(field path, message)`` for every field that does not divide by ``tp``."""
     if tp == 1:
         return []
-    problems = [
-        (loc, f"{message} (the embedding and head are vocab-parallel)")
-        for loc, message in indivisible(tp, vocab_size=spec.vocab_size)
-    ]
+    problems = vocabulary_problems(spec, tp)
     for loc, config in _blocks(spec):
         problems += [(loc + where, message) for where, message in config.tensor_parallel_problems(tp, spec.d_model)]
     return problems
@@ -150,15 +178,26 @@ def context_parallel_problems(spec, cp: int) -> list[tuple[tuple, str]]:
     ]
 
 
-def pipeline_parallel_problems(spec, pp: int) -> list[tuple[tuple, str]]:
+def pipeline_parallel_problems(spec, pp: int, schedule: str = "1f1b") -> list[tuple[tuple, str]]:
     """``(field path, message)`` for what keeps ``spec`` from ``pp`` pipeline stages as the
-    recipes run them: a head tied to the embedding (it would span the first and the last stage)
-    and each block's ``pipeline_parallel_problems`` (a head with losses of its own)."""
+    recipes run them under ``schedule`` (the runtime's name or the performance model's): each
+    block's ``pipeline_parallel_problems`` (a head with losses of its own), and a head tied to the
+    embedding under a schedule that places the first and the last stage on one rank (zbv,
+    dualpipev: the runtime keeps the two copies of a tied tensor on the first and last stages'
+    ranks and sums their gradients, which a V placement would hold on one rank twice)."""
     if pp == 1:
         return []
+    from yamlformer.builder.analysis.runtime import stage_placement
+
     problems = []
-    if getattr(spec, "tie_embeddings", False):
-        problems.append((("tie_embeddings",), "a head tied to the embedding would span the first and the last stage"))
+    if getattr(spec, "tie_embeddings", False) and stage_placement(schedule)[1] == "v":
+        problems.append(
+            (
+                ("tie_embeddings",),
+                f"a head tied to the embedding needs the first and last stages on different ranks; {schedule} "
+                "places both on the first (use 1f1b, interleaved_1f1b or gpipe)",
+            )
+        )
     problems += [
         (loc + where, message)
         for loc, config in _blocks(spec)

@@ -158,7 +158,7 @@ def activation_bytes(
     fused_attention: bool = True,
 ) -> int:
     """Bytes saved for backward over one training step of ``batch`` sequences."""
-    d, vocab = spec.d_model, spec.vocab_size
+    d, vocab = spec.d_model, spec.padded_vocab_size  # the tables and projection hold the padded rows
     stacks = spec.stacks()
     memory_of = spec.architecture_config.memory_of  # stack -> the stack its cross-attention reads
     lengths = {name: (src_len if name in memory_of.values() and src_len else seq_len) for name in stacks}

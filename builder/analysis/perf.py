@@ -293,6 +293,11 @@ def predict(
     times = {kind: layer_time(kind) for kind in set(m.kinds)}  # identical layers cost the same
     ends = _end_stages(m, run, tokens, tp, cal, gpu, hbm, replays)
     p2p = 2 * v * collective_seconds("send", tokens * m.d * act / tp, 2, link(layout.stage_devices, 2), cal)
+    # a tied table's two copies (first and last stage) sum their fp32 gradient shards once a step, exposed
+    tie = 0.0
+    if m.tied and pp > 1:
+        grads = m.embedding / tp / layout.shard_size * 4
+        tie = collective_seconds("all_reduce", grads, 2, link(layout.stage_devices * (pp - 1), 2), cal)
 
     def stage_sum(s: int, key: str) -> float:
         return sum(n * times[kind][key] for kind, n in counts[s].items())
@@ -362,14 +367,14 @@ def predict(
         "exposed_tp": micro * stage_sum(slowest, "exposed_tp"),
         "exposed_cp": micro * stage_sum(slowest, "exposed_cp"),
         "exposed_ep": micro * stage_sum(slowest, "exposed_ep"),
-        "exposed_pp": micro * p2p if pp > 1 else 0.0,
+        "exposed_pp": (micro * p2p + tie) if pp > 1 else 0.0,
     }
     communication = {
         "fsdp": fsdp + hsdp,
         "tp": micro * stage_sum(slowest, "tp"),
         "cp": micro * stage_sum(slowest, "cp"),
         "ep": micro * stage_sum(slowest, "ep"),
-        "pp": micro * p2p if pp > 1 else 0.0,
+        "pp": (micro * p2p + tie) if pp > 1 else 0.0,
     }
     step = sum(breakdown.values())
     tokens_per_s = run.global_batch * run.seq_len / step / layout.devices
@@ -418,6 +423,8 @@ def _stage_params(m: Model, counts: dict[int, int], stage: int, pp: int, tp: int
         dense += m.embedding / tp
     if stage == pp - 1:
         dense += m.head_params / tp + m.rest_params
+        if m.tied and pp > 1:  # the tied table's copy the last stage projects with
+            dense += m.embedding / tp
     return dense, experts
 
 

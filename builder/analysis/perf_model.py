@@ -101,12 +101,14 @@ class Model:
         self.other_saved = est.memory.activations - sum(layer["saved"] for layer in self.layers)
         # what a compiled loss does not keep of one sequence's (the head's contract, eager minus compiled)
         head_saved = functools.partial(
-            spec.head.saved_bytes, d, spec.vocab_size, seq_len, BYTES[dtype], fused=True, position=spec.position
+            spec.head.saved_bytes, d, spec.padded_vocab_size, seq_len, BYTES[dtype], fused=True, position=spec.position
         )
         self.compiled_loss_saving = head_saved() - head_saved(compiled_loss=True)
         self.train_flops_per_token = est.flops.train_per_token
         self.d = d
-        self.vocab = spec.vocab_size
+        self.vocab = spec.padded_vocab_size
+        #: a head tied to the embedding: under pipelining the last stage keeps a copy of the table
+        self.tied = bool(spec.tie_embeddings and type(spec.head).projects_to_vocab)
         self.experts = next((layer["routed"] for layer in self.layers if layer["routed"]), None)
         self._stages: dict[tuple[int, int], list[dict[int, int]]] = {}
         self._whole: dict[int, tuple[list[int], int]] = {}

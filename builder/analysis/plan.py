@@ -40,6 +40,7 @@ from yamlformer.builder.analysis.layout import (
     context_parallel_problems,
     expert_parallel_problems,
     layout_problems,
+    padded_for,
     pipeline_parallel_problems,
 )
 from yamlformer.builder.analysis.perf import ATTENTION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
@@ -82,6 +83,14 @@ class Candidate:
     #: ``(trainer field, reason)`` for what the spec's blocks cannot run in this layout as the
     #: recipes run it (:func:`block_problems`)
     blocked: tuple[tuple[str, str], ...] = ()
+    #: the vocabulary padding the planner gave the spec so its tensor-parallel ranks split it
+    #: (``yamlformer.builder.analysis.layout_rules.padded_for``: Megatron-LM's 128 x TP); None: as the spec is
+    padded: tuple[int, int] | None = None  # (pad_vocab_to_multiple_of, padded rows)
+
+    @property
+    def spec_overrides(self) -> tuple[str, ...]:
+        """The spec settings (``--set``) this candidate runs with beyond the spec's own."""
+        return (f"pad_vocab_to_multiple_of={self.padded[0]}",) if self.padded else ()
 
     @property
     def layout(self) -> Layout:
@@ -149,10 +158,16 @@ class Candidate:
     def summary(self) -> str:
         run = self.run
         schedule = f"; {run.schedule} schedule" if self.layout.pipeline_parallel > 1 else ""
+        padded = (
+            f"; the vocabulary padded to {self.padded[1]:,} (pad_vocab_to_multiple_of {self.padded[0]}, "
+            "Megatron-LM's 128 x TP)"
+            if self.padded
+            else ""
+        )
         return (
             f"{self.layout.describe()}; micro-batch {self.micro_batch} x {self.accumulation} "
             f"{'pipeline micro-batches' if self.layout.pipeline_parallel > 1 else 'accumulation steps'}"
-            f"; recomputation {run.recompute}{schedule}"
+            f"; recomputation {run.recompute}{schedule}{padded}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +181,7 @@ class Candidate:
             "memory": self.memory,
             "step_seconds": self.step_seconds,
             "gpu_hours_per_step": self.gpu_hours,
+            "spec_overrides": list(self.spec_overrides),
             "summary": self.summary(),
         }
 
@@ -319,6 +335,7 @@ def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
         data_parallel=pins.data_parallel or "shard",
         expert_parallel=pins.expert_parallel or 1,
     )
+    spec = padded_for(spec, layout.tensor_parallel)  # a vocabulary TP cannot split is padded, as Megatron-LM does
     problems = layout_problems(spec, layout, seq)
     if problems:
         raise problems[0]
@@ -330,8 +347,8 @@ def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
             field, reason = refused[0]
             argument = RUNTIME_ARGUMENT.get(field, field)
             raise LayoutError(argument, getattr(pins, argument, None), f"not launchable: {reason}")
-        for field, reason in block_problems(spec, layout)[:1]:
-            raise LayoutError(field, getattr(layout, field), f"not launchable: {reason}")
+        for field, reason in block_problems(spec, layout, pins.schedule or "1f1b")[:1]:
+            raise LayoutError(field, getattr(layout, field, None), f"not launchable: {reason}")
 
 
 def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, calibration, result) -> list[Candidate]:
@@ -340,8 +357,17 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
     gpus, per_node = cluster.gpus, cluster.per_node
     n_layers = len(model.layers)
     tps = [pins.tensor_parallel] if pins.tensor_parallel else list(divisors(per_node))
-    tps = [t for t in tps if not layout_problems(spec, Layout(devices=gpus, nodes=cluster.nodes, tensor_parallel=t))]
+    specs = {t: padded_for(spec, t) for t in tps}  # a vocabulary TP cannot split is padded, as Megatron-LM does
+    tps = [
+        t for t in tps if not layout_problems(specs[t], Layout(devices=gpus, nodes=cluster.nodes, tensor_parallel=t))
+    ]
+    models = {spec.pad_vocab_to_multiple_of: model}
     for tp in tps:
+        spec_t = specs[tp]
+        multiple = spec_t.pad_vocab_to_multiple_of
+        if multiple not in models:
+            models[multiple] = Model(spec_t, model.seq, model.dtype, model.src)
+        padded = (multiple, spec_t.padded_vocab_size) if spec_t is not spec else None
         pps = [pins.pipeline_parallel] if pins.pipeline_parallel else divisors(gpus // tp)
         for pp in (p for p in pps if p <= min(n_layers, MAX_STAGES) and (gpus // tp) % p == 0):
             cps = (
@@ -363,13 +389,14 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
                     )
                     continue
                 found += _at_degrees(
-                    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result
-                )
+                    spec_t, models[multiple], cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp,
+                    result, padded,
+                )  # fmt: skip
     return found
 
 
 def _at_degrees(
-    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result
+    spec, model, cluster, global_batch, dtype, pins, rank_by, calibration, tp, pp, cp, result, padded=None
 ) -> list[Candidate]:
     out = []
     groups = set()
@@ -416,7 +443,8 @@ def _at_degrees(
                         calibration,
                         result.refused,
                     )
-                    out += [Candidate(p, rank_by, block_problems(spec, layout)) for p in best]
+                    blocked = block_problems(spec, layout, schedule)
+                    out += [Candidate(p, rank_by, blocked, padded) for p in best]
     return out
 
 
@@ -492,13 +520,16 @@ def _expert_degrees(spec, model: Model, pins: Pins) -> list[int]:
     return [e for e in degrees if not (pins.launchable and expert_parallel_problems(spec, e))]
 
 
-def block_problems(spec, layout: Layout) -> tuple[tuple[str, str], ...]:
+def block_problems(spec, layout: Layout, schedule: str = "1f1b") -> tuple[tuple[str, str], ...]:
     """``(trainer field, reason)`` for each block of ``spec`` that cannot run ``layout``'s expert,
     context or pipeline parallelism as the recipes run it (the blocks' ``expert_parallel_problems``,
     ``context_parallel_problems`` and ``pipeline_parallel_problems``)."""
     found = [("expert_parallel", loc, m) for loc, m in expert_parallel_problems(spec, layout.expert_parallel)]
     found += [("context_parallel", loc, m) for loc, m in context_parallel_problems(spec, layout.context_parallel)]
-    found += [("pipeline_parallel", loc, m) for loc, m in pipeline_parallel_problems(spec, layout.pipeline_parallel)]
+    launched = runtime.SCHEDULE_NAMES.get(schedule, schedule)  # the runtime's zero-bubble is zbv
+    found += [
+        ("pipeline_parallel", loc, m) for loc, m in pipeline_parallel_problems(spec, layout.pipeline_parallel, launched)
+    ]
     return tuple((field, f"{'.'.join(map(str, loc))}: {message}") for field, loc, message in found)
 
 

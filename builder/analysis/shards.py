@@ -57,7 +57,7 @@ def model_tensors(spec) -> list[ParamTensor]:
     The names come from each block's ``param_shapes`` under the paths assembly gives the blocks
     (``decoder.layers.3.ffn.``); the split from each block's ``parallel_plan``.
     """
-    d, vocab = spec.d_model, spec.vocab_size
+    d, vocab = spec.d_model, spec.padded_vocab_size  # the tables and projection hold the padded rows
     tensors: dict[str, ParamTensor] = {}
 
     def add(prefix: str, config, shapes: dict, unit: str, plan: dict | None = None) -> None:
@@ -311,7 +311,10 @@ def stage_tensors(
     units = {f"{stack}.layers.{i}" for s in stages for i in cut[s]}
     units |= {f"{stack}.embedding"} if 0 in stages else set()
     units |= {"head", "root"} if n_stages - 1 in stages else set()
-    return [t for t in (model_tensors(spec) if tensors is None else tensors) if t.unit in units]
+    # the first stage's table even when a tied head puts it in the root unit (the last stage keeps a copy)
+    table = f"{stack}.embedding." if 0 in stages else None
+    held = model_tensors(spec) if tensors is None else tensors
+    return [t for t in held if t.unit in units or (table is not None and t.name.startswith(table))]
 
 
 def pipeline_rank_states(spec, layout: Layout, per_rank: int = 1, style: str = "loop") -> list[RankStates]:

@@ -433,7 +433,7 @@ def _launch(result, args, tokens: int | None) -> dict:
         seq_len=result.seq_len,
         dtype=result.dtype,
         spec=spec,
-        spec_overrides=tuple(args.overrides),
+        spec_overrides=(*args.overrides, *result.chosen.spec_overrides),
         max_steps=max_steps,
         output_dir=os.path.join("runs", f"{result.spec_name}-{layout.devices}gpus"),
     )
@@ -488,7 +488,7 @@ def _describe_line(result, args) -> str:
         parts += ["--src-len", str(result.src_len)]
     if c.checkpointing:
         parts.append("--checkpointing")
-    for item in args.overrides:
+    for item in [*args.overrides, *c.spec_overrides]:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)
 

@@ -192,6 +192,8 @@ def load_weights(model, source, *, strict: bool = True):
     state = dict(source) if isinstance(source, Mapping) else read_weights(source)
     state = {_strip_prefixes(k): v for k, v in state.items()}
     tensors = dict(_named_tensors(model))
+    spec = getattr(model, "spec", None)
+    rows = (spec.vocab_size, spec.padded_vocab_size) if spec is not None else None
     problems, plan = [], []
     for group in alias_groups(model):
         present = [n for n in group if n in state]
@@ -199,6 +201,13 @@ def load_weights(model, source, *, strict: bool = True):
             problems.append(f"missing: {group[0]} (shape {tuple(tensors[group[0]].shape)})")
             continue
         value, target = state[present[0]], tensors[group[0]]
+        if (
+            rows
+            and rows[0] != rows[1]
+            and tuple(value.shape) == (rows[0], *target.shape[1:])
+            and (target.shape[0] == rows[1])
+        ):  # unpadded weights (a Hugging Face vocabulary) into the rows a padded vocabulary's table starts with
+            target = target[: rows[0]]
         if tuple(value.shape) != tuple(target.shape):
             problems.append(
                 f"{present[0]}: the weights have shape {tuple(value.shape)}, the model has {tuple(target.shape)}"
@@ -218,6 +227,25 @@ def load_weights(model, source, *, strict: bool = True):
         for target, value in plan:
             target.copy_(value)
     return model
+
+
+def unpadded(spec):
+    """``spec`` without its vocabulary padding (``pad_vocab_to_multiple_of``): what a Hugging Face
+    config and its weights hold."""
+    return spec if spec.pad_vocab_to_multiple_of == 1 else spec.model_copy(update={"pad_vocab_to_multiple_of": 1})
+
+
+def unpad_rows(spec, state: dict) -> dict:
+    """``state`` (tensors of ``spec``'s model by name) with a padded vocabulary's rows cut off
+    every tensor that has them (the embedding table, the output projection and its bias)."""
+    if spec.pad_vocab_to_multiple_of == 1:
+        return state
+    from yamlformer.builder.assemble import build_model
+
+    padded = build_model(spec, device="meta").state_dict()
+    plain = build_model(unpadded(spec), device="meta").state_dict()
+    cut = {name for name, t in padded.items() if name in plain and plain[name].shape != t.shape}
+    return {name: (t[: plain[name].shape[0]] if name in cut else t) for name, t in state.items()}
 
 
 def _strip_prefixes(name: str) -> str:

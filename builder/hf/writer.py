@@ -24,7 +24,7 @@ from yamlformer.builder.hf.common import Family, HFError, Unsupported
 from yamlformer.builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
 from yamlformer.builder.hf.reader import _copy_side_files
 from yamlformer.builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
-from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights
+from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights, unpad_rows, unpadded
 
 #: spec fields saying a bias tensor exists: a family that has the tensor writes zeros for a spec
 #: that has none (fit's ``zero_biases``)
@@ -192,7 +192,7 @@ def to_hf(
     non-architecture keys (token ids). Raises :class:`Unsupported` naming, for each family, what
     it cannot express.
     """
-    chosen, config = choose_family(spec, family)
+    chosen, config = choose_family(unpadded(spec), family)  # Hugging Face holds the vocabulary unpadded
     extra_config = {**_tokenizer_ids(spec, tokenizer, chosen), **(extra_config or {})}
     lacking = [k for k in chosen.needs if k not in extra_config]
     if lacking:
@@ -201,6 +201,7 @@ def to_hf(
             "pass them (export-hf --hf-config KEY=VALUE, or extra_config=)"
         )
     state, expected = _our_state(spec, weights)
+    state, spec = unpad_rows(spec, state), unpadded(spec)
     tensors = {}
     for link in chosen.links(spec):
         ours = [state[n] if n in state else _zero_bias(n, state, expected) for n in link.ours]
@@ -316,7 +317,7 @@ def export_hf(
     if looks_like_checkpoint(source):
         ckpt_spec, meta = _read_training_meta(source)
         spec = spec or ckpt_spec
-        choose_family(spec, family)  # a spec no family expresses stops before the weights are read
+        choose_family(unpadded(spec), family)  # a spec no family expresses stops before the weights are read
         state = _read_training_weights(source)
         tokenizer = meta.get("tokenizer")
         labels = meta.get("labels")
@@ -328,7 +329,7 @@ def export_hf(
             from yamlformer.builder.spec.loader import load_spec
 
             spec = load_spec(source)
-        choose_family(spec, family)
+        choose_family(unpadded(spec), family)
         state = read_weights(Path(weights) if weights else side / "model.safetensors")
     extra: dict[str, Any] = {}
     hf_config = side / "hf_config.json"

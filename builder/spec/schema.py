@@ -41,7 +41,7 @@ from yamlformer.blocks.configs.base import (
     PositionBlock,
 )
 from yamlformer.blocks.configs.layer import LayerConfig
-from yamlformer.blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH
+from yamlformer.blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_VOCAB_PADDING, MAX_WIDTH
 from yamlformer.builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
@@ -327,6 +327,15 @@ class ModelSpec(_Section):
     )
     architecture: str = Field(..., description="decoder-only | encoder-only | encoder-decoder.")
     vocab_size: int = Field(..., ge=1, le=MAX_VOCAB, description="Number of token ids.")
+    pad_vocab_to_multiple_of: int = Field(
+        1,
+        ge=1,
+        le=MAX_VOCAB_PADDING,
+        description="The embedding table and output projection hold vocab_size rounded up to a multiple of this "
+        "(Megatron-LM pads to 128 x the tensor-parallel degree, so the vocabulary splits over its ranks); the padded "
+        "ids' logits are cut off before the loss and sampling, and Hugging Face exports and imports stay unpadded. "
+        "1: no padding.",
+    )
     d_model: int = Field(..., ge=1, le=MAX_WIDTH, description="Width of the residual stream.")
     max_seq_len: int = Field(..., ge=1, le=MAX_SEQ_LEN, description="Longest sequence the model is built for.")
     tie_embeddings: bool = Field(False, description="Output projection shares the input embedding matrix.")
@@ -372,6 +381,13 @@ class ModelSpec(_Section):
     @property
     def architecture_config(self) -> ArchitectureBlock:
         return registry.config_class("architecture", self.architecture)()
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The rows of the embedding table and the output projection: ``vocab_size`` rounded up to
+        a multiple of ``pad_vocab_to_multiple_of``."""
+        multiple = self.pad_vocab_to_multiple_of
+        return -(-self.vocab_size // multiple) * multiple
 
     def stacks(self) -> dict[str, StackSpec]:
         """The stacks this architecture runs, by name, in order."""

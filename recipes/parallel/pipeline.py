@@ -70,26 +70,37 @@ def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
     if layers < stages:
         per = f" ({settings.pipeline_schedule} holds {stages // degree} per rank)" if stages > degree else ""
         raise RecipeError(f"{where}: {stages} stages{per} but the model has {layers} layers")
+    problems = pipeline_parallel_problems(model.spec, degree, settings.pipeline_schedule)  # as the planner asks
+    if problems:
+        loc, message = problems[0]
+        raise RecipeError(f"{where}: {'.'.join(map(str, loc))}: {message}")
     shared = _shared_across(model, stage_layers(layers, stages))
     if shared:
-        raise RecipeError(
-            f"{where}: {shared} is shared between stages on different ranks (tied embeddings: set "
-            "model.spec tie_embeddings false)"
-        )
-    problems = pipeline_parallel_problems(model.spec, degree)  # the blocks' own contract, as the planner asks
+        raise RecipeError(f"{where}: {shared} is shared between stages on different ranks")
     if problems:
         loc, message = problems[0]
         raise RecipeError(f"{where}: {'.'.join(map(str, loc))}: {message}")
 
 
 def _shared_across(model: nn.Module, layers: list[list[int]]) -> str | None:
-    """A parameter two stages hold (a head tied to the embedding), by name."""
+    """A parameter two stages hold, by name, other than a head's table tied to the embedding
+    (the first and last stages each keep it, their gradients summed: :meth:`Pipeline.tie_gradients`)."""
+    tied = {id(p) for p in tied_table(model)}
     owner: dict[int, int] = {}
     for index, part_layers in enumerate(layers):
         for name, p in model.pipeline_part(part_layers).named_parameters():
-            if owner.setdefault(id(p), index) != index:
+            if owner.setdefault(id(p), index) != index and id(p) not in tied:
                 return name
     return None
+
+
+def tied_table(model: nn.Module) -> list[nn.Parameter]:
+    """The embedding's parameters a model's head shares (a tied head's projection), if it holds both."""
+    if not model.tied_head():
+        return []
+    stack = next(iter(model.stacks().values()))
+    head = {id(p) for p in model.head.parameters()}
+    return [p for p in stack.embedding.parameters() if id(p) in head]
 
 
 @dataclass
@@ -107,6 +118,9 @@ class Pipeline:
     names: tuple[str, ...] = ()
     #: under context parallelism, this rank's share of each sequence (``yamlformer.recipes.parallel.context``)
     context_shard: object = None
+    #: a head tied to the embedding: ``(group, part)``, the process group of the ranks holding the first
+    #: and the last stage (their copies of the table) and this rank's part; None: nothing tied across ranks
+    tie: tuple | None = None
 
     def __post_init__(self):
         self.schedule = self.make_schedule()
@@ -144,8 +158,34 @@ class Pipeline:
         return loss
 
     def train_step(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every micro-batch; the gradients are the whole batch's mean."""
-        return self._run(True, input_ids, targets)
+        """Forward and backward of every micro-batch; the gradients are the whole batch's mean
+        (a tied table's copies summed over the first and last stages: :meth:`tie_gradients`)."""
+        loss = self._run(True, input_ids, targets)
+        self.tie_gradients()
+        return loss
+
+    def tied(self) -> list[nn.Parameter]:
+        """This rank's copy of a table the head shares with the embedding (on the first and the
+        last stage's ranks), or none."""
+        return tied_table(self.tie[1]) if self.tie is not None else []
+
+    def tie_gradients(self) -> None:
+        """Sum the gradients of a tied table's two copies: the first stage's (the embedding's
+        lookups) and the last's (the head's projection), as Megatron-LM's embedding all-reduce;
+        each rank's shard of them, laid out alike on both (the same tensor and data-parallel split)."""
+        import torch.distributed as dist
+
+        for param in self.tied():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.tie[0])
+            param.grad = grad
+
+    @property
+    def duplicates(self) -> list[nn.Parameter]:
+        """The parameters a gradient norm leaves out here because another rank counts them: the
+        last stage's copy of a tied table (the first stage's counts once, as one process does)."""
+        return self.tied() if self.has_last and not self.has_first else []
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -285,7 +325,24 @@ def build_pipeline(
     evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
     last = _rank_of(n_stages - 1, ranks, style)
     shard = getattr(views[0], "context_shard", None)
-    return part, Pipeline(schedule, stages, group, last, micro, evaluation, names, shard)
+    tie = (_tie_group(mesh, last), part) if model.tied_head() else None
+    return part, Pipeline(schedule, stages, group, last, micro, evaluation, names, shard, tie)
+
+
+def _tie_group(mesh, last: int):
+    """The process group of this rank's pipeline's first and last pp ranks (``last``), where a
+    tied table's two copies are; every rank makes every pipeline's group, in one order."""
+    import torch.distributed as dist
+
+    dim = mesh.mesh_dim_names.index("pp")
+    lines = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim]).tolist()
+    me = dist.get_rank()
+    mine = None
+    for line in lines:
+        group = dist.new_group([line[0], line[last]])
+        if me in line:
+            mine = group
+    return mine
 
 
 def v_evaluation(stages: list, microbatches: int, loss_fn):

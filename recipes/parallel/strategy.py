@@ -48,19 +48,23 @@ def on_mesh(total: torch.Tensor, mesh):
     return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh else total
 
 
-def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, group=None, leave_out=()) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (tensor-parallel ones
     on ``(dp, tp)``, replicated ones on ``dp`` alone): each mesh's norm is made whole, the squares
     summed, and every gradient scaled by the one total. ``group``: the ``pp`` process group of a
     pipeline, whose stages each hold some of the parameters: their squares are summed over it too
-    (torchtitan's ``clip_grad_norm_`` with a pp mesh). Returns the total norm."""
+    (torchtitan's ``clip_grad_norm_`` with a pp mesh); ``leave_out``: parameters scaled but not
+    counted, another rank counting them (the last stage's copy of a tied table). Returns the
+    total norm."""
     import torch.distributed as dist
     from torch.nn.utils import clip_grads_with_norm_
 
+    parameters = list(parameters)
     groups = mesh_groups(parameters)
     if len(groups) <= 1 and group is None:
         return torch.nn.utils.clip_grad_norm_([p for ps in groups.values() for p in ps], max_norm)
-    total = grad_norm(groups)
+    skipped = {id(p) for p in leave_out}
+    total = grad_norm(mesh_groups([p for p in parameters if id(p) not in skipped]))
     if group is not None:
         square = total**2
         dist.all_reduce(square, group=group)

@@ -193,7 +193,7 @@ class LMModule(L.LightningModule):
         loss = self.pipeline.train_step(input_ids, targets)
         clip = self.recipe.trainer.gradient_clip_val
         if clip is not None:
-            clip_grad_norm(self.model.parameters(), clip, self.pipeline.group)
+            clip_grad_norm(self.model.parameters(), clip, self.pipeline.group, leave_out=self.pipeline.duplicates)
         optimizer.step()
         scheduler.step()
         self.model.after_optimizer_step()
