@@ -118,8 +118,9 @@ class Pipeline:
     names: tuple[str, ...] = ()
     #: under context parallelism, this rank's share of each sequence (``yamlformer.recipes.parallel.context``)
     context_shard: object = None
-    #: a head tied to the embedding: ``(group, part)``, the process group of the ranks holding the first
-    #: and the last stage (their copies of the table) and this rank's part; None: nothing tied across ranks
+    #: a head tied to the embedding: ``(group, part, names)``, the process group of the ranks holding the
+    #: first and the last stage (their copies of the table), this rank's part and the table's names in
+    #: the whole model; None: nothing tied across ranks
     tie: tuple | None = None
 
     def __post_init__(self):
@@ -167,7 +168,11 @@ class Pipeline:
     def tied(self) -> list[nn.Parameter]:
         """This rank's copy of a table the head shares with the embedding (on the first and the
         last stage's ranks), or none."""
-        return tied_table(self.tie[1]) if self.tie is not None else []
+        if self.tie is None:
+            return []
+        _, part, names = self.tie
+        held = dict(part.named_parameters())
+        return [held[name] for name in names if name in held]
 
     def tie_gradients(self) -> None:
         """Sum the gradients of a tied table's two copies: the first stage's (the embedding's
@@ -292,6 +297,8 @@ def build_pipeline(
     from torch.distributed.pipelining import schedules
 
     check_pipeline(model, settings)
+    table = {id(p) for p in tied_table(model)}  # before the stages split and shard it apart
+    tied = [name for name, p in model.named_parameters() if id(p) in table]  # as the whole model names them
     _Stage = _stage_class()
     names = tuple(name for name, _ in model.named_parameters())
     name = SCHEDULES[settings.pipeline_schedule]
@@ -325,7 +332,7 @@ def build_pipeline(
     evaluation = v_evaluation(stages, micro, loss_fn) if style == "v" else None
     last = _rank_of(n_stages - 1, ranks, style)
     shard = getattr(views[0], "context_shard", None)
-    tie = (_tie_group(mesh, last), part) if model.tied_head() else None
+    tie = (_tie_group(mesh, last), part, tied) if tied else None
     return part, Pipeline(schedule, stages, group, last, micro, evaluation, names, shard, tie)
 
 
