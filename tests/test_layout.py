@@ -259,7 +259,8 @@ def test_describe_layout_options(capsys):
         (["--strategy", "fsdp", "--devices", "8", "--tensor-parallel", "3"], "error: --tensor-parallel 3: must divide"),
         (
             ["--strategy", "fsdp", "--devices", "6", "--tensor-parallel", "3"],
-            "error: --tensor-parallel 3: vocab_size: 32000 is not a multiple",
+            "error: --tensor-parallel 3: vocab_size: 32000 rows of the vocabulary-parallel embedding and head do not "
+            "split over 3 tensor-parallel ranks; pad_vocab_to_multiple_of: 384 pads them to 32,256",
         ),
         (["--strategy", "fsdp", "--devices", "8", "--data-parallel", "hybrid"], "error: --data-parallel hybrid: "),
         (["--devices", "8", "--tensor-parallel", "2"], "error: --tensor-parallel needs --strategy fsdp"),

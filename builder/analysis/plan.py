@@ -32,16 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yamlformer.builder.analysis import runtime
+from yamlformer.builder.analysis.calibration import cluster_calibration
 from yamlformer.builder.analysis.hardware import Cluster
+from yamlformer.builder.analysis.launchable import block_problems, blocked, context_refused, not_launchable
 from yamlformer.builder.analysis.layout import (
     DATA_PARALLEL,
     Layout,
     LayoutError,
-    context_parallel_problems,
     expert_parallel_problems,
     layout_problems,
     padded_for,
-    pipeline_parallel_problems,
 )
 from yamlformer.builder.analysis.perf import ATTENTION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
 from yamlformer.builder.analysis.schedules import SCHEDULES
@@ -158,12 +158,8 @@ class Candidate:
     def summary(self) -> str:
         run = self.run
         schedule = f"; {run.schedule} schedule" if self.layout.pipeline_parallel > 1 else ""
-        padded = (
-            f"; the vocabulary padded to {self.padded[1]:,} (pad_vocab_to_multiple_of {self.padded[0]}, "
-            "Megatron-LM's 128 x TP)"
-            if self.padded
-            else ""
-        )
+        pad = self.padded
+        padded = f"; the vocabulary padded to {pad[1]:,} (Megatron-LM's 128 x TP: {pad[0]})" if pad else ""
         return (
             f"{self.layout.describe()}; micro-batch {self.micro_batch} x {self.accumulation} "
             f"{'pipeline micro-batches' if self.layout.pipeline_parallel > 1 else 'accumulation steps'}"
@@ -264,11 +260,7 @@ def plan(
     stages than layers, experts that do not divide), naming the argument and the field.
     """
     pins = Pins(**pinned)
-    if calibration is None:  # the cluster's GPU's table (or, unmeasured, the reference's fractions)
-        from yamlformer.builder.analysis.calibration import calibration_for
-        from yamlformer.builder.analysis.hardware import resolve
-
-        calibration = calibration_for(resolve(cluster.gpu), cluster.hardware)
+    calibration = calibration or cluster_calibration(cluster)  # its GPU's table, or the reference's fractions
     if pins.attention not in ATTENTION:
         raise LayoutError("attention", pins.attention, f"must be one of {', '.join(ATTENTION)}")
     if rank_by not in RANK_BY:
@@ -378,7 +370,7 @@ def _search(spec, model, cluster, global_batch, dtype, pins: Pins, rank_by, cali
             for cp in (c for c in cps if (gpus // (tp * pp)) % c == 0):
                 if cp > 1 and result.seq_len % (2 * cp):
                     continue  # ring attention splits the sequence in 2 x cp balanced chunks
-                if pins.launchable and _context_refused(spec, cp, result.reasons):
+                if pins.launchable and context_refused(spec, cp, result.reasons):
                     continue
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
@@ -423,7 +415,8 @@ def _at_degrees(
             if pp == 1:
                 schedules = schedules[:1]
             if pins.launchable:  # what the runtime runs of this layout, the rest noted once each
-                schedules = [s for s in schedules if not _not_launchable(layout, "none", s, result.reasons)]
+                schedules = [s for s in schedules if not not_launchable(layout, "none", s, result.reasons)]
+                schedules = [s for s in schedules if not blocked(spec, layout, s, result.reasons)]
             recomputes = [pins.checkpointing] if pins.checkpointing else list(RECOMPUTE)
             if pins.launchable:
                 recomputes = [r for r in recomputes if r != "selective"]
@@ -443,8 +436,8 @@ def _at_degrees(
                         calibration,
                         result.refused,
                     )
-                    blocked = block_problems(spec, layout, schedule)
-                    out += [Candidate(p, rank_by, blocked, padded) for p in best]
+                    refused = block_problems(spec, layout, schedule)
+                    out += [Candidate(p, rank_by, refused, padded) for p in best]
     return out
 
 
@@ -518,40 +511,6 @@ def _expert_degrees(spec, model: Model, pins: Pins) -> list[int]:
         return [1]
     degrees = [e for e in divisors(model.experts[0]) if e in _powers(model.experts[0])]
     return [e for e in degrees if not (pins.launchable and expert_parallel_problems(spec, e))]
-
-
-def block_problems(spec, layout: Layout, schedule: str = "1f1b") -> tuple[tuple[str, str], ...]:
-    """``(trainer field, reason)`` for each block of ``spec`` that cannot run ``layout``'s expert,
-    context or pipeline parallelism as the recipes run it (the blocks' ``expert_parallel_problems``,
-    ``context_parallel_problems`` and ``pipeline_parallel_problems``)."""
-    found = [("expert_parallel", loc, m) for loc, m in expert_parallel_problems(spec, layout.expert_parallel)]
-    found += [("context_parallel", loc, m) for loc, m in context_parallel_problems(spec, layout.context_parallel)]
-    launched = runtime.SCHEDULE_NAMES.get(schedule, schedule)  # the runtime's zero-bubble is zbv
-    found += [
-        ("pipeline_parallel", loc, m) for loc, m in pipeline_parallel_problems(spec, layout.pipeline_parallel, launched)
-    ]
-    return tuple((field, f"{'.'.join(map(str, loc))}: {message}") for field, loc, message in found)
-
-
-def _context_refused(spec, cp: int, reasons: list[str]) -> bool:
-    """Whether a block of ``spec`` cannot run ``cp``-way context parallelism as the recipes run
-    it (``context_parallel_problems``), the first such block noted once."""
-    problems = context_parallel_problems(spec, cp)
-    if problems and not any(r.startswith("not launchable (context_parallel)") for r in reasons):
-        loc, message = problems[0]
-        reasons.append(f"not launchable (context_parallel): {'.'.join(map(str, loc))}: {message}")
-    return bool(problems)
-
-
-def _not_launchable(layout: Layout, recompute: str, schedule: str, reasons: list[str]) -> bool:
-    """Whether the runtime refuses ``layout`` with ``schedule`` (micro-batches aside), the first
-    reason of each trainer field noted once."""
-    refused = runtime.launch_problems(layout, recompute=recompute, schedule=schedule)
-    if refused:
-        field, reason = refused[0]
-        if not any(r.startswith(f"not launchable ({field})") for r in reasons):
-            reasons.append(f"not launchable ({field}): {reason}")
-    return bool(refused)
 
 
 def _powers(limit: int) -> list[int]:

@@ -77,9 +77,6 @@ def check_pipeline(model: nn.Module, settings: TrainerSection) -> None:
     shared = _shared_across(model, stage_layers(layers, stages))
     if shared:
         raise RecipeError(f"{where}: {shared} is shared between stages on different ranks")
-    if problems:
-        loc, message = problems[0]
-        raise RecipeError(f"{where}: {'.'.join(map(str, loc))}: {message}")
 
 
 def _shared_across(model: nn.Module, layers: list[list[int]]) -> str | None:

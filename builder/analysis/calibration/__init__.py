@@ -278,6 +278,13 @@ def lookup(name: str, directory: str | os.PathLike | None = None):
     return key, row, calibration_for(key, row, directory)
 
 
+def cluster_calibration(cluster) -> Calibration:
+    """:func:`calibration_for` a ``yamlformer.builder.analysis.hardware.Cluster``'s GPU (by its name)."""
+    from yamlformer.builder.analysis.hardware import resolve
+
+    return calibration_for(resolve(cluster.gpu), cluster.hardware)
+
+
 def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, cal: Calibration) -> float:
     """Seconds for one collective of ``nbytes`` (the whole tensor: all-gather's output,
     reduce-scatter's input, all-reduce's buffer, all-to-all's data per rank, a send's message)
