@@ -203,3 +203,31 @@ def test_the_kernel_timer_reads_cuda_events_in_seconds_whatever_this_machine_has
     seconds = perf_kernels.timed(lambda: calls.append(1), types.SimpleNamespace(type="cuda"), repeats=3)
     assert seconds == pytest.approx(2e-3)
     assert len(calls) == 2 + 3
+
+
+def test_the_kernel_benchmark_writes_this_gpu_s_calibration_table(tmp_path, monkeypatch, capsys):
+    """benchmarks/perf_kernels.py --write: the whole measurement (yamlformer.builder.analysis.calibration
+    .measure, here a stand-in returning the shipped H200 table) written as <gpu>.yaml with the run
+    that measured it, read back by the planner's loader; --out without --write is refused."""
+    import json
+
+    import perf_kernels
+
+    from yamlformer.builder.analysis.calibration import SHIPPED
+    from yamlformer.builder.analysis.calibration.table import load_table
+
+    shipped = load_table(SHIPPED / "h200.yaml")
+    calls = []
+    monkeypatch.setattr(
+        perf_kernels, "measure_table", lambda cpu, repeats, log: calls.append((cpu, repeats)) or shipped
+    )
+    assert perf_kernels.main(["--cpu", "--repeats", "2", "--write", "--out", str(tmp_path)]) == 0
+    assert calls == [(True, 2)]
+    written = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert written["path"] == str(tmp_path / "h200.yaml") and written["measured"]["date"] == "2026-12-04"
+    text = (tmp_path / "h200.yaml").read_text()
+    assert text.startswith("# h200's kernel rates, measured by `python benchmarks/perf_kernels.py --write`")
+    assert load_table(tmp_path / "h200.yaml") == shipped
+    with pytest.raises(SystemExit):
+        perf_kernels.main(["--cpu", "--out", str(tmp_path)])
+    assert "--out goes with --write" in capsys.readouterr().err

@@ -42,7 +42,7 @@ LAYERS = {
                                                 (16384, 6656), (16384, 6656), (6656, 16384)]),
 }  # fmt: skip
 GRID_TOKENS = (1024, 4096, 16384, 65536)
-GRID_FEATURES = (256, 1024, 4096, 16384)
+GRID_FEATURES = (256, 1024, 2048, 4096, 16384)
 #: causal whole sequences (flash, cuDNN), and ring attention's steps at 32,768 a rank: queries x half
 #: the keys, half the queries x all keys (non-causal)
 ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -109,7 +109,7 @@ def linears(scale: int) -> list[tuple[int, int, int]]:
 
 
 def _corners() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return (GRID_TOKENS[1], GRID_TOKENS[-1]), (GRID_FEATURES[1], GRID_FEATURES[-1])
+    return (GRID_TOKENS[1], GRID_TOKENS[-1]), (GRID_FEATURES[1], GRID_FEATURES[-1])  # at 1/64: 64 and 1,024 tokens, 16 and 256 features
 
 
 def sdpa(backend: str):
@@ -218,7 +218,7 @@ def measure(cpu: bool = False, repeats: int = 10, log=None) -> CalibrationTable:
         rows = []
         for q, k, causal in shapes:
             q, k = max(16, q // scale), max(16, k // scale)
-            rates = attention_rates(call, q, k, causal, device, repeats)
+            rates = attention_rates(call, q, k, causal, device, max(3, repeats // 2))  # long calls: fewer
             if rates is not None:
                 forward, backward = rates[0] / 1e12, rates[1] / 1e12
                 rows.append(
