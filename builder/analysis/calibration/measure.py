@@ -109,7 +109,8 @@ def linears(scale: int) -> list[tuple[int, int, int]]:
 
 
 def _corners() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return (GRID_TOKENS[1], GRID_TOKENS[-1]), (GRID_FEATURES[1], GRID_FEATURES[-1])  # at 1/64: 64 and 1,024 tokens, 16 and 256 features
+    # at 1/64: 64 and 1,024 tokens, 16 and 256 features
+    return (GRID_TOKENS[1], GRID_TOKENS[-1]), (GRID_FEATURES[1], GRID_FEATURES[-1])
 
 
 def sdpa(backend: str):
