@@ -263,7 +263,7 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
         (
             ["--gpus", "12", "--gpus-per-node", "6", "--tensor-parallel", "3"],
             # the planner pads the vocabulary as Megatron-LM does; the heads it cannot split
-            "error: --tensor-parallel 3: decoder.attention.n_heads: 32 is not a multiple of the tensor-parallel degree 3",
+            "error: --tensor-parallel 3: decoder.attention.n_heads: 32 is not a multiple of the tensor-parallel degree",
         ),
         (["--gpus", "8", "--gpu-memory", "80XB"], "error: --gpu-memory '80XB': not a size such as 80GiB or 141GB"),
         (["--gpus", "8", "--gpu-memory", "lots"], "error: --gpu-memory 'lots': not a size"),
