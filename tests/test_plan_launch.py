@@ -189,3 +189,25 @@ def test_a_pipeline_the_runtime_cannot_cut_is_one_line_naming_the_spec_field(cap
     err = capsys.readouterr().err
     assert err.startswith("error: --pipeline-parallel 2: not launchable: head.type: the mtp head's own losses")
     assert err.count("\n") == 1, err
+
+
+def test_gpt3_with_its_odd_tied_vocabulary_is_offered_tensor_and_pipeline_layouts(capsys):
+    """GPT-3 175B's 50,257-token vocabulary divides by no tensor-parallel degree and its head is tied
+    to the embedding: the planner pads the vocabulary as Megatron-LM does (128 x TP) and keeps the
+    tied table on the first and last stages, so it offers what a Megatron user would run, with
+    launch lines that set the padding (and a schedule placing those stages on different ranks)."""
+    from yamlformer.recipes.recipe.sections import TrainerSection, load_recipe
+
+    rc, out = _plan(capsys, "gpt3-175b", "--gpus", "96", "--seq-len", "2048", "--global-batch", "1152")
+    layout, plan = out["layout"], out["plan"]
+    assert rc == 0 and layout["tensor_parallel"] > 1 and layout["pipeline_parallel"] > 1
+    multiple = 128 * layout["tensor_parallel"]
+    assert plan["spec_overrides"] == [f"pad_vocab_to_multiple_of={multiple}"]
+    assert "the vocabulary padded to" in plan["summary"] and out["fsdp_only"]["mfu"] < out["mfu"]
+    sets = _sets(out["launch"]["torchrun"])
+    assert sets["model.overrides.pad_vocab_to_multiple_of"] == multiple
+    assert sets["trainer.pipeline_schedule"] in ("gpipe", "1f1b", "interleaved_1f1b")  # not a V: the head is tied
+    assert f"--set pad_vocab_to_multiple_of={multiple}" in out["launch"]["describe"]
+    if "pipeline_parallel" in TrainerSection.model_fields:
+        runtime = {k: v for k, v in sets.items() if k.startswith(("trainer.", "data."))}
+        load_recipe("recipes/lm-stdlib.yaml", runtime)  # the runtime takes the layout
