@@ -80,9 +80,10 @@ def vocabulary_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits[..., :vocab_size] if logits.shape[-1] != vocab_size else logits
 
 
-class LMHead(nn.Module):
-    """``softcap(proj(hidden * output_scale))``: vocabulary logits ``(batch, seq, vocab_size)``
-    (a padded vocabulary's projection has ``padded_vocab_size`` rows; the padded ids' logits are cut off)."""
+class VocabularyHead(nn.Module):
+    """What a head projecting to the vocabulary shares: its ``(rows, d_model)`` projection (the
+    spec's ``padded_vocab_size`` rows when it pads its vocabulary, the embedding's table when tied)
+    built after the head's own layers (:meth:`layers`), and the padded ids' logits cut off."""
 
     loss_names: tuple[str, ...] = ()
 
@@ -95,43 +96,47 @@ class LMHead(nn.Module):
         padded_vocab_size: int | None = None,
     ):
         super().__init__()
-        self.proj = vocab_projection(d_model, padded_vocab_size or vocab_size, config.bias, tied_embedding)
+        bias = self.layers(config, d_model)
+        self.proj = vocab_projection(d_model, padded_vocab_size or vocab_size, bias, tied_embedding)
         self.vocab_size = vocab_size
+
+    def layers(self, config, d_model: int) -> bool:
+        """Build what comes before the projection; whether the projection has a bias."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The projection's logits of the vocabulary's ids (a padded vocabulary's cut off)."""
+        return vocabulary_logits(self.proj(hidden), self.vocab_size)
+
+
+class LMHead(VocabularyHead):
+    """``softcap(proj(hidden * output_scale))``: vocabulary logits ``(batch, seq, vocab_size)``."""
+
+    def layers(self, config, d_model: int) -> bool:
         self.output_scale = config.output_scale
         self.softcap = config.softcap
+        return config.bias
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
         if self.output_scale is not None:
             hidden = hidden * self.output_scale
-        logits = vocabulary_logits(self.proj(hidden), self.vocab_size)
+        logits = self.logits(hidden)
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return HeadOutput(logits, {})
 
 
-class MLMHead(nn.Module):
+class MLMHead(VocabularyHead):
     """BERT's masked-LM head: ``proj(norm(act(dense(hidden))))``, the projection with a bias."""
 
-    loss_names: tuple[str, ...] = ()
-
-    def __init__(
-        self,
-        config,
-        d_model: int,
-        vocab_size: int,
-        tied_embedding: nn.Embedding | None = None,
-        padded_vocab_size: int | None = None,
-    ):
-        super().__init__()
+    def layers(self, config, d_model: int) -> bool:
         self.dense = nn.Linear(d_model, d_model)
         self.act = activation(config.activation)
         self.norm = LayerNorm(config.norm, d_model)
-        self.proj = vocab_projection(d_model, padded_vocab_size or vocab_size, True, tied_embedding)
-        self.vocab_size = vocab_size
+        return True
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
-        logits = self.proj(self.norm(self.act(self.dense(hidden))))
-        return HeadOutput(vocabulary_logits(logits, self.vocab_size), {})
+        return HeadOutput(self.logits(self.norm(self.act(self.dense(hidden)))), {})
 
 
 class ClassificationHead(nn.Module):
