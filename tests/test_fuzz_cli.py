@@ -506,8 +506,8 @@ def command_line(draw, hostile: dict, slow: bool) -> list:
             argv += [flag, draw(st.sampled_from(PLUGINS))]
         elif flag == "--set":
             argv += [flag, draw(SET_VALUES)]
-        elif flag == "--plot" and not slow:
-            continue
+        elif (flag == "--plot" and not slow) or flag == "--calibrate":  # --calibrate measures this machine
+            continue  # for seconds (tests/test_calibration.py runs it)
         elif action.dest in ("out", "output", "plot") or getattr(action.type, "__name__", "") in OUTPUT_TYPES:
             argv += [flag, draw(st.one_of(st.sampled_from(["out", "out/x", "fuzz-out"]), paths))]
         else:

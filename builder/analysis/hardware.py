@@ -123,6 +123,9 @@ class Cluster:
     gpu: str = "H100 SXM"
     headroom: float = 0.10
     hardware: GPU | None = None
+    #: the GPU's kernel rates (``yamlformer.builder.analysis.calibration.Calibration``); None: its table's,
+    #: looked up by its name, or the reference's fractions of its datasheet
+    calibration: object = None
 
     def __post_init__(self):
         base = self.hardware or gpu("h100")

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         help="a spec file (YAML) or a zoo name (`builder list`); optional with --calibrate",
     )
-    parser.add_argument("--gpus", type=count(maximum=MAX_DEVICES), help="GPUs in all (required with SPEC)")
+    parser.add_argument(
+        "--gpus", type=count(maximum=MAX_DEVICES), help="GPUs in all (required); --calibrate alone takes none"
+    )
     parser.add_argument(
         "--gpu-memory", metavar="SIZE", help="memory of one GPU, e.g. 80GiB, 141GB (default: --gpu's HBM)"
     )
@@ -203,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        cluster, calibration = cluster_from_args(args)
+        cluster = cluster_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(spec, args)
         recipe_document(args.recipe)  # a recipe that is not there is refused before planning
         tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
-        result = plan(spec, cluster, calibration=calibration, **settings)
+        result = plan(spec, cluster, **settings)
     except LayoutError as exc:
         print(f"error: {option_error(exc)}", file=sys.stderr)
         return 1
@@ -264,7 +266,7 @@ def calibrate(args: argparse.Namespace) -> str | None:
 
 
 def cluster_from_args(args: argparse.Namespace):
-    """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe and its GPU's
+    """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe, with its GPU's
     calibration (``yamlformer.builder.analysis.calibration.lookup``); ``ValueError`` names a bad option."""
     from yamlformer.builder.analysis.calibration import lookup
     from yamlformer.builder.analysis.hardware import gpu
@@ -302,7 +304,7 @@ def cluster_from_args(args: argparse.Namespace):
         inter_node=args.inter_node_bandwidth and args.inter_node_bandwidth * giga,
     )
     peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else row.peak["bf16"]
-    cluster = Cluster(
+    return Cluster(
         gpus=gpus,
         per_node=per_node,
         memory=memory,
@@ -310,8 +312,8 @@ def cluster_from_args(args: argparse.Namespace):
         gpu=row.name,
         headroom=args.headroom / 100,
         hardware=row,
+        calibration=calibration,
     )
-    return cluster, calibration
 
 
 def parse_size(text: str, option: str) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -195,7 +196,10 @@ def user_folder(directory: str | os.PathLike | None = None) -> Path:
 
 
 def table_path(key: str, directory: str | os.PathLike | None = None) -> Path | None:
-    """The table of ``key`` (``h200``, ``cpu``): the user's folder's, else the shipped one, else None."""
+    """The table of ``key`` (``h200``, ``cpu``): the user's folder's, else the shipped one, else None
+    (None too for a key that is no plain file name)."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", key):
+        return None
     for folder in (user_folder(directory), SHIPPED):
         path = folder / f"{key}.yaml"
         if path.is_file():
@@ -279,10 +283,11 @@ def lookup(name: str, directory: str | os.PathLike | None = None):
 
 
 def cluster_calibration(cluster) -> Calibration:
-    """:func:`calibration_for` a ``yamlformer.builder.analysis.hardware.Cluster``'s GPU (by its name)."""
+    """A ``yamlformer.builder.analysis.hardware.Cluster``'s calibration: its own, else
+    :func:`calibration_for` its GPU (by its name)."""
     from yamlformer.builder.analysis.hardware import resolve
 
-    return calibration_for(resolve(cluster.gpu), cluster.hardware)
+    return cluster.calibration or calibration_for(resolve(cluster.gpu), cluster.hardware)
 
 
 def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, cal: Calibration) -> float:
