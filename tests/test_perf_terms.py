@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import pytest
+from recipe_helpers import TINY_SPEC
 
 from yamlformer.blocks.configs.traffic import cross_entropy, rms_norm, rotary
 from yamlformer.builder.analysis.calibration import (
@@ -29,19 +30,19 @@ from yamlformer.builder.analysis.perf_terms import (
 from yamlformer.builder.spec.loader import load_spec
 
 IDEAL = dataclasses.replace(reference(), collective_efficiency=1.0, latency=0.0)
-#: a one-layer Llama: d 64, 4 query heads of 16, 2 key/value heads, SwiGLU 128, vocab 100
+#: a one-layer Llama: d 64, 4 query heads of 16, 2 key/value heads, SwiGLU 128, vocab 100, untied
 SMALL = {
+    **TINY_SPEC,
     "name": "small",
-    "architecture": "decoder-only",
     "d_model": 64,
     "vocab_size": 100,
     "max_seq_len": 256,
-    "position": {"type": "rope"},
+    "tie_embeddings": False,
     "decoder": {
+        **TINY_SPEC["decoder"],
         "n_layers": 1,
         "attention": {"n_heads": 4, "n_kv_heads": 2},
         "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 128},
-        "norm": {"type": "rmsnorm"},
     },
 }
 
