@@ -17,6 +17,7 @@ import sys
 
 from yamlformer.blocks.limits import MAX_SEQ_LEN
 from yamlformer.builder.cli.arguments import MAX_DEVICES, at_most, count, number
+from yamlformer.builder.cli.calibrate import add_calibration_arguments, calibrate_first
 from yamlformer.builder.cli.common import add_spec_options
 
 UNITS = {
@@ -80,30 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`builder plan --calibrate` measured; its kernel rates are its calibration table's (unmeasured: the H200's "
         "fractions of its datasheet on this GPU's, and the plan says so)",
     )
-    parser.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="first measure this machine's GPU (GEMMs, attention kernels, HBM bandwidth; about a minute on an H200) "
-        "and write its calibration table, which plans for it then read; with SPEC, plan on it",
-    )
-    parser.add_argument(
-        "--cpu",
-        action="store_true",
-        help="with --calibrate: measure the CPU at 1/64 of every size instead (a check of the machinery: cpu.yaml)",
-    )
-    parser.add_argument(
-        "--calibration-dir",
-        metavar="DIR",
-        help="where --calibrate writes tables and plans look first (default $BUILDER_CALIBRATION_DIR, else the user "
-        "data folder's calibration/)",
-    )
-    parser.add_argument(
-        "--attention",
-        choices=("flash", "cudnn", "triton"),
-        default="flash",
-        help="the attention kernel the run uses: SDPA's flash (default) or cuDNN backend, or this project's Triton "
-        "kernel (each at its measured rate)",
-    )
+    add_calibration_arguments(parser)
     for option, what in (
         ("--peak-tflops", "dense peak TFLOP/s of one GPU in bf16 (the other dtypes scale with it)"),
         ("--hbm-bandwidth", "HBM bandwidth of one GPU, GB/s"),
@@ -189,21 +167,9 @@ def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.cli.describe import option_error
 
-    if args.cpu and not args.calibrate:
-        print("error: --cpu goes with --calibrate", file=sys.stderr)
-        return 1
-    if args.calibrate:
-        measured = calibrate(args)
-        if measured is None:
-            return 1
-        if args.spec is None:
-            return 0
-        args.gpu = measured
-    if args.spec is None or args.gpus is None:
-        print(
-            f"error: {'SPEC' if args.spec is None else '--gpus'} is required (unless only --calibrate)", file=sys.stderr
-        )
-        return 1
+    done = calibrate_first(args)  # --calibrate: measure this GPU (and plan on it when a spec is given)
+    if done is not None:
+        return done
     try:
         cluster = cluster_from_args(args)
     except ValueError as exc:
@@ -229,40 +195,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(result, launch, args)
     return 0 if result.fits else 1
-
-
-def calibrate(args: argparse.Namespace) -> str | None:
-    """Measure this machine's GPU (``--cpu``: the CPU's machinery) into its calibration table in
-    ``--calibration-dir``; its key (what ``--gpu`` names it), or None (said why) when it cannot."""
-    import time
-
-    from yamlformer.builder.analysis.calibration import user_folder
-
-    try:
-        import torch
-
-        from yamlformer.builder.analysis.calibration.measure import measure
-        from yamlformer.builder.analysis.calibration.table import write_table
-    except ImportError as exc:  # pragma: no cover - torch is a dependency
-        print(f"error: --calibrate needs torch: {exc}", file=sys.stderr)
-        return None
-    if not args.cpu and not torch.cuda.is_available():
-        print("error: --calibrate: no CUDA device here (--cpu checks the machinery on the CPU)", file=sys.stderr)
-        return None
-    began = time.perf_counter()
-    table = measure(cpu=args.cpu, log=lambda message: print(f"  {message}", file=sys.stderr))
-    folder = user_folder(args.calibration_dir)
-    header = (
-        f"{table.gpu}'s kernel rates, measured by `builder plan --calibrate` on {table.measured.device} "
-        f"({table.measured.date}, torch {table.measured.torch}); `builder plan --gpu {table.gpu}` reads them."
-    )
-    try:
-        path = write_table(table, folder / f"{table.gpu}.yaml", header)
-    except OSError as exc:
-        print(f"error: --calibration-dir {folder}: cannot write there: {exc.strerror or exc}", file=sys.stderr)
-        return None
-    print(f"measured {table.measured.device} in {time.perf_counter() - began:.0f} s: wrote {path} (--gpu {table.gpu})")
-    return table.gpu
 
 
 def cluster_from_args(args: argparse.Namespace):
