@@ -57,6 +57,9 @@ def _write(kind: str, good: Path, folder: Path) -> Path:
     elif kind == "bit-flipped":
         at = len(data) // 2
         path.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :])
+    elif kind == "garbled directory":  # a changed byte in the zip's table of contents: a name not UTF-8
+        at = data.rindex(b"data.pkl")
+        path.write_bytes(data[:at] + bytes([0xCE]) + data[at + 1 :])
     elif kind == "unsafe pickle":
         torch.save({"state_dict": {}, "builder": _RunsCode(folder)}, path)
     elif kind == "unsafe legacy pickle":  # torch's format before zip archives
@@ -93,6 +96,7 @@ EXPECTED = {
     "truncated": "is damaged",
     "garbage": "is damaged",
     "bit-flipped": "is damaged",
+    "garbled directory": "is damaged: its table of contents is garbled",
     "unsafe pickle": "is not a checkpoint this tool can load safely",
     "unsafe legacy pickle": "is not a checkpoint this tool can load safely",
     "plain pickle": "is not a checkpoint this tool can load safely",

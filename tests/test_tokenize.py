@@ -233,6 +233,50 @@ def test_datasets_save_to_disk_folders_and_plain_folders(tmp_path):
     assert folder.format == "arrow,text"
 
 
+def test_every_real_file_is_read_once_however_links_reach_it(tmp_path):
+    """A folder with a link to itself was read 41 times (a manifest of 41 documents); links to a
+    folder elsewhere are followed, and a file reached twice (two links, a path given twice) is
+    read once."""
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "a.txt").write_text("one", encoding="utf-8")
+    (tmp_path / "loop" / "self").symlink_to("../loop")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("two", encoding="utf-8")
+    (tmp_path / "loop" / "there").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "loop" / "there-again").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "loop" / "z.txt").symlink_to(tmp_path / "loop" / "a.txt")
+    (folder,) = find_sources([str(tmp_path / "loop")])
+    assert [d.text for d in DocumentStream([folder])] == ["one", "two"]
+    loop = tmp_path / "loop"
+    assert [f.name for f in folder.files] == [str(loop / "a.txt"), str(loop / "there" / "b.txt")]
+    with pytest.raises(RecipeError, match="read already through an earlier source"):
+        find_sources([str(tmp_path / "loop"), str(tmp_path / "elsewhere")])
+
+
+def test_a_corpus_folder_in_a_recipe_reads_each_real_file_once(tmp_path):
+    from yamlformer.recipes.data.corpus import read_text
+    from yamlformer.recipes.recipe.sections import DataSection
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("one", encoding="utf-8")
+    (tmp_path / "corpus" / "self").symlink_to("../corpus")
+    (tmp_path / "corpus" / "b.md").symlink_to(tmp_path / "corpus" / "a.txt")
+    paths = [str(tmp_path / "corpus"), str(tmp_path / "corpus" / "a.txt")]
+    text = read_text(paths, DataSection(sources=paths, cache_dir=str(tmp_path / "cache")), None)
+    assert text.texts == ["one"]
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_a_device_or_fifo_is_refused_in_one_line(capsys, tmp_path, sp, kind):
+    if kind == "device":
+        source = Path("/dev/zero")
+    else:
+        source = tmp_path / "fifo"
+        os.mkfifo(source)
+    result = cli(capsys, "tokenize", source, "-o", tmp_path / "ds", "--tokenizer", sp[1])
+    refused(result, 1, str(source), "not a regular file or folder")
+
+
 # -- bad inputs: one line each, naming the file and where --------------------------------------------
 
 

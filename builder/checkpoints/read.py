@@ -93,6 +93,8 @@ def forget(path: str | Path) -> None:
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, UnicodeError):  # a member name that is not text: the zip directory changed
+        return "its table of contents is garbled (a byte changed on disk or in transfer)"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "central directory" in text or "zip archive" in text or isinstance(exc, EOFError):
         return "it is cut short (truncated) or is not a checkpoint file"

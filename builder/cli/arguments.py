@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from yamlformer.blocks.limits import MAX_SEQ_LEN
+from yamlformer.builder.outputs import shown
 
 #: sequences in one batch, on one device or in all (far above any run)
 MAX_BATCH = 1 << 24
@@ -130,11 +131,11 @@ def input_file(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("takes a file, got an empty path")
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: is a folder; give a file")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: is a folder; give a file")
     if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: no such file")
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text}: not a regular file")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: not a regular file")
     return text
 
 
@@ -143,7 +144,7 @@ def input_path(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("takes a file or folder, got an empty path")
     if not Path(text).exists():
-        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: no such file or folder")
     return text
 
 
@@ -156,11 +157,11 @@ def output_file(text: str) -> str:
     path = Path(text)
     parent = path.parent
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: is a folder; give a file to write")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: is a folder; give a file to write")
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: the folder {parent} does not exist")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: the folder {shown(parent)} does not exist")
     if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: the folder {parent} is not writable")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: the folder {shown(parent)} is not writable")
     return text
 
 
@@ -173,23 +174,28 @@ def output_folder(text: str) -> str:
         raise argparse.ArgumentTypeError("takes a folder to write, got an empty path")
     path = Path(text)
     if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: is a file, not a folder")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: is a file, not a folder")
     existing = path
     while not existing.exists():
         if existing.is_symlink():
-            raise argparse.ArgumentTypeError(f"{text}: {existing} is a broken symbolic link")
+            raise argparse.ArgumentTypeError(f"{shown(text)}: {shown(existing)} is a broken symbolic link")
         existing = existing.parent
     if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: {shown(existing)} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: the folder {existing} is not writable")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: the folder {shown(existing)} is not writable")
     return text
 
 
-def text(maximum: int = 1 << 20):
-    """A string of at most ``maximum`` characters (a prompt, a name)."""
+def text(maximum: int = 1 << 20, minimum: int = 0):
+    """A string of ``minimum`` to ``maximum`` characters (a prompt, a name); with ``minimum``, one
+    of only spaces is empty too."""
 
     def parse(value: str) -> str:
+        if minimum and len(value.strip()) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"takes at least {minimum:,} character{'s' * (minimum != 1)}, got {_cut(value)}"
+            )
         if len(value) > maximum:
             raise argparse.ArgumentTypeError(f"takes at most {maximum:,} characters, got {len(value):,}")
         return value

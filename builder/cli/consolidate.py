@@ -16,18 +16,25 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by `builder train` (folder or file)")
     parser.add_argument("-o", "--out", required=True, metavar="FILE", help="the .safetensors file to write")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace FILE if it exists (never the checkpoint: refused even so)"
+    )
 
 
-def consolidate(path: str | Path, out: str | Path) -> Path:
+def consolidate(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the model's whole weights of a checkpoint to one ``.safetensors`` file (a tied tensor
     once); the spec (JSON) and step go in its metadata. Written beside ``out`` and renamed over
-    it, so a failed write leaves no partial file (a :class:`CheckpointError` says why)."""
+    it, so a failed write leaves no partial file (a :class:`CheckpointError` says why). An
+    existing ``out`` is replaced only with ``overwrite``, and never when it is (or is inside) the
+    checkpoint (:class:`yamlformer.builder.outputs.OutputError`)."""
     import json
     import os
 
     from yamlformer.builder.checkpoints import CheckpointError, load_model, user_mode, write_reason
     from yamlformer.builder.hf.weights import save_weights
+    from yamlformer.builder.outputs import claim_file
 
+    claim_file(out, [path], overwrite)
     model, builder = load_model(path)
     metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
     out = Path(out)
@@ -47,13 +54,14 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.checkpoints import CheckpointError
+    from yamlformer.builder.outputs import OutputError
 
     if not args.out.endswith(".safetensors"):
         print(f"builder consolidate: -o {args.out}: the output is a .safetensors file", file=sys.stderr)
         return 1
     try:
-        path = consolidate(args.checkpoint, args.out)
-    except CheckpointError as exc:
+        path = consolidate(args.checkpoint, args.out, args.overwrite)
+    except (CheckpointError, OutputError) as exc:
         print(f"builder consolidate: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the output: an unwritable or full folder, a path that cannot be made

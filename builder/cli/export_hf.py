@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a config.json key a spec does not hold, e.g. --hf-config pad_token_id=0 (value read as JSON)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in DIR (never the source or its weights: refused even so)",
+    )
     add_spec_options(parser)
 
 
@@ -73,10 +78,13 @@ def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.checkpoints import looks_like_checkpoint
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.hf import HFError, export_hf
+    from yamlformer.builder.hf.writer import EXPORT_FILES
+    from yamlformer.builder.outputs import Snapshot
 
     spec = None
     if not looks_like_checkpoint(args.source):
         spec = spec_from_args(args, args.source)  # exits 1 with located problems
+    before = Snapshot.of(args.out, EXPORT_FILES)  # what this export writes, told from what was there
     try:
         family = export_hf(
             args.source,
@@ -85,15 +93,17 @@ def run(args: argparse.Namespace) -> int:
             weights=args.weights,
             family=args.family,
             extra_config=_pairs(args.hf_config),
+            overwrite=args.overwrite,
         )
-    except (HFError, ValueError) as exc:
+    except (HFError, ValueError) as exc:  # OutputError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the output folder: unwritable, full, or a path that cannot be made
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    from pathlib import Path
-
-    written = sorted(p.name for p in Path(args.out).iterdir() if p.name != "model.safetensors")
-    print(f"wrote {args.out}/model.safetensors and {', '.join(written)}: {family.hf_class} ({family.auto_class})")
+    others = ", ".join(name for name in before.written() if name != "model.safetensors")
+    print(
+        f"wrote {args.out}/model.safetensors{' and ' + others if others else ''}: "
+        f"{family.hf_class} ({family.auto_class})"
+    )
     return 0

@@ -5,8 +5,10 @@ Writes ``OUT/spec.yaml`` and ``OUT/model.safetensors`` (our tensor names; load t
 plus the original ``config.json`` as ``hf_config.json`` and the tokenizer and generation files,
 which ``export-hf`` carries back; ``builder generate OUT`` decodes with that tokenizer, and a
 recipe trains with it (``tokenizer: {type: hf, model_file: OUT}``). Reads only local files inside
-DIR; never the network. Exit 1, with one line and no traceback, for an unsupported
-``model_type``, a config or checkpoint that does not match, or a tokenizer that does not load.
+DIR; never the network. ``OUT`` is never ``DIR``; an earlier import there is replaced only with
+``--overwrite``. Exit 1, with one line and no traceback, for an unsupported ``model_type``, a
+config or checkpoint that does not match, weights holding NaN or infinite values, a tokenizer
+that does not load, or an output it may not write.
 """
 
 from __future__ import annotations
@@ -27,20 +29,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=output_folder,
         help="folder to write spec.yaml and model.safetensors",
     )
-    parser.add_argument("--name", type=text(200), help="the spec's name (default: the folder's name)")
+    parser.add_argument("--name", type=text(200, minimum=1), help="the spec's name (default: the folder's name)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier import in OUT (never DIR itself: it is refused even so)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.analysis.estimates import estimate
     from yamlformer.builder.hf import HFError, import_hf
     from yamlformer.builder.hf.tokenizer import read_tokenizer, to_tokenizers
+    from yamlformer.builder.outputs import OutputError
     from yamlformer.builder.spec.loader import SpecError, load_spec
 
     try:
-        spec_path, weights_path = import_hf(args.folder, args.out, name=args.name)
+        spec_path, weights_path = import_hf(args.folder, args.out, name=args.name, overwrite=args.overwrite)
         spec = load_spec(spec_path)
         tokenizer = read_tokenizer(args.out)
-    except (HFError, SpecError) as exc:
+    except (HFError, SpecError, OutputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the output folder: unwritable, full, or a path that cannot be made
@@ -51,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {spec_path}")
     print(f"wrote {weights_path}")
     if tokenizer is None:
-        print("no tokenizer in the folder (tokenizer.json or tokenizer.model): generate and train need one")
+        print(
+            f"no tokenizer in {args.folder} (tokenizer.json or tokenizer.model): generate and train need the "
+            "model's own; copy the tokenizer files of the model it was trained from into it and import again "
+            "(README.md, 'From a Hugging Face model to training on your files')"
+        )
     else:
         size = to_tokenizers(tokenizer).get_vocab_size(with_added_tokens=True)
         print(f"tokenizer: {tokenizer['type']}, {size:,} tokens (builder generate {args.out} --prompt ...)")

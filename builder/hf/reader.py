@@ -91,7 +91,10 @@ def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dic
     _check_shapes(spec, links, checkpoint, config, config_path)
     state, claimed = {}, set()
     for link in links:
-        state.update(zip(link.ours, link.to_ours([checkpoint.get(n) for n in link.hf])))
+        tensors = [checkpoint.get(n) for n in link.hf]
+        for n, tensor in zip(link.hf, tensors):
+            _check_finite(checkpoint, n, tensor)
+        state.update(zip(link.ours, link.to_ours(tensors)))
         claimed.update(link.hf)
     leftover = sorted(n for n in names - claimed if n != tied_copy and not family.is_ignored(n))
     if leftover:
@@ -100,6 +103,25 @@ def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dic
             f"as config.json configures it{_more(leftover)}"
         )
     return _clean(spec_dict), spec, state
+
+
+def _check_finite(checkpoint: Checkpoint, name: str, tensor) -> None:
+    """A weight holding NaN or infinite values (a damaged file, a diverged run) is refused, naming
+    the tensor and how much of it is bad: a model built from it computes nothing."""
+    import torch
+
+    if not tensor.is_floating_point():
+        return
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return
+    bad = int(finite.numel() - finite.sum())
+    nan = int(torch.isnan(tensor).sum())
+    kinds = " and ".join(k for k, n in (("NaN", nan), ("infinite", bad - nan)) if n)
+    raise HFError(
+        f"{checkpoint.file(name)}: tensor {name} holds {bad:,} {kinds} values (of {tensor.numel():,}): "
+        "damaged or diverged weights; not imported"
+    )
 
 
 def _more(items: list) -> str:
@@ -174,17 +196,26 @@ def from_hf(folder: str | Path, name: str | None = None) -> tuple[Any, dict]:
     return spec, state
 
 
-def import_hf(folder: str | Path, out: str | Path, name: str | None = None) -> tuple[Path, Path]:
+#: what ``import_hf`` writes into its output folder (an earlier import's files are these)
+IMPORT_FILES = ("spec.yaml", "model.safetensors", "hf_config.json", *SIDE_FILES)
+
+
+def import_hf(
+    folder: str | Path, out: str | Path, name: str | None = None, overwrite: bool = False
+) -> tuple[Path, Path]:
     """Write ``out/spec.yaml`` and ``out/model.safetensors``, the original config as
     ``hf_config.json`` and the folder's tokenizer and generation files (for ``builder generate
     OUT`` and for export); returns the two paths. The tokenizer is checked to load first
-    (:func:`yamlformer.builder.hf.tokenizer.read_tokenizer`); tokenizer files of an earlier import into
-    ``out`` are replaced."""
+    (:func:`yamlformer.builder.hf.tokenizer.read_tokenizer`). ``out`` is never ``folder`` (nor a
+    file there); an earlier import in ``out`` is replaced only with ``overwrite`` (its tokenizer
+    files removed), else :class:`yamlformer.builder.outputs.OutputError` (:mod:`yamlformer.builder.outputs`)."""
     import yaml
 
     from yamlformer.builder.hf.tokenizer import read_tokenizer
+    from yamlformer.builder.outputs import claim_folder
 
     folder, out = Path(folder), Path(out)
+    claim_folder(out, IMPORT_FILES, [folder], overwrite)  # before any weights are read
     spec_dict, _, state = read_hf(folder, name)
     read_tokenizer(folder)  # a tokenizer that does not load fails the import, not a later run
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from yamlformer.builder.checkpoints import looks_like_checkpoint
 from yamlformer.builder.hf.checks import read_json
 from yamlformer.builder.hf.common import Family, HFError, Unsupported
 from yamlformer.builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
-from yamlformer.builder.hf.reader import _copy_side_files
+from yamlformer.builder.hf.reader import SIDE_FILES, _copy_side_files
 from yamlformer.builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights, unpad_rows, unpadded
 
@@ -31,6 +31,8 @@ from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights, un
 BIAS_FIELDS = ("bias", "qkv_bias", "out_bias")
 #: config.json keys naming a classifier's classes: a checkpoint's labels replace the defaults
 LABEL_KEYS = ("id2label", "label2id")
+#: what ``export_hf`` writes into its output folder (an earlier export's files are these)
+EXPORT_FILES = ("config.json", "model.safetensors", *SIDE_FILES)
 
 
 def _semantic(spec) -> dict:
@@ -304,17 +306,30 @@ def export_hf(
     weights: str | Path | None = None,
     family: str | None = None,
     extra_config: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Family:
     """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
     ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
     Hugging Face folder. ``spec``: the spec already loaded (with ``--set`` overrides). Token ids
     come from the checkpoint's tokenizer, or ``hf_config.json`` beside the source (written by
     import), then ``extra_config``. A checkpoint's tokenizer is written with the model; the
-    tokenizer and generation files beside a spec (an import's) are copied."""
+    tokenizer and generation files beside a spec (an import's) are copied. ``out`` never holds
+    what is read (the source, its weights and side files); an earlier export there is replaced
+    only with ``overwrite`` (:mod:`yamlformer.builder.outputs`)."""
+    from yamlformer.builder.outputs import claim_folder
+
     source, out = Path(source), Path(out)
     side = source.parent
+    checkpoint = looks_like_checkpoint(source)
+    if checkpoint:
+        inputs = [source]
+    else:
+        side_files = [p for pattern in SIDE_FILES for p in side.glob(pattern)]
+        weights_file = Path(weights) if weights else side / "model.safetensors"
+        inputs = [source, weights_file, side / "hf_config.json", *side_files]
+    claim_folder(out, EXPORT_FILES, inputs, overwrite)
     tokenizer, extra_labels = None, {}
-    if looks_like_checkpoint(source):
+    if checkpoint:
         ckpt_spec, meta = _read_training_meta(source)
         spec = spec or ckpt_spec
         choose_family(unpadded(spec), family)  # a spec no family expresses stops before the weights are read

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from yamlformer.builder.outputs import shown
 from yamlformer.recipes.data import registry as datasets
 from yamlformer.recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
 from yamlformer.recipes.data.mixture import Source, Stream, epochs_seen, shares
 from yamlformer.recipes.data.section import DataSection, SourceEntry
+from yamlformer.recipes.data.walk import Seen, walk
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.fields import resolve
 
@@ -51,16 +53,17 @@ class Corpus:
     line: str  # the one-line summary a run prints
 
 
-def _text_files(source: str, section: DataSection, recipe_file: Path | None) -> list[Path]:
+def _text_files(source: str, section: DataSection, recipe_file: Path | None, seen: Seen) -> list[Path]:
+    """The files of one source in reading order, each real file once over the sources ``seen``
+    has walked (:mod:`yamlformer.recipes.data.walk`: links followed, loops read once)."""
     if source in datasets.DATASETS:  # a name wins over a file of that name: write ./name for the file
-        return datasets.text_files(source, section.dataset_root(recipe_file))
+        return [f for f in datasets.text_files(source, section.dataset_root(recipe_file)) if seen.first(f)]
     path = resolve(recipe_file, source)
     if path.is_file():
-        return [path]
+        return [path] if seen.first(path) else []
     if path.is_dir():
-        found = {f for pattern in section.include for f in path.rglob(pattern) if f.is_file()}
-        return sorted(found)
-    raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {path})")
+        return [f for f in walk(path, seen) if any(f.relative_to(path).match(p) for p in section.include)]
+    raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {shown(path)})")
 
 
 def read_text(paths: list[str], section: DataSection, recipe_file: Path | None) -> TextCorpus:
@@ -69,8 +72,9 @@ def read_text(paths: list[str], section: DataSection, recipe_file: Path | None) 
     texts: list[str] = []
     files: list[str] = []
     size = 0
+    seen = Seen()
     for source in paths:
-        for path in _text_files(source, section, recipe_file):
+        for path in _text_files(source, section, recipe_file, seen):
             if section.max_bytes is not None and size >= section.max_bytes:
                 break
             text = path.read_text(encoding="utf-8", errors="replace")

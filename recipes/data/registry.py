@@ -38,6 +38,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from yamlformer.recipes.data.walk import walk
 from yamlformer.recipes.errors import RecipeError
 
 #: the environment variable naming the data root (a folder of dataset files, or where to download them)
@@ -109,7 +110,7 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [f for f in sorted(root.rglob("*.py")) if not _STDLIB_SKIP.intersection(f.relative_to(root).parts[:-1])]
+    return [f for f in walk(root, skip=lambda d: d.name in _STDLIB_SKIP) if f.suffix == ".py"]
 
 
 _CHAR_RNN = "https://raw.githubusercontent.com/karpathy/char-rnn/6f9487a6fe5b420b7ca9afb0d7c078e37c1d1b4e"

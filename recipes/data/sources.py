@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from yamlformer.builder.outputs import shown
+from yamlformer.recipes.data.walk import Seen, walk
 from yamlformer.recipes.errors import RecipeError
 
 #: bytes read from a file at a time
@@ -116,61 +118,63 @@ def is_hf_disk(folder: Path) -> bool:
 
 
 def find_sources(paths: list[str], exclude: Path | None = None) -> list[Source]:
-    """Each SOURCE with its files (folders walked recursively in sorted order); ``exclude``: a
-    folder never read (the output). A missing path, an empty folder or a refused compression is
-    a :class:`RecipeError`."""
+    """Each SOURCE with its files (folders walked recursively in sorted order, links followed,
+    each real file once over all the sources: :mod:`yamlformer.recipes.data.walk`); ``exclude``:
+    a folder never read (the output). A missing path, a device or FIFO, an empty folder or a
+    refused compression is a :class:`RecipeError`."""
     from yamlformer.recipes.data.tokenized import is_tokenized_dataset
 
     skip = exclude.resolve() if exclude is not None else None
+    seen = Seen()
     sources = []
     for given in paths:
         path = Path(given)
         if not path.exists():
-            raise RecipeError(f"{given}: no such file or folder")
+            raise RecipeError(f"{shown(given)}: no such file or folder")
+        if not (path.is_file() or path.is_dir()):
+            raise RecipeError(
+                f"{shown(given)}: not a regular file or folder (a device, FIFO or socket); give corpus files or folders"
+            )
         if path.is_dir() and is_tokenized_dataset(path):
-            raise RecipeError(f"{given}: a tokenized dataset (a `builder tokenize` output), not a corpus")
+            raise RecipeError(f"{shown(given)}: a tokenized dataset (a `builder tokenize` output), not a corpus")
+        read_already = seen.known(path)
         if path.is_dir() and is_hf_disk(path):
-            files, skipped = _hf_files(path, given)
-            sources.append(Source(given, "hf-disk", files, skipped))
+            files, skipped = _hf_files(path, given) if seen.first(path) else ([], [])
+            sources.append(Source(given, "hf-disk", _read_once(files, given), skipped))
             continue
         if path.is_file():
-            files = [_file(path, given)]
+            files = [_file(path, given)] if seen.first(path) else []
         else:
             files = []
-            for sub in _walk(path, skip):
-                if sub.is_dir():  # a save_to_disk folder inside
-                    files += _hf_files(sub, os.path.join(given, sub.relative_to(path)))[0]
-                else:
-                    files.append(_file(sub, os.path.join(given, sub.relative_to(path))))
-            if not files:
-                raise RecipeError(f"{given}: a folder with no files to read")
-        kinds = sorted({f.format for f in files})
-        sources.append(Source(given, ",".join(kinds), files))
+            walked = walk(
+                path,
+                seen,
+                hidden=False,
+                skip=lambda d: (skip is not None and d.resolve() == skip) or is_tokenized_dataset(d),
+                whole=is_hf_disk,  # a save_to_disk folder inside
+            )
+            for sub in walked:
+                name = os.path.join(given, sub.relative_to(path))
+                files += _hf_files(sub, name)[0] if sub.is_dir() else [_file(sub, name)]
+            if not files and not read_already:
+                raise RecipeError(f"{shown(given)}: a folder with no files to read")
+        sources.append(Source(given, ",".join(sorted({f.format for f in files})), _read_once(files, given)))
     return sources
+
+
+def _read_once(files: list[SourceFile], given: str) -> list[SourceFile]:
+    """``files``, unless there are none because another source holds them all (a path given
+    twice, a folder and a file in it): read once, through the first."""
+    if not files:
+        raise RecipeError(
+            f"{shown(given)}: every file in it is read already through an earlier source (a path given twice?)"
+        )
+    return files
 
 
 def _file(path: Path, name: str) -> SourceFile:
     fmt, compression = file_format(path)
     return SourceFile(path, name, fmt, compression, bytes=path.stat().st_size)
-
-
-def _walk(folder: Path, skip: Path | None) -> Iterator[Path]:
-    """Files under ``folder`` in sorted order, and save_to_disk folders as one entry; hidden
-    names, ``skip`` and tokenized datasets left out."""
-    from yamlformer.recipes.data.tokenized import is_tokenized_dataset
-
-    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            if (skip is not None and entry.resolve() == skip) or is_tokenized_dataset(entry):
-                continue
-            if is_hf_disk(entry):
-                yield entry
-            else:
-                yield from _walk(entry, skip)
-        elif entry.is_file():
-            yield entry
 
 
 def _read_json(path: Path) -> dict:
