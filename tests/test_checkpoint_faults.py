@@ -328,13 +328,16 @@ def test_a_full_disk_during_export_or_consolidate_leaves_no_partial_file(good, t
             "no space left on the device",
         )
         refused(
-            cli(capsys, "consolidate", good, "-o", weights), 1, f"cannot write {weights}", "no space left on the device"
+            cli(capsys, "consolidate", good, "-o", weights, "--overwrite"),
+            1,
+            f"cannot write {weights}",
+            "no space left on the device",
         )
     assert sorted(p.name for p in out.iterdir()) == []  # no partial model.safetensors, no temp file
     assert weights.read_bytes() == b"an earlier consolidation"  # the earlier file is kept whole
     assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
     assert cli(capsys, "export-hf", good, "-o", out).status == 0  # the rerun on a disk with room
-    assert cli(capsys, "consolidate", good, "-o", weights).status == 0
+    assert cli(capsys, "consolidate", good, "-o", weights, "--overwrite").status == 0
     from safetensors.torch import load_file
 
     assert "decoder.layers.0.attention.q_proj.weight" in load_file(str(weights))

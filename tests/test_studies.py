@@ -152,6 +152,96 @@ def test_a_bad_study_file_is_located(tmp_path, capsys):
     assert "set total.trials" in capsys.readouterr().err
 
 
+class _Checked(Exception):
+    """Raised by a stand-in for a variant's check: the sweep was about to check variants."""
+
+
+def _refuse_checks(monkeypatch, after: int = 0) -> list:
+    """Variant checks counted, the ``after + 1``-th raising :class:`_Checked` (a grid of 10^6
+    variants would otherwise take hours to fail on code that checks them all)."""
+    from yamlformer.recipes.studies import variants
+
+    done, real = [], variants.check
+
+    def check(loaded, values):
+        done.append(values)
+        if len(done) > after:
+            raise _Checked
+        return real(loaded, values)
+
+    monkeypatch.setattr(variants, "check", check)
+    return done
+
+
+def test_a_grid_too_large_to_check_is_refused_by_its_size_at_once(tmp_path, capsys, monkeypatch):
+    """A 10^6-variant grid printed nothing for minutes: it is refused by name before any check."""
+    checked = _refuse_checks(monkeypatch)
+    ten = [round(0.001 * (i + 1), 4) for i in range(10)]
+    axes = dict.fromkeys(("optimizer.lr", "optimizer.weight_decay", "schedule.min_lr"), ten)
+    path = write_study(
+        tmp_path, axes={**axes, "optimizer.eps": ten, "loss.label_smoothing": ten, "data.val_fraction": ten}
+    )
+    started = time.monotonic()
+    assert sweep(path, "--dry-run") == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"{path}:3:1: axes: 1,000,000 variants (lr 10 x weight_decay 10 x min_lr 10 x eps 10 x label_smoothing 10 "
+        "x val_fraction 10), more than a study checks before it runs (1,000); narrow the axes, or draw "
+        "total.trials of them with search: random or tpe"
+    ), err
+    assert not checked and time.monotonic() - started < 30
+
+
+def test_checking_many_variants_shows_progress_on_a_terminal(tmp_path, monkeypatch):
+    import io
+
+    from yamlformer.recipes.studies import variants
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    real = variants.check
+    monkeypatch.setattr(variants, "check", lambda loaded, values: (time.sleep(0.4), real(loaded, values))[1])
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    found, _ = plan(load_study(write_study(tmp_path)), progress=True)
+    assert len(found) == 4 and "checking variants" in sys.stderr.getvalue()
+
+
+def test_a_server_without_its_driver_is_refused_before_the_variants_are_checked(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("sqlalchemy")
+    try:
+        import MySQLdb  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("the MySQL driver is installed here")
+    checked = _refuse_checks(monkeypatch)
+    path = write_study(tmp_path, storage="mysql://user:secret@localhost/study")
+    assert sweep(path) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}:") and "storage: a mysql:// database needs the Python driver 'MySQLdb'" in err
+    assert err.count("\n") == 1 and "secret" not in err and not checked
+
+
+def test_showing_a_study_never_run_makes_no_database(tmp_path, capsys):
+    path = write_study(tmp_path)
+    for command in ("show", "report"):
+        assert main(["study", command, str(path)]) == 1
+        assert "no study database (run `builder sweep" in one_error_line(capsys.readouterr().err, "builder study")
+    assert not (tmp_path / "study" / "study.db").exists()
+
+
+def test_a_range_or_an_axis_that_cannot_be_is_one_located_line(tmp_path, capsys):
+    ranged = {"optimizer.lr": {"low": 0.1, "high": 0.01}}
+    path = write_study(tmp_path, search="random", total={"trials": 2}, axes=ranged)
+    assert sweep(path, "--dry-run") == 1
+    assert capsys.readouterr().err.strip() == f"{path}:5:5: axes.optimizer.lr: low 0.1 must be less than high 0.01"
+    path = write_study(tmp_path, axes={"optimizer.lr": [0.1], "d_model": []})
+    assert sweep(path, "--dry-run") == 1
+    assert capsys.readouterr().err.strip() == f"{path}:6:12: axes.d_model: an axis needs at least one value"
+
+
 def test_launch_lines(tmp_path, capsys):
     path = write_study(tmp_path, parallel={"trials": 2, "devices": 2})
     assert sweep(path, "--print-torchrun") == 0

@@ -267,6 +267,8 @@ def _mistaken(doc: Document, kind: str | None, found: Path, display: str) -> str
     from yamlformer.builder.spec.kinds import mistaken
     from yamlformer.builder.zoo import name_of
 
+    if mistaken(doc.data, kind, display) is None:  # the usual case: no need to look the file up in the zoo
+        return None
     return mistaken(doc.data, kind, name_of(found) or display)
 
 

@@ -102,6 +102,7 @@ _TYPE_WORDS = {
     "model_attributes": "a mapping of fields",
 }
 _LABEL_WORDS = {
+    "dict": "a mapping",
     "str": "a string",
     "constrained-str": "a string",
     "list": "a list",
@@ -208,11 +209,18 @@ def _walk(model_cls: type, loc: tuple, data: Any) -> tuple[FieldPath, list[type]
             label, label_at = part, len(path)  # `str | list[int]`: pydantic names the branch
             kinds = [m for m in members if _label_of(m) == part] or members
             continue
+        branch = _branch(part, members) if isinstance(part, str) and label is None and len(members) > 1 else []
+        if branch:  # `list[Any] | Distribution` given a mapping: pydantic names the branch, a model's as "dict"
+            label, label_at = ("dict" if issubclass(branch[0], BaseModel) else part), len(path)
+            kinds = branch
+            continue
         parents = models
         nxt: list[Any] = []
         for m in members:
             if isinstance(part, int) and get_origin(m) is list:
                 nxt.append(get_args(m)[0])
+            elif isinstance(part, str) and get_origin(m) is dict and len(get_args(m)) == 2:
+                nxt.append(get_args(m)[1])  # a mapping's value, whatever its key
             elif m in models and part in m.model_fields:
                 nxt.append(m.model_fields[part].annotation)
         kinds = nxt
@@ -227,6 +235,22 @@ def _walk(model_cls: type, loc: tuple, data: Any) -> tuple[FieldPath, list[type]
             )
         )
     return path, parents, label, label_at
+
+
+def _branch(part: str, members: list[Any]) -> list[Any]:
+    """The members of a plain union a pydantic loc part names (``list[any]``, ``Distribution``,
+    ``function-after[_ordered(), Distribution]`` for a model with an after-validator); [] when
+    the part is a field name."""
+    if any(isinstance(m, type) and issubclass(m, BaseModel) and part in m.model_fields for m in members):
+        return []
+    found = []
+    for m in members:
+        if isinstance(m, type) and issubclass(m, BaseModel):
+            if part == m.__name__ or re.fullmatch(rf"function-\w+\[.*, {re.escape(m.__name__)}\]", part):
+                found.append(m)
+        elif part.lower() == _label_of(m).lower():
+            found.append(m)
+    return found
 
 
 def _is_tag(part: str, models: list[type], node: Any) -> bool:

@@ -63,10 +63,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from yamlformer.recipes.studies.schema import load_study
+    from yamlformer.recipes.studies.store import check_storage
     from yamlformer.recipes.studies.variants import plan
 
     loaded = load_study(args.study)
-    variants, invalid = plan(loaded)
+    if not (args.dry_run or args.print_torchrun or args.print_slurm):
+        check_storage(loaded)  # a server without its driver is said now, not after every variant is checked
+    variants, invalid = plan(loaded, progress=True)
     for bad in invalid:
         lines = bad.error.splitlines()
         print(f"{loaded.path}: variant {bad.name} cannot run: {lines[0]}", file=sys.stderr)

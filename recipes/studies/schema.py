@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.fields import _Section
 
@@ -157,24 +158,25 @@ class Study(_Section):
 
     @model_validator(mode="after")
     def _axes(self):
+        """The rules over several fields, each located at the field it is about (rule_error)."""
         if self.variants is not None and VARIANT_AXIS in self.axes:
-            raise ValueError(f"axes.{VARIANT_AXIS}: the named variants are that axis; rename the field")
+            raise rule_error(("axes", VARIANT_AXIS), "the named variants are that axis; rename the field")
         for name, axis in self.axes.items():
             if isinstance(axis, list) and not axis:
-                raise ValueError(f"axes.{name}: an axis needs at least one value")
+                raise rule_error(("axes", name), "an axis needs at least one value")
             if isinstance(axis, Distribution) and self.search == "grid":
-                raise ValueError(f"axes.{name}: a range is for search: random or tpe; a grid takes a list of values")
+                raise rule_error(("axes", name), "a range is for search: random or tpe; a grid takes a list of values")
         if self.variants is not None and not self.variants:
-            raise ValueError("variants: give at least one named variant, or leave it out")
+            raise rule_error(("variants",), "give at least one named variant, or leave it out")
         if self.search != "grid" and self.total.trials is None:
-            raise ValueError(f"search: {self.search} draws total.trials trials; set total.trials")
+            raise rule_error(("search",), f"{self.search} draws total.trials trials; set total.trials")
         if self.rank_by != "val_loss":
             task = self.rank_by.partition("/")[0]
             if self.downstream is None or task not in self.downstream.tasks or "/" not in self.rank_by:
                 tasks = ", ".join(self.downstream.tasks) if self.downstream else "none"
-                raise ValueError(
-                    f"rank_by: {self.rank_by!r} is val_loss or TASK/METRIC of a downstream task "
-                    f"(downstream.tasks: {tasks})"
+                raise rule_error(
+                    ("rank_by",),
+                    f"{self.rank_by!r} is val_loss or TASK/METRIC of a downstream task (downstream.tasks: {tasks})",
                 )
         return self
 

@@ -68,6 +68,34 @@ def _timeout() -> float:
         return LOCK_TIMEOUT
 
 
+def check_storage(loaded: StudyFile) -> None:
+    """A storage URL that cannot be opened here for want of a database driver (or of a dialect
+    SQLAlchemy knows), said at once, located at ``storage:`` and without the URL's password, not
+    after every variant is checked. SQLite needs nothing."""
+    url = loaded.storage
+    if url.startswith("sqlite:"):
+        return
+    import sqlalchemy.engine
+    import sqlalchemy.exc
+
+    from yamlformer.builder.spec.source import Problem, SpecError
+
+    scheme = url.partition(":")[0][:40]
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect().import_dbapi()
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or "its driver"
+        message = (
+            f"a {scheme}:// database needs the Python driver {missing!r}, which is not installed here; install "
+            "it (SQLAlchemy's page for the dialect names the package), or leave storage out for SQLite"
+        )
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ValueError):
+        message = f"not a database URL SQLAlchemy knows ({scheme}://...); e.g. postgresql://user@host/db"
+    else:
+        return
+    raise SpecError([Problem.at(loaded.mark("storage"), "storage", message)])
+
+
 def storage_of(url: str):
     """The RDB storage at ``url`` (heartbeats on, SQLite waiting for locks); one line when it cannot open."""
     import warnings
@@ -88,6 +116,8 @@ def storage_of(url: str):
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": timeout}}
     try:
         return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT, grace_period=GRACE, **kwargs)
+    except ImportError as exc:  # a server's driver (check_storage says so before any work)
+        raise StudyError(f"{path or url.partition(':')[0]}: no database driver here ({exc.name or exc})") from None
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError) as exc:
         raise StudyError(_db_message(path or url, exc)) from None
 
@@ -98,8 +128,10 @@ def open_study(loaded: StudyFile, create: bool, sampler=None, pruner=None):
     import optuna
     import sqlalchemy.exc
 
-    storage = storage_of(loaded.storage)
     name, where = loaded.name, _sqlite_file(loaded.storage) or loaded.storage
+    if not create and isinstance(where, Path) and not where.exists():  # reading: never make an empty database
+        raise StudyError(f"{where}: no study database (run `builder sweep {loaded.path}` first)")
+    storage = storage_of(loaded.storage)
     try:
         names = optuna.get_all_study_names(storage)
         if name not in names:

@@ -48,6 +48,11 @@ class Variant:
         return dataclasses.asdict(self)
 
 
+#: the most variants a study may have: each is checked before any trial starts (its recipe loaded,
+#: its spec validated and counted: some 10 ms each), and a grid runs every one as a training run
+MAX_VARIANTS = 1000
+
+
 class NothingToRun(RecipeError):
     """A study none of whose variants can run: each distinct problem, one line each."""
 
@@ -79,8 +84,29 @@ def budget_axis(loaded: StudyFile) -> str:
 
 
 def combinations(loaded: StudyFile) -> list[dict[str, Any]]:
-    """Every combination of the axes' values (a grid's trials; for a search, what is checked)."""
+    """Every combination of the axes' values (a grid's trials; for a search, what is checked);
+    more than :data:`MAX_VARIANTS` is refused, naming the axes and their sizes, before any is made."""
     axes = axis_values(loaded)
+    size = math.prod(len(values) for values in axes.values())
+    if size > MAX_VARIANTS:
+        from yamlformer.builder.spec.source import Problem, SpecError
+
+        shorts = short_names(list(axes))
+        sizes = " x ".join(f"{shorts[name]} {len(values):,}" for name, values in axes.items())
+        what = (
+            "narrow the axes, or draw total.trials of them with search: random or tpe"
+            if loaded.study.search == "grid"
+            else "a search checks every combination of its lists and range ends: give fewer list values"
+        )
+        raise SpecError(
+            [
+                Problem.at(
+                    loaded.mark("axes"),
+                    "axes",
+                    f"{size:,} variants ({sizes}), more than a study checks before it runs ({MAX_VARIANTS:,}); {what}",
+                )
+            ]
+        )
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
@@ -246,12 +272,19 @@ def _relocated(loaded: StudyFile, problem, where: dict[str, tuple]) -> str:
     return str(problem)
 
 
-def plan(loaded: StudyFile) -> tuple[list[Variant], list[Invalid]]:
+def plan(loaded: StudyFile, progress: bool = False) -> tuple[list[Variant], list[Invalid]]:
     """Every combination checked: ``(variants that run, variants that cannot)``. A search's ranges
     are checked at their ends. A study none of whose variants can run is :class:`NothingToRun`,
-    each distinct problem once (an axis naming no field: its one line)."""
+    each distinct problem once (an axis naming no field: its one line). ``progress``: a bar on
+    stderr once the checks take more than a second (on a terminal)."""
+    from tqdm.auto import tqdm
+
     variants, invalid = [], []
-    for values in combinations(loaded):
+    every = combinations(loaded)
+    shown = tqdm(
+        every, desc="checking variants", unit="variant", delay=1.0, leave=False, disable=None if progress else True
+    )
+    for values in shown:
         try:
             variants.append(check(loaded, values))
         except RecipeError as exc:
