@@ -114,9 +114,15 @@ def test_generate_refuses_options_of_two_decoding_modes(capsys, checkpoint, argv
 
 
 def test_generate_empty_prompt(capsys, checkpoint):
-    refused(
-        cli(capsys, "generate", checkpoint, "--prompt", "", "--max-new-tokens", "2"), 1, "give a non-empty --prompt"
-    )
+    result = cli(capsys, "generate", checkpoint, "--prompt", "", "--max-new-tokens", "2")
+    refused(result, 1, "give a non-empty --prompt")
+    assert result.err.startswith("builder generate: ") and result.out == ""  # no empty line before it
+
+
+def test_an_error_after_the_prompt_is_written_ends_its_line_on_stdout(capsys, checkpoint):
+    result = cli(capsys, "generate", checkpoint, "--prompt", "caf\u00e9", "--max-new-tokens", "2")
+    refused(result, 1)
+    assert result.out == "caf\u00e9\n" and result.err.startswith("builder generate: ")
 
 
 @pytest.mark.parametrize(

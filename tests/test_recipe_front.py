@@ -43,6 +43,18 @@ def test_a_recipe_is_validated_with_its_model(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"{recipe}:4:15: decoder.n_layer: unknown key 'n_layer'")
 
 
+def test_a_path_with_a_line_break_is_one_located_line(tmp_path, capsys):
+    """A data path with a newline split its message over three lines with no line:col."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('model: {spec: tiny/llama}\ndata:\n  sources:\n    - "corpus\\nbooks"\n')
+    assert main(["train", str(recipe), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"{recipe}:4:7: data.sources.0.path: 'corpus\\nbooks' holds a line break or another control character; "
+        "a path is one line\n"
+    )
+
+
 def test_kinds_are_told_apart_by_content():
     from yamlformer.builder.spec.source import read_document
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from yamlformer.blocks.limits import MAX_VOCAB
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from yamlformer.recipes.tasks import task_of
     from yamlformer.recipes.trained import load_trained
 
+    out = _LineTracking(sys.stdout)
     try:
         load_plugins_from_args(args)
         model, tokenizer, meta = load_trained(args.checkpoint, args.device, folders=True)
@@ -94,11 +96,31 @@ def run(args: argparse.Namespace) -> int:
         for name, value in DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
-        task_of(meta).generate(model, tokenizer, meta, args)
+        with contextlib.redirect_stdout(out):
+            task_of(meta).generate(model, tokenizer, meta, args)
     except (RecipeError, PluginError, ValueError) as exc:
-        print(f"\nbuilder generate: {exc}", file=sys.stderr)
+        if out.mid_line:  # the text streamed so far ends its line first, on its own stream
+            out.write("\n")
+            out.flush()
+        print(f"builder generate: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+class _LineTracking:
+    """stdout as the decoded text streams to it, knowing whether its last line is unfinished (an
+    error then ends that line, and only then)."""
+
+    def __init__(self, stream):
+        self.stream, self.mid_line = stream, False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.mid_line = not text.endswith("\n")
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def _check_decoding(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""What every recipe section is built from, in a module that imports nothing of the project: the
+"""What every recipe section is built from, in a module that imports nothing of the recipes: the
 base section model, the markers of path fields and :func:`resolve`. Section modules elsewhere
 (``yamlformer.recipes.data.section``, each task's) import them from here, so no section module needs
 ``yamlformer.recipes.recipe.sections`` back."""
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from yamlformer.blocks.configs.base import rule_error
 
 #: ``json_schema_extra`` of the fields that hold paths: relative to the recipe's folder, or to the
 #: working directory (``yamlformer.recipes.training.run_log`` makes them absolute in a run's config.yaml)
@@ -36,6 +38,23 @@ def default_cache_dir() -> str:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _paths_are_one_line(self):
+        """A path field (marked :data:`RECIPE_PATH` or :data:`WORK_PATH`) holding a line break or
+        another control character is refused where it is written: such a path is a quoting slip,
+        and every message naming it would break over lines."""
+        for name, field in type(self).model_fields.items():
+            extra = field.json_schema_extra
+            if not (isinstance(extra, dict) and "relative_to" in extra):
+                continue
+            value = getattr(self, name)
+            for index, text in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(text, str) and any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+                    loc = (name, index) if isinstance(value, list) else (name,)
+                    message = f"{text!r} holds a line break or another control character; a path is one line"
+                    raise rule_error(loc, message)
+        return self
 
 
 def resolve(recipe_file: Path | None, path: str) -> Path:
