@@ -90,23 +90,32 @@ def test_a_pinned_setting_the_runtime_refuses_is_one_line(argv, expected, capsys
     assert err.startswith(expected) and err.count("\n") == 1, err
 
 
-def test_a_plan_not_searched_for_launching_says_why_it_has_no_lines(capsys):
-    argv = ["specs/llama2-70b.yaml", "--gpus", "64", "--gpu", "h200", "--global-batch", "1024"]
-    argv += [
-        "--pipeline-parallel",
-        "4",
-        "--schedule",
-        "zero-bubble",
-        "--tensor-parallel",
-        "1",
-        "--context-parallel",
-        "2",
-    ]
-    argv += ["--checkpointing", "full"]
+def test_a_plan_leads_with_the_best_layout_that_launches_and_shows_the_faster_one_beside_it(capsys):
+    """The fastest layout here is context parallel sized as ring attention, which the recipes do not
+    run: the plan leads with the best one they run, with its lines, and names the faster one and why
+    (it printed no lines and left the user to find --launchable)."""
+    argv = ["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "64"]
     assert main(["plan", *argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["launch"] is None
+    faster = out["faster_not_launchable"]
+    assert out["launch"]["torchrun"] and out["not_launchable"] is None
+    assert not runtime.problems(runtime.Settings(**_fields(out)))
     why = "not launchable: trainer.context_parallel: context_parallel 2 sized as ring attention"
+    assert faster["not_launchable"].startswith(why) and faster["step_seconds"] < out["step_s"]
+    assert main(["plan", *argv]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert shown.index("faster, not launchable by the recipes:") < shown.index("torchrun ")
+    assert why in shown and "(faster, not launchable)" in shown
+    rc, only = _plan(capsys, *argv)  # --launchable: only what launches, nothing beside it
+    assert rc == 0 and only["faster_not_launchable"] is None and only["layout"] == out["layout"]
+
+
+def test_a_plan_pinned_to_what_the_recipes_do_not_run_says_why_it_has_no_lines(capsys):
+    argv = ["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "64", "--checkpointing", "selective"]
+    assert main(["plan", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["launch"] is None and out["faster_not_launchable"] is None
+    why = "not launchable: trainer.activation_checkpointing: recomputation selective"
     assert out["not_launchable"].startswith(why)
     assert main(["plan", *argv]) == 0
     shown = " ".join(capsys.readouterr().out.split())

@@ -1,6 +1,8 @@
 """Argument types and checks every command shares, so a bad option is refused the same way
 everywhere: one line naming the option and what it takes, before any heavy work.
 
+Sizes and counts with units (``80GiB``, ``300B``, ``16Mi``): :func:`parse_size`, :func:`parse_count`.
+
 Types for ``parser.add_argument(type=...)`` (argparse prefixes the option's name and exits with
 status 2, a usage error)::
 
@@ -213,3 +215,49 @@ def at_most(option: str, value: int | None, limit: int, what: str) -> None:
 def _cut(text: str, limit: int = 40) -> str:
     text = repr(text)
     return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+#: unit suffixes of sizes (decimal and binary) and counts, case-insensitive
+UNITS = {
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_size(text: str, option: str) -> int:
+    """``"80GiB"`` -> 85899345920; ``"141GB"``, ``"80 gib"`` and ``"1.5TiB"`` too."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]+)\s*", text)
+    unit = match and UNITS.get(match.group(2).lower())
+    if not unit:
+        raise ValueError(f"{option} {text!r}: not a size such as 80GiB or 141GB")
+    value = int(float(match.group(1)) * unit)
+    if value <= 0:
+        raise ValueError(f"{option} {text!r}: must be more than 0")
+    return value
+
+
+def parse_count(text: str, option: str) -> int:
+    """``"300B"`` -> 300_000_000_000; ``2T``, ``1.5e9``, ``500M``, ``4096`` too; ``16Mi`` is 2**24."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kKmMbBtT]?)(i?)\s*", text)
+    if not match or (match.group(3) and match.group(2).lower() not in ("k", "m", "t")):
+        raise ValueError(f"{option} {text!r}: not a count such as 300B, 2T, 1e9 or 16Mi")
+    unit = match.group(2).lower()
+    scale = (
+        {"k": 2**10, "m": 2**20, "t": 2**40}[unit]
+        if match.group(3)
+        else {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[unit]
+    )
+    value = int(float(match.group(1)) * scale)
+    if not 0 < value <= 10**16:
+        raise ValueError(f"{option} {text!r}: must be from 1 to 10,000T")
+    return value

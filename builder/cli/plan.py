@@ -3,8 +3,10 @@
 Prints the layout (tensor-parallel degree, FSDP, HSDP or replication, micro-batch and
 accumulation, activation checkpointing), its per-GPU memory as ``builder describe`` counts it,
 the step's FLOPs and time at a stated MFU, and the ``torchrun`` and SLURM lines that launch a
-recipe with it — or why nothing fits and what would. Torch-free (see ``yamlformer.builder.analysis.plan``). Exit
-status 0 when a layout fits, 1 when none does or an argument is bad.
+recipe with it — or why nothing fits and what would. The plan leads with the best layout the
+recipes run; a faster one they do not run is shown beside it, with why. Torch-free (see
+``yamlformer.builder.analysis.plan``). Exit status 0 when a layout fits, 1 when none does or an
+argument is bad.
 """
 
 from __future__ import annotations
@@ -12,29 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 from yamlformer.blocks.limits import MAX_SEQ_LEN
-from yamlformer.builder.cli.arguments import MAX_DEVICES, at_most, count, number
+from yamlformer.builder.analysis.hardware import GPUS as _TABLE
+from yamlformer.builder.cli.arguments import MAX_DEVICES, at_most, count, number, parse_count, parse_size
 from yamlformer.builder.cli.calibrate import add_calibration_arguments, calibrate_first
 from yamlformer.builder.cli.common import add_spec_options
-
-UNITS = {
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-from yamlformer.builder.analysis.hardware import GPUS as _TABLE  # noqa: E402
 
 GPUS = tuple(_TABLE)
 DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
@@ -141,8 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--launchable",
         action="store_true",
         help="search only layouts the recipes' runtime runs (its combinations of tensor, context, expert and "
-        "pipeline parallel x FSDP/HSDP/replicate, its pipeline schedules, full or no recomputation), so the "
-        "plan prints launch lines",
+        "pipeline parallel x FSDP/HSDP/replicate, its pipeline schedules, full or no recomputation); without it "
+        "the plan leads with the best of those too, with its launch lines, and shows a faster layout the "
+        "runtime does not run beside it, with why",
     )
     parser.add_argument(
         "--rank-by", choices=("time", "cost"), default="time", help="rank by step time or GPU-hours (default time)"
@@ -189,12 +176,30 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    result, faster = lead_with_launchable(result, spec, cluster, settings)
     launch = _launch(result, args, tokens) if result.fits and not result.chosen.launch_problems() else None
     if args.json:
-        print(json.dumps(to_json(result, launch), indent=2))
+        print(json.dumps(to_json(result, launch, faster), indent=2))
     else:
-        _print(result, launch, args)
+        _print(result, launch, args, faster)
     return 0 if result.fits else 1
+
+
+def lead_with_launchable(result, spec, cluster, settings: dict):
+    """``(plan, faster)``: when the fastest layout is one the recipes' runtime does not run, the
+    plan of the layouts it does run (the same pins; its lines launch it) and the faster plan,
+    shown beside it with why it does not launch; else ``(result, None)``. ``--launchable``
+    searched only those already; a plan where no runnable layout fits keeps the fastest."""
+    from yamlformer.builder.analysis.layout import LayoutError
+    from yamlformer.builder.analysis.plan import plan
+
+    if settings["launchable"] or not result.fits or not result.chosen.launch_problems():
+        return result, None
+    try:
+        runnable = plan(spec, cluster, **{**settings, "launchable": True}, suggest=False)
+    except LayoutError:  # a pin the runtime cannot run: the plan says why it has no lines
+        return result, None
+    return (runnable, result) if runnable.fits else (result, None)
 
 
 def cluster_from_args(args: argparse.Namespace):
@@ -246,18 +251,6 @@ def cluster_from_args(args: argparse.Namespace):
         hardware=row,
         calibration=calibration,
     )
-
-
-def parse_size(text: str, option: str) -> int:
-    """``"80GiB"`` -> 85899345920; ``"141GB"``, ``"80 gib"`` and ``"1.5TiB"`` too."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]+)\s*", text)
-    unit = match and UNITS.get(match.group(2).lower())
-    if not unit:
-        raise ValueError(f"{option} {text!r}: not a size such as 80GiB or 141GB")
-    value = int(float(match.group(1)) * unit)
-    if value <= 0:
-        raise ValueError(f"{option} {text!r}: must be more than 0")
-    return value
 
 
 def _settings(spec, args) -> dict:
@@ -328,23 +321,6 @@ def recipe_document(recipe: str | None):
 
 #: tokens per parameter of the default budget: compute-optimal training (Hoffmann et al. 2022)
 CHINCHILLA_TOKENS_PER_PARAMETER = 20
-
-
-def parse_count(text: str, option: str) -> int:
-    """``"300B"`` -> 300_000_000_000; ``2T``, ``1.5e9``, ``500M``, ``4096`` too; ``16Mi`` is 2**24."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kKmMbBtT]?)(i?)\s*", text)
-    if not match or (match.group(3) and match.group(2).lower() not in ("k", "m", "t")):
-        raise ValueError(f"{option} {text!r}: not a count such as 300B, 2T, 1e9 or 16Mi")
-    unit = match.group(2).lower()
-    scale = (
-        {"k": 2**10, "m": 2**20, "t": 2**40}[unit]
-        if match.group(3)
-        else {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[unit]
-    )
-    value = int(float(match.group(1)) * scale)
-    if not 0 < value <= 10**16:
-        raise ValueError(f"{option} {text!r}: must be from 1 to 10,000T")
-    return value
 
 
 def not_launchable(candidate) -> str | None:
@@ -427,7 +403,7 @@ def _describe_line(result, args) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def to_json(result, launch) -> dict:
+def to_json(result, launch, faster=None) -> dict:
 
     from yamlformer.builder.analysis.plan import CHEAPEST
 
@@ -480,12 +456,15 @@ def to_json(result, launch) -> dict:
         out["launch"] = launch
         out["not_launchable"] = not_launchable(c)
         out["alternatives"] = [a.to_dict() for a in result.alternatives]
+        out["faster_not_launchable"] = (
+            {**faster.chosen.to_dict(), "not_launchable": not_launchable(faster.chosen)} if faster else None
+        )
     else:
         out["would_fit"] = result.would_fit
     return out
 
 
-def _print(result, launch, args) -> None:
+def _print(result, launch, args, faster=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -513,15 +492,25 @@ def _print(result, launch, args) -> None:
         return
     c = result.chosen
     console.print(f"[bold green]fits[/]: {c.summary()}", highlight=False)
+    if faster is not None:
+        quicker = faster.chosen
+        gain = c.step_seconds / quicker.step_seconds - 1
+        console.print(
+            f"faster, not launchable by the recipes: {quicker.summary()}; {quicker.step_seconds:.3g} s per step, "
+            f"{gain:.0%} faster; {not_launchable(quicker)}",
+            highlight=False,
+        )
     table = Table(title="predicted step (the GPU holding the most memory)", title_justify="left")
     for column in ("layout", "step s", "tokens/s/GPU", "MFU", "memory/GPU", "fits"):
         table.add_column(column, justify="left" if column == "layout" else "right")
-    rows = [c, *result.alternatives]
+    rows = [c, *([faster.chosen] if faster is not None else []), *result.alternatives]
     compared = {
         id(cand): label
         for cand, label in ((result.baseline, "FSDP only"), (result.untiled, "no TP or PP"))
         if cand is not None
     }
+    if faster is not None:
+        compared[id(faster.chosen)] = "faster, not launchable"
     for cand in (result.baseline, result.untiled):
         if cand is not None and all(cand is not r for r in rows):
             rows.append(cand)
@@ -538,7 +527,8 @@ def _print(result, launch, args) -> None:
     console.print(table)
     parts = Table(title="where the time goes (seconds per step)", title_justify="left")
     parts.add_column("part")
-    shown = [c] + [cand for cand in (result.baseline, result.untiled) if cand is not None and cand is not c]
+    beside = [faster.chosen] if faster is not None else []
+    shown = [c, *beside] + [cand for cand in (result.baseline, result.untiled) if cand is not None and cand is not c]
     for cand in shown:
         parts.add_column(_short(cand), justify="right")
     for part in c.prediction.breakdown:
