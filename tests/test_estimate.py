@@ -298,6 +298,23 @@ def test_diff(capsys, tmp_path, monkeypatch):
     assert "n_kv_heads" in capsys.readouterr().out
 
 
+def test_diff_measures_both_specs_at_one_sequence_length_and_says_which(capsys, monkeypatch):
+    """llama2-7b -> mistral-7b read FLOPs +104% and activations +752%, each spec at its own
+    max_seq_len (4,096 against 32,768) without a word; at one length the change is +6.55%."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["diff", "llama2-7b", "mistral-7b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["a"]["seq_len"] == out["b"]["seq_len"] == out["seq_len"] == 4096
+    assert out["seq_len_from"] == "the shorter max_seq_len"
+    effects = {row["quantity"]: row for row in out["effects"]}
+    assert effects["flops.forward_per_token"]["percent"] == pytest.approx(6.55, abs=0.01)
+    assert main(["diff", "llama2-7b", "mistral-7b"]) == 0
+    assert "effect, both at seq_len 4,096 (the shorter max_seq_len, llama2-7b's" in capsys.readouterr().out
+    assert main(["diff", "mistral-7b", "llama2-7b", "--json", "--seq-len", "1024"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seq_len"] == out["a"]["seq_len"] == out["b"]["seq_len"] == 1024 and out["seq_len_from"] == "--seq-len"
+
+
 def test_describe_gpt3_is_torch_free_and_fast():
     code = (
         "import sys, time; from yamlformer.builder.cli import main; "

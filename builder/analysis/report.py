@@ -277,8 +277,9 @@ def _span(indices: list[int]) -> str:
     return ",".join(map(str, indices))
 
 
-def diff_table(rows, effects, name_a: str, name_b: str):
-    """The fields that differ and what the change does (see ``builder diff``)."""
+def diff_table(rows, effects, name_a: str, name_b: str, measured: str = ""):
+    """The fields that differ and what the change does (see ``builder diff``); ``measured``: how
+    the effects were measured (the sequence length both are counted at), in the effect table's title."""
     from rich.console import Group
     from rich.table import Table
 
@@ -290,7 +291,7 @@ def diff_table(rows, effects, name_a: str, name_b: str):
         fields.add_row(path, _show(a), _show(b))
     if not rows:
         fields.add_row("(no differences)", "", "")
-    change = Table(title="effect", title_justify="left")
+    change = Table(title=f"effect, {measured}" if measured else "effect", title_justify="left")
     for column in ("quantity", name_a, name_b, "change", "%"):
         change.add_column(column, justify="left" if column == "quantity" else "right")
     for effect in effects:
