@@ -157,6 +157,9 @@ def test_head(cls, example, tied):
     own = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     numel = sum(p.numel() for p in module.parameters() if id(p) not in own)
     assert numel == config.params(D_MODEL, VOCAB, embedding is not None)
+    # a part only training runs (multi-token prediction) is the submodule it is named after
+    for part, (n, _) in config.auxiliary(D_MODEL, VOCAB, embedding is not None, LENGTHS[0]).items():
+        assert sum(p.numel() for p in getattr(module, part).parameters() if id(p) not in own) == n
     for seq in LENGTHS:
         hidden = torch.randn(1, seq, D_MODEL)
         ids = torch.randint(0, VOCAB, (1, seq))

@@ -140,6 +140,31 @@ def test_builder_compare_counts_the_modules_exactly(capsys):
     assert head["match"] and head["actual"] > spec_projection(load_spec(TINY))
 
 
+def test_describe_shows_the_modules_as_their_own_row_and_the_main_models_total(capsys, monkeypatch):
+    """They were folded into `head` (12,536,747,008, total 682,636,472,320); the paper's 671B is
+    the main model, what decoding runs."""
+    from yamlformer.builder.analysis.estimates import estimate
+    from yamlformer.builder.cli import main
+
+    spec, model = _model()
+    est = estimate(spec)
+    built = sum(p.numel() for name, p in model.named_parameters() if name.startswith("head.mtp."))
+    assert est.params.auxiliary == {"head.mtp": built}
+    assert est.params.main == est.params.total - built
+    flops_without = estimate(load_spec(TINY, overrides={"head": {"type": "lm"}})).flops.by_component["head"]
+    assert est.flops.auxiliary["head.mtp"] == est.flops.by_component["head"] - flops_without
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["describe", str(ZOO), "--json"]) == 0
+    params = json.loads(capsys.readouterr().out)["params"]
+    assert params["total"] == 682_636_472_320 and round(params["main"] / 1e9) == 671
+    assert params["auxiliary"] == {"head.mtp": params["total"] - params["main"]}
+    assert main(["describe", str(ZOO)]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 3}
+    assert f"{params['by_component']['head'] - params['auxiliary']['head.mtp']:,}" in rows["head"]
+    assert f"{params['auxiliary']['head.mtp']:,}" in rows["head.mtp (training only)"]
+    assert f"{params['main']:,}" in rows["main-model params"]
+
+
 def spec_projection(spec) -> int:
     return spec.d_model * spec.vocab_size
 

@@ -494,6 +494,14 @@ class HeadBlock(BlockConfig):
         """Parameters one token meets (a mixture of experts in the head's own layers: top_k)."""
         return self.params(d_model, vocab_size, tied)
 
+    def auxiliary(self, d_model: int, vocab_size: int, tied: bool, tokens: int) -> dict[str, tuple[int, int]]:
+        """The parts of the head that training runs and decoding does not (DeepSeek-V3's
+        multi-token-prediction modules), by the name of the head's submodule that holds them:
+        ``(params, forward FLOPs over tokens)``, both already counted in :meth:`params` and
+        :meth:`flops`. Reports show each as its own row (``head.mtp``) and give the main model's
+        total without them (DeepSeek-V3's 671B). ``{}``: none."""
+        return {}
+
     def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
         return {}
 

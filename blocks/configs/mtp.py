@@ -127,6 +127,14 @@ class MTPHeadConfig(HeadBlock):
         inactive = sum(layer.params(d_model).values()) - layer.active_params(d_model)
         return self.params(d_model, vocab_size, tied) - self.num_nextn_predict_layers * inactive
 
+    def auxiliary(self, d_model: int, vocab_size: int, tied: bool, tokens: int) -> dict[str, tuple[int, int]]:
+        """The modules (``mtp.*``) and their predictions through the shared projection: all but the
+        main prediction, which decoding runs alone."""
+        shapes = self.param_shapes(d_model, vocab_size, tied)
+        params = sum(math.prod(shape) for name, shape in shapes.items() if name.startswith("mtp."))
+        main = 2 * tokens * d_model * vocab_size
+        return {"mtp": (params, self.flops(d_model, vocab_size, tokens) - main)}
+
     def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
         layer, norm = self.layer.layer(), self.layer.norm.param_shapes(d_model)
         shapes: Shapes = {} if tied else {"proj.weight": (vocab_size, d_model)}

@@ -112,6 +112,11 @@ class ParamEstimate:
     non_embedding: int
     active: int
     by_component: dict[str, int]
+    #: parts of components that training runs and decoding does not, by ``component.part``
+    #: (``head.mtp``: multi-token prediction), counted in their component too
+    auxiliary: dict[str, int] = field(default_factory=dict)
+    #: the model decoding runs: ``total`` less the auxiliary parts (DeepSeek-V3: 671B of 682.6B)
+    main: int = 0
 
 
 @dataclass
@@ -124,6 +129,7 @@ class FlopEstimate:
     kernel_forward_per_token: int
     kernel_train_per_token: int
     by_component: dict[str, int]  # forward, one sequence
+    auxiliary: dict[str, int] = field(default_factory=dict)  # as ParamEstimate.auxiliary, forward FLOPs
 
 
 @dataclass
@@ -249,6 +255,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     head_flops, tied = head.flops(d, vocab, lengths[last]), spec.tie_embeddings and head.projects_to_vocab
     add("head", head.params(d, vocab, tied), head_flops, head.active_params(d, vocab, tied))
     kernel_total += head.kernel_flops(d, vocab, lengths[last]) - head_flops  # a head's own layers' attention
+    auxiliary = {f"head.{part}": counts for part, counts in head.auxiliary(d, vocab, tied, lengths[last]).items()}
 
     total = sum(params.values())
     embedding = params["embedding"] + (params["position"] if position.acts_on == "embedding" else 0)
@@ -263,6 +270,8 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
         non_embedding=total - embedding,
         active=sum(active.values()),
         by_component=params,
+        auxiliary={name: n for name, (n, _) in auxiliary.items()},
+        main=total - sum(n for n, _ in auxiliary.values()),
     )
     flop_est = FlopEstimate(
         seq_len=seq,
@@ -273,6 +282,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
         kernel_forward_per_token=round(kernel_forward / seq),
         kernel_train_per_token=round(train_factor * kernel_forward / seq),
         by_component=flops,
+        auxiliary={name: n for name, (_, n) in auxiliary.items()},
     )
     mem = _memory.memory(
         spec,

@@ -123,14 +123,28 @@ def describe_table(spec, est, actual=None):
     forward = f.forward_per_sequence
     keys = list(p.by_component) + [k for k in (actual or {}) if k not in p.by_component]
     for key in keys:
-        n = p.by_component.get(key, 0)
+        # a component's auxiliary parts (head.mtp) are rows of their own, after what is left of it
+        parts = [part for part in p.auxiliary if part.startswith(key + ".")]
+        held, held_flops = sum(p.auxiliary[k] for k in parts), sum(f.auxiliary.get(k, 0) for k in parts)
+        n = p.by_component.get(key, 0) - held
         row = [key, f"{n:,}", percent(n, p.total)]
         if actual is not None:
-            built = actual.get(key, 0)
+            built = actual.get(key, 0) - held
             row += [f"{built:,}", "[green]ok[/]" if built == n else "[red]DIFF[/]"]
-        flops = f.by_component.get(key, 0)
+        flops = f.by_component.get(key, 0) - held_flops
         row += [human(flops / seq), percent(flops, forward)]
         components.add_row(*row)
+        for part in parts:
+            built = ["", ""] if actual is not None else []
+            flops = f.auxiliary.get(part, 0)
+            components.add_row(
+                f"{part} (training only)",
+                f"{p.auxiliary[part]:,}",
+                percent(p.auxiliary[part], p.total),
+                *built,
+                human(flops / seq),
+                percent(flops, forward),
+            )
     total_row = ["total", f"{p.total:,}", "100%"]
     if actual is not None:
         built_total = sum(actual.values())
@@ -165,6 +179,9 @@ def describe_table(spec, est, actual=None):
     totals.add_column("value", justify="right")
     totals.add_column("note")
     totals.add_row("params", f"{p.total:,}", human(p.total))
+    if p.auxiliary:
+        without = ", ".join(p.auxiliary)
+        totals.add_row("main-model params", f"{p.main:,}", f"{human(p.main)}: without {without}, what decoding runs")
     totals.add_row("embedding params", f"{p.embedding:,}", "token, segment, learned-position tables")
     totals.add_row("non-embedding params", f"{p.non_embedding:,}", "Kaplan's N")
     totals.add_row("active params/token", f"{p.active:,}", percent(p.active, p.total) + " of total")
