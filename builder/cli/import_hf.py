@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"no tokenizer in {args.folder} (tokenizer.json or tokenizer.model): generate and train need the "
             "model's own; copy the tokenizer files of the model it was trained from into it and import again "
-            "(README.md, 'From a Hugging Face model to training on your files')"
+            "with --overwrite (README.md, 'From a Hugging Face model to training on your files')"
         )
     else:
         size = to_tokenizers(tokenizer).get_vocab_size(with_added_tokens=True)

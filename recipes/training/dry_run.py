@@ -318,7 +318,10 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
     last = run_dir / "checkpoints" / "last.ckpt"
 
     resolved = recipe.model_dump(mode="json")
-    where = "inline" if isinstance(recipe.model.spec, dict) else shown(spec_file(recipe, recipe_file))
+    if recipe.model.spec is None:  # the spec model.init_from's weights carry
+        where = f"{recipe.model.init_from}'s"
+    else:
+        where = "inline" if isinstance(recipe.model.spec, dict) else shown(spec_file(recipe, recipe_file))
     print(f"# {shown(recipe_file)}, resolved (defaults filled in, --set applied); nothing is run", file=out)
     print(yaml.safe_dump(resolved, sort_keys=False, width=100).rstrip(), file=out)
     print(file=out)
