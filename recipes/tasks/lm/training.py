@@ -4,6 +4,7 @@ consecutive windows of other text); ``builder generate`` and the samples printed
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from pathlib import Path
@@ -123,14 +124,16 @@ def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
 
 @torch.no_grad()
 def print_samples(model, tokenizer, recipe: Recipe) -> None:
-    """Decode each prompt with the recipe's sampling settings and print the text."""
+    """Decode each prompt with the recipe's sampling settings and print the text; each prompt
+    draws from a generator of its own (:func:`prompt_seed`)."""
     from yamlformer.recipes.tasks.lm.streaming import stream
 
     model.eval()
     settings = recipe.sample
+    device = next(model.parameters()).device
     for prompt in settings.prompts:
         print(f"\n--- sample: {prompt!r} ---", flush=True)
-        torch.manual_seed(recipe.trainer.seed)
+        generator = torch.Generator(device=device).manual_seed(prompt_seed(recipe.trainer.seed, prompt))
         sys.stdout.write(prompt)
         stream(
             model,
@@ -141,9 +144,19 @@ def print_samples(model, tokenizer, recipe: Recipe) -> None:
             temperature=settings.temperature,
             top_k=settings.top_k,
             top_p=settings.top_p,
+            generator=generator,
             compile=settings.compile,
         )
         print(flush=True)
+
+
+def prompt_seed(seed: int, prompt: str) -> int:
+    """The seed a sample prompt draws from: the run's seed and the prompt, hashed. Every prompt
+    used to start from the run's seed itself, so all drew the same random numbers, and a model
+    whose next-token distribution barely depends on the prompt (early in training) continued two
+    different prompts with the same text; a prompt's sample is still repeatable, wherever it is listed."""
+    digest = hashlib.sha256(f"{seed}\0{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # torch takes seeds below 2**63 on every device
 
 
 def generate(model, tokenizer, args) -> None:
