@@ -55,6 +55,31 @@ def test_a_path_with_a_line_break_is_one_located_line(tmp_path, capsys):
     )
 
 
+def test_a_warmup_longer_than_the_run_is_said_by_the_dry_run_and_the_run(tmp_path, capsys, monkeypatch):
+    from recipe_helpers import tiny_recipe
+
+    from yamlformer.recipes.training import run as training
+
+    recipe = tiny_recipe(tmp_path, schedule={"warmup_steps": 100}, trainer={"max_steps": 12})
+    warning = "schedule.warmup_steps 100 is more than trainer.max_steps 12: the learning rate never reaches"
+    assert main(["train", str(recipe), "--dry-run"]) == 0
+    assert f"warning    {warning}" in capsys.readouterr().out
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(training, "run_session", started)  # stop where the run's work would begin
+    with pytest.raises(Started):
+        training.run(recipe, samples=False)
+    assert f"warning: {warning}" in capsys.readouterr().out
+    tiny_recipe(tmp_path, schedule={"warmup_steps": 12}, trainer={"max_steps": 12})
+    assert main(["train", str(recipe), "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_kinds_are_told_apart_by_content():
     from yamlformer.builder.spec.source import read_document
 

@@ -101,6 +101,18 @@ class ScheduleSection(_Section):
     )
     min_lr: float = Field(0.0, ge=0, description="The floor of the learning rate.")
 
+    def warnings(self, max_steps: int) -> list[str]:
+        """What this schedule does that a run of ``max_steps`` hardly means, one line each (the
+        dry run and the run say them; they refuse nothing)."""
+        if self.warmup_steps <= max_steps:
+            return []
+        peak = max_steps / (self.warmup_steps + 1)  # the last step's share of optimizer.lr (lr_multiplier)
+        return [
+            f"schedule.warmup_steps {self.warmup_steps:,} is more than trainer.max_steps {max_steps:,}: the "
+            f"learning rate never reaches optimizer.lr (at most {peak:.0%} of it) and never decays; "
+            "lower schedule.warmup_steps"
+        ]
+
 
 class LossSection(_Section):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")

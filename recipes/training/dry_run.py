@@ -353,6 +353,7 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
         )
     )
     lines.append(("output", f"{run_dir} ({'resumes from ' + str(last) if last.is_file() else 'a new run'})"))
+    lines += [("warning", line) for line in recipe.schedule.warnings(settings.max_steps)]
     width = max(len(k) for k, _ in lines)
     for key, text in lines:
         print(f"{key:<{width}}  {text}", file=out)

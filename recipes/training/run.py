@@ -450,6 +450,8 @@ def train_recipe(
     from yamlformer.recipes.tasks import task_named
 
     recipe = for_this_machine(recipe)
+    for line in recipe.schedule.warnings(recipe.trainer.max_steps):
+        say(f"warning: {line}")
     task = task_named(recipe.task)
     out = output_dir(recipe, recipe_file)
     with run_session(recipe, out, fresh, resume, task.spec_of(recipe, recipe_file), recipe_file) as stop:
