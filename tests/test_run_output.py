@@ -53,3 +53,25 @@ def test_a_resumed_run_s_progress_bar_keeps_its_total(tmp_path, capsys):
     run(path, samples=False)
     out = capsys.readouterr().out
     assert "6/8 [" in out and "6/?" not in out  # before: "Training: 6/?" (no epoch start on resume)
+    assert "train (resumed at step 4):" in out and "Epoch " not in out  # it said "Epoch 1" or "Epoch 0"
+
+
+def test_a_resumed_run_s_bar_starts_at_its_step_and_rates_only_this_invocation(capsys):
+    """The bar of a run resumed at step 12 of 24 starts at 12, and tqdm's rate counts from there
+    (it counted the 12 restored steps as done in the first interval: a spike), across epochs."""
+    from types import SimpleNamespace
+
+    from yamlformer.recipes.training.callbacks import StepProgressBar
+
+    trainer = SimpleNamespace(global_step=12, accumulate_grad_batches=2, max_steps=24, current_epoch=1)
+    bar = StepProgressBar(refresh_rate=1)
+    bar._trainer = trainer
+    bar.get_metrics = lambda *args: {}
+    bar.on_train_start(trainer, None)
+    shown = bar.train_progress_bar
+    assert (shown.n, shown.initial, shown.total) == (24, 24, 48) and shown.desc.startswith("train (resumed at step 12")
+    bar.on_train_epoch_start(trainer)  # a new pass over the data: the count goes on
+    trainer.global_step = 13
+    bar.on_train_batch_end(trainer, None, None, None, batch_idx=5)  # the 2nd micro-batch of step 13
+    assert shown.n == 26 and shown.format_dict["initial"] == 24 and "Epoch" not in shown.desc
+    bar.on_train_end()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
 
 def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:
@@ -133,8 +134,12 @@ class CountedThroughput(Throughput):
 
 
 class StepProgressBar(TQDMProgressBar):
-    """The training bar counts to ``max_steps`` and shows readable numbers: Lightning's metrics
-    and what :func:`publish` shows (host numbers, refreshed at log steps)."""
+    """The training bar counts the run's micro-batches to ``max_steps`` (not an epoch's: a run is
+    steps, and Lightning's "Epoch N" counts passes over the data loader, so a resumed run said
+    "Epoch 1"), from where the run stands: a resumed run's bar starts at its checkpoint's step and
+    its rate counts this invocation's steps only (it counted the restored ones as done in the
+    first interval). It shows readable numbers: Lightning's metrics and what :func:`publish`
+    shows (host numbers, refreshed at log steps)."""
 
     _FORMATS = {"tok/s": "{:,.0f}", "TFLOP/s": "{:.3g}", "MFU": "{:.1%}", "loss": "{:.4f}", "val_loss": "{:.4f}"}
 
@@ -150,8 +155,21 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_start(self, trainer, pl_module):
         # a run resumed inside an epoch gets no on_train_epoch_start, which sets the total: set it here
         super().on_train_start(trainer, pl_module)
-        self.train_progress_bar.reset(self.total_train_batches)
-        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
+        bar, done = self.train_progress_bar, trainer.global_step * trainer.accumulate_grad_batches
+        bar.reset(self.total_train_batches)
+        bar.initial = bar.n = done  # tqdm's rate counts from `initial`: this invocation's batches
+        bar.set_description(f"train (resumed at step {trainer.global_step:,})" if done else "train")
+        bar.refresh()
+
+    def on_train_epoch_start(self, trainer, *_):
+        """A new pass over the data goes on counting the run's batches (Lightning's restarts at 0)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        accumulate = trainer.accumulate_grad_batches
+        n = trainer.global_step * accumulate + (batch_idx + 1) % accumulate  # the run's, not the epoch's
+        if self._should_update(n, self.train_progress_bar.total):
+            _update_n(self.train_progress_bar, n)
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def get_metrics(self, trainer, pl_module):
         metrics = {**super().get_metrics(trainer, pl_module), **self.shown}
