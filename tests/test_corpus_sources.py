@@ -187,3 +187,57 @@ def test_caches_go_to_the_user_cache_unless_an_earlier_version_left_one_here(tmp
     (tmp_path / ".cache" / "builder").mkdir(parents=True)  # what earlier versions wrote under the working folder
     assert DataSection().cache_dir == ".cache/builder"
     assert DataSection(cache_dir="mine").cache_dir == "mine"
+
+
+class _Counting:
+    """A tokenizer that counts the texts it is asked to encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.encoded = tokenizer, 0
+
+    def encode(self, text):
+        self.encoded += 1
+        return self.tokenizer.encode(text)
+
+    def encode_batch(self, texts):
+        self.encoded += len(texts)
+        return self.tokenizer.encode_batch(texts)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_eval_tokenizes_its_files_once_and_reads_its_corpus_text_once(tmp_path, tokenizer_file, monkeypatch):
+    """`builder eval` re-read and re-tokenized its text on every run (16 s for 10 tiny batches):
+    the tokens of `--data` are cached, and a recipe's text is found in the cache by its files'
+    names, sizes and times, not read and hashed again."""
+    from pathlib import Path
+
+    from yamlformer.recipes.data.corpus import open_corpus
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks.lm.training import file_tokens
+
+    _, sp = tokenizer_file
+    (tmp_path / "data").mkdir()
+    for i, part in enumerate(TEXT.split("\n\n")[:30]):
+        (tmp_path / "data" / f"{i:02d}.py").write_text(part)
+    cache = str(tmp_path / "cache")
+    counting = _Counting(sp)
+    first = file_tokens([str(tmp_path / "data")], counting, cache)
+    eos = [] if sp.eos_id is None else [sp.eos_id]
+    texts = [(tmp_path / "data" / f"{i:02d}.py").read_text() for i in range(30)]
+    assert first.tolist() == [i for text in texts for i in sp.encode(text) + eos]  # what it always scored
+    assert counting.encoded == 30
+    again = file_tokens([str(tmp_path / "data")], counting, cache)
+    assert counting.encoded == 30 and np.array_equal(again, first)  # tokenized once
+
+    recipe = load_recipe(recipe_for(tmp_path, tokenizer_file[0], [str(tmp_path / "data")]))
+    open_corpus(recipe.data, None, None, False, pretrained=sp)  # the run's first look: reads the text
+    reads = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(self), real(self, *a, **k))[1])
+    corpus = open_corpus(recipe.data, None, None, False, pretrained=sp)  # an eval's: none of it
+    assert not [p for p in reads if p.parent == tmp_path / "data"] and corpus.sources[0].train.n_tokens > 0
+    (tmp_path / "data" / "00.py").write_text("def changed():\n    return 0\n")  # a file changed: read again
+    open_corpus(recipe.data, None, None, False, pretrained=sp)
+    assert [p for p in reads if p.parent == tmp_path / "data"]

@@ -11,8 +11,10 @@ read from there. Unweighted text entries form one source, as one corpus; a weigh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from yamlformer.recipes.data import registry as datasets
 from yamlformer.recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
 from yamlformer.recipes.data.mixture import Source, Stream, epochs_seen, shares
 from yamlformer.recipes.data.section import DataSection, SourceEntry
+from yamlformer.recipes.data.tokenizers import write_atomic
 from yamlformer.recipes.data.walk import Seen, walk
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.fields import resolve
@@ -31,11 +34,23 @@ from yamlformer.recipes.recipe.fields import resolve
 DOCUMENT_SPLIT_MIN = 20
 
 
-@dataclasses.dataclass
+#: the version of what a text index records (:func:`read_text`)
+TEXT_INDEX_VERSION = 1
+
+
 class TextCorpus:
-    texts: list[str]
-    files: list[str]
-    hash: str
+    """The text of a recipe's text sources: its files, the hash and the length of what they hold,
+    and the texts, read when first asked (a rerun whose text is tokenized already never asks)."""
+
+    def __init__(self, files: list[str], hash: str, chars: int, texts: list[str] | None = None, read=None):
+        self.files, self.hash, self.chars = files, hash, chars
+        self._texts, self._read = texts, read
+
+    @property
+    def texts(self) -> list[str]:
+        if self._texts is None:
+            self._texts = self._read()
+        return self._texts
 
     @property
     def text(self) -> str:
@@ -68,25 +83,71 @@ def _text_files(source: str, section: DataSection, recipe_file: Path | None, see
 
 def read_text(paths: list[str], section: DataSection, recipe_file: Path | None) -> TextCorpus:
     """The text of ``paths`` (files, folders, dataset names), a document per file, in order, cut
-    off at ``section.max_bytes`` in all."""
-    texts: list[str] = []
-    files: list[str] = []
-    size = 0
+    off at ``section.max_bytes`` in all.
+
+    The hash of the text is recorded in ``cache_dir/text-index/``, keyed by the files' paths,
+    sizes and modification times (as ``datasets`` fingerprints local files): while none of them
+    changes, the text is not read again to find its tokenized cache (each ``builder eval`` read
+    and hashed the whole corpus, twice). The texts are read when first asked for."""
     seen = Seen()
-    for source in paths:
-        for path in _text_files(source, section, recipe_file, seen):
-            if section.max_bytes is not None and size >= section.max_bytes:
-                break
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if section.max_bytes is not None:
-                text = text[: section.max_bytes - size]
-            texts.append(text)
-            files.append(str(path))
-            size += len(text)
+    candidates = [path for source in paths for path in _text_files(source, section, recipe_file, seen)]
+    index = _text_index(candidates, section)
+    recorded = _recorded(index)
+    if recorded is not None:
+        return TextCorpus(
+            [str(p) for p in candidates[: recorded["files"]]],
+            recorded["hash"],
+            recorded["chars"],
+            read=lambda: _read_texts(candidates, section.max_bytes),
+        )
+    texts = _read_texts(candidates, section.max_bytes)
     if not any(t.strip() for t in texts):
         raise RecipeError(f"data {paths} holds no text")
     digest = hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()[:16]
-    return TextCorpus(texts, files, digest)
+    chars = sum(map(len, texts))
+    if index is not None:
+        with contextlib.suppress(RecipeError):  # a cache that cannot be written only costs a read next time
+            record = {"version": TEXT_INDEX_VERSION, "files": len(texts), "hash": digest, "chars": chars}
+            write_atomic(index, json.dumps(record).encode())
+    return TextCorpus([str(p) for p in candidates[: len(texts)]], digest, chars, texts)
+
+
+def _read_texts(files: list[Path], max_bytes: int | None) -> list[str]:
+    """Each file's text in order, until ``max_bytes`` characters are read in all."""
+    texts: list[str] = []
+    size = 0
+    for path in files:
+        if max_bytes is not None and size >= max_bytes:
+            break
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if max_bytes is not None:
+            text = text[: max_bytes - size]
+        texts.append(text)
+        size += len(text)
+    return texts
+
+
+def _text_index(files: list[Path], section: DataSection) -> Path | None:
+    """Where the hash of these files' text is recorded: named by their paths, sizes and times."""
+    if section.cache_dir is None:
+        return None
+    try:
+        stats = [(str(p.resolve()), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
+    except OSError:
+        return None
+    key = json.dumps([TEXT_INDEX_VERSION, section.max_bytes, stats]).encode()
+    return Path(section.cache_dir) / "text-index" / f"{hashlib.sha256(key).hexdigest()[:24]}.json"
+
+
+def _recorded(index: Path | None) -> dict | None:
+    try:
+        record = json.loads(index.read_text(encoding="utf-8")) if index is not None else None
+    except (OSError, ValueError):
+        return None  # none yet, or damaged: read the text
+    keys = {"version": int, "files": int, "hash": str, "chars": int}
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t) for k, t in keys.items()):
+        return None
+    return record if record["version"] == TEXT_INDEX_VERSION else None
 
 
 def read_corpus(section: DataSection, recipe_file: Path | None) -> TextCorpus:
@@ -179,9 +240,32 @@ def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
         folder,
         workers=1,
         val_fraction=val_fraction,
-        sources=[{"path": name, "format": "text", "bytes": sum(map(len, text.texts)), "documents": len(text.texts)}],
+        sources=[{"path": name, "format": "text", "bytes": text.chars, "documents": len(text.files)}],
         progress=True,
     )
+
+
+def document_tokens(text: TextCorpus, tokenizer, cache_dir: str | Path) -> np.ndarray:
+    """Every document of ``text`` tokenized, each followed by the tokenizer's EOS when it has one,
+    as one int64 array (``builder eval --data``); tokenized once into ``cache_dir/tokenized/``
+    (keyed by the text and the tokenizer) and read from there after."""
+    from yamlformer.recipes.data.sources import Document
+    from yamlformer.recipes.data.tokenize import tokenize_documents
+    from yamlformer.recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
+
+    key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|documents-v1".encode()).hexdigest()
+    folder = Path(cache_dir) / "tokenized" / key[:16]
+    if is_tokenized_dataset(folder) and (folder / "manifest.json").is_file():
+        dataset = TokenizedDataset.open(folder, tokenizer.fingerprint())
+    else:
+        dataset = tokenize_documents(
+            [Document(t, "train", f) for t, f in zip(text.texts, text.files)],
+            tokenizer,
+            folder,
+            sources=[{"path": "eval", "format": "text", "bytes": text.chars, "documents": len(text.files)}],
+            progress=False,
+        )
+    return np.concatenate([np.asarray(shard.tokens, dtype=np.int64) for shard in dataset.shards("train")])
 
 
 def open_corpus(
@@ -217,7 +301,9 @@ def open_corpus(
             continue  # read with the first unweighted text entry, as one corpus
         if kind == "text":
             group = unweighted_text if i in unweighted_text else [i]
-            text = read_text([entries[j].path for j in group], section, recipe_file)
+            # the text of every text entry, read above, when this group is all of them
+            same = group == text_entries and text_all is not None
+            text = text_all if same else read_text([entries[j].path for j in group], section, recipe_file)
             dataset = text_dataset(text, tokenizer, section, entry.path)
             train, validation = _dataset_parts(dataset, "train"), _dataset_parts(dataset, "validation")
             identities.append(text.hash)
@@ -291,7 +377,7 @@ def _summary(sources: list[Source], text: TextCorpus | None, tokenizer) -> str:
     held = sum(s.validation.n_tokens for s in sources if s.validation is not None)
     if len(sources) == 1 and text is not None:
         return (
-            f"corpus: {len(text.files)} files, {sum(map(len, text.texts)):,} chars -> {train + held:,} tokens, "
+            f"corpus: {len(text.files)} files, {text.chars:,} chars -> {train + held:,} tokens, "
             f"{train:,} for training ({kind})"
         )
     return f"corpus: {len(sources)} sources, {train:,} training and {held:,} validation tokens ({kind})"

@@ -244,14 +244,13 @@ def recipe_tokens(meta: dict, tokenizer):
 
 def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
     """All the text of ``paths`` (files or folders), tokenized: one document per file, each
-    followed by the tokenizer's EOS when it has one."""
-    from yamlformer.recipes.data.corpus import read_text
+    followed by the tokenizer's EOS when it has one; tokenized once and cached in ``cache_dir``
+    (:func:`yamlformer.recipes.data.corpus.document_tokens`), not on every eval."""
+    from yamlformer.recipes.data.corpus import document_tokens, read_text
     from yamlformer.recipes.recipe.sections import DataSection
 
     text = read_text(paths, DataSection(sources=paths, max_bytes=None, cache_dir=cache_dir), None)
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    ids = [i for document in text.texts for i in tokenizer.encode(document) + eos]
-    return np.asarray(ids, dtype=np.int64)
+    return document_tokens(text, tokenizer, cache_dir)
 
 
 def consecutive_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int):
