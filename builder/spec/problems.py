@@ -243,10 +243,13 @@ def _branch(part: str, members: list[Any]) -> list[Any]:
     the part is a field name."""
     if any(isinstance(m, type) and issubclass(m, BaseModel) and part in m.model_fields for m in members):
         return []
+    name = part
+    while match := re.fullmatch(r"function-\w+\[[^,]*, (.*)\]", name):  # validators wrap the model's name
+        name = match.group(1)
     found = []
     for m in members:
         if isinstance(m, type) and issubclass(m, BaseModel):
-            if part == m.__name__ or re.fullmatch(rf"function-\w+\[.*, {re.escape(m.__name__)}\]", part):
+            if name == m.__name__:
                 found.append(m)
         elif part.lower() == _label_of(m).lower():
             found.append(m)
