@@ -30,10 +30,11 @@ def consolidate(path: str | Path, out: str | Path, overwrite: bool = False) -> P
     import json
     import os
 
-    from yamlformer.builder.checkpoints import CheckpointError, load_model, user_mode, write_reason
+    from yamlformer.builder.checkpoints import CheckpointError, load_model, peek_meta, user_mode, write_reason
     from yamlformer.builder.hf.weights import save_weights
     from yamlformer.builder.outputs import claim_file
 
+    peek_meta(path)  # a checkpoint that is not there, or not ours, is named first (a cheap read)
     claim_file(out, [path], overwrite)
     model, builder = load_model(path)
     metadata = {"spec": json.dumps(builder["spec"]), "global_step": str(builder.get("global_step"))}
