@@ -215,6 +215,7 @@ def import_hf(
     from yamlformer.builder.outputs import claim_folder
 
     folder, out = Path(folder), Path(out)
+    read_config(folder)  # a folder that is no Hugging Face model is named first (a cheap read)
     claim_folder(out, IMPORT_FILES, [folder], overwrite)  # before any weights are read
     spec_dict, _, state = read_hf(folder, name)
     read_tokenizer(folder)  # a tokenizer that does not load fails the import, not a later run

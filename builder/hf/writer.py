@@ -320,19 +320,13 @@ def export_hf(
 
     source, out = Path(source), Path(out)
     side = source.parent
-    checkpoint = looks_like_checkpoint(source)
-    if checkpoint:
-        inputs = [source]
-    else:
-        side_files = [p for pattern in SIDE_FILES for p in side.glob(pattern)]
-        weights_file = Path(weights) if weights else side / "model.safetensors"
-        inputs = [source, weights_file, side / "hf_config.json", *side_files]
-    claim_folder(out, EXPORT_FILES, inputs, overwrite)
     tokenizer, extra_labels = None, {}
-    if checkpoint:
+    # the source and its family first, then the output, then the weights: each refusal before the heavy read
+    if looks_like_checkpoint(source):
         ckpt_spec, meta = _read_training_meta(source)
         spec = spec or ckpt_spec
         choose_family(unpadded(spec), family)  # a spec no family expresses stops before the weights are read
+        claim_folder(out, EXPORT_FILES, [source], overwrite)
         state = _read_training_weights(source)
         tokenizer = meta.get("tokenizer")
         labels = meta.get("labels")
@@ -345,7 +339,10 @@ def export_hf(
 
             spec = load_spec(source)
         choose_family(unpadded(spec), family)
-        state = read_weights(Path(weights) if weights else side / "model.safetensors")
+        weights = Path(weights) if weights else side / "model.safetensors"
+        side_files = [p for pattern in SIDE_FILES for p in side.glob(pattern)]  # copied: read too
+        claim_folder(out, EXPORT_FILES, [source, weights, side / "hf_config.json", *side_files], overwrite)
+        state = read_weights(weights)
     extra: dict[str, Any] = {}
     hf_config = side / "hf_config.json"
     if hf_config.is_file():
