@@ -14,12 +14,15 @@ Backends:
 * ``triton``: the FlashAttention-2 kernels in :mod:`yamlformer.kernels.triton_attention` (imported on first
   use; on CPU tensors they run under the Triton interpreter). Sinks and chunks are inside the
   kernels: the online softmax starts from the sink logit, chunks skip whole key tiles.
-* ``auto`` (:func:`auto_backend`): on CUDA, ``sdpa`` wherever SDPA runs the attention without a
-  mask tensor (no mask, or causal over equal lengths: its flash and cuDNN kernels, which measured
-  faster than ours on an H200, ``benchmarks/RESULTS.md``), and ``triton`` where only a mask tensor
-  would express it to SDPA (windows, chunks, documents, ALiBi, a bias, sinks, explicit token
-  indices) or SDPA cannot at all (soft-capping); ``sdpa`` on every other device, and whenever
-  ``dropout_p > 0`` or a head dim is over 256, which the Triton kernels do not handle.
+* ``auto`` (:func:`auto_backend`): on CUDA, first what the tuning table measured for this case on
+  this GPU generation (``yamlformer.kernels.tuning``'s ``prefer``, written by
+  ``benchmarks/attention.py --sweep --write-table``; :func:`measured_backend`); else ``sdpa``
+  wherever SDPA runs the attention without a mask tensor (no mask, or causal over equal lengths:
+  its flash and cuDNN kernels, which measured faster than ours on an H200,
+  ``benchmarks/RESULTS.md``), and ``triton`` where only a mask tensor would express it to SDPA
+  (windows, chunks, documents, ALiBi, a bias, sinks, explicit token indices) or SDPA cannot at
+  all (soft-capping); ``sdpa`` on every other device, and whenever ``dropout_p > 0`` or a head dim
+  is over 256, which the Triton kernels do not handle.
 
 The values may be narrower or wider than the queries and keys (``v`` ``(..., head_dim_v)``, the
 output ``(..., head_dim_v)``): DeepSeek's multi-head latent attention scores with 192-wide heads
@@ -42,7 +45,8 @@ touches it. Its gradient is ``-sum_i p_sink(i) * rowsum(dO_i * O_i)``.
 ``token_index=(query_index, key_index)`` replaces that layout with explicit token indices, for
 keys held out of order (a static decoding cache: every slot of a preallocated buffer, a ring
 buffer's slots after it wraps): ``d`` is ``query_index[i] - key_index[j]`` and a key whose index
-is negative (an empty slot) is never visible. The same masks and ALiBi distances follow.
+is negative (an empty slot) is never visible. The same masks and ALiBi distances follow. The
+Triton kernels read the indices; the other backends get them as one additive mask.
 
 ``document_ids`` ``(batch, seq_k)`` (several documents packed in one row): the document of each
 key, the queries being the last ``seq_q`` keys as above; a query sees only the keys of its own
@@ -121,8 +125,9 @@ def attention(
     if backend == "auto":
         masks = (sliding_window, chunk_size, alibi_slopes, bias, softcap, token_index, document_ids, sinks)
         backend = auto_backend(q.device.type, q, v, causal, dropout_p, masks)
-    if token_index is not None:
-        # Explicit indices: the masks and ALiBi become one additive bias every backend takes.
+    if token_index is not None and backend != "triton":
+        # Explicit indices: the masks and ALiBi become one additive bias (the Triton kernels read
+        # the indices themselves).
         bias = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, token_index, None, chunk_size)
         causal, sliding_window, alibi_slopes, chunk_size = False, None, None, None
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (batch | 1, heads | 1, Sq, Sk)
@@ -160,6 +165,7 @@ def attention(
             starts,
             sinks,
             chunk_size,
+            *(token_index if token_index is not None else (None, None)),
         )
         return out
     masks = (causal, sliding_window, chunk_size, alibi_slopes, bias)
@@ -168,15 +174,35 @@ def attention(
     return _eager(q, k, v, *masks, softcap, scale, dropout_p, starts, sinks)
 
 
+MASK_NAMES = ("window", "chunk", "alibi", "bias", "softcap", "token_index", "documents", "sinks")
+
+
 def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float, masks) -> str:
     """The backend ``backend="auto"`` runs on a ``device_type`` device (the module doc).
     ``masks``: what the attention has besides ``causal``: ``(sliding_window, chunk_size,
     alibi_slopes, bias, softcap, token_index, document_ids, sinks)``, each None when absent."""
     if device_type != "cuda" or dropout_p > 0.0 or max(q.shape[-1], v.shape[-1]) > MAX_TRITON_HEAD_DIM:
         return "sdpa"
-    if all(m is None for m in masks) and _sdpa_unmasked(causal, q.shape[2], v.shape[2]):
+    present = {name: m is not None for name, m in zip(MASK_NAMES, masks)}
+    measured = measured_backend(q, v.shape[-1], causal, present)
+    if measured is not None:
+        return measured
+    if not any(present.values()) and _sdpa_unmasked(causal, q.shape[2], v.shape[2]):
         return "sdpa"
     return "triton"
+
+
+def measured_backend(q: torch.Tensor, v_head_dim: int, causal: bool, present: dict) -> str | None:
+    """The backend the tuning table's ``prefer`` names for this case on ``q``'s GPU generation
+    (``yamlformer.kernels.tuning``: what ``benchmarks/attention.py --sweep`` measured faster), or
+    None when it names none. Never ``sdpa`` for soft-capping, which SDPA cannot do."""
+    from . import tuning  # no Triton import: the table is YAML
+
+    case = tuning.case_key(q.shape, v_head_dim, causal, present)
+    choice = tuning.preference(tuning.generation(q.device), case)
+    if choice not in ("sdpa", "triton") or (choice == "sdpa" and present["softcap"]):
+        return None
+    return choice
 
 
 def _sdpa_unmasked(causal: bool, seq_q: int, seq_k: int) -> bool:

@@ -1,14 +1,126 @@
-"""The backward kernels: dK and dV per key tile, dQ per query tile (FlashAttention-2's split).
-Conventions, the interpreter set-up and the score helpers are :mod:`yamlformer.kernels.flash_kernels`'."""
+"""The backward kernels: dQ per query tile (which also computes ``Delta = rowsum(dO * O)``, so it
+runs first), then dK and dV per key tile (FlashAttention-2's split). Conventions, the interpreter
+set-up and the shared helpers are :mod:`yamlformer.kernels.flash_kernels`'; both kernels sweep a
+masked, an interior and a masked range of tiles as the forward does."""
 
 from __future__ import annotations
 
-from .flash_kernels import _key_range, _scores, tl, triton
+from .flash_kernels import LOG2E, _key_ranges, _query_ranges, _rows, _score, _visible, tl, triton
 
 
 # ----------------------------------------------------------------------------------------------
-# backward: dk/dv per kv head (the query-head group looped inside), then dq per query head
+# dk, dv: one key tile of one kv head, the query-head group looped inside
 # ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dkdv_tiles(
+    dk,
+    dv,
+    k,
+    v,
+    q_src,
+    do_src,
+    b,
+    h,
+    lse_row,
+    delta_row,
+    stride_qm,
+    stride_dom,
+    d_ok,
+    dv_ok,
+    kp,
+    kdoc,
+    key_in,
+    key_ok,
+    slope,
+    bias_cols,
+    stride_bm,
+    dbias_cols,
+    doc_row,
+    QIdx,
+    seq_q,
+    seq_k,
+    shift,
+    sm_scale,
+    softcap,
+    window,
+    chunk,
+    lo,
+    hi,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dK, dV contributions of the query tiles ``[lo, hi)`` of query head ``h``, computed keys by
+    queries (``(BLOCK_N, BLOCK_M)`` tiles: no register transposes). ``kp``/``kdoc`` (keys, 1) the
+    key positions and document starts, ``key_in`` (keys, 1) the keys that exist, ``key_ok`` those
+    of them that are not empty slots, ``bias_cols``/``dbias_cols`` (keys,) pointers to each key's
+    column of this head's bias and (contiguous, rows ``seq_k`` apart) dbias."""
+    offs_m = tl.arange(0, BLOCK_M)
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        row = tl.minimum(rows, seq_q - 1)  # reads of the row vectors stay in bounds
+        q = _rows(q_src, b, h, start_m, offs_m, seq_q, stride_qm, d_ok, TMA, MASKED, EVEN_D, BLOCK_M, BLOCK_D)
+        do = _rows(do_src, b, h, start_m, offs_m, seq_q, stride_dom, dv_ok, TMA, MASKED, EVEN_DV, BLOCK_M, BLOCK_DV)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(lse_row + row)
+        delta = tl.load(delta_row + row)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        qp = (rows + shift)[None, :]
+        if HAS_INDEX:
+            qp = tl.load(QIdx + row)[None, :]
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_cols[:, None] + row[None, :].to(tl.int64) * stride_bm).to(tl.float32)
+        zT, thT = _score(qkT, qp, kp, bias, slope, sm_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+        if MASKED:
+            qdoc = qp
+            if HAS_DOCS:
+                qdoc = tl.load(doc_row + tl.maximum(qp, 0), mask=qp >= 0, other=-2)
+            keep = _visible(
+                qp,
+                kp,
+                key_ok & (rows < seq_q)[None, :],
+                qdoc,
+                kdoc,
+                window,
+                chunk,
+                IS_CAUSAL,
+                HAS_WINDOW,
+                HAS_CHUNK,
+                HAS_DOCS,
+            )
+            zT = tl.where(keep, zT, float("-inf"))
+        pT = tl.exp2(zT - lse[None, :])  # 0 where masked or the row is dead (lse +inf)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        dsT = pT * (dpT - delta[None, :])  # grad of the post-bias scores (= dbias)
+        if HAS_DBIAS:
+            db_ptrs = dbias_cols[:, None] + rows[None, :].to(tl.int64) * seq_k
+            tl.store(db_ptrs, dsT, mask=key_in & (rows < seq_q)[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - thT * thT)  # d/ds [c * tanh(s / c)]
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
 @triton.jit
 def _attn_bwd_dkdv(
     Q,
@@ -23,6 +135,9 @@ def _attn_bwd_dkdv(
     Bias,
     Alibi,
     Docs,
+    DocEnds,
+    QIdx,
+    KIdx,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -54,8 +169,6 @@ def _attn_bwd_dkdv(
     softcap,
     window,
     chunk,
-    SEQ_Q_BUCKET,
-    SEQ_K_BUCKET,  # autotuning key only
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr,
@@ -63,9 +176,13 @@ def _attn_bwd_dkdv(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,122 +191,329 @@ def _attn_bwd_dkdv(
     """dK, dV of one key tile of one kv head. The GROUP query heads sharing that kv head are
     looped here, so their contributions add up in fp32 registers (no atomics, no repeated K/V).
     DK is contiguous (B, H_KV, SEQ_K, HEAD_DIM), DV (B, H_KV, SEQ_K, HEAD_DIM_V); DBias is
-    contiguous (B, H, SEQ_Q, SEQ_K).
-    """
+    contiguous (B, H, SEQ_Q, SEQ_K). Tiles of key rows with no visible query are stored as 0."""
     pid_n = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     h_kv_count = H // GROUP
     b = pid // h_kv_count
     h_kv = pid % h_kv_count
     start_n = pid_n * BLOCK_N
-    kpos = start_n + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    kpos = start_n + offs_n
+    kcol = tl.minimum(kpos, SEQ_K - 1)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_V
-    k_mask = (kpos < SEQ_K)[:, None] & d_ok[None, :]
-    v_mask = (kpos < SEQ_K)[:, None] & dv_ok[None, :]
-    k = tl.load(
-        K + b * stride_kb + h_kv * stride_kh + kpos[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-        mask=k_mask,
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * stride_vb + h_kv * stride_vh + kpos[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-        mask=v_mask,
-        other=0.0,
-    )
+    k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
+    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
+    k = _rows(k_cols, b, h_kv, start_n, offs_n, SEQ_K, stride_kn, d_ok, False, True, EVEN_D, BLOCK_N, BLOCK_D)
+    v = _rows(v_cols, b, h_kv, start_n, offs_n, SEQ_K, stride_vn, dv_ok, False, True, EVEN_DV, BLOCK_N, BLOCK_DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-
-    # query rows that can see this key tile
-    shift = SEQ_K - SEQ_Q
-    m_lo = 0
-    m_hi = SEQ_Q
-    if IS_CAUSAL:
-        m_lo = tl.maximum(0, start_n - shift)
-        m_lo = (m_lo // BLOCK_M) * BLOCK_M
-    if HAS_WINDOW:
-        m_hi = tl.minimum(SEQ_Q, start_n + BLOCK_N - 1 + window - shift)
-    if HAS_CHUNK:  # the queries of the chunks this key tile spans
-        chunk_lo = (start_n // chunk) * chunk - shift  # first query row of the first key's chunk
-        m_lo = tl.maximum(m_lo, (tl.maximum(0, chunk_lo) // BLOCK_M) * BLOCK_M)
-        last_key = tl.minimum(start_n + BLOCK_N, SEQ_K) - 1
-        m_hi = tl.minimum(m_hi, (last_key // chunk + 1) * chunk - shift)
+    key_in = kpos < SEQ_K
+    key_ok = key_in
+    kp = kpos[:, None]
+    if HAS_INDEX:
+        kidx = tl.load(KIdx + kcol)
+        key_ok = key_in & (kidx >= 0)
+        kp = kidx[:, None]
     doc_row = Docs + b * stride_db
-    if HAS_DOCS:  # a query before the first key's document start sees none of these keys
-        m_lo = tl.maximum(m_lo, (tl.maximum(0, tl.load(doc_row + start_n) - shift) // BLOCK_M) * BLOCK_M)
-    offs_m0 = tl.arange(0, BLOCK_M)
+    end_row = DocEnds + b * stride_db
+    kdoc = kp
+    if HAS_DOCS:
+        kdoc = tl.load(doc_row + kcol)[:, None]
+    shift = SEQ_K - SEQ_Q
+    khi = tl.minimum(start_n + BLOCK_N, SEQ_K) - 1
+    lo, ilo, ihi, hi = _query_ranges(
+        start_n,
+        khi,
+        SEQ_Q,
+        shift,
+        window,
+        chunk,
+        doc_row,
+        end_row,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_DOCS,
+        HAS_INDEX,
+        BLOCK_M,
+    )
+    key_in = key_in[:, None]
+    key_ok = key_ok[:, None]
     for g in range(0, GROUP):
         h = h_kv * GROUP + g
-        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+        slope = 0.0
         if HAS_ALIBI:
-            slope += tl.load(Alibi + h).to(tl.float32)
-        q_head = Q + b * stride_qb + h * stride_qh
-        do_head = DO + b * stride_dob + h * stride_doh
-        for start_m in range(m_lo, m_hi, BLOCK_M):
-            offs_m = start_m + offs_m0
-            row_ok = offs_m < SEQ_Q
-            q = tl.load(
-                q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            do = tl.load(
-                do_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                mask=row_ok[:, None] & dv_ok[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(Lse + (b * H + h) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(Delta + (b * H + h) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
-            bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
-            qdoc = offs_m
-            if HAS_DOCS:
-                qdoc = tl.load(doc_row + offs_m + shift, mask=row_ok, other=-2)  # (BLOCK_M,) starts
-            z2, th = _scores(
-                q,
-                k,
-                offs_m + shift,
-                kpos,
-                row_ok,
-                slope,
-                bias_ptrs,
-                stride_bn,
-                SEQ_K,
-                sm_scale,
-                softcap,
-                window,
-                chunk,
-                qdoc,
-                doc_row,
-                IS_CAUSAL,
-                HAS_WINDOW,
-                HAS_CHUNK,
-                HAS_ALIBI,
-                HAS_BIAS,
-                HAS_SOFTCAP,
-                HAS_DOCS,
-                DOT_PREC,
-            )
-            p = tl.exp2(z2 - lse[:, None])  # (BLOCK_M, BLOCK_N); 0 where masked or row dead
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            dz = p * (dp - delta[:, None])  # grad of the post-bias scores (= dbias)
-            if HAS_DBIAS:
-                db_ptrs = DBias + ((b * H + h) * SEQ_Q + offs_m[:, None]) * SEQ_K + kpos[None, :]
-                tl.store(db_ptrs, dz, mask=row_ok[:, None] & (kpos < SEQ_K)[None, :])
-            if HAS_SOFTCAP:
-                dz = dz * (1.0 - th * th)  # d/ds [c * tanh(s / c)]
-            dk += tl.dot(tl.trans(dz).to(q.dtype), q, input_precision=DOT_PREC)
+            slope = tl.load(Alibi + h).to(tl.float32) * LOG2E
+        if TMA:
+            q_src = Q
+            do_src = DO
+        else:
+            q_src = Q + b * stride_qb + h * stride_qh + offs_d * stride_qd
+            do_src = DO + b * stride_dob + h * stride_doh + offs_dv * stride_dod
+        rows = (b * H + h) * SEQ_Q
+        bias_cols = Bias + b * stride_bb + h * stride_bh + kcol.to(tl.int64) * stride_bn
+        dbias_cols = DBias + rows * SEQ_K + kcol
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            q_src,
+            do_src,
+            b,
+            h,
+            Lse + rows,
+            Delta + rows,
+            stride_qm,
+            stride_dom,
+            d_ok,
+            dv_ok,
+            kp,
+            kdoc,
+            key_in,
+            key_ok,
+            slope,
+            bias_cols,
+            stride_bm,
+            dbias_cols,
+            doc_row,
+            QIdx,
+            SEQ_Q,
+            SEQ_K,
+            shift,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            lo,
+            ilo,
+            True,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            HAS_INDEX,
+            HAS_DBIAS,
+            UPCAST,
+            DOT_PREC,
+            TMA,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_DV,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            q_src,
+            do_src,
+            b,
+            h,
+            Lse + rows,
+            Delta + rows,
+            stride_qm,
+            stride_dom,
+            d_ok,
+            dv_ok,
+            kp,
+            kdoc,
+            key_in,
+            key_ok,
+            slope,
+            bias_cols,
+            stride_bm,
+            dbias_cols,
+            doc_row,
+            QIdx,
+            SEQ_Q,
+            SEQ_K,
+            shift,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            ilo,
+            ihi,
+            False,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            HAS_INDEX,
+            HAS_DBIAS,
+            UPCAST,
+            DOT_PREC,
+            TMA,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_DV,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            q_src,
+            do_src,
+            b,
+            h,
+            Lse + rows,
+            Delta + rows,
+            stride_qm,
+            stride_dom,
+            d_ok,
+            dv_ok,
+            kp,
+            kdoc,
+            key_in,
+            key_ok,
+            slope,
+            bias_cols,
+            stride_bm,
+            dbias_cols,
+            doc_row,
+            QIdx,
+            SEQ_Q,
+            SEQ_K,
+            shift,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            ihi,
+            hi,
+            True,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            HAS_INDEX,
+            HAS_DBIAS,
+            UPCAST,
+            DOT_PREC,
+            TMA,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_DV,
+        )
     row = (b * h_kv_count + h_kv) * SEQ_K + kpos[:, None]  # (BLOCK_N, 1) row of DK and DV
-    tl.store(DK + row * HEAD_DIM + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DV + row * HEAD_DIM_V + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
+    tl.store(
+        DK + row * HEAD_DIM + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=key_in & d_ok[None, :]
+    )
+    tl.store(DV + row * HEAD_DIM_V + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=key_in & dv_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# dq (and Delta): one query tile of one query head
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dq_tiles(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_src,
+    v_src,
+    b,
+    h_kv,
+    stride_kn,
+    stride_vn,
+    d_ok,
+    dv_ok,
+    qp,
+    qdoc,
+    slope,
+    bias_rows,
+    stride_bn,
+    doc_row,
+    KIdx,
+    seq_k,
+    sm_scale,
+    softcap,
+    window,
+    chunk,
+    lo,
+    hi,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dQ contributions of the key tiles ``[lo, hi)``; arguments as the forward's sweep takes them."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kpos = start_n + offs_n
+        k = _rows(k_src, b, h_kv, start_n, offs_n, seq_k, stride_kn, d_ok, TMA, MASKED, EVEN_D, BLOCK_N, BLOCK_D)
+        v = _rows(v_src, b, h_kv, start_n, offs_n, seq_k, stride_vn, dv_ok, TMA, MASKED, EVEN_DV, BLOCK_N, BLOCK_DV)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        kcol = tl.minimum(kpos, seq_k - 1)
+        kp = kpos[None, :]
+        if HAS_INDEX:
+            kidx = tl.load(KIdx + kcol)
+            kp = kidx[None, :]
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_rows[:, None] + kcol[None, :].to(tl.int64) * stride_bn).to(tl.float32)
+        z, th = _score(qk, qp, kp, bias, slope, sm_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+        if MASKED:
+            key_ok = kpos < seq_k
+            if HAS_INDEX:
+                key_ok = key_ok & (kidx >= 0)
+            kdoc = kp
+            if HAS_DOCS:
+                kdoc = tl.load(doc_row + kcol)[None, :]
+            keep = _visible(
+                qp, kp, key_ok[None, :], qdoc, kdoc, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS
+            )
+            z = tl.where(keep, z, float("-inf"))
+        p = tl.exp2(z - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - th * th)  # d/ds [c * tanh(s / c)]
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
 
 
 @triton.jit
@@ -197,6 +521,7 @@ def _attn_bwd_dq(
     Q,
     K,
     V,
+    Out,
     DO,
     Lse,
     Delta,
@@ -204,6 +529,9 @@ def _attn_bwd_dq(
     Bias,
     Alibi,
     Docs,
+    DocEnds,
+    QIdx,
+    KIdx,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -220,6 +548,10 @@ def _attn_bwd_dq(
     stride_doh,
     stride_dom,
     stride_dod,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
     stride_bb,
     stride_bh,
     stride_bm,
@@ -235,8 +567,6 @@ def _attn_bwd_dq(
     softcap,
     window,
     chunk,
-    SEQ_Q_BUCKET,
-    SEQ_K_BUCKET,  # autotuning key only
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr,
@@ -244,112 +574,208 @@ def _attn_bwd_dq(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dQ of one query tile of one query head. DQ is contiguous (B, H, SEQ_Q, HEAD_DIM)."""
+    """dQ of one query tile of one query head, and that tile's ``Delta = rowsum(dO * O)`` (fp32,
+    (B, H, SEQ_Q)), which the dK/dV kernel launched after reads. DQ is contiguous (B, H, SEQ_Q,
+    HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     h_kv = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_V
     row_ok = offs_m < SEQ_Q
-    q_mask = row_ok[:, None] & d_ok[None, :]
     shift = SEQ_K - SEQ_Q
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=q_mask,
-        other=0.0,
+    q_cols = Q + b * stride_qb + h * stride_qh + offs_d * stride_qd
+    do_cols = DO + b * stride_dob + h * stride_doh + offs_dv * stride_dod
+    o_cols = Out + b * stride_ob + h * stride_oh + offs_dv * stride_od
+    q = _rows(q_cols, b, h, m0, tl.arange(0, BLOCK_M), SEQ_Q, stride_qm, d_ok, False, True, EVEN_D, BLOCK_M, BLOCK_D)
+    do = _rows(
+        do_cols, b, h, m0, tl.arange(0, BLOCK_M), SEQ_Q, stride_dom, dv_ok, False, True, EVEN_DV, BLOCK_M, BLOCK_DV
     )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-        mask=row_ok[:, None] & dv_ok[None, :],
-        other=0.0,
-    )
+    o = _rows(o_cols, b, h, m0, tl.arange(0, BLOCK_M), SEQ_Q, stride_om, dv_ok, False, True, EVEN_DV, BLOCK_M, BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh * SEQ_Q + offs_m, delta, mask=row_ok)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(Lse + pid_bh * SEQ_Q + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(Delta + pid_bh * SEQ_Q + offs_m, mask=row_ok, other=0.0)
-    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
+        v_src = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
+    qpos = offs_m + shift
+    if HAS_INDEX:
+        qpos = tl.load(QIdx + tl.minimum(offs_m, SEQ_Q - 1))
+    slope = 0.0
     if HAS_ALIBI:
-        slope += tl.load(Alibi + h).to(tl.float32)
-    bias_ptrs = Bias + b * stride_bb + h * stride_bh + offs_m.to(tl.int64) * stride_bm
-    k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
-    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
+        slope = tl.load(Alibi + h).to(tl.float32) * LOG2E
+    bias_rows = Bias + b * stride_bb + h * stride_bh + tl.minimum(offs_m, SEQ_Q - 1).to(tl.int64) * stride_bm
     doc_row = Docs + b * stride_db
-    qdoc = offs_m
+    end_row = DocEnds + b * stride_db
+    qdoc = qpos
     if HAS_DOCS:
-        qdoc = tl.load(doc_row + offs_m + shift, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
+        qdoc = tl.load(doc_row + tl.maximum(qpos, 0), mask=row_ok & (qpos >= 0), other=-2)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _key_range(
-        pid_m * BLOCK_M + shift,
-        pid_m * BLOCK_M + BLOCK_M - 1 + shift,
+    qlo = m0 + shift
+    qhi = tl.minimum(m0 + BLOCK_M, SEQ_Q) - 1 + shift
+    lo, ilo, ihi, hi = _key_ranges(
+        qlo, qhi, SEQ_K, window, chunk, doc_row, end_row, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_INDEX, BLOCK_N
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_src,
+        v_src,
+        b,
+        h_kv,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos[:, None],
+        qdoc[:, None],
+        slope,
+        bias_rows,
+        stride_bn,
+        doc_row,
+        KIdx,
         SEQ_K,
+        sm_scale,
+        softcap,
         window,
         chunk,
-        doc_row,
+        lo,
+        ilo,
+        True,
         IS_CAUSAL,
         HAS_WINDOW,
         HAS_CHUNK,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
         HAS_DOCS,
+        HAS_INDEX,
+        UPCAST,
+        DOT_PREC,
+        TMA,
+        EVEN_D,
+        EVEN_DV,
         BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
     )
-    for start_n in range(lo, hi, BLOCK_N):
-        kpos = start_n + offs_n0
-        k = tl.load(
-            k_cols[None, :] + kpos[:, None].to(tl.int64) * stride_kn,
-            mask=(kpos < SEQ_K)[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cols[None, :] + kpos[:, None].to(tl.int64) * stride_vn,
-            mask=(kpos < SEQ_K)[:, None] & dv_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        z2, th = _scores(
-            q,
-            k,
-            offs_m + shift,
-            kpos,
-            row_ok,
-            slope,
-            bias_ptrs,
-            stride_bn,
-            SEQ_K,
-            sm_scale,
-            softcap,
-            window,
-            chunk,
-            qdoc,
-            doc_row,
-            IS_CAUSAL,
-            HAS_WINDOW,
-            HAS_CHUNK,
-            HAS_ALIBI,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            HAS_DOCS,
-            DOT_PREC,
-        )
-        p = tl.exp2(z2 - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        dz = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            dz = dz * (1.0 - th * th)  # d/ds [c * tanh(s / c)]
-        dq += tl.dot(dz.to(k.dtype), k, input_precision=DOT_PREC)
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_src,
+        v_src,
+        b,
+        h_kv,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos[:, None],
+        qdoc[:, None],
+        slope,
+        bias_rows,
+        stride_bn,
+        doc_row,
+        KIdx,
+        SEQ_K,
+        sm_scale,
+        softcap,
+        window,
+        chunk,
+        ilo,
+        ihi,
+        False,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        HAS_INDEX,
+        UPCAST,
+        DOT_PREC,
+        TMA,
+        EVEN_D,
+        EVEN_DV,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_src,
+        v_src,
+        b,
+        h_kv,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos[:, None],
+        qdoc[:, None],
+        slope,
+        bias_rows,
+        stride_bn,
+        doc_row,
+        KIdx,
+        SEQ_K,
+        sm_scale,
+        softcap,
+        window,
+        chunk,
+        ihi,
+        hi,
+        True,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        HAS_INDEX,
+        UPCAST,
+        DOT_PREC,
+        TMA,
+        EVEN_D,
+        EVEN_DV,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
+    )
     dq_ptrs = DQ + (pid_bh * SEQ_Q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

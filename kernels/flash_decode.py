@@ -1,25 +1,29 @@
-"""The split-K decode kernels (FlashDecoding): a few query rows against a long KV cache, the keys
-split over programs and the partial results combined. Conventions, the interpreter set-up and the
-score helpers are :mod:`yamlformer.kernels.flash_kernels`'."""
+"""The split-K decode kernel (FlashDecoding): a few query rows against a long KV cache, the keys
+split over programs and the partial results combined in the same launch. Conventions, the
+interpreter set-up and the shared helpers are :mod:`yamlformer.kernels.flash_kernels`'."""
 
 from __future__ import annotations
 
-from .flash_kernels import _fwd_inner, _key_range, _scores, tl, triton  # noqa: F401 (the kernels' globals)
+from .flash_kernels import LOG2E, _fwd_tiles, _key_ranges, tl, triton
 
 
-# ----------------------------------------------------------------------------------------------
-# decode (FlashDecoding): split the keys across programs, then combine the partial results
-# ----------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_decode(
     Q,
     K,
     V,
+    Out,
+    Lse,
     OPart,
     LPart,
+    Counter,
     Bias,
     Alibi,
     Docs,
+    DocEnds,
+    QIdx,
+    KIdx,
+    Sinks,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -32,6 +36,10 @@ def _attn_decode(
     stride_vh,
     stride_vn,
     stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
     stride_bb,
     stride_bh,
     stride_bm,
@@ -47,8 +55,6 @@ def _attn_decode(
     softcap,
     window,
     chunk,
-    SEQ_Q_BUCKET,
-    SEQ_K_BUCKET,  # autotuning key only
     SPLIT_LEN,
     NUM_SPLITS,
     IS_CAUSAL: tl.constexpr,
@@ -58,15 +64,25 @@ def _attn_decode(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program: one split of the keys, all GROUP * SEQ_Q query rows of one kv head, so the
-    cache is read once per kv head (not once per query head)."""
+    """One program: one split of the keys (``SPLIT_LEN`` of them, a whole number of tiles) for
+    all GROUP * SEQ_Q query rows of one kv head, so the cache is read once per kv head, not once
+    per query head. Each program leaves its rows' partial output and log-sum-exp in ``OPart`` /
+    ``LPart`` ((B * H * SEQ_Q, NUM_SPLITS, ...), fp32) and takes a ticket from ``Counter[b, h_kv]``
+    (zeroed by the caller); the program that draws the last ticket combines the splits into
+    ``Out`` and ``Lse``, the sink (once, there) joining the denominator."""
     split = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     h_kv_count = H // GROUP
@@ -74,61 +90,90 @@ def _attn_decode(
     h_kv = pid % h_kv_count
     r = tl.arange(0, BLOCK_M)
     row_ok = r < GROUP * SEQ_Q
-    h = h_kv * GROUP + r // SEQ_Q  # (BLOCK_M,) query head of each packed row
-    i = r % SEQ_Q  # (BLOCK_M,) query index of each packed row
-    qpos = i + (SEQ_K - SEQ_Q)
+    rr = tl.minimum(r, GROUP * SEQ_Q - 1)  # padding rows repeat the last real one: reads in bounds
+    h = h_kv * GROUP + rr // SEQ_Q  # (BLOCK_M,) query head of each packed row
+    i = rr % SEQ_Q  # (BLOCK_M,) query index of each packed row
+    shift = SEQ_K - SEQ_Q
+    qpos = i + shift
+    if HAS_INDEX:
+        qpos = tl.load(QIdx + i)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_V
 
     q_ptrs = Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_cols = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
-    v_cols = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
-    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
+        v_src = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
+    slope = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if HAS_ALIBI:
-        slope += tl.load(Alibi + h, mask=row_ok, other=0.0).to(tl.float32)
-    bias_ptrs = Bias + b * stride_bb + h * stride_bh + i.to(tl.int64) * stride_bm
+        slope += (tl.load(Alibi + h).to(tl.float32) * LOG2E)[:, None]
+    bias_rows = Bias + b * stride_bb + h * stride_bh + i.to(tl.int64) * stride_bm
     doc_row = Docs + b * stride_db
+    end_row = DocEnds + b * stride_db
     qdoc = qpos
     if HAS_DOCS:
-        qdoc = tl.load(doc_row + qpos, mask=row_ok, other=-2)  # (BLOCK_M,) document starts
+        qdoc = tl.load(doc_row + tl.maximum(qpos, 0), mask=qpos >= 0, other=-2)  # (BLOCK_M,) starts
 
-    lo, hi = _key_range(
-        SEQ_K - SEQ_Q, SEQ_K - 1, SEQ_K, window, chunk, doc_row, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, BLOCK_N
+    lo, ilo, ihi, hi = _key_ranges(
+        shift + split * 0,
+        SEQ_K - 1 + split * 0,
+        SEQ_K,
+        window,
+        chunk,
+        doc_row,
+        end_row,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_DOCS,
+        HAS_INDEX,
+        BLOCK_N,
     )
-    lo = tl.maximum(lo, split * SPLIT_LEN)
-    hi = tl.minimum(hi, split * SPLIT_LEN + SPLIT_LEN)
+    first = split * SPLIT_LEN  # this split's keys [first, last), both on tile boundaries
+    last = first + SPLIT_LEN
+    lo = tl.maximum(lo, first)
+    hi = tl.minimum(hi, last)
+    ilo = tl.minimum(tl.maximum(ilo, lo), last)
+    ihi = tl.minimum(tl.maximum(ihi, ilo), last)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, m_i, l_i = _fwd_inner(
+    acc, m_i, l_i = _fwd_tiles(
         acc,
         m_i,
         l_i,
         q,
-        k_cols,
-        v_cols,
+        k_src,
+        v_src,
+        b,
+        h_kv,
         stride_kn,
         stride_vn,
         d_ok,
         dv_ok,
-        qpos,
-        row_ok,
+        qpos[:, None],
+        qdoc[:, None],
         slope,
-        bias_ptrs,
+        bias_rows,
         stride_bn,
+        doc_row,
+        KIdx,
+        SEQ_K,
         sm_scale,
         softcap,
         window,
         chunk,
-        qdoc,
-        doc_row,
         lo,
-        hi,
+        ilo,
+        True,
         IS_CAUSAL,
         HAS_WINDOW,
         HAS_CHUNK,
@@ -136,65 +181,147 @@ def _attn_decode(
         HAS_BIAS,
         HAS_SOFTCAP,
         HAS_DOCS,
+        HAS_INDEX,
         UPCAST,
         DOT_PREC,
+        TMA,
+        False,
+        EVEN_D,
+        EVEN_DV,
         BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
     )
-    dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine (sinks join there)
-    out = acc / tl.where(dead, 1.0, l_i)[:, None]
-    lse = tl.where(dead, float("-inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
+    acc, m_i, l_i = _fwd_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_src,
+        v_src,
+        b,
+        h_kv,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos[:, None],
+        qdoc[:, None],
+        slope,
+        bias_rows,
+        stride_bn,
+        doc_row,
+        KIdx,
+        SEQ_K,
+        sm_scale,
+        softcap,
+        window,
+        chunk,
+        ilo,
+        ihi,
+        False,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        HAS_INDEX,
+        UPCAST,
+        DOT_PREC,
+        TMA,
+        WARP_SPEC,
+        EVEN_D,
+        EVEN_DV,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
+    )
+    acc, m_i, l_i = _fwd_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_src,
+        v_src,
+        b,
+        h_kv,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos[:, None],
+        qdoc[:, None],
+        slope,
+        bias_rows,
+        stride_bn,
+        doc_row,
+        KIdx,
+        SEQ_K,
+        sm_scale,
+        softcap,
+        window,
+        chunk,
+        ihi,
+        hi,
+        True,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        HAS_INDEX,
+        UPCAST,
+        DOT_PREC,
+        TMA,
+        False,
+        EVEN_D,
+        EVEN_DV,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
+    )
+    dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine
     row = (b * H + h) * SEQ_Q + i  # (BLOCK_M,) row of the (B*H*SEQ_Q, NUM_SPLITS, ...) buffers
-    o_ptrs = OPart + (row * NUM_SPLITS + split)[:, None] * HEAD_DIM_V + offs_dv[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & dv_ok[None, :])
-    tl.store(LPart + row * NUM_SPLITS + split, lse, mask=row_ok)
+    part = row * NUM_SPLITS
+    o_ptrs = OPart + (part + split)[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    tl.store(o_ptrs, acc / tl.where(dead, 1.0, l_i)[:, None], mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(LPart + part + split, tl.where(dead, float("-inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i))), mask=row_ok)
 
-
-@triton.jit
-def _attn_decode_combine(
-    OPart,
-    LPart,
-    Out,
-    Lse,
-    Sinks,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    H,
-    SEQ_Q,
-    HEAD_DIM_V,
-    NUM_SPLITS,
-    HAS_SINKS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """One query row: the splits' partial outputs weighted by their log-sum-exps, the sink (once,
-    here) joining the denominator."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // (H * SEQ_Q)
-    h = (row // SEQ_Q) % H
-    i = row % SEQ_Q
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < NUM_SPLITS
-    d_ok = offs_d < HEAD_DIM_V
-    lse_s = tl.load(LPart + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    if HAS_SINKS:
-        sink = tl.load(Sinks + h) * 1.4426950408889634  # 1/ln(2): the log2 logit
-        m = tl.maximum(m, sink)
-    dead = m == float("-inf")
-    w = tl.exp2(lse_s - tl.where(dead, 0.0, m))  # (BLOCK_S,) split weights, 0 when empty
-    o = tl.load(
-        OPart + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_V + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    if HAS_SINKS:
-        total += tl.exp2(sink - m)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(dead, 1.0, total)
-    lse = tl.where(dead, float("inf"), m + tl.log2(tl.where(dead, 1.0, total)))
-    o_ptrs = Out + b * stride_ob + h * stride_oh + i * stride_om + offs_d * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
-    tl.store(Lse + row, lse)
+    # the last program of this kv head to finish combines: its ticket orders every split's stores
+    # (each program's threads reach the barrier after their stores; the release/acquire atomic
+    # publishes them to the whole GPU) before its own reads, which skip the L1 (".cg")
+    tl.debug_barrier()
+    ticket = tl.atomic_add(Counter + pid, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        tl.debug_barrier()
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # as the forward: the sink's log2 logit starts the running max, weight 1
+            m = tl.load(Sinks + h).to(tl.float32) * LOG2E
+            total += 1.0
+        out = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for s in range(0, NUM_SPLITS):
+            lse_s = tl.load(LPart + part + s, cache_modifier=".cg")
+            o_s = tl.load(
+                OPart + (part + s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                mask=dv_ok[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m, lse_s)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            w = tl.exp2(lse_s - m_use)
+            out = out * alpha[:, None] + w[:, None] * o_s
+            total = total * alpha + w
+            m = m_new
+        dead = total == 0.0
+        out = out / tl.where(dead, 1.0, total)[:, None]
+        lse = tl.where(dead, float("inf"), m + tl.log2(tl.where(dead, 1.0, total)))
+        out_ptrs = Out + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_om + offs_dv[None, :] * stride_od
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(Lse + row, lse, mask=row_ok)
