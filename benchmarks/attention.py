@@ -5,6 +5,13 @@ Run on a CUDA machine from the repository root:
     python benchmarks/attention.py            # full run (a few minutes on an H200)
     python benchmarks/attention.py --quick    # a short run
     python benchmarks/attention.py --json     # machine-readable results
+    python benchmarks/attention.py --sweep --json sweep.json --write-table   # every kernel config
+    python benchmarks/attention.py --write-table --from-json sweep.json      # the table from a saved sweep
+    python benchmarks/attention.py --sweep --cpu   # the sweep's plumbing under the interpreter
+
+``--sweep`` (``attention_sweep.py``) times every kernel and launch config of the GPU's generation
+and ours against SDPA and FlexAttention, under ``--budget`` seconds; ``--write-table`` merges what
+it measured into ``kernels/attention_tuning.yaml`` (or the given path).
 
 Training shapes: bf16, head_dim in {64, 128}, causal and not, seq 512..16k, with
 batch * seq = 16k tokens and n_heads * head_dim = 2048. Each shape is checked for correctness
@@ -23,27 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
+from attention_sweep import sdpa_backend, sweep, table_from_rows  # gpu_check and perf_kernels import these here
 
 TOKENS = 16384  # batch * seq for the training shapes
 WIDTH = 2048  # n_heads * head_dim for the training shapes
 FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs over forward FLOPs (FlashAttention convention)
 TOLERANCE = 3e-2  # max |ours - flash| / max |flash| accepted in bf16
-
-
-def sdpa_backend(name):
-    """A callable running SDPA restricted to one backend (None where unavailable)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
-
-    def run(q, k, v, causal):
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-
-    return run
 
 
 def ours(q, k, v, causal):
@@ -183,14 +178,64 @@ def print_tables(train, decode, peak_gbs):
         )
 
 
+def write_table(result: dict, path) -> Path:
+    """Merge a sweep's table (``table_from_rows``) into the tuning table at ``path``."""
+    from yamlformer.kernels import tuning
+
+    path = Path(path) if path else tuning.TABLE_PATH
+    current = tuning._load_table(str(path)) if path.exists() else {}
+    table = tuning.updated_table(current, result["generation"], result["chosen"], result["prefer"], result["failed"])
+    return tuning.write_table(table, path)
+
+
+def run_sweep(args) -> int:
+    if args.from_json is not None:
+        result = json.loads(Path(args.from_json).read_text())["table"]
+    else:
+        if not args.cpu and not torch.cuda.is_available():
+            print("--sweep needs a CUDA GPU (none found); --sweep --cpu runs its plumbing", file=sys.stderr)
+            return 2
+        rows = sweep(cpu=args.cpu, budget_s=args.budget)
+        result = table_from_rows(rows)
+        if args.json is not None:
+            text = json.dumps(
+                {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "rows": rows, "table": result}
+            )
+            print(text) if args.json == "-" else Path(args.json).write_text(text)
+    if args.write_table is not None:
+        print(f"wrote {write_table(result, args.write_table or None)}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a few shapes)")
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument(
+        "--json", nargs="?", const="-", metavar="PATH", help="results as JSON: to PATH, or printed without one"
+    )
     parser.add_argument(
         "--peak-gbs", type=float, default=4800.0, help="HBM bandwidth ceiling in GB/s (default: H200, 4800)"
     )
+    parser.add_argument("--sweep", action="store_true", help="time every kernel config and backend (attention_sweep)")
+    parser.add_argument("--cpu", action="store_true", help="with --sweep: its plumbing on the CPU, interpreted")
+    parser.add_argument("--budget", type=float, default=280.0, help="with --sweep: seconds it may take (default 280)")
+    parser.add_argument(
+        "--write-table",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="merge the sweep's configs and preferences into kernels/attention_tuning.yaml (or PATH)",
+    )
+    parser.add_argument("--from-json", metavar="PATH", help="with --write-table: take the sweep from this --json file")
     args = parser.parse_args(argv)
+    if args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.write_table is not None and not (args.sweep or args.from_json):
+        parser.error("--write-table needs --sweep or --from-json")
+    if args.cpu and args.write_table == "":
+        parser.error("--cpu --write-table needs a PATH: interpreter timings do not belong in the shipped table")
+    if args.sweep or args.from_json:
+        return run_sweep(args)
     if not torch.cuda.is_available():
         print(
             "benchmarks/attention.py needs a CUDA GPU (none found); the CPU test suite "
@@ -206,8 +251,9 @@ def main(argv=None):
     else:
         train = training_rows((64, 128), (512, 1024, 2048, 4096, 8192, 16384), (False, True), dtype)
         decode = decode_rows((8, 64), (1024, 4096, 16384, 32768), dtype, args.peak_gbs)
-    if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "training": train, "decode": decode}, indent=2))
+    if args.json is not None:
+        text = json.dumps({"device": torch.cuda.get_device_name(), "training": train, "decode": decode}, indent=2)
+        print(text) if args.json == "-" else Path(args.json).write_text(text)
     else:
         print(f"\nDevice: {torch.cuda.get_device_name()}")
         print_tables(train, decode, args.peak_gbs)

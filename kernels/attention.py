@@ -174,7 +174,14 @@ def attention(
     return _eager(q, k, v, *masks, softcap, scale, dropout_p, starts, sinks)
 
 
+#: what an attention has besides ``causal``: ``attention``'s argument, and its name in a case key
+MASK_ARGS = ("sliding_window", "chunk_size", "alibi_slopes", "bias", "softcap", "token_index", "document_ids", "sinks")
 MASK_NAMES = ("window", "chunk", "alibi", "bias", "softcap", "token_index", "documents", "sinks")
+
+
+def mask_presence(options: dict) -> dict:
+    """Mask name -> whether ``attention``'s keyword ``options`` give it (``auto_backend``'s view)."""
+    return {name: options.get(arg) is not None for arg, name in zip(MASK_ARGS, MASK_NAMES)}
 
 
 def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float, masks) -> str:
@@ -198,8 +205,10 @@ def measured_backend(q: torch.Tensor, v_head_dim: int, causal: bool, present: di
     None when it names none. Never ``sdpa`` for soft-capping, which SDPA cannot do."""
     from . import tuning  # no Triton import: the table is YAML
 
-    case = tuning.case_key(q.shape, v_head_dim, causal, present)
-    choice = tuning.preference(tuning.generation(q.device), case)
+    gen = tuning.generation(q.device)
+    if gen is None:
+        return None
+    choice = tuning.preference(gen, tuning.case_key(q.shape, v_head_dim, causal, present))
     if choice not in ("sdpa", "triton") or (choice == "sdpa" and present["softcap"]):
         return None
     return choice

@@ -227,6 +227,29 @@ def _aligned(lo, ilo, ihi, hi, size, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _tile_count(lo, ilo, ihi, hi, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """``(tiles, first)``: how many tiles a sweep visits, the masked one ``[lo, ilo)`` then
+    ``[ihi, hi)`` (``first`` of them in the first range) or the interior one ``[ilo, ihi)``."""
+    if MASKED:
+        first = (ilo - lo) // BLOCK
+        tiles = first + tl.cdiv(tl.maximum(hi - ihi, 0), BLOCK)
+    else:
+        first = ilo * 0
+        tiles = (ihi - ilo) // BLOCK
+    return tiles, first
+
+
+@triton.jit
+def _tile_start(t, lo, ilo, ihi, first, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """The first row of a sweep's ``t``-th tile (:func:`_tile_count`)."""
+    if MASKED:
+        start = tl.where(t < first, lo + t * BLOCK, ihi + (t - first) * BLOCK)
+    else:
+        start = ilo + t * BLOCK
+    return tl.multiple_of(start, BLOCK)
+
+
+@triton.jit
 def _key_ranges(
     qlo,
     qhi,
@@ -249,26 +272,27 @@ def _key_ranges(
     hi = lo + seq_k
     ilo = lo
     ihi = hi
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, qhi + 1)
-        ihi = tl.minimum(ihi, qlo + 1)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, qlo - window + 1)
-        ilo = tl.maximum(ilo, qhi - window + 1)
-    if HAS_CHUNK:  # from the first query's chunk to the last's; interior only within one chunk
-        first = tl.maximum(qlo, 0) // chunk * chunk
-        last = tl.maximum(qhi, 0) // chunk * chunk
-        lo = tl.maximum(lo, first)
-        hi = tl.minimum(hi, last + chunk)
-        ilo = tl.maximum(ilo, last)
-        ihi = tl.minimum(ihi, tl.where(qlo < 0, 0, first + chunk))
-    if HAS_DOCS:
-        lo = tl.maximum(lo, tl.load(doc_row + tl.maximum(qlo, 0)))
-        hi = tl.minimum(hi, tl.load(end_row + qhi))
-        ilo = tl.maximum(ilo, tl.load(doc_row + qhi))
-        ihi = tl.minimum(ihi, tl.load(end_row + tl.maximum(qlo, 0)))
-    if HAS_INDEX:  # positions in no order: every tile masked
+    if HAS_INDEX:  # positions in no order: every key, every tile masked
         ihi = ilo
+    else:
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, qhi + 1)
+            ihi = tl.minimum(ihi, qlo + 1)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, qlo - window + 1)
+            ilo = tl.maximum(ilo, qhi - window + 1)
+        if HAS_CHUNK:  # from the first query's chunk to the last's; interior only within one chunk
+            first = tl.maximum(qlo, 0) // chunk * chunk
+            last = tl.maximum(qhi, 0) // chunk * chunk
+            lo = tl.maximum(lo, first)
+            hi = tl.minimum(hi, last + chunk)
+            ilo = tl.maximum(ilo, last)
+            ihi = tl.minimum(ihi, tl.where(qlo < 0, 0, first + chunk))
+        if HAS_DOCS:
+            lo = tl.maximum(lo, tl.load(doc_row + tl.maximum(qlo, 0)))
+            hi = tl.minimum(hi, tl.load(end_row + qhi))
+            ilo = tl.maximum(ilo, tl.load(doc_row + qhi))
+            ihi = tl.minimum(ihi, tl.load(end_row + tl.maximum(qlo, 0)))
     return _aligned(lo, ilo, ihi, hi, seq_k, BLOCK_N)
 
 
@@ -296,26 +320,27 @@ def _query_ranges(
     phi = plo + seq_q
     iplo = plo
     iphi = phi
-    if IS_CAUSAL:
-        plo = tl.maximum(plo, klo)
-        iplo = tl.maximum(iplo, khi)
-    if HAS_WINDOW:
-        phi = tl.minimum(phi, khi + window)
-        iphi = tl.minimum(iphi, klo + window)
-    if HAS_CHUNK:  # the queries of the chunks the keys span (positions >= 0 only)
-        first = klo // chunk * chunk
-        last = khi // chunk * chunk
-        plo = tl.maximum(plo, first)
-        phi = tl.minimum(phi, last + chunk)
-        iplo = tl.maximum(iplo, last)
-        iphi = tl.minimum(iphi, first + chunk)
-    if HAS_DOCS:
-        plo = tl.maximum(plo, tl.load(doc_row + klo))
-        phi = tl.minimum(phi, tl.load(end_row + khi))
-        iplo = tl.maximum(iplo, tl.load(doc_row + khi))
-        iphi = tl.minimum(iphi, tl.load(end_row + klo))
-    if HAS_INDEX:
+    if HAS_INDEX:  # positions in no order: every query row, every tile masked
         iphi = iplo
+    else:
+        if IS_CAUSAL:
+            plo = tl.maximum(plo, klo)
+            iplo = tl.maximum(iplo, khi)
+        if HAS_WINDOW:
+            phi = tl.minimum(phi, khi + window)
+            iphi = tl.minimum(iphi, klo + window)
+        if HAS_CHUNK:  # the queries of the chunks the keys span (positions >= 0 only)
+            first = klo // chunk * chunk
+            last = khi // chunk * chunk
+            plo = tl.maximum(plo, first)
+            phi = tl.minimum(phi, last + chunk)
+            iplo = tl.maximum(iplo, last)
+            iphi = tl.minimum(iphi, first + chunk)
+        if HAS_DOCS:
+            plo = tl.maximum(plo, tl.load(doc_row + klo))
+            phi = tl.minimum(phi, tl.load(end_row + khi))
+            iplo = tl.maximum(iplo, tl.load(doc_row + khi))
+            iphi = tl.minimum(iphi, tl.load(end_row + klo))
     return _aligned(plo - shift, iplo - shift, iphi - shift, phi - shift, seq_q, BLOCK_M)
 
 
@@ -346,6 +371,8 @@ def _fwd_tiles(
     window,
     chunk,
     lo,
+    ilo,
+    ihi,
     hi,
     MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -372,8 +399,9 @@ def _fwd_tiles(
     log2(e), ``bias_rows`` (rows,) pointers to each row's bias (rows past the end clamped to the
     last); ``k_src``/``v_src`` as :func:`_rows` takes them."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    tiles, first = _tile_count(lo, ilo, ihi, hi, MASKED, BLOCK_N)
+    for t in tl.range(0, tiles, warp_specialize=WARP_SPEC):
+        start_n = _tile_start(t, lo, ilo, ihi, first, MASKED, BLOCK_N)
         kpos = start_n + offs_n
         k = _rows(k_src, b, h_kv, start_n, offs_n, seq_k, stride_kn, d_ok, TMA, MASKED, EVEN_D, BLOCK_N, BLOCK_D)
         if UPCAST:
@@ -563,96 +591,6 @@ def _attn_fwd(
         chunk,
         lo,
         ilo,
-        True,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_DOCS,
-        HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        False,
-        EVEN_D,
-        EVEN_DV,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
-    )
-    acc, m_i, l_i = _fwd_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
-        SEQ_K,
-        sm_scale,
-        softcap,
-        window,
-        chunk,
-        ilo,
-        ihi,
-        False,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_DOCS,
-        HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        WARP_SPEC,
-        EVEN_D,
-        EVEN_DV,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
-    )
-    acc, m_i, l_i = _fwd_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
-        SEQ_K,
-        sm_scale,
-        softcap,
-        window,
-        chunk,
         ihi,
         hi,
         True,
@@ -668,6 +606,54 @@ def _attn_fwd(
         DOT_PREC,
         TMA,
         False,
+        EVEN_D,
+        EVEN_DV,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_DV,
+    )
+    acc, m_i, l_i = _fwd_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_src,
+        v_src,
+        b,
+        h_kv,
+        stride_kn,
+        stride_vn,
+        d_ok,
+        dv_ok,
+        qpos[:, None],
+        qdoc[:, None],
+        slope,
+        bias_rows,
+        stride_bn,
+        doc_row,
+        KIdx,
+        SEQ_K,
+        sm_scale,
+        softcap,
+        window,
+        chunk,
+        lo,
+        ilo,
+        ihi,
+        hi,
+        False,
+        IS_CAUSAL,
+        HAS_WINDOW,
+        HAS_CHUNK,
+        HAS_ALIBI,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        HAS_DOCS,
+        HAS_INDEX,
+        UPCAST,
+        DOT_PREC,
+        TMA,
+        WARP_SPEC,
         EVEN_D,
         EVEN_DV,
         BLOCK_N,

@@ -29,6 +29,14 @@ INTERPRET_CONFIGS = {
     "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32},
     "decode": {"BLOCK_N": 32, "splits": 4},
 }
+# What `benchmarks/attention.py --sweep --cpu` times under the interpreter: the fixed configs and
+# one with tensor descriptors and other tile shapes, so both load paths run.
+INTERPRET_CANDIDATES = {
+    "fwd": [INTERPRET_CONFIGS["fwd"], {"BLOCK_M": 16, "BLOCK_N": 32, "TMA": 1}],
+    "dq": [INTERPRET_CONFIGS["dq"], {"BLOCK_M": 16, "BLOCK_N": 16, "TMA": 1}],
+    "dkdv": [INTERPRET_CONFIGS["dkdv"], {"BLOCK_M": 16, "BLOCK_N": 32, "TMA": 1}],
+    "decode": [INTERPRET_CONFIGS["decode"], {"BLOCK_N": 16, "splits": 3, "TMA": 1}],
+}
 # The decode kernel takes few query rows (all heads of a kv group packed in one tile) and a cache.
 DECODE_MAX_SEQ_Q = 16
 DECODE_MAX_ROWS = 64
@@ -56,12 +64,22 @@ class Call:
         H, group, seq_q = self.sizes[:3]
         return seq_q <= DECODE_MAX_SEQ_Q and group * seq_q <= DECODE_MAX_ROWS
 
-    def key(self, *lengths, extra: str = "") -> str:
-        f = self.flags
+    @property
+    def decode_rows(self) -> int:
+        """The decode kernel's query tile: every query row of one kv head, at least 16."""
+        return max(16, triton.next_power_of_2(self.sizes[1] * self.sizes[2]))
+
+    def key(self, kernel: str) -> str:
+        """The tuning key of ``kernel`` for this call (:func:`yamlformer.kernels.tuning.shape_key`;
+        a decode key also tells apart its query tile and the kv heads the grid spreads over)."""
+        f, (_, _, seq_q, seq_k, _, _) = self.flags, self.sizes
         ranged = f["HAS_WINDOW"] or f["HAS_CHUNK"] or f["HAS_DOCS"] or f["HAS_INDEX"]
         scored = f["HAS_ALIBI"] or f["HAS_BIAS"] or f["HAS_SOFTCAP"]
-        key = tuning.shape_key(self.q.dtype, f["BLOCK_D"], f["BLOCK_DV"], f["IS_CAUSAL"], ranged, scored, *lengths)
-        return key + extra
+        kind = (self.q.dtype, f["BLOCK_D"], f["BLOCK_DV"], f["IS_CAUSAL"], ranged, scored)
+        if kernel != "decode":
+            return tuning.shape_key(*kind, seq_q, seq_k)
+        programs = self.k.shape[0] * self.k.shape[1]
+        return tuning.shape_key(*kind, seq_k) + f" rows{self.decode_rows} kv{tuning.length_bucket(programs)}"
 
 
 def document_ends(starts: torch.Tensor) -> torch.Tensor:
@@ -203,7 +221,7 @@ def forward(call: Call, out: torch.Tensor, lse: torch.Tensor, cfg: dict | None =
     """The forward kernel into ``out`` and ``lse`` (``cfg``: None chooses)."""
     H, group, seq_q, seq_k, _, _ = call.sizes
     if cfg is None:
-        cfg = config("fwd", call, call.key(seq_q, seq_k), lambda c: forward(call, out, lse, c))
+        cfg = config("fwd", call, call.key("fwd"), lambda c: forward(call, out, lse, c))
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     f = call.flags
     tma, src = _sources(
@@ -251,10 +269,8 @@ def decode(call: Call, out: torch.Tensor, lse: torch.Tensor, cfg: dict | None = 
     """The split-K decode kernel into ``out`` and ``lse`` (``cfg``: None chooses)."""
     H, group, seq_q, seq_k, _, dv = call.sizes
     B, Hkv = call.k.shape[0], call.k.shape[1]
-    block_m = max(16, triton.next_power_of_2(group * seq_q))
     if cfg is None:
-        extra = f" rows{block_m} kv{tuning.length_bucket(B * Hkv)}"
-        cfg = config("decode", call, call.key(seq_k, extra=extra), lambda c: decode(call, out, lse, c))
+        cfg = config("decode", call, call.key("decode"), lambda c: decode(call, out, lse, c))
     bn = cfg["BLOCK_N"]
     splits, split_len = decode_split(call, cfg)
     f = call.flags
@@ -287,7 +303,7 @@ def decode(call: Call, out: torch.Tensor, lse: torch.Tensor, cfg: dict | None = 
         HAS_SINKS=call.sinks is not None,
         TMA=tma,
         WARP_SPEC=tma and bool(cfg.get("WARP_SPEC")),
-        BLOCK_M=block_m,
+        BLOCK_M=call.decode_rows,
         BLOCK_N=bn,
         **_options(cfg),
     )
@@ -298,7 +314,7 @@ def backward_dq(call, grad_out, out, lse, delta, dq, cfg: dict | None = None) ->
     H, group, seq_q, seq_k, _, _ = call.sizes
     if cfg is None:
         run = lambda c: backward_dq(call, grad_out, out, lse, delta, dq, c)
-        cfg = config("dq", call, call.key(seq_q, seq_k), run)
+        cfg = config("dq", call, call.key("dq"), run)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     f = call.flags
     tma, src = _sources(cfg, {"k": (call.k, bn, f["BLOCK_D"]), "v": (call.v, bn, f["BLOCK_DV"])})
@@ -335,7 +351,7 @@ def backward_dkdv(call, grad_out, lse, delta, dk, dv, dbias, cfg: dict | None = 
     H, group, seq_q, seq_k, _, _ = call.sizes
     if cfg is None:
         run = lambda c: backward_dkdv(call, grad_out, lse, delta, dk, dv, dbias, c)
-        cfg = config("dkdv", call, call.key(seq_q, seq_k), run)
+        cfg = config("dkdv", call, call.key("dkdv"), run)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     f = call.flags
     tma, src = _sources(cfg, {"q": (call.q, bm, f["BLOCK_D"]), "do": (grad_out, bm, f["BLOCK_DV"])})

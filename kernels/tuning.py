@@ -120,8 +120,9 @@ def device_facts(device) -> tuple[str, str, int, int]:
     return _device_facts(index)
 
 
-def generation(device) -> str:
-    return device_facts(device)[0]
+def generation(device) -> str | None:
+    """The table generation of a device: None off CUDA."""
+    return device_facts(device)[0] if device.type == "cuda" else None
 
 
 def preference(gen: str, case: str) -> str | None:
@@ -291,3 +292,38 @@ def decode_splits(seq_k: int, programs: int, multiprocessors: int, waves: float,
         split_len = math.ceil(math.ceil(seq_k / 256) / block_n) * block_n
         splits = math.ceil(seq_k / split_len)
     return splits, split_len
+
+
+# ----------------------------------------------------------------------------------------------
+# writing the table (benchmarks/attention.py --sweep --write-table)
+# ----------------------------------------------------------------------------------------------
+def updated_table(current: dict, gen: str, chosen: dict, prefer: dict, failed: dict | None = None) -> dict:
+    """``current`` with ``gen``'s ``chosen`` (kernel -> key -> config) and ``prefer`` (case ->
+    backend) entries replaced by a sweep's; candidates that ``failed`` (kernel -> configs that did
+    not build or run) and won nowhere are dropped, so users never tune among them."""
+    table = json.loads(json.dumps(current))  # a deep copy of plain data
+    entry = table.setdefault(gen, {})
+    for kernel in KERNELS:
+        section = entry.setdefault(kernel, {"candidates": [], "chosen": {}})
+        section.setdefault("chosen", {}).update((chosen or {}).get(kernel, {}))
+        winners = list(section["chosen"].values())
+        broken = (failed or {}).get(kernel, [])
+        section["candidates"] = [c for c in section.get("candidates") or [] if c not in broken or c in winners]
+    entry.setdefault("prefer", {}).update(prefer or {})
+    return table
+
+
+def write_table(table: dict, path: Path | None = None) -> Path:
+    """Write ``table`` as the shipped YAML (the header comment of the shipped file kept)."""
+    import yaml
+
+    class Plain(yaml.SafeDumper):  # one config chosen for several keys is written out each time
+        def ignore_aliases(self, data):
+            return True
+
+    path = Path(path or TABLE_PATH)
+    header = "".join(line for line in TABLE_PATH.read_text().splitlines(keepends=True) if line.startswith("#"))
+    body = yaml.dump(table, Dumper=Plain, sort_keys=False, default_flow_style=None, width=100)
+    path.write_text(header + body)
+    _load_table.cache_clear()
+    return path
