@@ -21,23 +21,27 @@ faster of ours and SDPA) that ``--write-table`` merges into ``kernels/attention_
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 TOLERANCE = 3e-2  # max |ours - reference| / max |reference|, bf16
 PREFER_MARGIN = 1.05  # ours must be this much faster than SDPA for `auto` to prefer it
+# `configs_from`: time only the configs that case found fastest (compiling every candidate for
+# every case would not fit the budget); the rest time every candidate of this GPU's generation
 GPU_CASES = {
     "causal-d128": dict(B=4, H=16, Hkv=16, S=4096, D=128, causal=True),
     "causal-d64": dict(B=4, H=32, Hkv=32, S=4096, D=64, causal=True),
-    "window-d128": dict(B=4, H=16, Hkv=16, S=4096, D=128, causal=True, window=1024),
-    "documents-d128": dict(B=4, H=16, Hkv=16, S=4096, D=128, causal=True, documents=8),
     "decode-gqa": dict(B=8, H=32, Hkv=8, S=16384, D=128, Sq=1),
-    "decode-static": dict(B=8, H=32, Hkv=8, S=16384, D=128, Sq=1, causal=True, index=True),
+    "window-d128": dict(B=4, H=16, Hkv=16, S=4096, D=128, causal=True, window=1024, configs_from="causal-d128"),
+    "documents-d128": dict(B=4, H=16, Hkv=16, S=4096, D=128, causal=True, documents=8, configs_from="causal-d128"),
+    "decode-static": dict(B=8, H=32, Hkv=8, S=16384, D=128, Sq=1, causal=True, index=True, configs_from="decode-gqa"),
 }
 CPU_CASES = {
     "documents": dict(B=1, H=2, Hkv=1, S=24, D=16, causal=True, documents=3),
@@ -178,12 +182,25 @@ def kernel_runs(q, k, v, dout, kwargs, train: bool, expected):
     }
 
 
+def _quietly(launch, config) -> None:
+    """One launch to compile a config; whatever fails is met again, and recorded, when timed."""
+    try:
+        launch(config)
+    except Exception:
+        pass
+
+
 def config_rows(name, call, runs, candidates, cpu, report, failed) -> dict:
     """Time every candidate of every kernel (in the order the backward needs: fwd, dq, dkdv);
     returns ``{kernel: (best config, its key)}``."""
     from yamlformer.kernels import flash_launch
 
     time_ms, best = timer(cpu), {}
+    if not cpu:  # compile every config at once, in threads (Triton's compiler leaves the GIL)
+        jobs = [(launch, config) for kernel, (launch, _) in runs.items() for config in candidates(kernel)]
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda job: _quietly(*job), jobs))
+        torch.cuda.synchronize()
     for kernel, (launch, check) in runs.items():
         for config in candidates(kernel):
             row = {"case": name, "section": "config", "what": kernel, "config": config, "key": call.key(kernel)}
@@ -274,7 +291,7 @@ def backends(q, kwargs, cpu: bool, ours_configs: dict) -> dict:
     if unmasked and not cpu:
         for name in ("flash", "cudnn"):
             fns[f"sdpa-{name}"] = lambda q, k, v, run=sdpa_backend(name): run(q, k, v, kwargs["causal"])
-    if "token_index" not in kwargs and q.shape[2] > 1:
+    if not unmasked and "token_index" not in kwargs and q.shape[2] > 1:  # the masks only it and we take
         fns["flex"] = flex_backend(q, kwargs, cpu)
     return fns
 
@@ -308,7 +325,7 @@ def compare_rows(name, case, inputs, expected, ours_configs, cpu, report) -> dic
     return results
 
 
-def run_case(name, case, cpu, candidates, report, failed) -> None:
+def run_case(name, case, cpu, candidates, report, failed) -> dict:
     from yamlformer.kernels import tuning
     from yamlformer.kernels.attention import mask_presence
 
@@ -327,6 +344,7 @@ def run_case(name, case, cpu, candidates, report, failed) -> None:
         faster = "triton" if results["ours"] * PREFER_MARGIN < results["sdpa"] else "sdpa"
         key = tuning.case_key(q.shape, v.shape[-1], kwargs["causal"], mask_presence(kwargs))
         report({"case": name, "section": "prefer", "what": faster, "key": key, "note": "ours vs sdpa"})
+    return {kernel: config for kernel, (config, _) in best.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,7 +378,7 @@ def sweep(cpu: bool = False, budget_s: float = 280.0, cases: dict | None = None,
         gen = tuning.generation(torch.device("cuda"))
         candidates = lambda kernel: tuning.candidates(gen, kernel)
     cases = cases if cases is not None else (CPU_CASES if cpu else GPU_CASES)
-    rows, failed = [], {}
+    rows, failed, found = [], {}, {}  # found: case -> kernel -> its fastest config
 
     def report(row):
         rows.append(row)
@@ -371,16 +389,19 @@ def sweep(cpu: bool = False, budget_s: float = 280.0, cases: dict | None = None,
         f"budget {budget_s:.0f} s")  # fmt: skip
     log("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     started = time.perf_counter()
-    weights = {name: 1.0 if case.get("Sq", case["S"]) > 16 else 0.5 for name, case in cases.items()}
+    weights = {name: (1.0 if case.get("Sq", case["S"]) > 16 else 0.5) / (2 if "configs_from" in case else 1)
+               for name, case in cases.items()}  # fmt: skip
     for name, case in cases.items():
         remaining = budget_s - (time.perf_counter() - started)
         share = remaining * weights[name] / sum(weights[n] for n in list(cases)[list(cases).index(name) :])
         if remaining < 1.0:
             report({"case": name, "section": "skipped", "note": "the sweep's budget is spent"})
             continue
+        source = found.get(case.get("configs_from"))
+        pool = (lambda kernel, source=source: [source[kernel]]) if source else candidates
         try:
             with time_limit(share):
-                run_case(name, case, cpu, candidates, report, failed)
+                found[name] = run_case(name, case, cpu, pool, report, failed)
         except CaseTimeout as exc:
             report({"case": name, "section": "stopped", "note": str(exc)})
         except Exception as exc:  # one broken case costs its rows only

@@ -191,7 +191,7 @@ def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, causal: boo
     if device_type != "cuda" or dropout_p > 0.0 or max(q.shape[-1], v.shape[-1]) > MAX_TRITON_HEAD_DIM:
         return "sdpa"
     present = {name: m is not None for name, m in zip(MASK_NAMES, masks)}
-    measured = measured_backend(q, v.shape[-1], causal, present)
+    measured = measured_backend(device_type, q, v.shape[-1], causal, present)
     if measured is not None:
         return measured
     if not any(present.values()) and _sdpa_unmasked(causal, q.shape[2], v.shape[2]):
@@ -199,16 +199,16 @@ def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, causal: boo
     return "triton"
 
 
-def measured_backend(q: torch.Tensor, v_head_dim: int, causal: bool, present: dict) -> str | None:
-    """The backend the tuning table's ``prefer`` names for this case on ``q``'s GPU generation
-    (``yamlformer.kernels.tuning``: what ``benchmarks/attention.py --sweep`` measured faster), or
-    None when it names none. Never ``sdpa`` for soft-capping, which SDPA cannot do."""
+def measured_backend(device_type: str, q: torch.Tensor, v_head_dim: int, causal: bool, present: dict) -> str | None:
+    """The backend the tuning table's ``prefer`` names for this case on the GPU generation of ``q``'s
+    device (``yamlformer.kernels.tuning``: what ``benchmarks/attention.py --sweep`` measured
+    faster), or None when it names none. Never ``sdpa`` for soft-capping, which SDPA cannot do."""
+    if device_type != "cuda":
+        return None
     from . import tuning  # no Triton import: the table is YAML
 
-    gen = tuning.generation(q.device)
-    if gen is None:
-        return None
-    choice = tuning.preference(gen, tuning.case_key(q.shape, v_head_dim, causal, present))
+    case = tuning.case_key(q.shape, v_head_dim, causal, present)
+    choice = tuning.preference_on(-1 if q.device.index is None else q.device.index, case)
     if choice not in ("sdpa", "triton") or (choice == "sdpa" and present["softcap"]):
         return None
     return choice

@@ -4,7 +4,8 @@ interpreter set-up and the shared helpers are :mod:`yamlformer.kernels.flash_ker
 
 from __future__ import annotations
 
-from .flash_kernels import LOG2E, _fwd_tiles, _key_ranges, tl, triton
+from .flash_forward import _fwd_tiles
+from .flash_kernels import LOG2E, _key_ranges, tl, triton
 
 
 @triton.jit

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from . import tuning
-from .flash_backward import _attn_bwd_dkdv, _attn_bwd_dq
+from .flash_backward import _attn_bwd_dkdv
+from .flash_backward_dq import _attn_bwd_dq
 from .flash_decode import _attn_decode
-from .flash_kernels import INTERPRET, _attn_fwd, triton
+from .flash_forward import _attn_fwd
+from .flash_kernels import INTERPRET, triton
 
 try:  # Triton >= 3.4: host-side tensor descriptors (the Hopper bulk tensor copy engine)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -40,8 +42,9 @@ INTERPRET_CANDIDATES = {
 # The decode kernel takes few query rows (all heads of a kv group packed in one tile) and a cache.
 DECODE_MAX_SEQ_Q = 16
 DECODE_MAX_ROWS = 64
-# (resident, streamed) tiles of each kernel's loop, for the shared-memory estimate
-TILES = {"fwd": ("M", "N"), "dq": ("M", "N"), "dkdv": ("N", "M"), "decode": ("M", "N")}
+# each kernel's tiles for the shared-memory estimate (tuning.smem_bytes): the rows held for the
+# whole program, whether a value-wide tile is held too, the rows streamed through the loop
+TILES = {"fwd": ("M", False, "N"), "dq": ("M", True, "N"), "dkdv": ("N", True, "M"), "decode": ("M", False, "N")}
 
 
 @dataclass
@@ -172,9 +175,8 @@ def eligible(kernel: str, call: Call, cfg: dict) -> bool:
     """Whether ``cfg`` may run ``kernel`` for this call on its GPU: its estimated shared memory
     fits, tensor descriptors only from sm_90 on, and no query tile taller than the queries."""
     gen, _, _, smem = tuning.device_facts(call.q.device)
-    resident, streamed = TILES[kernel]
     f, (_, _, seq_q, seq_k, _, _) = call.flags, call.sizes
-    need = tuning.smem_bytes(cfg, call.q.element_size(), f["BLOCK_D"], f["BLOCK_DV"], resident, streamed)
+    need = tuning.smem_bytes(cfg, call.q.element_size(), f["BLOCK_D"], f["BLOCK_DV"], TILES[kernel])
     if need > smem or (cfg.get("TMA") and gen != "sm_90"):
         return False
     if kernel in ("fwd", "dq"):

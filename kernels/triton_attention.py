@@ -1,9 +1,10 @@
 """The ``yamlformer::flash_attention`` custom op: its forward and backward (composed of the launches
 in :mod:`yamlformer.kernels.flash_launch`), autograd, fake/meta implementation and FLOP formulas.
 
-The ``@triton.jit`` kernels live in :mod:`yamlformer.kernels.flash_kernels` (which also sets up the
-Triton interpreter on machines without CUDA), ``flash_backward`` and ``flash_decode``; their
-launch configs in :mod:`yamlformer.kernels.tuning`. This module is imported lazily by
+The ``@triton.jit`` kernels live in :mod:`yamlformer.kernels.flash_forward`, ``flash_decode``,
+``flash_backward_dq`` and ``flash_backward``, their shared helpers in ``flash_kernels`` (which also
+sets up the Triton interpreter on machines without CUDA); their launch configs in
+:mod:`yamlformer.kernels.tuning`. This module is imported lazily by
 :func:`yamlformer.kernels.attention` the first time ``backend="triton"`` is used.
 """
 

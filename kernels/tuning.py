@@ -24,7 +24,8 @@ data caches), keyed by the GPU's name, the Triton and torch versions and a diges
 source, so a new kernel or library tunes afresh. ``YAMLFORMER_ATTENTION_TUNING=off`` takes the
 first eligible candidate instead of timing. :func:`stats` counts the seconds spent tuning.
 
-Nothing here imports Triton: :func:`preference` is read by ``attention``'s ``auto`` on every call.
+Nothing here imports Triton: :func:`preference_on` is read by ``attention``'s ``auto`` on every
+CUDA call (this module is not imported on other devices).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 TABLE_PATH = Path(__file__).with_name("attention_tuning.yaml")
 TABLE_ENV = "YAMLFORMER_ATTENTION_TABLE"
 TUNING_ENV = "YAMLFORMER_ATTENTION_TUNING"
@@ -45,7 +48,13 @@ CACHE_FILE = "attention-tuning.json"
 KERNELS = ("fwd", "dkdv", "dq", "decode")
 GENERATIONS = ("sm_80", "sm_90")
 MIN_BUCKET, MAX_BUCKET = 128, 16384
-KERNEL_SOURCES = ("flash_kernels.py", "flash_backward.py", "flash_decode.py")
+KERNEL_SOURCES = (
+    "flash_kernels.py",
+    "flash_forward.py",
+    "flash_decode.py",
+    "flash_backward.py",
+    "flash_backward_dq.py",
+)
 
 _forced: dict[str, dict] = {}
 _chosen: dict[tuple, dict] = {}
@@ -105,29 +114,39 @@ def family(capability: tuple[int, int]) -> str:
 
 @functools.cache
 def _device_facts(index: int) -> tuple[str, str, int, int]:
-    import torch
+    import triton
 
     props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    try:  # what Triton itself checks a launch's shared memory against
+        smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    except Exception:  # another driver or Triton: the opt-in limit, or the generation's
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or {9: 227, 8: 163}.get(props.major, 99) * 1024
     return family((props.major, props.minor)), props.name, props.multi_processor_count, smem
 
 
 def device_facts(device) -> tuple[str, str, int, int]:
     """``(generation, name, multiprocessors, shared memory per block)`` of a CUDA device."""
-    import torch
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_facts(index)
 
 
 def generation(device) -> str | None:
-    """The table generation of a device: None off CUDA."""
-    return device_facts(device)[0] if device.type == "cuda" else None
+    """The table generation of a device: None off CUDA (or where this torch has none)."""
+    return device_facts(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
 
 
-def preference(gen: str, case: str) -> str | None:
+def preference(gen: str | None, case: str) -> str | None:
     """The backend the table's ``prefer`` names for ``case`` on ``gen`` GPUs, or None."""
     return ((table().get(gen) or {}).get("prefer") or {}).get(case)
+
+
+@torch.compiler.assume_constant_result
+def preference_on(device_index: int, case: str) -> str | None:
+    """:func:`preference` on CUDA device ``device_index`` (-1: the current one). A constant to
+    ``torch.compile`` (read while tracing, never traced), so ``auto`` in a compiled model does not
+    break its graph; this module is imported on CUDA only, where importing Dynamo costs nothing more."""
+    device = torch.device("cuda") if device_index < 0 else torch.device("cuda", device_index)
+    return preference(generation(device), case)
 
 
 def candidates(gen: str, kernel: str) -> list[dict]:
@@ -225,7 +244,6 @@ def _tune(pool: list[dict], run) -> dict:
 @functools.cache
 def fingerprint() -> str:
     """What a cached choice is only good for: the Triton and torch versions and the kernels' source."""
-    import torch
     import triton
 
     digest = hashlib.sha256()
@@ -272,13 +290,16 @@ class DiskCache:
             pass
 
 
-def smem_bytes(config: dict, element_size: int, block_d: int, block_dv: int, resident: str, streamed: str) -> int:
-    """Shared memory a config's pipelined loop needs, estimated: the ``resident`` tile (``"M"`` or
-    ``"N"`` rows of ``block_d``) plus ``num_stages`` buffers of the ``streamed`` rows' key-wide and
-    value-wide tiles."""
+def smem_bytes(config: dict, element_size: int, block_d: int, block_dv: int, tiles: tuple) -> int:
+    """Shared memory a config's pipelined loop needs, estimated (within 2 KiB of what Triton 3.6
+    and 3.9 allocate on sm_90): ``tiles`` is ``(resident, both, streamed)``: the ``"M"`` or ``"N"``
+    rows held for the whole program (one key-wide tile, or a key-wide and a value-wide one when
+    ``both``), and the rows of which ``num_stages`` key-wide plus value-wide tiles are in flight."""
+    resident, both, streamed = tiles
     rows = {"M": config.get("BLOCK_M", 16), "N": config["BLOCK_N"]}
     stages = max(1, config.get("num_stages", 2))
-    return element_size * (block_d * rows[resident] + stages * (block_d + block_dv) * rows[streamed])
+    held = (block_d + block_dv if both else block_d) * rows[resident]
+    return element_size * (held + stages * (block_d + block_dv) * rows[streamed]) + 2048
 
 
 def decode_splits(seq_k: int, programs: int, multiprocessors: int, waves: float, block_n: int) -> tuple[int, int]:

@@ -283,42 +283,53 @@ os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels, not the interprete
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from yamlformer.kernels import flash_backward, flash_decode, flash_kernels
+from yamlformer.kernels import flash_backward, flash_backward_dq, flash_decode, flash_forward
 
-FP32 = {"Lse", "Delta", "Sinks", "Alibi", "OPart", "LPart", "DBias"}  # fp32 buffers; Docs int32
-SCALARS = {"H", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "HEAD_DIM_V", "SEQ_Q_BUCKET", "SEQ_K_BUCKET", "SPLIT_LEN",
-           "NUM_SPLITS"}
+FP32 = {"Lse", "Delta", "Sinks", "Alibi", "OPart", "LPart", "DBias"}  # fp32 buffers
+INT32 = {"Docs", "DocEnds", "QIdx", "KIdx", "Counter"}
+SCALARS = {"H", "GROUP", "SEQ_Q", "SEQ_K", "HEAD_DIM", "HEAD_DIM_V", "SPLIT_LEN", "NUM_SPLITS"}
+# what a launch with TMA passes as tensor descriptors, and the rows of their tiles
+KV = {"K": "BLOCK_N", "V": "BLOCK_N"}
+DESCRIPTORS = {"_attn_fwd": {"Q": "BLOCK_M", **KV}, "_attn_decode": KV, "_attn_bwd_dq": KV,
+               "_attn_bwd_dkdv": {"Q": "BLOCK_M", "DO": "BLOCK_M"}}
 base = dict(IS_CAUSAL=True, HAS_WINDOW=False, HAS_CHUNK=True, HAS_ALIBI=False, HAS_BIAS=False, HAS_SOFTCAP=False,
-            HAS_DOCS=False, HAS_SINKS=True, HAS_DBIAS=False, UPCAST=False, DOT_PREC="tf32", BLOCK_D=64, BLOCK_DV=64,
-            BLOCK_M=64, BLOCK_N=64, BLOCK_S=4)
-every = dict(HAS_WINDOW=True, HAS_DOCS=True, HAS_ALIBI=True, HAS_BIAS=True, HAS_SOFTCAP=True, HAS_DBIAS=True)
-kernels = [flash_kernels._attn_fwd, flash_decode._attn_decode, flash_decode._attn_decode_combine,
-           flash_backward._attn_bwd_dkdv, flash_backward._attn_bwd_dq]
-for flags in (base, {**base, **every}):
+            HAS_DOCS=False, HAS_INDEX=False, HAS_SINKS=True, HAS_DBIAS=False, UPCAST=False, DOT_PREC="tf32",
+            TMA=False, WARP_SPEC=False, EVEN_D=True, EVEN_DV=True, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64)
+every = dict(HAS_WINDOW=True, HAS_DOCS=True, HAS_ALIBI=True, HAS_BIAS=True, HAS_SOFTCAP=True, HAS_DBIAS=True,
+             EVEN_D=False)
+indexed = dict(HAS_INDEX=True, HAS_CHUNK=False, TMA=True)
+kernels = [flash_forward._attn_fwd, flash_decode._attn_decode, flash_backward._attn_bwd_dkdv,
+           flash_backward_dq._attn_bwd_dq]
+for flags in (base, {**base, **every}, {**base, **indexed}, {**base, **every, "TMA": True}):
     for fn in kernels:
         sig, constexprs = {}, {}
+        descriptors = DESCRIPTORS[fn.__name__] if flags["TMA"] else {}
         for p in fn.params:
             if p.is_constexpr:
                 sig[p.name], constexprs[p.name] = "constexpr", flags[p.name]
                 if fn is flash_decode._attn_decode and p.name == "BLOCK_M":
                     constexprs[p.name] = 16  # the packed rows of a decode step
+            elif p.name in descriptors:
+                sig[p.name] = f"tensordesc<bf16[1,1,{flags[descriptors[p.name]]},{flags['BLOCK_D']}]>"
             elif p.name[0].isupper() and p.name not in SCALARS:
-                sig[p.name] = "*fp32" if p.name in FP32 else "*i32" if p.name == "Docs" else "*bf16"
+                sig[p.name] = "*fp32" if p.name in FP32 else "*i32" if p.name in INT32 else "*bf16"
             else:
                 sig[p.name] = "fp32" if p.name in ("sm_scale", "softcap") else "i32"
         compiled = triton.compile(
             ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}
         )
         assert compiled.asm["cubin"], fn.__name__
+        assert not flags["TMA"] or "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__  # the copy engine
 """
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The compiled path (not the interpreter): every kernel with sinks and chunks, alone and with
-    every other option, goes through Triton's whole pipeline to an sm_90 cubin (front end, TTGIR,
-    LLVM, ptxas). This catches what the interpreter accepts and the compiler does not (scoping,
-    constexpr arithmetic, types); it does not run the kernels."""
+    every other option, with token indices, through pointers and through tensor descriptors (whose
+    loads must become the bulk tensor copy engine's), goes through Triton's whole pipeline to an
+    sm_90 cubin (front end, TTGIR, LLVM, ptxas). This catches what the interpreter accepts and the
+    compiler does not (scoping, constexpr arithmetic, types); it does not run the kernels."""
     import subprocess
     import sys
     from pathlib import Path
