@@ -5,7 +5,17 @@ range of key tiles as the forward does."""
 
 from __future__ import annotations
 
-from .flash_kernels import LOG2E, _key_ranges, _rows, _score, _tile_count, _tile_start, _visible, tl, triton
+from .flash_kernels import (
+    _key_ranges,
+    _key_side,
+    _masked_scores,
+    _query_rows,
+    _rows,
+    _tile_count,
+    _tile_start,
+    tl,
+    triton,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,26 +82,31 @@ def _dq_tiles(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        kcol = tl.minimum(kpos, seq_k - 1)
-        kp = kpos[None, :]
-        if HAS_INDEX:
-            kidx = tl.load(KIdx + kcol)
-            kp = kidx[None, :]
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(bias_rows[:, None] + kcol[None, :].to(tl.int64) * stride_bn).to(tl.float32)
-        z, th = _score(qk, qp, kp, bias, slope, sm_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-        if MASKED:
-            key_ok = kpos < seq_k
-            if HAS_INDEX:
-                key_ok = key_ok & (kidx >= 0)
-            kdoc = kp
-            if HAS_DOCS:
-                kdoc = tl.load(doc_row + kcol)[None, :]
-            keep = _visible(
-                qp, kp, key_ok[None, :], qdoc, kdoc, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS
-            )
-            z = tl.where(keep, z, float("-inf"))
+        kp, key_ok, bias, kdoc = _key_side(
+            kpos, seq_k, KIdx, bias_rows, stride_bn, doc_row, MASKED, HAS_INDEX, HAS_BIAS, HAS_DOCS
+        )
+        z, th = _masked_scores(
+            qk,
+            qp,
+            kp,
+            key_ok,
+            bias,
+            slope,
+            qdoc,
+            kdoc,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            MASKED,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+        )
         p = tl.exp2(z - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -206,119 +221,92 @@ def _attn_bwd_dq(
     else:
         k_src = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
         v_src = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
-    qpos = offs_m + shift
-    if HAS_INDEX:
-        qpos = tl.load(QIdx + tl.minimum(offs_m, SEQ_Q - 1))
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Alibi + h).to(tl.float32) * LOG2E
-    bias_rows = Bias + b * stride_bb + h * stride_bh + tl.minimum(offs_m, SEQ_Q - 1).to(tl.int64) * stride_bm
+    qpos, slope, bias_rows, qdoc = _query_rows(
+        offs_m,
+        row_ok,
+        b,
+        h,
+        shift,
+        SEQ_Q,
+        QIdx,
+        Alibi,
+        Bias,
+        stride_bb,
+        stride_bh,
+        stride_bm,
+        Docs,
+        stride_db,
+        HAS_INDEX,
+        HAS_ALIBI,
+        HAS_DOCS,
+    )
     doc_row = Docs + b * stride_db
-    end_row = DocEnds + b * stride_db
-    qdoc = qpos
-    if HAS_DOCS:
-        qdoc = tl.load(doc_row + tl.maximum(qpos, 0), mask=row_ok & (qpos >= 0), other=-2)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qlo = m0 + shift
     qhi = tl.minimum(m0 + BLOCK_M, SEQ_Q) - 1 + shift
     lo, ilo, ihi, hi = _key_ranges(
-        qlo, qhi, SEQ_K, window, chunk, doc_row, end_row, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_INDEX, BLOCK_N
-    )
-    dq = _dq_tiles(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
+        qlo,
+        qhi,
         SEQ_K,
-        sm_scale,
-        softcap,
         window,
         chunk,
-        lo,
-        ilo,
-        ihi,
-        hi,
-        True,
+        doc_row,
+        DocEnds + b * stride_db,
         IS_CAUSAL,
         HAS_WINDOW,
         HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
         HAS_DOCS,
         HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        EVEN_D,
-        EVEN_DV,
         BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
     )
-    dq = _dq_tiles(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
-        SEQ_K,
-        sm_scale,
-        softcap,
-        window,
-        chunk,
-        lo,
-        ilo,
-        ihi,
-        hi,
-        False,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_DOCS,
-        HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        EVEN_D,
-        EVEN_DV,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
-    )
+    for phase in tl.static_range(2):  # the boundary tiles (masked), then the interior ones
+        dq = _dq_tiles(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_src,
+            v_src,
+            b,
+            h_kv,
+            stride_kn,
+            stride_vn,
+            d_ok,
+            dv_ok,
+            qpos[:, None],
+            qdoc[:, None],
+            slope,
+            bias_rows,
+            stride_bn,
+            doc_row,
+            KIdx,
+            SEQ_K,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            lo,
+            ilo,
+            ihi,
+            hi,
+            phase == 0,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            HAS_INDEX,
+            UPCAST,
+            DOT_PREC,
+            TMA,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+        )
     dq_ptrs = DQ + (pid_bh * SEQ_Q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

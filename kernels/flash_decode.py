@@ -5,7 +5,7 @@ interpreter set-up and the shared helpers are :mod:`yamlformer.kernels.flash_ker
 from __future__ import annotations
 
 from .flash_forward import _fwd_tiles
-from .flash_kernels import LOG2E, _key_ranges, tl, triton
+from .flash_kernels import LOG2E, _key_ranges, _query_rows, tl, triton
 
 
 @triton.jit
@@ -95,9 +95,6 @@ def _attn_decode(
     h = h_kv * GROUP + rr // SEQ_Q  # (BLOCK_M,) query head of each packed row
     i = rr % SEQ_Q  # (BLOCK_M,) query index of each packed row
     shift = SEQ_K - SEQ_Q
-    qpos = i + shift
-    if HAS_INDEX:
-        qpos = tl.load(QIdx + i)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -113,15 +110,27 @@ def _attn_decode(
     else:
         k_src = K + b * stride_kb + h_kv * stride_kh + offs_d * stride_kd
         v_src = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
-    slope = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-    if HAS_ALIBI:
-        slope += (tl.load(Alibi + h).to(tl.float32) * LOG2E)[:, None]
-    bias_rows = Bias + b * stride_bb + h * stride_bh + i.to(tl.int64) * stride_bm
+    qpos, slope, bias_rows, qdoc = _query_rows(
+        i,
+        row_ok,
+        b,
+        h,
+        shift,
+        SEQ_Q,
+        QIdx,
+        Alibi,
+        Bias,
+        stride_bb,
+        stride_bh,
+        stride_bm,
+        Docs,
+        stride_db,
+        HAS_INDEX,
+        HAS_ALIBI,
+        HAS_DOCS,
+    )
     doc_row = Docs + b * stride_db
     end_row = DocEnds + b * stride_db
-    qdoc = qpos
-    if HAS_DOCS:
-        qdoc = tl.load(doc_row + tl.maximum(qpos, 0), mask=qpos >= 0, other=-2)  # (BLOCK_M,) starts
 
     lo, ilo, ihi, hi = _key_ranges(
         shift + split * 0,
@@ -147,102 +156,55 @@ def _attn_decode(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, m_i, l_i = _fwd_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
-        SEQ_K,
-        sm_scale,
-        softcap,
-        window,
-        chunk,
-        lo,
-        ilo,
-        ihi,
-        hi,
-        True,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_DOCS,
-        HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        False,
-        EVEN_D,
-        EVEN_DV,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
-    )
-    acc, m_i, l_i = _fwd_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
-        SEQ_K,
-        sm_scale,
-        softcap,
-        window,
-        chunk,
-        lo,
-        ilo,
-        ihi,
-        hi,
-        False,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_DOCS,
-        HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        WARP_SPEC,
-        EVEN_D,
-        EVEN_DV,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
-    )
+    for phase in tl.static_range(2):  # the boundary tiles (masked), then the interior ones
+        acc, m_i, l_i = _fwd_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_src,
+            v_src,
+            b,
+            h_kv,
+            stride_kn,
+            stride_vn,
+            d_ok,
+            dv_ok,
+            qpos[:, None],
+            qdoc[:, None],
+            slope,
+            bias_rows,
+            stride_bn,
+            doc_row,
+            KIdx,
+            SEQ_K,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            lo,
+            ilo,
+            ihi,
+            hi,
+            phase == 0,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            HAS_INDEX,
+            UPCAST,
+            DOT_PREC,
+            TMA,
+            WARP_SPEC and phase == 1,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+        )
     dead = l_i == 0.0  # nothing visible in this split: weight 0 in the combine
     row = (b * H + h) * SEQ_Q + i  # (BLOCK_M,) row of the (B*H*SEQ_Q, NUM_SPLITS, ...) buffers
     part = row * NUM_SPLITS

@@ -4,7 +4,18 @@ kernel shares are :mod:`yamlformer.kernels.flash_kernels`'."""
 
 from __future__ import annotations
 
-from .flash_kernels import LOG2E, _key_ranges, _rows, _score, _tile_count, _tile_start, _visible, tl, triton
+from .flash_kernels import (
+    LOG2E,
+    _key_ranges,
+    _key_side,
+    _masked_scores,
+    _query_rows,
+    _rows,
+    _tile_count,
+    _tile_start,
+    tl,
+    triton,
+)
 
 
 @triton.jit
@@ -70,26 +81,31 @@ def _fwd_tiles(
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        kcol = tl.minimum(kpos, seq_k - 1)  # reads of the bias, documents and indices stay in bounds
-        kp = kpos[None, :]
-        if HAS_INDEX:
-            kidx = tl.load(KIdx + kcol)
-            kp = kidx[None, :]
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(bias_rows[:, None] + kcol[None, :].to(tl.int64) * stride_bn).to(tl.float32)
-        z, th = _score(qk, qp, kp, bias, slope, sm_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-        if MASKED:
-            key_ok = kpos < seq_k
-            if HAS_INDEX:
-                key_ok = key_ok & (kidx >= 0)
-            kdoc = kp
-            if HAS_DOCS:
-                kdoc = tl.load(doc_row + kcol)[None, :]
-            keep = _visible(
-                qp, kp, key_ok[None, :], qdoc, kdoc, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS
-            )
-            z = tl.where(keep, z, float("-inf"))
+        kp, key_ok, bias, kdoc = _key_side(
+            kpos, seq_k, KIdx, bias_rows, stride_bn, doc_row, MASKED, HAS_INDEX, HAS_BIAS, HAS_DOCS
+        )
+        z, _ = _masked_scores(
+            qk,
+            qp,
+            kp,
+            key_ok,
+            bias,
+            slope,
+            qdoc,
+            kdoc,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            MASKED,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+        )
         m_new = tl.maximum(m_i, tl.max(z, 1))
         if MASKED or HAS_BIAS:  # a row may have nothing visible yet (-inf): keep exp2 finite
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -190,9 +206,6 @@ def _attn_fwd(
     dv_ok = offs_dv < HEAD_DIM_V
     row_ok = offs_m < SEQ_Q
     shift = SEQ_K - SEQ_Q  # queries are the last SEQ_Q positions
-    qpos = offs_m + shift
-    if HAS_INDEX:
-        qpos = tl.load(QIdx + tl.minimum(offs_m, SEQ_Q - 1))
     if TMA:
         q = Q.load([b.to(tl.int32), h.to(tl.int32), m0, 0]).reshape([BLOCK_M, BLOCK_D])
         k_src = K
@@ -206,15 +219,26 @@ def _attn_fwd(
         v_src = V + b * stride_vb + h_kv * stride_vh + offs_dv * stride_vd
     if UPCAST:
         q = q.to(tl.float32)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Alibi + h).to(tl.float32) * LOG2E
-    bias_rows = Bias + b * stride_bb + h * stride_bh + tl.minimum(offs_m, SEQ_Q - 1).to(tl.int64) * stride_bm
+    qpos, slope, bias_rows, qdoc = _query_rows(
+        offs_m,
+        row_ok,
+        b,
+        h,
+        shift,
+        SEQ_Q,
+        QIdx,
+        Alibi,
+        Bias,
+        stride_bb,
+        stride_bh,
+        stride_bm,
+        Docs,
+        stride_db,
+        HAS_INDEX,
+        HAS_ALIBI,
+        HAS_DOCS,
+    )
     doc_row = Docs + b * stride_db
-    end_row = DocEnds + b * stride_db
-    qdoc = qpos
-    if HAS_DOCS:
-        qdoc = tl.load(doc_row + tl.maximum(qpos, 0), mask=row_ok & (qpos >= 0), other=-2)  # (BLOCK_M,) starts
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -225,104 +249,69 @@ def _attn_fwd(
     qlo = m0 + shift
     qhi = tl.minimum(m0 + BLOCK_M, SEQ_Q) - 1 + shift
     lo, ilo, ihi, hi = _key_ranges(
-        qlo, qhi, SEQ_K, window, chunk, doc_row, end_row, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_INDEX, BLOCK_N
-    )
-    acc, m_i, l_i = _fwd_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
+        qlo,
+        qhi,
         SEQ_K,
-        sm_scale,
-        softcap,
         window,
         chunk,
-        lo,
-        ilo,
-        ihi,
-        hi,
-        True,
+        doc_row,
+        DocEnds + b * stride_db,
         IS_CAUSAL,
         HAS_WINDOW,
         HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
         HAS_DOCS,
         HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        False,
-        EVEN_D,
-        EVEN_DV,
         BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
     )
-    acc, m_i, l_i = _fwd_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_src,
-        v_src,
-        b,
-        h_kv,
-        stride_kn,
-        stride_vn,
-        d_ok,
-        dv_ok,
-        qpos[:, None],
-        qdoc[:, None],
-        slope,
-        bias_rows,
-        stride_bn,
-        doc_row,
-        KIdx,
-        SEQ_K,
-        sm_scale,
-        softcap,
-        window,
-        chunk,
-        lo,
-        ilo,
-        ihi,
-        hi,
-        False,
-        IS_CAUSAL,
-        HAS_WINDOW,
-        HAS_CHUNK,
-        HAS_ALIBI,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        HAS_DOCS,
-        HAS_INDEX,
-        UPCAST,
-        DOT_PREC,
-        TMA,
-        WARP_SPEC,
-        EVEN_D,
-        EVEN_DV,
-        BLOCK_N,
-        BLOCK_D,
-        BLOCK_DV,
-    )
+    for phase in tl.static_range(2):  # the boundary tiles (masked), then the interior ones
+        acc, m_i, l_i = _fwd_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_src,
+            v_src,
+            b,
+            h_kv,
+            stride_kn,
+            stride_vn,
+            d_ok,
+            dv_ok,
+            qpos[:, None],
+            qdoc[:, None],
+            slope,
+            bias_rows,
+            stride_bn,
+            doc_row,
+            KIdx,
+            SEQ_K,
+            sm_scale,
+            softcap,
+            window,
+            chunk,
+            lo,
+            ilo,
+            ihi,
+            hi,
+            phase == 0,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_ALIBI,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_DOCS,
+            HAS_INDEX,
+            UPCAST,
+            DOT_PREC,
+            TMA,
+            WARP_SPEC and phase == 1,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+        )
     dead = l_i == 0.0  # every key masked (and no sink): output 0, lse +inf
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))

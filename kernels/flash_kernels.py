@@ -343,3 +343,104 @@ def _query_ranges(
             iplo = tl.maximum(iplo, tl.load(doc_row + khi))
             iphi = tl.minimum(iphi, tl.load(end_row + klo))
     return _aligned(plo - shift, iplo - shift, iphi - shift, phi - shift, seq_q, BLOCK_M)
+
+
+@triton.jit
+def _query_rows(
+    rows,
+    live,
+    b,
+    h,
+    shift,
+    seq_q,
+    QIdx,
+    Alibi,
+    Bias,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    Docs,
+    stride_db,
+    HAS_INDEX: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """What a tile of query rows (``rows``: (R,) row indices, ``live`` the real ones; ``h`` their
+    head, one or one per row) needs besides the queries: ``(positions, slopes, bias rows, document
+    starts)``, the slopes (R, 1) ALiBi's times log2(e), the bias rows (R,) pointers to each row's
+    bias; rows past the end stand for the last one (they are never stored)."""
+    row = tl.minimum(rows, seq_q - 1)
+    qpos = row + shift
+    if HAS_INDEX:
+        qpos = tl.load(QIdx + row)
+    slope = qpos.to(tl.float32) * 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + h + row * 0).to(tl.float32) * LOG2E
+    bias_rows = Bias + b * stride_bb + h * stride_bh + row.to(tl.int64) * stride_bm
+    qdoc = qpos
+    if HAS_DOCS:
+        qdoc = tl.load(Docs + b * stride_db + tl.maximum(qpos, 0), mask=live & (qpos >= 0), other=-2)
+    return qpos, slope[:, None], bias_rows, qdoc
+
+
+@triton.jit
+def _key_side(
+    kpos,
+    seq_k,
+    KIdx,
+    bias_rows,
+    stride_bn,
+    doc_row,
+    MASKED: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """For a tile of keys (``kpos``) against query rows (``bias_rows``, :func:`_query_rows`): the
+    keys' positions and which of them count (both (1, keys)), the bias tile and the keys' document
+    starts (read on boundary tiles only), every read in bounds."""
+    kcol = tl.minimum(kpos, seq_k - 1)
+    kp = kpos[None, :]
+    key_ok = (kpos < seq_k)[None, :]
+    if HAS_INDEX:
+        kidx = tl.load(KIdx + kcol)
+        kp = kidx[None, :]
+        key_ok = key_ok & (kidx >= 0)[None, :]
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_rows[:, None] + kcol[None, :].to(tl.int64) * stride_bn).to(tl.float32)
+    kdoc = kp
+    if MASKED and HAS_DOCS:
+        kdoc = tl.load(doc_row + kcol)[None, :]
+    return kp, key_ok, bias, kdoc
+
+
+@triton.jit
+def _masked_scores(
+    qk,
+    qp,
+    kp,
+    key_ok,
+    bias,
+    slope,
+    qdoc,
+    kdoc,
+    sm_scale,
+    softcap,
+    window,
+    chunk,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """:func:`_score`, and on a boundary tile (``MASKED``) :func:`_visible`'s masks as ``-inf``."""
+    z, th = _score(qk, qp, kp, bias, slope, sm_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    if MASKED:
+        keep = _visible(qp, kp, key_ok, qdoc, kdoc, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS)
+        z = tl.where(keep, z, float("-inf"))
+    return z, th
