@@ -179,11 +179,12 @@ def print_tables(train, decode, peak_gbs):
 
 
 def write_table(result: dict, path) -> Path:
-    """Merge a sweep's table (``table_from_rows``) into the tuning table at ``path``."""
+    """Merge a sweep's table (``table_from_rows``) into the tuning table at ``path`` (the shipped
+    one when not given; a new file starts from the shipped one)."""
     from yamlformer.kernels import tuning
 
     path = Path(path) if path else tuning.TABLE_PATH
-    current = tuning._load_table(str(path)) if path.exists() else {}
+    current = tuning._load_table(str(path if path.exists() else tuning.TABLE_PATH))
     table = tuning.updated_table(current, result["generation"], result["chosen"], result["prefer"], result["failed"])
     return tuning.write_table(table, path)
 

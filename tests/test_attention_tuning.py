@@ -218,7 +218,11 @@ def test_the_sweep_runs_its_plumbing_on_the_cpu(tmp_path, capsys):
     compared = {(r["case"], r["what"]): r for r in rows if r["section"] == "compare"}
     assert compared["documents", "ours"]["ok"] and compared["documents", "flex"]["ok"]
     assert compared["decode-static", "ours"]["ok"] and compared["decode-static", "sdpa"]["ok"]
-    written = yaml.safe_load(table.read_text())["interpreter"]
+    merged = yaml.safe_load(table.read_text())
+    assert (
+        merged["sm_90"] == yaml.safe_load(tuning.TABLE_PATH.read_text())["sm_90"]
+    )  # a new file starts from the shipped
+    written = merged["interpreter"]
     assert set(written["fwd"]["chosen"]) == {"float32 d16/16 causal+ranged 128/128"}
     assert set(written["prefer"]) == {"train:causal+documents:d16", "decode:causal+token_index:d16"}
     assert bench.main(["--write-table", str(tmp_path / "again.yaml"), "--from-json", str(out)]) == 0
