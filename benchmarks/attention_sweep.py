@@ -1,7 +1,9 @@
 """``benchmarks/attention.py --sweep``: every Triton attention kernel and launch config of this GPU's
 generation timed at training and decode shapes, then our kernels (each at its fastest config)
 against SDPA (its own choice of backend, and its flash and cuDNN backends alone) and FlexAttention,
-under a time budget (about 5 minutes on one H200), a table row printed as each is measured.
+under a time budget (``--budget``: 130 s by default, inside ``gpu_check``'s section; 280 s covers
+every case on one H200), a table row printed as each is measured. Last, if time is left: what a
+first training step pays to tune at a shape the table lacks (:func:`first_call`).
 
 Cases (GPU, bf16): causal attention at head dims 128 and 64 (batch 4, seq 4096, 2048 wide: 16 heads
 of 128 or 32 of 64), a 1024-token sliding window and packed documents (8 per row) at head dim 128,
@@ -21,13 +23,11 @@ faster of ours and SDPA) that ``--write-table`` merges into ``kernels/attention_
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -182,24 +182,17 @@ def kernel_runs(q, k, v, dout, kwargs, train: bool, expected):
     }
 
 
-def _quietly(launch, config) -> None:
-    """One launch to compile a config; whatever fails is met again, and recorded, when timed."""
-    try:
-        launch(config)
-    except Exception:
-        pass
-
-
 def config_rows(name, call, runs, candidates, cpu, report, failed) -> dict:
     """Time every candidate of every kernel (in the order the backward needs: fwd, dq, dkdv);
     returns ``{kernel: (best config, its key)}``."""
     from yamlformer.kernels import flash_launch
 
     time_ms, best = timer(cpu), {}
-    if not cpu:  # compile every config at once, in threads (Triton's compiler leaves the GIL)
-        jobs = [(launch, config) for kernel, (launch, _) in runs.items() for config in candidates(kernel)]
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda job: _quietly(*job), jobs))
+    if not cpu:  # compile every config of every kernel side by side first
+        from yamlformer.kernels import tuning
+
+        jobs = [(kernel, config) for kernel in runs for config in candidates(kernel)]
+        tuning.precompile(jobs, lambda job: runs[job[0]][0](job[1]))
         torch.cuda.synchronize()
     for kernel, (launch, check) in runs.items():
         for config in candidates(kernel):
@@ -366,7 +359,7 @@ def format_row(row: dict) -> str:
     return "| " + " | ".join(cell(name) for name in COLUMNS) + " |"
 
 
-def sweep(cpu: bool = False, budget_s: float = 280.0, cases: dict | None = None, log=print) -> list[dict]:
+def sweep(cpu: bool = False, budget_s: float = 130.0, cases: dict | None = None, log=print) -> list[dict]:
     """Every case (``cases``, default this device's) within ``budget_s`` seconds: each case gets
     its share of what is left as a time limit, so one hang costs only its rows. Returns the rows
     (:func:`table_from_rows` makes the table from them)."""
@@ -408,11 +401,48 @@ def sweep(cpu: bool = False, budget_s: float = 280.0, cases: dict | None = None,
             report(
                 {"case": name, "section": "failed", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
             )
+    if not cpu and budget_s - (time.perf_counter() - started) > 30:
+        try:
+            with time_limit(budget_s - (time.perf_counter() - started)):
+                first_call(report)
+        except Exception as exc:  # over the budget or failed: its row says so
+            report({"case": "first-call", "section": "stopped", "note": f"{type(exc).__name__}: {str(exc)[:160]}"})
     for kernel, configs in failed.items():
         rows.append({"section": "failed-config", "what": kernel, "configs": configs})
     rows.append({"section": "summary", "generation": gen, "seconds": time.perf_counter() - started})
     log(f"sweep done in {time.perf_counter() - started:.0f} s")
     return rows
+
+
+def first_call(report) -> None:
+    """What a first training step pays where the table has no config for its shape: a forward
+    and backward (causal, batch 2, 8 heads of 128, seq 2048, bf16) whose three kernels are tuned
+    among the table's candidates into an empty disk cache, against the same call again."""
+    import os
+    import tempfile
+
+    from yamlformer.kernels import attention, tuning
+
+    q, k, v, dout, kwargs = case_inputs(dict(B=2, H=8, Hkv=8, S=2048, D=128, causal=True), "cuda", torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    saved, before = os.environ.get("XDG_CACHE_HOME"), tuning.stats()
+    seconds = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["XDG_CACHE_HOME"] = cache  # platformdirs' user cache: nothing tuned before
+        tuning.forget()
+        try:
+            for _ in range(2):
+                started = time.perf_counter()
+                attention(*leaves, backend="triton", **kwargs).backward(dout)
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - started)
+        finally:
+            os.environ.pop("XDG_CACHE_HOME") if saved is None else os.environ.update(XDG_CACHE_HOME=saved)
+    after = tuning.stats()
+    tuned, spent = after["tuned"] - before["tuned"], after["tuning_seconds"] - before["tuning_seconds"]
+    note = f"{tuned} kernels tuned in {spent:.1f} s (compiles included); the same call again {1e3 * seconds[1]:.1f} ms"
+    report({"case": "first-call", "section": "tuning", "what": "ours", "ms": 1e3 * seconds[0], "note": note,
+            "tuned": tuned, "tuning_seconds": spent})  # fmt: skip
 
 
 def table_from_rows(rows: list[dict]) -> dict:

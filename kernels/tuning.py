@@ -176,6 +176,11 @@ def forced_config(kernel: str) -> dict | None:
     return _forced.get(kernel)
 
 
+def forget() -> None:
+    """Drop the choices this process remembers (the table and the disk cache stay)."""
+    _chosen.clear()
+
+
 def stats() -> dict:
     """Keys tuned, seconds spent tuning, and keys taken from the table or the disk cache, in
     this process."""
@@ -223,8 +228,24 @@ def choose(kernel: str, key: str, device, run, eligible=lambda config: True) -> 
     return best
 
 
+def precompile(pool: list[dict], run) -> None:
+    """Launch every config once, in threads, so that Triton compiles them side by side (its
+    compiler leaves the GIL) before any is timed; failures are met again when timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def quietly(config):
+        try:
+            run(config)
+        except Exception:
+            pass
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(pool), os.cpu_count() or 1, 8))) as threads:
+        list(threads.map(quietly, pool))
+
+
 def _tune(pool: list[dict], run) -> dict:
     started = time.perf_counter()
+    precompile(pool, run)
     timings, failure = [], None
     for config in pool:
         try:
