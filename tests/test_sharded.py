@@ -132,7 +132,7 @@ def test_a_vocabulary_that_does_not_split_is_refused(tmp_path, capsys):
     spec = dict(TINY_MOE, decoder=dict(TINY_MOE["decoder"], attention={"n_heads": 4}))
     path = tiny_recipe(tmp_path, model={"spec": spec}, trainer={"strategy": "fsdp", "devices": 4, "tensor_parallel": 4})
     assert _main("train", str(path)) == 1
-    _one_line_error(capsys, "vocab_size", "95 is not a multiple of the tensor-parallel degree 4")
+    _one_line_error(capsys, "vocab_size", "95 rows", "split over 4 tensor-parallel", "pad_vocab_to_multiple_of")
 
 
 def test_hybrid_on_one_node_and_devices_that_do_not_exist_are_refused(tmp_path, capsys):
@@ -375,3 +375,21 @@ def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint_whole(tm
     out = train(path, "--set", f"trainer.max_steps={step + 3}")  # the same command resumes; saves go on
     assert "resuming from" in out and read_meta(last)["global_step"] == step + 3
     assert not list(last.parent.glob(".last.ckpt.*"))
+
+
+def test_a_single_node_run_listens_below_the_ephemeral_range(monkeypatch):
+    """Lightning's port came from the kernel's ephemeral range, where any outgoing connection
+    could take it before rank 0's store bound it (EADDRINUSE at start, seen in CI)."""
+    from yamlformer.recipes.parallel.ports import LOWEST, bindable, choose_main_port, ephemeral_range
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    choose_main_port(num_nodes=1, processes=1)
+    assert "MASTER_PORT" not in os.environ  # one process has no store
+    choose_main_port(num_nodes=2, processes=4)
+    assert "MASTER_PORT" not in os.environ  # a multi-node launcher sets it
+    choose_main_port(num_nodes=1, processes=2)
+    port = int(os.environ["MASTER_PORT"])
+    assert LOWEST <= port < ephemeral_range()[0] and bindable(port)
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    choose_main_port(num_nodes=1, processes=2)
+    assert os.environ["MASTER_PORT"] == "29511"  # the user's stays

@@ -26,6 +26,8 @@ from yamlformer.builder.checkpoints import RESUMABLE, tidy
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.parallel import parallelize
 from yamlformer.recipes.parallel.compile import compiling, eager
+from yamlformer.recipes.parallel.mesh import device_count
+from yamlformer.recipes.parallel.ports import choose_main_port
 from yamlformer.recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
 from yamlformer.recipes.training.callbacks import (
     CountedThroughput,
@@ -341,6 +343,7 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     timer = [InvocationTimer(duration)] if duration is not None else []
     # the recipe decides fp32 matmuls (Lightning's advice to set them is then noise, _Quiet)
     torch.set_float32_matmul_precision(matmul_precision(settings.matmul_precision, settings.precision))
+    choose_main_port(settings.num_nodes, device_count(settings, check=False))
     return L.Trainer(
         max_steps=settings.max_steps,
         max_epochs=-1,

@@ -1,0 +1,64 @@
+"""The rendezvous port of a single-node multi-process run.
+
+Lightning picks ``MASTER_PORT`` by binding port 0 and closing the socket: the kernel hands out a
+port from its *ephemeral* range, the one it also gives every outgoing connection, and rank 0's
+store binds it again only seconds later, after the other ranks have started. Any connection
+opened in between (another run's gloo ranks, a package download) can take it, and the run dies
+at start with ``EADDRINUSE``. A port below the ephemeral range is never handed out implicitly, so
+only another listener can hold it, which :func:`free_port` checks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from pathlib import Path
+
+#: Linux's default ephemeral range, where ``/proc`` does not say
+EPHEMERAL = (32768, 60999)
+#: the lowest port tried: above the registered services most machines run
+LOWEST = 20000
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for implicitly bound ports."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return EPHEMERAL
+
+
+def bindable(port: int) -> bool:
+    """Whether nothing listens on ``port`` (of any local address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(tries: int = 64) -> int | None:
+    """A bindable port below the ephemeral range, or None (then Lightning picks one)."""
+    low, high = ephemeral_range()
+    span = (LOWEST, low) if low - LOWEST >= 1000 else (high + 1, 65535)
+    if span[1] - span[0] < 1000:
+        return None
+    for port in random.SystemRandom().sample(range(*span), tries):
+        if bindable(port):
+            return port
+    return None
+
+
+def choose_main_port(num_nodes: int, processes: int) -> None:
+    """Set ``MASTER_PORT`` for a single-node run of several processes that has none (a launcher
+    such as torchrun or SLURM, or the user, sets it otherwise; the ranks Lightning starts inherit
+    it)."""
+    if num_nodes != 1 or processes < 2 or "MASTER_PORT" in os.environ:
+        return
+    port = free_port()
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
