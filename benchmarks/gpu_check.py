@@ -21,7 +21,9 @@ row), and its table is printed the moment it ends (``benchmarks/gpu_sections.py`
   efficiencies at the published runs' shapes.
 
 Without CUDA (and without ``--cpu``) it exits 2. It exits 1 when a section failed. The last line
-is JSON (``--json PATH`` writes it to a file too).
+is JSON (``--json PATH`` writes it to a file too). ``--out DIR`` keeps the tables this GPU measured:
+``<gpu>.yaml`` (the calibration table, copied over ``builder/analysis/calibration/`` to ship it)
+and ``attention_tuning.yaml`` (merged with the shipped one; copied over ``kernels/`` to ship it).
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ CPU_LIMIT = 240.0
 GRACE = 30.0
 
 
-def run_section(name: str, cpu: bool, limit: float, folder: Path) -> dict:
-    """``gpu_check.py --section NAME`` in a child process, killed after ``limit`` seconds."""
+def run_section(name: str, cpu: bool, limit: float, folder: Path, out: Path | None = None) -> dict:
+    """``gpu_check.py --section NAME`` in a child process, killed after ``limit`` seconds; ``out``:
+    where the sections that measure a table of this GPU write it."""
     import signal
 
     folder.mkdir(parents=True)
     result = folder / "section.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--section", name, str(result), str(limit)]
     command += ["--cpu"] if cpu else []
+    command += ["--out", str(out)] if out else []
     # on the CPU, plumbing only: torch.compile runs the code eagerly (Inductor's C++ builds would
     # take minutes; tests/test_kernel_layouts.py compiles through our op on the CPU)
     env = dict(os.environ, **({"TORCH_COMPILE_DISABLE": "1"} if cpu else {}))
@@ -75,13 +79,13 @@ def run_section(name: str, cpu: bool, limit: float, folder: Path) -> dict:
     return {"rows": [], "ok": False, "error": error, "seconds": seconds}
 
 
-def section_main(name: str, result: Path, limit: float, cpu: bool) -> int:
+def section_main(name: str, result: Path, limit: float, cpu: bool, tables: Path | None) -> int:
     """In the section's own process: run it, write its result."""
     from gpu_sections import SECTIONS  # benchmarks/gpu_sections.py
 
     function, _ = SECTIONS[name]
     try:
-        out = function(cpu, result.parent, limit)
+        out = function(cpu, result.parent, limit, tables)
     except Exception as exc:
         text = (str(exc).strip().splitlines() or [""])[0]
         out = {"rows": [], "ok": False, "error": f"{type(exc).__name__}: {text}"[:300]}
@@ -124,13 +128,19 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every section's time limit (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write the tables this GPU measured here: the calibration table (perf-kernels, as "
+        "perf_kernels.py --write) and the attention tuning table (attention, as attention.py --write-table)",
+    )
     parser.add_argument("--section", nargs=3, metavar=("NAME", "RESULT", "LIMIT"), help=argparse.SUPPRESS)
     parser.add_argument("--recipe-worker", nargs=3, metavar=("RECIPE", "OVERRIDES", "RESULT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-worker", nargs=2, metavar=("RECIPE_FILE", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.section:
         name, result, limit = args.section
-        return section_main(name, Path(result), float(limit), args.cpu)
+        return section_main(name, Path(result), float(limit), args.cpu, Path(args.out) if args.out else None)
     if args.recipe_worker or args.run_worker:
         import gpu_sections
 
@@ -158,13 +168,16 @@ def main(argv=None) -> int:
             return 2
     from gpu_sections import SECTIONS
 
+    tables = Path(args.out).resolve() if args.out else None
+    if tables is not None:
+        tables.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started, results = time.perf_counter(), {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for name in chosen:
             limit = (CPU_LIMIT if args.cpu else SECTIONS[name][1]) * args.scale
             print(f"# {name} (limit {limit:.0f} s)", flush=True)
-            results[name] = run_section(name, args.cpu, limit, Path(tmp) / name)
+            results[name] = run_section(name, args.cpu, limit, Path(tmp) / name, tables)
             print_section(name, results[name])
     seconds = time.perf_counter() - started
     print(f"\n{seconds:.0f} s in all")

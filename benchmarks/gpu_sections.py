@@ -97,7 +97,7 @@ def recipe_worker(name: str, overrides: dict, result: Path) -> None:
         result.write_text(json.dumps(row))
 
 
-def recipes(cpu: bool, folder: Path, budget: float) -> dict:
+def recipes(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
     """Each shipped recipe ``steps`` steps in its own process (``trainer.precision: auto``, one
     validation at the end), each with its share of the section's time."""
     names = ["lm-stdlib"] if cpu else shipped_recipes()  # on the CPU: the default recipe's plumbing
@@ -154,7 +154,7 @@ def child_row(args: list[str], folder: Path, limit: float, base: dict) -> dict:
 # -- fsdp: FSDP2 in bf16, MFU and memory against the estimate ----------------------------------------
 
 
-def fsdp(cpu: bool, folder: Path, budget: float) -> dict:
+def fsdp(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
     """The record's single-GPU FSDP2 run (0.38B: 8 x 2048, 16/8 heads, SwiGLU 5632, seq 2048,
     batch 8, bf16-mixed): tokens/s, MFU, and the memory estimate against max_memory_allocated."""
     from yamlformer.builder.analysis.estimates import Step, estimate
@@ -216,7 +216,7 @@ def fsdp(cpu: bool, folder: Path, budget: float) -> dict:
 # -- compile: `compile: true` through the Triton attention op -----------------------------------------
 
 
-def compile_section(cpu: bool, folder: Path, budget: float) -> dict:
+def compile_section(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
     """A Mistral-style windowed model (``auto`` runs our Triton op for the window), eager and
     ``trainer.compile: true``: both train, and what compiling buys."""
     layers, d_model, seq, batch, steps = (1, 64, 32, 2, 3) if cpu else (6, 768, 1024, 8, 30)
@@ -281,7 +281,7 @@ def gpt_shape(cpu: bool) -> dict:
     )
 
 
-def yardstick(cpu: bool, folder: Path, budget: float) -> dict:
+def yardstick(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
     """nanoGPT's GPT at GPT-2 small shapes (12 x 768, 12 heads, seq 1024, batch 16, no biases, no
     dropout, tied head), both compiled and in bf16: ``builder train`` (``compile: true``,
     ``bf16-mixed``, fused AdamW, clipping, its data loader) against ``benchmarks/yardstick.py``'s
@@ -436,15 +436,17 @@ def flat_rows(result: dict) -> list[dict]:
     return [{"table": name, **row} for name, rows in result.items() if isinstance(rows, list) for row in rows]
 
 
-def attention(cpu: bool, folder: Path, budget: float) -> dict:
+def attention(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
     """``benchmarks/attention.py --sweep``: every kernel variant against SDPA's flash and cuDNN
     backends (training and decode), with the seconds its first call spent autotuning."""
-    return script_section("attention.py", ["--sweep", *(["--cpu"] if cpu else [])], folder, budget)
+    table = ["--write-table", str(out / "attention_tuning.yaml")] if out else []
+    return script_section("attention.py", ["--sweep", *(["--cpu"] if cpu else []), *table], folder, budget)
 
 
-def perf_kernels(cpu: bool, folder: Path, budget: float) -> dict:
+def perf_kernels(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
     """``benchmarks/perf_kernels.py``: the performance model's kernel efficiencies on this GPU."""
-    return script_section("perf_kernels.py", ["--cpu", "--repeats", "1"] if cpu else [], folder, budget)
+    table = ["--write", "--out", str(out)] if out else []
+    return script_section("perf_kernels.py", [*(["--cpu", "--repeats", "1"] if cpu else []), *table], folder, budget)
 
 
 #: name -> (function, seconds it may take on one H200)

@@ -46,11 +46,19 @@ def test_the_cheap_sections_run_on_the_cpu_and_print_their_tables(tmp_path, caps
 def test_every_section_runs_on_the_cpu(tmp_path):
     import gpu_check
 
-    out = tmp_path / "check.json"
-    code = gpu_check.main(["--cpu", "--json", str(out)])
+    out, tables = tmp_path / "check.json", tmp_path / "tables"
+    code = gpu_check.main(["--cpu", "--json", str(out), "--out", str(tables)])
     summary = json.loads(out.read_text())
     _check(summary, list(gpu_check.ORDER))
     assert code == 0
+    # --out keeps what this device measured, as the two scripts write it: the calibration table
+    # and the attention tuning table (the shipped one with this sweep's generation merged in)
+    import yaml
+
+    calibration = yaml.safe_load((tables / "cpu.yaml").read_text())
+    assert calibration["gpu"] == "cpu" and calibration["gemm"]["bf16"] and calibration["attention"], calibration.keys()
+    tuning = yaml.safe_load((tables / "attention_tuning.yaml").read_text())
+    assert "interpreter" in tuning and "sm_90" in tuning, tuning.keys()
 
 
 def test_a_section_over_its_limit_fails_alone_and_the_rest_go_on(tmp_path, monkeypatch, capsys):
