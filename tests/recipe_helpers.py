@@ -68,8 +68,11 @@ def tiny_recipe(tmp_path: Path, **sections) -> Path:
 
 
 def builder_process(*args: str, cwd: Path, **popen) -> subprocess.Popen:
-    """``python -m yamlformer.builder.cli ARGS`` in a child process that imports this checkout."""
-    env = dict(os.environ)
+    """``python -m yamlformer.builder.cli ARGS`` in a child process that imports this checkout, as
+    a command started from a shell is: without a rendezvous an earlier in-process run set."""
+    from yamlformer.recipes.parallel.rendezvous import RENDEZVOUS_ENV
+
+    env = {name: value for name, value in os.environ.items() if name not in RENDEZVOUS_ENV}
     return subprocess.Popen([sys.executable, "-m", "yamlformer.builder.cli", *args], cwd=cwd, env=env, **popen)
 
 

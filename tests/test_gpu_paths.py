@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import lightning as L
 import pytest
@@ -106,6 +107,7 @@ def test_a_sharded_runs_validation_leaves_parameters_a_checkpoint_can_save(tmp_p
     from yamlformer.recipes.training.run import run
 
     monkeypatch.setattr(utilities, "_distributed_is_initialized", lambda: False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
 
     watch = _Watch()
     # a run that does not end on a validation: its end validates again (trainer.validate, which
@@ -118,6 +120,11 @@ def test_a_sharded_runs_validation_leaves_parameters_a_checkpoint_can_save(tmp_p
     assert kinds == {"inference mode", "inference parameters", "state dict"}
     assert all(value is False for kind, value in watch.seen if kind != "state dict")
     assert all(value > 0 for kind, value in watch.seen if kind == "state dict")
+    # and the run leaves no process group, and no port, to the next run in this process (the next
+    # `builder train` the suite started inherited MASTER_PORT and found it taken: EADDRINUSE)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized() and "MASTER_PORT" not in os.environ
 
 
 # -- float32 matmuls ---------------------------------------------------------------------------------

@@ -380,7 +380,7 @@ def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint_whole(tm
 def test_a_single_node_run_listens_below_the_ephemeral_range(monkeypatch):
     """Lightning's port came from the kernel's ephemeral range, where any outgoing connection
     could take it before rank 0's store bound it (EADDRINUSE at start, seen in CI)."""
-    from yamlformer.recipes.parallel.ports import LOWEST, bindable, choose_main_port, ephemeral_range
+    from yamlformer.recipes.parallel.rendezvous import LOWEST, bindable, choose_main_port, ephemeral_range
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     choose_main_port(num_nodes=1, processes=1)

@@ -27,7 +27,7 @@ from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.parallel import parallelize
 from yamlformer.recipes.parallel.compile import compiling, eager
 from yamlformer.recipes.parallel.mesh import device_count
-from yamlformer.recipes.parallel.ports import choose_main_port
+from yamlformer.recipes.parallel.rendezvous import choose_main_port, run_process_group
 from yamlformer.recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
 from yamlformer.recipes.training.callbacks import (
     CountedThroughput,
@@ -479,7 +479,7 @@ def run_session(
 
     stop = SignalStop()
     cache = getattr(recipe.data, "cache_dir", None)
-    with stop.installed(), claim(out, Path(cache) if cache else None, fresh=fresh, say=say):
+    with stop.installed(), claim(out, Path(cache) if cache else None, fresh=fresh, say=say), run_process_group():
         if not fresh:
             check_recipe_early(out, recipe, resume, spec_of, recipe_file)
         yield stop

@@ -1,4 +1,5 @@
-"""The rendezvous port of a single-node multi-process run.
+"""Where a run's processes meet: the rendezvous port of a single-node run, and the process group
+a run leaves behind.
 
 Lightning picks ``MASTER_PORT`` by binding port 0 and closing the socket: the kernel hands out a
 port from its *ephemeral* range, the one it also gives every outgoing connection, and rank 0's
@@ -10,6 +11,7 @@ only another listener can hold it, which :func:`free_port` checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -62,3 +64,32 @@ def choose_main_port(num_nodes: int, processes: int) -> None:
     port = free_port()
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
+
+
+#: the variables a launcher (Lightning's, torchrun, SLURM's) sets for the ranks to meet
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def run_process_group():
+    """A run of one process in a longer-lived Python (a study, a notebook, a test) leaves no
+    process group and no rendezvous variables behind. Lightning starts a process group for
+    ``strategy: fsdp`` even on one device, with its store listening on ``MASTER_PORT``, and sets
+    that variable in this process: every later run or child process took the port from it and
+    found it taken (``EADDRINUSE``). A run of several processes is left as it is: its processes
+    end with it, and tearing a group down while another rank may still be in a collective could
+    hang it."""
+    import torch.distributed as dist
+
+    before = {name: os.environ.get(name) for name in RENDEZVOUS_ENV}
+    ours = not (dist.is_available() and dist.is_initialized())
+    try:
+        yield
+    finally:
+        if ours and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
