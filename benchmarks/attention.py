@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
 from attention_sweep import sdpa_backend, sweep, table_from_rows  # gpu_check and perf_kernels import these here
 
 TOKENS = 16384  # batch * seq for the training shapes

@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import emit, machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
+from machine import emit, machine  # benchmarks/machine.py
 
 REPO = Path(__file__).resolve().parents[1]
 if (REPO.parent / "shared" / "data").is_dir():  # a checkout's local data copies, else the download path

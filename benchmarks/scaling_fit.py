@@ -20,7 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
 from machine import emit, machine
 
 

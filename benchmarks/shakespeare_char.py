@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import emit, machine  # benchmarks/machine.py (this folder is on sys.path when a script runs)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
+from machine import emit, machine  # benchmarks/machine.py
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "shakespeare-char.yaml"

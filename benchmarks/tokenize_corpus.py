@@ -42,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
 from machine import emit, machine
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
+
 REPO = Path(__file__).resolve().parents[1]
 STARTED = time.perf_counter()
 

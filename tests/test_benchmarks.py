@@ -231,3 +231,31 @@ def test_the_kernel_benchmark_writes_this_gpu_s_calibration_table(tmp_path, monk
     with pytest.raises(SystemExit):
         perf_kernels.main(["--cpu", "--out", str(tmp_path)])
     assert "--out goes with --write" in capsys.readouterr().err
+
+
+def test_every_benchmark_script_starts_under_python_dash_p():
+    """A script whose folder is not on sys.path (``python -P``, or PYTHONSAFEPATH=1, which the
+    README advises and the suite sets) still finds its sibling modules: gpu_check's attention
+    section died on ``No module named 'attention_sweep'``. Each script's ``--help``, in one child
+    process that puts no script's folder on its path (runpy.run_path does not)."""
+    import subprocess
+
+    scripts = sorted(str(p) for p in (REPO / "benchmarks").glob("*.py"))
+    code = (
+        "import runpy, sys\n"
+        "failed = []\n"
+        "for script in sys.argv[1:]:\n"
+        "    sys.argv = [script, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(script, run_name='__main__')\n"
+        "    except SystemExit as stop:\n"
+        "        if stop.code not in (0, None): failed.append(f'{script}: exit {stop.code}')\n"
+        "    except Exception as exc:\n"
+        "        failed.append(f'{script}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code, *scripts], cwd="/", capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
