@@ -188,7 +188,13 @@ def write(cpu: bool, repeats: int, out: str | None) -> dict:
           f"{sum(len(r) for r in table.attention.values())} attention rows, HBM {table.hbm_gbs:,.0f} GB/s")  # fmt: skip
     gemm = [{"dtype": dtype, **row.model_dump()} for dtype, rows in table.gemm.items() for row in rows]
     attention = [{"backend": name, **row.model_dump()} for name, rows in table.attention.items() for row in rows]
-    return {"path": str(path), "gpu": table.gpu, "measured": table.measured.model_dump(), "gemm": gemm, "attention": attention}
+    return {
+        "path": str(path),
+        "gpu": table.gpu,
+        "measured": table.measured.model_dump(),
+        "gemm": gemm,
+        "attention": attention,
+    }
 
 
 def main(argv=None) -> int:
