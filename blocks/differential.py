@@ -54,6 +54,7 @@ class DifferentialAttention(nn.Module):
         self.causal, self.sliding_window, self.backend = causal, config.sliding_window, backend
         self.lambda_init = config.resolved_lambda_init(layer_index)  # the layer's place sets it
         self.eps = config.norm_eps
+        self.scale = config.scale if config.scale is not None else hd**-0.5
         self.cache_layout = config.kv_cache(d_model)
         self.first_head, self.total_heads = 0, self.n_heads  # this module's heads among the layer's
         self.group = None  # the tensor-parallel group the shared tensors' gradients sum over
@@ -109,7 +110,7 @@ class DifferentialAttention(nn.Module):
             sliding_window=self.sliding_window,
             alibi_slopes=slopes[self.first_head : self.first_head + self.n_heads] if slopes is not None else None,
             bias=bias,
-            scale=hd**-0.5 * inputs.score_scale(),
+            scale=self.scale * inputs.score_scale(),
             backend=self.backend,
             token_index=inputs.token_index(first),
             document_ids=inputs.document_ids,

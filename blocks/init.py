@@ -7,6 +7,10 @@
   too): normal(0, 0.02 / sqrt(2 * n_layers)), ``n_layers`` of the stack they sit in (GPT-2).
 * learned position tables and T5's relative-bias table: normal(0, 0.02).
 
+A model may carry ``init_scales`` (``{parameter name: factor}``): those parameters' normal std is
+multiplied by the factor (the builder sets it from the spec's ``parametrization``: muP's
+``1 / sqrt(width ratio)`` on hidden matrices), in a whole build and shard by shard alike.
+
 A block module with parameters of its own (not inside an ``nn.Linear`` or ``nn.Embedding``
 child) declares how to fill them in ``init_rules(std) -> {name: rule}`` (norms, learned tables),
 a rule being ``("normal", std)`` or ``("constant", value)``. A module that initialises itself in
@@ -69,7 +73,12 @@ def init_rules(model: nn.Module, std: float = STD) -> dict[str, Rule]:
         for name, module in stack.layers.named_modules(prefix=f"{stack_name}.layers"):
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS:
                 rules[f"{name}.weight"] = ("normal", residual_std)
-    return {canonical_name(k): v for k, v in rules.items()}
+    scales = getattr(model, "init_scales", None) or {}
+    rules = {canonical_name(k): v for k, v in rules.items()}
+    for name, factor in scales.items():
+        if name in rules and rules[name][0] == "normal":
+            rules[name] = ("normal", rules[name][1] * factor)
+    return rules
 
 
 def imperative_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

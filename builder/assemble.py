@@ -27,6 +27,8 @@ from yamlformer.blocks.build import Dims, build_block, build_layer
 from yamlformer.blocks.embeddings import Embeddings
 from yamlformer.blocks.init import draw_seed, init_weights
 from yamlformer.blocks.stacks import TransformerStack
+from yamlformer.builder.parametrization import head_for_build, is_mup, layer_for_build
+from yamlformer.builder.parametrization import plan as parametrization_plan
 
 BACKENDS = ("auto", "eager", "sdpa", "triton")
 
@@ -87,9 +89,31 @@ def build_model(
     seed = init_seed if init_seed is not None else draw_seed()  # drawn first: the same on every device
     with device, _default_dtype(dtype):
         model = _assemble(spec, attention_backend)
+    if is_mup(spec):
+        _parametrize(model, parametrization_plan(spec))
     init_weights(model, seed=seed)  # a no-op on meta
     model.spec = spec
     return model
+
+
+class OutputMultiplier:
+    """A forward pre-hook multiplying a module's input by ``factor``: muP's output multiplier on
+    the module of an output-like tensor (``yamlformer.builder.parametrization``), as ``MuReadout`` scales
+    its input (a bias, where there is one, is left as it is)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, module, args):
+        return (args[0] * self.factor, *args[1:])
+
+
+def _parametrize(model: nn.Module, made) -> None:
+    """The parametrization's init factors (read by ``yamlformer.blocks.init``) and output multipliers."""
+    model.init_scales = made.init_scales()
+    modules = dict(model.named_modules())
+    for name, factor in made.output_multipliers.items():
+        modules[name].register_forward_pre_hook(OutputMultiplier(factor))
 
 
 def _dtype(dtype) -> torch.dtype | None:
@@ -143,7 +167,7 @@ def _assemble(spec, backend: str) -> nn.Module:
     output_side = stacks[architecture.stacks[-1]]
     tied = output_side.embedding.tokens if spec.tie_embeddings and type(spec.head).projects_to_vocab else None
     # a head running layers of its own numbers them after its stack's (n_layers) and uses its backend
-    head = build_block(spec.head, dims, tied_embedding=tied, n_layers=output_side.n_layers, backend=backend)
+    head = build_block(head_for_build(spec, spec.head), dims, tied_embedding=tied, n_layers=output_side.n_layers, backend=backend)
     return registry.module_class(architecture)(**stacks, head=head)
 
 
@@ -171,7 +195,7 @@ def _stack(spec, dims: Dims, stack_config, embedding, causal: bool, cross: bool,
         build_layer(
             layer, dims, layer_index=index, n_layers=stack_config.n_layers, causal=causal, cross=cross, backend=backend
         )
-        for index, layer in enumerate(stack_config.layers())
+        for index, layer in enumerate(layer_for_build(spec, layer) for layer in stack_config.layers())
     ]
     final_norm = build_block(stack_config.norm, dims) if stack_config.final_norm else None
     return TransformerStack(embedding, position, layers, final_norm, causal=causal, max_seq_len=dims.max_seq_len)

@@ -15,11 +15,13 @@ from yamlformer.blocks.configs.base import (
     CacheLayout,
     CacheTensor,
     Problems,
+    Classes,
     Shapes,
     indivisible,
     rule_error,
 )
 from yamlformer.blocks.configs.pairs import kernel_saved_bytes
+from yamlformer.blocks.configs.tensors import hidden, vector
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
 from yamlformer.blocks.registry import register
 
@@ -238,6 +240,22 @@ class AttentionConfig(AttentionBlock):
         if self.out_bias:
             shapes["out_proj.bias"] = (d_model,)
         return shapes | self._option_shapes(d_model)
+
+    def tensor_classes(self, d_model: int) -> Classes:
+        # the heads' widths grow with d_model; per-head norm weights and sinks are vectors
+        classes = {name: hidden() for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight")}
+        per_head = self.qk_norm is not None and self.qk_norm.over == "head"
+        for name in self.param_shapes(d_model):
+            if name not in classes:
+                classes[name] = vector(None if name == "sinks" else "head" if per_head else "d_model")
+        return classes
+
+    def score_head_dim(self, d_model: int) -> int:
+        return self.resolved_head_dim(d_model)
+
+    def with_score_factor(self, factor: float, d_model: int) -> AttentionConfig:
+        scale = self.scale if self.scale is not None else self.resolved_head_dim(d_model) ** -0.5
+        return self.model_copy(update={"scale": scale * factor})
 
     def parallel_plan(self) -> dict[str, str]:
         # Megatron's split: each rank computes whole heads; out_proj sums their outputs. A

@@ -29,11 +29,14 @@ from pydantic_core import PydanticCustomError
 
 from yamlformer.blocks import registry
 from yamlformer.blocks.configs.pairs import visible_pairs
+from yamlformer.blocks.configs.tensors import TensorClass
 from yamlformer.blocks.configs.traffic import Traffic, layer_norm, layout_copy
 
 Loc = tuple[str | int, ...]
 Problems = list[tuple[Loc, str]]
 Shapes = dict[str, tuple[int, ...]]
+#: a block's tensors by ``param_shapes`` name -> their class (``yamlformer.blocks.configs.tensors``)
+Classes = dict[str, TensorClass]
 
 #: tensor-parallel styles a block's ``parallel_plan()`` gives its submodules: ``colwise`` shards a
 #: Linear's weight and bias on dim 0 (its output features); ``rowwise`` shards the weight on dim 1
@@ -104,6 +107,15 @@ class BlockConfig(BaseModel):
     # parameter tensor its module creates, named relative to the module as ``named_parameters()``
     # names it, with its shape. ``yamlformer.builder.analysis.layout`` shards them tensor by tensor. Abstract for
     # attention, FFN and norm blocks; positions and heads without parameters inherit ``{}``.
+
+    def tensor_classes(self, *dims) -> Classes | None:
+        """The class of every tensor ``param_shapes(*dims)`` names (input-like, hidden or
+        output-like, and the widths its sides span: ``yamlformer.blocks.configs.tensors``), by the same
+        names; muP's factors and Muon's choice of matrices come from it. None: not declared (a
+        plugin's block), which a muP spec and Muon refuse at the block; a block without
+        parameters declares ``{}`` by default."""
+        shapes = getattr(self, "param_shapes", None)
+        return {} if shapes is not None and not shapes(*dims) else None
 
 
 def nested_block(kind: str, description: str):
@@ -260,6 +272,16 @@ class AttentionBlock(BlockConfig):
         """Bytes kept for backward in one training step (see ``yamlformer.builder.analysis.memory``). ``fused``: a
         FlashAttention kernel; ``masked``: eager attention adds a mask or bias to the scores;
         ``kv_input=False``: the key/value input is shared (an encoder output) and counted once."""
+
+    def score_head_dim(self, d_model: int) -> int | None:
+        """The width each query-key product sums over (muP scales scores by ``1 / width`` rather
+        than ``1 / sqrt(width)``); None: not declared, which a muP spec refuses at the block."""
+        return None
+
+    def with_score_factor(self, factor: float, d_model: int) -> AttentionBlock | None:
+        """This attention with every score multiplied by ``factor`` on top of the scale it has
+        (muP's attention scale at another head width); None: it cannot say so (muP refuses it)."""
+        return None
 
     def window(self) -> int | None:
         """How far back a query sees (itself included); None: no window."""

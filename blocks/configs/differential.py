@@ -25,6 +25,7 @@ from yamlformer.blocks.configs.base import (
     AttentionBlock,
     CacheLayout,
     CacheTensor,
+    Classes,
     Problems,
     Shapes,
     indivisible,
@@ -32,6 +33,7 @@ from yamlformer.blocks.configs.base import (
 )
 from yamlformer.blocks.configs.norm import RMSNormConfig
 from yamlformer.blocks.configs.pairs import kernel_saved_bytes
+from yamlformer.blocks.configs.tensors import hidden, vector
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_SEQ_LEN, MAX_WIDTH
 from yamlformer.blocks.registry import register
 
@@ -76,6 +78,9 @@ class DifferentialAttentionConfig(AttentionBlock):
         ge=1,
         le=MAX_SEQ_LEN,
         description="A window w: query i sees key j only where i - j < w, itself included. null: no window.",
+    )
+    scale: float | None = Field(
+        None, gt=0, le=MAX_FACTOR, description="Score scale of both maps; null means 1/sqrt(head_dim)."
     )
 
     #: configs the registry-wide tests build, count, run and decode with (d_model 32)
@@ -130,6 +135,17 @@ class DifferentialAttentionConfig(AttentionBlock):
             **dict.fromkeys(LAMBDAS, (hd,)),
             "subln.weight": (2 * hd,),
         }
+
+    def tensor_classes(self, d_model: int) -> Classes:
+        projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight")
+        return {name: hidden() if name in projections else vector("head") for name in self.param_shapes(d_model)}
+
+    def score_head_dim(self, d_model: int) -> int:
+        return self.resolved_head_dim(d_model)
+
+    def with_score_factor(self, factor: float, d_model: int) -> DifferentialAttentionConfig:
+        scale = self.scale if self.scale is not None else self.resolved_head_dim(d_model) ** -0.5
+        return self.model_copy(update={"scale": scale * factor})
 
     def parallel_plan(self) -> dict[str, str]:
         # whole heads per rank, as multi_head; lambda and the norm weight, shared by the heads,

@@ -6,7 +6,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from yamlformer.blocks.configs.base import FFNBlock, Problems, Shapes, indivisible, rule_error
+from yamlformer.blocks.configs.base import Classes, FFNBlock, Problems, Shapes, indivisible, rule_error
+from yamlformer.blocks.configs.tensors import hidden, output, prefixed, vector
 from yamlformer.blocks.configs.traffic import Traffic, activation, routing
 from yamlformer.blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
 from yamlformer.blocks.registry import register
@@ -40,6 +41,13 @@ class _DenseFFNConfig(FFNBlock):
         if self.bias:
             shapes["down_proj.bias"] = (d_model,)
         return shapes
+
+    def tensor_classes(self, d_model: int) -> Classes:
+        classes: Classes = {}
+        for name in self.in_projections:
+            classes[f"{name}.weight"], classes[f"{name}.bias"] = hidden("d_model", "ffn"), vector("ffn")
+        classes["down_proj.weight"], classes["down_proj.bias"] = hidden("ffn", "d_model"), vector()
+        return {name: classes[name] for name in self.param_shapes(d_model)}
 
     def parallel_plan(self) -> dict[str, str]:
         # Megatron's MLP: the hidden width split, down_proj sums the ranks' parts
@@ -245,6 +253,13 @@ class MoEConfig(FFNBlock):
         expert = self.expert.traffic(d_model, act_bytes) * self.top_k
         return routing(d_model, act_bytes, self.n_experts, self.top_k) + expert
 
+    def tensor_classes(self, d_model: int) -> Classes:
+        # the router maps the width to a fixed number of scores: output-like
+        classes: Classes = {"router.weight": output(), **prefixed("experts.", self.expert.tensor_classes(d_model))}
+        if self.router_bias:
+            classes["router.bias"] = vector(None)
+        return classes
+
     def flops(self, d_model: int, tokens: int) -> int:
         # Every token meets the router; each expert multiplies only the tokens sent to it,
         # tokens * top_k rows in all, whatever the routing (biases and the clamp: no matmul).
@@ -420,6 +435,14 @@ class DeepSeekMoEConfig(FFNBlock):
         if shared is not None:
             shapes.update({f"shared_experts.{name}": shape for name, shape in shared.param_shapes(d_model).items()})
         return shapes
+
+    def tensor_classes(self, d_model: int) -> Classes:
+        shared = self.shared(d_model)
+        return {
+            "router.weight": output(),
+            **prefixed("experts.", self.expert.tensor_classes(d_model)),
+            **(prefixed("shared_experts.", shared.tensor_classes(d_model)) if shared is not None else {}),
+        }
 
     def active_params(self, d_model: int) -> int:
         shared = self.shared(d_model)

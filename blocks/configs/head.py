@@ -13,9 +13,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from yamlformer.blocks.configs.base import HeadBlock, Shapes, loss_saved_bytes
+from yamlformer.blocks.configs.base import Classes, HeadBlock, Shapes, loss_saved_bytes
 from yamlformer.blocks.configs.ffn import Activation
 from yamlformer.blocks.configs.norm import LayerNormConfig
+from yamlformer.blocks.configs.tensors import hidden, output, prefixed, vector, vocab_classes
 from yamlformer.blocks.configs.traffic import Traffic, activation, cross_entropy
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_VOCAB
 from yamlformer.blocks.registry import register
@@ -46,6 +47,9 @@ class LMHeadConfig(HeadBlock):
 
     def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
         return _vocab_projection("proj", d_model, vocab_size, tied, self.bias)
+
+    def tensor_classes(self, d_model: int, vocab_size: int, tied: bool) -> Classes:
+        return vocab_classes("proj", self.bias)
 
     def parallel_plan(self) -> dict[str, str]:
         # vocab-parallel logits: each rank projects to its slice of the vocabulary
@@ -97,6 +101,14 @@ class MLMHeadConfig(HeadBlock):
             **_vocab_projection("proj", d_model, vocab_size, tied, bias=True),
         }
 
+    def tensor_classes(self, d_model: int, vocab_size: int, tied: bool) -> Classes:
+        return {
+            "dense.weight": hidden(),
+            "dense.bias": vector(),
+            **prefixed("norm.", self.norm.tensor_classes(d_model)),
+            **vocab_classes("proj", bias=True),
+        }
+
     def parallel_plan(self) -> dict[str, str]:
         return {"proj": "colwise"}  # the transform replicated, the vocabulary split
 
@@ -142,6 +154,10 @@ class ClassificationHeadConfig(HeadBlock):
     def param_shapes(self, d_model: int, vocab_size: int, tied: bool) -> Shapes:
         pooler = {"pooler.weight": (d_model, d_model), "pooler.bias": (d_model,)} if self.pooler else {}
         return {**pooler, "classifier.weight": (self.n_classes, d_model), "classifier.bias": (self.n_classes,)}
+
+    def tensor_classes(self, d_model: int, vocab_size: int, tied: bool) -> Classes:
+        pooler = {"pooler.weight": hidden(), "pooler.bias": vector()} if self.pooler else {}
+        return {**pooler, "classifier.weight": output(), "classifier.bias": vector(None)}
 
     def flops(self, d_model: int, vocab_size: int, tokens: int) -> int:
         return 2 * d_model * ((d_model if self.pooler else 0) + self.n_classes)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from yamlformer.blocks.configs.base import (
     AttentionBlock,
+    Classes,
     FFNBlock,
     NormBlock,
     PositionBlock,
@@ -99,6 +100,19 @@ class LayerConfig:
         for norm in self.norm_names(cross):
             shapes.update({f"{norm}.{name}": shape for name, shape in self.norm.param_shapes(d_model).items()})
         return shapes
+
+    def tensor_classes(self, d_model: int, cross: bool = False) -> Classes | None:
+        """Every tensor's class (``yamlformer.blocks.configs.tensors``), by :meth:`param_shapes` name; None
+        when a block of the layer declares none."""
+        classes: Classes = {}
+        blocks = [(f"{sub}.", getattr(self, sub)) for sub in self.sublayers(cross)]
+        blocks += [(f"{norm}.", self.norm) for norm in self.norm_names(cross)]
+        for prefix, block in blocks:
+            own = block.tensor_classes(d_model)
+            if own is None:
+                return None
+            classes.update({prefix + name: cls for name, cls in own.items()})
+        return classes
 
     def flops(self, d_model: int, tokens: int, cross_len: int | None = None) -> dict[str, int]:
         """Forward FLOPs of one sequence of ``tokens`` by block (norms: 0)."""

@@ -26,12 +26,14 @@ from yamlformer.blocks.configs.base import (
     AttentionBlock,
     CacheLayout,
     CacheTensor,
+    Classes,
     Problems,
     Shapes,
     indivisible,
 )
 from yamlformer.blocks.configs.norm import RMSNormConfig
 from yamlformer.blocks.configs.pairs import kernel_saved_bytes
+from yamlformer.blocks.configs.tensors import hidden, vector
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_HEADS, MAX_WIDTH
 from yamlformer.blocks.registry import register
 
@@ -153,6 +155,19 @@ class MLAConfig(AttentionBlock):
         if self.bias:
             shapes["out_proj.bias"] = (d_model,)
         return shapes
+
+    def tensor_classes(self, d_model: int) -> Classes:
+        # the latent ranks count as widths that grow with d_model; the norms and biases are vectors
+        return {
+            name: hidden() if len(shape) == 2 else vector() for name, shape in self.param_shapes(d_model).items()
+        }
+
+    def score_head_dim(self, d_model: int) -> int:
+        return self.qk_head_dim
+
+    def with_score_factor(self, factor: float, d_model: int) -> MLAConfig:
+        scale = self.scale if self.scale is not None else self.qk_head_dim**-0.5
+        return self.model_copy(update={"scale": scale * factor})
 
     def parallel_plan(self) -> dict[str, str]:
         # whole heads per rank: the up-projections split by head, out_proj sums the ranks'

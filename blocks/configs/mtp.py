@@ -22,8 +22,9 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, WithJsonSchema, model_validator
 
-from yamlformer.blocks.configs.base import HeadBlock, PositionBlock, Shapes, loss_saved_bytes, rule_error
+from yamlformer.blocks.configs.base import Classes, HeadBlock, PositionBlock, Shapes, loss_saved_bytes, rule_error
 from yamlformer.blocks.configs.layer import LayerBlocks
+from yamlformer.blocks.configs.tensors import hidden, prefixed, vocab_classes
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_LAYERS
 from yamlformer.blocks.registry import register
 
@@ -146,6 +147,19 @@ class MTPHeadConfig(HeadBlock):
             shapes.update({f"{at}layer.{name}": shape for name, shape in layer.param_shapes(d_model).items()})
             shapes.update({f"{at}norm.{name}": shape for name, shape in norm.items()})
         return shapes
+
+    def tensor_classes(self, d_model: int, vocab_size: int, tied: bool) -> Classes | None:
+        layer, norm = self.layer.layer().tensor_classes(d_model), self.layer.norm.tensor_classes(d_model)
+        if layer is None or norm is None:
+            return None  # a block of its layer declares none
+        classes = vocab_classes("proj", bias=False)
+        for k in range(self.num_nextn_predict_layers):
+            at = f"mtp.{k}."
+            for name in ("enorm", "hnorm", "norm"):
+                classes.update(prefixed(f"{at}{name}.", norm))
+            classes[f"{at}eh_proj.weight"] = hidden()
+            classes.update(prefixed(f"{at}layer.", layer))
+        return classes
 
     def parallel_plan(self) -> dict[str, str]:
         # vocab-parallel logits, as lm; the modules stay whole on every rank (their inputs do)

@@ -6,7 +6,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from yamlformer.blocks.configs.base import NormBlock, Placement, Shapes
+from yamlformer.blocks.configs.base import Classes, NormBlock, Placement, Shapes
+from yamlformer.blocks.configs.tensors import vector
 from yamlformer.blocks.configs.traffic import Traffic, rms_norm
 from yamlformer.blocks.limits import MAX_FACTOR
 from yamlformer.blocks.registry import register
@@ -18,6 +19,9 @@ class _NormConfig(NormBlock):
     """What the built-in norms share; yamlformer.blocks.norms computes in fp32."""
 
     eps: float = Field(1e-5, gt=0, le=MAX_FACTOR, description="Added to the variance for numerical stability.")
+
+    def tensor_classes(self, d_model: int) -> Classes:
+        return dict.fromkeys(self.param_shapes(d_model), vector())  # a gain (and a bias) per channel
 
 
 @register("norm", "yamlformer.blocks.norms:LayerNorm")

@@ -10,7 +10,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from yamlformer.blocks.configs.base import BlockConfig, Loc, PositionBlock, Problems, Shapes, rule_error
+from yamlformer.blocks.configs.base import BlockConfig, Classes, Loc, PositionBlock, Problems, Shapes, rule_error
+from yamlformer.blocks.configs.tensors import table
 from yamlformer.blocks.configs.traffic import Traffic, rotary
 from yamlformer.blocks.limits import MAX_BUCKETS, MAX_FACTOR, MAX_SEQ_LEN
 from yamlformer.blocks.registry import register
@@ -51,6 +52,9 @@ class LearnedConfig(_PositionConfig):
 
     def param_shapes(self, d_model: int, n_heads: int, max_seq_len: int) -> Shapes:
         return {"weight": (self.max_positions or max_seq_len, d_model)}
+
+    def tensor_classes(self, d_model: int, n_heads: int, max_seq_len: int) -> Classes:
+        return {"weight": table()}
 
     def problems(self, d_model: int, max_seq_len: int) -> Problems:
         if self.max_positions is not None and self.max_positions < max_seq_len:
@@ -209,6 +213,9 @@ class RelativeBiasConfig(_PositionConfig):
 
     def param_shapes(self, d_model: int, n_heads: int, max_seq_len: int) -> Shapes:
         return {"weight": (self.num_buckets, n_heads)}
+
+    def tensor_classes(self, d_model: int, n_heads: int, max_seq_len: int) -> Classes:
+        return {"weight": table(None)}  # buckets x heads: no side grows with the width
 
     def saved_bytes_per_stack(self, seq: int, n_heads: int, fused: bool) -> int:
         # the int64 bucket of every (query, key) pair, kept by the table lookup; a fused kernel

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from yamlformer.blocks.configs.base import PARALLEL_STYLES
+from yamlformer.blocks.configs.tensors import TensorClass
+from yamlformer.blocks.configs.tensors import table as table_class
 from yamlformer.builder.analysis.layout_rules import check_tensor_parallel
 from yamlformer.builder.analysis.memory import BYTES
 from yamlformer.builder.analysis.mesh import Layout, LayoutError
@@ -34,6 +36,7 @@ class ParamTensor:
     tp_dim: int | None  # the dim tensor parallelism splits; None: replicated on every TP rank
     unit: str  # its FSDP unit: "decoder.layers.3", "decoder.embedding", "head" or "root"
     expert: bool = False  # stacked routed experts, split on dim 0 over the expert-parallel ranks
+    cls: TensorClass | None = None  # what its block declares it is (None: the block declares no classes)
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """The shape one tensor-parallel rank holds (splits are even, see tensor_parallel_problems)."""
@@ -60,11 +63,12 @@ def model_tensors(spec) -> list[ParamTensor]:
     d, vocab = spec.d_model, spec.padded_vocab_size  # the tables and projection hold the padded rows
     tensors: dict[str, ParamTensor] = {}
 
-    def add(prefix: str, config, shapes: dict, unit: str, plan: dict | None = None) -> None:
+    def add(prefix: str, config, shapes: dict, unit: str, plan: dict | None = None, dims: tuple = ()) -> None:
         plan = (config.parallel_plan() or {}) if plan is None else plan
+        classes = (config.tensor_classes(*dims) if config is not None else dict.fromkeys(shapes, table_class())) or {}
         for name, shape in shapes.items():
             full = prefix + name
-            tensors[full] = ParamTensor(full, tuple(shape), _tp_dim(plan, name, shape, full), unit)
+            tensors[full] = ParamTensor(full, tuple(shape), _tp_dim(plan, name, shape, full), unit, cls=classes.get(name))
 
     architecture = spec.architecture_config
     stacks = spec.stacks()
@@ -81,24 +85,21 @@ def model_tensors(spec) -> list[ParamTensor]:
             add(f"{name}.embedding.", None, table, unit, plan=EMBEDDING_PLAN)
             if spec.embedding.norm is not None:
                 norm = spec.embedding.norm
-                add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit)
-        add(
-            f"{name}.position.",
-            spec.position,
-            _shapes(spec.position, "position", d, stack.attention.query_heads(), spec.max_seq_len),
-            "root",
-        )
+                add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit, dims=(d,))
+        position_dims = (d, stack.attention.query_heads(), spec.max_seq_len)
+        add(f"{name}.position.", spec.position, _shapes(spec.position, "position", *position_dims), "root", dims=position_dims)
         walked: dict[int, list[tuple[str, tuple[int, ...], int | None]]] = {}  # per distinct layer
         for index, layer in enumerate(stack.layers()):
             unit = f"{name}.layers.{index}"
             if id(layer) not in walked:  # identical layers share one config: walk its blocks once
                 walked[id(layer)] = _layer_tensors(layer, name, name in architecture.memory_of, d)
-            for suffix, shape, dim, expert in walked[id(layer)]:
+            for suffix, shape, dim, expert, cls in walked[id(layer)]:
                 full = f"{unit}.{suffix}"
-                tensors[full] = ParamTensor(full, shape, dim, unit, expert)
+                tensors[full] = ParamTensor(full, shape, dim, unit, expert, cls)
         if stack.final_norm:
-            add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root")
-    add("head.", spec.head, _shapes(spec.head, "head", d, vocab, tied), "root" if tied else "head")
+            add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root", dims=(d,))
+    head_dims = (d, vocab, tied)
+    add("head.", spec.head, _shapes(spec.head, "head", *head_dims), "root" if tied else "head", dims=head_dims)
     return list(tensors.values())
 
 
@@ -113,17 +114,19 @@ def layer_tensor_count(spec) -> int:
     )
 
 
-def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple[str, tuple[int, ...], int | None, bool]]:
-    """``(name within the layer, shape, tensor-parallel dim, split by expert parallelism)`` of
-    each parameter of one layer."""
+def _layer_tensors(layer, stack: str, cross: bool, d: int) -> list[tuple]:
+    """``(name within the layer, shape, tensor-parallel dim, split by expert parallelism, class)``
+    of each parameter of one layer."""
     out = []
 
     def add(prefix: str, block, where: str) -> None:
         plan = block.parallel_plan() or {}
         experts = tuple(f"{m}." for m in getattr(block, "expert_parallel_plan", tuple)())
+        classes = block.tensor_classes(d) or {}
         for name, shape in _shapes(block, where, d).items():
             dim = _tp_dim(plan, name, shape, f"{stack}.layers.N.{prefix}{name}")
-            out.append((prefix + name, tuple(shape), dim, name.startswith(experts) if experts else False))
+            expert = name.startswith(experts) if experts else False
+            out.append((prefix + name, tuple(shape), dim, expert, classes.get(name)))
 
     sublayers = layer.sublayers(cross)
     for sub in sublayers:

@@ -42,6 +42,8 @@ from yamlformer.blocks.configs.base import (
 )
 from yamlformer.blocks.configs.layer import LayerConfig
 from yamlformer.blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_VOCAB_PADDING, MAX_WIDTH
+from yamlformer.builder.parametrization import Parametrization, StandardParametrization
+from yamlformer.builder.parametrization import problems as parametrization_problems
 from yamlformer.builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
@@ -352,6 +354,12 @@ class ModelSpec(_Section):
         None, description="The bidirectional stack of encoder-only and encoder-decoder models."
     )
     head: HeadBlock = Field(default_factory=lambda: {"type": "lm"}, description="lm | mlm | classification | none.")
+    parametrization: Parametrization = Field(
+        default_factory=StandardParametrization,
+        description="How init and learning rates scale with the width: {type: standard} (as written) | "
+        "{type: mup, base_d_model, base_hidden_dim, base_head_dim, output_multiplier} (Tensor Programs V: "
+        "the hyperparameters tuned at the base width hold at this one).",
+    )
 
     @classmethod
     def model_validate(cls, obj: Any, *args, **kwargs):
@@ -472,6 +480,8 @@ def rule_errors(spec) -> list[tuple[Loc, str]]:
         problems += own or spec.position.attention_problems(
             attention, d_model=spec.d_model, stack_heads=stack_heads, at=loc
         )
+    if not problems:  # the parametrization reads every block's tensors: only once they are sound
+        problems += parametrization_problems(spec)
     return problems
 
 
