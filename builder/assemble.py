@@ -167,7 +167,9 @@ def _assemble(spec, backend: str) -> nn.Module:
     output_side = stacks[architecture.stacks[-1]]
     tied = output_side.embedding.tokens if spec.tie_embeddings and type(spec.head).projects_to_vocab else None
     # a head running layers of its own numbers them after its stack's (n_layers) and uses its backend
-    head = build_block(head_for_build(spec, spec.head), dims, tied_embedding=tied, n_layers=output_side.n_layers, backend=backend)
+    head = build_block(
+        head_for_build(spec, spec.head), dims, tied_embedding=tied, n_layers=output_side.n_layers, backend=backend
+    )
     return registry.module_class(architecture)(**stacks, head=head)
 
 

@@ -203,7 +203,9 @@ def head_for_build(spec, head):
     if field is None or not is_mup(spec):
         return head
     own = getattr(head, field)
-    return head.model_copy(update={field: own.model_copy(update={"attention": attention_for_build(spec, own.attention)})})
+    return head.model_copy(
+        update={field: own.model_copy(update={"attention": attention_for_build(spec, own.attention)})}
+    )
 
 
 # -- rules ------------------------------------------------------------------------------------------

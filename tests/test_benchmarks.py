@@ -53,7 +53,7 @@ def test_yardstick_on_the_recipes_weights_is_the_same_function():
 def test_yardstick_schedule_is_the_recipes():
     from yardstick import LoopConfig, get_lr
 
-    from yamlformer.recipes.training.module import lr_multiplier
+    from yamlformer.recipes.optim.schedule import lr_multiplier
 
     recipe, _, _ = _recipe_model()
     s, opt = recipe.schedule, recipe.optimizer

@@ -91,7 +91,8 @@ def _held_bytes(model) -> dict[str, int]:
     """The bytes of weights, gradients and AdamW state this rank holds (after one step), and its tensors."""
     from torch.distributed.tensor import DTensor
 
-    from yamlformer.recipes.training.module import param_groups
+    from yamlformer.builder.optim.configs import AdamWConfig
+    from yamlformer.recipes.optim import param_groups
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
@@ -100,7 +101,7 @@ def _held_bytes(model) -> dict[str, int]:
     for p in params:  # the multi-token-prediction module is not in the logits' graph
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    optimizer = torch.optim.AdamW(param_groups(AdamWConfig(weight_decay=0.1), model), lr=1e-3)
     optimizer.step()
     return {
         "weights": sum(local(p).numel() * local(p).element_size() for p in params),

@@ -110,9 +110,10 @@ class _Tiny(L.LightningModule):
         return F.cross_entropy(self.net(x).float(), y)
 
     def configure_optimizers(self):
-        from yamlformer.recipes.training.optimizer import adamw
+        from yamlformer.builder.optim.configs import AdamWConfig
+        from yamlformer.recipes.optim.torch_optimizers import adamw
 
-        optimizer = adamw([{"params": list(self.parameters())}], lr=0.05, eps=EPS)
+        optimizer = adamw(AdamWConfig(lr=0.05, eps=EPS, betas=(0.9, 0.999)), [{"params": list(self.parameters())}])
         assert optimizer.defaults.get("fused"), "the fused kernel is the case under test"
         return optimizer
 

@@ -71,7 +71,7 @@ def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
 
 
 def test_schedule_warms_up_then_decays_to_min_lr():
-    from yamlformer.recipes.training.module import lr_multiplier
+    from yamlformer.recipes.optim.schedule import lr_multiplier
 
     cosine = ScheduleSection(type="cosine", warmup_steps=10, min_lr=1e-4)
     values = [lr_multiplier(s, cosine, lr=1e-3, max_steps=100) for s in range(120)]
@@ -85,7 +85,8 @@ def test_schedule_warms_up_then_decays_to_min_lr():
 def test_no_weight_decay_on_norms_biases_and_embeddings():
     from yamlformer.builder import build_model
     from yamlformer.builder.spec.schema import spec_model
-    from yamlformer.recipes.training.module import param_groups
+    from yamlformer.builder.optim.configs import AdamWConfig
+    from yamlformer.recipes.optim import param_groups
 
     spec = spec_model().model_validate(
         {
@@ -98,14 +99,14 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
         }
     )
     model = build_model(spec)
-    decay, no_decay = param_groups(model, 0.1)
+    decay, no_decay = param_groups(AdamWConfig(weight_decay=0.1), model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     decayed = {names[id(p)] for p in decay["params"]}
     assert decayed and all(p.ndim == 2 for p in decay["params"])
     assert not any("embed" in n or "norm" in n or n.endswith("bias") for n in decayed)
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    decay_all, _ = param_groups(model, 0.1, decay_embeddings=True)
+    decay_all, _ = param_groups(AdamWConfig(weight_decay=0.1, decay_embeddings=True), model)
     added = {names[id(p)] for p in decay_all["params"]} - decayed
     assert added and all("embed" in n or "position" in n for n in added)
 

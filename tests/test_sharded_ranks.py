@@ -34,7 +34,8 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
     from yamlformer.recipes.parallel import layout_of, parallelize
     from yamlformer.recipes.parallel.mesh import device_mesh
     from yamlformer.recipes.recipe.sections import TrainerSection
-    from yamlformer.recipes.training.module import param_groups
+    from yamlformer.builder.optim.configs import AdamWConfig
+    from yamlformer.recipes.optim import param_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -58,7 +59,7 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
         for name, p in model.named_parameters()
     )
 
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    optimizer = torch.optim.AdamW(param_groups(AdamWConfig(weight_decay=0.1), model, spec), lr=1e-3)
     ids = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank // tp))
     model(ids).float().logsumexp(-1).mean().backward()
     optimizer.step()

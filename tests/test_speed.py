@@ -148,9 +148,10 @@ def test_layers_mode_compiles_each_layer_in_place_and_decodes_eagerly(tmp_path):
 
 
 def test_fused_adamw_where_torch_has_the_kernel():
-    from yamlformer.recipes.training.optimizer import adamw
+    from yamlformer.builder.optim.configs import AdamWConfig
+    from yamlformer.recipes.optim.torch_optimizers import adamw
 
     params = [torch.nn.Parameter(torch.randn(3, 3))]
-    assert adamw([{"params": params}], lr=1e-3).defaults["fused"]
+    assert adamw(AdamWConfig(), [{"params": params}]).defaults["fused"]
     ints = [torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]
-    assert adamw([{"params": ints}], lr=1e-3).defaults["foreach"]
+    assert adamw(AdamWConfig(), [{"params": ints}]).defaults["foreach"]

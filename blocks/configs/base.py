@@ -138,13 +138,13 @@ def nested_block(kind: str, description: str):
         try:
             return cls.model_validate(value)
         except ValidationError as exc:
-            raise _located(exc) from None
+            raise first_error(exc) from None
 
     schema = {"type": "object", "description": f"{description} Any {kind} block, by its `type`."}
     return Annotated[SerializeAsAny[KIND_BASES[kind]], BeforeValidator(validate), WithJsonSchema(schema)]
 
 
-def _located(exc: ValidationError) -> PydanticCustomError:
+def first_error(exc: ValidationError) -> PydanticCustomError:
     """The first error of a nested block's validation as one located rule error."""
     errors = exc.errors()
     first = errors[0]

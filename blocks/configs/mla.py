@@ -158,9 +158,7 @@ class MLAConfig(AttentionBlock):
 
     def tensor_classes(self, d_model: int) -> Classes:
         # the latent ranks count as widths that grow with d_model; the norms and biases are vectors
-        return {
-            name: hidden() if len(shape) == 2 else vector() for name, shape in self.param_shapes(d_model).items()
-        }
+        return {name: hidden() if len(shape) == 2 else vector() for name, shape in self.param_shapes(d_model).items()}
 
     def score_head_dim(self, d_model: int) -> int:
         return self.qk_head_dim

@@ -68,7 +68,9 @@ def model_tensors(spec) -> list[ParamTensor]:
         classes = (config.tensor_classes(*dims) if config is not None else dict.fromkeys(shapes, table_class())) or {}
         for name, shape in shapes.items():
             full = prefix + name
-            tensors[full] = ParamTensor(full, tuple(shape), _tp_dim(plan, name, shape, full), unit, cls=classes.get(name))
+            tensors[full] = ParamTensor(
+                full, tuple(shape), _tp_dim(plan, name, shape, full), unit, cls=classes.get(name)
+            )
 
     architecture = spec.architecture_config
     stacks = spec.stacks()
@@ -87,7 +89,13 @@ def model_tensors(spec) -> list[ParamTensor]:
                 norm = spec.embedding.norm
                 add(f"{name}.embedding.norm.", norm, _shapes(norm, "embedding.norm", d), unit, dims=(d,))
         position_dims = (d, stack.attention.query_heads(), spec.max_seq_len)
-        add(f"{name}.position.", spec.position, _shapes(spec.position, "position", *position_dims), "root", dims=position_dims)
+        add(
+            f"{name}.position.",
+            spec.position,
+            _shapes(spec.position, "position", *position_dims),
+            "root",
+            dims=position_dims,
+        )
         walked: dict[int, list[tuple[str, tuple[int, ...], int | None]]] = {}  # per distinct layer
         for index, layer in enumerate(stack.layers()):
             unit = f"{name}.layers.{index}"

@@ -13,23 +13,18 @@ import datetime
 import functools
 import re
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from yamlformer.blocks.configs.base import rule_error
+from yamlformer.builder.optim import optimizer_field
+from yamlformer.builder.optim.configs import AdamWConfig
 from yamlformer.recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.fields import WORK_PATH, _Section
 from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
 from yamlformer.recipes.tasks import NAMES, recipe_class
-
-#: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
-Beta = Annotated[float, Field(ge=0, lt=1)]
-
-
-def _list_to_tuple(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
-
 
 #: one part of a model.freeze path: a module name, a layer index, a range of them, or *
 _FREEZE_SEGMENT = r"(?:\*|[A-Za-z_][A-Za-z0-9_]*|\d+(?:-\d+)?)"
@@ -78,26 +73,32 @@ class ModelSection(_Section):
         return self
 
 
-class OptimizerSection(_Section):
-    lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate.")
-    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
-    eps: float = Field(1e-8, gt=0, description="AdamW eps.")
-    weight_decay: float = Field(
-        0.1, ge=0, description="Decoupled weight decay on matrices; none on norms, biases and embeddings."
-    )
-    _betas_tuple = field_validator("betas", mode="before")(_list_to_tuple)
-    decay_embeddings: bool = Field(
-        False, description="Decay the embedding tables too (nanoGPT and GPT-2's training do)."
-    )
+#: a recipe's ``optimizer:``: any registered optimizer by its ``type`` (``yamlformer.builder.optim``)
+Optimizer = optimizer_field(
+    "The optimizer, by its `type`: adamw (the default: every recipe without a type) | muon | sgd | a plugin's."
+)
 
 
 class ScheduleSection(_Section):
-    type: Literal["cosine", "inverse_sqrt", "constant"] = Field(
-        "cosine", description="After warmup: cosine to min_lr | inverse_sqrt | constant."
+    type: Literal["cosine", "inverse_sqrt", "constant", "wsd"] = Field(
+        "cosine",
+        description="After warmup: cosine to min_lr | inverse_sqrt | constant | wsd (warmup-stable-decay: "
+        "constant, then a decay to min_lr over the last steps; a cooldown can branch from any stable checkpoint).",
     )
     warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr over this many steps.")
     decay_steps: int | None = Field(
-        None, ge=1, description="cosine: steps until min_lr is reached (null: trainer.max_steps)."
+        None,
+        ge=1,
+        description="cosine: the step min_lr is reached (null: trainer.max_steps); wsd: how many final steps decay "
+        "(or decay_fraction).",
+    )
+    decay_fraction: float | None = Field(
+        None, gt=0, le=1, description="wsd: the share of trainer.max_steps that decays at the end (null: 0.2)."
+    )
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] | None = Field(
+        None,
+        description="wsd: the decay's shape, from lr to min_lr: linear | cosine | 1-sqrt (1 - sqrt(t), Hägele et al. "
+        "2024; null: 1-sqrt).",
     )
     min_lr: float = Field(0.0, ge=0, description="The floor of the learning rate.")
 
@@ -112,6 +113,16 @@ class ScheduleSection(_Section):
             f"learning rate never reaches optimizer.lr (at most {peak:.0%} of it) and never decays; "
             "lower schedule.warmup_steps"
         ]
+
+    @model_validator(mode="after")
+    def _wsd_fields(self):
+        if self.type != "wsd":
+            for name in ("decay_fraction", "decay_shape"):
+                if getattr(self, name) is not None:
+                    raise rule_error((name,), f"{name} is a wsd schedule's; this schedule is {self.type}")
+        elif self.decay_steps is not None and self.decay_fraction is not None:
+            raise rule_error(("decay_fraction",), "give decay_steps or decay_fraction, not both")
+        return self
 
 
 class LossSection(_Section):
@@ -268,7 +279,10 @@ class Recipe(_Section):
     model: ModelSection = Field(..., description="The spec to train.")
     data: DataSection = Field(default_factory=DataSection, description="The corpus and its windows.")
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection, description="Text to token ids.")
-    optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="AdamW.")
+    optimizer: Optimizer = Field(
+        default_factory=AdamWConfig,
+        description="The optimizer, by its `type`: adamw (the default) | muon | sgd | a plugin's.",
+    )
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Learning-rate schedule.")
     loss: LossSection = Field(default_factory=LossSection, description="The training objective.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="How long, where, how precisely.")

@@ -1,4 +1,4 @@
-"""The LightningModule around a built model: loss, AdamW groups, schedule, resumable state."""
+"""The LightningModule around a built model: loss, the recipe's optimizer and schedule, resumable state."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yamlformer.recipes.optim import build_optimizer
+from yamlformer.recipes.optim.schedule import lr_multiplier
 from yamlformer.recipes.parallel.compile import compiled_losses
-from yamlformer.recipes.recipe.sections import Recipe, ScheduleSection
+from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.training.callbacks import publish
-from yamlformer.recipes.training.optimizer import adamw
 
 #: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
 IGNORE = -100
@@ -34,40 +35,6 @@ class NonFiniteLossError(RuntimeError):
             "lower optimizer.lr, raise schedule.warmup_steps, set trainer.gradient_clip_val or use "
             "precision 32 / bf16-mixed, then resume or start fresh"
         )
-
-
-def lr_multiplier(step: int, schedule: ScheduleSection, lr: float, max_steps: int) -> float:
-    """The learning rate at ``step`` as a share of the peak ``lr`` (nanoGPT's warmup and cosine)."""
-    warmup = schedule.warmup_steps
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    floor = schedule.min_lr / lr
-    if schedule.type == "constant":
-        return 1.0
-    if schedule.type == "inverse_sqrt":
-        return max(floor, math.sqrt(max(warmup, 1) / max(step, 1)))
-    decay = schedule.decay_steps or max_steps
-    if step >= decay:
-        return floor
-    ratio = (step - warmup) / max(1, decay - warmup)
-    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
-
-
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
-    """AdamW groups: decay on weight matrices; none on norms, biases and (unless
-    ``decay_embeddings``, as nanoGPT does) embedding tables."""
-    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-    decay, no_decay, seen = [], [], set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        in_embedding = any("embed" in part for part in name.split(".")[:-1])
-        if p.ndim < 2 or (not decay_embeddings and (id(p) in embedding_ids or in_embedding)):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 #: where Lightning's fit loop counts optimizer steps (``trainer.global_step``): automatic
@@ -135,6 +102,7 @@ class LMModule(L.LightningModule):
     def __init__(self, model: nn.Module, recipe: Recipe, meta: dict):
         super().__init__()
         self.model, self.recipe, self.meta = model, recipe, meta
+        self.spec = getattr(model, "spec", None)  # the optimizer's groups read it (a pipeline stage has none)
         # the whole run, across resumes: train (step, mean loss since the entry before); val (step,
         # loss, training wall seconds)
         self.history: dict[str, list] = {"train": [], "val": []}
@@ -313,12 +281,10 @@ class LMModule(L.LightningModule):
             self.history["val"].append((self.global_step, loss, self.wall_seconds()))
 
     def configure_optimizers(self):
-        opt = self.recipe.optimizer
-        optimizer = adamw(
-            param_groups(self.model, opt.weight_decay, opt.decay_embeddings), lr=opt.lr, betas=opt.betas, eps=opt.eps
-        )
+        opt = self.recipe.optimizer  # any registered kind: its groups, state and class are its own
+        optimizer = build_optimizer(opt, self.model, self.spec)
         multiplier = functools.partial(
-            lr_multiplier, schedule=self.recipe.schedule, lr=opt.lr, max_steps=self.recipe.trainer.max_steps
+            lr_multiplier, schedule=self.recipe.schedule, lr=opt.peak_lr, max_steps=self.recipe.trainer.max_steps
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

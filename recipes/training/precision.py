@@ -8,7 +8,7 @@ Clipping and the optimizer step, for every precision (PyTorch's AMP recipe):
 * ``16-mixed``: the loss is scaled; the gradients are unscaled first, then clipped, then the
   scaler steps (skipping a step whose gradients overflowed) and updates its scale.
 
-Fused AdamW (``yamlformer.recipes.training.optimizer.adamw``) declares that it unscales inside its kernel
+Fused AdamW (``yamlformer.recipes.optim.torch_optimizers.adamw``) declares that it unscales inside its kernel
 (``_step_supports_amp_scaling``). Lightning's own ``MixedPrecision`` refuses to clip for such an
 optimizer under *any* mixed precision, bf16 included, which has nothing to unscale. The plugin
 here keeps both: under 16-mixed it unscales before clipping (the scaler then hands the fused
