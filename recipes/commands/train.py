@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from yamlformer.builder.cli.arguments import input_path
+from yamlformer.builder.cli.arguments import count, input_path
 from yamlformer.builder.cli.common import add_spec_options, load_plugins_from_args, overrides_from_args
 
 
@@ -43,6 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start over in the same folder; earlier checkpoints move to checkpoints.before-fresh-TIME",
     )
+    parser.add_argument(
+        "--cooldown-from",
+        metavar="CKPT",
+        type=input_path,
+        help="branch a cooldown from CKPT, a checkpoint of the stable phase of a schedule.type wsd (or constant) "
+        "run (trainer.keep_every_n_steps keeps them): --steps more steps, the learning rate decaying to min_lr, "
+        "in the folder RUN-cooldown-STEP+N beside the run's; the same command again resumes it",
+    )
+    parser.add_argument(
+        "--steps",
+        type=count(1),
+        metavar="N",
+        help="with --cooldown-from: the cooldown's length in optimizer steps (an integer from 1 up)",
+    )
     parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
     parser.add_argument(
         "--verbose",
@@ -62,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         from yamlformer.recipes.recipe.sections import recipe_path
 
         recipe = recipe_path(args.recipe)  # a path, else a zoo name
+        _check_cooldown_arguments(args)
         if args.dry_run:  # before torch and Lightning are imported
             from yamlformer.recipes.training.dry_run import dry_run
 
@@ -76,6 +91,15 @@ def run(args: argparse.Namespace) -> int:
     return _train(args, recipe, overrides)
 
 
+def _check_cooldown_arguments(args: argparse.Namespace) -> None:
+    from yamlformer.recipes.errors import RecipeError
+
+    if (args.cooldown_from is None) != (args.steps is None):
+        raise RecipeError("--cooldown-from CKPT and --steps N go together: a cooldown of N steps from CKPT")
+    if args.cooldown_from is not None and (args.resume is not None or args.dry_run):
+        raise RecipeError("--cooldown-from branches from its checkpoint (and resumes itself): no --resume or --dry-run")
+
+
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.recipes.errors import RecipeError
@@ -84,9 +108,14 @@ def _train(args: argparse.Namespace, recipe, overrides) -> int:
     from yamlformer.recipes.training.signals import Stopped
 
     try:
-        from yamlformer.recipes.training.run import run as train
+        if args.cooldown_from is not None:
+            from yamlformer.recipes.training.cooldown import cooldown
 
-        train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
+            cooldown(recipe, overrides, args.cooldown_from, args.steps, args.fresh, args.samples, args.verbose)
+        else:
+            from yamlformer.recipes.training.run import run as train
+
+            train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
     except SpecError as exc:
         print(exc, file=sys.stderr)
         return 1

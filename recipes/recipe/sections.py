@@ -148,6 +148,12 @@ class _TrainingFields(_Section):
     checkpoint_every_n_steps: int = Field(
         100, ge=1, description="Write last.ckpt every this many steps (and at every validation)."
     )
+    keep_every_n_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also keep a whole, resumable checkpoint branch-N.ckpt every this many steps (null: none); a "
+        "cooldown branches from one (builder train RECIPE --cooldown-from CKPT --steps N).",
+    )
     gradient_clip_val: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: off).")
     accumulate_grad_batches: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     precision: Literal["auto", "32", "bf16-mixed", "16-mixed", "bf16-true"] = Field(

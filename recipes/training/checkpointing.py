@@ -77,12 +77,18 @@ def load_into_shards(module, optimizers, path: Path, strict: bool = True, whole_
         return checkpoints.load_into_shards(module, optimizers, path, strict=strict, whole_groups=whole_groups)
 
 
+def branch_path(dirpath: Path, step: int) -> Path:
+    """Where the whole checkpoint kept at optimizer step ``step`` is written (``keep_every_n_steps``)."""
+    return Path(dirpath) / f"branch-{step}.ckpt"
+
+
 class RecipeCheckpoint(L.Callback):
     """``last.ckpt`` every ``every_n_steps`` optimizer steps, at each validation and at the end;
-    ``best.ckpt`` whenever the validation loss improves."""
+    ``best.ckpt`` whenever the validation loss improves; with ``keep_every_n_steps``, a whole
+    checkpoint ``branch-N.ckpt`` kept every that many steps (a cooldown branches from one)."""
 
-    def __init__(self, dirpath: Path, every_n_steps: int):
-        self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
+    def __init__(self, dirpath: Path, every_n_steps: int, keep_every_n_steps: int | None = None):
+        self.dirpath, self.every_n_steps, self.keep_every_n_steps = Path(dirpath), every_n_steps, keep_every_n_steps
         self.best: float | None = None
         self._saved_step = -1
 
@@ -108,6 +114,11 @@ class RecipeCheckpoint(L.Callback):
         stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         if stepped and trainer.global_step % self.every_n_steps == 0:
             self._save_last(trainer)
+        keep = self.keep_every_n_steps
+        if stepped and keep is not None and trainer.global_step % keep == 0:
+            path = branch_path(self.dirpath, trainer.global_step)
+            if not checkpoints.exists(path):
+                trainer.save_checkpoint(path, weights_only=False)
 
     def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:

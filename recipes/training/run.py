@@ -278,7 +278,7 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
             saved = peek_meta(path)
         except CheckpointError as exc:
             raise RecipeError(f"--resume: {exc}") from None
-    refused, allowed = resume_differences(builder_meta(path, saved), meta)
+    refused, allowed = resume_differences(builder_meta(path, saved), meta, step=saved.get("global_step"))
     if refused:
         raise _trained_differently(path, refused)
     for line in allowed:
@@ -320,10 +320,12 @@ def check_recipe_early(
 
     path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
     try:
-        saved = builder_meta(path, peek_meta(path))
+        peeked = peek_meta(path)
+        saved = builder_meta(path, peeked)
     except CheckpointError:
         return  # none, or damaged: resume_path finds what to resume from and says so
-    refused, _ = recipe_differences(saved.get("recipe") or {}, recipe_dump(recipe, recipe_file))
+    current = recipe_dump(recipe, recipe_file)
+    refused, _ = recipe_differences(saved.get("recipe") or {}, current, step=peeked.get("global_step"))
     saved_spec = saved.get("spec")
     if spec_of is not None and isinstance(saved_spec, dict) and isinstance(saved_spec.get("vocab_size"), int):
         try:
@@ -526,7 +528,7 @@ def train(
     )
     module = prepared.module_class(model, recipe, meta)
     ckpt_dir = out / "checkpoints"
-    checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps)
+    checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps, settings.keep_every_n_steps)
     if prepared.tokens_of is None:
         tokens = prepared.batch * prepared.seq_len * settings.accumulate_grad_batches
         throughput = Throughput(tokens, flops_per_token, settings.precision, settings.log_every_n_steps)

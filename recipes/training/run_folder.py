@@ -70,6 +70,7 @@ MAY_CHANGE = (
     "trainer.val_check_interval",
     "trainer.limit_val_batches",
     "trainer.checkpoint_every_n_steps",
+    "trainer.keep_every_n_steps",
     "trainer.log_every_n_steps",
     "trainer.output_dir",
     "trainer.accelerator",
@@ -383,12 +384,35 @@ def global_batch(recipe: Mapping[str, Any]) -> int | None:
     return batch * recipe.get("trainer.accumulate_grad_batches", 1) * ranks
 
 
-def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+def _schedule_kept(saved: Mapping[str, Any], current: Mapping[str, Any], step: int | None) -> bool:
+    """Whether the two recipes' learning rates agreed at every step a checkpoint at ``step`` took
+    (``yamlformer.recipes.optim.schedule.same_through``): then its ``schedule`` may change on resume (a
+    warmup-stable-decay run lengthened, a cooldown branched from its stable phase)."""
+    from yamlformer.recipes.optim.schedule import same_through
+    from yamlformer.recipes.tasks import recipe_class
+
+    if not isinstance(step, int) or saved.get("task", "lm") != current.get("task", "lm"):
+        return False
+    try:
+        cls = recipe_class(current.get("task", "lm"))
+        a, b = (cls.model_validate(dict(dump), strict=False) for dump in (saved, current))
+    except Exception:
+        return False
+    return same_through(a, b, step)
+
+
+def recipe_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], step: int | None = None
+) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: one line per differing field of two recipe dumps, split by
     :data:`MAY_CHANGE` (and :data:`GLOBAL_BATCH` while the global batch is unchanged: a run moved
-    from 4 processes of batch 1 to 2 of batch 2 trains on the same windows)."""
+    from 4 processes of batch 1 to 2 of batch 2 trains on the same windows; and ``schedule`` where
+    both gave the same learning rate at every step a checkpoint at ``step`` took)."""
     a, b = flatten(_normalised_recipe(saved)), flatten(_normalised_recipe(current))
     same_batch = global_batch(a) is not None and global_batch(a) == global_batch(b)
+    schedule_kept = any(k.startswith("schedule.") and a.get(k) != b.get(k) for k in set(a) | set(b)) and (
+        _schedule_kept(saved, current, step)
+    )
     refused, allowed = [], []
     missing = object()
     for key in sorted(set(a) | set(b)):
@@ -401,7 +425,10 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
         )
         if key in GLOBAL_BATCH and same_batch:
             line += f" (the global batch stays {global_batch(b)})"
-        (allowed if _may_change(key) or (key in GLOBAL_BATCH and same_batch) else refused).append(line)
+        kept = schedule_kept and key.startswith("schedule.")
+        if kept:
+            line += " (the same learning rate at every step taken)"
+        (allowed if _may_change(key) or kept or (key in GLOBAL_BATCH and same_batch) else refused).append(line)
     return refused, allowed
 
 
@@ -427,11 +454,14 @@ def spec_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
     return lines
 
 
-def resume_differences(saved: Mapping[str, Any], meta: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+def resume_differences(
+    saved: Mapping[str, Any], meta: Mapping[str, Any], step: int | None = None
+) -> tuple[list[str], list[str]]:
     """What differs between a checkpoint's ``builder`` metadata and this run's: ``(refused,
-    allowed)`` lines. The recipe field by field, the resolved spec field by field, the
+    allowed)`` lines. The recipe field by field (``step``: the checkpoint's, for a schedule
+    :func:`recipe_differences` may let change), the resolved spec field by field, the
     tokenizer, the task and the corpus."""
-    refused, allowed = recipe_differences(saved.get("recipe") or {}, meta.get("recipe") or {})
+    refused, allowed = recipe_differences(saved.get("recipe") or {}, meta.get("recipe") or {}, step)
     refused += spec_differences(saved.get("spec") or {}, meta.get("spec") or {})
     if saved.get("tokenizer") != meta.get("tokenizer"):
         refused.append("tokenizer: a different vocabulary (trained on other text or with other settings)")
