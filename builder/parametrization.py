@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from yamlformer.blocks.configs.tensors import TensorScaling
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_WIDTH
 
 Loc = tuple[str | int, ...]
@@ -75,22 +76,6 @@ class MuPParametrization(_Parametrization):
 
 
 Parametrization = Annotated[StandardParametrization | MuPParametrization, Field(discriminator="type")]
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorScaling:
-    """One parameter tensor under the spec's parametrization: its role (None: its block declares
-    no classes) and the width ratios of its input and output sides (1.0: fixed, or standard)."""
-
-    role: str | None
-    fan_in: float = 1.0
-    fan_out: float = 1.0
-    ndim: int = 2
-
-    @property
-    def init_factor(self) -> float:
-        """The factor on the normal std of its init."""
-        return self.fan_in**-0.5 if self.role == "hidden" else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,3 +309,20 @@ def describe_lines(spec) -> list[str]:
             + ", ".join(f"{1 / r:.4g}" for r in ins)
         )
     return lines
+
+
+def summary(spec) -> dict[str, Any]:
+    """The parametrization for ``describe --json`` and ``diff --json``: the spec's section, the width
+    ratios, and under muP the attention factor, the output multipliers and the hidden tensors' factors."""
+    out: dict[str, Any] = {**spec.parametrization.model_dump(), "widths": widths(spec)}
+    if is_mup(spec):
+        made = plan(spec)
+        attention = next(iter(spec.stacks().values())).attention
+        hidden = sorted({round(t.fan_in, 9) for t in made.tensors.values() if t.role == "hidden"})
+        out.update(
+            attention_score_factor=head_ratio(spec, attention) ** -0.5,
+            output_multipliers=made.output_multipliers,
+            hidden_init_factors=[r**-0.5 for r in hidden],
+            hidden_adamw_lr_factors=[1 / r for r in hidden],
+        )
+    return out

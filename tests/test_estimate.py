@@ -136,9 +136,16 @@ def test_memory_conventions():
     spec = load_spec(ROOT / "specs" / "llama2-7b.yaml")
     n = 6_738_415_616
     bf16 = estimate(spec, seq_len=1024, batch=2).memory
-    assert (bf16.weights, bf16.master_weights, bf16.gradients, bf16.optimizer) == (2 * n, 4 * n, 2 * n, 8 * n)
+    # AdamW (the default): two fp32 states per element and an fp32 step for each of the 291 tensors
+    adamw = 8 * n + 4 * 291
+    assert (bf16.weights, bf16.master_weights, bf16.gradients, bf16.optimizer) == (2 * n, 4 * n, 2 * n, adamw)
     fp32 = estimate(spec, seq_len=1024, batch=2, dtype="fp32").memory
-    assert (fp32.weights, fp32.master_weights, fp32.gradients, fp32.optimizer) == (4 * n, 0, 4 * n, 8 * n)
+    assert (fp32.weights, fp32.master_weights, fp32.gradients, fp32.optimizer) == (4 * n, 0, 4 * n, adamw)
+    # Muon: one fp32 momentum per element of the 32 x 7 hidden matrices, AdamW's state on the rest
+    hidden = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    muon = estimate(spec, seq_len=1024, batch=2, optimizer="muon").memory
+    assert muon.optimizer == 4 * hidden + 8 * (n - hidden) + 4 * (291 - 32 * 7)
+    assert estimate(spec, seq_len=1024, batch=2, optimizer="sgd").memory.optimizer == 4 * n  # its momentum
     fsdp = estimate(spec, seq_len=1024, batch=2, layout=Layout(devices=8)).memory
     # FSDP2 (yamlformer.builder.analysis.layout): fp32 shards that are the master weights (every Llama dim divides
     # by 8), fp32 sharded gradients, AdamW's two states and a step for each of the 291 tensors

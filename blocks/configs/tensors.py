@@ -74,3 +74,20 @@ def vocab_classes(name: str, bias: bool) -> dict[str, TensorClass]:
     reads the embedding table, which is counted and trained as the embedding's, and still takes
     muP's output multiplier)."""
     return {f"{name}.weight": output(), **({f"{name}.bias": vector(None)} if bias else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorScaling:
+    """One parameter tensor under a spec's parametrization (``yamlformer.builder.parametrization``): its role
+    (None: its block declares no classes) and the width ratios of its input and output sides
+    (1.0: a fixed size, or the standard parametrization)."""
+
+    role: str | None
+    fan_in: float = 1.0
+    fan_out: float = 1.0
+    ndim: int = 2
+
+    @property
+    def init_factor(self) -> float:
+        """The factor on the normal std of its init."""
+        return self.fan_in**-0.5 if self.role == "hidden" else 1.0

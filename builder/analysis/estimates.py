@@ -19,6 +19,8 @@ from typing import Any
 
 from yamlformer.builder.analysis import memory as _memory
 from yamlformer.builder.analysis.layout import Layout, check_tensor_parallel, sharded_memory, tensor_parallel_spec
+from yamlformer.builder.analysis.shards import optimizer_bytes
+from yamlformer.builder.optim import OptimizerConfig, optimizer_configs
 
 #: bytes per element of the compute dtypes
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -65,6 +67,9 @@ class Step:
     dtype: str = "bf16"
     activation_checkpointing: bool = False
     fused_attention: bool = True
+    #: the optimizer whose declared state is counted: a registered type name or its config
+    #: (``yamlformer.builder.optim``; ``recipe.optimizer`` for a recipe's)
+    optimizer: Any = "adamw"
 
     def __post_init__(self):
         problems = [
@@ -74,6 +79,10 @@ class Step:
         ]
         if self.dtype not in DTYPE_BYTES:
             problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if not isinstance(self.optimizer, OptimizerConfig) and self.optimizer not in optimizer_configs():
+            problems.append(
+                f"optimizer must be one of {', '.join(optimizer_configs())} or a config, got {self.optimizer!r}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -296,6 +305,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
         strategy=layout.strategy,
         activation_checkpointing=activation_checkpointing,
         fused_attention=fused_attention,
+        optimizer=optimizer_bytes(spec, step.optimizer),
     )
     if layout.strategy == "fsdp":
         mem = _sharded(spec, layout, mem, dataclasses.replace(step, seq_len=seq))
@@ -308,6 +318,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
         "strategy": layout.strategy,
         "activation_checkpointing": activation_checkpointing,
         "fused_attention": fused_attention,
+        "optimizer": step.optimizer if isinstance(step.optimizer, str) else step.optimizer.type,
         "tensor_parallel": layout.tensor_parallel,
         "data_parallel": layout.data_parallel,
         "nodes": layout.nodes,
@@ -342,7 +353,7 @@ def _sharded(spec, layout: Layout, mem, step: Step):
     most keeps of the parameters, gradients and optimizer state (``yamlformer.builder.analysis.layout``)."""
     if layout.tensor_parallel > 1:
         mem = estimate(tensor_parallel_spec(spec, layout.tensor_parallel), step).memory
-    return sharded_memory(spec, layout, mem)
+    return sharded_memory(spec, layout, mem, step.optimizer)
 
 
 def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, fused, position):

@@ -45,6 +45,12 @@ class Launch:
         )
 
     @property
+    def optimizer(self) -> str:
+        """The optimizer the plan counted the state of (``yamlformer.builder.optim``), by type name."""
+        chosen = self.candidate.run.optimizer
+        return chosen if isinstance(chosen, str) else chosen.type
+
+    @property
     def batch_size(self) -> int:
         """Sequences one data-parallel rank reads at a time: a micro-batch, or under pipeline
         parallelism every micro-batch of the step (the schedule cuts it)."""

@@ -35,9 +35,10 @@ What a rank holds, as PyTorch builds it:
 * **Mixed precision** (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): the
   sharded parameters stay fp32 and are the optimizer's master weights (no second copy); each unit
   is all-gathered in bf16 for compute; its gradients are reduce-scattered in fp32 into fp32
-  sharded gradients. AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (fp32, the local shard's shape)
-  and a 4-byte ``step`` per parameter tensor. So a rank holds 16 bytes per local element plus 4
-  per tensor, in bf16, fp16 and fp32 alike.
+  sharded gradients. The optimizer keeps what it declares for the local shard
+  (``yamlformer.builder.optim``): AdamW ``exp_avg`` and ``exp_avg_sq`` (fp32, the local shard's shape)
+  and a 4-byte ``step`` per parameter tensor, so a rank holds 16 bytes per local element plus 4
+  per tensor, in bf16, fp16 and fp32 alike; Muon one fp32 momentum per element of a hidden matrix.
 * **Transient** (an estimate, not exact): two units' gathered parameters (the one computing and
   the one prefetched) in the compute dtype, and the largest unit's unsharded gradients in the
   compute dtype plus their fp32 reduce-scatter input.
@@ -64,8 +65,6 @@ from yamlformer.builder.analysis.layout_rules import (
 )
 from yamlformer.builder.analysis.mesh import DATA_PARALLEL, DEGREES, STRATEGIES, Layout, LayoutError
 from yamlformer.builder.analysis.shards import (
-    ADAMW_STATES,
-    ADAMW_STEP,
     EMBEDDING_PLAN,
     FP32,
     ParamTensor,
@@ -79,8 +78,6 @@ from yamlformer.builder.analysis.shards import (
 )
 
 __all__ = [
-    "ADAMW_STATES",
-    "ADAMW_STEP",
     "DATA_PARALLEL",
     "DEGREES",
     "EMBEDDING_PLAN",

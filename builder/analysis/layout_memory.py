@@ -1,7 +1,7 @@
 """Per-GPU memory of a layout with pipeline, context or expert parallelism (torch-free), as
 ``builder describe --pipeline-parallel ...`` prints it and ``builder train --dry-run`` prints it
 for a recipe's trainer layout: the performance model's count (:func:`yamlformer.builder.analysis.perf.memory`)
-of the stage holding the most, each pipeline stage's parameters, gradients and AdamW states
+of the stage holding the most, each pipeline stage's parameters, gradients and optimizer state
 exact (:func:`yamlformer.builder.analysis.shards.pipeline_rank_states`, the stages placed as the runtime's
 schedule places them)."""
 
@@ -25,13 +25,15 @@ def layout_memory(
     checkpointing: bool,
     schedule: str = "1f1b",
     microbatches: int | None = None,
+    optimizer="adamw",
 ) -> dict | None:
     """``{"layout", "parts", "per_gpu_bytes"}`` of ``layout`` running micro-batches of
     ``micro_batch`` sequences of ``seq_len`` tokens (the whole sequence: context parallelism splits
     it), ``microbatches`` of them per pipelined step (default one per stage, as torchtitan); None
     for a layout without pipeline, context or expert parallelism (``estimate`` counts that one
     exactly). Tensor parallelism is sized sequence-parallel; context parallelism as the recipes
-    run it, every layer keeping the keys and values it gathered."""
+    run it, every layer keeping the keys and values it gathered. ``optimizer``: whose declared state
+    is counted (``yamlformer.builder.optim``)."""
     from yamlformer.builder.analysis.perf import Model, Run, memory
     from yamlformer.builder.analysis.shards import pipeline_rank_states
 
@@ -50,9 +52,13 @@ def layout_memory(
         stages_per_rank=virtual,
         dtype=dtype,
         context_gather=True,
+        optimizer=optimizer,
     )
     exact = None
     if layout.pipeline_parallel > 1:
-        exact = [r.weights + r.gradients + r.optimizer for r in pipeline_rank_states(spec, layout, per_rank, style)]
+        exact = [
+            r.weights + r.gradients + r.optimizer
+            for r in pipeline_rank_states(spec, layout, per_rank, style, optimizer)
+        ]
     parts = memory(Model(spec, seq_len, dtype), layout, run, exact)
     return {"layout": layout.to_dict(), "parts": parts, "per_gpu_bytes": sum(parts.values())}

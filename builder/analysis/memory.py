@@ -4,8 +4,11 @@ The accounting (printed with every estimate, see :data:`CONVENTIONS`):
 
 * **Weights, gradients, optimizer.** Weights and gradients in the compute dtype. With bf16 or
   fp16 (mixed precision) the optimizer steps an fp32 master copy of the weights, 4 bytes per
-  parameter more. AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq), 8 bytes. So
-  16 bytes per parameter in all, in every dtype: fp32 is 4 + 4 + 8, bf16 is 2 + 4 + 2 + 8.
+  parameter more. The optimizer's state is what it declares (``yamlformer.builder.optim``,
+  :func:`~yamlformer.builder.optim.optimizer_state_bytes`): AdamW, the default, two fp32 states per
+  parameter (exp_avg, exp_avg_sq), 8 bytes, and an fp32 step per tensor; so 16 bytes per
+  parameter in all, in every dtype: fp32 is 4 + 4 + 8, bf16 is 2 + 4 + 2 + 8. Muon keeps one fp32
+  momentum per element of a hidden matrix (12 bytes per parameter there), SGD one (or none).
 * **Activations.** What autograd keeps between forward and backward, following Korthikanti et al.
   2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4) but summed
   per block from what each block declares (``saved_bytes`` in ``blocks/configs``) instead of
@@ -36,12 +39,12 @@ from typing import Any
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq, fp32
 
 CONVENTIONS = (
     (
         "memory: weights and gradients in the compute dtype; bf16/fp16 adds fp32 master weights "
-        "(mixed precision); AdamW keeps two fp32 states: 16 bytes per parameter in every dtype"
+        "(mixed precision); the optimizer's declared state (AdamW: two fp32 states and a step per tensor, "
+        "16 bytes per parameter in every dtype; Muon: one on hidden matrices)"
     ),
     (
         "activations: the tensors each block saves for backward (Korthikanti et al. 2022 adapted "
@@ -52,8 +55,8 @@ CONVENTIONS = (
     (
         "DDP replicates everything; FSDP2 (and tensor parallelism) per rank, exactly, as "
         "yamlformer.builder.analysis.layout counts it: fp32 shards (torch.chunk on dim 0; rank 0 "
-        "holds the most) that are the master weights, fp32 sharded gradients, AdamW states and a "
-        "step per tensor, plus two gathered units and one unit's gradients in flight"
+        "holds the most) that are the master weights, fp32 sharded gradients, the optimizer's declared state "
+        "(AdamW: two states and a step per tensor), plus two gathered units and one unit's gradients in flight"
     ),
     (
         "KV cache: keys and values of every self-attention layer for the context (a sliding window "
@@ -118,14 +121,15 @@ def memory(
     strategy: str,
     activation_checkpointing: bool,
     fused_attention: bool = True,
+    optimizer: int = 0,
 ) -> MemoryEstimate:
     """Per-device training memory and the KV cache, from the per-layer estimates, every state
     whole on the device (DDP); ``yamlformer.builder.analysis.estimates`` shards them for FSDP through
-    ``yamlformer.builder.analysis.layout``."""
+    ``yamlformer.builder.analysis.layout``. ``optimizer``: the bytes of the optimizer's state for the
+    whole model (``yamlformer.builder.analysis.shards.optimizer_bytes``)."""
     act = BYTES[dtype]
     weights = gradients = n_params * act
     master = n_params * FP32 if act != FP32 else 0
-    optimizer = n_params * FP32 * ADAMW_STATES
     activations = activation_bytes(
         spec, layers, batch, seq_len, src_len, act, activation_checkpointing, fused_attention
     )

@@ -40,8 +40,9 @@ is fitted to a published run (``benchmarks/plan_vs_published.py`` checks them):
 * **Pipeline bubble** (:func:`yamlformer.builder.analysis.schedules.bubble_fraction`): GPipe and 1F1B
   ``(p-1)/m``, interleaved 1F1B ``(p-1)/(v m)``, zero-bubble (ZB-H1, Qi et al. 2023)
   ``(p-1)/(3m)`` of ``m`` micro-batches' time.
-* **Memory** (:func:`memory`): 16 bytes per local parameter element sharded over the FSDP group
-  (fp32 master weights, fp32 gradients, AdamW's two states), the stage holding the most (the
+* **Memory** (:func:`memory`): per local parameter element sharded over the FSDP group, fp32
+  master weights and gradients and the optimizer's declared state (:attr:`Run.optimizer`; AdamW's
+  two states: 16 bytes in all), the stage holding the most (the
   layers split evenly, the embedding on the first, the head on the last), two gathered units and
   one unit's gradients in flight (under pipeline parallelism FSDP keeps the stage's parameters
   and gradients unsharded, as torchtitan does, ``reshard_after_forward=False``), and the
@@ -83,6 +84,7 @@ from yamlformer.builder.analysis.perf_terms import (
     tensor_parallel_seconds,
 )
 from yamlformer.builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
+from yamlformer.builder.analysis.shards import mean_optimizer_bytes
 
 __all__ = ["Model", "Prediction", "Run", "Calibration", "collective_seconds", "context_parallel_seconds", "predict"]
 
@@ -130,6 +132,8 @@ class Run:
     #: without grouped-query support), so context parallelism moves n_heads / n_kv_heads times the bytes
     kv_repeat: bool = False
     attention: str = "flash"
+    #: the optimizer whose declared state is counted (``yamlformer.builder.optim``: a type name or a config)
+    optimizer: Any = "adamw"
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -442,10 +446,12 @@ def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = 
     best: dict[str, int] = {}
     # what a compiled loss does not keep (per rank: a tp-th under sequence parallelism)
     loss_saving = m.compiled_loss_saving / (tp if run.sequence_parallel else 1) if run.compile_loss else 0
+    # fp32 master weights and gradients, and the optimizer's declared state, per parameter element
+    state = 8 + mean_optimizer_bytes(m.spec, run.optimizer) if not stage_states else 0
     for s in range(pp):
         dense, experts = _stage_params(m, counts[s], s, pp, tp, ep)
         shard, expert_shard = layout.shard_size, max(1, layout.shard_size // ep)
-        states = stage_states[s] if stage_states else 16 * (dense / shard + experts / expert_shard)
+        states = stage_states[s] if stage_states else state * (dense / shard + experts / expert_shard)
         unit = max((m.layers[k]["params"] / tp + m.layers[k]["expert_params"] / ep for k in counts[s]), default=0)
         if pp > 1:  # the stage's parameters and gradients stay unsharded through the step
             buffers = (dense + experts) * 2 * act + unit * 4

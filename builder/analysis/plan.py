@@ -45,6 +45,7 @@ from yamlformer.builder.analysis.layout import (
 )
 from yamlformer.builder.analysis.perf import ATTENTION, RECOMPUTE, Calibration, Model, Prediction, Run, predict
 from yamlformer.builder.analysis.schedules import SCHEDULES
+from yamlformer.builder.optim import OptimizerError, optimizer_named
 
 CHEAPEST = (
     "ranked by predicted step time (yamlformer.builder.analysis.perf: compute, memory-bound work, exposed "
@@ -233,6 +234,8 @@ class Pins:
     float8: bool = False
     #: the attention kernel the run uses (``yamlformer.builder.analysis.perf.ATTENTION``)
     attention: str = "flash"
+    #: the optimizer whose declared state each rank holds (``yamlformer.builder.optim``: a type name or config)
+    optimizer: Any = "adamw"
     #: only what the recipes' runtime runs (``yamlformer.builder.analysis.runtime``): its combinations of tensor,
     #: context, expert and pipeline parallel x FSDP/HSDP/replicate, its schedules, full or no
     #: recomputation, tensor parallelism keeping the layers' inputs whole
@@ -314,6 +317,10 @@ def _shape(c: Candidate) -> tuple:
 
 def _check_pins(spec, cluster: Cluster, pins: Pins, seq: int) -> None:
     """A pinned setting no layout can take, as a located refusal."""
+    try:
+        optimizer_named(pins.optimizer)
+    except OptimizerError as exc:
+        raise LayoutError("optimizer", pins.optimizer, str(exc)) from None
     if pins.checkpointing is not None and pins.checkpointing not in RECOMPUTE:
         raise LayoutError("checkpointing", pins.checkpointing, f"must be one of {', '.join(RECOMPUTE)}")
     if pins.schedule is not None and pins.schedule not in SCHEDULES:
@@ -482,6 +489,7 @@ def _best_micro_batch(
             dtype=dtype,
             sequence_parallel=not pins.launchable,  # the recipes' TP keeps inputs and logits whole
             context_gather=pins.launchable,  # the recipes' CP all-gathers keys and values
+            optimizer=pins.optimizer,
         )
         try:
             p = predict(spec, layout, run, cluster.hardware, cal, model=model)

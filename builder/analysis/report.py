@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from yamlformer.builder.parametrization import describe_lines
+
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -196,7 +198,8 @@ def describe_table(spec, est, actual=None):
     memory = memory_table(m, s, seq)
 
     notes = Text("\n".join(f"- {c}" for c in est.conventions), style="dim")
-    return Group(components, layers, totals, memory, Text("conventions:", style="dim"), notes)
+    shown = Text("\n".join(describe_lines(spec)))
+    return Group(components, layers, totals, memory, shown, Text("conventions:", style="dim"), notes)
 
 
 def memory_table(m, s, seq: int):
@@ -214,7 +217,7 @@ def memory_table(m, s, seq: int):
             ("weights", m.weights),
             ("fp32 master weights", m.master_weights),
             ("gradients", m.gradients),
-            ("AdamW states", m.optimizer),
+            (f"optimizer state ({s.get('optimizer', 'adamw')})", m.optimizer),
             ("activations", m.activations),
         )
     else:
@@ -228,7 +231,7 @@ def memory_table(m, s, seq: int):
         rows = (
             ("weights (fp32 shards: the master weights)", m.weights),
             ("gradients (fp32 shards)", m.gradients),
-            ("AdamW states (2 x fp32, a step per tensor)", m.optimizer),
+            (f"optimizer state ({s.get('optimizer', 'adamw')}, fp32 shards)", m.optimizer),
             ("FSDP units in flight (2 gathered, 1 unit's grads)", m.sharding_buffers),
             ("activations" + (" (one tensor-parallel rank)" if mesh.tensor_parallel > 1 else ""), m.activations),
         )

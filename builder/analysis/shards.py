@@ -21,8 +21,6 @@ from yamlformer.builder.analysis.memory import BYTES
 from yamlformer.builder.analysis.mesh import Layout, LayoutError
 
 FP32 = 4
-ADAMW_STATES = 2  # exp_avg, exp_avg_sq
-ADAMW_STEP = 4  # one fp32 scalar per parameter tensor
 #: the token embedding's plan: a vocabulary-parallel table (torch's RowwiseParallel on nn.Embedding)
 EMBEDDING_PLAN = {"tokens": "vocab"}
 
@@ -175,14 +173,41 @@ def _tp_dim(plan: dict[str, str], name: str, shape, full: str) -> int | None:
 # -- what a rank holds ----------------------------------------------------------------------------
 
 
+def state_groups(held) -> list[tuple[int, str | None, int, int]]:
+    """``(elements held, ParamTensor)`` pairs as :func:`yamlformer.builder.optim.optimizer_state_bytes`
+    takes them: summed by role and ndim, with their tensor counts."""
+    groups: dict[tuple[str | None, int], list[int]] = {}
+    for elements, tensor in held:
+        entry = groups.setdefault((tensor.cls.role if tensor.cls else None, len(tensor.shape)), [0, 0])
+        entry[0] += elements
+        entry[1] += 1
+    return [(elements, role, ndim, count) for (role, ndim), (elements, count) in groups.items()]
+
+
+def optimizer_bytes(spec, optimizer=None, tensors: list[ParamTensor] | None = None) -> int:
+    """The optimizer's state for the whole model (every tensor on one device), as it declares it
+    (``optimizer``: a registered config or type name; None: AdamW)."""
+    from yamlformer.builder.optim import optimizer_state_bytes
+
+    tensors = model_tensors(spec) if tensors is None else tensors
+    return optimizer_state_bytes(state_groups((_numel(t.shape), t) for t in tensors), optimizer)
+
+
+def mean_optimizer_bytes(spec, optimizer=None) -> float:
+    """:func:`optimizer_bytes` per parameter element (the performance model's per-layer count)."""
+    tensors = model_tensors(spec)
+    return optimizer_bytes(spec, optimizer, tensors) / max(1, sum(_numel(t.shape) for t in tensors))
+
+
 @dataclass(frozen=True)
 class RankStates:
     """What one rank holds of the model's persistent training state, exactly.
 
     ``elements``: the local shards' elements (``sum(p.to_local().numel())``); ``weights``,
-    ``gradients``, ``optimizer``: their bytes (fp32; AdamW's two states plus one fp32 step per
-    tensor); ``padded_elements``: what FSDP2 allocates per rank for the parameters (and the flat
-    gradient buffers), rank 0's share on every rank of the group.
+    ``gradients``: their bytes (fp32); ``optimizer``: the optimizer's state for them, as it
+    declares it (``yamlformer.builder.optim.optimizer_state_bytes``; AdamW: two fp32 states per element
+    and an fp32 step per tensor); ``padded_elements``: what FSDP2 allocates per rank for the
+    parameters (and the flat gradient buffers), rank 0's share on every rank of the group.
     """
 
     rank: int
@@ -190,6 +215,7 @@ class RankStates:
     tensors: int
     elements: int
     padded_elements: int
+    optimizer: int
 
     @property
     def weights(self) -> int:
@@ -199,37 +225,50 @@ class RankStates:
     def gradients(self) -> int:
         return self.elements * FP32
 
-    @property
-    def optimizer(self) -> int:
-        return self.elements * FP32 * ADAMW_STATES + self.tensors * ADAMW_STEP
-
     def to_dict(self) -> dict[str, Any]:
         return {
             **dataclasses.asdict(self),
             "weights": self.weights,
             "gradients": self.gradients,
-            "optimizer": self.optimizer,
         }
 
 
-def rank_states(spec, layout: Layout, rank: int = 0, tensors: list[ParamTensor] | None = None) -> RankStates:
-    """The parameters, gradients and AdamW states global ``rank`` holds under ``layout``. Under
-    expert parallelism (``E`` ranks) a stacked expert tensor keeps its ``n / E`` experts' rows
-    (``E`` divides ``n``: :func:`expert_parallel_problems`), which FSDP2 then chunks over the
-    ``shard_size / E`` ranks of the shard group holding the same experts."""
+def rank_states(
+    spec, layout: Layout, rank: int = 0, tensors: list[ParamTensor] | None = None, optimizer=None
+) -> RankStates:
+    """The parameters, gradients and optimizer state (``optimizer``: a registered optimizer's config
+    or type name; None: AdamW) global ``rank`` holds under ``layout``. Under expert parallelism
+    (``E`` ranks) a stacked expert tensor keeps its ``n / E`` experts' rows (``E`` divides ``n``:
+    :func:`expert_parallel_problems`), which FSDP2 then chunks over the ``shard_size / E`` ranks of
+    the shard group holding the same experts."""
+    from yamlformer.builder.optim import optimizer_state_bytes
+
     check_tensor_parallel(spec, layout.tensor_parallel)
     tensors = model_tensors(spec) if tensors is None else tensors
     _, shard, _ = layout.coordinates(rank)
     group, tp, ep = layout.shard_size, layout.tensor_parallel, layout.expert_parallel
-    # (local shape, rows split over, this rank's part) -> tensors: a few distinct shapes
-    shapes = Counter((tensor.local_shape(tp), ep if tensor.expert and ep > 1 else 1) for tensor in tensors)
+    # (local shape, rows split over, role) -> tensors: a few distinct kinds
+    kinds = Counter(
+        (tensor.local_shape(tp), ep if tensor.expert and ep > 1 else 1, tensor.cls.role if tensor.cls else None)
+        for tensor in tensors
+    )
     elements = padded = 0
-    for (shape, split), count in shapes.items():
+    states = []
+    for (shape, split, role), count in kinds.items():
         rest = _numel(shape[1:]) * count
         rows, parts, part = shape[0] // split, group // split, shard // split
-        elements += chunk_rows(rows, parts, part) * rest
+        held = chunk_rows(rows, parts, part) * rest
+        elements += held
         padded += chunk_rows(rows, parts, 0) * rest
-    return RankStates(rank=rank, shard_rank=shard, tensors=len(tensors), elements=elements, padded_elements=padded)
+        states.append((held, role, len(shape), count))
+    return RankStates(
+        rank=rank,
+        shard_rank=shard,
+        tensors=len(tensors),
+        elements=elements,
+        padded_elements=padded,
+        optimizer=optimizer_state_bytes(states, optimizer),
+    )
 
 
 def unit_sizes(tensors: list[ParamTensor], tp: int) -> dict[str, int]:
@@ -240,7 +279,7 @@ def unit_sizes(tensors: list[ParamTensor], tp: int) -> dict[str, int]:
     return sizes
 
 
-def sharded_memory(spec, layout: Layout, per_rank):
+def sharded_memory(spec, layout: Layout, per_rank, optimizer=None):
     """``per_rank`` (the memory estimate of :func:`tensor_parallel_spec`'s spec on one device)
     with its weights, gradients, optimizer state and sharding buffers replaced by what rank 0 —
     the rank holding the most — holds under ``layout`` (expert parallelism counted exactly, as
@@ -256,7 +295,7 @@ def sharded_memory(spec, layout: Layout, per_rank):
             "layout per stage (builder describe --pipeline-parallel/--context-parallel/--expert-parallel)",
         )
     tensors = model_tensors(spec)
-    largest, smallest = (rank_states(spec, layout, r, tensors) for r in (0, layout.smallest_rank()))
+    largest, smallest = (rank_states(spec, layout, r, tensors, optimizer) for r in (0, layout.smallest_rank()))
     compute = BYTES[per_rank.dtype]
     biggest_unit = max(unit_sizes(tensors, layout.tensor_parallel).values(), default=0)
     # two gathered units (computing, prefetched); the unit's unsharded gradients and their fp32
@@ -328,7 +367,9 @@ def stage_tensors(
     return [t for t in held if t.unit in units or (table is not None and t.name.startswith(table))]
 
 
-def pipeline_rank_states(spec, layout: Layout, per_rank: int = 1, style: str = "loop") -> list[RankStates]:
+def pipeline_rank_states(
+    spec, layout: Layout, per_rank: int = 1, style: str = "loop", optimizer=None
+) -> list[RankStates]:
     """:func:`rank_states` of the first rank of each pipeline rank's group (its stages' tensors
     only; ``per_rank`` stages each, placed by ``style``), exactly as the recipes hold them."""
     tensors, pp = model_tensors(spec), layout.pipeline_parallel
@@ -336,5 +377,5 @@ def pipeline_rank_states(spec, layout: Layout, per_rank: int = 1, style: str = "
     for p in range(pp):
         rank = p * layout.stage_devices  # pp is the mesh's outermost dimension
         mine = stage_tensors(spec, stages_of_rank(p, pp, per_rank, style), pp * per_rank, tensors)
-        out.append(rank_states(spec, layout, rank, mine))
+        out.append(rank_states(spec, layout, rank, mine, optimizer))
     return out

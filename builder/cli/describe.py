@@ -105,6 +105,13 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
         default="fused",
         help="activation accounting: a fused kernel saves no (seq, seq) tensor",
     )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        metavar="TYPE",
+        help="the optimizer whose state is counted, as it declares it: adamw (default; two fp32 states) | "
+        "muon (one on hidden matrices) | sgd (its momentum) | a plugin's",
+    )
 
 
 def estimate_from_args(spec, args: argparse.Namespace):
@@ -141,6 +148,7 @@ def estimate_from_args(spec, args: argparse.Namespace):
             dtype=args.dtype,
             activation_checkpointing=args.checkpointing,
             fused_attention=args.attention == "fused",
+            optimizer=args.optimizer,
         )
         full = _five_d(layout, args)
         if full is not None:
@@ -190,6 +198,7 @@ def layout_memory(spec, args) -> dict | None:
         checkpointing=args.checkpointing,
         schedule=getattr(args, "schedule", "1f1b"),
         microbatches=getattr(args, "pipeline_microbatches", None),
+        optimizer=args.optimizer,
     )
 
 
@@ -209,6 +218,7 @@ def _layout_text(data: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.cli.common import spec_from_args
+    from yamlformer.builder.parametrization import summary
 
     spec = spec_from_args(args)
     try:
@@ -218,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     five_d = layout_memory(spec, args)
     if args.json:
-        print(json.dumps({**est.to_dict(), **({"layout_memory": five_d} if five_d else {})}, indent=2))
+        shown = {"parametrization": summary(spec), **({"layout_memory": five_d} if five_d else {})}
+        print(json.dumps({**est.to_dict(), **shown}, indent=2))
     else:
         from yamlformer.builder.analysis.report import print_describe
         from yamlformer.builder.hf import export_line

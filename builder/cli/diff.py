@@ -84,6 +84,7 @@ def effects(est_a, est_b) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.cli.common import spec_from_args
+    from yamlformer.builder.parametrization import describe_lines, summary
 
     spec_a = spec_from_args(args, args.spec_a)
     spec_b = spec_from_args(args, args.spec_b)
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
                     "seq_len_from": "--seq-len" if args.seq_len else "the shorter max_seq_len",
                     "fields": [{"path": p, "a": _jsonable(a), "b": _jsonable(b)} for p, a, b in fields],
                     "effects": rows,
+                    "parametrization": {"a": summary(spec_a), "b": summary(spec_b)},
                 },
                 indent=2,
             )
@@ -121,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         if label_a == label_b:
             label_a, label_b = f"A: {label_a}", f"B: {label_b}"
         Console().print(diff_table(fields, rows, label_a, label_b, f"both at seq_len {seq_len:,} ({where})"))
+        shown_a, shown_b = describe_lines(spec_a), describe_lines(spec_b)
+        if shown_a != shown_b:  # what each parametrization makes of its width
+            Console().print("\n".join([f"{label_a}:", *shown_a, f"{label_b}:", *shown_b]), highlight=False)
     return 0
 
 

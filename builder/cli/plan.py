@@ -124,6 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-tp", action="store_true", help="async tensor parallelism: TP collectives overlap")
     parser.add_argument("--float8", action="store_true", help="float8 projections (the GPU's fp8 peak)")
     parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        metavar="TYPE",
+        help="the optimizer whose state each GPU holds, as it declares it: adamw (default) | muon | sgd | a plugin's",
+    )
+    parser.add_argument(
         "--launchable",
         action="store_true",
         help="search only layouts the recipes' runtime runs (its combinations of tensor, context, expert and "
@@ -287,6 +293,7 @@ def _settings(spec, args) -> dict:
         "async_tp": args.async_tp,
         "float8": args.float8,
         "attention": args.attention,
+        "optimizer": args.optimizer,
         "launchable": args.launchable,
     }
 
@@ -398,6 +405,8 @@ def _describe_line(result, args) -> str:
         parts += ["--src-len", str(result.src_len)]
     if c.checkpointing:
         parts.append("--checkpointing")
+    if args.optimizer != "adamw":
+        parts += ["--optimizer", args.optimizer]
     for item in [*args.overrides, *c.spec_overrides]:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, SerializeAsAny, ValidationError, WithJsonSchema
 
 from yamlformer.blocks.configs.base import first_error, rule_error
-from yamlformer.builder.parametrization import TensorScaling
+from yamlformer.blocks.configs.tensors import TensorScaling
 
 #: packages add optimizers here: ``[project.entry-points."yamlformer.optimizers"]``
 GROUP = "yamlformer.optimizers"
@@ -151,7 +151,7 @@ def _ensure_builtins() -> None:
     importlib.import_module("yamlformer.builder.optim.configs")
 
 
-def configs() -> dict[str, type[OptimizerConfig]]:
+def optimizer_configs() -> dict[str, type[OptimizerConfig]]:
     """Every registered optimizer config by type name."""
     _ensure_builtins()
     return dict(_REGISTRY)
@@ -171,33 +171,16 @@ def optimizer_named(optimizer: OptimizerConfig | str | None = None) -> Optimizer
     return config_class(optimizer or DEFAULT)()
 
 
-def optimizer_state_bytes(tensors: Iterable[tuple[int, str | None, int]], optimizer=None) -> int:
-    """The bytes ``optimizer`` (a config or a type name; None: AdamW) keeps for ``tensors``, each
-    ``(elements held, role, ndim)``: the one count the memory estimate, the per-rank shards and
-    the planner read."""
+def optimizer_state_bytes(tensors: Iterable[tuple[int, str | None, int, int]], optimizer=None) -> int:
+    """The bytes ``optimizer`` (a config or a type name; None: AdamW) keeps for ``tensors``: each
+    ``(elements held, role, ndim, how many tensors)``, a group of alike tensors or one. The one
+    count the memory estimate, the per-rank shards and the planner read."""
     optimizer = optimizer_named(optimizer)
     total = 0
-    for elements, role, ndim in tensors:
+    for elements, role, ndim, count in tensors:
         state = optimizer.state(role, ndim)
-        total += elements * state.per_element + state.per_tensor
+        total += elements * state.per_element + count * state.per_tensor
     return total
-
-
-def mean_state_bytes(spec, optimizer=None) -> float:
-    """:func:`optimizer_state_bytes` of the whole model per parameter element (the performance
-    model's per-layer count, where it has no tensors)."""
-    from yamlformer.builder.analysis.shards import model_tensors
-
-    tensors = [(_numel(t.shape), t.cls.role if t.cls else None, len(t.shape)) for t in model_tensors(spec)]
-    elements = sum(n for n, _, _ in tensors)
-    return optimizer_state_bytes(tensors, optimizer) / max(elements, 1)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def optimizer_field(description: str):
@@ -240,13 +223,20 @@ def _with_suggestion(exc: ValidationError, cls: type[OptimizerConfig]):
     return error
 
 
-def schema_of_registered() -> dict[str, Any]:
-    """The JSON Schema of an ``optimizer:`` section: one of the registered configs, by ``type``."""
-    variants = []
-    for name, cls in configs().items():
-        schema = cls.model_json_schema()
-        if name == DEFAULT:
-            schema["properties"]["type"].pop("const", None)
-            schema["properties"]["type"]["enum"] = [name]
-        variants.append(schema)
-    return {"oneOf": variants, "description": "The optimizer, by its `type` (adamw when left out)."}
+def optimizer_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(definitions, the schema of an optimizer: section)``: each registered config's schema, and
+    one of them by ``type``, which only the default may leave out."""
+    from pydantic.json_schema import models_json_schema
+
+    classes = optimizer_configs()
+    _, top = models_json_schema([(cls, "validation") for cls in classes.values()], ref_template="#/$defs/{model}")
+    defs = top["$defs"]
+    for name, cls in classes.items():
+        if name != DEFAULT:
+            schema = defs[cls.__name__]
+            schema["required"] = sorted({*schema.get("required", []), "type"})
+    union = {
+        "oneOf": [{"$ref": f"#/$defs/{cls.__name__}"} for cls in classes.values()],
+        "description": f"The optimizer, by its `type` ({DEFAULT} when left out).",
+    }
+    return defs, union

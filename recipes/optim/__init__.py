@@ -10,9 +10,10 @@ import importlib
 import torch
 from torch import nn
 
+from yamlformer.blocks.configs.tensors import TensorScaling
 from yamlformer.blocks.init import canonical_name
 from yamlformer.builder.optim import OptimizerConfig, Trainable
-from yamlformer.builder.parametrization import TensorScaling, plan
+from yamlformer.builder.parametrization import plan
 
 
 class OptimizerProblem(ValueError):

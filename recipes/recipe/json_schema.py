@@ -21,6 +21,7 @@ def recipe_json_schema() -> dict[str, Any]:
     """The recipe schema: every task's, the spec's definitions included."""
     from pydantic.json_schema import models_json_schema
 
+    from yamlformer.builder.optim.registry import optimizer_schemas
     from yamlformer.builder.spec.json_schema import draft7, partial, spec_definitions
     from yamlformer.recipes.tasks import NAMES, recipe_class
 
@@ -57,6 +58,13 @@ def recipe_json_schema() -> dict[str, Any]:
         "$ref": "#/$defs/ModelOverrides",
         "description": section["overrides"].get("description", ""),
     }
+    optimizers, optimizer = optimizer_schemas()  # every registered kind, by its type
+    taken = set(optimizers) & (set(defs) | set(recipe_defs))
+    if taken:
+        raise ValueError(f"optimizer and recipe schemas both define {sorted(taken)}")
+    recipe_defs.update(optimizers, Optimizer=optimizer)
+    for cls in classes.values():
+        recipe_defs[cls.__name__]["properties"]["optimizer"] = {"$ref": "#/$defs/Optimizer"}
     precision = recipe_defs["TrainerSection"]["properties"]["precision"]
     precision["enum"] = [*precision["enum"], 32]  # `precision: 32` is read as "32"
     precision.pop("type", None)

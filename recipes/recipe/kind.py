@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from yamlformer.builder.optim import DEFAULT as DEFAULT_OPTIMIZER
 from yamlformer.builder.spec.kinds import Kind
 from yamlformer.builder.spec.source import Problem, SpecError
 
@@ -85,6 +86,8 @@ def _launch(document: Mapping[str, Any], launch) -> list[str]:
         f"trainer.num_nodes={layout.nodes}",
         f"trainer.precision={PRECISION[launch.dtype]}",
     ]
+    if launch.optimizer != DEFAULT_OPTIMIZER:  # the state the plan sized (AdamW's, the most, otherwise)
+        sets.append(f"optimizer.type={launch.optimizer}")
     if launch.max_steps is not None:
         sets += [f"trainer.max_steps={launch.max_steps}", "trainer.max_time=null"]
     if launch.output_dir is not None:

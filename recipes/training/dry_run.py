@@ -239,7 +239,11 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     # ranks as data-parallel ones would be (the gathered keys and values are not counted)
     shares = getattr(settings, "context_parallel", 1) if sharded else 1
     step = Step(
-        seq_len=seq_len // shares, batch=batch, dtype=dtype, activation_checkpointing=settings.activation_checkpointing
+        seq_len=seq_len // shares,
+        batch=batch,
+        dtype=dtype,
+        activation_checkpointing=settings.activation_checkpointing,
+        optimizer=recipe.optimizer,
     )
     layout = Layout(
         devices=devices * settings.num_nodes,
@@ -275,6 +279,7 @@ def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | 
         checkpointing=settings.activation_checkpointing,
         schedule=settings.pipeline_schedule,
         microbatches=micro,
+        optimizer=recipe.optimizer,
     )
     if counted is None:
         return None
