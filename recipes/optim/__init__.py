@@ -67,6 +67,24 @@ def param_groups(optimizer: OptimizerConfig, model: nn.Module, spec=None) -> lis
     return [{"params": [params[i] for i in group.members], **group.settings} for group in optimizer.groups(found)]
 
 
+def check_optimizer(optimizer: OptimizerConfig, model: nn.Module, recipe_file=None, spec=None) -> None:
+    """Refuse, before any step, an optimizer that cannot train ``model`` (Muon with no hidden matrix
+    to train): each problem located at the recipe's ``optimizer`` field it is about (the recipe's
+    own line; ``--set``'s where the value came from there)."""
+    from yamlformer.builder.spec.problems import locate
+    from yamlformer.builder.spec.source import SpecError
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.recipe.sections import as_written
+
+    problems = optimizer.problems(trainables(model, spec)[0])
+    if not problems:
+        return
+    if recipe_file is None:
+        raise RecipeError(str(OptimizerProblem(problems)))
+    doc = as_written(recipe_file)
+    raise SpecError([locate(doc, ("optimizer", *loc), message) for loc, message in problems])
+
+
 def build_optimizer(optimizer: OptimizerConfig, model: nn.Module, spec=None) -> torch.optim.Optimizer:
     """The torch optimizer of a registered kind, over the groups it declares."""
     module, _, attr = type(optimizer).implementation.partition(":")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yamlformer.recipes.optim import build_optimizer
+from yamlformer.recipes.optim import build_optimizer, check_optimizer
 from yamlformer.recipes.optim.schedule import lr_multiplier
 from yamlformer.recipes.parallel.compile import compiled_losses
 from yamlformer.recipes.recipe.sections import Recipe
@@ -103,6 +103,7 @@ class LMModule(L.LightningModule):
         super().__init__()
         self.model, self.recipe, self.meta = model, recipe, meta
         self.spec = getattr(model, "spec", None)  # the optimizer's groups read it (a pipeline stage has none)
+        check_optimizer(recipe.optimizer, model, meta.get("recipe_file"), self.spec)  # located, before any step
         # the whole run, across resumes: train (step, mean loss since the entry before); val (step,
         # loss, training wall seconds)
         self.history: dict[str, list] = {"train": [], "val": []}
