@@ -194,9 +194,15 @@ def optimizer_bytes(spec, optimizer=None, tensors: list[ParamTensor] | None = No
 
 
 def mean_optimizer_bytes(spec, optimizer=None) -> float:
-    """:func:`optimizer_bytes` per parameter element (the performance model's per-layer count)."""
+    """The optimizer's state per parameter element, averaged over the whole model (the performance
+    model counts elements per layer: a per-tensor state, AdamW's step, is left out, as it always has been)."""
+    from yamlformer.builder.optim import optimizer_state_bytes
+
     tensors = model_tensors(spec)
-    return optimizer_bytes(spec, optimizer, tensors) / max(1, sum(_numel(t.shape) for t in tensors))
+    groups = [
+        (elements, role, ndim, 0) for elements, role, ndim, _ in state_groups((_numel(t.shape), t) for t in tensors)
+    ]
+    return optimizer_state_bytes(groups, optimizer) / max(1, sum(_numel(t.shape) for t in tensors))
 
 
 @dataclass(frozen=True)

@@ -49,13 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=input_path,
         help="branch a cooldown from CKPT, a checkpoint of the stable phase of a schedule.type wsd (or constant) "
         "run (trainer.keep_every_n_steps keeps them): --steps more steps, the learning rate decaying to min_lr, "
-        "in the folder RUN-cooldown-STEP+N beside the run's; the same command again resumes it",
+        "in the folder RUN-cooldown-STEP+N beside the run's; the same command again resumes it (default: none, "
+        "no cooldown)",
     )
     parser.add_argument(
         "--steps",
         type=count(1),
         metavar="N",
-        help="with --cooldown-from: the cooldown's length in optimizer steps (an integer from 1 up)",
+        help="with --cooldown-from: the cooldown's length in optimizer steps, an integer from 1 up (default: none; "
+        "required with --cooldown-from)",
     )
     parser.add_argument("--no-samples", dest="samples", action="store_false", help="skip the end-of-run samples")
     parser.add_argument(
