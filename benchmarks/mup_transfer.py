@@ -92,7 +92,9 @@ def plot(rows, path: Path) -> None:
                 if r["variant"] == kind and r["d_model"] == width and r["status"] == "complete" and r["final_val"]
             )
             if points:
-                ax.plot([math.log2(lr) for lr, _ in points], [v for _, v in points], marker="o", label=f"d_model {width}")
+                ax.plot(
+                    [math.log2(lr) for lr, _ in points], [v for _, v in points], marker="o", label=f"d_model {width}"
+                )
         ax.set_title("standard parametrization" if kind == "standard" else "muP")
         ax.set_xlabel("log2 learning rate")
         ax.grid(alpha=0.3)

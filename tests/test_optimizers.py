@@ -52,7 +52,8 @@ def test_muon_steps_a_matrix_as_torch_optim_muon_and_the_rest_as_adamw():
         [
             {"params": ours[:1], "lr": 0.02, "weight_decay": 0.1, "muon": True},
             {"params": ours[1:], "lr": 3e-3, "weight_decay": 0.0},
-        ]
+        ],
+        ns_precision="bf16",  # torch.optim.Muon's (auto is fp32 on a CPU)
     )
     torch_muon = torch.optim.Muon(theirs[:1], lr=0.02, weight_decay=0.1)
     torch_adamw = torch.optim.AdamW(theirs[1:], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)

@@ -150,8 +150,10 @@ class MuonConfig(_AdamFields):
     momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum.")
     nesterov: bool = Field(True, description="Nesterov momentum (Keller Jordan's default).")
     ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations orthogonalising each update.")
-    ns_precision: Literal["bf16", "fp32"] = Field(
-        "bf16", description="The Newton-Schulz iterations' dtype: bf16 (the reference's) | fp32."
+    ns_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="The Newton-Schulz iterations' dtype: bf16 (the reference's) | fp32 | auto: bf16 on a GPU, "
+        "fp32 on a CPU (whose bf16 matmuls are emulated, ~10x slower).",
     )
     adjust_lr: Literal["original", "match_rms_adamw"] = Field(
         "original",

@@ -31,6 +31,14 @@ EPS = 1e-7
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def ns_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The Newton-Schulz dtype of ``ns_precision``: ``auto`` is bf16 on a GPU (tensor cores, the
+    reference's) and fp32 elsewhere (a CPU's bf16 matmuls are emulated: an order of magnitude slower)."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[precision]
+
+
 def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The update's nearest semi-orthogonal matrix, approximately (``U S' V^T`` with ``S'`` near 1),
     by ``steps`` quintic Newton-Schulz iterations in ``dtype``; a stack of matrices (any leading
@@ -78,7 +86,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,
-        ns_precision: str = "bf16",
+        ns_precision: str = "auto",
         adjust_lr: str = "original",
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
@@ -108,10 +116,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon(self, group: dict) -> None:
-        lr, momentum, dtype = group["lr"], group["momentum"], DTYPES[group["ns_precision"]]
+        lr, momentum = group["lr"], group["momentum"]
         for p in group["params"]:
             if p.grad is None:
                 continue
+            dtype = ns_dtype(group["ns_precision"], p.device)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
