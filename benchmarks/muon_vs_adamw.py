@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
 from machine import emit, machine
-from recipe_runs import REPO, reaches, train
+from recipe_runs import REPO, add_output_options, reaches, runs_folder, train
 
 #: how often each recipe validates here: often enough to place the crossing
 VAL_EVERY = {"shakespeare-char": 100, "lm-stdlib": 50}
@@ -51,14 +49,13 @@ def main() -> int:
     parser.add_argument("--recipes", nargs="+", default=["shakespeare-char", "lm-stdlib"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, help="max_steps of every run (default: each recipe's; its decay follows)")
-    parser.add_argument("--folder", help="where the runs go (default: a temporary folder)")
-    parser.add_argument("--out", help="also write the result here (JSON)")
+    add_output_options(parser)
     args = parser.parse_args()
 
     from yamlformer.recipes.recipe.sections import load_recipe
 
     print(f"machine: {machine()}", flush=True)
-    root = Path(args.folder or tempfile.mkdtemp(prefix="muon-"))
+    root = runs_folder(args, "muon-")
     results = {}
     for name in args.recipes:
         path = REPO / "recipes" / f"{name}.yaml"

@@ -4,7 +4,9 @@ reaches a loss (steps and wall seconds, interpolated between validations)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,3 +45,13 @@ def reaches(curve: list, target: float) -> tuple[float, float] | None:
             return previous[0] + share * (step - previous[0]), previous[2] + share * (wall - previous[2])
         previous = (step, loss, wall)
     return None
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--folder", help="where the runs go (default: a temporary folder)")
+    parser.add_argument("--out", help="also write the result here (JSON)")
+
+
+def runs_folder(args: argparse.Namespace, prefix: str) -> Path:
+    """``--folder``, else a new temporary folder."""
+    return Path(args.folder or tempfile.mkdtemp(prefix=prefix))

@@ -13,6 +13,9 @@
 #   precision     ~50 min  shipped LM, MLM and classification recipes in fp32 and bf16 autocast, eager and
 #                          compiled, 300 steps x 3 rounds (what `auto` picks; benchmarks/precision.py)
 #   precision-translate ~20 min  the same for the translation recipe, 150 steps x 2 rounds
+#   mup           hours   learning-rate sweeps at widths 64-512, standard vs muP (a study: builder sweep)
+#   wsd           ~1 h    cooldowns branched at 3 points of a warmup-stable-decay run vs cosine, 3 seeds
+#   muon          hours   Muon vs the tuned AdamW recipes (shakespeare-char, lm-stdlib), 3 seeds
 # Each stage prints its table or curve and writes OUT/<stage>.log and OUT/<stage>.json; the
 # machine line (cores, CPU model, load) is at the top of each log. Nothing else should run on
 # the machine meanwhile: every ratio is taken within one stage, but the absolute tokens/s and the
@@ -48,8 +51,11 @@ for stage in $stages; do
                        --steps 300 --rounds 3 --json "$out/precision-full.json" ;;
         precision-translate) run precision-translate "$py" "$here/precision.py" --recipes translate-multi30k \
                        --steps 150 --rounds 2 --set eval.max_sentences=100 --set eval.num_beams=1 ;;
+        mup) run mup "$py" "$here/mup_transfer.py" --folder "$out/mup" --png "$out/mup_transfer.png" ;;
+        wsd) run wsd "$py" "$here/wsd_cooldown.py" --folder "$out/wsd" ;;
+        muon) run muon "$py" "$here/muon_vs_adamw.py" --folder "$out/muon" ;;
         *) echo "unknown stage $stage (generate shakespeare translate-sbs translate-10 translate-30 precision" \
-                "precision-translate)" >&2; exit 2 ;;
+                "precision-translate mup wsd muon)" >&2; exit 2 ;;
     esac
 done
 echo "results in $out"

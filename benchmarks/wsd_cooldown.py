@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from machine import emit, machine
-from recipe_runs import REPO, train
+from recipe_runs import REPO, add_output_options, runs_folder, train
 
 
 def main() -> int:
@@ -37,14 +36,13 @@ def main() -> int:
     parser.add_argument("--cooldown", type=float, default=0.2, help="the cooldown's share of a branch's total length")
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--warmup", type=int, help="warmup steps of every run (default: the recipe's)")
-    parser.add_argument("--folder", help="where the runs go (default: a temporary folder)")
-    parser.add_argument("--out", help="also write the result here (JSON)")
+    add_output_options(parser)
     args = parser.parse_args()
 
     from yamlformer.recipes.training.cooldown import cooldown
 
     print(f"machine: {machine()}", flush=True)
-    root = Path(args.folder or tempfile.mkdtemp(prefix="wsd-"))
+    root = runs_folder(args, "wsd-")
     common = {"trainer.val_check_interval": args.val_every, "trainer.max_time": None, "schedule.decay_steps": None}
     if args.warmup is not None:
         common["schedule.warmup_steps"] = args.warmup

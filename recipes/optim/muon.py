@@ -168,15 +168,10 @@ class Muon(torch.optim.Optimizer):
         )
 
 
+#: the ``muon`` section's fields that are the optimizer's own settings (the rest make its groups)
+SETTINGS = ("momentum", "nesterov", "ns_steps", "ns_precision", "adjust_lr", "betas", "eps")
+
+
 def muon(config, groups: list[dict]) -> Muon:
     """The :class:`Muon` of a ``muon`` recipe section."""
-    return Muon(
-        groups,
-        momentum=config.momentum,
-        nesterov=config.nesterov,
-        ns_steps=config.ns_steps,
-        ns_precision=config.ns_precision,
-        adjust_lr=config.adjust_lr,
-        betas=config.betas,
-        eps=config.eps,
-    )
+    return Muon(groups, **{name: getattr(config, name) for name in SETTINGS})
