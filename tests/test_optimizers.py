@@ -216,3 +216,28 @@ def test_muon_with_no_hidden_matrix_to_train_is_a_located_error(tmp_path):
     assert problem.line == next(i for i, line in enumerate(path.read_text().splitlines(), 1) if "type: muon" in line)
     assert "muon trains 2-D hidden weights" in problem.message
     check_optimizer(AdamWConfig(), model, path)  # AdamW trains what is left
+
+
+def test_a_package_registers_its_optimizer_through_the_entry_point_group(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from yamlformer.builder.optim import registry
+    from yamlformer.builder.spec import plugins
+
+    (tmp_path / "my_optimizers.py").write_text(
+        "from typing import Literal\n\nfrom test_optimizers import _Lion\n"
+        "from yamlformer.builder.optim import register\n\n"
+        "class Lion2(_Lion):\n    type: Literal['test_lion2'] = 'test_lion2'\n\n"
+        "register(Lion2)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry.optimizer_configs()))
+    monkeypatch.setattr(plugins, "_entry_points_loaded", [False])
+    entry = importlib.metadata.EntryPoint("lion2", "my_optimizers", "yamlformer.optimizers")
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda group: importlib.metadata.EntryPoints([entry] if group == "yamlformer.optimizers" else []),
+    )
+    assert plugins.load_plugins() == ["my_optimizers"]
+    assert "test_lion2" in optimizer_configs()

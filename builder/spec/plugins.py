@@ -1,7 +1,9 @@
-"""User blocks: loaded from the ``yamlformer.blocks`` entry-point group and from ``--plugin``.
+"""User blocks and optimizers: loaded from the ``yamlformer.blocks`` and ``yamlformer.optimizers``
+entry-point groups and from ``--plugin``.
 
-A plugin is a module that registers config classes with ``yamlformer.blocks.registry.register`` when it
-is imported; the schema picks them up (``yamlformer.builder.spec.schema.spec_model`` rebuilds when the
+A plugin is a module that registers config classes with ``yamlformer.blocks.registry.register`` (or
+``yamlformer.builder.optim.register``) when it is imported; the schema picks them up
+(``yamlformer.builder.spec.schema.spec_model`` rebuilds when the
 registry changes). A spec never imports code by itself: only an installed package's entry
 point or a module named on the command line (``--plugin mypackage.blocks``) runs.
 """
@@ -14,6 +16,8 @@ import re
 from collections.abc import Iterable
 
 GROUP = "yamlformer.blocks"
+#: every entry-point group a plugin joins through: blocks, and optimizers (``yamlformer.builder.optim``)
+GROUPS = (GROUP, "yamlformer.optimizers")
 
 _loaded: set[str] = set()
 _entry_points_loaded = [False]
@@ -28,19 +32,20 @@ _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
 def load_plugins(modules: Iterable[str] = (), entry_points: bool = True) -> list[str]:
-    """Import the ``yamlformer.blocks`` entry points (once per process) and ``modules``.
+    """Import the :data:`GROUPS` entry points (once per process) and ``modules``.
 
     Returns the names imported by this call. Raises :class:`PluginError` naming the plugin.
     """
     imported = []
     if entry_points and not _entry_points_loaded[0]:
         _entry_points_loaded[0] = True
-        for entry in importlib.metadata.entry_points(group=GROUP):
-            try:
-                entry.load()
-            except Exception as exc:
-                raise PluginError(f"entry point {entry.name!r} ({entry.value}) of {GROUP!r} failed: {exc}") from exc
-            imported.append(entry.value)
+        for group in GROUPS:
+            for entry in importlib.metadata.entry_points(group=group):
+                try:
+                    entry.load()
+                except Exception as exc:
+                    raise PluginError(f"entry point {entry.name!r} ({entry.value}) of {group!r} failed: {exc}") from exc
+                imported.append(entry.value)
     for name in modules:
         if name in _loaded:
             continue
