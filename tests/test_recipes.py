@@ -84,8 +84,8 @@ def test_schedule_warms_up_then_decays_to_min_lr():
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
     from yamlformer.builder import build_model
-    from yamlformer.builder.spec.schema import spec_model
     from yamlformer.builder.optim.configs import AdamWConfig
+    from yamlformer.builder.spec.schema import spec_model
     from yamlformer.recipes.optim import param_groups
 
     spec = spec_model().model_validate(

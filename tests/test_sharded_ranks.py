@@ -31,11 +31,11 @@ def _worker(rank: int, world: int, nodes: int, tp: int, mode: str, store: str, o
     from torch.distributed.tensor import DTensor
 
     from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.optim.configs import AdamWConfig
+    from yamlformer.recipes.optim import param_groups
     from yamlformer.recipes.parallel import layout_of, parallelize
     from yamlformer.recipes.parallel.mesh import device_mesh
     from yamlformer.recipes.recipe.sections import TrainerSection
-    from yamlformer.builder.optim.configs import AdamWConfig
-    from yamlformer.recipes.optim import param_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
