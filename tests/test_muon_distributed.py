@@ -3,7 +3,8 @@ gathered whole, orthogonalised on every rank, each keeping its shard) steps as o
 20 steps of a muP spec at twice its base width (its init factors, drawn shard by shard on the
 meta-device start, its output multiplier and, with Moonshot's shape factor, its learning-rate
 multipliers, all not 1, must survive sharding), on 2 CPU processes (gloo), FSDP2 over 2 ranks and
-tensor parallelism over 2, equal to one process within fp32 rounding. Slow."""
+tensor parallelism over 2, equal to one process within fp32 rounding; halfway the sharded state
+goes through the state dicts a sharded checkpoint holds into a model started elsewhere. Slow."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(step))
 
 
-def _train(model, optimizer, rows: slice) -> None:
-    for step in range(STEPS):
+def _train(model, optimizer, rows: slice, steps: range = range(STEPS)) -> None:
+    for step in steps:
         ids = _batch(step)[rows]
         logits = model(ids)
         F.cross_entropy(logits[:, :-1].reshape(-1, 64).float(), ids[:, 1:].reshape(-1)).backward()
@@ -50,6 +51,7 @@ def _train(model, optimizer, rows: slice) -> None:
 
 
 def _worker(rank: int, world: int, tp: int, store: str, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
     from yamlformer.builder.assemble import build_model
@@ -63,11 +65,20 @@ def _worker(rank: int, world: int, tp: int, store: str, out: str) -> None:
     settings = TrainerSection(strategy="fsdp", accelerator="cpu", devices=world, tensor_parallel=tp, precision="32")
     mesh = device_mesh(layout_of(settings), "cpu")
     spec = spec_model().model_validate(SPEC)
+    share = BATCH // (world // tp)
+    rows = slice((rank // tp) * share, (rank // tp + 1) * share)
     model = parallelize(build_model(spec, device="meta"), settings, mesh, init_seed=SEED, device=torch.device("cpu"))
     optimizer = build_optimizer(_muon(), model, spec)
-    data_ranks = world // tp
-    share = BATCH // data_ranks
-    _train(model, optimizer, slice((rank // tp) * share, (rank // tp + 1) * share))
+    _train(model, optimizer, rows, range(STEPS // 2))
+    # the sharded state as a checkpoint holds it (torch.distributed.checkpoint's state dicts, by name),
+    # into a model started from other weights: the second half resumes the first
+    saved = get_state_dict(model, optimizer)
+    model = parallelize(
+        build_model(spec, device="meta"), settings, mesh, init_seed=SEED + 1, device=torch.device("cpu")
+    )
+    optimizer = build_optimizer(_muon(), model, spec)
+    set_state_dict(model, optimizer, model_state_dict=saved[0], optim_state_dict=saved[1])
+    _train(model, optimizer, rows, range(STEPS // 2, STEPS))
     whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save(whole, Path(out) / "sharded.pt")

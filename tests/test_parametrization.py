@@ -208,3 +208,21 @@ def test_a_block_without_tensor_classes_is_a_located_error_under_mup(tmp_path):
     assert lines, child.stdout + child.stderr
     line = lines[0]
     assert line.startswith(f"{path}:") and ": decoder.attention.type: lowrank_kv declares no tensor classes" in line
+
+
+def test_describe_and_diff_show_the_parametrization(tmp_path, capsys):
+    import json
+
+    from yamlformer.builder.cli import main
+
+    standard = ROOT / "specs" / "tiny" / "llama.yaml"
+    wide = tmp_path / "mup.yaml"
+    wide.write_text(f"extends: {standard}\nparametrization: {{type: mup, base_d_model: 16}}\n")
+    assert main(["describe", str(wide), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["parametrization"]
+    assert shown["type"] == "mup" and shown["widths"]["d_model"] == 4.0 and shown["attention_score_factor"] == 0.5
+    assert shown["hidden_adamw_lr_factors"] == [0.25]
+    assert main(["diff", str(standard), str(wide)]) == 0
+    out = capsys.readouterr().out
+    assert "parametrization.type" in out and "mup from base_d_model 16 (width ratio 4" in out
+    assert "hidden matrices: init std x 0.5; AdamW lr x 0.25" in out
