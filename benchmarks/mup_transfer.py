@@ -8,6 +8,7 @@ best grid point per width, writes the loss-vs-learning-rate curves as a PNG and 
 
     python benchmarks/mup_transfer.py --out mup.json --png mup_transfer.png
     python benchmarks/mup_transfer.py --widths 64 128 --lrs -10 -8 -6 --steps 60   # a quick look
+    python benchmarks/mup_transfer.py --widths 512 --base 64 --also runs/mup-transfer/mup-transfer-64-128-256.yaml
 
 Learning rates are powers of two (``--lrs`` gives the exponents). Runs on the CPU; a rerun resumes
 the study where it stopped (``--folder``).
@@ -27,11 +28,10 @@ from machine import emit, machine
 HERE = Path(__file__).resolve().parent
 
 
-def study_file(folder: Path, widths, exponents, steps: int, seq_len: int, batch: int, layers: int) -> Path:
-    """The study: variants standard | mup, axes d_model x optimizer.lr, a budget of ``steps``."""
-    base = min(widths)
+def study_file(folder: Path, widths, exponents, steps: int, seq_len: int, batch: int, layers: int, base: int) -> Path:
+    """The study: variants standard | mup (from ``base``), axes d_model x optimizer.lr, a budget of ``steps``."""
     study = {
-        "name": "mup-transfer",
+        "name": "mup-transfer-" + "-".join(map(str, widths)),
         "recipe": str(HERE.parent / "recipes" / "lm-stdlib.yaml"),
         "set": {
             "data.max_bytes": 1_000_000,
@@ -58,7 +58,7 @@ def study_file(folder: Path, widths, exponents, steps: int, seq_len: int, batch:
         "output_dir": str(folder / "study"),
         "storage": f"sqlite:///{folder / 'study.db'}",
     }
-    path = folder / "mup-transfer.yaml"
+    path = folder / f"{study['name']}.yaml"
     path.write_text(yaml.safe_dump(study, sort_keys=False))
     return path
 
@@ -118,6 +118,13 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--base", type=int, help="muP's base_d_model (default: the smallest width)")
+    parser.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        help="finished study files of this script (other widths) whose trials join the report",
+    )
     parser.add_argument("--folder", default="runs/mup-transfer", help="the study's folder (a rerun resumes it)")
     parser.add_argument("--png", default="mup_transfer.png", help="the loss-vs-learning-rate curves")
     parser.add_argument("--out", help="also write the result here (JSON)")
@@ -129,11 +136,14 @@ def main() -> int:
     print(f"machine: {machine()}", flush=True)
     folder = Path(args.folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    path = study_file(folder, args.widths, args.lrs, args.steps, args.seq_len, args.batch, args.layers)
+    base = args.base or min(args.widths)
+    path = study_file(folder, args.widths, args.lrs, args.steps, args.seq_len, args.batch, args.layers, base)
     code = subprocess.call([sys.executable, "-m", "yamlformer.builder.cli", "sweep", str(path)])
-    loaded = load_study(path)
-    study, _ = store.open_study(loaded, create=False)
-    rows = report.rows(loaded, study)
+    rows = []
+    for each in [path, *map(Path, args.also)]:
+        loaded = load_study(each)
+        rows += report.rows(loaded, store.open_study(loaded, create=False)[0])
+    widths = sorted({r["d_model"] for r in rows})
     best = best_points(rows)
     for kind in ("standard", "mup"):
         shown = ", ".join(f"{w}: 2^{round(math.log2(lr))}" for w, lr in best.get(kind, {}).items())
@@ -146,7 +156,7 @@ def main() -> int:
                 for r in rows
                 if r["variant"] == kind and r["d_model"] == w and r["status"] == "complete"
             }
-            for w in args.widths
+            for w in widths
         }
         for kind in ("standard", "mup")
     }
@@ -154,7 +164,8 @@ def main() -> int:
     result = {
         "benchmark": "mup_transfer",
         "machine": machine(),
-        "widths": args.widths,
+        "widths": widths,
+        "base_d_model": base,
         "lrs": [f"2^{e}" for e in args.lrs],
         "steps": args.steps,
         "best_lr": {k: {str(w): lr for w, lr in v.items()} for k, v in best.items()},
