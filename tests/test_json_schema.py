@@ -126,6 +126,12 @@ def test_recipe_model_section_carries_the_spec_schema(recipe_schema):
     assert errors(lambda r: r["model"].update(spec="tiny/llama")) == []
     assert errors(lambda r: r["trainer"].update(max_step=3))
     assert errors(lambda r: r["optimizer"].update(betas=[0.9, 0.95, 0.99]))
+    # the optimizer by its type: muon's fields under muon, none of another's; no type is AdamW's
+    assert errors(lambda r: r.update(optimizer={"type": "muon", "lr": 0.02, "adamw_lr": 3e-3})) == []
+    assert errors(lambda r: r.update(optimizer={"type": "muon", "lrr": 0.02}))
+    assert errors(lambda r: r.update(optimizer={"adamw_lr": 3e-3}))
+    assert errors(lambda r: r.update(optimizer={"type": "lion"}))
+    assert errors(lambda r: r.update(schedule={"type": "wsd", "decay_fraction": 0.2, "decay_shape": "1-sqrt"})) == []
     assert errors(lambda r: r.update(eval={"num_beams": 4}))  # a translation section in an LM recipe
 
 
@@ -154,3 +160,12 @@ def test_schema_command_prints_the_recipe_schema():
     assert run.returncode == 0, run.stderr
     schema = json.loads(run.stdout)
     assert schema["title"] == "Transformer builder training recipe" and "InlineModelSpec" in schema["definitions"]
+
+
+def test_the_spec_schema_takes_a_parametrization(spec_schema):
+    spec = read_document(ROOT / "specs" / "tiny" / "llama.yaml").data
+    spec.pop("extends", None)
+    ok = {**spec, "parametrization": {"type": "mup", "base_d_model": 16, "output_multiplier": 2.0}}
+    bad = {**spec, "parametrization": {"type": "mup", "base_dmodel": 16}}
+    assert not [e for e in spec_schema.iter_errors(ok) if "parametrization" in str(list(e.absolute_path))]
+    assert [e for e in spec_schema.iter_errors(bad) if "parametrization" in str(list(e.absolute_path))]
