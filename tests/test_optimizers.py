@@ -147,7 +147,7 @@ def test_a_recipe_names_its_optimizer_by_type(tmp_path):
     assert load_recipe(tiny_recipe(tmp_path), {"optimizer.type": "sgd", "optimizer.lr": 0.5}).optimizer.lr == 0.5
     for bad, message in (
         ({"type": "lion"}, "no optimizer named 'lion'; registered: adamw, muon, sgd"),
-        ({"type": "muon", "lrr": 0.1}, "unknown key 'lrr' for muon; did you mean 'lr'"),
+        ({"type": "muon", "lrr": 0.1}, "unknown key 'lrr'; did you mean 'lr'"),
         ({"type": "sgd", "momentum": 1.5}, "less than 1"),
     ):
         path = tiny_recipe(tmp_path, optimizer=bad)

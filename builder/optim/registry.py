@@ -217,9 +217,7 @@ def _with_suggestion(exc: ValidationError, cls: type[OptimizerConfig]):
         if close:
             hint = " or ".join(repr(c) for c in close)
             loc = tuple(first["loc"])
-            return rule_error(
-                loc, f"unknown key {loc[-1]!r} for {cls.model_fields['type'].default}; did you mean {hint}?"
-            )
+            return rule_error(loc, f"unknown key {loc[-1]!r}; did you mean {hint}?")
     return error
 
 
