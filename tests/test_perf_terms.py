@@ -27,6 +27,7 @@ from yamlformer.builder.analysis.perf_terms import (
     fsdp_copy_bytes,
     tensor_parallel_seconds,
 )
+from yamlformer.builder.analysis.shards import mean_optimizer_bytes
 from yamlformer.builder.spec.loader import load_spec
 
 IDEAL = dataclasses.replace(reference(), collective_efficiency=1.0, latency=0.0)
@@ -133,7 +134,13 @@ def test_a_prediction_is_its_counted_terms():
         t = parts[part]
         assert p.memory_bound[part] == pytest.approx(tokens * (t.forward + t.backward) / hbm)
     params = model.estimate.params.total
-    assert p.breakdown["optimizer"] == pytest.approx(params * (optimizer_bytes_per_parameter() + CLIP_BYTES) / hbm)
+    assert optimizer_bytes_per_parameter() == 28  # AdamW: weight, gradient, two moments read; three written
+    assert p.breakdown["optimizer"] == pytest.approx(params * (28 + CLIP_BYTES) / hbm)
+    # Muon keeps one fp32 momentum on the hidden matrices (AdamW's two on the rest): its step moves less
+    muon = predict(spec, Layout(devices=1), dataclasses.replace(run, optimizer="muon"), row, cal)
+    state = mean_optimizer_bytes(spec, "muon")
+    assert 4 < state < 8
+    assert muon.breakdown["optimizer"] == pytest.approx(params * (12 + 2 * state + CLIP_BYTES) / hbm)
     assert p.breakdown["memory_bound"] == pytest.approx(sum(p.memory_bound.values()))
     assert p.step_s == pytest.approx(sum(p.breakdown.values()))
     compiled = predict(spec, Layout(devices=1), dataclasses.replace(run, compile=True), row, cal)

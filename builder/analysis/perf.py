@@ -23,8 +23,9 @@ is fitted to a published run (``benchmarks/plan_vs_published.py`` checks them):
   (``yamlformer.blocks.configs.traffic``: eager, or fused under ``Run.compile``; recomputation runs
   the forward's again, torchtitan's per-op policy recomputing every elementwise op too), the
   embedding's lookup and gradient, torchao's float8 casts, FSDP2's copies around its collectives
-  and the optimizer step with gradient clipping
-  (``yamlformer.builder.analysis.calibration.optimizer_bytes_per_parameter``), over the measured HBM
+  and the optimizer step with gradient clipping (the state :attr:`Run.optimizer` declares read and
+  written, ``yamlformer.builder.analysis.calibration.optimizer_bytes_per_parameter``; Muon's
+  Newton-Schulz GEMMs are not counted), over the measured HBM
   bandwidth. :attr:`Prediction.memory_bound` gives the bytes' seconds by part.
 * **Communication**, each collective's bytes over the link it crosses (NVLink when its group
   fits in a node, else the network), ring or tree by group size (``collective_seconds``), at
@@ -351,7 +352,8 @@ def predict(
     window = per_micro if pp > 1 else compute_total
     exposed_fsdp = max(0.0, fsdp + hsdp - window) + (fsdp + hsdp) / units
     local = dense / shard + experts / max(1, shard // ep)
-    optimizer = local * (optimizer_bytes_per_parameter() + CLIP_BYTES) / hbm
+    # the step reads and writes the state the optimizer declares (AdamW: two fp32 moments per element)
+    optimizer = local * (optimizer_bytes_per_parameter(mean_optimizer_bytes(spec, run.optimizer)) + CLIP_BYTES) / hbm
     memory_bound = {
         part: micro * sum(n * times[kind]["parts"].get(part, 0.0) for kind, n in counts[slowest].items())
         for part in {p for t in times.values() for p in t["parts"]}

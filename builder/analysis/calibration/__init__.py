@@ -55,11 +55,12 @@ Point = tuple[tuple[float, ...], tuple[float, ...]]  # (log2 coordinates, values
 CLIP_BYTES = 12
 
 
-def optimizer_bytes_per_parameter() -> int:
-    """HBM bytes AdamW's step moves per local parameter element: reads the fp32 weight, gradient
-    and two states (16), writes the weight and the states (12). The one place the performance
-    model asks (an optimizer declaring its own bytes replaces it)."""
-    return 28
+def optimizer_bytes_per_parameter(state: float = 8) -> float:
+    """HBM bytes an optimizer step moves per local parameter element that keeps ``state`` bytes of
+    optimizer state per element (the optimizer's declaration, ``yamlformer.builder.optim``; AdamW's
+    two fp32 moments: 8): reads the fp32 weight, gradient and state, writes the weight and state
+    (AdamW: 16 read, 12 written, 28). The one place the performance model asks."""
+    return 12 + 2 * state
 
 
 @dataclass(frozen=True)
