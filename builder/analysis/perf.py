@@ -85,7 +85,6 @@ from yamlformer.builder.analysis.perf_terms import (
     tensor_parallel_seconds,
 )
 from yamlformer.builder.analysis.schedules import SCHEDULES, bubble_fraction, in_flight
-from yamlformer.builder.analysis.shards import mean_optimizer_bytes
 
 __all__ = ["Model", "Prediction", "Run", "Calibration", "collective_seconds", "context_parallel_seconds", "predict"]
 
@@ -353,7 +352,7 @@ def predict(
     exposed_fsdp = max(0.0, fsdp + hsdp - window) + (fsdp + hsdp) / units
     local = dense / shard + experts / max(1, shard // ep)
     # the step reads and writes the state the optimizer declares (AdamW: two fp32 moments per element)
-    optimizer = local * (optimizer_bytes_per_parameter(mean_optimizer_bytes(spec, run.optimizer)) + CLIP_BYTES) / hbm
+    optimizer = local * (optimizer_bytes_per_parameter(m.optimizer_bytes(run.optimizer)) + CLIP_BYTES) / hbm
     memory_bound = {
         part: micro * sum(n * times[kind]["parts"].get(part, 0.0) for kind, n in counts[slowest].items())
         for part in {p for t in times.values() for p in t["parts"]}
@@ -449,7 +448,7 @@ def memory(m: Model, layout: Layout, run: Run, stage_states: list[int] | None = 
     # what a compiled loss does not keep (per rank: a tp-th under sequence parallelism)
     loss_saving = m.compiled_loss_saving / (tp if run.sequence_parallel else 1) if run.compile_loss else 0
     # fp32 master weights and gradients, and the optimizer's declared state, per parameter element
-    state = 8 + mean_optimizer_bytes(m.spec, run.optimizer) if not stage_states else 0
+    state = 8 + m.optimizer_bytes(run.optimizer) if not stage_states else 0
     for s in range(pp):
         dense, experts = _stage_params(m, counts[s], s, pp, tp, ep)
         shard, expert_shard = layout.shard_size, max(1, layout.shard_size // ep)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from yamlformer.blocks.configs.traffic import Traffic
 from yamlformer.builder.analysis.calibration import BYTES
 from yamlformer.builder.analysis.layout import experts_of
-from yamlformer.builder.analysis.shards import stage_layers
+from yamlformer.builder.analysis.shards import element_groups, mean_optimizer_bytes, stage_layers
 
 #: the layer's blocks whose 2-D (or stacked 3-D expert) weights are linears
 LINEAR_BLOCKS = ("attention", "cross_attention", "ffn")
@@ -113,6 +113,15 @@ class Model:
         self._stages: dict[tuple[int, int], list[dict[int, int]]] = {}
         self._whole: dict[int, tuple[list[int], int]] = {}
         self._views: dict[int, list] = {}
+
+    @functools.cached_property
+    def _element_groups(self) -> list:
+        return element_groups(self.spec)
+
+    def optimizer_bytes(self, optimizer) -> float:
+        """``optimizer``'s declared state per parameter element
+        (:func:`yamlformer.builder.analysis.shards.mean_optimizer_bytes`), the spec's tensors read once."""
+        return mean_optimizer_bytes(self.spec, optimizer, self._element_groups)
 
     def saved(self, tp: int, sequence_parallel: bool) -> tuple[list[int], int]:
         """Bytes one tensor-parallel rank saves for backward per sequence: each layer's, and the rest

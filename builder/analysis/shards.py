@@ -193,16 +193,22 @@ def optimizer_bytes(spec, optimizer=None, tensors: list[ParamTensor] | None = No
     return optimizer_state_bytes(state_groups((_numel(t.shape), t) for t in tensors), optimizer)
 
 
-def mean_optimizer_bytes(spec, optimizer=None) -> float:
-    """The optimizer's state per parameter element, averaged over the whole model (the performance
-    model counts elements per layer: a per-tensor state, AdamW's step, is left out, as it always has been)."""
+def element_groups(spec) -> list[tuple[int, str | None, int, int]]:
+    """The model's parameter elements by role and ndim, as
+    :func:`yamlformer.builder.optim.optimizer_state_bytes` takes them, without tensor counts (the
+    performance model counts elements per layer: a per-tensor state, AdamW's step, is left out, as
+    it always has been)."""
+    held = state_groups((_numel(t.shape), t) for t in model_tensors(spec))
+    return [(elements, role, ndim, 0) for elements, role, ndim, _ in held]
+
+
+def mean_optimizer_bytes(spec, optimizer=None, groups: list | None = None) -> float:
+    """The optimizer's state per parameter element, averaged over the whole model (``groups``: the
+    spec's :func:`element_groups`, when already read)."""
     from yamlformer.builder.optim import optimizer_state_bytes
 
-    tensors = model_tensors(spec)
-    groups = [
-        (elements, role, ndim, 0) for elements, role, ndim, _ in state_groups((_numel(t.shape), t) for t in tensors)
-    ]
-    return optimizer_state_bytes(groups, optimizer) / max(1, sum(_numel(t.shape) for t in tensors))
+    groups = element_groups(spec) if groups is None else groups
+    return optimizer_state_bytes(groups, optimizer) / max(1, sum(elements for elements, *_ in groups))
 
 
 @dataclass(frozen=True)
