@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
 from machine import emit, machine
 from recipe_runs import REPO, add_output_options, reaches, runs_folder, train
 

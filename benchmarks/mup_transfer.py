@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
 from machine import emit, machine
 
 HERE = Path(__file__).resolve().parent
