@@ -242,9 +242,13 @@ def test_every_benchmark_script_starts_under_python_dash_p():
 
     scripts = sorted(str(p) for p in (REPO / "benchmarks").glob("*.py"))
     code = (
-        "import runpy, sys\n"
-        "failed = []\n"
-        "for script in sys.argv[1:]:\n"
+        "import os, runpy, sys\n"
+        "failed, path, scripts = [], list(sys.path), sys.argv[1:]\n"
+        "folder = os.path.dirname(scripts[0])\n"
+        "for script in scripts:\n"
+        "    sys.path[:] = path  # what an earlier script added, and the modules it imported from here, forgotten\n"
+        "    for name in [n for n, m in sys.modules.items() if str(getattr(m, '__file__', '')).startswith(folder)]:\n"
+        "        del sys.modules[name]\n"
         "    sys.argv = [script, '--help']\n"
         "    try:\n"
         "        runpy.run_path(script, run_name='__main__')\n"
