@@ -5,11 +5,14 @@ convention ``yamlformer.builder.analysis.memory`` documents: weights and gradien
 master copy of the weights and AdamW's two fp32 states (for bf16; fp32 trains its weights
 directly), the attention backend the estimate assumes (``auto``: the fused Triton kernel;
 ``eager``: explicit matrix products), and, when asked, activation checkpointing on every layer.
-The loss is the recipe's: cross-entropy on fp32 logits. It prints one row per case with the
-estimate, the measured peak and their ratio.
+The loss is the recipe's: cross-entropy on fp32 logits. Two cases fine-tune with adapters (LoRA
+r16 on q and v; QLoRA on every linear layer, its base in NF4 through torchao): only the adapters
+train, so the frozen base holds its weights alone. It prints one row per case with the estimate,
+the measured peak and their ratio.
 
     python benchmarks/memory.py                 # the default cases
     python benchmarks/memory.py --quick         # two small cases
+    python benchmarks/memory.py --adapters      # the two cases with adapters
     python benchmarks/memory.py --json out.json
 
 Without CUDA it says so and exits with status 2.
@@ -26,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+LORA = {"type": "lora", "rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]}
+QLORA = {"type": "lora", "rank": 16, "alpha": 32, "targets": "all-linear", "quantize": "nf4"}
+
 # (spec, overrides, batch, seq_len, dtype, backend, checkpointing)
 CASES = [
     ("specs/gpt2-small.yaml", {}, 8, 1024, "bf16", "auto", False),
@@ -36,6 +42,9 @@ CASES = [
     ("specs/mixtral-8x7b.yaml", {"decoder.n_layers": 2}, 4, 1024, "bf16", "auto", False),
     ("specs/t5-small.yaml", {}, 16, 512, "bf16", "auto", False),
     ("specs/bert-base.yaml", {}, 32, 512, "fp32", "auto", False),
+    # adapters: a frozen base (no gradients, master copy or AdamW state), the NF4 base at torchao's bytes
+    ("specs/llama2-7b.yaml", {"decoder.n_layers": 4, "adapters": LORA}, 4, 2048, "bf16", "auto", False),
+    ("specs/llama2-7b.yaml", {"decoder.n_layers": 4, "adapters": QLORA}, 4, 2048, "bf16", "auto", False),
 ]
 QUICK = [CASES[0], CASES[6]]
 
@@ -113,7 +122,7 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
     model = build_model(spec, device="cuda", dtype=torch_dtype, attention_backend=backend).train()
     if checkpointing:
         checkpoint_layers(model)
-    optimizer = MasterAdamW(model.parameters())
+    optimizer = MasterAdamW(p for p in model.parameters() if p.requires_grad)  # with adapters, theirs alone
     ids = torch.randint(0, spec.vocab_size, (batch, seq + 1), device="cuda")
     src = torch.randint(0, spec.vocab_size, (batch, seq), device="cuda") if enc_dec else None
     inputs, targets = ids[:, :-1], ids[:, 1:]
@@ -145,9 +154,17 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
     }
 
 
+def _short(value) -> str:
+    """An override as a label: an adapters mapping as its type and quantization."""
+    if isinstance(value, dict):
+        return "q" + value["type"] if value.get("quantize") else value["type"]
+    return str(value)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small cases")
+    parser.add_argument("--adapters", action="store_true", help="only the cases with adapters (LoRA, QLoRA)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     try:
@@ -172,9 +189,10 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     rows = []
-    for case in QUICK if args.quick else CASES:
+    cases = QUICK if args.quick else CASES
+    for case in [c for c in cases if "adapters" in c[1]] if args.adapters else cases:
         spec_path, overrides, batch, seq, dtype, backend, ckpt = case
-        label = Path(spec_path).stem + "".join(f" {k.split('.')[-1]}={v}" for k, v in overrides.items())
+        label = Path(spec_path).stem + "".join(f" {k.split('.')[-1]}={_short(v)}" for k, v in overrides.items())
         try:
             row = run_case(*case)
         except torch.cuda.OutOfMemoryError:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from yamlformer.blocks.cache import MemoryCache, TensorCache
+from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.tensor_parallel import shared
 from yamlformer.kernels import attention as attention_kernel
 
@@ -255,10 +256,10 @@ class MultiHeadAttention(nn.Module):
         self.group = None  # the tensor-parallel group whose ranks hold the other heads
         self.context_group = None  # the context-parallel group whose ranks hold the other tokens
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(d_model, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d_model, kv_dim, bias=config.qkv_bias)
-        self.out_proj = nn.Linear(q_dim, d_model, bias=config.out_bias)
+        self.q_proj = Linear(d_model, q_dim, bias=config.qkv_bias)
+        self.k_proj = Linear(d_model, kv_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(d_model, kv_dim, bias=config.qkv_bias)
+        self.out_proj = Linear(q_dim, d_model, bias=config.out_bias)
         norm = config.qk_norm
         self.norm_heads = norm is not None and norm.over == "head"  # else over the whole projection
         if norm is not None:
@@ -313,7 +314,7 @@ class MultiHeadAttention(nn.Module):
     def _shared(self, t: torch.Tensor) -> torch.Tensor:
         return shared(t, self.group)
 
-    def _heads(self, x: torch.Tensor, proj: nn.Linear, n_heads: int, norm: QKNorm | None = None) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, proj: Linear, n_heads: int, norm: QKNorm | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         y = proj(x)  # (batch, seq, n_heads * head_dim)
         if norm is not None and not self.norm_heads:

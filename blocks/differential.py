@@ -24,6 +24,7 @@ from torch import nn
 
 from yamlformer.blocks.cache import TensorCache
 from yamlformer.blocks.configs.differential import LAMBDAS
+from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.tensor_parallel import shared
 from yamlformer.kernels import attention as attention_kernel
 
@@ -58,10 +59,10 @@ class DifferentialAttention(nn.Module):
         self.cache_layout = config.kv_cache(d_model)
         self.first_head, self.total_heads = 0, self.n_heads  # this module's heads among the layer's
         self.group = None  # the tensor-parallel group the shared tensors' gradients sum over
-        self.q_proj = nn.Linear(d_model, 2 * self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d_model, 2 * self.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d_model, 2 * self.n_kv_heads * hd, bias=False)
-        self.out_proj = nn.Linear(2 * self.n_heads * hd, d_model, bias=False)
+        self.q_proj = Linear(d_model, 2 * self.n_heads * hd, bias=False)
+        self.k_proj = Linear(d_model, 2 * self.n_kv_heads * hd, bias=False)
+        self.v_proj = Linear(d_model, 2 * self.n_kv_heads * hd, bias=False)
+        self.out_proj = Linear(2 * self.n_heads * hd, d_model, bias=False)
         for name in LAMBDAS:
             self.register_parameter(name, nn.Parameter(torch.zeros(hd)))
         self.subln = _HeadNormWeight(2 * hd)

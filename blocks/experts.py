@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yamlformer.blocks.linear import Linear
+
 #: torch's grouped matmul (``F.grouped_mm``, torch 2.8+), where this torch has it
 _GROUPED_MM = getattr(F, "grouped_mm", None)
 #: dtypes it takes: on CPU (tried on torch 2.13) the float ones; on CUDA bfloat16 (its documented kernels)
@@ -95,13 +97,14 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return to_local() if to_local is not None else tensor
 
 
-class StackedLinear(nn.Linear):
+class StackedLinear(Linear):
     """``n`` linear layers of one shape as one ``(n, out_features, in_features)`` weight (and
     ``(n, out_features)`` bias): ``forward(rows, counts)`` is :func:`grouped_linear` over the layers
     this rank holds (all, unless expert parallelism split them: a DTensor's local rows). An
     ``nn.Linear``, so ``yamlformer.blocks.init`` initialises it as any linear layer of its name (a ``down_proj``
     as a residual projection); one tensor instead of ``n`` modules builds a 256-expert layer at once
-    and shards as one tensor."""
+    and shards as one tensor. The seam of ``yamlformer.blocks.linear``, per expert: an adapter's
+    factors are stacked too (``lora_A`` ``(n, r, in)``), each expert's rows through its own."""
 
     def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
         nn.Module.__init__(self)  # nn.Linear's own __init__ would draw a 2-D weight
@@ -111,7 +114,22 @@ class StackedLinear(nn.Linear):
         self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
-        return grouped_linear(rows, _local(self.weight), _local(self.bias), counts, grouped)
+        y = grouped_linear(rows, _local(self.weight), _local(self.bias), counts, grouped)
+        return y if self.adapter is None else self.adapter(rows, y, self, counts=counts, grouped=grouped)
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, counts=None, grouped: bool = True) -> torch.Tensor:
+        """Each expert's rows of ``x`` through its own slice of a stacked ``(n, out, in)`` weight."""
+        return grouped_linear(x, _local(weight), None, counts, grouped)
+
+    def scale_outputs(self, y: torch.Tensor, scale: torch.Tensor, counts=None, grouped: bool = True) -> torch.Tensor:
+        """Each expert's rows of ``y`` times its own row of ``scale`` ``(n, out)``."""
+        return y * _local(scale).repeat_interleave(counts, dim=0, output_size=y.shape[0])
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return _local(t)
+
+    def dense_weight(self) -> torch.Tensor:
+        return _local(self.weight)
 
     def extra_repr(self) -> str:
         return (

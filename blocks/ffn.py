@@ -17,6 +17,7 @@ from torch import nn
 
 from yamlformer.blocks import registry
 from yamlformer.blocks.experts import SplitsExperts, StackedLinear, balance_statistics, dispatch
+from yamlformer.blocks.linear import Linear
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -31,16 +32,6 @@ def activation(name: str):
         return ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}") from None
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that draws no default values on the meta device, where there are none to
-    draw (a meta build of 128 experts x 48 layers otherwise spends seconds in meta ``uniform_``);
-    elsewhere nn.Linear's draw, until ``yamlformer.blocks.init`` runs."""
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()
 
 
 class MLP(nn.Module):
@@ -147,6 +138,7 @@ class MoE(SplitsExperts, nn.Module):
         super().__init__()
         self.n_experts = config.n_experts
         self.top_k = config.top_k
+        # a plain nn.Linear, not an adaptable projection (yamlformer.blocks.linear): routing stays the base model's
         self.router = nn.Linear(d_model, config.n_experts, bias=config.router_bias)
         # with expert_bias the expert's bias is on (yamlformer.blocks.configs.ffn)
         self.experts = GroupedExperts(config.expert, d_model, config.n_experts, config.clamp)
@@ -201,7 +193,7 @@ class DeepSeekMoE(SplitsExperts, nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
         self.on_input = config.weight_on == "input"
         self.bias_update_speed = config.bias_update_speed if config.expert_bias else 0.0
-        self.router = nn.Linear(d_model, config.n_experts, bias=False)
+        self.router = nn.Linear(d_model, config.n_experts, bias=False)  # not adaptable, as MoE's (route reads it)
         self.experts = GroupedExperts(config.expert, d_model, config.n_experts)
         shared = config.shared(d_model)
         self.shared_experts = registry.module_class(shared)(shared, d_model) if shared is not None else None

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from yamlformer.blocks.ffn import activation
+from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.norms import LayerNorm
 
 
@@ -53,11 +54,11 @@ class HeadContext:
     inputs: object
 
 
-def vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: nn.Embedding | None) -> nn.Linear:
+def vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: nn.Embedding | None) -> Linear:
     """The ``(vocab_size, d_model)`` output projection, its weight the embedding's when tied
     (``vocab_size``: the rows, a padded vocabulary's when the spec pads it)."""
     if tied_embedding is None:
-        return nn.Linear(d_model, vocab_size, bias=bias)
+        return Linear(d_model, vocab_size, bias=bias)
     if tuple(tied_embedding.weight.shape) != (vocab_size, d_model):
         raise ValueError(
             f"cannot tie a ({vocab_size}, {d_model}) output projection to an embedding of shape "
@@ -65,7 +66,7 @@ def vocab_projection(d_model: int, vocab_size: int, bias: bool, tied_embedding: 
         )
     with warnings.catch_warnings():  # "initializing zero-element tensors is a no-op"
         warnings.simplefilter("ignore", UserWarning)
-        proj = nn.Linear(d_model, 0, bias=False)  # an empty weight, replaced by the shared one
+        proj = Linear(d_model, 0, bias=False)  # an empty weight, replaced by the shared one
     proj.out_features = vocab_size
     proj.weight = tied_embedding.weight
     if bias:
@@ -130,7 +131,7 @@ class MLMHead(VocabularyHead):
     """BERT's masked-LM head: ``proj(norm(act(dense(hidden))))``, the projection with a bias."""
 
     def layers(self, config, d_model: int) -> bool:
-        self.dense = nn.Linear(d_model, d_model)
+        self.dense = Linear(d_model, d_model)
         self.act = activation(config.activation)
         self.norm = LayerNorm(config.norm, d_model)
         return True
@@ -148,9 +149,9 @@ class ClassificationHead(nn.Module):
     def __init__(self, config, d_model: int):
         super().__init__()
         self.pooling = config.pooling
-        self.pooler = nn.Linear(d_model, d_model) if config.pooler else None
+        self.pooler = Linear(d_model, d_model) if config.pooler else None
         self.dropout = nn.Dropout(config.dropout)
-        self.classifier = nn.Linear(d_model, config.n_classes)
+        self.classifier = Linear(d_model, config.n_classes)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, context=None) -> HeadOutput:
         if self.pooling == "first":

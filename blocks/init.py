@@ -13,7 +13,11 @@ multiplied by the factor (the builder sets it from the spec's ``parametrization`
 
 A block module with parameters of its own (not inside an ``nn.Linear`` or ``nn.Embedding``
 child) declares how to fill them in ``init_rules(std) -> {name: rule}`` (norms, learned tables),
-a rule being ``("normal", std)`` or ``("constant", value)``. A module that initialises itself in
+a rule being ``("normal", std)``, ``("uniform", bound)`` (from ``-bound`` to ``bound``) or
+``("constant", value)``. Values that follow from other weights (DoRA's magnitude, the norm of
+the weight it adapts) are set after every rule, by each module's ``init_from_weights()``
+(:func:`init_from_weights`; again whenever the weights change: a checkpoint's, ``init_from``'s).
+A module that initialises itself in
 an ``init_weights(std)`` method instead (a plugin's) is called as it is; its values are then not
 reproducible shard by shard (see :func:`imperative_modules`).
 
@@ -114,8 +118,8 @@ def fill(
     if kind == "constant":
         out.fill_(value)
         return
-    if kind != "normal":
-        raise ValueError(f"{name}: unknown init rule {kind!r}; normal or constant")
+    if kind not in ("normal", "uniform"):
+        raise ValueError(f"{name}: unknown init rule {kind!r}; normal, uniform or constant")
     offset = tuple(offset) if offset is not None else (0,) * len(shape)
     if out.numel() == 0:
         return
@@ -125,7 +129,11 @@ def fill(
     for block in range(first // rows, (last - 1) // rows + 1):
         lo, hi = block * rows, min((block + 1) * rows, shape[0])
         generator = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        values = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32).normal_(0.0, value, generator=generator)
+        values = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32)
+        if kind == "normal":
+            values.normal_(0.0, value, generator=generator)
+        else:
+            values.uniform_(-value, value, generator=generator)
         a, b = max(lo, first), min(hi, last)
         out[a - first : b - first].copy_(values[(slice(a - lo, b - lo), *rest)])
 
@@ -146,7 +154,19 @@ def init_weights(model: nn.Module, std: float = STD, seed: int | None = None) ->
         key = canonical_name(name)
         if key in rules:
             fill(param.data, rules[key], seed, key, tuple(param.shape))
+    init_from_weights(model)
     return model
+
+
+@torch.no_grad()
+def init_from_weights(model: nn.Module) -> None:
+    """Values that follow from the weights as they are now (DoRA's magnitude: the norm of the
+    weight it adapts), set by each module's ``init_from_weights()``: after the rules, and again
+    after weights are loaded into the model."""
+    for module in model.modules():
+        hook = getattr(module, "init_from_weights", None)
+        if callable(hook):
+            hook()
 
 
 def draw_seed() -> int:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from yamlformer.blocks.cache import TensorCache
+from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.norms import RMSNorm
 from yamlformer.kernels import attention as attention_kernel
 from yamlformer.kernels.attention import MAX_TRITON_HEAD_DIM
@@ -53,15 +54,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.cache_layout = config.kv_cache(d_model)
         qk_dim, norm = self.n_heads * config.qk_head_dim, config.latent_norm()
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(d_model, qk_dim, bias=False)
+            self.q_proj = Linear(d_model, qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d_model, config.q_lora_rank, bias=config.bias)
+            self.q_a_proj = Linear(d_model, config.q_lora_rank, bias=config.bias)
             self.q_a_layernorm = RMSNorm(norm, config.q_lora_rank)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d_model, self.kv_lora_rank + self.rope, bias=config.bias)
+            self.q_b_proj = Linear(config.q_lora_rank, qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d_model, self.kv_lora_rank + self.rope, bias=config.bias)
         self.kv_a_layernorm = RMSNorm(norm, self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
-        self.out_proj = nn.Linear(self.n_heads * self.v_dim, d_model, bias=config.bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.out_proj = Linear(self.n_heads * self.v_dim, d_model, bias=config.bias)
 
     def new_cache(self, batch: int, max_tokens: int, dtype: torch.dtype, device) -> TensorCache:
         """The latent cache: ``(batch, 1, positions, kv_lora_rank + qk_rope_head_dim)``."""
@@ -110,7 +111,8 @@ class MultiHeadLatentAttention(nn.Module):
         """Multi-query attention over the cached latents, ``kv_b_proj`` folded into q and out."""
         entry = torch.cat((latent[:, None], k_rope), dim=-1)  # (batch, 1, seq, kv_lora_rank + rope)
         cached, first = cache.update(entry, index=inputs.index)  # (batch, 1, keys, kv_lora_rank + rope)
-        weight = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
+        # the weight kv_b_proj applies: an adapter's change folded in, an NF4 base dequantized
+        weight = self.kv_b_proj.adapted_weight().view(-1, self.nope + self.v_dim, self.kv_lora_rank)
         w_key, w_value = weight.split([self.nope, self.v_dim], dim=1)  # (heads, nope, rank), (heads, v, rank)
         q = torch.cat((torch.matmul(q_nope, w_key), q_rope), dim=-1)  # (batch, heads, seq, rank + rope)
         values = cached[..., : self.kv_lora_rank]  # (batch, 1, keys, rank), a view

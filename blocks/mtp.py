@@ -24,6 +24,7 @@ from torch import nn
 
 from yamlformer.blocks.build import Dims, build_block, build_layer
 from yamlformer.blocks.heads import HeadOutput, vocab_projection, vocabulary_logits
+from yamlformer.blocks.linear import Linear
 
 #: a target that takes no part in the loss (PyTorch's default ignore_index)
 IGNORE = -100
@@ -36,7 +37,7 @@ class MultiTokenPredictionModule(nn.Module):
         super().__init__()
         self.enorm = build_block(layer.norm, dims)
         self.hnorm = build_block(layer.norm, dims)
-        self.eh_proj = nn.Linear(2 * dims.d_model, dims.d_model, bias=False)
+        self.eh_proj = Linear(2 * dims.d_model, dims.d_model, bias=False)
         self.layer = build_layer(layer, dims, layer_index=layer_index, n_layers=n_layers, causal=True, backend=backend)
         self.norm = build_block(layer.norm, dims)
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-#: block kinds; "architecture" is the spec's ``architecture:`` (which stacks of layers a model has)
-KINDS = ("attention", "position", "ffn", "norm", "head", "architecture")
+#: block kinds; "architecture" is the spec's ``architecture:`` (which stacks of layers a model has),
+#: "adapter" its ``adapters:`` (what fine-tuning adds to linear layers, ``yamlformer.blocks.linear``)
+KINDS = ("attention", "position", "ffn", "norm", "head", "architecture", "adapter")
 #: the type a block mapping takes when its ``type`` key is left out, by block kind
 DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}
 

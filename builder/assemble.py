@@ -4,6 +4,9 @@ Assembly walks the spec and builds every block through ``yamlformer.blocks.build
 the built children to their parents (torchtune style): a layer gets its attention, FFN and
 norms (``yamlformer.blocks.build.build_layer``, which tells each its place: ``layer_index``, ``n_layers``);
 a stack its embedding, position block, layers and final norm; the model its stacks and head.
+A spec's ``adapters`` are attached to the linear layers they target once the base is built
+(``yamlformer.blocks.linear``); after the weights are initialised, every parameter but the
+adapters' is frozen and, with ``quantize: nf4``, the layers' base weights become NF4.
 Blocks are constructed directly on the target device (``device="meta"``: shapes only, instant
 even for 175B parameters, no init work) and then initialised by
 ``yamlformer.blocks.init.init_weights`` (``init_seed``, else a seed drawn from torch's generator: seed with
@@ -26,9 +29,11 @@ from yamlformer.blocks import registry
 from yamlformer.blocks.build import Dims, build_block, build_layer
 from yamlformer.blocks.embeddings import Embeddings
 from yamlformer.blocks.init import draw_seed, init_weights
+from yamlformer.blocks.linear import adapter_parameters
 from yamlformer.blocks.stacks import TransformerStack
 from yamlformer.builder.parametrization import head_for_build, is_mup, layer_for_build
 from yamlformer.builder.parametrization import plan as parametrization_plan
+from yamlformer.builder.spec.adapters import adapted, quantized
 
 BACKENDS = ("auto", "eager", "sdpa", "triton")
 
@@ -89,11 +94,41 @@ def build_model(
     seed = init_seed if init_seed is not None else draw_seed()  # drawn first: the same on every device
     with device, _default_dtype(dtype):
         model = _assemble(spec, attention_backend)
+        _attach_adapters(model, spec)
     if is_mup(spec):
         _parametrize(model, parametrization_plan(spec))
     init_weights(model, seed=seed)  # a no-op on meta
+    _freeze_base(model, spec)
     model.spec = spec
     return model
+
+
+def _attach_adapters(model: nn.Module, spec) -> None:
+    """The spec's adapter on every linear layer its targets select (``yamlformer.builder.spec.adapters``)."""
+    if spec.adapters is None:
+        return
+    adapter = registry.module_class(spec.adapters)
+    for path in adapted(spec):
+        linear = model.get_submodule(path)
+        if not hasattr(linear, "attach"):  # a plugin's block built a plain nn.Linear
+            raise ValueError(
+                f"adapters: {path} is a {type(linear).__module__}.{type(linear).__qualname__}, not a "
+                "yamlformer.blocks.linear.Linear: its block builds it so (blocks/README.md), or leaves it out of "
+                "its config's linear_layers"
+            )
+        linear.attach(adapter(spec.adapters, linear))
+
+
+def _freeze_base(model: nn.Module, spec) -> None:
+    """With adapters, only they train; ``quantize: nf4`` stores the frozen layers' weights as NF4."""
+    if spec.adapters is None:
+        return
+    trained = {id(p) for p in adapter_parameters(model).values()}
+    for param in model.parameters():
+        if id(param) not in trained:
+            param.requires_grad_(False)
+    for path in quantized(spec):
+        model.get_submodule(path).quantize()
 
 
 class OutputMultiplier:

@@ -263,3 +263,21 @@ def test_every_benchmark_script_starts_under_python_dash_p():
         [sys.executable, "-P", "-c", code, *scripts], cwd="/", capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_peft_side_by_side_trains_both_sides_to_the_same_losses(tmp_path, capsys):
+    """benchmarks/lora_vs_peft.py --quick: our LoRA and DoRA and peft's on transformers, from the same
+    start on the same batches, lose the same per step (each side in its own process)."""
+    import json
+
+    import lora_vs_peft
+
+    out = tmp_path / "result.json"
+    assert lora_vs_peft.main(["--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for kind in ("lora", "dora"):
+        row = result["kinds"][kind]
+        assert row["max_loss_difference"] <= 1e-4 and row["trainable"] > 0, row
+        assert row["tokens_per_s_ratio"] > 0 and row["peak_ratio"] > 0, row
+    assert "per-step losses differ by at most" in capsys.readouterr().out

@@ -198,7 +198,7 @@ def test_dry_run_of_every_shipped_recipe(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         result = dry_run(path.stem)
-        assert result["params"] > 0 and result["recipe"]["model"]["spec"]
+        assert result["params"] > 0 and (result["recipe"]["model"]["spec"] or result["recipe"]["model"]["init_from"])
     assert list(tmp_path.iterdir()) == []
     capsys.readouterr()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from data_helpers import REPO, data_for_recipes
-from test_shipped_recipes import RECIPES, TINY, TRAINER
+from test_shipped_recipes import BASES, RECIPES, TINY, TRAINER
 
 REFERENCES = Path(__file__).with_name("reference_losses.json")
 STEPS = 4
@@ -35,7 +35,12 @@ def _losses(out: Path) -> dict[str, list[float]]:
     return {"train": train, "val": val[-1:]}
 
 
-@pytest.mark.parametrize("shipped", RECIPES, ids=[p.stem for p in RECIPES])
+#: every recipe that trains from scratch: one that starts from another's run (BASES) trains on its
+#: losses and, for lora-stdlib, on records made from the running interpreter, which differ by version
+OWN = [p for p in RECIPES if p.stem not in BASES]
+
+
+@pytest.mark.parametrize("shipped", OWN, ids=[p.stem for p in OWN])
 def test_a_seeded_run_gives_the_recorded_losses(shipped, tmp_path, monkeypatch):
     from yamlformer.recipes.training.run import run
 

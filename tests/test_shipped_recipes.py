@@ -87,6 +87,27 @@ TINY = {
 }
 
 
+#: recipe -> (the recipe whose run it starts from, that run's overrides): trained first, tiny, in the
+#: same folder (``model.init_from: lm-stdlib`` is its run's last checkpoint)
+BASES = {
+    "lora-stdlib": (
+        "lm-stdlib",
+        {
+            **{f"model.overrides.{k}": v for k, v in TINY["lm-stdlib"][0].items()},
+            **TINY["lm-stdlib"][1],
+            "model.overrides.max_seq_len": 128,  # the answers' rows are longer than its windows
+            "data.max_bytes": 30_000,
+            "tokenizer.vocab_size": 500,
+            "trainer.max_steps": 1,
+            "trainer.val_check_interval": 1,
+            "trainer.checkpoint_every_n_steps": 1,
+            "trainer.precision": "32",
+        },
+    ),
+}
+TINY["lora-stdlib"] = ({}, {"data.limit": 40, "data.batch_size": 2, "eval.prompts": 1, "eval.max_new_tokens": 2})
+
+
 def test_every_shipped_recipe_is_covered():
     assert sorted(p.stem for p in RECIPES) == sorted(TINY)
 
@@ -95,7 +116,9 @@ def _cases():
     """Each recipe; one whose precision is ``auto`` twice, with the CPU's bf16 detection patched
     each way (so both behaviours run on every machine)."""
     for path in RECIPES:
-        if str(yaml.safe_load(path.read_text())["trainer"].get("precision", "auto")) == "auto":
+        if path.stem in BASES:  # its precision is its base's recipe's, run both ways: once here (cost)
+            yield pytest.param(path, None, id=f"{path.stem}-fp32-cpu")
+        elif str(yaml.safe_load(path.read_text())["trainer"].get("precision", "auto")) == "auto":
             for native in ("AVX512-BF16", None):
                 yield pytest.param(path, native, id=f"{path.stem}-{'bf16' if native else 'fp32'}-cpu")
         else:
@@ -118,6 +141,9 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path,
     copy.write_text(shipped.read_text())  # as it is: a spec it names by its zoo name resolves anywhere
     monkeypatch.chdir(work)  # runs/ and .cache/ land here, as for a user running `builder train my.yaml`
 
+    if shipped.stem in BASES:  # the run it starts from, as a user would have trained it first
+        base, settings = BASES[shipped.stem]
+        run(REPO / "recipes" / f"{base}.yaml", {**TRAINER, **settings}, samples=False)
     model, settings = TINY[shipped.stem]
     overrides = {**TRAINER, **settings, **{f"model.overrides.{k}": v for k, v in model.items()}}
     summary = run(copy, overrides, samples=False)
@@ -142,3 +168,23 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path,
         *fetching, error = capsys.readouterr().err.strip().splitlines()  # (its terms,) the URL, the error
         assert error.startswith("builder eval: downloading") and "BUILDER_DATA" in error, error
         assert "multi30k/test2016.de" in error and fetching[-1].startswith("downloading")
+    if shipped.stem in BASES:  # what the recipe's header shows: its adapters loaded by peft onto the base's export
+        _peft_loads_the_run(work, summary["last"], BASES[shipped.stem][0], main)
+
+
+def _peft_loads_the_run(work, last: str, base: str, main) -> None:
+    """The base run exported for transformers, the adapters for PEFT: the logits of our checkpoint."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from yamlformer.recipes.trained import load_trained
+
+    base_ckpt = work / "runs" / base / "checkpoints" / "last.ckpt"
+    assert main(["export-hf", str(base_ckpt), "-o", str(work / "hf-base")]) == 0
+    assert main(["export-hf", last, "--adapters-only", "-o", str(work / "hf-adapters")]) == 0
+    model, _, _ = load_trained(last, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(work / "hf-base", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(hf, work / "hf-adapters").eval()
+    ids = torch.randint(0, model.spec.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, model(ids), rtol=0, atol=1e-5)

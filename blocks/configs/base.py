@@ -1,6 +1,8 @@
 """The contracts: what generic code (schema rules, estimates, memory, assembly, decoding) may ask
 of a block, one base class per block kind. Torch-free.
 
+(The adapter kind's, ``AdapterBlock``, is in ``yamlformer.blocks.configs.adapters`` beside its types;
+what every block says of its linear layers, in ``yamlformer.blocks.configs.linear``.)
 A registered config subclasses the base of its kind (``yamlformer.blocks.registry.register`` refuses one
 that does not, or that leaves an abstract method out). Generic code calls only what is declared
 here; a block's own fields (``n_kv_heads``, ``sliding_window``, ``kv_lora_rank``...) are its own
@@ -28,6 +30,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsA
 from pydantic_core import PydanticCustomError
 
 from yamlformer.blocks import registry
+from yamlformer.blocks.configs.linear import LinearLayer, weight_layers
 from yamlformer.blocks.configs.pairs import visible_pairs
 from yamlformer.blocks.configs.tensors import TensorClass
 from yamlformer.blocks.configs.traffic import Traffic, layer_norm, layout_copy
@@ -95,6 +98,13 @@ class BlockConfig(BaseModel):
         """Why this block cannot sit in one pipeline stage of ``degree`` as its module runs there:
         ``(field path, message)`` pairs; none by default (a head with layers of its own says)."""
         return []
+
+    def linear_layers(self, shapes: Shapes) -> dict[str, LinearLayer]:
+        """The linear layers among this block's parameters (``shapes``: its ``param_shapes``), by module
+        name, the layers a spec's ``adapters`` may adapt: by default every 2-D or stacked 3-D weight
+        (:func:`~yamlformer.blocks.configs.linear.weight_layers`); a block whose module keeps a 2-D
+        weight of another kind (a router: a plain ``nn.Linear``) leaves it out here."""
+        return weight_layers(shapes)
 
     def tensor_parallel(self, degree: int, d_model: int) -> BlockConfig:
         """This block as each of ``degree`` tensor-parallel ranks holds and runs it: a config of
@@ -594,4 +604,4 @@ KIND_BASES: dict[str, type[BlockConfig]] = {
     "norm": NormBlock,
     "head": HeadBlock,
     "architecture": ArchitectureBlock,
-}
+}  # and "adapter": AdapterBlock, whose contract is in yamlformer.blocks.configs.adapters

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from yamlformer.blocks.configs.base import Classes, FFNBlock, Problems, Shapes, indivisible, rule_error
+from yamlformer.blocks.configs.linear import LinearLayer
 from yamlformer.blocks.configs.tensors import hidden, output, prefixed, vector
 from yamlformer.blocks.configs.traffic import Traffic, activation, routing
 from yamlformer.blocks.limits import MAX_EXPERTS, MAX_FACTOR, MAX_WIDTH
@@ -146,6 +148,17 @@ def _experts_divide(n_experts: int, degree: int) -> Problems:
     return []
 
 
+def _routed_linears(block: FFNBlock, shapes: Shapes, top_k: int) -> dict[str, LinearLayer]:
+    """A mixture of experts' linear layers: the stacked experts, each token's rows meeting
+    ``top_k`` of them, and any dense ones (shared experts); not the router, a plain ``nn.Linear``
+    whose scores stay the base model's (``yamlformer.blocks.ffn``)."""
+    return {
+        module: dataclasses.replace(layer, rows=float(top_k)) if layer.stacked is not None else layer
+        for module, layer in FFNBlock.linear_layers(block, shapes).items()
+        if module != "router"
+    }
+
+
 @register("ffn", "yamlformer.blocks.ffn:MoE")
 class MoEConfig(FFNBlock):
     """Mixture of experts: a linear router picks top_k experts per token (Mixtral, Qwen3-MoE
@@ -224,6 +237,9 @@ class MoEConfig(FFNBlock):
 
     def expert_parallel_plan(self) -> tuple[str, ...]:
         return ("experts",)  # the stacked experts; the router stays whole
+
+    def linear_layers(self, shapes: Shapes) -> dict[str, LinearLayer]:
+        return _routed_linears(self, shapes, self.top_k)
 
     def expert_parallel_problems(self, degree: int) -> Problems:
         return _experts_divide(self.n_experts, degree)
@@ -410,6 +426,9 @@ class DeepSeekMoEConfig(FFNBlock):
 
     def expert_parallel_plan(self) -> tuple[str, ...]:
         return ("experts",)  # the stacked routed experts; router and shared experts stay whole
+
+    def linear_layers(self, shapes: Shapes) -> dict[str, LinearLayer]:
+        return _routed_linears(self, shapes, self.top_k)
 
     def expert_parallel_problems(self, degree: int) -> Problems:
         return _experts_divide(self.n_experts, degree)

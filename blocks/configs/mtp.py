@@ -24,6 +24,7 @@ from pydantic import Field, WithJsonSchema, model_validator
 
 from yamlformer.blocks.configs.base import Classes, HeadBlock, PositionBlock, Shapes, loss_saved_bytes, rule_error
 from yamlformer.blocks.configs.layer import LayerBlocks
+from yamlformer.blocks.configs.linear import LinearLayer
 from yamlformer.blocks.configs.tensors import hidden, prefixed, vocab_classes
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_LAYERS
 from yamlformer.blocks.registry import register
@@ -147,6 +148,18 @@ class MTPHeadConfig(HeadBlock):
             shapes.update({f"{at}layer.{name}": shape for name, shape in layer.param_shapes(d_model).items()})
             shapes.update({f"{at}norm.{name}": shape for name, shape in norm.items()})
         return shapes
+
+    def linear_layers(self, shapes: Shapes) -> dict[str, LinearLayer]:
+        """The projection, each module's ``eh_proj`` and its layer's blocks' own linear layers
+        (a mixture of experts' router left out, as its block says)."""
+        layer = self.layer.layer()
+        out = {m: entry for m, entry in super().linear_layers(shapes).items() if ".layer." not in f".{m}"}
+        for k in range(self.num_nextn_predict_layers):
+            for sub in layer.sublayers(cross=False):
+                prefix = f"mtp.{k}.layer.{sub}."
+                own = {n.removeprefix(prefix): s for n, s in shapes.items() if n.startswith(prefix)}
+                out.update({prefix + m: entry for m, entry in getattr(layer, sub).linear_layers(own).items()})
+        return out
 
     def tensor_classes(self, d_model: int, vocab_size: int, tied: bool) -> Classes | None:
         layer, norm = self.layer.layer().tensor_classes(d_model), self.layer.norm.tensor_classes(d_model)

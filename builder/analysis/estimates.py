@@ -20,6 +20,7 @@ from typing import Any
 from yamlformer.builder.analysis import memory as _memory
 from yamlformer.builder.analysis.layout import Layout, check_tensor_parallel, sharded_memory, tensor_parallel_spec
 from yamlformer.builder.analysis.shards import optimizer_bytes
+from yamlformer.builder.analysis.tuning import tuning
 from yamlformer.builder.optim import OptimizerConfig, optimizer_configs
 
 #: bytes per element of the compute dtypes
@@ -116,7 +117,8 @@ class LayerEstimate:
 @dataclass
 class ParamEstimate:
     total: int
-    trainable: int
+    trainable: int  # what the optimizer steps: the adapters' under a spec's ``adapters``, else all
+    frozen: int  # the rest: weights without gradients or optimizer state
     embedding: int
     non_embedding: int
     active: int
@@ -229,6 +231,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
         n_heads = stack.attention.query_heads()
         add("position", position.params(d, n_heads, spec.max_seq_len), position.flops(d, n_heads, lengths[name]))
 
+    tuned = tuning(spec, lengths, batch, act_bytes)
     layers: list[LayerEstimate] = []
     kernel_total = 0
     for name, stack in stacks.items():
@@ -250,7 +253,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
                     fused_attention,
                     position=position,
                 )
-            est = dataclasses.replace(counted[id(layer)], index=index)
+            est = _with_adapters(dataclasses.replace(counted[id(layer)], index=index), tuned.layers.get((name, index)))
             layers.append(est)
             kernel_total += est.kernel_flops
             for block, n in est.params.items():
@@ -263,6 +266,8 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     last = list(stacks)[-1]
     head_flops, tied = head.flops(d, vocab, lengths[last]), spec.tie_embeddings and head.projects_to_vocab
     add("head", head.params(d, vocab, tied), head_flops, head.active_params(d, vocab, tied))
+    if tuned.head[0]:
+        add("head.adapters", tuned.head[0], tuned.head[1])
     kernel_total += head.kernel_flops(d, vocab, lengths[last]) - head_flops  # a head's own layers' attention
     auxiliary = {f"head.{part}": counts for part, counts in head.auxiliary(d, vocab, tied, lengths[last]).items()}
 
@@ -272,9 +277,11 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     # the layers' attention at the FLOPs a mask-aware kernel performs, everything else as is
     kernel_forward = forward - sum(layer.total_flops for layer in layers) + kernel_total
     train_factor = 4 if activation_checkpointing else 3
+    trainable = tuned.params if spec.adapters is not None else total
     param_est = ParamEstimate(
         total=total,
-        trainable=total,
+        trainable=trainable,
+        frozen=total - trainable,
         embedding=embedding,
         non_embedding=total - embedding,
         active=sum(active.values()),
@@ -305,7 +312,10 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
         strategy=layout.strategy,
         activation_checkpointing=activation_checkpointing,
         fused_attention=fused_attention,
-        optimizer=optimizer_bytes(spec, step.optimizer),
+        frozen=total - trainable,
+        frozen_bytes=tuned.frozen_bytes(total - trainable, act_bytes),
+        head_saved=tuned.head[2],
+        optimizer=optimizer_bytes(spec, step.optimizer),  # the trainable tensors' (shards.model_tensors),
     )
     if layout.strategy == "fsdp":
         mem = _sharded(spec, layout, mem, dataclasses.replace(step, seq_len=seq))
@@ -369,6 +379,21 @@ def _layer(stack, index, layer, d, tokens, cross_len, causal, batch, act_bytes, 
         kernel_flops=layer.kernel_flops(d, tokens, causal, cross_len),
         saved_bytes=layer.saved_bytes(d, batch, tokens, act_bytes, fused, causal, position, cross_len),
         description=layer.describe(cross),
+    )
+
+
+def _with_adapters(layer: LayerEstimate, counts) -> LayerEstimate:
+    """``layer`` with the adapters on its linear layers (``counts``: their parameters, FLOPs and
+    saved bytes; None: none there) as one more block, ``adapters``."""
+    if counts is None:
+        return layer
+    params, flops, saved = counts
+    return dataclasses.replace(
+        layer,
+        params={**layer.params, "adapters": params},
+        active_params=layer.active_params + params,
+        flops={**layer.flops, "adapters": flops},
+        saved_bytes=layer.saved_bytes + saved,
     )
 
 

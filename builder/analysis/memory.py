@@ -62,6 +62,11 @@ CONVENTIONS = (
         "KV cache: keys and values of every self-attention layer for the context (a sliding window "
         "w keeps the last w), plus cross-attention keys and values of the source, compute dtype"
     ),
+    (
+        "adapters (LoRA, DoRA): only they train; the frozen base keeps its weights alone (compute dtype, "
+        "an NF4 weight at torchao's bytes: 4 bits a value, an int8 scale per 64), no gradients, master "
+        "copy or AdamW state; their activations add what each adapter saves beyond its layer's input"
+    ),
 )
 
 
@@ -121,16 +126,24 @@ def memory(
     strategy: str,
     activation_checkpointing: bool,
     fused_attention: bool = True,
+    frozen: int = 0,
+    frozen_bytes: int = 0,
+    head_saved: int = 0,
     optimizer: int = 0,
 ) -> MemoryEstimate:
     """Per-device training memory and the KV cache, from the per-layer estimates, every state
     whole on the device (DDP); ``yamlformer.builder.analysis.estimates`` shards them for FSDP through
-    ``yamlformer.builder.analysis.layout``. ``optimizer``: the bytes of the optimizer's state for the
-    whole model (``yamlformer.builder.analysis.shards.optimizer_bytes``)."""
+    ``yamlformer.builder.analysis.layout``. Of the ``n_params`` parameters, ``frozen`` do not train:
+    they keep their weights only, in ``frozen_bytes`` (an NF4 weight at its real bytes), no
+    gradient, master copy or optimizer state; ``head_saved``: bytes the head's adapters keep.
+    ``optimizer``: the bytes of the optimizer's state for the trainable parameters
+    (``yamlformer.builder.analysis.shards.optimizer_bytes``)."""
     act = BYTES[dtype]
-    weights = gradients = n_params * act
-    master = n_params * FP32 if act != FP32 else 0
-    activations = activation_bytes(
+    trainable = n_params - frozen
+    weights = trainable * act + frozen_bytes
+    gradients = trainable * act
+    master = trainable * FP32 if act != FP32 else 0
+    activations = head_saved + activation_bytes(
         spec, layers, batch, seq_len, src_len, act, activation_checkpointing, fused_attention
     )
     return MemoryEstimate(
@@ -147,7 +160,7 @@ def memory(
         activations=activations,
         activations_per_layer=max((layer.saved_bytes for layer in layers), default=0),
         kv_cache=kv_cache_bytes(spec, batch, seq_len, dtype, src_len=src_len),
-        inference_weights=n_params * act,
+        inference_weights=weights,
     )
 
 

@@ -47,10 +47,14 @@ def component_of(name: str) -> str:
 
     ``decoder.layers.3.ffn.up_proj.weight`` -> ``decoder.ffn``; ``decoder.layers.0.attention_norm
     .weight`` and ``decoder.final_norm.weight`` -> ``decoder.norm``; ``encoder.embedding.tokens
-    .weight`` -> ``embedding``; ``head.proj.bias`` -> ``head``. A name outside this layout keys
-    as its first two parts, which no estimate has, so a comparison flags it.
+    .weight`` -> ``embedding``; ``head.proj.bias`` -> ``head``; an adapter's tensor
+    (``decoder.layers.0.attention.q_proj.adapter.lora_A``) -> ``decoder.adapters`` (``head.adapters``).
+    A name outside this layout keys as its first two parts, which no estimate has, so a comparison
+    flags it.
     """
     parts = name.split(".")
+    if "adapter" in parts[:-1]:
+        return f"{parts[0]}.adapters"
     if parts[0] == "head":
         return "head"
     if len(parts) < 3:
@@ -184,6 +188,10 @@ def describe_table(spec, est, actual=None):
     if p.auxiliary:
         without = ", ".join(p.auxiliary)
         totals.add_row("main-model params", f"{p.main:,}", f"{human(p.main)}: without {without}, what decoding runs")
+    if p.frozen:
+        share = f"{percent(p.trainable, p.total)} of total: {_adapters(spec)}"
+        totals.add_row("trainable params", f"{p.trainable:,}", share)
+        totals.add_row("frozen params", f"{p.frozen:,}", "weights only: no gradients, no optimizer state")
     totals.add_row("embedding params", f"{p.embedding:,}", "token, segment, learned-position tables")
     totals.add_row("non-embedding params", f"{p.non_embedding:,}", "Kaplan's N")
     totals.add_row("active params/token", f"{p.active:,}", percent(p.active, p.total) + " of total")
@@ -264,10 +272,18 @@ def summary_line(spec, est, actual=None) -> str:
     if actual is not None:
         built = sum(actual_params(actual).values())
         check = " (= the built model)" if built == p.total else f" ([red]the built model has {built:,}[/])"
+    trains = f", {p.trainable:,} trainable ({_adapters(spec)})" if p.frozen else ""
     return (
-        f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}; {human(f.train_per_token)} FLOPs per "
-        f"training token; {human_bytes(m.training_total)} training memory per device ({est.settings['dtype']})"
+        f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}{trains}; {human(f.train_per_token)} FLOPs "
+        f"per training token; {human_bytes(m.training_total)} training memory per device ({est.settings['dtype']})"
     )
+
+
+def _adapters(spec) -> str:
+    """What trains, in a few words: ``lora r16 on 64 linear layers``."""
+    from yamlformer.builder.spec.adapters import adapted
+
+    return f"{spec.adapters.describe()} on {len(adapted(spec)):,} linear layers"
 
 
 def print_describe(spec, est, actual=None, console=None) -> None:

@@ -13,12 +13,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from yamlformer.blocks.configs.adapters import nf4_bytes
 from yamlformer.blocks.configs.base import PARALLEL_STYLES
+from yamlformer.blocks.configs.linear import plan_style
 from yamlformer.blocks.configs.tensors import TensorClass
 from yamlformer.blocks.configs.tensors import table as table_class
 from yamlformer.builder.analysis.layout_rules import check_tensor_parallel
 from yamlformer.builder.analysis.memory import BYTES
 from yamlformer.builder.analysis.mesh import Layout, LayoutError
+from yamlformer.builder.spec.adapters import adapted, quantized
 
 FP32 = 4
 #: the token embedding's plan: a vocabulary-parallel table (torch's RowwiseParallel on nn.Embedding)
@@ -35,6 +38,8 @@ class ParamTensor:
     unit: str  # its FSDP unit: "decoder.layers.3", "decoder.embedding", "head" or "root"
     expert: bool = False  # stacked routed experts, split on dim 0 over the expert-parallel ranks
     cls: TensorClass | None = None  # what its block declares it is (None: the block declares no classes)
+    trains: bool = True  # False: a frozen base parameter under a spec's adapters (a weight, no states)
+    bytes_per_element: float = FP32  # what one element of the sharded weight keeps (an NF4 base: ~0.52)
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """The shape one tensor-parallel rank holds (splits are even, see tensor_parallel_problems)."""
@@ -106,7 +111,34 @@ def model_tensors(spec) -> list[ParamTensor]:
             add(f"{name}.final_norm.", stack.norm, _shapes(stack.norm, f"{name}.norm", d), "root", dims=(d,))
     head_dims = (d, vocab, tied)
     add("head.", spec.head, _shapes(spec.head, "head", *head_dims), "root" if tied else "head", dims=head_dims)
+    if spec.adapters is not None:
+        _adapter_tensors(spec, tensors)
     return list(tensors.values())
+
+
+def _adapter_tensors(spec, tensors: dict[str, ParamTensor]) -> None:
+    """Under a spec's ``adapters``: each adapted layer's adapter tensors (in its layer's FSDP unit,
+    split by tensor parallelism where its layer is: ``AdapterBlock.tensor_parallel_dim``) and every
+    other tensor frozen, an NF4 base at the bytes torchao keeps per element."""
+    config = spec.adapters
+    frozen = {name: dataclasses.replace(t, trains=False) for name, t in tensors.items()}
+    for path, entry in quantized(spec).items():
+        weight = frozen[f"{path}.weight"]
+        n = entry.layer.out * entry.layer.in_
+        frozen[weight.name] = dataclasses.replace(weight, bytes_per_element=nf4_bytes(n, FP32) / n)
+    tensors.update(frozen)
+    for path, entry in adapted(spec).items():
+        base = tensors.get(f"{path}.weight")  # none for a tied head's projection (the embedding's)
+        for name, shape in config.param_shapes(entry.layer).items():
+            full = f"{path}.adapter.{name}"
+            dim = config.tensor_parallel_dim(name, entry.style)
+            tensors[full] = ParamTensor(
+                full,
+                tuple(shape),
+                dim % len(shape) if dim is not None else None,
+                base.unit if base is not None else "root",
+                base.expert if base is not None else False,
+            )
 
 
 def layer_tensor_count(spec) -> int:
@@ -156,9 +188,7 @@ def _shapes(config, where: str, *dims) -> dict[str, tuple[int, ...]]:
 
 def _tp_dim(plan: dict[str, str], name: str, shape, full: str) -> int | None:
     """The dim the plan's style splits for parameter ``name`` (``q_proj.weight``) of a block."""
-    module = name.rpartition(".")[0]
-    keys = [k for k in plan if module == k or module.startswith(k + ".")]
-    style = plan[max(keys, key=len)] if keys else "replicate"
+    style = plan_style(plan, name.rpartition(".")[0])
     if style not in PARALLEL_STYLES:
         raise LayoutError(
             "spec", full, f"unknown tensor-parallel style {style!r}; styles are {', '.join(PARALLEL_STYLES)}"
@@ -185,12 +215,13 @@ def state_groups(held) -> list[tuple[int, str | None, int, int]]:
 
 
 def optimizer_bytes(spec, optimizer=None, tensors: list[ParamTensor] | None = None) -> int:
-    """The optimizer's state for the whole model (every tensor on one device), as it declares it
+    """The optimizer's state for the whole model (every trainable tensor on one device), as it declares it
     (``optimizer``: a registered config or type name; None: AdamW)."""
     from yamlformer.builder.optim import optimizer_state_bytes
 
     tensors = model_tensors(spec) if tensors is None else tensors
-    return optimizer_state_bytes(state_groups((_numel(t.shape), t) for t in tensors), optimizer)
+    trained = (t for t in tensors if t.trains)  # a frozen base parameter (adapters) has no state
+    return optimizer_state_bytes(state_groups((_numel(t.shape), t) for t in trained), optimizer)
 
 
 def element_groups(spec) -> list[tuple[int, str | None, int, int]]:
@@ -198,7 +229,7 @@ def element_groups(spec) -> list[tuple[int, str | None, int, int]]:
     :func:`yamlformer.builder.optim.optimizer_state_bytes` takes them, without tensor counts (the
     performance model counts elements per layer: a per-tensor state, AdamW's step, is left out, as
     it always has been)."""
-    held = state_groups((_numel(t.shape), t) for t in model_tensors(spec))
+    held = state_groups((_numel(t.shape), t) for t in model_tensors(spec) if t.trains)
     return [(elements, role, ndim, 0) for elements, role, ndim, _ in held]
 
 
@@ -219,7 +250,9 @@ class RankStates:
     ``gradients``: their bytes (fp32); ``optimizer``: the optimizer's state for them, as it
     declares it (``yamlformer.builder.optim.optimizer_state_bytes``; AdamW: two fp32 states per element
     and an fp32 step per tensor); ``padded_elements``: what FSDP2 allocates per rank for the
-    parameters (and the flat gradient buffers), rank 0's share on every rank of the group.
+    parameters (and the flat gradient buffers), rank 0's share on every rank of the group. Under a
+    spec's ``adapters`` only the ``trainable_elements`` of ``trainable_tensors`` have gradients and
+    optimizer state; the frozen rest keeps ``frozen_bytes`` of weights (an NF4 base at its real bytes).
     """
 
     rank: int
@@ -228,14 +261,23 @@ class RankStates:
     elements: int
     padded_elements: int
     optimizer: int
+    trainable_elements: int | None = None  # None: every element trains
+    trainable_tensors: int | None = None
+    frozen_bytes: int = 0
+
+    @property
+    def _trains(self) -> tuple[int, int]:
+        if self.trainable_elements is None:
+            return self.elements, self.tensors
+        return self.trainable_elements, self.trainable_tensors
 
     @property
     def weights(self) -> int:
-        return self.elements * FP32
+        return self._trains[0] * FP32 + self.frozen_bytes
 
     @property
     def gradients(self) -> int:
-        return self.elements * FP32
+        return self._trains[0] * FP32
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -259,20 +301,31 @@ def rank_states(
     tensors = model_tensors(spec) if tensors is None else tensors
     _, shard, _ = layout.coordinates(rank)
     group, tp, ep = layout.shard_size, layout.tensor_parallel, layout.expert_parallel
-    # (local shape, rows split over, role) -> tensors: a few distinct kinds
+    # (local shape, rows split over, role, trains, bytes) -> tensors: a few distinct kinds
     kinds = Counter(
-        (tensor.local_shape(tp), ep if tensor.expert and ep > 1 else 1, tensor.cls.role if tensor.cls else None)
+        (
+            tensor.local_shape(tp),
+            ep if tensor.expert and ep > 1 else 1,
+            tensor.cls.role if tensor.cls else None,
+            tensor.trains,
+            tensor.bytes_per_element,
+        )
         for tensor in tensors
     )
-    elements = padded = 0
+    elements = padded = trainable = frozen_bytes = 0
     states = []
-    for (shape, split, role), count in kinds.items():
+    for (shape, split, role, trains, size), count in kinds.items():
         rest = _numel(shape[1:]) * count
         rows, parts, part = shape[0] // split, group // split, shard // split
         held = chunk_rows(rows, parts, part) * rest
         elements += held
         padded += chunk_rows(rows, parts, 0) * rest
-        states.append((held, role, len(shape), count))
+        if trains:  # a frozen tensor has no optimizer state
+            trainable += held
+            states.append((held, role, len(shape), count))
+        else:
+            frozen_bytes += round(held * size)
+    tuned = trainable != elements
     return RankStates(
         rank=rank,
         shard_rank=shard,
@@ -280,6 +333,9 @@ def rank_states(
         elements=elements,
         padded_elements=padded,
         optimizer=optimizer_state_bytes(states, optimizer),
+        trainable_elements=trainable if tuned else None,
+        trainable_tensors=sum(t.trains for t in tensors) if tuned else None,
+        frozen_bytes=frozen_bytes,
     )
 
 

@@ -48,6 +48,11 @@ def _tensor_crc(tensor) -> int:
     import torch
 
     header = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
+    if hasattr(tensor, "__tensor_flatten__"):  # a tensor subclass (an NF4 weight): its inner tensors'
+        crc = zlib.crc32(header)
+        for name in tensor.__tensor_flatten__()[0]:
+            crc = zlib.crc32(_tensor_crc(getattr(tensor, name)).to_bytes(4, "little"), crc)
+        return crc
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.to("cpu")

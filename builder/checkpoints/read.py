@@ -103,9 +103,33 @@ def _reason(exc: BaseException) -> str:
     return text[:200]
 
 
+def _torch_load(path: Path, zipped: bool):
+    """``torch.load(weights_only=True)``; a checkpoint of a QLoRA run holds torchao's NF4 weights,
+    which torch's safe loader takes once torchao is imported (it registers them): imported then."""
+    import torch
+
+    def load():
+        with warnings.catch_warnings():  # torch warns about a pickle protocol it did not write
+            warnings.simplefilter("ignore")
+            # a pickle (torch's legacy format, or pickle.dump) is read as safely as a zip archive
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+
+    try:
+        return load()
+    except pickle.UnpicklingError as exc:
+        if "torchao." not in str(exc):
+            raise
+        from yamlformer.blocks.linear import nf4_quantizer
+
+        try:
+            nf4_quantizer()
+        except ImportError:
+            raise exc from None
+        return load()
+
+
 def _load(path: Path) -> dict:
     """``torch.load(weights_only=True)`` of one file, memory-mapped, its faults one line each."""
-    import torch
 
     if path.is_dir():
         raise CheckpointError(f"{path} is a folder, not a checkpoint file")
@@ -122,10 +146,7 @@ def _load(path: Path) -> dict:
     if not zipped and not (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
         raise DamagedCheckpointError(f"{path} is damaged: {_reason(EOFError())}")
     try:
-        with warnings.catch_warnings():  # torch warns about a pickle protocol it did not write
-            warnings.simplefilter("ignore")
-            # a pickle (torch's legacy format, or pickle.dump) is read as safely as a zip archive
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        checkpoint = _torch_load(path, zipped)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" in str(exc) or "global" in str(exc):  # torch names the global it refused
             raise CheckpointError(

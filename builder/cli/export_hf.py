@@ -8,7 +8,10 @@ checkpoint's tokenizer as ``tokenizer.json`` (with ``tokenizer_config.json`` and
 tokens) and ``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")``
 load the folder (an import's tokenizer files are carried over). A spec no family expresses exits
 1 before any weights are read, in one line naming the nearest family and the first field it
-would change.
+would change. A model with adapters (a LoRA/DoRA run's checkpoint) takes ``--merge`` (the
+adapters folded into the weights: a plain folder) or ``--adapters-only`` (``adapter_config.json``
+and ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained`` loads onto the base's
+export).
 """
 
 from __future__ import annotations
@@ -39,6 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)"
+    )
+    adapters = parser.add_mutually_exclusive_group()
+    adapters.add_argument(
+        "--merge",
+        dest="adapters",
+        action="store_const",
+        const="merge",
+        help="a model with adapters: fold them into the weights and write the plain model",
+    )
+    adapters.add_argument(
+        "--adapters-only",
+        dest="adapters",
+        action="store_const",
+        const="peft",
+        help="a model with adapters: write them alone as a PEFT folder (adapter_config.json, "
+        "adapter_model.safetensors) for peft.PeftModel.from_pretrained over the base's export",
     )
     parser.add_argument(
         "--hf-config",
@@ -94,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             family=args.family,
             extra_config=_pairs(args.hf_config),
             overwrite=args.overwrite,
+            adapters=args.adapters,
         )
     except (HFError, ValueError) as exc:  # OutputError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
@@ -101,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the output folder: unwritable, full, or a path that cannot be made
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    if args.adapters == "peft":
+        print(
+            f"wrote {args.out}/adapter_config.json and adapter_model.safetensors: PEFT LoRA for a {family.hf_class} "
+            f"(peft.PeftModel.from_pretrained({family.auto_class}.from_pretrained(BASE), {str(args.out)!r}))"
+        )
+        return 0
     others = ", ".join(name for name in before.written() if name != "model.safetensors")
     print(
         f"wrote {args.out}/model.safetensors{' and ' + others if others else ''}: "

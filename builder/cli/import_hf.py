@@ -9,6 +9,11 @@ DIR; never the network. ``OUT`` is never ``DIR``; an earlier import there is rep
 ``--overwrite``. Exit 1, with one line and no traceback, for an unsupported ``model_type``, a
 config or checkpoint that does not match, weights holding NaN or infinite values, a tokenizer
 that does not load, or an output it may not write.
+
+A PEFT LoRA/DoRA folder (``adapter_config.json``, ``adapter_model.safetensors``) imports over its
+base model (``--base DIR``, else the local folder its ``base_model_name_or_path`` names): the
+spec gets ``adapters`` and the weights hold the base's tensors and the adapters' (a recipe's
+``model.init_from: OUT`` fine-tunes on from there; ``export-hf --merge`` folds them in).
 """
 
 from __future__ import annotations
@@ -33,19 +38,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier import in OUT (never DIR itself: it is refused even so)",
+        help="replace an earlier import in OUT (never DIR itself, nor a PEFT folder's base: refused even so)",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="DIR",
+        help="DIR is a PEFT adapter folder: the Hugging Face folder of its base model "
+        "(default: its adapter_config.json's base_model_name_or_path)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from yamlformer.builder.analysis.estimates import estimate
     from yamlformer.builder.hf import HFError, import_hf
+    from yamlformer.builder.hf.peft import import_peft, is_peft_folder
     from yamlformer.builder.hf.tokenizer import read_tokenizer, to_tokenizers
     from yamlformer.builder.outputs import OutputError
     from yamlformer.builder.spec.loader import SpecError, load_spec
 
     try:
-        spec_path, weights_path = import_hf(args.folder, args.out, name=args.name, overwrite=args.overwrite)
+        if is_peft_folder(args.folder):
+            spec_path, weights_path = import_peft(
+                args.folder, args.out, args.base, name=args.name, overwrite=args.overwrite
+            )
+        elif args.base is not None:
+            raise HFError(f"--base: {args.folder} is not a PEFT adapter folder (it has no adapter_config.json)")
+        else:
+            spec_path, weights_path = import_hf(args.folder, args.out, name=args.name, overwrite=args.overwrite)
         spec = load_spec(spec_path)
         tokenizer = read_tokenizer(args.out)
     except (HFError, SpecError, OutputError) as exc:

@@ -18,6 +18,7 @@ SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
     "generation_config.json",
     "vocab.json",
     "vocab.txt",
@@ -209,15 +210,23 @@ def import_hf(
     (:func:`yamlformer.builder.hf.tokenizer.read_tokenizer`). ``out`` is never ``folder`` (nor a
     file there); an earlier import in ``out`` is replaced only with ``overwrite`` (its tokenizer
     files removed), else :class:`yamlformer.builder.outputs.OutputError` (:mod:`yamlformer.builder.outputs`)."""
-    import yaml
-
-    from yamlformer.builder.hf.tokenizer import read_tokenizer
     from yamlformer.builder.outputs import claim_folder
 
     folder, out = Path(folder), Path(out)
     read_config(folder)  # a folder that is no Hugging Face model is named first (a cheap read)
     claim_folder(out, IMPORT_FILES, [folder], overwrite)  # before any weights are read
     spec_dict, _, state = read_hf(folder, name)
+    return write_import(folder, out, spec_dict, state)
+
+
+def write_import(folder: Path, out: str | Path, spec_dict: dict, state: dict) -> tuple[Path, Path]:
+    """:func:`import_hf`'s output of ``spec_dict`` and ``state`` read from the Hugging Face ``folder``
+    (a PEFT import: its base's, the adapters among them), ``out`` claimed already."""
+    import yaml
+
+    from yamlformer.builder.hf.tokenizer import read_tokenizer
+
+    out = Path(out)
     read_tokenizer(folder)  # a tokenizer that does not load fails the import, not a later run
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.iterdir():

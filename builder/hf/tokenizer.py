@@ -282,6 +282,8 @@ def write_tokenizer(
         config["model_input_names"] = ["input_ids", *segments, "attention_mask"]
     if max_length is not None:
         config["model_max_length"] = max_length
+    if state.get("chat_template"):  # an imported tokenizer's, carried back
+        config["chat_template"] = state["chat_template"]
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
@@ -308,7 +310,9 @@ def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
                 f"{path}: not a tokenizer the tokenizers library can load ({' '.join(str(exc).split())[:120]})"
             ) from None
         specials, split = _named_specials(folder)
-        return {"type": "tokenizers", "json": text, "specials": specials, "split_special_tokens": split}
+        state = {"type": "tokenizers", "json": text, "specials": specials, "split_special_tokens": split}
+        template = chat_template(folder)
+        return {**state, "chat_template": template} if template is not None else state
     path = folder / "tokenizer.model"
     if path.is_file() or path.is_symlink():
         proto = read_bytes(path, "tokenizer", folder)
@@ -318,6 +322,23 @@ def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
             raise HFError(f"{path}: {exc}") from None
         return {"type": "sentencepiece", "model_proto": proto}
     return None
+
+
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template (Jinja), as ``transformers`` reads it: ``chat_template.jinja``,
+    else ``tokenizer_config.json``'s ``chat_template`` (a string, or named templates: ``default``);
+    None when it has none."""
+    path = folder / "chat_template.jinja"
+    if path.is_file() or path.is_symlink():
+        return read_bytes(path, "config", folder).decode("utf-8", errors="replace")
+    path = folder / "tokenizer_config.json"
+    if not (path.is_file() or path.is_symlink()):
+        return None
+    template = read_json(path, "config", folder).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _named_specials(folder: Path) -> tuple[dict[str, str], bool]:

@@ -22,6 +22,7 @@ from yamlformer.builder.checkpoints import looks_like_checkpoint
 from yamlformer.builder.hf.checks import read_json
 from yamlformer.builder.hf.common import Family, HFError, Unsupported
 from yamlformer.builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
+from yamlformer.builder.hf.peft import CONFIG, WEIGHTS, dense, merged, to_peft
 from yamlformer.builder.hf.reader import SIDE_FILES, _copy_side_files
 from yamlformer.builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights, unpad_rows, unpadded
@@ -38,7 +39,7 @@ EXPORT_FILES = ("config.json", "model.safetensors", *SIDE_FILES)
 def _semantic(spec) -> dict:
     """What a spec means, layer by layer, defaults resolved and dropout rates left out."""
     d = spec.d_model
-    data = spec.model_dump(mode="json", exclude={"name", "extends", "encoder", "decoder"})
+    data = spec.model_dump(mode="json", exclude={"name", "extends", "encoder", "decoder", "adapters"})
     if data["position"]["type"] == "learned":
         data["position"]["max_positions"] = data["position"]["max_positions"] or spec.max_seq_len
     if spec.architecture != "encoder-decoder":
@@ -121,7 +122,10 @@ def export_line(spec) -> str:
         if exc.nearest is None:
             return f"none: no Hugging Face family is {spec.architecture}"
         return f"none: no Hugging Face family expresses it exactly (closest, {exc.nearest}: {_first(exc.reasons)})"
-    return f"Hugging Face {chosen.model_type} ({chosen.classes(spec)[0]}), by builder export-hf"
+    line = f"Hugging Face {chosen.model_type} ({chosen.classes(spec)[0]}), by builder export-hf"
+    if spec.adapters is not None:
+        line += " --merge (adapters folded in), or the adapters alone for PEFT by --adapters-only"
+    return line
 
 
 def _first(reasons: list[str]) -> str:
@@ -307,6 +311,7 @@ def export_hf(
     family: str | None = None,
     extra_config: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    adapters: str | None = None,
 ) -> Family:
     """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
     ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
@@ -315,9 +320,12 @@ def export_hf(
     import), then ``extra_config``. A checkpoint's tokenizer is written with the model; the
     tokenizer and generation files beside a spec (an import's) are copied. ``out`` never holds
     what is read (the source, its weights and side files); an earlier export there is replaced
-    only with ``overwrite`` (:mod:`yamlformer.builder.outputs`)."""
+    only with ``overwrite`` (:mod:`yamlformer.builder.outputs`). A model with adapters (the spec's
+    ``adapters``) needs ``adapters``: ``"merge"`` folds them into the weights and writes the plain
+    model; ``"peft"`` writes them alone as a PEFT folder for the base (:mod:`yamlformer.builder.hf.peft`)."""
     from yamlformer.builder.outputs import claim_folder
 
+    writes = (CONFIG, WEIGHTS) if adapters == "peft" else EXPORT_FILES
     source, out = Path(source), Path(out)
     side = source.parent
     tokenizer, extra_labels = None, {}
@@ -326,7 +334,8 @@ def export_hf(
         ckpt_spec, meta = _read_training_meta(source)
         spec = spec or ckpt_spec
         choose_family(unpadded(spec), family)  # a spec no family expresses stops before the weights are read
-        claim_folder(out, EXPORT_FILES, [source], overwrite)
+        _check_adapters(spec, adapters)
+        claim_folder(out, writes, [source], overwrite)
         state = _read_training_weights(source)
         tokenizer = meta.get("tokenizer")
         labels = meta.get("labels")
@@ -341,8 +350,15 @@ def export_hf(
         choose_family(unpadded(spec), family)
         weights = Path(weights) if weights else side / "model.safetensors"
         side_files = [p for pattern in SIDE_FILES for p in side.glob(pattern)]  # copied: read too
-        claim_folder(out, EXPORT_FILES, [source, weights, side / "hf_config.json", *side_files], overwrite)
+        _check_adapters(spec, adapters)
+        claim_folder(out, writes, [source, weights, side / "hf_config.json", *side_files], overwrite)
         state = read_weights(weights)
+    if adapters == "peft":
+        chosen, _ = choose_family(spec, family)
+        to_peft(spec, state, out, chosen)
+        return chosen
+    if adapters == "merge":
+        spec, state = merged(spec, state)
     extra: dict[str, Any] = {}
     hf_config = side / "hf_config.json"
     if hf_config.is_file():
@@ -354,6 +370,21 @@ def export_hf(
     if tokenizer is None:
         _copy_side_files(side, out)
     return chosen
+
+
+def _check_adapters(spec, adapters: str | None) -> None:
+    """A model with adapters needs ``--merge`` or ``--adapters-only``, one without neither: else why."""
+    if (spec.adapters is None) == (adapters is None):
+        return
+    if spec.adapters is None:
+        option = "--merge" if adapters == "merge" else "--adapters-only"
+        raise HFError(f"{option}: the model has no adapters (its spec has no `adapters`); export it without")
+    from yamlformer.builder.spec.adapters import adapted
+
+    raise HFError(
+        f"the model has adapters ({spec.adapters.describe()} on {len(adapted(spec)):,} linear layers): --merge "
+        "folds them into the weights and writes the plain model, --adapters-only writes them alone as a PEFT folder"
+    )
 
 
 def _read_training_meta(path: Path):
@@ -382,6 +413,6 @@ def _read_training_weights(path: Path) -> dict:
     from yamlformer.builder.checkpoints import read_weights as read_checkpoint
 
     try:
-        return dedupe(model_weights(read_checkpoint(path)))
+        return dedupe(dense(model_weights(read_checkpoint(path))))
     except CheckpointError as exc:
         raise HFError(str(exc)) from None

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from yamlformer.blocks import registry
+from yamlformer.blocks.configs.adapters import AdapterBlock
 from yamlformer.blocks.configs.base import (
     ArchitectureBlock,
     AttentionBlock,
@@ -44,6 +45,7 @@ from yamlformer.blocks.configs.layer import LayerConfig
 from yamlformer.blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_VOCAB_PADDING, MAX_WIDTH
 from yamlformer.builder.parametrization import Parametrization, StandardParametrization
 from yamlformer.builder.parametrization import problems as parametrization_problems
+from yamlformer.builder.spec.adapters import adapter_problems
 from yamlformer.builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind
@@ -354,6 +356,11 @@ class ModelSpec(_Section):
         None, description="The bidirectional stack of encoder-only and encoder-decoder models."
     )
     head: HeadBlock = Field(default_factory=lambda: {"type": "lm"}, description="lm | mlm | classification | none.")
+    adapters: AdapterBlock | None = Field(
+        None,
+        description="Fine-tuning adapters on linear layers: {type: lora | dora, rank, alpha, dropout, targets, "
+        "quantize}. The base model's parameters then do not train; the adapters' do. null: none.",
+    )
     parametrization: Parametrization = Field(
         default_factory=StandardParametrization,
         description="How init and learning rates scale with the width: {type: standard} (as written) | "
@@ -449,6 +456,7 @@ def _build_spec_model() -> type[ModelSpec]:
         decoder=Optional[Stack],  # noqa: UP045
         encoder=Optional[Stack],  # noqa: UP045
         head=block_union("head"),
+        adapters=Optional[block_union("adapter")],  # noqa: UP045
     )
 
 
@@ -480,6 +488,8 @@ def rule_errors(spec) -> list[tuple[Loc, str]]:
         problems += own or spec.position.attention_problems(
             attention, d_model=spec.d_model, stack_heads=stack_heads, at=loc
         )
+    if not problems:  # the targets are resolved against the model the rest of the spec makes
+        problems += adapter_problems(spec)
     if not problems:  # the parametrization reads every block's tensors: only once they are sound
         problems += parametrization_problems(spec)
     return problems

@@ -38,6 +38,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from yamlformer.recipes.data.generated import python_signatures
 from yamlformer.recipes.data.walk import walk
 from yamlformer.recipes.errors import RecipeError
 
@@ -172,6 +173,16 @@ DATASETS: dict[str, Dataset] = {
         how_to_split="a corpus; the recipe's data.val_fraction of its tokens (the tail) held out",
         splits={},
         local=_stdlib_files,
+    ),
+    "python-signatures": Dataset(
+        name="python-signatures",
+        description="instruction records about the standard library's functions (their signatures and what "
+        "their docstrings say), made from the running interpreter (yamlformer.recipes.data.generated)",
+        license="the Python Software Foundation License (made from the interpreter's own modules; nothing is "
+        "downloaded)",
+        how_to_split="records; the recipe's data.val_fraction of them held out",
+        splits={},
+        local=lambda: python_signatures(default_root()),
     ),
 }
 

@@ -153,10 +153,17 @@ class HFTokenizer:
 
     kind = "tokenizers"
 
-    def __init__(self, json_text: str, specials: dict | None = None, split_special_tokens: bool = False):
+    def __init__(
+        self,
+        json_text: str,
+        specials: dict | None = None,
+        split_special_tokens: bool = False,
+        chat_template: str | None = None,
+    ):
         from yamlformer.builder.hf.tokenizer import to_tokenizers
 
         self.json_text, self.specials, self.split = json_text, dict(specials or {}), split_special_tokens
+        self.chat_template = chat_template  # the folder's Jinja chat template (tokenizer_config.json), if any
         self.tokenizer = to_tokenizers(self.state())
 
     @property
@@ -196,12 +203,13 @@ class HFTokenizer:
             start = end
 
     def state(self) -> dict:
-        return {
+        state = {
             "type": "tokenizers",
             "json": self.json_text,
             "specials": self.specials,
             "split_special_tokens": self.split,
         }
+        return {**state, "chat_template": self.chat_template} if self.chat_template is not None else state
 
     def fingerprint(self) -> str:
         return hashlib.sha256(f"{self.split}|{self.json_text}".encode()).hexdigest()[:16]
@@ -216,7 +224,9 @@ def from_state(state: dict) -> Tokenizer:
     if kind == "char":
         return CharTokenizer(list(state["chars"]))
     if kind == "tokenizers":
-        return HFTokenizer(state["json"], state.get("specials"), state.get("split_special_tokens", False))
+        return HFTokenizer(
+            state["json"], state.get("specials"), state.get("split_special_tokens", False), state.get("chat_template")
+        )
     if kind == "sentencepiece":
         return SentencePieceTokenizer(state["model_proto"])
     raise ValueError(f"a tokenizer of type {str(kind)[:40]!r} is none of char, sentencepiece, tokenizers")

@@ -104,7 +104,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from yamlformer.blocks.init import STD, canonical_name, fill, imperative_modules, init_rules
+    from yamlformer.blocks.init import STD, canonical_name, fill, imperative_modules, init_from_weights, init_rules
 
     model.to_empty(device=device)
     for _, module in imperative_modules(model):  # before the rules: those parameters are theirs
@@ -124,6 +124,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             fill(local, rules[key], seed, key, tuple(param.shape), tuple(offset))
         else:
             fill(param.data, rules[key], seed, key, tuple(param.shape))
+    init_from_weights(model)  # what follows from the weights (DoRA's magnitude: the norm of each shard's rows)
 
 
 # -- reading a sharded model ----------------------------------------------------------------------

@@ -27,7 +27,8 @@ from yamlformer.builder.analysis.layout import EMBEDDING_PLAN
 
 
 def styles(plan: dict[str, str], module: nn.Module) -> dict:
-    """The ``ParallelStyle`` of each submodule a plan splits (replicated ones left out)."""
+    """The ``ParallelStyle`` of each submodule a plan splits (replicated ones left out); a layer
+    with an adapter (``yamlformer.blocks.linear``) splits its adapter's tensors alike (:func:`adapted`)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -47,7 +48,41 @@ def styles(plan: dict[str, str], module: nn.Module) -> dict:
             )
         elif kind != "replicate":
             raise ValueError(f"unknown tensor-parallel style {kind!r}; one of colwise, rowwise, vocab, replicate")
+        if name in out and getattr(module.get_submodule(name), "adapter", None) is not None:
+            out[name] = adapted(out[name])
     return out
+
+
+def adapted(style):
+    """``style`` (torch's ``ColwiseParallel`` or ``RowwiseParallel``) for a linear layer with an
+    adapter: the layer's weight and bias split as the style splits them, and each adapter tensor
+    along the layer's split features (the output features column-wise, the input features
+    row-wise; ``AdapterBlock.feature_dims``), or replicated: LoRA's ``B`` column-wise and ``A``
+    row-wise are split, the other factor whole, so the adapter's path needs no communication the
+    layer's own does not make (DTensor computes the rest)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    axis = 0 if isinstance(style, ColwiseParallel) else 1  # the feature the style splits: out or in
+
+    class Adapted(type(style)):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if "adapter" not in module._modules:  # the adapter's own modules: split with their layer, below
+                return
+            adapter = module._modules.pop("adapter")  # torch's style splits the layer's own tensors only
+            try:
+                super()._partition_linear_fn(name, module, device_mesh)
+            finally:
+                module._modules["adapter"] = adapter
+            for key, param in list(adapter.named_parameters(recurse=False)):
+                dim = adapter.feature_dims.get(key, (None, None))[axis]
+                placement = [Shard(dim % param.ndim)] if dim is not None else [Replicate()]
+                split = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
+                adapter.register_parameter(key, nn.Parameter(split, requires_grad=param.requires_grad))
+
+    twin = Adapted.__new__(Adapted)
+    twin.__dict__.update(style.__dict__)
+    return twin
 
 
 def planned_modules(model: nn.Module) -> list[tuple[dict[str, str], nn.Module]]:

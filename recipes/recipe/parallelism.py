@@ -110,6 +110,7 @@ def check_recipe_parallelism(recipe) -> None:
     """The parallelism rules that read sections beside ``trainer`` (a :class:`Recipe`'s validator calls it)."""
     _context_parallel(recipe)
     _pipeline_batch(recipe)
+    _quantized_base(recipe)
 
 
 def _context_parallel(recipe) -> None:
@@ -164,4 +165,18 @@ def _pipeline_batch(recipe) -> None:
         raise rule_error(
             ("trainer", "microbatches") if trainer.microbatches else ("data", "batch_size"),
             f"{micro} pipeline micro-batches must divide data.batch_size {batch}",
+        )
+
+
+def _quantized_base(recipe) -> None:
+    """``model.adapters.quantize: nf4`` (QLoRA) trains on one process or under DDP: the NF4 base is
+    not sharded by FSDP2 or split by tensor parallelism here (untested on their meshes)."""
+    from yamlformer.builder.spec.problems import rule_error
+
+    adapters = recipe.model.adapters
+    if isinstance(adapters, dict) and adapters.get("quantize") and recipe.trainer.strategy == "fsdp":
+        raise rule_error(
+            ("model", "adapters", "quantize"),
+            "an NF4 base (QLoRA) trains on one device or with strategy ddp; strategy fsdp (FSDP2, tensor "
+            "parallelism) does not shard it here",
         )

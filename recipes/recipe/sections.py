@@ -8,6 +8,7 @@ directory is relative to where ``builder train`` runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -53,6 +54,12 @@ class ModelSection(_Section):
         default_factory=list,
         description="Parts of the model that do not train, by dotted path: `embedding`, `decoder.layers.0-3` "
         "(indices, both ends included), `decoder.layers.*.attention`; a path may start below the stacks.",
+    )
+    adapters: dict[str, Any] | None = Field(
+        None,
+        description="Fine-tune with adapters: laid over the spec's `adapters` (specs/README.md), e.g. {type: lora, "
+        "rank: 16, alpha: 32, dropout: 0.05, targets: [q_proj, v_proj] | all-linear, quantize: nf4}. Only the "
+        "adapters train; the base (init_from's weights) stays frozen. null: the spec's own (none: full training).",
     )
 
     @field_validator("freeze")
@@ -430,19 +437,46 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
         if ("model", "overrides", key) in doc.values
     }
     overrides = {**recipe.model.overrides, **(extra or {}), "vocab_size": vocab_size}
-    if isinstance(recipe.model.spec, str):
-        path = spec_file(recipe, recipe_file, doc)
-        spec = load_spec(path, overrides=overrides, sources=written)
-        _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
-        return spec
-    base = None
-    if recipe.model.spec is None:  # the spec model.init_from was trained (or imported) with
-        from yamlformer.recipes.training.pretrained import spec_base
+    if recipe.model.adapters is not None:  # the spec's adapters, located at the recipe's lines
+        overrides["adapters"] = recipe.model.adapters
+        if ("model", "adapters") in doc.values:
+            written["adapters"] = (doc, ("model", "adapters"))
+    with _adapters_named_so():
+        if isinstance(recipe.model.spec, str):
+            path = spec_file(recipe, recipe_file, doc)
+            spec = load_spec(path, overrides=overrides, sources=written)
+            _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
+            return spec
+        base = None
+        if recipe.model.spec is None:  # the spec model.init_from was trained (or imported) with
+            from yamlformer.recipes.training.pretrained import recipe_run, spec_base
 
-        base = spec_base(recipe, recipe_file)
-    spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
-    _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written, base), True))
-    return spec
+            run = recipe_run(recipe, recipe_file)
+            if run is not None and not run[1].exists():  # a recipe not trained yet: its spec (validate, --dry-run)
+                other = load_recipe(run[0])
+                spec = model_spec(other, run[0], vocab_size).model_dump(mode="json")
+                base = ({k: v for k, v in spec.items() if v is not None or k != "extends"}, f"<{run[0]}>")
+            else:
+                base = spec_base(recipe, recipe_file)
+        spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
+        _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written, base), True))
+        return spec
+
+
+@contextlib.contextmanager
+def _adapters_named_so():
+    """A spec problem in its ``adapters`` named by the recipe field that set it, ``model.adapters``
+    (``model.adapters.targets.0: ...``), wherever the spec came from."""
+    from yamlformer.builder.spec.source import SpecError
+
+    try:
+        yield
+    except SpecError as exc:
+        renamed = [
+            dataclasses.replace(p, path=re.sub(r"^(model\.(spec|init_from)\.)?adapters\b", "model.adapters", p.path))
+            for p in exc.problems
+        ]
+        raise SpecError(renamed) from None
 
 
 def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:

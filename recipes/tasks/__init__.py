@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 #: every task, by its ``task:`` value (the folder ``recipes/tasks/<name>/``); ``lm`` is the default
-NAMES = ("lm", "translation", "mlm", "classification")
+NAMES = ("lm", "translation", "mlm", "classification", "sft")
 
 
 def task_named(name: str):

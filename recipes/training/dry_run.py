@@ -36,6 +36,10 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
     known = task_named(recipe.task).vocabulary(recipe, recipe_file, read_data)
     if known is not None:
         return known
+    if recipe.model.init_from is not None:  # its tokenizer is the run's (yamlformer.recipes.training.pretrained)
+        inherited = _init_from_vocabulary(recipe, recipe_file, read_data)
+        if inherited is not None:
+            return inherited
     settings = recipe.tokenizer
     if settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file is not None):
         from yamlformer.recipes.data.tokenizers import build_tokenizer
@@ -59,6 +63,26 @@ def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Voc
         f"sentencepiece {settings.model_type}, {settings.vocab_size:,} pieces "
         f"trained on the corpus at the first run (cached under {recipe.data.cache_dir})",
     )
+
+
+def _init_from_vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+    """The vocabulary of ``model.init_from``'s tokenizer: a recipe not trained yet, its own; a run's
+    checkpoint, its tokenizer's (read with ``read_data``); None for a source without one."""
+    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.training.pretrained import pretrained_tokenizer, recipe_run
+
+    run = recipe_run(recipe, recipe_file)
+    if run is not None and not run[1].exists():
+        other = vocabulary(load_recipe(run[0]), run[0], read_data)
+        return dataclasses.replace(
+            other, how=f"{other.how} (model.init_from {recipe.model.init_from}, not trained yet)"
+        )
+    if not read_data:
+        return None
+    tokenizer = pretrained_tokenizer(recipe, recipe_file)
+    if tokenizer is None:
+        return None
+    return Vocabulary(tokenizer.vocab_size, f"the tokenizer of model.init_from {recipe.model.init_from}")
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -149,6 +173,11 @@ def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | No
     ]
     for field, value in named:
         if value is not None:
+            if field == "model.init_from":  # a path, or a recipe (its run trained before this one: not missing)
+                from yamlformer.recipes.training.pretrained import recipe_run
+
+                if recipe_run(recipe, recipe_file) is not None:
+                    continue
             path = resolve(recipe_file, value)
             if not path.exists():
                 lines.append(f"{field}: no such file or folder {path}{_close_names(path)}")

@@ -7,14 +7,20 @@
   its spec, weights and tokenizer (the recipe's ``tokenizer`` section is not used: the weights
   only mean something with the vocabulary they were trained on);
 * a folder written by ``builder import-hf`` (``spec.yaml`` and ``model.safetensors``);
-* a Hugging Face model folder (``config.json`` and ``*.safetensors``), converted on the fly.
+* a Hugging Face model folder (``config.json`` and ``*.safetensors``), converted on the fly;
+* a recipe (a file, or a zoo recipe by name: ``lm-stdlib``): the last checkpoint of its run, where
+  ``builder train`` writes it from this working directory (``runs/lm-stdlib/checkpoints/last.ckpt``),
+  so one recipe fine-tunes what another trained.
 
 Each is read (and a checkpoint verified) once per run by :mod:`yamlformer.builder.init_from`.
 
 Without ``model.spec`` the spec is the source's (``model.overrides`` still apply: dropout, a
 longer ``max_seq_len``...). Every tensor must fit by name and shape; the first that does not is
 named. The head is the exception: a task that brings its own head (classification on an MLM or
-LM body) starts it fresh, and a head the task does not use is left out; both are reported.
+LM body) starts it fresh, and a head the task does not use is left out; both are reported. So
+are adapters (``model.adapters``) the source has not: they start as the spec's adapters start
+(the adapted model equals the source's), once the base weights are in (DoRA's magnitude is the
+norm of the loaded weight).
 
 ``freeze`` lists parts of the model by dotted path, each matching every parameter under it:
 ``decoder.layers.0-3`` (a range of layer indices, both ends included), ``embedding`` (a path
@@ -57,7 +63,47 @@ def source_of(recipe, recipe_file: Path | None) -> Source | None:
     if recipe.model.init_from is None:
         return None
     with _init_from_errors():
-        return source_at(resolve(recipe_file, recipe.model.init_from))
+        return source_at(init_from_path(recipe, recipe_file))
+
+
+def init_from_path(recipe, recipe_file: Path | None) -> Path:
+    """The path ``model.init_from`` names (relative to the recipe): a checkpoint or a model folder
+    as it is; a recipe (:func:`recipe_run`) as its run's last checkpoint, a :class:`RecipeError`
+    saying to train it first when there is none."""
+    run = recipe_run(recipe, recipe_file)
+    if run is None:
+        return resolve(recipe_file, recipe.model.init_from)
+    if not run[1].exists():
+        value = recipe.model.init_from
+        raise RecipeError(
+            f"model.init_from: {value} is a recipe, and its run has no checkpoint at {run[1]} yet; train it "
+            f"first (builder train {value}), from this folder"
+        )
+    return run[1]
+
+
+def recipe_run(recipe, recipe_file: Path | None) -> tuple[Path, Path] | None:
+    """When ``model.init_from`` names a recipe (a file, or a zoo recipe by name): ``(that recipe's
+    file, the last checkpoint its run writes from this working directory)``, the run's output
+    folder as ``builder train`` names it (``trainer.output_dir``, else ``runs/<name>``); else None."""
+    from yamlformer.builder.spec.kinds import kind_of
+    from yamlformer.builder.spec.loader import read_merged
+    from yamlformer.builder.zoo import find
+
+    value = recipe.model.init_from
+    if value is None:
+        return None
+    path = resolve(recipe_file, value)
+    entry = find(value) if not path.exists() else None
+    named = path if path.is_file() and path.suffix in (".yaml", ".yml") else entry.path if entry else None
+    if named is None:
+        return None
+    data = read_merged(named).data
+    kind = kind_of(data)
+    if kind is None or kind.name != "recipe":
+        return None
+    folder = (data.get("trainer") or {}).get("output_dir") or Path("runs") / (data.get("name") or named.stem)
+    return named, Path(folder) / "checkpoints" / "last.ckpt"
 
 
 def pretrained_tokenizer(recipe, recipe_file: Path | None):
@@ -83,18 +129,21 @@ def _shape(t: torch.Tensor) -> tuple:
 def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
     """Copy the source's tensors into ``model``, checking every name and shape first. Returns the
     head tensors started fresh (``new``) and the source's tensors left out (``unused``)."""
+    from yamlformer.blocks.init import init_from_weights
+    from yamlformer.blocks.linear import adapter_parameters
     from yamlformer.builder.hf.weights import alias_groups
 
     with _init_from_errors():
         state = source.state()
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in model.state_dict())
+    adapters = set(adapter_parameters(model))
     plan, new = [], []
     for group in alias_groups(model):
         present = [n for n in group if n in state]
         head = all(n.startswith("head.") for n in group)
         if not present:
-            if head:
+            if head or group[0] in adapters:
                 new.append(group[0])
                 continue
             raise RecipeError(
@@ -126,8 +175,13 @@ def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
         )
     with torch.no_grad():
         for target, value in plan:
-            target.copy_(value)
+            target.copy_(value)  # into an NF4 base (QLoRA): quantized as it is copied
+    init_from_weights(model)  # what follows from the weights now in (DoRA's magnitude)
     report = f"weights: {len(plan)} tensors from the {source.describe()} {source.path}"
+    fresh = [n for n in new if n in adapters]
+    if fresh:
+        report += f"; adapters started fresh: {len(fresh)} tensors"
+    new = [n for n in new if n not in adapters]
     if new:
         report += f"; new: {', '.join(new)}"
     if unused:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from yamlformer.blocks.cache import TensorCache
+from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.positions import PositionModule
 from yamlformer.kernels import attention as attention_kernel
 
@@ -22,10 +23,10 @@ class LowRankKVAttention(nn.Module):
         self.head_dim, self.rope_dim, self.v_head_dim = config.head_dim, config.rope_dim, config.v_head_dim
         self.causal, self.backend = causal, backend
         n = self.n_heads
-        self.q_proj = nn.Linear(d_model, n * (self.head_dim + self.rope_dim), bias=False)
-        self.kv_down = nn.Linear(d_model, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_up = nn.Linear(self.kv_rank, n * (self.head_dim + self.v_head_dim), bias=False)
-        self.out_proj = nn.Linear(n * self.v_head_dim, d_model, bias=False)
+        self.q_proj = Linear(d_model, n * (self.head_dim + self.rope_dim), bias=False)
+        self.kv_down = Linear(d_model, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_up = Linear(self.kv_rank, n * (self.head_dim + self.v_head_dim), bias=False)
+        self.out_proj = Linear(n * self.v_head_dim, d_model, bias=False)
         self.cache_layout = config.kv_cache(d_model)
         self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
 

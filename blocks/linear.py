@@ -1,0 +1,135 @@
+"""The linear layer every block is built of, and the one place a spec's ``adapters`` act on it.
+
+Every projection of every block (attention's q/k/v/out, MLA's low-rank projections, FFN and GLU,
+each stack of experts, the heads' projections) is a :class:`Linear`, or for stacked experts its
+subclass :class:`yamlformer.blocks.experts.StackedLinear`. It is an ``nn.Linear``: its parameters are
+``weight`` and ``bias``, initialised and split (tensor parallelism, FSDP) as any linear layer's, so
+a block built on it names and counts nothing new. What the seam adds, for fine-tuning:
+
+* :meth:`Linear.attach` an adapter (``yamlformer.blocks.adapters``: LoRA, DoRA, or a plugin's
+  registered ``adapter`` block): a child module ``adapter`` whose forward takes the layer's input
+  and output, ``y = adapter(x, linear(x), linear)``; its parameters are ``<path>.adapter.*``;
+* :meth:`Linear.quantize` the frozen base weight to NF4 (QLoRA; ``torchao``'s ``NF4Tensor``, whose
+  ``F.linear`` dequantizes block by block), a parameter that no longer trains;
+* :meth:`Linear.adapted_weight`: the weight with the adapter folded in (what a merged export
+  writes, and what MLA's absorbed decoding path multiplies by).
+
+An adapter computes through the layer's own :meth:`Linear.project` (a plain ``F.linear`` here, a
+grouped matmul over each expert's rows for stacked experts) and :meth:`Linear.scale_outputs`, so
+one adapter class serves a single projection and a stack of experts alike.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from yamlformer.blocks.configs.adapters import NF4_BLOCK, nf4_scaler_block
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` through which every block builds its projections (module doc). It draws no
+    default values on the meta device, where there are none to draw (a meta build of 128 experts x
+    48 layers otherwise spends seconds in meta ``uniform_``); elsewhere ``nn.Linear``'s draw, until
+    ``yamlformer.blocks.init`` runs."""
+
+    quantized: bool = False  # quantize() made the weight an NF4 tensor
+
+    @property
+    def adapter(self) -> nn.Module | None:
+        """The attached adapter (a child module, :meth:`attach`), or None."""
+        return self._modules.get("adapter")
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # an NF4 weight dequantizes inside (torchao)
+        return y if self.adapter is None else self.adapter(x, y, self)
+
+    # -- what an adapter computes with -----------------------------------------------------------
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, **where) -> torch.Tensor:
+        """``x`` ``(..., in)`` through a weight shaped as this layer's, ``(out, in)`` (an adapter's
+        factor: ``(r, in)``, ``(out, r)``), no bias."""
+        return F.linear(x, weight)
+
+    def base(self, x: torch.Tensor, **where) -> torch.Tensor:
+        """This layer's own projection of ``x`` without its bias (DoRA's base on a dropped-out input)."""
+        return self.project(x, self.weight, **where)
+
+    def scale_outputs(self, y: torch.Tensor, scale: torch.Tensor, **where) -> torch.Tensor:
+        """``y`` ``(..., out)`` times ``scale`` ``(out,)``, one factor per output feature."""
+        return y * scale
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of one of its tensors (or an adapter's) this layer computes with: all of it
+        (stacked experts split over ranks: this rank's experts)."""
+        return t
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight in its compute dtype: an NF4 weight dequantized, any other as it is."""
+        return self.weight.to(self.weight.dtype)  # NF4Tensor.to(dtype) dequantizes; a tensor stays itself
+
+    def adapted_weight(self) -> torch.Tensor:
+        """The weight this layer applies: the base with the adapter's change folded in."""
+        if self.adapter is None:
+            return self.dense_weight()
+        return self.adapter.merged_weight(self)
+
+    # -- what a spec's adapters do to it ---------------------------------------------------------
+
+    def attach(self, adapter: nn.Module) -> None:
+        """Make ``adapter`` this layer's (``y = adapter(x, y, self)`` after the projection)."""
+        self._modules["adapter"] = adapter  # (add_module refuses the name the property holds)
+
+    def init_from_weights(self) -> None:
+        """An adapter's values that derive from the base weight (DoRA's magnitude), set again
+        from the weight as it is now (after init, a checkpoint's or ``init_from``'s weights)."""
+        if self.adapter is not None and hasattr(self.adapter, "set_from_weight"):
+            self.adapter.set_from_weight(self)
+
+    def quantize(self) -> None:
+        """The base weight as torchao's NF4 (QLoRA's 4-bit NormalFloat: blocks of 64 values with a
+        scale each, the scales double-quantized; ``yamlformer.blocks.configs.adapters.nf4_bytes``
+        counts what it keeps), frozen."""
+        to_nf4 = nf4_quantizer()
+        weight = self.weight.detach()
+        blocks = weight.numel() // NF4_BLOCK
+        self.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, nf4_scaler_block(blocks)), requires_grad=False)
+        self.quantized = True
+
+
+def nf4_quantizer():
+    """torchao's ``to_nf4``, imported quietly (its import logs the optional CUDA extensions a CPU
+    build lacks, and torch's pytree deprecation notes); ``ImportError`` saying what to install."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError as exc:
+        raise ImportError(f"adapters.quantize: nf4 needs torchao ({exc}): pip install 'yamlformer[qlora]'") from None
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return to_nf4
+
+
+def linear_layers(model: nn.Module) -> dict[str, Linear]:
+    """Every :class:`Linear` of ``model`` by its path (``decoder.layers.0.attention.q_proj``)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of every adapter attached to a layer of ``model``, by name."""
+    out = {}
+    for path, linear in linear_layers(model).items():
+        if linear.adapter is not None:
+            out.update((f"{path}.adapter.{name}", p) for name, p in linear.adapter.named_parameters())
+    return out

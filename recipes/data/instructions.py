@@ -1,0 +1,201 @@
+"""Instruction and chat data for ``task: sft``: records read from JSON Lines or Parquet, encoded by
+:mod:`yamlformer.recipes.data.chat` (the loss on the answers only), packed into rows, served
+resumably.
+
+A record is ``{"prompt", "response"}`` (and ``"system"``) or ``{"messages": [...]}``, one a line of
+a ``.jsonl`` (``.gz``, ``.zst``) file or a row of a ``.parquet`` one. A record that is not one, or
+that renders to more than ``data.seq_len`` tokens, stops the run in one line naming its file and
+line (or row), never quoting it.
+
+Packing (``data.packing: true``): the training records, shuffled once by the seed, fill rows of
+``seq_len + 1`` tokens in turn, each record whole in one row; a row's records are its documents
+(the model masks attention across them and restarts their positions:
+``yamlformer.blocks.stacks``), and a token is a target only where it is an answer's and its
+predecessor is of the same record. The rest of a row is padding, a document of its own, never a
+target. ``packing: false``: one record a row. Micro-batch ``j`` of step ``s`` on rank ``r`` takes
+the rows of global index ``((s x accumulate + j) x ranks + r) x batch_size`` on, in an order each
+pass over the rows shuffles anew by the seed: the data position is the step, so a run resumes on
+any number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from yamlformer.recipes.data.chat import ChatError, ChatFormat, Encoded, conversation
+from yamlformer.recipes.data.sources import SourceFile, _arrow_reason, _json_kind, _open, file_format
+from yamlformer.recipes.data.windows import IGNORE, PositionedDataModule, loader
+from yamlformer.recipes.errors import RecipeError
+
+
+def read_records(path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each record of a JSON Lines or Parquet file: ``where`` is
+    ``file:line`` (``file: row N`` for Parquet), what an error about the record names."""
+    kind, compression = file_format(path)
+    name = str(path)
+    if kind == "parquet":
+        yield from _parquet(path)
+        return
+    if kind != "jsonl":
+        raise RecipeError(f"{name}: not JSON Lines (.jsonl) or Parquet (.parquet), the formats of instruction data")
+    with _open(SourceFile(path, name, "jsonl", compression, path.stat().st_size)) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{name}:{number}", json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise RecipeError(f"{name}:{number}: not UTF-8 (byte {exc.start:,} of the line)") from None
+            except json.JSONDecodeError as exc:
+                raise RecipeError(f"{name}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, object]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise RecipeError(f"{path}: not a readable Parquet file ({_arrow_reason(exc)})") from None
+    row = 0
+    for group in range(parquet.num_row_groups):
+        try:
+            records = parquet.read_row_group(group, use_threads=False).to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            raise RecipeError(
+                f"{path}: row group {group} (rows from {row:,}) cannot be read ({_arrow_reason(exc)})"
+            ) from None
+        for record in records:
+            yield f"{path}: row {row}", record
+            row += 1
+
+
+def encode_file(path: Path, chat: ChatFormat, seq_len: int, limit: int | None = None) -> list[Encoded]:
+    """Every record of ``path`` encoded (the first ``limit``); a record that is none, or longer
+    than ``seq_len`` tokens, is a :class:`RecipeError` naming its file and line."""
+    out = []
+    for where, record in read_records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            encoded = chat.encode(conversation(record))
+        except ChatError as exc:
+            kind = _json_kind(record) if not isinstance(record, dict) else None
+            raise RecipeError(f"{where}: {exc if kind is None else f'a JSON {kind}, not a record'}") from None
+        if len(encoded) > seq_len:
+            raise RecipeError(
+                f"{where}: the record is {len(encoded):,} tokens as rendered ({chat.describe()}), more than "
+                f"data.seq_len {seq_len:,}; raise data.seq_len or shorten the record"
+            )
+        if not encoded.trained.any():
+            raise RecipeError(f"{where}: its answer encodes to no token: nothing to train on")
+        out.append(encoded)
+    if not out:
+        raise RecipeError(f"{path}: no records")
+    return out
+
+
+class Rows:
+    """Records packed into rows of ``seq_len + 1`` tokens (module doc): ``ids``, ``trained`` (a
+    target of the loss) and ``documents`` (each token's record within its row), ``(rows, seq_len + 1)``."""
+
+    def __init__(self, records: list[Encoded], seq_len: int, pad: int, packing: bool):
+        width = seq_len + 1
+        rows: list[list[Encoded]] = []
+        used = width
+        for record in records:
+            if not packing or used + len(record) > width:
+                rows.append([])
+                used = 0
+            rows[-1].append(record)
+            used += len(record)
+        self.ids = np.full((len(rows), width), pad, dtype=np.int64)
+        self.trained = np.zeros((len(rows), width), dtype=bool)
+        self.documents = np.zeros((len(rows), width), dtype=np.int64)
+        for r, row in enumerate(rows):
+            at = 0
+            for d, record in enumerate(row):
+                self.ids[r, at : at + len(record)] = record.ids
+                self.trained[r, at : at + len(record)] = record.trained
+                self.documents[r, at : at + len(record)] = d
+                at += len(record)
+            self.documents[r, at:] = len(row)  # the padding: a document of its own
+        self.tokens = sum(len(record) for record in records)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def batch(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(inputs, targets, document_ids)`` of rows ``index``: a target where the next token is
+        an answer's and of the same record, else ``IGNORE``."""
+        ids, trained, documents = (torch.from_numpy(a[index]) for a in (self.ids, self.trained, self.documents))
+        keep = trained[:, 1:] & (documents[:, 1:] == documents[:, :-1])
+        targets = ids[:, 1:].masked_fill(~keep, IGNORE)
+        return ids[:, :-1].contiguous(), targets, documents[:, :-1].contiguous()
+
+
+def shuffled(n: int, seed: int, salt: int) -> np.ndarray:
+    """A permutation of ``range(n)``, a pure function of ``(seed, salt)``."""
+    return np.random.default_rng([seed, salt]).permutation(n)
+
+
+class TrainRows(IterableDataset):
+    """Endless micro-batches of training rows from micro-batch ``position`` on (module doc)."""
+
+    def __init__(self, rows: Rows, batch_size: int, rank: int, world: int, position: int, seed: int):
+        self.rows, self.batch_size, self.rank, self.world = rows, batch_size, rank, world
+        self.position, self.seed = position, seed
+
+    def __iter__(self):
+        n, micro = len(self.rows), self.position
+        orders: dict[int, np.ndarray] = {}
+        while True:
+            first = (micro * self.world + self.rank) * self.batch_size
+            index = np.arange(first, first + self.batch_size)
+            passes = index // n
+            for p in set(passes.tolist()) - set(orders):
+                orders[p] = shuffled(n, self.seed, p + 2)  # salts 0 and 1: the held-out split, the packing
+            yield self.rows.batch(np.array([orders[p][i % n] for p, i in zip(passes, index)]))
+            micro += 1
+
+
+class ValRows(IterableDataset):
+    """The held-out rows in order, ``batch_size`` at a time, at most ``n_batches`` batches (this
+    rank's share of them)."""
+
+    def __init__(self, rows: Rows, batch_size: int, n_batches: int, rank: int, world: int):
+        self.rows, self.batch_size, self.rank, self.world = rows, batch_size, rank, world
+        self.n_batches = min(n_batches, -(-len(rows) // batch_size))
+
+    def __len__(self) -> int:
+        return max(1, self.n_batches // self.world)
+
+    def __iter__(self):
+        for b in range(self.rank, self.n_batches, self.world):
+            index = np.arange(b * self.batch_size, min((b + 1) * self.batch_size, len(self.rows)))
+            yield self.rows.batch(index)
+
+
+class InstructionData(PositionedDataModule):
+    """The packed training and validation rows; its state is the micro-batches taken."""
+
+    def __init__(self, train: Rows, validation: Rows, batch_size: int, seed: int, val_batches: int, accumulate: int):
+        super().__init__(seed, accumulate)
+        self.train, self.validation = train, validation
+        self.batch_size, self.val_batches = batch_size, val_batches
+
+    def train_dataloader(self):
+        rank, world = self._rank()
+        position = self.trainer.global_step * self.accumulate if self.trainer is not None else self.position
+        return loader(TrainRows(self.train, self.batch_size, rank, world, position, self.seed), self.trainer)
+
+    def val_dataloader(self):
+        rank, world = self._rank()
+        return loader(ValRows(self.validation, self.batch_size, self.val_batches, rank, world), self.trainer)

@@ -1,0 +1,141 @@
+"""``task: sft``: supervised fine-tuning of a causal LM on instruction or chat records, the loss on
+the answers only (``yamlformer.recipes.data.chat``), records packed into rows with document masking
+(``yamlformer.recipes.data.instructions``); usually from trained weights (``model.init_from``) with
+adapters (``model.adapters``: LoRA, DoRA, QLoRA). Held-out prompts are scored before and after.
+This module (torch-free) is its recipe schema and :class:`~yamlformer.recipes.tasks.task.Task`;
+``training.py`` reads, trains and scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from yamlformer.builder.spec.problems import rule_error
+from yamlformer.recipes.data.section import DatasetFields
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
+from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.tasks.task import Task
+
+
+class InstructionDataSection(DatasetFields):
+    file: str | None = Field(
+        None,
+        description='Training records: a .jsonl (.gz, .zst) or .parquet file of {"prompt", "response"} (and '
+        '"system") or {"messages": [{"role", "content"}, ...]} records (relative to the recipe).',
+        json_schema_extra=RECIPE_PATH,
+    )
+    validation: str | None = Field(
+        None,
+        description="Held-out records like `file` (null: data.val_fraction of the training records).",
+        json_schema_extra=RECIPE_PATH,
+    )
+    val_fraction: float = Field(
+        0.05, gt=0, lt=1, description="The share of records held out when there is no validation file."
+    )
+    limit: int | None = Field(None, ge=1, description="Read only the first this many records (null: all).")
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template (Hugging Face's format) to render records with (null: the "
+        "tokenizer's own, from its folder's tokenizer_config.json or chat_template.jinja; else a plain default).",
+    )
+    seq_len: int = Field(512, ge=2, description="Tokens per row; a record longer than this is refused.")
+    batch_size: int = Field(8, ge=1, description="Rows per micro-batch on each device.")
+    packing: bool = Field(
+        True,
+        description="Pack several records into a row, attention masked between them and positions restarted "
+        "(false: one record a row, padded).",
+    )
+    cache_dir: str = Field(
+        default_factory=default_cache_dir,
+        description="Tokenizers trained for a run without init_from, keyed by content hash (default: the user "
+        "cache, ~/.cache/builder on Linux).",
+        json_schema_extra=WORK_PATH,
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.file is None) == (self.dataset is None):
+            raise rule_error(("file",), "give data.file (a .jsonl or .parquet of records) or data.dataset, not both")
+        return self
+
+
+class HeldOutSection(_Section):
+    prompts: int = Field(
+        8,
+        ge=0,
+        le=10_000,
+        description="Held-out records whose answers are generated (greedy) before and after training and "
+        "compared with their references (exact match); their answers' loss is scored on every held-out row.",
+    )
+    max_new_tokens: int = Field(64, ge=1, le=65_536, description="Tokens generated per held-out prompt.")
+
+
+class InstructionRecipe(Recipe):
+    """``task: sft``: a causal LM fine-tuned on instruction or chat records."""
+
+    task: Literal["sft"] = Field("sft", description="sft.")
+    data: InstructionDataSection = Field(..., description="The records, their template and rows.")
+    eval: HeldOutSection = Field(default_factory=HeldOutSection, description="Held-out prompts, before and after.")
+
+
+class InstructionTuning(Task):
+    name = "sft"
+    recipe = InstructionRecipe
+    eval_options = ("max_batches", "all", "batch_size")
+    generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+    def prepare(self, recipe, recipe_file: Path, samples: bool):
+        from yamlformer.recipes.tasks.sft.training import prepare
+
+        return prepare(recipe, recipe_file)
+
+    def spec_of(self, recipe, recipe_file: Path):
+        from yamlformer.recipes.recipe.sections import model_spec
+
+        return lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
+
+    def data_files(self, recipe, recipe_file: Path, files) -> None:
+        data = recipe.data
+        if data.dataset is not None:
+            files.dataset(data.dataset, [])
+        files.own("data.file", data.file)
+        files.own("data.validation", data.validation)
+
+    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
+        data = recipe.data
+        packed = "records packed" if data.packing else "a record each"
+        return data.seq_len, data.batch_size, f"{data.batch_size} rows x {data.seq_len} tokens ({packed})"
+
+    def check_spec(self, recipe, spec) -> None:
+        if recipe.data.seq_len > spec.max_seq_len:
+            raise RecipeError(
+                f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
+                "lower data.seq_len or set model.overrides.max_seq_len"
+            )
+
+    def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        from yamlformer.recipes.tasks.sft.training import evaluate_checkpoint
+
+        self.check_meta(meta)
+        return evaluate_checkpoint(model, tokenizer, meta, args)
+
+    def print_evaluation(self, result: dict, args) -> None:
+        from yamlformer.recipes.tasks.task import scored
+
+        print(
+            f"{result['checkpoint']} (step {result['step']}) on its held-out records: answers' loss "
+            f"{result['loss']:.4f} over {result['tokens']:,} tokens; exact match {result['exact']}/{result['prompts']}"
+        )
+        print(scored(result["batches"], result["batches_available"], args))
+
+    def generate(self, model, tokenizer, meta: dict, args) -> None:
+        from yamlformer.recipes.tasks.sft.training import generate
+
+        self.check_meta(meta)
+        generate(model, tokenizer, meta, args)
+
+
+TASK = InstructionTuning()

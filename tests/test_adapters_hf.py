@@ -1,0 +1,137 @@
+"""Adapters to and from the ecosystem: ``export-hf --adapters-only`` writes a folder that
+``peft.PeftModel.from_pretrained`` loads onto the ``transformers`` export of the base with the same
+logits (fp32, within 1e-5), ``import-hf`` reads it back to the same logits, ``--merge`` folds the
+adapters into a plain folder ``transformers`` loads alone; a model with adapters names the two
+choices. Fused Hugging Face modules (GPT-2's ``c_attn``) hold our separate projections' adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from yamlformer.blocks.linear import adapter_parameters
+from yamlformer.builder import build_model, load_spec
+from yamlformer.builder.cli import main
+from yamlformer.builder.hf import load_weights, save_weights
+
+REPO = Path(__file__).resolve().parents[1]
+ATOL = 1e-5  # fp32: the same products in another order
+
+
+def _trained(tmp_path: Path, name: str, adapters: dict):
+    """A tiny model with trained-looking adapters, written as an import-hf folder would be (the spec
+    with its adapters, model.safetensors), and its base alone beside it."""
+    spec = load_spec(REPO / "specs" / "tiny" / f"{name}.yaml", overrides={"adapters": adapters})
+    model = build_model(spec, init_seed=0).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in adapter_parameters(model).values():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    adapted, base = tmp_path / "adapted", tmp_path / "base-spec"
+    for folder, data, state in (
+        (adapted, spec.model_dump(mode="json"), model.state_dict()),
+        (
+            base,
+            {**spec.model_dump(mode="json"), "adapters": None},
+            {k: v for k, v in model.state_dict().items() if ".adapter." not in k},
+        ),
+    ):
+        folder.mkdir()
+        (folder / "spec.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        save_weights(state, folder / "model.safetensors")
+    return spec, model, adapted / "spec.yaml", base / "spec.yaml"
+
+
+def _cli(*args) -> int:
+    return main([str(a) for a in args])
+
+
+@pytest.mark.parametrize(
+    "name, adapters",
+    [
+        ("llama", {"type": "lora", "rank": 4, "alpha": 8, "targets": "all-linear"}),
+        ("llama", {"type": "dora", "rank": 4, "alpha": 4, "targets": ["q_proj", "v_proj", "down_proj"]}),
+        ("gpt2", {"type": "lora", "rank": 2, "alpha": 4, "rank_scaled": True, "targets": ["attention"]}),
+    ],
+    ids=["llama-lora", "llama-dora", "gpt2-fused-rslora"],
+)
+def test_peft_loads_the_adapters_with_our_logits_and_they_come_back(name, adapters, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    spec, model, adapted, base = _trained(tmp_path, name, adapters)
+    assert _cli("export-hf", base, "-o", tmp_path / "hf-base") == 0
+    assert _cli("export-hf", adapted, "--adapters-only", "-o", tmp_path / "peft") == 0
+    assert "PEFT LoRA" in capsys.readouterr().out
+    ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    with torch.no_grad():
+        ours = model(ids)
+        torch.testing.assert_close(peft_model(ids).logits, ours, rtol=0, atol=ATOL)
+
+    # back: the PEFT folder over its base, as a spec with adapters and one weights file
+    assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "back") == 0
+    back_spec = load_spec(tmp_path / "back" / "spec.yaml")
+    assert back_spec.adapters.type == adapters["type"] and back_spec.adapters.rank == adapters["rank"]
+    back = load_weights(build_model(back_spec), tmp_path / "back" / "model.safetensors").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), ours, rtol=0, atol=ATOL)
+
+    # merged: a plain folder transformers loads alone, the adapted model's logits
+    assert _cli("export-hf", adapted, "--merge", "-o", tmp_path / "merged") == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=ATOL)
+
+
+def test_a_model_with_adapters_names_merge_and_adapters_only(tmp_path, capsys):
+    _, _, adapted, base = _trained(tmp_path, "llama", {"type": "lora", "rank": 2, "targets": ["q_proj"]})
+    assert _cli("export-hf", adapted, "-o", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.count("\n") == 0
+        and "has adapters (lora r2 on 2 linear layers): --merge" in err
+        and "--adapters-only" in err
+    )
+    assert _cli("export-hf", base, "--merge", "-o", tmp_path / "out") == 1
+    assert "--merge: the model has no adapters" in capsys.readouterr().err
+    assert _cli("import-hf", tmp_path / "base-spec", "--base", tmp_path, "-o", tmp_path / "x") == 1
+    assert "is not a PEFT adapter folder" in capsys.readouterr().err
+
+
+def test_an_adapter_on_a_tied_head_has_no_peft_or_merged_form(tmp_path, capsys):
+    spec = load_spec(
+        REPO / "specs" / "tiny" / "llama.yaml",
+        overrides={"tie_embeddings": True, "adapters": {"type": "lora", "targets": ["head.proj"]}},
+    )
+    model = build_model(spec, init_seed=0)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    save_weights(model, tmp_path / "model.safetensors")
+    for option in ("--merge", "--adapters-only"):
+        assert _cli("export-hf", tmp_path / "spec.yaml", option, "-o", tmp_path / "out") == 1
+        assert "tie_embeddings" in capsys.readouterr().err
+
+
+def test_adapter_outputs_are_claimed_as_every_import_and_export(tmp_path, capsys):
+    """A PEFT folder is an output like any other: a second export there needs --overwrite, and an
+    import never writes into the base folder or the adapter folder it reads, even with it."""
+    _, _, adapted, base = _trained(tmp_path, "llama", {"type": "lora", "rank": 2, "targets": ["q_proj"]})
+    assert _cli("export-hf", base, "-o", tmp_path / "hf-base") == 0
+    assert _cli("export-hf", adapted, "--adapters-only", "-o", tmp_path / "peft") == 0
+    capsys.readouterr()
+    assert _cli("export-hf", adapted, "--adapters-only", "-o", tmp_path / "peft") == 1
+    err = capsys.readouterr().err
+    assert "already holds adapter_config.json and adapter_model.safetensors" in err and "--overwrite" in err
+    assert _cli("export-hf", adapted, "--adapters-only", "-o", tmp_path / "peft", "--overwrite") == 0
+    for folder in ("hf-base", "peft"):
+        before = sorted((tmp_path / folder).iterdir())
+        assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / folder) == 1
+        assert "is the folder this command reads" in capsys.readouterr().err
+        assert sorted((tmp_path / folder).iterdir()) == before
+    assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "back") == 0
+    assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "back") == 1
+    assert "add --overwrite" in capsys.readouterr().err
