@@ -50,11 +50,23 @@ CPU_LIMIT = 240.0
 GRACE = 30.0
 
 
+def wait_or_kill(child: subprocess.Popen, timeout: float) -> bool:
+    """Wait for ``child`` (started in a session of its own) up to ``timeout`` seconds, past which its
+    whole process group is killed; whether it was."""
+    import signal
+
+    try:
+        child.wait(timeout=timeout)
+        return False
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return True
+
+
 def run_section(name: str, cpu: bool, limit: float, folder: Path, out: Path | None = None) -> dict:
     """``gpu_check.py --section NAME`` in a child process, killed after ``limit`` seconds; ``out``:
     where the sections that measure a table of this GPU write it."""
-    import signal
-
     folder.mkdir(parents=True)
     result = folder / "section.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--section", name, str(result), str(limit)]
@@ -65,13 +77,7 @@ def run_section(name: str, cpu: bool, limit: float, folder: Path, out: Path | No
     env = dict(os.environ, **({"TORCH_COMPILE_DISABLE": "1"} if cpu else {}))
     started = time.perf_counter()
     child = subprocess.Popen(command, cwd=folder, env=env, start_new_session=True)
-    try:
-        child.wait(timeout=limit + GRACE)  # the section divides `limit` among its own children
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        timed_out = True
+    timed_out = wait_or_kill(child, limit + GRACE)  # the section divides `limit` among its own children
     seconds = time.perf_counter() - started
     if result.is_file():
         return {**json.loads(result.read_text()), "seconds": seconds}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from gpu_check import wait_or_kill  # benchmarks/gpu_check.py
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,13 +136,7 @@ def child_row(args: list[str], folder: Path, limit: float, base: dict) -> dict:
         child = subprocess.Popen(
             command, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        try:
-            child.wait(timeout=limit)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            timed_out = True
+        timed_out = wait_or_kill(child, limit)
     seconds = time.perf_counter() - started
     if result.is_file():
         return {**json.loads(result.read_text()), "seconds": seconds}
