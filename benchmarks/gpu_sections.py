@@ -76,7 +76,8 @@ def shipped_recipes() -> list[str]:
 def recipe_worker(name: str, overrides: dict, result: Path) -> None:
     """One recipe as ``builder train`` runs it; rank 0 writes what came of it to ``result``."""
     from yamlformer.recipes.data.registry import DatasetError
-    from yamlformer.recipes.recipe.sections import load_recipe, recipe_path
+    from yamlformer.recipes.recipe.sections import recipe_path
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import for_this_machine, run
 
     row: dict = {"recipe": name, "precision": None, "steps": None, "first_step_s": None, "tokens_per_s": None}
@@ -155,7 +156,8 @@ def fsdp(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dic
     from yamlformer.builder.analysis.layout import Layout
     from yamlformer.builder.analysis.mfu import peak_flops
     from yamlformer.builder.checkpoints import peek_meta
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import run
 
     layers, seq, batch, steps = (1, 64, 2, 2) if cpu else (8, 2048, 8, 20)

@@ -54,7 +54,7 @@ def main() -> int:
     add_output_options(parser)
     args = parser.parse_args()
 
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
 
     print(f"machine: {machine()}", flush=True)
     root = runs_folder(args, "muon-")

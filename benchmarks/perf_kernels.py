@@ -15,8 +15,8 @@ the GPU it runs on, what those rates are at the shapes one rank of each publishe
   and the two half-work steps, queries against half the keys and half the queries against all),
   and a whole causal sequence of 8,192 tokens; FLOPs over the visible pairs, backward twice the forward.
 
-``--write`` measures this GPU's whole calibration table instead (``yamlformer.builder.analysis
-.calibration.measure``: a GEMM grid and the published layers' linears, bf16 and float8, the
+``--write`` measures this GPU's whole calibration table instead (``yamlformer.builder.measure``:
+a GEMM grid and the published layers' linears, bf16 and float8, the
 attention backends at several lengths, the HBM bandwidth; about a minute on an H200) and writes it
 where the planner reads the table shipped for this GPU (``builder/analysis/calibration/<gpu>.yaml``;
 ``--out DIR`` elsewhere). ``builder plan --calibrate`` does the same into the user's folder.
@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from yamlformer.builder.analysis.calibration import SHIPPED, lookup
-from yamlformer.builder.analysis.calibration.measure import LAYERS, device_key, gemm_seconds, timed
-from yamlformer.builder.analysis.calibration.measure import measure as measure_table
 from yamlformer.builder.analysis.hardware import gpu
 from yamlformer.builder.analysis.mfu import match_device
 from yamlformer.builder.cli.arguments import count
+from yamlformer.builder.measure import LAYERS, device_key, gemm_seconds, timed
+from yamlformer.builder.measure import measure as measure_table
 
 __all__ = ["LAYERS", "ATTENTION", "timed", "gemm_seconds", "device_peaks", "measure", "print_tables", "main"]
 
@@ -95,7 +95,7 @@ def gemm_rows(peaks: dict, device: torch.device, scale: int, repeats: int, fp8: 
 def attention_rows(peak: float | None, device: torch.device, scale: int, repeats: int, planned) -> list[dict]:
     """The flash backend at each of :data:`ATTENTION`'s calls: forward and backward rates, the
     fraction of the bf16 peak, and the planner's table's forward and backward."""
-    from yamlformer.builder.analysis.calibration.measure import attention_rates, sdpa
+    from yamlformer.builder.measure import attention_rates, sdpa
 
     rows = []
     for label, q_len, k_len, causal in ATTENTION:

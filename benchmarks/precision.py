@@ -93,7 +93,8 @@ def run_worker(recipe: str, variant: str, steps: int, settings: list[str]) -> di
 
 def auto_choice(recipe: str) -> str:
     """What ``trainer.precision: auto`` resolves to for this recipe on this machine."""
-    from yamlformer.recipes.recipe.sections import load_recipe, recipe_path
+    from yamlformer.recipes.recipe.sections import recipe_path
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import for_this_machine
 
     path = recipe_path(recipe)

@@ -36,7 +36,8 @@ VOCAB = 65  # tiny Shakespeare's characters
 
 
 def recipe_and_spec():
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
     recipe = load_recipe(recipe_file)

@@ -111,12 +111,14 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
 
     from yamlformer.builder import build_model
     from yamlformer.recipes.data.windows import Mixture, TrainWindows, ValWindows
-    from yamlformer.recipes.recipe.sections import load_recipe
-    from yamlformer.recipes.tasks.lm.training import corpus_and_spec
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.tasks.lm.training import open_run_corpus
+    from yamlformer.recipes.training.resolved import resolve_run
 
-    recipe = load_recipe(RECIPE, _overrides(seed, max_steps))
+    run = resolve_run(load_recipe(RECIPE, _overrides(seed, max_steps)), RECIPE, fetch=True)
+    recipe, spec = run.recipe, run.spec
     t, d, opt, sched = recipe.trainer, recipe.data, recipe.optimizer, recipe.schedule
-    corpus, spec = corpus_and_spec(recipe, RECIPE)
+    corpus = open_run_corpus(run)
     check_nanogpt_shaped(spec, recipe)
     mixture = Mixture(corpus.sources, t.seed, spec.vocab_size)
 

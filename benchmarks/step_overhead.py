@@ -112,7 +112,8 @@ def plain_ms(path: Path, steps: int) -> float:
     import torch.nn.functional as F
 
     from yamlformer.builder import build_model
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
 
     recipe = load_recipe(path)
     vocab = 96

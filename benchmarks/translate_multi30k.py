@@ -101,7 +101,7 @@ def _throughput_overrides(steps: int, out: Path) -> dict:
 
 def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
     """One side of ``--side-by-side``, in this process."""
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
 
     recipe_file = REPO / "recipes" / "translate-multi30k.yaml"
     with tempfile.TemporaryDirectory(prefix="translate-throughput-") as tmp:
@@ -221,7 +221,7 @@ def main() -> int:
         return 0
     if args.side_by_side:
         return side_by_side(args, parse_set_args(args.overrides))
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.tasks.translation.training import validation_pairs
     from yamlformer.recipes.training.run import train_recipe
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from yamlformer.blocks.cache import MemoryCache, TensorCache
 from yamlformer.blocks.linear import Linear
@@ -123,6 +124,7 @@ class AttentionInputs:
         rank of the context-parallel ``group`` gathered in rank order: ``(query_index, the
         group's query indices concatenated)``, gathered once per forward."""
         if "context" not in self._bias_memo:
+            # local: the functional collectives (~0.1 s to import) serve context- and expert-parallel runs only
             from torch.distributed._functional_collectives import all_gather_single
 
             self._bias_memo["context"] = (self.query_index, all_gather_single(self.query_index, 0, group))
@@ -298,7 +300,6 @@ class MultiHeadAttention(nn.Module):
 
     def _context_keys(self, k, v, inputs: AttentionInputs, cache) -> tuple:
         """Every context-parallel rank's keys and values, and the token indices to mask them by."""
-        from torch.distributed._functional_collectives import all_gather_single_autograd
 
         if inputs.query_index is None or cache is not None or inputs.document_ids is not None:
             raise ValueError(

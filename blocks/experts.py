@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from yamlformer.blocks.linear import Linear
 
@@ -176,7 +178,6 @@ def _exchange(rows: torch.Tensor, counts: torch.Tensor, experts, group) -> torch
     it got by expert, runs its experts once over all of it (on no rows too, so every rank's experts
     take part in every backward), and sends the outputs back the same way. Both all-to-alls are
     differentiable (``all_to_all_single_autograd``)."""
-    from torch.distributed import _functional_collectives as funcol
 
     degree = group.size()
     local = counts.numel() // degree
@@ -215,7 +216,6 @@ class SplitsExperts:
         all-to-all (:func:`dispatch` with ``group``). Everything else of the block (the router,
         shared experts, an expert bias) stays whole on every rank and sees this rank's tokens only.
         Returns the split submodule (the stacked experts)."""
-        from torch.distributed.tensor import Shard, distribute_tensor
 
         if self.n_experts % mesh.size():
             raise ValueError(f"{self.n_experts} experts do not split over {mesh.size()} expert-parallel ranks")
@@ -236,6 +236,7 @@ def balance_statistics(counts: torch.Tensor, scores: torch.Tensor, group) -> tup
     then get the gradient of the one loss)."""
     total, tokens = scores.sum(0), scores.shape[0]
     if group is not None:
+        # local: the functional collectives (~0.1 s to import) serve context- and expert-parallel runs only
         import torch.distributed as dist
         from torch.distributed._functional_collectives import all_reduce
 

@@ -38,6 +38,7 @@ import warnings
 import weakref
 
 import torch
+from torch._dynamo.utils import counters
 
 from yamlformer.blocks.cache import KVCache
 
@@ -425,7 +426,6 @@ class _CompiledStep:
         self.reason = _UNCOMPILABLE.get(model)
 
     def __call__(self, *args) -> torch.Tensor:
-        from torch._dynamo.utils import counters
 
         if self.reason is not None:
             return self.model._decode_step(*args)

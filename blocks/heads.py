@@ -29,6 +29,10 @@ from yamlformer.blocks.ffn import activation
 from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.norms import LayerNorm
 
+#: a target id that takes no part in a loss (padding, unmasked MLM positions, past a window):
+#: PyTorch's default ``ignore_index``; every loss and every batch of targets uses this one
+IGNORE = -100
+
 
 class HeadOutput(NamedTuple):
     """What a head returns: ``logits`` (``(batch, seq, vocab_size)``, ``(batch, n_classes)``, or

@@ -112,6 +112,7 @@ def nf4_quantizer():
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
+        # local: torchao is an optional extra (yamlformer[qlora]), loaded for an NF4 base only
         from torchao.quantization import to_nf4
     except ImportError as exc:
         raise ImportError(f"adapters.quantize: nf4 needs torchao ({exc}): pip install 'yamlformer[qlora]'") from None

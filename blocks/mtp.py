@@ -23,11 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from yamlformer.blocks.build import Dims, build_block, build_layer
-from yamlformer.blocks.heads import HeadOutput, vocab_projection, vocabulary_logits
+from yamlformer.blocks.heads import IGNORE, HeadOutput, vocab_projection, vocabulary_logits
 from yamlformer.blocks.linear import Linear
-
-#: a target that takes no part in the loss (PyTorch's default ignore_index)
-IGNORE = -100
 
 
 class MultiTokenPredictionModule(nn.Module):

@@ -3,10 +3,13 @@
 This module is torch-free on purpose. A config class (pydantic) describes one block, counts its
 own parameters and FLOPs, and names the ``nn.Module`` that builds it by import path, so
 validating and sizing a spec never imports torch. A config subclasses its kind's contract
-(``yamlformer.blocks.configs.base.KIND_BASES``: what generic code may ask of it) and implements every
-abstract method; :func:`register` refuses one that does not. Blocks register with :func:`register`;
-user packages add theirs through the ``yamlformer.blocks`` entry-point group or ``--plugin``
+(``yamlformer.blocks.configs.base.KIND_BASES``: what generic code may ask of it, declared here as
+that module loads) and implements every abstract method; :func:`register` refuses one that does
+not. Blocks register with :func:`register`: the built-in ones as ``yamlformer.blocks.configs``
+loads (the spec's schema imports it, and so does anything that asks the registry through
+builder), user packages' through the ``yamlformer.blocks`` entry-point group or ``--plugin``
 (see ``yamlformer.builder.spec.plugins``), and they become part of the schema automatically.
+This module imports nothing of the project: the configs import it, never the other way round.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ KINDS = ("attention", "position", "ffn", "norm", "head", "architecture", "adapte
 DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}
 
 _REGISTRY: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+_CONTRACTS: dict[str, type] = {}  # kind -> the base class its configs subclass (declare_contracts)
 _VERSION = [0]  # bumped on every registration so cached schemas know to rebuild
 
 
@@ -54,10 +58,14 @@ def register(kind: str, module: str):
     return decorate
 
 
-def _check_contract(kind: str, cls) -> None:
-    from yamlformer.blocks.configs.base import KIND_BASES
+def declare_contracts(bases: dict[str, type]) -> None:
+    """The contract of each kind (``yamlformer.blocks.configs.base.KIND_BASES``, which declares
+    them as it loads: this module imports no config)."""
+    _CONTRACTS.update(bases)
 
-    base = KIND_BASES[kind]
+
+def _check_contract(kind: str, cls) -> None:
+    base = _CONTRACTS[kind]  # declared: every config class subclasses one, so its module is loaded
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise RegistryError(
             f"{getattr(cls, '__qualname__', cls)} must subclass yamlformer.blocks.configs.base.{base.__name__} "
@@ -80,12 +88,12 @@ def type_name(cls) -> str:
 
 def configs(kind: str) -> dict[str, Any]:
     """The registered config classes of one kind, by type name."""
-    _ensure_builtins()
+    _loaded()
     return dict(_REGISTRY[kind])
 
 
 def config_class(kind: str, name: str):
-    _ensure_builtins()
+    _loaded()
     try:
         return _REGISTRY[kind][name]
     except KeyError:
@@ -102,10 +110,14 @@ def module_class(config) -> type:
 
 
 def version() -> int:
-    _ensure_builtins()
     return _VERSION[0]
 
 
-def _ensure_builtins() -> None:
-    # Importing the config modules runs their @register decorators (torch-free).
-    importlib.import_module("yamlformer.blocks.configs")
+def _loaded() -> None:
+    """Refuse a lookup before any config is loaded (the built-in ones are
+    ``yamlformer.blocks.configs``, which declares the contracts as it loads)."""
+    if not _CONTRACTS:
+        raise RegistryError(
+            "no block configs are loaded: import yamlformer.blocks.configs (the spec schema, "
+            "yamlformer.builder.spec.schema, does) before asking the registry"
+        )

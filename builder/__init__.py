@@ -13,6 +13,7 @@ __all__ = ["load_spec", "build_model", "estimate", "Step", "Layout", "SpecError"
 
 
 def _version() -> str:
+    # lazy: importlib.metadata costs ~80 ms; only __version__ asks for it
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -26,24 +27,29 @@ def __getattr__(name: str):
     if name == "__version__":  # importlib.metadata costs ~80 ms: only when asked
         return _version()
     if name in ("load_spec", "SpecError", "build_model", "estimate", "Step", "Layout"):
+        # lazy: each part of the public API loads when first asked (import yamlformer.builder stays cheap)
         from yamlformer.builder.packages import foreign
 
         problem = foreign()
         if problem:
             raise ImportError(problem)
     if name in ("load_spec", "SpecError"):
+        # lazy: each part of the public API loads when first asked (import yamlformer.builder stays cheap)
         from yamlformer.builder.spec import loader
 
         return getattr(loader, name)
     if name == "build_model":
+        # lazy: each part of the public API loads when first asked (import yamlformer.builder stays cheap)
         from yamlformer.builder.assemble import build_model
 
         return build_model
     if name in ("estimate", "Step"):
+        # lazy: each part of the public API loads when first asked (import yamlformer.builder stays cheap)
         from yamlformer.builder.analysis import estimates
 
         return getattr(estimates, name)
     if name == "Layout":
+        # lazy: each part of the public API loads when first asked (import yamlformer.builder stays cheap)
         from yamlformer.builder.analysis.layout import Layout
 
         return Layout

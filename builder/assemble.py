@@ -31,11 +31,12 @@ from yamlformer.blocks.embeddings import Embeddings
 from yamlformer.blocks.init import draw_seed, init_weights
 from yamlformer.blocks.linear import adapter_parameters
 from yamlformer.blocks.stacks import TransformerStack
+from yamlformer.builder.adapters import adapted, quantized
 from yamlformer.builder.parametrization import head_for_build, is_mup, layer_for_build
 from yamlformer.builder.parametrization import plan as parametrization_plan
-from yamlformer.builder.spec.adapters import adapted, quantized
-
-BACKENDS = ("auto", "eager", "sdpa", "triton")
+from yamlformer.builder.spec.loader import load_spec
+from yamlformer.builder.spec.schema import ModelSpec
+from yamlformer.kernels.attention import BACKENDS  # the attention backends a model may be built with
 
 
 @contextlib.contextmanager
@@ -80,8 +81,6 @@ def build_model(
     every attention layer (see ``yamlformer.kernels.attention``); ``init_seed``: the seed of the initial
     weights (default: drawn from torch's global generator).
     """
-    from yamlformer.builder.spec.loader import load_spec
-    from yamlformer.builder.spec.schema import ModelSpec
 
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {attention_backend!r}")
@@ -104,7 +103,7 @@ def build_model(
 
 
 def _attach_adapters(model: nn.Module, spec) -> None:
-    """The spec's adapter on every linear layer its targets select (``yamlformer.builder.spec.adapters``)."""
+    """The spec's adapter on every linear layer its targets select (``yamlformer.builder.adapters``)."""
     if spec.adapters is None:
         return
     adapter = registry.module_class(spec.adapters)

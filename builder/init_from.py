@@ -19,6 +19,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from yamlformer.builder.spec.loader import read_merged
+
 #: sources remembered at once
 _KEPT = 4
 
@@ -42,6 +44,7 @@ class Source:
 
     def _builder(self) -> dict:
         """A run checkpoint's ``builder`` record (spec, tokenizer), verified."""
+        # local: a source's readers load when it is read; the recipe's sections import this module torch-free
         from yamlformer.builder.checkpoints import CheckpointError, read_meta
 
         if self._meta is None:
@@ -56,6 +59,7 @@ class Source:
 
     def _hf(self) -> tuple[dict, dict]:
         """An HF folder's spec and tensors, converted (one read serves both)."""
+        # local: a source's readers load when it is read; the recipe's sections import this module torch-free
         from yamlformer.builder.hf import HFError, read_hf
 
         try:
@@ -70,8 +74,6 @@ class Source:
             if self.kind == "checkpoint":
                 self._spec = dict(self._builder()["spec"])
             elif self.kind == "imported":
-                from yamlformer.builder.spec.loader import read_merged
-
                 self._spec = dict(read_merged(self.path / "spec.yaml").data)
             else:
                 self._spec, self._state = self._hf()
@@ -80,6 +82,7 @@ class Source:
     def state(self) -> dict[str, Any]:
         """The tensors, under the built model's names; handed over, not kept."""
         if self.kind == "checkpoint":
+            # local: a source's readers load when it is read; the recipe's sections import this module torch-free
             from yamlformer.builder.checkpoints import CheckpointError, model_weights, read_weights
 
             self._builder()
@@ -88,6 +91,7 @@ class Source:
             except CheckpointError as exc:
                 raise SourceError(str(exc)) from None
         if self.kind == "imported":
+            # local: a source's readers load when it is read; the recipe's sections import this module torch-free
             from yamlformer.builder.hf import HFError, read_weights
 
             try:
@@ -121,6 +125,7 @@ def _fingerprint(path: Path) -> tuple:
 
 
 def _kind(path: Path) -> str:
+    # local: a source's readers load when it is read; the recipe's sections import this module torch-free
     from yamlformer.builder.checkpoints import is_sharded, looks_like_checkpoint
 
     if (path.is_file() and looks_like_checkpoint(path)) or is_sharded(path):

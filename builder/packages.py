@@ -87,6 +87,7 @@ def renamed_global(refusal: str) -> str | None:
 
 def installed() -> bool:
     """Whether this Python has our distribution's metadata (its entry points among them)."""
+    # local: importlib.metadata costs ~80 ms; only this check needs it
     import importlib.metadata
 
     try:
@@ -116,6 +117,7 @@ def _marked(init: Path) -> bool:
 def _owner(name: str) -> str | None:
     """Another installed distribution that provides the top-level module ``name`` (slow: only
     where our folder is importable by its bare name)."""
+    # local: importlib.metadata costs ~80 ms; only this check needs it
     import importlib.metadata
 
     owners = [d for d in importlib.metadata.packages_distributions().get(name, []) if d != DISTRIBUTION]

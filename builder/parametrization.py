@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from yamlformer.blocks.configs.tensors import TensorScaling
 from yamlformer.blocks.limits import MAX_FACTOR, MAX_WIDTH
+from yamlformer.builder.tensors import model_tensors
 
 Loc = tuple[str | int, ...]
 
@@ -138,8 +139,6 @@ def scaling(spec, cls, shape: tuple[int, ...], ratios: dict[str, float]) -> Tens
 def plan(spec) -> Plan:
     """The spec's :class:`Plan`: every parameter tensor ``build_model`` creates (named as
     ``named_parameters()`` names it), and the modules whose input the output multiplier scales."""
-    from yamlformer.builder.analysis.shards import model_tensors
-
     ratios = widths(spec)
     tensors = {t.name: scaling(spec, t.cls, t.shape, ratios) for t in model_tensors(spec)}
     outputs: dict[str, float] = {}
@@ -275,8 +274,6 @@ def problems(spec) -> list[tuple[Loc, str]]:
 
 def _ffn_widths(spec) -> set[int]:
     """The inner widths the spec's FFN tensors span (their ``ffn`` sides)."""
-    from yamlformer.builder.analysis.shards import model_tensors
-
     sizes = set()
     for t in model_tensors(spec):
         if t.cls is not None and "ffn" in (t.cls.fan_in, t.cls.fan_out):

@@ -54,24 +54,66 @@ Conventions shared by every kernel:
 The interpreter: Triton reads ``TRITON_INTERPRET`` whenever ``@triton.jit`` *decorates* a
 function (``triton.knobs.runtime.interpret`` in ``triton/runtime/jit.py``): our kernels, but also
 ``triton.language``'s own helpers (``tl.zeros``, ``tl.max``...), decorated when ``triton`` is
-first imported. On a machine without CUDA, ``kernels/__init__.py`` and this module set
-``TRITON_INTERPRET=1`` (``setdefault``: an explicit user value wins, ``0`` opts out) before any
-decorator here runs; if something imported ``triton`` earlier, :func:`_interpret_triton_stdlib`
-re-wraps its helpers for the interpreter. Under the interpreter ``bf16`` dot products are
-computed on raw ``uint16`` storage, so every tile is upcast to fp32 there.
+first imported. On a machine without CUDA, and unless the user set it (``0`` opts out),
+:func:`interpreting` sets ``TRITON_INTERPRET=1`` while this module and the other kernel modules
+are decorated (from here to the end of ``yamlformer.kernels.flash_launch``'s imports) and
+while a kernel runs on CPU tensors; the environment is as it was otherwise, so importing
+``yamlformer.kernels``, or using only its PyTorch paths, leaves it alone. If something imported
+``triton`` earlier, :func:`_interpret_triton_stdlib` re-wraps its helpers for the interpreter.
+Under the interpreter ``bf16`` dot products are computed on raw ``uint16`` storage, so every tile
+is upcast to fp32 there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():  # must precede the @triton.jit decorators below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+#: Triton's interpreter runs our kernels here: no CUDA, and the user did not say otherwise
+INTERPRETER = "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()
 
-import triton
-import triton.language as tl
+
+@contextlib.contextmanager
+def interpreting():
+    """``TRITON_INTERPRET=1`` for the duration where :data:`INTERPRETER` (Triton decorating or
+    running our kernels on a machine without CUDA), and the variable as it was after."""
+    if not INTERPRETER or os.environ.get("TRITON_INTERPRET") == "1":
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def interpreted(fn):
+    """``fn`` run :func:`interpreting` (a launcher of our kernels; ``fn`` itself where Triton
+    compiles, so a GPU's launches pay nothing)."""
+    if not INTERPRETER:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with interpreting():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+#: open from here until every kernel module is decorated (``yamlformer.kernels.flash_launch`` closes it)
+DECORATING = interpreting()
+DECORATING.__enter__()
+
+# after the interpreter is set: triton decorates its own helpers as it loads
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 try:  # what the decorators below will see; triton < 3.4 has no knobs and reads the env var
     INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -86,10 +128,6 @@ def _interpret_triton_stdlib():
     refuse to run inside an interpreted kernel. Each is re-wrapped once, everywhere it is bound,
     as the ``InterpretedFunction`` an interpreter-mode import would have made. Only done on
     machines without CUDA, where no compiled Triton kernel can run anyway."""
-    import sys
-
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
     if isinstance(tl.zeros, InterpretedFunction):
         return

@@ -16,7 +16,9 @@ from .flash_backward import _attn_bwd_dkdv
 from .flash_backward_dq import _attn_bwd_dq
 from .flash_decode import _attn_decode
 from .flash_forward import _attn_fwd
-from .flash_kernels import INTERPRET, triton
+from .flash_kernels import DECORATING, INTERPRET, interpreted, triton
+
+DECORATING.__exit__(None, None, None)  # every kernel module is decorated: the environment as it was
 
 try:  # Triton >= 3.4: host-side tensor descriptors (the Hopper bulk tensor copy engine)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -219,6 +221,7 @@ def _strides(t: torch.Tensor) -> tuple:
 # ----------------------------------------------------------------------------------------------
 # launches
 # ----------------------------------------------------------------------------------------------
+@interpreted
 def forward(call: Call, out: torch.Tensor, lse: torch.Tensor, cfg: dict | None = None) -> None:
     """The forward kernel into ``out`` and ``lse`` (``cfg``: None chooses)."""
     H, group, seq_q, seq_k, _, _ = call.sizes
@@ -267,6 +270,7 @@ def decode_split(call: Call, cfg: dict) -> tuple[int, int]:
     return tuning.decode_splits(seq_k, B * Hkv, sms, cfg.get("waves", 2), bn)
 
 
+@interpreted
 def decode(call: Call, out: torch.Tensor, lse: torch.Tensor, cfg: dict | None = None) -> None:
     """The split-K decode kernel into ``out`` and ``lse`` (``cfg``: None chooses)."""
     H, group, seq_q, seq_k, _, dv = call.sizes
@@ -311,6 +315,7 @@ def decode(call: Call, out: torch.Tensor, lse: torch.Tensor, cfg: dict | None = 
     )
 
 
+@interpreted
 def backward_dq(call, grad_out, out, lse, delta, dq, cfg: dict | None = None) -> None:
     """dQ into ``dq`` and ``rowsum(dO * O)`` into ``delta`` (``cfg``: None chooses)."""
     H, group, seq_q, seq_k, _, _ = call.sizes
@@ -347,6 +352,7 @@ def backward_dq(call, grad_out, out, lse, delta, dq, cfg: dict | None = None) ->
     )
 
 
+@interpreted
 def backward_dkdv(call, grad_out, lse, delta, dk, dv, dbias, cfg: dict | None = None) -> None:
     """dK, dV into ``dk``, ``dv`` (and the scores' gradient into ``dbias`` when it is not empty);
     ``delta`` as :func:`backward_dq` left it (``cfg``: None chooses)."""

@@ -37,9 +37,12 @@ import json
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import platformdirs
 import torch
+import yaml
 
 TABLE_PATH = Path(__file__).with_name("attention_tuning.yaml")
 TABLE_ENV = "YAMLFORMER_ATTENTION_TABLE"
@@ -93,8 +96,6 @@ def case_key(q_shape, v_head_dim: int, causal: bool, masks: dict, decode_rows: i
 # ----------------------------------------------------------------------------------------------
 @functools.cache
 def _load_table(path: str) -> dict:
-    import yaml
-
     with open(path) as f:
         table = yaml.safe_load(f) or {}
     if not isinstance(table, dict):
@@ -114,6 +115,7 @@ def family(capability: tuple[int, int]) -> str:
 
 @functools.cache
 def _device_facts(index: int) -> tuple[str, str, int, int]:
+    # local: triton loads through flash_kernels first (the interpreter's set-up on a CPU); read here on a GPU
     import triton
 
     props = torch.cuda.get_device_properties(index)
@@ -189,6 +191,7 @@ def stats() -> dict:
 
 def _bench(run) -> float:
     """Milliseconds one call of ``run`` takes (the median of a short ``do_bench``)."""
+    # local: triton loads through flash_kernels first (the interpreter's set-up on a CPU); read here on a GPU
     import triton.testing
 
     return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
@@ -231,7 +234,6 @@ def choose(kernel: str, key: str, device, run, eligible=lambda config: True) -> 
 def precompile(pool: list[dict], run) -> None:
     """Launch every config once, in threads, so that Triton compiles them side by side (its
     compiler leaves the GIL) before any is timed; failures are met again when timed."""
-    from concurrent.futures import ThreadPoolExecutor
 
     def quietly(config):
         try:
@@ -265,6 +267,7 @@ def _tune(pool: list[dict], run) -> dict:
 @functools.cache
 def fingerprint() -> str:
     """What a cached choice is only good for: the Triton and torch versions and the kernels' source."""
+    # local: triton loads through flash_kernels first (the interpreter's set-up on a CPU); read here on a GPU
     import triton
 
     digest = hashlib.sha256()
@@ -274,8 +277,6 @@ def fingerprint() -> str:
 
 
 def cache_path() -> Path:
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("builder", appauthor=False)) / CACHE_FILE
 
 
@@ -357,7 +358,6 @@ def updated_table(current: dict, gen: str, chosen: dict, prefer: dict, failed: d
 
 def write_table(table: dict, path: Path | None = None) -> Path:
     """Write ``table`` as the shipped YAML (the header comment of the shipped file kept)."""
-    import yaml
 
     class Plain(yaml.SafeDumper):  # one config chosen for several keys is written out each time
         def ignore_aliases(self, data):

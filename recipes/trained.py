@@ -1,5 +1,6 @@
 """A trained model back from a checkpoint alone (``builder eval``, ``builder generate``, a task's
-final evaluation): its spec, weights and tokenizer, or those of a model folder.
+final evaluation): its spec, weights and tokenizer, or those of a model folder; and the tokenizer
+a run starting from a checkpoint (``model.init_from``) takes with its weights.
 
 Checkpoints are read and verified by :mod:`yamlformer.builder.checkpoints`; this module adds what only the
 recipes know (the tokenizers, the device to run on) and turns every fault into one
@@ -13,8 +14,25 @@ from pathlib import Path
 
 import torch
 
+from yamlformer.builder import build_model
+from yamlformer.builder.checkpoints import (
+    CheckpointError,
+    checkpoint_spec,
+    is_sealed,
+    is_sharded,
+    load_model,
+    load_weights,
+    model_weights,
+    not_ours,
+    read_checkpoint,
+)
+from yamlformer.builder.hf import HFError, from_hf
+from yamlformer.builder.hf import load_weights as load_folder_weights
+from yamlformer.builder.hf.tokenizer import read_tokenizer
+from yamlformer.builder.spec.loader import SpecError, load_spec
 from yamlformer.recipes.data.tokenizers import from_state
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -27,7 +45,6 @@ def read_verified(path: str | Path) -> dict:
     """A checkpoint file, verified against its checksums: :class:`RecipeError` naming the file
     when it is missing, damaged or not loadable safely. One without checksums (written before
     they were added) loads with a note."""
-    from yamlformer.builder.checkpoints import CheckpointError, is_sealed, read_checkpoint
 
     try:
         checkpoint = read_checkpoint(path)
@@ -46,15 +63,6 @@ def load_trained(path: str | Path, device: str | None = None, folders: bool = Fa
     """``(model, tokenizer, meta)`` from a checkpoint written by ``builder train`` (a file, or a
     sharded folder read whole into this process) or, with ``folders``, from a model folder (see
     :func:`load_folder`)."""
-    from yamlformer.builder import build_model
-    from yamlformer.builder.checkpoints import (
-        CheckpointError,
-        is_sharded,
-        load_model,
-        load_weights,
-        model_weights,
-        not_ours,
-    )
 
     path = Path(path)
     if is_sharded(path):
@@ -103,22 +111,32 @@ def checkpoint_tokenizer(path: Path, state: dict):
         raise RecipeError(f"{path}: its tokenizer cannot be rebuilt ({reason})") from None
 
 
+def pretrained_tokenizer(recipe, recipe_file: Path | None):
+    """The tokenizer of the run checkpoint ``model.init_from`` names, else None."""
+    source = init_from_source(recipe, recipe_file)
+    with init_from_errors():
+        state = source.tokenizer_state() if source is not None else None
+    if state is None:
+        return None
+    print(f"tokenizer: the one {source.path.name} was trained with (model.init_from)", flush=True)
+    try:
+        return checkpoint_tokenizer(source.path, state)
+    except RecipeError as exc:
+        raise RecipeError(f"model.init_from: {exc}") from None
+
+
 def load_folder(folder: Path, device: str | None = None):
     """``(model, tokenizer, meta)`` of a decoder-only model folder: a ``builder import-hf``
     output (``spec.yaml``, ``model.safetensors``) or a Hugging Face folder (``config.json`` and
     its weights), with the folder's tokenizer (``tokenizer.json``, else ``tokenizer.model``)."""
-    from yamlformer.builder import build_model
-    from yamlformer.builder.hf import HFError, from_hf, load_weights
-    from yamlformer.builder.hf.tokenizer import read_tokenizer
-    from yamlformer.builder.spec.loader import SpecError, load_spec
 
     try:
         if (folder / "spec.yaml").is_file():
             spec = load_spec(folder / "spec.yaml")
-            model = load_weights(build_model(spec), folder / "model.safetensors")
+            model = load_folder_weights(build_model(spec), folder / "model.safetensors")
         elif (folder / "config.json").is_file() or (folder / "config.json").is_symlink():
             spec, state = from_hf(folder)
-            model = load_weights(build_model(spec), state)
+            model = load_folder_weights(build_model(spec), state)
         else:
             raise RecipeError(f"{folder} is not a model folder (no spec.yaml or config.json) nor a checkpoint")
         state = read_tokenizer(folder)
@@ -143,7 +161,6 @@ def load_folder(folder: Path, device: str | None = None):
 
 def _checkpoint_spec(path: Path, data: dict):
     """The checkpoint's spec, validated against the blocks registered now."""
-    from yamlformer.builder.checkpoints import CheckpointError, checkpoint_spec
 
     try:
         return checkpoint_spec(path, data)

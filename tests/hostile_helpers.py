@@ -14,6 +14,7 @@ import signal
 import string
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from recipe_helpers import TINY_SPEC  # the spec tiny_recipe trains: its checkpoints below hold it
@@ -87,7 +88,7 @@ def lm_checkpoint(folder: Path) -> Path:
     from yamlformer.builder.assemble import build_model
     from yamlformer.builder.spec.schema import spec_model
     from yamlformer.recipes.data.tokenizers import CharTokenizer
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import training_meta
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,7 @@ def lm_checkpoint(folder: Path) -> Path:
     torch.manual_seed(0)
     model = build_model(spec)
     checkpoint = {
-        "builder": training_meta(recipe, recipe_file, spec, tokenizer, task="lm"),
+        "builder": training_meta(SimpleNamespace(recipe=recipe, file=recipe_file, spec=spec), tokenizer, task="lm"),
         "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
         "global_step": 0,
     }

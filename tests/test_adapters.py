@@ -15,8 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from yamlformer.blocks import registry
 from yamlformer.blocks.linear import adapter_parameters, linear_layers
 from yamlformer.builder import build_model, estimate, load_spec
+from yamlformer.builder.adapters import model_linears
 from yamlformer.builder.analysis.report import actual_params
-from yamlformer.builder.spec.adapters import model_linears
 from yamlformer.builder.spec.source import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +162,8 @@ def test_a_wrong_target_is_one_located_line_naming_the_nearest_paths(tmp_path):
 def test_a_recipe_names_a_wrong_target_at_its_own_line(tmp_path):
     from recipe_helpers import tiny_recipe
 
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
 
     path = tiny_recipe(tmp_path, model={"adapters": {"type": "dora", "targets": ["attention.qproj"]}})
     text = path.read_text()

@@ -13,11 +13,11 @@ import torch
 
 from yamlformer.kernels import attention, tuning
 from yamlformer.kernels.attention import _visible, document_starts
-from yamlformer.kernels.flash_kernels import _key_ranges, _query_ranges, tl, triton
+from yamlformer.kernels.flash_kernels import _key_ranges, _query_ranges, interpreted, interpreting, tl, triton
 from yamlformer.kernels.flash_launch import document_ends
 
 
-@triton.jit
+@interpreted(triton.jit)  # a kernel of the test's own: decorated for the interpreter on a CPU
 def _plan(Out, Docs, Ends, lo_pos, hi_pos, size, other, window, chunk, QUERIES: tl.constexpr, IS_CAUSAL: tl.constexpr,
           HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     if QUERIES:  # the key tile at lo_pos..hi_pos: query rows (size of them, shift other)
@@ -82,11 +82,13 @@ def _plans(mask, seq_q, seq_k, block):
     shift, out = seq_k - seq_q, torch.zeros(4, dtype=torch.int32)
     for m0 in range(0, seq_q, block):  # query tiles: which keys
         rows = slice(m0, min(m0 + block, seq_q))
-        _plan[(1,)](out, docs, ends, m0 + shift, rows.stop - 1 + shift, seq_k, 0, *knobs, QUERIES=False, **flags)
+        with interpreting():  # and run under it
+            _plan[(1,)](out, docs, ends, m0 + shift, rows.stop - 1 + shift, seq_k, 0, *knobs, QUERIES=False, **flags)
         yield False, rows, out.tolist(), keep[rows]
     for n0 in range(0, seq_k, block):  # key tiles: which query rows
         cols = slice(n0, min(n0 + block, seq_k))
-        _plan[(1,)](out, docs, ends, n0, cols.stop - 1, seq_q, shift, *knobs, QUERIES=True, **flags)
+        with interpreting():
+            _plan[(1,)](out, docs, ends, n0, cols.stop - 1, seq_q, shift, *knobs, QUERIES=True, **flags)
         yield True, cols, out.tolist(), keep[:, cols].T
 
 

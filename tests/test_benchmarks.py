@@ -17,7 +17,8 @@ sys.path.append(str(REPO / "benchmarks"))  # the benchmark scripts, imported as 
 
 def _recipe_model(vocab_size: int = 65, seed: int = 3):
     from yamlformer.builder import build_model
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
     recipe = load_recipe(recipe_file)
@@ -281,3 +282,15 @@ def test_the_peft_side_by_side_trains_both_sides_to_the_same_losses(tmp_path, ca
         assert row["max_loss_difference"] <= 1e-4 and row["trainable"] > 0, row
         assert row["tokens_per_s_ratio"] > 0 and row["peak_ratio"] > 0, row
     assert "per-step losses differ by at most" in capsys.readouterr().out
+
+
+def test_the_startup_benchmark_runs_a_version_laid_out_as_installed(tmp_path):
+    """benchmarks/startup.py's plumbing: the working tree as an installed yamlformer with its own
+    entry points, and `builder --help` and `builder validate` run from it."""
+    import startup
+
+    tree = startup.lay_out(REPO, tmp_path / "head")
+    entry_points = next(tree.glob("yamlformer-*.dist-info")).joinpath("entry_points.txt").read_text()
+    assert "[yamlformer.commands]" in entry_points and "recipe = yamlformer.recipes.commands.kind:KIND" in entry_points
+    assert startup.once(tree, ["--help"]) > 0
+    assert startup.once(tree, ["validate", str(REPO / "specs" / "tiny" / "llama.yaml")]) > 0

@@ -118,7 +118,7 @@ def test_a_head_with_attention_of_its_own_is_refused_by_its_field():
 )
 def test_a_context_parallel_recipe_that_cannot_run_is_refused_at_its_line(tmp_path, sections, where):
     from yamlformer.builder.spec.source import SpecError
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
 
     path = tiny_recipe(tmp_path, **sections)
     with pytest.raises(SpecError) as caught:

@@ -84,7 +84,7 @@ def test_a_document_masked_mixture_trains(tmp_path, tokenizer_file):
     assert summary["steps"] == 12 and np.isfinite(summary["val_loss"])
 
 
-def test_the_dry_run_shows_each_source_s_share_and_epochs_and_train_refuses_past_a_limit(tmp_path, tokenizer_file):
+def test_the_dry_run_shows_each_source_s_share_and_epochs_and_both_refuse_past_a_limit(tmp_path, tokenizer_file):
     from yamlformer.recipes.data.megatron import write_megatron
     from yamlformer.recipes.training.dry_run import dry_run
     from yamlformer.recipes.training.run import run
@@ -95,11 +95,12 @@ def test_the_dry_run_shows_each_source_s_share_and_epochs_and_train_refuses_past
     sources = [{"path": "small", "weight": 1.0, "max_epochs": 1.0}, {"path": "large", "weight": 1.0}]
     path = recipe_for(tmp_path, model_file, sources)
     out = io.StringIO()
-    dry_run(path, {"trainer.max_steps": 200}, out=out)
+    dry_run(path, {"trainer.max_steps": 20}, out=out)
     lines = [line for line in out.getvalue().splitlines() if line.startswith("mixture")]
-    assert len(lines) == 2 and "50.0% of the windows" in lines[0] and "WARNING: past its max_epochs 1" in lines[0]
-    with pytest.raises(RecipeError, match=r"data.sources\[0\].max_epochs: small would be seen [\d.]+ times"):
-        run(path, overrides={"trainer.max_steps": 200}, samples=False)
+    assert len(lines) == 2 and "50.0% of the windows" in lines[0] and "epochs in 20 steps" in lines[0]
+    for start in (dry_run, run):  # what the dry run accepts the run accepts, and no more
+        with pytest.raises(RecipeError, match=r"data.sources\[0\].max_epochs: small would be seen [\d.]+ times"):
+            start(path, {"trainer.max_steps": 200})
 
 
 def test_a_token_file_made_with_a_larger_vocabulary_is_refused_naming_it(tmp_path, tokenizer_file):
@@ -124,7 +125,7 @@ def test_token_files_without_a_tokenizer_are_refused_with_what_to_set(tmp_path, 
 
 def test_a_weight_that_is_not_positive_is_refused_where_it_is_written(tmp_path):
     from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
 
     path = tiny_recipe(tmp_path, data={"sources": [{"path": "a.bin", "weight": 0}]})
     with pytest.raises(SpecError) as caught:
@@ -214,7 +215,7 @@ def test_eval_tokenizes_its_files_once_and_reads_its_corpus_text_once(tmp_path, 
     from pathlib import Path
 
     from yamlformer.recipes.data.corpus import open_corpus
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.tasks.lm.training import file_tokens
 
     _, sp = tokenizer_file

@@ -193,7 +193,7 @@ def _recipe(tmp_path: Path, data: dict, task: str = "lm") -> Path:
 
 def test_recipes_name_datasets_and_typos_are_located(tmp_path):
     from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
 
     recipe = load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data"}))
     assert recipe.data.corpus() == ["tinyshakespeare"] and recipe.data.val_fraction == 0.1  # the dataset's split
@@ -220,7 +220,7 @@ def test_recipes_name_datasets_and_typos_are_located(tmp_path):
 
 def test_a_recipe_reads_a_dataset_from_its_root(tmp_path, monkeypatch):
     from yamlformer.recipes.data.corpus import read_corpus
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.tasks.classification.training import labelled_examples
     from yamlformer.recipes.tasks.translation.training import pair_paths
 

@@ -189,7 +189,7 @@ def test_classification_starts_from_the_mlm_encoder(tmp_path):
 
 def test_encoder_recipe_rules(tmp_path):
     from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
 
     path = _write_recipe(tmp_path, "bad", {"task": "classification", "data": {"text_field": "body"}})
     with pytest.raises(SpecError, match="data.file"):

@@ -144,7 +144,7 @@ def test_the_recipe_sets_float32_matmuls_and_lightnings_advice_is_not_printed(
 ):
     from lightning.fabric.accelerators import cuda as lightning_cuda
 
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import make_trainer, quiet_lightning
 
     before = torch.get_float32_matmul_precision()
@@ -251,7 +251,7 @@ def test_each_micro_batch_seeds_the_cpu_generator_and_its_gpus_only(monkeypatch)
     """Dropout's draws per micro-batch come from the CPU's generator and the step's GPU's; the
     other GPUs' (and device kinds never used) are left alone. torch.manual_seed, which seeds
     them all, recorded a stack trace per step for each device kind not yet initialised."""
-    from yamlformer.recipes.training.module import seed_generators
+    from yamlformer.recipes.learning.module import seed_generators
 
     fakes = (torch.Generator(), torch.Generator())
     for g in fakes:

@@ -15,7 +15,7 @@ import pytest
 
 from yamlformer.builder.spec.json_schema import NEWER_KEYWORDS, spec_json_schema
 from yamlformer.builder.spec.source import read_document
-from yamlformer.recipes.recipe.json_schema import recipe_json_schema
+from yamlformer.recipes.tasks.json_schema import recipe_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

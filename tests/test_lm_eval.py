@@ -1,4 +1,4 @@
-"""`builder eval CKPT --tasks` through lm-evaluation-harness (recipes/studies/harness.py): a local task
+"""`builder eval CKPT --tasks` through lm-evaluation-harness (recipes/tasks/lm/harness.py): a local task
 definition and data file (nothing downloaded) scored on our model directly gives what lm-eval's own
 Hugging Face model gives on the `builder export-hf` folder of the same checkpoint; the same as an
 in-training callback; a task that does not exist is one line."""
@@ -99,7 +99,7 @@ def test_loglikelihoods_match_the_hf_model(trained):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from yamlformer.recipes.studies.harness import BuilderLM
+    from yamlformer.recipes.tasks.lm.harness import BuilderLM
     from yamlformer.recipes.trained import load_trained
 
     checkpoint, folder, _ = trained

@@ -102,13 +102,13 @@ def test_packed_documents_predict_within_their_document():
 def test_training_adds_the_weighted_losses(tmp_path):
     from recipe_helpers import tiny_recipe
 
-    from yamlformer.recipes.recipe.sections import load_recipe
-    from yamlformer.recipes.training.module import LMModule
+    from yamlformer.recipes.learning.module import LMModule
+    from yamlformer.recipes.tasks import load_recipe
 
     spec, model = _model()
     model.train()
     module = LMModule(model, load_recipe(tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})), meta={})
-    assert module.moe  # the balancing loss and the head's
+    assert module.adds_aux_losses  # the balancing loss and the head's
     ids = _ids(spec, seq=13)
     loss, ce = module._losses(ids[:, :-1], ids[:, 1:])
     losses = model.aux_losses()

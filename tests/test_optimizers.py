@@ -22,7 +22,7 @@ from yamlformer.builder.optim.registry import grouped
 from yamlformer.builder.spec.source import SpecError
 from yamlformer.recipes.optim import build_optimizer, param_groups
 from yamlformer.recipes.optim.muon import Muon, newton_schulz
-from yamlformer.recipes.recipe.sections import load_recipe
+from yamlformer.recipes.tasks import load_recipe
 
 SPEC = {**TINY_SPEC, "vocab_size": 40}
 MOE = {

@@ -76,7 +76,7 @@ def test_a_resume_in_the_other_optimization_mode_keeps_the_saved_step_count():
     one; a resume in the other mode reads its own counter, which the checkpoint must carry."""
     from lightning.pytorch.loops.progress import _OptimizationProgress, _Progress, _ReadyCompletedTracker
 
-    from yamlformer.recipes.training.module import AUTOMATIC_STEPS, MANUAL_STEPS, carry_optimizer_steps
+    from yamlformer.recipes.learning.module import AUTOMATIC_STEPS, MANUAL_STEPS, carry_optimizer_steps
 
     def saved(automatic: bool, steps: int) -> dict:
         auto, manual = _OptimizationProgress(), _Progress.from_defaults(_ReadyCompletedTracker)

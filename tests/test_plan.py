@@ -214,7 +214,8 @@ def test_deepseek_v3_on_2048_h800s_uses_expert_parallelism(capsys):
     ],
 )
 def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypatch):
-    from yamlformer.recipes.recipe.sections import TrainerSection, load_recipe
+    from yamlformer.recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.tasks import load_recipe
 
     if "tensor_parallel" not in TrainerSection.model_fields:
         pytest.skip("recipes lack trainer.tensor_parallel / trainer.data_parallel (issue 11's FSDP2 recipes)")

@@ -55,7 +55,8 @@ def test_pipeline_stages_launch_with_their_schedule_and_micro_batches(capsys):
     micro = plan["accumulate_grad_batches"]  # the pipeline's micro-batches
     assert sets["trainer.microbatches"] == micro and sets["trainer.accumulate_grad_batches"] == 1
     assert sets["data.batch_size"] == plan["micro_batch"] * micro  # the schedule cuts it
-    from yamlformer.recipes.recipe.sections import TrainerSection, load_recipe
+    from yamlformer.recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.tasks import load_recipe
 
     if "pipeline_parallel" in TrainerSection.model_fields:  # the runtime with pipeline stages accepts it
         load_recipe("recipes/lm-stdlib.yaml", {k: v for k, v in sets.items() if k.startswith(("trainer.", "data."))})
@@ -207,7 +208,8 @@ def test_gpt3_with_its_odd_tied_vocabulary_is_offered_tensor_and_pipeline_layout
     to the embedding: the planner pads the vocabulary as Megatron-LM does (128 x TP) and keeps the
     tied table on the first and last stages, so it offers what a Megatron user would run, with
     launch lines that set the padding (and a schedule placing those stages on different ranks)."""
-    from yamlformer.recipes.recipe.sections import TrainerSection, load_recipe
+    from yamlformer.recipes.recipe.sections import TrainerSection
+    from yamlformer.recipes.tasks import load_recipe
 
     rc, out = _plan(capsys, "gpt3-175b", "--gpus", "96", "--seq-len", "2048", "--global-batch", "1152")
     layout, plan = out["layout"], out["plan"]

@@ -59,7 +59,7 @@ def _keyword_rows(n: int) -> list[str]:
 
 def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_frozen(tmp_path):
     from yamlformer.builder.hf import import_hf, read_weights
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.tasks.mlm.training import encoder_tokenizer
     from yamlformer.recipes.training.run import run
 
@@ -248,7 +248,7 @@ def test_a_vocabulary_that_differs_from_the_weights_says_so(tmp_path):
 
 def test_freeze_paths_are_checked_where_they_are_written(tmp_path):
     from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import run
 
     path = tiny_recipe(tmp_path, model={"spec": "../spec.yaml", "freeze": ["decoder..layers"]})

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 from data_helpers import data_for_recipes
+from test_shipped_recipes import BASES
 
 from yamlformer.builder.cli import main
-from yamlformer.builder.spec.kinds import kind_of
+from yamlformer.builder.kinds import kind_of
 from yamlformer.builder.spec.loader import SpecError, load_spec
-from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import model_spec
+from yamlformer.recipes.tasks import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted([*(ROOT / "specs").rglob("*.yaml"), *(ROOT / "recipes").glob("*.yaml")])
@@ -197,10 +200,34 @@ def test_dry_run_of_every_shipped_recipe(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BUILDER_DATA", str(tmp_path / "empty"))
     monkeypatch.chdir(tmp_path)
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        if path.stem in BASES:  # starts from another recipe's run, not trained here: refused, as the run refuses it
+            with pytest.raises(RecipeError, match="is a recipe, and its run has no checkpoint"):
+                dry_run(path.stem)
+            continue
         result = dry_run(path.stem)
         assert result["params"] > 0 and (result["recipe"]["model"]["spec"] or result["recipe"]["model"]["init_from"])
     assert list(tmp_path.iterdir()) == []
     capsys.readouterr()
+
+
+def test_a_recipe_from_an_untrained_recipe_validates_but_run_and_dry_run_refuse_it(tmp_path, monkeypatch, capsys):
+    """``model.init_from: lm-stdlib`` before lm-stdlib was trained: the file is valid (validate checks
+    it with lm-stdlib's spec and vocabulary), but the run refuses it, and so does its dry run, with
+    the same line, nothing written."""
+    from yamlformer.recipes.training.dry_run import dry_run
+    from yamlformer.recipes.training.run import run
+
+    monkeypatch.setenv("BUILDER_DATA", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "lora-stdlib"]) == 0
+    capsys.readouterr()
+    refusals = []
+    for attempt in (lambda: dry_run("lora-stdlib"), lambda: run("lora-stdlib")):
+        with pytest.raises(RecipeError) as caught:
+            attempt()
+        refusals.append(str(caught.value))
+    assert refusals[0] == refusals[1] and "train it first (builder train lm-stdlib)" in refusals[0], refusals
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dry_run_errors_are_one_line():

@@ -11,7 +11,8 @@ import torch
 from recipe_helpers import history, tiny_recipe
 
 from yamlformer.builder.spec.loader import SpecError
-from yamlformer.recipes.recipe.sections import ScheduleSection, load_recipe
+from yamlformer.recipes.recipe.sections import ScheduleSection
+from yamlformer.recipes.tasks import load_recipe
 
 
 def test_recipe_typo_fails_with_its_line(tmp_path):
@@ -196,7 +197,7 @@ def test_nan_between_log_intervals_is_caught_before_a_checkpoint_keeps_it(tmp_pa
     """Losses are read every 5 steps and before each checkpoint (every 3): the loss of step 8 is
     NaN, so the checkpoint of step 9 is not written; step 6's stays, with only finite losses."""
     from yamlformer.builder.cli import main
-    from yamlformer.recipes.training.module import LMModule
+    from yamlformer.recipes.learning.module import LMModule
 
     original = LMModule.logits_and_targets
 
@@ -274,19 +275,23 @@ def test_activation_checkpointing_keeps_the_gradients():
 
 def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
     """`trainer.activation_checkpointing` reaches encoder-decoder (translation) models too."""
+    import dataclasses
+
     from yamlformer.builder import load_spec
+    from yamlformer.recipes.training.resolved import resolve_run
     from yamlformer.recipes.training.run import training_model
 
-    recipe = load_recipe(tiny_recipe(tmp_path), {"trainer.activation_checkpointing": True})
+    path = tiny_recipe(tmp_path)
+    run = resolve_run(load_recipe(path, {"trainer.activation_checkpointing": True}), path)
     spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "transformer.yaml")
-    model, flops_per_token = training_model(spec, recipe, seq_len=16, batch=1)
+    model, flops_per_token = training_model(dataclasses.replace(run, spec=spec), seq_len=16, batch=1)
     layers = [layer for stack in model.stacks().values() for layer in stack.layers]
     assert len(layers) == 4 and all("forward" in vars(layer) for layer in layers)  # wrapped
     assert flops_per_token > 0
 
 
 def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
-    from yamlformer.recipes.training.module import LMModule
+    from yamlformer.recipes.learning.module import LMModule
 
     path = tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})
     model = _tiny_model("mixtral.yaml")
@@ -294,5 +299,5 @@ def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
     ids = torch.randint(0, 256, (2, 16))
     loss, ce = module._losses(ids[:, :-1], ids[:, 1:])
     aux = model.aux_loss()
-    assert module.moe and aux > 0
+    assert module.adds_aux_losses and aux > 0
     torch.testing.assert_close(loss, ce + 0.5 * aux)

@@ -28,7 +28,7 @@ def _versions(out: Path) -> dict[str, list[str]]:
 
 
 def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch):
-    from yamlformer.recipes.recipe.sections import load_recipe
+    from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.run import run
 
     inline = yaml.safe_load(tiny_recipe(tmp_path).read_text())["model"]["spec"]

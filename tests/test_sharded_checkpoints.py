@@ -344,8 +344,10 @@ def test_model_init_from_a_sharded_folder_starts_a_run_from_its_weights(tmp_path
     from test_checkpoints import reads_until_training
 
     from yamlformer.builder import build_model
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
-    from yamlformer.recipes.training.pretrained import load_init_from, pretrained_tokenizer
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.trained import pretrained_tokenizer
+    from yamlformer.recipes.training.pretrained import load_init_from
     from yamlformer.recipes.training.run import run
 
     chars = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # 96: the vocabulary of SPEC's model

@@ -14,7 +14,7 @@ import pytest
 
 from yamlformer.builder.spec.loader import SpecError, load_spec, parse_set_args
 from yamlformer.builder.spec.source import parse_value
-from yamlformer.recipes.recipe.sections import load_recipe
+from yamlformer.recipes.tasks import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = """\

@@ -14,7 +14,8 @@ from recipe_helpers import tiny_recipe
 from yamlformer.builder.spec.source import SpecError
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.optim.schedule import lr_multiplier, same_through
-from yamlformer.recipes.recipe.sections import ScheduleSection, load_recipe
+from yamlformer.recipes.recipe.sections import ScheduleSection
+from yamlformer.recipes.tasks import load_recipe
 from yamlformer.recipes.training.run_folder import recipe_differences
 
 

@@ -57,7 +57,8 @@ def test_extends_and_model_spec_take_names(tmp_path):
     mine.write_text("extends: llama3-8b\ndecoder: {n_layers: 2}\n")
     spec = load_spec(mine)
     assert spec.decoder.n_layers == 2 and spec.vocab_size == 128256
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
+    from yamlformer.recipes.recipe.sections import model_spec
+    from yamlformer.recipes.tasks import load_recipe
 
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("model: {spec: tiny/llama, overrides: {decoder.n_layers: 1}}\n")

@@ -10,6 +10,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from yamlformer.blocks import registry
 from yamlformer.blocks.configs.base import KIND_BASES, BlockConfig, Shapes, rule_error
 from yamlformer.blocks.configs.linear import LinearLayer
 from yamlformer.blocks.limits import MAX_WIDTH
@@ -133,6 +134,7 @@ class AdapterBlock(BlockConfig):
 #: the adapter kind's contract, here beside its types rather than in ``base.py`` (which it would
 #: take past its size): registering a type below checks it against this
 KIND_BASES["adapter"] = AdapterBlock
+registry.declare_contracts({"adapter": AdapterBlock})
 
 
 @register("adapter", "yamlformer.blocks.adapters:LoRA")

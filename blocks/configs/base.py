@@ -605,3 +605,4 @@ KIND_BASES: dict[str, type[BlockConfig]] = {
     "head": HeadBlock,
     "architecture": ArchitectureBlock,
 }  # and "adapter": AdapterBlock, whose contract is in yamlformer.blocks.configs.adapters
+registry.declare_contracts(KIND_BASES)

@@ -1,7 +1,7 @@
 """What generic code knows of a block's linear layers (torch-free): their shapes
 (:class:`LinearLayer`, from each config's ``linear_layers``) and the tensor-parallel style a
 block's plan gives each (:func:`plan_style`); the layers a spec's ``adapters`` adapt
-(``yamlformer.builder.spec.adapters``) and the seam they are built through (``yamlformer.blocks.linear``)."""
+(``yamlformer.builder.adapters``) and the seam they are built through (``yamlformer.blocks.linear``)."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from yamlformer.builder.analysis.layout import Layout, check_tensor_parallel, sh
 from yamlformer.builder.analysis.shards import optimizer_bytes
 from yamlformer.builder.analysis.tuning import tuning
 from yamlformer.builder.optim import OptimizerConfig, optimizer_configs
+from yamlformer.builder.spec.loader import load_spec
+from yamlformer.builder.spec.schema import ModelSpec
 
-#: bytes per element of the compute dtypes
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: one device, the whole model on it: what an estimate is of unless a layout says otherwise
 ONE_DEVICE = Layout(strategy="ddp")
 
@@ -78,8 +78,8 @@ class Step:
             for name, value in (("seq_len", self.seq_len), ("src_len", self.src_len), ("batch", self.batch))
             if (value is not None or name == "batch") and not _positive_int(value)
         ]
-        if self.dtype not in DTYPE_BYTES:
-            problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in _memory.BYTES:
+            problems.append(f"dtype must be one of {', '.join(_memory.BYTES)}, got {self.dtype!r}")
         if not isinstance(self.optimizer, OptimizerConfig) and self.optimizer not in optimizer_configs():
             problems.append(
                 f"optimizer must be one of {', '.join(optimizer_configs())} or a config, got {self.optimizer!r}"
@@ -116,6 +116,9 @@ class LayerEstimate:
 
 @dataclass
 class ParamEstimate:
+    """A spec's parameters; ``trainable`` what its adapters train (which of the rest a run also
+    freezes is the run's: ``model.freeze``)."""
+
     total: int
     trainable: int  # what the optimizer steps: the adapters' under a spec's ``adapters``, else all
     frozen: int  # the rest: weights without gradients or optimizer state
@@ -187,14 +190,11 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     (:class:`yamlformer.builder.analysis.layout.Layout`): one device unless given; under ``strategy="fsdp"``
     the memory is what the rank holding the most keeps (``yamlformer.builder.analysis.layout``).
     """
-    from yamlformer.builder.spec.schema import ModelSpec
 
     step = _step(step, step_fields)
     if not isinstance(layout, Layout):
         raise TypeError(f"layout takes a yamlformer.builder.analysis.layout.Layout, got {type(layout).__name__}")
     if not isinstance(spec, ModelSpec):
-        from yamlformer.builder.spec.loader import load_spec
-
         spec = load_spec(spec)  # a path or a mapping; anything else is a TypeError saying what to pass
     _check_step(spec, step)
     if layout.strategy == "fsdp":
@@ -208,7 +208,7 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     src = (src_len or seq) if memory_of else None
     lengths = {name: (src if name in memory_of.values() else seq) for name in stacks}
     d, vocab = spec.d_model, spec.padded_vocab_size  # the tables and projection hold the padded rows
-    act_bytes = DTYPE_BYTES[dtype]
+    act_bytes = _memory.BYTES[dtype]
     causal = architecture.causal
 
     params: dict[str, int] = {}

@@ -1,12 +1,13 @@
 """A plan's chosen layout as a launch: what ``builder train`` is told to run, and its command lines (torch-free).
 
 :class:`Launch` is what a launch fixes; the file ``builder train`` runs turns it into its own
-settings (its document kind's ``launch``, ``yamlformer.builder.spec.kinds``), the runtime's trainer fields
+settings (its document kind's ``launch``, ``yamlformer.builder.kinds``), the runtime's trainer fields
 given by ``yamlformer.builder.analysis.runtime``. :func:`launch_lines` are the ``torchrun`` and SLURM lines.
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from yamlformer.builder.analysis.layout import Layout
 @dataclass(frozen=True)
 class Launch:
     """What a launch of a plan's chosen layout fixes, for the file ``builder train`` runs to set
-    (its document kind's ``launch``, ``yamlformer.builder.spec.kinds``): micro-batches of ``seq_len`` tokens
+    (its document kind's ``launch``, ``yamlformer.builder.kinds``): micro-batches of ``seq_len`` tokens
     on ``candidate``'s layout, with its accumulation and checkpointing, in ``dtype``. ``spec`` (a
     file or a zoo name) and ``spec_overrides`` (``KEY=VALUE``) replace the model the file trains,
     ``max_steps`` and ``output_dir`` its own (the plan's budget is steps); ``None``: the file's."""
@@ -60,7 +61,6 @@ class Launch:
 
 def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]:
     """``torchrun`` (run on every node) and SLURM (``sbatch``) lines for ``builder train``."""
-    import shlex
 
     flags = " ".join(f"--set {shlex.quote(item)}" for item in sets)
     train = f"train {shlex.quote(recipe)} {flags}"

@@ -43,7 +43,7 @@ What a rank holds, as PyTorch builds it:
   the one prefetched) in the compute dtype, and the largest unit's unsharded gradients in the
   compute dtype plus their fp32 reduce-scatter input.
 
-The layout value and its rank numbering are ``yamlformer.builder.analysis.mesh``'s, the refusals
+The layout value and its rank numbering are ``yamlformer.builder.mesh``'s, the refusals
 per dimension ``yamlformer.builder.analysis.layout_rules``', the per-rank accounting
 ``yamlformer.builder.analysis.shards``';
 this module gathers them, the one place the rest of the project imports them from.
@@ -63,19 +63,9 @@ from yamlformer.builder.analysis.layout_rules import (
     tensor_parallel_problems,
     tensor_parallel_spec,
 )
-from yamlformer.builder.analysis.mesh import DATA_PARALLEL, DEGREES, STRATEGIES, Layout, LayoutError
-from yamlformer.builder.analysis.shards import (
-    EMBEDDING_PLAN,
-    FP32,
-    ParamTensor,
-    RankStates,
-    chunk_rows,
-    layer_tensor_count,
-    model_tensors,
-    rank_states,
-    sharded_memory,
-    unit_sizes,
-)
+from yamlformer.builder.analysis.shards import FP32, RankStates, chunk_rows, rank_states, sharded_memory, unit_sizes
+from yamlformer.builder.mesh import DATA_PARALLEL, DEGREES, STRATEGIES, Layout, LayoutError
+from yamlformer.builder.tensors import EMBEDDING_PLAN, ParamTensor, layer_tensor_count, model_tensors
 
 __all__ = [
     "DATA_PARALLEL",

@@ -34,6 +34,8 @@ def layout_memory(
     exactly). Tensor parallelism is sized sequence-parallel; context parallelism as the recipes
     run it, every layer keeping the keys and values it gathered. ``optimizer``: whose declared state
     is counted (``yamlformer.builder.optim``)."""
+    # local: the performance model (and the exact per-stage count) loads only for a layout with
+    # pipeline, context or expert parallelism
     from yamlformer.builder.analysis.perf import Model, Run, memory
     from yamlformer.builder.analysis.shards import pipeline_rank_states
 

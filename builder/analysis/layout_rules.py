@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from yamlformer.builder.analysis.mesh import Layout, LayoutError
+from yamlformer.builder.analysis.runtime import stage_placement
+from yamlformer.builder.mesh import Layout, LayoutError
 
 #: Megatron-LM's ``make_vocab_size_divisible_by``: it pads the vocabulary to a multiple of this x TP
 MEGATRON_VOCAB_MULTIPLE = 128
@@ -187,7 +188,6 @@ def pipeline_parallel_problems(spec, pp: int, schedule: str = "1f1b") -> list[tu
     ranks and sums their gradients, which a V placement would hold on one rank twice)."""
     if pp == 1:
         return []
-    from yamlformer.builder.analysis.runtime import stage_placement
 
     problems = []
     if getattr(spec, "tie_embeddings", False) and stage_placement(schedule)[1] == "v":

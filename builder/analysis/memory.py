@@ -37,8 +37,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+#: bytes per element of each compute dtype: every estimate, the performance model and the shards count with these
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FP32 = 4
+FP32 = BYTES["fp32"]
 
 CONVENTIONS = (
     (

@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yamlformer.builder.analysis.calibration import (
-    BYTES,
     CLIP_BYTES,
     SELECTIVE_RECOMPUTE,
     SELECTIVE_SAVED,
@@ -75,6 +74,7 @@ from yamlformer.builder.analysis.calibration import (
 )
 from yamlformer.builder.analysis.hardware import GPU
 from yamlformer.builder.analysis.layout import Layout, LayoutError, check_layout
+from yamlformer.builder.analysis.memory import BYTES
 from yamlformer.builder.analysis.perf_model import Model
 from yamlformer.builder.analysis.perf_terms import (
     attention_seconds,

@@ -10,8 +10,9 @@ import functools
 from dataclasses import dataclass
 
 from yamlformer.blocks.configs.traffic import Traffic
-from yamlformer.builder.analysis.calibration import BYTES
-from yamlformer.builder.analysis.layout import experts_of
+from yamlformer.builder.analysis.estimates import Step, estimate
+from yamlformer.builder.analysis.layout import experts_of, tensor_parallel_spec
+from yamlformer.builder.analysis.memory import BYTES
 from yamlformer.builder.analysis.shards import element_groups, mean_optimizer_bytes, stage_layers
 
 #: the layer's blocks whose 2-D (or stacked 3-D expert) weights are linears
@@ -47,7 +48,6 @@ class Model:
     degree, each layer's linears (:meth:`linears`) and memory-bound bytes (:meth:`traffic`)."""
 
     def __init__(self, spec, seq_len: int, dtype: str = "bf16", src_len: int | None = None):
-        from yamlformer.builder.analysis.estimates import Step, estimate
 
         self.spec, self.seq, self.dtype, self.src = spec, seq_len, dtype, src_len
         est = estimate(spec, Step(seq_len=seq_len, src_len=src_len, batch=1, dtype=dtype))
@@ -132,8 +132,6 @@ class Model:
         if tp == 1 or sequence_parallel:
             return [b / tp for b in whole], self.other_saved / tp
         if tp not in self._whole:
-            from yamlformer.builder.analysis.estimates import Step, estimate
-
             est = estimate(self._view(tp), Step(seq_len=self.seq, src_len=self.src, dtype=self.dtype))
             layers = [layer.saved_bytes for layer in est.layers]
             self._whole[tp] = (layers, est.memory.activations - sum(layers))
@@ -141,7 +139,6 @@ class Model:
 
     def _view(self, tp: int):
         """The spec as one of ``tp`` tensor-parallel ranks runs it."""
-        from yamlformer.builder.analysis.layout import tensor_parallel_spec
 
         return tensor_parallel_spec(self.spec, tp)
 

@@ -14,7 +14,8 @@ each from a count and a measured rate (torch-free):
 
 from __future__ import annotations
 
-from yamlformer.builder.analysis.calibration import BYTES, Calibration, collective_seconds
+from yamlformer.builder.analysis.calibration import Calibration, collective_seconds
+from yamlformer.builder.analysis.memory import BYTES
 from yamlformer.builder.analysis.perf_model import Linear
 
 #: the blocks whose inputs and outputs sequence parallelism gathers and scatters around

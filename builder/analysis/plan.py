@@ -19,7 +19,7 @@ When nothing fits, :attr:`Plan.would_fit` says what would: the fewest GPUs (whol
 the same global batch, that fit; the longest sequence length that fits on these GPUs.
 
 A fitting plan launches as a ``yamlformer.builder.analysis.launch.Launch``; the file ``builder train`` runs
-turns it into its own settings (its document kind's ``launch``, ``yamlformer.builder.spec.kinds``): this
+turns it into its own settings (its document kind's ``launch``, ``yamlformer.builder.kinds``): this
 module names no recipe field. What the recipes' runtime runs is ``yamlformer.builder.analysis.runtime``'s
 table, which ``launchable`` searches within and :meth:`Candidate.launch_problems` reads.
 """
@@ -600,6 +600,7 @@ def _what_would_fit(spec, model, cluster, seq, global_batch, dtype, pins, rank_b
 
 
 def _gib(n: float) -> str:
+    # local: the report's tables (rich) load only when a plan is printed
     from yamlformer.builder.analysis.report import human_bytes
 
     return human_bytes(n)

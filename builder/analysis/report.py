@@ -11,6 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from yamlformer.builder.adapters import adapted
+from yamlformer.builder.analysis.layout import Layout
 from yamlformer.builder.parametrization import describe_lines
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -72,6 +78,12 @@ def component_of(name: str) -> str:
     return f"{stack}.{section}"
 
 
+def trainable_params(model) -> int:
+    """The parameters of a built model that train (``requires_grad``), a shared tensor once."""
+    unique = {id(param): param for param in model.parameters()}
+    return sum(param.numel() for param in unique.values() if param.requires_grad)
+
+
 def actual_params(model) -> dict[str, int]:
     """``numel`` by component key of a built model; a shared tensor counted once, under the
     embedding when one of its names is there (a tied output projection)."""
@@ -105,9 +117,6 @@ def compare_rows(estimated: Mapping[str, int], actual: Mapping[str, int]) -> lis
 def describe_table(spec, est, actual=None):
     """A rich renderable: parameters and FLOPs by component, a per-layer summary, totals,
     memory and the counting conventions. ``actual``: a built model or its counts by component."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
 
     if actual is not None and not isinstance(actual, Mapping):
         actual = actual_params(actual)
@@ -213,7 +222,6 @@ def describe_table(spec, est, actual=None):
 def memory_table(m, s, seq: int):
     """Training memory per device (rank 0 under FSDP/TP, with the rank holding the least), the KV
     cache and inference."""
-    from rich.table import Table
 
     layout = m.layout
     extras = (", checkpointing" if s["activation_checkpointing"] else "") + (
@@ -229,8 +237,6 @@ def memory_table(m, s, seq: int):
             ("activations", m.activations),
         )
     else:
-        from yamlformer.builder.analysis.layout import Layout
-
         mesh = Layout.from_dict(layout)
         title = (
             f"memory per device, rank 0 (holds the most): {mesh.describe()}; batch {s['batch']} per "
@@ -272,6 +278,9 @@ def summary_line(spec, est, actual=None) -> str:
     if actual is not None:
         built = sum(actual_params(actual).values())
         check = " (= the built model)" if built == p.total else f" ([red]the built model has {built:,}[/])"
+        trained = trainable_params(actual)
+        if trained < built and not p.frozen:  # frozen by the run (model.freeze), not by the spec's adapters
+            check += f", {trained:,} of them trained"
     trains = f", {p.trainable:,} trainable ({_adapters(spec)})" if p.frozen else ""
     return (
         f"{spec.name}: {p.total:,} parameters ({human(p.total)}){check}{trains}; {human(f.train_per_token)} FLOPs "
@@ -281,14 +290,11 @@ def summary_line(spec, est, actual=None) -> str:
 
 def _adapters(spec) -> str:
     """What trains, in a few words: ``lora r16 on 64 linear layers``."""
-    from yamlformer.builder.spec.adapters import adapted
-
     return f"{spec.adapters.describe()} on {len(adapted(spec)):,} linear layers"
 
 
 def print_describe(spec, est, actual=None, console=None) -> None:
     """Print :func:`describe_table` (a recipe calls this with the built model as ``actual``)."""
-    from rich.console import Console
 
     (console or Console()).print(describe_table(spec, est, actual))
 
@@ -316,8 +322,6 @@ def _span(indices: list[int]) -> str:
 def diff_table(rows, effects, name_a: str, name_b: str, measured: str = ""):
     """The fields that differ and what the change does (see ``builder diff``); ``measured``: how
     the effects were measured (the sequence length both are counted at), in the effect table's title."""
-    from rich.console import Group
-    from rich.table import Table
 
     fields = Table(title=f"fields: {name_a} -> {name_b}", title_justify="left")
     fields.add_column("field")
@@ -359,13 +363,16 @@ def _show(value) -> str:
 def plot(spec, est, path: str, estimate_fn=None) -> None:
     """Save a figure: parameters and FLOPs by component, FLOPs per token against seq_len."""
     try:
+        # optional extra: matplotlib (pip install 'yamlformer[plot]')
         import matplotlib
 
         matplotlib.use("Agg")
+        # optional extra: matplotlib (pip install 'yamlformer[plot]')
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("error: --plot needs matplotlib; install it with `pip install 'yamlformer[plot]'`") from None
     if estimate_fn is None:
+        # local: builder validate loads this module; the estimate loads only when this asks for one
         from yamlformer.builder.analysis.estimates import estimate as estimate_fn
     p, f, s = est.params, est.flops, est.settings
     fig, (ax_params, ax_flops, ax_seq) = plt.subplots(1, 3, figsize=(16, 5))

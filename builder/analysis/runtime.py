@@ -18,7 +18,7 @@ is each block's own contract, read through ``yamlformer.builder.analysis.layout_
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 #: the pipeline schedules, as ``trainer.pipeline_schedule`` names them (torch.distributed.pipelining)
@@ -70,7 +70,6 @@ class Settings:
     def of(cls, section) -> Settings:
         """The settings of any object with these attributes (a recipe's ``trainer`` section); one it
         lacks takes its default (a runtime without pipeline fields runs no pipeline)."""
-        from dataclasses import fields
 
         return cls(**{f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)})
 

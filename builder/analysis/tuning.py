@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from yamlformer.blocks.configs.adapters import nf4_bytes
-from yamlformer.builder.spec.adapters import adapted, quantized
+from yamlformer.builder.adapters import adapted, quantized
 
 Counts = tuple[int, int, int]  # (parameters, forward FLOPs of one sequence, bytes saved for backward)
 

@@ -6,7 +6,7 @@ The average is taken over every floating tensor of the ``state_dict`` in float64
 integer tensors (counters, index buffers) must agree and are kept. ``averaged.ckpt`` has the
 weights and the ``builder`` metadata of a training checkpoint but no optimizer state: it is for
 ``builder eval`` and ``builder generate``, not for resuming. Keeping the last N during training
-is the Lightning callback ``yamlformer.recipes.training.checkpointing.KeepLastCheckpoints``.
+is the Lightning callback ``yamlformer.recipes.tasks.translation.training.KeepLastCheckpoints``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def kept_checkpoints(folder: str | Path) -> list[Path]:
 
 def average_state_dicts(state_dicts: list[dict]) -> dict:
     """The element-wise mean of like ``state_dicts`` (integer tensors must be equal)."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     if not state_dicts:

@@ -15,6 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from yamlformer.builder.spec.schema import ModelSpec, SpecRuleError
+
 #: the file beside the shards that holds everything but tensors (Lightning's ``_METADATA_FILENAME``)
 META_FILE = "meta.pt"
 #: the key in ``meta.pt`` of every shard file's CRC-32 (sealed with ``meta.pt``'s other values)
@@ -93,9 +97,6 @@ def not_ours(path: str | Path, checkpoint: Mapping[str, Any]) -> str:
 def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
     """A checkpoint's spec, validated against the blocks registered now; a one-line
     :class:`CheckpointError` naming ``path`` when it does not validate."""
-    from pydantic import ValidationError
-
-    from yamlformer.builder.spec.schema import ModelSpec, SpecRuleError
 
     try:
         return ModelSpec.model_validate(dict(data))
@@ -109,6 +110,7 @@ def checkpoint_spec(path: str | Path, data: Mapping[str, Any]):
 
 def empty_model(spec_data: Mapping[str, Any], path: str | Path = "the checkpoint"):
     """The spec's model on the CPU with uninitialised tensors (to be filled from a checkpoint)."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     from yamlformer.builder.assemble import build_model
@@ -132,6 +134,7 @@ def load_weights(model, weights: Mapping[str, Any], path: str | Path) -> None:
     """``weights`` (the built model's names) into ``model``, or a one-line :class:`CheckpointError`
     naming ``path`` and the first tensor its spec does not make (missing, unexpected, or of
     another shape) instead of torch's list of all of them."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     def shape(value) -> list[int] | str:

@@ -45,6 +45,7 @@ def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 def _tensor_crc(tensor) -> int:
     """CRC-32 of a tensor's dtype, shape and values (a view hashes the values it shows)."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     header = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
@@ -76,6 +77,7 @@ def _value_text(value: Any) -> bytes:
 
 def digests(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """The integrity record of ``checkpoint`` (everything in it but the record itself)."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     tensors: list[tuple[str, Any]] = []

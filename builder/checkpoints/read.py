@@ -106,6 +106,7 @@ def _reason(exc: BaseException) -> str:
 def _torch_load(path: Path, zipped: bool):
     """``torch.load(weights_only=True)``; a checkpoint of a QLoRA run holds torchao's NF4 weights,
     which torch's safe loader takes once torchao is imported (it registers them): imported then."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     def load():
@@ -119,6 +120,7 @@ def _torch_load(path: Path, zipped: bool):
     except pickle.UnpicklingError as exc:
         if "torchao." not in str(exc):
             raise
+        # local: the checkpoint readers load without torch until they read; NF4 needs the blocks' quantizer
         from yamlformer.blocks.linear import nf4_quantizer
 
         try:
@@ -257,6 +259,7 @@ def read_meta(path: str | Path, check: bool = True, files: bool = True) -> dict[
 def _reading_shards(path: Path):
     """``torch.distributed.checkpoint`` reading a folder in this process alone, its failure one
     line naming the folder."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -279,6 +282,7 @@ def read_weights(path: str | Path, template: Mapping[str, Any] | None = None) ->
         if not isinstance(checkpoint.get(STATE_KEY), Mapping):
             raise CheckpointError(f"{path} holds no weights")
         return dict(checkpoint[STATE_KEY])
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch.distributed.checkpoint as dcp
 
     if template is None:
@@ -295,6 +299,7 @@ def read_whole(path: str | Path) -> dict[str, Any]:
     ``optimizer_states`` keyed by parameter position (``torch.distributed.checkpoint`` keeps them
     by name), so a run saved under ``trainer.strategy: fsdp`` resumes in one process or under DDP.
     Every tensor is read whole into this process."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -369,6 +374,7 @@ def newest_intact(
 
 def _in_memory(tree: Any) -> Any:
     """``tree`` with every tensor copied into memory (off the file it maps)."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     if isinstance(tree, torch.Tensor):
@@ -408,6 +414,7 @@ def load_into_shards(module, optimizers, path: str | Path, strict: bool = True, 
     groups). ``whole_groups(groups)``: where this rank holds only some of the model's parameters
     (a pipeline stage), the named groups of the whole model that the positions count in. Every
     rank reads the file, so a stage takes its own weights and optimizer state from its copy."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,

@@ -95,6 +95,7 @@ class _ErrorKeepingFile:
 
 def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
     """Seal ``checkpoint`` and write it to ``path`` atomically (see the module docstring)."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     path = Path(path)
@@ -190,6 +191,7 @@ def save_sharded(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int,
     """Write ``checkpoint`` (Lightning's dict: ``state_dict`` and ``optimizer_states`` hold this
     rank's shards) to the folder ``path`` through ``tmp`` (the same on every rank). Every rank
     calls it; ``barrier()`` waits for all of them."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -220,6 +222,7 @@ def save_sharded(checkpoint: dict, path: Path, tmp: Path, rank: int, ranks: int,
 def _sharded_write_error(path: Path, exc: BaseException) -> CheckpointWriteError:
     """One line for a sharded save that failed: the checkpoint, why (the first OS error of any
     rank, or that another process of the run stopped), and that the previous one is kept."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch.distributed as dist
 
     failures = [f[0] for f in getattr(exc, "failures", {}).values()] or [exc]
@@ -246,6 +249,7 @@ def write_digests(folder: Path, rank: int) -> None:
 def write_meta(checkpoint: dict, folder: Path, ranks: int) -> None:
     """``folder/meta.pt``: the checkpoint's non-tensor part, sealed with its own checksums and
     every rank's shard-file checksums (gathered from their digest files, then removed), flushed."""
+    # local: torch loads to read or write one; telling checkpoints apart stays torch-free (validate, dry run)
     import torch
 
     folder = Path(folder)

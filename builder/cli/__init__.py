@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
+import re
 import sys
+import traceback
+from importlib.metadata import PackageNotFoundError, version
 
 #: builder's own commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -48,8 +52,6 @@ def commands() -> dict[str, tuple[str, str]]:
 def help_of(module) -> str:
     """A command module's one-line help: the first line of its docstring without the usage that
     opens it (```builder train RECIPE`: ``) and the full stop that ends it."""
-    import re
-
     line = (module.__doc__ or "").strip().partition("\n")[0]
     return re.sub(r"^`+[^`]*`+:\s*", "", line).removesuffix(".")
 
@@ -67,8 +69,7 @@ class _Version(argparse.Action):
 
 def versions() -> str:
     """One line: ``builder 0.2.0 (torch 2.13.0, lightning 2.6.6, triton 3.9.0, CUDA 12.8)``."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    # local: the package's version (importlib.metadata), asked by --version only
     import yamlformer.builder
 
     parts = []
@@ -77,6 +78,7 @@ def versions() -> str:
             parts.append(f"{name} {version(name)}")
         except PackageNotFoundError:
             parts.append(f"{name} not installed")
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import torch
 
     parts.append(f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA build")
@@ -134,6 +136,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import shtab
 
     root = ArgumentParser(
@@ -155,6 +158,7 @@ def parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     table = commands()
     if table.keys() == COMMANDS.keys():  # no entry point: a checkout that was never installed?
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from yamlformer.builder.packages import NOT_INSTALLED, installed
 
         if not installed():
@@ -180,6 +184,7 @@ _builder_zoo_or_files() {
 def _complete_files(command: argparse.ArgumentParser) -> None:
     """Positional arguments (a spec, recipe, checkpoint or folder) complete as paths in the shell;
     one whose help says it takes a zoo entry completes zoo names too (bash)."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import shtab
 
     for action in command._actions:
@@ -199,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     them is a bug: caught here as a last resort, printed as one line asking for a report (the
     traceback too under ``BUILDER_DEBUG=1``), exit status 70.
     """
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.packages import foreign
 
     problem = foreign()
@@ -220,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def internal_error(exc: BaseException) -> int:
     """One line for an error no command caught (a bug), the traceback only under BUILDER_DEBUG=1."""
-    import os
-    import traceback
-
     if os.environ.get("BUILDER_DEBUG", "") not in ("", "0"):
         traceback.print_exception(exc, file=sys.stderr)
     # the exception's type, its message and where it was raised in our code
@@ -259,8 +262,6 @@ def exception_message(exc: BaseException) -> str:
 
 def _short(filename: str) -> str:
     """``.../site-packages/builder/loader.py`` -> ``builder/spec/loader.py``."""
-    import os
-
     parts = filename.split(os.sep)
     for i in range(len(parts) - 1, -1, -1):
         if parts[i] in ("builder", "blocks", "kernels", "recipes"):
@@ -269,8 +270,6 @@ def _short(filename: str) -> str:
 
 
 def _silence_stdout() -> None:
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

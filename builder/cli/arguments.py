@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def device(text: str) -> str:
         if index not in (None, "0"):
             raise argparse.ArgumentTypeError(f"takes cpu, cuda, cuda:N or mps, got {_cut(text)}")
         return kind
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import torch
 
     if kind == "mps":
@@ -152,8 +154,6 @@ def input_path(text: str) -> str:
 
 def output_file(text: str) -> str:
     """A file to write: not a folder, in a folder that exists and is writable."""
-    import os
-
     if not text:
         raise argparse.ArgumentTypeError("takes a file to write, got an empty path")
     path = Path(text)
@@ -170,8 +170,6 @@ def output_file(text: str) -> str:
 def output_folder(text: str) -> str:
     """A folder to write into: an existing writable folder, or one that can be made (the nearest
     existing folder above it is writable)."""
-    import os
-
     if not text:
         raise argparse.ArgumentTypeError("takes a folder to write, got an empty path")
     path = Path(text)

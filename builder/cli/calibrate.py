@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,15 +42,15 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
 def calibrate(args: argparse.Namespace) -> str | None:
     """Measure this machine's GPU (``--cpu``: the CPU's machinery) into its calibration table in
     ``--calibration-dir``; its key (what ``--gpu`` names it), or None (said why) when it cannot."""
-    import time
-
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.calibration import user_folder
 
     try:
+        # local: builder --help imports every command's module; this one's work loads when it runs
         import torch
 
-        from yamlformer.builder.analysis.calibration.measure import measure
         from yamlformer.builder.analysis.calibration.table import write_table
+        from yamlformer.builder.measure import measure
     except ImportError as exc:  # pragma: no cover - torch is a dependency
         print(f"error: --calibrate needs torch: {exc}", file=sys.stderr)
         return None

@@ -45,6 +45,7 @@ def add_plugin_option(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--set`` values parsed as YAML; raises ``SpecError`` for a malformed one."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.loader import parse_set_args
 
     return parse_set_args(getattr(args, "overrides", None) or [])
@@ -52,6 +53,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_plugins_from_args(args: argparse.Namespace) -> None:
     """Import the ``yamlformer.blocks`` entry points and every ``--plugin``; raises ``PluginError``."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.plugins import load_plugins
 
     load_plugins(getattr(args, "plugins", None) or [])
@@ -63,6 +65,7 @@ def spec_from_args(args: argparse.Namespace, path: str | None = None, exit_on_er
     On a bad spec, a bad ``--set`` or a failing plugin, prints the located problems on stderr and
     exits with status 1 (``exit_on_error=False`` raises ``SpecError``/``PluginError`` instead).
     """
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.loader import SpecError, load_spec
     from yamlformer.builder.spec.plugins import PluginError
 

@@ -29,6 +29,7 @@ class TooLargeToBuild(ValueError):
 def compare(spec) -> dict:
     """``{"estimated", "actual", "match", "components": [...]}`` for a loaded spec; raises
     :class:`TooLargeToBuild` beyond :data:`MAX_TENSORS` parameter tensors."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.layout import LayoutError, layer_tensor_count
 
     try:
@@ -41,6 +42,7 @@ def compare(spec) -> dict:
             f"{MAX_TENSORS:,} compare builds on the meta device; `builder describe` counts it "
             "without building"
         )
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.estimates import estimate
     from yamlformer.builder.analysis.report import actual_params, compare_rows
     from yamlformer.builder.assemble import build_model  # torch: only for a model it builds
@@ -60,6 +62,7 @@ def compare(spec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.common import spec_from_args
 
     spec = spec_from_args(args)
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from rich.console import Console
         from rich.table import Table
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,9 +29,7 @@ def consolidate(path: str | Path, out: str | Path, overwrite: bool = False) -> P
     it, so a failed write leaves no partial file (a :class:`CheckpointError` says why). An
     existing ``out`` is replaced only with ``overwrite``, and never when it is (or is inside) the
     checkpoint (:class:`yamlformer.builder.outputs.OutputError`)."""
-    import json
-    import os
-
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.checkpoints import CheckpointError, load_model, peek_meta, user_mode, write_reason
     from yamlformer.builder.hf.weights import save_weights
     from yamlformer.builder.outputs import claim_file
@@ -54,6 +54,7 @@ def consolidate(path: str | Path, out: str | Path, overwrite: bool = False) -> P
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.checkpoints import CheckpointError
     from yamlformer.builder.outputs import OutputError
 

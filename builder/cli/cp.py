@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from yamlformer.builder.spec.kinds import kinds
+    # local: builder --help imports every command's module; this one's work loads when it runs
+    from yamlformer.builder.kinds import kinds
     from yamlformer.builder.zoo import did_you_mean, find
 
     entry = find(args.name)
@@ -59,6 +60,7 @@ def rewrite_references(text: str, source: Path, fields) -> tuple[str, list[tuple
     """``text`` (the YAML of ``source``) with each of ``fields`` that holds a path relative to
     ``source`` rewritten to the zoo name of the file it names (its absolute path when that is not
     in the zoo). Returns the new text and ``(field, old, new)`` for each change."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import yaml
 
     from yamlformer.builder.zoo import name_of
@@ -81,6 +83,7 @@ def rewrite_references(text: str, source: Path, fields) -> tuple[str, list[tuple
 
 
 def _node_at(node, path):
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import yaml
 
     for key in path:

@@ -7,6 +7,7 @@ a second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -117,6 +118,7 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 def estimate_from_args(spec, args: argparse.Namespace):
     """The estimate the sizing options ask for; a bad combination raises ``ValueError`` whose
     message names the option (``--tensor-parallel 3: decoder.attention.n_heads: ...``)."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.estimates import Step, estimate
     from yamlformer.builder.analysis.layout import Layout, LayoutError
 
@@ -152,6 +154,7 @@ def estimate_from_args(spec, args: argparse.Namespace):
         )
         full = _five_d(layout, args)
         if full is not None:
+            # local: builder --help imports every command's module; this one's work loads when it runs
             from yamlformer.builder.analysis.layout import check_layout
 
             check_layout(spec, full, args.seq_len or spec.max_seq_len)
@@ -162,8 +165,6 @@ def estimate_from_args(spec, args: argparse.Namespace):
 
 def _five_d(layout, args):
     """The layout with the pipeline, context and expert degrees the options give, or None when all are 1."""
-    import dataclasses
-
     degrees = {f"{n}_parallel": getattr(args, f"{n}_parallel", 1) for n in ("pipeline", "context", "expert")}
     if all(value == 1 for value in degrees.values()):
         return None
@@ -173,6 +174,7 @@ def _five_d(layout, args):
 def layout_memory(spec, args) -> dict | None:
     """Per-GPU memory of the options' layout with pipeline, context or expert parallelism
     (:func:`yamlformer.builder.analysis.layout_memory.layout_memory`); None for other layouts."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.estimates import Step
     from yamlformer.builder.analysis.layout import Layout
     from yamlformer.builder.analysis.layout_memory import layout_memory as count
@@ -211,12 +213,14 @@ def option_error(exc) -> str:
 
 
 def _layout_text(data: dict) -> str:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.layout import Layout
 
     return Layout.from_dict(data).describe()
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.parametrization import summary
 
@@ -231,11 +235,13 @@ def run(args: argparse.Namespace) -> int:
         shown = {"parametrization": summary(spec), **({"layout_memory": five_d} if five_d else {})}
         print(json.dumps({**est.to_dict(), **shown}, indent=2))
     else:
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from yamlformer.builder.analysis.report import print_describe
         from yamlformer.builder.hf import export_line
 
         print_describe(spec, est)
         if five_d:
+            # local: builder --help imports every command's module; this one's work loads when it runs
             from yamlformer.builder.analysis.report import human_bytes
 
             parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in five_d["parts"].items())
@@ -247,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
             )
         print(f"export: {export_line(spec)}")
     if args.plot:
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from yamlformer.builder.analysis.report import plot
 
         plot(spec, est, args.plot)

@@ -56,6 +56,7 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def field_differences(spec_a, spec_b) -> list[tuple[str, Any, Any]]:
     """``(dotted path, value in A, value in B)`` for every resolved field that differs."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.report import MISSING
 
     a = flatten(spec_a.model_dump(exclude={"extends"}))
@@ -83,6 +84,7 @@ def effects(est_a, est_b) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.parametrization import describe_lines, summary
 
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from rich.console import Console
 
         from yamlformer.builder.analysis.report import diff_table
@@ -136,6 +139,7 @@ def _get(obj, path: str):
 
 
 def _jsonable(value):
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.report import MISSING
 
     return None if value is MISSING else value

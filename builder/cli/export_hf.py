@@ -17,6 +17,7 @@ export).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from yamlformer.builder.cli.arguments import input_file, output_folder
@@ -75,8 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _pairs(items: list[str]) -> dict:
-    import json
-
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -94,6 +93,7 @@ def _pairs(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.checkpoints import looks_like_checkpoint
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.hf import HFError, export_hf

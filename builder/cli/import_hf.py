@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.estimates import estimate
     from yamlformer.builder.hf import HFError, import_hf
     from yamlformer.builder.hf.peft import import_peft, is_peft_folder

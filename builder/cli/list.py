@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rows(kind: str | None = None) -> list[dict]:
     """One dict per zoo entry: name, kind, family, export, params, description, path."""
-    from yamlformer.builder.spec.kinds import kinds
+    # local: builder --help imports every command's module; this one's work loads when it runs
+    from yamlformer.builder.kinds import kinds
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.builder.zoo import entries
 
@@ -64,6 +65,7 @@ def summarize(kind, path: Path) -> dict:
     model type the spec exports to exactly (``export``, None when none does), else its architecture."""
     if kind.model is None:
         return {}
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.estimates import estimate
     from yamlformer.builder.hf import Unsupported, choose_family
 
@@ -96,9 +98,11 @@ def description(path: Path, width: int = 56) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.report import human
 
     if args.names:  # read nothing but the zoo's folders: completion asks this at every TAB
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from yamlformer.builder.zoo import entries
 
         print("\n".join(name for name, entry in entries().items() if args.kind in (None, entry.kind)))
@@ -107,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from rich.console import Console
     from rich.table import Table
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from yamlformer.blocks.limits import MAX_SEQ_LEN
@@ -156,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.layout import LayoutError
     from yamlformer.builder.cli.common import spec_from_args
     from yamlformer.builder.cli.describe import option_error
@@ -169,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     spec = spec_from_args(args)
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.plan import plan
 
     try:
@@ -196,6 +199,7 @@ def lead_with_launchable(result, spec, cluster, settings: dict):
     plan of the layouts it does run (the same pins; its lines launch it) and the faster plan,
     shown beside it with why it does not launch; else ``(result, None)``. ``--launchable``
     searched only those already; a plan where no runnable layout fits keeps the fastest."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.layout import LayoutError
     from yamlformer.builder.analysis.plan import plan
 
@@ -211,6 +215,7 @@ def lead_with_launchable(result, spec, cluster, settings: dict):
 def cluster_from_args(args: argparse.Namespace):
     """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe, with its GPU's
     calibration (``yamlformer.builder.analysis.calibration.lookup``); ``ValueError`` names a bad option."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.calibration import lookup
     from yamlformer.builder.analysis.hardware import gpu
     from yamlformer.builder.analysis.plan import Cluster
@@ -301,9 +306,10 @@ def _settings(spec, args) -> dict:
 def recipe_document(recipe: str | None):
     """How the launch lines name the recipe — a zoo name as given (``lm-stdlib``, the default),
     a file as an absolute path, so a line runs from any folder — its document kind, which turns
-    a plan into the recipe's settings (``yamlformer.builder.spec.kinds``), and the merged file (not validated:
+    a plan into the recipe's settings (``yamlformer.builder.kinds``), and the merged file (not validated:
     ``builder train`` does that)."""
-    from yamlformer.builder.spec.kinds import kind_of
+    # local: builder --help imports every command's module; this one's work loads when it runs
+    from yamlformer.builder.kinds import kind_of
     from yamlformer.builder.spec.loader import SpecError, read_merged
     from yamlformer.builder.zoo import ZooError, locate
 
@@ -338,6 +344,7 @@ def not_launchable(candidate) -> str | None:
 
 
 def _launch(result, args, tokens: int | None) -> dict:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.launch import Launch, launch_lines
 
     recipe, kind, document = recipe_document(args.recipe)
@@ -368,8 +375,6 @@ def _launch(result, args, tokens: int | None) -> dict:
 
 
 def _describe_line(result, args) -> str:
-    import shlex
-
     c, layout = result.chosen, result.chosen.layout
     parts = [
         "builder",
@@ -413,7 +418,7 @@ def _describe_line(result, args) -> str:
 
 
 def to_json(result, launch, faster=None) -> dict:
-
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.plan import CHEAPEST
 
     cluster = result.cluster
@@ -474,6 +479,7 @@ def to_json(result, launch, faster=None) -> dict:
 
 
 def _print(result, launch, args, faster=None) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from rich.console import Console
     from rich.table import Table
 

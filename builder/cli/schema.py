@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.common import load_plugins_from_args
     from yamlformer.builder.spec.plugins import PluginError
 
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     except PluginError as exc:
         print(f"error: {exc}")
         return 1
-    from yamlformer.builder.spec.kinds import kinds
+    # local: builder --help imports every command's module; this one's work loads when it runs
+    from yamlformer.builder.kinds import kinds
 
     kind = kinds().get("recipe" if args.recipe else "spec")
     if kind is None:

@@ -1,6 +1,6 @@
 """``builder validate FILE...``: every problem of every spec or recipe, one line each, then a summary.
 
-A file is checked as what its keys say it is (``yamlformer.builder.spec.kinds``): a model spec, or a training
+A file is checked as what its keys say it is (``yamlformer.builder.kinds``): a model spec, or a training
 recipe (the recipe, then the spec it trains with its overrides). A file or a zoo name.
 Exit status 0 when every file is valid, 1 otherwise. Torch-free: this path must stay fast.
 """
@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.common import load_plugins_from_args, overrides_from_args
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.builder.spec.plugins import PluginError
@@ -54,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
 def validate_any(path: str, overrides) -> list:
     """The problems of one file, checked as the kind its keys say (a spec when they say nothing)."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
+    from yamlformer.builder.kinds import kind_of
     from yamlformer.builder.spec.kind import KIND as SPEC
-    from yamlformer.builder.spec.kinds import kind_of
     from yamlformer.builder.spec.loader import SpecError, locate_file, read_merged
 
     try:

@@ -65,6 +65,7 @@ def split(hf: str, ours: Sequence[str], sizes: Sequence[int], dim: int = 0, tran
         return [p.contiguous() for p in t.split(list(sizes), dim=dim)]
 
     def to_hf(ts):
+        # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
         import torch
 
         t = torch.cat(ts, dim=dim)
@@ -78,6 +79,7 @@ def stacked(hf: Sequence[str], our: str) -> Link:
     mixtures of experts stack their experts' weights)."""
 
     def to_ours(ts):
+        # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
         import torch
 
         return [torch.stack(ts, dim=0)]
@@ -300,6 +302,7 @@ def permuted_rows(hf: str, our: str, blocks: int, width: int, start: int, rope: 
 
     def take(index):
         def convert(ts):
+            # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
             import torch
 
             return [t.index_select(0, torch.tensor(index, device=t.device)).contiguous() for t in ts]

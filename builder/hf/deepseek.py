@@ -53,6 +53,7 @@ def _shared(hf: list[str], our: str) -> Link:
     head and each multi-token-prediction module's copy): import checks the copies are equal."""
 
     def to_ours(ts):
+        # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
         import torch
 
         for name, t in zip(hf[1:], ts[1:]):

@@ -416,6 +416,7 @@ class Marian(Family):
 def _sinusoids(positions: int, dim: int):
     """The sinusoid table Marian's and Pegasus's classes build (in float64, then float32): sines
     of ``pos / 10000^(2i/dim)`` first, their cosines after."""
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     pos = torch.arange(positions, dtype=torch.float64)[:, None]

@@ -11,8 +11,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from yamlformer.builder.hf import decoders, deepseek, encoders, gemma3, gpt_oss, llama4, mpt, neox, olmo, phi3, qwen
 from yamlformer.builder.hf.common import Family, HFError, Unsupported
+from yamlformer.builder.spec.schema import SpecRuleError, spec_model
 
 #: every family module, in the order export tries them
 MODULES = (decoders, qwen, olmo, gemma3, gpt_oss, llama4, mpt, neox, phi3, deepseek, encoders)
@@ -53,9 +56,6 @@ def family_of(config: Mapping, path: str | Path = "config.json") -> Family:
 def validate(spec_dict: Mapping, config: Mapping | None = None, source: str | Path = "the converted spec"):
     """The validated ``ModelSpec`` of a spec dict, or a one-line :class:`HFError`: the first
     problem, named by the ``config`` key that gave the value when one did."""
-    from pydantic import ValidationError
-
-    from yamlformer.builder.spec.schema import SpecRuleError, spec_model
 
     try:
         return spec_model().model_validate(dict(spec_dict))

@@ -140,6 +140,7 @@ def _interleaved(hf: str, ours_: list[str]) -> Link:
         return [flip(ts[0][..., half::2]).contiguous() for half in (0, 1)]
 
     def to_hf(ts):
+        # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
         import torch
 
         pair = torch.stack([flip(t) for t in ts], dim=-1)  # (n_experts, [d_model,] hidden, 2)

@@ -274,6 +274,7 @@ def _ffn_links(hf: str, ffn: str, config, d_model: int) -> list[Link]:
 
 
 def _cat_transposed(ts):
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     return torch.cat([t.transpose(1, 2) for t in ts], dim=2).contiguous()

@@ -48,6 +48,7 @@ def _per_head_qkv(hf: str, names: list[str], heads: int) -> Link:
         return [grouped[:, j].reshape(-1, *t.shape[1:]).contiguous() for j in range(3)]
 
     def to_hf(ts):
+        # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
         import torch
 
         parts = [t.reshape(heads, t.shape[0] // heads, *t.shape[1:]) for t in ts]  # each (heads, head_dim, ...)

@@ -28,8 +28,12 @@ import math
 import os
 from pathlib import Path
 
+from yamlformer.builder.adapters import adapted, model_linears
 from yamlformer.builder.hf.checks import read_json
 from yamlformer.builder.hf.common import HFError, Link, Unsupported
+from yamlformer.builder.hf.families import validate
+from yamlformer.builder.hf.reader import IMPORT_FILES, write_import
+from yamlformer.builder.outputs import claim_folder
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -45,6 +49,7 @@ def dense(state: dict) -> dict:
 def adapter_model(spec, state: dict):
     """``spec``'s model on the CPU holding ``state`` (adapters and all, a base dequantized: an NF4
     base's weights are stored in its dtype here), to read adapted weights from."""
+    # local: torch loads when tensors are read or written (the Hugging Face readers load without it)
     import torch
 
     from yamlformer.builder.assemble import build_model
@@ -59,8 +64,6 @@ def adapter_model(spec, state: dict):
 
 
 def _tied_head(spec) -> None:
-    from yamlformer.builder.spec.adapters import adapted
-
     if spec.tie_embeddings and any(path.startswith("head.") for path in adapted(spec)):
         raise Unsupported(
             "an adapter on the head, whose weight is the token embedding (tie_embeddings): neither PEFT nor a "
@@ -72,6 +75,7 @@ def merged(spec, state: dict) -> tuple[object, dict]:
     """``(the spec without adapters, its weights with every adapter folded in)``: each adapted
     layer's weight as it applies it (``yamlformer.blocks.linear.Linear.adapted_weight``), an NF4
     base dequantized first."""
+    # local: the model's modules (torch) are walked for a built model only (the readers load without torch)
     from yamlformer.blocks.linear import linear_layers
 
     _tied_head(spec)
@@ -98,8 +102,6 @@ class _Module:
 
 def _modules(spec, family) -> dict[str, _Module]:
     """The Hugging Face module of each adapted layer of ``spec``, by our layer's path."""
-    from yamlformer.builder.spec.adapters import adapted
-
     adapted_layers = adapted(spec)
     links = family.links(spec)
     by_weight = {name: link for link in links for name in link.ours}
@@ -123,8 +125,6 @@ def _modules(spec, family) -> dict[str, _Module]:
 
 
 def _out_features(spec, path: str, adapted_layers) -> int:
-    from yamlformer.builder.spec.adapters import model_linears
-
     entry = adapted_layers.get(path) or model_linears(spec).get(path)
     if entry is None:
         raise Unsupported(f"{path} is not a linear layer")
@@ -133,6 +133,7 @@ def _out_features(spec, path: str, adapted_layers) -> int:
 
 def _probe(link: Link, rows: list[int]) -> tuple[list[int], bool]:
     """Where the family's conversion puts each of our rows: applied to columns of row numbers."""
+    # local: torch loads when tensors are read or written (the Hugging Face readers load without it)
     import torch
 
     starts = [sum(rows[:i]) for i in range(len(rows))]
@@ -145,6 +146,7 @@ def _probe(link: Link, rows: list[int]) -> tuple[list[int], bool]:
 def to_peft(spec, state: dict, folder: str | Path, family, base: str | None = None) -> list[str]:
     """Write ``spec``'s adapters (their tensors in ``state``) as a PEFT folder for the ``family``
     model of the base; returns the Hugging Face modules adapted."""
+    # local: torch loads when tensors are read or written (the Hugging Face readers load without it)
     import torch
     from safetensors.torch import save_file
 
@@ -240,6 +242,7 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
     (``base``, else the folder ``base_model_name_or_path`` names, relative to it): the base's
     tensors and each adapter's under our names. One adapter config for every layer: a PEFT module fusing several
     of our layers gives each the whole rank, its rows of ``lora_B``."""
+    # local: torch loads when tensors are read or written (the Hugging Face readers load without it)
     import torch
 
     from yamlformer.builder.hf.families import family_of
@@ -332,10 +335,6 @@ def import_peft(
     and ``out/model.safetensors`` (the base's tensors and the adapters'), the base's tokenizer and
     config files beside them; returns the two paths. ``out`` is claimed as :func:`import_hf` claims
     it (never the adapter folder nor the base's, an earlier import replaced only with ``overwrite``)."""
-    from yamlformer.builder.hf.families import validate
-    from yamlformer.builder.hf.reader import IMPORT_FILES, write_import
-    from yamlformer.builder.outputs import claim_folder
-
     folder = Path(folder)
     _, base_folder = read_peft_config(folder, base)  # a folder that is no PEFT LoRA is named first
     claim_folder(out, IMPORT_FILES, [folder, base_folder], overwrite)  # before any weights are read

@@ -8,10 +8,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from yamlformer.builder.hf.checks import check_config, inside, read_json
 from yamlformer.builder.hf.common import Family, HFError
 from yamlformer.builder.hf.families import _keys_with_value, family_of, validate
+from yamlformer.builder.hf.tokenizer import read_tokenizer
 from yamlformer.builder.hf.weights import Checkpoint, save_weights
+from yamlformer.builder.outputs import claim_folder
 
 #: files beside the weights that a Hugging Face folder needs to be used (tokenizer, generation)
 SIDE_FILES = (
@@ -109,6 +113,7 @@ def read_hf(folder: str | Path, name: str | None = None) -> tuple[dict, Any, dic
 def _check_finite(checkpoint: Checkpoint, name: str, tensor) -> None:
     """A weight holding NaN or infinite values (a damaged file, a diverged run) is refused, naming
     the tensor and how much of it is bad: a model built from it computes nothing."""
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     if not tensor.is_floating_point():
@@ -133,6 +138,7 @@ def _check_shapes(spec, links, checkpoint: Checkpoint, config: Mapping, config_p
     """Each checkpoint tensor has the shape config.json implies, found by running each link's
     conversion on meta tensors of our model's shapes; the first that differs, named with the
     config keys whose value it disagrees with, is a one-line :class:`HFError`."""
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     from yamlformer.builder.assemble import build_model
@@ -168,6 +174,7 @@ def _decide_tying(family: Family, spec_dict: dict, checkpoint: Checkpoint) -> st
     embedding = next((n for n in embeddings if n in checkpoint), None)
     if head not in checkpoint or embedding is None:
         return head
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     if torch.equal(checkpoint.get(head), checkpoint.get(embedding)):
@@ -210,8 +217,6 @@ def import_hf(
     (:func:`yamlformer.builder.hf.tokenizer.read_tokenizer`). ``out`` is never ``folder`` (nor a
     file there); an earlier import in ``out`` is replaced only with ``overwrite`` (its tokenizer
     files removed), else :class:`yamlformer.builder.outputs.OutputError` (:mod:`yamlformer.builder.outputs`)."""
-    from yamlformer.builder.outputs import claim_folder
-
     folder, out = Path(folder), Path(out)
     read_config(folder)  # a folder that is no Hugging Face model is named first (a cheap read)
     claim_folder(out, IMPORT_FILES, [folder], overwrite)  # before any weights are read
@@ -222,9 +227,6 @@ def import_hf(
 def write_import(folder: Path, out: str | Path, spec_dict: dict, state: dict) -> tuple[Path, Path]:
     """:func:`import_hf`'s output of ``spec_dict`` and ``state`` read from the Hugging Face ``folder``
     (a PEFT import: its base's, the adapters among them), ``out`` claimed already."""
-    import yaml
-
-    from yamlformer.builder.hf.tokenizer import read_tokenizer
 
     out = Path(out)
     read_tokenizer(folder)  # a tokenizer that does not load fails the import, not a later run

@@ -66,6 +66,7 @@ MASK_PIECE = "[MASK]"
 
 def to_tokenizers(state: dict):
     """A ``tokenizers.Tokenizer`` that encodes and decodes as the tokenizer of ``state`` does."""
+    # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from tokenizers import Tokenizer
 
     kind = state.get("type")
@@ -83,6 +84,7 @@ def to_tokenizers(state: dict):
 def _from_chars(chars: str):
     """One id per character: a BPE without merges (every character its own token) and no
     normalizer or pre-tokenizer, so newlines and runs of spaces are tokens like any other."""
+    # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
@@ -93,6 +95,7 @@ def _from_chars(chars: str):
 
 
 def _proto(model_proto: bytes):
+    # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
@@ -108,6 +111,7 @@ def _proto(model_proto: bytes):
 def from_sentencepiece(model_proto: bytes):
     """A sentencepiece model (BPE or unigram) as a ``tokenizers.Tokenizer``, following the
     model's own settings (see the module docstring)."""
+    # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     proto = _proto(model_proto)
@@ -254,6 +258,7 @@ def write_tokenizer(
     (``split_special_tokens``, as sentencepiece does), and decoding leaves spaces as they are
     (``clean_up_tokenization_spaces: false``).
     """
+    # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from tokenizers import processors
 
     folder = Path(folder)
@@ -296,6 +301,7 @@ def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
     ``tokenizer.model`` as a ``sentencepiece`` state, else ``None``. ``only``: read this JSON
     file of the folder instead. Reads only files inside ``folder``; a file that does not load is
     a one-line :class:`HFError` naming it."""
+    # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from tokenizers import Tokenizer
 
     folder = Path(folder)

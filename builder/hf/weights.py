@@ -10,6 +10,7 @@ source and target) stored once.
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ class Checkpoint:
             raise HFError(f"{path}: cannot read tensor {_cut(name)} ({_first_line(exc)})") from None
 
     def _handle(self, path: Path):
+        # local: safetensors loads to read or write weights (builder.hf serves torch-free commands)
         from safetensors import safe_open
 
         if path not in self._open:
@@ -115,6 +117,7 @@ def read_weights(path: str | Path) -> dict:
     if not path.is_file():
         raise HFError(f"no weights file at {path}")
     if path.suffix == ".safetensors":
+        # local: safetensors loads to read or write weights (builder.hf serves torch-free commands)
         from safetensors.torch import load_file
 
         try:
@@ -128,8 +131,7 @@ def torch_load_safely(path: Path):
     """What a PyTorch file holds, read by ``torch.load(weights_only=True)``: a pickle that holds
     anything but tensors and plain data (code, objects) is refused without being run, as a
     one-line :class:`HFError`."""
-    import warnings
-
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     try:
@@ -150,6 +152,7 @@ def torch_load_safely(path: Path):
 
 def _torch_load(path: Path) -> dict:
     """A state dict (names to tensors) from a PyTorch file, read safely."""
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     state = torch_load_safely(path)
@@ -187,6 +190,7 @@ def load_weights(model, source, *, strict: bool = True):
     :class:`HFError` naming every missing or unexpected tensor and every shape mismatch, before
     anything is copied. Returns the model.
     """
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     import torch
 
     state = dict(source) if isinstance(source, Mapping) else read_weights(source)
@@ -240,6 +244,7 @@ def unpad_rows(spec, state: dict) -> dict:
     every tensor that has them (the embedding table, the output projection and its bias)."""
     if spec.pad_vocab_to_multiple_of == 1:
         return state
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     from yamlformer.builder.assemble import build_model
 
     padded = build_model(spec, device="meta").state_dict()
@@ -274,6 +279,7 @@ def dedupe(state: Mapping) -> dict:
 
 def save_weights(source, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
     """Write a model's (or a state dict's) tensors to ``path`` as safetensors, shared ones once."""
+    # local: safetensors loads to read or write weights (builder.hf serves torch-free commands)
     from safetensors.torch import save_file
 
     state = source.state_dict() if hasattr(source, "state_dict") else dict(source)

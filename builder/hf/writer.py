@@ -18,7 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from yamlformer.builder.checkpoints import looks_like_checkpoint
+from yamlformer.builder.adapters import adapted
+from yamlformer.builder.checkpoints import CheckpointError, looks_like_checkpoint, model_weights, read_meta, user_mode
+from yamlformer.builder.checkpoints import read_weights as read_checkpoint
 from yamlformer.builder.hf.checks import read_json
 from yamlformer.builder.hf.common import Family, HFError, Unsupported
 from yamlformer.builder.hf.families import FAMILIES, TOKEN_KEYS, supported_families, validate
@@ -26,6 +28,8 @@ from yamlformer.builder.hf.peft import CONFIG, WEIGHTS, dense, merged, to_peft
 from yamlformer.builder.hf.reader import SIDE_FILES, _copy_side_files
 from yamlformer.builder.hf.tokenizer import generation_config, to_tokenizers, token_ids, write_tokenizer
 from yamlformer.builder.hf.weights import alias_groups, dedupe, read_weights, unpad_rows, unpadded
+from yamlformer.builder.outputs import claim_folder
+from yamlformer.builder.spec.loader import load_spec
 
 #: spec fields saying a bias tensor exists: a family that has the tensor writes zeros for a spec
 #: that has none (fit's ``zero_biases``)
@@ -226,9 +230,8 @@ def to_hf(
         config["dtype"] = dtypes.pop()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    # local: safetensors loads to read or write weights (builder.hf serves torch-free commands)
     from safetensors.torch import save_file
-
-    from yamlformer.builder.checkpoints import user_mode
 
     target = folder / "model.safetensors"
     tmp = folder / f".model.safetensors.tmp-{os.getpid()}"  # a failed write leaves no partial file
@@ -237,6 +240,7 @@ def to_hf(
         user_mode(tmp)
         os.replace(tmp, target)
     except Exception as exc:
+        # local: builder.checkpoints loads only to name a failed write
         from yamlformer.builder.checkpoints import write_reason
 
         tmp.unlink(missing_ok=True)
@@ -287,6 +291,7 @@ def _our_state(spec, weights) -> tuple[dict, set[str]]:
     else:
         state = read_weights(weights)
     state = {re.sub(r"^(model\.)?(_orig_mod\.)?", "", k): v for k, v in state.items()}
+    # local: torch loads when weights are converted (builder.hf serves torch-free commands: list, describe)
     from yamlformer.builder.assemble import build_model
 
     model = build_model(spec, device="meta")
@@ -323,8 +328,6 @@ def export_hf(
     only with ``overwrite`` (:mod:`yamlformer.builder.outputs`). A model with adapters (the spec's
     ``adapters``) needs ``adapters``: ``"merge"`` folds them into the weights and writes the plain
     model; ``"peft"`` writes them alone as a PEFT folder for the base (:mod:`yamlformer.builder.hf.peft`)."""
-    from yamlformer.builder.outputs import claim_folder
-
     writes = (CONFIG, WEIGHTS) if adapters == "peft" else EXPORT_FILES
     source, out = Path(source), Path(out)
     side = source.parent
@@ -344,8 +347,6 @@ def export_hf(
             extra_labels = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
     else:
         if spec is None:
-            from yamlformer.builder.spec.loader import load_spec
-
             spec = load_spec(source)
         choose_family(unpadded(spec), family)
         weights = Path(weights) if weights else side / "model.safetensors"
@@ -379,8 +380,6 @@ def _check_adapters(spec, adapters: str | None) -> None:
     if spec.adapters is None:
         option = "--merge" if adapters == "merge" else "--adapters-only"
         raise HFError(f"{option}: the model has no adapters (its spec has no `adapters`); export it without")
-    from yamlformer.builder.spec.adapters import adapted
-
     raise HFError(
         f"the model has adapters ({spec.adapters.describe()} on {len(adapted(spec)):,} linear layers): --merge "
         "folds them into the weights and writes the plain model, --adapters-only writes them alone as a PEFT folder"
@@ -391,7 +390,6 @@ def _read_training_meta(path: Path):
     """The spec and the ``builder`` metadata of a ``builder train`` checkpoint (one file or a
     sharded folder), read safely; its tensors are verified when :func:`_read_training_weights`
     reads them (``yamlformer.builder.checkpoints``)."""
-    from yamlformer.builder.checkpoints import CheckpointError, read_meta
 
     try:
         meta = read_meta(path, check=False)["builder"]
@@ -409,8 +407,6 @@ def _read_training_meta(path: Path):
 
 def _read_training_weights(path: Path) -> dict:
     """The model's whole tensors of a ``builder train`` checkpoint, verified against its checksums."""
-    from yamlformer.builder.checkpoints import CheckpointError, model_weights
-    from yamlformer.builder.checkpoints import read_weights as read_checkpoint
 
     try:
         return dedupe(dense(model_weights(read_checkpoint(path))))

@@ -224,6 +224,7 @@ def _with_suggestion(exc: ValidationError, cls: type[OptimizerConfig]):
 def optimizer_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
     """``(definitions, the schema of an optimizer: section)``: each registered config's schema, and
     one of them by ``type``, which only the default may leave out."""
+    # local: pydantic's JSON Schema machinery loads only when a schema is printed (builder validate starts without it)
     from pydantic.json_schema import models_json_schema
 
     classes = optimizer_configs()

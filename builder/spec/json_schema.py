@@ -62,7 +62,10 @@ def spec_json_schema() -> dict[str, Any]:
 def spec_definitions() -> dict[str, Any]:
     """Every definition of the spec schema (2020-12 refs, ``#/$defs/...``): ``ModelSpec``, its
     sections and blocks, and each one's ``...Partial`` (nothing required)."""
+    # local: builder --help loads this module; the registry loads when a JSON Schema is made
     from yamlformer.blocks import registry
+
+    # local: builder validate loads this module; the spec schema loads when a JSON Schema is made
     from yamlformer.builder.spec.schema import DEFAULT_TYPES, spec_model
 
     full = spec_model().model_json_schema()
@@ -83,7 +86,10 @@ def spec_definitions() -> dict[str, Any]:
 
 def _override_blocks(override: dict) -> None:
     """Each block field of a per-layer override: any block of its kind, every field optional."""
+    # local: builder --help loads this module; the registry loads when a JSON Schema is made
     from yamlformer.blocks import registry
+
+    # local: builder validate loads this module; the spec schema loads when a JSON Schema is made
     from yamlformer.builder.spec.schema import LAYER_FIELDS
 
     for field in LAYER_FIELDS:

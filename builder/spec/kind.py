@@ -1,7 +1,7 @@
-"""The model spec as a kind of document (``yamlformer.builder.spec.kinds``). Torch-free.
+"""The model spec as a kind of document (``yamlformer.builder.kinds``). Torch-free.
 
 It joins the kinds through the ``yamlformer.kinds`` entry point as the recipes' training recipe
-does (``recipes/recipe/kind.py``): ``builder validate`` checks a spec through :data:`KIND`,
+does (``recipes/commands/kind.py``): ``builder validate`` checks a spec through :data:`KIND`,
 ``builder schema`` prints its JSON Schema, the zoo's specs are the spec folder's ``*.yaml`` at any
 depth, and ``builder list`` counts the model a spec file is.
 """
@@ -12,24 +12,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from yamlformer.builder.spec.kinds import Kind
+from yamlformer.builder.kinds import Kind
+from yamlformer.builder.spec.json_schema import spec_json_schema
+from yamlformer.builder.spec.loader import load_spec, validate_file
+from yamlformer.builder.spec.schema import ModelSpec
 from yamlformer.builder.spec.source import Problem
+from yamlformer.builder.zoo import spec_folder
 
 
 def _keys() -> frozenset[str]:
-    from yamlformer.builder.spec.schema import ModelSpec
 
     return frozenset(ModelSpec.model_fields)
 
 
 def _validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
-    from yamlformer.builder.spec.loader import validate_file
 
     return validate_file(path, overrides)
 
 
 def _schema() -> dict:
-    from yamlformer.builder.spec.json_schema import spec_json_schema
 
     return spec_json_schema()
 
@@ -43,13 +44,11 @@ def _hint(shown: str) -> str:
 
 
 def _folder() -> Path | None:
-    from yamlformer.builder.zoo import spec_folder
 
     return spec_folder()
 
 
 def _model(path: Path) -> tuple[Any, dict]:
-    from yamlformer.builder.spec.loader import load_spec
 
     return load_spec(path), {}
 

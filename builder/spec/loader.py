@@ -15,6 +15,7 @@ override sets the value at its dotted path, a mapping merged over a mapping alre
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,7 @@ from typing import Any
 
 from yamlformer.builder.spec.merge import Source, merge
 from yamlformer.builder.spec.problems import validation_problems
-from yamlformer.builder.spec.schema import DEFAULT_TYPES
+from yamlformer.builder.spec.schema import DEFAULT_TYPES, ModelSpec, spec_model
 from yamlformer.builder.spec.source import (
     Document,
     FieldPath,
@@ -34,6 +35,7 @@ from yamlformer.builder.spec.source import (
     parse_value,
     read_bounded,
 )
+from yamlformer.builder.zoo import ZooError, locate, name_of, shown
 
 __all__ = [
     "Problem",
@@ -61,8 +63,8 @@ def load_spec(
     a validated ``ModelSpec`` (returned as it is, or with the overrides applied).
     ``overrides``: ``{"decoder.n_layers": 2}``, applied after ``extends:``.
     ``sources``: where an override was written, by key (see :func:`apply_overrides`)."""
+    # local: plugins are found through entry points (importlib.metadata, ~80 ms), only when given
     from yamlformer.builder.spec.plugins import load_plugins
-    from yamlformer.builder.spec.schema import ModelSpec, spec_model
 
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(
@@ -83,7 +85,7 @@ def load_spec(
 
 def load_config(path: str | Path, model_cls: type, overrides: Mapping[str, Any] | None = None, kind: str | None = None):
     """Load any YAML config into ``model_cls`` (a pydantic model) with the same located errors.
-    ``kind``: the document kind expected (``yamlformer.builder.spec.kinds``); a file plainly of another kind
+    ``kind``: the document kind expected (``yamlformer.builder.kinds``); a file plainly of another kind
     is one problem saying so, not one per key."""
     return _load(path, model_cls, overrides, default_name=False, kind=kind)
 
@@ -140,7 +142,6 @@ def read_merged(
 def locate_file(path: str | Path) -> tuple[Path, str]:
     """The file ``path`` names (a path, else a zoo name: ``yamlformer.builder.zoo``) and how messages show
     it; raises :class:`SpecError` for neither, with the closest zoo names."""
-    from yamlformer.builder.zoo import ZooError, locate, shown
 
     try:
         found = locate(path)
@@ -224,7 +225,6 @@ def _path_of(value: Any, function: str) -> str | os.PathLike:
 
 def _load_mapping(data: Mapping[str, Any], model_cls: type, overrides) -> Any:
     """Validate a mapping given in Python (no file: problems are located as ``<mapping>``)."""
-    import copy
 
     mark = Mark("<mapping>")
     doc = Document(copy.deepcopy(dict(data)), {}, {(): mark})
@@ -261,11 +261,11 @@ def _load(path: str | Path, model_cls: type, overrides, default_name: bool, sour
 
 
 def _mistaken(doc: Document, kind: str | None, found: Path, display: str) -> str | None:
-    """One line when ``doc`` is plainly another kind of document than ``kind`` (``yamlformer.builder.spec.kinds``)."""
+    """One line when ``doc`` is plainly another kind of document than ``kind`` (``yamlformer.builder.kinds``)."""
     if kind is None:
         return None
-    from yamlformer.builder.spec.kinds import mistaken
-    from yamlformer.builder.zoo import name_of
+    # local: the document kinds (entry points) are read only for a file that fails to load
+    from yamlformer.builder.kinds import mistaken
 
     if mistaken(doc.data, kind, display) is None:  # the usual case: no need to look the file up in the zoo
         return None
@@ -308,6 +308,7 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
         parent_path = path.parent / parent
         parent_display = os.path.normpath(os.path.join(os.path.dirname(display), parent))
         if not os.path.lexists(parent_path):  # no file there: a zoo name (`extends: llama3-8b`)?
+            # local: a zoo name is looked up only when no file is there
             from yamlformer.builder.zoo import find, not_found, shown
 
             entry = find(parent)
@@ -329,7 +330,6 @@ def _resolve(path: Path, display: str, fields=None, what: str = "a spec") -> Doc
 
 def _kind_of(model_cls: type | None) -> str:
     """How messages name a file of ``model_cls``: "a spec", "a recipe"..."""
-    from yamlformer.builder.spec.schema import ModelSpec
 
     if model_cls is None or issubclass(model_cls, ModelSpec):
         return "a spec"

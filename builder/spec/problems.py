@@ -19,12 +19,12 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from yamlformer.blocks.configs.base import rule_error  # noqa: F401  (recipes raise it too)
+from yamlformer.builder.spec.schema import SpecRuleError
 from yamlformer.builder.spec.source import Document, FieldPath, Mark, Problem
 
 
 def validation_problems(model_cls: type, data: Any, doc: Document) -> tuple[Any, list[Problem]]:
     """Validate ``data`` as ``model_cls``: ``(instance, [])`` or ``(None, located problems)``."""
-    from yamlformer.builder.spec.schema import SpecRuleError
 
     try:
         return model_cls.model_validate(data, context={"document": doc}), []

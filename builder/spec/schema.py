@@ -43,9 +43,9 @@ from yamlformer.blocks.configs.base import (
 )
 from yamlformer.blocks.configs.layer import LayerConfig
 from yamlformer.blocks.limits import MAX_LAYERS, MAX_OVERRIDES, MAX_SEQ_LEN, MAX_VOCAB, MAX_VOCAB_PADDING, MAX_WIDTH
+from yamlformer.builder.adapters import adapter_problems
 from yamlformer.builder.parametrization import Parametrization, StandardParametrization
 from yamlformer.builder.parametrization import problems as parametrization_problems
-from yamlformer.builder.spec.adapters import adapter_problems
 from yamlformer.builder.spec.merge import merge
 
 #: the type a block field takes when its ``type`` key is left out, by block kind

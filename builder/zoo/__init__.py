@@ -10,7 +10,7 @@ file that writes it in ``extends:`` and ``model.spec``). ``builder list`` shows 
 
 Where the files are: a wheel carries the repository's ``specs/`` as ``builder/zoo/specs``
 (``setup.py`` copies it at build time); a checkout or an editable install reads ``specs/`` at
-the repository root. Each kind of document names its folder (``yamlformer.builder.spec.kinds``): the spec's
+the repository root. Each kind of document names its folder (``yamlformer.builder.kinds``): the spec's
 is :func:`spec_folder`, the recipes' the ``recipes`` package's own ``*.yaml``.
 """
 
@@ -48,9 +48,10 @@ def spec_folder() -> Path | None:
 
 
 def entries() -> dict[str, Entry]:
-    """Every zoo entry by name, kinds in :func:`yamlformer.builder.spec.kinds.kinds` order (a name taken by
+    """Every zoo entry by name, kinds in :func:`yamlformer.builder.kinds.kinds` order (a name taken by
     an earlier kind stays with it)."""
-    from yamlformer.builder.spec.kinds import kinds
+    # local: the kinds come from entry points (importlib.metadata, ~80 ms), read for a zoo lookup only
+    from yamlformer.builder.kinds import kinds
 
     found: dict[str, Entry] = {}
     for kind in kinds().values():
@@ -116,6 +117,7 @@ def not_found(text: str, tried: Path | None = None) -> str:
     and, for what could be a zoo name, the closest names."""
     file = "no such file" + (f" {tried}" if tried is not None and str(tried) != text else "")
     if not entries():
+        # local: asked only when the zoo is empty (a checkout never installed)
         from yamlformer.builder.packages import NOT_INSTALLED, installed
 
         if not installed():  # no entry points, so no kinds and no zoo

@@ -18,6 +18,7 @@ from yamlformer.builder.cli.common import add_plugin_option, load_plugins_from_a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import (
         MAX_BATCH,
         MAX_BEAMS,
@@ -113,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
     """An option given that the checkpoint's task does not read is an error, not ignored
     (``options``: ``"eval_options"`` or ``"generate_options"``, the tasks' own lists)."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import ArgumentError
     from yamlformer.recipes.tasks import NAMES, task_named, task_of
 
@@ -128,6 +130,7 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import ArgumentError, at_most
     from yamlformer.builder.spec.plugins import PluginError
     from yamlformer.recipes.errors import RecipeError

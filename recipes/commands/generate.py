@@ -14,6 +14,7 @@ DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import (
         MAX_BEAMS,
         MAX_NEW_TOKENS,
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.plugins import PluginError
     from yamlformer.recipes.commands.eval import refuse_options
     from yamlformer.recipes.errors import RecipeError
@@ -125,6 +127,7 @@ class _LineTracking:
 
 def _check_decoding(args: argparse.Namespace) -> None:
     """Options of one decoding mode given with another are refused, not ignored."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import ArgumentError
 
     sampling = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]

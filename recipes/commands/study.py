@@ -17,6 +17,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import count, number, output_file
 
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -87,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.source import SpecError
     from yamlformer.recipes.errors import RecipeError
 
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(args):
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies import report, store
     from yamlformer.recipes.studies.schema import load_study
 
@@ -110,6 +113,7 @@ def _table(args):
 
 
 def _show(args) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies import report
 
     loaded, table = _table(args)
@@ -121,6 +125,7 @@ def _show(args) -> int:
 
 
 def _report(args) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies import report
 
     loaded, table = _table(args)
@@ -140,6 +145,7 @@ def _report(args) -> int:
 
 
 def _fit(args) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies import scaling
 
     loaded, table = _table(args)
@@ -186,6 +192,7 @@ def _compute(args) -> float | None:
         return args.flops
     if args.gpu_hours is None or args.mfu is None:
         return None
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.mfu import peak_flops
 
     peak = peak_flops(args.gpu, args.dtype)
@@ -199,6 +206,7 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
     plan``'s fastest layout for its recipe's sequence length and global batch (rounded up to a
     multiple of the GPUs), its predicted tokens/s per GPU x the hours x its FLOPs per token. A
     model no layout fits is left out (said on stderr); none fitting is a ValueError."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.hardware import Cluster
     from yamlformer.builder.analysis.hardware import gpu as hardware_gpu
     from yamlformer.builder.analysis.plan import plan
@@ -239,12 +247,14 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
 def _members(table: list[dict]) -> list[dict]:
     """The study's distinct models: parameters, FLOPs per token, family (named by its best tuning,
     ``scaling.best_tuned``)."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies import scaling
 
     return [{k: row[k] for k in ("params", "flops_per_token", "family")} for row in scaling.best_tuned(table).values()]
 
 
 def _prediction(loaded, args, fitted) -> dict:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.loader import parse_set_args
     from yamlformer.recipes.studies.variants import check
 
@@ -262,6 +272,7 @@ def _prediction(loaded, args, fitted) -> dict:
 
 
 def _print_fit(result: dict, fitted) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.analysis.report import human
 
     print(

@@ -15,6 +15,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import count
 
     parser.add_argument("study", metavar="STUDY", help="a study file (recipes/README.md, 'Variant studies')")
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.source import SpecError
     from yamlformer.recipes.errors import RecipeError
     from yamlformer.recipes.studies.variants import NothingToRun
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies.schema import load_study
     from yamlformer.recipes.studies.store import check_storage
     from yamlformer.recipes.studies.variants import plan
@@ -85,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(loaded, variants, invalid, args) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies import store
     from yamlformer.recipes.studies.runner import Sweep, queue_grid
 
@@ -116,6 +120,7 @@ def _sweep(loaded, variants, invalid, args) -> int:
 
 
 def _sampler(settings):
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import optuna
 
     if settings.search == "tpe":
@@ -124,6 +129,7 @@ def _sampler(settings):
 
 
 def _pruner(settings):
+    # local: builder --help imports every command's module; this one's work loads when it runs
     import optuna
 
     pruner = settings.pruner
@@ -133,6 +139,7 @@ def _pruner(settings):
 
 
 def _print_plan(loaded, variants) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from rich.console import Console
     from rich.table import Table
 
@@ -153,6 +160,7 @@ def _print_plan(loaded, variants) -> None:
 
 
 def _launch_lines(loaded, variants, slurm: bool) -> str:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.studies.variants import train_command
 
     settings = loaded.study

@@ -26,6 +26,7 @@ SHARDS_AT_LEAST = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import (
         count,
         input_path,
@@ -125,6 +126,7 @@ def shard_mb(given: int | None, sources) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.cli.arguments import ArgumentError
     from yamlformer.recipes.data.dataset_folder import check_output
     from yamlformer.recipes.data.sources import DocumentStream, find_sources
@@ -220,6 +222,7 @@ def summarize(dataset, sources) -> dict:
 
 
 def print_summary(summary: dict) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from rich.console import Console
     from rich.table import Table
 
@@ -285,6 +288,7 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
     section says how to make one: sentencepiece trained on the first :data:`SAMPLE_BYTES` of
     ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
     in them. A tokenizer a run of the same command in ``out`` already made is reused."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer, hf_tokenizer
     from yamlformer.recipes.errors import RecipeError
 
@@ -305,6 +309,7 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
 
 
 def _named(read, path: Path):
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.errors import RecipeError
 
     try:
@@ -314,6 +319,7 @@ def _named(read, path: Path):
 
 
 def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.recipes.data.tokenizers import (
         CharTokenizer,
@@ -322,7 +328,8 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
         train_sentencepiece,
     )
     from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.recipe.sections import load_recipe, recipe_path
+    from yamlformer.recipes.recipe.sections import recipe_path
+    from yamlformer.recipes.tasks import load_recipe
 
     try:
         recipe_file = recipe_path(argument)
@@ -365,6 +372,7 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
 
 def _earlier_tokenizer(out: Path, setting: dict):
     """The tokenizer an unfinished or finished run with the same recipe section saved in ``out``."""
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.data.tokenized import STARTED, TOKENIZER_FILES
     from yamlformer.recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer
 

@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="resolve everything (data, tokenizer, spec with its overrides, devices) and print "
-        "the resolved recipe and the estimate; download, train and write nothing",
+        help="resolve everything (data, tokenizer, spec with its overrides, devices) and check it as "
+        "the run does, then print the resolved recipe and the estimate; download, train and write nothing",
     )
     parser.add_argument(
         "--resume",
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.builder.spec.plugins import PluginError
     from yamlformer.recipes.errors import RecipeError
@@ -75,14 +76,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
+        # local: builder --help imports every command's module; this one's work loads when it runs
         from yamlformer.recipes.recipe.sections import recipe_path
 
         recipe = recipe_path(args.recipe)  # a path, else a zoo name
         _check_cooldown_arguments(args)
         if args.dry_run:  # before torch and Lightning are imported
+            # local: builder --help imports every command's module; this one's work loads when it runs
             from yamlformer.recipes.training.dry_run import dry_run
 
-            dry_run(recipe, overrides)
+            dry_run(recipe, overrides, resume=args.resume, fresh=args.fresh)
             return 0
     except (SpecError, PluginError) as exc:
         print(exc, file=sys.stderr)
@@ -94,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_cooldown_arguments(args: argparse.Namespace) -> None:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.recipes.errors import RecipeError
 
     if (args.cooldown_from is None) != (args.steps is None):
@@ -103,18 +107,21 @@ def _check_cooldown_arguments(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
+    # local: builder --help imports every command's module; this one's work loads when it runs
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.training.module import NonFiniteLossError
+    from yamlformer.recipes.learning.module import NonFiniteLossError
     from yamlformer.recipes.training.run_folder import os_problem, owns_run_folder
     from yamlformer.recipes.training.signals import Stopped
 
     try:
         if args.cooldown_from is not None:
+            # local: builder --help imports every command's module; this one's work loads when it runs
             from yamlformer.recipes.training.cooldown import cooldown
 
             cooldown(recipe, overrides, args.cooldown_from, args.steps, args.fresh, args.samples, args.verbose)
         else:
+            # local: builder --help imports every command's module; this one's work loads when it runs
             from yamlformer.recipes.training.run import run as train
 
             train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)

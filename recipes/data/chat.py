@@ -15,6 +15,7 @@ the training's context token for token.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -148,6 +149,7 @@ def _renderer(template: str, tokenizer):
     state = tokenizer.state()
     if state.get("type") == "tokenizers":
         try:
+            # local: transformers (optional) is asked for a Hugging Face tokenizer's chat template only
             from transformers import PreTrainedTokenizerFast
         except ImportError:
             pass
@@ -168,8 +170,7 @@ def _renderer(template: str, tokenizer):
 def _jinja(template: str, tokenizer):
     """The template compiled as ``transformers`` compiles chat templates: a sandbox, blocks
     trimmed, ``raise_exception`` and ``tojson``; ``bos_token``/``eos_token`` from the tokenizer."""
-    import json
-
+    # local: jinja2 loads for a chat template only
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

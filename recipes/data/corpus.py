@@ -22,13 +22,14 @@ import numpy as np
 
 from yamlformer.builder.outputs import shown
 from yamlformer.recipes.data import registry as datasets
+from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
-from yamlformer.recipes.data.mixture import Source, Stream, epochs_seen, shares
+from yamlformer.recipes.data.mixture import NO_VALIDATION, Source, Stream, epochs_seen, shares
 from yamlformer.recipes.data.section import DataSection, SourceEntry
-from yamlformer.recipes.data.tokenizers import write_atomic
+from yamlformer.recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
 from yamlformer.recipes.data.walk import Seen, walk
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.fields import resolve
 
 #: text with at least this many documents is split by document; with fewer, by its tail
 DOCUMENT_SPLIT_MIN = 20
@@ -77,7 +78,12 @@ def _text_files(source: str, section: DataSection, recipe_file: Path | None, see
     if path.is_file():
         return [path] if seen.first(path) else []
     if path.is_dir():
-        return [f for f in walk(path, seen) if any(f.relative_to(path).match(p) for p in section.include)]
+        found = [f for f in walk(path, seen) if any(f.relative_to(path).match(p) for p in section.include)]
+        if not found and not any(any(f.relative_to(path).match(p) for p in section.include) for f in walk(path)):
+            raise RecipeError(
+                f"data.sources: the folder {shown(path)} holds no file matching data.include {list(section.include)}"
+            )
+        return found  # (empty: every file read already through an earlier source)
     raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {shown(path)})")
 
 
@@ -159,7 +165,6 @@ def read_corpus(section: DataSection, recipe_file: Path | None) -> TextCorpus:
 
 def kind_of(entry: SourceEntry, section: DataSection, recipe_file: Path | None) -> tuple[str, Path | None]:
     """``(tokenized | megatron | raw | text, path)`` of an entry, by what its path holds."""
-    from yamlformer.recipes.data.tokenized import is_tokenized_dataset
 
     if entry.path in datasets.DATASETS:
         return "text", None
@@ -218,9 +223,9 @@ def _identity(kind: str, path: Path) -> str:
 
 def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
     """``text`` tokenized into the cache (once per text, tokenizer and split), opened."""
+    # local: the tokenizing machinery (its workers, the tokenizer libraries) loads only when text is tokenized
     from yamlformer.recipes.data.sources import Document
     from yamlformer.recipes.data.tokenize import tokenize_documents
-    from yamlformer.recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
 
     key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|{section.val_fraction}|split-v1".encode())
     folder = Path(section.cache_dir) / "tokenized" / key.hexdigest()[:16]
@@ -249,9 +254,9 @@ def document_tokens(text: TextCorpus, tokenizer, cache_dir: str | Path) -> np.nd
     """Every document of ``text`` tokenized, each followed by the tokenizer's EOS when it has one,
     as one int64 array (``builder eval --data``); tokenized once into ``cache_dir/tokenized/``
     (keyed by the text and the tokenizer) and read from there after."""
+    # local: the tokenizing machinery (its workers, the tokenizer libraries) loads only when text is tokenized
     from yamlformer.recipes.data.sources import Document
     from yamlformer.recipes.data.tokenize import tokenize_documents
-    from yamlformer.recipes.data.tokenized import TokenizedDataset, is_tokenized_dataset
 
     key = hashlib.sha256(f"{text.hash}|{tokenizer.fingerprint()}|documents-v1".encode()).hexdigest()
     folder = Path(cache_dir) / "tokenized" / key[:16]
@@ -268,29 +273,60 @@ def document_tokens(text: TextCorpus, tokenizer, cache_dir: str | Path) -> np.nd
     return np.concatenate([np.asarray(shard.tokens, dtype=np.int64) for shard in dataset.shards("train")])
 
 
+def _entries(section: DataSection, recipe_file: Path | None) -> tuple[list[SourceEntry], list[str], list[tuple]]:
+    """The entries of ``section``, where each is written (``data.dataset``, ``data.sources[2]``) and
+    its :func:`kind_of`."""
+    entries = section.entries()
+    labels = (["data.dataset"] if section.dataset is not None else []) + [
+        f"data.sources[{i}]" for i in range(len(section.sources))
+    ]
+    return entries, labels, [kind_of(e, section, recipe_file) for e in entries]
+
+
+def _token_parts(
+    entry: SourceEntry, kind: str, path: Path, section: DataSection, recipe_file, fingerprint: str, vocab_size: int
+):
+    """``(training parts, validation parts)`` of an entry that is tokens already (a tokenized
+    dataset, a Megatron-LM dataset, a raw token file), opened memory-mapped as a run reads them:
+    a tokenized dataset's against the run's tokenizer ``fingerprint``, a token file's ids against
+    its ``vocab_size``."""
+
+    if kind == "tokenized":
+        dataset = TokenizedDataset.open(path, fingerprint)
+        train, validation = _dataset_parts(dataset, "train"), _dataset_parts(dataset, "validation")
+        if entry.validation is not None:
+            other = TokenizedDataset.open(resolve(recipe_file, entry.validation), fingerprint)
+            validation = _dataset_parts(other, "train") + _dataset_parts(other, "validation")
+        elif not validation:  # tokenized with no split held out: the tail of its last shard, at a document end
+            last, held = tail_split(train[-1], section.val_fraction)
+            train, validation = [*train[:-1], last], [held]
+        return train, validation
+    read = _token_file(kind, entry)
+    train, validation = _held_out(entry, read(path), read, section, recipe_file)
+    _check_ids(train, vocab_size, entry.path)
+    return train, validation
+
+
+def _source(entry: SourceEntry, name: str, train: list[Part], validation: list[Part], seq_len: int) -> Source:
+    held = _stream(validation, seq_len) if validation else None
+    return Source(name, _stream(train, seq_len, shift=True), held, entry.weight, entry.max_epochs)
+
+
 def open_corpus(
     section: DataSection, recipe_file: Path | None, tokenizer_for: Callable, trains_tokenizer: bool, pretrained=None
 ) -> Corpus:
     """The recipe's sources opened. ``tokenizer_for(text, text_hash)``: the recipe's tokenizer
     (``trains_tokenizer``: it is made from the text); ``pretrained``: one that must be used
     (``init_from``'s); a tokenized dataset's own tokenizer wins over both (and must match them)."""
-    from yamlformer.recipes.data.tokenized import TokenizedDataset
 
-    entries = section.entries()
-    labels = (["data.dataset"] if section.dataset is not None else []) + [
-        f"data.sources[{i}]" for i in range(len(section.sources))
-    ]
-    kinds = [kind_of(e, section, recipe_file) for e in entries]
+    entries, labels, kinds = _entries(section, recipe_file)
     opened = {i: TokenizedDataset.open(path) for i, (kind, path) in enumerate(kinds) if kind == "tokenized"}
     tokenizer = _shared_tokenizer(opened, labels, pretrained)
     text_entries = [i for i, (kind, _) in enumerate(kinds) if kind == "text"]
     text_all = read_text([entries[i].path for i in text_entries], section, recipe_file) if text_entries else None
     if tokenizer is None:
         if text_all is None and trains_tokenizer:
-            raise RecipeError(
-                "data: Megatron-LM and raw token files carry no tokenizer; set tokenizer.model_file "
-                "(and tokenizer.type) to the tokenizer they were made with"
-            )
+            raise RecipeError(NO_TOKENIZER)
         tokenizer = tokenizer_for(text_all.text if text_all else "", text_all.hash if text_all else "")
 
     sources, source_labels, identities = [], [], []
@@ -308,34 +344,79 @@ def open_corpus(
             train, validation = _dataset_parts(dataset, "train"), _dataset_parts(dataset, "validation")
             identities.append(text.hash)
             name = entry.path if len(group) == 1 else f"text ({len(text.files)} files)"
-        elif kind == "tokenized":
-            dataset = TokenizedDataset.open(path, tokenizer.fingerprint())
-            train, validation = _dataset_parts(dataset, "train"), _dataset_parts(dataset, "validation")
-            if entry.validation is not None:
-                other = TokenizedDataset.open(resolve(recipe_file, entry.validation), tokenizer.fingerprint())
-                validation = _dataset_parts(other, "train") + _dataset_parts(other, "validation")
-            elif not validation:  # tokenized with no split held out: the tail of its last shard, at a document end
-                last, held = tail_split(train[-1], section.val_fraction)
-                train, validation = [*train[:-1], last], [held]
-            identities.append(_identity(kind, path))
-            name = entry.path
         else:
-            read = _token_file(kind, entry)
-            train, validation = _held_out(entry, read(path), read, section, recipe_file)
-            _check_ids(train, tokenizer.vocab_size, entry.path)
+            train, validation = _token_parts(
+                entry, kind, path, section, recipe_file, tokenizer.fingerprint(), tokenizer.vocab_size
+            )
             identities.append(_identity(kind, path))
             name = entry.path
-        held = _stream(validation, section.seq_len) if validation else None
-        sources.append(Source(name, _stream(train, section.seq_len, shift=True), held, entry.weight, entry.max_epochs))
+        sources.append(_source(entry, name, train, validation, section.seq_len))
         source_labels.append(labels[i])
-    for source, label in zip(sources, source_labels):
+    check_windows(sources, source_labels, section.seq_len)
+    digest = hashlib.sha256("|".join(identities).encode()).hexdigest()[:16]
+    return Corpus(sources, source_labels, tokenizer, digest, _summary(sources, text_all, tokenizer))
+
+
+#: a corpus of token files only, and no tokenizer named to read them with
+NO_TOKENIZER = (
+    "data: Megatron-LM and raw token files carry no tokenizer; set tokenizer.model_file "
+    "(and tokenizer.type) to the tokenizer they were made with"
+)
+
+
+def check_windows(sources: list[Source], labels: list[str], seq_len: int, complete: bool = True) -> None:
+    """Every source has a training window and (``complete``: every source of the corpus is here)
+    one of them a validation window; else one line naming the source and what to change."""
+    for source, label in zip(sources, labels):
         if source.train.n_windows == 0:
             raise RecipeError(
                 f"{label}: {source.name} has {source.train.n_tokens:,} training tokens, fewer than "
-                f"seq_len + 1 = {section.seq_len + 1}; add data or lower data.seq_len"
+                f"seq_len + 1 = {seq_len + 1}; add data or lower data.seq_len"
             )
-    digest = hashlib.sha256("|".join(identities).encode()).hexdigest()[:16]
-    return Corpus(sources, source_labels, tokenizer, digest, _summary(sources, text_all, tokenizer))
+    if complete and not any(s.validation is not None and s.validation.n_windows > 0 for s in sources):
+        raise RecipeError(NO_VALIDATION)
+
+
+def check_sources(
+    section: DataSection,
+    recipe_file: Path | None,
+    vocab_size: int,
+    total_windows: int | None,
+    trains_tokenizer: bool,
+    pretrained=None,
+) -> None:
+    """What :func:`open_corpus` and the windows a run draws refuse, found without tokenizing any
+    text: each text source a file or a folder of files; each source that is tokens already opened
+    as a run opens it (one tokenizer for the tokenized datasets, ``pretrained``'s when given; ids
+    inside ``vocab_size``; a training window), when every source is tokens a validation window,
+    and when their shares are known (every source tokens, or weighted) none seen past its
+    ``max_epochs`` in ``total_windows`` (None: not checked). ``trains_tokenizer``:
+    the recipe's tokenizer is made from the text (as :func:`open_corpus` takes it)."""
+
+    entries, labels, kinds = _entries(section, recipe_file)
+    opened = {i: TokenizedDataset.open(path) for i, (kind, path) in enumerate(kinds) if kind == "tokenized"}
+    shared = _shared_tokenizer(opened, labels, pretrained)
+    if shared is None and trains_tokenizer and all(kind != "text" for kind, _ in kinds):
+        raise RecipeError(NO_TOKENIZER)
+    fingerprint = shared.fingerprint() if shared is not None else None
+    sources, source_labels, complete, seen = [], [], True, Seen()
+    for i, entry in enumerate(entries):
+        kind, path = kinds[i]
+        if kind == "text":
+            if entry.path not in datasets.DATASETS:  # a dataset's files: the registry's (the dry run's data lines)
+                _text_files(entry.path, section, recipe_file, seen)
+            complete = False  # its tokens are known once it is tokenized
+            continue
+        train, validation = _token_parts(entry, kind, path, section, recipe_file, fingerprint, vocab_size)
+        sources.append(_source(entry, entry.path, train, validation, section.seq_len))
+        source_labels.append(labels[i])
+    check_windows(sources, source_labels, section.seq_len, complete)
+    weights = [e.weight for e in entries]
+    if total_windows is not None and (complete or all(w is not None for w in weights)):  # the shares are known
+        p = None if complete else [s.weight / sum(weights) for s in sources]
+        problems = over_limit(_rows(source_labels, sources, total_windows, p))
+        if problems:
+            raise RecipeError(problems[0])
 
 
 def _shared_tokenizer(opened: dict, labels: list[str], pretrained):
@@ -386,10 +467,14 @@ def _summary(sources: list[Source], text: TextCorpus | None, tokenizer) -> str:
 def mixture_rows(corpus: Corpus, total_windows: int) -> list[dict]:
     """Per source: its training tokens, its share of the windows and the passes a run of
     ``total_windows`` makes over it, with its limit."""
+    return _rows(corpus.labels, corpus.sources, total_windows)
+
+
+def _rows(labels: list[str], sources: list[Source], total_windows: int, p=None) -> list[dict]:
+    """:func:`mixture_rows` of ``sources`` (``p``: their shares, when not :func:`shares` of these alone)."""
+    p = shares(sources) if p is None else p
     rows = []
-    for label, source, share, epochs in zip(
-        corpus.labels, corpus.sources, shares(corpus.sources), epochs_seen(corpus.sources, total_windows)
-    ):
+    for label, source, share, epochs in zip(labels, sources, p, epochs_seen(sources, total_windows, p)):
         rows.append(
             {
                 "source": label,
@@ -416,7 +501,6 @@ def over_limit(rows: list[dict]) -> list[str]:
 def source_tokens(entry: SourceEntry, kind: str, path: Path, section: DataSection) -> int:
     """The training tokens of a source that is already tokens, read from its header or manifest
     (what the dry run shows; a tail held out as the run holds it)."""
-    from yamlformer.recipes.data.tokenized import TokenizedDataset
 
     if kind == "tokenized":
         return TokenizedDataset.open(path).tokens("train")

@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.data.tokenized import (
     FORMAT,
     MANIFEST,
@@ -37,6 +38,7 @@ class Folder:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            # local: builder.checkpoints loads only to name a failed write
             from yamlformer.builder.checkpoints import write_reason
 
             raise RecipeError(f"could not make {out}: {write_reason(exc)}") from None
@@ -53,7 +55,6 @@ class Folder:
             if not overwrite:
                 raise RecipeError(f"{out} holds a dataset without its run's settings; add --overwrite to start over")
             self.clear()
-        from yamlformer.recipes.data.tokenizers import write_atomic
 
         started = dumps({"format": FORMAT, "version": VERSION, "settings": settings})
         if not (out / STARTED).is_file() or (out / STARTED).read_bytes() != started:
@@ -63,6 +64,7 @@ class Folder:
 
     def _take_lock(self) -> None:
         try:
+            # local: POSIX only
             import fcntl
         except ImportError:  # no flock here (Windows): one run per folder is up to the user
             return
@@ -168,7 +170,6 @@ def dumps(value) -> bytes:
 
 def save_tokenizer(tokenizer, out: Path) -> dict:
     """The tokenizer's file in ``out`` (rewritten only when it differs); its manifest entry."""
-    from yamlformer.recipes.data.tokenizers import write_atomic
 
     state = tokenizer.state()
     name = TOKENIZER_FILES[tokenizer.kind]

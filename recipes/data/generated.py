@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from yamlformer.recipes.data.files import write_atomic
+
 #: modules whose functions the records are about: pure-Python, importable everywhere, no side effects
 MODULES = (
     "argparse", "ast", "base64", "bisect", "calendar", "colorsys", "contextlib", "copy", "csv", "dataclasses",
@@ -56,8 +58,6 @@ def signature_records() -> list[dict]:
 def python_signatures(root: Path) -> list[Path]:
     """The records for this interpreter as a JSON Lines file under the data root ``root``,
     written when absent."""
-    from yamlformer.recipes.data.tokenizers import write_atomic
-
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     path = root / "python-signatures" / f"python{version}-v{VERSION}.jsonl"
     if not path.is_file():

@@ -57,6 +57,7 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, object]]:
+    # local: pyarrow loads for a .parquet file only
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -22,6 +22,11 @@ from yamlformer.recipes.data.megatron import Part
 
 #: windows per interleaving block
 BLOCK = 1024
+#: what a corpus is refused with when no source holds out a whole window (``yamlformer.recipes.data.corpus``)
+NO_VALIDATION = (
+    "data: no source has a validation split with a whole window; add data, lower data.seq_len or raise "
+    "data.val_fraction"
+)
 #: the seed streams of training and validation windows
 TRAIN, VALIDATION = 0, 1
 
@@ -220,7 +225,8 @@ class Windows:
         return np.stack(rows), docs, labels
 
 
-def epochs_seen(sources: list[Source], total_windows: int) -> list[float]:
-    """How many passes over each source's training windows a run of ``total_windows`` makes."""
-    p = shares(sources)
+def epochs_seen(sources: list[Source], total_windows: int, p: np.ndarray | None = None) -> list[float]:
+    """How many passes over each source's training windows a run of ``total_windows`` makes
+    (``p``: their shares, when not :func:`shares` of these sources)."""
+    p = shares(sources) if p is None else p
     return [float(total_windows * share / s.train.n_windows) for share, s in zip(p, sources)]

@@ -208,6 +208,7 @@ def default_root() -> Path:
     env = os.environ.get(ENV_ROOT)
     if env:
         return Path(env).expanduser()
+    # local: platformdirs loads only where no $BUILDER_DATA is set
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("builder", appauthor=False)) / "data"
@@ -352,6 +353,7 @@ def download(dataset: Dataset, remote: RemoteFile, path: Path, timeout: float, b
 
 def _fetch(url: str, out, timeout: float, expected_size: int, instead: str) -> str:
     """Stream ``url`` into ``out``; returns the sha256 of the bytes served."""
+    # local: the progress bar loads only for work long enough to show one
     from tqdm.auto import tqdm
 
     digest, got, total = hashlib.sha256(), 0, None

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 
-from yamlformer.recipes.recipe.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
+from yamlformer.recipes.fields import PYTHON_STDLIB, RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
 
 
 class SourceEntry(_Section):
@@ -68,6 +68,7 @@ class DatasetFields(_Section):
     @classmethod
     def _known_dataset(cls, value):
         if value is not None:
+            # local: the dataset registry (urllib, http) loads only when a dataset is named
             from yamlformer.recipes.data.registry import get
 
             get(value)
@@ -151,6 +152,7 @@ class DataSection(DatasetFields):
         if self.dataset is None and not self.sources:
             self.dataset = PYTHON_STDLIB
         if self.dataset is not None and "val_fraction" not in self.model_fields_set:
+            # local: the dataset registry (urllib, http) loads only when a dataset is named
             from yamlformer.recipes.data.registry import get
 
             self.val_fraction = get(self.dataset).val_fraction or self.val_fraction

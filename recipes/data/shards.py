@@ -11,11 +11,13 @@ import hashlib
 import itertools
 import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.errors import RecipeError
 
 #: text handed to one encode_batch call: enough to amortize the call, small enough that the
@@ -113,10 +115,8 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 def write_file(path: Path, array: np.ndarray) -> str:
-    """``array``'s bytes to ``path`` (:func:`yamlformer.recipes.data.tokenizers.write_atomic`: temp file, fsync,
+    """``array``'s bytes to ``path`` (:func:`yamlformer.recipes.data.files.write_atomic`: temp file, fsync,
     rename); their sha256."""
-    from yamlformer.recipes.data.tokenizers import write_atomic
-
     data = memoryview(np.ascontiguousarray(array)).cast("B")
     write_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
@@ -156,11 +156,11 @@ _WORKER: dict = {}
 def start_worker(state: dict, out: str, dtype: str, eos: int | None) -> None:
     """A worker's start: one thread for its tokenizer (W workers use W cores), built once. Ctrl+C
     is the main process's to handle (it lets the units in flight finish and stops)."""
-    import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
+    # local: the tokenizer libraries load in the worker after its one-thread settings above
     from yamlformer.recipes.data.tokenizers import from_state
 
     _WORKER.update(tokenizer=from_state(state), out=Path(out), dtype=np.dtype(dtype), eos=eos)

@@ -122,6 +122,7 @@ def find_sources(paths: list[str], exclude: Path | None = None) -> list[Source]:
     each real file once over all the sources: :mod:`yamlformer.recipes.data.walk`); ``exclude``:
     a folder never read (the output). A missing path, a device or FIFO, an empty folder or a
     refused compression is a :class:`RecipeError`."""
+    # local: the tokenized format (numpy) loads only when a folder is looked into
     from yamlformer.recipes.data.tokenized import is_tokenized_dataset
 
     skip = exclude.resolve() if exclude is not None else None
@@ -345,6 +346,7 @@ class DocumentStream:
     def _parquet(self, file: SourceFile) -> Iterator[str]:
         """Row group by row group (pyarrow's batch iterator buffers ahead: a file's worth, for a
         file of many groups), the text column only."""
+        # local: pyarrow loads only for a Parquet or Arrow file
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -372,6 +374,7 @@ class DocumentStream:
             self.bytes_read = start + file.bytes * row // total
 
     def _arrow(self, file: SourceFile) -> Iterator[str]:
+        # local: pyarrow loads only for a Parquet or Arrow file
         import pyarrow as pa
 
         try:
@@ -407,6 +410,7 @@ class DocumentStream:
 
     def _column(self, file: SourceFile, schema) -> str:
         """The text column's name, checked: present and of a string type."""
+        # local: pyarrow loads only for a Parquet or Arrow file
         import pyarrow as pa
 
         field = self.text_field
@@ -427,6 +431,7 @@ class DocumentStream:
 
     def _strings(self, file: SourceFile, column, first_row: int) -> list[str]:
         if column.null_count:
+            # local: pyarrow loads only for a Parquet or Arrow file
             import pyarrow.compute as pc
 
             row = first_row + pc.index(column.is_null(), True).as_py()
@@ -438,10 +443,12 @@ def _open(file: SourceFile) -> BinaryIO:
     """The file's bytes, decompressed; a damaged archive is a RecipeError when read."""
     raw = open(file.path, "rb")  # noqa: SIM115  (closed by the wrapper)
     if file.compression == "gzip":
+        # local: a decompressor loads only for a compressed file
         import gzip
 
         return _Guarded(gzip.GzipFile(fileobj=raw, mode="rb"), raw, file)
     if file.compression == "zstd":
+        # local: a decompressor loads only for a compressed file
         import io
 
         import zstandard

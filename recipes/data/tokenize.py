@@ -37,11 +37,15 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from yamlformer.recipes.data.dataset_folder import Folder, dumps, save_tokenizer
+from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.data.shards import Unit, fsync_folder, one_thread, start_worker, tokenize_unit, work
 from yamlformer.recipes.data.sources import Document
 from yamlformer.recipes.data.tokenized import (
@@ -206,8 +210,6 @@ class _Bar:
         self.started = time.perf_counter()
         self.shown = 0
         if enabled:
-            from tqdm.auto import tqdm
-
             # position 0: another bar left open must not push this one down a line; disable=None:
             # none when stderr is not a terminal (a log would fill with carriage returns)
             self.bar = tqdm(
@@ -321,8 +323,6 @@ def tokenize_documents(
         manifest = _manifest(
             results, tokenizer, tokenizer_entry, dtype, eos, tracked, val_fraction, val_sources, identity
         )
-        from yamlformer.recipes.data.tokenizers import write_atomic
-
         payload = dumps(manifest)
         if not (out / MANIFEST).is_file() or (out / MANIFEST).read_bytes() != payload:  # a finished rerun: kept
             write_atomic(out / MANIFEST, payload)
@@ -356,7 +356,6 @@ def _run(
     counts: collections.Counter,
 ) -> list[dict]:
     """Every unit reused or tokenized; their records in unit order."""
-    from yamlformer.recipes.data.tokenizers import write_atomic
 
     out = folder.out
     records = folder.records()
@@ -386,8 +385,6 @@ def _run(
                 "a tokenize worker stopped (killed, or out of memory); rerun the same command to resume"
             ) from None
         record(index, unit_hash, shards)
-
-    from concurrent.futures.process import BrokenProcessPool
 
     context = one_thread() if workers == 1 else contextlib.nullcontext()
     try:
@@ -425,7 +422,6 @@ def _run(
 
 
 def _pool(workers: int, tokenizer, out: Path, dtype: np.dtype, eos: int | None):
-    from concurrent.futures import ProcessPoolExecutor
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")

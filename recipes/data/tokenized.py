@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -120,6 +121,7 @@ class TokenizedDataset:
 
     def tokenizer(self):
         """The tokenizer saved in the folder, checked against the manifest's fingerprint."""
+        # local: the tokenizer libraries load when a dataset's tokenizer is read (a check opens manifests only)
         from yamlformer.recipes.data.tokenizers import CharTokenizer, HFTokenizer, SentencePieceTokenizer
 
         entry = self.manifest["tokenizer"]
@@ -184,8 +186,7 @@ class TokenizedDataset:
         total = sum(stat.st_size for _, _, stat, _ in todo)
         bar = None
         if total > _BAR_BYTES:
-            import sys
-
+            # local: the progress bar loads only for work long enough to show one
             from tqdm.auto import tqdm
 
             bar = tqdm(

@@ -17,7 +17,6 @@ by the hash of corpus and settings.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
@@ -25,10 +24,14 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from yamlformer.builder.hf.tokenizer import CHAR_EOS
+import sentencepiece as spm
+
+from yamlformer.builder.hf import HFError
+from yamlformer.builder.hf.tokenizer import CHAR_EOS, read_tokenizer, to_tokenizers
+from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.data.section import TokenizerSection
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.fields import resolve
 
 #: text per sentencepiece encode call; cut at newlines, which no piece crosses
 _CHUNK_CHARS = 1 << 16
@@ -106,7 +109,6 @@ class SentencePieceTokenizer:
     kind = "sentencepiece"
 
     def __init__(self, model_proto: bytes):
-        import sentencepiece as spm
 
         self.model_proto = bytes(model_proto)
         self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
@@ -160,7 +162,6 @@ class HFTokenizer:
         split_special_tokens: bool = False,
         chat_template: str | None = None,
     ):
-        from yamlformer.builder.hf.tokenizer import to_tokenizers
 
         self.json_text, self.specials, self.split = json_text, dict(specials or {}), split_special_tokens
         self.chat_template = chat_template  # the folder's Jinja chat template (tokenizer_config.json), if any
@@ -234,8 +235,6 @@ def from_state(state: dict) -> Tokenizer:
 
 def hf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer of a Hugging Face folder (or an import-hf output), or of a tokenizer.json."""
-    from yamlformer.builder.hf import HFError
-    from yamlformer.builder.hf.tokenizer import read_tokenizer
 
     try:
         if path.is_file() and path.name.endswith(".json"):
@@ -257,7 +256,6 @@ def train_sentencepiece(text: str, section: TokenizerSection, seed: int = 0, opt
     end-of-text piece ``</s>`` (``builder tokenize`` ends each document with it) at the first id
     the other specials leave free. ``options``: trainer settings over these (special-token ids,
     prose normalization...); an ``eos_id`` there, -1 included, is kept."""
-    import sentencepiece as spm
 
     lines = [line for line in text.split("\n") if line.strip()]
     if len(lines) > section.train_max_lines:
@@ -328,24 +326,3 @@ def build_tokenizer(
     proto = train_sentencepiece(text, section, options=options)
     write_atomic(cached, proto)
     return SentencePieceTokenizer(proto)
-
-
-def write_atomic(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` so a reader sees the old file or the whole new one; a failed
-    write leaves no temp file and is a :class:`RecipeError` naming ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # no partial file is left for a rerun to trip on
-        if isinstance(exc, OSError):
-            from yamlformer.builder.checkpoints import write_reason
-
-            raise RecipeError(f"could not write {path}: {write_reason(exc)}") from None
-        raise

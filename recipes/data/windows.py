@@ -15,16 +15,16 @@ process ahead of the step (``data.num_workers``).
 
 from __future__ import annotations
 
+import signal
+
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from yamlformer.recipes.data.mixture import TRAIN, VALIDATION, Source, Windows, shares
+from yamlformer.blocks.heads import IGNORE
+from yamlformer.recipes.data.mixture import NO_VALIDATION, TRAIN, VALIDATION, Source, Windows, shares
 from yamlformer.recipes.errors import RecipeError
-
-#: a target that takes no part in the loss (yamlformer.recipes.training.module.IGNORE)
-IGNORE = -100
 
 
 def to_batch(ids: np.ndarray, documents: np.ndarray | None, packing: str) -> tuple[torch.Tensor, ...]:
@@ -43,7 +43,6 @@ def worker_ignores_signals(_worker_id: int) -> None:
     """A batch-making worker leaves Ctrl+C, SIGTERM and SLURM's SIGUSR1 to the training process
     (a terminal and a scheduler signal the whole process group): that process saves and stops
     and takes its workers down; a worker that died of the signal would end the run as an error."""
-    import signal
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
@@ -58,10 +57,7 @@ class Mixture:
         self.train = Windows([s.train for s in sources], weights, seed, TRAIN)
         held = [i for i, s in enumerate(sources) if s.validation is not None and s.validation.n_windows > 0]
         if not held:
-            raise RecipeError(
-                "data: no source has a validation split with a whole window; add data, lower "
-                "data.seq_len or raise data.val_fraction"
-            )
+            raise RecipeError(NO_VALIDATION)
         self.held_out = held
         self.validation = Windows([sources[i].validation for i in held], weights[held], seed, VALIDATION)
 

@@ -14,6 +14,10 @@ from yamlformer.blocks.configs.tensors import TensorScaling
 from yamlformer.blocks.init import canonical_name
 from yamlformer.builder.optim import OptimizerConfig, Trainable
 from yamlformer.builder.parametrization import plan
+from yamlformer.builder.spec.problems import locate
+from yamlformer.builder.spec.source import SpecError
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import as_written
 
 
 class OptimizerProblem(ValueError):
@@ -71,11 +75,6 @@ def check_optimizer(optimizer: OptimizerConfig, model: nn.Module, recipe_file=No
     """Refuse, before any step, an optimizer that cannot train ``model`` (Muon with no hidden matrix
     to train): each problem located at the recipe's ``optimizer`` field it is about (the recipe's
     own line; ``--set``'s where the value came from there)."""
-    from yamlformer.builder.spec.problems import locate
-    from yamlformer.builder.spec.source import SpecError
-    from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.recipe.sections import as_written
-
     problems = optimizer.problems(trainables(model, spec)[0])
     if not problems:
         return

@@ -66,6 +66,7 @@ def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.b
 
 def orthogonalized(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """:func:`newton_schulz` of an update, a ``DTensor`` shard through its whole matrix (module doc)."""
+    # local: torch.distributed's tensors load only where an update is orthogonalized
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(update, DTensor):

@@ -4,12 +4,11 @@ own classes. Precision is :mod:`yamlformer.recipes.training.precision` (fused Ad
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 
 def fused_kernels(params: list[torch.Tensor]) -> bool:
     """Whether torch has a fused optimizer kernel for every parameter's device and dtype."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
     devices = set(_get_fused_kernels_supported_devices())
     return bool(params) and all(p.device.type in devices and p.is_floating_point() for p in params)
 

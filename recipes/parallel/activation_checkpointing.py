@@ -11,6 +11,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def layer_modules(model: nn.Module) -> list[nn.Module]:
@@ -30,7 +31,6 @@ def checkpoint_layers(model: nn.Module) -> int:
     """Recompute each layer's activations in the backward pass instead of keeping them (in
     training with gradients only: evaluation and decoding run the layer as built). Returns how
     many layers."""
-    from torch.utils.checkpoint import checkpoint
 
     layers = layer_modules(model)
     for layer in layers:

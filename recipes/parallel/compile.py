@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch._dynamo.callback import callback_handler
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 
 def compile_mode(trainer) -> str | None:
@@ -78,7 +80,6 @@ class CompileClock:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CompileClock]:
-        from torch._dynamo.callback import callback_handler
 
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
@@ -93,7 +94,6 @@ class CompileClock:
 def compiling(out: Path) -> Iterator[CompileClock]:
     """Inductor's caches under ``out/compile-cache`` (in-memory caches cleared on the way in and
     out, so what compiles here is looked up there) and a :class:`CompileClock` for what runs inside."""
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     clock = CompileClock()
     with temporary_cache_dir(str(Path(out).resolve() / "compile-cache")), clock.installed():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from yamlformer.builder.analysis.layout_rules import context_parallel_problems
 from yamlformer.recipes.errors import RecipeError
 
 
@@ -66,7 +67,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> ContextShard:
     A RecipeError naming ``trainer.context_parallel`` and the spec's field for a model whose blocks
     say they cannot (``context_parallel_problems``: an attention without a context-parallel path,
     a head with attention layers of its own)."""
-    from yamlformer.builder.analysis.layout_rules import context_parallel_problems
 
     degree = cp_mesh.size()
     problems = context_parallel_problems(model.spec, degree)  # each block's own contract, as the planner asks

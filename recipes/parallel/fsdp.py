@@ -12,15 +12,22 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from yamlformer.blocks.init import STD, canonical_name, fill, imperative_modules, init_from_weights, init_rules
+from yamlformer.builder.checkpoints import empty_model
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.parallel.mesh import SHARD_DIM
 
 
 def mixed_precision(precision: str):
     """FSDP2's policy for a recipe precision: bf16-mixed computes in bf16 and reduces gradients
     in fp32 while the sharded parameters (the optimizer's master copy) stay fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -48,7 +55,6 @@ def apply_fsdp(
     ``ep``; their gradients, which already sum every ``ep`` rank's tokens, are divided by the
     whole data- and context-parallel degree the dense gradients are averaged over (a sum
     reduction, then the division: gloo has no pre-scaled sum)."""
-    from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns when a unit returns a view: an in-place op on it would drop FSDP's pre-backward
     # hook. The root unit's output is the model's logits (a view under tensor parallelism), which
@@ -57,7 +63,6 @@ def apply_fsdp(
     # place only (a product with the gates, ``index_copy`` and ``index_add`` into new tensors), so
     # it does not apply there; a view returned by any other unit (a layer, an embedding) still warns.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+(Model|Experts)\) returned a view tensor")
-    from yamlformer.recipes.parallel.mesh import SHARD_DIM
 
     dp_mesh = mesh["dp_replicate", SHARD_DIM] if mesh["dp_replicate"].size() > 1 else mesh[SHARD_DIM]
     policy = mixed_precision(precision)
@@ -101,10 +106,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     build has there (``yamlformer.blocks.init`` seeds every parameter by name): each shard draws only the
     rows it holds. Buffers (DeepSeekMoE's expert bias and load) are set by their modules'
     ``init_weights`` first, as a whole-model build sets them."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from yamlformer.blocks.init import STD, canonical_name, fill, imperative_modules, init_from_weights, init_rules
 
     model.to_empty(device=device)
     for _, module in imperative_modules(model):  # before the rules: those parameters are theirs
@@ -132,7 +133,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def local_bytes(model: nn.Module) -> int:
     """Bytes of the parameters this rank holds (its shards; whole tensors when not sharded)."""
-    from torch.distributed.tensor import DTensor
 
     total = 0
     for p in model.parameters():
@@ -143,7 +143,6 @@ def local_bytes(model: nn.Module) -> int:
 
 def is_sharded_model(model: nn.Module) -> bool:
     """Whether any parameter is a DTensor (split by FSDP2 or tensor parallelism)."""
-    from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -155,9 +154,6 @@ def whole_model(module) -> nn.Module | None:
     model = module.model
     if not is_sharded_model(model):
         return model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from yamlformer.builder.checkpoints import empty_model
 
     pipeline = getattr(module, "pipeline", None)
     # offloaded, a whole state is rank 0's alone; a pipeline's every stage sends its own. Split
@@ -192,7 +188,6 @@ def _gather_stages(state: dict, group, rank: int) -> dict | None:
     """The whole model's state on rank 0, from the stages of its pipeline ``group`` (each a
     rank's own tensors); the ranks of other pipelines (other data-parallel coordinates) hold the
     same and send nothing."""
-    import torch.distributed as dist
 
     if 0 not in dist.get_process_group_ranks(group):
         return None

@@ -27,6 +27,10 @@ pipeline stage (``world / pp``) and ``E`` the data-parallel ranks ``ep`` borrows
 from __future__ import annotations
 
 import os
+import warnings
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from yamlformer.builder.analysis.layout import Layout, LayoutError
 from yamlformer.recipes.errors import RecipeError
@@ -85,9 +89,6 @@ def device_mesh(layout: Layout, device_type: str):
     """The ``MESH_DIMS`` mesh of ``layout`` over the processes that exist (a process group is
     up), with ``dp_shard`` (:data:`SHARD_DIMS`), ``ep`` (:func:`expert_dims`) and the
     :data:`FLATTENED` groups made dimensions too, as torchtitan does."""
-    import warnings
-
-    from torch.distributed.device_mesh import init_device_mesh
 
     # torch warns that slicing a flattened dimension (dp_shard) from the root mesh is to be
     # deprecated; it is how DTensor and FSDP2 find these groups by name today
@@ -112,7 +113,6 @@ def cpu_process_limit() -> int:
 def accelerator_of(accelerator: str) -> str:
     """The accelerator Lightning runs ``trainer.accelerator`` on here: ``auto`` and ``gpu`` made
     ``cuda``, ``mps`` or ``cpu`` as this machine has them; the others as written."""
-    import torch
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
@@ -143,7 +143,6 @@ def device_count(settings: TrainerSection, check: bool = True) -> int:
 
 
 def _cuda_count(accelerator: str, devices: int | list[int] | str, check: bool) -> int:
-    import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if check and available == 0:

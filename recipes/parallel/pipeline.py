@@ -23,7 +23,7 @@ torchtitan does it (``torchtitan/distributed/pipeline_parallel.py``):
   forward told the tokens' places in the whole sequence (:func:`attach_token_index`).
 
 Lightning's ``ModelParallelStrategy`` has no pipeline: the LightningModule drives the schedule
-with manual optimization (``yamlformer.recipes.training.module.LMModule``): a schedule's step is the forward
+with manual optimization (``yamlformer.recipes.learning.module.LMModule``): a schedule's step is the forward
 and backward of every micro-batch interleaved across ranks, which no ``training_step`` returning
 a loss for Lightning to backpropagate can express; the optimizer, its scheduler, checkpoints and
 logging stay Lightning's.
@@ -31,10 +31,14 @@ logging stay Lightning's.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
 
 from yamlformer.builder.analysis.layout import pipeline_parallel_problems
 from yamlformer.builder.analysis.runtime import stage_placement
@@ -134,7 +138,6 @@ class Pipeline:
     def _run(self, train: bool, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One schedule step (``train``: forward and backward; else forward only) over ``input_ids``
         cut into micro-batches; the mean of their losses, on every rank of the pipeline."""
-        import torch.distributed as dist
 
         losses: list[torch.Tensor] = []
         if self.context_shard is not None:  # every stage's micro-batches are this rank's share of the rows
@@ -175,8 +178,6 @@ class Pipeline:
         """Sum the gradients of a tied table's two copies: the first stage's (the embedding's
         lookups) and the last's (the head's projection), as Megatron-LM's embedding all-reduce;
         each rank's shard of them, laid out alike on both (the same tensor and data-parallel split)."""
-        import torch.distributed as dist
-
         for param in self.tied():
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             local = grad.to_local() if hasattr(grad, "to_local") else grad
@@ -201,7 +202,6 @@ class Pipeline:
         same groups, so which rank's copy it keeps does not matter), and a checkpoint keyed by
         position in the whole model's groups (one process wrote it) maps to names through them.
         Every rank of the ``pp`` group calls it."""
-        import torch.distributed as dist
 
         parts: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(parts, [list(group["params"]) for group in groups], group=self.group)
@@ -235,7 +235,7 @@ def attach_auxiliary_losses(stage: nn.Module, balance_weight: float) -> None:
     """Make ``stage``'s training forwards carry its blocks' auxiliary losses (``aux_losses``: the
     experts' balancing loss times ``balance_weight``) into its backward: the last stage's loss
     sees only its own layers, and each stage's losses are its own layers' share of the sum one
-    process adds to the loss (``yamlformer.recipes.training.module``)."""
+    process adds to the loss (``yamlformer.recipes.learning.module``)."""
 
     def hook(module, args, output):
         losses = module.aux_losses(balance_weight=balance_weight) if torch.is_grad_enabled() else {}
@@ -265,9 +265,6 @@ def _stage_class():
     on the others) leaves its blocks' statistics alone (``statistics_paused``: the experts'
     loads, which move the routing bias after the step); torch gives no hook for it, so this
     wraps its private method, and the PP x EP test's equal losses say it still runs."""
-    from contextlib import ExitStack
-
-    from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
         def _forward_metadata_inference(self, *args, **kwargs):
@@ -291,7 +288,6 @@ def build_pipeline(
     mesh's other dimensions, materialised); ``balance_weight``: the mixture of experts' balancing
     loss coefficient (``loss.moe_aux_coef``), each stage adding its own layers' losses
     (:func:`attach_auxiliary_losses`)."""
-    from torch.distributed.pipelining import schedules
 
     check_pipeline(model, settings)
     table = {id(p) for p in tied_table(model)}  # before the stages split and shard it apart
@@ -336,8 +332,6 @@ def build_pipeline(
 def _tie_group(mesh, last: int):
     """The process group of this rank's pipeline's first and last pp ranks (``last``), where a
     tied table's two copies are; every rank makes every pipeline's group, in one order."""
-    import torch.distributed as dist
-
     dim = mesh.mesh_dim_names.index("pp")
     lines = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim]).tolist()
     me = dist.get_rank()
@@ -354,7 +348,6 @@ def v_evaluation(stages: list, microbatches: int, loss_fn):
     and ``dualpipev``, whose steps split the backward into input and weight parts that
     ``eval()`` cannot skip: torch's breadth-first schedule with the V placement, forwards only
     (every micro-batch through a rank's first stage, then its second)."""
-    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
 
     class VBreadthFirst(ScheduleLoopedBFS):
         def _calculate_single_rank_operations(self, rank):

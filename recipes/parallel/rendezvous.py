@@ -17,6 +17,8 @@ import random
 import socket
 from pathlib import Path
 
+import torch.distributed as dist
+
 #: Linux's default ephemeral range, where ``/proc`` does not say
 EPHEMERAL = (32768, 60999)
 #: the lowest port tried: above the registered services most machines run
@@ -79,8 +81,6 @@ def run_process_group():
     found it taken (``EADDRINUSE``). A run of several processes is left as it is: its processes
     end with it, and tearing a group down while another rank may still be in a collective could
     hang it."""
-    import torch.distributed as dist
-
     before = {name: os.environ.get(name) for name in RENDEZVOUS_ENV}
     ours = not (dist.is_available() and dist.is_initialized())
     try:

@@ -12,11 +12,17 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from yamlformer.builder.analysis.layout import Layout
+from yamlformer.recipes.parallel import parallelize
+from yamlformer.recipes.parallel.checkpoints import load_into_shards, save_sharded
 from yamlformer.recipes.parallel.mesh import device_mesh, layout_of
+from yamlformer.recipes.parallel.pipeline import build_pipeline
 from yamlformer.recipes.recipe.sections import TrainerSection
 
 
@@ -31,8 +37,6 @@ def mesh_groups(parameters) -> dict:
 
 def grad_norm(groups: dict) -> torch.Tensor:
     """The total gradient norm of :func:`mesh_groups`: each mesh's made whole, the squares summed."""
-    from torch.distributed.tensor import DTensor
-    from torch.nn.utils import get_total_norm
 
     norms = []
     for params in groups.values():
@@ -43,7 +47,6 @@ def grad_norm(groups: dict) -> torch.Tensor:
 
 def on_mesh(total: torch.Tensor, mesh):
     """``total`` replicated on ``mesh`` (as is, for plain tensors), to clip that mesh's gradients with."""
-    from torch.distributed.tensor import DTensor, Replicate
 
     return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False) if mesh else total
 
@@ -56,8 +59,6 @@ def clip_grad_norm(parameters, max_norm: float, group=None, leave_out=()) -> tor
     (torchtitan's ``clip_grad_norm_`` with a pp mesh); ``leave_out``: parameters scaled but not
     counted, another rank counting them (the last stage's copy of a tied table). Returns the
     total norm."""
-    import torch.distributed as dist
-    from torch.nn.utils import clip_grads_with_norm_
 
     parameters = list(parameters)
     groups = mesh_groups(parameters)
@@ -115,7 +116,6 @@ class ShardedStrategy(ModelParallelStrategy):
     def parallelize(self, model: nn.Module) -> nn.Module:
         """:func:`yamlformer.recipes.parallel.parallelize` on this strategy's mesh, materialised on this
         rank's device (once per model: ``configure_model`` runs for every stage)."""
-        from yamlformer.recipes.parallel import parallelize
 
         if id(model) not in self._parallelized:
             parallelize(model, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
@@ -125,8 +125,6 @@ class ShardedStrategy(ModelParallelStrategy):
     def pipeline(self, model: nn.Module, loss_fn, balance_weight: float = 0.0):
         """This rank's part of ``model`` and its :class:`yamlformer.recipes.parallel.pipeline.Pipeline`
         (``trainer.pipeline_parallel``), each stage parallelised on the mesh's other dimensions."""
-        from yamlformer.recipes.parallel import parallelize
-        from yamlformer.recipes.parallel.pipeline import build_pipeline
 
         def stage(view: nn.Module) -> nn.Module:
             return parallelize(view, self.settings, self.device_mesh, init_seed=self.init_seed, device=self.root_device)
@@ -164,8 +162,6 @@ class ShardedStrategy(ModelParallelStrategy):
         ``filepath``; once all are done rank 0 seals ``meta.pt`` and renames the folder into place
         (``yamlformer.builder.checkpoints.save_sharded``). A rank killed before that leaves the previous checkpoint
         whole, and a temp folder the next save removes."""
-        from yamlformer.recipes.training.checkpointing import save_sharded
-
         if storage_options is not None:
             raise TypeError("the sharded strategy takes no storage_options")
         path = Path(self.broadcast(str(filepath)))
@@ -175,8 +171,6 @@ class ShardedStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """A sharded folder through Lightning (resharded to this layout); a file checkpoint (one
         process or DDP wrote it) through ``yamlformer.builder.checkpoints.load_into_shards``."""
-        from yamlformer.recipes.training.checkpointing import load_into_shards
-
         path = Path(self.broadcast(str(checkpoint_path)))  # every rank loads rank 0's choice
         if path.is_file():
             return load_into_shards(

@@ -22,6 +22,8 @@ data-parallel ranks (2-D parameters, :mod:`yamlformer.recipes.parallel.fsdp`).
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from yamlformer.builder.analysis.layout import EMBEDDING_PLAN
 
@@ -29,8 +31,6 @@ from yamlformer.builder.analysis.layout import EMBEDDING_PLAN
 def styles(plan: dict[str, str], module: nn.Module) -> dict:
     """The ``ParallelStyle`` of each submodule a plan splits (replicated ones left out); a layer
     with an adapter (``yamlformer.blocks.linear``) splits its adapter's tensors alike (:func:`adapted`)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     paired = "rowwise" in plan.values()  # a colwise output is consumed split; else it leaves the block whole
     out = {}
@@ -60,8 +60,6 @@ def adapted(style):
     row-wise; ``AdapterBlock.feature_dims``), or replicated: LoRA's ``B`` column-wise and ``A``
     row-wise are split, the other factor whole, so the adapter's path needs no communication the
     layer's own does not make (DTensor computes the rest)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel
 
     axis = 0 if isinstance(style, ColwiseParallel) else 1  # the feature the style splits: out or in
 
@@ -109,7 +107,6 @@ def planned_modules(model: nn.Module) -> list[tuple[dict[str, str], nn.Module]]:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     """Split ``model`` (a ``build_model`` model, on any device, meta included) over ``tp_mesh``."""
-    from torch.distributed.tensor.parallel import parallelize_module
 
     tied = _alias_groups(model)
     rank, degree = tp_mesh.get_local_rank(), tp_mesh.size()

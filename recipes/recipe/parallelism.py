@@ -16,7 +16,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from yamlformer.recipes.recipe.fields import _Section
+from yamlformer.builder.spec.problems import rule_error
+from yamlformer.recipes.fields import _Section
 
 #: the pipeline schedules (``torch.distributed.pipelining.schedules``), as ``trainer.pipeline_schedule`` names them
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -82,8 +83,8 @@ class ParallelismFields(_Section):
         """The combinations of these fields the runtime refuses are ``yamlformer.builder.analysis.runtime``'s
         table (which ``builder plan --launchable`` reads too): the first one broken, located at
         its field. The precision and compile rules under fsdp are this section's own."""
+        # local: builder validate loads this module for every file; the runtime's rules load when a recipe is checked
         from yamlformer.builder.analysis.runtime import Settings, problems
-        from yamlformer.builder.spec.problems import rule_error
 
         found = problems(Settings.of(self))
         if found:
@@ -116,14 +117,11 @@ def check_recipe_parallelism(recipe) -> None:
 def _context_parallel(recipe) -> None:
     """``trainer.context_parallel`` splits an LM window of ``data.seq_len`` tokens in ``2 x C``
     equal chunks (``yamlformer.recipes.parallel.context``); whole windows only, no packed documents."""
-    from yamlformer.builder.spec.problems import rule_error
 
     degree = recipe.trainer.context_parallel
     if degree == 1:
         return
-    from yamlformer.recipes.tasks import task_named
-
-    if not task_named(recipe.task).splits_windows:
+    if not type(recipe).splits_windows:
         raise rule_error(("trainer", "context_parallel"), f"context_parallel splits LM windows; task {recipe.task}")
     if recipe.data.seq_len % (2 * degree):
         raise rule_error(
@@ -141,14 +139,11 @@ def _context_parallel(recipe) -> None:
 def _pipeline_batch(recipe) -> None:
     """``trainer.pipeline_parallel`` trains LM windows (its last stage computes their next-token
     loss), without packed documents' ids, in micro-batches that divide ``data.batch_size``."""
-    from yamlformer.builder.spec.problems import rule_error
 
     trainer = recipe.trainer
     if trainer.pipeline_parallel == 1:
         return
-    from yamlformer.recipes.tasks import task_named
-
-    if not task_named(recipe.task).splits_windows:  # the last stage's loss: next tokens of whole windows
+    if not type(recipe).splits_windows:  # the last stage's loss: next tokens of whole windows
         raise rule_error(
             ("trainer", "pipeline_parallel"),
             f"pipeline_parallel trains next-token prediction over LM windows; task {recipe.task}'s loss is "
@@ -171,8 +166,6 @@ def _pipeline_batch(recipe) -> None:
 def _quantized_base(recipe) -> None:
     """``model.adapters.quantize: nf4`` (QLoRA) trains on one process or under DDP: the NF4 base is
     not sharded by FSDP2 or split by tensor parallelism here (untested on their meshes)."""
-    from yamlformer.builder.spec.problems import rule_error
-
     adapters = recipe.model.adapters
     if isinstance(adapters, dict) and adapters.get("quantize") and recipe.trainer.strategy == "fsdp":
         raise rule_error(

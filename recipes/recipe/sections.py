@@ -9,6 +9,7 @@ directory is relative to where ``builder train`` runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import functools
@@ -21,11 +22,26 @@ from pydantic import Field, field_validator, model_validator
 from yamlformer.blocks.configs.base import rule_error
 from yamlformer.builder.optim import optimizer_field
 from yamlformer.builder.optim.configs import AdamWConfig
+from yamlformer.builder.spec.loader import (
+    apply_overrides,
+    load_config,
+    load_spec,
+    locate_file,
+    read_merged,
+    validate_document,
+)
+from yamlformer.builder.spec.problems import locate as locate_problem
+from yamlformer.builder.spec.schema import ModelSpec, spec_model
+from yamlformer.builder.spec.source import Document, Mark, Problem, SpecError
+from yamlformer.builder.zoo import ZooError, locate
 from yamlformer.recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import WORK_PATH, _Section
+from yamlformer.recipes.fields import WORK_PATH, _Section
+from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, spec_base
 from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
-from yamlformer.recipes.tasks import NAMES, recipe_class
+
+#: every task, by its ``task:`` value: a folder of ``yamlformer.recipes.tasks`` each; ``lm`` is the default
+TASKS = ("lm", "translation", "mlm", "classification", "sft")
 
 #: one part of a model.freeze path: a module name, a layer index, a range of them, or *
 _FREEZE_SEGMENT = r"(?:\*|[A-Za-z_][A-Za-z0-9_]*|\d+(?:-\d+)?)"
@@ -284,9 +300,13 @@ class Recipe(_Section):
 
     #: how the loader's messages name a file of this kind
     file_kind: ClassVar[str] = "a recipe"
+    #: its batches are whole causal windows that ``trainer.context_parallel`` may cut along the
+    #: sequence and a pipeline's last stage scores (``yamlformer.recipes.parallel.context``): this
+    #: base recipe's are (it is the language model's); a task whose are not says so
+    splits_windows: ClassVar[bool] = True
 
-    task: Literal[NAMES] = Field(
-        "lm", description=f"{' | '.join(NAMES)}: what is trained (each has its own data section)."
+    task: Literal[TASKS] = Field(
+        "lm", description=f"{' | '.join(TASKS)}: what is trained (each has its own data section)."
     )
     name: str | None = Field(None, description="Shown in reports and names the output dir (default: file name).")
     model: ModelSection = Field(..., description="The spec to train.")
@@ -318,7 +338,6 @@ def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
 
 def recipe_path(path: str | Path) -> Path:
     """The recipe file ``path`` names: a path, else a zoo name (``lm-stdlib``)."""
-    from yamlformer.builder.zoo import ZooError, locate
 
     try:
         return locate(path)
@@ -326,21 +345,19 @@ def recipe_path(path: str | Path) -> Path:
         raise RecipeError(f"{path}: {exc}") from None
 
 
-def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
-    """Load and validate a recipe file (or a zoo recipe by name); raises
+def read_recipe(path: str | Path, recipe_cls: type[Recipe], overrides: dict[str, Any] | None = None) -> Recipe:
+    """A recipe file (or a zoo recipe by name) validated as ``recipe_cls``, its task's schema
+    (:func:`yamlformer.recipes.tasks.load_recipe` picks it); raises
     ``yamlformer.builder.spec.loader.SpecError`` with located problems.
 
     ``--set model.overrides.decoder.n_layers=2`` becomes the spec override ``decoder.n_layers: 2``,
     and so does its shorthand ``--set decoder.n_layers=2``: a key whose first part is not a
     section of the recipe but is a field of a spec (:func:`spec_shorthand`).
     """
-    from yamlformer.builder.spec.loader import load_config
-
-    task_cls = recipe_class(_task_of(path, overrides or {}))
-    overrides = {key: _from_cwd(key, value) for key, value in spec_shorthand(overrides or {}, task_cls).items()}
+    overrides = {key: _from_cwd(key, value) for key, value in spec_shorthand(overrides or {}, recipe_cls).items()}
     model_overrides = {k: v for k, v in overrides.items() if k.startswith("model.overrides.")}
     rest = {k: v for k, v in overrides.items() if k not in model_overrides}
-    recipe = load_config(path, task_cls, rest, kind="recipe")
+    recipe = load_config(path, recipe_cls, rest, kind="recipe")
     for key, value in model_overrides.items():
         recipe.model.overrides[key.removeprefix("model.overrides.")] = value
     return recipe
@@ -383,7 +400,6 @@ def _from_cwd(key: str, value: Any) -> Any:
 def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[str, Any]:
     """``decoder.n_layers`` -> ``model.overrides.decoder.n_layers``: keys whose first part is a
     spec field and not a recipe section (``name`` stays the recipe's)."""
-    from yamlformer.builder.spec.schema import ModelSpec
 
     out = {}
     for key, value in overrides.items():
@@ -394,7 +410,9 @@ def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[
     return out
 
 
-def _task_of(path: str | Path, overrides: dict[str, Any]) -> Any:
+def task_written(path: str | Path, overrides: dict[str, Any]) -> Any:
+    """The ``task:`` a recipe file names (``--set task=...`` first; ``lm`` when it names none),
+    as written: any value, which the task's schema then checks."""
     return overrides.get("task", as_written(path).data.get("task", "lm"))
 
 
@@ -403,7 +421,6 @@ def as_written(recipe_file: str | Path):
     value located (a :class:`yamlformer.builder.spec.source.Document`): read once per version of the file,
     however many times a run asks (its task, its spec and its overrides' lines, each check).
     Callers read it and never change it."""
-    from yamlformer.builder.spec.loader import locate_file
 
     found, _ = locate_file(recipe_file)
     stat = found.stat()
@@ -412,12 +429,17 @@ def as_written(recipe_file: str | Path):
 
 @functools.lru_cache(maxsize=16)
 def _read_written(path: str, mtime_ns: int, size: int):
-    from yamlformer.builder.spec.loader import read_merged
 
     return read_merged(path)
 
 
-def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[str, Any] | None = None):
+def model_spec(
+    recipe: Recipe,
+    recipe_file: Path,
+    vocab_size: int,
+    extra: dict[str, Any] | None = None,
+    base: tuple[dict[str, Any], str] | None = None,
+):
     """The recipe's validated model spec, with its overrides and the tokenizer's ``vocab_size``.
 
     ``model.overrides`` (dotted keys or nested mappings) are laid over the spec by the loader's
@@ -427,8 +449,10 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
     ``trainer.tensor_parallel`` ways (or whose experts ``trainer.expert_parallel`` ranks cannot
     split) is refused here too, each problem at the line that set the field
     (``yamlformer.builder.analysis.layout.tensor_parallel_problems``, ``expert_parallel_problems``).
+    Without ``model.spec`` the spec is ``model.init_from``'s (:func:`init_from_spec`), or ``base``
+    (that spec as data and a label) when the caller resolved it: a recipe not trained yet
+    (``yamlformer.recipes.training.resolved.resolve_model``).
     """
-    from yamlformer.builder.spec.loader import load_spec, read_merged
 
     doc = as_written(recipe_file)
     written = {
@@ -436,6 +460,8 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
         for key in recipe.model.overrides
         if ("model", "overrides", key) in doc.values
     }
+    tokenizer = Mark("<the tokenizer's vocabulary>")  # where vocab_size comes from (no --set of the user's)
+    written["vocab_size"] = (Document(vocab_size, {(): tokenizer}, {(): tokenizer}), ())
     overrides = {**recipe.model.overrides, **(extra or {}), "vocab_size": vocab_size}
     if recipe.model.adapters is not None:  # the spec's adapters, located at the recipe's lines
         overrides["adapters"] = recipe.model.adapters
@@ -447,17 +473,10 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
             spec = load_spec(path, overrides=overrides, sources=written)
             _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
             return spec
-        base = None
-        if recipe.model.spec is None:  # the spec model.init_from was trained (or imported) with
-            from yamlformer.recipes.training.pretrained import recipe_run, spec_base
-
-            run = recipe_run(recipe, recipe_file)
-            if run is not None and not run[1].exists():  # a recipe not trained yet: its spec (validate, --dry-run)
-                other = load_recipe(run[0])
-                spec = model_spec(other, run[0], vocab_size).model_dump(mode="json")
-                base = ({k: v for k, v in spec.items() if v is not None or k != "extends"}, f"<{run[0]}>")
-            else:
-                base = spec_base(recipe, recipe_file)
+        if recipe.model.spec is not None:
+            base = None
+        elif base is None:
+            base = init_from_spec(recipe, recipe_file)
         spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
         _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written, base), True))
         return spec
@@ -467,8 +486,6 @@ def model_spec(recipe: Recipe, recipe_file: Path, vocab_size: int, extra: dict[s
 def _adapters_named_so():
     """A spec problem in its ``adapters`` named by the recipe field that set it, ``model.adapters``
     (``model.adapters.targets.0: ...``), wherever the spec came from."""
-    from yamlformer.builder.spec.source import SpecError
-
     try:
         yield
     except SpecError as exc:
@@ -479,11 +496,19 @@ def _adapters_named_so():
         raise SpecError(renamed) from None
 
 
+def init_from_spec(recipe: Recipe, recipe_file: Path | None) -> tuple[dict[str, Any], str] | None:
+    """The spec of ``model.init_from`` as plain data and a label for where it came from (the spec
+    of a recipe that names no ``model.spec`` of its own)."""
+    source = init_from_source(recipe, recipe_file)
+    if source is None:
+        return None
+    with init_from_errors():
+        return spec_base(source.spec_dict(), f"<model.init_from {source.path}>")
+
+
 def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
     """The file ``model.spec`` names: a path relative to the recipe when one is there, else a zoo
     spec by name (``llama3-8b``); neither is a problem at the recipe's ``model.spec`` line."""
-    from yamlformer.builder.spec.source import Mark, Problem, SpecError
-    from yamlformer.builder.zoo import ZooError, locate
 
     try:
         return locate(recipe.model.spec, base=Path(recipe_file).resolve().parent)
@@ -499,15 +524,14 @@ def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
 def _check_layout(spec, recipe: Recipe, document) -> None:
     """Located problems of ``spec`` under the recipe's tensor- and expert-parallel degrees; ``document()``:
     ``(the spec's merged document, whether it is inline in the recipe)``."""
+    # local: builder validate loads this module for every file; the layout's rules load when a recipe's spec is checked
     from yamlformer.builder.analysis.layout import expert_parallel_problems, tensor_parallel_problems
-    from yamlformer.builder.spec.problems import locate
-    from yamlformer.builder.spec.source import SpecError
 
     problems = tensor_parallel_problems(spec, recipe.trainer.tensor_parallel)
     problems += expert_parallel_problems(spec, recipe.trainer.expert_parallel)
     if problems:
         doc, inline = document()
-        located = [locate(doc, loc, message) for loc, message in problems]
+        located = [locate_problem(doc, loc, message) for loc, message in problems]
         raise SpecError(_under_recipe(located) if inline else located)
 
 
@@ -523,10 +547,6 @@ def _inline_document(
 ):
     """The recipe's inline spec, or ``base`` (a spec as data and a label for where it came from),
     with the overrides laid over it, as a located document."""
-    import copy
-
-    from yamlformer.builder.spec.loader import apply_overrides
-    from yamlformer.builder.spec.source import Document, Mark, Problem, SpecError
 
     prefix = ("model", "spec")
     if base is not None:
@@ -557,10 +577,6 @@ def _inline_spec(
     written: dict,
     base: tuple[dict, str] | None = None,
 ):
-    from yamlformer.builder.spec.loader import validate_document
-    from yamlformer.builder.spec.schema import spec_model
-    from yamlformer.builder.spec.source import SpecError
-
     inline = _inline_document(recipe, doc, overrides, written, base)
     try:
         return validate_document(inline, spec_model(), str(recipe_file))

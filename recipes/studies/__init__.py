@@ -6,6 +6,6 @@ One module per concern: :mod:`~yamlformer.recipes.studies.schema` (the study fil
 :mod:`~yamlformer.recipes.studies.variants` (axes to checked variants and their budgets),
 :mod:`~yamlformer.recipes.studies.store` (the Optuna storage), :mod:`~yamlformer.recipes.studies.runner`
 (trials as processes), :mod:`~yamlformer.recipes.studies.report` (tables and plots),
-:mod:`~yamlformer.recipes.studies.scaling` (Chinchilla's fit), :mod:`~yamlformer.recipes.studies.harness` (an
-lm-evaluation-harness model over our checkpoints).
+:mod:`~yamlformer.recipes.studies.scaling` (Chinchilla's fit). A variant's downstream scores come
+from the LM task's lm-evaluation-harness model (:mod:`yamlformer.recipes.tasks.lm.harness`).
 """

@@ -12,6 +12,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from yamlformer.builder.analysis.report import human
 from yamlformer.recipes.studies import store
 from yamlformer.recipes.studies.schema import StudyFile
 from yamlformer.recipes.studies.variants import axis_values, short_names, show
@@ -101,10 +105,6 @@ def pareto(table: list[dict]) -> list[dict]:
 
 def print_table(loaded: StudyFile, table: list[dict], console=None) -> None:
     """The trials as a table (Pareto-front rows marked ``*``), then each failure's one line."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from yamlformer.builder.analysis.report import human
 
     axes = list(axis_values(loaded))
     shorts = short_names(axes)
@@ -193,9 +193,11 @@ def families(table: list[dict]) -> dict[str, list[dict]]:
 
 def plot(loaded: StudyFile, table: list[dict], folder: Path) -> list[Path]:
     """Write the study's plots into ``folder``; returns their paths (none when nothing finished)."""
+    # optional extra: matplotlib (pip install 'yamlformer[plot]')
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional extra: matplotlib (pip install 'yamlformer[plot]')
     import matplotlib.pyplot as plt
 
     groups = families(table)

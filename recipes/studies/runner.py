@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from optuna.trial import TrialState
 
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.studies import store
@@ -146,7 +150,6 @@ class Sweep:
 
     def _start_next(self) -> bool:
         """Claim and start one trial; ``False`` when there is none to start now."""
-        from optuna.trial import TrialState
 
         if self.max_trials is not None and self.started >= self.max_trials:
             return False
@@ -271,7 +274,6 @@ class Sweep:
         _kill(r.process, signal.SIGTERM)
 
     def _finish(self, r: Running) -> None:
-        from optuna.trial import TrialState
 
         trial, variant = r.trial, r.variant
         curve, steps = read_curve(trial_dir(self.loaded, variant.name), variant.steps)
@@ -359,7 +361,6 @@ def describe_variant(variant: Variant) -> dict[str, Any]:
 
 def record_invalid(study, bad: Invalid, trial=None) -> None:
     """A variant that cannot run, kept as a failed trial with its error (the report lists it)."""
-    from optuna.trial import TrialState
 
     trial = trial or study.ask()
     for key, value in {"variant": bad.name, "values": bad.values, "error": bad.error, "invalid": True}.items():
@@ -379,8 +380,6 @@ def queue_grid(study, variants: list[Variant], invalid: list[Invalid]) -> None:
 def downstream(loaded: StudyFile, trial, run_dir: Path) -> str:
     """Score a finished trial's best checkpoint on the study's downstream tasks (``builder eval
     --tasks``, in a process of its own) and record the metrics; returns the line's addition."""
-    import json
-    import sys
 
     settings = loaded.study.downstream
     command = [sys.executable, "-m", "yamlformer.builder.cli", "eval", str(run_dir / "checkpoints" / "best.ckpt")]

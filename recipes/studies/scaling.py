@@ -19,6 +19,8 @@ import json
 import math
 
 import numpy as np
+from scipy.optimize import minimize
+from threadpoolctl import threadpool_limits
 
 #: Hoffmann et al.'s Huber delta and grid of starting points
 DELTA = 1e-3
@@ -120,7 +122,6 @@ def _grid_values(x: np.ndarray, y: np.ndarray, target: np.ndarray, delta: float)
 
 
 def _minimise(theta0: np.ndarray, x, y, target, delta: float):
-    from scipy.optimize import minimize
 
     return minimize(
         _objective,
@@ -152,7 +153,6 @@ def fit_law(params, tokens, losses, delta: float = DELTA, starts: int = STARTS, 
 def fit(params, tokens, losses, bootstrap: int = 200, seed: int = 0, delta: float = DELTA) -> Fit:
     """The law fitted to every point, and to ``bootstrap`` resamples of the points (with
     replacement; each started from the full fit and its resample's best grid points)."""
-    from threadpoolctl import threadpool_limits
 
     params, tokens, losses = (np.asarray(v, float) for v in (params, tokens, losses))
     if len(params) < 5:

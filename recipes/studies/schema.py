@@ -23,9 +23,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from yamlformer.builder.spec.loader import validate_document
 from yamlformer.builder.spec.problems import rule_error
+from yamlformer.builder.spec.source import Mark, Problem, SpecError, read_document
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import _Section
+from yamlformer.recipes.fields import _Section
+from yamlformer.recipes.recipe.sections import recipe_path
 
 #: how a budget per trial may be given; exactly one of them
 BUDGETS = ("steps", "tokens", "flops", "minutes")
@@ -208,14 +211,12 @@ class StudyFile:
 
     def recipe_file(self) -> Path:
         """The base recipe: a file beside the study, else a zoo name."""
-        from yamlformer.recipes.recipe.sections import recipe_path
 
         near = self.path.resolve().parent / self.study.recipe
         return near if near.is_file() else recipe_path(self.study.recipe)
 
     def mark(self, *path):
         """Where ``path`` was written (a key's mark, else its nearest written parent's)."""
-        from yamlformer.builder.spec.source import Mark
 
         for n in range(len(path), 0, -1):
             found = self.document.key_mark(tuple(path[:n]))
@@ -244,9 +245,6 @@ class StudyFile:
 def load_study(path: str | Path) -> StudyFile:
     """Read and validate a study file; ``SpecError`` with every located problem, ``RecipeError``
     when its base recipe is not found."""
-    from yamlformer.builder.spec.loader import validate_document
-    from yamlformer.builder.spec.source import read_document
-
     path = Path(path)
     fields = sorted(Study.model_fields, key=lambda f: not Study.model_fields[f].is_required())
     document = read_document(path, str(path), fields, "a study")
@@ -255,7 +253,5 @@ def load_study(path: str | Path) -> StudyFile:
     try:
         loaded.recipe_file()
     except RecipeError as exc:
-        from yamlformer.builder.spec.source import Problem, SpecError
-
         raise SpecError([Problem.at(loaded.mark("recipe"), "recipe", str(exc))]) from None
     return loaded

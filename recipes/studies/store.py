@@ -14,9 +14,16 @@ import json
 import os
 import socket
 import sqlite3
+import warnings
 from pathlib import Path
 from typing import Any
 
+import optuna
+import sqlalchemy.engine
+import sqlalchemy.exc
+from optuna.trial import TrialState
+
+from yamlformer.builder.spec.source import Problem, SpecError
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.studies.schema import StudyFile
 
@@ -75,10 +82,6 @@ def check_storage(loaded: StudyFile) -> None:
     url = loaded.storage
     if url.startswith("sqlite:"):
         return
-    import sqlalchemy.engine
-    import sqlalchemy.exc
-
-    from yamlformer.builder.spec.source import Problem, SpecError
 
     scheme = url.partition(":")[0][:40]
     try:
@@ -98,10 +101,6 @@ def check_storage(loaded: StudyFile) -> None:
 
 def storage_of(url: str):
     """The RDB storage at ``url`` (heartbeats on, SQLite waiting for locks); one line when it cannot open."""
-    import warnings
-
-    import optuna
-    import sqlalchemy.exc
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # heartbeats of asked trials, recorded by the sweep itself (Optuna's own are for optimize())
@@ -125,8 +124,6 @@ def storage_of(url: str):
 def open_study(loaded: StudyFile, create: bool, sampler=None, pruner=None):
     """``(optuna study, created)``: the study of ``loaded`` in its storage, made when ``create``
     and it is not there (its definition recorded), else checked to be the same study."""
-    import optuna
-    import sqlalchemy.exc
 
     name, where = loaded.name, _sqlite_file(loaded.storage) or loaded.storage
     if not create and isinstance(where, Path) and not where.exists():  # reading: never make an empty database
@@ -206,8 +203,6 @@ def recover(study) -> int:
     """Make a killed study whole again: a running trial of a dead worker on this machine, or one
     whose heartbeat stopped, is failed as interrupted; each interrupted trial whose variant has
     not finished since is queued again (its run folder's checkpoint resumes it). Returns how many."""
-    import optuna
-    from optuna.trial import TrialState
 
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not is_alive_here(trial.user_attrs.get("worker")):
@@ -232,7 +227,6 @@ def recover(study) -> int:
 
 def retry_failed(study) -> int:
     """Queue again every variant whose last trial failed with an error (``--retry-failed``)."""
-    from optuna.trial import TrialState
 
     latest = {}
     for trial in study.get_trials(deepcopy=False):
@@ -263,7 +257,6 @@ def latest_trials(study) -> list:
 
 def status(trial) -> str:
     """complete, pruned, failed, invalid, interrupted, running or waiting."""
-    from optuna.trial import TrialState
 
     attrs = trial.user_attrs
     if trial.state == TrialState.FAIL:

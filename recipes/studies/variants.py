@@ -13,11 +13,19 @@ import itertools
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from yamlformer.builder.spec.source import Problem, SpecError
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import spec_shorthand
 from yamlformer.recipes.studies.schema import VARIANT_AXIS, Distribution, StudyFile
+from yamlformer.recipes.tasks import load_recipe, recipe_class, task_named
+from yamlformer.recipes.training.dry_run import data_parallel_ranks, recipe_estimate
+from yamlformer.recipes.training.resolved import resolve_model
 
 
 @dataclasses.dataclass
@@ -89,8 +97,6 @@ def combinations(loaded: StudyFile) -> list[dict[str, Any]]:
     axes = axis_values(loaded)
     size = math.prod(len(values) for values in axes.values())
     if size > MAX_VARIANTS:
-        from yamlformer.builder.spec.source import Problem, SpecError
-
         shorts = short_names(list(axes))
         sizes = " x ".join(f"{shorts[name]} {len(values):,}" for name, values in axes.items())
         what = (
@@ -167,27 +173,20 @@ def overrides_of(loaded: StudyFile, values: dict[str, Any]) -> tuple[dict[str, A
 def variant_model(loaded: StudyFile, values: dict[str, Any]):
     """``(recipe, spec, overrides)`` of the variant of ``values``, the spec checked against its
     task; :class:`RecipeError` (one located line per problem) when it cannot run."""
-    from yamlformer.builder.spec.source import SpecError
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
-    from yamlformer.recipes.tasks import task_named
-    from yamlformer.recipes.training.dry_run import vocabulary
 
     overrides, where = overrides_of(loaded, values)
     recipe_file = loaded.recipe_file()
     try:
         recipe = load_recipe(recipe_file, overrides)
-        spec = model_spec(recipe, recipe_file, vocabulary(recipe, recipe_file, read_data=False).size)
+        _, spec = resolve_model(recipe, recipe_file)  # checked against its task, as a run checks it
     except SpecError as exc:
         raise RecipeError("\n".join(_relocated(loaded, p, where) for p in exc.problems)) from None
-    task_named(recipe.task).check_spec(recipe, spec)
     return recipe, spec, overrides
 
 
 def step_shape(recipe, spec) -> tuple[int, int, int]:
     """``(seq_len, batch, sequences)``: a step's sequence length and per-rank batch as the task
     cuts them, and the sequences of one optimizer step over every data-parallel rank."""
-    from yamlformer.recipes.tasks import task_named
-    from yamlformer.recipes.training.dry_run import data_parallel_ranks
 
     seq_len, batch, _ = task_named(recipe.task).batch_shape(recipe, spec)
     return seq_len, batch, batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
@@ -196,9 +195,6 @@ def step_shape(recipe, spec) -> tuple[int, int, int]:
 def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
     """The variant of ``values``, its model validated and counted and its steps set from the
     budget; :class:`RecipeError` (one line per problem) when it cannot run."""
-    from yamlformer.recipes.recipe.sections import spec_shorthand
-    from yamlformer.recipes.tasks import recipe_class
-    from yamlformer.recipes.training.dry_run import recipe_estimate
 
     recipe, spec, overrides = variant_model(loaded, values)
     seq_len, batch, sequences = step_shape(recipe, spec)
@@ -277,8 +273,6 @@ def plan(loaded: StudyFile, progress: bool = False) -> tuple[list[Variant], list
     are checked at their ends. A study none of whose variants can run is :class:`NothingToRun`,
     each distinct problem once (an axis naming no field: its one line). ``progress``: a bar on
     stderr once the checks take more than a second (on a terminal)."""
-    from tqdm.auto import tqdm
-
     variants, invalid = [], []
     every = combinations(loaded)
     shown = tqdm(
@@ -298,7 +292,6 @@ def train_command(loaded: StudyFile, variant: Variant, devices: int = 0, python:
     """The ``builder train`` command of a variant's trial, in its own run folder (under torchrun
     for several devices). ``python``: the interpreter (default this one); ``"builder"`` writes
     the command as a person types it."""
-    import sys
 
     if python == "builder":
         head = (

@@ -25,10 +25,10 @@ PROSE = {
 
 @dataclasses.dataclass
 class Prepared:
-    """What a task hands the run loop (:func:`yamlformer.recipes.training.run.train`)."""
+    """What a task's data stage hands the rest of the run (:func:`yamlformer.recipes.training.run.train`);
+    the spec is the run's (:class:`yamlformer.recipes.training.resolved.Run`), resolved before."""
 
-    tokenizer: Any
-    spec: Any
+    tokenizer: Any  # its vocabulary is the run's spec's (the run checks it)
     data: Any  # a LightningDataModule
     module_class: type  # a LightningModule taking (model, recipe, meta)
     seq_len: int  # the micro-batch shape for the start-of-run estimate
@@ -62,6 +62,7 @@ class DataFile:
     url: str | None = None
     size: int | None = None
     terms: str | None = None
+    file: bool = False  # read whole as one file (a folder of files is not taken)
 
 
 class Task:
@@ -79,20 +80,13 @@ class Task:
     #: the ``builder eval`` / ``builder generate`` options this task reads (others are refused)
     eval_options: ClassVar[tuple[str, ...]] = ()
     generate_options: ClassVar[tuple[str, ...]] = ()
-    #: its batches are whole causal windows that ``trainer.context_parallel`` may cut along the
-    #: sequence (``yamlformer.recipes.parallel.context``)
-    splits_windows: ClassVar[bool] = False
 
     # -- training ---------------------------------------------------------------------------------
 
-    def prepare(self, recipe, recipe_file: Path, samples: bool) -> Prepared:
-        """Data, tokenizer and spec for a run (``samples``: decode the recipe's prompts at the end)."""
+    def prepare(self, run, samples: bool) -> Prepared:
+        """The data stage of ``run`` (a :class:`yamlformer.recipes.training.resolved.Run`): the
+        tokenizer and the batches (``samples``: decode the recipe's prompts at the end)."""
         raise NotImplementedError
-
-    def spec_of(self, recipe, recipe_file: Path) -> Callable[[int], dict] | None:
-        """``vocab_size -> spec dict`` the run resolves to, so a resume with a changed spec stops
-        before any data work (``None``: checked once the spec is built)."""
-        return None
 
     # -- before a run: estimates, the dry run, validate, list ------------------------------------
 
@@ -116,8 +110,18 @@ class Task:
         (:class:`yamlformer.recipes.training.dry_run.DataFiles`), in order; nothing is fetched or read."""
         raise NotImplementedError
 
+    def spec_overrides(self, recipe, recipe_file: Path, read_data: bool) -> dict:
+        """Spec fields the task sets over the recipe's (a classification head of as many classes
+        as the data has labels); resolved with the spec, once (``read_data``: the data may be read)."""
+        return {}
+
     def check_spec(self, recipe, spec) -> None:
-        """Refuse (:class:`RecipeError`, one line) a spec this task's data cannot run on."""
+        """Refuse (:class:`RecipeError`, one line) a spec this task cannot train or its data cannot run on."""
+
+    def check_data(self, recipe, recipe_file: Path, vocab_size: int, pretrained: dict | None) -> None:
+        """Refuse (:class:`RecipeError`, one line) data the run would refuse, read as far as it can be
+        without the run's work (no text tokenized); ``pretrained``: the tokenizer state of a
+        ``model.init_from`` checkpoint. Every file is known to be there and of the right kind."""
 
     def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
         """More ``(key, text)`` lines for the dry run's summary (an LM's mixture)."""

@@ -7,23 +7,14 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
-
-def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Training metrics known on the host (a loss read at a log step, the throughput) shown on the
-    progress bar and written to the run's loggers (rank zero), in the row Lightning's own logging
-    would write them: the step of the batch just trained (``global_step - 1``) and the epoch.
-    Not through ``LightningModule.log``: a value logged there stays in Lightning's results as a
-    device tensor that it reads back at every later step, a GPU synchronisation each time."""
-    shown = getattr(trainer.progress_bar_callback, "shown", None)
-    if shown is not None:
-        shown.update(metrics)
-    if trainer.is_global_zero:
-        row = dict(metrics, epoch=trainer.current_epoch)
-        for logger in trainer.loggers:
-            logger.log_metrics(row, step=max(0, trainer.global_step - 1))
+from yamlformer.builder.analysis.mfu import mfu, peak_flops
+from yamlformer.recipes.parallel import data_parallel_size
+from yamlformer.recipes.say import publish
+from yamlformer.recipes.training.precision import estimate_dtype
 
 
 class Throughput(L.Callback):
@@ -50,11 +41,6 @@ class Throughput(L.Callback):
         self._start, self._steps = time.perf_counter(), 0
 
     def on_train_start(self, trainer, pl_module):
-        import torch
-
-        from yamlformer.builder.analysis.mfu import peak_flops
-        from yamlformer.recipes.parallel import data_parallel_size
-        from yamlformer.recipes.training.precision import estimate_dtype
 
         self.tokens_per_step = self.device_tokens_per_step * data_parallel_size(trainer)
         device = pl_module.device
@@ -80,8 +66,6 @@ class Throughput(L.Callback):
         if trainer.global_step % self.every_n_steps or self._start is None:
             return
         if pl_module.device.type == "cuda":
-            import torch
-
             torch.cuda.synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
         tokens = self.interval_tokens()
@@ -93,8 +77,6 @@ class Throughput(L.Callback):
         achieved = self.tokens_per_s * self.flops_per_token
         metrics = {"tok/s": self.tokens_per_s, "TFLOP/s": achieved / 1e12}
         if self.peak_flops:
-            from yamlformer.builder.analysis.mfu import mfu
-
             metrics["MFU"] = mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
         publish(trainer, metrics)
         self._restart()
@@ -118,7 +100,6 @@ class CountedThroughput(Throughput):
         self._tokens = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from yamlformer.recipes.parallel import data_parallel_size
 
         self._tokens = self._tokens + self.tokens_of(batch)  # a device tensor for some tasks: no read here
         self._world = data_parallel_size(trainer)
@@ -183,9 +164,11 @@ class StepProgressBar(TQDMProgressBar):
 def plot_losses(history: dict, path: Path, title: str) -> Path | None:
     """The training and validation loss curves as a PNG (``None`` without matplotlib)."""
     try:
+        # optional extra: matplotlib (pip install 'yamlformer[plot]')
         import matplotlib
 
         matplotlib.use("Agg")
+        # optional extra: matplotlib (pip install 'yamlformer[plot]')
         import matplotlib.pyplot as plt
     except ImportError:
         return None

@@ -15,9 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from yamlformer.builder.checkpoints import RESUMABLE, CheckpointError, exists, peek_meta
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.optim.schedule import wsd_decay_start
-from yamlformer.recipes.recipe.sections import Recipe, load_recipe, output_dir
+from yamlformer.recipes.recipe.sections import Recipe, output_dir
+from yamlformer.recipes.tasks import load_recipe
+from yamlformer.recipes.training.run import train_recipe
 
 #: the schedules a cooldown branches from: a learning rate held constant after the warmup
 BRANCHES_FROM = ("wsd", "constant")
@@ -52,8 +55,6 @@ def branched(recipe: Recipe, recipe_file: Path, ckpt: Path, step: int, steps: in
 
 def checkpoint_step(ckpt: Path) -> int:
     """The optimizer step a checkpoint was written at (one line when it is not a run's checkpoint)."""
-    from yamlformer.builder.checkpoints import CheckpointError, peek_meta
-
     try:
         step = peek_meta(ckpt).get("global_step")
     except CheckpointError as exc:
@@ -73,9 +74,6 @@ def cooldown(
     verbose: bool = False,
 ) -> dict:
     """Branch (or resume) the cooldown of ``steps`` steps from ``ckpt``; returns the run's summary."""
-    from yamlformer.builder.checkpoints import RESUMABLE, exists
-    from yamlformer.recipes.training.run import train_recipe
-
     recipe_file, ckpt = Path(recipe_path), Path(ckpt)
     recipe = load_recipe(recipe_file, overrides)
     step = checkpoint_step(ckpt)

@@ -1,196 +1,49 @@
 """``builder train RECIPE --dry-run``: what a run would use, resolved, and nothing run.
 
-It resolves the recipe (every default filled in, ``--set`` applied), the data (each file present
-under the data root, or the URL it would be downloaded from and its terms), the tokenizer's
-vocabulary (stated, read from a model file or a checkpoint, or counted from a corpus already on
-disk — a sentencepiece model is never trained here), the model spec with its overrides and that
-vocabulary (validated), and the devices, strategy and precision; then prints the resolved recipe
-and the estimate table at the recipe's batch shape. Nothing is downloaded, trained or written;
-torch is imported only to see which accelerators this machine has. Torch-free otherwise:
-:func:`vocabulary` and :func:`recipe_estimate` serve ``builder validate``, ``builder list`` and
-the start of every run.
+It resolves the recipe as the run does, with the run's checks
+(:func:`yamlformer.recipes.training.resolved.resolve_run`: every default filled in, ``--set``
+applied, each data file present under the data root or the URL it would be downloaded from, the
+tokenizer's vocabulary, the model spec with its overrides and that vocabulary, the data's
+windows where its tokens are known) and whether the run may resume the checkpoint it would start
+from; then prints the resolved recipe, the devices, strategy and precision, and the estimate
+table at the recipe's batch shape. Nothing is downloaded, trained or written; torch is imported
+only to see which accelerators this machine has (and the precision settings, Lightning's).
+:func:`recipe_estimate` serves the start of every run and a study's variants too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+from rich.console import Console
+
+from yamlformer.builder.analysis.estimates import Step, estimate
+from yamlformer.builder.analysis.layout import Layout
+from yamlformer.builder.analysis.layout_memory import layout_memory
+from yamlformer.builder.analysis.report import human, human_bytes, print_describe
+from yamlformer.builder.hf import export_line
+from yamlformer.builder.zoo import shown
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import resolve
-from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.task import DataFile, Vocabulary
-
-#: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
-CHAR_STAND_IN = 256
-
-
-def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Vocabulary:
-    """The tokenizer's vocabulary size without training one: the task's when it knows it (a
-    tokenized dataset's, a pretrained checkpoint's), else from the tokenizer settings. ``read_data``:
-    a char tokenizer counts the characters of its corpus when every file is on disk (else a
-    stand-in), and a pretrained checkpoint is read for its tokenizer."""
-    from yamlformer.recipes.tasks import task_named
-
-    known = task_named(recipe.task).vocabulary(recipe, recipe_file, read_data)
-    if known is not None:
-        return known
-    if recipe.model.init_from is not None:  # its tokenizer is the run's (yamlformer.recipes.training.pretrained)
-        inherited = _init_from_vocabulary(recipe, recipe_file, read_data)
-        if inherited is not None:
-            return inherited
-    settings = recipe.tokenizer
-    if settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file is not None):
-        from yamlformer.recipes.data.tokenizers import build_tokenizer
-
-        tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), recipe_file)
-        return Vocabulary(tokenizer.vocab_size, f"{settings.type} tokenizer from {settings.model_file}")
-    if settings.type == "char":
-        missing = [f for f in data_files(recipe, recipe_file) if not f.present]
-        if read_data and not missing:
-            from yamlformer.recipes.data.corpus import read_corpus
-            from yamlformer.recipes.data.tokenizers import CharTokenizer
-
-            size = CharTokenizer.fit(read_corpus(recipe.data, recipe_file).text, eos=True).vocab_size
-            return Vocabulary(size, f"char: the corpus's {size - 1} distinct characters and end-of-text")
-        why = "its corpus is not downloaded yet" if missing else "the corpus is not read here"
-        return Vocabulary(
-            CHAR_STAND_IN, f"char: the corpus's distinct characters ({why}; estimated with {CHAR_STAND_IN})", True
-        )
-    return Vocabulary(
-        settings.vocab_size,
-        f"sentencepiece {settings.model_type}, {settings.vocab_size:,} pieces "
-        f"trained on the corpus at the first run (cached under {recipe.data.cache_dir})",
-    )
-
-
-def _init_from_vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
-    """The vocabulary of ``model.init_from``'s tokenizer: a recipe not trained yet, its own; a run's
-    checkpoint, its tokenizer's (read with ``read_data``); None for a source without one."""
-    from yamlformer.recipes.recipe.sections import load_recipe
-    from yamlformer.recipes.training.pretrained import pretrained_tokenizer, recipe_run
-
-    run = recipe_run(recipe, recipe_file)
-    if run is not None and not run[1].exists():
-        other = vocabulary(load_recipe(run[0]), run[0], read_data)
-        return dataclasses.replace(
-            other, how=f"{other.how} (model.init_from {recipe.model.init_from}, not trained yet)"
-        )
-    if not read_data:
-        return None
-    tokenizer = pretrained_tokenizer(recipe, recipe_file)
-    if tokenizer is None:
-        return None
-    return Vocabulary(tokenizer.vocab_size, f"the tokenizer of model.init_from {recipe.model.init_from}")
-
-
-# -- data --------------------------------------------------------------------------------------------
-
-
-class DataFiles:
-    """The files a recipe reads, collected in order as its task names them
-    (:meth:`yamlformer.recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the data root, or
-    the URL they would come from) and the recipe's own files."""
-
-    def __init__(self, recipe: Recipe, recipe_file: Path):
-        from yamlformer.recipes.data import registry
-
-        self.recipe, self.recipe_file, self.found = recipe, recipe_file, []
-        self._datasets = registry
-        data = recipe.data
-        names = [getattr(s, "path", s) for s in getattr(data, "sources", [])]
-        uses = data.dataset is not None or any(name in registry.DATASETS for name in names)
-        self._root = registry.data_root(data.dataset_root(recipe_file)) if uses else None
-
-    def is_dataset(self, name: str) -> bool:
-        return name in self._datasets.DATASETS
-
-    def registry(self, name: str):
-        """The registry's :class:`yamlformer.recipes.data.registry.Dataset` called ``name``."""
-        return self._datasets.get(name)
-
-    def add(self, what: str, path: Path | None, present: bool, **where) -> None:
-        self.found.append(DataFile(what, path, present, **where))
-
-    def dataset(self, name: str, splits: list[str]) -> None:
-        """The files of dataset ``name``'s ``splits``."""
-        spec = self._datasets.get(name)
-        if spec.local is not None:
-            self.add(name, None, True, terms=spec.license)
-            return
-        base = self._root or self._datasets.data_root(self.recipe.data.dataset_root(self.recipe_file))
-        for split in splits:
-            for path in spec.splits[split].values():
-                remote = spec.file(path)
-                where = base.joinpath(*remote.path.split("/"))
-                terms = spec.license if spec.restricted else None
-                self.add(f"{name} {split}", where, where.is_file(), url=remote.url, size=remote.size, terms=terms)
-
-    def own(self, what: str, path: str | None) -> None:
-        """A file the recipe names (``None``: not set)."""
-        if path is not None:
-            where = resolve(self.recipe_file, path)
-            self.add(what, where, where.exists())
-
-
-def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
-    """Every file the recipe's data section reads, in order; nothing is fetched or read."""
-    from yamlformer.recipes.tasks import task_named
-
-    files = DataFiles(recipe, recipe_file)
-    task_named(recipe.task).data_files(recipe, recipe_file, files)
-    return files.found
-
-
-def _close_names(path: Path) -> str:
-    """``; did you mean 'x'?`` for entries of ``path``'s folder whose names are close to its own."""
-    import difflib
-
-    try:
-        names = [entry.name for entry in path.parent.iterdir()] if path.parent.is_dir() else []
-    except OSError:
-        names = []
-    close = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
-    return "; did you mean " + " or ".join(repr(str(path.parent / c)) for c in close) + "?" if close else ""
-
-
-def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | None = None) -> list[str]:
-    """One line per file the recipe names that is not there and will not be downloaded: its field,
-    the path it was looked for at (relative paths: from the recipe's folder) and close names
-    beside it. Data files a dataset downloads on the first run are not missing; ``files``: the
-    recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
-    refused when the recipe loads.)"""
-    files = data_files(recipe, recipe_file) if files is None else files
-    lines = [
-        f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
-        for f in files
-        if f.path is not None and not f.present and not f.url
-    ]
-    named = [
-        ("model.init_from", recipe.model.init_from),
-        ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None)),
-    ]
-    for field, value in named:
-        if value is not None:
-            if field == "model.init_from":  # a path, or a recipe (its run trained before this one: not missing)
-                from yamlformer.recipes.training.pretrained import recipe_run
-
-                if recipe_run(recipe, recipe_file) is not None:
-                    continue
-            path = resolve(recipe_file, value)
-            if not path.exists():
-                lines.append(f"{field}: no such file or folder {path}{_close_names(path)}")
-    return lines
-
+from yamlformer.recipes.recipe.sections import Recipe, spec_file
+from yamlformer.recipes.recipe.sections import recipe_path as locate_recipe
+from yamlformer.recipes.tasks import load_recipe
+from yamlformer.recipes.tasks.task import DataFile
+from yamlformer.recipes.training.resolved import resolve_run
+from yamlformer.recipes.training.resume import check_recipe_early
 
 # -- devices -----------------------------------------------------------------------------------------
 
 
-def devices_line(recipe: Recipe) -> str:
+def devices_line(recipe: Recipe, precision_note: str | None = None) -> str:
     """Accelerator, devices, strategy and precision as this machine would run them, the devices
     counted as training counts them (:func:`yamlformer.recipes.parallel.mesh.device_count`), and a warning
-    when train would refuse them here (a launch line meant for another machine still shows)."""
+    when train would refuse them here (a launch line meant for another machine still shows).
+    ``precision_note``: why ``trainer.precision: auto`` chose what it did."""
+    # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.compile import compile_mode
     from yamlformer.recipes.parallel.mesh import device_count, layout_of
     from yamlformer.recipes.training.precision import resolve_precision
@@ -217,6 +70,7 @@ def devices_line(recipe: Recipe) -> str:
             f"{settings.pipeline_microbatches()} micro-batches)"
         )
     chosen, note = resolve_precision(settings.precision, settings.accelerator)
+    note = note or precision_note
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:
         parts.append("activation checkpointing")
@@ -232,6 +86,7 @@ def devices_line(recipe: Recipe) -> str:
 def _accelerator(settings) -> tuple[str, int]:
     """What Lightning's ``auto`` picks here, and the devices per node as training counts them,
     not checked against this machine (:func:`devices_line` says what train would refuse)."""
+    # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.mesh import accelerator_of, device_count
 
     return accelerator_of(settings.accelerator), device_count(settings, check=False)
@@ -240,21 +95,13 @@ def _accelerator(settings) -> tuple[str, int]:
 # -- the estimate ------------------------------------------------------------------------------------
 
 
-def batch_shape(recipe: Recipe, spec) -> tuple[int, int, str]:
-    """``(seq_len, batch, how)``: the micro-batch shape the estimate is made at (the task's)."""
-    from yamlformer.recipes.tasks import task_named
-
-    return task_named(recipe.task).batch_shape(recipe, spec)
-
-
 def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None):
     """The spec's estimate under the recipe's trainer settings (precision as this machine runs
     it, devices, strategy and its layout, checkpointing), at ``seq_len`` tokens x ``batch``
     sequences per device.
     ``devices``: per node (default: what ``trainer.devices`` asks for, as
     :func:`yamlformer.recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it)."""
-    from yamlformer.builder.analysis.estimates import Step, estimate
-    from yamlformer.builder.analysis.layout import Layout
+    # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.mesh import device_count
     from yamlformer.recipes.training.precision import estimate_dtype, resolve_precision
 
@@ -288,8 +135,7 @@ def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | 
     """Per device under the recipe's pipeline, context or expert parallelism, as ``builder
     describe`` counts that layout (the stage holding the most, each stage's states exact); None
     for a layout without them (the estimate's tables count it)."""
-    from yamlformer.builder.analysis.layout_memory import layout_memory
-    from yamlformer.builder.analysis.report import human_bytes
+    # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.mesh import device_count, layout_of
     from yamlformer.recipes.training.precision import estimate_dtype, resolve_precision
 
@@ -322,71 +168,53 @@ def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | 
 # -- the command -------------------------------------------------------------------------------------
 
 
-def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, out=None) -> dict:
-    """Resolve and print everything ``builder train`` would use; returns it as plain data."""
-    import sys
-
-    import yaml
-    from rich.console import Console
-
-    from yamlformer.builder.analysis.report import human, print_describe
-    from yamlformer.builder.zoo import shown
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec, output_dir, spec_file
-    from yamlformer.recipes.recipe.sections import recipe_path as locate_recipe
-    from yamlformer.recipes.tasks import task_named
-
+def dry_run(
+    recipe_path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    out=None,
+    resume: str | bool | None = None,
+    fresh: bool = False,
+) -> dict:
+    """Resolve and print everything ``builder train`` would use, through the run's own resolution
+    and checks (:func:`yamlformer.recipes.training.resolved.resolve_run`, and whether it may resume
+    its checkpoint); returns it as plain data."""
     out = out or sys.stdout
     recipe_file = locate_recipe(recipe_path)
-    recipe = load_recipe(recipe_file, overrides)
-    files = data_files(recipe, recipe_file)
-    missing = missing_inputs(recipe, recipe_file, files)
-    if missing:
-        raise RecipeError("; ".join(missing))
-    task = task_named(recipe.task)
-    vocab = vocabulary(recipe, recipe_file)
-    spec = model_spec(recipe, recipe_file, vocab.size)
-    seq_len, batch, shape = batch_shape(recipe, spec)
-    task.check_spec(recipe, spec)
-    est = recipe_estimate(spec, recipe, seq_len, batch)
-    run_dir = output_dir(recipe, recipe_file)
-    last = run_dir / "checkpoints" / "last.ckpt"
+    run = resolve_run(load_recipe(recipe_file, overrides), recipe_file)
+    resumes = check_recipe_early(run, resume, fresh)
+    recipe, spec, files = run.recipe, run.spec, run.files
+    est = recipe_estimate(spec, recipe, run.seq_len, run.batch)
 
     resolved = recipe.model_dump(mode="json")
-    if recipe.model.spec is None:  # the spec model.init_from's weights carry
-        where = f"{recipe.model.init_from}'s"
-    else:
-        where = "inline" if isinstance(recipe.model.spec, dict) else shown(spec_file(recipe, recipe_file))
     print(f"# {shown(recipe_file)}, resolved (defaults filled in, --set applied); nothing is run", file=out)
     print(yaml.safe_dump(resolved, sort_keys=False, width=100).rstrip(), file=out)
     print(file=out)
     lines = [
         (
             "model",
-            f"{spec.name} ({where} spec), {spec.architecture}, {est.params.total:,} parameters "
+            f"{spec.name} ({_spec_source(run)}), {spec.architecture}, {est.params.total:,} parameters "
             f"({human(est.params.total)}); vocab_size {spec.vocab_size:,} from the tokenizer",
         )
     ]
     if recipe.model.overrides:
         lines.append(("overrides", ", ".join(f"{k}={v}" for k, v in recipe.model.overrides.items())))
-    lines.append(("tokenizer", vocab.how))
+    lines.append(("tokenizer", run.vocab.how))
     lines += [("data", _data_line(f)) for f in files]
-    lines += task.dry_run_lines(recipe, recipe_file)
-    lines.append(("devices", devices_line(recipe)))
-    staged = layout_memory_line(spec, recipe, seq_len, batch)
+    lines += run.task.dry_run_lines(recipe, recipe_file)
+    lines.append(("devices", devices_line(recipe, run.precision_note)))
+    staged = layout_memory_line(spec, recipe, run.seq_len, run.batch)
     if staged:
         lines.append(("memory", staged))
-    from yamlformer.builder.hf import export_line
-
     lines.append(("export", export_line(spec)))
     settings = recipe.trainer
     lines.append(
         (
             "batch",
-            f"{shape} per device; x {settings.accumulate_grad_batches} accumulation; "
+            f"{run.shape} per device; x {settings.accumulate_grad_batches} accumulation; "
             f"{settings.max_steps:,} steps" + (f" or {settings.max_time}" if settings.max_time else ""),
         )
     )
-    lines.append(("output", f"{run_dir} ({'resumes from ' + str(last) if last.is_file() else 'a new run'})"))
+    lines.append(("output", f"{run.out} ({'resumes from ' + str(resumes) if resumes else 'a new run'})"))
     lines += [("warning", line) for line in recipe.schedule.warnings(settings.max_steps)]
     width = max(len(k) for k, _ in lines)
     for key, text in lines:
@@ -399,25 +227,33 @@ def dry_run(recipe_path: str | Path, overrides: dict[str, Any] | None = None, ou
             "run; offline, point BUILDER_DATA (or data.root) at a folder holding them",
             file=out,
         )
-    missing = [f for f in files if not f.present and not f.url]
-    for f in missing:
-        print(f"missing: {f.what} {f.path}", file=out)
     print(file=out)
     print_describe(spec, est, console=Console(file=out) if out is not sys.stdout else None)
     return {
         "recipe": resolved,
         "spec": spec.model_dump(mode="json"),
-        "vocab_size": vocab.size,
+        "vocab_size": run.vocab.size,
         "data": [dataclasses.asdict(f) | {"path": str(f.path) if f.path else None} for f in files],
         "params": est.params.total,
-        "output_dir": str(run_dir),
-        "missing": [str(f.path) for f in missing],
+        "output_dir": str(run.out),
+        "resumes": str(resumes) if resumes else None,
     }
+
+
+def _spec_source(run) -> str:
+    """Where the run's spec was written: inline, a file or zoo name, or the ``model.init_from`` it was trained with."""
+    spec = run.recipe.model.spec
+    if isinstance(spec, dict):
+        return "inline spec"
+    if spec is None:
+        return f"{run.recipe.model.init_from}'s spec"
+    return f"{shown(spec_file(run.recipe, run.file))} spec"
 
 
 def data_parallel_ranks(recipe: Recipe) -> int:
     """Ranks that read different data in the recipe's layout, as training counts them
     (:func:`yamlformer.recipes.parallel.mesh.data_parallel_ranks`), devices not checked against this machine."""
+    # local: the parallel package imports torch; a study's estimates ask this without it
     from yamlformer.recipes.parallel import mesh
 
     return mesh.data_parallel_ranks(recipe.trainer, check=False)

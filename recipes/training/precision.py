@@ -24,6 +24,8 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from yamlformer.recipes.parallel.mesh import accelerator_of
+
 #: recipe precision (``auto`` resolved by :func:`resolve_precision`) -> Lightning's name for it
 LIGHTNING = {"32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed", "bf16-true": "bf16-true"}
 
@@ -56,7 +58,6 @@ def cpu_bf16() -> str | None:
 def on_cuda(accelerator: str) -> bool:
     """Whether Lightning's ``accelerator`` setting puts this run on a CUDA GPU
     (:func:`yamlformer.recipes.parallel.mesh.accelerator_of` says what it resolves to here)."""
-    from yamlformer.recipes.parallel.mesh import accelerator_of
 
     return accelerator_of(accelerator) == "cuda" and torch.cuda.is_available()
 
@@ -151,6 +152,7 @@ def lightning_plugin(precision: str, device: str, sharded: bool = False) -> Prec
     ``cuda``). ``sharded``: under FSDP2 (``yamlformer.recipes.parallel``) its mixed-precision policy casts,
     so the plugin casts nothing for bf16-mixed, and gradients clip across device meshes."""
     if sharded:
+        # local: the sharded strategy (torch.distributed) loads for an fsdp run only; the dry run reads this module
         from yamlformer.recipes.parallel.strategy import MeshClipping
 
         if precision == "bf16-true":

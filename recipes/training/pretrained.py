@@ -12,7 +12,8 @@
   ``builder train`` writes it from this working directory (``runs/lm-stdlib/checkpoints/last.ckpt``),
   so one recipe fine-tunes what another trained.
 
-Each is read (and a checkpoint verified) once per run by :mod:`yamlformer.builder.init_from`.
+Each is read (and a checkpoint verified) once per run by :mod:`yamlformer.builder.init_from`; a
+checkpoint's tokenizer is taken by :func:`yamlformer.recipes.trained.pretrained_tokenizer`.
 
 Without ``model.spec`` the spec is the source's (``model.overrides`` still apply: dropout, a
 longer ``max_seq_len``...). Every tensor must fit by name and shape; the first that does not is
@@ -31,95 +32,23 @@ a tied head is frozen with its embedding.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from yamlformer.builder.init_from import Source, SourceError, source_at
+from yamlformer.blocks.init import init_from_weights
+from yamlformer.blocks.linear import adapter_parameters
+from yamlformer.builder.hf.weights import alias_groups
+from yamlformer.builder.init_from import Source
+from yamlformer.builder.spec.loader import read_merged
+from yamlformer.builder.spec.source import Mark, Problem, SpecError
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source
 
 _RANGE = re.compile(r"(\d+)-(\d+)")
-
-
-@contextlib.contextmanager
-def _init_from_errors():
-    """A source that cannot be read as one line naming the field."""
-    try:
-        yield
-    except SourceError as exc:
-        raise RecipeError(f"model.init_from: {exc}") from None
-
-
-def source_of(recipe, recipe_file: Path | None) -> Source | None:
-    """The recipe's ``model.init_from`` (None when it has none), read once however often it is
-    asked (:func:`yamlformer.builder.init_from.source_at`); a path that is none of the three kinds is a
-    :class:`RecipeError`."""
-    if recipe.model.init_from is None:
-        return None
-    with _init_from_errors():
-        return source_at(init_from_path(recipe, recipe_file))
-
-
-def init_from_path(recipe, recipe_file: Path | None) -> Path:
-    """The path ``model.init_from`` names (relative to the recipe): a checkpoint or a model folder
-    as it is; a recipe (:func:`recipe_run`) as its run's last checkpoint, a :class:`RecipeError`
-    saying to train it first when there is none."""
-    run = recipe_run(recipe, recipe_file)
-    if run is None:
-        return resolve(recipe_file, recipe.model.init_from)
-    if not run[1].exists():
-        value = recipe.model.init_from
-        raise RecipeError(
-            f"model.init_from: {value} is a recipe, and its run has no checkpoint at {run[1]} yet; train it "
-            f"first (builder train {value}), from this folder"
-        )
-    return run[1]
-
-
-def recipe_run(recipe, recipe_file: Path | None) -> tuple[Path, Path] | None:
-    """When ``model.init_from`` names a recipe (a file, or a zoo recipe by name): ``(that recipe's
-    file, the last checkpoint its run writes from this working directory)``, the run's output
-    folder as ``builder train`` names it (``trainer.output_dir``, else ``runs/<name>``); else None."""
-    from yamlformer.builder.spec.kinds import kind_of
-    from yamlformer.builder.spec.loader import read_merged
-    from yamlformer.builder.zoo import find
-
-    value = recipe.model.init_from
-    if value is None:
-        return None
-    path = resolve(recipe_file, value)
-    entry = find(value) if not path.exists() else None
-    named = path if path.is_file() and path.suffix in (".yaml", ".yml") else entry.path if entry else None
-    if named is None:
-        return None
-    data = read_merged(named).data
-    kind = kind_of(data)
-    if kind is None or kind.name != "recipe":
-        return None
-    folder = (data.get("trainer") or {}).get("output_dir") or Path("runs") / (data.get("name") or named.stem)
-    return named, Path(folder) / "checkpoints" / "last.ckpt"
-
-
-def pretrained_tokenizer(recipe, recipe_file: Path | None):
-    """The tokenizer of the run checkpoint ``model.init_from`` names, else None."""
-    source = source_of(recipe, recipe_file)
-    with _init_from_errors():
-        state = source.tokenizer_state() if source is not None else None
-    if state is None:
-        return None
-    from yamlformer.recipes.trained import checkpoint_tokenizer
-
-    print(f"tokenizer: the one {source.path.name} was trained with (model.init_from)", flush=True)
-    try:
-        return checkpoint_tokenizer(source.path, state)
-    except RecipeError as exc:
-        raise RecipeError(f"model.init_from: {exc}") from None
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -129,11 +58,8 @@ def _shape(t: torch.Tensor) -> tuple:
 def load_pretrained(model: nn.Module, source: Source) -> dict[str, list[str]]:
     """Copy the source's tensors into ``model``, checking every name and shape first. Returns the
     head tensors started fresh (``new``) and the source's tensors left out (``unused``)."""
-    from yamlformer.blocks.init import init_from_weights
-    from yamlformer.blocks.linear import adapter_parameters
-    from yamlformer.builder.hf.weights import alias_groups
 
-    with _init_from_errors():
+    with init_from_errors():
         state = source.state()
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in model.state_dict())
@@ -231,7 +157,6 @@ def freeze(model: nn.Module, patterns: list[str], marks: list | None = None) -> 
     """Set ``requires_grad=False`` on every parameter a pattern matches; returns the number of
     frozen parameters (elements). A pattern that matches nothing, or a range that reaches past
     the layers there are, is a located error (``marks[i]``: where pattern ``i`` was written)."""
-    from yamlformer.builder.spec.source import Mark, Problem, SpecError
 
     named = list(model.named_parameters(remove_duplicate=False))  # a tied head answers to its own name too
     roots = {name.split(".")[0] for name, _ in named}
@@ -296,7 +221,6 @@ def freeze_marks(recipe_file: Path | None, count: int) -> list:
     """Where each ``model.freeze`` entry was written in the recipe (None where unknown)."""
     if recipe_file is None:
         return [None] * count
-    from yamlformer.builder.spec.loader import read_merged
 
     doc = read_merged(recipe_file)
     return [doc.value_mark(("model", "freeze", i)) for i in range(count)]
@@ -304,7 +228,7 @@ def freeze_marks(recipe_file: Path | None, count: int) -> list:
 
 def load_init_from(model: nn.Module, recipe, recipe_file: Path | None) -> None:
     """The weights of the recipe's ``model.init_from``, if it names some."""
-    source = source_of(recipe, recipe_file)
+    source = init_from_source(recipe, recipe_file)
     if source is not None:
         load_pretrained(model, source)
 
@@ -313,14 +237,3 @@ def freeze_parts(model: nn.Module, recipe, recipe_file: Path | None) -> None:
     """The recipe's ``model.freeze``, if any."""
     if recipe.model.freeze:
         freeze(model, list(recipe.model.freeze), freeze_marks(recipe_file, len(recipe.model.freeze)))
-
-
-def spec_base(recipe, recipe_file: Path | None) -> tuple[dict[str, Any], str] | None:
-    """The spec of ``model.init_from`` as plain data and a label for where it came from, when the
-    recipe names no ``model.spec`` of its own."""
-    source = source_of(recipe, recipe_file)
-    if source is None:
-        return None
-    with _init_from_errors():
-        spec = {k: v for k, v in source.spec_dict().items() if not (k == "extends" and v is None)}
-    return spec, f"<model.init_from {source.path}>"

@@ -21,14 +21,19 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
+from rich.console import Console
 
-from yamlformer.builder.checkpoints import RESUMABLE, tidy
+from yamlformer.builder.analysis.report import print_describe, summary_line
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.checkpoints import RESUMABLE, CheckpointError, peek_meta, read_meta, tidy
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.parallel import parallelize
+from yamlformer.recipes.parallel import device_count, layout_of, parallelize, whole_model
 from yamlformer.recipes.parallel.compile import compiling, eager
-from yamlformer.recipes.parallel.mesh import device_count
 from yamlformer.recipes.parallel.rendezvous import choose_main_port, run_process_group
-from yamlformer.recipes.recipe.sections import Recipe, load_recipe, model_spec, output_dir
+from yamlformer.recipes.parallel.strategy import ShardedStrategy
+from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.say import say
+from yamlformer.recipes.tasks import load_recipe
 from yamlformer.recipes.training.callbacks import (
     CountedThroughput,
     InvocationTimer,
@@ -38,11 +43,14 @@ from yamlformer.recipes.training.callbacks import (
     stop_line,
 )
 from yamlformer.recipes.training.checkpointing import AtomicCheckpointIO, RecipeCheckpoint, newest_intact
+from yamlformer.recipes.training.dry_run import devices_line, recipe_estimate
 from yamlformer.recipes.training.precision import lightning_plugin, matmul_precision, on_cuda, resolve_precision
 from yamlformer.recipes.training.pretrained import freeze_parts, load_init_from
-from yamlformer.recipes.training.run_folder import owns_run_folder
-from yamlformer.recipes.training.run_log import recipe_dump, record, resolved_recipe, run_loggers
-from yamlformer.recipes.training.say import say
+from yamlformer.recipes.training.resolved import Run, resolve_run
+from yamlformer.recipes.training.resume import builder_meta, check_recipe_early, given_checkpoint, trained_differently
+from yamlformer.recipes.training.run_folder import claim, owns_run_folder, recipe_dump, resume_differences
+from yamlformer.recipes.training.run_log import record, resolved_recipe, run_loggers
+from yamlformer.recipes.training.signals import SignalStop, StopOnSignal
 
 
 class _Quiet(logging.Filter):
@@ -76,39 +84,23 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=f".*{re.escape(noise)}.*")
 
 
-def say_devices(recipe: Recipe) -> None:
+def say_devices(run: Run) -> None:
     """The run's devices, strategy and precision in one line (Lightning's own lines are filtered)."""
-    from yamlformer.recipes.training.dry_run import devices_line
-
-    say(f"devices: {devices_line(recipe)}")
+    say(f"devices: {devices_line(run.recipe, run.precision_note)}")
 
 
-def describe(
-    spec, model, recipe: Recipe, seq_len: int | None = None, batch: int | None = None, verbose: bool = False
-) -> int:
-    """Print the start-of-run estimate, checked against the built parameters: one line, or with
-    ``verbose`` the full tables ``builder describe`` prints. Returns train FLOPs per token.
-    ``seq_len``, ``batch``: the shape to estimate at (default: the LM recipe's windows)."""
-    from rich.console import Console
-
-    from yamlformer.builder.analysis.report import print_describe, summary_line
-    from yamlformer.recipes.parallel import device_count
-    from yamlformer.recipes.training.dry_run import recipe_estimate
-
+def describe(run: Run, model, seq_len: int, batch: int, verbose: bool = False) -> int:
+    """Print the start-of-run estimate at ``seq_len`` tokens x ``batch`` sequences, checked against
+    the built parameters: one line, or with ``verbose`` the full tables ``builder describe``
+    prints. Returns train FLOPs per token."""
     # under fsdp: what each rank holds in this layout (yamlformer.builder.analysis.layout)
-    est = recipe_estimate(
-        spec,
-        recipe,
-        seq_len or recipe.data.seq_len,
-        batch or recipe.data.batch_size,
-        devices=device_count(recipe.trainer),
-    )
+    est = recipe_estimate(run.spec, run.recipe, seq_len, batch, devices=device_count(run.recipe.trainer))
     if rank_zero_only.rank == 0:
         if verbose:
-            print_describe(spec, est, actual=model)
+            print_describe(run.spec, est, actual=model)
         else:
             Console().print(
-                f"model: {summary_line(spec, est, actual=model)} (--verbose: the full estimate)",
+                f"model: {summary_line(run.spec, est, actual=model)} (--verbose: the full estimate)",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -116,37 +108,30 @@ def describe(
 
 
 def training_model(
-    spec,
-    recipe: Recipe,
-    init=None,
-    seq_len: int | None = None,
-    batch: int | None = None,
-    recipe_file: Path | None = None,
-    verbose: bool = False,
-):
-    """The spec's model ready to train, for every task: built (seeded), weights loaded from
+    run: Run, init=None, seq_len: int | None = None, batch: int | None = None, verbose: bool = False
+) -> tuple:
+    """The model stage, for every task: the run's spec built (seeded), weights loaded from
     ``model.init_from`` (then ``init``, a task's own loading), parts frozen, its describe table
-    printed, layers checkpointed and compiled as the recipe asks. Under ``strategy: fsdp`` it is
-    built on the meta device (unless weights are loaded into it) and the strategy shards,
-    checkpoints, compiles and materialises it (``yamlformer.recipes.parallel``). Returns ``(model, train
-    FLOPs per token)``."""
-    from yamlformer.builder import build_model
-
+    printed at ``seq_len`` x ``batch`` (default: the run's), layers checkpointed and compiled as
+    the recipe asks. Under ``strategy: fsdp`` it is built on the meta device (unless weights are
+    loaded into it) and the strategy shards, checkpoints, compiles and materialises it
+    (``yamlformer.recipes.parallel``). Returns ``(model, train FLOPs per token)``."""
+    recipe = run.recipe
     settings = recipe.trainer
     sharded = settings.strategy == "fsdp"
     torch.manual_seed(settings.seed)
     on_meta = sharded and init is None and recipe.model.init_from is None
     model = build_model(
-        spec,
+        run.spec,
         device="meta" if on_meta else None,
         init_seed=settings.seed,
         dtype=torch.bfloat16 if settings.precision == "bf16-true" else None,
     )
-    load_init_from(model, recipe, recipe_file)
+    load_init_from(model, recipe, run.file)
     if init is not None:
         init(model)
-    freeze_parts(model, recipe, recipe_file)
-    flops_per_token = describe(spec, model, recipe, seq_len=seq_len, batch=batch, verbose=verbose)
+    freeze_parts(model, recipe, run.file)
+    flops_per_token = describe(run, model, seq_len or run.seq_len, batch or run.batch, verbose=verbose)
     if sharded:
         return model, flops_per_token  # the strategy parallelises it on its mesh (ShardedStrategy.parallelize)
     return parallelize(model, settings), flops_per_token  # checkpointing and compile as the recipe asks
@@ -163,33 +148,24 @@ def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
     return recipe.model_copy(update={"trainer": settings.model_copy(update={"precision": precision})})
 
 
-def training_meta(recipe: Recipe, recipe_file: Path, spec, tokenizer, **extra) -> dict:
+def training_meta(run: Run, tokenizer, **extra) -> dict:
     """What a checkpoint carries besides weights, so eval and generate need nothing else."""
     return {
-        "spec": spec.model_dump(mode="json"),
-        "recipe": recipe_dump(recipe, recipe_file),  # its data paths absolute
-        "recipe_file": str(recipe_file),
+        "spec": run.spec.model_dump(mode="json"),
+        "recipe": recipe_dump(run.recipe, run.file),  # its data paths absolute
+        "recipe_file": str(run.file),
         "tokenizer": tokenizer.state(),
         **extra,
     }
 
 
-def check_layout(recipe: Recipe, recipe_file: Path) -> None:
-    """Devices the machine has, a possible layout and a spec that splits for it, checked before
-    any data or model work (the vocabulary is checked once the tokenizer exists)."""
-    from yamlformer.recipes.parallel import device_count, layout_of
-
-    if recipe.trainer.strategy != "fsdp":
+def check_devices(recipe: Recipe) -> None:
+    """The devices the recipe asks for are on this machine, in a layout they split into (the
+    dry run shows one this machine lacks with a warning instead)."""
+    if recipe.trainer.strategy == "fsdp":
+        layout_of(recipe.trainer)
+    else:
         device_count(recipe.trainer)
-        return
-    layout = layout_of(recipe.trainer)
-    if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
-        spec = model_spec(recipe, recipe_file, vocab_size=64 * layout.tensor_parallel)  # a stand-in vocabulary
-    if layout.pipeline_parallel > 1:
-        from yamlformer.builder import build_model
-        from yamlformer.recipes.parallel.pipeline import check_pipeline
-
-        check_pipeline(build_model(spec, device="meta"), recipe.trainer)  # stages the model can be cut into
 
 
 def strategy_for(recipe: Recipe):
@@ -197,8 +173,6 @@ def strategy_for(recipe: Recipe):
     or Lightning's own."""
     trainer = recipe.trainer
     if trainer.strategy == "fsdp":
-        from yamlformer.recipes.parallel.strategy import ShardedStrategy
-
         return ShardedStrategy(trainer, init_seed=trainer.seed)
     return trainer.strategy
 
@@ -219,12 +193,8 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
     newest intact of the run's ``last.ckpt``, ``last-1.ckpt`` and ``best.ckpt``. A damaged one
     is set aside as ``NAME.damaged`` with a message; ``--resume PATH`` that is damaged is an
     error. With ``meta``, the checkpoint is checked to be this recipe's (:func:`check_resumable`)."""
-    from yamlformer.builder.checkpoints import CheckpointError, exists, read_meta
-
     if isinstance(resume, str):
-        path = Path(resume)
-        if not exists(path):
-            raise RecipeError(f"--resume: no checkpoint at {path}")
+        path = given_checkpoint(resume)
         try:
             saved = read_meta(path)
         except CheckpointError as exc:
@@ -250,8 +220,6 @@ def resume_path(out: Path, resume: str | bool | None, fresh: bool, meta: dict | 
 def _set_aside_damaged(damaged: list, chosen: Path | None, saved: dict | None) -> None:
     """Rename each damaged checkpoint ``NAME.damaged`` (so a later save never keeps it as a
     predecessor) and say what the run resumes from instead; an error when nothing is left."""
-    from yamlformer.recipes.training.run_folder import owns_run_folder
-
     for path, exc in damaged:
         kept = ""
         if owns_run_folder():
@@ -269,71 +237,16 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
     """Refuse to resume ``path`` when the recipe, spec, tokenizer or corpus that shaped it differ
     from this run's, one line per field (``yamlformer.recipes.training.run_folder.MAY_CHANGE`` lists what may change,
     and those changes are printed)."""
-    from yamlformer.recipes.training.run_folder import resume_differences
-
     if saved is None:
-        from yamlformer.builder.checkpoints import CheckpointError, peek_meta
-
         try:
             saved = peek_meta(path)
         except CheckpointError as exc:
             raise RecipeError(f"--resume: {exc}") from None
     refused, allowed = resume_differences(builder_meta(path, saved), meta, step=saved.get("global_step"))
     if refused:
-        raise _trained_differently(path, refused)
+        raise trained_differently(path, refused)
     for line in allowed:
         say(f"resuming with a changed setting: {line}")
-
-
-def builder_meta(path: Path, checkpoint: dict) -> dict:
-    """The ``builder`` record of a checkpoint a run resumes from; one line naming ``path`` when it
-    has none (a checkpoint of another program: nothing to compare or continue)."""
-    meta = checkpoint.get("builder")
-    if isinstance(meta, dict):
-        return meta
-    from yamlformer.builder.checkpoints import not_ours
-
-    raise RecipeError(
-        f"{not_ours(path, checkpoint)}, so this run cannot resume from it: start over with "
-        "--fresh, or set trainer.output_dir to a new folder"
-    )
-
-
-def _trained_differently(path: Path, lines: list[str]) -> RecipeError:
-    shown = "\n".join(f"  {line}" for line in lines)
-    return RecipeError(
-        f"{path} was trained with a different recipe:\n{shown}\nstart over with --fresh, "
-        "or set trainer.output_dir to a new folder"
-    )
-
-
-def check_recipe_early(
-    out: Path, recipe: Recipe, resume: str | bool | None, spec_of=None, recipe_file: Path | None = None
-) -> None:
-    """Before any data or model work: the recipe of the checkpoint a resume starts from (its
-    pickle alone) against this one (its paths absolute, as checkpoints keep them: ``recipe_file``
-    is where relative ones start), and with ``spec_of(vocab_size) -> spec dict`` the spec it
-    resolves to, so a changed field stops the run at once. The tokenizer and the corpus are
-    checked once they exist, with the checkpoint verified (:func:`resume_path`)."""
-    from yamlformer.builder.checkpoints import CheckpointError, peek_meta
-    from yamlformer.recipes.training.run_folder import recipe_differences, spec_differences
-
-    path = Path(resume) if isinstance(resume, str) else out / "checkpoints" / "last.ckpt"
-    try:
-        peeked = peek_meta(path)
-        saved = builder_meta(path, peeked)
-    except CheckpointError:
-        return  # none, or damaged: resume_path finds what to resume from and says so
-    current = recipe_dump(recipe, recipe_file)
-    refused, _ = recipe_differences(saved.get("recipe") or {}, current, step=peeked.get("global_step"))
-    saved_spec = saved.get("spec")
-    if spec_of is not None and isinstance(saved_spec, dict) and isinstance(saved_spec.get("vocab_size"), int):
-        try:
-            refused += spec_differences(saved_spec, spec_of(saved_spec["vocab_size"]))
-        except (RecipeError, ValueError):
-            pass  # a spec that does not load is reported with its location once the run builds it
-    if refused:
-        raise _trained_differently(path, refused)
 
 
 def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | None = None) -> L.Trainer:
@@ -374,14 +287,13 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     )
 
 
-def run_trainer(recipe: Recipe, recipe_file: Path, spec, out: Path, callbacks: list, ckpt: Path | None) -> L.Trainer:
-    """:func:`make_trainer` for this run: a run resumed from ``ckpt`` continues its logs from that
-    checkpoint's step; the run folder gets ``config.yaml`` and the loggers the resolved recipe."""
-    from yamlformer.builder.checkpoints import peek_meta
-
+def run_trainer(run: Run, callbacks: list, ckpt: Path | None) -> L.Trainer:
+    """The trainer stage: :func:`make_trainer` for this run; a run resumed from ``ckpt`` continues
+    its logs from that checkpoint's step; the run folder gets ``config.yaml`` and the loggers the
+    resolved recipe."""
     step = int(peek_meta(ckpt).get("global_step") or 0) if ckpt is not None else None
-    trainer = make_trainer(recipe, out, callbacks, resume_step=step)
-    record(trainer, out, resolved_recipe(recipe, recipe_file, spec, out))
+    trainer = make_trainer(run.recipe, run.out, callbacks, resume_step=step)
+    record(trainer, run.out, resolved_recipe(run.recipe, run.file, run.spec, run.out))
     return trainer
 
 
@@ -451,54 +363,49 @@ def train_recipe(
     verbose: bool = False,
     callbacks: list | None = None,
 ) -> dict:
-    """:func:`run` on a recipe already loaded from ``recipe_file`` (relative paths start there)."""
-    from yamlformer.recipes.tasks import task_named
-
-    recipe = for_this_machine(recipe)
-    for line in recipe.schedule.warnings(recipe.trainer.max_steps):
+    """:func:`run` on a recipe already loaded from ``recipe_file`` (relative paths start there):
+    resolved once (:func:`yamlformer.recipes.training.resolved.resolve_run`, the dry run's
+    resolution and checks), then trained in its session."""
+    resolved = resolve_run(recipe, recipe_file, fetch=True)
+    if resolved.precision_note:
+        say(resolved.precision_note)
+    for line in resolved.recipe.schedule.warnings(resolved.recipe.trainer.max_steps):
         say(f"warning: {line}")
-    task = task_named(recipe.task)
-    out = output_dir(recipe, recipe_file)
-    with run_session(recipe, out, fresh, resume, task.spec_of(recipe, recipe_file), recipe_file) as stop:
-        return train(task, recipe, recipe_file, out, stop, resume, fresh, samples, callbacks, verbose)
+    check_devices(resolved.recipe)
+    with run_session(resolved, fresh, resume) as stop:
+        return train(resolved, stop, resume, fresh, samples, callbacks, verbose)
 
 
 @contextlib.contextmanager
-def run_session(
-    recipe: Recipe,
-    out: Path,
-    fresh: bool,
-    resume: str | bool | None = None,
-    spec_of=None,
-    recipe_file: Path | None = None,
-):
+def run_session(run: Run, fresh: bool, resume: str | bool | None = None):
     """What a run holds from its first step to its last: signals caught (:mod:`yamlformer.recipes.training.signals`)
     and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
-    (:func:`yamlformer.recipes.training.run_folder.claim`); a resume with a changed recipe refused before any work
-    (:func:`check_recipe_early`). Yields the run's :class:`~yamlformer.recipes.training.signals.SignalStop`."""
-    from yamlformer.recipes.training.run_folder import claim
-    from yamlformer.recipes.training.signals import SignalStop
-
+    (:func:`yamlformer.recipes.training.run_folder.claim`); a resume with a changed recipe or spec
+    refused before any work (:func:`yamlformer.recipes.training.resume.check_recipe_early`).
+    Yields the run's :class:`~yamlformer.recipes.training.signals.SignalStop`."""
     stop = SignalStop()
-    cache = getattr(recipe.data, "cache_dir", None)
-    with stop.installed(), claim(out, Path(cache) if cache else None, fresh=fresh, say=say), run_process_group():
-        if not fresh:
-            check_recipe_early(out, recipe, resume, spec_of, recipe_file)
+    cache = getattr(run.recipe.data, "cache_dir", None)
+    with stop.installed(), claim(run.out, Path(cache) if cache else None, fresh=fresh, say=say), run_process_group():
+        check_recipe_early(run, resume, fresh)
         yield stop
 
 
 def stop_callback(stop, checkpoints: RecipeCheckpoint):
     """The callback that saves ``last.ckpt`` and stops at a signal; goes last in the list."""
-    from yamlformer.recipes.training.signals import StopOnSignal
-
     return StopOnSignal(stop, checkpoints.save_last)
 
 
+def throughput_for(run: Run, prepared, flops_per_token: int):
+    """The throughput callback: tokens per step from the batch shape, or counted per batch."""
+    settings = run.recipe.trainer
+    if prepared.tokens_of is None:
+        tokens = prepared.batch * prepared.seq_len * settings.accumulate_grad_batches
+        return Throughput(tokens, flops_per_token, settings.precision, settings.log_every_n_steps)
+    return CountedThroughput(prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps)
+
+
 def train(
-    task,
-    recipe: Recipe,
-    recipe_file: Path,
-    out: Path,
+    run: Run,
     stop,
     resume: str | bool | None,
     fresh: bool,
@@ -506,55 +413,36 @@ def train(
     callbacks: list | None = None,
     verbose: bool = False,
 ) -> dict:
-    """The run of :func:`run`, inside its session: the task prepares data, tokenizer and spec
-    (:meth:`yamlformer.recipes.tasks.task.Task.prepare`); the model, the Trainer, checkpoints, resuming and
-    logs are the same for every task."""
-    settings = recipe.trainer
+    """The run of :func:`run`, inside its session, stage by stage, each handed ``run`` and what
+    the stage before it made: the task's data stage (:meth:`yamlformer.recipes.tasks.task.Task.prepare`:
+    tokenizer and batches), the model, the Trainer (checkpoints, resuming, logs), the fit and the
+    wrap-up, the same for every task."""
+    settings = run.recipe.trainer
     quiet_lightning()
-    check_layout(recipe, recipe_file)
-    say_devices(recipe)
+    say_devices(run)
     L.seed_everything(settings.seed, workers=True, verbose=False)
-    prepared = task.prepare(recipe, recipe_file, samples)
-    meta = training_meta(recipe, recipe_file, prepared.spec, prepared.tokenizer, task=task.name, **prepared.meta)
-    ckpt = resume_path(out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(
-        prepared.spec,
-        recipe,
-        prepared.init,
-        seq_len=prepared.seq_len,
-        batch=prepared.batch,
-        recipe_file=recipe_file,
-        verbose=verbose,
-    )
-    module = prepared.module_class(model, recipe, meta)
-    ckpt_dir = out / "checkpoints"
-    checkpoints = RecipeCheckpoint(ckpt_dir, settings.checkpoint_every_n_steps, settings.keep_every_n_steps)
-    if prepared.tokens_of is None:
-        tokens = prepared.batch * prepared.seq_len * settings.accumulate_grad_batches
-        throughput = Throughput(tokens, flops_per_token, settings.precision, settings.log_every_n_steps)
-    else:
-        throughput = CountedThroughput(
-            prepared.tokens_of, flops_per_token, settings.precision, settings.log_every_n_steps
+    prepared = run.task.prepare(run, samples)
+    if prepared.tokenizer.vocab_size != run.spec.vocab_size:  # the resolution read it without the data work
+        raise RecipeError(
+            f"the tokenizer has {prepared.tokenizer.vocab_size:,} tokens, but the run was resolved with "
+            f"{run.spec.vocab_size:,} ({run.vocab.how}); delete the cached tokenizer under {run.recipe.data.cache_dir}"
         )
-    extra = prepared.callbacks(ckpt_dir) if prepared.callbacks is not None else []
-    trainer = run_trainer(
-        recipe,
-        recipe_file,
-        prepared.spec,
-        out,
-        [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)],
-        ckpt,
-    )
-    with compiling(out) as compiled:
+    meta = training_meta(run, prepared.tokenizer, task=run.task.name, **prepared.meta)
+    ckpt = resume_path(run.out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
+    model, flops_per_token = training_model(run, prepared.init, prepared.seq_len, prepared.batch, verbose=verbose)
+    module = prepared.module_class(model, run.recipe, meta)
+    checkpoints = RecipeCheckpoint(run.checkpoints, settings.checkpoint_every_n_steps, settings.keep_every_n_steps)
+    throughput = throughput_for(run, prepared, flops_per_token)
+    extra = prepared.callbacks(run.checkpoints) if prepared.callbacks is not None else []
+    own = [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)]
+    trainer = run_trainer(run, own, ckpt)
+    with compiling(run.out) as compiled:
         fit(trainer, module, prepared.data, ckpt)
     with eager():
-        title = f"{recipe.name or recipe_file.stem}: {prepared.spec.name}"
-        summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, out, title, compiled)
-        summary.update(task=task.name, val_metrics=dict(getattr(module, "val_metrics", {})))
+        summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, run.out, run.title, compiled)
+        summary.update(task=run.task.name, val_metrics=dict(getattr(module, "val_metrics", {})))
         if prepared.finish is not None:
-            from yamlformer.recipes.parallel import whole_model
-
             model = whole_model(module)  # every rank: a sharded model is gathered to rank 0
             if trainer.is_global_zero:
-                summary.update(prepared.finish(module, model, ckpt_dir))
+                summary.update(prepared.finish(module, model, run.checkpoints))
     return summary

@@ -31,8 +31,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from yamlformer.builder.checkpoints import write_reason
+from yamlformer.builder.spec.schema import spec_model
+from yamlformer.recipes.data.registry import DATASETS
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.tasks import recipe_class
 
 LOCK_FILE = "run.lock"
 #: seconds between refreshes of the lock file's time by its holder
@@ -196,6 +201,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         try:
+            # local: POSIX only
             import fcntl
         except ImportError:  # not POSIX: the record alone decides
             fcntl = None
@@ -348,6 +354,50 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def recipe_dump(recipe: BaseModel, recipe_file: Path | None, working_dir: bool = False) -> dict[str, Any]:
+    """``recipe.model_dump(mode="json")`` with its paths absolute: the fields whose schema says
+    ``relative_to: recipe`` (data files, a tokenizer file, init_from), and with ``working_dir`` also
+    those relative to the working directory (cache and output folders). Dataset names stay names.
+    What a checkpoint keeps (so a resume started from another file or folder compares equal)."""
+    dumped = recipe.model_dump(mode="json")
+    recipe_dir = Path(recipe_file).resolve().parent if recipe_file is not None else Path.cwd()
+    _absolute_paths(recipe, dumped, recipe_dir, Path.cwd() if working_dir else None)
+    return dumped
+
+
+def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path | None) -> None:
+
+    def absolute(value, base: Path):
+        if isinstance(value, list):
+            return [absolute(v, base) for v in value]
+        if isinstance(value, dict):
+            return {k: absolute(v, base) for k, v in value.items()}
+        if value in DATASETS:  # a dataset's name (in data.sources) stays a name
+            return value
+        return str((base / Path(value).expanduser()).resolve())
+
+    for name, field in type(model).model_fields.items():
+        if name not in dumped:  # left out of a compact dump (a data source's unset fields)
+            continue
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            _absolute_paths(value, dumped[name], recipe_dir, cwd)
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        base = {"recipe": recipe_dir, "cwd": cwd}.get(extra.get("relative_to"))
+        if base is None or dumped[name] is None:
+            continue
+        if isinstance(value, list):  # items that are sections (data.sources entries) mark their own paths
+            dumped[name] = [
+                _absolute_paths(item, entry, recipe_dir, cwd) or entry
+                if isinstance(entry, dict)
+                else absolute(entry, base)
+                for item, entry in zip(value, dumped[name])
+            ]
+        else:
+            dumped[name] = absolute(dumped[name], base)
+
+
 def _normalised(dump: Mapping[str, Any], schema, **validate) -> dict[str, Any]:
     """A recipe's or a spec's dump re-validated by the current ``schema``, so a field added since
     the checkpoint was written compares as its default (the dump as it is when it no longer validates)."""
@@ -358,7 +408,6 @@ def _normalised(dump: Mapping[str, Any], schema, **validate) -> dict[str, Any]:
 
 
 def _normalised_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
-    from yamlformer.recipes.tasks import recipe_class
 
     return _normalised(recipe, recipe_class(recipe.get("task", "lm")), strict=False)
 
@@ -388,8 +437,8 @@ def _schedule_kept(saved: Mapping[str, Any], current: Mapping[str, Any], step: i
     """Whether the two recipes' learning rates agreed at every step a checkpoint at ``step`` took
     (``yamlformer.recipes.optim.schedule.same_through``): then its ``schedule`` may change on resume (a
     warmup-stable-decay run lengthened, a cooldown branched from its stable phase)."""
+    # local: the optimizer package loads torch; a run's folder is checked torch-free (the dry run)
     from yamlformer.recipes.optim.schedule import same_through
-    from yamlformer.recipes.tasks import recipe_class
 
     if not isinstance(step, int) or saved.get("task", "lm") != current.get("task", "lm"):
         return False
@@ -433,7 +482,6 @@ def recipe_differences(
 
 
 def _normalised_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    from yamlformer.builder.spec.schema import spec_model
 
     return _normalised(spec, spec_model())
 

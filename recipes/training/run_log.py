@@ -22,6 +22,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from pydantic import BaseModel
 
+from yamlformer.recipes.data.files import write_atomic
+from yamlformer.recipes.training.run_folder import recipe_dump
+
 CONFIG = "config.yaml"
 
 _HEADER = """\
@@ -30,17 +33,6 @@ _HEADER = """\
 #   builder train {path}                       # continues this run (--fresh: start it over)
 #   builder train {path} --set trainer.output_dir=runs/again   # the same run in a new folder
 """
-
-
-def recipe_dump(recipe: BaseModel, recipe_file: Path | None, working_dir: bool = False) -> dict[str, Any]:
-    """``recipe.model_dump(mode="json")`` with its paths absolute: the fields whose schema says
-    ``relative_to: recipe`` (data files, a tokenizer file, init_from), and with ``working_dir`` also
-    those relative to the working directory (cache and output folders). Dataset names stay names.
-    What a checkpoint keeps (so a resume started from another file or folder compares equal)."""
-    dumped = recipe.model_dump(mode="json")
-    recipe_dir = Path(recipe_file).resolve().parent if recipe_file is not None else Path.cwd()
-    _absolute_paths(recipe, dumped, recipe_dir, Path.cwd() if working_dir else None)
-    return dumped
 
 
 def resolved_recipe(recipe: BaseModel, recipe_file: Path, spec: BaseModel, out: Path) -> dict[str, Any]:
@@ -53,43 +45,8 @@ def resolved_recipe(recipe: BaseModel, recipe_file: Path, spec: BaseModel, out: 
     return config
 
 
-def _absolute_paths(model: BaseModel, dumped: dict, recipe_dir: Path, cwd: Path | None) -> None:
-    from yamlformer.recipes.data.registry import DATASETS
-
-    def absolute(value, base: Path):
-        if isinstance(value, list):
-            return [absolute(v, base) for v in value]
-        if isinstance(value, dict):
-            return {k: absolute(v, base) for k, v in value.items()}
-        if value in DATASETS:  # a dataset's name (in data.sources) stays a name
-            return value
-        return str((base / Path(value).expanduser()).resolve())
-
-    for name, field in type(model).model_fields.items():
-        if name not in dumped:  # left out of a compact dump (a data source's unset fields)
-            continue
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            _absolute_paths(value, dumped[name], recipe_dir, cwd)
-            continue
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        base = {"recipe": recipe_dir, "cwd": cwd}.get(extra.get("relative_to"))
-        if base is None or dumped[name] is None:
-            continue
-        if isinstance(value, list):  # items that are sections (data.sources entries) mark their own paths
-            dumped[name] = [
-                _absolute_paths(item, entry, recipe_dir, cwd) or entry
-                if isinstance(entry, dict)
-                else absolute(entry, base)
-                for item, entry in zip(value, dumped[name])
-            ]
-        else:
-            dumped[name] = absolute(dumped[name], base)
-
-
 def write_config(out: Path, config: dict[str, Any]) -> Path:
     """``out/config.yaml``, written whole or not at all."""
-    from yamlformer.recipes.data.tokenizers import write_atomic
 
     path = Path(out) / CONFIG
     text = _HEADER.format(path=path) + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)

@@ -25,6 +25,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lightning as L
+import torch
+import torch.distributed as dist
+
+from yamlformer.builder.checkpoints import CheckpointWriteError
 
 SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s is not None)
 
@@ -120,8 +124,6 @@ class StopOnSignal(L.Callback):
         local = self.stop.received or 0
         if trainer.world_size == 1:
             return local
-        import torch
-        import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return local
@@ -144,7 +146,6 @@ class StopOnSignal(L.Callback):
         return int(previous[0].item())
 
     def _stop_here(self, trainer, signum: int) -> None:
-        from yamlformer.builder.checkpoints import CheckpointWriteError
 
         self.stop.received = signum
         step = trainer.global_step

@@ -35,11 +35,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from yamlformer.builder.analysis.calibration.table import load_table
+from yamlformer.builder.analysis.hardware import GPU, GPUS, gpu, resolve
+from yamlformer.builder.analysis.memory import BYTES
+
 #: fraction of the matmul forward FLOPs selective (per-op) recomputation runs again, and of the
 #: layer's saved bytes it keeps (torchtitan's policy: every other matmul's output recomputed)
 SELECTIVE_RECOMPUTE = 0.5
 SELECTIVE_SAVED = 0.35
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: the tables shipped with the package, and the one whose fractions an unmeasured GPU gets
 SHIPPED = Path(__file__).resolve().parent
 REFERENCE = "h200"
@@ -191,6 +194,7 @@ def user_folder(directory: str | os.PathLike | None = None) -> Path:
         return Path(directory)
     if os.environ.get(ENVIRONMENT):
         return Path(os.environ[ENVIRONMENT])
+    # local: platformdirs loads only where no calibration folder is set
     import platformdirs
 
     return Path(platformdirs.user_data_dir("builder", appauthor=False)) / "calibration"
@@ -210,7 +214,6 @@ def table_path(key: str, directory: str | os.PathLike | None = None) -> Path | N
 
 @functools.lru_cache(maxsize=32)
 def _read(path: Path, mtime: float):
-    from yamlformer.builder.analysis.calibration.table import load_table
 
     return load_table(path)
 
@@ -222,7 +225,6 @@ def read_table(path: Path):
 
 def reference() -> Calibration:
     """The shipped :data:`REFERENCE` table (the H200's), whatever the user's folder holds."""
-    from yamlformer.builder.analysis.hardware import gpu
 
     path = SHIPPED / f"{REFERENCE}.yaml"
     return from_table(read_table(path), gpu(REFERENCE), f"builder/analysis/calibration/{path.name}")
@@ -251,7 +253,6 @@ def calibration_for(key: str, gpu, directory: str | os.PathLike | None = None) -
 def datasheet_gpu(datasheet):
     """The hardware row of a device a table's ``datasheet`` describes
     (``yamlformer.builder.analysis.calibration.table.Datasheet``)."""
-    from yamlformer.builder.analysis.hardware import GPU
 
     peak = {dtype: value * 1e12 for dtype, value in datasheet.peak_tflops.items()}
     peak.setdefault("fp16", peak["bf16"])
@@ -269,7 +270,6 @@ def lookup(name: str, directory: str | os.PathLike | None = None):
     """``(key, row, calibration)`` of ``--gpu NAME``: its key, its datasheet row (the hardware
     table's, else the one a calibration table of it carries) and :func:`calibration_for` it.
     ``ValueError`` names a device neither knows."""
-    from yamlformer.builder.analysis.hardware import GPUS, gpu, resolve
 
     key = resolve(name)
     if key in GPUS:
@@ -286,7 +286,6 @@ def lookup(name: str, directory: str | os.PathLike | None = None):
 def cluster_calibration(cluster) -> Calibration:
     """A ``yamlformer.builder.analysis.hardware.Cluster``'s calibration: its own, else
     :func:`calibration_for` its GPU (by its name)."""
-    from yamlformer.builder.analysis.hardware import resolve
 
     return cluster.calibration or calibration_for(resolve(cluster.gpu), cluster.hardware)
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from yamlformer.blocks.configs.base import rule_error
+from yamlformer.builder.analysis.hardware import GPUS
+from yamlformer.builder.spec.loader import load_config
 
 #: the GEMM dtypes a table rates, and the attention backends
 GEMM_DTYPES = ("bf16", "fp8")
@@ -106,7 +109,6 @@ class CalibrationTable(_Strict):
 
     @model_validator(mode="after")
     def _complete(self):
-        from yamlformer.builder.analysis.hardware import GPUS
 
         if not self.gemm.get("bf16"):
             raise rule_error(("gemm",), "needs bf16 rows (the rate of every linear not in float8)")
@@ -128,14 +130,12 @@ class CalibrationTable(_Strict):
 def load_table(path: str | Path) -> CalibrationTable:
     """The validated table at ``path``; ``yamlformer.builder.spec.loader.SpecError`` lists every
     problem located (``file:line:col: field: message``)."""
-    from yamlformer.builder.spec.loader import load_config
 
     return load_config(Path(path), CalibrationTable)
 
 
 def write_table(table: CalibrationTable, path: str | Path, header: str = "") -> Path:
     """Write ``table`` as YAML at ``path`` (its folder made), ``header`` as comment lines first."""
-    import yaml
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

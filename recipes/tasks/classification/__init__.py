@@ -5,14 +5,17 @@ from scratch or from an MLM checkpoint. This module (torch-free) is its recipe s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.data.section import DatasetFields
-from yamlformer.recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir, resolve
 from yamlformer.recipes.recipe.sections import Recipe
+from yamlformer.recipes.tasks.mlm import TASK as MASKED_LM
+from yamlformer.recipes.tasks.mlm import check_encoder
 from yamlformer.recipes.tasks.task import Task, TokenBudget, Vocabulary
 
 
@@ -63,6 +66,7 @@ class LabeledDataSection(DatasetFields):
                 "(its split's files, one label each), one of them",
             )
         if self.dataset is not None and self.split is not None:
+            # local: the dataset registry (urllib, http) loads only when a dataset is named
             from yamlformer.recipes.data.registry import get
 
             splits = list(get(self.dataset).splits)
@@ -84,6 +88,8 @@ class ClassificationSection(_Section):
 
 class ClassificationRecipe(Recipe):
     """``task: classification``: an encoder-only model and a classification head, on labelled text."""
+
+    splits_windows: ClassVar[bool] = False  # its batches are examples of their own lengths, not windows
 
     task: Literal["classification"] = Field("classification", description="classification.")
     data: LabeledDataSection = Field(..., description="The labelled examples.")
@@ -107,10 +113,27 @@ class Classification(TokenBudget, Task):
     eval_options = ("data",)  # every example of the file or the validation split
     generate_options = ()
 
-    def prepare(self, recipe, recipe_file: Path, samples: bool):
+    def prepare(self, run, samples: bool):
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.classification.training import prepare_classification
 
-        return prepare_classification(recipe, recipe_file)
+        return prepare_classification(run)
+
+    def spec_overrides(self, recipe, recipe_file: Path, read_data: bool) -> dict:
+        """The classification head, of as many classes as the training examples have labels."""
+        settings = recipe.classification
+        return {
+            "head": {
+                "type": "classification",
+                "n_classes": len(labels_of(recipe, recipe_file, read_data)),
+                "pooling": settings.pooling,
+                "pooler": settings.pooler,
+                "dropout": settings.dropout,
+            }
+        }
+
+    def check_spec(self, recipe, spec) -> None:
+        check_encoder(recipe, spec)
 
     def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
         """A pretrained encoder's tokenizer is the run's (``classification.init_from``)."""
@@ -138,6 +161,7 @@ class Classification(TokenBudget, Task):
         files.own("data.validation", data.validation)
 
     def check_eval_arguments(self, args) -> None:
+        # local: builder validate loads this module; the CLI's argument types load for builder eval
         from yamlformer.builder.cli.arguments import ArgumentError
 
         data = getattr(args, "data", None)
@@ -147,28 +171,66 @@ class Classification(TokenBudget, Task):
             )
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.classification.training import evaluate
 
         self.check_meta(meta)
         return evaluate(model, tokenizer, self.recipe.model_validate(meta["recipe"]), meta, args)
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.classification.training import generate
 
         self.check_meta(meta)
         print(generate(model, tokenizer, meta, args))
 
 
+def labels_of(recipe, recipe_file: Path, read_data: bool) -> list[str]:
+    """The label names a run trains with: ``data.labels``, else those of its training examples,
+    read when ``read_data`` and every file is on disk; else the names the data section gives
+    (``by_label``'s keys, a dataset split's files) or, for a file not read, two stand-ins."""
+    data = recipe.data
+    if data.labels:
+        return list(data.labels)
+    if read_data and _on_disk(recipe, recipe_file):
+        # local: reading the examples is the training side's (it imports torch)
+        from yamlformer.recipes.tasks.classification.training import class_labels, labelled_examples
+
+        return class_labels(data, labelled_examples(data, recipe_file, recipe.trainer.seed)[0])
+    if data.by_label is not None:
+        return sorted(data.by_label)
+    if data.dataset is not None:
+        # local: the dataset registry (urllib, http) loads only when a dataset is named
+        from yamlformer.recipes.data.registry import get
+
+        return sorted(get(data.dataset).splits[data.split or get(data.dataset).train])
+    return ["(a label)", "(another)"]  # a file not read: the head is estimated with two classes
+
+
+def _on_disk(recipe, recipe_file: Path) -> bool:
+    data = recipe.data
+    if data.dataset is None:
+        return True  # the recipe's own files (checked to be there before the spec is resolved)
+    # local: the dataset registry (urllib, http) loads only when a dataset is named
+    from yamlformer.recipes.data.registry import data_root, get
+
+    dataset = get(data.dataset)
+    root = data_root(data.dataset_root(recipe_file))
+    files = dataset.splits[data.split or dataset.train].values()
+    return all(root.joinpath(*dataset.file(path).path.split("/")).is_file() for path in files)
+
+
 def _checkpoint_vocabulary(path: Path) -> int:
     """The vocabulary size of the tokenizer a ``builder train`` checkpoint carries, read and
     verified through ``yamlformer.builder.checkpoints`` (a run that reads it again for its weights reads it
     once)."""
+    # local: a checkpoint's readers (torch) load when one is read; this module stays torch-free
     from yamlformer.builder.checkpoints import CheckpointError, read_meta
-    from yamlformer.recipes.errors import RecipeError
     from yamlformer.recipes.trained import checkpoint_tokenizer
 
     try:
         meta = read_meta(path)["builder"]
+        MASKED_LM.check_meta(meta)
         return checkpoint_tokenizer(path, meta.get("tokenizer")).vocab_size
     except (CheckpointError, RecipeError) as exc:
         raise RecipeError(f"classification.init_from: {exc}") from None

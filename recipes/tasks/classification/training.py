@@ -14,22 +14,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
-from yamlformer.builder.checkpoints import model_weights
+from yamlformer.builder.checkpoints import model_weights, not_ours
 from yamlformer.recipes.data.batching import BucketDataModule, pad, sorted_batches
+from yamlformer.recipes.data.registry import split_files
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import resolve
+from yamlformer.recipes.fields import not_a_file, resolve
+from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.tasks import task_named
-from yamlformer.recipes.tasks.mlm.training import Specials, encoder_spec, encoder_tokenizer, report
+from yamlformer.recipes.tasks.mlm.training import Specials, encoder_tokenizer, report
 from yamlformer.recipes.tasks.task import Prepared
-from yamlformer.recipes.training.module import LMModule
-from yamlformer.recipes.training.pretrained import pretrained_tokenizer
+from yamlformer.recipes.trained import checkpoint_tokenizer, pretrained_tokenizer, read_verified
 
 
 def read_examples(path: Path, text_field: str, label_field: str) -> list[tuple[str, str]]:
     """``(text, label)`` rows of a .csv (header row) or .jsonl file."""
-    if not path.is_file():
-        raise RecipeError(f"no file at {path}")
+    why = not_a_file(path)
+    if why:
+        raise RecipeError(f"{path} {why}")
     if path.suffix == ".csv":
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
@@ -53,15 +56,14 @@ def labelled_examples(section, recipe_file: Path | None, seed: int) -> tuple[lis
         examples = read_examples(resolve(recipe_file, section.file), section.text_field, section.label_field)
     else:
         if section.dataset is not None:  # each file of the split is one label (multi30k: the language)
-            from yamlformer.recipes.data.registry import split_files
-
             by_label = split_files(section.dataset, section.split, section.dataset_root(recipe_file))
         else:
             by_label = {label: resolve(recipe_file, file) for label, file in section.by_label.items()}
         examples = []
         for label, path in by_label.items():
-            if not path.is_file():
-                raise RecipeError(f"data.by_label.{label}: no file at {path}")
+            why = not_a_file(path)
+            if why:
+                raise RecipeError(f"data.by_label.{label}: {path} {why}")
             examples += [(line.strip(), label) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     examples = [examples[i] for i in np.random.default_rng([seed, 11]).permutation(len(examples))]
     if section.validation is not None:
@@ -135,7 +137,6 @@ class ClassifierModule(LMModule):
 
 def _init_checkpoint(path: Path) -> dict:
     """``classification.init_from``, read safely and verified; its errors name the field."""
-    from yamlformer.recipes.trained import read_verified
 
     try:
         return read_verified(path)
@@ -160,20 +161,26 @@ def load_encoder(model, path: Path) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def prepare_classification(recipe, recipe_file: Path) -> Prepared:
+def class_labels(section, train: list[tuple[str, str]]) -> list[str]:
+    """The label names in id order: ``data.labels``, else the sorted labels of the training examples."""
+    return section.labels or sorted({label for _, label in train})
+
+
+def prepare_classification(run) -> Prepared:
+    """The data stage of a classification run: the labelled examples in token-budget batches,
+    their tokenizer (``classification.init_from``'s, ``model.init_from``'s or trained on them)
+    and the encoder weights to start from."""
+    recipe, recipe_file, spec = run.recipe, run.file, run.spec
     data, settings = recipe.data, recipe.classification
     train, val = labelled_examples(data, recipe_file, recipe.trainer.seed)
     init = resolve(recipe_file, settings.init_from) if settings.init_from else None
     if init is not None:
         if not init.exists():
             raise RecipeError(f"classification.init_from: no checkpoint at {init}")
-        from yamlformer.recipes.trained import checkpoint_tokenizer
 
         checkpoint = _init_checkpoint(init)
         meta = checkpoint.get("builder")
         if not isinstance(meta, dict):
-            from yamlformer.builder.checkpoints import not_ours
-
             raise RecipeError(
                 f"classification.init_from: {not_ours(init, checkpoint)}; start from an mlm run's checkpoint"
             )
@@ -188,15 +195,7 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     else:
         text = "\n".join(t for t, _ in train)
         tokenizer = encoder_tokenizer(recipe, recipe_file, text, hashlib.sha256(text.encode()).hexdigest()[:16])
-    labels = data.labels or sorted({label for _, label in train})
-    head = {
-        "type": "classification",
-        "n_classes": len(labels),
-        "pooling": settings.pooling,
-        "pooler": settings.pooler,
-        "dropout": settings.dropout,
-    }
-    spec = encoder_spec(recipe, recipe_file, tokenizer.vocab_size, {"head": head})
+    labels = class_labels(data, train)
     max_len = min(data.max_len, spec.max_seq_len)
     train_rows, train_lengths = encode_examples(tokenizer, train, labels, max_len)
     val_rows, val_lengths = encode_examples(tokenizer, val, labels, max_len)
@@ -217,7 +216,6 @@ def prepare_classification(recipe, recipe_file: Path) -> Prepared:
     )
     return Prepared(
         tokenizer=tokenizer,
-        spec=spec,
         data=module,
         module_class=ClassifierModule,
         tokens_of=lambda batch: batch[1].sum(),
@@ -243,7 +241,6 @@ def predict(
     model, tokenizer, texts: list[str], max_len: int, max_tokens: int = 8192, progress: bool = False
 ) -> torch.Tensor:
     """Class probabilities ``(len(texts), n_classes)`` (``progress``: a bar on stderr)."""
-    from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     rows, lengths = encode_examples(tokenizer, [(t, "") for t in texts], [""], max_len)

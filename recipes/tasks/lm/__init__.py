@@ -6,19 +6,20 @@ reads a corpus of windows shares (the masked LM too); its recipe schema is the b
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from pydantic import Field
 
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import _Section
+from yamlformer.recipes.fields import _Section
 from yamlformer.recipes.recipe.sections import Recipe, SourceEntry
-from yamlformer.recipes.tasks.task import Task, Vocabulary
+from yamlformer.recipes.tasks.task import Task, Vocabulary, scored
 
 
 class HarnessSection(_Section):
     """lm-evaluation-harness tasks scored on the training model every ``every_n_steps`` steps
-    (``recipes/studies/harness.py``), logged as ``harness/TASK/METRIC`` beside the losses."""
+    (``recipes/tasks/lm/harness.py``), logged as ``harness/TASK/METRIC`` beside the losses."""
 
     tasks: list[str] = Field(..., min_length=1, description="lm-eval task names (or tasks in task_path).")
     every_n_steps: int = Field(..., ge=1, description="Score them every this many optimizer steps.")
@@ -44,6 +45,7 @@ class Corpus:
 
     def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
         """A tokenized dataset's tokenizer is the run's (:mod:`yamlformer.recipes.data.corpus`)."""
+        # local: the data side (numpy, the corpus readers) loads when data is read
         from yamlformer.recipes.data.corpus import kind_of
         from yamlformer.recipes.data.tokenized import TokenizedDataset
 
@@ -58,6 +60,7 @@ class Corpus:
         return None
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
+        # local: the data side (numpy, the corpus readers) loads when data is read
         from yamlformer.recipes.data.corpus import kind_of
 
         data = recipe.data
@@ -81,28 +84,67 @@ class Corpus:
                 "lower data.seq_len or set model.overrides.max_seq_len"
             )
 
+    def corpus_section(self, recipe):
+        """The data section as the corpus is opened with (its windows' length)."""
+        return recipe.data
+
+    def trains_tokenizer(self, recipe) -> bool:
+        """Whether the recipe's tokenizer is made from its text (char, or sentencepiece without a file)."""
+        settings = recipe.tokenizer
+        return settings.type == "char" or (settings.type == "sentencepiece" and settings.model_file is None)
+
+    def total_windows(self, recipe) -> int | None:
+        """The training windows a run draws over every data-parallel rank (None: its sources'
+        epoch limits are not checked)."""
+        # local: the parallel package imports torch (this facade serves builder validate, torch-free)
+        from yamlformer.recipes.parallel.mesh import data_parallel_ranks
+
+        settings = recipe.trainer
+        ranks = data_parallel_ranks(settings, check=False)
+        return settings.max_steps * recipe.data.batch_size * settings.accumulate_grad_batches * ranks
+
+    def check_data(self, recipe, recipe_file: Path, vocab_size: int, pretrained: dict | None) -> None:
+        # local: the corpus reads token files with numpy
+        from yamlformer.recipes.data.corpus import check_sources
+
+        tokenizer = None
+        if pretrained is not None:
+            # local: the tokenizer libraries load for a model.init_from checkpoint's tokenizer only
+            from yamlformer.recipes.data.tokenizers import from_state
+
+            tokenizer = from_state(pretrained)
+        check_sources(
+            self.corpus_section(recipe),
+            recipe_file,
+            vocab_size,
+            self.total_windows(recipe),
+            self.trains_tokenizer(recipe),
+            tokenizer,
+        )
+
 
 class LanguageModelling(Corpus, Task):
     name = "lm"
     recipe = LMRecipe
-    splits_windows = True
     eval_options = ("data", "seq_len", "batch_size", "max_batches", "all", "tasks", "task_path", "limit", "num_fewshot")
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
 
-    def prepare(self, recipe, recipe_file: Path, samples: bool):
+    def prepare(self, run, samples: bool):
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.lm.training import prepare
 
-        return prepare(recipe, recipe_file, samples)
+        return prepare(run, samples)
 
-    def spec_of(self, recipe, recipe_file: Path):
-        from yamlformer.recipes.recipe.sections import model_spec
-
-        return lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
+    def check_data(self, recipe, recipe_file: Path, vocab_size: int, pretrained: dict | None) -> None:
+        super().check_data(recipe, recipe_file, vocab_size, pretrained)
+        if recipe.harness is not None:
+            harness_available()
 
     def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
         return [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
 
     def check_eval_arguments(self, args) -> None:
+        # local: builder validate loads this module; the CLI's argument types load for builder eval
         from yamlformer.builder.cli.arguments import ArgumentError
 
         given = [name for name in ("task_path", "limit", "num_fewshot") if getattr(args, name, None) is not None]
@@ -113,19 +155,20 @@ class LanguageModelling(Corpus, Task):
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
         self.check_meta(meta)
-        if getattr(args, "tasks", None):  # downstream tasks through lm-eval (recipes/studies/harness.py)
+        if getattr(args, "tasks", None):  # downstream tasks through lm-eval (recipes/tasks/lm/harness.py)
             try:
-                from yamlformer.recipes.studies.harness import BuilderLM, evaluate_tasks
+                # optional extra: lm-eval (pip install 'yamlformer[harness]')
+                from yamlformer.recipes.tasks.lm.harness import BuilderLM, evaluate_tasks
             except ImportError as exc:
                 raise RecipeError(f"--tasks needs lm-eval ({exc}): pip install 'yamlformer[harness]'") from None
             lm = BuilderLM(model, tokenizer, batch_size=args.batch_size or 16, max_length=args.seq_len)
             return {"harness": evaluate_tasks(lm, args.tasks, args.task_path, args.limit, args.num_fewshot)}
+        # optional extra: lm-eval (pip install 'yamlformer[harness]')
         from yamlformer.recipes.tasks.lm.training import evaluate_checkpoint
 
         return evaluate_checkpoint(model, tokenizer, meta, args)
 
     def print_evaluation(self, result: dict, args) -> None:
-        from yamlformer.recipes.tasks.task import scored
 
         if "harness" in result:
             print(f"{result['checkpoint']} (step {result['step']}), lm-eval:")
@@ -139,18 +182,25 @@ class LanguageModelling(Corpus, Task):
         print(scored(result["batches"], result["batches_available"], args))
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.lm.training import generate
 
         self.check_meta(meta)
         generate(model, tokenizer, args)
 
 
+def harness_available() -> None:
+    """Refuse a ``harness:`` section without lm-evaluation-harness installed (one line naming the extra)."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise RecipeError("harness: needs lm-eval (no module named 'lm_eval'): pip install 'yamlformer[harness]'")
+
+
 def mixture_lines(recipe, recipe_file: Path) -> list[str]:
     """Per source that is already tokens (tokenized datasets, Megatron and raw files): its training
     tokens, its share of the windows and the passes the run makes over it, with a warning past
     its ``max_epochs``; text is tokenized at the first run, so its count is not known here."""
+    # local: the data side (numpy, the corpus readers) loads when data is read
     from yamlformer.recipes.data.corpus import kind_of, source_tokens
-    from yamlformer.recipes.training.dry_run import data_parallel_ranks
 
     data = recipe.data
     entries = data.entries()
@@ -162,7 +212,7 @@ def mixture_lines(recipe, recipe_file: Path) -> list[str]:
     known = all(w is not None for w in weights) or all(t is not None for t in tokens)
     raw = [w if w is not None else t for w, t in zip(weights, tokens)]
     settings = recipe.trainer
-    total = settings.max_steps * data.batch_size * settings.accumulate_grad_batches * data_parallel_ranks(recipe)
+    total = TASK.total_windows(recipe)
     lines = []
     for entry, n, part in zip(entries, tokens, raw):
         if n is None:
@@ -172,12 +222,10 @@ def mixture_lines(recipe, recipe_file: Path) -> list[str]:
             )
             continue
         line = f"{entry.path}: {n:,} training tokens"
-        if known:
+        if known:  # a source past its max_epochs was refused with the run's line (Corpus.check_data)
             share = part / sum(raw)
             epochs = total * share / max(1, n // data.seq_len)
             line += f", {share:.1%} of the windows, {epochs:.2f} epochs in {settings.max_steps:,} steps"
-            if entry.max_epochs is not None and epochs > entry.max_epochs:
-                line += f" -- WARNING: past its max_epochs {entry.max_epochs:g}; train refuses this"
         lines.append(line)
     return lines
 

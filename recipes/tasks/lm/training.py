@@ -12,61 +12,57 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
+from tqdm.auto import tqdm
 
-from yamlformer.recipes.data.windows import IGNORE, LMDataModule, Mixture, ValWindows
+from yamlformer.blocks.heads import IGNORE
+from yamlformer.recipes.data.corpus import (
+    document_tokens,
+    held_out_tokens,
+    mixture_rows,
+    open_corpus,
+    over_limit,
+    read_text,
+)
+from yamlformer.recipes.data.tokenizers import build_tokenizer
+from yamlformer.recipes.data.windows import LMDataModule, Mixture, ValWindows
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.sections import Recipe, model_spec
+from yamlformer.recipes.learning.module import LMModule
+from yamlformer.recipes.recipe.sections import DataSection, Recipe
+from yamlformer.recipes.say import say
+from yamlformer.recipes.tasks.lm.streaming import stream
 from yamlformer.recipes.tasks.task import Prepared
-from yamlformer.recipes.training.module import LMModule
-from yamlformer.recipes.training.say import say
+from yamlformer.recipes.trained import pretrained_tokenizer
 
 
-def trains_tokenizer(recipe: Recipe) -> bool:
-    """Whether the recipe's tokenizer is made from its text (char, or sentencepiece without a file)."""
-    settings = recipe.tokenizer
-    return settings.type == "char" or (settings.type == "sentencepiece" and settings.model_file is None)
+def open_run_corpus(run):
+    """The run's sources opened with their tokenizer (:mod:`yamlformer.recipes.data.corpus`): the
+    tokenized datasets', the one ``model.init_from`` was trained with, or the recipe's, made from
+    the text when it is trained."""
 
-
-def corpus_and_spec(recipe: Recipe, recipe_file: Path):
-    """Sources -> tokenizer -> spec: what model and data both need (:mod:`yamlformer.recipes.data.corpus`)."""
-    from yamlformer.recipes.data.corpus import open_corpus
-    from yamlformer.recipes.data.tokenizers import build_tokenizer
-    from yamlformer.recipes.training.pretrained import pretrained_tokenizer
-
+    recipe = run.recipe
     cache = Path(recipe.data.cache_dir)
-    checked = {}
 
     def tokenizer_for(text: str, text_hash: str):
-        tokenizer = build_tokenizer(recipe.tokenizer, text, text_hash, cache, recipe_file)
-        # before tokenizing: a spec that cannot run stops here
-        checked["spec"] = model_spec(recipe, recipe_file, tokenizer.vocab_size)
-        return tokenizer
+        return build_tokenizer(recipe.tokenizer, text, text_hash, cache, run.file)
 
     corpus = open_corpus(
         recipe.data,
-        recipe_file,
+        run.file,
         tokenizer_for,
-        trains_tokenizer(recipe),
-        pretrained=pretrained_tokenizer(recipe, recipe_file),
+        run.task.trains_tokenizer(recipe),
+        pretrained=pretrained_tokenizer(recipe, run.file),
     )
-    spec = checked.get("spec") or model_spec(recipe, recipe_file, corpus.tokenizer.vocab_size)
-    if recipe.data.seq_len > spec.max_seq_len:
-        raise RecipeError(
-            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
-            f"lower data.seq_len or set model.overrides.max_seq_len"
-        )
     say(corpus.line)
-    return corpus, spec
+    return corpus
 
 
-def windows(recipe: Recipe, corpus, ranks: int) -> LMDataModule:
-    """The corpus's windows as the run takes them, read by ``ranks`` data-parallel ranks; refuses
-    a mixture past a source's epoch limit."""
-    from yamlformer.recipes.data.corpus import mixture_rows, over_limit
+def windows(recipe: Recipe, corpus, total_windows: int) -> LMDataModule:
+    """The corpus's windows as the run takes them, ``total_windows`` of them over every
+    data-parallel rank; refuses a mixture past a source's epoch limit."""
 
     settings = recipe.trainer
-    per_step = recipe.data.batch_size * settings.accumulate_grad_batches * ranks
-    rows = mixture_rows(corpus, settings.max_steps * per_step)
+    rows = mixture_rows(corpus, total_windows)
     if len(rows) > 1:
         say("mixture: " + ", ".join(f"{r['name']} {r['share']:.0%} ({r['epochs']:.2f} epochs)" for r in rows))
     problems = over_limit(rows)
@@ -83,13 +79,12 @@ def windows(recipe: Recipe, corpus, ranks: int) -> LMDataModule:
     )
 
 
-def prepare(recipe: Recipe, recipe_file: Path, samples: bool) -> Prepared:
-    """What the run loop trains: the corpus's windows, its tokenizer and the spec; at the end, the
+def prepare(run, samples: bool) -> Prepared:
+    """The data stage of an LM run: the corpus's windows and its tokenizer; at the end, the
     recipe's samples when ``samples``."""
-    from yamlformer.recipes.training.dry_run import data_parallel_ranks
-
-    corpus, spec = corpus_and_spec(recipe, recipe_file)
-    data = windows(recipe, corpus, data_parallel_ranks(recipe))
+    recipe = run.recipe
+    corpus = open_run_corpus(run)
+    data = windows(recipe, corpus, run.task.total_windows(recipe))
     tokenizer = corpus.tokenizer
 
     def finish(module, model, ckpt_dir: Path) -> dict:
@@ -99,13 +94,12 @@ def prepare(recipe: Recipe, recipe_file: Path, samples: bool) -> Prepared:
 
     return Prepared(
         tokenizer=tokenizer,
-        spec=spec,
         data=data,
         module_class=LMModule,
         seq_len=recipe.data.seq_len,
         batch=recipe.data.batch_size,
         meta={"corpus": corpus.hash},
-        callbacks=lambda ckpt_dir: harness_callbacks(recipe, recipe_file),
+        callbacks=lambda ckpt_dir: harness_callbacks(recipe, run.file),
         finish=finish,
     )
 
@@ -116,7 +110,8 @@ def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
     if recipe.harness is None:
         return []
     try:
-        from yamlformer.recipes.studies.harness import HarnessCallback
+        # optional extra: lm-eval (pip install 'yamlformer[harness]')
+        from yamlformer.recipes.tasks.lm.harness import HarnessCallback
     except ImportError as exc:
         raise RecipeError(f"harness: needs lm-eval ({exc}): pip install 'yamlformer[harness]'") from None
     return [HarnessCallback.from_section(recipe.harness, recipe_file)]
@@ -126,7 +121,6 @@ def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
 def print_samples(model, tokenizer, recipe: Recipe) -> None:
     """Decode each prompt with the recipe's sampling settings and print the text; each prompt
     draws from a generator of its own (:func:`prompt_seed`)."""
-    from yamlformer.recipes.tasks.lm.streaming import stream
 
     model.eval()
     settings = recipe.sample
@@ -162,7 +156,6 @@ def prompt_seed(seed: int, prompt: str) -> int:
 def generate(model, tokenizer, args) -> None:
     """``builder generate`` on an LM checkpoint or model folder: the prompt and its continuation,
     streamed to stdout."""
-    from yamlformer.recipes.tasks.lm.streaming import stream
 
     generator = None
     if args.seed is not None:
@@ -225,10 +218,6 @@ def eval_batches(args, meta: dict) -> int | None:
 
 def recipe_tokens(meta: dict, tokenizer):
     """``(held-out tokens, the run's validation windows)`` of the data the checkpoint was trained on."""
-    from pydantic import ValidationError
-
-    from yamlformer.recipes.data.corpus import held_out_tokens, open_corpus
-    from yamlformer.recipes.data.windows import Mixture
 
     try:  # the base recipe's sections are what the data path reads (the LM's harness is not)
         recipe = Recipe.model_validate({k: v for k, v in meta["recipe"].items() if k in Recipe.model_fields})
@@ -246,8 +235,6 @@ def file_tokens(paths: list[str], tokenizer, cache_dir: str) -> np.ndarray:
     """All the text of ``paths`` (files or folders), tokenized: one document per file, each
     followed by the tokenizer's EOS when it has one; tokenized once and cached in ``cache_dir``
     (:func:`yamlformer.recipes.data.corpus.document_tokens`), not on every eval."""
-    from yamlformer.recipes.data.corpus import document_tokens, read_text
-    from yamlformer.recipes.recipe.sections import DataSection
 
     text = read_text(paths, DataSection(sources=paths, max_bytes=None, cache_dir=cache_dir), None)
     return document_tokens(text, tokenizer, cache_dir)
@@ -278,7 +265,6 @@ def evaluate(
     run drew from ``mixture`` (:class:`yamlformer.recipes.data.windows.ValWindows`, at the run's seq_len), so the
     loss is that run's validation loss; else consecutive windows of ``tokens`` from the start. A
     progress bar goes to stderr."""
-    from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     n_windows = (len(tokens) - 1) // seq_len

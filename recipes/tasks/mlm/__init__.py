@@ -4,14 +4,14 @@ spec. This module (torch-free) is its recipe schema and its :class:`~yamlformer.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.data.section import DataSection
-from yamlformer.recipes.recipe.fields import _Section
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.fields import _Section
 from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.tasks.lm import Corpus
 from yamlformer.recipes.tasks.task import Task
@@ -38,6 +38,8 @@ class MLMSection(_Section):
 class MLMRecipe(Recipe):
     """``task: mlm``: BERT's masked-LM pretraining on windows of a text corpus."""
 
+    splits_windows: ClassVar[bool] = False  # its windows are masked whole, not cut as causal ones
+
     task: Literal["mlm"] = Field("mlm", description="mlm.")
     data: DataSection = Field(
         default_factory=DataSection, description="The corpus; windows of seq_len tokens, [CLS] and [SEP] included."
@@ -56,17 +58,48 @@ class MLMRecipe(Recipe):
         return self
 
 
+def check_encoder(recipe, spec) -> None:
+    """Refuse a spec that is not encoder-only (the mlm and classification tasks train encoders)."""
+    if spec.architecture != "encoder-only":
+        raise RecipeError(f"model: task {recipe.task} trains an encoder-only model; {spec.name} is {spec.architecture}")
+
+
 class MaskedLM(Corpus, Task):
     name = "mlm"
     recipe = MLMRecipe
     eval_options = ("max_batches", "all")
 
-    def prepare(self, recipe, recipe_file: Path, samples: bool):
+    def prepare(self, run, samples: bool):
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.mlm.training import prepare_mlm
 
-        return prepare_mlm(recipe, recipe_file)
+        return prepare_mlm(run)
+
+    def check_spec(self, recipe, spec) -> None:
+        check_encoder(recipe, spec)
+        if not type(spec.head).projects_to_vocab:
+            raise RecipeError(
+                f"model: masked-LM pretraining needs a head of type mlm (or lm), one that projects to "
+                f"the vocabulary; {spec.name} has {spec.head.type}"
+            )
+        if recipe.data.packing != "concat":
+            raise RecipeError(
+                f"data.packing {recipe.data.packing}: the mlm task frames each window as [CLS] window [SEP]; use concat"
+            )
+        super().check_spec(recipe, spec)
+
+    def corpus_section(self, recipe):
+        """The windows two tokens shorter: ``[CLS]`` and ``[SEP]`` are added to each."""
+        return recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})
+
+    def trains_tokenizer(self, recipe) -> bool:
+        return recipe.tokenizer.model_file is None
+
+    def total_windows(self, recipe) -> int | None:
+        return None  # a masked-LM run draws its sources by their tokens, with no epoch limit checked
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.mlm.training import evaluate
 
         self.check_meta(meta)

@@ -18,17 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
+from tqdm.auto import tqdm
 
+from yamlformer.blocks.heads import IGNORE
+from yamlformer.recipes.data.corpus import held_out_tokens, open_corpus
 from yamlformer.recipes.data.tokenizers import build_tokenizer
-from yamlformer.recipes.data.windows import LMDataModule
+from yamlformer.recipes.data.windows import LMDataModule, Mixture
 from yamlformer.recipes.data.windows import loader as batch_loader
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.sections import model_spec
+from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.tasks.lm.training import eval_batches
 from yamlformer.recipes.tasks.task import PROSE, Prepared
-from yamlformer.recipes.training.module import IGNORE, LMModule
-from yamlformer.recipes.training.pretrained import pretrained_tokenizer
+from yamlformer.recipes.trained import pretrained_tokenizer
 
 SPECIALS = {
     "pad_id": 0,
@@ -158,40 +161,18 @@ def encoder_tokenizer(recipe, recipe_file: Path, text: str, corpus_hash: str):
     return build_tokenizer(recipe.tokenizer, text, corpus_hash, Path(recipe.data.cache_dir), recipe_file, options)
 
 
-def encoder_spec(recipe, recipe_file: Path, vocab_size: int, extra: dict | None = None):
-    spec = model_spec(recipe, recipe_file, vocab_size, extra)
-    if spec.architecture != "encoder-only":
-        raise RecipeError(f"model: task {recipe.task} trains an encoder-only model; {spec.name} is {spec.architecture}")
-    return spec
+def prepare_mlm(run) -> Prepared:
+    """The data stage of a masked-LM run: the corpus's windows, masked, and its tokenizer."""
 
-
-def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
-    from yamlformer.recipes.data.corpus import open_corpus
-    from yamlformer.recipes.data.windows import Mixture
-
-    if recipe.data.packing != "concat":
-        raise RecipeError(
-            f"data.packing {recipe.data.packing}: the mlm task frames each window as [CLS] window [SEP]; use concat"
-        )
-    section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})  # [CLS] and [SEP] added
+    recipe = run.recipe
     corpus = open_corpus(
-        section,
-        recipe_file,
-        lambda text, digest: encoder_tokenizer(recipe, recipe_file, text, digest),
-        recipe.tokenizer.model_file is None,
-        pretrained=pretrained_tokenizer(recipe, recipe_file),
+        run.task.corpus_section(recipe),
+        run.file,
+        lambda text, digest: encoder_tokenizer(recipe, run.file, text, digest),
+        run.task.trains_tokenizer(recipe),
+        pretrained=pretrained_tokenizer(recipe, run.file),
     )
     tokenizer = corpus.tokenizer
-    spec = encoder_spec(recipe, recipe_file, tokenizer.vocab_size)
-    if not type(spec.head).projects_to_vocab:
-        raise RecipeError(
-            f"model: masked-LM pretraining needs a head of type mlm (or lm), one that projects to "
-            f"the vocabulary; {spec.name} has {spec.head.type}"
-        )
-    if recipe.data.seq_len > spec.max_seq_len:
-        raise RecipeError(
-            f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}"
-        )
     print(corpus.line, flush=True)
     settings = recipe.trainer
     mixture = Mixture(corpus.sources, settings.seed, tokenizer.vocab_size)
@@ -207,7 +188,6 @@ def prepare_mlm(recipe, recipe_file: Path) -> Prepared:
     )
     return Prepared(
         tokenizer=tokenizer,
-        spec=spec,
         data=data,
         module_class=MLMModule,
         tokens_of=masked_tokens,
@@ -229,7 +209,6 @@ def report(metrics: dict) -> dict:
 def evaluate(model, tokenizer, recipe, meta: dict, args) -> dict:
     """``builder eval``: masked-token loss and accuracy on the recipe's validation windows;
     ``recipe``: the checkpoint's, validated."""
-    from yamlformer.recipes.data.corpus import held_out_tokens, open_corpus
 
     model.eval()
     section = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len - 2})
@@ -241,8 +220,6 @@ def evaluate(model, tokenizer, recipe, meta: dict, args) -> dict:
 def masked_lm_metrics(model, tokenizer, tokens: np.ndarray, recipe, max_batches: int | None) -> dict:
     """Masked-token cross-entropy and accuracy over the first ``max_batches`` batches of
     consecutive windows (``None``: all of them), with seeded masks; a progress bar on stderr."""
-    import torch.nn.functional as F
-    from tqdm.auto import tqdm
 
     s, width, size = Specials(tokenizer), recipe.data.seq_len - 2, recipe.data.batch_size
     device = next(model.parameters()).device

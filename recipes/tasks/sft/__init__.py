@@ -15,9 +15,9 @@ from pydantic import Field, model_validator
 from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.data.section import DatasetFields
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
+from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.task import Task
+from yamlformer.recipes.tasks.task import Task, scored
 
 
 class InstructionDataSection(DatasetFields):
@@ -87,15 +87,11 @@ class InstructionTuning(Task):
     eval_options = ("max_batches", "all", "batch_size")
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
-    def prepare(self, recipe, recipe_file: Path, samples: bool):
+    def prepare(self, run, samples: bool):
+        # local: the training side imports torch and Lightning (this module is torch-free)
         from yamlformer.recipes.tasks.sft.training import prepare
 
-        return prepare(recipe, recipe_file)
-
-    def spec_of(self, recipe, recipe_file: Path):
-        from yamlformer.recipes.recipe.sections import model_spec
-
-        return lambda vocab_size: model_spec(recipe, recipe_file, vocab_size).model_dump(mode="json")
+        return prepare(run)
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
         data = recipe.data
@@ -110,6 +106,8 @@ class InstructionTuning(Task):
         return data.seq_len, data.batch_size, f"{data.batch_size} rows x {data.seq_len} tokens ({packed})"
 
     def check_spec(self, recipe, spec) -> None:
+        if spec.architecture_config.decoding_stack() is None or spec.architecture != "decoder-only":
+            raise RecipeError(f"task sft trains a decoder-only model; the spec is {spec.architecture}")
         if recipe.data.seq_len > spec.max_seq_len:
             raise RecipeError(
                 f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
@@ -117,14 +115,13 @@ class InstructionTuning(Task):
             )
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        # local: the training side imports torch and Lightning (this module is torch-free)
         from yamlformer.recipes.tasks.sft.training import evaluate_checkpoint
 
         self.check_meta(meta)
         return evaluate_checkpoint(model, tokenizer, meta, args)
 
     def print_evaluation(self, result: dict, args) -> None:
-        from yamlformer.recipes.tasks.task import scored
-
         print(
             f"{result['checkpoint']} (step {result['step']}) on its held-out records: answers' loss "
             f"{result['loss']:.4f} over {result['tokens']:,} tokens; exact match {result['exact']}/{result['prompts']}"
@@ -132,6 +129,7 @@ class InstructionTuning(Task):
         print(scored(result["batches"], result["batches_available"], args))
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
+        # local: the training side imports torch and Lightning (this module is torch-free)
         from yamlformer.recipes.tasks.sft.training import generate
 
         self.check_meta(meta)

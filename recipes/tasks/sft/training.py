@@ -15,12 +15,16 @@ import torch.nn.functional as F
 
 from yamlformer.recipes.data.chat import ChatFormat, conversation
 from yamlformer.recipes.data.instructions import IGNORE, InstructionData, Rows, encode_file, read_records, shuffled
+from yamlformer.recipes.data.registry import get
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.fields import resolve
-from yamlformer.recipes.recipe.sections import model_spec
+from yamlformer.recipes.fields import resolve
+from yamlformer.recipes.learning.module import LMModule
+from yamlformer.recipes.parallel.compile import eager
+from yamlformer.recipes.parallel.fsdp import is_sharded_model
+from yamlformer.recipes.say import say
+from yamlformer.recipes.tasks import task_named
 from yamlformer.recipes.tasks.task import Prepared
-from yamlformer.recipes.training.module import LMModule
-from yamlformer.recipes.training.say import say
+from yamlformer.recipes.trained import pretrained_tokenizer
 
 
 def record_files(data, recipe_file: Path | None) -> tuple[Path, Path | None]:
@@ -29,8 +33,6 @@ def record_files(data, recipe_file: Path | None) -> tuple[Path, Path | None]:
     if data.file is not None:
         held = resolve(recipe_file, data.validation) if data.validation else None
         return resolve(recipe_file, data.file), held
-    from yamlformer.recipes.data.registry import get
-
     dataset = get(data.dataset)
     if dataset.local is None:
         raise RecipeError(f"data.dataset: {data.dataset} is not a dataset of records; give data.file")
@@ -40,8 +42,8 @@ def record_files(data, recipe_file: Path | None) -> tuple[Path, Path | None]:
 def tokenizer_for(recipe, recipe_file: Path, train: Path):
     """``model.init_from``'s tokenizer, else the recipe's (a sentencepiece model trained on the
     records' text when it names no file)."""
+    # local: the tokenizer libraries (sentencepiece, Hugging Face's) load when a run reads its data
     from yamlformer.recipes.data.tokenizers import build_tokenizer
-    from yamlformer.recipes.training.pretrained import pretrained_tokenizer
 
     pretrained = pretrained_tokenizer(recipe, recipe_file)
     if pretrained is not None:
@@ -95,19 +97,13 @@ class Records:
         )
 
 
-def prepare(recipe, recipe_file: Path) -> Prepared:
-    """Records -> tokenizer -> spec -> packed rows; the held-out prompts scored before and after."""
+def prepare(run) -> Prepared:
+    """Records -> tokenizer -> packed rows (the spec is the run's, checked by the task before);
+    the held-out prompts scored before and after."""
+    recipe, recipe_file = run.recipe, run.file
     data, settings = recipe.data, recipe.trainer
     train_path, _ = record_files(data, recipe_file)
     tokenizer = tokenizer_for(recipe, recipe_file, train_path)
-    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)
-    if spec.architecture_config.decoding_stack() is None or spec.architecture != "decoder-only":
-        raise RecipeError(f"task sft trains a decoder-only model; the spec is {spec.architecture}")
-    if data.seq_len > spec.max_seq_len:
-        raise RecipeError(
-            f"data.seq_len {data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
-            "lower data.seq_len or set model.overrides.max_seq_len"
-        )
     records = Records(data, recipe_file, tokenizer, settings.seed)
     say(records.line)
     module = InstructionData(
@@ -125,7 +121,6 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 
     return Prepared(
         tokenizer=tokenizer,
-        spec=spec,
         data=module,
         module_class=LMModule,
         seq_len=data.seq_len,
@@ -141,8 +136,6 @@ def held_out_scores(model, records: Records, tokenizer, settings, batch: int, ba
     """The answers' loss over the held-out rows (the first ``batches`` batches of ``batch`` rows;
     None: all) and, for the first ``settings.prompts`` held-out records, whether the greedy answer
     to their prompt is their reference answer (both stripped)."""
-    from yamlformer.recipes.parallel.compile import eager
-
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -198,8 +191,6 @@ class HeldOut(L.Callback):
         return held_out_scores(model, self.records, self.tokenizer, self.settings, batch=8)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        from yamlformer.recipes.parallel.fsdp import is_sharded_model
-
         if self.before is not None or trainer.global_step:
             return
         model = pl_module.model
@@ -240,13 +231,10 @@ def _line(scores: dict) -> str:
 
 def _checkpoint_recipe(meta: dict):
     """The sft recipe a checkpoint was trained with (its paths absolute, as checkpoints keep them)."""
-    from yamlformer.recipes.tasks.sft import InstructionRecipe
-
+    recipe_cls = task_named("sft").recipe
     if not isinstance(meta.get("recipe"), dict):
         raise RecipeError("the checkpoint holds no training recipe (its records and chat template)")
-    return InstructionRecipe.model_validate(
-        {k: v for k, v in meta["recipe"].items() if k in InstructionRecipe.model_fields}
-    )
+    return recipe_cls.model_validate({k: v for k, v in meta["recipe"].items() if k in recipe_cls.model_fields})
 
 
 def evaluate_checkpoint(model, tokenizer, meta: dict, args) -> dict:

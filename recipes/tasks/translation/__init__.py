@@ -5,13 +5,14 @@ the original Transformer's task. This module (torch-free) is its recipe schema a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.data.section import DatasetFields
-from yamlformer.recipes.recipe.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
 from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.tasks.task import Task, TokenBudget
 
@@ -64,6 +65,7 @@ class ParallelDataSection(DatasetFields):
                     f"give data.dataset (e.g. multi30k) or data.{' and data.'.join(missing)} (source and target files)",
                 )
             return self
+        # local: the dataset registry (urllib, http) loads only when a dataset is named
         from yamlformer.recipes.data.registry import get
 
         dataset = get(self.dataset)
@@ -106,6 +108,8 @@ class TranslationEval(_Section):
 class TranslationRecipe(Recipe):
     """``task: translation``: an encoder-decoder trained on sentence pairs, scored with sacreBLEU."""
 
+    splits_windows: ClassVar[bool] = False  # its batches are examples of their own lengths, not windows
+
     task: Literal["translation"] = Field("translation", description="translation.")
     data: ParallelDataSection = Field(..., description="The parallel text and its batches.")
     eval: TranslationEval = Field(default_factory=TranslationEval, description="Decoding and scoring.")
@@ -126,10 +130,15 @@ class Translation(TokenBudget, Task):
     eval_options = ("src", "ref", "split", "num_beams", "length_penalty", "max_sentences", "output")
     generate_options = ("num_beams",)
 
-    def prepare(self, recipe, recipe_file: Path, samples: bool):
+    def prepare(self, run, samples: bool):
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.translation.training import prepare
 
-        return prepare(recipe, recipe_file)
+        return prepare(run)
+
+    def check_spec(self, recipe, spec) -> None:
+        if spec.architecture != "encoder-decoder":
+            raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
         data = recipe.data
@@ -142,12 +151,14 @@ class Translation(TokenBudget, Task):
                 files.dataset(data.dataset, [files.registry(data.dataset).split_of(role)])
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.translation.training import evaluate
 
         self.check_meta(meta)
         return evaluate(model, tokenizer, ParallelDataSection, meta, args)
 
     def generate(self, model, tokenizer, meta: dict, args) -> None:
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
         from yamlformer.recipes.tasks.translation.training import generate
 
         self.check_meta(meta)

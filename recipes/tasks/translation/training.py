@@ -14,23 +14,29 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import shutil
 import sys
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import torch
+from sacrebleu.metrics import BLEU, CHRF
+from tqdm.auto import tqdm
 
+from yamlformer.blocks.heads import IGNORE
+from yamlformer.builder import checkpoints
 from yamlformer.builder.checkpoints import model_weights
 from yamlformer.recipes.data.batching import BucketDataModule, pad, sorted_batches
-from yamlformer.recipes.data.tokenizers import build_tokenizer
+from yamlformer.recipes.data.registry import get, split_files
+from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer, build_tokenizer
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.fields import not_a_file, resolve
+from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.parallel import whole_model
-from yamlformer.recipes.recipe.fields import resolve
-from yamlformer.recipes.recipe.sections import model_spec
+from yamlformer.recipes.parallel.checkpoints import run_errors
 from yamlformer.recipes.tasks.task import PROSE, Prepared
-from yamlformer.recipes.training.checkpointing import KeepLastCheckpoints
-from yamlformer.recipes.training.module import IGNORE, LMModule
-from yamlformer.recipes.training.pretrained import pretrained_tokenizer
+from yamlformer.recipes.trained import pretrained_tokenizer, read_verified
 
 #: sentencepiece ids of the specials (the model's padding, decoder start and end of sentence)
 SPECIALS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
@@ -38,8 +44,9 @@ SPECIALS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 
 def read_lines(path: Path) -> list[str]:
     """The file's lines, stripped (only ``\n`` ends a line: sentences may hold other breaks)."""
-    if not path.is_file():
-        raise RecipeError(f"no file at {path}")
+    why = not_a_file(path)
+    if why:
+        raise RecipeError(f"{path} {why}")
     lines = path.read_text(encoding="utf-8").split("\n")
     if lines[-1] == "":
         lines.pop()
@@ -85,6 +92,38 @@ def tokens_of(batch) -> torch.Tensor:
     return batch[1].sum() + batch[3].sum()
 
 
+class KeepLastCheckpoints(L.Callback):
+    """Weights every ``every_n_steps`` optimizer steps (and at the end) as ``step-N.ckpt``, the last
+    ``keep`` of them kept; at the end of training their average goes to ``averaged.ckpt``
+    (:mod:`yamlformer.builder.checkpoints.averaging`)."""
+
+    def __init__(self, dirpath: Path, keep: int, every_n_steps: int):
+        self.dirpath, self.keep, self.every_n_steps = Path(dirpath), keep, every_n_steps
+        self.averaged_path = self.dirpath / "averaged.ckpt"
+
+    def _save(self, trainer) -> None:
+        path = checkpoints.step_path(self.dirpath, trainer.global_step)
+        if checkpoints.exists(path):
+            return
+        trainer.save_checkpoint(path, weights_only=True)
+        if trainer.is_global_zero:
+            for old in checkpoints.kept_checkpoints(self.dirpath)[: -self.keep]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if stepped and trainer.global_step % self.every_n_steps == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_step == 0:
+            return
+        self._save(trainer)
+        if trainer.is_global_zero:
+            with run_errors():
+                checkpoints.average_checkpoints(checkpoints.kept_checkpoints(self.dirpath), self.averaged_path)
+
+
 # -- decoding and scoring -------------------------------------------------------------------------
 
 
@@ -102,7 +141,6 @@ def translate(
 ) -> list[str]:
     """Decode ``sources`` (greedy for ``num_beams=1``); the batches hold like lengths (``progress``:
     a bar of sentences on stderr)."""
-    from tqdm.auto import tqdm
 
     pad_id, bos, eos = special_ids(tokenizer)
     device = next(model.parameters()).device
@@ -136,7 +174,6 @@ def translate(
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
     """sacreBLEU (13a tokenization, cased) and chrF of detokenized text, with their signatures."""
-    from sacrebleu.metrics import BLEU, CHRF
 
     bleu, chrf = BLEU(), CHRF()
     b, c = bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])
@@ -203,7 +240,6 @@ class TranslationModule(LMModule):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(proto: bytes):
-    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer
 
     return SentencePieceTokenizer(proto)
 
@@ -218,7 +254,6 @@ def pair_paths(data, recipe_file: Path | None, role: str, split: str | None = No
     files = getattr(data, role) if split is None else None
     if files is not None:
         return resolve(recipe_file, files.source), resolve(recipe_file, files.target)
-    from yamlformer.recipes.data.registry import get, split_files
 
     if data.dataset is None:
         raise RecipeError(f"--split {split}: this recipe's data names files, not a dataset")
@@ -230,7 +265,10 @@ def validation_pairs(recipe, recipe_file: Path) -> tuple[list[str], list[str]]:
     return read_pairs(*pair_paths(recipe.data, recipe_file, "validation"), recipe.eval.max_sentences)
 
 
-def prepare(recipe, recipe_file: Path) -> Prepared:
+def prepare(run) -> Prepared:
+    """The data stage of a translation run: the sentence pairs in token-budget batches and the
+    joint tokenizer trained on both sides (or ``model.init_from``'s)."""
+    recipe, recipe_file, spec = run.recipe, run.file, run.spec
     data = recipe.data
     train_src, train_tgt = read_pairs(*pair_paths(data, recipe_file, "train"), data.limit_pairs)
     val_src, val_tgt = validation_pairs(recipe, recipe_file)
@@ -244,9 +282,6 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
     keep = [i for i, n in enumerate(train_lengths) if n <= data.max_len]
     train, train_lengths = [train[i] for i in keep], train_lengths[keep]
     val, val_lengths = encode_pairs(tokenizer, val_src, val_tgt)
-    spec = model_spec(recipe, recipe_file, tokenizer.vocab_size)
-    if spec.architecture != "encoder-decoder":
-        raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
     longest = int(max(train_lengths.max(), val_lengths.max()))
     if longest > spec.max_seq_len:
         raise RecipeError(
@@ -279,7 +314,6 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 
     return Prepared(
         tokenizer=tokenizer,
-        spec=spec,
         data=module,
         module_class=TranslationModule,
         tokens_of=tokens_of,
@@ -294,8 +328,6 @@ def prepare(recipe, recipe_file: Path) -> Prepared:
 def final_evaluation(model, tokenizer, averaged: Path, sources, references, settings) -> dict:
     """Beam search on the validation set with the averaged weights (the trained ones without)."""
     if averaged.is_file():
-        from yamlformer.recipes.trained import read_verified
-
         state = read_verified(averaged)["state_dict"]
         model.load_state_dict(model_weights(state))
     what = f"validation, beam {settings.num_beams}, {'averaged ' + averaged.name if averaged.is_file() else 'last'}"

@@ -1,7 +1,7 @@
 """What every recipe section is built from, in a module that imports nothing of the recipes: the
-base section model, the markers of path fields and :func:`resolve`. Section modules elsewhere
-(``yamlformer.recipes.data.section``, each task's) import them from here, so no section module needs
-``yamlformer.recipes.recipe.sections`` back."""
+base section model, the markers of path fields, :func:`resolve` and :func:`not_a_file`. It sits
+below every part of the recipes (the data sections, the recipe's, each task's), so none of them
+needs another's back."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def default_cache_dir() -> str:
     ``~/Library/Caches/builder`` on macOS), so tokenizers and tokenized corpora are made once per
     user, not once per folder a command runs in; ``./.cache/builder`` where an earlier version
     left one (its tokenizers and corpora are reused, not made again)."""
+    # local: platformdirs loads only when a recipe gives no cache_dir
     import platformdirs
 
     if LEGACY_CACHE.is_dir():
@@ -63,3 +64,16 @@ def resolve(recipe_file: Path | None, path: str) -> Path:
     if p.is_absolute() or recipe_file is None:
         return p
     return Path(recipe_file).resolve().parent / p
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file a recipe names (None when it can): it is missing, a
+    folder, or something that is no regular file (a device such as ``/dev/zero``, a pipe, a
+    socket), which would never end or never answer."""
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a folder, not a file"
+    if not path.is_file():
+        return "is not a regular file (a device, a pipe or a socket)"
+    return None

@@ -1,4 +1,4 @@
-"""The training recipe as a kind of document (``yamlformer.builder.spec.kinds``). Torch-free.
+"""The training recipe as a kind of document (``yamlformer.builder.kinds``). Torch-free.
 
 ``builder validate`` checks a recipe through :data:`KIND` (the recipe, then its model spec with
 its overrides and the vocabulary the tokenizer will have); ``builder schema --recipe`` prints
@@ -13,33 +13,40 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from yamlformer.builder.kinds import Kind
 from yamlformer.builder.optim import DEFAULT as DEFAULT_OPTIMIZER
-from yamlformer.builder.spec.kinds import Kind
 from yamlformer.builder.spec.source import Problem, SpecError
 
 
 def _keys() -> frozenset[str]:
+    # local: every command that reads a YAML file loads this kind; the recipes load for a recipe only
     from yamlformer.recipes.tasks import NAMES, recipe_class
 
     return frozenset(name for task in NAMES for name in recipe_class(task).model_fields)
 
 
 def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
-    """Every problem of one recipe file and of the model spec it trains (``[]`` when valid)."""
+    """Every problem of one recipe file and of the model spec it trains (``[]`` when valid),
+    through the run's resolution without its data read
+    (:func:`yamlformer.recipes.training.resolved.resolve_model`)."""
+    # local: every command that reads a YAML file loads this kind; the recipes load for a recipe only
     from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec, recipe_path
-    from yamlformer.recipes.training.dry_run import missing_inputs, vocabulary
+    from yamlformer.recipes.recipe.sections import recipe_path
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.training.resolved import missing_inputs, resolve_model
 
     try:
         recipe = load_recipe(path, dict(overrides))
         recipe_file = recipe_path(path)
         missing = missing_inputs(recipe, recipe_file)
-        model_spec(recipe, recipe_file, vocabulary(recipe, recipe_file, read_data=False).size)
+        if missing:
+            return [Problem(str(path), None, None, "", line) for line in missing]
+        resolve_model(recipe, recipe_file)
     except SpecError as exc:
         return exc.problems
     except RecipeError as exc:
         return [Problem(str(path), None, None, "", str(exc))]
-    return [Problem(str(path), None, None, "", line) for line in missing]
+    return []
 
 
 def _hint(shown: str) -> str:
@@ -50,18 +57,20 @@ def _hint(shown: str) -> str:
 
 
 def _schema() -> dict:
-    from yamlformer.recipes.recipe.json_schema import recipe_json_schema
+    # local: every command that reads a YAML file loads this kind; the recipes load for a recipe only
+    from yamlformer.recipes.tasks.json_schema import recipe_json_schema
 
     return recipe_json_schema()
 
 
 def _model(path: Path) -> tuple[Any, dict]:
-    from yamlformer.recipes.recipe.sections import load_recipe, model_spec
-    from yamlformer.recipes.training.dry_run import vocabulary
+    # local: every command that reads a YAML file loads this kind; the recipes load for a recipe only
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.training.resolved import resolve_model
 
     recipe = load_recipe(path)
-    vocab = vocabulary(recipe, path, read_data=False)
-    return model_spec(recipe, path, vocab.size), {"family": recipe.task, "approximate": vocab.stand_in}
+    vocab, spec = resolve_model(recipe, path)
+    return spec, {"family": recipe.task, "approximate": vocab.stand_in}
 
 
 #: Lightning's precision for a plan's compute dtype
@@ -75,6 +84,7 @@ def _launch(document: Mapping[str, Any], launch) -> list[str]:
     layout = launch.layout
     sets = [f"model.spec={launch.spec}"] if launch.spec else []
     sets += [f"model.overrides.{item}" for item in launch.spec_overrides]
+    # local: every command that reads a YAML file loads this kind; the recipes load for a recipe only
     from yamlformer.recipes.tasks import recipe_class, task_named
 
     task = recipe_class(document.get("task")).model_fields["task"].default  # a value that is no task: the LM's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import time
@@ -11,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yamlformer.blocks.heads import IGNORE
 from yamlformer.recipes.optim import build_optimizer, check_optimizer
 from yamlformer.recipes.optim.schedule import lr_multiplier
+from yamlformer.recipes.parallel import data_parallel_rank
 from yamlformer.recipes.parallel.compile import compiled_losses
+from yamlformer.recipes.parallel.strategy import clip_grad_norm
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.training.callbacks import publish
-
-#: a target id that takes no part in the loss (padding, unmasked MLM positions); PyTorch's default
-IGNORE = -100
+from yamlformer.recipes.say import publish
 
 
 class NonFiniteLossError(RuntimeError):
@@ -48,7 +49,6 @@ def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
     in the automatic loop or in the manual one, and a run resumed in the other mode (a pipelined
     run resumed without ``trainer.pipeline_parallel``, or the other way) would restart at step 0.
     The steps the saved run counted replace the other counter's (which it left at zero)."""
-    import copy
 
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     if AUTOMATIC_STEPS not in loop or MANUAL_STEPS not in loop:
@@ -61,12 +61,6 @@ def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
         }
     elif not automatic and auto["step"]["total"]["completed"] > manual["total"]["completed"]:
         loop[MANUAL_STEPS] = copy.deepcopy(auto["step"])
-
-
-def has_moe(model: nn.Module) -> bool:
-    """Whether a forward leaves auxiliary losses to add to the cross-entropy (``aux_losses()``: a
-    block's balancing loss, a head's multi-token-prediction loss), known before any forward."""
-    return model.has_aux_losses()
 
 
 def micro_batch_seed(seed: int, rank: int, micro_batch: int) -> int:
@@ -111,7 +105,8 @@ class LMModule(L.LightningModule):
         self.first_step = 0  # the step this invocation starts from (a resumed run: its checkpoint's)
         self._data_rank = 0  # this rank among those reading different data (on_train_start)
         self._started: float | None = None
-        self.moe = has_moe(model)
+        # a balancing loss or a head's multi-token-prediction losses join the cross-entropy
+        self.adds_aux_losses = model.has_aux_losses()
         self.label_smoothing, self.moe_aux_coef = recipe.loss.label_smoothing, recipe.loss.moe_aux_coef
         # training losses summed on the device and read at log intervals only: no host sync per step
         self._pending: torch.Tensor | None = None  # the sum since the last read
@@ -155,7 +150,6 @@ class LMModule(L.LightningModule):
         """One optimizer step through the pipeline's schedule (manual optimization): every
         micro-batch's forward and backward, the gradients clipped over every stage, the step
         and the learning-rate schedule. Returns the batch's mean loss (on every rank)."""
-        from yamlformer.recipes.parallel.strategy import clip_grad_norm
 
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         optimizer.zero_grad(set_to_none=True)
@@ -191,7 +185,7 @@ class LMModule(L.LightningModule):
             ignore_index=IGNORE,
             label_smoothing=self.label_smoothing,
         )
-        if not self.moe:
+        if not self.adds_aux_losses:
             return ce, ce
         # the model's auxiliary losses (yamlformer.blocks.stacks): the balancing loss weighed by the recipe's
         # coefficient, the head's by their own spec fields
@@ -259,7 +253,6 @@ class LMModule(L.LightningModule):
             after_step()  # blocks' state kept outside the gradients (yamlformer.blocks.stacks)
 
     def on_train_start(self):
-        from yamlformer.recipes.parallel import data_parallel_rank
 
         self._started = time.perf_counter() - self.elapsed
         self._data_rank = data_parallel_rank(self.trainer)  # for micro_batch_seed, once per run

@@ -13,18 +13,18 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pydantic.json_schema import models_json_schema
+
+from yamlformer.builder.optim.registry import optimizer_schemas
+from yamlformer.builder.spec.json_schema import draft7, partial, spec_definitions
+from yamlformer.recipes.tasks import NAMES, recipe_class
+
 #: a dotted key of ``model.overrides`` (``decoder.attention.n_kv_heads``): not checked by the schema
 DOTTED_KEY = r"^[^.]+(\.[^.]+)+$"
 
 
 def recipe_json_schema() -> dict[str, Any]:
     """The recipe schema: every task's, the spec's definitions included."""
-    from pydantic.json_schema import models_json_schema
-
-    from yamlformer.builder.optim.registry import optimizer_schemas
-    from yamlformer.builder.spec.json_schema import draft7, partial, spec_definitions
-    from yamlformer.recipes.tasks import NAMES, recipe_class
-
     classes = {task: recipe_class(task) for task in NAMES}
     _, top = models_json_schema([(cls, "validation") for cls in classes.values()], ref_template="#/$defs/{model}")
     recipe_defs = top["$defs"]

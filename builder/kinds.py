@@ -7,7 +7,7 @@ train`` runs, the settings a launch plan gives it (``builder plan``). Every kind
 the ``yamlformer.kinds`` entry-point group (``[project.entry-points."yamlformer.kinds"]`` in a
 package's ``pyproject.toml``, ``name = "package.module:KIND"``): builder's own spec
 (``builder/spec/kind.py``) as any other package's (the recipes' training recipe,
-``recipes/recipe/kind.py``), so this module imports none of them.
+``recipes/commands/kind.py``), so this module imports none of them.
 
 ``builder validate`` checks a file as the kind its keys say; a command that wants one kind and
 is given another says so in one line (:func:`mistaken`) instead of reporting every key.
@@ -21,8 +21,6 @@ import importlib.metadata
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-
-from yamlformer.builder.spec.source import FieldPath, Problem
 
 #: packages add kinds here: ``[project.entry-points."yamlformer.kinds"]``, ``name = "module:KIND"``
 GROUP = "yamlformer.kinds"
@@ -40,13 +38,13 @@ class Kind:
     #: the top-level keys of this kind (those in :data:`SHARED` tell nothing)
     keys: Callable[[], frozenset[str]]
     #: ``(path, overrides) -> problems``: every problem of one file (``[]`` when valid)
-    validate: Callable[[Path, Mapping[str, Any]], list[Problem]]
+    validate: Callable[[Path, Mapping[str, Any]], list]  # of yamlformer.builder.spec.source.Problem
     #: the JSON Schema of a file of this kind (draft-07)
     schema: Callable[[], dict]
     #: what to do with a file of this kind, said when another command is given one
     hint: Callable[[str], str]
     #: the fields that name another file (a path relative to the file, or a zoo name)
-    references: tuple[FieldPath, ...] = (("extends",),)
+    references: tuple[tuple[str | int, ...], ...] = (("extends",),)
     #: the shipped files of this kind (``None``: none) and whether sub-folders count
     folder: Callable[[], Path | None] = lambda: None
     recursive: bool = False
@@ -68,7 +66,7 @@ def kinds() -> dict[str, Kind]:
     as what a command expects, and zoo names are not found (``yamlformer.builder.packages.NOT_INSTALLED``)."""
     found: dict[str, Kind] = {}
     entries = importlib.metadata.entry_points(group=GROUP)
-    own = __name__.removesuffix(".spec.kinds") + "."  # builder's own first: a zoo name a spec has stays the spec's
+    own = __name__.removesuffix(".kinds") + "."  # builder's own first: a zoo name a spec has stays the spec's
     for entry in sorted(entries, key=lambda e: not e.module.startswith(own)):
         kind = entry.load()
         found.setdefault(kind.name, kind)

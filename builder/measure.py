@@ -29,8 +29,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from yamlformer.builder.analysis.calibration.table import CalibrationTable
+from yamlformer.builder.analysis.hardware import GPUS, resolve
+from yamlformer.builder.analysis.mfu import match_device
+from yamlformer.kernels import attention
 
 #: one rank's projections of one layer of each published run: (tokens, [(k, n), ...])
 LAYERS = {
@@ -115,7 +119,6 @@ def _corners() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def sdpa(backend: str):
     """SDPA restricted to ``backend`` (``flash``, ``cudnn``) as a ``(q, k, v, causal)`` call."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
 
@@ -127,7 +130,6 @@ def sdpa(backend: str):
 
 
 def triton_attention(q, k, v, causal):
-    from yamlformer.kernels import attention
 
     return attention(q, k, v, causal=causal, backend="triton")
 
@@ -171,8 +173,6 @@ def stream_bandwidth(device: torch.device, repeats: int, elements: int) -> float
 def device_key(name: str) -> str | None:
     """The hardware table's key for a CUDA device's name (``NVIDIA H200`` -> ``h200``), None for a
     device the table does not know."""
-    from yamlformer.builder.analysis.hardware import GPUS, resolve
-    from yamlformer.builder.analysis.mfu import match_device
 
     matched = match_device(name)
     key = resolve(matched) if matched else None
@@ -192,7 +192,6 @@ def measure(cpu: bool = False, repeats: int = 10, log=None) -> CalibrationTable:
     device = torch.device("cpu" if cpu else "cuda")
     name = "cpu" if cpu else torch.cuda.get_device_name()
     key = "cpu" if cpu else (device_key(name) or slug(name))
-    from yamlformer.builder.analysis.hardware import GPUS
 
     peaks = GPUS[key].peak if key in GPUS else {}
     fp8 = cpu or "fp8" in peaks

@@ -1,4 +1,5 @@
-"""EleutherAI's lm-evaluation-harness on our models directly: :class:`BuilderLM` is a harness
+"""EleutherAI's lm-evaluation-harness on the LM task's models directly (``builder eval --tasks``,
+a recipe's ``harness:`` section): :class:`BuilderLM` is a harness
 model (``lm_eval.api.model.TemplateLM``) over a built model and its tokenizer — no export —
 scoring log-likelihoods in length-sorted, right-padded batches of our forward pass and generating
 with our KV-cached ``generate``. It tokenizes and truncates as lm-eval's own Hugging Face model
@@ -12,6 +13,8 @@ needs no download when their ``dataset_kwargs`` name local data files) and retur
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 from pathlib import Path
 
@@ -19,6 +22,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
+
+from yamlformer.recipes.data.tokenizers import from_state
+from yamlformer.recipes.errors import RecipeError
 
 #: the metrics a result keeps (lm-eval's own names), their standard errors left out
 SKIP = ("alias", "samples", "sample_len")
@@ -76,6 +82,7 @@ class BuilderLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of each whole text, in windows of ``max_length`` (perplexity tasks)."""
+        # optional extra: lm-eval (pip install 'yamlformer[harness]')
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         scores = []
@@ -119,11 +126,9 @@ def task_manager(tasks: list[str], task_path: str | Path | None = None, field: s
     """lm-eval's ``TaskManager`` that knows every one of ``tasks`` (the local ones in ``task_path``
     alone when it can: indexing lm-eval's thousands of task files takes seconds); an unknown task is a
     :class:`~yamlformer.recipes.errors.RecipeError` naming ``field``, with the closest known name."""
-    import logging
 
+    # optional extra: lm-eval (pip install 'yamlformer[harness]')
     from lm_eval.tasks import TaskManager
-
-    from yamlformer.recipes.errors import RecipeError
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     if task_path is not None and not Path(task_path).is_dir():
@@ -136,8 +141,6 @@ def task_manager(tasks: list[str], task_path: str | Path | None = None, field: s
         manager = TaskManager(include_path=str(task_path) if task_path else None)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
-        import difflib
-
         close = difflib.get_close_matches(unknown[0], sorted(manager.all_tasks), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         where = f" in {task_path} nor" if task_path else ""
@@ -150,6 +153,7 @@ def evaluate_tasks(
 ) -> dict[str, float]:
     """Run lm-eval's ``simple_evaluate`` on ``lm`` (any harness model); ``{"TASK/METRIC": value}``.
     ``manager``: a :func:`task_manager` already made for these tasks."""
+    # optional extra: lm-eval (pip install 'yamlformer[harness]')
     from lm_eval import simple_evaluate
 
     manager = manager or task_manager(tasks, task_path)
@@ -212,7 +216,6 @@ class HarnessCallback(L.Callback):
         step = trainer.global_step
         if step == 0 or step % self.every or step in self.results:
             return
-        from yamlformer.recipes.data.tokenizers import from_state
 
         model = pl_module.model
         lm = BuilderLM(model, from_state(pl_module.meta["tokenizer"]), self.batch_size)

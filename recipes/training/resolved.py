@@ -1,0 +1,321 @@
+"""A recipe resolved once. ``builder train`` and ``builder train --dry-run`` resolve a recipe
+with :func:`resolve_run`; ``builder validate``, ``builder list`` and a study's variants resolve
+its model with :func:`resolve_model` (the same steps, no data read). Torch-free at import.
+
+:class:`Run` is what the resolution makes, immutable: the recipe (``trainer.precision`` as this
+machine runs it), its file, its task, the tokenizer's vocabulary, the model spec (validated, with
+``model.overrides``, the task's own overrides and that vocabulary: resolved here and nowhere
+else), the files it reads, its output folder and the micro-batch shape its estimate is made at.
+Each stage of a run (data, model, trainer, wrap-up: :mod:`yamlformer.recipes.training.run`) is
+handed the ``Run`` and reads it; the dry run prints it (:mod:`yamlformer.recipes.training.dry_run`).
+
+The checks are the run's own, made before any work, so what the dry run accepts the run
+accepts: every file there (or a dataset's, to download) and of a kind the run reads (no device,
+pipe, socket or folder of no files), ``model.init_from`` a model that loads (its spec and
+tokenizer read, a checkpoint verified), the spec against its task and the layout (tensor- and
+expert-parallel splits, pipeline stages), and the data's windows wherever its tokens are known
+without tokenizing text (tokenized datasets and token files: their ids, a training and a
+validation window each, their epochs). What only the work can tell (a sentencepiece tokenizer
+that cannot be trained on the text, pairs longer than the model) is found by the run. The one
+difference is the machine: the dry run shows a layout this machine lacks with a warning (a
+launch line meant for another machine), where the run refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any
+
+from yamlformer.recipes.data import registry as datasets
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.fields import not_a_file, resolve
+from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, recipe_run, spec_base
+from yamlformer.recipes.recipe.sections import Recipe, model_spec, output_dir
+from yamlformer.recipes.tasks import load_recipe, task_named
+from yamlformer.recipes.tasks.task import DataFile, Task, Vocabulary
+
+#: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
+CHAR_STAND_IN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A recipe resolved for a run: what every stage reads, made once (:func:`resolve_run`)."""
+
+    recipe: Recipe  # loaded, --set applied, trainer.precision concrete for this machine
+    file: Path  # the recipe file: its relative paths start in its folder
+    task: Task
+    vocab: Vocabulary  # the tokenizer's size, and how it is known
+    spec: Any  # the validated ModelSpec, vocab_size the tokenizer's
+    files: tuple[DataFile, ...]  # every file the data section reads, in order
+    out: Path  # trainer.output_dir
+    seq_len: int  # the micro-batch the estimate is made at, as the task cuts it
+    batch: int
+    shape: str  # that micro-batch, in words
+    precision_note: str | None = None  # why trainer.precision: auto chose what it did (when that needs saying)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def title(self) -> str:
+        """``recipe name: model name``, for plots and reports."""
+        return f"{self.recipe.name or self.file.stem}: {self.spec.name}"
+
+
+def resolve_run(recipe: Recipe, recipe_file: Path, fetch: bool = False) -> Run:
+    """``recipe`` (loaded from ``recipe_file``) resolved and checked for a run, nothing trained or
+    written. ``fetch``: download what a named dataset lacks first (``builder train``: its
+    vocabulary is then the real one); without it (``--dry-run``) a char tokenizer's corpus that is
+    not downloaded yet is estimated with a stand-in vocabulary."""
+    precision, note = _machine_precision(recipe)
+    recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"precision": precision})})
+    task = task_named(recipe.task)
+    files = data_files(recipe, recipe_file)
+    if fetch:
+        files = fetch_missing(recipe, recipe_file, files)
+    check_inputs(recipe, recipe_file, files)
+    vocab, spec = _resolved_model(task, recipe, recipe_file, read_data=True)
+    seq_len, batch, shape = task.batch_shape(recipe, spec)
+    task.check_data(recipe, recipe_file, vocab.size, pretrained_state(recipe, recipe_file))
+    check_stages(recipe, spec)
+    out = output_dir(recipe, recipe_file)
+    return Run(recipe, recipe_file, task, vocab, spec, tuple(files), out, seq_len, batch, shape, note)
+
+
+def resolve_model(recipe: Recipe, recipe_file: Path, read_data: bool = False) -> tuple[Vocabulary, Any]:
+    """``(vocabulary, spec)`` of a recipe as :func:`resolve_run` resolves them, checked against
+    its task and layout, its files checked to be there; data is read only with ``read_data``
+    (``builder validate``, ``builder list`` and a study's variants read none)."""
+    files = data_files(recipe, recipe_file)
+    run = recipe_run(recipe, recipe_file)
+    if run is None or run[1].exists():
+        check_inputs(recipe, recipe_file, files)
+        return _resolved_model(task_named(recipe.task), recipe, recipe_file, read_data)
+    # model.init_from names a recipe not trained yet: this recipe is checked with that recipe's
+    # vocabulary and spec (validate, list); a run, and its dry run, refuse it until it is trained
+    check_inputs(recipe, recipe_file, files, init_from=False)
+    vocab, spec = resolve_model(load_recipe(run[0]), run[0], read_data)
+    vocab = dataclasses.replace(vocab, how=f"{vocab.how} (model.init_from {recipe.model.init_from}, not trained yet)")
+    base = spec_base(spec.model_dump(mode="json"), f"<{run[0]}>")
+    return _resolved_model(task_named(recipe.task), recipe, recipe_file, read_data, vocab, base)
+
+
+def _resolved_model(
+    task: Task,
+    recipe: Recipe,
+    recipe_file: Path,
+    read_data: bool,
+    vocab: Vocabulary | None = None,
+    base: tuple[dict, str] | None = None,
+) -> tuple[Vocabulary, Any]:
+    vocab = vocabulary(recipe, recipe_file, read_data) if vocab is None else vocab
+    overrides = task.spec_overrides(recipe, recipe_file, read_data)
+    spec = model_spec(recipe, recipe_file, vocab.size, overrides, base)
+    task.check_spec(recipe, spec)
+    return vocab, spec
+
+
+def _machine_precision(recipe: Recipe) -> tuple[str, str | None]:
+    # local: the precision module imports torch to ask for the devices (this module is torch-free)
+    from yamlformer.recipes.training.precision import resolve_precision
+
+    return resolve_precision(recipe.trainer.precision, recipe.trainer.accelerator)
+
+
+def check_stages(recipe: Recipe, spec) -> None:
+    """A pipeline the model's layers can be cut into (``trainer.pipeline_parallel``), checked on
+    the model built on the meta device; tensor and expert splits are checked with the spec."""
+    if recipe.trainer.strategy != "fsdp" or recipe.trainer.pipeline_parallel == 1:
+        return
+    # local: building even a meta model imports torch and the blocks (validate and list never get here)
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.recipes.parallel.pipeline import check_pipeline
+
+    check_pipeline(build_model(spec, device="meta"), recipe.trainer)
+
+
+# -- the vocabulary ----------------------------------------------------------------------------------
+
+
+def pretrained_state(recipe: Recipe, recipe_file: Path) -> dict | None:
+    """The tokenizer a ``model.init_from`` checkpoint was trained with, as it recorded it (None:
+    no such checkpoint, and the recipe's tokenizer is used)."""
+    source = init_from_source(recipe, recipe_file)
+    if source is None:
+        return None
+    with init_from_errors():
+        return source.tokenizer_state()
+
+
+def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Vocabulary:
+    """The tokenizer's vocabulary size without training one, in the order a run picks its
+    tokenizer: the task's when it knows it (a tokenized dataset's, a pretrained encoder's), the
+    one a ``model.init_from`` checkpoint was trained with, else from the tokenizer settings.
+    ``read_data``: a char tokenizer counts the characters of its corpus when every file is on disk
+    (else a stand-in)."""
+    known = task_named(recipe.task).vocabulary(recipe, recipe_file, read_data)
+    if known is not None:
+        return known
+    state = pretrained_state(recipe, recipe_file)
+    settings = recipe.tokenizer
+    if state is not None or settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file):
+        # local: the tokenizers import sentencepiece and Hugging Face's tokenizers
+        from yamlformer.recipes.data.tokenizers import build_tokenizer, from_state
+
+        if state is not None:
+            how = f"the tokenizer model.init_from {recipe.model.init_from} was trained with"
+            return Vocabulary(_tokenizer_size(from_state, state), how)
+        tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), recipe_file)
+        return Vocabulary(tokenizer.vocab_size, f"{settings.type} tokenizer from {settings.model_file}")
+    if settings.type == "char":
+        missing = [f for f in data_files(recipe, recipe_file) if not f.present]
+        if read_data and not missing:
+            # local: reading the corpus is the data side (validate and list never read it)
+            from yamlformer.recipes.data.corpus import read_corpus
+            from yamlformer.recipes.data.tokenizers import CharTokenizer
+
+            size = CharTokenizer.fit(read_corpus(recipe.data, recipe_file).text, eos=True).vocab_size
+            return Vocabulary(size, f"char: the corpus's {size - 1} distinct characters and end-of-text")
+        why = "its corpus is not downloaded yet" if missing else "the corpus is not read here"
+        return Vocabulary(
+            CHAR_STAND_IN, f"char: the corpus's distinct characters ({why}; estimated with {CHAR_STAND_IN})", True
+        )
+    return Vocabulary(
+        settings.vocab_size,
+        f"sentencepiece {settings.model_type}, {settings.vocab_size:,} pieces "
+        f"trained on the corpus at the first run (cached under {recipe.data.cache_dir})",
+    )
+
+
+def _tokenizer_size(from_state, state: dict) -> int:
+    try:
+        return from_state(state).vocab_size
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise RecipeError(f"model.init_from: its tokenizer cannot be read ({type(exc).__name__})") from None
+
+
+# -- the files --------------------------------------------------------------------------------------
+
+
+class DataFiles:
+    """The files a recipe reads, collected in order as its task names them
+    (:meth:`yamlformer.recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the
+    data root, or the URL they would come from) and the recipe's own files."""
+
+    def __init__(self, recipe: Recipe, recipe_file: Path):
+        self.recipe, self.recipe_file, self.found = recipe, recipe_file, []
+        data = recipe.data
+        names = [getattr(s, "path", s) for s in getattr(data, "sources", [])]
+        uses = data.dataset is not None or any(name in datasets.DATASETS for name in names)
+        self._root = datasets.data_root(data.dataset_root(recipe_file)) if uses else None
+
+    def is_dataset(self, name: str) -> bool:
+        return name in datasets.DATASETS
+
+    def registry(self, name: str):
+        """The registry's :class:`yamlformer.recipes.data.registry.Dataset` called ``name``."""
+        return datasets.get(name)
+
+    def add(self, what: str, path: Path | None, present: bool, **where) -> None:
+        self.found.append(DataFile(what, path, present, **where))
+
+    def dataset(self, name: str, splits: list[str]) -> None:
+        """The files of dataset ``name``'s ``splits``."""
+        spec = datasets.get(name)
+        if spec.local is not None:
+            self.add(name, None, True, terms=spec.license)
+            return
+        base = self._root or datasets.data_root(self.recipe.data.dataset_root(self.recipe_file))
+        for split in splits:
+            for path in spec.splits[split].values():
+                remote = spec.file(path)
+                where = base.joinpath(*remote.path.split("/"))
+                terms = spec.license if spec.restricted else None
+                self.add(
+                    f"{name} {split}", where, where.exists(), url=remote.url, size=remote.size, terms=terms, file=True
+                )
+
+    def own(self, what: str, path: str | None) -> None:
+        """A file the recipe names (``None``: not set)."""
+        if path is not None:
+            where = resolve(self.recipe_file, path)
+            self.add(what, where, where.exists(), file=True)
+
+
+def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
+    """Every file the recipe's data section reads, in order; nothing is fetched or read."""
+    files = DataFiles(recipe, recipe_file)
+    task_named(recipe.task).data_files(recipe, recipe_file, files)
+    return files.found
+
+
+def fetch_missing(recipe: Recipe, recipe_file: Path, files: list[DataFile]) -> list[DataFile]:
+    """Download the dataset files ``files`` lacks (each verified, as a run's first read would),
+    and return the files as they are then."""
+    if not any(f.url and not f.present for f in files):
+        return files
+    for name in dict.fromkeys(f.what.split(" ")[0] for f in files if f.url and not f.present):
+        dataset = datasets.get(name)
+        root = recipe.data.dataset_root(recipe_file)
+        for split in dataset.splits:
+            if any(f.what == f"{name} {split}" for f in files):
+                datasets.split_files(name, split, root)
+    return data_files(recipe, recipe_file)
+
+
+def _close_names(path: Path) -> str:
+    """``; did you mean 'x'?`` for entries of ``path``'s folder whose names are close to its own."""
+    try:
+        names = [entry.name for entry in path.parent.iterdir()] if path.parent.is_dir() else []
+    except OSError:
+        names = []
+    close = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
+    return "; did you mean " + " or ".join(repr(str(path.parent / c)) for c in close) + "?" if close else ""
+
+
+def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | None = None) -> list[str]:
+    """One line per file the recipe names that is not there and will not be downloaded: its field,
+    the path it was looked for at (relative paths: from the recipe's folder) and close names
+    beside it. Data files a dataset downloads on the first run are not missing; ``files``: the
+    recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
+    refused when the recipe loads.)"""
+    files = data_files(recipe, recipe_file) if files is None else files
+    lines = [
+        f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
+        for f in files
+        if f.path is not None and not f.present and not f.url
+    ]
+    named = [
+        ("model.init_from", recipe.model.init_from),
+        ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None)),
+    ]
+    for field, value in named:
+        if value is not None:
+            if field == "model.init_from" and recipe_run(recipe, recipe_file) is not None:
+                continue  # a recipe, not a path: its run's checkpoint is asked for by check_inputs
+            path = resolve(recipe_file, value)
+            if not path.exists():
+                lines.append(f"{field}: no such file or folder {path}{_close_names(path)}")
+    return lines
+
+
+def check_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile], init_from: bool = True) -> None:
+    """Refuse, as the run would, a recipe whose files are missing (:func:`missing_inputs`) or are
+    not what the run reads (a file read whole that is a folder, a device or a pipe), or whose
+    ``model.init_from`` is no model that loads (its spec, and a checkpoint's tokenizer, read; a
+    recipe, its run's last checkpoint: one not trained yet is refused). ``init_from=False``: that
+    model is not asked for (a recipe not trained yet, as validate and list see it)."""
+    problems = missing_inputs(recipe, recipe_file, files)
+    unreadable = [f for f in files if f.file and f.present and not_a_file(f.path)]
+    problems += [f"{f.what}: {f.path} {not_a_file(f.path)}" for f in unreadable]
+    if problems:
+        raise RecipeError("; ".join(problems))
+    source = init_from_source(recipe, recipe_file) if init_from else None
+    if source is not None:
+        with init_from_errors():
+            source.spec_dict()
+            source.tokenizer_state()

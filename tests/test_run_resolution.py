@@ -1,0 +1,182 @@
+"""A recipe is resolved once (yamlformer.recipes.training.resolved): a run resolves its model spec
+one time, with the tokenizer's real vocabulary, and hands that resolution to every stage; and
+``builder train --dry-run`` goes through the same resolution and checks as the run, so for each
+way a recipe can be wrong the dry run and the run give the same verdict."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import string
+import zipfile
+
+import pytest
+import yaml
+from recipe_helpers import tiny_recipe
+
+from yamlformer.builder.cli import main
+
+
+class Reached(BaseException):
+    """The run got past everything before its first step (its Trainer was about to be made)."""
+
+
+@pytest.fixture
+def stops_before_training(monkeypatch):
+    import yamlformer.recipes.training.run
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(yamlformer.recipes.training.run, "run_trainer", reached)
+
+
+def _verdicts(capsys, recipe, *extra) -> tuple[tuple, tuple]:
+    """``(dry run, run)``, each ``(exit status, its stderr)``; a run that reaches training counts 0."""
+    capsys.readouterr()
+    dry = main(["train", str(recipe), "--dry-run", *extra]), capsys.readouterr().err.strip()
+    try:
+        status = main(["train", str(recipe), "--no-samples", *extra])
+    except Reached:
+        status = 0
+    return dry, (status, capsys.readouterr().err.strip())
+
+
+def _tokenized(folder, validation_tokens: int):
+    """A ``builder tokenize`` output (char tokenizer) whose validation split holds
+    ``validation_tokens`` tokens."""
+    from yamlformer.recipes.data.sources import Document
+    from yamlformer.recipes.data.tokenize import tokenize_documents
+    from yamlformer.recipes.data.tokenizers import CharTokenizer
+
+    train = [Document(f"def f{i}(x):\n    return x + {i}\n" * 20, "train", "a") for i in range(20)]
+    held = [Document("y" * (validation_tokens - 1), "validation", "b")]  # and end-of-text
+    tokenizer = CharTokenizer.fit(string.printable, eos=True)
+    tokenize_documents(train + held, tokenizer, folder, progress=False)
+    return folder
+
+
+def _zip_bomb(path):
+    """A zip archive named like a checkpoint whose one member inflates 1000-fold."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z, z.open("archive/data.pkl", "w") as f:
+        for _ in range(16):
+            f.write(bytes(1 << 20))
+    return path
+
+
+def _cases(tmp_path) -> dict:
+    """Recipe sections that make a recipe the run refuses, by what is wrong."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "random.ckpt").write_bytes(os.urandom(4096))
+    (tmp_path / "notes.txt").write_text("not a model\n" * 50)
+    with open(tmp_path / "objects.pkl", "wb") as f:
+        pickle.dump({"step": 3, "callback": os.getcwd}, f)
+    (tmp_path / "empty").mkdir()
+    data = {"seq_len": 32, "batch_size": 4, "cache_dir": str(tmp_path / "cache")}
+    trained = {"type": "sentencepiece", "vocab_size": 300}  # its vocabulary is known without reading the text
+    return {
+        "a device that never ends": {"data": {**data, "sources": ["/dev/zero"]}, "tokenizer": trained},
+        "a pipe": {"data": {**data, "sources": [str(fifo)]}, "tokenizer": trained},
+        "random bytes as a device": {"data": {**data, "sources": ["/dev/urandom"]}, "tokenizer": trained},
+        "init_from random bytes": {"model": {"init_from": str(tmp_path / "random.ckpt")}},
+        "init_from a text file": {"model": {"init_from": str(tmp_path / "notes.txt")}},
+        "init_from a pickle": {"model": {"init_from": str(tmp_path / "objects.pkl")}},
+        "init_from an empty folder": {"model": {"init_from": str(tmp_path / "empty")}},
+        "init_from a zip bomb": {"model": {"init_from": str(_zip_bomb(tmp_path / "bomb.ckpt"))}},
+        "a validation split shorter than a window": {
+            "data": {**data, "sources": [str(_tokenized(tmp_path / "short.tok", validation_tokens=20))]}
+        },
+    }
+
+
+def test_the_dry_run_and_the_run_refuse_the_same_recipes(tmp_path, capsys, stops_before_training):
+    differ = {}
+    for case, sections in _cases(tmp_path).items():
+        folder = tmp_path / case.replace(" ", "-")
+        folder.mkdir()
+        dry, run = _verdicts(capsys, tiny_recipe(folder, **sections))
+        if dry != run:
+            differ[case] = (dry, run)
+            continue
+        assert dry[0] == 1 and dry[1].startswith("builder train: ") and len(dry[1].splitlines()) == 1, (case, dry)
+    assert not differ, differ
+
+
+def test_a_run_from_init_from_alone_and_a_resume_of_another_model_agree(tmp_path, capsys, stops_before_training):
+    """``model.init_from`` with no ``model.spec``: both take the weights' spec (the dry run blamed a
+    ``--set model.spec=None`` nobody typed); a folder whose checkpoint is of another model: both
+    refuse to resume it (the dry run said it would resume)."""
+    from hostile_helpers import lm_checkpoint
+
+    weights = lm_checkpoint(tmp_path / "weights")
+    for folder in ("alone", "wider"):
+        (tmp_path / folder).mkdir()
+    alone = tiny_recipe(tmp_path / "alone", model={"spec": None, "init_from": str(weights)})
+    dry, run = _verdicts(capsys, alone)
+    assert dry == run == (0, "")
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "last.ckpt").write_bytes(weights.read_bytes())
+    wider = tiny_recipe(tmp_path / "wider", trainer={"output_dir": str(out)})
+    written = yaml.safe_load(wider.read_text())
+    written["model"]["spec"]["decoder"]["n_layers"] = 3
+    wider.write_text(yaml.safe_dump(written))
+    dry, run = _verdicts(capsys, wider)
+    assert dry == run and dry[0] == 1, (dry, run)
+    assert "was trained with a different recipe" in dry[1] and "decoder.n_layers: 2 in the checkpoint, 3 now" in dry[1]
+
+
+def test_builder_train_lm_stdlib_resolves_its_spec_once(tmp_path, monkeypatch, capsys):
+    """From the command line to the last checkpoint, a new run and the run that resumes it: each
+    validates the model spec one time, with the vocabulary its tokenizer then has (a resume used
+    to resolve it once more to compare it with the checkpoint's)."""
+    import sys
+
+    from test_shipped_recipes import TINY, TRAINER
+
+    import yamlformer.builder.spec.loader as loader
+    import yamlformer.recipes.recipe.sections as sections
+    from yamlformer.builder.checkpoints import read_meta
+    from yamlformer.builder.spec.schema import spec_model
+    from yamlformer.recipes.data.tokenizers import from_state
+
+    counts: collections.Counter = collections.Counter()
+    model_spec, validate_document = sections.model_spec, loader.validate_document
+
+    def counted_model_spec(*args, **kwargs):
+        counts["model_spec"] += 1
+        return model_spec(*args, **kwargs)
+
+    def counted_validation(doc, model_cls, *args, **kwargs):
+        counts["spec validations"] += model_cls is spec_model()
+        return validate_document(doc, model_cls, *args, **kwargs)
+
+    for module in list(sys.modules.values()):  # every module that took the function by name
+        if getattr(module, "model_spec", None) is model_spec:
+            monkeypatch.setattr(module, "model_spec", counted_model_spec)
+        if getattr(module, "validate_document", None) is validate_document:
+            monkeypatch.setattr(module, "validate_document", counted_validation)
+    spec_sets, recipe_sets = TINY["lm-stdlib"]
+    settings = {
+        **TRAINER,
+        **recipe_sets,
+        **{f"model.overrides.{k}": v for k, v in spec_sets.items()},
+        "trainer.val_check_interval": 1,
+        "trainer.limit_val_batches": 1,
+        "trainer.precision": "32",
+        "trainer.output_dir": str(tmp_path / "run"),
+        "data.cache_dir": str(tmp_path / "cache"),
+        "data.max_bytes": 30_000,
+    }
+    sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={yaml.safe_dump(value).strip()}")]
+    sets = [s.removesuffix("\n...") for s in sets]
+    for steps in (1, 2):  # a new run, then the same command resuming it
+        counts.clear()
+        status = main(["train", "lm-stdlib", "--no-samples", *sets, "--set", f"trainer.max_steps={steps}"])
+        assert status == 0, capsys.readouterr().err[-2000:]
+        assert counts == {"model_spec": 1, "spec validations": 1}, steps
+    meta = read_meta(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert meta["global_step"] == 2
+    assert meta["builder"]["spec"]["vocab_size"] == from_state(meta["builder"]["tokenizer"]).vocab_size == 500
