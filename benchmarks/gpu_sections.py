@@ -18,6 +18,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
 from gpu_check import wait_or_kill  # benchmarks/gpu_check.py
 
 REPO = Path(__file__).resolve().parents[1]
