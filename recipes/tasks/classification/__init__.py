@@ -233,7 +233,8 @@ def _checkpoint_vocabulary(path: Path) -> int:
         MASKED_LM.check_meta(meta)
         return checkpoint_tokenizer(path, meta.get("tokenizer")).vocab_size
     except (CheckpointError, RecipeError) as exc:
-        raise RecipeError(f"classification.init_from: {exc}") from None
+        named = str(exc) if str(path) in str(exc) else f"{path}: {exc}"  # the line names the file it read
+        raise RecipeError(f"classification.init_from: {named}") from None
 
 
 TASK = Classification()
