@@ -73,15 +73,17 @@ RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RAN
 
 
 @contextlib.contextmanager
-def run_process_group():
-    """A run of one process in a longer-lived Python (a study, a notebook, a test) leaves no
-    process group and no rendezvous variables behind. Lightning starts a process group for
-    ``strategy: fsdp`` even on one device, with its store listening on ``MASTER_PORT``, and sets
-    that variable in this process: every later run or child process took the port from it and
-    found it taken (``EADDRINUSE``). A run of several processes is left as it is: its processes
-    end with it, and tearing a group down while another rank may still be in a collective could
-    hang it."""
+def run_process_group(num_nodes: int, processes: int):
+    """A run's rendezvous, from its start to its end. A single-node run of several processes gets
+    its port (:func:`choose_main_port`) before Lightning starts the other ranks. A run of one
+    process in a longer-lived Python (a study, a notebook, a test) leaves no process group and no
+    rendezvous variables behind: Lightning starts a process group for ``strategy: fsdp`` even on
+    one device, with its store listening on ``MASTER_PORT``, and sets that variable in this
+    process, so every later run or child process took the port from it and found it taken
+    (``EADDRINUSE``). A run of several processes is left as it is: its processes end with it, and
+    tearing a group down while another rank may still be in a collective could hang it."""
     before = {name: os.environ.get(name) for name in RENDEZVOUS_ENV}
+    choose_main_port(num_nodes, processes)
     ours = not (dist.is_available() and dist.is_initialized())
     try:
         yield

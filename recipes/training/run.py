@@ -29,7 +29,7 @@ from yamlformer.builder.checkpoints import RESUMABLE, CheckpointError, peek_meta
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.parallel import device_count, layout_of, parallelize, whole_model
 from yamlformer.recipes.parallel.compile import compiling, eager
-from yamlformer.recipes.parallel.rendezvous import choose_main_port, run_process_group
+from yamlformer.recipes.parallel.rendezvous import run_process_group
 from yamlformer.recipes.parallel.strategy import ShardedStrategy
 from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.say import say
@@ -258,7 +258,6 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     timer = [InvocationTimer(duration)] if duration is not None else []
     # the recipe decides fp32 matmuls (Lightning's advice to set them is then noise, _Quiet)
     torch.set_float32_matmul_precision(matmul_precision(settings.matmul_precision, settings.precision))
-    choose_main_port(settings.num_nodes, device_count(settings, check=False))
     return L.Trainer(
         max_steps=settings.max_steps,
         max_epochs=-1,
@@ -379,13 +378,15 @@ def train_recipe(
 @contextlib.contextmanager
 def run_session(run: Run, fresh: bool, resume: str | bool | None = None):
     """What a run holds from its first step to its last: signals caught (:mod:`yamlformer.recipes.training.signals`)
-    and its folder checked writable and locked, earlier checkpoints set aside with ``fresh``
+    and its folder checked writable and locked, its processes' meeting place
+    (:func:`yamlformer.recipes.parallel.rendezvous.run_process_group`), earlier checkpoints set aside with ``fresh``
     (:func:`yamlformer.recipes.training.run_folder.claim`); a resume with a changed recipe or spec
     refused before any work (:func:`yamlformer.recipes.training.resume.check_recipe_early`).
     Yields the run's :class:`~yamlformer.recipes.training.signals.SignalStop`."""
     stop = SignalStop()
-    cache = getattr(run.recipe.data, "cache_dir", None)
-    with stop.installed(), claim(run.out, Path(cache) if cache else None, fresh=fresh, say=say), run_process_group():
+    cache, settings = getattr(run.recipe.data, "cache_dir", None), run.recipe.trainer
+    processes = run_process_group(settings.num_nodes, device_count(settings, check=False))
+    with stop.installed(), claim(run.out, Path(cache) if cache else None, fresh=fresh, say=say), processes:
         check_recipe_early(run, resume, fresh)
         yield stop
 
