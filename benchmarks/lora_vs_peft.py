@@ -2,7 +2,7 @@
 
 The same base (a seeded Llama-style model: built here, exported to a ``transformers`` folder), the
 same adapters at the start (ours exported as a PEFT folder and loaded by ``PeftModel`` as
-trainable: every factor equal), the same batches in the same order, the same plain training loop
+trainable: every factor equal), the same data in the same order, the same plain training loop
 (AdamW, fp32, no weight decay, no dropout) for ``--steps`` steps. Each side runs in a fresh process
 of its own (its peak RSS is its own). Printed per adapter type: the largest difference of the
 per-step losses (they must agree to ``--tolerance``), tokens/s (median over the steps after
@@ -10,8 +10,19 @@ per-step losses (they must agree to ``--tolerance``), tokens/s (median over the 
 the CPU its RSS; with ``--device cuda`` ``torch.cuda.max_memory_allocated``), each as a ratio ours /
 peft, the median over ``--seeds`` runs.
 
+``--data instructions`` (the default: what fine-tuning trains on) draws seeded instruction records,
+a prompt of 32-160 tokens and an answer of 16-96 (uniform), the loss on the answers only. Ours
+trains as ``task: sft`` does: records packed whole into rows of ``--seq-len`` with document
+masking (``yamlformer.recipes.data.instructions.Rows``), the head projecting the answers' positions
+only (``scored``, ``yamlformer.blocks.heads``). The plain loop gets the records of each of our
+steps, in order, padded to the longest (``attention_mask``, ``labels`` -100 on prompts and padding:
+a ``transformers`` model's own loss), so both sides see the same tokens and the same targets in
+each step; tokens/s counts the records' tokens (no padding) on both sides. ``--data random`` is the
+control: windows of random tokens, every position scored, the same work on both sides.
+
     nice python benchmarks/lora_vs_peft.py                       # LoRA and DoRA, r16 on q,k,v,o
     nice python benchmarks/lora_vs_peft.py --targets all-linear --seeds 3
+    nice python benchmarks/lora_vs_peft.py --data random         # equal work: whole windows
     python benchmarks/lora_vs_peft.py --quick                    # a few steps of a smaller model
     python benchmarks/lora_vs_peft.py --device cuda --seeds 3    # on a GPU (fp32 both sides)
 """
@@ -88,12 +99,84 @@ def prepare(args, kind: str, folder: Path, seed: int) -> None:
     torch.save({"spec": spec.model_dump(mode="json"), "state": state}, folder / "ours.pt")
 
 
-def batches(args, vocab: int, seed: int):
+def seq_len(args) -> int:
+    return 64 if args.quick else args.seq_len
+
+
+def batches(args, vocab: int, seed: int) -> list[dict]:
+    """Each step's data for both sides: ``ours`` (our model's arguments) and ``targets`` (of its
+    logits), ``peft`` (the ``transformers`` model's: ``input_ids``, ``attention_mask``) and
+    ``peft_targets`` (``IGNORE`` on prompts and padding), ``tokens`` (the records' tokens, the same
+    on both sides)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed + 1)
-    seq = 64 if args.quick else args.seq_len
-    return [torch.randint(0, vocab, (args.batch, seq + 1), generator=generator) for _ in range(args.steps)]
+    seq = seq_len(args)
+    if args.data == "random":
+        steps = []
+        for _ in range(args.steps):
+            ids = torch.randint(0, vocab, (args.batch, seq + 1), generator=generator)
+            inputs, targets = ids[:, :-1], ids[:, 1:]
+            steps.append(
+                {
+                    "ours": {"input_ids": inputs},
+                    "targets": targets,
+                    "peft": {"input_ids": inputs},
+                    "peft_targets": targets,
+                    "tokens": inputs.numel(),
+                }
+            )
+        return steps
+    return instruction_batches(args, vocab, seq, generator)
+
+
+def instruction_batches(args, vocab: int, seq: int, generator) -> list[dict]:
+    """``--data instructions`` (module doc): our packed rows, and the same records padded."""
+    import numpy as np
+    import torch
+
+    from yamlformer.blocks.heads import IGNORE
+    from yamlformer.recipes.data.chat import Encoded
+    from yamlformer.recipes.data.instructions import Rows
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    pad = vocab - 1  # no record's token: where a row ends
+    scale = seq / 256  # the lengths of a 256-token row, scaled to --quick's shorter one
+    records = []
+    for _ in range(args.steps * args.batch * 3):  # rows hold 1-3 records: more than enough
+        prompt, answer = draw(round(32 * scale), round(160 * scale)), draw(round(16 * scale), round(96 * scale))
+        ids = torch.randint(0, pad, (prompt + answer,), generator=generator).numpy()
+        records.append(Encoded(ids, np.arange(prompt + answer) >= prompt, [prompt]))
+    rows = Rows(records, seq, pad=pad, packing=True)
+    steps, first = [], 0
+    for step in range(args.steps):
+        index = np.arange(step * args.batch, (step + 1) * args.batch)
+        inputs, targets, documents = rows.batch(index)
+        count = sum(len(set(rows.documents[r][rows.ids[r] != pad].tolist())) for r in index)  # records in them
+        mine = records[first : first + count]
+        first += count
+        longest = max(len(r) for r in mine) - 1
+        ids = torch.zeros(len(mine), longest, dtype=torch.long)
+        labels = torch.full((len(mine), longest), IGNORE, dtype=torch.long)
+        mask = torch.zeros(len(mine), longest, dtype=torch.long)
+        for i, record in enumerate(mine):
+            n = len(record) - 1
+            ids[i, :n] = torch.from_numpy(record.ids[:-1])
+            mask[i, :n] = 1
+            labels[i, :n] = torch.from_numpy(np.where(record.trained[1:], record.ids[1:], IGNORE))
+        assert int((labels != IGNORE).sum()) == int((targets != IGNORE).sum()), "different targets"
+        steps.append(
+            {
+                "ours": {"input_ids": inputs, "document_ids": documents, "scored": targets != IGNORE},
+                "targets": targets[targets != IGNORE],
+                "peft": {"input_ids": ids, "attention_mask": mask},
+                "peft_targets": labels,
+                "tokens": sum(len(r) for r in mine),
+            }
+        )
+    return steps
 
 
 def side(name: str, args, folder: Path, seed: int, queue) -> None:
@@ -115,7 +198,7 @@ def side(name: str, args, folder: Path, seed: int, queue) -> None:
         model.load_state_dict(saved["state"])
         for p_name, p in model.named_parameters():
             p.requires_grad_(".adapter." in p_name)
-        forward = lambda ids: model(ids)
+        forward = lambda step: (model(**step["ours"]), step["targets"])
         vocab = spec.vocab_size
     else:
         from peft import PeftModel
@@ -123,13 +206,13 @@ def side(name: str, args, folder: Path, seed: int, queue) -> None:
 
         base = AutoModelForCausalLM.from_pretrained(folder / "base", dtype=torch.float32)
         model = PeftModel.from_pretrained(base, folder / "peft", is_trainable=True)
-        forward = lambda ids: model(input_ids=ids).logits
+        forward = lambda step: (model(**step["peft"]).logits, step["peft_targets"])
         vocab = base.config.vocab_size
     cuda = args.device == "cuda"
     model.to(args.device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
-    data = [ids.to(args.device) for ids in batches(args, vocab, seed)]
+    data = [_to(step, args.device) for step in batches(args, vocab, seed)]
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -137,11 +220,11 @@ def side(name: str, args, folder: Path, seed: int, queue) -> None:
     else:
         before = psutil.Process().memory_info().rss
     losses, seconds = [], []
-    for ids in data:
+    for step in data:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        logits = forward(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        logits, targets = forward(step)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.flatten(), ignore_index=-100)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())  # a host sync: the step has ended on a GPU too
@@ -150,15 +233,22 @@ def side(name: str, args, folder: Path, seed: int, queue) -> None:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    tokens = data[0][:, :-1].numel()
+    kept = range(args.warmup, len(data))
     queue.put(
         {
             "losses": losses,
-            "tokens_per_s": tokens / statistics.median(seconds[args.warmup :]),
+            "tokens_per_s": statistics.median(data[i]["tokens"] / seconds[i] for i in kept),
             "peak_above_start": max(peak - before, 0),
             "trainable": sum(p.numel() for p in params),
         }
     )
+
+
+def _to(step: dict, device: str) -> dict:
+    return {
+        key: _to(value, device) if isinstance(value, dict) else value.to(device) if hasattr(value, "to") else value
+        for key, value in step.items()
+    }
 
 
 def run_side(name: str, args, folder: Path, seed: int) -> dict:
@@ -188,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the tokens/s median")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--data", choices=("instructions", "random"), default="instructions", help="what trains (module doc)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seeds", type=int, default=1, help="runs per side; ratios are their median")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side (they run in turn)")

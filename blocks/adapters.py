@@ -97,8 +97,10 @@ class DoRA(LoRA):
         # PEFT's DoRA: with dropout in training, the base is recomputed on the dropped-out input
         recompute = self.training and not isinstance(self.dropout, nn.Identity)
         x = self.dropout(x)
-        base = linear.base(x, **where) if recompute else (y if linear.bias is None else y - linear.bias)
         factor = (linear.local(self.magnitude) / self._norm(linear).to(self.magnitude.dtype)).to(y.dtype)
+        if not recompute and linear.bias is None:  # y is the base: factor * (base + change)
+            return linear.scale_outputs(y + self.change(x, linear, **where), factor, **where)
+        base = linear.base(x, **where) if recompute else y - linear.bias
         adapted = linear.scale_outputs(base + self.change(x, linear, **where), factor, **where)
         return y + adapted - base  # base + bias + (factor - 1) * base + factor * change
 

@@ -10,7 +10,11 @@ The protocol (what the architectures in ``yamlformer.blocks.stacks`` ask of a he
   head computes its logits only. :class:`HeadOutput` holds the logits and a dict of auxiliary
   training losses, each already weighted by the head's own spec field (none for these heads);
 * ``loss_names``: the names of those losses (empty: the head returns none), known before any
-  forward so a training loop knows it has losses to add.
+  forward so a training loop knows it has losses to add;
+* optional ``per_position = True``: each position's logits depend on that position's hidden state
+  alone (no mask, no context, no losses), so a model may hand the head only the positions a loss
+  scores, ``hidden`` ``(n, d_model)`` -> logits ``(n, vocab_size)`` (the model's ``scored``:
+  instruction data's answers, the masked tokens of MLM), and skip the others' projection.
 
 A head whose output projection is tied to the token embedding gets that ``nn.Embedding`` as
 ``tied_embedding`` and shares its weight parameter (counted once).
@@ -117,6 +121,8 @@ class VocabularyHead(nn.Module):
 class LMHead(VocabularyHead):
     """``softcap(proj(hidden * output_scale))``: vocabulary logits ``(batch, seq, vocab_size)``."""
 
+    per_position = True  # (module doc)
+
     def layers(self, config, d_model: int) -> bool:
         self.output_scale = config.output_scale
         self.softcap = config.softcap
@@ -133,6 +139,8 @@ class LMHead(VocabularyHead):
 
 class MLMHead(VocabularyHead):
     """BERT's masked-LM head: ``proj(norm(act(dense(hidden))))``, the projection with a bias."""
+
+    per_position = True  # (module doc)
 
     def layers(self, config, d_model: int) -> bool:
         self.dense = Linear(d_model, d_model)

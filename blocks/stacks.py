@@ -348,13 +348,28 @@ class _Model(nn.Module):
     spec = None
     _head_losses: dict[str, torch.Tensor] = {}  # the head's, from the last forward
 
-    def _head_logits(self, hidden, mask, stack: TransformerStack, input_ids, inputs, cache) -> torch.Tensor:
+    def scores_positions(self) -> bool:
+        """Whether a forward may be given ``scored`` (the head computes each position's logits
+        alone: ``per_position``, ``yamlformer.blocks.heads``)."""
+        return bool(getattr(self.head, "per_position", False))
+
+    def _head_logits(self, hidden, mask, stack: TransformerStack, input_ids, inputs, cache, scored=None):
         """The head's logits; its losses kept for :meth:`aux_losses`. A cached forward gives the
-        head no context (decoding uses the main head only)."""
+        head no context (decoding uses the main head only). ``scored`` ``(batch, seq)`` bool: the
+        logits of those positions only, ``(n, vocab)`` in row-major order (:meth:`scores_positions`)."""
         if self.head is None:  # a pipeline stage before the last: its hidden states go on
             return hidden
+        if scored is not None:
+            if not self.scores_positions():
+                raise ValueError(
+                    f"scored: head {type(self.head).__name__} computes its logits over whole rows "
+                    "(no per_position); score every position"
+                )
+            if scored.shape != hidden.shape[:2]:
+                raise ValueError(f"scored: shape {tuple(scored.shape)}, the hidden states' {tuple(hidden.shape[:2])}")
+            hidden, mask = hidden[scored], None  # (n, d_model)
         context = HeadContext(input_ids, stack.embedding, inputs) if cache is None and stack.embeds else None
-        out = self.head(hidden, mask, context)
+        out = self.head(hidden, mask, None if scored is not None else context)
         if not isinstance(out, HeadOutput):
             raise TypeError(
                 f"a head returns yamlformer.blocks.heads.HeadOutput(logits, losses); "
@@ -462,15 +477,17 @@ class DecoderOnlyModel(GenerationMixin, _Model):
         cache=None,
         document_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
+        scored: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The head's logits for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
         packed in each row (module doc; not with ``cache`` or ``attention_mask``); ``token_index``:
-        the tokens' places in the whole sequence, for a context-parallel share (:meth:`TransformerStack.run`)."""
+        the tokens' places in the whole sequence, for a context-parallel share (:meth:`TransformerStack.run`);
+        ``scored``: only those positions' logits, ``(n, vocab)`` (:meth:`_Model._head_logits`)."""
         hidden, inputs = self.decoder.run(
             input_ids, attention_mask, token_type_ids, cache=cache, document_ids=document_ids, token_index=token_index
         )
         mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else None
-        return self._head_logits(hidden, mask, self.decoder, input_ids, inputs, cache)
+        return self._head_logits(hidden, mask, self.decoder, input_ids, inputs, cache, scored)
 
 
 class EncoderOnlyModel(_Model):
@@ -488,11 +505,13 @@ class EncoderOnlyModel(_Model):
         token_type_ids: torch.Tensor | None = None,
         *,
         document_ids: torch.Tensor | None = None,
+        scored: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The head's logits for ``input_ids`` ``(batch, seq)``; ``document_ids``: the documents
-        packed in each row (module doc; not with ``attention_mask``)."""
+        packed in each row (module doc; not with ``attention_mask``); ``scored``: only those
+        positions' logits, ``(n, vocab)`` (:meth:`_Model._head_logits`)."""
         hidden, inputs = self.encoder.run(input_ids, attention_mask, token_type_ids, document_ids=document_ids)
-        return self._head_logits(hidden, attention_mask, self.encoder, input_ids, inputs, None)
+        return self._head_logits(hidden, attention_mask, self.encoder, input_ids, inputs, None, scored)
 
 
 class EncoderDecoderModel(GenerationMixin, _Model):

@@ -16,7 +16,7 @@ from yamlformer.blocks.heads import IGNORE
 from yamlformer.recipes.optim import build_optimizer, check_optimizer
 from yamlformer.recipes.optim.schedule import lr_multiplier
 from yamlformer.recipes.parallel import data_parallel_rank
-from yamlformer.recipes.parallel.compile import compiled_losses
+from yamlformer.recipes.parallel.compile import compile_mode, compiled_losses
 from yamlformer.recipes.parallel.strategy import clip_grad_norm
 from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.say import publish
@@ -63,6 +63,19 @@ def carry_optimizer_steps(checkpoint: dict, automatic: bool) -> None:
         loop[MANUAL_STEPS] = copy.deepcopy(auto["step"])
 
 
+def selects_scored(model: nn.Module, trainer) -> bool:
+    """Whether a task that scores few positions has the head project only those: when the model's
+    head computes positions alone (``scores_positions``), the loss is not compiled whole (the
+    selection's size depends on the data) and no tensor or context parallelism splits the
+    sequence the head reads. The loss is the same either way (``tests/test_scored_positions.py``)."""
+    return (
+        bool(getattr(model, "scores_positions", lambda: False)())
+        and compile_mode(trainer) != "model"
+        and trainer.tensor_parallel == 1
+        and trainer.context_parallel == 1
+    )
+
+
 def micro_batch_seed(seed: int, rank: int, micro_batch: int) -> int:
     """The seed of the global generator for micro-batch ``micro_batch`` (counted over the whole
     run) on data-parallel rank ``rank``: dropout's masks are a pure function of where the run is,
@@ -92,6 +105,9 @@ class LMModule(L.LightningModule):
 
     #: whether batches vary in shape (token-budget buckets): compiled for dynamic shapes from the start
     variable_shapes = False
+    #: whether the loss scores a minority of positions (``IGNORE`` elsewhere: instruction data's
+    #: prompts, MLM's unmasked tokens), so the head projects only those (:meth:`logits_and_targets`)
+    scores_only_targets = False
 
     def __init__(self, model: nn.Module, recipe: Recipe, meta: dict):
         super().__init__()
@@ -114,6 +130,7 @@ class LMModule(L.LightningModule):
         self._pending_from = 0  # the step the first of them trained
         self._carried: float | None = None  # a sum not read when the checkpoint resumed from was written
         self._train_losses = compiled_losses(self._losses, recipe.trainer, dynamic=self.variable_shapes)
+        self._select_scored = self.scores_only_targets and selects_scored(model, recipe.trainer)
         # trainer.pipeline_parallel: the strategy cuts the model into stages (configure_model) and
         # training_step drives their schedule, so it steps the optimizer itself (yamlformer.recipes.parallel.pipeline)
         self.pipeline = None
@@ -173,9 +190,11 @@ class LMModule(L.LightningModule):
             input_ids, targets = shard.split(input_ids, targets)
             token_index = shard.token_index(input_ids.shape[1] * shard.degree, input_ids.device)
             return self.model(input_ids, token_index=token_index), targets
-        if document_ids is not None:
-            return self.model(input_ids, document_ids=document_ids), targets
-        return self.model(input_ids), targets  # (batch, seq, vocab), (batch, seq)
+        options = {} if document_ids is None else {"document_ids": document_ids}
+        if self._select_scored:  # the scored positions' logits only: (n, vocab), (n,)
+            scored = targets != IGNORE
+            return self.model(input_ids, scored=scored, **options), targets[scored]
+        return self.model(input_ids, **options), targets  # (batch, seq, vocab), (batch, seq)
 
     def _losses(self, *batch):
         logits, targets = self.logits_and_targets(*batch)

@@ -134,7 +134,10 @@ def masked_tokens(batch) -> int:
 
 
 class MLMModule(LMModule):
-    """Cross-entropy on the masked positions (``LMModule`` as it is); validation adds their accuracy."""
+    """Cross-entropy on the masked positions (``LMModule`` as it is; the head projects only those);
+    validation adds their accuracy."""
+
+    scores_only_targets = True
 
     def __init__(self, model, recipe, meta):
         super().__init__(model, recipe, meta)

@@ -97,6 +97,12 @@ class Records:
         )
 
 
+class InstructionModule(LMModule):
+    """Next-token loss on the answers only (``LMModule`` as it is; the head projects only those)."""
+
+    scores_only_targets = True
+
+
 def prepare(run) -> Prepared:
     """Records -> tokenizer -> packed rows (the spec is the run's, checked by the task before);
     the held-out prompts scored before and after."""
@@ -122,7 +128,7 @@ def prepare(run) -> Prepared:
     return Prepared(
         tokenizer=tokenizer,
         data=module,
-        module_class=LMModule,
+        module_class=InstructionModule,
         seq_len=data.seq_len,
         batch=data.batch_size,
         meta={"records": records.train.tokens},
