@@ -9,6 +9,11 @@ best grid point per width, writes the loss-vs-learning-rate curves as a PNG and 
     python benchmarks/mup_transfer.py --out mup.json --png mup_transfer.png
     python benchmarks/mup_transfer.py --widths 64 128 --lrs -10 -8 -6 --steps 60   # a quick look
     python benchmarks/mup_transfer.py --widths 512 --base 64 --also runs/mup-transfer/mup-transfer-64-128-256.yaml
+    python benchmarks/mup_transfer.py --seed 2 --folder runs/mup-2 \
+        --also runs/mup-transfer/mup-transfer-64-128-256-512.yaml   # a second seed, averaged with the first
+
+Trials of several seeds (``--seed``, each study in a folder of its own, joined by ``--also``) are
+averaged per parametrization, width and learning rate before the best points are read.
 
 Learning rates are powers of two (``--lrs`` gives the exponents). Runs on the CPU; a rerun resumes
 the study where it stopped (``--folder``).
@@ -30,10 +35,13 @@ from machine import emit, machine
 HERE = Path(__file__).resolve().parent
 
 
-def study_file(folder: Path, widths, exponents, steps: int, seq_len: int, batch: int, layers: int, base: int) -> Path:
-    """The study: variants standard | mup (from ``base``), axes d_model x optimizer.lr, a budget of ``steps``."""
+def study_file(
+    folder: Path, widths, exponents, steps: int, seq_len: int, batch: int, layers: int, base: int, seed=None
+):
+    """The study: variants standard | mup (from ``base``), axes d_model x optimizer.lr, a budget of
+    ``steps``; ``seed``: every trial's ``trainer.seed`` (None: the recipe's)."""
     study = {
-        "name": "mup-transfer-" + "-".join(map(str, widths)),
+        "name": "mup-transfer-" + "-".join(map(str, widths)) + (f"-seed{seed}" if seed is not None else ""),
         "recipe": str(HERE.parent / "recipes" / "lm-stdlib.yaml"),
         "set": {
             "data.max_bytes": 1_000_000,
@@ -60,9 +68,31 @@ def study_file(folder: Path, widths, exponents, steps: int, seq_len: int, batch:
         "output_dir": str(folder / "study"),
         "storage": f"sqlite:///{folder / 'study.db'}",
     }
+    if seed is not None:
+        study["set"]["trainer.seed"] = seed
     path = folder / f"{study['name']}.yaml"
     path.write_text(yaml.safe_dump(study, sort_keys=False))
     return path
+
+
+def averaged(rows) -> list[dict]:
+    """One row per parametrization, width and learning rate: the mean final validation loss of its
+    complete trials (every seed's), ``seeds`` how many; NaN when a seed diverged."""
+    groups: dict[tuple, list[float]] = {}
+    for row in rows:
+        if row["status"] == "complete" and row["final_val"] is not None:
+            groups.setdefault((row["variant"], row["d_model"], row["optimizer.lr"]), []).append(row["final_val"])
+    return [
+        {
+            "variant": kind,
+            "d_model": width,
+            "optimizer.lr": lr,
+            "final_val": sum(values) / len(values),
+            "seeds": len(values),
+            "status": "complete",
+        }
+        for (kind, width, lr), values in groups.items()
+    ]
 
 
 def best_points(rows) -> dict[str, dict[int, float]]:
@@ -76,6 +106,42 @@ def best_points(rows) -> dict[str, dict[int, float]]:
         if current is None or row["final_val"] < current[1]:
             best[kind][width] = (lr, row["final_val"])
     return {kind: {w: lr for w, (lr, _) in sorted(by.items())} for kind, by in best.items()}
+
+
+def optimum(points: list[tuple[float, float]]) -> float | None:
+    """The log2 learning rate at the bottom of the parabola through the best grid point and its two
+    neighbours (``points``: ``(log2 lr, loss)``); the best point itself when it lies on the grid's
+    edge (the optimum may be beyond it), None without points. One seed's best grid point can hop
+    between two neighbours whose losses nearly tie; the vertex says where between them it lies."""
+    points = sorted(points)
+    if not points:
+        return None
+    i = min(range(len(points)), key=lambda k: points[k][1])
+    if i == 0 or i == len(points) - 1:
+        return points[i][0]
+    (x0, y0), (x1, y1), (x2, y2) = points[i - 1 : i + 2]
+    # the first lowest point: y0 > y1 <= y2, so the parabola opens upwards; the grid is even (factors of 2)
+    return x1 + (x1 - x0) * (y0 - y2) / (2 * (y0 - 2 * y1 + y2))
+
+
+def optima(rows) -> dict[str, dict[int, float]]:
+    """Per parametrization and width, :func:`optimum` of its loss-vs-learning-rate curve."""
+    out: dict[str, dict[int, float]] = {}
+    for kind in ("standard", "mup"):
+        for width in sorted({r["d_model"] for r in rows if r["variant"] == kind}):
+            points = [
+                (math.log2(r["optimizer.lr"]), r["final_val"])
+                for r in rows
+                if r["variant"] == kind
+                and r["d_model"] == width
+                and r["status"] == "complete"
+                and r["final_val"] is not None
+                and math.isfinite(r["final_val"])
+            ]
+            found = optimum(points)
+            if found is not None:
+                out.setdefault(kind, {})[width] = found
+    return out
 
 
 def plot(rows, path: Path) -> None:
@@ -121,6 +187,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--base", type=int, help="muP's base_d_model (default: the smallest width)")
+    parser.add_argument("--seed", type=int, help="every trial's trainer.seed (default: the recipe's)")
     parser.add_argument(
         "--also",
         nargs="*",
@@ -139,17 +206,25 @@ def main() -> int:
     folder = Path(args.folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     base = args.base or min(args.widths)
-    path = study_file(folder, args.widths, args.lrs, args.steps, args.seq_len, args.batch, args.layers, base)
+    path = study_file(folder, args.widths, args.lrs, args.steps, args.seq_len, args.batch, args.layers, base, args.seed)
     code = subprocess.call([sys.executable, "-m", "yamlformer.builder.cli", "sweep", str(path)])
-    rows = []
+    trials = []
     for each in [path, *map(Path, args.also)]:
         loaded = load_study(each)
-        rows += report.rows(loaded, store.open_study(loaded, create=False)[0])
+        trials += report.rows(loaded, store.open_study(loaded, create=False)[0])
+    rows = averaged(trials)
+    seeds = sorted({r["seeds"] for r in rows})
+    print(f"{len(trials)} trials; {len(rows)} points, each the mean of {'/'.join(map(str, seeds))} seed(s)")
     widths = sorted({r["d_model"] for r in rows})
     best = best_points(rows)
+    vertices = optima(rows)
     for kind in ("standard", "mup"):
         shown = ", ".join(f"{w}: 2^{round(math.log2(lr))}" for w, lr in best.get(kind, {}).items())
         print(f"{kind}: best learning rate by width: {shown}")
+        found = vertices.get(kind, {})
+        spread = max(found.values()) - min(found.values()) if found else float("nan")
+        shown = ", ".join(f"{w}: 2^{x:.2f}" for w, x in found.items())
+        print(f"{kind}: interpolated optimum by width: {shown} (spread {spread:.2f} grid points)")
     plot(rows, Path(args.png))
     grid = {
         kind: {
@@ -172,8 +247,10 @@ def main() -> int:
         "steps": args.steps,
         "best_lr": {k: {str(w): lr for w, lr in v.items()} for k, v in best.items()},
         "best_moves": moved,
+        "interpolated_log2_optimum": {k: {str(w): round(x, 3) for w, x in v.items()} for k, v in vertices.items()},
         "final_val": grid,
-        "trials": len(rows),
+        "trials": len(trials),
+        "seeds_per_point": seeds,
         "sweep_exit": code,
         "png": str(Path(args.png).resolve()),
     }

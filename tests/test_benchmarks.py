@@ -297,3 +297,31 @@ def test_the_startup_benchmark_runs_a_version_laid_out_as_installed(tmp_path):
     assert "[yamlformer.commands]" in entry_points and "recipe = yamlformer.recipes.commands.kind:KIND" in entry_points
     assert startup.once(tree, ["--help"]) > 0
     assert startup.once(tree, ["validate", str(REPO / "specs" / "tiny" / "llama.yaml")]) > 0
+
+
+def test_the_mup_sweep_reports_each_widths_best_point_and_its_interpolated_optimum():
+    """benchmarks/mup_transfer.py's report: the best grid point per parametrization and width, and
+    the vertex of the parabola through it and its neighbours (an edge point as it is)."""
+    import math
+
+    import mup_transfer
+
+    DONE = {"status": "complete"}
+
+    def row(kind, width, exponent, loss):
+        return {"variant": kind, "d_model": width, "optimizer.lr": 2.0**exponent, "final_val": loss} | DONE
+
+    rows = [row("mup", 64, e, (e + 7.5) ** 2) for e in range(-10, -4)]  # the optimum between -8 and -7
+    rows += [row("standard", 64, e, 5 - e) for e in range(-10, -4)]  # still falling at the grid's edge
+    rows += [row("standard", 128, -8, math.nan), row("standard", 128, -9, 1.0)]  # a diverged trial is left out
+    assert mup_transfer.best_points(rows) == {"mup": {64: 2.0**-8}, "standard": {64: 2.0**-5, 128: 2.0**-9}}
+    vertices = mup_transfer.optima(rows)
+    assert math.isclose(vertices["mup"][64], -7.5) and vertices["standard"] == {64: -5.0, 128: -9.0}
+    assert mup_transfer.optimum([]) is None
+    assert mup_transfer.optimum([(-9, 1.0), (-8, 1.0), (-7, 2.0)]) == -9  # a tie: the first, on the edge
+    # seeds are averaged per point before the best is read: a second seed moves 128's best to -10
+    second = [row("standard", 128, -9, 3.0), row("standard", 128, -10, 1.5), row("standard", 128, -8, 0.1)]
+    points = {(r["d_model"], r["optimizer.lr"]): r for r in mup_transfer.averaged(rows + second)}
+    assert points[(128, 2.0**-9)]["final_val"] == 2.0 and points[(128, 2.0**-9)]["seeds"] == 2
+    assert math.isnan(points[(128, 2.0**-8)]["final_val"])  # a seed diverged there: the point is out
+    assert mup_transfer.best_points(mup_transfer.averaged(rows + second))["standard"][128] == 2.0**-10
