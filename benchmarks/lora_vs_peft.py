@@ -142,7 +142,7 @@ def instruction_batches(args, vocab: int, seq: int, generator) -> list[dict]:
     def draw(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (1,), generator=generator))
 
-    pad = vocab - 1  # no record's token: where a row ends
+    pad = vocab - 1  # no record's token
     scale = seq / 256  # the lengths of a 256-token row, scaled to --quick's shorter one
     records = []
     for _ in range(args.steps * args.batch * 3):  # rows hold 1-3 records: more than enough
@@ -150,13 +150,11 @@ def instruction_batches(args, vocab: int, seq: int, generator) -> list[dict]:
         ids = torch.randint(0, pad, (prompt + answer,), generator=generator).numpy()
         records.append(Encoded(ids, np.arange(prompt + answer) >= prompt, [prompt]))
     rows = Rows(records, seq, pad=pad, packing=True)
-    steps, first = [], 0
+    steps = []
     for step in range(args.steps):
         index = np.arange(step * args.batch, (step + 1) * args.batch)
         inputs, targets, documents = rows.batch(index)
-        count = sum(len(set(rows.documents[r][rows.ids[r] != pad].tolist())) for r in index)  # records in them
-        mine = records[first : first + count]
-        first += count
+        mine = [records[i] for r in index for i in rows.records[r]]  # the step's records, row by row
         longest = max(len(r) for r in mine) - 1
         ids = torch.zeros(len(mine), longest, dtype=torch.long)
         labels = torch.full((len(mine), longest), IGNORE, dtype=torch.long)

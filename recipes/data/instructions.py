@@ -8,7 +8,10 @@ that renders to more than ``data.seq_len`` tokens, stops the run in one line nam
 line (or row), never quoting it.
 
 Packing (``data.packing: true``): the training records, shuffled once by the seed, fill rows of
-``seq_len + 1`` tokens in turn, each record whole in one row; a row's records are its documents
+``seq_len + 1`` tokens, each record whole in the first of the last :data:`OPEN_ROWS` rows with
+room for it (first fit: a short record fills an earlier row's gap, so rows end fuller than when
+each record goes to the newest row: 85% against 70% for records of 48-256 tokens in rows of 257,
+``tests/test_sft.py``), else a new one; a row's records are its documents
 (the model masks attention across them and restarts their positions:
 ``yamlformer.blocks.stacks``), and a token is a target only where it is an answer's and its
 predecessor is of the same record. The rest of a row is padding, a document of its own, never a
@@ -103,20 +106,45 @@ def encode_file(path: Path, chat: ChatFormat, seq_len: int, limit: int | None = 
     return out
 
 
+#: how many of the newest rows a record may join (first fit, module doc): the packing's cost per
+#: record is bounded, and a row this far back is as good as closed
+OPEN_ROWS = 64
+
+
+def pack(lengths: list[int], width: int, window: int = OPEN_ROWS) -> list[list[int]]:
+    """The records (their indices, each row's in order) of each row of ``width`` tokens: every
+    record, in turn, into the first of the last ``window`` open rows it fits in, else a new row
+    (module doc). A row closes when no record could fit in what is left of it."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    open_rows: list[int] = []  # oldest first
+    shortest = min(lengths, default=0)
+    for i, n in enumerate(lengths):
+        row = next((r for r in open_rows if room[r] >= n), None)
+        if row is None:
+            row = len(rows)
+            rows.append([])
+            room.append(width)
+            open_rows.append(row)
+            if len(open_rows) > window:
+                open_rows.pop(0)
+        rows[row].append(i)
+        room[row] -= n
+        if room[row] < shortest:
+            open_rows.remove(row)
+    return rows
+
+
 class Rows:
     """Records packed into rows of ``seq_len + 1`` tokens (module doc): ``ids``, ``trained`` (a
-    target of the loss) and ``documents`` (each token's record within its row), ``(rows, seq_len + 1)``."""
+    target of the loss) and ``documents`` (each token's record within its row), ``(rows, seq_len + 1)``;
+    ``records``: the indices of each row's records."""
 
     def __init__(self, records: list[Encoded], seq_len: int, pad: int, packing: bool):
         width = seq_len + 1
-        rows: list[list[Encoded]] = []
-        used = width
-        for record in records:
-            if not packing or used + len(record) > width:
-                rows.append([])
-                used = 0
-            rows[-1].append(record)
-            used += len(record)
+        lengths = [len(record) for record in records]
+        self.records = pack(lengths, width) if packing else [[i] for i in range(len(records))]
+        rows = [[records[i] for i in row] for row in self.records]
         self.ids = np.full((len(rows), width), pad, dtype=np.int64)
         self.trained = np.zeros((len(rows), width), dtype=bool)
         self.documents = np.zeros((len(rows), width), dtype=np.int64)
