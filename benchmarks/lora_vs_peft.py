@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "max_loss_difference": max(r["max_loss_difference"] for r in runs),
             "tokens_per_s_ratio": statistics.median(r["tokens_per_s_ratio"] for r in runs),
+            "tokens_per_s_ratio_by_seed": [round(r["tokens_per_s_ratio"], 4) for r in runs],
             "peak_ratio": statistics.median(r["peak_ratio"] for r in runs),
             "ours_tokens_per_s": statistics.median(r["sides"]["ours"]["tokens_per_s"] for r in runs),
             "peft_tokens_per_s": statistics.median(r["sides"]["peft"]["tokens_per_s"] for r in runs),
