@@ -1,6 +1,6 @@
 """The GPU check: the one script that proves on a GPU what the CPU suite cannot.
 
-    python benchmarks/gpu_check.py                      # every section (about 8 minutes on one H200)
+    python benchmarks/gpu_check.py                      # every section (about 9 minutes on one H200)
     python benchmarks/gpu_check.py --only fsdp,compile  # some of them
     python benchmarks/gpu_check.py --cpu                # each section's plumbing on the CPU, tiny sizes
 
@@ -18,7 +18,9 @@ row), and its table is printed the moment it ends (``benchmarks/gpu_sections.py`
 * ``attention``: ``benchmarks/attention.py --sweep``: every attention kernel against SDPA's flash
   and cuDNN backends, training and decode, and its autotuning seconds;
 * ``perf-kernels``: ``benchmarks/perf_kernels.py``: the performance model's GEMM and attention
-  efficiencies at the published runs' shapes.
+  efficiencies at the published runs' shapes;
+* ``memory``: ``benchmarks/memory.py --adapters``: the training-memory estimate against
+  ``max_memory_allocated`` for a frozen 4-layer Llama-2-7B base with LoRA and with QLoRA (NF4).
 
 Without CUDA (and without ``--cpu``) it exits 2. It exits 1 when a section failed. The last line
 is JSON (``--json PATH`` writes it to a file too). ``--out DIR`` keeps the tables this GPU measured:
@@ -43,7 +45,7 @@ if str(REPO / "benchmarks") not in sys.path:  # its sibling modules, also under 
 
 #: the sections in the order they run, with the seconds each may take on one H200
 #: (gpu_sections.SECTIONS holds the same names with their functions)
-ORDER = ("recipes", "fsdp", "compile", "yardstick", "attention", "perf-kernels")
+ORDER = ("recipes", "fsdp", "compile", "yardstick", "attention", "perf-kernels", "memory")
 #: on the CPU everything is tiny but slow to start: each section may take this long
 CPU_LIMIT = 240.0
 #: seconds a section's process gets beyond its limit to report (its own children time out first)

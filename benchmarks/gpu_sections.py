@@ -447,6 +447,32 @@ def perf_kernels(cpu: bool, folder: Path, budget: float, out: Path | None = None
     return script_section("perf_kernels.py", [*(["--cpu", "--repeats", "1"] if cpu else []), *table], folder, budget)
 
 
+# -- memory: the estimate against max_memory_allocated with adapters ------------------------------------
+
+
+def memory(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dict:
+    """``benchmarks/memory.py --adapters``: ``builder describe``'s training-memory estimate against
+    ``max_memory_allocated`` for a frozen base with LoRA and with QLoRA's NF4 base (goal: within
+    10%); on the CPU the same cases at a tiny spec, trained two steps, measuring nothing."""
+    import memory as cases  # benchmarks/memory.py
+
+    rows = []
+    for spec_path, overrides, batch, seq, dtype, backend, ckpt in (c for c in cases.CASES if "adapters" in c[1]):
+        if cpu:
+            spec_path, overrides, batch, seq, dtype = (
+                "specs/tiny/llama.yaml",
+                {"adapters": overrides["adapters"]},
+                2,
+                16,
+                "fp32",
+            )
+        row = cases.run_case(spec_path, overrides, batch, seq, dtype, backend, ckpt, device="cpu" if cpu else "cuda")
+        row["adapters"] = cases.short_label(overrides["adapters"])
+        row["within_10pct"] = None if row["ratio"] is None else abs(row["ratio"] - 1) <= 0.10
+        rows.append(row)
+    return {"rows": rows, "ok": all(r["within_10pct"] is not False for r in rows)}
+
+
 #: name -> (function, seconds it may take on one H200)
 SECTIONS = {
     "recipes": (recipes, 110),
@@ -455,4 +481,5 @@ SECTIONS = {
     "yardstick": (yardstick, 110),
     "attention": (attention, 150),
     "perf-kernels": (perf_kernels, 45),
+    "memory": (memory, 60),
 }

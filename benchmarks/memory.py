@@ -96,7 +96,9 @@ def checkpoint_layers(model) -> None:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
-def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, steps=2) -> dict:
+def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, steps=2, device="cuda") -> dict:
+    """One case's estimate and measured peak; ``device="cpu"`` trains the case there to prove the
+    plumbing (``gpu_check.py --cpu``), measuring nothing (``measured_bytes`` and ``ratio`` None)."""
     import torch
     import torch.nn.functional as F
 
@@ -114,17 +116,19 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
         activation_checkpointing=checkpointing,
         fused_attention=backend != "eager",
     )
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
     torch.manual_seed(0)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    model = build_model(spec, device="cuda", dtype=torch_dtype, attention_backend=backend).train()
+    model = build_model(spec, device=device, dtype=torch_dtype, attention_backend=backend).train()
     if checkpointing:
         checkpoint_layers(model)
     optimizer = MasterAdamW(p for p in model.parameters() if p.requires_grad)  # with adapters, theirs alone
-    ids = torch.randint(0, spec.vocab_size, (batch, seq + 1), device="cuda")
-    src = torch.randint(0, spec.vocab_size, (batch, seq), device="cuda") if enc_dec else None
+    ids = torch.randint(0, spec.vocab_size, (batch, seq + 1), device=device)
+    src = torch.randint(0, spec.vocab_size, (batch, seq), device=device) if enc_dec else None
     inputs, targets = ids[:, :-1], ids[:, 1:]
     for _ in range(steps):
         logits = model(src, decoder_input_ids=inputs) if enc_dec else model(inputs)
@@ -133,11 +137,14 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
         loss.backward()
         optimizer.step()
         del loss
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
     predicted = est.memory.training_total
     del model, optimizer
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return {
         "spec": spec_path,
         "overrides": overrides,
@@ -150,11 +157,11 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
         "estimate_bytes": predicted,
         "activations_bytes": est.memory.activations,
         "measured_bytes": peak,
-        "ratio": predicted / peak if peak else math.nan,
+        "ratio": predicted / peak if peak else None if peak is None else math.nan,
     }
 
 
-def _short(value) -> str:
+def short_label(value) -> str:
     """An override as a label: an adapters mapping as its type and quantization."""
     if isinstance(value, dict):
         return "q" + value["type"] if value.get("quantize") else value["type"]
@@ -192,7 +199,7 @@ def main(argv=None) -> int:
     cases = QUICK if args.quick else CASES
     for case in [c for c in cases if "adapters" in c[1]] if args.adapters else cases:
         spec_path, overrides, batch, seq, dtype, backend, ckpt = case
-        label = Path(spec_path).stem + "".join(f" {k.split('.')[-1]}={_short(v)}" for k, v in overrides.items())
+        label = Path(spec_path).stem + "".join(f" {k.split('.')[-1]}={short_label(v)}" for k, v in overrides.items())
         try:
             row = run_case(*case)
         except torch.cuda.OutOfMemoryError:

@@ -19,6 +19,7 @@ KEYS = {
     "compile": {"compile", "status", "tokens_per_s", "first_step_s"},
     "yardstick": {"recipe_tokens_per_s", "yardstick_tokens_per_s", "ratio", "recipe_syncs_per_step"},
     "perf-kernels": {"table"},
+    "memory": {"adapters", "estimate_bytes", "measured_bytes", "ratio", "within_10pct"},
 }
 
 
@@ -35,9 +36,9 @@ def test_the_cheap_sections_run_on_the_cpu_and_print_their_tables(tmp_path, caps
     import gpu_check
 
     out = tmp_path / "check.json"
-    assert gpu_check.main(["--cpu", "--only", "fsdp,yardstick", "--json", str(out)]) == 0
+    assert gpu_check.main(["--cpu", "--only", "fsdp,yardstick,memory", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
-    _check(summary, ["fsdp", "yardstick"])
+    _check(summary, ["fsdp", "yardstick", "memory"])
     printed = capsys.readouterr().out
     assert "## fsdp: ok" in printed and "| recipe_tokens_per_s |" in printed
 
