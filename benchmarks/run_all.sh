@@ -13,9 +13,11 @@
 #   precision     ~50 min  shipped LM, MLM and classification recipes in fp32 and bf16 autocast, eager and
 #                          compiled, 300 steps x 3 rounds (what `auto` picks; benchmarks/precision.py)
 #   precision-translate ~20 min  the same for the translation recipe, 150 steps x 2 rounds
-#   mup           hours   learning-rate sweeps at widths 64-512, standard vs muP (a study: builder sweep)
-#   wsd           ~1 h    cooldowns branched at 3 points of a warmup-stable-decay run vs cosine, 3 seeds
-#   muon          hours   Muon vs the tuned AdamW recipes (shakespeare-char, lm-stdlib), 3 seeds
+#   mup           ~35 min learning-rate sweeps at widths 64-512, standard vs muP (a study: builder sweep), one
+#                         seed; `mup_transfer.py --seed N --also ...` adds seeds (RESULTS.md has the commands)
+#   wsd           ~30 min cooldowns branched at 3 points of a warmup-stable-decay run vs cosine, 3 seeds
+#   muon          ~55 min Muon vs the tuned AdamW recipes (shakespeare-char, lm-stdlib), 3 seeds
+#   (these three measured with OMP_NUM_THREADS=1, two at a time, on the 2-core machine)
 # Each stage prints its table or curve and writes OUT/<stage>.log and OUT/<stage>.json; the
 # machine line (cores, CPU model, load) is at the top of each log. Nothing else should run on
 # the machine meanwhile: every ratio is taken within one stage, but the absolute tokens/s and the
