@@ -320,6 +320,27 @@ def test_crash_and_hang_fail_with_one_line_and_the_study_goes_on(tmp_path, capsy
     assert "trial 0 (d_model=48) failed: builder train: data.sources: no such file" in out, out
 
 
+def test_a_failed_trial_runs_again_with_retry_failed(tmp_path, capsys, fake_trials, monkeypatch):
+    path = write_study(tmp_path, axes={"d_model": [48, 32]})
+    assert sweep(path) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"1 complete, 1 failed; `builder study report {path}` shows them; `builder sweep {path} --retry-failed`" in out
+    )
+    assert sweep(path) == 0 and fake_trials.count("d_model=48") == 1  # a plain rerun leaves a failure alone
+    capsys.readouterr()
+    made = runner.train_command  # the fault is gone (a file another process held, a node that died)
+    monkeypatch.setattr(runner, "train_command", lambda *a, **k: ["ok" if x == "crash" else x for x in made(*a, **k)])
+    assert sweep(path, "--retry-failed") == 0
+    out = capsys.readouterr().out
+    assert "1 failed trials run again" in out and "2 complete;" in out and "--retry-failed" not in out
+    assert fake_trials.count("d_model=48") == 2
+    table = {r["variant"]: r for r in report.rows(load_study(path), open_db(path))}
+    assert table["d_model=48"]["status"] == "complete" and table["d_model=48"]["final_val"] == pytest.approx(
+        3.0 + 32 / 48 + 1 / 4
+    )
+
+
 def test_a_killed_study_resumes_without_rerunning_finished_trials(tmp_path, capsys, fake_trials):
     path = write_study(tmp_path, axes={"d_model": [32, 64, 128, 256]}, parallel={"trials": 2})
     trials = tmp_path / "study" / "trials"

@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +149,31 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path, sp):
         made[workers] = dataset_bytes(tmp_path / f"w{workers}")
     assert len([n for n in made[1] if n.endswith(".bin")]) > 10
     assert made[1] == made[2]
+
+
+def test_a_cache_another_process_writes_is_waited_for_and_its_work_reused(tmp_path, sp, capsys):
+    """Runs started together (a study's trials) fill one cache: the one that finds it locked waits
+    for the holder and reuses what it wrote; `builder tokenize` into a held folder is refused."""
+    fcntl = pytest.importorskip("fcntl")
+    tokenizer, _ = sp
+    documents = [Document(t, None, "a") for t in docs(60, seed=2)]
+    out = tmp_path / "cache"
+    first = tokenize_documents(documents, tokenizer, out, progress=False)
+    holder = open(out / ".lock", "a+")  # noqa: SIM115  (another process's hold, closed by the timer)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    holder.seek(0)
+    assert holder.read() == ""  # the first run let go and left no holder named
+    holder.write("pid 4242 on elsewhere\n")
+    holder.flush()
+    with pytest.raises(RecipeError, match="being written by another `builder tokenize` \\(pid 4242 on elsewhere\\)"):
+        tokenize_documents(documents, tokenizer, out, progress=False)
+    threading.Timer(0.5, holder.close).start()
+    started = time.monotonic()
+    second = tokenize_documents(documents, tokenizer, out, progress=False, wait=True)
+    assert time.monotonic() - started >= 0.4  # it waited for the holder
+    assert f"waiting for pid 4242 on elsewhere, which is tokenizing into {out}" in capsys.readouterr().err
+    assert second.stats["tokenized_units"] == 0 and second.stats["reused_units"] == first.stats["units"]
+    assert read_back(second, "train") == read_back(first, "train")
 
 
 def test_forced_splits_and_val_sources(tmp_path, sp):

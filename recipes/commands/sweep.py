@@ -113,7 +113,8 @@ def _sweep(loaded, variants, invalid, args) -> int:
     for trial in store.latest_trials(study):
         counts[store.status(trial)] = counts.get(store.status(trial), 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-    print(f"study {loaded.name}: {summary}; `builder study report {loaded.path}` shows them", flush=True)
+    again = f"; `builder sweep {loaded.path} --retry-failed` runs the failed again" if counts.get("failed") else ""
+    print(f"study {loaded.name}: {summary}; `builder study report {loaded.path}` shows them{again}", flush=True)
     if code:
         print(f"stopped; `builder sweep {loaded.path}` resumes it", flush=True)
     return code

@@ -247,6 +247,7 @@ def text_dataset(text: TextCorpus, tokenizer, section: DataSection, name: str):
         val_fraction=val_fraction,
         sources=[{"path": name, "format": "text", "bytes": text.chars, "documents": len(text.files)}],
         progress=True,
+        wait=True,  # runs started together (a study's trials) share the cache: one tokenizes, the rest wait
     )
 
 
@@ -269,6 +270,7 @@ def document_tokens(text: TextCorpus, tokenizer, cache_dir: str | Path) -> np.nd
             folder,
             sources=[{"path": "eval", "format": "text", "bytes": text.chars, "documents": len(text.files)}],
             progress=False,
+            wait=True,
         )
     return np.concatenate([np.asarray(shard.tokens, dtype=np.int64) for shard in dataset.shards("train")])
 

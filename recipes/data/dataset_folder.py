@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from yamlformer.recipes.data.files import write_atomic
@@ -29,9 +30,10 @@ _SHARD_NAME = re.compile(r"\d{5,}\.(bin|idx)")
 
 
 class Folder:
-    """The output folder while a run writes it: locked, its settings checked, its leftovers removed."""
+    """The output folder while a run writes it: locked, its settings checked, its leftovers removed.
+    ``wait``: a folder another process holds is waited for (said on stderr), not refused."""
 
-    def __init__(self, out: Path, settings: dict, overwrite: bool):
+    def __init__(self, out: Path, settings: dict, overwrite: bool, wait: bool = False):
         self.out, self.settings = out, settings
         self._lock = None
         check_output(out)
@@ -42,7 +44,7 @@ class Folder:
             from yamlformer.builder.checkpoints import write_reason
 
             raise RecipeError(f"could not make {out}: {write_reason(exc)}") from None
-        self._take_lock()
+        self._take_lock(wait)
         started = self._started()
         if started is not None and started != settings:
             if not overwrite:
@@ -62,7 +64,7 @@ class Folder:
         (out / UNITS).mkdir(exist_ok=True)
         self._remove_temp_files()
 
-    def _take_lock(self) -> None:
+    def _take_lock(self, wait: bool) -> None:
         try:
             # local: POSIX only
             import fcntl
@@ -75,11 +77,16 @@ class Folder:
         except OSError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            handle.close()
-            raise RecipeError(
-                f"{self.out} is being written by another `builder tokenize` ({holder}); wait for it, "
-                "or give another folder"
-            ) from None
+            if not wait:
+                handle.close()
+                raise RecipeError(
+                    f"{self.out} is being written by another `builder tokenize` ({holder}); wait for it, "
+                    "or give another folder"
+                ) from None
+            # a cache two runs fill at once: the holder's work is reused once it lets go (a killed
+            # holder lets go at once: the kernel drops its lock)
+            print(f"waiting for {holder}, which is tokenizing into {self.out}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}\n")
@@ -88,6 +95,7 @@ class Folder:
 
     def release(self) -> None:
         if self._lock is not None:
+            self._lock.truncate(0)  # no holder named once it lets go
             self._lock.close()
             self._lock = None
 

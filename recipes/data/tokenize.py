@@ -278,13 +278,16 @@ def tokenize_documents(
     val_sources: list[str] | None = None,
     settings: dict | None = None,
     overwrite: bool = False,
+    wait: bool = False,
 ) -> TokenizedDataset:
     """``documents`` tokenized into the dataset folder ``out``, which is returned opened (its
     ``stats``: what this run did). ``sources``: the manifest's source records (``path``,
     ``format``, ``bytes``; documents are counted here); ``val_sources``: globs over document
     sources held out whole; ``settings``: what else determined the documents (the command's
     text field, separator, tokenizer argument), recorded and compared on a rerun; ``overwrite``:
-    start over in a folder begun with other settings. See the module docstring."""
+    start over in a folder begun with other settings; ``wait``: a folder another process is writing
+    (a cache two runs fill at once) is waited for and its work reused, not refused. See the module
+    docstring."""
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise RecipeError(f"val_fraction {val_fraction}: give a fraction in [0, 1)")
@@ -304,7 +307,7 @@ def tokenize_documents(
         "sources": [s["path"] for s in sources or []],
         **(settings or {}),
     }
-    folder = Folder(out, identity, overwrite)
+    folder = Folder(out, identity, overwrite, wait)
     try:
         tokenizer_entry = save_tokenizer(tokenizer, out)
         key = json.dumps({"version": VERSION, **identity}, sort_keys=True).encode()
