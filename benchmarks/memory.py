@@ -157,7 +157,7 @@ def run_case(spec_path, overrides, batch, seq, dtype, backend, checkpointing, st
         "estimate_bytes": predicted,
         "activations_bytes": est.memory.activations,
         "measured_bytes": peak,
-        "ratio": predicted / peak if peak else None if peak is None else math.nan,
+        "ratio": None if peak is None else predicted / peak if peak else math.nan,  # None: not measured (CPU)
     }
 
 

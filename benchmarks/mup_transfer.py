@@ -95,12 +95,15 @@ def averaged(rows) -> list[dict]:
     ]
 
 
+def finished(row) -> bool:
+    """Whether a trial (or averaged point) ended with a finite final validation loss."""
+    return row["status"] == "complete" and row["final_val"] is not None and math.isfinite(row["final_val"])
+
+
 def best_points(rows) -> dict[str, dict[int, float]]:
     """Per parametrization and width, the learning rate with the lowest final validation loss."""
     best: dict[str, dict[int, tuple[float, float]]] = {}
-    for row in rows:
-        if row["status"] != "complete" or row["final_val"] is None or not math.isfinite(row["final_val"]):
-            continue
+    for row in filter(finished, rows):
         kind, width, lr = row["variant"], row["d_model"], row["optimizer.lr"]
         current = best.setdefault(kind, {}).get(width)
         if current is None or row["final_val"] < current[1]:
@@ -132,11 +135,7 @@ def optima(rows) -> dict[str, dict[int, float]]:
             points = [
                 (math.log2(r["optimizer.lr"]), r["final_val"])
                 for r in rows
-                if r["variant"] == kind
-                and r["d_model"] == width
-                and r["status"] == "complete"
-                and r["final_val"] is not None
-                and math.isfinite(r["final_val"])
+                if r["variant"] == kind and r["d_model"] == width and finished(r)
             ]
             found = optimum(points)
             if found is not None:

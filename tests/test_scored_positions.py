@@ -121,6 +121,20 @@ def test_a_loss_compiled_whole_keeps_whole_rows(tmp_path, trainer):
     assert not scoring._select_scored  # the selection's size depends on the data: a graph per batch
 
 
+@pytest.mark.parametrize("split", ["tensor_parallel", "context_parallel"])
+def test_a_sequence_split_across_ranks_keeps_whole_rows(tmp_path, split):
+    from recipe_helpers import tiny_recipe
+
+    from yamlformer.recipes.learning.module import selects_scored
+    from yamlformer.recipes.tasks import load_recipe
+
+    _, model = _model("llama")
+    trainer = load_recipe(tiny_recipe(tmp_path)).trainer
+    assert selects_scored(model, trainer)
+    # the head reads a rank's share of the sequence (or of the hidden width): whole rows, as before
+    assert not selects_scored(model, trainer.model_copy(update={split: 2}))
+
+
 def test_the_shipped_tasks_that_score_few_positions_declare_it():
     from yamlformer.recipes.learning.module import LMModule
     from yamlformer.recipes.tasks.mlm.training import MLMModule
