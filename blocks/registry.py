@@ -17,19 +17,31 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from yamlformer.blocks.registrable import Registry, RegistryError, type_name
+
 #: block kinds; "architecture" is the spec's ``architecture:`` (which stacks of layers a model has),
 #: "adapter" its ``adapters:`` (what fine-tuning adds to linear layers, ``yamlformer.blocks.linear``)
 KINDS = ("attention", "position", "ffn", "norm", "head", "architecture", "adapter")
 #: the type a block mapping takes when its ``type`` key is left out, by block kind
 DEFAULT_TYPES = {"attention": "multi_head", "ffn": "mlp", "norm": "layernorm"}
 
-_REGISTRY: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
-_CONTRACTS: dict[str, type] = {}  # kind -> the base class its configs subclass (declare_contracts)
-_VERSION = [0]  # bumped on every registration so cached schemas know to rebuild
+#: each kind's configs by type name; a kind's contract (the base its configs subclass) is declared
+#: by ``yamlformer.blocks.configs`` as it loads (:func:`declare_contracts`)
+REGISTRIES: dict[str, Registry[Any]] = {kind: Registry(f"{kind} block", docs="blocks/README.md") for kind in KINDS}
 
-
-class RegistryError(ValueError):
-    """A block registration that cannot be accepted (unknown kind, duplicate name)."""
+__all__ = [
+    "DEFAULT_TYPES",
+    "KINDS",
+    "REGISTRIES",
+    "RegistryError",
+    "config_class",
+    "configs",
+    "declare_contracts",
+    "module_class",
+    "register",
+    "type_name",
+    "version",
+]
 
 
 def register(kind: str, module: str):
@@ -41,18 +53,11 @@ def register(kind: str, module: str):
         raise RegistryError(f"unknown block kind {kind!r}; kinds are {', '.join(KINDS)}")
 
     def decorate(cls):
-        _check_contract(kind, cls)
-        name = type_name(cls)
-        existing = _REGISTRY[kind].get(name)
-        if existing is not None and existing is not cls:
-            raise RegistryError(
-                f"{kind} block {name!r} is already registered by "
-                f"{existing.__module__}.{existing.__qualname__}; pick another type name"
-            )
+        if REGISTRIES[kind].contract is None:  # declared by the module defining the kind's base
+            raise RegistryError(f"no {kind} contract is declared yet: import yamlformer.blocks.configs first")
+        REGISTRIES[kind].register_class(cls)
         cls.kind = kind
         cls.module_path = module
-        _REGISTRY[kind][name] = cls
-        _VERSION[0] += 1
         return cls
 
     return decorate
@@ -61,45 +66,19 @@ def register(kind: str, module: str):
 def declare_contracts(bases: dict[str, type]) -> None:
     """The contract of each kind (``yamlformer.blocks.configs.base.KIND_BASES``, which declares
     them as it loads: this module imports no config)."""
-    _CONTRACTS.update(bases)
-
-
-def _check_contract(kind: str, cls) -> None:
-    base = _CONTRACTS[kind]  # declared: every config class subclasses one, so its module is loaded
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise RegistryError(
-            f"{getattr(cls, '__qualname__', cls)} must subclass yamlformer.blocks.configs.base.{base.__name__} "
-            f"to be registered as a {kind} block"
-        )
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
-    if missing:
-        raise RegistryError(
-            f"{cls.__qualname__} leaves {', '.join(missing)} of {base.__name__} unimplemented; see blocks/README.md"
-        )
-
-
-def type_name(cls) -> str:
-    """The YAML ``type`` string a config class answers to (its ``type`` field's default)."""
-    field = getattr(cls, "model_fields", {}).get("type")
-    if field is None or not isinstance(field.default, str):
-        raise RegistryError(f"{cls.__qualname__} needs a field `type: Literal['name'] = 'name'`")
-    return field.default
+    for kind, base in bases.items():
+        REGISTRIES[kind].contract = base
 
 
 def configs(kind: str) -> dict[str, Any]:
     """The registered config classes of one kind, by type name."""
     _loaded()
-    return dict(_REGISTRY[kind])
+    return REGISTRIES[kind].entries()
 
 
 def config_class(kind: str, name: str):
     _loaded()
-    try:
-        return _REGISTRY[kind][name]
-    except KeyError:
-        raise RegistryError(
-            f"no {kind} block named {name!r}; registered: {', '.join(sorted(_REGISTRY[kind]))}"
-        ) from None
+    return REGISTRIES[kind].get(name)
 
 
 def module_class(config) -> type:
@@ -110,13 +89,14 @@ def module_class(config) -> type:
 
 
 def version() -> int:
-    return _VERSION[0]
+    """Changes to any kind's registry so far (a cached schema rebuilds when it moves)."""
+    return sum(registry.changes for registry in REGISTRIES.values())
 
 
 def _loaded() -> None:
     """Refuse a lookup before any config is loaded (the built-in ones are
     ``yamlformer.blocks.configs``, which declares the contracts as it loads)."""
-    if not _CONTRACTS:
+    if all(registry.contract is None for registry in REGISTRIES.values()):
         raise RegistryError(
             "no block configs are loaded: import yamlformer.blocks.configs (the spec schema, "
             "yamlformer.builder.spec.schema, does) before asking the registry"

@@ -49,6 +49,7 @@ LAYERS = {
         "__init__",
     ],
     "blocks": [
+        "registrable",  # torch-free, imports nothing of ours: the one registry every registered kind is
         "registry",  # torch-free: the block kinds and what each type string builds
         "limits",
         "configs",  # torch-free: every block's fields, checks and counts (they register themselves)
@@ -110,7 +111,11 @@ LAYERS = {
         "__init__",
     ],
 }
-TORCH_FREE = [ROOT / "blocks" / "registry.py", *sorted((ROOT / "blocks" / "configs").glob("*.py"))]
+TORCH_FREE = [
+    ROOT / "blocks" / "registrable.py",
+    ROOT / "blocks" / "registry.py",
+    *sorted((ROOT / "blocks" / "configs").glob("*.py")),
+]
 #: what loads without torch or Lightning (what it imports at its top, and that at its top, ...): the
 #: command line, the recipe and spec files, each task's recipe and Task, the resolution a dry run
 #: and builder validate go through, and the checkpoint and Hugging Face readers until they read
@@ -325,18 +330,40 @@ def test_document_kinds_join_through_the_entry_point():
     assert table["recipe"].launch is not None and table["spec"].launch is None
 
 
-def test_builder_names_no_recipes_module_in_a_string():
-    """The one-way rule is not kept by module names in strings (``"yamlformer.recipes.commands"``), which an
-    import walk cannot see."""
-    named = {
-        str(path.relative_to(ROOT)): node.value
-        for path in sorted((ROOT / "builder").rglob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Constant)
-        and isinstance(node.value, str)
-        and re.fullmatch(r"recipes(\.\w+)+(:\w+)?", node.value)
-    }
-    assert not named, named
+#: a string that spells one of our modules (``"yamlformer.recipes.optim.muon:muon"``, ``"recipes.commands"``):
+#: its package, then its dotted path, then an optional ``:attribute``
+_MODULE_STRING = re.compile(rf"(?:{re.escape(PREFIX)})?({'|'.join(PACKAGES)})(?:\.\w+)+(?::\w+)?")
+
+
+def _module_strings(package: str) -> list[tuple[str, int, str]]:
+    """``(file, line, string)`` for every string constant in ``package`` that spells a module of one
+    of the packages above it."""
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                match = _MODULE_STRING.fullmatch(node.value)
+                if match and match.group(1) in FORBIDDEN[package]:
+                    found.append((str(path.relative_to(ROOT)), node.lineno, node.value))
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_package_names_an_upper_module_in_a_string(package):
+    """The one-way rule is not kept by module names in strings (``"yamlformer.recipes.optim.muon:muon"``
+    handed to ``importlib``), which an import walk cannot see: a lower layer names no module of an
+    upper one, with or without the ``yamlformer.`` prefix. What it needs from above is registered
+    into it by the upper layer (``yamlformer.recipes.optim.implements``) or found by entry point."""
+    named = [f"{file}:{line}: {value!r}" for file, line, value in _module_strings(package)]
+    assert not named, f"{package} names modules of the layers above it:\n" + "\n".join(named)
+
+
+def test_a_module_string_is_recognised_with_and_without_the_prefix():
+    """The check above reads the spellings it must refuse (and leaves a bare word and prose alone)."""
+    for spelled in ("yamlformer.recipes.optim.muon:muon", "recipes.commands", "yamlformer.builder.cli.train"):
+        assert _MODULE_STRING.fullmatch(spelled), spelled
+    for other in ("recipes", "builder", "the recipes.optim module", "yamlformer"):
+        assert not _MODULE_STRING.fullmatch(other), other
 
 
 def _local_import_groups(path: Path):

@@ -7,7 +7,7 @@ declares is what torch holds after a step; one state dict, resumable; bad input 
 from __future__ import annotations
 
 import copy
-from typing import ClassVar, Literal
+from typing import Literal
 
 import pytest
 import torch
@@ -164,7 +164,6 @@ def test_a_recipe_names_its_optimizer_by_type(tmp_path):
 class _Lion(OptimizerConfig):
     """A plugin's optimizer, as a package registers one (torch's SGD stands in for its class)."""
 
-    implementation: ClassVar[str] = "yamlformer.recipes.optim.torch_optimizers:sgd"
     type: Literal["test_lion"] = "test_lion"
     lr: float = 1e-4
     momentum: float = 0.0
@@ -183,13 +182,19 @@ class _Lion(OptimizerConfig):
 
 def test_a_registered_plugin_optimizer_joins_recipes_and_estimates(tmp_path, monkeypatch):
     from yamlformer.builder.optim import registry
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.optim import implementations, implements, torch_optimizers
 
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry.optimizer_configs()))  # this test's alone
+    monkeypatch.setattr(registry, "OPTIMIZERS", registry.OPTIMIZERS.copy())  # this test's alone
+    monkeypatch.setattr(implementations, "IMPLEMENTATIONS", implementations.IMPLEMENTATIONS.copy())
     register(_Lion)
     assert optimizer_configs()["test_lion"] is _Lion
     recipe = load_recipe(tiny_recipe(tmp_path, optimizer={"type": "test_lion", "lr": 0.01}))
     assert isinstance(recipe.optimizer, _Lion)
     model = build_model(load_spec(SPEC), init_seed=0)
+    with pytest.raises(RecipeError, match=r"'test_lion' has no torch side; register one with @yamlformer.recipes"):
+        build_optimizer(recipe.optimizer, model)
+    implements("test_lion")(torch_optimizers.sgd)  # the plugin's torch side, registered by its module
     assert isinstance(build_optimizer(recipe.optimizer, model), torch.optim.SGD)
     assert optimizer_bytes(load_spec(SPEC), "test_lion") == 0
 
@@ -231,7 +236,7 @@ def test_a_package_registers_its_optimizer_through_the_entry_point_group(tmp_pat
         "register(Lion2)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry.optimizer_configs()))
+    monkeypatch.setattr(registry, "OPTIMIZERS", registry.OPTIMIZERS.copy())
     monkeypatch.setattr(plugins, "_entry_points_loaded", [False])
     entry = importlib.metadata.EntryPoint("lion2", "my_optimizers", "yamlformer.optimizers")
     monkeypatch.setattr(
@@ -241,3 +246,19 @@ def test_a_package_registers_its_optimizer_through_the_entry_point_group(tmp_pat
     )
     assert plugins.load_plugins() == ["my_optimizers"]
     assert "test_lion2" in optimizer_configs()
+
+
+def test_every_optimizer_type_has_its_torch_side_registered_by_the_recipes():
+    """The builder's optimizers and the recipes' implementations are one registry helper's two
+    instances, and every built-in type has both halves (the recipes register theirs, the builder
+    names no module of theirs)."""
+    from yamlformer.blocks import registry as blocks
+    from yamlformer.blocks.registrable import Registry
+    from yamlformer.builder.optim import OPTIMIZERS
+    from yamlformer.recipes.optim import IMPLEMENTATIONS, implementation
+
+    assert all(isinstance(r, Registry) for r in (OPTIMIZERS, IMPLEMENTATIONS, *blocks.REGISTRIES.values()))
+    assert list(OPTIMIZERS) == ["adamw", "sgd", "muon"] and set(IMPLEMENTATIONS) == set(OPTIMIZERS)
+    assert implementation(MuonConfig()).__module__ == "yamlformer.recipes.optim.muon"
+    with pytest.raises(OptimizerError, match="no optimizer named 'lion'; registered: adamw, muon, sgd"):
+        OPTIMIZERS.get("lion")

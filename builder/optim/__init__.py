@@ -5,16 +5,20 @@ An optimizer is a config class registered under its YAML ``type`` (``adamw``, th
 ``--plugin``, as blocks join theirs). It declares what generic code asks of it
 (:class:`~yamlformer.builder.optim.registry.OptimizerConfig`): its parameter groups (which tensors
 it trains how, from the blocks' tensor classes and the spec's parametrization,
-``yamlformer.builder.parametrization``), the state it keeps per parameter, and the torch class that
-runs it (by import path, built by ``yamlformer.recipes.optim``). The memory estimate, the per-rank
-shards and the planner count the state through :func:`optimizer_state_bytes` alone.
+``yamlformer.builder.parametrization``) and the state it keeps per parameter; the torch optimizer
+each type builds is registered by the recipes (``yamlformer.recipes.optim.implements``), which this
+layer never names. The memory estimate, the per-rank shards and the planner count the state
+through :func:`optimizer_state_bytes` alone. Importing this package registers the built-in ones
+(:mod:`.configs`).
 """
 
 from __future__ import annotations
 
+from yamlformer.builder.optim import configs  # registers the built-in optimizers
 from yamlformer.builder.optim.registry import (
     DEFAULT,
     GROUP,
+    OPTIMIZERS,
     Group,
     OptimizerConfig,
     OptimizerError,
@@ -31,12 +35,14 @@ from yamlformer.builder.optim.registry import (
 __all__ = [
     "DEFAULT",
     "GROUP",
+    "OPTIMIZERS",
     "Group",
     "OptimizerConfig",
     "OptimizerError",
     "StateBytes",
     "Trainable",
     "config_class",
+    "configs",
     "optimizer_configs",
     "optimizer_field",
     "optimizer_named",

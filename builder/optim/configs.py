@@ -1,14 +1,14 @@
 """The built-in optimizers: AdamW (the default), Muon with AdamW beside it, SGD (torch-free).
 
-Their torch side is ``yamlformer.recipes.optim``. Learning-rate multipliers come from the spec's
-parametrization (``yamlformer.builder.parametrization``): every ratio is 1 under the standard one, so
-each group's learning rate is then the recipe's, exactly.
+Their torch side is ``yamlformer.recipes.optim``, which registers itself under each type. Learning-rate
+multipliers come from the spec's parametrization (``yamlformer.builder.parametrization``): every ratio
+is 1 under the standard one, so each group's learning rate is then the recipe's, exactly.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -67,7 +67,6 @@ class _AdamFields(OptimizerConfig):
 class AdamWConfig(_AdamFields):
     """AdamW (Loshchilov & Hutter 2019), fused where torch has a kernel for the parameters."""
 
-    implementation: ClassVar[str] = "yamlformer.recipes.optim.torch_optimizers:adamw"
     type: Literal["adamw"] = Field("adamw", description="adamw (the default) | muon | sgd | a plugin's.")
     lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate.")
 
@@ -88,7 +87,6 @@ class AdamWConfig(_AdamFields):
 class SGDConfig(OptimizerConfig):
     """Stochastic gradient descent with momentum (torch.optim.SGD, multi-tensor)."""
 
-    implementation: ClassVar[str] = "yamlformer.recipes.optim.torch_optimizers:sgd"
     type: Literal["sgd"] = Field("sgd", description="adamw (the default) | muon | sgd | a plugin's.")
     lr: float = Field(0.1, gt=0, description="SGD peak learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Momentum (0: none, no state kept).")
@@ -144,7 +142,6 @@ class MuonConfig(_AdamFields):
     weights, experts included: each expert's matrix on its own), AdamW on the rest (embeddings,
     the output projection, norms, biases), in one optimizer with one state."""
 
-    implementation: ClassVar[str] = "yamlformer.recipes.optim.muon:muon"
     type: Literal["muon"] = Field("muon", description="adamw (the default) | muon | sgd | a plugin's.")
     lr: float = Field(0.02, gt=0, description="Muon's peak learning rate on the hidden matrices.")
     momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum.")

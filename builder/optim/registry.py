@@ -1,25 +1,28 @@
 """The optimizer registry and the contract every optimizer config follows (torch-free).
 
 A config subclasses :class:`OptimizerConfig`, has ``type: Literal["name"] = "name"`` and
-registers with :func:`register`; a package adds its own through the ``yamlformer.optimizers``
-entry-point group (``yamlformer.builder.spec.plugins`` loads it with the blocks'), or ``--plugin``.
-A recipe's ``optimizer:`` is validated as the registered config its ``type`` names (``adamw``
-when left out: :func:`optimizer_field`), so a plugin's joins at once.
+registers with :func:`register` (into :data:`OPTIMIZERS`, a ``yamlformer.blocks.registrable.Registry``
+as every registered kind is); the built-in ones as ``yamlformer.builder.optim`` loads; a package
+adds its own through the ``yamlformer.optimizers`` entry-point group (``yamlformer.builder.spec.plugins``
+loads it with the blocks'), or ``--plugin``. A recipe's ``optimizer:`` is validated as the registered
+config its ``type`` names (``adamw`` when left out: :func:`optimizer_field`), so a plugin's joins at
+once. The torch optimizer each type builds is registered by the recipes
+(``yamlformer.recipes.optim.implements``): this layer names none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 from abc import abstractmethod
 from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, SerializeAsAny, ValidationError, WithJsonSchema
 
 from yamlformer.blocks.configs.base import first_error, rule_error
 from yamlformer.blocks.configs.tensors import TensorScaling
+from yamlformer.blocks.registrable import Registry, RegistryError
 
 #: packages add optimizers here: ``[project.entry-points."yamlformer.optimizers"]``
 GROUP = "yamlformer.optimizers"
@@ -28,10 +31,8 @@ DEFAULT = "adamw"
 
 Loc = tuple[str | int, ...]
 
-_REGISTRY: dict[str, type[OptimizerConfig]] = {}
 
-
-class OptimizerError(ValueError):
+class OptimizerError(RegistryError):
     """An optimizer registration that cannot be accepted, or an unknown type name."""
 
 
@@ -97,10 +98,6 @@ class OptimizerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
 
-    #: ``"package.module:callable"``; ``callable(config, groups)`` returns the torch optimizer for
-    #: groups of ``{"params": [...], **settings}`` (``yamlformer.recipes.optim`` imports it)
-    implementation: ClassVar[str]
-
     @abstractmethod
     def groups(self, params: list[Trainable]) -> list[Group]:
         """Which group each trainable goes in, and each group's settings (its learning rate with
@@ -125,43 +122,22 @@ class OptimizerConfig(BaseModel):
         return f"{getattr(self, 'type', type(self).__name__)} lr {self.peak_lr:g}"
 
 
+#: every optimizer config by type name (filled by :func:`register`)
+OPTIMIZERS: Registry[type[OptimizerConfig]] = Registry("optimizer", error=OptimizerError, contract=OptimizerConfig)
+
+
 def register(cls: type[OptimizerConfig]) -> type[OptimizerConfig]:
     """Class decorator: register an optimizer config under its ``type``."""
-    if not (isinstance(cls, type) and issubclass(cls, OptimizerConfig)):
-        raise OptimizerError(
-            f"{getattr(cls, '__qualname__', cls)} must subclass yamlformer.builder.optim.OptimizerConfig"
-        )
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
-    if missing:
-        raise OptimizerError(f"{cls.__qualname__} leaves {', '.join(missing)} of OptimizerConfig unimplemented")
-    field = cls.model_fields.get("type")
-    if field is None or not isinstance(field.default, str):
-        raise OptimizerError(f"{cls.__qualname__} needs a field `type: Literal['name'] = 'name'`")
-    name = field.default
-    existing = _REGISTRY.get(name)
-    if existing is not None and existing is not cls:
-        raise OptimizerError(
-            f"optimizer {name!r} is already registered by {existing.__module__}.{existing.__qualname__}"
-        )
-    _REGISTRY[name] = cls
-    return cls
-
-
-def _ensure_builtins() -> None:
-    importlib.import_module("yamlformer.builder.optim.configs")
+    return OPTIMIZERS.register_class(cls)
 
 
 def optimizer_configs() -> dict[str, type[OptimizerConfig]]:
     """Every registered optimizer config by type name."""
-    _ensure_builtins()
-    return dict(_REGISTRY)
+    return OPTIMIZERS.entries()
 
 
 def config_class(name: str) -> type[OptimizerConfig]:
-    _ensure_builtins()
-    if name not in _REGISTRY:
-        raise OptimizerError(f"no optimizer named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    return OPTIMIZERS.get(name)
 
 
 def optimizer_named(optimizer: OptimizerConfig | str | None = None) -> OptimizerConfig:

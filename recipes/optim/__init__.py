@@ -1,11 +1,10 @@
 """The optimizer a run trains with, built from the recipe's ``optimizer:`` (any registered kind,
 ``yamlformer.builder.optim``) and the spec's parametrization: the module asks :func:`build_optimizer`
 and never names an optimizer. Each kind's torch class is :mod:`.torch_optimizers` (AdamW, SGD)
-or :mod:`.muon`; the learning-rate schedules are :mod:`.schedule`."""
+or :mod:`.muon`, each registered under its type (:func:`implements`, :mod:`.implementations`);
+the learning-rate schedules are :mod:`.schedule`."""
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 from torch import nn
@@ -17,7 +16,23 @@ from yamlformer.builder.parametrization import plan
 from yamlformer.builder.spec.problems import locate
 from yamlformer.builder.spec.source import SpecError
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.optim import muon, torch_optimizers  # each registers the types it builds
+from yamlformer.recipes.optim.implementations import IMPLEMENTATIONS, implementation, implements
 from yamlformer.recipes.recipe.sections import as_written
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "OptimizerProblem",
+    "build_optimizer",
+    "check_optimizer",
+    "embedding_tables",
+    "implementation",
+    "implements",
+    "muon",
+    "param_groups",
+    "torch_optimizers",
+    "trainables",
+]
 
 
 class OptimizerProblem(ValueError):
@@ -86,5 +101,4 @@ def check_optimizer(optimizer: OptimizerConfig, model: nn.Module, recipe_file=No
 
 def build_optimizer(optimizer: OptimizerConfig, model: nn.Module, spec=None) -> torch.optim.Optimizer:
     """The torch optimizer of a registered kind, over the groups it declares."""
-    module, _, attr = type(optimizer).implementation.partition(":")
-    return getattr(importlib.import_module(module), attr)(optimizer, param_groups(optimizer, model, spec))
+    return implementation(optimizer)(optimizer, param_groups(optimizer, model, spec))

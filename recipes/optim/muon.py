@@ -24,6 +24,7 @@ import torch
 from torch.optim.adam import adam
 
 from yamlformer.builder.optim.configs import muon_adjustment
+from yamlformer.recipes.optim.implementations import implements
 
 #: Keller Jordan's quintic coefficients (torch.optim.Muon's defaults) and its norm floor
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -173,6 +174,7 @@ class Muon(torch.optim.Optimizer):
 SETTINGS = ("momentum", "nesterov", "ns_steps", "ns_precision", "adjust_lr", "betas", "eps")
 
 
+@implements("muon")
 def muon(config, groups: list[dict]) -> Muon:
     """The :class:`Muon` of a ``muon`` recipe section."""
     return Muon(groups, **{name: getattr(config, name) for name in SETTINGS})
