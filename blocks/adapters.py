@@ -2,11 +2,13 @@
 
 An adapter module is built as ``Adapter(config, linear)`` (its config from
 ``yamlformer.blocks.configs.adapters``, the layer it adapts, for its shapes) and becomes that
-layer's child ``adapter``. Its forward ``forward(x, y, linear, **where)`` takes the layer's input
-``x`` and its output ``y`` and returns the adapted output; it multiplies through the layer's own
-``project`` (``F.linear``, or each expert's rows for stacked experts: ``where`` carries their
-counts), so the same class adapts one projection or a stack of experts, whose factors are then
-stacked per expert (``lora_A`` ``(n, r, in)``).
+layer's child ``adapter``; it keeps the :class:`yamlformer.blocks.linear.Adapter` contract and
+asks its layer only what :class:`yamlformer.blocks.linear.AdaptedLayer` declares. Its forward
+``forward(x, y, linear, **where)`` takes the layer's input ``x`` and its output ``y`` and returns
+the adapted output; it multiplies through the layer's own ``project`` (``F.linear``, or each
+expert's rows for stacked experts: ``where`` carries their counts), so the same class adapts one
+projection or a stack of experts, whose factors are then stacked per expert (``lora_A``
+``(n, r, in)``).
 
 Both follow PEFT (``peft.tuners.lora``) exactly, so a PEFT adapter of the same rank computes the
 same logits and trains alike:
@@ -25,11 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from yamlformer.blocks.linear import AdaptedLayer
+
 
 class LoRA(nn.Module):
     """``y + scale * B(A(dropout(x)))`` (module doc)."""
 
-    def __init__(self, config, linear: nn.Module):
+    def __init__(self, config, linear: AdaptedLayer):
         super().__init__()
         stack = tuple(linear.weight.shape[:-2])  # (n,) for stacked experts, () for one projection
         out_features, in_features = linear.weight.shape[-2:]
@@ -50,18 +54,21 @@ class LoRA(nn.Module):
         ``nn.Linear``'s draw) and a zero ``lora_B``: the adapted model starts as the base."""
         return {"lora_A": ("uniform", self.in_features**-0.5), "lora_B": ("constant", 0.0)}
 
-    def change(self, x: torch.Tensor, linear: nn.Module, **where) -> torch.Tensor:
+    def change(self, x: torch.Tensor, linear: AdaptedLayer, **where) -> torch.Tensor:
         """``scale * B(A(x))``: the adapter's own path."""
         return self.scale * linear.project(linear.project(x, self.lora_A, **where), self.lora_B, **where)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, linear: nn.Module, **where) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, linear: AdaptedLayer, **where) -> torch.Tensor:
         return y + self.change(self.dropout(x), linear, **where)
 
-    def delta(self, linear: nn.Module) -> torch.Tensor:
+    def set_from_weight(self, linear: AdaptedLayer) -> None:
+        """Nothing of LoRA's derives from the base weight (``B`` starts at zero whatever it is)."""
+
+    def delta(self, linear: AdaptedLayer) -> torch.Tensor:
         """``scale * B @ A``: the change to ``linear``'s weight, shaped as it (stacked: one per expert)."""
         return self.scale * (linear.local(self.lora_B) @ linear.local(self.lora_A))
 
-    def merged_weight(self, linear: nn.Module) -> torch.Tensor:
+    def merged_weight(self, linear: AdaptedLayer) -> torch.Tensor:
         """The layer's weight with this adapter folded in (a merged export, MLA's absorbed path)."""
         weight = linear.dense_weight()
         return weight + self.delta(linear).to(weight.dtype)
@@ -70,7 +77,7 @@ class LoRA(nn.Module):
 class DoRA(LoRA):
     """``magnitude * (W + scale B A) / ||W + scale B A||`` applied to ``x`` (module doc)."""
 
-    def __init__(self, config, linear: nn.Module):
+    def __init__(self, config, linear: AdaptedLayer):
         super().__init__(config, linear)
         self.magnitude = nn.Parameter(torch.empty(linear.weight.shape[:-1], **_kind(self.lora_A)))
         if not self.magnitude.is_meta:
@@ -82,18 +89,18 @@ class DoRA(LoRA):
         return {**super().init_rules(std), "magnitude": ("constant", 1.0)}
 
     @torch.no_grad()
-    def set_from_weight(self, linear: nn.Module) -> None:
+    def set_from_weight(self, linear: AdaptedLayer) -> None:
         """The magnitude of the adapted weight, row by row: ``||W + scale B A||`` (``||W||`` while
         ``B`` is zero, as PEFT starts it)."""
         linear.local(self.magnitude).copy_(self._norm(linear).to(self.magnitude.dtype))
 
-    def _norm(self, linear: nn.Module) -> torch.Tensor:
+    def _norm(self, linear: AdaptedLayer) -> torch.Tensor:
         """``||W + scale B A||`` over the input features, ``(out,)`` (``(n, out)`` stacked), without
         gradient (the direction's norm is a constant: the module doc)."""
         weight = linear.dense_weight().detach()
         return torch.linalg.vector_norm(weight + self.delta(linear).detach().to(weight.dtype), dim=-1)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, linear: nn.Module, **where) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, linear: AdaptedLayer, **where) -> torch.Tensor:
         # PEFT's DoRA: with dropout in training, the base is recomputed on the dropped-out input
         recompute = self.training and not isinstance(self.dropout, nn.Identity)
         x = self.dropout(x)
@@ -104,7 +111,7 @@ class DoRA(LoRA):
         adapted = linear.scale_outputs(base + self.change(x, linear, **where), factor, **where)
         return y + adapted - base  # base + bias + (factor - 1) * base + factor * change
 
-    def merged_weight(self, linear: nn.Module) -> torch.Tensor:
+    def merged_weight(self, linear: AdaptedLayer) -> torch.Tensor:
         adapted = super().merged_weight(linear)
         factor = linear.local(self.magnitude).detach() / torch.linalg.vector_norm(adapted, dim=-1)
         return adapted * factor.to(adapted.dtype)[..., None]

@@ -17,17 +17,86 @@ a block built on it names and counts nothing new. What the seam adds, for fine-t
 An adapter computes through the layer's own :meth:`Linear.project` (a plain ``F.linear`` here, a
 grouped matmul over each expert's rows for stacked experts) and :meth:`Linear.scale_outputs`, so
 one adapter class serves a single projection and a stack of experts alike.
+
+The two sides of that seam are written down as :class:`typing.Protocol` s, as PEFT's
+``LoraVariant`` writes what a LoRA variant (DoRA, aLoRA...) gives the layer it varies (``init``,
+``forward(module, x, result)``, ``merge_safe``/``unmerge``): :class:`Adapter`, what a layer asks of
+the adapter attached to it, and :class:`AdaptedLayer`, what an adapter may ask of its layer. The
+layer and the code that attaches adapters (``yamlformer.builder.assemble``, tensor parallelism) ask
+these, never an adapter's class or whether it happens to have a method.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from yamlformer.blocks.configs.adapters import NF4_BLOCK, nf4_scaler_block
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What a linear layer asks of the adapter attached to it (``yamlformer.blocks.adapters``: LoRA,
+    DoRA; a plugin's registered ``adapter`` block), built as ``Adapter(config, layer)``."""
+
+    #: tensor name -> ``(output-feature dim, input-feature dim)``, each None when that tensor does
+    #: not run along those features: how tensor parallelism splits it with its layer (the config's)
+    feature_dims: dict[str, tuple[int | None, int | None]]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, linear: AdaptedLayer, **where) -> torch.Tensor:
+        """The adapted output, from the layer's input ``x`` and its own output ``y`` (``where``: what
+        the layer's :meth:`AdaptedLayer.project` needs besides, stacked experts' row counts)."""
+
+    def merged_weight(self, linear: AdaptedLayer) -> torch.Tensor:
+        """The layer's weight with this adapter folded in, shaped as the layer's weight."""
+
+    def set_from_weight(self, linear: AdaptedLayer) -> None:
+        """Set again what derives from the layer's weight (DoRA's magnitude; nothing for LoRA),
+        after the weights change (init, a checkpoint's, ``init_from``'s)."""
+
+    def init_rules(self, std: float) -> dict[str, tuple[str, float]]:
+        """How ``yamlformer.blocks.init`` fills each of its tensors (``{name: (rule, value)}``)."""
+
+
+@runtime_checkable
+class AdaptedLayer(Protocol):
+    """What an adapter may ask of the layer it adapts (:class:`Linear`, and stacked experts'
+    ``yamlformer.blocks.experts.StackedLinear``): its tensors and how it computes with them."""
+
+    weight: torch.Tensor  # (out, in); stacked: (n, out, in)
+    bias: torch.Tensor | None
+
+    @property
+    def adapter(self) -> Adapter | None:
+        """The attached adapter, or None."""
+
+    def attach(self, adapter: Adapter) -> None:
+        """Make ``adapter`` this layer's."""
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, **where) -> torch.Tensor:
+        """``x`` through a weight shaped as this layer's (an adapter's factor), no bias."""
+
+    def base(self, x: torch.Tensor, **where) -> torch.Tensor:
+        """This layer's own projection of ``x`` without its bias."""
+
+    def scale_outputs(self, y: torch.Tensor, scale: torch.Tensor, **where) -> torch.Tensor:
+        """``y`` times ``scale``, one factor per output feature."""
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of one of its tensors (or an adapter's) this layer computes with."""
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight in its compute dtype (an NF4 weight dequantized)."""
+
+
+def missing(contract: type, obj: object) -> list[str]:
+    """The members of the protocol ``contract`` that ``obj`` lacks (empty: it keeps the contract)."""
+    members = {n for n in vars(contract) if not n.startswith("_")} | set(vars(contract).get("__annotations__", {}))
+    return sorted(name for name in members if not hasattr(obj, name))
 
 
 class Linear(nn.Linear):
@@ -39,7 +108,7 @@ class Linear(nn.Linear):
     quantized: bool = False  # quantize() made the weight an NF4 tensor
 
     @property
-    def adapter(self) -> nn.Module | None:
+    def adapter(self) -> Adapter | None:
         """The attached adapter (a child module, :meth:`attach`), or None."""
         return self._modules.get("adapter")
 
@@ -83,14 +152,21 @@ class Linear(nn.Linear):
 
     # -- what a spec's adapters do to it ---------------------------------------------------------
 
-    def attach(self, adapter: nn.Module) -> None:
-        """Make ``adapter`` this layer's (``y = adapter(x, y, self)`` after the projection)."""
+    def attach(self, adapter: Adapter) -> None:
+        """Make ``adapter`` this layer's (``y = adapter(x, y, self)`` after the projection); one
+        that does not keep the :class:`Adapter` contract is refused, naming what it lacks."""
+        if not isinstance(adapter, nn.Module) or not isinstance(adapter, Adapter):
+            lacks = missing(Adapter, adapter) or ["being an nn.Module"]
+            raise TypeError(
+                f"{type(adapter).__module__}.{type(adapter).__qualname__} is not an adapter "
+                f"(yamlformer.blocks.linear.Adapter): it lacks {', '.join(lacks)}"
+            )
         self._modules["adapter"] = adapter  # (add_module refuses the name the property holds)
 
     def init_from_weights(self) -> None:
         """An adapter's values that derive from the base weight (DoRA's magnitude), set again
         from the weight as it is now (after init, a checkpoint's or ``init_from``'s weights)."""
-        if self.adapter is not None and hasattr(self.adapter, "set_from_weight"):
+        if self.adapter is not None:
             self.adapter.set_from_weight(self)
 
     def quantize(self) -> None:

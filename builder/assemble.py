@@ -29,7 +29,7 @@ from yamlformer.blocks import registry
 from yamlformer.blocks.build import Dims, build_block, build_layer
 from yamlformer.blocks.embeddings import Embeddings
 from yamlformer.blocks.init import draw_seed, init_weights
-from yamlformer.blocks.linear import adapter_parameters
+from yamlformer.blocks.linear import AdaptedLayer, adapter_parameters
 from yamlformer.blocks.stacks import TransformerStack
 from yamlformer.builder.adapters import adapted, quantized
 from yamlformer.builder.parametrization import head_for_build, is_mup, layer_for_build
@@ -109,7 +109,7 @@ def _attach_adapters(model: nn.Module, spec) -> None:
     adapter = registry.module_class(spec.adapters)
     for path in adapted(spec):
         linear = model.get_submodule(path)
-        if not hasattr(linear, "attach"):  # a plugin's block built a plain nn.Linear
+        if not isinstance(linear, AdaptedLayer):  # a plugin's block built a plain nn.Linear
             raise ValueError(
                 f"adapters: {path} is a {type(linear).__module__}.{type(linear).__qualname__}, not a "
                 "yamlformer.blocks.linear.Linear: its block builds it so (blocks/README.md), or leaves it out of "

@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from yamlformer.blocks import registry
-from yamlformer.blocks.linear import adapter_parameters, linear_layers
+from yamlformer.blocks.linear import AdaptedLayer, Adapter, Linear, adapter_parameters, linear_layers
 from yamlformer.builder import build_model, estimate, load_spec
 from yamlformer.builder.adapters import model_linears
 from yamlformer.builder.analysis.report import actual_params
@@ -182,3 +182,28 @@ def test_an_adapter_type_must_be_registered_and_its_fields_known():
         _spec("llama", {"type": "lorax", "targets": "all-linear"})
     with pytest.raises(SpecError, match="unknown key 'ranks'|ranks"):
         _spec("llama", {"type": "lora", "ranks": 4, "targets": "all-linear"})
+
+
+@pytest.mark.parametrize("adapters", list(_adapter_cases()))
+def test_every_adapter_and_every_layer_it_adapts_keep_the_declared_contract(adapters):
+    """What the seam declares (``yamlformer.blocks.linear.Adapter``, ``AdaptedLayer``) is what each
+    registered adapter type and each kind of linear layer has: a plugin's adapter is checked too,
+    and one that lacks a member is refused when attached, naming it."""
+    for name in ("mixtral", "llama"):  # stacked experts and single projections
+        try:
+            model = build_model(_spec(name, adapters), init_seed=0)
+        except SpecError:
+            continue  # the example's targets are not in this spec
+        adapted = [layer for layer in linear_layers(model).values() if layer.adapter is not None]
+        assert adapted
+        for layer in adapted:
+            assert isinstance(layer, AdaptedLayer) and isinstance(layer.adapter, Adapter)
+
+    class Halfway(torch.nn.Module):
+        feature_dims: dict = {}
+
+        def forward(self, x, y, linear, **where):
+            return y
+
+    with pytest.raises(TypeError, match=r"Halfway is not an adapter .*: it lacks init_rules, merged_weight, set_from"):
+        Linear(4, 4).attach(Halfway())

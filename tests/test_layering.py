@@ -54,8 +54,8 @@ LAYERS = {
         "limits",
         "configs",  # torch-free: every block's fields, checks and counts (they register themselves)
         "init",
-        "adapters",  # LoRA and DoRA, the modules fine-tuning adds to a linear layer
-        "linear",  # the linear layer every block builds, adapted or NF4 where the spec says
+        "linear",  # the linear layer every block builds, adapted or NF4, and its contract with an adapter
+        "adapters",  # LoRA and DoRA, the modules fine-tuning adds to a linear layer (keeping that contract)
         "tensor_parallel",
         "norms",
         "positions",

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from yamlformer.blocks.linear import AdaptedLayer
 from yamlformer.builder.analysis.layout import EMBEDDING_PLAN
 
 
@@ -48,7 +49,8 @@ def styles(plan: dict[str, str], module: nn.Module) -> dict:
             )
         elif kind != "replicate":
             raise ValueError(f"unknown tensor-parallel style {kind!r}; one of colwise, rowwise, vocab, replicate")
-        if name in out and getattr(module.get_submodule(name), "adapter", None) is not None:
+        layer = module.get_submodule(name) if name in out else None
+        if isinstance(layer, AdaptedLayer) and layer.adapter is not None:
             out[name] = adapted(out[name])
     return out
 
