@@ -46,9 +46,9 @@ TOLERANCE = 3e-2  # max |ours - flash| / max |flash| accepted in bf16
 
 
 def ours(q, k, v, causal):
-    from yamlformer.kernels import attention
+    from yamlformer.kernels import Mask, attention
 
-    return attention(q, k, v, causal=causal, backend="triton")
+    return attention(q, k, v, Mask(causal=causal), backend="triton")
 
 
 def timed(fn, grad_to_none=None):

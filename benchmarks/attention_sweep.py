@@ -98,7 +98,7 @@ def timer(cpu: bool):
 # one case's inputs and reference
 # ----------------------------------------------------------------------------------------------
 def case_inputs(case: dict, device, dtype, seed: int = 0):
-    """``(q, k, v, dout, kwargs)`` of a case; ``kwargs`` as ``attention`` takes them."""
+    """``(q, k, v, dout, kwargs)`` of a case; ``kwargs`` the options of its ``Mask``."""
     g = torch.Generator().manual_seed(seed)
     B, H, Hkv, S, D = (case[n] for n in ("B", "H", "Hkv", "S", "D"))
     Sq = case.get("Sq", S)
@@ -131,19 +131,20 @@ def visible_pairs(case: dict, kwargs: dict) -> float:
     B, S, Sq = case["B"], case["S"], case.get("Sq", case["S"])
     if "window" not in case and "documents" not in case:
         return B * Sq * S * (0.5 if case.get("causal") and Sq > 1 else 1.0)
+    from yamlformer.kernels import Mask
     from yamlformer.kernels.attention import _visible, document_starts
 
     starts = document_starts(kwargs["document_ids"].cpu()) if "documents" in case else None
-    keep, _ = _visible(Sq, S, case.get("causal", False), case.get("window"), "cpu", None, starts)
+    keep, _ = _visible(Sq, S, Mask(causal=case.get("causal", False), sliding_window=case.get("window")), "cpu", starts)
     return float(keep.sum()) * (1 if starts is not None else B)
 
 
 def reference(q, k, v, dout, kwargs, cpu: bool, train: bool):
     """``(out, dq, dk, dv)`` (no gradients for decode) from SDPA (eager on the CPU), fp32 out."""
-    from yamlformer.kernels import attention
+    from yamlformer.kernels import Mask, attention
 
     leaves = [t.detach().clone().requires_grad_(train) for t in (q, k, v)]
-    out = attention(*leaves, backend="eager" if cpu else "sdpa", **kwargs)
+    out = attention(*leaves, Mask(**kwargs), backend="eager" if cpu else "sdpa")
     if not train:
         return out.detach(), None, None, None
     out.backward(dout)
@@ -156,15 +157,14 @@ def reference(q, k, v, dout, kwargs, cpu: bool, train: bool):
 def kernel_runs(q, k, v, dout, kwargs, train: bool, expected):
     """``(call, {kernel: (launch(config), check())})``: each of this case's kernels launched alone
     with a given config on the case's inputs, and the max relative error of what it wrote."""
-    from yamlformer.kernels import flash_launch, triton_attention
+    from yamlformer.kernels import Mask, flash_launch, triton_attention
     from yamlformer.kernels.attention import document_starts
 
     starts = document_starts(kwargs["document_ids"]) if "document_ids" in kwargs else None
-    index = kwargs.get("token_index") or (None, None)
-    scale = q.shape[-1] ** -0.5
-    call = flash_launch.prepare(
-        q, k, v, None, None, kwargs["causal"], kwargs.get("sliding_window"), None, scale, starts, None, None, *index
+    mask = Mask(
+        causal=kwargs["causal"], sliding_window=kwargs.get("sliding_window"), token_index=kwargs.get("token_index")
     )
+    call = flash_launch.prepare(q, k, v, mask, q.shape[-1] ** -0.5, starts)
     out, lse = triton_attention._forward_outputs(q, v)
     ref_out, ref_dq, ref_dk, ref_dv = expected
     if not train:
@@ -273,13 +273,13 @@ def flex_backend(q, kwargs, cpu: bool):
 def backends(q, kwargs, cpu: bool, ours_configs: dict) -> dict:
     """name -> fn(q, k, v): ours (at the sweep's configs), SDPA (its choice), SDPA's flash and
     cuDNN alone (where no mask tensor is needed), FlexAttention (where it takes the mask)."""
-    from yamlformer.kernels import attention, tuning
+    from yamlformer.kernels import Mask, attention, tuning
 
     def ours(q, k, v):
         with tuning.forced(**ours_configs):
-            return attention(q, k, v, backend="triton", **kwargs)
+            return attention(q, k, v, Mask(**kwargs), backend="triton")
 
-    fns = {"ours": ours, "sdpa": lambda q, k, v: attention(q, k, v, backend="sdpa", **kwargs)}
+    fns = {"ours": ours, "sdpa": lambda q, k, v: attention(q, k, v, Mask(**kwargs), backend="sdpa")}
     unmasked = set(kwargs) == {"causal"}
     if unmasked and not cpu:
         for name in ("flash", "cudnn"):
@@ -319,8 +319,7 @@ def compare_rows(name, case, inputs, expected, ours_configs, cpu, report) -> dic
 
 
 def run_case(name, case, cpu, candidates, report, failed) -> dict:
-    from yamlformer.kernels import tuning
-    from yamlformer.kernels.attention import mask_presence
+    from yamlformer.kernels import Mask, tuning
 
     device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
     q, k, v, dout, kwargs = case_inputs(case, device, dtype)
@@ -335,7 +334,7 @@ def run_case(name, case, cpu, candidates, report, failed) -> dict:
     )
     if "ours" in results and "sdpa" in results:
         faster = "triton" if results["ours"] * PREFER_MARGIN < results["sdpa"] else "sdpa"
-        key = tuning.case_key(q.shape, v.shape[-1], kwargs["causal"], mask_presence(kwargs))
+        key = tuning.case_key(q.shape, v.shape[-1], kwargs["causal"], Mask(**kwargs).present())
         report({"case": name, "section": "prefer", "what": faster, "key": key, "note": "ours vs sdpa"})
     return {kernel: config for kernel, (config, _) in best.items()}
 
@@ -421,7 +420,7 @@ def first_call(report) -> None:
     import os
     import tempfile
 
-    from yamlformer.kernels import attention, tuning
+    from yamlformer.kernels import Mask, attention, tuning
 
     q, k, v, dout, kwargs = case_inputs(dict(B=2, H=8, Hkv=8, S=2048, D=128, causal=True), "cuda", torch.bfloat16)
     leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -433,7 +432,7 @@ def first_call(report) -> None:
         try:
             for _ in range(2):
                 started = time.perf_counter()
-                attention(*leaves, backend="triton", **kwargs).backward(dout)
+                attention(*leaves, Mask(**kwargs), backend="triton").backward(dout)
                 torch.cuda.synchronize()
                 seconds.append(time.perf_counter() - started)
         finally:

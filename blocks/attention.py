@@ -50,6 +50,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from yamlformer.blocks.cache import MemoryCache, TensorCache
 from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.tensor_parallel import shared
+from yamlformer.kernels import Mask
 from yamlformer.kernels import attention as attention_kernel
 
 
@@ -397,20 +398,18 @@ class MultiHeadAttention(nn.Module):
                 torch.arange(inputs.start, inputs.start + seq_q, device=x.device),
                 torch.arange(first, first + k.shape[2], device=x.device),
             )
-        out = attention_kernel(
-            q,
-            k,
-            v,
+        mask = Mask(
             causal=self.causal,
             sliding_window=self.sliding_window,
             alibi_slopes=alibi,
             bias=bias,
             softcap=self.softcap,
-            scale=scale,
-            backend=self.backend,
-            dropout_p=self.dropout if self.training else 0.0,
             token_index=token_index,
             **self._kernel_options(inputs, chunk_size),
+        )
+        dropout = self.dropout if self.training else 0.0
+        out = attention_kernel(
+            q, k, v, mask, scale=scale, backend=self.backend, dropout_p=dropout
         )  # (batch, n_heads, seq_q, head_dim)
         out = out.transpose(1, 2).reshape(
             batch, seq_q, self.n_heads * self.head_dim
@@ -418,7 +417,7 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out)
 
     def _kernel_options(self, inputs: AttentionInputs, chunk_size: int | None) -> dict:
-        """The kernel's ``document_ids``, ``sinks`` (this rank's heads') and ``chunk_size``, where
+        """The mask's ``document_ids``, ``sinks`` (this rank's heads') and ``chunk_size``, where
         set. In a packed row a document's chunks start at its own first token, as they do when it
         runs alone: each (document, chunk) pair becomes a document of its own (positions restart
         at 0 in each document, so a run begins wherever ``position % C == 0``) and the kernel masks

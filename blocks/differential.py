@@ -26,6 +26,7 @@ from yamlformer.blocks.cache import TensorCache
 from yamlformer.blocks.configs.differential import LAMBDAS
 from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.tensor_parallel import shared
+from yamlformer.kernels import Mask
 from yamlformer.kernels import attention as attention_kernel
 
 #: the paper's initial spread of the lambda vectors (its code: normal(0, 0.1))
@@ -106,18 +107,17 @@ class DifferentialAttention(nn.Module):
         if bias is not None and bias.shape[1] > self.n_heads:  # (batch | 1, total_heads, ...): this rank's heads
             bias = bias[:, self.first_head : self.first_head + self.n_heads]
         slopes = inputs.alibi_slopes(self.total_heads, x.device)
-        options = dict(
+        mask = Mask(
             causal=self.causal,
             sliding_window=self.sliding_window,
             alibi_slopes=slopes[self.first_head : self.first_head + self.n_heads] if slopes is not None else None,
             bias=bias,
-            scale=self.scale * inputs.score_scale(),
-            backend=self.backend,
             token_index=inputs.token_index(first),
             document_ids=inputs.document_ids,
         )
-        first_map = attention_kernel(q[:, 0::2], k[:, 0::2], v, **options)  # (batch, heads, seq, 2 hd)
-        second_map = attention_kernel(q[:, 1::2], k[:, 1::2], v, **options)
+        options = dict(scale=self.scale * inputs.score_scale(), backend=self.backend)
+        first_map = attention_kernel(q[:, 0::2], k[:, 0::2], v, mask, **options)  # (batch, heads, seq, 2 hd)
+        second_map = attention_kernel(q[:, 1::2], k[:, 1::2], v, mask, **options)
         lam = self._shared(self.lambda_full().to(second_map.dtype))
         out = _rms(first_map - lam * second_map, self._shared(self.subln.weight), self.eps)
         out = out * (1.0 - self.lambda_init)

@@ -30,6 +30,7 @@ from torch import nn
 from yamlformer.blocks.cache import TensorCache
 from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.norms import RMSNorm
+from yamlformer.kernels import Mask
 from yamlformer.kernels import attention as attention_kernel
 from yamlformer.kernels.attention import MAX_TRITON_HEAD_DIM
 
@@ -83,20 +84,20 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # (batch, seq, kv_lora_rank)
         q_rope, k_rope = inputs.rotate(q_rope, k_rope[:, None])  # k_rope: (batch, 1, seq, rope), all heads'
-        options = dict(
+        mask = Mask(
             causal=self.causal,
             alibi_slopes=inputs.alibi_slopes(self.n_heads, x.device),
-            scale=self.scale * inputs.score_scale(),
             document_ids=inputs.document_ids,
         )
+        scale = self.scale * inputs.score_scale()
         if cache is None:
-            out = self._expanded(q_nope, q_rope, latent, k_rope, inputs, options)
+            out = self._expanded(q_nope, q_rope, latent, k_rope, inputs, mask, scale)
         else:
-            out = self._absorbed(q_nope, q_rope, latent, k_rope, inputs, cache, options)
+            out = self._absorbed(q_nope, q_rope, latent, k_rope, inputs, cache, mask, scale)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # (batch, seq, heads * v)
         return self.out_proj(out)
 
-    def _expanded(self, q_nope, q_rope, latent, k_rope, inputs, options) -> torch.Tensor:
+    def _expanded(self, q_nope, q_rope, latent, k_rope, inputs, mask: Mask, scale: float) -> torch.Tensor:
         """Every head's key and value from the latent (training, full forward)."""
         batch, seq, _ = latent.shape
         kv = self.kv_b_proj(latent).view(batch, seq, -1, self.nope + self.v_dim).transpose(1, 2)
@@ -105,9 +106,9 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # (batch, heads, seq, nope + rope)
         bias = inputs.bias(inputs.start, seq, self.n_heads, latent.device)
         dropout = self.dropout if self.training else 0.0
-        return attention_kernel(q, k, v, bias=bias, backend=self.backend, dropout_p=dropout, **options)
+        return attention_kernel(q, k, v, mask.replace(bias=bias), scale=scale, backend=self.backend, dropout_p=dropout)
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope, inputs, cache, options) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, inputs, cache, mask: Mask, scale: float) -> torch.Tensor:
         """Multi-query attention over the cached latents, ``kv_b_proj`` folded into q and out."""
         entry = torch.cat((latent[:, None], k_rope), dim=-1)  # (batch, 1, seq, kv_lora_rank + rope)
         cached, first = cache.update(entry, index=inputs.index)  # (batch, 1, keys, kv_lora_rank + rope)
@@ -120,7 +121,6 @@ class MultiHeadLatentAttention(nn.Module):
         backend = self.backend
         if backend == "triton" and q.shape[-1] > MAX_TRITON_HEAD_DIM:
             backend = "auto"  # the 576-wide latent heads of V2/V3 exceed the Triton tiles (module doc)
-        out = attention_kernel(
-            q, cached, values, bias=bias, backend=backend, token_index=inputs.token_index(first), **options
-        )  # (batch, heads, seq, rank)
+        mask = mask.replace(bias=bias, token_index=inputs.token_index(first))
+        out = attention_kernel(q, cached, values, mask, scale=scale, backend=backend)  # (batch, heads, seq, rank)
         return torch.matmul(out, w_value.transpose(1, 2))  # (batch, heads, seq, v)

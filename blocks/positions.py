@@ -32,7 +32,7 @@ import math
 import torch
 from torch import nn
 
-from yamlformer.kernels.attention import document_starts
+from yamlformer.kernels.masks import document_starts
 
 
 class PositionModule(nn.Module):

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from yamlformer.builder.analysis.calibration.table import CalibrationTable
 from yamlformer.builder.analysis.hardware import GPUS, resolve
 from yamlformer.builder.analysis.mfu import match_device
-from yamlformer.kernels import attention
+from yamlformer.kernels import Mask, attention
 
 #: one rank's projections of one layer of each published run: (tokens, [(k, n), ...])
 LAYERS = {
@@ -131,7 +131,7 @@ def sdpa(backend: str):
 
 def triton_attention(q, k, v, causal):
 
-    return attention(q, k, v, causal=causal, backend="triton")
+    return attention(q, k, v, Mask(causal=causal), backend="triton")
 
 
 def attention_rates(call, queries: int, keys: int, causal: bool, device: torch.device, repeats: int):

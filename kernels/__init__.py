@@ -1,6 +1,7 @@
 """Attention kernels: ``from yamlformer.kernels import attention``.
 
-``yamlformer.kernels.attention`` holds the public dispatch and the PyTorch paths (``eager``, ``sdpa``);
+``yamlformer.kernels.attention`` holds the public dispatch and the PyTorch paths (``eager``, ``sdpa``),
+``yamlformer.kernels.masks`` the one value that says what a call masks (``Mask``);
 ``yamlformer.kernels.triton_attention`` holds the FlashAttention-2 Triton kernels and the
 ``yamlformer::flash_attention`` custom op. Triton is imported only when ``backend="triton"`` (or
 ``"auto"`` on CUDA tensors) is first used, so importing this package stays cheap.
@@ -16,5 +17,6 @@ does), ``yamlformer.kernels.flash_kernels`` re-wraps triton's helpers for the in
 __project__ = "yamlformer"  # checked by yamlformer.builder.packages: this name is ours
 
 from .attention import attention
+from .masks import Mask
 
-__all__ = ["attention"]
+__all__ = ["Mask", "attention"]

@@ -48,6 +48,9 @@ buffer's slots after it wraps): ``d`` is ``query_index[i] - key_index[j]`` and a
 is negative (an empty slot) is never visible. The same masks and ALiBi distances follow. The
 Triton kernels read the indices; the other backends get them as one additive mask.
 
+The options arrive as one frozen :class:`~yamlformer.kernels.masks.Mask` (``attention(q, k, v,
+Mask(causal=True, sliding_window=4096))``); what each means:
+
 ``document_ids`` ``(batch, seq_k)`` (several documents packed in one row): the document of each
 key, the queries being the last ``seq_q`` keys as above; a query sees only the keys of its own
 document, on top of the other masks. A document is a run of equal ids along the row (the ids
@@ -65,6 +68,18 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from .masks import Mask, document_starts
+
+__all__ = [
+    "BACKENDS",
+    "MAX_TRITON_HEAD_DIM",
+    "Mask",
+    "attention",
+    "auto_backend",
+    "document_starts",
+    "measured_backend",
+]
+
 BACKENDS = ("auto", "eager", "sdpa", "triton")
 MAX_TRITON_HEAD_DIM = 256
 
@@ -73,19 +88,11 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    mask: Mask | None = None,
     *,
-    causal: bool = False,
-    sliding_window: int | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    softcap: float | None = None,
     scale: float | None = None,
     backend: str = "auto",
     dropout_p: float = 0.0,
-    token_index: tuple | None = None,
-    document_ids: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Multi-head attention with GQA/MQA, causal, sliding-window, chunk and document masks, ALiBi,
     an additive bias, score soft-capping and attention sinks.
@@ -94,45 +101,32 @@ def attention(
         q: ``(batch, n_heads, seq_q, head_dim)``.
         k: ``(batch, n_kv_heads, seq_k, head_dim)``; ``n_heads`` a multiple of ``n_kv_heads``.
         v: ``(batch, n_kv_heads, seq_k, head_dim_v)``; ``head_dim_v`` may differ from ``head_dim``.
-        causal: mask keys after the query position.
-        sliding_window: ``w``: a query sees keys at most ``w - 1`` positions back (itself
-            included); combine with ``causal`` for Mistral-style windows.
-        alibi_slopes: ``(n_heads,)``; adds ``-slope_h * (pos_q - pos_k)`` to the scores.
-        bias: additive, broadcastable to ``(batch, n_heads, seq_q, seq_k)`` (T5 relative bias,
-            a padding mask with ``-inf``); receives a gradient when it requires one.
-        softcap: ``c``: scores become ``c * tanh(scores / c)`` before bias and masks (Gemma 2).
+        mask: what is masked and added to the scores (:class:`~yamlformer.kernels.masks.Mask`,
+            the module doc); None: nothing, every query sees every key.
         scale: score scale, default ``1 / sqrt(head_dim)``.
         backend: ``auto`` | ``eager`` | ``sdpa`` | ``triton``.
         dropout_p: attention dropout probability (``eager``/``sdpa`` only).
-        token_index: ``(query_index (seq_q,), key_index (seq_k,))`` long token indices that place
-            the queries and keys for the masks and ALiBi (module doc); None: the usual layout.
-        document_ids: ``(batch, seq_k)`` integer document of each key, non-decreasing along a
-            row; a query (the last ``seq_q`` keys) sees only keys of its own document (module
-            doc). Not with ``token_index``. None: one document per row.
-        sinks: ``(n_heads,)`` float raw logits of a per-head sink column in the softmax (module
-            doc); receives a gradient when it requires one. None: no sink.
-        chunk_size: ``C``: a query sees only keys of its own chunk of ``C`` token positions
-            (``pos_q // C == pos_k // C``), on top of the other masks. None: no chunks.
 
     Returns:
         ``(batch, n_heads, seq_q, head_dim_v)`` in ``q``'s dtype.
     """
-    _check(q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index, document_ids)
-    _check_sinks_chunks(q, sinks, chunk_size)
-    chunk_size = None if chunk_size is None else int(chunk_size)
+    mask = Mask() if mask is None else mask
+    _check(q, k, v, mask, backend, dropout_p)
+    _check_sinks_chunks(q, mask.sinks, mask.chunk_size)
+    if mask.chunk_size is not None:
+        mask = mask.replace(chunk_size=int(mask.chunk_size))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    starts = document_starts(document_ids) if document_ids is not None else None
+    starts = document_starts(mask.document_ids) if mask.document_ids is not None else None
     if backend == "auto":
-        masks = (sliding_window, chunk_size, alibi_slopes, bias, softcap, token_index, document_ids, sinks)
-        backend = auto_backend(q.device.type, q, v, causal, dropout_p, masks)
-    if token_index is not None and backend != "triton":
+        backend = auto_backend(q.device.type, q, v, mask, dropout_p)
+    if mask.token_index is not None and backend != "triton":
         # Explicit indices: the masks and ALiBi become one additive bias (the Triton kernels read
         # the indices themselves).
-        bias = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, token_index, None, chunk_size)
-        causal, sliding_window, alibi_slopes, chunk_size = False, None, None, None
+        bias = _additive(q, k, mask, torch.float32)
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (batch | 1, heads | 1, Sq, Sk)
-        if backend == "sdpa" and softcap is None:
-            return _masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p, sinks)
+        mask = Mask(bias=bias, softcap=mask.softcap, sinks=mask.sinks)  # (documents never come with indices)
+        if backend == "sdpa" and mask.softcap is None:
+            return _masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p, mask.sinks)
     if backend == "triton":
         if dropout_p > 0.0:
             raise ValueError(
@@ -152,49 +146,22 @@ def attention(
                 f"backend='triton' needs the `triton` package ({exc}); use backend='sdpa' or 'eager' without it"
             ) from exc
 
-        out, _ = triton_attention.flash_attention(
-            q,
-            k,
-            v,
-            bias,
-            alibi_slopes,
-            bool(causal),
-            None if sliding_window is None else int(sliding_window),
-            None if softcap is None else float(softcap),
-            scale,
-            starts,
-            sinks,
-            chunk_size,
-            *(token_index if token_index is not None else (None, None)),
-        )
+        out, _ = triton_attention.flash_attention(q, k, v, *triton_attention.op_args(mask, scale, starts))
         return out
-    masks = (causal, sliding_window, chunk_size, alibi_slopes, bias)
-    if backend == "sdpa" and softcap is None:
-        return _sdpa(q, k, v, *masks, scale, dropout_p, starts, sinks)
-    return _eager(q, k, v, *masks, softcap, scale, dropout_p, starts, sinks)
+    if backend == "sdpa" and mask.softcap is None:
+        return _sdpa(q, k, v, mask, scale, dropout_p, starts)
+    return _eager(q, k, v, mask, scale, dropout_p, starts)
 
 
-#: what an attention has besides ``causal``: ``attention``'s argument, and its name in a case key
-MASK_ARGS = ("sliding_window", "chunk_size", "alibi_slopes", "bias", "softcap", "token_index", "document_ids", "sinks")
-MASK_NAMES = ("window", "chunk", "alibi", "bias", "softcap", "token_index", "documents", "sinks")
-
-
-def mask_presence(options: dict) -> dict:
-    """Mask name -> whether ``attention``'s keyword ``options`` give it (``auto_backend``'s view)."""
-    return {name: options.get(arg) is not None for arg, name in zip(MASK_ARGS, MASK_NAMES)}
-
-
-def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float, masks) -> str:
-    """The backend ``backend="auto"`` runs on a ``device_type`` device (the module doc).
-    ``masks``: what the attention has besides ``causal``: ``(sliding_window, chunk_size,
-    alibi_slopes, bias, softcap, token_index, document_ids, sinks)``, each None when absent."""
+def auto_backend(device_type: str, q: torch.Tensor, v: torch.Tensor, mask: Mask, dropout_p: float) -> str:
+    """The backend ``backend="auto"`` runs on a ``device_type`` device (the module doc) for ``mask``."""
     if device_type != "cuda" or dropout_p > 0.0 or max(q.shape[-1], v.shape[-1]) > MAX_TRITON_HEAD_DIM:
         return "sdpa"
-    present = {name: m is not None for name, m in zip(MASK_NAMES, masks)}
-    measured = measured_backend(device_type, q, v.shape[-1], causal, present)
+    present = mask.present()
+    measured = measured_backend(device_type, q, v.shape[-1], mask.causal, present)
     if measured is not None:
         return measured
-    if not any(present.values()) and _sdpa_unmasked(causal, q.shape[2], v.shape[2]):
+    if not any(present.values()) and _sdpa_unmasked(mask.causal, q.shape[2], v.shape[2]):
         return "sdpa"
     return "triton"
 
@@ -221,21 +188,9 @@ def _sdpa_unmasked(causal: bool, seq_q: int, seq_k: int) -> bool:
     return not causal or seq_q == seq_k or seq_q == 1
 
 
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """``(batch, seq)`` int32 token index where each token's document begins, for
-    ``document_ids`` ``(batch, seq)``: a document is a run of equal ids along the row
-    (``[0, 0, 0, 1, 1, 2]`` -> ``[0, 0, 0, 3, 3, 5]``). Non-decreasing along every row."""
-    batch, seq = document_ids.shape
-    index = torch.arange(seq, dtype=torch.int32, device=document_ids.device).expand(batch, seq)
-    begins = torch.cat(
-        (torch.ones_like(document_ids[:, :1], dtype=torch.bool), document_ids[:, 1:] != document_ids[:, :-1]), dim=1
-    )  # (batch, seq): a run's first token
-    return torch.where(begins, index, 0).cummax(dim=1).values
-
-
-def _check(
-    q, k, v, sliding_window, alibi_slopes, bias, softcap, backend, dropout_p, token_index=None, document_ids=None
-):
+def _check(q, k, v, mask: Mask, backend, dropout_p):
+    sliding_window, alibi_slopes, bias, softcap = mask.sliding_window, mask.alibi_slopes, mask.bias, mask.softcap
+    token_index, document_ids = mask.token_index, mask.document_ids
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if token_index is not None:
@@ -323,19 +278,17 @@ def _check_sinks_chunks(q, sinks, chunk_size):
         raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
 
 
-def _visible(
-    seq_q: int,
-    seq_k: int,
-    causal: bool,
-    sliding_window: int | None,
-    device,
-    token_index=None,
-    starts=None,
-    chunk_size: int | None = None,
-):
+def _visible(seq_q: int, seq_k: int, mask: Mask, device, starts=None):
     """Boolean ``(seq_q, seq_k)`` keep-mask (``(batch, 1, seq_q, seq_k)`` with document
-    ``starts``; None when everything is visible) and the ``(seq_q, seq_k)`` distance
-    ``pos_q - pos_k`` (``token_index``, ``starts``, ``chunk_size``: see the module doc)."""
+    ``starts``, :func:`document_starts` of the mask's documents; None when everything is visible)
+    and the ``(seq_q, seq_k)`` distance ``pos_q - pos_k`` under ``mask``'s causal, window, chunks
+    and token indices (the module doc)."""
+    causal, sliding_window, chunk_size, token_index = (
+        mask.causal,
+        mask.sliding_window,
+        mask.chunk_size,
+        mask.token_index,
+    )
     keep = None
     if token_index is not None:
         pos_q, pos_k = token_index
@@ -358,11 +311,12 @@ def _visible(
     return keep, dist
 
 
-def _additive(q, k, causal, sliding_window, alibi_slopes, bias, dtype, token_index=None, starts=None, chunk_size=None):
-    """Bias + ALiBi + masks as one additive ``dtype`` tensor broadcastable to (B, H, Sq, Sk), or
-    None when there is nothing to add."""
+def _additive(q, k, mask: Mask, dtype, starts=None):
+    """``mask``'s bias + ALiBi + masks as one additive ``dtype`` tensor broadcastable to
+    (B, H, Sq, Sk), or None when there is nothing to add."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    keep, dist = _visible(seq_q, seq_k, causal, sliding_window, q.device, token_index, starts, chunk_size)
+    keep, dist = _visible(seq_q, seq_k, mask, q.device, starts)
+    bias, alibi_slopes = mask.bias, mask.alibi_slopes
     add = None
     if bias is not None:
         add = bias.to(dtype)
@@ -381,9 +335,8 @@ def _dead_rows(add: torch.Tensor) -> torch.Tensor:
     return torch.isneginf(add).all(dim=-1, keepdim=True)
 
 
-def _eager(
-    q, k, v, causal, sliding_window, chunk_size, alibi_slopes, bias, softcap, scale, dropout_p, starts=None, sinks=None
-):
+def _eager(q, k, v, mask: Mask, scale, dropout_p, starts=None):
+    softcap, sinks = mask.softcap, mask.sinks
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # (batch, n_heads, seq_k, head_dim)
@@ -391,7 +344,7 @@ def _eager(
     scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # (batch, n_heads, Sq, Sk)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, torch.float32, None, starts, chunk_size)
+    add = _additive(q, k, mask, torch.float32, starts)
     dead = None
     if add is not None:
         scores = scores + add
@@ -411,19 +364,21 @@ def _eager(
     return torch.matmul(p.to(v.dtype), v)  # (batch, n_heads, Sq, head_dim_v)
 
 
-def _sdpa(q, k, v, causal, sliding_window, chunk_size, alibi_slopes, bias, scale, dropout_p, starts=None, sinks=None):
+def _sdpa(q, k, v, mask: Mask, scale, dropout_p, starts=None):
+    causal, sliding_window, chunk_size = mask.causal, mask.sliding_window, mask.chunk_size
+    alibi_slopes, bias, sinks = mask.alibi_slopes, mask.bias, mask.sinks
     seq_q, seq_k = q.shape[2], k.shape[2]
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if starts is not None and alibi_slopes is None and bias is None and sinks is None:
         # documents (and causal, window, chunks) alone: a boolean mask, no float one; every query
         # sees itself, so no row is empty (SDPA would return NaN for one)
-        keep, _ = _visible(seq_q, seq_k, causal, sliding_window, q.device, None, starts, chunk_size)
+        keep, _ = _visible(seq_q, seq_k, mask, q.device, starts)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, **gqa)
     plain = sliding_window is None and chunk_size is None and alibi_slopes is None and bias is None and sinks is None
     if plain and causal and _sdpa_unmasked(causal, seq_q, seq_k):
         is_causal = seq_q == seq_k and seq_q > 1  # one query sees every key: no mask at all
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
-    add = _additive(q, k, causal, sliding_window, alibi_slopes, bias, q.dtype, None, starts, chunk_size)
+    add = _additive(q, k, mask, q.dtype, starts)
     if add is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
     return _masked_sdpa(q, k, v, add, scale, dropout_p, sinks)

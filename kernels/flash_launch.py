@@ -17,6 +17,7 @@ from .flash_backward_dq import _attn_bwd_dq
 from .flash_decode import _attn_decode
 from .flash_forward import _attn_fwd
 from .flash_kernels import DECORATING, INTERPRET, interpreted, triton
+from .masks import Mask
 
 DECORATING.__exit__(None, None, None)  # every kernel module is decorated: the environment as it was
 
@@ -89,7 +90,7 @@ class Call:
 
 def document_ends(starts: torch.Tensor) -> torch.Tensor:
     """``(batch, seq)`` int32 index one past each token's document, for the starts
-    ``attention.document_starts`` gives (``[0, 0, 0, 3, 3, 5]`` -> ``[3, 3, 3, 5, 5, 6]``)."""
+    ``masks.document_starts`` gives (``[0, 0, 0, 3, 3, 5]`` -> ``[3, 3, 3, 5, 5, 6]``)."""
     batch, seq = starts.shape
     index = torch.arange(seq, dtype=torch.int32, device=starts.device).expand(batch, seq)
     begins = torch.where(starts == index, index, seq)  # (batch, seq): where a document begins
@@ -97,22 +98,12 @@ def document_ends(starts: torch.Tensor) -> torch.Tensor:
     return following.flip(1).cummin(dim=1).values.flip(1).to(torch.int32).contiguous()
 
 
-def prepare(
-    q,
-    k,
-    v,
-    bias,
-    alibi_slopes,
-    causal,
-    sliding_window,
-    softcap,
-    scale,
-    document_starts=None,
-    sinks=None,
-    chunk_size=None,
-    query_index=None,
-    key_index=None,
-) -> Call:
+def prepare(q, k, v, mask: Mask, scale: float, document_starts=None) -> Call:
+    """One call's launch arguments from its ``mask`` (its ``document_ids`` unread: the kernels take
+    ``document_starts`` (B, Sk), ``yamlformer.kernels.masks.document_starts`` of them)."""
+    bias, alibi_slopes, causal, sliding_window = mask.bias, mask.alibi_slopes, mask.causal, mask.sliding_window
+    softcap, sinks, chunk_size = mask.softcap, mask.sinks, mask.chunk_size
+    query_index, key_index = mask.token_index if mask.token_index is not None else (None, None)
     B, H, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if bias is not None:

@@ -16,6 +16,41 @@ from torch.utils.flop_counter import register_flop_formula
 # triton comes through flash_kernels (via flash_launch), which sets up the interpreter first
 from . import flash_launch
 from .flash_launch import INTERPRET
+from .masks import Mask
+
+
+def op_args(mask: Mask, scale: float, document_starts: torch.Tensor | None = None) -> tuple:
+    """``mask`` as the custom op takes it after ``q, k, v``: flat, as ``torch.library`` requires of
+    an op's schema (tensors, numbers, None), in :func:`flash_attention`'s order."""
+    query_index, key_index = mask.token_index if mask.token_index is not None else (None, None)
+    return (
+        mask.bias,
+        mask.alibi_slopes,
+        bool(mask.causal),
+        None if mask.sliding_window is None else int(mask.sliding_window),
+        None if mask.softcap is None else float(mask.softcap),
+        float(scale),
+        document_starts,
+        mask.sinks,
+        mask.chunk_size,
+        query_index,
+        key_index,
+    )
+
+
+def _mask(bias, alibi_slopes, causal, sliding_window, softcap, sinks, chunk_size, query_index, key_index) -> Mask:
+    """The :class:`Mask` the op's flat arguments spell (its documents are the op's ``document_starts``)."""
+    token_index = (query_index, key_index) if query_index is not None else None
+    return Mask(
+        causal=causal,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        softcap=softcap,
+        token_index=token_index,
+        sinks=sinks,
+    )
 
 
 def _forward_outputs(q, v):
@@ -40,62 +75,24 @@ def _check_device(q):
         )
 
 
-def flash_forward(
-    q,
-    k,
-    v,
-    bias,
-    alibi_slopes,
-    causal,
-    sliding_window,
-    softcap,
-    scale,
-    document_starts=None,
-    sinks=None,
-    chunk_size=None,
-    query_index=None,
-    key_index=None,
-):
+def flash_forward(q, k, v, mask: Mask, scale: float, document_starts=None):
     """Returns ``(out, lse)``: ``out`` (B, H, Sq, Dv); ``lse`` the log2-domain log-sum-exp,
     (B, H, Sq) fp32, the sink included. ``document_starts``: (B, Sk) int,
-    ``yamlformer.kernels.attention.document_starts``; ``sinks``: (H,) raw logits; ``chunk_size``:
-    int; ``query_index``/``key_index``: (Sq,)/(Sk,) int token indices (``attention``'s
-    ``token_index``)."""
+    ``yamlformer.kernels.masks.document_starts`` of the mask's documents."""
     _check_device(q)
     out, lse = _forward_outputs(q, v)
     if out.numel() == 0 or k.shape[2] == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    call = flash_launch.prepare(
-        q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts, sinks, chunk_size,
-        query_index, key_index,
-    )  # fmt: skip
+    call = flash_launch.prepare(q, k, v, mask, scale, document_starts)
     (flash_launch.decode if call.decodes else flash_launch.forward)(call, out, lse)
     return out, lse
 
 
-def flash_backward(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    bias,
-    alibi_slopes,
-    causal,
-    sliding_window,
-    softcap,
-    scale,
-    bias_needs_grad,
-    document_starts=None,
-    sinks=None,
-    chunk_size=None,
-    query_index=None,
-    key_index=None,
-):
+def flash_backward(grad_out, q, k, v, out, lse, mask: Mask, scale: float, bias_needs_grad: bool, document_starts=None):
     """Returns ``(dq, dk, dv, dbias, dsinks)``; ``dbias`` is reduced to ``bias.shape`` when
     ``bias_needs_grad``, else an empty tensor; ``dsinks`` is (H,) with ``sinks``, else empty."""
     _check_device(q)
+    bias, sinks = mask.bias, mask.sinks
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
     # every tile of dq, dk, dv is stored by the kernels (dk/dv tiles with no visible query as 0)
@@ -106,10 +103,7 @@ def flash_backward(
     if q.numel() == 0 or Sk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
     else:
-        call = flash_launch.prepare(
-            q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts, sinks, chunk_size,
-            query_index, key_index,
-        )  # fmt: skip
+        call = flash_launch.prepare(q, k, v, mask, scale, document_starts)
         delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dq kernel
         flash_launch.backward_dq(call, grad_out, out, lse, delta, dq)
         flash_launch.backward_dkdv(call, grad_out, lse, delta, dk, dv, dbias_full)
@@ -146,11 +140,10 @@ def flash_attention(
     query_index: torch.Tensor | None = None,
     key_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention; returns ``(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, log2 domain)``."""
-    return flash_forward(
-        q, k, v, bias, alibi_slopes, causal, sliding_window, softcap, scale, document_starts, sinks, chunk_size,
-        query_index, key_index,
-    )  # fmt: skip
+    """Fused attention; returns ``(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, log2 domain)``. The
+    arguments after ``q, k, v`` are a :class:`Mask` flattened (:func:`op_args`)."""
+    mask = _mask(bias, alibi_slopes, causal, sliding_window, softcap, sinks, chunk_size, query_index, key_index)
+    return flash_forward(q, k, v, mask, scale, document_starts)
 
 
 @flash_attention.register_fake
@@ -194,26 +187,8 @@ def flash_attention_backward(
     query_index: torch.Tensor | None = None,
     key_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        bias,
-        alibi_slopes,
-        causal,
-        sliding_window,
-        softcap,
-        scale,
-        bias_needs_grad,
-        document_starts,
-        sinks,
-        chunk_size,
-        query_index,
-        key_index,
-    )
+    mask = _mask(bias, alibi_slopes, causal, sliding_window, softcap, sinks, chunk_size, query_index, key_index)
+    return flash_backward(grad_out, q, k, v, out, lse, mask, scale, bias_needs_grad, document_starts)
 
 
 @flash_attention_backward.register_fake

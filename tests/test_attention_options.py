@@ -28,6 +28,7 @@ from yamlformer.blocks.positions import Rope
 from yamlformer.builder import build_model, load_spec
 from yamlformer.builder.analysis.layout import tensor_parallel_problems
 from yamlformer.builder.spec.loader import SpecError
+from yamlformer.kernels import Mask
 from yamlformer.kernels import attention as attention_kernel
 
 torch.set_num_threads(1)
@@ -224,7 +225,7 @@ def test_sinks_are_gpt_oss_eager_attention():
         SimpleNamespace(sinks=sinks, num_key_value_groups=2, training=False), q, k, v, mask, scaling=8**-0.5
     )
     for backend in ("eager", "sdpa"):
-        ours = attention_kernel(q, k, v, causal=True, sinks=sinks, backend=backend)
+        ours = attention_kernel(q, k, v, Mask(causal=True, sinks=sinks), backend=backend)
         torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -438,7 +439,8 @@ def test_visible_pairs_under_chunks_count_the_kernels_mask():
         for causal in (True, False):
             for window in (None, 1, 2, 5, 40):
                 for chunk in (1, 2, 3, 4, 7, 64):
-                    keep, _ = _visible(seq_q, seq_k, causal, window, "cpu", chunk_size=chunk)
+                    mask = Mask(causal=causal, sliding_window=window, chunk_size=chunk)
+                    keep, _ = _visible(seq_q, seq_k, mask, "cpu")
                     counted = visible_pairs(seq_q, seq_k, causal, window, chunk)
                     assert counted == int(keep.sum()), (seq_q, seq_k, causal, window, chunk)
     config = _config({"n_heads": 4, "chunk_size": 8192})

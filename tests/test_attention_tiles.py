@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_helpers import attend
 
-from yamlformer.kernels import attention, tuning
+from yamlformer.kernels import Mask, tuning
 from yamlformer.kernels.attention import _visible, document_starts
 from yamlformer.kernels.flash_kernels import _key_ranges, _query_ranges, interpreted, interpreting, tl, triton
 from yamlformer.kernels.flash_launch import document_ends
@@ -65,9 +66,8 @@ def _plans(mask, seq_q, seq_k, block):
     if "documents" in mask:
         ids = torch.repeat_interleave(torch.arange(len(mask["documents"])), torch.tensor(mask["documents"]))[None]
         starts = document_starts(ids)
-    keep, _ = _visible(
-        seq_q, seq_k, mask.get("causal", False), mask.get("window"), "cpu", None, starts, mask.get("chunk")
-    )
+    options = Mask(causal=mask.get("causal", False), sliding_window=mask.get("window"), chunk_size=mask.get("chunk"))
+    keep, _ = _visible(seq_q, seq_k, options, "cpu", starts)
     keep = torch.ones(seq_q, seq_k, dtype=torch.bool) if keep is None else keep.reshape(seq_q, seq_k)
     docs = starts.to(torch.int32) if starts is not None else torch.zeros(1, seq_k, dtype=torch.int32)
     ends = document_ends(docs) if starts is not None else docs
@@ -182,7 +182,7 @@ def _grads(backend, q, k, v, dout, kw, configs=None):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     extra = {n: (t.clone().requires_grad_() if n in ("bias", "sinks") else t) for n, t in kw.items()}
     with tuning.forced(**(configs or {})):
-        out = attention(*leaves, backend=backend, **extra)
+        out = attend(*leaves, backend=backend, **extra)
     out.backward(dout.to(out.dtype))
     return [out.detach(), *(t.grad for t in leaves), *(extra[n].grad for n in ("bias", "sinks") if n in extra)]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from yamlformer.kernels import tuning
+from yamlformer.kernels import Mask, tuning
 
 attn = importlib.import_module("yamlformer.kernels.attention")  # the module (the package exports its function)
 REPO = Path(__file__).resolve().parents[1]
@@ -116,21 +116,21 @@ def test_the_split_count_fills_the_multiprocessors():
 
 def test_a_measured_preference_changes_what_auto_takes(fake_gpu, monkeypatch):
     q, v = torch.empty(1, 4, 64, 64), torch.empty(1, 2, 64, 64)
-    no_masks, softcap = (None,) * 8, (None,) * 4 + (30.0,) + (None,) * 3
+    no_masks, softcap = Mask(causal=True), Mask(causal=True, softcap=30.0)
     monkeypatch.setattr(tuning, "generation", lambda device: "sm_90")
-    assert attn.auto_backend("cuda", q, v, True, 0.0, no_masks) == "sdpa"  # nothing measured: SDPA needs no mask
+    assert attn.auto_backend("cuda", q, v, no_masks, 0.0) == "sdpa"  # nothing measured: SDPA needs no mask
     prefer = {"train:causal:d64": "triton", "train:causal+softcap:d64": "sdpa", "train:causal+window:d64": "sdpa"}
     table = yaml.safe_load((fake_gpu / "table.yaml").read_text())
     table["sm_90"]["prefer"] = prefer
     (fake_gpu / "table.yaml").write_text(yaml.safe_dump(table))
     tuning._load_table.cache_clear()
-    assert attn.auto_backend("cuda", q, v, True, 0.0, no_masks) == "triton"
-    window = (5,) + (None,) * 7
-    assert attn.auto_backend("cuda", q, v, True, 0.0, window) == "sdpa"  # measured: SDPA's masked kernel won
-    assert attn.auto_backend("cuda", q, v, True, 0.0, softcap) == "triton"  # SDPA cannot soft-cap, whatever is written
-    assert attn.auto_backend("cuda", q, v, False, 0.0, no_masks) == "sdpa"  # another case: unmeasured
+    assert attn.auto_backend("cuda", q, v, no_masks, 0.0) == "triton"
+    window = Mask(causal=True, sliding_window=5)
+    assert attn.auto_backend("cuda", q, v, window, 0.0) == "sdpa"  # measured: SDPA's masked kernel won
+    assert attn.auto_backend("cuda", q, v, softcap, 0.0) == "triton"  # SDPA cannot soft-cap, whatever is written
+    assert attn.auto_backend("cuda", q, v, Mask(), 0.0) == "sdpa"  # another case (not causal): unmeasured
     monkeypatch.setattr(tuning, "generation", lambda device: "sm_80")
-    assert attn.auto_backend("cuda", q, v, True, 0.0, no_masks) == "sdpa"  # another generation: unmeasured
+    assert attn.auto_backend("cuda", q, v, no_masks, 0.0) == "sdpa"  # another generation: unmeasured
 
 
 def test_auto_reads_the_table_without_breaking_a_compiled_graph(fake_gpu, monkeypatch):
@@ -143,7 +143,7 @@ def test_auto_reads_the_table_without_breaking_a_compiled_graph(fake_gpu, monkey
     q, v = torch.randn(1, 4, 64, 64), torch.randn(1, 2, 64, 64)
 
     def step(q, v):
-        chosen = attn.auto_backend("cuda", q, v, True, 0.0, (None,) * 8)
+        chosen = attn.auto_backend("cuda", q, v, Mask(causal=True), 0.0)
         return q * 2 if chosen == "triton" else q * 3
 
     torch._dynamo.reset()

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_helpers import attend
 from torch import nn
 
 from yamlformer.blocks.positions import document_positions
 from yamlformer.builder import build_model, load_spec
 from yamlformer.builder.spec.schema import spec_model
-from yamlformer.kernels import attention
 from yamlformer.kernels.attention import document_starts
 
 torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared CPU
@@ -229,7 +229,7 @@ def test_kernel_document_mask_matches_an_explicit_mask(case, backend):
     alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if kw.pop("alibi", False) else None
     bias = torch.randn(1, H, Sq, Sk, generator=g) if kw.pop("bias", False) else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*leaves, document_ids=documents, alibi_slopes=alibi, bias=bias, backend=backend, **kw)
+    out = attend(*leaves, document_ids=documents, alibi_slopes=alibi, bias=bias, backend=backend, **kw)
     out.backward(dout)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     keep = _explicit_keep(documents, Sq, kw["causal"], kw.get("sliding_window"))
@@ -265,7 +265,7 @@ def test_triton_skips_the_tiles_before_a_document_start(poisoned, checked):
             for name in poisoned.split(", "):
                 given[name][:, :, :32] = float("nan")
         leaves = [given[name].requires_grad_() for name in "qkv"]
-        out = attention(*leaves, document_ids=documents, backend="triton")  # bidirectional: dk/dv skip too
+        out = attend(*leaves, document_ids=documents, backend="triton")  # bidirectional: dk/dv skip too
         out.backward(given["dout"])
         grads = dict(zip(("dq", "dk", "dv"), (leaf.grad for leaf in leaves)), out=out.detach())
         results.append({name: grads[name][:, :, 64:] for name in checked.split(", ")})
@@ -333,9 +333,7 @@ def test_kernel_refusals_name_document_ids():
     q = torch.zeros(2, 4, 6, 16)
     k = torch.zeros(2, 2, 6, 16)
     documents = torch.zeros(2, 6, dtype=torch.long)
-    _refused(lambda: attention(q, k, k, document_ids=documents[:, :5]), r"document_ids must be a \(batch, seq_k\)")
-    _refused(lambda: attention(q, k, k, document_ids=documents.double()), "document_ids must be an integer tensor")
+    _refused(lambda: attend(q, k, k, document_ids=documents[:, :5]), r"document_ids must be a \(batch, seq_k\)")
+    _refused(lambda: attend(q, k, k, document_ids=documents.double()), "document_ids must be an integer tensor")
     index = (torch.arange(6), torch.arange(6))
-    _refused(
-        lambda: attention(q, k, k, document_ids=documents, token_index=index), "cannot be combined with token_index"
-    )
+    _refused(lambda: attend(q, k, k, document_ids=documents, token_index=index), "cannot be combined with token_index")

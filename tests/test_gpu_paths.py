@@ -12,22 +12,14 @@ import pytest
 import torch
 from recipe_helpers import tiny_recipe
 
+from yamlformer.kernels import Mask
+
 attn = importlib.import_module("yamlformer.kernels.attention")  # the module (the package exports its function)
 
 # -- attention: what `auto` runs -------------------------------------------------------------------
 
-NO_MASKS = (None,) * 8
-#: one of auto_backend's `masks` at a time, by its place in the tuple
-MASKS = {
-    "window": 0,
-    "chunk": 1,
-    "alibi": 2,
-    "bias": 3,
-    "softcap": 4,
-    "token_index": 5,
-    "documents": 6,
-    "sinks": 7,
-}
+#: each option auto_backend weighs besides causal, by its name in a case key
+MASKS = list(Mask.OPTIONS)
 
 
 def _qv(seq_q=16, head_dim=64):
@@ -37,23 +29,22 @@ def _qv(seq_q=16, head_dim=64):
 @pytest.mark.parametrize("causal", [True, False])
 def test_auto_takes_sdpa_on_cuda_wherever_sdpa_needs_no_mask(causal):
     q, v = _qv()
-    assert attn.auto_backend("cuda", q, v, causal, 0.0, NO_MASKS) == "sdpa"
+    assert attn.auto_backend("cuda", q, v, Mask(causal=causal), 0.0) == "sdpa"
     q1, _ = _qv(seq_q=1)  # a decode step: one query sees every key
-    assert attn.auto_backend("cuda", q1, v, causal, 0.0, NO_MASKS) == "sdpa"
+    assert attn.auto_backend("cuda", q1, v, Mask(causal=causal), 0.0) == "sdpa"
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_auto_takes_triton_on_cuda_where_only_a_mask_tensor_would_tell_sdpa(mask):
     q, v = _qv()
-    masks = list(NO_MASKS)
-    masks[MASKS[mask]] = object()
-    assert attn.auto_backend("cuda", q, v, True, 0.0, tuple(masks)) == "triton"
-    assert attn.auto_backend("cpu", q, v, True, 0.0, tuple(masks)) == "sdpa"
-    assert attn.auto_backend("cuda", q, v, True, 0.1, tuple(masks)) == "sdpa"  # dropout: ours has none
+    masked = Mask(causal=True, **{Mask.OPTIONS[mask]: object()})  # only its presence is read
+    assert attn.auto_backend("cuda", q, v, masked, 0.0) == "triton"
+    assert attn.auto_backend("cpu", q, v, masked, 0.0) == "sdpa"
+    assert attn.auto_backend("cuda", q, v, masked, 0.1) == "sdpa"  # dropout: ours has none
     wide_q, wide_v = _qv(head_dim=288)
-    assert attn.auto_backend("cuda", wide_q, wide_v, True, 0.0, tuple(masks)) == "sdpa"  # over the Triton tiles
+    assert attn.auto_backend("cuda", wide_q, wide_v, masked, 0.0) == "sdpa"  # over the Triton tiles
     short_q, _ = _qv(seq_q=8)  # causal over fewer queries than keys: SDPA would need a mask
-    assert attn.auto_backend("cuda", short_q, v, True, 0.0, NO_MASKS) == "triton"
+    assert attn.auto_backend("cuda", short_q, v, Mask(causal=True), 0.0) == "triton"
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -70,8 +61,8 @@ def test_auto_runs_the_backend_it_chose_with_cuda_detection_patched(monkeypatch,
     monkeypatch.setattr(triton_attention, "flash_attention", lambda *a: called.append(1) or kernel(*a))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 20, 16, generator=g) for h in (4, 2, 2))
-    out = attn.attention(q, k, v, causal=True, sliding_window=window, backend="auto")
-    expected = attn.attention(q, k, v, causal=True, sliding_window=window, backend="eager")
+    out = attn.attention(q, k, v, Mask(causal=True, sliding_window=window), backend="auto")
+    expected = attn.attention(q, k, v, Mask(causal=True, sliding_window=window), backend="eager")
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert chosen == ["sdpa" if window is None else "triton"]
     assert bool(called) == (window is not None)

@@ -13,9 +13,8 @@ import os
 
 import pytest
 import torch
+from attention_helpers import attend
 from torch.utils.flop_counter import FlopCounterMode
-
-from yamlformer.kernels import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "sdpa", "triton"]
@@ -97,9 +96,7 @@ def check(backend, shape, with_sinks=True, tol=2e-4, docs=None, token_index=None
     extra = {} if docs is None else dict(document_ids=docs)
     if token_index is not None:
         extra["token_index"] = token_index
-    out, grads = grads_of(
-        lambda *a: attention(*a[:3], sinks=a[3], backend=backend, **extra, **kw), q, k, v, sinks, dout
-    )
+    out, grads = grads_of(lambda *a: attend(*a[:3], sinks=a[3], backend=backend, **extra, **kw), q, k, v, sinks, dout)
     ref, ref_grads = grads_of(
         lambda *a: reference(*a[:3], sinks=a[3], token_index=token_index, docs=docs, **kw),
         q,
@@ -168,9 +165,9 @@ def test_decoding_equals_recomputation(backend):
     """The last rows of a full chunked, sinked forward equal the same queries against the cache."""
     q, k, v, _, sinks = make(1, 4, 2, 40, 40, 16, seed=4)
     kw = dict(causal=True, chunk_size=12, sinks=sinks, backend=backend)
-    full = attention(q, k, v, **kw)
+    full = attend(q, k, v, **kw)
     for t in (1, 3):
-        cached = attention(q[:, :, -t:], k, v, **kw)
+        cached = attend(q[:, :, -t:], k, v, **kw)
         torch.testing.assert_close(cached, full[:, :, -t:], atol=2e-5, rtol=2e-5)
 
 
@@ -183,7 +180,7 @@ def test_fully_masked_rows_with_a_sink_give_zero(backend):
     bias = torch.zeros(B, 1, S, S, device=DEVICE)
     bias[..., 5:9, :] = float("-inf")  # rows 5..8 see nothing
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
-    out = attention(*leaves[:3], bias=bias, sinks=leaves[3], causal=True, chunk_size=4, backend=backend)
+    out = attend(*leaves[:3], bias=bias, sinks=leaves[3], causal=True, chunk_size=4, backend=backend)
     assert (out[:, :, 5:9] == 0).all() and torch.isfinite(out).all()
     out.backward(dout)
     assert all(torch.isfinite(t.grad).all() for t in leaves)
@@ -194,7 +191,7 @@ def test_fully_masked_rows_with_a_sink_give_zero(backend):
 def test_bfloat16(backend):
     q, k, v, dout, sinks = make(1, 4, 2, 33, 33, 16, seed=5)
     bf = [t.to(torch.bfloat16) for t in (q, k, v)]
-    out = attention(*bf, sinks=sinks, causal=True, chunk_size=8, backend=backend)
+    out = attend(*bf, sinks=sinks, causal=True, chunk_size=8, backend=backend)
     ref = reference(*bf, sinks=sinks, causal=True, chunk_size=8)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
@@ -204,7 +201,7 @@ def test_sinks_lower_each_rows_weight():
     """With values all ones the output is each row's total weight: 1 / (1 + exp(sink - lse))."""
     q, k, _, _, sinks = make(1, 2, 2, 6, 6, 8, seed=6)
     v = torch.ones(1, 2, 6, 8, device=DEVICE)
-    out = attention(q, k, v, sinks=sinks, causal=True, backend="eager")
+    out = attend(q, k, v, sinks=sinks, causal=True, backend="eager")
     lse = (
         (torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(8))
         .masked_fill(torch.ones(6, 6, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
@@ -227,7 +224,7 @@ def test_sinks_lower_each_rows_weight():
 def test_clear_errors(kwargs, message):
     q = torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match=message):
-        attention(q, q, q, **kwargs)
+        attend(q, q, q, **kwargs)
 
 
 @pytest.mark.parametrize("Sq", [20, 2], ids=["forward-kernel", "decode-kernel"])
@@ -238,7 +235,7 @@ def test_triton_skips_key_blocks_outside_the_chunk(Sq):
     q, k, v, dout, sinks = make(1, 4, 2, Sq, 256, 16, seed=7)
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, :, :128], v_nan[:, :, :128] = float("nan"), float("nan")
-    fn = lambda *a: attention(*a[:3], sinks=a[3], causal=True, chunk_size=128, backend="triton")
+    fn = lambda *a: attend(*a[:3], sinks=a[3], causal=True, chunk_size=128, backend="triton")
     out, grads = grads_of(fn, q, k_nan, v_nan, sinks, dout)
     ref, ref_grads = grads_of(
         lambda *a: reference(a[0], a[1][:, :, 128:], a[2][:, :, 128:], sinks=a[3], causal=True), q, k, v, sinks, dout
@@ -272,7 +269,7 @@ def test_flop_counter_counts_sinks_and_chunks_like_eager():
     for backend in ("eager", "triton"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
         with FlopCounterMode(display=False) as counter:
-            attention(*leaves[:3], sinks=leaves[3], causal=True, chunk_size=8, backend=backend).sum().backward()
+            attend(*leaves[:3], sinks=leaves[3], causal=True, chunk_size=8, backend=backend).sum().backward()
         counts[backend] = counter.get_total_flops()
     assert counts["eager"] == counts["triton"] == 3 * 4 * 1 * 4 * 20 * 33 * 16
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_helpers import attend
 from torch.utils.flop_counter import FlopCounterMode
-
-from yamlformer.kernels import attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["eager", "sdpa", "triton"]
@@ -103,7 +102,7 @@ def check_backend(
         bias = bias_fn().to(DEVICE, dtype)
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = kw["alibi_slopes"].to(DEVICE)
-    out, grads = run_with_grads(lambda *a, **k2: attention(*a, backend=backend, **k2), q, k, v, dout, bias=bias, **kw)
+    out, grads = run_with_grads(lambda *a, **k2: attend(*a, backend=backend, **k2), q, k, v, dout, bias=bias, **kw)
     ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, **kw)
     assert out.dtype == dtype
     assert_close(out, ref, *tol, f"{backend} out")
@@ -208,7 +207,7 @@ def query_padding_mask():
 def test_fully_masked_rows_give_zero(backend, mask_fn):
     check_backend(backend, 2, 2, 1, 50, 50, 16, bias_fn=mask_fn, causal=True)
     q, k, v, _ = make(2, 2, 1, 50, 50, 16)
-    out = attention(q, k, v, bias=mask_fn().to(DEVICE), causal=True, backend=backend)
+    out = attend(q, k, v, bias=mask_fn().to(DEVICE), causal=True, backend=backend)
     dead = torch.isneginf(mask_fn().to(DEVICE)).all(-1, keepdim=True).expand_as(out)
     assert (out[dead] == 0).all()
 
@@ -245,7 +244,7 @@ def test_non_contiguous_inputs(backend):
     bias = torch.randn(S, S, generator=g).to(DEVICE).t()  # transposed, broadcast over B, H
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     out, grads = run_with_grads(
-        lambda *a, **kw: attention(*a, backend=backend, **kw), q, k, v, dout, bias=bias, causal=True
+        lambda *a, **kw: attend(*a, backend=backend, **kw), q, k, v, dout, bias=bias, causal=True
     )
     ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, causal=True)
     assert_close(out, ref, 2e-4, 2e-4, "out")
@@ -274,7 +273,7 @@ def test_out_of_bounds_canaries():
     bias = bias_buf[2 : 2 + Sq, 1 : 1 + Sk]
     bias.zero_()
     out, grads = run_with_grads(
-        lambda *a, **kw: attention(*a, backend="triton", **kw), q, k, v, dout, bias=bias, causal=True, sliding_window=16
+        lambda *a, **kw: attend(*a, backend="triton", **kw), q, k, v, dout, bias=bias, causal=True, sliding_window=16
     )
     ref, ref_grads = run_with_grads(reference, q, k, v, dout.double(), bias=bias, causal=True, sliding_window=16)
     assert_close(out, ref, 2e-4, 2e-4, "out")
@@ -329,7 +328,7 @@ def test_flop_counter_matches_eager(backward):
     counts = {}
     for backend in ("eager", "triton"):
         leaves = [t.clone().requires_grad_(backward) for t in (q, k, v)]
-        counts[backend] = _count_flops(lambda: attention(*leaves, causal=True, backend=backend), backward)
+        counts[backend] = _count_flops(lambda: attend(*leaves, causal=True, backend=backend), backward)
     forward = 4 * B * H * Sq * Sk * D  # two matmuls of 2 * B * H * Sq * Sk * D
     assert counts["eager"] == forward * (3 if backward else 1)
     assert counts["triton"] == counts["eager"]
@@ -377,9 +376,9 @@ def test_opcheck():
 def test_dropout(backend):
     q, k, v, _ = make(1, 2, 2, 17, 17, 16)
     torch.manual_seed(0)
-    out = attention(q, k, v, causal=True, dropout_p=0.5, backend=backend)
+    out = attend(q, k, v, causal=True, dropout_p=0.5, backend=backend)
     assert out.shape == q.shape and torch.isfinite(out).all()
-    assert not torch.allclose(out, attention(q, k, v, causal=True, backend=backend))
+    assert not torch.allclose(out, attend(q, k, v, causal=True, backend=backend))
 
 
 @pytest.mark.parametrize(
@@ -404,7 +403,7 @@ def test_clear_errors(kwargs, message):
     k = torch.zeros(shape[0], kv_heads, *shape[2:])
     v = torch.zeros(shape[0], kv_heads, v_len, shape[3])
     with pytest.raises(ValueError, match=message):
-        attention(q, k, v, **kwargs)
+        attend(q, k, v, **kwargs)
 
 
 def test_import_is_lazy_and_triton_runs_on_cpu():
@@ -417,10 +416,41 @@ def test_import_is_lazy_and_triton_runs_on_cpu():
         "assert 'TRITON_INTERPRET' not in os.environ, 'TRITON_INTERPRET set on import'\n"
         "if not torch.cuda.is_available():\n"
         "    q = torch.randn(1, 2, 8, 16)\n"
-        "    out = yamlformer.kernels.attention(q, q, q, causal=True, backend='triton')\n"
-        "    ref = yamlformer.kernels.attention(q, q, q, causal=True, backend='eager')\n"
+        "    causal = yamlformer.kernels.Mask(causal=True)\n"
+        "    out = yamlformer.kernels.attention(q, q, q, causal, backend='triton')\n"
+        "    ref = yamlformer.kernels.attention(q, q, q, causal, backend='eager')\n"
         "    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()\n"
         "    assert 'TRITON_INTERPRET' not in os.environ, 'TRITON_INTERPRET left set'\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[1])
+
+
+def test_the_mask_is_one_frozen_value_and_the_op_takes_it_flat():
+    """What a call masks travels as one ``Mask``; only the custom op's schema takes it flat, and
+    the op rebuilds the same mask from it (``op_args`` and back)."""
+    import dataclasses
+
+    from yamlformer.kernels import Mask, triton_attention
+
+    q_index, k_index = torch.arange(4), torch.arange(8)
+    mask = Mask(
+        causal=True,
+        sliding_window=5,
+        chunk_size=4,
+        alibi_slopes=torch.ones(2),
+        bias=torch.zeros(4, 8),
+        softcap=30,
+        token_index=(q_index, k_index),
+        sinks=torch.zeros(2),
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mask.causal = False
+    assert mask.replace(causal=False).causal is False and mask.causal is True
+    assert mask.present() == {name: name != "documents" for name in Mask.OPTIONS}
+    bias, alibi, causal, window, softcap, scale, starts, sinks, chunk, qi, ki = triton_attention.op_args(mask, 0.5)
+    assert (causal, window, softcap, scale, starts, chunk) == (True, 5, 30.0, 0.5, None, 4)
+    back = triton_attention._mask(bias, alibi, causal, window, softcap, sinks, chunk, qi, ki)
+    for field in dataclasses.fields(Mask):
+        ours, theirs = getattr(mask, field.name), getattr(back, field.name)
+        assert ours is theirs or ours == theirs, field.name  # the same tensors, the numbers as the op takes them

@@ -37,6 +37,7 @@ FORBIDDEN = {
 #: part), or the package's own ``__init__`` (builder's: its public API, which the CLI reads).
 LAYERS = {
     "kernels": [
+        "masks",  # what one attention call masks, as one frozen value (torch only)
         "flash_kernels",  # the shared Triton helpers (and the interpreter's set-up)
         "flash_forward",
         "flash_backward_dq",

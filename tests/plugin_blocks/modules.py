@@ -8,6 +8,7 @@ from torch import nn
 from yamlformer.blocks.cache import TensorCache
 from yamlformer.blocks.linear import Linear
 from yamlformer.blocks.positions import PositionModule
+from yamlformer.kernels import Mask
 from yamlformer.kernels import attention as attention_kernel
 
 
@@ -52,14 +53,10 @@ class LowRankKVAttention(nn.Module):
         expanded = self.kv_up(latent[:, 0]).view(batch, seq_k, n, self.head_dim + self.v_head_dim).transpose(1, 2)
         k_pass, v = expanded.split([self.head_dim, self.v_head_dim], dim=-1)  # (batch, n, seq_k, .)
         k = torch.cat((k_pass, k_rot.expand(batch, n, seq_k, self.rope_dim)), dim=-1)
+        slopes, bias = inputs.alibi_slopes(n, x.device), inputs.bias(first, seq_k, n, x.device)
+        mask = Mask(causal=self.causal, alibi_slopes=slopes, bias=bias)
         out = attention_kernel(
-            torch.cat((q_pass, q_rot), dim=-1),
-            k,
-            v,
-            causal=self.causal,
-            alibi_slopes=inputs.alibi_slopes(n, x.device),
-            bias=inputs.bias(first, seq_k, n, x.device),
-            backend=self.backend,
+            torch.cat((q_pass, q_rot), dim=-1), k, v, mask, backend=self.backend
         )  # (batch, n, seq, v_head_dim)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, n * self.v_head_dim))
 
