@@ -12,7 +12,10 @@ a block built on it names and counts nothing new. What the seam adds, for fine-t
 * :meth:`Linear.quantize` the frozen base weight to NF4 (QLoRA; ``torchao``'s ``NF4Tensor``, whose
   ``F.linear`` dequantizes block by block), a parameter that no longer trains;
 * :meth:`Linear.adapted_weight`: the weight with the adapter folded in (what a merged export
-  writes, and what MLA's absorbed decoding path multiplies by).
+  writes, and what MLA's absorbed decoding path multiplies by);
+* :func:`adapters_disabled`: the model computes as its base for a while, every adapter skipped
+  (preference tuning's reference model, without a second copy of the weights; PEFT's
+  ``disable_adapter``).
 
 An adapter computes through the layer's own :meth:`Linear.project` (a plain ``F.linear`` here, a
 grouped matmul over each expert's rows for stacked experts) and :meth:`Linear.scale_outputs`, so
@@ -28,7 +31,9 @@ these, never an adapter's class or whether it happens to have a method.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -106,11 +111,13 @@ class Linear(nn.Linear):
     ``yamlformer.blocks.init`` runs."""
 
     quantized: bool = False  # quantize() made the weight an NF4 tensor
+    adapter_off: bool = False  # adapters_disabled(): the adapter is skipped
 
     @property
     def adapter(self) -> Adapter | None:
-        """The attached adapter (a child module, :meth:`attach`), or None."""
-        return self._modules.get("adapter")
+        """The attached adapter (a child module, :meth:`attach`), or None (none attached, or
+        :func:`adapters_disabled` in force: every path that asks computes the base)."""
+        return None if self.adapter_off else self._modules.get("adapter")
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -210,3 +217,17 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
         if linear.adapter is not None:
             out.update((f"{path}.adapter.{name}", p) for name, p in linear.adapter.named_parameters())
     return out
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it, every adapted layer of ``model`` computes its base projection alone: the model
+    is the base it was adapted from (module doc)."""
+    adapted = [linear for linear in linear_layers(model).values() if linear.adapter is not None]
+    for linear in adapted:
+        linear.adapter_off = True
+    try:
+        yield
+    finally:
+        for linear in adapted:
+            linear.adapter_off = False

@@ -139,6 +139,7 @@ LOADS_WITHOUT_TORCH = (
     "yamlformer.recipes.tasks.mlm",
     "yamlformer.recipes.tasks.translation",
     "yamlformer.recipes.tasks.classification",
+    "yamlformer.recipes.tasks.preference",
     "yamlformer.recipes.training.resolved",
     "yamlformer.recipes.training.resume",
     "yamlformer.recipes.training.run_folder",

@@ -71,6 +71,9 @@ class Step:
     #: the optimizer whose declared state is counted: a registered type name or its config
     #: (``yamlformer.builder.optim``; ``recipe.optimizer`` for a recipe's)
     optimizer: Any = "adamw"
+    #: a frozen copy of the model kept beside it (preference tuning's reference model): its
+    #: weights in the compute dtype, sharded as the model's under FSDP, counted in the training total
+    reference: bool = False
 
     def __post_init__(self):
         problems = [
@@ -319,6 +322,9 @@ def estimate(spec, step: Step | None = None, layout: Layout = ONE_DEVICE, **step
     )
     if layout.strategy == "fsdp":
         mem = _sharded(spec, layout, mem, dataclasses.replace(step, seq_len=seq))
+    if step.reference:  # one rank's share of every weight: FSDP shards it over all the ranks (TP within)
+        shards = layout.devices if layout.strategy == "fsdp" else 1
+        mem = dataclasses.replace(mem, reference=-(-total // shards) * act_bytes)
     settings = {
         "seq_len": seq,
         "src_len": src,

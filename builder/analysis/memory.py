@@ -68,6 +68,10 @@ CONVENTIONS = (
         "an NF4 weight at torchao's bytes: 4 bits a value, an int8 scale per 64), no gradients, master "
         "copy or AdamW state; their activations add what each adapter saves beyond its layer's input"
     ),
+    (
+        "a reference model (preference tuning without adapters): a frozen copy, its weights alone in the "
+        "compute dtype, sharded over every rank under FSDP"
+    ),
 )
 
 
@@ -90,6 +94,7 @@ class MemoryEstimate:
     kv_cache: int  # batch sequences of seq_len context (target side), in the compute dtype
     inference_weights: int = 0  # the whole model (one tensor-parallel rank's share) in the compute dtype
     layout: dict[str, Any] | None = None  # FSDP/TP: the mesh and its largest and smallest ranks
+    reference: int = 0  # a frozen copy of the model (preference tuning's reference), its weights alone
 
     @property
     def training_total(self) -> int:
@@ -100,6 +105,7 @@ class MemoryEstimate:
             + self.optimizer
             + self.sharding_buffers
             + self.activations
+            + self.reference
         )
 
     @property

@@ -235,6 +235,7 @@ def memory_table(m, s, seq: int):
             ("gradients", m.gradients),
             (f"optimizer state ({s.get('optimizer', 'adamw')})", m.optimizer),
             ("activations", m.activations),
+            ("reference model (frozen copy)", m.reference),
         )
     else:
         mesh = Layout.from_dict(layout)
@@ -248,6 +249,7 @@ def memory_table(m, s, seq: int):
             (f"optimizer state ({s.get('optimizer', 'adamw')}, fp32 shards)", m.optimizer),
             ("FSDP units in flight (2 gathered, 1 unit's grads)", m.sharding_buffers),
             ("activations" + (" (one tensor-parallel rank)" if mesh.tensor_parallel > 1 else ""), m.activations),
+            ("reference model (frozen copy, shards)", m.reference),
         )
     memory = Table(title=title + extras, title_justify="left", show_header=False)
     memory.add_column("what")

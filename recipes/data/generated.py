@@ -1,5 +1,6 @@
 """Datasets made on this machine rather than downloaded: ``python-signatures``, instruction records
-about the Python standard library's functions, written once per interpreter under the data root.
+about the Python standard library's functions, and ``python-signature-pairs``, preference pairs made
+from the same signatures; each written once per interpreter under the data root.
 
 Each public function a module of :data:`MODULES` defines in Python gives two records: its
 signature (``Write the signature of json.dumps.`` -> ``def dumps(obj, *, skipkeys=False, ...):``)
@@ -7,6 +8,10 @@ and what its docstring's first line says it does. A language model trained on th
 library's source (``recipes/lm-stdlib.yaml``) has read each definition; the records ask for what
 it has seen in another shape, which is what instruction tuning teaches. The records are the same
 for the same Python version; records longer than :data:`MAX_CHARS` are left out.
+
+A pair (``task: preference``) asks for a function's signature: the chosen answer is its own, the
+rejected one the signature of the function after it in the same module (another real signature,
+so a model tells them apart only by knowing which belongs to the name asked about).
 """
 
 from __future__ import annotations
@@ -62,5 +67,32 @@ def python_signatures(root: Path) -> list[Path]:
     path = root / "python-signatures" / f"python{version}-v{VERSION}.jsonl"
     if not path.is_file():
         lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in signature_records())
+        write_atomic(path, lines.encode("utf-8"))
+    return [path]
+
+
+def signature_pairs() -> list[dict]:
+    """The pairs, in a fixed order (module doc): each signature record against the next one of
+    its module (the module's last against its first)."""
+    asked = [r for r in signature_records() if r["prompt"].startswith("Write the signature of ")]
+    modules: dict[str, list[dict]] = {}
+    for record in asked:
+        modules.setdefault(record["prompt"].rsplit(".", 2)[0], []).append(record)
+    pairs = []
+    for records in modules.values():
+        for i, record in enumerate(records):
+            other = records[(i + 1) % len(records)]
+            if other["response"] != record["response"]:
+                pairs.append({"prompt": record["prompt"], "chosen": record["response"], "rejected": other["response"]})
+    return pairs
+
+
+def python_signature_pairs(root: Path) -> list[Path]:
+    """The pairs for this interpreter as a JSON Lines file under the data root ``root``, written
+    when absent."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    path = root / "python-signature-pairs" / f"python{version}-v{VERSION}.jsonl"
+    if not path.is_file():
+        lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in signature_pairs())
         write_atomic(path, lines.encode("utf-8"))
     return [path]

@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from yamlformer.recipes.data.generated import python_signatures
+from yamlformer.recipes.data.generated import python_signature_pairs, python_signatures
 from yamlformer.recipes.data.walk import walk
 from yamlformer.recipes.errors import RecipeError
 
@@ -183,6 +183,17 @@ DATASETS: dict[str, Dataset] = {
         how_to_split="records; the recipe's data.val_fraction of them held out",
         splits={},
         local=lambda: python_signatures(default_root()),
+    ),
+    "python-signature-pairs": Dataset(
+        name="python-signature-pairs",
+        description="preference pairs (task: preference) asking for a standard-library function's signature: "
+        "its own chosen, its module's next function's rejected; made from the running interpreter "
+        "(yamlformer.recipes.data.generated)",
+        license="the Python Software Foundation License (made from the interpreter's own modules; nothing is "
+        "downloaded)",
+        how_to_split="records; the recipe's data.val_fraction of them held out",
+        splits={},
+        local=lambda: python_signature_pairs(default_root()),
     ),
 }
 

@@ -41,7 +41,7 @@ from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_sour
 from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
 
 #: every task, by its ``task:`` value: a folder of ``yamlformer.recipes.tasks`` each; ``lm`` is the default
-TASKS = ("lm", "translation", "mlm", "classification", "sft")
+TASKS = ("lm", "translation", "mlm", "classification", "sft", "preference")
 
 #: one part of a model.freeze path: a module name, a layer index, a range of them, or *
 _FREEZE_SEGMENT = r"(?:\*|[A-Za-z_][A-Za-z0-9_]*|\d+(?:-\d+)?)"

@@ -100,6 +100,11 @@ class Task:
         (``builder plan --recipe``'s launch lines)."""
         return [f"data.seq_len={seq_len}", f"data.batch_size={micro_batch}"]
 
+    def reference_copy(self, recipe, spec) -> bool:
+        """Whether the run keeps a frozen copy of the model beside it (a reference model), which
+        the estimates count (``yamlformer.builder.analysis.estimates.Step.reference``)."""
+        return False
+
     def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
         """The vocabulary when the task knows it better than the tokenizer settings (a tokenized
         dataset's, a pretrained checkpoint's); ``None``: from ``tokenizer``."""

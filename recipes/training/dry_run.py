@@ -30,7 +30,7 @@ from yamlformer.builder.zoo import shown
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.sections import Recipe, spec_file
 from yamlformer.recipes.recipe.sections import recipe_path as locate_recipe
-from yamlformer.recipes.tasks import load_recipe
+from yamlformer.recipes.tasks import load_recipe, task_named
 from yamlformer.recipes.tasks.task import DataFile
 from yamlformer.recipes.training.resolved import resolve_run
 from yamlformer.recipes.training.resume import check_recipe_early
@@ -120,6 +120,7 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
         dtype=dtype,
         activation_checkpointing=settings.activation_checkpointing,
         optimizer=recipe.optimizer,
+        reference=task_named(recipe.task).reference_copy(recipe, spec),
     )
     layout = Layout(
         devices=devices * settings.num_nodes,

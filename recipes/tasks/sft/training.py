@@ -39,9 +39,9 @@ def record_files(data, recipe_file: Path | None) -> tuple[Path, Path | None]:
     return dataset.local()[0], resolve(recipe_file, data.validation) if data.validation else None
 
 
-def tokenizer_for(recipe, recipe_file: Path, train: Path):
+def tokenizer_for(recipe, recipe_file: Path, train: Path, messages=conversation):
     """``model.init_from``'s tokenizer, else the recipe's (a sentencepiece model trained on the
-    records' text when it names no file)."""
+    records' text when it names no file; ``messages``: a record's messages, whose contents are that text)."""
     # local: the tokenizer libraries (sentencepiece, Hugging Face's) load when a run reads its data
     from yamlformer.recipes.data.tokenizers import build_tokenizer
 
@@ -51,7 +51,7 @@ def tokenizer_for(recipe, recipe_file: Path, train: Path):
     texts = []
     for where, record in read_records(train):
         try:
-            texts += [m["content"] for m in conversation(record)]
+            texts += [m["content"] for m in messages(record)]
         except ValueError as exc:
             raise RecipeError(f"{where}: {exc}") from None
     text = "\n".join(texts)
@@ -235,9 +235,10 @@ def _line(scores: dict) -> str:
 # -- builder eval and builder generate --------------------------------------------------------------
 
 
-def _checkpoint_recipe(meta: dict):
-    """The sft recipe a checkpoint was trained with (its paths absolute, as checkpoints keep them)."""
-    recipe_cls = task_named("sft").recipe
+def checkpoint_recipe(meta: dict):
+    """The recipe a checkpoint was trained with (its task's: sft's or one that reads its records
+    alike; its paths absolute, as checkpoints keep them)."""
+    recipe_cls = task_named(meta.get("task", "sft")).recipe
     if not isinstance(meta.get("recipe"), dict):
         raise RecipeError("the checkpoint holds no training recipe (its records and chat template)")
     return recipe_cls.model_validate({k: v for k, v in meta["recipe"].items() if k in recipe_cls.model_fields})
@@ -247,7 +248,7 @@ def evaluate_checkpoint(model, tokenizer, meta: dict, args) -> dict:
     """``builder eval`` on an sft checkpoint: the answers' loss over its run's held-out rows
     (``--max-batches``, else the recipe's ``limit_val_batches``; ``--all``) and the exact matches
     of its held-out prompts (the recipe's ``eval``)."""
-    recipe = _checkpoint_recipe(meta)
+    recipe = checkpoint_recipe(meta)
     records = Records(recipe.data, Path(meta["recipe_file"]), tokenizer, recipe.trainer.seed)
     batch = args.batch_size or recipe.data.batch_size
     available = math.ceil(len(records.held) / batch)
@@ -258,9 +259,9 @@ def evaluate_checkpoint(model, tokenizer, meta: dict, args) -> dict:
 
 
 def generate(model, tokenizer, meta: dict, args) -> None:
-    """``builder generate`` on an sft checkpoint: the answer to ``--prompt`` as a user turn, in
+    """``builder generate`` on an sft (or preference) checkpoint: the answer to ``--prompt`` as a user turn, in
     the chat template the run trained with."""
-    chat = ChatFormat(tokenizer, _checkpoint_recipe(meta).data.chat_template)
+    chat = ChatFormat(tokenizer, checkpoint_recipe(meta).data.chat_template)
     sampling = {}
     if args.temperature:
         sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}

@@ -1,0 +1,333 @@
+"""``task: preference``'s training side: the pairs, tokenizer and rows of a run (:func:`prepare`),
+the reference model (:class:`Reference`), the LightningModule (:class:`PreferenceModule`), the
+held-out pairs scored before the first step and after the last (:class:`HeldOut`); ``builder eval``
+on its checkpoints (``builder generate`` is SFT's)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from yamlformer.blocks.linear import adapter_parameters, adapters_disabled
+from yamlformer.builder.assemble import build_model
+from yamlformer.recipes.data.chat import ChatFormat
+from yamlformer.recipes.data.instructions import InstructionData, shuffled
+from yamlformer.recipes.data.pairs import PairRows, encode_pairs, pair_conversations
+from yamlformer.recipes.data.windows import IGNORE
+from yamlformer.recipes.learning.module import LMModule
+from yamlformer.recipes.parallel.compile import eager
+from yamlformer.recipes.parallel.fsdp import is_sharded_model
+from yamlformer.recipes.recipe.init_from import init_from_path
+from yamlformer.recipes.say import publish, say
+from yamlformer.recipes.tasks.preference.losses import pair_logps, preference_loss
+from yamlformer.recipes.tasks.sft.training import checkpoint_recipe, record_files, split, tokenizer_for
+from yamlformer.recipes.tasks.task import Prepared
+from yamlformer.recipes.trained import load_trained
+
+
+def pair_messages(record) -> list[dict]:
+    """Every message of a pair (its prompt and both answers): the text a tokenizer is trained on."""
+    context, chosen, rejected = pair_conversations(record)
+    return [*context, *chosen, *rejected]
+
+
+class Pairs:
+    """A run's pairs, encoded and packed into rows: training and held-out."""
+
+    def __init__(self, data, recipe_file: Path | None, tokenizer, seed: int):
+        train_path, held_path = record_files(data, recipe_file)
+        self.chat = ChatFormat(tokenizer, data.chat_template)
+        train = encode_pairs(train_path, self.chat, data.seq_len, data.limit)
+        if held_path is not None:
+            held = encode_pairs(held_path, self.chat, data.seq_len)
+        else:
+            train, held = split(train, data.val_fraction, seed)
+        pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+        order = shuffled(len(train), seed, 1)  # packed in a seeded order: a row mixes the file's pairs
+        self.train = PairRows([train[i] for i in order], data.seq_len, pad, data.packing)
+        self.held = PairRows(held, data.seq_len, pad, data.packing)
+        self.line = (
+            f"pairs: {len(train):,} training in {len(self.train):,} rows of {data.seq_len} tokens "
+            f"({self.train.tokens / (len(self.train) * (data.seq_len + 1)):.0%} filled), {len(held):,} held out; "
+            f"{self.chat.describe()}"
+        )
+
+
+# -- the reference model ----------------------------------------------------------------------------
+
+#: the dtype a frozen copy is kept in under mixed precision: the one its matrix products run in
+_COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class Reference:
+    """Where the reference log-probabilities come from: nowhere (simpo and orpo read the policy
+    alone), the policy itself with its adapters switched off (an adapted model: its base is the
+    reference, no second copy), or a frozen copy of the starting weights (full fine-tuning),
+    kept in the compute dtype and out of the module's parameters, state and checkpoints."""
+
+    def __init__(self, needed: bool):
+        self.needed = needed
+        self.copy: nn.Module | None = None
+
+    def capture(self, model: nn.Module) -> None:
+        """Keep a frozen copy of ``model`` as it starts (its loaded weights), unless its adapters
+        make one needless."""
+        if self.needed and not adapter_parameters(model):
+            self.copy = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def place(self, device: torch.device, precision: str) -> None:
+        """The frozen copy on the run's device, in the dtype its products run in (``precision``:
+        Lightning's, ``bf16-mixed``...)."""
+        if self.copy is not None and not is_sharded_model(self.copy):
+            self.copy.to(device=device, dtype=_COMPUTE.get(precision))
+
+    @contextlib.contextmanager
+    def model(self, policy: nn.Module):
+        """The reference model for ``policy``'s batch, without gradients."""
+        with torch.no_grad():
+            if self.copy is not None:
+                yield self.copy
+            else:
+                with adapters_disabled(policy):
+                    yield policy
+
+
+def batch_logps(model: nn.Module, batch, select: bool):
+    """The batch's pairs' summed response log-probabilities under ``model``
+    (:class:`~yamlformer.recipes.tasks.preference.losses.PairLogps`); ``select``: the head projects
+    the scored positions only."""
+    inputs, targets, documents, sequences, pairs = batch
+    scored = targets != IGNORE
+    if select:
+        logits = model(inputs, scored=scored, document_ids=documents)  # (n, vocab)
+    else:
+        logits = model(inputs, document_ids=documents)[scored]  # (batch, seq, vocab) -> (n, vocab)
+    token_logps = -F.cross_entropy(logits.float(), targets[scored], reduction="none")
+    return pair_logps(token_logps, sequences[scored], int(pairs))
+
+
+def pair_losses(model, reference: Reference, objective, batch, select: bool):
+    """``(loss, metrics)`` of a batch of pairs: the reference's forward first (the policy's is the
+    last, whose auxiliary losses a model keeps)."""
+    ref = None
+    if objective.needs_reference():
+        with reference.model(model) as ref_model:
+            ref = batch_logps(ref_model, batch, select)
+    return preference_loss(objective, batch_logps(model, batch, select), ref)
+
+
+class PreferenceModule(LMModule):
+    """The preference loss of :mod:`yamlformer.recipes.tasks.preference.losses` on pairs' rows; its
+    metrics (rewards, margins, accuracy, log-probabilities) summed on the device and published
+    with the loss at each log step, validation's as ``val_loss`` and ``val_accuracy``."""
+
+    scores_only_targets = True
+
+    def __init__(self, model: nn.Module, recipe, meta: dict, reference: Reference | None = None):
+        super().__init__(model, recipe, meta)
+        self.objective = recipe.preference
+        self.reference = reference or Reference(self.objective.needs_reference())
+        self._train_losses = self._losses  # the scored positions vary with the pairs: never compiled whole
+        self._sums: dict[str, torch.Tensor] = {}
+        self._summed = 0
+
+    def configure_model(self):
+        super().configure_model()
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None and self.reference.copy is not None:
+            self.reference.copy = parallelize(self.reference.copy)  # sharded like the policy
+
+    def on_fit_start(self):
+        self.reference.place(self.device, str(self.trainer.precision))
+
+    def _losses(self, *batch):
+        loss, metrics = pair_losses(self.model, self.reference, self.objective, batch, self._select_scored)
+        if self.training:
+            for key, value in metrics.items():
+                self._sums[key] = self._sums[key] + value if key in self._sums else value.clone()
+            self._summed += 1
+        if self.adds_aux_losses:
+            for aux in self.model.aux_losses(balance_weight=self.moe_aux_coef).values():
+                loss = loss + aux
+        self._last_metrics = metrics
+        return loss, loss
+
+    def flush_losses(self, log: bool = True) -> bool:
+        read = super().flush_losses(log)
+        if read and log and self._summed:
+            keys = list(self._sums)
+            total = self.trainer.strategy.reduce(torch.stack([self._sums[k] for k in keys]), reduce_op="mean")
+            publish(self.trainer, {k: v / self._summed for k, v in zip(keys, total.tolist())})
+            self._sums, self._summed = {}, 0
+        return read
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._losses(*batch)[0]
+        accuracy = self._last_metrics["rewards/accuracy"]
+        pairs = int(batch[4])
+        self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True, batch_size=pairs)
+        self.log("val_accuracy", accuracy, on_step=False, on_epoch=True, sync_dist=True, batch_size=pairs)
+        return loss
+
+
+# -- held-out pairs -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def held_out_scores(model, reference: Reference, objective, rows: PairRows, batch: int, batches=None) -> dict:
+    """Over the held-out rows (the first ``batches`` batches of ``batch`` rows; None: all), per pair:
+    the loss, the reward accuracy and margin (``losses``' definitions), and how often the chosen
+    answer is the more likely per token (``prefers_chosen``: the policy alone, so a start before any
+    training, where every DPO reward is 0, says something too)."""
+    was_training = model.training
+    model.eval()
+    select = bool(getattr(model, "scores_positions", lambda: False)()) and not is_sharded_model(model)
+    device = next(model.parameters()).device
+    n = len(rows) if batches is None else min(len(rows), batches * batch)
+    totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "prefers_chosen": 0.0}
+    pairs = 0
+    with eager():
+        for first in range(0, n, batch):
+            inputs, targets, documents, sequences, count = rows.batch(np.arange(first, min(first + batch, n)))
+            on_device = (inputs.to(device), targets.to(device), documents.to(device), sequences.to(device), count)
+            ref = None
+            if objective.needs_reference():
+                with reference.model(model) as ref_model:
+                    ref = batch_logps(ref_model, on_device, select)
+            policy = batch_logps(model, on_device, select)
+            loss, metrics = preference_loss(objective, policy, ref)
+            chosen, rejected = policy.means()
+            totals["loss"] += float(loss) * count
+            totals["accuracy"] += float(metrics["rewards/accuracy"]) * count
+            totals["margin"] += float(metrics["rewards/margins"]) * count
+            totals["prefers_chosen"] += float((chosen > rejected).float().sum())
+            pairs += count
+    model.train(was_training)
+    return {key: value / max(pairs, 1) for key, value in totals.items()} | {"pairs": pairs}
+
+
+def scores_line(scores: dict) -> str:
+    """Held-out scores in one line (before training, and ``builder eval``'s)."""
+    return (
+        f"loss {scores['loss']:.4f}, reward accuracy {scores['accuracy']:.1%}, margin {scores['margin']:.4f}; "
+        f"the chosen answer more likely per token {scores['prefers_chosen']:.1%}"
+    )
+
+
+class HeldOut(L.Callback):
+    """The held-out pairs scored as a run starts and as it ends (:meth:`after`); the first score
+    rides in checkpoints, so a resumed run still reports both."""
+
+    def __init__(self, pairs: Pairs, objective, batch: int, batches: int):
+        self.pairs, self.objective, self.batch, self.batches = pairs, objective, batch, batches
+        self.before: dict | None = None
+
+    def scores(self, model, reference: Reference) -> dict:
+        return held_out_scores(model, reference, self.objective, self.pairs.held, self.batch, self.batches)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.before is not None or trainer.global_step or is_sharded_model(pl_module.model):
+            return  # a sharded model is scored whole at the end only
+        self.before = self.scores(pl_module.model, pl_module.reference)
+        if trainer.is_global_zero:
+            say(f"held out, before training: {scores_line(self.before)}")
+
+    def after(self, model, reference: Reference) -> dict:
+        after = self.scores(model, reference)
+        if self.before is not None:
+            b = self.before
+            say(
+                f"held out ({after['pairs']:,} pairs): reward accuracy {b['accuracy']:.1%} -> {after['accuracy']:.1%}, "
+                f"margin {b['margin']:.4f} -> {after['margin']:.4f}, the chosen answer more likely per token "
+                f"{b['prefers_chosen']:.1%} -> {after['prefers_chosen']:.1%}, "
+                f"loss {b['loss']:.4f} -> {after['loss']:.4f}"
+            )
+        else:
+            say(f"held out, after training: {scores_line(after)}")
+        return {"held_out": {"before": self.before, "after": after}}
+
+    def state_dict(self) -> dict:
+        return {"before": self.before}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.before = state.get("before")
+
+
+def prepare(run) -> Prepared:
+    """Pairs -> tokenizer -> packed rows (the spec is the run's, checked by the task before); the
+    reference model kept as the weights are loaded; the held-out pairs scored before and after."""
+    recipe, recipe_file = run.recipe, run.file
+    data, settings = recipe.data, recipe.trainer
+    train_path, _ = record_files(data, recipe_file)
+    tokenizer = tokenizer_for(recipe, recipe_file, train_path, pair_messages)
+    pairs = Pairs(data, recipe_file, tokenizer, settings.seed)
+    say(pairs.line)
+    module = InstructionData(
+        pairs.train,
+        pairs.held,
+        data.batch_size,
+        settings.seed,
+        settings.limit_val_batches,
+        settings.accumulate_grad_batches,
+    )
+    reference = Reference(recipe.preference.needs_reference())
+    held_out = HeldOut(pairs, recipe.preference, data.batch_size, settings.limit_val_batches)
+
+    def module_class(model, recipe, meta):
+        return PreferenceModule(model, recipe, meta, reference)
+
+    def finish(lightning_module, model, ckpt_dir: Path) -> dict:
+        return held_out.after(model, reference)
+
+    return Prepared(
+        tokenizer=tokenizer,
+        data=module,
+        module_class=module_class,
+        seq_len=data.seq_len,
+        batch=data.batch_size,
+        meta={"pairs": pairs.train.pairs},
+        init=reference.capture,
+        callbacks=lambda ckpt_dir: [held_out],
+        finish=finish,
+    )
+
+
+# -- builder eval and builder generate --------------------------------------------------------------
+
+
+def checkpoint_reference(model, recipe, recipe_file: Path) -> Reference:
+    """The reference a checkpoint's run compared with: its adapters off, or the starting weights
+    (``model.init_from``'s model read again; a run without init_from: its seeded draw)."""
+    reference = Reference(recipe.preference.needs_reference())
+    if reference.needed and not adapter_parameters(model):
+        device = next(model.parameters()).device
+        if recipe.model.init_from is not None:
+            start = load_trained(init_from_path(recipe, recipe_file), str(device), folders=True)[0]
+        else:
+            torch.manual_seed(recipe.trainer.seed)  # as the run drew it (yamlformer.recipes.training.run)
+            start = build_model(model.spec, init_seed=recipe.trainer.seed)
+        reference.capture(start)
+        reference.place(device, "32-true")
+    return reference
+
+
+def evaluate_checkpoint(model, tokenizer, meta: dict, args) -> dict:
+    """``builder eval`` on a preference checkpoint: its run's held-out pairs scored (``--max-batches``,
+    else the recipe's ``limit_val_batches``; ``--all``)."""
+    recipe = checkpoint_recipe(meta)
+    recipe_file = Path(meta["recipe_file"])
+    pairs = Pairs(recipe.data, recipe_file, tokenizer, recipe.trainer.seed)
+    batch = args.batch_size or recipe.data.batch_size
+    available = math.ceil(len(pairs.held) / batch)
+    batches = available if args.all else min(available, args.max_batches or recipe.trainer.limit_val_batches)
+    reference = checkpoint_reference(model, recipe, recipe_file)
+    scores = held_out_scores(model, reference, recipe.preference, pairs.held, batch, batches)
+    return {**scores, "batches": batches, "batches_available": available}
