@@ -111,6 +111,10 @@ def attention(
         ``(batch, n_heads, seq_q, head_dim_v)`` in ``q``'s dtype.
     """
     mask = Mask() if mask is None else mask
+    if not isinstance(mask, Mask):
+        raise TypeError(
+            f"mask must be a yamlformer.kernels.Mask (Mask(causal=True, sliding_window=...)), got {type(mask).__name__}"
+        )
     _check(q, k, v, mask, backend, dropout_p)
     _check_sinks_chunks(q, mask.sinks, mask.chunk_size)
     if mask.chunk_size is not None:

@@ -431,7 +431,7 @@ def test_the_mask_is_one_frozen_value_and_the_op_takes_it_flat():
     the op rebuilds the same mask from it (``op_args`` and back)."""
     import dataclasses
 
-    from yamlformer.kernels import Mask, triton_attention
+    from yamlformer.kernels import Mask, attention, triton_attention
 
     q_index, k_index = torch.arange(4), torch.arange(8)
     mask = Mask(
@@ -446,6 +446,9 @@ def test_the_mask_is_one_frozen_value_and_the_op_takes_it_flat():
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         mask.causal = False
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"mask must be a yamlformer.kernels.Mask \(Mask\(causal=True"):
+        attention(q, q, q, True)  # a bare causal flag where the mask goes
     assert mask.replace(causal=False).causal is False and mask.causal is True
     assert mask.present() == {name: name != "documents" for name in Mask.OPTIONS}
     bias, alibi, causal, window, softcap, scale, starts, sinks, chunk, qi, ki = triton_attention.op_args(mask, 0.5)
