@@ -287,6 +287,27 @@ def test_the_peft_side_by_side_trains_both_sides_to_the_same_losses(tmp_path, ca
     assert "per-step losses differ by at most" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_the_trl_side_by_side_trains_every_side_to_trls_losses_and_rewards(tmp_path, capsys):
+    """benchmarks/preference_vs_trl.py --quick: DPO with LoRA as task preference trains it (pairs
+    packed), our loss on TRL's own padded batch (the equal-work control) and TRL's DPOTrainer, from
+    the same start on the same pairs, lose the same and reward the same per step."""
+    import json
+
+    import preference_vs_trl
+
+    out = tmp_path / "result.json"
+    assert preference_vs_trl.main(["--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for side in ("ours", "control"):
+        row = result["sides"][side]
+        assert row["max_losses_difference"] <= 1e-4, row
+        for key in ("rewards_chosen", "rewards_rejected"):
+            assert row[f"max_{key}_difference"] <= row["reward_tolerance"], row
+        assert row["tokens_per_s_ratio"] > 0 and row["peak_ratio"] > 0 and row["trainable"] > 0, row
+    assert "differ from TRL's by at most" in capsys.readouterr().out
+
+
 def test_the_startup_benchmark_runs_a_version_laid_out_as_installed(tmp_path):
     """benchmarks/startup.py's plumbing: the working tree as an installed yamlformer with its own
     entry points, and `builder --help` and `builder validate` run from it."""

@@ -142,6 +142,30 @@ def test_the_reference_of_an_adapted_model_is_its_base():
     assert reference.copy is None  # no second copy of an adapted model
 
 
+def test_the_reference_of_adapters_loaded_trained_is_the_starting_policy():
+    spec = load_spec(
+        REPO / "specs" / "tiny" / "llama.yaml",
+        overrides={"adapters": {"type": "lora", "rank": 4, "targets": "all-linear"}},
+    )
+    model = build_model(spec, init_seed=0).eval()
+    adapters = adapter_parameters(model)
+    with torch.no_grad():
+        for p in adapters.values():
+            p.add_(0.1 * torch.randn(p.shape))  # an SFT run's adapters
+    x = torch.randint(0, spec.vocab_size, (2, 12))
+    start = model(x).detach()
+    reference = Reference(needed=True)
+    reference.capture(model)
+    assert reference.copy is None and reference.adapters_at_start is not None
+    with torch.no_grad():
+        for p in adapters.values():
+            p.add_(0.1 * torch.randn(p.shape))  # trained on
+    trained = model(x).detach()
+    with reference.model(model) as ref:
+        torch.testing.assert_close(ref(x), start, rtol=0, atol=0)
+    torch.testing.assert_close(model(x), trained, rtol=0, atol=0)  # its own values again after
+
+
 def _pairs_file(tmp_path: Path, n: int = 40, seed: int = 0) -> Path:
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     rng = np.random.default_rng(seed)

@@ -106,6 +106,17 @@ BASES = {
     ),
 }
 TINY["lora-stdlib"] = ({}, {"data.limit": 40, "data.batch_size": 2, "eval.prompts": 1, "eval.max_new_tokens": 2})
+BASES["dpo-stdlib"] = ("lora-stdlib", {**TINY["lora-stdlib"][1], "trainer.precision": "32"})  # after lm-stdlib's
+TINY["dpo-stdlib"] = ({}, {"data.limit": 40, "data.batch_size": 2})
+
+
+def _train_bases(stem: str, run) -> str:
+    """Train the runs ``stem`` starts from, first to last, as a user would have; returns the first
+    (the base model's recipe, whose export the adapters load onto)."""
+    base, settings = BASES[stem]
+    first = _train_bases(base, run) if base in BASES else base
+    run(REPO / "recipes" / f"{base}.yaml", {**TRAINER, **settings}, samples=False)
+    return first
 
 
 def test_every_shipped_recipe_is_covered():
@@ -141,9 +152,8 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path,
     copy.write_text(shipped.read_text())  # as it is: a spec it names by its zoo name resolves anywhere
     monkeypatch.chdir(work)  # runs/ and .cache/ land here, as for a user running `builder train my.yaml`
 
-    if shipped.stem in BASES:  # the run it starts from, as a user would have trained it first
-        base, settings = BASES[shipped.stem]
-        run(REPO / "recipes" / f"{base}.yaml", {**TRAINER, **settings}, samples=False)
+    if shipped.stem in BASES:  # the runs it starts from, as a user would have trained them first
+        first = _train_bases(shipped.stem, run)
     model, settings = TINY[shipped.stem]
     overrides = {**TRAINER, **settings, **{f"model.overrides.{k}": v for k, v in model.items()}}
     summary = run(copy, overrides, samples=False)
@@ -169,7 +179,7 @@ def test_a_shipped_recipe_runs_outside_the_repository(shipped, native, tmp_path,
         assert error.startswith("builder eval: downloading") and "BUILDER_DATA" in error, error
         assert "multi30k/test2016.de" in error and fetching[-1].startswith("downloading")
     if shipped.stem in BASES:  # what the recipe's header shows: its adapters loaded by peft onto the base's export
-        _peft_loads_the_run(work, summary["last"], BASES[shipped.stem][0], main)
+        _peft_loads_the_run(work, summary["last"], first, main)
 
 
 def _peft_loads_the_run(work, last: str, base: str, main) -> None:

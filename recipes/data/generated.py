@@ -10,8 +10,9 @@ it has seen in another shape, which is what instruction tuning teaches. The reco
 for the same Python version; records longer than :data:`MAX_CHARS` are left out.
 
 A pair (``task: preference``) asks for a function's signature: the chosen answer is its own, the
-rejected one the signature of the function after it in the same module (another real signature,
-so a model tells them apart only by knowing which belongs to the name asked about).
+rejected one the same signature under the name of the function after it in the same module, so
+the two differ in the name alone and a model prefers the right one by naming the function it was
+asked about.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ MODULES = (
 #: the longest record kept (prompt and answer, characters): short enough for a small model's rows
 MAX_CHARS = 160
 VERSION = 2  # bump when the records change
+PAIRS_VERSION = 3  # bump when the pairs change
 
 
 def signature_records() -> list[dict]:
@@ -72,8 +74,8 @@ def python_signatures(root: Path) -> list[Path]:
 
 
 def signature_pairs() -> list[dict]:
-    """The pairs, in a fixed order (module doc): each signature record against the next one of
-    its module (the module's last against its first)."""
+    """The pairs, in a fixed order (module doc): each signature record against itself under the
+    name of the next function of its module (the module's last: its first)."""
     asked = [r for r in signature_records() if r["prompt"].startswith("Write the signature of ")]
     modules: dict[str, list[dict]] = {}
     for record in asked:
@@ -81,9 +83,11 @@ def signature_pairs() -> list[dict]:
     pairs = []
     for records in modules.values():
         for i, record in enumerate(records):
-            other = records[(i + 1) % len(records)]
-            if other["response"] != record["response"]:
-                pairs.append({"prompt": record["prompt"], "chosen": record["response"], "rejected": other["response"]})
+            name = record["prompt"].removesuffix(".").rsplit(".", 1)[1]
+            other = records[(i + 1) % len(records)]["prompt"].removesuffix(".").rsplit(".", 1)[1]
+            if other != name:
+                rejected = "def " + other + record["response"].removeprefix("def " + name)
+                pairs.append({"prompt": record["prompt"], "chosen": record["response"], "rejected": rejected})
     return pairs
 
 
@@ -91,7 +95,7 @@ def python_signature_pairs(root: Path) -> list[Path]:
     """The pairs for this interpreter as a JSON Lines file under the data root ``root``, written
     when absent."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    path = root / "python-signature-pairs" / f"python{version}-v{VERSION}.jsonl"
+    path = root / "python-signature-pairs" / f"python{version}-v{PAIRS_VERSION}.jsonl"
     if not path.is_file():
         lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in signature_pairs())
         write_atomic(path, lines.encode("utf-8"))

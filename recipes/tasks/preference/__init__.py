@@ -2,11 +2,11 @@
 answer to one prompt (DPO, IPO, SimPO, ORPO: ``yamlformer.recipes.tasks.preference.losses``), the
 pairs rendered with the chat template and packed into rows as SFT's records are
 (``yamlformer.recipes.data.pairs``); usually after SFT (``model.init_from``), with adapters or
-not. DPO and IPO compare with a reference model: with adapters, the policy with its adapters
-switched off (no second copy); without, a frozen copy of the starting weights, which the
-estimates count. Held-out pairs are scored before and after. This module (torch-free) is its
-recipe schema and :class:`~yamlformer.recipes.tasks.task.Task`; ``training.py`` reads, trains and
-scores."""
+not. DPO and IPO compare with a reference model, the starting policy: with adapters, the policy
+with its adapters switched off or their starting values swapped in (no second copy of the model);
+without, a frozen copy of the starting weights, which the estimates count. Held-out pairs are
+scored before and after. This module (torch-free) is its recipe schema and
+:class:`~yamlformer.recipes.tasks.task.Task`; ``training.py`` reads, trains and scores."""
 
 from __future__ import annotations
 
@@ -138,7 +138,10 @@ class PreferenceTuning(InstructionTuning):
         if not objective.needs_reference():
             how = "none (the loss reads the policy alone)"
         elif recipe.model.adapters is not None:
-            how = "the policy with its adapters switched off (no second copy)"
+            how = (
+                "the starting policy: its adapters switched off if they start fresh, else their starting "
+                "values swapped in (a copy of the adapters alone)"
+            )
         else:
             how = "a frozen copy of the starting weights (counted in the memory estimate)"
         return [("preference", f"loss {objective.loss}, beta {objective.beta}; reference model: {how}")]

@@ -15,13 +15,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from yamlformer.blocks.linear import adapter_parameters, adapters_disabled
+from yamlformer.blocks.linear import adapter_parameters, adapters_disabled, linear_layers
 from yamlformer.builder.assemble import build_model
 from yamlformer.recipes.data.chat import ChatFormat
 from yamlformer.recipes.data.instructions import InstructionData, shuffled
 from yamlformer.recipes.data.pairs import PairRows, encode_pairs, pair_conversations
 from yamlformer.recipes.data.windows import IGNORE
+from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.parallel.compile import eager
 from yamlformer.recipes.parallel.fsdp import is_sharded_model
@@ -68,26 +70,36 @@ _COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class Reference:
-    """Where the reference log-probabilities come from: nowhere (simpo and orpo read the policy
-    alone), the policy itself with its adapters switched off (an adapted model: its base is the
-    reference, no second copy), or a frozen copy of the starting weights (full fine-tuning),
-    kept in the compute dtype and out of the module's parameters, state and checkpoints."""
+    """Where the reference log-probabilities come from: the starting policy, had in the cheapest
+    way its model allows. Nowhere for simpo and orpo (they read the policy alone); an adapted model
+    whose adapters start as the identity (fresh): the policy with its adapters switched off, no
+    second copy; an adapted model whose adapters were loaded trained (a LoRA SFT run's, TRL's
+    "ref" adapter): the policy with the adapters' starting values swapped in, a copy of the
+    adapters alone; full fine-tuning: a frozen copy of the starting weights, kept in the compute
+    dtype. None of them is a parameter of the module, in its state or its checkpoints."""
 
     def __init__(self, needed: bool):
         self.needed = needed
         self.copy: nn.Module | None = None
+        self.adapters_at_start: dict[str, torch.Tensor] | None = None
 
     def capture(self, model: nn.Module) -> None:
-        """Keep a frozen copy of ``model`` as it starts (its loaded weights), unless its adapters
-        make one needless."""
-        if self.needed and not adapter_parameters(model):
+        """Keep what the reference needs of ``model`` as it starts (its loaded weights)."""
+        if not self.needed:
+            return
+        adapters = adapter_parameters(model)
+        if not adapters:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
+        elif not _adapters_are_identity(model):
+            self.adapters_at_start = {name: p.detach().clone() for name, p in adapters.items()}
 
     def place(self, device: torch.device, precision: str) -> None:
-        """The frozen copy on the run's device, in the dtype its products run in (``precision``:
-        Lightning's, ``bf16-mixed``...)."""
+        """What was kept on the run's device; a frozen copy in the dtype its products run in
+        (``precision``: Lightning's, ``bf16-mixed``...)."""
         if self.copy is not None and not is_sharded_model(self.copy):
             self.copy.to(device=device, dtype=_COMPUTE.get(precision))
+        if self.adapters_at_start is not None:
+            self.adapters_at_start = {k: v.to(device) for k, v in self.adapters_at_start.items()}
 
     @contextlib.contextmanager
     def model(self, policy: nn.Module):
@@ -95,9 +107,38 @@ class Reference:
         with torch.no_grad():
             if self.copy is not None:
                 yield self.copy
+            elif self.adapters_at_start is not None:
+                with _swapped(adapter_parameters(policy), self.adapters_at_start):
+                    yield policy
             else:
                 with adapters_disabled(policy):
                     yield policy
+
+
+def _adapters_are_identity(model: nn.Module) -> bool:
+    """Whether every adapted layer of ``model`` computes its base weight (adapters as they start:
+    LoRA's ``B`` zero, DoRA's magnitude the weight's norm), asked of each layer's own merge."""
+    with torch.no_grad():
+        return all(
+            torch.equal(layer.adapted_weight(), layer.dense_weight())
+            for layer in linear_layers(model).values()
+            if layer.adapter is not None
+        )
+
+
+@contextlib.contextmanager
+def _swapped(parameters: dict[str, nn.Parameter], values: dict[str, torch.Tensor]):
+    """``parameters`` hold ``values`` within it, their own again after."""
+    if any(isinstance(p, DTensor) for p in parameters.values()):
+        raise RecipeError("a reference of trained adapters is not sharded here; train on one device or under ddp")
+    own = {name: p.detach().clone() for name, p in parameters.items()}
+    for name, p in parameters.items():
+        p.copy_(values[name])
+    try:
+        yield
+    finally:
+        for name, p in parameters.items():
+            p.copy_(own[name])
 
 
 def batch_logps(model: nn.Module, batch, select: bool):
@@ -106,10 +147,11 @@ def batch_logps(model: nn.Module, batch, select: bool):
     the scored positions only."""
     inputs, targets, documents, sequences, pairs = batch
     scored = targets != IGNORE
+    options = {} if documents is None else {"document_ids": documents}  # None: a sequence a row
     if select:
-        logits = model(inputs, scored=scored, document_ids=documents)  # (n, vocab)
+        logits = model(inputs, scored=scored, **options)  # (n, vocab)
     else:
-        logits = model(inputs, document_ids=documents)[scored]  # (batch, seq, vocab) -> (n, vocab)
+        logits = model(inputs, **options)[scored]  # (batch, seq, vocab) -> (n, vocab)
     token_logps = -F.cross_entropy(logits.float(), targets[scored], reduction="none")
     return pair_logps(token_logps, sequences[scored], int(pairs))
 
@@ -140,8 +182,13 @@ class PreferenceModule(LMModule):
         self._summed = 0
 
     def configure_model(self):
-        super().configure_model()
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None and self.reference.adapters_at_start is not None:
+            raise RecipeError(
+                "a reference of adapters loaded trained (model.init_from's) is not sharded here; train it on one "
+                "device or under strategy: ddp"
+            )
+        super().configure_model()
         if parallelize is not None and self.reference.copy is not None:
             self.reference.copy = parallelize(self.reference.copy)  # sharded like the policy
 
