@@ -257,6 +257,7 @@ TINY = {
 
 
 def _recipe(tmp_path: Path, **sections) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     recipe = {
         "task": "preference",
         "name": "tiny-preference",
@@ -310,3 +311,20 @@ def test_a_short_run_trains_the_held_out_accuracy_up_and_keeps_its_reference(tmp
         assert name in header
     assert main(["eval", str(tmp_path / "run" / "checkpoints" / "last.ckpt")]) == 0
     assert "held-out pairs: loss" in capsys.readouterr().out
+
+
+def test_a_resumed_run_trains_as_an_unbroken_one(tmp_path):
+    """A full fine-tuning run stopped at step 6 and resumed: the same losses and weights at step 12
+    as a run that never stopped (its frozen reference is the starting weights both times)."""
+    from recipe_helpers import assert_same_run
+
+    constant = {"type": "constant", "warmup_steps": 2}  # the stopped run's schedule is the whole one's
+    whole = _recipe(tmp_path / "whole", schedule=constant)
+    assert main(["train", str(whole)]) == 0
+    broken = _recipe(tmp_path / "broken", schedule=constant)
+    assert main(["train", str(broken), "--set", "trainer.max_steps=6"]) == 0
+    assert main(["train", str(broken)]) == 0
+    assert_same_run(
+        tmp_path / "whole" / "run" / "checkpoints" / "last.ckpt",
+        tmp_path / "broken" / "run" / "checkpoints" / "last.ckpt",
+    )
