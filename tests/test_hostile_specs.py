@@ -65,6 +65,17 @@ def test_a_loop_of_symbolic_links(capsys, tmp_path):
     assert f"{child}:2:10: extends: cannot read " in out and "a.yaml: a loop of symbolic links" in out
 
 
+def test_a_loop_of_symbolic_links_given_itself(capsys, tmp_path):
+    """The loop given on the command line is said as one at the path given (it read "no such file")."""
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "nothing.yaml")
+    lines = validate(capsys, tmp_path / "a.yaml", tmp_path / "dangling.yaml").splitlines()
+    assert lines[0] == f"{tmp_path / 'a.yaml'}: a loop of symbolic links", lines
+    assert lines[1] == f"{tmp_path / 'dangling.yaml'}: a symbolic link to nothing (its target does not exist)", lines
+    refused(cli(capsys, "describe", tmp_path / "a.yaml"), 1, "a.yaml: a loop of symbolic links")
+
+
 def test_a_file_over_the_size_limit(capsys, tmp_path):
     big = tmp_path / "big.yaml"
     with open(big, "w") as f:

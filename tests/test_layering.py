@@ -77,6 +77,7 @@ LAYERS = {
     ],
     "builder": [
         "packages",  # which installs are ours
+        "paths",  # what a path a user gives is: a readable file (or folder), or why not
         "outputs",  # where a command may write: never over what it reads
         "kinds",  # the kinds of YAML document (specs, recipes), found by entry point
         "zoo",  # the shipped specs and recipes, by name

@@ -19,10 +19,8 @@ none of the fields the caller expects (``fields``) is refused as a whole, naming
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import re
-import stat
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,8 @@ from yaml.parser import Parser
 from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
+
+from yamlformer.builder.paths import error_problem, mode_problem
 
 try:
     from yaml._yaml import CParser as _CParser
@@ -366,24 +366,6 @@ def parse_document(raw: bytes, file: str, fields: Collection[str] | None = None,
         raise SpecError([_reader_problem(file, text, exc)]) from None
 
 
-#: what a path is when it is not a regular file, by ``stat`` test
-_NOT_FILES = (
-    (stat.S_ISDIR, "is a folder, not a file"),
-    (stat.S_ISFIFO, "is a FIFO (named pipe), not a file"),
-    (stat.S_ISCHR, "is a character device, not a file"),
-    (stat.S_ISBLK, "is a block device, not a file"),
-    (stat.S_ISSOCK, "is a socket, not a file"),
-)
-_OPEN_ERRORS = {
-    errno.ENOENT: "no such file",
-    errno.EACCES: "permission denied",
-    errno.ELOOP: "a loop of symbolic links",
-    errno.ENAMETOOLONG: "the name is too long",
-    errno.ENOTDIR: "a part of the path is a file, not a folder",
-    errno.EISDIR: "is a folder, not a file",
-}
-
-
 def read_bounded(path: str | Path, file: str | None = None, limit: int = MAX_BYTES) -> bytes:
     """The bytes of the regular file at ``path``, at most ``limit``; a :class:`SpecError` naming
     ``file`` for anything else (missing, a folder, a FIFO or device, too large, unreadable).
@@ -399,14 +381,14 @@ def read_bounded(path: str | Path, file: str | None = None, limit: int = MAX_BYT
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise fail(_OPEN_ERRORS.get(exc.errno, f"cannot open it: {exc.strerror or type(exc).__name__}")) from None
+        raise fail(error_problem(exc, path)) from None
     except (ValueError, TypeError):  # a NUL byte in the name
         raise fail("not a valid file name") from None
     try:
         info = os.fstat(fd)
-        for test, reason in _NOT_FILES:
-            if test(info.st_mode):
-                raise fail(reason)
+        reason = mode_problem(info.st_mode)
+        if reason is not None:
+            raise fail(reason)
         if info.st_size > limit:
             raise fail(f"{_size(info.st_size)}, more than the {_size(limit)} a file of this kind may have")
         chunks, total = [], 0

@@ -21,6 +21,8 @@ import difflib
 import os
 from pathlib import Path
 
+from yamlformer.builder.paths import exists
+
 #: the file endings of zoo entries
 SUFFIXES = (".yaml", ".yml")
 
@@ -104,7 +106,7 @@ def locate(text: str | Path, base: str | Path | None = None) -> Path:
     path = Path(raw).expanduser()
     if not path.is_absolute() and base is not None:
         path = Path(base) / path
-    if path.exists() or not raw.strip():
+    if exists(path) or not raw.strip():  # a link that is there is refused as what it is (a loop)
         return path
     entry = find(raw)
     if entry is not None:
@@ -135,5 +137,5 @@ def shown(path: str | Path) -> str:
     path = Path(path)
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):  # outside it, or no resolving (a loop of links)
         return str(path)
