@@ -328,3 +328,12 @@ def test_a_resumed_run_trains_as_an_unbroken_one(tmp_path):
         tmp_path / "whole" / "run" / "checkpoints" / "last.ckpt",
         tmp_path / "broken" / "run" / "checkpoints" / "last.ckpt",
     )
+
+
+def test_fsdp_is_refused_before_any_work(tmp_path):
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.training.resolved import resolve_run
+
+    path = _recipe(tmp_path, trainer={"strategy": "fsdp"})
+    with pytest.raises(RecipeError, match="does not train under strategy: fsdp"):
+        resolve_run(load_recipe(path), path)
