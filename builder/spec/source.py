@@ -186,9 +186,12 @@ class _Located(Composer, SafeConstructor, Resolver):
         """PyYAML's composer (recursive) with the depth and the node count checked as it goes."""
         self.depth += 1
         self.composed += 1
+        # the field path composed so far: a mapping's value comes with its key node, a list's item with its index
+        key = index.value if isinstance(index, ScalarNode) else index if isinstance(index, int) else None
+        self.trail = [*getattr(self, "trail", [])[: self.depth - 1], key]
         try:
             if self.depth > MAX_DEPTH:
-                self._stop(f"nested more than {MAX_DEPTH} levels deep")
+                self._stop(f"nested more than {MAX_DEPTH} levels deep (the limit)")
             if self.composed > MAX_NODES:
                 self._stop(f"more than {MAX_NODES:,} YAML nodes")
             return Composer.compose_node(self, parent, index)
@@ -197,7 +200,8 @@ class _Located(Composer, SafeConstructor, Resolver):
 
     def _stop(self, message: str):
         mark = self.peek_event().start_mark
-        raise SpecError([Problem(self.file, mark.line + 1, mark.column + 1, "", message)])
+        path = tuple(part for part in self.trail if part is not None)
+        raise SpecError([Problem.at(Mark(self.file, mark.line + 1, mark.column + 1), path, message)])
 
     # -- building ---------------------------------------------------------------------------
 
