@@ -7,6 +7,11 @@ store binds it again only seconds later, after the other ranks have started. Any
 opened in between (another run's gloo ranks, a package download) can take it, and the run dies
 at start with ``EADDRINUSE``. A port below the ephemeral range is never handed out implicitly, so
 only another listener can hold it, which :func:`free_port` checks.
+
+Under SLURM every task is started by ``srun`` and none of them may pick a port of its own (each
+would pick a different one and wait for the others at it until the job's time limit): every task
+derives the same port from the job's id (:func:`slurm_port`), as Lightning would, but below the
+ephemeral range like the others.
 """
 
 from __future__ import annotations
@@ -57,11 +62,32 @@ def free_port(tries: int = 64) -> int | None:
     return None
 
 
+def slurm_port(job_id: int) -> int:
+    """The port every task of SLURM job ``job_id`` meets at: the same in each task, below the
+    ephemeral range (or above it where that leaves no room), different for jobs whose ids differ
+    by less than the span."""
+    low, high = ephemeral_range()
+    span = (LOWEST, low) if low - LOWEST >= 1000 else (high + 1, 65536)
+    return span[0] + job_id % (span[1] - span[0])
+
+
+def under_slurm() -> bool:
+    """Whether Lightning runs this process as a task of a SLURM job (``srun``; a job named
+    ``bash`` or ``interactive`` is Lightning's way to opt out)."""
+    return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
 def choose_main_port(num_nodes: int, processes: int) -> None:
-    """Set ``MASTER_PORT`` for a single-node run of several processes that has none (a launcher
-    such as torchrun or SLURM, or the user, sets it otherwise; the ranks Lightning starts inherit
-    it)."""
-    if num_nodes != 1 or processes < 2 or "MASTER_PORT" in os.environ:
+    """Set ``MASTER_PORT`` for a run that has none: under SLURM the port derived from the job
+    (:func:`slurm_port`, the same in every task); else for a single-node run of several processes
+    a free one (the ranks Lightning starts inherit it). torchrun, or the user, set it otherwise."""
+    if "MASTER_PORT" in os.environ:
+        return
+    if under_slurm():
+        with contextlib.suppress(KeyError, ValueError):
+            os.environ["MASTER_PORT"] = str(slurm_port(int(os.environ["SLURM_JOB_ID"])))
+        return
+    if num_nodes != 1 or processes < 2:
         return
     port = free_port()
     if port is not None:

@@ -46,6 +46,7 @@ from yamlformer.recipes.training.checkpointing import AtomicCheckpointIO, Recipe
 from yamlformer.recipes.training.dry_run import devices_line, recipe_estimate
 from yamlformer.recipes.training.precision import lightning_plugin, matmul_precision, on_cuda, resolve_precision
 from yamlformer.recipes.training.pretrained import freeze_parts, load_init_from
+from yamlformer.recipes.training.requeue import requeue
 from yamlformer.recipes.training.resolved import Run, resolve_run
 from yamlformer.recipes.training.resume import builder_meta, check_recipe_early, given_checkpoint, trained_differently
 from yamlformer.recipes.training.run_folder import claim, owns_run_folder, recipe_dump, resume_differences
@@ -71,6 +72,7 @@ class _Quiet(logging.Filter):
         "`Trainer.fit` stopped:",
         "does not have many workers",
         "set_float32_matmul_precision",  # trainer.matmul_precision sets it (make_trainer)
+        "The `srun` command is available on your system but is not used",  # a run outside SLURM is meant so
     )  # one worker makes batches far faster than a step takes them
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -392,8 +394,9 @@ def run_session(run: Run, fresh: bool, resume: str | bool | None = None):
 
 
 def stop_callback(stop, checkpoints: RecipeCheckpoint):
-    """The callback that saves ``last.ckpt`` and stops at a signal; goes last in the list."""
-    return StopOnSignal(stop, checkpoints.save_last)
+    """The callback that saves ``last.ckpt`` and stops at a signal (and requeues a SLURM job after
+    its warning, :mod:`yamlformer.recipes.training.requeue`); goes last in the list."""
+    return StopOnSignal(stop, checkpoints.save_last, then=requeue)
 
 
 def throughput_for(run: Run, prepared, flops_per_token: int):

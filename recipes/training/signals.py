@@ -9,6 +9,11 @@ SIGTERM, 130 for SIGINT, 138 for SIGUSR1). Before training starts there is nothi
 the run stops at once; after it ends every checkpoint is already written. A second signal while
 the step finishes stops at once, keeping the last checkpoint written.
 
+Once the checkpoint is written no rank exits before the others have it and, under SLURM, before
+rank 0 has requeued the job after its ``SIGUSR1`` (:mod:`yamlformer.recipes.training.requeue`):
+the ranks meet at a barrier, and a signal then (``srun --kill-on-bad-exit`` stopping the ranks, the
+requeue ending the job) is let pass once, since the run is already stopping with its checkpoint.
+
 Lightning's own handlers are set aside while training runs: its SIGTERM handler stops at a point
 that can differ between ranks, and its SLURM ``SIGUSR1`` handler saves from inside the handler,
 mid-step, to ``hpc_ckpt_N.ckpt`` files a resume does not read. Here every rank stops at the same
@@ -58,9 +63,16 @@ class SignalStop:
         self.deferring = False
         self.trained = False  # training has ended: every checkpoint is written
         self.forward: Callable[[int], None] | None = None  # passes a signal on to launched ranks
+        self.done: Stopped | None = None  # the stop of a run whose checkpoint is written
+        self._let_pass = 1  # signals let pass once done (the requeue and the exit race them)
         self._previous: dict[int, object] = {}
 
     def handle(self, signum, frame) -> None:
+        if self.done is not None:
+            if self._let_pass:
+                self._let_pass -= 1
+                return
+            raise self.done
         if self.deferring and self.received is None:
             self.received = signum  # acted on at the end of this optimizer step
             return
@@ -101,11 +113,14 @@ class SignalStop:
 
 class StopOnSignal(L.Callback):
     """Saves ``last.ckpt`` (``save(trainer) -> path``) and raises :class:`Stopped` at the first
-    optimizer-step boundary after a signal, on every rank at the same step. Goes after the
-    callbacks that save at the end of training."""
+    optimizer-step boundary after a signal, on every rank at the same step. ``then(signum)``, on
+    global rank 0 once the checkpoint is written and before any rank exits, says what becomes of
+    the run (a SLURM requeue) or None. Goes after the callbacks that save at the end of training."""
 
-    def __init__(self, stop: SignalStop, save: Callable[[L.Trainer], Path]):
-        self.stop, self.save = stop, save
+    def __init__(
+        self, stop: SignalStop, save: Callable[[L.Trainer], Path], then: Callable[[int], str | None] | None = None
+    ):
+        self.stop, self.save, self.then = stop, save, then
         self._inflight = None  # (pinned host copy, CUDA event) of the last step's agreement
         self._buffers = None
         self._steps = 0
@@ -153,7 +168,13 @@ class StopOnSignal(L.Callback):
             saved = self.save(trainer)
         except CheckpointWriteError as exc:
             raise Stopped(signum, f"at step {step}; {exc}") from None
-        raise Stopped(signum, f"at step {step}; saved {saved}; run the same command to resume")
+        self.stop.done = Stopped(signum, f"at step {step}; saved {saved}; run the same command to resume")
+        after = self.then(signum) if self.then is not None and trainer.is_global_zero else None
+        if after is not None:
+            self.stop.done = Stopped(signum, f"at step {step}; saved {saved}; {after}")
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank exits before the checkpoint is written and the job requeued
+        raise self.stop.done
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
