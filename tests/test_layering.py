@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 import graphlib
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -146,6 +148,9 @@ LOADS_WITHOUT_TORCH = (
     "yamlformer.recipes.training.run_folder",
     "yamlformer.recipes.training.dry_run",
 )
+#: commands whose every run builds a model import torch at their top: ``builder`` imports only
+#: the command it runs (``test_builder_imports_only_the_command_it_runs``), so no other pays for it
+TORCH_COMMANDS = ("yamlformer.builder.cli.compare",)
 #: builder's subpackages that import neither torch, Lightning nor recipes, through anything they import
 PURE = ("yamlformer.builder.spec", "yamlformer.builder.analysis")
 HEAVY = {"torch", "lightning", "yamlformer.recipes"}
@@ -291,6 +296,7 @@ def test_what_must_load_without_torch_does(pattern):
     modules = _modules()
     chosen = [m for m in modules if m == pattern or (pattern.endswith(".*") and m.startswith(pattern[:-1]))]
     assert chosen, pattern
+    chosen = [m for m in chosen if m not in TORCH_COMMANDS]
     wrong = []
     for module in chosen:
         via = _loaded_with(module)
@@ -400,3 +406,32 @@ def test_every_local_import_says_why():
             if not above.startswith("#") and "#" not in lines[first.lineno - 1]:
                 silent.append(f"{path.relative_to(ROOT)}:{first.lineno}")
     assert not silent, "local imports without a reason:\n" + "\n".join(silent)
+
+
+def test_builder_imports_only_the_command_it_runs():
+    """``builder validate`` builds its own subparser only: no other command's module is imported
+    (each may then import what it needs at its top), and ``builder --help`` imports none, while
+    still listing every command with its help."""
+    probe = (
+        "import sys, io, contextlib\n"
+        "from yamlformer.builder.cli import commands, main\n"
+        "table = commands()\n"
+        "loaded = lambda: sorted(name for name, (module, _) in table.items() if module in sys.modules)\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(loaded())\n"
+        "print(all(name in out.getvalue() for name in table))\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    status = main(['validate', {str(ROOT / 'specs' / 'tiny' / 'llama.yaml')!r}])\n"
+        "print(status, loaded())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    helped, listed, validated = done.stdout.splitlines()
+    assert helped == "[]", f"builder --help imported command modules: {helped}"
+    assert listed == "True", "builder --help does not list every command"
+    assert validated == "0 ['validate']", validated

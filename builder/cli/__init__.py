@@ -1,19 +1,23 @@
 """The ``builder`` command line.
 
-Each command is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; modules
-import torch (and Lightning) inside ``run`` only, so ``builder validate`` and ``builder
-describe`` start fast. ``builder``'s own commands are the other modules of ``builder/cli/``
-(:data:`COMMANDS`); other packages add theirs through the ``yamlformer.commands`` entry-point
-group (``name = "package.module"``; the module docstring's first line is its help): the
-recipes' ``train``, ``eval``, ``generate`` and ``tokenize`` join so, declared in
-``pyproject.toml``, and ``builder`` never imports ``recipes``.
+Each command is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+``builder`` imports only the module of the command being run (:func:`parser` with its name):
+the other commands are listed by name and one-line help, read from :data:`COMMANDS` and from
+the entry points' module docstrings without importing them, so a command's module may import
+what it needs at its top and still not slow down another command. ``builder``'s own commands
+are the other modules of ``builder/cli/`` (:data:`COMMANDS`); other packages add theirs through
+the ``yamlformer.commands`` entry-point group (``name = "package.module"``; the module
+docstring's first line is its help): the recipes' ``train``, ``eval``, ``generate`` and
+``tokenize`` join so, declared in ``pyproject.toml``, and ``builder`` never imports ``recipes``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -42,17 +46,34 @@ GROUP = "yamlformer.commands"
 
 
 def commands() -> dict[str, tuple[str, str]]:
-    """Every command, name -> (module, one-line help): builder's own, then the entry points'."""
+    """Every command, name -> (module, one-line help): builder's own, then the entry points'
+    (their help read from the module's source, not by importing it)."""
     table = dict(COMMANDS)
     for entry in importlib.metadata.entry_points(group=GROUP):
-        table.setdefault(entry.name, (entry.value, help_of(importlib.import_module(entry.value))))
+        table.setdefault(entry.name, (entry.value, help_of(docstring_of(entry.value))))
     return table
 
 
-def help_of(module) -> str:
+def docstring_of(module: str) -> str:
+    """The docstring of the module named ``module``, read from its source file (its packages are
+    imported to find it, the module itself is not); empty when it has none or cannot be found."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or not spec.origin or not spec.has_location:
+        return ""
+    try:
+        with open(spec.origin, encoding="utf-8") as source:
+            return ast.get_docstring(ast.parse(source.read(), spec.origin)) or ""
+    except (OSError, SyntaxError, ValueError):
+        return ""
+
+
+def help_of(docstring: str) -> str:
     """A command module's one-line help: the first line of its docstring without the usage that
     opens it (```builder train RECIPE`: ``) and the full stop that ends it."""
-    line = (module.__doc__ or "").strip().partition("\n")[0]
+    line = (docstring or "").strip().partition("\n")[0]
     return re.sub(r"^`+[^`]*`+:\s*", "", line).removesuffix(".")
 
 
@@ -135,8 +156,15 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def parser() -> argparse.ArgumentParser:
-    # local: builder --help imports every command's module; this one's work loads when it runs
+#: :func:`parser`'s default: every command's arguments (the shell completion scripts, the tests
+#: that read every option)
+EVERY = "*"
+
+
+def parser(command: str | None = EVERY) -> argparse.ArgumentParser:
+    """``builder``'s parser: every command listed, and the arguments of ``command`` (its module
+    imported), of every command (:data:`EVERY`) or of none (``None``: ``builder --help``)."""
+    # local: shtab is needed only where the completion option is added, every parser here
     import shtab
 
     root = ArgumentParser(
@@ -164,11 +192,27 @@ def parser() -> argparse.ArgumentParser:
         if not installed():
             root.epilog = root.missing = NOT_INSTALLED
     for name, (module, help_text) in table.items():
-        command = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
-        importlib.import_module(module).add_arguments(command)
-        command.set_defaults(_module=module)
-        _complete_files(command)
+        if command not in (EVERY, name):
+            sub.add_parser(name, help=help_text)  # named and helped; never parsed in this run
+            continue
+        one = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+        importlib.import_module(module).add_arguments(one)
+        one.set_defaults(_module=module)
+        _complete_files(one)
     return root
+
+
+def command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` runs (its first word that is not an option), :data:`EVERY` where it
+    asks for a completion script (written from every command's options), ``None`` for none."""
+    for word in argv:
+        if word == "--print-completion" or word.startswith("--print-completion="):
+            return EVERY
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return word
+    return None
 
 
 #: bash: a positional that takes a zoo name completes zoo names (`builder list --names`, which
@@ -212,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"builder: {problem}", file=sys.stderr)
         return 1
     try:
-        args = parser().parse_args(argv)
+        words = sys.argv[1:] if argv is None else argv
+        args = parser(command_in(words)).parse_args(words)
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
         print("\nbuilder: interrupted", file=sys.stderr)

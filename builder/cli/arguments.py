@@ -111,7 +111,7 @@ def device(text: str) -> str:
         if index not in (None, "0"):
             raise argparse.ArgumentTypeError(f"takes cpu, cuda, cuda:N or mps, got {_cut(text)}")
         return kind
-    # local: builder --help imports every command's module; this one's work loads when it runs
+    # local: the torch-free commands (validate, describe, plan) share these argument types
     import torch
 
     if kind == "mps":

@@ -10,6 +10,8 @@ import argparse
 import sys
 import time
 
+from yamlformer.builder.analysis.calibration import user_folder
+
 
 def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     """The kernel-rate options (the module doc) on ``builder plan``'s parser."""
@@ -42,9 +44,6 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
 def calibrate(args: argparse.Namespace) -> str | None:
     """Measure this machine's GPU (``--cpu``: the CPU's machinery) into its calibration table in
     ``--calibration-dir``; its key (what ``--gpu`` names it), or None (said why) when it cannot."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.calibration import user_folder
-
     try:
         # local: builder --help imports every command's module; this one's work loads when it runs
         import torch

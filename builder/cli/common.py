@@ -17,6 +17,9 @@ import argparse
 import sys
 from typing import Any
 
+from yamlformer.builder.spec.loader import SpecError, load_spec, parse_set_args
+from yamlformer.builder.spec.plugins import PluginError, load_plugins
+
 
 def add_spec_options(parser: argparse.ArgumentParser) -> None:
     """Add ``--set KEY=VALUE`` (repeatable) and ``--plugin MODULE`` (repeatable)."""
@@ -45,17 +48,11 @@ def add_plugin_option(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--set`` values parsed as YAML; raises ``SpecError`` for a malformed one."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.loader import parse_set_args
-
     return parse_set_args(getattr(args, "overrides", None) or [])
 
 
 def load_plugins_from_args(args: argparse.Namespace) -> None:
     """Import the ``yamlformer.blocks`` entry points and every ``--plugin``; raises ``PluginError``."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.plugins import load_plugins
-
     load_plugins(getattr(args, "plugins", None) or [])
 
 
@@ -65,10 +62,6 @@ def spec_from_args(args: argparse.Namespace, path: str | None = None, exit_on_er
     On a bad spec, a bad ``--set`` or a failing plugin, prints the located problems on stderr and
     exits with status 1 (``exit_on_error=False`` raises ``SpecError``/``PluginError`` instead).
     """
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.loader import SpecError, load_spec
-    from yamlformer.builder.spec.plugins import PluginError
-
     try:
         load_plugins_from_args(args)
         return load_spec(path if path is not None else args.spec, overrides_from_args(args))

@@ -8,7 +8,14 @@ import argparse
 import json
 import sys
 
-from yamlformer.builder.cli.common import add_spec_options
+from rich.console import Console
+from rich.table import Table
+
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.analysis.layout import LayoutError, layer_tensor_count
+from yamlformer.builder.analysis.report import actual_params, compare_rows
+from yamlformer.builder.assemble import build_model
+from yamlformer.builder.cli.common import add_spec_options, spec_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +36,6 @@ class TooLargeToBuild(ValueError):
 def compare(spec) -> dict:
     """``{"estimated", "actual", "match", "components": [...]}`` for a loaded spec; raises
     :class:`TooLargeToBuild` beyond :data:`MAX_TENSORS` parameter tensors."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.layout import LayoutError, layer_tensor_count
-
     try:
         n_tensors = layer_tensor_count(spec)
     except LayoutError:  # a plugin block that declares no shapes: cannot count before building
@@ -42,11 +46,6 @@ def compare(spec) -> dict:
             f"{MAX_TENSORS:,} compare builds on the meta device; `builder describe` counts it "
             "without building"
         )
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.estimates import estimate
-    from yamlformer.builder.analysis.report import actual_params, compare_rows
-    from yamlformer.builder.assemble import build_model  # torch: only for a model it builds
-
     est = estimate(spec, seq_len=1)
     model = build_model(spec, device="meta")
     actual = actual_params(model)
@@ -62,9 +61,6 @@ def compare(spec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.common import spec_from_args
-
     spec = spec_from_args(args)
     try:
         result = compare(spec)
@@ -74,10 +70,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from rich.console import Console
-        from rich.table import Table
-
         table = Table(title=f"{result['name']}: estimated vs built (meta device)", title_justify="left")
         for column in ("component", "estimated", "built", "difference", ""):
             table.add_column(column, justify="left" if column == "component" else "right")

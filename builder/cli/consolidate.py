@@ -14,6 +14,10 @@ import os
 import sys
 from pathlib import Path
 
+from yamlformer.builder.checkpoints import CheckpointError, load_model, peek_meta, user_mode, write_reason
+from yamlformer.builder.hf.weights import save_weights
+from yamlformer.builder.outputs import OutputError, claim_file
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by `builder train` (folder or file)")
@@ -29,11 +33,6 @@ def consolidate(path: str | Path, out: str | Path, overwrite: bool = False) -> P
     it, so a failed write leaves no partial file (a :class:`CheckpointError` says why). An
     existing ``out`` is replaced only with ``overwrite``, and never when it is (or is inside) the
     checkpoint (:class:`yamlformer.builder.outputs.OutputError`)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.checkpoints import CheckpointError, load_model, peek_meta, user_mode, write_reason
-    from yamlformer.builder.hf.weights import save_weights
-    from yamlformer.builder.outputs import claim_file
-
     peek_meta(path)  # a checkpoint that is not there, or not ours, is named first (a cheap read)
     claim_file(out, [path], overwrite)
     model, builder = load_model(path)
@@ -54,10 +53,6 @@ def consolidate(path: str | Path, out: str | Path, overwrite: bool = False) -> P
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.checkpoints import CheckpointError
-    from yamlformer.builder.outputs import OutputError
-
     if not args.out.endswith(".safetensors"):
         print(f"builder consolidate: -o {args.out}: the output is a .safetensors file", file=sys.stderr)
         return 1

@@ -14,6 +14,11 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
+
+from yamlformer.builder.kinds import kinds
+from yamlformer.builder.zoo import did_you_mean, find, name_of
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="a zoo spec or recipe by name (`builder list`), e.g. llama3-8b")
@@ -22,10 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.kinds import kinds
-    from yamlformer.builder.zoo import did_you_mean, find
-
     entry = find(args.name)
     if entry is None:
         print(
@@ -60,10 +61,6 @@ def rewrite_references(text: str, source: Path, fields) -> tuple[str, list[tuple
     """``text`` (the YAML of ``source``) with each of ``fields`` that holds a path relative to
     ``source`` rewritten to the zoo name of the file it names (its absolute path when that is not
     in the zoo). Returns the new text and ``(field, old, new)`` for each change."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    import yaml
-
-    from yamlformer.builder.zoo import name_of
 
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     edits = []
@@ -83,9 +80,6 @@ def rewrite_references(text: str, source: Path, fields) -> tuple[str, list[tuple
 
 
 def _node_at(node, path):
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    import yaml
-
     for key in path:
         if not isinstance(node, yaml.MappingNode):
             return None

@@ -12,8 +12,14 @@ import json
 import sys
 
 from yamlformer.blocks.limits import MAX_HEADS, MAX_SEQ_LEN
+from yamlformer.builder.analysis.estimates import Step, estimate
+from yamlformer.builder.analysis.layout import Layout, LayoutError, check_layout
+from yamlformer.builder.analysis.layout_memory import layout_memory as rank_memory
+from yamlformer.builder.analysis.report import human_bytes, plot, print_describe
 from yamlformer.builder.cli.arguments import MAX_BATCH, MAX_DEVICES, at_most, count
-from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options, spec_from_args
+from yamlformer.builder.hf import export_line
+from yamlformer.builder.parametrization import summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,10 +124,6 @@ def add_estimate_options(parser: argparse.ArgumentParser) -> None:
 def estimate_from_args(spec, args: argparse.Namespace):
     """The estimate the sizing options ask for; a bad combination raises ``ValueError`` whose
     message names the option (``--tensor-parallel 3: decoder.attention.n_heads: ...``)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.estimates import Step, estimate
-    from yamlformer.builder.analysis.layout import Layout, LayoutError
-
     limit = f"{spec.name}'s max_seq_len"
     at_most("--seq-len", args.seq_len, spec.max_seq_len, limit)
     at_most("--src-len", args.src_len, spec.max_seq_len, limit)
@@ -154,9 +156,6 @@ def estimate_from_args(spec, args: argparse.Namespace):
         )
         full = _five_d(layout, args)
         if full is not None:
-            # local: builder --help imports every command's module; this one's work loads when it runs
-            from yamlformer.builder.analysis.layout import check_layout
-
             check_layout(spec, full, args.seq_len or spec.max_seq_len)
         return estimate(spec, step, layout)
     except LayoutError as exc:
@@ -174,11 +173,6 @@ def _five_d(layout, args):
 def layout_memory(spec, args) -> dict | None:
     """Per-GPU memory of the options' layout with pipeline, context or expert parallelism
     (:func:`yamlformer.builder.analysis.layout_memory.layout_memory`); None for other layouts."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.estimates import Step
-    from yamlformer.builder.analysis.layout import Layout
-    from yamlformer.builder.analysis.layout_memory import layout_memory as count
-
     layout = _five_d(
         Layout(
             devices=args.devices,
@@ -191,7 +185,7 @@ def layout_memory(spec, args) -> dict | None:
     )
     if layout is None:
         return None
-    return count(
+    return rank_memory(
         spec,
         layout,
         seq_len=Step(seq_len=args.seq_len).seq_len or spec.max_seq_len,
@@ -213,17 +207,10 @@ def option_error(exc) -> str:
 
 
 def _layout_text(data: dict) -> str:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.layout import Layout
-
     return Layout.from_dict(data).describe()
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.common import spec_from_args
-    from yamlformer.builder.parametrization import summary
-
     spec = spec_from_args(args)
     try:
         est = estimate_from_args(spec, args)
@@ -235,15 +222,8 @@ def run(args: argparse.Namespace) -> int:
         shown = {"parametrization": summary(spec), **({"layout_memory": five_d} if five_d else {})}
         print(json.dumps({**est.to_dict(), **shown}, indent=2))
     else:
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from yamlformer.builder.analysis.report import print_describe
-        from yamlformer.builder.hf import export_line
-
         print_describe(spec, est)
         if five_d:
-            # local: builder --help imports every command's module; this one's work loads when it runs
-            from yamlformer.builder.analysis.report import human_bytes
-
             parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in five_d["parts"].items())
             print(
                 f"per GPU on {_layout_text(five_d['layout'])} (the stage holding the most, micro-batches of "
@@ -253,9 +233,6 @@ def run(args: argparse.Namespace) -> int:
             )
         print(f"export: {export_line(spec)}")
     if args.plot:
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from yamlformer.builder.analysis.report import plot
-
         plot(spec, est, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")

@@ -16,8 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from yamlformer.builder.cli.common import add_spec_options
+from rich.console import Console
+
+from yamlformer.builder.analysis.report import MISSING, diff_table
+from yamlformer.builder.cli.common import add_spec_options, spec_from_args
 from yamlformer.builder.cli.describe import add_estimate_options, estimate_from_args
+from yamlformer.builder.parametrization import describe_lines, summary
 
 #: (quantity, estimate attribute path, unit) in the order they are reported
 EFFECTS = (
@@ -56,9 +60,6 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def field_differences(spec_a, spec_b) -> list[tuple[str, Any, Any]]:
     """``(dotted path, value in A, value in B)`` for every resolved field that differs."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.report import MISSING
-
     a = flatten(spec_a.model_dump(exclude={"extends"}))
     b = flatten(spec_b.model_dump(exclude={"extends"}))
     paths = list(a) + [p for p in b if p not in a]
@@ -84,10 +85,6 @@ def effects(est_a, est_b) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.common import spec_from_args
-    from yamlformer.builder.parametrization import describe_lines, summary
-
     spec_a = spec_from_args(args, args.spec_a)
     spec_b = spec_from_args(args, args.spec_b)
     shorter = min(spec_a, spec_b, key=lambda spec: spec.max_seq_len)
@@ -117,11 +114,6 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from rich.console import Console
-
-        from yamlformer.builder.analysis.report import diff_table
-
         label_a, label_b = Path(args.spec_a).name, Path(args.spec_b).name
         if label_a == label_b:
             label_a, label_b = f"A: {label_a}", f"B: {label_b}"
@@ -139,7 +131,4 @@ def _get(obj, path: str):
 
 
 def _jsonable(value):
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.report import MISSING
-
     return None if value is MISSING else value

@@ -21,7 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from yamlformer.builder.analysis.estimates import estimate
 from yamlformer.builder.cli.arguments import output_folder, text
+from yamlformer.builder.hf import HFError, import_hf
+from yamlformer.builder.hf.peft import import_peft, is_peft_folder
+from yamlformer.builder.hf.tokenizer import read_tokenizer, to_tokenizers
+from yamlformer.builder.outputs import OutputError
+from yamlformer.builder.spec.loader import SpecError, load_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,14 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.estimates import estimate
-    from yamlformer.builder.hf import HFError, import_hf
-    from yamlformer.builder.hf.peft import import_peft, is_peft_folder
-    from yamlformer.builder.hf.tokenizer import read_tokenizer, to_tokenizers
-    from yamlformer.builder.outputs import OutputError
-    from yamlformer.builder.spec.loader import SpecError, load_spec
-
     try:
         if is_peft_folder(args.folder):
             spec_path, weights_path = import_peft(

@@ -16,6 +16,16 @@ import json
 import re
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
+from yamlformer.builder.analysis.estimates import estimate
+from yamlformer.builder.analysis.report import human
+from yamlformer.builder.hf import Unsupported, choose_family
+from yamlformer.builder.kinds import kinds
+from yamlformer.builder.spec.loader import SpecError
+from yamlformer.builder.zoo import entries
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -29,11 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rows(kind: str | None = None) -> list[dict]:
     """One dict per zoo entry: name, kind, family, export, params, description, path."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.kinds import kinds
-    from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.builder.zoo import entries
-
     table = kinds()
     out = []
     for entry in entries().values():
@@ -65,10 +70,6 @@ def summarize(kind, path: Path) -> dict:
     model type the spec exports to exactly (``export``, None when none does), else its architecture."""
     if kind.model is None:
         return {}
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.estimates import estimate
-    from yamlformer.builder.hf import Unsupported, choose_family
-
     spec, facts = kind.model(path)
     try:
         export = choose_family(spec)[0].model_type
@@ -98,23 +99,13 @@ def description(path: Path, width: int = 56) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.report import human
-
     if args.names:  # read nothing but the zoo's folders: completion asks this at every TAB
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from yamlformer.builder.zoo import entries
-
         print("\n".join(name for name, entry in entries().items() if args.kind in (None, entry.kind)))
         return 0
     found = rows(args.kind)
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(
         title="the zoo: `builder describe NAME`, `builder train NAME`, `builder cp NAME my.yaml`", title_justify="left"
     )

@@ -13,8 +13,10 @@ import argparse
 import json
 
 from yamlformer.builder.cli.arguments import count
-from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options, load_plugins_from_args
+from yamlformer.builder.kinds import kinds
 from yamlformer.builder.spec.json_schema import spec_json_schema  # noqa: F401  (the command's Python form)
+from yamlformer.builder.spec.plugins import PluginError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,18 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.common import load_plugins_from_args
-    from yamlformer.builder.spec.plugins import PluginError
-
     try:
         load_plugins_from_args(args)
     except PluginError as exc:
         print(f"error: {exc}")
         return 1
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.kinds import kinds
-
     kind = kinds().get("recipe" if args.recipe else "spec")
     if kind is None:
         print("error: no recipe kind: the recipes package is not installed")

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options, load_plugins_from_args, overrides_from_args
+from yamlformer.builder.kinds import kind_of
+from yamlformer.builder.spec.kind import KIND as SPEC
+from yamlformer.builder.spec.loader import SpecError, locate_file, read_merged
+from yamlformer.builder.spec.plugins import PluginError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,11 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.common import load_plugins_from_args, overrides_from_args
-    from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.builder.spec.plugins import PluginError
-
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
@@ -55,11 +54,6 @@ def run(args: argparse.Namespace) -> int:
 
 def validate_any(path: str, overrides) -> list:
     """The problems of one file, checked as the kind its keys say (a spec when they say nothing)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.kinds import kind_of
-    from yamlformer.builder.spec.kind import KIND as SPEC
-    from yamlformer.builder.spec.loader import SpecError, locate_file, read_merged
-
     try:
         found, _ = locate_file(path)
         kind = kind_of(read_merged(found).data) or SPEC

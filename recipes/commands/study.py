@@ -15,11 +15,21 @@ import json
 import sys
 from pathlib import Path
 
+from yamlformer.builder.analysis.hardware import Cluster
+from yamlformer.builder.analysis.hardware import gpu as hardware_gpu
+from yamlformer.builder.analysis.mfu import peak_flops
+from yamlformer.builder.analysis.plan import plan
+from yamlformer.builder.analysis.report import human
+from yamlformer.builder.cli.arguments import count, number, output_file
+from yamlformer.builder.spec.loader import parse_set_args
+from yamlformer.builder.spec.source import SpecError
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.studies import report, scaling, store
+from yamlformer.recipes.studies.schema import load_study
+from yamlformer.recipes.studies.variants import axis_values, budget_axis, check, step_shape, variant_model
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import count, number, output_file
-
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = actions.add_parser("show", help="the table of trials")
     report = actions.add_parser("report", help="the table, the Pareto front, plots (PNG) and CSV/JSON exports")
@@ -88,10 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.source import SpecError
-    from yamlformer.recipes.errors import RecipeError
-
     try:
         return {"show": _show, "report": _report, "fit": _fit}[args.action](args)
     except SpecError as exc:
@@ -103,19 +109,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(args):
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies import report, store
-    from yamlformer.recipes.studies.schema import load_study
-
     loaded = load_study(args.study)
     study, _ = store.open_study(loaded, create=False)
     return loaded, report.rows(loaded, study)
 
 
 def _show(args) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies import report
-
     loaded, table = _table(args)
     if args.json:
         print(json.dumps({"study": loaded.name, "trials": table}, default=str))
@@ -125,9 +124,6 @@ def _show(args) -> int:
 
 
 def _report(args) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies import report
-
     loaded, table = _table(args)
     folder = Path(args.out) if args.out else loaded.root / "report"
     csv_path = Path(args.csv) if args.csv else folder / "trials.csv"
@@ -145,9 +141,6 @@ def _report(args) -> int:
 
 
 def _fit(args) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies import scaling
-
     loaded, table = _table(args)
     kept = [r for r in table if args.max_flops is None or (r["flops"] or 0) <= args.max_flops]
     params, tokens, losses = scaling.study_points(kept)
@@ -192,9 +185,6 @@ def _compute(args) -> float | None:
         return args.flops
     if args.gpu_hours is None or args.mfu is None:
         return None
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.mfu import peak_flops
-
     peak = peak_flops(args.gpu, args.dtype)
     if peak is None:
         raise ValueError(f"--gpu {args.gpu!r}: no peak FLOP/s known for it (builder plan's GPUs: H100 SXM, A100, ...)")
@@ -206,12 +196,6 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
     plan``'s fastest layout for its recipe's sequence length and global batch (rounded up to a
     multiple of the GPUs), its predicted tokens/s per GPU x the hours x its FLOPs per token. A
     model no layout fits is left out (said on stderr); none fitting is a ValueError."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.hardware import Cluster
-    from yamlformer.builder.analysis.hardware import gpu as hardware_gpu
-    from yamlformer.builder.analysis.plan import plan
-    from yamlformer.recipes.studies.variants import axis_values, budget_axis, step_shape, variant_model
-
     row = hardware_gpu(args.gpu)
     peak = row.peak.get(args.dtype)
     if peak is None:
@@ -247,17 +231,10 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
 def _members(table: list[dict]) -> list[dict]:
     """The study's distinct models: parameters, FLOPs per token, family (named by its best tuning,
     ``scaling.best_tuned``)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies import scaling
-
     return [{k: row[k] for k in ("params", "flops_per_token", "family")} for row in scaling.best_tuned(table).values()]
 
 
 def _prediction(loaded, args, fitted) -> dict:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.loader import parse_set_args
-    from yamlformer.recipes.studies.variants import check
-
     variant = check(loaded, parse_set_args(args.predict))
     tokens = args.tokens or variant.tokens
     return {
@@ -272,9 +249,6 @@ def _prediction(loaded, args, fitted) -> dict:
 
 
 def _print_fit(result: dict, fitted) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.report import human
-
     print(
         f"L(N, D) = E + A / N^alpha + B / D^beta fitted to {result['points']} runs (the best final loss per "
         f"parameters and tokens; Huber delta 1e-3 on log loss, L-BFGS from a grid), "

@@ -15,6 +15,27 @@ import os
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
+from yamlformer.builder.analysis.report import human_bytes
+from yamlformer.builder.cli.arguments import ArgumentError, count, input_path, number, output_folder, text
+from yamlformer.builder.spec.loader import SpecError
+from yamlformer.recipes.data.dataset_folder import check_output
+from yamlformer.recipes.data.sources import DocumentStream, find_sources
+from yamlformer.recipes.data.tokenize import matches, tokenize_documents
+from yamlformer.recipes.data.tokenized import STARTED, TOKENIZER_FILES
+from yamlformer.recipes.data.tokenizers import (
+    CharTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    hf_tokenizer,
+    train_sentencepiece,
+)
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import recipe_path
+from yamlformer.recipes.tasks import load_recipe
+
 #: --workers at most (far above any machine's cores; each worker is a process)
 MAX_WORKERS = 1024
 #: --shard-mb at most: 64 GiB of text per shard
@@ -26,15 +47,6 @@ SHARDS_AT_LEAST = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import (
-        count,
-        input_path,
-        number,
-        output_folder,
-        text,
-    )
-
     parser.add_argument(
         "sources",
         nargs="+",
@@ -126,13 +138,6 @@ def shard_mb(given: int | None, sources) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import ArgumentError
-    from yamlformer.recipes.data.dataset_folder import check_output
-    from yamlformer.recipes.data.sources import DocumentStream, find_sources
-    from yamlformer.recipes.data.tokenize import matches, tokenize_documents
-    from yamlformer.recipes.errors import RecipeError
-
     try:
         out = Path(args.output)
         separator = unescape(args.separator) if args.separator is not None else None
@@ -222,11 +227,6 @@ def summarize(dataset, sources) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from rich.console import Console
-    from rich.table import Table
-
-    from yamlformer.builder.analysis.report import human_bytes
 
     # not a terminal (a log, a pipe): wide enough that source paths are printed whole
     console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -288,10 +288,6 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
     section says how to make one: sentencepiece trained on the first :data:`SAMPLE_BYTES` of
     ``documents`` (``train_max_lines`` of their lines sampled), a char table of every character
     in them. A tokenizer a run of the same command in ``out`` already made is reused."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer, hf_tokenizer
-    from yamlformer.recipes.errors import RecipeError
-
     path = Path(argument)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         if path.suffix == ".json":
@@ -309,9 +305,6 @@ def tokenizer_for(argument: str, documents, out: Path, overwrite: bool) -> tuple
 
 
 def _named(read, path: Path):
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.errors import RecipeError
-
     try:
         return read(path)
     except RecipeError as exc:
@@ -319,18 +312,6 @@ def _named(read, path: Path):
 
 
 def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[object, dict]:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.recipes.data.tokenizers import (
-        CharTokenizer,
-        SentencePieceTokenizer,
-        build_tokenizer,
-        train_sentencepiece,
-    )
-    from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.recipe.sections import recipe_path
-    from yamlformer.recipes.tasks import load_recipe
-
     try:
         recipe_file = recipe_path(argument)
     except RecipeError:
@@ -372,10 +353,6 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
 
 def _earlier_tokenizer(out: Path, setting: dict):
     """The tokenizer an unfinished or finished run with the same recipe section saved in ``out``."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.data.tokenized import STARTED, TOKENIZER_FILES
-    from yamlformer.recipes.data.tokenizers import CharTokenizer, SentencePieceTokenizer
-
     try:
         settings = json.loads((out / STARTED).read_text(encoding="utf-8"))["settings"]
     except (OSError, ValueError, KeyError, TypeError):
