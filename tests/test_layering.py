@@ -148,9 +148,6 @@ LOADS_WITHOUT_TORCH = (
     "yamlformer.recipes.training.run_folder",
     "yamlformer.recipes.training.dry_run",
 )
-#: commands whose every run builds a model import torch at their top: ``builder`` imports only
-#: the command it runs (``test_builder_imports_only_the_command_it_runs``), so no other pays for it
-TORCH_COMMANDS = ("yamlformer.builder.cli.compare",)
 #: builder's subpackages that import neither torch, Lightning nor recipes, through anything they import
 PURE = ("yamlformer.builder.spec", "yamlformer.builder.analysis")
 HEAVY = {"torch", "lightning", "yamlformer.recipes"}
@@ -296,7 +293,6 @@ def test_what_must_load_without_torch_does(pattern):
     modules = _modules()
     chosen = [m for m in modules if m == pattern or (pattern.endswith(".*") and m.startswith(pattern[:-1]))]
     assert chosen, pattern
-    chosen = [m for m in chosen if m not in TORCH_COMMANDS]
     wrong = []
     for module in chosen:
         via = _loaded_with(module)
