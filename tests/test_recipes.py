@@ -284,10 +284,10 @@ def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
     path = tiny_recipe(tmp_path)
     run = resolve_run(load_recipe(path, {"trainer.activation_checkpointing": True}), path)
     spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "transformer.yaml")
-    model, flops_per_token = training_model(dataclasses.replace(run, spec=spec), seq_len=16, batch=1)
+    model, est = training_model(dataclasses.replace(run, spec=spec), seq_len=16, batch=1)
     layers = [layer for stack in model.stacks().values() for layer in stack.layers]
     assert len(layers) == 4 and all("forward" in vars(layer) for layer in layers)  # wrapped
-    assert flops_per_token > 0
+    assert est.flops.train_per_token > 0
 
 
 def test_moe_balancing_loss_joins_the_training_loss(tmp_path):

@@ -37,6 +37,7 @@ from yamlformer.builder.zoo import ZooError, locate
 from yamlformer.recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import WORK_PATH, _Section
+from yamlformer.recipes.recipe.loggers import LoggersSection
 from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, spec_base
 from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
 
@@ -228,6 +229,10 @@ class TrainerSection(ParallelismFields, _TrainingFields):
         json_schema_extra=WORK_PATH,
     )
     log_every_n_steps: int = Field(10, ge=1, description="Steps between log lines and progress-bar updates.")
+    loggers: LoggersSection = Field(
+        default_factory=LoggersSection,
+        description="Where metrics go: csv and tensorboard (on), wandb and mlflow (each with its options).",
+    )
 
     @field_validator("precision", mode="before")
     @classmethod

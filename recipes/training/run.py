@@ -50,7 +50,7 @@ from yamlformer.recipes.training.requeue import requeue
 from yamlformer.recipes.training.resolved import Run, resolve_run
 from yamlformer.recipes.training.resume import builder_meta, check_recipe_early, given_checkpoint, trained_differently
 from yamlformer.recipes.training.run_folder import claim, owns_run_folder, recipe_dump, resume_differences
-from yamlformer.recipes.training.run_log import record, resolved_recipe, run_loggers
+from yamlformer.recipes.training.run_log import close_trackers, estimate_params, record, resolved_recipe, run_loggers
 from yamlformer.recipes.training.signals import SignalStop, StopOnSignal
 
 
@@ -94,7 +94,7 @@ def say_devices(run: Run) -> None:
 def describe(run: Run, model, seq_len: int, batch: int, verbose: bool = False) -> int:
     """Print the start-of-run estimate at ``seq_len`` tokens x ``batch`` sequences, checked against
     the built parameters: one line, or with ``verbose`` the full tables ``builder describe``
-    prints. Returns train FLOPs per token."""
+    prints. Returns the estimate."""
     # under fsdp: what each rank holds in this layout (yamlformer.builder.analysis.layout)
     est = recipe_estimate(run.spec, run.recipe, seq_len, batch, devices=device_count(run.recipe.trainer))
     if rank_zero_only.rank == 0:
@@ -106,7 +106,7 @@ def describe(run: Run, model, seq_len: int, batch: int, verbose: bool = False) -
                 highlight=False,
                 soft_wrap=True,
             )
-    return est.flops.train_per_token
+    return est
 
 
 def training_model(
@@ -117,7 +117,7 @@ def training_model(
     printed at ``seq_len`` x ``batch`` (default: the run's), layers checkpointed and compiled as
     the recipe asks. Under ``strategy: fsdp`` it is built on the meta device (unless weights are
     loaded into it) and the strategy shards, checkpoints, compiles and materialises it
-    (``yamlformer.recipes.parallel``). Returns ``(model, train FLOPs per token)``."""
+    (``yamlformer.recipes.parallel``). Returns ``(model, its estimate)``."""
     recipe = run.recipe
     settings = recipe.trainer
     sharded = settings.strategy == "fsdp"
@@ -133,10 +133,10 @@ def training_model(
     if init is not None:
         init(model)
     freeze_parts(model, recipe, run.file)
-    flops_per_token = describe(run, model, seq_len or run.seq_len, batch or run.batch, verbose=verbose)
+    est = describe(run, model, seq_len or run.seq_len, batch or run.batch, verbose=verbose)
     if sharded:
-        return model, flops_per_token  # the strategy parallelises it on its mesh (ShardedStrategy.parallelize)
-    return parallelize(model, settings), flops_per_token  # checkpointing and compile as the recipe asks
+        return model, est  # the strategy parallelises it on its mesh (ShardedStrategy.parallelize)
+    return parallelize(model, settings), est  # checkpointing and compile as the recipe asks
 
 
 def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
@@ -251,10 +251,13 @@ def check_resumable(path: Path, meta: dict, saved: dict | None = None) -> None:
         say(f"resuming with a changed setting: {line}")
 
 
-def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | None = None) -> L.Trainer:
+def make_trainer(
+    recipe: Recipe, out: Path, callbacks: list, resume_step: int | None = None, parent_folder: Path | None = None
+) -> L.Trainer:
     """The recipe's Lightning Trainer writing under ``out`` (progress bar, logs and checkpoint IO
     included); ``callbacks`` go first. ``resume_step``: the step of the checkpoint a resumed run
-    starts from (its logs continue the latest version, from that step)."""
+    starts from (its logs continue the latest version, from that step); ``parent_folder``: the
+    run folder of a checkpoint from elsewhere it starts from (its tracked runs are the parents)."""
     settings = recipe.trainer
     duration = settings.max_time_delta()
     timer = [InvocationTimer(duration)] if duration is not None else []
@@ -273,7 +276,7 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
         accelerator=settings.accelerator,
         devices=settings.devices,
         num_nodes=settings.num_nodes,
-        logger=run_loggers(out, resume_step),
+        logger=run_loggers(out, resume_step, settings.loggers, recipe.name or out.name, parent_folder),
         callbacks=[*callbacks, *timer, StepProgressBar(refresh_rate=settings.log_every_n_steps)],
         plugins=plugins_for(recipe),
         enable_checkpointing=False,
@@ -288,13 +291,22 @@ def make_trainer(recipe: Recipe, out: Path, callbacks: list, resume_step: int | 
     )
 
 
-def run_trainer(run: Run, callbacks: list, ckpt: Path | None) -> L.Trainer:
+def run_trainer(run: Run, callbacks: list, ckpt: Path | None, est=None) -> L.Trainer:
     """The trainer stage: :func:`make_trainer` for this run; a run resumed from ``ckpt`` continues
-    its logs from that checkpoint's step; the run folder gets ``config.yaml`` and the loggers the
-    resolved recipe."""
+    its logs from that checkpoint's step (and its tracked runs; a checkpoint of another run
+    folder makes them children of that folder's); the run folder gets ``config.yaml`` and the
+    loggers the resolved recipe and the estimate ``est``."""
     step = int(peek_meta(ckpt).get("global_step") or 0) if ckpt is not None else None
-    trainer = make_trainer(run.recipe, run.out, callbacks, resume_step=step)
-    record(trainer, run.out, resolved_recipe(run.recipe, run.file, run.spec, run.out))
+    elsewhere = ckpt is not None and Path(ckpt).resolve().parent.parent != run.out.resolve()
+    parent = Path(ckpt).resolve().parent.parent if elsewhere else None
+    # a branch from another folder starts its own tracked runs (children), not this folder's
+    trainer = make_trainer(run.recipe, run.out, callbacks, resume_step=step, parent_folder=parent)
+    record(
+        trainer,
+        run.out,
+        resolved_recipe(run.recipe, run.file, run.spec, run.out),
+        estimate_params(est) if est is not None else None,
+    )
     return trainer
 
 
@@ -433,15 +445,23 @@ def train(
         )
     meta = training_meta(run, prepared.tokenizer, task=run.task.name, **prepared.meta)
     ckpt = resume_path(run.out, resume, fresh, meta)  # before the model: a run that cannot resume stops here
-    model, flops_per_token = training_model(run, prepared.init, prepared.seq_len, prepared.batch, verbose=verbose)
+    model, est = training_model(run, prepared.init, prepared.seq_len, prepared.batch, verbose=verbose)
     module = prepared.module_class(model, run.recipe, meta)
     checkpoints = RecipeCheckpoint(run.checkpoints, settings.checkpoint_every_n_steps, settings.keep_every_n_steps)
-    throughput = throughput_for(run, prepared, flops_per_token)
+    throughput = throughput_for(run, prepared, est.flops.train_per_token)
     extra = prepared.callbacks(run.checkpoints) if prepared.callbacks is not None else []
     own = [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)]
-    trainer = run_trainer(run, own, ckpt)
-    with compiling(run.out) as compiled:
-        fit(trainer, module, prepared.data, ckpt)
+    trainer = run_trainer(run, own, ckpt, est)
+    try:
+        with compiling(run.out) as compiled:
+            fit(trainer, module, prepared.data, ckpt)
+        return _finish(run, trainer, module, prepared, throughput, checkpoints, compiled)
+    finally:
+        close_trackers(trainer)
+
+
+def _finish(run: Run, trainer, module, prepared, throughput, checkpoints, compiled) -> dict:
+    """After the fit: the wrap-up and what the task runs after training."""
     with eager():
         summary = wrap_up(trainer, module, prepared.data, throughput, checkpoints, run.out, run.title, compiled)
         summary.update(task=run.task.name, val_metrics=dict(getattr(module, "val_metrics", {})))

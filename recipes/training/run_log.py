@@ -23,6 +23,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from pydantic import BaseModel
 
 from yamlformer.recipes.data.files import write_atomic
+from yamlformer.recipes.recipe.loggers import LoggersSection
+from yamlformer.recipes.training.trackers import Background, flat_params, tracker_loggers
 from yamlformer.recipes.training.run_folder import recipe_dump
 
 CONFIG = "config.yaml"
@@ -68,23 +70,49 @@ def log_version(out: Path, resuming: bool) -> int:
     return max(found) if resuming else max(found) + 1
 
 
-def run_loggers(out: Path, resume_step: int | None) -> list:
-    """CSV and TensorBoard loggers under ``out``, continuing the latest version when
-    ``resume_step`` (the step of the checkpoint resumed from) is given."""
+def run_loggers(
+    out: Path, resume_step: int | None, loggers=None, title: str = "run", parent_folder: Path | None = None
+) -> list:
+    """The loggers ``loggers`` (the recipe's ``trainer.loggers``; default CSV and TensorBoard)
+    asks for under ``out``, continuing the latest version when ``resume_step`` (the step of the
+    checkpoint resumed from) is given; the trackers (``yamlformer.recipes.training.trackers``)
+    reopen their tracked runs then. ``parent_folder``: the run folder a branch started from."""
+    loggers = loggers or LoggersSection()
     version = log_version(out, resume_step is not None)
     purge = {} if resume_step is None else {"purge_step": resume_step}
-    return [
-        ContinuedCSVLogger(out, name="logs", version=version, resume_step=resume_step),
-        TensorBoardLogger(out, name="tensorboard", version=version, default_hp_metric=False, **purge),
-    ]
+    made = []
+    if loggers.csv:
+        made.append(ContinuedCSVLogger(out, name="logs", version=version, resume_step=resume_step))
+    if loggers.tensorboard:
+        made.append(TensorBoardLogger(out, name="tensorboard", version=version, default_hp_metric=False, **purge))
+    return made + tracker_loggers(loggers, out, title, resume_step is not None, parent_folder)
 
 
-def record(trainer, out: Path, config: dict[str, Any]) -> None:
-    """Write ``config.yaml`` and give every logger the resolved recipe as its hyperparameters."""
+def record(trainer, out: Path, config: dict[str, Any], estimate: dict[str, Any] | None = None) -> None:
+    """Write ``config.yaml`` and give every logger the resolved recipe as its hyperparameters;
+    the trackers get it as one flat view with the ``estimate`` (:func:`estimate_params`) beside it."""
     if trainer.is_global_zero:
         write_config(out, config)
+    flat = flat_params({**config, "estimate": estimate or {}})
     for logger in trainer.loggers:
-        logger.log_hyperparams(config)
+        logger.log_hyperparams(flat if isinstance(logger, Background) else config)
+
+
+def estimate_params(est) -> dict[str, Any]:
+    """What the run's estimate says beside what it measures: parameters, FLOPs per token, memory per rank."""
+    return {
+        "params_total": est.params.total,
+        "params_trainable": est.params.trainable,
+        "train_flops_per_token": est.flops.train_per_token,
+        "memory_per_rank_bytes": est.memory.training_total,
+    }
+
+
+def close_trackers(trainer) -> None:
+    """Flush and close the trackers (bounded: :data:`yamlformer.recipes.training.trackers.FLUSH_SECONDS`)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, Background):
+            logger.close()
 
 
 class _ContinuedWriter(ExperimentWriter):

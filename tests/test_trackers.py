@@ -1,0 +1,142 @@
+"""A run logs where teams look: a real MLflow tracking server (sqlite store, local artifacts) that
+a fixture starts on a loopback port reads back the resolved recipe and the estimate as params and
+each metric with its steps; a resumed run writes into the same MLflow run, --fresh into a new
+one; TensorBoard's own reader finds the same metrics; a bad logger option is one located line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from recipe_helpers import tiny_recipe
+
+mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'yamlformer[mlflow]')")
+
+TRAINER = {"max_steps": 8, "val_check_interval": 4, "checkpoint_every_n_steps": 4, "limit_val_batches": 2}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(root: Path, port: int) -> subprocess.Popen:
+    """``mlflow server`` on 127.0.0.1:``port`` with its store under ``root``; waits at most 60 s."""
+    root.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts"),
+            "--workers", "1",
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "wb"),  # noqa: SIM115 - the server's whole life
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.skip(f"mlflow server exited at start: {(root / 'server.log').read_text()[-300:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return server
+        time.sleep(0.2)
+    server.kill()
+    pytest.skip("mlflow server did not listen within 60 s")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    port = _free_port()
+    server = start_server(tmp_path_factory.mktemp("mlflow"), port)
+    yield f"http://127.0.0.1:{port}"
+    stop_server(server)
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def test_a_run_is_read_back_from_the_mlflow_server_and_resumes_into_the_same_run(tmp_path, mlflow_server):
+    import json
+
+    from yamlformer.recipes.training.run import run
+
+    loggers = {"mlflow": {"tracking_uri": mlflow_server, "experiment": "tiny-test", "tags": {"team": "x"}}}
+    path = tiny_recipe(tmp_path, trainer=dict(TRAINER, log_every_n_steps=2, loggers=loggers))
+    out = tmp_path / "run"
+    run(path, samples=False)
+    ids = json.loads((out / "trackers.json").read_text())["mlflow"]
+    client = mlflow.MlflowClient(mlflow_server)
+    tracked = client.get_run(ids["run_id"])
+    params = tracked.data.params
+    assert params["trainer.max_steps"] == "8" and params["model.spec.d_model"] == "32"
+    assert int(params["estimate.params_total"]) > 0 and int(params["estimate.train_flops_per_token"]) > 0
+    assert int(params["estimate.memory_per_rank_bytes"]) > 0
+    assert tracked.data.tags["team"] == "x" and tracked.info.status == "FINISHED"
+    loss = _history(client, ids["run_id"], "loss")
+    assert [step for step, _ in loss] == [1, 3, 5, 7]  # the row of the batch just trained, every 2 steps
+    assert [step for step, _ in _history(client, ids["run_id"], "val_loss")] == [3, 7]
+    assert _history(client, ids["run_id"], "tok/s")
+
+    run(path, {"trainer.max_steps": 12}, samples=False)  # resumed: the same tracked run goes on
+    again = json.loads((out / "trackers.json").read_text())["mlflow"]
+    assert again["run_id"] == ids["run_id"]
+    assert [step for step, _ in _history(client, ids["run_id"], "loss")] == [1, 3, 5, 7, 9, 11]
+    resumed = client.get_run(ids["run_id"]).data
+    assert resumed.params["trainer.max_steps"] == "8" and resumed.tags["resumed.trainer.max_steps"] == "12"
+
+    run(path, {"trainer.max_steps": 4}, fresh=True, samples=False)  # starting over: a new tracked run
+    fresh = json.loads((out / "trackers.json").read_text())["mlflow"]
+    assert fresh["run_id"] != ids["run_id"]
+    assert [step for step, _ in _history(client, fresh["run_id"], "loss")] == [1, 3]
+
+
+def test_tensorboard_reads_the_same_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from yamlformer.recipes.training.run import run
+
+    run(tiny_recipe(tmp_path, trainer=dict(TRAINER, log_every_n_steps=2)), samples=False)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "version_0"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 3, 5, 7]
+    assert [e.step for e in events.Scalars("val_loss")] == [3, 7]
+
+
+def test_a_logger_left_off_writes_nothing_and_a_bad_option_is_one_located_line(tmp_path, capsys):
+    from yamlformer.builder.cli import main
+    from yamlformer.recipes.training.run import run
+
+    run(tiny_recipe(tmp_path, trainer=dict(TRAINER, max_steps=2, loggers={"tensorboard": False})), samples=False)
+    assert not (tmp_path / "run" / "tensorboard").exists() and (tmp_path / "run" / "logs" / "version_0").is_dir()
+
+    for bad, field in (({"comet": {}}, "comet"), ({"mlflow": {"projet": "x"}}, "mlflow.projet")):
+        path = tiny_recipe(tmp_path, trainer=dict(TRAINER, loggers=bad))
+        assert main(["train", str(path), "--dry-run"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(path) in err[0] and f"trainer.loggers.{field}" in err[0], err
+
+
+def test_a_missing_client_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    from yamlformer.builder.cli import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as where it is not installed
+    path = tiny_recipe(tmp_path, trainer=dict(TRAINER, max_steps=2, loggers={"wandb": {"offline": True}}))
+    assert main(["train", str(path), "--no-samples"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["builder: trainer.loggers.wandb: the wandb package is not installed: pip install 'yamlformer[wandb]'"]
