@@ -5,7 +5,6 @@ one; TensorBoard's own reader finds the same metrics; a bad logger option is one
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -31,9 +30,20 @@ def start_server(root: Path, port: int) -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts"),
-            "--workers", "1",
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=open(root / "server.log", "wb"),  # noqa: SIM115 - the server's whole life
@@ -139,4 +149,5 @@ def test_a_missing_client_is_one_line_naming_the_extra(tmp_path, monkeypatch, ca
     path = tiny_recipe(tmp_path, trainer=dict(TRAINER, max_steps=2, loggers={"wandb": {"offline": True}}))
     assert main(["train", str(path), "--no-samples"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["builder: trainer.loggers.wandb: the wandb package is not installed: pip install 'yamlformer[wandb]'"]
+    extra = "pip install 'yamlformer[wandb]'"
+    assert err == [f"builder train: trainer.loggers.wandb: the wandb package is not installed: {extra}"]

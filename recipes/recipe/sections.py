@@ -37,8 +37,8 @@ from yamlformer.builder.zoo import ZooError, locate
 from yamlformer.recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import WORK_PATH, _Section
-from yamlformer.recipes.recipe.loggers import LoggersSection
 from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, spec_base
+from yamlformer.recipes.recipe.loggers import LoggersSection
 from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
 
 #: every task, by its ``task:`` value: a folder of ``yamlformer.recipes.tasks`` each; ``lm`` is the default

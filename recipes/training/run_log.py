@@ -24,8 +24,8 @@ from pydantic import BaseModel
 
 from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.recipe.loggers import LoggersSection
-from yamlformer.recipes.training.trackers import Background, flat_params, tracker_loggers
 from yamlformer.recipes.training.run_folder import recipe_dump
+from yamlformer.recipes.training.trackers import Background, flat_params, tracker_loggers
 
 CONFIG = "config.yaml"
 

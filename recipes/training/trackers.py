@@ -91,7 +91,7 @@ class Background(Logger):
     def _work(self) -> None:
         try:
             self.tracker = self._make()
-        except BaseException as exc:  # noqa: BLE001 - a tracker never stops training
+        except BaseException as exc:
             self._fail(exc)
         while True:
             item = self._queue.get()
@@ -101,7 +101,7 @@ class Background(Logger):
             if self.failed is None:
                 try:
                     getattr(self.tracker, method)(*args, **kwargs)
-                except BaseException as exc:  # noqa: BLE001
+                except BaseException as exc:
                     self._fail(exc)
         self._done.set()
 
