@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from recipe_helpers import TINY_SPEC
 
 from yamlformer.blocks.linear import adapter_parameters, adapters_disabled
 from yamlformer.builder import build_model, load_spec
@@ -240,20 +241,7 @@ def test_conversational_pairs_share_their_prompt(tmp_path):
             np.testing.assert_array_equal(getattr(pair, side).trained, getattr(first, side).trained)
 
 
-TINY = {
-    "name": "tiny-decoder",
-    "architecture": "decoder-only",
-    "d_model": 32,
-    "max_seq_len": 128,
-    "tie_embeddings": True,
-    "position": {"type": "rope"},
-    "decoder": {
-        "n_layers": 2,
-        "attention": {"n_heads": 2},
-        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64},
-        "norm": {"type": "rmsnorm"},
-    },
-}
+TINY = {**TINY_SPEC, "max_seq_len": 128}  # the tiny recipes' spec, with room for a pair
 
 
 def _recipe(tmp_path: Path, **sections) -> Path:
