@@ -240,6 +240,8 @@ class _Uploading:
                 else:
                     self.logger.experiment.save(str(path), base_path=str(self.out), policy="end")
         self.logger.finalize(status)
+        if self.kind == "wandb":  # Lightning leaves the W&B run open: the next run in this process would reuse it
+            self.logger.experiment.finish(exit_code=0 if status == "success" else 1)
 
 
 #: the trackers by their ``trainer.loggers`` key
