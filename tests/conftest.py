@@ -37,3 +37,16 @@ def unbroken_run(tmp_path_factory):
 
     recipe = fault_recipe(tmp_path_factory.mktemp("unbroken"))
     return recipe, run(recipe, samples=False)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM of two nodes on this host for the ``launch`` tests (``tests/slurm_helpers.py``),
+    stopped after the session; skips, saying why, where it cannot start (not root, not installed)."""
+    import slurm_helpers
+
+    why = slurm_helpers.missing()
+    if why is not None:
+        pytest.skip(why)
+    with slurm_helpers.cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
