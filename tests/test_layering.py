@@ -93,6 +93,7 @@ LAYERS = {
         "assemble",  # a spec to a model (torch)
         "checkpoints",
         "hf",
+        "gguf",  # GGUF files for llama.cpp, from the Hugging Face families' tensors
         "init_from",
         "measure",  # this machine's GPU measured into a calibration table (torch, the kernels)
         "__init__",  # the public API: load_spec, estimate, build_model (each imported when first asked)

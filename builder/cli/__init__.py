@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "yamlformer.builder.cli.export_hf",
         "a spec and its weights (or a checkpoint) as a Hugging Face folder",
     ),
+    "export-gguf": ("yamlformer.builder.cli.export_gguf", "a checkpoint or spec as one GGUF file that llama.cpp runs"),
     "consolidate": ("yamlformer.builder.cli.consolidate", "a sharded training checkpoint as one model.safetensors"),
     "list": ("yamlformer.builder.cli.list", "the zoo: shipped specs and recipes by name, family, size"),
     "cp": ("yamlformer.builder.cli.cp", "copy a zoo spec or recipe to a file to edit"),

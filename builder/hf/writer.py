@@ -202,32 +202,8 @@ def to_hf(
     non-architecture keys (token ids). Raises :class:`Unsupported` naming, for each family, what
     it cannot express.
     """
-    chosen, config = choose_family(unpadded(spec), family)  # Hugging Face holds the vocabulary unpadded
-    extra_config = {**_tokenizer_ids(spec, tokenizer, chosen), **(extra_config or {})}
-    lacking = [k for k in chosen.needs if k not in extra_config]
-    if lacking:
-        raise HFError(
-            f"a {chosen.model_type} config needs {', '.join(lacking)}, which a spec does not hold; "
-            "pass them (export-hf --hf-config KEY=VALUE, or extra_config=)"
-        )
-    state, expected = _our_state(spec, weights)
-    state, spec = unpad_rows(spec, state), unpadded(spec)
-    tensors = {}
-    for link in chosen.links(spec):
-        ours = [state[n] if n in state else _zero_bias(n, state, expected) for n in link.ours]
-        tensors.update(zip(link.hf, link.to_hf(ours)))
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
-    like = next(iter(tensors.values()))
-    tensors.update({k: v.to(like.dtype) for k, v in chosen.computed(spec).items()})
-    hf_class, auto_class = chosen.classes(spec)
-    config = {
-        "model_type": chosen.model_type,
-        **config,
-        "architectures": [hf_class],
-        **{k: v for k, v in (extra_config or {}).items() if k in TOKEN_KEYS + LABEL_KEYS or k not in config},
-    }
-    if len(dtypes) == 1:
-        config["dtype"] = dtypes.pop()
+    chosen, config, tensors, (hf_class, auto_class) = hf_tensors(spec, weights, family, extra_config, tokenizer)
+    spec = unpadded(spec)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # local: safetensors loads to read or write weights (builder.hf serves torch-free commands)
@@ -254,6 +230,41 @@ def to_hf(
     written = copy.copy(chosen)  # the family as this spec's classes name it (a head of several)
     written.hf_class, written.auto_class = hf_class, auto_class
     return written
+
+
+def hf_tensors(
+    spec, weights, family: str | None = None, extra_config: Mapping[str, Any] | None = None, tokenizer=None
+) -> tuple[Family, dict, dict, tuple[str, str]]:
+    """What :func:`to_hf` writes, in memory: the family, its ``config.json`` dict, the tensors under
+    its names and its ``(class, Auto class)``; the vocabulary unpadded (``builder export-gguf``
+    starts from these too)."""
+    chosen, config = choose_family(unpadded(spec), family)  # Hugging Face holds the vocabulary unpadded
+    extra_config = {**_tokenizer_ids(spec, tokenizer, chosen), **(extra_config or {})}
+    lacking = [k for k in chosen.needs if k not in extra_config]
+    if lacking:
+        raise HFError(
+            f"a {chosen.model_type} config needs {', '.join(lacking)}, which a spec does not hold; "
+            "pass them (export-hf --hf-config KEY=VALUE, or extra_config=)"
+        )
+    state, expected = _our_state(spec, weights)
+    state, spec = unpad_rows(spec, state), unpadded(spec)
+    tensors = {}
+    for link in chosen.links(spec):
+        ours = [state[n] if n in state else _zero_bias(n, state, expected) for n in link.ours]
+        tensors.update(zip(link.hf, link.to_hf(ours)))
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+    like = next(iter(tensors.values()))
+    tensors.update({k: v.to(like.dtype) for k, v in chosen.computed(spec).items()})
+    hf_class, auto_class = chosen.classes(spec)
+    config = {
+        "model_type": chosen.model_type,
+        **config,
+        "architectures": [hf_class],
+        **{k: v for k, v in (extra_config or {}).items() if k in TOKEN_KEYS + LABEL_KEYS or k not in config},
+    }
+    if len(dtypes) == 1:
+        config["dtype"] = dtypes.pop()
+    return chosen, config, tensors, (hf_class, auto_class)
 
 
 def _zero_bias(name: str, state: dict, expected: set[str]):

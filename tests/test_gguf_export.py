@@ -1,0 +1,107 @@
+"""``builder export-gguf`` without llama.cpp: what it refuses (before writing, in one line naming
+the field llama.cpp lacks) and what it writes (names, layouts, keys, read back with gguf's own
+reader). llama.cpp running the files: tests/test_gguf_llamacpp.py (``pytest -m llamacpp``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from yamlformer.builder.cli import main
+
+
+def _refused(tmp_path: Path, capsys, *args: str) -> str:
+    out = tmp_path / "x.gguf"
+    assert main(["export-gguf", *args, "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".x.gguf*")), "a refusal wrote a file"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("spec", "sets", "field"),
+    [
+        ("tiny/t5", [], "architecture: encoder-decoder"),
+        ("tiny/bert", [], "architecture: encoder-only"),
+        ("tiny/diff-transformer", [], "decoder.attention.type: 'differential'"),
+        ("tiny/transformer", [], "architecture: encoder-decoder"),
+        ("tiny/llama", ["position={type: sinusoidal}"], "position.type: 'sinusoidal'"),
+        ("tiny/llama", ["position={type: none}"], "position.type: 'none'"),
+        # Mistral's window: llama.cpp's llama graph has no window, it would attend over everything
+        ("mistral-7b", [], "decoder.attention.sliding_window (config sliding_window): 4096"),
+        ("llama3-8b", [], "position.scaling (config rope_scaling): 'llama3'"),
+        ("tiny/llama", ["decoder.ffn.activation=gelu"], "decoder.ffn.activation (config hidden_act): 'gelu"),
+    ],
+)
+def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, field, tmp_path, capsys):
+    args = [spec, "--init", *[a for s in sets for a in ("--set", s)]]
+    line = _refused(tmp_path, capsys, *args)
+    assert field in line, line
+
+
+def test_a_family_without_a_proven_architecture_is_refused_with_the_ones_there_are(tmp_path, capsys):
+    line = _refused(tmp_path, capsys, "tiny/alibi", "--init")
+    assert "Hugging Face mpt" in line and "llama" in line, line
+
+
+def test_the_weights_and_the_output_are_checked_first(tmp_path, capsys):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("extends: tiny/llama\nname: mine\n")
+    line = _refused(tmp_path, capsys, str(spec))
+    assert "no weights file" in line and "--init" in line, line
+    (tmp_path / "x.gguf").write_text("keep")
+    assert main(["export-gguf", str(spec), "--init", "-o", str(tmp_path / "x.gguf")]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "x.gguf").read_text() == "keep"
+
+
+def test_an_untrained_spec_is_written_as_llama_with_its_keys_and_rope_layout(tmp_path, capsys):
+    """The q/k rows llama.cpp's llama graph rotates as interleaved pairs: Hugging Face's halves
+    permuted, per head (convert_hf_to_gguf's permutation), k by its own (grouped) head count."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.hf.writer import hf_tensors
+    from yamlformer.builder.spec.loader import load_spec
+
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "tiny/llama", "--init", "--seed", "5", "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "random weights (--init, seed 5): untrained" in said and "no tokenizer" in said
+    reader = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    spec = load_spec("tiny/llama")
+    assert fields["general.architecture"] == "llama"
+    assert fields["general.description"] == "random weights (--init, seed 5): untrained"
+    assert fields["llama.attention.head_count"] == 4 and fields["llama.attention.head_count_kv"] == 2
+    assert fields["llama.block_count"] == spec.decoder.n_layers
+    assert fields["llama.context_length"] == spec.max_seq_len
+    assert fields["tokenizer.ggml.model"] == "none"
+    tensors = {t.name: t for t in reader.tensors}
+    torch.manual_seed(5)
+    _, config, hf, _ = hf_tensors(spec, build_model(spec))
+    q = hf["model.layers.0.self_attn.q_proj.weight"]
+    k = hf["model.layers.0.self_attn.k_proj.weight"]
+    head = 16
+    ours_q = q.reshape(4, 2, head // 2, -1).transpose(1, 2).reshape(q.shape)
+    ours_k = k.reshape(2, 2, head // 2, -1).transpose(1, 2).reshape(k.shape)
+    assert torch.equal(torch.from_numpy(tensors["blk.0.attn_q.weight"].data.copy()), ours_q)
+    assert torch.equal(torch.from_numpy(tensors["blk.0.attn_k.weight"].data.copy()), ours_k)
+    v = hf["model.layers.0.self_attn.v_proj.weight"]
+    assert torch.equal(torch.from_numpy(tensors["blk.0.attn_v.weight"].data.copy()), v)
+    assert "output.weight" in tensors  # tiny/llama's head is untied
+    assert len(tensors) == len(hf)
+
+
+def test_outtype_q8_0_quantizes_matrices_and_keeps_norms(tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "tiny/llama", "--init", "--outtype", "q8_0", "-o", str(out)]) == 0
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert kinds["blk.0.attn_q.weight"] == "Q8_0" and kinds["token_embd.weight"] == "Q8_0"
+    assert kinds["blk.0.attn_norm.weight"] == "F32"
+    assert kinds["blk.0.ffn_down.weight"] == "F16"  # rows of 172: not a multiple of Q8_0's 32-wide blocks

@@ -1,0 +1,135 @@
+"""``builder export-gguf`` proven by llama.cpp itself (llama-cpp-python built by .ci/llamacpp.sh):
+for each model, llama.cpp's tokenizer gives our ids for the prompts (text in), its greedy tokens
+equal ``builder generate --temperature 0``'s over 6+ prompts x 24 tokens, and its first-step
+logits agree with ours within :data:`F32_TOLERANCE` (f32 file) or :data:`Q8_TOLERANCE` (q8_0).
+
+    .ci/llamacpp.sh && python -m pytest -m llamacpp -n 0 tests/test_gguf_llamacpp.py
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from gguf_helpers import PROMPTS, ours_greedy, ours_logits
+from recipe_helpers import TINY_SPEC, tiny_recipe
+
+from yamlformer.builder.cli import main
+from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(not available(), reason=NOT_BUILT)]
+
+#: the largest |logit difference| of an f32 file against our model (float32 both sides; the
+#: orders of summation differ)
+F32_TOLERANCE = 1e-3
+NEW = 24
+
+#: the trained model: a Llama layout with grouped-query attention and a byte-fallback BPE
+LLAMA = {
+    **copy.deepcopy(TINY_SPEC),
+    "name": "tiny-llama-gqa",
+    "d_model": 64,
+    "max_seq_len": 96,
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4, "n_kv_heads": 2},
+        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 128},
+        "norm": {"type": "rmsnorm", "eps": 1e-5},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A checkpoint of the LM recipe trained a few dozen steps with a sentencepiece BPE tokenizer."""
+    from yamlformer.recipes.training.run import run
+
+    tmp = tmp_path_factory.mktemp("gguf-trained")
+    path = tiny_recipe(
+        tmp,
+        model={"spec": LLAMA},
+        tokenizer={"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400},
+        trainer={"max_steps": 40, "val_check_interval": 40, "checkpoint_every_n_steps": 40},
+    )
+    return Path(run(path, samples=False)["last"])
+
+
+def _export(tmp_path: Path, *args: str) -> Path:
+    out = tmp_path / "model.gguf"
+    assert main(["export-gguf", *args, "-o", str(out)]) == 0
+    return out
+
+
+def _prove(source: Path, gguf: Path, capsys, tolerance: float = F32_TOLERANCE) -> float:
+    """Tokens (text in), greedy tokens and first-step logits of llama.cpp against a checkpoint's,
+    and `builder generate --temperature 0`'s text; returns the largest logit difference."""
+    from yamlformer.recipes.trained import load_trained
+
+    model, tokenizer, _ = load_trained(source, "cpu", folders=True)
+    worst = _same(model, tokenizer, gguf, tolerance)
+    # the command's own text: `builder generate --temperature 0` prints what llama.cpp decodes
+    prompt = PROMPTS[0]
+    assert main(["generate", str(source), "--prompt", prompt, "--max-new-tokens", str(NEW), "--temperature", "0"]) == 0
+    ids = tokenizer.encode(prompt)
+    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len) as runtime:
+        new = runtime.greedy(ids, NEW)
+    expected = prompt + tokenizer.decode(ids + new)[len(tokenizer.decode(ids)) :]
+    assert capsys.readouterr().out == expected + "\n"
+    return worst
+
+
+def _same(model, tokenizer, gguf: Path, tolerance: float) -> float:
+    """llama.cpp's tokens for each prompt, its greedy tokens and its first-step logits against our
+    model's; returns the largest logit difference."""
+    worst = 0.0
+    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len) as runtime:
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            assert runtime.tokenize(prompt) == ids, prompt
+            theirs = torch.from_numpy(runtime.logits(ids)[-1])
+            ours = ours_logits(model, ids)[: runtime.n_vocab]
+            worst = max(worst, (theirs - ours).abs().max().item())
+            assert runtime.greedy(ids, NEW) == ours_greedy(model, tokenizer, prompt, NEW), prompt
+    assert worst < tolerance, worst
+    return worst
+
+
+def test_a_trained_llama_runs_in_llama_cpp_as_ours(trained, tmp_path, capsys):
+    gguf = _export(tmp_path, str(trained))
+    capsys.readouterr()
+    _prove(trained, gguf, capsys)
+
+
+def test_llama_cpp_reads_our_tokenizer_on_hard_text(trained, tmp_path, capsys):
+    """Byte fallback, runs of spaces and newlines, a control piece typed as text, no prefix space."""
+    from yamlformer.recipes.trained import load_trained
+
+    gguf = _export(tmp_path, str(trained))
+    _, tokenizer, _ = load_trained(trained, "cpu")
+    with LlamaCpp(gguf, n_ctx=96) as runtime:
+        for text in ["", " ", "\n\n\n", "        x", "naïve café ☃ 𝄞 日本語", "</s>def</s>", "<0x41>", "a\tb\r\nc"]:
+            assert runtime.tokenize(text) == tokenizer.encode(text), repr(text)
+
+
+def test_a_spec_exports_untrained_and_runs_alike(trained, tmp_path, capsys):
+    """--init: random weights drawn from the spec's initialization, with a checkpoint's tokenizer."""
+    spec = {**copy.deepcopy(LLAMA), "name": "untrained", "vocab_size": 400, "tie_embeddings": False}
+    spec["decoder"]["attention"] = {"n_heads": 8, "n_kv_heads": 1}  # multi-query
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    gguf = _export(tmp_path, str(path), "--init", "--seed", "3", "--tokenizer", str(trained))
+    assert "random weights (--init, seed 3): untrained" in capsys.readouterr().out
+    import gguf as gguf_py
+
+    reader = gguf_py.GGUFReader(str(gguf))
+    assert reader.fields["general.description"].contents() == "random weights (--init, seed 3): untrained"
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.spec.loader import load_spec
+    from yamlformer.recipes.trained import load_trained
+
+    torch.manual_seed(3)  # the weights --init --seed 3 drew
+    model = build_model(load_spec(path)).eval()
+    _same(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
