@@ -5,12 +5,18 @@ one; TensorBoard's own reader finds the same metrics; a bad logger option is one
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 from recipe_helpers import tiny_recipe
 
@@ -47,6 +53,8 @@ def start_server(root: Path, port: int) -> subprocess.Popen:
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=open(root / "server.log", "wb"),  # noqa: SIM115 - the server's whole life
+        start_new_session=True,  # its own process group: the server's workers die with it (kill_server)
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runner and its 7 consumers
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -56,17 +64,23 @@ def start_server(root: Path, port: int) -> subprocess.Popen:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return server
         time.sleep(0.2)
-    server.kill()
+    stop_server(server)
     pytest.skip("mlflow server did not listen within 60 s")
 
 
+def kill_server(server: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """``sig`` to the server and its workers (its process group), as a host that dies takes them all."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, sig)
+
+
 def stop_server(server: subprocess.Popen) -> None:
-    server.terminate()
-    try:
+    """The server and every process it started: none outlives the test."""
+    kill_server(server, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+    kill_server(server)  # what ignored SIGTERM
+    server.wait()
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +96,6 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def test_a_run_is_read_back_from_the_mlflow_server_and_resumes_into_the_same_run(tmp_path, mlflow_server):
-    import json
-
     from yamlformer.recipes.training.run import run
 
     loggers = {"mlflow": {"tracking_uri": mlflow_server, "experiment": "tiny-test", "tags": {"team": "x"}}}
@@ -151,3 +163,71 @@ def test_a_missing_client_is_one_line_naming_the_extra(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err.strip().splitlines()
     extra = "pip install 'yamlformer[wandb]'"
     assert err == [f"builder train: trainer.loggers.wandb: the wandb package is not installed: {extra}"]
+
+
+class _KillServer(L.Callback):
+    """Kills the MLflow server (SIGKILL, as a crashed host) once ``step`` is trained, and keeps the
+    wall time at the end of every training batch."""
+
+    def __init__(self, server: subprocess.Popen, step: int):
+        self.server, self.step, self.ends = server, step, []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.ends.append((trainer.global_step, time.perf_counter()))
+        if trainer.global_step == self.step and self.server.poll() is None:
+            kill_server(self.server)
+            self.server.wait()
+
+
+def _csv_steps(out: Path, key: str) -> list[int]:
+    with open(out / "logs" / "version_0" / "metrics.csv", newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get(key)]
+
+
+def _tracker_warnings(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("warning: mlflow")]
+
+
+def test_a_server_killed_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, capsys, caplog):
+    from yamlformer.recipes.training.run import run
+
+    port = _free_port()
+    server = start_server(tmp_path / "mlflow", port)
+    loggers = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{port}"}}
+    path = tiny_recipe(tmp_path, trainer=dict(TRAINER, max_steps=16, log_every_n_steps=2, loggers=loggers))
+    killer = _KillServer(server, step=6)
+    try:
+        started = time.perf_counter()
+        summary = run(path, samples=False, callbacks=[killer])
+        took = time.perf_counter() - started
+    finally:
+        stop_server(server)
+    assert summary["steps"] == 16 and server.returncode is not None
+    printed = capsys.readouterr()
+    [warning] = _tracker_warnings(printed.out)
+    assert "the run goes on without it" in warning and "Traceback" not in printed.out + printed.err
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]  # urllib3's, one per retry
+    # no training step waited for the dead server: MLflow's retries (about 4 s) ran on the tracker's thread
+    after = [t for step, t in killer.ends if step >= 6]
+    assert max(b - a for a, b in zip(after, after[1:])) < 2.5, killer.ends
+    assert took < 60
+    out = tmp_path / "run"
+    assert _csv_steps(out, "loss") == list(range(1, 16, 2))  # the CSV kept every row
+    assert _csv_steps(out, "val_loss") == [3, 7, 11, 15]
+
+
+def test_a_server_down_from_the_start_is_one_warning_and_the_run_goes_on(tmp_path, capsys, caplog):
+    from yamlformer.recipes.training.run import run
+    from yamlformer.recipes.training.trackers import stored_ids
+
+    loggers = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{_free_port()}"}}  # nothing listens there
+    path = tiny_recipe(tmp_path, trainer=dict(TRAINER, log_every_n_steps=2, loggers=loggers))
+    started = time.perf_counter()
+    assert run(path, samples=False)["steps"] == 8
+    assert time.perf_counter() - started < 60
+    printed = capsys.readouterr()
+    [warning] = _tracker_warnings(printed.out)
+    assert "the run goes on without it" in warning and "Traceback" not in printed.out + printed.err
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]  # urllib3's, one per retry
+    assert _csv_steps(tmp_path / "run", "loss") == [1, 3, 5, 7]
+    assert "mlflow" not in stored_ids(tmp_path / "run")  # no tracked run to resume into

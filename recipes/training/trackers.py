@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -29,6 +30,16 @@ from yamlformer.recipes.say import say
 TRACKERS = "trackers.json"
 #: seconds a run's end waits for a tracker to take what is queued
 FLUSH_SECONDS = 30.0
+#: MLflow's own retry settings, unless the environment sets them: a request to a server that is
+#: down gives up after about 4 s (2 retries, 1 s and 2 s apart) and one that hangs after 10 s a
+#: try, where MLflow's defaults (7 retries, a factor of 2, 120 s) keep a dead server's run busy for
+#: minutes, past :data:`FLUSH_SECONDS`
+MLFLOW_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 
 
 def stored_ids(folder: Path) -> dict[str, Any]:
@@ -60,6 +71,17 @@ def _client(extra: str, module: str):
         ) from None
 
 
+class _OffTrackerThreads(logging.Filter):
+    """Drops the records a tracker's thread logs: urllib3's "Retrying ..." line for each retry of
+    each request to a server that is down would be many warnings; the tracker says one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.threadName.startswith("tracker-")
+
+
+_QUIET = _OffTrackerThreads()
+
+
 class Background(Logger):
     """A Lightning logger whose calls run in order on a thread of their own, so training never
     waits for the network. The first error is one warning and the tracker is dropped for the rest
@@ -89,6 +111,7 @@ class Background(Logger):
             say(f"warning: {self.label}: {self.failed}; the run goes on without it (the CSV log keeps every metric)")
 
     def _work(self) -> None:
+        logging.getLogger("urllib3.connectionpool").addFilter(_QUIET)  # once: a filter is added once
         try:
             self.tracker = self._make()
         except BaseException as exc:
@@ -164,6 +187,8 @@ def _mlflow_logger(options, out: Path, title: str, resuming: bool, parent: dict 
     uri = options.tracking_uri
     if uri is None:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(out) / "mlruns").resolve().as_uri()
+    for name, value in MLFLOW_RETRIES.items():
+        os.environ.setdefault(name, value)
 
     def make():
         logger = MLFlowLogger(
