@@ -20,6 +20,9 @@ import lightning as L
 import pytest
 from recipe_helpers import tiny_recipe
 
+from yamlformer.recipes.optim.schedule import lr_multiplier
+from yamlformer.recipes.tasks import load_recipe
+
 mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'yamlformer[mlflow]')")
 
 TRAINER = {"max_steps": 8, "val_check_interval": 4, "checkpoint_every_n_steps": 4, "limit_val_batches": 2}
@@ -114,6 +117,15 @@ def test_a_run_is_read_back_from_the_mlflow_server_and_resumes_into_the_same_run
     assert [step for step, _ in loss] == [1, 3, 5, 7]  # the row of the batch just trained, every 2 steps
     assert [step for step, _ in _history(client, ids["run_id"], "val_loss")] == [3, 7]
     assert _history(client, ids["run_id"], "tok/s")
+    # the learning rate each logged step applied, as the recipe's schedule gives it for that step
+    recipe = load_recipe(path)
+    lr = recipe.optimizer.peak_lr
+    logged = _history(client, ids["run_id"], "lr")
+    assert [s for s, _ in logged] == [1, 3, 5, 7]
+    assert [v for _, v in logged] == pytest.approx([lr * lr_multiplier(s, recipe.schedule, lr, 8) for s, _ in logged])
+    memory = _history(client, ids["run_id"], "process_peak_rss_gib")  # a CPU run: the process's peak RSS
+    assert [s for s, _ in memory] == [1, 3, 5, 7] and all(0.01 < gib < 1000 for _, gib in memory)
+    assert not client.list_artifacts(ids["run_id"], "checkpoints")  # not uploaded unless log_model
 
     run(path, {"trainer.max_steps": 12}, samples=False)  # resumed: the same tracked run goes on
     again = json.loads((out / "trackers.json").read_text())["mlflow"]
@@ -126,6 +138,21 @@ def test_a_run_is_read_back_from_the_mlflow_server_and_resumes_into_the_same_run
     fresh = json.loads((out / "trackers.json").read_text())["mlflow"]
     assert fresh["run_id"] != ids["run_id"]
     assert [step for step, _ in _history(client, fresh["run_id"], "loss")] == [1, 3]
+
+
+def test_log_model_uploads_the_last_and_best_checkpoints_as_artifacts(tmp_path, mlflow_server):
+    from yamlformer.recipes.training.run import run
+
+    loggers = {"mlflow": {"tracking_uri": mlflow_server, "experiment": "tiny-models", "log_model": True}}
+    path = tiny_recipe(tmp_path, trainer=dict(TRAINER, max_steps=4, loggers=loggers))
+    run(path, samples=False)
+    run_id = json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]["run_id"]
+    client = mlflow.MlflowClient(mlflow_server)
+    uploaded = {Path(a.path).name: a.file_size for a in client.list_artifacts(run_id, "checkpoints")}
+    local = tmp_path / "run" / "checkpoints"
+    assert uploaded == {name: (local / name).stat().st_size for name in ("last.ckpt", "best.ckpt")}
+    fetched = Path(client.download_artifacts(run_id, "checkpoints/last.ckpt", str(tmp_path / "fetched")))
+    assert fetched.read_bytes() == (local / "last.ckpt").read_bytes()
 
 
 def test_tensorboard_reads_the_same_metrics(tmp_path):

@@ -50,7 +50,14 @@ from yamlformer.recipes.training.requeue import requeue
 from yamlformer.recipes.training.resolved import Run, resolve_run
 from yamlformer.recipes.training.resume import builder_meta, check_recipe_early, given_checkpoint, trained_differently
 from yamlformer.recipes.training.run_folder import claim, owns_run_folder, recipe_dump, resume_differences
-from yamlformer.recipes.training.run_log import close_trackers, estimate_params, record, resolved_recipe, run_loggers
+from yamlformer.recipes.training.run_log import (
+    StepStats,
+    close_trackers,
+    estimate_params,
+    record,
+    resolved_recipe,
+    run_loggers,
+)
 from yamlformer.recipes.training.signals import SignalStop, StopOnSignal
 
 
@@ -450,7 +457,8 @@ def train(
     checkpoints = RecipeCheckpoint(run.checkpoints, settings.checkpoint_every_n_steps, settings.keep_every_n_steps)
     throughput = throughput_for(run, prepared, est.flops.train_per_token)
     extra = prepared.callbacks(run.checkpoints) if prepared.callbacks is not None else []
-    own = [checkpoints, throughput, *extra, *(callbacks or []), stop_callback(stop, checkpoints)]
+    stats = StepStats(settings.log_every_n_steps)  # lr and peak memory beside the throughput
+    own = [checkpoints, throughput, stats, *extra, *(callbacks or []), stop_callback(stop, checkpoints)]
     trainer = run_trainer(run, own, ckpt, est)
     try:
         with compiling(run.out) as compiled:

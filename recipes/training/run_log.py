@@ -11,11 +11,16 @@ so every step appears once.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
+import resource
+import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import torch
 import yaml
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -24,10 +29,14 @@ from pydantic import BaseModel
 
 from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.recipe.loggers import LoggersSection
+from yamlformer.recipes.say import publish
 from yamlformer.recipes.training.run_folder import recipe_dump
 from yamlformer.recipes.training.trackers import Background, flat_params, tracker_loggers
 
 CONFIG = "config.yaml"
+#: the run's estimate beside its measurements (:func:`estimate_params`), for ``builder report``
+ESTIMATE = "estimate.json"
+GIB = 2**30
 
 _HEADER = """\
 # The recipe as this run resolved it: every field with its value (defaults included), the model
@@ -93,6 +102,8 @@ def record(trainer, out: Path, config: dict[str, Any], estimate: dict[str, Any] 
     the trackers get it as one flat view with the ``estimate`` (:func:`estimate_params`) beside it."""
     if trainer.is_global_zero:
         write_config(out, config)
+        if estimate:
+            write_atomic(Path(out) / ESTIMATE, json.dumps(estimate, indent=1).encode())
     flat = flat_params({**config, "estimate": estimate or {}})
     for logger in trainer.loggers:
         logger.log_hyperparams(flat if isinstance(logger, Background) else config)
@@ -106,6 +117,37 @@ def estimate_params(est) -> dict[str, Any]:
         "train_flops_per_token": est.flops.train_per_token,
         "memory_per_rank_bytes": est.memory.training_total,
     }
+
+
+class StepStats(L.Callback):
+    """At each log step (``every_n_steps``), in the row of the batch just trained: ``lr``, the
+    learning rate that step applied (its optimizer's first parameter group, read before the step;
+    Lightning steps the scheduler before ``on_train_batch_end``), and the peak memory so far, named
+    for what it measures: ``cuda_max_allocated_gib`` (``torch.cuda.max_memory_allocated``: the
+    tensors, not the caching allocator's reserve) on CUDA, else ``process_peak_rss_gib`` (the
+    process's peak resident set, everything it holds). Host reads only: no device sync."""
+
+    def __init__(self, every_n_steps: int):
+        self.every_n_steps = every_n_steps
+        self.lr: float | None = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if optimizer is trainer.optimizers[0]:
+            self.lr = float(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches or trainer.global_step % self.every_n_steps:
+            return
+        metrics = {"lr": self.lr} if self.lr is not None else {}
+        publish(trainer, {**metrics, **peak_memory(pl_module.device)})
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The peak memory so far, in GiB, under the name of what was measured (see :class:`StepStats`)."""
+    if device.type == "cuda":
+        return {"cuda_max_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"process_peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / GIB}  # macOS: bytes
 
 
 def close_trackers(trainer) -> None:
