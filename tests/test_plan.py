@@ -247,7 +247,7 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
         assert spec_path.resolve() == (ROOT / argv[0]).resolve()
     if "--set" in argv:
         assert loaded.model.overrides == {"decoder.n_layers": 16}
-    assert launch["torchrun"].startswith("torchrun --")
+    assert launch["torchrun"].startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --")
     assert launch["slurm"].startswith(f"sbatch --nodes={out['plan']['layout']['nodes']} ")
 
 

@@ -59,15 +59,22 @@ class Launch:
         return c.micro_batch * (c.accumulation if self.layout.pipeline_parallel > 1 else 1)
 
 
+#: torchrun's agents share their rendezvous store with the ranks by default, and keep it across
+#: restarts: ranks restarted by ``--max-restarts`` then read the addresses the dead ones published
+#: there and fail to connect (pytorch#135712). Off, rank 0 of each attempt starts a fresh store.
+FRESH_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
 def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]:
-    """``torchrun`` (run on every node) and SLURM (``sbatch``) lines for ``builder train``."""
+    """``torchrun`` (run on every node, its endpoint ``$MASTER_ADDR`` and ``$MASTER_PORT``, default
+    29500) and SLURM (``sbatch``) lines for ``builder train``."""
 
     flags = " ".join(f"--set {shlex.quote(item)}" for item in sets)
     train = f"train {shlex.quote(recipe)} {flags}"
     if layout.nodes > 1:
         where = (
             f"--nnodes={layout.nodes} --nproc-per-node={layout.per_node} --node-rank=$NODE_RANK "
-            "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500"
+            "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:${MASTER_PORT:-29500}"
         )
     else:
         where = f"--standalone --nproc-per-node={layout.per_node}"
@@ -75,4 +82,4 @@ def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]
         f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
         f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}"
     )
-    return {"torchrun": f"torchrun {where} -m yamlformer.builder.cli {train}", "slurm": slurm}
+    return {"torchrun": f"{FRESH_STORE} torchrun {where} -m yamlformer.builder.cli {train}", "slurm": slurm}

@@ -27,6 +27,8 @@ from yamlformer.recipes.errors import RecipeError
 #: per-unit done records
 UNITS = ".units"
 _SHARD_NAME = re.compile(r"\d{5,}\.(bin|idx)")
+#: a temp file beside its target, as ``write_atomic`` names it (``_remove_temp_files`` clears them)
+_TEMP = re.compile(r"\..+\.tmp-.+")
 
 
 class Folder:
@@ -155,10 +157,17 @@ def check_output(out: Path) -> None:
     """Refuse an output that is a file, or a folder holding anything but a tokenize run's files."""
     if out.exists() and not out.is_dir():
         raise RecipeError(f"{out}: is a file; give a folder for the dataset")
-    if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()) and not is_tokenized_dataset(out):
+    if out.is_dir() and any(not _ours_in_passing(p.name) for p in out.iterdir()) and not is_tokenized_dataset(out):
         raise RecipeError(
             f"{out}: a folder with other files in it (not a `builder tokenize` output); give a new or empty folder"
         )
+
+
+def _ours_in_passing(name: str) -> bool:
+    """A file a run starting to write the folder holds before it is a tokenize output: the lock, and
+    the temp file its first settings are written through (two nodes of one launch, sharing a
+    cache, start at once: the second saw them and refused the folder)."""
+    return name == ".lock" or _TEMP.fullmatch(name) is not None
 
 
 def _differences(before: dict, now: dict) -> str:
