@@ -318,10 +318,13 @@ def test_a_resumed_run_trains_as_an_unbroken_one(tmp_path):
     )
 
 
-def test_fsdp_is_refused_before_any_work(tmp_path):
-    from yamlformer.recipes.tasks import load_recipe
-    from yamlformer.recipes.training.resolved import resolve_run
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_every_rank_reads_as_many_held_out_batches(world, tmp_path):
+    """A sharded model's forward is a collective: a rank with no validation batch while another had
+    one hung both (a two-process FSDP run with 2 held-out rows of 2 a batch)."""
+    from yamlformer.recipes.data.instructions import ValRows
 
-    path = _recipe(tmp_path, trainer={"strategy": "fsdp"})
-    with pytest.raises(RecipeError, match="does not train under strategy: fsdp"):
-        resolve_run(load_recipe(path), path)
+    rows = PairRows(encode_pairs(_pairs_file(tmp_path, n=5), _char_chat(), 127), 127, 0, packing=False)
+    for n_batches in (1, 2, 3, 8):
+        counts = {len(list(ValRows(rows, 2, n_batches, rank, world))) for rank in range(world)}
+        assert counts == {len(ValRows(rows, 2, n_batches, 0, world))}, (n_batches, counts)

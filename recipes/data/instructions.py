@@ -197,7 +197,9 @@ class TrainRows(IterableDataset):
 
 class ValRows(IterableDataset):
     """The held-out rows in order, ``batch_size`` at a time, at most ``n_batches`` batches (this
-    rank's share of them)."""
+    rank's share of them). Every rank yields as many batches (``len``): a sharded model's forward
+    is a collective each rank must reach, and a rank with none waited for hung the others; a rank
+    short of batches (fewer than the ranks) scores the first ones again."""
 
     def __init__(self, rows: Rows, batch_size: int, n_batches: int, rank: int, world: int):
         self.rows, self.batch_size, self.rank, self.world = rows, batch_size, rank, world
@@ -207,7 +209,8 @@ class ValRows(IterableDataset):
         return max(1, self.n_batches // self.world)
 
     def __iter__(self):
-        for b in range(self.rank, self.n_batches, self.world):
+        for k in range(len(self) if self.n_batches else 0):
+            b = (k * self.world + self.rank) % self.n_batches
             index = np.arange(b * self.batch_size, min((b + 1) * self.batch_size, len(self.rows)))
             yield self.rows.batch(index)
 

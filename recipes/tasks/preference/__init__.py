@@ -131,8 +131,6 @@ class PreferenceTuning(InstructionTuning):
     def check_spec(self, recipe, spec) -> None:
         if spec.architecture_config.decoding_stack() is None or spec.architecture != "decoder-only":
             raise RecipeError(f"task preference trains a decoder-only model; the spec is {spec.architecture}")
-        if recipe.trainer.strategy == "fsdp":  # a two-process CPU run of it hung, not yet understood
-            raise RecipeError("task preference does not train under strategy: fsdp yet; use one device or ddp")
         super().check_spec(recipe, spec)
 
     def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:

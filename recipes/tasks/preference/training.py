@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import types
 from pathlib import Path
 
 import lightning as L
@@ -26,7 +27,7 @@ from yamlformer.recipes.data.windows import IGNORE
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.parallel.compile import eager
-from yamlformer.recipes.parallel.fsdp import is_sharded_model
+from yamlformer.recipes.parallel.fsdp import is_sharded_model, whole_model
 from yamlformer.recipes.recipe.init_from import init_from_path
 from yamlformer.recipes.say import publish, say
 from yamlformer.recipes.tasks.preference.losses import pair_logps, preference_loss
@@ -194,6 +195,12 @@ class PreferenceModule(LMModule):
 
     def on_fit_start(self):
         self.reference.place(self.device, str(self.trainer.precision))
+
+    def on_train_end(self):
+        # the held-out pairs are scored at the end on rank 0 alone, with the policy gathered whole
+        # (``Prepared.finish``): a sharded frozen copy is gathered too, by every rank, here
+        if self.reference.copy is not None and is_sharded_model(self.reference.copy):
+            self.reference.copy = whole_model(types.SimpleNamespace(model=self.reference.copy, trainer=self.trainer))
 
     def _losses(self, *batch):
         loss, metrics = pair_losses(self.model, self.reference, self.objective, batch, self._select_scored)
