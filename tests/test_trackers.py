@@ -188,8 +188,11 @@ def test_a_missing_client_is_one_line_naming_the_extra(tmp_path, monkeypatch, ca
     path = tiny_recipe(tmp_path, trainer=dict(TRAINER, max_steps=2, loggers={"wandb": {"offline": True}}))
     assert main(["train", str(path), "--no-samples"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.strip().startswith("wandb:"))
     extra = "pip install 'yamlformer[wandb]'"
-    assert err == [f"builder train: trainer.loggers.wandb: the wandb package is not installed: {extra}"]
+    assert len(err) == 1 and err[0].startswith(f"{path}:{line}:"), err
+    assert err[0].endswith(f": trainer.loggers.wandb: the wandb package is not installed: {extra}"), err
+    assert not (tmp_path / "run").exists()  # refused before any work: no run folder, no corpus
 
 
 class _KillServer(L.Callback):

@@ -59,6 +59,7 @@ from yamlformer.recipes.training.run_log import (
     run_loggers,
 )
 from yamlformer.recipes.training.signals import SignalStop, StopOnSignal
+from yamlformer.recipes.training.trackers import check_clients
 
 
 class _Quiet(logging.Filter):
@@ -392,6 +393,7 @@ def train_recipe(
     for line in resolved.recipe.schedule.warnings(resolved.recipe.trainer.max_steps):
         say(f"warning: {line}")
     check_devices(resolved.recipe)
+    check_clients(resolved.recipe.trainer.loggers, recipe_file)
     with run_session(resolved, fresh, resume) as stop:
         return train(resolved, stop, resume, fresh, samples, callbacks, verbose)
 

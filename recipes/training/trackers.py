@@ -23,8 +23,11 @@ from typing import Any
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
+from yamlformer.builder.spec.problems import locate
+from yamlformer.builder.spec.source import Problem, SpecError
 from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import as_written
 from yamlformer.recipes.say import say
 
 TRACKERS = "trackers.json"
@@ -61,14 +64,33 @@ def store_id(folder: Path, tracker: str, ids: dict[str, Any]) -> None:
         write_atomic(Path(folder) / TRACKERS, json.dumps(found, indent=1).encode())
 
 
-def _client(extra: str, module: str):
-    """The optional client package, or one line naming the extra to install."""
+def _missing(extra: str, module: str) -> str | None:
+    """Why the optional client package ``module`` cannot be used (``None`` when it can)."""
     try:
-        return __import__(module)
+        __import__(module)
     except ImportError:
-        raise RecipeError(
-            f"trainer.loggers.{extra}: the {module} package is not installed: pip install 'yamlformer[{extra}]'"
-        ) from None
+        return f"the {module} package is not installed: pip install 'yamlformer[{extra}]'"
+    return None
+
+
+def _client(extra: str, module: str) -> None:
+    """The optional client package is there, or one line naming the extra to install."""
+    if (why := _missing(extra, module)) is not None:
+        raise RecipeError(f"trainer.loggers.{extra}: {why}")
+
+
+def check_clients(loggers, recipe_file: Path | None = None) -> None:
+    """Before any work: each tracker ``loggers`` (the recipe's ``trainer.loggers``) names has its
+    client package, else one line at the recipe's line of that field (``recipe_file``) naming
+    the extra that installs it."""
+    for key in MAKERS:
+        if getattr(loggers, key) is None or (why := _missing(key, key)) is None:
+            continue
+        if recipe_file is None:
+            raise RecipeError(f"trainer.loggers.{key}: {why}")
+        doc, field = as_written(recipe_file), ("trainer", "loggers", key)
+        mark = doc.key_mark(field)  # the `wandb:` line (its value may be a block below it)
+        raise SpecError([Problem.at(mark, field, why) if mark else locate(doc, field, why)])  # else: --set's
 
 
 class _OffTrackerThreads(logging.Filter):
