@@ -34,6 +34,12 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
         ("mistral-7b", [], "decoder.attention.sliding_window (config sliding_window): 4096"),
         ("llama3-8b", [], "position.scaling (config rope_scaling): 'llama3'"),
         ("tiny/llama", ["decoder.ffn.activation=gelu"], "decoder.ffn.activation (config hidden_act): 'gelu"),
+        ("tiny/gpt2", ["decoder.ffn.activation=relu"], "decoder.ffn.activation (config activation_function): 'relu'"),
+        ("tiny/qwen3", ["decoder.attention.sliding_window=8"], "decoder.attention.sliding_window"),
+        ("tiny/qwen3-moe", ["decoder.ffn.norm_topk_prob=false"], "decoder.ffn.norm_topk_prob: false"),
+        # llama.cpp's gemma2 always caps, and fixes the score scale by the model's shape
+        ("tiny/gemma2", ["decoder.attention.softcap=null"], "decoder.attention.softcap / head.softcap: none"),
+        ("tiny/gemma2", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config query_pre_attn_scalar)"),
     ],
 )
 def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, field, tmp_path, capsys):

@@ -12,6 +12,7 @@ family, the architecture's keys, the tokenizer, the output path.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +106,10 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
     _, config, tensors, _ = hf_tensors(spec, state, chosen.family, tokenizer=tokenizer)
     arch = chosen.arch
     model_arch = getattr(gguf.MODEL_ARCH, arch.name)
-    names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(model_arch, config.get("num_hidden_layers") or config["n_layer"])
     matrix_type, file_type = OUTTYPES[outtype]
     out_tensors = []
-    for hf_name, tensor in tensors.items():
+    for hf_name, tensor in _experts_stacked(tensors).items():
         for name, data in arch.transform(hf_name, tensor.detach().to(torch.float32).cpu(), config):
             gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
             if gguf_name is None:
@@ -144,6 +145,27 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
         tmp.unlink(missing_ok=True)
         raise
     return chosen
+
+
+def _experts_stacked(tensors: dict) -> dict:
+    """Each layer's experts (``...experts.3.w1.weight``) as one 3-D tensor (``...experts.w1.weight``,
+    expert-major), as llama.cpp holds a mixture of experts."""
+    # local: torch loads when weights are converted
+    import torch
+
+    out: dict = {}
+    groups: dict[str, dict[int, object]] = {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.+)", name)
+        if match is None:
+            out[name] = tensor
+            continue
+        stacked = f"{match[1]}.{match[3]}"
+        groups.setdefault(stacked, {})[int(match[2])] = tensor
+        out.setdefault(stacked, None)  # keeps the first expert's place in the order
+    for stacked, experts in groups.items():
+        out[stacked] = torch.stack([experts[i] for i in sorted(experts)])
+    return out
 
 
 def _tensor_type(gguf, name: str, data, matrix_type: str):
