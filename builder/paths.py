@@ -70,7 +70,7 @@ def path_problem(path: str | Path, folder: bool = False) -> str | None:
     if why is not None:
         return why
     access = os.R_OK | (os.X_OK if stat.S_ISDIR(info.st_mode) else 0)
-    if not os.access(path, access):
+    if not os.access(path, access, effective_ids=os.access in os.supports_effective_ids):  # as open() is
         return "permission denied"
     return None
 

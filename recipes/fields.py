@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from yamlformer.blocks.configs.base import rule_error
+from yamlformer.builder.paths import path_problem
 
 #: ``json_schema_extra`` of the fields that hold paths: relative to the recipe's folder, or to the
 #: working directory (``yamlformer.recipes.training.run_log`` makes them absolute in a run's config.yaml)
@@ -67,13 +68,11 @@ def resolve(recipe_file: Path | None, path: str) -> Path:
 
 
 def not_a_file(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a file a recipe names (None when it can): it is missing, a
-    folder, or something that is no regular file (a device such as ``/dev/zero``, a pipe, a
-    socket), which would never end or never answer."""
-    if not path.exists():
-        return "does not exist"
-    if path.is_dir():
-        return "is a folder, not a file"
-    if not path.is_file():
-        return "is not a regular file (a device, a pipe or a socket)"
-    return None
+    """Why ``path`` cannot be read as a file a recipe names (None when it can), worded to follow
+    the path: :func:`yamlformer.builder.paths.path_problem`'s verdict (missing, a folder, a
+    device such as ``/dev/zero``, a pipe or a socket, which would never end or never answer, or
+    unreadable), the one ``builder validate`` gives."""
+    why = path_problem(path)
+    if why is None:
+        return None
+    return why if why.startswith("is ") else f"cannot be read: {why}"

@@ -251,10 +251,11 @@ def test_validate_and_dry_run_refuse_files_that_are_not_there(tmp_path, capsys):
     recipe = tiny_recipe(tmp_path, data={"sources": [str(tmp_path / "corpsu")]})
     assert main(["validate", str(recipe)]) == 1
     out = capsys.readouterr().out
-    assert f"data.sources: no such file or folder {tmp_path / 'corpsu'}; did you mean '{tmp_path / 'corpus'}'?" in out
+    missing = f"data.sources.0: no such file or folder {tmp_path / 'corpsu'}; did you mean '{tmp_path / 'corpus'}'?"
+    assert f"{recipe}:23:5: {missing}" in out  # at the line that names it
     assert main(["train", str(recipe), "--dry-run"]) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"builder train: data.sources: no such file or folder {tmp_path / 'corpsu'}")
+    assert line == f"{recipe}:23:5: {missing}"
     recipe = tiny_recipe(tmp_path, model={"init_from": str(tmp_path / "run" / "last.ckpt")})
     assert main(["train", str(recipe), "--dry-run"]) == 1
     assert "model.init_from: no such file or folder" in capsys.readouterr().err

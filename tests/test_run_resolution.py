@@ -100,7 +100,9 @@ def test_the_dry_run_and_the_run_refuse_the_same_recipes(tmp_path, capsys, stops
         if dry != run:
             differ[case] = (dry, run)
             continue
-        assert dry[0] == 1 and dry[1].startswith("builder train: ") and len(dry[1].splitlines()) == 1, (case, dry)
+        # one line: the run's refusal, or a file's, located at the recipe's line that names it
+        said = dry[1].startswith(("builder train: ", f"{folder / 'recipe.yaml'}:"))
+        assert dry[0] == 1 and said and len(dry[1].splitlines()) == 1, (case, dry)
     assert not differ, differ
 
 

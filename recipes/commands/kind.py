@@ -33,15 +33,11 @@ def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     from yamlformer.recipes.errors import RecipeError
     from yamlformer.recipes.recipe.sections import recipe_path
     from yamlformer.recipes.tasks import load_recipe
-    from yamlformer.recipes.training.resolved import missing_inputs, resolve_model
+    from yamlformer.recipes.training.resolved import resolve_model
 
     try:
         recipe = load_recipe(path, dict(overrides))
-        recipe_file = recipe_path(path)
-        missing = missing_inputs(recipe, recipe_file)
-        if missing:
-            return [Problem(str(path), None, None, "", line) for line in missing]
-        resolve_model(recipe, recipe_file)
+        resolve_model(recipe, recipe_path(path))  # its files first, each problem at its line
     except SpecError as exc:
         return exc.problems
     except RecipeError as exc:

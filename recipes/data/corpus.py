@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from yamlformer.builder.outputs import shown
+from yamlformer.builder.paths import error_problem, path_problem
 from yamlformer.recipes.data import registry as datasets
 from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.data.megatron import Part, megatron_prefix, read_megatron, read_raw
@@ -75,16 +76,17 @@ def _text_files(source: str, section: DataSection, recipe_file: Path | None, see
     if source in datasets.DATASETS:  # a name wins over a file of that name: write ./name for the file
         return [f for f in datasets.text_files(source, section.dataset_root(recipe_file)) if seen.first(f)]
     path = resolve(recipe_file, source)
-    if path.is_file():
+    if path.is_file() and path_problem(path) is None:
         return [path] if seen.first(path) else []
-    if path.is_dir():
+    if path.is_dir() and path_problem(path, folder=True) is None:
         found = [f for f in walk(path, seen) if any(f.relative_to(path).match(p) for p in section.include)]
         if not found and not any(any(f.relative_to(path).match(p) for p in section.include) for f in walk(path)):
             raise RecipeError(
                 f"data.sources: the folder {shown(path)} holds no file matching data.include {list(section.include)}"
             )
         return found  # (empty: every file read already through an earlier source)
-    raise RecipeError(f"data.sources: {source!r} is neither a file nor a folder (looked at {shown(path)})")
+    why = path_problem(path, folder=True) or "is neither a file nor a folder"
+    raise RecipeError(f"data.sources: {shown(path)}: {why}")
 
 
 def read_text(paths: list[str], section: DataSection, recipe_file: Path | None) -> TextCorpus:
@@ -125,7 +127,10 @@ def _read_texts(files: list[Path], max_bytes: int | None) -> list[str]:
     for path in files:
         if max_bytes is not None and size >= max_bytes:
             break
-        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:  # a file of a folder that cannot be read
+            raise RecipeError(f"data.sources: {shown(path)}: {error_problem(exc, path)}") from None
         if max_bytes is not None:
             text = text[: max_bytes - size]
         texts.append(text)

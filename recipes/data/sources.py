@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from yamlformer.builder.outputs import shown
+from yamlformer.builder.paths import path_problem
 from yamlformer.recipes.data.walk import Seen, walk
 from yamlformer.recipes.errors import RecipeError
 
@@ -440,7 +441,11 @@ class DocumentStream:
 
 
 def _open(file: SourceFile) -> BinaryIO:
-    """The file's bytes, decompressed; a damaged archive is a RecipeError when read."""
+    """The file's bytes, decompressed; a damaged archive is a RecipeError when read, and so is a
+    path that is no readable regular file (a FIFO would block the open: asked before it)."""
+    why = path_problem(file.path)
+    if why is not None:
+        raise RecipeError(f"{shown(file.name)}: {why}")
     raw = open(file.path, "rb")  # noqa: SIM115  (closed by the wrapper)
     if file.compression == "gzip":
         # local: a decompressor loads only for a compressed file

@@ -28,9 +28,13 @@ import difflib
 from pathlib import Path
 from typing import Any
 
+from yamlformer.builder import paths
+from yamlformer.builder.outputs import shown
+from yamlformer.builder.spec.loader import read_merged
+from yamlformer.builder.spec.source import Problem, SpecError
 from yamlformer.recipes.data import registry as datasets
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.fields import not_a_file, resolve
+from yamlformer.recipes.fields import resolve
 from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, recipe_run, spec_base
 from yamlformer.recipes.recipe.sections import Recipe, model_spec, output_dir
 from yamlformer.recipes.tasks import load_recipe, task_named
@@ -283,39 +287,99 @@ def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | No
     beside it. Data files a dataset downloads on the first run are not missing; ``files``: the
     recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
     refused when the recipe loads.)"""
+    return [f"{field}: {message}" for field, _, message in _missing(recipe, recipe_file, files)]
+
+
+def _missing(recipe: Recipe, recipe_file: Path, files: list[DataFile] | None = None) -> list[tuple[str, Path, str]]:
+    """``(field, path, message)`` of each file :func:`missing_inputs` names; a link to nothing or a
+    loop of links is said as what it is (:func:`yamlformer.builder.paths.path_problem`)."""
     files = data_files(recipe, recipe_file) if files is None else files
-    lines = [
-        f"{f.what}: no such file or folder {f.path}{_close_names(f.path)}"
-        for f in files
-        if f.path is not None and not f.present and not f.url
-    ]
-    named = [
-        ("model.init_from", recipe.model.init_from),
-        ("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None)),
-    ]
-    for field, value in named:
-        if value is not None:
-            if field == "model.init_from" and recipe_run(recipe, recipe_file) is not None:
-                continue  # a recipe, not a path: its run's checkpoint is asked for by check_inputs
-            path = resolve(recipe_file, value)
-            if not path.exists():
-                lines.append(f"{field}: no such file or folder {path}{_close_names(path)}")
-    return lines
+    found = [(f.what, f.path, _absent(f.path)) for f in files if f.path is not None and not f.present and not f.url]
+    for field, value in _named(recipe, recipe_file):
+        path = resolve(recipe_file, value)
+        if not path.exists():
+            found.append((field, path, _absent(path)))
+    return found
+
+
+def _absent(path: Path) -> str:
+    if paths.exists(path):  # something is there: a link to nothing, a loop of links
+        return f"{shown(path)}: {paths.path_problem(path, folder=True)}"
+    return f"no such file or folder {shown(path)}{_close_names(path)}"
+
+
+def _named(recipe: Recipe, recipe_file: Path) -> list[tuple[str, str]]:
+    """``(field, value)`` of the paths a recipe names outside its data section that a run reads
+    (a file or a folder): ``model.init_from`` when it is no recipe, a classifier's encoder."""
+    named = [("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None))]
+    if recipe_run(recipe, recipe_file) is None:  # a recipe: its run's checkpoint is asked for by check_inputs
+        named.insert(0, ("model.init_from", recipe.model.init_from))
+    return [(field, value) for field, value in named if value is not None]
+
+
+def input_problems(recipe: Recipe, recipe_file: Path, files: list[DataFile]) -> list[tuple[str, Path, str]]:
+    """``(field, path, message)`` of each file the run would refuse before reading it: missing
+    (:func:`missing_inputs`), or there but not what the run reads, as
+    :func:`yamlformer.builder.paths.path_problem` says (a device such as ``/dev/zero``, a FIFO or
+    a socket, which would never end or never answer; a file that cannot be read; a folder where a
+    file is read whole). The one verdict the run's readers give."""
+    problems = _missing(recipe, recipe_file, files)
+    there = [(f.what, f.path, not f.file) for f in files if f.path is not None and f.present]
+    there += [(field, resolve(recipe_file, value), True) for field, value in _named(recipe, recipe_file)]
+    model_file = getattr(getattr(recipe, "tokenizer", None), "model_file", None)
+    if model_file is not None:
+        there.append(("tokenizer.model_file", resolve(recipe_file, model_file), recipe.tokenizer.type == "hf"))
+    for field, path, folder in there:
+        why = paths.path_problem(path, folder=folder) if paths.exists(path) else None
+        if why is not None:
+            problems.append((field, path, f"{shown(path)}: {why}"))
+    return problems
 
 
 def check_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile], init_from: bool = True) -> None:
-    """Refuse, as the run would, a recipe whose files are missing (:func:`missing_inputs`) or are
-    not what the run reads (a file read whole that is a folder, a device or a pipe), or whose
-    ``model.init_from`` is no model that loads (its spec, and a checkpoint's tokenizer, read; a
-    recipe, its run's last checkpoint: one not trained yet is refused). ``init_from=False``: that
-    model is not asked for (a recipe not trained yet, as validate and list see it)."""
-    problems = missing_inputs(recipe, recipe_file, files)
-    unreadable = [f for f in files if f.file and f.present and not_a_file(f.path)]
-    problems += [f"{f.what}: {f.path} {not_a_file(f.path)}" for f in unreadable]
+    """Refuse, as the run would, a recipe whose files are missing or are not what the run reads
+    (:func:`input_problems`), each problem located at the line of the recipe that names the file
+    (a :class:`SpecError`, as ``builder validate``, ``builder train`` and its dry run print it),
+    or whose ``model.init_from`` is no model that loads (its spec, and a checkpoint's tokenizer,
+    read; a recipe, its run's last checkpoint: one not trained yet is refused).
+    ``init_from=False``: that model is not asked for (a recipe not trained yet, as validate and
+    list see it)."""
+    problems = input_problems(recipe, recipe_file, files)
     if problems:
-        raise RecipeError("; ".join(problems))
+        raise SpecError([_located(recipe_file, field, path, message) for field, path, message in problems])
     source = init_from_source(recipe, recipe_file) if init_from else None
     if source is not None:
         with init_from_errors():
             source.spec_dict()
             source.tokenizer_state()
+
+
+def _located(recipe_file: Path, what: str, path: Path, message: str) -> Problem:
+    """A problem with the file at ``path`` that field ``what`` names (``data.sources``,
+    ``data.sources (tokenized)``, ``data.train.source``), at the line of the recipe where that
+    path is written (an item of a list, a weighted entry's ``path``); a path given with ``--set``,
+    or a dataset's file, is named by the field alone."""
+    field = what.split(" ")[0]
+    try:
+        doc = read_merged(recipe_file)
+    except (SpecError, OSError):
+        doc = None
+    if doc is not None:
+        top = tuple(field.split("."))[:2]
+        for where, value in _strings(doc.data, ()):
+            if where[:2] == top and resolve(recipe_file, value) == path:
+                mark = doc.value_mark(where)
+                if mark is not None:
+                    return Problem.at(mark, where, message)
+    return Problem(str(recipe_file), None, None, field, message)
+
+
+def _strings(data: Any, where: tuple) -> list[tuple[tuple, str]]:
+    """``(field path, value)`` of every string in a document's data."""
+    if isinstance(data, str):
+        return [(where, data)]
+    if isinstance(data, dict):
+        return [found for key, value in data.items() for found in _strings(value, (*where, key))]
+    if isinstance(data, list):
+        return [found for i, value in enumerate(data) for found in _strings(value, (*where, i))]
+    return []
