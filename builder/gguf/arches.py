@@ -200,10 +200,7 @@ def _qwen_moe_hparams(writer, config: Mapping, spec) -> None:
 
 def _qwen_moe_refuse(config: Mapping) -> str | None:
     if not config.get("norm_topk_prob", False):
-        return (
-            "decoder.ffn.norm_topk_prob: false; llama.cpp's qwen3moe "
-            "renormalizes the chosen experts' weights"
-        )
+        return "decoder.ffn.norm_topk_prob: false; llama.cpp's qwen3moe renormalizes the chosen experts' weights"
     if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
         return "decoder.overrides (dense FFN layers among the experts): llama.cpp's qwen3moe has every layer sparse"
     return _qwen_refuse(config)
