@@ -69,6 +69,17 @@ def agent_flags(line: str, *flags: str) -> str:
     return f"{head} {' '.join(flags)}{module}{rest}"
 
 
+def _torchrun_here(folder: Path) -> Path:
+    """A folder whose ``torchrun`` is this interpreter's (``python -m torch.distributed.run``), so the
+    printed line runs this checkout under any environment's ``PATH``."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    shim = bin_dir / "torchrun"
+    shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m torch.distributed.run "$@"\n')
+    shim.chmod(0o755)
+    return bin_dir
+
+
 class Agents:
     """The agents of one launch: node ``n`` runs ``line`` in ``cwds[n]`` through ``bash -c`` with
     ``NODE_RANK=n`` and ``MASTER_ADDR``/``MASTER_PORT`` (the endpoint) set, each in its own
@@ -78,7 +89,7 @@ class Agents:
         self.port = free_port()
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = [logs / f"node-{n}.log" for n in range(len(cwds))]
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        path = os.pathsep.join([str(_torchrun_here(logs.parent)), os.environ.get("PATH", "")])
         self.procs = []
         for node, cwd in enumerate(cwds):
             extra = {"NODE_RANK": str(node), "MASTER_ADDR": addr, "MASTER_PORT": str(self.port), "PATH": path}

@@ -20,6 +20,7 @@ import contextlib
 import os
 import random
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -71,10 +72,11 @@ def slurm_port(job_id: int) -> int:
     return span[0] + job_id % (span[1] - span[0])
 
 
-def under_slurm() -> bool:
-    """Whether Lightning runs this process as a task of a SLURM job (``srun``; a job named
-    ``bash`` or ``interactive`` is Lightning's way to opt out)."""
-    return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+def under_slurm(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether Lightning runs this process (or one with ``environ``) as a task of a SLURM job
+    (``srun``; a job named ``bash`` or ``interactive`` is Lightning's way to opt out)."""
+    env = os.environ if environ is None else environ
+    return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
 def choose_main_port(num_nodes: int, processes: int) -> None:

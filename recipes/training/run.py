@@ -29,6 +29,7 @@ from yamlformer.builder.checkpoints import RESUMABLE, CheckpointError, peek_meta
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.parallel import device_count, layout_of, parallelize, whole_model
 from yamlformer.recipes.parallel.compile import compiling, eager
+from yamlformer.recipes.parallel.launcher import SharedRunFolder, check_launcher, wait_for_rank_zero
 from yamlformer.recipes.parallel.rendezvous import run_process_group
 from yamlformer.recipes.parallel.strategy import ShardedStrategy
 from yamlformer.recipes.recipe.sections import Recipe
@@ -322,6 +323,7 @@ def fit(trainer: L.Trainer, module, data, ckpt: Path | None) -> None:
     """``trainer.fit``, resumed from ``ckpt`` when given (see :func:`resume_path`)."""
     if ckpt is not None:
         say(f"resuming from {ckpt}")
+    wait_for_rank_zero(trainer)  # a bounded wait for rank 0's address, not torch's half hour
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
 
 
@@ -393,6 +395,7 @@ def train_recipe(
     for line in resolved.recipe.schedule.warnings(resolved.recipe.trainer.max_steps):
         say(f"warning: {line}")
     check_devices(resolved.recipe)
+    check_launcher(resolved.recipe, resolved.file)  # the nodes and processes torchrun or SLURM started
     check_clients(resolved.recipe.trainer.loggers, recipe_file)
     with run_session(resolved, fresh, resume) as stop:
         return train(resolved, stop, resume, fresh, samples, callbacks, verbose)
@@ -460,7 +463,8 @@ def train(
     throughput = throughput_for(run, prepared, est.flops.train_per_token)
     extra = prepared.callbacks(run.checkpoints) if prepared.callbacks is not None else []
     stats = StepStats(settings.log_every_n_steps)  # lr and peak memory beside the throughput
-    own = [checkpoints, throughput, stats, *extra, *(callbacks or []), stop_callback(stop, checkpoints)]
+    shared = SharedRunFolder(run.out)  # every node sees the run folder, checked as the ranks meet
+    own = [shared, checkpoints, throughput, stats, *extra, *(callbacks or []), stop_callback(stop, checkpoints)]
     trainer = run_trainer(run, own, ckpt, est)
     try:
         with compiling(run.out) as compiled:
