@@ -129,6 +129,6 @@ def test_register_refuses_a_block_that_breaks_its_contract():
 
     with pytest.raises(RegistryError, match="leaves param_shapes, saved_bytes of NormBlock unimplemented"):
         register("norm", "nowhere:HalfNorm")(HalfNorm)
-    with pytest.raises(RegistryError, match="must subclass yamlformer.blocks.configs.base.AttentionBlock"):
+    with pytest.raises(RegistryError, match="must subclass yamlformer.blocks.configs.base_attention.AttentionBlock"):
         register("attention", "nowhere:RMSNorm")(RMSNormConfig)
     assert "half" not in registry.configs("norm")
