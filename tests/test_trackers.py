@@ -9,6 +9,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -215,11 +216,14 @@ def _csv_steps(out: Path, key: str) -> list[int]:
 
 
 def _tracker_warnings(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("warning: mlflow")]
+    """The tracker's warning lines (the progress bar's redraws end in a carriage return, not a newline)."""
+    return [line for line in re.split(r"[\r\n]", text) if line.startswith("warning: mlflow")]
 
 
-def test_a_server_killed_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, capsys, caplog):
+def test_a_server_killed_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, capsys, caplog, monkeypatch):
     from yamlformer.recipes.training.run import run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "3")  # a request to the dead server: 9 s of retries
 
     port = _free_port()
     server = start_server(tmp_path / "mlflow", port)
@@ -237,9 +241,9 @@ def test_a_server_killed_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, ca
     [warning] = _tracker_warnings(printed.out)
     assert "the run goes on without it" in warning and "Traceback" not in printed.out + printed.err
     assert not [r for r in caplog.records if "Retrying" in r.getMessage()]  # urllib3's, one per retry
-    # no training step waited for the dead server: MLflow's retries (about 4 s) ran on the tracker's thread
+    # no training step waited for the dead server: MLflow's retries (3 s, then 6 s) ran on the tracker's thread
     after = [t for step, t in killer.ends if step >= 6]
-    assert max(b - a for a, b in zip(after, after[1:])) < 2.5, killer.ends
+    assert max(b - a for a, b in zip(after, after[1:])) < 4.5, killer.ends
     assert took < 60
     out = tmp_path / "run"
     assert _csv_steps(out, "loss") == list(range(1, 16, 2))  # the CSV kept every row
