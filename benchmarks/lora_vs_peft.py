@@ -265,6 +265,28 @@ def _gpu() -> str:
     return torch.cuda.get_device_name()
 
 
+def parsed(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``argv`` parsed with the options every side-by-side benchmark here takes added to ``parser``
+    (``preference_vs_trl`` too); None, said on stderr, for ``--device cuda`` without a CUDA GPU."""
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, default=1, help="runs per side; ratios are their median")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per side (they run in turn)")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="the largest per-step loss difference allowed")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where every side trains (default cpu)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a smaller model and sequence (the tests' run)")
+    parser.add_argument("--json", metavar="FILE", help="also write the result here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA GPU is available here", file=sys.stderr)
+            return None
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from machine import emit, machine
 
@@ -279,20 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--data", choices=("instructions", "random"), default="instructions", help="what trains (module doc)"
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seeds", type=int, default=1, help="runs per side; ratios are their median")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per side (they run in turn)")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="the largest per-step loss difference allowed")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train (default cpu)")
-    parser.add_argument("--quick", action="store_true", help="a smaller model and sequence (the tests' run)")
-    parser.add_argument("--json", metavar="FILE", help="also write the result here")
-    args = parser.parse_args(argv)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("--device cuda: no CUDA GPU is available here", file=sys.stderr)
-            return 2
+    args = parsed(parser, argv)
+    if args is None:
+        return 2
     if args.quick:
         args.steps, args.warmup = min(args.steps, 4), min(args.warmup, 1)
     where = f"device {args.device}" + (f" ({_gpu()})" if args.device == "cuda" else "")

@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO / "benchmarks"))
 
-from lora_vs_peft import QUICK, SPEC  # noqa: E402 (the benchmarks' folder, appended above)
+from lora_vs_peft import QUICK, SPEC, parsed  # noqa: E402 (the benchmarks' folder, appended above)
 
 SIDES = ("ours", "control", "trl")
 
@@ -346,20 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the tokens/s median")
     parser.add_argument("--batch", type=int, default=8, help="pairs per step")
     parser.add_argument("--seq-len", type=int, default=256, help="the longest sequence: a packed row holds two")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seeds", type=int, default=1, help="runs per side; ratios are their median")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per side (they run in turn)")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="the largest per-step difference allowed")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every side trains")
-    parser.add_argument("--quick", action="store_true", help="a smaller model and sequence (the tests' run)")
-    parser.add_argument("--json", metavar="FILE", help="also write the result here")
-    args = parser.parse_args(argv)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("--device cuda: no CUDA GPU is available here", file=sys.stderr)
-            return 2
+    args = parsed(parser, argv)  # --lr, --seeds, --threads, --tolerance, --device, --quick, --json
+    if args is None:
+        return 2
     if args.quick:
         args.steps, args.warmup, args.batch = min(args.steps, 4), min(args.warmup, 1), min(args.batch, 4)
     print(

@@ -100,6 +100,10 @@ class ChatFormat:
             "default": "the plain default chat template (the tokenizer has none)",
         }[self.source]
 
+    def text(self, messages: Sequence[dict]) -> str:
+        """``messages`` rendered whole: the text :meth:`encode` encodes, in one string."""
+        return self._render(messages, False)
+
     def pieces(self, messages: Sequence[dict]) -> list[tuple[str, bool]]:
         """The rendering of ``messages`` as ``(text, trained)`` pieces in order."""
         whole = self._render(messages, False)
@@ -120,7 +124,9 @@ class ChatFormat:
 
     def encode(self, messages: Sequence[dict]) -> Encoded:
         """The conversation's token ids and which of them the loss reads (module doc)."""
-        pieces = self.pieces(messages)
+        return self._encoded(self.pieces(messages))
+
+    def _encoded(self, pieces: list[tuple[str, bool]]) -> Encoded:
         encoded = self.tokenizer.encode_batch([text for text, _ in pieces])
         ids, trained, starts = [], [], []
         for (_, target), piece in zip(pieces, encoded):
@@ -138,8 +144,9 @@ class ChatFormat:
         message left out), the model's turn opened, token for token as :meth:`encode` made them
         the context of that answer in training."""
         context = list(messages[:-1]) if messages and messages[-1]["role"] == "assistant" else list(messages)
-        encoded = self.encode([*context, {"role": "assistant", "content": "."}])
-        return encoded.ids[: encoded.starts[-1]].tolist()
+        pieces = self.pieces([*context, {"role": "assistant", "content": "."}])
+        answer = max(i for i, (_, trained) in enumerate(pieces) if trained)  # the stand-in, never encoded
+        return self._encoded(pieces[:answer]).ids.tolist()
 
 
 def _renderer(template: str, tokenizer):

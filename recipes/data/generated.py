@@ -62,15 +62,21 @@ def signature_records() -> list[dict]:
     return [r for r in records if len(r["prompt"]) + len(r["response"]) <= MAX_CHARS]
 
 
+def _written(root: Path, name: str, version: int, records) -> list[Path]:
+    """``records()`` for this interpreter as the JSON Lines file of dataset ``name`` (its
+    ``version``) under the data root ``root``, written when absent."""
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    path = root / name / f"python{python}-v{version}.jsonl"
+    if not path.is_file():
+        lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records())
+        write_atomic(path, lines.encode("utf-8"))
+    return [path]
+
+
 def python_signatures(root: Path) -> list[Path]:
     """The records for this interpreter as a JSON Lines file under the data root ``root``,
     written when absent."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    path = root / "python-signatures" / f"python{version}-v{VERSION}.jsonl"
-    if not path.is_file():
-        lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in signature_records())
-        write_atomic(path, lines.encode("utf-8"))
-    return [path]
+    return _written(root, "python-signatures", VERSION, signature_records)
 
 
 def signature_pairs() -> list[dict]:
@@ -94,9 +100,4 @@ def signature_pairs() -> list[dict]:
 def python_signature_pairs(root: Path) -> list[Path]:
     """The pairs for this interpreter as a JSON Lines file under the data root ``root``, written
     when absent."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    path = root / "python-signature-pairs" / f"python{version}-v{PAIRS_VERSION}.jsonl"
-    if not path.is_file():
-        lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in signature_pairs())
-        write_atomic(path, lines.encode("utf-8"))
-    return [path]
+    return _written(root, "python-signature-pairs", PAIRS_VERSION, signature_pairs)

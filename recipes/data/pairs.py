@@ -85,6 +85,12 @@ def pair_conversations(record) -> tuple[list[dict], list[dict], list[dict]]:
     return context, chosen, rejected
 
 
+def pair_sides(record) -> list[list[dict]]:
+    """The two conversations of a pair (its prompt then each answer), sharing the prompt's messages."""
+    context, chosen, rejected = pair_conversations(record)
+    return [[*context, *chosen], [*context, *rejected]]
+
+
 @dataclasses.dataclass
 class EncodedPair:
     """A pair's two sequences (prompt then answer each), their targets the answer's tokens only."""

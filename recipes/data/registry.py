@@ -127,6 +127,21 @@ _MULTI30K_FILES = {
     ("test2016", "test_2016_flickr", "en"): ("399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182", 62076),
 }
 
+
+def _generated(name: str, what: str, write) -> Dataset:
+    """A dataset of records made from the running interpreter (``yamlformer.recipes.data.generated``):
+    ``what`` they are, ``write(root)`` their files under the data root."""
+    return Dataset(
+        name=name,
+        description=f"{what}; made from the running interpreter (yamlformer.recipes.data.generated)",
+        license="the Python Software Foundation License (made from the interpreter's own modules; nothing is "
+        "downloaded)",
+        how_to_split="records; the recipe's data.val_fraction of them held out",
+        splits={},
+        local=lambda: write(default_root()),
+    )
+
+
 DATASETS: dict[str, Dataset] = {
     "tinyshakespeare": Dataset(
         name="tinyshakespeare",
@@ -174,26 +189,16 @@ DATASETS: dict[str, Dataset] = {
         splits={},
         local=_stdlib_files,
     ),
-    "python-signatures": Dataset(
-        name="python-signatures",
-        description="instruction records about the standard library's functions (their signatures and what "
-        "their docstrings say), made from the running interpreter (yamlformer.recipes.data.generated)",
-        license="the Python Software Foundation License (made from the interpreter's own modules; nothing is "
-        "downloaded)",
-        how_to_split="records; the recipe's data.val_fraction of them held out",
-        splits={},
-        local=lambda: python_signatures(default_root()),
+    "python-signatures": _generated(
+        "python-signatures",
+        "instruction records about the standard library's functions (their signatures and what their docstrings say)",
+        python_signatures,
     ),
-    "python-signature-pairs": Dataset(
-        name="python-signature-pairs",
-        description="preference pairs (task: preference) asking for a standard-library function's signature: "
-        "its own chosen, its module's next function's rejected; made from the running interpreter "
-        "(yamlformer.recipes.data.generated)",
-        license="the Python Software Foundation License (made from the interpreter's own modules; nothing is "
-        "downloaded)",
-        how_to_split="records; the recipe's data.val_fraction of them held out",
-        splits={},
-        local=lambda: python_signature_pairs(default_root()),
+    "python-signature-pairs": _generated(
+        "python-signature-pairs",
+        "preference pairs (task: preference) asking for a standard-library function's signature: its own chosen, "
+        "its module's next function's rejected",
+        python_signature_pairs,
     ),
 }
 

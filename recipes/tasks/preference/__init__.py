@@ -17,9 +17,9 @@ from pydantic import Field, model_validator
 
 from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.fields import RECIPE_PATH, _Section
+from yamlformer.recipes.fields import _Section
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.sft import InstructionDataSection, InstructionTuning
+from yamlformer.recipes.tasks.sft import InstructionDataSection, InstructionTuning, held_out_file, training_file
 from yamlformer.recipes.tasks.task import scored
 
 #: the losses, and which of them compare against a reference model (``losses.NEEDS_REFERENCE``)
@@ -30,18 +30,11 @@ OPTIONS = {"label_smoothing": ("dpo", "simpo"), "simpo_gamma": ("simpo",), "orpo
 
 
 class PairDataSection(InstructionDataSection):
-    file: str | None = Field(
-        None,
-        description='Training pairs: a .jsonl (.gz, .zst) or .parquet file of {"prompt", "chosen", "rejected"} '
-        '(and "system") records, strings or message lists, or {"chosen", "rejected"} whole conversations '
-        "sharing their prompt (relative to the recipe).",
-        json_schema_extra=RECIPE_PATH,
+    file: str | None = training_file(
+        'Training pairs: a .jsonl (.gz, .zst) or .parquet file of {"prompt", "chosen", "rejected"} (and "system") '
+        'records, strings or message lists, or {"chosen", "rejected"} whole conversations sharing their prompt'
     )
-    validation: str | None = Field(
-        None,
-        description="Held-out pairs like `file` (null: data.val_fraction of the training pairs).",
-        json_schema_extra=RECIPE_PATH,
-    )
+    validation: str | None = held_out_file("pairs")
     seq_len: int = Field(
         512,
         ge=2,
@@ -119,6 +112,12 @@ class PreferenceTuning(InstructionTuning):
         from yamlformer.recipes.tasks.preference.training import prepare
 
         return prepare(run)
+
+    def conversations(self):
+        # local: the data side loads when data is read (this module is torch-free)
+        from yamlformer.recipes.data.pairs import pair_sides
+
+        return pair_sides
 
     def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
         data = recipe.data

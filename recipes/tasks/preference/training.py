@@ -11,7 +11,6 @@ import math
 import types
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ from yamlformer.blocks.linear import adapter_parameters, adapters_disabled, line
 from yamlformer.builder.assemble import build_model
 from yamlformer.recipes.data.chat import ChatFormat
 from yamlformer.recipes.data.instructions import InstructionData, shuffled
-from yamlformer.recipes.data.pairs import PairRows, encode_pairs, pair_conversations
+from yamlformer.recipes.data.pairs import PairRows, encode_pairs, pair_sides
 from yamlformer.recipes.data.windows import IGNORE
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.learning.module import LMModule
@@ -31,15 +30,15 @@ from yamlformer.recipes.parallel.fsdp import is_sharded_model, whole_model
 from yamlformer.recipes.recipe.init_from import init_from_path
 from yamlformer.recipes.say import publish, say
 from yamlformer.recipes.tasks.preference.losses import pair_logps, preference_loss
-from yamlformer.recipes.tasks.sft.training import checkpoint_recipe, record_files, split, tokenizer_for
+from yamlformer.recipes.tasks.sft.training import (
+    BeforeAndAfter,
+    checkpoint_recipe,
+    record_files,
+    split,
+    tokenizer_for,
+)
 from yamlformer.recipes.tasks.task import Prepared
 from yamlformer.recipes.trained import load_trained
-
-
-def pair_messages(record) -> list[dict]:
-    """Every message of a pair (its prompt and both answers): the text a tokenizer is trained on."""
-    context, chosen, rejected = pair_conversations(record)
-    return [*context, *chosen, *rejected]
 
 
 class Pairs:
@@ -276,13 +275,11 @@ def scores_line(scores: dict) -> str:
     )
 
 
-class HeldOut(L.Callback):
-    """The held-out pairs scored as a run starts and as it ends (:meth:`after`); the first score
-    rides in checkpoints, so a resumed run still reports both."""
+class HeldOut(BeforeAndAfter):
+    """The held-out pairs scored as a run starts and as it ends (:meth:`after`)."""
 
     def __init__(self, pairs: Pairs, objective, batch: int, batches: int):
         self.pairs, self.objective, self.batch, self.batches = pairs, objective, batch, batches
-        self.before: dict | None = None
 
     def scores(self, model, reference: Reference) -> dict:
         return held_out_scores(model, reference, self.objective, self.pairs.held, self.batch, self.batches)
@@ -295,24 +292,15 @@ class HeldOut(L.Callback):
             say(f"held out, before training: {scores_line(self.before)}")
 
     def after(self, model, reference: Reference) -> dict:
-        after = self.scores(model, reference)
-        if self.before is not None:
-            b = self.before
-            say(
-                f"held out ({after['pairs']:,} pairs): reward accuracy {b['accuracy']:.1%} -> {after['accuracy']:.1%}, "
-                f"margin {b['margin']:.4f} -> {after['margin']:.4f}, the chosen answer more likely per token "
-                f"{b['prefers_chosen']:.1%} -> {after['prefers_chosen']:.1%}, "
-                f"loss {b['loss']:.4f} -> {after['loss']:.4f}"
-            )
-        else:
-            say(f"held out, after training: {scores_line(after)}")
-        return {"held_out": {"before": self.before, "after": after}}
+        return self.reported(self.scores(model, reference), _compared, scores_line)
 
-    def state_dict(self) -> dict:
-        return {"before": self.before}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.before = state.get("before")
+def _compared(b: dict, after: dict) -> str:
+    return (
+        f"held out ({after['pairs']:,} pairs): reward accuracy {b['accuracy']:.1%} -> {after['accuracy']:.1%}, "
+        f"margin {b['margin']:.4f} -> {after['margin']:.4f}, the chosen answer more likely per token "
+        f"{b['prefers_chosen']:.1%} -> {after['prefers_chosen']:.1%}, loss {b['loss']:.4f} -> {after['loss']:.4f}"
+    )
 
 
 def prepare(run) -> Prepared:
@@ -321,7 +309,7 @@ def prepare(run) -> Prepared:
     recipe, recipe_file = run.recipe, run.file
     data, settings = recipe.data, recipe.trainer
     train_path, _ = record_files(data, recipe_file)
-    tokenizer = tokenizer_for(recipe, recipe_file, train_path, pair_messages)
+    tokenizer = tokenizer_for(recipe, recipe_file, train_path, pair_sides)
     pairs = Pairs(data, recipe_file, tokenizer, settings.seed)
     say(pairs.line)
     module = InstructionData(

@@ -17,21 +17,29 @@ from yamlformer.recipes.data.section import DatasetFields
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.task import Task, scored
+from yamlformer.recipes.tasks.task import Task, Vocabulary, scored
+
+
+def training_file(description: str):
+    """The ``data.file`` field: ``description`` of what it holds, a path relative to the recipe."""
+    return Field(None, description=f"{description} (relative to the recipe).", json_schema_extra=RECIPE_PATH)
+
+
+def held_out_file(what: str):
+    """The ``data.validation`` field of a data section whose training file holds ``what`` (records, pairs)."""
+    return Field(
+        None,
+        description=f"Held-out {what} like `file` (null: data.val_fraction of the training {what}).",
+        json_schema_extra=RECIPE_PATH,
+    )
 
 
 class InstructionDataSection(DatasetFields):
-    file: str | None = Field(
-        None,
-        description='Training records: a .jsonl (.gz, .zst) or .parquet file of {"prompt", "response"} (and '
-        '"system") or {"messages": [{"role", "content"}, ...]} records (relative to the recipe).',
-        json_schema_extra=RECIPE_PATH,
+    file: str | None = training_file(
+        'Training records: a .jsonl (.gz, .zst) or .parquet file of {"prompt", "response"} (and "system") or '
+        '{"messages": [{"role", "content"}, ...]} records'
     )
-    validation: str | None = Field(
-        None,
-        description="Held-out records like `file` (null: data.val_fraction of the training records).",
-        json_schema_extra=RECIPE_PATH,
-    )
+    validation: str | None = held_out_file("records")
     val_fraction: float = Field(
         0.05, gt=0, lt=1, description="The share of records held out when there is no validation file."
     )
@@ -92,6 +100,33 @@ class InstructionTuning(Task):
         from yamlformer.recipes.tasks.sft.training import prepare
 
         return prepare(run)
+
+    def conversations(self):
+        """``record -> [conversation, ...]``: what a record trains on, the text a char tokenizer is fitted on."""
+        # local: the data side loads when data is read (this module is torch-free)
+        from yamlformer.recipes.tasks.sft.training import one_conversation
+
+        return one_conversation
+
+    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+        """A char tokenizer's without ``model.init_from``: the characters of the records as the chat
+        template renders them (the table the run fits), not of an LM corpus."""
+        # local: the stand-in the run resolution uses (it imports the tasks)
+        from yamlformer.recipes.training.resolved import CHAR_STAND_IN
+
+        if recipe.tokenizer.type != "char" or recipe.model.init_from is not None:
+            return None
+        if read_data:
+            # local: reading the records is the data side (validate and list never read them)
+            from yamlformer.recipes.tasks.sft.training import record_files, tokenizer_for
+
+            train, _ = record_files(recipe.data, recipe_file)
+            if train.is_file():
+                size = tokenizer_for(recipe, recipe_file, train, self.conversations()).vocab_size
+                return Vocabulary(size, f"char: the rendered records' {size - 1} distinct characters and end-of-text")
+        return Vocabulary(
+            CHAR_STAND_IN, f"char: the rendered records' characters (estimated with {CHAR_STAND_IN})", True
+        )
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
         data = recipe.data

@@ -39,19 +39,32 @@ def record_files(data, recipe_file: Path | None) -> tuple[Path, Path | None]:
     return dataset.local()[0], resolve(recipe_file, data.validation) if data.validation else None
 
 
-def tokenizer_for(recipe, recipe_file: Path, train: Path, messages=conversation):
-    """``model.init_from``'s tokenizer, else the recipe's (a sentencepiece model trained on the
-    records' text when it names no file; ``messages``: a record's messages, whose contents are that text)."""
+def one_conversation(record) -> list[list[dict]]:
+    """An sft record's conversations: the one it is (:func:`~yamlformer.recipes.data.chat.conversation`)."""
+    return [conversation(record)]
+
+
+def tokenizer_for(recipe, recipe_file: Path, train: Path, conversations=one_conversation):
+    """``model.init_from``'s tokenizer, else the recipe's: a char table of the records' text as
+    the chat template renders it (its framing's characters too, which a table of the contents alone
+    could not encode), a sentencepiece model trained on the messages' contents when it names no
+    file. ``conversations``: a record's conversations (an sft record's one, a pair's two sides)."""
     # local: the tokenizer libraries (sentencepiece, Hugging Face's) load when a run reads its data
-    from yamlformer.recipes.data.tokenizers import build_tokenizer
+    from yamlformer.recipes.data.tokenizers import CharTokenizer, build_tokenizer
 
     pretrained = pretrained_tokenizer(recipe, recipe_file)
     if pretrained is not None:
         return pretrained
+    char = recipe.tokenizer.type == "char"
+    chat = ChatFormat(CharTokenizer.fit("", eos=True), recipe.data.chat_template) if char else None
     texts = []
     for where, record in read_records(train):
         try:
-            texts += [m["content"] for m in messages(record)]
+            sides = conversations(record)
+            if char:
+                texts += [chat.text(side) for side in sides]
+            else:  # each message once: a pair's sides share their prompt's
+                texts += [m["content"] for m in {id(m): m for side in sides for m in side}.values()]
         except ValueError as exc:
             raise RecipeError(f"{where}: {exc}") from None
     text = "\n".join(texts)
@@ -184,14 +197,31 @@ def generated_answer(model, chat: ChatFormat, tokenizer, messages, max_new_token
     return tokenizer.decode(new)
 
 
-class HeldOut(L.Callback):
+class BeforeAndAfter(L.Callback):
+    """Held-out scores as a run starts (``before``) and as it ends; the first rides in
+    checkpoints, so a resumed run still reports both."""
+
+    before: dict | None = None
+
+    def reported(self, after: dict, compared, line) -> dict:
+        """Say ``compared(before, after)``, or ``line(after)`` without a first score (a sharded run's);
+        the scores as a run's final metrics."""
+        say(compared(self.before, after) if self.before is not None else f"held out, after training: {line(after)}")
+        return {"held_out": {"before": self.before, "after": after}}
+
+    def state_dict(self) -> dict:
+        return {"before": self.before}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.before = state.get("before")
+
+
+class HeldOut(BeforeAndAfter):
     """The held-out records scored with the model as a run starts (the base: adapters start as
-    the identity) and as it ends (:meth:`after`); the first score rides in checkpoints, so a
-    resumed run still reports both."""
+    the identity) and as it ends (:meth:`after`)."""
 
     def __init__(self, records: Records, tokenizer, settings):
         self.records, self.tokenizer, self.settings = records, tokenizer, settings
-        self.before: dict | None = None
 
     def _scores(self, model) -> dict:
         return held_out_scores(model, self.records, self.tokenizer, self.settings, batch=8)
@@ -208,23 +238,18 @@ class HeldOut(L.Callback):
 
     def after(self, model) -> dict:
         after = self._scores(model)
-        if self.before is not None:
-            say(
-                f"held out: answers' loss {self.before['loss']:.4f} -> {after['loss']:.4f}; exact match "
-                f"{self.before['exact']}/{self.before['prompts']} -> {after['exact']}/{after['prompts']}"
-            )
-        else:
-            say(f"held out, after training: {_line(after)}")
+        result = self.reported(after, _compared, _line)
         for messages, answer in list(zip(self.records.held_conversations, after["answers"]))[:3]:
             prompt = next(m["content"] for m in reversed(messages) if m["role"] == "user")
             say(f"  {prompt[:80]!r} -> {answer.strip()[:80]!r}")
-        return {"held_out": {"before": self.before, "after": after}}
+        return result
 
-    def state_dict(self) -> dict:
-        return {"before": self.before}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.before = state.get("before")
+def _compared(before: dict, after: dict) -> str:
+    return (
+        f"held out: answers' loss {before['loss']:.4f} -> {after['loss']:.4f}; exact match "
+        f"{before['exact']}/{before['prompts']} -> {after['exact']}/{after['prompts']}"
+    )
 
 
 def _line(scores: dict) -> str:
