@@ -110,23 +110,18 @@ class InstructionTuning(Task):
 
     def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
         """A char tokenizer's without ``model.init_from``: the characters of the records as the chat
-        template renders them (the table the run fits), not of an LM corpus."""
-        # local: the stand-in the run resolution uses (it imports the tasks)
-        from yamlformer.recipes.training.resolved import CHAR_STAND_IN
-
-        if recipe.tokenizer.type != "char" or recipe.model.init_from is not None:
+        template renders them (the table the run fits), not of an LM corpus; None (the generic
+        stand-in) while they are not read."""
+        if recipe.tokenizer.type != "char" or recipe.model.init_from is not None or not read_data:
             return None
-        if read_data:
-            # local: reading the records is the data side (validate and list never read them)
-            from yamlformer.recipes.tasks.sft.training import record_files, tokenizer_for
+        # local: reading the records is the data side (validate and list never read them)
+        from yamlformer.recipes.tasks.sft.training import record_files, tokenizer_for
 
-            train, _ = record_files(recipe.data, recipe_file)
-            if train.is_file():
-                size = tokenizer_for(recipe, recipe_file, train, self.conversations()).vocab_size
-                return Vocabulary(size, f"char: the rendered records' {size - 1} distinct characters and end-of-text")
-        return Vocabulary(
-            CHAR_STAND_IN, f"char: the rendered records' characters (estimated with {CHAR_STAND_IN})", True
-        )
+        train, _ = record_files(recipe.data, recipe_file)
+        if not train.is_file():
+            return None  # not there yet: the stand-in
+        size = tokenizer_for(recipe, recipe_file, train, self.conversations()).vocab_size
+        return Vocabulary(size, f"char: the rendered records' {size - 1} distinct characters and end-of-text")
 
     def data_files(self, recipe, recipe_file: Path, files) -> None:
         data = recipe.data
