@@ -14,7 +14,7 @@ from recipe_helpers import tiny_recipe
 from yamlformer.builder.spec.loader import SpecError
 from yamlformer.recipes.data.dataset_folder import check_output
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.parallel.launcher import check_launcher
+from yamlformer.recipes.parallel.launcher import check_launcher, kept_store
 from yamlformer.recipes.parallel.rendezvous import RENDEZVOUS_ENV
 
 
@@ -94,3 +94,13 @@ def test_a_rank_whose_rank_zero_never_listens_stops_in_one_line(tmp_path):
     err = err.decode(errors="replace")
     assert child.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert f"builder train: rank 1: nothing listens at 127.0.0.1:{port} (MASTER_ADDR, MASTER_PORT) after 2 s" in err
+
+
+def test_restarts_on_torchruns_kept_store_are_warned_of():
+    """torchrun's agents keep one store across restarts unless told not to; a restart then fails
+    to connect (tests/test_torchrun_launch.py restarts with it off, as builder plan's line runs)."""
+    kept = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "start the agents with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in kept_store(kept)
+    assert kept_store({**kept, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # rank 0 starts a fresh one
+    assert kept_store({**kept, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restarts asked
+    assert kept_store({}) is None

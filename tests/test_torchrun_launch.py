@@ -113,16 +113,26 @@ def test_max_restarts_restarts_a_killed_rank_and_it_resumes_as_one_process(strat
 # -- what a user meets: one line each, no hang ------------------------------------------------------
 
 
-def _workers_said(out: str) -> str:
-    """What the ranks printed: the agent's output up to its own report of a failed rank (torchrun's
-    ChildFailedError and its traceback, which are the launcher's, not the run's)."""
-    return out.split("torch/distributed/elastic/multiprocessing/api.py", 1)[0]
+def _every_rank_refused(line: str, cwds: list[Path], logs: Path, *needles: str) -> float:
+    """Launch ``line`` and assert each node's ranks stopped with exit status 1 in lines holding
+    ``needles``, no traceback and no internal error of theirs (torchrun's own ChildFailedError
+    report follows what the ranks printed: the launcher's, not the run's); the wall time."""
+    start = time.monotonic()
+    codes, outs = launch(line, cwds, logs, timeout=180)
+    wall = time.monotonic() - start
+    assert all(code != 0 for code in codes), outs
+    for out in outs:
+        said = out.split("torch/distributed/elastic/multiprocessing/api.py", 1)[0]
+        assert "Traceback" not in said and "internal error" not in said, said[-3000:]
+        assert all(needle in said for needle in needles), said[-3000:]
+        assert "failed (exitcode: 1)" in out  # the one-line error, not an internal one (70)
+    return wall
 
 
 def test_num_nodes_the_recipe_disagrees_with_is_one_line_at_its_field(tmp_path):
     """A recipe written for one node (``trainer.num_nodes: 1`` at its line) launched on two: each
-    rank stops before any work, naming the field and what torchrun started (Lightning's
-    ``ValueError`` was an internal error, exit 70)."""
+    rank stops before any work, naming the field and what torchrun started (each node trained
+    alone as one device, both into one run folder)."""
     recipe, _ = planned(tmp_path, nodes=2, per_node=1, data_parallel="shard")
     text = recipe.read_text().replace("trainer:\n", "trainer:\n  num_nodes: 1\n", 1)
     recipe.write_text(text)
@@ -131,15 +141,8 @@ def test_num_nodes_the_recipe_disagrees_with_is_one_line_at_its_field(tmp_path):
         "torchrun --nnodes=2 --nproc-per-node=1 --node-rank=$NODE_RANK --rdzv-backend=c10d "
         f"--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT -m yamlformer.builder.cli train {recipe} --no-samples"
     )
-    start = time.monotonic()
-    codes, outs = launch(command, [tmp_path, tmp_path], tmp_path / "logs", timeout=180)
-    wall = time.monotonic() - start
-    assert all(code != 0 for code in codes), outs
-    for out in outs:
-        said = _workers_said(out)
-        assert "Traceback" not in said and "internal error" not in said, said[-3000:]
-        assert f"recipe.yaml:{line}:14: " in said and "trainer.num_nodes: 1, but torchrun started 2 nodes" in said, said
-        assert "failed (exitcode: 1)" in out  # the one-line error, not the internal one (70)
+    needles = (f"recipe.yaml:{line}:14: trainer.num_nodes: 1, but torchrun started 2 nodes",)
+    wall = _every_rank_refused(command, [tmp_path, tmp_path], tmp_path / "logs", *needles)
     print(f"num_nodes refused on both nodes in {wall:.1f} s")
 
 
@@ -147,16 +150,9 @@ def test_a_run_folder_only_one_node_sees_is_named(tmp_path):
     """The plan's line from two folders (the nodes' own disks): its relative ``trainer.output_dir``
     is a different folder on each node. Every rank stops as they meet, naming the folder, before a
     sharded checkpoint is split between the two disks."""
-    line = _line(tmp_path, "fsdp")
     elsewhere = tmp_path / "node-1"
     elsewhere.mkdir()
-    start = time.monotonic()
-    codes, outs = launch(line, [tmp_path, elsewhere], tmp_path / "logs", timeout=180)
-    wall = time.monotonic() - start
-    assert all(code != 0 for code in codes), outs
-    for out in outs:
-        said = _workers_said(out)
-        assert "Traceback" not in said and "internal error" not in said, said[-3000:]
-        assert "builder train: trainer.output_dir runs/" in said and "does not see the files rank 0" in said, said
+    needles = ("builder train: trainer.output_dir runs/", "does not see the files rank 0")
+    wall = _every_rank_refused(_line(tmp_path, "fsdp"), [tmp_path, elsewhere], tmp_path / "logs", *needles)
     assert not list(tmp_path.rglob("*.distcp"))  # no checkpoint split between them
     print(f"an unshared run folder refused in {wall:.1f} s")

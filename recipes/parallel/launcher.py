@@ -31,6 +31,7 @@ from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.parallel.mesh import device_count
 from yamlformer.recipes.parallel.rendezvous import under_slurm
 from yamlformer.recipes.recipe.sections import Recipe, as_written
+from yamlformer.recipes.say import say
 
 #: seconds a rank waits for rank 0 to listen at the rendezvous address (torchrun's join timeout)
 RENDEZVOUS_TIMEOUT = 600.0
@@ -52,7 +53,11 @@ def launched(environ: Mapping[str, str] | None = None) -> tuple[str, dict, dict]
 
 def check_launcher(recipe: Recipe, recipe_file: Path, environ: Mapping[str, str] | None = None) -> None:
     """The launcher's nodes and processes per node are the recipe's ``trainer.num_nodes`` and
-    ``trainer.devices``; else a :class:`SpecError`, one line per field at the recipe's line."""
+    ``trainer.devices``; else a :class:`SpecError`, one line per field at the recipe's line. Restarts
+    that would fail (:func:`kept_store`) are a warning."""
+    store = kept_store(os.environ if environ is None else environ)
+    if store:
+        say(f"warning: {store}")
     found = launched(environ)
     if found is None:
         return
@@ -80,6 +85,23 @@ def check_launcher(recipe: Recipe, recipe_file: Path, environ: Mapping[str, str]
             )
     if problems:
         raise SpecError(problems)
+
+
+def kept_store(environ: Mapping[str, str]) -> str | None:
+    """Why restarts under this torchrun would fail, or None: its agents keep one store across
+    attempts (their default), and the ranks of a restart read the addresses the dead ranks
+    published there and fail to connect (pytorch#135712); ``builder plan``'s line turns it off."""
+    try:
+        restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    if restarts < 1 or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (
+        f"torchrun --max-restarts {restarts} keeps its agents' store across restarts, where restarted ranks "
+        "read the dead ranks' addresses and fail to connect (pytorch#135712): start the agents with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as builder plan's line does"
+    )
 
 
 def _written_at(recipe_file: Path, name: str, value, default) -> tuple[Mark, str]:
