@@ -3,9 +3,12 @@ greedy tokens as ``builder generate --temperature 0`` decodes them, and its firs
 
 from __future__ import annotations
 
+import copy
 import io
+from pathlib import Path
 
 import torch
+from recipe_helpers import TINY_SPEC, tiny_recipe
 
 #: code prompts (the models are trained on Python's source): words after spaces and at the start,
 #: indentation, digits, quotes, a non-ASCII character (byte fallback)
@@ -31,3 +34,47 @@ def ours_greedy(model, tokenizer, prompt: str, new: int) -> list[int]:
 def ours_logits(model, ids: list[int]) -> torch.Tensor:
     """Our model's logits after the last of ``ids`` (float32)."""
     return model(torch.tensor([ids]))[0, -1].float()
+
+
+#: the trained model: a Llama layout with grouped-query attention and a byte-fallback BPE
+LLAMA = {
+    **copy.deepcopy(TINY_SPEC),
+    "name": "tiny-llama-gqa",
+    "d_model": 64,
+    "max_seq_len": 96,
+    "decoder": {
+        "n_layers": 2,
+        "attention": {"n_heads": 4, "n_kv_heads": 2},
+        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 128},
+        "norm": {"type": "rmsnorm", "eps": 1e-5},
+    },
+}
+
+
+#: each family llama.cpp runs, as a zoo spec (and overrides) the LM recipe trains a few dozen steps
+FAMILIES = {
+    "qwen2": ("tiny/llama", {"decoder": {"attention": {"qkv_bias": True}}}),
+    "qwen3": ("tiny/qwen3", {}),
+    "qwen3_moe": ("tiny/qwen3-moe", {}),
+    "mixtral": ("tiny/mixtral", {}),
+    "olmo2": ("tiny/olmo2", {}),
+    "gpt_neox": ("tiny/neox", {}),
+    "gpt2": ("tiny/gpt2", {"position": {"max_positions": 128}}),
+    "gemma2": ("tiny/gemma2", {}),  # sliding windows of 16 on alternate layers, softcaps, sandwich norms
+    "gemma3_text": ("tiny/gemma3", {}),  # windows 5 of 6 layers, a local RoPE base, q/k norms
+}
+
+
+def train(tmp: Path, cache: Path, spec, overrides: dict | None = None) -> Path:
+    """A checkpoint of the LM recipe trained a few dozen steps with a sentencepiece BPE tokenizer
+    (trained once: ``cache`` keeps it for every family)."""
+    from yamlformer.recipes.training.run import run
+
+    path = tiny_recipe(
+        tmp,
+        model={"spec": spec, "overrides": {"max_seq_len": 128, **(overrides or {})}},
+        data={"cache_dir": str(cache)},
+        tokenizer={"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400},
+        trainer={"max_steps": 40, "val_check_interval": 40, "checkpoint_every_n_steps": 40},
+    )
+    return Path(run(path, samples=False)["last"])

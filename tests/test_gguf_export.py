@@ -111,3 +111,28 @@ def test_outtype_q8_0_quantizes_matrices_and_keeps_norms(tmp_path, capsys):
     assert kinds["blk.0.attn_q.weight"] == "Q8_0" and kinds["token_embd.weight"] == "Q8_0"
     assert kinds["blk.0.attn_norm.weight"] == "F32"
     assert kinds["blk.0.ffn_down.weight"] == "F16"  # rows of 172: not a multiple of Q8_0's 32-wide blocks
+
+
+def test_export_hf_init_writes_the_spec_untrained(tmp_path, capsys):
+    """export-hf --init: the random weights the spec's initialization draws from the seed, read
+    back by import; a spec without weights and without --init says how to get them."""
+    import torch
+
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.hf import from_hf, load_weights
+    from yamlformer.builder.spec.loader import load_spec
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", "tiny/llama", "--init", "--seed", "4", "-o", str(out)]) == 0
+    assert "random weights (--init, seed 4): untrained" in capsys.readouterr().out
+    spec, state = from_hf(out)
+    back = load_weights(build_model(spec), state).eval()
+    torch.manual_seed(4)
+    ours = build_model(load_spec("tiny/llama")).eval()
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), ours(x))
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("extends: tiny/llama\nname: mine\n")
+    assert main(["export-hf", str(spec_file), "-o", str(tmp_path / "none")]) == 1
+    assert "--init" in capsys.readouterr().err

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from gguf_helpers import PROMPTS, ours_greedy, ours_logits
-from recipe_helpers import TINY_SPEC, tiny_recipe
+from gguf_helpers import FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, train
 
 from yamlformer.builder.cli import main
 from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
@@ -30,49 +29,6 @@ F32_TOLERANCE = 1e-3
 TOLERANCES = {"f16": 5e-3, "bf16": 3e-2, "q8_0": 5e-2}
 NEW = 24
 
-#: the trained model: a Llama layout with grouped-query attention and a byte-fallback BPE
-LLAMA = {
-    **copy.deepcopy(TINY_SPEC),
-    "name": "tiny-llama-gqa",
-    "d_model": 64,
-    "max_seq_len": 96,
-    "decoder": {
-        "n_layers": 2,
-        "attention": {"n_heads": 4, "n_kv_heads": 2},
-        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 128},
-        "norm": {"type": "rmsnorm", "eps": 1e-5},
-    },
-}
-
-
-#: each family llama.cpp runs, as a zoo spec (and overrides) the LM recipe trains a few dozen steps
-FAMILIES = {
-    "qwen2": ("tiny/llama", {"decoder": {"attention": {"qkv_bias": True}}}),
-    "qwen3": ("tiny/qwen3", {}),
-    "qwen3_moe": ("tiny/qwen3-moe", {}),
-    "mixtral": ("tiny/mixtral", {}),
-    "olmo2": ("tiny/olmo2", {}),
-    "gpt_neox": ("tiny/neox", {}),
-    "gpt2": ("tiny/gpt2", {"position": {"max_positions": 128}}),
-    "gemma2": ("tiny/gemma2", {}),  # sliding windows of 16 on alternate layers, softcaps, sandwich norms
-    "gemma3_text": ("tiny/gemma3", {}),  # windows 5 of 6 layers, a local RoPE base, q/k norms
-}
-
-
-def _train(tmp: Path, cache: Path, spec, overrides: dict | None = None) -> Path:
-    """A checkpoint of the LM recipe trained a few dozen steps with a sentencepiece BPE tokenizer
-    (trained once: ``cache`` keeps it for every family)."""
-    from yamlformer.recipes.training.run import run
-
-    path = tiny_recipe(
-        tmp,
-        model={"spec": spec, "overrides": {"max_seq_len": 128, **(overrides or {})}},
-        data={"cache_dir": str(cache)},
-        tokenizer={"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400},
-        trainer={"max_steps": 40, "val_check_interval": 40, "checkpoint_every_n_steps": 40},
-    )
-    return Path(run(path, samples=False)["last"])
-
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
@@ -81,7 +37,7 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache) -> Path:
-    return _train(tmp_path_factory.mktemp("gguf-trained"), cache, LLAMA)
+    return train(tmp_path_factory.mktemp("gguf-trained"), cache, LLAMA)
 
 
 def _export(tmp_path: Path, *args: str) -> Path:
@@ -133,7 +89,7 @@ def test_a_trained_llama_runs_in_llama_cpp_as_ours(trained, tmp_path, capsys):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_runs_in_llama_cpp_as_ours(family, tmp_path, cache, capsys):
     spec, overrides = FAMILIES[family]
-    checkpoint = _train(tmp_path, cache, spec, overrides)
+    checkpoint = train(tmp_path, cache, spec, overrides)
     gguf = _export(tmp_path, str(checkpoint))
     said = capsys.readouterr().out
     assert f"(from Hugging Face {family})" in said, said

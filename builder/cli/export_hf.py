@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from yamlformer.builder.cli.arguments import input_file, output_folder
+from yamlformer.builder.cli.arguments import MAX_SEED, count, input_file, output_folder
 from yamlformer.builder.cli.common import add_spec_options
 
 
@@ -40,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=input_file,
         help="weights (.safetensors, or .pt read with weights_only; "
         "default: model.safetensors beside the spec, or the checkpoint's own)",
+    )
+    parser.add_argument(
+        "--init",
+        action="store_true",
+        help="a spec without weights: random weights from the spec's initialization (untrained: a variant "
+        "to try in a runtime first)",
+    )
+    parser.add_argument(
+        "--seed", type=count(minimum=0, maximum=MAX_SEED), default=0, help="--init's random seed (default 0)"
     )
     parser.add_argument(
         "--family", metavar="NAME", help="the Hugging Face model_type to write (default: the first that fits)"
@@ -114,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             extra_config=_pairs(args.hf_config),
             overwrite=args.overwrite,
             adapters=args.adapters,
+            init=args.seed if args.init else None,
         )
     except (HFError, ValueError) as exc:  # OutputError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
@@ -128,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     others = ", ".join(name for name in before.written() if name != "model.safetensors")
+    untrained = f"; random weights (--init, seed {args.seed}): untrained" if args.init else ""
     print(
         f"wrote {args.out}/model.safetensors{' and ' + others if others else ''}: "
-        f"{family.hf_class} ({family.auto_class})"
+        f"{family.hf_class} ({family.auto_class}){untrained}"
     )
     return 0

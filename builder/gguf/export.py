@@ -202,7 +202,7 @@ def export_gguf(
     from yamlformer.builder.checkpoints import looks_like_checkpoint
     from yamlformer.builder.hf.common import HFError
     from yamlformer.builder.hf.peft import merged
-    from yamlformer.builder.hf.writer import _read_training_meta, _read_training_weights
+    from yamlformer.builder.hf.writer import _read_training_meta, _read_training_weights, random_weights
     from yamlformer.builder.outputs import claim_file
     from yamlformer.builder.spec.loader import load_spec
 
@@ -242,7 +242,7 @@ def export_gguf(
         if looks_like_checkpoint(source):
             state, what = _read_training_weights(source), f"trained weights ({source.name})"
         elif init:
-            state, what = _random_state(spec, seed), f"random weights (--init, seed {seed}): untrained"
+            state, what = random_weights(spec, seed), f"random weights (--init, seed {seed}): untrained"
         else:
             # local: safe tensor IO
             from yamlformer.builder.hf.weights import read_weights
@@ -260,16 +260,6 @@ def export_gguf(
 def merged_spec(spec):
     """The spec a ``--merge`` writes: the same model without its adapters."""
     return spec.model_copy(update={"adapters": None})
-
-
-def _random_state(spec, seed: int) -> dict:
-    # local: torch loads when weights are drawn
-    import torch
-
-    from yamlformer.builder.assemble import build_model
-
-    torch.manual_seed(seed)
-    return build_model(spec).state_dict()
 
 
 def _tokenizer_from(path: Path, optional: bool = False):

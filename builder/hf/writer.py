@@ -328,6 +328,7 @@ def export_hf(
     extra_config: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     adapters: str | None = None,
+    init: int | None = None,
 ) -> Family:
     """``builder export-hf``: a spec file with its weights (``model.safetensors`` beside it unless
     ``weights`` says otherwise) or a ``builder train`` checkpoint (``.ckpt``), written as a
@@ -344,6 +345,8 @@ def export_hf(
     side = source.parent
     tokenizer, extra_labels = None, {}
     # the source and its family first, then the output, then the weights: each refusal before the heavy read
+    if init is not None and looks_like_checkpoint(source):
+        raise HFError("--init: the source is a checkpoint (it has weights); give a spec to export untrained")
     if looks_like_checkpoint(source):
         ckpt_spec, meta = _read_training_meta(source)
         spec = spec or ckpt_spec
@@ -363,8 +366,13 @@ def export_hf(
         weights = Path(weights) if weights else side / "model.safetensors"
         side_files = [p for pattern in SIDE_FILES for p in side.glob(pattern)]  # copied: read too
         _check_adapters(spec, adapters)
+        if init is None and not weights.is_file() and not weights.is_symlink():
+            raise HFError(
+                f"no weights file at {weights}: give --weights FILE, or --init to export the spec with "
+                "random weights (untrained)"
+            )
         claim_folder(out, writes, [source, weights, side / "hf_config.json", *side_files], overwrite)
-        state = read_weights(weights)
+        state = read_weights(weights) if init is None else random_weights(spec, init)
     if adapters == "peft":
         chosen, _ = choose_family(spec, family)
         to_peft(spec, state, out, chosen)
@@ -382,6 +390,18 @@ def export_hf(
     if tokenizer is None:
         _copy_side_files(side, out)
     return chosen
+
+
+def random_weights(spec, seed: int) -> dict:
+    """The tensors ``spec``'s initialization draws from ``seed`` (an untrained model, to try a
+    variant in a runtime before training it: ``export-hf`` / ``export-gguf --init``)."""
+    # local: torch loads when weights are drawn
+    import torch
+
+    from yamlformer.builder.assemble import build_model
+
+    torch.manual_seed(seed)
+    return build_model(spec).state_dict()
 
 
 def _check_adapters(spec, adapters: str | None) -> None:

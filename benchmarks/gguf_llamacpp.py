@@ -1,0 +1,152 @@
+"""GGUF export against llama.cpp itself: per family, whether ``builder export-gguf`` converts, whether
+llama.cpp's tokens and greedy decoding equal ours, the largest first-step logit difference, and
+decode tokens/s of llama.cpp against ``builder generate`` on the same CPU in the same run.
+
+    .ci/llamacpp.sh    # llama.cpp (llama-cpp-python from its sdist), once
+    python benchmarks/gguf_llamacpp.py [--families llama gemma2 ...] [--outtypes f32 q8_0]
+                                       [--new-tokens 64] [--repeats 5] [--threads N] [--json FILE]
+
+Each family is a tiny model the LM recipe trains 40 steps (sentencepiece BPE, 400 pieces: the
+``llamacpp`` tests' models, ``tests/gguf_helpers.py``), exported with ``builder export-gguf``.
+Tokens: llama.cpp's tokenizer on the text of 7 prompts against ours. Greedy: 24 tokens after
+each prompt, llama.cpp's argmax loop against ``builder generate --temperature 0``'s decoding
+(``yamlformer.recipes.tasks.lm.streaming.stream``). Logits: the largest |difference| after each
+prompt. Speed: ``--new-tokens`` greedy tokens after the first prompt, wall time of the whole call
+(prefill included), both on ``--threads`` threads, alternating which runs first, median over
+``--repeats`` after one untimed warm-up each; ours is eager (``builder generate``'s default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also under python -P
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the llamacpp tests' models
+from machine import emit, machine  # benchmarks/machine.py
+
+#: families llama.cpp has that export-gguf refuses (the spec, --set overrides): their one line
+REFUSED = {
+    "mistral (sliding window)": ("tiny/llama", ["decoder.attention.sliding_window=16"]),
+    "phi3": ("tiny/phi3", []),
+    "mpt (ALiBi)": ("tiny/alibi", []),
+    "deepseek_v2 (MLA)": ("tiny/deepseek-v2", []),
+    "gpt_oss": ("tiny/gpt-oss", []),
+    "llama4": ("tiny/llama4", []),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from gguf_helpers import FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, train
+
+    from yamlformer.builder.cli import main as builder
+    from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
+    from yamlformer.recipes.tasks.lm.streaming import stream
+    from yamlformer.recipes.trained import load_trained
+
+    models = {"llama": (LLAMA, {}), **FAMILIES}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(models), choices=list(models))
+    parser.add_argument("--outtypes", nargs="+", default=["f32", "q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if not available():
+        print(NOT_BUILT, file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    print(f"# {machine()}; {args.threads} threads; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, (spec, sets) in REFUSED.items():
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = builder(
+                    ["export-gguf", spec, "--init", "-o", f"{tmp}/x.gguf", *[a for s in sets for a in ("--set", s)]]
+                )
+            rows.append({"family": family, "outtype": "f32", "converts": code == 0, "why": err.getvalue().strip()})
+            print(_line(rows[-1]), flush=True)
+        cache = Path(tmp) / "cache"
+        for family in args.families:
+            spec, overrides = models[family]
+            folder = Path(tmp) / family
+            folder.mkdir()
+            checkpoint = train(folder, cache, spec, overrides)
+            model, tokenizer, _ = load_trained(checkpoint, "cpu")
+            for outtype in args.outtypes:
+                out = folder / f"{outtype}.gguf"
+                ok = builder(["export-gguf", str(checkpoint), "-o", str(out), "--outtype", outtype]) == 0
+                row = {"family": family, "outtype": outtype, "converts": ok}
+                rows.append(row)
+                if not ok:
+                    continue
+                with LlamaCpp(out, n_ctx=model.spec.max_seq_len, threads=args.threads) as runtime:
+                    tokens = greedy = 0
+                    worst = 0.0
+                    for prompt in PROMPTS:
+                        ids = tokenizer.encode(prompt)
+                        tokens += runtime.tokenize(prompt) == ids
+                        theirs = torch.from_numpy(runtime.logits(ids)[-1])
+                        worst = max(worst, (theirs - ours_logits(model, ids)[: runtime.n_vocab]).abs().max().item())
+                        greedy += runtime.greedy(ids, 24) == ours_greedy(model, tokenizer, prompt, 24)
+                    ids = tokenizer.encode(PROMPTS[0])
+                    runs = {
+                        "llama.cpp": lambda: runtime.greedy(ids, args.new_tokens),
+                        "ours": lambda: stream(model, tokenizer, PROMPTS[0], io.StringIO(), args.new_tokens),
+                    }
+                    seconds = _timed(runs, args.repeats)
+                row.update(
+                    tokens=f"{tokens}/{len(PROMPTS)}",
+                    greedy=f"{greedy}/{len(PROMPTS)}",
+                    max_logit_diff=worst,
+                    llamacpp_tok_s=args.new_tokens / seconds["llama.cpp"],
+                    ours_tok_s=args.new_tokens / seconds["ours"],
+                )
+                row["ratio"] = row["llamacpp_tok_s"] / row["ours_tok_s"]
+                print(_line(row), flush=True)
+    print()
+    print(
+        "| family | outtype | converts | tokens equal | greedy 24 equal | max logit diff "
+        "| llama.cpp tok/s | builder generate tok/s | llama.cpp / ours |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(_line(row))
+    return emit({"benchmark": "gguf_llamacpp", "threads": args.threads, "rows": rows}, args.json)
+
+
+def _timed(runs: dict, repeats: int) -> dict[str, float]:
+    """The median seconds of each call, after one untimed warm-up, alternating the order."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for i in range(repeats):
+        for name in order if i % 2 == 0 else reversed(order):
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _line(row: dict) -> str:
+    if not row["converts"]:
+        why = row.get("why", "").removeprefix("error: ").split(";")[0]
+        return f"| {row['family']} | {row['outtype']} | no: {why} | | | | | | |"
+    return (
+        f"| {row['family']} | {row['outtype']} | yes | {row['tokens']} | {row['greedy']} | {row['max_logit_diff']:.1e} "
+        f"| {row['llamacpp_tok_s']:,.0f} | {row['ours_tok_s']:,.0f} | {row['ratio']:.1f}x |"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
