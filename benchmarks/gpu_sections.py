@@ -86,7 +86,7 @@ def recipe_worker(name: str, overrides: dict, result: Path) -> None:
     first = FirstStep()
     try:
         path = recipe_path(name)
-        row["precision"] = for_this_machine(load_recipe(path, overrides), quiet=True).trainer.precision
+        row["precision"] = for_this_machine(load_recipe(path, overrides).recipe, quiet=True).trainer.precision
         summary = run(path, overrides, fresh=True, samples=False, callbacks=[first])
         loss = summary["train_loss"]
         ok = loss is not None and math.isfinite(loss)
@@ -193,7 +193,7 @@ def fsdp(cpu: bool, folder: Path, budget: float, out: Path | None = None) -> dic
     summary = run(path, samples=False)
     allocated = None if cpu else torch.cuda.max_memory_allocated()
     vocab = peek_meta(Path(summary["last"]))["builder"]["spec"]["vocab_size"]
-    model = model_spec(load_recipe(path), path, vocab)
+    model = model_spec(load_recipe(path), vocab)
     est = estimate(model, Step(seq_len=seq, batch=batch, dtype="bf16"), Layout(devices=1, strategy="fsdp"))
     device = "cpu" if cpu else torch.cuda.get_device_name()
     peak = peak_flops(device, "bf16")

@@ -64,7 +64,7 @@ def main() -> int:
         base = {"trainer.val_check_interval": VAL_EVERY.get(name, 100), "trainer.max_time": None}
         if args.steps is not None:
             base.update({"trainer.max_steps": args.steps, "schedule.decay_steps": None})
-        muon = {f"optimizer.{k}": v for k, v in muon_settings(load_recipe(path))["optimizer"].items()}
+        muon = {f"optimizer.{k}": v for k, v in muon_settings(load_recipe(path).recipe)["optimizer"].items()}
         rows = []
         for i, seed in enumerate(args.seeds):
             runs = {}

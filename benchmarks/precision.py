@@ -98,7 +98,7 @@ def auto_choice(recipe: str) -> str:
     from yamlformer.recipes.training.run import for_this_machine
 
     path = recipe_path(recipe)
-    return for_this_machine(load_recipe(path, {"trainer.precision": "auto"}), quiet=True).trainer.precision
+    return for_this_machine(load_recipe(path, {"trainer.precision": "auto"}).recipe, quiet=True).trainer.precision
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,8 +40,8 @@ def recipe_and_spec():
     from yamlformer.recipes.tasks import load_recipe
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
-    recipe = load_recipe(recipe_file)
-    return recipe, model_spec(recipe, recipe_file, vocab_size=VOCAB)
+    located = load_recipe(recipe_file)
+    return located.recipe, model_spec(located, vocab_size=VOCAB)
 
 
 def build():

@@ -115,7 +115,7 @@ def yardstick_worker(seed: int, max_steps: int | None, own_init: bool) -> dict:
     from yamlformer.recipes.tasks.lm.training import open_run_corpus
     from yamlformer.recipes.training.resolved import resolve_run
 
-    run = resolve_run(load_recipe(RECIPE, _overrides(seed, max_steps)), RECIPE, fetch=True)
+    run = resolve_run(load_recipe(RECIPE, _overrides(seed, max_steps)), fetch=True)
     recipe, spec = run.recipe, run.spec
     t, d, opt, sched = recipe.trainer, recipe.data, recipe.optimizer, recipe.schedule
     corpus = open_run_corpus(run)

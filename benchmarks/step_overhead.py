@@ -115,10 +115,11 @@ def plain_ms(path: Path, steps: int) -> float:
     from yamlformer.recipes.recipe.sections import model_spec
     from yamlformer.recipes.tasks import load_recipe
 
-    recipe = load_recipe(path)
+    located = load_recipe(path)
+    recipe = located.recipe
     vocab = 96
     torch.manual_seed(0)
-    model = build_model(model_spec(recipe, path, vocab))
+    model = build_model(model_spec(located, vocab))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = (torch.randint(0, vocab, (recipe.data.batch_size, recipe.data.seq_len)) for _ in range(2))
     seconds, last = [], time.perf_counter()

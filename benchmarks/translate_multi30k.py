@@ -109,7 +109,7 @@ def throughput_worker(which: str, steps: int, overrides: dict) -> dict:
         if which == "recipe":
             from yamlformer.recipes.training.run import train_recipe
 
-            summary = train_recipe(recipe, recipe_file, fresh=True)
+            summary = train_recipe(recipe, fresh=True)
             return {"tokens_per_s": summary["tokens_per_s"], "compile_seconds": summary["compile_seconds"]}
         import torch
 
@@ -239,10 +239,10 @@ def main() -> int:
         **parse_set_args(args.overrides),
     }
     recipe = load_recipe(recipe_file, overrides)
-    sources, references = validation_pairs(recipe, recipe_file)
+    sources, references = validation_pairs(recipe.recipe, recipe.file)
     clock = make_clock(args.minutes, args.eval_every, sources, references)
     started = time.perf_counter()
-    summary = train_recipe(recipe, recipe_file, fresh=True, callbacks=[clock])
+    summary = train_recipe(recipe, fresh=True, callbacks=[clock])
     result = {
         "minutes": clock.trained / 60,
         "steps": summary["steps"],

@@ -6,23 +6,19 @@
 * a Hugging Face model folder (``config.json`` and its weights, converted on the fly by
   :mod:`yamlformer.builder.hf`).
 
-:func:`source_at` gives the same :class:`Source` for a path while its files are unchanged, so the
-several questions a run asks of it (the spec, the tokenizer, the weights) read it one
-time; the weights are handed over once (:meth:`Source.state`) and not kept. This module sits above
+A :class:`Source` (:func:`source_at`) answers the several questions a run asks of it (the spec,
+the tokenizer, the weights), each read on demand and once; the weights are handed over once
+(:meth:`Source.state`) and not kept. A run makes one, when its recipe is resolved, and keeps it. This module sits above
 both :mod:`yamlformer.builder.checkpoints` and :mod:`yamlformer.builder.hf`, which never import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from yamlformer.builder.spec.loader import read_merged
-
-#: sources remembered at once
-_KEPT = 4
 
 
 class SourceError(ValueError):
@@ -108,22 +104,6 @@ class Source:
         return self._builder().get("tokenizer") if self.kind == "checkpoint" else None
 
 
-_SOURCES: OrderedDict[str, tuple[tuple, Source]] = OrderedDict()
-
-
-def _fingerprint(path: Path) -> tuple:
-    """The files of a source and what changes when one is written again or replaced."""
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
-    found = []
-    for file in files:
-        try:
-            stat = file.stat()
-        except OSError:
-            continue
-        found.append((file.name, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
-    return tuple(found)
-
-
 def _kind(path: Path) -> str:
     # local: a source's readers load when it is read; the recipe's sections import this module torch-free
     from yamlformer.builder.checkpoints import is_sharded, looks_like_checkpoint
@@ -142,17 +122,8 @@ def _kind(path: Path) -> str:
 
 
 def source_at(path: str | Path) -> Source:
-    """The source at ``path`` (the same one while its files are unchanged); a path that is none
-    of the three kinds is a :class:`SourceError`."""
+    """The source at ``path``, nothing read yet; a path that is none of the three kinds is a
+    :class:`SourceError`. A run asks it once, when its recipe is resolved, and keeps it
+    (``yamlformer.recipes.training.resolved.Run.source``)."""
     path = Path(path)
-    key = str(path.absolute())
-    fingerprint = _fingerprint(path) if path.exists() else ()
-    known = _SOURCES.get(key)
-    if known is not None and known[0] == fingerprint:
-        _SOURCES.move_to_end(key)
-        return known[1]
-    source = Source(_kind(path), path)
-    _SOURCES[key] = (fingerprint, source)
-    while len(_SOURCES) > _KEPT:
-        _SOURCES.popitem(last=False)
-    return source
+    return Source(_kind(path), path)

@@ -32,7 +32,6 @@ from yamlformer.builder.hf.tokenizer import read_tokenizer
 from yamlformer.builder.spec.loader import SpecError, load_spec
 from yamlformer.recipes.data.tokenizers import from_state
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -111,16 +110,15 @@ def checkpoint_tokenizer(path: Path, state: dict):
         raise RecipeError(f"{path}: its tokenizer cannot be rebuilt ({reason})") from None
 
 
-def pretrained_tokenizer(recipe, recipe_file: Path | None):
-    """The tokenizer of the run checkpoint ``model.init_from`` names, else None."""
-    source = init_from_source(recipe, recipe_file)
-    with init_from_errors():
-        state = source.tokenizer_state() if source is not None else None
-    if state is None:
+def pretrained_tokenizer(run):
+    """The tokenizer of the run checkpoint ``model.init_from`` names, else None (``run``: a
+    :class:`yamlformer.recipes.training.resolved.Run`, which read that checkpoint's tokenizer)."""
+    if run.pretrained is None:
         return None
-    print(f"tokenizer: the one {source.path.name} was trained with (model.init_from)", flush=True)
+    path = run.source.path
+    print(f"tokenizer: the one {path.name} was trained with (model.init_from)", flush=True)
     try:
-        return checkpoint_tokenizer(source.path, state)
+        return checkpoint_tokenizer(path, run.pretrained)
     except RecipeError as exc:
         raise RecipeError(f"model.init_from: {exc}") from None
 

@@ -93,7 +93,7 @@ def lm_checkpoint(folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     recipe_file = tiny_recipe(folder)
-    recipe = load_recipe(recipe_file)
+    recipe = load_recipe(recipe_file).recipe
     tokenizer = CharTokenizer(sorted(set(string.printable)))
     spec = spec_model().model_validate({**TINY_SPEC, "vocab_size": tokenizer.vocab_size})
     torch.manual_seed(0)

@@ -168,7 +168,7 @@ def test_a_recipe_names_a_wrong_target_at_its_own_line(tmp_path):
     path = tiny_recipe(tmp_path, model={"adapters": {"type": "dora", "targets": ["attention.qproj"]}})
     text = path.read_text()
     with pytest.raises(SpecError) as caught:
-        model_spec(load_recipe(path), path, vocab_size=64)
+        model_spec(load_recipe(path), vocab_size=64)
     [problem] = caught.value.problems
     line = next(i for i, row in enumerate(text.splitlines(), 1) if "attention.qproj" in row)
     assert (problem.path, problem.line, Path(problem.file).name) == ("model.adapters.targets.0", line, "recipe.yaml")

@@ -21,8 +21,8 @@ def _recipe_model(vocab_size: int = 65, seed: int = 3):
     from yamlformer.recipes.tasks import load_recipe
 
     recipe_file = REPO / "recipes" / "shakespeare-char.yaml"
-    recipe = load_recipe(recipe_file)
-    spec = model_spec(recipe, recipe_file, vocab_size)
+    located = load_recipe(recipe_file)
+    recipe, spec = located.recipe, model_spec(located, vocab_size)
     torch.manual_seed(seed)
     return recipe, spec, build_model(spec)
 

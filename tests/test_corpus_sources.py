@@ -232,7 +232,7 @@ def test_eval_tokenizes_its_files_once_and_reads_its_corpus_text_once(tmp_path, 
     again = file_tokens([str(tmp_path / "data")], counting, cache)
     assert counting.encoded == 30 and np.array_equal(again, first)  # tokenized once
 
-    recipe = load_recipe(recipe_for(tmp_path, tokenizer_file[0], [str(tmp_path / "data")]))
+    recipe = load_recipe(recipe_for(tmp_path, tokenizer_file[0], [str(tmp_path / "data")])).recipe
     open_corpus(recipe.data, None, None, False, pretrained=sp)  # the run's first look: reads the text
     reads = []
     real = Path.read_text

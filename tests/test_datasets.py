@@ -195,24 +195,27 @@ def test_recipes_name_datasets_and_typos_are_located(tmp_path):
     from yamlformer.builder.spec.loader import SpecError
     from yamlformer.recipes.tasks import load_recipe
 
-    recipe = load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data"}))
+    recipe = load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data"})).recipe
     assert recipe.data.corpus() == ["tinyshakespeare"] and recipe.data.val_fraction == 0.1  # the dataset's split
     assert recipe.data.dataset_root(tmp_path / "recipe.yaml") == tmp_path / "data"
-    assert load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "val_fraction": 0.2})).data.val_fraction == 0.2
-    default = load_recipe(_recipe(tmp_path, {}))
+    assert (
+        load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespeare", "val_fraction": 0.2})).recipe.data.val_fraction
+        == 0.2
+    )
+    default = load_recipe(_recipe(tmp_path, {})).recipe
     assert default.data.corpus() == ["python-stdlib"]
-    assert load_recipe(_recipe(tmp_path, {"sources": ["notes.txt"]})).data.corpus() == ["notes.txt"]
+    assert load_recipe(_recipe(tmp_path, {"sources": ["notes.txt"]})).recipe.data.corpus() == ["notes.txt"]
     with pytest.raises(SpecError, match=r"recipe.yaml:\d+:\d+: data.dataset: .*did you mean 'tinyshakespeare'"):
         load_recipe(_recipe(tmp_path, {"dataset": "tinyshakespear"}))
     translation = load_recipe(
         _recipe(tmp_path, {"dataset": "multi30k", "source_lang": "de", "target_lang": "en"}, "translation")
-    )
+    ).recipe
     assert translation.data.train is None and translation.data.source_lang == "de"
     with pytest.raises(SpecError, match="two of multi30k's languages"):
         load_recipe(_recipe(tmp_path, {"dataset": "multi30k", "source_lang": "de", "target_lang": "fr"}, "translation"))
     with pytest.raises(SpecError, match="data.dataset .* or data.train and data.validation"):
         load_recipe(_recipe(tmp_path, {}, "translation"))
-    labelled = load_recipe(_recipe(tmp_path, {"dataset": "multi30k", "split": "val"}, "classification"))
+    labelled = load_recipe(_recipe(tmp_path, {"dataset": "multi30k", "split": "val"}, "classification")).recipe
     assert labelled.data.split == "val"
     with pytest.raises(SpecError, match="data.split 'dev'"):
         load_recipe(_recipe(tmp_path, {"dataset": "multi30k", "split": "dev"}, "classification"))
@@ -232,16 +235,16 @@ def test_a_recipe_reads_a_dataset_from_its_root(tmp_path, monkeypatch):
         (tmp_path / "data" / path).write_bytes(data)
     monkeypatch.setenv("BUILDER_DATA", str(tmp_path / "nowhere"))
     path = _recipe(tmp_path, {"dataset": "tinyshakespeare", "root": "data", "max_bytes": None})
-    corpus = read_corpus(load_recipe(path).data, path)
+    corpus = read_corpus(load_recipe(path).recipe.data, path)
     assert corpus.text == contents[SHAKESPEARE].decode()
     path = _recipe(
         tmp_path, {"dataset": "multi30k", "root": "data", "source_lang": "en", "target_lang": "de"}, "translation"
     )
-    assert pair_paths(load_recipe(path).data, path, "validation") == (
+    assert pair_paths(load_recipe(path).recipe.data, path, "validation") == (
         tmp_path / "data" / "multi30k" / "val.en",
         tmp_path / "data" / "multi30k" / "val.de",
     )
     path = _recipe(tmp_path, {"dataset": "multi30k", "root": "data", "split": "test2016"}, "classification")
-    train, val = labelled_examples(load_recipe(path).data, path, seed=0)
+    train, val = labelled_examples(load_recipe(path).recipe.data, path, seed=0)
     assert {label for _, label in train + val} == {"de", "en"} and len(train) + len(val) == 240
     assert not (tmp_path / "nowhere").exists()

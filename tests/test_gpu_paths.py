@@ -141,7 +141,7 @@ def test_the_recipe_sets_float32_matmuls_and_lightnings_advice_is_not_printed(
     before = torch.get_float32_matmul_precision()
     try:
         path = tiny_recipe(tmp_path, trainer={"precision": precision, "matmul_precision": setting})
-        make_trainer(load_recipe(path), tmp_path / "out", [])
+        make_trainer(load_recipe(path).recipe, tmp_path / "out", [])
         assert torch.get_float32_matmul_precision() == expected
         # what Lightning's CUDA accelerator runs at setup, as on an Ampere or later GPU
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

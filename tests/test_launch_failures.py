@@ -48,20 +48,20 @@ def test_num_nodes_that_disagrees_with_torchrun_is_named_at_its_line(tmp_path):
     path, recipe = _recipe(tmp_path, num_nodes=1, devices=1)
     line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip().startswith("num_nodes:"))
     with pytest.raises(SpecError) as caught:
-        check_launcher(recipe, path, TORCHRUN_2X1)
+        check_launcher(recipe, TORCHRUN_2X1)
     (problem,) = caught.value.problems
     assert str(problem).startswith(f"{path}:{line}:") and problem.path == "trainer.num_nodes", str(problem)
     assert "1, but torchrun started 2 nodes (--nnodes, GROUP_WORLD_SIZE) of 1 process each" in str(problem)
     assert str(problem).endswith("set trainer.num_nodes: 2")
-    check_launcher(recipe, path, {**TORCHRUN_2X1, "GROUP_WORLD_SIZE": "1"})  # agreeing: nothing to say
-    check_launcher(recipe, path, {})  # Lightning starts the processes itself: nothing to compare
+    check_launcher(recipe, {**TORCHRUN_2X1, "GROUP_WORLD_SIZE": "1"})  # agreeing: nothing to say
+    check_launcher(recipe, {})  # Lightning starts the processes itself: nothing to compare
 
 
 def test_devices_under_slurm_and_a_default_are_named_so(tmp_path):
     path, recipe = _recipe(tmp_path, devices=1)
     slurm = {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "train"}
     with pytest.raises(SpecError) as caught:
-        check_launcher(recipe, path, slurm)
+        check_launcher(recipe, slurm)
     lines = [str(p) for p in caught.value.problems]
     assert len(lines) == 2, lines
     assert lines[1].startswith(f"{path}:") and "trainer.devices: 1, but SLURM started 2 nodes (--nodes" in lines[1]
@@ -69,7 +69,7 @@ def test_devices_under_slurm_and_a_default_are_named_so(tmp_path):
         f"{path}: trainer.num_nodes: 1 (the default), but SLURM started 2 nodes (--nodes, SLURM_NNODES) of 2 "
         "processes each (--ntasks-per-node, SLURM_NTASKS_PER_NODE); set trainer.num_nodes: 2"
     )
-    check_launcher(recipe, path, {**slurm, "SLURM_NTASKS_PER_NODE": "2(x2)"})  # uneven nodes: left to SLURM
+    check_launcher(recipe, {**slurm, "SLURM_NTASKS_PER_NODE": "2(x2)"})  # uneven nodes: left to SLURM
 
 
 # -- rank 0 nobody started --------------------------------------------------------------------------

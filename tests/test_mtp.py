@@ -107,7 +107,7 @@ def test_training_adds_the_weighted_losses(tmp_path):
 
     spec, model = _model()
     model.train()
-    module = LMModule(model, load_recipe(tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})), meta={})
+    module = LMModule(model, load_recipe(tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})).recipe, meta={})
     assert module.adds_aux_losses  # the balancing loss and the head's
     ids = _ids(spec, seq=13)
     loss, ce = module._losses(ids[:, :-1], ids[:, 1:])

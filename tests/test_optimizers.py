@@ -140,11 +140,11 @@ def test_a_muon_state_dict_resumes_as_an_unbroken_run():
 
 
 def test_a_recipe_names_its_optimizer_by_type(tmp_path):
-    plain = load_recipe(tiny_recipe(tmp_path, optimizer={"lr": 3e-3}))
+    plain = load_recipe(tiny_recipe(tmp_path, optimizer={"lr": 3e-3})).recipe
     assert isinstance(plain.optimizer, AdamWConfig) and plain.optimizer.lr == 3e-3  # no type: AdamW, as always
-    muon = load_recipe(tiny_recipe(tmp_path, optimizer={"type": "muon", "adamw_lr": 1e-3}))
+    muon = load_recipe(tiny_recipe(tmp_path, optimizer={"type": "muon", "adamw_lr": 1e-3})).recipe
     assert isinstance(muon.optimizer, MuonConfig) and muon.optimizer.adamw_lr == 1e-3
-    assert load_recipe(tiny_recipe(tmp_path), {"optimizer.type": "sgd", "optimizer.lr": 0.5}).optimizer.lr == 0.5
+    assert load_recipe(tiny_recipe(tmp_path), {"optimizer.type": "sgd", "optimizer.lr": 0.5}).recipe.optimizer.lr == 0.5
     for bad, message in (
         ({"type": "lion"}, "no optimizer named 'lion'; registered: adamw, muon, sgd"),
         ({"type": "muon", "lrr": 0.1}, "unknown key 'lrr'; did you mean 'lr'"),
@@ -189,7 +189,7 @@ def test_a_registered_plugin_optimizer_joins_recipes_and_estimates(tmp_path, mon
     monkeypatch.setattr(implementations, "IMPLEMENTATIONS", implementations.IMPLEMENTATIONS.copy())
     register(_Lion)
     assert optimizer_configs()["test_lion"] is _Lion
-    recipe = load_recipe(tiny_recipe(tmp_path, optimizer={"type": "test_lion", "lr": 0.01}))
+    recipe = load_recipe(tiny_recipe(tmp_path, optimizer={"type": "test_lion", "lr": 0.01})).recipe
     assert isinstance(recipe.optimizer, _Lion)
     model = build_model(load_spec(SPEC), init_seed=0)
     with pytest.raises(RecipeError, match=r"'test_lion' has no torch side; register one with @yamlformer.recipes"):
@@ -211,7 +211,7 @@ def test_muon_with_no_hidden_matrix_to_train_is_a_located_error(tmp_path):
     from yamlformer.recipes.optim import check_optimizer
 
     path = tiny_recipe(tmp_path, optimizer={"type": "muon"})
-    recipe = load_recipe(path)
+    recipe = load_recipe(path).recipe
     model = build_model(load_spec(SPEC), init_seed=0)
     model.decoder.layers.requires_grad_(False)
     with pytest.raises(SpecError) as info:

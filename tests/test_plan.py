@@ -227,7 +227,7 @@ def test_every_launch_line_is_a_valid_recipe_override_set(argv, capsys, monkeypa
     for line in (launch["torchrun"], launch["slurm"]):
         sets = _sets(line)
         assert sets == launch["set"]
-        loaded = load_recipe(recipe, parse_set_args(sets))
+        loaded = load_recipe(recipe, parse_set_args(sets)).recipe
         trainer, data = loaded.trainer, loaded.data
         layout = out["plan"]["layout"]
         assert (trainer.strategy, trainer.tensor_parallel, trainer.data_parallel) == (

@@ -275,7 +275,7 @@ def test_the_estimate_counts_a_frozen_reference_and_no_adapted_one(tmp_path):
     sizes = {}
     for loss in ("dpo", "simpo"):
         path = _recipe(tmp_path, preference={"loss": loss, "beta": 0.1})
-        run = resolve_run(load_recipe(path), path)
+        run = resolve_run(load_recipe(path))
         est = recipe_estimate(run.spec, run.recipe, run.seq_len, run.batch)
         sizes[loss] = est.memory
     assert sizes["dpo"].reference == 4 * build_model(run.spec, device="meta").n_params()  # fp32 weights

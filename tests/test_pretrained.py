@@ -94,7 +94,7 @@ def test_tiny_imported_bert_fine_tunes_for_classification_with_its_embeddings_fr
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     # the recipe's own vocabulary (cached: the run reads the same one) sizes the BERT to import
     text = "\n".join(t for t, _ in rows)
-    vocab = encoder_tokenizer(load_recipe(path), path, text, "probe").vocab_size
+    vocab = encoder_tokenizer(load_recipe(path), text, "probe").vocab_size
 
     torch.manual_seed(0)
     bert = transformers.BertForMaskedLM(

@@ -118,11 +118,11 @@ def test_set_on_a_recipe_reaches_the_spec_by_its_short_form():
         "lm-stdlib",
         {"model.overrides.decoder.n_layers": 2, "model.overrides.d_model": 96, "trainer.max_steps": 5, "name": "x"},
     )
-    assert short == long and short.name == "x"  # `name` stays the recipe's
-    spec = model_spec(short, ROOT / "recipes" / "lm-stdlib.yaml", 512)
+    assert short.recipe == long.recipe and short.recipe.name == "x"  # `name` stays the recipe's
+    spec = model_spec(short, 512)
     assert (spec.decoder.n_layers, spec.d_model, spec.vocab_size) == (2, 96, 512)
     with pytest.raises(SpecError) as info:
-        model_spec(load_recipe("lm-stdlib", {"decoder.n_layer": 2}), ROOT / "recipes" / "lm-stdlib.yaml", 512)
+        model_spec(load_recipe("lm-stdlib", {"decoder.n_layer": 2}), 512)
     [problem] = info.value.problems
     assert problem.file == "<--set decoder.n_layer=2>" and "did you mean 'n_layers'?" in problem.message
     with pytest.raises(SpecError, match="unknown key 'n_layers'"):  # neither a recipe section nor a spec field
@@ -133,11 +133,11 @@ def test_a_set_path_is_read_from_the_working_directory(tmp_path, monkeypatch):
     (tmp_path / "mine.yaml").write_text("extends: tiny/llama\nname: mine\n")
     monkeypatch.chdir(tmp_path)
     recipe = load_recipe("lm-stdlib", {"model.spec": "mine.yaml"})
-    assert recipe.model.spec == str(tmp_path / "mine.yaml")
-    assert model_spec(recipe, ROOT / "recipes" / "lm-stdlib.yaml", 256).name == "mine"
-    assert load_recipe("lm-stdlib", {"model.spec": "tiny/gpt2"}).model.spec == "tiny/gpt2"  # a name stays a name
+    assert recipe.recipe.model.spec == str(tmp_path / "mine.yaml")
+    assert model_spec(recipe, 256).name == "mine"
+    assert load_recipe("lm-stdlib", {"model.spec": "tiny/gpt2"}).recipe.model.spec == "tiny/gpt2"  # a name stays a name
     with pytest.raises(SpecError) as info:
-        model_spec(load_recipe("lm-stdlib", {"model.spec": "nothing.yaml"}), ROOT / "recipes" / "lm-stdlib.yaml", 256)
+        model_spec(load_recipe("lm-stdlib", {"model.spec": "nothing.yaml"}), 256)
     [problem] = info.value.problems
     assert problem.file == "<--set model.spec=nothing.yaml>" and "no such file" in problem.message
 

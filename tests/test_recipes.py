@@ -36,7 +36,7 @@ def test_bad_inline_spec_points_at_the_recipe_line(tmp_path):
     line = next(i for i, row in enumerate(text.splitlines(), 1) if "n_heads: 3" in row)
     recipe = load_recipe(path)
     with pytest.raises(SpecError) as info:
-        model_spec(recipe, path, vocab_size=100)
+        model_spec(recipe, vocab_size=100)
     message = str(info.value)
     assert f"recipe.yaml:{line}:" in message and "model.spec.decoder.attention.n_heads" in message
 
@@ -46,13 +46,13 @@ def test_set_reaches_recipe_fields_and_the_model(tmp_path):
 
     path = tiny_recipe(tmp_path)
     recipe = load_recipe(path, {"trainer.max_steps": 3, "model.overrides.decoder.n_layers": 1, "data.seq_len": 16})
-    assert recipe.trainer.max_steps == 3 and recipe.data.seq_len == 16
-    spec = model_spec(recipe, path, vocab_size=77)
+    assert recipe.recipe.trainer.max_steps == 3 and recipe.recipe.data.seq_len == 16
+    spec = model_spec(recipe, vocab_size=77)
     assert spec.decoder.n_layers == 1 and spec.vocab_size == 77 and spec.d_model == 32
 
     spec_file = Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml"
     path = tiny_recipe(tmp_path, model={"spec": str(spec_file), "overrides": {"decoder": {"n_layers": 1}}})
-    spec = model_spec(load_recipe(path), path, vocab_size=90)
+    spec = model_spec(load_recipe(path), vocab_size=90)
     assert spec.name == "tiny-llama" and spec.decoder.n_layers == 1 and spec.vocab_size == 90
 
 
@@ -62,12 +62,12 @@ def test_model_overrides_merge_over_the_spec_and_point_at_the_recipe(tmp_path):
     spec_file = Path(__file__).resolve().parents[1] / "specs" / "tiny" / "llama.yaml"
     moe = {"type": "moe", "n_experts": 2, "expert": {"type": "glu", "hidden_dim": 16}}
     path = tiny_recipe(tmp_path, model={"spec": str(spec_file), "overrides": {"decoder": {"ffn": moe}}})
-    spec = model_spec(load_recipe(path), path, vocab_size=90)
+    spec = model_spec(load_recipe(path), vocab_size=90)
     assert spec.decoder.ffn.type == "moe"  # another block type replaces the spec's glu and its fields
     path = tiny_recipe(tmp_path, model={"spec": str(spec_file), "overrides": {"decoder.n_layers": "two"}})
     line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if "decoder.n_layers" in row)
     with pytest.raises(SpecError) as info:
-        model_spec(load_recipe(path), path, vocab_size=90)
+        model_spec(load_recipe(path), vocab_size=90)
     assert [(p.file, p.line, p.path) for p in info.value.problems] == [(str(path), line, "decoder.n_layers")]
 
 
@@ -282,7 +282,7 @@ def test_every_task_builds_its_model_with_the_recipes_checkpointing(tmp_path):
     from yamlformer.recipes.training.run import training_model
 
     path = tiny_recipe(tmp_path)
-    run = resolve_run(load_recipe(path, {"trainer.activation_checkpointing": True}), path)
+    run = resolve_run(load_recipe(path, {"trainer.activation_checkpointing": True}))
     spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "tiny" / "transformer.yaml")
     model, est = training_model(dataclasses.replace(run, spec=spec), seq_len=16, batch=1)
     layers = [layer for stack in model.stacks().values() for layer in stack.layers]
@@ -295,7 +295,7 @@ def test_moe_balancing_loss_joins_the_training_loss(tmp_path):
 
     path = tiny_recipe(tmp_path, loss={"moe_aux_coef": 0.5})
     model = _tiny_model("mixtral.yaml")
-    module = LMModule(model, load_recipe(path), meta={})
+    module = LMModule(model, load_recipe(path).recipe, meta={})
     ids = torch.randint(0, 256, (2, 16))
     loss, ce = module._losses(ids[:, :-1], ids[:, 1:])
     aux = model.aux_loss()

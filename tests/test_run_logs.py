@@ -58,7 +58,7 @@ def test_config_yaml_is_the_resolved_recipe_and_runs_again(tmp_path, monkeypatch
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # the config holds no path relative to where the first run ran
-    assert load_recipe(config).trainer.output_dir == str(out)
+    assert load_recipe(config).recipe.trainer.output_dir == str(out)
     again = run(config, {"trainer.output_dir": str(elsewhere / "again")}, samples=False)
     a, b = history(out / "checkpoints" / "last.ckpt"), history(Path(again["last"]))
     assert [x[1] for x in a["train"]] == [x[1] for x in b["train"]] and a["val"][-1][1] == b["val"][-1][1]

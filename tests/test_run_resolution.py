@@ -182,3 +182,67 @@ def test_builder_train_lm_stdlib_resolves_its_spec_once(tmp_path, monkeypatch, c
     meta = read_meta(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert meta["global_step"] == 2
     assert meta["builder"]["spec"]["vocab_size"] == from_state(meta["builder"]["tokenizer"]).vocab_size == 500
+
+
+@pytest.fixture
+def resolutions(monkeypatch):
+    """How many times ``model.init_from`` is resolved to a source (a spy around the real
+    :func:`yamlformer.builder.init_from.source_at`, which it still calls)."""
+    from yamlformer.recipes.recipe import init_from as recipe_init_from
+
+    calls = []
+    real = recipe_init_from.source_at
+
+    def counted(path):
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(recipe_init_from, "source_at", counted)
+    return calls
+
+
+def test_model_init_from_is_resolved_once_per_run_and_per_dry_run(tmp_path, resolutions, capsys):
+    from yamlformer.recipes.training.dry_run import dry_run
+    from yamlformer.recipes.training.run import run
+
+    first = tmp_path / "first"
+    first.mkdir()
+    summary = run(tiny_recipe(first, trainer={"max_steps": 2, "val_check_interval": 2}), samples=False)
+    assert resolutions == []  # no init_from: nothing resolved
+    second = tmp_path / "second"
+    second.mkdir()
+    recipe = tiny_recipe(
+        second,
+        model={"spec": None, "init_from": summary["last"], "freeze": ["decoder.layers.0"]},
+        trainer={"max_steps": 2, "val_check_interval": 2},
+    )
+    dry_run(recipe)
+    assert len(resolutions) == 1, resolutions
+    resolutions.clear()
+    started = run(recipe, samples=False)
+    assert started["steps"] == 2
+    assert len(resolutions) == 1, resolutions
+    assert "frozen:" in capsys.readouterr().out
+
+
+def test_what_the_checkpoint_readers_memo_still_saves(tmp_path, monkeypatch):
+    """Of the three memos keyed on file fingerprints that a run leaned on, two are gone: the
+    ``model.init_from`` source lives in the ``Run`` (above), and the recipe as written in the
+    loaded recipe. The third, the checkpoint reader's (``yamlformer.builder.checkpoints.read``),
+    stays for what no resolution owns: the checkpoint a run resumes is asked for by the recipe
+    comparison before any work, the choice of the newest intact checkpoint, its checks against
+    this run and Lightning's restore. Without the memo that is five loads of the file and two
+    verifications; with it, one of each
+    (``tests/test_recipe_resume.py::test_a_resumed_run_reads_its_checkpoint_once``)."""
+    from test_checkpoints import reads_until_training
+
+    import yamlformer.builder.checkpoints.read as read
+    from yamlformer.recipes.training.run import run
+
+    trainer = {"max_steps": 2, "checkpoint_every_n_steps": 2, "val_check_interval": 100, "limit_val_batches": 1}
+    run(tiny_recipe(tmp_path, trainer=trainer), samples=False)
+    monkeypatch.setattr(read, "_recall", lambda path: None)  # every read loads the file again
+    reads = reads_until_training(monkeypatch)
+    assert run(tiny_recipe(tmp_path, trainer=dict(trainer, max_steps=3)), samples=False)["steps"] == 3
+    last = str((tmp_path / "run" / "checkpoints" / "last.ckpt").resolve())
+    assert (reads[("load", last)], reads[("verify", last)]) == (5, 2), dict(reads)

@@ -89,7 +89,7 @@ def _modules(tmp_path, **trainer):
     class Scoring(LMModule):
         scores_only_targets = True
 
-    recipe = load_recipe(tiny_recipe(tmp_path, trainer=trainer))
+    recipe = load_recipe(tiny_recipe(tmp_path, trainer=trainer)).recipe
     spec, model = _model("llama")
     return spec, model, LMModule(model, recipe, meta={}), Scoring(model, recipe, meta={})
 
@@ -129,7 +129,7 @@ def test_a_sequence_split_across_ranks_keeps_whole_rows(tmp_path, split):
     from yamlformer.recipes.tasks import load_recipe
 
     _, model = _model("llama")
-    trainer = load_recipe(tiny_recipe(tmp_path)).trainer
+    trainer = load_recipe(tiny_recipe(tmp_path)).recipe.trainer
     assert selects_scored(model, trainer)
     # the head reads a rank's share of the sequence (or of the hidden width): whole rows, as before
     assert not selects_scored(model, trainer.model_copy(update={split: 2}))

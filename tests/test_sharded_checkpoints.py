@@ -344,10 +344,10 @@ def test_model_init_from_a_sharded_folder_starts_a_run_from_its_weights(tmp_path
     from test_checkpoints import reads_until_training
 
     from yamlformer.builder import build_model
-    from yamlformer.recipes.recipe.sections import model_spec
     from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.trained import pretrained_tokenizer
     from yamlformer.recipes.training.pretrained import load_init_from
+    from yamlformer.recipes.training.resolved import resolve_run
     from yamlformer.recipes.training.run import run
 
     chars = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # 96: the vocabulary of SPEC's model
@@ -370,10 +370,10 @@ def test_model_init_from_a_sharded_folder_starts_a_run_from_its_weights(tmp_path
     assert reads[("load", meta)] == reads[("verify", meta)] == 1, dict(reads)
     assert reads[("shards", shards)] == reads[("dcp", shards)] == 1, dict(reads)
 
-    recipe = load_recipe(path)  # what the run started from: the folder's own weights
-    tokenizer = pretrained_tokenizer(recipe, path)
-    model = build_model(model_spec(recipe, path, tokenizer.vocab_size))
-    load_init_from(model, recipe, path)
+    resolved = resolve_run(load_recipe(path))  # what the run started from: the folder's own weights
+    assert resolved.spec.vocab_size == pretrained_tokenizer(resolved).vocab_size
+    model = build_model(resolved.spec)
+    load_init_from(model, resolved)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
 

@@ -145,7 +145,9 @@ def test_recipes_are_strict(key, value, field):
 
 
 def test_recipe_betas_are_read_from_a_yaml_list():
-    assert load_recipe(ROOT / "recipes" / "lm-stdlib.yaml", {"optimizer.betas": [0.9, 0.99]}).optimizer.betas == (
+    assert load_recipe(
+        ROOT / "recipes" / "lm-stdlib.yaml", {"optimizer.betas": [0.9, 0.99]}
+    ).recipe.optimizer.betas == (
         0.9,
         0.99,
     )

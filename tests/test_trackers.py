@@ -119,7 +119,7 @@ def test_a_run_is_read_back_from_the_mlflow_server_and_resumes_into_the_same_run
     assert [step for step, _ in _history(client, ids["run_id"], "val_loss")] == [3, 7]
     assert _history(client, ids["run_id"], "tok/s")
     # the learning rate each logged step applied, as the recipe's schedule gives it for that step
-    recipe = load_recipe(path)
+    recipe = load_recipe(path).recipe
     lr = recipe.optimizer.peak_lr
     logged = _history(client, ids["run_id"], "lr")
     assert [s for s, _ in logged] == [1, 3, 5, 7]

@@ -48,7 +48,9 @@ def test_wsd_fields_are_checked_where_written(tmp_path):
 
 
 def test_a_resume_may_change_the_schedule_only_where_every_step_taken_had_the_same_learning_rate(tmp_path):
-    stable = load_recipe(tiny_recipe(tmp_path, schedule={"type": "wsd", "warmup_steps": 2, "decay_fraction": 0.25}))
+    stable = load_recipe(
+        tiny_recipe(tmp_path, schedule={"type": "wsd", "warmup_steps": 2, "decay_fraction": 0.25})
+    ).recipe
     longer = stable.model_copy(update={"trainer": stable.trainer.model_copy(update={"max_steps": 40})})
     other = stable.model_copy(update={"schedule": stable.schedule.model_copy(update={"warmup_steps": 4})})
     # 12 steps, the last 3 decaying: step 10 is the first whose rate is lowered

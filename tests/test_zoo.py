@@ -62,7 +62,7 @@ def test_extends_and_model_spec_take_names(tmp_path):
 
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("model: {spec: tiny/llama, overrides: {decoder.n_layers: 1}}\n")
-    assert model_spec(load_recipe(recipe_file), recipe_file, 300).decoder.n_layers == 1
+    assert model_spec(load_recipe(recipe_file), 300).decoder.n_layers == 1
 
 
 def test_a_name_not_found_gets_the_closest(tmp_path):

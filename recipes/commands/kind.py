@@ -31,13 +31,12 @@ def validate(path: Path, overrides: Mapping[str, Any]) -> list[Problem]:
     (:func:`yamlformer.recipes.training.resolved.resolve_model`)."""
     # local: every command that reads a YAML file loads this kind; the recipes load for a recipe only
     from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.recipe.sections import recipe_path
     from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.resolved import resolve_model
 
     try:
-        recipe = load_recipe(path, dict(overrides))
-        resolve_model(recipe, recipe_path(path))  # its files first, each problem at its line
+        located = load_recipe(path, dict(overrides))
+        resolve_model(located)  # its files first, each problem at its line
     except SpecError as exc:
         return exc.problems
     except RecipeError as exc:
@@ -64,9 +63,9 @@ def _model(path: Path) -> tuple[Any, dict]:
     from yamlformer.recipes.tasks import load_recipe
     from yamlformer.recipes.training.resolved import resolve_model
 
-    recipe = load_recipe(path)
-    vocab, spec = resolve_model(recipe, path)
-    return spec, {"family": recipe.task, "approximate": vocab.stand_in}
+    located = load_recipe(path)
+    vocab, spec = resolve_model(located)
+    return spec, {"family": located.recipe.task, "approximate": vocab.stand_in}
 
 
 #: Lightning's precision for a plan's compute dtype

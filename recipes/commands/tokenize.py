@@ -320,7 +320,7 @@ def _from_recipe(argument: str, documents, out: Path, overwrite: bool) -> tuple[
             "tokenizer.json, a Hugging Face folder or a recipe)"
         ) from None
     try:
-        section = load_recipe(recipe_file).tokenizer
+        section = load_recipe(recipe_file).recipe.tokenizer
     except SpecError as exc:
         first = exc.problems[0] if getattr(exc, "problems", None) else exc
         raise RecipeError(f"--tokenizer {argument}: {first}") from None

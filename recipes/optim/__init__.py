@@ -13,12 +13,12 @@ from yamlformer.blocks.configs.tensors import TensorScaling
 from yamlformer.blocks.init import canonical_name
 from yamlformer.builder.optim import OptimizerConfig, Trainable
 from yamlformer.builder.parametrization import plan
+from yamlformer.builder.spec.loader import read_merged
 from yamlformer.builder.spec.problems import locate
 from yamlformer.builder.spec.source import SpecError
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.optim import muon, torch_optimizers  # each registers the types it builds
 from yamlformer.recipes.optim.implementations import IMPLEMENTATIONS, implementation, implements
-from yamlformer.recipes.recipe.sections import as_written
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -95,7 +95,7 @@ def check_optimizer(optimizer: OptimizerConfig, model: nn.Module, recipe_file=No
         return
     if recipe_file is None:
         raise RecipeError(str(OptimizerProblem(problems)))
-    doc = as_written(recipe_file)
+    doc = read_merged(recipe_file)  # read on a refusal only
     raise SpecError([locate(doc, ("optimizer", *loc), message) for loc, message in problems])
 
 

@@ -30,7 +30,7 @@ from yamlformer.builder.spec.source import Mark, Problem
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.parallel.mesh import device_count
 from yamlformer.recipes.parallel.rendezvous import under_slurm
-from yamlformer.recipes.recipe.sections import Recipe, as_written
+from yamlformer.recipes.recipe.located import LocatedRecipe
 from yamlformer.recipes.say import say
 
 #: seconds a rank waits for rank 0 to listen at the rendezvous address (torchrun's join timeout)
@@ -51,9 +51,10 @@ def launched(environ: Mapping[str, str] | None = None) -> tuple[str, dict, dict]
     return None
 
 
-def check_launcher(recipe: Recipe, recipe_file: Path, environ: Mapping[str, str] | None = None) -> None:
-    """The launcher's nodes and processes per node are the recipe's ``trainer.num_nodes`` and
-    ``trainer.devices``; else a :class:`SpecError`, one line per field at the recipe's line. Restarts
+def check_launcher(located: LocatedRecipe, environ: Mapping[str, str] | None = None) -> None:
+    """The launcher's nodes and processes per node are the ``trainer.num_nodes`` and
+    ``trainer.devices`` of ``located`` (the recipe as loaded); else a :class:`SpecError`, one line
+    per field at the recipe's line. Restarts
     that would fail (:func:`kept_store`) are a warning."""
     store = kept_store(os.environ if environ is None else environ)
     if store:
@@ -65,7 +66,7 @@ def check_launcher(recipe: Recipe, recipe_file: Path, environ: Mapping[str, str]
     started = {k: int(v) for k, v in values.items() if v.isdigit()}  # SLURM's "2(x3)": uneven nodes, unchecked
     if len(started) < 2:
         return
-    trainer = recipe.trainer
+    trainer = located.recipe.trainer
     ours = {"nodes": trainer.num_nodes, "per_node": device_count(trainer, check=False)}
     shown = f"{started['nodes']} node{'s' * (started['nodes'] != 1)} ({names['nodes']}) of {started['per_node']}"
     shown += f" process{'es' * (started['per_node'] != 1)} each ({names['per_node']})"
@@ -73,7 +74,7 @@ def check_launcher(recipe: Recipe, recipe_file: Path, environ: Mapping[str, str]
     for key, name in (("nodes", "num_nodes"), ("per_node", "devices")):
         if ours[key] != started[key]:
             value = getattr(trainer, name)
-            where, note = _written_at(recipe_file, name, value, type(trainer).model_fields[name].default)
+            where, note = _written_at(located, name, value, type(trainer).model_fields[name].default)
             if value != ours[key]:
                 note += f" ({ours[key]} process{'es' * (ours[key] != 1)} here)"
             problems.append(
@@ -104,10 +105,10 @@ def kept_store(environ: Mapping[str, str]) -> str | None:
     )
 
 
-def _written_at(recipe_file: Path, name: str, value, default) -> tuple[Mark, str]:
+def _written_at(located: LocatedRecipe, name: str, value, default) -> tuple[Mark, str]:
     """Where the recipe's ``trainer.NAME`` was set to ``value``: its line, a ``--set`` of the
     command line, or the recipe file itself when it took the default (then the message says so)."""
-    doc = as_written(recipe_file)
+    doc, recipe_file = located.written, located.file
     section = doc.data.get("trainer") if isinstance(doc.data, dict) else None
     written = isinstance(section, dict) and name in section
     if written and section[name] == value:

@@ -18,25 +18,26 @@ from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import resolve
 
 
-def init_from_source(recipe, recipe_file: Path | None) -> Source | None:
-    """The recipe's ``model.init_from`` (None when it has none), read once however often it is
-    asked (:func:`yamlformer.builder.init_from.source_at`); a path that is none of the kinds a run
-    starts from is a :class:`RecipeError` naming the field."""
-    if recipe.model.init_from is None:
+def init_from_source(located) -> Source | None:
+    """The ``model.init_from`` of ``located`` (a recipe as loaded; None when it has none), resolved
+    to the model it names (:func:`yamlformer.builder.init_from.source_at`); a path that is none of
+    the kinds a run starts from is a :class:`RecipeError` naming the field. Asked once per
+    resolution: the :class:`yamlformer.recipes.training.resolved.Run` keeps it."""
+    if located.recipe.model.init_from is None:
         return None
     with init_from_errors():
-        return source_at(init_from_path(recipe, recipe_file))
+        return source_at(init_from_path(located.recipe.model.init_from, located.file))
 
 
-def init_from_path(recipe, recipe_file: Path | None) -> Path:
-    """The path ``model.init_from`` names (relative to the recipe): a checkpoint or a model folder
-    as it is; a recipe (:func:`recipe_run`) as its run's last checkpoint, a :class:`RecipeError`
-    saying to train it first when there is none (so a run, and its dry run, refuse it)."""
-    run = recipe_run(recipe, recipe_file)
+def init_from_path(value: str, recipe_file: Path | None) -> Path:
+    """The path ``model.init_from: value`` names (relative to the recipe file): a checkpoint or a
+    model folder as it is; a recipe (:func:`recipe_run`) as its run's last checkpoint, a
+    :class:`RecipeError` saying to train it first when there is none (so a run, and its dry run,
+    refuse it)."""
+    run = recipe_run(value, recipe_file)
     if run is None:
-        return resolve(recipe_file, recipe.model.init_from)
+        return resolve(recipe_file, value)
     if not run[1].exists():
-        value = recipe.model.init_from
         raise RecipeError(
             f"model.init_from: {value} is a recipe, and its run has no checkpoint at {run[1]} yet; train it "
             f"first (builder train {value}), from this folder"
@@ -44,11 +45,11 @@ def init_from_path(recipe, recipe_file: Path | None) -> Path:
     return run[1]
 
 
-def recipe_run(recipe, recipe_file: Path | None) -> tuple[Path, Path] | None:
-    """When ``model.init_from`` names a recipe (a file, or a zoo recipe by name): ``(that recipe's
-    file, the last checkpoint its run writes from this working directory)``, the run's output
-    folder as ``builder train`` names it (``trainer.output_dir``, else ``runs/<name>``); else None."""
-    value = recipe.model.init_from
+def recipe_run(value: str | None, recipe_file: Path | None) -> tuple[Path, Path] | None:
+    """When ``model.init_from: value`` names a recipe (a file, or a zoo recipe by name): ``(that
+    recipe's file, the last checkpoint its run writes from this working directory)``, the run's
+    output folder as ``builder train`` names it (``trainer.output_dir``, else ``runs/<name>``);
+    else None."""
     if value is None:
         return None
     path = resolve(recipe_file, value)

@@ -12,10 +12,9 @@ import contextlib
 import copy
 import dataclasses
 import datetime
-import functools
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -37,9 +36,12 @@ from yamlformer.builder.zoo import ZooError, locate
 from yamlformer.recipes.data.section import DataSection, DatasetFields, SourceEntry, TokenizerSection  # noqa: F401 (re-exported)
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import WORK_PATH, _Section
-from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, spec_base
+from yamlformer.recipes.recipe.init_from import init_from_errors, spec_base
 from yamlformer.recipes.recipe.loggers import LoggersSection
 from yamlformer.recipes.recipe.parallelism import ParallelismFields, check_recipe_parallelism
+
+if TYPE_CHECKING:
+    from yamlformer.builder.init_from import Source
 
 #: every task, by its ``task:`` value: a folder of ``yamlformer.recipes.tasks`` each; ``lm`` is the default
 TASKS = ("lm", "translation", "mlm", "classification", "sft", "preference")
@@ -333,11 +335,6 @@ class Recipe(_Section):
         return self
 
 
-def output_dir(recipe: Recipe, recipe_file: Path) -> Path:
-    """Where a run writes: ``trainer.output_dir``, else ``runs/<recipe name>``."""
-    return Path(recipe.trainer.output_dir or Path("runs") / (recipe.name or recipe_file.stem))
-
-
 # -- loading -------------------------------------------------------------------------------------
 
 
@@ -415,37 +412,31 @@ def spec_shorthand(overrides: dict[str, Any], recipe_cls: type[Recipe]) -> dict[
     return out
 
 
-def task_written(path: str | Path, overrides: dict[str, Any]) -> Any:
+def task_written(written: Document, overrides: dict[str, Any]) -> Any:
     """The ``task:`` a recipe file names (``--set task=...`` first; ``lm`` when it names none),
-    as written: any value, which the task's schema then checks."""
-    return overrides.get("task", as_written(path).data.get("task", "lm"))
+    as ``written`` (the file as written, :func:`read_written`): any value, which the task's schema
+    then checks."""
+    data = written.data if isinstance(written.data, dict) else {}
+    return overrides.get("task", data.get("task", "lm"))
 
 
-def as_written(recipe_file: str | Path):
-    """The recipe file as written (its ``extends:`` chain merged, no overrides), every key and
-    value located (a :class:`yamlformer.builder.spec.source.Document`): read once per version of the file,
-    however many times a run asks (its task, its spec and its overrides' lines, each check).
-    Callers read it and never change it."""
-
+def read_written(recipe_file: str | Path) -> tuple[Path, Document]:
+    """The recipe file ``recipe_file`` names (a path, else a zoo name) and that file as written (its
+    ``extends:`` chain merged, no overrides), every key and value located: read once, when the
+    recipe is loaded (:class:`yamlformer.recipes.recipe.located.LocatedRecipe` keeps it)."""
     found, _ = locate_file(recipe_file)
-    stat = found.stat()
-    return _read_written(str(found), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=16)
-def _read_written(path: str, mtime_ns: int, size: int):
-
-    return read_merged(path)
+    return found, read_merged(found)
 
 
 def model_spec(
-    recipe: Recipe,
-    recipe_file: Path,
+    located,
     vocab_size: int,
     extra: dict[str, Any] | None = None,
     base: tuple[dict[str, Any], str] | None = None,
 ):
-    """The recipe's validated model spec, with its overrides and the tokenizer's ``vocab_size``.
+    """The validated model spec of ``located`` (a recipe as loaded:
+    :class:`yamlformer.recipes.recipe.located.LocatedRecipe`), with its overrides and the
+    tokenizer's ``vocab_size``.
 
     ``model.overrides`` (dotted keys or nested mappings) are laid over the spec by the loader's
     one merge, located at the recipe's own lines; an inline spec is validated in place, so its
@@ -454,12 +445,11 @@ def model_spec(
     ``trainer.tensor_parallel`` ways (or whose experts ``trainer.expert_parallel`` ranks cannot
     split) is refused here too, each problem at the line that set the field
     (``yamlformer.builder.analysis.layout.tensor_parallel_problems``, ``expert_parallel_problems``).
-    Without ``model.spec`` the spec is ``model.init_from``'s (:func:`init_from_spec`), or ``base``
-    (that spec as data and a label) when the caller resolved it: a recipe not trained yet
-    (``yamlformer.recipes.training.resolved.resolve_model``).
+    Without ``model.spec`` the spec is ``base``, ``model.init_from``'s spec as data and a label
+    (:func:`init_from_spec`), which the caller resolved (``yamlformer.recipes.training.resolved``).
     """
 
-    doc = as_written(recipe_file)
+    recipe, doc = located.recipe, located.written
     written = {
         key: (doc, ("model", "overrides", key))
         for key in recipe.model.overrides
@@ -474,15 +464,15 @@ def model_spec(
             written["adapters"] = (doc, ("model", "adapters"))
     with _adapters_named_so():
         if isinstance(recipe.model.spec, str):
-            path = spec_file(recipe, recipe_file, doc)
+            path = spec_file(located)
             spec = load_spec(path, overrides=overrides, sources=written)
             _check_layout(spec, recipe, lambda: (read_merged(path, overrides, written), False))
             return spec
         if recipe.model.spec is not None:
             base = None
         elif base is None:
-            base = init_from_spec(recipe, recipe_file)
-        spec = _inline_spec(recipe, recipe_file, doc, overrides, written, base)
+            raise RecipeError("model.spec: none given, and model.init_from was not read")
+        spec = _inline_spec(located, overrides, written, base)
         _check_layout(spec, recipe, lambda: (_inline_document(recipe, doc, overrides, written, base), True))
         return spec
 
@@ -501,24 +491,23 @@ def _adapters_named_so():
         raise SpecError(renamed) from None
 
 
-def init_from_spec(recipe: Recipe, recipe_file: Path | None) -> tuple[dict[str, Any], str] | None:
-    """The spec of ``model.init_from`` as plain data and a label for where it came from (the spec
-    of a recipe that names no ``model.spec`` of its own)."""
-    source = init_from_source(recipe, recipe_file)
-    if source is None:
-        return None
+def init_from_spec(source: Source) -> tuple[dict[str, Any], str]:
+    """The spec of ``model.init_from`` (its read ``source``) as plain data and a label for where it
+    came from (the spec of a recipe that names no ``model.spec`` of its own)."""
     with init_from_errors():
         return spec_base(source.spec_dict(), f"<model.init_from {source.path}>")
 
 
-def spec_file(recipe: Recipe, recipe_file: Path, doc=None) -> Path:
-    """The file ``model.spec`` names: a path relative to the recipe when one is there, else a zoo
-    spec by name (``llama3-8b``); neither is a problem at the recipe's ``model.spec`` line."""
+def spec_file(located) -> Path:
+    """The file ``model.spec`` of ``located`` (a recipe as loaded) names: a path relative to the
+    recipe when one is there, else a zoo spec by name (``llama3-8b``); neither is a problem at the
+    recipe's ``model.spec`` line."""
 
+    recipe = located.recipe
     try:
-        return locate(recipe.model.spec, base=Path(recipe_file).resolve().parent)
+        return locate(recipe.model.spec, base=Path(located.file).resolve().parent)
     except ZooError as exc:
-        doc = doc if doc is not None else as_written(recipe_file)
+        doc = located.written
         written = (doc.data.get("model") or {}).get("spec") if isinstance(doc.data, dict) else None
         where = (doc.value_mark(("model", "spec")) if written == recipe.model.spec else None) or Mark(
             f"<--set model.spec={recipe.model.spec}>"
@@ -574,17 +563,10 @@ def _inline_document(
     return inline
 
 
-def _inline_spec(
-    recipe: Recipe,
-    recipe_file: Path,
-    doc,
-    overrides: dict[str, Any],
-    written: dict,
-    base: tuple[dict, str] | None = None,
-):
-    inline = _inline_document(recipe, doc, overrides, written, base)
+def _inline_spec(located, overrides: dict[str, Any], written: dict, base: tuple[dict, str] | None = None):
+    inline = _inline_document(located.recipe, located.written, overrides, written, base)
     try:
-        return validate_document(inline, spec_model(), str(recipe_file))
+        return validate_document(inline, spec_model(), str(located.file))
     except SpecError as exc:
         raise SpecError(_under_recipe(exc.problems, "model.spec" if base is None else "model.init_from")) from None
 

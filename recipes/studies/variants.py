@@ -175,13 +175,12 @@ def variant_model(loaded: StudyFile, values: dict[str, Any]):
     task; :class:`RecipeError` (one located line per problem) when it cannot run."""
 
     overrides, where = overrides_of(loaded, values)
-    recipe_file = loaded.recipe_file()
     try:
-        recipe = load_recipe(recipe_file, overrides)
-        _, spec = resolve_model(recipe, recipe_file)  # checked against its task, as a run checks it
+        located = load_recipe(loaded.recipe_file(), overrides)
+        _, spec = resolve_model(located)  # checked against its task, as a run checks it
     except SpecError as exc:
         raise RecipeError("\n".join(_relocated(loaded, p, where) for p in exc.problems)) from None
-    return recipe, spec, overrides
+    return located.recipe, spec, overrides
 
 
 def step_shape(recipe, spec) -> tuple[int, int, int]:

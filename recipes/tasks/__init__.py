@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.sections import TASKS, Recipe, read_recipe, task_written
+from yamlformer.recipes.recipe.located import LocatedRecipe
+from yamlformer.recipes.recipe.sections import TASKS, read_recipe, read_written, task_written
 
 #: every task, by its ``task:`` value (the folder ``recipes/tasks/<name>/``); ``lm`` is the default
 NAMES = TASKS
@@ -36,8 +37,11 @@ def recipe_class(task: Any) -> type:
     return task_named(task if isinstance(task, str) and task in NAMES else "lm").recipe
 
 
-def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> LocatedRecipe:
     """Load and validate a recipe file (or a zoo recipe by name) as the recipe of the task it
-    names (:func:`yamlformer.recipes.recipe.sections.read_recipe`); raises
+    names (:func:`yamlformer.recipes.recipe.sections.read_recipe`), with its file and that file as
+    written (:class:`~yamlformer.recipes.recipe.located.LocatedRecipe`); raises
     ``yamlformer.builder.spec.loader.SpecError`` with located problems."""
-    return read_recipe(path, recipe_class(task_written(path, overrides or {})), overrides)
+    found, written = read_written(path)
+    recipe = read_recipe(found, recipe_class(task_written(written, overrides or {})), overrides)
+    return LocatedRecipe(recipe, found, written)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from yamlformer.recipes.errors import RecipeError
+
+if TYPE_CHECKING:
+    from yamlformer.recipes.recipe.located import LocatedRecipe
 
 #: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
 #: marker on the first word too, runs of spaces folded
@@ -71,7 +74,12 @@ class Task:
     its training code (torch, Lightning) is imported by the methods that need it.
 
     Generic code (the run loop, the dry run, ``builder eval``/``generate``/``plan``/``list``) asks
-    these methods and attributes and never a task's name."""
+    these methods and attributes and never a task's name.
+
+    Its methods come in two halves. The resolution's (:func:`yamlformer.recipes.training.resolved.resolve_run`)
+    are handed the recipe as loaded (a :class:`~yamlformer.recipes.recipe.located.LocatedRecipe`)
+    and answer what the ``Run`` is made of: its files, vocabulary, spec overrides and checks. The
+    run's (:meth:`prepare`) is handed the resolved ``Run`` and reads only it."""
 
     #: the ``task:`` value
     name: ClassVar[str]
@@ -88,7 +96,7 @@ class Task:
         tokenizer and the batches (``samples``: decode the recipe's prompts at the end)."""
         raise NotImplementedError
 
-    # -- before a run: estimates, the dry run, validate, list ------------------------------------
+    # -- the resolution: before a run, the dry run, validate, list --------------------------------
 
     def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
         """``(seq_len, batch, how)``: the micro-batch shape estimates are made at."""
@@ -105,17 +113,17 @@ class Task:
         the estimates count (``yamlformer.builder.analysis.estimates.Step.reference``)."""
         return False
 
-    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+    def vocabulary(self, located: LocatedRecipe, read_data: bool) -> Vocabulary | None:
         """The vocabulary when the task knows it better than the tokenizer settings (a tokenized
         dataset's, a pretrained checkpoint's); ``None``: from ``tokenizer``."""
         return None
 
-    def data_files(self, recipe, recipe_file: Path, files) -> None:
+    def data_files(self, located: LocatedRecipe, files) -> None:
         """Add every file the task's data section reads to ``files``
         (:class:`yamlformer.recipes.training.dry_run.DataFiles`), in order; nothing is fetched or read."""
         raise NotImplementedError
 
-    def spec_overrides(self, recipe, recipe_file: Path, read_data: bool) -> dict:
+    def spec_overrides(self, located: LocatedRecipe, read_data: bool) -> dict:
         """Spec fields the task sets over the recipe's (a classification head of as many classes
         as the data has labels); resolved with the spec, once (``read_data``: the data may be read)."""
         return {}
@@ -123,12 +131,12 @@ class Task:
     def check_spec(self, recipe, spec) -> None:
         """Refuse (:class:`RecipeError`, one line) a spec this task cannot train or its data cannot run on."""
 
-    def check_data(self, recipe, recipe_file: Path, vocab_size: int, pretrained: dict | None) -> None:
+    def check_data(self, located: LocatedRecipe, vocab_size: int, pretrained: dict | None) -> None:
         """Refuse (:class:`RecipeError`, one line) data the run would refuse, read as far as it can be
         without the run's work (no text tokenized); ``pretrained``: the tokenizer state of a
         ``model.init_from`` checkpoint. Every file is known to be there and of the right kind."""
 
-    def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
+    def dry_run_lines(self, located: LocatedRecipe) -> list[tuple[str, str]]:
         """More ``(key, text)`` lines for the dry run's summary (an LM's mixture)."""
         return []
 

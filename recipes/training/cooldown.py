@@ -18,7 +18,7 @@ from typing import Any
 from yamlformer.builder.checkpoints import RESUMABLE, CheckpointError, exists, peek_meta
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.optim.schedule import wsd_decay_start
-from yamlformer.recipes.recipe.sections import Recipe, output_dir
+from yamlformer.recipes.recipe.located import LocatedRecipe
 from yamlformer.recipes.tasks import load_recipe
 from yamlformer.recipes.training.run import train_recipe
 
@@ -26,15 +26,16 @@ from yamlformer.recipes.training.run import train_recipe
 BRANCHES_FROM = ("wsd", "constant")
 
 
-def cooldown_folder(recipe: Recipe, recipe_file: Path, step: int, steps: int) -> Path:
+def cooldown_folder(located: LocatedRecipe, step: int, steps: int) -> Path:
     """Where a cooldown of ``steps`` from the checkpoint at ``step`` runs: beside the stable run's folder."""
-    out = output_dir(recipe, recipe_file)
+    out = located.out
     return out.with_name(f"{out.name}-cooldown-{step}+{steps}")
 
 
-def branched(recipe: Recipe, recipe_file: Path, ckpt: Path, step: int, steps: int) -> Recipe:
+def branched(located: LocatedRecipe, ckpt: Path, step: int, steps: int) -> LocatedRecipe:
     """The recipe of the cooldown: its schedule decaying over the ``steps`` after ``step``, in
     its own folder. Refuses a schedule with no stable phase and a checkpoint outside it."""
+    recipe = located.recipe
     schedule, trainer = recipe.schedule, recipe.trainer
     if schedule.type not in BRANCHES_FROM:
         raise RecipeError(
@@ -48,9 +49,9 @@ def branched(recipe: Recipe, recipe_file: Path, ckpt: Path, step: int, steps: in
             f"(steps {schedule.warmup_steps} to {start}); branch from a checkpoint taken in it"
         )
     decay = schedule.model_copy(update={"type": "wsd", "decay_steps": steps, "decay_fraction": None})
-    folder = cooldown_folder(recipe, recipe_file, step, steps)
+    folder = cooldown_folder(located, step, steps)
     trainer = trainer.model_copy(update={"max_steps": step + steps, "output_dir": str(folder)})
-    return recipe.model_copy(update={"schedule": decay, "trainer": trainer})
+    return located.with_recipe(recipe.model_copy(update={"schedule": decay, "trainer": trainer}))
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -74,12 +75,10 @@ def cooldown(
     verbose: bool = False,
 ) -> dict:
     """Branch (or resume) the cooldown of ``steps`` steps from ``ckpt``; returns the run's summary."""
-    recipe_file, ckpt = Path(recipe_path), Path(ckpt)
-    recipe = load_recipe(recipe_file, overrides)
+    ckpt = Path(ckpt)
+    located = load_recipe(recipe_path, overrides)
     step = checkpoint_step(ckpt)
-    branch = branched(recipe, recipe_file, ckpt, step, steps)
-    folder = Path(branch.trainer.output_dir) / "checkpoints"
+    branch = branched(located, ckpt, step, steps)
+    folder = branch.out / "checkpoints"
     started = not fresh and any(exists(folder / name) for name in RESUMABLE)
-    return train_recipe(
-        branch, recipe_file, resume=None if started else str(ckpt), fresh=fresh, samples=samples, verbose=verbose
-    )
+    return train_recipe(branch, resume=None if started else str(ckpt), fresh=fresh, samples=samples, verbose=verbose)

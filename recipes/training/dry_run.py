@@ -38,11 +38,12 @@ from yamlformer.recipes.training.resume import check_recipe_early
 # -- devices -----------------------------------------------------------------------------------------
 
 
-def devices_line(recipe: Recipe, precision_note: str | None = None) -> str:
+def devices_line(recipe: Recipe, precision_note: str | None = None, precision: str | None = None) -> str:
     """Accelerator, devices, strategy and precision as this machine would run them, the devices
     counted as training counts them (:func:`yamlformer.recipes.parallel.mesh.device_count`), and a warning
     when train would refuse them here (a launch line meant for another machine still shows).
-    ``precision_note``: why ``trainer.precision: auto`` chose what it did."""
+    ``precision``: the precision a run resolved (else resolved here), ``precision_note``: why
+    ``trainer.precision: auto`` chose what it did."""
     # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.compile import compile_mode
     from yamlformer.recipes.parallel.mesh import device_count, layout_of
@@ -69,7 +70,7 @@ def devices_line(recipe: Recipe, precision_note: str | None = None) -> str:
             f"pipeline_parallel {settings.pipeline_parallel} ({settings.pipeline_schedule}, "
             f"{settings.pipeline_microbatches()} micro-batches)"
         )
-    chosen, note = resolve_precision(settings.precision, settings.accelerator)
+    chosen, note = (precision, None) if precision else resolve_precision(settings.precision, settings.accelerator)
     note = note or precision_note
     parts.append(f"precision {chosen}" + (f" ({note})" if note else ""))
     if settings.activation_checkpointing:
@@ -95,18 +96,22 @@ def _accelerator(settings) -> tuple[str, int]:
 # -- the estimate ------------------------------------------------------------------------------------
 
 
-def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None):
+def recipe_estimate(
+    spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None, precision: str | None = None
+):
     """The spec's estimate under the recipe's trainer settings (precision as this machine runs
     it, devices, strategy and its layout, checkpointing), at ``seq_len`` tokens x ``batch``
     sequences per device.
     ``devices``: per node (default: what ``trainer.devices`` asks for, as
-    :func:`yamlformer.recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it)."""
+    :func:`yamlformer.recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it);
+    ``precision``: the one a run resolved (default: ``trainer.precision`` resolved here)."""
     # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.mesh import device_count
     from yamlformer.recipes.training.precision import estimate_dtype, resolve_precision
 
     settings = recipe.trainer
-    precision, _ = resolve_precision(settings.precision, settings.accelerator)  # auto: what this machine runs
+    if precision is None:
+        precision, _ = resolve_precision(settings.precision, settings.accelerator)  # auto: what this machine runs
     dtype = estimate_dtype(precision)
     if devices is None:
         devices = device_count(settings, check=False)
@@ -132,18 +137,19 @@ def recipe_estimate(spec, recipe: Recipe, seq_len: int, batch: int, devices: int
     return estimate(spec, step, layout)
 
 
-def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | None:
-    """Per device under the recipe's pipeline, context or expert parallelism, as ``builder
-    describe`` counts that layout (the stage holding the most, each stage's states exact); None
-    for a layout without them (the estimate's tables count it)."""
+def layout_memory_line(run) -> str | None:
+    """Per device under the pipeline, context or expert parallelism of ``run`` (its spec, recipe,
+    resolved precision and micro-batch), as ``builder describe`` counts that layout (the stage
+    holding the most, each stage's states exact); None for a layout without them (the estimate's
+    tables count it)."""
     # local: the parallel package and precision import torch and Lightning; a study estimates with this module without
     from yamlformer.recipes.parallel.mesh import device_count, layout_of
-    from yamlformer.recipes.training.precision import estimate_dtype, resolve_precision
+    from yamlformer.recipes.training.precision import estimate_dtype
 
+    spec, recipe, seq_len, batch = run.spec, run.recipe, run.seq_len, run.batch
     settings = recipe.trainer
     if settings.strategy != "fsdp":
         return None
-    precision, _ = resolve_precision(settings.precision, settings.accelerator)
     layout = layout_of(settings, device_count(settings, check=False))
     micro = settings.pipeline_microbatches() if settings.pipeline_parallel > 1 else 1
     counted = layout_memory(
@@ -151,7 +157,7 @@ def layout_memory_line(spec, recipe: Recipe, seq_len: int, batch: int) -> str | 
         layout,
         seq_len=seq_len,
         micro_batch=max(1, batch // micro),
-        dtype=estimate_dtype(precision),
+        dtype=estimate_dtype(run.precision),
         checkpointing=settings.activation_checkpointing,
         schedule=settings.pipeline_schedule,
         microbatches=micro,
@@ -180,14 +186,13 @@ def dry_run(
     and checks (:func:`yamlformer.recipes.training.resolved.resolve_run`, and whether it may resume
     its checkpoint); returns it as plain data."""
     out = out or sys.stdout
-    recipe_file = locate_recipe(recipe_path)
-    run = resolve_run(load_recipe(recipe_file, overrides), recipe_file)
+    run = resolve_run(load_recipe(locate_recipe(recipe_path), overrides))
     resumes = check_recipe_early(run, resume, fresh)
     recipe, spec, files = run.recipe, run.spec, run.files
-    est = recipe_estimate(spec, recipe, run.seq_len, run.batch)
+    est = recipe_estimate(spec, recipe, run.seq_len, run.batch, precision=run.precision)
 
     resolved = recipe.model_dump(mode="json")
-    print(f"# {shown(recipe_file)}, resolved (defaults filled in, --set applied); nothing is run", file=out)
+    print(f"# {shown(run.file)}, resolved (defaults filled in, --set applied); nothing is run", file=out)
     print(yaml.safe_dump(resolved, sort_keys=False, width=100).rstrip(), file=out)
     print(file=out)
     lines = [
@@ -201,9 +206,9 @@ def dry_run(
         lines.append(("overrides", ", ".join(f"{k}={v}" for k, v in recipe.model.overrides.items())))
     lines.append(("tokenizer", run.vocab.how))
     lines += [("data", _data_line(f)) for f in files]
-    lines += run.task.dry_run_lines(recipe, recipe_file)
-    lines.append(("devices", devices_line(recipe, run.precision_note)))
-    staged = layout_memory_line(spec, recipe, run.seq_len, run.batch)
+    lines += run.task.dry_run_lines(run.located)
+    lines.append(("devices", devices_line(recipe, run.precision_note, run.precision)))
+    staged = layout_memory_line(run)
     if staged:
         lines.append(("memory", staged))
     lines.append(("export", export_line(spec)))
@@ -248,7 +253,7 @@ def _spec_source(run) -> str:
         return "inline spec"
     if spec is None:
         return f"{run.recipe.model.init_from}'s spec"
-    return f"{shown(spec_file(run.recipe, run.file))} spec"
+    return f"{shown(spec_file(run.located))} spec"
 
 
 def data_parallel_ranks(recipe: Recipe) -> int:

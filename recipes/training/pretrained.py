@@ -12,8 +12,9 @@
   ``builder train`` writes it from this working directory (``runs/lm-stdlib/checkpoints/last.ckpt``),
   so one recipe fine-tunes what another trained.
 
-Each is read (and a checkpoint verified) once per run by :mod:`yamlformer.builder.init_from`; a
-checkpoint's tokenizer is taken by :func:`yamlformer.recipes.trained.pretrained_tokenizer`.
+Each is read (and a checkpoint verified) once per run, when the recipe is resolved
+(:mod:`yamlformer.recipes.training.resolved`: the ``Run`` keeps the source); a checkpoint's
+tokenizer is taken by :func:`yamlformer.recipes.trained.pretrained_tokenizer`.
 
 Without ``model.spec`` the spec is the source's (``model.overrides`` still apply: dropout, a
 longer ``max_seq_len``...). Every tensor must fit by name and shape; the first that does not is
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -43,10 +43,9 @@ from yamlformer.blocks.init import init_from_weights
 from yamlformer.blocks.linear import adapter_parameters
 from yamlformer.builder.hf.weights import alias_groups
 from yamlformer.builder.init_from import Source
-from yamlformer.builder.spec.loader import read_merged
 from yamlformer.builder.spec.source import Mark, Problem, SpecError
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source
+from yamlformer.recipes.recipe.init_from import init_from_errors
 
 _RANGE = re.compile(r"(\d+)-(\d+)")
 
@@ -217,23 +216,15 @@ def freeze(model: nn.Module, patterns: list[str], marks: list | None = None) -> 
     return frozen
 
 
-def freeze_marks(recipe_file: Path | None, count: int) -> list:
-    """Where each ``model.freeze`` entry was written in the recipe (None where unknown)."""
-    if recipe_file is None:
-        return [None] * count
-
-    doc = read_merged(recipe_file)
-    return [doc.value_mark(("model", "freeze", i)) for i in range(count)]
+def load_init_from(model: nn.Module, run) -> None:
+    """The weights of ``run``'s ``model.init_from`` (a :class:`yamlformer.recipes.training.resolved.Run`:
+    the source its resolution read), if it names some."""
+    if run.source is not None:
+        load_pretrained(model, run.source)
 
 
-def load_init_from(model: nn.Module, recipe, recipe_file: Path | None) -> None:
-    """The weights of the recipe's ``model.init_from``, if it names some."""
-    source = init_from_source(recipe, recipe_file)
-    if source is not None:
-        load_pretrained(model, source)
-
-
-def freeze_parts(model: nn.Module, recipe, recipe_file: Path | None) -> None:
-    """The recipe's ``model.freeze``, if any."""
-    if recipe.model.freeze:
-        freeze(model, list(recipe.model.freeze), freeze_marks(recipe_file, len(recipe.model.freeze)))
+def freeze_parts(model: nn.Module, run) -> None:
+    """``run``'s ``model.freeze``, if any, each problem at the line the resolution found it written."""
+    patterns = list(run.recipe.model.freeze)
+    if patterns:
+        freeze(model, patterns, list(run.freeze_marks))

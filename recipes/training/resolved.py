@@ -1,13 +1,20 @@
-"""A recipe resolved once. ``builder train`` and ``builder train --dry-run`` resolve a recipe
-with :func:`resolve_run`; ``builder validate``, ``builder list`` and a study's variants resolve
-its model with :func:`resolve_model` (the same steps, no data read). Torch-free at import.
+"""A recipe resolved once. ``builder train`` and ``builder train --dry-run`` resolve a loaded recipe
+(a :class:`~yamlformer.recipes.recipe.located.LocatedRecipe`) with :func:`resolve_run`; ``builder
+validate``, ``builder list`` and a study's variants resolve its model with :func:`resolve_model`
+(the same steps, no data read). Torch-free at import.
 
-:class:`Run` is what the resolution makes, immutable: the recipe (``trainer.precision`` as this
-machine runs it), its file, its task, the tokenizer's vocabulary, the model spec (validated, with
-``model.overrides``, the task's own overrides and that vocabulary: resolved here and nowhere
-else), the files it reads, its output folder and the micro-batch shape its estimate is made at.
+:class:`Run` is what the resolution makes, immutable and typed: the recipe as loaded
+(``trainer.precision`` as this machine runs it, and that precision), its task, the tokenizer's
+vocabulary, the model spec (validated, with ``model.overrides``, the task's own overrides and that
+vocabulary: resolved here and nowhere else), the files it reads, its output folder, the
+micro-batch shape its estimate is made at, the ``model.init_from`` source (read here, once) and
+the tokenizer that source was trained with, and where each ``model.freeze`` entry was written.
 Each stage of a run (data, model, trainer, wrap-up: :mod:`yamlformer.recipes.training.run`) is
-handed the ``Run`` and reads it; the dry run prints it (:mod:`yamlformer.recipes.training.dry_run`).
+handed the ``Run`` and reads it, never the recipe's files again; the dry run prints it
+(:mod:`yamlformer.recipes.training.dry_run`). The resolution asks the task's half that answers
+from a loaded recipe (its files, vocabulary, spec overrides and checks:
+:class:`~yamlformer.recipes.tasks.task.Task`); the run's data stage, :meth:`Task.prepare`, is
+handed the ``Run``.
 
 The checks are the run's own, made before any work, so what the dry run accepts the run
 accepts: every file there (or a dataset's, to download) and of a kind the run reads (no device,
@@ -26,17 +33,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any
 
 from yamlformer.builder import paths
+from yamlformer.builder.init_from import Source
 from yamlformer.builder.outputs import shown
-from yamlformer.builder.spec.loader import read_merged
-from yamlformer.builder.spec.source import Problem, SpecError
+from yamlformer.builder.spec.schema import ModelSpec
+from yamlformer.builder.spec.source import Mark, Problem, SpecError
 from yamlformer.recipes.data import registry as datasets
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.fields import resolve
 from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_source, recipe_run, spec_base
-from yamlformer.recipes.recipe.sections import Recipe, model_spec, output_dir
+from yamlformer.recipes.recipe.located import LocatedRecipe
+from yamlformer.recipes.recipe.sections import Recipe, init_from_spec, model_spec
 from yamlformer.recipes.tasks import load_recipe, task_named
 from yamlformer.recipes.tasks.task import DataFile, Task, Vocabulary
 
@@ -46,19 +53,32 @@ CHAR_STAND_IN = 256
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """A recipe resolved for a run: what every stage reads, made once (:func:`resolve_run`)."""
+    """A recipe resolved for a run: what every stage reads, made once (:func:`resolve_run`); no
+    stage asks the recipe's files again."""
 
-    recipe: Recipe  # loaded, --set applied, trainer.precision concrete for this machine
-    file: Path  # the recipe file: its relative paths start in its folder
+    located: LocatedRecipe  # loaded, --set applied, trainer.precision concrete for this machine
     task: Task
     vocab: Vocabulary  # the tokenizer's size, and how it is known
-    spec: Any  # the validated ModelSpec, vocab_size the tokenizer's
+    spec: ModelSpec  # validated, vocab_size the tokenizer's
     files: tuple[DataFile, ...]  # every file the data section reads, in order
     out: Path  # trainer.output_dir
     seq_len: int  # the micro-batch the estimate is made at, as the task cuts it
     batch: int
     shape: str  # that micro-batch, in words
+    precision: str  # trainer.precision as this machine runs it (auto resolved)
     precision_note: str | None = None  # why trainer.precision: auto chose what it did (when that needs saying)
+    source: Source | None = None  # model.init_from, read once: its spec, tokenizer and weights
+    pretrained: dict | None = None  # the tokenizer that checkpoint was trained with (None: the recipe's)
+    freeze_marks: tuple[Mark | None, ...] = ()  # where each model.freeze entry was written (None: --set)
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.located.recipe
+
+    @property
+    def file(self) -> Path:
+        """The recipe file: its relative paths start in its folder."""
+        return self.located.file
 
     @property
     def checkpoints(self) -> Path:
@@ -67,59 +87,69 @@ class Run:
     @property
     def title(self) -> str:
         """``recipe name: model name``, for plots and reports."""
-        return f"{self.recipe.name or self.file.stem}: {self.spec.name}"
+        return f"{self.located.name}: {self.spec.name}"
 
 
-def resolve_run(recipe: Recipe, recipe_file: Path, fetch: bool = False) -> Run:
-    """``recipe`` (loaded from ``recipe_file``) resolved and checked for a run, nothing trained or
-    written. ``fetch``: download what a named dataset lacks first (``builder train``: its
-    vocabulary is then the real one); without it (``--dry-run``) a char tokenizer's corpus that is
-    not downloaded yet is estimated with a stand-in vocabulary."""
-    precision, note = _machine_precision(recipe)
-    recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"precision": precision})})
+def resolve_run(located: LocatedRecipe, fetch: bool = False) -> Run:
+    """``located`` resolved and checked for a run, nothing trained or written. ``fetch``: download
+    what a named dataset lacks first (``builder train``: its vocabulary is then the real one);
+    without it (``--dry-run``) a char tokenizer's corpus that is not downloaded yet is estimated
+    with a stand-in vocabulary. ``model.init_from`` is read here, once, into the ``Run``."""
+    precision, note = _machine_precision(located.recipe)
+    trainer = located.recipe.trainer.model_copy(update={"precision": precision})
+    located = located.with_recipe(located.recipe.model_copy(update={"trainer": trainer}))
+    recipe = located.recipe
     task = task_named(recipe.task)
-    files = data_files(recipe, recipe_file)
+    files = data_files(located)
     if fetch:
-        files = fetch_missing(recipe, recipe_file, files)
-    check_inputs(recipe, recipe_file, files)
-    vocab, spec = _resolved_model(task, recipe, recipe_file, read_data=True)
+        files = fetch_missing(located, files)
+    source = check_inputs(located, files)
+    pretrained = tokenizer_state(source)
+    vocab, spec = _resolved_model(task, located, True, source, pretrained)
     seq_len, batch, shape = task.batch_shape(recipe, spec)
-    task.check_data(recipe, recipe_file, vocab.size, pretrained_state(recipe, recipe_file))
+    task.check_data(located, vocab.size, pretrained)
     check_stages(recipe, spec)
-    out = output_dir(recipe, recipe_file)
-    return Run(recipe, recipe_file, task, vocab, spec, tuple(files), out, seq_len, batch, shape, note)
+    marks = tuple(located.mark("model", "freeze", i) for i in range(len(recipe.model.freeze)))
+    return Run(
+        located, task, vocab, spec, tuple(files), located.out, seq_len, batch, shape, precision, note, source,
+        pretrained, marks,
+    )  # fmt: skip
 
 
-def resolve_model(recipe: Recipe, recipe_file: Path, read_data: bool = False) -> tuple[Vocabulary, Any]:
+def resolve_model(located: LocatedRecipe, read_data: bool = False) -> tuple[Vocabulary, ModelSpec]:
     """``(vocabulary, spec)`` of a recipe as :func:`resolve_run` resolves them, checked against
     its task and layout, its files checked to be there; data is read only with ``read_data``
     (``builder validate``, ``builder list`` and a study's variants read none)."""
-    files = data_files(recipe, recipe_file)
-    run = recipe_run(recipe, recipe_file)
+    files = data_files(located)
+    run = recipe_run(located.recipe.model.init_from, located.file)
+    task = task_named(located.recipe.task)
     if run is None or run[1].exists():
-        check_inputs(recipe, recipe_file, files)
-        return _resolved_model(task_named(recipe.task), recipe, recipe_file, read_data)
+        source = check_inputs(located, files)
+        return _resolved_model(task, located, read_data, source, tokenizer_state(source))
     # model.init_from names a recipe not trained yet: this recipe is checked with that recipe's
     # vocabulary and spec (validate, list); a run, and its dry run, refuse it until it is trained
-    check_inputs(recipe, recipe_file, files, init_from=False)
-    vocab, spec = resolve_model(load_recipe(run[0]), run[0], read_data)
-    vocab = dataclasses.replace(vocab, how=f"{vocab.how} (model.init_from {recipe.model.init_from}, not trained yet)")
+    check_inputs(located, files, init_from=False)
+    vocab, spec = resolve_model(load_recipe(run[0]), read_data)
+    how = f"{vocab.how} (model.init_from {located.recipe.model.init_from}, not trained yet)"
     base = spec_base(spec.model_dump(mode="json"), f"<{run[0]}>")
-    return _resolved_model(task_named(recipe.task), recipe, recipe_file, read_data, vocab, base)
+    return _resolved_model(task, located, read_data, None, None, dataclasses.replace(vocab, how=how), base)
 
 
 def _resolved_model(
     task: Task,
-    recipe: Recipe,
-    recipe_file: Path,
+    located: LocatedRecipe,
     read_data: bool,
+    source: Source | None,
+    pretrained: dict | None,
     vocab: Vocabulary | None = None,
     base: tuple[dict, str] | None = None,
-) -> tuple[Vocabulary, Any]:
-    vocab = vocabulary(recipe, recipe_file, read_data) if vocab is None else vocab
-    overrides = task.spec_overrides(recipe, recipe_file, read_data)
-    spec = model_spec(recipe, recipe_file, vocab.size, overrides, base)
-    task.check_spec(recipe, spec)
+) -> tuple[Vocabulary, ModelSpec]:
+    vocab = vocabulary(located, read_data, pretrained) if vocab is None else vocab
+    overrides = task.spec_overrides(located, read_data)
+    if base is None and source is not None and located.recipe.model.spec is None:
+        base = init_from_spec(source)
+    spec = model_spec(located, vocab.size, overrides, base)
+    task.check_spec(located.recipe, spec)
     return vocab, spec
 
 
@@ -130,7 +160,7 @@ def _machine_precision(recipe: Recipe) -> tuple[str, str | None]:
     return resolve_precision(recipe.trainer.precision, recipe.trainer.accelerator)
 
 
-def check_stages(recipe: Recipe, spec) -> None:
+def check_stages(recipe: Recipe, spec: ModelSpec) -> None:
     """A pipeline the model's layers can be cut into (``trainer.pipeline_parallel``), checked on
     the model built on the meta device; tensor and expert splits are checked with the spec."""
     if recipe.trainer.strategy != "fsdp" or recipe.trainer.pipeline_parallel == 1:
@@ -145,44 +175,43 @@ def check_stages(recipe: Recipe, spec) -> None:
 # -- the vocabulary ----------------------------------------------------------------------------------
 
 
-def pretrained_state(recipe: Recipe, recipe_file: Path) -> dict | None:
+def tokenizer_state(source: Source | None) -> dict | None:
     """The tokenizer a ``model.init_from`` checkpoint was trained with, as it recorded it (None:
     no such checkpoint, and the recipe's tokenizer is used)."""
-    source = init_from_source(recipe, recipe_file)
     if source is None:
         return None
     with init_from_errors():
         return source.tokenizer_state()
 
 
-def vocabulary(recipe: Recipe, recipe_file: Path, read_data: bool = True) -> Vocabulary:
+def vocabulary(located: LocatedRecipe, read_data: bool = True, pretrained: dict | None = None) -> Vocabulary:
     """The tokenizer's vocabulary size without training one, in the order a run picks its
     tokenizer: the task's when it knows it (a tokenized dataset's, a pretrained encoder's), the
-    one a ``model.init_from`` checkpoint was trained with, else from the tokenizer settings.
-    ``read_data``: a char tokenizer counts the characters of its corpus when every file is on disk
-    (else a stand-in)."""
-    known = task_named(recipe.task).vocabulary(recipe, recipe_file, read_data)
+    one a ``model.init_from`` checkpoint was trained with (``pretrained``, its recorded state),
+    else from the tokenizer settings. ``read_data``: a char tokenizer counts the characters of its
+    corpus when every file is on disk (else a stand-in)."""
+    recipe = located.recipe
+    known = task_named(recipe.task).vocabulary(located, read_data)
     if known is not None:
         return known
-    state = pretrained_state(recipe, recipe_file)
     settings = recipe.tokenizer
-    if state is not None or settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file):
+    if pretrained is not None or settings.type == "hf" or (settings.type == "sentencepiece" and settings.model_file):
         # local: the tokenizers import sentencepiece and Hugging Face's tokenizers
         from yamlformer.recipes.data.tokenizers import build_tokenizer, from_state
 
-        if state is not None:
+        if pretrained is not None:
             how = f"the tokenizer model.init_from {recipe.model.init_from} was trained with"
-            return Vocabulary(_tokenizer_size(from_state, state), how)
-        tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), recipe_file)
+            return Vocabulary(_tokenizer_size(from_state, pretrained), how)
+        tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), located.file)
         return Vocabulary(tokenizer.vocab_size, f"{settings.type} tokenizer from {settings.model_file}")
     if settings.type == "char":
-        missing = [f for f in data_files(recipe, recipe_file) if not f.present]
+        missing = [f for f in data_files(located) if not f.present]
         if read_data and not missing:
             # local: reading the corpus is the data side (validate and list never read it)
             from yamlformer.recipes.data.corpus import read_corpus
             from yamlformer.recipes.data.tokenizers import CharTokenizer
 
-            size = CharTokenizer.fit(read_corpus(recipe.data, recipe_file).text, eos=True).vocab_size
+            size = CharTokenizer.fit(read_corpus(recipe.data, located.file).text, eos=True).vocab_size
             return Vocabulary(size, f"char: the corpus's {size - 1} distinct characters and end-of-text")
         why = "its corpus is not downloaded yet" if missing else "the corpus is not read here"
         return Vocabulary(
@@ -210,12 +239,12 @@ class DataFiles:
     (:meth:`yamlformer.recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the
     data root, or the URL they would come from) and the recipe's own files."""
 
-    def __init__(self, recipe: Recipe, recipe_file: Path):
-        self.recipe, self.recipe_file, self.found = recipe, recipe_file, []
-        data = recipe.data
+    def __init__(self, located: LocatedRecipe):
+        self.located, self.found = located, []
+        data = located.recipe.data
         names = [getattr(s, "path", s) for s in getattr(data, "sources", [])]
         uses = data.dataset is not None or any(name in datasets.DATASETS for name in names)
-        self._root = datasets.data_root(data.dataset_root(recipe_file)) if uses else None
+        self._root = datasets.data_root(data.dataset_root(located.file)) if uses else None
 
     def is_dataset(self, name: str) -> bool:
         return name in datasets.DATASETS
@@ -233,7 +262,7 @@ class DataFiles:
         if spec.local is not None:
             self.add(name, None, True, terms=spec.license)
             return
-        base = self._root or datasets.data_root(self.recipe.data.dataset_root(self.recipe_file))
+        base = self._root or datasets.data_root(self.located.recipe.data.dataset_root(self.located.file))
         for split in splits:
             for path in spec.splits[split].values():
                 remote = spec.file(path)
@@ -246,29 +275,29 @@ class DataFiles:
     def own(self, what: str, path: str | None) -> None:
         """A file the recipe names (``None``: not set)."""
         if path is not None:
-            where = resolve(self.recipe_file, path)
+            where = self.located.path(path)
             self.add(what, where, where.exists(), file=True)
 
 
-def data_files(recipe: Recipe, recipe_file: Path) -> list[DataFile]:
+def data_files(located: LocatedRecipe) -> list[DataFile]:
     """Every file the recipe's data section reads, in order; nothing is fetched or read."""
-    files = DataFiles(recipe, recipe_file)
-    task_named(recipe.task).data_files(recipe, recipe_file, files)
+    files = DataFiles(located)
+    task_named(located.recipe.task).data_files(located, files)
     return files.found
 
 
-def fetch_missing(recipe: Recipe, recipe_file: Path, files: list[DataFile]) -> list[DataFile]:
+def fetch_missing(located: LocatedRecipe, files: list[DataFile]) -> list[DataFile]:
     """Download the dataset files ``files`` lacks (each verified, as a run's first read would),
     and return the files as they are then."""
     if not any(f.url and not f.present for f in files):
         return files
     for name in dict.fromkeys(f.what.split(" ")[0] for f in files if f.url and not f.present):
         dataset = datasets.get(name)
-        root = recipe.data.dataset_root(recipe_file)
+        root = located.recipe.data.dataset_root(located.file)
         for split in dataset.splits:
             if any(f.what == f"{name} {split}" for f in files):
                 datasets.split_files(name, split, root)
-    return data_files(recipe, recipe_file)
+    return data_files(located)
 
 
 def _close_names(path: Path) -> str:
@@ -281,22 +310,22 @@ def _close_names(path: Path) -> str:
     return "; did you mean " + " or ".join(repr(str(path.parent / c)) for c in close) + "?" if close else ""
 
 
-def missing_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile] | None = None) -> list[str]:
+def missing_inputs(located: LocatedRecipe, files: list[DataFile] | None = None) -> list[str]:
     """One line per file the recipe names that is not there and will not be downloaded: its field,
     the path it was looked for at (relative paths: from the recipe's folder) and close names
     beside it. Data files a dataset downloads on the first run are not missing; ``files``: the
     recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
     refused when the recipe loads.)"""
-    return [f"{field}: {message}" for field, _, message in _missing(recipe, recipe_file, files)]
+    return [f"{field}: {message}" for field, _, message in _missing(located, files)]
 
 
-def _missing(recipe: Recipe, recipe_file: Path, files: list[DataFile] | None = None) -> list[tuple[str, Path, str]]:
+def _missing(located: LocatedRecipe, files: list[DataFile] | None = None) -> list[tuple[str, Path, str]]:
     """``(field, path, message)`` of each file :func:`missing_inputs` names; a link to nothing or a
     loop of links is said as what it is (:func:`yamlformer.builder.paths.path_problem`)."""
-    files = data_files(recipe, recipe_file) if files is None else files
+    files = data_files(located) if files is None else files
     found = [(f.what, f.path, _absent(f.path)) for f in files if f.path is not None and not f.present and not f.url]
-    for field, value in _named(recipe, recipe_file):
-        path = resolve(recipe_file, value)
+    for field, value in _named(located):
+        path = located.path(value)
         if not path.exists():
             found.append((field, path, _absent(path)))
     return found
@@ -308,27 +337,29 @@ def _absent(path: Path) -> str:
     return f"no such file or folder {shown(path)}{_close_names(path)}"
 
 
-def _named(recipe: Recipe, recipe_file: Path) -> list[tuple[str, str]]:
+def _named(located: LocatedRecipe) -> list[tuple[str, str]]:
     """``(field, value)`` of the paths a recipe names outside its data section that a run reads
     (a file or a folder): ``model.init_from`` when it is no recipe, a classifier's encoder."""
+    recipe = located.recipe
     named = [("classification.init_from", getattr(getattr(recipe, "classification", None), "init_from", None))]
-    if recipe_run(recipe, recipe_file) is None:  # a recipe: its run's checkpoint is asked for by check_inputs
+    if recipe_run(recipe.model.init_from, located.file) is None:  # a recipe's run's checkpoint: check_inputs
         named.insert(0, ("model.init_from", recipe.model.init_from))
     return [(field, value) for field, value in named if value is not None]
 
 
-def input_problems(recipe: Recipe, recipe_file: Path, files: list[DataFile]) -> list[tuple[str, Path, str]]:
+def input_problems(located: LocatedRecipe, files: list[DataFile]) -> list[tuple[str, Path, str]]:
     """``(field, path, message)`` of each file the run would refuse before reading it: missing
     (:func:`missing_inputs`), or there but not what the run reads, as
     :func:`yamlformer.builder.paths.path_problem` says (a device such as ``/dev/zero``, a FIFO or
     a socket, which would never end or never answer; a file that cannot be read; a folder where a
     file is read whole). The one verdict the run's readers give."""
-    problems = _missing(recipe, recipe_file, files)
+    recipe = located.recipe
+    problems = _missing(located, files)
     there = [(f.what, f.path, not f.file) for f in files if f.path is not None and f.present]
-    there += [(field, resolve(recipe_file, value), True) for field, value in _named(recipe, recipe_file)]
+    there += [(field, located.path(value), True) for field, value in _named(located)]
     model_file = getattr(getattr(recipe, "tokenizer", None), "model_file", None)
     if model_file is not None:
-        there.append(("tokenizer.model_file", resolve(recipe_file, model_file), recipe.tokenizer.type == "hf"))
+        there.append(("tokenizer.model_file", located.path(model_file), recipe.tokenizer.type == "hf"))
     for field, path, folder in there:
         why = paths.path_problem(path, folder=folder) if paths.exists(path) else None
         if why is not None:
@@ -336,45 +367,41 @@ def input_problems(recipe: Recipe, recipe_file: Path, files: list[DataFile]) -> 
     return problems
 
 
-def check_inputs(recipe: Recipe, recipe_file: Path, files: list[DataFile], init_from: bool = True) -> None:
+def check_inputs(located: LocatedRecipe, files: list[DataFile], init_from: bool = True) -> Source | None:
     """Refuse, as the run would, a recipe whose files are missing or are not what the run reads
     (:func:`input_problems`), each problem located at the line of the recipe that names the file
     (a :class:`SpecError`, as ``builder validate``, ``builder train`` and its dry run print it),
     or whose ``model.init_from`` is no model that loads (its spec, and a checkpoint's tokenizer,
     read; a recipe, its run's last checkpoint: one not trained yet is refused).
-    ``init_from=False``: that model is not asked for (a recipe not trained yet, as validate and
-    list see it)."""
-    problems = input_problems(recipe, recipe_file, files)
+    Returns that model's source, read (None: none, or ``init_from=False``: that model is not asked
+    for, a recipe not trained yet as validate and list see it)."""
+    problems = input_problems(located, files)
     if problems:
-        raise SpecError([_located(recipe_file, field, path, message) for field, path, message in problems])
-    source = init_from_source(recipe, recipe_file) if init_from else None
+        raise SpecError([_located(located, field, path, message) for field, path, message in problems])
+    source = init_from_source(located) if init_from else None
     if source is not None:
         with init_from_errors():
             source.spec_dict()
             source.tokenizer_state()
+    return source
 
 
-def _located(recipe_file: Path, what: str, path: Path, message: str) -> Problem:
+def _located(located: LocatedRecipe, what: str, path: Path, message: str) -> Problem:
     """A problem with the file at ``path`` that field ``what`` names (``data.sources``,
     ``data.sources (tokenized)``, ``data.train.source``), at the line of the recipe where that
     path is written (an item of a list, a weighted entry's ``path``); a path given with ``--set``,
     or a dataset's file, is named by the field alone."""
-    field = what.split(" ")[0]
-    try:
-        doc = read_merged(recipe_file)
-    except (SpecError, OSError):
-        doc = None
-    if doc is not None:
-        top = tuple(field.split("."))[:2]
-        for where, value in _strings(doc.data, ()):
-            if where[:2] == top and resolve(recipe_file, value) == path:
-                mark = doc.value_mark(where)
-                if mark is not None:
-                    return Problem.at(mark, where, message)
-    return Problem(str(recipe_file), None, None, field, message)
+    field, doc = what.split(" ")[0], located.written
+    top = tuple(field.split("."))[:2]
+    for where, value in _strings(doc.data, ()):
+        if where[:2] == top and located.path(value) == path:
+            mark = doc.value_mark(where)
+            if mark is not None:
+                return Problem.at(mark, where, message)
+    return Problem(str(located.file), None, None, field, message)
 
 
-def _strings(data: Any, where: tuple) -> list[tuple[tuple, str]]:
+def _strings(data, where: tuple) -> list[tuple[tuple, str]]:
     """``(field path, value)`` of every string in a document's data."""
     if isinstance(data, str):
         return [(where, data)]

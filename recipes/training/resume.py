@@ -57,7 +57,7 @@ def check_recipe_early(run, resume: str | bool | None = None, fresh: bool = Fals
         saved = builder_meta(path, peeked)
     except CheckpointError:
         return None  # none, or damaged: resume_path finds what to resume from and says so
-    current = recipe_dump(run.recipe, run.file)
+    current = recipe_dump(run)
     refused, _ = recipe_differences(saved.get("recipe") or {}, current, step=peeked.get("global_step"))
     if isinstance(saved.get("spec"), dict):
         refused += spec_differences(saved["spec"], run.spec.model_dump(mode="json"))

@@ -32,6 +32,7 @@ from yamlformer.recipes.parallel.compile import compiling, eager
 from yamlformer.recipes.parallel.launcher import SharedRunFolder, check_launcher, wait_for_rank_zero
 from yamlformer.recipes.parallel.rendezvous import run_process_group
 from yamlformer.recipes.parallel.strategy import ShardedStrategy
+from yamlformer.recipes.recipe.located import LocatedRecipe
 from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.say import say
 from yamlformer.recipes.tasks import load_recipe
@@ -97,7 +98,7 @@ def quiet_lightning() -> None:
 
 def say_devices(run: Run) -> None:
     """The run's devices, strategy and precision in one line (Lightning's own lines are filtered)."""
-    say(f"devices: {devices_line(run.recipe, run.precision_note)}")
+    say(f"devices: {devices_line(run.recipe, run.precision_note, run.precision)}")
 
 
 def describe(run: Run, model, seq_len: int, batch: int, verbose: bool = False) -> int:
@@ -105,7 +106,8 @@ def describe(run: Run, model, seq_len: int, batch: int, verbose: bool = False) -
     the built parameters: one line, or with ``verbose`` the full tables ``builder describe``
     prints. Returns the estimate."""
     # under fsdp: what each rank holds in this layout (yamlformer.builder.analysis.layout)
-    est = recipe_estimate(run.spec, run.recipe, seq_len, batch, devices=device_count(run.recipe.trainer))
+    devices = device_count(run.recipe.trainer)
+    est = recipe_estimate(run.spec, run.recipe, seq_len, batch, devices=devices, precision=run.precision)
     if rank_zero_only.rank == 0:
         if verbose:
             print_describe(run.spec, est, actual=model)
@@ -138,10 +140,10 @@ def training_model(
         init_seed=settings.seed,
         dtype=torch.bfloat16 if settings.precision == "bf16-true" else None,
     )
-    load_init_from(model, recipe, run.file)
+    load_init_from(model, run)
     if init is not None:
         init(model)
-    freeze_parts(model, recipe, run.file)
+    freeze_parts(model, run)
     est = describe(run, model, seq_len or run.seq_len, batch or run.batch, verbose=verbose)
     if sharded:
         return model, est  # the strategy parallelises it on its mesh (ShardedStrategy.parallelize)
@@ -163,7 +165,7 @@ def training_meta(run: Run, tokenizer, **extra) -> dict:
     """What a checkpoint carries besides weights, so eval and generate need nothing else."""
     return {
         "spec": run.spec.model_dump(mode="json"),
-        "recipe": recipe_dump(run.recipe, run.file),  # its data paths absolute
+        "recipe": recipe_dump(run),  # its data paths absolute
         "recipe_file": str(run.file),
         "tokenizer": tokenizer.state(),
         **extra,
@@ -313,7 +315,7 @@ def run_trainer(run: Run, callbacks: list, ckpt: Path | None, est=None) -> L.Tra
     record(
         trainer,
         run.out,
-        resolved_recipe(run.recipe, run.file, run.spec, run.out),
+        resolved_recipe(run),
         estimate_params(est) if est is not None else None,
     )
     return trainer
@@ -373,30 +375,28 @@ def run(
     or NaN, and :class:`yamlformer.recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the
     full estimate tables before the first step, instead of one line; ``callbacks``: more Lightning
     callbacks (a benchmark's clock)."""
-    recipe_file = Path(recipe_path)
-    return train_recipe(load_recipe(recipe_file, overrides), recipe_file, resume, fresh, samples, verbose, callbacks)
+    return train_recipe(load_recipe(recipe_path, overrides), resume, fresh, samples, verbose, callbacks)
 
 
 def train_recipe(
-    recipe: Recipe,
-    recipe_file: Path,
+    located: LocatedRecipe,
     resume: str | bool | None = None,
     fresh: bool = False,
     samples: bool = True,
     verbose: bool = False,
     callbacks: list | None = None,
 ) -> dict:
-    """:func:`run` on a recipe already loaded from ``recipe_file`` (relative paths start there):
+    """:func:`run` on a recipe already loaded (:func:`yamlformer.recipes.tasks.load_recipe`):
     resolved once (:func:`yamlformer.recipes.training.resolved.resolve_run`, the dry run's
-    resolution and checks), then trained in its session."""
-    resolved = resolve_run(recipe, recipe_file, fetch=True)
+    resolution and checks), then trained in its session, every stage reading the ``Run``."""
+    resolved = resolve_run(located, fetch=True)
     if resolved.precision_note:
         say(resolved.precision_note)
     for line in resolved.recipe.schedule.warnings(resolved.recipe.trainer.max_steps):
         say(f"warning: {line}")
     check_devices(resolved.recipe)
-    check_launcher(resolved.recipe, resolved.file)  # the nodes and processes torchrun or SLURM started
-    check_clients(resolved.recipe.trainer.loggers, recipe_file)
+    check_launcher(resolved.located)  # the nodes and processes torchrun or SLURM started
+    check_clients(resolved.recipe.trainer.loggers, resolved.located.written)
     with run_session(resolved, fresh, resume) as stop:
         return train(resolved, stop, resume, fresh, samples, callbacks, verbose)
 

@@ -354,14 +354,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def recipe_dump(recipe: BaseModel, recipe_file: Path | None, working_dir: bool = False) -> dict[str, Any]:
-    """``recipe.model_dump(mode="json")`` with its paths absolute: the fields whose schema says
+def recipe_dump(located, working_dir: bool = False) -> dict[str, Any]:
+    """The recipe of ``located`` (a :class:`yamlformer.recipes.recipe.located.LocatedRecipe`, or a
+    ``Run``) as ``model_dump(mode="json")`` with its paths absolute: the fields whose schema says
     ``relative_to: recipe`` (data files, a tokenizer file, init_from), and with ``working_dir`` also
     those relative to the working directory (cache and output folders). Dataset names stay names.
     What a checkpoint keeps (so a resume started from another file or folder compares equal)."""
+    recipe = located.recipe
     dumped = recipe.model_dump(mode="json")
-    recipe_dir = Path(recipe_file).resolve().parent if recipe_file is not None else Path.cwd()
-    _absolute_paths(recipe, dumped, recipe_dir, Path.cwd() if working_dir else None)
+    _absolute_paths(recipe, dumped, Path(located.file).resolve().parent, Path.cwd() if working_dir else None)
     return dumped
 
 

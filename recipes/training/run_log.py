@@ -25,7 +25,6 @@ import yaml
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from pydantic import BaseModel
 
 from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.recipe.loggers import LoggersSection
@@ -46,13 +45,14 @@ _HEADER = """\
 """
 
 
-def resolved_recipe(recipe: BaseModel, recipe_file: Path, spec: BaseModel, out: Path) -> dict[str, Any]:
-    """``recipe`` as plain data that loads as a recipe from anywhere: every path absolute
-    (:func:`recipe_dump`), the validated ``spec`` inline (no overrides left to apply)."""
-    config = recipe_dump(recipe, recipe_file, working_dir=True)
-    inline = {k: v for k, v in spec.model_dump(mode="json").items() if k != "extends"}  # resolved already
+def resolved_recipe(run) -> dict[str, Any]:
+    """The recipe of ``run`` (a :class:`yamlformer.recipes.training.resolved.Run`) as plain data
+    that loads as a recipe from anywhere: every path absolute (:func:`recipe_dump`), the validated
+    spec inline (no overrides left to apply)."""
+    config = recipe_dump(run, working_dir=True)
+    inline = {k: v for k, v in run.spec.model_dump(mode="json").items() if k != "extends"}  # resolved already
     config["model"] = {"spec": inline, "overrides": {}}
-    config["trainer"]["output_dir"] = str(Path(out).resolve())
+    config["trainer"]["output_dir"] = str(Path(run.out).resolve())
     return config
 
 

@@ -24,10 +24,9 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
 from yamlformer.builder.spec.problems import locate
-from yamlformer.builder.spec.source import Problem, SpecError
+from yamlformer.builder.spec.source import Document, Problem, SpecError
 from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.recipe.sections import as_written
 from yamlformer.recipes.say import say
 
 TRACKERS = "trackers.json"
@@ -79,16 +78,17 @@ def _client(extra: str, module: str) -> None:
         raise RecipeError(f"trainer.loggers.{extra}: {why}")
 
 
-def check_clients(loggers, recipe_file: Path | None = None) -> None:
+def check_clients(loggers, written: Document | None = None) -> None:
     """Before any work: each tracker ``loggers`` (the recipe's ``trainer.loggers``) names has its
-    client package, else one line at the recipe's line of that field (``recipe_file``) naming
-    the extra that installs it."""
+    client package, else one line at the recipe's line of that field (``written``: the recipe
+    file as written, :attr:`yamlformer.recipes.recipe.located.LocatedRecipe.written`) naming the
+    extra that installs it."""
     for key in MAKERS:
         if getattr(loggers, key) is None or (why := _missing(key, key)) is None:
             continue
-        if recipe_file is None:
+        if written is None:
             raise RecipeError(f"trainer.loggers.{key}: {why}")
-        doc, field = as_written(recipe_file), ("trainer", "loggers", key)
+        doc, field = written, ("trainer", "loggers", key)
         mark = doc.key_mark(field)  # the `wandb:` line (its value may be a block below it)
         raise SpecError([Problem.at(mark, field, why) if mark else locate(doc, field, why)])  # else: --set's
 

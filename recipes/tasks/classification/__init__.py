@@ -119,13 +119,13 @@ class Classification(TokenBudget, Task):
 
         return prepare_classification(run)
 
-    def spec_overrides(self, recipe, recipe_file: Path, read_data: bool) -> dict:
+    def spec_overrides(self, located, read_data: bool) -> dict:
         """The classification head, of as many classes as the training examples have labels."""
-        settings = recipe.classification
+        settings = located.recipe.classification
         return {
             "head": {
                 "type": "classification",
-                "n_classes": len(labels_of(recipe, recipe_file, read_data)),
+                "n_classes": len(labels_of(located, read_data)),
                 "pooling": settings.pooling,
                 "pooler": settings.pooler,
                 "dropout": settings.dropout,
@@ -135,8 +135,9 @@ class Classification(TokenBudget, Task):
     def check_spec(self, recipe, spec) -> None:
         check_encoder(recipe, spec)
 
-    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+    def vocabulary(self, located, read_data: bool) -> Vocabulary | None:
         """A pretrained encoder's tokenizer is the run's (``classification.init_from``)."""
+        recipe, recipe_file = located.recipe, located.file
         init_from = recipe.classification.init_from
         if init_from is None:
             return None
@@ -151,7 +152,8 @@ class Classification(TokenBudget, Task):
             True,
         )
 
-    def data_files(self, recipe, recipe_file: Path, files) -> None:
+    def data_files(self, located, files) -> None:
+        recipe = located.recipe
         data = recipe.data
         if data.dataset is not None:
             files.dataset(data.dataset, [data.split or files.registry(data.dataset).train])
@@ -185,14 +187,15 @@ class Classification(TokenBudget, Task):
         print(generate(model, tokenizer, meta, args))
 
 
-def labels_of(recipe, recipe_file: Path, read_data: bool) -> list[str]:
+def labels_of(located, read_data: bool) -> list[str]:
     """The label names a run trains with: ``data.labels``, else those of its training examples,
     read when ``read_data`` and every file is on disk; else the names the data section gives
     (``by_label``'s keys, a dataset split's files) or, for a file not read, two stand-ins."""
+    recipe, recipe_file = located.recipe, located.file
     data = recipe.data
     if data.labels:
         return list(data.labels)
-    if read_data and _on_disk(recipe, recipe_file):
+    if read_data and _on_disk(located):
         # local: reading the examples is the training side's (it imports torch)
         from yamlformer.recipes.tasks.classification.training import class_labels, labelled_examples
 
@@ -207,7 +210,8 @@ def labels_of(recipe, recipe_file: Path, read_data: bool) -> list[str]:
     return ["(a label)", "(another)"]  # a file not read: the head is estimated with two classes
 
 
-def _on_disk(recipe, recipe_file: Path) -> bool:
+def _on_disk(located) -> bool:
+    recipe, recipe_file = located.recipe, located.file
     data = recipe.data
     if data.dataset is None:
         return True  # the recipe's own files (checked to be there before the spec is resolved)

@@ -190,11 +190,11 @@ def prepare_classification(run) -> Prepared:
         except RecipeError as exc:
             named = str(exc) if str(init) in str(exc) else f"{init}: {exc}"
             raise RecipeError(f"classification.init_from: {named}") from None
-    elif (pretrained := pretrained_tokenizer(recipe, recipe_file)) is not None:
+    elif (pretrained := pretrained_tokenizer(run)) is not None:
         tokenizer = pretrained
     else:
         text = "\n".join(t for t, _ in train)
-        tokenizer = encoder_tokenizer(recipe, recipe_file, text, hashlib.sha256(text.encode()).hexdigest()[:16])
+        tokenizer = encoder_tokenizer(run, text, hashlib.sha256(text.encode()).hexdigest()[:16])
     labels = class_labels(data, train)
     max_len = min(data.max_len, spec.max_seq_len)
     train_rows, train_lengths = encode_examples(tokenizer, train, labels, max_len)

@@ -7,7 +7,6 @@ reads a corpus of windows shares (the masked LM too); its recipe schema is the b
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 from pydantic import Field
 
@@ -43,8 +42,9 @@ class Corpus:
     """A :class:`Task` that trains on windows of ``data.seq_len`` tokens of a corpus (``data.sources``,
     a dataset, tokenized datasets): its vocabulary, files and spec check."""
 
-    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+    def vocabulary(self, located, read_data: bool) -> Vocabulary | None:
         """A tokenized dataset's tokenizer is the run's (:mod:`yamlformer.recipes.data.corpus`)."""
+        recipe, recipe_file = located.recipe, located.file
         # local: the data side (numpy, the corpus readers) loads when data is read
         from yamlformer.recipes.data.corpus import kind_of
         from yamlformer.recipes.data.tokenized import TokenizedDataset
@@ -59,7 +59,8 @@ class Corpus:
                 )
         return None
 
-    def data_files(self, recipe, recipe_file: Path, files) -> None:
+    def data_files(self, located, files) -> None:
+        recipe, recipe_file = located.recipe, located.file
         # local: the data side (numpy, the corpus readers) loads when data is read
         from yamlformer.recipes.data.corpus import kind_of
 
@@ -103,7 +104,8 @@ class Corpus:
         ranks = data_parallel_ranks(settings, check=False)
         return settings.max_steps * recipe.data.batch_size * settings.accumulate_grad_batches * ranks
 
-    def check_data(self, recipe, recipe_file: Path, vocab_size: int, pretrained: dict | None) -> None:
+    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
+        recipe, recipe_file = located.recipe, located.file
         # local: the corpus reads token files with numpy
         from yamlformer.recipes.data.corpus import check_sources
 
@@ -135,13 +137,13 @@ class LanguageModelling(Corpus, Task):
 
         return prepare(run, samples)
 
-    def check_data(self, recipe, recipe_file: Path, vocab_size: int, pretrained: dict | None) -> None:
-        super().check_data(recipe, recipe_file, vocab_size, pretrained)
-        if recipe.harness is not None:
+    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
+        super().check_data(located, vocab_size, pretrained)
+        if located.recipe.harness is not None:
             harness_available()
 
-    def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
-        return [("mixture", line) for line in mixture_lines(recipe, recipe_file)]
+    def dry_run_lines(self, located) -> list[tuple[str, str]]:
+        return [("mixture", line) for line in mixture_lines(located)]
 
     def check_eval_arguments(self, args) -> None:
         # local: builder validate loads this module; the CLI's argument types load for builder eval
@@ -195,10 +197,11 @@ def harness_available() -> None:
         raise RecipeError("harness: needs lm-eval (no module named 'lm_eval'): pip install 'yamlformer[harness]'")
 
 
-def mixture_lines(recipe, recipe_file: Path) -> list[str]:
+def mixture_lines(located) -> list[str]:
     """Per source that is already tokens (tokenized datasets, Megatron and raw files): its training
     tokens, its share of the windows and the passes the run makes over it, with a warning past
     its ``max_epochs``; text is tokenized at the first run, so its count is not known here."""
+    recipe, recipe_file = located.recipe, located.file
     # local: the data side (numpy, the corpus readers) loads when data is read
     from yamlformer.recipes.data.corpus import kind_of, source_tokens
 

@@ -51,7 +51,7 @@ def open_run_corpus(run):
         run.file,
         tokenizer_for,
         run.task.trains_tokenizer(recipe),
-        pretrained=pretrained_tokenizer(recipe, run.file),
+        pretrained=pretrained_tokenizer(run),
     )
     say(corpus.line)
     return corpus
@@ -99,14 +99,15 @@ def prepare(run, samples: bool) -> Prepared:
         seq_len=recipe.data.seq_len,
         batch=recipe.data.batch_size,
         meta={"corpus": corpus.hash},
-        callbacks=lambda ckpt_dir: harness_callbacks(recipe, run.file),
+        callbacks=lambda ckpt_dir: harness_callbacks(run),
         finish=finish,
     )
 
 
-def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
-    """The recipe's ``harness:`` section as a callback (none without one); without lm-eval installed,
-    one line naming the section and the extra to install."""
+def harness_callbacks(run) -> list:
+    """The ``harness:`` section of ``run``'s recipe as a callback (none without one); without
+    lm-eval installed, one line naming the section and the extra to install."""
+    recipe = run.recipe
     if recipe.harness is None:
         return []
     try:
@@ -114,7 +115,7 @@ def harness_callbacks(recipe: Recipe, recipe_file: Path) -> list:
         from yamlformer.recipes.tasks.lm.harness import HarnessCallback
     except ImportError as exc:
         raise RecipeError(f"harness: needs lm-eval ({exc}): pip install 'yamlformer[harness]'") from None
-    return [HarnessCallback.from_section(recipe.harness, recipe_file)]
+    return [HarnessCallback.from_section(recipe.harness, run.file)]
 
 
 @torch.no_grad()

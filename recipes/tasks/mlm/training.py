@@ -157,11 +157,12 @@ class MLMModule(LMModule):
             self.val_metrics = {"masked_accuracy": float(self.trainer.callback_metrics["val_acc"])}
 
 
-def encoder_tokenizer(recipe, recipe_file: Path, text: str, corpus_hash: str):
+def encoder_tokenizer(located, text: str, corpus_hash: str):
     """A prose vocabulary (words, not whitespace runs: BERT's tokenizer folds whitespace too) with
-    BERT's specials, trained on ``text`` and cached."""
-    options = {**PROSE, **SPECIALS}
-    return build_tokenizer(recipe.tokenizer, text, corpus_hash, Path(recipe.data.cache_dir), recipe_file, options)
+    BERT's specials, trained on ``text`` and cached; ``located``: the recipe as loaded (or the
+    ``Run``), whose tokenizer settings and file it reads."""
+    recipe, options = located.recipe, {**PROSE, **SPECIALS}
+    return build_tokenizer(recipe.tokenizer, text, corpus_hash, Path(recipe.data.cache_dir), located.file, options)
 
 
 def prepare_mlm(run) -> Prepared:
@@ -171,9 +172,9 @@ def prepare_mlm(run) -> Prepared:
     corpus = open_corpus(
         run.task.corpus_section(recipe),
         run.file,
-        lambda text, digest: encoder_tokenizer(recipe, run.file, text, digest),
+        lambda text, digest: encoder_tokenizer(run, text, digest),
         run.task.trains_tokenizer(recipe),
-        pretrained=pretrained_tokenizer(recipe, run.file),
+        pretrained=pretrained_tokenizer(run),
     )
     tokenizer = corpus.tokenizer
     print(corpus.line, flush=True)

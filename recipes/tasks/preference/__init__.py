@@ -10,7 +10,6 @@ scored before and after. This module (torch-free) is its recipe schema and
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -132,7 +131,8 @@ class PreferenceTuning(InstructionTuning):
             raise RecipeError(f"task preference trains a decoder-only model; the spec is {spec.architecture}")
         super().check_spec(recipe, spec)
 
-    def dry_run_lines(self, recipe, recipe_file: Path) -> list[tuple[str, str]]:
+    def dry_run_lines(self, located) -> list[tuple[str, str]]:
+        recipe = located.recipe
         objective = recipe.preference
         if not objective.needs_reference():
             how = "none (the loss reads the policy alone)"

@@ -38,7 +38,7 @@ from yamlformer.recipes.tasks.sft.training import (
     tokenizer_for,
 )
 from yamlformer.recipes.tasks.task import Prepared
-from yamlformer.recipes.trained import load_trained
+from yamlformer.recipes.trained import load_trained, pretrained_tokenizer
 
 
 class Pairs:
@@ -309,7 +309,7 @@ def prepare(run) -> Prepared:
     recipe, recipe_file = run.recipe, run.file
     data, settings = recipe.data, recipe.trainer
     train_path, _ = record_files(data, recipe_file)
-    tokenizer = tokenizer_for(recipe, recipe_file, train_path, pair_sides)
+    tokenizer = tokenizer_for(run, train_path, pair_sides, pretrained_tokenizer(run))
     pairs = Pairs(data, recipe_file, tokenizer, settings.seed)
     say(pairs.line)
     module = InstructionData(
@@ -352,7 +352,7 @@ def checkpoint_reference(model, recipe, recipe_file: Path) -> Reference:
     if reference.needed and not adapter_parameters(model):
         device = next(model.parameters()).device
         if recipe.model.init_from is not None:
-            start = load_trained(init_from_path(recipe, recipe_file), str(device), folders=True)[0]
+            start = load_trained(init_from_path(recipe.model.init_from, recipe_file), str(device), folders=True)[0]
         else:
             torch.manual_seed(recipe.trainer.seed)  # as the run drew it (yamlformer.recipes.training.run)
             start = build_model(model.spec, init_seed=recipe.trainer.seed)

@@ -7,7 +7,6 @@ This module (torch-free) is its recipe schema and :class:`~yamlformer.recipes.ta
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -108,22 +107,24 @@ class InstructionTuning(Task):
 
         return one_conversation
 
-    def vocabulary(self, recipe, recipe_file: Path, read_data: bool) -> Vocabulary | None:
+    def vocabulary(self, located, read_data: bool) -> Vocabulary | None:
         """A char tokenizer's without ``model.init_from``: the characters of the records as the chat
         template renders them (the table the run fits), not of an LM corpus; None (the generic
         stand-in) while they are not read."""
+        recipe = located.recipe
         if recipe.tokenizer.type != "char" or recipe.model.init_from is not None or not read_data:
             return None
         # local: reading the records is the data side (validate and list never read them)
         from yamlformer.recipes.tasks.sft.training import record_files, tokenizer_for
 
-        train, _ = record_files(recipe.data, recipe_file)
+        train, _ = record_files(recipe.data, located.file)
         if not train.is_file():
             return None  # not there yet: the stand-in
-        size = tokenizer_for(recipe, recipe_file, train, self.conversations()).vocab_size
+        size = tokenizer_for(located, train, self.conversations()).vocab_size
         return Vocabulary(size, f"char: the rendered records' {size - 1} distinct characters and end-of-text")
 
-    def data_files(self, recipe, recipe_file: Path, files) -> None:
+    def data_files(self, located, files) -> None:
+        recipe = located.recipe
         data = recipe.data
         if data.dataset is not None:
             files.dataset(data.dataset, [])

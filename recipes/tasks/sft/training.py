@@ -44,17 +44,19 @@ def one_conversation(record) -> list[list[dict]]:
     return [conversation(record)]
 
 
-def tokenizer_for(recipe, recipe_file: Path, train: Path, conversations=one_conversation):
-    """``model.init_from``'s tokenizer, else the recipe's: a char table of the records' text as
-    the chat template renders it (its framing's characters too, which a table of the contents alone
-    could not encode), a sentencepiece model trained on the messages' contents when it names no
-    file. ``conversations``: a record's conversations (an sft record's one, a pair's two sides)."""
+def tokenizer_for(located, train: Path, conversations=one_conversation, pretrained=None):
+    """``pretrained`` (``model.init_from``'s tokenizer, :func:`~yamlformer.recipes.trained.pretrained_tokenizer`
+    of the run) when there is one, else the recipe's: a char table of the records' text as the chat
+    template renders it (its framing's characters too, which a table of the contents alone could
+    not encode), a sentencepiece model trained on the messages' contents when it names no file.
+    ``located``: the recipe as loaded (or the ``Run``); ``conversations``: a record's conversations
+    (an sft record's one, a pair's two sides)."""
     # local: the tokenizer libraries (sentencepiece, Hugging Face's) load when a run reads its data
     from yamlformer.recipes.data.tokenizers import CharTokenizer, build_tokenizer
 
-    pretrained = pretrained_tokenizer(recipe, recipe_file)
     if pretrained is not None:
         return pretrained
+    recipe, recipe_file = located.recipe, located.file
     char = recipe.tokenizer.type == "char"
     chat = ChatFormat(CharTokenizer.fit("", eos=True), recipe.data.chat_template) if char else None
     texts = []
@@ -122,7 +124,7 @@ def prepare(run) -> Prepared:
     recipe, recipe_file = run.recipe, run.file
     data, settings = recipe.data, recipe.trainer
     train_path, _ = record_files(data, recipe_file)
-    tokenizer = tokenizer_for(recipe, recipe_file, train_path)
+    tokenizer = tokenizer_for(run, train_path, pretrained=pretrained_tokenizer(run))
     records = Records(data, recipe_file, tokenizer, settings.seed)
     say(records.line)
     module = InstructionData(

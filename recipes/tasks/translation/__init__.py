@@ -4,7 +4,6 @@ the original Transformer's task. This module (torch-free) is its recipe schema a
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -140,7 +139,8 @@ class Translation(TokenBudget, Task):
         if spec.architecture != "encoder-decoder":
             raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
 
-    def data_files(self, recipe, recipe_file: Path, files) -> None:
+    def data_files(self, located, files) -> None:
+        recipe = located.recipe
         data = recipe.data
         for role in ("train", "validation"):
             pair = getattr(data, role)

@@ -274,7 +274,7 @@ def prepare(run) -> Prepared:
     val_src, val_tgt = validation_pairs(recipe, recipe_file)
     text = "\n".join(train_src + train_tgt)
     corpus_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-    tokenizer = pretrained_tokenizer(recipe, recipe_file) or build_tokenizer(
+    tokenizer = pretrained_tokenizer(run) or build_tokenizer(
         recipe.tokenizer, text, corpus_hash, Path(data.cache_dir), recipe_file, options={**PROSE, **SPECIALS}
     )
     pad_id, bos, eos = special_ids(tokenizer)
