@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -289,19 +290,42 @@ class DiskCache:
         self.path = path or cache_path()
 
     def _read(self) -> dict:
+        """The file's mapping; anything else (missing, no regular file: a FIFO would block the
+        read, not JSON, nested past the parser, another shape) counts as empty."""
         try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                return {}
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return {}
         return data if isinstance(data, dict) else {}
 
+    @staticmethod
+    def _within(data: dict, *keys: str) -> dict:
+        """``data[k1][k2]...`` where each level is a mapping, else a new empty one (a hostile or
+        damaged file's other shapes are dropped, not followed)."""
+        for key in keys:
+            data = data.get(key)
+            if not isinstance(data, dict):
+                return {}
+        return data
+
+    @staticmethod
+    def _configs(choices: dict) -> dict:
+        return {key: config for key, config in choices.items() if isinstance(config, dict)}
+
     def get(self, gpu: str, kernel: str, key: str) -> dict | None:
-        found = self._read().get(fingerprint(), {}).get(gpu, {}).get(kernel, {}).get(key)
+        found = self._within(self._read(), fingerprint(), gpu, kernel).get(key)
         return found if isinstance(found, dict) else None
 
     def put(self, gpu: str, kernel: str, key: str, config: dict) -> None:
         data = self._read()
-        data = {fingerprint(): data.get(fingerprint(), {})}  # older fingerprints are dropped
+        mine = {  # each GPU's kernels' choices that are mappings
+            g: {k: self._configs(self._within(data, fingerprint(), g, k)) for k in kernels}
+            for g, kernels in self._within(data, fingerprint()).items()
+            if isinstance(kernels, dict)
+        }
+        data = {fingerprint(): mine}  # older fingerprints, and what is no mapping, are dropped
         data[fingerprint()].setdefault(gpu, {}).setdefault(kernel, {})[key] = config
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
