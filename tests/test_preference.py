@@ -351,3 +351,36 @@ def test_a_char_tokenizer_without_init_from_is_fitted_on_the_rendered_records(ta
 
     chars = read_meta(tmp_path / "run" / "checkpoints" / "last.ckpt")["builder"]["tokenizer"]["chars"]
     assert "#" in chars and ":" in chars
+
+
+def test_a_precomputed_reference_trains_as_the_live_one_without_a_copy(tmp_path, capsys):
+    """``preference.precompute_reference``: one pass of the starting weights before training, cached
+    by a fingerprint of the pairs and those weights; the same losses as the frozen copy's, none in
+    memory (the estimate counts none); other pairs are another table."""
+    from sharded_helpers import assert_same_losses, losses
+
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.training.dry_run import recipe_estimate
+    from yamlformer.recipes.training.resolved import resolve_run
+
+    short = {"max_steps": 6, "val_check_interval": 3, "checkpoint_every_n_steps": 3}
+    live = _recipe(tmp_path / "live", trainer=short, data={"cache_dir": str(tmp_path / "cache")})
+    assert main(["train", str(live)]) == 0
+    pre = _recipe(
+        tmp_path / "pre", trainer=short, data={"cache_dir": str(tmp_path / "cache")},
+        preference={"precompute_reference": True},
+    )  # fmt: skip
+    run = resolve_run(load_recipe(pre), pre)
+    assert recipe_estimate(run.spec, run.recipe, run.seq_len, run.batch).memory.reference == 0
+    capsys.readouterr()
+    assert main(["train", str(pre)]) == 0
+    assert "reference log-probabilities: 48 pairs computed, cached at" in capsys.readouterr().out
+    assert_same_losses(losses(tmp_path / "pre" / "run"), losses(tmp_path / "live" / "run"), atol=1e-5)
+    assert main(["train", str(pre), "--fresh"]) == 0  # the same pairs and weights: the table read back
+    assert "reference log-probabilities: read from" in capsys.readouterr().out
+    _pairs_file(tmp_path / "pre", n=48, seed=1)  # other pairs: another fingerprint, computed again
+    assert main(["train", str(pre), "--fresh"]) == 0
+    assert "pairs computed" in capsys.readouterr().out
+    assert len(list((tmp_path / "cache" / "reference-logps").glob("*.npz"))) == 2
+    with pytest.raises(ValueError, match="loss simpo has no reference model"):
+        PreferenceSection(loss="simpo", precompute_reference=True)

@@ -167,15 +167,19 @@ class PairRows:
             self.documents[r, at:] = document  # the padding: a document of its own
         self.pairs = len(pairs)
         self.tokens = sum(len(p) for p in pairs)
+        #: ``(pairs, 2)`` float32: each pair's reference log-probabilities (chosen, rejected) when
+        #: they were precomputed (``preference.precompute_reference``), else None
+        self.reference: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def batch(self, index: np.ndarray) -> tuple:
-        """``(inputs, targets, document_ids, sequences, pairs)`` of rows ``index``: a target where
-        the next token is an answer's and of the same sequence, else ``IGNORE``; ``sequences`` each
-        target's sequence renumbered ``2 x j + side`` over the batch's ``pairs`` pairs (an int),
-        -1 where there is no target."""
+        """``(inputs, targets, document_ids, sequences, pairs, reference)`` of rows ``index``: a
+        target where the next token is an answer's and of the same sequence, else ``IGNORE``;
+        ``sequences`` each target's sequence renumbered ``2 x j + side`` over the batch's ``pairs``
+        pairs (an int), -1 where there is no target; ``reference``: the pairs' precomputed reference
+        log-probabilities ``(pairs, 2)`` in that order, or None."""
         ids, trained, documents = (torch.from_numpy(a[index]) for a in (self.ids, self.trained, self.documents))
         sequence = self.sequence[index][:, 1:]
         keep = trained[:, 1:] & (documents[:, 1:] == documents[:, :-1])
@@ -185,4 +189,5 @@ class PairRows:
         local[0::2][order] = 2 * np.arange(len(order))
         local[1::2][order] = 2 * np.arange(len(order)) + 1
         sequences = torch.from_numpy(np.where(sequence >= 0, local[sequence], -1)).masked_fill(~keep, -1)
-        return ids[:, :-1].contiguous(), targets, documents[:, :-1].contiguous(), sequences, len(order)
+        reference = None if self.reference is None else torch.from_numpy(self.reference[order])
+        return ids[:, :-1].contiguous(), targets, documents[:, :-1].contiguous(), sequences, len(order), reference

@@ -66,6 +66,14 @@ class PreferenceSection(_Section):
         0.1, gt=0, description="orpo: the weight of the odds-ratio term (the paper's lambda; TRL's ORPOConfig.beta)."
     )
 
+    precompute_reference: bool = Field(
+        False,
+        description="dpo, ipo: the reference's log-probabilities of every pair computed in one pass before training "
+        "(the starting weights, in eval mode, fp32, where the model is built) and cached under data.cache_dir, "
+        "keyed by a fingerprint of the encoded pairs and those weights; training then keeps no reference model "
+        "(no frozen copy, no adapters switched off) and the estimates count none.",
+    )
+
     @model_validator(mode="after")
     def _options_of_the_loss(self):
         for option, losses in OPTIONS.items():  # a default written out (a run's config.yaml) says nothing
@@ -74,6 +82,10 @@ class PreferenceSection(_Section):
                 raise rule_error(
                     (option,), f"loss {self.loss} does not read {option} (it applies to {', '.join(losses)})"
                 )
+        if self.precompute_reference and self.loss not in REFERENCED:
+            raise rule_error(
+                ("precompute_reference",), f"loss {self.loss} has no reference model (dpo and ipo have one)"
+            )
         return self
 
     def needs_reference(self) -> bool:
@@ -124,7 +136,8 @@ class PreferenceTuning(InstructionTuning):
         return data.seq_len, data.batch_size, f"{data.batch_size} rows x {data.seq_len} tokens ({packed})"
 
     def reference_copy(self, recipe, spec) -> bool:
-        return recipe.preference.needs_reference() and spec.adapters is None
+        objective = recipe.preference
+        return objective.needs_reference() and not objective.precompute_reference and spec.adapters is None
 
     def check_spec(self, recipe, spec) -> None:
         if spec.architecture_config.decoding_stack() is None or spec.architecture != "decoder-only":
@@ -136,6 +149,11 @@ class PreferenceTuning(InstructionTuning):
         objective = recipe.preference
         if not objective.needs_reference():
             how = "none (the loss reads the policy alone)"
+        elif objective.precompute_reference:
+            how = (
+                "precomputed: the starting weights' log-probabilities of every pair, one pass before training, "
+                f"cached under {recipe.data.cache_dir}/reference-logps (no reference model in memory)"
+            )
         elif recipe.model.adapters is not None:
             how = (
                 "the starting policy: its adapters switched off if they start fresh, else their starting "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import io
 import math
 import types
 from pathlib import Path
@@ -20,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from yamlformer.blocks.linear import adapter_parameters, adapters_disabled, linear_layers
 from yamlformer.builder.assemble import build_model
 from yamlformer.recipes.data.chat import ChatFormat
+from yamlformer.recipes.data.files import write_atomic
 from yamlformer.recipes.data.instructions import InstructionData, shuffled
 from yamlformer.recipes.data.pairs import PairRows, encode_pairs, pair_sides
 from yamlformer.recipes.data.windows import IGNORE
@@ -29,7 +32,7 @@ from yamlformer.recipes.parallel.compile import eager
 from yamlformer.recipes.parallel.fsdp import is_sharded_model, whole_model
 from yamlformer.recipes.recipe.init_from import init_from_path
 from yamlformer.recipes.say import publish, say
-from yamlformer.recipes.tasks.preference.losses import pair_logps, preference_loss
+from yamlformer.recipes.tasks.preference.losses import PairLogps, pair_logps, preference_loss
 from yamlformer.recipes.tasks.sft.training import (
     BeforeAndAfter,
     checkpoint_recipe,
@@ -104,6 +107,8 @@ class Reference:
     @contextlib.contextmanager
     def model(self, policy: nn.Module):
         """The reference model for ``policy``'s batch, without gradients."""
+        if not self.needed:  # never the policy in its place: a precomputed table missing is a bug
+            raise RuntimeError("no reference model is kept (a loss without one, or its log-probabilities precomputed)")
         with torch.no_grad():
             if self.copy is not None:
                 yield self.copy
@@ -145,7 +150,7 @@ def batch_logps(model: nn.Module, batch, select: bool):
     """The batch's pairs' summed response log-probabilities under ``model``
     (:class:`~yamlformer.recipes.tasks.preference.losses.PairLogps`); ``select``: the head projects
     the scored positions only."""
-    inputs, targets, documents, sequences, pairs = batch
+    inputs, targets, documents, sequences, pairs = batch[:5]
     scored = targets != IGNORE
     options = {} if documents is None else {"document_ids": documents}  # None: a sequence a row
     if select:
@@ -156,14 +161,91 @@ def batch_logps(model: nn.Module, batch, select: bool):
     return pair_logps(token_logps, sequences[scored], int(pairs))
 
 
-def pair_losses(model, reference: Reference, objective, batch, select: bool):
-    """``(loss, metrics)`` of a batch of pairs: the reference's forward first (the policy's is the
-    last, whose auxiliary losses a model keeps)."""
+def policy_and_reference(model, reference: Reference, objective, batch, select: bool):
+    """``(policy, reference)`` log-probabilities of a batch of pairs (``reference`` None for a loss
+    without one): the reference's forward first (the policy's is the last, whose auxiliary losses
+    a model keeps), or the batch's precomputed reference."""
+    precomputed = batch[5] if len(batch) > 5 else None
     ref = None
-    if objective.needs_reference():
+    if objective.needs_reference() and precomputed is None:
         with reference.model(model) as ref_model:
             ref = batch_logps(ref_model, batch, select)
-    return preference_loss(objective, batch_logps(model, batch, select), ref)
+    policy = batch_logps(model, batch, select)
+    if objective.needs_reference() and precomputed is not None:
+        ref = PairLogps(precomputed[:, 0], precomputed[:, 1], policy.chosen_tokens, policy.rejected_tokens)
+    return policy, ref
+
+
+def pair_losses(model, reference: Reference, objective, batch, select: bool):
+    """``(loss, metrics)`` of a batch of pairs (:func:`policy_and_reference`)."""
+    return preference_loss(objective, *policy_and_reference(model, reference, objective, batch, select))
+
+
+# -- precomputed reference log-probabilities ----------------------------------------------------------
+
+#: bump when what the cached tables hold changes
+_TABLE_VERSION = 1
+
+
+def reference_fingerprint(model: nn.Module, rows: list[PairRows]) -> str:
+    """A fingerprint of the encoded pairs of ``rows`` (their tokens, targets, documents and pairs:
+    the data, the tokenizer, the template and the packing) and of ``model``'s weights."""
+    digest = hashlib.sha256(f"reference-logps v{_TABLE_VERSION}".encode())
+    for part in rows:
+        for array in (part.ids, part.trained, part.documents, part.sequence):
+            digest.update(str(array.shape).encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+@torch.no_grad()
+def rows_reference(model: nn.Module, rows: PairRows, batch: int) -> np.ndarray:
+    """``(pairs, 2)`` float32: each pair's summed response log-probabilities (chosen, rejected)
+    under ``model`` as it is, in eval mode, ``batch`` rows a forward."""
+    select = bool(getattr(model, "scores_positions", lambda: False)())
+    table = np.zeros((rows.pairs, 2), dtype=np.float32)
+    was_training = model.training
+    model.eval()
+    with eager():
+        for first in range(0, len(rows), batch):
+            index = np.arange(first, min(first + batch, len(rows)))
+            logps = batch_logps(model, rows.batch(index)[:5], select)
+            order = [i for r in index.tolist() for i in rows.records[r]]
+            table[order, 0], table[order, 1] = logps.chosen.numpy(), logps.rejected.numpy()
+    model.train(was_training)
+    return table
+
+
+def precompute_reference(model: nn.Module, pairs: Pairs, cache_dir: Path, batch: int) -> None:
+    """The starting ``model``'s (the reference's) log-probabilities of every training and held-out
+    pair, set on their rows (``PairRows.reference``): read from ``cache_dir/reference-logps`` when
+    a table of the same fingerprint is there and whole, else computed in one pass and written there
+    (one a fingerprint: other data or other starting weights are another table)."""
+    fingerprint = reference_fingerprint(model, [pairs.train, pairs.held])
+    path = Path(cache_dir) / "reference-logps" / f"{fingerprint}.npz"
+    tables = None
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                tables = saved["train"], saved["held"]
+        except (OSError, ValueError, KeyError, EOFError):
+            tables = None  # unreadable (a torn or foreign file): computed again
+        shapes = [(rows.pairs, 2) for rows in (pairs.train, pairs.held)]
+        whole = tables is not None and [t.shape for t in tables] == shapes and all(np.isfinite(t).all() for t in tables)
+        tables = tables if whole else None
+        if tables is not None:
+            say(f"reference log-probabilities: read from {path}")
+    if tables is None:
+        tables = rows_reference(model, pairs.train, batch), rows_reference(model, pairs.held, batch)
+        buffer = io.BytesIO()
+        np.savez(buffer, train=tables[0], held=tables[1])
+        write_atomic(path, buffer.getvalue())
+        say(f"reference log-probabilities: {pairs.train.pairs + pairs.held.pairs:,} pairs computed, cached at {path}")
+    pairs.train.reference, pairs.held.reference = tables
 
 
 class PreferenceModule(LMModule):
@@ -249,13 +331,10 @@ def held_out_scores(model, reference: Reference, objective, rows: PairRows, batc
     pairs = 0
     with eager():
         for first in range(0, n, batch):
-            inputs, targets, documents, sequences, count = rows.batch(np.arange(first, min(first + batch, n)))
-            on_device = (inputs.to(device), targets.to(device), documents.to(device), sequences.to(device), count)
-            ref = None
-            if objective.needs_reference():
-                with reference.model(model) as ref_model:
-                    ref = batch_logps(ref_model, on_device, select)
-            policy = batch_logps(model, on_device, select)
+            rows_batch = rows.batch(np.arange(first, min(first + batch, n)))
+            on_device = tuple(x.to(device) if torch.is_tensor(x) else x for x in rows_batch)
+            count = on_device[4]
+            policy, ref = policy_and_reference(model, reference, objective, on_device, select)
             loss, metrics = preference_loss(objective, policy, ref)
             chosen, rejected = policy.means()
             totals["loss"] += float(loss) * count
@@ -320,7 +399,14 @@ def prepare(run) -> Prepared:
         settings.limit_val_batches,
         settings.accumulate_grad_batches,
     )
-    reference = Reference(recipe.preference.needs_reference())
+    objective = recipe.preference
+    reference = Reference(objective.needs_reference() and not objective.precompute_reference)
+    init = reference.capture
+    if objective.needs_reference() and objective.precompute_reference:
+
+        def init(model):  # the weights as loaded: the starting policy, which is the reference
+            precompute_reference(model, pairs, Path(data.cache_dir), data.batch_size)
+
     held_out = HeldOut(pairs, recipe.preference, data.batch_size, settings.limit_val_batches)
 
     def module_class(model, recipe, meta):
@@ -336,7 +422,7 @@ def prepare(run) -> Prepared:
         seq_len=data.seq_len,
         batch=data.batch_size,
         meta={"pairs": pairs.train.pairs},
-        init=reference.capture,
+        init=init,
         callbacks=lambda ckpt_dir: [held_out],
         finish=finish,
     )
