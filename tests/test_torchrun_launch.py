@@ -125,7 +125,10 @@ def _every_rank_refused(line: str, cwds: list[Path], logs: Path, *needles: str) 
         said = out.split("torch/distributed/elastic/multiprocessing/api.py", 1)[0]
         assert "Traceback" not in said and "internal error" not in said, said[-3000:]
         assert all(needle in said for needle in needles), said[-3000:]
-        assert "failed (exitcode: 1)" in out  # the one-line error, not an internal one (70)
+        assert "(exitcode: 70)" not in out  # the one-line error, not an internal one
+    # the agent that did not host the store may lose it before it reports its rank's status
+    # (torchrun's RendezvousConnectionError): the other reports it
+    assert any("failed (exitcode: 1)" in out for out in outs), outs
     return wall
 
 
