@@ -65,7 +65,14 @@ FAMILIES = {
 }
 
 
-def train(tmp: Path, cache: Path, spec, overrides: dict | None = None) -> Path:
+def stdlib_text(limit: int) -> str:
+    from yamlformer.recipes.data.corpus import read_corpus
+    from yamlformer.recipes.recipe.sections import DataSection
+
+    return read_corpus(DataSection(sources=["python-stdlib"], max_bytes=limit), None).text
+
+
+def train(tmp: Path, cache: Path, spec, overrides: dict | None = None, tokenizer: dict | None = None) -> Path:
     """A checkpoint of the LM recipe trained a few dozen steps with a sentencepiece BPE tokenizer
     (trained once: ``cache`` keeps it for every family)."""
     from yamlformer.recipes.training.run import run
@@ -74,7 +81,7 @@ def train(tmp: Path, cache: Path, spec, overrides: dict | None = None) -> Path:
         tmp,
         model={"spec": spec, "overrides": {"max_seq_len": 128, **(overrides or {})}},
         data={"cache_dir": str(cache)},
-        tokenizer={"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400},
+        tokenizer=tokenizer or {"type": "sentencepiece", "model_type": "bpe", "vocab_size": 400},
         trainer={"max_steps": 40, "val_check_interval": 40, "checkpoint_every_n_steps": 40},
     )
     return Path(run(path, samples=False)["last"])

@@ -136,3 +136,25 @@ def test_export_hf_init_writes_the_spec_untrained(tmp_path, capsys):
     spec_file.write_text("extends: tiny/llama\nname: mine\n")
     assert main(["export-hf", str(spec_file), "-o", str(tmp_path / "none")]) == 1
     assert "--init" in capsys.readouterr().err
+
+
+def test_a_tokenizer_llama_cpp_does_not_reproduce_is_refused_naming_its_part():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from yamlformer.builder.gguf.vocab import VocabError, check_vocab
+
+    def state(tokenizer) -> dict:
+        return {"type": "tokenizers", "json": tokenizer.to_str(), "specials": {}}
+
+    byte_level = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert "byte-level BPE" in check_vocab(state(byte_level))
+    prefixed = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    metaspace = Tokenizer(models.BPE(vocab={"a": 0}, merges=[], byte_fallback=True))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    normalized = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    normalized.normalizer = normalizers.NFKC()
+    for tokenizer, part in [(prefixed, "pre-tokenizer"), (metaspace, "byte fallback"), (normalized, "normalizer")]:
+        with pytest.raises(VocabError, match=part):
+            check_vocab(state(tokenizer))

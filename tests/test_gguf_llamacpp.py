@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from gguf_helpers import FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, train
+from gguf_helpers import FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, stdlib_text, train
 
 from yamlformer.builder.cli import main
 from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
@@ -40,19 +40,23 @@ def trained(tmp_path_factory, cache) -> Path:
     return train(tmp_path_factory.mktemp("gguf-trained"), cache, LLAMA)
 
 
+#: text that tests a tokenizer's edges: empty, spaces, newlines, indentation, bytes beyond ASCII
+HARD = ["", " ", "\n\n\n", "        x", "naïve café ☃ 𝄞 日本語", "a\tb\r\nc"]
+
+
 def _export(tmp_path: Path, *args: str) -> Path:
     out = tmp_path / "model.gguf"
     assert main(["export-gguf", *args, "-o", str(out)]) == 0
     return out
 
 
-def _prove(source: Path, gguf: Path, capsys, tolerance: float = F32_TOLERANCE) -> float:
+def _prove(source: Path, gguf: Path, capsys, tolerance: float = F32_TOLERANCE, special: bool = False) -> float:
     """Tokens (text in), greedy tokens and first-step logits of llama.cpp against a checkpoint's,
     and `builder generate --temperature 0`'s text; returns the largest logit difference."""
     from yamlformer.recipes.trained import load_trained
 
     model, tokenizer, _ = load_trained(source, "cpu", folders=True)
-    worst = _same(model, tokenizer, gguf, tolerance)
+    worst = _same(model, tokenizer, gguf, tolerance, special)
     # the command's own text: `builder generate --temperature 0` prints what llama.cpp decodes
     prompt = PROMPTS[0]
     assert main(["generate", str(source), "--prompt", prompt, "--max-new-tokens", str(NEW), "--temperature", "0"]) == 0
@@ -64,14 +68,14 @@ def _prove(source: Path, gguf: Path, capsys, tolerance: float = F32_TOLERANCE) -
     return worst
 
 
-def _same(model, tokenizer, gguf: Path, tolerance: float) -> float:
+def _same(model, tokenizer, gguf: Path, tolerance: float, special: bool = False) -> float:
     """llama.cpp's tokens for each prompt, its greedy tokens and its first-step logits against our
     model's; returns the largest logit difference."""
     worst = 0.0
     with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len) as runtime:
         for prompt in PROMPTS:
             ids = tokenizer.encode(prompt)
-            assert runtime.tokenize(prompt) == ids, prompt
+            assert runtime.tokenize(prompt, special) == ids, prompt
             theirs = torch.from_numpy(runtime.logits(ids)[-1])
             ours = ours_logits(model, ids)[: runtime.n_vocab]
             worst = max(worst, (theirs - ours).abs().max().item())
@@ -103,6 +107,34 @@ def test_rounded_outtypes_run_alike_within_their_tolerance(outtype, trained, tmp
     _prove(trained, gguf, capsys, TOLERANCES[outtype])
 
 
+def test_an_imported_byte_level_tokenizer_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
+    """A GPT-2-style byte-level BPE tokenizer.json (what import-hf reads from most Hugging Face
+    models), trained here, a model trained with it, and llama.cpp's gpt2 tokenizer on it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from yamlformer.recipes.trained import load_trained
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(stdlib_text(300_000).split("\n"), trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    checkpoint = train(tmp_path, cache, LLAMA, tokenizer={"type": "hf", "model_file": str(folder)})
+    gguf = _export(tmp_path, str(checkpoint))
+    assert "byte-level BPE" in capsys.readouterr().out
+    _prove(checkpoint, gguf, capsys, special=True)
+    ours = load_trained(checkpoint, "cpu")[1]
+    with LlamaCpp(gguf, n_ctx=128) as runtime:
+        for text in HARD + ["it's 'll 'S I'M", "x  \n", "end   ", "\u00a0nbsp\u3000wide", "<|endoftext|>def"]:
+            assert runtime.tokenize(text, special=True) == ours.encode(text), repr(text)
+
+
 def test_llama_cpp_reads_our_tokenizer_on_hard_text(trained, tmp_path, capsys):
     """Byte fallback, runs of spaces and newlines, a control piece typed as text, no prefix space."""
     from yamlformer.recipes.trained import load_trained
@@ -110,7 +142,7 @@ def test_llama_cpp_reads_our_tokenizer_on_hard_text(trained, tmp_path, capsys):
     gguf = _export(tmp_path, str(trained))
     _, tokenizer, _ = load_trained(trained, "cpu")
     with LlamaCpp(gguf, n_ctx=96) as runtime:
-        for text in ["", " ", "\n\n\n", "        x", "naïve café ☃ 𝄞 日本語", "</s>def</s>", "<0x41>", "a\tb\r\nc"]:
+        for text in [*HARD, "</s>def</s>", "<0x41>"]:
             assert runtime.tokenize(text) == tokenizer.encode(text), repr(text)
 
 
