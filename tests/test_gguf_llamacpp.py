@@ -135,6 +135,32 @@ def test_an_imported_byte_level_tokenizer_runs_in_llama_cpp_as_ours(tmp_path, ca
             assert runtime.tokenize(text, special=True) == ours.encode(text), repr(text)
 
 
+def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_path, capsys):
+    """--merge: LoRA adapters (nonzero, as training leaves them) folded into the weights; llama.cpp
+    computes what our adapted model does."""
+    from yamlformer.blocks.linear import adapter_parameters
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.hf import save_weights
+    from yamlformer.builder.spec.loader import load_spec
+    from yamlformer.recipes.trained import load_trained
+
+    adapters = {"type": "lora", "rank": 4, "alpha": 8, "targets": "all-linear"}
+    spec = {**copy.deepcopy(LLAMA), "name": "adapted", "vocab_size": 400, "adapters": adapters}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    model = build_model(load_spec(path), init_seed=0).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in adapter_parameters(model).values():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    save_weights(model.state_dict(), tmp_path / "model.safetensors")
+    assert main(["export-gguf", str(path), "-o", str(tmp_path / "x.gguf")]) == 1
+    assert "--merge" in capsys.readouterr().err
+    gguf = _export(tmp_path, str(path), "--merge", "--tokenizer", str(trained))
+    assert "adapters merged" in capsys.readouterr().out
+    _same(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
+
+
 def test_llama_cpp_reads_our_tokenizer_on_hard_text(trained, tmp_path, capsys):
     """Byte fallback, runs of spaces and newlines, a control piece typed as text, no prefix space."""
     from yamlformer.recipes.trained import load_trained

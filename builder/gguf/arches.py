@@ -18,20 +18,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from yamlformer.builder.hf.families import TOKEN_KEYS
+
 #: config.json keys that are not architecture: written elsewhere (token ids, by the vocabulary)
 #: or not read at all (the file's bookkeeping)
 NOT_ARCHITECTURE = frozenset(
     {
+        *TOKEN_KEYS,
         "model_type",
         "architectures",
         "dtype",
         "torch_dtype",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "forced_eos_token_id",
         "attention_dropout",
         "router_jitter_noise",
         "initializer_range",
