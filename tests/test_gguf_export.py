@@ -32,7 +32,17 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
         ("tiny/llama", ["position={type: none}"], "position.type: 'none'"),
         # Mistral's window: llama.cpp's llama graph has no window, it would attend over everything
         ("mistral-7b", [], "decoder.attention.sliding_window (config sliding_window): 4096"),
-        ("llama3-8b", [], "position.scaling (config rope_scaling): 'llama3'"),
+        (
+            "tiny/llama",
+            ["position={type: rope, scaling: {type: yarn, factor: 4.0, original_max_seq_len: 16}}"],
+            "position.scaling (config rope_scaling): 'yarn'",
+        ),
+        # Llama 3's factors are written for llama.cpp's llama graph only
+        (
+            "tiny/qwen3",
+            ["position={type: rope, scaling: {type: llama3, factor: 8.0, original_max_seq_len: 16}}"],
+            "position.scaling (config rope_scaling): 'llama3' RoPE scaling is not written for this architecture",
+        ),
         ("tiny/llama", ["decoder.ffn.activation=gelu"], "decoder.ffn.activation (config hidden_act): 'gelu"),
         ("tiny/gpt2", ["decoder.ffn.activation=relu"], "decoder.ffn.activation (config activation_function): 'relu'"),
         ("tiny/qwen3", ["decoder.attention.sliding_window=8"], "decoder.attention.sliding_window"),

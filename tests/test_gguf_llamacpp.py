@@ -135,6 +135,18 @@ def test_an_imported_byte_level_tokenizer_runs_in_llama_cpp_as_ours(tmp_path, ca
             assert runtime.tokenize(text, special=True) == ours.encode(text), repr(text)
 
 
+def test_llama3_rope_scaling_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
+    """Llama 3's scaled RoPE, written as llama.cpp's per-frequency factors (rope_freqs)."""
+    scaling = {"type": "llama3", "factor": 8.0, "original_max_seq_len": 16, "low_freq_factor": 1.0}
+    checkpoint = train(tmp_path, cache, LLAMA, {"position": {"type": "rope", "scaling": scaling}})
+    gguf = _export(tmp_path, str(checkpoint))
+    capsys.readouterr()
+    import gguf as gguf_py
+
+    assert "rope_freqs.weight" in {t.name for t in gguf_py.GGUFReader(str(gguf)).tensors}
+    _prove(checkpoint, gguf, capsys)
+
+
 def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_path, capsys):
     """--merge: LoRA adapters (nonzero, as training leaves them) folded into the weights; llama.cpp
     computes what our adapted model does."""

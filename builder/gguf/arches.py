@@ -14,6 +14,7 @@ families that have one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,9 @@ class Arch:
     refuse: Callable[[Mapping], str | None] = lambda config: None
     #: ``(hf_name, tensor, config) -> [(hf_name, tensor)]``: layouts llama.cpp expects
     transform: Callable[[str, Any, Mapping], Iterable[tuple[str, Any]]] = lambda n, t, c: [(n, t)]
+    #: ``(config) -> {gguf_name: tensor}``: tensors llama.cpp reads that the family computes
+    #: (Llama 3's RoPE frequency factors)
+    extra: Callable[[Mapping], dict] = lambda config: {}
 
     def check(self, config: Mapping, family: str) -> None:
         """:class:`Refused` for the first config key or value the architecture cannot honour."""
@@ -132,16 +136,48 @@ def _common(writer, config: Mapping, spec) -> None:
         writer.add_rope_scaling_factor(float(scaling["factor"]))
 
 
-def _llama_refuse(config: Mapping) -> str | None:
+def _llama3_factors(config: Mapping) -> dict:
+    """Llama 3's RoPE scaling as llama.cpp takes it: each frequency's divisor, ``rope_freqs``
+    (convert_hf_to_gguf's formula, which is transformers' ``llama3`` rope)."""
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") != "llama3":
+        return {}
+    # local: torch loads when weights are converted
+    import torch
+
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (float(config["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(factors, dtype=torch.float32)}
+
+
+def _llama_refuse(config: Mapping, llama3: bool = False) -> str | None:
+    """What llama.cpp's llama-layout graphs lack; ``llama3``: the architecture writes Llama 3's
+    RoPE factors (llama only)."""
     if config.get("hidden_act", "silu") != "silu":
         return (
             f"{field_of('hidden_act')}: {config['hidden_act']!r}; llama.cpp's llama architecture "
             "runs a SiLU-gated FFN only"
         )
     scaling = config.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) != "linear":
-        kind = scaling.get("rope_type", scaling.get("type"))
-        return f"{field_of('rope_scaling')}: {kind!r} RoPE scaling is not written yet (linear only)"
+    kind = scaling and scaling.get("rope_type", scaling.get("type"))
+    written = ("linear", "llama3") if llama3 else ("linear",)
+    if scaling and kind not in written:
+        only = ", ".join(written)
+        return f"{field_of('rope_scaling')}: {kind!r} RoPE scaling is not written for this architecture ({only} only)"
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
+        return f"{field_of('rope_scaling')}: llama3 with equal frequency factors (no smoothed band) is not written"
     if config.get("sliding_window"):
         return (
             f"{field_of('sliding_window')}: {config['sliding_window']}; llama.cpp's llama architecture "
@@ -354,7 +390,9 @@ _GEMMA_KEYS = (_QWEN_KEYS - {"hidden_act"}) | {
 }
 
 
-LLAMA = Arch("LLAMA", _LLAMA_KEYS, _common, _llama_refuse, _llama_transform)
+LLAMA = Arch(
+    "LLAMA", _LLAMA_KEYS, _common, lambda config: _llama_refuse(config, llama3=True), _llama_transform, _llama3_factors
+)
 QWEN2 = Arch("QWEN2", _QWEN_KEYS, _common, _qwen_refuse)
 QWEN3 = Arch("QWEN3", _QWEN_KEYS, _common, _qwen_refuse)
 QWEN3MOE = Arch(

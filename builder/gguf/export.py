@@ -115,6 +115,7 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
             if gguf_name is None:
                 raise GGUFError(f"tensor {name}: llama.cpp's {arch.name.lower()} has no tensor of that name")
             out_tensors.append((gguf_name, data.numpy()))
+    out_tensors += [(name, t.numpy()) for name, t in arch.extra(config).items()]
     vocab_rows = next(t.shape[0] for n, t in out_tensors if n == "token_embd.weight")
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a failed write leaves no partial file
