@@ -4,6 +4,7 @@ reader). llama.cpp running the files: tests/test_gguf_llamacpp.py (``pytest -m l
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,10 @@ def test_the_weights_and_the_output_are_checked_first(tmp_path, capsys):
     assert main(["export-gguf", str(spec), "--init", "-o", str(tmp_path / "x.gguf")]) == 1
     assert "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "x.gguf").read_text() == "keep"
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)  # nor is anything but a regular file replaced, --overwrite or not
+    assert main(["export-gguf", "tiny/llama", "--init", "--overwrite", "-o", str(fifo)]) == 1
+    assert "not a regular file" in capsys.readouterr().err and fifo.exists() and not fifo.is_file()
 
 
 def test_an_untrained_spec_is_written_as_llama_with_its_keys_and_rope_layout(tmp_path, capsys):
