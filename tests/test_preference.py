@@ -384,3 +384,46 @@ def test_a_precomputed_reference_trains_as_the_live_one_without_a_copy(tmp_path,
     assert len(list((tmp_path / "cache" / "reference-logps").glob("*.npz"))) == 2
     with pytest.raises(ValueError, match="loss simpo has no reference model"):
         PreferenceSection(loss="simpo", precompute_reference=True)
+
+
+def test_adapters_resume_and_export_as_sfts_do(tmp_path):
+    """A LoRA preference run stopped at step 4 and resumed ends as an unbroken one (its reference:
+    the adapters switched off, both times); its checkpoint exports as a PEFT folder ``peft`` loads
+    onto the base's export, and merged, both with the checkpoint's logits."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from recipe_helpers import assert_same_run
+    from transformers import AutoModelForCausalLM
+
+    from yamlformer.builder.checkpoints import load_model
+    from yamlformer.builder.hf import save_weights
+
+    lora = {"adapters": {"type": "lora", "rank": 4, "alpha": 8, "targets": ["attention", "ffn"]}}
+    short = {"max_steps": 6, "val_check_interval": 2, "checkpoint_every_n_steps": 2}
+    constant = {"type": "constant", "warmup_steps": 2}
+    whole = _recipe(tmp_path / "whole", model=lora, trainer=short, schedule=constant)
+    assert main(["train", str(whole)]) == 0
+    broken = _recipe(tmp_path / "broken", model=lora, trainer=short, schedule=constant)
+    assert main(["train", str(broken), "--set", "trainer.max_steps=4"]) == 0
+    assert main(["train", str(broken)]) == 0
+    last = tmp_path / "whole" / "run" / "checkpoints" / "last.ckpt"
+    assert_same_run(last, tmp_path / "broken" / "run" / "checkpoints" / "last.ckpt")
+
+    model, _ = load_model(last)
+    model.eval()
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "spec.yaml").write_text(yaml.safe_dump({**model.spec.model_dump(mode="json"), "adapters": None}))
+    save_weights({k: v for k, v in model.state_dict().items() if ".adapter." not in k}, base / "model.safetensors")
+    assert main(["export-hf", str(base / "spec.yaml"), "-o", str(tmp_path / "hf-base")]) == 0
+    assert main(["export-hf", str(last), "--adapters-only", "-o", str(tmp_path / "peft")]) == 0
+    assert main(["export-hf", str(last), "--merge", "-o", str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, model.spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(ids)
+        assert float((ours - model(ids)).abs().max()) == 0
+        torch.testing.assert_close(peft_model(ids).logits, ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=1e-5)
