@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +95,42 @@ class Cluster:
         final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
         return self.wait(job_id, lambda f: f.get("JobState") in final, timeout)
 
+    def job_env(self, hook: Path | None = None) -> dict:
+        """What a job is submitted with, as from a shell where the project is installed: the
+        cluster's environment with this Python's ``bin`` first on ``PATH``, without this process's
+        rendezvous or job variables, and ``hook`` (a folder with a ``sitecustomize.py``) on
+        ``PYTHONPATH``."""
+        from yamlformer.recipes.parallel.rendezvous import RENDEZVOUS_ENV
+
+        env = {k: v for k, v in self.env.items() if k not in RENDEZVOUS_ENV and not k.startswith("SLURM_JOB")}
+        env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+        if hook is not None:
+            env["PYTHONPATH"] = str(hook)
+        return env
+
+    def submit(self, script: Path, *flags: str, env: dict | None = None) -> int:
+        """``sbatch FLAGS SCRIPT`` from the script's folder, in ``env`` (default :meth:`job_env`); the job id."""
+        done = subprocess.run(
+            ["sbatch", "--parsable", *flags, str(script)],
+            env=env or self.job_env(),
+            cwd=script.parent,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        return int(done.stdout.strip().split(";")[0])
+
+    def requeued(self, job_id: int, timeout: float) -> dict:
+        """Wait for the job to be requeued and its attempt to have left the nodes, then let it start
+        now: SLURM holds a requeued job two minutes (its ``BeginTime``), and a job started earlier,
+        while its last attempt was still being killed, failed at once. Its fields."""
+        fields = self.wait(
+            job_id, lambda f: int(f.get("Restarts", 0)) >= 1 and f["JobState"] == "PENDING" and self.idle(), timeout
+        )
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        return fields
+
     def idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
         states = dict(zip(out[::2], out[1::2]))
@@ -100,12 +138,16 @@ class Cluster:
 
 
 def _config(root: Path, host: str, ctld_port: int, node_ports: list[int], munge_socket: Path) -> str:
+    # job ids (and so the ports their tasks meet at, yamlformer.recipes.parallel.rendezvous.slurm_port)
+    # of their own: two clusters on one host (two test sessions) would both number their jobs from 1
+    first_job = random.SystemRandom().randrange(1, 1_000_000)
     nodes = "\n".join(
         f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={CPUS} RealMemory=4000 State=UNKNOWN"
         for name, port in zip(NODES, node_ports)
     )
     return f"""\
 ClusterName=yamlformer
+FirstJobId={first_job}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
@@ -139,24 +181,29 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
 
 
 HOSTS = Path("/etc/hosts")
-HOSTS_LINE = f"127.0.0.1 {' '.join(NODES)}  # yamlformer's test SLURM\n"
 
 
 @contextlib.contextmanager
-def _resolvable_nodes():
+def _resolvable_nodes(root: Path):
+    """The nodes' names resolve while the cluster runs: where they do not, ``/etc/hosts`` gets a
+    line naming them at 127.0.0.1, this cluster's own (it names ``root``), removed when it stops;
+    another cluster's line (another test session's) is never taken away with it."""
+    mark = "# yamlformer's test SLURM"
     try:
         for node in NODES:
             socket.gethostbyname(node)
-        yield
-        return
+        named = mark in HOSTS.read_text()  # resolved by another cluster's line, gone when it stops
     except OSError:
-        pass
-    text = HOSTS.read_text()
-    HOSTS.write_text(text + ("" if text.endswith("\n") or not text else "\n") + HOSTS_LINE)
+        named = True
+    line = f"127.0.0.1 {' '.join(NODES)}  {mark} in {root}\n"
+    if named:
+        text = HOSTS.read_text()
+        HOSTS.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line)
     try:
         yield
     finally:
-        HOSTS.write_text(HOSTS.read_text().replace(HOSTS_LINE, ""))
+        if named:
+            HOSTS.write_text(HOSTS.read_text().replace(line, ""))
 
 
 def _wait_for(ready, timeout: float, what: str, logs: list[Path]) -> None:
@@ -192,7 +239,7 @@ def cluster(root: Path):
             subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         )
 
-    with _resolvable_nodes():
+    with _resolvable_nodes(root):
         try:
             start(
                 _which("munged"),
@@ -222,6 +269,9 @@ def _stop(found: Cluster) -> None:
         deadline = time.monotonic() + 30
         while found.run("squeue", "-h", check=False, timeout=10).stdout.strip() and time.monotonic() < deadline:
             time.sleep(1)
+    for pid in _jobs_processes(found.conf):  # what a job left behind when its steps would not end
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for process in reversed(found.processes):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -232,3 +282,22 @@ def _stop(found: Cluster) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def _jobs_processes(conf: Path) -> list[int]:
+    """The processes of this cluster's jobs (their environment names its ``SLURM_CONF``), not its daemons."""
+    ours = f"SLURM_CONF={conf}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        name = Path(command.split(b"\0")[0].decode(errors="replace")).name.split(":")[0]
+        daemon = name in ("munged", "slurmctld", "slurmd")
+        if ours in environ and not daemon and b"slurmstepd" not in command:
+            found.append(int(entry.name))
+    return found

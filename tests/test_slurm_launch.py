@@ -9,16 +9,14 @@ Each job is the batch file ``yamlformer.builder.analysis.sbatch`` writes (the on
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from recipe_helpers import assert_same_run, tiny_recipe
+from recipe_helpers import assert_same_run, history, tiny_recipe
 
 from yamlformer.builder.analysis.sbatch import sbatch_script
-from yamlformer.recipes.parallel.rendezvous import RENDEZVOUS_ENV, slurm_port
+from yamlformer.recipes.parallel.rendezvous import slurm_port
 
 pytestmark = pytest.mark.launch
 
@@ -56,34 +54,15 @@ if os.environ.get("SLURM_JOB_ID"):
 """
 
 
-def job_env(slurm, hook: Path | None = None) -> dict:
-    """What a job is submitted with: the cluster's, this Python's ``bin`` first, no rendezvous of
-    this process's, and ``hook`` on ``PYTHONPATH``."""
-    env = {k: v for k, v in slurm.env.items() if k not in RENDEZVOUS_ENV and not k.startswith("SLURM_JOB")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    if hook is not None:
-        env["PYTHONPATH"] = str(hook)
-    return env
-
-
-def submit(slurm, folder: Path, recipe: Path, tasks: int = 2, nodes: int = 1, env=None, flags=()) -> int:
-    """Submit the batch file of ``builder train RECIPE`` from ``folder``; the job id."""
+def submit(slurm, folder: Path, recipe: Path, env=None, flags=(), warning: int = 60) -> int:
+    """Submit the batch file of ``builder train RECIPE`` on one node x two tasks from ``folder``
+    (SLURM's warning ``warning`` seconds before the time limit); the job id."""
     command = f"python -m yamlformer.builder.cli train {recipe} --no-samples"
     script = folder / "job.sbatch"
     script.write_text(
-        sbatch_script(
-            command, nodes=nodes, tasks_per_node=tasks, gpus_per_node=None, activate=f"cd {folder}", warning_seconds=60
-        )
+        sbatch_script(command, nodes=1, tasks_per_node=2, gpus_per_node=None, activate="", warning_seconds=warning)
     )
-    done = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={folder}", *flags, str(script)],
-        env=env or job_env(slurm),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return int(done.stdout.strip().split(";")[0])
+    return slurm.submit(script, *flags, env=env)
 
 
 def job_log(folder: Path, job: int) -> str:
@@ -126,30 +105,46 @@ def _stop_step(log: str) -> int:
     return int(found[0])
 
 
-@pytest.mark.parametrize("late", ["0", "1"], ids=["rank-1-exits-first", "rank-0-exits-first"])
-def test_a_usr1_mid_run_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken, tmp_path, late):
+#: how the warning comes: ``scancel --signal=USR1`` once the first attempt reached step 5, or
+#: ``--signal=USR1@45`` of a two-minute ``--time``. SLURM's timer ticks every 30 s and sends the
+#: warning at the first tick within 30 s of the time it asked for: 45 to 75 s into each attempt.
+#: The first attempt, slowed to 3 s a step, is training then; the requeued one ends in under 45 s.
+WAYS = {"scancel": ((), 60, SLOW_STEP), "time-limit": (("--time=2",), 45, 3.0)}
+
+
+@pytest.mark.parametrize(
+    "way,late",
+    [("scancel", "0"), ("scancel", "1"), ("time-limit", "1")],
+    ids=["scancel-rank-1-exits-first", "scancel-rank-0-exits-first", "time-limit"],
+)
+def test_a_usr1_mid_run_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken, tmp_path, way, late):
+    flags, warning, delay = WAYS[way]
     folder = tmp_path / "job"
     recipe = recipe_in(folder, unbroken[0].parent / "slurm-cache")
     marks = tmp_path / "marks"
     (marks / "hook").mkdir(parents=True)
-    (marks / "hook" / "sitecustomize.py").write_text(_HOOK.format(marks=str(marks), delay=SLOW_STEP, late=late))
+    (marks / "hook" / "sitecustomize.py").write_text(_HOOK.format(marks=str(marks), delay=delay, late=late))
     started = time.monotonic()
-    job = submit(slurm, folder, recipe, env=job_env(slurm, marks / "hook"))
+    job = submit(slurm, folder, recipe, env=slurm.job_env(marks / "hook"), flags=flags, warning=warning)
     deadline = time.monotonic() + JOB_TIMEOUT
-    while not (marks / "step-5-0").exists():
-        assert time.monotonic() < deadline and slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), job_log(
-            folder, job
-        )[-3000:]
+    while way == "scancel" and not (marks / "step-5-0").exists():
+        running = slurm.job(job)["JobState"] in ("PENDING", "RUNNING")
+        assert time.monotonic() < deadline and running, job_log(folder, job)[-3000:]
         time.sleep(0.2)
-    slurm.run("scancel", "--signal=USR1", str(job))
-    slurm.wait(job, lambda f: int(f.get("Restarts", 0)) >= 1 and f["JobState"] == "PENDING", 60)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # SLURM holds a requeued job 2 minutes
+    if way == "scancel":
+        slurm.run("scancel", "--signal=USR1", str(job))
+    slurm.requeued(job, JOB_TIMEOUT)
     fields = slurm.finished(job, JOB_TIMEOUT)
     seconds = time.monotonic() - started
     log = job_log(folder, job)
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log[-3000:]
     step = _stop_step(log)
+    assert 0 < step < TRAINER["max_steps"], log[-3000:]
     assert f"resuming from {folder / 'run' / 'checkpoints' / 'last.ckpt'}" in log, log[-3000:]
-    last = folder / "run" / "checkpoints" / "last.ckpt"
-    assert_same_run(last, unbroken[0] / "run" / "checkpoints" / "last.ckpt")
-    print(f"scancel --signal=USR1 at step {step}, rank {late} exiting last: {seconds:.1f} s, requeued once")
+    last, reference = folder / "run" / "checkpoints" / "last.ckpt", unbroken[0] / "run" / "checkpoints" / "last.ckpt"
+    assert_same_run(last, reference)
+    after = [(s, x, y) for (s, x), (_, y) in zip(history(last)["train"], history(reference)["train"]) if s > step]
+    print(
+        f"\n{way}, rank {late} exiting last: stopped at step {step}, requeued once, {seconds:.1f} s; "
+        "step: requeued / unbroken loss: " + ", ".join(f"{s}: {x:.6f} / {y:.6f}" for s, x, y in after[:5])
+    )

@@ -67,7 +67,8 @@ FRESH_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
 def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]:
     """``torchrun`` (run on every node, its endpoint ``$MASTER_ADDR`` and ``$MASTER_PORT``, default
-    29500) and SLURM (``sbatch``) lines for ``builder train``."""
+    29500) and SLURM (``sbatch``, pre-emptible as ``yamlformer.builder.analysis.sbatch`` says) lines
+    for ``builder train``, and ``train``: the ``builder`` command's arguments they both run."""
 
     flags = " ".join(f"--set {shlex.quote(item)}" for item in sets)
     train = f"train {shlex.quote(recipe)} {flags}"
@@ -80,6 +81,11 @@ def launch_lines(recipe: str, sets: list[str], layout: Layout) -> dict[str, str]
         where = f"--standalone --nproc-per-node={layout.per_node}"
     slurm = (
         f"sbatch --nodes={layout.nodes} --ntasks-per-node={layout.per_node} "
-        f"--gpus-per-node={layout.per_node} --wrap={shlex.quote(f'srun builder {train}')}"
+        f"--gpus-per-node={layout.per_node} --signal=USR1@120 --requeue --open-mode=append "
+        f"--wrap={shlex.quote(f'srun --kill-on-bad-exit=1 builder {train}')}"
     )
-    return {"torchrun": f"{FRESH_STORE} torchrun {where} -m yamlformer.builder.cli {train}", "slurm": slurm}
+    return {
+        "torchrun": f"{FRESH_STORE} torchrun {where} -m yamlformer.builder.cli {train}",
+        "slurm": slurm,
+        "train": train,
+    }

@@ -3,7 +3,7 @@
 What each line is for:
 
 * ``--signal=USR1@N``: SLURM sends ``SIGUSR1`` to every task N seconds before the time limit (up
-  to a minute earlier: its timer ticks that coarsely); the run saves ``last.ckpt`` at the next step
+  to 30 s earlier, at the tick of its timer); the run saves ``last.ckpt`` at the next step
   boundary and global rank 0 requeues the job itself (``yamlformer.recipes.training.requeue``)
   before any rank exits. The script reads no exit status: with ``--kill-on-bad-exit=1`` the
   first rank to exit gets the others killed, so ``srun``'s status was 138 or 143 by which rank
@@ -57,20 +57,20 @@ def sbatch_script(
     ``activate`` (default :func:`activation`)."""
     if warning_seconds < 1:
         raise ValueError(f"warning_seconds {warning_seconds}: must be at least 1")
-    gres = (
-        [f"#SBATCH --gres=gpu:{gpus_per_node}          # one GPU per task (builder plan --no-gres: CPU nodes)"]
-        if gpus_per_node
-        else []
-    )
+
+    def noted(line: str, note: str) -> str:
+        return f"{line:<34} # {note}"
+
+    gres = [noted(f"#SBATCH --gres=gpu:{gpus_per_node}", "one GPU per task (builder plan --no-gres: CPU nodes)")]
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={tasks_per_node}",
-        *gres,
-        f"#SBATCH --signal=USR1@{warning_seconds}        # before the time limit: save at the next step, requeue",
+        *(gres if gpus_per_node else []),
+        noted(f"#SBATCH --signal=USR1@{warning_seconds}", "before the time limit: save at the next step, requeue"),
         "#SBATCH --requeue",
-        "#SBATCH --open-mode=append          # a requeued job appends to the first attempt's log",
+        noted("#SBATCH --open-mode=append", "a requeued job appends to the first attempt's log"),
         "#SBATCH --output=%x-%j.out",
         "# rank 0 requeues the job itself once last.ckpt is written (the requeued job resumes from it):",
         "# nothing here reads srun's exit status, which depends on which rank exited first",

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 
 from yamlformer.blocks.limits import MAX_SEQ_LEN
@@ -22,9 +20,9 @@ from yamlformer.builder.analysis.hardware import GPUS as _TABLE
 from yamlformer.builder.cli.arguments import MAX_DEVICES, at_most, count, number, parse_count, parse_size
 from yamlformer.builder.cli.calibrate import add_calibration_arguments, calibrate_first
 from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.plan_launch import add_launch_arguments, launch_of, print_launch, recipe_document
 
 GPUS = tuple(_TABLE)
-DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
 #: GPUs in one machine (an NVL72 rack counts as one: 72)
 MAX_PER_NODE = 4096
 #: sequences in one optimizer step
@@ -141,17 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rank-by", choices=("time", "cost"), default="time", help="rank by step time or GPU-hours (default time)"
     )
-    parser.add_argument(
-        "--recipe",
-        help="the recipe the launch lines train: a file or a zoo name (default "
-        f"{DEFAULT_RECIPE.removesuffix('.yaml')})",
-    )
-    parser.add_argument(
-        "--tokens",
-        metavar="N",
-        help="tokens to train on, e.g. 300B or 2T: the launch lines' "
-        "trainer.max_steps (default: 20 per parameter, Chinchilla's compute-optimal budget)",
-    )
+    add_launch_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_options(parser)
 
@@ -186,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     result, faster = lead_with_launchable(result, spec, cluster, settings)
-    launch = _launch(result, args, tokens) if result.fits and not result.chosen.launch_problems() else None
+    try:
+        launch = launch_of(result, args, tokens) if result.fits and not result.chosen.launch_problems() else None
+    except ValueError as exc:  # the batch file cannot be written (--sbatch)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(to_json(result, launch, faster), indent=2))
     else:
@@ -303,118 +295,11 @@ def _settings(spec, args) -> dict:
     }
 
 
-def recipe_document(recipe: str | None):
-    """How the launch lines name the recipe — a zoo name as given (``lm-stdlib``, the default),
-    a file as an absolute path, so a line runs from any folder — its document kind, which turns
-    a plan into the recipe's settings (``yamlformer.builder.kinds``), and the merged file (not validated:
-    ``builder train`` does that)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.kinds import kind_of
-    from yamlformer.builder.spec.loader import SpecError, read_merged
-    from yamlformer.builder.zoo import ZooError, locate
-
-    shown = recipe if recipe is not None else DEFAULT_RECIPE.removesuffix(".yaml")
-    try:
-        path = locate(shown)
-    except ZooError as exc:
-        raise ValueError(f"--recipe {shown}: {exc}") from None
-    if not path.is_file():
-        raise ValueError(f"--recipe {shown}: not a file")
-    try:
-        data = read_merged(path).data
-    except SpecError as exc:
-        raise ValueError(f"--recipe {shown}: {str(exc).splitlines()[0]}") from None
-    kind = kind_of(data)
-    if kind is None or kind.launch is None:
-        what = f"this is {kind.title}" if kind is not None else "its keys say no kind of file"
-        raise ValueError(f"--recipe {shown}: {what}, not a file `builder train` runs")
-    named = shown if not os.path.exists(shown) else os.path.abspath(shown)
-    return named, kind, data
-
-
-#: tokens per parameter of the default budget: compute-optimal training (Hoffmann et al. 2022)
-CHINCHILLA_TOKENS_PER_PARAMETER = 20
-
-
 def not_launchable(candidate) -> str | None:
     """``not launchable: REASON`` for a layout the recipes' runtime does not run (the first of
     ``yamlformer.builder.analysis.runtime``'s refusals, naming the trainer field), None for one it does."""
     problems = candidate.launch_problems()
     return f"not launchable: trainer.{problems[0][0]}: {problems[0][1]}" if problems else None
-
-
-def _launch(result, args, tokens: int | None) -> dict:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.launch import Launch, launch_lines
-
-    recipe, kind, document = recipe_document(args.recipe)
-    spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
-    budget = tokens if tokens is not None else CHINCHILLA_TOKENS_PER_PARAMETER * result.params
-    max_steps = max(1, -(-budget // result.tokens_per_step))
-    layout = result.chosen.layout
-    launch = Launch(
-        result.chosen,
-        seq_len=result.seq_len,
-        dtype=result.dtype,
-        spec=spec,
-        spec_overrides=(*args.overrides, *result.chosen.spec_overrides),
-        max_steps=max_steps,
-        output_dir=os.path.join("runs", f"{result.spec_name}-{layout.devices}gpus"),
-    )
-    sets = kind.launch(document, launch)
-    lines = launch_lines(recipe, sets, layout)
-    return {
-        **lines,
-        "set": sets,
-        "describe": _describe_line(result, args),
-        "tokens": max_steps * result.tokens_per_step,
-        "max_steps": max_steps,
-        "output_dir": launch.output_dir,
-        "budget": "--tokens" if tokens is not None else f"{CHINCHILLA_TOKENS_PER_PARAMETER} tokens per parameter",
-    }
-
-
-def _describe_line(result, args) -> str:
-    c, layout = result.chosen, result.chosen.layout
-    parts = [
-        "builder",
-        "describe",
-        args.spec,
-        "--seq-len",
-        str(result.seq_len),
-        "--batch",
-        str(c.micro_batch),
-        "--dtype",
-        result.dtype,
-        "--devices",
-        str(layout.devices),
-        "--nodes",
-        str(layout.nodes),
-        "--strategy",
-        "fsdp",
-        "--tensor-parallel",
-        str(layout.tensor_parallel),
-        "--data-parallel",
-        layout.data_parallel,
-    ]
-    for option, degree in (
-        ("--context-parallel", layout.context_parallel),
-        ("--expert-parallel", layout.expert_parallel),
-    ):
-        if degree > 1:
-            parts += [option, str(degree)]
-    if layout.pipeline_parallel > 1:
-        parts += ["--pipeline-parallel", str(layout.pipeline_parallel), "--schedule", c.run.schedule]
-        parts += ["--pipeline-microbatches", str(c.accumulation)]
-    if result.src_len:
-        parts += ["--src-len", str(result.src_len)]
-    if c.checkpointing:
-        parts.append("--checkpointing")
-    if args.optimizer != "adamw":
-        parts += ["--optimizer", args.optimizer]
-    for item in [*args.overrides, *c.spec_overrides]:
-        parts += ["--set", item]
-    return " ".join(shlex.quote(p) for p in parts)
 
 
 def to_json(result, launch, faster=None) -> dict:
@@ -571,20 +456,7 @@ def _print(result, launch, args, faster=None) -> None:
             highlight=False,
         )
         return
-    console.print(
-        f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
-        f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
-        f"--tokens sets it), into ./{launch['output_dir']}",
-        highlight=False,
-    )
-    console.print(launch["torchrun"], highlight=False, soft_wrap=True)
-    console.print(launch["slurm"], highlight=False, soft_wrap=True)
-    console.print("check the memory with:", highlight=False)
-    console.print(launch["describe"], highlight=False, soft_wrap=True)
-    console.print(
-        f"[dim]the recipe's tokenizer sets vocab_size; these figures use the spec's {result.params:,} parameters[/]",
-        highlight=False,
-    )
+    print_launch(console, result, launch)
 
 
 def _short(c) -> str:
