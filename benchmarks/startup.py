@@ -13,7 +13,8 @@ the medians, their spread and the median of the pair-by-pair ratios are printed.
     python benchmarks/startup.py --json
 
 The commands: ``builder --help`` and ``builder validate specs/tiny/llama.yaml`` (the two whose
-start the project keeps fast), ``builder validate lm-stdlib`` and ``builder train lm-stdlib --help``.
+start the project keeps fast), ``builder validate lm-stdlib``, ``builder describe specs/tiny/llama.yaml``
+(torch-free) and ``builder train lm-stdlib --help``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ COMMANDS = {
     "builder --help": ["--help"],
     "builder validate specs/tiny/llama.yaml": ["validate", str(REPO / "specs" / "tiny" / "llama.yaml")],
     "builder validate lm-stdlib": ["validate", "lm-stdlib"],
+    "builder describe specs/tiny/llama.yaml": ["describe", str(REPO / "specs" / "tiny" / "llama.yaml")],
     "builder train lm-stdlib --help": ["train", "lm-stdlib", "--help"],
 }
 RUN = (

@@ -20,8 +20,12 @@ import argparse
 import json
 import sys
 
+from yamlformer.builder.checkpoints import looks_like_checkpoint
 from yamlformer.builder.cli.arguments import MAX_SEED, count, input_file, output_folder
-from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options, spec_from_args
+from yamlformer.builder.hf import HFError, export_hf
+from yamlformer.builder.hf.writer import EXPORT_FILES
+from yamlformer.builder.outputs import Snapshot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,13 +106,6 @@ def _pairs(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.checkpoints import looks_like_checkpoint
-    from yamlformer.builder.cli.common import spec_from_args
-    from yamlformer.builder.hf import HFError, export_hf
-    from yamlformer.builder.hf.writer import EXPORT_FILES
-    from yamlformer.builder.outputs import Snapshot
-
     spec = None
     if not looks_like_checkpoint(args.source):
         spec = spec_from_args(args, args.source)  # exits 1 with located problems

@@ -14,22 +14,25 @@ import json
 import sys
 
 from yamlformer.blocks.limits import MAX_SEQ_LEN
+from yamlformer.builder.cli.arguments import (
+    MAX_BATCH,
+    MAX_BEAMS,
+    ArgumentError,
+    at_most,
+    count,
+    device,
+    input_file,
+    input_path,
+    number,
+    output_file,
+)
 from yamlformer.builder.cli.common import add_plugin_option, load_plugins_from_args
+from yamlformer.builder.spec.plugins import PluginError
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.tasks import NAMES, task_named, task_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import (
-        MAX_BATCH,
-        MAX_BEAMS,
-        count,
-        device,
-        input_file,
-        input_path,
-        number,
-        output_file,
-    )
-
     parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by `builder train`")
     parser.add_argument(
         "--data",
@@ -114,10 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
     """An option given that the checkpoint's task does not read is an error, not ignored
     (``options``: ``"eval_options"`` or ``"generate_options"``, the tasks' own lists)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import ArgumentError
-    from yamlformer.recipes.tasks import NAMES, task_named, task_of
-
     task = task_of(meta)
     read = {name: getattr(task_named(name), options) for name in NAMES}
     for name in sorted({n for names in read.values() for n in names} - set(getattr(task, options))):
@@ -130,11 +129,7 @@ def refuse_options(args: argparse.Namespace, meta: dict, options: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import ArgumentError, at_most
-    from yamlformer.builder.spec.plugins import PluginError
-    from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.tasks import task_of
+    # local: the commands load torch-free (tests/test_layering.py TORCH_FREE); a checkpoint's reader imports torch
     from yamlformer.recipes.trained import load_trained
 
     try:

@@ -7,24 +7,27 @@ import contextlib
 import sys
 
 from yamlformer.blocks.limits import MAX_VOCAB
+from yamlformer.builder.cli.arguments import (
+    MAX_BEAMS,
+    MAX_NEW_TOKENS,
+    MAX_SEED,
+    ArgumentError,
+    count,
+    device,
+    number,
+    text,
+)
 from yamlformer.builder.cli.common import add_plugin_option, load_plugins_from_args
+from yamlformer.builder.spec.plugins import PluginError
+from yamlformer.recipes.commands.eval import refuse_options
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.tasks import task_of
 
 #: language-model decoding defaults (an option left out)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "num_beams": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import (
-        MAX_BEAMS,
-        MAX_NEW_TOKENS,
-        MAX_SEED,
-        count,
-        device,
-        number,
-        text,
-    )
-
     parser.add_argument(
         "checkpoint",
         metavar="CKPT",
@@ -82,11 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.plugins import PluginError
-    from yamlformer.recipes.commands.eval import refuse_options
-    from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.tasks import task_of
+    # local: the commands load torch-free (tests/test_layering.py TORCH_FREE); a checkpoint's reader imports torch
     from yamlformer.recipes.trained import load_trained
 
     out = _LineTracking(sys.stdout)
@@ -127,9 +126,6 @@ class _LineTracking:
 
 def _check_decoding(args: argparse.Namespace) -> None:
     """Options of one decoding mode given with another are refused, not ignored."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import ArgumentError
-
     sampling = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
     if args.num_beams is not None and args.num_beams > 1:
         given = sampling + (["--temperature"] if args.temperature is not None else [])

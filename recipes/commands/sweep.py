@@ -13,11 +13,21 @@ import argparse
 import shlex
 import sys
 
+import optuna
+from rich.console import Console
+from rich.table import Table
+
+from yamlformer.builder.cli.arguments import count
+from yamlformer.builder.spec.source import SpecError
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.studies import store
+from yamlformer.recipes.studies.runner import Sweep, queue_grid
+from yamlformer.recipes.studies.schema import load_study
+from yamlformer.recipes.studies.store import check_storage
+from yamlformer.recipes.studies.variants import NothingToRun, plan, train_command
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.cli.arguments import count
-
     parser.add_argument("study", metavar="STUDY", help="a study file (recipes/README.md, 'Variant studies')")
     show = parser.add_mutually_exclusive_group()
     show.add_argument(
@@ -48,11 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.source import SpecError
-    from yamlformer.recipes.errors import RecipeError
-    from yamlformer.recipes.studies.variants import NothingToRun
-
     try:
         return _run(args)
     except (SpecError, NothingToRun) as exc:  # located lines, as they are
@@ -64,11 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies.schema import load_study
-    from yamlformer.recipes.studies.store import check_storage
-    from yamlformer.recipes.studies.variants import plan
-
     loaded = load_study(args.study)
     if not (args.dry_run or args.print_torchrun or args.print_slurm):
         check_storage(loaded)  # a server without its driver is said now, not after every variant is checked
@@ -88,10 +88,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(loaded, variants, invalid, args) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies import store
-    from yamlformer.recipes.studies.runner import Sweep, queue_grid
-
     settings = loaded.study
     study, created = store.open_study(loaded, create=True, sampler=_sampler(settings), pruner=_pruner(settings))
     if created and settings.search == "grid":
@@ -121,18 +117,12 @@ def _sweep(loaded, variants, invalid, args) -> int:
 
 
 def _sampler(settings):
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    import optuna
-
     if settings.search == "tpe":
         return optuna.samplers.TPESampler(seed=settings.seed)
     return optuna.samplers.RandomSampler(seed=settings.seed)  # a grid's trials are all queued
 
 
 def _pruner(settings):
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    import optuna
-
     pruner = settings.pruner
     if pruner is None or pruner.type == "none":
         return optuna.pruners.NopPruner()
@@ -140,10 +130,6 @@ def _pruner(settings):
 
 
 def _print_plan(loaded, variants) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"{loaded.name}: {len(variants)} variants", title_justify="left")
     for column in ("variant", "params", "FLOPs/token", "tokens/step", "steps", "tokens", "FLOPs"):
         table.add_column(column, justify="left" if column == "variant" else "right")
@@ -161,9 +147,6 @@ def _print_plan(loaded, variants) -> None:
 
 
 def _launch_lines(loaded, variants, slurm: bool) -> str:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.studies.variants import train_command
-
     settings = loaded.study
     devices = settings.parallel.devices
     if not slurm:

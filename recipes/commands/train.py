@@ -7,6 +7,10 @@ import sys
 
 from yamlformer.builder.cli.arguments import count, input_path
 from yamlformer.builder.cli.common import add_spec_options, load_plugins_from_args, overrides_from_args
+from yamlformer.builder.spec.loader import SpecError
+from yamlformer.builder.spec.plugins import PluginError
+from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.sections import recipe_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,21 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.builder.spec.plugins import PluginError
-    from yamlformer.recipes.errors import RecipeError
-
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from yamlformer.recipes.recipe.sections import recipe_path
-
         recipe = recipe_path(args.recipe)  # a path, else a zoo name
         _check_cooldown_arguments(args)
-        if args.dry_run:  # before torch and Lightning are imported
-            # local: builder --help imports every command's module; this one's work loads when it runs
+        if args.dry_run:  # torch and Lightning are not imported
+            # local: builder train --help loads no resolution nor estimate (benchmarks/startup.py)
             from yamlformer.recipes.training.dry_run import dry_run
 
             dry_run(recipe, overrides, resume=args.resume, fresh=args.fresh)
@@ -97,9 +93,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_cooldown_arguments(args: argparse.Namespace) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.recipes.errors import RecipeError
-
     if (args.cooldown_from is None) != (args.steps is None):
         raise RecipeError("--cooldown-from CKPT and --steps N go together: a cooldown of N steps from CKPT")
     if args.cooldown_from is not None and (args.resume is not None or args.dry_run):
@@ -107,21 +100,19 @@ def _check_cooldown_arguments(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace, recipe, overrides) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.spec.loader import SpecError
-    from yamlformer.recipes.errors import RecipeError
+    # local: training imports torch and Lightning (seconds), which the dry run and the refusals before it never load
     from yamlformer.recipes.learning.module import NonFiniteLossError
     from yamlformer.recipes.training.run_folder import os_problem, owns_run_folder
     from yamlformer.recipes.training.signals import Stopped
 
     try:
         if args.cooldown_from is not None:
-            # local: builder --help imports every command's module; this one's work loads when it runs
+            # local: as above (torch and Lightning)
             from yamlformer.recipes.training.cooldown import cooldown
 
             cooldown(recipe, overrides, args.cooldown_from, args.steps, args.fresh, args.samples, args.verbose)
         else:
-            # local: builder --help imports every command's module; this one's work loads when it runs
+            # local: as above (torch and Lightning)
             from yamlformer.recipes.training.run import run as train
 
             train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
