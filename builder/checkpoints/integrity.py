@@ -58,6 +58,8 @@ def _tensor_crc(tensor) -> int:
     if data.device.type != "cpu":
         data = data.to("cpu")
     data = data.contiguous().reshape(-1)
+    if data.numel() and data.stride() != (1,):  # a size-1 dim keeps any stride, which view() refuses
+        data = torch.empty_like(data, memory_format=torch.contiguous_format).copy_(data)  # (NF4's scale: (64,))
     if data.numel() == 0:
         return zlib.crc32(header)
     raw = memoryview(data.view(torch.uint8).numpy()) if data.dtype != torch.uint8 else memoryview(data.numpy())

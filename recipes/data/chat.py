@@ -91,7 +91,7 @@ class ChatFormat:
         self.source = "recipe" if template else "tokenizer" if own else "default"
         # the default template has no end of turn: the tokenizer's EOS ends each answer
         self.eos = tokenizer.eos_id if self.template == DEFAULT_TEMPLATE else None
-        self._render = _renderer(self.template, tokenizer)
+        self._render = _bounded(_renderer(self.template, tokenizer))
 
     def describe(self) -> str:
         return {
@@ -147,6 +147,26 @@ class ChatFormat:
         pieces = self.pieces([*context, {"role": "assistant", "content": "."}])
         answer = max(i for i, (_, trained) in enumerate(pieces) if trained)  # the stand-in, never encoded
         return self._encoded(pieces[:answer]).ids.tolist()
+
+
+#: the most characters one conversation may render to: more is no record a model trains on (a
+#: million-token window holds about 4 million), and tokenizing a template's ``'a' * 10**9`` took
+#: 8 GB before the tokenizer aborted the process
+MAX_RENDERED = 1 << 26
+
+
+def _bounded(render):
+    """``render``, refusing a rendering longer than :data:`MAX_RENDERED` before it is tokenized."""
+
+    def bounded(messages, generation: bool) -> str:
+        text = render(messages, generation)
+        if len(text) > MAX_RENDERED:
+            raise ChatError(
+                f"the chat template renders {len(text):,} characters, more than the {MAX_RENDERED:,} a record may hold"
+            )
+        return text
+
+    return bounded
 
 
 def _renderer(template: str, tokenizer):

@@ -57,6 +57,14 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
                 raise RecipeError(f"{name}:{number}: not UTF-8 (byte {exc.start:,} of the line)") from None
             except json.JSONDecodeError as exc:
                 raise RecipeError(f"{name}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise RecipeError(
+                    f"{name}:{number}: not a record: JSON nested deeper than the reader follows"
+                ) from None
+            except ValueError as exc:  # a number of more digits than Python converts (4,300)
+                raise RecipeError(
+                    f"{name}:{number}: not a record the reader takes ({str(exc).split(':')[0]})"
+                ) from None
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, object]]:
