@@ -17,6 +17,7 @@ import optuna
 from rich.console import Console
 from rich.table import Table
 
+from yamlformer.builder.analysis.sbatch import activation
 from yamlformer.builder.cli.arguments import count
 from yamlformer.builder.spec.source import SpecError
 from yamlformer.recipes.errors import RecipeError
@@ -157,6 +158,8 @@ def _launch_lines(loaded, variants, slurm: bool) -> str:
         f"#SBATCH --job-name={loaded.name}",
         f"#SBATCH --array=0-{len(variants) - 1}%{settings.parallel.trials}",
         "#SBATCH --ntasks=1",
+        "#SBATCH --output=%x-%A_%a.out",
+        "#SBATCH --open-mode=append",
     ]
     if devices:
         lines.append(f"#SBATCH --gpus-per-task={devices}")
@@ -167,5 +170,6 @@ def _launch_lines(loaded, variants, slurm: bool) -> str:
     if loaded.storage.startswith("sqlite:"):
         lines.append("# SQLite locks badly over network filesystems: for many nodes set storage: to a server URL")
     lines.append(f"# make the study once before submitting: builder sweep {study} --max-trials 0")
+    lines.append(activation())  # `builder` on every node: the environment this command ran in
     lines.append(f"builder sweep {study} --max-trials 1")
     return "\n".join(lines)
