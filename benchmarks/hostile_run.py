@@ -350,7 +350,8 @@ def sft_cases(tmp: Path) -> list[Case]:
     }
     for i, (name, template) in enumerate(templates.items()):
         tokenizer = {"type": "hf", "model_file": str(_hf_tokenizer(tmp / "tokenizers" / str(i), template))}
-        cases.append(_train(f"sft chat template: {name}", _sft(tmp, f"sft-template-{i}", good, tokenizer)))
+        expect = "either" if template == "" else "refuse"  # an empty template is none: the default's
+        cases.append(_train(f"sft chat template: {name}", _sft(tmp, f"sft-template-{i}", good, tokenizer), expect))
     return cases
 
 
@@ -368,6 +369,7 @@ def peft_cases(tmp: Path, models: dict) -> list[Case]:
         def change(folder, c):
             (folder / name).unlink()
             make(folder / name)
+            return False if name == "adapter_config.json" else None  # the config made here is kept
 
         return change
 
@@ -709,18 +711,11 @@ def tuning_cases(tmp: Path) -> list[Case]:
 # -- running and judging -----------------------------------------------------------------------------
 
 
-def _digest(path: Path) -> str | None:
-    """What is at ``path`` (a file's bytes, a folder's files), to tell whether a command changed it."""
-    if not os.path.lexists(path):
-        return None
-    h = hashlib.sha256()
-    if path.is_dir():
-        for sub in sorted(path.rglob("*")):
-            if sub.is_file():
-                h.update(str(sub.relative_to(path)).encode() + sub.read_bytes())
-    elif path.is_file():
-        h.update(path.read_bytes())
-    return h.hexdigest()
+def _digest(path: Path) -> dict[str, str]:
+    """What is at ``path``: each file's digest by its path (a folder's files), to tell whether a
+    command changed or removed one (a file added beside them loses nothing)."""
+    files = sorted(path.rglob("*")) if path.is_dir() else [path] if os.path.lexists(path) else []
+    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
 
 
 class _Hung(BaseException):
@@ -792,7 +787,7 @@ def judge(case: Case, tmp: Path, env: dict) -> dict:
     after = {str(p): _digest(Path(p)) for p in case.protect}
     if sorted(str(p) for p in tmp.glob("EXECUTED-*")) != markers:
         outcome = "executed"
-    elif before != after:
+    elif any(after[p].get(f) != digest for p in before for f, digest in before[p].items()):
         outcome = "lost"
     elif outcome not in ("hang", "traceback", "disagrees") and SECRET in text:
         outcome = "leak"

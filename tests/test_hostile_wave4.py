@@ -63,3 +63,62 @@ def test_a_chat_template_that_renders_without_end_is_refused_before_tokenizing()
     chat = ChatFormat(CharTokenizer.fit("ab", eos=True), template="{{ 'a' * " + str(MAX_RENDERED + 1) + " }}")
     with pytest.raises(ChatError, match="renders 67,108,865 characters, more than the 67,108,864"):
         chat.encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+
+
+def test_sgd_nesterov_without_momentum_is_refused_by_validate_as_by_the_run(capsys, tmp_path):
+    """validate and the dry run accepted it; the run refused it once the model was built."""
+    recipe = tiny_recipe(tmp_path, optimizer={"type": "sgd", "momentum": 0, "nesterov": True})
+    result = cli(capsys, "validate", recipe)
+    assert result.status == 1 and "optimizer.nesterov: Nesterov momentum needs momentum > 0" in result.out
+    refused(cli(capsys, "train", recipe, "--dry-run"), 1, "optimizer.nesterov: Nesterov momentum needs momentum > 0")
+
+
+def test_a_chat_template_that_is_no_string_is_refused():
+    """A tokenizer_config.json's ``"chat_template": 42`` trained on what str(42) rendered."""
+    import pytest
+
+    from yamlformer.recipes.data.chat import ChatFormat
+    from yamlformer.recipes.data.tokenizers import CharTokenizer
+    from yamlformer.recipes.errors import RecipeError
+
+    tokenizer = CharTokenizer.fit("ab", eos=True)
+    tokenizer.chat_template = 42
+    with pytest.raises(RecipeError, match="chat_template is a int, not a Jinja template"):
+        ChatFormat(tokenizer)
+
+
+def _peft_folder(tmp_path):
+    """The harness's PEFT folder over its base's Hugging Face export (benchmarks/hostile_run.py)."""
+    import sys
+
+    from hostile_helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from hostile_run import _base_models
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return _base_models(tmp_path)
+
+
+def test_a_peft_folder_of_wrong_types_or_shapes_is_one_line(capsys, tmp_path):
+    """``lora_alpha: "eight"`` raised ValueError and adapter tensors of the wrong shape IndexError;
+    ``r: -1`` was taken (the rank read from the tensors)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    models = _peft_folder(tmp_path)
+    peft, config = models["peft"], json.loads((models["peft"] / "adapter_config.json").read_text())
+    for key, value, said in [
+        ("lora_alpha", "eight", "lora_alpha must be a number, got str"),
+        ("r", -1, "r must be a whole number from 1, got int"),
+        ("use_dora", "yes", "use_dora must be true or false, got str"),
+    ]:
+        (peft / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        refused(cli(capsys, "import-hf", peft, "-o", tmp_path / key), 1, said)
+        assert not (tmp_path / key).exists()
+    (peft / "adapter_config.json").write_text(json.dumps(config))
+    state = load_file(str(peft / "adapter_model.safetensors"))
+    save_file({k: v[:1] for k, v in state.items()}, str(peft / "adapter_model.safetensors"))
+    refused(cli(capsys, "import-hf", peft, "-o", tmp_path / "shapes"), 1, "are no adapter of its")

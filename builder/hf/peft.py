@@ -228,6 +228,13 @@ def read_peft_config(folder: Path, base: str | Path | None = None) -> tuple[dict
     for key in ("modules_to_save", "layers_to_transform", "layer_replication", "trainable_token_indices"):
         if config.get(key):
             raise HFError(f"{folder / CONFIG}: {key} is set; builder reads adapters on linear modules only")
+    kinds = {"r": int, "lora_alpha": (int, float), "lora_dropout": (int, float), "use_dora": bool, "use_rslora": bool}
+    for key, kind in kinds.items():
+        value = config.get(key)
+        wrong = isinstance(value, bool) and kind is not bool  # JSON's true is no number
+        if value is not None and (wrong or not isinstance(value, kind) or (key == "r" and value < 1)):
+            what = {"r": "a whole number from 1", "use_dora": "true or false", "use_rslora": "true or false"}
+            raise HFError(f"{folder / CONFIG}: {key} must be {what.get(key, 'a number')}, got {type(value).__name__}")
     where = base or config.get("base_model_name_or_path")
     if not where:
         raise HFError(f"{folder / CONFIG}: names no base model (base_model_name_or_path); give --base DIR")
@@ -268,8 +275,21 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
         order, _ = _probe(link, rows)
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))  # our row g is Hugging Face row back[g]
-        a, b = weights[f"{PREFIX}{module}.lora_A.weight"], weights[f"{PREFIX}{module}.lora_B.weight"][back]
+        a, b = weights[f"{PREFIX}{module}.lora_A.weight"], weights[f"{PREFIX}{module}.lora_B.weight"]
         magnitude = weights.get(f"{PREFIX}{module}.lora_magnitude_vector")
+        in_features = state[f"{members[0]}.weight"].shape[-1]
+        if (
+            a.ndim != 2
+            or b.ndim != 2
+            or a.shape[0] != b.shape[1]
+            or (a.shape[1], b.shape[0]) != (in_features, len(order))
+            or (magnitude is not None and tuple(magnitude.shape) != (len(order),))
+        ):
+            raise HFError(
+                f"{folder / WEIGHTS}: {module}'s lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no adapter "
+                f"of its {in_features} inputs and {len(order)} outputs"
+            )
+        b = b[back]
         magnitude = magnitude[back] if magnitude is not None else None
         alpha = _alpha(config, module, a.shape[0])
         blocks = _blocks(b, rows)  # a fused module's block-diagonal LoRA (as export writes it): rank a's / k each

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from yamlformer.blocks.configs.block import rule_error
 from yamlformer.builder.optim.registry import Group, OptimizerConfig, StateBytes, Trainable, grouped, register
 
 #: a YAML list [0.9, 0.95] is the tuple; its items stay strictly typed
@@ -95,6 +96,13 @@ class SGDConfig(OptimizerConfig):
         0.0, ge=0, description="L2 penalty on matrices (added to the gradient, as torch's SGD does)."
     )
     decay_embeddings: bool = Field(False, description="Decay the embedding tables too.")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self):
+        """Refused where the recipe loads (validate and the dry run too: the run alone refused it)."""
+        if self.nesterov and self.momentum == 0:
+            raise rule_error(("nesterov",), "Nesterov momentum needs momentum > 0")
+        return self
 
     @property
     def peak_lr(self) -> float:

@@ -87,6 +87,8 @@ class ChatFormat:
     def __init__(self, tokenizer, template: str | None = None):
         self.tokenizer = tokenizer
         own = getattr(tokenizer, "chat_template", None)
+        if own is not None and not isinstance(own, str):  # a tokenizer_config.json's 42: no template
+            raise RecipeError(f"the tokenizer's chat_template is a {type(own).__name__}, not a Jinja template")
         self.template = template or own or DEFAULT_TEMPLATE
         self.source = "recipe" if template else "tokenizer" if own else "default"
         # the default template has no end of turn: the tokenizer's EOS ends each answer
