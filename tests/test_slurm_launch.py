@@ -92,8 +92,11 @@ def unbroken(slurm, tmp_path_factory):
 
 
 def test_one_node_two_tasks_meet_at_the_jobs_port_and_train(unbroken):
+    """Both tasks start on an empty ``data.cache_dir`` (the session's first job): one tokenizes,
+    the other waits for it and reads the same dataset (``recipes/data/dataset_folder.py``'s lock)."""
     folder, job, seconds, fields, log = unbroken
     assert fields["JobState"] == "COMPLETED", log[-3000:]
+    assert len(list((folder.parent / "slurm-cache" / "tokenized").iterdir())) == 1
     assert "GLOBAL_RANK: 1" in log or "MEMBER: 2/2" in log, log[-3000:]
     assert (folder / "run" / "checkpoints" / "last.ckpt").exists()
     print(f"srun -N1 -n2, 30 steps: {seconds:.1f} s from submission; port {slurm_port(job)}")
