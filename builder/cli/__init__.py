@@ -24,6 +24,8 @@ import sys
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 
+from yamlformer.builder import packages
+
 #: builder's own commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("yamlformer.builder.cli.validate", "check spec files; one line per problem"),
@@ -100,7 +102,7 @@ def versions() -> str:
             parts.append(f"{name} {version(name)}")
         except PackageNotFoundError:
             parts.append(f"{name} not installed")
-    # local: builder --help imports every command's module; this one's work loads when it runs
+    # local: torch loads for --version alone (every other start of builder stays torch-free)
     import torch
 
     parts.append(f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA build")
@@ -187,11 +189,8 @@ def parser(command: str | None = EVERY) -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", metavar="COMMAND", required=True)
     table = commands()
     if table.keys() == COMMANDS.keys():  # no entry point: a checkout that was never installed?
-        # local: builder --help imports every command's module; this one's work loads when it runs
-        from yamlformer.builder.packages import NOT_INSTALLED, installed
-
-        if not installed():
-            root.epilog = root.missing = NOT_INSTALLED
+        if not packages.installed():
+            root.epilog = root.missing = packages.NOT_INSTALLED
     for name, (module, help_text) in table.items():
         if command not in (EVERY, name):
             sub.add_parser(name, help=help_text)  # named and helped; never parsed in this run
@@ -229,7 +228,7 @@ _builder_zoo_or_files() {
 def _complete_files(command: argparse.ArgumentParser) -> None:
     """Positional arguments (a spec, recipe, checkpoint or folder) complete as paths in the shell;
     one whose help says it takes a zoo entry completes zoo names too (bash)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
+    # local: shtab is needed only where the completion option is added, every parser here
     import shtab
 
     for action in command._actions:
@@ -249,10 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     them is a bug: caught here as a last resort, printed as one line asking for a report (the
     traceback too under ``BUILDER_DEBUG=1``), exit status 70.
     """
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.packages import foreign
-
-    problem = foreign()
+    problem = packages.foreign()
     if problem:
         print(f"builder: {problem}", file=sys.stderr)
         return 1

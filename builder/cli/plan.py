@@ -15,12 +15,22 @@ import argparse
 import json
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
 from yamlformer.blocks.limits import MAX_SEQ_LEN
+from yamlformer.builder.analysis.calibration import lookup
 from yamlformer.builder.analysis.hardware import GPUS as _TABLE
+from yamlformer.builder.analysis.hardware import gpu
+from yamlformer.builder.analysis.layout import LayoutError
+from yamlformer.builder.analysis.plan import CHEAPEST, Cluster, plan
+from yamlformer.builder.analysis.report import human, human_bytes
 from yamlformer.builder.cli.arguments import MAX_DEVICES, at_most, count, number, parse_count, parse_size
 from yamlformer.builder.cli.calibrate import add_calibration_arguments, calibrate_first
-from yamlformer.builder.cli.common import add_spec_options
+from yamlformer.builder.cli.common import add_spec_options, spec_from_args
+from yamlformer.builder.cli.describe import option_error
 from yamlformer.builder.cli.plan_launch import add_launch_arguments, launch_of, print_launch, recipe_document
+from yamlformer.builder.spec.loader import SpecError
 
 GPUS = tuple(_TABLE)
 #: GPUs in one machine (an NVL72 rack counts as one: 72)
@@ -145,11 +155,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.layout import LayoutError
-    from yamlformer.builder.cli.common import spec_from_args
-    from yamlformer.builder.cli.describe import option_error
-
     done = calibrate_first(args)  # --calibrate: measure this GPU (and plan on it when a spec is given)
     if done is not None:
         return done
@@ -159,9 +164,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     spec = spec_from_args(args)
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.plan import plan
-
     try:
         settings = _settings(spec, args)
         recipe_document(args.recipe)  # a recipe that is not there is refused before planning
@@ -191,10 +193,6 @@ def lead_with_launchable(result, spec, cluster, settings: dict):
     plan of the layouts it does run (the same pins; its lines launch it) and the faster plan,
     shown beside it with why it does not launch; else ``(result, None)``. ``--launchable``
     searched only those already; a plan where no runnable layout fits keeps the fastest."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.layout import LayoutError
-    from yamlformer.builder.analysis.plan import plan
-
     if settings["launchable"] or not result.fits or not result.chosen.launch_problems():
         return result, None
     try:
@@ -207,12 +205,6 @@ def lead_with_launchable(result, spec, cluster, settings: dict):
 def cluster_from_args(args: argparse.Namespace):
     """The :class:`yamlformer.builder.analysis.plan.Cluster` the options describe, with its GPU's
     calibration (``yamlformer.builder.analysis.calibration.lookup``); ``ValueError`` names a bad option."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.calibration import lookup
-    from yamlformer.builder.analysis.hardware import gpu
-    from yamlformer.builder.analysis.plan import Cluster
-    from yamlformer.builder.spec.loader import SpecError
-
     try:
         key, row, calibration = lookup(args.gpu, getattr(args, "calibration_dir", None))
     except SpecError as exc:
@@ -303,9 +295,6 @@ def not_launchable(candidate) -> str | None:
 
 
 def to_json(result, launch, faster=None) -> dict:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.plan import CHEAPEST
-
     cluster = result.cluster
     hw = cluster.hardware
     out = {
@@ -364,13 +353,6 @@ def to_json(result, launch, faster=None) -> dict:
 
 
 def _print(result, launch, args, faster=None) -> None:
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from rich.console import Console
-    from rich.table import Table
-
-    from yamlformer.builder.analysis.plan import CHEAPEST
-    from yamlformer.builder.analysis.report import human, human_bytes
-
     console = Console()
     cluster = result.cluster
     console.print(

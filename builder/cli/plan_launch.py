@@ -11,6 +11,13 @@ import os
 import shlex
 from pathlib import Path
 
+from yamlformer.builder.analysis.launch import Launch, launch_lines
+from yamlformer.builder.analysis.report import human
+from yamlformer.builder.analysis.sbatch import sbatch_script
+from yamlformer.builder.kinds import kind_of
+from yamlformer.builder.spec.loader import SpecError, read_merged
+from yamlformer.builder.zoo import ZooError, locate
+
 DEFAULT_RECIPE = "lm-stdlib.yaml"  # of the recipes package
 
 
@@ -52,11 +59,6 @@ def recipe_document(recipe: str | None):
     a file as an absolute path, so a line runs from any folder — its document kind, which turns
     a plan into the recipe's settings (``yamlformer.builder.kinds``), and the merged file (not validated:
     ``builder train`` does that)."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.kinds import kind_of
-    from yamlformer.builder.spec.loader import SpecError, read_merged
-    from yamlformer.builder.zoo import ZooError, locate
-
     shown = recipe if recipe is not None else DEFAULT_RECIPE.removesuffix(".yaml")
     try:
         path = locate(shown)
@@ -84,10 +86,6 @@ def launch_of(result, args, tokens: int | None) -> dict:
     """The plan's launch: its ``torchrun`` and SLURM lines, the batch file (``sbatch``, written to
     ``--sbatch FILE`` when given), the ``--set`` flags, the ``builder describe`` line that checks
     its memory, and its steps and tokens. ``ValueError`` when the batch file cannot be written."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.launch import Launch, launch_lines
-    from yamlformer.builder.analysis.sbatch import sbatch_script
-
     recipe, kind, document = recipe_document(args.recipe)
     spec = os.path.abspath(args.spec) if os.path.exists(args.spec) else args.spec  # a zoo name stays one
     budget = tokens if tokens is not None else CHINCHILLA_TOKENS_PER_PARAMETER * result.params
@@ -180,9 +178,6 @@ def write_script(path: Path, script: str) -> None:
 
 def print_launch(console, result, launch: dict) -> None:
     """The plan's launch section of ``builder plan``'s text output."""
-    # local: builder --help imports every command's module; this one's work loads when it runs
-    from yamlformer.builder.analysis.report import human
-
     console.print(
         f"\n[bold]launch[/] (torchrun on every node; or SLURM): {launch['max_steps']:,} steps of "
         f"{result.tokens_per_step:,} tokens, {human(launch['tokens'])} tokens ({launch['budget']}; "
