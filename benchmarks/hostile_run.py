@@ -264,10 +264,11 @@ def adapter_cases(tmp: Path) -> list[Case]:
         "rank_scaled as text": {"rank_scaled": "yes"},
         "an unknown key": {"init": "gaussian"},
     }
+    fine = {"quantize nf4 on dora"}  # QLoRA's base under DoRA's adapters: PEFT trains it too
     cases = []
     for name, change in variants.items():
-        adapters = {**base, **change}
-        cases.append(_train(f"adapters: {name}", _recipe(tmp, f"adapters-{len(cases)}", model={"adapters": adapters})))
+        recipe = _recipe(tmp, f"adapters-{len(cases)}", model={"adapters": {**base, **change}})
+        cases.append(_train(f"adapters: {name}", recipe, "either" if name in fine else "refuse"))
     for name, value in {"adapters a string": "lora", "adapters a list": [base]}.items():
         cases.append(_train(f"adapters: {name}", _recipe(tmp, f"adapters-{len(cases)}", model={"adapters": value})))
     return cases
@@ -326,7 +327,7 @@ def sft_cases(tmp: Path) -> list[Case]:
     (folder / "q.jsonl.gz").write_bytes(gzip.compress("\n".join(GOOD).encode())[:-20])
     (folder / "r.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(200))
     (folder / "s.parquet").write_bytes(b"PAR1" + os.urandom(300) + b"PAR1")
-    expect_ok = {"a byte-order mark", "CRLF line ends", "a record of 10000 messages"}
+    expect_ok = {"a byte-order mark", "CRLF line ends", "a record of 10000 messages", "an empty prompt and response"}
     cases = [
         _train(f"sft: {name}", _sft(tmp, f"sft-{i}", path), "either" if name in expect_ok else "refuse")
         for i, (name, path) in enumerate(files.items())
@@ -487,9 +488,10 @@ def export_cases(tmp: Path, models: dict) -> list[Case]:
     for mode in ("--adapters-only", "--merge"):
         user = _user_folder(tmp / f"user-export{mode}")
         cases += [
-            Case(
+            Case(  # the adapters' two files beside the user's: refused only where one would be replaced
                 f"export-hf {mode}: onto a folder of the user's files",
                 ["export-hf", adapted, mode, "-o", user],
+                "either" if mode == "--adapters-only" else "refuse",
                 protect=[user],
             ),
             Case(
@@ -501,6 +503,7 @@ def export_cases(tmp: Path, models: dict) -> list[Case]:
             Case(
                 f"export-hf {mode}: onto the model's own folder",
                 ["export-hf", adapted, mode, "-o", adapted.parent, "--overwrite"],
+                "either" if mode == "--adapters-only" else "refuse",  # beside the model, none of its files
                 protect=[adapted.parent],
             ),
             Case(f"export-hf {mode}: onto a file", ["export-hf", adapted, mode, "-o", adapted]),

@@ -87,6 +87,20 @@ def test_a_chat_template_that_is_no_string_is_refused():
         ChatFormat(tokenizer)
 
 
+def test_a_tokenizer_folder_whose_chat_template_is_no_string_is_refused(tmp_path):
+    """tokenizer_config.json's ``"chat_template": 42`` was dropped, and the default template trained."""
+    import json
+
+    import pytest
+
+    from yamlformer.builder.hf.checks import HFError
+    from yamlformer.builder.hf.tokenizer import chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 42}))
+    with pytest.raises(HFError, match="chat_template is a int, not a Jinja template"):
+        chat_template(tmp_path)
+
+
 def _peft_folder(tmp_path):
     """The harness's PEFT folder over its base's Hugging Face export (benchmarks/hostile_run.py)."""
     import sys
@@ -114,6 +128,7 @@ def test_a_peft_folder_of_wrong_types_or_shapes_is_one_line(capsys, tmp_path):
         ("lora_alpha", "eight", "lora_alpha must be a number, got str"),
         ("r", -1, "r must be a whole number from 1, got int"),
         ("use_dora", "yes", "use_dora must be true or false, got str"),
+        ("r", 10**9, "r is 1000000000, its tensors' rank 4"),
     ]:
         (peft / "adapter_config.json").write_text(json.dumps({**config, key: value}))
         refused(cli(capsys, "import-hf", peft, "-o", tmp_path / key), 1, said)

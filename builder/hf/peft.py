@@ -309,6 +309,8 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
     if len(ranks) != 1:
         raise HFError(f"{folder / CONFIG}: its modules have several ranks or scales; builder's adapters have one")
     ((rank, alpha),) = ranks
+    if config.get("r") is not None and not config.get("rank_pattern") and config["r"] != rank:
+        raise HFError(f"{folder / CONFIG}: r is {config['r']}, its tensors' rank {rank}")
     spec_dict["adapters"] = {
         "type": "dora" if config.get("use_dora") else "lora",
         "rank": rank,

@@ -344,7 +344,9 @@ def chat_template(folder: Path) -> str | None:
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):  # 42: no template (the default was used silently)
+        raise HFError(f"{path}: chat_template is a {type(template).__name__}, not a Jinja template")
+    return template
 
 
 def _named_specials(folder: Path) -> tuple[dict[str, str], bool]:
