@@ -50,20 +50,8 @@ SECRET = "HOSTILE-SECRET-7f3a9c"  # planted in the hostile files: printed back, 
 OUTCOMES = ("clear", "traceback", "hang", "silent", "lost", "executed", "leak", "disagrees")
 SECONDS = 90.0
 
-TINY_SPEC = {
-    "name": "tiny-decoder",
-    "architecture": "decoder-only",
-    "d_model": 32,
-    "max_seq_len": 32,
-    "tie_embeddings": False,
-    "position": {"type": "rope"},
-    "decoder": {
-        "n_layers": 2,
-        "attention": {"n_heads": 2},
-        "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 64},
-        "norm": {"type": "rmsnorm"},
-    },
-}
+sys.path.insert(0, str(REPO / "tests"))  # the tests' tiny spec, not a copy of it
+from recipe_helpers import TINY_SPEC  # noqa: E402
 
 
 class Case:
