@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from yamlformer.builder.paths import error_problem, mode_problem
+
 
 class OutputError(ValueError):
     """An output a command refuses to write (one line: the option, the path and why)."""
@@ -103,7 +105,9 @@ def claim_folder(
 
 
 def claim_file(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False, option: str = "-o") -> None:
-    """:func:`claim_folder` for a command that writes one file, ``out``."""
+    """:func:`claim_folder` for a command that writes one file, ``out``: renamed over, so only an
+    absent path or a regular file is taken (a device node, FIFO, socket, folder or loop of links
+    is refused, ``overwrite`` or not)."""
     out = Path(out)
     target = _real(out)
     for given in inputs:
@@ -113,8 +117,26 @@ def claim_file(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bo
                 f"{option} {shown(out)}: is {'inside ' if target != source else ''}what this command reads "
                 f"({shown(given)}); --overwrite does not allow that: give another file"
             )
+    why = _not_a_file(out)
+    if why is not None:  # renamed over, a device node, FIFO, socket or folder would be replaced
+        raise OutputError(
+            f"{option} {shown(out)}: {why}; only a regular file is written over (--overwrite or not): give a file"
+        )
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise OutputError(f"{option} {shown(out)}: exists; add --overwrite to replace it, or give a new file")
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` is no file to write (``None``: absent, a link to nothing, or a regular file),
+    in :mod:`yamlformer.builder.paths`' words."""
+    try:
+        return mode_problem(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None  # nothing there, or a link to nothing: the rename replaces the link
+    except OSError as exc:  # a loop of links, a file where a folder is named...
+        return error_problem(exc, path)
+    except (ValueError, TypeError):  # a NUL byte in the name
+        return "not a valid file name"
 
 
 def _real(path: Path) -> Path | None:

@@ -76,7 +76,7 @@ def test_the_weights_and_the_output_are_checked_first(tmp_path, capsys):
     fifo = tmp_path / "fifo.gguf"
     os.mkfifo(fifo)  # nor is anything but a regular file replaced, --overwrite or not
     assert main(["export-gguf", "tiny/llama", "--init", "--overwrite", "-o", str(fifo)]) == 1
-    assert "not a regular file" in capsys.readouterr().err and fifo.exists() and not fifo.is_file()
+    assert "is a FIFO (named pipe)" in capsys.readouterr().err and fifo.exists() and not fifo.is_file()
 
 
 def test_an_untrained_spec_is_written_as_llama_with_its_keys_and_rope_layout(tmp_path, capsys):

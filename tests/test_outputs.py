@@ -7,6 +7,8 @@ export replaced it without a word, and into a folder of checkpoints it claimed t
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,29 @@ def test_weights_with_nan_are_refused_naming_the_tensor(hf, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"tensor {name} holds {state[name].numel():,} NaN values" in err and err.count("\n") == 1
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_one_file_outputs_replace_only_a_regular_file_even_with_overwrite(tmp_path, capsys):
+    """The output is renamed over: with --overwrite a FIFO, a folder or (as root) /dev/null used
+    to be replaced by the written file (yamlformer.builder.outputs.claim_file)."""
+    spec = load_spec(REPO / "specs" / "tiny" / "gpt2.yaml")
+    checkpoint = tmp_path / "last.ckpt"
+    state = build_model(spec).state_dict()
+    torch.save(
+        {"builder": {"spec": spec.model_dump(mode="json")}, "state_dict": {f"model.{k}": v for k, v in state.items()}},
+        checkpoint,
+    )
+    fifo, folder = tmp_path / "fifo.safetensors", tmp_path / "folder.safetensors"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    for out, why in ((fifo, "is a FIFO (named pipe)"), (folder, "is a folder, not a file")):
+        assert main(["consolidate", str(checkpoint), "-o", str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"-o {out}: {why}" in err and "only a regular file" in err
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and folder.is_dir() and not any(folder.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.safetensors", "folder.safetensors", "last.ckpt"]
+    if os.geteuid() == 0:  # only root could have replaced the device node
+        assert main(["export-gguf", "tiny/llama", "--init", "--overwrite", "-o", os.devnull]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"-o {os.devnull}: is a character device" in err
+        assert stat.S_ISCHR(os.stat(os.devnull).st_mode)

@@ -238,8 +238,6 @@ def export_gguf(
         chosen = plan(spec_out, state_tokenizer)  # every refusal before the weights are read
         if outtype not in OUTTYPES:
             raise GGUFError(f"--outtype {outtype!r}: one of {', '.join(OUTTYPES)}")
-        if (out.exists() or out.is_symlink()) and not out.is_file():
-            raise GGUFError(f"-o {out}: not a regular file; give a file to write")
         claim_file(out, inputs, overwrite)
         gguf_module()  # after the refusals, which need no gguf
         if looks_like_checkpoint(source):
