@@ -57,6 +57,7 @@ class _DecodeState:
         self.model, self.tokens, self.mask = model, tokens, mask
         self.memory, self.memory_mask = memory, memory_mask
         self.fed = 0
+        self.vocab_size: int | None = None  # ids from here on are never picked (see next_logits)
         self.cache = None
         self.step = step or model._decode_step
         self.step_calls = 0
@@ -84,7 +85,15 @@ class _DecodeState:
                 self.position_ids = torch.arange(total, device=tokens.device).expand(rows, total)
 
     def next_logits(self) -> torch.Tensor:
-        """Logits ``(rows, vocab)`` for the token after the current sequence."""
+        """Logits ``(rows, vocab)`` for the token after the current sequence; those of the ids
+        from ``vocab_size`` on (an embedding's padding rows past the tokenizer) are -inf."""
+        logits = self._logits()
+        if self.vocab_size is not None and self.vocab_size < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, self.vocab_size :] = float("-inf")
+        return logits
+
+    def _logits(self) -> torch.Tensor:
         if self.static and self.fed:
             return self._static_step()
         ids = self.tokens[:, self.fed :] if self.cache is not None else self.tokens
@@ -243,6 +252,7 @@ class GenerationMixin:
         use_cache: bool = True,
         generator: torch.Generator | None = None,
         compile: bool = False,
+        vocab_size: int | None = None,
     ) -> torch.Tensor:
         """Token ids ``(batch, prompt + new)`` (the decoder side for an encoder-decoder).
 
@@ -254,6 +264,9 @@ class GenerationMixin:
         model, batch and cache size and reused after; the prompt's prefill stays eager. It pays
         where per-token overhead dominates (small models, small batches); the first call pays
         the compile (``self.last_compile_seconds``).
+        ``vocab_size``: only ids below it are generated (the tokenizer's size, where the
+        embedding has padding rows past it: their logits are -inf before sampling or argmax;
+        at or past the model's vocabulary it changes nothing).
         After the call ``self.last_cache_nbytes`` holds the cache's bytes (see module doc).
         """
         _check_args(
@@ -277,6 +290,10 @@ class GenerationMixin:
             pad_token_id=pad_token_id,
             decoder_start_token_id=decoder_start_token_id,
         )
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
+            raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         if do_sample is None:
             do_sample = (temperature is not None and temperature != 0) or top_k is not None or top_p is not None
         if temperature == 0:
@@ -303,6 +320,7 @@ class GenerationMixin:
                 max_new_tokens,
                 step,
             )
+            state.vocab_size = vocab_size
             if num_beams > 1:
                 out = _beam_search(state, num_beams, max_new_tokens, eos, pad, length_penalty, early_stopping)
             else:

@@ -353,3 +353,41 @@ def test_each_sample_prompt_draws_its_own_random_numbers(capsys):
     first, second, again = (text[len(prompt) :] for text, prompt in zip(texts, ["def", "class", "def"]))
     assert first != second  # other prompts, other draws
     assert first == again  # the same prompt, the same sample
+
+
+def test_padding_rows_past_the_tokenizer_are_never_generated():
+    """An embedding larger than its tokenizer (padding rows): with random weights the decoding
+    loop of `builder generate` picked a padding row, and sentencepiece's decode raised on it."""
+    import io
+
+    import sentencepiece as spm
+    from recipe_helpers import TINY_SPEC
+
+    from yamlformer.recipes.data.tokenizers import SentencePieceTokenizer
+    from yamlformer.recipes.tasks.lm.streaming import stream
+
+    buffer = io.BytesIO()
+    text = ["the cat sat on the mat", "a dog ran in the park"] * 50
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=buffer, vocab_size=30, hard_vocab_limit=False, minloglevel=2
+    )
+    tokenizer = SentencePieceTokenizer(buffer.getvalue())
+    size = tokenizer.vocab_size
+    model = _model(spec_model().model_validate({**TINY_SPEC, "vocab_size": 4 * size}))
+    x = torch.tensor([tokenizer.encode("the cat")])
+    draws = torch.Generator().manual_seed(0)
+    unmasked = model.generate(x, max_new_tokens=16, temperature=1.0, generator=draws)[0, x.shape[1] :]
+    assert bool((unmasked >= size).any())  # what the loop would decode without the limit...
+    with pytest.raises(IndexError):
+        tokenizer.decode(unmasked.tolist())  # ...and how sentencepiece refuses it
+    for kw in ({}, {"temperature": 1.0}, {"temperature": 1.0, "top_k": 2 * size}, {"num_beams": 3}):
+        out = io.StringIO()
+        generator = torch.Generator().manual_seed(0)
+        new = stream(model, tokenizer, "the cat", out, 16, generator=generator, **kw)
+        assert len(new) == 16 and all(0 <= i < size for i in new), kw
+        assert out.getvalue() == tokenizer.decode(x[0].tolist() + new)[len("the cat") :], kw
+    sampled = model.generate(x, max_new_tokens=24, temperature=1.0, vocab_size=size)
+    assert int(sampled[0, x.shape[1] :].max()) < size
+    assert torch.equal(model.generate(x, max_new_tokens=4, vocab_size=10**6)[0], model.generate(x, 4)[0])
+    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+        model.generate(x, max_new_tokens=2, vocab_size=0)

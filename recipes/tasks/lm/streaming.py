@@ -55,6 +55,7 @@ def stream(
     if not ids:
         raise RecipeError("the prompt encodes to no tokens; give a non-empty --prompt")
     new: list[int] = []
+    limit = tokenizer.vocab_size  # never an id past it (an embedding's padding rows): it would not decode
     sampling = {"temperature": temperature or None, "top_k": top_k, "top_p": top_p} if temperature else {}
     while len(new) < max_new_tokens:
         keep = max(1, max_len // 2) if max_len and len(ids) >= max_len else len(ids)
@@ -63,13 +64,13 @@ def stream(
         count = min(max_new_tokens - len(new), room)
         input_ids = torch.tensor([context], device=device)  # (1, seq)
         if num_beams > 1:
-            out_ids = model.generate(input_ids, count, num_beams=num_beams, compile=compile)[0, len(context) :]
-            out_ids = out_ids.tolist()
+            out_ids = model.generate(input_ids, count, num_beams=num_beams, compile=compile, vocab_size=limit)
+            out_ids = out_ids[0, len(context) :].tolist()
             out.write(tokenizer.decode(ids + out_ids)[len(tokenizer.decode(ids)) :])
         else:
             streamer = TextStreamer(tokenizer, out, ids)
             out_ids = model.generate(
-                input_ids, count, streamer=streamer, generator=generator, compile=compile, **sampling
+                input_ids, count, streamer=streamer, generator=generator, compile=compile, vocab_size=limit, **sampling
             )
             out_ids = out_ids[0, len(context) :].tolist()
             tail = tokenizer.decode(ids + out_ids)[len(tokenizer.decode(ids)) :]

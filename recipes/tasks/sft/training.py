@@ -191,6 +191,7 @@ def generated_answer(model, chat: ChatFormat, tokenizer, messages, max_new_token
         torch.tensor([prompt], device=device),
         min(max_new_tokens, room),
         eos_token_id=tokenizer.eos_id,
+        vocab_size=tokenizer.vocab_size,  # never an embedding padding row: it would not decode
         **sampling,
     )
     new = out[0, len(prompt) :].tolist()

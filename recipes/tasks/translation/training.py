@@ -165,6 +165,7 @@ def translate(
             eos_token_id=eos,
             pad_token_id=pad_id,
             decoder_start_token_id=bos,
+            vocab_size=tokenizer.vocab_size,  # never an embedding padding row: it would not decode
         )
         for i, row in zip(batch, rows[:, 1:].tolist()):
             out[i] = tokenizer.decode(row[: row.index(eos)] if eos in row else row)
