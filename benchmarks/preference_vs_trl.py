@@ -361,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
             prepare(args, folder, seed)
             order = SIDES[seed % 3 :] + SIDES[: seed % 3]  # no side always first
             runs.append({name: run_side(name, args, folder, seed) for name in order})
+        run = runs[-1]
+        print(  # each seed as it ends: a run cut short still says what it measured
+            f"seed {seed}: tokens/s ours / TRL {run['ours']['tokens_per_s'] / run['trl']['tokens_per_s']:.3f}x, "
+            f"control / TRL {run['control']['tokens_per_s'] / run['trl']['tokens_per_s']:.3f}x; largest loss "
+            f"difference ours {max(abs(a - b) for a, b in zip(run['ours']['losses'], run['trl']['losses'])):.2e}",
+            flush=True,
+        )
     result = {"machine": machine(), "settings": vars(args), "sides": {}}
     failed = False
     trl = [run["trl"] for run in runs]
