@@ -173,3 +173,35 @@ def test_a_tokenizer_llama_cpp_does_not_reproduce_is_refused_naming_its_part():
     for tokenizer, part in [(prefixed, "pre-tokenizer"), (metaspace, "byte fallback"), (normalized, "normalizer")]:
         with pytest.raises(VocabError, match=part):
             check_vocab(state(tokenizer))
+
+
+LORA = "adapters={type: lora, rank: 2, alpha: 4, targets: all-linear}"
+
+
+@pytest.mark.parametrize(
+    ("spec", "args", "field"),
+    [
+        ("tiny/llama", ["--set", LORA.replace("lora,", "dora,")], "adapters.type: dora; llama.cpp applies LoRA"),
+        ("tiny/qwen3", ["--set", LORA], "a GGUF LoRA adapter for llama.cpp's qwen3 is written (and proven) for none"),
+        ("tiny/llama", [], "--adapters-only: the model has no adapters"),
+        ("tiny/llama", ["--set", LORA, "--merge"], "--merge and --adapters-only: give one"),
+    ],
+)
+def test_adapters_llama_cpp_cannot_apply_are_refused_in_one_line(spec, args, field, tmp_path, capsys):
+    line = _refused(tmp_path, capsys, spec, "--init", "--adapters-only", *args)
+    assert field in line, line
+
+
+def test_adapters_only_writes_a_gguf_lora_adapter(tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "a.gguf"
+    assert main(["export-gguf", "tiny/llama", "--init", "--set", LORA, "--adapters-only", "-o", str(out)]) == 0
+    assert "adapters alone" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.type"].contents() == "adapter"
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["adapter.lora.alpha"].contents() == pytest.approx(4.0)
+    tensors = {t.name: t for t in reader.tensors}
+    assert all(name.endswith((".lora_a", ".lora_b")) for name in tensors), sorted(tensors)
+    a, b = tensors["blk.0.attn_q.weight.lora_a"], tensors["blk.0.attn_q.weight.lora_b"]
+    assert a.data.shape[0] == 2 and b.data.shape[1] == 2  # (rank, in), (out, rank)

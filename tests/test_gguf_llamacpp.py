@@ -68,11 +68,11 @@ def _prove(source: Path, gguf: Path, capsys, tolerance: float = F32_TOLERANCE, s
     return worst
 
 
-def _same(model, tokenizer, gguf: Path, tolerance: float, special: bool = False) -> float:
+def _same(model, tokenizer, gguf: Path, tolerance: float, special: bool = False, lora: Path | None = None) -> float:
     """llama.cpp's tokens for each prompt, its greedy tokens and its first-step logits against our
-    model's; returns the largest logit difference."""
+    model's (``lora``: with that adapter applied over ``gguf``); returns the largest logit difference."""
     worst = 0.0
-    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len) as runtime:
+    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len, lora=lora) as runtime:
         for prompt in PROMPTS:
             ids = tokenizer.encode(prompt)
             assert runtime.tokenize(prompt, special) == ids, prompt
@@ -147,16 +147,15 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
     _prove(checkpoint, gguf, capsys)
 
 
-def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_path, capsys):
-    """--merge: LoRA adapters (nonzero, as training leaves them) folded into the weights; llama.cpp
-    computes what our adapted model does."""
+def _adapted(tmp_path: Path, adapters: dict | None = None):
+    """A spec with LoRA adapters (nonzero, as training leaves them), its model and its weights
+    beside it (``model.safetensors``)."""
     from yamlformer.blocks.linear import adapter_parameters
     from yamlformer.builder.assemble import build_model
     from yamlformer.builder.hf import save_weights
     from yamlformer.builder.spec.loader import load_spec
-    from yamlformer.recipes.trained import load_trained
 
-    adapters = {"type": "lora", "rank": 4, "alpha": 8, "targets": "all-linear"}
+    adapters = adapters or {"type": "lora", "rank": 4, "alpha": 8, "targets": "all-linear"}
     spec = {**copy.deepcopy(LLAMA), "name": "adapted", "vocab_size": 400, "adapters": adapters}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -166,11 +165,54 @@ def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_p
         for p in adapter_parameters(model).values():
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
     save_weights(model.state_dict(), tmp_path / "model.safetensors")
+    return path, model
+
+
+def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_path, capsys):
+    """--merge: LoRA adapters folded into the weights; llama.cpp computes what our adapted model does."""
+    from yamlformer.recipes.trained import load_trained
+
+    path, model = _adapted(tmp_path)
     assert main(["export-gguf", str(path), "-o", str(tmp_path / "x.gguf")]) == 1
     assert "--merge" in capsys.readouterr().err
     gguf = _export(tmp_path, str(path), "--merge", "--tokenizer", str(trained))
     assert "adapters merged" in capsys.readouterr().out
     _same(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
+
+
+def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained, tmp_path, capsys):
+    """--adapters-only (rsLoRA, so alpha is rescaled): a GGUF LoRA adapter; llama.cpp with the base's
+    GGUF and it computes what our adapted model does, the base alone does not."""
+    from yamlformer.builder.hf import save_weights
+    from yamlformer.recipes.trained import load_trained
+
+    adapters = {"type": "lora", "rank": 4, "alpha": 8, "rank_scaled": True, "targets": "all-linear"}
+    path, model = _adapted(tmp_path, adapters)
+    base = yaml.safe_load(path.read_text())
+    del base["adapters"]
+    (tmp_path / "base").mkdir()
+    base_path = tmp_path / "base" / "spec.yaml"
+    base_path.write_text(yaml.safe_dump(base))
+    state = {k: v for k, v in model.state_dict().items() if ".adapter." not in k}
+    save_weights(state, tmp_path / "base" / "model.safetensors")
+    base_gguf = tmp_path / "base.gguf"
+    assert main(["export-gguf", str(base_path), "--tokenizer", str(trained), "-o", str(base_gguf)]) == 0
+    adapter = tmp_path / "adapter.gguf"
+    assert main(["export-gguf", str(path), "--adapters-only", "-o", str(adapter)]) == 0
+    assert "adapters alone" in capsys.readouterr().out
+    import gguf as gguf_py
+
+    reader = gguf_py.GGUFReader(str(adapter))
+    assert reader.fields["general.type"].contents() == "adapter"
+    assert reader.fields["adapter.type"].contents() == "lora"
+    assert reader.fields["adapter.lora.alpha"].contents() == pytest.approx(16.0)  # 8 / sqrt(4) = 16 / 4
+    assert {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b"} <= {t.name for t in reader.tensors}
+    tokenizer = load_trained(trained, "cpu")[1]
+    _same(model, tokenizer, base_gguf, F32_TOLERANCE, lora=adapter)
+    with LlamaCpp(base_gguf, n_ctx=model.spec.max_seq_len) as runtime:  # the base alone computes another model
+        ids = tokenizer.encode(PROMPTS[0])
+        theirs = torch.from_numpy(runtime.logits(ids)[-1])
+    assert (theirs - ours_logits(model, ids)[: runtime.n_vocab]).abs().max().item() > 100 * F32_TOLERANCE
 
 
 def test_llama_cpp_reads_our_tokenizer_on_hard_text(trained, tmp_path, capsys):

@@ -6,7 +6,9 @@ at random by ``--init`` (an untrained model, to try a variant in llama.cpp befor
 The file is written with ``gguf`` (llama.cpp's own writer) as the llama.cpp architecture that
 runs the spec's Hugging Face family, the tokenizer as GGUF metadata that llama.cpp's tokenizer
 reads to our ids. A spec llama.cpp cannot run exactly (an encoder-decoder, a field no GGUF key
-says) exits 1 before anything is written, in one line naming the field.
+says) exits 1 before anything is written, in one line naming the field. A model with LoRA
+adapters takes ``--merge`` (folded into the weights) or ``--adapters-only`` (a GGUF LoRA adapter
+that llama.cpp applies over the base's GGUF).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the checkpoint's, or an import's beside the spec; none: token ids only)",
     )
     parser.add_argument("--merge", action="store_true", help="a model with adapters: fold them into the weights first")
+    parser.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="a model with LoRA adapters: write them alone as a GGUF LoRA adapter, which llama.cpp applies over "
+        "the base model's GGUF (--lora)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace FILE.gguf if it exists")
     add_spec_options(parser)
 
@@ -74,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             tokenizer=args.tokenizer,
             merge=args.merge,
+            adapters_only=args.adapters_only,
             overwrite=args.overwrite,
         )
     except ValueError as exc:  # GGUFError, OutputError
@@ -82,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    vocab = "the base GGUF's" if args.adapters_only else plan.vocab
     print(
         f"wrote {args.out}: llama.cpp {plan.arch.name.lower()} (from Hugging Face {plan.family}), {args.outtype}, "
-        f"{what}; tokenizer: {plan.vocab}"
+        f"{what}; tokenizer: {vocab}"
     )
     return 0

@@ -73,6 +73,10 @@ class Arch:
     #: ``(config) -> {gguf_name: tensor}``: tensors llama.cpp reads that the family computes
     #: (Llama 3's RoPE frequency factors)
     extra: Callable[[Mapping], dict] = lambda config: {}
+    #: the Hugging Face families whose LoRA adapters are written alone (``export-gguf
+    #: --adapters-only``, proven in llama.cpp): ``transform`` of their linear weights only reorders
+    #: rows, which ``lora_B`` takes the same way
+    lora: frozenset[str] = frozenset()
 
     def check(self, config: Mapping, family: str) -> None:
         """:class:`Refused` for the first config key or value the architecture cannot honour."""
@@ -391,7 +395,13 @@ _GEMMA_KEYS = (_QWEN_KEYS - {"hidden_act"}) | {
 
 
 LLAMA = Arch(
-    "LLAMA", _LLAMA_KEYS, _common, lambda config: _llama_refuse(config, llama3=True), _llama_transform, _llama3_factors
+    "LLAMA",
+    _LLAMA_KEYS,
+    _common,
+    lambda config: _llama_refuse(config, llama3=True),
+    _llama_transform,
+    _llama3_factors,
+    lora=frozenset({"llama"}),
 )
 QWEN2 = Arch("QWEN2", _QWEN_KEYS, _common, _qwen_refuse)
 QWEN3 = Arch("QWEN3", _QWEN_KEYS, _common, _qwen_refuse)

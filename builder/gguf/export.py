@@ -70,7 +70,10 @@ def plan(spec, tokenizer: Mapping | None) -> Plan:
     if spec.head.type != "lm":
         raise GGUFError(f"head.type: {spec.head.type}; llama.cpp's decoders end in a language-model head")
     if spec.adapters is not None:
-        raise GGUFError("the model has adapters: export-gguf --merge folds them into the weights")
+        raise GGUFError(
+            "the model has adapters: export-gguf --merge folds them into the weights, --adapters-only writes "
+            "them alone as a GGUF LoRA adapter (for the base's GGUF)"
+        )
     if spec.position.type not in COMPUTED["position.type"]:
         raise GGUFError(f"position.type: {spec.position.type!r}; no llama.cpp decoder architecture has it")
     stack = spec.decoder
@@ -98,7 +101,6 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
         raise GGUFError(f"--outtype {outtype!r}: one of {', '.join(OUTTYPES)}")
     chosen = plan(spec, tokenizer)
     # local: torch and the HF writer load when weights are converted
-    import numpy as np
     import torch
 
     from yamlformer.builder.hf.writer import hf_tensors
@@ -117,10 +119,8 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
             out_tensors.append((gguf_name, data.numpy()))
     out_tensors += [(name, t.numpy()) for name, t in arch.extra(config).items()]
     vocab_rows = next(t.shape[0] for n, t in out_tensors if n == "token_embd.weight")
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a failed write leaves no partial file
-    try:
-        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[model_arch])
+
+    def fill(writer):
         writer.add_name(spec.name)
         writer.add_type("model")
         if description:
@@ -129,7 +129,24 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
         writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         write_vocab(writer, tokenizer, vocab_rows)
-        for name, data in out_tensors:
+
+    write_file(gguf, out, model_arch, fill, out_tensors, matrix_type)
+    return chosen
+
+
+def write_file(gguf, out: str | Path, model_arch, fill, tensors: list, matrix_type: str) -> None:
+    """Write ``out`` for llama.cpp's ``model_arch``: ``fill(writer)`` adds the metadata, then
+    ``tensors`` (``[(gguf_name, numpy array)]``) in their types (:func:`_tensor_type`); through a
+    temporary file, so a failed write leaves no partial file."""
+    # local: numpy loads when weights are converted
+    import numpy as np
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[model_arch])
+        fill(writer)
+        for name, data in tensors:
             qtype = _tensor_type(gguf, name, data, matrix_type)
             if qtype == gguf.GGMLQuantizationType.F32:
                 writer.add_tensor(name, data.astype(np.float32))
@@ -145,7 +162,6 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return chosen
 
 
 def _experts_stacked(tensors: dict) -> dict:
@@ -181,112 +197,6 @@ def _tensor_type(gguf, name: str, data, matrix_type: str):
     return kind
 
 
-def export_gguf(
-    source: str | Path,
-    out: str | Path,
-    *,
-    spec=None,
-    weights: str | Path | None = None,
-    outtype: str = "f32",
-    init: bool = False,
-    seed: int = 0,
-    tokenizer: str | Path | None = None,
-    merge: bool = False,
-    overwrite: bool = False,
-) -> tuple[Plan, str]:
-    """``builder export-gguf``: a ``builder train`` checkpoint, or a spec file with its weights
-    (``model.safetensors`` beside it, ``weights``, or ``init``: the random weights the spec's
-    initialization draws with ``seed``), written as ``out``. The tokenizer: the checkpoint's,
-    else ``tokenizer`` (a checkpoint, a model folder, a ``tokenizer.json`` or a sentencepiece
-    ``.model``), else an import's beside the spec. Returns the plan and what the weights are."""
-    # local: the checkpoint and HF readers load with the command
-    from yamlformer.builder.checkpoints import looks_like_checkpoint
-    from yamlformer.builder.hf.common import HFError
-    from yamlformer.builder.hf.peft import merged
-    from yamlformer.builder.hf.writer import _read_training_meta, _read_training_weights, random_weights
-    from yamlformer.builder.outputs import claim_file
-    from yamlformer.builder.spec.loader import load_spec
-
-    source, out = Path(source), Path(out)
-    inputs = [source]
-    state_tokenizer = None
-    try:
-        if looks_like_checkpoint(source):
-            if init:
-                raise GGUFError("--init: the source is a checkpoint (it has weights); give a spec to export untrained")
-            ckpt_spec, meta = _read_training_meta(source)
-            spec = spec or ckpt_spec
-            state_tokenizer = meta.get("tokenizer")
-        else:
-            spec = spec or load_spec(source)
-            if not init:
-                weights = Path(weights) if weights else source.parent / "model.safetensors"
-                if not weights.is_file():
-                    raise GGUFError(
-                        f"no weights file at {weights}: give --weights FILE, or --init to export the spec "
-                        "with random weights (untrained)"
-                    )
-                inputs.append(weights)
-        if tokenizer is not None:
-            state_tokenizer = _tokenizer_from(Path(tokenizer))
-            inputs.append(tokenizer)
-        elif state_tokenizer is None and source.is_file() and not looks_like_checkpoint(source):
-            state_tokenizer = _tokenizer_from(source.parent, optional=True)  # an import's, beside its spec
-        if merge and spec.adapters is None:
-            raise GGUFError("--merge: the model has no adapters (its spec has no `adapters`); export it without")
-        spec_out = merged_spec(spec) if merge else spec
-        chosen = plan(spec_out, state_tokenizer)  # every refusal before the weights are read
-        if outtype not in OUTTYPES:
-            raise GGUFError(f"--outtype {outtype!r}: one of {', '.join(OUTTYPES)}")
-        claim_file(out, inputs, overwrite)
-        gguf_module()  # after the refusals, which need no gguf
-        if looks_like_checkpoint(source):
-            state, what = _read_training_weights(source), f"trained weights ({source.name})"
-        elif init:
-            state, what = random_weights(spec, seed), f"random weights (--init, seed {seed}): untrained"
-        else:
-            # local: safe tensor IO
-            from yamlformer.builder.hf.weights import read_weights
-
-            state, what = read_weights(weights), f"weights {Path(weights).name}"
-        if merge:
-            spec, state = merged(spec, state)
-            what += ", adapters merged"
-    except HFError as exc:
-        raise GGUFError(str(exc)) from None
-    write_gguf(spec, state, out, outtype, state_tokenizer, description=what)
-    return chosen, what
-
-
 def merged_spec(spec):
     """The spec a ``--merge`` writes: the same model without its adapters."""
     return spec.model_copy(update={"adapters": None})
-
-
-def _tokenizer_from(path: Path, optional: bool = False):
-    """A tokenizer state from ``path``: a checkpoint's, a model folder's or ``tokenizer.json``,
-    or a sentencepiece ``.model``; ``optional``: None where a folder has none."""
-    # local: the readers load with the command
-    from yamlformer.builder.checkpoints import looks_like_checkpoint
-    from yamlformer.builder.hf.tokenizer import read_tokenizer
-
-    if looks_like_checkpoint(path):
-        # local: the checkpoint reader
-        from yamlformer.builder.hf.writer import _read_training_meta
-
-        state = _read_training_meta(path)[1].get("tokenizer")
-    elif path.is_dir():
-        state = read_tokenizer(path)
-    elif path.name.endswith(".json"):
-        state = read_tokenizer(path.parent, only=path.name)
-    else:
-        # local: the readers load with the command
-        from yamlformer.builder.hf.checks import read_bytes
-        from yamlformer.builder.hf.tokenizer import _proto
-
-        proto = read_bytes(path, "tokenizer", path.parent)
-        _proto(proto)
-        state = {"type": "sentencepiece", "model_proto": proto}
-    if state is None and not optional:
-        raise GGUFError(f"--tokenizer {path}: holds no tokenizer (tokenizer.json or tokenizer.model)")
-    return state

@@ -22,12 +22,19 @@ def available() -> bool:
 class LlamaCpp:
     """One GGUF file loaded by llama.cpp (CPU), with its whole context's logits kept."""
 
-    def __init__(self, path: str | Path, n_ctx: int, threads: int | None = None):
+    def __init__(self, path: str | Path, n_ctx: int, threads: int | None = None, lora: str | Path | None = None):
+        """``lora``: a GGUF LoRA adapter llama.cpp applies over the model (scale 1)."""
         from llama_cpp import Llama  # optional: built by .ci/llamacpp.sh
 
         threads = threads or max(1, min(4, os.cpu_count() or 1))
         self.llm = Llama(
-            model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=threads, verbose=False
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            logits_all=True,
+            n_threads=threads,
+            verbose=False,
+            lora_path=str(lora) if lora else None,
         )
         self.n_vocab = self.llm.n_vocab()
 

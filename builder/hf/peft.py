@@ -147,8 +147,24 @@ def to_peft(spec, state: dict, folder: str | Path, family, base: str | None = No
     """Write ``spec``'s adapters (their tensors in ``state``) as a PEFT folder for the ``family``
     model of the base; returns the Hugging Face modules adapted."""
     # local: torch loads when tensors are read or written (the Hugging Face readers load without it)
-    import torch
     from safetensors.torch import save_file
+
+    tensors, adapter_config = peft_tensors(spec, state, family, base)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{WEIGHTS}.tmp-{os.getpid()}"
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS)
+    (folder / CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return adapter_config["target_modules"]
+
+
+def peft_tensors(spec, state: dict, family, base: str | None = None) -> tuple[dict, dict]:
+    """``(tensors, adapter_config)`` of ``spec``'s adapters as PEFT holds them on the ``family``
+    model (``base_model.model.<module>.lora_A.weight`` ...), unwritten: :func:`to_peft` writes
+    them, ``builder export-gguf --adapters-only`` renames them for llama.cpp."""
+    # local: torch loads when tensors are read or written (the Hugging Face readers load without it)
+    import torch
 
     _tied_head(spec)
     config = spec.adapters
@@ -202,13 +218,7 @@ def to_peft(spec, state: dict, folder: str | Path, family, base: str | None = No
         "inference_mode": True,
         "revision": None,
     }
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{WEIGHTS}.tmp-{os.getpid()}"
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS)
-    (folder / CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
-    return names
+    return tensors, adapter_config
 
 
 def _starts(rows: list[int]) -> list[int]:
