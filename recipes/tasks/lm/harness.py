@@ -114,6 +114,7 @@ class BuilderLM(TemplateLM):
                 max_new_tokens=min(new, self.max_length - len(ids)),
                 temperature=0.0,
                 eos_token_id=self.eot_token_id,
+                vocab_size=self.tok.vocab_size,  # never an embedding padding row: it would not decode
             )
             text = self.tok_decode(tokens[0, len(ids) :].tolist())
             for stop in until:
