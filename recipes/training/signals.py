@@ -169,10 +169,13 @@ class StopOnSignal(L.Callback):
         except CheckpointWriteError as exc:
             raise Stopped(signum, f"at step {step}; {exc}") from None
         self.stop.done = Stopped(signum, f"at step {step}; saved {saved}; run the same command to resume")
+        together = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if together and self.then is not None:
+            dist.barrier()  # every rank's shards are written before rank 0 requeues (the requeue ends the job)
         after = self.then(signum) if self.then is not None and trainer.is_global_zero else None
         if after is not None:
             self.stop.done = Stopped(signum, f"at step {step}; saved {saved}; {after}")
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        if together:
             dist.barrier()  # no rank exits before the checkpoint is written and the job requeued
         raise self.stop.done
 
