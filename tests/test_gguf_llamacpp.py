@@ -147,16 +147,16 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
     _prove(checkpoint, gguf, capsys)
 
 
-def _adapted(tmp_path: Path, adapters: dict | None = None):
-    """A spec with LoRA adapters (nonzero, as training leaves them), its model and its weights
-    beside it (``model.safetensors``)."""
+def _adapted(tmp_path: Path, adapters: dict | None = None, **fields):
+    """A spec with LoRA adapters (nonzero, as training leaves them; ``fields`` set on it), its
+    model and its weights beside it (``model.safetensors``)."""
     from yamlformer.blocks.linear import adapter_parameters
     from yamlformer.builder.assemble import build_model
     from yamlformer.builder.hf import save_weights
     from yamlformer.builder.spec.loader import load_spec
 
     adapters = adapters or {"type": "lora", "rank": 4, "alpha": 8, "targets": "all-linear"}
-    spec = {**copy.deepcopy(LLAMA), "name": "adapted", "vocab_size": 400, "adapters": adapters}
+    spec = {**copy.deepcopy(LLAMA), "name": "adapted", "vocab_size": 400, "adapters": adapters, **fields}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     model = build_model(load_spec(path), init_seed=0).eval()
@@ -181,13 +181,14 @@ def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_p
 
 
 def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained, tmp_path, capsys):
-    """--adapters-only (rsLoRA, so alpha is rescaled): a GGUF LoRA adapter; llama.cpp with the base's
-    GGUF and it computes what our adapted model does, the base alone does not."""
+    """--adapters-only (rsLoRA, so alpha is rescaled; every linear layer and an untied head): a GGUF
+    LoRA adapter; llama.cpp with the base's GGUF and it computes what our adapted model does, the
+    base alone does not."""
     from yamlformer.builder.hf import save_weights
     from yamlformer.recipes.trained import load_trained
 
-    adapters = {"type": "lora", "rank": 4, "alpha": 8, "rank_scaled": True, "targets": "all-linear"}
-    path, model = _adapted(tmp_path, adapters)
+    adapters = {"type": "lora", "rank": 4, "alpha": 8, "rank_scaled": True, "targets": ["decoder", "head"]}
+    path, model = _adapted(tmp_path, adapters, tie_embeddings=False)
     base = yaml.safe_load(path.read_text())
     del base["adapters"]
     (tmp_path / "base").mkdir()
@@ -206,7 +207,8 @@ def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained,
     assert reader.fields["general.type"].contents() == "adapter"
     assert reader.fields["adapter.type"].contents() == "lora"
     assert reader.fields["adapter.lora.alpha"].contents() == pytest.approx(16.0)  # 8 / sqrt(4) = 16 / 4
-    assert {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b"} <= {t.name for t in reader.tensors}
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b", "output.weight.lora_b"} <= names
     tokenizer = load_trained(trained, "cpu")[1]
     _same(model, tokenizer, base_gguf, F32_TOLERANCE, lora=adapter)
     with LlamaCpp(base_gguf, n_ctx=model.spec.max_seq_len) as runtime:  # the base alone computes another model
