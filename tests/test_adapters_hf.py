@@ -6,6 +6,7 @@ choices. Fused Hugging Face modules (GPT-2's ``c_attn``) hold our separate proje
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,96 @@ def test_adapter_outputs_are_claimed_as_every_import_and_export(tmp_path, capsys
     assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "back") == 0
     assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "back") == 1
     assert "add --overwrite" in capsys.readouterr().err
+
+
+def _q_proj_peft(tmp_path: Path) -> dict:
+    """``tmp_path/peft``: a PEFT LoRA folder of q_proj over ``tmp_path/hf-base``; returns its config."""
+    _, _, adapted, base = _trained(tmp_path, "llama", {"type": "lora", "rank": 2, "targets": ["q_proj"]})
+    assert _cli("export-hf", base, "-o", tmp_path / "hf-base") == 0
+    assert _cli("export-hf", adapted, "--adapters-only", "-o", tmp_path / "peft") == 0
+    return json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+
+
+TARGETS = [  # target_modules -> what import-hf says (None: imported), on adapters of q_proj only
+    (["q_proj"], None),
+    (r".*\.q_proj", None),
+    (r"model\.layers\.\d+\.self_attn\.q_proj", None),
+    (".*", "selects the model itself, which is no linear layer"),
+    (r".*\.(q|v)_proj", "selects model.layers.0.self_attn.v_proj and 1 more, which has no adapter in"),
+    ("all-linear", "which has no adapter in adapter_model.safetensors"),
+    (["no_such_proj"], "selects no module of the base llama model"),
+    (["q_proj", "k_proj"], "selects model.layers.0.self_attn.k_proj and 1 more"),
+    (["self_attn"], "selects model.layers.0.self_attn, which is no linear layer"),
+    ("([", "is not a regular expression"),
+    (42, "must be a list of module names or one regular expression"),
+]
+
+
+def test_target_modules_select_exactly_the_modules_the_weights_adapt_as_peft_matches(tmp_path, capsys):
+    """PEFT matches ``target_modules`` (a list: names or their last dotted parts; a string: a regex
+    the whole module name matches) and refuses one matching nothing: import-hf agrees with it, and
+    refuses a selection other than the modules the weights adapt, naming the field."""
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = _q_proj_peft(tmp_path)
+    capsys.readouterr()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base", dtype=torch.float32)
+    for i, (target, said) in enumerate(TARGETS):
+        (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": target}))
+        code = _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / f"out{i}")
+        err = capsys.readouterr().err.strip()
+        if said is None:
+            assert code == 0, (target, err)
+            assert load_spec(tmp_path / f"out{i}" / "spec.yaml").adapters.targets == [
+                f"decoder.layers.{n}.attention.q_proj" for n in range(2)
+            ]
+        else:
+            assert code == 1 and err.count("\n") == 0 and "adapter_config.json: target_modules: " in err, err
+            assert said in err, (target, err)
+            assert not (tmp_path / f"out{i}").exists()
+        if said is None or "no module" in said or "no linear layer" in said:  # PEFT's own verdict
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    PeftModel.from_pretrained(hf, tmp_path / "peft").unload()
+                    peft_loads = True
+                except (ValueError, RuntimeError, TypeError):
+                    peft_loads = False
+            assert peft_loads == (said is None), target
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": None}))
+    assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "none") == 1
+    assert "target_modules: is not set" in capsys.readouterr().err
+
+
+def test_use_dora_and_fan_in_fan_out_must_agree_with_the_tensors_and_layers(tmp_path, capsys):
+    """``use_dora`` without magnitude vectors would invent them, magnitude vectors without it
+    would be dropped, and ``fan_in_fan_out`` on a Linear (PEFT resets it with a warning) says the
+    folder was written for another layout: each is one line naming the field, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    config = _q_proj_peft(tmp_path)
+    peft = tmp_path / "peft"
+    capsys.readouterr()
+
+    def refused(out: str, *said: str) -> None:
+        assert _cli("import-hf", peft, "--base", tmp_path / "hf-base", "-o", tmp_path / out) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "adapter_config.json: " in err and all(s in err for s in said), err
+        assert not (tmp_path / out).exists()
+
+    for key, value, said in (
+        ("use_dora", True, "use_dora is true, but model.layers.0.self_attn.q_proj has no lora_magnitude_vector"),
+        ("fan_in_fan_out", True, "fan_in_fan_out is true, but model.layers.0.self_attn.q_proj is a Linear"),
+        ("fan_in_fan_out", "yes", "fan_in_fan_out must be true or false"),
+    ):
+        (peft / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        refused(key, said)
+    (peft / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(peft / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors[f"{name}.lora_magnitude_vector"] = torch.ones(tensors[f"{name}.lora_B.weight"].shape[0])
+    save_file(tensors, str(peft / "adapter_model.safetensors"))
+    refused("magnitude", "use_dora is false, but model.layers.0.self_attn.q_proj has a lora_magnitude_vector")

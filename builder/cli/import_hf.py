@@ -13,7 +13,11 @@ that does not load, or an output it may not write.
 A PEFT LoRA/DoRA folder (``adapter_config.json``, ``adapter_model.safetensors``) imports over its
 base model (``--base DIR``, else the local folder its ``base_model_name_or_path`` names): the
 spec gets ``adapters`` and the weights hold the base's tensors and the adapters' (a recipe's
-``model.init_from: OUT`` fine-tunes on from there; ``export-hf --merge`` folds them in).
+``model.init_from: OUT`` fine-tunes on from there; ``export-hf --merge`` folds them in). Its
+``target_modules`` (matched as PEFT matches them: a list of names or their last dotted parts, a
+string a regular expression of the whole name) must select exactly the modules the weights adapt,
+``use_dora`` must agree with the ``lora_magnitude_vector`` tensors and ``fan_in_fan_out`` with the
+layers (Conv1D or Linear); else exit 1 naming the field.
 """
 
 from __future__ import annotations

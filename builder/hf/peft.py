@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from yamlformer.builder.adapters import adapted, model_linears
@@ -239,11 +240,13 @@ def read_peft_config(folder: Path, base: str | Path | None = None) -> tuple[dict
         if config.get(key):
             raise HFError(f"{folder / CONFIG}: {key} is set; builder reads adapters on linear modules only")
     kinds = {"r": int, "lora_alpha": (int, float), "lora_dropout": (int, float), "use_dora": bool, "use_rslora": bool}
+    kinds["fan_in_fan_out"] = bool
     for key, kind in kinds.items():
         value = config.get(key)
         wrong = isinstance(value, bool) and kind is not bool  # JSON's true is no number
         if value is not None and (wrong or not isinstance(value, kind) or (key == "r" and value < 1)):
             what = {"r": "a whole number from 1", "use_dora": "true or false", "use_rslora": "true or false"}
+            what["fan_in_fan_out"] = "true or false"
             raise HFError(f"{folder / CONFIG}: {key} must be {what.get(key, 'a number')}, got {type(value).__name__}")
     where = base or config.get("base_model_name_or_path")
     if not where:
@@ -275,6 +278,7 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
     if not modules:
         raise HFError(f"{folder / WEIGHTS}: no lora_A tensors")
     by_hf = {link.hf[0].removesuffix(".weight"): link for link in family.links(spec) if len(link.hf) == 1}
+    _check_targets(config, folder, modules, spec, family)
     adapters, ranks, targets = {}, set(), []
     for module in sorted(modules):
         link = by_hf.get(module)
@@ -282,7 +286,8 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
             raise HFError(f"{folder / WEIGHTS}: {module} is no linear module of the base {family.model_type} model")
         members = [n.removesuffix(".weight") for n in link.ours]
         rows = [state[f"{m}.weight"].shape[0] for m in members]
-        order, _ = _probe(link, rows)
+        order, transposed = _probe(link, rows)
+        _check_module(config, folder, weights, module, transposed)
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))  # our row g is Hugging Face row back[g]
         a, b = weights[f"{PREFIX}{module}.lora_A.weight"], weights[f"{PREFIX}{module}.lora_B.weight"]
@@ -330,6 +335,82 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
         "targets": targets,
     }
     return spec_dict, {**state, **adapters}, base_folder
+
+
+def _linear_modules(spec, family) -> tuple[set[str], set[str]]:
+    """``(every module name of the base Hugging Face model, its linear modules but the output head)``:
+    the names PEFT matches ``target_modules`` against, from the tensors the family stores."""
+    linears = {f"{path}.weight" for path in model_linears(spec)}
+    names, linear, head = set(), set(), set()
+    for link in family.links(spec):
+        for tensor in link.hf:
+            parts = tensor.split(".")[:-1]
+            names.update(".".join(parts[:i]) for i in range(len(parts) + 1))  # "" is the model itself
+        if len(link.hf) == 1 and link.hf[0].endswith(".weight") and set(link.ours) <= linears:
+            module = link.hf[0].removesuffix(".weight")
+            (head if any(n.startswith("head.") for n in link.ours) else linear).add(module)
+    return names, linear | head, linear
+
+
+def _selected(pattern, names: set[str], where: str) -> set[str]:
+    """The ``names`` PEFT's ``target_modules`` (or ``exclude_modules``) ``pattern`` selects: a string
+    is a regular expression the whole name must match, a list entry a name or its last dotted parts."""
+    if isinstance(pattern, str):
+        try:
+            regex = re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise HFError(f"{where}: is not a regular expression ({getattr(exc, 'msg', exc)})") from None
+        return {n for n in names if regex.fullmatch(n)}
+    if not isinstance(pattern, list) or not all(isinstance(t, str) for t in pattern):
+        raise HFError(f"{where}: must be a list of module names or one regular expression")
+    wanted = set(pattern)
+    return {n for n in names if n in wanted or any(n.endswith(f".{t}") for t in wanted)}
+
+
+def _check_targets(config: dict, folder: Path, modules: set[str], spec, family) -> None:
+    """The modules the weights adapt must be exactly those ``target_modules`` selects on the base
+    (PEFT's matching: ``yamlformer.builder.hf.peft._selected``), every one a linear layer."""
+    where = f"{folder / CONFIG}: target_modules"
+    target = config.get("target_modules")
+    if target is None:
+        raise HFError(f"{where}: is not set; builder reads adapters whose config names their modules")
+    names, linear, not_head = _linear_modules(spec, family)
+    if isinstance(target, str) and target.lower() == "all-linear":
+        chosen = set(not_head)
+    else:
+        chosen = _selected(target, names, where)
+    if config.get("exclude_modules"):
+        chosen -= _selected(config["exclude_modules"], names, f"{folder / CONFIG}: exclude_modules")
+    if not chosen:
+        raise HFError(f"{where}: selects no module of the base {family.model_type} model (PEFT refuses it too)")
+    other = sorted(chosen - linear)
+    if other:
+        name = other[0] or "the model itself"
+        raise HFError(f"{where}: selects {name}, which is no linear layer (PEFT adapts linear modules only)")
+    for missing, why in ((chosen - modules, "has no adapter in"), (modules - chosen, "is adapted in")):
+        if missing:
+            first = sorted(missing)[0]
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            held = "selects" if why.startswith("has") else "does not select"
+            raise HFError(f"{where}: {held} {first}{more}, which {why} {WEIGHTS}; they must agree")
+
+
+def _check_module(config: dict, folder: Path, weights: dict, module: str, transposed: bool) -> None:
+    """``use_dora`` and ``fan_in_fan_out`` agree with ``module``'s tensors and its kind of layer."""
+    has_magnitude = f"{PREFIX}{module}.lora_magnitude_vector" in weights
+    if bool(config.get("use_dora")) != has_magnitude:
+        held = "has no" if config.get("use_dora") else "has a"
+        raise HFError(
+            f"{folder / CONFIG}: use_dora is {str(bool(config.get('use_dora'))).lower()}, but {module} {held} "
+            f"lora_magnitude_vector in {WEIGHTS}"
+        )
+    fan = config.get("fan_in_fan_out")
+    if fan is not None and fan != transposed:
+        kind = "a Conv1D stored (in, out)" if transposed else "a Linear stored (out, in)"
+        raise HFError(
+            f"{folder / CONFIG}: fan_in_fan_out is {str(fan).lower()}, but {module} is {kind} "
+            f"(PEFT resets it with a warning); set it to {str(transposed).lower()}"
+        )
 
 
 def _blocks(b, rows: list[int]) -> bool:
