@@ -195,6 +195,9 @@ def test_target_modules_select_exactly_the_modules_the_weights_adapt_as_peft_mat
                 except (ValueError, RuntimeError, TypeError):
                     peft_loads = False
             assert peft_loads == (said is None), target
+    excluded = {**config, "target_modules": r".*_proj", "exclude_modules": r".*\.(k|v|o|gate|up|down)_proj"}
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(excluded))  # PEFT's exclusion, then the match
+    assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "excluded") == 0
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": None}))
     assert _cli("import-hf", tmp_path / "peft", "--base", tmp_path / "hf-base", "-o", tmp_path / "none") == 1
     assert "target_modules: is not set" in capsys.readouterr().err
