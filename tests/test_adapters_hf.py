@@ -223,6 +223,7 @@ def test_use_dora_and_fan_in_fan_out_must_agree_with_the_tensors_and_layers(tmp_
         ("use_dora", True, "use_dora is true, but model.layers.0.self_attn.q_proj has no lora_magnitude_vector"),
         ("fan_in_fan_out", True, "fan_in_fan_out is true, but model.layers.0.self_attn.q_proj is a Linear"),
         ("fan_in_fan_out", "yes", "fan_in_fan_out must be true or false"),
+        ("rank_pattern", {"q_proj": 8}, "peft/adapter_config.json: rank_pattern gives model.layers.0.self_attn.q_proj"),
     ):
         (peft / "adapter_config.json").write_text(json.dumps({**config, key: value}))
         refused(key, said)

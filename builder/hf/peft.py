@@ -306,7 +306,7 @@ def from_peft(folder: str | Path, base: str | Path | None = None, name: str | No
             )
         b = b[back]
         magnitude = magnitude[back] if magnitude is not None else None
-        alpha = _alpha(config, module, a.shape[0])
+        alpha = _alpha(config, folder, module, a.shape[0])
         blocks = _blocks(b, rows)  # a fused module's block-diagonal LoRA (as export writes it): rank a's / k each
         if blocks:
             k = len(members)
@@ -427,12 +427,12 @@ def _blocks(b, rows: list[int]) -> bool:
     return True
 
 
-def _alpha(config: dict, module: str, rank: int) -> float:
+def _alpha(config: dict, folder: Path, module: str, rank: int) -> float:
     """The ``lora_alpha`` of ``module`` (its ``alpha_pattern`` entry, else the config's), checked
     against a ``rank_pattern`` entry for it."""
     patterns = {k: v for k, v in (config.get("rank_pattern") or {}).items() if module == k or module.endswith("." + k)}
     if patterns and next(iter(patterns.values())) != rank:
-        raise HFError(f"{CONFIG}: rank_pattern gives {module} another rank than its tensors have")
+        raise HFError(f"{folder / CONFIG}: rank_pattern gives {module} another rank than its tensors have")
     alphas = {k: v for k, v in (config.get("alpha_pattern") or {}).items() if module == k or module.endswith("." + k)}
     return float(next(iter(alphas.values())) if alphas else config.get("lora_alpha", 8))
 
