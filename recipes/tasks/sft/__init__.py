@@ -102,8 +102,8 @@ class InstructionTuning(Task):
 
     def conversations(self):
         """``record -> [conversation, ...]``: what a record trains on, the text a char tokenizer is fitted on."""
-        # local: the data side loads when data is read (this module is torch-free)
-        from yamlformer.recipes.tasks.sft.training import one_conversation
+        # local: the data side loads when data is read (builder validate and list read none)
+        from yamlformer.recipes.tasks.sft.records import one_conversation
 
         return one_conversation
 
@@ -115,7 +115,7 @@ class InstructionTuning(Task):
         if recipe.tokenizer.type != "char" or recipe.model.init_from is not None or not read_data:
             return None
         # local: reading the records is the data side (validate and list never read them)
-        from yamlformer.recipes.tasks.sft.training import record_files, tokenizer_for
+        from yamlformer.recipes.tasks.sft.records import record_files, tokenizer_for
 
         train, _ = record_files(recipe.data, located.file)
         if not train.is_file():
@@ -144,6 +144,14 @@ class InstructionTuning(Task):
                 f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
                 "lower data.seq_len or set model.overrides.max_seq_len"
             )
+
+    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
+        """The records read, rendered and encoded as the run reads them, so that the dry run
+        refuses them in the run's line (:func:`~yamlformer.recipes.tasks.sft.records.check_records`)."""
+        # local: reading the records is the data side (validate and list never read them)
+        from yamlformer.recipes.tasks.sft.records import check_records
+
+        check_records(located, pretrained)
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
         # local: the training side imports torch and Lightning (this module is torch-free)

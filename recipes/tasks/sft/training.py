@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
@@ -15,72 +14,15 @@ import torch.nn.functional as F
 
 from yamlformer.recipes.data.chat import ChatFormat, conversation
 from yamlformer.recipes.data.instructions import IGNORE, InstructionData, Rows, encode_file, read_records, shuffled
-from yamlformer.recipes.data.registry import get
 from yamlformer.recipes.errors import RecipeError
-from yamlformer.recipes.fields import resolve
 from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.parallel.compile import eager
 from yamlformer.recipes.parallel.fsdp import is_sharded_model
 from yamlformer.recipes.say import say
 from yamlformer.recipes.tasks import task_named
+from yamlformer.recipes.tasks.sft.records import record_files, split, tokenizer_for
 from yamlformer.recipes.tasks.task import Prepared
 from yamlformer.recipes.trained import pretrained_tokenizer
-
-
-def record_files(data, recipe_file: Path | None) -> tuple[Path, Path | None]:
-    """``(training records, held-out records or None)``: ``data.file`` (and ``data.validation``),
-    or the files a dataset by name is made of (its first: the records)."""
-    if data.file is not None:
-        held = resolve(recipe_file, data.validation) if data.validation else None
-        return resolve(recipe_file, data.file), held
-    dataset = get(data.dataset)
-    if dataset.local is None:
-        raise RecipeError(f"data.dataset: {data.dataset} is not a dataset of records; give data.file")
-    return dataset.local()[0], resolve(recipe_file, data.validation) if data.validation else None
-
-
-def one_conversation(record) -> list[list[dict]]:
-    """An sft record's conversations: the one it is (:func:`~yamlformer.recipes.data.chat.conversation`)."""
-    return [conversation(record)]
-
-
-def tokenizer_for(located, train: Path, conversations=one_conversation, pretrained=None):
-    """``pretrained`` (``model.init_from``'s tokenizer, :func:`~yamlformer.recipes.trained.pretrained_tokenizer`
-    of the run) when there is one, else the recipe's: a char table of the records' text as the chat
-    template renders it (its framing's characters too, which a table of the contents alone could
-    not encode), a sentencepiece model trained on the messages' contents when it names no file.
-    ``located``: the recipe as loaded (or the ``Run``); ``conversations``: a record's conversations
-    (an sft record's one, a pair's two sides)."""
-    # local: the tokenizer libraries (sentencepiece, Hugging Face's) load when a run reads its data
-    from yamlformer.recipes.data.tokenizers import CharTokenizer, build_tokenizer
-
-    if pretrained is not None:
-        return pretrained
-    recipe, recipe_file = located.recipe, located.file
-    char = recipe.tokenizer.type == "char"
-    chat = ChatFormat(CharTokenizer.fit("", eos=True), recipe.data.chat_template) if char else None
-    texts = []
-    for where, record in read_records(train):
-        try:
-            sides = conversations(record)
-            if char:
-                texts += [chat.text(side) for side in sides]
-            else:  # each message once: a pair's sides share their prompt's
-                texts += [m["content"] for m in {id(m): m for side in sides for m in side}.values()]
-        except ValueError as exc:
-            raise RecipeError(f"{where}: {exc}") from None
-    text = "\n".join(texts)
-    cache = Path(recipe.data.cache_dir)
-    return build_tokenizer(recipe.tokenizer, text, hashlib.sha256(text.encode()).hexdigest()[:16], cache, recipe_file)
-
-
-def split(records: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """``(training, held-out)``: ``val_fraction`` of the records (at least one), chosen by the seed."""
-    if len(records) < 2:
-        raise RecipeError("data: fewer than 2 records; give more, or a data.validation file")
-    order = shuffled(len(records), seed, 0)
-    held = max(1, round(len(records) * val_fraction))
-    return [records[i] for i in sorted(order[held:])], [records[i] for i in sorted(order[:held])]
 
 
 class Records:
