@@ -14,7 +14,7 @@ import yaml
 from hostile_helpers import cli, refused
 from recipe_helpers import tiny_recipe
 
-SECRET = "the user's secret words"
+SECRET = "the users secret words"
 GOOD = [json.dumps({"prompt": f"what is {i} plus one", "response": f"it is {i + 1}"}) for i in range(8)]
 
 
@@ -82,7 +82,10 @@ TEMPLATES = {
     "unsafe attribute": ("{{ cycler.__init__.__globals__.os }}", "the chat template fails: "),
     "subclasses": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "the chat template fails: "),
     "a range over MAX_RANGE": ("{% for i in range(10**9) %}x{% endfor %}", "the chat template fails: "),
-    "raise_exception": ("{{ raise_exception('no') }}", "the chat template fails: no"),
+    "raise_exception": (
+        "{{ raise_exception('" + SECRET + "') }}",
+        "the chat template fails: it calls raise_exception (its message is not shown)",
+    ),
     "bad syntax": ("{% for m in messages %}{{ m['content'] ", "the chat template fails: "),
     "no answer": (
         "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}",

@@ -225,5 +225,13 @@ def _jinja(template: str, tokenizer):
 
 
 def _first_line(exc: Exception) -> str:
+    """Why a template failed: Jinja's own reason, never the text of a template's own
+    ``raise_exception(...)`` (the template is the user's file; ``transformers`` and
+    :func:`_jinja` raise it as a bare ``TemplateError``, Jinja's own errors are subclasses)."""
+    # local: jinja2 loads for a chat template only
+    from jinja2 import TemplateError
+
+    if type(exc) is TemplateError:
+        return "it calls raise_exception (its message is not shown)"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text[:160]
