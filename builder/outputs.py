@@ -119,24 +119,25 @@ def claim_file(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bo
             )
     why = _not_a_file(out)
     if why is not None:  # renamed over, a device node, FIFO, socket or folder would be replaced
-        raise OutputError(
-            f"{option} {shown(out)}: {why}; only a regular file is written over (--overwrite or not): give a file"
-        )
+        raise OutputError(f"{option} {shown(out)}: {why}")
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise OutputError(f"{option} {shown(out)}: exists; add --overwrite to replace it, or give a new file")
 
 
 def _not_a_file(path: Path) -> str | None:
     """Why ``path`` is no file to write (``None``: absent, a link to nothing, or a regular file),
-    in :mod:`yamlformer.builder.paths`' words."""
+    in :mod:`yamlformer.builder.paths`' words, as the clause the refusal ends with."""
     try:
-        return mode_problem(os.stat(path).st_mode)
+        problem = mode_problem(os.stat(path).st_mode)
     except FileNotFoundError:
         return None  # nothing there, or a link to nothing: the rename replaces the link
-    except OSError as exc:  # a loop of links, a file where a folder is named...
-        return error_problem(exc, path)
+    except OSError as exc:  # a loop of links, a file where a folder is named: nothing can be written
+        return f"cannot write it: {error_problem(exc, path)}"
     except (ValueError, TypeError):  # a NUL byte in the name
-        return "not a valid file name"
+        return "cannot write it: not a valid file name"
+    if problem is None:
+        return None
+    return f"{problem}; only a regular file is written over (--overwrite or not): give a file"
 
 
 def _real(path: Path) -> Path | None:
