@@ -4,13 +4,22 @@ the LightningModule's losses and the callbacks' throughput alike)."""
 
 from __future__ import annotations
 
+import sys
+
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
+from tqdm import tqdm
 
 
 def say(*args) -> None:
-    if rank_zero_only.rank == 0:
-        print(*args, flush=True)
+    """One line on stdout, on rank 0. While a progress bar is drawn there (the training bar is
+    tqdm's, so is every bar a task draws) the line goes above it, through tqdm's own writer: a
+    line printed by another thread (a tracker's warning) would otherwise land in the middle of the
+    bar's line."""
+    if rank_zero_only.rank != 0:
+        return
+    tqdm.write(" ".join(str(arg) for arg in args), file=sys.stdout)
+    sys.stdout.flush()
 
 
 def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:
