@@ -123,7 +123,8 @@ TORCH_FREE = [
 ]
 #: what loads without torch or Lightning (what it imports at its top, and that at its top, ...): the
 #: command line, the recipe and spec files, each task's recipe and Task, the resolution a dry run
-#: and builder validate go through, and the checkpoint and Hugging Face readers until they read
+#: and builder validate go through, the checkpoint and Hugging Face readers until they read, and the
+#: signals' handlers builder train installs as it starts
 LOADS_WITHOUT_TORCH = (
     "yamlformer.builder",
     "yamlformer.builder.cli.*",
@@ -151,6 +152,8 @@ LOADS_WITHOUT_TORCH = (
     "yamlformer.recipes.training.resume",
     "yamlformer.recipes.training.run_folder",
     "yamlformer.recipes.training.dry_run",
+    "yamlformer.recipes.training.signals",
+    "yamlformer.recipes.training.requeue",
 )
 #: builder's subpackages that import neither torch, Lightning nor recipes, through anything they import
 PURE = ("yamlformer.builder.spec", "yamlformer.builder.analysis")

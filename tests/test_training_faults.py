@@ -208,6 +208,78 @@ def test_a_signal_before_training_stops_at_once(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "run" / "run.lock").read_text() == ""  # the folder is free again
 
 
+#: ``builder train`` sent ``signum`` by itself as it starts: after the command line is read, before
+#: torch and Lightning load (what a SLURM warning meets when it comes as a requeued attempt starts)
+STARTING_CHILD = """
+import os, sys
+import yamlformer.recipes.commands.train as command
+from yamlformer.builder.cli import main
+real = command._run
+def starting(args, stop):
+    loaded = [name for name in ("torch", "lightning") if name in sys.modules]
+    assert not loaded, f"loaded before the signal: {{loaded}}"
+    os.kill(os.getpid(), {signum})
+    return real(args, stop)
+command._run = starting
+sys.exit(main(["train", {recipe!r}, "--no-samples"]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_signal_as_train_starts_is_handled_slurms_warning_at_the_first_step(unbroken_run, tmp_path, signum):
+    """No signal kills ``builder train`` by default while torch loads: ``SIGTERM`` stops at once in
+    one line (nothing to save); ``SIGUSR1`` is kept, and the run saves at its first step boundary,
+    exits 138 and resumes to the unbroken run's losses."""
+    from yamlformer.builder.cli import main
+
+    recipe = fault_recipe(tmp_path)
+    child = subprocess.run(
+        [sys.executable, "-c", STARTING_CHILD.format(signum=int(signum), recipe=str(recipe))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert child.returncode == 128 + signum, child.stderr[-3000:]
+    line = one_error_line(child.stderr, "builder train:")
+    if signum == signal.SIGTERM:
+        assert line == "builder train: stopped by SIGTERM before training started; there was nothing to save"
+        assert not last.exists()
+        return
+    assert line == (
+        f"builder train: stopped by SIGUSR1 at step 1 (received before training started); saved {last}; "
+        "run the same command to resume"
+    )
+    assert _step(last) == 1
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    assert_same_run(last, Path(unbroken_run[1]["last"]))
+
+
+def test_a_repeated_warning_and_one_after_training_stop_nothing_at_once(tmp_path, capsys, monkeypatch):
+    """A second ``SIGUSR1`` while the step finishes still saves at its end (it asks for the same
+    thing); one while the run wraps up after training is let pass, and the run ends well."""
+    import yamlformer.recipes.training.run
+    from yamlformer.builder.cli import main
+
+    recipe = fault_recipe(tmp_path, max_steps=4)
+    send_at(monkeypatch, 3, signal.SIGUSR1, signal.SIGUSR1)
+    assert main(["train", str(recipe), "--no-samples"]) == 138
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    line = one_error_line(capsys.readouterr().err, "builder train:")
+    assert line == f"builder train: stopped by SIGUSR1 at step 3; saved {last}; run the same command to resume"
+    monkeypatch.undo()
+    wrap_up = yamlformer.recipes.training.run.wrap_up
+
+    def warned(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return wrap_up(*args, **kwargs)
+
+    monkeypatch.setattr(yamlformer.recipes.training.run, "wrap_up", warned)
+    assert main(["train", str(recipe), "--no-samples"]) == 0
+    assert _step(last) == 4 and "stopped by" not in capsys.readouterr().err
+
+
 def test_a_full_disk_keeps_the_previous_checkpoint_and_the_rerun_resumes(unbroken_run, tmp_path, capsys, monkeypatch):
     import yamlformer.builder.checkpoints.write
     from yamlformer.builder.cli import main

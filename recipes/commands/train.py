@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from yamlformer.builder.cli.arguments import count, input_path
@@ -11,6 +12,7 @@ from yamlformer.builder.spec.loader import SpecError
 from yamlformer.builder.spec.plugins import PluginError
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.sections import recipe_path
+from yamlformer.recipes.training.signals import SignalStop, Stopped
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +74,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a training run handles its signals from its first line, before torch and Lightning load (seconds):
+    # none that comes while it starts kills it by default, and SLURM's warning is kept for its first step
+    stop = None if args.dry_run else SignalStop()
+    try:
+        with stop.installed() if stop is not None else contextlib.nullcontext():
+            return _run(args, stop)
+    except Stopped as exc:  # a signal: the checkpoint it saved is named; 128 + the signal's number
+        # local: what says which rank prints loads the recipe's kinds, for a stopped run only
+        from yamlformer.recipes.training.run_folder import owns_run_folder
+
+        if owns_run_folder():
+            print(f"builder train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+def _run(args: argparse.Namespace, stop: SignalStop | None) -> int:
     try:
         load_plugins_from_args(args)
         overrides = overrides_from_args(args)
@@ -89,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(f"builder train: {exc}", file=sys.stderr)
         return 1
-    return _train(args, recipe, overrides)
+    return _train(args, recipe, overrides, stop)
 
 
 def _check_cooldown_arguments(args: argparse.Namespace) -> None:
@@ -99,33 +117,36 @@ def _check_cooldown_arguments(args: argparse.Namespace) -> None:
         raise RecipeError("--cooldown-from branches from its checkpoint (and resumes itself): no --resume or --dry-run")
 
 
-def _train(args: argparse.Namespace, recipe, overrides) -> int:
+def _train(args: argparse.Namespace, recipe, overrides, stop: SignalStop) -> int:
     # local: training imports torch and Lightning (seconds), which the dry run and the refusals before it never load
     from yamlformer.recipes.learning.module import NonFiniteLossError
-    from yamlformer.recipes.training.run_folder import os_problem, owns_run_folder
-    from yamlformer.recipes.training.signals import Stopped
+    from yamlformer.recipes.training.run_folder import os_problem
 
     try:
         if args.cooldown_from is not None:
             # local: as above (torch and Lightning)
             from yamlformer.recipes.training.cooldown import cooldown
 
-            cooldown(recipe, overrides, args.cooldown_from, args.steps, args.fresh, args.samples, args.verbose)
+            cooldown(recipe, overrides, args.cooldown_from, args.steps, args.fresh, args.samples, args.verbose, stop)
         else:
             # local: as above (torch and Lightning)
             from yamlformer.recipes.training.run import run as train
 
-            train(recipe, overrides, resume=args.resume, fresh=args.fresh, samples=args.samples, verbose=args.verbose)
+            train(
+                recipe,
+                overrides,
+                resume=args.resume,
+                fresh=args.fresh,
+                samples=args.samples,
+                verbose=args.verbose,
+                stop=stop,
+            )
     except SpecError as exc:
         print(exc, file=sys.stderr)
         return 1
     except (RecipeError, NonFiniteLossError) as exc:
         print(f"builder train: {exc}", file=sys.stderr)
         return 1
-    except Stopped as exc:  # a signal: the checkpoint it saved is named; 128 + the signal's number
-        if owns_run_folder():
-            print(f"builder train: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
     except OSError as exc:  # a log, plot or cache file that could not be written or read
         print(f"builder train: {os_problem(exc)}", file=sys.stderr)
         return 1

@@ -73,12 +73,15 @@ def cooldown(
     fresh: bool = False,
     samples: bool = True,
     verbose: bool = False,
+    stop=None,
 ) -> dict:
-    """Branch (or resume) the cooldown of ``steps`` steps from ``ckpt``; returns the run's summary."""
+    """Branch (or resume) the cooldown of ``steps`` steps from ``ckpt``; returns the run's summary
+    (``stop``: as :func:`yamlformer.recipes.training.run.run`'s)."""
     ckpt = Path(ckpt)
     located = load_recipe(recipe_path, overrides)
     step = checkpoint_step(ckpt)
     branch = branched(located, ckpt, step, steps)
     folder = branch.out / "checkpoints"
     started = not fresh and any(exists(folder / name) for name in RESUMABLE)
-    return train_recipe(branch, resume=None if started else str(ckpt), fresh=fresh, samples=samples, verbose=verbose)
+    resume = None if started else str(ckpt)
+    return train_recipe(branch, resume=resume, fresh=fresh, samples=samples, verbose=verbose, stop=stop)

@@ -2,7 +2,8 @@
 
 SLURM sends ``SIGUSR1`` ahead of a time limit when the job asked for it (``#SBATCH
 --signal=USR1@120``); every rank saves ``last.ckpt`` at the same step boundary
-(:mod:`yamlformer.recipes.training.signals`) and then global rank 0 requeues the job
+(:mod:`yamlformer.recipes.training.signals`; also after a warning that came as the run started,
+at its first step) and then global rank 0 requeues the job
 (``scontrol requeue $SLURM_JOB_ID``), before any rank exits: the requeued job runs the same
 command, which resumes from that checkpoint. The batch script does not read ``srun``'s exit
 status to decide: with ``srun --kill-on-bad-exit=1`` the first rank to exit 138 gets the others
@@ -15,11 +16,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 
-#: the signal SLURM sends ahead of a time limit in this project's scripts (``--signal=USR1@N``)
-WARNING = getattr(signal, "SIGUSR1", None)
+from yamlformer.recipes.training.signals import WARNING
 
 
 def slurm_job() -> str | None:

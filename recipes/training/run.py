@@ -60,7 +60,8 @@ from yamlformer.recipes.training.run_log import (
     resolved_recipe,
     run_loggers,
 )
-from yamlformer.recipes.training.signals import SignalStop, StopOnSignal
+from yamlformer.recipes.training.signals import SignalStop
+from yamlformer.recipes.training.stop_on_signal import StopOnSignal
 from yamlformer.recipes.training.trackers import check_clients
 
 
@@ -370,12 +371,14 @@ def run(
     samples: bool = True,
     verbose: bool = False,
     callbacks: list | None = None,
+    stop: SignalStop | None = None,
 ) -> dict:
     """Train a recipe, of any task; returns a summary (steps, losses, paths). Raises on bad input
     or NaN, and :class:`yamlformer.recipes.training.signals.Stopped` when a signal stops it. ``verbose``: the
     full estimate tables before the first step, instead of one line; ``callbacks``: more Lightning
-    callbacks (a benchmark's clock)."""
-    return train_recipe(load_recipe(recipe_path, overrides), resume, fresh, samples, verbose, callbacks)
+    callbacks (a benchmark's clock); ``stop``: the signals' handler ``builder train`` installed as
+    it started (what it received since is acted on), else one installed now."""
+    return train_recipe(load_recipe(recipe_path, overrides), resume, fresh, samples, verbose, callbacks, stop)
 
 
 def train_recipe(
@@ -385,6 +388,7 @@ def train_recipe(
     samples: bool = True,
     verbose: bool = False,
     callbacks: list | None = None,
+    stop: SignalStop | None = None,
 ) -> dict:
     """:func:`run` on a recipe already loaded (:func:`yamlformer.recipes.tasks.load_recipe`):
     resolved once (:func:`yamlformer.recipes.training.resolved.resolve_run`, the dry run's
@@ -397,19 +401,20 @@ def train_recipe(
     check_devices(resolved.recipe)
     check_launcher(resolved.located)  # the nodes and processes torchrun or SLURM started
     check_clients(resolved.recipe.trainer.loggers, resolved.located.written)
-    with run_session(resolved, fresh, resume) as stop:
+    with run_session(resolved, fresh, resume, stop) as stop:
         return train(resolved, stop, resume, fresh, samples, callbacks, verbose)
 
 
 @contextlib.contextmanager
-def run_session(run: Run, fresh: bool, resume: str | bool | None = None):
+def run_session(run: Run, fresh: bool, resume: str | bool | None = None, stop: SignalStop | None = None):
     """What a run holds from its first step to its last: signals caught (:mod:`yamlformer.recipes.training.signals`)
     and its folder checked writable and locked, its processes' meeting place
     (:func:`yamlformer.recipes.parallel.rendezvous.run_process_group`), earlier checkpoints set aside with ``fresh``
     (:func:`yamlformer.recipes.training.run_folder.claim`); a resume with a changed recipe or spec
     refused before any work (:func:`yamlformer.recipes.training.resume.check_recipe_early`).
-    Yields the run's :class:`~yamlformer.recipes.training.signals.SignalStop`."""
-    stop = SignalStop()
+    Yields the run's :class:`~yamlformer.recipes.training.signals.SignalStop`: ``stop`` (installed
+    as ``builder train`` started, what it received kept) or a new one."""
+    stop = stop or SignalStop()
     cache, settings = getattr(run.recipe.data, "cache_dir", None), run.recipe.trainer
     processes = run_process_group(settings.num_nodes, device_count(settings, check=False))
     with stop.installed(), claim(run.out, Path(cache) if cache else None, fresh=fresh, say=say), processes:
