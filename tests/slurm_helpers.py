@@ -90,10 +90,24 @@ class Cluster:
             time.sleep(every)
         raise AssertionError(f"job {job_id} still {fields.get('JobState')} after {timeout:.0f}s: {fields}")
 
-    def finished(self, job_id: int, timeout: float) -> dict:
-        """Wait for the job to end for good (not requeued); its fields."""
+    def finished(self, job_id: int, timeout: float, requeues: bool = False) -> dict:
+        """Wait for the job to end for good (not requeued); its fields. ``requeues``: each time it
+        is requeued, let the next attempt start once the last one left the nodes (SLURM holds a
+        requeued job two minutes, its ``BeginTime``; a job started while its last attempt was
+        still being killed failed at once)."""
         final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
-        return self.wait(job_id, lambda f: f.get("JobState") in final, timeout)
+        released = [0]
+
+        def done(fields: dict) -> bool:
+            if fields.get("JobState") in final:
+                return True
+            restarts = int(fields.get("Restarts", 0))
+            if requeues and restarts > released[0] and fields["JobState"] == "PENDING" and self.idle():
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+                released[0] = restarts
+            return False
+
+        return self.wait(job_id, done, timeout)
 
     def job_env(self, hook: Path | None = None) -> dict:
         """What a job is submitted with, as from a shell where the project is installed: the
@@ -121,15 +135,16 @@ class Cluster:
         )
         return int(done.stdout.strip().split(";")[0])
 
-    def requeued(self, job_id: int, timeout: float) -> dict:
-        """Wait for the job to be requeued and its attempt to have left the nodes, then let it start
-        now: SLURM holds a requeued job two minutes (its ``BeginTime``), and a job started earlier,
-        while its last attempt was still being killed, failed at once. Its fields."""
-        fields = self.wait(
-            job_id, lambda f: int(f.get("Restarts", 0)) >= 1 and f["JobState"] == "PENDING" and self.idle(), timeout
-        )
-        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-        return fields
+    def tasks(self, job_id: int, command: str = "yamlformer.builder.cli") -> dict[int, int]:
+        """The job's tasks that run ``command`` (in their command line): pid by task rank
+        (``SLURM_PROCID``). A task is a process ``slurmstepd`` started (not ``srun``, whose command
+        line names the same command, nor a process a task started)."""
+        job, rank = f"SLURM_JOB_ID={job_id}".encode(), b"SLURM_PROCID="
+        ranks = {}
+        for pid, environ, argv in _processes(self.conf):
+            if job in environ and command in argv and b"slurmstepd" in _command(_parent(pid)):
+                ranks[int(next(v for v in environ if v.startswith(rank))[len(rank) :])] = pid
+        return ranks
 
     def idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
@@ -284,10 +299,11 @@ def _stop(found: Cluster) -> None:
             process.wait()
 
 
-def _jobs_processes(conf: Path) -> list[int]:
-    """The processes of this cluster's jobs (their environment names its ``SLURM_CONF``), not its daemons."""
+def _processes(conf: Path):
+    """``(pid, environment, command line)`` of every process of this cluster's jobs (their
+    environment names its ``SLURM_CONF``), not of its daemons; environment a list of ``NAME=value``
+    bytes, command line a string."""
     ours = f"SLURM_CONF={conf}".encode()
-    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -299,5 +315,42 @@ def _jobs_processes(conf: Path) -> list[int]:
         name = Path(command.split(b"\0")[0].decode(errors="replace")).name.split(":")[0]
         daemon = name in ("munged", "slurmctld", "slurmd")
         if ours in environ and not daemon and b"slurmstepd" not in command:
-            found.append(int(entry.name))
-    return found
+            yield int(entry.name), environ, command.replace(b"\0", b" ").decode(errors="replace")
+
+
+def _jobs_processes(conf: Path) -> list[int]:
+    """The processes of this cluster's jobs, not its daemons."""
+    return [pid for pid, _, _ in _processes(conf)]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _command(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of ``signum`` (``SigCgt`` in ``/proc/PID/status``)."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def loaded(pid: int, library: str) -> bool:
+    """Whether process ``pid`` has mapped a shared library whose file name starts with ``library``."""
+    try:
+        maps = (Path("/proc") / str(pid) / "maps").read_text()
+    except OSError:
+        return False
+    return any(Path(line.split()[-1]).name.startswith(library) for line in maps.splitlines() if "/" in line)

@@ -1,6 +1,8 @@
 """Runs under a real SLURM (the ``slurm`` fixture: tests/slurm_helpers.py, two slurmd on this host):
-one node x two tasks meets at one port and trains, and a pre-empted job saves, requeues itself and
-resumes with the losses of an unbroken run, whichever rank exits first. ``python -m pytest -m launch``.
+one node x two tasks meets at one port and trains; a pre-empted job (``scancel --signal=USR1`` mid-run
+or as its tasks start, SLURM's time-limit warning) saves, requeues itself and resumes with the losses
+of an unbroken run, whichever rank exits first; a task killed with SIGKILL ends the job, and the
+next submission resumes from the last checkpoint. ``python -m pytest -m launch``.
 
 Each job is the batch file ``yamlformer.builder.analysis.sbatch`` writes (the one ``builder plan
 --sbatch`` prints), running ``builder train`` on CPU ranks (gloo) under ``srun``.
@@ -8,14 +10,18 @@ Each job is the batch file ``yamlformer.builder.analysis.sbatch`` writes (the on
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
+import slurm_helpers
 from recipe_helpers import assert_same_run, history, tiny_recipe
 
 from yamlformer.builder.analysis.sbatch import sbatch_script
+from yamlformer.builder.checkpoints import read_checkpoint
 from yamlformer.recipes.parallel.rendezvous import slurm_port
 
 pytestmark = pytest.mark.launch
@@ -34,24 +40,53 @@ TRAINER = {
 SLOW_STEP = 0.4
 JOB_TIMEOUT = 240
 
-# Slows the first attempt's steps (SLURM_RESTART_COUNT is set in a requeued job), marks each step
-# reached, and delays the exit of the rank named, so that the other one exits first.
+# Marks each step reached; while the file `slow` is there, slows the steps of a job's first attempt
+# (SLURM_RESTART_COUNT is set in a requeued one); delays the exit of the rank named, so that the
+# other one exits first. The callback is patched once it is imported, not here: this runs as the
+# interpreter starts, and loading torch here would hold back `builder train`'s signal handlers.
 _HOOK = """\
-import atexit, os, time
+import atexit, importlib.abc, importlib.util, os, sys, time
 from pathlib import Path
 if os.environ.get("SLURM_JOB_ID"):
-    import yamlformer.recipes.training.signals as signals
     marks, rank = Path({marks!r}), os.environ.get("SLURM_PROCID", "0")
-    steps = signals.StopOnSignal.on_train_batch_end
-    def slowed(self, trainer, *args, **kwargs):
-        if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-            time.sleep({delay})
+    first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+
+    def patch(module):
+        steps = module.StopOnSignal.on_train_batch_end
+        def slowed(self, trainer, *args, **kwargs):
+            if first and (marks / "slow").exists():
+                time.sleep({delay})
             (marks / f"step-{{trainer.global_step}}-{{rank}}").touch()
-        return steps(self, trainer, *args, **kwargs)
-    signals.StopOnSignal.on_train_batch_end = slowed
+            return steps(self, trainer, *args, **kwargs)
+        module.StopOnSignal.on_train_batch_end = slowed
+
+    class Patching(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "yamlformer.recipes.training.stop_on_signal":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            load = spec.loader.exec_module
+            def exec_module(module):
+                load(module)
+                patch(module)
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Patching())
     if rank == {late!r}:
         atexit.register(time.sleep, 3)
 """
+
+
+def hooked(folder: Path, delay: float, late: str | None = None) -> Path:
+    """A folder of marks with the :data:`_HOOK` that slows steps by ``delay`` (while ``slow`` is
+    there) and delays rank ``late``'s exit; the hook's folder is ``marks / "hook"``."""
+    marks = folder / "marks"
+    (marks / "hook").mkdir(parents=True)
+    (marks / "hook" / "sitecustomize.py").write_text(_HOOK.format(marks=str(marks), delay=delay, late=late))
+    (marks / "slow").touch()
+    return marks
 
 
 def submit(slurm, folder: Path, recipe: Path, env=None, flags=(), warning: int = 60) -> int:
@@ -102,17 +137,52 @@ def test_one_node_two_tasks_meet_at_the_jobs_port_and_train(unbroken):
     print(f"srun -N1 -n2, 30 steps: {seconds:.1f} s from submission; port {slurm_port(job)}")
 
 
-def _stop_step(log: str) -> int:
-    found = re.findall(r"stopped by SIGUSR1 at step (\d+); saved \S+; SLURM job \d+ requeued", log)
-    assert found, log[-3000:]
-    return int(found[0])
+#: the line of each attempt stopped by a warning: its step, and whether the warning came before training
+STOP = re.compile(
+    r"stopped by SIGUSR1 at step (\d+)( \(received before training started\))?; saved \S+; SLURM job \d+ requeued"
+)
 
 
-#: how the warning comes: ``scancel --signal=USR1`` once the first attempt reached step 5, or
-#: ``--signal=USR1@45`` of a two-minute ``--time``. SLURM's timer ticks every 30 s and sends the
-#: warning at the first tick within 30 s of the time it asked for: 45 to 75 s into each attempt.
-#: The first attempt, slowed to 3 s a step, is training then; the requeued one ends in under 45 s.
-WAYS = {"scancel": ((), 60, SLOW_STEP), "time-limit": (("--time=2",), 45, 3.0)}
+def _stops(log: str) -> list[tuple[int, bool]]:
+    return [(int(step), bool(early)) for step, early in STOP.findall(log)]
+
+
+def _losses(last: Path, reference: Path, after: int) -> str:
+    pairs = zip(history(last)["train"], history(reference)["train"])
+    return ", ".join(f"{s}: {x:.6f} / {y:.6f}" for (s, x), (_, y) in pairs if s > after)
+
+
+def _until(what, timeout: float, slurm, job: int, log) -> None:
+    """Poll ``what()`` (every 50 ms) while the job is pending or running; fail with its log's end otherwise."""
+    deadline, polls = time.monotonic() + timeout, 0
+    while not what():
+        if polls % 20 == 0:  # the job's state once a second
+            running = slurm.job(job)["JobState"] in ("PENDING", "RUNNING")
+            assert time.monotonic() < deadline and running, log()[-3000:]
+        polls += 1
+        time.sleep(0.05)
+
+
+def _starting(slurm, job: int) -> bool:
+    """Both tasks run ``builder train`` and handle SIGUSR1 (``SigCgt``), and neither has loaded torch."""
+    tasks = slurm.tasks(job)
+    if len(tasks) < 2 or not all(slurm_helpers.catches(pid, signal.SIGUSR1) for pid in tasks.values()):
+        return False
+    assert not any(slurm_helpers.loaded(pid, "libtorch") for pid in tasks.values()), "torch loaded before the handler"
+    return True
+
+
+#: how the warning comes: ``scancel --signal=USR1`` once the first attempt reached step 5, or as both
+#: tasks start (their handler in place, torch not loaded yet), or ``--signal=USR1@45`` of a two-minute
+#: ``--time``. SLURM's timer ticks every 30 s and sends the warning at the first tick within 30 s of the
+#: time it asked for: 45 to 75 s into each attempt. The first attempt, slowed to 3 s a step, is
+#: training then; a requeued one that outlives 45 s (a busy machine) is warned too, and each
+#: warning, also one that comes as an attempt starts, saves at the next step and requeues again.
+WAYS = {
+    "scancel": ((), 60, SLOW_STEP),
+    "scancel-at-start": ((), 60, SLOW_STEP),
+    "time-limit": (("--time=2",), 45, 3.0),
+}
 
 
 @pytest.mark.parametrize(
@@ -120,40 +190,77 @@ WAYS = {"scancel": ((), 60, SLOW_STEP), "time-limit": (("--time=2",), 45, 3.0)}
     [
         ("scancel", "0"),
         ("scancel", "1"),
-        # slow: 3 of 5 here; in the other 2 SLURM 22.05 signalled the requeued attempt as it started,
-        # before Python had its handler, and the job failed (`pytest -m "launch and slow"`)
-        pytest.param("time-limit", "1", marks=pytest.mark.slow),
+        ("scancel-at-start", "0"),
+        ("time-limit", "1"),
     ],
-    ids=["scancel-rank-1-exits-first", "scancel-rank-0-exits-first", "time-limit"],
+    ids=["scancel-rank-1-exits-first", "scancel-rank-0-exits-first", "scancel-at-start", "time-limit"],
 )
-def test_a_usr1_mid_run_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken, tmp_path, way, late):
+def test_a_usr1_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken, tmp_path, way, late):
     flags, warning, delay = WAYS[way]
     folder = tmp_path / "job"
     recipe = recipe_in(folder, unbroken[0].parent / "slurm-cache")
-    marks = tmp_path / "marks"
-    (marks / "hook").mkdir(parents=True)
-    (marks / "hook" / "sitecustomize.py").write_text(_HOOK.format(marks=str(marks), delay=delay, late=late))
+    marks = hooked(tmp_path, delay, late)
     started = time.monotonic()
     job = submit(slurm, folder, recipe, env=slurm.job_env(marks / "hook"), flags=flags, warning=warning)
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while way == "scancel" and not (marks / "step-5-0").exists():
-        running = slurm.job(job)["JobState"] in ("PENDING", "RUNNING")
-        assert time.monotonic() < deadline and running, job_log(folder, job)[-3000:]
-        time.sleep(0.2)
     if way == "scancel":
+        _until((marks / "step-5-0").exists, JOB_TIMEOUT, slurm, job, lambda: job_log(folder, job))
+    if way == "scancel-at-start":
+        _until(lambda: _starting(slurm, job), JOB_TIMEOUT, slurm, job, lambda: job_log(folder, job))
+    if way != "time-limit":
         slurm.run("scancel", "--signal=USR1", str(job))
-    slurm.requeued(job, JOB_TIMEOUT)
-    fields = slurm.finished(job, JOB_TIMEOUT)
+    fields = slurm.finished(job, 2 * JOB_TIMEOUT, requeues=True)
     seconds = time.monotonic() - started
     log = job_log(folder, job)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log[-3000:]
-    step = _stop_step(log)
-    assert 0 < step < TRAINER["max_steps"], log[-3000:]
-    assert f"resuming from {folder / 'run' / 'checkpoints' / 'last.ckpt'}" in log, log[-3000:]
+    restarts, stops = int(fields["Restarts"]), _stops(log)
+    assert fields["JobState"] == "COMPLETED" and restarts >= 1 and len(stops) == restarts, log[-3000:]
+    if way != "time-limit":  # one warning: one requeue
+        assert restarts == 1, log[-3000:]
+    steps = [step for step, _ in stops]
+    assert steps[0] > 0 and steps == sorted(set(steps)) and steps[-1] < TRAINER["max_steps"], log[-3000:]
+    if way == "scancel-at-start":  # kept through the start, acted on at the first step boundary
+        assert stops[0] == (1, True), log[-3000:]
+    if way == "scancel":  # sent once step 5 was reached
+        assert stops[0][0] >= 5 and not stops[0][1], log[-3000:]
     last, reference = folder / "run" / "checkpoints" / "last.ckpt", unbroken[0] / "run" / "checkpoints" / "last.ckpt"
+    assert log.count(f"resuming from {last}") == restarts, log[-3000:]
     assert_same_run(last, reference)
-    after = [(s, x, y) for (s, x), (_, y) in zip(history(last)["train"], history(reference)["train"]) if s > step]
     print(
-        f"\n{way}, rank {late} exiting last: stopped at step {step}, requeued once, {seconds:.1f} s; "
-        "step: requeued / unbroken loss: " + ", ".join(f"{s}: {x:.6f} / {y:.6f}" for s, x, y in after[:5])
+        f"\n{way}, rank {late} exiting last: stopped at steps {steps} ({sum(e for _, e in stops)} warned before "
+        f"training), {restarts} requeue(s), {seconds:.1f} s; step: requeued / unbroken loss: "
+        + _losses(last, reference, steps[0] - 1)
+    )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_with_sigkill_ends_the_job_and_the_next_submission_resumes(slurm, unbroken, tmp_path, rank):
+    """``kill -9`` of one task past a periodic checkpoint: ``srun --kill-on-bad-exit=1`` ends the
+    job (FAILED, not requeued, not waiting in a collective), the checkpoint is whole, and the
+    same batch file submitted again resumes from it to the unbroken run's losses."""
+    folder = tmp_path / "job"
+    recipe = recipe_in(folder, unbroken[0].parent / "slurm-cache")
+    marks = hooked(tmp_path, SLOW_STEP)
+    env = slurm.job_env(marks / "hook")
+    job = submit(slurm, folder, recipe, env=env)
+    last, reference = folder / "run" / "checkpoints" / "last.ckpt", unbroken[0] / "run" / "checkpoints" / "last.ckpt"
+    past = [marks / f"step-13-{task}" for task in (0, 1)]  # the checkpoint of step 10 is written
+    _until(lambda: all(mark.exists() for mark in past), JOB_TIMEOUT, slurm, job, lambda: job_log(folder, job))
+    os.kill(slurm.tasks(job)[rank], signal.SIGKILL)
+    killed = time.monotonic()
+    fields = slurm.finished(job, 120)
+    ended = time.monotonic() - killed
+    log = job_log(folder, job)
+    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", log[-3000:]
+    assert read_checkpoint(last)["global_step"] == 10  # read whole: every tensor's checksum holds
+    (marks / "slow").unlink()
+    started = time.monotonic()
+    again = submit(slurm, folder, recipe, env=env)  # the same batch file, submitted again
+    fields = slurm.finished(again, JOB_TIMEOUT)
+    seconds = time.monotonic() - started
+    log = job_log(folder, again)
+    assert fields["JobState"] == "COMPLETED", log[-3000:]
+    assert f"resuming from {last}" in log, log[-3000:]
+    assert_same_run(last, reference)
+    print(
+        f"\nrank {rank} killed past step 13: job ended in {ended:.1f} s ({fields['JobState']}), resumed at 10 "
+        f"and finished in {seconds:.1f} s; step: resumed / unbroken loss: " + _losses(last, reference, 10)
     )
