@@ -5,9 +5,10 @@ What each line is for:
 * ``--signal=USR1@N``: SLURM sends ``SIGUSR1`` to every task N seconds before the time limit (up
   to 30 s earlier, at the tick of its timer); the run saves ``last.ckpt`` at the next step
   boundary (one that comes while the run starts: at its first) and global rank 0 requeues the
-  job itself (``yamlformer.recipes.training.requeue``) before any rank exits. The script reads no exit status: with ``--kill-on-bad-exit=1`` the
-  first rank to exit gets the others killed, so ``srun``'s status was 138 or 143 by which rank
-  ended first, and a script testing ``$? -eq 138`` lost the requeue two times in three.
+  job itself (``yamlformer.recipes.training.requeue``) before any rank exits. The script reads
+  no exit status: with ``--kill-on-bad-exit=1`` the first rank to exit gets the others killed,
+  so ``srun``'s status was 138 or 143 by which rank ended first, and a script testing ``$? -eq
+  138`` lost the requeue two times in three.
 * ``--requeue``: the job may be requeued (clusters that default to ``JobRequeue=0`` refuse it).
 * ``--open-mode=append``: the requeued job appends to the first attempt's log, which sbatch
   would otherwise truncate.
