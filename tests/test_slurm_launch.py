@@ -227,7 +227,7 @@ def test_a_usr1_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken
     print(
         f"\n{way}, rank {late} exiting last: stopped at steps {steps} ({sum(e for _, e in stops)} warned before "
         f"training), {restarts} requeue(s), {seconds:.1f} s; step: requeued / unbroken loss: "
-        + _losses(last, reference, steps[0] - 1)
+        + _losses(last, reference, steps[0])
     )
 
 
@@ -246,10 +246,9 @@ def test_a_rank_killed_with_sigkill_ends_the_job_and_the_next_submission_resumes
     _until(lambda: all(mark.exists() for mark in past), JOB_TIMEOUT, slurm, job, lambda: job_log(folder, job))
     os.kill(slurm.tasks(job)[rank], signal.SIGKILL)
     killed = time.monotonic()
-    fields = slurm.finished(job, 120)
-    ended = time.monotonic() - killed
-    log = job_log(folder, job)
-    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", log[-3000:]
+    ended, log = slurm.finished(job, 120), job_log(folder, job)
+    seconds_to_end = time.monotonic() - killed
+    assert ended["JobState"] == "FAILED" and ended["Restarts"] == "0", log[-3000:]
     assert read_checkpoint(last)["global_step"] == 10  # read whole: every tensor's checksum holds
     (marks / "slow").unlink()
     started = time.monotonic()
@@ -261,6 +260,7 @@ def test_a_rank_killed_with_sigkill_ends_the_job_and_the_next_submission_resumes
     assert f"resuming from {last}" in log, log[-3000:]
     assert_same_run(last, reference)
     print(
-        f"\nrank {rank} killed past step 13: job ended in {ended:.1f} s ({fields['JobState']}), resumed at 10 "
+        f"\nrank {rank} killed past step 13: job ended in {seconds_to_end:.1f} s ({ended['JobState']}, exit code "
+        f"{ended['ExitCode']}), resumed at 10 "
         f"and finished in {seconds:.1f} s; step: resumed / unbroken loss: " + _losses(last, reference, 10)
     )
