@@ -191,7 +191,8 @@ WAYS = {
         ("scancel", "0"),
         ("scancel", "1"),
         ("scancel-at-start", "0"),
-        ("time-limit", "1"),
+        # slow: SLURM's timer warns 45 to 75 s into the attempt, 118 s in all (`pytest -m "launch and slow"`)
+        pytest.param("time-limit", "1", marks=pytest.mark.slow),
     ],
     ids=["scancel-rank-1-exits-first", "scancel-rank-0-exits-first", "scancel-at-start", "time-limit"],
 )
@@ -231,7 +232,8 @@ def test_a_usr1_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken
     )
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+# rank 0 holds the run folder's lock and writes the checkpoints; rank 1's case is slow (70 s each)
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_rank_killed_with_sigkill_ends_the_job_and_the_next_submission_resumes(slurm, unbroken, tmp_path, rank):
     """``kill -9`` of one task past a periodic checkpoint: ``srun --kill-on-bad-exit=1`` ends the
     job (FAILED, not requeued, not waiting in a collective), the checkpoint is whole, and the
