@@ -41,9 +41,10 @@ SLOW_STEP = 0.4
 JOB_TIMEOUT = 240
 
 # Marks each step reached; while the file `slow` is there, slows the steps of a job's first attempt
-# (SLURM_RESTART_COUNT is set in a requeued one); delays the exit of the rank named, so that the
-# other one exits first. The callback is patched once it is imported, not here: this runs as the
-# interpreter starts, and loading torch here would hold back `builder train`'s signal handlers.
+# (SLURM_RESTART_COUNT is set in a requeued one), and with `slow-torch` its import of torch by 3 s;
+# delays the exit of the rank named, so that the other one exits first. The callback is patched once
+# it is imported, not here: this runs as the interpreter starts, and loading torch here would hold
+# back `builder train`'s signal handlers.
 _HOOK = """\
 import atexit, importlib.abc, importlib.util, os, sys, time
 from pathlib import Path
@@ -73,7 +74,16 @@ if os.environ.get("SLURM_JOB_ID"):
             spec.loader.exec_module = exec_module
             return spec
 
+    class SlowTorch(importlib.abc.MetaPathFinder):  # torch read from a slow disk: a start-up that lasts
+        def find_spec(self, name, path, target=None):
+            if name == "torch":
+                sys.meta_path.remove(self)
+                time.sleep(3)
+            return None
+
     sys.meta_path.insert(0, Patching())
+    if first and (marks / "slow-torch").exists():
+        sys.meta_path.insert(0, SlowTorch())
     if rank == {late!r}:
         atexit.register(time.sleep, 3)
 """
@@ -201,6 +211,8 @@ def test_a_usr1_saves_requeues_and_resumes_like_the_unbroken_run(slurm, unbroken
     folder = tmp_path / "job"
     recipe = recipe_in(folder, unbroken[0].parent / "slurm-cache")
     marks = hooked(tmp_path, delay, late)
+    if way == "scancel-at-start":  # the first attempt's start-up outlasts the polls that find it
+        (marks / "slow-torch").touch()
     started = time.monotonic()
     job = submit(slurm, folder, recipe, env=slurm.job_env(marks / "hook"), flags=flags, warning=warning)
     if way == "scancel":
