@@ -10,11 +10,11 @@ Only global rank 0 logs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
 import os
-import queue
 import threading
 import uuid
 from pathlib import Path
@@ -32,6 +32,11 @@ from yamlformer.recipes.say import say
 TRACKERS = "trackers.json"
 #: seconds a run's end waits for a tracker to take what is queued
 FLUSH_SECONDS = 30.0
+#: seconds a tracker's thread gathers the calls made after the first it has not sent, then sends
+#: them together: a log step's several ``log_metrics`` calls (the loss, the throughput, the
+#: learning rate and memory) are one request, and a run of short steps wakes the thread once a
+#: second instead of once a call; a metric reaches the dashboard at most this much later
+GATHER_SECONDS = 1.0
 #: MLflow's own retry settings, unless the environment sets them: a request to a server that is
 #: down gives up after about 4 s (2 retries, 1 s and 2 s apart) and one that hangs after 10 s a
 #: try, where MLflow's defaults (7 retries, a factor of 2, 120 s) keep a dead server's run busy for
@@ -106,18 +111,24 @@ _QUIET = _OffTrackerThreads()
 
 class Background(Logger):
     """A Lightning logger whose calls run in order on a thread of their own, so training never
-    waits for the network. The first error is one warning and the tracker is dropped for the rest
-    of the run; :meth:`finalize` waits at most :data:`FLUSH_SECONDS` for what is queued."""
+    waits for the network: a call only appends to a list. The thread sends what came in for
+    :data:`GATHER_SECONDS` at once, the ``log_metrics`` calls of one step merged into one. The
+    first error is one warning and the tracker is dropped for the rest of the run; :meth:`close`
+    sends what is left, waiting at most :data:`FLUSH_SECONDS`."""
 
-    def __init__(self, label: str, make, flush_seconds: float = FLUSH_SECONDS):
+    def __init__(self, label: str, make, flush_seconds: float = FLUSH_SECONDS, gather_seconds: float = GATHER_SECONDS):
         super().__init__()
-        self.label, self._make, self.flush_seconds = label, make, flush_seconds
+        self.label, self._make = label, make
+        self.flush_seconds, self.gather_seconds = flush_seconds, gather_seconds
         self.failed: str | None = None
         self.tracker: Logger | None = None
-        self._queue: queue.Queue = queue.Queue()
+        self._calls: collections.deque = collections.deque()  # appended on training's thread, taken on this one
+        self._wake = threading.Event()  # a call is waiting
+        self._closing = threading.Event()  # no more calls: send what is left now
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._work, name=f"tracker-{label}", daemon=True)
-        self._thread.start()
+        #: the thread that talks to the tracker (benchmarks/tracker_overhead.py reads its CPU time)
+        self.thread = threading.Thread(target=self._work, name=f"tracker-{label}", daemon=True)
+        self.thread.start()
 
     @property
     def name(self) -> str:
@@ -138,21 +149,24 @@ class Background(Logger):
             self.tracker = self._make()
         except BaseException as exc:
             self._fail(exc)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            method, args, kwargs = item
-            if self.failed is None:
-                try:
-                    getattr(self.tracker, method)(*args, **kwargs)
-                except BaseException as exc:
-                    self._fail(exc)
+        while self._calls or not self._closing.is_set():
+            self._wake.wait()
+            self._closing.wait(self.gather_seconds)  # what comes in meanwhile goes in the same send
+            self._wake.clear()  # before taking: a call appended after it wakes the next round
+            calls = [self._calls.popleft() for _ in range(len(self._calls))]
+            for method, args in merged(calls):
+                if self.failed is None:
+                    try:
+                        getattr(self.tracker, method)(*args)
+                    except BaseException as exc:
+                        self._fail(exc)
         self._done.set()
 
-    def _put(self, method: str, *args, **kwargs) -> None:
-        if self.failed is None and not self._done.is_set():
-            self._queue.put((method, args, kwargs))
+    def _put(self, method: str, *args) -> None:
+        if self.failed is None and not self._closing.is_set():
+            self._calls.append((method, args))
+            if not self._wake.is_set():
+                self._wake.set()
 
     @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs) -> None:
@@ -173,13 +187,28 @@ class Background(Logger):
     @rank_zero_only
     def close(self) -> None:
         """The end of the run: what is queued is sent, bounded by :attr:`flush_seconds`."""
-        if self._done.is_set():
+        if self._closing.is_set():
             return
         self._put("finalize", getattr(self, "_status", "success"))
-        self._queue.put(None)
+        self._closing.set()
+        self._wake.set()
         if not self._done.wait(self.flush_seconds):
             say(f"warning: {self.label}: still sending after {self.flush_seconds:.0f} s; the run ends without it")
             self.failed = self.failed or "timed out"
+
+
+def merged(calls: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """``calls`` (``(method, args)``, in order) with each run of ``log_metrics`` calls for the same
+    step made one call of all their metrics (a later value of a key wins, as it would in the
+    tracker): a step's metrics are one request to MLflow and one history row in W&B."""
+    out: list[tuple[str, tuple]] = []
+    for method, args in calls:
+        last = out[-1] if out else None
+        if method == "log_metrics" and last is not None and last[0] == method and last[1][1] == args[1]:
+            out[-1] = (method, ({**last[1][0], **args[0]}, args[1]))
+        else:
+            out.append((method, args))
+    return out
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
