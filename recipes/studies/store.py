@@ -20,6 +20,7 @@ from typing import Any
 
 import optuna
 import sqlalchemy.engine
+import sqlalchemy.event
 import sqlalchemy.exc
 from optuna.trial import TrialState
 
@@ -114,11 +115,33 @@ def storage_of(url: str):
         _check_sqlite(path, timeout)
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": timeout}}
     try:
-        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT, grace_period=GRACE, **kwargs)
+        storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT, grace_period=GRACE, **kwargs)
     except ImportError as exc:  # a server's driver (check_storage says so before any work)
         raise StudyError(f"{path or url.partition(':')[0]}: no database driver here ({exc.name or exc})") from None
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError, ValueError) as exc:
         raise StudyError(_db_message(path or url, exc)) from None
+    if path is not None and os.access(path, os.W_OK):
+        _serialize(storage.engine)
+    return storage
+
+
+def _serialize(engine) -> None:
+    """Make each of Optuna's transactions on a SQLite file take the write lock as it begins
+    (SQLAlchemy's recipe for pysqlite, with ``BEGIN IMMEDIATE``). pysqlite begins a transaction
+    only at the first write and SQLite has no ``SELECT ... FOR UPDATE``, so two workers asking at
+    once both read a waiting trial as waiting and both took it (a sweep's array tasks ran one
+    variant twice, 4 asks in 10, and the second ``tell`` found it finished); a server database
+    locks the row itself. Connections made before (Optuna's schema check) are dropped."""
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_connection, record) -> None:
+        dbapi_connection.isolation_level = None
+
+    @sqlalchemy.event.listens_for(engine, "begin")
+    def _begin_locked(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
 
 
 def open_study(loaded: StudyFile, create: bool, sampler=None, pruner=None):
