@@ -277,35 +277,6 @@ def test_a_locked_database_is_one_line(tmp_path, capsys, monkeypatch):
     assert "locked by another process" in line and "study.db" in line
 
 
-def test_workers_asking_at_once_never_claim_the_same_trial(tmp_path):
-    """Several sweep workers (a --print-slurm array job's tasks) ask one SQLite study for a trial
-    at the same moment: each gets its own waiting trial. SQLite has no SELECT ... FOR UPDATE, so
-    before the storage began each transaction locked, two asks took one trial 4 times in 10."""
-    import optuna
-
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    workers, rounds = 4, 3
-    study = optuna.create_study(study_name="s", storage=store.storage_of(url))
-    for n in range(workers * rounds):
-        study.enqueue_trial({"lr": float(n)})
-    studies = [optuna.load_study(study_name="s", storage=store.storage_of(url)) for _ in range(workers)]
-    claimed: list[int] = []
-    for _ in range(rounds):
-        start = threading.Barrier(workers)
-
-        def ask(study):
-            start.wait()
-            claimed.append(study.ask().number)
-
-        threads = [threading.Thread(target=ask, args=(s,)) for s in studies]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    assert len(claimed) == workers * rounds
-    assert sorted(claimed) == list(range(workers * rounds)), claimed
-
-
 def test_a_database_of_another_study_or_definition_or_program(tmp_path, capsys, fake_trials):
     path = write_study(tmp_path, axes={"d_model": [32]})
     assert sweep(path, "--max-trials", "0") == 0

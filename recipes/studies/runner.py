@@ -19,10 +19,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from yamlformer.recipes.errors import RecipeError
@@ -88,7 +90,6 @@ class Running:
     started: float
     devices: list[str]
     reported: int = 0
-    beat: float = 0.0
     why: str | None = None  # "pruned", "time limit", "interrupted": the sweep stopped it
     told: float = 0.0  # when it was told to stop
 
@@ -117,6 +118,8 @@ class Sweep:
         """Run trials until none is left, a budget is spent or a signal stops it; returns the
         exit status (130 when stopped by a signal)."""
         previous = {sig: signal.signal(sig, self._signalled) for sig in (signal.SIGINT, signal.SIGTERM)}
+        beating = threading.Event()
+        threading.Thread(target=self._beat, args=(beating,), name="heartbeats", daemon=True).start()
         try:
             while not self.stopping:
                 self._look()
@@ -127,9 +130,21 @@ class Sweep:
                 time.sleep(POLL)
         finally:
             self._stop_all()
+            beating.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return 130 if self.stopping else 0
+
+    def _beat(self, done: threading.Event) -> None:
+        """Prove each running trial alive every third of a heartbeat, from a thread of its own
+        (as ``study.optimize`` does): the loop waits on a finished trial's downstream evaluation
+        for minutes, and a worker starting meanwhile fails every trial silent for GRACE."""
+        while not done.wait(store.HEARTBEAT / 3):
+            for r in list(self.running):
+                try:
+                    store.heartbeat(self.study, r.trial)
+                except sqlalchemy.exc.SQLAlchemyError:
+                    pass  # the database locked past its timeout: the next beat tries again
 
     def _slots(self) -> int:
         """Trials that may run now: one until a trial of this sweep has trained a step (its corpus
@@ -244,9 +259,6 @@ class Sweep:
     def _look(self) -> None:
         now = time.time()
         for r in list(self.running):
-            if now - r.beat >= store.HEARTBEAT / 3:
-                store.heartbeat(self.study, r.trial)
-                r.beat = now
             self._report(r)
             limit = self.settings.budget.time_limit
             if r.why is None and limit is not None and now - r.started > limit * 60:
