@@ -239,7 +239,7 @@ def main() -> int:
         **parse_set_args(args.overrides),
     }
     recipe = load_recipe(recipe_file, overrides)
-    sources, references = validation_pairs(recipe.recipe, recipe.file)
+    sources, references = validation_pairs(recipe)
     clock = make_clock(args.minutes, args.eval_every, sources, references)
     started = time.perf_counter()
     summary = train_recipe(recipe, fresh=True, callbacks=[clock])

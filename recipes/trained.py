@@ -1,6 +1,7 @@
 """A trained model back from a checkpoint alone (``builder eval``, ``builder generate``, a task's
-final evaluation): its spec, weights and tokenizer, or those of a model folder; and the tokenizer
-a run starting from a checkpoint (``model.init_from``) takes with its weights.
+final evaluation): its spec, weights and tokenizer, or those of a model folder; the tokenizer a
+run starting from a checkpoint (``model.init_from``) takes with its weights; and the weights a
+checkpoint's run started from, as its record says.
 
 Checkpoints are read and verified by :mod:`yamlformer.builder.checkpoints`; this module adds what only the
 recipes know (the tokenizers, the device to run on) and turns every fault into one
@@ -32,6 +33,7 @@ from yamlformer.builder.hf.tokenizer import read_tokenizer
 from yamlformer.builder.spec.loader import SpecError, load_spec
 from yamlformer.recipes.data.tokenizers import from_state
 from yamlformer.recipes.errors import RecipeError
+from yamlformer.recipes.recipe.init_from import init_from_path
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -121,6 +123,22 @@ def pretrained_tokenizer(run):
         return checkpoint_tokenizer(path, run.pretrained)
     except RecipeError as exc:
         raise RecipeError(f"model.init_from: {exc}") from None
+
+
+def starting_weights(meta: dict) -> Path | None:
+    """The weights the run of a checkpoint's ``builder`` record (``meta``) started from: the
+    model its ``model.init_from`` was read from, as the run recorded it (``starting_weights``),
+    or None: the run drew its own, seeded by ``trainer.seed``. A checkpoint written before runs
+    recorded it keeps working: its recipe's ``model.init_from`` is found again from the recipe
+    file it names, as ``builder eval`` found it then."""
+    if "starting_weights" in meta:
+        recorded = meta["starting_weights"]
+        return None if recorded is None else Path(recorded)
+    init_from = ((meta.get("recipe") or {}).get("model") or {}).get("init_from")
+    if init_from is None:
+        return None
+    recipe_file = meta.get("recipe_file")
+    return init_from_path(init_from, Path(recipe_file) if recipe_file else None)
 
 
 def load_folder(folder: Path, device: str | None = None):

@@ -99,7 +99,9 @@ def lm_checkpoint(folder: Path) -> Path:
     torch.manual_seed(0)
     model = build_model(spec)
     checkpoint = {
-        "builder": training_meta(SimpleNamespace(recipe=recipe, file=recipe_file, spec=spec), tokenizer, task="lm"),
+        "builder": training_meta(
+            SimpleNamespace(recipe=recipe, file=recipe_file, spec=spec, source=None), tokenizer, task="lm"
+        ),
         "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
         "global_step": 0,
     }

@@ -514,7 +514,8 @@ def test_fit_answers_a_budget_and_predicts_a_variant(tmp_path, capsys, fake_tria
     assert main([*fit, "--gpu-hours", "2", "--gpus", "8", "--gpu", "h100"]) == 0
     budget = json.loads(capsys.readouterr().out)["budget"]
     near = budget["nearest"]
-    recipe, spec, _ = variant_model(load_study(path), {"d_model": int(near["family"].split("=")[1])})
+    resolution, spec, _ = variant_model(load_study(path), {"d_model": int(near["family"].split("=")[1])})
+    recipe = resolution.recipe
     row = hardware_gpu("h100")
     cluster = Cluster(gpus=8, per_node=8, memory=row.memory, peak=row.peak["bf16"], gpu=row.name, hardware=row)
     batch = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches

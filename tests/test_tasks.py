@@ -23,15 +23,17 @@ def _names():
 def test_every_task_answers_the_contract(name):
     from yamlformer.recipes.recipe.sections import Recipe
     from yamlformer.recipes.tasks import task_named
-    from yamlformer.recipes.tasks.task import Task
+    from yamlformer.recipes.tasks.task import Resolution, Task
 
     task = task_named(name)
     assert isinstance(task, Task) and task.name == name
     assert (ROOT / "recipes" / "tasks" / name / "__init__.py").is_file()
     assert issubclass(task.recipe, Recipe)
     assert task.recipe.model_fields["task"].default == name
-    for method in ("prepare", "data_files", "evaluate"):  # what every task must say for itself
+    for method in ("prepare", "evaluate"):  # what every task must say for itself
         assert getattr(type(task), method) is not getattr(Task, method), f"{name} does not implement {method}"
+    assert issubclass(task.resolution, Resolution) and task.resolution is not Resolution, name
+    assert task.resolution.add_files is not Resolution.add_files, f"{name}'s resolution names no files"
 
 
 def test_the_eval_and_generate_options_of_the_tasks_are_options_of_the_commands():

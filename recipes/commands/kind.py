@@ -64,7 +64,7 @@ def _model(path: Path) -> tuple[Any, dict]:
     from yamlformer.recipes.training.resolved import resolve_model
 
     located = load_recipe(path)
-    vocab, spec = resolve_model(located)
+    _, vocab, spec = resolve_model(located)
     return spec, {"family": located.recipe.task, "approximate": vocab.stand_in}
 
 

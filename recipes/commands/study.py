@@ -207,8 +207,8 @@ def _planned(loaded, table: list[dict], members: list[dict], args) -> list[dict]
     out = []
     for member in members:
         trial = next(r for r in table if r["params"] == member["params"])
-        recipe, spec, _ = variant_model(loaded, {axis: trial[axis] for axis in axes})
-        seq_len, _, sequences = step_shape(recipe, spec)
+        resolution, spec, _ = variant_model(loaded, {axis: trial[axis] for axis in axes})
+        seq_len, _, sequences = step_shape(resolution, spec)
         found = plan(
             spec, cluster, seq_len=seq_len, global_batch=-(-sequences // args.gpus) * args.gpus, dtype=args.dtype
         )

@@ -23,7 +23,7 @@ from yamlformer.builder.spec.source import Problem, SpecError
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.sections import spec_shorthand
 from yamlformer.recipes.studies.schema import VARIANT_AXIS, Distribution, StudyFile
-from yamlformer.recipes.tasks import load_recipe, recipe_class, task_named
+from yamlformer.recipes.tasks import load_recipe, recipe_class
 from yamlformer.recipes.training.dry_run import data_parallel_ranks, recipe_estimate
 from yamlformer.recipes.training.resolved import resolve_model
 
@@ -171,23 +171,25 @@ def overrides_of(loaded: StudyFile, values: dict[str, Any]) -> tuple[dict[str, A
 
 
 def variant_model(loaded: StudyFile, values: dict[str, Any]):
-    """``(recipe, spec, overrides)`` of the variant of ``values``, the spec checked against its
+    """``(resolution, spec, overrides)`` of the variant of ``values``: what its task made of its
+    recipe (:class:`~yamlformer.recipes.tasks.task.Resolution`), the spec checked against that
     task; :class:`RecipeError` (one located line per problem) when it cannot run."""
 
     overrides, where = overrides_of(loaded, values)
     try:
         located = load_recipe(loaded.recipe_file(), overrides)
-        _, spec = resolve_model(located)  # checked against its task, as a run checks it
+        resolution, _, spec = resolve_model(located)  # checked against its task, as a run checks it
     except SpecError as exc:
         raise RecipeError("\n".join(_relocated(loaded, p, where) for p in exc.problems)) from None
-    return located.recipe, spec, overrides
+    return resolution, spec, overrides
 
 
-def step_shape(recipe, spec) -> tuple[int, int, int]:
+def step_shape(resolution, spec) -> tuple[int, int, int]:
     """``(seq_len, batch, sequences)``: a step's sequence length and per-rank batch as the task
     cuts them, and the sequences of one optimizer step over every data-parallel rank."""
 
-    seq_len, batch, _ = task_named(recipe.task).batch_shape(recipe, spec)
+    seq_len, batch, _ = resolution.batch_shape(spec)
+    recipe = resolution.recipe
     return seq_len, batch, batch * recipe.trainer.accumulate_grad_batches * data_parallel_ranks(recipe)
 
 
@@ -195,9 +197,10 @@ def check(loaded: StudyFile, values: dict[str, Any]) -> Variant:
     """The variant of ``values``, its model validated and counted and its steps set from the
     budget; :class:`RecipeError` (one line per problem) when it cannot run."""
 
-    recipe, spec, overrides = variant_model(loaded, values)
-    seq_len, batch, sequences = step_shape(recipe, spec)
-    est = recipe_estimate(spec, recipe, seq_len, batch)
+    resolution, spec, overrides = variant_model(loaded, values)
+    recipe = resolution.recipe
+    seq_len, batch, sequences = step_shape(resolution, spec)
+    est = recipe_estimate(spec, recipe, seq_len, batch, reference=resolution.reference_copy(spec))
     per_step = seq_len * sequences
     kind, amount = next(iter(budget_of(loaded, values).items()))
     per_token = est.flops.train_per_token

@@ -1,12 +1,14 @@
 """What a task is to the rest of the project: the :class:`Task` contract, and the values it hands
-back (:class:`Prepared` to the run loop; :class:`Vocabulary` and :class:`DataFile` to the dry run,
-``builder validate`` and ``builder list``). Torch-free: a task's facade answers the questions that
-need no torch here and imports its training code when asked to train, evaluate or generate.
+back (:class:`Resolution` to the resolution, which the dry run, ``builder validate`` and ``builder
+list`` share, with its :class:`Vocabulary` and :class:`DataFile` entries; :class:`Prepared` to the
+run loop). Torch-free: a task's facade answers the questions that need no torch here and imports
+its training code when asked to train, evaluate or generate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from yamlformer.recipes.errors import RecipeError
 
 if TYPE_CHECKING:
+    from yamlformer.builder.spec.schema import ModelSpec
     from yamlformer.recipes.recipe.located import LocatedRecipe
+    from yamlformer.recipes.recipe.sections import Recipe
 
 #: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
 #: marker on the first word too, runs of spaces folded
@@ -33,7 +37,7 @@ class Prepared:
 
     tokenizer: Any  # its vocabulary is the run's spec's (the run checks it)
     data: Any  # a LightningDataModule
-    module_class: type  # a LightningModule taking (model, recipe, meta)
+    module_class: Callable  # (model, recipe, meta) -> the LightningModule (its class, or a function making one)
     seq_len: int  # the micro-batch shape for the start-of-run estimate
     batch: int
     #: a micro-batch -> the real (non-pad) tokens it trains on (an int or a device tensor); ``None``:
@@ -68,77 +72,118 @@ class DataFile:
     file: bool = False  # read whole as one file (a folder of files is not taken)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Resolution:
+    """What a task makes of one recipe as loaded, before anything runs (:meth:`Task.resolve`): the
+    files its data section reads, the vocabulary when the task knows it better than the tokenizer
+    settings, the spec fields it sets, its checks of the spec and of the data, the micro-batch its
+    estimate is made at, and the dry run's lines about it. Each task's is its own subclass.
+
+    Made once per resolution (:func:`yamlformer.recipes.training.resolved.resolve_run`, which a
+    run and its dry run share; ``resolve_model``, which ``builder validate``, ``builder list`` and
+    a study's variants share) and kept in the ``Run``; never changed. An answer that reads data
+    is made the first time it is asked, then kept: the resolution asks it only once every file is
+    checked to be there and of a kind the run reads (a FIFO is refused, never read), so the
+    order of the checks stays the run's."""
+
+    task: Task
+    located: LocatedRecipe
+    read_data: bool = True  # the data may be read (a run, its dry run); validate and list read none
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.located.recipe
+
+    @functools.cached_property
+    def files(self) -> tuple[DataFile, ...]:
+        """Every file the data section reads, in order, as it is on disk now; nothing fetched or read."""
+        # local: the dataset registry (urllib, http) loads when a recipe is resolved; the tasks'
+        # facades also serve every YAML command's keys (builder describe)
+        from yamlformer.recipes.tasks.files import DataFiles
+
+        files = DataFiles(self.located)
+        self.add_files(files)
+        return tuple(files.found)
+
+    def add_files(self, files) -> None:
+        """Add every file the data section reads to ``files``
+        (:class:`yamlformer.recipes.tasks.files.DataFiles`), in order."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary | None:
+        """The vocabulary when the task knows it better than the tokenizer settings (a tokenized
+        dataset's, a pretrained checkpoint's); ``None``: from ``tokenizer``."""
+        return None
+
+    @functools.cached_property
+    def spec_overrides(self) -> dict:
+        """Spec fields the task sets over the recipe's (a classification head of as many classes
+        as the data has labels)."""
+        return {}
+
+    @functools.cached_property
+    def dry_run_lines(self) -> tuple[tuple[str, str], ...]:
+        """More ``(key, text)`` lines for the dry run's summary (an LM's mixture)."""
+        return ()
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Refuse (:class:`RecipeError`, one line) a spec this task cannot train or its data cannot run on."""
+
+    def check_data(self, vocab_size: int, pretrained: dict | None) -> None:
+        """Refuse (:class:`RecipeError`, one line) data the run would refuse, read as far as it can be
+        without the run's work (no text tokenized); ``pretrained``: the tokenizer state of a
+        ``model.init_from`` checkpoint. Every file is known to be there and of the right kind."""
+
+    def batch_shape(self, spec: ModelSpec) -> tuple[int, int, str]:
+        """``(seq_len, batch, how)``: the micro-batch shape estimates are made at."""
+        data = self.recipe.data
+        return data.seq_len, data.batch_size, f"{data.batch_size} windows x {data.seq_len} tokens"
+
+    def reference_copy(self, spec: ModelSpec) -> bool:
+        """Whether the run keeps a frozen copy of the model beside it (a reference model), which
+        the estimates count (``yamlformer.builder.analysis.estimates.Step.reference``)."""
+        return False
+
+
 class Task:
     """One kind of training run (``task:`` in a recipe). A task is a folder of ``recipes/tasks/``:
-    its ``__init__`` (torch-free) defines the recipe schema and a :class:`Task` named ``TASK``;
-    its training code (torch, Lightning) is imported by the methods that need it.
+    its ``__init__`` (torch-free) defines the recipe schema, its :class:`Resolution` and a
+    :class:`Task` named ``TASK``; its training code (torch, Lightning) is imported by the methods
+    that need it.
 
     Generic code (the run loop, the dry run, ``builder eval``/``generate``/``plan``/``list``) asks
     these methods and attributes and never a task's name.
 
-    Its methods come in two halves. The resolution's (:func:`yamlformer.recipes.training.resolved.resolve_run`)
-    are handed the recipe as loaded (a :class:`~yamlformer.recipes.recipe.located.LocatedRecipe`)
-    and answer what the ``Run`` is made of: its files, vocabulary, spec overrides and checks. The
-    run's (:meth:`prepare`) is handed the resolved ``Run`` and reads only it."""
+    A run comes in two halves: :meth:`resolve`, handed the recipe as loaded (a
+    :class:`~yamlformer.recipes.recipe.located.LocatedRecipe`), answers what the ``Run`` is made
+    of in one value (:func:`yamlformer.recipes.training.resolved.resolve_run` asks it once, and
+    the ``Run`` keeps it); :meth:`prepare` is handed the resolved ``Run`` and reads only it."""
 
     #: the ``task:`` value
     name: ClassVar[str]
     #: the recipe schema (a :class:`yamlformer.recipes.recipe.sections.Recipe`)
     recipe: ClassVar[type]
+    #: what :meth:`resolve` makes: the task's :class:`Resolution`
+    resolution: ClassVar[type[Resolution]]
     #: the ``builder eval`` / ``builder generate`` options this task reads (others are refused)
     eval_options: ClassVar[tuple[str, ...]] = ()
     generate_options: ClassVar[tuple[str, ...]] = ()
 
-    # -- training ---------------------------------------------------------------------------------
+    def resolve(self, located: LocatedRecipe, read_data: bool = True) -> Resolution:
+        """What this task makes of ``located`` before a run (``read_data``: the data may be read;
+        ``builder validate`` and ``builder list`` read none)."""
+        return self.resolution(self, located, read_data)
 
     def prepare(self, run, samples: bool) -> Prepared:
         """The data stage of ``run`` (a :class:`yamlformer.recipes.training.resolved.Run`): the
         tokenizer and the batches (``samples``: decode the recipe's prompts at the end)."""
         raise NotImplementedError
 
-    # -- the resolution: before a run, the dry run, validate, list --------------------------------
-
-    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
-        """``(seq_len, batch, how)``: the micro-batch shape estimates are made at."""
-        data = recipe.data
-        return data.seq_len, data.batch_size, f"{data.batch_size} windows x {data.seq_len} tokens"
-
     def batch_settings(self, seq_len: int, micro_batch: int) -> list[str]:
         """The ``--set`` values of micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens
-        (``builder plan --recipe``'s launch lines)."""
+        (``builder plan --recipe``'s launch lines: a plan, not a recipe resolved)."""
         return [f"data.seq_len={seq_len}", f"data.batch_size={micro_batch}"]
-
-    def reference_copy(self, recipe, spec) -> bool:
-        """Whether the run keeps a frozen copy of the model beside it (a reference model), which
-        the estimates count (``yamlformer.builder.analysis.estimates.Step.reference``)."""
-        return False
-
-    def vocabulary(self, located: LocatedRecipe, read_data: bool) -> Vocabulary | None:
-        """The vocabulary when the task knows it better than the tokenizer settings (a tokenized
-        dataset's, a pretrained checkpoint's); ``None``: from ``tokenizer``."""
-        return None
-
-    def data_files(self, located: LocatedRecipe, files) -> None:
-        """Add every file the task's data section reads to ``files``
-        (:class:`yamlformer.recipes.training.dry_run.DataFiles`), in order; nothing is fetched or read."""
-        raise NotImplementedError
-
-    def spec_overrides(self, located: LocatedRecipe, read_data: bool) -> dict:
-        """Spec fields the task sets over the recipe's (a classification head of as many classes
-        as the data has labels); resolved with the spec, once (``read_data``: the data may be read)."""
-        return {}
-
-    def check_spec(self, recipe, spec) -> None:
-        """Refuse (:class:`RecipeError`, one line) a spec this task cannot train or its data cannot run on."""
-
-    def check_data(self, located: LocatedRecipe, vocab_size: int, pretrained: dict | None) -> None:
-        """Refuse (:class:`RecipeError`, one line) data the run would refuse, read as far as it can be
-        without the run's work (no text tokenized); ``pretrained``: the tokenizer state of a
-        ``model.init_from`` checkpoint. Every file is known to be there and of the right kind."""
-
-    def dry_run_lines(self, located: LocatedRecipe) -> list[tuple[str, str]]:
-        """More ``(key, text)`` lines for the dry run's summary (an LM's mixture)."""
-        return []
 
     # -- a trained checkpoint: builder eval and builder generate ---------------------------------
 
@@ -168,12 +213,12 @@ class Task:
             raise RecipeError(f"this checkpoint was trained for task {trained!r}, not {self.name}")
 
 
-class TokenBudget:
-    """A :class:`Task` whose micro-batches are examples of like lengths under ``data.max_tokens``
-    (``yamlformer.recipes.data.batching``): estimated at the longest batch it can make."""
+class TokenBudget(Resolution):
+    """The :class:`Resolution` of a task whose micro-batches are examples of like lengths under
+    ``data.max_tokens`` (``yamlformer.recipes.data.batching``): estimated at the longest batch it can make."""
 
-    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
-        data = recipe.data
+    def batch_shape(self, spec: ModelSpec) -> tuple[int, int, str]:
+        data = self.recipe.data
         longest = min(data.max_len, spec.max_seq_len)
         batch = max(1, data.max_tokens // longest)
         how = (
@@ -181,6 +226,10 @@ class TokenBudget:
             "(data.max_len)"
         )
         return longest, batch, how
+
+
+class TokenBudgetTask(Task):
+    """A :class:`Task` whose micro-batches are cut by a token budget (:class:`TokenBudget`)."""
 
     def batch_settings(self, seq_len: int, micro_batch: int) -> list[str]:
         """Examples no longer than ``seq_len`` in ``micro_batch x seq_len`` tokens: at most what a

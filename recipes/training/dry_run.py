@@ -30,7 +30,7 @@ from yamlformer.builder.zoo import shown
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.sections import Recipe, spec_file
 from yamlformer.recipes.recipe.sections import recipe_path as locate_recipe
-from yamlformer.recipes.tasks import load_recipe, task_named
+from yamlformer.recipes.tasks import load_recipe
 from yamlformer.recipes.tasks.task import DataFile
 from yamlformer.recipes.training.resolved import resolve_run
 from yamlformer.recipes.training.resume import check_recipe_early
@@ -96,12 +96,25 @@ def _accelerator(settings) -> tuple[str, int]:
 # -- the estimate ------------------------------------------------------------------------------------
 
 
+def run_estimate(run, devices: int | None = None):
+    """The estimate of a resolved ``Run`` (:func:`recipe_estimate` at its micro-batch, its
+    precision and its reference copy, if any)."""
+    return recipe_estimate(run.spec, run.recipe, run.seq_len, run.batch, devices, run.precision, run.reference)
+
+
 def recipe_estimate(
-    spec, recipe: Recipe, seq_len: int, batch: int, devices: int | None = None, precision: str | None = None
+    spec,
+    recipe: Recipe,
+    seq_len: int,
+    batch: int,
+    devices: int | None = None,
+    precision: str | None = None,
+    reference: bool = False,
 ):
     """The spec's estimate under the recipe's trainer settings (precision as this machine runs
     it, devices, strategy and its layout, checkpointing), at ``seq_len`` tokens x ``batch``
-    sequences per device.
+    sequences per device; ``reference``: a frozen copy of the model beside it (what the task's
+    resolution says, :meth:`yamlformer.recipes.tasks.task.Resolution.reference_copy`).
     ``devices``: per node (default: what ``trainer.devices`` asks for, as
     :func:`yamlformer.recipes.parallel.mesh.device_count` counts it; a run passes what the machine gives it);
     ``precision``: the one a run resolved (default: ``trainer.precision`` resolved here)."""
@@ -125,7 +138,7 @@ def recipe_estimate(
         dtype=dtype,
         activation_checkpointing=settings.activation_checkpointing,
         optimizer=recipe.optimizer,
-        reference=task_named(recipe.task).reference_copy(recipe, spec),
+        reference=reference,
     )
     layout = Layout(
         devices=devices * settings.num_nodes,
@@ -189,7 +202,7 @@ def dry_run(
     run = resolve_run(load_recipe(locate_recipe(recipe_path), overrides))
     resumes = check_recipe_early(run, resume, fresh)
     recipe, spec, files = run.recipe, run.spec, run.files
-    est = recipe_estimate(spec, recipe, run.seq_len, run.batch, precision=run.precision)
+    est = run_estimate(run)
 
     resolved = recipe.model_dump(mode="json")
     print(f"# {shown(run.file)}, resolved (defaults filled in, --set applied); nothing is run", file=out)
@@ -206,7 +219,7 @@ def dry_run(
         lines.append(("overrides", ", ".join(f"{k}={v}" for k, v in recipe.model.overrides.items())))
     lines.append(("tokenizer", run.vocab.how))
     lines += [("data", _data_line(f)) for f in files]
-    lines += run.task.dry_run_lines(run.located)
+    lines += run.resolution.dry_run_lines
     lines.append(("devices", devices_line(recipe, run.precision_note, run.precision)))
     staged = layout_memory_line(run)
     if staged:

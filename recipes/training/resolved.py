@@ -8,13 +8,15 @@ validate``, ``builder list`` and a study's variants resolve its model with :func
 vocabulary, the model spec (validated, with ``model.overrides``, the task's own overrides and that
 vocabulary: resolved here and nowhere else), the files it reads, its output folder, the
 micro-batch shape its estimate is made at, the ``model.init_from`` source (read here, once) and
-the tokenizer that source was trained with, and where each ``model.freeze`` entry was written.
-Each stage of a run (data, model, trainer, wrap-up: :mod:`yamlformer.recipes.training.run`) is
-handed the ``Run`` and reads it, never the recipe's files again; the dry run prints it
-(:mod:`yamlformer.recipes.training.dry_run`). The resolution asks the task's half that answers
-from a loaded recipe (its files, vocabulary, spec overrides and checks:
-:class:`~yamlformer.recipes.tasks.task.Task`); the run's data stage, :meth:`Task.prepare`, is
-handed the ``Run``.
+the tokenizer that source was trained with, where each ``model.freeze`` entry was written, and
+what the task made of the recipe. Each stage of a run (data, model, trainer, wrap-up:
+:mod:`yamlformer.recipes.training.run`) is handed the ``Run`` and reads it, never the recipe's
+files again; the dry run prints it (:mod:`yamlformer.recipes.training.dry_run`). The task is
+asked once per resolution, :meth:`Task.resolve
+<yamlformer.recipes.tasks.task.Task.resolve>`, for one value (its files, vocabulary, spec
+overrides, checks, micro-batch and dry-run lines: a
+:class:`~yamlformer.recipes.tasks.task.Resolution`), which the ``Run`` keeps; the run's data
+stage, :meth:`Task.prepare`, is handed the ``Run``.
 
 The checks are the run's own, made before any work, so what the dry run accepts the run
 accepts: every file there (or a dataset's, to download) and of a kind the run reads (no device,
@@ -45,7 +47,7 @@ from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_sour
 from yamlformer.recipes.recipe.located import LocatedRecipe
 from yamlformer.recipes.recipe.sections import Recipe, init_from_spec, model_spec
 from yamlformer.recipes.tasks import load_recipe, task_named
-from yamlformer.recipes.tasks.task import DataFile, Task, Vocabulary
+from yamlformer.recipes.tasks.task import DataFile, Resolution, Task, Vocabulary
 
 #: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
 CHAR_STAND_IN = 256
@@ -57,10 +59,9 @@ class Run:
     stage asks the recipe's files again."""
 
     located: LocatedRecipe  # loaded, --set applied, trainer.precision concrete for this machine
-    task: Task
+    resolution: Resolution  # what the task made of it (its files, checks, dry-run lines), asked once
     vocab: Vocabulary  # the tokenizer's size, and how it is known
     spec: ModelSpec  # validated, vocab_size the tokenizer's
-    files: tuple[DataFile, ...]  # every file the data section reads, in order
     out: Path  # trainer.output_dir
     seq_len: int  # the micro-batch the estimate is made at, as the task cuts it
     batch: int
@@ -70,10 +71,20 @@ class Run:
     source: Source | None = None  # model.init_from, read once: its spec, tokenizer and weights
     pretrained: dict | None = None  # the tokenizer that checkpoint was trained with (None: the recipe's)
     freeze_marks: tuple[Mark | None, ...] = ()  # where each model.freeze entry was written (None: --set)
+    reference: bool = False  # a frozen copy of the model trains beside it (the estimate counts it)
 
     @property
     def recipe(self) -> Recipe:
         return self.located.recipe
+
+    @property
+    def task(self) -> Task:
+        return self.resolution.task
+
+    @property
+    def files(self) -> tuple[DataFile, ...]:
+        """Every file the data section reads, in order."""
+        return self.resolution.files
 
     @property
     def file(self) -> Path:
@@ -94,62 +105,59 @@ def resolve_run(located: LocatedRecipe, fetch: bool = False) -> Run:
     """``located`` resolved and checked for a run, nothing trained or written. ``fetch``: download
     what a named dataset lacks first (``builder train``: its vocabulary is then the real one);
     without it (``--dry-run``) a char tokenizer's corpus that is not downloaded yet is estimated
-    with a stand-in vocabulary. ``model.init_from`` is read here, once, into the ``Run``."""
+    with a stand-in vocabulary. ``model.init_from`` is read here, once, into the ``Run``, and the
+    task is asked once (:meth:`Task.resolve`; again after a download: its files are there then)."""
     precision, note = _machine_precision(located.recipe)
     trainer = located.recipe.trainer.model_copy(update={"precision": precision})
     located = located.with_recipe(located.recipe.model_copy(update={"trainer": trainer}))
     recipe = located.recipe
-    task = task_named(recipe.task)
-    files = data_files(located)
+    resolution = task_named(recipe.task).resolve(located)
     if fetch:
-        files = fetch_missing(located, files)
-    source = check_inputs(located, files)
+        resolution = fetch_missing(resolution)
+    source = check_inputs(resolution)
     pretrained = tokenizer_state(source)
-    vocab, spec = _resolved_model(task, located, True, source, pretrained)
-    seq_len, batch, shape = task.batch_shape(recipe, spec)
-    task.check_data(located, vocab.size, pretrained)
+    vocab, spec = _resolved_model(resolution, source, pretrained)
+    seq_len, batch, shape = resolution.batch_shape(spec)
+    resolution.check_data(vocab.size, pretrained)
     check_stages(recipe, spec)
     marks = tuple(located.mark("model", "freeze", i) for i in range(len(recipe.model.freeze)))
     return Run(
-        located, task, vocab, spec, tuple(files), located.out, seq_len, batch, shape, precision, note, source,
-        pretrained, marks,
+        located, resolution, vocab, spec, located.out, seq_len, batch, shape, precision, note, source, pretrained,
+        marks, resolution.reference_copy(spec),
     )  # fmt: skip
 
 
-def resolve_model(located: LocatedRecipe, read_data: bool = False) -> tuple[Vocabulary, ModelSpec]:
-    """``(vocabulary, spec)`` of a recipe as :func:`resolve_run` resolves them, checked against
-    its task and layout, its files checked to be there; data is read only with ``read_data``
-    (``builder validate``, ``builder list`` and a study's variants read none)."""
-    files = data_files(located)
+def resolve_model(located: LocatedRecipe, read_data: bool = False) -> tuple[Resolution, Vocabulary, ModelSpec]:
+    """``(what the task made of it, vocabulary, spec)`` of a recipe as :func:`resolve_run` resolves
+    them, checked against its task and layout, its files checked to be there; data is read only
+    with ``read_data`` (``builder validate``, ``builder list`` and a study's variants read none)."""
+    resolution = task_named(located.recipe.task).resolve(located, read_data)
     run = recipe_run(located.recipe.model.init_from, located.file)
-    task = task_named(located.recipe.task)
     if run is None or run[1].exists():
-        source = check_inputs(located, files)
-        return _resolved_model(task, located, read_data, source, tokenizer_state(source))
+        source = check_inputs(resolution)
+        return resolution, *_resolved_model(resolution, source, tokenizer_state(source))
     # model.init_from names a recipe not trained yet: this recipe is checked with that recipe's
     # vocabulary and spec (validate, list); a run, and its dry run, refuse it until it is trained
-    check_inputs(located, files, init_from=False)
-    vocab, spec = resolve_model(load_recipe(run[0]), read_data)
+    check_inputs(resolution, init_from=False)
+    _, vocab, spec = resolve_model(load_recipe(run[0]), read_data)
     how = f"{vocab.how} (model.init_from {located.recipe.model.init_from}, not trained yet)"
     base = spec_base(spec.model_dump(mode="json"), f"<{run[0]}>")
-    return _resolved_model(task, located, read_data, None, None, dataclasses.replace(vocab, how=how), base)
+    return resolution, *_resolved_model(resolution, None, None, dataclasses.replace(vocab, how=how), base)
 
 
 def _resolved_model(
-    task: Task,
-    located: LocatedRecipe,
-    read_data: bool,
+    resolution: Resolution,
     source: Source | None,
     pretrained: dict | None,
     vocab: Vocabulary | None = None,
     base: tuple[dict, str] | None = None,
 ) -> tuple[Vocabulary, ModelSpec]:
-    vocab = vocabulary(located, read_data, pretrained) if vocab is None else vocab
-    overrides = task.spec_overrides(located, read_data)
+    located = resolution.located
+    vocab = vocabulary(resolution, pretrained) if vocab is None else vocab
     if base is None and source is not None and located.recipe.model.spec is None:
         base = init_from_spec(source)
-    spec = model_spec(located, vocab.size, overrides, base)
-    task.check_spec(located.recipe, spec)
+    spec = model_spec(located, vocab.size, resolution.spec_overrides, base)
+    resolution.check_spec(spec)
     return vocab, spec
 
 
@@ -184,14 +192,15 @@ def tokenizer_state(source: Source | None) -> dict | None:
         return source.tokenizer_state()
 
 
-def vocabulary(located: LocatedRecipe, read_data: bool = True, pretrained: dict | None = None) -> Vocabulary:
+def vocabulary(resolution: Resolution, pretrained: dict | None = None) -> Vocabulary:
     """The tokenizer's vocabulary size without training one, in the order a run picks its
     tokenizer: the task's when it knows it (a tokenized dataset's, a pretrained encoder's), the
     one a ``model.init_from`` checkpoint was trained with (``pretrained``, its recorded state),
-    else from the tokenizer settings. ``read_data``: a char tokenizer counts the characters of its
-    corpus when every file is on disk (else a stand-in)."""
+    else from the tokenizer settings. With the data to be read (``resolution.read_data``), a char
+    tokenizer counts the characters of its corpus when every file is on disk (else a stand-in)."""
+    located, read_data = resolution.located, resolution.read_data
     recipe = located.recipe
-    known = task_named(recipe.task).vocabulary(located, read_data)
+    known = resolution.vocabulary
     if known is not None:
         return known
     settings = recipe.tokenizer
@@ -205,7 +214,7 @@ def vocabulary(located: LocatedRecipe, read_data: bool = True, pretrained: dict 
         tokenizer = build_tokenizer(settings, "", "", Path(recipe.data.cache_dir), located.file)
         return Vocabulary(tokenizer.vocab_size, f"{settings.type} tokenizer from {settings.model_file}")
     if settings.type == "char":
-        missing = [f for f in data_files(located) if not f.present]
+        missing = [f for f in resolution.files if not f.present]
         if read_data and not missing:
             # local: reading the corpus is the data side (validate and list never read it)
             from yamlformer.recipes.data.corpus import read_corpus
@@ -234,70 +243,19 @@ def _tokenizer_size(from_state, state: dict) -> int:
 # -- the files --------------------------------------------------------------------------------------
 
 
-class DataFiles:
-    """The files a recipe reads, collected in order as its task names them
-    (:meth:`yamlformer.recipes.tasks.task.Task.data_files`): a dataset's splits (on disk under the
-    data root, or the URL they would come from) and the recipe's own files."""
-
-    def __init__(self, located: LocatedRecipe):
-        self.located, self.found = located, []
-        data = located.recipe.data
-        names = [getattr(s, "path", s) for s in getattr(data, "sources", [])]
-        uses = data.dataset is not None or any(name in datasets.DATASETS for name in names)
-        self._root = datasets.data_root(data.dataset_root(located.file)) if uses else None
-
-    def is_dataset(self, name: str) -> bool:
-        return name in datasets.DATASETS
-
-    def registry(self, name: str):
-        """The registry's :class:`yamlformer.recipes.data.registry.Dataset` called ``name``."""
-        return datasets.get(name)
-
-    def add(self, what: str, path: Path | None, present: bool, **where) -> None:
-        self.found.append(DataFile(what, path, present, **where))
-
-    def dataset(self, name: str, splits: list[str]) -> None:
-        """The files of dataset ``name``'s ``splits``."""
-        spec = datasets.get(name)
-        if spec.local is not None:
-            self.add(name, None, True, terms=spec.license)
-            return
-        base = self._root or datasets.data_root(self.located.recipe.data.dataset_root(self.located.file))
-        for split in splits:
-            for path in spec.splits[split].values():
-                remote = spec.file(path)
-                where = base.joinpath(*remote.path.split("/"))
-                terms = spec.license if spec.restricted else None
-                self.add(
-                    f"{name} {split}", where, where.exists(), url=remote.url, size=remote.size, terms=terms, file=True
-                )
-
-    def own(self, what: str, path: str | None) -> None:
-        """A file the recipe names (``None``: not set)."""
-        if path is not None:
-            where = self.located.path(path)
-            self.add(what, where, where.exists(), file=True)
-
-
-def data_files(located: LocatedRecipe) -> list[DataFile]:
-    """Every file the recipe's data section reads, in order; nothing is fetched or read."""
-    files = DataFiles(located)
-    task_named(located.recipe.task).data_files(located, files)
-    return files.found
-
-
-def fetch_missing(located: LocatedRecipe, files: list[DataFile]) -> list[DataFile]:
-    """Download the dataset files ``files`` lacks (each verified, as a run's first read would),
-    and return the files as they are then."""
+def fetch_missing(resolution: Resolution) -> Resolution:
+    """Download the dataset files ``resolution`` lacks (each verified, as a run's first read
+    would); the recipe resolved again when any was (its files are on disk now), else ``resolution``."""
+    located, files = resolution.located, resolution.files
     if not any(f.url and not f.present for f in files):
-        return files
+        return resolution
     for name in dict.fromkeys(f.what.split(" ")[0] for f in files if f.url and not f.present):
         dataset = datasets.get(name)
         root = located.recipe.data.dataset_root(located.file)
         for split in dataset.splits:
             if any(f.what == f"{name} {split}" for f in files):
                 datasets.split_files(name, split, root)
-    return data_files(located)
+    return resolution.task.resolve(located, resolution.read_data)
 
 
 def _close_names(path: Path) -> str:
@@ -310,20 +268,15 @@ def _close_names(path: Path) -> str:
     return "; did you mean " + " or ".join(repr(str(path.parent / c)) for c in close) + "?" if close else ""
 
 
-def missing_inputs(located: LocatedRecipe, files: list[DataFile] | None = None) -> list[str]:
-    """One line per file the recipe names that is not there and will not be downloaded: its field,
-    the path it was looked for at (relative paths: from the recipe's folder) and close names
-    beside it. Data files a dataset downloads on the first run are not missing; ``files``: the
-    recipe's :func:`data_files`, when the caller has them. (A missing ``tokenizer.model_file`` is
-    refused when the recipe loads.)"""
-    return [f"{field}: {message}" for field, _, message in _missing(located, files)]
-
-
-def _missing(located: LocatedRecipe, files: list[DataFile] | None = None) -> list[tuple[str, Path, str]]:
-    """``(field, path, message)`` of each file :func:`missing_inputs` names; a link to nothing or a
-    loop of links is said as what it is (:func:`yamlformer.builder.paths.path_problem`)."""
-    files = data_files(located) if files is None else files
-    found = [(f.what, f.path, _absent(f.path)) for f in files if f.path is not None and not f.present and not f.url]
+def _missing(resolution: Resolution) -> list[tuple[str, Path, str]]:
+    """``(field, path, message)`` of each file the recipe names that is not there and will not be
+    downloaded: the path it was looked for at (relative paths: from the recipe's folder) and close
+    names beside it; a link to nothing or a loop of links is said as what it is
+    (:func:`yamlformer.builder.paths.path_problem`). Data files a dataset downloads on the first
+    run are not missing. (A missing ``tokenizer.model_file`` is refused when the recipe loads.)"""
+    located = resolution.located
+    absent = [f for f in resolution.files if f.path is not None and not f.present and not f.url]
+    found = [(f.what, f.path, _absent(f.path)) for f in absent]
     for field, value in _named(located):
         path = located.path(value)
         if not path.exists():
@@ -347,15 +300,16 @@ def _named(located: LocatedRecipe) -> list[tuple[str, str]]:
     return [(field, value) for field, value in named if value is not None]
 
 
-def input_problems(located: LocatedRecipe, files: list[DataFile]) -> list[tuple[str, Path, str]]:
+def input_problems(resolution: Resolution) -> list[tuple[str, Path, str]]:
     """``(field, path, message)`` of each file the run would refuse before reading it: missing
-    (:func:`missing_inputs`), or there but not what the run reads, as
+    (:func:`_missing`), or there but not what the run reads, as
     :func:`yamlformer.builder.paths.path_problem` says (a device such as ``/dev/zero``, a FIFO or
     a socket, which would never end or never answer; a file that cannot be read; a folder where a
     file is read whole). The one verdict the run's readers give."""
+    located = resolution.located
     recipe = located.recipe
-    problems = _missing(located, files)
-    there = [(f.what, f.path, not f.file) for f in files if f.path is not None and f.present]
+    problems = _missing(resolution)
+    there = [(f.what, f.path, not f.file) for f in resolution.files if f.path is not None and f.present]
     there += [(field, located.path(value), True) for field, value in _named(located)]
     model_file = getattr(getattr(recipe, "tokenizer", None), "model_file", None)
     if model_file is not None:
@@ -367,7 +321,7 @@ def input_problems(located: LocatedRecipe, files: list[DataFile]) -> list[tuple[
     return problems
 
 
-def check_inputs(located: LocatedRecipe, files: list[DataFile], init_from: bool = True) -> Source | None:
+def check_inputs(resolution: Resolution, init_from: bool = True) -> Source | None:
     """Refuse, as the run would, a recipe whose files are missing or are not what the run reads
     (:func:`input_problems`), each problem located at the line of the recipe that names the file
     (a :class:`SpecError`, as ``builder validate``, ``builder train`` and its dry run print it),
@@ -375,7 +329,8 @@ def check_inputs(located: LocatedRecipe, files: list[DataFile], init_from: bool 
     read; a recipe, its run's last checkpoint: one not trained yet is refused).
     Returns that model's source, read (None: none, or ``init_from=False``: that model is not asked
     for, a recipe not trained yet as validate and list see it)."""
-    problems = input_problems(located, files)
+    located = resolution.located
+    problems = input_problems(resolution)
     if problems:
         raise SpecError([_located(located, field, path, message) for field, path, message in problems])
     source = init_from_source(located) if init_from else None

@@ -108,7 +108,7 @@ def describe(run: Run, model, seq_len: int, batch: int, verbose: bool = False) -
     prints. Returns the estimate."""
     # under fsdp: what each rank holds in this layout (yamlformer.builder.analysis.layout)
     devices = device_count(run.recipe.trainer)
-    est = recipe_estimate(run.spec, run.recipe, seq_len, batch, devices=devices, precision=run.precision)
+    est = recipe_estimate(run.spec, run.recipe, seq_len, batch, devices, run.precision, run.reference)
     if rank_zero_only.rank == 0:
         if verbose:
             print_describe(run.spec, est, actual=model)
@@ -163,11 +163,13 @@ def for_this_machine(recipe: Recipe, quiet: bool = False) -> Recipe:
 
 
 def training_meta(run: Run, tokenizer, **extra) -> dict:
-    """What a checkpoint carries besides weights, so eval and generate need nothing else."""
+    """What a checkpoint carries besides weights, so eval and generate need nothing else (the
+    weights the run started from: ``model.init_from``'s, absolute, or None: drawn, seeded)."""
     return {
         "spec": run.spec.model_dump(mode="json"),
         "recipe": recipe_dump(run),  # its data paths absolute
         "recipe_file": str(run.file),
+        "starting_weights": str(run.source.path.resolve()) if run.source is not None else None,
         "tokenizer": tokenizer.state(),
         **extra,
     }

@@ -4,6 +4,7 @@ from scratch or from an MLM checkpoint. This module (torch-free) is its recipe s
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -16,7 +17,7 @@ from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_
 from yamlformer.recipes.recipe.sections import Recipe
 from yamlformer.recipes.tasks.mlm import TASK as MASKED_LM
 from yamlformer.recipes.tasks.mlm import check_encoder
-from yamlformer.recipes.tasks.task import Task, TokenBudget, Vocabulary
+from yamlformer.recipes.tasks.task import TokenBudget, TokenBudgetTask, Vocabulary
 
 
 class LabeledDataSection(DatasetFields):
@@ -107,42 +108,33 @@ class ClassificationRecipe(Recipe):
         return self
 
 
-class Classification(TokenBudget, Task):
-    name = "classification"
-    recipe = ClassificationRecipe
-    eval_options = ("data",)  # every example of the file or the validation split
-    generate_options = ()
-
-    def prepare(self, run, samples: bool):
-        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
-        from yamlformer.recipes.tasks.classification.training import prepare_classification
-
-        return prepare_classification(run)
-
-    def spec_overrides(self, located, read_data: bool) -> dict:
+class ClassificationResolution(TokenBudget):
+    @functools.cached_property
+    def spec_overrides(self) -> dict:
         """The classification head, of as many classes as the training examples have labels."""
-        settings = located.recipe.classification
+        settings = self.recipe.classification
         return {
             "head": {
                 "type": "classification",
-                "n_classes": len(labels_of(located, read_data)),
+                "n_classes": len(labels_of(self.located, self.read_data)),
                 "pooling": settings.pooling,
                 "pooler": settings.pooler,
                 "dropout": settings.dropout,
             }
         }
 
-    def check_spec(self, recipe, spec) -> None:
-        check_encoder(recipe, spec)
+    def check_spec(self, spec) -> None:
+        check_encoder(self.recipe, spec)
 
-    def vocabulary(self, located, read_data: bool) -> Vocabulary | None:
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary | None:
         """A pretrained encoder's tokenizer is the run's (``classification.init_from``)."""
-        recipe, recipe_file = located.recipe, located.file
+        recipe, recipe_file = self.recipe, self.located.file
         init_from = recipe.classification.init_from
         if init_from is None:
             return None
         path = resolve(recipe_file, init_from)
-        if read_data and path.is_file():
+        if self.read_data and path.is_file():
             return Vocabulary(_checkpoint_vocabulary(path), f"the tokenizer of classification.init_from {path}")
         size = recipe.tokenizer.vocab_size
         return Vocabulary(
@@ -152,15 +144,28 @@ class Classification(TokenBudget, Task):
             True,
         )
 
-    def data_files(self, located, files) -> None:
-        recipe = located.recipe
-        data = recipe.data
+    def add_files(self, files) -> None:
+        data = self.recipe.data
         if data.dataset is not None:
             files.dataset(data.dataset, [data.split or files.registry(data.dataset).train])
         files.own("data.file", data.file)
         for label, path in (data.by_label or {}).items():
             files.own(f"data.by_label.{label}", path)
         files.own("data.validation", data.validation)
+
+
+class Classification(TokenBudgetTask):
+    name = "classification"
+    recipe = ClassificationRecipe
+    resolution = ClassificationResolution
+    eval_options = ("data",)  # every example of the file or the validation split
+    generate_options = ()
+
+    def prepare(self, run, samples: bool):
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
+        from yamlformer.recipes.tasks.classification.training import prepare_classification
+
+        return prepare_classification(run)
 
     def check_eval_arguments(self, args) -> None:
         # local: builder validate loads this module; the CLI's argument types load for builder eval

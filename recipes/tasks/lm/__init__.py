@@ -1,11 +1,13 @@
 """``task: lm`` (the default): next-token prediction on windows of a corpus. This module
-(torch-free) is its :class:`~yamlformer.recipes.tasks.task.Task`, and :class:`Corpus`, what every task that
-reads a corpus of windows shares (the masked LM too); its recipe schema is the base
+(torch-free) is its :class:`~yamlformer.recipes.tasks.task.Task` and its resolution, and
+:class:`Corpus` and :class:`CorpusResolution`, what every task that reads a corpus of windows
+shares (the masked LM too); its recipe schema is the base
 :class:`~yamlformer.recipes.recipe.sections.Recipe`. ``training.py`` prepares the data, evaluates and samples;
 ``streaming.py`` decodes text as the tokens come."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from pydantic import Field
@@ -13,7 +15,7 @@ from pydantic import Field
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import _Section
 from yamlformer.recipes.recipe.sections import Recipe, SourceEntry
-from yamlformer.recipes.tasks.task import Task, Vocabulary, scored
+from yamlformer.recipes.tasks.task import Resolution, Task, Vocabulary, scored
 
 
 class HarnessSection(_Section):
@@ -38,13 +40,14 @@ class LMRecipe(Recipe):
     )
 
 
-class Corpus:
-    """A :class:`Task` that trains on windows of ``data.seq_len`` tokens of a corpus (``data.sources``,
-    a dataset, tokenized datasets): its vocabulary, files and spec check."""
+class CorpusResolution(Resolution):
+    """The resolution of a task that trains on windows of ``data.seq_len`` tokens of a corpus
+    (``data.sources``, a dataset, tokenized datasets): its vocabulary, files and checks."""
 
-    def vocabulary(self, located, read_data: bool) -> Vocabulary | None:
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary | None:
         """A tokenized dataset's tokenizer is the run's (:mod:`yamlformer.recipes.data.corpus`)."""
-        recipe, recipe_file = located.recipe, located.file
+        recipe, recipe_file = self.recipe, self.located.file
         # local: the data side (numpy, the corpus readers) loads when data is read
         from yamlformer.recipes.data.corpus import kind_of
         from yamlformer.recipes.data.tokenized import TokenizedDataset
@@ -59,8 +62,8 @@ class Corpus:
                 )
         return None
 
-    def data_files(self, located, files) -> None:
-        recipe, recipe_file = located.recipe, located.file
+    def add_files(self, files) -> None:
+        recipe, recipe_file = self.recipe, self.located.file
         # local: the data side (numpy, the corpus readers) loads when data is read
         from yamlformer.recipes.data.corpus import kind_of
 
@@ -78,12 +81,38 @@ class Corpus:
                 kind, where = kind_of(held, data, recipe_file)
                 files.add("data.sources.validation", where, kind != "text" or where.exists())
 
-    def check_spec(self, recipe, spec) -> None:
+    def check_spec(self, spec) -> None:
+        recipe = self.recipe
         if recipe.data.seq_len > spec.max_seq_len:
             raise RecipeError(
                 f"data.seq_len {recipe.data.seq_len} is longer than the model's max_seq_len {spec.max_seq_len}; "
                 "lower data.seq_len or set model.overrides.max_seq_len"
             )
+
+    def check_data(self, vocab_size: int, pretrained: dict | None) -> None:
+        recipe, recipe_file, task = self.recipe, self.located.file, self.task
+        # local: the corpus reads token files with numpy
+        from yamlformer.recipes.data.corpus import check_sources
+
+        tokenizer = None
+        if pretrained is not None:
+            # local: the tokenizer libraries load for a model.init_from checkpoint's tokenizer only
+            from yamlformer.recipes.data.tokenizers import from_state
+
+            tokenizer = from_state(pretrained)
+        check_sources(
+            task.corpus_section(recipe),
+            recipe_file,
+            vocab_size,
+            task.total_windows(recipe),
+            task.trains_tokenizer(recipe),
+            tokenizer,
+        )
+
+
+class Corpus:
+    """A :class:`Task` that trains on windows of ``data.seq_len`` tokens of a corpus: how it cuts
+    them, which both halves ask (:class:`CorpusResolution`'s checks, the data stage)."""
 
     def corpus_section(self, recipe):
         """The data section as the corpus is opened with (its windows' length)."""
@@ -104,30 +133,22 @@ class Corpus:
         ranks = data_parallel_ranks(settings, check=False)
         return settings.max_steps * recipe.data.batch_size * settings.accumulate_grad_batches * ranks
 
-    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
-        recipe, recipe_file = located.recipe, located.file
-        # local: the corpus reads token files with numpy
-        from yamlformer.recipes.data.corpus import check_sources
 
-        tokenizer = None
-        if pretrained is not None:
-            # local: the tokenizer libraries load for a model.init_from checkpoint's tokenizer only
-            from yamlformer.recipes.data.tokenizers import from_state
+class LMResolution(CorpusResolution):
+    def check_data(self, vocab_size: int, pretrained: dict | None) -> None:
+        super().check_data(vocab_size, pretrained)
+        if self.recipe.harness is not None:
+            harness_available()
 
-            tokenizer = from_state(pretrained)
-        check_sources(
-            self.corpus_section(recipe),
-            recipe_file,
-            vocab_size,
-            self.total_windows(recipe),
-            self.trains_tokenizer(recipe),
-            tokenizer,
-        )
+    @functools.cached_property
+    def dry_run_lines(self) -> tuple[tuple[str, str], ...]:
+        return tuple(("mixture", line) for line in mixture_lines(self.located))
 
 
 class LanguageModelling(Corpus, Task):
     name = "lm"
     recipe = LMRecipe
+    resolution = LMResolution
     eval_options = ("data", "seq_len", "batch_size", "max_batches", "all", "tasks", "task_path", "limit", "num_fewshot")
     generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "seed", "compile")
 
@@ -136,14 +157,6 @@ class LanguageModelling(Corpus, Task):
         from yamlformer.recipes.tasks.lm.training import prepare
 
         return prepare(run, samples)
-
-    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
-        super().check_data(located, vocab_size, pretrained)
-        if located.recipe.harness is not None:
-            harness_available()
-
-    def dry_run_lines(self, located) -> list[tuple[str, str]]:
-        return [("mixture", line) for line in mixture_lines(located)]
 
     def check_eval_arguments(self, args) -> None:
         # local: builder validate loads this module; the CLI's argument types load for builder eval
@@ -225,7 +238,7 @@ def mixture_lines(located) -> list[str]:
             )
             continue
         line = f"{entry.path}: {n:,} training tokens"
-        if known:  # a source past its max_epochs was refused with the run's line (Corpus.check_data)
+        if known:  # a source past its max_epochs was refused with the run's line (CorpusResolution.check_data)
             share = part / sum(raw)
             epochs = total * share / max(1, n // data.seq_len)
             line += f", {share:.1%} of the windows, {epochs:.2f} epochs in {settings.max_steps:,} steps"

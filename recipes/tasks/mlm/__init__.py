@@ -13,7 +13,7 @@ from yamlformer.recipes.data.section import DataSection
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import _Section
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.lm import Corpus
+from yamlformer.recipes.tasks.lm import Corpus, CorpusResolution
 from yamlformer.recipes.tasks.task import Task
 
 
@@ -64,18 +64,9 @@ def check_encoder(recipe, spec) -> None:
         raise RecipeError(f"model: task {recipe.task} trains an encoder-only model; {spec.name} is {spec.architecture}")
 
 
-class MaskedLM(Corpus, Task):
-    name = "mlm"
-    recipe = MLMRecipe
-    eval_options = ("max_batches", "all")
-
-    def prepare(self, run, samples: bool):
-        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
-        from yamlformer.recipes.tasks.mlm.training import prepare_mlm
-
-        return prepare_mlm(run)
-
-    def check_spec(self, recipe, spec) -> None:
+class MLMResolution(CorpusResolution):
+    def check_spec(self, spec) -> None:
+        recipe = self.recipe
         check_encoder(recipe, spec)
         if not type(spec.head).projects_to_vocab:
             raise RecipeError(
@@ -86,7 +77,20 @@ class MaskedLM(Corpus, Task):
             raise RecipeError(
                 f"data.packing {recipe.data.packing}: the mlm task frames each window as [CLS] window [SEP]; use concat"
             )
-        super().check_spec(recipe, spec)
+        super().check_spec(spec)
+
+
+class MaskedLM(Corpus, Task):
+    name = "mlm"
+    recipe = MLMRecipe
+    resolution = MLMResolution
+    eval_options = ("max_batches", "all")
+
+    def prepare(self, run, samples: bool):
+        # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)
+        from yamlformer.recipes.tasks.mlm.training import prepare_mlm
+
+        return prepare_mlm(run)
 
     def corpus_section(self, recipe):
         """The windows two tokens shorter: ``[CLS]`` and ``[SEP]`` are added to each."""

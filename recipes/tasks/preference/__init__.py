@@ -10,6 +10,7 @@ scored before and after. This module (torch-free) is its recipe schema and
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -18,7 +19,13 @@ from yamlformer.builder.spec.problems import rule_error
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import _Section
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.sft import InstructionDataSection, InstructionTuning, held_out_file, training_file
+from yamlformer.recipes.tasks.sft import (
+    InstructionDataSection,
+    InstructionResolution,
+    InstructionTuning,
+    held_out_file,
+    training_file,
+)
 from yamlformer.recipes.tasks.task import scored
 
 #: the losses, and which of them compare against a reference model (``losses.NEEDS_REFERENCE``)
@@ -111,18 +118,9 @@ class PreferenceRecipe(Recipe):
         return self
 
 
-class PreferenceTuning(InstructionTuning):
-    """SFT's data files, spec checks and decoding (the same chat records' rows, the same causal LM);
-    its own training, reference model and scores."""
-
-    name = "preference"
-    recipe = PreferenceRecipe
-
-    def prepare(self, run, samples: bool):
-        # local: the training side imports torch and Lightning (this module is torch-free)
-        from yamlformer.recipes.tasks.preference.training import prepare
-
-        return prepare(run)
+class PreferenceResolution(InstructionResolution):
+    """SFT's data files and spec checks (the same chat records' rows, the same causal LM); its
+    own pairs, rows and reference model."""
 
     def conversations(self):
         # local: the data side loads when data is read (this module is torch-free)
@@ -130,26 +128,27 @@ class PreferenceTuning(InstructionTuning):
 
         return pair_sides
 
-    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
+    def check_data(self, vocab_size: int, pretrained: dict | None) -> None:
         """Not sft's record check: a pair is encoded by :mod:`yamlformer.recipes.data.pairs`, which
         the run alone reads so far (the dry run checks that the files are there)."""
 
-    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
-        data = recipe.data
+    def batch_shape(self, spec) -> tuple[int, int, str]:
+        data = self.recipe.data
         packed = "pairs packed" if data.packing else "a pair each"
         return data.seq_len, data.batch_size, f"{data.batch_size} rows x {data.seq_len} tokens ({packed})"
 
-    def reference_copy(self, recipe, spec) -> bool:
-        objective = recipe.preference
+    def reference_copy(self, spec) -> bool:
+        objective = self.recipe.preference
         return objective.needs_reference() and not objective.precompute_reference and spec.adapters is None
 
-    def check_spec(self, recipe, spec) -> None:
+    def check_spec(self, spec) -> None:
         if spec.architecture_config.decoding_stack() is None or spec.architecture != "decoder-only":
             raise RecipeError(f"task preference trains a decoder-only model; the spec is {spec.architecture}")
-        super().check_spec(recipe, spec)
+        super().check_spec(spec)
 
-    def dry_run_lines(self, located) -> list[tuple[str, str]]:
-        recipe = located.recipe
+    @functools.cached_property
+    def dry_run_lines(self) -> tuple[tuple[str, str], ...]:
+        recipe = self.recipe
         objective = recipe.preference
         if not objective.needs_reference():
             how = "none (the loss reads the policy alone)"
@@ -165,7 +164,21 @@ class PreferenceTuning(InstructionTuning):
             )
         else:
             how = "a frozen copy of the starting weights (counted in the memory estimate)"
-        return [("preference", f"loss {objective.loss}, beta {objective.beta}; reference model: {how}")]
+        return (("preference", f"loss {objective.loss}, beta {objective.beta}; reference model: {how}"),)
+
+
+class PreferenceTuning(InstructionTuning):
+    """SFT's decoding (the same causal LM); its own training, reference model and scores."""
+
+    name = "preference"
+    recipe = PreferenceRecipe
+    resolution = PreferenceResolution
+
+    def prepare(self, run, samples: bool):
+        # local: the training side imports torch and Lightning (this module is torch-free)
+        from yamlformer.recipes.tasks.preference.training import prepare
+
+        return prepare(run)
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
         # local: the training side imports torch and Lightning (this module is torch-free)

@@ -30,7 +30,6 @@ from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.learning.module import LMModule
 from yamlformer.recipes.parallel.compile import eager
 from yamlformer.recipes.parallel.fsdp import is_sharded_model, whole_model
-from yamlformer.recipes.recipe.init_from import init_from_path
 from yamlformer.recipes.say import publish, say
 from yamlformer.recipes.tasks.preference.losses import PairLogps, pair_logps, preference_loss
 from yamlformer.recipes.tasks.sft.training import (
@@ -41,7 +40,7 @@ from yamlformer.recipes.tasks.sft.training import (
     tokenizer_for,
 )
 from yamlformer.recipes.tasks.task import Prepared
-from yamlformer.recipes.trained import load_trained, pretrained_tokenizer
+from yamlformer.recipes.trained import load_trained, pretrained_tokenizer, starting_weights
 
 
 class Pairs:
@@ -431,14 +430,17 @@ def prepare(run) -> Prepared:
 # -- builder eval and builder generate --------------------------------------------------------------
 
 
-def checkpoint_reference(model, recipe, recipe_file: Path) -> Reference:
-    """The reference a checkpoint's run compared with: its adapters off, or the starting weights
-    (``model.init_from``'s model read again; a run without init_from: its seeded draw)."""
+def checkpoint_reference(model, meta: dict) -> Reference:
+    """The reference the run of a checkpoint's record (``meta``) compared with: its adapters off,
+    or the weights it started from (:func:`yamlformer.recipes.trained.starting_weights`, read
+    again; none recorded: its seeded draw)."""
+    recipe = checkpoint_recipe(meta)
     reference = Reference(recipe.preference.needs_reference())
     if reference.needed and not adapter_parameters(model):
         device = next(model.parameters()).device
-        if recipe.model.init_from is not None:
-            start = load_trained(init_from_path(recipe.model.init_from, recipe_file), str(device), folders=True)[0]
+        weights = starting_weights(meta)
+        if weights is not None:
+            start = load_trained(weights, str(device), folders=True)[0]
         else:
             torch.manual_seed(recipe.trainer.seed)  # as the run drew it (yamlformer.recipes.training.run)
             start = build_model(model.spec, init_seed=recipe.trainer.seed)
@@ -451,11 +453,10 @@ def evaluate_checkpoint(model, tokenizer, meta: dict, args) -> dict:
     """``builder eval`` on a preference checkpoint: its run's held-out pairs scored (``--max-batches``,
     else the recipe's ``limit_val_batches``; ``--all``)."""
     recipe = checkpoint_recipe(meta)
-    recipe_file = Path(meta["recipe_file"])
-    pairs = Pairs(recipe.data, recipe_file, tokenizer, recipe.trainer.seed)
+    pairs = Pairs(recipe.data, Path(meta["recipe_file"]), tokenizer, recipe.trainer.seed)
     batch = args.batch_size or recipe.data.batch_size
     available = math.ceil(len(pairs.held) / batch)
     batches = available if args.all else min(available, args.max_batches or recipe.trainer.limit_val_batches)
-    reference = checkpoint_reference(model, recipe, recipe_file)
+    reference = checkpoint_reference(model, meta)
     scores = held_out_scores(model, reference, recipe.preference, pairs.held, batch, batches)
     return {**scores, "batches": batches, "batches_available": available}

@@ -7,6 +7,7 @@ This module (torch-free) is its recipe schema and :class:`~yamlformer.recipes.ta
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -16,7 +17,7 @@ from yamlformer.recipes.data.section import DatasetFields
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.task import Task, Vocabulary, scored
+from yamlformer.recipes.tasks.task import Resolution, Task, Vocabulary, scored
 
 
 def training_file(description: str):
@@ -88,17 +89,8 @@ class InstructionRecipe(Recipe):
     eval: HeldOutSection = Field(default_factory=HeldOutSection, description="Held-out prompts, before and after.")
 
 
-class InstructionTuning(Task):
-    name = "sft"
-    recipe = InstructionRecipe
-    eval_options = ("max_batches", "all", "batch_size")
-    generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-
-    def prepare(self, run, samples: bool):
-        # local: the training side imports torch and Lightning (this module is torch-free)
-        from yamlformer.recipes.tasks.sft.training import prepare
-
-        return prepare(run)
+class InstructionResolution(Resolution):
+    """SFT's files, vocabulary and checks: chat records rendered into rows of a causal LM."""
 
     def conversations(self):
         """``record -> [conversation, ...]``: what a record trains on, the text a char tokenizer is fitted on."""
@@ -107,12 +99,13 @@ class InstructionTuning(Task):
 
         return one_conversation
 
-    def vocabulary(self, located, read_data: bool) -> Vocabulary | None:
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary | None:
         """A char tokenizer's without ``model.init_from``: the characters of the records as the chat
         template renders them (the table the run fits), not of an LM corpus; None (the generic
         stand-in) while they are not read."""
-        recipe = located.recipe
-        if recipe.tokenizer.type != "char" or recipe.model.init_from is not None or not read_data:
+        located, recipe = self.located, self.recipe
+        if recipe.tokenizer.type != "char" or recipe.model.init_from is not None or not self.read_data:
             return None
         # local: reading the records is the data side (validate and list never read them)
         from yamlformer.recipes.tasks.sft.records import record_files, tokenizer_for
@@ -123,20 +116,20 @@ class InstructionTuning(Task):
         size = tokenizer_for(located, train, self.conversations()).vocab_size
         return Vocabulary(size, f"char: the rendered records' {size - 1} distinct characters and end-of-text")
 
-    def data_files(self, located, files) -> None:
-        recipe = located.recipe
-        data = recipe.data
+    def add_files(self, files) -> None:
+        data = self.recipe.data
         if data.dataset is not None:
             files.dataset(data.dataset, [])
         files.own("data.file", data.file)
         files.own("data.validation", data.validation)
 
-    def batch_shape(self, recipe, spec) -> tuple[int, int, str]:
-        data = recipe.data
+    def batch_shape(self, spec) -> tuple[int, int, str]:
+        data = self.recipe.data
         packed = "records packed" if data.packing else "a record each"
         return data.seq_len, data.batch_size, f"{data.batch_size} rows x {data.seq_len} tokens ({packed})"
 
-    def check_spec(self, recipe, spec) -> None:
+    def check_spec(self, spec) -> None:
+        recipe = self.recipe
         if spec.architecture_config.decoding_stack() is None or spec.architecture != "decoder-only":
             raise RecipeError(f"task sft trains a decoder-only model; the spec is {spec.architecture}")
         if recipe.data.seq_len > spec.max_seq_len:
@@ -145,13 +138,27 @@ class InstructionTuning(Task):
                 "lower data.seq_len or set model.overrides.max_seq_len"
             )
 
-    def check_data(self, located, vocab_size: int, pretrained: dict | None) -> None:
+    def check_data(self, vocab_size: int, pretrained: dict | None) -> None:
         """The records read, rendered and encoded as the run reads them, so that the dry run
         refuses them in the run's line (:func:`~yamlformer.recipes.tasks.sft.records.check_records`)."""
         # local: reading the records is the data side (validate and list never read them)
         from yamlformer.recipes.tasks.sft.records import check_records
 
-        check_records(located, pretrained)
+        check_records(self.located, pretrained)
+
+
+class InstructionTuning(Task):
+    name = "sft"
+    recipe = InstructionRecipe
+    resolution = InstructionResolution
+    eval_options = ("max_batches", "all", "batch_size")
+    generate_options = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+    def prepare(self, run, samples: bool):
+        # local: the training side imports torch and Lightning (this module is torch-free)
+        from yamlformer.recipes.tasks.sft.training import prepare
+
+        return prepare(run)
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
         # local: the training side imports torch and Lightning (this module is torch-free)

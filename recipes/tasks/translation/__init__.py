@@ -13,7 +13,7 @@ from yamlformer.recipes.data.section import DatasetFields
 from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.fields import RECIPE_PATH, WORK_PATH, _Section, default_cache_dir
 from yamlformer.recipes.recipe.sections import Recipe
-from yamlformer.recipes.tasks.task import Task, TokenBudget
+from yamlformer.recipes.tasks.task import TokenBudget, TokenBudgetTask
 
 
 class ParallelFiles(_Section):
@@ -123,9 +123,26 @@ class TranslationRecipe(Recipe):
         return self
 
 
-class Translation(TokenBudget, Task):
+class TranslationResolution(TokenBudget):
+    def check_spec(self, spec) -> None:
+        if spec.architecture != "encoder-decoder":
+            raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
+
+    def add_files(self, files) -> None:
+        data = self.recipe.data
+        for role in ("train", "validation"):
+            pair = getattr(data, role)
+            if pair is not None:
+                files.own(f"data.{role}.source", pair.source)
+                files.own(f"data.{role}.target", pair.target)
+            elif data.dataset is not None:
+                files.dataset(data.dataset, [files.registry(data.dataset).split_of(role)])
+
+
+class Translation(TokenBudgetTask):
     name = "translation"
     recipe = TranslationRecipe
+    resolution = TranslationResolution
     eval_options = ("src", "ref", "split", "num_beams", "length_penalty", "max_sentences", "output")
     generate_options = ("num_beams",)
 
@@ -134,21 +151,6 @@ class Translation(TokenBudget, Task):
         from yamlformer.recipes.tasks.translation.training import prepare
 
         return prepare(run)
-
-    def check_spec(self, recipe, spec) -> None:
-        if spec.architecture != "encoder-decoder":
-            raise RecipeError(f"model: translation trains an encoder-decoder; {spec.name} is {spec.architecture}")
-
-    def data_files(self, located, files) -> None:
-        recipe = located.recipe
-        data = recipe.data
-        for role in ("train", "validation"):
-            pair = getattr(data, role)
-            if pair is not None:
-                files.own(f"data.{role}.source", pair.source)
-                files.own(f"data.{role}.target", pair.target)
-            elif data.dataset is not None:
-                files.dataset(data.dataset, [files.registry(data.dataset).split_of(role)])
 
     def evaluate(self, model, tokenizer, meta: dict, args) -> dict:
         # local: the task's training side imports torch; its recipe and Task here stay torch-free (builder validate)

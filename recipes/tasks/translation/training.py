@@ -198,22 +198,16 @@ def print_scores(result: dict, what: str) -> None:
 
 
 class TranslationModule(LMModule):
-    """Label-smoothed cross-entropy on target tokens; at each validation, greedy sacreBLEU too."""
+    """Label-smoothed cross-entropy on target tokens; at each validation, greedy sacreBLEU too, of
+    ``references``: the validation (sources, targets) the data stage read."""
 
     variable_shapes = True  # token-budget buckets
 
-    def __init__(self, model, recipe, meta: dict):
+    def __init__(self, model, recipe, meta: dict, references: tuple[list[str], list[str]]):
         super().__init__(model, recipe, meta)
         self.history.setdefault("bleu", [])  # (step, greedy val BLEU, training wall seconds)
         self.val_metrics: dict[str, float] = {}
-        self._references: tuple[list[str], list[str]] | None = None
-
-    @property
-    def references(self) -> tuple[list[str], list[str]]:
-        """The validation (sources, targets) the recipe names."""
-        if self._references is None:
-            self._references = validation_pairs(self.recipe, Path(self.meta["recipe_file"]))
-        return self._references
+        self.references = references
 
     def logits_and_targets(self, src, src_mask, tgt_in, tgt_mask, tgt_out):
         logits = self.model(src, src_mask, decoder_input_ids=tgt_in, decoder_attention_mask=tgt_mask)
@@ -262,8 +256,10 @@ def pair_paths(data, recipe_file: Path | None, role: str, split: str | None = No
     return found[data.source_lang], found[data.target_lang]
 
 
-def validation_pairs(recipe, recipe_file: Path) -> tuple[list[str], list[str]]:
-    return read_pairs(*pair_paths(recipe.data, recipe_file, "validation"), recipe.eval.max_sentences)
+def validation_pairs(located) -> tuple[list[str], list[str]]:
+    """The held-out (sources, targets) of a recipe as loaded (its ``eval.max_sentences`` first)."""
+    recipe = located.recipe
+    return read_pairs(*pair_paths(recipe.data, located.file, "validation"), recipe.eval.max_sentences)
 
 
 def prepare(run) -> Prepared:
@@ -272,7 +268,7 @@ def prepare(run) -> Prepared:
     recipe, recipe_file, spec = run.recipe, run.file, run.spec
     data = recipe.data
     train_src, train_tgt = read_pairs(*pair_paths(data, recipe_file, "train"), data.limit_pairs)
-    val_src, val_tgt = validation_pairs(recipe, recipe_file)
+    val_src, val_tgt = validation_pairs(run.located)
     text = "\n".join(train_src + train_tgt)
     corpus_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     tokenizer = pretrained_tokenizer(run) or build_tokenizer(
@@ -310,13 +306,16 @@ def prepare(run) -> Prepared:
     def callbacks(ckpt_dir: Path):
         return [KeepLastCheckpoints(ckpt_dir, settings.average_last, settings.average_every_n_steps)]
 
+    def module_class(model, recipe, meta):
+        return TranslationModule(model, recipe, meta, (val_src, val_tgt))
+
     def finish(module, model, ckpt_dir: Path) -> dict:
         return final_evaluation(model, tokenizer, ckpt_dir / "averaged.ckpt", val_src, val_tgt, settings)
 
     return Prepared(
         tokenizer=tokenizer,
         data=module,
-        module_class=TranslationModule,
+        module_class=module_class,
         tokens_of=tokens_of,
         seq_len=int(np.median(train_lengths)),
         batch=1,
