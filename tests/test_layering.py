@@ -139,6 +139,7 @@ LOADS_WITHOUT_TORCH = (
     "yamlformer.recipes.recipe.*",
     "yamlformer.recipes.tasks",
     "yamlformer.recipes.tasks.task",
+    "yamlformer.recipes.tasks.files",
     "yamlformer.recipes.tasks.json_schema",
     "yamlformer.recipes.tasks.lm",
     "yamlformer.recipes.tasks.mlm",

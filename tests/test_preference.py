@@ -269,14 +269,14 @@ def _recipe(tmp_path: Path, **sections) -> Path:
 
 def test_the_estimate_counts_a_frozen_reference_and_no_adapted_one(tmp_path):
     from yamlformer.recipes.tasks import load_recipe
-    from yamlformer.recipes.training.dry_run import recipe_estimate
+    from yamlformer.recipes.training.dry_run import run_estimate
     from yamlformer.recipes.training.resolved import resolve_run
 
     sizes = {}
     for loss in ("dpo", "simpo"):
         path = _recipe(tmp_path, preference={"loss": loss, "beta": 0.1})
         run = resolve_run(load_recipe(path))
-        est = recipe_estimate(run.spec, run.recipe, run.seq_len, run.batch)
+        est = run_estimate(run)
         sizes[loss] = est.memory
     assert sizes["dpo"].reference == 4 * build_model(run.spec, device="meta").n_params()  # fp32 weights
     assert sizes["simpo"].reference == 0
@@ -360,7 +360,7 @@ def test_a_precomputed_reference_trains_as_the_live_one_without_a_copy(tmp_path,
     from sharded_helpers import assert_same_losses, losses
 
     from yamlformer.recipes.tasks import load_recipe
-    from yamlformer.recipes.training.dry_run import recipe_estimate
+    from yamlformer.recipes.training.dry_run import run_estimate
     from yamlformer.recipes.training.resolved import resolve_run
 
     short = {"max_steps": 6, "val_check_interval": 3, "checkpoint_every_n_steps": 3}
@@ -371,7 +371,7 @@ def test_a_precomputed_reference_trains_as_the_live_one_without_a_copy(tmp_path,
         preference={"precompute_reference": True},
     )  # fmt: skip
     run = resolve_run(load_recipe(pre), pre)
-    assert recipe_estimate(run.spec, run.recipe, run.seq_len, run.batch).memory.reference == 0
+    assert run_estimate(run).memory.reference == 0
     capsys.readouterr()
     assert main(["train", str(pre)]) == 0
     assert "reference log-probabilities: 48 pairs computed, cached at" in capsys.readouterr().out

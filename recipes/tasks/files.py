@@ -6,11 +6,24 @@ read. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from yamlformer.recipes.data import registry as datasets
 from yamlformer.recipes.recipe.located import LocatedRecipe
-from yamlformer.recipes.tasks.task import DataFile
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """One file a run reads: where, whether it is there, and where it would come from."""
+
+    what: str  # "tinyshakespeare", "data.train.source"
+    path: Path | None  # None: the files of this machine (python-stdlib)
+    present: bool
+    url: str | None = None
+    size: int | None = None
+    terms: str | None = None
+    file: bool = False  # read whole as one file (a folder of files is not taken)
 
 
 class DataFiles:

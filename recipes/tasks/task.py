@@ -1,8 +1,9 @@
 """What a task is to the rest of the project: the :class:`Task` contract, and the values it hands
 back (:class:`Resolution` to the resolution, which the dry run, ``builder validate`` and ``builder
-list`` share, with its :class:`Vocabulary` and :class:`DataFile` entries; :class:`Prepared` to the
-run loop). Torch-free: a task's facade answers the questions that need no torch here and imports
-its training code when asked to train, evaluate or generate.
+list`` share, with its :class:`Vocabulary` and its files,
+:class:`~yamlformer.recipes.tasks.files.DataFile`; :class:`Prepared` to the run loop).
+Torch-free: a task's facade answers the questions that need no torch here and imports its
+training code when asked to train, evaluate or generate.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from yamlformer.recipes.errors import RecipeError
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from yamlformer.builder.spec.schema import ModelSpec
     from yamlformer.recipes.recipe.located import LocatedRecipe
     from yamlformer.recipes.recipe.sections import Recipe
+    from yamlformer.recipes.tasks.files import DataFile
 
 #: sentencepiece trainer settings for prose (over the LM's code-oriented ones): NFKC, a word-start
 #: marker on the first word too, runs of spaces folded
@@ -57,19 +58,6 @@ class Vocabulary:
     size: int
     how: str
     stand_in: bool = False  # the size is a stand-in until the data is read
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFile:
-    """One file a run reads: where, whether it is there, and where it would come from."""
-
-    what: str  # "tinyshakespeare", "data.train.source"
-    path: Path | None  # None: the files of this machine (python-stdlib)
-    present: bool
-    url: str | None = None
-    size: int | None = None
-    terms: str | None = None
-    file: bool = False  # read whole as one file (a folder of files is not taken)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -31,7 +31,7 @@ from yamlformer.recipes.errors import RecipeError
 from yamlformer.recipes.recipe.sections import Recipe, spec_file
 from yamlformer.recipes.recipe.sections import recipe_path as locate_recipe
 from yamlformer.recipes.tasks import load_recipe
-from yamlformer.recipes.tasks.task import DataFile
+from yamlformer.recipes.tasks.files import DataFile
 from yamlformer.recipes.training.resolved import resolve_run
 from yamlformer.recipes.training.resume import check_recipe_early
 

@@ -47,7 +47,8 @@ from yamlformer.recipes.recipe.init_from import init_from_errors, init_from_sour
 from yamlformer.recipes.recipe.located import LocatedRecipe
 from yamlformer.recipes.recipe.sections import Recipe, init_from_spec, model_spec
 from yamlformer.recipes.tasks import load_recipe, task_named
-from yamlformer.recipes.tasks.task import DataFile, Resolution, Task, Vocabulary
+from yamlformer.recipes.tasks.files import DataFile
+from yamlformer.recipes.tasks.task import Resolution, Task, Vocabulary
 
 #: the vocabulary a char tokenizer is estimated with before its corpus is read (bytes)
 CHAR_STAND_IN = 256
