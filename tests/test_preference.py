@@ -427,3 +427,27 @@ def test_adapters_resume_and_export_as_sfts_do(tmp_path):
         assert float((ours - model(ids)).abs().max()) == 0
         torch.testing.assert_close(peft_model(ids).logits, ours, rtol=0, atol=1e-5)
         torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=1e-5)
+
+
+def test_eval_compares_with_the_starting_weights_the_run_recorded_and_an_older_checkpoint_still_does(tmp_path):
+    """A run records the weights it started from (``starting_weights``: its ``model.init_from``'s,
+    absolute; None: drawn, seeded), and ``builder eval`` takes its reference from that record
+    instead of resolving the recipe again. A checkpoint written before runs recorded it evaluates
+    as it did then (its recipe's ``model.init_from`` found again from its recipe file)."""
+    from yamlformer.recipes.tasks.preference.training import evaluate_checkpoint
+    from yamlformer.recipes.trained import load_trained
+
+    short = {"max_steps": 2, "val_check_interval": 2, "checkpoint_every_n_steps": 2}
+    assert main(["train", str(_recipe(tmp_path / "first", trainer=short))]) == 0
+    start = tmp_path / "first" / "run" / "checkpoints" / "last.ckpt"
+    model = {"spec": None, "init_from": "../first/run/checkpoints/last.ckpt"}  # relative to the recipe
+    assert main(["train", str(_recipe(tmp_path / "second", trainer=short, model=model))]) == 0
+    assert load_trained(start, "cpu")[2]["starting_weights"] is None
+    model, tokenizer, meta = load_trained(tmp_path / "second" / "run" / "checkpoints" / "last.ckpt", "cpu")
+    assert meta["starting_weights"] == str(start.resolve())
+    args = types.SimpleNamespace(batch_size=None, all=True, max_batches=None)
+    recorded = evaluate_checkpoint(model, tokenizer, meta, args)
+    older = {key: value for key, value in meta.items() if key != "starting_weights"}
+    assert evaluate_checkpoint(model, tokenizer, older, args) == recorded
+    drawn = evaluate_checkpoint(model, tokenizer, dict(meta, starting_weights=None), args)
+    assert drawn["margin"] != recorded["margin"]  # the record is what eval reads

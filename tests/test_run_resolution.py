@@ -6,6 +6,7 @@ way a recipe can be wrong the dry run and the run give the same verdict."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import pickle
 import string
@@ -246,3 +247,72 @@ def test_what_the_checkpoint_readers_memo_still_saves(tmp_path, monkeypatch):
     assert run(tiny_recipe(tmp_path, trainer=dict(trainer, max_steps=3)), samples=False)["steps"] == 3
     last = str((tmp_path / "run" / "checkpoints" / "last.ckpt").resolve())
     assert (reads[("load", last)], reads[("verify", last)]) == (5, 2), dict(reads)
+
+
+@pytest.fixture
+def task_answers(monkeypatch):
+    """How often a task is asked about a recipe (:meth:`Task.resolve`) and how often its files are
+    listed (:meth:`Resolution.add_files`): spies around the real methods, which they still call."""
+    from yamlformer.recipes.tasks.lm import CorpusResolution
+    from yamlformer.recipes.tasks.task import Task
+
+    counts: collections.Counter = collections.Counter()
+    resolve, add_files = Task.resolve, CorpusResolution.add_files
+
+    def counted_resolve(self, located, read_data=True):
+        counts["resolve"] += 1
+        return resolve(self, located, read_data)
+
+    def counted_files(self, files):
+        counts["files"] += 1
+        return add_files(self, files)
+
+    monkeypatch.setattr(Task, "resolve", counted_resolve)
+    monkeypatch.setattr(CorpusResolution, "add_files", counted_files)
+    return counts
+
+
+def test_a_task_is_asked_once_per_run_dry_run_and_validate(tmp_path, capsys, task_answers, stops_before_training):
+    """One :class:`~yamlformer.recipes.tasks.task.Resolution` per resolution, its files listed
+    once (the vocabulary, the file checks and the data checks read the same list), and the run's
+    ``Run`` holds it. The char tokenizer reads the corpus, so the data is read as a run reads it."""
+    from yamlformer.recipes.tasks import load_recipe
+    from yamlformer.recipes.tasks.lm import LMResolution
+    from yamlformer.recipes.training.resolved import resolve_run
+
+    recipe = tiny_recipe(tmp_path)
+    for command in (["train", str(recipe), "--dry-run"], ["validate", str(recipe)]):
+        task_answers.clear()
+        assert main(command) == 0, capsys.readouterr().err
+        assert task_answers == {"resolve": 1, "files": 1}, command
+    task_answers.clear()
+    with pytest.raises(Reached):
+        main(["train", str(recipe), "--no-samples"])
+    assert task_answers == {"resolve": 1, "files": 1}
+    task_answers.clear()
+    run = resolve_run(load_recipe(recipe))
+    assert isinstance(run.resolution, LMResolution) and run.task is run.resolution.task
+    assert run.files is run.resolution.files and run.resolution.located is run.located
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.resolution.read_data = False
+
+
+def test_validate_list_and_the_dry_run_read_the_resolution(tmp_path, capsys, monkeypatch):
+    """What the dry run prints of the task and what validate and list refuse come from the task's
+    Resolution, not from the task asked again: a resolution that says other things is what they say."""
+    from yamlformer.recipes.errors import RecipeError
+    from yamlformer.recipes.tasks.lm import LMResolution
+
+    recipe = tiny_recipe(tmp_path)
+    monkeypatch.setattr(LMResolution, "dry_run_lines", (("note", "said by the resolution"),))
+    assert main(["train", str(recipe), "--dry-run"]) == 0
+    assert "note       said by the resolution" in capsys.readouterr().out
+
+    def refuse(self, spec):
+        raise RecipeError(f"refused by the resolution of {self.located.file.name} ({spec.name})")
+
+    monkeypatch.setattr(LMResolution, "check_spec", refuse)
+    assert main(["validate", str(recipe)]) == 1
+    assert "refused by the resolution of recipe.yaml (tiny-decoder)" in capsys.readouterr().out
+    assert main(["train", str(recipe), "--dry-run"]) == 1
+    assert "refused by the resolution of recipe.yaml (tiny-decoder)" in capsys.readouterr().err
