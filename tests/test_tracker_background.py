@@ -24,8 +24,8 @@ class Recorder:
         time.sleep(self.seconds)
         self.calls.append((method, args, time.monotonic()))
 
-    def log_metrics(self, metrics, step):
-        self._call("log_metrics", metrics, step)
+    def log_steps(self, rows):
+        self._call("log_steps", rows)
 
     def log_hyperparams(self, params):
         self._call("log_hyperparams", params)
@@ -38,7 +38,7 @@ def _background(tracker, **kwargs) -> Background:
     return Background("fake", lambda: tracker, **kwargs)
 
 
-def test_one_steps_calls_are_one_call_and_the_order_is_kept():
+def test_one_steps_calls_are_one_row_and_the_order_is_kept():
     calls = [
         ("log_hyperparams", ({"a": 1},)),
         ("log_metrics", ({"loss": 2.0, "epoch": 0}, 9)),
@@ -50,10 +50,9 @@ def test_one_steps_calls_are_one_call_and_the_order_is_kept():
     ]
     assert merged(calls) == [
         ("log_hyperparams", ({"a": 1},)),
-        ("log_metrics", ({"loss": 3.0, "epoch": 0, "tok/s": 5.0, "lr": 0.1}, 9)),  # the later loss wins
-        ("log_metrics", ({"loss": 1.0}, 19)),
+        ("log_steps", ([({"loss": 3.0, "epoch": 0, "tok/s": 5.0, "lr": 0.1}, 9), ({"loss": 1.0}, 19)],)),  # later wins
         ("finalize", ("success",)),
-        ("log_metrics", ({"val_loss": 4.0}, 19)),  # not across another call
+        ("log_steps", ([({"val_loss": 4.0}, 19)],)),  # not across another call
     ]
 
 
@@ -67,10 +66,9 @@ def test_calls_are_gathered_merged_and_all_sent_at_close():
         logger.log_metrics({"lr": 0.1 * step}, step=step)
     time.sleep(1.5)  # one gathering round has sent them
     sent = [(method, args) for method, args, _ in tracker.calls]
-    assert sent == [("log_hyperparams", ({"x": 1},))] + [
-        ("log_metrics", ({"loss": float(s), "lr": 0.1 * s}, s)) for s in range(5)
-    ]
-    # together, after the gathering time: not one wake-up for each call
+    rows = [({"loss": float(s), "lr": 0.1 * s}, s) for s in range(5)]
+    assert sent == [("log_hyperparams", ({"x": 1},)), ("log_steps", (rows,))]  # one call for the five steps
+    # after the gathering time: not one wake-up for each call
     assert all(0.4 < at - started < 1.4 for _, _, at in tracker.calls), [at - started for *_, at in tracker.calls]
     logger.log_metrics({"loss": 9.0}, step=9)  # the last step, closed at once: not lost to the gathering
     logger.finalize("success")
@@ -78,12 +76,12 @@ def test_calls_are_gathered_merged_and_all_sent_at_close():
     logger.close()
     assert time.monotonic() - closing < 0.4  # no gathering wait once closing
     assert [(m, a) for m, a, _ in tracker.calls[-2:]] == [
-        ("log_metrics", ({"loss": 9.0}, 9)),
+        ("log_steps", ([({"loss": 9.0}, 9)],)),
         ("finalize", ("success",)),
     ]
     logger.log_metrics({"loss": 10.0}, step=10)  # after the close: dropped, no error
     logger.close()  # twice: nothing more
-    assert len(tracker.calls) == 8 and logger.failed is None
+    assert len(tracker.calls) == 4 and logger.failed is None
 
 
 def test_a_slow_tracker_never_holds_the_training_thread():
@@ -93,12 +91,14 @@ def test_a_slow_tracker_never_holds_the_training_thread():
     for step in range(20):
         logger.log_metrics({"loss": 1.0}, step=step)
     assert time.perf_counter() - started < 0.1  # 20 calls: 10 s of the tracker's time
-    logger.close()
-    assert len(tracker.calls) == 21  # all sent before close returned
+    logger.close()  # all sent before it returns
+    assert [step for method, args, _ in tracker.calls if method == "log_steps" for _, step in args[0]] == list(
+        range(20)
+    )
 
 
 def test_a_failing_tracker_is_one_warning_and_its_calls_are_dropped(capsys):
-    tracker = Recorder(fail_on="log_metrics")
+    tracker = Recorder(fail_on="log_steps")
     logger = _background(tracker, gather_seconds=0.05)
     logger.log_hyperparams({"x": 1})
     for step in range(3):

@@ -15,7 +15,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -112,7 +114,8 @@ _QUIET = _OffTrackerThreads()
 class Background(Logger):
     """A Lightning logger whose calls run in order on a thread of their own, so training never
     waits for the network: a call only appends to a list. The thread sends what came in for
-    :data:`GATHER_SECONDS` at once, the ``log_metrics`` calls of one step merged into one. The
+    :data:`GATHER_SECONDS` at once (:func:`merged`: the ``log_metrics`` calls as one ``log_steps``
+    call of the made tracker, a row a step). The
     first error is one warning and the tracker is dropped for the rest of the run; :meth:`close`
     sends what is left, waiting at most :data:`FLUSH_SECONDS`."""
 
@@ -198,16 +201,23 @@ class Background(Logger):
 
 
 def merged(calls: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
-    """``calls`` (``(method, args)``, in order) with each run of ``log_metrics`` calls for the same
-    step made one call of all their metrics (a later value of a key wins, as it would in the
-    tracker): a step's metrics are one request to MLflow and one history row in W&B."""
+    """``calls`` (``(method, args)``, in order) with each run of ``log_metrics`` calls made one
+    ``log_steps`` call of their ``(metrics, step)`` rows, the calls for the same step one row (a
+    later value of a key wins, as it would in the tracker): what the tracker's thread gathered is
+    one MLflow request and one W&B history row a step."""
     out: list[tuple[str, tuple]] = []
     for method, args in calls:
-        last = out[-1] if out else None
-        if method == "log_metrics" and last is not None and last[0] == method and last[1][1] == args[1]:
-            out[-1] = (method, ({**last[1][0], **args[0]}, args[1]))
-        else:
+        if method != "log_metrics":
             out.append((method, args))
+            continue
+        if not out or out[-1][0] != "log_steps":
+            out.append(("log_steps", ([],)))
+        rows = out[-1][1][0]
+        metrics, step = args
+        if rows and rows[-1][1] == step:
+            rows[-1] = ({**rows[-1][0], **metrics}, step)
+        else:
+            rows.append((metrics, step))
     return out
 
 
@@ -285,7 +295,8 @@ def _wandb_logger(options, out: Path, title: str, resuming: bool, parent: dict |
 
 
 class _Uploading:
-    """A tracker's logger that uploads the run's checkpoints at its finalize when ``log_model``."""
+    """A tracker's logger that takes several steps' metrics at once (:meth:`log_steps`) and
+    uploads the run's checkpoints at its finalize when ``log_model``."""
 
     def __init__(self, logger, out: Path, log_model: bool, kind: str):
         self.logger, self.out, self.log_model, self.kind = logger, Path(out), log_model, kind
@@ -305,6 +316,23 @@ class _Uploading:
             params = {k: v for k, v in params.items() if k not in logged}
         self.logger.log_hyperparams(params)
 
+    def log_steps(self, rows: list[tuple[dict[str, float], int | None]]) -> None:
+        """The ``(metrics, step)`` rows: for MLflow one ``log_batch`` request (it takes any steps;
+        its client splits what is over its limit), for W&B a history row each."""
+        if self.kind != "mlflow":
+            for metrics, step in rows:
+                self.logger.log_metrics(metrics, step)
+            return
+        from mlflow.entities import Metric  # local: mlflow is an optional extra
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key=_MLFLOW_DROPPED.sub("", key), value=value, timestamp=now, step=step or 0)
+            for metrics, step in rows
+            for key, value in metrics.items()
+        ]
+        self.logger.experiment.log_batch(run_id=self.logger.run_id, metrics=batch, synchronous=True)
+
     def finalize(self, status: str) -> None:
         if self.log_model:
             for ckpt in ("last.ckpt", "best.ckpt"):
@@ -319,6 +347,10 @@ class _Uploading:
         if self.kind == "wandb":  # Lightning leaves the W&B run open: the next run in this process would reuse it
             self.logger.experiment.finish(exit_code=0 if status == "success" else 1)
 
+
+#: the characters MLflow refuses in a metric's name, which Lightning's ``MLFlowLogger.log_metrics``
+#: drops from it too
+_MLFLOW_DROPPED = re.compile(r"[^a-zA-Z0-9_/. -]+")
 
 #: the trackers by their ``trainer.loggers`` key
 MAKERS = {"mlflow": _mlflow_logger, "wandb": _wandb_logger}
