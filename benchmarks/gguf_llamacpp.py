@@ -31,11 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's module
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the llamacpp tests' models
 from machine import emit, machine  # benchmarks/machine.py
 
-#: families llama.cpp has that export-gguf refuses (the spec, --set overrides): their one line
+#: families llama.cpp has that export-gguf refuses (the spec, export-gguf's arguments): their one line
 REFUSED = {
-    "mistral (sliding window)": ("tiny/llama", ["decoder.attention.sliding_window=16"]),
-    "phi3": ("tiny/phi3", []),
-    "mpt (ALiBi)": ("tiny/alibi", []),
+    "mistral (sliding window)": ("tiny/llama", ["--set", "decoder.attention.sliding_window=16"]),
+    "phi3 (a window below max_seq_len)": ("tiny/phi3", ["--family", "phi3"]),
     "deepseek_v2 (MLA)": ("tiny/deepseek-v2", []),
     "gpt_oss": ("tiny/gpt-oss", []),
     "llama4": ("tiny/llama4", []),
@@ -44,7 +43,7 @@ REFUSED = {
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from gguf_helpers import FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, train
+    from gguf_helpers import EXPORT_ARGS, FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, train
 
     from yamlformer.builder.cli import main as builder
     from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
@@ -67,12 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine()}; {args.threads} threads; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family, (spec, sets) in REFUSED.items():
+        for family, (spec, extra) in REFUSED.items():
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
-                code = builder(
-                    ["export-gguf", spec, "--init", "-o", f"{tmp}/x.gguf", *[a for s in sets for a in ("--set", s)]]
-                )
+                code = builder(["export-gguf", spec, "--init", "-o", f"{tmp}/x.gguf", *extra])
             rows.append({"family": family, "outtype": "f32", "converts": code == 0, "why": err.getvalue().strip()})
             print(_line(rows[-1]), flush=True)
         cache = Path(tmp) / "cache"
@@ -84,7 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, _ = load_trained(checkpoint, "cpu")
             for outtype in args.outtypes:
                 out = folder / f"{outtype}.gguf"
-                ok = builder(["export-gguf", str(checkpoint), "-o", str(out), "--outtype", outtype]) == 0
+                export = [
+                    "export-gguf",
+                    str(checkpoint),
+                    "-o",
+                    str(out),
+                    "--outtype",
+                    outtype,
+                    *EXPORT_ARGS.get(family, []),
+                ]
+                ok = builder(export) == 0
                 row = {"family": family, "outtype": outtype, "converts": ok}
                 rows.append(row)
                 if not ok:

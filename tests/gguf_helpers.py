@@ -62,7 +62,13 @@ FAMILIES = {
     "gpt2": ("tiny/gpt2", {"position": {"max_positions": 128}}),
     "gemma2": ("tiny/gemma2", {}),  # sliding windows of 16 on alternate layers, softcaps, sandwich norms
     "gemma3_text": ("tiny/gemma3", {}),  # windows 5 of 6 layers, a local RoPE base, q/k norms
+    # fused qkv and gate/up; a window as long as the context (128), which masks nothing
+    "phi3": ("tiny/phi3", {"decoder": {"attention": {"sliding_window": 128}}}),
+    # ALiBi over 6 heads (not a power of two: 4 slopes of ALiBi's series, 2 of twice its count)
+    "mpt": ("tiny/alibi", {"d_model": 96, "decoder": {"attention": {"n_heads": 6}, "ffn": {"hidden_dim": 384}}}),
 }
+#: export-gguf's arguments for a family that is not export-hf's first choice for its spec
+EXPORT_ARGS = {"phi3": ["--family", "phi3"]}
 
 
 def stdlib_text(limit: int) -> str:

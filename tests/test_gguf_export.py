@@ -51,6 +51,8 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
         # llama.cpp's gemma2 always caps, and fixes the score scale by the model's shape
         ("tiny/gemma2", ["decoder.attention.softcap=null"], "decoder.attention.softcap / head.softcap: none"),
         ("tiny/gemma2", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config query_pre_attn_scalar)"),
+        # llama.cpp's mpt fixes the score scale at 1/sqrt(head_dim)
+        ("tiny/alibi", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config attn_config.softmax_scale)"),
     ],
 )
 def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, field, tmp_path, capsys):
@@ -60,8 +62,8 @@ def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, fie
 
 
 def test_a_family_without_a_proven_architecture_is_refused_with_the_ones_there_are(tmp_path, capsys):
-    line = _refused(tmp_path, capsys, "tiny/alibi", "--init")
-    assert "Hugging Face mpt" in line and "llama" in line, line
+    line = _refused(tmp_path, capsys, "tiny/llama4", "--init")
+    assert "Hugging Face llama4_text" in line and "llama" in line, line
 
 
 def test_the_weights_and_the_output_are_checked_first(tmp_path, capsys):
@@ -205,3 +207,59 @@ def test_adapters_only_writes_a_gguf_lora_adapter(tmp_path, capsys):
     assert all(name.endswith((".lora_a", ".lora_b")) for name in tensors), sorted(tensors)
     a, b = tensors["blk.0.attn_q.weight.lora_a"], tensors["blk.0.attn_q.weight.lora_b"]
     assert a.data.shape[0] == 2 and b.data.shape[1] == 2  # (rank, in), (out, rank)
+
+
+def test_phi3_is_written_without_a_window_only_where_the_window_masks_nothing(tmp_path, capsys):
+    """llama.cpp's phi3 disables sliding windows: a window below max_seq_len (64) is refused, one
+    at least as long (or none) is written as llama.cpp's phi3 with q, k, v and gate, up fused,
+    no window key, and no general.name (llama.cpp's tokenizer keys special-token stripping on
+    a name with "phi3" in it)."""
+    gguf = pytest.importorskip("gguf")
+    line = _refused(tmp_path, capsys, "tiny/phi3", "--init", "--family", "phi3")
+    assert "decoder.attention.sliding_window (config sliding_window): 8 < max_seq_len 64" in line, line
+    for window in ("64", "null"):
+        out = tmp_path / f"{window}.gguf"
+        args = ["tiny/phi3", "--init", "--family", "phi3", "--set", f"decoder.attention.sliding_window={window}"]
+        assert main(["export-gguf", *args, "-o", str(out)]) == 0
+        assert "llama.cpp phi3 (from Hugging Face phi3)" in capsys.readouterr().out
+        reader = gguf.GGUFReader(str(out))
+        fields = {k: f.contents() for k, f in reader.fields.items()}
+        assert fields["general.architecture"] == "phi3" and "general.name" not in fields
+        assert not any("sliding_window" in k for k in fields), fields
+        shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+        assert shapes["blk.0.attn_qkv.weight"] == (64, 64 + 2 * 32)  # 4 query heads, 2 key/value, of 16
+        assert shapes["blk.0.ffn_up.weight"] == (64, 2 * 128)  # gate rows, then up
+        assert "blk.0.attn_q.weight" not in shapes and "blk.0.ffn_gate.weight" not in shapes
+
+
+def _ggml_alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
+    """ggml's ALiBi slopes, as its soft_max computes them (ggml-cpu/ops.cpp, float32 powf)."""
+    import numpy as np
+
+    n = 2 ** int(np.floor(np.log2(n_heads)))
+    m0, m1 = np.float32(2.0) ** np.float32(-max_bias / n), np.float32(2.0) ** np.float32(-max_bias / 2 / n)
+    return [float(m0 ** (h + 1) if h < n else m1 ** (2 * (h - n) + 1)) for h in range(n_heads)]
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 56, 64, 71, 96, 128])
+def test_our_alibi_slopes_are_llama_cpps_for_each_head_count(n_heads):
+    """What llama.cpp's mpt computes from max_alibi_bias 8 is our ALiBi, powers of two or not."""
+    import torch
+
+    from yamlformer.blocks.positions import alibi_slopes
+
+    theirs = torch.tensor(_ggml_alibi_slopes(n_heads))
+    assert torch.allclose(alibi_slopes(n_heads), theirs, rtol=1e-6, atol=0), n_heads
+
+
+def test_mpt_is_written_with_its_alibi_bias_and_fused_qkv(tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "tiny/alibi", "--init", "-o", str(out)]) == 0
+    assert "llama.cpp mpt (from Hugging Face mpt)" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["mpt.attention.max_alibi_bias"] == 8.0 and fields["mpt.feed_forward_length"] == 256
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert shapes["blk.0.attn_qkv.weight"] == (64, 3 * 64)
+    assert "output.weight" not in shapes and "position_embd.weight" not in shapes  # tied; ALiBi, no table

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from gguf_helpers import FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, stdlib_text, train
+from gguf_helpers import EXPORT_ARGS, FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, stdlib_text, train
 
 from yamlformer.builder.cli import main
 from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
@@ -94,7 +94,7 @@ def test_a_trained_llama_runs_in_llama_cpp_as_ours(trained, tmp_path, capsys):
 def test_each_family_runs_in_llama_cpp_as_ours(family, tmp_path, cache, capsys):
     spec, overrides = FAMILIES[family]
     checkpoint = train(tmp_path, cache, spec, overrides)
-    gguf = _export(tmp_path, str(checkpoint))
+    gguf = _export(tmp_path, str(checkpoint), *EXPORT_ARGS.get(family, []))
     said = capsys.readouterr().out
     assert f"(from Hugging Face {family})" in said, said
     _prove(checkpoint, gguf, capsys)

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tokenizer to write: a checkpoint, a model folder, a tokenizer.json or a sentencepiece .model "
         "(default: the checkpoint's, or an import's beside the spec; none: token ids only)",
     )
+    parser.add_argument(
+        "--family",
+        metavar="NAME",
+        help="the Hugging Face model_type to write as, and so llama.cpp's architecture (default: export-hf's "
+        "choice, the first that expresses the spec exactly; e.g. phi3 for llama.cpp's phi3)",
+    )
     parser.add_argument("--merge", action="store_true", help="a model with adapters: fold them into the weights first")
     parser.add_argument(
         "--adapters-only",
@@ -84,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             merge=args.merge,
             adapters_only=args.adapters_only,
             overwrite=args.overwrite,
+            family=args.family,
         )
     except ValueError as exc:  # GGUFError, OutputError
         print(f"error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ with a value that changes the computation is refused, so a family's new feature 
 until an entry here says how llama.cpp reads it: never a file that loads and computes something
 else. ``refuse`` adds the checks on values (an activation llama.cpp's graph does not use, a
 sliding window an architecture has no key for). A family without an entry is refused with the
-families that have one.
+families that have one (:func:`yamlformer.builder.gguf.arches_more.arch_of`).
 """
 
 from __future__ import annotations
@@ -417,7 +417,8 @@ GPTNEOX = Arch("GPTNEOX", _NEOX_KEYS, _neox_hparams, _neox_refuse, _neox_transfo
 GEMMA2 = Arch("GEMMA2", _GEMMA_KEYS, _gemma_hparams, _gemma_refuse("gemma2", 46, True), _gemma_transform)
 GEMMA3 = Arch("GEMMA3", _GEMMA_KEYS, _gemma_hparams, _gemma_refuse("gemma3", 62, False), _gemma_transform)
 
-#: Hugging Face family -> how it is written (each proven by tests/test_gguf_llamacpp.py)
+#: Hugging Face family -> how it is written (each proven by tests/test_gguf_llamacpp.py); with
+#: :mod:`.arches_more`'s, :data:`yamlformer.builder.gguf.arches_more.ARCHES`
 ARCHES: dict[str, Arch] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -431,13 +432,3 @@ ARCHES: dict[str, Arch] = {
     "gemma2": GEMMA2,
     "gemma3_text": GEMMA3,
 }
-
-
-def arch_of(family: str) -> Arch:
-    if family not in ARCHES:
-        known = ", ".join(sorted(ARCHES))
-        raise Refused(
-            f"the spec is Hugging Face {family}; no GGUF architecture is written (and proven in llama.cpp) "
-            f"for it yet: only {known}"
-        )
-    return ARCHES[family]

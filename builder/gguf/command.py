@@ -23,13 +23,16 @@ def export_gguf(
     merge: bool = False,
     adapters_only: bool = False,
     overwrite: bool = False,
+    family: str | None = None,
 ) -> tuple[Plan, str]:
     """``builder export-gguf``: a ``builder train`` checkpoint, or a spec file with its weights
     (``model.safetensors`` beside it, ``weights``, or ``init``: the random weights the spec's
     initialization draws with ``seed``), written as ``out``. The tokenizer: the checkpoint's,
     else ``tokenizer`` (a checkpoint, a model folder, a ``tokenizer.json`` or a sentencepiece
     ``.model``), else an import's beside the spec. ``adapters_only``: the adapters alone, as a
-    GGUF LoRA adapter (:mod:`.lora`; no tokenizer). Returns the plan and what the weights are."""
+    GGUF LoRA adapter (:mod:`.lora`; no tokenizer). ``family``: the Hugging Face family to
+    write as (default: export-hf's choice, the first that expresses the spec exactly). Returns
+    the plan and what the weights are."""
     # local: the checkpoint and HF readers load with the command
     from yamlformer.builder.checkpoints import looks_like_checkpoint
     from yamlformer.builder.hf.common import HFError
@@ -67,10 +70,12 @@ def export_gguf(
             raise GGUFError("--merge and --adapters-only: give one (the adapters folded in, or them alone)")
         if merge and spec.adapters is None:
             raise GGUFError("--merge: the model has no adapters (its spec has no `adapters`); export it without")
+        if adapters_only and family is not None:
+            raise GGUFError("--family with --adapters-only: the adapter is written for the base's own family")
         if adapters_only:
             chosen = lora_plan(spec)  # every refusal before the weights are read
         else:
-            chosen = plan(merged_spec(spec) if merge else spec, state_tokenizer)
+            chosen = plan(merged_spec(spec) if merge else spec, state_tokenizer, family)
         if outtype not in OUTTYPES:
             raise GGUFError(f"--outtype {outtype!r}: one of {', '.join(OUTTYPES)}")
         claim_file(out, inputs, overwrite)
@@ -93,7 +98,7 @@ def export_gguf(
         what = f"{spec.adapters.describe()} adapters alone, of {what} (apply over the base's GGUF)"
         write_lora(spec, state, out, outtype, description=what)
         return chosen, what
-    write_gguf(spec, state, out, outtype, state_tokenizer, description=what)
+    write_gguf(spec, state, out, outtype, state_tokenizer, description=what, family=family)
     return chosen, what
 
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from yamlformer.builder.gguf.arches import Refused, arch_of
+from yamlformer.builder.gguf.arches import Refused
+from yamlformer.builder.gguf.arches_more import arch_of
 from yamlformer.builder.gguf.vocab import VocabError, check_vocab, write_vocab
 
 #: what llama.cpp's decoder architectures compute, by spec field (anything else has no GGUF form)
@@ -25,6 +26,12 @@ COMPUTED = {
     "position.type": ("rope", "learned", "alibi"),
     "attention.type": ("multi_head", "mla"),
 }
+
+#: what llama.cpp's tokenizer keys on ``general.name`` (``llama-vocab.cpp``, as lower-case
+#: substrings): "phi3" right-strips the whitespace after every special token and fails to load
+#: without ``<unk>``, ``<s>`` and ``<|endoftext|>``, "modern-bert" left-strips ``[MASK]``; a spec
+#: named so is written without ``general.name`` (optional), so that the tokenizer gives our ids
+NAME_KEYED = ("phi3", "phi-3", "modern-bert")
 
 #: ``--outtype`` -> (GGML tensor type for matrices, GGUF file type name)
 OUTTYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
@@ -54,9 +61,9 @@ class Plan:
     vocab: str
 
 
-def plan(spec, tokenizer: Mapping | None) -> Plan:
-    """The family, GGUF architecture and tokenizer of ``spec``, or one line of why not
-    (:class:`GGUFError`); needs neither weights nor ``gguf``."""
+def plan(spec, tokenizer: Mapping | None, family: str | None = None) -> Plan:
+    """The family (``family``, else export-hf's choice), GGUF architecture and tokenizer of
+    ``spec``, or one line of why not (:class:`GGUFError`); needs neither weights nor ``gguf``."""
     # local: the HF family table loads with the command
     from yamlformer.builder.hf.common import Unsupported
     from yamlformer.builder.hf.weights import unpadded
@@ -82,7 +89,7 @@ def plan(spec, tokenizer: Mapping | None) -> Plan:
         if kind not in COMPUTED["attention.type"]:
             raise GGUFError(f"decoder.attention.type: {kind!r} (layer {i}); no llama.cpp architecture computes it")
     try:
-        family, config = choose_family(unpadded(spec))
+        family, config = choose_family(unpadded(spec), family)
     except Unsupported as exc:
         raise GGUFError(f"{exc} (GGUF starts from the Hugging Face family: export-hf's choice)") from None
     try:
@@ -94,12 +101,15 @@ def plan(spec, tokenizer: Mapping | None) -> Plan:
     return Plan(family.model_type, arch, config, vocab)
 
 
-def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=None, description: str = "") -> Plan:
-    """Write ``out`` for ``spec`` and ``state`` (our tensors, or a model); returns the plan."""
+def write_gguf(
+    spec, state, out: str | Path, outtype: str = "f32", tokenizer=None, description: str = "", family: str | None = None
+) -> Plan:
+    """Write ``out`` for ``spec`` and ``state`` (our tensors, or a model) as ``family`` (default:
+    export-hf's choice); returns the plan."""
     gguf = gguf_module()
     if outtype not in OUTTYPES:
         raise GGUFError(f"--outtype {outtype!r}: one of {', '.join(OUTTYPES)}")
-    chosen = plan(spec, tokenizer)
+    chosen = plan(spec, tokenizer, family)
     # local: torch and the HF writer load when weights are converted
     import torch
 
@@ -108,7 +118,7 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
     _, config, tensors, _ = hf_tensors(spec, state, chosen.family, tokenizer=tokenizer)
     arch = chosen.arch
     model_arch = getattr(gguf.MODEL_ARCH, arch.name)
-    names = gguf.get_tensor_name_map(model_arch, config.get("num_hidden_layers") or config["n_layer"])
+    names = gguf.get_tensor_name_map(model_arch, spec.decoder.n_layers)
     matrix_type, file_type = OUTTYPES[outtype]
     out_tensors = []
     for hf_name, tensor in _experts_stacked(tensors).items():
@@ -121,7 +131,8 @@ def write_gguf(spec, state, out: str | Path, outtype: str = "f32", tokenizer=Non
     vocab_rows = next(t.shape[0] for n, t in out_tensors if n == "token_embd.weight")
 
     def fill(writer):
-        writer.add_name(spec.name)
+        if not any(part in spec.name.lower() for part in NAME_KEYED):
+            writer.add_name(spec.name)
         writer.add_type("model")
         if description:
             writer.add_description(description)
