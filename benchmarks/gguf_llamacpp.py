@@ -35,7 +35,7 @@ from machine import emit, machine  # benchmarks/machine.py
 REFUSED = {
     "mistral (sliding window)": ("tiny/llama", ["--set", "decoder.attention.sliding_window=16"]),
     "phi3 (a window below max_seq_len)": ("tiny/phi3", ["--family", "phi3"]),
-    "deepseek_v2 (MLA)": ("tiny/deepseek-v2", []),
+    "deepseek_v2 (YaRN; V2's group routing)": ("tiny/deepseek-v2", []),
     "gpt_oss": ("tiny/gpt-oss", []),
     "llama4": ("tiny/llama4", []),
 }

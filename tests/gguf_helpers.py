@@ -66,6 +66,12 @@ FAMILIES = {
     "phi3": ("tiny/phi3", {"decoder": {"attention": {"sliding_window": 128}}}),
     # ALiBi over 6 heads (not a power of two: 4 slopes of ALiBi's series, 2 of twice its count)
     "mpt": ("tiny/alibi", {"d_model": 96, "decoder": {"attention": {"n_heads": 6}, "ffn": {"hidden_dim": 384}}}),
+    # latent attention (kv_lora_rank 32, RoPE on 8 of 24 key dims), a dense layer, then routed and
+    # shared experts; ungrouped routing and plain RoPE (V2's group maxima and YaRN are refused)
+    "deepseek_v2": (
+        "tiny/deepseek-v2",
+        {"position": {"scaling": None}, "decoder": {"ffn": {"n_groups": 1, "topk_groups": 1}}},
+    ),
 }
 #: export-gguf's arguments for a family that is not export-hf's first choice for its spec
 EXPORT_ARGS = {"phi3": ["--family", "phi3"]}

@@ -53,6 +53,14 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
         ("tiny/gemma2", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config query_pre_attn_scalar)"),
         # llama.cpp's mpt fixes the score scale at 1/sqrt(head_dim)
         ("tiny/alibi", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config attn_config.softmax_scale)"),
+        # DeepSeek-V2: YaRN not written yet; V2's groups ranked by their best expert (llama.cpp: top-2 sum)
+        ("tiny/deepseek-v2", [], "position.scaling (config rope_scaling): 'yarn'"),
+        ("tiny/deepseek-v2", ["position.scaling=null"], "decoder.ffn.topk_groups (config topk_group): 2 of 4 groups"),
+        (
+            "tiny/deepseek-v2",
+            ["position.scaling=null", "decoder.ffn.n_groups=1", "decoder.ffn.topk_groups=1", "decoder.norm.eps=1e-5"],
+            "decoder.norm.eps (config rms_norm_eps): 1e-05; llama.cpp's deepseek2 normalizes the latents with it",
+        ),
     ],
 )
 def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, field, tmp_path, capsys):
@@ -263,3 +271,34 @@ def test_mpt_is_written_with_its_alibi_bias_and_fused_qkv(tmp_path, capsys):
     shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
     assert shapes["blk.0.attn_qkv.weight"] == (64, 3 * 64)
     assert "output.weight" not in shapes and "position_embd.weight" not in shapes  # tied; ALiBi, no table
+
+
+def test_deepseek_v2_is_written_as_llama_cpps_absorbed_latent_attention(tmp_path, capsys):
+    """kv_b_proj split per head into k_b (its key rows transposed) and v_b, as llama.cpp's deepseek2
+    multiplies them; the MLA ranks and dims as its keys; a compressed query as q_a, q_b."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from yamlformer.builder.hf.writer import hf_tensors, random_weights
+    from yamlformer.builder.spec.loader import load_spec
+
+    sets = {"position.scaling": None, "decoder.ffn.n_groups": 1, "decoder.ffn.topk_groups": 1}
+    sets["decoder.attention.q_lora_rank"] = 24
+    args = [a for key, value in sets.items() for a in ("--set", f"{key}={'null' if value is None else value}")]
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "tiny/deepseek-v2", "--init", *args, "-o", str(out)]) == 0
+    assert "llama.cpp deepseek2 (from Hugging Face deepseek_v2)" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    keys = {k.removeprefix("deepseek2."): v for k, v in fields.items() if k.startswith("deepseek2.")}
+    assert keys["attention.q_lora_rank"] == 24 and keys["attention.kv_lora_rank"] == 32
+    assert keys["attention.key_length_mla"] == 24 and keys["attention.value_length_mla"] == 16
+    assert keys["rope.dimension_count"] == 8 and keys["leading_dense_block_count"] == 1
+    assert keys["expert_shared_count"] == 2 and keys["expert_weights_scale"] == 2.0
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    assert {"blk.0.attn_q_a.weight", "blk.0.attn_q_a_norm.weight", "blk.0.attn_q_b.weight"} <= set(tensors)
+    spec = load_spec("specs/tiny/deepseek-v2.yaml", sets)
+    kv_b = hf_tensors(spec, random_weights(spec, 0))[2]["model.layers.0.self_attn.kv_b_proj.weight"]
+    per_head = kv_b.reshape(4, 16 + 16, 32)  # (heads, nope + v rows, kv_lora_rank)
+    assert torch.equal(tensors["blk.0.attn_k_b.weight"], per_head[:, :16].transpose(1, 2))
+    assert torch.equal(tensors["blk.0.attn_v_b.weight"], per_head[:, 16:])

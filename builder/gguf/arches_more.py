@@ -119,11 +119,132 @@ MPT = Arch(
 )
 
 
+# --- DeepSeek-V2 ---------------------------------------------------------------------------
+
+#: the latents' RMSNorm epsilon (DeepSeek's, fixed); llama.cpp normalizes them with the model's
+LATENT_NORM_EPS = 1e-6
+
+
+def _deepseek2_hparams(writer, config: Mapping, spec) -> None:
+    import gguf  # optional extra: written only when a file is
+
+    kv_rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(1)  # MLA as llama.cpp runs it: one shared latent key/value (absorbed)
+    writer.add_rope_freq_base(float(config["rope_theta"]))
+    writer.add_rope_dimension_count(rope)
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_q_lora_rank(config.get("q_lora_rank") or 0)  # 0: a plain q_proj (read as attn_q)
+    writer.add_kv_lora_rank(kv_rank)
+    writer.add_key_length(kv_rank + rope)
+    writer.add_value_length(kv_rank)
+    writer.add_key_length_mla(config["qk_nope_head_dim"] + rope)
+    writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config.get("n_shared_experts") or 0)
+    writer.add_expert_weights_scale(float(config.get("routed_scaling_factor", 1.0)))
+    writer.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+
+
+def _deepseek2_transform(name: str, tensor, config: Mapping):
+    """``kv_b_proj`` (per head: the key's no-RoPE rows, then the value's) as llama.cpp's absorbed
+    MLA takes it (convert_hf_to_gguf's DeepseekV2): ``k_b`` (heads, kv_lora_rank, nope), each
+    head's key rows transposed, and ``v_b`` (heads, v_head_dim, kv_lora_rank)."""
+    if not name.endswith("kv_b_proj.weight"):
+        return [(name, tensor)]
+    nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+    per_head = tensor.reshape(config["num_attention_heads"], nope + v, tensor.shape[-1])
+    k_b, v_b = per_head[:, :nope], per_head[:, nope:]
+    return [
+        (name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous()),
+        (name.replace("kv_b_proj", "v_b_proj"), v_b.contiguous()),
+    ]
+
+
+def _deepseek2_refuse(config: Mapping) -> str | None:
+    if config.get("hidden_act", "silu") != "silu":
+        return f"{field_of('hidden_act')}: {config['hidden_act']!r}; llama.cpp's deepseek2 runs SiLU-gated FFNs only"
+    if config.get("attention_bias"):
+        return "decoder.attention.bias (config attention_bias): llama.cpp's deepseek2 reads no attention biases"
+    if config.get("rope_scaling"):
+        kind = config["rope_scaling"].get("rope_type", config["rope_scaling"].get("type"))
+        return f"{field_of('rope_scaling')}: {kind!r}; not written for llama.cpp's deepseek2 yet (plain RoPE only)"
+    if float(config["rms_norm_eps"]) != LATENT_NORM_EPS:
+        return (
+            f"decoder.norm.eps (config rms_norm_eps): {config['rms_norm_eps']}; llama.cpp's deepseek2 normalizes "
+            f"the latents with it too (DeepSeek's latent norms use {LATENT_NORM_EPS})"
+        )
+    if (config.get("scoring_func") or "softmax") != "softmax":
+        return f"decoder.ffn.scoring (config scoring_func): {config['scoring_func']!r}; written for softmax only"
+    groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
+    if config.get("topk_method") == "group_limited_greedy" and 1 < groups and chosen < groups:
+        return (
+            f"decoder.ffn.topk_groups (config topk_group): {chosen} of {groups} groups by their best expert; "
+            "llama.cpp's deepseek2 ranks groups by their two best experts' sum (DeepSeek-V3's), not written"
+        )
+    return None
+
+
+#: DeepSeek-V2's multi-head latent attention (``q_lora_rank`` or a plain ``q_proj``,
+#: ``kv_lora_rank``, the no-RoPE and RoPE key dims, ``v_head_dim``) and DeepSeekMoE (routed
+#: and shared experts, the first ``first_k_dense_replace`` layers dense), as llama.cpp's
+#: deepseek2 (interleaved RoPE pairs, as transformers' DeepseekV2 rotates: no permutation)
+DEEPSEEK2 = Arch(
+    "DEEPSEEK2",
+    frozenset(
+        {
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "attention_bias",
+            "first_k_dense_replace",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "rope_theta",
+            "rope_scaling",
+            "hidden_act",
+            "intermediate_size",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "moe_intermediate_size",
+            "routed_scaling_factor",
+            "n_group",
+            "topk_group",
+            "norm_topk_prob",
+            "topk_method",
+            "scoring_func",
+        }
+    ),  # fmt: skip
+    _deepseek2_hparams,
+    _deepseek2_refuse,
+    _deepseek2_transform,
+)
+
+
 #: Hugging Face family -> how it is written (each proven by tests/test_gguf_llamacpp.py)
 ARCHES: dict[str, Arch] = {
     **arches.ARCHES,
     "phi3": PHI3,
     "mpt": MPT,
+    "deepseek_v2": DEEPSEEK2,
 }
 
 
