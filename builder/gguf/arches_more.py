@@ -186,7 +186,7 @@ def _deepseek2_refuse(config: Mapping) -> str | None:
     if (config.get("scoring_func") or "softmax") != "softmax":
         return f"decoder.ffn.scoring (config scoring_func): {config['scoring_func']!r}; written for softmax only"
     groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
-    if config.get("topk_method") == "group_limited_greedy" and 1 < groups and chosen < groups:
+    if config.get("topk_method") == "group_limited_greedy" and groups > 1 and chosen < groups:
         return (
             f"decoder.ffn.topk_groups (config topk_group): {chosen} of {groups} groups by their best expert; "
             "llama.cpp's deepseek2 ranks groups by their two best experts' sum (DeepSeek-V3's), not written"
