@@ -36,7 +36,7 @@ REFUSED = {
     "mistral (sliding window)": ("tiny/llama", ["--set", "decoder.attention.sliding_window=16"]),
     "phi3 (a window below max_seq_len)": ("tiny/phi3", ["--family", "phi3"]),
     "deepseek_v2 (YaRN; V2's group routing)": ("tiny/deepseek-v2", []),
-    "gpt_oss": ("tiny/gpt-oss", []),
+    "gpt_oss (YaRN)": ("tiny/gpt-oss", []),
     "llama4": ("tiny/llama4", []),
 }
 

@@ -72,6 +72,8 @@ FAMILIES = {
         "tiny/deepseek-v2",
         {"position": {"scaling": None}, "decoder": {"ffn": {"n_groups": 1, "topk_groups": 1}}},
     ),
+    # sinks, biased attention, a window of 8 on even layers, biased experts with the clamped SwiGLU
+    "gpt_oss": ("tiny/gpt-oss", {"position": {"scaling": None}}),
 }
 #: export-gguf's arguments for a family that is not export-hf's first choice for its spec
 EXPORT_ARGS = {"phi3": ["--family", "phi3"]}

@@ -61,6 +61,13 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
             ["position.scaling=null", "decoder.ffn.n_groups=1", "decoder.ffn.topk_groups=1", "decoder.norm.eps=1e-5"],
             "decoder.norm.eps (config rms_norm_eps): 1e-05; llama.cpp's deepseek2 normalizes the latents with it",
         ),
+        # GPT-OSS: YaRN not written yet; llama.cpp fixes the clamped SwiGLU's constants
+        ("tiny/gpt-oss", [], "position.scaling (config rope_parameters): 'yarn'"),
+        (
+            "tiny/gpt-oss",
+            ["position.scaling=null", "decoder.ffn.clamp.limit=5.0"],
+            "decoder.ffn.clamp (config swiglu_alpha, swiglu_limit): 1.702, 5.0",
+        ),
     ],
 )
 def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, field, tmp_path, capsys):
@@ -302,3 +309,33 @@ def test_deepseek_v2_is_written_as_llama_cpps_absorbed_latent_attention(tmp_path
     per_head = kv_b.reshape(4, 16 + 16, 32)  # (heads, nope + v rows, kv_lora_rank)
     assert torch.equal(tensors["blk.0.attn_k_b.weight"], per_head[:, :16].transpose(1, 2))
     assert torch.equal(tensors["blk.0.attn_v_b.weight"], per_head[:, 16:])
+
+
+def test_gpt_oss_experts_are_written_as_llama_cpps_separate_gate_and_up(tmp_path, capsys):
+    """transformers' fused, interleaved, transposed experts as llama.cpp's gpt-oss stacks them;
+    the sinks, and the window as its per-layer pattern (even layers banded)."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from yamlformer.builder.hf.writer import hf_tensors, random_weights
+    from yamlformer.builder.spec.loader import load_spec
+
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "tiny/gpt-oss", "--init", "--set", "position.scaling=null", "-o", str(out)]) == 0
+    assert "(from Hugging Face gpt_oss)" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["general.architecture"] == "gpt-oss"
+    assert fields["gpt-oss.attention.sliding_window"] == 8
+    assert fields["gpt-oss.attention.sliding_window_pattern"] == [True, False]
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    spec = load_spec("specs/tiny/gpt-oss.yaml", {"position.scaling": None})
+    hf = hf_tensors(spec, random_weights(spec, 0))[2]
+    gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]  # (experts, d, 2 * hidden), interleaved
+    assert torch.equal(tensors["blk.1.ffn_gate_exps.weight"], gate_up[..., ::2].transpose(1, 2))
+    assert torch.equal(tensors["blk.1.ffn_up_exps.weight"], gate_up[..., 1::2].transpose(1, 2))
+    assert torch.equal(tensors["blk.1.ffn_up_exps.bias"], hf["model.layers.1.mlp.experts.gate_up_proj_bias"][:, 1::2])
+    assert torch.equal(
+        tensors["blk.1.ffn_down_exps.weight"], hf["model.layers.1.mlp.experts.down_proj"].transpose(1, 2)
+    )
+    assert torch.equal(tensors["blk.1.attn_sinks.weight"], hf["model.layers.1.self_attn.sinks"])

@@ -239,12 +239,94 @@ DEEPSEEK2 = Arch(
 )
 
 
+# --- GPT-OSS -------------------------------------------------------------------------------
+
+#: the clamped SwiGLU's constants llama.cpp's gpt-oss fixes (llama-graph.cpp, SWIGLU_OAI_MOE)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+def _gpt_oss_hparams(writer, config: Mapping, spec) -> None:
+    head_dim = config["head_dim"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)  # llama.cpp's gpt-oss sizes its heads by it
+    writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    types = config["layer_types"]
+    writer.add_sliding_window(config["sliding_window"] if "sliding_attention" in types else 0)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in types])
+
+
+def _gpt_oss_transform(name: str, tensor, config: Mapping):
+    """transformers' fused experts as llama.cpp's (convert_hf_to_gguf's GptOss): ``gate_up_proj``
+    ``(experts, d, 2 * hidden)``, gate and up columns interleaved, to ``gate_proj`` and ``up_proj``
+    ``(experts, hidden, d)``; ``down_proj`` ``(experts, hidden, d)`` transposed; the sinks named as
+    weights; a tied head written out (llama.cpp's gpt-oss reads its own ``output``)."""
+    if name.endswith("experts.gate_up_proj"):
+        rows = tensor.transpose(1, 2)  # (experts, 2 * hidden, d)
+        return [(name[: -len("gate_up_proj")] + f"{part}_proj.weight", rows[:, i::2].contiguous())
+                for i, part in enumerate(("gate", "up"))]  # fmt: skip
+    if name.endswith("experts.gate_up_proj_bias"):
+        return [(name[: -len("gate_up_proj_bias")] + f"{part}_proj.bias", tensor[:, i::2].contiguous())
+                for i, part in enumerate(("gate", "up"))]  # fmt: skip
+    if name.endswith("experts.down_proj"):
+        return [(name + ".weight", tensor.transpose(1, 2).contiguous())]
+    if name.endswith("experts.down_proj_bias"):
+        return [(name.removesuffix("_bias") + ".bias", tensor)]
+    if name.endswith("self_attn.sinks"):
+        return [(name + ".weight", tensor)]
+    if name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"):
+        return [(name, tensor), ("lm_head.weight", tensor)]
+    return [(name, tensor)]
+
+
+def _gpt_oss_refuse(config: Mapping) -> str | None:
+    if (config.get("swiglu_alpha"), config.get("swiglu_limit")) != (SWIGLU_ALPHA, SWIGLU_LIMIT):
+        return (
+            f"decoder.ffn.clamp (config swiglu_alpha, swiglu_limit): {config.get('swiglu_alpha')}, "
+            f"{config.get('swiglu_limit')}; llama.cpp's gpt-oss fixes {SWIGLU_ALPHA}, {SWIGLU_LIMIT}"
+        )
+    if not config.get("attention_bias"):
+        return "decoder.attention.qkv_bias (config attention_bias): false; llama.cpp's gpt-oss reads biased attention"
+    kind = (config.get("rope_parameters") or {}).get("rope_type", "default")
+    if kind != "default" or config.get("rope_scaling"):
+        return (
+            f"position.scaling (config rope_parameters): {kind!r}; not written for llama.cpp's gpt-oss yet "
+            "(plain RoPE only)"
+        )
+    return None
+
+
+#: GPT-OSS: attention sinks, biased q/k/v/o, alternating banded and full layers (written as the
+#: per-layer pattern), a biased router over biased experts with the clamped SwiGLU, rotating
+#: halves (NeoX order, as llama.cpp's gpt-oss); its post-attention norm is llama.cpp's
+#: ``attn_post_norm`` by gguf's name map
+GPT_OSS = Arch(
+    "GPT_OSS",
+    (_LLAMA_KEYS - {"rope_theta", "mlp_bias"}) | {"layer_types", "rope_parameters", "swiglu_alpha", "swiglu_limit"},
+    _gpt_oss_hparams,
+    _gpt_oss_refuse,
+    _gpt_oss_transform,
+)
+
+
 #: Hugging Face family -> how it is written (each proven by tests/test_gguf_llamacpp.py)
 ARCHES: dict[str, Arch] = {
     **arches.ARCHES,
     "phi3": PHI3,
     "mpt": MPT,
     "deepseek_v2": DEEPSEEK2,
+    "gpt_oss": GPT_OSS,
 }
 
 
