@@ -35,8 +35,8 @@ from machine import emit, machine  # benchmarks/machine.py
 REFUSED = {
     "mistral (sliding window)": ("tiny/llama", ["--set", "decoder.attention.sliding_window=16"]),
     "phi3 (a window below max_seq_len)": ("tiny/phi3", ["--family", "phi3"]),
-    "deepseek_v2 (YaRN; V2's group routing)": ("tiny/deepseek-v2", []),
-    "gpt_oss (YaRN)": ("tiny/gpt-oss", []),
+    "deepseek_v2 (V2's group routing)": ("tiny/deepseek-v2", []),
+    "gpt_oss (YaRN's fractional ramp ends)": ("tiny/gpt-oss", []),
     "llama4": ("tiny/llama4", []),
 }
 

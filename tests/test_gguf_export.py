@@ -53,16 +53,21 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
         ("tiny/gemma2", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config query_pre_attn_scalar)"),
         # llama.cpp's mpt fixes the score scale at 1/sqrt(head_dim)
         ("tiny/alibi", ["decoder.attention.scale=0.1"], "decoder.attention.scale (config attn_config.softmax_scale)"),
-        # DeepSeek-V2: YaRN not written yet; V2's groups ranked by their best expert (llama.cpp: top-2 sum)
-        ("tiny/deepseek-v2", [], "position.scaling (config rope_scaling): 'yarn'"),
-        ("tiny/deepseek-v2", ["position.scaling=null"], "decoder.ffn.topk_groups (config topk_group): 2 of 4 groups"),
+        # DeepSeek-V2: its groups ranked by their best expert (llama.cpp: top-2 sum); llama.cpp's YaRN
+        # takes mscale equal to mscale_all_dim
+        ("tiny/deepseek-v2", [], "decoder.ffn.topk_groups (config topk_group): 2 of 4 groups"),
+        (
+            "tiny/deepseek-v2",
+            ["decoder.ffn.n_groups=1", "decoder.ffn.topk_groups=1", "position.scaling.mscale=1.0"],
+            "position.scaling.mscale / mscale_all_dim: 1.0, 0.707",
+        ),
         (
             "tiny/deepseek-v2",
             ["position.scaling=null", "decoder.ffn.n_groups=1", "decoder.ffn.topk_groups=1", "decoder.norm.eps=1e-5"],
             "decoder.norm.eps (config rms_norm_eps): 1e-05; llama.cpp's deepseek2 normalizes the latents with it",
         ),
-        # GPT-OSS: YaRN not written yet; llama.cpp fixes the clamped SwiGLU's constants
-        ("tiny/gpt-oss", [], "position.scaling (config rope_parameters): 'yarn'"),
+        # GPT-OSS: llama.cpp's YaRN has whole-dimension ramp ends, its clamped SwiGLU fixed constants
+        ("tiny/gpt-oss", [], "position.scaling.truncate (config rope_parameters.truncate): false"),
         (
             "tiny/gpt-oss",
             ["position.scaling=null", "decoder.ffn.clamp.limit=5.0"],
@@ -143,6 +148,18 @@ def test_outtype_q8_0_quantizes_matrices_and_keeps_norms(tmp_path, capsys):
     assert kinds["blk.0.attn_q.weight"] == "Q8_0" and kinds["token_embd.weight"] == "Q8_0"
     assert kinds["blk.0.attn_norm.weight"] == "F32"
     assert kinds["blk.0.ffn_down.weight"] == "F16"  # rows of 172: not a multiple of Q8_0's 32-wide blocks
+
+
+def test_outtype_q8_0_keeps_stacked_expert_biases_f32(tmp_path, capsys):
+    """GPT-OSS's experts' biases are 2-D (experts, width); ggml adds only f32 (a q8_0 one aborts
+    llama.cpp: ops.cpp's GGML_ASSERT(src1->type == GGML_TYPE_F32))."""
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "m.gguf"
+    args = ["tiny/gpt-oss", "--init", "--set", "position.scaling.truncate=true", "--outtype", "q8_0"]
+    assert main(["export-gguf", *args, "-o", str(out)]) == 0
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == "Q8_0"
+    assert {kinds[f"blk.0.ffn_{p}_exps.bias"] for p in ("gate", "up", "down")} == {"F32"}
 
 
 def test_export_hf_init_writes_the_spec_untrained(tmp_path, capsys):
@@ -339,3 +356,25 @@ def test_gpt_oss_experts_are_written_as_llama_cpps_separate_gate_and_up(tmp_path
         tensors["blk.1.ffn_down_exps.weight"], hf["model.layers.1.mlp.experts.down_proj"].transpose(1, 2)
     )
     assert torch.equal(tensors["blk.1.attn_sinks.weight"], hf["model.layers.1.self_attn.sinks"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "sets", "keys"),
+    [
+        # DeepSeek's: mscale_all_dim as convert_hf_to_gguf writes it (0.1 times), read back over 0.1
+        (
+            "tiny/deepseek-v2",
+            ["decoder.ffn.n_groups=1", "decoder.ffn.topk_groups=1"],
+            {"factor": 40.0, "original_context_length": 4096, "yarn_log_multiplier": 0.0707},
+        ),
+        ("tiny/gpt-oss", ["position.scaling.truncate=true"], {"factor": 4.0, "original_context_length": 16}),
+    ],
+)
+def test_yarn_is_written_as_llama_cpp_reads_it(spec, sets, keys, tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", spec, "--init", *[a for s in sets for a in ("--set", s)], "-o", str(out)]) == 0
+    fields = {k.split(".rope.scaling.")[-1]: f.contents() for k, f in gguf.GGUFReader(str(out)).fields.items()
+              if ".rope.scaling." in k}  # fmt: skip
+    assert fields.pop("type") == "yarn" and fields.pop("yarn_beta_fast") == 32.0 and fields.pop("yarn_beta_slow") == 1.0
+    assert fields == pytest.approx(keys), fields

@@ -147,6 +147,28 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
     _prove(checkpoint, gguf, capsys)
 
 
+#: YaRN as llama.cpp computes it: DeepSeek's (mscale equal to mscale_all_dim: cos and sin unscaled,
+#: the temperature on every score; factor 40 over 4096) and GPT-OSS's with whole-dimension ramp
+#: ends (factor 4 over 16; its own fractional ends are refused)
+YARN = {
+    "deepseek_v2": ("tiny/deepseek-v2", {"decoder": {"ffn": {"n_groups": 1, "topk_groups": 1}}}),
+    "gpt_oss": ("tiny/gpt-oss", {"position": {"scaling": {"truncate": True}}}),
+}
+
+
+@pytest.mark.parametrize("family", list(YARN))
+def test_yarn_runs_in_llama_cpp_as_ours(family, tmp_path, cache, capsys):
+    spec, overrides = YARN[family]
+    checkpoint = train(tmp_path, cache, spec, overrides)
+    gguf = _export(tmp_path, str(checkpoint))
+    assert f"(from Hugging Face {family})" in capsys.readouterr().out
+    import gguf as gguf_py
+
+    fields = gguf_py.GGUFReader(str(gguf)).fields
+    assert any(k.endswith("rope.scaling.type") and f.contents() == "yarn" for k, f in fields.items())
+    _prove(checkpoint, gguf, capsys)
+
+
 def _adapted(tmp_path: Path, adapters: dict | None = None, **fields):
     """A spec with LoRA adapters (nonzero, as training leaves them; ``fields`` set on it), its
     model and its weights beside it (``model.safetensors``)."""

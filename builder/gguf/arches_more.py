@@ -1,7 +1,8 @@
 """More GGUF architectures (:class:`~yamlformer.builder.gguf.arches.Arch` entries, as in
-:mod:`.arches`): Phi-3's, and the table of every family written, :data:`ARCHES`, with
-:func:`arch_of`. They sit here, not in :mod:`.arches`, because they build on its helpers: the
-table that names them all must import both, so it is this module's.
+:mod:`.arches`): Phi-3's, MPT's (ALiBi), DeepSeek-V2's (latent attention), GPT-OSS's, the YaRN
+they share, and the table of every family written, :data:`ARCHES`, with :func:`arch_of`. They
+sit here, not in :mod:`.arches`, because they build on its helpers: the table that names them
+all must import both, so it is this module's.
 
 Each entry is proven in llama.cpp by ``tests/test_gguf_llamacpp.py`` like the others.
 """
@@ -119,6 +120,55 @@ MPT = Arch(
 )
 
 
+# --- YaRN (DeepSeek-V2's, GPT-OSS's) -------------------------------------------------------
+
+
+def _yarn_hparams(writer, scaling: Mapping | None, log_mul: bool) -> None:
+    """YaRN as llama.cpp reads it: the factor, the trained context, the ramp's rotations, and
+    (``log_mul``, DeepSeek's) ``mscale_all_dim`` as convert_hf_to_gguf writes it (times 0.1)."""
+    if not scaling or scaling.get("rope_type") in (None, "default"):
+        return
+    import gguf  # optional extra: written only when a file is
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(scaling["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    writer.add_rope_scaling_yarn_beta_fast(float(scaling.get("beta_fast", 32.0)))
+    writer.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow", 1.0)))
+    if log_mul:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(scaling["mscale_all_dim"]))
+
+
+def _yarn_refuse(scaling: Mapping | None, key: str, arch: str, deepseek: bool) -> str | None:
+    """What llama.cpp's YaRN (ggml's rope, llama-context.cpp's factors) cannot say. Its ramp's ends
+    are whole dimensions (``ggml_rope_yarn_corr_dims``: floor, ceil); the cos/sin factor it
+    derives, 0.1 ln(factor) + 1, or for deepseek2 (``yarn_log_mul``) none and DeepSeek's
+    (0.1 mscale_all_dim ln(factor) + 1)^2 on every score, which is ours only with mscale equal to
+    mscale_all_dim (llama.cpp takes them equal)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return None
+    field = f"position.scaling (config {key})"
+    if kind != "yarn":
+        return f"{field}: {kind!r}; written for llama.cpp's {arch} as YaRN only"
+    if scaling.get("truncate", True) is False:
+        return (
+            f"position.scaling.truncate (config {key}.truncate): false; llama.cpp's YaRN rounds the ramp's "
+            "ends to whole dimensions"
+        )
+    if scaling.get("attention_factor") is not None:
+        return f"position.scaling.attention_factor: {scaling['attention_factor']}; llama.cpp derives it from the factor"
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if deepseek and (mscale_all_dim is None or mscale != mscale_all_dim):
+        return (
+            f"position.scaling.mscale / mscale_all_dim: {mscale}, {mscale_all_dim}; llama.cpp's deepseek2 "
+            "takes DeepSeek's YaRN with the two equal"
+        )
+    if not deepseek and (mscale is not None or mscale_all_dim is not None):
+        return f"position.scaling.mscale / mscale_all_dim: DeepSeek's YaRN; llama.cpp's {arch} has no key for them"
+    return None
+
+
 # --- DeepSeek-V2 ---------------------------------------------------------------------------
 
 #: the latents' RMSNorm epsilon (DeepSeek's, fixed); llama.cpp normalizes them with the model's
@@ -153,6 +203,7 @@ def _deepseek2_hparams(writer, config: Mapping, spec) -> None:
     writer.add_expert_weights_scale(float(config.get("routed_scaling_factor", 1.0)))
     writer.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    _yarn_hparams(writer, config.get("rope_scaling"), log_mul=True)
 
 
 def _deepseek2_transform(name: str, tensor, config: Mapping):
@@ -175,9 +226,9 @@ def _deepseek2_refuse(config: Mapping) -> str | None:
         return f"{field_of('hidden_act')}: {config['hidden_act']!r}; llama.cpp's deepseek2 runs SiLU-gated FFNs only"
     if config.get("attention_bias"):
         return "decoder.attention.bias (config attention_bias): llama.cpp's deepseek2 reads no attention biases"
-    if config.get("rope_scaling"):
-        kind = config["rope_scaling"].get("rope_type", config["rope_scaling"].get("type"))
-        return f"{field_of('rope_scaling')}: {kind!r}; not written for llama.cpp's deepseek2 yet (plain RoPE only)"
+    why = _yarn_refuse(config.get("rope_scaling"), "rope_scaling", "deepseek2", deepseek=True)
+    if why:
+        return why
     if float(config["rms_norm_eps"]) != LATENT_NORM_EPS:
         return (
             f"decoder.norm.eps (config rms_norm_eps): {config['rms_norm_eps']}; llama.cpp's deepseek2 normalizes "
@@ -265,6 +316,7 @@ def _gpt_oss_hparams(writer, config: Mapping, spec) -> None:
     types = config["layer_types"]
     writer.add_sliding_window(config["sliding_window"] if "sliding_attention" in types else 0)
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in types])
+    _yarn_hparams(writer, config["rope_parameters"], log_mul=False)
 
 
 def _gpt_oss_transform(name: str, tensor, config: Mapping):
@@ -298,13 +350,7 @@ def _gpt_oss_refuse(config: Mapping) -> str | None:
         )
     if not config.get("attention_bias"):
         return "decoder.attention.qkv_bias (config attention_bias): false; llama.cpp's gpt-oss reads biased attention"
-    kind = (config.get("rope_parameters") or {}).get("rope_type", "default")
-    if kind != "default" or config.get("rope_scaling"):
-        return (
-            f"position.scaling (config rope_parameters): {kind!r}; not written for llama.cpp's gpt-oss yet "
-            "(plain RoPE only)"
-        )
-    return None
+    return _yarn_refuse(config.get("rope_parameters"), "rope_parameters", "gpt-oss", deepseek=False)
 
 
 #: GPT-OSS: attention sinks, biased q/k/v/o, alternating banded and full layers (written as the

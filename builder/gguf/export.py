@@ -198,9 +198,10 @@ def _experts_stacked(tensors: dict) -> dict:
 
 def _tensor_type(gguf, name: str, data, matrix_type: str):
     """The type one tensor is stored in: vectors (norms, biases) stay f32, as llama.cpp's
-    converter keeps them; matrices take ``--outtype``, q8_0 only where rows divide into its blocks."""
+    converter keeps them, and so do stacked experts' biases (2-D, but added, and ggml adds f32
+    only); matrices take ``--outtype``, q8_0 only where rows divide into its blocks."""
     q = gguf.GGMLQuantizationType
-    if data.ndim < 2 or matrix_type == "F32":
+    if data.ndim < 2 or name.endswith(".bias") or matrix_type == "F32":
         return q.F32
     kind = getattr(q, matrix_type)
     if kind == q.Q8_0 and data.shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0]:
