@@ -23,6 +23,10 @@ PROMPTS = [
 ]
 
 
+#: greedy tokens compared after each prompt
+NEW = 24
+
+
 def ours_greedy(model, tokenizer, prompt: str, new: int) -> list[int]:
     """The ids ``builder generate --temperature 0 --max-new-tokens new`` decodes (its own loop)."""
     from yamlformer.recipes.tasks.lm.streaming import stream
@@ -34,6 +38,57 @@ def ours_greedy(model, tokenizer, prompt: str, new: int) -> list[int]:
 def ours_logits(model, ids: list[int]) -> torch.Tensor:
     """Our model's logits after the last of ``ids`` (float32)."""
     return model(torch.tensor([ids]))[0, -1].float()
+
+
+def same_as_ours(
+    model,
+    tokenizer,
+    gguf: Path,
+    tolerance: float,
+    special: bool = False,
+    lora: Path | None = None,
+    overrides: dict | None = None,
+    add_special: bool = False,
+) -> float:
+    """llama.cpp's tokens for each prompt (text in), its greedy tokens and its first-step logits
+    against our model's (``lora``: with that adapter applied over ``gguf``; ``overrides``: llama.cpp's
+    ``--override-kv``; ``add_special``: tokenized as llama.cpp's tools do a prompt, with whatever
+    BOS the file says to add); returns the largest logit difference, asserted under ``tolerance``."""
+    from yamlformer.builder.gguf.llamacpp import LlamaCpp
+
+    worst = 0.0
+    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len, lora=lora, overrides=overrides) as runtime:
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            assert runtime.tokenize(prompt, special, add_special) == ids, prompt
+            theirs = torch.from_numpy(runtime.logits(ids)[-1])
+            ours = ours_logits(model, ids)[: runtime.n_vocab]
+            worst = max(worst, (theirs - ours).abs().max().item())
+            assert runtime.greedy(ids, NEW) == ours_greedy(model, tokenizer, prompt, NEW), prompt
+    assert worst < tolerance, worst
+    return worst
+
+
+def prove(source: Path, gguf: Path, capsys, tolerance: float, special: bool = False, **runtime_options) -> float:
+    """:func:`same_as_ours` for a checkpoint (or model folder), and ``builder generate --temperature 0``'s
+    text against what llama.cpp decodes; ``runtime_options``: ``same_as_ours``' ``overrides``,
+    ``add_special``. Returns the largest logit difference."""
+    from yamlformer.builder.cli import main
+    from yamlformer.builder.gguf.llamacpp import LlamaCpp
+    from yamlformer.recipes.trained import load_trained
+
+    model, tokenizer, _ = load_trained(source, "cpu", folders=True)
+    worst = same_as_ours(model, tokenizer, gguf, tolerance, special, **runtime_options)
+    # the command's own text: `builder generate --temperature 0` prints what llama.cpp decodes
+    prompt = PROMPTS[0]
+    assert main(["generate", str(source), "--prompt", prompt, "--max-new-tokens", str(NEW), "--temperature", "0"]) == 0
+    ids = tokenizer.encode(prompt)
+    overrides = runtime_options.get("overrides")
+    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len, overrides=overrides) as runtime:
+        new = runtime.greedy(ids, NEW)
+    expected = prompt + tokenizer.decode(ids + new)[len(tokenizer.decode(ids)) :]
+    assert capsys.readouterr().out == expected + "\n"
+    return worst
 
 
 #: the trained model: a Llama layout with grouped-query attention and a byte-fallback BPE

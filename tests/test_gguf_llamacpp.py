@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from gguf_helpers import EXPORT_ARGS, FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, stdlib_text, train
+from gguf_helpers import EXPORT_ARGS, FAMILIES, LLAMA, PROMPTS, ours_logits, prove, same_as_ours, stdlib_text, train
 
 from yamlformer.builder.cli import main
 from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
@@ -27,7 +27,6 @@ F32_TOLERANCE = 1e-3
 #: --outtype's: its matrices rounded (measured on the trained llama: f16 4.8e-4, bf16 3.5e-3,
 #: q8_0 6.6e-3; q8_0 on olmo2 1.1e-2)
 TOLERANCES = {"f16": 5e-3, "bf16": 3e-2, "q8_0": 5e-2}
-NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -50,44 +49,10 @@ def _export(tmp_path: Path, *args: str) -> Path:
     return out
 
 
-def _prove(source: Path, gguf: Path, capsys, tolerance: float = F32_TOLERANCE, special: bool = False) -> float:
-    """Tokens (text in), greedy tokens and first-step logits of llama.cpp against a checkpoint's,
-    and `builder generate --temperature 0`'s text; returns the largest logit difference."""
-    from yamlformer.recipes.trained import load_trained
-
-    model, tokenizer, _ = load_trained(source, "cpu", folders=True)
-    worst = _same(model, tokenizer, gguf, tolerance, special)
-    # the command's own text: `builder generate --temperature 0` prints what llama.cpp decodes
-    prompt = PROMPTS[0]
-    assert main(["generate", str(source), "--prompt", prompt, "--max-new-tokens", str(NEW), "--temperature", "0"]) == 0
-    ids = tokenizer.encode(prompt)
-    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len) as runtime:
-        new = runtime.greedy(ids, NEW)
-    expected = prompt + tokenizer.decode(ids + new)[len(tokenizer.decode(ids)) :]
-    assert capsys.readouterr().out == expected + "\n"
-    return worst
-
-
-def _same(model, tokenizer, gguf: Path, tolerance: float, special: bool = False, lora: Path | None = None) -> float:
-    """llama.cpp's tokens for each prompt, its greedy tokens and its first-step logits against our
-    model's (``lora``: with that adapter applied over ``gguf``); returns the largest logit difference."""
-    worst = 0.0
-    with LlamaCpp(gguf, n_ctx=model.spec.max_seq_len, lora=lora) as runtime:
-        for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt)
-            assert runtime.tokenize(prompt, special) == ids, prompt
-            theirs = torch.from_numpy(runtime.logits(ids)[-1])
-            ours = ours_logits(model, ids)[: runtime.n_vocab]
-            worst = max(worst, (theirs - ours).abs().max().item())
-            assert runtime.greedy(ids, NEW) == ours_greedy(model, tokenizer, prompt, NEW), prompt
-    assert worst < tolerance, worst
-    return worst
-
-
 def test_a_trained_llama_runs_in_llama_cpp_as_ours(trained, tmp_path, capsys):
     gguf = _export(tmp_path, str(trained))
     capsys.readouterr()
-    _prove(trained, gguf, capsys)
+    prove(trained, gguf, capsys, F32_TOLERANCE)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -97,14 +62,14 @@ def test_each_family_runs_in_llama_cpp_as_ours(family, tmp_path, cache, capsys):
     gguf = _export(tmp_path, str(checkpoint), *EXPORT_ARGS.get(family, []))
     said = capsys.readouterr().out
     assert f"(from Hugging Face {family})" in said, said
-    _prove(checkpoint, gguf, capsys)
+    prove(checkpoint, gguf, capsys, F32_TOLERANCE)
 
 
 @pytest.mark.parametrize("outtype", list(TOLERANCES))
 def test_rounded_outtypes_run_alike_within_their_tolerance(outtype, trained, tmp_path, capsys):
     gguf = _export(tmp_path, str(trained), "--outtype", outtype)
     capsys.readouterr()
-    _prove(trained, gguf, capsys, TOLERANCES[outtype])
+    prove(trained, gguf, capsys, TOLERANCES[outtype])
 
 
 def test_an_imported_byte_level_tokenizer_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
@@ -128,7 +93,7 @@ def test_an_imported_byte_level_tokenizer_runs_in_llama_cpp_as_ours(tmp_path, ca
     checkpoint = train(tmp_path, cache, LLAMA, tokenizer={"type": "hf", "model_file": str(folder)})
     gguf = _export(tmp_path, str(checkpoint))
     assert "byte-level BPE" in capsys.readouterr().out
-    _prove(checkpoint, gguf, capsys, special=True)
+    prove(checkpoint, gguf, capsys, F32_TOLERANCE, special=True)
     ours = load_trained(checkpoint, "cpu")[1]
     with LlamaCpp(gguf, n_ctx=128) as runtime:
         for text in HARD + ["it's 'll 'S I'M", "x  \n", "end   ", "\u00a0nbsp\u3000wide", "<|endoftext|>def"]:
@@ -144,7 +109,7 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
     import gguf as gguf_py
 
     assert "rope_freqs.weight" in {t.name for t in gguf_py.GGUFReader(str(gguf)).tensors}
-    _prove(checkpoint, gguf, capsys)
+    prove(checkpoint, gguf, capsys, F32_TOLERANCE)
 
 
 #: YaRN as llama.cpp computes it: DeepSeek's (mscale equal to mscale_all_dim: cos and sin unscaled,
@@ -199,7 +164,7 @@ def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_p
     assert "--merge" in capsys.readouterr().err
     gguf = _export(tmp_path, str(path), "--merge", "--tokenizer", str(trained))
     assert "adapters merged" in capsys.readouterr().out
-    _same(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
+    same_as_ours(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
 
 
 def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained, tmp_path, capsys):
@@ -232,7 +197,7 @@ def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained,
     names = {t.name for t in reader.tensors}
     assert {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b", "output.weight.lora_b"} <= names
     tokenizer = load_trained(trained, "cpu")[1]
-    _same(model, tokenizer, base_gguf, F32_TOLERANCE, lora=adapter)
+    same_as_ours(model, tokenizer, base_gguf, F32_TOLERANCE, lora=adapter)
     with LlamaCpp(base_gguf, n_ctx=model.spec.max_seq_len) as runtime:  # the base alone computes another model
         ids = tokenizer.encode(PROMPTS[0])
         theirs = torch.from_numpy(runtime.logits(ids)[-1])
@@ -268,4 +233,4 @@ def test_a_spec_exports_untrained_and_runs_alike(trained, tmp_path, capsys):
 
     torch.manual_seed(3)  # the weights --init --seed 3 drew
     model = build_model(load_spec(path)).eval()
-    _same(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
+    same_as_ours(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)

@@ -319,7 +319,7 @@ def _neox_refuse(config: Mapping) -> str | None:
 
 
 _GPT2_KEYS = frozenset(
-    {"vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "activation_function",
+    {"vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_ctx", "n_inner", "activation_function",
      "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings",
      "embd_pdrop", "attn_pdrop", "resid_pdrop"}
 )  # fmt: skip

@@ -93,6 +93,8 @@ class GPT2(Family):
             "n_layer": stack.n_layers,
             "n_head": attn.n_heads,
             "n_positions": spec.position.max_positions or spec.max_seq_len,
+            # the older name of n_positions, which llama.cpp's converter reads
+            "n_ctx": spec.position.max_positions or spec.max_seq_len,
             "n_inner": stack.ffn.resolved_hidden_dim(spec.d_model) if stack.ffn.type == "mlp" else None,
             "activation_function": activation_to_hf(getattr(stack.ffn, "activation", "gelu"), "gelu_new"),
             "layer_norm_epsilon": stack.norm.eps,

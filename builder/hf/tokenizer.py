@@ -20,7 +20,8 @@ extra-whitespace removal, whitespace escaping, dummy prefix), BPE merges ranked 
 (sentencepiece merges the best-scored pair first, the leftmost of equals), unigram pieces with
 their scores, byte fallback, user-defined pieces kept whole and control pieces as special
 tokens. :func:`write_tokenizer` writes ``tokenizer.json``, ``tokenizer_config.json`` and
-``special_tokens_map.json`` so ``AutoTokenizer.from_pretrained`` loads it; :func:`read_tokenizer`
+``special_tokens_map.json`` so ``AutoTokenizer.from_pretrained`` loads it (and a sentencepiece
+model's ``tokenizer.model``, which llama.cpp's converter reads); :func:`read_tokenizer`
 reads a folder's tokenizer as a state.
 
 What a client is told (:func:`client_specials`, one place for the tokenizer files, ``config.json``
@@ -58,6 +59,8 @@ _UNIGRAM, _BPE = 1, 2
 SPECIALS = {"unk_token": "unk", "bos_token": "bos", "eos_token": "eos", "pad_token": "pad"}
 #: the files write_tokenizer writes and read_tokenizer reads
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: a sentencepiece model's own file, which write_tokenizer writes beside them
+SENTENCEPIECE_FILE = "tokenizer.model"
 #: a char tokenizer's end-of-text token: ASCII's END OF TEXT control character
 CHAR_EOS = "\x03"
 #: BERT's mask piece, which the encoder recipes' tokenizers hold as a control piece
@@ -256,13 +259,17 @@ def write_tokenizer(
     recipes add: nothing to a language model's text, ``[CLS] ... [SEP]`` around an encoder's, eos
     after an encoder-decoder's source. Special tokens typed in text are read as text
     (``split_special_tokens``, as sentencepiece does), and decoding leaves spaces as they are
-    (``clean_up_tokenization_spaces: false``).
+    (``clean_up_tokenization_spaces: false``). For llama.cpp's ``convert_hf_to_gguf.py``, which
+    reads them: ``add_bos_token``/``add_eos_token`` false where nothing is added, and a
+    sentencepiece model is written as itself too (``tokenizer.model``) with ``add_prefix_space``
+    its ``add_dummy_prefix``.
     """
     # local: the tokenizer libraries load when a tokenizer is converted (builder.hf serves torch-free commands)
     from tokenizers import processors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    kind = state.get("type")
     tokenizer = to_tokenizers(state)
     found = client_specials(state, architecture, start_from_pad)
     specials = {name: text for name, (text, _) in found.items()}
@@ -289,10 +296,17 @@ def write_tokenizer(
         config["model_max_length"] = max_length
     if state.get("chat_template"):  # an imported tokenizer's, carried back
         config["chat_template"] = state["chat_template"]
+    if tokenizer.post_processor is None:  # nothing is put around the text: said, so no runtime adds a BOS
+        config["add_bos_token"] = config["add_eos_token"] = False
+    written = [folder / name for name in FILES]
+    if kind == "sentencepiece":  # the model itself too, for llama.cpp's converter (and slow tokenizers)
+        config["add_prefix_space"] = bool(_proto(state["model_proto"]).normalizer_spec.add_dummy_prefix)
+        written.append(folder / SENTENCEPIECE_FILE)
+        written[-1].write_bytes(bytes(state["model_proto"]))
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
-    return [folder / name for name in FILES]
+    return written
 
 
 def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
@@ -319,7 +333,7 @@ def read_tokenizer(folder: str | Path, only: str | None = None) -> dict | None:
         state = {"type": "tokenizers", "json": text, "specials": specials, "split_special_tokens": split}
         template = chat_template(folder)
         return {**state, "chat_template": template} if template is not None else state
-    path = folder / "tokenizer.model"
+    path = folder / SENTENCEPIECE_FILE
     if path.is_file() or path.is_symlink():
         proto = read_bytes(path, "tokenizer", folder)
         try:

@@ -1,0 +1,83 @@
+"""``builder export-hf`` folders converted by llama.cpp's own ``convert_hf_to_gguf.py`` (vendored in
+llama-cpp-python's sdist, which .ci/llamacpp.sh downloads and builds), run in llama.cpp itself, as a
+user does it: for each family the converter knows, llama.cpp's tokenizer gives our ids for the
+prompts (text in, with whatever BOS the file says to add), its greedy tokens equal ``builder generate
+--temperature 0``'s over 7 prompts x 24 tokens, and its first-step logits agree with ours within
+:data:`F32_TOLERANCE` (``--outtype f32``). The families whose tokenizer the converter refuses are
+refused for the reason the README gives.
+
+    .ci/llamacpp.sh && python -m pytest -m llamacpp -n 0 tests/test_gguf_convert.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf_helpers import FAMILIES, LLAMA, prove, train
+
+from yamlformer.builder.cli import main
+from yamlformer.builder.gguf.llamacpp import NO_SDIST, NOT_BUILT, ConvertError, available, convert, load_overrides
+from yamlformer.builder.gguf.llamacpp import sdist as llamacpp_sdist
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(not available(), reason=NOT_BUILT),
+    pytest.mark.skipif(llamacpp_sdist() is None, reason=NO_SDIST),
+]
+
+#: the largest |logit difference| of a converted f32 file against our model (float32 both sides;
+#: the orders of summation differ; measured up to 2.8e-4 on these models)
+F32_TOLERANCE = 1e-3
+
+#: the families the converter reads our SentencePiece tokenizer for (its classes try tokenizer.model
+#: first): the spec and overrides trained, and export-hf's --family
+CONVERTED = {
+    "llama": (LLAMA, {}, "llama"),
+    # no sliding windows: the converter writes none for mistral, and llama.cpp turns phi3's off
+    "mistral": ("tiny/llama", {}, "mistral"),
+    "mixtral": (*FAMILIES["mixtral"], None),
+    "qwen2": (*FAMILIES["qwen2"], None),
+    "qwen3": (*FAMILIES["qwen3"], None),
+    "gemma2": (*FAMILIES["gemma2"], None),
+    "gemma3_text": (*FAMILIES["gemma3_text"], None),
+    "phi3": ("tiny/phi3", {"decoder": {"attention": {"sliding_window": None}}}, "phi3"),
+}
+#: the families whose converter class reads only a byte-level BPE tokenizer.json, which it
+#: identifies by a hash of its ids on a fixed text, looked up in a table of published models'
+REFUSED = {name: FAMILIES[name] for name in ("gpt2", "olmo2", "qwen3_moe")}
+#: what the converter says for those
+NOT_RECOGNIZED = "BPE pre-tokenizer was not recognized"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("convert-cache")
+
+
+def _export_hf(checkpoint: Path, tmp_path: Path, family: str | None) -> Path:
+    folder = tmp_path / "hf"
+    assert main(["export-hf", str(checkpoint), "-o", str(folder), *(["--family", family] if family else [])]) == 0
+    return folder
+
+
+@pytest.mark.parametrize("family", list(CONVERTED))
+def test_an_export_converts_with_llama_cpps_converter_and_runs_as_ours(family, tmp_path, cache, capsys):
+    from yamlformer.recipes.trained import load_trained
+
+    spec, overrides, chosen = CONVERTED[family]
+    checkpoint = train(tmp_path, cache, spec, overrides)
+    folder = _export_hf(checkpoint, tmp_path, chosen)
+    assert (folder / "tokenizer.model").is_file()  # the converter's classes read the SentencePiece model
+    gguf = convert(folder, tmp_path / "converted.gguf")
+    capsys.readouterr()
+    state = load_trained(checkpoint, "cpu")[2].get("tokenizer")
+    prove(checkpoint, gguf, capsys, F32_TOLERANCE, overrides=load_overrides(gguf, state), add_special=True)
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_a_byte_level_family_is_refused_by_the_converters_tokenizer_hash(family, tmp_path, cache):
+    spec, overrides = REFUSED[family]
+    folder = _export_hf(train(tmp_path, cache, spec, overrides), tmp_path, None)
+    with pytest.raises(ConvertError, match=NOT_RECOGNIZED):
+        convert(folder, tmp_path / "converted.gguf")
