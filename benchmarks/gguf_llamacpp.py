@@ -5,14 +5,19 @@ decode tokens/s of llama.cpp against ``builder generate`` on the same CPU in the
     .ci/llamacpp.sh    # llama.cpp (llama-cpp-python from its sdist), once
     python benchmarks/gguf_llamacpp.py [--families llama gemma2 ...] [--outtypes f32 q8_0]
                                        [--new-tokens 64] [--repeats 5] [--threads N] [--json FILE]
+    python benchmarks/gguf_llamacpp.py --converter [...]   # export-hf + llama.cpp's convert_hf_to_gguf.py
 
 Each family is a tiny model the LM recipe trains 40 steps (sentencepiece BPE, 400 pieces: the
 ``llamacpp`` tests' models, ``tests/gguf_helpers.py``), exported with ``builder export-gguf``.
 Tokens: llama.cpp's tokenizer on the text of 7 prompts against ours. Greedy: 24 tokens after
 each prompt, llama.cpp's argmax loop against ``builder generate --temperature 0``'s decoding
-(``yamlformer.recipes.tasks.lm.streaming.stream``). Logits: the largest |difference| after each
-prompt. Speed: ``--new-tokens`` greedy tokens after the first prompt, wall time of the whole call
-(prefill included), both on ``--threads`` threads, alternating which runs first, median over
+(``yamlformer.recipes.tasks.lm.streaming.stream``). ``--converter``: each family exported with
+``builder export-hf`` and converted by llama.cpp's own ``convert_hf_to_gguf.py`` from
+llama-cpp-python's sdist (``yamlformer.builder.gguf.llamacpp.convert``), loaded with the
+``--override-kv`` that ``load_overrides`` names, its prompts tokenized as llama.cpp's tools do
+(the BOS the file says to add); a refusal is the converter's last line. Logits: the largest
+|difference| after each prompt. Speed: ``--new-tokens`` greedy tokens after the first prompt, wall
+time of the whole call (prefill included), both on ``--threads`` threads, alternating which runs first, median over
 ``--repeats`` after one untimed warm-up each; ours is eager (``builder generate``'s default).
 """
 
@@ -43,15 +48,16 @@ REFUSED = {
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from gguf_helpers import EXPORT_ARGS, FAMILIES, LLAMA, PROMPTS, ours_greedy, ours_logits, train
+    from gguf_helpers import MODELS, PROMPTS, ours_greedy, ours_logits, train
 
     from yamlformer.builder.cli import main as builder
-    from yamlformer.builder.gguf.llamacpp import NOT_BUILT, LlamaCpp, available
+    from yamlformer.builder.gguf.llamacpp import NOT_BUILT, ConvertError, LlamaCpp, available, convert, load_overrides
     from yamlformer.recipes.tasks.lm.streaming import stream
     from yamlformer.recipes.trained import load_trained
 
-    models = {"llama": (LLAMA, {}), **FAMILIES}
+    models = MODELS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--converter", action="store_true", help="export-hf, then llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--families", nargs="+", default=list(models), choices=list(models))
     parser.add_argument("--outtypes", nargs="+", default=["f32", "q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine()}; {args.threads} threads; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family, (spec, extra) in REFUSED.items():
+        for family, (spec, extra) in ({} if args.converter else REFUSED).items():
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 code = builder(["export-gguf", spec, "--init", "-o", f"{tmp}/x.gguf", *extra])
@@ -74,33 +80,39 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(rows[-1]), flush=True)
         cache = Path(tmp) / "cache"
         for family in args.families:
-            spec, overrides = models[family]
+            spec, overrides, export_args = models[family]
             folder = Path(tmp) / family
             folder.mkdir()
             checkpoint = train(folder, cache, spec, overrides)
-            model, tokenizer, _ = load_trained(checkpoint, "cpu")
+            model, tokenizer, meta = load_trained(checkpoint, "cpu")
+            if args.converter:
+                hf = folder / "hf"
+                if builder(["export-hf", str(checkpoint), "-o", str(hf), *export_args]) != 0:
+                    return 1
             for outtype in args.outtypes:
                 out = folder / f"{outtype}.gguf"
-                export = [
-                    "export-gguf",
-                    str(checkpoint),
-                    "-o",
-                    str(out),
-                    "--outtype",
-                    outtype,
-                    *EXPORT_ARGS.get(family, []),
-                ]
-                ok = builder(export) == 0
-                row = {"family": family, "outtype": outtype, "converts": ok}
+                row = {"family": family, "outtype": outtype}
                 rows.append(row)
-                if not ok:
+                if args.converter:
+                    try:
+                        row["converts"] = convert(hf, out, outtype) == out
+                    except ConvertError as exc:
+                        row.update(converts=False, why=str(exc))
+                else:
+                    code = builder(["export-gguf", str(checkpoint), "-o", str(out), "--outtype", outtype, *export_args])
+                    row["converts"] = code == 0
+                if not row["converts"]:
+                    print(_line(row), flush=True)
                     continue
-                with LlamaCpp(out, n_ctx=model.spec.max_seq_len, threads=args.threads) as runtime:
+                overrides = load_overrides(out, meta.get("tokenizer")) if args.converter else None
+                if overrides:
+                    row["overrides"] = overrides
+                with LlamaCpp(out, n_ctx=model.spec.max_seq_len, threads=args.threads, overrides=overrides) as runtime:
                     tokens = greedy = 0
                     worst = 0.0
                     for prompt in PROMPTS:
                         ids = tokenizer.encode(prompt)
-                        tokens += runtime.tokenize(prompt) == ids
+                        tokens += runtime.tokenize(prompt, add_special=args.converter) == ids
                         theirs = torch.from_numpy(runtime.logits(ids)[-1])
                         worst = max(worst, (theirs - ours_logits(model, ids)[: runtime.n_vocab]).abs().max().item())
                         greedy += runtime.greedy(ids, 24) == ours_greedy(model, tokenizer, prompt, 24)

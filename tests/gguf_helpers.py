@@ -134,6 +134,28 @@ FAMILIES = {
 EXPORT_ARGS = {"phi3": ["--family", "phi3"]}
 
 
+#: every model the GGUF tests and benchmarks/gguf_llamacpp.py export (export-gguf, or export-hf for
+#: llama.cpp's own converter): the spec, its overrides and the export's arguments. Mistral without
+#: a window (llama.cpp's llama architecture has none, and the converter writes none for mistral)
+MODELS = {
+    "llama": (LLAMA, {}, []),
+    "mistral": ("tiny/llama", {}, ["--family", "mistral"]),
+    **{name: (spec, overrides, EXPORT_ARGS.get(name, [])) for name, (spec, overrides) in FAMILIES.items()},
+}
+#: what the converter says for a family whose converter class reads only a byte-level BPE
+#: tokenizer.json (``_set_vocab_gpt2``), which it identifies by a hash of its ids on a fixed text
+#: looked up in a table of published models' tokenizers: ours (SentencePiece) is in none
+NOT_RECOGNIZED = "BPE pre-tokenizer was not recognized"
+#: the families the converter refuses with our tokenizer, and what it says (a regex); gpt_neox
+#: stops before, under transformers 5 (its AutoConfig moves ``rotary_pct`` into ``rope_parameters``)
+NOT_CONVERTED = {
+    "gpt2": NOT_RECOGNIZED,
+    "olmo2": NOT_RECOGNIZED,
+    "qwen3_moe": NOT_RECOGNIZED,
+    "gpt_neox": f"KeyError: 'rotary_pct'|{NOT_RECOGNIZED}",
+}
+
+
 def stdlib_text(limit: int) -> str:
     from yamlformer.recipes.data.corpus import read_corpus
     from yamlformer.recipes.recipe.sections import DataSection

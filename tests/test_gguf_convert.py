@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gguf_helpers import FAMILIES, LLAMA, prove, train
+from gguf_helpers import MODELS, NOT_CONVERTED, prove, train
 
 from yamlformer.builder.cli import main
 from yamlformer.builder.gguf.llamacpp import NO_SDIST, NOT_BUILT, ConvertError, available, convert, load_overrides
@@ -30,24 +30,8 @@ pytestmark = [
 #: the orders of summation differ; measured up to 2.8e-4 on these models)
 F32_TOLERANCE = 1e-3
 
-#: the families the converter reads our SentencePiece tokenizer for (its classes try tokenizer.model
-#: first): the spec and overrides trained, and export-hf's --family
-CONVERTED = {
-    "llama": (LLAMA, {}, "llama"),
-    # no sliding windows: the converter writes none for mistral, and llama.cpp turns phi3's off
-    "mistral": ("tiny/llama", {}, "mistral"),
-    "mixtral": (*FAMILIES["mixtral"], None),
-    "qwen2": (*FAMILIES["qwen2"], None),
-    "qwen3": (*FAMILIES["qwen3"], None),
-    "gemma2": (*FAMILIES["gemma2"], None),
-    "gemma3_text": (*FAMILIES["gemma3_text"], None),
-    "phi3": ("tiny/phi3", {"decoder": {"attention": {"sliding_window": None}}}, "phi3"),
-}
-#: the families whose converter class reads only a byte-level BPE tokenizer.json, which it
-#: identifies by a hash of its ids on a fixed text, looked up in a table of published models'
-REFUSED = {name: FAMILIES[name] for name in ("gpt2", "olmo2", "qwen3_moe")}
-#: what the converter says for those
-NOT_RECOGNIZED = "BPE pre-tokenizer was not recognized"
+#: the families the converter reads our SentencePiece tokenizer for (its classes try tokenizer.model first)
+CONVERTED = {name: family for name, family in MODELS.items() if name not in NOT_CONVERTED}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +39,9 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("convert-cache")
 
 
-def _export_hf(checkpoint: Path, tmp_path: Path, family: str | None) -> Path:
+def _export_hf(checkpoint: Path, tmp_path: Path, export_args: list[str]) -> Path:
     folder = tmp_path / "hf"
-    assert main(["export-hf", str(checkpoint), "-o", str(folder), *(["--family", family] if family else [])]) == 0
+    assert main(["export-hf", str(checkpoint), "-o", str(folder), *export_args]) == 0
     return folder
 
 
@@ -65,9 +49,9 @@ def _export_hf(checkpoint: Path, tmp_path: Path, family: str | None) -> Path:
 def test_an_export_converts_with_llama_cpps_converter_and_runs_as_ours(family, tmp_path, cache, capsys):
     from yamlformer.recipes.trained import load_trained
 
-    spec, overrides, chosen = CONVERTED[family]
+    spec, overrides, export_args = CONVERTED[family]
     checkpoint = train(tmp_path, cache, spec, overrides)
-    folder = _export_hf(checkpoint, tmp_path, chosen)
+    folder = _export_hf(checkpoint, tmp_path, export_args)
     assert (folder / "tokenizer.model").is_file()  # the converter's classes read the SentencePiece model
     gguf = convert(folder, tmp_path / "converted.gguf")
     capsys.readouterr()
@@ -75,9 +59,9 @@ def test_an_export_converts_with_llama_cpps_converter_and_runs_as_ours(family, t
     prove(checkpoint, gguf, capsys, F32_TOLERANCE, overrides=load_overrides(gguf, state), add_special=True)
 
 
-@pytest.mark.parametrize("family", list(REFUSED))
-def test_a_byte_level_family_is_refused_by_the_converters_tokenizer_hash(family, tmp_path, cache):
-    spec, overrides = REFUSED[family]
-    folder = _export_hf(train(tmp_path, cache, spec, overrides), tmp_path, None)
-    with pytest.raises(ConvertError, match=NOT_RECOGNIZED):
+@pytest.mark.parametrize("family", list(NOT_CONVERTED))
+def test_a_byte_level_family_is_refused_by_the_converter_for_the_reason_given(family, tmp_path, cache):
+    spec, overrides, export_args = MODELS[family]
+    folder = _export_hf(train(tmp_path, cache, spec, overrides), tmp_path, export_args)
+    with pytest.raises(ConvertError, match=NOT_CONVERTED[family]):
         convert(folder, tmp_path / "converted.gguf")
