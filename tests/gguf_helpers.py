@@ -146,13 +146,17 @@ MODELS = {
 #: tokenizer.json (``_set_vocab_gpt2``), which it identifies by a hash of its ids on a fixed text
 #: looked up in a table of published models' tokenizers: ours (SentencePiece) is in none
 NOT_RECOGNIZED = "BPE pre-tokenizer was not recognized"
-#: the families the converter refuses with our tokenizer, and what it says (a regex); gpt_neox
-#: stops before, under transformers 5 (its AutoConfig moves ``rotary_pct`` into ``rope_parameters``)
+#: the families the converter refuses, and what it says (a regex): gpt_neox stops before the
+#: tokenizer under transformers 5 (its AutoConfig moves ``rotary_pct`` into ``rope_parameters``);
+#: mpt's class is registered under MosaicML's ``MPTForCausalLM``, not transformers' ``MptForCausalLM``
 NOT_CONVERTED = {
     "gpt2": NOT_RECOGNIZED,
     "olmo2": NOT_RECOGNIZED,
     "qwen3_moe": NOT_RECOGNIZED,
+    "deepseek_v2": NOT_RECOGNIZED,
+    "gpt_oss": NOT_RECOGNIZED,
     "gpt_neox": f"KeyError: 'rotary_pct'|{NOT_RECOGNIZED}",
+    "mpt": "Model MptForCausalLM is not supported",
 }
 
 

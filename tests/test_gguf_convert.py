@@ -60,7 +60,7 @@ def test_an_export_converts_with_llama_cpps_converter_and_runs_as_ours(family, t
 
 
 @pytest.mark.parametrize("family", list(NOT_CONVERTED))
-def test_a_byte_level_family_is_refused_by_the_converter_for_the_reason_given(family, tmp_path, cache):
+def test_a_family_the_converter_refuses_is_refused_for_the_reason_given(family, tmp_path, cache):
     spec, overrides, export_args = MODELS[family]
     folder = _export_hf(train(tmp_path, cache, spec, overrides), tmp_path, export_args)
     with pytest.raises(ConvertError, match=NOT_CONVERTED[family]):
