@@ -131,7 +131,7 @@ def test_yarn_runs_in_llama_cpp_as_ours(family, tmp_path, cache, capsys):
 
     fields = gguf_py.GGUFReader(str(gguf)).fields
     assert any(k.endswith("rope.scaling.type") and f.contents() == "yarn" for k, f in fields.items())
-    _prove(checkpoint, gguf, capsys)
+    prove(checkpoint, gguf, capsys, F32_TOLERANCE)
 
 
 def _adapted(tmp_path: Path, adapters: dict | None = None, **fields):
