@@ -264,6 +264,22 @@ def test_phi3_is_written_without_a_window_only_where_the_window_masks_nothing(tm
         assert "blk.0.attn_q.weight" not in shapes and "blk.0.ffn_gate.weight" not in shapes
 
 
+def test_mistral_is_written_as_llama_without_a_window_only_where_the_window_masks_nothing(tmp_path, capsys):
+    """llama.cpp's llama graph (which runs Mistral) has no window: one below max_seq_len (64) is
+    refused, one at least as long masks nothing and is written as llama with no window key."""
+    gguf = pytest.importorskip("gguf")
+    line = _refused(tmp_path, capsys, "tiny/llama", "--init", "--set", "decoder.attention.sliding_window=63")
+    assert "decoder.attention.sliding_window (config sliding_window): 63 < max_seq_len 64" in line, line
+    for window in (64, 1000):
+        out = tmp_path / f"{window}.gguf"
+        args = ["tiny/llama", "--init", "--set", f"decoder.attention.sliding_window={window}"]
+        assert main(["export-gguf", *args, "-o", str(out)]) == 0
+        assert "llama.cpp llama (from Hugging Face mistral)" in capsys.readouterr().out
+        fields = {k: f.contents() for k, f in gguf.GGUFReader(str(out)).fields.items()}
+        assert fields["general.architecture"] == "llama" and fields["llama.context_length"] == 64
+        assert not any("sliding_window" in k for k in fields), fields
+
+
 def _ggml_alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     """ggml's ALiBi slopes, as its soft_max computes them (ggml-cpu/ops.cpp, float32 powf)."""
     import numpy as np

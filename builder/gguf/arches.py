@@ -56,6 +56,26 @@ def field_of(key: str) -> str:
     return f"{FIELDS[key]} (config {key})" if key in FIELDS else f"config {key}"
 
 
+def masks_nothing(span: int | None, context: int) -> bool:
+    """Whether a window (or chunk) of ``span`` keys masks nothing within the context a GGUF
+    declares (``max_position_embeddings``: the spec's ``max_seq_len``): none, or one at least as
+    long (the farthest key is ``context - 1`` back, and in the first chunk)."""
+    return not span or span >= context
+
+
+def window_refusal(config: Mapping, lacks: str) -> str | None:
+    """A sliding window the architecture does not apply (``lacks``: how it says so) refused
+    where it masks something; one that masks nothing (:func:`masks_nothing`) computes the same
+    without it, and is written without it."""
+    window, context = config.get("sliding_window"), config["max_position_embeddings"]
+    if masks_nothing(window, context):
+        return None
+    return (
+        f"{field_of('sliding_window')}: {window} < max_seq_len {context}; llama.cpp's {lacks}: it would "
+        "attend over the whole context (a window >= max_seq_len is written)"
+    )
+
+
 @dataclass
 class Arch:
     """How one Hugging Face family is written as one llama.cpp architecture."""
@@ -182,11 +202,9 @@ def _llama_refuse(config: Mapping, llama3: bool = False) -> str | None:
         return f"{field_of('rope_scaling')}: {kind!r} RoPE scaling is not written for this architecture ({only} only)"
     if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
         return f"{field_of('rope_scaling')}: llama3 with equal frequency factors (no smoothed band) is not written"
-    if config.get("sliding_window"):
-        return (
-            f"{field_of('sliding_window')}: {config['sliding_window']}; llama.cpp's llama architecture "
-            "(which runs Mistral) has no sliding-window key: it would attend over the whole context"
-        )
+    why = window_refusal(config, "llama architecture (which runs Mistral) has no sliding-window key")
+    if why:
+        return why
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if head_dim % 2:
         return f"{field_of('head_dim')}: {head_dim} is odd; RoPE needs pairs"

@@ -12,23 +12,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from yamlformer.builder.gguf import arches
-from yamlformer.builder.gguf.arches import _LLAMA_KEYS, Arch, Refused, _common, _llama_refuse, field_of
+from yamlformer.builder.gguf.arches import (
+    _LLAMA_KEYS,
+    Arch,
+    Refused,
+    _common,
+    _llama_refuse,
+    field_of,
+    window_refusal,
+)
 
 # --- Phi-3 ---------------------------------------------------------------------------------
 
 
 def _phi3_refuse(config: Mapping) -> str | None:
     """llama.cpp's phi3 disables sliding windows (``src/models/phi3.cpp``: "Phi SWA is currently
-    disabled") and attends over the whole context. A window at least the context it declares
-    (``max_position_embeddings``: the spec's ``max_seq_len``) masks nothing there (the farthest
-    key is ``max_seq_len - 1`` back), so it computes the same and is written without a window;
-    a shorter one would not be, and is refused."""
-    window, context = config.get("sliding_window"), config["max_position_embeddings"]
-    if window and window < context:
-        return (
-            f"{field_of('sliding_window')}: {window} < max_seq_len {context}; llama.cpp's phi3 disables "
-            "sliding windows: it would attend over the whole context (a window >= max_seq_len is written)"
-        )
+    disabled") and attends over the whole context: a window is written only where it masks
+    nothing (:func:`~yamlformer.builder.gguf.arches.window_refusal`)."""
+    why = window_refusal(config, "phi3 disables sliding windows")
+    if why:
+        return why
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if head_dim * config["num_attention_heads"] != config["hidden_size"]:
         return (
