@@ -109,8 +109,6 @@ LLAMA = {
 #: each family llama.cpp runs, as a zoo spec (and overrides) the LM recipe trains a few dozen steps
 FAMILIES = {
     "qwen2": ("tiny/llama", {"decoder": {"attention": {"qkv_bias": True}}}),
-    # Mistral: a window as long as the context (128), which masks nothing (written without it)
-    "mistral": ("tiny/llama", {"decoder": {"attention": {"sliding_window": 128}}}),
     "qwen3": ("tiny/qwen3", {}),
     "qwen3_moe": ("tiny/qwen3-moe", {}),
     "mixtral": ("tiny/mixtral", {}),

@@ -65,6 +65,15 @@ def test_each_family_runs_in_llama_cpp_as_ours(family, tmp_path, cache, capsys):
     prove(checkpoint, gguf, capsys, F32_TOLERANCE)
 
 
+def test_a_mistral_window_as_long_as_the_context_runs_in_llama_cpp_as_ours(tmp_path, cache, capsys):
+    """A window of 128 over the 128-token context masks nothing: written as llama.cpp's llama
+    (which has no window) without it; a shorter one is refused (tests/test_gguf_export.py)."""
+    checkpoint = train(tmp_path, cache, "tiny/llama", {"decoder": {"attention": {"sliding_window": 128}}})
+    gguf = _export(tmp_path, str(checkpoint))
+    assert "llama.cpp llama (from Hugging Face mistral)" in capsys.readouterr().out
+    prove(checkpoint, gguf, capsys, F32_TOLERANCE)
+
+
 @pytest.mark.parametrize("outtype", list(TOLERANCES))
 def test_rounded_outtypes_run_alike_within_their_tolerance(outtype, trained, tmp_path, capsys):
     gguf = _export(tmp_path, str(trained), "--outtype", outtype)
