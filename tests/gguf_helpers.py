@@ -129,6 +129,31 @@ FAMILIES = {
     ),
     # sinks, biased attention, a window of 8 on even layers, biased experts with the clamped SwiGLU
     "gpt_oss": ("tiny/gpt-oss", {"position": {"scaling": None}}),
+    # chunked RoPE layers with an L2 QK-norm, a NoPE layer with temperature tuning, two of four
+    # sigmoid experts weighting their input plus a shared one on odd layers, dense even layers,
+    # Llama 3's RoPE scaling; chunk and temperature as llama.cpp fixes them (8192), which over
+    # this context mask and scale nothing (both are proven past 8192 in test_gguf_llamacpp.py)
+    "llama4_text": (
+        "tiny/llama4",
+        {
+            "decoder": {
+                "attention": {"chunk_size": 128},
+                "ffn": {"top_k": 2},
+                "overrides": [
+                    {"layers": "0::2", "ffn": {"type": "glu", "activation": "silu", "hidden_dim": 96}},
+                    {
+                        "layers": "3::4",
+                        "attention": {
+                            "rope": False,
+                            "chunk_size": None,
+                            "qk_norm": None,
+                            "temperature_tuning": {"floor_scale": 8192, "scale": 0.1},
+                        },
+                    },
+                ],
+            }
+        },
+    ),
 }
 #: export-gguf's arguments for a family that is not export-hf's first choice for its spec
 EXPORT_ARGS = {"phi3": ["--family", "phi3"]}

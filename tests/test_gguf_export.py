@@ -22,6 +22,12 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
     return lines[0]
 
 
+#: Llama 4's NoPE layer as llama.cpp fixes it, and tiny/llama4's layers with it
+L4_NOPE = "{rope: false, chunk_size: null, qk_norm: null, temperature_tuning: {floor_scale: 8192, scale: 0.1}}"
+L4_LAYERS = f"decoder.overrides=[{{layers: '3::4', attention: {L4_NOPE}}}]"
+L4_DENSE = "{type: glu, activation: silu, hidden_dim: 96}"
+
+
 @pytest.mark.parametrize(
     ("spec", "sets", "field"),
     [
@@ -73,6 +79,38 @@ def _refused(tmp_path: Path, capsys, *args: str) -> str:
             ["position.scaling=null", "decoder.ffn.clamp.limit=5.0"],
             "decoder.ffn.clamp (config swiglu_alpha, swiglu_limit): 1.702, 5.0",
         ),
+        # Llama 4: llama.cpp fixes chunks and the NoPE temperature (8192), NoPE layers (every 4th),
+        # QK norms (unless 128 experts) and experts every n-th layer
+        (
+            "tiny/llama4",
+            [],
+            "decoder.attention.chunk_size (config attention_chunk_size, layer_types): layer 0 chunked by 8",
+        ),
+        (
+            "tiny/llama4",
+            ["decoder.attention.chunk_size=64"],
+            "decoder.overrides attention.temperature_tuning (config floor_scale, attn_scale): 4, 0.1; llama.cpp's",
+        ),
+        (
+            "tiny/llama4",
+            ["decoder.attention.chunk_size=64", f"decoder.overrides=[{{layers: '2::4', attention: {L4_NOPE}}}]"],
+            "decoder.overrides attention.rope (config no_rope_layers): NoPE layers [2]",
+        ),
+        (
+            "tiny/llama4",
+            ["decoder.attention.chunk_size=64", L4_LAYERS, "decoder.ffn.n_experts=128"],
+            "decoder.attention.qk_norm (config use_qk_norm): True with 128 experts",
+        ),
+        (
+            "tiny/llama4",
+            ["decoder.attention.chunk_size=64", L4_LAYERS.replace("[", f"[{{layers: '1', ffn: {L4_DENSE}}}, ", 1)],
+            "decoder.overrides (config moe_layers): experts on layers [0, 2, 3]",
+        ),
+        (
+            "tiny/llama4",
+            ["decoder.attention.chunk_size=64", L4_LAYERS, "decoder.attention.qkv_bias=true"],
+            "decoder.attention.qkv_bias (config attention_bias)",
+        ),
     ],
 )
 def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, field, tmp_path, capsys):
@@ -82,8 +120,8 @@ def test_a_spec_llama_cpp_cannot_run_is_refused_naming_the_field(spec, sets, fie
 
 
 def test_a_family_without_a_proven_architecture_is_refused_with_the_ones_there_are(tmp_path, capsys):
-    line = _refused(tmp_path, capsys, "tiny/llama4", "--init")
-    assert "Hugging Face llama4_text" in line and "llama" in line, line
+    line = _refused(tmp_path, capsys, "tiny/deepseek-v3", "--init", "--set", "head={type: lm}")
+    assert "Hugging Face deepseek_v3" in line and "llama4_text" in line, line
 
 
 def test_the_weights_and_the_output_are_checked_first(tmp_path, capsys):
@@ -278,6 +316,47 @@ def test_mistral_is_written_as_llama_without_a_window_only_where_the_window_mask
         fields = {k: f.contents() for k, f in gguf.GGUFReader(str(out)).fields.items()}
         assert fields["general.architecture"] == "llama" and fields["llama.context_length"] == 64
         assert not any("sliding_window" in k for k in fields), fields
+
+
+def test_llama4_is_written_as_llama_cpps_with_its_experts_split_and_chunks_as_its_pattern(tmp_path, capsys):
+    """Dense even layers, experts every 2nd (interleave step 2), transformers' fused gate_up split
+    into gate and up and transposed, down transposed, q/k unpermuted (both interleave), the
+    chunked layers as llama.cpp's pattern, Llama 3's factors (equal low and high: no band)."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+    import yaml
+
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.hf.writer import hf_tensors
+    from yamlformer.builder.spec.loader import load_spec
+
+    layers = [
+        {"layers": "0::2", "ffn": yaml.safe_load(L4_DENSE)},
+        {"layers": "3::4", "attention": yaml.safe_load(L4_NOPE)},
+    ]
+    spec = {"extends": "tiny/llama4", "name": "l4", "decoder": {"attention": {"chunk_size": 64}, "overrides": layers}}
+    path = tmp_path / "llama4.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", str(path), "--init", "--seed", "2", "-o", str(out)]) == 0
+    assert "llama.cpp llama4 (from Hugging Face llama4_text)" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["llama4.interleave_moe_layer_step"] == 2 and fields["llama4.expert_feed_forward_length"] == 64
+    assert fields["llama4.feed_forward_length"] == 96 and fields["llama4.expert_used_count"] == 1
+    assert fields["llama4.attention.sliding_window_pattern"] == [True, True, True, False]
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    spec = load_spec(path)
+    torch.manual_seed(2)
+    _, _, hf, _ = hf_tensors(spec, build_model(spec))
+    gate_up = hf["model.layers.1.feed_forward.experts.gate_up_proj"]  # (experts, d, 2 * hidden)
+    assert torch.equal(tensors["blk.1.ffn_gate_exps.weight"], gate_up[..., :64].transpose(1, 2))
+    assert torch.equal(tensors["blk.1.ffn_up_exps.weight"], gate_up[..., 64:].transpose(1, 2))
+    down = hf["model.layers.1.feed_forward.experts.down_proj"]
+    assert torch.equal(tensors["blk.1.ffn_down_exps.weight"], down.transpose(1, 2))
+    assert torch.equal(tensors["blk.0.attn_q.weight"], hf["model.layers.0.self_attn.q_proj.weight"])
+    assert "blk.0.ffn_gate.weight" in tensors and "blk.1.ffn_gate_shexp.weight" in tensors
+    assert set(tensors["rope_freqs.weight"].tolist()) <= {1.0, 4.0}
 
 
 def _ggml_alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:

@@ -74,6 +74,44 @@ def test_a_mistral_window_as_long_as_the_context_runs_in_llama_cpp_as_ours(tmp_p
     prove(checkpoint, gguf, capsys, F32_TOLERANCE)
 
 
+def test_llama4_chunks_and_temperature_past_8192_run_in_llama_cpp_as_ours(tmp_path):
+    """Llama 4's chunks and NoPE temperature as llama.cpp fixes them (8192) over 8300 tokens
+    (untrained, token ids in): past the first chunk llama.cpp's logits are ours, and those of
+    the same weights with neither chunks nor temperature are not."""
+    from yamlformer.builder.assemble import build_model
+    from yamlformer.builder.spec.loader import load_spec
+
+    nope = {
+        "rope": False,
+        "chunk_size": None,
+        "qk_norm": None,
+        "temperature_tuning": {"floor_scale": 8192, "scale": 0.1},
+    }
+    stack = {
+        "attention": {"chunk_size": 8192},
+        "ffn": {"top_k": 2},
+        "overrides": [{"layers": "3::4", "attention": nope}],
+    }
+    spec = {"extends": "tiny/llama4", "name": "long-llama4", "max_seq_len": 8320, "decoder": stack}
+    path, plain_path = tmp_path / "spec.yaml", tmp_path / "plain.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    spec["decoder"]["attention"]["chunk_size"] = None
+    spec["decoder"]["overrides"][0]["attention"]["temperature_tuning"] = None
+    plain_path.write_text(yaml.safe_dump(spec))
+    gguf = _export(tmp_path, str(path), "--init", "--seed", "0")
+    torch.manual_seed(0)  # the weights --init --seed 0 drew
+    model = build_model(load_spec(path)).eval()
+    plain = build_model(load_spec(plain_path)).eval()
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 256, (8300,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ours, unchunked = (m(torch.tensor([ids]))[0, 8192:].float() for m in (model, plain))
+    with LlamaCpp(gguf, n_ctx=8320) as runtime:
+        theirs = torch.from_numpy(runtime.logits(ids)[8192:])
+    assert (theirs - ours).abs().max().item() < F32_TOLERANCE
+    assert (unchunked - ours).abs().amax(-1).min().item() > 10 * F32_TOLERANCE  # every position past 8192
+
+
 @pytest.mark.parametrize("outtype", list(TOLERANCES))
 def test_rounded_outtypes_run_alike_within_their_tolerance(outtype, trained, tmp_path, capsys):
     gguf = _export(tmp_path, str(trained), "--outtype", outtype)

@@ -176,10 +176,10 @@ def _llama3_factors(config: Mapping) -> dict:
     factors = []
     for freq in freqs.tolist():
         wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            factors.append(1.0)
-        elif wavelen > old / low:
+        if wavelen > old / low:
             factors.append(factor)
+        elif wavelen < old / high or low == high:  # equal factors: one threshold, no band (Llama 4's)
+            factors.append(1.0)
         else:
             smooth = (old / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
@@ -200,8 +200,6 @@ def _llama_refuse(config: Mapping, llama3: bool = False) -> str | None:
     if scaling and kind not in written:
         only = ", ".join(written)
         return f"{field_of('rope_scaling')}: {kind!r} RoPE scaling is not written for this architecture ({only} only)"
-    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
-        return f"{field_of('rope_scaling')}: llama3 with equal frequency factors (no smoothed band) is not written"
     why = window_refusal(config, "llama architecture (which runs Mistral) has no sliding-window key")
     if why:
         return why

@@ -19,6 +19,7 @@ from yamlformer.builder.gguf.arches import (
     _common,
     _llama_refuse,
     field_of,
+    masks_nothing,
     window_refusal,
 )
 
@@ -369,6 +370,169 @@ GPT_OSS = Arch(
 )
 
 
+# --- Llama 4 -------------------------------------------------------------------------------
+
+#: what llama.cpp's llama4 fixes (``src/models/llama4.cpp``), whatever the file says: chunks of
+#: 8192 tokens, NoPE on every 4th layer, and on those the queries times
+#: ``log(floor((position + 1) / 8192) + 1) * 0.1 + 1``; q and k L2-normed on the RoPE layers
+#: unless the model has 128 experts (its 17B-128E)
+LLAMA4_CHUNK, LLAMA4_NOPE_STEP, LLAMA4_TEMPERATURE, LLAMA4_UNNORMED_EXPERTS = 8192, 4, (8192, 0.1), 128
+
+
+def _llama4_view(config: Mapping) -> dict:
+    """Llama 4's config in the keys the llama helpers read (``rope_theta``, ``rope_scaling``, the
+    dense width as ``intermediate_size``, no window)."""
+    rope = dict(config["rope_parameters"])
+    theta = rope.pop("rope_theta")
+    scaling = None if rope.get("rope_type", "default") == "default" else rope
+    return {**config, "rope_theta": theta, "rope_scaling": scaling, "sliding_window": None,
+            "intermediate_size": config["intermediate_size_mlp"]}  # fmt: skip
+
+
+def _llama4_pattern(config: Mapping) -> list[bool]:
+    """The layers llama.cpp chunks (by its own :data:`LLAMA4_CHUNK`): ours, or all where none
+    is (llama.cpp's chunked graph needs one; within its chunk's length nothing is masked)."""
+    chunked = [kind == "chunked_attention" for kind in config["layer_types"]]
+    return chunked if any(chunked) else [True] * len(chunked)
+
+
+def _llama4_chunk_refuse(config: Mapping) -> str | None:
+    """Each layer's chunk as it masks within the context
+    (:func:`~yamlformer.builder.gguf.arches.masks_nothing`), ours against llama.cpp's."""
+    chunk, context = config["attention_chunk_size"], config["max_position_embeddings"]
+    for i, (kind, theirs) in enumerate(zip(config["layer_types"], _llama4_pattern(config), strict=True)):
+        ours = chunk if kind == "chunked_attention" and not masks_nothing(chunk, context) else None
+        fixed = LLAMA4_CHUNK if theirs and not masks_nothing(LLAMA4_CHUNK, context) else None
+        if ours != fixed:
+            return (
+                f"decoder.attention.chunk_size (config attention_chunk_size, layer_types): layer {i} chunked by "
+                f"{ours or 'none'} over max_seq_len {context}; llama.cpp's llama4 fixes chunks of {LLAMA4_CHUNK} "
+                "(a chunk that masks nothing is written within those)"
+            )
+    return None
+
+
+def _llama4_hparams(writer, config: Mapping, spec) -> None:
+    view = _llama4_view(config)
+    _common(writer, view, spec)
+    moe = config["moe_layers"]
+    writer.add_interleave_moe_layer_step(moe[0] + 1)
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    # llama.cpp chunks by its own 8192 on the pattern's layers (a window of 0 would be MobileLLM's
+    # graph: no chunks, no temperature, NoPE on the last layer only)
+    writer.add_sliding_window(LLAMA4_CHUNK)
+    writer.add_sliding_window_pattern(_llama4_pattern(config))
+
+
+def _llama4_transform(name: str, tensor, config: Mapping):
+    """transformers' fused experts as llama.cpp's (convert_hf_to_gguf's Llama4Model):
+    ``gate_up_proj`` ``(experts, d, 2 * hidden)``, gate columns then up, to ``gate_proj`` and
+    ``up_proj`` ``(experts, hidden, d)``; ``down_proj`` ``(experts, hidden, d)`` transposed. The
+    q/k rows go unchanged: transformers' Llama 4 rotates interleaved pairs, as llama.cpp's."""
+    if name.endswith("experts.gate_up_proj"):
+        gate, up = tensor.transpose(1, 2).split(tensor.shape[-1] // 2, dim=1)
+        stem = name[: -len("gate_up_proj")]
+        return [(stem + "gate_proj.weight", gate.contiguous()), (stem + "up_proj.weight", up.contiguous())]
+    if name.endswith("experts.down_proj"):
+        return [(name + ".weight", tensor.transpose(1, 2).contiguous())]
+    return [(name, tensor)]
+
+
+def _llama4_refuse(config: Mapping) -> str | None:
+    n_layers, moe = config["num_hidden_layers"], config["moe_layers"]
+    if not moe:
+        return "decoder.ffn: no mixture of experts; llama.cpp's llama4 needs one (dense Llama 4 is MobileLLM's graph)"
+    step = moe[0] + 1
+    if moe != list(range(step - 1, n_layers, step)):
+        return (
+            f"decoder.overrides (config moe_layers): experts on layers {moe}; llama.cpp's llama4 puts them on "
+            "every n-th layer (interleave_moe_layer_step)"
+        )
+    fixed = [int((i + 1) % LLAMA4_NOPE_STEP != 0) for i in range(n_layers)]
+    if config["no_rope_layers"] != fixed:
+        nope = [i for i, rope in enumerate(config["no_rope_layers"]) if not rope]
+        return (
+            f"decoder.overrides attention.rope (config no_rope_layers): NoPE layers {nope}; llama.cpp's llama4 "
+            f"fixes NoPE on every {LLAMA4_NOPE_STEP}th layer ({LLAMA4_NOPE_STEP - 1}, {2 * LLAMA4_NOPE_STEP - 1}, ...)"
+        )
+    why = _llama4_chunk_refuse(config) or _llama4_temperature_refuse(config)
+    if why:
+        return why
+    normed = config["num_local_experts"] != LLAMA4_UNNORMED_EXPERTS
+    if bool(config["use_qk_norm"]) != normed:
+        return (
+            f"decoder.attention.qk_norm (config use_qk_norm): {bool(config['use_qk_norm'])} with "
+            f"{config['num_local_experts']} experts; llama.cpp's llama4 L2-norms q and k exactly when the "
+            f"experts are not {LLAMA4_UNNORMED_EXPERTS}"
+        )
+    if config.get("attention_bias"):
+        return "decoder.attention.qkv_bias (config attention_bias): llama.cpp's llama4 reads no attention biases"
+    return _llama_refuse(_llama4_view(config), llama3=True)
+
+
+def _llama4_temperature_refuse(config: Mapping) -> str | None:
+    """llama.cpp's llama4 always tunes its NoPE layers' temperature by its fixed floor and scale;
+    ours is the same if its floor and scale are those, or if both are 1 over the whole context
+    (position + 1 below each floor: no tuning, or a floor past max_seq_len)."""
+    context = config["max_position_embeddings"]
+    if all(config["no_rope_layers"]):
+        return None  # no NoPE layer to tune
+    floor, scale = config["floor_scale"], float(config["attn_scale"])
+    tuned = bool(config["attn_temperature_tuning"])
+    if tuned and (floor, scale) == LLAMA4_TEMPERATURE:
+        return None
+    fixed_floor, fixed_scale = LLAMA4_TEMPERATURE
+    if (not tuned or floor > context or scale == 0) and fixed_floor > context:
+        return None
+    said = f"{floor}, {scale}" if tuned else "none"
+    return (
+        f"decoder.overrides attention.temperature_tuning (config floor_scale, attn_scale): {said}; llama.cpp's "
+        f"llama4 fixes floor_scale {fixed_floor}, scale {fixed_scale} on its NoPE layers"
+    )
+
+
+#: Llama 4's text model: chunked RoPE layers with an L2 QK-norm, NoPE layers with temperature
+#: tuning, top-k sigmoid experts weighting their input plus a shared expert, interleaved with
+#: dense layers, Llama 3's RoPE scaling (``rope_freqs``); as llama.cpp's llama4 runs it, which
+#: fixes most of it (:data:`LLAMA4_CHUNK`): the rest is refused naming the field
+LLAMA4 = Arch(
+    "LLAMA4",
+    frozenset(
+        {
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "hidden_act",
+            "intermediate_size",
+            "intermediate_size_mlp",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_layers",
+            "interleave_moe_layer_step",
+            "no_rope_layers",
+            "attention_chunk_size",
+            "layer_types",
+            "use_qk_norm",
+            "attn_temperature_tuning",
+            "floor_scale",
+            "attn_scale",
+            "attention_bias",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "rope_parameters",
+        }
+    ),  # fmt: skip
+    _llama4_hparams,
+    _llama4_refuse,
+    _llama4_transform,
+    lambda config: arches._llama3_factors(_llama4_view(config)),
+)
+
+
 #: Hugging Face family -> how it is written (each proven by tests/test_gguf_llamacpp.py)
 ARCHES: dict[str, Arch] = {
     **arches.ARCHES,
@@ -376,6 +540,7 @@ ARCHES: dict[str, Arch] = {
     "mpt": MPT,
     "deepseek_v2": DEEPSEEK2,
     "gpt_oss": GPT_OSS,
+    "llama4_text": LLAMA4,
 }
 
 
