@@ -42,7 +42,7 @@ REFUSED = {
     "phi3 (a window below max_seq_len)": ("tiny/phi3", ["--family", "phi3"]),
     "deepseek_v2 (V2's group routing)": ("tiny/deepseek-v2", []),
     "gpt_oss (YaRN's fractional ramp ends)": ("tiny/gpt-oss", []),
-    "llama4": ("tiny/llama4", []),
+    "llama4 (chunks of 8)": ("tiny/llama4", []),
 }
 
 

@@ -254,6 +254,11 @@ LORA = "adapters={type: lora, rank: 2, alpha: 4, targets: all-linear}"
     ("spec", "args", "field"),
     [
         ("tiny/llama", ["--set", LORA.replace("lora,", "dora,")], "adapters.type: dora; llama.cpp applies LoRA"),
+        (
+            "tiny/mixtral",
+            ["--set", LORA],
+            "a GGUF LoRA adapter for llama.cpp's llama is written (and proven) for llama only",
+        ),
         ("tiny/qwen3", ["--set", LORA], "a GGUF LoRA adapter for llama.cpp's qwen3 is written (and proven) for none"),
         ("tiny/llama", [], "--adapters-only: the model has no adapters"),
         ("tiny/llama", ["--set", LORA, "--merge"], "--merge and --adapters-only: give one"),

@@ -214,7 +214,12 @@ def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_p
     same_as_ours(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
 
 
-def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained, tmp_path, capsys):
+#: the bases whose adapters are written alone: the trained llama's layout, and as Qwen 2 (q/k/v biases)
+LORA_BASES = {"llama": {}, "qwen2": {"qkv_bias": True}}
+
+
+@pytest.mark.parametrize("family", list(LORA_BASES))
+def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(family, trained, tmp_path, capsys):
     """--adapters-only (rsLoRA, so alpha is rescaled; every linear layer and an untied head): a GGUF
     LoRA adapter; llama.cpp with the base's GGUF and it computes what our adapted model does, the
     base alone does not."""
@@ -222,7 +227,9 @@ def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained,
     from yamlformer.recipes.trained import load_trained
 
     adapters = {"type": "lora", "rank": 4, "alpha": 8, "rank_scaled": True, "targets": ["decoder", "head"]}
-    path, model = _adapted(tmp_path, adapters, tie_embeddings=False)
+    decoder = copy.deepcopy(LLAMA["decoder"])
+    decoder["attention"].update(LORA_BASES[family])
+    path, model = _adapted(tmp_path, adapters, tie_embeddings=False, decoder=decoder)
     base = yaml.safe_load(path.read_text())
     del base["adapters"]
     (tmp_path / "base").mkdir()
@@ -240,6 +247,7 @@ def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(trained,
     reader = gguf_py.GGUFReader(str(adapter))
     assert reader.fields["general.type"].contents() == "adapter"
     assert reader.fields["adapter.type"].contents() == "lora"
+    assert reader.fields["general.architecture"].contents() == family
     assert reader.fields["adapter.lora.alpha"].contents() == pytest.approx(16.0)  # 8 / sqrt(4) = 16 / 4
     names = {t.name for t in reader.tensors}
     assert {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b", "output.weight.lora_b"} <= names

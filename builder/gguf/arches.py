@@ -419,7 +419,9 @@ LLAMA = Arch(
     _llama3_factors,
     lora=frozenset({"llama"}),
 )
-QWEN2 = Arch("QWEN2", _QWEN_KEYS, _common, _qwen_refuse)
+#: Qwen 2's tensors go unchanged (llama.cpp's qwen2 rotates halves, as transformers' does), so
+#: its adapters do too; the q/k/v biases are the base's (LoRA adapts the matrices only)
+QWEN2 = Arch("QWEN2", _QWEN_KEYS, _common, _qwen_refuse, lora=frozenset({"qwen2"}))
 QWEN3 = Arch("QWEN3", _QWEN_KEYS, _common, _qwen_refuse)
 QWEN3MOE = Arch(
     "QWEN3MOE",
