@@ -259,7 +259,7 @@ LORA = "adapters={type: lora, rank: 2, alpha: 4, targets: all-linear}"
             ["--set", LORA],
             "a GGUF LoRA adapter for llama.cpp's llama is written (and proven) for llama only",
         ),
-        ("tiny/qwen3", ["--set", LORA], "a GGUF LoRA adapter for llama.cpp's qwen3 is written (and proven) for none"),
+        ("tiny/gemma2", ["--set", LORA], "a GGUF LoRA adapter for llama.cpp's gemma2 is written (and proven) for none"),
         ("tiny/llama", [], "--adapters-only: the model has no adapters"),
         ("tiny/llama", ["--set", LORA, "--merge"], "--merge and --adapters-only: give one"),
     ],

@@ -214,8 +214,14 @@ def test_a_model_with_adapters_merges_into_a_gguf_that_runs_alike(trained, tmp_p
     same_as_ours(model, load_trained(trained, "cpu")[1], gguf, F32_TOLERANCE)
 
 
-#: the bases whose adapters are written alone: the trained llama's layout, and as Qwen 2 (q/k/v biases)
-LORA_BASES = {"llama": {}, "qwen2": {"qkv_bias": True}}
+#: the bases whose adapters are written alone (the attention fields on the trained llama's layout)
+#: and the logit tolerance: Qwen 3's q/k norms on these untrained weights amplify rounding, its
+#: --merge file of the same weights differing by as much (measured 1.9e-3 both): not the adapter
+LORA_BASES = {
+    "llama": ({}, F32_TOLERANCE),
+    "qwen2": ({"qkv_bias": True}, F32_TOLERANCE),
+    "qwen3": ({"qk_norm": {"type": "rmsnorm", "over": "head", "eps": 1e-5}}, 5e-3),
+}
 
 
 @pytest.mark.parametrize("family", list(LORA_BASES))
@@ -228,7 +234,8 @@ def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(family, 
 
     adapters = {"type": "lora", "rank": 4, "alpha": 8, "rank_scaled": True, "targets": ["decoder", "head"]}
     decoder = copy.deepcopy(LLAMA["decoder"])
-    decoder["attention"].update(LORA_BASES[family])
+    fields, tolerance = LORA_BASES[family]
+    decoder["attention"].update(fields)
     path, model = _adapted(tmp_path, adapters, tie_embeddings=False, decoder=decoder)
     base = yaml.safe_load(path.read_text())
     del base["adapters"]
@@ -252,7 +259,7 @@ def test_adapters_alone_are_a_gguf_lora_llama_cpp_applies_over_the_base(family, 
     names = {t.name for t in reader.tensors}
     assert {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b", "output.weight.lora_b"} <= names
     tokenizer = load_trained(trained, "cpu")[1]
-    same_as_ours(model, tokenizer, base_gguf, F32_TOLERANCE, lora=adapter)
+    same_as_ours(model, tokenizer, base_gguf, tolerance, lora=adapter)
     with LlamaCpp(base_gguf, n_ctx=model.spec.max_seq_len) as runtime:  # the base alone computes another model
         ids = tokenizer.encode(PROMPTS[0])
         theirs = torch.from_numpy(runtime.logits(ids)[-1])

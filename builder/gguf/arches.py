@@ -419,10 +419,10 @@ LLAMA = Arch(
     _llama3_factors,
     lora=frozenset({"llama"}),
 )
-#: Qwen 2's tensors go unchanged (llama.cpp's qwen2 rotates halves, as transformers' does), so
-#: its adapters do too; the q/k/v biases are the base's (LoRA adapts the matrices only)
+#: Qwen's tensors go unchanged (llama.cpp's qwen graphs rotate halves, as transformers' do), so
+#: their adapters do too; q/k/v biases and q/k norms are the base's (LoRA adapts the matrices only)
 QWEN2 = Arch("QWEN2", _QWEN_KEYS, _common, _qwen_refuse, lora=frozenset({"qwen2"}))
-QWEN3 = Arch("QWEN3", _QWEN_KEYS, _common, _qwen_refuse)
+QWEN3 = Arch("QWEN3", _QWEN_KEYS, _common, _qwen_refuse, lora=frozenset({"qwen3"}))
 QWEN3MOE = Arch(
     "QWEN3MOE",
     _QWEN_KEYS | {"num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
