@@ -180,6 +180,7 @@ NOT_CONVERTED = {
     "qwen3_moe": NOT_RECOGNIZED,
     "deepseek_v2": NOT_RECOGNIZED,
     "gpt_oss": NOT_RECOGNIZED,
+    "llama4_text": NOT_RECOGNIZED,
     "gpt_neox": f"KeyError: 'rotary_pct'|{NOT_RECOGNIZED}",
     "mpt": "Model MptForCausalLM is not supported",
 }
