@@ -1,7 +1,7 @@
 """More GGUF architectures (:class:`~yamlformer.builder.gguf.arches.Arch` entries, as in
 :mod:`.arches`): Phi-3's, MPT's (ALiBi), DeepSeek-V2's (latent attention), GPT-OSS's, the YaRN
-they share, and the table of every family written, :data:`ARCHES`, with :func:`arch_of`. They
-sit here, not in :mod:`.arches`, because they build on its helpers: the table that names them
+they share, Llama 4's, and the table of every family written, :data:`ARCHES`, with
+:func:`arch_of`. They sit here, not in :mod:`.arches`, because they build on its helpers: the table that names them
 all must import both, so it is this module's.
 
 Each entry is proven in llama.cpp by ``tests/test_gguf_llamacpp.py`` like the others.
