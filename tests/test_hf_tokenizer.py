@@ -116,6 +116,27 @@ def test_auto_tokenizer_encodes_as_ours(exported):
     assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~_umask()  # not safetensors' 0600
 
 
+def test_the_folder_says_what_llama_cpps_converter_reads(exported):
+    """convert_hf_to_gguf.py reads a sentencepiece model only from tokenizer.model, whether a BOS
+    or EOS is added from add_bos_token/add_eos_token, and a space put first from add_prefix_space
+    (tests/test_gguf_convert.py runs it): nothing is added to a language model's text, and no space."""
+    from sentencepiece import SentencePieceProcessor
+
+    from yamlformer.recipes.trained import load_trained
+
+    kind, checkpoint, folder = exported
+    _, ours, meta = load_trained(checkpoint, "cpu")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"]) == (False, False)
+    if kind == "char":
+        assert not (folder / "tokenizer.model").exists() and "add_prefix_space" not in config
+        return
+    assert (folder / "tokenizer.model").read_bytes() == bytes(meta["tokenizer"]["model_proto"])
+    model = SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    assert model.encode(VARIED) == ours.encode(VARIED)
+    assert config["add_prefix_space"] is False  # the recipes' sentencepiece puts no dummy prefix
+
+
 def test_an_exported_folder_imports_with_its_tokenizer_and_generates_alike(exported, tmp_path, capsys):
     _, checkpoint, folder = exported
     expected = _ours(checkpoint, capsys)
