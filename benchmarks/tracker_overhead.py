@@ -26,7 +26,8 @@ for that at its start, :class:`Meter`: start-up is not a step's cost):
   its service process (psutil: this process's children but the MLflow server) used meanwhile, as %
   of the same wall time: what the tracker could take from training where it competes for the
   cores (on a machine with a core to spare it takes nothing). The MLflow server's own CPU is not
-  counted: it runs elsewhere in a real setup.
+  counted: it runs elsewhere in a real setup; W&B's service is ended after each W&B run
+  (``wandb.teardown``), so no other run counts it.
 
 Each run's numbers are printed per seed; the table shows the median over seeds, and the wall ms
 per step (the median step) of each configuration for scale. ``csv only`` is the control: nothing
@@ -57,9 +58,9 @@ from step_overhead import REPO, recipe_file  # the benchmark beside this one
 
 #: the shapes and the steps of a run of each by default
 SHAPES = ("tiny", "lm")
-STEPS = {"tiny": 400, "lm": 60}
+STEPS = {"tiny": 2000, "lm": 60}
 #: seconds a run waits at its start for the trackers to send its params and settle (Meter)
-SETTLE_SECONDS = 3.0
+SETTLE_SECONDS = 5.0
 
 
 def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
@@ -240,6 +241,10 @@ def main(argv=None) -> int:
                         folder = Path(tmp) / shape / f"seed{seed}-{n}"
                         path = configured(shape, folder, steps, args.log_every, seed, loggers[name])
                         results[shape, name].append(measured(path, steps, server.pid))
+                        if "wandb" in loggers[name]:  # its service process ends with its run, not in the next
+                            import wandb
+
+                            wandb.teardown()
                         ms, calls, bound, processes = results[shape, name][-1]
                         print(
                             f"{shape} seed {seed} {name}: {ms:.2f} ms/step, in calls {calls:.3f}%,"
